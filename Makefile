@@ -1,0 +1,38 @@
+# Two commands do everything on a fresh machine: `make plans` and `make test`.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: setup plans check-plans test bench clean
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e '.[dev]'
+	touch $(STAMP)
+
+## Compile every reference case into plans/ and print the comparison table.
+plans: $(STAMP)
+	$(PY) -m planner.reference_cases --out plans
+
+## Regenerate plans/ into a scratch folder, fail if anything differs from what is committed, verify each.
+check-plans: $(STAMP)
+	rm -rf .plans-check && mkdir -p .plans-check
+	$(PY) -m planner.reference_cases --out .plans-check --quiet
+	diff -r plans .plans-check
+	$(VENV)/bin/xmesh-plan verify plans/*.plan.json
+	rm -rf .plans-check
+
+test: $(STAMP)
+	$(PY) -m pytest
+	$(MAKE) --no-print-directory check-plans
+
+## Benchmarks: every bench/bench_*.py in turn; figures go to bench/results/ and BENCHMARKS.md.
+bench: $(STAMP)
+	@for f in bench/bench_*.py; do echo "== $$f"; $(PY) $$f || exit 1; done
+
+clean:
+	rm -rf $(VENV) .pytest_cache .hypothesis .plans-check build *.egg-info

@@ -1,0 +1,150 @@
+"""The compiled plan: the contract between planner (writes it) and executor (reads it).
+
+A plan is small frozen records that round-trip through JSON exactly. Operations are listed in
+execution order (predicted start time, then id); every rank replays the ones it takes part in.
+
+Operation kinds, all on boxes in global tensor coordinates:
+- `copy`: a device that holds the box in its source shard copies it into its destination shard.
+- `send`: `src` (a source-mesh device) sends the box to the single device in `dsts`.
+- `broadcast`: `src` sends the box down the chain `dsts` in `chunks` pipelined pieces.
+- `allgather`: every member in `dsts` already holds `parts[i]` in its destination shard; afterwards
+  each holds all of `region` (the union of the parts).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from .geometry import Region
+from .problem import ReshardingProblem
+
+SCHEMA_VERSION = 1
+OpKind = Literal["copy", "send", "broadcast", "allgather"]
+StrategyName = Literal["broadcast", "send_recv", "local_allgather", "global_allgather"]
+_FROZEN = ConfigDict(frozen=True, extra="forbid")
+
+
+def format_region(region: Region) -> str:
+    """`[0:512, 0:1024, 0:512]`, the numpy-style printed form of a box."""
+    return "[" + ", ".join(f"{a}:{b}" for a, b in region) + "]"
+
+
+class Operation(BaseModel):
+    """One communication step; see the module docstring for what each kind means."""
+
+    model_config = _FROZEN
+    id: int
+    task: int = Field(description="unit task this operation belongs to")
+    kind: OpKind
+    src: int | None = Field(None, description="sending device for copy/send/broadcast; None for allgather")
+    dsts: tuple[int, ...] = Field(description="receiving devices; the chain order for a broadcast, the members for an allgather")
+    region: Region
+    parts: tuple[Region, ...] = Field((), description="allgather only: the part each member contributes")
+    chunks: int = Field(1, ge=1, description="pipelined pieces of a broadcast")
+    start_s: float = 0.0
+    end_s: float = 0.0
+
+    def __str__(self) -> str:
+        who = f"d{self.src} -> " if self.src is not None else "among "
+        chunks = f" K={self.chunks}" if self.kind == "broadcast" else ""
+        dsts = ",".join(f"d{d}" for d in self.dsts)
+        return (f"op {self.id:>4} task {self.task:>4} {self.kind:<9} {who}{dsts} {format_region(self.region)}"
+                f"{chunks} @{self.start_s:.6f}-{self.end_s:.6f}s")
+
+
+class UnitTask(BaseModel):
+    """One box of the tensor with the devices that hold it and the devices that need it, and its plan."""
+
+    model_config = _FROZEN
+    id: int
+    region: Region
+    nbytes: int
+    senders: tuple[int, ...] = Field(description="source devices holding the box (candidates)")
+    receivers: tuple[int, ...] = Field(description="destination devices that need the box and do not hold it")
+    merged_cells: int = Field(1, description="how many cut-point cells were merged into this box")
+    sender: int = Field(description="chosen sending device")
+    sender_host: int
+    receiver_hosts: tuple[int, ...]
+    strategy: StrategyName
+    chunks: int = 1
+    start_s: float = 0.0
+    end_s: float = 0.0
+
+    def __str__(self) -> str:
+        recv = ",".join(f"h{h}" for h in self.receiver_hosts)
+        return (f"task {self.id:>4} {format_region(self.region)} {self.nbytes} B  h{self.sender_host}(d{self.sender}) -> {recv}"
+                f"  {self.strategy} @{self.start_s:.6f}-{self.end_s:.6f}s")
+
+
+class HostOrder(BaseModel):
+    """The order in which one host's NIC side works through its unit tasks."""
+
+    model_config = _FROZEN
+    host: int
+    side: Literal["send", "recv"]
+    tasks: tuple[int, ...]
+
+
+class SolverInfo(BaseModel):
+    """Which scheduler made the order, with its seed and quality; no wall-clock values (plans stay byte-identical)."""
+
+    model_config = _FROZEN
+    name: str
+    seed: int = 0
+    proven_bound_seconds: float | None = None
+    details: dict[str, str] = Field(default_factory=dict)
+
+
+class Plan(BaseModel):
+    """A compiled, verifiable resharding plan."""
+
+    model_config = _FROZEN
+    schema_version: Literal[1] = SCHEMA_VERSION
+    generator: str
+    problem: ReshardingProblem
+    strategy: str = Field(description="strategy requested at compile time ('auto' picks per task)")
+    solver: SolverInfo
+    merged_slices: bool = Field(description="adjacent cells with identical senders and receivers were merged into one task")
+    tasks: tuple[UnitTask, ...]
+    operations: tuple[Operation, ...]
+    host_order: tuple[HostOrder, ...]
+    predicted_seconds: float
+    lower_bound_seconds: float
+
+    @property
+    def efficiency(self) -> float:
+        """Lower bound over predicted time: 1.0 means the plan reaches the physical limit."""
+        if self.predicted_seconds <= 0:
+            return 1.0
+        return self.lower_bound_seconds / self.predicted_seconds
+
+    def to_json(self) -> str:
+        """Deterministic JSON text (sorted keys, fixed indentation, trailing newline)."""
+        return json.dumps(self.model_dump(mode="json"), indent=1, sort_keys=True) + "\n"
+
+    @classmethod
+    def from_json(cls, text: str) -> "Plan":
+        return cls.model_validate_json(text)
+
+
+def load_plan(path: str | os.PathLike) -> Plan:
+    return Plan.from_json(Path(path).read_text())
+
+
+def write_text_atomic(path: str | os.PathLike, text: str) -> None:
+    """Write through a temporary file in the same folder and rename, so a failure leaves no partial file."""
+    path = Path(path)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent or ".")
+    try:
+        with os.fdopen(fd, "w") as handle:
+            handle.write(text)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise

@@ -1,0 +1,148 @@
+"""The resharding problem: tensor, source and destination (mesh, spec), and the cluster they run on."""
+
+from __future__ import annotations
+
+import math
+from itertools import product
+from typing import Annotated
+
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, PlainSerializer, WithJsonSchema, field_validator, model_validator
+
+from .dtypes import DTYPE_SIZES, canonical_dtype, check_dtype
+from .geometry import Layout, Region
+from .spec import ShardingSpec, SpecError
+
+Spec = Annotated[
+    ShardingSpec,
+    BeforeValidator(lambda v: v if isinstance(v, ShardingSpec) else ShardingSpec.parse(v)),
+    PlainSerializer(str, return_type=str),
+    WithJsonSchema({"type": "string", "examples": ["S0 R R", "R S01 R"], "description": "R or S<mesh axes> per tensor dim"}),
+]
+
+_FROZEN = ConfigDict(frozen=True, extra="forbid")
+
+
+class Nic(BaseModel):
+    """One network interface of a host; full duplex, so send and receive are separate."""
+
+    model_config = _FROZEN
+    send_gbps: float = Field(10.0, gt=0, description="send bandwidth, Gbit/s")
+    recv_gbps: float = Field(10.0, gt=0, description="receive bandwidth, Gbit/s")
+
+
+class Cluster(BaseModel):
+    """Hosts of identical shape: devices per host, NICs per host, the intra-host link, per-message latency.
+
+    The default is the paper's: 4 GPUs per host over NVLink, one 10 Gbit/s NIC per host.
+    Device d lives on host d // devices_per_host.
+    """
+
+    model_config = _FROZEN
+    devices_per_host: int = Field(4, ge=1)
+    nics: tuple[Nic, ...] = Field((Nic(),), min_length=1, description="NICs of every host")
+    intra_host_gbps: float = Field(800.0, gt=0, description="device-to-device bandwidth inside a host, Gbit/s")
+    latency_us: float = Field(20.0, ge=0, description="fixed cost of one message, microseconds")
+
+    def host_of(self, device: int) -> int:
+        return device // self.devices_per_host
+
+    @property
+    def send_bytes_per_s(self) -> float:
+        return sum(n.send_gbps for n in self.nics) * 1e9 / 8
+
+    @property
+    def recv_bytes_per_s(self) -> float:
+        return sum(n.recv_gbps for n in self.nics) * 1e9 / 8
+
+    @property
+    def intra_bytes_per_s(self) -> float:
+        return self.intra_host_gbps * 1e9 / 8
+
+    @property
+    def latency_s(self) -> float:
+        return self.latency_us * 1e-6
+
+
+class DeviceMesh(BaseModel):
+    """A logical mesh: its shape and the global device id at each position (row-major)."""
+
+    model_config = _FROZEN
+    shape: tuple[int, ...] = Field(min_length=1)
+    devices: tuple[int, ...]
+
+    @model_validator(mode="after")
+    def _check(self) -> "DeviceMesh":
+        if any(s < 1 for s in self.shape):
+            raise ValueError(f"mesh shape {self.label} has an axis of size < 1; every axis needs at least one device")
+        if len(self.devices) != math.prod(self.shape):
+            raise ValueError(f"mesh {self.label} needs {math.prod(self.shape)} device ids, got {len(self.devices)}")
+        if len(set(self.devices)) != len(self.devices) or min(self.devices) < 0:
+            raise ValueError(f"mesh {self.label} device ids must be distinct and >= 0")
+        return self
+
+    @property
+    def label(self) -> str:
+        return "x".join(map(str, self.shape))
+
+    def coords(self) -> list[tuple[int, ...]]:
+        """Mesh coordinates in the order of `devices`."""
+        return list(product(*(range(s) for s in self.shape)))
+
+    def hosts(self, cluster: Cluster) -> list[int]:
+        return sorted({cluster.host_of(d) for d in self.devices})
+
+
+class Placement(BaseModel):
+    """A tensor's layout on one side: a mesh and a sharding spec."""
+
+    model_config = _FROZEN
+    mesh: DeviceMesh
+    spec: Spec
+
+
+class ReshardingProblem(BaseModel):
+    """Move a tensor of `shape` and `dtype` from (src mesh, spec) to (dst mesh, spec) on `cluster`."""
+
+    model_config = _FROZEN
+    name: str = ""
+    shape: tuple[int, ...] = Field(min_length=1)
+    dtype: str = "float32"
+    src: Placement
+    dst: Placement
+    cluster: Cluster = Cluster()
+
+    @field_validator("dtype", mode="before")
+    @classmethod
+    def _canonical_dtype(cls, value: object) -> object:
+        return canonical_dtype(value) if isinstance(value, str) else value
+
+    @model_validator(mode="after")
+    def _check(self) -> "ReshardingProblem":
+        if any(n < 0 for n in self.shape):
+            raise ValueError(f"shape {self.shape} has a negative dim; give non-negative lengths")
+        check_dtype(self.dtype)
+        for side in ("src", "dst"):
+            placement: Placement = getattr(self, side)
+            try:
+                placement.spec.check_fits(len(self.shape), placement.mesh.shape, field=f"{side}.spec")
+            except SpecError as err:
+                raise ValueError(str(err)) from None
+        return self
+
+    @property
+    def itemsize(self) -> int:
+        return DTYPE_SIZES[self.dtype]
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * self.itemsize
+
+    def layout(self, side: str) -> Layout:
+        placement: Placement = getattr(self, side)
+        return Layout(tuple(self.shape), tuple(placement.mesh.shape), placement.spec)
+
+    def blocks(self, side: str) -> dict[int, Region]:
+        """Device id -> the box it holds on that side."""
+        placement: Placement = getattr(self, side)
+        layout = self.layout(side)
+        return {d: layout.block(c) for d, c in zip(placement.mesh.devices, placement.mesh.coords())}
