@@ -87,7 +87,7 @@ class HostOrder(BaseModel):
 
     model_config = _FROZEN
     host: int
-    side: Literal["send", "recv"]
+    side: str = Field(description="NIC side: send or recv (send:N / recv:N for NIC N of several)")
     tasks: tuple[int, ...]
 
 

@@ -1,0 +1,49 @@
+"""The physical lower bound of a resharding: what the busiest NIC must move, over its bandwidth.
+
+Three bounds, the largest wins: each destination host must receive every byte it needs but holds on
+none of its devices; each source host must send every byte that only it holds and some other host
+needs; and all source hosts together must send every byte needed across hosts at least once.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from schemas import Cluster
+
+from .unit_tasks import Cell
+
+
+@dataclass(frozen=True, slots=True)
+class LowerBound:
+    """The bound in seconds and which NIC side sets it, e.g. `0.2147s (host 2 receive)`."""
+
+    seconds: float
+    reason: str
+
+    def __str__(self) -> str:
+        return f"{self.seconds:.6f}s ({self.reason})"
+
+
+def lower_bound(cells: list[Cell], cluster: Cluster, itemsize: int) -> LowerBound:
+    recv: dict[int, int] = {}
+    sole_send: dict[int, int] = {}
+    total_send, source_hosts = 0, set()
+    for cell in cells:
+        nbytes = cell.nbytes(itemsize)
+        sender_hosts = {cluster.host_of(d) for d in cell.senders}
+        source_hosts |= sender_hosts
+        needy = {cluster.host_of(d) for d in cell.receivers} - sender_hosts
+        for host in needy:
+            recv[host] = recv.get(host, 0) + nbytes
+        if needy:
+            total_send += nbytes
+            if len(sender_hosts) == 1:
+                (only,) = sender_hosts
+                sole_send[only] = sole_send.get(only, 0) + nbytes
+    candidates = [LowerBound(0.0, "nothing crosses hosts")]
+    candidates += [LowerBound(b / cluster.recv_bytes_per_s, f"host {h} receive") for h, b in recv.items()]
+    candidates += [LowerBound(b / cluster.send_bytes_per_s, f"host {h} send") for h, b in sole_send.items()]
+    if source_hosts:
+        candidates.append(LowerBound(total_send / (cluster.send_bytes_per_s * len(source_hosts)), "all source hosts send"))
+    return max(candidates, key=lambda c: (c.seconds, c.reason))

@@ -1,0 +1,111 @@
+"""problem -> unit tasks -> strategy per sender option -> schedule -> plan: the planner's one entry point."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from schemas import HostOrder, Operation, Plan, ReshardingProblem, SolverInfo, UnitTask
+
+from . import __version__
+from .bounds import lower_bound
+from .scheduling import Option, Schedule, SchedulingTask, solve
+from .strategies import STRATEGIES, PlannedOp, StrategyResult, TaskContext, get_strategy
+from .unit_tasks import Cell, decompose
+
+DIGITS = 12  # times are rounded to picoseconds so plans print and compare stably
+
+
+@dataclass(frozen=True, slots=True)
+class TaskOptions:
+    """A cell with its receivers, and for each candidate sender host the best strategy from there."""
+
+    cell: Cell
+    results: tuple[tuple[str, StrategyResult], ...]
+    scheduling: SchedulingTask
+
+
+def _sender_per_host(cell: Cell, problem: ReshardingProblem) -> dict[int, int]:
+    """The lowest-numbered holding device on each candidate host."""
+    out: dict[int, int] = {}
+    for d in sorted(cell.senders):
+        out.setdefault(problem.cluster.host_of(d), d)
+    return out
+
+
+def _best_strategy(ctx: TaskContext, strategy: str) -> tuple[str, StrategyResult]:
+    names = list(STRATEGIES) if strategy == "auto" else [strategy]
+    results = [(name, get_strategy(name)(ctx)) for name in names]
+    return min(results, key=lambda item: (item[1].duration_s, names.index(item[0])))
+
+
+def task_options(problem: ReshardingProblem, cells: list[Cell], strategy: str) -> list[TaskOptions]:
+    """Every cell that crosses devices, with one scheduling option per candidate sender host."""
+    if strategy != "auto":
+        get_strategy(strategy)
+    out = []
+    for cell in cells:
+        if not cell.receivers:
+            continue
+        if not cell.senders:
+            raise ValueError(f"no source device holds {cell.region}; the source spec must cover the whole tensor")
+        results, options = [], []
+        for host, device in sorted(_sender_per_host(cell, problem).items()):
+            ctx = TaskContext(cell.region, cell.nbytes(problem.itemsize), device, cell.receivers, problem.cluster, problem.itemsize)
+            name, result = _best_strategy(ctx, strategy)
+            results.append((name, result))
+            options.append(Option(host, device, result.duration_s, result.resources))
+        out.append(TaskOptions(cell, tuple(results), SchedulingTask(len(out), tuple(options))))
+    return out
+
+
+def _copy_ops(cell: Cell, task_id: int, problem: ReshardingProblem) -> list[tuple[float, PlannedOp]]:
+    seconds = cell.nbytes(problem.itemsize) / problem.cluster.intra_bytes_per_s
+    return [(0.0, PlannedOp("copy", d, (d,), cell.region, duration_s=seconds)) for d in cell.local_copies]
+
+
+def assemble(problem: ReshardingProblem, cells: list[Cell], options: list[TaskOptions], schedule: Schedule,
+             strategy: str, seed: int, merged: bool) -> Plan:
+    """Number tasks and operations, time them from the schedule, and build the plan record."""
+    tasks, timed_ops, per_resource = [], [], {}
+    for item in options:
+        t = item.scheduling
+        option = t.options[schedule.choice[t.id]]
+        name, result = item.results[schedule.choice[t.id]]
+        start = schedule.start_s[t.id]
+        tasks.append(UnitTask(
+            id=t.id, region=item.cell.region, nbytes=item.cell.nbytes(problem.itemsize), senders=item.cell.senders,
+            receivers=item.cell.receivers, merged_cells=item.cell.merged_cells, sender=option.sender,
+            sender_host=option.sender_host,
+            receiver_hosts=tuple(sorted({problem.cluster.host_of(d) for d in item.cell.receivers})),
+            strategy=name, chunks=result.chunks, start_s=round(start, DIGITS), end_s=round(start + option.duration_s, DIGITS)))
+        timed_ops += [(start + op.offset_s, t.id, op) for op in result.ops]
+        timed_ops += [(at, t.id, op) for at, op in _copy_ops(item.cell, t.id, problem)]
+        for host, side in option.resources:
+            if side != "intra":
+                per_resource.setdefault((host, side), []).append((start, t.id))
+    copy_only = [c for c in cells if not c.receivers and c.local_copies]
+    for cell in copy_only:
+        timed_ops += [(at, -1, op) for at, op in _copy_ops(cell, -1, problem)]
+    timed_ops.sort(key=lambda item: (item[0], item[1] if item[1] >= 0 else len(tasks), item[2].kind, item[2].src or 0, item[2].dsts))
+    operations = tuple(
+        Operation(id=i, task=task, kind=op.kind, src=op.src, dsts=op.dsts, region=op.region, parts=op.parts,
+                  chunks=op.chunks, start_s=round(at, DIGITS), end_s=round(at + op.duration_s, DIGITS))
+        for i, (at, task, op) in enumerate(timed_ops))
+    host_order = tuple(HostOrder(host=h, side=s, tasks=tuple(t for _, t in sorted(v))) for (h, s), v in sorted(per_resource.items()))
+    bound = lower_bound(cells, problem.cluster, problem.itemsize)
+    predicted = max((op.end_s for op in operations), default=0.0)
+    details = dict(sorted(schedule.details.items())) | {"lower_bound_reason": bound.reason}
+    return Plan(
+        generator=f"xmesh-plan {__version__}", problem=problem, strategy=strategy,
+        solver=SolverInfo(name=schedule.solver, seed=seed, proven_bound_seconds=schedule.proven_bound_s, details=details),
+        merged_slices=merged, tasks=tuple(tasks), operations=operations, host_order=host_order,
+        predicted_seconds=round(predicted, DIGITS), lower_bound_seconds=round(bound.seconds, DIGITS))
+
+
+def compile_plan(problem: ReshardingProblem, strategy: str = "broadcast", solver: str = "greedy", seed: int = 0,
+                 time_limit_s: float = 1.0, merge: bool = True) -> Plan:
+    """Compile a plan; same inputs give a byte-identical plan."""
+    cells = decompose(problem, merge=merge)
+    options = task_options(problem, cells, strategy)
+    schedule = solve([o.scheduling for o in options], solver, seed=seed, time_limit_s=time_limit_s)
+    return assemble(problem, cells, options, schedule, strategy, seed, merge)

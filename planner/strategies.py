@@ -1,0 +1,183 @@
+"""Strategies for one unit task: the concrete operations each emits and its predicted duration.
+
+Times follow the paper's model made concrete with the cluster: a message of b bytes over a link
+costs `latency + b / bandwidth`; cross-host links use the NIC bandwidth, links inside a host the
+intra-host bandwidth. A pipelined broadcast of K chunks down a chain of hops with per-chunk times c_h
+takes `sum(c_h) + (K - 1) * max(c_h)`, which is the paper's `t + A*t/K` shape with latency added,
+so K has an optimum.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+import numpy as np
+
+from schemas import Cluster
+from schemas.geometry import Region, split_region
+
+from .scheduling import Resource
+
+MAX_CHUNKS = 1024
+MIN_CHUNK_BYTES = 4096
+
+
+@dataclass(frozen=True, slots=True)
+class PlannedOp:
+    """An operation before numbering: kind, devices, box, and its time offsets inside the task."""
+
+    kind: str
+    src: int | None
+    dsts: tuple[int, ...]
+    region: Region
+    parts: tuple[Region, ...] = ()
+    chunks: int = 1
+    offset_s: float = 0.0
+    duration_s: float = 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class StrategyResult:
+    """What a strategy does for one task from one sender: its operations, duration, resources held."""
+
+    ops: tuple[PlannedOp, ...]
+    duration_s: float
+    resources: frozenset[Resource]
+    chunks: int = 1
+
+
+@dataclass(frozen=True, slots=True)
+class TaskContext:
+    """Inputs a strategy needs: the box, its bytes, the chosen sender, the receivers, the cluster."""
+
+    region: Region
+    nbytes: int
+    sender: int
+    receivers: tuple[int, ...]
+    cluster: Cluster
+    itemsize: int = field(default=1)
+
+    def host(self, device: int) -> int:
+        return self.cluster.host_of(device)
+
+    def receivers_by_host(self) -> dict[int, tuple[int, ...]]:
+        """Receiver devices grouped by host; the sender's own host first, then by host id."""
+        groups: dict[int, list[int]] = {}
+        for d in sorted(self.receivers):
+            groups.setdefault(self.host(d), []).append(d)
+        order = sorted(groups, key=lambda h: (h != self.host(self.sender), h))
+        return {h: tuple(groups[h]) for h in order}
+
+    def message_s(self, nbytes: float, cross_host: bool) -> float:
+        bandwidth = min(self.cluster.send_bytes_per_s, self.cluster.recv_bytes_per_s) if cross_host else self.cluster.intra_bytes_per_s
+        return self.cluster.latency_s + nbytes / bandwidth
+
+
+def _resources(ctx: TaskContext, forwarding_hosts: set[int]) -> frozenset[Resource]:
+    """NIC sides the task holds: the sender's send side, each remote receiver host's receive side,
+    the send side of hosts that forward to another host, and the intra link of every host involved."""
+    sender_host = ctx.host(ctx.sender)
+    remote = {ctx.host(d) for d in ctx.receivers} - {sender_host}
+    res: set[Resource] = {(h, "recv") for h in remote} | {(h, "send") for h in forwarding_hosts}
+    if remote:
+        res.add((sender_host, "send"))
+    res |= {(h, "intra") for h in {ctx.host(d) for d in ctx.receivers} | {sender_host}}
+    return frozenset(res)
+
+
+def pipelined_seconds(nbytes: int, hop_cross: list[bool], ctx: TaskContext) -> tuple[float, int]:
+    """Best (time, K) for a chunked broadcast down hops (True = cross-host), trying K = 1..MAX_CHUNKS."""
+    if not hop_cross:
+        return 0.0, 1
+    k_max = int(max(1, min(MAX_CHUNKS, nbytes // MIN_CHUNK_BYTES)))
+    ks = np.arange(1, k_max + 1, dtype=np.float64)
+    lat = ctx.cluster.latency_s
+    bw = np.array([min(ctx.cluster.send_bytes_per_s, ctx.cluster.recv_bytes_per_s) if c else ctx.cluster.intra_bytes_per_s for c in hop_cross])
+    per_chunk = lat + (nbytes / ks)[:, None] / bw[None, :]
+    total = per_chunk.sum(axis=1) + (ks - 1) * per_chunk.max(axis=1)
+    best = int(np.argmin(total))
+    return float(total[best]), int(ks[best])
+
+
+def broadcast(ctx: TaskContext) -> StrategyResult:
+    """One chunked broadcast from the sender down a chain: its own host's receivers, then host by host."""
+    chain = [d for group in ctx.receivers_by_host().values() for d in group]
+    hosts = [ctx.host(ctx.sender)] + [ctx.host(d) for d in chain]
+    hop_cross = [a != b for a, b in zip(hosts, hosts[1:])]
+    seconds, chunks = pipelined_seconds(ctx.nbytes, hop_cross, ctx)
+    forwarding = {a for a, b in zip(hosts[1:], hosts[2:]) if a != b}
+    op = PlannedOp("broadcast", ctx.sender, tuple(chain), ctx.region, chunks=chunks, duration_s=seconds)
+    return StrategyResult((op,), seconds, _resources(ctx, forwarding), chunks)
+
+
+def send_recv(ctx: TaskContext) -> StrategyResult:
+    """The sender sends the whole box to every receiver, one after another (Alpa's default)."""
+    ops, clock = [], 0.0
+    for group in ctx.receivers_by_host().values():
+        for d in group:
+            seconds = ctx.message_s(ctx.nbytes, ctx.host(d) != ctx.host(ctx.sender))
+            ops.append(PlannedOp("send", ctx.sender, (d,), ctx.region, offset_s=clock, duration_s=seconds))
+            clock += seconds
+    return StrategyResult(tuple(ops), clock, _resources(ctx, set()))
+
+
+def _scatter_then_gather(ctx: TaskContext, groups: list[tuple[int, ...]]) -> StrategyResult:
+    """Send one part of the box to each member of each group, then all-gather inside every group (ring)."""
+    ops, clock, gathers = [], 0.0, []
+    for members in groups:
+        parts = _pad_parts(tuple(split_region(ctx.region, len(members))), members, ctx.region)
+        for d, part in zip(members, parts):
+            if _size(part):
+                seconds = ctx.message_s(_size(part) * ctx.itemsize, ctx.host(d) != ctx.host(ctx.sender))
+                ops.append(PlannedOp("send", ctx.sender, (d,), part, offset_s=clock, duration_s=seconds))
+                clock += seconds
+        if len(members) > 1:
+            gathers.append((members, parts))
+    end = clock
+    for members, parts in gathers:
+        largest = max(_size(p) for p in parts) * ctx.itemsize
+        seconds = (len(members) - 1) * ctx.message_s(largest, len({ctx.host(d) for d in members}) > 1)
+        ops.append(PlannedOp("allgather", None, members, ctx.region, parts=parts, offset_s=clock, duration_s=seconds))
+        end = max(end, clock + seconds)
+    ring_hosts = [{ctx.host(d) for d in g} for g in groups]
+    forwarding = set().union(*(h for h in ring_hosts if len(h) > 1))
+    return StrategyResult(tuple(ops), end, _resources(ctx, forwarding))
+
+
+def _pad_parts(parts: tuple[Region, ...], members: tuple[int, ...], region: Region) -> tuple[Region, ...]:
+    """Members beyond the number of non-empty parts contribute an empty box at the region's start."""
+    empty = tuple((a, a) for a, _ in region)
+    return parts + (empty,) * (len(members) - len(parts))
+
+
+def _size(region: Region) -> int:
+    out = 1
+    for a, b in region:
+        out *= b - a
+    return out
+
+
+def local_allgather(ctx: TaskContext) -> StrategyResult:
+    """Send 1/B of the box to each of a host's B receivers, then all-gather inside that host."""
+    return _scatter_then_gather(ctx, list(ctx.receivers_by_host().values()))
+
+
+def global_allgather(ctx: TaskContext) -> StrategyResult:
+    """Send 1/N of the box to each of all N receivers, then one all-gather across all of them."""
+    chain = tuple(d for group in ctx.receivers_by_host().values() for d in group)
+    return _scatter_then_gather(ctx, [chain])
+
+
+STRATEGIES: dict[str, Callable[[TaskContext], StrategyResult]] = {
+    "broadcast": broadcast,
+    "send_recv": send_recv,
+    "local_allgather": local_allgather,
+    "global_allgather": global_allgather,
+}
+
+
+def get_strategy(name: str) -> Callable[[TaskContext], StrategyResult]:
+    if name not in STRATEGIES:
+        raise ValueError(f"unknown strategy {name!r}; choose one of: {', '.join(STRATEGIES)}, auto")
+    return STRATEGIES[name]

@@ -1,0 +1,96 @@
+"""Cut a resharding into unit tasks: one box per cell of both specs' shard boundaries (paper appendix A).
+
+Each cell's senders are the source devices whose shard contains it, its receivers the destination
+devices whose shard contains it and that do not already hold it (overlapping meshes); those that do
+hold it only copy locally. Adjacent cells with identical device sets are merged into one box.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from itertools import product
+
+import numpy as np
+
+from schemas import ReshardingProblem
+from schemas.geometry import Region
+
+
+@dataclass(frozen=True, slots=True)
+class Cell:
+    """A box of the tensor with the devices that hold it and the devices that need it."""
+
+    region: Region
+    senders: tuple[int, ...]
+    receivers: tuple[int, ...]
+    local_copies: tuple[int, ...]
+    merged_cells: int = 1
+
+    def nbytes(self, itemsize: int) -> int:
+        return math.prod(b - a for a, b in self.region) * itemsize
+
+    def __str__(self) -> str:
+        box = "[" + ", ".join(f"{a}:{b}" for a, b in self.region) + "]"
+        return f"{box} from {list(self.senders)} to {list(self.receivers)}"
+
+
+def cut_points(problem: ReshardingProblem) -> list[list[int]]:
+    """Per dim, the sorted union of both sides' shard boundaries."""
+    src, dst = problem.layout("src").cut_points(), problem.layout("dst").cut_points()
+    return [sorted(set(a) | set(b)) for a, b in zip(src, dst)]
+
+
+def _owners(problem: ReshardingProblem, side: str) -> dict[tuple[int, ...], tuple[int, ...]]:
+    """Shard number per dim -> the devices holding that shard, sorted."""
+    placement = getattr(problem, side)
+    layout = problem.layout(side)
+    owners: dict[tuple[int, ...], list[int]] = {}
+    for device, coord in zip(placement.mesh.devices, placement.mesh.coords()):
+        owners.setdefault(layout.shard_index(coord), []).append(device)
+    return {k: tuple(sorted(v)) for k, v in owners.items()}
+
+
+def _merge_runs(keys: np.ndarray, axis: int) -> list[tuple[int, int]]:
+    """Runs [i, j) of consecutive indices along `axis` whose key slabs are identical."""
+    runs, begin = [], 0
+    for i in range(1, keys.shape[axis] + 1):
+        if i == keys.shape[axis] or not np.array_equal(keys.take(i, axis), keys.take(begin, axis)):
+            runs.append((begin, i))
+            begin = i
+    return runs
+
+
+def decompose(problem: ReshardingProblem, merge: bool = True) -> list[Cell]:
+    """All non-empty cells of the resharding, in row-major order of their boxes."""
+    cuts = [c for c in cut_points(problem)]
+    if any(len(c) < 2 for c in cuts):  # a zero-length dim: nothing to move
+        return []
+    src_layout, dst_layout = problem.layout("src"), problem.layout("dst")
+    src_owners, dst_owners = _owners(problem, "src"), _owners(problem, "dst")
+    starts = [np.asarray(c[:-1]) for c in cuts]
+    src_idx = [src_layout.shard_of_points(d, s) for d, s in enumerate(starts)]
+    dst_idx = [dst_layout.shard_of_points(d, s) for d, s in enumerate(starts)]
+
+    # One integer per cell naming its (source shard, destination shard) pair, for merging.
+    src_counts = problem.src.spec.shard_counts(problem.src.mesh.shape)
+    dst_counts = problem.dst.spec.shard_counts(problem.dst.mesh.shape)
+    grids = np.meshgrid(*src_idx, indexing="ij") + np.meshgrid(*dst_idx, indexing="ij")
+    keys = np.ravel_multi_index(tuple(grids), tuple(src_counts) + tuple(dst_counts))
+    runs = [_merge_runs(keys, d) if merge else [(i, i + 1) for i in range(keys.shape[d])] for d in range(keys.ndim)]
+
+    cells = []
+    for combo in product(*runs):
+        first = tuple(r[0] for r in combo)
+        region = tuple((cuts[d][r[0]], cuts[d][r[1]]) for d, r in enumerate(combo))
+        senders = src_owners.get(tuple(int(src_idx[d][i]) for d, i in enumerate(first)), ())
+        needers = dst_owners.get(tuple(int(dst_idx[d][i]) for d, i in enumerate(first)), ())
+        holding = set(senders)
+        cells.append(Cell(
+            region=region,
+            senders=senders,
+            receivers=tuple(d for d in needers if d not in holding),
+            local_copies=tuple(d for d in needers if d in holding),
+            merged_cells=math.prod(r[1] - r[0] for r in combo),
+        ))
+    return cells
