@@ -1,0 +1,182 @@
+"""The `xmesh-plan` command line: compile, inspect, verify, schema.
+
+Bad input ends with one line naming the field and the fix, exit code 2, no traceback; a plan that
+fails verification exits 1.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import click
+from pydantic import ValidationError
+
+from schemas import Plan, ReshardingProblem
+from schemas.plan import write_text_atomic
+
+from .compile import compile_plan
+from .inspect_plan import summarize
+from .problem_io import InputError, build_problem, load_problem, user_error_message
+from .strategies import STRATEGIES
+from .verify import PlanError, verify_plan
+
+
+class UserError(click.ClickException):
+    exit_code = 2
+
+    def show(self, file=None) -> None:
+        click.echo(f"error: {self.format_message()}", err=True)
+
+
+class Group(click.Group):
+    """Turns input errors raised anywhere in a command into a one-line message and exit code 2."""
+
+    def invoke(self, ctx: click.Context):
+        try:
+            return super().invoke(ctx)
+        except (click.ClickException, click.exceptions.Exit, click.exceptions.Abort):
+            raise
+        except Exception as err:
+            message = user_error_message(err)
+            if message is None:
+                raise
+            raise UserError(message) from None
+
+
+@click.group(cls=Group, context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(package_name="xmesh-plan")
+def main() -> None:
+    """Plan, verify and inspect cross-mesh resharding.
+
+    \b
+    Example:
+      xmesh-plan compile --shape 1024,1024,512 --dtype int32 --src-mesh 2x4 --src-spec "R S0 R" \\
+                         --dst-mesh 2x4 --dst-spec "S0 R R" -o case3.plan.json
+      xmesh-plan inspect case3.plan.json
+      xmesh-plan verify case3.plan.json
+    """
+
+
+def load_plan_file(path: str) -> Plan:
+    try:
+        text = Path(path).read_text()
+    except OSError as err:
+        raise InputError(f"{path}: cannot read the plan ({err.strerror}); check the path") from None
+    try:
+        raw = json.loads(text)
+    except json.JSONDecodeError as err:
+        raise InputError(f"{path}: not valid JSON ({err}); pass a plan written by `xmesh-plan compile`") from None
+    version = raw.get("schema_version") if isinstance(raw, dict) else None
+    if version != 1:
+        raise InputError(f"{path}: schema_version {version!r} is not supported (this is schema 1); recompile the plan with this xmesh-plan")
+    try:
+        return Plan.model_validate(raw)
+    except ValidationError as err:
+        raise InputError(f"{path}: {user_error_message(err)}") from None
+
+
+def problem_from_flags(problem_file, shape, dtype, src_mesh, src_spec, dst_mesh, dst_spec) -> ReshardingProblem:
+    flags = {"--shape": shape, "--src-mesh": src_mesh, "--src-spec": src_spec, "--dst-mesh": dst_mesh, "--dst-spec": dst_spec}
+    if problem_file:
+        given = [k for k, v in flags.items() if v is not None]
+        if given:
+            raise InputError(f"{given[0]}: give either a PROBLEM file or the flags, not both")
+        return load_problem(problem_file)
+    missing = [k for k, v in flags.items() if v is None]
+    if missing:
+        raise InputError(f"{missing[0]}: missing; pass a PROBLEM file or all of {', '.join(flags)}")
+    return build_problem({"shape": shape, "dtype": dtype, "src": {"mesh": src_mesh, "spec": src_spec},
+                          "dst": {"mesh": dst_mesh, "spec": dst_spec}})
+
+
+@main.command("compile")
+@click.argument("problem_file", required=False, type=click.Path(dir_okay=False))
+@click.option("-o", "--output", type=click.Path(dir_okay=False), help="where to write the plan JSON ('-' for stdout)")
+@click.option("--shape", help="tensor shape, e.g. 1024,1024,512")
+@click.option("--dtype", default="float32", show_default=True, help="element type, e.g. int32, bfloat16, float8_e4m3fn")
+@click.option("--src-mesh", help="source mesh, AxB = A hosts of B devices, e.g. 2x4")
+@click.option("--src-spec", help="source sharding spec, e.g. 'R S0 R'")
+@click.option("--dst-mesh", help="destination mesh, placed on the hosts after the source's")
+@click.option("--dst-spec", help="destination sharding spec, e.g. 'S0 R R'")
+@click.option("--strategy", type=click.Choice(list(STRATEGIES) + ["auto"]), default="broadcast", show_default=True,
+              help="communication strategy per unit task ('auto' picks the fastest per task)")
+@click.option("--solver", default="greedy", show_default=True, help="scheduler that picks sender hosts and orders")
+@click.option("--seed", default=0, show_default=True, help="seed for randomized solvers (recorded in the plan)")
+@click.option("--time-limit", default=1.0, show_default=True, help="solver budget in seconds")
+@click.option("--no-merge", is_flag=True, help="keep every cut-point cell as its own unit task")
+def compile_command(problem_file, output, shape, dtype, src_mesh, src_spec, dst_mesh, dst_spec, strategy, solver, seed, time_limit, no_merge):
+    """Compile a resharding problem into a verified plan.
+
+    \b
+    Examples:
+      xmesh-plan compile plans/case3.problem.json -o case3.plan.json
+      xmesh-plan compile --shape 1024,1024,512 --dtype int32 --src-mesh 2x4 --src-spec "R S0 R" \\
+                         --dst-mesh 2x4 --dst-spec "S0 R R" -o case3.plan.json
+    """
+    problem = problem_from_flags(problem_file, shape, dtype, src_mesh, src_spec, dst_mesh, dst_spec)
+    plan = compile_plan(problem, strategy=strategy, solver=solver, seed=seed, time_limit_s=time_limit, merge=not no_merge)
+    report = verify_plan(plan)
+    if output == "-":
+        sys.stdout.write(plan.to_json())
+        return
+    if output:
+        write_text_atomic(output, plan.to_json())
+    click.echo(f"{output or 'plan'}: {len(plan.tasks)} unit tasks, {len(plan.operations)} operations, "
+               f"predicted {plan.predicted_seconds:.4f} s, lower bound {plan.lower_bound_seconds:.4f} s, "
+               f"efficiency {plan.efficiency:.1%}; verified ({report.operations} operations replayed)")
+
+
+@main.command("inspect")
+@click.argument("plan_file", type=click.Path(dir_okay=False))
+@click.option("--tasks", "show_tasks", is_flag=True, help="list every unit task")
+@click.option("--ops", "show_ops", is_flag=True, help="list every operation, one per line")
+def inspect_command(plan_file, show_tasks, show_ops):
+    """Summarize a plan: tasks, bytes crossing hosts, per-host load, predicted time, lower bound, efficiency.
+
+    \b
+    Example:
+      xmesh-plan inspect plans/case3.plan.json --tasks
+    """
+    click.echo(summarize(load_plan_file(plan_file), show_tasks=show_tasks, show_ops=show_ops))
+
+
+@main.command("verify")
+@click.argument("plan_files", nargs=-1, required=True, type=click.Path(dir_okay=False))
+def verify_command(plan_files):
+    """Prove plans deliver every byte: exit 1 naming the first wrong operation, device and box.
+
+    \b
+    Example:
+      xmesh-plan verify plans/*.plan.json
+    """
+    failed = 0
+    for path in plan_files:
+        plan = load_plan_file(path)
+        try:
+            report = verify_plan(plan)
+        except PlanError as err:
+            failed += 1
+            click.echo(f"{path}: FAILED: {err}")
+            continue
+        click.echo(f"{path}: {report}")
+    if failed:
+        raise click.exceptions.Exit(1)
+
+
+@main.command("schema")
+@click.option("--of", "which", type=click.Choice(["plan", "problem"]), default="plan", show_default=True)
+def schema_command(which):
+    """Print the JSON Schema of a plan or a (fully expanded) problem.
+
+    \b
+    Example:
+      xmesh-plan schema --of plan > plan.schema.json
+    """
+    model = Plan if which == "plan" else ReshardingProblem
+    click.echo(json.dumps(model.model_json_schema(), indent=1, sort_keys=True))
+
+
+if __name__ == "__main__":
+    main()

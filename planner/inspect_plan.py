@@ -1,0 +1,81 @@
+"""A readable summary of a plan: tasks, bytes crossing hosts, per-host NIC load, time against the bound."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from schemas import Plan
+from schemas.geometry import region_size
+
+
+@dataclass
+class HostLoad:
+    """Bytes one host's NIC sends and receives across hosts under a plan."""
+
+    send_bytes: int = 0
+    recv_bytes: int = 0
+
+
+@dataclass
+class PlanLoads:
+    hosts: dict[int, HostLoad] = field(default_factory=dict)
+
+    def add(self, src_host: int, dst_host: int, nbytes: int) -> None:
+        if src_host != dst_host and nbytes:
+            self.hosts.setdefault(src_host, HostLoad()).send_bytes += nbytes
+            self.hosts.setdefault(dst_host, HostLoad()).recv_bytes += nbytes
+
+    @property
+    def cross_host_bytes(self) -> int:
+        return sum(h.recv_bytes for h in self.hosts.values())
+
+
+def plan_loads(plan: Plan) -> PlanLoads:
+    """Cross-host bytes per host: sends, broadcast chain hops, and ring all-gather steps."""
+    cluster, itemsize = plan.problem.cluster, plan.problem.itemsize
+    host = cluster.host_of
+    loads = PlanLoads()
+    for op in plan.operations:
+        nbytes = region_size(op.region) * itemsize
+        if op.kind in ("send", "broadcast"):
+            chain = (op.src,) + op.dsts
+            for a, b in zip(chain, chain[1:]):
+                loads.add(host(a), host(b), nbytes)
+        elif op.kind == "allgather":
+            for i, member in enumerate(op.dsts):  # ring: each member gets all but its own part from its left
+                loads.add(host(op.dsts[i - 1]), host(member), nbytes - region_size(op.parts[i]) * itemsize)
+    return loads
+
+
+def _gib(nbytes: float) -> str:
+    return f"{nbytes / 2**30:.3f} GiB"
+
+
+def summarize(plan: Plan, show_tasks: bool = False, show_ops: bool = False) -> str:
+    p = plan.problem
+    loads = plan_loads(plan)
+    cluster = p.cluster
+    lines = [
+        f"plan {p.name or '(unnamed)'}: schema {plan.schema_version}, {plan.generator}",
+        f"tensor {'x'.join(map(str, p.shape))} {p.dtype} ({_gib(p.nbytes)}): mesh {p.src.mesh.label} [{p.src.spec}] on hosts "
+        f"{','.join(map(str, p.src.mesh.hosts(cluster)))} -> mesh {p.dst.mesh.label} [{p.dst.spec}] on hosts {','.join(map(str, p.dst.mesh.hosts(cluster)))}",
+        f"cluster: {cluster.devices_per_host} devices/host, {len(cluster.nics)} NIC(s) of {cluster.nics[0].send_gbps:g}/{cluster.nics[0].recv_gbps:g} Gbit/s "
+        f"send/recv, intra-host {cluster.intra_host_gbps:g} Gbit/s, latency {cluster.latency_us:g} us",
+        f"strategy {plan.strategy}, solver {plan.solver.name} (seed {plan.solver.seed})",
+        f"unit tasks: {len(plan.tasks)} ({'adjacent identical cells merged' if plan.merged_slices else 'no merging'}), operations: {len(plan.operations)}",
+        f"bytes crossing hosts: {_gib(loads.cross_host_bytes)}",
+        "per-host NIC load:",
+        f"  {'host':>5} {'send':>12} {'recv':>12} {'send time':>10} {'recv time':>10}",
+    ]
+    for h in sorted(loads.hosts):
+        load = loads.hosts[h]
+        lines.append(f"  {h:>5} {_gib(load.send_bytes):>12} {_gib(load.recv_bytes):>12} "
+                     f"{load.send_bytes / cluster.send_bytes_per_s:>9.4f}s {load.recv_bytes / cluster.recv_bytes_per_s:>9.4f}s")
+    reason = plan.solver.details.get("lower_bound_reason", "")
+    lines.append(f"predicted: {plan.predicted_seconds:.4f} s   lower bound: {plan.lower_bound_seconds:.4f} s"
+                 f"{f' ({reason})' if reason else ''}   efficiency (bound/predicted): {plan.efficiency:.1%}")
+    if show_tasks:
+        lines += ["tasks:"] + [f"  {t}" for t in plan.tasks]
+    if show_ops:
+        lines += ["operations:"] + [f"  {op}" for op in plan.operations]
+    return "\n".join(lines)

@@ -1,0 +1,124 @@
+"""Read a resharding problem from a JSON/TOML file or CLI shorthand, placing meshes on hosts.
+
+Mesh shorthand `AxB` is A hosts of B devices each (the paper's (hosts, GPUs per host)); other
+shapes (`8`, `2x2x2`) are packed row-major onto whole hosts. Shorthand meshes take fresh hosts:
+the source from host 0, the destination after it. A file may instead give `devices` explicitly
+or a `first_host`, which is how two meshes share devices or hosts.
+
+>>> parse_shape("1024,1024,512")
+(1024, 1024, 512)
+>>> place_mesh((2, 3), first_host=1, devices_per_host=4).devices
+(4, 5, 6, 8, 9, 10)
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import tomllib
+from pathlib import Path
+from typing import Any
+
+from pydantic import ValidationError
+
+from schemas import Cluster, DeviceMesh, ReshardingProblem
+from schemas.spec import SpecError
+
+
+class InputError(ValueError):
+    """Bad user input; the message is one line naming the field and the fix."""
+
+
+def parse_shape(text: str, field: str = "shape") -> tuple[int, ...]:
+    """`1024,1024,512`, `1024x1024x512` or `(2, 4)` -> a tuple of non-negative ints."""
+    parts = [p for p in re.split(r"[,x\s()\[\]]+", str(text).strip()) if p]
+    if not parts or not all(p.isdigit() for p in parts):
+        raise InputError(f"{field}: {text!r} is not a list of non-negative integers; write e.g. 1024,1024,512 or 2x4")
+    return tuple(int(p) for p in parts)
+
+
+def place_mesh(shape: tuple[int, ...], first_host: int, devices_per_host: int) -> DeviceMesh:
+    """Lay a mesh onto hosts from `first_host` on: (A, B) with B <= devices per host takes A hosts, B devices each."""
+    if len(shape) == 2 and shape[1] <= devices_per_host:
+        devices = [(first_host + a) * devices_per_host + b for a in range(shape[0]) for b in range(shape[1])]
+    else:
+        start = first_host * devices_per_host
+        devices = list(range(start, start + math.prod(shape)))
+    return DeviceMesh(shape=shape, devices=tuple(devices))
+
+
+def hosts_used(mesh: DeviceMesh, devices_per_host: int) -> int:
+    """One past the highest host the mesh touches."""
+    return max(mesh.devices) // devices_per_host + 1
+
+
+def _mesh_from(raw: Any, field: str, first_host: int, devices_per_host: int) -> DeviceMesh:
+    if isinstance(raw, str):
+        return place_mesh(parse_shape(raw, f"{field}.mesh"), first_host, devices_per_host)
+    if isinstance(raw, (list, tuple)):
+        return place_mesh(tuple(raw), first_host, devices_per_host)
+    if not isinstance(raw, dict) or "shape" not in raw:
+        raise InputError(f"{field}.mesh: give a shorthand like \"2x4\" or an object with \"shape\" and optionally \"devices\" or \"first_host\"")
+    unknown = set(raw) - {"shape", "devices", "first_host"}
+    if unknown:
+        raise InputError(f"{field}.mesh: unknown key {sorted(unknown)[0]!r}; use shape, devices or first_host")
+    shape = parse_shape(raw["shape"], f"{field}.mesh.shape") if isinstance(raw["shape"], str) else tuple(raw["shape"])
+    if "devices" in raw:
+        return DeviceMesh(shape=shape, devices=tuple(raw["devices"]))
+    return place_mesh(shape, int(raw.get("first_host", first_host)), devices_per_host)
+
+
+def build_problem(raw: dict[str, Any]) -> ReshardingProblem:
+    """A problem from plain data (a parsed JSON/TOML file), expanding mesh shorthand onto hosts."""
+    if not isinstance(raw, dict):
+        raise InputError("problem: the file must hold one object with shape, dtype, src, dst (and optionally cluster, name)")
+    data = dict(raw)
+    cluster = Cluster.model_validate(data.get("cluster", {}))
+    data["cluster"] = cluster
+    if isinstance(data.get("shape"), str):
+        data["shape"] = parse_shape(data["shape"])
+    next_host = 0
+    for side in ("src", "dst"):
+        placement = data.get(side)
+        if not isinstance(placement, dict) or "mesh" not in placement or "spec" not in placement:
+            raise InputError(f"{side}: give an object with \"mesh\" (e.g. \"2x4\") and \"spec\" (e.g. \"S0 R R\")")
+        mesh = _mesh_from(placement["mesh"], side, next_host, cluster.devices_per_host)
+        data[side] = {**placement, "mesh": mesh}
+        next_host = max(next_host, hosts_used(mesh, cluster.devices_per_host))
+    return ReshardingProblem.model_validate(data)
+
+
+def load_problem(path: str | Path) -> ReshardingProblem:
+    """Read a `.json` or `.toml` problem file; errors name the file and field."""
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except OSError as err:
+        raise InputError(f"{path}: cannot read the problem file ({err.strerror}); check the path") from None
+    try:
+        raw = tomllib.loads(text) if path.suffix == ".toml" else json.loads(text)
+    except (json.JSONDecodeError, tomllib.TOMLDecodeError) as err:
+        raise InputError(f"{path}: not valid {'TOML' if path.suffix == '.toml' else 'JSON'} ({err}); fix the syntax") from None
+    return build_problem(raw)
+
+
+def describe_validation_error(err: ValidationError) -> str:
+    """First error of a pydantic validation as one line: `src.spec: <message>`."""
+    first = err.errors()[0]
+    field = ".".join(str(p) for p in first["loc"]) or "problem"
+    message = first["msg"].removeprefix("Value error, ")
+    if first["type"] == "missing":
+        message = "is required; add it to the problem"
+    elif first["type"] == "extra_forbidden":
+        message = "is not a known field; remove it or check its spelling"
+    return f"{field}: {message}"
+
+
+def user_error_message(err: Exception) -> str | None:
+    """One-line message for errors caused by user input, None for anything else (a bug)."""
+    if isinstance(err, ValidationError):
+        return describe_validation_error(err)
+    if isinstance(err, (InputError, SpecError)):
+        return str(err)
+    return None
