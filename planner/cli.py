@@ -122,7 +122,10 @@ def compile_command(problem_file, output, shape, dtype, src_mesh, src_spec, dst_
         sys.stdout.write(plan.to_json())
         return
     if output:
-        write_text_atomic(output, plan.to_json())
+        try:
+            write_text_atomic(output, plan.to_json())
+        except OSError as err:
+            raise InputError(f"--output: cannot write {output} ({err.strerror}); check that the folder exists and is writable") from None
     click.echo(f"{output or 'plan'}: {len(plan.tasks)} unit tasks, {len(plan.operations)} operations, "
                f"predicted {plan.predicted_seconds:.4f} s, lower bound {plan.lower_bound_seconds:.4f} s, "
                f"efficiency {plan.efficiency:.1%}; verified ({report.operations} operations replayed)")

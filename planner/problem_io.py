@@ -74,7 +74,10 @@ def build_problem(raw: dict[str, Any]) -> ReshardingProblem:
     if not isinstance(raw, dict):
         raise InputError("problem: the file must hold one object with shape, dtype, src, dst (and optionally cluster, name)")
     data = dict(raw)
-    cluster = Cluster.model_validate(data.get("cluster", {}))
+    try:
+        cluster = Cluster.model_validate(data.get("cluster", {}))
+    except ValidationError as err:
+        raise InputError(f"cluster.{describe_validation_error(err)}") from None
     data["cluster"] = cluster
     if isinstance(data.get("shape"), str):
         data["shape"] = parse_shape(data["shape"])
@@ -106,13 +109,13 @@ def load_problem(path: str | Path) -> ReshardingProblem:
 def describe_validation_error(err: ValidationError) -> str:
     """First error of a pydantic validation as one line: `src.spec: <message>`."""
     first = err.errors()[0]
-    field = ".".join(str(p) for p in first["loc"]) or "problem"
+    field = ".".join(str(p) for p in first["loc"])
     message = first["msg"].removeprefix("Value error, ")
     if first["type"] == "missing":
         message = "is required; add it to the problem"
     elif first["type"] == "extra_forbidden":
         message = "is not a known field; remove it or check its spelling"
-    return f"{field}: {message}"
+    return f"{field}: {message}" if field else message
 
 
 def user_error_message(err: Exception) -> str | None:
