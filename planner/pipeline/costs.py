@@ -1,0 +1,49 @@
+"""Predicted time and NIC use of every transfer in a pipeline, from the resharding planner.
+
+Each boundary tensor, in each direction, is one resharding problem; its compiled plan gives the
+predicted seconds and which host NIC sides it keeps busy. The simulator treats those NIC sides
+as resources, so two transfers through the same NIC side do not overlap.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from schemas.pipeline import PipelineProblem, TransferCost
+from schemas.plan import Plan
+from schemas.problem import ReshardingProblem
+
+PlanFn = Callable[[ReshardingProblem], Plan]
+
+
+def nics_of_plan(plan: Plan) -> tuple[str, ...]:
+    """NIC sides the plan's unit tasks use across hosts: `h0:send`, `h1:recv`, sorted."""
+    used = set()
+    for task in plan.tasks:
+        remote = [h for h in task.receiver_hosts if h != task.sender_host]
+        if remote:
+            used.add(f"h{task.sender_host}:send")
+            used.update(f"h{h}:recv" for h in remote)
+    return tuple(sorted(used))
+
+
+def default_plan_fn(strategy: str = "broadcast", solver: str = "greedy", seed: int = 0) -> PlanFn:
+    """compile_plan with fixed arguments (imported here so the schedule code stays planner-agnostic)."""
+    from planner.compile import compile_plan
+
+    return lambda problem: compile_plan(problem, strategy=strategy, solver=solver, seed=seed)
+
+
+def transfer_costs(problem: PipelineProblem, plan_fn: PlanFn | None = None) -> tuple[TransferCost, ...]:
+    """One cost per (tensor, direction), in `problem.transfers()` order."""
+    plan_fn = plan_fn or default_plan_fn()
+    out = []
+    for name, direction in problem.transfers():
+        plan = plan_fn(problem.resharding_problem(name, direction))
+        out.append(TransferCost(tensor=name, direction=direction, seconds=plan.predicted_seconds, nics=nics_of_plan(plan)))
+    return tuple(out)
+
+
+def signal_costs(costs: tuple[TransferCost, ...]) -> tuple[TransferCost, ...]:
+    """The 'signal send/recv' bound: every transfer keeps its dependency but costs nothing."""
+    return tuple(c.model_copy(update={"seconds": 0.0, "nics": ()}) for c in costs)
