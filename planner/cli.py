@@ -181,5 +181,8 @@ def schema_command(which):
     click.echo(json.dumps(model.model_json_schema(), indent=1, sort_keys=True))
 
 
+from .cli_pipeline import register as register_pipeline_commands  # noqa: E402  (pipeline commands, planner/cli_pipeline.py)
+register_pipeline_commands(main)
+
 if __name__ == "__main__":
     main()

@@ -1,0 +1,149 @@
+"""Pipeline commands of `xmesh-plan`: schedule, simulate, compare-schedules.
+
+`register(group)` adds them to the main click group. Bad input ends with one line and exit code 2.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+
+import click
+
+from schemas.plan import write_text_atomic
+
+from .pipeline.build import build_schedule
+from .pipeline.compare import compare, format_table
+from .pipeline.costs import default_plan_fn, signal_costs, transfer_costs
+from .pipeline.io import load_pipeline, load_schedule
+from .pipeline.schedules import SCHEDULE_NAMES
+from .pipeline.simulate import Metrics, evaluate
+from .pipeline.trace import trace_json
+from .problem_io import InputError, parse_shape
+
+
+def _as_input_error(func):
+    """Schedule and action errors come from the user's files: report them as one-line input errors."""
+    @functools.wraps(func)
+    def wrapper(*args, **kwargs):
+        try:
+            return func(*args, **kwargs)
+        except InputError:
+            raise
+        except (ValueError, KeyError) as err:
+            if type(err).__module__.startswith("pydantic"):
+                raise
+            raise InputError(str(err).strip("'\"")) from None
+    return wrapper
+
+
+def _write(path: str, text: str, flag: str) -> None:
+    try:
+        write_text_atomic(path, text)
+    except OSError as err:
+        raise InputError(f"{flag}: cannot write {path} ({err.strerror}); check that the folder exists and is writable") from None
+
+
+def _costs(pipeline, strategy: str, solver: str, seed: int):
+    return transfer_costs(pipeline, default_plan_fn(strategy, solver, seed))
+
+
+def describe(metrics: Metrics) -> str:
+    peak = " ".join(map(str, metrics.peak_in_flight))
+    return (f"iteration {metrics.iteration_s * 1e3:.3f} ms, bubble {metrics.bubble_fraction:.1%}, "
+            f"exposed communication {metrics.exposed_comm_s * 1e3:.3f} ms, peak in-flight micro-batches per stage {peak}")
+
+
+_plan_options = [
+    click.option("--strategy", default="broadcast", show_default=True, help="resharding strategy for every transfer's plan"),
+    click.option("--solver", default="greedy", show_default=True, help="resharding scheduler for every transfer's plan"),
+    click.option("--seed", default=0, show_default=True, help="seed for randomized solvers"),
+]
+
+
+def plan_options(func):
+    for option in reversed(_plan_options):
+        func = option(func)
+    return func
+
+
+@click.command("schedule")
+@click.argument("pipeline_file", type=click.Path(dir_okay=False))
+@click.option("--schedule", "name", type=click.Choice(SCHEDULE_NAMES), default="eager-1f1b", show_default=True)
+@click.option("--no-overlap", is_flag=True, help="every send holds its stage until the transfer ends")
+@click.option("--signal", is_flag=True, help="make every transfer free: the 'signal send/recv' bound")
+@click.option("--weight-delay", help="for -wd schedules: per-stage delays, e.g. 0,1 (default: chosen by the cost model)")
+@click.option("-o", "--output", type=click.Path(dir_okay=False), help="where to write the schedule JSON ('-' for stdout)")
+@plan_options
+@_as_input_error
+def schedule_command(pipeline_file, name, no_overlap, signal, weight_delay, output, strategy, solver, seed):
+    """Plan every transfer of a pipeline and lay out one schedule; validated before it is written.
+
+    \b
+    Example:
+      xmesh-plan schedule plans/pipelines/utrans-2stage.json --schedule eager-1f1b -o schedule.json
+    """
+    pipeline = load_pipeline(pipeline_file)
+    costs = _costs(pipeline, strategy, solver, seed)
+    delays = parse_shape(weight_delay, "--weight-delay") if weight_delay else None
+    schedule = build_schedule(pipeline, name, signal_costs(costs) if signal else costs, not no_overlap, delays)
+    if output == "-":
+        click.echo(schedule.to_json(), nl=False)
+        return
+    if output:
+        _write(output, schedule.to_json(), "--output")
+    delay = f", weight delay {','.join(map(str, schedule.weight_delay))}" if schedule.weight_delay else ""
+    click.echo(f"{output or name}: {name}{delay}; {describe(evaluate(schedule)[1])}")
+
+
+@click.command("simulate")
+@click.argument("schedule_file", type=click.Path(dir_okay=False))
+@click.option("--trace", type=click.Path(dir_okay=False), help="write a Chrome/Perfetto trace JSON here")
+@click.option("--png", type=click.Path(dir_okay=False), help="write a Gantt chart PNG here (needs matplotlib)")
+@click.option("--json", "as_json", is_flag=True, help="print the metrics as JSON")
+@click.option("--show", is_flag=True, help="print each stage's actions, one line per stage")
+@_as_input_error
+def simulate_command(schedule_file, trace, png, as_json, show):
+    """Replay a schedule: iteration time, bubble, exposed communication, peak in-flight activations.
+
+    \b
+    Example:
+      xmesh-plan simulate schedule.json --trace out.json --png out.png
+    """
+    schedule = load_schedule(schedule_file)
+    timeline, metrics = evaluate(schedule)
+    if trace:
+        _write(trace, trace_json(timeline, {"schedule": schedule.schedule, **metrics.as_dict()}), "--trace")
+    if png:
+        from .pipeline.gantt import draw_gantt
+
+        try:
+            draw_gantt(timeline, png, f"{schedule.pipeline.name or 'pipeline'}: {schedule.schedule} — {describe(metrics)}")
+        except RuntimeError as err:
+            raise InputError(f"--png: {err}") from None
+    if show:
+        for line in schedule.stages:
+            click.echo(line)
+    click.echo(json.dumps(metrics.as_dict(), sort_keys=True) if as_json else f"{schedule.schedule}: {describe(metrics)}")
+
+
+@click.command("compare-schedules")
+@click.argument("pipeline_file", type=click.Path(dir_okay=False))
+@plan_options
+@_as_input_error
+def compare_command(pipeline_file, strategy, solver, seed):
+    """Every schedule on one pipeline in one table, against the signal bound (free transfers).
+
+    \b
+    Example:
+      xmesh-plan compare-schedules plans/pipelines/utrans-2stage.json
+    """
+    pipeline = load_pipeline(pipeline_file)
+    click.echo(format_table(compare(pipeline, _costs(pipeline, strategy, solver, seed))))
+
+
+def register(group: click.Group) -> None:
+    """Add the pipeline commands to `group` (the `xmesh-plan` main group)."""
+    for command in (schedule_command, simulate_command, compare_command):
+        group.add_command(command)
+

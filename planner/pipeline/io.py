@@ -1,0 +1,93 @@
+"""Read pipeline problems and saved schedules from files, with one-line errors that name the field.
+
+A stage's `mesh` may be shorthand: `"AxB"` is A hosts of B devices, placed on fresh hosts after the
+previous stage's (stage 0 from host 0). An object `{"shape": [2, 2], "devices": [0, 1, 2, 3]}`
+places it explicitly (e.g. a 2x2 mesh inside one 4-device host).
+"""
+
+from __future__ import annotations
+
+import json
+import tomllib
+from pathlib import Path
+from typing import Any
+
+from pydantic import ValidationError
+
+from planner.problem_io import InputError, describe_validation_error, hosts_used, parse_shape, place_mesh
+from schemas.pipeline import PipelineProblem, PipelineSchedule
+from schemas.problem import Cluster, DeviceMesh
+
+
+def _stage_mesh(raw: Any, field: str, first_host: int, devices_per_host: int) -> DeviceMesh:
+    if isinstance(raw, (str, list, tuple)):
+        shape = parse_shape(raw, field) if isinstance(raw, str) else tuple(raw)
+        return place_mesh(shape, first_host, devices_per_host)
+    if isinstance(raw, dict) and "shape" in raw and set(raw) <= {"shape", "devices"}:
+        shape = parse_shape(raw["shape"], f"{field}.shape") if isinstance(raw["shape"], str) else tuple(raw["shape"])
+        if "devices" in raw:
+            return DeviceMesh(shape=shape, devices=tuple(raw["devices"]))
+        return place_mesh(shape, first_host, devices_per_host)
+    raise InputError(f"{field}: give a shorthand like \"2x2\" or an object with \"shape\" and optionally \"devices\"")
+
+
+def build_pipeline(raw: Any) -> PipelineProblem:
+    """A pipeline problem from plain data, expanding mesh and shape shorthand."""
+    if not isinstance(raw, dict) or not isinstance(raw.get("stages"), list):
+        raise InputError("pipeline: the file must hold one object with stages (a list), tensors and micro_batches")
+    data = dict(raw)
+    try:
+        cluster = Cluster.model_validate(data.get("cluster", {}))
+    except ValidationError as err:
+        raise InputError(f"cluster.{describe_validation_error(err)}") from None
+    data["cluster"], stages, next_host = cluster, [], 0
+    for index, stage in enumerate(data["stages"]):
+        if not isinstance(stage, dict) or "mesh" not in stage:
+            raise InputError(f"stages.{index}: give an object with mesh, forward_s and backward_input_s")
+        mesh = _stage_mesh(stage["mesh"], f"stages.{index}.mesh", next_host, cluster.devices_per_host)
+        next_host = max(next_host, hosts_used(mesh, cluster.devices_per_host))
+        stages.append({**stage, "mesh": mesh})
+    data["stages"] = stages
+    data["tensors"] = [_tensor(t, i) for i, t in enumerate(data.get("tensors", []))]
+    try:
+        return PipelineProblem.model_validate(data)
+    except ValidationError as err:
+        raise InputError(describe_validation_error(err)) from None
+
+
+def _tensor(raw: Any, index: int) -> Any:
+    if isinstance(raw, dict) and isinstance(raw.get("shape"), str):
+        return {**raw, "shape": parse_shape(raw["shape"], f"tensors.{index}.shape")}
+    return raw
+
+
+def _read(path: str | Path, what: str) -> Any:
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except OSError as err:
+        raise InputError(f"{path}: cannot read the {what} ({err.strerror}); check the path") from None
+    try:
+        return tomllib.loads(text) if path.suffix == ".toml" else json.loads(text)
+    except (json.JSONDecodeError, tomllib.TOMLDecodeError) as err:
+        raise InputError(f"{path}: not valid {'TOML' if path.suffix == '.toml' else 'JSON'} ({err}); fix the syntax") from None
+
+
+def load_pipeline(path: str | Path) -> PipelineProblem:
+    """Read a `.json` or `.toml` pipeline file."""
+    try:
+        return build_pipeline(_read(path, "pipeline file"))
+    except InputError as err:
+        raise InputError(f"{path}: {err}") from None
+
+
+def load_schedule(path: str | Path) -> PipelineSchedule:
+    """Read a schedule written by `xmesh-plan schedule`."""
+    raw = _read(path, "schedule")
+    version = raw.get("schema_version") if isinstance(raw, dict) else None
+    if version != 1 or "stages" not in raw:
+        raise InputError(f"{path}: not a schedule of schema_version 1; make one with `xmesh-plan schedule PIPELINE.json -o schedule.json`")
+    try:
+        return PipelineSchedule.model_validate(raw)
+    except ValidationError as err:
+        raise InputError(f"{path}: {describe_validation_error(err)}") from None
