@@ -1,0 +1,12 @@
+"""Replay a compiled resharding plan every iteration: MPI on the CPU, NCCL through CuPy on GPUs.
+
+Imports `schemas` only, never the planner. Entry points: `ReshardingExecutor` and the demo
+`mpiexec -n N python -m executor.run PLAN --check`.
+"""
+
+from .errors import BackendUnavailableError, ExecutorError, PeerTimeoutError, PlanMismatchError
+from .executor import BACKENDS, ReshardingExecutor
+from .ranks import device_of_rank, plan_devices
+
+__all__ = ["BACKENDS", "BackendUnavailableError", "ExecutorError", "PeerTimeoutError", "PlanMismatchError",
+           "ReshardingExecutor", "device_of_rank", "plan_devices"]

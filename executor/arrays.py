@@ -1,0 +1,56 @@
+"""Check and adapt the arrays handed to `run()`: numpy as is, anything with DLPack without a copy.
+
+The plan's dtype names the element kind; numpy lacks bfloat16 and float8, so for those any array
+whose items have the right size is accepted and moved as raw bytes.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from schemas.dtypes import numpy_dtype_name
+
+from .errors import PlanMismatchError
+
+RAW_KINDS = ("bfloat16", "float8")
+
+
+def storage_dtype(dtype_name: str) -> np.dtype:
+    """The numpy dtype buffers of this plan dtype are allocated with (raw uint for bfloat16/float8)."""
+    return np.dtype(numpy_dtype_name(dtype_name))
+
+
+def is_device_array(array: object) -> bool:
+    """True for CuPy arrays and other arrays whose DLPack device is not the CPU."""
+    if type(array).__module__.split(".")[0] == "cupy":
+        return True
+    device = getattr(array, "__dlpack_device__", None)
+    return device is not None and device()[0] != 1  # 1 = kDLCPU
+
+
+def as_host_array(array: object, device: int) -> np.ndarray:
+    """A numpy view of `array` (numpy, or a CPU tensor through DLPack); refuses device arrays."""
+    if isinstance(array, np.ndarray):
+        return array
+    if is_device_array(array):
+        raise PlanMismatchError(f"run(): device {device} got a GPU array ({type(array).__name__}); the mpi backend "
+                                "moves host memory, so pass a numpy array or use backend='nccl'")
+    if hasattr(array, "__dlpack__"):
+        try:
+            return np.from_dlpack(array)
+        except (TypeError, BufferError, RuntimeError) as err:
+            raise PlanMismatchError(f"run(): numpy cannot import this {type(array).__name__} through DLPack ({err}); "
+                                    "for bfloat16/float8 tensors pass a same-size integer view, e.g. t.view(torch.int16)") from None
+    raise PlanMismatchError(f"run(): device {device} got a {type(array).__name__}; pass a numpy array or an object with __dlpack__")
+
+
+def check_shard(array: np.ndarray, shape: tuple[int, ...], dtype_name: str, device: int, spec: str) -> None:
+    """Refuse a source shard of the wrong shape or element type, naming what the plan expects."""
+    if tuple(array.shape) != shape:
+        raise PlanMismatchError(f"run(): device {device}'s source shard has shape {tuple(array.shape)} but the source "
+                                f"spec {spec!r} gives it {shape}; pass this rank's shard under the source spec")
+    got, want = np.dtype(array.dtype), storage_dtype(dtype_name)
+    raw_ok = dtype_name.startswith(RAW_KINDS) and got.itemsize == want.itemsize
+    if got != want and not raw_ok:
+        raise PlanMismatchError(f"run(): device {device}'s source shard is {got} but the plan moves {dtype_name}; "
+                                f"pass a {want} array (or recompile the plan with dtype {got})")

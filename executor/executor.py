@@ -1,0 +1,160 @@
+"""`ReshardingExecutor`: what a training loop calls at every stage boundary to reshard one tensor.
+
+    ex = ReshardingExecutor(plan, MPI.COMM_WORLD).prepare()   # once: checks, buffers, communicators
+    new_shard = ex.run(old_shard)                              # every iteration
+    ex.start(old_shard); ...compute...; new_shard = ex.wait()  # the same, overlapped with compute
+
+Rank r plays the r-th smallest device id of the plan's two meshes (see `executor.ranks`). `run()`
+returns the executor's own destination buffer, reused by the next call: copy it if you keep it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+
+import numpy as np
+
+from schemas import Plan
+
+from .arrays import check_shard, storage_dtype
+from .errors import ExecutorError, PeerTimeoutError, PlanMismatchError
+from .lower import RankProgram, lower
+from .ranks import device_of_rank, rank_of_devices
+
+BACKENDS = ("mpi", "nccl")
+DEFAULT_POLL_S = (2e-5, 1e-3)
+
+
+def plan_fingerprint(plan: Plan) -> np.ndarray:
+    """First 16 bytes of the SHA-256 of the plan's JSON, as two int64 (ranks compare these)."""
+    return np.frombuffer(hashlib.sha256(plan.to_json().encode()).digest()[:16], dtype=np.int64).copy()
+
+
+def poll(request, timeout_s: float, poll_s: tuple[float, float], what: str) -> None:
+    """Wait for one MPI request with sleeps between tests; PeerTimeoutError naming `what` after `timeout_s`."""
+    deadline, nap = time.monotonic() + timeout_s, poll_s[0]
+    while not request.Test():
+        if time.monotonic() > deadline:
+            raise PeerTimeoutError(f"{what} did not finish within {timeout_s:g} s; every rank must call it, "
+                                   "check that all ranks are alive and loaded the same plan")
+        time.sleep(nap)
+        nap = min(nap * 2, poll_s[1])
+
+
+class ReshardingExecutor:
+    """Replays one plan on this rank; see the module docstring for the calling pattern."""
+
+    def __init__(self, plan: Plan, comm, backend: str = "mpi", timeout_s: float = 60.0,
+                 poll_s: tuple[float, float] = DEFAULT_POLL_S, gpu: int | None = None):
+        if backend not in BACKENDS:
+            raise ValueError(f"backend {backend!r} is unknown; use one of: {', '.join(BACKENDS)}")
+        if not timeout_s > 0:
+            raise ValueError(f"timeout_s={timeout_s} must be > 0 seconds; it bounds every wait for a peer")
+        if not 0 < poll_s[0] <= poll_s[1]:
+            raise ValueError(f"poll_s={poll_s} must be (shortest, longest) sleep in seconds with 0 < shortest <= longest")
+        self.plan, self.world, self.backend = plan, comm, backend
+        self.timeout_s, self.poll_s, self.gpu = timeout_s, tuple(poll_s), gpu
+        self.program: RankProgram | None = None
+        self.engine = None
+        self.in_flight = False
+
+    @property
+    def device(self) -> int:
+        return device_of_rank(self.plan, self.world.Get_rank(), self.world.Get_size())
+
+    def prepare(self) -> "ReshardingExecutor":
+        """Check the plan against this world on every rank, then allocate buffers; all ranks must call it.
+
+        Each rank lowers the plan for its device; the ranks then compare plan fingerprints and
+        outcomes, so a bad plan or a rank with another plan fails everywhere before any byte moves.
+        """
+        device = self.device
+        tag_limit = self.world.Get_attr(_mpi().TAG_UB) or 32767
+        error = None
+        try:
+            self.program = lower(self.plan, device, tag_limit=tag_limit)
+        except PlanMismatchError as err:
+            error = err
+        self._agree(error)
+        self.comm = self._own_communicator()
+        args = (self.program, self.comm, rank_of_devices(self.plan), storage_dtype(self.plan.problem.dtype), self.timeout_s, self.poll_s)
+        if self.backend == "mpi":
+            from .mpi_engine import MpiEngine
+
+            self.engine = MpiEngine(*args)
+        else:
+            from .nccl_engine import NcclEngine
+
+            self.engine = NcclEngine(*args, gpu=self.gpu, devices_per_host=self.plan.problem.cluster.devices_per_host)
+        self.engine.setup()
+        return self
+
+    def _agree(self, error: PlanMismatchError | None) -> None:
+        """All ranks learn whether any rank refused the plan or loaded a different one."""
+        mine = np.concatenate([[0 if error is None else 1], plan_fingerprint(self.plan)]).astype(np.int64)
+        every = np.empty((self.world.Get_size(), 3), np.int64)
+        poll(self.world.Iallgather(mine, every), self.timeout_s, self.poll_s, "prepare() on every rank")
+        other = [r for r in range(len(every)) if not np.array_equal(every[r, 1:], every[0, 1:])]
+        if other:
+            raise PlanMismatchError(f"ranks {_list(other)} loaded a different plan than rank 0; start every rank with the same plan file")
+        if error is not None:
+            raise error
+        refused = [r for r in range(len(every)) if every[r, 0]]
+        if refused:
+            raise PlanMismatchError(f"ranks {_list(refused)} refused the plan (their error says why); nothing was moved")
+
+    def _own_communicator(self):
+        """A duplicate of the caller's communicator, so the executor's messages never meet theirs."""
+        comm, request = self.world.Idup()
+        poll(request, self.timeout_s, self.poll_s, "duplicating the communicator in prepare()")
+        return comm
+
+    def run(self, local_shard=None):
+        """Reshard once: this rank's source shard in (None if it has none), its destination shard out (or None)."""
+        self.start(local_shard)
+        return self.wait()
+
+    def start(self, local_shard=None) -> None:
+        """Begin a reshard and return at once; do not modify `local_shard` until `wait()` returns."""
+        if self.engine is None:
+            raise ExecutorError("call prepare() (on every rank) before run() or start()")
+        if self.in_flight:
+            raise ExecutorError("start() called while a reshard is in flight; call wait() first")
+        self.engine.start(self._adopt(local_shard))
+        self.in_flight = True
+
+    def test(self) -> bool:
+        """Drive communication without blocking (call it now and then between start() and wait()); True when done."""
+        return self.engine.test() if self.in_flight else True
+
+    def wait(self):
+        """Finish the reshard begun by start(); returns the destination shard (None on ranks outside the destination mesh)."""
+        if not self.in_flight:
+            raise ExecutorError("wait() called without start()")
+        try:
+            self.engine.wait()
+        finally:
+            self.in_flight = False
+        return self.engine.dst
+
+    def _adopt(self, local_shard):
+        """The source shard as the backend's array type, checked against the plan (None when this rank sends nothing)."""
+        p = self.program
+        if p.src_block is None:
+            return None
+        if local_shard is None:
+            raise PlanMismatchError(f"run(): device {p.device} is in the source mesh; pass its source shard of shape {p.src_shape}")
+        array = self.engine.adopt(local_shard)
+        check_shard(array, p.src_shape, self.plan.problem.dtype, p.device, str(self.plan.problem.src.spec))
+        return array if array.flags.c_contiguous else self.engine.contiguous(array)
+
+
+def _list(ranks: list[int]) -> str:
+    return ",".join(map(str, ranks[:8])) + (f" (+{len(ranks) - 8} more)" if len(ranks) > 8 else "")
+
+
+def _mpi():
+    from mpi4py import MPI
+
+    return MPI

@@ -1,0 +1,315 @@
+"""Lower a plan to the steps one device runs: local copies, packs, unpacks, sends and receives.
+
+Every rank lowers the same plan the same way, so both ends of a message agree on its peer, tag and
+size without talking. Steps are plain records with the indices of the steps they wait for; the
+backends only walk them. A box that is one contiguous run of its shard is sent from, or received
+into, the shard itself; any other box goes through a staging area (packed before a send, unpacked
+after the last chunk arrives).
+
+Tags: every operation owns a block of tags (one per chunk of a broadcast, one per member of an
+all-gather) numbered in plan order, so two messages between the same pair never share a tag.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Literal
+
+from schemas import Operation, Plan
+from schemas.geometry import Region, intersect, local_slices, region_shape, shard_interval
+from schemas.plan import format_region
+
+from .errors import PlanMismatchError
+
+Action = Literal["copy", "pack", "unpack", "send", "recv"]
+Side = Literal["src", "dst"]
+
+
+@dataclass(frozen=True, slots=True)
+class Box:
+    """A region as it sits in one of this device's shards; `span` is its byte range when contiguous."""
+
+    side: Side
+    region: Region
+    index: tuple[slice, ...]
+    shape: tuple[int, ...]
+    nbytes: int
+    span: tuple[int, int] | None
+
+
+@dataclass(frozen=True, slots=True)
+class Bytes:
+    """A byte range of the source shard, the destination shard, or the staging area."""
+
+    buffer: Literal["src", "dst", "stage"]
+    start: int
+    stop: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.stop - self.start
+
+
+@dataclass(frozen=True, slots=True)
+class Step:
+    """One thing a device does; it may start once every step in `deps` has finished."""
+
+    index: int
+    action: Action
+    op: int
+    task: int
+    kind: str
+    deps: tuple[int, ...] = ()
+    peer: int = -1
+    tag: int = 0
+    data: Bytes | None = None
+    box: Box | None = None
+    target: Box | None = None
+    piece: str = ""
+
+    def describe(self) -> str:
+        """`op 7 (task 3, broadcast chunk 2/4): receive 4096 B from device 5`, for error messages."""
+        what = f"op {self.op} (task {self.task}, {self.kind}{' ' + self.piece if self.piece else ''})"
+        if self.action == "send":
+            return f"{what}: send {self.data.nbytes} B to device {self.peer}"
+        if self.action == "recv":
+            return f"{what}: receive {self.data.nbytes} B from device {self.peer}"
+        return f"{what}: {self.action}"
+
+
+@dataclass(frozen=True, slots=True)
+class RankProgram:
+    """Everything one device does for a plan, with the shard shapes it expects and staging it needs."""
+
+    device: int
+    steps: tuple[Step, ...]
+    stage_bytes: int
+    src_block: Region | None
+    dst_block: Region | None
+    itemsize: int
+
+    @property
+    def src_shape(self) -> tuple[int, ...] | None:
+        return None if self.src_block is None else region_shape(self.src_block)
+
+    @property
+    def dst_shape(self) -> tuple[int, ...] | None:
+        return None if self.dst_block is None else region_shape(self.dst_block)
+
+    def messages(self) -> int:
+        return sum(s.action in ("send", "recv") for s in self.steps)
+
+
+def contiguous_span(region: Region, block: Region, itemsize: int) -> tuple[int, int] | None:
+    """Byte range of `region` inside a C-ordered buffer holding `block`, or None when it is not one run.
+
+    >>> contiguous_span(((1, 2), (0, 4)), ((0, 3), (0, 4)), 4)
+    (16, 32)
+    >>> contiguous_span(((0, 2), (0, 2)), ((0, 3), (0, 4)), 4) is None
+    True
+    """
+    sub, full = region_shape(region), region_shape(block)
+    k = 0
+    while k < len(sub) and sub[k] == 1:
+        k += 1
+    if any(sub[j] != full[j] for j in range(k + 1, len(sub))):
+        return None
+    offset, stride = 0, 1
+    for (r0, _), (b0, b1) in reversed(list(zip(region, block))):
+        offset += (r0 - b0) * stride
+        stride *= b1 - b0
+    return offset * itemsize, (offset + math.prod(sub)) * itemsize
+
+
+def chunk_ranges(nbytes: int, chunks: int, itemsize: int) -> list[tuple[int, int]]:
+    """Byte ranges of the non-empty pieces when `nbytes` is cut into `chunks` on element boundaries."""
+    elements = nbytes // itemsize
+    pieces = (shard_interval(elements, chunks, k) for k in range(chunks))
+    return [(lo * itemsize, hi * itemsize) for lo, hi in pieces if hi > lo]
+
+
+def _within(region: Region, block: Region) -> bool:
+    return len(region) == len(block) and all(b0 <= r0 <= r1 <= b1 for (r0, r1), (b0, b1) in zip(region, block))
+
+
+def _empty(region: Region) -> bool:
+    return any(a >= b for a, b in region)
+
+
+def tags_used(op: Operation) -> int:
+    """How many tags an operation owns: one per broadcast chunk, one per all-gather member."""
+    return {"copy": 0, "send": 1, "broadcast": op.chunks, "allgather": len(op.dsts)}[op.kind]
+
+
+@dataclass
+class _Builder:
+    """Accumulates one device's steps while walking the plan in order."""
+
+    plan: Plan
+    device: int
+    tag_limit: int
+    src_blocks: dict[int, Region]
+    dst_blocks: dict[int, Region]
+    itemsize: int
+    steps: list[Step] = field(default_factory=list)
+    writes: list[tuple[Region, int]] = field(default_factory=list)
+    stage_bytes: int = 0
+
+    def add(self, action: Action, op: Operation, **fields) -> int:
+        self.steps.append(Step(index=len(self.steps), action=action, op=op.id, task=op.task, kind=op.kind, **fields))
+        return len(self.steps) - 1
+
+    def stage(self, nbytes: int) -> int:
+        start, self.stage_bytes = self.stage_bytes, self.stage_bytes + nbytes
+        return start
+
+    def fail(self, op: Operation, message: str) -> None:
+        raise PlanMismatchError(f"plan op {op.id} (task {op.task}, {op.kind}): {message}; recompile the plan and check it with `xmesh-plan verify`")
+
+    def box(self, op: Operation, side: Side, device: int, region: Region) -> Box:
+        blocks = self.src_blocks if side == "src" else self.dst_blocks
+        if device not in blocks:
+            self.fail(op, f"device {device} is not in the {'source' if side == 'src' else 'destination'} mesh")
+        block = blocks[device]
+        if not _within(region, block):
+            self.fail(op, f"box {format_region(region)} is not inside device {device}'s {side} shard {format_region(block)}")
+        shape = region_shape(region)
+        return Box(side, region, local_slices(region, block), shape, math.prod(shape) * self.itemsize,
+                   contiguous_span(region, block, self.itemsize))
+
+    def readers_wait_for(self, region: Region) -> tuple[int, ...]:
+        """Earlier steps that write any part of `region` of the destination shard."""
+        return tuple(step for written, step in self.writes if intersect(written, region) is not None)
+
+    def outgoing(self, op: Operation, box: Box, deps: tuple[int, ...]) -> tuple[Bytes, tuple[int, ...]]:
+        """Where the bytes of `box` are sent from: the shard itself, or staging after a pack step."""
+        if box.span is not None:
+            return Bytes(box.side, *box.span), deps
+        start = self.stage(box.nbytes)
+        data = Bytes("stage", start, start + box.nbytes)
+        return data, (self.add("pack", op, deps=deps, data=data, box=box),)
+
+    def landing(self, box: Box) -> Bytes:
+        """Where the bytes of `box` arrive: the destination shard itself, or staging."""
+        if box.span is not None:
+            return Bytes("dst", *box.span)
+        start = self.stage(box.nbytes)
+        return Bytes("stage", start, start + box.nbytes)
+
+    def receive(self, op: Operation, box: Box, peer: int, tags: list[int], ranges, pieces: list[str],
+                forward_to: int | None = None) -> None:
+        """Receive `box` from `peer` in pieces (forwarding each to `forward_to`), unpack if staged, record the write."""
+        land = self.landing(box)
+        recvs = []
+        for tag, (lo, hi), piece in zip(tags, ranges, pieces):
+            chunk = Bytes(land.buffer, land.start + lo, land.start + hi)
+            recvs.append(self.add("recv", op, peer=peer, tag=tag, data=chunk, piece=piece))
+            if forward_to is not None:
+                self.add("send", op, deps=(recvs[-1],), peer=forward_to, tag=tag, data=chunk, piece=piece)
+        if land.buffer == "stage":
+            self.writes.append((box.region, self.add("unpack", op, deps=tuple(recvs), data=land, box=box)))
+        else:
+            self.writes += [(box.region, r) for r in recvs]
+
+    def tag(self, base: int, offset: int) -> int:
+        return (base + offset) % (self.tag_limit + 1)
+
+
+def _lower_copy(b: _Builder, op: Operation, base: int) -> None:
+    if op.dsts != (op.src,):
+        b.fail(op, f"a copy must stay on device {op.src}, but names {list(op.dsts)}")
+    if op.src == b.device:
+        source, target = b.box(op, "src", b.device, op.region), b.box(op, "dst", b.device, op.region)
+        b.writes.append((op.region, b.add("copy", op, box=source, target=target)))
+
+
+def _lower_chain(b: _Builder, op: Operation, base: int) -> None:
+    """A send is a broadcast down a chain of one; chunk k travels src -> dsts[0] -> dsts[1] -> ..."""
+    chain = op.dsts
+    if op.kind == "send" and len(chain) != 1:
+        b.fail(op, f"a send has exactly one receiver, got {list(chain)}")
+    if op.src in chain or len(set(chain)) != len(chain) or not chain:
+        b.fail(op, f"the chain {list(chain)} must be non-empty, distinct and must not contain the sender d{op.src}")
+    if b.device != op.src and b.device not in chain:
+        return
+    ranges = chunk_ranges(math.prod(region_shape(op.region)) * b.itemsize, op.chunks, b.itemsize)
+    tags = [b.tag(base, k) for k in range(len(ranges))]
+    pieces = [f"chunk {k + 1}/{len(ranges)}" if len(ranges) > 1 else "" for k in range(len(ranges))]
+    if b.device == op.src:
+        data, deps = b.outgoing(op, b.box(op, "src", b.device, op.region), ())
+        for tag, (lo, hi), piece in zip(tags, ranges, pieces):
+            b.add("send", op, deps=deps, peer=chain[0], tag=tag, data=Bytes(data.buffer, data.start + lo, data.start + hi), piece=piece)
+        return
+    i = chain.index(b.device)
+    prev = op.src if i == 0 else chain[i - 1]
+    nxt = chain[i + 1] if i + 1 < len(chain) else None
+    b.receive(op, b.box(op, "dst", b.device, op.region), prev, tags, ranges, pieces, forward_to=nxt)
+
+
+def _lower_allgather(b: _Builder, op: Operation, base: int) -> None:
+    """Member i sends parts[i] (from its destination shard) to every other member, and receives theirs."""
+    members = op.dsts
+    if len(op.parts) != len(members) or len(set(members)) != len(members):
+        b.fail(op, f"needs one part per distinct member, got {len(op.parts)} parts for members {list(members)}")
+    if b.device not in members:
+        return
+    for part in op.parts:
+        if not _empty(part) and not _within(part, op.region):
+            b.fail(op, f"part {format_region(part)} lies outside the gathered box {format_region(op.region)}")
+    i = members.index(b.device)
+    mine = op.parts[i]
+    if not _empty(mine):
+        data, deps = b.outgoing(op, b.box(op, "dst", b.device, mine), b.readers_wait_for(mine))
+        for peer in members[:i] + members[i + 1:]:
+            b.add("send", op, deps=deps, peer=peer, tag=b.tag(base, i), data=data, piece=f"part {i}")
+    for j, (peer, part) in enumerate(zip(members, op.parts)):
+        if j != i and not _empty(part):
+            box = b.box(op, "dst", b.device, part)
+            b.receive(op, box, peer, [b.tag(base, j)], [(0, box.nbytes)], [f"part {j}"])
+
+
+_LOWER = {"copy": _lower_copy, "send": _lower_chain, "broadcast": _lower_chain, "allgather": _lower_allgather}
+
+
+def uncovered(block: Region, written: list[Region]) -> Region | None:
+    """A box of `block` that no region in `written` touches, or None when they cover it all.
+
+    >>> uncovered(((0, 4),), [((0, 2),), ((2, 4),)]) is None
+    True
+    >>> uncovered(((0, 4), (0, 2)), [((0, 4), (0, 1))])
+    ((0, 4), (1, 2))
+    """
+    import numpy as np
+
+    if _empty(block):
+        return None
+    cuts = [sorted({lo, hi} | {c for r in written for c in r[d]}) for d, (lo, hi) in enumerate(block)]
+    covered = np.zeros([len(c) - 1 for c in cuts], dtype=bool)
+    for r in written:  # every written box lies inside the block (checked when lowering)
+        covered[tuple(slice(c.index(a), c.index(b)) for c, (a, b) in zip(cuts, r))] = True
+    if covered.all():
+        return None
+    first = np.argwhere(~covered)[0]
+    return tuple((cuts[d][k], cuts[d][k + 1]) for d, k in enumerate(first))
+
+
+def lower(plan: Plan, device: int, tag_limit: int = 32767) -> RankProgram:
+    """The steps `device` runs for `plan`; raises PlanMismatchError naming the op when the plan is inconsistent."""
+    problem = plan.problem
+    b = _Builder(plan, device, tag_limit, problem.blocks("src"), problem.blocks("dst"), problem.itemsize)
+    base = 0
+    for op in plan.operations:
+        for region in (op.region, *op.parts):
+            if len(region) != len(problem.shape):
+                b.fail(op, f"box {format_region(region)} has {len(region)} dims but the tensor has {len(problem.shape)}")
+        _LOWER[op.kind](b, op, base)
+        base += tags_used(op)
+    dst_block = b.dst_blocks.get(device)
+    if dst_block is not None:
+        missing = uncovered(dst_block, [r for r, _ in b.writes])
+        if missing is not None:
+            raise PlanMismatchError(
+                f"plan never delivers {format_region(missing)} of device {device}'s destination shard "
+                f"{format_region(dst_block)}; recompile the plan and check it with `xmesh-plan verify`")
+    return RankProgram(device, tuple(b.steps), b.stage_bytes, b.src_blocks.get(device), dst_block, b.itemsize)

@@ -1,0 +1,84 @@
+"""Shrink a plan's tensor by integer factors per dim so a demo fits a small machine.
+
+Every box boundary of the plan (operations, parts, tasks, shards) is divided by the factor of its
+dim, so a factor must divide all of them; the scaled problem's shards are then recomputed and must
+equal the divided ones (uneven ceil-division splits can forbid some factors). Chunk counts stay.
+
+>>> smallest_prime_factor(12), smallest_prime_factor(7)
+(2, 7)
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+from schemas import Plan
+from schemas.geometry import Region
+
+from .errors import PlanMismatchError
+
+
+def smallest_prime_factor(n: int) -> int:
+    return next((p for p in range(2, math.isqrt(n) + 1) if n % p == 0), n)
+
+
+def _boundaries(plan: Plan) -> list[list[int]]:
+    """Every coordinate that appears in the plan, per dim."""
+    problem = plan.problem
+    boxes: list[Region] = list(problem.blocks("src").values()) + list(problem.blocks("dst").values())
+    boxes += [op.region for op in plan.operations] + [p for op in plan.operations for p in op.parts]
+    boxes += [t.region for t in plan.tasks]
+    return [[n] + [c for box in boxes for c in box[d]] for d, n in enumerate(problem.shape)]
+
+
+def allowed_factors(plan: Plan) -> tuple[int, ...]:
+    """Per dim, the greatest common divisor of all its coordinates: the largest factor it can be divided by."""
+    return tuple(math.gcd(*coords) or 1 for coords in _boundaries(plan))
+
+
+def factors_for(plan: Plan, max_bytes: int) -> tuple[int, ...]:
+    """Factors that bring the tensor to at most `max_bytes` if possible, halving the longest divisible dim first."""
+    room = list(allowed_factors(plan))
+    factors = [1] * len(room)
+    shape = list(plan.problem.shape)
+    while math.prod(shape) * plan.problem.itemsize > max_bytes:
+        dims = [d for d in range(len(shape)) if room[d] > 1]
+        if not dims:
+            break
+        d = max(dims, key=lambda k: (shape[k], -k))
+        p = smallest_prime_factor(room[d])
+        room[d] //= p
+        factors[d] *= p
+        shape[d] //= p
+    return tuple(factors)
+
+
+def _divide(value: Any, factors: tuple[int, ...]) -> Any:
+    return [[a // f, b // f] for (a, b), f in zip(value, factors)]
+
+
+def scale_plan(plan: Plan, factors: tuple[int, ...]) -> Plan:
+    """The same plan on a tensor whose dim d is `factors[d]` times shorter; refuses factors that change the shards."""
+    if len(factors) != len(plan.problem.shape) or any(f < 1 for f in factors):
+        raise PlanMismatchError(f"scale factors {factors} need one positive integer per tensor dim ({len(plan.problem.shape)})")
+    allowed = allowed_factors(plan)
+    bad = [d for d, (f, a) in enumerate(zip(factors, allowed)) if a % f]
+    if bad:
+        raise PlanMismatchError(f"scale factor {factors[bad[0]]} does not divide every box boundary of dim {bad[0]}; "
+                                f"use a divisor of {allowed[bad[0]]}")
+    data = plan.model_dump(mode="json")
+    data["problem"]["shape"] = [n // f for n, f in zip(plan.problem.shape, factors)]
+    for op in data["operations"]:
+        op["region"] = _divide(op["region"], factors)
+        op["parts"] = [_divide(p, factors) for p in op["parts"]]
+    for task in data["tasks"]:
+        task["region"] = _divide(task["region"], factors)
+        task["nbytes"] = math.prod(b - a for a, b in task["region"]) * plan.problem.itemsize
+    scaled = Plan.model_validate(data)
+    for side in ("src", "dst"):
+        want = {d: tuple(map(tuple, _divide(box, factors))) for d, box in plan.problem.blocks(side).items()}
+        if scaled.problem.blocks(side) != want:
+            raise PlanMismatchError(f"scaling by {factors} changes how the {side} spec splits the tensor (uneven shards); "
+                                    "pick smaller factors")
+    return scaled
