@@ -1,7 +1,9 @@
 """Every schedule on one pipeline, side by side: which wins, and how much communication each exposes.
 
 Rows: 1F1B with blocking transfers (no overlap), GPipe, 1F1B, eager-1F1B and eager-1F1B with weight
-delaying (all overlapping), and the signal bound (1F1B with free transfers).
+delaying (all overlapping), and the signal bound: the fastest of those schedules when every transfer
+is free (the paper's "signal send/recv"). Splitting off the weight gradient also fills pipeline
+bubbles, so the bound includes the `-wd` schedules; otherwise eager-1f1b-wd could beat it.
 """
 
 from __future__ import annotations
@@ -14,14 +16,14 @@ from .build import build_schedule
 from .costs import signal_costs
 from .simulate import Metrics, evaluate
 
-VARIANTS = (  # label, schedule, overlap, free transfers
-    ("1f1b (no overlap)", "1f1b", False, False),
-    ("gpipe", "gpipe", True, False),
-    ("1f1b", "1f1b", True, False),
-    ("eager-1f1b", "eager-1f1b", True, False),
-    ("eager-1f1b-wd", "eager-1f1b-wd", True, False),
-    ("signal", "1f1b", True, True),
+VARIANTS = (  # label, schedule, overlap
+    ("1f1b (no overlap)", "1f1b", False),
+    ("gpipe", "gpipe", True),
+    ("1f1b", "1f1b", True),
+    ("eager-1f1b", "eager-1f1b", True),
+    ("eager-1f1b-wd", "eager-1f1b-wd", True),
 )
+SIGNAL_CANDIDATES = ("1f1b", "eager-1f1b", "1f1b-wd", "eager-1f1b-wd")
 
 
 @dataclass(frozen=True)
@@ -33,10 +35,21 @@ class Row:
 
 def compare(problem: PipelineProblem, costs: tuple[TransferCost, ...]) -> list[Row]:
     rows = []
-    for label, name, overlap, free in VARIANTS:
-        schedule = build_schedule(problem, name, signal_costs(costs) if free else costs, overlap)
+    for label, name, overlap in VARIANTS:
+        schedule = build_schedule(problem, name, costs, overlap)
         rows.append(Row(label, schedule, evaluate(schedule)[1]))
-    return rows
+    return rows + [signal_bound(problem, costs)]
+
+
+def signal_bound(problem: PipelineProblem, costs: tuple[TransferCost, ...]) -> Row:
+    """The fastest candidate schedule with free transfers (ties: the first listed)."""
+    best = None
+    for name in SIGNAL_CANDIDATES:
+        schedule = build_schedule(problem, name, signal_costs(costs))
+        metrics = evaluate(schedule)[1]
+        if best is None or metrics.iteration_s < best.metrics.iteration_s - 1e-12:
+            best = Row("signal", schedule, metrics)
+    return best
 
 
 def row_by_label(rows: list[Row], label: str) -> Row:
@@ -53,6 +66,7 @@ def format_table(rows: list[Row]) -> str:
         m = row.metrics
         memory = " ".join(f"{p}({p - b:+d})" for p, b in zip(m.peak_in_flight, base))
         delay = ",".join(map(str, row.schedule.weight_delay)) or "-"
-        lines.append(f"| {row.label} | {m.iteration_s * 1e3:.2f} | {100 * signal / m.iteration_s:.1f} | {m.bubble_fraction:.3f} "
+        label = f"signal ({row.schedule.schedule}, free transfers)" if row.label == "signal" else row.label
+        lines.append(f"| {label} | {m.iteration_s * 1e3:.2f} | {100 * signal / m.iteration_s:.1f} | {m.bubble_fraction:.3f} "
                      f"| {m.exposed_comm_s * 1e3:.2f} | {delay} | {memory} |")
     return "\n".join(lines)
