@@ -8,7 +8,14 @@ class ExecutorError(RuntimeError):
 
 
 class PlanMismatchError(ExecutorError):
-    """The plan does not fit the running world or the arrays handed to `run()`; nothing was moved."""
+    """The plan does not fit the running world or the arrays handed to `run()`; nothing was moved.
+
+    `same_on_every_rank` is True when every rank raised this very message (so one of them may report it).
+    """
+
+    def __init__(self, message: str, same_on_every_rank: bool = False):
+        super().__init__(message)
+        self.same_on_every_rank = same_on_every_rank
 
 
 class PeerTimeoutError(ExecutorError):

@@ -97,12 +97,14 @@ class ReshardingExecutor:
         poll(self.world.Iallgather(mine, every), self.timeout_s, self.poll_s, "prepare() on every rank")
         other = [r for r in range(len(every)) if not np.array_equal(every[r, 1:], every[0, 1:])]
         if other:
-            raise PlanMismatchError(f"ranks {_list(other)} loaded a different plan than rank 0; start every rank with the same plan file")
+            raise PlanMismatchError(f"ranks {_list(other)} loaded a different plan than rank 0; start every rank with the same plan file",
+                                    same_on_every_rank=True)
         if error is not None:
             raise error
         refused = [r for r in range(len(every)) if every[r, 0]]
         if refused:
-            raise PlanMismatchError(f"ranks {_list(refused)} refused the plan (their error says why); nothing was moved")
+            raise PlanMismatchError(f"ranks {_list(refused)} refused the plan (their errors say why); nothing was moved",
+                                    same_on_every_rank=True)
 
     def _own_communicator(self):
         """A duplicate of the caller's communicator, so the executor's messages never meet theirs."""

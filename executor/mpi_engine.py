@@ -30,11 +30,14 @@ class MpiEngine:
         self.dst: np.ndarray | None = None
         self.broken: str | None = None
 
-    def setup(self) -> None:
-        """Allocate the destination shard and staging once; build every view that does not involve the source shard."""
-        from mpi4py import MPI
+    def setup(self, mpi=None) -> None:
+        """Allocate the destination shard and staging once; build every view that does not involve the source shard.
 
-        self._mpi = MPI
+        `mpi` stands in for the `mpi4py.MPI` module (tests pass an in-process fake).
+        """
+        if mpi is None:
+            from mpi4py import MPI as mpi
+        self._mpi = mpi
         p = self.program
         self.dst = np.empty(p.dst_shape, self.dtype) if p.dst_shape is not None else None
         self.stage = np.empty(p.stage_bytes, np.uint8)

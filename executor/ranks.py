@@ -34,7 +34,8 @@ def device_of_rank(plan: Plan, rank: int, world_size: int) -> int:
         shown = ",".join(map(str, devices[:12])) + (",..." if len(devices) > 12 else "")
         raise PlanMismatchError(
             f"plan {plan.problem.name or '(unnamed)'} uses {len(devices)} devices ({shown}) but this MPI world has "
-            f"{world_size} ranks; run with mpiexec -n {len(devices)} (rank r plays the r-th smallest device id)")
+            f"{world_size} ranks; run with mpiexec -n {len(devices)} (rank r plays the r-th smallest device id)",
+            same_on_every_rank=True)
     return devices[rank]
 
 

@@ -137,8 +137,9 @@ def main(argv: list[str] | None = None) -> int:
                 shrink = "" if set(factors) == {1} else f" [scaled from {'x'.join(map(str, full.shape))} by {','.join(map(str, factors))}]"
                 print(line + shrink, flush=True)
             status = status or (0 if ok else 1)
-        except PlanMismatchError as err:  # raised on every rank alike, before any byte moved
-            print(f"rank {rank}: error: {path.name}: {err}", file=sys.stderr, flush=True)
+        except PlanMismatchError as err:  # raised on every rank, before any byte moved
+            if rank == 0 or not err.same_on_every_rank:
+                print(f"rank {rank}: error: {path.name}: {err}", file=sys.stderr, flush=True)
             status = 2
         except ExecutorError as err:  # a peer died or hangs: requests are pending, so MPI cannot finalize
             print(f"rank {rank}: error: {path.name}: {err}", file=sys.stderr, flush=True)

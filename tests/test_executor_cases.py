@@ -1,0 +1,101 @@
+"""Resharding problems and plans shared by the executor tests (no tests here; a helper module).
+
+Every case uses exactly `DEVICES` distinct devices so one `mpiexec -n 8` launch can run them all.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+
+from planner.compile import compile_plan
+from schemas import Cluster, DeviceMesh, Placement, Plan, ReshardingProblem
+
+DEVICES = 8
+STRATEGIES = ("broadcast", "send_recv", "local_allgather", "global_allgather")
+
+
+def problem(name: str, shape, src_mesh, src_devices, src_spec, dst_mesh, dst_devices, dst_spec,
+            dtype: str = "int32", devices_per_host: int = 2) -> ReshardingProblem:
+    return ReshardingProblem(
+        name=name, shape=tuple(shape), dtype=dtype,
+        src=Placement(mesh=DeviceMesh(shape=tuple(src_mesh), devices=tuple(src_devices)), spec=src_spec),
+        dst=Placement(mesh=DeviceMesh(shape=tuple(dst_mesh), devices=tuple(dst_devices)), spec=dst_spec),
+        cluster=Cluster(devices_per_host=devices_per_host))
+
+
+def fixed_problems() -> list[ReshardingProblem]:
+    """Disjoint and overlapping meshes, even and uneven shards, several dtypes; 8 devices each."""
+    return [
+        problem("even_disjoint", (8, 6, 4), (2, 2), range(4), "S0 S1 R", (2, 2), range(4, 8), "R S0 S1"),
+        problem("uneven_disjoint", (7, 5, 3), (2, 2), range(4), "S1 R S0", (1, 4), range(4, 8), "S01 R R", dtype="float16"),
+        problem("to_replicated_rows", (9, 5), (1, 2), (0, 1), "S1 R", (2, 3), range(2, 8), "R S1", dtype="bfloat16"),
+        problem("to_fully_replicated", (13, 4), (2,), (0, 1), "S0 R", (2, 3), range(2, 8), "R R", dtype="float32", devices_per_host=3),
+        problem("overlap_same_devices", (6, 7, 2), (2, 4), range(8), "S0 S1 R", (4, 2), range(8), "S1 R S0"),
+        problem("overlap_shifted", (10, 3), (2, 2), range(4), "S0 R", (2, 3), range(2, 8), "S1 R", dtype="complex128"),
+        problem("one_to_many_uneven", (5, 11), (1, 1), (0,), "R R", (7,), range(1, 8), "R S0", dtype="int8"),
+    ]
+
+
+def random_problem(seed: int, max_devices: int = DEVICES, exact: bool = True) -> ReshardingProblem:
+    """A seeded random resharding; with `exact`, it uses exactly `max_devices` distinct devices."""
+    rng = np.random.default_rng(seed)
+    ndim = int(rng.integers(1, 4))
+    shape = tuple(int(n) for n in rng.integers(1, 10, size=ndim))
+    while True:
+        src_n = int(rng.integers(1, max_devices + 1))
+        dst_n = int(rng.integers(1, max_devices + 1))
+        overlap = int(rng.integers(max(0, src_n + dst_n - max_devices), min(src_n, dst_n) + 1))
+        if not exact or src_n + dst_n - overlap == max_devices:
+            break
+    pool = [int(d) for d in rng.permutation(max_devices)]
+    src_devices = pool[:src_n]
+    dst_devices = src_devices[src_n - overlap:] + pool[src_n:src_n + dst_n - overlap]
+    dst_devices = [dst_devices[i] for i in rng.permutation(len(dst_devices))]
+    src_mesh, dst_mesh = _mesh_shape(rng, src_n), _mesh_shape(rng, dst_n)
+    dtype = str(rng.choice(["int8", "float16", "bfloat16", "float32", "int64", "complex128"]))
+    return problem(f"random{seed}", shape, src_mesh, src_devices, _spec(rng, ndim, len(src_mesh)), dst_mesh, dst_devices,
+                   _spec(rng, ndim, len(dst_mesh)), dtype=dtype, devices_per_host=int(rng.integers(1, 5)))
+
+
+def _mesh_shape(rng, n: int) -> tuple[int, ...]:
+    divisors = [d for d in range(1, n + 1) if n % d == 0]
+    first = int(rng.choice(divisors))
+    return (first, n // first) if n // first > 1 or rng.random() < 0.5 else (n,)
+
+
+def _spec(rng, ndim: int, mesh_axes: int) -> str:
+    """Each mesh axis goes to at most one tensor dim (or none); axes in a dim keep a random order."""
+    dims: list[list[int]] = [[] for _ in range(ndim)]
+    for axis in rng.permutation(mesh_axes):
+        target = int(rng.integers(0, ndim + 1))
+        if target < ndim:
+            dims[target].append(int(axis))
+    return " ".join("S" + "".join(map(str, d)) if d else "R" for d in dims)
+
+
+def compiled(problem: ReshardingProblem, strategy: str) -> Plan:
+    return compile_plan(problem, strategy=strategy, solver="greedy", seed=0)
+
+
+def write_plans(folder: Path, plans: list[Plan]) -> list[str]:
+    paths = []
+    for i, plan in enumerate(plans):
+        path = folder / f"{i:02d}_{plan.problem.name}_{plan.strategy}.plan.json"
+        path.write_text(plan.to_json())
+        paths.append(str(path))
+    return paths
+
+
+def with_chunks(plan: Plan, chunks: int) -> Plan:
+    """The same plan with every broadcast cut into `chunks` pieces (the planner picks 1 for tiny boxes)."""
+    ops = tuple(op.model_copy(update={"chunks": chunks}) if op.kind == "broadcast" else op for op in plan.operations)
+    return plan.model_copy(update={"operations": ops, "strategy": f"{plan.strategy}_k{chunks}"})
+
+
+def all_fixed_plans() -> list[Plan]:
+    """Every fixed problem under every strategy, plus chunked broadcasts of two of them."""
+    plans = [compiled(p, s) for p in fixed_problems() for s in STRATEGIES]
+    plans += [with_chunks(compiled(p, "broadcast"), 3) for p in fixed_problems()[1:3]]
+    return plans
