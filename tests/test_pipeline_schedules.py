@@ -59,10 +59,10 @@ def test_split_backward_keeps_every_part_in_order(delay):
     split = split_backward(order, delay)
     assert sorted(split) == sorted([("F", m) for m in range(8)] + [("I", m) for m in range(8)] + [("W", m) for m in range(8)])
     for m in range(8):
-        gap = split.index(("W", m)) - split.index(("I", m)) - 1
-        after = [k for k, _ in split[split.index(("I", m)) + 1:split.index(("W", m))] if k != "W"]
-        assert len(after) == min(delay, len([k for k, _ in split[split.index(("I", m)) + 1:] if k != "W"]))
-        assert gap >= 0
+        i, w = split.index(("I", m)), split.index(("W", m))
+        passed = [k for k, _ in split[i + 1:w] if k != "W"]  # compute actions W(m) was moved behind
+        remaining = [k for k, _ in split[i + 1:] if k != "W"]
+        assert w > i and len(passed) == min(delay, len(remaining))
 
 
 @pytest.mark.parametrize("name", SCHEDULE_NAMES)
