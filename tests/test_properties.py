@@ -1,0 +1,131 @@
+"""Properties over random small problems (hypothesis): every plan verifies, every destination device
+receives exactly the bytes of its shard, the lower bound never exceeds the prediction, and plans
+round-trip through JSON and compile deterministically.
+
+Problems cover 1-D to 3-D meshes (2-D shorthand placed as hosts x devices, other ranks packed onto
+hosts), every valid spec, uneven and empty shards, zero-length dims, disjoint meshes, meshes sharing
+hosts, and meshes sharing devices (local copies), on clusters with varied NICs and latency.
+"""
+
+from __future__ import annotations
+
+import math
+
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from planner.compile import compile_plan
+from planner.problem_io import build_problem
+from planner.verify import verify_plan
+from schemas.geometry import region_size
+from schemas.plan import Plan
+
+STRATEGIES = ("broadcast", "send_recv", "local_allgather", "global_allgather", "auto")
+FAST_SOLVER = "greedy"
+SETTINGS = dict(deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+
+
+@st.composite
+def spec_for(draw, rank: int, mesh_rank: int) -> str:
+    """A valid spec: each mesh axis shards at most one dim; axes within a dim in any order."""
+    order = draw(st.permutations(range(mesh_rank)))
+    owner = {a: draw(st.integers(-1, rank - 1)) for a in order}
+    return " ".join("S" + "".join(str(a) for a in order if owner[a] == d) if d in owner.values() else "R" for d in range(rank))
+
+
+@st.composite
+def problems(draw):
+    rank = draw(st.integers(1, 3))
+    shape = [draw(st.one_of(st.integers(1, 4), st.integers(5, 24), st.just(0) if draw(st.integers(0, 9)) == 0 else st.integers(1, 4)))
+             for _ in range(rank)]
+    devices_per_host = draw(st.integers(1, 4))
+    src_mesh = [draw(st.integers(1, 3)) for _ in range(draw(st.integers(1, 3)))]
+    dst_mesh = [draw(st.integers(1, 3)) for _ in range(draw(st.integers(1, 3)))]
+    layout = draw(st.sampled_from(["disjoint", "shared_hosts", "shared_devices"]))
+    dst: dict = {"shape": dst_mesh}
+    if layout == "shared_hosts":
+        dst["first_host"] = 0  # same hosts as the source, possibly the same device ids
+    elif layout == "shared_devices":
+        pool = list(range(math.prod(src_mesh) + math.prod(dst_mesh)))
+        dst["devices"] = draw(st.permutations(pool))[: math.prod(dst_mesh)]
+    nics = [{"send_gbps": draw(st.sampled_from([1.0, 10.0, 100.0])), "recv_gbps": draw(st.sampled_from([1.0, 10.0, 100.0]))}
+            for _ in range(draw(st.integers(1, 2)))]
+    cluster = {"devices_per_host": devices_per_host, "nics": nics, "latency_us": draw(st.sampled_from([0.0, 20.0])),
+               "intra_host_gbps": draw(st.sampled_from([5.0, 800.0]))}
+    raw = {"shape": shape, "dtype": draw(st.sampled_from(["int8", "bfloat16", "float32", "complex128"])), "cluster": cluster,
+           "src": {"mesh": src_mesh, "spec": draw(spec_for(rank, len(src_mesh)))},
+           "dst": {"mesh": dst, "spec": draw(spec_for(rank, len(dst_mesh)))}}
+    return build_problem(raw)
+
+
+def received_bytes(plan: Plan) -> dict[int, int]:
+    """Bytes delivered to each device: copies, sends and every broadcast chain member get the box; an
+    all-gather member gets the box less the part it already holds."""
+    itemsize = plan.problem.itemsize
+    out: dict[int, int] = {}
+    for op in plan.operations:
+        if op.kind == "allgather":
+            for member, part in zip(op.dsts, op.parts):
+                out[member] = out.get(member, 0) + (region_size(op.region) - region_size(part)) * itemsize
+        else:
+            for d in op.dsts:
+                out[d] = out.get(d, 0) + region_size(op.region) * itemsize
+    return out
+
+
+def check_plan(plan: Plan) -> None:
+    problem = plan.problem
+    verify_plan(plan)
+    received = received_bytes(plan)
+    for device, block in problem.blocks("dst").items():
+        assert received.get(device, 0) == region_size(block) * problem.itemsize, (device, block)
+    assert set(received) <= set(problem.blocks("dst")), "only destination devices receive"
+    assert 0.0 <= plan.lower_bound_seconds <= plan.predicted_seconds, (plan.lower_bound_seconds, plan.predicted_seconds)
+    assert Plan.from_json(plan.to_json()) == plan
+    host = problem.cluster.host_of
+    for task in plan.tasks:
+        assert task.sender in task.senders and task.sender_host == host(task.sender)
+        assert task.receivers and not set(task.receivers) & set(task.senders)
+        assert task.receiver_hosts == tuple(sorted({host(d) for d in task.receivers}))
+        assert task.nbytes == region_size(task.region) * problem.itemsize
+    assert sum(t.nbytes for t in plan.tasks) <= problem.nbytes
+    assert plan.predicted_seconds == max((op.end_s for op in plan.operations), default=0.0)
+    if not plan.tasks:
+        assert all(op.kind == "copy" for op in plan.operations)
+
+
+@settings(max_examples=70, **SETTINGS)
+@given(problems())
+def test_every_strategy_gives_a_correct_plan(problem):
+    for strategy in STRATEGIES:
+        plan = compile_plan(problem, strategy=strategy, solver=FAST_SOLVER)
+        assert plan.strategy == strategy
+        check_plan(plan)
+
+
+@settings(max_examples=30, **SETTINGS)
+@given(problems(), st.sampled_from(STRATEGIES), st.booleans())
+def test_compiling_is_deterministic_and_merge_agnostic(problem, strategy, merge):
+    a = compile_plan(problem, strategy=strategy, solver=FAST_SOLVER, merge=merge)
+    b = compile_plan(problem, strategy=strategy, solver=FAST_SOLVER, merge=merge)
+    assert a.to_json() == b.to_json()
+    assert a.merged_slices is merge
+    check_plan(a)
+
+
+@settings(max_examples=12, **SETTINGS)
+@given(problems(), st.sampled_from(STRATEGIES))
+def test_the_default_solver_gives_a_correct_plan(problem, strategy):
+    check_plan(compile_plan(problem, strategy=strategy))
+
+
+@settings(max_examples=40, **SETTINGS)
+@given(problems())
+def test_lower_bound_is_zero_when_nothing_crosses_hosts(problem):
+    plan = compile_plan(problem, strategy="broadcast", solver=FAST_SOLVER)
+    host = problem.cluster.host_of
+    crosses = any(host(d) not in {host(s) for s in t.senders} for t in plan.tasks for d in t.receivers)
+    if not crosses:
+        assert plan.lower_bound_seconds == 0.0
+    else:
+        assert plan.lower_bound_seconds > 0.0

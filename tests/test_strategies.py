@@ -1,0 +1,206 @@
+"""Strategies: the operations each emits verify, and their durations follow the cost model's arithmetic."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+from planner.strategies import (MAX_CHUNKS, MIN_CHUNK_BYTES, STRATEGIES, TaskContext, broadcast, get_strategy,
+                                global_allgather, local_allgather, pipelined_seconds, send_recv)
+from planner.verify import verify_plan
+from schemas import Cluster
+from schemas.geometry import intersect, region_size
+
+CLUSTER = Cluster()  # the paper's: 4 devices per host, 10 Gbit/s NIC, 800 Gbit/s intra-host, 20 us latency
+NIC = 10e9 / 8
+INTRA = 800e9 / 8
+LAT = 20e-6
+REGION = ((0, 256), (0, 1024), (0, 64))  # 16 Mi elements
+ITEMSIZE = 4
+NBYTES = region_size(REGION) * ITEMSIZE
+
+
+def ctx(sender, receivers, region=REGION, itemsize=ITEMSIZE, cluster=CLUSTER):
+    return TaskContext(region, region_size(region) * itemsize, sender, tuple(receivers), cluster, itemsize)
+
+
+def chain_seconds(nbytes, bandwidths, k):
+    """The module docstring's formula: per-chunk hop times c_h, total sum(c_h) + (K-1)*max(c_h)."""
+    per_chunk = [LAT + nbytes / k / bw for bw in bandwidths]
+    return sum(per_chunk) + (k - 1) * max(per_chunk)
+
+
+# --- broadcast ----------------------------------------------------------------------------------------
+
+def test_broadcast_duration_is_the_pipelined_chain_formula_at_the_best_k():
+    result = broadcast(ctx(0, [4, 5, 6, 7]))  # host 0 -> host 1 (one NIC hop, then three NVLink hops)
+    bandwidths = [NIC, INTRA, INTRA, INTRA]
+    k = result.chunks
+    assert 1 < k <= MAX_CHUNKS
+    assert result.duration_s == pytest.approx(chain_seconds(NBYTES, bandwidths, k), rel=1e-12)
+    k_max = min(MAX_CHUNKS, NBYTES // MIN_CHUNK_BYTES)
+    best = min(chain_seconds(NBYTES, bandwidths, kk) for kk in range(1, k_max + 1))
+    assert result.duration_s == pytest.approx(best, rel=1e-12)
+    # and it is close to the bandwidth limit of the one NIC hop, far below 4 sequential copies
+    assert NBYTES / NIC < result.duration_s < 1.05 * NBYTES / NIC
+
+
+def test_broadcast_of_a_tiny_box_uses_one_chunk():
+    region = ((0, 8),)
+    result = broadcast(ctx(0, [4], region=region))
+    assert result.chunks == 1
+    assert result.duration_s == pytest.approx(LAT + 8 * ITEMSIZE / NIC, rel=1e-12)
+
+
+def test_broadcast_chain_order_own_host_first_then_by_host():
+    result = broadcast(ctx(5, [12, 1, 6, 9, 4]))
+    (op,) = result.ops
+    assert op.kind == "broadcast" and op.src == 5
+    assert op.dsts == (4, 6, 1, 9, 12)  # sender's host 1 first, then hosts 0, 2, 3
+    assert op.region == REGION and op.chunks == result.chunks
+
+
+def test_broadcast_resources_include_forwarding_hosts():
+    result = broadcast(ctx(0, [4, 8]))  # host 0 -> host 1 -> host 2: host 1 forwards
+    assert {(0, "send"), (1, "recv"), (2, "recv"), (1, "send")} <= result.resources
+    assert (2, "send") not in result.resources and (0, "recv") not in result.resources
+
+
+def test_broadcast_inside_one_host_holds_no_nic():
+    result = broadcast(ctx(0, [1, 2, 3]))
+    assert result.resources == frozenset({(0, "intra")})
+    assert result.duration_s == pytest.approx(chain_seconds(NBYTES, [INTRA] * 3, result.chunks), rel=1e-12)
+
+
+def test_pipelined_seconds_with_no_hops_is_free():
+    assert pipelined_seconds(1000, [], ctx(0, [])) == (0.0, 1)
+
+
+def test_broadcast_to_more_devices_of_one_host_is_nearly_free():
+    one = broadcast(ctx(0, [4])).duration_s
+    four = broadcast(ctx(0, [4, 5, 6, 7])).duration_s
+    assert one < four < 1.1 * one
+
+
+# --- send_recv ----------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("count", [1, 2, 3, 5])
+def test_send_recv_time_is_linear_in_receivers(count):
+    receivers = [4 * (h + 1) for h in range(count)]  # one device on each of `count` remote hosts
+    result = send_recv(ctx(0, receivers))
+    message = LAT + NBYTES / NIC
+    assert result.duration_s == pytest.approx(count * message, rel=1e-12)
+    assert [op.dsts for op in result.ops] == [(d,) for d in receivers]
+    assert all(op.kind == "send" and op.src == 0 and op.region == REGION for op in result.ops)
+    # back to back, one after another
+    assert [op.offset_s for op in result.ops] == pytest.approx([i * message for i in range(count)], rel=1e-12)
+
+
+def test_send_recv_grows_linearly_with_gpus_on_one_host_unlike_broadcast():
+    times = [send_recv(ctx(0, range(4, 4 + n))).duration_s for n in (1, 2, 3, 4)]
+    steps = [b - a for a, b in zip(times, times[1:])]
+    assert steps == pytest.approx([times[0]] * 3, rel=1e-9)
+    assert broadcast(ctx(0, [4, 5, 6, 7])).duration_s < times[-1] / 3
+
+
+def test_send_recv_mixes_intra_and_cross_host_costs():
+    result = send_recv(ctx(0, [1, 4]))
+    assert result.duration_s == pytest.approx((LAT + NBYTES / INTRA) + (LAT + NBYTES / NIC), rel=1e-12)
+
+
+# --- scatter + all-gather -----------------------------------------------------------------------------
+
+def _check_parts(op, region):
+    nonempty = [p for p in op.parts if region_size(p)]
+    assert sum(region_size(p) for p in nonempty) == region_size(region)
+    for p, q in itertools.combinations(nonempty, 2):
+        assert intersect(p, q) is None
+    assert len(op.parts) == len(op.dsts)
+
+
+def test_local_allgather_scatters_quarters_then_gathers_inside_the_host():
+    result = local_allgather(ctx(0, [4, 5, 6, 7]))
+    sends = [op for op in result.ops if op.kind == "send"]
+    (gather,) = [op for op in result.ops if op.kind == "allgather"]
+    assert [op.dsts for op in sends] == [(4,), (5,), (6,), (7,)]
+    assert gather.dsts == (4, 5, 6, 7) and gather.region == REGION and gather.src is None
+    _check_parts(gather, REGION)
+    assert [op.region for op in sends] == list(gather.parts)
+    quarter = NBYTES / 4
+    scatter = 4 * (LAT + quarter / NIC)
+    assert gather.offset_s == pytest.approx(scatter, rel=1e-12)  # the gather waits for the scatter
+    assert result.duration_s == pytest.approx(scatter + 3 * (LAT + quarter / INTRA), rel=1e-12)
+
+
+def test_local_allgather_runs_one_gather_per_host():
+    result = local_allgather(ctx(0, [4, 5, 8, 9]))
+    gathers = [op for op in result.ops if op.kind == "allgather"]
+    assert sorted(op.dsts for op in gathers) == [(4, 5), (8, 9)]
+    for op in gathers:
+        _check_parts(op, REGION)
+        assert result.resources >= {(1, "recv"), (2, "recv"), (0, "send")}
+
+
+def test_global_allgather_gathers_across_all_receivers():
+    result = global_allgather(ctx(0, [4, 5, 8, 9]))
+    (gather,) = [op for op in result.ops if op.kind == "allgather"]
+    assert gather.dsts == (4, 5, 8, 9)
+    _check_parts(gather, REGION)
+    eighth = NBYTES / 4
+    assert result.duration_s == pytest.approx(4 * (LAT + eighth / NIC) + 3 * (LAT + eighth / NIC), rel=1e-12)
+    assert {(1, "send"), (2, "send")} <= result.resources  # the ring crosses hosts both ways
+
+
+def test_scatter_with_more_members_than_rows_pads_empty_parts():
+    region = ((0, 2), (0, 1))  # 2 elements, 4 members
+    result = local_allgather(ctx(0, [4, 5, 6, 7], region=region))
+    (gather,) = [op for op in result.ops if op.kind == "allgather"]
+    _check_parts(gather, region)
+    assert sum(1 for p in gather.parts if region_size(p) == 0) == 2
+    assert len([op for op in result.ops if op.kind == "send"]) == 2  # no empty sends
+
+
+def test_single_receiver_scatter_needs_no_gather():
+    result = local_allgather(ctx(0, [4]))
+    assert [op.kind for op in result.ops] == ["send"]
+
+
+# --- registry and whole plans -------------------------------------------------------------------------
+
+def test_registry_and_unknown_name_lists_the_valid_ones():
+    assert set(STRATEGIES) == {"broadcast", "send_recv", "local_allgather", "global_allgather"}
+    assert get_strategy("broadcast") is broadcast
+    with pytest.raises(ValueError, match="unknown strategy 'ring'.*broadcast.*send_recv.*auto"):
+        get_strategy("ring")
+
+
+def test_compile_rejects_an_unknown_strategy(case, compile_quick):
+    with pytest.raises(ValueError, match="unknown strategy"):
+        compile_quick(case("case1"), "ring")
+
+
+SMALL_CASES = ["case2", "case3", "case4", "case6", "case7", "case8", "case9", "one_to_3x2", "one_to_4x2"]
+
+
+@pytest.mark.parametrize("strategy", ["broadcast", "send_recv", "local_allgather", "global_allgather", "auto"])
+@pytest.mark.parametrize("name", SMALL_CASES)
+def test_every_strategy_plan_verifies_on_the_reference_cases(case, compile_quick, name, strategy):
+    problem = case(name)
+    problem = problem.model_copy(update={"shape": tuple(max(1, n // 32) for n in problem.shape)})
+    plan = compile_quick(problem, strategy)
+    verify_plan(plan)
+    assert plan.tasks, "every reference case moves data"
+    if strategy != "auto":
+        assert {t.strategy for t in plan.tasks} == {strategy}
+    assert plan.lower_bound_seconds <= plan.predicted_seconds
+
+
+def test_auto_picks_the_fastest_strategy_per_task(case, compile_quick):
+    problem = case("case7").model_copy(update={"shape": (64, 64, 32)})
+    plan = compile_quick(problem, "auto")
+    for task in plan.tasks:
+        c = TaskContext(task.region, task.nbytes, task.sender, task.receivers, problem.cluster, problem.itemsize)
+        durations = {name: fn(c).duration_s for name, fn in STRATEGIES.items()}
+        assert task.end_s - task.start_s == pytest.approx(min(durations.values()), abs=1e-11)
+        assert durations[task.strategy] == pytest.approx(min(durations.values()), abs=1e-11)
