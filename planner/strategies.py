@@ -10,6 +10,7 @@ so K has an optimum.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import lru_cache
 from typing import Callable
 
 import numpy as np
@@ -88,12 +89,17 @@ def _resources(ctx: TaskContext, forwarding_hosts: set[int]) -> frozenset[Resour
 
 def pipelined_seconds(nbytes: int, hop_cross: list[bool], ctx: TaskContext) -> tuple[float, int]:
     """Best (time, K) for a chunked broadcast down hops (True = cross-host), trying K = 1..MAX_CHUNKS."""
+    return _pipelined_seconds(nbytes, tuple(hop_cross), ctx.cluster)
+
+
+@lru_cache(maxsize=4096)
+def _pipelined_seconds(nbytes: int, hop_cross: tuple[bool, ...], cluster: Cluster) -> tuple[float, int]:
     if not hop_cross:
         return 0.0, 1
     k_max = int(max(1, min(MAX_CHUNKS, nbytes // MIN_CHUNK_BYTES)))
     ks = np.arange(1, k_max + 1, dtype=np.float64)
-    lat = ctx.cluster.latency_s
-    bw = np.array([min(ctx.cluster.send_bytes_per_s, ctx.cluster.recv_bytes_per_s) if c else ctx.cluster.intra_bytes_per_s for c in hop_cross])
+    lat = cluster.latency_s
+    bw = np.array([min(cluster.send_bytes_per_s, cluster.recv_bytes_per_s) if c else cluster.intra_bytes_per_s for c in hop_cross])
     per_chunk = lat + (nbytes / ks)[:, None] / bw[None, :]
     total = per_chunk.sum(axis=1) + (ks - 1) * per_chunk.max(axis=1)
     best = int(np.argmin(total))

@@ -13,7 +13,6 @@ Operation kinds, all on boxes in global tensor coordinates:
 
 from __future__ import annotations
 
-import json
 import os
 import tempfile
 from pathlib import Path
@@ -125,8 +124,8 @@ class Plan(BaseModel):
         return self.lower_bound_seconds / self.predicted_seconds
 
     def to_json(self) -> str:
-        """Deterministic JSON text (sorted keys, fixed indentation, trailing newline)."""
-        return json.dumps(self.model_dump(mode="json"), indent=1, sort_keys=True) + "\n"
+        """Deterministic JSON text: fields in schema order, fixed indentation, trailing newline."""
+        return self.model_dump_json(indent=1) + "\n"
 
     @classmethod
     def from_json(cls, text: str) -> "Plan":
