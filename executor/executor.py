@@ -97,13 +97,13 @@ class ReshardingExecutor:
         poll(self.world.Iallgather(mine, every), self.timeout_s, self.poll_s, "prepare() on every rank")
         other = [r for r in range(len(every)) if not np.array_equal(every[r, 1:], every[0, 1:])]
         if other:
-            raise PlanMismatchError(f"ranks {_list(other)} loaded a different plan than rank 0; start every rank with the same plan file",
+            raise PlanMismatchError(f"{_list(other)} loaded a different plan than rank 0; start every rank with the same plan file",
                                     same_on_every_rank=True)
         if error is not None:
             raise error
         refused = [r for r in range(len(every)) if every[r, 0]]
         if refused:
-            raise PlanMismatchError(f"ranks {_list(refused)} refused the plan (their errors say why); nothing was moved",
+            raise PlanMismatchError(f"{_list(refused)} refused the plan (their errors say why); nothing was moved",
                                     same_on_every_rank=True)
 
     def _own_communicator(self):
@@ -153,7 +153,9 @@ class ReshardingExecutor:
 
 
 def _list(ranks: list[int]) -> str:
-    return ",".join(map(str, ranks[:8])) + (f" (+{len(ranks) - 8} more)" if len(ranks) > 8 else "")
+    """`rank 3` or `ranks 1,2,5`."""
+    shown = ",".join(map(str, ranks[:8])) + (f" (+{len(ranks) - 8} more)" if len(ranks) > 8 else "")
+    return f"rank{'s' if len(ranks) > 1 else ''} {shown}"
 
 
 def _mpi():

@@ -121,7 +121,7 @@ def test_every_operation_kind_is_exercised():
     assert kinds == {"copy", "send", "broadcast", "allgather"} and chunked
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(seed=st.integers(0, 10**6), strategy=st.sampled_from(STRATEGIES + ("auto",)), devices=st.integers(1, 9))
 def test_random_planner_cases_bit_exact(seed, strategy, devices):
     plan = compiled(random_problem(seed, max_devices=devices, exact=False), strategy)

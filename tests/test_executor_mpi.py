@@ -1,0 +1,86 @@
+"""Multi-rank executor tests: real `mpiexec` launches on scaled paper plans, planner cases and faults."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from schemas import load_plan
+from test_executor_cases import DEVICES, all_fixed_plans, compiled, random_problem, write_plans
+
+ROOT = Path(__file__).resolve().parents[1]
+VENV_BIN = Path(sys.executable).parent
+MPIEXEC = VENV_BIN / "mpiexec"
+WORKER = ROOT / "tests" / "test_executor_worker.py"
+PLANS = ROOT / "plans"
+
+pytestmark = [pytest.mark.mpi, pytest.mark.skipif(not MPIEXEC.exists(), reason=f"no mpiexec at {MPIEXEC} (install the mpich wheel)")]
+
+
+def mpiexec(n: int, *args: str, timeout: float = 120, keep_going: bool = False) -> subprocess.CompletedProcess:
+    """Launch `n` ranks; with `keep_going`, a dead rank does not take the others down (they must notice it)."""
+    env = dict(os.environ, MPIR_CVAR_ENABLE_HEAVY_YIELD="1", PYTHONPATH=str(ROOT))
+    cmd = [str(MPIEXEC)] + (["-disable-auto-cleanup"] if keep_going else []) + ["-n", str(n), sys.executable, *args]
+    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+REFERENCE_GROUPS = {  # world size -> reference plans that need exactly that many ranks
+    16: ["case1", "case2", "case3", "case4", "case5", "case9"],
+    12: ["case7", "case8"],
+    20: ["case6"],
+    9: ["one_to_4x2"],
+    4: ["one_to_1x3"],
+}
+
+
+@pytest.mark.parametrize("ranks", sorted(REFERENCE_GROUPS))
+def test_reference_plans_scaled_check_bit_exact(ranks):
+    paths = [PLANS / f"{name}.plan.json" for name in REFERENCE_GROUPS[ranks]]
+    if not all(p.exists() for p in paths):
+        pytest.skip("reference plans not compiled yet; run `make plans`")
+    assert all(len(set(load_plan(p).problem.src.mesh.devices) | set(load_plan(p).problem.dst.mesh.devices)) == ranks for p in paths)
+    result = mpiexec(ranks, "-m", "executor.run", *map(str, paths), "--check", "--max-mb", "1", "--iters", "2", "--warmup", "0")
+    assert result.returncode == 0, result.stderr[-3000:]
+    lines = [l for l in result.stdout.splitlines() if "check ok" in l]
+    assert len(lines) == len(paths), result.stdout
+
+
+def test_planner_cases_every_strategy_uneven_and_overlapping(tmp_path):
+    """Fixed cases x 4 strategies (+ chunked broadcasts) and seeded random cases, via run(), start/wait and DLPack."""
+    plans = all_fixed_plans() + [compiled(random_problem(seed), "auto") for seed in range(6)]
+    paths = write_plans(tmp_path, plans)
+    result = mpiexec(DEVICES, str(WORKER), "check", *paths)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.count("ok ") == len(plans), result.stdout
+
+
+@pytest.fixture(scope="module")
+def small_plan(tmp_path_factory) -> str:
+    return write_plans(tmp_path_factory.mktemp("plans"), [all_fixed_plans()[0]])[0]
+
+
+def test_a_dead_rank_makes_the_others_fail_with_a_named_peer(small_plan):
+    result = mpiexec(DEVICES, str(WORKER), "die", small_plan, keep_going=True, timeout=90)
+    assert result.returncode != 0
+    assert result.stderr.count("PeerTimeoutError") == DEVICES - 1, result.stderr  # ranks' lines may interleave
+    named = re.findall(r"op \d+ \(task \d+, \w+[^)]*\): (?:receive|send) \d+ B (?:from|to) device 1 \(rank 1\)", result.stderr)
+    assert named, result.stderr
+
+
+def test_a_plan_for_another_world_size_is_refused(small_plan):
+    result = mpiexec(3, "-m", "executor.run", small_plan, "--check")
+    assert result.returncode == 2
+    assert f"run with mpiexec -n {DEVICES}" in result.stderr and "this MPI world has 3 ranks" in result.stderr
+    assert result.stderr.count("error:") == 1, "only rank 0 reports an error every rank shares"
+
+
+def test_ranks_with_different_plans_are_refused_before_moving_data(tmp_path):
+    a, b = write_plans(tmp_path, [compiled(random_problem(1), "auto"), compiled(random_problem(2), "auto")])
+    result = mpiexec(DEVICES, str(WORKER), "other-plan", a, b, keep_going=True)
+    assert result.returncode != 0
+    assert result.stderr.count("rank 1 loaded a different plan than rank 0") == DEVICES, result.stderr
