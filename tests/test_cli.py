@@ -262,6 +262,14 @@ def _planted(tmp_path) -> tuple[Path, Path]:
     return good, bad
 
 
+def test_plan_json_text_round_trips_byte_for_byte(tmp_path):
+    out = tmp_path / "p.json"
+    assert run("compile", str(CASE3), *FAST, "--strategy", "local_allgather", "-o", str(out)).exit_code == 0
+    text = out.read_text()
+    assert text.endswith("\n")
+    assert Plan.from_json(text).to_json() == text
+
+
 def test_verify_reference_plans_pass():
     plans = sorted(str(p) for p in (ROOT / "plans").glob("*.plan.json"))
     assert plans

@@ -11,11 +11,12 @@ from __future__ import annotations
 
 import math
 
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from planner.compile import compile_plan
 from planner.problem_io import build_problem
+from planner.unit_tasks import decompose
 from planner.verify import verify_plan
 from schemas.geometry import region_size
 from schemas.plan import Plan
@@ -81,7 +82,8 @@ def check_plan(plan: Plan) -> None:
         assert received.get(device, 0) == region_size(block) * problem.itemsize, (device, block)
     assert set(received) <= set(problem.blocks("dst")), "only destination devices receive"
     assert 0.0 <= plan.lower_bound_seconds <= plan.predicted_seconds, (plan.lower_bound_seconds, plan.predicted_seconds)
-    assert Plan.from_json(plan.to_json()) == plan
+    text = plan.to_json()
+    assert Plan.from_json(text) == plan and Plan.from_json(text).to_json() == text
     host = problem.cluster.host_of
     for task in plan.tasks:
         assert task.sender in task.senders and task.sender_host == host(task.sender)
@@ -116,6 +118,8 @@ def test_compiling_is_deterministic_and_merge_agnostic(problem, strategy, merge)
 @settings(max_examples=12, **SETTINGS)
 @given(problems(), st.sampled_from(STRATEGIES))
 def test_the_default_solver_gives_a_correct_plan(problem, strategy):
+    # the default solver may run CP-SAT, whose budget is deterministic time, not wall time: keep instances small
+    assume(len(decompose(problem)) <= 64)
     check_plan(compile_plan(problem, strategy=strategy))
 
 

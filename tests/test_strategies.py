@@ -204,3 +204,43 @@ def test_auto_picks_the_fastest_strategy_per_task(case, compile_quick):
         durations = {name: fn(c).duration_s for name, fn in STRATEGIES.items()}
         assert task.end_s - task.start_s == pytest.approx(min(durations.values()), abs=1e-11)
         assert durations[task.strategy] == pytest.approx(min(durations.values()), abs=1e-11)
+
+
+# --- the lower bound, by arithmetic ----------------------------------------------------------------------
+
+GIB = 2**30
+
+
+@pytest.mark.parametrize("name, busiest_bytes", [
+    ("case1", GIB),                       # each destination host needs half the 2 GiB tensor
+    ("case3", GIB),
+    ("case4", GIB),
+    ("case8", 2 * GIB),                   # R R R: each of 3 destination hosts needs the whole tensor
+    ("case6", GIB),                       # each source host alone holds 1 GiB that other hosts need
+    ("one_to_4x2", GIB),                  # the one source host must send the 1 GiB at least once
+])
+def test_lower_bound_is_the_busiest_nic(case, name, busiest_bytes):
+    from planner.bounds import lower_bound
+    from planner.unit_tasks import decompose
+    problem = case(name)
+    bound = lower_bound(decompose(problem), problem.cluster, problem.itemsize)
+    assert bound.seconds == pytest.approx(busiest_bytes / NIC, rel=1e-12)
+    assert str(bound).startswith(f"{bound.seconds:.6f}s (host ")
+
+
+def test_lower_bound_when_all_source_hosts_must_share_the_sending(problem):
+    from planner.bounds import lower_bound
+    from planner.unit_tasks import decompose
+    # two source hosts hold everything; four one-device destination hosts each need a quarter
+    p = problem((64, 64), "2x4", "R R", "4x1", "S0 R", dtype="int32")
+    bound = lower_bound(decompose(p), p.cluster, p.itemsize)
+    assert bound.reason == "all source hosts send"
+    assert bound.seconds == pytest.approx(64 * 64 * 4 / (2 * NIC), rel=1e-12)
+
+
+def test_lower_bound_is_zero_inside_one_host(problem):
+    from planner.bounds import lower_bound
+    from planner.unit_tasks import decompose
+    p = problem((8, 8), {"shape": [2], "devices": [0, 1]}, "S0 R", {"shape": [2], "devices": [2, 3]}, "R S0")
+    bound = lower_bound(decompose(p), p.cluster, p.itemsize)
+    assert (bound.seconds, bound.reason) == (0.0, "nothing crosses hosts")
