@@ -102,8 +102,8 @@ def assemble(problem: ReshardingProblem, cells: list[Cell], options: list[TaskOp
         predicted_seconds=round(predicted, DIGITS), lower_bound_seconds=round(bound.seconds, DIGITS))
 
 
-def compile_plan(problem: ReshardingProblem, strategy: str = "broadcast", solver: str = "greedy", seed: int = 0,
-                 time_limit_s: float = 1.0, merge: bool = True) -> Plan:
+def compile_plan(problem: ReshardingProblem, strategy: str = "broadcast", solver: str = "auto", seed: int = 0,
+                 time_limit_s: float = 10.0, merge: bool = True) -> Plan:
     """Compile a plan; same inputs give a byte-identical plan."""
     cells = decompose(problem, merge=merge)
     options = task_options(problem, cells, strategy)

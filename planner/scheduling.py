@@ -9,7 +9,7 @@ resources are free. Tasks that share a resource never overlap (the paper's Eq. 3
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable, Protocol
+from typing import Protocol
 
 Resource = tuple[int, str]
 """(host, side) with side one of 'send', 'recv', 'intra' (or 'send:<nic>', 'recv:<nic>' per NIC)."""
@@ -114,13 +114,8 @@ def greedy_least_loaded(tasks: list[SchedulingTask], *, seed: int = 0, time_limi
     return Schedule(choice, start, solver="greedy")
 
 
-SOLVERS: dict[str, Callable[..., Schedule]] = {"greedy": greedy_least_loaded}
+def solve(tasks: list[SchedulingTask], solver: str = "auto", *, seed: int = 0, time_limit_s: float = 10.0) -> Schedule:
+    """Run a solver by name (see `planner.solvers.SOLVERS`); the error lists the valid names."""
+    from .solvers import solve as solve_by_name  # the solvers import this module's types
 
-
-def solve(tasks: list[SchedulingTask], solver: str = "greedy", *, seed: int = 0, time_limit_s: float = 1.0) -> Schedule:
-    """Run a solver by name; the error lists the valid names."""
-    if solver not in SOLVERS:
-        raise ValueError(f"unknown solver {solver!r}; choose one of: {', '.join(sorted(SOLVERS))}")
-    schedule = SOLVERS[solver](tasks, seed=seed, time_limit_s=time_limit_s)
-    check_schedule(tasks, schedule)
-    return schedule
+    return solve_by_name(tasks, solver, seed=seed, time_limit_s=time_limit_s)

@@ -1,0 +1,150 @@
+"""Every solver returns a valid schedule, deterministically; the exact ones reach the brute-force optimum."""
+
+from __future__ import annotations
+
+import itertools
+import random
+
+import pytest
+
+from planner.compile import compile_plan, task_options
+from planner.scheduling import Option, Schedule, SchedulingTask, check_schedule, solve as solve_via_scheduling, timetable
+from planner.solvers import SOLVERS, solve
+from planner.solvers.auto import solve_auto
+from planner.solvers.bound import schedule_lower_bound
+from planner.solvers.cpsat import run_cpsat
+from planner.solvers.list_backfill import solve_list_backfill
+from planner.solvers.randomized_greedy import solve_randomized_greedy
+from planner.solvers.size import solve_size
+from planner.unit_tasks import decompose
+from planner.verify import verify_plan
+from schemas import DeviceMesh, Placement, ReshardingProblem
+
+FAST = ["naive", "size", "greedy", "randomized-greedy", "dfs", "list-backfill"]
+
+
+def random_tasks(n: int, seed: int, src_hosts: int = 3, dst_hosts: int = 3) -> list[SchedulingTask]:
+    """Tasks with 1-2 candidate sender hosts and 1-2 receiver hosts, durations 0.1-0.5 s."""
+    rng = random.Random(seed)
+    tasks = []
+    for i in range(n):
+        senders = sorted(rng.sample(range(src_hosts), rng.choice([1, 2])))
+        receivers = rng.sample(range(src_hosts, src_hosts + dst_hosts), rng.choice([1, 2]))
+        duration = rng.choice([0.1, 0.2, 0.3, 0.5])
+        recv = {(h, "recv") for h in receivers}
+        tasks.append(SchedulingTask(i, tuple(Option(h, 4 * h, duration, frozenset({(h, "send")} | recv)) for h in senders)))
+    return tasks
+
+
+def brute_force(tasks: list[SchedulingTask]) -> float:
+    """The optimum: every sender choice, every dispatch order (an optimal schedule sorted by start is one)."""
+    best = float("inf")
+    for picks in itertools.product(*(range(len(t.options)) for t in tasks)):
+        choice = {t.id: i for t, i in zip(tasks, picks)}
+        for order in itertools.permutations([t.id for t in tasks]):
+            start = timetable(tasks, choice, list(order))
+            best = min(best, Schedule(choice, start, "brute").makespan(tasks))
+    return best
+
+
+def mesh(shape, first_host, per_host=4):
+    return DeviceMesh(shape=shape, devices=tuple((first_host + h) * per_host + g for h in range(shape[0]) for g in range(shape[1])))
+
+
+def problem(src_spec, dst_spec, src_mesh=(2, 4), dst_mesh=(2, 4), shape=(1024, 1024, 512)):
+    return ReshardingProblem(shape=shape, dtype="int32", src=Placement(mesh=mesh(src_mesh, 0), spec=src_spec),
+                             dst=Placement(mesh=mesh(dst_mesh, src_mesh[0]), spec=dst_spec))
+
+
+def scheduling_tasks(p: ReshardingProblem) -> list[SchedulingTask]:
+    return [o.scheduling for o in task_options(p, decompose(p), "broadcast")]
+
+
+@pytest.mark.parametrize("name", FAST + ["cpsat", "auto"])
+def test_every_solver_gives_a_valid_schedule_above_the_bound(name):
+    for seed in range(3):
+        tasks = random_tasks(12, seed)
+        schedule = solve(tasks, name, seed=seed, time_limit_s=0.2)
+        check_schedule(tasks, schedule)
+        assert schedule.makespan(tasks) >= schedule_lower_bound(tasks) - 1e-9
+        if schedule.proven_bound_s is not None:
+            assert schedule.proven_bound_s <= schedule.makespan(tasks) + 1e-9
+
+
+@pytest.mark.parametrize("name", FAST + ["cpsat", "auto"])
+def test_solvers_are_deterministic(name):
+    tasks = random_tasks(16, 7)
+    first = solve(tasks, name, seed=3, time_limit_s=0.2)
+    second = solve(tasks, name, seed=3, time_limit_s=0.2)
+    assert (first.choice, first.start_s) == (second.choice, second.start_s)
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_exact_solvers_reach_the_brute_force_optimum(seed):
+    tasks = random_tasks(5, 100 + seed, src_hosts=2, dst_hosts=2)
+    optimum = brute_force(tasks)
+    for name in ("dfs", "cpsat", "auto"):
+        assert solve(tasks, name, time_limit_s=1.0).makespan(tasks) == pytest.approx(optimum, rel=1e-3), name
+
+
+def test_heuristics_never_beat_the_brute_force_optimum():
+    tasks = random_tasks(5, 42, src_hosts=2, dst_hosts=2)
+    optimum = brute_force(tasks)
+    for name in FAST:
+        assert solve(tasks, name).makespan(tasks) >= optimum - 1e-9
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_auto_is_never_worse_than_the_heuristics_it_ran(seed):
+    tasks = random_tasks(30, seed)
+    auto = solve_auto(tasks, seed=seed, time_limit_s=0.3)
+    heuristics = [solve_list_backfill(tasks), solve_size(tasks), solve_randomized_greedy(tasks, seed=seed, time_limit_s=0.1)]
+    assert auto.makespan(tasks) <= min(h.makespan(tasks) for h in heuristics) + 1e-12
+    assert float(auto.details["gap_to_proven_bound"]) >= 0
+    assert auto.details["winner"] in SOLVERS
+
+
+def test_cpsat_bound_is_a_true_lower_bound_and_it_finds_a_solution():
+    tasks = random_tasks(5, 5, src_hosts=2, dst_hosts=2)
+    outcome = run_cpsat(tasks, time_limit_s=1.0)
+    assert outcome.schedule is not None
+    assert outcome.proven_bound_s <= brute_force(tasks) + 1e-9 <= outcome.schedule.makespan(tasks) + 2e-9
+
+
+def test_case3_reaches_the_edge_colouring_optimum():
+    """R S0 R -> S0 R R: each sender host feeds both receiver hosts; ordering lets both send at once."""
+    tasks = scheduling_tasks(problem("R S0 R", "S0 R R"))
+    bound = schedule_lower_bound(tasks)
+    assert solve(tasks, "naive").makespan(tasks) == pytest.approx(1.5 * bound, rel=1e-6)
+    for name in ("randomized-greedy", "dfs", "list-backfill", "cpsat", "auto"):
+        assert solve(tasks, name).makespan(tasks) == pytest.approx(bound, rel=1e-9), name
+
+
+def test_case4_64_tasks_auto_meets_the_bound():
+    tasks = scheduling_tasks(problem("R S01 R", "S01 R R"))
+    assert len(tasks) == 64
+    assert solve(tasks, "auto").makespan(tasks) == pytest.approx(schedule_lower_bound(tasks), rel=1e-9)
+
+
+def test_size_balances_senders_where_naive_does_not():
+    """R R R -> S0 R R: both receiver hosts' slices are on both sender hosts; naive sends all from host 0."""
+    tasks = scheduling_tasks(problem("R R R", "S0 R R"))
+    assert solve(tasks, "size").makespan(tasks) == pytest.approx(solve(tasks, "naive").makespan(tasks) / 2, rel=1e-6)
+
+
+def test_unknown_solver_lists_the_valid_names():
+    with pytest.raises(ValueError, match="list-backfill"):
+        solve(random_tasks(2, 0), "magic")
+
+
+def test_scheduling_solve_delegates_to_the_registry():
+    tasks = random_tasks(6, 1)
+    assert solve_via_scheduling(tasks, "list-backfill").start_s == solve(tasks, "list-backfill").start_s
+
+
+def test_compile_defaults_to_auto_and_the_plan_verifies():
+    plan = compile_plan(problem("R S0 R", "R R S0"))
+    assert plan.solver.name == "auto"
+    assert plan.predicted_seconds <= 1.05 * plan.lower_bound_seconds
+    verify_plan(plan)
+    assert compile_plan(problem("R S0 R", "R R S0")).to_json() == plan.to_json()
