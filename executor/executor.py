@@ -86,7 +86,7 @@ class ReshardingExecutor:
         else:
             from .nccl_engine import NcclEngine
 
-            self.engine = NcclEngine(*args, gpu=self.gpu, devices_per_host=self.plan.problem.cluster.devices_per_host)
+            self.engine = NcclEngine(*args, plan=self.plan, gpu=self.gpu, devices_per_host=self.plan.problem.cluster.devices_per_host)
         self.engine.setup()
         return self
 

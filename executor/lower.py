@@ -122,6 +122,12 @@ def contiguous_span(region: Region, block: Region, itemsize: int) -> tuple[int, 
     return offset * itemsize, (offset + math.prod(sub)) * itemsize
 
 
+def make_box(side: Side, region: Region, block: Region, itemsize: int) -> Box:
+    """`region` (inside `block`) as it sits in the C-ordered shard holding `block`."""
+    shape = region_shape(region)
+    return Box(side, region, local_slices(region, block), shape, math.prod(shape) * itemsize, contiguous_span(region, block, itemsize))
+
+
 def chunk_ranges(nbytes: int, chunks: int, itemsize: int) -> list[tuple[int, int]]:
     """Byte ranges of the non-empty pieces when `nbytes` is cut into `chunks` on element boundaries."""
     elements = nbytes // itemsize
@@ -133,7 +139,7 @@ def _within(region: Region, block: Region) -> bool:
     return len(region) == len(block) and all(b0 <= r0 <= r1 <= b1 for (r0, r1), (b0, b1) in zip(region, block))
 
 
-def _empty(region: Region) -> bool:
+def is_empty(region: Region) -> bool:
     return any(a >= b for a, b in region)
 
 
@@ -174,9 +180,7 @@ class _Builder:
         block = blocks[device]
         if not _within(region, block):
             self.fail(op, f"box {format_region(region)} is not inside device {device}'s {side} shard {format_region(block)}")
-        shape = region_shape(region)
-        return Box(side, region, local_slices(region, block), shape, math.prod(shape) * self.itemsize,
-                   contiguous_span(region, block, self.itemsize))
+        return make_box(side, region, block, self.itemsize)
 
     def readers_wait_for(self, region: Region) -> tuple[int, ...]:
         """Earlier steps that write any part of `region` of the destination shard."""
@@ -255,16 +259,16 @@ def _lower_allgather(b: _Builder, op: Operation, base: int) -> None:
     if b.device not in members:
         return
     for part in op.parts:
-        if not _empty(part) and not _within(part, op.region):
+        if not is_empty(part) and not _within(part, op.region):
             b.fail(op, f"part {format_region(part)} lies outside the gathered box {format_region(op.region)}")
     i = members.index(b.device)
     mine = op.parts[i]
-    if not _empty(mine):
+    if not is_empty(mine):
         data, deps = b.outgoing(op, b.box(op, "dst", b.device, mine), b.readers_wait_for(mine))
         for peer in members[:i] + members[i + 1:]:
             b.add("send", op, deps=deps, peer=peer, tag=b.tag(base, i), data=data, piece=f"part {i}")
     for j, (peer, part) in enumerate(zip(members, op.parts)):
-        if j != i and not _empty(part):
+        if j != i and not is_empty(part):
             box = b.box(op, "dst", b.device, part)
             b.receive(op, box, peer, [b.tag(base, j)], [(0, box.nbytes)], [f"part {j}"])
 
@@ -282,7 +286,7 @@ def uncovered(block: Region, written: list[Region]) -> Region | None:
     """
     import numpy as np
 
-    if _empty(block):
+    if is_empty(block):
         return None
     cuts = [sorted({lo, hi} | {c for r in written for c in r[d]}) for d, (lo, hi) in enumerate(block)]
     covered = np.zeros([len(c) - 1 for c in cuts], dtype=bool)

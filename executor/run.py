@@ -58,6 +58,9 @@ def _arguments(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--max-mb", type=float, default=64.0, help="shrink the tensor to at most this many MiB (default 64)")
     parser.add_argument("--scale", help="exact shrink factors per dim instead of --max-mb, e.g. 4,4,2 (1,1,1 = full size)")
     parser.add_argument("--backend", choices=BACKENDS, default="mpi")
+    parser.add_argument("--gpu", type=int, help="nccl: put every rank on this GPU instead of device %% devices_per_host")
+    parser.add_argument("--fake-hosts", action="store_true",
+                        help="nccl: give each rank its own NCCL_HOSTID and the socket transport, so several ranks can share one GPU")
     parser.add_argument("--timeout", type=float, default=60.0, help="seconds without progress before a rank gives up (default 60)")
     args = parser.parse_args(argv)
     if args.iters < 1 or args.warmup < 0:
@@ -80,7 +83,7 @@ def demo(plan: Plan, comm, args: argparse.Namespace) -> tuple[str, bool]:
     """Run one plan; returns rank 0's report line and whether every check passed."""
     from mpi4py import MPI
 
-    ex = ReshardingExecutor(plan, comm, backend=args.backend, timeout_s=args.timeout).prepare()
+    ex = ReshardingExecutor(plan, comm, backend=args.backend, timeout_s=args.timeout, gpu=args.gpu).prepare()
     problem, program = plan.problem, ex.program
     shard = fill(program.src_block, problem.shape, ex.engine.dtype) if program.src_block else None
     if args.backend == "nccl" and shard is not None:
@@ -115,12 +118,27 @@ def demo(plan: Plan, comm, args: argparse.Namespace) -> tuple[str, bool]:
     return line, not failures[0]
 
 
+def fake_hosts(rank: int) -> None:
+    """Make NCCL treat each rank as its own host (untested here: no GPU on the development machine).
+
+    NCCL refuses two ranks of one host on one GPU ("Duplicate GPU detected"); the host is identified
+    by a hash that NCCL_HOSTID overrides. Sockets replace the P2P and shared-memory transports, which
+    assume distinct GPUs. Must run before the first NCCL call.
+    """
+    os.environ["NCCL_HOSTID"] = f"xmesh-rank-{rank}"
+    for key in ("NCCL_P2P_DISABLE", "NCCL_SHM_DISABLE"):
+        os.environ.setdefault(key, "1")
+    os.environ.setdefault("NCCL_NET", "Socket")
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _arguments(argv)
     from mpi4py import MPI
 
     comm, status = MPI.COMM_WORLD, 0
     rank = comm.Get_rank()
+    if args.fake_hosts:
+        fake_hosts(rank)
     for path in args.plans:
         try:
             plan = load_plan(path)

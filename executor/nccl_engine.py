@@ -1,0 +1,177 @@
+"""Run one device's NCCL calls (see `nccl_plan`) through CuPy on the GPU, on the executor's own stream.
+
+CuPy is imported only here and only when this backend is prepared. Packing a non-contiguous box into
+staging and unpacking it are CuPy copy kernels on the same stream, so no byte goes through the host.
+The unique id of each group's communicator travels over MPI as 128 raw bytes (no pickle). `wait()`
+polls a CUDA event per operation with a short sleep; past the deadline it aborts the communicators
+and names the first unfinished operation.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from .arrays import is_device_array
+from .errors import BackendUnavailableError, PeerTimeoutError, PlanMismatchError
+from .lower import RankProgram
+from .nccl_plan import Bcast, Copy, nccl_program
+
+UNIQUE_ID_BYTES = 128
+
+
+def import_cupy():
+    """CuPy and its NCCL module, or BackendUnavailableError saying what to install."""
+    try:
+        import cupy
+        from cupy.cuda import nccl
+    except ImportError as err:
+        raise BackendUnavailableError(f"the nccl backend needs CuPy with NCCL ({err}); pip install cupy-cuda12x "
+                                      "(and nvidia-nccl-cu12), or use backend='mpi'") from None
+    if not getattr(nccl, "available", True):
+        raise BackendUnavailableError("CuPy was built without NCCL; install a cupy-cuda12x wheel with nvidia-nccl-cu12, or use backend='mpi'")
+    return cupy, nccl
+
+
+def gpu_count(cupy) -> int:
+    try:
+        return cupy.cuda.runtime.getDeviceCount()
+    except cupy.cuda.runtime.CUDARuntimeError as err:
+        raise BackendUnavailableError(f"CuPy finds no CUDA device ({err}); use backend='mpi' on this machine") from None
+
+
+class NcclEngine:
+    """Replays a plan's NCCL calls for one device; same interface as MpiEngine."""
+
+    def __init__(self, program: RankProgram, comm, rank_of: dict[int, int], dtype: np.dtype, timeout_s: float,
+                 poll_s: tuple[float, float], plan=None, gpu: int | None = None, devices_per_host: int = 1):
+        self.program, self.comm, self.rank_of, self.dtype = program, comm, rank_of, dtype
+        self.timeout_s, self.poll_s, self.plan = timeout_s, poll_s, plan
+        self.gpu = program.device % devices_per_host if gpu is None else gpu
+        self.dst = None
+        self.broken: str | None = None
+
+    def setup(self) -> None:
+        cupy, nccl = import_cupy()
+        self.cupy, self.nccl = cupy, nccl
+        count = gpu_count(cupy)
+        if not 0 <= self.gpu < count:
+            raise PlanMismatchError(f"device {self.program.device} maps to GPU {self.gpu} but this host has {count}; "
+                                    "pass gpu= (python -m executor.run --gpu) or place fewer devices per host")
+        cupy.cuda.Device(self.gpu).use()
+        self.calls = nccl_program(self.plan, self.program.device)
+        self.communicators = self._communicators()
+        p = self.program
+        self.dst = cupy.empty(p.dst_shape, self.dtype) if p.dst_shape is not None else None
+        self.stage = cupy.empty(max(self.calls.stage_bytes, 1), cupy.uint8)
+        self.stream = cupy.cuda.Stream(non_blocking=True)
+        self.input_ready = cupy.cuda.Event(disable_timing=True)
+        self.done = [cupy.cuda.Event(disable_timing=True) for _ in self.calls.actions]
+        self.uint8 = getattr(nccl, "NCCL_UINT8", nccl.NCCL_CHAR)
+        self.pending = False
+
+    def _communicators(self) -> dict:
+        """One NCCL communicator per group this device is in, created in the plan's group order on every rank."""
+        me, mine = self.program.device, {}
+        ids = {}
+        requests = []
+        for index, group in enumerate(self.calls.groups):
+            if me not in group:
+                continue
+            buf = np.zeros(UNIQUE_ID_BYTES, np.int8)
+            if me == group[0]:
+                buf[:] = np.array(self.nccl.get_unique_id(), dtype=np.int64).astype(np.int8)
+                requests += [self.comm.Isend(buf, dest=self.rank_of[d], tag=index % 32768) for d in group[1:]]
+            else:
+                requests.append(self.comm.Irecv(buf, source=self.rank_of[group[0]], tag=index % 32768))
+            ids[group] = buf
+        deadline = time.monotonic() + self.timeout_s
+        while not all(r.Test() for r in requests):
+            if time.monotonic() > deadline:
+                raise PeerTimeoutError(f"device {me}: NCCL unique ids did not arrive within {self.timeout_s:g} s; "
+                                       "every rank must call prepare() with the same plan")
+            time.sleep(self.poll_s[0])
+        for group, buf in ids.items():
+            mine[group] = self._communicator(len(group), buf, group.index(me))
+        return mine
+
+    def _communicator(self, size: int, uid: np.ndarray, rank: int):
+        """CuPy stores the id as C chars: signed on x86, unsigned on some ARM builds; try both."""
+        try:
+            return self.nccl.NcclCommunicator(size, tuple(int(x) for x in uid), rank)
+        except OverflowError:
+            return self.nccl.NcclCommunicator(size, tuple(int(x) for x in uid.view(np.uint8)), rank)
+
+    def adopt(self, array):
+        """A CuPy view of `array` (CuPy, or a CUDA tensor through DLPack); numpy input is copied to the GPU."""
+        if isinstance(array, self.cupy.ndarray):
+            return array
+        if is_device_array(array):
+            return self.cupy.from_dlpack(array)
+        return self.cupy.asarray(np.asarray(array))
+
+    def contiguous(self, array):
+        return self.cupy.ascontiguousarray(array)
+
+    def poison(self) -> None:
+        self.dst.reshape(-1).view(self.cupy.uint8).fill(0xA5)
+
+    def host_copy(self, array) -> np.ndarray:
+        return self.cupy.asnumpy(array)
+
+    def start(self, src) -> None:
+        """Enqueue every call on the executor's stream, after the work already queued on the caller's stream."""
+        if self.broken:
+            raise PeerTimeoutError(f"this executor stopped after an error ({self.broken}); create and prepare a new one")
+        cupy = self.cupy
+        self.input_ready.record(cupy.cuda.get_current_stream())
+        self.stream.wait_event(self.input_ready)
+        with self.stream:
+            for call, event in zip(self.calls.actions, self.done):
+                if isinstance(call, Copy):
+                    cupy.copyto(self.dst[call.target.index], src[call.source.index])
+                else:
+                    self._bcast(call, src)
+                event.record(self.stream)
+        self.pending = bool(self.done)
+        self.started = time.monotonic()
+
+    def _bcast(self, call: Bcast, src) -> None:
+        box, cupy = call.box, self.cupy
+        shard = src if box.side == "src" else self.dst
+        if call.stage is None:
+            base = shard.data.ptr + box.span[0]
+        else:
+            staged = self.stage[call.stage:call.stage + box.nbytes].view(self.dtype).reshape(box.shape)
+            base = staged.data.ptr
+            if call.is_root:
+                cupy.copyto(staged, shard[box.index])
+        comm, root = self.communicators[call.group], call.group.index(call.root)
+        for lo, hi in call.chunks:
+            comm.bcast(base + lo, hi - lo, self.uint8, root, self.stream.ptr)
+        if call.stage is not None and not call.is_root:
+            cupy.copyto(self.dst[box.index], staged)
+
+    def test(self) -> bool:
+        if self.pending and self.done[-1].done:
+            self.pending = False
+        return not self.pending
+
+    def wait(self) -> None:
+        nap, deadline = self.poll_s[0], time.monotonic() + self.timeout_s
+        while not self.test():
+            if time.monotonic() > deadline:
+                self._fail()
+            time.sleep(nap)
+            nap = min(nap * 2, self.poll_s[1])
+
+    def _fail(self) -> None:
+        first = next(c for c, e in zip(self.calls.actions, self.done) if not e.done)
+        for comm in self.communicators.values():
+            comm.abort()
+        what = first.describe() if isinstance(first, Bcast) else f"op {first.op}: local copy"
+        self.broken = f"timed out in {what}"
+        raise PeerTimeoutError(f"device {self.program.device} (GPU {self.gpu}): {what} did not finish within "
+                               f"{self.timeout_s:g} s; check that every rank is alive and runs the same plan "
+                               "(the communicators were aborted)")

@@ -1,0 +1,232 @@
+"""Executor pieces without MPI: lowering checks, rank rule, arrays, pattern, scaling, NCCL call lists."""
+
+from __future__ import annotations
+
+import doctest
+import importlib
+
+import numpy as np
+import pytest
+
+from executor import BackendUnavailableError, PlanMismatchError, ReshardingExecutor
+from executor.arrays import as_host_array, check_shard, storage_dtype
+from executor.lower import chunk_ranges, contiguous_span, lower
+from executor.nccl_plan import Bcast, Copy, communicator_groups, nccl_program
+from executor.pattern import fill, mismatches
+from executor.ranks import device_of_rank, plan_devices
+from executor.scale import factors_for, scale_plan
+from schemas import load_plan
+from schemas.geometry import region_shape
+from test_executor_cases import STRATEGIES, all_fixed_plans, compiled, fixed_problems, random_problem
+
+MODULES = ["executor.lower", "executor.ranks", "executor.pattern", "executor.scale"]
+
+
+@pytest.mark.parametrize("name", MODULES)
+def test_docstring_examples_hold(name):
+    result = doctest.testmod(importlib.import_module(name))
+    assert result.attempted > 0 and result.failed == 0
+
+
+def _plan(strategy="send_recv"):
+    return compiled(fixed_problems()[0], strategy)
+
+
+def test_contiguous_span_matches_numpy_layout():
+    block = ((2, 5), (0, 4), (1, 3))
+    buffer = np.arange(24, dtype=np.int32).reshape(3, 4, 2)
+    for region in [((3, 4), (1, 3), (1, 3)), ((2, 5), (0, 4), (1, 3)), ((3, 4), (2, 3), (2, 3)), ((2, 4), (1, 2), (1, 3))]:
+        span = contiguous_span(region, block, 4)
+        view = buffer[tuple(slice(a - b0, b - b0) for (a, b), (b0, _) in zip(region, block))]
+        assert (span is not None) == view.flags.c_contiguous
+        if span is not None:
+            assert np.array_equal(buffer.reshape(-1).view(np.uint8)[span[0]:span[1]].view(np.int32), view.reshape(-1))
+
+
+def test_chunk_ranges_cover_the_bytes_on_element_boundaries():
+    ranges = chunk_ranges(40, 3, 4)
+    assert ranges[0][0] == 0 and ranges[-1][1] == 40 and all(a[1] == b[0] for a, b in zip(ranges, ranges[1:]))
+    assert all(lo % 4 == 0 for lo, _ in ranges)
+    assert len(chunk_ranges(8, 5, 4)) == 2  # more chunks than elements: empty ones dropped
+
+
+def test_every_message_has_a_matching_end_with_the_same_tag_and_size():
+    for plan in all_fixed_plans():
+        sends, recvs = [], []
+        for device in plan_devices(plan):
+            for s in lower(plan, device).steps:
+                if s.action == "send":
+                    sends.append((device, s.peer, s.tag, s.data.nbytes))
+                elif s.action == "recv":
+                    recvs.append((s.peer, device, s.tag, s.data.nbytes))
+        assert sorted(sends) == sorted(recvs), plan.problem.name
+        assert len(set(sends)) == len(sends), "two messages between one pair share a tag"
+
+
+def test_steps_only_wait_for_earlier_steps():
+    for plan in all_fixed_plans():
+        for device in plan_devices(plan):
+            assert all(d < s.index for s in lower(plan, device).steps for d in s.deps)
+
+
+def test_a_box_outside_the_sender_shard_is_refused_naming_the_op():
+    plan = _plan()
+    op = plan.operations[0]
+    bad = op.model_copy(update={"region": tuple((0, n) for n in plan.problem.shape)})
+    plan = plan.model_copy(update={"operations": (bad,) + plan.operations[1:]})
+    with pytest.raises(PlanMismatchError, match=rf"plan op {op.id} .*not inside device {op.src}'s src shard.*xmesh-plan verify"):
+        lower(plan, op.src)
+
+
+def test_a_plan_that_misses_part_of_a_shard_is_refused():
+    plan = _plan()
+    dropped = plan.operations[-1]
+    plan = plan.model_copy(update={"operations": plan.operations[:-1]})
+    with pytest.raises(PlanMismatchError, match=rf"never delivers .* of device {dropped.dsts[0]}'s destination shard"):
+        lower(plan, dropped.dsts[0])
+
+
+def test_a_send_with_two_receivers_is_refused():
+    plan = _plan()
+    op = plan.operations[0]
+    plan = plan.model_copy(update={"operations": (op.model_copy(update={"dsts": (op.dsts[0], 7 if op.dsts[0] != 7 else 6)}),)})
+    with pytest.raises(PlanMismatchError, match="a send has exactly one receiver"):
+        lower(plan, op.src)
+
+
+def test_rank_rule_and_the_world_size_error():
+    plan = compiled(fixed_problems()[2], "broadcast")  # devices 0..7 used
+    assert device_of_rank(plan, 3, len(plan_devices(plan))) == plan_devices(plan)[3]
+    gappy = load_plan("plans/case8.plan.json")
+    assert plan_devices(gappy) == (0, 1, 2, 4, 5, 6, 8, 9, 12, 13, 16, 17)
+    with pytest.raises(PlanMismatchError, match=r"uses 12 devices .* this MPI world has 8 ranks; run with mpiexec -n 12") as err:
+        device_of_rank(gappy, 0, 8)
+    assert err.value.same_on_every_rank
+
+
+def test_executor_arguments_are_checked_with_the_fix():
+    with pytest.raises(ValueError, match="backend 'gloo' is unknown; use one of: mpi, nccl"):
+        ReshardingExecutor(_plan(), comm=None, backend="gloo")
+    with pytest.raises(ValueError, match="timeout_s=0 must be > 0"):
+        ReshardingExecutor(_plan(), comm=None, timeout_s=0)
+
+
+def test_shard_checks_name_the_expected_shape_and_dtype():
+    with pytest.raises(PlanMismatchError, match=r"shape \(4, 3\) but the source spec 'S0 R' gives it \(4, 4\)"):
+        check_shard(np.zeros((4, 3), np.float32), (4, 4), "float32", 2, "S0 R")
+    with pytest.raises(PlanMismatchError, match="is int32 but the plan moves float32; pass a float32 array"):
+        check_shard(np.zeros((4, 4), np.int32), (4, 4), "float32", 2, "S0 R")
+    check_shard(np.zeros((4, 4), np.int16), (4, 4), "bfloat16", 2, "S0 R")  # raw 2-byte items are fine for bfloat16
+    with pytest.raises(PlanMismatchError, match="moves bfloat16"):
+        check_shard(np.zeros((4, 4), np.float32), (4, 4), "bfloat16", 2, "S0 R")
+    assert storage_dtype("float8_e4m3fn") == np.uint8
+
+
+class _Tensor:
+    """Something with DLPack only; `device` picks the DLPack device type (1 = CPU, 2 = CUDA)."""
+
+    def __init__(self, array, device=1):
+        self.array, self.device = array, device
+
+    def __dlpack__(self, **kwargs):
+        return self.array.__dlpack__(**kwargs)
+
+    def __dlpack_device__(self):
+        return (self.device, 0)
+
+
+def test_dlpack_input_is_used_without_a_copy_and_gpu_input_is_refused():
+    base = np.arange(12, dtype=np.float32).reshape(3, 4)
+    view = as_host_array(_Tensor(base), 0)
+    assert np.shares_memory(view, base) and view.shape == (3, 4)
+    with pytest.raises(PlanMismatchError, match="got a GPU array .* use backend='nccl'"):
+        as_host_array(_Tensor(base, device=2), 0)
+    with pytest.raises(PlanMismatchError, match="pass a numpy array or an object with __dlpack__"):
+        as_host_array([1, 2, 3], 0)
+
+
+def test_pattern_catches_a_single_flipped_bit():
+    region, shape = ((1, 3), (0, 5)), (4, 5)
+    for dtype in ("int8", "float16", "float32", "int64", "complex128"):
+        shard = fill(region, shape, np.dtype(dtype)).copy()
+        assert mismatches(shard, region, shape) == (0, None)
+        shard.view(np.uint8).reshape(-1)[7] ^= 1
+        bad, first = mismatches(shard, region, shape)
+        assert bad == 1 and first[0] in (1, 2)
+
+
+def test_scaling_keeps_the_plan_consistent_and_refuses_bad_factors():
+    plan = load_plan("plans/case6.plan.json")
+    factors = factors_for(plan, 16 << 20)
+    scaled = scale_plan(plan, factors)
+    assert scaled.problem.nbytes <= 16 << 20
+    for device in plan_devices(scaled):
+        lower(scaled, device)  # every box still inside its shards, every shard covered
+    with pytest.raises(PlanMismatchError, match="scale factor 4 does not divide every box boundary of dim 0; use a divisor of 2"):
+        scale_plan(plan, (4, 1, 1))
+
+
+def _interpret_nccl(plan) -> dict[int, np.ndarray]:
+    """Replay every device's NCCL call list with numpy: members of a group must issue matching calls."""
+    problem, dtype = plan.problem, storage_dtype(plan.problem.dtype)
+    programs = {d: nccl_program(plan, d) for d in plan_devices(plan)}
+    src = {d: fill(b, problem.shape, dtype) for d, b in problem.blocks("src").items()}
+    dst = {d: np.full(region_shape(b), 0xA5, np.uint8).view(dtype) if False else np.zeros(region_shape(b), dtype)
+           for d, b in problem.blocks("dst").items()}
+    for op in plan.operations:
+        calls = {d: [c for c in p.actions if c.op == op.id] for d, p in programs.items()}
+        for d, mine in calls.items():
+            for c in mine:
+                if isinstance(c, Copy):
+                    dst[d][c.target.index] = src[d][c.source.index]
+        bcasts = {d: [c for c in mine if isinstance(c, Bcast)] for d, mine in calls.items()}
+        members = {d: b for d, b in bcasts.items() if b}
+        if not members:
+            continue
+        count = {len(b) for b in members.values()}
+        assert len(count) == 1, f"op {op.id}: members issue different numbers of calls"
+        for k in range(count.pop()):
+            group = {c.group for b in members.values() for c in [b[k]]}
+            roots = {b[k].root for b in members.values()}
+            sizes = {(b[k].box.nbytes, b[k].chunks) for b in members.values()}
+            assert len(group) == 1 and len(roots) == 1 and len(sizes) == 1, f"op {op.id} call {k} disagrees"
+            assert set(members) == set(group.pop())
+            root = roots.pop()
+            root_call = members[root][k]
+            shard = src[root] if root_call.box.side == "src" else dst[root]
+            payload = np.ascontiguousarray(shard[root_call.box.index])
+            for d, b in members.items():
+                if d != root:
+                    dst[d][b[k].box.index] = payload
+    return dst
+
+
+@pytest.mark.parametrize("plan", all_fixed_plans() + [compiled(random_problem(s, exact=False), STRATEGIES[s % 4]) for s in range(12)],
+                         ids=lambda p: f"{p.problem.name}-{p.strategy}")
+def test_nccl_call_lists_deliver_every_shard(plan):
+    for device, shard in _interpret_nccl(plan).items():
+        bad, first = mismatches(shard, plan.problem.blocks("dst")[device], plan.problem.shape)
+        assert bad == 0, f"device {device}: {bad} elements differ, first at {first}"
+
+
+def test_communicator_groups_are_ordered_by_first_use():
+    plan = compiled(fixed_problems()[3], "global_allgather")
+    groups = communicator_groups(plan)
+    assert len(groups) == len(set(groups)) and all(list(g) == sorted(g) for g in groups)
+    first_use = [next(i for i, op in enumerate(plan.operations) if tuple(sorted(op.dsts if op.kind == "allgather" else (op.src, *op.dsts))) == g)
+                 for g in groups]
+    assert first_use == sorted(first_use)
+
+
+def test_nccl_backend_without_cupy_says_what_to_install():
+    from executor.nccl_engine import NcclEngine
+
+    try:
+        import cupy  # noqa: F401
+        pytest.skip("cupy is installed here; this test covers machines without it")
+    except ImportError:
+        pass
+    plan = _plan()
+    engine = NcclEngine(lower(plan, 0), None, {}, np.dtype("int32"), 1.0, (1e-5, 1e-4), plan=plan)
+    with pytest.raises(BackendUnavailableError, match="pip install cupy-cuda12x"):
+        engine.setup()
