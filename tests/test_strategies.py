@@ -5,6 +5,8 @@ from __future__ import annotations
 import itertools
 
 import pytest
+from hypothesis import assume, given, settings
+from hypothesis import strategies as st
 
 from planner.strategies import (MAX_CHUNKS, MIN_CHUNK_BYTES, STRATEGIES, TaskContext, broadcast, get_strategy,
                                 global_allgather, local_allgather, pipelined_seconds, send_recv)
@@ -244,3 +246,56 @@ def test_lower_bound_is_zero_inside_one_host(problem):
     p = problem((8, 8), {"shape": [2], "devices": [0, 1]}, "S0 R", {"shape": [2], "devices": [2, 3]}, "R S0")
     bound = lower_bound(decompose(p), p.cluster, p.itemsize)
     assert (bound.seconds, bound.reason) == (0.0, "nothing crosses hosts")
+
+
+# --- resources held cover every NIC side the operations use ------------------------------------------------
+
+def nic_sides_used(result, sender, host):
+    """(host, 'send'/'recv') for every cross-host hop of the operations: send and broadcast chain hops, and
+    each all-gather ring step (member i receives from member i-1)."""
+    used = set()
+
+    def hop(a, b):
+        if host(a) != host(b):
+            used.update({(host(a), "send"), (host(b), "recv")})
+
+    for op in result.ops:
+        if op.kind in ("send", "broadcast"):
+            chain = (op.src,) + op.dsts
+            for a, b in zip(chain, chain[1:]):
+                hop(a, b)
+        elif op.kind == "allgather" and len(op.dsts) > 1:
+            for i, member in enumerate(op.dsts):
+                hop(op.dsts[i - 1], member)
+    return used
+
+
+@st.composite
+def contexts(draw):
+    devices_per_host = draw(st.integers(1, 4))
+    cluster = Cluster(devices_per_host=devices_per_host)
+    receivers = draw(st.lists(st.integers(0, 15), min_size=1, max_size=8, unique=True))
+    sender = draw(st.integers(0, 15).filter(lambda d: d not in receivers))
+    rows = draw(st.integers(1, 64))
+    return ctx(sender, receivers, region=((0, rows), (0, 8)), cluster=cluster)
+
+
+@settings(max_examples=150, deadline=None)
+@given(contexts(), st.sampled_from(sorted(STRATEGIES)))
+def test_resources_cover_every_nic_side_used(c, name):
+    host = c.cluster.host_of
+    if name == "global_allgather":
+        # known gap, pinned by test_global_allgather_ring_into_the_sender_host_holds_its_receive_side below
+        assume(host(c.sender) not in {host(d) for d in c.receivers})
+    result = STRATEGIES[name](c)
+    missing = nic_sides_used(result, c.sender, host) - set(result.resources)
+    assert not missing, f"{name} uses {sorted(missing)} without holding them"
+    assert result.duration_s >= max((op.offset_s + op.duration_s for op in result.ops), default=0.0) - 1e-15
+
+
+@pytest.mark.xfail(strict=True, reason="bug: global_allgather's ring crosses into the sender's host NIC (receive side) "
+                                        "but _resources only reserves receive sides of hosts other than the sender's")
+def test_global_allgather_ring_into_the_sender_host_holds_its_receive_side():
+    result = global_allgather(ctx(0, [1, 4]))  # d1 shares host 0 with the sender; the ring d4 -> d1 enters host 0
+    assert (0, "recv") in nic_sides_used(result, 0, CLUSTER.host_of)
+    assert (0, "recv") in result.resources
