@@ -92,7 +92,6 @@ def test_spec_error_is_a_value_error():
     assert issubclass(SpecError, ValueError)
 
 
-@pytest.mark.xfail(strict=True, reason="parser accepts unbalanced braces such as 'S0}R' or 'S{0R' (lenient regex)")
 @pytest.mark.parametrize("text", ["S0}R", "S{0 R"])
 def test_unbalanced_braces_are_rejected(text):
     with pytest.raises(SpecError):
