@@ -32,10 +32,20 @@ class InputError(ValueError):
 
 def parse_shape(text: str, field: str = "shape") -> tuple[int, ...]:
     """`1024,1024,512`, `1024x1024x512` or `(2, 4)` -> a tuple of non-negative ints."""
-    parts = [p for p in re.split(r"[,x\s()\[\]]+", str(text).strip()) if p]
+    body = str(text).strip().strip("()[]").strip()
+    parts = [p.strip() for p in re.split(r"\s*[,x]\s*|\s+", body)] if body else []
     if not parts or not all(p.isdigit() for p in parts):
         raise InputError(f"{field}: {text!r} is not a list of non-negative integers; write e.g. 1024,1024,512 or 2x4")
     return tuple(int(p) for p in parts)
+
+
+def _int_list(value: Any, field: str) -> tuple[int, ...]:
+    """A JSON list of integers (or shorthand text) as a tuple; anything else is an InputError naming `field`."""
+    if isinstance(value, str):
+        return parse_shape(value, field)
+    if not isinstance(value, (list, tuple)) or not all(isinstance(v, int) and not isinstance(v, bool) for v in value):
+        raise InputError(f"{field}: {value!r} must be a list of integers, e.g. [2, 4]")
+    return tuple(value)
 
 
 def place_mesh(shape: tuple[int, ...], first_host: int, devices_per_host: int) -> DeviceMesh:
@@ -54,19 +64,28 @@ def hosts_used(mesh: DeviceMesh, devices_per_host: int) -> int:
 
 
 def _mesh_from(raw: Any, field: str, first_host: int, devices_per_host: int) -> DeviceMesh:
-    if isinstance(raw, str):
-        return place_mesh(parse_shape(raw, f"{field}.mesh"), first_host, devices_per_host)
-    if isinstance(raw, (list, tuple)):
-        return place_mesh(tuple(raw), first_host, devices_per_host)
+    """Build the mesh of one side; any error names `<side>.mesh`."""
+    try:
+        return _build_mesh(raw, field, first_host, devices_per_host)
+    except ValidationError as err:
+        raise InputError(f"{field}.mesh: {describe_validation_error(err)}") from None
+
+
+def _build_mesh(raw: Any, field: str, first_host: int, devices_per_host: int) -> DeviceMesh:
+    if isinstance(raw, (str, list, tuple)):
+        return place_mesh(_int_list(raw, f"{field}.mesh"), first_host, devices_per_host)
     if not isinstance(raw, dict) or "shape" not in raw:
         raise InputError(f"{field}.mesh: give a shorthand like \"2x4\" or an object with \"shape\" and optionally \"devices\" or \"first_host\"")
     unknown = set(raw) - {"shape", "devices", "first_host"}
     if unknown:
         raise InputError(f"{field}.mesh: unknown key {sorted(unknown)[0]!r}; use shape, devices or first_host")
-    shape = parse_shape(raw["shape"], f"{field}.mesh.shape") if isinstance(raw["shape"], str) else tuple(raw["shape"])
+    shape = _int_list(raw["shape"], f"{field}.mesh.shape")
     if "devices" in raw:
-        return DeviceMesh(shape=shape, devices=tuple(raw["devices"]))
-    return place_mesh(shape, int(raw.get("first_host", first_host)), devices_per_host)
+        return DeviceMesh(shape=shape, devices=_int_list(raw["devices"], f"{field}.mesh.devices"))
+    first = raw.get("first_host", first_host)
+    if not isinstance(first, int) or isinstance(first, bool) or first < 0:
+        raise InputError(f"{field}.mesh.first_host: {first!r} must be a non-negative integer host index")
+    return place_mesh(shape, first, devices_per_host)
 
 
 def build_problem(raw: dict[str, Any]) -> ReshardingProblem:

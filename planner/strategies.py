@@ -75,12 +75,13 @@ class TaskContext:
         return self.cluster.latency_s + nbytes / bandwidth
 
 
-def _resources(ctx: TaskContext, forwarding_hosts: set[int]) -> frozenset[Resource]:
+def _resources(ctx: TaskContext, forwarding_hosts: set[int], ring_hosts: set[int] = frozenset()) -> frozenset[Resource]:
     """NIC sides the task holds: the sender's send side, each remote receiver host's receive side,
-    the send side of hosts that forward to another host, and the intra link of every host involved."""
+    the send side of hosts that forward to another host, both sides of hosts on a cross-host ring,
+    and the intra link of every host involved."""
     sender_host = ctx.host(ctx.sender)
     remote = {ctx.host(d) for d in ctx.receivers} - {sender_host}
-    res: set[Resource] = {(h, "recv") for h in remote} | {(h, "send") for h in forwarding_hosts}
+    res: set[Resource] = {(h, "recv") for h in remote | set(ring_hosts)} | {(h, "send") for h in forwarding_hosts | set(ring_hosts)}
     if remote:
         res.add((sender_host, "send"))
     res |= {(h, "intra") for h in {ctx.host(d) for d in ctx.receivers} | {sender_host}}
@@ -146,9 +147,9 @@ def _scatter_then_gather(ctx: TaskContext, groups: list[tuple[int, ...]]) -> Str
         seconds = (len(members) - 1) * ctx.message_s(largest, len({ctx.host(d) for d in members}) > 1)
         ops.append(PlannedOp("allgather", None, members, ctx.region, parts=parts, offset_s=clock, duration_s=seconds))
         end = max(end, clock + seconds)
-    ring_hosts = [{ctx.host(d) for d in g} for g in groups]
-    forwarding = set().union(*(h for h in ring_hosts if len(h) > 1))
-    return StrategyResult(tuple(ops), end, _resources(ctx, forwarding))
+    group_hosts = [{ctx.host(d) for d in g} for g in groups]
+    ring_hosts = set().union(*(h for h in group_hosts if len(h) > 1))
+    return StrategyResult(tuple(ops), end, _resources(ctx, set(), ring_hosts))
 
 
 def _pad_parts(parts: tuple[Region, ...], members: tuple[int, ...], region: Region) -> tuple[Region, ...]:

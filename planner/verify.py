@@ -59,9 +59,20 @@ def _describe(grid: _Grid, mask: np.ndarray) -> str:
     return format_region(tuple((int(c[i]), int(c[i + 1])) for c, i in zip(grid.cuts, first)))
 
 
+def _check_boxes(plan: Plan) -> None:
+    """Every region and part must have one [start, stop) per tensor dim with 0 <= start <= stop <= length."""
+    shape = plan.problem.shape
+    for op in plan.operations:
+        for what, box in [("region", op.region)] + [("part", p) for p in op.parts]:
+            if len(box) != len(shape) or any(not (0 <= a <= b <= n) for (a, b), n in zip(box, shape)):
+                raise PlanError(f"operation {op.id} (task {op.task}, {op.kind}): {what} {format_region(box)} "
+                                f"is not a box inside the tensor {list(shape)}")
+
+
 def verify_plan(plan: Plan) -> VerifyReport:
     """Raise PlanError at the first violation; return a short report when the plan is correct."""
     problem = plan.problem
+    _check_boxes(plan)
     src_blocks, dst_blocks = problem.blocks("src"), problem.blocks("dst")
     grid = _Grid(tuple(problem.shape), _boxes(plan))
     never = np.inf

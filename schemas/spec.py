@@ -15,7 +15,7 @@ import math
 import re
 from dataclasses import dataclass
 
-_TOKEN = re.compile(r"\s*(?:(R)|S\^?\{?([0-9]+)\}?)\s*,?", re.ASCII)
+_TOKEN = re.compile(r"\s*(?:(R)|S\^?(?:\{([0-9]+)\}|([0-9]+)))\s*,?", re.ASCII)
 EXAMPLE_SPECS = "'S0 R R', 'R S01 R', 'S^0RR' or 'S1,R,R'"
 
 
@@ -60,7 +60,7 @@ class ShardingSpec:
                     f"bad token {bad!r} at position {pos} in sharding spec {text!r}; "
                     f"use R or S<axes>, e.g. {EXAMPLE_SPECS}"
                 )
-            axes = () if match.group(1) else tuple(int(c) for c in match.group(2))
+            axes = () if match.group(1) else tuple(int(c) for c in (match.group(2) or match.group(3)))
             dims.append(DimSharding(axes))
             pos = match.end()
         spec = cls(tuple(dims))

@@ -5,7 +5,7 @@ from __future__ import annotations
 import itertools
 
 import pytest
-from hypothesis import assume, given, settings
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from planner.strategies import (MAX_CHUNKS, MIN_CHUNK_BYTES, STRATEGIES, TaskContext, broadcast, get_strategy,
@@ -284,17 +284,12 @@ def contexts(draw):
 @given(contexts(), st.sampled_from(sorted(STRATEGIES)))
 def test_resources_cover_every_nic_side_used(c, name):
     host = c.cluster.host_of
-    if name == "global_allgather":
-        # known gap, pinned by test_global_allgather_ring_into_the_sender_host_holds_its_receive_side below
-        assume(host(c.sender) not in {host(d) for d in c.receivers})
     result = STRATEGIES[name](c)
     missing = nic_sides_used(result, c.sender, host) - set(result.resources)
     assert not missing, f"{name} uses {sorted(missing)} without holding them"
     assert result.duration_s >= max((op.offset_s + op.duration_s for op in result.ops), default=0.0) - 1e-15
 
 
-@pytest.mark.xfail(strict=True, reason="bug: global_allgather's ring crosses into the sender's host NIC (receive side) "
-                                        "but _resources only reserves receive sides of hosts other than the sender's")
 def test_global_allgather_ring_into_the_sender_host_holds_its_receive_side():
     result = global_allgather(ctx(0, [1, 4]))  # d1 shares host 0 with the sender; the ring d4 -> d1 enters host 0
     assert (0, "recv") in nic_sides_used(result, 0, CLUSTER.host_of)
