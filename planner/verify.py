@@ -31,32 +31,41 @@ class VerifyReport:
     cells: int
 
     def __str__(self) -> str:
-        return f"ok: {self.operations} operations replayed, {self.devices_checked} destination devices hold exactly their shards ({self.cells} cells)"
+        return f"ok: {self.operations} operations replayed, {self.devices_checked} destination devices hold exactly their shards ({self.cells} destination cells)"
 
 
-class _Grid:
-    """Cut points per dim, and box -> numpy index of the cells it covers."""
+class _Cells:
+    """The cells of one device's block on one side: a time per cell when it became available (inf: never)."""
 
-    def __init__(self, shape: tuple[int, ...], boxes: list[Region]):
-        self.cuts = [np.unique(np.array([0, n] + [b[d][i] for b in boxes for i in (0, 1)], dtype=np.int64)) for d, n in enumerate(shape)]
-        self.shape = tuple(max(len(c) - 1, 0) for c in self.cuts)
+    def __init__(self, cuts: list[np.ndarray], block: Region, initial: float):
+        self.block = block
+        self.cuts = [c[(c >= lo) & (c <= hi)] for c, (lo, hi) in zip(cuts, block)]
+        self.ready = np.full(tuple(max(len(c) - 1, 0) for c in self.cuts), initial)
+
+    def covers(self, box: Region) -> bool:
+        return _empty(box) or all(lo <= a and b <= hi for (a, b), (lo, hi) in zip(box, self.block))
 
     def index(self, box: Region) -> tuple[slice, ...]:
-        return tuple(slice(int(np.searchsorted(c, lo)), int(np.searchsorted(c, hi))) for c, (lo, hi) in zip(self.cuts, box))
+        return tuple(slice(int(np.searchsorted(c, a)), int(np.searchsorted(c, b))) for c, (a, b) in zip(self.cuts, box))
+
+    def describe(self, idx: tuple[slice, ...], mask: np.ndarray) -> str:
+        """The box, in global coordinates, of the first cell under `idx` where `mask` is set."""
+        first = np.argwhere(mask)[0] + np.array([s.start for s in idx])
+        return format_region(tuple((int(c[i]), int(c[i + 1])) for c, i in zip(self.cuts, first)))
 
 
-def _boxes(plan: Plan) -> list[Region]:
-    out = list(plan.problem.blocks("src").values()) + list(plan.problem.blocks("dst").values())
+def _empty(box: Region) -> bool:
+    return any(a >= b for a, b in box)
+
+
+def _cuts(plan: Plan) -> list[np.ndarray]:
+    """Every box boundary in the problem and the plan, per dim, so each box covers whole cells."""
+    boxes = list(plan.problem.blocks("src").values()) + list(plan.problem.blocks("dst").values())
     for op in plan.operations:
-        out.append(op.region)
-        out.extend(op.parts)
-    return out
-
-
-def _describe(grid: _Grid, mask: np.ndarray) -> str:
-    """The box of the first offending cell, in global coordinates."""
-    first = np.argwhere(mask)[0]
-    return format_region(tuple((int(c[i]), int(c[i + 1])) for c, i in zip(grid.cuts, first)))
+        boxes.append(op.region)
+        boxes.extend(op.parts)
+    return [np.unique(np.array([0, n] + [b[d][i] for b in boxes for i in (0, 1)], dtype=np.int64))
+            for d, n in enumerate(plan.problem.shape)]
 
 
 def _check_boxes(plan: Plan) -> None:
@@ -69,84 +78,100 @@ def _check_boxes(plan: Plan) -> None:
                                 f"is not a box inside the tensor {list(shape)}")
 
 
-def verify_plan(plan: Plan) -> VerifyReport:
-    """Raise PlanError at the first violation; return a short report when the plan is correct."""
-    problem = plan.problem
-    _check_boxes(plan)
-    src_blocks, dst_blocks = problem.blocks("src"), problem.blocks("dst")
-    grid = _Grid(tuple(problem.shape), _boxes(plan))
-    never = np.inf
-    source_ready = {d: np.full(grid.shape, never) for d in src_blocks}
-    for d, box in src_blocks.items():
-        source_ready[d][grid.index(box)] = 0.0
-    dest_ready = {d: np.full(grid.shape, never) for d in dst_blocks}
-    required = {d: np.zeros(grid.shape, dtype=bool) for d in dst_blocks}
-    for d, box in dst_blocks.items():
-        required[d][grid.index(box)] = True
+class _Replay:
+    """Symbolic state of every device's source and destination shard while operations replay."""
 
-    def fail(op, message: str) -> None:
+    def __init__(self, plan: Plan):
+        cuts = _cuts(plan)
+        self.src = {d: _Cells(cuts, b, 0.0) for d, b in plan.problem.blocks("src").items()}
+        self.dst = {d: _Cells(cuts, b, np.inf) for d, b in plan.problem.blocks("dst").items()}
+        self.op = None
+
+    def fail(self, message: str) -> None:
+        op = self.op
         raise PlanError(f"operation {op.id} (task {op.task}, {op.kind}): {message}")
 
-    def check_source(op, device: int, box: Region, table: dict[int, np.ndarray], what: str) -> None:
+    def check_holds(self, device: int, box: Region, side: str) -> None:
+        """`device` must hold all of `box` in its `side` shard by the operation's start."""
+        table = self.src if side == "source" else self.dst
+        if _empty(box):
+            return
         if device not in table:
-            fail(op, f"device {device} is not in the {what} mesh, so it holds nothing to send")
-        ready = table[device][grid.index(box)]
-        late = ready > op.start_s + TOLERANCE_S
+            self.fail(f"device {device} is not in the {side} mesh, so it holds nothing to send")
+        cells = table[device]
+        if not cells.covers(box):
+            self.fail(f"device {device} sends {format_region(box)} which it does not hold (its {side} shard is {format_region(cells.block)})")
+        idx = cells.index(box)
+        late = cells.ready[idx] > self.op.start_s + TOLERANCE_S
         if late.any():
-            sub = np.zeros(grid.shape, dtype=bool)
-            sub[grid.index(box)] = late
-            fail(op, f"device {device} sends {_describe(grid, sub)} which it does not hold at {op.start_s:.6f}s")
+            self.fail(f"device {device} sends {cells.describe(idx, late)} which it does not hold at {self.op.start_s:.6f}s")
 
-    def deliver(op, device: int, box: Region) -> None:
-        if device not in dest_ready:
-            fail(op, f"device {device} receives {format_region(box)} but is not in the destination mesh")
-        idx = grid.index(box)
-        extra = ~required[device][idx]
-        twice = np.isfinite(dest_ready[device][idx])
-        for mask, what in ((extra, "outside its destination shard"), (twice, "a second time")):
-            if mask.any():
-                sub = np.zeros(grid.shape, dtype=bool)
-                sub[idx] = mask
-                fail(op, f"device {device} receives {_describe(grid, sub)} {what}")
-        dest_ready[device][idx] = op.end_s
+    def deliver(self, device: int, box: Region, skip: Region | None = None) -> None:
+        """`device` receives `box` (less `skip`, its own all-gather part) into its destination shard."""
+        if _empty(box):
+            return
+        if device not in self.dst:
+            self.fail(f"device {device} receives {format_region(box)} but is not in the destination mesh")
+        cells = self.dst[device]
+        if not cells.covers(box):
+            self.fail(f"device {device} receives {format_region(box)} outside its destination shard {format_region(cells.block)}")
+        idx = cells.index(box)
+        incoming = np.ones(cells.ready[idx].shape, dtype=bool)
+        if skip is not None and not _empty(skip):
+            own = tuple(slice(s.start - i.start, s.stop - i.start) for s, i in zip(cells.index(skip), idx))
+            incoming[own] = False
+        twice = incoming & np.isfinite(cells.ready[idx])
+        if twice.any():
+            self.fail(f"device {device} receives {cells.describe(idx, twice)} a second time")
+        cells.ready[idx] = np.where(incoming, self.op.end_s, cells.ready[idx])
 
-    for op in sorted(plan.operations, key=lambda o: (o.start_s, o.id)):
+    def run(self, op) -> None:
+        self.op = op
         if op.end_s + TOLERANCE_S < op.start_s:
-            fail(op, f"ends at {op.end_s}s before it starts at {op.start_s}s")
+            self.fail(f"ends at {op.end_s}s before it starts at {op.start_s}s")
         if op.kind in ("copy", "send", "broadcast"):
-            check_source(op, op.src, op.region, source_ready, "source")
+            self.check_holds(op.src, op.region, "source")
             if op.kind == "copy" and op.dsts != (op.src,):
-                fail(op, f"a copy must stay on device {op.src}, but names {list(op.dsts)}")
+                self.fail(f"a copy must stay on device {op.src}, but names {list(op.dsts)}")
             if op.kind == "send" and len(op.dsts) != 1:
-                fail(op, f"a send has exactly one receiver, got {list(op.dsts)}")
+                self.fail(f"a send has exactly one receiver, got {list(op.dsts)}")
             for d in op.dsts:
-                deliver(op, d, op.region)
+                self.deliver(d, op.region)
         elif op.kind == "allgather":
-            if len(op.parts) != len(op.dsts):
-                fail(op, f"{len(op.dsts)} members but {len(op.parts)} parts")
-            for d, part in zip(op.dsts, op.parts):
-                if any(a < r0 or b > r1 for (a, b), (r0, r1) in zip(part, op.region)) and any(a < b for a, b in part):
-                    fail(op, f"part {format_region(part)} of device {d} lies outside {format_region(op.region)}")
-                check_source(op, d, part, dest_ready, "destination")
-            covered = np.zeros(grid.shape, dtype=bool)
-            for part in op.parts:
-                covered[grid.index(part)] = True
-            missing = ~covered[grid.index(op.region)]
-            if missing.any():
-                sub = np.zeros(grid.shape, dtype=bool)
-                sub[grid.index(op.region)] = missing
-                fail(op, f"no member contributes {_describe(grid, sub)}")
-            for d, part in zip(op.dsts, op.parts):
-                keep = dest_ready[d].copy()
-                dest_ready[d][grid.index(part)] = np.inf  # a member's own part is not received again
-                deliver(op, d, op.region)
-                own = grid.index(part)
-                dest_ready[d][own] = keep[own]
+            self.allgather(op)
         else:
-            fail(op, f"unknown operation kind {op.kind!r}")
+            self.fail(f"unknown operation kind {op.kind!r}")
 
-    for d in sorted(dst_blocks):
-        missing = required[d] & ~np.isfinite(dest_ready[d])
-        if missing.any():
-            raise PlanError(f"destination device {d} never receives {_describe(grid, missing)} of its shard {format_region(dst_blocks[d])}")
-    return VerifyReport(len(plan.operations), len(dst_blocks), int(np.prod(grid.shape)))
+    def allgather(self, op) -> None:
+        if len(op.parts) != len(op.dsts):
+            self.fail(f"{len(op.dsts)} members but {len(op.parts)} parts")
+        whole = _Cells([np.array(sorted({a for p in op.parts for a in p[d]} | set(op.region[d]))) for d in range(len(op.region))], op.region, 0.0)
+        covered = np.zeros(whole.ready.shape, dtype=bool)
+        for d, part in zip(op.dsts, op.parts):
+            if not whole.covers(part):
+                self.fail(f"part {format_region(part)} of device {d} lies outside {format_region(op.region)}")
+            self.check_holds(d, part, "destination")
+            covered[whole.index(part)] = True
+        if not covered.all():
+            self.fail(f"no member contributes {whole.describe(tuple(slice(0, n) for n in covered.shape), ~covered)}")
+        for d, part in zip(op.dsts, op.parts):
+            self.deliver(d, op.region, skip=part)
+
+    def finish(self) -> None:
+        for d in sorted(self.dst):
+            cells = self.dst[d]
+            missing = ~np.isfinite(cells.ready)
+            if missing.any():
+                everything = tuple(slice(0, n) for n in missing.shape)
+                raise PlanError(f"destination device {d} never receives {cells.describe(everything, missing)} of its shard {format_region(cells.block)}")
+
+
+def verify_plan(plan: Plan) -> VerifyReport:
+    """Raise PlanError at the first violation; return a short report when the plan is correct."""
+    _check_boxes(plan)
+    replay = _Replay(plan)
+    for op in sorted(plan.operations, key=lambda o: (o.start_s, o.id)):
+        replay.run(op)
+    replay.finish()
+    cells = sum(c.ready.size for c in replay.dst.values())
+    return VerifyReport(len(plan.operations), len(replay.dst), cells)
