@@ -9,10 +9,12 @@ from schemas import HostOrder, Operation, Plan, ReshardingProblem, SolverInfo, U
 from . import __version__
 from .bounds import lower_bound
 from .scheduling import Option, Schedule, SchedulingTask, solve
+from .simulate import simulate
 from .strategies import STRATEGIES, PlannedOp, StrategyResult, TaskContext, get_strategy
 from .unit_tasks import Cell, decompose
 
 DIGITS = 12  # times are rounded to picoseconds so plans print and compare stably
+MAX_SIMULATED_OPERATIONS = 20_000  # beyond this the schedule's own timetable stands in for the simulator
 
 
 @dataclass(frozen=True, slots=True)
@@ -92,14 +94,40 @@ def assemble(problem: ReshardingProblem, cells: list[Cell], options: list[TaskOp
                   chunks=op.chunks, start_s=round(at, DIGITS), end_s=round(at + op.duration_s, DIGITS))
         for i, (at, task, op) in enumerate(timed_ops))
     host_order = tuple(HostOrder(host=h, side=s, tasks=tuple(t for _, t in sorted(v))) for (h, s), v in sorted(per_resource.items()))
+    operations, timed_by = _simulated(operations, problem, _nic_of_task(host_order))
+    tasks = _retimed_tasks(tasks, operations)
     bound = lower_bound(cells, problem.cluster, problem.itemsize)
     predicted = max((op.end_s for op in operations), default=0.0)
-    details = dict(sorted(schedule.details.items())) | {"lower_bound_reason": bound.reason}
+    details = dict(sorted(schedule.details.items())) | {"lower_bound_reason": bound.reason, "timed_by": timed_by}
     return Plan(
         generator=f"xmesh-plan {__version__}", problem=problem, strategy=strategy,
         solver=SolverInfo(name=schedule.solver, seed=seed, proven_bound_seconds=schedule.proven_bound_s, details=details),
         merged_slices=merged, tasks=tuple(tasks), operations=operations, host_order=host_order,
         predicted_seconds=round(predicted, DIGITS), lower_bound_seconds=round(bound.seconds, DIGITS))
+
+
+def _nic_of_task(host_order: tuple[HostOrder, ...]) -> dict[int, int]:
+    return {t: int(o.side.split(":")[1]) for o in host_order if ":" in o.side for t in o.tasks}
+
+
+def _simulated(operations: tuple[Operation, ...], problem: ReshardingProblem,
+               nic_of_task: dict[int, int]) -> tuple[tuple[Operation, ...], str]:
+    """Operation times from the network simulator, in host order; the list order stays the schedule's."""
+    if len(operations) > MAX_SIMULATED_OPERATIONS:
+        return operations, "schedule (too many operations to simulate)"
+    result = simulate(operations, problem, "host-order", nic_of_task)
+    retimed = tuple(op.model_copy(update={"start_s": round(result.op_start_s[op.id], DIGITS),
+                                          "end_s": round(result.op_end_s[op.id], DIGITS)}) for op in operations)
+    return retimed, "simulator (host-order)"
+
+
+def _retimed_tasks(tasks: list[UnitTask], operations: tuple[Operation, ...]) -> list[UnitTask]:
+    """A task spans its operations."""
+    spans: dict[int, tuple[float, float]] = {}
+    for op in operations:
+        s, e = spans.get(op.task, (op.start_s, op.end_s))
+        spans[op.task] = (min(s, op.start_s), max(e, op.end_s))
+    return [t.model_copy(update=dict(zip(("start_s", "end_s"), spans[t.id]))) if t.id in spans else t for t in tasks]
 
 
 def compile_plan(problem: ReshardingProblem, strategy: str = "broadcast", solver: str = "auto", seed: int = 0,

@@ -1,0 +1,257 @@
+"""A network simulator that replays a plan's operations on the cluster model and times them.
+
+Model (stated, so every plan and baseline is judged by the same rules):
+- Links. Each host NIC has a send side and a receive side (`h2.send:0`, `h2.recv:0`), each with its
+  own bandwidth (full duplex). Inside a host every device has an outgoing and an incoming port at the
+  intra-host bandwidth (`d8.out`, `d8.in`); a local copy uses the device's copy engine (`d8.copy`).
+- Flows. Every operation becomes flows: a send is one flow; a broadcast of K chunks down a chain is
+  K x hops flows, chunk k on hop h starting once chunk k has crossed hop h-1 and chunk k-1 has
+  crossed hop h; a ring all-gather is (n-1) x n flows, each member forwarding what it received the
+  step before. A flow waits the per-message latency, then moves its bytes.
+- Sharing. Flows active on a link at the same time share it max-min fairly (progressive filling);
+  no link is ever oversubscribed.
+- Order. How operations queue is the executing system's choice, so it is a parameter:
+  `host-order` (ours): operations that use a NIC side run one after another in plan order, as the
+  planner's per-host order says; `device-order` (Alpa's): every device works through its own
+  operations in plan order, and an operation starts when all its devices are free (a NCCL
+  send/recv needs both ends), so operations of different devices share a NIC concurrently.
+An uncontended broadcast costs `sum(c_h) + (K-1) max(c_h)` with `c_h` one chunk's time on hop h,
+i.e. `t + (A-1) t/K` for A equal cross-host hops: the paper's `t + A t/K` counts one chunk more.
+"""
+
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass
+
+from schemas import Operation, Plan, ReshardingProblem, region_size
+
+DISCIPLINES = ("host-order", "device-order")
+REL_EPS = 1e-12
+
+
+@dataclass(frozen=True, slots=True)
+class Flow:
+    """`nbytes` over `links` after `latency_s`, once every flow in `after` has finished."""
+
+    id: int
+    op: int
+    nbytes: float
+    latency_s: float
+    links: tuple[str, ...]
+    after: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class SimResult:
+    """When each operation started and ended, and when the last one ended."""
+
+    makespan_s: float
+    op_start_s: dict[int, float]
+    op_end_s: dict[int, float]
+    flows: int
+
+
+def max_min_rates(active: list[Flow], capacity: dict[str, float]) -> dict[int, float]:
+    """Max-min fair rates by progressive filling: the tightest link's fair share is fixed first."""
+    left = {link: capacity[link] for f in active for link in f.links}
+    users: dict[str, list[Flow]] = {}
+    for f in active:
+        for link in f.links:
+            users.setdefault(link, []).append(f)
+    rates: dict[int, float] = {}
+    while users:
+        link = min(users, key=lambda l: (left[l] / len(users[l]), l))
+        share = left[link] / len(users[link])
+        for f in users.pop(link):
+            rates[f.id] = share
+            for other in f.links:
+                if other in users:
+                    left[other] -= share
+                    users[other] = [g for g in users[other] if g.id != f.id]
+                    if not users[other]:
+                        del users[other]
+    return rates
+
+
+def run_flows(flows: list[Flow], capacity: dict[str, float]) -> dict[int, tuple[float, float]]:
+    """Event-driven fluid simulation; (start, end) per flow id. Flows with no links take only their latency."""
+    waiting = {f.id: len(f.after) for f in flows}
+    children: dict[int, list[int]] = {}
+    for f in flows:
+        for parent in f.after:
+            children.setdefault(parent, []).append(f.id)
+    by_id = {f.id: f for f in flows}
+    clock, latency_heap, moving, span = 0.0, [], {}, {}
+    for f in flows:
+        if not f.after:
+            heapq.heappush(latency_heap, (f.latency_s, f.id))
+            span[f.id] = (0.0, None)
+
+    def finish(fid: int) -> None:
+        span[fid] = (span[fid][0], clock)
+        for child in children.get(fid, ()):
+            waiting[child] -= 1
+            if waiting[child] == 0:
+                span[child] = (clock, None)
+                heapq.heappush(latency_heap, (clock + by_id[child].latency_s, child))
+
+    while latency_heap or moving:
+        rates = max_min_rates([by_id[i] for i in moving], capacity) if moving else {}
+        next_move = min(((left / rates[i], i) for i, left in moving.items()), default=(float("inf"), -1))
+        next_latency = latency_heap[0][0] if latency_heap else float("inf")
+        step = min(next_move[0], next_latency - clock)
+        for i in list(moving):
+            moving[i] -= rates[i] * step
+        clock += step
+        for i in [i for i, left in moving.items() if left <= REL_EPS * max(1.0, by_id[i].nbytes)]:
+            del moving[i]
+            finish(i)
+        while latency_heap and latency_heap[0][0] <= clock + REL_EPS * max(1.0, clock):
+            _, i = heapq.heappop(latency_heap)
+            if by_id[i].nbytes > 0 and by_id[i].links:
+                moving[i] = by_id[i].nbytes
+            else:
+                finish(i)
+    if any(v for v in waiting.values()):
+        raise ValueError("flow dependencies form a cycle; some flows never start")
+    return {i: (s, e) for i, (s, e) in span.items()}
+
+
+class _Lowering:
+    """Turns operations into flows, with data dependencies and the discipline's queueing."""
+
+    def __init__(self, problem: ReshardingProblem, discipline: str, nic_of_task: dict[int, int] | None):
+        if discipline not in DISCIPLINES:
+            raise ValueError(f"unknown discipline {discipline!r}; choose one of: {', '.join(DISCIPLINES)}")
+        self.cluster, self.itemsize, self.discipline = problem.cluster, problem.itemsize, discipline
+        self.nic_of_task = nic_of_task or {}
+        self.flows: list[Flow] = []
+        self.capacity: dict[str, float] = {}
+        self.delivered: dict[tuple[int, int], list[int]] = {}  # (task, device) -> flows that brought it data
+        self.last_on: dict[str, list[int]] = {}  # queue key -> terminal flows of the previous operation
+
+    def hop(self, op: Operation, a: int, b: int, nbytes: float, after: list[int]) -> int:
+        """One message from device a to device b; returns its flow id."""
+        ha, hb = self.cluster.host_of(a), self.cluster.host_of(b)
+        if a == b:
+            links = {f"d{a}.copy": self.cluster.intra_bytes_per_s}
+        elif ha == hb:
+            links = {f"d{a}.out": self.cluster.intra_bytes_per_s, f"d{b}.in": self.cluster.intra_bytes_per_s}
+        else:
+            nic = self.nic_of_task.get(op.task, 0) % len(self.cluster.nics)
+            spec = self.cluster.nics[nic]
+            links = {f"h{ha}.send:{nic}": spec.send_gbps * 1e9 / 8, f"h{hb}.recv:{nic}": spec.recv_gbps * 1e9 / 8}
+        self.capacity |= links
+        latency = 0.0 if a == b else self.cluster.latency_s
+        flow = Flow(len(self.flows), op.id, nbytes, latency, tuple(sorted(links)), tuple(sorted(set(after))))
+        self.flows.append(flow)
+        return flow.id
+
+    def queue_keys(self, op: Operation, flows: list[int]) -> list[str]:
+        if self.discipline == "device-order":
+            return [f"d{d}" for d in sorted({op.src, *op.dsts} - {None})]
+        return sorted({link for i in flows for link in self.flows[i].links if link.startswith("h")})
+
+    def add(self, op: Operation) -> None:
+        first = len(self.flows)
+        waits = self.data_ready(op)
+        if self.discipline == "device-order":
+            keys = self.queue_keys(op, [])
+            waits += [i for k in keys for i in self.last_on.get(k, [])]
+        terminal = self.emit(op, waits)
+        mine = list(range(first, len(self.flows)))
+        if self.discipline == "host-order":
+            self.gate_on_links(mine)
+        for key in self.queue_keys(op, mine):
+            self.last_on[key] = [i for i in terminal if key.startswith("d") or key in self.flows[i].links] or terminal
+
+    def gate_on_links(self, mine: list[int]) -> None:
+        """The first flow of this operation on each NIC side also waits for the previous operation there."""
+        seen: set[str] = set()
+        for i in mine:
+            extra = []
+            for link in self.flows[i].links:
+                if link.startswith("h") and link not in seen:
+                    seen.add(link)
+                    extra += self.last_on.get(link, [])
+            if extra:
+                f = self.flows[i]
+                self.flows[i] = Flow(f.id, f.op, f.nbytes, f.latency_s, f.links, tuple(sorted(set(f.after) | set(extra))))
+
+    def data_ready(self, op: Operation) -> list[int]:
+        if op.kind != "allgather":
+            return []
+        return [i for d in op.dsts for i in self.delivered.get((op.task, d), [])]
+
+    def emit(self, op: Operation, waits: list[int]) -> list[int]:
+        """Flows of one operation; returns its terminal flows."""
+        nbytes = region_size(op.region) * self.itemsize
+        if op.kind in ("copy", "send"):
+            out = [self.hop(op, op.src, d, nbytes, waits) for d in op.dsts]
+        elif op.kind == "broadcast":
+            out = self.broadcast(op, nbytes, waits)
+        else:
+            out = self.allgather(op, waits)
+        for d in op.dsts:
+            self.delivered.setdefault((op.task, d), []).extend(out if op.kind != "allgather" else [])
+        return out
+
+    def broadcast(self, op: Operation, nbytes: float, waits: list[int]) -> list[int]:
+        chain = [op.src, *op.dsts]
+        k = op.chunks
+        previous_chunk: list[int | None] = [None] * (len(chain) - 1)
+        for chunk in range(k):
+            upstream = None
+            piece = nbytes / k
+            for h, (a, b) in enumerate(zip(chain, chain[1:])):
+                after = list(waits) if chunk == 0 and h == 0 else []
+                after += [i for i in (upstream, previous_chunk[h]) if i is not None]
+                upstream = previous_chunk[h] = self.hop(op, a, b, piece, after)
+        return [i for i in previous_chunk if i is not None]
+
+    def allgather(self, op: Operation, waits: list[int]) -> list[int]:
+        members, n = list(op.dsts), len(op.dsts)
+        received: list[int | None] = [None] * n
+        for step in range(n - 1):
+            now = []
+            for i in range(n):
+                part = op.parts[(i - step) % n]
+                after = list(waits) + ([received[i]] if received[i] is not None else [])
+                now.append(self.hop(op, members[i], members[(i + 1) % n], region_size(part) * self.itemsize, after))
+            received = [now[(i - 1) % n] for i in range(n)]
+        return [i for i in received if i is not None]
+
+
+def simulate(operations: list[Operation] | tuple[Operation, ...], problem: ReshardingProblem,
+             discipline: str = "host-order", nic_of_task: dict[int, int] | None = None) -> SimResult:
+    """Time `operations` (taken in list order) on the problem's cluster under the queueing `discipline`."""
+    lowering = _Lowering(problem, discipline, nic_of_task)
+    for op in operations:
+        lowering.add(op)
+    spans = run_flows(lowering.flows, lowering.capacity)
+    start: dict[int, float] = {}
+    end: dict[int, float] = {}
+    for f in lowering.flows:
+        s, e = spans[f.id]
+        start[f.op] = min(start.get(f.op, s), s)
+        end[f.op] = max(end.get(f.op, e), e)
+    for op in operations:  # an operation without flows (an empty box) takes no time
+        start.setdefault(op.id, 0.0)
+        end.setdefault(op.id, start[op.id])
+    return SimResult(max(end.values(), default=0.0), start, end, len(lowering.flows))
+
+
+def nic_assignment(plan: Plan) -> dict[int, int]:
+    """Task -> NIC index, read from the plan's per-host order (`send:1` means NIC 1)."""
+    out: dict[int, int] = {}
+    for order in plan.host_order:
+        if ":" in order.side:
+            for task in order.tasks:
+                out[task] = int(order.side.split(":")[1])
+    return out
+
+
+def simulate_plan(plan: Plan, discipline: str = "host-order") -> SimResult:
+    """Time a compiled plan; plans from this planner run in host order."""
+    return simulate(plan.operations, plan.problem, discipline, nic_assignment(plan))
