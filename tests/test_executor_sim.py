@@ -47,11 +47,18 @@ class FakeMPI:
 
     BYTE = "byte"
     Exception = RuntimeError
+    REQUEST_NULL = None
 
     class Request:
         @staticmethod
         def Testsome(requests):
-            return [k for k, r in enumerate(requests) if r.test()]
+            """Like MPI: finished requests become REQUEST_NULL in place; None when all are null."""
+            if all(r is None for r in requests):
+                return None
+            done = [k for k, r in enumerate(requests) if r is not None and r.test()]
+            for k in done:
+                requests[k] = None
+            return done
 
 
 class FakeComm:
@@ -94,7 +101,8 @@ def simulate(plan, iterations: int = 2) -> dict[int, np.ndarray]:
             if all([e.test() for e in engines]):
                 break
         else:
-            stuck = [e.steps[e.request_steps[0]].describe() for e in engines if e.pending]
+            stuck = [e.steps[i].describe() for e in engines if e.pending
+                     for i, r in zip(e.request_steps, e.requests) if r is not None][:3]
             pytest.fail(f"stalled: {stuck[:3]}")
         stray = {k: len(v) for k, v in world.mail.items() if v}
         assert not stray, f"messages nobody received: {stray}"

@@ -1,0 +1,151 @@
+"""Executor overhead: time of `run()` beyond the data movement, per unit task, on the CPU (MPI) path.
+
+    .venv/bin/python bench/bench_executor.py                  # launches mpiexec itself, ~1 minute
+    .venv/bin/python bench/bench_executor.py --tasks 16,256 --iters 30
+
+Plans of T unit tasks, each one small box (64 B): `send` moves row i from device 0 to device 1
+(contiguous, sent in place); `send_strided` moves column i (packed and unpacked through staging);
+`broadcast` sends row i down the chain 1 -> 2 -> 3. The baseline is bare mpi4py doing the same
+row sends (same buffers) finished by a spinning `Waitall`: the data movement alone. Overhead per task =
+(executor - baseline) / T, from the same run. Python allocation during one `run()` is measured
+with tracemalloc (peak bytes above the level before the call). Results: bench/results/executor.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+import tracemalloc
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+ROW = 16  # float32 elements per box: 64 B
+
+
+def many_task_plan(tasks: int, kind: str):
+    """T hand-made operations, one per unit task (the executor does not look at `tasks`)."""
+    from schemas import DeviceMesh, Operation, Placement, Plan, ReshardingProblem, SolverInfo
+
+    receivers = 3 if kind == "broadcast" else 1
+    shape = (ROW, tasks) if kind == "send_strided" else (tasks, ROW)
+    problem = ReshardingProblem(
+        name=f"bench_{kind}_{tasks}", shape=shape, dtype="float32",
+        src=Placement(mesh=DeviceMesh(shape=(1,), devices=(0,)), spec="R R"),
+        dst=Placement(mesh=DeviceMesh(shape=(receivers,), devices=tuple(range(1, receivers + 1))), spec="R R"))
+    op_kind = "broadcast" if kind == "broadcast" else "send"
+    ops = tuple(Operation(id=i, task=i, kind=op_kind, src=0, dsts=tuple(range(1, receivers + 1)),
+                          region=((0, ROW), (i, i + 1)) if kind == "send_strided" else ((i, i + 1), (0, ROW)))
+                for i in range(tasks))
+    return Plan(generator="bench_executor", problem=problem, strategy=op_kind, solver=SolverInfo(name="hand"),
+                merged_slices=False, tasks=(), operations=ops, host_order=(), predicted_seconds=0.0, lower_bound_seconds=0.0)
+
+
+def _timed(comm, iters: int, once) -> float:
+    """Median over iterations of the slowest rank's time for `once()`, iterations separated by barriers."""
+    from mpi4py import MPI
+
+    times = np.empty(iters)
+    for i in range(iters):
+        comm.Barrier()
+        start = time.perf_counter()
+        once()
+        times[i] = time.perf_counter() - start
+    slowest = np.empty_like(times)
+    comm.Allreduce(times, slowest, op=MPI.MAX)
+    return float(np.median(slowest))
+
+
+def _baseline(comm, tasks: int):
+    """Bare mpi4py: rank 0 sends T rows, rank 1 receives them in place, then `Waitall` (MPICH's own spinning wait)."""
+    from mpi4py import MPI
+
+    src = np.arange(tasks * ROW, dtype=np.float32).reshape(tasks, ROW)
+    dst = np.empty_like(src)
+
+    def once() -> None:
+        if comm.Get_rank() == 0:
+            requests = [comm.Isend([src[i], MPI.BYTE], dest=1, tag=i) for i in range(tasks)]
+        else:
+            requests = [comm.Irecv([dst[i], MPI.BYTE], source=0, tag=i) for i in range(tasks)]
+        MPI.Request.Waitall(requests)
+
+    return once
+
+
+def worker(kind: str, task_counts: list[int], iters: int) -> None:
+    from mpi4py import MPI
+
+    from executor import ReshardingExecutor
+    from executor.pattern import fill
+
+    comm = MPI.COMM_WORLD
+    for tasks in task_counts:
+        plan = many_task_plan(tasks, kind)
+        ex = ReshardingExecutor(plan, comm).prepare()
+        shard = fill(ex.program.src_block, plan.problem.shape, ex.engine.dtype) if ex.program.src_block else None
+        for _ in range(3):
+            ex.run(shard)
+        executor_s = _timed(comm, iters, lambda: ex.run(shard))
+        baseline_s = _timed(comm, iters, _baseline(comm, tasks)) if kind == "send" else None
+        tracemalloc.start()
+        before = tracemalloc.get_traced_memory()[0]
+        tracemalloc.reset_peak()
+        ex.run(shard)
+        peak = tracemalloc.get_traced_memory()[1] - before
+        tracemalloc.stop()
+        peaks = np.zeros(comm.Get_size(), np.int64)
+        comm.Allgather(np.array([peak], np.int64), peaks)
+        if comm.Get_rank() == 0:
+            print(json.dumps({"kind": kind, "tasks": tasks, "ranks": comm.Get_size(), "executor_s": executor_s,
+                              "baseline_s": baseline_s, "alloc_peak_bytes_max_rank": int(peaks.max()),
+                              "steps_rank0": len(ex.program.steps)}), flush=True)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tasks", default="16,64,256,1024", help="unit-task counts (default 16,64,256,1024)")
+    parser.add_argument("--iters", type=int, default=40, help="timed iterations per point (default 40)")
+    parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "executor.json")
+    parser.add_argument("--worker", choices=("send", "send_strided", "broadcast"), help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    counts = [int(x) for x in args.tasks.split(",")]
+    if args.worker:
+        worker(args.worker, counts, args.iters)
+        return 0
+    env = dict(os.environ, MPIR_CVAR_ENABLE_HEAVY_YIELD="1", PYTHONPATH=str(ROOT))
+    mpiexec = Path(sys.executable).parent / "mpiexec"
+    rows = []
+    for kind, ranks in (("send", 2), ("send_strided", 2), ("broadcast", 4)):
+        cmd = [str(mpiexec), "-n", str(ranks), sys.executable, __file__, "--worker", kind, "--tasks", args.tasks,
+               "--iters", str(args.iters)]
+        out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
+        if out.returncode:
+            print(out.stderr[-3000:], file=sys.stderr)
+            return 1
+        rows += [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(rows, indent=1) + "\n")
+    print("| plan | ranks | unit tasks | run() per iteration | bare mpi4py | overhead per task | run() per task | peak Python alloc in run() |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|")
+    for r in rows:
+        base = r["baseline_s"]
+        over = f"{(r['executor_s'] - base) / r['tasks'] * 1e6:.1f} us" if base is not None else "-"
+        print(f"| {r['kind']} | {r['ranks']} | {r['tasks']} | {r['executor_s'] * 1e3:.3f} ms | "
+              f"{base * 1e3:.3f} ms | {over} | {r['executor_s'] / r['tasks'] * 1e6:.1f} us | {r['alloc_peak_bytes_max_rank']} B |"
+              if base is not None else
+              f"| {r['kind']} | {r['ranks']} | {r['tasks']} | {r['executor_s'] * 1e3:.3f} ms | - | - | "
+              f"{r['executor_s'] / r['tasks'] * 1e6:.1f} us | {r['alloc_peak_bytes_max_rank']} B |")
+    print(f"\nwritten to {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
