@@ -1,8 +1,10 @@
 """The physical lower bound of a resharding: what the busiest NIC must move, over its bandwidth.
 
-Three bounds, the largest wins: each destination host must receive every byte it needs but holds on
+Four bounds, the largest wins: each destination host must receive every byte it needs but holds on
 none of its devices; each source host must send every byte that only it holds and some other host
-needs; and all source hosts together must send every byte needed across hosts at least once.
+needs; all source hosts together must send every byte needed across hosts at least once; and each
+destination device must take in every byte it lacks, at most as fast as its host link and its NIC
+share together (so a resharding inside one host still has a bound).
 """
 
 from __future__ import annotations
@@ -27,10 +29,13 @@ class LowerBound:
 
 def lower_bound(cells: list[Cell], cluster: Cluster, itemsize: int) -> LowerBound:
     recv: dict[int, int] = {}
+    device_in: dict[int, int] = {}
     sole_send: dict[int, int] = {}
     total_send, source_hosts = 0, set()
     for cell in cells:
         nbytes = cell.nbytes(itemsize)
+        for device in cell.receivers:
+            device_in[device] = device_in.get(device, 0) + nbytes
         sender_hosts = {cluster.host_of(d) for d in cell.senders}
         source_hosts |= sender_hosts
         needy = {cluster.host_of(d) for d in cell.receivers} - sender_hosts
@@ -44,6 +49,8 @@ def lower_bound(cells: list[Cell], cluster: Cluster, itemsize: int) -> LowerBoun
     candidates = [LowerBound(0.0, "nothing crosses hosts")]
     candidates += [LowerBound(b / cluster.recv_bytes_per_s, f"host {h} receive") for h, b in recv.items()]
     candidates += [LowerBound(b / cluster.send_bytes_per_s, f"host {h} send") for h, b in sole_send.items()]
+    device_rate = cluster.intra_bytes_per_s + cluster.recv_bytes_per_s
+    candidates += [LowerBound(b / device_rate, f"device {d} intake") for d, b in device_in.items()]
     if source_hosts:
         candidates.append(LowerBound(total_send / (cluster.send_bytes_per_s * len(source_hosts)), "all source hosts send"))
     return max(candidates, key=lambda c: (c.seconds, c.reason))

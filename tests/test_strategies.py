@@ -240,12 +240,14 @@ def test_lower_bound_when_all_source_hosts_must_share_the_sending(problem):
     assert bound.seconds == pytest.approx(64 * 64 * 4 / (2 * NIC), rel=1e-12)
 
 
-def test_lower_bound_is_zero_inside_one_host(problem):
+def test_lower_bound_inside_one_host_is_the_device_intake(problem):
     from planner.bounds import lower_bound
     from planner.unit_tasks import decompose
     p = problem((8, 8), {"shape": [2], "devices": [0, 1]}, "S0 R", {"shape": [2], "devices": [2, 3]}, "R S0")
     bound = lower_bound(decompose(p), p.cluster, p.itemsize)
-    assert (bound.seconds, bound.reason) == (0.0, "nothing crosses hosts")
+    needed = 8 * 4 * p.itemsize  # each destination device needs an 8x4 block and holds none of it
+    assert bound.seconds == pytest.approx(needed / (p.cluster.intra_bytes_per_s + p.cluster.recv_bytes_per_s))
+    assert bound.reason.startswith("device ") and bound.reason.endswith(" intake")
 
 
 # --- resources held cover every NIC side the operations use ------------------------------------------------
