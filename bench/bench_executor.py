@@ -6,7 +6,8 @@
 Plans of T unit tasks, each one small box (64 B): `send` moves row i from device 0 to device 1
 (contiguous, sent in place); `send_strided` moves column i (packed and unpacked through staging);
 `broadcast` sends row i down the chain 1 -> 2 -> 3. The baseline is bare mpi4py doing the same
-row sends (same buffers) finished by a spinning `Waitall`: the data movement alone. Overhead per task =
+row sends (same buffers) finished by `Waitall`, run with MPICH spinning (heavy yield off, one rank per
+core): the data movement alone. Overhead per task =
 (executor - baseline) / T, from the same run. Python allocation during one `run()` is measured
 with tracemalloc (peak bytes above the level before the call). Results: bench/results/executor.json.
 """
@@ -109,6 +110,43 @@ def worker(kind: str, task_counts: list[int], iters: int) -> None:
                               "steps_rank0": len(ex.program.steps)}), flush=True)
 
 
+def gpu_bench() -> dict | str:
+    """Pack/unpack of strided boxes against a plain device-to-device copy of the same bytes, and a
+    single-rank NCCL broadcast; returns a reason string where there is no GPU (never run here yet)."""
+    try:
+        import cupy
+        from cupy.cuda import nccl
+        if not cupy.cuda.runtime.getDeviceCount():
+            return "no CUDA device"
+    except Exception as err:  # ImportError, CUDARuntimeError
+        return f"no GPU path here ({type(err).__name__}: {str(err).splitlines()[0][:80]})"
+
+    def seconds(fn, reps: int = 20) -> float:
+        fn()
+        start, stop = cupy.cuda.Event(), cupy.cuda.Event()
+        start.record()
+        for _ in range(reps):
+            fn()
+        stop.record()
+        stop.synchronize()
+        return cupy.cuda.get_elapsed_time(start, stop) / 1e3 / reps
+
+    shard = cupy.arange(8192 * 8192, dtype=cupy.float32).reshape(8192, 8192)
+    box = (slice(0, 8192), slice(0, 4096))  # half the columns: 4096 runs of 16 KiB
+    stage = cupy.empty((8192, 4096), cupy.float32)
+    flat_src, flat_dst = cupy.empty(stage.size, cupy.float32), cupy.empty(stage.size, cupy.float32)
+    nbytes = stage.nbytes
+    pack = seconds(lambda: cupy.copyto(stage, shard[box]))
+    unpack = seconds(lambda: cupy.copyto(shard[box], stage))
+    plain = seconds(lambda: cupy.copyto(flat_dst, flat_src))
+    comm = nccl.NcclCommunicator(1, nccl.get_unique_id(), 0)
+    stream = cupy.cuda.get_current_stream()
+    bcast = seconds(lambda: comm.bcast(flat_src.data.ptr, nbytes, nccl.NCCL_CHAR, 0, stream.ptr))
+    return {"bytes": nbytes, "pack_GBps": nbytes / pack / 1e9, "unpack_GBps": nbytes / unpack / 1e9,
+            "d2d_copy_GBps": nbytes / plain / 1e9, "pack_vs_copy": plain / pack, "unpack_vs_copy": plain / unpack,
+            "nccl_bcast_1rank_s": bcast}
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tasks", default="16,64,256,1024", help="unit-task counts (default 16,64,256,1024)")
@@ -120,19 +158,23 @@ def main() -> int:
     if args.worker:
         worker(args.worker, counts, args.iters)
         return 0
-    env = dict(os.environ, MPIR_CVAR_ENABLE_HEAVY_YIELD="1", PYTHONPATH=str(ROOT))
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
     mpiexec = Path(sys.executable).parent / "mpiexec"
     rows = []
     for kind, ranks in (("send", 2), ("send_strided", 2), ("broadcast", 4)):
         cmd = [str(mpiexec), "-n", str(ranks), sys.executable, __file__, "--worker", kind, "--tasks", args.tasks,
                "--iters", str(args.iters)]
-        out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
+        # 2 ranks on 2 cores may spin (the baseline's Waitall then runs at full speed); 4 ranks must yield.
+        spin = ranks <= (os.cpu_count() or 1)
+        out = subprocess.run(cmd, env=env | {"MPIR_CVAR_ENABLE_HEAVY_YIELD": "0" if spin else "1"},
+                             capture_output=True, text=True, timeout=900)
         if out.returncode:
             print(out.stderr[-3000:], file=sys.stderr)
             return 1
         rows += [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
+    gpu = gpu_bench()
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(rows, indent=1) + "\n")
+    args.out.write_text(json.dumps({"cpu_overhead": rows, "gpu": gpu}, indent=1) + "\n")
     print("| plan | ranks | unit tasks | run() per iteration | bare mpi4py | overhead per task | run() per task | peak Python alloc in run() |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
@@ -143,7 +185,8 @@ def main() -> int:
               if base is not None else
               f"| {r['kind']} | {r['ranks']} | {r['tasks']} | {r['executor_s'] * 1e3:.3f} ms | - | - | "
               f"{r['executor_s'] / r['tasks'] * 1e6:.1f} us | {r['alloc_peak_bytes_max_rank']} B |")
-    print(f"\nwritten to {args.out}")
+    print(f"\nGPU pack/unpack and NCCL broadcast: {gpu if isinstance(gpu, str) else json.dumps(gpu)}")
+    print(f"written to {args.out}")
     return 0
 
 
