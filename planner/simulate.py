@@ -2,7 +2,8 @@
 
 Model (stated, so every plan and baseline is judged by the same rules):
 - Links. Each host NIC has a send side and a receive side (`h2.send:0`, `h2.recv:0`), each with its
-  own bandwidth (full duplex). Inside a host every device has an outgoing and an incoming port at the
+  own bandwidth (full duplex). A host with several NICs stripes every cross-host message over all
+  of them in proportion to their bandwidth, unless the plan pins a task to one NIC (`send:N`). Inside a host every device has an outgoing and an incoming port at the
   intra-host bandwidth (`d8.out`, `d8.in`); a local copy uses the device's copy engine (`d8.copy`).
 - Flows. Every operation becomes flows: a send is one flow; a broadcast of K chunks down a chain is
   K x hops flows, chunk k on hop h starting once chunk k has crossed hop h-1 and chunk k-1 has
@@ -131,22 +132,32 @@ class _Lowering:
         self.delivered: dict[tuple[int, int], list[int]] = {}  # (task, device) -> flows that brought it data
         self.last_on: dict[str, list[int]] = {}  # queue key -> terminal flows of the previous operation
 
-    def hop(self, op: Operation, a: int, b: int, nbytes: float, after: list[int]) -> int:
-        """One message from device a to device b; returns its flow id."""
+    def hop(self, op: Operation, a: int, b: int, nbytes: float, after: list[int]) -> list[int]:
+        """One message from device a to device b; returns its flow ids (one per NIC it is striped over)."""
         ha, hb = self.cluster.host_of(a), self.cluster.host_of(b)
-        if a == b:
-            links = {f"d{a}.copy": self.cluster.intra_bytes_per_s}
-        elif ha == hb:
-            links = {f"d{a}.out": self.cluster.intra_bytes_per_s, f"d{b}.in": self.cluster.intra_bytes_per_s}
-        else:
-            nic = self.nic_of_task.get(op.task, 0) % len(self.cluster.nics)
-            spec = self.cluster.nics[nic]
-            links = {f"h{ha}.send:{nic}": spec.send_gbps * 1e9 / 8, f"h{hb}.recv:{nic}": spec.recv_gbps * 1e9 / 8}
-        self.capacity |= links
         latency = 0.0 if a == b else self.cluster.latency_s
-        flow = Flow(len(self.flows), op.id, nbytes, latency, tuple(sorted(links)), tuple(sorted(set(after))))
-        self.flows.append(flow)
-        return flow.id
+        if a == b:
+            lanes = [{f"d{a}.copy": self.cluster.intra_bytes_per_s}]
+        elif ha == hb:
+            lanes = [{f"d{a}.out": self.cluster.intra_bytes_per_s, f"d{b}.in": self.cluster.intra_bytes_per_s}]
+        else:
+            nics = [self.nic_of_task[op.task]] if op.task in self.nic_of_task else range(len(self.cluster.nics))
+            lanes = [{f"h{ha}.send:{n}": self.cluster.nics[n].send_gbps * 1e9 / 8,
+                      f"h{hb}.recv:{n}": self.cluster.nics[n].recv_gbps * 1e9 / 8} for n in nics]
+        out = []
+        for links in lanes:
+            self.capacity |= links
+            share = nbytes * self._weight(links, lanes)
+            flow = Flow(len(self.flows), op.id, share, latency, tuple(sorted(links)), tuple(sorted(set(after))))
+            self.flows.append(flow)
+            out.append(flow.id)
+        return out
+
+    @staticmethod
+    def _weight(links: dict[str, float], lanes: list[dict[str, float]]) -> float:
+        """A striped message is split over NICs in proportion to each lane's slower side."""
+        total = sum(min(lane.values()) for lane in lanes)
+        return min(links.values()) / total
 
     def queue_keys(self, op: Operation, flows: list[int]) -> list[str]:
         if self.discipline == "device-order":
@@ -188,7 +199,7 @@ class _Lowering:
         """Flows of one operation; returns its terminal flows."""
         nbytes = region_size(op.region) * self.itemsize
         if op.kind in ("copy", "send"):
-            out = [self.hop(op, op.src, d, nbytes, waits) for d in op.dsts]
+            out = [i for d in op.dsts for i in self.hop(op, op.src, d, nbytes, waits)]
         elif op.kind == "broadcast":
             out = self.broadcast(op, nbytes, waits)
         else:
@@ -200,27 +211,25 @@ class _Lowering:
     def broadcast(self, op: Operation, nbytes: float, waits: list[int]) -> list[int]:
         chain = [op.src, *op.dsts]
         k = op.chunks
-        previous_chunk: list[int | None] = [None] * (len(chain) - 1)
+        previous_chunk: list[list[int]] = [[] for _ in chain[1:]]
         for chunk in range(k):
-            upstream = None
+            upstream: list[int] = []
             piece = nbytes / k
             for h, (a, b) in enumerate(zip(chain, chain[1:])):
-                after = list(waits) if chunk == 0 and h == 0 else []
-                after += [i for i in (upstream, previous_chunk[h]) if i is not None]
+                after = (list(waits) if chunk == 0 and h == 0 else []) + upstream + previous_chunk[h]
                 upstream = previous_chunk[h] = self.hop(op, a, b, piece, after)
-        return [i for i in previous_chunk if i is not None]
+        return [i for ids in previous_chunk for i in ids]
 
     def allgather(self, op: Operation, waits: list[int]) -> list[int]:
         members, n = list(op.dsts), len(op.dsts)
-        received: list[int | None] = [None] * n
+        received: list[list[int]] = [[] for _ in members]
         for step in range(n - 1):
             now = []
             for i in range(n):
                 part = op.parts[(i - step) % n]
-                after = list(waits) + ([received[i]] if received[i] is not None else [])
-                now.append(self.hop(op, members[i], members[(i + 1) % n], region_size(part) * self.itemsize, after))
+                now.append(self.hop(op, members[i], members[(i + 1) % n], region_size(part) * self.itemsize, list(waits) + received[i]))
             received = [now[(i - 1) % n] for i in range(n)]
-        return [i for i in received if i is not None]
+        return [i for ids in received for i in ids]
 
 
 def simulate(operations: list[Operation] | tuple[Operation, ...], problem: ReshardingProblem,

@@ -139,3 +139,20 @@ def test_unknown_names_list_the_valid_ones():
     with pytest.raises(ValueError, match="host-order"):
         simulate([], case("S0 R R", "S0 R R"), "random-order")
     assert set(BASELINES) == {"alpa-send-recv", "alpa-allgather"}
+
+
+def test_two_nics_stripe_a_message_and_halve_its_time():
+    p = one_gpu_hosts()
+    p2 = p.model_copy(update={"cluster": p.cluster.model_copy(update={"nics": (p.cluster.nics[0],) * 2})})
+    op = Operation(id=0, task=0, kind="send", src=0, dsts=(1,), region=full(p))
+    assert simulate([op], p2).makespan_s == pytest.approx(simulate([op], p).makespan_s / 2, rel=1e-9)
+    assert simulate([op], p2, nic_of_task={0: 1}).makespan_s == pytest.approx(simulate([op], p).makespan_s, rel=1e-9)
+
+
+def test_a_two_nic_cluster_plan_predicts_about_half():
+    p = case("R S0 R", "S0 R R")
+    two = p.model_copy(update={"cluster": p.cluster.model_copy(update={"nics": (p.cluster.nics[0],) * 2})})
+    one_plan, two_plan = compile_plan(p), compile_plan(two)
+    assert two_plan.predicted_seconds == pytest.approx(one_plan.predicted_seconds / 2, rel=0.02)
+    assert two_plan.predicted_seconds <= 1.05 * two_plan.lower_bound_seconds
+    verify_plan(two_plan)

@@ -1,0 +1,137 @@
+"""The paper's resharding cases: Alpa's approaches, broadcast with the paper's solvers, and ours.
+
+Every figure is a prediction of one model, `planner/simulate.py` (10 Gbit/s full-duplex NIC per
+host, 4 GPUs per host, 800 Gbit/s inside a host, 20 us per message, max-min fair sharing): Alpa's
+send/recv and send + local all-gather run in device order (`planner/baselines.py`), our plans in
+host order. Compile time is wall clock on this machine for `compile_plan` with the `auto` solver.
+
+    .venv/bin/python bench/bench_resharding.py
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+sys.path[:0] = [str(Path(__file__).resolve().parent.parent), str(Path(__file__).resolve().parent)]
+
+from report import replace_section, write_json  # noqa: E402
+from planner.baselines import baseline_seconds  # noqa: E402
+from planner.compile import compile_plan  # noqa: E402
+from planner.reference_cases import reference_cases  # noqa: E402
+from planner.verify import verify_plan  # noqa: E402
+from schemas import Cluster, Nic  # noqa: E402
+
+COMMAND = ".venv/bin/python bench/bench_resharding.py"
+PAPER_SOLVERS = ("naive", "size", "randomized-greedy")
+
+
+def measure(name: str, problem) -> dict:
+    row = {"case": name, "alpa_send_recv": baseline_seconds(problem, "alpa-send-recv"),
+           "alpa_allgather": baseline_seconds(problem, "alpa-allgather")}
+    for solver in PAPER_SOLVERS:
+        row[f"broadcast_{solver}"] = compile_plan(problem, "broadcast", solver).predicted_seconds
+    begin = time.perf_counter()
+    plan = compile_plan(problem)
+    row["compile_s"] = time.perf_counter() - begin
+    verify_plan(plan)
+    row |= {"ours": plan.predicted_seconds, "lower_bound": plan.lower_bound_seconds, "tasks": len(plan.tasks),
+            "winner": plan.solver.details.get("winner", plan.solver.name)}
+    return row
+
+
+def two_nics(problem):
+    return problem.model_copy(update={"cluster": Cluster(nics=(Nic(), Nic()))})
+
+
+def table(rows: list[dict]) -> str:
+    head = ("| case | tasks | Alpa send/recv | Alpa + all-gather | bc naive | bc size | bc rand-greedy | **ours** "
+            "| vs Alpa s/r | vs Alpa a-g | vs naive | vs size | vs rand | ours / bound | winner | compile |\n"
+            "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|\n")
+    lines = []
+    for r in rows:
+        o = r["ours"]
+        lines.append(
+            f"| {r['case']} | {r['tasks']} | {r['alpa_send_recv']:.3f} | {r['alpa_allgather']:.3f} | {r['broadcast_naive']:.3f} "
+            f"| {r['broadcast_size']:.3f} | {r['broadcast_randomized-greedy']:.3f} | **{o:.3f}** "
+            f"| {r['alpa_send_recv'] / o:.2f}x | {r['alpa_allgather'] / o:.2f}x | {r['broadcast_naive'] / o:.2f}x "
+            f"| {r['broadcast_size'] / o:.2f}x | {r['broadcast_randomized-greedy'] / o:.2f}x | {o / r['lower_bound']:.3f} "
+            f"| {r['winner']} | {r['compile_s'] * 1000:.0f} ms |")
+    return head + "\n".join(lines)
+
+
+def targets(rows: list[dict]) -> str:
+    many = [r for r in rows if r["case"].startswith("case")]
+    worst = max(r["ours"] / r["lower_bound"] for r in rows)
+    slowest = max(r["compile_s"] for r in rows)
+    never_worse = all(r["ours"] <= min(v for k, v in r.items() if k.startswith(("alpa", "broadcast"))) * (1 + 1e-9) for r in rows)
+    big = {r["case"]: r["alpa_send_recv"] / r["ours"] for r in many if r["case"] in ("case3", "case4", "case9")}
+    big_ag = {r["case"]: r["alpa_allgather"] / r["ours"] for r in many if r["case"] in ("case3", "case4", "case9")}
+    return (f"- ours / lower bound, worst case: **{worst:.4f}** (target <= 1.05)\n"
+            f"- ours never slower than any baseline on any case: **{never_worse}**\n"
+            f"- speed-up over Alpa send/recv on cases 3, 4, 9: "
+            + ", ".join(f"{k} {v:.2f}x" for k, v in big.items())
+            + "; over Alpa send + all-gather: " + ", ".join(f"{k} {v:.2f}x" for k, v in big_ag.items())
+            + " (target >= 3x)\n"
+            f"- slowest compile: **{slowest * 1000:.0f} ms** (target < 1 s)")
+
+
+def main() -> None:
+    rows = [measure(name, problem) for name, problem in reference_cases()]
+    nic_rows = []
+    for name, problem in reference_cases():
+        plan = compile_plan(two_nics(problem))
+        nic_rows.append({"case": name, "one_nic": next(r["ours"] for r in rows if r["case"] == name),
+                         "two_nics": plan.predicted_seconds, "two_nics_bound": plan.lower_bound_seconds})
+    write_json("resharding.json", {"command": COMMAND, "cases": rows, "two_nics": nic_rows})
+    print(table(rows))
+    print(targets(rows))
+    replace_section("Resharding: paper cases", f"""
+Made by (2-core CPU machine, under a minute):
+
+```
+{COMMAND}
+```
+
+Predicted seconds from one model, the network simulator (`planner/simulate.py`): 10 Gbit/s
+full-duplex NIC per host, 4 GPUs per host at 800 Gbit/s, 20 us per message, concurrent flows share a
+link max-min fairly. Alpa's approaches (`planner/baselines.py`: send/recv per device pair with its
+`normal` least-loaded sender; send to a host-local sharding + all-gather inside the host) run in
+device order, each device doing its operations in Alpa's loop order; `bc <solver>` is our broadcast
+strategy with the paper's solvers; **ours** is the default (`auto` solver). Ratios are baseline /
+ours in the same run; compile is wall clock of `compile_plan` (auto). Raw numbers:
+`bench/results/resharding.json`.
+
+{table(rows)}
+
+{targets(rows)}
+
+Where the model differs from the paper: the paper measured up to 10x over Alpa on case 4; our
+simulator prices only bandwidth, latency and queueing (no NCCL communicator set-up, no kernel
+launch costs), and under it Alpa's device-order send/recv on case 4 is 1.5x slower than ours, not 10x.
+""")
+    replace_section("Multiple NICs", multi_nic_section(nic_rows))
+
+
+def multi_nic_section(nic_rows: list[dict]) -> str:
+    lines = "\n".join(f"| {r['case']} | {r['one_nic']:.3f} | {r['two_nics']:.3f} | {r['one_nic'] / r['two_nics']:.2f}x "
+                      f"| {r['two_nics'] / r['two_nics_bound']:.3f} |" for r in nic_rows)
+    return f"""
+Made by the same run (`{COMMAND}`): the paper's cases on a cluster whose hosts have two 10 Gbit/s
+NICs instead of one; predicted seconds of ours (`auto`), same simulator.
+
+How a task uses several NICs: every cross-host message of a unit task is striped over all NICs of
+both hosts in proportion to their bandwidth (the simulator's `h2.send:0`, `h2.send:1` lanes), so the
+scheduler sees a host's NICs as one pipe of their summed bandwidth and the lower bound doubles its
+rate. Pinning whole tasks to single NICs (`send:N` in the host order, also supported by the
+simulator) can never beat striping here: the per-message latency is paid on the lanes in parallel.
+
+| case | 1 NIC | 2 NICs | gain | 2 NICs / bound |
+|---|---:|---:|---:|---:|
+{lines}
+"""
+
+
+if __name__ == "__main__":
+    main()
