@@ -16,9 +16,11 @@ from pydantic import ValidationError
 from schemas import Plan, ReshardingProblem
 from schemas.plan import write_text_atomic
 
+from .cli_solvers import progress, solver_summary
 from .compile import compile_plan
 from .inspect_plan import summarize
 from .problem_io import InputError, build_problem, load_problem, user_error_message
+from .solvers import SOLVERS
 from .strategies import STRATEGIES
 from .verify import PlanError, verify_plan
 
@@ -102,9 +104,11 @@ def problem_from_flags(problem_file, shape, dtype, src_mesh, src_spec, dst_mesh,
 @click.option("--dst-spec", help="destination sharding spec, e.g. 'S0 R R'")
 @click.option("--strategy", type=click.Choice(list(STRATEGIES) + ["auto"]), default="broadcast", show_default=True,
               help="communication strategy per unit task ('auto' picks the fastest per task)")
-@click.option("--solver", default="greedy", show_default=True, help="scheduler that picks sender hosts and orders")
+@click.option("--solver", type=click.Choice(list(SOLVERS)), default="auto", show_default=True,
+              help="scheduler that picks sender hosts and orders (planner/solvers)")
 @click.option("--seed", default=0, show_default=True, help="seed for randomized solvers (recorded in the plan)")
-@click.option("--time-limit", default=1.0, show_default=True, help="solver budget in seconds")
+@click.option("--time-limit", default=10.0, show_default=True,
+              help="solver budget in deterministic seconds (CP-SAT's deterministic time; no wall clock, so plans are reproducible)")
 @click.option("--no-merge", is_flag=True, help="keep every cut-point cell as its own unit task")
 def compile_command(problem_file, output, shape, dtype, src_mesh, src_spec, dst_mesh, dst_spec, strategy, solver, seed, time_limit, no_merge):
     """Compile a resharding problem into a verified plan.
@@ -116,7 +120,8 @@ def compile_command(problem_file, output, shape, dtype, src_mesh, src_spec, dst_
                          --dst-mesh 2x4 --dst-spec "S0 R R" -o case3.plan.json
     """
     problem = problem_from_flags(problem_file, shape, dtype, src_mesh, src_spec, dst_mesh, dst_spec)
-    plan = compile_plan(problem, strategy=strategy, solver=solver, seed=seed, time_limit_s=time_limit, merge=not no_merge)
+    with progress(f"solving with {solver}") as timing:
+        plan = compile_plan(problem, strategy=strategy, solver=solver, seed=seed, time_limit_s=time_limit, merge=not no_merge)
     report = verify_plan(plan)
     if output == "-":
         sys.stdout.write(plan.to_json())
@@ -128,7 +133,8 @@ def compile_command(problem_file, output, shape, dtype, src_mesh, src_spec, dst_
             raise InputError(f"--output: cannot write {output} ({err.strerror}); check that the folder exists and is writable") from None
     click.echo(f"{output or 'plan'}: {len(plan.tasks)} unit tasks, {len(plan.operations)} operations, "
                f"predicted {plan.predicted_seconds:.4f} s, lower bound {plan.lower_bound_seconds:.4f} s, "
-               f"efficiency {plan.efficiency:.1%}; verified ({report.operations} operations replayed)")
+               f"efficiency {plan.efficiency:.1%}; verified ({report.operations} operations replayed); "
+               f"{solver_summary(plan, timing['seconds'])}")
 
 
 @main.command("inspect")
@@ -183,6 +189,8 @@ def schema_command(which):
 
 from .cli_pipeline import register as register_pipeline_commands  # noqa: E402  (pipeline commands, planner/cli_pipeline.py)
 register_pipeline_commands(main)
+from .cli_solvers import register as register_solver_commands  # noqa: E402  (compare, check: planner/cli_solvers.py)
+register_solver_commands(main)
 
 if __name__ == "__main__":
     main()

@@ -1,0 +1,115 @@
+"""CLI commands about solvers: `compare` every solver and baseline on one problem, `check` a plan's quality.
+
+`register(main)` adds them to the `xmesh-plan` group. Solve times are wall clock on this machine and
+appear only here, never in a plan (plans stay byte-identical).
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from contextlib import contextmanager
+
+import click
+
+from .baselines import BASELINES, baseline_seconds
+from .compile import compile_plan
+from .problem_io import InputError, load_problem
+from .solvers import SOLVERS
+
+
+@contextmanager
+def progress(label: str):
+    """On a terminal, say what is being solved and how long it took; silent when piped."""
+    tty = sys.stderr.isatty()
+    if tty:
+        click.echo(f"{label} ...", err=True, nl=False)
+    begin = time.perf_counter()
+    timing = {}
+    try:
+        yield timing
+    finally:
+        timing["seconds"] = time.perf_counter() - begin
+        if tty:
+            click.echo(f" {timing['seconds']:.2f} s", err=True)
+
+
+def solver_summary(plan, seconds: float) -> str:
+    """`auto (winner list-backfill, gap 0.0000) in 0.02 s`: what chose the order and how well."""
+    details = plan.solver.details
+    winner = f"winner {details['winner']}, " if "winner" in details else ""
+    gap = details.get("gap_to_proven_bound")
+    gap = f"schedule gap to proven bound {float(gap):.4f}" if gap is not None else "no proven bound"
+    return f"solver {plan.solver.name} ({winner}{gap}) in {seconds:.2f} s"
+
+
+def compare_rows(problem, seed: int, time_limit: float) -> list[tuple[str, float, float | None, float]]:
+    """(name, predicted seconds, lower bound, wall seconds) for every solver and every baseline."""
+    rows = []
+    for name in SOLVERS:
+        begin = time.perf_counter()
+        plan = compile_plan(problem, solver=name, seed=seed, time_limit_s=time_limit)
+        rows.append((f"broadcast + {name}", plan.predicted_seconds, plan.lower_bound_seconds, time.perf_counter() - begin))
+    for name in BASELINES:
+        begin = time.perf_counter()
+        rows.append((name, baseline_seconds(problem, name), None, time.perf_counter() - begin))
+    return rows
+
+
+def register(group: click.Group) -> None:
+    group.add_command(compare_command)
+    group.add_command(check_command)
+
+
+@click.command("compare")
+@click.argument("problem_file", type=click.Path(dir_okay=False))
+@click.option("--seed", default=0, show_default=True, help="seed for randomized solvers")
+@click.option("--time-limit", default=10.0, show_default=True, help="solver budget in deterministic seconds")
+def compare_command(problem_file, seed, time_limit):
+    """Every solver and Alpa's baselines on one problem, predicted by the same simulator.
+
+    \b
+    Example:
+      xmesh-plan compare plans/case3.problem.json
+    """
+    problem = load_problem(problem_file)
+    with progress(f"comparing {len(SOLVERS)} solvers and {len(BASELINES)} baselines"):
+        rows = compare_rows(problem, seed, time_limit)
+    bound = next(b for _, _, b, _ in rows if b is not None)
+    best = min(p for _, p, _, _ in rows)
+    click.echo(f"{'approach':<28} {'predicted s':>12} {'/ bound':>8} {'/ best':>8} {'wall s':>8}")
+    for name, predicted, _, wall in rows:
+        click.echo(f"{name:<28} {predicted:>12.4f} {predicted / bound:>8.3f} {predicted / best:>8.3f} {wall:>8.2f}")
+    click.echo(f"lower bound {bound:.4f} s")
+
+
+@click.command("check")
+@click.argument("plan_files", nargs=-1, required=True, type=click.Path(dir_okay=False))
+@click.option("--max-ratio", default=1.1, show_default=True, type=float,
+              help="fail when predicted time exceeds this times the lower bound (or the reference's predicted time)")
+@click.option("--reference", type=click.Path(dir_okay=False), help="a reference plan to compare predicted times with")
+def check_command(plan_files, max_ratio, reference):
+    """Exit 1 when a plan is more than --max-ratio over its lower bound or over a reference plan (for CI).
+
+    \b
+    Example:
+      xmesh-plan check plans/*.plan.json --max-ratio 1.05
+    """
+    from .cli import load_plan_file  # the lead's loader: one-line errors for bad files
+
+    if max_ratio <= 0:
+        raise InputError(f"--max-ratio: {max_ratio} must be positive, e.g. 1.1")
+    ref = load_plan_file(reference) if reference else None
+    failed = 0
+    for path in plan_files:
+        plan = load_plan_file(path)
+        over_bound = plan.predicted_seconds / plan.lower_bound_seconds if plan.lower_bound_seconds > 0 else 1.0
+        problems = [f"{over_bound:.4f}x its lower bound"] if over_bound > max_ratio else []
+        if ref is not None and plan.predicted_seconds > max_ratio * ref.predicted_seconds:
+            problems.append(f"{plan.predicted_seconds / ref.predicted_seconds:.4f}x the reference {reference}")
+        status = "FAIL " + "; ".join(problems) if problems else "ok"
+        click.echo(f"{path}: predicted {plan.predicted_seconds:.4f} s, bound {plan.lower_bound_seconds:.4f} s "
+                   f"({over_bound:.4f}x) {status}")
+        failed += bool(problems)
+    if failed:
+        raise click.exceptions.Exit(1)
