@@ -66,7 +66,7 @@ def _copy_ops(cell: Cell, task_id: int, problem: ReshardingProblem) -> list[tupl
 
 
 def assemble(problem: ReshardingProblem, cells: list[Cell], options: list[TaskOptions], schedule: Schedule,
-             strategy: str, seed: int, merged: bool) -> Plan:
+             strategy: str, seed: int) -> Plan:
     """Number tasks and operations, time them from the schedule, and build the plan record."""
     tasks, timed_ops, per_resource = [], [], {}
     for item in options:
@@ -102,7 +102,7 @@ def assemble(problem: ReshardingProblem, cells: list[Cell], options: list[TaskOp
     return Plan(
         generator=f"xmesh-plan {__version__}", problem=problem, strategy=strategy,
         solver=SolverInfo(name=schedule.solver, seed=seed, proven_bound_seconds=schedule.proven_bound_s, details=details),
-        merged_slices=merged, tasks=tuple(tasks), operations=operations, host_order=host_order,
+        merged_slices=any(c.merged_cells > 1 for c in cells), tasks=tuple(tasks), operations=operations, host_order=host_order,
         predicted_seconds=round(predicted, DIGITS), lower_bound_seconds=round(bound.seconds, DIGITS))
 
 
@@ -136,4 +136,4 @@ def compile_plan(problem: ReshardingProblem, strategy: str = "broadcast", solver
     cells = decompose(problem, merge=merge)
     options = task_options(problem, cells, strategy)
     schedule = solve([o.scheduling for o in options], solver, seed=seed, time_limit_s=time_limit_s)
-    return assemble(problem, cells, options, schedule, strategy, seed, merge)
+    return assemble(problem, cells, options, schedule, strategy, seed)
