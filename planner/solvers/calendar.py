@@ -1,12 +1,13 @@
 """Busy intervals per resource, and the earliest gap where a task fits on all of its resources.
 
 Intervals on one resource never overlap, so their starts and ends are both sorted and a bisect on
-the ends finds the first interval that could collide with a candidate start.
+the ends finds the first interval that could collide with a candidate start. Touching intervals are
+merged into one busy block, so a packed resource costs one jump, not one per task on it.
 """
 
 from __future__ import annotations
 
-from bisect import bisect_right, insort
+from bisect import bisect_left, bisect_right
 
 from ..scheduling import Resource
 
@@ -37,8 +38,21 @@ class Calendar:
 
     def book(self, resources: frozenset[Resource], start: float, duration: float) -> None:
         for r in resources:
-            insort(self._starts.setdefault(r, []), start)
-            insort(self._ends.setdefault(r, []), start + duration)
+            self._book_one(self._starts.setdefault(r, []), self._ends.setdefault(r, []), start, start + duration)
+
+    @staticmethod
+    def _book_one(starts: list[float], ends: list[float], begin: float, end: float) -> None:
+        """Insert [begin, end) into the blocks, merging with a block that ends at begin or starts at end."""
+        i = bisect_left(starts, begin)
+        if i > 0 and ends[i - 1] >= begin - EPS:
+            i -= 1
+            begin = starts[i]
+            del starts[i], ends[i]
+        if i < len(starts) and starts[i] <= end + EPS:
+            end = max(end, ends[i])
+            del starts[i], ends[i]
+        starts.insert(i, begin)
+        ends.insert(i, end)
 
     def free_at(self, resource: Resource) -> float:
         """When the resource's last booked interval ends (0 when it has none)."""
