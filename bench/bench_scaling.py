@@ -1,0 +1,92 @@
+"""Scaling: compile time and plan quality (predicted / lower bound) from (2,4) up to (128,8) meshes.
+
+3-D float32 tensors with mixed specs, uneven dims and differently shaped meshes, 8 GPUs per host
+(4 for the (2,4) case), one 10 Gbit/s NIC per host. Compile time is wall clock of `compile_plan`
+with the default `auto` solver on this machine, which is shared, so times are noisy. The largest
+points are optional: `--large` adds (128,8) -> (128,8).
+
+    .venv/bin/python bench/bench_scaling.py [--large]
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+sys.path[:0] = [str(Path(__file__).resolve().parent.parent), str(Path(__file__).resolve().parent)]
+
+from report import replace_section, write_json  # noqa: E402
+from planner.compile import compile_plan  # noqa: E402
+from schemas import Cluster, DeviceMesh, Placement, ReshardingProblem  # noqa: E402
+
+POINTS = [  # src mesh, dst mesh, src spec, dst spec, tensor shape
+    ((2, 4), (2, 4), "R S0 R", "S0 R R", (1024, 1024, 512)),
+    ((4, 8), (4, 8), "S0 S1 R", "R S0 S1", (4096, 4096, 256)),
+    ((4, 8), (2, 8), "R S01 R", "S1 R S0", (4000, 3000, 250)),
+    ((8, 8), (8, 8), "R S01 R", "S01 R R", (4096, 4096, 256)),
+    ((16, 8), (8, 8), "S0 R S1", "S1 S0 R", (5000, 3000, 250)),
+    ((32, 8), (16, 8), "S0 R S1", "S1 S0 R", (8192, 4096, 256)),
+    ((32, 8), (32, 8), "R S0 S1", "S0 S1 R", (8192, 4096, 256)),
+    ((64, 8), (32, 8), "S01 R R", "R S0 R", (8000, 8000, 64)),
+    ((64, 8), (64, 8), "S0 S1 R", "R S0 S1", (8192, 8192, 64)),
+]
+LARGE = [((128, 8), (128, 8), "S0 S1 R", "R S0 S1", (8192, 8192, 64))]
+COMMAND = ".venv/bin/python bench/bench_scaling.py"
+
+
+def mesh(shape, first_host, per_host):
+    return DeviceMesh(shape=shape, devices=tuple((first_host + h) * per_host + g for h in range(shape[0]) for g in range(shape[1])))
+
+
+def problem(src, dst, src_spec, dst_spec, shape) -> ReshardingProblem:
+    per_host = src[1]
+    return ReshardingProblem(shape=shape, dtype="float32", cluster=Cluster(devices_per_host=per_host),
+                             src=Placement(mesh=mesh(src, 0, per_host), spec=src_spec),
+                             dst=Placement(mesh=mesh(dst, src[0], per_host), spec=dst_spec))
+
+
+def measure(point) -> dict:
+    src, dst, src_spec, dst_spec, shape = point
+    p = problem(*point)
+    begin = time.perf_counter()
+    plan = compile_plan(p)
+    seconds = time.perf_counter() - begin
+    return {"src": f"{src[0]}x{src[1]}", "dst": f"{dst[0]}x{dst[1]}", "src_spec": src_spec, "dst_spec": dst_spec,
+            "shape": "x".join(map(str, shape)), "tasks": len(plan.tasks), "compile_s": seconds,
+            "predicted_s": plan.predicted_seconds, "lower_bound_s": plan.lower_bound_seconds,
+            "ratio": plan.predicted_seconds / plan.lower_bound_seconds, "winner": plan.solver.details.get("winner", ""),
+            "timed_by": plan.solver.details.get("timed_by", "")}
+
+
+def main() -> None:
+    points = POINTS + (LARGE if "--large" in sys.argv else [])
+    rows = []
+    for point in points:
+        rows.append(measure(point))
+        r = rows[-1]
+        print(f"{r['src']} -> {r['dst']} {r['src_spec']} -> {r['dst_spec']}: {r['tasks']} tasks, {r['compile_s']:.2f} s, "
+              f"ratio {r['ratio']:.4f} ({r['winner']})", flush=True)
+    write_json("scaling.json", {"command": COMMAND + (" --large" if "--large" in sys.argv else ""), "points": rows})
+    lines = "\n".join(
+        f"| {r['src']} {r['src_spec']} | {r['dst']} {r['dst_spec']} | {r['shape']} | {r['tasks']} | {r['compile_s']:.2f} "
+        f"| {r['ratio']:.4f} | {r['winner']} | {r['timed_by']} |" for r in rows)
+    replace_section("Scaling", f"""
+Made by (2-core CPU machine shared with other jobs, so compile times are noisy):
+
+```
+{COMMAND}{" --large" if "--large" in sys.argv else ""}
+```
+
+Compile time (wall clock of `compile_plan`, default `auto` solver, including decomposition, the
+simulator and plan assembly) and quality (predicted / lower bound) against the unit-task count.
+8 GPUs per host except the first row; one 10 Gbit/s NIC per host. Raw: `bench/results/scaling.json`.
+
+| source | destination | tensor | unit tasks | compile s | predicted / bound | winner | timed by |
+|---|---|---|---:|---:|---:|---|---|
+{lines}
+""")
+
+
+if __name__ == "__main__":
+    main()
