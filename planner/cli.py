@@ -38,6 +38,9 @@ class Group(click.Group):
     def invoke(self, ctx: click.Context):
         try:
             return super().invoke(ctx)
+        except click.UsageError as err:  # a bad flag value or command: one line too, with where to look
+            where = f"{err.ctx.command_path} --help" if err.ctx else "xmesh-plan --help"
+            raise UserError(f"{err.format_message().rstrip('.')}; see '{where}'") from None
         except (click.ClickException, click.exceptions.Exit, click.exceptions.Abort):
             raise
         except Exception as err:

@@ -205,7 +205,6 @@ def test_non_integer_mesh_entries_are_user_errors(tmp_path, mesh):
     assert_user_error(run("compile", write_problem(tmp_path, raw), *FAST), "src.mesh")
 
 
-@pytest.mark.xfail(strict=True, reason="bug: an unknown --solver raises ValueError, shown as a traceback with exit 1")
 def test_unknown_solver_is_a_user_error():
     assert_user_error(run("compile", *GOOD, "--solver", "nope"), "solver", "nope", "greedy")
 

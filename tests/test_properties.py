@@ -113,7 +113,7 @@ def test_compiling_is_deterministic_and_merge_agnostic(problem, strategy, merge)
     a = compile_plan(problem, strategy=strategy, solver=FAST_SOLVER, merge=merge)
     b = compile_plan(problem, strategy=strategy, solver=FAST_SOLVER, merge=merge)
     assert a.to_json() == b.to_json()
-    assert a.merged_slices is merge
+    assert a.merged_slices == any(t.merged_cells > 1 for t in a.tasks)
     check_plan(a)
 
 
