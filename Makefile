@@ -26,9 +26,10 @@ check-plans: $(STAMP)
 	$(VENV)/bin/xmesh-plan verify plans/*.plan.json
 	rm -rf .plans-check
 
+## Plans first, then the suite, so pytest's summary is the last line printed.
 test: $(STAMP)
-	$(PY) -m pytest
 	$(MAKE) --no-print-directory check-plans
+	$(PY) -m pytest
 
 ## Benchmarks: every bench/bench_*.py in turn; figures go to bench/results/ and BENCHMARKS.md.
 bench: $(STAMP)
