@@ -8,17 +8,22 @@ Plans of T unit tasks, each one small box (64 B): `send` moves row i from device
 `broadcast` sends row i down the chain 1 -> 2 -> 3. The baseline is bare mpi4py doing the same
 row sends (same buffers) finished by `Waitall`, run with MPICH spinning (heavy yield off, one rank per
 core): the data movement alone. Overhead per task =
-(executor - baseline) / T, from the same run. Python allocation during one `run()` is measured
-with tracemalloc (peak bytes above the level before the call). Results: bench/results/executor.json.
+(executor - baseline) / T, from the same run. Python allocation: tracemalloc over `--iters` calls
+of `run()` after warm-up, the largest peak above the level before a call (short-lived objects) and
+the net growth over all calls (a leak), per rank, divided by the rank's messages for the per-message
+figure. `--compare REV` also times the MPI engine of git revision REV in the same run (before/after).
+Results: bench/results/executor.json.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import os
 import subprocess
 import sys
+import tempfile
 import time
 import tracemalloc
 from pathlib import Path
@@ -81,33 +86,69 @@ def _baseline(comm, tasks: int):
     return once
 
 
-def worker(kind: str, task_counts: list[int], iters: int) -> None:
-    from mpi4py import MPI
-
-    from executor import ReshardingExecutor
-    from executor.pattern import fill
-
-    comm = MPI.COMM_WORLD
-    for tasks in task_counts:
-        plan = many_task_plan(tasks, kind)
-        ex = ReshardingExecutor(plan, comm).prepare()
-        shard = fill(ex.program.src_block, plan.problem.shape, ex.engine.dtype) if ex.program.src_block else None
-        for _ in range(3):
-            ex.run(shard)
-        executor_s = _timed(comm, iters, lambda: ex.run(shard))
-        baseline_s = _timed(comm, iters, _baseline(comm, tasks)) if kind == "send" else None
-        tracemalloc.start()
+def allocation(run_once, iters: int) -> tuple[int, int]:
+    """(largest peak of traced Python memory above the level before a call, net growth after all `iters` calls)."""
+    tracemalloc.start()
+    worst, start = 0, tracemalloc.get_traced_memory()[0]
+    for _ in range(iters):
         before = tracemalloc.get_traced_memory()[0]
         tracemalloc.reset_peak()
+        run_once()
+        worst = max(worst, tracemalloc.get_traced_memory()[1] - before)
+    net = tracemalloc.get_traced_memory()[0] - start
+    tracemalloc.stop()
+    return worst, net
+
+
+def load_engine(path: str | None):
+    """The MpiEngine class of the file at `path` (an earlier revision's executor/mpi_engine.py), or today's."""
+    from executor import mpi_engine
+
+    if path is None:
+        return mpi_engine.MpiEngine
+    spec = importlib.util.spec_from_file_location("executor.mpi_engine_compared", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.MpiEngine
+
+
+def measure(comm, plan, engine_cls, iters: int) -> dict:
+    """Median time of `run()` and its allocation with `engine_cls` as the MPI engine (max over ranks)."""
+    from executor import ReshardingExecutor, mpi_engine
+    from executor.pattern import fill
+
+    today, mpi_engine.MpiEngine = mpi_engine.MpiEngine, engine_cls
+    try:
+        ex = ReshardingExecutor(plan, comm).prepare()
+    finally:
+        mpi_engine.MpiEngine = today
+    shard = fill(ex.program.src_block, plan.problem.shape, ex.engine.dtype) if ex.program.src_block else None
+    for _ in range(3):
         ex.run(shard)
-        peak = tracemalloc.get_traced_memory()[1] - before
-        tracemalloc.stop()
-        peaks = np.zeros(comm.Get_size(), np.int64)
-        comm.Allgather(np.array([peak], np.int64), peaks)
+    seconds = _timed(comm, iters, lambda: ex.run(shard))
+    peak, net = allocation(lambda: ex.run(shard), iters)
+    mine = np.array([peak, net, peak // max(ex.program.messages(), 1)], np.int64)
+    every = np.zeros((comm.Get_size(), 3), np.int64)
+    comm.Allgather(mine, every)
+    getattr(ex, "close", lambda: None)()
+    return {"executor_s": seconds, "alloc_peak_bytes_max_rank": int(every[:, 0].max()),
+            "alloc_net_bytes_max_rank": int(every[:, 1].max()), "alloc_peak_bytes_per_message": int(every[:, 2].max())}
+
+
+def worker(kind: str, task_counts: list[int], iters: int, compare: str | None) -> None:
+    from mpi4py import MPI
+
+    comm = MPI.COMM_WORLD
+    engines = {"current": load_engine(None)} | ({"before": load_engine(compare)} if compare else {})
+    for tasks in task_counts:
+        plan = many_task_plan(tasks, kind)
+        row = {"kind": kind, "tasks": tasks, "ranks": comm.Get_size()}
+        for name, engine_cls in engines.items():
+            row[name] = measure(comm, plan, engine_cls, iters)
+        row |= row["current"]
+        row["baseline_s"] = _timed(comm, iters, _baseline(comm, tasks)) if kind == "send" else None
         if comm.Get_rank() == 0:
-            print(json.dumps({"kind": kind, "tasks": tasks, "ranks": comm.Get_size(), "executor_s": executor_s,
-                              "baseline_s": baseline_s, "alloc_peak_bytes_max_rank": int(peaks.max()),
-                              "steps_rank0": len(ex.program.steps)}), flush=True)
+            print(json.dumps(row), flush=True)
 
 
 def gpu_bench() -> dict | str:
@@ -147,23 +188,56 @@ def gpu_bench() -> dict | str:
             "nccl_bcast_1rank_s": bcast}
 
 
+def engine_file(rev: str) -> str:
+    """executor/mpi_engine.py as of git revision `rev`, written to a temporary file for the workers."""
+    text = subprocess.run(["git", "show", f"{rev}:executor/mpi_engine.py"], cwd=ROOT, capture_output=True, text=True, check=True).stdout
+    path = Path(tempfile.mkdtemp()) / "mpi_engine_compared.py"
+    path.write_text(text)
+    return str(path)
+
+
+def table(rows: list[dict]) -> str:
+    """The Markdown table for BENCHMARKS.md; `before` columns only when --compare was given."""
+    compare = "before" in rows[0]
+    head = ["plan", "ranks", "unit tasks", "run() per iteration", "bare mpi4py", "overhead per task", "run() per task",
+            "peak alloc per run()", "per message", "net after all runs"]
+    head += ["before: run()", "before: peak alloc", "before: per message", "time after/before"] if compare else []
+    lines = ["| " + " | ".join(head) + " |", "|---|" + "---:|" * (len(head) - 1)]
+    for r in rows:
+        base = r["baseline_s"]
+        cells = [r["kind"], r["ranks"], r["tasks"], f"{r['executor_s'] * 1e3:.3f} ms",
+                 f"{base * 1e3:.3f} ms" if base is not None else "-",
+                 f"{(r['executor_s'] - base) / r['tasks'] * 1e6:.1f} us" if base is not None else "-",
+                 f"{r['executor_s'] / r['tasks'] * 1e6:.1f} us", f"{r['alloc_peak_bytes_max_rank']} B",
+                 f"{r['alloc_peak_bytes_per_message']} B", f"{r['alloc_net_bytes_max_rank']} B"]
+        if compare:
+            b = r["before"]
+            cells += [f"{b['executor_s'] * 1e3:.3f} ms", f"{b['alloc_peak_bytes_max_rank']} B",
+                      f"{b['alloc_peak_bytes_per_message']} B", f"{r['executor_s'] / b['executor_s']:.2f}"]
+        lines.append("| " + " | ".join(map(str, cells)) + " |")
+    return "\n".join(lines)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--tasks", default="16,64,256,1024", help="unit-task counts (default 16,64,256,1024)")
     parser.add_argument("--iters", type=int, default=40, help="timed iterations per point (default 40)")
+    parser.add_argument("--compare", metavar="REV", help="also measure executor/mpi_engine.py of git revision REV")
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "executor.json")
     parser.add_argument("--worker", choices=("send", "send_strided", "broadcast"), help=argparse.SUPPRESS)
+    parser.add_argument("--engine-file", help=argparse.SUPPRESS)
     args = parser.parse_args()
     counts = [int(x) for x in args.tasks.split(",")]
     if args.worker:
-        worker(args.worker, counts, args.iters)
+        worker(args.worker, counts, args.iters, args.engine_file)
         return 0
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     mpiexec = Path(sys.executable).parent / "mpiexec"
+    extra = ["--engine-file", engine_file(args.compare)] if args.compare else []
     rows = []
     for kind, ranks in (("send", 2), ("send_strided", 2), ("broadcast", 4)):
         cmd = [str(mpiexec), "-n", str(ranks), sys.executable, __file__, "--worker", kind, "--tasks", args.tasks,
-               "--iters", str(args.iters)]
+               "--iters", str(args.iters), *extra]
         # 2 ranks on 2 cores may spin (the baseline's Waitall then runs at full speed); 4 ranks must yield.
         spin = ranks <= (os.cpu_count() or 1)
         out = subprocess.run(cmd, env=env | {"MPIR_CVAR_ENABLE_HEAVY_YIELD": "0" if spin else "1"},
@@ -174,17 +248,8 @@ def main() -> int:
         rows += [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
     gpu = gpu_bench()
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"cpu_overhead": rows, "gpu": gpu}, indent=1) + "\n")
-    print("| plan | ranks | unit tasks | run() per iteration | bare mpi4py | overhead per task | run() per task | peak Python alloc in run() |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|")
-    for r in rows:
-        base = r["baseline_s"]
-        over = f"{(r['executor_s'] - base) / r['tasks'] * 1e6:.1f} us" if base is not None else "-"
-        print(f"| {r['kind']} | {r['ranks']} | {r['tasks']} | {r['executor_s'] * 1e3:.3f} ms | "
-              f"{base * 1e3:.3f} ms | {over} | {r['executor_s'] / r['tasks'] * 1e6:.1f} us | {r['alloc_peak_bytes_max_rank']} B |"
-              if base is not None else
-              f"| {r['kind']} | {r['ranks']} | {r['tasks']} | {r['executor_s'] * 1e3:.3f} ms | - | - | "
-              f"{r['executor_s'] / r['tasks'] * 1e6:.1f} us | {r['alloc_peak_bytes_max_rank']} B |")
+    args.out.write_text(json.dumps({"cpu_overhead": rows, "compared_with": args.compare, "gpu": gpu}, indent=1) + "\n")
+    print(table(rows))
     print(f"\nGPU pack/unpack and NCCL broadcast: {gpu if isinstance(gpu, str) else json.dumps(gpu)}")
     print(f"written to {args.out}")
     return 0
