@@ -62,9 +62,9 @@ def draw_gantt(timeline: Timeline, path: str, title: str = "") -> None:
     ax.set_xlim(0, span * 1.01)
     ax.set_ylim(_row_top(timeline.stages - 1) - LANE - 0.2, ROW + 0.2)
     ax.set_xlabel("time (ms); thin rows: transfers arriving at the stage (blue forward, green gradient)")
-    ax.set_title(title, fontsize=9, loc="left")
+    ax.set_title(title, fontsize=9, loc="left", pad=16)  # room below the title for the legend row
     handles = [_rect(0, 0, 1, 1, COLORS[k]) for k in ("F", "B", "W")]
-    ax.legend(handles, ["forward", "backward (input part)", "backward (weight part)"], loc="lower right", bbox_to_anchor=(1.0, 1.0), fontsize=7, ncol=3, frameon=False)
+    ax.legend(handles, ["forward", "backward (input part)", "backward (weight part)"], loc="lower left", bbox_to_anchor=(0.0, 1.0), fontsize=7, ncol=3, frameon=False)
     fig.tight_layout()
     buffer = io.BytesIO()
     fig.savefig(buffer, format="png", dpi=120, metadata={"Software": None})
