@@ -27,7 +27,7 @@ from planner.pipeline.costs import transfer_costs  # noqa: E402
 from planner.pipeline.simulate import evaluate  # noqa: E402
 from schemas.pipeline import PipelineProblem  # noqa: E402
 from schemas.problem import DeviceMesh  # noqa: E402
-from schemas.plan import write_text_atomic  # noqa: E402
+from schemas.plan import write_atomic  # noqa: E402
 
 TFLOPS_PER_GPU = {"float16": 40e12, "float32": 10e12}
 GPUS_PER_STAGE = 4
@@ -140,7 +140,7 @@ def main() -> None:
         print("\n" + "; ".join(checks(problem, rows)))
         if args.examples:
             Path(args.examples).mkdir(parents=True, exist_ok=True)
-            write_text_atomic(Path(args.examples) / f"{problem.name}.json", problem.model_dump_json(indent=1) + "\n")
+            write_atomic(Path(args.examples) / f"{problem.name}.json", problem.model_dump_json(indent=1) + "\n")
         if args.png_dir:
             draw(problem, rows, Path(args.png_dir))
 

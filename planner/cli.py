@@ -14,7 +14,7 @@ import click
 from pydantic import ValidationError
 
 from schemas import Plan, ReshardingProblem
-from schemas.plan import write_text_atomic
+from schemas.plan import write_atomic
 
 from .cli_solvers import progress, solver_summary
 from .compile import compile_plan
@@ -131,7 +131,7 @@ def compile_command(problem_file, output, shape, dtype, src_mesh, src_spec, dst_
         return
     if output:
         try:
-            write_text_atomic(output, plan.to_json())
+            write_atomic(output, plan.to_json())
         except OSError as err:
             raise InputError(f"--output: cannot write {output} ({err.strerror}); check that the folder exists and is writable") from None
     click.echo(f"{output or 'plan'}: {len(plan.tasks)} unit tasks, {len(plan.operations)} operations, "

@@ -10,7 +10,7 @@ import json
 
 import click
 
-from schemas.plan import write_text_atomic
+from schemas.plan import write_atomic
 
 from .pipeline.build import build_schedule
 from .pipeline.compare import compare, format_table
@@ -39,7 +39,7 @@ def _as_input_error(func):
 
 def _write(path: str, text: str, flag: str) -> None:
     try:
-        write_text_atomic(path, text)
+        write_atomic(path, text)
     except OSError as err:
         raise InputError(f"{flag}: cannot write {path} ({err.strerror}); check that the folder exists and is writable") from None
 

@@ -63,28 +63,28 @@ def hosts_used(mesh: DeviceMesh, devices_per_host: int) -> int:
     return max(mesh.devices) // devices_per_host + 1
 
 
-def _mesh_from(raw: Any, field: str, first_host: int, devices_per_host: int) -> DeviceMesh:
-    """Build the mesh of one side; any error names `<side>.mesh`."""
+def parse_mesh(raw: Any, field: str, first_host: int, devices_per_host: int) -> DeviceMesh:
+    """A mesh from shorthand (`"2x4"`, `[2, 4]`) or an object with shape and devices or first_host; errors name `field`."""
     try:
         return _build_mesh(raw, field, first_host, devices_per_host)
     except ValidationError as err:
-        raise InputError(f"{field}.mesh: {describe_validation_error(err)}") from None
+        raise InputError(f"{field}: {describe_validation_error(err)}") from None
 
 
 def _build_mesh(raw: Any, field: str, first_host: int, devices_per_host: int) -> DeviceMesh:
     if isinstance(raw, (str, list, tuple)):
-        return place_mesh(_int_list(raw, f"{field}.mesh"), first_host, devices_per_host)
+        return place_mesh(_int_list(raw, f"{field}"), first_host, devices_per_host)
     if not isinstance(raw, dict) or "shape" not in raw:
-        raise InputError(f"{field}.mesh: give a shorthand like \"2x4\" or an object with \"shape\" and optionally \"devices\" or \"first_host\"")
+        raise InputError(f"{field}: give a shorthand like \"2x4\" or an object with \"shape\" and optionally \"devices\" or \"first_host\"")
     unknown = set(raw) - {"shape", "devices", "first_host"}
     if unknown:
-        raise InputError(f"{field}.mesh: unknown key {sorted(unknown)[0]!r}; use shape, devices or first_host")
-    shape = _int_list(raw["shape"], f"{field}.mesh.shape")
+        raise InputError(f"{field}: unknown key {sorted(unknown)[0]!r}; use shape, devices or first_host")
+    shape = _int_list(raw["shape"], f"{field}.shape")
     if "devices" in raw:
-        return DeviceMesh(shape=shape, devices=_int_list(raw["devices"], f"{field}.mesh.devices"))
+        return DeviceMesh(shape=shape, devices=_int_list(raw["devices"], f"{field}.devices"))
     first = raw.get("first_host", first_host)
     if not isinstance(first, int) or isinstance(first, bool) or first < 0:
-        raise InputError(f"{field}.mesh.first_host: {first!r} must be a non-negative integer host index")
+        raise InputError(f"{field}.first_host: {first!r} must be a non-negative integer host index")
     return place_mesh(shape, first, devices_per_host)
 
 
@@ -105,7 +105,7 @@ def build_problem(raw: dict[str, Any]) -> ReshardingProblem:
         placement = data.get(side)
         if not isinstance(placement, dict) or "mesh" not in placement or "spec" not in placement:
             raise InputError(f"{side}: give an object with \"mesh\" (e.g. \"2x4\") and \"spec\" (e.g. \"S0 R R\")")
-        mesh = _mesh_from(placement["mesh"], side, next_host, cluster.devices_per_host)
+        mesh = parse_mesh(placement["mesh"], f"{side}.mesh", next_host, cluster.devices_per_host)
         data[side] = {**placement, "mesh": mesh}
         next_host = max(next_host, hosts_used(mesh, cluster.devices_per_host))
     return ReshardingProblem.model_validate(data)

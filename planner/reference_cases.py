@@ -14,7 +14,7 @@ from pathlib import Path
 import click
 
 from schemas import ReshardingProblem
-from schemas.plan import write_text_atomic
+from schemas.plan import write_atomic
 
 from .baselines import baseline_seconds
 from .compile import compile_plan
@@ -75,8 +75,8 @@ def main(out_dir: str, quiet: bool) -> None:
         problem = build_problem(raw)
         plan = compile_plan(problem)
         verify_plan(plan)
-        write_text_atomic(out / f"{name}.problem.json", json.dumps(raw, indent=1, sort_keys=True) + "\n")
-        write_text_atomic(out / f"{name}.plan.json", plan.to_json())
+        write_atomic(out / f"{name}.problem.json", json.dumps(raw, indent=1, sort_keys=True) + "\n")
+        write_atomic(out / f"{name}.plan.json", plan.to_json())
         rows.append(summary_row(name, plan))
     if not quiet:
         click.echo(f"Compiled and verified {len(rows)} reference cases into {out}/. Seconds predicted by one network "

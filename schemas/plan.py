@@ -136,13 +136,17 @@ def load_plan(path: str | os.PathLike) -> Plan:
     return Plan.from_json(Path(path).read_text())
 
 
-def write_text_atomic(path: str | os.PathLike, text: str) -> None:
-    """Write through a temporary file in the same folder and rename, so a failure leaves no partial file."""
+def write_atomic(path: str | os.PathLike, data: str | bytes) -> None:
+    """Write text or bytes through a temporary file in the same folder and rename, so a failure leaves
+    no partial file; the result gets the usual permissions (0666 less the umask), not the temp file's 0600."""
     path = Path(path)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent or ".")
     try:
-        with os.fdopen(fd, "w") as handle:
-            handle.write(text)
+        with os.fdopen(fd, "wb" if isinstance(data, bytes) else "w") as handle:
+            handle.write(data)
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)

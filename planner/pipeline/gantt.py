@@ -7,9 +7,8 @@ matplotlib is optional (the `plot` extra) and imported only here, on use.
 from __future__ import annotations
 
 import io
-import os
-import tempfile
-from pathlib import Path
+
+from schemas.plan import write_atomic
 
 from .simulate import Timeline
 
@@ -69,20 +68,4 @@ def draw_gantt(timeline: Timeline, path: str, title: str = "") -> None:
     buffer = io.BytesIO()
     fig.savefig(buffer, format="png", dpi=120, metadata={"Software": None})
     plt.close(fig)
-    write_bytes_atomic(path, buffer.getvalue())
-
-
-def write_bytes_atomic(path: str | os.PathLike, data: bytes) -> None:
-    """Temporary file in the same folder, then rename: a failure leaves no partial file."""
-    path = Path(path)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent or ".")
-    try:
-        with os.fdopen(fd, "wb") as handle:
-            handle.write(data)
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o666 & ~umask)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    write_atomic(path, buffer.getvalue())

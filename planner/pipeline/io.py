@@ -14,21 +14,9 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from planner.problem_io import InputError, describe_validation_error, hosts_used, parse_shape, place_mesh
+from planner.problem_io import InputError, describe_validation_error, hosts_used, parse_mesh, parse_shape
 from schemas.pipeline import PipelineProblem, PipelineSchedule
-from schemas.problem import Cluster, DeviceMesh
-
-
-def _stage_mesh(raw: Any, field: str, first_host: int, devices_per_host: int) -> DeviceMesh:
-    if isinstance(raw, (str, list, tuple)):
-        shape = parse_shape(raw, field) if isinstance(raw, str) else tuple(raw)
-        return place_mesh(shape, first_host, devices_per_host)
-    if isinstance(raw, dict) and "shape" in raw and set(raw) <= {"shape", "devices"}:
-        shape = parse_shape(raw["shape"], f"{field}.shape") if isinstance(raw["shape"], str) else tuple(raw["shape"])
-        if "devices" in raw:
-            return DeviceMesh(shape=shape, devices=tuple(raw["devices"]))
-        return place_mesh(shape, first_host, devices_per_host)
-    raise InputError(f"{field}: give a shorthand like \"2x2\" or an object with \"shape\" and optionally \"devices\"")
+from schemas.problem import Cluster
 
 
 def build_pipeline(raw: Any) -> PipelineProblem:
@@ -44,7 +32,7 @@ def build_pipeline(raw: Any) -> PipelineProblem:
     for index, stage in enumerate(data["stages"]):
         if not isinstance(stage, dict) or "mesh" not in stage:
             raise InputError(f"stages.{index}: give an object with mesh, forward_s and backward_input_s")
-        mesh = _stage_mesh(stage["mesh"], f"stages.{index}.mesh", next_host, cluster.devices_per_host)
+        mesh = parse_mesh(stage["mesh"], f"stages.{index}.mesh", next_host, cluster.devices_per_host)
         next_host = max(next_host, hosts_used(mesh, cluster.devices_per_host))
         stages.append({**stage, "mesh": mesh})
     data["stages"] = stages
