@@ -112,12 +112,13 @@ def _nic_of_task(host_order: tuple[HostOrder, ...]) -> dict[int, int]:
 
 def _simulated(operations: tuple[Operation, ...], problem: ReshardingProblem,
                nic_of_task: dict[int, int]) -> tuple[tuple[Operation, ...], str]:
-    """Operation times from the network simulator, in host order; the list order stays the schedule's."""
+    """Operation times from the network simulator (host order), listed and numbered by predicted start."""
     if len(operations) > MAX_SIMULATED_OPERATIONS:
         return operations, "schedule (too many operations to simulate)"
     result = simulate(operations, problem, "host-order", nic_of_task)
-    retimed = tuple(op.model_copy(update={"start_s": round(result.op_start_s[op.id], DIGITS),
-                                          "end_s": round(result.op_end_s[op.id], DIGITS)}) for op in operations)
+    order = sorted(operations, key=lambda op: (round(result.op_start_s[op.id], DIGITS), op.id))
+    retimed = tuple(op.model_copy(update={"id": i, "start_s": round(result.op_start_s[op.id], DIGITS),
+                                          "end_s": round(result.op_end_s[op.id], DIGITS)}) for i, op in enumerate(order))
     return retimed, "simulator (host-order)"
 
 

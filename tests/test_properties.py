@@ -79,6 +79,9 @@ def received_bytes(plan: Plan) -> dict[int, int]:
 def check_plan(plan: Plan) -> None:
     problem = plan.problem
     verify_plan(plan)
+    ops = plan.operations
+    assert [op.id for op in ops] == list(range(len(ops))), "operations are numbered in list order"
+    assert all((a.start_s, a.id) <= (b.start_s, b.id) for a, b in zip(ops, ops[1:])), "listed by predicted start"
     received = received_bytes(plan)
     for device, block in problem.blocks("dst").items():
         assert received.get(device, 0) == region_size(block) * problem.itemsize, (device, block)
