@@ -54,23 +54,36 @@ class SimResult:
 
 
 def max_min_rates(active: list[Flow], capacity: dict[str, float]) -> dict[int, float]:
-    """Max-min fair rates by progressive filling: the tightest link's fair share is fixed first."""
-    left = {link: capacity[link] for f in active for link in f.links}
-    users: dict[str, list[Flow]] = {}
+    """Max-min fair rates by progressive filling: the tightest link's fair share is fixed first.
+
+    A heap of (fair share, link) with stale entries skipped keeps each round logarithmic; users are
+    insertion-ordered dicts so shares are subtracted in the same order every run (byte-identical plans).
+    """
+    by_id = {f.id: f for f in active}
+    left: dict[str, float] = {}
+    users: dict[str, dict[int, None]] = {}
     for f in active:
         for link in f.links:
-            users.setdefault(link, []).append(f)
+            left[link] = capacity[link]
+            users.setdefault(link, {})[f.id] = None
+    heap = [(left[link] / len(u), link) for link, u in users.items()]
+    heapq.heapify(heap)
     rates: dict[int, float] = {}
-    while users:
-        link = min(users, key=lambda l: (left[l] / len(users[l]), l))
-        share = left[link] / len(users[link])
-        for f in users.pop(link):
-            rates[f.id] = share
-            for other in f.links:
+    while heap:
+        share, link = heapq.heappop(heap)
+        members = users.get(link)
+        if not members or share != left[link] / len(members):
+            continue  # stale entry: the link was finished or its share changed since it was pushed
+        del users[link]
+        for fid in members:
+            rates[fid] = share
+            for other in by_id[fid].links:
                 if other in users:
                     left[other] -= share
-                    users[other] = [g for g in users[other] if g.id != f.id]
-                    if not users[other]:
+                    del users[other][fid]
+                    if users[other]:
+                        heapq.heappush(heap, (left[other] / len(users[other]), other))
+                    else:
                         del users[other]
     return rates
 
