@@ -44,11 +44,14 @@ def as_host_array(array: object, device: int) -> np.ndarray:
     raise PlanMismatchError(f"run(): device {device} got a {type(array).__name__}; pass a numpy array or an object with __dlpack__")
 
 
-def check_shard(array: np.ndarray, shape: tuple[int, ...], dtype_name: str, device: int, spec: str) -> None:
-    """Refuse a source shard of the wrong shape or element type, naming what the plan expects."""
-    if tuple(array.shape) != shape:
+def check_shard(array: np.ndarray, shape: tuple[int, ...], dtype_name: str, device: int, spec: object) -> None:
+    """Refuse a source shard of the wrong shape or element type, naming what the plan expects.
+
+    Called on every run(): builds no objects unless it refuses (`spec` is turned into text only then).
+    """
+    if array.shape != shape:
         raise PlanMismatchError(f"run(): device {device}'s source shard has shape {tuple(array.shape)} but the source "
-                                f"spec {spec!r} gives it {shape}; pass this rank's shard under the source spec")
+                                f"spec {str(spec)!r} gives it {shape}; pass this rank's shard under the source spec")
     got, want = np.dtype(array.dtype), storage_dtype(dtype_name)
     raw_ok = dtype_name.startswith(RAW_KINDS) and got.itemsize == want.itemsize
     if got != want and not raw_ok:

@@ -77,6 +77,7 @@ class ReshardingExecutor:
         except PlanMismatchError as err:
             error = err
         self._agree(error)
+        self.src_shape = self.program.src_shape
         self.comm = self._own_communicator()
         args = (self.program, self.comm, rank_of_devices(self.plan), storage_dtype(self.plan.problem.dtype), self.timeout_s, self.poll_s)
         if self.backend == "mpi":
@@ -140,6 +141,16 @@ class ReshardingExecutor:
             self.in_flight = False
         return self.engine.dst
 
+    def close(self) -> None:
+        """Release the backend's persistent resources (MPI: its persistent requests); the executor cannot run again.
+
+        Optional: they are also released when the executor is garbage collected or the program exits.
+        """
+        if self.in_flight:
+            raise ExecutorError("close() called while a reshard is in flight; call wait() first")
+        if self.engine is not None and hasattr(self.engine, "close"):
+            self.engine.close()
+
     def _adopt(self, local_shard):
         """The source shard as the backend's array type, checked against the plan (None when this rank sends nothing)."""
         p = self.program
@@ -148,7 +159,7 @@ class ReshardingExecutor:
         if local_shard is None:
             raise PlanMismatchError(f"run(): device {p.device} is in the source mesh; pass its source shard of shape {p.src_shape}")
         array = self.engine.adopt(local_shard)
-        check_shard(array, p.src_shape, self.plan.problem.dtype, p.device, str(self.plan.problem.src.spec))
+        check_shard(array, self.src_shape, self.plan.problem.dtype, p.device, self.plan.problem.src.spec)
         return array if array.flags.c_contiguous else self.engine.contiguous(array)
 
 

@@ -1,20 +1,29 @@
-"""Run one device's steps with non-blocking MPI point-to-point calls on raw byte buffers.
+"""Run one device's steps over MPI with persistent requests, allocating no Python objects per message.
 
-Steps start as soon as the steps they wait for have finished; requests are polled with `Testsome`
-and a short, growing sleep, because a blocking MPI wait spins a core. If nothing completes for
-`timeout_s`, the wait ends with an error naming the pending operations and peers, not a hang.
-All buffer views except those into the caller's source shard are made once, in `setup()`.
+Every message is a persistent request (`Send_init`/`Recv_init` on raw bytes) and every local copy
+(copy, pack, unpack) a (target, source) pair of views, all made once in `setup()`. An iteration
+`Start`s each request when the steps it waits for have finished and polls requests one at a time
+with `Test`: mpi4py's `Startall`, `Testall` and `Testsome` copy the request list into a temporary C
+array on every call (and `Testsome` returns a new list); `Start` and `Test` without a status
+allocate nothing. Between polls `wait()` sleeps a little, because a blocking MPI wait spins a core;
+if nothing completes for `timeout_s` it raises, naming the pending transfers and peers.
+
+Sends and copies that read the caller's source shard are bound to its address: they are remade
+only when a shard arrives at another address, and hold no reference to it (the executor keeps the
+shard only between `start()` and `wait()`).
 """
 
 from __future__ import annotations
 
+import ctypes
 import time
+import weakref
 
 import numpy as np
 
 from .arrays import as_host_array
 from .errors import ExecutorError, PeerTimeoutError
-from .lower import RankProgram, Step
+from .lower import RankProgram
 
 SHOWN_PENDING = 3
 WINDOW = 16
@@ -29,43 +38,73 @@ class MpiEngine:
         self.timeout_s, self.poll_s = timeout_s, poll_s
         self.steps = program.steps
         self.dst: np.ndarray | None = None
+        self.src = None
         self.broken: str | None = None
 
     def setup(self, mpi=None) -> None:
-        """Allocate the destination shard and staging once; build every view that does not involve the source shard.
+        """Allocate the destination shard and staging, and make every request and view that does not read the source shard.
 
         `mpi` stands in for the `mpi4py.MPI` module (tests pass an in-process fake).
         """
         if mpi is None:
             from mpi4py import MPI as mpi
         self._mpi = mpi
-        p = self.program
+        p, n = self.program, len(self.steps)
         self.dst = np.empty(p.dst_shape, self.dtype) if p.dst_shape is not None else None
         self.stage = np.empty(p.stage_bytes, np.uint8)
-        flat = {"dst": self.dst.reshape(-1).view(np.uint8) if self.dst is not None else None, "stage": self.stage}
-        self.views: list = [None] * len(self.steps)
+        self.flat = {"dst": self.dst.reshape(-1).view(np.uint8) if self.dst is not None else None, "stage": self.stage}
+        self.peer_rank = [self.rank_of.get(s.peer, -1) for s in self.steps]
+        self.requests: list = [None] * n
+        self.pairs: list = [None] * n
+        weakref.finalize(self, _free_requests, self.requests, mpi)
+        self.reads_src = [s.index for s in self.steps if _reads_src(s)]  # made in _bind()
         for s in self.steps:
-            self.views[s.index] = self._static_view(s, flat)
+            if not _reads_src(s):
+                self._make(s.index, self.flat)
         self.dependents: list[list[int]] = [[] for _ in self.steps]
         for s in self.steps:
             for d in s.deps:
                 self.dependents[d].append(s.index)
         self.initial = [len(s.deps) for s in self.steps]
+        self.remaining = self.initial.copy()  # each count is restored when its step launches
         self.first = [s.index for s in self.steps if not s.deps and s.action == "recv"]
         self.first += [s.index for s in self.steps if not s.deps and s.action != "recv"]
-        self.peer_rank = [self.rank_of.get(s.peer, -1) for s in self.steps]
-        self.pending = 0
+        self.live = [-1] * p.messages()
+        self.head = self.tail = self.holes = self.pending = 0
+        self.bound_address, self.bound_ref = None, None
 
-    def _static_view(self, s: Step, flat: dict):
-        """The fixed buffer a step touches: a byte range, or (target, source) arrays for local copies."""
+    def _make(self, i: int, flat: dict) -> None:
+        """The persistent request (message) or (target, source) views (local copy) of step i, reading `flat` buffers."""
+        s, mpi = self.steps[i], self._mpi
         if s.action in ("send", "recv"):
-            return None if s.data.buffer == "src" else flat[s.data.buffer][s.data.start:s.data.stop]
-        if s.action == "copy":
-            return self.dst[s.target.index]
-        staged = self.stage[s.data.start:s.data.stop].view(self.dtype).reshape(s.box.shape)
-        if s.action == "unpack":
-            return self.dst[s.box.index], staged
-        return staged, (self.dst[s.box.index] if s.box.side == "dst" else None)
+            buf = [flat[s.data.buffer][s.data.start:s.data.stop], mpi.BYTE]
+            if s.action == "recv":
+                self.requests[i] = self.comm.Recv_init(buf, source=self.peer_rank[i], tag=s.tag)
+            else:
+                self.requests[i] = self.comm.Send_init(buf, dest=self.peer_rank[i], tag=s.tag)
+        elif s.action == "copy":
+            self.pairs[i] = (self.dst[s.target.index], flat["src_typed"][s.box.index])
+        else:
+            staged = self.stage[s.data.start:s.data.stop].view(self.dtype).reshape(s.box.shape)
+            shard = self.dst if s.box.side == "dst" else flat.get("src_typed")
+            boxed = shard[s.box.index] if shard is not None else None
+            self.pairs[i] = (boxed, staged) if s.action == "unpack" else (staged, boxed)
+
+    def _bind(self, src: np.ndarray | None) -> None:
+        """Point the steps that read the source shard at `src`; remade only when its address changed since the last call."""
+        if src is None or not self.reads_src or (self.bound_ref is not None and self.bound_ref() is src):
+            return
+        address = src.__array_interface__["data"][0]
+        if address != self.bound_address:
+            self.bound_address = None
+            # A view of the raw memory, not of `src`: the requests must not keep the caller's array alive.
+            raw = np.frombuffer((ctypes.c_ubyte * src.nbytes).from_address(address), np.uint8) if src.nbytes else np.empty(0, np.uint8)
+            flat = {"src": raw, "src_typed": raw.view(self.dtype).reshape(self.program.src_shape)}
+            _free_requests([self.requests[i] for i in self.reads_src], self._mpi)
+            for i in self.reads_src:
+                self._make(i, flat)
+            self.bound_address = address
+        self.bound_ref = weakref.ref(src)
 
     def adopt(self, array) -> np.ndarray:
         return as_host_array(array, self.program.device)
@@ -81,87 +120,81 @@ class MpiEngine:
         return array
 
     def start(self, src: np.ndarray | None) -> None:
-        """Post every step that waits for nothing (receives first); `src` is the C-contiguous source shard."""
+        """Start every step that waits for nothing (receives first); `src` is the C-contiguous source shard."""
         if self.broken:
             raise ExecutorError(f"this executor stopped after an error ({self.broken}); create and prepare a new one")
-        self.src = src
-        self.src_bytes = src.reshape(-1).view(np.uint8) if src is not None else None
-        self.remaining = self.initial.copy()
+        self._bind(src)
+        self.src = src  # keeps a temporary contiguous copy alive until wait()
         self.pending = len(self.steps)
-        self.requests, self.request_steps, self.finished, self.head = [], [], 0, 0
+        self.head = self.tail = self.holes = 0
         self.last_progress = time.monotonic()
         for i in self.first:
             self._launch(i)
 
     def _launch(self, i: int) -> None:
-        s, view, MPI = self.steps[i], self.views[i], self._mpi
-        if s.action == "recv":
-            self._track(self.comm.Irecv([view, MPI.BYTE], source=self.peer_rank[i], tag=s.tag), i)
-        elif s.action == "send":
-            buf = view if view is not None else self.src_bytes[s.data.start:s.data.stop]
-            self._track(self.comm.Isend([buf, MPI.BYTE], dest=self.peer_rank[i], tag=s.tag), i)
-        elif s.action == "copy":
-            np.copyto(view, self.src[s.box.index])
-            self._finish(i)
+        request = self.requests[i]
+        if request is not None:
+            request.Start()
+            self.live[self.tail] = i
+            self.tail += 1
         else:
-            target, source = view
-            np.copyto(target, source if source is not None else self.src[s.box.index])
+            target, source = self.pairs[i]
+            np.copyto(target, source)
             self._finish(i)
-
-    def _track(self, request, i: int) -> None:
-        self.requests.append(request)
-        self.request_steps.append(i)
 
     def _finish(self, i: int) -> None:
         self.pending -= 1
-        remaining = self.remaining
+        remaining, initial = self.remaining, self.initial
         for d in self.dependents[i]:
             remaining[d] -= 1
             if remaining[d] == 0:
+                remaining[d] = initial[d]
                 self._launch(d)
 
     def test(self) -> bool:
         """Drive progress once without sleeping; True when every step has finished.
 
-        mpi4py converts the whole request list on every `Testsome`, so testing all of n requests
-        for each of n completions costs O(n^2). The oldest WINDOW live requests are tested first,
-        the rest only when none of those finished. Finished requests become REQUEST_NULL in place;
-        the lists are compacted once half of them are finished.
+        `live[head:tail]` holds the started, unfinished requests in start order (-1 once finished).
+        Testing all n of them for each of n completions would cost O(n^2) (MPICH completes about one
+        receive per progress call), so the oldest WINDOW are tested first and the rest only when none
+        of those finished; the list is compacted in place once half of it is holes.
         """
-        if self.pending and self.requests:
-            null, requests = self._mpi.REQUEST_NULL, self.requests
-            while self.head < len(requests) and requests[self.head] == null:
-                self.head += 1
-            done = self._testsome(self.head, self.head + WINDOW) or self._testsome(self.head + WINDOW, len(requests))
-            if done:
+        if self.pending and self.tail > self.head:
+            live, head = self.live, self.head
+            while head < self.tail and live[head] < 0:
+                head += 1
+                self.holes -= 1
+            self.head = head
+            window = min(head + WINDOW, self.tail)
+            if self._test_range(head, window) or self._test_range(window, self.tail):
                 self.last_progress = time.monotonic()
-                self.finished += len(done)
-                steps = self.request_steps
-                for k in done:
-                    self._finish(steps[k])
-                if 2 * self.finished > len(self.requests):
+                if 2 * self.holes > self.tail - self.head:
                     self._compact()
         return self.pending == 0
 
-    def _testsome(self, lo: int, hi: int) -> list[int]:
-        """Indices in [lo, hi) of requests that finished now (set to REQUEST_NULL in the list)."""
-        if lo >= len(self.requests):
-            return []
-        part = self.requests[lo:hi]
+    def _test_range(self, lo: int, hi: int) -> int:
+        """Test live[lo:hi] one request at a time, finishing those done; how many finished."""
+        live, requests, done = self.live, self.requests, 0
         try:
-            done = self._mpi.Request.Testsome(part)
+            for k in range(lo, hi):
+                i = live[k]
+                if i >= 0 and requests[i].Test():
+                    live[k] = -1
+                    done += 1
+                    self.holes += 1
+                    self._finish(i)
         except self._mpi.Exception as err:
             self._fail(f"MPI reported an error ({err.Get_error_string()})")
-        for k in done or ():
-            self.requests[lo + k] = part[k]
-        return [lo + k for k in done or ()]
+        return done
 
     def _compact(self) -> None:
-        null = self._mpi.REQUEST_NULL
-        live = [k for k, r in enumerate(self.requests) if r != null]
-        self.requests = [self.requests[k] for k in live]
-        self.request_steps = [self.request_steps[k] for k in live]
-        self.finished = self.head = 0
+        """Move the unfinished entries of live[head:tail] together, keeping their order."""
+        live, kept = self.live, self.head
+        for k in range(self.head, self.tail):
+            if live[k] >= 0:
+                live[kept] = live[k]
+                kept += 1
+        self.tail, self.holes = kept, 0
 
     def wait(self) -> None:
         """Poll until done; raise PeerTimeoutError when nothing completes for `timeout_s`."""
@@ -171,6 +204,7 @@ class MpiEngine:
         while True:
             before = self.last_progress
             if self.test():
+                self.src = None
                 return
             if self.last_progress != before:
                 nap = low
@@ -180,15 +214,52 @@ class MpiEngine:
             time.sleep(nap)
             nap = min(nap * 2, high)
 
+    def close(self) -> None:
+        """Free the persistent requests (MPICH reports any still allocated at exit); the engine cannot run again."""
+        _free_requests(self.requests, self._mpi)
+        self.broken = self.broken or "closed"
+
     def _fail(self, why: str) -> None:
         """Raise with the pending transfers named; the engine refuses further runs."""
         me = self.program.device
-        self._compact()
-        shown = "; ".join(f"{self.steps[i].describe()} (rank {self.peer_rank[i]})" for i in self.request_steps[:SHOWN_PENDING])
-        more = len(self.request_steps) - SHOWN_PENDING
-        blocked = self.pending - len(self.request_steps)
+        waiting = [i for i in self.live[self.head:self.tail] if i >= 0]
+        shown = "; ".join(f"{self.steps[i].describe()} (rank {self.peer_rank[i]})" for i in waiting[:SHOWN_PENDING])
+        more = len(waiting) - SHOWN_PENDING
+        blocked = self.pending - len(waiting)
         self.broken = why
+        _ABANDONED.append(self.src)  # active sends may still read it (they point at its memory, not the array)
         raise PeerTimeoutError(
             f"device {me} (rank {self.comm.Get_rank()}): {why}; waiting on {shown or 'nothing posted'}"
             f"{f' and {more} more transfers' if more > 0 else ''}{f', {blocked} steps not started' if blocked else ''}; "
             "check that every rank is alive and runs the same plan, or raise timeout_s if transfers are just slow")
+
+
+def _reads_src(step) -> bool:
+    """Whether a step reads the caller's source shard (its request or views are made per shard address)."""
+    if step.action == "send":
+        return step.data.buffer == "src"
+    return step.action in ("copy", "pack") and step.box.side == "src"
+
+
+_ABANDONED: list = []  # requests (and source shards they read) still active after a failure: kept until exit
+
+
+def _free_requests(requests: list, mpi) -> None:
+    """Free the persistent requests in place; skipped once MPI is finalized.
+
+    A request still active after a failure is not freed or cancelled (cancelling a persistent send
+    crashes MPICH 4 at exit) but kept referenced here, so it is never deallocated while MPI may use it.
+    """
+    if getattr(mpi, "Is_finalized", lambda: False)():
+        return
+    for k, request in enumerate(requests):
+        if request is None:
+            continue
+        try:
+            if request.Test():
+                request.Free()
+            else:
+                _ABANDONED.append(request)
+        except mpi.Exception:
+            _ABANDONED.append(request)
+        requests[k] = None

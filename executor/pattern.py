@@ -31,18 +31,25 @@ def _hashed_index(region: Region, tensor_shape: tuple[int, ...]) -> np.ndarray:
     return mixed ^ (mixed >> np.uint64(31))
 
 
-def fill(region: Region, tensor_shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
-    """The pattern's values for `region`, as a C-contiguous array of `dtype` (itemsize 1, 2, 4, 8 or 16)."""
+def fill(region: Region, tensor_shape: tuple[int, ...], dtype: np.dtype, salt: int = 0) -> np.ndarray:
+    """The pattern's values for `region`, as a C-contiguous array of `dtype` (itemsize 1, 2, 4, 8 or 16).
+
+    A non-zero `salt` XORs every byte with `salt % 256`, so successive iterations can move different bits.
+    """
     hashed = _hashed_index(region, tensor_shape)
     if dtype.itemsize == 16:
         pair = np.stack([hashed, hashed ^ _GOLDEN], axis=-1)
-        return np.ascontiguousarray(pair).view(dtype).reshape(hashed.shape)
-    return hashed.astype(_RAW[dtype.itemsize]).view(dtype)
+        array = np.ascontiguousarray(pair).view(dtype).reshape(hashed.shape)
+    else:
+        array = hashed.astype(_RAW[dtype.itemsize]).view(dtype)
+    if salt % 256:
+        array.reshape(-1).view(np.uint8)[:] ^= np.uint8(salt % 256)
+    return array
 
 
-def mismatches(shard: np.ndarray, region: Region, tensor_shape: tuple[int, ...]) -> tuple[int, tuple[int, ...] | None]:
-    """(number of elements of `shard` whose bits differ from the pattern, global index of the first)."""
-    want = fill(region, tensor_shape, shard.dtype)
+def mismatches(shard: np.ndarray, region: Region, tensor_shape: tuple[int, ...], salt: int = 0) -> tuple[int, tuple[int, ...] | None]:
+    """(number of elements of `shard` whose bits differ from the pattern with `salt`, global index of the first)."""
+    want = fill(region, tensor_shape, shard.dtype, salt)
     raw = np.dtype(f"V{shard.dtype.itemsize}")
     bad = shard.view(raw) != want.view(raw)
     if not bad.any():

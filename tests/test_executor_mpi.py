@@ -59,6 +59,14 @@ def test_planner_cases_every_strategy_uneven_and_overlapping(tmp_path):
     assert result.stdout.count("ok ") == len(plans), result.stdout
 
 
+def test_every_iteration_delivers_that_iterations_data(tmp_path):
+    """Persistent requests reuse buffers: 7 iterations of different data (new, re-viewed and rewritten source shards), each checked."""
+    plans = all_fixed_plans() + [compiled(random_problem(seed), "auto") for seed in range(10, 14)]
+    result = mpiexec(DEVICES, str(WORKER), "iterations", *write_plans(tmp_path, plans))
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.count("ok ") == len(plans), result.stdout
+
+
 @pytest.fixture(scope="module")
 def small_plan(tmp_path_factory) -> str:
     return write_plans(tmp_path_factory.mktemp("plans"), [all_fixed_plans()[0]])[0]

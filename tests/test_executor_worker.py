@@ -1,6 +1,7 @@
 """Run under `mpiexec` by tests/test_executor_mpi.py; holds no tests itself.
 
     mpiexec -n 8 python tests/test_executor_worker.py check PLAN...    # run(), start()/test()/wait(), DLPack input
+    mpiexec -n 8 python tests/test_executor_worker.py iterations PLAN...  # new data every iteration, checked every time
     mpiexec -n 4 python tests/test_executor_worker.py die PLAN         # rank 1 exits before iteration 2
     mpiexec -n 2 python tests/test_executor_worker.py other-plan A B   # rank 1 loads plan B, the others A
 
@@ -66,6 +67,49 @@ def check(comm, paths: list[str]) -> None:
             print(f"ok {plan.problem.name} {plan.strategy}", flush=True)
 
 
+def next_source(shard, data, iteration: int):
+    """This iteration's source shard, handed in three ways: a new array at a new address, a new array
+    object over the previous one's memory, the previous array itself rewritten (persistent sends must
+    read the bytes as they are at each start, wherever the shard lives)."""
+    if shard is None or iteration % 3 == 0:
+        return data
+    shard.reshape(-1).view("uint8")[:] = data.reshape(-1).view("uint8")
+    return shard.view() if iteration % 3 == 1 else shard
+
+
+def iterations(comm, paths: list[str], count: int = 7) -> None:
+    """Each iteration moves different bits (run() and start/test/wait alternately); every destination shard is checked every time."""
+    from executor import ReshardingExecutor
+    from executor.pattern import fill, mismatches
+    from schemas import load_plan
+
+    for path in paths:
+        plan = load_plan(path)
+        ex = ReshardingExecutor(plan, comm, timeout_s=30).prepare()
+        p, shard = ex.program, None
+        for it in range(count):
+            salt = 37 * it + 1
+            if p.src_block is not None:
+                shard = next_source(shard, fill(p.src_block, plan.problem.shape, ex.engine.dtype, salt), it)
+            if ex.engine.dst is not None:
+                ex.engine.poison()
+            if it % 2:
+                ex.start(shard)
+                while not ex.test():
+                    time.sleep(1e-4)
+                out = ex.wait()
+            else:
+                out = ex.run(shard)
+            if p.dst_block is not None:
+                bad, first = mismatches(out, p.dst_block, plan.problem.shape, salt)
+                if bad:
+                    raise AssertionError(f"{plan.problem.name} iteration {it}: device {p.device}: {bad} elements differ, first at {first}")
+        ex.close()
+        comm.Barrier()
+        if comm.Get_rank() == 0:
+            print(f"ok {plan.problem.name} {plan.strategy}", flush=True)
+
+
 def die(comm, path: str) -> None:
     """Rank 1 leaves after two good iterations; the others must time out naming it."""
     from executor import ReshardingExecutor
@@ -101,7 +145,7 @@ def main() -> int:
     comm = MPI.COMM_WORLD
     mode, paths = sys.argv[1], sys.argv[2:]
     try:
-        {"check": lambda: check(comm, paths), "die": lambda: die(comm, paths[0]),
+        {"check": lambda: check(comm, paths), "iterations": lambda: iterations(comm, paths), "die": lambda: die(comm, paths[0]),
          "other-plan": lambda: other_plan(comm, paths)}[mode]()
     except (ExecutorError, AssertionError) as err:
         print(f"rank {comm.Get_rank()}: {type(err).__name__}: {err}", file=sys.stderr, flush=True)
