@@ -16,6 +16,7 @@ from pydantic import ValidationError
 from schemas import Plan, ReshardingProblem
 from schemas.plan import write_atomic
 
+from .cli_types import POSITIVE
 from .cli_solvers import progress, solver_summary
 from .compile import compile_plan
 from .inspect_plan import summarize
@@ -110,7 +111,7 @@ def problem_from_flags(problem_file, shape, dtype, src_mesh, src_spec, dst_mesh,
 @click.option("--solver", type=click.Choice(list(SOLVERS)), default="auto", show_default=True,
               help="scheduler that picks sender hosts and orders (planner/solvers)")
 @click.option("--seed", default=0, show_default=True, help="seed for randomized solvers (recorded in the plan)")
-@click.option("--time-limit", default=10.0, show_default=True,
+@click.option("--time-limit", default=10.0, show_default=True, type=POSITIVE,
               help="solver budget in deterministic seconds (CP-SAT's deterministic time; no wall clock, so plans are reproducible)")
 @click.option("--no-merge", is_flag=True, help="keep every cut-point cell as its own unit task")
 def compile_command(problem_file, output, shape, dtype, src_mesh, src_spec, dst_mesh, dst_spec, strategy, solver, seed, time_limit, no_merge):

@@ -12,9 +12,10 @@ from contextlib import contextmanager
 
 import click
 
+from .cli_types import POSITIVE
 from .baselines import BASELINES, baseline_seconds
 from .compile import compile_plan
-from .problem_io import InputError, load_problem
+from .problem_io import load_problem
 from .solvers import SOLVERS
 
 
@@ -64,7 +65,7 @@ def register(group: click.Group) -> None:
 @click.command("compare")
 @click.argument("problem_file", type=click.Path(dir_okay=False))
 @click.option("--seed", default=0, show_default=True, help="seed for randomized solvers")
-@click.option("--time-limit", default=10.0, show_default=True, help="solver budget in deterministic seconds")
+@click.option("--time-limit", default=10.0, show_default=True, type=POSITIVE, help="solver budget in deterministic seconds")
 def compare_command(problem_file, seed, time_limit):
     """Every solver and Alpa's baselines on one problem, predicted by the same simulator.
 
@@ -85,7 +86,7 @@ def compare_command(problem_file, seed, time_limit):
 
 @click.command("check")
 @click.argument("plan_files", nargs=-1, required=True, type=click.Path(dir_okay=False))
-@click.option("--max-ratio", default=1.1, show_default=True, type=float,
+@click.option("--max-ratio", default=1.1, show_default=True, type=POSITIVE,
               help="fail when predicted time exceeds this times the lower bound (or the reference's predicted time)")
 @click.option("--reference", type=click.Path(dir_okay=False), help="a reference plan to compare predicted times with")
 def check_command(plan_files, max_ratio, reference):
@@ -97,8 +98,6 @@ def check_command(plan_files, max_ratio, reference):
     """
     from .cli import load_plan_file  # the lead's loader: one-line errors for bad files
 
-    if max_ratio <= 0:
-        raise InputError(f"--max-ratio: {max_ratio} must be positive, e.g. 1.1")
     ref = load_plan_file(reference) if reference else None
     failed = 0
     for path in plan_files:

@@ -48,9 +48,12 @@ def _int_list(value: Any, field: str) -> tuple[int, ...]:
     return tuple(value)
 
 
-def place_mesh(shape: tuple[int, ...], first_host: int, devices_per_host: int) -> DeviceMesh:
-    """Lay a mesh onto hosts from `first_host` on: (A, B) with B <= devices per host takes A hosts, B devices each."""
-    if len(shape) == 2 and shape[1] <= devices_per_host:
+def place_mesh(shape: tuple[int, ...], first_host: int, devices_per_host: int, field: str = "mesh") -> DeviceMesh:
+    """Lay a mesh onto hosts from `first_host` on: (A, B) takes A hosts, B devices each (B <= devices per host)."""
+    if len(shape) == 2 and shape[1] > devices_per_host:
+        raise InputError(f"{field}: {shape[0]}x{shape[1]} means {shape[0]} hosts of {shape[1]} devices, but hosts have "
+                         f"{devices_per_host} (cluster.devices_per_host); raise it or give the mesh's devices explicitly")
+    if len(shape) == 2:
         devices = [(first_host + a) * devices_per_host + b for a in range(shape[0]) for b in range(shape[1])]
     else:
         start = first_host * devices_per_host
@@ -73,7 +76,7 @@ def parse_mesh(raw: Any, field: str, first_host: int, devices_per_host: int) -> 
 
 def _build_mesh(raw: Any, field: str, first_host: int, devices_per_host: int) -> DeviceMesh:
     if isinstance(raw, (str, list, tuple)):
-        return place_mesh(_int_list(raw, f"{field}"), first_host, devices_per_host)
+        return place_mesh(_int_list(raw, field), first_host, devices_per_host, field)
     if not isinstance(raw, dict) or "shape" not in raw:
         raise InputError(f"{field}: give a shorthand like \"2x4\" or an object with \"shape\" and optionally \"devices\" or \"first_host\"")
     unknown = set(raw) - {"shape", "devices", "first_host"}
@@ -85,7 +88,7 @@ def _build_mesh(raw: Any, field: str, first_host: int, devices_per_host: int) ->
     first = raw.get("first_host", first_host)
     if not isinstance(first, int) or isinstance(first, bool) or first < 0:
         raise InputError(f"{field}.first_host: {first!r} must be a non-negative integer host index")
-    return place_mesh(shape, first, devices_per_host)
+    return place_mesh(shape, first, devices_per_host, field)
 
 
 def build_problem(raw: dict[str, Any]) -> ReshardingProblem:

@@ -41,9 +41,11 @@ def problems(draw):
     rank = draw(st.integers(1, 3))
     shape = [draw(st.one_of(st.integers(1, 4), st.integers(5, 24), st.just(0) if draw(st.integers(0, 9)) == 0 else st.integers(1, 4)))
              for _ in range(rank)]
-    devices_per_host = draw(st.integers(1, 4))
     src_mesh = [draw(st.integers(1, 3)) for _ in range(draw(st.integers(1, 3)))]
     dst_mesh = [draw(st.integers(1, 3)) for _ in range(draw(st.integers(1, 3)))]
+    # a 2-D mesh (A, B) means A hosts of B devices, so hosts must have at least B devices
+    widest = max([m[1] for m in (src_mesh, dst_mesh) if len(m) == 2], default=1)
+    devices_per_host = draw(st.integers(widest, 4))
     layout = draw(st.sampled_from(["disjoint", "shared_hosts", "shared_devices"]))
     dst: dict = {"shape": dst_mesh}
     if layout == "shared_hosts":

@@ -181,7 +181,9 @@ def small_problems(draw):
     if draw(st.booleans()):  # overlap: destination drawn from the same device ids
         pool = range(math.prod(src_mesh) + math.prod(dst_mesh))
         dst["devices"] = draw(st.permutations(list(pool)))[: math.prod(dst_mesh)]
-    return build_problem({"shape": shape, "dtype": "int8", "cluster": {"devices_per_host": draw(st.sampled_from([1, 2, 4]))},
+    widest = max([m[1] for m in (src_mesh, dst_mesh) if len(m) == 2], default=1)  # (A, B): hosts of >= B devices
+    per_host = draw(st.sampled_from([n for n in (1, 2, 4) if n >= widest]))
+    return build_problem({"shape": shape, "dtype": "int8", "cluster": {"devices_per_host": per_host},
                           "src": {"mesh": {"shape": src_mesh}, "spec": src_spec}, "dst": {"mesh": dst, "spec": dst_spec}})
 
 
