@@ -75,6 +75,8 @@ def load_plan_file(path: str) -> Plan:
     except json.JSONDecodeError as err:
         raise InputError(f"{path}: not valid JSON ({err}); pass a plan written by `xmesh-plan compile`") from None
     version = raw.get("schema_version") if isinstance(raw, dict) else None
+    if version is None and isinstance(raw, dict) and {"src", "dst"} <= set(raw):
+        raise InputError(f"{path}: this is a problem file, not a plan; compile it first: xmesh-plan compile {path} -o plan.json")
     if version != 1:
         raise InputError(f"{path}: schema_version {version!r} is not supported (this is schema 1); recompile the plan with this xmesh-plan")
     try:
@@ -135,7 +137,7 @@ def compile_command(problem_file, output, shape, dtype, src_mesh, src_spec, dst_
             write_atomic(output, plan.to_json())
         except OSError as err:
             raise InputError(f"--output: cannot write {output} ({err.strerror}); check that the folder exists and is writable") from None
-    click.echo(f"{output or 'plan'}: {len(plan.tasks)} unit tasks, {len(plan.operations)} operations, "
+    click.echo(f"{output or 'plan (not written: pass -o FILE to save it)'}: {len(plan.tasks)} unit tasks, {len(plan.operations)} operations, "
                f"predicted {plan.predicted_seconds:.4f} s, lower bound {plan.lower_bound_seconds:.4f} s, "
                f"efficiency {plan.efficiency:.1%}; verified ({report.operations} operations replayed); "
                f"{solver_summary(plan, timing['seconds'])}")

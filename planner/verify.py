@@ -68,6 +68,24 @@ def _cuts(plan: Plan) -> list[np.ndarray]:
             for d, n in enumerate(plan.problem.shape)]
 
 
+def _check_records(plan: Plan) -> None:
+    """Operation ids are unique and operations name existing tasks; times are not negative."""
+    task_ids, seen = {t.id for t in plan.tasks}, set()
+    for index, op in enumerate(plan.operations):
+        if op.id in seen:
+            raise PlanError(f"operation at position {index} reuses id {op.id}; every operation needs its own id")
+        seen.add(op.id)
+        if op.task not in task_ids and not (op.task == -1 and op.kind == "copy"):
+            raise PlanError(f"operation {op.id} ({op.kind}) names task {op.task}, which the plan does not have")
+        if op.start_s < 0:
+            raise PlanError(f"operation {op.id} (task {op.task}, {op.kind}) starts at {op.start_s}s, before time 0")
+    latest = max((op.end_s for op in plan.operations), default=0.0)
+    if plan.predicted_seconds < latest - TOLERANCE_S:
+        raise PlanError(f"predicted_seconds {plan.predicted_seconds} is before the last operation ends ({latest}s)")
+    if plan.lower_bound_seconds < 0:
+        raise PlanError(f"lower_bound_seconds {plan.lower_bound_seconds} is negative")
+
+
 def _check_boxes(plan: Plan) -> None:
     """Every region and part must have one [start, stop) per tensor dim with 0 <= start <= stop <= length."""
     shape = plan.problem.shape
@@ -168,6 +186,7 @@ class _Replay:
 
 def verify_plan(plan: Plan) -> VerifyReport:
     """Raise PlanError at the first violation; return a short report when the plan is correct."""
+    _check_records(plan)
     _check_boxes(plan)
     replay = _Replay(plan)
     for op in sorted(plan.operations, key=lambda o: (o.start_s, o.id)):

@@ -270,3 +270,21 @@ def test_inverted_box_is_a_plan_error(send_recv_case3):
     extra = op.model_copy(update={"id": 10_000, "region": ((512, 0), (0, 512), (0, 512))})
     message = rejected(with_ops(send_recv_case3, list(send_recv_case3.operations) + [extra]))
     assert "operation 10000" in message
+
+
+# --- records: ids, task references and times ---------------------------------------------------------------
+
+def test_operation_naming_a_missing_task_is_rejected(send_recv_case3):
+    ops = list(send_recv_case3.operations)
+    ops[0] = ops[0].model_copy(update={"task": 77})
+    assert "names task 77, which the plan does not have" in rejected(with_ops(send_recv_case3, ops))
+
+
+def test_operation_ids_must_be_unique(send_recv_case3):
+    ops = [op.model_copy(update={"id": 0}) for op in send_recv_case3.operations]
+    assert "operation at position 1 reuses id 0" in rejected(with_ops(send_recv_case3, ops))
+
+
+def test_predicted_time_must_cover_the_last_operation(send_recv_case3):
+    early = send_recv_case3.model_copy(update={"predicted_seconds": -5.0})
+    assert "predicted_seconds -5.0 is before the last operation ends" in rejected(early)
