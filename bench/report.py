@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from schemas.plan import write_atomic  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results"
@@ -12,7 +16,7 @@ RESULTS = ROOT / "bench" / "results"
 def write_json(name: str, data) -> Path:
     RESULTS.mkdir(parents=True, exist_ok=True)
     path = RESULTS / name
-    path.write_text(json.dumps(data, indent=1, sort_keys=True) + "\n")
+    write_atomic(path, json.dumps(data, indent=1, sort_keys=True) + "\n")
     return path
 
 
@@ -27,4 +31,4 @@ def replace_section(title: str, body: str, path: Path = ROOT / "BENCHMARKS.md") 
         text = before + block + after
     else:
         text = text.rstrip("\n") + "\n\n" + block
-    path.write_text(text.rstrip("\n") + "\n")
+    write_atomic(path, text.rstrip("\n") + "\n")

@@ -136,6 +136,15 @@ def load_plan(path: str | os.PathLike) -> Plan:
     return Plan.from_json(Path(path).read_text())
 
 
+def _read_umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+_UMASK = _read_umask()  # read once at import: os.umask is process-wide, so reading it later races other threads
+
+
 def write_atomic(path: str | os.PathLike, data: str | bytes) -> None:
     """Write text or bytes through a temporary file in the same folder and rename, so a failure leaves
     no partial file; the result gets the usual permissions (0666 less the umask), not the temp file's 0600."""
@@ -144,9 +153,7 @@ def write_atomic(path: str | os.PathLike, data: str | bytes) -> None:
     try:
         with os.fdopen(fd, "wb" if isinstance(data, bytes) else "w") as handle:
             handle.write(data)
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o666 & ~umask)
+        os.chmod(tmp, 0o666 & ~_UMASK)
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
