@@ -126,8 +126,9 @@ def compile_command(problem_file, output, shape, dtype, src_mesh, src_spec, dst_
                          --dst-mesh 2x4 --dst-spec "S0 R R" -o case3.plan.json
     """
     problem = problem_from_flags(problem_file, shape, dtype, src_mesh, src_spec, dst_mesh, dst_spec)
-    with progress(f"solving with {solver}") as timing:
-        plan = compile_plan(problem, strategy=strategy, solver=solver, seed=seed, time_limit_s=time_limit, merge=not no_merge)
+    with progress("compiling") as timing:
+        plan = compile_plan(problem, strategy=strategy, solver=solver, seed=seed, time_limit_s=time_limit, merge=not no_merge,
+                            on_stage=timing["stage"])
     report = verify_plan(plan)
     if output == "-":
         sys.stdout.write(plan.to_json())

@@ -7,6 +7,7 @@ appear only here, never in a plan (plans stay byte-identical).
 from __future__ import annotations
 
 import sys
+import threading
 import time
 from contextlib import contextmanager
 
@@ -19,20 +20,47 @@ from .problem_io import load_problem
 from .solvers import SOLVERS
 
 
+class _Ticker:
+    """On a terminal, one status line rewritten in place: the current step and the seconds so far."""
+
+    def __init__(self, label: str, tty: bool):
+        self.label, self.stage, self.tty = label, "", tty
+        self.begin = time.perf_counter()
+        self.done = threading.Event()
+
+    def __call__(self, stage: str) -> None:
+        self.stage = stage
+        self.draw()
+
+    def draw(self) -> None:
+        if self.tty:
+            line = f"{self.label}: {self.stage} ... {time.perf_counter() - self.begin:.1f} s"
+            click.echo(f"\r{line:<79}", err=True, nl=False)
+
+    def run(self) -> None:
+        while not self.done.wait(0.5):
+            self.draw()
+
+
 @contextmanager
 def progress(label: str):
-    """On a terminal, say what is being solved and how long it took; silent when piped."""
-    tty = sys.stderr.isatty()
-    if tty:
-        click.echo(f"{label} ...", err=True, nl=False)
-    begin = time.perf_counter()
-    timing = {}
+    """On a terminal, show what is being done and for how long, updated twice a second; silent when piped.
+    Yields a dict whose "stage" entry is a callback for `compile_plan(on_stage=...)` and whose
+    "seconds" entry holds the elapsed time afterwards."""
+    ticker = _Ticker(label, sys.stderr.isatty())
+    timing = {"stage": ticker}
+    thread = threading.Thread(target=ticker.run, daemon=True) if ticker.tty else None
+    if thread:
+        ticker.draw()
+        thread.start()
     try:
         yield timing
     finally:
-        timing["seconds"] = time.perf_counter() - begin
-        if tty:
-            click.echo(f" {timing['seconds']:.2f} s", err=True)
+        ticker.done.set()
+        timing["seconds"] = time.perf_counter() - ticker.begin
+        if thread:
+            thread.join()
+            click.echo(f"\r{label}: done in {timing['seconds']:.2f} s".ljust(80), err=True)
 
 
 def solver_summary(plan, seconds: float) -> str:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 from schemas import HostOrder, Operation, Plan, ReshardingProblem, SolverInfo, UnitTask
 
@@ -131,10 +132,18 @@ def _retimed_tasks(tasks: list[UnitTask], operations: tuple[Operation, ...]) -> 
     return [t.model_copy(update=dict(zip(("start_s", "end_s"), spans[t.id]))) if t.id in spans else t for t in tasks]
 
 
+def _quiet(stage: str) -> None:
+    del stage
+
+
 def compile_plan(problem: ReshardingProblem, strategy: str = "broadcast", solver: str = "auto", seed: int = 0,
-                 time_limit_s: float = 10.0, merge: bool = True) -> Plan:
-    """Compile a plan; same inputs give a byte-identical plan."""
+                 time_limit_s: float = 10.0, merge: bool = True, on_stage: Callable[[str], None] = _quiet) -> Plan:
+    """Compile a plan; same inputs give a byte-identical plan. `on_stage` hears each step's name (for progress)."""
+    on_stage("cutting unit tasks")
     cells = decompose(problem, merge=merge)
+    on_stage(f"costing {len(cells)} cells")
     options = task_options(problem, cells, strategy)
+    on_stage(f"scheduling {len(options)} tasks with {solver}")
     schedule = solve([o.scheduling for o in options], solver, seed=seed, time_limit_s=time_limit_s)
+    on_stage("timing operations and assembling the plan")
     return assemble(problem, cells, options, schedule, strategy, seed)
