@@ -12,6 +12,7 @@ before the last iteration and every destination shard is then compared bit for b
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 import time
@@ -40,17 +41,44 @@ def bytes_moved(plan: Plan) -> int:
     return total
 
 
+class UsageError(ValueError):
+    """A bad command-line value: the same on every rank, so rank 0 alone prints it (one line, exit 2)."""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):  # argparse would print the usage block and exit on every rank
+        raise UsageError(f"{message}; see `python -m executor.run --help`")
+
+
 def _parse_scale(text: str | None) -> tuple[int, ...] | None:
     if text is None:
         return None
     try:
-        return tuple(int(x) for x in text.replace("x", ",").split(","))
+        factors = tuple(int(x) for x in text.replace("x", ",").split(","))
     except ValueError:
-        raise SystemExit(f"--scale {text!r}: give one integer factor per tensor dim, e.g. --scale 4,4,2") from None
+        factors = ()
+    if not factors or any(f < 1 for f in factors):
+        raise UsageError(f"--scale {text!r}: give one positive integer factor per tensor dim, e.g. --scale 4,4,2")
+    return factors
+
+
+def _check_numbers(args: argparse.Namespace) -> None:
+    """Every numeric flag in its range, or a UsageError naming the flag and a valid value."""
+    if args.iters < 1:
+        raise UsageError(f"--iters {args.iters}: give at least 1 timed iteration, e.g. --iters 5")
+    if args.warmup < 0:
+        raise UsageError(f"--warmup {args.warmup}: give 0 or more untimed iterations, e.g. --warmup 1")
+    if not (math.isfinite(args.max_mb) and args.max_mb > 0):
+        raise UsageError(f"--max-mb {args.max_mb:g}: give a positive size in MiB, e.g. --max-mb 64")
+    if not (math.isfinite(args.timeout) and args.timeout > 0):
+        raise UsageError(f"--timeout {args.timeout:g}: give a positive number of seconds, e.g. --timeout 60")
+    if args.gpu is not None and args.gpu < 0:
+        raise UsageError(f"--gpu {args.gpu}: give a GPU index of 0 or more, e.g. --gpu 0")
 
 
 def _arguments(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m executor.run", description=__doc__.splitlines()[0])
+    """Parsed flags; raises UsageError (one line naming the flag) instead of printing and exiting."""
+    parser = _Parser(prog="python -m executor.run", description=__doc__.splitlines()[0])
     parser.add_argument("plans", nargs="+", type=Path, help="plan files (plans/*.plan.json)")
     parser.add_argument("--check", action="store_true", help="compare every destination shard with the pattern, bit for bit")
     parser.add_argument("--iters", type=int, default=5, help="timed iterations (default 5)")
@@ -63,8 +91,7 @@ def _arguments(argv: list[str] | None) -> argparse.Namespace:
                         help="nccl: give each rank its own NCCL_HOSTID and the socket transport, so several ranks can share one GPU")
     parser.add_argument("--timeout", type=float, default=60.0, help="seconds without progress before a rank gives up (default 60)")
     args = parser.parse_args(argv)
-    if args.iters < 1 or args.warmup < 0:
-        parser.error("--iters must be >= 1 and --warmup >= 0")
+    _check_numbers(args)
     args.scale = _parse_scale(args.scale)
     return args
 
@@ -131,34 +158,49 @@ def fake_hosts(rank: int) -> None:
     os.environ.setdefault("NCCL_NET", "Socket")
 
 
+def _shared_error(rank: int, message: str) -> int:
+    """An error every rank hit alike: rank 0 prints it, every rank returns 2."""
+    if rank == 0:
+        print(f"error: {message}", file=sys.stderr, flush=True)
+    return 2
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = _arguments(argv)
+    try:
+        args, usage_error = _arguments(argv), None
+    except UsageError as err:
+        args, usage_error = None, err
     from mpi4py import MPI
 
     comm, status = MPI.COMM_WORLD, 0
     rank = comm.Get_rank()
+    if usage_error is not None:
+        return _shared_error(rank, str(usage_error))
     if args.fake_hosts:
         fake_hosts(rank)
     for path in args.plans:
-        try:
+        try:  # every rank reads the same file and scales it the same way, so these errors are shared
             plan = load_plan(path)
         except (OSError, ValueError) as err:
-            print(f"rank {rank}: error: cannot read plan {path}: {str(err).splitlines()[0]}; compile one with `xmesh-plan compile`",
-                  file=sys.stderr, flush=True)
-            return 2
+            return _shared_error(rank, f"cannot read plan {path}: {str(err).splitlines()[0]}; compile one with `xmesh-plan compile`")
+        full = plan.problem
+        factors = args.scale or factors_for(plan, int(args.max_mb * 2**20))
         try:
-            full = plan.problem
-            factors = args.scale or factors_for(plan, int(args.max_mb * 2**20))
             plan = scale_plan(plan, factors)
+        except PlanMismatchError as err:
+            return _shared_error(rank, f"{path.name}: {err}")
+        try:
             line, ok = demo(plan, comm, args)
             if rank == 0:
                 shrink = "" if set(factors) == {1} else f" [scaled from {'x'.join(map(str, full.shape))} by {','.join(map(str, factors))}]"
                 print(line + shrink, flush=True)
             status = status or (0 if ok else 1)
         except PlanMismatchError as err:  # raised on every rank, before any byte moved
-            if rank == 0 or not err.same_on_every_rank:
+            if err.same_on_every_rank:
+                status = _shared_error(rank, f"{path.name}: {err}")
+            else:
                 print(f"rank {rank}: error: {path.name}: {err}", file=sys.stderr, flush=True)
-            status = 2
+                status = 2
         except ExecutorError as err:  # a peer died or hangs: requests are pending, so MPI cannot finalize
             print(f"rank {rank}: error: {path.name}: {err}", file=sys.stderr, flush=True)
             sys.stdout.flush()

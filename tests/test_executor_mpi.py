@@ -22,8 +22,12 @@ PLANS = ROOT / "plans"
 pytestmark = [pytest.mark.mpi, pytest.mark.skipif(not MPIEXEC.exists(), reason=f"no mpiexec at {MPIEXEC} (install the mpich wheel)")]
 
 
-def mpiexec(n: int, *args: str, timeout: float = 120, keep_going: bool = False) -> subprocess.CompletedProcess:
-    """Launch `n` ranks; with `keep_going`, a dead rank does not take the others down (they must notice it)."""
+def mpiexec(n: int, *args: str, timeout: float = 300, keep_going: bool = False) -> subprocess.CompletedProcess:
+    """Launch `n` ranks; with `keep_going`, a dead rank does not take the others down (they must notice it).
+
+    The timeout only catches a hang: a passing launch ends in seconds, but on a loaded 2-core CI machine
+    16-20 oversubscribed ranks can take minutes, so it is generous.
+    """
     env = dict(os.environ, MPIR_CVAR_ENABLE_HEAVY_YIELD="1", PYTHONPATH=str(ROOT))
     cmd = [str(MPIEXEC)] + (["-disable-auto-cleanup"] if keep_going else []) + ["-n", str(n), sys.executable, *args]
     return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
@@ -73,7 +77,7 @@ def small_plan(tmp_path_factory) -> str:
 
 
 def test_a_dead_rank_makes_the_others_fail_with_a_named_peer(small_plan):
-    result = mpiexec(DEVICES, str(WORKER), "die", small_plan, keep_going=True, timeout=90)
+    result = mpiexec(DEVICES, str(WORKER), "die", small_plan, keep_going=True)
     assert result.returncode != 0
     assert result.stderr.count("PeerTimeoutError") == DEVICES - 1, result.stderr  # ranks' lines may interleave
     named = re.findall(r"op \d+ \(task \d+, \w+[^)]*\): (?:receive|send) \d+ B (?:from|to) device 1 \(rank 1\)", result.stderr)
@@ -92,3 +96,18 @@ def test_ranks_with_different_plans_are_refused_before_moving_data(tmp_path):
     result = mpiexec(DEVICES, str(WORKER), "other-plan", a, b, keep_going=True)
     assert result.returncode != 0
     assert result.stderr.count("rank 1 loaded a different plan than rank 0") == DEVICES, result.stderr
+
+
+@pytest.mark.parametrize("flags,expect", [
+    (["--timeout", "0"], "--timeout 0: give a positive number of seconds"),
+    (["--max-mb", "-3"], "--max-mb -3: give a positive size in MiB"),
+    (["--scale", "3,3,3"], "scale factor 3 does not divide every box boundary of dim 0"),
+])
+def test_demo_errors_shared_by_every_rank_print_once_and_exit_2_everywhere(flags, expect):
+    plan = PLANS / "one_to_1x1.plan.json"
+    if not plan.exists():
+        pytest.skip("reference plans not compiled yet; run `make plans`")
+    result = mpiexec(2, "-m", "executor.run", str(plan), "--check", *flags)
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert "Traceback" not in result.stderr and "check ok" not in result.stdout
+    assert result.stderr.strip().splitlines() == [result.stderr.strip()] and expect in result.stderr, result.stderr

@@ -111,6 +111,36 @@ def test_executor_arguments_are_checked_with_the_fix():
         ReshardingExecutor(_plan(), comm=None, timeout_s=0)
 
 
+@pytest.mark.parametrize("flags,expect", [
+    (["--timeout", "0"], "--timeout 0: give a positive number of seconds"),
+    (["--timeout", "-5"], "--timeout -5: give a positive"),
+    (["--timeout", "nan"], "--timeout nan: give a positive"),
+    (["--max-mb", "0"], "--max-mb 0: give a positive size"),
+    (["--max-mb", "-3"], "--max-mb -3: give a positive size"),
+    (["--max-mb", "inf"], "--max-mb inf: give a positive size"),
+    (["--iters", "0"], "--iters 0: give at least 1"),
+    (["--warmup", "-1"], "--warmup -1: give 0 or more"),
+    (["--gpu", "-1"], "--gpu -1: give a GPU index of 0 or more"),
+    (["--scale", "0,1,1"], "--scale '0,1,1': give one positive integer factor"),
+    (["--scale", "4,x"], "--scale '4,x': give one positive integer factor"),
+    (["--iters", "x"], "argument --iters: invalid int value"),
+])
+def test_demo_refuses_every_bad_numeric_flag_in_one_line(flags, expect):
+    from executor.run import UsageError, _arguments
+
+    with pytest.raises(UsageError) as err:
+        _arguments(["plans/case1.plan.json", *flags])
+    message = str(err.value)
+    assert expect in message and ("e.g." in message or "--help" in message) and "\n" not in message
+
+
+def test_demo_accepts_the_documented_flags():
+    from executor.run import _arguments
+
+    args = _arguments(["plans/case1.plan.json", "--max-mb", "0.5", "--timeout", "2", "--scale", "4x4x2", "--iters", "1", "--warmup", "0"])
+    assert args.scale == (4, 4, 2) and args.max_mb == 0.5 and args.timeout == 2.0
+
+
 def test_shard_checks_name_the_expected_shape_and_dtype():
     with pytest.raises(PlanMismatchError, match=r"shape \(4, 3\) but the source spec 'S0 R' gives it \(4, 4\)"):
         check_shard(np.zeros((4, 3), np.float32), (4, 4), "float32", 2, "S0 R")
