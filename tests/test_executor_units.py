@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import ast
 import doctest
 import importlib
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -26,6 +28,26 @@ MODULES = ["executor.lower", "executor.ranks", "executor.pattern", "executor.sca
 def test_docstring_examples_hold(name):
     result = doctest.testmod(importlib.import_module(name))
     assert result.attempted > 0 and result.failed == 0
+
+
+def _imported_modules(path: Path) -> set[str]:
+    """Absolute module names a file imports (relative imports resolve inside executor/, so they are skipped)."""
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names.add(node.module)
+    return names
+
+
+def test_no_module_under_executor_imports_the_planner():
+    root = Path(__file__).resolve().parents[1] / "executor"
+    files = sorted(root.rglob("*.py"))
+    assert root / "examples" / "pipeline_mlp.py" in files
+    offenders = {str(f.relative_to(root.parent)): sorted(m for m in _imported_modules(f) if m.split(".")[0] == "planner")
+                 for f in files}
+    assert {f: m for f, m in offenders.items() if m} == {}, "executor/ may import schemas/, never planner/"
 
 
 def _plan(strategy="send_recv"):

@@ -104,20 +104,26 @@ def test_runner_refuses_missing_executors():
         PipelineRunner(schedule, None, {}, 0)
 
 
-def mpirun(ranks: int, *args: str) -> subprocess.CompletedProcess:
+def mpirun(tmp_path, ranks: int, inputs_args: list[str], steps: str) -> subprocess.CompletedProcess:
+    """The documented two commands: the planner writes plans and schedules, then mpiexec runs the MLP on them."""
     env = dict(os.environ, MPIR_CVAR_ENABLE_HEAVY_YIELD="1")
-    command = [str(ROOT / ".venv/bin/mpiexec"), "-n", str(ranks), str(ROOT / ".venv/bin/python"), "-m",
-               "executor.examples.pipeline_mlp", *args]
-    return subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=180)
+    python, inputs = str(ROOT / ".venv/bin/python"), str(tmp_path / "mlp-inputs")
+    made = subprocess.run([python, "bench/pipeline_mlp_inputs.py", *inputs_args, "-o", inputs], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert made.returncode == 0, made.stdout + made.stderr
+    command = [str(ROOT / ".venv/bin/mpiexec"), "-n", str(ranks), python, "-m", "executor.examples.pipeline_mlp", inputs,
+               "--steps", steps]
+    # generous: a passing run takes seconds, but oversubscribed ranks on a loaded 2-core machine can take minutes
+    return subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
 
 
 @pytest.mark.mpi
-@pytest.mark.parametrize("ranks,args", [
-    (4, ["--meshes", "2,2", "--steps", "3"]),
-    (6, ["--meshes", "2,1,1,2", "--skip", "--steps", "2"]),
+@pytest.mark.parametrize("ranks,inputs_args,steps", [
+    (4, ["--meshes", "2,2"], "3"),
+    (6, ["--meshes", "2,1,1,2", "--skip"], "2"),
 ])
-def test_mpi_pipeline_matches_reference_for_every_schedule(ranks, args):
-    result = mpirun(ranks, *args)
+def test_mpi_pipeline_matches_reference_for_every_schedule(tmp_path, ranks, inputs_args, steps):
+    result = mpirun(tmp_path, ranks, inputs_args, steps)
     assert result.returncode == 0, result.stdout + result.stderr
     lines = [line for line in result.stdout.splitlines() if line.startswith(("OK", "MISMATCH"))]
     assert len(lines) == len(SCHEDULE_NAMES) + 1

@@ -6,27 +6,31 @@ is a real resharding. With `--skip`, stage 0's output also goes to the last stag
 its input (a U-Net-style skip). Every rank checks its stage's losses and gradients against a
 single-process reference, for every schedule; rank 0 prints one line per schedule.
 
-    mpiexec -n 6 python -m executor.examples.pipeline_mlp --meshes 2,1,1,2 --skip --steps 3
+The executor never imports the planner: `bench/pipeline_mlp_inputs.py` plans the transfers and
+writes every schedule into a folder first, and this script reads that folder.
+
+    python bench/pipeline_mlp_inputs.py --meshes 2,1,1,2 --skip -o mlp-inputs
+    mpiexec -n 6 python -m executor.examples.pipeline_mlp mlp-inputs --steps 3
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
+from pathlib import Path
 
 import numpy as np
 
-from planner.compile import compile_plan
-from planner.pipeline.build import build_schedule
-from planner.pipeline.costs import transfer_costs
-from planner.pipeline.schedules import SCHEDULE_NAMES
+from schemas import Plan, load_plan
 from schemas.geometry import shard_interval
-from schemas.pipeline import PipelineProblem
+from schemas.pipeline import PipelineProblem, PipelineSchedule
 
 from ..pipeline_runner import PipelineRunner, pipeline_executors, stage_of_device
 
 WIDTH, ROWS, IN_DIM, OUT_DIM, LR = 8, 6, 5, 3, 0.1
 RTOL, ATOL = 1e-9, 1e-12
+MANIFEST = "manifest.json"  # {"schedules": [file, ...]} in the order they run
 
 
 def make_problem(meshes: list[int], micro_batches: int, skip: bool) -> PipelineProblem:
@@ -38,6 +42,22 @@ def make_problem(meshes: list[int], micro_batches: int, skip: bool) -> PipelineP
     if skip:
         tensors.append({"name": "skip", "src_stage": 0, "dst_stage": len(meshes) - 1, **tensor})
     return PipelineProblem(name="mlp", stages=stages, tensors=tensors, micro_batches=micro_batches)
+
+
+def plan_file(tensor: str, direction: str) -> str:
+    """File name of one transfer's plan in the inputs folder, e.g. `h0.F.plan.json`."""
+    return f"{tensor}.{direction}.plan.json"
+
+
+def load_inputs(folder: Path) -> tuple[list[PipelineSchedule], dict[tuple[str, str], Plan]]:
+    """The schedules (in manifest order) and every transfer's plan from a folder written by bench/pipeline_mlp_inputs.py."""
+    names = json.loads((folder / MANIFEST).read_text())["schedules"]
+    schedules = [PipelineSchedule.from_json((folder / name).read_text()) for name in names]
+    problem = schedules[0].pipeline
+    if any(s.pipeline != problem for s in schedules):
+        raise ValueError(f"{folder}: the schedules are for different pipelines; write the folder again with one command")
+    plans = {(n, d): load_plan(folder / plan_file(n, d)) for n, d in problem.transfers()}
+    return schedules, plans
 
 
 def init(stages: int, seed: int = 0):
@@ -124,34 +144,40 @@ def run(args) -> int:
     from mpi4py import MPI
 
     world = MPI.COMM_WORLD
-    meshes = [int(n) for n in args.meshes.split(",")]
-    problem = make_problem(meshes, args.micro_batches, args.skip)
-    if world.Get_size() != sum(meshes):
-        print(f"run with mpiexec -n {sum(meshes)} for meshes {args.meshes}", file=sys.stderr)
+    try:
+        schedules, plans = load_inputs(args.inputs)
+    except (OSError, ValueError, KeyError) as err:
+        if world.Get_rank() == 0:
+            print(f"error: {args.inputs}: cannot read the inputs ({str(err).splitlines()[0]}); write them with "
+                  "`python bench/pipeline_mlp_inputs.py -o FOLDER`", file=sys.stderr)
         return 2
-    plans = {(n, d): compile_plan(problem.resharding_problem(n, d)) for n, d in problem.transfers()}
-    costs = transfer_costs(problem, lambda p: compile_plan(p))
-    stage = stage_of_device(build_schedule(problem, "1f1b", costs), world.Get_rank())
+    problem = schedules[0].pipeline
+    meshes = [len(s.mesh.devices) for s in problem.stages]
+    skip = any(t.name == "skip" for t in problem.tensors)
+    if world.Get_size() != sum(meshes):
+        if world.Get_rank() == 0:
+            print(f"error: run with mpiexec -n {sum(meshes)} for meshes {','.join(map(str, meshes))}", file=sys.stderr)
+        return 2
+    stage = stage_of_device(schedules[0], world.Get_rank())
     mesh = problem.stages[stage].mesh.devices
     lo, hi = shard_interval(ROWS, len(mesh), mesh.index(world.Get_rank()))
     stage_comm = world.Split(stage, world.Get_rank())
-    executors = pipeline_executors(build_schedule(problem, "1f1b", costs), plans, world)
-    variants = [(name, True) for name in SCHEDULE_NAMES] + [("1f1b", False)]
+    executors = pipeline_executors(schedules[0], plans, world)
     failures = 0
-    for name, overlap in variants:
-        schedule = build_schedule(problem, name, costs, overlap)
+    for schedule in schedules:
+        name, overlap = schedule.schedule, schedule.overlap
         weights = init(len(meshes))
         ref_weights = [(w.copy(), b.copy()) for w, b in weights]
         worst = 0.0
         for step in range(args.steps):
-            inputs, targets = data(args.micro_batches, step)
+            inputs, targets = data(problem.micro_batches, step)
             fns = MlpStage(problem, stage, slice(lo, hi), weights[stage], inputs, targets)
             PipelineRunner(schedule, fns, executors, stage).run_iteration()
             gw, gb, loss = fns.gw.copy(), fns.gb.copy(), np.array([fns.loss])
             stage_comm.Allreduce(MPI.IN_PLACE, gw, op=MPI.SUM)
             stage_comm.Allreduce(MPI.IN_PLACE, gb, op=MPI.SUM)
             world.Allreduce(MPI.IN_PLACE, loss, op=MPI.SUM)
-            ref_loss, ref_grads = reference_step(ref_weights, inputs, targets, args.skip)
+            ref_loss, ref_grads = reference_step(ref_weights, inputs, targets, skip)
             ok = (np.allclose(loss[0], ref_loss, rtol=RTOL, atol=ATOL) and np.allclose(gw, ref_grads[stage][0], rtol=RTOL, atol=ATOL)
                   and np.allclose(gb, ref_grads[stage][1], rtol=RTOL, atol=ATOL))
             worst = max(worst, abs(loss[0] - ref_loss), float(np.abs(gw - ref_grads[stage][0]).max()))
@@ -173,11 +199,12 @@ def run(args) -> int:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--meshes", default="2,2", help="ranks per stage, e.g. 2,1,1,2")
-    parser.add_argument("--micro-batches", type=int, default=4)
-    parser.add_argument("--steps", type=int, default=3)
-    parser.add_argument("--skip", action="store_true", help="also send stage 0's output to the last stage")
-    sys.exit(run(parser.parse_args()))
+    parser.add_argument("inputs", type=Path, help="folder written by bench/pipeline_mlp_inputs.py (plans and schedules)")
+    parser.add_argument("--steps", type=int, default=3, help="training steps per schedule (default 3)")
+    args = parser.parse_args()
+    if args.steps < 1:
+        parser.error(f"--steps {args.steps}: give at least 1, e.g. --steps 3")
+    sys.exit(run(args))
 
 
 if __name__ == "__main__":

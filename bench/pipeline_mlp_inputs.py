@@ -1,0 +1,64 @@
+"""Plan the example MLP pipeline's transfers and lay out every schedule, for `executor.examples.pipeline_mlp`.
+
+The executor never imports the planner, so the planner's part runs here, beforehand: one resharding
+plan per (tensor, direction) and one schedule file per variant (every schedule with overlap, then
+1f1b without), listed in order in `manifest.json` in the output folder.
+
+Run: .venv/bin/python bench/pipeline_mlp_inputs.py --meshes 2,1,1,2 --skip -o mlp-inputs
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from executor.examples.pipeline_mlp import MANIFEST, make_problem, plan_file  # noqa: E402
+from planner.compile import compile_plan  # noqa: E402
+from planner.pipeline.build import build_schedule  # noqa: E402
+from planner.pipeline.costs import transfer_costs  # noqa: E402
+from planner.pipeline.schedules import SCHEDULE_NAMES  # noqa: E402
+from schemas.pipeline import PipelineProblem  # noqa: E402
+from schemas.plan import write_atomic  # noqa: E402
+
+
+def write_inputs(problem: PipelineProblem, folder: Path) -> list[str]:
+    """Write the plans, the schedules and the manifest into `folder`; returns the schedule file names."""
+    folder.mkdir(parents=True, exist_ok=True)
+    for name, direction in problem.transfers():
+        write_atomic(folder / plan_file(name, direction), compile_plan(problem.resharding_problem(name, direction)).to_json())
+    costs = transfer_costs(problem, compile_plan)
+    names = []
+    for schedule_name, overlap in [(n, True) for n in SCHEDULE_NAMES] + [("1f1b", False)]:
+        file = f"{schedule_name}{'' if overlap else '-no-overlap'}.schedule.json"
+        write_atomic(folder / file, build_schedule(problem, schedule_name, costs, overlap).to_json())
+        names.append(file)
+    write_atomic(folder / MANIFEST, json.dumps({"schedules": names}, indent=1) + "\n")
+    return names
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--meshes", default="2,2", help="ranks per stage, e.g. 2,1,1,2 (default 2,2)")
+    parser.add_argument("--micro-batches", type=int, default=4, help="micro-batches per step (default 4)")
+    parser.add_argument("--skip", action="store_true", help="also send stage 0's output to the last stage")
+    parser.add_argument("-o", "--output", type=Path, required=True, help="folder to write into (created if missing)")
+    args = parser.parse_args(argv)
+    try:
+        meshes = [int(n) for n in args.meshes.split(",")]
+    except ValueError:
+        meshes = []
+    if len(meshes) < 2 or min(meshes) < 1:
+        parser.error(f"--meshes {args.meshes!r}: give two or more positive rank counts, e.g. --meshes 2,1,1,2")
+    if args.micro_batches < 1:
+        parser.error(f"--micro-batches {args.micro_batches}: give at least 1, e.g. --micro-batches 4")
+    write_inputs(make_problem(meshes, args.micro_batches, args.skip), args.output)
+    print(f"wrote {args.output}; now run: mpiexec -n {sum(meshes)} python -m executor.examples.pipeline_mlp {args.output}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
