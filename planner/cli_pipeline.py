@@ -16,10 +16,12 @@ from .pipeline.build import build_schedule
 from .pipeline.compare import compare, format_table
 from .pipeline.costs import default_plan_fn, signal_costs, transfer_costs
 from .pipeline.io import load_pipeline, load_schedule
-from .pipeline.schedules import SCHEDULE_NAMES
+from .pipeline.schedules import SCHEDULE_NAMES, WEIGHT_DELAY_SUFFIX, parse_schedule_name
 from .pipeline.simulate import Metrics, evaluate
 from .pipeline.trace import trace_json
-from .problem_io import InputError, parse_shape
+from .problem_io import InputError
+from .solvers import SOLVERS
+from .strategies import STRATEGIES
 
 
 def _as_input_error(func):
@@ -33,7 +35,8 @@ def _as_input_error(func):
         except (ValueError, KeyError) as err:
             if type(err).__module__.startswith("pydantic"):
                 raise
-            raise InputError(str(err).strip("'\"")) from None
+            # str(KeyError) wraps its message in quotes; a ValueError's text is shown as is (it may end in a quote)
+            raise InputError(str(err.args[0]) if isinstance(err, KeyError) and err.args else str(err)) from None
     return wrapper
 
 
@@ -54,11 +57,33 @@ def describe(metrics: Metrics) -> str:
             f"exposed communication {metrics.exposed_comm_s * 1e3:.3f} ms, peak in-flight micro-batches per stage {peak}")
 
 
-_plan_options = [
-    click.option("--strategy", default="broadcast", show_default=True, help="resharding strategy for every transfer's plan"),
-    click.option("--solver", default="greedy", show_default=True, help="resharding scheduler for every transfer's plan"),
+_plan_options = [  # as for `compile`: same names, choices and defaults
+    click.option("--strategy", type=click.Choice(list(STRATEGIES) + ["auto"]), default="broadcast", show_default=True,
+                 help="resharding strategy for every transfer's plan ('auto' picks the fastest per task)"),
+    click.option("--solver", type=click.Choice(list(SOLVERS)), default="auto", show_default=True,
+                 help="resharding scheduler for every transfer's plan (planner/solvers)"),
     click.option("--seed", default=0, show_default=True, help="seed for randomized solvers"),
 ]
+
+
+def parse_weight_delay(text: str, name: str, stages: int, micro_batches: int) -> tuple[int, ...]:
+    """`--weight-delay 0,2` for a `-wd` schedule: one delay per stage, each 0 .. 2*micro_batches - 1."""
+    most = 2 * micro_batches - 1  # a stage has 2m compute actions; a W moved past all the others is at the end
+    example = ",".join(str(min(i, most)) for i in range(stages))
+    if not parse_schedule_name(name)[1]:
+        raise InputError(f"--weight-delay: schedule {name} does not split the backward, so it has no weight delay; "
+                         f"use --schedule {name}{WEIGHT_DELAY_SUFFIX} or drop --weight-delay")
+    parts = [p.strip() for p in text.split(",")]
+    if not all(p.isdigit() for p in parts):
+        raise InputError(f"--weight-delay {text!r}: give one non-negative integer per stage, e.g. --weight-delay {example}")
+    delays = tuple(int(p) for p in parts)
+    if len(delays) != stages:
+        raise InputError(f"--weight-delay {text!r}: {len(delays)} entries for {stages} stages; give one per stage, "
+                         f"e.g. --weight-delay {example}")
+    if max(delays) > most:
+        raise InputError(f"--weight-delay {text!r}: {max(delays)} is more than {most}, the compute actions a weight part can "
+                         f"be moved behind with {micro_batches} micro-batches; e.g. --weight-delay {example}")
+    return delays
 
 
 def plan_options(func):
@@ -72,7 +97,8 @@ def plan_options(func):
 @click.option("--schedule", "name", type=click.Choice(SCHEDULE_NAMES), default="eager-1f1b", show_default=True)
 @click.option("--no-overlap", is_flag=True, help="every send holds its stage until the transfer ends")
 @click.option("--signal", is_flag=True, help="make every transfer free: the 'signal send/recv' bound")
-@click.option("--weight-delay", help="for -wd schedules: per-stage delays, e.g. 0,1 (default: chosen by the cost model)")
+@click.option("--weight-delay", help="for -wd schedules only: per-stage delays in compute actions, e.g. 0,1 "
+              "(default: chosen by the cost model)")
 @click.option("-o", "--output", type=click.Path(dir_okay=False), help="where to write the schedule JSON ('-' for stdout)")
 @plan_options
 @_as_input_error
@@ -81,11 +107,11 @@ def schedule_command(pipeline_file, name, no_overlap, signal, weight_delay, outp
 
     \b
     Example:
-      xmesh-plan schedule plans/pipelines/utrans-2stage.json --schedule eager-1f1b -o schedule.json
+      xmesh-plan schedule bench/pipelines/utrans-2.1b-fp16.json --schedule eager-1f1b-wd -o schedule.json
     """
     pipeline = load_pipeline(pipeline_file)
+    delays = None if weight_delay is None else parse_weight_delay(weight_delay, name, len(pipeline.stages), pipeline.micro_batches)
     costs = _costs(pipeline, strategy, solver, seed)
-    delays = parse_shape(weight_delay, "--weight-delay") if weight_delay else None
     schedule = build_schedule(pipeline, name, signal_costs(costs) if signal else costs, not no_overlap, delays)
     if output == "-":
         click.echo(schedule.to_json(), nl=False)
@@ -136,7 +162,7 @@ def compare_command(pipeline_file, strategy, solver, seed):
 
     \b
     Example:
-      xmesh-plan compare-schedules plans/pipelines/utrans-2stage.json
+      xmesh-plan compare-schedules bench/pipelines/utrans-2.1b-fp16.json
     """
     pipeline = load_pipeline(pipeline_file)
     click.echo(format_table(compare(pipeline, _costs(pipeline, strategy, solver, seed))))

@@ -3,11 +3,19 @@
 from __future__ import annotations
 
 import json
+import shlex
+from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
 
 from planner.cli import main
+from planner.compile import compile_plan
+from planner.pipeline.io import load_pipeline
+from planner.solvers import SOLVERS
+from planner.strategies import STRATEGIES
+
+ROOT = Path(__file__).resolve().parents[1]
 
 PIPELINE = {
     "name": "tiny-unet",
@@ -115,5 +123,69 @@ def test_bad_action_text_and_bad_weight_delay_are_one_line_errors(tmp_path, pipe
     out.write_text(json.dumps(saved))
     code, text = invoke("simulate", str(out))
     assert code == 2 and "bad action '1Q0'" in text
-    code, text = invoke("schedule", str(pipeline_file), "--schedule", "1f1b-wd", "--weight-delay", "1,2")
-    assert code == 2 and "weight_delay has 2 entries" in text
+    assert "'1Q0'; write <stage><kind>[<tensor>]<micro-batch>, e.g. '0F3', '2I0', '0SEND_F[h0]3' or '1RECV_B[skip0]2'" in text
+    assert text.count("'") % 2 == 0, "every quote is closed"
+
+
+@pytest.mark.parametrize("schedule,delay,expect", [
+    ("1f1b-wd", "1,2", "2 entries for 3 stages; give one per stage, e.g. --weight-delay 0,1,2"),
+    ("eager-1f1b", "1,1,1", "schedule eager-1f1b does not split the backward"),
+    ("gpipe", "0,0,0", "use --schedule gpipe-wd or drop --weight-delay"),
+    ("1f1b-wd", "99,99,99", "99 is more than 7, the compute actions a weight part can be moved behind with 4 micro-batches"),
+    ("1f1b-wd", "8,0,0", "8 is more than 7"),
+    ("1f1b-wd", "a,b,c", "give one non-negative integer per stage, e.g. --weight-delay 0,1,2"),
+    ("1f1b-wd", "2x4", "give one non-negative integer per stage"),
+])
+def test_bad_weight_delay_is_one_line_exit_2_with_a_fitting_example(tmp_path, pipeline_file, schedule, delay, expect):
+    out = tmp_path / "s.json"
+    code, text = invoke("schedule", str(pipeline_file), "--schedule", schedule, "--weight-delay", delay, "-o", str(out))
+    assert code == 2, text
+    assert expect in text and len(text.strip().splitlines()) == 1 and "1024,1024,512" not in text
+    assert not out.exists()
+
+
+def test_weight_delay_in_range_is_used_as_given(tmp_path, pipeline_file):
+    out = tmp_path / "s.json"
+    assert invoke("schedule", str(pipeline_file), "--schedule", "1f1b-wd", "--weight-delay", "7,0,1", "-o", str(out))[0] == 0
+    assert json.loads(out.read_text())["weight_delay"] == [7, 0, 1]
+
+
+@pytest.mark.parametrize("command", ["schedule", "compare-schedules"])
+def test_help_examples_name_files_that_exist(command):
+    code, text = invoke(command, "--help")
+    assert code == 0
+    examples = [line.split() for line in text.splitlines() if line.strip().startswith("xmesh-plan ")]
+    assert examples
+    for words in examples:
+        assert (ROOT / words[2]).is_file(), f"{shlex.join(words)}: {words[2]} does not exist from the repo root"
+
+
+@pytest.mark.parametrize("content,expect", [("{bad", "not valid JSON"), (None, "cannot read the pipeline file"),
+                                            ('{"stages": 3}', "the file must hold one object")])
+def test_pipeline_file_errors_name_the_path_once(tmp_path, content, expect):
+    path = tmp_path / "bp.json"
+    if content is not None:
+        path.write_text(content)
+    code, text = invoke("schedule", str(path))
+    assert code == 2 and expect in text and len(text.strip().splitlines()) == 1, text
+    assert text.count("bp.json") == 1, text
+
+
+@pytest.mark.parametrize("command", ["schedule", "compare-schedules"])
+def test_plan_options_match_compile(command):
+    options = {p.name: p for p in main.commands[command].params}
+    compile_options = {p.name: p for p in main.commands["compile"].params}
+    assert list(options["solver"].type.choices) == list(SOLVERS) and options["solver"].default == "auto"
+    assert list(options["strategy"].type.choices) == list(STRATEGIES) + ["auto"] and options["strategy"].default == "broadcast"
+    for name in ("solver", "strategy", "seed"):
+        assert options[name].default == compile_options[name].default
+    code, text = invoke(command, str(ROOT / "bench/pipelines/utrans-2.1b-fp16.json"), "--solver", "gredy")
+    assert code == 2 and "'gredy' is not one of" in text and "'greedy'" in text and len(text.strip().splitlines()) == 1
+
+
+def test_schedule_costs_come_from_the_default_compile(tmp_path, pipeline_file):
+    out = tmp_path / "s.json"
+    assert invoke("schedule", str(pipeline_file), "--schedule", "1f1b", "-o", str(out))[0] == 0
+    pipeline = load_pipeline(pipeline_file)
+    costs = {(c["tensor"], c["direction"]): c["seconds"] for c in json.loads(out.read_text())["costs"]}
+    assert costs == {(n, d): compile_plan(pipeline.resharding_problem(n, d)).predicted_seconds for n, d in pipeline.transfers()}

@@ -62,9 +62,10 @@ def _read(path: str | Path, what: str) -> Any:
 
 
 def load_pipeline(path: str | Path) -> PipelineProblem:
-    """Read a `.json` or `.toml` pipeline file."""
+    """Read a `.json` or `.toml` pipeline file; every error names the path once."""
+    raw = _read(path, "pipeline file")  # its errors already start with the path
     try:
-        return build_pipeline(_read(path, "pipeline file"))
+        return build_pipeline(raw)
     except InputError as err:
         raise InputError(f"{path}: {err}") from None
 
