@@ -189,3 +189,50 @@ def test_schedule_costs_come_from_the_default_compile(tmp_path, pipeline_file):
     pipeline = load_pipeline(pipeline_file)
     costs = {(c["tensor"], c["direction"]): c["seconds"] for c in json.loads(out.read_text())["costs"]}
     assert costs == {(n, d): compile_plan(pipeline.resharding_problem(n, d)).predicted_seconds for n, d in pipeline.transfers()}
+
+
+@pytest.mark.parametrize("name,legend", [
+    ("1f1b", ["forward", "backward"]),
+    ("eager-1f1b-wd", ["forward", "backward (input part)", "backward (weight part)"]),
+])
+def test_gantt_numbers_forward_boxes_fits_the_title_and_names_the_backward_drawn(pipeline_file, name, legend):
+    pytest.importorskip("matplotlib")
+    import matplotlib.pyplot as plt
+
+    from planner.pipeline.build import build_schedule
+    from planner.pipeline.gantt import ROW, _row_top, gantt_figure
+    from planner.pipeline.simulate import evaluate
+
+    data = json.loads(json.dumps(PIPELINE))
+    for stage in data["stages"]:  # forwards far shorter than backwards, as in the paper's models
+        stage.update(forward_s=0.001, backward_input_s=0.0055, backward_weight_s=0.0055)
+    path = pipeline_file.with_name("skewed.json")
+    path.write_text(json.dumps(data))
+    pipeline = load_pipeline(path)
+    schedule = build_schedule(pipeline, name, _cheap_costs(pipeline))
+    timeline, _ = evaluate(schedule)
+    title = "a long title " * 30
+    fig = gantt_figure(timeline, title)
+    try:
+        ax = fig.axes[0]
+        assert [t.get_text() for t in ax.get_legend().get_texts()] == legend
+        renderer = fig.canvas.get_renderer()
+        shown = {(round(t.get_position()[0], 9), round(t.get_position()[1], 9), t.get_text()) for t in ax.texts}
+        forwards = [c for c in timeline.compute if c.action.kind == "F"]
+        centre = {c: (round((c.start_s + c.end_s) / 2 * 1e3, 9), round(_row_top(c.action.stage) + ROW / 2, 9)) for c in forwards}
+        labelled = [c for c in forwards if (*centre[c], str(c.action.micro_batch)) in shown]
+        assert len(labelled) == len(forwards), "every forward box here is wide enough for its number"
+        assert all(c.end_s - c.start_s < timeline.iteration_s / 60 for c in forwards)  # narrower than the old cut-off
+        heading = ax.title if ax.title.get_text() else ax._left_title
+        assert heading.get_text().replace("\n", " ").split() == title.split()
+        assert heading.get_window_extent(renderer).x1 <= fig.bbox.width
+        for text in ax.texts:  # every number shown lies inside the figure, none cut
+            assert text.get_window_extent(renderer).x1 <= fig.bbox.width
+    finally:
+        plt.close(fig)
+
+
+def _cheap_costs(pipeline):
+    from schemas.pipeline import TransferCost
+
+    return tuple(TransferCost(tensor=n, direction=d, seconds=0.0005, nics=(f"{n}:{d}",)) for n, d in pipeline.transfers())
