@@ -19,10 +19,12 @@ MPIEXEC = VENV_BIN / "mpiexec"
 WORKER = ROOT / "tests" / "test_executor_worker.py"
 PLANS = ROOT / "plans"
 
-pytestmark = [pytest.mark.mpi, pytest.mark.skipif(not MPIEXEC.exists(), reason=f"no mpiexec at {MPIEXEC} (install the mpich wheel)")]
+LAUNCH_TIMEOUT_S = 300  # catches a hang only; a passing launch takes seconds, but 16-20 ranks on a loaded 2-core CI box take minutes
+pytestmark = [pytest.mark.mpi, pytest.mark.skipif(not MPIEXEC.exists(), reason=f"no mpiexec at {MPIEXEC} (install the mpich wheel)"),
+              pytest.mark.timeout(2 * LAUNCH_TIMEOUT_S)]  # above the launch's own limit, so that limit reports first
 
 
-def mpiexec(n: int, *args: str, timeout: float = 300, keep_going: bool = False) -> subprocess.CompletedProcess:
+def mpiexec(n: int, *args: str, timeout: float = LAUNCH_TIMEOUT_S, keep_going: bool = False) -> subprocess.CompletedProcess:
     """Launch `n` ranks; with `keep_going`, a dead rank does not take the others down (they must notice it).
 
     The timeout only catches a hang: a passing launch ends in seconds, but on a loaded 2-core CI machine

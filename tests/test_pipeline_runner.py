@@ -118,6 +118,7 @@ def mpirun(tmp_path, ranks: int, inputs_args: list[str], steps: str) -> subproce
 
 
 @pytest.mark.mpi
+@pytest.mark.timeout(900)  # above the two 300 s subprocess limits, so they report first
 @pytest.mark.parametrize("ranks,inputs_args,steps", [
     (4, ["--meshes", "2,2"], "3"),
     (6, ["--meshes", "2,1,1,2", "--skip"], "2"),
