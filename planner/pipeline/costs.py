@@ -27,7 +27,7 @@ def nics_of_plan(plan: Plan) -> tuple[str, ...]:
     return tuple(sorted(used))
 
 
-def default_plan_fn(strategy: str = "broadcast", solver: str = "greedy", seed: int = 0) -> PlanFn:
+def default_plan_fn(strategy: str = "broadcast", solver: str = "auto", seed: int = 0) -> PlanFn:
     """compile_plan with fixed arguments (imported here so the schedule code stays planner-agnostic)."""
     from planner.compile import compile_plan
 
