@@ -28,6 +28,7 @@ POINTS = [  # src mesh, dst mesh, src spec, dst spec, tensor shape
     ((16, 8), (8, 8), "S0 R S1", "S1 S0 R", (5000, 3000, 250)),
     ((32, 8), (16, 8), "S0 R S1", "S1 S0 R", (8192, 4096, 256)),
     ((32, 8), (32, 8), "R S0 S1", "S0 S1 R", (8192, 4096, 256)),
+    ((32, 8), (32, 8), "S0 R S1", "R S01 R", (4096, 4096, 64)),  # all-to-all of small tasks: latency-bound
     ((64, 8), (32, 8), "S01 R R", "R S0 R", (8000, 8000, 64)),
     ((64, 8), (64, 8), "S0 S1 R", "R S0 S1", (8192, 8192, 64)),
 ]
@@ -90,11 +91,12 @@ simulator and plan assembly) and quality (predicted / lower bound) against the u
 
 The lower bound counts bandwidth only, while the model charges every message its latency (20 us)
 on the NIC it crosses; "latency share" is that latency over the mean task time. Where tasks shrink
-to a few hundred KiB the gap to the bound is mostly this per-message cost, not ordering: the
-schedules themselves meet the bandwidth bound of the task durations (for the 32x8 S0 R S1 -> R S01 R
-all-to-all of 65,536 32-KiB tasks, `list-backfill` meets the schedule bound exactly while the plan is
-at 1.76x the byte bound). Fewer, larger messages (gathering a host's cells before they cross the NIC)
-would close it; that strategy does not exist yet.
+to a few hundred KiB or less, the gap to the bound is mostly this per-message cost, not the order:
+in the 32x8 `S0 R S1 -> R S01 R` row every source device sends one small box to every destination
+device (an all-to-all), and `list-backfill` meets the schedule's own bound there
+(`solver.details.gap_to_proven_bound` is 0), yet the plan sits well above the byte bound. Fewer,
+larger messages (gathering a host's boxes before they cross the NIC) would close it; that strategy
+does not exist yet.
 """)
 
 
