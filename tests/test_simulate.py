@@ -130,7 +130,7 @@ def test_baseline_operations_deliver_every_byte():
         ops = build(p)
         timed = simulate(ops, p, "device-order")
         ops = [o.model_copy(update={"start_s": timed.op_start_s[o.id], "end_s": timed.op_end_s[o.id]}) for o in ops]
-        verify_plan(plan.model_copy(update={"operations": tuple(ops)}))
+        verify_plan(plan.model_copy(update={"operations": tuple(ops), "predicted_seconds": timed.makespan_s}))
 
 
 def test_unknown_names_list_the_valid_ones():
