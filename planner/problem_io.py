@@ -91,16 +91,20 @@ def _build_mesh(raw: Any, field: str, first_host: int, devices_per_host: int) ->
     return place_mesh(shape, first, devices_per_host, field)
 
 
+def parse_cluster(raw: Any) -> Cluster:
+    """The `cluster` entry of a problem or pipeline file; errors name `cluster.<field>`."""
+    try:
+        return Cluster.model_validate(raw)
+    except ValidationError as err:
+        raise InputError(f"cluster.{describe_validation_error(err)}") from None
+
+
 def build_problem(raw: dict[str, Any]) -> ReshardingProblem:
     """A problem from plain data (a parsed JSON/TOML file), expanding mesh shorthand onto hosts."""
     if not isinstance(raw, dict):
         raise InputError("problem: the file must hold one object with shape, dtype, src, dst (and optionally cluster, name)")
     data = dict(raw)
-    try:
-        cluster = Cluster.model_validate(data.get("cluster", {}))
-    except ValidationError as err:
-        raise InputError(f"cluster.{describe_validation_error(err)}") from None
-    data["cluster"] = cluster
+    cluster = data["cluster"] = parse_cluster(data.get("cluster", {}))
     if isinstance(data.get("shape"), str):
         data["shape"] = parse_shape(data["shape"])
     next_host = 0

@@ -14,9 +14,8 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from planner.problem_io import InputError, describe_validation_error, hosts_used, parse_mesh, parse_shape
+from planner.problem_io import InputError, describe_validation_error, hosts_used, parse_cluster, parse_mesh, parse_shape
 from schemas.pipeline import PipelineProblem, PipelineSchedule
-from schemas.problem import Cluster
 
 
 def build_pipeline(raw: Any) -> PipelineProblem:
@@ -24,11 +23,8 @@ def build_pipeline(raw: Any) -> PipelineProblem:
     if not isinstance(raw, dict) or not isinstance(raw.get("stages"), list):
         raise InputError("pipeline: the file must hold one object with stages (a list), tensors and micro_batches")
     data = dict(raw)
-    try:
-        cluster = Cluster.model_validate(data.get("cluster", {}))
-    except ValidationError as err:
-        raise InputError(f"cluster.{describe_validation_error(err)}") from None
-    data["cluster"], stages, next_host = cluster, [], 0
+    cluster = data["cluster"] = parse_cluster(data.get("cluster", {}))
+    stages, next_host = [], 0
     for index, stage in enumerate(data["stages"]):
         if not isinstance(stage, dict) or "mesh" not in stage:
             raise InputError(f"stages.{index}: give an object with mesh, forward_s and backward_input_s")
