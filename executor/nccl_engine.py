@@ -5,6 +5,12 @@ staging and unpacking it are CuPy copy kernels on the same stream, so no byte go
 The unique id of each group's communicator travels over MPI as 128 raw bytes (no pickle). `wait()`
 polls a CUDA event per operation with a short sleep; past the deadline it aborts the communicators
 and names the first unfinished operation.
+
+CuPy API this relies on (checked against CuPy's `cupy_backends/cuda/libs/nccl.pyx` and docs; see
+docs/executor.md): `get_unique_id()` returns a tuple of 128 C `char` ints up to v13 and `bytes` from
+v14, and `NcclCommunicator(ndev, commId, rank)` takes the same type back; `bcast(buff, count,
+datatype, root, stream)` takes a raw device pointer, a count in elements of `datatype` and a raw
+stream pointer, all plain ints.
 """
 
 from __future__ import annotations
@@ -32,6 +38,25 @@ def import_cupy():
     if not getattr(nccl, "available", True):
         raise BackendUnavailableError("CuPy was built without NCCL; install a cupy-cuda12x wheel with nvidia-nccl-cu12, or use backend='mpi'")
     return cupy, nccl
+
+
+def unique_id_bytes(uid) -> np.ndarray:
+    """The 128 raw bytes of an id from `nccl.get_unique_id()`: `bytes` (CuPy >= 14) or a tuple of C chars
+    (CuPy <= 13: -128..127 where char is signed, as on x86; 0..255 where it is unsigned, as on ARM)."""
+    if isinstance(uid, (bytes, bytearray)):
+        raw = np.frombuffer(uid, np.uint8)
+    else:
+        raw = (np.asarray(uid, dtype=np.int64) & 0xFF).astype(np.uint8)
+    if raw.shape != (UNIQUE_ID_BYTES,):
+        raise BackendUnavailableError(f"nccl.get_unique_id() gave {raw.size} bytes, expected {UNIQUE_ID_BYTES}")
+    return raw
+
+
+def unique_id_forms(raw: np.ndarray) -> tuple:
+    """What `NcclCommunicator(ndev, commId, rank)` may take for `commId`, most recent CuPy first: `bytes`
+    (v14), then a tuple of signed chars (v13 and older on x86), then of unsigned chars (older on ARM)."""
+    raw = np.asarray(raw, np.uint8)
+    return (raw.tobytes(), tuple(int(x) for x in raw.view(np.int8)), tuple(int(x) for x in raw))
 
 
 def gpu_count(cupy) -> int:
@@ -79,9 +104,9 @@ class NcclEngine:
         for index, group in enumerate(self.calls.groups):
             if me not in group:
                 continue
-            buf = np.zeros(UNIQUE_ID_BYTES, np.int8)
+            buf = np.zeros(UNIQUE_ID_BYTES, np.uint8)
             if me == group[0]:
-                buf[:] = np.array(self.nccl.get_unique_id(), dtype=np.int64).astype(np.int8)
+                buf[:] = unique_id_bytes(self.nccl.get_unique_id())
                 requests += [self.comm.Isend(buf, dest=self.rank_of[d], tag=index % 32768) for d in group[1:]]
             else:
                 requests.append(self.comm.Irecv(buf, source=self.rank_of[group[0]], tag=index % 32768))
@@ -97,19 +122,28 @@ class NcclEngine:
         return mine
 
     def _communicator(self, size: int, uid: np.ndarray, rank: int):
-        """CuPy stores the id as C chars: signed on x86, unsigned on some ARM builds; try both."""
-        try:
-            return self.nccl.NcclCommunicator(size, tuple(int(x) for x in uid), rank)
-        except OverflowError:
-            return self.nccl.NcclCommunicator(size, tuple(int(x) for x in uid.view(np.uint8)), rank)
+        """`ncclCommInitRank` through CuPy, whichever form of the id this CuPy takes (see `unique_id_forms`)."""
+        errors = []
+        for form in unique_id_forms(uid):
+            try:
+                return self.nccl.NcclCommunicator(size, form, rank)
+            except (TypeError, OverflowError) as err:  # raised by Cython's argument conversion, before NCCL is called
+                errors.append(f"{type(form).__name__}: {err}")
+        raise BackendUnavailableError(f"this CuPy's NcclCommunicator takes no known form of the NCCL unique id ({'; '.join(errors)})")
 
     def adopt(self, array):
         """A CuPy view of `array` (CuPy, or a CUDA tensor through DLPack); numpy input is copied to the GPU."""
         if isinstance(array, self.cupy.ndarray):
-            return array
-        if is_device_array(array):
-            return self.cupy.from_dlpack(array)
-        return self.cupy.asarray(np.asarray(array))
+            out = array
+        elif is_device_array(array):
+            out = self.cupy.from_dlpack(array)
+        else:
+            return self.cupy.asarray(np.asarray(array))
+        where = getattr(getattr(out, "device", None), "id", self.gpu)
+        if where != self.gpu:
+            raise PlanMismatchError(f"run(): device {self.program.device}'s source shard is on GPU {where} but this rank "
+                                    f"runs on GPU {self.gpu}; pass a shard on GPU {self.gpu} (or set gpu=)")
+        return out
 
     def contiguous(self, array):
         return self.cupy.ascontiguousarray(array)
@@ -125,6 +159,8 @@ class NcclEngine:
         if self.broken:
             raise PeerTimeoutError(f"this executor stopped after an error ({self.broken}); create and prepare a new one")
         cupy = self.cupy
+        if src is not None and src.dtype != self.dtype:  # bfloat16/float8 handed in as another int of the same size
+            src = src.view(self.dtype)
         self.input_ready.record(cupy.cuda.get_current_stream())
         self.stream.wait_event(self.input_ready)
         with self.stream:
@@ -166,8 +202,17 @@ class NcclEngine:
             time.sleep(nap)
             nap = min(nap * 2, self.poll_s[1])
 
+    def close(self) -> None:
+        """Wait for the stream, then destroy the communicators in creation order (the same on every rank)."""
+        if self.broken is None and getattr(self, "stream", None) is not None:
+            self.stream.synchronize()
+        for comm in getattr(self, "communicators", {}).values():
+            comm.destroy()  # CuPy makes this a no-op on an aborted communicator
+        self.communicators = {}
+        self.broken = self.broken or "closed"
+
     def _fail(self) -> None:
-        first = next(c for c, e in zip(self.calls.actions, self.done) if not e.done)
+        first = next((c for c, e in zip(self.calls.actions, self.done) if not e.done), self.calls.actions[-1])
         for comm in self.communicators.values():
             comm.abort()
         what = first.describe() if isinstance(first, Bcast) else f"op {first.op}: local copy"

@@ -15,6 +15,10 @@ from schemas import Operation, Plan
 
 from .lower import Box, chunk_ranges, is_empty, make_box
 
+MAX_CALL_BYTES = 1 << 30
+"""Largest byte count of one NCCL call: CuPy before v13 declares `bcast(..., int count, ...)`, so a
+call over 2**31 - 1 bytes would overflow there; longer chunks become several calls (same on every rank)."""
+
 Group = tuple[int, ...]
 """Sorted device ids of a communicator; a device's NCCL rank in it is its index."""
 
@@ -80,6 +84,17 @@ def communicator_groups(plan: Plan) -> tuple[Group, ...]:
     return tuple(seen)
 
 
+def split_calls(ranges, itemsize: int, limit: int | None = None) -> list[tuple[int, int]]:
+    """Cut byte ranges into pieces of at most `limit` bytes (MAX_CALL_BYTES), on element boundaries.
+
+    >>> split_calls([(0, 10), (10, 12)], 2, limit=4)
+    [(0, 4), (4, 8), (8, 10), (10, 12)]
+    """
+    limit = MAX_CALL_BYTES if limit is None else limit
+    step = max(itemsize, limit - limit % itemsize)
+    return [(a, min(a + step, hi)) for lo, hi in ranges for a in range(lo, hi, step)]
+
+
 def nccl_program(plan: Plan, device: int) -> NcclProgram:
     """The calls `device` makes, in plan order (run `lower()` first: it validates the plan)."""
     problem = plan.problem
@@ -89,7 +104,9 @@ def nccl_program(plan: Plan, device: int) -> NcclProgram:
 
     def bcast(op: Operation, root: int, box: Box, chunks: int) -> None:
         nonlocal stage
-        ranges = tuple(chunk_ranges(box.nbytes, chunks, size))
+        if len(group_of(op)) < 2:  # nobody to send to: the bytes are already where they belong
+            return
+        ranges = tuple(split_calls(chunk_ranges(box.nbytes, chunks, size), size))
         at = None
         if box.span is None:
             at, stage = stage, stage + box.nbytes
