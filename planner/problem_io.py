@@ -118,18 +118,22 @@ def build_problem(raw: dict[str, Any]) -> ReshardingProblem:
     return ReshardingProblem.model_validate(data)
 
 
-def load_problem(path: str | Path) -> ReshardingProblem:
-    """Read a `.json` or `.toml` problem file; errors name the file and field."""
+def read_data_file(path: str | Path, what: str) -> Any:
+    """Parse a `.toml` or JSON file; errors name the file and say what to fix."""
     path = Path(path)
     try:
         text = path.read_text()
     except OSError as err:
-        raise InputError(f"{path}: cannot read the problem file ({err.strerror}); check the path") from None
+        raise InputError(f"{path}: cannot read the {what} ({err.strerror}); check the path") from None
     try:
-        raw = tomllib.loads(text) if path.suffix == ".toml" else json.loads(text)
+        return tomllib.loads(text) if path.suffix == ".toml" else json.loads(text)
     except (json.JSONDecodeError, tomllib.TOMLDecodeError) as err:
         raise InputError(f"{path}: not valid {'TOML' if path.suffix == '.toml' else 'JSON'} ({err}); fix the syntax") from None
-    return build_problem(raw)
+
+
+def load_problem(path: str | Path) -> ReshardingProblem:
+    """Read a `.json` or `.toml` problem file; errors name the file and field."""
+    return build_problem(read_data_file(path, "problem file"))
 
 
 def describe_validation_error(err: ValidationError) -> str:

@@ -7,14 +7,12 @@ places it explicitly (e.g. a 2x2 mesh inside one 4-device host).
 
 from __future__ import annotations
 
-import json
-import tomllib
 from pathlib import Path
 from typing import Any
 
 from pydantic import ValidationError
 
-from planner.problem_io import InputError, describe_validation_error, hosts_used, parse_cluster, parse_mesh, parse_shape
+from planner.problem_io import InputError, describe_validation_error, hosts_used, parse_cluster, parse_mesh, parse_shape, read_data_file
 from schemas.pipeline import PipelineProblem, PipelineSchedule
 
 
@@ -45,21 +43,9 @@ def _tensor(raw: Any, index: int) -> Any:
     return raw
 
 
-def _read(path: str | Path, what: str) -> Any:
-    path = Path(path)
-    try:
-        text = path.read_text()
-    except OSError as err:
-        raise InputError(f"{path}: cannot read the {what} ({err.strerror}); check the path") from None
-    try:
-        return tomllib.loads(text) if path.suffix == ".toml" else json.loads(text)
-    except (json.JSONDecodeError, tomllib.TOMLDecodeError) as err:
-        raise InputError(f"{path}: not valid {'TOML' if path.suffix == '.toml' else 'JSON'} ({err}); fix the syntax") from None
-
-
 def load_pipeline(path: str | Path) -> PipelineProblem:
     """Read a `.json` or `.toml` pipeline file; every error names the path once."""
-    raw = _read(path, "pipeline file")  # its errors already start with the path
+    raw = read_data_file(path, "pipeline file")  # its errors already start with the path
     try:
         return build_pipeline(raw)
     except InputError as err:
@@ -68,7 +54,7 @@ def load_pipeline(path: str | Path) -> PipelineProblem:
 
 def load_schedule(path: str | Path) -> PipelineSchedule:
     """Read a schedule written by `xmesh-plan schedule`."""
-    raw = _read(path, "schedule")
+    raw = read_data_file(path, "schedule")
     version = raw.get("schema_version") if isinstance(raw, dict) else None
     if version != 1 or "stages" not in raw:
         raise InputError(f"{path}: not a schedule of schema_version 1; make one with `xmesh-plan schedule PIPELINE.json -o schedule.json`")
