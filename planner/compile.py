@@ -10,7 +10,7 @@ from schemas import HostOrder, Operation, Plan, ReshardingProblem, SolverInfo, U
 from . import __version__
 from .bounds import lower_bound
 from .scheduling import Option, Schedule, SchedulingTask, solve
-from .simulate import simulate
+from .simulate import nic_assignment, simulate
 from .strategies import STRATEGIES, PlannedOp, StrategyResult, TaskContext, get_strategy
 from .unit_tasks import Cell, decompose
 
@@ -95,7 +95,7 @@ def assemble(problem: ReshardingProblem, cells: list[Cell], options: list[TaskOp
                   chunks=op.chunks, start_s=round(at, DIGITS), end_s=round(at + op.duration_s, DIGITS))
         for i, (at, task, op) in enumerate(timed_ops))
     host_order = tuple(HostOrder(host=h, side=s, tasks=tuple(t for _, t in sorted(v))) for (h, s), v in sorted(per_resource.items()))
-    operations, timed_by = _simulated(operations, problem, _nic_of_task(host_order))
+    operations, timed_by = _simulated(operations, problem, nic_assignment(host_order))
     tasks = _retimed_tasks(tasks, operations)
     bound = lower_bound(cells, problem.cluster, problem.itemsize)
     predicted = max((op.end_s for op in operations), default=0.0)
@@ -105,10 +105,6 @@ def assemble(problem: ReshardingProblem, cells: list[Cell], options: list[TaskOp
         solver=SolverInfo(name=schedule.solver, seed=seed, proven_bound_seconds=schedule.proven_bound_s, details=details),
         merged_slices=any(c.merged_cells > 1 for c in cells), tasks=tuple(tasks), operations=operations, host_order=host_order,
         predicted_seconds=round(predicted, DIGITS), lower_bound_seconds=round(bound.seconds, DIGITS))
-
-
-def _nic_of_task(host_order: tuple[HostOrder, ...]) -> dict[int, int]:
-    return {t: int(o.side.split(":")[1]) for o in host_order if ":" in o.side for t in o.tasks}
 
 
 def _simulated(operations: tuple[Operation, ...], problem: ReshardingProblem,

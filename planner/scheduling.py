@@ -9,7 +9,6 @@ resources are free. Tasks that share a resource never overlap (the paper's Eq. 3
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Protocol
 
 Resource = tuple[int, str]
 """(host, side) with side one of 'send', 'recv', 'intra' (or 'send:<nic>', 'recv:<nic>' per NIC)."""
@@ -55,10 +54,6 @@ class Schedule:
 
     def makespan(self, tasks: list[SchedulingTask]) -> float:
         return max((self.end_s(t) for t in tasks), default=0.0)
-
-
-class Solver(Protocol):
-    def __call__(self, tasks: list[SchedulingTask], *, seed: int = 0, time_limit_s: float = 1.0) -> Schedule: ...
 
 
 def timetable(tasks: list[SchedulingTask], choice: dict[int, int], order: list[int]) -> dict[int, float]:

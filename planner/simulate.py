@@ -264,16 +264,11 @@ def simulate(operations: list[Operation] | tuple[Operation, ...], problem: Resha
     return SimResult(max(end.values(), default=0.0), start, end, len(lowering.flows))
 
 
-def nic_assignment(plan: Plan) -> dict[int, int]:
-    """Task -> NIC index, read from the plan's per-host order (`send:1` means NIC 1)."""
-    out: dict[int, int] = {}
-    for order in plan.host_order:
-        if ":" in order.side:
-            for task in order.tasks:
-                out[task] = int(order.side.split(":")[1])
-    return out
+def nic_assignment(host_order) -> dict[int, int]:
+    """Task -> NIC index, read from a plan's per-host order (`send:1` means NIC 1)."""
+    return {task: int(o.side.split(":")[1]) for o in host_order if ":" in o.side for task in o.tasks}
 
 
 def simulate_plan(plan: Plan, discipline: str = "host-order") -> SimResult:
     """Time a compiled plan; plans from this planner run in host order."""
-    return simulate(plan.operations, plan.problem, discipline, nic_assignment(plan))
+    return simulate(plan.operations, plan.problem, discipline, nic_assignment(plan.host_order))

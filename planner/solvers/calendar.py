@@ -53,8 +53,3 @@ class Calendar:
             del starts[i], ends[i]
         starts.insert(i, begin)
         ends.insert(i, end)
-
-    def free_at(self, resource: Resource) -> float:
-        """When the resource's last booked interval ends (0 when it has none)."""
-        ends = self._ends.get(resource)
-        return ends[-1] if ends else 0.0
