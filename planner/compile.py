@@ -61,7 +61,8 @@ def task_options(problem: ReshardingProblem, cells: list[Cell], strategy: str) -
     return out
 
 
-def _copy_ops(cell: Cell, task_id: int, problem: ReshardingProblem) -> list[tuple[float, PlannedOp]]:
+def _copy_ops(cell: Cell, problem: ReshardingProblem) -> list[tuple[float, PlannedOp]]:
+    """Local copies for destination devices that already hold the cell, from time 0 (no network involved)."""
     seconds = cell.nbytes(problem.itemsize) / problem.cluster.intra_bytes_per_s
     return [(0.0, PlannedOp("copy", d, (d,), cell.region, duration_s=seconds)) for d in cell.local_copies]
 
@@ -82,13 +83,13 @@ def assemble(problem: ReshardingProblem, cells: list[Cell], options: list[TaskOp
             receiver_hosts=tuple(sorted({problem.cluster.host_of(d) for d in item.cell.receivers})),
             strategy=name, chunks=result.chunks, start_s=round(start, DIGITS), end_s=round(start + option.duration_s, DIGITS)))
         timed_ops += [(start + op.offset_s, t.id, op) for op in result.ops]
-        timed_ops += [(at, t.id, op) for at, op in _copy_ops(item.cell, t.id, problem)]
+        timed_ops += [(at, t.id, op) for at, op in _copy_ops(item.cell, problem)]
         for host, side in option.resources:
             if side != "intra":
                 per_resource.setdefault((host, side), []).append((start, t.id))
     copy_only = [c for c in cells if not c.receivers and c.local_copies]
     for cell in copy_only:
-        timed_ops += [(at, -1, op) for at, op in _copy_ops(cell, -1, problem)]
+        timed_ops += [(at, -1, op) for at, op in _copy_ops(cell, problem)]
     timed_ops.sort(key=lambda item: (item[0], item[1] if item[1] >= 0 else len(tasks), item[2].kind, item[2].src or 0, item[2].dsts))
     operations = tuple(
         Operation(id=i, task=task, kind=op.kind, src=op.src, dsts=op.dsts, region=op.region, parts=op.parts,

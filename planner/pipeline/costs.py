@@ -17,14 +17,9 @@ PlanFn = Callable[[ReshardingProblem], Plan]
 
 
 def nics_of_plan(plan: Plan) -> tuple[str, ...]:
-    """NIC sides the plan's unit tasks use across hosts: `h0:send`, `h1:recv`, sorted."""
-    used = set()
-    for task in plan.tasks:
-        remote = [h for h in task.receiver_hosts if h != task.sender_host]
-        if remote:
-            used.add(f"h{task.sender_host}:send")
-            used.update(f"h{h}:recv" for h in remote)
-    return tuple(sorted(used))
+    """NIC sides the plan keeps busy, from its per-host order (forwarding hosts of a broadcast chain
+    included; several NICs of a host count as one side): `h0:send`, `h1:recv`, sorted."""
+    return tuple(sorted({f"h{order.host}:{order.side.split(':')[0]}" for order in plan.host_order}))
 
 
 def default_plan_fn(strategy: str = "broadcast", solver: str = "auto", seed: int = 0) -> PlanFn:
