@@ -6,6 +6,8 @@ whose items have the right size is accepted and moved as raw bytes.
 
 from __future__ import annotations
 
+import sys
+
 import numpy as np
 
 from schemas.dtypes import numpy_dtype_name
@@ -36,12 +38,36 @@ def as_host_array(array: object, device: int) -> np.ndarray:
         raise PlanMismatchError(f"run(): device {device} got a GPU array ({type(array).__name__}); the mpi backend "
                                 "moves host memory, so pass a numpy array or use backend='nccl'")
     if hasattr(array, "__dlpack__"):
-        try:
-            return np.from_dlpack(array)
-        except (TypeError, BufferError, RuntimeError) as err:
-            raise PlanMismatchError(f"run(): numpy cannot import this {type(array).__name__} through DLPack ({err}); "
-                                    "for bfloat16/float8 tensors pass a same-size integer view, e.g. t.view(torch.int16)") from None
+        return import_dlpack(np.from_dlpack, array, "numpy", device)
     raise PlanMismatchError(f"run(): device {device} got a {type(array).__name__}; pass a numpy array or an object with __dlpack__")
+
+
+_TORCH_INT_OF_SIZE = {1: "uint8", 2: "int16", 4: "int32", 8: "int64"}
+
+
+def raw_torch_view(tensor: object) -> object | None:
+    """A torch tensor of a float kind DLPack importers lack (bfloat16, float8) as a same-size integer
+    tensor over the same memory; None for anything else. Needs no torch import: a torch tensor's
+    module is loaded already."""
+    torch = sys.modules.get("torch")
+    if torch is None or not isinstance(tensor, torch.Tensor) or not tensor.dtype.is_floating_point:
+        return None
+    if tensor.dtype in (torch.float16, torch.float32, torch.float64):
+        return None
+    return tensor.view(getattr(torch, _TORCH_INT_OF_SIZE[tensor.element_size()]))
+
+
+def import_dlpack(importer, array: object, library: str, device: int):
+    """`importer(array)` (numpy's or CuPy's from_dlpack), retried on a same-size integer view for
+    bfloat16/float8 torch tensors; an import the library refuses becomes a one-line PlanMismatchError."""
+    try:
+        return importer(array)
+    except (TypeError, BufferError, RuntimeError, ValueError) as err:
+        raw = raw_torch_view(array)
+        if raw is not None:
+            return importer(raw)
+        raise PlanMismatchError(f"run(): device {device}: {library} cannot import this {type(array).__name__} through "
+                                f"DLPack ({err}); pass a {library} array or a tensor {library} can import") from None
 
 
 def check_shard(array: np.ndarray, shape: tuple[int, ...], dtype_name: str, device: int, spec: object) -> None:

@@ -19,7 +19,7 @@ import time
 
 import numpy as np
 
-from .arrays import is_device_array
+from .arrays import import_dlpack, is_device_array
 from .errors import BackendUnavailableError, PeerTimeoutError, PlanMismatchError
 from .lower import RankProgram
 from .nccl_plan import Bcast, Copy, nccl_program
@@ -136,7 +136,7 @@ class NcclEngine:
         if isinstance(array, self.cupy.ndarray):
             out = array
         elif is_device_array(array):
-            out = self.cupy.from_dlpack(array)
+            out = import_dlpack(self.cupy.from_dlpack, array, "cupy", self.program.device)
         else:
             return self.cupy.asarray(np.asarray(array))
         where = getattr(getattr(out, "device", None), "id", self.gpu)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import re
 import subprocess
@@ -61,6 +62,16 @@ def test_planner_cases_every_strategy_uneven_and_overlapping(tmp_path):
     plans = all_fixed_plans() + [compiled(random_problem(seed), "auto") for seed in range(6)]
     paths = write_plans(tmp_path, plans)
     result = mpiexec(DEVICES, str(WORKER), "check", *paths)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.count("ok ") == len(plans), result.stdout
+
+
+@pytest.mark.skipif(importlib.util.find_spec("torch") is None, reason="torch is not installed (pip install torch to run it)")
+def test_cpu_torch_tensors_bfloat16_included(tmp_path):
+    """Real torch tensors in, through DLPack without a copy; bfloat16 ones through a same-size integer view."""
+    plans = all_fixed_plans() + [compiled(random_problem(seed), "auto") for seed in range(6)]
+    assert any(p.problem.dtype == "bfloat16" for p in plans)
+    result = mpiexec(DEVICES, str(WORKER), "torch", *write_plans(tmp_path, plans))
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stdout.count("ok ") == len(plans), result.stdout
 

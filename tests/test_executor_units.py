@@ -5,6 +5,7 @@ from __future__ import annotations
 import ast
 import doctest
 import importlib
+import importlib.util
 from pathlib import Path
 
 import numpy as np
@@ -195,6 +196,21 @@ def test_dlpack_input_is_used_without_a_copy_and_gpu_input_is_refused():
         as_host_array(_Tensor(base, device=2), 0)
     with pytest.raises(PlanMismatchError, match="pass a numpy array or an object with __dlpack__"):
         as_host_array([1, 2, 3], 0)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("torch") is None, reason="torch is not installed (pip install torch to run it)")
+def test_torch_tensors_are_taken_without_a_copy_bfloat16_and_float8_as_raw_bits():
+    import torch
+
+    for dtype, raw in ((torch.float32, np.float32), (torch.bfloat16, np.int16), (torch.float8_e4m3fn, np.uint8)):
+        tensor = torch.zeros((3, 4), dtype=dtype)
+        view = as_host_array(tensor, 0)
+        assert view.dtype.itemsize == tensor.element_size() and view.shape == (3, 4)
+        view[...] = 1  # writes through: the same memory, no copy
+        assert (tensor.view(torch.uint8) != 0).any(), dtype
+        assert view.dtype == raw or dtype == torch.float8_e4m3fn
+    with pytest.raises(PlanMismatchError, match=r"device 5: numpy cannot import this Tensor through DLPack \(.*detach"):
+        as_host_array(torch.zeros(3, requires_grad=True), 5)
 
 
 def test_pattern_catches_a_single_flipped_bit():

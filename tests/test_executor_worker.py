@@ -1,6 +1,7 @@
 """Run under `mpiexec` by tests/test_executor_mpi.py; holds no tests itself.
 
     mpiexec -n 8 python tests/test_executor_worker.py check PLAN...    # run(), start()/test()/wait(), DLPack input
+    mpiexec -n 8 python tests/test_executor_worker.py torch PLAN...    # CPU torch tensors in (bfloat16 included)
     mpiexec -n 8 python tests/test_executor_worker.py iterations PLAN...  # new data every iteration, checked every time
     mpiexec -n 4 python tests/test_executor_worker.py die PLAN         # rank 1 exits before iteration 2
     mpiexec -n 2 python tests/test_executor_worker.py other-plan A B   # rank 1 loads plan B, the others A
@@ -32,7 +33,17 @@ class DLPackOnly:
         return self._array.__dlpack_device__()
 
 
-def check(comm, paths: list[str]) -> None:
+def as_torch(shard, plan_dtype: str):
+    """The shard as a CPU torch tensor over the same memory, of the plan's own dtype (bfloat16 as bfloat16)."""
+    import torch
+
+    tensor = torch.from_numpy(shard)
+    if plan_dtype in ("bfloat16", "float8_e4m3fn", "float8_e5m2"):
+        tensor = tensor.view(getattr(torch, plan_dtype))
+    return tensor
+
+
+def check(comm, paths: list[str], modes: tuple[str, ...] = ("run", "overlap", "dlpack")) -> None:
     from executor import ReshardingExecutor
     from executor.pattern import fill, mismatches
     from schemas import load_plan
@@ -42,7 +53,7 @@ def check(comm, paths: list[str]) -> None:
         ex = ReshardingExecutor(plan, comm, timeout_s=30).prepare()
         p = ex.program
         shard = fill(p.src_block, plan.problem.shape, ex.engine.dtype) if p.src_block else None
-        for mode in ("run", "overlap", "dlpack"):
+        for mode in modes:
             if ex.engine.dst is not None:
                 ex.engine.poison()
             if mode == "run":
@@ -54,8 +65,10 @@ def check(comm, paths: list[str]) -> None:
                     time.sleep(1e-4)
                 out = ex.wait()
                 assert busy > 0
-            else:
+            elif mode == "dlpack":
                 out = ex.run(DLPackOnly(shard) if shard is not None else None)
+            else:
+                out = ex.run(as_torch(shard, plan.problem.dtype) if shard is not None else None)
             if p.dst_block is None:
                 assert out is None, "a rank outside the destination mesh must get None"
                 continue
@@ -145,7 +158,7 @@ def main() -> int:
     comm = MPI.COMM_WORLD
     mode, paths = sys.argv[1], sys.argv[2:]
     try:
-        {"check": lambda: check(comm, paths), "iterations": lambda: iterations(comm, paths), "die": lambda: die(comm, paths[0]),
+        {"check": lambda: check(comm, paths), "torch": lambda: check(comm, paths, ("torch",)), "iterations": lambda: iterations(comm, paths), "die": lambda: die(comm, paths[0]),
          "other-plan": lambda: other_plan(comm, paths)}[mode]()
     except (ExecutorError, AssertionError) as err:
         print(f"rank {comm.Get_rank()}: {type(err).__name__}: {err}", file=sys.stderr, flush=True)
