@@ -11,9 +11,8 @@ import sys
 from pathlib import Path
 
 import click
-from pydantic import ValidationError
 
-from schemas import Plan, ReshardingProblem
+from schemas import Plan, ReshardingProblem, read_plan_file
 from schemas.plan import write_atomic
 
 from .cli_types import POSITIVE
@@ -63,26 +62,6 @@ def main() -> None:
       xmesh-plan inspect case3.plan.json
       xmesh-plan verify case3.plan.json
     """
-
-
-def load_plan_file(path: str) -> Plan:
-    try:
-        text = Path(path).read_text()
-    except OSError as err:
-        raise InputError(f"{path}: cannot read the plan ({err.strerror}); check the path") from None
-    try:
-        raw = json.loads(text)
-    except json.JSONDecodeError as err:
-        raise InputError(f"{path}: not valid JSON ({err}); pass a plan written by `xmesh-plan compile`") from None
-    version = raw.get("schema_version") if isinstance(raw, dict) else None
-    if version is None and isinstance(raw, dict) and {"src", "dst"} <= set(raw):
-        raise InputError(f"{path}: this is a problem file, not a plan; compile it first: xmesh-plan compile {path} -o plan.json")
-    if version != 1:
-        raise InputError(f"{path}: schema_version {version!r} is not supported (this is schema 1); recompile the plan with this xmesh-plan")
-    try:
-        return Plan.model_validate(raw)
-    except ValidationError as err:
-        raise InputError(f"{path}: {user_error_message(err)}") from None
 
 
 def problem_from_flags(problem_file, shape, dtype, src_mesh, src_spec, dst_mesh, dst_spec) -> ReshardingProblem:
@@ -155,7 +134,7 @@ def inspect_command(plan_file, show_tasks, show_ops):
     Example:
       xmesh-plan inspect plans/case3.plan.json --tasks
     """
-    click.echo(summarize(load_plan_file(plan_file), show_tasks=show_tasks, show_ops=show_ops))
+    click.echo(summarize(read_plan_file(plan_file), show_tasks=show_tasks, show_ops=show_ops))
 
 
 @main.command("verify")
@@ -169,7 +148,7 @@ def verify_command(plan_files):
     """
     failed = 0
     for path in plan_files:
-        plan = load_plan_file(path)
+        plan = read_plan_file(path)
         try:
             report = verify_plan(plan)
         except PlanError as err:

@@ -13,6 +13,8 @@ from contextlib import contextmanager
 
 import click
 
+from schemas import read_plan_file
+
 from .cli_types import POSITIVE
 from .baselines import BASELINES, baseline_seconds
 from .compile import compile_plan
@@ -124,12 +126,11 @@ def check_command(plan_files, max_ratio, reference):
     Example:
       xmesh-plan check plans/*.plan.json --max-ratio 1.05
     """
-    from .cli import load_plan_file  # the lead's loader: one-line errors for bad files
 
-    ref = load_plan_file(reference) if reference else None
+    ref = read_plan_file(reference) if reference else None
     failed = 0
     for path in plan_files:
-        plan = load_plan_file(path)
+        plan = read_plan_file(path)
         over_bound = plan.predicted_seconds / plan.lower_bound_seconds if plan.lower_bound_seconds > 0 else 1.0
         problems = [f"{over_bound:.4f}x its lower bound"] if over_bound > max_ratio else []
         if ref is not None and plan.predicted_seconds > max_ratio * ref.predicted_seconds:

@@ -22,8 +22,9 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from schemas import Cluster, DeviceMesh, ReshardingProblem
+from schemas import Cluster, DeviceMesh, PlanFileError, ReshardingProblem
 from schemas.spec import SpecError
+from schemas.validation import describe_validation_error
 
 
 class InputError(ValueError):
@@ -136,22 +137,10 @@ def load_problem(path: str | Path) -> ReshardingProblem:
     return build_problem(read_data_file(path, "problem file"))
 
 
-def describe_validation_error(err: ValidationError) -> str:
-    """First error of a pydantic validation as one line: `src.spec: <message>`."""
-    first = err.errors()[0]
-    field = ".".join(str(p) for p in first["loc"])
-    message = first["msg"].removeprefix("Value error, ")
-    if first["type"] == "missing":
-        message = "is required; add it to the problem"
-    elif first["type"] == "extra_forbidden":
-        message = "is not a known field; remove it or check its spelling"
-    return f"{field}: {message}" if field else message
-
-
 def user_error_message(err: Exception) -> str | None:
     """One-line message for errors caused by user input, None for anything else (a bug)."""
     if isinstance(err, ValidationError):
         return describe_validation_error(err)
-    if isinstance(err, (InputError, SpecError)):
+    if isinstance(err, (InputError, SpecError, PlanFileError)):
         return str(err)
     return None

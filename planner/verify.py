@@ -79,6 +79,10 @@ def _check_records(plan: Plan) -> None:
             raise PlanError(f"operation {op.id} ({op.kind}) names task {op.task}, which the plan does not have")
         if op.start_s < 0:
             raise PlanError(f"operation {op.id} (task {op.task}, {op.kind}) starts at {op.start_s}s, before time 0")
+    for index, (before, op) in enumerate(zip(plan.operations, plan.operations[1:]), start=1):
+        if (op.start_s, op.id) < (before.start_s, before.id):  # the executor replays the list in this order
+            raise PlanError(f"operation {op.id} at position {index} starts at {op.start_s}s, before operation {before.id} "
+                            f"listed ahead of it ({before.start_s}s); list operations in execution order (start time, then id)")
     latest = max((op.end_s for op in plan.operations), default=0.0)
     if plan.predicted_seconds < latest - TOLERANCE_S:
         raise PlanError(f"predicted_seconds {plan.predicted_seconds} is before the last operation ends ({latest}s)")
@@ -189,7 +193,7 @@ def verify_plan(plan: Plan) -> VerifyReport:
     _check_records(plan)
     _check_boxes(plan)
     replay = _Replay(plan)
-    for op in sorted(plan.operations, key=lambda o: (o.start_s, o.id)):
+    for op in plan.operations:  # in execution order, checked above
         replay.run(op)
     replay.finish()
     cells = sum(c.ready.size for c in replay.dst.values())

@@ -13,15 +13,17 @@ Operation kinds, all on boxes in global tensor coordinates:
 
 from __future__ import annotations
 
+import json
 import os
 import tempfile
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from .geometry import Region
 from .problem import ReshardingProblem
+from .validation import describe_validation_error
 
 SCHEMA_VERSION = 1
 OpKind = Literal["copy", "send", "broadcast", "allgather"]
@@ -134,6 +136,33 @@ class Plan(BaseModel):
 
 def load_plan(path: str | os.PathLike) -> Plan:
     return Plan.from_json(Path(path).read_text())
+
+
+class PlanFileError(ValueError):
+    """A plan file that cannot be used, as one line naming the file, the field and the fix."""
+
+
+def read_plan_file(path: str | os.PathLike) -> Plan:
+    """`load_plan` for files a user names: anything wrong becomes a one-line PlanFileError."""
+    try:
+        text = Path(path).read_text()
+    except (OSError, UnicodeDecodeError) as err:
+        why = err.strerror if isinstance(err, OSError) else "not UTF-8 text"
+        raise PlanFileError(f"{path}: cannot read the plan ({why}); check the path") from None
+    try:
+        raw = json.loads(text)
+    except json.JSONDecodeError as err:
+        raise PlanFileError(f"{path}: not valid JSON ({err}); pass a plan written by `xmesh-plan compile`") from None
+    version = raw.get("schema_version") if isinstance(raw, dict) else None
+    if version is None and isinstance(raw, dict) and {"src", "dst"} <= set(raw):
+        raise PlanFileError(f"{path}: this is a problem file, not a plan; compile it first: xmesh-plan compile {path} -o plan.json")
+    if version != SCHEMA_VERSION:
+        raise PlanFileError(f"{path}: schema_version {version!r} is not supported (this is schema {SCHEMA_VERSION}); "
+                            "recompile the plan with this xmesh-plan")
+    try:
+        return Plan.model_validate(raw)
+    except ValidationError as err:
+        raise PlanFileError(f"{path}: {describe_validation_error(err)}") from None
 
 
 def _read_umask() -> int:

@@ -132,6 +132,7 @@ def test_baseline_operations_deliver_every_byte():
         # Alpa numbers its own tasks; file every operation under one of the plan's tasks so the record is consistent
         ops = [o.model_copy(update={"start_s": timed.op_start_s[o.id], "end_s": timed.op_end_s[o.id], "task": plan.tasks[0].id})
                for o in ops]
+        ops.sort(key=lambda o: (o.start_s, o.id))  # a plan lists operations in execution order
         verify_plan(plan.model_copy(update={"operations": tuple(ops), "predicted_seconds": timed.makespan_s}))
 
 

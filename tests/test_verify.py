@@ -19,7 +19,8 @@ BOX_TEXT = "[0:512, 0:512, 0:512]"
 
 
 def with_ops(plan: Plan, ops) -> Plan:
-    return plan.model_copy(update={"operations": tuple(ops)})
+    """The plan with these operations, listed in execution order (start time, then id) as plans must be."""
+    return plan.model_copy(update={"operations": tuple(sorted(ops, key=lambda o: (o.start_s, o.id)))})
 
 
 def the_op(plan: Plan, kind: str, region, receiver: int):
@@ -55,10 +56,13 @@ def test_compiled_case3_verifies_with_a_report(case, compile_quick, strategy):
     assert str(report).startswith(f"ok: {len(plan.operations)} operations replayed, 8 destination devices")
 
 
-def test_operation_list_order_does_not_matter(send_recv_case3):
+def test_operations_listed_out_of_execution_order_are_rejected(send_recv_case3):
+    """The executor replays the list in order, so the list must be the execution order the times say."""
     ops = list(send_recv_case3.operations)
     random.Random(0).shuffle(ops)
-    verify_plan(with_ops(send_recv_case3, ops))
+    verify_plan(with_ops(send_recv_case3, ops))  # sorted back into order: fine
+    message = rejected(send_recv_case3.model_copy(update={"operations": tuple(ops)}))
+    assert "listed ahead of it" in message and "list operations in execution order (start time, then id)" in message
 
 
 def test_a_box_received_in_two_halves_from_two_holders_verifies(send_recv_case3):
