@@ -47,17 +47,24 @@ class ReshardingExecutor:
 
     def __init__(self, plan: Plan, comm, backend: str = "mpi", timeout_s: float = 60.0,
                  poll_s: tuple[float, float] = DEFAULT_POLL_S, gpu: int | None = None):
+        if not isinstance(plan, Plan):
+            raise TypeError(f"plan is a {type(plan).__name__}; pass a schemas.Plan, e.g. schemas.read_plan_file('x.plan.json')")
+        if not all(hasattr(comm, name) for name in ("Get_rank", "Get_size", "Idup")):
+            raise TypeError(f"comm is a {type(comm).__name__}; pass an mpi4py communicator, e.g. MPI.COMM_WORLD")
         if backend not in BACKENDS:
             raise ValueError(f"backend {backend!r} is unknown; use one of: {', '.join(BACKENDS)}")
-        if not timeout_s > 0:
-            raise ValueError(f"timeout_s={timeout_s} must be > 0 seconds; it bounds every wait for a peer")
-        if not 0 < poll_s[0] <= poll_s[1]:
-            raise ValueError(f"poll_s={poll_s} must be (shortest, longest) sleep in seconds with 0 < shortest <= longest")
+        if not _is_number(timeout_s) or not timeout_s > 0:
+            raise ValueError(f"timeout_s={timeout_s!r} must be a number of seconds > 0; it bounds every wait for a peer")
+        if not (isinstance(poll_s, (tuple, list)) and len(poll_s) == 2 and all(map(_is_number, poll_s))
+                and 0 < poll_s[0] <= poll_s[1]):
+            raise ValueError(f"poll_s={poll_s!r} must be (shortest, longest) sleep in seconds with 0 < shortest <= longest")
         self.plan, self.world, self.backend = plan, comm, backend
-        self.timeout_s, self.poll_s, self.gpu = timeout_s, tuple(poll_s), gpu
+        self.timeout_s, self.poll_s, self.gpu = float(timeout_s), (float(poll_s[0]), float(poll_s[1])), gpu
         self.program: RankProgram | None = None
         self.engine = None
+        self.comm = None
         self.in_flight = False
+        self.closed = False
 
     @property
     def device(self) -> int:
@@ -69,11 +76,12 @@ class ReshardingExecutor:
         Each rank lowers the plan for its device; the ranks then compare plan fingerprints and
         outcomes, so a bad plan or a rank with another plan fails everywhere before any byte moves.
         """
-        device = self.device
+        if self.engine is not None or self.closed:
+            raise ExecutorError("prepare() was already called on this executor; call it once, then run() every iteration")
         tag_limit = self.world.Get_attr(_mpi().TAG_UB) or 32767
         error = None
-        try:
-            self.program = lower(self.plan, device, tag_limit=tag_limit)
+        try:  # a refusal here (the world size too) is shared with every rank before anyone raises
+            self.program = lower(self.plan, self.device, tag_limit=tag_limit)
         except PlanMismatchError as err:
             error = err
         self._agree(error)
@@ -120,47 +128,81 @@ class ReshardingExecutor:
 
     def start(self, local_shard=None) -> None:
         """Begin a reshard and return at once; do not modify `local_shard` until `wait()` returns."""
-        if self.engine is None:
-            raise ExecutorError("call prepare() (on every rank) before run() or start()")
+        self._check_usable("run() or start()")
         if self.in_flight:
             raise ExecutorError("start() called while a reshard is in flight; call wait() first")
-        self.engine.start(self._adopt(local_shard))
+        source = self._adopt(local_shard)
         self.in_flight = True
+        self._guarded(self.engine.start, source, what="start()")
 
     def test(self) -> bool:
-        """Drive communication without blocking (call it now and then between start() and wait()); True when done."""
-        return self.engine.test() if self.in_flight else True
+        """Drive communication without blocking (call it now and then between start() and wait()).
+
+        True when the reshard has finished (and when none is in flight); raises if the executor failed.
+        """
+        self._check_usable("test()")
+        return self._guarded(self.engine.test, what="test()") if self.in_flight else True
 
     def wait(self):
         """Finish the reshard begun by start(); returns the destination shard (None on ranks outside the destination mesh)."""
+        self._check_usable("wait()")
         if not self.in_flight:
             raise ExecutorError("wait() called without start()")
-        try:
-            self.engine.wait()
-        finally:
-            self.in_flight = False
+        self._guarded(self.engine.wait, what="wait()")
+        self.in_flight = False
         return self.engine.dst
 
     def close(self) -> None:
-        """Release the backend's persistent resources (MPI: its persistent requests); the executor cannot run again.
+        """Release what prepare() made: the backend's requests or communicators, and the duplicated MPI communicator.
 
-        Optional: they are also released when the executor is garbage collected or the program exits.
+        Call it on every rank when done with an executor (a loop that makes executors without closing
+        them runs out of MPI communicators after about 2,000). The executor cannot run again.
         """
         if self.in_flight:
             raise ExecutorError("close() called while a reshard is in flight; call wait() first")
         if self.engine is not None and hasattr(self.engine, "close"):
             self.engine.close()
+        if self.comm is not None and not _mpi().Is_finalized():
+            self.comm.Free()  # pending operations of an abandoned reshard still complete (MPI_Comm_free's rule)
+        self.comm = None
+        self.closed = True
+
+    def _check_usable(self, call: str) -> None:
+        if self.closed:
+            raise ExecutorError(f"{call} after close(); create and prepare a new executor")
+        if self.engine is None:
+            raise ExecutorError(f"call prepare() (on every rank) before {call}")
+        if self.engine.broken and not self.in_flight:
+            raise ExecutorError(f"this executor stopped after an error ({self.engine.broken}); close() it, then create and prepare a new one")
+
+    def _guarded(self, call, *args, what: str):
+        """Run an engine call; anything that escapes it (a peer timeout, Ctrl-C, an exception from a
+        signal handler) leaves requests half done, so the engine is marked broken and refuses to run again."""
+        try:
+            return call(*args)
+        except BaseException as err:
+            self.in_flight = False
+            if not self.engine.broken:
+                self.engine.abandon(f"{type(err).__name__} in {what}")
+            raise
 
     def _adopt(self, local_shard):
         """The source shard as the backend's array type, checked against the plan (None when this rank sends nothing)."""
         p = self.program
         if p.src_block is None:
+            if local_shard is not None:
+                raise PlanMismatchError(f"run(): device {p.device} (rank {self.world.Get_rank()}) is not in the source mesh, "
+                                        "so it has no source shard; pass None (check the rank-to-device mapping in docs/executor.md)")
             return None
         if local_shard is None:
             raise PlanMismatchError(f"run(): device {p.device} is in the source mesh; pass its source shard of shape {p.src_shape}")
         array = self.engine.adopt(local_shard)
         check_shard(array, self.src_shape, self.plan.problem.dtype, p.device, self.plan.problem.src.spec)
         return array if array.flags.c_contiguous else self.engine.contiguous(array)
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, bool)
 
 
 def _list(ranks: list[int]) -> str:

@@ -154,7 +154,6 @@ class _Builder:
 
     plan: Plan
     device: int
-    tag_limit: int
     src_blocks: dict[int, Region]
     dst_blocks: dict[int, Region]
     itemsize: int
@@ -217,7 +216,7 @@ class _Builder:
             self.writes += [(box.region, r) for r in recvs]
 
     def tag(self, base: int, offset: int) -> int:
-        return (base + offset) % (self.tag_limit + 1)
+        return base + offset
 
 
 def _lower_copy(b: _Builder, op: Operation, base: int) -> None:
@@ -264,6 +263,12 @@ def _lower_allgather(b: _Builder, op: Operation, base: int) -> None:
     i = members.index(b.device)
     mine = op.parts[i]
     if not is_empty(mine):
+        held = [r for r in (intersect(written, mine) for written, _ in b.writes) if r is not None]
+        missing = uncovered(mine, held)
+        if missing is not None:
+            b.fail(op, f"device {b.device} must send its part {format_region(mine)} but no earlier operation delivered "
+                       f"{format_region(missing)} to it; operations must be listed in execution order (check the plan "
+                       "with `xmesh-plan verify`)")
         data, deps = b.outgoing(op, b.box(op, "dst", b.device, mine), b.readers_wait_for(mine))
         for peer in members[:i] + members[i + 1:]:
             b.add("send", op, deps=deps, peer=peer, tag=b.tag(base, i), data=data, piece=f"part {i}")
@@ -301,7 +306,7 @@ def uncovered(block: Region, written: list[Region]) -> Region | None:
 def lower(plan: Plan, device: int, tag_limit: int = 32767) -> RankProgram:
     """The steps `device` runs for `plan`; raises PlanMismatchError naming the op when the plan is inconsistent."""
     problem = plan.problem
-    b = _Builder(plan, device, tag_limit, problem.blocks("src"), problem.blocks("dst"), problem.itemsize)
+    b = _Builder(plan, device, problem.blocks("src"), problem.blocks("dst"), problem.itemsize)
     base = 0
     for op in plan.operations:
         for region in (op.region, *op.parts):
@@ -309,6 +314,9 @@ def lower(plan: Plan, device: int, tag_limit: int = 32767) -> RankProgram:
                 b.fail(op, f"box {format_region(region)} has {len(region)} dims but the tensor has {len(problem.shape)}")
         _LOWER[op.kind](b, op, base)
         base += tags_used(op)
+    if base > tag_limit + 1:  # every message has its own tag; reusing one could match the wrong message
+        raise PlanMismatchError(f"the plan needs {base} message tags but this MPI allows tags up to {tag_limit} (its TAG_UB); "
+                                "run it with an MPI that allows more (MPICH allows 2**29 - 1) or compile a plan with fewer operations")
     dst_block = b.dst_blocks.get(device)
     if dst_block is not None:
         missing = uncovered(dst_block, [r for r, _ in b.writes])

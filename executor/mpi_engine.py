@@ -6,7 +6,9 @@ Every message is a persistent request (`Send_init`/`Recv_init` on raw bytes) and
 with `Test`: mpi4py's `Startall`, `Testall` and `Testsome` copy the request list into a temporary C
 array on every call (and `Testsome` returns a new list); `Start` and `Test` without a status
 allocate nothing. Between polls `wait()` sleeps a little, because a blocking MPI wait spins a core;
-if nothing completes for `timeout_s` it raises, naming the pending transfers and peers.
+if nothing completes for `timeout_s` it raises, naming the pending transfers and peers. While it
+waits it also drives every other reshard in flight in this process, so ranks may wait for several
+executors in different orders without deadlocking on a relay that only the other wait would launch.
 
 Sends and copies that read the caller's source shard are bound to its address: they are remade
 only when a shard arrives at another address, and hold no reference to it (the executor keeps the
@@ -27,6 +29,7 @@ from .lower import RankProgram
 
 SHOWN_PENDING = 3
 WINDOW = 16
+_IN_FLIGHT: list = []  # engines between start() and the end of wait(), in start order
 
 
 class MpiEngine:
@@ -128,6 +131,7 @@ class MpiEngine:
         self.pending = len(self.steps)
         self.head = self.tail = self.holes = 0
         self.last_progress = time.monotonic()
+        _IN_FLIGHT.append(self)
         for i in self.first:
             self._launch(i)
 
@@ -205,10 +209,14 @@ class MpiEngine:
             before = self.last_progress
             if self.test():
                 self.src = None
+                _IN_FLIGHT.remove(self)
                 return
             if self.last_progress != before:
                 nap = low
                 continue
+            for other in _IN_FLIGHT:  # a relay this rank owes in another reshard may be what a peer waits for
+                if other is not self:
+                    other.test()
             if time.monotonic() - self.last_progress > self.timeout_s:
                 self._fail(f"nothing completed for {self.timeout_s:g} s")
             time.sleep(nap)
@@ -219,6 +227,13 @@ class MpiEngine:
         _free_requests(self.requests, self._mpi)
         self.broken = self.broken or "closed"
 
+    def abandon(self, why: str) -> None:
+        """Refuse to run again after a reshard that did not finish; requests may still be active."""
+        self.broken = why
+        _ABANDONED.append(self.src)  # active sends may still read it (they point at its memory, not the array)
+        if self in _IN_FLIGHT:
+            _IN_FLIGHT.remove(self)
+
     def _fail(self, why: str) -> None:
         """Raise with the pending transfers named; the engine refuses further runs."""
         me = self.program.device
@@ -226,8 +241,7 @@ class MpiEngine:
         shown = "; ".join(f"{self.steps[i].describe()} (rank {self.peer_rank[i]})" for i in waiting[:SHOWN_PENDING])
         more = len(waiting) - SHOWN_PENDING
         blocked = self.pending - len(waiting)
-        self.broken = why
-        _ABANDONED.append(self.src)  # active sends may still read it (they point at its memory, not the array)
+        self.abandon(why)
         raise PeerTimeoutError(
             f"device {me} (rank {self.comm.Get_rank()}): {why}; waiting on {shown or 'nothing posted'}"
             f"{f' and {more} more transfers' if more > 0 else ''}{f', {blocked} steps not started' if blocked else ''}; "

@@ -211,12 +211,17 @@ class NcclEngine:
         self.communicators = {}
         self.broken = self.broken or "closed"
 
-    def _fail(self) -> None:
-        first = next((c for c, e in zip(self.calls.actions, self.done) if not e.done), self.calls.actions[-1])
+    def abandon(self, why: str) -> None:
+        """Give up on the calls in flight: abort the communicators (their queued broadcasts may never
+        finish) and refuse to run again."""
         for comm in self.communicators.values():
             comm.abort()
+        self.broken = why
+
+    def _fail(self) -> None:
+        first = next((c for c, e in zip(self.calls.actions, self.done) if not e.done), self.calls.actions[-1])
         what = first.describe() if isinstance(first, Bcast) else f"op {first.op}: local copy"
-        self.broken = f"timed out in {what}"
+        self.abandon(f"timed out in {what}")
         raise PeerTimeoutError(f"device {self.program.device} (GPU {self.gpu}): {what} did not finish within "
                                f"{self.timeout_s:g} s; check that every rank is alive and runs the same plan "
                                "(the communicators were aborted)")

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
-from schemas import Plan, load_plan
+from schemas import Plan, PlanFileError, read_plan_file
 from schemas.geometry import region_size
 
 from .errors import ExecutorError, PeerTimeoutError, PlanMismatchError
@@ -41,6 +41,10 @@ def bytes_moved(plan: Plan) -> int:
     return total
 
 
+MAX_ITERS = 1_000_000  # iteration times are kept in memory, 8 bytes each
+MAX_MB = 2**30  # 1 PiB: far above any tensor, far below float overflow
+
+
 class UsageError(ValueError):
     """A bad command-line value: the same on every rank, so rank 0 alone prints it (one line, exit 2)."""
 
@@ -48,6 +52,18 @@ class UsageError(ValueError):
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str):  # argparse would print the usage block and exit on every rank
         raise UsageError(f"{message}; see `python -m executor.run --help`")
+
+    def print_help(self, file=None):  # --help: rank 0 prints it, the other ranks exit quietly
+        if _launcher_rank() == 0:
+            super().print_help(file)
+
+
+def _launcher_rank() -> int:
+    """This process's rank as the MPI launcher set it (read before MPI starts; 0 when not under mpiexec)."""
+    for key in ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK"):
+        if os.environ.get(key, "").isdigit():
+            return int(os.environ[key])
+    return 0
 
 
 def _parse_scale(text: str | None) -> tuple[int, ...] | None:
@@ -64,12 +80,12 @@ def _parse_scale(text: str | None) -> tuple[int, ...] | None:
 
 def _check_numbers(args: argparse.Namespace) -> None:
     """Every numeric flag in its range, or a UsageError naming the flag and a valid value."""
-    if args.iters < 1:
-        raise UsageError(f"--iters {args.iters}: give at least 1 timed iteration, e.g. --iters 5")
-    if args.warmup < 0:
-        raise UsageError(f"--warmup {args.warmup}: give 0 or more untimed iterations, e.g. --warmup 1")
-    if not (math.isfinite(args.max_mb) and args.max_mb > 0):
-        raise UsageError(f"--max-mb {args.max_mb:g}: give a positive size in MiB, e.g. --max-mb 64")
+    if not 1 <= args.iters <= MAX_ITERS:
+        raise UsageError(f"--iters {args.iters}: give 1 to {MAX_ITERS:,} timed iterations, e.g. --iters 5")
+    if not 0 <= args.warmup <= MAX_ITERS:
+        raise UsageError(f"--warmup {args.warmup}: give 0 to {MAX_ITERS:,} untimed iterations, e.g. --warmup 1")
+    if not (math.isfinite(args.max_mb) and 0 < args.max_mb <= MAX_MB):
+        raise UsageError(f"--max-mb {args.max_mb:g}: give a positive size in MiB up to {MAX_MB:,}, e.g. --max-mb 64")
     if not (math.isfinite(args.timeout) and args.timeout > 0):
         raise UsageError(f"--timeout {args.timeout:g}: give a positive number of seconds, e.g. --timeout 60")
     if args.gpu is not None and args.gpu < 0:
@@ -96,14 +112,14 @@ def _arguments(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
-def _reduce(comm, values: np.ndarray, op) -> np.ndarray:
+def _reduce(comm, values: np.ndarray, op, timeout_s: float) -> np.ndarray:
     out = np.empty_like(values)
-    poll(comm.Iallreduce(values, out, op=op), 60.0, DEFAULT_POLL_S, "collecting results")
+    poll(comm.Iallreduce(values, out, op=op), timeout_s, DEFAULT_POLL_S, "collecting results")
     return out
 
 
-def _barrier(comm) -> None:
-    poll(comm.Ibarrier(), 60.0, DEFAULT_POLL_S, "barrier between iterations")
+def _barrier(comm, timeout_s: float) -> None:
+    poll(comm.Ibarrier(), timeout_s, DEFAULT_POLL_S, "barrier between iterations")
 
 
 def demo(plan: Plan, comm, args: argparse.Namespace) -> tuple[str, bool]:
@@ -120,7 +136,7 @@ def demo(plan: Plan, comm, args: argparse.Namespace) -> tuple[str, bool]:
         last = i == args.warmup + args.iters - 1
         if last and args.check and ex.engine.dst is not None:
             ex.engine.poison()
-        _barrier(comm)
+        _barrier(comm, args.timeout)
         start = time.perf_counter()
         out = ex.run(shard)
         if i >= args.warmup:
@@ -131,8 +147,8 @@ def demo(plan: Plan, comm, args: argparse.Namespace) -> tuple[str, bool]:
         if bad:
             print(f"rank {comm.Get_rank()}: device {program.device}: {bad} elements differ, first at global index {first}",
                   file=sys.stderr, flush=True)
-    slowest = _reduce(comm, times, MPI.MAX)
-    failures = _reduce(comm, np.array([bad, int(bad > 0)], np.int64), MPI.SUM)
+    slowest = _reduce(comm, times, MPI.MAX, args.timeout)
+    failures = _reduce(comm, np.array([bad, int(bad > 0)], np.int64), MPI.SUM, args.timeout)
     median = float(np.median(slowest))
     moved = bytes_moved(plan)
     line = (f"{problem.name or 'plan'}: {'x'.join(map(str, problem.shape))} {problem.dtype} ({problem.nbytes / 2**20:.1f} MiB), "
@@ -180,9 +196,9 @@ def main(argv: list[str] | None = None) -> int:
         fake_hosts(rank)
     for path in args.plans:
         try:  # every rank reads the same file and scales it the same way, so these errors are shared
-            plan = load_plan(path)
-        except (OSError, ValueError) as err:
-            return _shared_error(rank, f"cannot read plan {path}: {str(err).splitlines()[0]}; compile one with `xmesh-plan compile`")
+            plan = read_plan_file(path)
+        except PlanFileError as err:
+            return _shared_error(rank, str(err))
         full = plan.problem
         factors = args.scale or factors_for(plan, int(args.max_mb * 2**20))
         try:

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from schemas import load_plan
-from test_executor_cases import DEVICES, all_fixed_plans, compiled, random_problem, write_plans
+from test_executor_cases import DEVICES, all_fixed_plans, compiled, fixed_problems, random_problem, with_chunks, write_plans
 
 ROOT = Path(__file__).resolve().parents[1]
 VENV_BIN = Path(sys.executable).parent
@@ -97,6 +97,35 @@ def test_a_dead_rank_makes_the_others_fail_with_a_named_peer(small_plan):
     assert named, result.stderr
 
 
+def test_the_demo_gives_up_after_its_timeout_when_a_rank_dies(small_plan):
+    """Its barriers and reductions honour --timeout (2 s here), not a fixed minute."""
+    result = mpiexec(DEVICES, str(WORKER), "demo-die", small_plan, keep_going=True)
+    assert result.returncode != 0
+    errors = [l for l in result.stderr.splitlines() if ": error: " in l]
+    assert len(errors) == DEVICES - 1, result.stderr
+    assert all("within 2 s" in l or "nothing completed for 2 s" in l for l in errors), result.stderr
+
+
+def test_an_exception_escaping_wait_leaves_a_refusing_executor_that_closes(small_plan):
+    result = mpiexec(DEVICES, str(WORKER), "interrupt", small_plan)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "refused: this executor stopped after an error (Interrupted in wait())" in result.stdout
+    assert "ok interrupt" in result.stdout
+
+
+def test_two_reshards_waited_in_different_orders_on_different_ranks_finish(tmp_path):
+    """Chunked broadcasts down a chain of ranks 2..7 and, in the other reshard, down the reversed chain. Even ranks
+    wait for the first reshard first, odd ranks for the second: rank 3 waits for a chunk rank 4 forwards in the
+    second, while rank 4 waits for one rank 3 forwards in the first."""
+    plan = with_chunks(compiled(fixed_problems()[3], "broadcast"), 3)  # to_fully_replicated: chains through devices 2..7
+    assert any(op.kind == "broadcast" and len(op.dsts) > 2 for op in plan.operations)
+    reverse = plan.model_copy(update={"operations": tuple(
+        op.model_copy(update={"dsts": op.dsts[::-1]}) if op.kind == "broadcast" else op for op in plan.operations)})
+    result = mpiexec(DEVICES, str(WORKER), "cross-wait", *write_plans(tmp_path, [plan, reverse]))
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "ok cross-wait" in result.stdout
+
+
 def test_a_plan_for_another_world_size_is_refused(small_plan):
     result = mpiexec(3, "-m", "executor.run", small_plan, "--check")
     assert result.returncode == 2
@@ -104,8 +133,10 @@ def test_a_plan_for_another_world_size_is_refused(small_plan):
     assert result.stderr.count("error:") == 1, "only rank 0 reports an error every rank shares"
 
 
-def test_ranks_with_different_plans_are_refused_before_moving_data(tmp_path):
-    a, b = write_plans(tmp_path, [compiled(random_problem(1), "auto"), compiled(random_problem(2), "auto")])
+@pytest.mark.parametrize("other_devices", [DEVICES, DEVICES - 2])
+def test_ranks_with_different_plans_are_refused_before_moving_data(tmp_path, other_devices):
+    """Also when rank 1's plan is for another world size: its refusal reaches every rank, none waits out a timeout."""
+    a, b = write_plans(tmp_path, [compiled(random_problem(1), "auto"), compiled(random_problem(2, max_devices=other_devices), "auto")])
     result = mpiexec(DEVICES, str(WORKER), "other-plan", a, b, keep_going=True)
     assert result.returncode != 0
     assert result.stderr.count("rank 1 loaded a different plan than rank 0") == DEVICES, result.stderr

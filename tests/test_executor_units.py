@@ -13,13 +13,13 @@ import pytest
 
 from executor import BackendUnavailableError, PlanMismatchError, ReshardingExecutor
 from executor.arrays import as_host_array, check_shard, storage_dtype
-from executor.lower import chunk_ranges, contiguous_span, lower
+from executor.lower import chunk_ranges, contiguous_span, lower, tags_used
 from executor.nccl_plan import Bcast, Copy, communicator_groups, nccl_program
 from executor.pattern import fill, mismatches
 from executor.ranks import device_of_rank, plan_devices
 from executor.scale import factors_for, scale_plan
 from schemas import load_plan
-from schemas.geometry import region_shape
+from schemas.geometry import intersect, region_shape
 from test_executor_cases import STRATEGIES, all_fixed_plans, compiled, fixed_problems, random_problem
 
 MODULES = ["executor.lower", "executor.ranks", "executor.pattern", "executor.scale"]
@@ -117,6 +117,29 @@ def test_a_send_with_two_receivers_is_refused():
         lower(plan, op.src)
 
 
+def test_an_allgather_part_sent_before_it_arrived_is_refused():
+    """Moving an all-gather ahead of the operation that delivers a member's part must not send stale bytes."""
+    plan = compiled(fixed_problems()[3], "local_allgather")  # to_fully_replicated: sends, then all-gathers
+    ops = list(plan.operations)
+    k = next(i for i, op in enumerate(ops) if op.kind == "allgather")
+    gather = ops[k]
+    member, part = next((d, p) for d, p in zip(gather.dsts, gather.parts) if all(a < b for a, b in p))
+    j = next(i for i, op in enumerate(ops[:k]) if member in op.dsts and intersect(op.region, part) is not None)
+    reordered = plan.model_copy(update={"operations": tuple(ops[:j] + [gather] + ops[j:k] + ops[k + 1:])})
+    lower(plan, member)  # the plan as compiled is fine
+    with pytest.raises(PlanMismatchError, match=rf"plan op {gather.id} .*device {member} must send its part .* no earlier operation delivered"):
+        lower(reordered, member)
+
+
+def test_a_plan_needing_more_tags_than_mpi_allows_is_refused():
+    plan = all_fixed_plans()[0]
+    needed = sum(tags_used(op) for op in plan.operations)
+    device = plan.operations[-1].dsts[0]
+    lower(plan, device, tag_limit=needed - 1)  # tags 0 .. needed-1 fit exactly
+    with pytest.raises(PlanMismatchError, match=rf"needs {needed} message tags but this MPI allows tags up to {needed - 2}"):
+        lower(plan, device, tag_limit=needed - 2)
+
+
 def test_rank_rule_and_the_world_size_error():
     plan = compiled(fixed_problems()[2], "broadcast")  # devices 0..7 used
     assert device_of_rank(plan, 3, len(plan_devices(plan))) == plan_devices(plan)[3]
@@ -127,11 +150,49 @@ def test_rank_rule_and_the_world_size_error():
     assert err.value.same_on_every_rank
 
 
-def test_executor_arguments_are_checked_with_the_fix():
-    with pytest.raises(ValueError, match="backend 'gloo' is unknown; use one of: mpi, nccl"):
-        ReshardingExecutor(_plan(), comm=None, backend="gloo")
-    with pytest.raises(ValueError, match="timeout_s=0 must be > 0"):
-        ReshardingExecutor(_plan(), comm=None, timeout_s=0)
+class _Comm:
+    """Enough of a communicator for the constructor's checks."""
+
+    def Get_rank(self):
+        return 0
+
+    def Get_size(self):
+        return 1
+
+    def Idup(self):
+        raise AssertionError("the constructor must not talk to MPI")
+
+
+@pytest.mark.parametrize("kwargs,error,expect", [
+    ({"backend": "gloo"}, ValueError, "backend 'gloo' is unknown; use one of: mpi, nccl"),
+    ({"timeout_s": 0}, ValueError, "timeout_s=0 must be a number of seconds > 0"),
+    ({"timeout_s": float("nan")}, ValueError, "timeout_s=nan must be"),
+    ({"timeout_s": "5"}, ValueError, "timeout_s='5' must be a number of seconds"),
+    ({"timeout_s": None}, ValueError, "timeout_s=None must be"),
+    ({"poll_s": 5}, ValueError, r"poll_s=5 must be \(shortest, longest\)"),
+    ({"poll_s": (1e-5,)}, ValueError, "poll_s=.* must be"),
+    ({"poll_s": (1e-3, 1e-5)}, ValueError, "0 < shortest <= longest"),
+    ({"comm": None}, TypeError, "comm is a NoneType; pass an mpi4py communicator"),
+    ({"plan": None}, TypeError, "plan is a NoneType; pass a schemas.Plan"),
+])
+def test_executor_arguments_are_checked_with_the_fix(kwargs, error, expect):
+    args = {"plan": _plan(), "comm": _Comm(), **kwargs}
+    with pytest.raises(error, match=expect):
+        ReshardingExecutor(**args)
+
+
+def test_a_shard_handed_to_a_rank_outside_the_source_mesh_is_refused():
+    plan = _plan()  # even_disjoint: source devices 0-3, destination devices 4-7
+    ex = ReshardingExecutor(plan, _Comm())
+    ex.program = lower(plan, 5)
+    with pytest.raises(PlanMismatchError, match=r"device 5 \(rank 0\) is not in the source mesh, so it has no source shard; pass None"):
+        ex._adopt(np.zeros((2, 3, 4), np.int32))
+    assert ex._adopt(None) is None
+
+
+def test_executor_with_good_arguments_is_made_without_mpi_calls():
+    ex = ReshardingExecutor(_plan(), _Comm(), timeout_s=5, poll_s=[1e-5, 1e-3])
+    assert ex.timeout_s == 5.0 and ex.poll_s == (1e-5, 1e-3) and not ex.in_flight
 
 
 @pytest.mark.parametrize("flags,expect", [
@@ -141,8 +202,10 @@ def test_executor_arguments_are_checked_with_the_fix():
     (["--max-mb", "0"], "--max-mb 0: give a positive size"),
     (["--max-mb", "-3"], "--max-mb -3: give a positive size"),
     (["--max-mb", "inf"], "--max-mb inf: give a positive size"),
-    (["--iters", "0"], "--iters 0: give at least 1"),
-    (["--warmup", "-1"], "--warmup -1: give 0 or more"),
+    (["--iters", "0"], "--iters 0: give 1 to 1,000,000 timed iterations"),
+    (["--iters", "100000000000"], "--iters 100000000000: give 1 to 1,000,000"),
+    (["--warmup", "-1"], "--warmup -1: give 0 to 1,000,000 untimed"),
+    (["--max-mb", "1e308"], "--max-mb 1e+308: give a positive size in MiB up to"),
     (["--gpu", "-1"], "--gpu -1: give a GPU index of 0 or more"),
     (["--scale", "0,1,1"], "--scale '0,1,1': give one positive integer factor"),
     (["--scale", "4,x"], "--scale '4,x': give one positive integer factor"),
@@ -173,6 +236,8 @@ def test_shard_checks_name_the_expected_shape_and_dtype():
     with pytest.raises(PlanMismatchError, match="moves bfloat16"):
         check_shard(np.zeros((4, 4), np.float32), (4, 4), "bfloat16", 2, "S0 R")
     assert storage_dtype("float8_e4m3fn") == np.uint8
+    with pytest.raises(PlanMismatchError, match=r"non-native byte order; pass a native-order array"):
+        check_shard(np.zeros((4, 4), ">f4"), (4, 4), "float32", 2, "S0 R")
 
 
 class _Tensor:

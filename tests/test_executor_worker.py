@@ -4,6 +4,9 @@
     mpiexec -n 8 python tests/test_executor_worker.py torch PLAN...    # CPU torch tensors in (bfloat16 included)
     mpiexec -n 8 python tests/test_executor_worker.py iterations PLAN...  # new data every iteration, checked every time
     mpiexec -n 4 python tests/test_executor_worker.py die PLAN         # rank 1 exits before iteration 2
+    mpiexec -n 4 python tests/test_executor_worker.py demo-die PLAN    # the demo, with rank 1 exiting in its 3rd run()
+    mpiexec -n 4 python tests/test_executor_worker.py interrupt PLAN   # an exception escapes wait() on rank 0
+    mpiexec -n 8 python tests/test_executor_worker.py cross-wait A B   # two reshards in flight, waited in rank-dependent order
     mpiexec -n 2 python tests/test_executor_worker.py other-plan A B   # rank 1 loads plan B, the others A
 
 Prints `ok <plan name>` on rank 0 per checked plan; errors go to stderr as `rank R: <type>: <message>`.
@@ -142,6 +145,102 @@ def die(comm, path: str) -> None:
     poll(comm.Ibarrier(), 3, DEFAULT_POLL_S, "the final barrier")  # ranks that never talked to rank 1 notice here
 
 
+def demo_die(path: str) -> int:
+    """The demo (`python -m executor.run --timeout 2`) with rank 1 leaving during its third run()."""
+    from mpi4py import MPI
+
+    from executor import ReshardingExecutor
+    from executor import run as demo
+
+    original, calls = ReshardingExecutor.run, [0]
+
+    def run(self, shard=None):
+        calls[0] += 1
+        if calls[0] == 3 and MPI.COMM_WORLD.Get_rank() == 1:
+            os._exit(0)
+        return original(self, shard)
+
+    ReshardingExecutor.run = run
+    return demo.main([path, "--iters", "5", "--warmup", "0", "--timeout", "2", "--max-mb", "1"])
+
+
+class Interrupted(Exception):
+    """Stands in for KeyboardInterrupt or an exception raised by a signal handler during wait()."""
+
+
+def interrupt(comm, path: str) -> None:
+    """Rank 0 waits on a peer that is slow this once; an exception escapes wait(); the executor must then refuse
+    to run with a one-line ExecutorError (not start active MPI requests again), and close() must work."""
+    from mpi4py import MPI
+
+    from executor import ExecutorError, ReshardingExecutor
+    from executor.pattern import fill
+    from schemas import load_plan
+
+    plan = load_plan(path)
+    ex = ReshardingExecutor(plan, comm, timeout_s=20).prepare()
+    shard = fill(ex.program.src_block, plan.problem.shape, ex.engine.dtype) if ex.program.src_block else None
+    ex.run(shard)
+    rank = comm.Get_rank()
+    if rank == 0:
+        ex.start(shard)
+        ex.engine.test = lambda: (_ for _ in ()).throw(Interrupted("interrupted"))  # the next poll raises
+        try:
+            ex.wait()
+        except Interrupted:
+            pass
+        del ex.engine.test
+        try:
+            ex.run(shard)
+        except ExecutorError as err:
+            assert "stopped after an error (Interrupted in wait())" in str(err) and "\n" not in str(err), err
+            print(f"refused: {err}", flush=True)
+        else:
+            raise AssertionError("run() after an interrupted wait() must be refused")
+        assert not ex.in_flight
+        try:
+            ex.test()
+        except ExecutorError:
+            pass
+        else:
+            raise AssertionError("test() after a failed reshard must raise, not report it done")
+    else:
+        time.sleep(0.5)
+        ex.run(shard)  # the reshard rank 0 abandoned still completes on the wire
+    duplicate = ex.comm
+    ex.close()
+    assert duplicate == MPI.COMM_NULL, "close() must free the communicator prepare() duplicated"
+    comm.Barrier()
+    if rank == 0:
+        print("ok interrupt", flush=True)
+
+
+def cross_wait(comm, paths: list[str]) -> None:
+    """Two executors in flight whose plans relay in opposite directions; even ranks wait for the first one first,
+    odd ranks for the second. Each wait must drive the other reshard's relays, or neighbours wait on each other."""
+    from executor import ReshardingExecutor
+    from executor.pattern import fill, mismatches
+    from schemas import load_plan
+
+    plans = [load_plan(path) for path in paths]
+    executors = [ReshardingExecutor(plan, comm, timeout_s=5).prepare() for plan in plans]
+    for salt, (plan, ex) in enumerate(zip(plans, executors), start=1):
+        p = ex.program
+        ex.start(fill(p.src_block, plan.problem.shape, ex.engine.dtype, salt) if p.src_block else None)
+    order = [0, 1] if comm.Get_rank() % 2 == 0 else [1, 0]
+    for k in order:
+        out, p, shape = executors[k].wait(), executors[k].program, plans[k].problem.shape
+        if p.dst_block is not None:
+            bad, where = mismatches(out, p.dst_block, shape, k + 1)
+            assert not bad, f"plan {k}: device {p.device}: {bad} elements differ, first at {where}"
+    first, second = executors
+    for ex in (first, second):
+        ex.close()
+    comm.Barrier()
+    if comm.Get_rank() == 0:
+        print("ok cross-wait", flush=True)
+
+
 def other_plan(comm, paths: list[str]) -> None:
     from executor import ReshardingExecutor
     from schemas import load_plan
@@ -157,8 +256,11 @@ def main() -> int:
 
     comm = MPI.COMM_WORLD
     mode, paths = sys.argv[1], sys.argv[2:]
+    if mode == "demo-die":
+        return demo_die(paths[0])
     try:
         {"check": lambda: check(comm, paths), "torch": lambda: check(comm, paths, ("torch",)), "iterations": lambda: iterations(comm, paths), "die": lambda: die(comm, paths[0]),
+         "interrupt": lambda: interrupt(comm, paths[0]), "cross-wait": lambda: cross_wait(comm, paths),
          "other-plan": lambda: other_plan(comm, paths)}[mode]()
     except (ExecutorError, AssertionError) as err:
         print(f"rank {comm.Get_rank()}: {type(err).__name__}: {err}", file=sys.stderr, flush=True)
