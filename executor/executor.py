@@ -133,7 +133,11 @@ class ReshardingExecutor:
             raise ExecutorError("start() called while a reshard is in flight; call wait() first")
         source = self._adopt(local_shard)
         self.in_flight = True
-        self._guarded(self.engine.start, source, what="start()")
+        try:
+            self.engine.start(source)
+        except BaseException as err:
+            self._abandon(err, "start()")
+            raise
 
     def test(self) -> bool:
         """Drive communication without blocking (call it now and then between start() and wait()).
@@ -141,14 +145,24 @@ class ReshardingExecutor:
         True when the reshard has finished (and when none is in flight); raises if the executor failed.
         """
         self._check_usable("test()")
-        return self._guarded(self.engine.test, what="test()") if self.in_flight else True
+        if not self.in_flight:
+            return True
+        try:
+            return self.engine.test()
+        except BaseException as err:
+            self._abandon(err, "test()")
+            raise
 
     def wait(self):
         """Finish the reshard begun by start(); returns the destination shard (None on ranks outside the destination mesh)."""
         self._check_usable("wait()")
         if not self.in_flight:
             raise ExecutorError("wait() called without start()")
-        self._guarded(self.engine.wait, what="wait()")
+        try:
+            self.engine.wait()
+        except BaseException as err:
+            self._abandon(err, "wait()")
+            raise
         self.in_flight = False
         return self.engine.dst
 
@@ -175,16 +189,13 @@ class ReshardingExecutor:
         if self.engine.broken and not self.in_flight:
             raise ExecutorError(f"this executor stopped after an error ({self.engine.broken}); close() it, then create and prepare a new one")
 
-    def _guarded(self, call, *args, what: str):
-        """Run an engine call; anything that escapes it (a peer timeout, Ctrl-C, an exception from a
-        signal handler) leaves requests half done, so the engine is marked broken and refuses to run again."""
-        try:
-            return call(*args)
-        except BaseException as err:
-            self.in_flight = False
-            if not self.engine.broken:
-                self.engine.abandon(f"{type(err).__name__} in {what}")
-            raise
+    def _abandon(self, err: BaseException, call: str) -> None:
+        """Anything that escapes an engine call (a peer timeout, Ctrl-C, an exception from a signal
+        handler) leaves requests half done: mark the engine broken so it never restarts them.
+        (Written out in each caller rather than wrapped, so a call allocates no bound method.)"""
+        self.in_flight = False
+        if not self.engine.broken:
+            self.engine.abandon(f"{type(err).__name__} in {call}")
 
     def _adopt(self, local_shard):
         """The source shard as the backend's array type, checked against the plan (None when this rank sends nothing)."""
