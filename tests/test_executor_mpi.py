@@ -101,9 +101,9 @@ def test_the_demo_gives_up_after_its_timeout_when_a_rank_dies(small_plan):
     """Its barriers and reductions honour --timeout (2 s here), not a fixed minute."""
     result = mpiexec(DEVICES, str(WORKER), "demo-die", small_plan, keep_going=True)
     assert result.returncode != 0
-    errors = [l for l in result.stderr.splitlines() if ": error: " in l]
-    assert len(errors) == DEVICES - 1, result.stderr
-    assert all("within 2 s" in l or "nothing completed for 2 s" in l for l in errors), result.stderr
+    # ranks' lines may interleave on one line, so match each report rather than split lines
+    reports = re.findall(r"rank (\d+): error: .*?(?:did not finish within 2 s|nothing completed for 2 s)", result.stderr)
+    assert sorted(map(int, reports)) == [r for r in range(DEVICES) if r != 1], result.stderr
 
 
 def test_an_exception_escaping_wait_leaves_a_refusing_executor_that_closes(small_plan):
