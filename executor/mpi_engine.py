@@ -29,7 +29,7 @@ from .lower import RankProgram
 
 SHOWN_PENDING = 3
 WINDOW = 16
-_IN_FLIGHT: list = []  # engines between start() and the end of wait(), in start order
+_ENGINES: list = []  # weak references to every set-up engine in this process (a waiting engine drives the others)
 
 
 class MpiEngine:
@@ -60,6 +60,7 @@ class MpiEngine:
         self.requests: list = [None] * n
         self.pairs: list = [None] * n
         weakref.finalize(self, _free_requests, self.requests, mpi)
+        _ENGINES.append(weakref.ref(self, _ENGINES.remove))  # the reference leaves the list when the engine is collected
         self.reads_src = [s.index for s in self.steps if _reads_src(s)]  # made in _bind()
         for s in self.steps:
             if not _reads_src(s):
@@ -131,7 +132,6 @@ class MpiEngine:
         self.pending = len(self.steps)
         self.head = self.tail = self.holes = 0
         self.last_progress = time.monotonic()
-        _IN_FLIGHT.append(self)
         for i in self.first:
             self._launch(i)
 
@@ -209,13 +209,13 @@ class MpiEngine:
             before = self.last_progress
             if self.test():
                 self.src = None
-                _IN_FLIGHT.remove(self)
                 return
             if self.last_progress != before:
                 nap = low
                 continue
-            for other in _IN_FLIGHT:  # a relay this rank owes in another reshard may be what a peer waits for
-                if other is not self:
+            for ref in _ENGINES:  # a relay this rank owes in another reshard may be what a peer waits for
+                other = ref()
+                if other is not None and other is not self and other.pending and not other.broken:
                     other.test()
             if time.monotonic() - self.last_progress > self.timeout_s:
                 self._fail(f"nothing completed for {self.timeout_s:g} s")
@@ -231,8 +231,6 @@ class MpiEngine:
         """Refuse to run again after a reshard that did not finish; requests may still be active."""
         self.broken = why
         _ABANDONED.append(self.src)  # active sends may still read it (they point at its memory, not the array)
-        if self in _IN_FLIGHT:
-            _IN_FLIGHT.remove(self)
 
     def _fail(self, why: str) -> None:
         """Raise with the pending transfers named; the engine refuses further runs."""
