@@ -188,7 +188,7 @@ class MpiEngine:
                     self.holes += 1
                     self._finish(i)
         except self._mpi.Exception as err:
-            self._fail(f"MPI reported an error ({err.Get_error_string()})")
+            self._fail(f"MPI reported an error ({err.Get_error_string().splitlines()[0]})", ExecutorError)
         return done
 
     def _compact(self) -> None:
@@ -232,7 +232,7 @@ class MpiEngine:
         self.broken = why
         _ABANDONED.append(self.src)  # active sends may still read it (they point at its memory, not the array)
 
-    def _fail(self, why: str) -> None:
+    def _fail(self, why: str, error: type = PeerTimeoutError) -> None:
         """Raise with the pending transfers named; the engine refuses further runs."""
         me = self.program.device
         waiting = [i for i in self.live[self.head:self.tail] if i >= 0]
@@ -240,7 +240,7 @@ class MpiEngine:
         more = len(waiting) - SHOWN_PENDING
         blocked = self.pending - len(waiting)
         self.abandon(why)
-        raise PeerTimeoutError(
+        raise error(
             f"device {me} (rank {self.comm.Get_rank()}): {why}; waiting on {shown or 'nothing posted'}"
             f"{f' and {more} more transfers' if more > 0 else ''}{f', {blocked} steps not started' if blocked else ''}; "
             "check that every rank is alive and runs the same plan, or raise timeout_s if transfers are just slow")

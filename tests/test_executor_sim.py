@@ -15,6 +15,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 from executor.arrays import storage_dtype
+from executor.errors import ExecutorError, PeerTimeoutError
 from executor.lower import lower
 from executor.mpi_engine import MpiEngine
 from executor.pattern import fill, mismatches
@@ -168,3 +169,28 @@ def test_a_tag_mismatch_stalls_instead_of_corrupting():
     for _ in range(100):
         [e.test() for e in engines]
     assert engines[-1].pending and any(s.action == "recv" for s in engines[-1].steps)
+
+
+class _MpiError(RuntimeError):
+    def Get_error_string(self) -> str:
+        return "Message truncated\nerror stack: ..."
+
+
+class _FailingMPI(FakeMPI):
+    Exception = _MpiError
+
+
+def test_an_mpi_error_is_reported_as_such_not_as_a_timeout():
+    """Exit code 3 and 'raise timeout_s' advice belong to timeouts; an error MPI reports is an ExecutorError."""
+    plan = compiled(random_problem(3), "send_recv")
+    device = next(op.dsts[0] for op in plan.operations if op.kind in ("send", "broadcast"))
+    engine = MpiEngine(lower(plan, device, tag_limit=2**20), FakeComm(FakeWorld(), 0), rank_of_devices(plan),
+                       storage_dtype(plan.problem.dtype), 1.0, (1e-5, 1e-4))
+    engine.setup(mpi=_FailingMPI)
+    receive = next(r for r in engine.requests if isinstance(r, _PersistentRecv))
+    receive.Test = lambda: (_ for _ in ()).throw(_MpiError("truncated"))
+    engine.start(None if engine.program.src_block is None else fill(engine.program.src_block, plan.problem.shape, engine.dtype))
+    with pytest.raises(ExecutorError, match=r"MPI reported an error \(Message truncated\); waiting on") as err:
+        engine.wait()
+    assert not isinstance(err.value, PeerTimeoutError) and "\n" not in str(err.value)
+    assert engine.broken
