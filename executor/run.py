@@ -149,6 +149,7 @@ def demo(plan: Plan, comm, args: argparse.Namespace) -> tuple[str, bool]:
                   file=sys.stderr, flush=True)
     slowest = _reduce(comm, times, MPI.MAX, args.timeout)
     failures = _reduce(comm, np.array([bad, int(bad > 0)], np.int64), MPI.SUM, args.timeout)
+    ex.close()
     median = float(np.median(slowest))
     moved = bytes_moved(plan)
     line = (f"{problem.name or 'plan'}: {'x'.join(map(str, problem.shape))} {problem.dtype} ({problem.nbytes / 2**20:.1f} MiB), "

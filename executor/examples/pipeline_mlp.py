@@ -194,6 +194,8 @@ def run(args) -> int:
         failures = int(bad[0])
         if failures:
             return 1
+    for executor in executors.values():  # every rank closes the same executors: frees their communicators
+        executor.close()
     return 0
 
 
