@@ -78,7 +78,8 @@ class ReshardingExecutor:
         """
         if self.engine is not None or self.closed:
             raise ExecutorError("prepare() was already called on this executor; call it once, then run() every iteration")
-        tag_limit = self.world.Get_attr(_mpi().TAG_UB) or 32767
+        # MPI messages each need their own tag below TAG_UB; NCCL calls use no tags
+        tag_limit = (self.world.Get_attr(_mpi().TAG_UB) or 32767) if self.backend == "mpi" else 2**62
         error = None
         try:  # a refusal here (the world size too) is shared with every rank before anyone raises
             self.program = lower(self.plan, self.device, tag_limit=tag_limit)
@@ -132,8 +133,8 @@ class ReshardingExecutor:
         if self.in_flight:
             raise ExecutorError("start() called while a reshard is in flight; call wait() first")
         source = self._adopt(local_shard)
-        self.in_flight = True
         try:
+            self.in_flight = True
             self.engine.start(source)
         except BaseException as err:
             self._abandon(err, "start()")
@@ -176,10 +177,10 @@ class ReshardingExecutor:
             raise ExecutorError("close() called while a reshard is in flight; call wait() first")
         if self.engine is not None and hasattr(self.engine, "close"):
             self.engine.close()
-        if self.comm is not None and not _mpi().Is_finalized():
-            self.comm.Free()  # pending operations of an abandoned reshard still complete (MPI_Comm_free's rule)
-        self.comm = None
         self.closed = True
+        comm, self.comm = self.comm, None
+        if comm is not None and not _mpi().Is_finalized():
+            comm.Free()  # pending operations of an abandoned reshard still complete (MPI_Comm_free's rule)
 
     def _check_usable(self, call: str) -> None:
         if self.closed:

@@ -181,10 +181,6 @@ class _Builder:
             self.fail(op, f"box {format_region(region)} is not inside device {device}'s {side} shard {format_region(block)}")
         return make_box(side, region, block, self.itemsize)
 
-    def readers_wait_for(self, region: Region) -> tuple[int, ...]:
-        """Earlier steps that write any part of `region` of the destination shard."""
-        return tuple(step for written, step in self.writes if intersect(written, region) is not None)
-
     def outgoing(self, op: Operation, box: Box, deps: tuple[int, ...]) -> tuple[Bytes, tuple[int, ...]]:
         """Where the bytes of `box` are sent from: the shard itself, or staging after a pack step."""
         if box.span is not None:
@@ -263,13 +259,12 @@ def _lower_allgather(b: _Builder, op: Operation, base: int) -> None:
     i = members.index(b.device)
     mine = op.parts[i]
     if not is_empty(mine):
-        held = [r for r in (intersect(written, mine) for written, _ in b.writes) if r is not None]
-        missing = uncovered(mine, held)
+        held = [(r, step) for written, step in b.writes if (r := intersect(written, mine)) is not None]
+        missing = mine if not held else None if held[0][0] == mine else uncovered(mine, [r for r, _ in held])
         if missing is not None:
             b.fail(op, f"device {b.device} must send its part {format_region(mine)} but no earlier operation delivered "
-                       f"{format_region(missing)} to it; operations must be listed in execution order (check the plan "
-                       "with `xmesh-plan verify`)")
-        data, deps = b.outgoing(op, b.box(op, "dst", b.device, mine), b.readers_wait_for(mine))
+                       f"{format_region(missing)} to it; operations must be listed in execution order")
+        data, deps = b.outgoing(op, b.box(op, "dst", b.device, mine), tuple(step for _, step in held))
         for peer in members[:i] + members[i + 1:]:
             b.add("send", op, deps=deps, peer=peer, tag=b.tag(base, i), data=data, piece=f"part {i}")
     for j, (peer, part) in enumerate(zip(members, op.parts)):

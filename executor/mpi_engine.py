@@ -18,6 +18,7 @@ shard only between `start()` and `wait()`).
 from __future__ import annotations
 
 import ctypes
+import threading
 import time
 import weakref
 
@@ -43,6 +44,8 @@ class MpiEngine:
         self.dst: np.ndarray | None = None
         self.src = None
         self.broken: str | None = None
+        self.failure: ExecutorError | None = None  # the error that broke it, raised again by test()
+        self.lock = threading.Lock()  # held by whichever thread is driving this engine's requests
 
     def setup(self, mpi=None) -> None:
         """Allocate the destination shard and staging, and make every request and view that does not read the source shard.
@@ -127,13 +130,17 @@ class MpiEngine:
         """Start every step that waits for nothing (receives first); `src` is the C-contiguous source shard."""
         if self.broken:
             raise ExecutorError(f"this executor stopped after an error ({self.broken}); create and prepare a new one")
-        self._bind(src)
-        self.src = src  # keeps a temporary contiguous copy alive until wait()
-        self.pending = len(self.steps)
-        self.head = self.tail = self.holes = 0
-        self.last_progress = time.monotonic()
-        for i in self.first:
-            self._launch(i)
+        self.lock.acquire()  # another thread's wait() may be driving the engines it can see
+        try:
+            self._bind(src)
+            self.src = src  # keeps a temporary contiguous copy alive until wait()
+            self.pending = len(self.steps)
+            self.head = self.tail = self.holes = 0
+            self.last_progress = time.monotonic()
+            for i in self.first:
+                self._launch(i)
+        finally:
+            self.lock.release()
 
     def _launch(self, i: int) -> None:
         request = self.requests[i]
@@ -156,7 +163,32 @@ class MpiEngine:
                 self._launch(d)
 
     def test(self) -> bool:
-        """Drive progress once without sleeping; True when every step has finished.
+        """Drive progress once without sleeping; True when every step has finished."""
+        if self.broken:
+            raise self.failure or ExecutorError(f"this reshard was abandoned ({self.broken}); close() the executor and make a new one")
+        self.lock.acquire()
+        try:
+            return self._progress()
+        finally:
+            self.lock.release()
+
+    def drive(self) -> None:
+        """Progress on behalf of another engine's wait(). Skipped while another thread drives this
+        engine; an error is kept for this engine's own test()/wait() to raise, not raised here."""
+        if not self.lock.acquire(False):
+            return
+        try:
+            self._progress()
+        except ExecutorError:
+            pass  # _fail kept it in self.failure and marked the engine broken
+        except BaseException:
+            self.abandon("interrupted while another reshard's wait() drove it")
+            raise
+        finally:
+            self.lock.release()
+
+    def _progress(self) -> bool:
+        """One pass over the started requests, finishing those done; True when every step has finished.
 
         `live[head:tail]` holds the started, unfinished requests in start order (-1 once finished).
         Testing all n of them for each of n completions would cost O(n^2) (MPICH completes about one
@@ -216,7 +248,7 @@ class MpiEngine:
             for ref in _ENGINES:  # a relay this rank owes in another reshard may be what a peer waits for
                 other = ref()
                 if other is not None and other is not self and other.pending and not other.broken:
-                    other.test()
+                    other.drive()
             if time.monotonic() - self.last_progress > self.timeout_s:
                 self._fail(f"nothing completed for {self.timeout_s:g} s")
             time.sleep(nap)
@@ -224,8 +256,9 @@ class MpiEngine:
 
     def close(self) -> None:
         """Free the persistent requests (MPICH reports any still allocated at exit); the engine cannot run again."""
-        _free_requests(self.requests, self._mpi)
-        self.broken = self.broken or "closed"
+        with self.lock:
+            self.broken = self.broken or "closed"
+            _free_requests(self.requests, self._mpi)
 
     def abandon(self, why: str) -> None:
         """Refuse to run again after a reshard that did not finish; requests may still be active."""
@@ -239,11 +272,12 @@ class MpiEngine:
         shown = "; ".join(f"{self.steps[i].describe()} (rank {self.peer_rank[i]})" for i in waiting[:SHOWN_PENDING])
         more = len(waiting) - SHOWN_PENDING
         blocked = self.pending - len(waiting)
-        self.abandon(why)
-        raise error(
+        self.failure = error(
             f"device {me} (rank {self.comm.Get_rank()}): {why}; waiting on {shown or 'nothing posted'}"
             f"{f' and {more} more transfers' if more > 0 else ''}{f', {blocked} steps not started' if blocked else ''}; "
             "check that every rank is alive and runs the same plan, or raise timeout_s if transfers are just slow")
+        self.abandon(why)
+        raise self.failure
 
 
 def _reads_src(step) -> bool:

@@ -146,9 +146,10 @@ def read_plan_file(path: str | os.PathLike) -> Plan:
     """`load_plan` for files a user names: anything wrong becomes a one-line PlanFileError."""
     try:
         text = Path(path).read_text()
-    except (OSError, UnicodeDecodeError) as err:
-        why = err.strerror if isinstance(err, OSError) else "not UTF-8 text"
-        raise PlanFileError(f"{path}: cannot read the plan ({why}); check the path") from None
+    except OSError as err:
+        raise PlanFileError(f"{path}: cannot read the plan ({err.strerror}); check the path") from None
+    except UnicodeDecodeError:
+        raise PlanFileError(f"{path}: not a text file; pass a plan written by `xmesh-plan compile`") from None
     try:
         raw = json.loads(text)
     except json.JSONDecodeError as err:
@@ -156,6 +157,8 @@ def read_plan_file(path: str | os.PathLike) -> Plan:
     version = raw.get("schema_version") if isinstance(raw, dict) else None
     if version is None and isinstance(raw, dict) and {"src", "dst"} <= set(raw):
         raise PlanFileError(f"{path}: this is a problem file, not a plan; compile it first: xmesh-plan compile {path} -o plan.json")
+    if version is None:
+        raise PlanFileError(f"{path}: not a plan (no schema_version field); pass a plan written by `xmesh-plan compile`")
     if version != SCHEMA_VERSION:
         raise PlanFileError(f"{path}: schema_version {version!r} is not supported (this is schema {SCHEMA_VERSION}); "
                             "recompile the plan with this xmesh-plan")

@@ -300,10 +300,13 @@ def test_verify_real_script_exit_1_on_a_wrong_sender(tmp_path):
     ("{bad", ["not valid JSON"]),
     ('{"schema_version": 2}', ["schema_version 2"]),
     ('{"schema_version": 1, "generator": "x"}', ["problem", "required"]),
+    ("{}", ["not a plan (no schema_version field)"]),
+    ("[]", ["not a plan (no schema_version field)"]),
+    (b"\xff\xfe\x00binary", ["not a text file"]),
 ])
 def test_verify_unreadable_plan_is_a_user_error(tmp_path, text, words):
     path = tmp_path / "x.plan.json"
-    path.write_text(text)
+    path.write_bytes(text) if isinstance(text, bytes) else path.write_text(text)
     assert_user_error(run("verify", str(path)), str(path), *words)
 
 

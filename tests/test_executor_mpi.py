@@ -126,6 +126,13 @@ def test_two_reshards_waited_in_different_orders_on_different_ranks_finish(tmp_p
     assert "ok cross-wait" in result.stdout
 
 
+def test_two_executors_each_run_by_its_own_thread(tmp_path):
+    plan = with_chunks(compiled(fixed_problems()[3], "broadcast"), 3)  # relays: chunks forwarded down chains
+    result = mpiexec(DEVICES, str(WORKER), "threads", *write_plans(tmp_path, [plan]))
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "ok threads" in result.stdout
+
+
 def test_a_plan_for_another_world_size_is_refused(small_plan):
     result = mpiexec(3, "-m", "executor.run", small_plan, "--check")
     assert result.returncode == 2

@@ -194,3 +194,26 @@ def test_an_mpi_error_is_reported_as_such_not_as_a_timeout():
         engine.wait()
     assert not isinstance(err.value, PeerTimeoutError) and "\n" not in str(err.value)
     assert engine.broken
+
+
+def test_an_error_in_a_reshard_driven_by_another_wait_is_kept_for_its_own_executor():
+    """A's wait() drives B (another reshard in flight); B's MPI error must surface from B, not from A."""
+    plan = compiled(random_problem(3), "send_recv")
+    receivers = [op.dsts[0] for op in plan.operations if op.kind in ("send", "broadcast")]
+    engines = []
+    for device, timeout_s in ((receivers[0], 0.2), (receivers[-1], 5.0)):
+        engine = MpiEngine(lower(plan, device, tag_limit=2**20), FakeComm(FakeWorld(), 0), rank_of_devices(plan),
+                           storage_dtype(plan.problem.dtype), timeout_s, (1e-5, 1e-4))
+        engine.setup(mpi=_FailingMPI)
+        src = engine.program.src_block
+        engine.start(None if src is None else fill(src, plan.problem.shape, engine.dtype))
+        engines.append(engine)
+    a, b = engines  # nobody sends in these fake worlds, so A waits until its deadline
+    assert a.program.device != b.program.device
+    receive = next(r for r in b.requests if isinstance(r, _PersistentRecv) and r.active)
+    receive.Test = lambda: (_ for _ in ()).throw(_MpiError("truncated"))
+    with pytest.raises(PeerTimeoutError, match=rf"device {a.program.device} .*nothing completed for 0.2 s"):
+        a.wait()
+    assert b.broken and "MPI reported an error" in b.broken
+    with pytest.raises(ExecutorError, match=rf"device {b.program.device} .*MPI reported an error \(Message truncated\)"):
+        b.test()

@@ -7,6 +7,7 @@
     mpiexec -n 4 python tests/test_executor_worker.py demo-die PLAN    # the demo, with rank 1 exiting in its 3rd run()
     mpiexec -n 4 python tests/test_executor_worker.py interrupt PLAN   # an exception escapes wait() on rank 0
     mpiexec -n 8 python tests/test_executor_worker.py cross-wait A B   # two reshards in flight, waited in rank-dependent order
+    mpiexec -n 8 python tests/test_executor_worker.py threads PLAN     # two executors, each run in a loop by its own thread
     mpiexec -n 2 python tests/test_executor_worker.py other-plan A B   # rank 1 loads plan B, the others A
 
 Prints `ok <plan name>` on rank 0 per checked plan; errors go to stderr as `rank R: <type>: <message>`.
@@ -241,6 +242,49 @@ def cross_wait(comm, paths: list[str]) -> None:
         print("ok cross-wait", flush=True)
 
 
+def threads(comm, path: str, iterations: int = 100) -> None:
+    """Two executors of one plan, each driven by its own thread (MPI_THREAD_MULTIPLE); a waiting engine must
+    not progress an engine another thread is testing (a request finished twice corrupts the step counts)."""
+    import threading
+
+    from mpi4py import MPI
+
+    from executor import ReshardingExecutor
+    from executor.pattern import fill, mismatches
+    from schemas import load_plan
+
+    assert MPI.Query_thread() == MPI.THREAD_MULTIPLE, "mpi4py asks for MPI_THREAD_MULTIPLE by default"
+    plan = load_plan(path)
+    executors = [ReshardingExecutor(plan, comm, timeout_s=20).prepare() for _ in range(2)]
+    outcome: dict[int, str] = {}
+
+    def loop(k: int) -> None:
+        ex, p = executors[k], executors[k].program
+        try:
+            for it in range(iterations):
+                salt = 100 * k + it
+                out = ex.run(fill(p.src_block, plan.problem.shape, ex.engine.dtype, salt) if p.src_block else None)
+                if out is not None:
+                    bad, where = mismatches(out, p.dst_block, plan.problem.shape, salt)
+                    assert not bad, f"iteration {it}: {bad} elements differ, first at {where}"
+            outcome[k] = "ok"
+        except Exception as err:  # reported below, from the main thread
+            outcome[k] = f"{type(err).__name__}: {err}"
+
+    workers = [threading.Thread(target=loop, args=(k,)) for k in range(2)]
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join()
+    if outcome != {0: "ok", 1: "ok"}:
+        raise AssertionError(f"device {executors[0].program.device}: {outcome}")
+    for ex in executors:
+        ex.close()
+    comm.Barrier()
+    if comm.Get_rank() == 0:
+        print("ok threads", flush=True)
+
+
 def other_plan(comm, paths: list[str]) -> None:
     from executor import ReshardingExecutor
     from schemas import load_plan
@@ -261,6 +305,7 @@ def main() -> int:
     try:
         {"check": lambda: check(comm, paths), "torch": lambda: check(comm, paths, ("torch",)), "iterations": lambda: iterations(comm, paths), "die": lambda: die(comm, paths[0]),
          "interrupt": lambda: interrupt(comm, paths[0]), "cross-wait": lambda: cross_wait(comm, paths),
+         "threads": lambda: threads(comm, paths[0]),
          "other-plan": lambda: other_plan(comm, paths)}[mode]()
     except (ExecutorError, AssertionError) as err:
         print(f"rank {comm.Get_rank()}: {type(err).__name__}: {err}", file=sys.stderr, flush=True)
