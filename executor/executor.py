@@ -105,10 +105,13 @@ class ReshardingExecutor:
         mine = np.concatenate([[0 if error is None else 1], plan_fingerprint(self.plan)]).astype(np.int64)
         every = np.empty((self.world.Get_size(), 3), np.int64)
         poll(self.world.Iallgather(mine, every), self.timeout_s, self.poll_s, "prepare() on every rank")
-        other = [r for r in range(len(every)) if not np.array_equal(every[r, 1:], every[0, 1:])]
+        prints = [every[r, 1:].tobytes() for r in range(len(every))]
+        common = max(prints, key=lambda f: (prints.count(f), f == prints[0]))  # the majority's plan (rank 0's on a tie)
+        other = [r for r, f in enumerate(prints) if f != common]
         if other:
-            raise PlanMismatchError(f"{_list(other)} loaded a different plan than rank 0; start every rank with the same plan file",
-                                    same_on_every_rank=True)
+            rest = len(prints) - len(other)
+            raise PlanMismatchError(f"{_list(other)} loaded a different plan than the other {rest} rank{'s' if rest > 1 else ''}; "
+                                    "start every rank with the same plan file", same_on_every_rank=True)
         if error is not None:
             raise error
         refused = [r for r in range(len(every)) if every[r, 0]]

@@ -140,13 +140,15 @@ def test_a_plan_for_another_world_size_is_refused(small_plan):
     assert result.stderr.count("error:") == 1, "only rank 0 reports an error every rank shares"
 
 
-@pytest.mark.parametrize("other_devices", [DEVICES, DEVICES - 2])
-def test_ranks_with_different_plans_are_refused_before_moving_data(tmp_path, other_devices):
-    """Also when rank 1's plan is for another world size: its refusal reaches every rank, none waits out a timeout."""
+@pytest.mark.parametrize("odd_rank,other_devices", [(1, DEVICES), (1, DEVICES - 2), (0, DEVICES)])
+def test_ranks_with_different_plans_are_refused_before_moving_data(tmp_path, odd_rank, other_devices):
+    """The odd rank is named, rank 0 included; also when its plan is for another world size (its refusal reaches
+    every rank, none waits out a timeout)."""
     a, b = write_plans(tmp_path, [compiled(random_problem(1), "auto"), compiled(random_problem(2, max_devices=other_devices), "auto")])
-    result = mpiexec(DEVICES, str(WORKER), "other-plan", a, b, keep_going=True)
+    result = mpiexec(DEVICES, str(WORKER), "other-plan", a, b, str(odd_rank), keep_going=True)
     assert result.returncode != 0
-    assert result.stderr.count("rank 1 loaded a different plan than rank 0") == DEVICES, result.stderr
+    expected = f"rank {odd_rank} loaded a different plan than the other {DEVICES - 1} ranks"
+    assert result.stderr.count(expected) == DEVICES, result.stderr
 
 
 @pytest.mark.parametrize("flags,expect", [

@@ -8,7 +8,7 @@
     mpiexec -n 4 python tests/test_executor_worker.py interrupt PLAN   # an exception escapes wait() on rank 0
     mpiexec -n 8 python tests/test_executor_worker.py cross-wait A B   # two reshards in flight, waited in rank-dependent order
     mpiexec -n 8 python tests/test_executor_worker.py threads PLAN     # two executors, each run in a loop by its own thread
-    mpiexec -n 2 python tests/test_executor_worker.py other-plan A B   # rank 1 loads plan B, the others A
+    mpiexec -n 2 python tests/test_executor_worker.py other-plan A B [R]  # rank R (default 1) loads plan B, the others A
 
 Prints `ok <plan name>` on rank 0 per checked plan; errors go to stderr as `rank R: <type>: <message>`.
 """
@@ -289,7 +289,8 @@ def other_plan(comm, paths: list[str]) -> None:
     from executor import ReshardingExecutor
     from schemas import load_plan
 
-    plan = load_plan(paths[1] if comm.Get_rank() == 1 else paths[0])
+    odd = int(paths[2]) if len(paths) > 2 else 1
+    plan = load_plan(paths[1] if comm.Get_rank() == odd else paths[0])
     ReshardingExecutor(plan, comm, timeout_s=10).prepare()
 
 
