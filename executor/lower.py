@@ -16,6 +16,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Literal
 
+import numpy as np
+
 from schemas import Operation, Plan
 from schemas.geometry import Region, intersect, local_slices, region_shape, shard_interval
 from schemas.plan import format_region
@@ -148,6 +150,34 @@ def tags_used(op: Operation) -> int:
     return {"copy": 0, "send": 1, "broadcast": op.chunks, "allgather": len(op.dsts)}[op.kind]
 
 
+class _Writes:
+    """The boxes of the destination shard written so far, each with the step that writes it; finds the
+    ones overlapping a box with one vectorised test instead of a Python loop over all of them."""
+
+    def __init__(self, ndim: int):
+        self.regions: list[Region] = []
+        self.steps: list[int] = []
+        self.bounds = np.empty((16, 2, ndim), np.int64)  # [k, 0] = starts, [k, 1] = stops of region k
+
+    def add(self, region: Region, step: int) -> None:
+        k = len(self.regions)
+        if k == len(self.bounds):
+            self.bounds = np.concatenate([self.bounds, np.empty_like(self.bounds)])
+        self.bounds[k] = np.array(region, np.int64).T.reshape(2, -1)
+        self.regions.append(region)
+        self.steps.append(step)
+
+    def overlapping(self, region: Region) -> list[tuple[Region, int]]:
+        """(the part of each written box inside `region`, its step), in write order."""
+        n = len(self.regions)
+        if not n or not region:
+            return [(r, step) for r, step in zip(self.regions, self.steps) if intersect(r, region) is not None]
+        lo, hi = np.array(region, np.int64).T
+        b = self.bounds[:n]
+        hit = np.flatnonzero(((b[:, 0] < hi) & (b[:, 1] > lo) & (b[:, 0] < b[:, 1]) & (lo < hi)).all(axis=1))
+        return [(intersect(self.regions[k], region), self.steps[k]) for k in hit.tolist()]
+
+
 @dataclass
 class _Builder:
     """Accumulates one device's steps while walking the plan in order."""
@@ -158,8 +188,11 @@ class _Builder:
     dst_blocks: dict[int, Region]
     itemsize: int
     steps: list[Step] = field(default_factory=list)
-    writes: list[tuple[Region, int]] = field(default_factory=list)
+    writes: _Writes = field(init=False)
     stage_bytes: int = 0
+
+    def __post_init__(self) -> None:
+        self.writes = _Writes(len(self.plan.problem.shape))
 
     def add(self, action: Action, op: Operation, **fields) -> int:
         self.steps.append(Step(index=len(self.steps), action=action, op=op.id, task=op.task, kind=op.kind, **fields))
@@ -207,9 +240,10 @@ class _Builder:
             if forward_to is not None:
                 self.add("send", op, deps=(recvs[-1],), peer=forward_to, tag=tag, data=chunk, piece=piece)
         if land.buffer == "stage":
-            self.writes.append((box.region, self.add("unpack", op, deps=tuple(recvs), data=land, box=box)))
+            self.writes.add(box.region, self.add("unpack", op, deps=tuple(recvs), data=land, box=box))
         else:
-            self.writes += [(box.region, r) for r in recvs]
+            for r in recvs:
+                self.writes.add(box.region, r)
 
     def tag(self, base: int, offset: int) -> int:
         return base + offset
@@ -220,7 +254,7 @@ def _lower_copy(b: _Builder, op: Operation, base: int) -> None:
         b.fail(op, f"a copy must stay on device {op.src}, but names {list(op.dsts)}")
     if op.src == b.device:
         source, target = b.box(op, "src", b.device, op.region), b.box(op, "dst", b.device, op.region)
-        b.writes.append((op.region, b.add("copy", op, box=source, target=target)))
+        b.writes.add(op.region, b.add("copy", op, box=source, target=target))
 
 
 def _lower_chain(b: _Builder, op: Operation, base: int) -> None:
@@ -259,7 +293,7 @@ def _lower_allgather(b: _Builder, op: Operation, base: int) -> None:
     i = members.index(b.device)
     mine = op.parts[i]
     if not is_empty(mine):
-        held = [(r, step) for written, step in b.writes if (r := intersect(written, mine)) is not None]
+        held = b.writes.overlapping(mine)
         missing = mine if not held else None if held[0][0] == mine else uncovered(mine, [r for r, _ in held])
         if missing is not None:
             b.fail(op, f"device {b.device} must send its part {format_region(mine)} but no earlier operation delivered "
@@ -284,8 +318,6 @@ def uncovered(block: Region, written: list[Region]) -> Region | None:
     >>> uncovered(((0, 4), (0, 2)), [((0, 4), (0, 1))])
     ((0, 4), (1, 2))
     """
-    import numpy as np
-
     if is_empty(block):
         return None
     cuts = [sorted({lo, hi} | {c for r in written for c in r[d]}) for d, (lo, hi) in enumerate(block)]
@@ -314,7 +346,7 @@ def lower(plan: Plan, device: int, tag_limit: int = 32767) -> RankProgram:
                                 "run it with an MPI that allows more (MPICH allows 2**29 - 1) or compile a plan with fewer operations")
     dst_block = b.dst_blocks.get(device)
     if dst_block is not None:
-        missing = uncovered(dst_block, [r for r, _ in b.writes])
+        missing = uncovered(dst_block, b.writes.regions)
         if missing is not None:
             raise PlanMismatchError(
                 f"plan never delivers {format_region(missing)} of device {device}'s destination shard "

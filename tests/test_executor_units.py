@@ -363,3 +363,20 @@ def test_nccl_backend_without_cupy_says_what_to_install():
     engine = NcclEngine(lower(plan, 0), None, {}, np.dtype("int32"), 1.0, (1e-5, 1e-4), plan=plan)
     with pytest.raises(BackendUnavailableError, match="pip install cupy-cuda12x"):
         engine.setup()
+
+
+def test_written_box_index_finds_exactly_the_overlapping_boxes():
+    """The vectorised overlap search in lowering agrees with a plain loop of `intersect`, empty boxes included."""
+    from executor.lower import _Writes
+
+    rng = np.random.default_rng(0)
+    for ndim in (1, 2, 3):
+        writes = _Writes(ndim)
+        boxes = []
+        for step in range(40):  # past the initial capacity of 16, so the arrays grow
+            box = tuple(tuple(sorted(int(x) for x in rng.integers(0, 9, size=2))) for _ in range(ndim))
+            writes.add(box, step)
+            boxes.append(box)
+            query = tuple(tuple(sorted(int(x) for x in rng.integers(0, 9, size=2))) for _ in range(ndim))
+            expect = [(intersect(b, query), k) for k, b in enumerate(boxes) if intersect(b, query) is not None]
+            assert writes.overlapping(query) == expect, (boxes, query)

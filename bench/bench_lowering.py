@@ -1,0 +1,98 @@
+"""Executor `prepare()` cost: time to lower a plan into one device's steps, on plans with many operations.
+
+    .venv/bin/python bench/bench_lowering.py                    # about 15 s
+    .venv/bin/python bench/bench_lowering.py --compare 80312b2  # also times executor/lower.py of that revision (1 min)
+
+Each plan gathers a tensor sharded over many source devices onto one host (`local_allgather`), so
+the busiest destination device receives hundreds of boxes and then all-gathers them: every part it
+sends must wait for the steps that wrote it, which is what made lowering quadratic. The time is the
+best of `--repeat` runs of `lower(plan, device)` for that device; `--compare REV` loads the lowering
+module of git revision REV and times it in the same run, interleaved. Results: bench/results/lowering.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from executor.lower import lower  # noqa: E402
+from executor.ranks import plan_devices  # noqa: E402
+from planner.compile import compile_plan  # noqa: E402
+from planner.problem_io import build_problem  # noqa: E402
+
+CASES = [  # (source hosts, tensor shape): 4 devices per host, `S01 R R` gathered onto one host as `R R R`
+    (64, (4096, 4096, 64)),
+    (128, (4096, 4096, 64)),
+    (256, (4096, 4096, 64)),
+]
+
+
+def gather_plan(hosts: int, shape: tuple[int, ...]):
+    problem = build_problem({"name": f"gather{hosts}x4", "shape": list(shape), "dtype": "float32",
+                             "src": {"mesh": f"{hosts}x4", "spec": "S01 R R"},
+                             "dst": {"mesh": "1x4", "spec": "R R R"},
+                             "cluster": {"devices_per_host": 4}})
+    return compile_plan(problem, strategy="local_allgather", seed=0)
+
+
+def lowering_module(rev: str):
+    """executor/lower.py as of git revision `rev`, imported as a module of the executor package."""
+    text = subprocess.run(["git", "show", f"{rev}:executor/lower.py"], cwd=ROOT, capture_output=True, text=True, check=True).stdout
+    path = Path(tempfile.mkdtemp()) / "lower_compared.py"
+    path.write_text(text)
+    spec = importlib.util.spec_from_file_location("executor.lower_compared", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def best_seconds(fn, repeat: int) -> float:
+    times = []
+    for _ in range(repeat):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return min(times)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--compare", metavar="REV", help="also time executor/lower.py of this git revision")
+    parser.add_argument("--repeat", type=int, default=3, help="runs per point; the best is kept (default 3)")
+    parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "lowering.json")
+    args = parser.parse_args()
+    before = lowering_module(args.compare) if args.compare else None
+    rows = []
+    for hosts, shape in CASES:
+        plan = gather_plan(hosts, shape)
+        device = max(plan_devices(plan), key=lambda d: len(lower(plan, d).steps))
+        steps = len(lower(plan, device).steps)
+        row = {"plan": plan.problem.name, "operations": len(plan.operations), "device": device, "steps": steps,
+               "lower_s": best_seconds(lambda: lower(plan, device), args.repeat)}
+        if before is not None:
+            row["before_s"] = best_seconds(lambda: before.lower(plan, device, tag_limit=2**29 - 1), args.repeat)
+        rows.append(row)
+        print(row, flush=True)
+    head = "| plan | operations | busiest device | its steps | lower() |" + (f" before ({args.compare}) | after/before |" if before else "")
+    print("\n" + head + "\n|---|---:|---:|---:|---:|" + ("---:|---:|" if before else ""))
+    for r in rows:
+        line = f"| {r['plan']} | {r['operations']} | {r['device']} | {r['steps']} | {r['lower_s']:.3f} s |"
+        if before is not None:
+            line += f" {r['before_s']:.3f} s | {r['lower_s'] / r['before_s']:.2f} |"
+        print(line)
+    args.out.write_text(json.dumps({"compared_with": args.compare, "rows": rows}, indent=1) + "\n")
+    print(f"written to {args.out}")
+
+
+if __name__ == "__main__":
+    main()
