@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import time
+from collections import Counter
 
 import numpy as np
 
@@ -106,7 +107,8 @@ class ReshardingExecutor:
         every = np.empty((self.world.Get_size(), 3), np.int64)
         poll(self.world.Iallgather(mine, every), self.timeout_s, self.poll_s, "prepare() on every rank")
         prints = [every[r, 1:].tobytes() for r in range(len(every))]
-        common = max(prints, key=lambda f: (prints.count(f), f == prints[0]))  # the majority's plan (rank 0's on a tie)
+        counts = Counter(prints)
+        common = max(counts, key=lambda f: (counts[f], f == prints[0]))  # the majority's plan (rank 0's on a tie)
         other = [r for r, f in enumerate(prints) if f != common]
         if other:
             rest = len(prints) - len(other)
@@ -174,10 +176,14 @@ class ReshardingExecutor:
         """Release what prepare() made: the backend's requests or communicators, and the duplicated MPI communicator.
 
         Call it on every rank when done with an executor (a loop that makes executors without closing
-        them runs out of MPI communicators after about 2,000). The executor cannot run again.
+        them runs out of MPI communicators after about 2,000). The executor cannot run again. A
+        reshard still in flight (say, Ctrl-C between test() calls) is abandoned, so `close()` in a
+        `finally:` block always works.
         """
         if self.in_flight:
-            raise ExecutorError("close() called while a reshard is in flight; call wait() first")
+            self.in_flight = False
+            if not self.engine.broken:
+                self.engine.abandon("closed while a reshard was in flight")
         if self.engine is not None and hasattr(self.engine, "close"):
             self.engine.close()
         self.closed = True

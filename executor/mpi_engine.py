@@ -7,8 +7,11 @@ with `Test`: mpi4py's `Startall`, `Testall` and `Testsome` copy the request list
 array on every call (and `Testsome` returns a new list); `Start` and `Test` without a status
 allocate nothing. Between polls `wait()` sleeps a little, because a blocking MPI wait spins a core;
 if nothing completes for `timeout_s` it raises, naming the pending transfers and peers. While it
-waits it also drives every other reshard in flight in this process, so ranks may wait for several
+waits it also drives the other reshards this thread started, so ranks may wait for several
 executors in different orders without deadlocking on a relay that only the other wait would launch.
+Each engine has a lock, always taken without blocking on the per-call path (a `with` block would
+allocate, and a blocking acquire could hang on a lock a Ctrl-C left held): a thread that finds it
+taken skips the engine this time round.
 
 Sends and copies that read the caller's source shard are bound to its address: they are remade
 only when a shard arrives at another address, and hold no reference to it (the executor keeps the
@@ -30,7 +33,18 @@ from .lower import RankProgram
 
 SHOWN_PENDING = 3
 WINDOW = 16
+LOCK_WAIT_S = 1.0  # another thread holds an engine's lock for one pass over its requests; longer means it leaked
 _ENGINES: list = []  # weak references to every set-up engine in this process (a waiting engine drives the others)
+_THREAD = threading.local()
+
+
+def _thread_token() -> object:
+    """An object unique to the calling thread (made on its first call; later calls allocate nothing)."""
+    try:
+        return _THREAD.token
+    except AttributeError:
+        _THREAD.token = object()
+        return _THREAD.token
 
 
 class MpiEngine:
@@ -45,7 +59,8 @@ class MpiEngine:
         self.src = None
         self.broken: str | None = None
         self.failure: ExecutorError | None = None  # the error that broke it, raised again by test()
-        self.lock = threading.Lock()  # held by whichever thread is driving this engine's requests
+        self.owner: object | None = None  # the token of the thread that last started or waited for a reshard
+        self.lock = threading.Lock()  # held while a thread progresses this engine's requests
 
     def setup(self, mpi=None) -> None:
         """Allocate the destination shard and staging, and make every request and view that does not read the source shard.
@@ -130,7 +145,9 @@ class MpiEngine:
         """Start every step that waits for nothing (receives first); `src` is the C-contiguous source shard."""
         if self.broken:
             raise ExecutorError(f"this executor stopped after an error ({self.broken}); create and prepare a new one")
-        self.lock.acquire()  # another thread's wait() may be driving the engines it can see
+        self.owner = _thread_token()
+        if not self.lock.acquire(True, LOCK_WAIT_S):  # another thread's wait() drives it for a moment at most
+            raise ExecutorError("start(): this executor is held by a call that was interrupted; close() it and make a new one")
         try:
             self._bind(src)
             self.src = src  # keeps a temporary contiguous copy alive until wait()
@@ -163,22 +180,25 @@ class MpiEngine:
                 self._launch(d)
 
     def test(self) -> bool:
-        """Drive progress once without sleeping; True when every step has finished."""
-        if self.broken:
-            raise self.failure or ExecutorError(f"this reshard was abandoned ({self.broken}); close() the executor and make a new one")
-        self.lock.acquire()
+        """Drive progress once without sleeping; True when every step has finished (False while another
+        thread's wait() is driving this engine)."""
+        if not self.lock.acquire(False):
+            return False
         try:
+            if self.broken:  # checked under the lock: a driver may have just found an error
+                raise self.failure or ExecutorError(f"this reshard was abandoned ({self.broken}); close() the executor and make a new one")
             return self._progress()
         finally:
             self.lock.release()
 
     def drive(self) -> None:
-        """Progress on behalf of another engine's wait(). Skipped while another thread drives this
-        engine; an error is kept for this engine's own test()/wait() to raise, not raised here."""
+        """Progress on behalf of another engine's wait(); skipped while another thread holds this
+        engine. An error is kept for this engine's own test()/wait() to raise, not raised here."""
         if not self.lock.acquire(False):
             return
         try:
-            self._progress()
+            if self.pending and not self.broken:  # checked again under the lock: it may have been closed
+                self._progress()
         except ExecutorError:
             pass  # _fail kept it in self.failure and marked the engine broken
         except BaseException:
@@ -235,7 +255,8 @@ class MpiEngine:
     def wait(self) -> None:
         """Poll until done; raise PeerTimeoutError when nothing completes for `timeout_s`."""
         low, high = self.poll_s
-        nap = low
+        nap, me = low, _thread_token()
+        self.owner = me
         self.last_progress = time.monotonic()
         while True:
             before = self.last_progress
@@ -247,7 +268,7 @@ class MpiEngine:
                 continue
             for ref in _ENGINES:  # a relay this rank owes in another reshard may be what a peer waits for
                 other = ref()
-                if other is not None and other is not self and other.pending and not other.broken:
+                if other is not None and other is not self and other.owner is me and other.pending and not other.broken:
                     other.drive()
             if time.monotonic() - self.last_progress > self.timeout_s:
                 self._fail(f"nothing completed for {self.timeout_s:g} s")
@@ -256,9 +277,13 @@ class MpiEngine:
 
     def close(self) -> None:
         """Free the persistent requests (MPICH reports any still allocated at exit); the engine cannot run again."""
-        with self.lock:
+        held = self.lock.acquire(True, LOCK_WAIT_S)  # not held: an interrupted call left it taken, and nobody else runs it
+        try:
             self.broken = self.broken or "closed"
             _free_requests(self.requests, self._mpi)
+        finally:
+            if held:
+                self.lock.release()
 
     def abandon(self, why: str) -> None:
         """Refuse to run again after a reshard that did not finish; requests may still be active."""

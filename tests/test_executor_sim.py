@@ -21,7 +21,7 @@ from executor.mpi_engine import MpiEngine
 from executor.pattern import fill, mismatches
 from executor.ranks import plan_devices, rank_of_devices
 from planner.verify import verify_plan
-from test_executor_cases import STRATEGIES, all_fixed_plans, compiled, random_problem
+from test_executor_cases import STRATEGIES, all_fixed_plans, compiled, fixed_problems, random_problem
 from test_executor_worker import next_source
 
 
@@ -217,3 +217,67 @@ def test_an_error_in_a_reshard_driven_by_another_wait_is_kept_for_its_own_execut
     assert b.broken and "MPI reported an error" in b.broken
     with pytest.raises(ExecutorError, match=rf"device {b.program.device} .*MPI reported an error \(Message truncated\)"):
         b.test()
+
+
+class _WorldComm(FakeComm):
+    """Enough of a world communicator for ReshardingExecutor's constructor."""
+
+    def Get_size(self) -> int:
+        return 8
+
+    def Idup(self):
+        raise AssertionError("not used: the test sets the engine up itself")
+
+
+def test_close_while_a_reshard_is_in_flight_abandons_it():
+    """`close()` in a `finally:` after Ctrl-C between test() calls must work, not demand a wait() first."""
+    from executor import ExecutorError, ReshardingExecutor
+
+    plan = compiled(fixed_problems()[0], "send_recv")  # even_disjoint: devices 4-7 only receive
+    world = FakeWorld()
+    ex = ReshardingExecutor(plan, _WorldComm(world, 5))
+    ex.program = lower(plan, 5, tag_limit=2**20)
+    ex.engine = MpiEngine(ex.program, FakeComm(world, 5), rank_of_devices(plan), storage_dtype(plan.problem.dtype), 5.0, (1e-5, 1e-4))
+    ex.engine.setup(mpi=FakeMPI)
+    ex.start(None)
+    assert not ex.test() and ex.in_flight  # nobody sends in this fake world
+    ex.close()
+    assert ex.closed and not ex.in_flight and ex.engine.broken == "closed while a reshard was in flight"
+    with pytest.raises(ExecutorError, match=r"run\(\) or start\(\) after close\(\)"):
+        ex.run(None)
+
+
+def test_a_thread_never_progresses_an_engine_another_thread_holds_and_then_sees_its_error():
+    """While another thread's wait() drives an engine, its owner's test() does not block or touch it; once
+    the driver lets go, an error the driver found is raised by the owner, never swallowed as done."""
+    import threading
+
+    plan = compiled(random_problem(3), "send_recv")
+    device = next(op.dsts[0] for op in plan.operations if op.kind in ("send", "broadcast"))
+    engine = MpiEngine(lower(plan, device, tag_limit=2**20), FakeComm(FakeWorld(), 0), rank_of_devices(plan),
+                       storage_dtype(plan.problem.dtype), 5.0, (1e-5, 1e-4))
+    engine.setup(mpi=_FailingMPI)
+    src = engine.program.src_block
+    engine.start(None if src is None else fill(src, plan.problem.shape, engine.dtype))
+    receive = next(r for r in engine.requests if isinstance(r, _PersistentRecv) and r.active)
+    receive.Test = lambda: (_ for _ in ()).throw(_MpiError("truncated"))
+    seen = []
+
+    def owner_test():
+        try:
+            seen.append(engine.test())
+        except ExecutorError as err:
+            seen.append(err)
+
+    assert engine.lock.acquire(False)  # this thread plays the driver
+    worker = threading.Thread(target=owner_test)
+    worker.start()
+    worker.join(timeout=5)
+    assert not worker.is_alive() and seen == [False], "the owner must skip, not block on or run a held engine"
+    with pytest.raises(ExecutorError):
+        engine._progress()  # the driver finds the MPI error
+    engine.lock.release()
+    worker = threading.Thread(target=owner_test)
+    worker.start()
+    worker.join(timeout=5)
+    assert isinstance(seen[1], ExecutorError) and "MPI reported an error" in str(seen[1])
