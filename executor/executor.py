@@ -177,19 +177,31 @@ class ReshardingExecutor:
 
         Call it on every rank when done with an executor (a loop that makes executors without closing
         them runs out of MPI communicators after about 2,000). The executor cannot run again. A
-        reshard still in flight (say, Ctrl-C between test() calls) is abandoned, so `close()` in a
-        `finally:` block always works.
+        reshard still in flight (say, an exception in compute between test() calls) is first
+        finished, for up to `timeout_s`, since the peers are waiting for this rank's part; if it
+        cannot finish it is abandoned, so `close()` in a `finally:` block always returns. After an
+        abandoned reshard, sends still in flight may go on reading the source shard handed to
+        start(): do not overwrite it until the peers are done.
         """
+        interrupted = None
         if self.in_flight:
+            try:
+                self.engine.wait()
+            except ExecutorError:
+                pass  # the engine marked itself broken; close() is cleanup and does not raise it
+            except BaseException as err:  # Ctrl-C while finishing: close anyway, then let it through
+                interrupted = err
+                if not self.engine.broken:
+                    self.engine.abandon(f"{type(err).__name__} in close()")
             self.in_flight = False
-            if not self.engine.broken:
-                self.engine.abandon("closed while a reshard was in flight")
         if self.engine is not None and hasattr(self.engine, "close"):
             self.engine.close()
         self.closed = True
         comm, self.comm = self.comm, None
         if comm is not None and not _mpi().Is_finalized():
             comm.Free()  # pending operations of an abandoned reshard still complete (MPI_Comm_free's rule)
+        if interrupted is not None:
+            raise interrupted
 
     def _check_usable(self, call: str) -> None:
         if self.closed:

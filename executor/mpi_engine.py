@@ -183,6 +183,11 @@ class MpiEngine:
         """Drive progress once without sleeping; True when every step has finished (False while another
         thread's wait() is driving this engine)."""
         if not self.lock.acquire(False):
+            if time.monotonic() - self.last_progress > self.timeout_s:  # held, and nothing moved: it leaked
+                self.abandon("its lock stayed taken (a call interrupted in another thread?)")
+                raise ExecutorError(f"device {self.program.device}: this reshard's engine was held by another call for over "
+                                    f"{self.timeout_s:g} s without progress (an interrupted wait() in another thread?); "
+                                    "close() the executor and make a new one")
             return False
         try:
             if self.broken:  # checked under the lock: a driver may have just found an error
@@ -277,12 +282,14 @@ class MpiEngine:
 
     def close(self) -> None:
         """Free the persistent requests (MPICH reports any still allocated at exit); the engine cannot run again."""
-        held = self.lock.acquire(True, LOCK_WAIT_S)  # not held: an interrupted call left it taken, and nobody else runs it
-        try:
-            self.broken = self.broken or "closed"
-            _free_requests(self.requests, self._mpi)
-        finally:
-            if held:
+        # Taken by this very thread (close() from a signal handler that interrupted test()), or held past
+        # LOCK_WAIT_S: leave the requests to the finalizer rather than free them under a call in progress.
+        held = self.lock.acquire(False) or (self.owner is not _thread_token() and self.lock.acquire(True, LOCK_WAIT_S))
+        self.broken = self.broken or "closed"
+        if held:
+            try:
+                _free_requests(self.requests, self._mpi)
+            finally:
                 self.lock.release()
 
     def abandon(self, why: str) -> None:

@@ -229,20 +229,43 @@ class _WorldComm(FakeComm):
         raise AssertionError("not used: the test sets the engine up itself")
 
 
-def test_close_while_a_reshard_is_in_flight_abandons_it():
-    """`close()` in a `finally:` after Ctrl-C between test() calls must work, not demand a wait() first."""
-    from executor import ExecutorError, ReshardingExecutor
+def _executor_on(world: FakeWorld, plan, device: int, timeout_s: float):
+    """A ReshardingExecutor for `device` over the fake MPI, set up without prepare()."""
+    from executor import ReshardingExecutor
 
-    plan = compiled(fixed_problems()[0], "send_recv")  # even_disjoint: devices 4-7 only receive
-    world = FakeWorld()
-    ex = ReshardingExecutor(plan, _WorldComm(world, 5))
-    ex.program = lower(plan, 5, tag_limit=2**20)
-    ex.engine = MpiEngine(ex.program, FakeComm(world, 5), rank_of_devices(plan), storage_dtype(plan.problem.dtype), 5.0, (1e-5, 1e-4))
+    rank = rank_of_devices(plan)[device]
+    ex = ReshardingExecutor(plan, _WorldComm(world, rank))
+    ex.program = lower(plan, device, tag_limit=2**20)
+    ex.src_shape = ex.program.src_shape
+    ex.engine = MpiEngine(ex.program, FakeComm(world, rank), rank_of_devices(plan), storage_dtype(plan.problem.dtype),
+                          timeout_s, (1e-5, 1e-4))
     ex.engine.setup(mpi=FakeMPI)
+    return ex
+
+
+def test_close_while_a_reshard_is_in_flight_finishes_it_when_the_peers_do():
+    """`close()` in a `finally:` after an exception between test() calls: the peers still get this rank's part."""
+    plan = compiled(fixed_problems()[0], "send_recv")  # even_disjoint: devices 0-3 send, 4-7 receive
+    world = FakeWorld()
+    receiver = _executor_on(world, plan, 5, 5.0)
+    receiver.start(None)
+    senders = [_executor_on(world, plan, d, 5.0) for d in range(4)]
+    for ex in senders:  # their sends go into the fake mailboxes at start()
+        ex.start(fill(ex.program.src_block, plan.problem.shape, ex.engine.dtype))
+    receiver.close()
+    assert receiver.closed and receiver.engine.broken == "closed" and not receiver.in_flight
+    assert mismatches(receiver.engine.dst, receiver.program.dst_block, plan.problem.shape) == (0, None)
+
+
+def test_close_while_a_reshard_is_in_flight_abandons_it_when_it_cannot_finish():
+    from executor import ExecutorError
+
+    plan = compiled(fixed_problems()[0], "send_recv")
+    ex = _executor_on(FakeWorld(), plan, 5, 0.2)
     ex.start(None)
     assert not ex.test() and ex.in_flight  # nobody sends in this fake world
-    ex.close()
-    assert ex.closed and not ex.in_flight and ex.engine.broken == "closed while a reshard was in flight"
+    ex.close()  # returns (after timeout_s) instead of raising: it is cleanup
+    assert ex.closed and not ex.in_flight and "nothing completed for 0.2 s" in ex.engine.broken
     with pytest.raises(ExecutorError, match=r"run\(\) or start\(\) after close\(\)"):
         ex.run(None)
 
@@ -281,3 +304,31 @@ def test_a_thread_never_progresses_an_engine_another_thread_holds_and_then_sees_
     worker.start()
     worker.join(timeout=5)
     assert isinstance(seen[1], ExecutorError) and "MPI reported an error" in str(seen[1])
+
+
+def _started_receiver(timeout_s: float) -> MpiEngine:
+    plan = compiled(fixed_problems()[0], "send_recv")
+    engine = _executor_on(FakeWorld(), plan, 5, timeout_s).engine
+    engine.start(None)
+    return engine
+
+
+def test_a_lock_left_taken_ends_in_an_error_not_an_endless_false():
+    """A Ctrl-C in another thread right after it took this engine's lock leaves it taken: test() must give up
+    after timeout_s with a message about the lock, not return False for ever nor blame a peer."""
+    engine = _started_receiver(0.05)
+    assert engine.lock.acquire(False)  # the interrupted call that never released it
+    engine.last_progress -= 1.0  # nothing has moved for longer than timeout_s
+    with pytest.raises(ExecutorError, match=r"device 5: this reshard's engine was held by another call for over 0.05 s"):
+        engine.test()
+    assert engine.broken and "lock stayed taken" in engine.broken
+
+
+def test_close_from_a_handler_that_interrupted_this_threads_test_leaves_the_requests_alone():
+    """close() from a signal handler runs while the same thread's test() holds the lock mid-pass: it must not
+    free the requests under that pass (they go to the finalizer), and must not wait for a lock it holds itself."""
+    engine = _started_receiver(5.0)
+    assert engine.lock.acquire(False)  # this thread is "inside test()"
+    engine.close()
+    assert engine.broken == "closed" and any(r is not None for r in engine.requests)
+    engine.lock.release()
