@@ -1,6 +1,6 @@
 """Executor `prepare()` cost: time to lower a plan into one device's steps, on plans with many operations.
 
-    .venv/bin/python bench/bench_lowering.py                    # about 15 s
+    .venv/bin/python bench/bench_lowering.py                    # about 20 s
     .venv/bin/python bench/bench_lowering.py --compare 80312b2  # also times executor/lower.py of that revision (1 min)
 
 Each plan gathers a tensor sharded over many source devices onto one host (`local_allgather`), so
@@ -75,8 +75,9 @@ def main() -> None:
     rows = []
     for hosts, shape in CASES:
         plan = gather_plan(hosts, shape)
-        device = max(plan_devices(plan), key=lambda d: len(lower(plan, d).steps))
-        steps = len(lower(plan, device).steps)
+        counts = {d: len(lower(plan, d).steps) for d in plan_devices(plan)}
+        device = max(counts, key=counts.get)
+        steps = counts[device]
         row = {"plan": plan.problem.name, "operations": len(plan.operations), "device": device, "steps": steps,
                "lower_s": best_seconds(lambda: lower(plan, device), args.repeat)}
         if before is not None:

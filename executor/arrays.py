@@ -80,9 +80,9 @@ def check_shard(array: np.ndarray, shape: tuple[int, ...], dtype_name: str, devi
                                 f"spec {str(spec)!r} gives it {shape}; pass this rank's shard under the source spec")
     got, want = np.dtype(array.dtype), storage_dtype(dtype_name)
     raw_ok = dtype_name.startswith(RAW_KINDS) and got.itemsize == want.itemsize
-    if got != want and not raw_ok and got.newbyteorder("=") == want:
-        raise PlanMismatchError(f"run(): device {device}'s source shard is {got} in non-native byte order; "
-                                "pass a native-order array, e.g. a.astype(a.dtype.newbyteorder('='))")
     if got != want and not raw_ok:
+        if got.newbyteorder("=") == want:
+            raise PlanMismatchError(f"run(): device {device}'s source shard is {got} in non-native byte order; "
+                                    "pass a native-order array, e.g. a.astype(a.dtype.newbyteorder('='))")
         raise PlanMismatchError(f"run(): device {device}'s source shard is {got} but the plan moves {dtype_name}; "
                                 f"pass a {want} array (or recompile the plan with dtype {got})")

@@ -170,8 +170,8 @@ class _Writes:
     def overlapping(self, region: Region) -> list[tuple[Region, int]]:
         """(the part of each written box inside `region`, its step), in write order."""
         n = len(self.regions)
-        if not n or not region:
-            return [(r, step) for r, step in zip(self.regions, self.steps) if intersect(r, region) is not None]
+        if not n:
+            return []
         lo, hi = np.array(region, np.int64).T
         b = self.bounds[:n]
         hit = np.flatnonzero(((b[:, 0] < hi) & (b[:, 1] > lo) & (b[:, 0] < b[:, 1]) & (lo < hi)).all(axis=1))
@@ -245,9 +245,6 @@ class _Builder:
             for r in recvs:
                 self.writes.add(box.region, r)
 
-    def tag(self, base: int, offset: int) -> int:
-        return base + offset
-
 
 def _lower_copy(b: _Builder, op: Operation, base: int) -> None:
     if op.dsts != (op.src,):
@@ -267,7 +264,7 @@ def _lower_chain(b: _Builder, op: Operation, base: int) -> None:
     if b.device != op.src and b.device not in chain:
         return
     ranges = chunk_ranges(math.prod(region_shape(op.region)) * b.itemsize, op.chunks, b.itemsize)
-    tags = [b.tag(base, k) for k in range(len(ranges))]
+    tags = [base + k for k in range(len(ranges))]
     pieces = [f"chunk {k + 1}/{len(ranges)}" if len(ranges) > 1 else "" for k in range(len(ranges))]
     if b.device == op.src:
         data, deps = b.outgoing(op, b.box(op, "src", b.device, op.region), ())
@@ -294,17 +291,17 @@ def _lower_allgather(b: _Builder, op: Operation, base: int) -> None:
     mine = op.parts[i]
     if not is_empty(mine):
         held = b.writes.overlapping(mine)
-        missing = mine if not held else None if held[0][0] == mine else uncovered(mine, [r for r, _ in held])
+        missing = None if held and held[0][0] == mine else uncovered(mine, [r for r, _ in held])  # usually one write is the part
         if missing is not None:
             b.fail(op, f"device {b.device} must send its part {format_region(mine)} but no earlier operation delivered "
                        f"{format_region(missing)} to it; operations must be listed in execution order")
         data, deps = b.outgoing(op, b.box(op, "dst", b.device, mine), tuple(step for _, step in held))
         for peer in members[:i] + members[i + 1:]:
-            b.add("send", op, deps=deps, peer=peer, tag=b.tag(base, i), data=data, piece=f"part {i}")
+            b.add("send", op, deps=deps, peer=peer, tag=base + i, data=data, piece=f"part {i}")
     for j, (peer, part) in enumerate(zip(members, op.parts)):
         if j != i and not is_empty(part):
             box = b.box(op, "dst", b.device, part)
-            b.receive(op, box, peer, [b.tag(base, j)], [(0, box.nbytes)], [f"part {j}"])
+            b.receive(op, box, peer, [base + j], [(0, box.nbytes)], [f"part {j}"])
 
 
 _LOWER = {"copy": _lower_copy, "send": _lower_chain, "broadcast": _lower_chain, "allgather": _lower_allgather}

@@ -630,18 +630,26 @@ def test_calls_longer_than_the_limit_are_split_the_same_on_every_rank(monkeypatc
     assert sum(entry[0] == "bcast" for entry in gpu.log) > len(plan.operations)
 
 
+def _two_ranks(fake, uid, gpu, buffer):
+    """Two ranks of one communicator on the fake: per rank, its GPU `gpu(rank)`, a communicator, `buffer(rank)`
+    and a non-blocking stream."""
+    nccl, cupy = fake.modules["cupy.cuda.nccl"], fake.cupy
+    comms, bufs, streams = [], [], []
+    for rank in range(2):
+        fake.process = rank
+        cupy.cuda.Device(gpu(rank)).use()
+        comms.append(nccl.NcclCommunicator(2, uid, rank))
+        bufs.append(buffer(rank))
+        streams.append(cupy.cuda.Stream(non_blocking=True))
+    return comms, bufs, streams
+
+
 def test_fake_refuses_what_the_real_api_refuses(monkeypatch):
     """The harness itself: each of these mistakes must fail, or the tests above prove nothing."""
     gpu = FakeGpu(api=14).install(monkeypatch)
     nccl, cupy = gpu.modules["cupy.cuda.nccl"], gpu.cupy
     uid = nccl.get_unique_id()
-    comms, bufs, streams = [], [], []
-    for rank in range(2):
-        gpu.process = rank
-        cupy.cuda.Device(rank).use()
-        comms.append(nccl.NcclCommunicator(2, uid, rank))
-        bufs.append(cupy.empty(16, np.int32))
-        streams.append(cupy.cuda.Stream(non_blocking=True))
+    comms, bufs, streams = _two_ranks(gpu, uid, gpu=lambda rank: rank, buffer=lambda rank: cupy.empty(16, np.int32))
     gpu.check_init_order()
     with pytest.raises(TypeError, match="expected bytes, got tuple"):
         nccl.NcclCommunicator(2, tuple(uid), 0)
@@ -672,15 +680,10 @@ def test_fake_refuses_what_the_real_api_refuses(monkeypatch):
 
 def test_fake_completes_grouped_exchange_and_catches_mismatched_collectives(monkeypatch):
     gpu = FakeGpu(api=13).install(monkeypatch)
-    nccl, cupy = gpu.modules["cupy.cuda.nccl"], gpu.cupy
+    nccl = gpu.modules["cupy.cuda.nccl"]
     uid = nccl.get_unique_id()
-    comms, bufs, streams = [], [], []
-    for rank in range(2):
-        gpu.process = rank
-        cupy.cuda.Device(0).use()
-        comms.append(nccl.NcclCommunicator(2, uid, rank))
-        bufs.append(gpu.wrap(np.arange(16, dtype=np.int32) + 100 * rank))
-        streams.append(cupy.cuda.Stream(non_blocking=True))
+    comms, bufs, streams = _two_ranks(gpu, uid, gpu=lambda rank: 0,
+                                      buffer=lambda rank: gpu.wrap(np.arange(16, dtype=np.int32) + 100 * rank))
     for rank in range(2):
         gpu.process = rank
         nccl.groupStart()
