@@ -21,6 +21,7 @@ import numpy as np
 from schemas import Operation, Plan
 from schemas.geometry import Region, intersect, local_slices, region_shape, shard_interval
 from schemas.plan import format_region
+from schemas.plan_check import TOLERANCE_S, PlanError, check_plan, describe, uncovered
 
 from .errors import PlanMismatchError
 
@@ -137,10 +138,6 @@ def chunk_ranges(nbytes: int, chunks: int, itemsize: int) -> list[tuple[int, int
     return [(lo * itemsize, hi * itemsize) for lo, hi in pieces if hi > lo]
 
 
-def _within(region: Region, block: Region) -> bool:
-    return len(region) == len(block) and all(b0 <= r0 <= r1 <= b1 for (r0, r1), (b0, b1) in zip(region, block))
-
-
 def is_empty(region: Region) -> bool:
     return any(a >= b for a, b in region)
 
@@ -157,25 +154,27 @@ class _Writes:
     def __init__(self, ndim: int):
         self.regions: list[Region] = []
         self.steps: list[int] = []
+        self.ends: list[float] = []  # predicted end of the operation that writes region k
         self.bounds = np.empty((16, 2, ndim), np.int64)  # [k, 0] = starts, [k, 1] = stops of region k
 
-    def add(self, region: Region, step: int) -> None:
+    def add(self, region: Region, step: int, end_s: float) -> None:
         k = len(self.regions)
         if k == len(self.bounds):
             self.bounds = np.concatenate([self.bounds, np.empty_like(self.bounds)])
         self.bounds[k] = np.array(region, np.int64).T.reshape(2, -1)
         self.regions.append(region)
         self.steps.append(step)
+        self.ends.append(end_s)
 
-    def overlapping(self, region: Region) -> list[tuple[Region, int]]:
-        """(the part of each written box inside `region`, its step), in write order."""
+    def overlapping(self, region: Region) -> list[tuple[Region, int, float]]:
+        """(the part of each written box inside `region`, its step, its end time), in write order."""
         n = len(self.regions)
         if not n:
             return []
         lo, hi = np.array(region, np.int64).T
         b = self.bounds[:n]
         hit = np.flatnonzero(((b[:, 0] < hi) & (b[:, 1] > lo) & (b[:, 0] < b[:, 1]) & (lo < hi)).all(axis=1))
-        return [(intersect(self.regions[k], region), self.steps[k]) for k in hit.tolist()]
+        return [(intersect(self.regions[k], region), self.steps[k], self.ends[k]) for k in hit.tolist()]
 
 
 @dataclass
@@ -203,16 +202,20 @@ class _Builder:
         return start
 
     def fail(self, op: Operation, message: str) -> None:
-        raise PlanMismatchError(f"plan op {op.id} (task {op.task}, {op.kind}): {message}; recompile the plan and check it with `xmesh-plan verify`")
+        raise PlanMismatchError(_advice(f"{describe(op)}: {message}"))
 
-    def box(self, op: Operation, side: Side, device: int, region: Region) -> Box:
-        blocks = self.src_blocks if side == "src" else self.dst_blocks
-        if device not in blocks:
-            self.fail(op, f"device {device} is not in the {'source' if side == 'src' else 'destination'} mesh")
-        block = blocks[device]
-        if not _within(region, block):
-            self.fail(op, f"box {format_region(region)} is not inside device {device}'s {side} shard {format_region(block)}")
+    def box(self, side: Side, region: Region) -> Box:
+        """`region` inside this device's shard (check_plan has proved it lies there)."""
+        block = (self.src_blocks if side == "src" else self.dst_blocks)[self.device]
         return make_box(side, region, block, self.itemsize)
+
+    def record(self, op: Operation, region: Region, steps: list[int]) -> None:
+        """This device receives `region` (written by `steps`); refused if some of it already arrived."""
+        earlier = self.writes.overlapping(region)
+        if earlier:
+            self.fail(op, f"device {self.device} receives {format_region(earlier[0][0])} a second time")
+        for step in steps:
+            self.writes.add(region, step, op.end_s)
 
     def outgoing(self, op: Operation, box: Box, deps: tuple[int, ...]) -> tuple[Bytes, tuple[int, ...]]:
         """Where the bytes of `box` are sent from: the shard itself, or staging after a pack step."""
@@ -240,102 +243,70 @@ class _Builder:
             if forward_to is not None:
                 self.add("send", op, deps=(recvs[-1],), peer=forward_to, tag=tag, data=chunk, piece=piece)
         if land.buffer == "stage":
-            self.writes.add(box.region, self.add("unpack", op, deps=tuple(recvs), data=land, box=box))
-        else:
-            for r in recvs:
-                self.writes.add(box.region, r)
+            recvs = [self.add("unpack", op, deps=tuple(recvs), data=land, box=box)]
+        self.record(op, box.region, recvs)
 
 
 def _lower_copy(b: _Builder, op: Operation, base: int) -> None:
-    if op.dsts != (op.src,):
-        b.fail(op, f"a copy must stay on device {op.src}, but names {list(op.dsts)}")
     if op.src == b.device:
-        source, target = b.box(op, "src", b.device, op.region), b.box(op, "dst", b.device, op.region)
-        b.writes.add(op.region, b.add("copy", op, box=source, target=target))
+        source, target = b.box("src", op.region), b.box("dst", op.region)
+        b.record(op, op.region, [b.add("copy", op, box=source, target=target)])
 
 
 def _lower_chain(b: _Builder, op: Operation, base: int) -> None:
     """A send is a broadcast down a chain of one; chunk k travels src -> dsts[0] -> dsts[1] -> ..."""
     chain = op.dsts
-    if op.kind == "send" and len(chain) != 1:
-        b.fail(op, f"a send has exactly one receiver, got {list(chain)}")
-    if op.src in chain or len(set(chain)) != len(chain) or not chain:
-        b.fail(op, f"the chain {list(chain)} must be non-empty, distinct and must not contain the sender d{op.src}")
     if b.device != op.src and b.device not in chain:
         return
     ranges = chunk_ranges(math.prod(region_shape(op.region)) * b.itemsize, op.chunks, b.itemsize)
     tags = [base + k for k in range(len(ranges))]
     pieces = [f"chunk {k + 1}/{len(ranges)}" if len(ranges) > 1 else "" for k in range(len(ranges))]
     if b.device == op.src:
-        data, deps = b.outgoing(op, b.box(op, "src", b.device, op.region), ())
+        data, deps = b.outgoing(op, b.box("src", op.region), ())
         for tag, (lo, hi), piece in zip(tags, ranges, pieces):
             b.add("send", op, deps=deps, peer=chain[0], tag=tag, data=Bytes(data.buffer, data.start + lo, data.start + hi), piece=piece)
         return
     i = chain.index(b.device)
     prev = op.src if i == 0 else chain[i - 1]
     nxt = chain[i + 1] if i + 1 < len(chain) else None
-    b.receive(op, b.box(op, "dst", b.device, op.region), prev, tags, ranges, pieces, forward_to=nxt)
+    b.receive(op, b.box("dst", op.region), prev, tags, ranges, pieces, forward_to=nxt)
 
 
 def _lower_allgather(b: _Builder, op: Operation, base: int) -> None:
     """Member i sends parts[i] (from its destination shard) to every other member, and receives theirs."""
     members = op.dsts
-    if len(op.parts) != len(members) or len(set(members)) != len(members):
-        b.fail(op, f"needs one part per distinct member, got {len(op.parts)} parts for members {list(members)}")
     if b.device not in members:
         return
-    for part in op.parts:
-        if not is_empty(part) and not _within(part, op.region):
-            b.fail(op, f"part {format_region(part)} lies outside the gathered box {format_region(op.region)}")
     i = members.index(b.device)
     mine = op.parts[i]
     if not is_empty(mine):
         held = b.writes.overlapping(mine)
-        missing = None if held and held[0][0] == mine else uncovered(mine, [r for r, _ in held])  # usually one write is the part
-        if missing is not None:
-            b.fail(op, f"device {b.device} must send its part {format_region(mine)} but no earlier operation delivered "
-                       f"{format_region(missing)} to it; operations must be listed in execution order")
-        data, deps = b.outgoing(op, b.box(op, "dst", b.device, mine), tuple(step for _, step in held))
+        missing = None if held and held[0][0] == mine else uncovered(mine, [r for r, _, _ in held])  # usually one write is the part
+        late = [r for r, _, end in held if end > op.start_s + TOLERANCE_S]
+        if missing is not None or late:
+            b.fail(op, f"device {b.device} sends {format_region(missing or late[0])} which it does not hold at {op.start_s:.6f}s")
+        data, deps = b.outgoing(op, b.box("dst", mine), tuple(step for _, step, _ in held))
         for peer in members[:i] + members[i + 1:]:
             b.add("send", op, deps=deps, peer=peer, tag=base + i, data=data, piece=f"part {i}")
     for j, (peer, part) in enumerate(zip(members, op.parts)):
         if j != i and not is_empty(part):
-            box = b.box(op, "dst", b.device, part)
+            box = b.box("dst", part)
             b.receive(op, box, peer, [base + j], [(0, box.nbytes)], [f"part {j}"])
 
 
 _LOWER = {"copy": _lower_copy, "send": _lower_chain, "broadcast": _lower_chain, "allgather": _lower_allgather}
 
 
-def uncovered(block: Region, written: list[Region]) -> Region | None:
-    """A box of `block` that no region in `written` touches, or None when they cover it all.
-
-    >>> uncovered(((0, 4),), [((0, 2),), ((2, 4),)]) is None
-    True
-    >>> uncovered(((0, 4), (0, 2)), [((0, 4), (0, 1))])
-    ((0, 4), (1, 2))
-    """
-    if is_empty(block):
-        return None
-    cuts = [sorted({lo, hi} | {c for r in written for c in r[d]}) for d, (lo, hi) in enumerate(block)]
-    covered = np.zeros([len(c) - 1 for c in cuts], dtype=bool)
-    for r in written:  # every written box lies inside the block (checked when lowering)
-        covered[tuple(slice(c.index(a), c.index(b)) for c, (a, b) in zip(cuts, r))] = True
-    if covered.all():
-        return None
-    first = np.argwhere(~covered)[0]
-    return tuple((cuts[d][k], cuts[d][k + 1]) for d, k in enumerate(first))
-
-
 def lower(plan: Plan, device: int, tag_limit: int = 32767) -> RankProgram:
     """The steps `device` runs for `plan`; raises PlanMismatchError naming the op when the plan is inconsistent."""
+    try:  # the same structural rules and messages as `xmesh-plan verify`
+        check_plan(plan)
+    except PlanError as err:
+        raise PlanMismatchError(_advice(str(err))) from None
     problem = plan.problem
     b = _Builder(plan, device, problem.blocks("src"), problem.blocks("dst"), problem.itemsize)
     base = 0
     for op in plan.operations:
-        for region in (op.region, *op.parts):
-            if len(region) != len(problem.shape):
-                b.fail(op, f"box {format_region(region)} has {len(region)} dims but the tensor has {len(problem.shape)}")
         _LOWER[op.kind](b, op, base)
         base += tags_used(op)
     if base > tag_limit + 1:  # every message has its own tag; reusing one could match the wrong message
@@ -345,7 +316,10 @@ def lower(plan: Plan, device: int, tag_limit: int = 32767) -> RankProgram:
     if dst_block is not None:
         missing = uncovered(dst_block, b.writes.regions)
         if missing is not None:
-            raise PlanMismatchError(
-                f"plan never delivers {format_region(missing)} of device {device}'s destination shard "
-                f"{format_region(dst_block)}; recompile the plan and check it with `xmesh-plan verify`")
+            raise PlanMismatchError(_advice(f"destination device {device} never receives {format_region(missing)} "
+                                            f"of its shard {format_region(dst_block)}"))
     return RankProgram(device, tuple(b.steps), b.stage_bytes, b.src_blocks.get(device), dst_block, b.itemsize)
+
+
+def _advice(message: str) -> str:
+    return f"{message}; recompile the plan and check it with `xmesh-plan verify`"

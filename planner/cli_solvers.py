@@ -15,11 +15,13 @@ import click
 
 from schemas import read_plan_file
 
+from .audit import audit_plan
 from .cli_types import POSITIVE
 from .baselines import BASELINES, baseline_seconds
 from .compile import compile_plan
 from .problem_io import load_problem
 from .solvers import SOLVERS
+from .verify import PlanError, verify_plan
 
 
 class _Ticker:
@@ -120,24 +122,42 @@ def compare_command(problem_file, seed, time_limit):
               help="fail when predicted time exceeds this times the lower bound (or the reference's predicted time)")
 @click.option("--reference", type=click.Path(dir_okay=False), help="a reference plan to compare predicted times with")
 def check_command(plan_files, max_ratio, reference):
-    """Exit 1 when a plan is more than --max-ratio over its lower bound or over a reference plan (for CI).
+    """Exit 1 when a plan fails verification, when its stored times or bound disagree with what they
+    recompute to, or when it is more than --max-ratio over its lower bound or a reference plan (for CI).
 
     \b
     Example:
       xmesh-plan check plans/*.plan.json --max-ratio 1.05
     """
-
-    ref = read_plan_file(reference) if reference else None
+    ref = _audited(reference, read_plan_file(reference)) if reference else None
+    if isinstance(ref, str):
+        raise click.UsageError(f"--reference: {ref}")
     failed = 0
     for path in plan_files:
-        plan = read_plan_file(path)
-        over_bound = plan.predicted_seconds / plan.lower_bound_seconds if plan.lower_bound_seconds > 0 else 1.0
+        audit = _audited(path, read_plan_file(path))
+        if isinstance(audit, str):
+            click.echo(f"{path}: FAIL {audit}")
+            failed += 1
+            continue
+        predicted, bound = audit.predicted_seconds, audit.lower_bound_seconds
+        over_bound = predicted / bound if bound > 0 else 1.0
         problems = [f"{over_bound:.4f}x its lower bound"] if over_bound > max_ratio else []
-        if ref is not None and plan.predicted_seconds > max_ratio * ref.predicted_seconds:
-            problems.append(f"{plan.predicted_seconds / ref.predicted_seconds:.4f}x the reference {reference}")
+        if ref is not None and predicted > max_ratio * ref.predicted_seconds:
+            problems.append(f"{predicted / ref.predicted_seconds:.4f}x the reference {reference}")
         status = "FAIL " + "; ".join(problems) if problems else "ok"
-        click.echo(f"{path}: predicted {plan.predicted_seconds:.4f} s, bound {plan.lower_bound_seconds:.4f} s "
-                   f"({over_bound:.4f}x) {status}")
+        if not audit.retimed:
+            status += " (operation times not re-checked: this plan was timed by the schedule model)"
+        click.echo(f"{path}: predicted {predicted:.4f} s, bound {bound:.4f} s ({over_bound:.4f}x) {status}")
         failed += bool(problems)
     if failed:
         raise click.exceptions.Exit(1)
+
+
+def _audited(path: str, plan):
+    """The plan's recomputed figures, or a one-line reason it cannot be trusted."""
+    try:
+        verify_plan(plan)
+    except PlanError as err:
+        return f"does not verify: {err}"
+    audit = audit_plan(plan)
+    return f"{audit.mismatch}; recompile the plan" if audit.mismatch else audit

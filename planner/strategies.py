@@ -17,10 +17,10 @@ import numpy as np
 
 from schemas import Cluster
 from schemas.geometry import Region, split_region
+from schemas.plan_check import MAX_CHUNKS  # the plan format's limit, which readers enforce
 
 from .scheduling import Resource
 
-MAX_CHUNKS = 1024
 MIN_CHUNK_BYTES = 4096
 
 

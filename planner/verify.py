@@ -2,9 +2,10 @@
 
 The grid is cut at every box boundary that appears in the problem or the plan, so every operation
 covers whole cells. For each device we track when each cell became available (source shards at time
-0). Replaying operations in start-time order, we check that every sender held what it sent when the
-operation started, that no device receives a cell twice or outside its destination shard, and at the
-end that every destination device holds exactly its shard. Numpy index arithmetic, no element loops.
+0). After the structural rules every reader shares (`schemas.plan_check`), replaying operations in
+list order (the execution order) we check that every all-gather member held its part when the
+operation started, that no device receives a cell twice, and at the end that every destination
+device holds exactly its shard. Numpy index arithmetic, no element loops.
 """
 
 from __future__ import annotations
@@ -16,12 +17,9 @@ import numpy as np
 from schemas import Plan
 from schemas.geometry import Region
 from schemas.plan import format_region
+from schemas.plan_check import TOLERANCE_S, PlanError, check_plan, describe
 
-TOLERANCE_S = 1e-9
-
-
-class PlanError(Exception):
-    """A plan that does not deliver every byte correctly; the message names the operation, device and box."""
+__all__ = ["PlanError", "VerifyReport", "verify_plan"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,9 +39,6 @@ class _Cells:
         self.block = block
         self.cuts = [c[(c >= lo) & (c <= hi)] for c, (lo, hi) in zip(cuts, block)]
         self.ready = np.full(tuple(max(len(c) - 1, 0) for c in self.cuts), initial)
-
-    def covers(self, box: Region) -> bool:
-        return _empty(box) or all(lo <= a and b <= hi for (a, b), (lo, hi) in zip(box, self.block))
 
     def index(self, box: Region) -> tuple[slice, ...]:
         return tuple(slice(int(np.searchsorted(c, a)), int(np.searchsorted(c, b))) for c, (a, b) in zip(self.cuts, box))
@@ -68,40 +63,12 @@ def _cuts(plan: Plan) -> list[np.ndarray]:
             for d, n in enumerate(plan.problem.shape)]
 
 
-def _check_records(plan: Plan) -> None:
-    """Operation ids are unique and operations name existing tasks; times are not negative."""
-    task_ids, seen = {t.id for t in plan.tasks}, set()
-    for index, op in enumerate(plan.operations):
-        if op.id in seen:
-            raise PlanError(f"operation at position {index} reuses id {op.id}; every operation needs its own id")
-        seen.add(op.id)
-        if op.task not in task_ids and not (op.task == -1 and op.kind == "copy"):
-            raise PlanError(f"operation {op.id} ({op.kind}) names task {op.task}, which the plan does not have")
-        if op.start_s < 0:
-            raise PlanError(f"operation {op.id} (task {op.task}, {op.kind}) starts at {op.start_s}s, before time 0")
-    for index, (before, op) in enumerate(zip(plan.operations, plan.operations[1:]), start=1):
-        if (op.start_s, op.id) < (before.start_s, before.id):  # the executor replays the list in this order
-            raise PlanError(f"operation {op.id} at position {index} starts at {op.start_s}s, before operation {before.id} "
-                            f"listed ahead of it ({before.start_s}s); list operations in execution order (start time, then id)")
-    latest = max((op.end_s for op in plan.operations), default=0.0)
-    if plan.predicted_seconds < latest - TOLERANCE_S:
-        raise PlanError(f"predicted_seconds {plan.predicted_seconds} is before the last operation ends ({latest}s)")
-    if plan.lower_bound_seconds < 0:
-        raise PlanError(f"lower_bound_seconds {plan.lower_bound_seconds} is negative")
-
-
-def _check_boxes(plan: Plan) -> None:
-    """Every region and part must have one [start, stop) per tensor dim with 0 <= start <= stop <= length."""
-    shape = plan.problem.shape
-    for op in plan.operations:
-        for what, box in [("region", op.region)] + [("part", p) for p in op.parts]:
-            if len(box) != len(shape) or any(not (0 <= a <= b <= n) for (a, b), n in zip(box, shape)):
-                raise PlanError(f"operation {op.id} (task {op.task}, {op.kind}): {what} {format_region(box)} "
-                                f"is not a box inside the tensor {list(shape)}")
-
-
 class _Replay:
-    """Symbolic state of every device's source and destination shard while operations replay."""
+    """Symbolic state of every device's source and destination shard while operations replay.
+
+    `check_plan` has already proved every box lies inside the shards it touches and every device is
+    where its kind needs it, so the replay only tracks time: who holds what when, and twice-received cells.
+    """
 
     def __init__(self, plan: Plan):
         cuts = _cuts(plan)
@@ -110,19 +77,11 @@ class _Replay:
         self.op = None
 
     def fail(self, message: str) -> None:
-        op = self.op
-        raise PlanError(f"operation {op.id} (task {op.task}, {op.kind}): {message}")
+        raise PlanError(f"{describe(self.op)}: {message}")
 
-    def check_holds(self, device: int, box: Region, side: str) -> None:
-        """`device` must hold all of `box` in its `side` shard by the operation's start."""
-        table = self.src if side == "source" else self.dst
-        if _empty(box):
-            return
-        if device not in table:
-            self.fail(f"device {device} is not in the {side} mesh, so it holds nothing to send")
-        cells = table[device]
-        if not cells.covers(box):
-            self.fail(f"device {device} sends {format_region(box)} which it does not hold (its {side} shard is {format_region(cells.block)})")
+    def check_holds(self, device: int, box: Region) -> None:
+        """All-gather member `device` must hold all of `box` in its destination shard when the operation starts."""
+        cells = self.dst[device]
         idx = cells.index(box)
         late = cells.ready[idx] > self.op.start_s + TOLERANCE_S
         if late.any():
@@ -130,13 +89,7 @@ class _Replay:
 
     def deliver(self, device: int, box: Region, skip: Region | None = None) -> None:
         """`device` receives `box` (less `skip`, its own all-gather part) into its destination shard."""
-        if _empty(box):
-            return
-        if device not in self.dst:
-            self.fail(f"device {device} receives {format_region(box)} but is not in the destination mesh")
         cells = self.dst[device]
-        if not cells.covers(box):
-            self.fail(f"device {device} receives {format_region(box)} outside its destination shard {format_region(cells.block)}")
         idx = cells.index(box)
         incoming = np.ones(cells.ready[idx].shape, dtype=bool)
         if skip is not None and not _empty(skip):
@@ -149,35 +102,15 @@ class _Replay:
 
     def run(self, op) -> None:
         self.op = op
-        if op.end_s + TOLERANCE_S < op.start_s:
-            self.fail(f"ends at {op.end_s}s before it starts at {op.start_s}s")
-        if op.kind in ("copy", "send", "broadcast"):
-            self.check_holds(op.src, op.region, "source")
-            if op.kind == "copy" and op.dsts != (op.src,):
-                self.fail(f"a copy must stay on device {op.src}, but names {list(op.dsts)}")
-            if op.kind == "send" and len(op.dsts) != 1:
-                self.fail(f"a send has exactly one receiver, got {list(op.dsts)}")
+        if op.kind == "allgather":
+            for d, part in zip(op.dsts, op.parts):
+                if not _empty(part):
+                    self.check_holds(d, part)
+            for d, part in zip(op.dsts, op.parts):
+                self.deliver(d, op.region, skip=part)
+        else:  # copy, send, broadcast: the sender's source shard holds the box from time 0
             for d in op.dsts:
                 self.deliver(d, op.region)
-        elif op.kind == "allgather":
-            self.allgather(op)
-        else:
-            self.fail(f"unknown operation kind {op.kind!r}")
-
-    def allgather(self, op) -> None:
-        if len(op.parts) != len(op.dsts):
-            self.fail(f"{len(op.dsts)} members but {len(op.parts)} parts")
-        whole = _Cells([np.array(sorted({a for p in op.parts for a in p[d]} | set(op.region[d]))) for d in range(len(op.region))], op.region, 0.0)
-        covered = np.zeros(whole.ready.shape, dtype=bool)
-        for d, part in zip(op.dsts, op.parts):
-            if not whole.covers(part):
-                self.fail(f"part {format_region(part)} of device {d} lies outside {format_region(op.region)}")
-            self.check_holds(d, part, "destination")
-            covered[whole.index(part)] = True
-        if not covered.all():
-            self.fail(f"no member contributes {whole.describe(tuple(slice(0, n) for n in covered.shape), ~covered)}")
-        for d, part in zip(op.dsts, op.parts):
-            self.deliver(d, op.region, skip=part)
 
     def finish(self) -> None:
         for d in sorted(self.dst):
@@ -189,9 +122,10 @@ class _Replay:
 
 
 def verify_plan(plan: Plan) -> VerifyReport:
-    """Raise PlanError at the first violation; return a short report when the plan is correct."""
-    _check_records(plan)
-    _check_boxes(plan)
+    """Raise PlanError at the first violation; return a short report when the plan is correct.
+
+    The structural rules (`schemas.plan_check`, shared with the executor) first, then the replay."""
+    check_plan(plan)
     replay = _Replay(plan)
     for op in plan.operations:  # in execution order, checked above
         replay.run(op)

@@ -51,3 +51,11 @@ def case():
 def compile_quick():
     """`compile_quick(problem, strategy)`: compile_plan with the fast solver."""
     return compile_fast
+
+
+def pytest_terminal_summary(terminalreporter) -> None:
+    """Print what summary-keeping tests recorded (e.g. the plan-mutation counts), so CI's log shows it."""
+    from test_plan_mutations import SUMMARY
+
+    for line in SUMMARY:
+        terminalreporter.write_line(line)

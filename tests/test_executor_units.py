@@ -18,6 +18,7 @@ from executor.nccl_plan import Bcast, Copy, communicator_groups, nccl_program
 from executor.pattern import fill, mismatches
 from executor.ranks import device_of_rank, plan_devices
 from executor.scale import factors_for, scale_plan
+from planner.verify import PlanError, verify_plan
 from schemas import load_plan
 from schemas.geometry import intersect, region_shape
 from test_executor_cases import STRATEGIES, all_fixed_plans, compiled, fixed_problems, random_problem
@@ -97,7 +98,7 @@ def test_a_box_outside_the_sender_shard_is_refused_naming_the_op():
     op = plan.operations[0]
     bad = op.model_copy(update={"region": tuple((0, n) for n in plan.problem.shape)})
     plan = plan.model_copy(update={"operations": (bad,) + plan.operations[1:]})
-    with pytest.raises(PlanMismatchError, match=rf"plan op {op.id} .*not inside device {op.src}'s src shard.*xmesh-plan verify"):
+    with pytest.raises(PlanMismatchError, match=rf"operation {op.id} .*device {op.src} sends .* which it does not hold .*xmesh-plan verify"):
         lower(plan, op.src)
 
 
@@ -105,7 +106,7 @@ def test_a_plan_that_misses_part_of_a_shard_is_refused():
     plan = _plan()
     dropped = plan.operations[-1]
     plan = plan.model_copy(update={"operations": plan.operations[:-1]})
-    with pytest.raises(PlanMismatchError, match=rf"never delivers .* of device {dropped.dsts[0]}'s destination shard"):
+    with pytest.raises(PlanMismatchError, match=rf"destination device {dropped.dsts[0]} never receives .* of its shard"):
         lower(plan, dropped.dsts[0])
 
 
@@ -127,8 +128,17 @@ def test_an_allgather_part_sent_before_it_arrived_is_refused():
     j = next(i for i, op in enumerate(ops[:k]) if member in op.dsts and intersect(op.region, part) is not None)
     reordered = plan.model_copy(update={"operations": tuple(ops[:j] + [gather] + ops[j:k] + ops[k + 1:])})
     lower(plan, member)  # the plan as compiled is fine
-    with pytest.raises(PlanMismatchError, match=rf"plan op {gather.id} .*device {member} must send its part .* no earlier operation delivered"):
+    with pytest.raises(PlanMismatchError, match=rf"operation {gather.id} .*list operations in execution order"):
         lower(reordered, member)
+    # listed (and timed) right after the delivering operation starts, before it ends: refused by the times
+    early = gather.model_copy(update={"start_s": ops[j].start_s, "end_s": max(gather.end_s, ops[j].start_s)})
+    listed = ops[:j + 1] + [early] + ops[j + 1:k] + ops[k + 1:]
+    renumbered = tuple(op.model_copy(update={"id": i}) for i, op in enumerate(listed))
+    retimed = plan.model_copy(update={"operations": renumbered})
+    with pytest.raises(PlanMismatchError, match=rf"operation {j + 1} .*device {member} sends .* which it does not hold at"):
+        lower(retimed, member)
+    with pytest.raises(PlanError, match=rf"operation {j + 1} .*device {member} sends .* which it does not hold at"):
+        verify_plan(retimed)
 
 
 def test_a_plan_needing_more_tags_than_mpi_allows_is_refused():
@@ -375,8 +385,8 @@ def test_written_box_index_finds_exactly_the_overlapping_boxes():
         boxes = []
         for step in range(40):  # past the initial capacity of 16, so the arrays grow
             box = tuple(tuple(sorted(int(x) for x in rng.integers(0, 9, size=2))) for _ in range(ndim))
-            writes.add(box, step)
+            writes.add(box, step, step / 2)
             boxes.append(box)
             query = tuple(tuple(sorted(int(x) for x in rng.integers(0, 9, size=2))) for _ in range(ndim))
-            expect = [(intersect(b, query), k) for k, b in enumerate(boxes) if intersect(b, query) is not None]
+            expect = [(intersect(b, query), k, k / 2) for k, b in enumerate(boxes) if intersect(b, query) is not None]
             assert writes.overlapping(query) == expect, (boxes, query)

@@ -1,0 +1,226 @@
+"""The one structural checker of plans, shared by `xmesh-plan verify` and the executor's lowering.
+
+It checks what a plan must satisfy before anyone replays it: finite, non-negative times; unique ids;
+operations listed in execution order; per-kind device membership (`KIND_RULES`); boxes inside the
+tensor and inside the shards that hold or receive them; all-gather parts that tile their box; chunk
+counts within limits. Both sides call `check_plan`, so the same fault gets the same message.
+What needs a replay (who holds what when, nothing received twice, every shard complete) is checked
+by the verifier and, per device, by the lowering, on top of this.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+from .geometry import Region, region_size
+from .plan import Operation, Plan, format_region
+
+MAX_CHUNKS = 1024  # the most pipelined pieces a broadcast may have (the planner never picks more)
+TOLERANCE_S = 1e-9  # slack for comparing times rounded to picoseconds
+
+
+class PlanError(ValueError):
+    """A plan that breaks the format's rules or does not deliver every byte; the message names the
+    operation, device and box."""
+
+
+@dataclass(frozen=True, slots=True)
+class KindRule:
+    """What one operation kind requires of its devices: who sends, from which shard, who receives."""
+
+    has_src: bool  # `src` is a device (else None)
+    src_in: tuple[str, ...]  # the shards `src` must have: "src" (reads its source shard), "dst" (a copy writes its own)
+    min_dsts: int
+    max_dsts: int | None
+    chunked: bool  # `chunks` may exceed 1
+    has_parts: bool
+
+
+KIND_RULES: dict[str, KindRule] = {
+    "copy": KindRule(has_src=True, src_in=("src", "dst"), min_dsts=1, max_dsts=1, chunked=False, has_parts=False),
+    "send": KindRule(has_src=True, src_in=("src",), min_dsts=1, max_dsts=1, chunked=False, has_parts=False),
+    "broadcast": KindRule(has_src=True, src_in=("src",), min_dsts=1, max_dsts=None, chunked=True, has_parts=False),
+    "allgather": KindRule(has_src=False, src_in=(), min_dsts=2, max_dsts=None, chunked=False, has_parts=True),
+}
+
+
+def describe(op: Operation) -> str:
+    """`operation 7 (task 3, broadcast)`: how every message about an operation begins."""
+    return f"operation {op.id} (task {op.task}, {op.kind})"
+
+
+def _is_time(value: float | None) -> bool:
+    return value is not None and math.isfinite(value) and value >= 0
+
+
+def _check_numbers(plan: Plan) -> None:
+    """Plan-level times are finite and non-negative; the prediction covers every operation and the bound."""
+    latest = max((op.end_s for op in plan.operations), default=0.0)
+    for name in ("predicted_seconds", "lower_bound_seconds"):
+        value = getattr(plan, name)
+        if name == "predicted_seconds" and value < latest - TOLERANCE_S:
+            raise PlanError(f"predicted_seconds {value} is before the last operation ends ({latest}s)")
+        if not _is_time(value):
+            raise PlanError(f"{name} is {value}; it must be a finite number of seconds >= 0 (recompile the plan)")
+    proven = plan.solver.proven_bound_seconds
+    if proven is not None and not _is_time(proven):
+        raise PlanError(f"solver.proven_bound_seconds is {proven}; it must be a finite number of seconds >= 0 or null")
+    for task in plan.tasks:
+        if not (_is_time(task.start_s) and _is_time(task.end_s)) or task.end_s + TOLERANCE_S < task.start_s:
+            raise PlanError(f"task {task.id} runs @{task.start_s}-{task.end_s}s; times must be finite, >= 0, end after start")
+    if plan.lower_bound_seconds > plan.predicted_seconds * (1 + 1e-9) + TOLERANCE_S:
+        raise PlanError(f"lower_bound_seconds {plan.lower_bound_seconds} is above predicted_seconds {plan.predicted_seconds}; "
+                        "no plan beats the physical bound, so one of them is wrong (recompile the plan)")
+
+
+def _check_ids_and_order(plan: Plan) -> None:
+    """Unique task and operation ids, operations naming existing tasks, listed by (start time, id)."""
+    task_ids = set()
+    for task in plan.tasks:
+        if task.id in task_ids:
+            raise PlanError(f"task id {task.id} appears twice; every unit task needs its own id")
+        task_ids.add(task.id)
+    seen, before = set(), None
+    for index, op in enumerate(plan.operations):
+        if op.id in seen:
+            raise PlanError(f"operation at position {index} reuses id {op.id}; every operation needs its own id")
+        seen.add(op.id)
+        if op.task not in task_ids and not (op.task == -1 and op.kind == "copy"):
+            raise PlanError(f"{describe(op)} names task {op.task}, which the plan does not have")
+        if not (math.isfinite(op.start_s) and math.isfinite(op.end_s)):
+            raise PlanError(f"{describe(op)} runs @{op.start_s}-{op.end_s}s; times must be finite numbers of seconds")
+        if op.end_s + TOLERANCE_S < op.start_s:
+            raise PlanError(f"{describe(op)} ends at {op.end_s}s before it starts at {op.start_s}s")
+        if op.start_s < 0:
+            raise PlanError(f"{describe(op)} starts at {op.start_s}s, before time 0")
+        if before is not None and (op.start_s, op.id) < (before.start_s, before.id):  # the executor posts the list in this order
+            raise PlanError(f"{describe(op)} at position {index} starts at {op.start_s}s, before operation {before.id} "
+                            f"listed ahead of it ({before.start_s}s); list operations in execution order (start time, then id)")
+        before = op
+    nics = len(plan.problem.cluster.nics)
+    for entry in plan.host_order:
+        kind, _, nic = entry.side.partition(":")
+        if kind not in ("send", "recv") or (nic and not (nic.isascii() and nic.isdigit() and int(nic) < nics)):
+            raise PlanError(f"host_order of host {entry.host} has side {entry.side!r}; use send or recv, or send:N / recv:N "
+                            f"for NIC N of the cluster's {nics}")
+        unknown = [t for t in entry.tasks if t not in task_ids]
+        if unknown:
+            raise PlanError(f"host_order of host {entry.host} ({entry.side}) names task {unknown[0]}, which the plan does not have")
+
+
+def _inside(box: Region, block: Region) -> bool:
+    return all(b0 <= a <= b <= b1 for (a, b), (b0, b1) in zip(box, block))
+
+
+class _Shards:
+    """Each device's source and destination block, to check that boxes lie inside the shards they touch."""
+
+    def __init__(self, plan: Plan):
+        self.blocks = {"src": plan.problem.blocks("src"), "dst": plan.problem.blocks("dst")}
+        self.shape = plan.problem.shape
+
+    def require(self, op: Operation, device: int, side: str, box: Region, role: str) -> None:
+        """`device` must hold `box` in its `side` shard (role "sends") or have room for it there ("receives")."""
+        mesh = "source" if side == "src" else "destination"
+        block = self.blocks[side].get(device)
+        if block is None:
+            what = "is not in the source mesh, so it holds nothing to send" if role == "sends" else \
+                f"receives {format_region(box)} but is not in the {mesh} mesh"
+            raise PlanError(f"{describe(op)}: device {device} {what}")
+        if not _inside(box, block):
+            where = f"which it does not hold (its {mesh} shard is" if role == "sends" else f"outside its {mesh} shard ("
+            raise PlanError(f"{describe(op)}: device {device} {role} {format_region(box)} {where} {format_region(block)})")
+
+    def check_box(self, op: Operation, what: str, box: Region) -> None:
+        if len(box) != len(self.shape) or any(not (0 <= a <= b <= n) for (a, b), n in zip(box, self.shape)):
+            raise PlanError(f"{describe(op)}: {what} {format_region(box)} is not a box inside the tensor {list(self.shape)}")
+
+
+def _check_devices(op: Operation, rule: KindRule, shards: _Shards) -> None:
+    """Sender and receivers as the kind requires, each holding (or receiving) the box in its shard."""
+    if rule.has_src != (op.src is not None):
+        raise PlanError(f"{describe(op)}: src must be {'a device' if rule.has_src else 'null'}, got {op.src}")
+    count = len(op.dsts)
+    if count < rule.min_dsts or (rule.max_dsts is not None and count > rule.max_dsts):
+        wanted = "has exactly one receiver" if rule.max_dsts == rule.min_dsts else f"needs at least {rule.min_dsts} devices in dsts"
+        raise PlanError(f"{describe(op)}: a {op.kind} {wanted}, got {list(op.dsts)}")
+    if len(set(op.dsts)) != count:
+        raise PlanError(f"{describe(op)}: dsts {list(op.dsts)} names a device twice")
+    if op.kind == "copy":
+        if op.dsts != (op.src,):
+            raise PlanError(f"{describe(op)}: a copy must stay on device {op.src}, but names {list(op.dsts)}")
+    elif op.src in op.dsts:
+        raise PlanError(f"{describe(op)}: device {op.src} sends to itself; a device that holds the box needs a copy")
+    for side in rule.src_in:
+        shards.require(op, op.src, side, op.region, "sends" if side == "src" else "receives")
+    if op.kind != "copy":
+        for device in op.dsts:
+            shards.require(op, device, "dst", op.region, "receives")
+
+
+def _check_parts(op: Operation, rule: KindRule, shards: _Shards) -> None:
+    """All-gather parts: one per member, inside the box, tiling it exactly (no gap, no overlap)."""
+    if not rule.has_parts:
+        if op.parts:
+            raise PlanError(f"{describe(op)}: only an allgather has parts; drop them")
+        return
+    if len(op.parts) != len(op.dsts):
+        raise PlanError(f"{describe(op)}: {len(op.dsts)} members but {len(op.parts)} parts")
+    for device, part in zip(op.dsts, op.parts):
+        shards.check_box(op, "part", part)
+        if region_size(part) and not _inside(part, op.region):
+            raise PlanError(f"{describe(op)}: part {format_region(part)} of device {device} lies outside {format_region(op.region)}")
+    gap = uncovered(op.region, [p for p in op.parts if region_size(p)])
+    if gap is not None:
+        raise PlanError(f"{describe(op)}: no member contributes {format_region(gap)}")
+    if sum(region_size(p) for p in op.parts) != region_size(op.region):
+        raise PlanError(f"{describe(op)}: parts {', '.join(map(format_region, op.parts))} overlap; each element needs one contributor")
+
+
+def _check_operation(op: Operation, shards: _Shards) -> None:
+    rule = KIND_RULES[op.kind]
+    shards.check_box(op, "region", op.region)
+    if not region_size(op.region):
+        raise PlanError(f"{describe(op)}: region {format_region(op.region)} is empty; drop operations that move nothing")
+    elements = region_size(op.region)
+    if not rule.chunked and op.chunks != 1:
+        raise PlanError(f"{describe(op)}: chunks is {op.chunks}; only a broadcast is cut into chunks, so use 1")
+    if op.chunks > min(MAX_CHUNKS, elements):
+        raise PlanError(f"{describe(op)}: chunks {op.chunks} is above {min(MAX_CHUNKS, elements)}, the most for a box of "
+                        f"{elements} elements (at most {MAX_CHUNKS}, and at most one element per chunk)")
+    _check_devices(op, rule, shards)
+    _check_parts(op, rule, shards)
+
+
+def check_plan(plan: Plan) -> None:
+    """Raise PlanError naming the first structural fault of `plan` (see the module docstring)."""
+    _check_ids_and_order(plan)
+    _check_numbers(plan)
+    shards = _Shards(plan)
+    for op in plan.operations:
+        _check_operation(op, shards)
+
+
+def uncovered(block: Region, written: list[Region]) -> Region | None:
+    """A box of `block` that no region in `written` touches, or None when they cover it all.
+
+    >>> uncovered(((0, 4),), [((0, 2),), ((2, 4),)]) is None
+    True
+    >>> uncovered(((0, 4), (0, 2)), [((0, 4), (0, 1))])
+    ((0, 4), (1, 2))
+    """
+    if not region_size(block):
+        return None
+    cuts = [sorted({lo, hi} | {c for r in written for c in r[d] if lo <= c <= hi}) for d, (lo, hi) in enumerate(block)]
+    covered = np.zeros([len(c) - 1 for c in cuts], dtype=bool)
+    for r in written:  # clipped to the block
+        index = [(c.index(min(max(a, lo), hi)), c.index(min(max(b, lo), hi))) for c, (a, b), (lo, hi) in zip(cuts, r, block)]
+        if all(i < j for i, j in index):
+            covered[tuple(slice(i, j) for i, j in index)] = True
+    if covered.all():
+        return None
+    first = np.argwhere(~covered)[0]
+    return tuple((cuts[d][k], cuts[d][k + 1]) for d, k in enumerate(first))

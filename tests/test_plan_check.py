@@ -1,0 +1,172 @@
+"""The shared structural checker: each fault the adversarial pass found is refused by `verify` and by the
+executor's lowering with the same message, and `check` recomputes what it gates on.
+
+Faults are planted in compiled plans through the JSON a user would edit, so they reach the checker
+the way a plan file does (including NaN and Infinity, which Python's JSON reader accepts).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+from click.testing import CliRunner
+
+from executor.errors import PlanMismatchError
+from executor.lower import lower
+from executor.ranks import plan_devices
+from planner.cli import main
+from planner.verify import PlanError, verify_plan
+from schemas import Plan
+from schemas.plan_check import MAX_CHUNKS
+
+
+@pytest.fixture
+def case3(case, compile_quick):
+    return compile_quick(case("case3"), "broadcast")
+
+
+@pytest.fixture
+def overlap(problem, compile_quick):
+    """Meshes sharing devices 0-3, so the plan has local copies as well as network tasks."""
+    return compile_quick(problem((8, 4), "1x4", "S0 R", {"shape": [2, 4], "devices": list(range(8))}, "R S1"), "broadcast")
+
+
+def edited(plan: Plan, edit) -> Plan:
+    raw = json.loads(plan.to_json())
+    edit(raw)
+    return Plan.model_validate(raw)
+
+
+def both_refuse(plan: Plan) -> str:
+    """verify's message; the lowering refuses on some rank with the same message (plus its advice)."""
+    with pytest.raises(PlanError) as verdict:
+        verify_plan(plan)
+    refusals = []
+    for device in plan_devices(plan):
+        try:
+            lower(plan, device)
+        except PlanMismatchError as err:
+            refusals.append(str(err))
+    assert refusals, "the executor's lowering accepts a plan verify rejects"
+    assert refusals[0].startswith(str(verdict.value)), (refusals[0], str(verdict.value))
+    return str(verdict.value)
+
+
+def first_op(kind: str):
+    def pick(raw):
+        return next(op for op in raw["operations"] if op["kind"] == kind)
+    return pick
+
+
+@pytest.mark.parametrize("value", [math.nan, math.inf, -1.0])
+def test_an_operation_time_that_is_not_a_finite_non_negative_number(case3, value):
+    message = both_refuse(edited(case3, lambda raw: raw["operations"][1].update(start_s=value)))
+    assert "operation" in message and ("finite" in message or "before time 0" in message)
+
+
+def test_nan_start_cannot_hide_an_all_gather_part_sent_before_it_arrived(case, compile_quick):
+    """NaN compares false with everything, so it used to pass both the order check and the holds check."""
+    plan = compile_quick(case("case3"), "local_allgather")
+    gather = next(op for op in plan.operations if op.kind == "allgather")
+    ops = [op for op in plan.operations if op is not gather]
+    early = gather.model_copy(update={"start_s": math.nan})
+    message = both_refuse(plan.model_copy(update={"operations": (early, *ops)}))
+    assert f"operation {gather.id} (task {gather.task}, allgather) runs @nan" in message
+
+
+@pytest.mark.parametrize("kind", ["send", "broadcast"])
+def test_a_copy_rewritten_as_a_message_to_itself(overlap, kind):
+    message = both_refuse(edited(overlap, lambda raw: first_op("copy")(raw).update(kind=kind, task=raw["tasks"][0]["id"])))
+    assert "sends to itself; a device that holds the box needs a copy" in message
+
+
+def test_a_broadcast_with_an_empty_chain(case3):
+    message = both_refuse(edited(case3, lambda raw: first_op("broadcast")(raw).update(dsts=[])))
+    assert "a broadcast needs at least 1 devices in dsts, got []" in message
+
+
+@pytest.mark.parametrize("device", [99, -1])
+def test_an_empty_box_between_devices_in_neither_mesh(case3, device):
+    def edit(raw):
+        op = raw["operations"][0]
+        op.update(src=device, dsts=[device + 1], region=[[0, 0], [0, 0], [0, 0]])
+    message = both_refuse(edited(case3, edit))
+    assert "is empty; drop operations that move nothing" in message
+
+
+@pytest.mark.parametrize("device", [99, 16])
+def test_a_device_that_does_not_exist(case3, device):
+    message = both_refuse(edited(case3, lambda raw: raw["operations"][0]["dsts"].__setitem__(1, device)))
+    assert f"device {device} receives" in message and "is not in the destination mesh" in message
+
+
+@pytest.mark.parametrize("chunks", [10**9, 2**40, MAX_CHUNKS + 1])
+def test_a_chunk_count_beyond_the_limit_is_refused_at_once(case3, chunks):
+    """The lowering used to loop over every chunk (for ever, at 2**40) while the peers timed out."""
+    message = both_refuse(edited(case3, lambda raw: first_op("broadcast")(raw).update(chunks=chunks)))
+    assert f"chunks {chunks} is above {MAX_CHUNKS}" in message
+
+
+def test_more_chunks_than_elements_is_refused(problem, compile_quick):
+    plan = compile_quick(problem((4,), "1x1", "R", "1x2", "R"), "broadcast")
+    message = both_refuse(edited(plan, lambda raw: first_op("broadcast")(raw).update(chunks=5)))
+    assert "chunks 5 is above 4, the most for a box of 4 elements" in message
+
+
+def test_a_bad_nic_side_in_the_host_order(case3):
+    message = both_refuse(edited(case3, lambda raw: raw["host_order"][0].update(side="send:x")))
+    assert "has side 'send:x'; use send or recv" in message
+
+
+def test_overlapping_all_gather_parts_are_refused(case, compile_quick):
+    plan = compile_quick(case("case3"), "local_allgather")
+    def edit(raw):
+        gather = first_op("allgather")(raw)
+        gather["parts"][1] = gather["parts"][0]
+    message = both_refuse(edited(plan, edit))
+    assert "no member contributes" in message or "overlap" in message
+
+
+# --- check recomputes what it gates on ------------------------------------------------------------
+
+def check(tmp_path, plan_or_text, *flags):
+    path = tmp_path / "p.plan.json"
+    path.write_text(plan_or_text if isinstance(plan_or_text, str) else plan_or_text.to_json())
+    return CliRunner().invoke(main, ["check", str(path), *flags])
+
+
+def test_check_passes_a_compiled_plan(tmp_path, case3):
+    result = check(tmp_path, case3, "--max-ratio", "2")
+    assert result.exit_code == 0 and result.output.rstrip().endswith("ok"), result.output
+
+
+@pytest.mark.parametrize("field,value,words", [
+    ("predicted_seconds", "NaN", "predicted_seconds is nan"),
+    ("lower_bound_seconds", "NaN", "lower_bound_seconds is nan"),
+    ("lower_bound_seconds", "100.0", "above predicted_seconds"),
+])
+def test_check_refuses_numbers_it_cannot_trust(tmp_path, case3, field, value, words):
+    raw = json.loads(case3.to_json())
+    text = json.dumps(raw).replace(f'"{field}": {raw[field]}', f'"{field}": {value}')
+    assert value in text
+    result = check(tmp_path, text)
+    assert result.exit_code == 1 and "FAIL does not verify" in result.output and words in result.output, result.output
+
+
+def test_check_recomputes_the_bound_instead_of_trusting_it(tmp_path, case3):
+    result = check(tmp_path, case3.model_copy(update={"lower_bound_seconds": case3.predicted_seconds}))
+    assert result.exit_code == 1 and "disagrees with 0.8589934592 s recomputed from the problem" in result.output, result.output
+
+
+def test_check_retimes_the_operations(tmp_path, case3):
+    faster = tuple(op.model_copy(update={"end_s": op.start_s + (op.end_s - op.start_s) / 2}) for op in case3.operations)
+    tampered = case3.model_copy(update={"operations": faster, "predicted_seconds": max(op.end_s for op in faster)})
+    result = check(tmp_path, tampered)
+    assert result.exit_code == 1 and "but the simulator times it" in result.output, result.output
+
+
+def test_check_verifies_the_plan(tmp_path, case3):
+    result = check(tmp_path, case3.model_copy(update={"operations": case3.operations[:-1]}))
+    assert result.exit_code == 1 and "FAIL does not verify: destination device" in result.output, result.output
