@@ -19,7 +19,7 @@ from typing import Literal
 import numpy as np
 
 from schemas import Operation, Plan
-from schemas.geometry import Region, intersect, local_slices, region_shape, shard_interval
+from schemas.geometry import Region, intersect, local_slices, region_shape, region_size, shard_interval
 from schemas.plan import format_region
 from schemas.plan_check import TOLERANCE_S, PlanError, check_plan, describe, uncovered
 
@@ -188,6 +188,7 @@ class _Builder:
     itemsize: int
     steps: list[Step] = field(default_factory=list)
     writes: _Writes = field(init=False)
+    received: list[tuple[Operation, Region]] = field(default_factory=list)
     stage_bytes: int = 0
 
     def __post_init__(self) -> None:
@@ -210,12 +211,23 @@ class _Builder:
         return make_box(side, region, block, self.itemsize)
 
     def record(self, op: Operation, region: Region, steps: list[int]) -> None:
-        """This device receives `region` (written by `steps`); refused if some of it already arrived."""
-        earlier = self.writes.overlapping(region)
-        if earlier:
-            self.fail(op, f"device {self.device} receives {format_region(earlier[0][0])} a second time")
+        """This device receives `region` (written by `steps`); `lower` checks at the end that nothing arrived twice."""
+        self.received.append((op, region))
         for step in steps:
             self.writes.add(region, step, op.end_s)
+
+    def check_received_once(self) -> None:
+        """Every received box lies in the shard (check_plan), so more elements received than the shard has
+        means some arrived twice; only then look for the first repeat, to name it."""
+        block = self.dst_blocks.get(self.device)
+        if block is None or sum(region_size(r) for _, r in self.received) <= region_size(block):
+            return
+        seen = _Writes(len(self.plan.problem.shape))
+        for op, region in self.received:
+            earlier = seen.overlapping(region)
+            if earlier:
+                self.fail(op, f"device {self.device} receives {format_region(earlier[0][0])} a second time")
+            seen.add(region, 0, 0.0)
 
     def outgoing(self, op: Operation, box: Box, deps: tuple[int, ...]) -> tuple[Bytes, tuple[int, ...]]:
         """Where the bytes of `box` are sent from: the shard itself, or staging after a pack step."""
@@ -312,6 +324,7 @@ def lower(plan: Plan, device: int, tag_limit: int = 32767) -> RankProgram:
     if base > tag_limit + 1:  # every message has its own tag; reusing one could match the wrong message
         raise PlanMismatchError(f"the plan needs {base} message tags but this MPI allows tags up to {tag_limit} (its TAG_UB); "
                                 "run it with an MPI that allows more (MPICH allows 2**29 - 1) or compile a plan with fewer operations")
+    b.check_received_once()
     dst_block = b.dst_blocks.get(device)
     if dst_block is not None:
         missing = uncovered(dst_block, b.writes.regions)

@@ -173,11 +173,29 @@ def _check_parts(op: Operation, rule: KindRule, shards: _Shards) -> None:
         shards.check_box(op, "part", part)
         if region_size(part) and not _inside(part, op.region):
             raise PlanError(f"{describe(op)}: part {format_region(part)} of device {device} lies outside {format_region(op.region)}")
-    gap = uncovered(op.region, [p for p in op.parts if region_size(p)])
-    if gap is not None:
-        raise PlanError(f"{describe(op)}: no member contributes {format_region(gap)}")
-    if sum(region_size(p) for p in op.parts) != region_size(op.region):
-        raise PlanError(f"{describe(op)}: parts {', '.join(map(format_region, op.parts))} overlap; each element needs one contributor")
+    filled = [p for p in op.parts if region_size(p)]
+    twice = overlapping_pair(filled)
+    if twice is not None:
+        raise PlanError(f"{describe(op)}: parts {format_region(filled[twice[0]])} and {format_region(filled[twice[1]])} "
+                        "overlap; each element needs one contributor")
+    if sum(map(region_size, filled)) != region_size(op.region):  # disjoint parts inside the box: equal volume is a tiling
+        raise PlanError(f"{describe(op)}: no member contributes {format_region(uncovered(op.region, filled))}")
+
+
+def overlapping_pair(boxes: list[Region]) -> tuple[int, int] | None:
+    """Indices (i < j) of the first two non-empty boxes that share an element, or None (one numpy test).
+
+    >>> overlapping_pair([((0, 2),), ((2, 4),), ((1, 3),)])
+    (0, 2)
+    """
+    if len(boxes) < 2:
+        return None
+    bounds = np.array(boxes, dtype=np.int64)  # (box, dim, start/stop)
+    lo, hi = bounds[:, :, 0], bounds[:, :, 1]
+    meet = ((lo[:, None, :] < hi[None, :, :]) & (lo[None, :, :] < hi[:, None, :])).all(axis=2)
+    np.fill_diagonal(meet, False)
+    pairs = np.argwhere(np.triu(meet))
+    return (int(pairs[0][0]), int(pairs[0][1])) if len(pairs) else None
 
 
 def _check_operation(op: Operation, shards: _Shards) -> None:
