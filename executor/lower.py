@@ -21,7 +21,7 @@ import numpy as np
 from schemas import Operation, Plan
 from schemas.geometry import Region, intersect, local_slices, region_shape, region_size, shard_interval
 from schemas.plan import format_region
-from schemas.plan_check import TOLERANCE_S, PlanError, check_plan, describe, uncovered
+from schemas.plan_check import TOLERANCE_S, PlanError, check_plan, describe, tags_used, uncovered
 
 from .errors import PlanMismatchError
 
@@ -140,11 +140,6 @@ def chunk_ranges(nbytes: int, chunks: int, itemsize: int) -> list[tuple[int, int
 
 def is_empty(region: Region) -> bool:
     return any(a >= b for a, b in region)
-
-
-def tags_used(op: Operation) -> int:
-    """How many tags an operation owns: one per broadcast chunk, one per all-gather member."""
-    return {"copy": 0, "send": 1, "broadcast": op.chunks, "allgather": len(op.dsts)}[op.kind]
 
 
 class _Writes:
@@ -296,7 +291,7 @@ def _lower_allgather(b: _Builder, op: Operation, base: int) -> None:
         missing = None if held and held[0][0] == mine else uncovered(mine, [r for r, _, _ in held])  # usually one write is the part
         late = [r for r, _, end in held if end > op.start_s + TOLERANCE_S]
         if missing is not None or late:
-            b.fail(op, f"device {b.device} sends {format_region(missing or late[0])} which it does not hold at {op.start_s:.6f}s")
+            b.fail(op, f"device {b.device} sends {format_region(missing or late[0])} which it does not hold at {op.start_s:.9g}s")
         data, deps = b.outgoing(op, b.box("dst", mine), tuple(step for _, step, _ in held))
         for peer in members[:i] + members[i + 1:]:
             b.add("send", op, deps=deps, peer=peer, tag=base + i, data=data, piece=f"part {i}")
@@ -309,7 +304,7 @@ def _lower_allgather(b: _Builder, op: Operation, base: int) -> None:
 _LOWER = {"copy": _lower_copy, "send": _lower_chain, "broadcast": _lower_chain, "allgather": _lower_allgather}
 
 
-def lower(plan: Plan, device: int, tag_limit: int = 32767) -> RankProgram:
+def lower(plan: Plan, device: int, tag_limit: int | None = None) -> RankProgram:
     """The steps `device` runs for `plan`; raises PlanMismatchError naming the op when the plan is inconsistent."""
     try:  # the same structural rules and messages as `xmesh-plan verify`
         check_plan(plan)
@@ -321,9 +316,9 @@ def lower(plan: Plan, device: int, tag_limit: int = 32767) -> RankProgram:
     for op in plan.operations:
         _LOWER[op.kind](b, op, base)
         base += tags_used(op)
-    if base > tag_limit + 1:  # every message has its own tag; reusing one could match the wrong message
+    if tag_limit is not None and base > tag_limit + 1:  # every message has its own tag; reusing one could match the wrong message
         raise PlanMismatchError(f"the plan needs {base} message tags but this MPI allows tags up to {tag_limit} (its TAG_UB); "
-                                "run it with an MPI that allows more (MPICH allows 2**29 - 1) or compile a plan with fewer operations")
+                                f"run it with an MPI whose TAG_UB is at least {base - 1} (MPICH's is 2**29 - 1)")
     b.check_received_once()
     dst_block = b.dst_blocks.get(device)
     if dst_block is not None:

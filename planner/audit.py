@@ -10,8 +10,8 @@ from dataclasses import dataclass
 from schemas import Plan
 
 from .bounds import lower_bound
-from .compile import DIGITS
-from .simulate import simulate_plan
+from .compile import DIGITS, MAX_SIMULATED_OPERATIONS, settle_listing
+from .simulate import nic_assignment, simulate
 from .unit_tasks import decompose
 
 REL_TOLERANCE = 1e-9
@@ -23,7 +23,7 @@ class Audit:
 
     lower_bound_seconds: float
     predicted_seconds: float
-    retimed: bool  # False when the plan was timed by the schedule model, which is not re-run here
+    retimed: bool  # False when the plan was timed by the schedule model (too large to simulate, or its listing never settles)
     mismatch: str | None
 
 
@@ -32,20 +32,29 @@ def _differ(stored: float, derived: float) -> bool:
 
 
 def audit_plan(plan: Plan) -> Audit:
-    """Recompute the bound and (for simulator-timed plans) every operation's times; call on a verified plan."""
-    bound = lower_bound(decompose(plan.problem), plan.problem.cluster, plan.problem.itemsize).seconds
+    """Recompute the bound and every operation's times as `compile` did; call it on a verified plan.
+
+    Every plan small enough to simulate is re-timed, whatever `solver.details.timed_by` claims; one
+    that claims the schedule's times is believed only when its listing does not settle (see
+    `compile.settle_listing`), as in compile."""
+    problem = plan.problem
+    bound = lower_bound(decompose(problem), problem.cluster, problem.itemsize).seconds
     mismatch = None
     if _differ(plan.lower_bound_seconds, round(bound, DIGITS)):
         mismatch = f"stored lower bound {plan.lower_bound_seconds} s disagrees with {bound:.12g} s recomputed from the problem"
-    timed_by = plan.solver.details.get("timed_by", "")
-    if not timed_by.startswith("simulator"):
+    if len(plan.operations) > MAX_SIMULATED_OPERATIONS:
         return Audit(bound, plan.predicted_seconds, False, mismatch)
-    result = simulate_plan(plan)
-    for op in plan.operations:
-        start, end = round(result.op_start_s[op.id], DIGITS), round(result.op_end_s[op.id], DIGITS)
-        if mismatch is None and (_differ(op.start_s, start) or _differ(op.end_s, end)):
-            mismatch = (f"operation {op.id} is stored @{op.start_s}-{op.end_s}s but the simulator times it "
-                        f"@{start:.12g}-{end:.12g}s")
+    nics = nic_assignment(plan.host_order)
+    result = simulate(plan.operations, problem, "host-order", nics)
+    late = next((op for op in plan.operations if _differ(op.start_s, round(result.op_start_s[op.id], DIGITS))
+                 or _differ(op.end_s, round(result.op_end_s[op.id], DIGITS))), None)
+    if late is not None and plan.solver.details.get("timed_by", "").startswith("schedule") \
+            and settle_listing(plan.operations, problem, nics) is None:
+        return Audit(bound, plan.predicted_seconds, False, mismatch)
+    if mismatch is None and late is not None:
+        start, end = round(result.op_start_s[late.id], DIGITS), round(result.op_end_s[late.id], DIGITS)
+        mismatch = (f"operation {late.id} is stored @{late.start_s}-{late.end_s}s but the simulator times it "
+                    f"@{start:.12g}-{end:.12g}s")
     predicted = round(result.makespan_s, DIGITS)
     if mismatch is None and _differ(plan.predicted_seconds, predicted):
         mismatch = f"stored predicted time {plan.predicted_seconds} s disagrees with {predicted:.12g} s from the simulator"

@@ -16,6 +16,7 @@ from .unit_tasks import Cell, decompose
 
 DIGITS = 12  # times are rounded to picoseconds so plans print and compare stably
 MAX_SIMULATED_OPERATIONS = 20_000  # beyond this the schedule's own timetable stands in for the simulator
+MAX_RELISTINGS = 8  # re-simulations until the listing is the order of its own predicted starts
 
 
 @dataclass(frozen=True, slots=True)
@@ -108,15 +109,35 @@ def assemble(problem: ReshardingProblem, cells: list[Cell], options: list[TaskOp
         predicted_seconds=round(predicted, DIGITS), lower_bound_seconds=round(bound.seconds, DIGITS))
 
 
+def settle_listing(operations: tuple[Operation, ...], problem: ReshardingProblem, nic_of_task: dict[int, int]):
+    """(listing, simulated times) where the listing is the order of its own predicted starts, or None.
+
+    The simulator queues operations on each NIC side in list order, and listing them by predicted start
+    can change that order (an all-gather's intra-host flows start before its NIC turn), so the listing
+    is re-simulated until it stops changing (at most MAX_RELISTINGS times; 1-3 on random problems)."""
+    listing = operations
+    for _ in range(MAX_RELISTINGS):
+        result = simulate(listing, problem, "host-order", nic_of_task)
+        position = {op.id: i for i, op in enumerate(listing)}
+        order = sorted(listing, key=lambda op: (round(result.op_start_s[op.id], DIGITS), position[op.id]))
+        if order == list(listing):
+            return listing, result
+        listing = tuple(order)
+    return None
+
+
 def _simulated(operations: tuple[Operation, ...], problem: ReshardingProblem,
                nic_of_task: dict[int, int]) -> tuple[tuple[Operation, ...], str]:
-    """Operation times from the network simulator (host order), listed and numbered by predicted start."""
+    """Operation times from the network simulator (host order), listed and numbered by predicted start,
+    so what is stored is what `check` recomputes; the schedule's own times when that cannot be had."""
     if len(operations) > MAX_SIMULATED_OPERATIONS:
         return operations, "schedule (too many operations to simulate)"
-    result = simulate(operations, problem, "host-order", nic_of_task)
-    order = sorted(operations, key=lambda op: (round(result.op_start_s[op.id], DIGITS), op.id))
+    settled = settle_listing(operations, problem, nic_of_task)
+    if settled is None:
+        return operations, "schedule (the simulated listing did not settle)"
+    listing, result = settled
     retimed = tuple(op.model_copy(update={"id": i, "start_s": round(result.op_start_s[op.id], DIGITS),
-                                          "end_s": round(result.op_end_s[op.id], DIGITS)}) for i, op in enumerate(order))
+                                          "end_s": round(result.op_end_s[op.id], DIGITS)}) for i, op in enumerate(listing))
     return retimed, "simulator (host-order)"
 
 

@@ -85,7 +85,7 @@ class _Replay:
         idx = cells.index(box)
         late = cells.ready[idx] > self.op.start_s + TOLERANCE_S
         if late.any():
-            self.fail(f"device {device} sends {cells.describe(idx, late)} which it does not hold at {self.op.start_s:.6f}s")
+            self.fail(f"device {device} sends {cells.describe(idx, late)} which it does not hold at {self.op.start_s:.9g}s")
 
     def deliver(self, device: int, box: Region, skip: Region | None = None) -> None:
         """`device` receives `box` (less `skip`, its own all-gather part) into its destination shard."""

@@ -11,6 +11,7 @@ by the verifier and, per device, by the lowering, on top of this.
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass
 
 import numpy as np
@@ -20,6 +21,8 @@ from .plan import Operation, Plan, format_region
 
 MAX_CHUNKS = 1024  # the most pipelined pieces a broadcast may have (the planner never picks more)
 TOLERANCE_S = 1e-9  # slack for comparing times rounded to picoseconds
+MAX_TAGS = 2**29  # message tags a plan may use: MPICH's TAG_UB + 1 (an MPI with a lower TAG_UB refuses more in prepare())
+_SIDE = re.compile(r"(send|recv)(:(0|[1-9][0-9]*))?")
 
 
 class PlanError(ValueError):
@@ -45,6 +48,11 @@ KIND_RULES: dict[str, KindRule] = {
     "broadcast": KindRule(has_src=True, src_in=("src",), min_dsts=1, max_dsts=None, chunked=True, has_parts=False),
     "allgather": KindRule(has_src=False, src_in=(), min_dsts=2, max_dsts=None, chunked=False, has_parts=True),
 }
+
+
+def tags_used(op: Operation) -> int:
+    """How many message tags an operation owns: one per broadcast chunk, one per all-gather member."""
+    return {"copy": 0, "send": 1, "broadcast": op.chunks, "allgather": len(op.dsts)}[op.kind]
 
 
 def describe(op: Operation) -> str:
@@ -97,15 +105,29 @@ def _check_ids_and_order(plan: Plan) -> None:
         if op.start_s < 0:
             raise PlanError(f"{describe(op)} starts at {op.start_s}s, before time 0")
         if before is not None and (op.start_s, op.id) < (before.start_s, before.id):  # the executor posts the list in this order
-            raise PlanError(f"{describe(op)} at position {index} starts at {op.start_s}s, before operation {before.id} "
-                            f"listed ahead of it ({before.start_s}s); list operations in execution order (start time, then id)")
+            why = (f"has a lower id than operation {before.id}, listed ahead of it at the same start {op.start_s}s"
+                   if op.start_s == before.start_s else
+                   f"starts at {op.start_s}s, before operation {before.id} listed ahead of it ({before.start_s}s)")
+            raise PlanError(f"{describe(op)} at position {index} {why}; list operations in execution order (start time, then id)")
         before = op
-    nics = len(plan.problem.cluster.nics)
+    _check_host_order(plan, task_ids)
+
+
+def _check_host_order(plan: Plan, task_ids: set[int]) -> None:
+    """Each (host, NIC side) once, on a host of the meshes, naming existing tasks."""
+    nics, cluster = len(plan.problem.cluster.nics), plan.problem.cluster
+    hosts = {cluster.host_of(d) for side in ("src", "dst") for d in getattr(plan.problem, side).mesh.devices}
+    seen = set()
     for entry in plan.host_order:
-        kind, _, nic = entry.side.partition(":")
-        if kind not in ("send", "recv") or (nic and not (nic.isascii() and nic.isdigit() and int(nic) < nics)):
+        match = _SIDE.fullmatch(entry.side)
+        if match is None or (match[3] is not None and int(match[3]) >= nics):
             raise PlanError(f"host_order of host {entry.host} has side {entry.side!r}; use send or recv, or send:N / recv:N "
                             f"for NIC N of the cluster's {nics}")
+        if entry.host not in hosts:
+            raise PlanError(f"host_order names host {entry.host}, which holds no device of either mesh")
+        if (entry.host, entry.side) in seen:
+            raise PlanError(f"host_order lists host {entry.host} side {entry.side} twice; give each NIC side one order")
+        seen.add((entry.host, entry.side))
         unknown = [t for t in entry.tasks if t not in task_ids]
         if unknown:
             raise PlanError(f"host_order of host {entry.host} ({entry.side}) names task {unknown[0]}, which the plan does not have")
@@ -220,6 +242,10 @@ def check_plan(plan: Plan) -> None:
     shards = _Shards(plan)
     for op in plan.operations:
         _check_operation(op, shards)
+    tags = sum(map(tags_used, plan.operations))
+    if tags > MAX_TAGS:  # every message has its own tag; reusing one could match the wrong message
+        raise PlanError(f"the plan needs {tags} message tags, more than the {MAX_TAGS} a plan may use; "
+                        "split the tensor into smaller transfers")
 
 
 def uncovered(block: Region, written: list[Region]) -> Region | None:

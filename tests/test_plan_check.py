@@ -170,3 +170,47 @@ def test_check_retimes_the_operations(tmp_path, case3):
 def test_check_verifies_the_plan(tmp_path, case3):
     result = check(tmp_path, case3.model_copy(update={"operations": case3.operations[:-1]}))
     assert result.exit_code == 1 and "FAIL does not verify: destination device" in result.output, result.output
+
+
+@pytest.mark.parametrize("side", ["send:", "send:00", "recv:7", "both"])
+def test_a_malformed_nic_side_is_refused(case3, side):
+    """`send:` used to pass the checker and then crash `check` inside the simulator's NIC lookup."""
+    message = both_refuse(edited(case3, lambda raw: raw["host_order"][0].update(side=side)))
+    assert f"has side {side!r}; use send or recv" in message
+
+
+def test_a_nic_side_listed_twice_or_on_a_foreign_host(case3):
+    assert "twice" in both_refuse(edited(case3, lambda raw: raw["host_order"].append(dict(raw["host_order"][0]))))
+    assert "holds no device of either mesh" in both_refuse(edited(case3, lambda raw: raw["host_order"][0].update(host=40)))
+
+
+def test_the_tag_budget_is_a_plan_rule_and_the_mpi_limit_an_executor_one(case3, monkeypatch):
+    """A plan over the format's tag budget is refused by both sides; the lowering applies a smaller
+    TAG_UB only when a backend passes one (the planner made 33,124-tag plans that verify passed)."""
+    needed = sum(op.chunks for op in case3.operations)
+    lower(case3, 8)  # no backend limit given: fine
+    with pytest.raises(PlanMismatchError, match=f"needs {needed} message tags but this MPI allows tags up to 10"):
+        lower(case3, 8, tag_limit=10)
+    monkeypatch.setattr("schemas.plan_check.MAX_TAGS", needed - 1)
+    assert f"the plan needs {needed} message tags" in both_refuse(case3)
+
+
+@pytest.mark.parametrize("seed", range(10, 22))
+def test_check_passes_what_compile_just_wrote(tmp_path, seed):
+    """Listing operations by predicted start used to change the simulator's NIC queues, so `check`
+    re-timed 2-3% of fresh plans differently (e.g. seed 14, global all-gather) and failed them."""
+    from test_executor_cases import compiled, random_problem
+
+    for strategy in ("global_allgather", "auto"):
+        plan = compiled(random_problem(seed, max_devices=4 + seed % 9, exact=False), strategy)
+        result = check(tmp_path, plan, "--max-ratio", "1e12")  # tiny tensors: latency dwarfs the byte bound
+        assert result.exit_code == 0, result.output
+
+
+def test_check_re_times_a_plan_that_claims_the_schedule_timed_it(tmp_path, case3):
+    faster = tuple(op.model_copy(update={"end_s": op.start_s + (op.end_s - op.start_s) / 2}) for op in case3.operations)
+    details = {**case3.solver.details, "timed_by": "schedule (too many operations to simulate)"}
+    forged = case3.model_copy(update={"operations": faster, "predicted_seconds": max(op.end_s for op in faster),
+                                      "solver": case3.solver.model_copy(update={"details": details})})
+    result = check(tmp_path, forged)
+    assert result.exit_code == 1 and "but the simulator times it" in result.output, result.output

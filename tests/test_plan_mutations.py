@@ -55,7 +55,8 @@ def _mutate(rng: random.Random, plan: dict) -> str:
     ops = plan["operations"]
     i = rng.randrange(len(ops))
     op = ops[i]
-    kind = rng.choice(["device", "bound", "chunks", "kind", "order", "time", "drop", "duplicate", "chain", "plan-number", "part"])
+    kind = rng.choice(["device", "bound", "chunks", "kind", "order", "time", "drop", "duplicate", "chain", "plan-number", "part",
+                       "host-order", "shape"])
     if kind == "device":
         if op["src"] is not None and rng.random() < 0.5:
             op["src"] = _device(rng, plan)
@@ -83,6 +84,21 @@ def _mutate(rng: random.Random, plan: dict) -> str:
         if rng.random() < 0.5:
             twin["id"] = max(o["id"] for o in ops) + 1
         ops.insert(i + 1, twin)
+    elif kind == "host-order":
+        entry = rng.choice(plan["host_order"] or [{"host": 0, "side": "send", "tasks": []}])
+        what = rng.choice(["side", "host", "task", "twice"])
+        if what == "side":
+            entry["side"] = rng.choice(["send:", "send:00", "recv:1", "recv:9", "both", "recv", "send:0"])
+        elif what == "host":
+            entry["host"] = rng.choice([-1, 99, entry["host"] + 1])
+        elif what == "task":
+            entry["tasks"].append(rng.choice([-5, 10**6]))
+        else:
+            plan["host_order"].append({**entry, "tasks": list(entry["tasks"])})
+    elif kind == "shape":
+        shape = plan["problem"]["shape"]
+        d = rng.randrange(len(shape))
+        shape[d] = max(0, shape[d] + rng.choice([-1, 1, 7]))
     elif kind == "chain":
         op["dsts"] = [] if rng.random() < 0.5 else op["dsts"][:1]
     else:
