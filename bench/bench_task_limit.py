@@ -6,7 +6,7 @@ R S0 S1`, float32, default `auto` solver, no task limit. The default `--max-task
 (`planner.unit_tasks.DEFAULT_MAX_TASKS`) is chosen from these figures.
 
     .venv/bin/python bench/bench_task_limit.py            # 4 sizes up to 65,536 tasks, about 1.5 minutes
-    .venv/bin/python bench/bench_task_limit.py --large    # adds 131,044 and 262,144 tasks (several minutes)
+    .venv/bin/python bench/bench_task_limit.py --large    # adds 131,044, 262,144 and 501,264 tasks (about 8 minutes, 4 GiB)
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from planner.problem_io import build_problem  # noqa: E402
 from planner.unit_tasks import BYTES_PER_TASK, DEFAULT_MAX_TASKS, TooManyTasksError, check_task_count  # noqa: E402
 
 HOSTS = [16, 32, 64, 128]  # (H, 4) meshes: 4 H^2 unit tasks
-LARGE = [181, 256]
+LARGE = [181, 256, 354]
 REFUSED = {"shape": "4096,4096,512", "dtype": "float32", "src": {"mesh": "1000x4", "spec": "S0 S1 R"},
            "dst": {"mesh": "1000x4", "spec": "R S0 S1"}}  # the issue's 1000x4 -> 1000x4 problem
 COMMAND = ".venv/bin/python bench/bench_task_limit.py"

@@ -20,8 +20,8 @@ from .problem_io import InputError
 
 # Peak memory of a compile per unit task, measured by `bench/bench_task_limit.py` (BENCHMARKS.md, "Task limit");
 # the default limit keeps a compile well inside a 24 GiB machine.
-BYTES_PER_TASK = 40 * 2**10
-DEFAULT_MAX_TASKS = 200_000
+BYTES_PER_TASK = 8 * 2**10
+DEFAULT_MAX_TASKS = 500_000
 
 
 class TooManyTasksError(InputError):
