@@ -3,6 +3,8 @@
 Each cell's senders are the source devices whose shard contains it, its receivers the destination
 devices whose shard contains it and that do not already hold it (overlapping meshes); those that do
 hold it only copy locally. Adjacent cells with identical device sets are merged into one box.
+The cell count is known from the cut points alone, so a problem too large to compile is refused
+before anything is cut (`max_tasks`, the CLI's `--max-tasks`).
 """
 
 from __future__ import annotations
@@ -68,8 +70,13 @@ def check_task_count(problem: ReshardingProblem, max_tasks: int | None) -> int:
         raise TooManyTasksError(
             f"problem: cutting it gives up to {bound:,} unit tasks ({per_dim} intervals per dim), above the limit of "
             f"{max_tasks:,}; pass --max-tasks {bound} (max_tasks= in Python) if this machine has the memory "
-            f"(about {bound * BYTES_PER_TASK / 2**30:.1f} GiB), or use coarser meshes or specs")
+            f"(about {_memory(bound * BYTES_PER_TASK)}), or use coarser meshes or specs")
     return bound
+
+
+def _memory(nbytes: int) -> str:
+    """`3.1 GiB`, or whole MiB (at least 1) below a GiB, so an estimate never reads as zero."""
+    return f"{nbytes / 2**30:.1f} GiB" if nbytes >= 2**30 else f"{max(1, round(nbytes / 2**20))} MiB"
 
 
 def _owners(problem: ReshardingProblem, side: str) -> dict[tuple[int, ...], tuple[int, ...]]:
