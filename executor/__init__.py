@@ -1,7 +1,7 @@
 """Replay a compiled resharding plan every iteration: MPI on the CPU, NCCL through CuPy on GPUs.
 
 Imports `schemas` only, never the planner. Entry points: `ReshardingExecutor` and the demo
-`mpiexec -n N python -m executor.run PLAN --check`.
+`mpiexec -disable-auto-cleanup -n N python -m executor.run PLAN --check`.
 """
 
 from .errors import BackendUnavailableError, ExecutorError, PeerTimeoutError, PlanMismatchError

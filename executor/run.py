@@ -1,4 +1,4 @@
-"""`mpiexec -n N python -m executor.run PLAN... --check`: reshard a pattern, check it bit for bit, time it.
+"""`mpiexec -disable-auto-cleanup -n N python -m executor.run PLAN... --check`: reshard a pattern, check it, time it.
 
 For each plan: shrink the tensor to fit this machine (`--max-mb`, or exact `--scale 4,4,2`), fill
 every source shard with a pattern of global indices, run `--warmup` + `--iters` reshards, and print
@@ -6,7 +6,10 @@ on rank 0 the time per iteration (slowest rank, median) and the achieved bandwid
 between devices per iteration over that time). With `--check`, the destination buffers are poisoned
 before the last iteration and every destination shard is then compared bit for bit.
 
-    mpiexec -n 16 python -m executor.run plans/case4.plan.json --check
+    mpiexec -disable-auto-cleanup -n 16 python -m executor.run plans/case4.plan.json --check
+
+A rank that fails reports it and exits; every other rank stops within `--timeout` seconds, saying why,
+so the whole job ends with or without `-disable-auto-cleanup` (which lets the others report).
 """
 
 from __future__ import annotations
@@ -43,6 +46,11 @@ def bytes_moved(plan: Plan) -> int:
 
 MAX_ITERS = 1_000_000  # iteration times are kept in memory, 8 bytes each
 MAX_MB = 2**30  # 1 PiB: far above any tensor, far below float overflow
+LAUNCH = "mpiexec -disable-auto-cleanup -n 16 python -m executor.run plans/case4.plan.json --check"  # docs/executor.md shows it too
+EPILOG = """A rank that fails ends the job within --timeout seconds; -disable-auto-cleanup lets the
+other ranks report why they stopped. Exit status: 0 ok, 1 a check failed, 2 a plan was refused,
+3 a peer timed out, 4 an unexpected error; with -disable-auto-cleanup, mpiexec returns the bitwise
+OR of the ranks' statuses."""
 
 
 class UsageError(ValueError):
@@ -94,7 +102,8 @@ def _check_numbers(args: argparse.Namespace) -> None:
 
 def _arguments(argv: list[str] | None) -> argparse.Namespace:
     """Parsed flags; raises UsageError (one line naming the flag) instead of printing and exiting."""
-    parser = _Parser(prog="python -m executor.run", description=__doc__.splitlines()[0])
+    parser = _Parser(prog="python -m executor.run", description=__doc__.splitlines()[0], formatter_class=argparse.RawDescriptionHelpFormatter,
+                     epilog=f"launch (-n: the devices the plan uses):\n  {LAUNCH}\n{EPILOG}")
     parser.add_argument("plans", nargs="+", type=Path, help="plan files (plans/*.plan.json)")
     parser.add_argument("--check", action="store_true", help="compare every destination shard with the pattern, bit for bit")
     parser.add_argument("--iters", type=int, default=5, help="timed iterations (default 5)")
@@ -175,6 +184,24 @@ def fake_hosts(rank: int) -> None:
     os.environ.setdefault("NCCL_NET", "Socket")
 
 
+def _fail_alone(rank: int, message: str, code: int):
+    """This rank failed and its peers may not know: report it in one line and exit without MPI_Finalize, which would
+    wait for the peers for ever. The peers see the silence as a timeout within their own `--timeout`."""
+    print(f"rank {rank}: error: {message}", file=sys.stderr, flush=True)
+    sys.stdout.flush()
+    os._exit(code)
+
+
+def _leave_together(comm, status: int, timeout_s: float) -> int:
+    """Finish only when every rank finished: MPI_Finalize blocks for ever on a peer that failed (and exited
+    without finalizing) when the launcher does not kill the job (`mpiexec -disable-auto-cleanup`)."""
+    try:
+        poll(comm.Ibarrier(), timeout_s, DEFAULT_POLL_S, "the barrier where every rank finishes")
+    except PeerTimeoutError as err:
+        _fail_alone(comm.Get_rank(), f"{err} (a peer failed or hangs)", 3)
+    return status
+
+
 def _shared_error(rank: int, message: str) -> int:
     """An error every rank hit alike: rank 0 prints it, every rank returns 2."""
     if rank == 0:
@@ -199,13 +226,15 @@ def main(argv: list[str] | None = None) -> int:
         try:  # every rank reads the same file and scales it the same way, so these errors are shared
             plan = read_plan_file(path)
         except PlanFileError as err:
-            return _shared_error(rank, str(err))
+            status = _shared_error(rank, str(err))
+            break
         full = plan.problem
         factors = args.scale or factors_for(plan, int(args.max_mb * 2**20))
         try:
             plan = scale_plan(plan, factors)
         except PlanMismatchError as err:
-            return _shared_error(rank, f"{path.name}: {err}")
+            status = _shared_error(rank, f"{path.name}: {err}")
+            break
         try:
             line, ok = demo(plan, comm, args)
             if rank == 0:
@@ -219,10 +248,10 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"rank {rank}: error: {path.name}: {err}", file=sys.stderr, flush=True)
                 status = 2
         except ExecutorError as err:  # a peer died or hangs: requests are pending, so MPI cannot finalize
-            print(f"rank {rank}: error: {path.name}: {err}", file=sys.stderr, flush=True)
-            sys.stdout.flush()
-            os._exit(3 if isinstance(err, PeerTimeoutError) else 2)
-    return status
+            _fail_alone(rank, f"{path.name}: {err}", 3 if isinstance(err, PeerTimeoutError) else 2)
+        except Exception as err:  # a bug on this rank alone: end it the same way, or the job would hang
+            _fail_alone(rank, f"{path.name}: unexpected {type(err).__name__}: {err}", 4)
+    return _leave_together(comm, status, args.timeout)
 
 
 if __name__ == "__main__":

@@ -17,7 +17,7 @@ from typing import Callable
 
 from schemas import Operation, ReshardingProblem, split_region
 
-from .unit_tasks import Cell, decompose
+from .unit_tasks import DEFAULT_MAX_TASKS, Cell, check_task_count, decompose
 
 BASELINES: dict[str, Callable[[ReshardingProblem], list[Operation]]] = {}
 
@@ -34,7 +34,7 @@ def _size(region) -> int:
 
 
 def alpa_send_recv(problem: ReshardingProblem) -> list[Operation]:
-    cells = [c for c in decompose(problem) if c.receivers]
+    cells = [c for c in decompose(problem, max_tasks=None) if c.receivers]  # baseline_seconds checked the size
     load: dict[int, int] = {}
     ops: list[Operation] = []
     for dst in problem.dst.mesh.devices:
@@ -54,7 +54,7 @@ def _groups(problem: ReshardingProblem, cell: Cell) -> list[tuple[int, ...]]:
 
 
 def alpa_allgather(problem: ReshardingProblem) -> list[Operation]:
-    cells = [c for c in decompose(problem) if c.receivers]
+    cells = [c for c in decompose(problem, max_tasks=None) if c.receivers]
     load: dict[int, int] = {}
     sends: list[Operation] = []
     gathers: list[tuple[int, tuple[int, ...], tuple]] = []
@@ -78,7 +78,7 @@ def alpa_allgather(problem: ReshardingProblem) -> list[Operation]:
 def _copies(problem: ReshardingProblem, first_id: int) -> list[Operation]:
     """Devices that hold part of their destination shard copy it locally, as in our plans."""
     out = []
-    for cell in decompose(problem):
+    for cell in decompose(problem, max_tasks=None):
         for d in cell.local_copies:
             out.append(Operation(id=first_id + len(out), task=-1, kind="copy", src=d, dsts=(d,), region=cell.region))
     return out
@@ -88,10 +88,12 @@ BASELINES["alpa-send-recv"] = alpa_send_recv
 BASELINES["alpa-allgather"] = alpa_allgather
 
 
-def baseline_seconds(problem: ReshardingProblem, name: str) -> float:
-    """Simulated time of Alpa's approach `name` (device order); the error lists the valid names."""
+def baseline_seconds(problem: ReshardingProblem, name: str, max_tasks: int | None = DEFAULT_MAX_TASKS) -> float:
+    """Simulated time of Alpa's approach `name` (device order); the error lists the valid names. Refuses
+    (TooManyTasksError) a problem that could cut into more than `max_tasks` unit tasks."""
     from .simulate import simulate
 
     if name not in BASELINES:
         raise ValueError(f"unknown baseline {name!r}; choose one of: {', '.join(BASELINES)}")
+    check_task_count(problem, max_tasks)
     return simulate(BASELINES[name](problem), problem, "device-order").makespan_s

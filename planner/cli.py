@@ -15,7 +15,7 @@ import click
 from schemas import Plan, ReshardingProblem, read_plan_file
 from schemas.plan import write_atomic
 
-from .cli_types import POSITIVE
+from .cli_types import POSITIVE, max_tasks_option
 from .cli_solvers import progress, solver_summary
 from .compile import compile_plan
 from .inspect_plan import summarize
@@ -95,7 +95,9 @@ def problem_from_flags(problem_file, shape, dtype, src_mesh, src_spec, dst_mesh,
 @click.option("--time-limit", default=10.0, show_default=True, type=POSITIVE,
               help="solver budget in deterministic seconds (CP-SAT's deterministic time; no wall clock, so plans are reproducible)")
 @click.option("--no-merge", is_flag=True, help="keep every cut-point cell as its own unit task")
-def compile_command(problem_file, output, shape, dtype, src_mesh, src_spec, dst_mesh, dst_spec, strategy, solver, seed, time_limit, no_merge):
+@max_tasks_option
+def compile_command(problem_file, output, shape, dtype, src_mesh, src_spec, dst_mesh, dst_spec, strategy, solver, seed, time_limit, no_merge,
+                    max_tasks):
     """Compile a resharding problem into a verified plan.
 
     \b
@@ -107,7 +109,7 @@ def compile_command(problem_file, output, shape, dtype, src_mesh, src_spec, dst_
     problem = problem_from_flags(problem_file, shape, dtype, src_mesh, src_spec, dst_mesh, dst_spec)
     with progress("compiling") as timing:
         plan = compile_plan(problem, strategy=strategy, solver=solver, seed=seed, time_limit_s=time_limit, merge=not no_merge,
-                            on_stage=timing["stage"])
+                            on_stage=timing["stage"], max_tasks=max_tasks)
     report = verify_plan(plan)
     if output == "-":
         sys.stdout.write(plan.to_json())

@@ -19,6 +19,7 @@ from .pipeline.io import load_pipeline, load_schedule
 from .pipeline.schedules import SCHEDULE_NAMES, WEIGHT_DELAY_SUFFIX, parse_schedule_name
 from .pipeline.simulate import Metrics, evaluate
 from .pipeline.trace import trace_json
+from .cli_types import max_tasks_option
 from .problem_io import InputError
 from .solvers import SOLVERS
 from .strategies import STRATEGIES
@@ -47,8 +48,8 @@ def _write(path: str, text: str, flag: str) -> None:
         raise InputError(f"{flag}: cannot write {path} ({err.strerror}); check that the folder exists and is writable") from None
 
 
-def _costs(pipeline, strategy: str, solver: str, seed: int):
-    return transfer_costs(pipeline, default_plan_fn(strategy, solver, seed))
+def _costs(pipeline, strategy: str, solver: str, seed: int, max_tasks: int):
+    return transfer_costs(pipeline, default_plan_fn(strategy, solver, seed, max_tasks))
 
 
 def describe(metrics: Metrics) -> str:
@@ -63,6 +64,7 @@ _plan_options = [  # as for `compile`: same names, choices and defaults
     click.option("--solver", type=click.Choice(list(SOLVERS)), default="auto", show_default=True,
                  help="resharding scheduler for every transfer's plan (planner/solvers)"),
     click.option("--seed", default=0, show_default=True, help="seed for randomized solvers"),
+    max_tasks_option,
 ]
 
 
@@ -102,7 +104,7 @@ def plan_options(func):
 @click.option("-o", "--output", type=click.Path(dir_okay=False), help="where to write the schedule JSON ('-' for stdout)")
 @plan_options
 @_as_input_error
-def schedule_command(pipeline_file, name, no_overlap, signal, weight_delay, output, strategy, solver, seed):
+def schedule_command(pipeline_file, name, no_overlap, signal, weight_delay, output, strategy, solver, seed, max_tasks):
     """Plan every transfer of a pipeline and lay out one schedule; validated before it is written.
 
     \b
@@ -111,7 +113,7 @@ def schedule_command(pipeline_file, name, no_overlap, signal, weight_delay, outp
     """
     pipeline = load_pipeline(pipeline_file)
     delays = None if weight_delay is None else parse_weight_delay(weight_delay, name, len(pipeline.stages), pipeline.micro_batches)
-    costs = _costs(pipeline, strategy, solver, seed)
+    costs = _costs(pipeline, strategy, solver, seed, max_tasks)
     schedule = build_schedule(pipeline, name, signal_costs(costs) if signal else costs, not no_overlap, delays)
     if output == "-":
         click.echo(schedule.to_json(), nl=False)
@@ -157,7 +159,7 @@ def simulate_command(schedule_file, trace, png, as_json, show):
 @click.argument("pipeline_file", type=click.Path(dir_okay=False))
 @plan_options
 @_as_input_error
-def compare_command(pipeline_file, strategy, solver, seed):
+def compare_command(pipeline_file, strategy, solver, seed, max_tasks):
     """Every schedule on one pipeline in one table, against the signal bound (free transfers).
 
     \b
@@ -165,7 +167,7 @@ def compare_command(pipeline_file, strategy, solver, seed):
       xmesh-plan compare-schedules bench/pipelines/utrans-2.1b-fp16.json
     """
     pipeline = load_pipeline(pipeline_file)
-    click.echo(format_table(compare(pipeline, _costs(pipeline, strategy, solver, seed))))
+    click.echo(format_table(compare(pipeline, _costs(pipeline, strategy, solver, seed, max_tasks))))
 
 
 def register(group: click.Group) -> None:

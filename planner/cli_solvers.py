@@ -16,11 +16,12 @@ import click
 from schemas import read_plan_file
 
 from .audit import audit_plan
-from .cli_types import POSITIVE
+from .cli_types import POSITIVE, max_tasks_option
 from .baselines import BASELINES, baseline_seconds
 from .compile import compile_plan
 from .problem_io import load_problem
 from .solvers import SOLVERS
+from .unit_tasks import DEFAULT_MAX_TASKS
 from .verify import PlanError, verify_plan
 
 
@@ -76,16 +77,16 @@ def solver_summary(plan, seconds: float) -> str:
     return f"solver {plan.solver.name} ({winner}{gap}) in {seconds:.2f} s"
 
 
-def compare_rows(problem, seed: int, time_limit: float) -> list[tuple[str, float, float | None, float]]:
+def compare_rows(problem, seed: int, time_limit: float, max_tasks: int | None = DEFAULT_MAX_TASKS) -> list[tuple[str, float, float | None, float]]:
     """(name, predicted seconds, lower bound, wall seconds) for every solver and every baseline."""
     rows = []
     for name in SOLVERS:
         begin = time.perf_counter()
-        plan = compile_plan(problem, solver=name, seed=seed, time_limit_s=time_limit)
+        plan = compile_plan(problem, solver=name, seed=seed, time_limit_s=time_limit, max_tasks=max_tasks)
         rows.append((f"broadcast + {name}", plan.predicted_seconds, plan.lower_bound_seconds, time.perf_counter() - begin))
     for name in BASELINES:
         begin = time.perf_counter()
-        rows.append((name, baseline_seconds(problem, name), None, time.perf_counter() - begin))
+        rows.append((name, baseline_seconds(problem, name, max_tasks), None, time.perf_counter() - begin))
     return rows
 
 
@@ -98,7 +99,8 @@ def register(group: click.Group) -> None:
 @click.argument("problem_file", type=click.Path(dir_okay=False))
 @click.option("--seed", default=0, show_default=True, help="seed for randomized solvers")
 @click.option("--time-limit", default=10.0, show_default=True, type=POSITIVE, help="solver budget in deterministic seconds")
-def compare_command(problem_file, seed, time_limit):
+@max_tasks_option
+def compare_command(problem_file, seed, time_limit, max_tasks):
     """Every solver and Alpa's baselines on one problem, predicted by the same simulator.
 
     \b
@@ -107,7 +109,7 @@ def compare_command(problem_file, seed, time_limit):
     """
     problem = load_problem(problem_file)
     with progress(f"comparing {len(SOLVERS)} solvers and {len(BASELINES)} baselines"):
-        rows = compare_rows(problem, seed, time_limit)
+        rows = compare_rows(problem, seed, time_limit, max_tasks)
     bound = next(b for _, _, b, _ in rows if b is not None)
     best = min(p for _, p, _, _ in rows)
     click.echo(f"{'approach':<28} {'predicted s':>12} {'/ bound':>8} {'/ best':>8} {'wall s':>8}")

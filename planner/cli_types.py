@@ -6,6 +6,8 @@ import math
 
 import click
 
+from .unit_tasks import DEFAULT_MAX_TASKS
+
 
 class PositiveFloat(click.ParamType):
     """A finite number > 0: `nan`, `inf`, 0 and negatives are refused (a NaN ratio would pass every check)."""
@@ -23,3 +25,10 @@ class PositiveFloat(click.ParamType):
 
 
 POSITIVE = PositiveFloat()
+
+
+def max_tasks_option(func):
+    """`--max-tasks N` for every command that compiles: problems that could cut into more unit tasks are refused."""
+    return click.option("--max-tasks", type=click.IntRange(min=1), default=DEFAULT_MAX_TASKS, show_default=True,
+                        help="refuse, before cutting, a problem that could give more unit tasks than this "
+                             "(memory and time grow with it; see BENCHMARKS.md, 'Task limit')")(func)

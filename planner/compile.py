@@ -12,7 +12,7 @@ from .bounds import lower_bound
 from .scheduling import Option, Schedule, SchedulingTask, solve
 from .simulate import nic_assignment, simulate
 from .strategies import STRATEGIES, PlannedOp, StrategyResult, TaskContext, get_strategy
-from .unit_tasks import Cell, decompose
+from .unit_tasks import DEFAULT_MAX_TASKS, Cell, decompose
 
 DIGITS = 12  # times are rounded to picoseconds so plans print and compare stably
 MAX_SIMULATED_OPERATIONS = 20_000  # beyond this the schedule's own timetable stands in for the simulator
@@ -155,10 +155,12 @@ def _quiet(stage: str) -> None:
 
 
 def compile_plan(problem: ReshardingProblem, strategy: str = "broadcast", solver: str = "auto", seed: int = 0,
-                 time_limit_s: float = 10.0, merge: bool = True, on_stage: Callable[[str], None] = _quiet) -> Plan:
-    """Compile a plan; same inputs give a byte-identical plan. `on_stage` hears each step's name (for progress)."""
+                 time_limit_s: float = 10.0, merge: bool = True, on_stage: Callable[[str], None] = _quiet,
+                 max_tasks: int | None = DEFAULT_MAX_TASKS) -> Plan:
+    """Compile a plan; same inputs give a byte-identical plan. `on_stage` hears each step's name (for progress).
+    A problem that could cut into more than `max_tasks` unit tasks is refused up front (TooManyTasksError)."""
     on_stage("cutting unit tasks")
-    cells = decompose(problem, merge=merge)
+    cells = decompose(problem, merge=merge, max_tasks=max_tasks)
     on_stage(f"costing {len(cells)} cells")
     options = task_options(problem, cells, strategy)
     on_stage(f"scheduling {len(options)} tasks with {solver}")

@@ -3,6 +3,8 @@
 Each cell's senders are the source devices whose shard contains it, its receivers the destination
 devices whose shard contains it and that do not already hold it (overlapping meshes); those that do
 hold it only copy locally. Adjacent cells with identical device sets are merged into one box.
+The cell count is known from the cut points alone, so a problem too large to compile is refused
+before anything is cut (`max_tasks`, the CLI's `--max-tasks`).
 """
 
 from __future__ import annotations
@@ -15,6 +17,17 @@ import numpy as np
 
 from schemas import ReshardingProblem
 from schemas.geometry import Region
+
+from .problem_io import InputError
+
+# Peak memory of a compile per unit task, measured by `bench/bench_task_limit.py` (BENCHMARKS.md, "Task limit");
+# the default limit keeps a compile well inside a 24 GiB machine.
+BYTES_PER_TASK = 8 * 2**10
+DEFAULT_MAX_TASKS = 500_000
+
+
+class TooManyTasksError(InputError):
+    """The problem cuts into more unit tasks than the limit allows; raised before anything is cut."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,6 +54,31 @@ def cut_points(problem: ReshardingProblem) -> list[list[int]]:
     return [sorted(set(a) | set(b)) for a, b in zip(src, dst)]
 
 
+def task_count_bound(problem: ReshardingProblem) -> int:
+    """Cells before merging: the product of each dim's interval count. Cutting never yields more unit tasks.
+
+    Costs only the cut points (a few thousand integers even for meshes of thousands of devices).
+    """
+    return math.prod(max(0, len(c) - 1) for c in cut_points(problem))
+
+
+def check_task_count(problem: ReshardingProblem, max_tasks: int | None) -> int:
+    """The bound on unit tasks, or TooManyTasksError naming it and `--max-tasks` when it is above `max_tasks`."""
+    bound = task_count_bound(problem)
+    if max_tasks is not None and bound > max_tasks:
+        per_dim = " x ".join(str(len(c) - 1) for c in cut_points(problem))
+        raise TooManyTasksError(
+            f"problem: cutting it gives up to {bound:,} unit tasks ({per_dim} intervals per dim), above the limit of "
+            f"{max_tasks:,}; pass --max-tasks {bound} (max_tasks= in Python) if this machine has the memory "
+            f"(about {_memory(bound * BYTES_PER_TASK)}), or use coarser meshes or specs")
+    return bound
+
+
+def _memory(nbytes: int) -> str:
+    """`3.1 GiB`, or whole MiB (at least 1) below a GiB, so an estimate never reads as zero."""
+    return f"{nbytes / 2**30:.1f} GiB" if nbytes >= 2**30 else f"{max(1, round(nbytes / 2**20))} MiB"
+
+
 def _owners(problem: ReshardingProblem, side: str) -> dict[tuple[int, ...], tuple[int, ...]]:
     """Shard number per dim -> the devices holding that shard, sorted."""
     placement = getattr(problem, side)
@@ -61,9 +99,13 @@ def _merge_runs(keys: np.ndarray, axis: int) -> list[tuple[int, int]]:
     return runs
 
 
-def decompose(problem: ReshardingProblem, merge: bool = True) -> list[Cell]:
-    """All non-empty cells of the resharding, in row-major order of their boxes."""
-    cuts = [c for c in cut_points(problem)]
+def decompose(problem: ReshardingProblem, merge: bool = True, max_tasks: int | None = DEFAULT_MAX_TASKS) -> list[Cell]:
+    """All non-empty cells of the resharding, in row-major order of their boxes.
+
+    Refuses (TooManyTasksError) before cutting when there could be more than `max_tasks` cells; None: no limit.
+    """
+    check_task_count(problem, max_tasks)
+    cuts = cut_points(problem)
     if any(len(c) < 2 for c in cuts):  # a zero-length dim: nothing to move
         return []
     src_layout, dst_layout = problem.layout("src"), problem.layout("dst")

@@ -106,6 +106,34 @@ def test_the_demo_gives_up_after_its_timeout_when_a_rank_dies(small_plan):
     assert sorted(map(int, reports)) == [r for r in range(DEVICES) if r != 1], result.stderr
 
 
+HANG_S = 120  # the job ends within its --timeout (2 s) after start-up; this only catches a hang (before: for ever)
+
+
+@pytest.mark.parametrize("mode,failure,status", [
+    ("demo-fail-late", "rank 1: error: 00_even_disjoint_broadcast.plan.json: injected failure in close()", 2 | 3),
+    ("demo-bug", "rank 1: error: 00_even_disjoint_broadcast.plan.json: unexpected ZeroDivisionError: injected bug in run()", 4 | 3),
+], ids=["after-the-last-collective", "unexpected-error"])
+def test_a_failure_on_one_rank_ends_the_demo(small_plan, mode, failure, status):
+    """Under -disable-auto-cleanup, as docs/executor.md recommends. Before: rank 1 failing after the demo's last
+    collective left the others blocked in MPI_Finalize for ever; an unexpected error left rank 1 itself there
+    (traceback, then finalize) once its peers had timed out. Now the failing rank reports in one line, the
+    others stop at their next wait (the last one is a barrier before finalize) and mpiexec returns the OR of
+    the statuses (2 or 4 for rank 1, 3 for the timeouts)."""
+    result = mpiexec(DEVICES, str(WORKER), mode, small_plan, keep_going=True, timeout=HANG_S)
+    assert result.returncode == status, result.stderr
+    assert failure in result.stderr and "Traceback" not in result.stderr, result.stderr
+    others = re.findall(r"rank (\d+): error: .*?(?:did not finish within 2 s|nothing completed for 2 s)", result.stderr)
+    assert sorted(map(int, others)) == [r for r in range(DEVICES) if r != 1], result.stderr
+
+
+def test_the_demo_help_shows_the_launch_command_the_docs_show():
+    help_text = subprocess.run([sys.executable, "-m", "executor.run", "--help"], cwd=ROOT, capture_output=True, text=True,
+                               env=dict(os.environ, PYTHONPATH=str(ROOT)), timeout=60).stdout
+    launch = re.search(r"^  (mpiexec .*)$", help_text, re.M)
+    assert launch and "-disable-auto-cleanup" in launch.group(1), help_text
+    assert launch.group(1) in (ROOT / "docs" / "executor.md").read_text()
+
+
 def test_an_exception_escaping_wait_leaves_a_refusing_executor_that_closes(small_plan):
     result = mpiexec(DEVICES, str(WORKER), "interrupt", small_plan)
     assert result.returncode == 0, result.stderr[-3000:]

@@ -5,6 +5,8 @@
     mpiexec -n 8 python tests/test_executor_worker.py iterations PLAN...  # new data every iteration, checked every time
     mpiexec -n 4 python tests/test_executor_worker.py die PLAN         # rank 1 exits before iteration 2
     mpiexec -n 4 python tests/test_executor_worker.py demo-die PLAN    # the demo, with rank 1 exiting in its 3rd run()
+    mpiexec -n 4 python tests/test_executor_worker.py demo-fail-late PLAN  # the demo, rank 1's close() failing after its last collective
+    mpiexec -n 4 python tests/test_executor_worker.py demo-bug PLAN    # the demo, rank 1's 3rd run() raising an unexpected error
     mpiexec -n 4 python tests/test_executor_worker.py interrupt PLAN   # an exception escapes wait() on rank 0
     mpiexec -n 8 python tests/test_executor_worker.py cross-wait A B   # two reshards in flight, waited in rank-dependent order
     mpiexec -n 8 python tests/test_executor_worker.py threads PLAN     # two executors, each run in a loop by its own thread
@@ -165,6 +167,25 @@ def demo_die(path: str) -> int:
     return demo.main([path, "--iters", "5", "--warmup", "0", "--timeout", "2", "--max-mb", "1"])
 
 
+def demo_failing(path: str, method: str, call: int, error: Exception) -> int:
+    """The demo (`--timeout 2`) with rank 1's `call`-th ReshardingExecutor.`method` raising `error`."""
+    from mpi4py import MPI
+
+    from executor import ReshardingExecutor
+    from executor import run as demo
+
+    original, calls = getattr(ReshardingExecutor, method), [0]
+
+    def failing(self, *args):
+        calls[0] += 1
+        if calls[0] == call and MPI.COMM_WORLD.Get_rank() == 1:
+            raise error
+        return original(self, *args)
+
+    setattr(ReshardingExecutor, method, failing)
+    return demo.main([path, "--iters", "3", "--warmup", "0", "--timeout", "2", "--max-mb", "1"])
+
+
 class Interrupted(Exception):
     """Stands in for KeyboardInterrupt or an exception raised by a signal handler during wait()."""
 
@@ -303,6 +324,10 @@ def main() -> int:
     mode, paths = sys.argv[1], sys.argv[2:]
     if mode == "demo-die":
         return demo_die(paths[0])
+    if mode == "demo-fail-late":  # after the demo's last collective: its peers have nothing left to wait for
+        return demo_failing(paths[0], "close", 1, ExecutorError("injected failure in close()"))
+    if mode == "demo-bug":
+        return demo_failing(paths[0], "run", 3, ZeroDivisionError("injected bug in run()"))
     try:
         {"check": lambda: check(comm, paths), "torch": lambda: check(comm, paths, ("torch",)), "iterations": lambda: iterations(comm, paths), "die": lambda: die(comm, paths[0]),
          "interrupt": lambda: interrupt(comm, paths[0]), "cross-wait": lambda: cross_wait(comm, paths),

@@ -22,11 +22,13 @@ def nics_of_plan(plan: Plan) -> tuple[str, ...]:
     return tuple(sorted({f"h{order.host}:{order.side.split(':')[0]}" for order in plan.host_order}))
 
 
-def default_plan_fn(strategy: str = "broadcast", solver: str = "auto", seed: int = 0) -> PlanFn:
-    """compile_plan with fixed arguments (imported here so the schedule code stays planner-agnostic)."""
+def default_plan_fn(strategy: str = "broadcast", solver: str = "auto", seed: int = 0, max_tasks: int | None = None) -> PlanFn:
+    """compile_plan with fixed arguments (imported here so the schedule code stays planner-agnostic); `max_tasks`
+    None keeps compile_plan's default limit."""
     from planner.compile import compile_plan
 
-    return lambda problem: compile_plan(problem, strategy=strategy, solver=solver, seed=seed)
+    limit = {} if max_tasks is None else {"max_tasks": max_tasks}
+    return lambda problem: compile_plan(problem, strategy=strategy, solver=solver, seed=seed, **limit)
 
 
 def transfer_costs(problem: PipelineProblem, plan_fn: PlanFn | None = None) -> tuple[TransferCost, ...]:
