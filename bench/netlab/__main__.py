@@ -13,13 +13,13 @@ from pathlib import Path
 
 from schemas import PlanFileError, read_plan_file
 
-from .run_plan import RunOptions, RunResult, run_plan
+from .run_plan import RunOptions, RunResult, run_plans
 from .testbed import LinkShape, TestbedError, clean_stale, unavailable_reason
 
 
 def _arguments(argv):
     parser = argparse.ArgumentParser(prog="python -m bench.netlab", description=__doc__.splitlines()[0])
-    parser.add_argument("plans", nargs="*", type=Path)
+    parser.add_argument("plans", nargs="*", type=Path, help="plans needing the same ranks per host (run in one launch)")
     parser.add_argument("--rate-mbit", type=float, default=500.0, help="every host link, each direction (default 500)")
     parser.add_argument("--mtu", type=int, default=9000, help="link MTU (default 9000)")
     parser.add_argument("--max-mb", type=float, default=64.0, help="shrink each tensor to at most this (default 64)")
@@ -32,7 +32,7 @@ def _arguments(argv):
 
 
 def report(result: RunResult) -> str:
-    lines = [(result.launch.stdout.strip().splitlines() or ["(no output)"])[-1]]
+    lines = [line for line in result.launch.stdout.splitlines() if "ms/iter" in line] or ["(no timing printed)"]
     for row in result.hosts:
         m, p = row.measured, row.predicted
         lines.append(f"  host {row.host}: sent {m.sent:>12,} (plan {p.sent:>12,})  received {m.received:>12,} (plan {p.received:>12,})")
@@ -50,22 +50,23 @@ def main(argv=None) -> int:
         return 2
     if args.clean_stale:
         print(f"removed {len(clean_stale())} stale namespaces")
+        if not args.plans:
+            return 0
     try:
         opts = RunOptions(LinkShape(args.rate_mbit, args.mtu), args.max_mb, args.iters, args.warmup, args.check, args.timeout)
         plans = [read_plan_file(p) for p in args.plans]
+        if not plans:
+            raise ValueError("give at least one plan file, e.g. plans/case3.plan.json")
     except (ValueError, PlanFileError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-    status = 0
-    for plan in plans:
-        try:
-            result = run_plan(plan, opts)
-        except (ValueError, TestbedError) as err:
-            print(f"error: {plan.problem.name or 'plan'}: {err}", file=sys.stderr)
-            return 2
-        print(report(result), flush=True)
-        status = status or (0 if result.ok and (result.checked or not args.check) else 1)
-    return status
+    try:
+        result = run_plans(plans, opts)
+    except (ValueError, TestbedError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    print(report(result), flush=True)
+    return 0 if result.ok and (result.checked or not args.check) else 1
 
 
 if __name__ == "__main__":

@@ -73,9 +73,13 @@ def predicted_links(plan: Plan, reshards: int) -> dict[int, LinkBytes]:
     return out
 
 
-def compare(before: dict[int, LinkBytes], after: dict[int, LinkBytes], plan: Plan, reshards: int) -> list[HostBytes]:
-    predicted = predicted_links(plan, reshards)
-    return [HostBytes(h, after[h] - before[h], predicted[h]) for h in sorted(predicted)]
+def compare_many(before: dict[int, LinkBytes], after: dict[int, LinkBytes], plans: list[Plan], reshards: int) -> list[HostBytes]:
+    """Per host: what the link carried between the two readings, against all `plans` run `reshards` times each."""
+    rows = []
+    for h in sorted(after):
+        want = [predicted_links(p, reshards).get(h, LinkBytes(0, 0)) for p in plans]
+        rows.append(HostBytes(h, after[h] - before[h], LinkBytes(sum(w.sent for w in want), sum(w.received for w in want))))
+    return rows
 
 
 def within(rows: list[HostBytes], rel: float, slack_bytes: int) -> list[str]:
