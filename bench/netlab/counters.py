@@ -63,6 +63,17 @@ def read_links(bed: Testbed) -> dict[int, LinkBytes]:
     return links
 
 
+def retransmitted_segments(bed: Testbed) -> dict[int, int]:
+    """Testbed host -> TCP segments its namespace has retransmitted (RetransSegs of /proc/net/snmp): lost bytes sent twice."""
+    out = {}
+    for host in range(bed.hosts):
+        cmd = [IP, "netns", "exec", bed.host_ns(host), "cat", "/proc/net/snmp"]
+        text = subprocess.run(cmd, capture_output=True, text=True, timeout=30).stdout
+        tcp = [line.split()[1:] for line in text.splitlines() if line.startswith("Tcp:")]
+        out[host] = int(dict(zip(tcp[0], tcp[1])).get("RetransSegs", 0)) if len(tcp) == 2 else -1
+    return out
+
+
 def predicted_links(plan: Plan, reshards: int) -> dict[int, LinkBytes]:
     """Testbed host -> payload bytes the plan moves across that host's NIC in `reshards` runs of it."""
     loads = plan_loads(plan).hosts

@@ -68,6 +68,7 @@ def run_case(name: str, rate_mbit: float, opts: RunOptions) -> dict:
     return {"case": name, "rate_mbit": rate_mbit, "shape": list(result.plans[0].problem.shape), "rows": rows,
             "skipped": {label: p for label, p in made if isinstance(p, str)}, "checked": result.checked,
             "ok": result.ok, "wall_s": round(time.monotonic() - started, 1), "links": [h.as_dict() for h in result.hosts],
+            "retransmitted_segments": result.retransmits,
             "reshards": opts.warmup + opts.iters, "stderr_tail": "" if result.ok else result.launch.stderr[-2000:]}
 
 
@@ -92,13 +93,14 @@ def table(runs: list[dict]) -> str:
 
 
 def link_table(runs: list[dict]) -> str:
-    lines = ["| case | Mbit/s | plan bytes (all hosts, both ways) | link bytes | excess | excess per reshard | bit-exact |",
-             "|---|---|---|---|---|---|---|"]
+    lines = ["| case | Mbit/s | plan bytes (all hosts, both ways) | link bytes | excess | excess per reshard | TCP retransmits | bit-exact |",
+             "|---|---|---|---|---|---|---|---|"]
     for run in runs:
         plan = sum(h["predicted_sent"] + h["predicted_received"] for h in run["links"])
         link = sum(h["sent"] + h["received"] for h in run["links"])
         lines.append(f"| {run['case']} | {run['rate_mbit']:g} | {plan:,} | {link:,} | {(link - plan) / plan:+.2%} | "
-                     f"{(link - plan) / run['reshards'] / len(run['rows']) / 2**10:,.0f} KiB | {'yes' if run['checked'] else 'NO'} |")
+                     f"{(link - plan) / run['reshards'] / len(run['rows']) / 2**10:,.0f} KiB | "
+                     f"{sum(run.get('retransmitted_segments', {}).values()):,} | {'yes' if run['checked'] else 'NO'} |")
     return "\n".join(lines)
 
 

@@ -53,6 +53,7 @@ class RunResult:
     hosts: list[counters.HostBytes] = field(default_factory=list)
     median_s: list[float | None] = field(default_factory=list)
     min_s: list[float | None] = field(default_factory=list)
+    retransmits: dict[int, int] = field(default_factory=dict)  # host -> TCP segments sent again (a fresh namespace starts at 0)
 
     @property
     def ok(self) -> bool:
@@ -98,7 +99,8 @@ def run_plans(plans: list[Plan], opts: RunOptions) -> RunResult:
         before = counters.read_links(bed)
         launch = run_ranks(bed, plans[0], _program(paths, plans[0], opts), opts.timeout_s)
         after = counters.read_links(bed)
-    result = RunResult(plans, launch, bed.run_id, counters.compare_many(before, after, plans, reshards))
+        retransmits = counters.retransmitted_segments(bed)
+    result = RunResult(plans, launch, bed.run_id, counters.compare_many(before, after, plans, reshards), retransmits=retransmits)
     times = [line for line in launch.stdout.splitlines() if _TIMING.search(line)]
     for i in range(len(plans)):
         timing = _TIMING.search(times[i]) if i < len(times) else None
