@@ -75,15 +75,27 @@ def test_sigterm_removes_the_testbed_and_its_processes():
             "    import subprocess; subprocess.Popen([tb.IP, 'netns', 'exec', bed.host_ns(1), 'sleep', '600'])\n"
             "    print(bed.run_id, flush=True); time.sleep(600)\n")
     proc = subprocess.Popen([sys.executable, "-c", code, str(ROOT)], stdout=subprocess.PIPE, text=True)
-    run_id = proc.stdout.readline().strip()
-    assert run_id and len(ours(run_id)) == 3
-    sleeper = tb.namespace_pids(f"{run_id}-h1")
-    assert sleeper
-    proc.send_signal(signal.SIGTERM)
-    proc.wait(timeout=120)
+    try:
+        run_id = proc.stdout.readline().strip()
+        assert run_id and len(ours(run_id)) == 3
+        sleeper = _wait_for_pids(f"{run_id}-h1")  # the sleeper enters its namespace a moment after Popen returns
+        assert sleeper
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=120)
+    finally:  # a failed assert must not leave the child (and its testbed) for 600 s
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            proc.wait(timeout=120)
     assert ours(run_id) == []
     time.sleep(0.5)
     assert not any(os.path.exists(f"/proc/{pid}") and _not_zombie(pid) for pid in sleeper)
+
+
+def _wait_for_pids(ns: str, timeout_s: float = 60.0) -> list[int]:
+    deadline = time.monotonic() + timeout_s
+    while not (pids := tb.namespace_pids(ns)) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return pids
 
 
 def _not_zombie(pid: int) -> bool:
