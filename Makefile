@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: setup plans check-plans test bench clean
+.PHONY: setup plans check-plans test bench bench-net clean
 
 setup: $(STAMP)
 
@@ -34,6 +34,10 @@ test: $(STAMP)
 ## Benchmarks: every bench/bench_*.py in turn; figures go to bench/results/ and BENCHMARKS.md.
 bench: $(STAMP)
 	@for f in bench/bench_*.py; do echo "== $$f"; $(PY) $$f || exit 1; done
+
+## Plans on an emulated cluster (as root: network namespaces, shaped links); figures go to BENCHMARKS.md.
+bench-net: $(STAMP)
+	PYTHONPATH=$(CURDIR) $(PY) -m bench.netlab.experiments $(NETLAB_ARGS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis .plans-check build *.egg-info

@@ -1,0 +1,73 @@
+"""`python -m bench.netlab PLAN... [--rate-mbit 500] [--check]`: run plans on an emulated cluster (as root).
+
+Prints per plan the executor's line, then each host's link bytes against the plan's. Exit 0 when
+every run passed, 1 when a run failed or a check did not pass, 2 on bad input or no namespaces.
+`--clean-stale` removes namespaces that killed runs left behind.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from schemas import PlanFileError, read_plan_file
+
+from .run_plan import RunOptions, RunResult, run_plans
+from .testbed import LinkShape, TestbedError, clean_stale, unavailable_reason
+
+
+def _arguments(argv):
+    parser = argparse.ArgumentParser(prog="python -m bench.netlab", description=__doc__.splitlines()[0])
+    parser.add_argument("plans", nargs="*", type=Path, help="plans needing the same ranks per host (run in one launch)")
+    parser.add_argument("--rate-mbit", type=float, default=500.0, help="every host link, each direction (default 500)")
+    parser.add_argument("--mtu", type=int, default=9000, help="link MTU (default 9000)")
+    parser.add_argument("--max-mb", type=float, default=64.0, help="shrink each tensor to at most this (default 64)")
+    parser.add_argument("--iters", type=int, default=5)
+    parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--check", action="store_true", help="check every destination shard bit for bit")
+    parser.add_argument("--timeout", type=float, default=600.0, help="seconds before a run is killed (default 600)")
+    parser.add_argument("--clean-stale", action="store_true", help="remove namespaces left by killed runs, then go on")
+    return parser.parse_args(argv)
+
+
+def report(result: RunResult) -> str:
+    lines = [line for line in result.launch.stdout.splitlines() if "ms/iter" in line] or ["(no timing printed)"]
+    for row in result.hosts:
+        m, p = row.measured, row.predicted
+        lines.append(f"  host {row.host}: sent {m.sent:>12,} (plan {p.sent:>12,})  received {m.received:>12,} (plan {p.received:>12,})")
+    if not result.ok:
+        lines.append(f"  FAILED (exit {result.launch.returncode}{', timed out' if result.launch.timed_out else ''}): "
+                     + result.launch.stderr.strip()[-2000:])
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    args = _arguments(argv)
+    reason = unavailable_reason()
+    if reason:
+        print(f"error: {reason}", file=sys.stderr)
+        return 2
+    if args.clean_stale:
+        print(f"removed {len(clean_stale())} stale namespaces")
+        if not args.plans:
+            return 0
+    try:
+        opts = RunOptions(LinkShape(args.rate_mbit, args.mtu), args.max_mb, args.iters, args.warmup, args.check, args.timeout)
+        plans = [read_plan_file(p) for p in args.plans]
+        if not plans:
+            raise ValueError("give at least one plan file, e.g. plans/case3.plan.json")
+    except (ValueError, PlanFileError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    try:
+        result = run_plans(plans, opts)
+    except (ValueError, TestbedError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    print(report(result), flush=True)
+    return 0 if result.ok and (result.checked or not args.check) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,49 @@
+"""Alpa's two approaches (`planner.baselines`) as runnable plans, so the testbed measures them like ours.
+
+A baseline is an operation list; a plan also needs one unit task per task id its operations name,
+and operations listed in execution order. Times come from the simulator's `device-order` replay
+(how `xmesh-plan compare` prices baselines); `host_order` stays empty, since Alpa keeps no per-host
+order. The result passes `verify_plan`, so the executor's lowering accepts it.
+"""
+
+from __future__ import annotations
+
+from planner.baselines import BASELINES
+from planner.bounds import lower_bound
+from planner.simulate import simulate
+from planner.unit_tasks import decompose
+from schemas import Operation, Plan, ReshardingProblem, SolverInfo, UnitTask
+from schemas.geometry import region_size
+
+STRATEGY_OF = {"alpa-send-recv": "send_recv", "alpa-allgather": "local_allgather"}
+
+
+def _task(task_id: int, ops: list[Operation], problem: ReshardingProblem, strategy: str) -> UnitTask:
+    """A unit task covering the box its operations move (an all-gather's box when there is one)."""
+    main = next((op for op in ops if op.kind == "allgather"), ops[0])
+    senders = tuple(sorted({op.src for op in ops if op.kind == "send"}))
+    receivers = tuple(sorted({d for op in ops for d in op.dsts}))
+    host = problem.cluster.host_of
+    return UnitTask(id=task_id, region=main.region, nbytes=region_size(main.region) * problem.itemsize,
+                    senders=senders, receivers=receivers, sender=senders[0], sender_host=host(senders[0]),
+                    receiver_hosts=tuple(sorted({host(d) for d in receivers})), strategy=strategy,
+                    start_s=min(op.start_s for op in ops), end_s=max(op.end_s for op in ops))
+
+
+def baseline_plan(problem: ReshardingProblem, name: str) -> Plan:
+    """Alpa's approach `name` on `problem` as a plan; the error lists the valid names."""
+    if name not in BASELINES:
+        raise ValueError(f"unknown baseline {name!r}; choose one of: {', '.join(BASELINES)}")
+    ops = BASELINES[name](problem)
+    sim = simulate(ops, problem, "device-order")
+    ops = sorted((op.model_copy(update={"start_s": sim.op_start_s[op.id], "end_s": sim.op_end_s[op.id]}) for op in ops),
+                 key=lambda op: (op.start_s, op.id))
+    by_task: dict[int, list[Operation]] = {}
+    for op in ops:
+        if op.task >= 0:
+            by_task.setdefault(op.task, []).append(op)
+    tasks = tuple(_task(t, by_task[t], problem, STRATEGY_OF[name]) for t in sorted(by_task))
+    bound = lower_bound(decompose(problem), problem.cluster, problem.itemsize).seconds
+    return Plan(generator="bench.netlab baseline", problem=problem, strategy=name, solver=SolverInfo(name=name),
+                merged_slices=False, tasks=tasks, operations=tuple(ops), host_order=(),
+                predicted_seconds=sim.makespan_s, lower_bound_seconds=min(bound, sim.makespan_s))

@@ -1,0 +1,143 @@
+"""Paper cases on the emulated cluster: measured time per reshard against the model, per strategy, solver and Alpa baseline.
+
+For each case and link rate, every approach is compiled on the paper's problem with its NICs at the
+link rate, scaled to `--max-mb`, and all of them run in one launch (start-up paid once) on a fresh
+testbed; the medians of `--iters` timed reshards after `--warmup` are set against three predictions
+(`predict.py`) and the byte lower bound, and the links' byte counters against the plans' bytes.
+Writes bench/results/netlab.json (or `--out`) and the BENCHMARKS.md section "Emulated cluster".
+
+    sudo PYTHONPATH=$PWD .venv/bin/python -m bench.netlab.experiments [--cases case3,case7] [--rates 200,500]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from report import replace_section, write_json  # noqa: E402
+from planner.compile import compile_plan  # noqa: E402
+from planner.problem_io import build_problem  # noqa: E402
+from planner.reference_cases import reference_problems  # noqa: E402
+
+from .baseline_plans import baseline_plan  # noqa: E402
+from .predict import at_rate, predictions  # noqa: E402
+from .run_plan import RunOptions, run_plans  # noqa: E402
+from .testbed import LinkShape, unavailable_reason  # noqa: E402
+
+APPROACHES = [  # label, strategy, solver (None: an Alpa baseline)
+    ("ours", "broadcast", "auto"),
+    ("send_recv", "send_recv", "auto"),
+    ("local_allgather", "local_allgather", "auto"),
+    ("global_allgather", "global_allgather", "auto"),
+    ("auto", "auto", "auto"),
+    ("naive", "broadcast", "naive"),
+    ("size", "broadcast", "size"),
+    ("alpa-send-recv", None, None),
+    ("alpa-allgather", None, None),
+]
+COMMAND = "PYTHONPATH=$PWD .venv/bin/python -m bench.netlab.experiments"
+
+
+def _plans(name: str, rate_mbit: float):
+    """(label, plan or the reason it could not be made) for every approach on case `name` at the link rate."""
+    problem = at_rate(build_problem(dict(reference_problems())[name]), rate_mbit)
+    out = []
+    for label, strategy, solver in APPROACHES:
+        try:
+            plan = baseline_plan(problem, label) if strategy is None else compile_plan(problem, strategy, solver)
+            out.append((label, plan))
+        except (ValueError, AssertionError) as err:
+            out.append((label, f"{type(err).__name__}: {err}"))
+    return out
+
+
+def run_case(name: str, rate_mbit: float, opts: RunOptions) -> dict:
+    made = _plans(name, rate_mbit)
+    plans = [(label, p) for label, p in made if not isinstance(p, str)]
+    started = time.monotonic()
+    result = run_plans([p for _, p in plans], opts)
+    rows = []
+    for (label, _), plan, median, fastest in zip(plans, result.plans, result.median_s, result.min_s):
+        rows.append({"approach": label, "strategy": plan.strategy, "solver": plan.solver.name, "ops": len(plan.operations),
+                     "measured_s": median, "min_s": fastest, "predicted_s": predictions(plan, rate_mbit)})
+    return {"case": name, "rate_mbit": rate_mbit, "shape": list(result.plans[0].problem.shape), "rows": rows,
+            "skipped": {label: p for label, p in made if isinstance(p, str)}, "checked": result.checked,
+            "ok": result.ok, "wall_s": round(time.monotonic() - started, 1), "links": [h.as_dict() for h in result.hosts],
+            "retransmitted_segments": result.retransmits,
+            "reshards": opts.warmup + opts.iters, "stderr_tail": "" if result.ok else result.launch.stderr[-2000:]}
+
+
+def _ms(seconds) -> str:
+    return "-" if seconds is None else f"{seconds * 1e3:.0f}"
+
+
+def _ratio(a, b) -> str:
+    return "-" if a is None or not b else f"{a / b:.2f}"
+
+
+def table(runs: list[dict]) -> str:
+    lines = ["| case | Mbit/s | approach | measured ms | host-order ms | meas/pred | posted ms | meas/posted | bound ms | meas/bound |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for run in runs:
+        for r in run["rows"]:
+            p, m = r["predicted_s"], r["measured_s"]
+            lines.append(f"| {run['case']} | {run['rate_mbit']:g} | {r['approach']} | {_ms(m)} | {_ms(p['host-order'])} | "
+                         f"{_ratio(m, p['host-order'])} | {_ms(p['posted'])} | {_ratio(m, p['posted'])} | {_ms(p['lower-bound'])} | "
+                         f"{_ratio(m, p['lower-bound'])} |")
+    return "\n".join(lines)
+
+
+def link_table(runs: list[dict]) -> str:
+    lines = ["| case | Mbit/s | plan bytes (all hosts, both ways) | link bytes | excess | excess per reshard | TCP retransmits | bit-exact |",
+             "|---|---|---|---|---|---|---|---|"]
+    for run in runs:
+        plan = sum(h["predicted_sent"] + h["predicted_received"] for h in run["links"])
+        link = sum(h["sent"] + h["received"] for h in run["links"])
+        lines.append(f"| {run['case']} | {run['rate_mbit']:g} | {plan:,} | {link:,} | {(link - plan) / plan:+.2%} | "
+                     f"{(link - plan) / run['reshards'] / len(run['rows']) / 2**10:,.0f} KiB | "
+                     f"{sum(run.get('retransmitted_segments', {}).values()):,} | {'yes' if run['checked'] else 'NO'} |")
+    return "\n".join(lines)
+
+
+def _arguments(argv):
+    parser = argparse.ArgumentParser(prog="python -m bench.netlab.experiments", description=__doc__.splitlines()[0])
+    parser.add_argument("--cases", default=",".join(n for n, _ in reference_problems()), help="comma-separated case names")
+    parser.add_argument("--rates", default="200,500", help="link rates in Mbit/s, comma-separated")
+    parser.add_argument("--max-mb", type=float, default=16.0)
+    parser.add_argument("--iters", type=int, default=3)
+    parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--mtu", type=int, default=9000)
+    parser.add_argument("--out", default="netlab.json", help="results file name under bench/results/")
+    parser.add_argument("--no-markdown", action="store_true", help="leave BENCHMARKS.md alone")
+    return parser.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = _arguments(argv)
+    reason = unavailable_reason()
+    if reason:
+        print(f"error: {reason}", file=sys.stderr)
+        return 2
+    runs = []
+    for rate in [float(r) for r in args.rates.split(",")]:
+        opts = RunOptions(LinkShape(rate, args.mtu), args.max_mb, args.iters, args.warmup)
+        for name in args.cases.split(","):
+            runs.append(run_case(name, rate, opts))
+            print(*table([runs[-1]]).splitlines()[2:], link_table([runs[-1]]).splitlines()[-1], sep="\n", flush=True)
+    load = os.getloadavg()
+    meta = {"command": f"{COMMAND} --cases {args.cases} --rates {args.rates} --max-mb {args.max_mb:g} --iters {args.iters} "
+                       f"--warmup {args.warmup} --mtu {args.mtu}", "loadavg_after": load, "cpus": os.cpu_count()}
+    write_json(args.out, {"meta": meta, "runs": runs})
+    if not args.no_markdown:
+        replace_section("Emulated cluster (bench/netlab)", f"`{meta['command']}` (as root; load average after: "
+                        f"{load[0]:.1f}, {os.cpu_count()} cores)\n\n{table(runs)}\n\n{link_table(runs)}\n")
+    return 0 if all(r["ok"] and r["checked"] for r in runs) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

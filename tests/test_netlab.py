@@ -1,0 +1,124 @@
+"""The emulated cluster (bench/netlab): a 2-host testbed runs a plan bit-exact over shaped links, and leaves nothing behind.
+
+Needs root and network namespaces (CI runs as root); skips with the reason elsewhere. Timeouts are
+generous and only catch hangs: nothing here asserts a time.
+"""
+
+from __future__ import annotations
+
+import doctest
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from bench.netlab import counters, testbed as tb  # noqa: E402
+from bench.netlab.launch import MPIEXEC, ranks_per_host  # noqa: E402
+from bench.netlab.run_plan import RunOptions, run_plan  # noqa: E402
+from conftest import compile_fast, make_problem  # noqa: E402
+
+REASON = tb.unavailable_reason() if os.name == "posix" else "network namespaces are Linux only"
+pytestmark = [pytest.mark.mpi, pytest.mark.timeout(900),
+              pytest.mark.skipif(REASON is not None, reason=str(REASON)),
+              pytest.mark.skipif(not MPIEXEC.exists(), reason=f"no mpiexec at {MPIEXEC} (install the mpich wheel)")]
+RUN_TIMEOUT_S = 600  # catches a hang only; a passing run takes a few seconds
+CONTROL_SLACK = 8 * 2**20  # launcher and MPI wire-up traffic share the links with the plan's bytes
+
+
+def ours(name: str) -> list[str]:
+    return [n for n in tb.existing_namespaces() if n.startswith(name)]
+
+
+def two_host_plan():
+    """4 MiB from host 0's two devices to host 1's two, re-split along another dim: every byte crosses the link."""
+    problem = make_problem((128, 128, 64), "1x2", "S1 R R", "1x2", "R S1 R", dtype="int32",
+                           cluster={"devices_per_host": 2}, name="netlab-smoke")
+    return compile_fast(problem)
+
+
+def test_two_hosts_run_a_plan_bit_exact_and_links_carry_its_bytes():
+    plan = two_host_plan()
+    assert ranks_per_host(plan) == (2, 2)
+    opts = RunOptions(tb.LinkShape(rate_mbit=500), max_mb=4, iters=2, warmup=1, timeout_s=RUN_TIMEOUT_S)
+    result = run_plan(plan, opts)
+    assert result.ok, result.launch.stderr[-3000:]
+    assert "check ok: 2 destination shards bit-exact" in result.launch.stdout, result.launch.stdout
+    assert [row.predicted.sent for row in result.hosts] == [3 * 4 * 2**20, 0]
+    assert counters.within(result.hosts, rel=0.01, slack_bytes=CONTROL_SLACK) == []
+    assert result.run_id and ours(result.run_id) == []
+
+
+def test_testbed_shapes_both_directions_and_is_removed_after_an_error():
+    link = tb.LinkShape(rate_mbit=300, mtu=1500)
+    with pytest.raises(RuntimeError, match="boom"):
+        with tb.testbed(2, link) as bed:
+            assert sorted(ours(bed.run_id)) == sorted(bed.namespaces)
+            for ns, dev in [(bed.host_ns(0), "eth0"), (bed.bridge_ns, "v0"), (bed.host_ns(1), "eth0"), (bed.bridge_ns, "v1")]:
+                shown = subprocess.run([tb.TC, "-n", ns, "class", "show", "dev", dev], capture_output=True, text=True).stdout
+                assert "rate 300Mbit" in shown, (ns, dev, shown)
+            assert "inet 10.99.0.1/24" in subprocess.run([tb.IP, "-n", bed.host_ns(0), "addr"], capture_output=True, text=True).stdout
+            raise RuntimeError("boom")
+    assert ours(bed.run_id) == []
+
+
+def test_sigterm_removes_the_testbed_and_its_processes():
+    """A run killed politely (SIGTERM, as a CI timeout sends) removes its namespaces and the processes inside them."""
+    code = ("import sys, time; sys.path.insert(0, sys.argv[1]); from bench.netlab import testbed as tb\n"
+            "with tb.testbed(2, tb.LinkShape(100)) as bed:\n"
+            "    import subprocess; subprocess.Popen([tb.IP, 'netns', 'exec', bed.host_ns(1), 'sleep', '600'])\n"
+            "    print(bed.run_id, flush=True); time.sleep(600)\n")
+    proc = subprocess.Popen([sys.executable, "-c", code, str(ROOT)], stdout=subprocess.PIPE, text=True)
+    try:
+        run_id = proc.stdout.readline().strip()
+        assert run_id and len(ours(run_id)) == 3
+        sleeper = _wait_for_pids(f"{run_id}-h1")  # the sleeper enters its namespace a moment after Popen returns
+        assert sleeper
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=120)
+    finally:  # a failed assert must not leave the child (and its testbed) for 600 s
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            proc.wait(timeout=120)
+    assert ours(run_id) == []
+    time.sleep(0.5)
+    assert not any(os.path.exists(f"/proc/{pid}") and _not_zombie(pid) for pid in sleeper)
+
+
+def _wait_for_pids(ns: str, timeout_s: float = 60.0) -> list[int]:
+    deadline = time.monotonic() + timeout_s
+    while not (pids := tb.namespace_pids(ns)) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return pids
+
+
+def _not_zombie(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split(") ")[1][0] != "Z"
+    except (OSError, IndexError):
+        return False
+
+
+def test_stale_namespaces_of_dead_runs_are_cleaned_and_live_ones_kept():
+    dead_pid = 2**22 + 12345  # above the kernel's pid_max, so no process has it
+    dead = tb.Testbed(run_id=f"{tb.PREFIX}{dead_pid}x0abc", hosts=1, link=tb.LinkShape(100))
+    live = tb.Testbed(run_id=tb.new_run_id(), hosts=1, link=tb.LinkShape(100))
+    try:
+        tb.build(dead)
+        tb.build(live)
+        removed = tb.clean_stale()
+        assert sorted(dead.namespaces) == sorted(n for n in removed if n.startswith(dead.run_id))
+        assert sorted(ours(live.run_id)) == sorted(live.namespaces)
+    finally:
+        tb.teardown(dead)
+        tb.teardown(live)
+
+
+def test_docstring_examples():
+    assert doctest.testmod(tb, report=False).failed == 0

@@ -1,0 +1,55 @@
+"""bench/netlab's pure parts (no namespaces needed): Alpa's baselines as runnable plans, predictions, counters."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.netlab.baseline_plans import baseline_plan  # noqa: E402
+from bench.netlab.counters import HostBytes, LinkBytes, predicted_links, within  # noqa: E402
+from bench.netlab.launch import ranks_per_host  # noqa: E402
+from bench.netlab.predict import at_rate, predictions  # noqa: E402
+from bench.netlab.run_plan import scaled  # noqa: E402
+from planner.baselines import baseline_seconds  # noqa: E402
+from planner.verify import verify_plan  # noqa: E402
+
+
+@pytest.mark.parametrize("name", ["alpa-send-recv", "alpa-allgather"])
+@pytest.mark.parametrize("case_name", ["case3", "case6", "case8", "one_to_2x2"])
+def test_baselines_become_verified_plans_that_scale(case, case_name, name):
+    problem = case(case_name)
+    plan = baseline_plan(problem, name)
+    verify_plan(plan)
+    verify_plan(scaled(plan, 1))
+    assert plan.predicted_seconds == pytest.approx(baseline_seconds(problem, name))
+
+
+def test_unknown_baseline_lists_the_valid_names(case):
+    with pytest.raises(ValueError, match="alpa-send-recv, alpa-allgather"):
+        baseline_plan(case("case3"), "alpa")
+
+
+def test_predictions_scale_with_the_link_rate_and_posted_never_beats_the_bound(case, compile_quick):
+    plan = compile_quick(case("case3"), "broadcast", solver="naive")
+    slow, fast = predictions(plan, 200), predictions(plan, 500)
+    for key in slow:
+        assert slow[key] == pytest.approx(fast[key] * 2.5, rel=0.01)
+    assert slow["lower-bound"] <= slow["posted"] <= slow["host-order"]
+    assert at_rate(plan.problem, 200).cluster.nics[0].recv_gbps == 0.2
+
+
+def test_plan_bytes_per_testbed_host_and_the_one_percent_check(case, compile_quick):
+    plan = compile_quick(case("case3"))
+    assert ranks_per_host(plan) == (4, 4, 4, 4)
+    links = predicted_links(plan, reshards=2)
+    assert [links[h].sent for h in range(4)] == [2**31, 2**31, 0, 0]  # case 3: each source host sends 1 GiB per reshard
+    assert [links[h].received for h in range(4)] == [0, 0, 2**31, 2**31]
+    ok = HostBytes(0, LinkBytes(1000, 0), LinkBytes(995, 0))
+    short = HostBytes(1, LinkBytes(994, 0), LinkBytes(995, 0))
+    over = HostBytes(2, LinkBytes(1020, 0), LinkBytes(995, 0))
+    assert within([ok], 0.01, 0) == []
+    assert len(within([short, over], 0.01, 0)) == 2
