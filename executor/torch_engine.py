@@ -241,6 +241,7 @@ class TorchEngine:
         if self.done.is_set():
             self.stopping = True
             self.go.set()
+            self.thread.join(self.timeout_s)
             self.buffers = [None] * len(self.steps)
             self.bound = self.src = None
 

@@ -22,7 +22,7 @@ from schemas import load_plan
 from schemas.geometry import intersect, region_shape
 from test_executor_cases import STRATEGIES, all_fixed_plans, compiled, fixed_problems, random_problem
 
-MODULES = ["executor.lower", "executor.ranks", "executor.pattern", "executor.scale"]
+MODULES = ["executor.lower", "executor.ranks", "executor.pattern", "executor.scale", "executor.engines"]
 
 
 @pytest.mark.parametrize("name", MODULES)
