@@ -126,10 +126,11 @@ def table(rows: list[dict]) -> str:
              "| bare: peak alloc | alloc ratio | net after all runs |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         bare = "bare_s" in r
-        lines.append(f"| {r['kind']} | {r['ranks']} | {r['tasks']} | {r['engine_s'] * 1e3:.3f} ms | "
-                     f"{f'{r['bare_s'] * 1e3:.3f} ms' if bare else '-'} | {f'{r['time_ratio']:.2f}' if bare else '-'} | "
-                     f"{r['engine_s'] / r['tasks'] * 1e6:.1f} us | {r['engine_peak_bytes']} B | "
-                     f"{f'{r['bare_peak_bytes']} B' if bare else '-'} | {f'{r['alloc_ratio']:.2f}' if bare else '-'} | {r['engine_net_bytes']} B |")
+        cells = [r["kind"], r["ranks"], r["tasks"], f"{r['engine_s'] * 1e3:.3f} ms",
+                 f"{r['bare_s'] * 1e3:.3f} ms" if bare else "-", f"{r['time_ratio']:.2f}" if bare else "-",
+                 f"{r['engine_s'] / r['tasks'] * 1e6:.1f} us", f"{r['engine_peak_bytes']} B",
+                 f"{r['bare_peak_bytes']} B" if bare else "-", f"{r['alloc_ratio']:.2f}" if bare else "-", f"{r['engine_net_bytes']} B"]
+        lines.append("| " + " | ".join(map(str, cells)) + " |")
     return "\n".join(lines)
 
 
