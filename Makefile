@@ -3,14 +3,18 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
+TORCH_VERSION ?= 2.13.0
 
 .PHONY: setup plans check-plans test bench bench-net clean
 
 setup: $(STAMP)
 
+# torch first and pinned: a CPU build of 2.13.0 is at hand, while any range (or torch pulled in by
+# the extras) would download a multi-GB CUDA build; the [torch] extra in `dev` is then already met.
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q torch==$(TORCH_VERSION)
 	$(PY) -m pip install -q -e '.[dev]'
 	touch $(STAMP)
 

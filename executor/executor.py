@@ -1,29 +1,31 @@
 """`ReshardingExecutor`: what a training loop calls at every stage boundary to reshard one tensor.
 
     ex = ReshardingExecutor(plan, MPI.COMM_WORLD).prepare()   # once: checks, buffers, communicators
+    ex = ReshardingExecutor(plan, group)                       # or a torch.distributed process group
     new_shard = ex.run(old_shard)                              # every iteration
     ex.start(old_shard); ...compute...; new_shard = ex.wait()  # the same, overlapped with compute
 
-Rank r plays the r-th smallest device id of the plan's two meshes (see `executor.ranks`). `run()`
-returns the executor's own destination buffer, reused by the next call: copy it if you keep it.
+Rank r plays the r-th smallest device id of the plan's two meshes (see `executor.ranks`). The
+engine is looked up by name in `executor.engines` and fed the lowered program. `run()` returns the
+engine's own destination buffer, reused by the next call: copy it if you keep it.
 """
 
 from __future__ import annotations
 
 import hashlib
-import time
 from collections import Counter
 
 import numpy as np
 
 from schemas import Plan
 
-from .arrays import check_shard, storage_dtype
-from .errors import ExecutorError, PeerTimeoutError, PlanMismatchError
+from .arrays import storage_dtype
+from .engines import BACKENDS, EngineContext, engine_entry
+from .errors import ExecutorError, PlanMismatchError
 from .lower import RankProgram, lower
 from .ranks import device_of_rank, rank_of_devices
+from .worlds import MpiWorld, TorchWorld, is_mpi_comm, is_torch_group, poll_until
 
-BACKENDS = ("mpi", "nccl")
 DEFAULT_POLL_S = (2e-5, 1e-3)
 
 
@@ -34,32 +36,39 @@ def plan_fingerprint(plan: Plan) -> np.ndarray:
 
 def poll(request, timeout_s: float, poll_s: tuple[float, float], what: str) -> None:
     """Wait for one MPI request with sleeps between tests; PeerTimeoutError naming `what` after `timeout_s`."""
-    deadline, nap = time.monotonic() + timeout_s, poll_s[0]
-    while not request.Test():
-        if time.monotonic() > deadline:
-            raise PeerTimeoutError(f"{what} did not finish within {timeout_s:g} s; every rank must call it, "
-                                   "check that all ranks are alive and loaded the same plan")
-        time.sleep(nap)
-        nap = min(nap * 2, poll_s[1])
+    poll_until(request.Test, timeout_s, poll_s, what)
+
+
+def make_world(comm, backend: str | None):
+    """The world `comm` names: an mpi4py communicator, a torch process group, or None (torch's default group)."""
+    if is_torch_group(comm) or (comm is None and backend in ("torch", "gloo")):
+        return TorchWorld(comm)
+    if not is_mpi_comm(comm):
+        raise TypeError(f"comm is a {type(comm).__name__}; pass an mpi4py communicator, e.g. MPI.COMM_WORLD, "
+                        "or a torch.distributed process group (None: the default group, with backend='torch')")
+    return MpiWorld(comm)
 
 
 class ReshardingExecutor:
     """Replays one plan on this rank; see the module docstring for the calling pattern."""
 
-    def __init__(self, plan: Plan, comm, backend: str = "mpi", timeout_s: float = 60.0,
+    def __init__(self, plan: Plan, comm=None, backend: str | None = None, timeout_s: float = 60.0,
                  poll_s: tuple[float, float] = DEFAULT_POLL_S, gpu: int | None = None):
+        """`backend`: a name in `executor.engines.BACKENDS`; None picks `mpi` for an mpi4py communicator and
+        `torch` for a process group. With a process group, `gloo` and `nccl` also pick `torch` and must
+        match the group's backend."""
         if not isinstance(plan, Plan):
             raise TypeError(f"plan is a {type(plan).__name__}; pass a schemas.Plan, e.g. schemas.read_plan_file('x.plan.json')")
-        if not all(hasattr(comm, name) for name in ("Get_rank", "Get_size", "Idup")):
-            raise TypeError(f"comm is a {type(comm).__name__}; pass an mpi4py communicator, e.g. MPI.COMM_WORLD")
-        if backend not in BACKENDS:
+        if backend is not None and backend not in BACKENDS:
             raise ValueError(f"backend {backend!r} is unknown; use one of: {', '.join(BACKENDS)}")
+        world = make_world(comm, backend)
+        self.entry = engine_entry(backend or ("torch" if world.kind == "torch" else "mpi"), world.kind)
         if not _is_number(timeout_s) or not timeout_s > 0:
             raise ValueError(f"timeout_s={timeout_s!r} must be a number of seconds > 0; it bounds every wait for a peer")
         if not (isinstance(poll_s, (tuple, list)) and len(poll_s) == 2 and all(map(_is_number, poll_s))
                 and 0 < poll_s[0] <= poll_s[1]):
             raise ValueError(f"poll_s={poll_s!r} must be (shortest, longest) sleep in seconds with 0 < shortest <= longest")
-        self.plan, self.world, self.backend = plan, comm, backend
+        self.plan, self.world, self.backend = plan, world, backend or self.entry.name
         self.timeout_s, self.poll_s, self.gpu = float(timeout_s), (float(poll_s[0]), float(poll_s[1])), gpu
         self.program: RankProgram | None = None
         self.engine = None
@@ -69,7 +78,7 @@ class ReshardingExecutor:
 
     @property
     def device(self) -> int:
-        return device_of_rank(self.plan, self.world.Get_rank(), self.world.Get_size())
+        return device_of_rank(self.plan, self.world.rank, self.world.size, self.world.label, self.world.launch)
 
     def prepare(self) -> "ReshardingExecutor":
         """Check the plan against this world on every rank, then allocate buffers; all ranks must call it.
@@ -79,8 +88,8 @@ class ReshardingExecutor:
         """
         if self.engine is not None or self.closed:
             raise ExecutorError("prepare() was already called on this executor; call it once, then run() every iteration")
-        # MPI messages each need their own tag below TAG_UB; NCCL calls use no tags
-        tag_limit = (self.world.Get_attr(_mpi().TAG_UB) or 32767) if self.backend == "mpi" else 2**62
+        # messages each need their own tag (below MPI's TAG_UB); CuPy's NCCL calls use no tags
+        tag_limit = 2**62 if self.entry.name == "nccl" else self.world.tag_limit()
         error = None
         try:  # a refusal here (the world size too) is shared with every rank before anyone raises
             self.program = lower(self.plan, self.device, tag_limit=tag_limit)
@@ -88,24 +97,21 @@ class ReshardingExecutor:
             error = err
         self._agree(error)
         self.src_shape = self.program.src_shape
-        self.comm = self._own_communicator()
-        args = (self.program, self.comm, rank_of_devices(self.plan), storage_dtype(self.plan.problem.dtype), self.timeout_s, self.poll_s)
-        if self.backend == "mpi":
-            from .mpi_engine import MpiEngine
-
-            self.engine = MpiEngine(*args)
-        else:
-            from .nccl_engine import NcclEngine
-
-            self.engine = NcclEngine(*args, plan=self.plan, gpu=self.gpu, devices_per_host=self.plan.problem.cluster.devices_per_host)
+        self.comm = self.world.engine_comm(self.timeout_s, self.poll_s)
+        problem = self.plan.problem
+        context = EngineContext(self.comm, rank_of_devices(self.plan), problem.dtype, storage_dtype(problem.dtype),
+                                self.timeout_s, self.poll_s, self.gpu, problem.cluster.devices_per_host)
+        self.engine = self.entry.make(self.program, context)
+        if self.backend in ("gloo", "nccl") and self.world.kind == "torch" and self.world.backend != self.backend:
+            raise ExecutorError(f"backend={self.backend!r} but the process group runs {self.world.backend}; "
+                                "pass backend='torch' (any group) or a group of that backend")
         self.engine.setup()
         return self
 
     def _agree(self, error: PlanMismatchError | None) -> None:
         """All ranks learn whether any rank refused the plan or loaded a different one."""
         mine = np.concatenate([[0 if error is None else 1], plan_fingerprint(self.plan)]).astype(np.int64)
-        every = np.empty((self.world.Get_size(), 3), np.int64)
-        poll(self.world.Iallgather(mine, every), self.timeout_s, self.poll_s, "prepare() on every rank")
+        every = self.world.allgather(mine, self.timeout_s, self.poll_s, "prepare() on every rank")
         prints = [every[r, 1:].tobytes() for r in range(len(every))]
         counts = Counter(prints)
         common = max(counts, key=lambda f: (counts[f], f == prints[0]))  # the majority's plan (rank 0's on a tie)
@@ -120,12 +126,6 @@ class ReshardingExecutor:
         if refused:
             raise PlanMismatchError(f"{_list(refused)} refused the plan (their errors say why); nothing was moved",
                                     same_on_every_rank=True)
-
-    def _own_communicator(self):
-        """A duplicate of the caller's communicator, so the executor's messages never meet theirs."""
-        comm, request = self.world.Idup()
-        poll(request, self.timeout_s, self.poll_s, "duplicating the communicator in prepare()")
-        return comm
 
     def run(self, local_shard=None):
         """Reshard once: this rank's source shard in (None if it has none), its destination shard out (or None)."""
@@ -173,7 +173,7 @@ class ReshardingExecutor:
         return self.engine.dst
 
     def close(self) -> None:
-        """Release what prepare() made: the backend's requests or communicators, and the duplicated MPI communicator.
+        """Release what prepare() made: the engine's requests or communicators, and the duplicated MPI communicator.
 
         Call it on every rank when done with an executor (a loop that makes executors without closing
         them runs out of MPI communicators after about 2,000). The executor cannot run again. A
@@ -198,8 +198,7 @@ class ReshardingExecutor:
             self.engine.close()
         self.closed = True
         comm, self.comm = self.comm, None
-        if comm is not None and not _mpi().Is_finalized():
-            comm.Free()  # pending operations of an abandoned reshard still complete (MPI_Comm_free's rule)
+        self.world.release(comm)
         if interrupted is not None:
             raise interrupted
 
@@ -224,14 +223,14 @@ class ReshardingExecutor:
         p = self.program
         if p.src_block is None:
             if local_shard is not None:
-                raise PlanMismatchError(f"run(): device {p.device} (rank {self.world.Get_rank()}) is not in the source mesh, "
+                raise PlanMismatchError(f"run(): device {p.device} (rank {self.world.rank}) is not in the source mesh, "
                                         "so it has no source shard; pass None (check the rank-to-device mapping in docs/executor.md)")
             return None
         if local_shard is None:
             raise PlanMismatchError(f"run(): device {p.device} is in the source mesh; pass its source shard of shape {p.src_shape}")
         array = self.engine.adopt(local_shard)
-        check_shard(array, self.src_shape, self.plan.problem.dtype, p.device, self.plan.problem.src.spec)
-        return array if array.flags.c_contiguous else self.engine.contiguous(array)
+        self.engine.check(array, self.src_shape, self.plan.problem.dtype, p.device, self.plan.problem.src.spec)
+        return self.engine.contiguous(array)
 
 
 def _is_number(value) -> bool:
@@ -243,8 +242,3 @@ def _list(ranks: list[int]) -> str:
     shown = ",".join(map(str, ranks[:8])) + (f" (+{len(ranks) - 8} more)" if len(ranks) > 8 else "")
     return f"rank{'s' if len(ranks) > 1 else ''} {shown}"
 
-
-def _mpi():
-    from mpi4py import MPI
-
-    return MPI

@@ -82,8 +82,27 @@ class Step:
 
 
 @dataclass(frozen=True, slots=True)
+class Collective:
+    """One operation as a group call, for engines built on collectives (NCCL): `root` sends `box` to
+    the rest of `group` in the byte ranges `chunks`; a local copy is a group of one with a `target`."""
+
+    op: int
+    task: int
+    kind: str
+    group: tuple[int, ...]
+    root: int
+    box: Box
+    chunks: tuple[tuple[int, int], ...] = ()
+    target: Box | None = None
+
+
+@dataclass(frozen=True, slots=True)
 class RankProgram:
-    """Everything one device does for a plan, with the shard shapes it expects and staging it needs."""
+    """Everything one device does for a plan, with the shard shapes it expects and staging it needs.
+
+    `steps` are point-to-point (MPI, torch.distributed); `collectives` are the same operations as
+    group calls in plan order (NCCL through CuPy): one lowering feeds every engine.
+    """
 
     device: int
     steps: tuple[Step, ...]
@@ -91,6 +110,7 @@ class RankProgram:
     src_block: Region | None
     dst_block: Region | None
     itemsize: int
+    collectives: tuple[Collective, ...] = ()
 
     @property
     def src_shape(self) -> tuple[int, ...] | None:
@@ -182,6 +202,7 @@ class _Builder:
     dst_blocks: dict[int, Region]
     itemsize: int
     steps: list[Step] = field(default_factory=list)
+    collectives: list[Collective] = field(default_factory=list)
     writes: _Writes = field(init=False)
     received: list[tuple[Operation, Region]] = field(default_factory=list)
     stage_bytes: int = 0
@@ -192,6 +213,10 @@ class _Builder:
     def add(self, action: Action, op: Operation, **fields) -> int:
         self.steps.append(Step(index=len(self.steps), action=action, op=op.id, task=op.task, kind=op.kind, **fields))
         return len(self.steps) - 1
+
+    def collective(self, op: Operation, root: int, box: Box, chunks=(), target: Box | None = None) -> None:
+        group = (self.device,) if op.kind == "copy" else tuple(sorted(op.dsts if op.kind == "allgather" else (op.src, *op.dsts)))
+        self.collectives.append(Collective(op.id, op.task, op.kind, group, root, box, tuple(chunks), target))
 
     def stage(self, nbytes: int) -> int:
         start, self.stage_bytes = self.stage_bytes, self.stage_bytes + nbytes
@@ -258,6 +283,7 @@ def _lower_copy(b: _Builder, op: Operation, base: int) -> None:
     if op.src == b.device:
         source, target = b.box("src", op.region), b.box("dst", op.region)
         b.record(op, op.region, [b.add("copy", op, box=source, target=target)])
+        b.collective(op, b.device, source, target=target)
 
 
 def _lower_chain(b: _Builder, op: Operation, base: int) -> None:
@@ -268,15 +294,17 @@ def _lower_chain(b: _Builder, op: Operation, base: int) -> None:
     ranges = chunk_ranges(math.prod(region_shape(op.region)) * b.itemsize, op.chunks, b.itemsize)
     tags = [base + k for k in range(len(ranges))]
     pieces = [f"chunk {k + 1}/{len(ranges)}" if len(ranges) > 1 else "" for k in range(len(ranges))]
+    own = b.box("src" if b.device == op.src else "dst", op.region)
+    b.collective(op, op.src, own, ranges)
     if b.device == op.src:
-        data, deps = b.outgoing(op, b.box("src", op.region), ())
+        data, deps = b.outgoing(op, own, ())
         for tag, (lo, hi), piece in zip(tags, ranges, pieces):
             b.add("send", op, deps=deps, peer=chain[0], tag=tag, data=Bytes(data.buffer, data.start + lo, data.start + hi), piece=piece)
         return
     i = chain.index(b.device)
     prev = op.src if i == 0 else chain[i - 1]
     nxt = chain[i + 1] if i + 1 < len(chain) else None
-    b.receive(op, b.box("dst", op.region), prev, tags, ranges, pieces, forward_to=nxt)
+    b.receive(op, own, prev, tags, ranges, pieces, forward_to=nxt)
 
 
 def _lower_allgather(b: _Builder, op: Operation, base: int) -> None:
@@ -296,9 +324,11 @@ def _lower_allgather(b: _Builder, op: Operation, base: int) -> None:
         for peer in members[:i] + members[i + 1:]:
             b.add("send", op, deps=deps, peer=peer, tag=base + i, data=data, piece=f"part {i}")
     for j, (peer, part) in enumerate(zip(members, op.parts)):
-        if j != i and not is_empty(part):
+        if not is_empty(part):  # check_plan: an all-gather has two or more members
             box = b.box("dst", part)
-            b.receive(op, box, peer, [base + j], [(0, box.nbytes)], [f"part {j}"])
+            b.collective(op, peer, box, [(0, box.nbytes)])
+            if j != i:
+                b.receive(op, box, peer, [base + j], [(0, box.nbytes)], [f"part {j}"])
 
 
 _LOWER = {"copy": _lower_copy, "send": _lower_chain, "broadcast": _lower_chain, "allgather": _lower_allgather}
@@ -326,7 +356,7 @@ def lower(plan: Plan, device: int, tag_limit: int | None = None) -> RankProgram:
         if missing is not None:
             raise PlanMismatchError(_advice(f"destination device {device} never receives {format_region(missing)} "
                                             f"of its shard {format_region(dst_block)}"))
-    return RankProgram(device, tuple(b.steps), b.stage_bytes, b.src_blocks.get(device), dst_block, b.itemsize)
+    return RankProgram(device, tuple(b.steps), b.stage_bytes, b.src_blocks.get(device), dst_block, b.itemsize, tuple(b.collectives))
 
 
 def _advice(message: str) -> str:

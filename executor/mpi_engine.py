@@ -27,7 +27,7 @@ import weakref
 
 import numpy as np
 
-from .arrays import as_host_array
+from .arrays import as_host_array, check_shard
 from .errors import ExecutorError, PeerTimeoutError
 from .lower import RankProgram
 
@@ -48,7 +48,7 @@ def _thread_token() -> object:
 
 
 class MpiEngine:
-    """Replays a RankProgram over an mpi4py communicator (one the executor owns)."""
+    """Replays a RankProgram over an mpi4py communicator (one the executor owns); an `executor.engines.Engine`."""
 
     def __init__(self, program: RankProgram, comm, rank_of: dict[int, int], dtype: np.dtype,
                  timeout_s: float, poll_s: tuple[float, float]):
@@ -131,8 +131,10 @@ class MpiEngine:
     def adopt(self, array) -> np.ndarray:
         return as_host_array(array, self.program.device)
 
+    check = staticmethod(check_shard)
+
     def contiguous(self, array: np.ndarray) -> np.ndarray:
-        return np.ascontiguousarray(array)
+        return array if array.flags.c_contiguous else np.ascontiguousarray(array)
 
     def poison(self) -> None:
         """Overwrite the destination shard with 0xA5 bytes, so a check proves the next run wrote all of it."""

@@ -19,8 +19,8 @@ import time
 
 import numpy as np
 
-from .arrays import import_dlpack, is_device_array
-from .errors import BackendUnavailableError, PeerTimeoutError, PlanMismatchError
+from .arrays import check_shard, import_dlpack, is_device_array
+from .errors import BackendUnavailableError, ExecutorError, PeerTimeoutError, PlanMismatchError
 from .lower import RankProgram
 from .nccl_plan import Bcast, Copy, nccl_program
 
@@ -67,12 +67,12 @@ def gpu_count(cupy) -> int:
 
 
 class NcclEngine:
-    """Replays a plan's NCCL calls for one device; same interface as MpiEngine."""
+    """Replays the NCCL calls of one device's lowered program; an `executor.engines.Engine`."""
 
     def __init__(self, program: RankProgram, comm, rank_of: dict[int, int], dtype: np.dtype, timeout_s: float,
-                 poll_s: tuple[float, float], plan=None, gpu: int | None = None, devices_per_host: int = 1):
+                 poll_s: tuple[float, float], gpu: int | None = None, devices_per_host: int = 1):
         self.program, self.comm, self.rank_of, self.dtype = program, comm, rank_of, dtype
-        self.timeout_s, self.poll_s, self.plan = timeout_s, poll_s, plan
+        self.timeout_s, self.poll_s = timeout_s, poll_s
         self.gpu = program.device % devices_per_host if gpu is None else gpu
         self.dst = None
         self.broken: str | None = None
@@ -85,7 +85,7 @@ class NcclEngine:
             raise PlanMismatchError(f"device {self.program.device} maps to GPU {self.gpu} but this host has {count}; "
                                     "pass gpu= (python -m executor.run --gpu) or place fewer devices per host")
         cupy.cuda.Device(self.gpu).use()
-        self.calls = nccl_program(self.plan, self.program.device)
+        self.calls = nccl_program(self.program)
         self.communicators = self._communicators()
         p = self.program
         self.dst = cupy.empty(p.dst_shape, self.dtype) if p.dst_shape is not None else None
@@ -97,19 +97,24 @@ class NcclEngine:
         self.pending = False
 
     def _communicators(self) -> dict:
-        """One NCCL communicator per group this device is in, created in the plan's group order on every rank."""
+        """One NCCL communicator per group this device is in, created in order of first use on every rank.
+
+        The id travels tagged with the group's first operation, which every member of the group knows.
+        """
         me, mine = self.program.device, {}
         ids = {}
         requests = []
-        for index, group in enumerate(self.calls.groups):
-            if me not in group:
-                continue
-            buf = np.zeros(UNIQUE_ID_BYTES, np.uint8)
+        first_op = {}
+        for call in self.calls.actions:
+            if isinstance(call, Bcast):
+                first_op.setdefault(call.group, call.op)
+        for group in self.calls.groups:
+            buf, tag = np.zeros(UNIQUE_ID_BYTES, np.uint8), first_op[group] % 32768
             if me == group[0]:
                 buf[:] = unique_id_bytes(self.nccl.get_unique_id())
-                requests += [self.comm.Isend(buf, dest=self.rank_of[d], tag=index % 32768) for d in group[1:]]
+                requests += [self.comm.Isend(buf, dest=self.rank_of[d], tag=tag) for d in group[1:]]
             else:
-                requests.append(self.comm.Irecv(buf, source=self.rank_of[group[0]], tag=index % 32768))
+                requests.append(self.comm.Irecv(buf, source=self.rank_of[group[0]], tag=tag))
             ids[group] = buf
         deadline = time.monotonic() + self.timeout_s
         while not all(r.Test() for r in requests):
@@ -145,8 +150,10 @@ class NcclEngine:
                                     f"runs on GPU {self.gpu}; pass a shard on GPU {self.gpu} (or set gpu=)")
         return out
 
+    check = staticmethod(check_shard)
+
     def contiguous(self, array):
-        return self.cupy.ascontiguousarray(array)
+        return array if array.flags.c_contiguous else self.cupy.ascontiguousarray(array)
 
     def poison(self) -> None:
         self.dst.reshape(-1).view(self.cupy.uint8).fill(0xA5)
@@ -157,7 +164,7 @@ class NcclEngine:
     def start(self, src) -> None:
         """Enqueue every call on the executor's stream, after the work already queued on the caller's stream."""
         if self.broken:
-            raise PeerTimeoutError(f"this executor stopped after an error ({self.broken}); create and prepare a new one")
+            raise ExecutorError(f"this executor stopped after an error ({self.broken}); create and prepare a new one")
         cupy = self.cupy
         if src is not None and src.dtype != self.dtype:  # bfloat16/float8 handed in as another int of the same size
             src = src.view(self.dtype)

@@ -1,4 +1,4 @@
-"""Lower a plan to the NCCL calls one device makes: local copies and broadcasts on group communicators.
+"""The NCCL calls one device makes, read off its lowered program: local copies and broadcasts on group communicators.
 
 NCCL runs every call of a rank on one CUDA stream in plan order, so each operation becomes calls on
 one communicator per distinct member set: a send is a broadcast in a group of two, a broadcast is
@@ -11,9 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from schemas import Operation, Plan
-
-from .lower import Box, chunk_ranges, is_empty, make_box
+from .lower import Box, RankProgram
 
 MAX_CALL_BYTES = 1 << 30
 """Largest byte count of one NCCL call: CuPy before v13 declares `bcast(..., int count, ...)`, so a
@@ -66,21 +64,13 @@ class NcclProgram:
     stage_bytes: int
 
 
-def group_of(op: Operation) -> Group | None:
-    """The member set an operation runs on; None for a local copy."""
-    if op.kind == "copy":
-        return None
-    members = op.dsts if op.kind == "allgather" else (op.src, *op.dsts)
-    return tuple(sorted(members))
-
-
-def communicator_groups(plan: Plan) -> tuple[Group, ...]:
-    """Every distinct group in order of first use; all ranks create communicators in this order."""
+def communicator_groups(program: RankProgram) -> tuple[Group, ...]:
+    """The groups this device is in, in order of first use: every member of a group takes part in each
+    of its operations, so any two ranks meet their shared groups in the same order."""
     seen: dict[Group, None] = {}
-    for op in plan.operations:
-        group = group_of(op)
-        if group is not None and len(group) > 1:
-            seen.setdefault(group, None)
+    for call in program.collectives:
+        if len(call.group) > 1:
+            seen.setdefault(call.group, None)
     return tuple(seen)
 
 
@@ -95,36 +85,17 @@ def split_calls(ranges, itemsize: int, limit: int | None = None) -> list[tuple[i
     return [(a, min(a + step, hi)) for lo, hi in ranges for a in range(lo, hi, step)]
 
 
-def nccl_program(plan: Plan, device: int) -> NcclProgram:
-    """The calls `device` makes, in plan order (run `lower()` first: it validates the plan)."""
-    problem = plan.problem
-    src_blocks, dst_blocks, size = problem.blocks("src"), problem.blocks("dst"), problem.itemsize
+def nccl_program(program: RankProgram) -> NcclProgram:
+    """The calls `program.device` makes, in plan order, from the lowered program's collectives."""
     actions: list[Copy | Bcast] = []
     stage = 0
-
-    def bcast(op: Operation, root: int, box: Box, chunks: int) -> None:
-        nonlocal stage
-        if len(group_of(op)) < 2:  # nobody to send to: the bytes are already where they belong
-            return
-        ranges = tuple(split_calls(chunk_ranges(box.nbytes, chunks, size), size))
+    for call in program.collectives:
+        if call.target is not None:
+            actions.append(Copy(call.op, call.box, call.target))
+            continue
         at = None
-        if box.span is None:
-            at, stage = stage, stage + box.nbytes
-        actions.append(Bcast(op.id, op.task, op.kind, device, group_of(op), root, box, ranges, at))
-
-    for op in plan.operations:
-        if op.kind == "copy":
-            if op.src == device:
-                actions.append(Copy(op.id, make_box("src", op.region, src_blocks[device], size),
-                                    make_box("dst", op.region, dst_blocks[device], size)))
-        elif op.kind in ("send", "broadcast"):
-            if device == op.src:
-                bcast(op, op.src, make_box("src", op.region, src_blocks[device], size), op.chunks)
-            elif device in op.dsts:
-                bcast(op, op.src, make_box("dst", op.region, dst_blocks[device], size), op.chunks)
-        elif device in op.dsts:
-            for member, part in zip(op.dsts, op.parts):
-                if not is_empty(part):
-                    bcast(op, member, make_box("dst", part, dst_blocks[device], size), 1)
-    return NcclProgram(device, tuple(actions), communicator_groups(plan), stage)
-
+        if call.box.span is None:
+            at, stage = stage, stage + call.box.nbytes
+        ranges = tuple(split_calls(call.chunks, program.itemsize))
+        actions.append(Bcast(call.op, call.task, call.kind, program.device, call.group, call.root, call.box, ranges, at))
+    return NcclProgram(program.device, tuple(actions), communicator_groups(program), stage)

@@ -27,7 +27,8 @@ from schemas import Plan, PlanFileError, read_plan_file
 from schemas.geometry import region_size
 
 from .errors import ExecutorError, PeerTimeoutError, PlanMismatchError
-from .executor import BACKENDS, DEFAULT_POLL_S, ReshardingExecutor, poll
+from .engines import ENGINES
+from .executor import DEFAULT_POLL_S, ReshardingExecutor, poll
 from .pattern import fill, mismatches
 from .scale import factors_for, scale_plan
 
@@ -110,7 +111,7 @@ def _arguments(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--warmup", type=int, default=1, help="untimed iterations first (default 1)")
     parser.add_argument("--max-mb", type=float, default=64.0, help="shrink the tensor to at most this many MiB (default 64)")
     parser.add_argument("--scale", help="exact shrink factors per dim instead of --max-mb, e.g. 4,4,2 (1,1,1 = full size)")
-    parser.add_argument("--backend", choices=BACKENDS, default="mpi")
+    parser.add_argument("--backend", choices=[n for n, e in ENGINES.items() if e.world == "mpi"], default="mpi")
     parser.add_argument("--gpu", type=int, help="nccl: put every rank on this GPU instead of device %% devices_per_host")
     parser.add_argument("--fake-hosts", action="store_true",
                         help="nccl: give each rank its own NCCL_HOSTID and the socket transport, so several ranks can share one GPU")

@@ -23,7 +23,7 @@ from schemas import load_plan
 from schemas.geometry import intersect, region_shape
 from test_executor_cases import STRATEGIES, all_fixed_plans, compiled, fixed_problems, random_problem
 
-MODULES = ["executor.lower", "executor.ranks", "executor.pattern", "executor.scale"]
+MODULES = ["executor.lower", "executor.ranks", "executor.pattern", "executor.scale", "executor.engines"]
 
 
 @pytest.mark.parametrize("name", MODULES)
@@ -174,7 +174,8 @@ class _Comm:
 
 
 @pytest.mark.parametrize("kwargs,error,expect", [
-    ({"backend": "gloo"}, ValueError, "backend 'gloo' is unknown; use one of: mpi, nccl"),
+    ({"backend": "mxi"}, ValueError, "backend 'mxi' is unknown; use one of: mpi, nccl, torch, gloo"),
+    ({"backend": "torch"}, ValueError, "backend 'torch' runs over a torch process group; pass a torch.distributed process group"),
     ({"timeout_s": 0}, ValueError, "timeout_s=0 must be a number of seconds > 0"),
     ({"timeout_s": float("nan")}, ValueError, "timeout_s=nan must be"),
     ({"timeout_s": "5"}, ValueError, "timeout_s='5' must be a number of seconds"),
@@ -183,6 +184,7 @@ class _Comm:
     ({"poll_s": (1e-5,)}, ValueError, "poll_s=.* must be"),
     ({"poll_s": (1e-3, 1e-5)}, ValueError, "0 < shortest <= longest"),
     ({"comm": None}, TypeError, "comm is a NoneType; pass an mpi4py communicator"),
+    ({"comm": object(), "backend": "torch"}, TypeError, "comm is a object; pass an mpi4py communicator, e.g. MPI.COMM_WORLD, or a torch"),
     ({"plan": None}, TypeError, "plan is a NoneType; pass a schemas.Plan"),
 ])
 def test_executor_arguments_are_checked_with_the_fix(kwargs, error, expect):
@@ -312,7 +314,7 @@ def test_scaling_keeps_the_plan_consistent_and_refuses_bad_factors():
 def _interpret_nccl(plan) -> dict[int, np.ndarray]:
     """Replay every device's NCCL call list with numpy: members of a group must issue matching calls."""
     problem, dtype = plan.problem, storage_dtype(plan.problem.dtype)
-    programs = {d: nccl_program(plan, d) for d in plan_devices(plan)}
+    programs = {d: nccl_program(lower(plan, d, tag_limit=2**20)) for d in plan_devices(plan)}
     src = {d: fill(b, problem.shape, dtype) for d, b in problem.blocks("src").items()}
     dst = {d: np.full(region_shape(b), 0xA5, np.uint8).view(dtype) if False else np.zeros(region_shape(b), dtype)
            for d, b in problem.blocks("dst").items()}
@@ -352,13 +354,15 @@ def test_nccl_call_lists_deliver_every_shard(plan):
         assert bad == 0, f"device {device}: {bad} elements differ, first at {first}"
 
 
-def test_communicator_groups_are_ordered_by_first_use():
+def test_communicator_groups_are_ordered_by_first_use_the_same_on_every_member():
     plan = compiled(fixed_problems()[3], "global_allgather")
-    groups = communicator_groups(plan)
-    assert len(groups) == len(set(groups)) and all(list(g) == sorted(g) for g in groups)
-    first_use = [next(i for i, op in enumerate(plan.operations) if tuple(sorted(op.dsts if op.kind == "allgather" else (op.src, *op.dsts))) == g)
-                 for g in groups]
-    assert first_use == sorted(first_use)
+    everyone = [tuple(sorted(op.dsts if op.kind == "allgather" else (op.src, *op.dsts))) for op in plan.operations]
+    for device in plan_devices(plan):
+        groups = communicator_groups(lower(plan, device, tag_limit=2**20))
+        assert len(groups) == len(set(groups)) and all(list(g) == sorted(g) and device in g for g in groups)
+        assert set(groups) == {g for g in everyone if device in g and len(g) > 1}
+        first_use = [everyone.index(g) for g in groups]
+        assert first_use == sorted(first_use)
 
 
 def test_nccl_backend_without_cupy_says_what_to_install():
@@ -370,7 +374,7 @@ def test_nccl_backend_without_cupy_says_what_to_install():
     except ImportError:
         pass
     plan = _plan()
-    engine = NcclEngine(lower(plan, 0), None, {}, np.dtype("int32"), 1.0, (1e-5, 1e-4), plan=plan)
+    engine = NcclEngine(lower(plan, 0), None, {}, np.dtype("int32"), 1.0, (1e-5, 1e-4))
     with pytest.raises(BackendUnavailableError, match="pip install cupy-cuda12x"):
         engine.setup()
 

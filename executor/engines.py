@@ -1,0 +1,128 @@
+"""One engine protocol and a name -> engine registry: every engine replays the same lowered `RankProgram`.
+
+`ReshardingExecutor` lowers the plan once per rank, checks it on every rank, then asks the registry
+for the engine its `backend` names and hands it the program and an `EngineContext`. Engines raise
+only the classes in `executor.errors`, for the same states:
+
+- `PlanMismatchError`: the shard handed in does not fit the plan (nothing moved);
+- `PeerTimeoutError`: a transfer passed its deadline (the message names op, task and peer);
+- `ExecutorError`: the engine was used after it broke or was closed;
+- `BackendUnavailableError`: its library or device is missing.
+
+>>> engine_entry("mpi", "mpi").module
+'executor.mpi_engine'
+>>> engine_entry("gloo", "torch").name
+'torch'
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+from typing import Any, Callable, Protocol
+
+import numpy as np
+
+from .lower import RankProgram
+
+
+@dataclass(frozen=True)
+class EngineContext:
+    """What an engine needs besides its program: the communicator it owns, where each device's rank
+    is, the element type, its deadline and poll sleeps, and (GPU engines) which device to use."""
+
+    comm: Any
+    rank_of: dict[int, int]
+    dtype_name: str
+    storage: np.dtype
+    timeout_s: float
+    poll_s: tuple[float, float]
+    gpu: int | None = None
+    devices_per_host: int = 1
+
+
+class Engine(Protocol):
+    """Replays one RankProgram every iteration; made by the registry, then `setup()` once."""
+
+    program: RankProgram
+    dst: Any  # this rank's destination shard (the engine's own buffer, reused), None outside the destination mesh
+    broken: str | None  # why the engine refuses to run again, None while usable
+
+    def setup(self) -> None:
+        """Allocate buffers and make everything that does not depend on the source shard."""
+
+    def adopt(self, array: Any) -> Any:
+        """The caller's source shard as this engine's array type, without a copy where possible."""
+
+    def check(self, array: Any, shape: tuple[int, ...], dtype_name: str, device: int, spec: object) -> None:
+        """Refuse (PlanMismatchError) a shard of the wrong shape or element type."""
+
+    def contiguous(self, array: Any) -> Any:
+        """`array` itself when C-contiguous, else a contiguous copy."""
+
+    def start(self, src: Any) -> None:
+        """Begin one reshard and return at once."""
+
+    def test(self) -> bool:
+        """Drive progress without blocking; True when finished."""
+
+    def wait(self) -> None:
+        """Block until finished or raise PeerTimeoutError after `timeout_s` without progress."""
+
+    def abandon(self, why: str) -> None:
+        """Give up on a reshard in flight and refuse to run again."""
+
+    def close(self) -> None:
+        """Release what setup() made; the engine cannot run again."""
+
+    def poison(self) -> None:
+        """Fill the destination shard with 0xA5 bytes (checks prove the next run wrote all of it)."""
+
+    def host_copy(self, array: Any) -> np.ndarray:
+        """`array` as a numpy array on the host (for checks)."""
+
+
+@dataclass(frozen=True)
+class EngineEntry:
+    """A registered engine: the kind of world it runs over, where it lives and how to build it."""
+
+    name: str
+    world: str  # "mpi" (an mpi4py communicator) or "torch" (a torch.distributed process group)
+    module: str
+    build: Callable[[Any, RankProgram, EngineContext], Engine]
+    summary: str
+
+    def make(self, program: RankProgram, context: EngineContext) -> Engine:
+        """Import the engine's module (only now: CuPy and torch are optional) and build the engine."""
+        return self.build(importlib.import_module(self.module), program, context)
+
+
+ENGINES: dict[str, EngineEntry] = {e.name: e for e in (
+    EngineEntry("mpi", "mpi", "executor.mpi_engine",
+                lambda m, p, c: m.MpiEngine(p, c.comm, c.rank_of, c.storage, c.timeout_s, c.poll_s),
+                "MPI point-to-point on host memory (numpy)"),
+    EngineEntry("nccl", "mpi", "executor.nccl_engine",
+                lambda m, p, c: m.NcclEngine(p, c.comm, c.rank_of, c.storage, c.timeout_s, c.poll_s, gpu=c.gpu,
+                                             devices_per_host=c.devices_per_host),
+                "NCCL broadcasts through CuPy on GPUs, ids exchanged over MPI"),
+    EngineEntry("torch", "torch", "executor.torch_engine", lambda m, p, c: m.TorchEngine(p, c),
+                "torch.distributed isend/irecv over any process group (gloo on CPU, NCCL on CUDA)"),
+)}
+
+TORCH_BACKENDS = ("gloo", "nccl")
+"""Process-group backend names that, with a torch process group, select the torch engine (and are checked against the group)."""
+
+BACKENDS = (*ENGINES, "gloo")
+
+
+def engine_entry(backend: str, world: str) -> EngineEntry:
+    """The engine `backend` names for a world of kind `world`; ValueError listing the valid names otherwise."""
+    named = "torch" if backend == "gloo" or (world == "torch" and backend in TORCH_BACKENDS) else backend
+    entry = ENGINES.get(named)
+    if entry is None:
+        raise ValueError(f"backend {backend!r} is unknown; use one of: {', '.join(BACKENDS)}")
+    if entry.world != world:
+        hint = ("pass a torch.distributed process group (or None for the default group)" if entry.world == "torch"
+                else "pass an mpi4py communicator, e.g. MPI.COMM_WORLD, or backend='torch' with a process group")
+        raise ValueError(f"backend {backend!r} runs over {'a torch process group' if entry.world == 'torch' else 'MPI'}; {hint}")
+    return entry

@@ -1,0 +1,124 @@
+"""`torchrun --nproc-per-node N -m executor.torch_run PLAN... --check`: reshard torch tensors with the torch engine.
+
+For each plan: shrink the tensor to at most `--max-mb`, fill every source shard with a pattern of
+global indices (as a torch tensor of the plan's dtype, bfloat16 and float8 included), run
+`--iters` reshards over the default process group (gloo on CPU, NCCL with `--nccl`), and print on
+rank 0 the median time per iteration of the slowest rank. With `--check`, each destination shard is
+compared bit for bit with numpy slicing of the whole pattern tensor.
+
+    torchrun --nproc-per-node 8 -m executor.torch_run plans/case1.plan.json --check
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+from schemas import Plan, PlanFileError, read_plan_file
+from schemas.geometry import local_slices
+
+from .arrays import storage_dtype
+from .errors import ExecutorError, PeerTimeoutError, PlanMismatchError
+from .executor import ReshardingExecutor
+from .pattern import fill
+from .scale import factors_for, scale_plan
+
+
+def source_tensor(plan: Plan, block, device):
+    """The pattern's values for `block` as a torch tensor of the plan's dtype on `device` (None without a block)."""
+    import torch
+
+    if block is None:
+        return None
+    raw = fill(block, plan.problem.shape, storage_dtype(plan.problem.dtype))
+    return torch.from_numpy(raw).view(getattr(torch, plan.problem.dtype)).to(device)
+
+
+def expected_shard(plan: Plan, block) -> np.ndarray:
+    """The destination shard by plain numpy slicing of the whole pattern tensor (independent of the plan)."""
+    shape = plan.problem.shape
+    whole = fill(tuple((0, n) for n in shape), shape, storage_dtype(plan.problem.dtype))
+    return whole[local_slices(block, tuple((0, n) for n in shape))]
+
+
+def run_plan(plan: Plan, args: argparse.Namespace) -> tuple[str, int]:
+    """Reshard `plan` `--iters` times; rank 0's report line and the number of wrong elements over all ranks."""
+    import torch
+    import torch.distributed as dist
+
+    ex = ReshardingExecutor(plan, None, backend="torch", timeout_s=args.timeout).prepare()
+    src = source_tensor(plan, ex.program.src_block, ex.engine.device)
+    times = []
+    for _ in range(args.iters):
+        dist.barrier()
+        start = time.perf_counter()
+        out = ex.run(src)
+        times.append(time.perf_counter() - start)
+    bad = 0
+    if args.check and out is not None:
+        got, want = ex.engine.host_copy(out), expected_shard(plan, ex.program.dst_block)
+        bad = int((got.view(f"V{got.itemsize}") != want.view(f"V{want.itemsize}")).sum())
+    ex.close()
+    totals = torch.tensor([bad, int(np.median(times) * 1e9)], dtype=torch.int64, device=ex.engine.device)
+    dist.all_reduce(totals)
+    problem = plan.problem
+    line = (f"{problem.name or 'plan'}: {'x'.join(map(str, problem.shape))} {problem.dtype}, {dist.get_world_size()} ranks, "
+            f"{len(plan.operations)} ops, torch/{dist.get_backend()}: {totals[1].item() / dist.get_world_size() / 1e6:.2f} ms/iter "
+            f"(mean over ranks of each rank's median of {args.iters})")
+    if args.check:
+        line += f"; check {'ok: every destination shard bit-exact' if not totals[0] else f'FAILED: {totals[0].item()} elements differ'}"
+    return line, int(totals[0].item())
+
+
+def _arguments(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="torchrun --nproc-per-node N -m executor.torch_run", description=__doc__.splitlines()[0])
+    parser.add_argument("plans", nargs="+", type=Path, help="plan files (plans/*.plan.json)")
+    parser.add_argument("--check", action="store_true", help="compare every destination shard with numpy slicing, bit for bit")
+    parser.add_argument("--iters", type=int, default=5, help="iterations (default 5)")
+    parser.add_argument("--max-mb", type=float, default=16.0, help="shrink the tensor to at most this many MiB (default 16)")
+    parser.add_argument("--nccl", action="store_true", help="use an NCCL process group on cuda:LOCAL_RANK instead of gloo on the CPU")
+    parser.add_argument("--timeout", type=float, default=60.0, help="seconds without progress before a rank gives up (default 60)")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    import torch
+    import torch.distributed as dist
+
+    args = _arguments(argv)
+    if args.iters < 1 or not args.max_mb > 0 or not args.timeout > 0:
+        print("error: --iters, --max-mb and --timeout must be positive, e.g. --iters 5 --max-mb 16 --timeout 60", file=sys.stderr)
+        return 2
+    if args.nccl:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    dist.init_process_group("nccl" if args.nccl else "gloo", timeout=datetime.timedelta(seconds=max(args.timeout, 1)))
+    rank, status = dist.get_rank(), 0
+    for path in args.plans:
+        try:
+            plan = read_plan_file(path)
+            plan = scale_plan(plan, factors_for(plan, int(args.max_mb * 2**20)))
+            line, bad = run_plan(plan, args)
+        except (PlanFileError, PlanMismatchError) as err:  # the same on every rank, before any byte moved
+            if rank == 0 or not getattr(err, "same_on_every_rank", True):
+                print(f"rank {rank}: error: {path.name}: {err}", file=sys.stderr, flush=True)
+            status = 2
+            continue
+        except ExecutorError as err:  # a peer died or hangs: work is pending, so the group cannot shut down cleanly
+            print(f"rank {rank}: error: {path.name}: {err}", file=sys.stderr, flush=True)
+            sys.stdout.flush()
+            os._exit(3 if isinstance(err, PeerTimeoutError) else 2)
+        if rank == 0:
+            print(line, flush=True)
+        status = status or (1 if bad else 0)
+    dist.destroy_process_group()
+    return status
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,129 @@
+"""The torch engine on gloo: several processes on the CPU, every destination shard bit-exact, failures in time.
+
+Ranks are plain subprocesses given env:// variables (as torchrun sets them), so a rank that dies
+does not take the others down with it (torchrun's agent would); one test runs the documented
+torchrun command itself.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from executor.scale import factors_for, scale_plan
+from schemas import load_plan
+from test_executor_cases import DEVICES, all_fixed_plans, compiled, fixed_problems, random_problem, write_plans
+
+ROOT = Path(__file__).resolve().parents[1]
+WORKER = Path(__file__).with_name("torch_worker.py")
+PLANS = ROOT / "plans"
+LAUNCH_TIMEOUT_S = 400  # catches a hang only: 8-16 ranks importing torch on a loaded 2-core machine take a while
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(2 * LAUNCH_TIMEOUT_S)]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch(n: int, *args: str) -> list[str]:
+    """Start `n` ranks of the worker with env:// variables; their stdout lines, after every rank ended."""
+    port, procs = _free_port(), []
+    for rank in range(n):
+        env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank), "WORLD_SIZE": str(n),
+               "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(n), "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+        procs.append(subprocess.Popen([sys.executable, str(WORKER), *args], cwd=ROOT, env=env, text=True,
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE))
+    outputs = []
+    deadline = time.monotonic() + LAUNCH_TIMEOUT_S
+    for proc in procs:
+        try:
+            out, err = proc.communicate(timeout=max(1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            for p in procs:
+                p.kill()
+            raise
+        outputs.append((proc.returncode, out, err))
+    lines = [line for _, out, _ in outputs for line in out.splitlines() if line.startswith("rank ")]
+    failed = [(code, err[-2000:]) for code, _, err in outputs if code]
+    assert not failed, failed
+    return lines
+
+
+def small(plans, max_bytes: int = 64 * 1024):
+    return [scale_plan(p, factors_for(p, max_bytes)) for p in plans]
+
+
+def test_fixed_and_random_plans_are_bit_exact_on_8_gloo_ranks(tmp_path):
+    """Every strategy on disjoint, overlapping, uneven problems (bfloat16, float16, complex128, int8 ...),
+    chunked broadcasts and seeded random problems: 3 iterations each, every shard bit-exact."""
+    plans = all_fixed_plans() + [compiled(random_problem(seed), "auto") for seed in range(6)]
+    assert {"bfloat16", "float16", "complex128", "int8"} <= {p.problem.dtype for p in plans}
+    assert {"copy", "send", "broadcast", "allgather"} <= {op.kind for p in plans for op in p.operations}
+    assert any(op.chunks > 1 for p in plans for op in p.operations)
+    overlapping = [p for p in plans if set(p.problem.src.mesh.devices) & set(p.problem.dst.mesh.devices)]
+    assert overlapping
+    paths = write_plans(tmp_path, plans)
+    lines = launch(DEVICES, "check", *paths)
+    ours = [line for line in lines if line.startswith("rank 0:")]
+    assert len(ours) == len(paths) and all(line.endswith(": ok") for line in ours), lines
+
+
+def test_float8_plans_are_bit_exact(tmp_path):
+    from test_executor_cases import problem
+
+    plans = [compiled(problem(f"f8_{dtype}", (6, 10), (2,), (0, 1), "S0 R", (2, 2), range(4), "R S01", dtype=dtype), strategy)
+             for dtype in ("float8_e4m3fn", "float8_e5m2") for strategy in ("send_recv", "global_allgather")]
+    lines = launch(4, "check", *write_plans(tmp_path, plans))
+    assert sorted(line for line in lines if line.startswith("rank 0:")) == sorted(
+        f"rank 0: {Path(p).name}: ok" for p in write_plans(tmp_path, plans))
+
+
+@pytest.mark.parametrize("ranks", [12, 16])
+def test_reference_plans_scaled_down_are_bit_exact(tmp_path, ranks):
+    names = {12: ["case7", "case8"], 16: ["case1", "case2", "case3", "case4", "case5", "case9"]}[ranks]
+    paths = [PLANS / f"{name}.plan.json" for name in names]
+    if not all(p.exists() for p in paths):
+        pytest.skip("reference plans not compiled yet; run `make plans`")
+    plans = small([load_plan(p) for p in paths])
+    lines = launch(ranks, "check", *write_plans(tmp_path, plans))
+    ours = [line for line in lines if line.startswith("rank 0:")]
+    assert len(ours) == len(names) and all(line.endswith(": ok") for line in ours), lines
+
+
+def test_plan_disagreement_fails_on_every_rank_before_anything_moves(tmp_path):
+    first, other = [compiled(fixed_problems()[0], s) for s in ("send_recv", "broadcast")]
+    paths = write_plans(tmp_path, [first, other])
+    lines = launch(DEVICES, "disagree", *paths)
+    assert len(lines) == DEVICES and all("refused: rank 1 loaded a different plan than the other 7 ranks" in line for line in lines), lines
+
+
+def test_a_dead_rank_ends_every_other_rank_within_the_deadline(tmp_path):
+    path = write_plans(tmp_path, small([compiled(fixed_problems()[0], "broadcast")]))[0]
+    lines = launch(DEVICES, "die", path)
+    assert len(lines) == DEVICES - 1, lines
+    waiting = [line for line in lines if "PeerTimeoutError" in line]
+    assert waiting, lines  # the ranks that receive from or send to rank 7 (device 7)
+    for line in waiting:
+        seconds = float(line.split(" after ")[1].split(" s:")[0])
+        assert seconds < 3 * 5.0, line  # the deadline is 5 s without progress (a dead peer is seen sooner: gloo closes the pair)
+        assert "op " in line and "task " in line and "(rank " in line, line
+    assert all("PeerTimeoutError" in line or line.endswith("finished") for line in lines), lines
+
+
+def test_the_documented_torchrun_command_works(tmp_path):
+    plan = small([compiled(fixed_problems()[1], "global_allgather")])[0]
+    path = write_plans(tmp_path, [plan])[0]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(DEVICES), "-m", "executor.torch_run", path,
+           "--check", "--iters", "2", "--max-mb", "1"]
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    result = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=LAUNCH_TIMEOUT_S)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "check ok: every destination shard bit-exact" in result.stdout, result.stdout

@@ -1,0 +1,114 @@
+"""One rank of a torch engine test, started by test_executor_torch.py with env:// variables (or torchrun).
+
+    python tests/torch_worker.py check PLAN...      every destination shard, 3 iterations, bit-exact vs numpy slicing
+    python tests/torch_worker.py disagree A B       rank 1 loads B, the others A: prepare() must fail on every rank
+    python tests/torch_worker.py die PLAN           the last rank exits after prepare(): the others must fail in time
+
+Each rank prints result lines starting with `rank R:`; the test reads them.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from executor import ExecutorError, PlanMismatchError, ReshardingExecutor  # noqa: E402
+from executor.arrays import storage_dtype  # noqa: E402
+from executor.pattern import fill  # noqa: E402
+from schemas import Plan, read_plan_file  # noqa: E402
+from schemas.geometry import local_slices  # noqa: E402
+
+TIMEOUT_S = 20.0
+
+
+def pattern(plan: Plan, salt: int) -> np.ndarray:
+    """The whole tensor's pattern (raw storage dtype), different bits for each salt."""
+    shape = plan.problem.shape
+    return fill(tuple((0, n) for n in shape), shape, storage_dtype(plan.problem.dtype), salt)
+
+
+def shard_of(whole: np.ndarray, block, plan: Plan) -> torch.Tensor:
+    """A source shard as a torch tensor of the plan's dtype, sliced from the whole tensor."""
+    full = tuple((0, n) for n in plan.problem.shape)
+    raw = np.ascontiguousarray(whole[local_slices(block, full)])
+    return torch.from_numpy(raw).view(getattr(torch, plan.problem.dtype))
+
+
+def check(paths: list[str]) -> None:
+    """Run each plan 3 times (run(), start()+test()+wait(), a non-contiguous source); count wrong elements."""
+    rank = dist.get_rank()
+    for path in paths:
+        plan = read_plan_file(path)
+        ex = ReshardingExecutor(plan, backend="gloo", timeout_s=TIMEOUT_S).prepare()
+        p, bad = ex.program, 0
+        full = tuple((0, n) for n in plan.problem.shape)
+        for salt in (0, 7, 200):
+            whole = pattern(plan, salt)
+            src = shard_of(whole, p.src_block, plan) if p.src_block is not None else None
+            if src is not None and salt == 200 and src.dim() > 1:  # a transposed copy, transposed back: not contiguous
+                src = src.transpose(0, -1).contiguous().transpose(0, -1)
+            if ex.engine.dst is not None:
+                ex.engine.poison()
+            if salt == 7:
+                ex.start(src)
+                while not ex.test():
+                    time.sleep(1e-4)
+                out = ex.wait()
+            else:
+                out = ex.run(src)
+            if out is not None:
+                assert out.dtype == getattr(torch, plan.problem.dtype) and tuple(out.shape) == p.dst_shape
+                got, want = ex.engine.host_copy(out), whole[local_slices(p.dst_block, full)]
+                bad += int((got.view(f"V{got.itemsize}") != want.view(f"V{want.itemsize}")).sum())
+        ex.close()
+        total = torch.tensor([bad])
+        dist.all_reduce(total)
+        print(f"rank {rank}: {Path(path).name}: {'ok' if total.item() == 0 else f'{total.item()} wrong elements'}", flush=True)
+
+
+def disagree(first: str, second: str) -> None:
+    rank = dist.get_rank()
+    plan = read_plan_file(second if rank == 1 else first)
+    try:
+        ReshardingExecutor(plan, backend="torch", timeout_s=TIMEOUT_S).prepare()
+        print(f"rank {rank}: prepared", flush=True)
+    except PlanMismatchError as err:
+        print(f"rank {rank}: refused: {err}", flush=True)
+
+
+def die(path: str) -> None:
+    rank, size = dist.get_rank(), dist.get_world_size()
+    plan = read_plan_file(path)
+    ex = ReshardingExecutor(plan, backend="torch", timeout_s=5.0).prepare()
+    if rank == size - 1:
+        os._exit(0)
+    src = shard_of(pattern(plan, 0), ex.program.src_block, plan) if ex.program.src_block is not None else None
+    start = time.monotonic()
+    try:
+        for _ in range(3):
+            ex.run(src)
+        print(f"rank {rank}: finished", flush=True)
+    except ExecutorError as err:
+        print(f"rank {rank}: {type(err).__name__} after {time.monotonic() - start:.1f} s: {err}", flush=True)
+    os._exit(0)  # a receive from the dead rank may still be posted: skip the process group's shutdown
+
+
+def main(argv: list[str]) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
+    mode, args = argv[0], argv[1:]
+    {"check": lambda: check(args), "disagree": lambda: disagree(*args), "die": lambda: die(*args)}[mode]()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
