@@ -89,7 +89,12 @@ def _shard_dim(placement: object, ndim: int, field: str) -> int | None:
 
 
 def _check_same_split(shape: tuple[int, ...], side: Side, field: str) -> None:
-    """Refuse a tensor dim whose DTensor shards (one mesh dim after another) differ from our one ceil split."""
+    """Refuse a tensor dim whose DTensor shards (one mesh dim after another) differ from our one ceil split.
+
+    A tensor with no elements has only empty boxes, however it is split, so nothing can differ.
+    """
+    if 0 in shape:
+        return
     for dim, axes in enumerate(side.dim_axes):
         counts = [side.mesh_shape[a] for a in axes]
         theirs, ours = nested_chunks(shape[dim], counts), ceil_chunks(shape[dim], counts)

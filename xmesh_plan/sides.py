@@ -87,6 +87,7 @@ def global_shape(shape: object) -> tuple[int, ...]:
 
 def _placement(side: Side, name: str) -> Placement:
     try:
-        return Placement(mesh=DeviceMesh(shape=side.mesh_shape, devices=side.devices), spec=side.spec)
+        mesh = DeviceMesh(shape=side.mesh_shape, devices=side.devices)
     except ValidationError as err:
-        raise FrontendError(f"{name}.{describe_validation_error(err)}") from None
+        raise FrontendError(f"{name}_mesh: {describe_validation_error(err)}") from None
+    return Placement(mesh=mesh, spec=side.spec)
