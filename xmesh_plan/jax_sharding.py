@@ -54,7 +54,6 @@ def _side(shape: tuple[int, ...], sharding: object, field: str) -> Side:
     sizes = tuple(int(s) for s in mesh.axis_sizes)
     entries = tuple(spec) + (None,) * (len(shape) - len(spec))
     dim_axes = tuple(_axes(entry, names, spec, field) for entry in entries)
-    _check_axes_once(dim_axes, names, spec, field)
     _check_even(shape, sizes, dim_axes, spec, field)
     devices = () if isinstance(mesh, AbstractMesh) else tuple(int(d.id) for d in mesh.devices.flat)
     return Side(sizes, devices, dim_axes)
@@ -68,22 +67,12 @@ def _check_reduced(spec: PartitionSpec, field: str) -> None:
 
 
 def _axes(entry: object, names: tuple[str, ...], spec: PartitionSpec, field: str) -> tuple[int, ...]:
-    """Mesh axis indices of one PartitionSpec entry, major first."""
+    """Mesh axis indices of one PartitionSpec entry, major first (NamedSharding has checked the names exist, once each)."""
     if entry is None:
         return ()
     if entry is PartitionSpec.UNCONSTRAINED:
         raise FrontendError(f"{field}: {spec} leaves a dim UNCONSTRAINED; give the concrete layout (None or mesh axes)")
-    for name in entry if isinstance(entry, tuple) else (entry,):
-        if name not in names:
-            raise FrontendError(f"{field}: mesh axis {name!r} of {spec} is not in the mesh's axes {names}; use one of them")
     return tuple(names.index(name) for name in (entry if isinstance(entry, tuple) else (entry,)))
-
-
-def _check_axes_once(dim_axes: tuple[tuple[int, ...], ...], names: tuple[str, ...], spec: PartitionSpec, field: str) -> None:
-    used = [a for axes in dim_axes for a in axes]
-    for axis in used:
-        if used.count(axis) > 1:
-            raise FrontendError(f"{field}: mesh axis {names[axis]!r} appears more than once in {spec}; each axis may shard one dim once")
 
 
 def _check_even(shape: tuple[int, ...], sizes: tuple[int, ...], dim_axes: tuple[tuple[int, ...], ...],
