@@ -19,6 +19,8 @@ from xmesh_plan import FrontendError, problem_from_shardings
 
 CASES = 300
 AXIS_NAMES = ("data", "model", "pipe")
+MESH = Mesh(np.array(jax.devices()[:4]).reshape(2, 2), ("x", "y"))
+EXPLICIT = Mesh(np.array(jax.devices()[:4]).reshape(2, 2), ("x", "y"), axis_types=(AxisType.Explicit,) * 2)
 
 
 def test_jax_sees_sixteen_cpu_devices():
@@ -102,14 +104,16 @@ def test_plan_from_two_named_shardings_verifies():
     verify_plan(compile_fast(problem))
 
 
+def test_reduced_axes_hold_full_copies_and_plan_as_replicated():
+    src = NamedSharding(EXPLICIT, P("x", reduced={"y"}))
+    problem = problem_from_shardings((8, 4), "float32", src, NamedSharding(EXPLICIT, P()))
+    assert str(problem.src.spec) == "S0 R" and problem.blocks("src") == jax_boxes(src, (8, 4))
+
+
 def test_abstract_meshes_are_placed_like_shorthand():
     mesh = AbstractMesh((2, 4), ("x", "y"))
     problem = problem_from_shardings((8, 8), "float32", NamedSharding(mesh, P("x")), NamedSharding(mesh, P(None, "y")))
     assert problem.src.mesh.devices == tuple(range(8)) and problem.dst.mesh.devices == tuple(range(8, 16))
-
-
-MESH = Mesh(np.array(jax.devices()[:4]).reshape(2, 2), ("x", "y"))
-EXPLICIT = Mesh(np.array(jax.devices()[:4]).reshape(2, 2), ("x", "y"), axis_types=(AxisType.Explicit,) * 2)
 
 
 @pytest.mark.parametrize("args, message", [

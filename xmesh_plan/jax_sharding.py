@@ -47,23 +47,26 @@ def _side(shape: tuple[int, ...], sharding: object, field: str) -> Side:
     if not isinstance(sharding, NamedSharding):
         raise FrontendError(f"{field}: {type(sharding).__name__} is not a NamedSharding; pass NamedSharding(mesh, PartitionSpec(...))")
     mesh, spec = sharding.mesh, sharding.spec
-    _check_reduced(spec, field)
-    if len(spec) > len(shape):
-        raise FrontendError(f"{field}: {spec} has {len(spec)} entries but the array has {len(shape)} dims; give at most one per dim")
+    _check_unreduced(spec, field)
+    # `partitions`, not iteration: JAX refuses to iterate a spec that has reduced axes
+    entries = tuple(spec.partitions) if hasattr(spec, "partitions") else tuple(spec)
+    if len(entries) > len(shape):
+        raise FrontendError(f"{field}: {spec} has {len(entries)} entries but the array has {len(shape)} dims; give at most one per dim")
     names = tuple(mesh.axis_names)
     sizes = tuple(int(s) for s in mesh.axis_sizes)
-    entries = tuple(spec) + (None,) * (len(shape) - len(spec))
+    entries += (None,) * (len(shape) - len(entries))
     dim_axes = tuple(_axes(entry, names, spec, field) for entry in entries)
     _check_even(shape, sizes, dim_axes, spec, field)
     devices = () if isinstance(mesh, AbstractMesh) else tuple(int(d.id) for d in mesh.devices.flat)
     return Side(sizes, devices, dim_axes)
 
 
-def _check_reduced(spec: PartitionSpec, field: str) -> None:
-    pending = set(getattr(spec, "unreduced", ())) | set(getattr(spec, "reduced", ()))
+def _check_unreduced(spec: PartitionSpec, field: str) -> None:
+    """Refuse pending partial sums (`unreduced`); `reduced` axes hold full copies (replicated), so they plan as R."""
+    pending = getattr(spec, "unreduced", frozenset())
     if pending:
         raise FrontendError(f"{field}: {spec} holds partial sums over {', '.join(sorted(map(str, pending)))}; "
-                            "reduce them on the source mesh first (e.g. jax.lax.psum or reshard to a spec without unreduced axes)")
+                            "reduce them on the source mesh first (e.g. reshard to a spec without unreduced axes)")
 
 
 def _axes(entry: object, names: tuple[str, ...], spec: PartitionSpec, field: str) -> tuple[int, ...]:
