@@ -69,7 +69,9 @@ def _mesh_ranks(mesh: object, field: str) -> np.ndarray:
     except ValueError:
         ranks = np.asarray([], dtype=object)
     if ranks.ndim == 0 or ranks.size == 0 or ranks.dtype.kind not in "iu":
-        raise FrontendError(f"{field}: {mesh!r} is not a DeviceMesh or a nested list of global ranks; pass e.g. init_device_mesh('cpu', (2, 4)) or [[0, 1], [2, 3]]")
+        shown = repr(mesh) if isinstance(mesh, (str, int, float)) else f"a {type(mesh).__name__}"  # one line, whatever it holds
+        raise FrontendError(f"{field}: {shown} is not a DeviceMesh or a nested list of integer global ranks; "
+                            "pass e.g. init_device_mesh('cpu', (2, 4)) or [[0, 1], [2, 3]]")
     return ranks
 
 
