@@ -7,7 +7,14 @@ solver is. Nothing here hard-codes a predicted time.
 
 from __future__ import annotations
 
+import os
 from typing import Any
+
+# The JAX front-end tests need 16 CPU devices. XLA reads this flag once, when jax is first imported,
+# so it is set here before any test module loads; it changes nothing for code that does not use jax.
+_HOST_DEVICES = "--xla_force_host_platform_device_count=16"
+if _HOST_DEVICES not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {_HOST_DEVICES}".strip()
 
 import pytest
 

@@ -1,4 +1,4 @@
-"""Run the doctests of every module under schemas/ and planner/, so examples in docstrings stay true."""
+"""Run the doctests of every module under schemas/, planner/ and xmesh_plan/, so examples in docstrings stay true."""
 
 from __future__ import annotations
 
@@ -10,11 +10,12 @@ import pytest
 
 import planner
 import schemas
+import xmesh_plan
 
 
 def module_names() -> list[str]:
     names = []
-    for package in (schemas, planner):
+    for package in (schemas, planner, xmesh_plan):
         names.append(package.__name__)
         names += [m.name for m in pkgutil.walk_packages(package.__path__, package.__name__ + ".") if not m.name.endswith("__main__")]
     return sorted(names)
