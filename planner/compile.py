@@ -15,6 +15,7 @@ from .strategies import STRATEGIES, PlannedOp, StrategyResult, TaskContext, get_
 from .unit_tasks import Cell, decompose
 
 DIGITS = 12  # times are rounded to picoseconds so plans print and compare stably
+NIC_SIDES = ("send", "recv")  # the resources a plan's host order lists; device ports are not queued
 MAX_SIMULATED_OPERATIONS = 20_000  # beyond this the schedule's own timetable stands in for the simulator
 
 
@@ -85,7 +86,7 @@ def assemble(problem: ReshardingProblem, cells: list[Cell], options: list[TaskOp
         timed_ops += [(start + op.offset_s, t.id, op) for op in result.ops]
         timed_ops += [(at, t.id, op) for at, op in _copy_ops(item.cell, problem)]
         for host, side in option.resources:
-            if side != "intra":
+            if side.partition(":")[0] in NIC_SIDES:
                 per_resource.setdefault((host, side), []).append((start, t.id))
     copy_only = [c for c in cells if not c.receivers and c.local_copies]
     for cell in copy_only:

@@ -1,7 +1,7 @@
 """The load-balance-and-order problem every solver answers, and the schedule it returns.
 
 Each unit task has one option per candidate sender host; an option has a duration and the set of
-resources (a host's NIC send side, receive side, intra-host link) it holds for its whole duration.
+resources (a host's NIC send side or receive side, a device's intra-host out or in port) it holds for its whole duration.
 A solver picks one option per task and an order on every resource; a task starts as soon as all its
 resources are free. Tasks that share a resource never overlap (the paper's Eq. 3, per resource).
 """
@@ -11,7 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 Resource = tuple[int, str]
-"""(host, side) with side one of 'send', 'recv', 'intra' (or 'send:<nic>', 'recv:<nic>' per NIC)."""
+"""(host, side): side 'send' or 'recv' for the host's NIC sides ('send:<nic>', 'recv:<nic>' per NIC), or
+'out:<device>' / 'in:<device>' for a device's intra-host ports (see `planner.strategies.hop_resources`)."""
 
 
 @dataclass(frozen=True, slots=True)
