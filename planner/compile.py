@@ -9,8 +9,9 @@ from schemas import HostOrder, Operation, Plan, ReshardingProblem, SolverInfo, U
 
 from . import __version__
 from .bounds import lower_bound
-from .scheduling import Option, Schedule, SchedulingTask, solve
+from .scheduling import Option, Schedule, SchedulingTask
 from .simulate import nic_assignment, simulate
+from .solvers import solve
 from .strategies import STRATEGIES, PlannedOp, StrategyResult, TaskContext, get_strategy
 from .unit_tasks import Cell, decompose
 
