@@ -9,12 +9,14 @@ from schemas import HostOrder, Operation, Plan, ReshardingProblem, SolverInfo, U
 
 from . import __version__
 from .bounds import lower_bound
-from .scheduling import Option, Schedule, SchedulingTask, solve
+from .scheduling import Option, Schedule, SchedulingTask
 from .simulate import nic_assignment, simulate
+from .solvers import solve
 from .strategies import STRATEGIES, PlannedOp, StrategyResult, TaskContext, get_strategy
 from .unit_tasks import DEFAULT_MAX_TASKS, Cell, decompose
 
 DIGITS = 12  # times are rounded to picoseconds so plans print and compare stably
+NIC_SIDES = ("send", "recv")  # the resources a plan's host order lists; device ports are not queued
 MAX_SIMULATED_OPERATIONS = 20_000  # beyond this the schedule's own timetable stands in for the simulator
 MAX_RELISTINGS = 8  # re-simulations until the listing is the order of its own predicted starts
 
@@ -86,7 +88,7 @@ def assemble(problem: ReshardingProblem, cells: list[Cell], options: list[TaskOp
         timed_ops += [(start + op.offset_s, t.id, op) for op in result.ops]
         timed_ops += [(at, t.id, op) for at, op in _copy_ops(item.cell, problem)]
         for host, side in option.resources:
-            if side != "intra":
+            if side.partition(":")[0] in NIC_SIDES:
                 per_resource.setdefault((host, side), []).append((start, t.id))
     copy_only = [c for c in cells if not c.receivers and c.local_copies]
     for cell in copy_only:

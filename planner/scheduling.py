@@ -1,7 +1,7 @@
 """The load-balance-and-order problem every solver answers, and the schedule it returns.
 
 Each unit task has one option per candidate sender host; an option has a duration and the set of
-resources (a host's NIC send side, receive side, intra-host link) it holds for its whole duration.
+resources (a host's NIC send side or receive side, a device's intra-host out or in port) it holds for its whole duration.
 A solver picks one option per task and an order on every resource; a task starts as soon as all its
 resources are free. Tasks that share a resource never overlap (the paper's Eq. 3, per resource).
 """
@@ -11,7 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 Resource = tuple[int, str]
-"""(host, side) with side one of 'send', 'recv', 'intra' (or 'send:<nic>', 'recv:<nic>' per NIC)."""
+"""(host, side): side 'send' or 'recv' for the host's NIC sides ('send:<nic>', 'recv:<nic>' per NIC), or
+'out:<device>' / 'in:<device>' for a device's intra-host ports (see `planner.strategies.hop_resources`)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,31 +87,3 @@ def check_schedule(tasks: list[SchedulingTask], schedule: Schedule, tolerance: f
         for (s0, e0, a), (s1, _, b) in zip(spans, spans[1:]):
             if s1 < e0 - tolerance:
                 raise ValueError(f"tasks {a} and {b} overlap on host {resource[0]} {resource[1]} ({s1:.6f}s < {e0:.6f}s)")
-
-
-def greedy_least_loaded(tasks: list[SchedulingTask], *, seed: int = 0, time_limit_s: float = 1.0) -> Schedule:
-    """Longest task first, each to the option that finishes earliest given what is already placed (append-only)."""
-    del seed, time_limit_s
-    free: dict[Resource, float] = {}
-    choice: dict[int, int] = {}
-    start: dict[int, float] = {}
-    order = sorted(tasks, key=lambda t: (-max(o.duration_s for o in t.options), t.id))
-    for task in order:
-        best = None
-        for index, option in enumerate(task.options):
-            begin = max((free.get(r, 0.0) for r in option.resources), default=0.0)
-            key = (begin + option.duration_s, index)
-            if best is None or key < best[0]:
-                best = (key, index, begin)
-        _, index, begin = best
-        choice[task.id], start[task.id] = index, begin
-        for r in task.options[index].resources:
-            free[r] = begin + task.options[index].duration_s
-    return Schedule(choice, start, solver="greedy")
-
-
-def solve(tasks: list[SchedulingTask], solver: str = "auto", *, seed: int = 0, time_limit_s: float = 10.0) -> Schedule:
-    """Run a solver by name (see `planner.solvers.SOLVERS`); the error lists the valid names."""
-    from .solvers import solve as solve_by_name  # the solvers import this module's types
-
-    return solve_by_name(tasks, solver, seed=seed, time_limit_s=time_limit_s)

@@ -75,17 +75,31 @@ class TaskContext:
         return self.cluster.latency_s + nbytes / bandwidth
 
 
-def _resources(ctx: TaskContext, forwarding_hosts: set[int], ring_hosts: set[int] = frozenset()) -> frozenset[Resource]:
-    """NIC sides the task holds: the sender's send side, each remote receiver host's receive side,
-    the send side of hosts that forward to another host, both sides of hosts on a cross-host ring,
-    and the intra link of every host involved."""
-    sender_host = ctx.host(ctx.sender)
-    remote = {ctx.host(d) for d in ctx.receivers} - {sender_host}
-    res: set[Resource] = {(h, "recv") for h in remote | set(ring_hosts)} | {(h, "send") for h in forwarding_hosts | set(ring_hosts)}
-    if remote:
-        res.add((sender_host, "send"))
-    res |= {(h, "intra") for h in {ctx.host(d) for d in ctx.receivers} | {sender_host}}
-    return frozenset(res)
+Hop = tuple[int, int]
+"""One message's (from device, to device)."""
+
+
+def hop_resources(hops: list[Hop], host_of: Callable[[int], int]) -> frozenset[Resource]:
+    """What a task's messages occupy, as the simulator models the links (full duplex throughout).
+
+    A cross-host hop holds the sending host's NIC send side and the receiving host's NIC receive
+    side; a hop inside a host holds the sending device's outgoing port (`out:<device>`) and the
+    receiving device's incoming port (`in:<device>`). So a host that sends and receives at once, or a
+    device that forwards on one port while it receives on the other, is not serialised.
+
+    >>> sorted(hop_resources([(0, 1), (1, 4)], lambda d: d // 4))
+    [(0, 'in:1'), (0, 'out:0'), (0, 'send'), (1, 'recv')]
+    """
+    out: set[Resource] = set()
+    for a, b in hops:
+        ha, hb = host_of(a), host_of(b)
+        out |= {(ha, "send"), (hb, "recv")} if ha != hb else {(ha, f"out:{a}"), (ha, f"in:{b}")}
+    return frozenset(out)
+
+
+def _ring_hops(members: tuple[int, ...]) -> list[Hop]:
+    """The ring all-gather's links: each member to the next, the last back to the first."""
+    return [(a, members[(i + 1) % len(members)]) for i, a in enumerate(members)] if len(members) > 1 else []
 
 
 def pipelined_seconds(nbytes: int, hop_cross: list[bool], ctx: TaskContext) -> tuple[float, int]:
@@ -113,9 +127,9 @@ def broadcast(ctx: TaskContext) -> StrategyResult:
     hosts = [ctx.host(ctx.sender)] + [ctx.host(d) for d in chain]
     hop_cross = [a != b for a, b in zip(hosts, hosts[1:])]
     seconds, chunks = pipelined_seconds(ctx.nbytes, hop_cross, ctx)
-    forwarding = {a for a, b in zip(hosts[1:], hosts[2:]) if a != b}
     op = PlannedOp("broadcast", ctx.sender, tuple(chain), ctx.region, chunks=chunks, duration_s=seconds)
-    return StrategyResult((op,), seconds, _resources(ctx, forwarding), chunks)
+    hops = list(zip([ctx.sender] + chain, chain))
+    return StrategyResult((op,), seconds, hop_resources(hops, ctx.host), chunks)
 
 
 def send_recv(ctx: TaskContext) -> StrategyResult:
@@ -126,7 +140,7 @@ def send_recv(ctx: TaskContext) -> StrategyResult:
             seconds = ctx.message_s(ctx.nbytes, ctx.host(d) != ctx.host(ctx.sender))
             ops.append(PlannedOp("send", ctx.sender, (d,), ctx.region, offset_s=clock, duration_s=seconds))
             clock += seconds
-    return StrategyResult(tuple(ops), clock, _resources(ctx, set()))
+    return StrategyResult(tuple(ops), clock, hop_resources([(ctx.sender, op.dsts[0]) for op in ops], ctx.host))
 
 
 def _scatter_then_gather(ctx: TaskContext, groups: list[tuple[int, ...]]) -> StrategyResult:
@@ -147,9 +161,8 @@ def _scatter_then_gather(ctx: TaskContext, groups: list[tuple[int, ...]]) -> Str
         seconds = (len(members) - 1) * ctx.message_s(largest, len({ctx.host(d) for d in members}) > 1)
         ops.append(PlannedOp("allgather", None, members, ctx.region, parts=parts, offset_s=clock, duration_s=seconds))
         end = max(end, clock + seconds)
-    group_hosts = [{ctx.host(d) for d in g} for g in groups]
-    ring_hosts = set().union(*(h for h in group_hosts if len(h) > 1))
-    return StrategyResult(tuple(ops), end, _resources(ctx, set(), ring_hosts))
+    hops = [(ctx.sender, op.dsts[0]) for op in ops if op.kind == "send"] + [h for g in groups for h in _ring_hops(g)]
+    return StrategyResult(tuple(ops), end, hop_resources(hops, ctx.host))
 
 
 def _pad_parts(parts: tuple[Region, ...], members: tuple[int, ...], region: Region) -> tuple[Region, ...]:

@@ -71,7 +71,7 @@ def test_broadcast_resources_include_forwarding_hosts():
 
 def test_broadcast_inside_one_host_holds_no_nic():
     result = broadcast(ctx(0, [1, 2, 3]))
-    assert result.resources == frozenset({(0, "intra")})
+    assert result.resources == frozenset({(0, "out:0"), (0, "in:1"), (0, "out:1"), (0, "in:2"), (0, "out:2"), (0, "in:3")})
     assert result.duration_s == pytest.approx(chain_seconds(NBYTES, [INTRA] * 3, result.chunks), rel=1e-12)
 
 

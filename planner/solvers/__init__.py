@@ -8,10 +8,11 @@ from __future__ import annotations
 
 from typing import Callable
 
-from ..scheduling import Schedule, SchedulingTask, check_schedule, greedy_least_loaded
+from ..scheduling import Schedule, SchedulingTask, check_schedule
 from .auto import solve_auto
 from .cpsat import solve_cpsat
 from .dfs import solve_dfs
+from .greedy import greedy_least_loaded
 from .list_backfill import solve_list_backfill
 from .naive import solve_naive
 from .randomized_greedy import solve_randomized_greedy
