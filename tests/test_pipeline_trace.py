@@ -90,3 +90,32 @@ def test_every_transfer_has_a_flow_from_the_compute_that_sends_it_to_the_one_tha
         assert [m["args"]["micro_batch"] for m in made] == [transfer.micro_batch] and made[0]["name"][0] in kinds
         assert [u["args"]["micro_batch"] for u in used] == [transfer.micro_batch] and used[0]["name"][0] in kinds
         assert start["ts"] < finish["ts"]
+
+
+def test_8_stage_gantt_numbers_every_box_and_names_every_transfer_row(eight_stage_timelines):
+    pytest.importorskip("matplotlib")
+    import matplotlib.pyplot as plt
+
+    from planner.pipeline.gantt import LANE, ROW, Rows, gantt_figure, lane_name, route_of
+
+    timeline = eight_stage_timelines["eager-1f1b-wd"]
+    rows = Rows.of(timeline)
+    fig = gantt_figure(timeline, "8 stages")
+    try:
+        ax = fig.axes[0]
+        shown = {(round(t.get_position()[0], 6), round(t.get_position()[1], 6), t.get_text()) for t in ax.texts}
+
+        def labelled(start_s, end_s, y, micro_batch):
+            return (round((start_s + end_s) / 2 * 1e3, 6), round(y, 6), str(micro_batch)) in shown
+
+        missing = [str(c.action) for c in timeline.compute
+                   if not labelled(c.start_s, c.end_s, rows.stage_bottom[c.action.stage] + ROW / 2, c.action.micro_batch)]
+        missing += [f"{t.tensor}/{t.direction}{t.micro_batch}" for t in timeline.transfers
+                    if not labelled(t.start_s, t.end_s, rows.lane_bottom[(t.dst_stage, route_of(t))] + LANE / 2, t.micro_batch)]
+        assert missing == []
+        assert {str(m) for m in range(16)} <= {t.get_text() for t in ax.texts}
+        names = {label.get_text() for label in ax.get_yticklabels()}
+        assert {lane_name(route_of(t)) for t in timeline.transfers} <= names
+        assert {"h0 from s0", "h0.grad from s1", "h6 from s6"} <= names
+    finally:
+        plt.close(fig)
