@@ -1,8 +1,8 @@
 """Run a schedule CSV (from `xmesh-plan schedule --torch-csv`) in torch.distributed.pipelining's own runtime.
 
 One CPU process per CSV row (pipeline rank = stage), gloo, a tiny MLP (one linear layer per stage,
-tanh between), one training step. Rank 0 checks every stage's gradients against the same model
-run in one process and prints one line; any mismatch or runtime error exits non-zero.
+tanh between), one training step. The parent process checks every stage's gradients against the same
+model run in one process and prints one line; any mismatch or runtime error exits non-zero.
 
     xmesh-plan schedule bench/pipelines/gpt-2.6b-4stage-fp16.json --torch-csv s.csv --torch-format compute_comms
     python -m executor.examples.torch_pipeline_csv s.csv --format compute_comms --micro-batches 16
@@ -15,8 +15,15 @@ from __future__ import annotations
 import argparse
 import csv
 import os
+import queue
 import socket
 import sys
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch.distributed.pipelining import PipelineStage
+from torch.distributed.pipelining.schedules import _PipelineScheduleRuntime
 
 WIDTH, ROWS_PER_MICRO_BATCH, SEED = 8, 2, 0
 RTOL, ATOL = 1e-5, 1e-6
@@ -28,16 +35,12 @@ def csv_ranks(path: str) -> int:
 
 
 def make_layers(stages: int):
-    import torch
-
     torch.manual_seed(SEED)
     return [torch.nn.Sequential(torch.nn.Linear(WIDTH, WIDTH), torch.nn.Tanh() if s < stages - 1 else torch.nn.Identity())
             for s in range(stages)]
 
 
 def make_batch(micro_batches: int):
-    import torch
-
     generator = torch.Generator().manual_seed(SEED + 1)
     rows = ROWS_PER_MICRO_BATCH * micro_batches
     return torch.randn(rows, WIDTH, generator=generator), torch.randn(rows, WIDTH, generator=generator)
@@ -45,8 +48,6 @@ def make_batch(micro_batches: int):
 
 def reference_gradients(stages: int, micro_batches: int) -> list[list]:
     """The whole model in one process: mean squared error over the batch, as torch's schedule scales it."""
-    import torch
-
     layers = make_layers(stages)
     inputs, target = make_batch(micro_batches)
     torch.nn.functional.mse_loss(torch.nn.Sequential(*layers)(inputs), target).backward()
@@ -55,11 +56,6 @@ def reference_gradients(stages: int, micro_batches: int) -> list[list]:
 
 def run_rank(rank: int, world: int, runs: list[tuple[str, str]], micro_batches: int, port: int, results) -> None:
     """One pipeline rank: load each (CSV, format) into torch's runtime, take one step, hand back this stage's gradients."""
-    import torch
-    import torch.distributed as dist
-    from torch.distributed.pipelining import PipelineStage
-    from torch.distributed.pipelining.schedules import _PipelineScheduleRuntime
-
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
@@ -87,11 +83,6 @@ def free_port() -> int:
 def run_csvs(runs: list[tuple[str, str]], micro_batches: int, timeout_s: float = 300.0) -> list[str]:
     """Run each (CSV, format) in turn on one set of processes, as many as the CSVs have rows; return the problems
     found (empty: every rank's gradients match the single-process model). Processes start once: importing torch is slow."""
-    import queue
-
-    import torch
-    import torch.multiprocessing as mp
-
     world, port = csv_ranks(runs[0][0]), free_port()
     context = mp.get_context("spawn")
     results = context.Queue()
