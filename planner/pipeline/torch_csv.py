@@ -33,6 +33,7 @@ from .actions import Action
 
 TORCH_FORMATS = ("compute_only", "compute_comms")
 GRADIENT_DONE = ("B", "W")  # torch counts these per stage and reduces gradients after the last one
+TorchAction = tuple[int, str, int | None]  # torch's _Action less its sub-actions: stage, kind, micro-batch
 
 
 def check_torch_chain(problem: PipelineProblem) -> None:
@@ -50,9 +51,6 @@ def check_torch_chain(problem: PipelineProblem) -> None:
         if stage not in linked:
             raise ValueError(f"no boundary tensor goes from stage {stage} to {stage + 1}; torch.distributed.pipelining "
                              "passes every stage's output to the next stage, so add the tensor that links them")
-
-
-TorchAction = tuple[int, str, int | None]  # torch's _Action less its sub-actions: stage, kind, micro-batch
 
 
 def torch_action_text(action: TorchAction) -> str:
