@@ -17,7 +17,8 @@ from .pipeline.compare import compare, format_table
 from .pipeline.costs import default_plan_fn, signal_costs, transfer_costs
 from .pipeline.io import load_pipeline, load_schedule
 from .pipeline.schedules import SCHEDULE_NAMES, WEIGHT_DELAY_SUFFIX, parse_schedule_name
-from .pipeline.simulate import Metrics, evaluate
+from .pipeline.simulate import Metrics, evaluate, schedule_actions
+from .pipeline.torch_csv import TORCH_FORMATS, check_torch_chain, torch_csv
 from .pipeline.trace import trace_json
 from .cli_types import max_tasks_option
 from .problem_io import InputError
@@ -46,6 +47,13 @@ def _write(path: str, text: str, flag: str) -> None:
         write_atomic(path, text)
     except OSError as err:
         raise InputError(f"{flag}: cannot write {path} ({err.strerror}); check that the folder exists and is writable") from None
+
+
+def _torch_chain(pipeline) -> None:
+    try:
+        check_torch_chain(pipeline)
+    except ValueError as err:
+        raise InputError(f"--torch-csv: {err}") from None
 
 
 def _costs(pipeline, strategy: str, solver: str, seed: int, max_tasks: int):
@@ -102,19 +110,29 @@ def plan_options(func):
 @click.option("--weight-delay", help="for -wd schedules only: per-stage delays in compute actions, e.g. 0,1 "
               "(default: chosen by the cost model)")
 @click.option("-o", "--output", type=click.Path(dir_okay=False), help="where to write the schedule JSON ('-' for stdout)")
+@click.option("--torch-csv", "torch_csv_path", type=click.Path(dir_okay=False), help="also write the schedule as the CSV that "
+              "torch.distributed.pipelining's _PipelineScheduleRuntime._load_csv reads (chain pipelines only)")
+@click.option("--torch-format", type=click.Choice(TORCH_FORMATS), default="compute_only", show_default=True,
+              help="compute_only: torch places sends and receives; compute_comms: ours, where this schedule puts them")
 @plan_options
 @_as_input_error
-def schedule_command(pipeline_file, name, no_overlap, signal, weight_delay, output, strategy, solver, seed, max_tasks):
+def schedule_command(pipeline_file, name, no_overlap, signal, weight_delay, output, torch_csv_path, torch_format,
+                     strategy, solver, seed, max_tasks):
     """Plan every transfer of a pipeline and lay out one schedule; validated before it is written.
 
     \b
-    Example:
+    Examples:
       xmesh-plan schedule bench/pipelines/utrans-2.1b-fp16.json --schedule eager-1f1b-wd -o schedule.json
+      xmesh-plan schedule bench/pipelines/gpt-2.6b-4stage-fp16.json --torch-csv schedule.csv
     """
     pipeline = load_pipeline(pipeline_file)
+    if torch_csv_path:
+        _torch_chain(pipeline)
     delays = None if weight_delay is None else parse_weight_delay(weight_delay, name, len(pipeline.stages), pipeline.micro_batches)
     costs = _costs(pipeline, strategy, solver, seed, max_tasks)
     schedule = build_schedule(pipeline, name, signal_costs(costs) if signal else costs, not no_overlap, delays)
+    if torch_csv_path:
+        _write(torch_csv_path, torch_csv(schedule_actions(schedule), torch_format), "--torch-csv")
     if output == "-":
         click.echo(schedule.to_json(), nl=False)
         return
@@ -122,6 +140,9 @@ def schedule_command(pipeline_file, name, no_overlap, signal, weight_delay, outp
         _write(output, schedule.to_json(), "--output")
     delay = f", weight delay {','.join(map(str, schedule.weight_delay))}" if schedule.weight_delay else ""
     click.echo(f"{output or name}: {name}{delay}; {describe(evaluate(schedule)[1])}")
+    if torch_csv_path:
+        click.echo(f"{torch_csv_path}: torch schedule CSV; load it with "
+                   f"_PipelineScheduleRuntime(...)._load_csv({torch_csv_path!r}, format={torch_format!r})")
 
 
 @click.command("simulate")

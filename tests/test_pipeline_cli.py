@@ -200,7 +200,7 @@ def test_gantt_numbers_forward_boxes_fits_the_title_and_names_the_backward_drawn
     import matplotlib.pyplot as plt
 
     from planner.pipeline.build import build_schedule
-    from planner.pipeline.gantt import ROW, _row_top, gantt_figure
+    from planner.pipeline.gantt import ROW, Rows, gantt_figure
     from planner.pipeline.simulate import evaluate
 
     data = json.loads(json.dumps(PIPELINE))
@@ -219,7 +219,8 @@ def test_gantt_numbers_forward_boxes_fits_the_title_and_names_the_backward_drawn
         renderer = fig.canvas.get_renderer()
         shown = {(round(t.get_position()[0], 9), round(t.get_position()[1], 9), t.get_text()) for t in ax.texts}
         forwards = [c for c in timeline.compute if c.action.kind == "F"]
-        centre = {c: (round((c.start_s + c.end_s) / 2 * 1e3, 9), round(_row_top(c.action.stage) + ROW / 2, 9)) for c in forwards}
+        bottom = Rows.of(timeline).stage_bottom
+        centre = {c: (round((c.start_s + c.end_s) / 2 * 1e3, 9), round(bottom[c.action.stage] + ROW / 2, 9)) for c in forwards}
         labelled = [c for c in forwards if (*centre[c], str(c.action.micro_batch)) in shown]
         assert len(labelled) == len(forwards), "every forward box here is wide enough for its number"
         assert all(c.end_s - c.start_s < timeline.iteration_s / 60 for c in forwards)  # narrower than the old cut-off

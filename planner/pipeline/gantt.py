@@ -1,22 +1,60 @@
 """A PNG Gantt chart like the paper's figure: stages as rows, micro-batch numbers in boxes, transfers drawn.
 
-Each stage has a compute row and, below it, a thin row with the transfers arriving at it.
-matplotlib is optional (the `plot` extra) and imported only here, on use.
+Each stage has a compute row and, below it, one thin row per tensor arriving at it (named on the
+left, e.g. `h0 from s0`, `h1.grad from s2`), its boxes numbered by micro-batch. A number that does
+not fit its box is shrunk, then turned upright; one that still does not fit is drawn at the
+smallest size anyway, never dropped. matplotlib is optional (the `plot` extra), imported on use.
 """
 
 from __future__ import annotations
 
 import io
 import textwrap
+from dataclasses import dataclass
 
 from schemas.plan import write_atomic
 
-from .simulate import Timeline
+from .simulate import Timeline, TransferSpan
 
 COLORS = {"F": "#7fb3e0", "B": "#8fd18f", "I": "#8fd18f", "W": "#f2b56b", "RECV_F": "#3b6fa8", "RECV_B": "#3f8f3f"}
-ROW, LANE = 1.0, 0.35
+ROW, LANE, GAP = 1.0, 0.4, 0.3
 LEGEND = {"F": "forward", "B": "backward", "I": "backward (input part)", "W": "backward (weight part)"}
-TITLE_PT, LABEL_PT, DPI = 9, 7, 120
+TITLE_PT, DPI = 9, 120
+COMPUTE_PT, LANE_PT = (7.0, 6.0, 5.0), (5.5, 4.5)  # label sizes tried in turn, largest first
+Route = tuple[str, str, int]  # tensor, direction, sending stage
+
+
+@dataclass(frozen=True)
+class Rows:
+    """Where each stage's compute row and each arriving route's lane sit (data y of their bottom edge)."""
+
+    stage_bottom: tuple[float, ...]
+    lane_bottom: dict[tuple[int, Route], float]
+    bottom: float
+
+    @staticmethod
+    def of(timeline: Timeline) -> "Rows":
+        arriving: dict[int, set[Route]] = {s: set() for s in range(timeline.stages)}
+        for t in timeline.transfers:
+            arriving[t.dst_stage].add(route_of(t))
+        y, stage_bottom, lane_bottom = 0.0, [], {}
+        for stage in range(timeline.stages):
+            y -= ROW
+            stage_bottom.append(y)
+            for route in sorted(arriving[stage], key=lambda r: (r[1] == "B", r[0], r[2])):  # forward lanes first
+                y -= LANE
+                lane_bottom[(stage, route)] = y
+            y -= GAP
+        return Rows(tuple(stage_bottom), lane_bottom, y + GAP)
+
+
+def route_of(t: TransferSpan) -> Route:
+    return (t.tensor, t.direction, t.src_stage)
+
+
+def lane_name(route: Route) -> str:
+    tensor, direction, src = route
+    return f"{tensor}{'.grad' if direction == 'B' else ''} from s{src}"
 
 
 def _pyplot():
@@ -30,25 +68,23 @@ def _pyplot():
     return plt
 
 
-def _row_top(stage: int) -> float:
-    return -stage * (ROW + LANE + 0.3)
+def _box(ax, start: float, end: float, y: float, height: float, color: str, label: str, sizes: tuple[float, ...]):
+    """A box and its centred label; returns (text, box) so the label can be fitted once the figure is laid out."""
+    box = _rect(start, y, end - start, height, color)
+    ax.add_patch(box)
+    return ax.text((start + end) / 2, y + height / 2, label, ha="center", va="center", fontsize=sizes[0]), box
 
 
-def _box(ax, start: float, end: float, y: float, height: float, color: str, label: str):
-    """A box; with a label, its text (centred) is returned so labels that do not fit can be dropped once laid out."""
-    ax.add_patch(_rect(start, y, end - start, height, color))
-    if label:
-        return ax.text((start + end) / 2, y + height / 2, label, ha="center", va="center", fontsize=LABEL_PT)
-    return None
-
-
-def _drop_labels_that_overflow(fig, ax, labelled: list) -> None:
-    """Keep a micro-batch number only where it fits inside its box, measured after layout."""
-    renderer = fig.canvas.get_renderer()
-    for text, start, end in labelled:
-        left, right = ax.transData.transform([(start, 0), (end, 0)])[:, 0]
-        if text.get_window_extent(renderer).width + 2 > right - left:
-            text.remove()
+def _fit_label(text, box, renderer, sizes: tuple[float, ...], upright: bool) -> None:
+    """Shrink the label (then, if `upright`, turn it upright) until it fits its box; at worst keep the smallest."""
+    edge = box.get_window_extent(renderer)
+    for rotation in (0, 90) if upright else (0,):
+        text.set_rotation(rotation)
+        for size in sizes:
+            text.set_fontsize(size)
+            extent = text.get_window_extent(renderer)
+            if extent.width + 2 <= edge.width and extent.height <= edge.height:
+                return
 
 
 def _rect(x: float, y: float, width: float, height: float, color: str):
@@ -84,31 +120,41 @@ def draw_gantt(timeline: Timeline, path: str, title: str = "") -> None:
 def gantt_figure(timeline: Timeline, title: str = ""):
     """The laid-out matplotlib figure (the caller closes it): boxes, fitted labels and title, legend of the kinds drawn."""
     plt = _pyplot()
-    scale = 1e3
-    span = max(timeline.iteration_s * scale, 1e-9)
+    scale, rows = 1e3, Rows.of(timeline)
     width = max(8.0, min(24.0, 0.25 * len(timeline.compute) / max(timeline.stages, 1)))
-    height = 0.9 + 0.8 * timeline.stages
+    height = 0.9 + 0.55 * -rows.bottom
     fig, ax = plt.subplots(figsize=(width, height), dpi=DPI)
-    labelled = []
+    labels = []
     for c in timeline.compute:
-        start, end = c.start_s * scale, c.end_s * scale
-        text = _box(ax, start, end, _row_top(c.action.stage), ROW, COLORS[c.action.kind], f"{c.action.micro_batch}")
-        labelled.append((text, start, end))
+        box = _box(ax, c.start_s * scale, c.end_s * scale, rows.stage_bottom[c.action.stage], ROW, COLORS[c.action.kind],
+                   f"{c.action.micro_batch}", COMPUTE_PT)
+        labels.append((*box, COMPUTE_PT, True))
     for t in timeline.transfers:
-        y = _row_top(t.dst_stage) - LANE
-        _box(ax, t.start_s * scale, t.end_s * scale, y, LANE, COLORS["RECV_" + t.direction], "")
-    ticks = [_row_top(s) + ROW / 2 for s in range(timeline.stages)]
-    ax.set_yticks(ticks, [f"stage {s}" for s in range(timeline.stages)])
-    ax.set_xlim(0, span * 1.01)
-    ax.set_ylim(_row_top(timeline.stages - 1) - LANE - 0.2, ROW + 0.2)
-    ax.set_xlabel("time (ms); thin rows: transfers arriving at the stage (blue forward, green gradient)")
+        box = _box(ax, t.start_s * scale, t.end_s * scale, rows.lane_bottom[(t.dst_stage, route_of(t))], LANE,
+                   COLORS["RECV_" + t.direction], f"{t.micro_batch}", LANE_PT)
+        labels.append((*box, LANE_PT, False))
+    _label_rows(ax, timeline, rows)
+    ax.set_xlim(0, max(timeline.iteration_s * scale, 1e-9) * 1.01)
+    ax.set_ylim(rows.bottom - 0.2, 0.2)
+    ax.set_xlabel("time (ms); thin rows: transfers arriving at the stage, numbered by micro-batch (blue forward, green gradient)")
     title_text = ax.set_title(title, fontsize=TITLE_PT, loc="left", pad=16)  # room below the title for the legend row
     kinds = [k for k in LEGEND if any(c.action.kind == k for c in timeline.compute)]  # "B" or "I" and "W"
     ax.legend([_rect(0, 0, 1, 1, COLORS[k]) for k in kinds], [LEGEND[k] for k in kinds], loc="lower left",
-              bbox_to_anchor=(0.0, 1.0), fontsize=LABEL_PT, ncol=len(kinds), frameon=False)
+              bbox_to_anchor=(0.0, 1.0), fontsize=COMPUTE_PT[0], ncol=len(kinds), frameon=False)
     for _ in range(2):  # the layout moves the title's left edge; fit it, lay out, fit again
         _fit_title(fig, title_text, title)
         fig.set_size_inches(width, height + 0.16 * title_text.get_text().count("\n"))
         fig.tight_layout()
-    _drop_labels_that_overflow(fig, ax, labelled)
+    renderer = fig.canvas.get_renderer()
+    for text, box, sizes, upright in labels:
+        _fit_label(text, box, renderer, sizes, upright)
     return fig
+
+
+def _label_rows(ax, timeline: Timeline, rows: Rows) -> None:
+    """Stage names beside compute rows; beside each lane, the tensor arriving there and the stage it comes from."""
+    ticks = [(bottom + ROW / 2, f"stage {s}", COMPUTE_PT[0] + 2) for s, bottom in enumerate(rows.stage_bottom)]
+    ticks += [(bottom + LANE / 2, lane_name(route), LANE_PT[0]) for (_, route), bottom in rows.lane_bottom.items()]
+    ax.set_yticks([y for y, _, _ in ticks], [name for _, name, _ in ticks])
+    for label, (_, _, size) in zip(ax.get_yticklabels(), ticks):
+        label.set_fontsize(size)
