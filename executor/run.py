@@ -22,11 +22,13 @@ import numpy as np
 
 from schemas import Plan, PlanFileError, read_plan_file
 from schemas.geometry import region_size
+from schemas.last_resort import DEBUG_ENV, DEBUG_FLAG, run_guarded
 
 from .errors import ExecutorError, PeerTimeoutError, PlanMismatchError
 from .executor import BACKENDS, DEFAULT_POLL_S, ReshardingExecutor, poll
 from .pattern import fill, mismatches
 from .scale import factors_for, scale_plan
+from .timeouts import MAX_TIMEOUT_S
 
 
 def bytes_moved(plan: Plan) -> int:
@@ -86,8 +88,8 @@ def _check_numbers(args: argparse.Namespace) -> None:
         raise UsageError(f"--warmup {args.warmup}: give 0 to {MAX_ITERS:,} untimed iterations, e.g. --warmup 1")
     if not (math.isfinite(args.max_mb) and 0 < args.max_mb <= MAX_MB):
         raise UsageError(f"--max-mb {args.max_mb:g}: give a positive size in MiB up to {MAX_MB:,}, e.g. --max-mb 64")
-    if not (math.isfinite(args.timeout) and args.timeout > 0):
-        raise UsageError(f"--timeout {args.timeout:g}: give a positive number of seconds, e.g. --timeout 60")
+    if not (math.isfinite(args.timeout) and 0 < args.timeout <= MAX_TIMEOUT_S):
+        raise UsageError(f"--timeout {args.timeout:g}: give a positive number of seconds up to {MAX_TIMEOUT_S:g}, e.g. --timeout 60")
     if args.gpu is not None and args.gpu < 0:
         raise UsageError(f"--gpu {args.gpu}: give a GPU index of 0 or more, e.g. --gpu 0")
 
@@ -105,6 +107,7 @@ def _arguments(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--gpu", type=int, help="nccl: put every rank on this GPU instead of device %% devices_per_host")
     parser.add_argument("--fake-hosts", action="store_true",
                         help="nccl: give each rank its own NCCL_HOSTID and the socket transport, so several ranks can share one GPU")
+    parser.add_argument(DEBUG_FLAG, action="store_true", help=f"show the full traceback of an internal error (or set {DEBUG_ENV}=1)")
     parser.add_argument("--timeout", type=float, default=60.0, help="seconds without progress before a rank gives up (default 60)")
     args = parser.parse_args(argv)
     _check_numbers(args)
@@ -226,4 +229,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_guarded(main, "python -m executor.run", sys.argv[1:], prefix=f"rank {_launcher_rank()}: "))

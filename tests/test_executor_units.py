@@ -175,9 +175,11 @@ class _Comm:
 
 @pytest.mark.parametrize("kwargs,error,expect", [
     ({"backend": "gloo"}, ValueError, "backend 'gloo' is unknown; use one of: mpi, nccl"),
-    ({"timeout_s": 0}, ValueError, "timeout_s=0 must be a number of seconds > 0"),
+    ({"timeout_s": 0}, ValueError, "timeout_s=0 must be a finite number of seconds"),
+    ({"timeout_s": float("inf")}, ValueError, "timeout_s=inf must be a finite number of seconds"),
+    ({"timeout_s": 1e300}, ValueError, "timeout_s=1e[+]300 must be a finite number of seconds"),
     ({"timeout_s": float("nan")}, ValueError, "timeout_s=nan must be"),
-    ({"timeout_s": "5"}, ValueError, "timeout_s='5' must be a number of seconds"),
+    ({"timeout_s": "5"}, ValueError, "timeout_s='5' must be a finite number of seconds"),
     ({"timeout_s": None}, ValueError, "timeout_s=None must be"),
     ({"poll_s": 5}, ValueError, r"poll_s=5 must be \(shortest, longest\)"),
     ({"poll_s": (1e-5,)}, ValueError, "poll_s=.* must be"),
