@@ -18,6 +18,7 @@ from click.testing import CliRunner
 
 from planner import cli
 from planner.cli import main
+
 DEBUG_ENV = "XMESH_PLAN_DEBUG"  # the documented name (schemas/last_resort.py)
 
 ROOT = Path(__file__).resolve().parents[1]
