@@ -45,6 +45,7 @@ def bytes_moved(plan: Plan) -> int:
 
 MAX_ITERS = 1_000_000  # iteration times are kept in memory, 8 bytes each
 MAX_MB = 2**30  # 1 PiB: far above any tensor, far below float overflow
+MAX_GPU = 2**31 - 1  # CUDA device ordinals are C ints
 
 
 class UsageError(ValueError):
@@ -90,8 +91,8 @@ def _check_numbers(args: argparse.Namespace) -> None:
         raise UsageError(f"--max-mb {args.max_mb:g}: give a positive size in MiB up to {MAX_MB:,}, e.g. --max-mb 64")
     if not (math.isfinite(args.timeout) and 0 < args.timeout <= MAX_TIMEOUT_S):
         raise UsageError(f"--timeout {args.timeout:g}: give a positive number of seconds up to {MAX_TIMEOUT_S:g}, e.g. --timeout 60")
-    if args.gpu is not None and args.gpu < 0:
-        raise UsageError(f"--gpu {args.gpu}: give a GPU index of 0 or more, e.g. --gpu 0")
+    if args.gpu is not None and not 0 <= args.gpu <= MAX_GPU:
+        raise UsageError(f"--gpu {args.gpu}: give a GPU index from 0 to {MAX_GPU}, e.g. --gpu 0")
 
 
 def _arguments(argv: list[str] | None) -> argparse.Namespace:
