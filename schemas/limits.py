@@ -25,7 +25,8 @@ MAX_DEVICE_ID = 2**31 - 1  # MPI ranks and NCCL ranks are C ints
 MIN_GBPS, MAX_GBPS = 1e-6, 1e12  # 1 kbit/s .. 1 Zbit/s: every byte count over it stays a finite time
 MAX_LATENCY_US = 1e12  # about 11 days per message
 MAX_SECONDS = 1e12  # a compute time of one pipeline stage, seconds
-MAX_MICRO_BATCHES = 100_000  # a schedule lists every micro-batch's actions
+MAX_MICRO_BATCHES = 10_000  # a schedule lists every micro-batch's actions of every stage
+MAX_STAGES = 1_024
 
 
 def refuse_bool(value: object) -> object:

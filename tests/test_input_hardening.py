@@ -216,3 +216,22 @@ def test_pipeline_runner_refuses_a_timeout_that_is_not_finite(timeout_s):
         PipelineRunner(None, None, {}, 0, timeout_s=timeout_s)
     with pytest.raises(ValueError, match="timeout_s=.* must be a finite number of seconds"):
         pipeline_executors(None, {}, None, timeout_s=timeout_s)
+
+
+PIPELINE_NUMBERS = [  # (mutation of the pipeline file, words the error must name)
+    (lambda d: d["stages"][0].update(forward_s=float("inf")), ["stages.0.forward_s", "finite"]),
+    (lambda d: d["stages"][0].update(backward_input_s=True), ["stages.0.backward_input_s", "boolean"]),
+    (lambda d: d["stages"][0].update(activation_bytes=10**30), ["stages.0.activation_bytes", "too large"]),
+    (lambda d: d.update(micro_batches=10**7), ["micro_batches", "10000"]),
+    (lambda d: d["tensors"][0].update(shape=[2**62, 8, 1]), ["tensors.0", "int64"]),
+    (lambda d: d["tensors"][0].update(src_stage=True), ["tensors.0.src_stage", "boolean"]),
+]
+
+
+@pytest.mark.parametrize("mutate,words", PIPELINE_NUMBERS, ids=[" ".join(w) for _, w in PIPELINE_NUMBERS])
+def test_bad_numbers_in_a_pipeline_are_one_line(tmp_path, mutate, words):
+    raw = json.loads(PIPELINE.read_text())
+    mutate(raw)
+    pipeline = tmp_path / "pipeline.json"
+    pipeline.write_text(json.dumps(raw))
+    assert_user_error(run("schedule", pipeline, "--solver", "greedy"), str(pipeline), *words)
