@@ -7,6 +7,7 @@ solver is. Nothing here hard-codes a predicted time.
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import pytest
@@ -14,6 +15,10 @@ import pytest
 from planner.compile import compile_plan
 from planner.problem_io import build_problem
 from planner.reference_cases import reference_problems
+
+# Subprocesses the tests start (xmesh-plan, mpiexec ... executor.run) show real tracebacks, not the one-line
+# internal-error report; tests of that report unset it themselves.
+os.environ.setdefault("XMESH_PLAN_DEBUG", "1")
 
 FAST_SOLVER = "greedy"
 STRATEGY_NAMES = ("broadcast", "send_recv", "local_allgather", "global_allgather", "auto")
