@@ -25,6 +25,7 @@ from .errors import ExecutorError, PlanMismatchError
 from .lower import RankProgram, lower
 from .ranks import device_of_rank, rank_of_devices
 from .worlds import MpiWorld, TorchWorld, is_mpi_comm, is_torch_group, poll_until
+from .timeouts import MAX_TIMEOUT_S, check_timeout, is_number
 
 DEFAULT_POLL_S = (2e-5, 1e-3)
 
@@ -63,10 +64,9 @@ class ReshardingExecutor:
             raise ValueError(f"backend {backend!r} is unknown; use one of: {', '.join(BACKENDS)}")
         world = make_world(comm, backend)
         self.entry = engine_entry(backend or ("torch" if world.kind == "torch" else "mpi"), world.kind)
-        if not _is_number(timeout_s) or not timeout_s > 0:
-            raise ValueError(f"timeout_s={timeout_s!r} must be a number of seconds > 0; it bounds every wait for a peer")
-        if not (isinstance(poll_s, (tuple, list)) and len(poll_s) == 2 and all(map(_is_number, poll_s))
-                and 0 < poll_s[0] <= poll_s[1]):
+        timeout_s = check_timeout(timeout_s)
+        if not (isinstance(poll_s, (tuple, list)) and len(poll_s) == 2 and all(map(is_number, poll_s))
+                and 0 < poll_s[0] <= poll_s[1] <= MAX_TIMEOUT_S):
             raise ValueError(f"poll_s={poll_s!r} must be (shortest, longest) sleep in seconds with 0 < shortest <= longest")
         self.plan, self.world, self.backend = plan, world, backend or self.entry.name
         self.timeout_s, self.poll_s, self.gpu = float(timeout_s), (float(poll_s[0]), float(poll_s[1])), gpu
@@ -231,10 +231,6 @@ class ReshardingExecutor:
         array = self.engine.adopt(local_shard)
         self.engine.check(array, self.src_shape, self.plan.problem.dtype, p.device, self.plan.problem.src.spec)
         return self.engine.contiguous(array)
-
-
-def _is_number(value) -> bool:
-    return isinstance(value, (int, float, np.integer, np.floating)) and not isinstance(value, bool)
 
 
 def _list(ranks: list[int]) -> str:

@@ -25,6 +25,7 @@ from schemas.pipeline import Action, PipelineSchedule, parse_actions
 from schemas.plan import Plan
 
 from .errors import ExecutorError
+from .timeouts import check_timeout
 
 Transfer = tuple[str, str, int]  # tensor, direction ('F' or 'B'), micro-batch
 POLL_S = 2e-4
@@ -66,6 +67,7 @@ def pipeline_executors(schedule: PipelineSchedule, plans: Mapping[tuple[str, str
     communicator of the two meshes' ranks (ordered by device id, as the executor expects); the
     ranks create and prepare them in one global order, so the collective calls match up.
     """
+    check_timeout(timeout_s)
     if executor_cls is None:
         from .executor import ReshardingExecutor as executor_cls
     rank, pipeline = world.Get_rank(), schedule.pipeline
@@ -89,11 +91,12 @@ class PipelineRunner:
 
     def __init__(self, schedule: PipelineSchedule, stage_fns: StageFunctions, executors: Mapping[Transfer, TransferExecutor],
                  stage: int, timeout_s: float = 60.0):
+        check_timeout(timeout_s)
         if not 0 <= stage < len(schedule.stages):
             raise ExecutorError(f"stage {stage} is not in this schedule (stages 0..{len(schedule.stages) - 1})")
         self.schedule, self.fns, self.executors, self.stage = schedule, stage_fns, executors, stage
         self.actions = parse_actions(schedule.stages[stage], stage)
-        self.timeout_s = timeout_s
+        self.timeout_s = float(timeout_s)
         missing = [a for a in self.actions if not a.is_compute and a.transfer not in executors]
         if missing:
             raise ExecutorError(f"stage {stage}: no executor for {missing[0]}; build them with pipeline_executors() on every rank")

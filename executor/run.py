@@ -25,12 +25,14 @@ import numpy as np
 
 from schemas import Plan, PlanFileError, read_plan_file
 from schemas.geometry import region_size
+from schemas.last_resort import DEBUG_ENV, DEBUG_FLAG, run_guarded
 
 from .errors import ExecutorError, PeerTimeoutError, PlanMismatchError
 from .engines import ENGINES
 from .executor import DEFAULT_POLL_S, ReshardingExecutor, poll
 from .pattern import fill, mismatches
 from .scale import factors_for, scale_plan
+from .timeouts import MAX_TIMEOUT_S
 
 
 def bytes_moved(plan: Plan) -> int:
@@ -52,6 +54,7 @@ EPILOG = """A rank that fails ends the job within --timeout seconds; -disable-au
 other ranks report why they stopped. Exit status: 0 ok, 1 a check failed, 2 a plan was refused,
 3 a peer timed out, 4 an unexpected error; with -disable-auto-cleanup, mpiexec returns the bitwise
 OR of the ranks' statuses."""
+MAX_GPU = 2**31 - 1  # CUDA device ordinals are C ints
 
 
 class UsageError(ValueError):
@@ -95,10 +98,10 @@ def _check_numbers(args: argparse.Namespace) -> None:
         raise UsageError(f"--warmup {args.warmup}: give 0 to {MAX_ITERS:,} untimed iterations, e.g. --warmup 1")
     if not (math.isfinite(args.max_mb) and 0 < args.max_mb <= MAX_MB):
         raise UsageError(f"--max-mb {args.max_mb:g}: give a positive size in MiB up to {MAX_MB:,}, e.g. --max-mb 64")
-    if not (math.isfinite(args.timeout) and args.timeout > 0):
-        raise UsageError(f"--timeout {args.timeout:g}: give a positive number of seconds, e.g. --timeout 60")
-    if args.gpu is not None and args.gpu < 0:
-        raise UsageError(f"--gpu {args.gpu}: give a GPU index of 0 or more, e.g. --gpu 0")
+    if not (math.isfinite(args.timeout) and 0 < args.timeout <= MAX_TIMEOUT_S):
+        raise UsageError(f"--timeout {args.timeout:g}: give a positive number of seconds up to {MAX_TIMEOUT_S:g}, e.g. --timeout 60")
+    if args.gpu is not None and not 0 <= args.gpu <= MAX_GPU:
+        raise UsageError(f"--gpu {args.gpu}: give a GPU index from 0 to {MAX_GPU}, e.g. --gpu 0")
 
 
 def _arguments(argv: list[str] | None) -> argparse.Namespace:
@@ -115,6 +118,7 @@ def _arguments(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--gpu", type=int, help="nccl: put every rank on this GPU instead of device %% devices_per_host")
     parser.add_argument("--fake-hosts", action="store_true",
                         help="nccl: give each rank its own NCCL_HOSTID and the socket transport, so several ranks can share one GPU")
+    parser.add_argument(DEBUG_FLAG, action="store_true", help=f"show the full traceback of an internal error (or set {DEBUG_ENV}=1)")
     parser.add_argument("--timeout", type=float, default=60.0, help="seconds without progress before a rank gives up (default 60)")
     args = parser.parse_args(argv)
     _check_numbers(args)
@@ -256,4 +260,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(run_guarded(main, "python -m executor.run", sys.argv[1:], prefix=f"rank {_launcher_rank()}: "))

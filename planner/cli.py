@@ -13,9 +13,10 @@ from pathlib import Path
 import click
 
 from schemas import Plan, ReshardingProblem, read_plan_file
+from schemas.last_resort import DEBUG_ENV, DEBUG_FLAG, run_guarded
 from schemas.plan import write_atomic
 
-from .cli_types import POSITIVE, max_tasks_option
+from .cli_types import SEED, TIME_LIMIT, max_tasks_option
 from .cli_solvers import progress, solver_summary
 from .compile import compile_plan
 from .inspect_plan import summarize
@@ -33,7 +34,13 @@ class UserError(click.ClickException):
 
 
 class Group(click.Group):
-    """Turns input errors raised anywhere in a command into a one-line message and exit code 2."""
+    """Turns input errors raised anywhere in a command into a one-line message and exit code 2; run as the
+    console script (`main()`), anything else becomes one internal-error line and exit 1 (schemas/last_resort.py)."""
+
+    def __call__(self, *args, **kwargs):  # the console script's call; CliRunner calls .main() and sees tracebacks
+        argv = kwargs.get("args", args[0] if args else None)
+        argv = sys.argv[1:] if argv is None else list(argv)
+        sys.exit(run_guarded(lambda: self.main(*args, **kwargs), "xmesh-plan", argv))
 
     def invoke(self, ctx: click.Context):
         try:
@@ -52,6 +59,8 @@ class Group(click.Group):
 
 @click.group(cls=Group, context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(package_name="xmesh-plan")
+@click.option(DEBUG_FLAG, is_flag=True, expose_value=False,
+              help=f"show the full traceback of an internal error (or set {DEBUG_ENV}=1)")
 def main() -> None:
     """Plan, verify and inspect cross-mesh resharding.
 
@@ -91,8 +100,8 @@ def problem_from_flags(problem_file, shape, dtype, src_mesh, src_spec, dst_mesh,
               help="communication strategy per unit task ('auto' picks the fastest per task)")
 @click.option("--solver", type=click.Choice(list(SOLVERS)), default="auto", show_default=True,
               help="scheduler that picks sender hosts and orders (planner/solvers)")
-@click.option("--seed", default=0, show_default=True, help="seed for randomized solvers (recorded in the plan)")
-@click.option("--time-limit", default=10.0, show_default=True, type=POSITIVE,
+@click.option("--seed", default=0, show_default=True, type=SEED, help="seed for randomized solvers (recorded in the plan)")
+@click.option("--time-limit", default=10.0, show_default=True, type=TIME_LIMIT,
               help="solver budget in deterministic seconds (CP-SAT's deterministic time; no wall clock, so plans are reproducible)")
 @click.option("--no-merge", is_flag=True, help="keep every cut-point cell as its own unit task")
 @max_tasks_option

@@ -20,7 +20,7 @@ from .pipeline.schedules import SCHEDULE_NAMES, WEIGHT_DELAY_SUFFIX, parse_sched
 from .pipeline.simulate import Metrics, evaluate, schedule_actions
 from .pipeline.torch_csv import TORCH_FORMATS, check_torch_chain, torch_csv
 from .pipeline.trace import trace_json
-from .cli_types import max_tasks_option
+from .cli_types import SEED, max_tasks_option
 from .problem_io import InputError
 from .solvers import SOLVERS
 from .strategies import STRATEGIES
@@ -71,7 +71,7 @@ _plan_options = [  # as for `compile`: same names, choices and defaults
                  help="resharding strategy for every transfer's plan ('auto' picks the fastest per task)"),
     click.option("--solver", type=click.Choice(list(SOLVERS)), default="auto", show_default=True,
                  help="resharding scheduler for every transfer's plan (planner/solvers)"),
-    click.option("--seed", default=0, show_default=True, help="seed for randomized solvers"),
+    click.option("--seed", default=0, show_default=True, type=SEED, help="seed for randomized solvers"),
     max_tasks_option,
 ]
 
@@ -84,15 +84,16 @@ def parse_weight_delay(text: str, name: str, stages: int, micro_batches: int) ->
         raise InputError(f"--weight-delay: schedule {name} does not split the backward, so it has no weight delay; "
                          f"use --schedule {name}{WEIGHT_DELAY_SUFFIX} or drop --weight-delay")
     parts = [p.strip() for p in text.split(",")]
-    if not all(p.isdigit() for p in parts):
-        raise InputError(f"--weight-delay {text!r}: give one non-negative integer per stage, e.g. --weight-delay {example}")
+    if not all(p.isascii() and p.isdigit() for p in parts):
+        raise InputError(f"--weight-delay {text[:40]!r}: give one non-negative integer per stage, e.g. --weight-delay {example}")
+    too_big = [p for p in parts if len(p.lstrip("0")) > len(str(most)) or int(p) > most]  # short-circuit: no int() of 5,000 digits
+    if too_big:
+        raise InputError(f"--weight-delay {text[:40]!r}: {too_big[0][:20]} is more than {most}, the compute actions a weight part can "
+                         f"be moved behind with {micro_batches} micro-batches; e.g. --weight-delay {example}")
     delays = tuple(int(p) for p in parts)
     if len(delays) != stages:
-        raise InputError(f"--weight-delay {text!r}: {len(delays)} entries for {stages} stages; give one per stage, "
+        raise InputError(f"--weight-delay {text[:40]!r}: {len(delays)} entries for {stages} stages; give one per stage, "
                          f"e.g. --weight-delay {example}")
-    if max(delays) > most:
-        raise InputError(f"--weight-delay {text!r}: {max(delays)} is more than {most}, the compute actions a weight part can "
-                         f"be moved behind with {micro_batches} micro-batches; e.g. --weight-delay {example}")
     return delays
 
 
@@ -170,6 +171,8 @@ def simulate_command(schedule_file, trace, png, as_json, show):
             draw_gantt(timeline, png, f"{schedule.pipeline.name or 'pipeline'}: {schedule.schedule} — {describe(metrics)}")
         except RuntimeError as err:
             raise InputError(f"--png: {err}") from None
+        except OSError as err:
+            raise InputError(f"--png: cannot write {png} ({err.strerror}); check that the folder exists and is writable") from None
     if show:
         for line in schedule.stages:
             click.echo(line)

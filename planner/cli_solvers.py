@@ -16,7 +16,7 @@ import click
 from schemas import read_plan_file
 
 from .audit import audit_plan
-from .cli_types import POSITIVE, max_tasks_option
+from .cli_types import POSITIVE, SEED, TIME_LIMIT, max_tasks_option
 from .baselines import BASELINES, baseline_seconds
 from .compile import compile_plan
 from .problem_io import load_problem
@@ -97,8 +97,8 @@ def register(group: click.Group) -> None:
 
 @click.command("compare")
 @click.argument("problem_file", type=click.Path(dir_okay=False))
-@click.option("--seed", default=0, show_default=True, help="seed for randomized solvers")
-@click.option("--time-limit", default=10.0, show_default=True, type=POSITIVE, help="solver budget in deterministic seconds")
+@click.option("--seed", default=0, show_default=True, type=SEED, help="seed for randomized solvers")
+@click.option("--time-limit", default=10.0, show_default=True, type=TIME_LIMIT, help="solver budget in deterministic seconds")
 @max_tasks_option
 def compare_command(problem_file, seed, time_limit, max_tasks):
     """Every solver and Alpa's baselines on one problem, predicted by the same simulator.

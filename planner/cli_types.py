@@ -1,4 +1,4 @@
-"""Click parameter types shared by the `xmesh-plan` commands."""
+"""Click parameter types shared by the `xmesh-plan` commands, bounded to what every component they reach accepts."""
 
 from __future__ import annotations
 
@@ -8,23 +8,44 @@ import click
 
 from .unit_tasks import DEFAULT_MAX_TASKS
 
+MAX_SEED = 2**31 - 1  # CP-SAT's random_seed is a 32-bit int
+MAX_TIME_LIMIT_S = 1e6  # deterministic seconds (about 11 days): a larger budget only means never stopping
+
 
 class PositiveFloat(click.ParamType):
-    """A finite number > 0: `nan`, `inf`, 0 and negatives are refused (a NaN ratio would pass every check)."""
+    """A finite number in (0, most]: `nan`, `inf`, 0 and negatives are refused (a NaN ratio would pass every check)."""
 
     name = "number>0"
+
+    def __init__(self, most: float = math.inf):
+        self.most = most
 
     def convert(self, value, param, ctx):
         try:
             number = float(value)
-        except (TypeError, ValueError):
-            self.fail(f"{value!r} is not a number; give a positive number such as 1.1", param, ctx)
-        if not math.isfinite(number) or number <= 0:
-            self.fail(f"{value!r} must be a finite number > 0, e.g. 1.1", param, ctx)
+        except (TypeError, ValueError, OverflowError):
+            self.fail(f"{str(value)[:40]!r} is not a number; give a positive number such as 1.1", param, ctx)
+        if not math.isfinite(number) or number <= 0 or number > self.most:
+            upto = f" up to {self.most:g}" if math.isfinite(self.most) else ""
+            self.fail(f"{str(value)[:40]!r} must be a finite number > 0{upto}, e.g. 1.1", param, ctx)
         return number
 
 
+class Seed(click.ParamType):
+    """A random seed 0 .. 2^31-1, the range every solver accepts (CP-SAT's is a 32-bit int)."""
+
+    name = "seed"
+
+    def convert(self, value, param, ctx):
+        text = str(value).strip()
+        if not (text.isascii() and text.isdigit() and len(text) <= 10 and int(text) <= MAX_SEED):
+            self.fail(f"{text[:40]!r} is not a seed; give an integer from 0 to {MAX_SEED}, e.g. 0", param, ctx)
+        return int(text)
+
+
 POSITIVE = PositiveFloat()
+TIME_LIMIT = PositiveFloat(MAX_TIME_LIMIT_S)
+SEED = Seed()
 
 
 def max_tasks_option(func):

@@ -13,16 +13,17 @@ or a `first_host`, which is how two meshes share devices or hosts.
 
 from __future__ import annotations
 
-import json
 import math
 import re
-import tomllib
 from pathlib import Path
 from typing import Any
 
 from pydantic import ValidationError
 
 from schemas import Cluster, DeviceMesh, PlanFileError, ReshardingProblem
+from schemas import files as schemas_files
+from schemas.files import DataFileError
+from schemas.limits import MAX_DEVICE_ID, check_mesh_size, shown
 from schemas.spec import SpecError
 from schemas.validation import describe_validation_error
 
@@ -35,8 +36,10 @@ def parse_shape(text: str, field: str = "shape") -> tuple[int, ...]:
     """`1024,1024,512`, `1024x1024x512` or `(2, 4)` -> a tuple of non-negative ints."""
     body = str(text).strip().strip("()[]").strip()
     parts = [p.strip() for p in re.split(r"\s*[,x]\s*|\s+", body)] if body else []
-    if not parts or not all(p.isdigit() for p in parts):
-        raise InputError(f"{field}: {text!r} is not a list of non-negative integers; write e.g. 1024,1024,512 or 2x4")
+    if not parts or not all(p.isascii() and p.isdigit() for p in parts):
+        raise InputError(f"{field}: {shown(text)} is not a list of non-negative integers; write e.g. 1024,1024,512 or 2x4")
+    if any(len(p.lstrip("0")) > 19 for p in parts):  # int() of thousands of digits raises, and no dim is that long
+        raise InputError(f"{field}: {shown(text)} has a number above 2^63-1; give smaller integers")
     return tuple(int(p) for p in parts)
 
 
@@ -45,12 +48,20 @@ def _int_list(value: Any, field: str) -> tuple[int, ...]:
     if isinstance(value, str):
         return parse_shape(value, field)
     if not isinstance(value, (list, tuple)) or not all(isinstance(v, int) and not isinstance(v, bool) for v in value):
-        raise InputError(f"{field}: {value!r} must be a list of integers, e.g. [2, 4]")
+        raise InputError(f"{field}: {shown(value)} must be a list of integers, e.g. [2, 4]")
     return tuple(value)
 
 
 def place_mesh(shape: tuple[int, ...], first_host: int, devices_per_host: int, field: str = "mesh") -> DeviceMesh:
     """Lay a mesh onto hosts from `first_host` on: (A, B) takes A hosts, B devices each (B <= devices per host)."""
+    try:
+        check_mesh_size(shape, field)
+    except ValueError as err:
+        raise InputError(str(err)) from None
+    last = (first_host + (shape[0] if len(shape) == 2 else -(-math.prod(shape) // devices_per_host))) * devices_per_host - 1
+    if last > MAX_DEVICE_ID:
+        raise InputError(f"{field}: placed from host {first_host} its device ids reach {last}, above {MAX_DEVICE_ID}; "
+                         "use a smaller first_host or fewer devices")
     if len(shape) == 2 and shape[1] > devices_per_host:
         raise InputError(f"{field}: {shape[0]}x{shape[1]} means {shape[0]} hosts of {shape[1]} devices, but hosts have "
                          f"{devices_per_host} (cluster.devices_per_host); raise it or give the mesh's devices explicitly")
@@ -88,7 +99,7 @@ def _build_mesh(raw: Any, field: str, first_host: int, devices_per_host: int) ->
         return DeviceMesh(shape=shape, devices=_int_list(raw["devices"], f"{field}.devices"))
     first = raw.get("first_host", first_host)
     if not isinstance(first, int) or isinstance(first, bool) or first < 0:
-        raise InputError(f"{field}.first_host: {first!r} must be a non-negative integer host index")
+        raise InputError(f"{field}.first_host: {shown(first)} must be a non-negative integer host index")
     return place_mesh(shape, first, devices_per_host, field)
 
 
@@ -121,15 +132,10 @@ def build_problem(raw: dict[str, Any]) -> ReshardingProblem:
 
 def read_data_file(path: str | Path, what: str) -> Any:
     """Parse a `.toml` or JSON file; errors name the file and say what to fix."""
-    path = Path(path)
     try:
-        text = path.read_text()
-    except OSError as err:
-        raise InputError(f"{path}: cannot read the {what} ({err.strerror}); check the path") from None
-    try:
-        return tomllib.loads(text) if path.suffix == ".toml" else json.loads(text)
-    except (json.JSONDecodeError, tomllib.TOMLDecodeError) as err:
-        raise InputError(f"{path}: not valid {'TOML' if path.suffix == '.toml' else 'JSON'} ({err}); fix the syntax") from None
+        return schemas_files.read_data_file(path, what)
+    except DataFileError as err:
+        raise InputError(str(err)) from None
 
 
 def load_problem(path: str | Path) -> ReshardingProblem:

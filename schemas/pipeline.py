@@ -27,6 +27,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from .dtypes import DTYPE_SIZES, canonical_dtype, check_dtype
+from .limits import INT64_MAX, MAX_MICRO_BATCHES, MAX_SECONDS, MAX_STAGES, MAX_TENSOR_RANK, Length, check_int64_product, finite, integer
 from .problem import Cluster, DeviceMesh, Placement, ReshardingProblem, Spec
 from .spec import SpecError
 
@@ -106,10 +107,10 @@ class Stage(BaseModel):
     model_config = _FROZEN
     name: str = ""
     mesh: DeviceMesh
-    forward_s: float = Field(ge=0, description="forward compute of one micro-batch, seconds")
-    backward_input_s: float = Field(ge=0, description="backward part that computes input gradients, seconds")
-    backward_weight_s: float = Field(0.0, ge=0, description="backward part that computes weight gradients, seconds")
-    activation_bytes: int = Field(0, ge=0, description="memory one in-flight micro-batch keeps on this stage")
+    forward_s: finite(0, MAX_SECONDS, description="forward compute of one micro-batch, seconds")
+    backward_input_s: finite(0, MAX_SECONDS, description="backward part that computes input gradients, seconds")
+    backward_weight_s: finite(0, MAX_SECONDS, description="backward part that computes weight gradients, seconds") = 0.0
+    activation_bytes: integer(0, INT64_MAX, "a byte count") = Field(0, description="memory one in-flight micro-batch keeps on this stage")
 
     @property
     def backward_s(self) -> float:
@@ -121,9 +122,9 @@ class BoundaryTensor(BaseModel):
 
     model_config = _FROZEN
     name: str = Field(description="letters, digits, _ . - ; used in action text such as 1RECV_F[h0]3")
-    src_stage: int = Field(ge=0)
-    dst_stage: int = Field(ge=0)
-    shape: tuple[int, ...] = Field(min_length=1, description="shape of one micro-batch's tensor")
+    src_stage: integer(0, MAX_STAGES - 1, "a stage index")
+    dst_stage: integer(0, MAX_STAGES - 1, "a stage index")
+    shape: tuple[Length, ...] = Field(min_length=1, max_length=MAX_TENSOR_RANK, description="shape of one micro-batch's tensor")
     dtype: str = "float16"
     src_spec: Spec
     dst_spec: Spec
@@ -142,6 +143,7 @@ class BoundaryTensor(BaseModel):
             raise ValueError(f"tensor {self.name!r}: src_stage {self.src_stage} must be below dst_stage {self.dst_stage}; "
                              "activations flow to later stages (gradients flow back on their own)")
         check_dtype(self.dtype)
+        check_int64_product(self.shape, DTYPE_SIZES[self.dtype], f"tensor {self.name!r} shape")
         return self
 
     @property
@@ -157,9 +159,9 @@ class PipelineProblem(BaseModel):
 
     model_config = _FROZEN
     name: str = ""
-    stages: tuple[Stage, ...] = Field(min_length=1)
+    stages: tuple[Stage, ...] = Field(min_length=1, max_length=MAX_STAGES)
     tensors: tuple[BoundaryTensor, ...] = ()
-    micro_batches: int = Field(ge=1)
+    micro_batches: integer(1, MAX_MICRO_BATCHES, "a micro-batch count")
     cluster: Cluster = Cluster()
 
     @model_validator(mode="after")
@@ -225,7 +227,7 @@ class TransferCost(BaseModel):
     model_config = _FROZEN
     tensor: str
     direction: Direction
-    seconds: float = Field(ge=0)
+    seconds: finite(0, MAX_SECONDS * MAX_MICRO_BATCHES)
     nics: tuple[str, ...] = ()
 
 

@@ -21,6 +21,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from .files import DataFileError, parse_data, read_text_file
 from .geometry import Region
 from .problem import ReshardingProblem
 from .validation import describe_validation_error
@@ -145,15 +146,9 @@ class PlanFileError(ValueError):
 def read_plan_file(path: str | os.PathLike) -> Plan:
     """`load_plan` for files a user names: anything wrong becomes a one-line PlanFileError."""
     try:
-        text = Path(path).read_text()
-    except OSError as err:
-        raise PlanFileError(f"{path}: cannot read the plan ({err.strerror}); check the path") from None
-    except UnicodeDecodeError:
-        raise PlanFileError(f"{path}: not a text file; pass a plan written by `xmesh-plan compile`") from None
-    try:
-        raw = json.loads(text)
-    except json.JSONDecodeError as err:
-        raise PlanFileError(f"{path}: not valid JSON ({err}); pass a plan written by `xmesh-plan compile`") from None
+        raw = parse_data(read_text_file(path, "plan"), path)
+    except DataFileError as err:
+        raise PlanFileError(f"{err}; pass a plan written by `xmesh-plan compile`") from None
     version = raw.get("schema_version") if isinstance(raw, dict) else None
     if version is None and isinstance(raw, dict) and {"src", "dst"} <= set(raw):
         raise PlanFileError(f"{path}: this is a problem file, not a plan; compile it first: xmesh-plan compile {path} -o plan.json")

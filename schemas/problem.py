@@ -10,6 +10,8 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, PlainSeriali
 
 from .dtypes import DTYPE_SIZES, canonical_dtype, check_dtype
 from .geometry import Layout, Region
+from .limits import (MAX_DEVICE_ID, MAX_GBPS, MAX_LATENCY_US, MAX_MESH_DEVICES, MAX_TENSOR_RANK, MIN_GBPS, Length,
+                     check_int64_product, check_mesh_size, finite, integer)
 from .spec import ShardingSpec, SpecError
 
 Spec = Annotated[
@@ -26,8 +28,8 @@ class Nic(BaseModel):
     """One network interface of a host; full duplex, so send and receive are separate."""
 
     model_config = _FROZEN
-    send_gbps: float = Field(10.0, gt=0, description="send bandwidth, Gbit/s")
-    recv_gbps: float = Field(10.0, gt=0, description="receive bandwidth, Gbit/s")
+    send_gbps: finite(MIN_GBPS, MAX_GBPS, description="send bandwidth, Gbit/s") = 10.0
+    recv_gbps: finite(MIN_GBPS, MAX_GBPS, description="receive bandwidth, Gbit/s") = 10.0
 
 
 class Cluster(BaseModel):
@@ -38,10 +40,10 @@ class Cluster(BaseModel):
     """
 
     model_config = _FROZEN
-    devices_per_host: int = Field(4, ge=1)
+    devices_per_host: integer(1, MAX_MESH_DEVICES, "a device count") = 4
     nics: tuple[Nic, ...] = Field((Nic(),), min_length=1, description="NICs of every host")
-    intra_host_gbps: float = Field(800.0, gt=0, description="device-to-device bandwidth inside a host, Gbit/s")
-    latency_us: float = Field(20.0, ge=0, description="fixed cost of one message, microseconds")
+    intra_host_gbps: finite(MIN_GBPS, MAX_GBPS, description="device-to-device bandwidth inside a host, Gbit/s") = 800.0
+    latency_us: finite(0, MAX_LATENCY_US, description="fixed cost of one message, microseconds") = 20.0
 
     def host_of(self, device: int) -> int:
         return device // self.devices_per_host
@@ -67,13 +69,12 @@ class DeviceMesh(BaseModel):
     """A logical mesh: its shape and the global device id at each position (row-major)."""
 
     model_config = _FROZEN
-    shape: tuple[int, ...] = Field(min_length=1)
-    devices: tuple[int, ...]
+    shape: tuple[integer(1, MAX_MESH_DEVICES, "an axis size"), ...] = Field(min_length=1)
+    devices: tuple[integer(0, MAX_DEVICE_ID, "a device id"), ...]
 
     @model_validator(mode="after")
     def _check(self) -> "DeviceMesh":
-        if any(s < 1 for s in self.shape):
-            raise ValueError(f"mesh shape {self.label} has an axis of size < 1; every axis needs at least one device")
+        check_mesh_size(self.shape, "mesh shape")
         if len(self.devices) != math.prod(self.shape):
             raise ValueError(f"mesh {self.label} needs {math.prod(self.shape)} device ids, got {len(self.devices)}")
         if len(set(self.devices)) != len(self.devices) or min(self.devices) < 0:
@@ -105,7 +106,7 @@ class ReshardingProblem(BaseModel):
 
     model_config = _FROZEN
     name: str = ""
-    shape: tuple[int, ...] = Field(min_length=1)
+    shape: tuple[Length, ...] = Field(min_length=1, max_length=MAX_TENSOR_RANK)
     dtype: str = "float32"
     src: Placement
     dst: Placement
@@ -118,9 +119,8 @@ class ReshardingProblem(BaseModel):
 
     @model_validator(mode="after")
     def _check(self) -> "ReshardingProblem":
-        if any(n < 0 for n in self.shape):
-            raise ValueError(f"shape {self.shape} has a negative dim; give non-negative lengths")
         check_dtype(self.dtype)
+        check_int64_product(self.shape, self.itemsize, "shape")
         for side in ("src", "dst"):
             placement: Placement = getattr(self, side)
             try:

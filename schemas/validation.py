@@ -13,7 +13,7 @@ def describe_validation_error(err: ValidationError) -> str:
     ...     Cluster.model_validate({"devices_per_host": 0})
     ... except ValidationError as err:
     ...     print(describe_validation_error(err))
-    devices_per_host: Input should be greater than or equal to 1
+    devices_per_host: 0 is too small; give a device count in 1 .. 1048576
     """
     first = err.errors()[0]
     field = ".".join(str(p) for p in first["loc"])

@@ -22,6 +22,10 @@ from planner.compile import compile_plan
 from planner.problem_io import build_problem
 from planner.reference_cases import reference_problems
 
+# Subprocesses the tests start (xmesh-plan, mpiexec ... executor.run) show real tracebacks, not the one-line
+# internal-error report; tests of that report unset it themselves.
+os.environ.setdefault("XMESH_PLAN_DEBUG", "1")
+
 FAST_SOLVER = "greedy"
 STRATEGY_NAMES = ("broadcast", "send_recv", "local_allgather", "global_allgather", "auto")
 
