@@ -20,12 +20,12 @@ $(STAMP): pyproject.toml
 
 ## Compile every reference case into plans/ and print the comparison table.
 plans: $(STAMP)
-	$(PY) -m planner.reference_cases --out plans
+	$(PY) -m xmesh_plan.planner.reference_cases --out plans
 
 ## Regenerate plans/ into a scratch folder, fail if anything differs from what is committed, verify each.
 check-plans: $(STAMP)
 	rm -rf .plans-check && mkdir -p .plans-check
-	$(PY) -m planner.reference_cases --out .plans-check --quiet
+	$(PY) -m xmesh_plan.planner.reference_cases --out .plans-check --quiet
 	diff -r plans .plans-check
 	$(VENV)/bin/xmesh-plan verify plans/*.plan.json
 	rm -rf .plans-check

@@ -19,10 +19,10 @@ from pathlib import Path
 sys.path[:0] = [str(Path(__file__).resolve().parent.parent), str(Path(__file__).resolve().parent)]
 
 from report import replace_section, write_json  # noqa: E402
-from planner.compile import TaskOptions, assemble, task_options  # noqa: E402
-from planner.problem_io import build_problem  # noqa: E402
-from planner.solvers import solve  # noqa: E402
-from planner.unit_tasks import decompose  # noqa: E402
+from xmesh_plan.planner.compile import TaskOptions, assemble, task_options  # noqa: E402
+from xmesh_plan.planner.problem_io import build_problem  # noqa: E402
+from xmesh_plan.planner.solvers import solve  # noqa: E402
+from xmesh_plan.planner.unit_tasks import decompose  # noqa: E402
 
 CLUSTER = {"devices_per_host": 4, "nics": [{"send_gbps": 100, "recv_gbps": 100}], "intra_host_gbps": 800, "latency_us": 20}
 CASES = [  # src mesh, src spec, dst mesh, dst first host, dst spec, tensor shape

@@ -38,7 +38,7 @@ ROW = 16  # float32 elements per box: 64 B
 
 def many_task_plan(tasks: int, kind: str):
     """T hand-made operations, one per unit task (the executor does not look at `tasks`)."""
-    from schemas import DeviceMesh, Operation, Placement, Plan, ReshardingProblem, SolverInfo
+    from xmesh_plan.schemas import DeviceMesh, Operation, Placement, Plan, ReshardingProblem, SolverInfo
 
     receivers = 3 if kind == "broadcast" else 1
     shape = (ROW, tasks) if kind == "send_strided" else (tasks, ROW)
@@ -102,11 +102,11 @@ def allocation(run_once, iters: int) -> tuple[int, int]:
 
 def load_engine(path: str | None):
     """The MpiEngine class of the file at `path` (an earlier revision's executor/mpi_engine.py), or today's."""
-    from executor import mpi_engine
+    from xmesh_plan.executor import mpi_engine
 
     if path is None:
         return mpi_engine.MpiEngine
-    spec = importlib.util.spec_from_file_location("executor.mpi_engine_compared", path)
+    spec = importlib.util.spec_from_file_location("xmesh_plan.executor.mpi_engine_compared", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module.MpiEngine
@@ -114,8 +114,8 @@ def load_engine(path: str | None):
 
 def measure(comm, plan, engine_cls, iters: int) -> dict:
     """Median time of `run()` and its allocation with `engine_cls` as the MPI engine (max over ranks)."""
-    from executor import ReshardingExecutor, mpi_engine
-    from executor.pattern import fill
+    from xmesh_plan.executor import ReshardingExecutor, mpi_engine
+    from xmesh_plan.executor.pattern import fill
 
     today, mpi_engine.MpiEngine = mpi_engine.MpiEngine, engine_cls
     try:

@@ -24,10 +24,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from executor.lower import lower  # noqa: E402
-from executor.ranks import plan_devices  # noqa: E402
-from planner.compile import compile_plan  # noqa: E402
-from planner.problem_io import build_problem  # noqa: E402
+from xmesh_plan.executor.lower import lower  # noqa: E402
+from xmesh_plan.executor.ranks import plan_devices  # noqa: E402
+from xmesh_plan.planner.compile import compile_plan  # noqa: E402
+from xmesh_plan.planner.problem_io import build_problem  # noqa: E402
 
 CASES = [  # (source hosts, tensor shape): 4 devices per host, `S01 R R` gathered onto one host as `R R R`
     (64, (4096, 4096, 64)),
@@ -49,7 +49,7 @@ def lowering_module(rev: str):
     text = subprocess.run(["git", "show", f"{rev}:executor/lower.py"], cwd=ROOT, capture_output=True, text=True, check=True).stdout
     path = Path(tempfile.mkdtemp()) / "lower_compared.py"
     path.write_text(text)
-    spec = importlib.util.spec_from_file_location("executor.lower_compared", path)
+    spec = importlib.util.spec_from_file_location("xmesh_plan.executor.lower_compared", path)
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module
     spec.loader.exec_module(module)

@@ -22,12 +22,12 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from planner.pipeline.compare import compare, format_table, row_by_label  # noqa: E402
-from planner.pipeline.costs import transfer_costs  # noqa: E402
-from planner.pipeline.simulate import evaluate  # noqa: E402
-from schemas.pipeline import PipelineProblem  # noqa: E402
-from schemas.problem import DeviceMesh  # noqa: E402
-from schemas.plan import write_atomic  # noqa: E402
+from xmesh_plan.planner.pipeline.compare import compare, format_table, row_by_label  # noqa: E402
+from xmesh_plan.planner.pipeline.costs import transfer_costs  # noqa: E402
+from xmesh_plan.planner.pipeline.simulate import evaluate  # noqa: E402
+from xmesh_plan.schemas.pipeline import PipelineProblem  # noqa: E402
+from xmesh_plan.schemas.problem import DeviceMesh  # noqa: E402
+from xmesh_plan.schemas.plan import write_atomic  # noqa: E402
 
 TFLOPS_PER_GPU = {"float16": 40e12, "float32": 10e12}
 GPUS_PER_STAGE = 4
@@ -146,7 +146,7 @@ def main() -> None:
 
 
 def draw(problem: PipelineProblem, rows, folder: Path) -> None:
-    from planner.pipeline.gantt import draw_gantt
+    from xmesh_plan.planner.pipeline.gantt import draw_gantt
 
     folder.mkdir(parents=True, exist_ok=True)
     for label in ("1f1b", "eager-1f1b", "eager-1f1b-wd"):

@@ -17,11 +17,11 @@ from pathlib import Path
 sys.path[:0] = [str(Path(__file__).resolve().parent.parent), str(Path(__file__).resolve().parent)]
 
 from report import replace_section, write_json  # noqa: E402
-from planner.baselines import baseline_seconds  # noqa: E402
-from planner.compile import compile_plan  # noqa: E402
-from planner.reference_cases import reference_cases  # noqa: E402
-from planner.verify import verify_plan  # noqa: E402
-from schemas import Cluster, Nic  # noqa: E402
+from xmesh_plan.planner.baselines import baseline_seconds  # noqa: E402
+from xmesh_plan.planner.compile import compile_plan  # noqa: E402
+from xmesh_plan.planner.reference_cases import reference_cases  # noqa: E402
+from xmesh_plan.planner.verify import verify_plan  # noqa: E402
+from xmesh_plan.schemas import Cluster, Nic  # noqa: E402
 
 COMMAND = ".venv/bin/python bench/bench_resharding.py"
 PAPER_SOLVERS = ("naive", "size", "randomized-greedy")

@@ -17,8 +17,8 @@ from pathlib import Path
 sys.path[:0] = [str(Path(__file__).resolve().parent.parent), str(Path(__file__).resolve().parent)]
 
 from report import replace_section, write_json  # noqa: E402
-from planner.compile import compile_plan  # noqa: E402
-from schemas import Cluster, DeviceMesh, Placement, ReshardingProblem  # noqa: E402
+from xmesh_plan.planner.compile import compile_plan  # noqa: E402
+from xmesh_plan.schemas import Cluster, DeviceMesh, Placement, ReshardingProblem  # noqa: E402
 
 POINTS = [  # src mesh, dst mesh, src spec, dst spec, tensor shape
     ((2, 4), (2, 4), "R S0 R", "S0 R R", (1024, 1024, 512)),

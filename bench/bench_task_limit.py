@@ -21,8 +21,8 @@ from pathlib import Path
 sys.path[:0] = [str(Path(__file__).resolve().parent.parent), str(Path(__file__).resolve().parent)]
 
 from report import replace_section, write_json  # noqa: E402
-from planner.problem_io import build_problem  # noqa: E402
-from planner.unit_tasks import BYTES_PER_TASK, DEFAULT_MAX_TASKS, TooManyTasksError, check_task_count  # noqa: E402
+from xmesh_plan.planner.problem_io import build_problem  # noqa: E402
+from xmesh_plan.planner.unit_tasks import BYTES_PER_TASK, DEFAULT_MAX_TASKS, TooManyTasksError, check_task_count  # noqa: E402
 
 HOSTS = [16, 32, 64, 128]  # (H, 4) meshes: 4 H^2 unit tasks
 LARGE = [181, 256, 354]
@@ -38,9 +38,9 @@ def raw_problem(hosts: int) -> dict:
 
 def one(hosts: int, out: str) -> dict:
     """Compile, verify and write one size in this process; stage times and the process's peak RSS."""
-    from planner.compile import compile_plan
-    from planner.verify import verify_plan
-    from schemas.plan import write_atomic
+    from xmesh_plan.planner.compile import compile_plan
+    from xmesh_plan.planner.verify import verify_plan
+    from xmesh_plan.schemas.plan import write_atomic
 
     problem = build_problem(raw_problem(hosts))
     begin = time.perf_counter()

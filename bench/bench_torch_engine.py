@@ -74,7 +74,7 @@ def worker(kind: str, task_counts: list[int], iters: int) -> None:
     import torch
     import torch.distributed as dist
 
-    from executor import ReshardingExecutor
+    from xmesh_plan.executor import ReshardingExecutor
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo")

@@ -16,13 +16,13 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from executor.examples.pipeline_mlp import MANIFEST, make_problem, plan_file  # noqa: E402
-from planner.compile import compile_plan  # noqa: E402
-from planner.pipeline.build import build_schedule  # noqa: E402
-from planner.pipeline.costs import transfer_costs  # noqa: E402
-from planner.pipeline.schedules import SCHEDULE_NAMES  # noqa: E402
-from schemas.pipeline import PipelineProblem  # noqa: E402
-from schemas.plan import write_atomic  # noqa: E402
+from xmesh_plan.executor.examples.pipeline_mlp import MANIFEST, make_problem, plan_file  # noqa: E402
+from xmesh_plan.planner.compile import compile_plan  # noqa: E402
+from xmesh_plan.planner.pipeline.build import build_schedule  # noqa: E402
+from xmesh_plan.planner.pipeline.costs import transfer_costs  # noqa: E402
+from xmesh_plan.planner.pipeline.schedules import SCHEDULE_NAMES  # noqa: E402
+from xmesh_plan.schemas.pipeline import PipelineProblem  # noqa: E402
+from xmesh_plan.schemas.plan import write_atomic  # noqa: E402
 
 
 def write_inputs(problem: PipelineProblem, folder: Path) -> list[str]:
@@ -56,7 +56,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.micro_batches < 1:
         parser.error(f"--micro-batches {args.micro_batches}: give at least 1, e.g. --micro-batches 4")
     write_inputs(make_problem(meshes, args.micro_batches, args.skip), args.output)
-    print(f"wrote {args.output}; now run: mpiexec -n {sum(meshes)} python -m executor.examples.pipeline_mlp {args.output}")
+    print(f"wrote {args.output}; now run: mpiexec -n {sum(meshes)} python -m xmesh_plan.executor.examples.pipeline_mlp {args.output}")
     return 0
 
 

@@ -2,7 +2,7 @@
 torch.distributed over any process group (gloo, NCCL).
 
 Imports `schemas` only, never the planner. Entry points: `ReshardingExecutor` and the demo
-`mpiexec -disable-auto-cleanup -n N python -m executor.run PLAN --check`.
+`mpiexec -disable-auto-cleanup -n N python -m xmesh_plan.executor.run PLAN --check`.
 """
 
 from .errors import BackendUnavailableError, ExecutorError, PeerTimeoutError, PlanMismatchError

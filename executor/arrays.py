@@ -10,7 +10,7 @@ import sys
 
 import numpy as np
 
-from schemas.dtypes import numpy_dtype_name
+from xmesh_plan.schemas.dtypes import numpy_dtype_name
 
 from .errors import PlanMismatchError
 

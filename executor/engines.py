@@ -10,7 +10,7 @@ only the classes in `executor.errors`, for the same states:
 - `BackendUnavailableError`: its library or device is missing.
 
 >>> engine_entry("mpi", "mpi").module
-'executor.mpi_engine'
+'xmesh_plan.executor.mpi_engine'
 >>> engine_entry("gloo", "torch").name
 'torch'
 """
@@ -98,14 +98,14 @@ class EngineEntry:
 
 
 ENGINES: dict[str, EngineEntry] = {e.name: e for e in (
-    EngineEntry("mpi", "mpi", "executor.mpi_engine",
+    EngineEntry("mpi", "mpi", "xmesh_plan.executor.mpi_engine",
                 lambda m, p, c: m.MpiEngine(p, c.comm, c.rank_of, c.storage, c.timeout_s, c.poll_s),
                 "MPI point-to-point on host memory (numpy)"),
-    EngineEntry("nccl", "mpi", "executor.nccl_engine",
+    EngineEntry("nccl", "mpi", "xmesh_plan.executor.nccl_engine",
                 lambda m, p, c: m.NcclEngine(p, c.comm, c.rank_of, c.storage, c.timeout_s, c.poll_s, gpu=c.gpu,
                                              devices_per_host=c.devices_per_host),
                 "NCCL broadcasts through CuPy on GPUs, ids exchanged over MPI"),
-    EngineEntry("torch", "torch", "executor.torch_engine", lambda m, p, c: m.TorchEngine(p, c),
+    EngineEntry("torch", "torch", "xmesh_plan.executor.torch_engine", lambda m, p, c: m.TorchEngine(p, c),
                 "torch.distributed isend/irecv over any process group (gloo on CPU, NCCL on CUDA)"),
 )}
 

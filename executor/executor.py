@@ -17,7 +17,7 @@ from collections import Counter
 
 import numpy as np
 
-from schemas import Plan
+from xmesh_plan.schemas import Plan
 
 from .arrays import storage_dtype
 from .engines import BACKENDS, EngineContext, engine_entry

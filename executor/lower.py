@@ -18,10 +18,10 @@ from typing import Literal
 
 import numpy as np
 
-from schemas import Operation, Plan
-from schemas.geometry import Region, intersect, local_slices, region_shape, region_size, shard_interval
-from schemas.plan import format_region
-from schemas.plan_check import TOLERANCE_S, PlanError, check_plan, describe, tags_used, uncovered
+from xmesh_plan.schemas import Operation, Plan
+from xmesh_plan.schemas.geometry import Region, intersect, local_slices, region_shape, region_size, shard_interval
+from xmesh_plan.schemas.plan import format_region
+from xmesh_plan.schemas.plan_check import TOLERANCE_S, PlanError, check_plan, describe, tags_used, uncovered
 
 from .errors import PlanMismatchError
 

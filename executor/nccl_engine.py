@@ -83,7 +83,7 @@ class NcclEngine:
         count = gpu_count(cupy)
         if not 0 <= self.gpu < count:
             raise PlanMismatchError(f"device {self.program.device} maps to GPU {self.gpu} but this host has {count}; "
-                                    "pass gpu= (python -m executor.run --gpu) or place fewer devices per host")
+                                    "pass gpu= (python -m xmesh_plan.executor.run --gpu) or place fewer devices per host")
         cupy.cuda.Device(self.gpu).use()
         self.calls = nccl_program(self.program)
         self.communicators = self._communicators()

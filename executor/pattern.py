@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from schemas.geometry import Region, region_shape
+from xmesh_plan.schemas.geometry import Region, region_shape
 
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
 _RAW = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}

@@ -21,8 +21,8 @@ from __future__ import annotations
 import time
 from typing import Mapping, Protocol
 
-from schemas.pipeline import Action, PipelineSchedule, parse_actions
-from schemas.plan import Plan
+from xmesh_plan.schemas.pipeline import Action, PipelineSchedule, parse_actions
+from xmesh_plan.schemas.plan import Plan
 
 from .errors import ExecutorError
 from .timeouts import check_timeout

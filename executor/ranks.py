@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from typing import Iterable
 
-from schemas import DeviceMesh, Plan
+from xmesh_plan.schemas import DeviceMesh, Plan
 
 from .errors import PlanMismatchError
 

@@ -1,4 +1,4 @@
-"""`mpiexec -disable-auto-cleanup -n N python -m executor.run PLAN... --check`: reshard a pattern, check it, time it.
+"""`mpiexec -disable-auto-cleanup -n N python -m xmesh_plan.executor.run PLAN... --check`: reshard a pattern, check it, time it.
 
 For each plan: shrink the tensor to fit this machine (`--max-mb`, or exact `--scale 4,4,2`), fill
 every source shard with a pattern of global indices, run `--warmup` + `--iters` reshards, and print
@@ -6,7 +6,7 @@ on rank 0 the time per iteration (slowest rank, median) and the achieved bandwid
 between devices per iteration over that time). With `--check`, the destination buffers are poisoned
 before the last iteration and every destination shard is then compared bit for bit.
 
-    mpiexec -disable-auto-cleanup -n 16 python -m executor.run plans/case4.plan.json --check
+    mpiexec -disable-auto-cleanup -n 16 python -m xmesh_plan.executor.run plans/case4.plan.json --check
 
 A rank that fails reports it and exits; every other rank stops within `--timeout` seconds, saying why,
 so the whole job ends with or without `-disable-auto-cleanup` (which lets the others report).
@@ -23,9 +23,9 @@ from pathlib import Path
 
 import numpy as np
 
-from schemas import Plan, PlanFileError, read_plan_file
-from schemas.geometry import region_size
-from schemas.last_resort import DEBUG_ENV, DEBUG_FLAG, run_guarded
+from xmesh_plan.schemas import Plan, PlanFileError, read_plan_file
+from xmesh_plan.schemas.geometry import region_size
+from xmesh_plan.schemas.last_resort import DEBUG_ENV, DEBUG_FLAG, run_guarded
 
 from .errors import ExecutorError, PeerTimeoutError, PlanMismatchError
 from .engines import ENGINES
@@ -49,7 +49,7 @@ def bytes_moved(plan: Plan) -> int:
 
 MAX_ITERS = 1_000_000  # iteration times are kept in memory, 8 bytes each
 MAX_MB = 2**30  # 1 PiB: far above any tensor, far below float overflow
-LAUNCH = "mpiexec -disable-auto-cleanup -n 16 python -m executor.run plans/case4.plan.json --check"  # docs/executor.md shows it too
+LAUNCH = "mpiexec -disable-auto-cleanup -n 16 python -m xmesh_plan.executor.run plans/case4.plan.json --check"  # docs/executor.md shows it too
 EPILOG = """A rank that fails ends the job within --timeout seconds; -disable-auto-cleanup lets the
 other ranks report why they stopped. Exit status: 0 ok, 1 a check failed, 2 a plan was refused,
 3 a peer timed out, 4 an unexpected error; with -disable-auto-cleanup, mpiexec returns the bitwise
@@ -63,7 +63,7 @@ class UsageError(ValueError):
 
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str):  # argparse would print the usage block and exit on every rank
-        raise UsageError(f"{message}; see `python -m executor.run --help`")
+        raise UsageError(f"{message}; see `python -m xmesh_plan.executor.run --help`")
 
     def print_help(self, file=None):  # --help: rank 0 prints it, the other ranks exit quietly
         if _launcher_rank() == 0:
@@ -106,7 +106,7 @@ def _check_numbers(args: argparse.Namespace) -> None:
 
 def _arguments(argv: list[str] | None) -> argparse.Namespace:
     """Parsed flags; raises UsageError (one line naming the flag) instead of printing and exiting."""
-    parser = _Parser(prog="python -m executor.run", description=__doc__.splitlines()[0], formatter_class=argparse.RawDescriptionHelpFormatter,
+    parser = _Parser(prog="python -m xmesh_plan.executor.run", description=__doc__.splitlines()[0], formatter_class=argparse.RawDescriptionHelpFormatter,
                      epilog=f"launch (-n: the devices the plan uses):\n  {LAUNCH}\n{EPILOG}")
     parser.add_argument("plans", nargs="+", type=Path, help="plan files (plans/*.plan.json)")
     parser.add_argument("--check", action="store_true", help="compare every destination shard with the pattern, bit for bit")
@@ -259,5 +259,10 @@ def main(argv: list[str] | None = None) -> int:
     return _leave_together(comm, status, args.timeout)
 
 
+def console_main(program: str = "xmesh-plan-run") -> int:
+    """The demo behind the last-resort handler: the `xmesh-plan-run` console script and `python -m`."""
+    return run_guarded(main, program, sys.argv[1:], prefix=f"rank {_launcher_rank()}: ")
+
+
 if __name__ == "__main__":
-    sys.exit(run_guarded(main, "python -m executor.run", sys.argv[1:], prefix=f"rank {_launcher_rank()}: "))
+    sys.exit(console_main("python -m xmesh_plan.executor.run"))

@@ -13,8 +13,8 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from schemas import Plan
-from schemas.geometry import Region
+from xmesh_plan.schemas import Plan
+from xmesh_plan.schemas.geometry import Region
 
 from .errors import PlanMismatchError
 

@@ -1,4 +1,4 @@
-"""`torchrun --nproc-per-node N -m executor.torch_run PLAN... --check`: reshard torch tensors with the torch engine.
+"""`torchrun --nproc-per-node N -m xmesh_plan.executor.torch_run PLAN... --check`: reshard torch tensors with the torch engine.
 
 For each plan: shrink the tensor to at most `--max-mb`, fill every source shard with a pattern of
 global indices (as a torch tensor of the plan's dtype, bfloat16 and float8 included), run
@@ -6,7 +6,7 @@ global indices (as a torch tensor of the plan's dtype, bfloat16 and float8 inclu
 rank 0 the median time per iteration of the slowest rank. With `--check`, each destination shard is
 compared bit for bit with numpy slicing of the whole pattern tensor.
 
-    torchrun --nproc-per-node 8 -m executor.torch_run plans/case1.plan.json --check
+    torchrun --nproc-per-node 8 -m xmesh_plan.executor.torch_run plans/case1.plan.json --check
 """
 
 from __future__ import annotations
@@ -20,8 +20,8 @@ from pathlib import Path
 
 import numpy as np
 
-from schemas import Plan, PlanFileError, read_plan_file
-from schemas.geometry import local_slices
+from xmesh_plan.schemas import Plan, PlanFileError, read_plan_file
+from xmesh_plan.schemas.geometry import local_slices
 
 from .arrays import storage_dtype
 from .errors import ExecutorError, PeerTimeoutError, PlanMismatchError
@@ -77,7 +77,7 @@ def run_plan(plan: Plan, args: argparse.Namespace) -> tuple[str, int]:
 
 
 def _arguments(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="torchrun --nproc-per-node N -m executor.torch_run", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="torchrun --nproc-per-node N -m xmesh_plan.executor.torch_run", description=__doc__.splitlines()[0])
     parser.add_argument("plans", nargs="+", type=Path, help="plan files (plans/*.plan.json)")
     parser.add_argument("--check", action="store_true", help="compare every destination shard with numpy slicing, bit for bit")
     parser.add_argument("--iters", type=int, default=5, help="iterations (default 5)")

@@ -7,7 +7,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from schemas import Plan
+from xmesh_plan.schemas import Plan
 
 from .bounds import lower_bound
 from .compile import DIGITS, MAX_SIMULATED_OPERATIONS, settle_listing

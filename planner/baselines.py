@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import Callable
 
-from schemas import Operation, ReshardingProblem, split_region
+from xmesh_plan.schemas import Operation, ReshardingProblem, split_region
 
 from .unit_tasks import DEFAULT_MAX_TASKS, Cell, check_task_count, decompose
 

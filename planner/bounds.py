@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from schemas import Cluster
+from xmesh_plan.schemas import Cluster
 
 from .unit_tasks import Cell
 

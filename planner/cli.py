@@ -12,9 +12,9 @@ from pathlib import Path
 
 import click
 
-from schemas import Plan, ReshardingProblem, read_plan_file
-from schemas.last_resort import DEBUG_ENV, DEBUG_FLAG, run_guarded
-from schemas.plan import write_atomic
+from xmesh_plan.schemas import Plan, ReshardingProblem, read_plan_file
+from xmesh_plan.schemas.last_resort import DEBUG_ENV, DEBUG_FLAG, run_guarded
+from xmesh_plan.schemas.plan import write_atomic
 
 from .cli_types import SEED, TIME_LIMIT, max_tasks_option
 from .cli_solvers import progress, solver_summary

@@ -10,7 +10,7 @@ import json
 
 import click
 
-from schemas.plan import write_atomic
+from xmesh_plan.schemas.plan import write_atomic
 
 from .pipeline.build import build_schedule
 from .pipeline.compare import compare, format_table

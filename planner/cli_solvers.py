@@ -13,7 +13,7 @@ from contextlib import contextmanager
 
 import click
 
-from schemas import read_plan_file
+from xmesh_plan.schemas import read_plan_file
 
 from .audit import audit_plan
 from .cli_types import POSITIVE, SEED, TIME_LIMIT, max_tasks_option

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Callable
 
-from schemas import HostOrder, Operation, Plan, ReshardingProblem, SolverInfo, UnitTask
+from xmesh_plan.schemas import HostOrder, Operation, Plan, ReshardingProblem, SolverInfo, UnitTask
 
 from . import __version__
 from .bounds import lower_bound

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from schemas import Plan
-from schemas.geometry import region_size
+from xmesh_plan.schemas import Plan
+from xmesh_plan.schemas.geometry import region_size
 
 
 @dataclass

@@ -20,12 +20,12 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from schemas import Cluster, DeviceMesh, PlanFileError, ReshardingProblem
-from schemas import files as schemas_files
-from schemas.files import DataFileError
-from schemas.limits import MAX_DEVICE_ID, check_mesh_size, shown
-from schemas.spec import SpecError
-from schemas.validation import describe_validation_error
+from xmesh_plan.schemas import Cluster, DeviceMesh, PlanFileError, ReshardingProblem
+from xmesh_plan.schemas import files as schemas_files
+from xmesh_plan.schemas.files import DataFileError
+from xmesh_plan.schemas.limits import MAX_DEVICE_ID, check_mesh_size, shown
+from xmesh_plan.schemas.spec import SpecError
+from xmesh_plan.schemas.validation import describe_validation_error
 
 
 class InputError(ValueError):

@@ -1,4 +1,4 @@
-"""The paper's benchmark cases as problems, and `python -m planner.reference_cases --out plans`.
+"""The paper's benchmark cases as problems, and `python -m xmesh_plan.planner.reference_cases --out plans`.
 
 Nine many-to-many cases (tensor 1024x1024x512 int32, 2 GiB) and seven one-to-many cases (1 GiB,
 replicated, from one device to meshes of 1 to 8 devices) on the paper's cluster: 4 GPUs per host,
@@ -13,8 +13,8 @@ from pathlib import Path
 
 import click
 
-from schemas import ReshardingProblem
-from schemas.plan import write_atomic
+from xmesh_plan.schemas import ReshardingProblem
+from xmesh_plan.schemas.plan import write_atomic
 
 from .baselines import baseline_seconds
 from .compile import compile_plan

@@ -25,7 +25,7 @@ from __future__ import annotations
 import heapq
 from dataclasses import dataclass
 
-from schemas import Operation, Plan, ReshardingProblem, region_size
+from xmesh_plan.schemas import Operation, Plan, ReshardingProblem, region_size
 
 DISCIPLINES = ("host-order", "device-order")
 REL_EPS = 1e-12

@@ -15,9 +15,9 @@ from typing import Callable
 
 import numpy as np
 
-from schemas import Cluster
-from schemas.geometry import Region, split_region
-from schemas.plan_check import MAX_CHUNKS  # the plan format's limit, which readers enforce
+from xmesh_plan.schemas import Cluster
+from xmesh_plan.schemas.geometry import Region, split_region
+from xmesh_plan.schemas.plan_check import MAX_CHUNKS  # the plan format's limit, which readers enforce
 
 from .scheduling import Resource
 

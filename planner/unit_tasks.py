@@ -15,8 +15,8 @@ from itertools import product
 
 import numpy as np
 
-from schemas import ReshardingProblem
-from schemas.geometry import Region
+from xmesh_plan.schemas import ReshardingProblem
+from xmesh_plan.schemas.geometry import Region
 
 from .problem_io import InputError
 

@@ -14,10 +14,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from schemas import Plan
-from schemas.geometry import Region
-from schemas.plan import format_region
-from schemas.plan_check import TOLERANCE_S, PlanError, check_plan, describe
+from xmesh_plan.schemas import Plan
+from xmesh_plan.schemas.geometry import Region
+from xmesh_plan.schemas.plan import format_region
+from xmesh_plan.schemas.plan_check import TOLERANCE_S, PlanError, check_plan, describe
 
 __all__ = ["PlanError", "VerifyReport", "verify_plan"]
 

@@ -22,7 +22,7 @@ class DataFileError(ValueError):
 def read_text_file(path: str | os.PathLike, what: str) -> str:
     """The file's text (UTF-8, a leading byte-order mark dropped), or a DataFileError naming `what` it should be."""
     try:
-        with open(path, "rb") as handle:
+        with open(_existing_or_example(path), "rb") as handle:
             data = handle.read(MAX_FILE_BYTES + 1)
     except OSError as err:
         raise DataFileError(f"{path}: cannot read the {what} ({err.strerror or err}); check the path") from None
@@ -32,6 +32,15 @@ def read_text_file(path: str | os.PathLike, what: str) -> str:
         return data.decode("utf-8-sig")
     except UnicodeDecodeError as err:
         raise DataFileError(f"{path}: not a text file (not UTF-8 at byte {err.start}); pass a {what} saved as UTF-8 JSON or TOML") from None
+
+
+def _existing_or_example(path: str | os.PathLike) -> str | os.PathLike:
+    """`path`, or the shipped copy of a documented example (`plans/case3.problem.json`) it names when absent."""
+    if os.path.exists(path):
+        return path
+    from xmesh_plan.examples import shipped_example  # the front package; it imports nothing else
+
+    return shipped_example(path) or path
 
 
 def parse_data(text: str, path: str | os.PathLike, toml: bool = False) -> Any:

@@ -1,4 +1,4 @@
-"""The last-resort handler at the top of every entry point (`xmesh-plan`, `python -m executor.run`).
+"""The last-resort handler at the top of every entry point (`xmesh-plan`, `python -m xmesh_plan.executor.run`).
 
 Input errors are reported where they are found (one line, exit 2). Anything that still escapes is a
 bug: the user gets one line saying so, naming the exception and how to see the traceback, exit 1.

@@ -18,9 +18,9 @@ if _HOST_DEVICES not in os.environ.get("XLA_FLAGS", ""):
 
 import pytest
 
-from planner.compile import compile_plan
-from planner.problem_io import build_problem
-from planner.reference_cases import reference_problems
+from xmesh_plan.planner.compile import compile_plan
+from xmesh_plan.planner.problem_io import build_problem
+from xmesh_plan.planner.reference_cases import reference_problems
 
 # Subprocesses the tests start (xmesh-plan, mpiexec ... executor.run) show real tracebacks, not the one-line
 # internal-error report; tests of that report unset it themselves.

@@ -15,9 +15,9 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from planner.cli import main
-from planner.verify import verify_plan
-from schemas.plan import Plan
+from xmesh_plan.planner.cli import main
+from xmesh_plan.planner.verify import verify_plan
+from xmesh_plan.schemas.plan import Plan
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = Path(sys.executable).parent / "xmesh-plan"

@@ -6,10 +6,10 @@ import json
 
 from click.testing import CliRunner
 
-from planner.cli import main
-from planner.compile import compile_plan
-from planner.solvers import SOLVERS
-from schemas import DeviceMesh, Placement, ReshardingProblem
+from xmesh_plan.planner.cli import main
+from xmesh_plan.planner.compile import compile_plan
+from xmesh_plan.planner.solvers import SOLVERS
+from xmesh_plan.schemas import DeviceMesh, Placement, ReshardingProblem
 
 
 def case3() -> ReshardingProblem:

@@ -2,8 +2,8 @@
 
 import sys
 
-from planner.cli_solvers import progress
-from planner.compile import compile_plan
+from xmesh_plan.planner.cli_solvers import progress
+from xmesh_plan.planner.compile import compile_plan
 
 
 def test_compile_reports_each_step_in_order_without_changing_the_plan(case):

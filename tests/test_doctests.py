@@ -8,8 +8,8 @@ import pkgutil
 
 import pytest
 
-import planner
-import schemas
+from xmesh_plan import planner
+from xmesh_plan import schemas
 import xmesh_plan
 
 
@@ -22,7 +22,7 @@ def module_names() -> list[str]:
 
 
 # Modules whose docstrings document a format with examples (STYLE rule 8): they must keep them.
-MUST_HAVE_EXAMPLES = ["schemas.spec", "schemas.geometry", "schemas.dtypes", "planner.problem_io"]
+MUST_HAVE_EXAMPLES = ["xmesh_plan.schemas.spec", "xmesh_plan.schemas.geometry", "xmesh_plan.schemas.dtypes", "xmesh_plan.planner.problem_io"]
 
 
 @pytest.mark.parametrize("name", module_names())

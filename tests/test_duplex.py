@@ -12,11 +12,11 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from planner.compile import TaskOptions, compile_plan, task_options
-from planner.problem_io import build_problem
-from planner.strategies import PlannedOp
-from planner.unit_tasks import decompose
-from schemas import Cluster, ReshardingProblem
+from xmesh_plan.planner.compile import TaskOptions, compile_plan, task_options
+from xmesh_plan.planner.problem_io import build_problem
+from xmesh_plan.planner.strategies import PlannedOp
+from xmesh_plan.planner.unit_tasks import decompose
+from xmesh_plan.schemas import Cluster, ReshardingProblem
 from test_properties import SETTINGS, spec_for
 
 REL_TOLERANCE = 0.01  # the simulator may differ from the cost model by a hair (seen: 0.06% on a ring); the old model lost up to 2x

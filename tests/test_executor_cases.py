@@ -9,8 +9,8 @@ from pathlib import Path
 
 import numpy as np
 
-from planner.compile import compile_plan
-from schemas import Cluster, DeviceMesh, Placement, Plan, ReshardingProblem
+from xmesh_plan.planner.compile import compile_plan
+from xmesh_plan.schemas import Cluster, DeviceMesh, Placement, Plan, ReshardingProblem
 
 DEVICES = 8
 STRATEGIES = ("broadcast", "send_recv", "local_allgather", "global_allgather")

@@ -20,11 +20,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from executor import ExecutorError, PeerTimeoutError, PlanMismatchError
-from executor.arrays import storage_dtype
-from executor.lower import lower
-from executor.pattern import fill, mismatches
-from executor.ranks import plan_devices, rank_of_devices
+from xmesh_plan.executor import ExecutorError, PeerTimeoutError, PlanMismatchError
+from xmesh_plan.executor.arrays import storage_dtype
+from xmesh_plan.executor.lower import lower
+from xmesh_plan.executor.pattern import fill, mismatches
+from xmesh_plan.executor.ranks import plan_devices, rank_of_devices
 from test_executor_cases import STRATEGIES, all_fixed_plans, compiled, problem, random_problem, write_plans
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -48,7 +48,7 @@ needs_gpu = [pytest.mark.gpu, pytest.mark.skipif(GPU_REASON is not None, reason=
 
 def _run(n: int, *args: str) -> subprocess.CompletedProcess:
     env = dict(os.environ, MPIR_CVAR_ENABLE_HEAVY_YIELD="1", PYTHONPATH=str(ROOT))
-    cmd = [str(Path(sys.executable).parent / "mpiexec"), "-n", str(n), sys.executable, "-m", "executor.run", *args]
+    cmd = [str(Path(sys.executable).parent / "mpiexec"), "-n", str(n), sys.executable, "-m", "xmesh_plan.executor.run", *args]
     return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
 
 
@@ -553,7 +553,7 @@ RAW_VIEW = {np.dtype(np.uint16): np.int16, np.dtype(np.uint8): np.int8}  # how a
 
 
 def _engines(plan, gpu, timeout_s: float = 5.0):
-    from executor.nccl_engine import NcclEngine
+    from xmesh_plan.executor.nccl_engine import NcclEngine
 
     mail, rank_of, dtype = defaultdict(deque), rank_of_devices(plan), storage_dtype(plan.problem.dtype)
     engines = []
@@ -621,8 +621,7 @@ def test_engine_on_fake_cupy_random_cases(seed, monkeypatch):
 
 def test_calls_longer_than_the_limit_are_split_the_same_on_every_rank(monkeypatch):
     """CuPy < 13 declares `int count`: the engine cuts calls to MAX_CALL_BYTES (here 8 B; the fake refuses more)."""
-    import executor.nccl_plan as nccl_plan
-
+    import xmesh_plan.executor.nccl_plan as nccl_plan
     monkeypatch.setattr(nccl_plan, "MAX_CALL_BYTES", 8)
     gpu = FakeGpu(api=13, max_count=9).install(monkeypatch)
     plan = all_fixed_plans()[2]
@@ -751,7 +750,7 @@ def test_a_shard_on_another_gpu_is_refused(monkeypatch):
 
 
 def test_unique_id_forms_round_trip():
-    from executor.nccl_engine import unique_id_bytes, unique_id_forms
+    from xmesh_plan.executor.nccl_engine import unique_id_bytes, unique_id_forms
 
     raw = np.arange(128, dtype=np.int64) * 2 % 256
     for uid in (raw.astype(np.uint8).tobytes(), tuple(int(x) for x in raw.astype(np.uint8).view(np.int8)), tuple(int(x) for x in raw)):
@@ -764,7 +763,7 @@ def test_unique_id_forms_round_trip():
 def test_nccl_plan_docstring_examples_hold():
     import doctest
 
-    import executor.nccl_plan
+    import xmesh_plan.executor.nccl_plan as nccl_plan
 
-    result = doctest.testmod(executor.nccl_plan)
+    result = doctest.testmod(nccl_plan)
     assert result.attempted > 0 and result.failed == 0

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from schemas import load_plan
+from xmesh_plan.schemas import load_plan
 from test_executor_cases import DEVICES, all_fixed_plans, compiled, fixed_problems, random_problem, with_chunks, write_plans
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -51,7 +51,7 @@ def test_reference_plans_scaled_check_bit_exact(ranks):
     if not all(p.exists() for p in paths):
         pytest.skip("reference plans not compiled yet; run `make plans`")
     assert all(len(set(load_plan(p).problem.src.mesh.devices) | set(load_plan(p).problem.dst.mesh.devices)) == ranks for p in paths)
-    result = mpiexec(ranks, "-m", "executor.run", *map(str, paths), "--check", "--max-mb", "1", "--iters", "2", "--warmup", "0")
+    result = mpiexec(ranks, "-m", "xmesh_plan.executor.run", *map(str, paths), "--check", "--max-mb", "1", "--iters", "2", "--warmup", "0")
     assert result.returncode == 0, result.stderr[-3000:]
     lines = [l for l in result.stdout.splitlines() if "check ok" in l]
     assert len(lines) == len(paths), result.stdout
@@ -127,7 +127,7 @@ def test_a_failure_on_one_rank_ends_the_demo(small_plan, mode, failure, status):
 
 
 def test_the_demo_help_shows_the_launch_command_the_docs_show():
-    help_text = subprocess.run([sys.executable, "-m", "executor.run", "--help"], cwd=ROOT, capture_output=True, text=True,
+    help_text = subprocess.run([sys.executable, "-m", "xmesh_plan.executor.run", "--help"], cwd=ROOT, capture_output=True, text=True,
                                env=dict(os.environ, PYTHONPATH=str(ROOT)), timeout=60).stdout
     launch = re.search(r"^  (mpiexec .*)$", help_text, re.M)
     assert launch and "-disable-auto-cleanup" in launch.group(1), help_text
@@ -162,7 +162,7 @@ def test_two_executors_each_run_by_its_own_thread(tmp_path):
 
 
 def test_a_plan_for_another_world_size_is_refused(small_plan):
-    result = mpiexec(3, "-m", "executor.run", small_plan, "--check")
+    result = mpiexec(3, "-m", "xmesh_plan.executor.run", small_plan, "--check")
     assert result.returncode == 2
     assert f"run with mpiexec -n {DEVICES}" in result.stderr and "this MPI world has 3 ranks" in result.stderr
     assert result.stderr.count("error:") == 1, "only rank 0 reports an error every rank shares"
@@ -188,7 +188,7 @@ def test_demo_errors_shared_by_every_rank_print_once_and_exit_2_everywhere(flags
     plan = PLANS / "one_to_1x1.plan.json"
     if not plan.exists():
         pytest.skip("reference plans not compiled yet; run `make plans`")
-    result = mpiexec(2, "-m", "executor.run", str(plan), "--check", *flags)
+    result = mpiexec(2, "-m", "xmesh_plan.executor.run", str(plan), "--check", *flags)
     assert result.returncode == 2, result.stdout + result.stderr
     assert "Traceback" not in result.stderr and "check ok" not in result.stdout
     assert result.stderr.strip().splitlines() == [result.stderr.strip()] and expect in result.stderr, result.stderr

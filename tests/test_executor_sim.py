@@ -14,13 +14,13 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from executor.arrays import storage_dtype
-from executor.errors import ExecutorError, PeerTimeoutError
-from executor.lower import lower
-from executor.mpi_engine import MpiEngine
-from executor.pattern import fill, mismatches
-from executor.ranks import plan_devices, rank_of_devices
-from planner.verify import verify_plan
+from xmesh_plan.executor.arrays import storage_dtype
+from xmesh_plan.executor.errors import ExecutorError, PeerTimeoutError
+from xmesh_plan.executor.lower import lower
+from xmesh_plan.executor.mpi_engine import MpiEngine
+from xmesh_plan.executor.pattern import fill, mismatches
+from xmesh_plan.executor.ranks import plan_devices, rank_of_devices
+from xmesh_plan.planner.verify import verify_plan
 from test_executor_cases import STRATEGIES, all_fixed_plans, compiled, fixed_problems, random_problem
 from test_executor_worker import next_source
 
@@ -231,7 +231,7 @@ class _WorldComm(FakeComm):
 
 def _executor_on(world: FakeWorld, plan, device: int, timeout_s: float):
     """A ReshardingExecutor for `device` over the fake MPI, set up without prepare()."""
-    from executor import ReshardingExecutor
+    from xmesh_plan.executor import ReshardingExecutor
 
     rank = rank_of_devices(plan)[device]
     ex = ReshardingExecutor(plan, _WorldComm(world, rank))
@@ -258,7 +258,7 @@ def test_close_while_a_reshard_is_in_flight_finishes_it_when_the_peers_do():
 
 
 def test_close_while_a_reshard_is_in_flight_abandons_it_when_it_cannot_finish():
-    from executor import ExecutorError
+    from xmesh_plan.executor import ExecutorError
 
     plan = compiled(fixed_problems()[0], "send_recv")
     ex = _executor_on(FakeWorld(), plan, 5, 0.2)

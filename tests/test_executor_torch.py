@@ -16,8 +16,8 @@ from pathlib import Path
 
 import pytest
 
-from executor.scale import factors_for, scale_plan
-from schemas import load_plan
+from xmesh_plan.executor.scale import factors_for, scale_plan
+from xmesh_plan.schemas import load_plan
 from test_executor_cases import DEVICES, all_fixed_plans, compiled, fixed_problems, random_problem, write_plans
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -121,7 +121,7 @@ def test_a_dead_rank_ends_every_other_rank_within_the_deadline(tmp_path):
 def test_the_documented_torchrun_command_works(tmp_path):
     plan = small([compiled(fixed_problems()[1], "global_allgather")])[0]
     path = write_plans(tmp_path, [plan])[0]
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(DEVICES), "-m", "executor.torch_run", path,
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(DEVICES), "-m", "xmesh_plan.executor.torch_run", path,
            "--check", "--iters", "2", "--max-mb", "1"]
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     result = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=LAUNCH_TIMEOUT_S)

@@ -11,19 +11,19 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from executor import BackendUnavailableError, PlanMismatchError, ReshardingExecutor
-from executor.arrays import as_host_array, check_shard, storage_dtype
-from executor.lower import chunk_ranges, contiguous_span, lower, tags_used
-from executor.nccl_plan import Bcast, Copy, communicator_groups, nccl_program
-from executor.pattern import fill, mismatches
-from executor.ranks import device_of_rank, plan_devices
-from executor.scale import factors_for, scale_plan
-from planner.verify import PlanError, verify_plan
-from schemas import load_plan
-from schemas.geometry import intersect, region_shape
+from xmesh_plan.executor import BackendUnavailableError, PlanMismatchError, ReshardingExecutor
+from xmesh_plan.executor.arrays import as_host_array, check_shard, storage_dtype
+from xmesh_plan.executor.lower import chunk_ranges, contiguous_span, lower, tags_used
+from xmesh_plan.executor.nccl_plan import Bcast, Copy, communicator_groups, nccl_program
+from xmesh_plan.executor.pattern import fill, mismatches
+from xmesh_plan.executor.ranks import device_of_rank, plan_devices
+from xmesh_plan.executor.scale import factors_for, scale_plan
+from xmesh_plan.planner.verify import PlanError, verify_plan
+from xmesh_plan.schemas import load_plan
+from xmesh_plan.schemas.geometry import intersect, region_shape
 from test_executor_cases import STRATEGIES, all_fixed_plans, compiled, fixed_problems, random_problem
 
-MODULES = ["executor.lower", "executor.ranks", "executor.pattern", "executor.scale", "executor.engines"]
+MODULES = ["xmesh_plan.executor.lower", "xmesh_plan.executor.ranks", "xmesh_plan.executor.pattern", "xmesh_plan.executor.scale", "xmesh_plan.executor.engines"]
 
 
 @pytest.mark.parametrize("name", MODULES)
@@ -228,7 +228,7 @@ def test_executor_with_good_arguments_is_made_without_mpi_calls():
     (["--iters", "x"], "argument --iters: invalid int value"),
 ])
 def test_demo_refuses_every_bad_numeric_flag_in_one_line(flags, expect):
-    from executor.run import UsageError, _arguments
+    from xmesh_plan.executor.run import UsageError, _arguments
 
     with pytest.raises(UsageError) as err:
         _arguments(["plans/case1.plan.json", *flags])
@@ -237,7 +237,7 @@ def test_demo_refuses_every_bad_numeric_flag_in_one_line(flags, expect):
 
 
 def test_demo_accepts_the_documented_flags():
-    from executor.run import _arguments
+    from xmesh_plan.executor.run import _arguments
 
     args = _arguments(["plans/case1.plan.json", "--max-mb", "0.5", "--timeout", "2", "--scale", "4x4x2", "--iters", "1", "--warmup", "0"])
     assert args.scale == (4, 4, 2) and args.max_mb == 0.5 and args.timeout == 2.0
@@ -370,7 +370,7 @@ def test_communicator_groups_are_ordered_by_first_use_the_same_on_every_member()
 
 
 def test_nccl_backend_without_cupy_says_what_to_install():
-    from executor.nccl_engine import NcclEngine
+    from xmesh_plan.executor.nccl_engine import NcclEngine
 
     try:
         import cupy  # noqa: F401
@@ -385,7 +385,7 @@ def test_nccl_backend_without_cupy_says_what_to_install():
 
 def test_written_box_index_finds_exactly_the_overlapping_boxes():
     """The vectorised overlap search in lowering agrees with a plain loop of `intersect`, empty boxes included."""
-    from executor.lower import _Writes
+    from xmesh_plan.executor.lower import _Writes
 
     rng = np.random.default_rng(0)
     for ndim in (1, 2, 3):

@@ -50,9 +50,9 @@ def as_torch(shard, plan_dtype: str):
 
 
 def check(comm, paths: list[str], modes: tuple[str, ...] = ("run", "overlap", "dlpack")) -> None:
-    from executor import ReshardingExecutor
-    from executor.pattern import fill, mismatches
-    from schemas import load_plan
+    from xmesh_plan.executor import ReshardingExecutor
+    from xmesh_plan.executor.pattern import fill, mismatches
+    from xmesh_plan.schemas import load_plan
 
     for path in paths:
         plan = load_plan(path)
@@ -98,9 +98,9 @@ def next_source(shard, data, iteration: int):
 
 def iterations(comm, paths: list[str], count: int = 7) -> None:
     """Each iteration moves different bits (run() and start/test/wait alternately); every destination shard is checked every time."""
-    from executor import ReshardingExecutor
-    from executor.pattern import fill, mismatches
-    from schemas import load_plan
+    from xmesh_plan.executor import ReshardingExecutor
+    from xmesh_plan.executor.pattern import fill, mismatches
+    from xmesh_plan.schemas import load_plan
 
     for path in paths:
         plan = load_plan(path)
@@ -131,9 +131,9 @@ def iterations(comm, paths: list[str], count: int = 7) -> None:
 
 def die(comm, path: str) -> None:
     """Rank 1 leaves after two good iterations; the others must time out naming it."""
-    from executor import ReshardingExecutor
-    from executor.pattern import fill
-    from schemas import load_plan
+    from xmesh_plan.executor import ReshardingExecutor
+    from xmesh_plan.executor.pattern import fill
+    from xmesh_plan.schemas import load_plan
 
     plan = load_plan(path)
     ex = ReshardingExecutor(plan, comm, timeout_s=3).prepare()
@@ -143,17 +143,17 @@ def die(comm, path: str) -> None:
             print("rank 1: exiting on purpose", file=sys.stderr, flush=True)
             os._exit(0)
         ex.run(shard)
-    from executor.executor import DEFAULT_POLL_S, poll
+    from xmesh_plan.executor.executor import DEFAULT_POLL_S, poll
 
     poll(comm.Ibarrier(), 3, DEFAULT_POLL_S, "the final barrier")  # ranks that never talked to rank 1 notice here
 
 
 def demo_die(path: str) -> int:
-    """The demo (`python -m executor.run --timeout 2`) with rank 1 leaving during its third run()."""
+    """The demo (`python -m xmesh_plan.executor.run --timeout 2`) with rank 1 leaving during its third run()."""
     from mpi4py import MPI
 
-    from executor import ReshardingExecutor
-    from executor import run as demo
+    from xmesh_plan.executor import ReshardingExecutor
+    from xmesh_plan.executor import run as demo
 
     original, calls = ReshardingExecutor.run, [0]
 
@@ -171,8 +171,8 @@ def demo_failing(path: str, method: str, call: int, error: Exception) -> int:
     """The demo (`--timeout 2`) with rank 1's `call`-th ReshardingExecutor.`method` raising `error`."""
     from mpi4py import MPI
 
-    from executor import ReshardingExecutor
-    from executor import run as demo
+    from xmesh_plan.executor import ReshardingExecutor
+    from xmesh_plan.executor import run as demo
 
     original, calls = getattr(ReshardingExecutor, method), [0]
 
@@ -195,9 +195,9 @@ def interrupt(comm, path: str) -> None:
     to run with a one-line ExecutorError (not start active MPI requests again), and close() must work."""
     from mpi4py import MPI
 
-    from executor import ExecutorError, ReshardingExecutor
-    from executor.pattern import fill
-    from schemas import load_plan
+    from xmesh_plan.executor import ExecutorError, ReshardingExecutor
+    from xmesh_plan.executor.pattern import fill
+    from xmesh_plan.schemas import load_plan
 
     plan = load_plan(path)
     ex = ReshardingExecutor(plan, comm, timeout_s=20).prepare()
@@ -240,9 +240,9 @@ def interrupt(comm, path: str) -> None:
 def cross_wait(comm, paths: list[str]) -> None:
     """Two executors in flight whose plans relay in opposite directions; even ranks wait for the first one first,
     odd ranks for the second. Each wait must drive the other reshard's relays, or neighbours wait on each other."""
-    from executor import ReshardingExecutor
-    from executor.pattern import fill, mismatches
-    from schemas import load_plan
+    from xmesh_plan.executor import ReshardingExecutor
+    from xmesh_plan.executor.pattern import fill, mismatches
+    from xmesh_plan.schemas import load_plan
 
     plans = [load_plan(path) for path in paths]
     executors = [ReshardingExecutor(plan, comm, timeout_s=5).prepare() for plan in plans]
@@ -270,9 +270,9 @@ def threads(comm, path: str, iterations: int = 100) -> None:
 
     from mpi4py import MPI
 
-    from executor import ReshardingExecutor
-    from executor.pattern import fill, mismatches
-    from schemas import load_plan
+    from xmesh_plan.executor import ReshardingExecutor
+    from xmesh_plan.executor.pattern import fill, mismatches
+    from xmesh_plan.schemas import load_plan
 
     assert MPI.Query_thread() == MPI.THREAD_MULTIPLE, "mpi4py asks for MPI_THREAD_MULTIPLE by default"
     plan = load_plan(path)
@@ -307,8 +307,8 @@ def threads(comm, path: str, iterations: int = 100) -> None:
 
 
 def other_plan(comm, paths: list[str]) -> None:
-    from executor import ReshardingExecutor
-    from schemas import load_plan
+    from xmesh_plan.executor import ReshardingExecutor
+    from xmesh_plan.schemas import load_plan
 
     odd = int(paths[2]) if len(paths) > 2 else 1
     plan = load_plan(paths[1] if comm.Get_rank() == odd else paths[0])
@@ -318,7 +318,7 @@ def other_plan(comm, paths: list[str]) -> None:
 def main() -> int:
     from mpi4py import MPI
 
-    from executor import ExecutorError
+    from xmesh_plan.executor import ExecutorError
 
     comm = MPI.COMM_WORLD
     mode, paths = sys.argv[1], sys.argv[2:]

@@ -21,9 +21,9 @@ from torch.distributed.tensor.placement_types import _StridedShard
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from conftest import compile_fast
-from planner.verify import verify_plan
-from schemas import Layout, ShardingSpec
-from schemas.spec import DimSharding
+from xmesh_plan.planner.verify import verify_plan
+from xmesh_plan.schemas import Layout, ShardingSpec
+from xmesh_plan.schemas.spec import DimSharding
 from xmesh_plan import FrontendError, problem_from_dtensor
 
 WORLD = 64

@@ -14,7 +14,7 @@ import pytest
 from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding, PartitionSpec as P, SingleDeviceSharding
 
 from conftest import compile_fast
-from planner.verify import verify_plan
+from xmesh_plan.planner.verify import verify_plan
 from xmesh_plan import FrontendError, problem_from_shardings
 
 CASES = 300

@@ -10,9 +10,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from schemas.geometry import (Layout, intersect, local_slices, region_shape, region_size, shard_boundaries,
+from xmesh_plan.schemas.geometry import (Layout, intersect, local_slices, region_shape, region_size, shard_boundaries,
                               shard_interval, split_region)
-from schemas.spec import ShardingSpec
+from xmesh_plan.schemas.spec import ShardingSpec
 
 
 @pytest.mark.parametrize("length, shards, expected", [

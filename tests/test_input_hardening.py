@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from planner import cli
-from planner.cli import main
+from xmesh_plan.planner import cli
+from xmesh_plan.planner.cli import main
 
 DEBUG_ENV = "XMESH_PLAN_DEBUG"  # the documented name (schemas/last_resort.py)
 
@@ -194,11 +194,11 @@ def test_the_console_script_reports_an_internal_error_in_one_line(tmp_path):
 
 
 def test_the_executor_demo_reports_an_internal_error_in_one_line(tmp_path):
-    """`python -m executor.run`, with reading the plan made to fail unexpectedly."""
+    """`python -m xmesh_plan.executor.run`, with reading the plan made to fail unexpectedly."""
     (tmp_path / "sitecustomize.py").write_text("import schemas\nschemas.read_plan_file = lambda *a, **k: 1 / 0\n")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), str(ROOT)])}
     env.pop(DEBUG_ENV, None)
-    result = subprocess.run([sys.executable, "-m", "executor.run", str(CASE3_PLAN)], capture_output=True, text=True,
+    result = subprocess.run([sys.executable, "-m", "xmesh_plan.executor.run", str(CASE3_PLAN)], capture_output=True, text=True,
                             env=env, timeout=120, cwd=ROOT)
     assert result.returncode == 1, result.stderr
     assert result.stderr.startswith("rank 0: internal error: ZeroDivisionError"), result.stderr
@@ -210,7 +210,7 @@ def test_the_executor_demo_reports_an_internal_error_in_one_line(tmp_path):
 
 @pytest.mark.parametrize("timeout_s", [float("inf"), float("nan"), 0, -1, 1e300, True])
 def test_pipeline_runner_refuses_a_timeout_that_is_not_finite(timeout_s):
-    from executor.pipeline_runner import PipelineRunner, pipeline_executors
+    from xmesh_plan.executor.pipeline_runner import PipelineRunner, pipeline_executors
 
     with pytest.raises(ValueError, match="timeout_s=.* must be a finite number of seconds"):
         PipelineRunner(None, None, {}, 0, timeout_s=timeout_s)

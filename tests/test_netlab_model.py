@@ -14,8 +14,8 @@ from bench.netlab.counters import HostBytes, LinkBytes, predicted_links, within 
 from bench.netlab.launch import ranks_per_host  # noqa: E402
 from bench.netlab.predict import at_rate, predictions  # noqa: E402
 from bench.netlab.run_plan import scaled  # noqa: E402
-from planner.baselines import baseline_seconds  # noqa: E402
-from planner.verify import verify_plan  # noqa: E402
+from xmesh_plan.planner.baselines import baseline_seconds  # noqa: E402
+from xmesh_plan.planner.verify import verify_plan  # noqa: E402
 
 
 @pytest.mark.parametrize("name", ["alpa-send-recv", "alpa-allgather"])

@@ -9,11 +9,11 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from planner.cli import main
-from planner.compile import compile_plan
-from planner.pipeline.io import load_pipeline
-from planner.solvers import SOLVERS
-from planner.strategies import STRATEGIES
+from xmesh_plan.planner.cli import main
+from xmesh_plan.planner.compile import compile_plan
+from xmesh_plan.planner.pipeline.io import load_pipeline
+from xmesh_plan.planner.solvers import SOLVERS
+from xmesh_plan.planner.strategies import STRATEGIES
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -199,9 +199,9 @@ def test_gantt_numbers_forward_boxes_fits_the_title_and_names_the_backward_drawn
     pytest.importorskip("matplotlib")
     import matplotlib.pyplot as plt
 
-    from planner.pipeline.build import build_schedule
-    from planner.pipeline.gantt import ROW, Rows, gantt_figure
-    from planner.pipeline.simulate import evaluate
+    from xmesh_plan.planner.pipeline.build import build_schedule
+    from xmesh_plan.planner.pipeline.gantt import ROW, Rows, gantt_figure
+    from xmesh_plan.planner.pipeline.simulate import evaluate
 
     data = json.loads(json.dumps(PIPELINE))
     for stage in data["stages"]:  # forwards far shorter than backwards, as in the paper's models
@@ -234,6 +234,6 @@ def test_gantt_numbers_forward_boxes_fits_the_title_and_names_the_backward_drawn
 
 
 def _cheap_costs(pipeline):
-    from schemas.pipeline import TransferCost
+    from xmesh_plan.schemas.pipeline import TransferCost
 
     return tuple(TransferCost(tensor=n, direction=d, seconds=0.0005, nics=(f"{n}:{d}",)) for n, d in pipeline.transfers())

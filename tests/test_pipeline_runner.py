@@ -14,12 +14,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from executor.examples.pipeline_mlp import MlpStage, data, init, make_problem, reference_step
-from executor.pipeline_runner import PipelineRunner
-from executor.errors import ExecutorError
-from planner.pipeline.build import build_schedule
-from planner.pipeline.schedules import SCHEDULE_NAMES
-from schemas.pipeline import TransferCost
+from xmesh_plan.executor.examples.pipeline_mlp import MlpStage, data, init, make_problem, reference_step
+from xmesh_plan.executor.pipeline_runner import PipelineRunner
+from xmesh_plan.executor.errors import ExecutorError
+from xmesh_plan.planner.pipeline.build import build_schedule
+from xmesh_plan.planner.pipeline.schedules import SCHEDULE_NAMES
+from xmesh_plan.schemas.pipeline import TransferCost
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -111,7 +111,7 @@ def mpirun(tmp_path, ranks: int, inputs_args: list[str], steps: str) -> subproce
     made = subprocess.run([python, "bench/pipeline_mlp_inputs.py", *inputs_args, "-o", inputs], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=300)
     assert made.returncode == 0, made.stdout + made.stderr
-    command = [str(ROOT / ".venv/bin/mpiexec"), "-n", str(ranks), python, "-m", "executor.examples.pipeline_mlp", inputs,
+    command = [str(ROOT / ".venv/bin/mpiexec"), "-n", str(ranks), python, "-m", "xmesh_plan.executor.examples.pipeline_mlp", inputs,
                "--steps", steps]
     # generous: a passing run takes seconds, but oversubscribed ranks on a loaded 2-core machine can take minutes
     return subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 
-from planner.pipeline.actions import Action, format_actions, parse_actions
-from planner.pipeline.schedules import SCHEDULE_NAMES, eager_one_f_one_b, one_f_one_b, split_backward, stage_actions
-from planner.pipeline.validate import ScheduleError, validate
-from schemas.pipeline import PipelineProblem
-from schemas.problem import DeviceMesh
+from xmesh_plan.planner.pipeline.actions import Action, format_actions, parse_actions
+from xmesh_plan.planner.pipeline.schedules import SCHEDULE_NAMES, eager_one_f_one_b, one_f_one_b, split_backward, stage_actions
+from xmesh_plan.planner.pipeline.validate import ScheduleError, validate
+from xmesh_plan.schemas.pipeline import PipelineProblem
+from xmesh_plan.schemas.problem import DeviceMesh
 
 
 def unet(stages: int = 4, micro_batches: int = 6) -> PipelineProblem:

@@ -6,13 +6,13 @@ import json
 
 import pytest
 
-from planner.pipeline.build import build_schedule
-from planner.pipeline.costs import signal_costs
-from planner.pipeline.schedules import stage_actions
-from planner.pipeline.simulate import evaluate, peak_in_flight, simulate
-from planner.pipeline.trace import trace_json
-from schemas.pipeline import PipelineProblem, PipelineSchedule, TransferCost
-from schemas.problem import DeviceMesh
+from xmesh_plan.planner.pipeline.build import build_schedule
+from xmesh_plan.planner.pipeline.costs import signal_costs
+from xmesh_plan.planner.pipeline.schedules import stage_actions
+from xmesh_plan.planner.pipeline.simulate import evaluate, peak_in_flight, simulate
+from xmesh_plan.planner.pipeline.trace import trace_json
+from xmesh_plan.schemas.pipeline import PipelineProblem, PipelineSchedule, TransferCost
+from xmesh_plan.schemas.problem import DeviceMesh
 
 
 def chain(stages: int, micro_batches: int, forward=1.0, backward=1.0, weight=1.0, skip=False) -> PipelineProblem:
@@ -134,7 +134,7 @@ def test_schedule_and_trace_are_deterministic_and_round_trip():
 
 def test_gantt_png_is_written(tmp_path):
     pytest.importorskip("matplotlib")
-    from planner.pipeline.gantt import draw_gantt
+    from xmesh_plan.planner.pipeline.gantt import draw_gantt
 
     problem = chain(2, 4)
     draw_gantt(evaluate(build_schedule(problem, "eager-1f1b", costs_for(problem, 0.5)))[0], str(tmp_path / "g.png"), "t")

@@ -9,13 +9,13 @@ import json
 import pytest
 from click.testing import CliRunner
 
-from planner.cli import main
-from planner.pipeline.build import build_schedule
-from planner.pipeline.io import build_pipeline
-from planner.pipeline.schedules import SCHEDULE_NAMES
-from planner.pipeline.simulate import schedule_actions
-from planner.pipeline.torch_csv import check_torch_chain, torch_csv
-from schemas.pipeline import TransferCost
+from xmesh_plan.planner.cli import main
+from xmesh_plan.planner.pipeline.build import build_schedule
+from xmesh_plan.planner.pipeline.io import build_pipeline
+from xmesh_plan.planner.pipeline.schedules import SCHEDULE_NAMES
+from xmesh_plan.planner.pipeline.simulate import schedule_actions
+from xmesh_plan.planner.pipeline.torch_csv import check_torch_chain, torch_csv
+from xmesh_plan.schemas.pipeline import TransferCost
 
 schedules = pytest.importorskip("torch.distributed.pipelining.schedules")
 STAGE = {"forward_s": 0.002, "backward_input_s": 0.002, "backward_weight_s": 0.001}
@@ -127,7 +127,7 @@ def test_cli_writes_the_csv_and_refuses_skips_in_one_line(tmp_path):
     assert result.exit_code == 0, result.output
     assert "format='compute_comms'" in result.output
     saved = (tmp_path / "s.json").read_text()
-    from schemas.pipeline import PipelineSchedule
+    from xmesh_plan.schemas.pipeline import PipelineSchedule
 
     assert out.read_bytes() == torch_csv(schedule_actions(PipelineSchedule.from_json(saved)), "compute_comms").encode()
     skipping = {**CHAIN, "tensors": CHAIN["tensors"] + [{"name": "skip", "src_stage": 0, "dst_stage": 2, **TENSOR}]}
@@ -141,7 +141,7 @@ def test_cli_writes_the_csv_and_refuses_skips_in_one_line(tmp_path):
 @pytest.mark.slow
 def test_exported_schedules_train_in_torchs_runtime_with_gloo(tmp_path):
     """Four CPU processes load our CSVs into `_PipelineScheduleRuntime` and match one process's gradients."""
-    from executor.examples.torch_pipeline_csv import run_csvs
+    from xmesh_plan.executor.examples.torch_pipeline_csv import run_csvs
 
     stages = [{"mesh": "1x1", **STAGE} for _ in range(4)]
     tensors = [{"name": f"h{s}", "src_stage": s, "dst_stage": s + 1, **TENSOR} for s in range(3)]

@@ -10,13 +10,13 @@ from pathlib import Path
 
 import pytest
 
-from planner.pipeline.build import build_schedule
-from planner.pipeline.costs import transfer_costs
-from planner.pipeline.io import load_pipeline
-from planner.pipeline.simulate import evaluate
-from planner.pipeline.trace import trace_json
-from schemas.pipeline import PipelineProblem, TransferCost
-from schemas.problem import DeviceMesh
+from xmesh_plan.planner.pipeline.build import build_schedule
+from xmesh_plan.planner.pipeline.costs import transfer_costs
+from xmesh_plan.planner.pipeline.io import load_pipeline
+from xmesh_plan.planner.pipeline.simulate import evaluate
+from xmesh_plan.planner.pipeline.trace import trace_json
+from xmesh_plan.schemas.pipeline import PipelineProblem, TransferCost
+from xmesh_plan.schemas.problem import DeviceMesh
 
 ROOT = Path(__file__).resolve().parents[1]
 EIGHT_STAGES = ROOT / "bench/pipelines/gpt-2.6b-8stage-fp16.json"
@@ -96,7 +96,7 @@ def test_8_stage_gantt_numbers_every_box_and_names_every_transfer_row(eight_stag
     pytest.importorskip("matplotlib")
     import matplotlib.pyplot as plt
 
-    from planner.pipeline.gantt import LANE, ROW, Rows, gantt_figure, lane_name, route_of
+    from xmesh_plan.planner.pipeline.gantt import LANE, ROW, Rows, gantt_figure, lane_name, route_of
 
     timeline = eight_stage_timelines["eager-1f1b-wd"]
     rows = Rows.of(timeline)

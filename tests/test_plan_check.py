@@ -13,13 +13,13 @@ import math
 import pytest
 from click.testing import CliRunner
 
-from executor.errors import PlanMismatchError
-from executor.lower import lower
-from executor.ranks import plan_devices
-from planner.cli import main
-from planner.verify import PlanError, verify_plan
-from schemas import Plan
-from schemas.plan_check import MAX_CHUNKS
+from xmesh_plan.executor.errors import PlanMismatchError
+from xmesh_plan.executor.lower import lower
+from xmesh_plan.executor.ranks import plan_devices
+from xmesh_plan.planner.cli import main
+from xmesh_plan.planner.verify import PlanError, verify_plan
+from xmesh_plan.schemas import Plan
+from xmesh_plan.schemas.plan_check import MAX_CHUNKS
 
 
 @pytest.fixture
@@ -191,7 +191,7 @@ def test_the_tag_budget_is_a_plan_rule_and_the_mpi_limit_an_executor_one(case3, 
     lower(case3, 8)  # no backend limit given: fine
     with pytest.raises(PlanMismatchError, match=f"needs {needed} message tags but this MPI allows tags up to 10"):
         lower(case3, 8, tag_limit=10)
-    monkeypatch.setattr("schemas.plan_check.MAX_TAGS", needed - 1)
+    monkeypatch.setattr("xmesh_plan.schemas.plan_check.MAX_TAGS", needed - 1)
     assert f"the plan needs {needed} message tags" in both_refuse(case3)
 
 

@@ -16,11 +16,11 @@ import random
 import pytest
 from pydantic import ValidationError
 
-from executor.errors import PlanMismatchError
-from executor.lower import lower
-from executor.ranks import plan_devices
-from planner.verify import PlanError, verify_plan
-from schemas import Plan
+from xmesh_plan.executor.errors import PlanMismatchError
+from xmesh_plan.executor.lower import lower
+from xmesh_plan.executor.ranks import plan_devices
+from xmesh_plan.planner.verify import PlanError, verify_plan
+from xmesh_plan.schemas import Plan
 from test_executor_cases import STRATEGIES, compiled, random_problem
 
 MIN_MUTANTS = 1000  # schema-valid mutants per run (the issue asks for at least 1,000)

@@ -16,12 +16,12 @@ import pytest
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
-from planner.compile import compile_plan
-from planner.problem_io import build_problem
-from planner.unit_tasks import decompose
-from planner.verify import verify_plan
-from schemas.geometry import region_size
-from schemas.plan import Plan
+from xmesh_plan.planner.compile import compile_plan
+from xmesh_plan.planner.problem_io import build_problem
+from xmesh_plan.planner.unit_tasks import decompose
+from xmesh_plan.planner.verify import verify_plan
+from xmesh_plan.schemas.geometry import region_size
+from xmesh_plan.schemas.plan import Plan
 
 STRATEGIES = ("broadcast", "send_recv", "local_allgather", "global_allgather", "auto")
 FAST_SOLVER = "greedy"

@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 
-from planner.baselines import BASELINES, alpa_allgather, alpa_send_recv, baseline_seconds
-from planner.compile import compile_plan
-from planner.simulate import Flow, max_min_rates, run_flows, simulate, simulate_plan
-from planner.verify import verify_plan
-from schemas import Cluster, DeviceMesh, Operation, Placement, ReshardingProblem
+from xmesh_plan.planner.baselines import BASELINES, alpa_allgather, alpa_send_recv, baseline_seconds
+from xmesh_plan.planner.compile import compile_plan
+from xmesh_plan.planner.simulate import Flow, max_min_rates, run_flows, simulate, simulate_plan
+from xmesh_plan.planner.verify import verify_plan
+from xmesh_plan.schemas import Cluster, DeviceMesh, Operation, Placement, ReshardingProblem
 
 GBPS10 = 10e9 / 8  # bytes per second of a 10 Gbit/s NIC
 

@@ -9,19 +9,19 @@ from pathlib import Path
 
 import pytest
 
-import planner.scheduling
-from planner.compile import compile_plan, task_options
-from planner.scheduling import Option, Schedule, SchedulingTask, check_schedule, timetable
-from planner.solvers import SOLVERS, solve
-from planner.solvers.auto import solve_auto
-from planner.solvers.bound import schedule_lower_bound
-from planner.solvers.cpsat import run_cpsat
-from planner.solvers.list_backfill import solve_list_backfill
-from planner.solvers.randomized_greedy import solve_randomized_greedy
-from planner.solvers.size import solve_size
-from planner.unit_tasks import decompose
-from planner.verify import verify_plan
-from schemas import DeviceMesh, Placement, ReshardingProblem
+import xmesh_plan.planner.scheduling as scheduling_module
+from xmesh_plan.planner.compile import compile_plan, task_options
+from xmesh_plan.planner.scheduling import Option, Schedule, SchedulingTask, check_schedule, timetable
+from xmesh_plan.planner.solvers import SOLVERS, solve
+from xmesh_plan.planner.solvers.auto import solve_auto
+from xmesh_plan.planner.solvers.bound import schedule_lower_bound
+from xmesh_plan.planner.solvers.cpsat import run_cpsat
+from xmesh_plan.planner.solvers.list_backfill import solve_list_backfill
+from xmesh_plan.planner.solvers.randomized_greedy import solve_randomized_greedy
+from xmesh_plan.planner.solvers.size import solve_size
+from xmesh_plan.planner.unit_tasks import decompose
+from xmesh_plan.planner.verify import verify_plan
+from xmesh_plan.schemas import DeviceMesh, Placement, ReshardingProblem
 
 FAST = ["naive", "size", "greedy", "randomized-greedy", "dfs", "list-backfill"]
 
@@ -142,7 +142,7 @@ def test_unknown_solver_lists_the_valid_names():
 
 def test_scheduling_imports_no_solver():
     """The solvers import `planner.scheduling`'s types, so it must not import them back (no cycle)."""
-    tree = ast.parse(Path(planner.scheduling.__file__).read_text())
+    tree = ast.parse(Path(scheduling_module.__file__).read_text())
     imported = [node.module or "" for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)]
     imported += [alias.name for node in ast.walk(tree) if isinstance(node, ast.Import) for alias in node.names]
     assert not [name for name in imported if "solvers" in name], imported

@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from schemas.spec import DimSharding, ShardingSpec, SpecError
+from xmesh_plan.schemas.spec import DimSharding, ShardingSpec, SpecError
 
 S0RR = ShardingSpec((DimSharding((0,)), DimSharding(()), DimSharding(())))
 

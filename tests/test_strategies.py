@@ -8,11 +8,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from planner.strategies import (MAX_CHUNKS, MIN_CHUNK_BYTES, STRATEGIES, TaskContext, broadcast, get_strategy,
+from xmesh_plan.planner.strategies import (MAX_CHUNKS, MIN_CHUNK_BYTES, STRATEGIES, TaskContext, broadcast, get_strategy,
                                 global_allgather, local_allgather, pipelined_seconds, send_recv)
-from planner.verify import verify_plan
-from schemas import Cluster
-from schemas.geometry import intersect, region_size
+from xmesh_plan.planner.verify import verify_plan
+from xmesh_plan.schemas import Cluster
+from xmesh_plan.schemas.geometry import intersect, region_size
 
 CLUSTER = Cluster()  # the paper's: 4 devices per host, 10 Gbit/s NIC, 800 Gbit/s intra-host, 20 us latency
 NIC = 10e9 / 8
@@ -222,8 +222,8 @@ GIB = 2**30
     ("one_to_4x2", GIB),                  # the one source host must send the 1 GiB at least once
 ])
 def test_lower_bound_is_the_busiest_nic(case, name, busiest_bytes):
-    from planner.bounds import lower_bound
-    from planner.unit_tasks import decompose
+    from xmesh_plan.planner.bounds import lower_bound
+    from xmesh_plan.planner.unit_tasks import decompose
     problem = case(name)
     bound = lower_bound(decompose(problem), problem.cluster, problem.itemsize)
     assert bound.seconds == pytest.approx(busiest_bytes / NIC, rel=1e-12)
@@ -231,8 +231,8 @@ def test_lower_bound_is_the_busiest_nic(case, name, busiest_bytes):
 
 
 def test_lower_bound_when_all_source_hosts_must_share_the_sending(problem):
-    from planner.bounds import lower_bound
-    from planner.unit_tasks import decompose
+    from xmesh_plan.planner.bounds import lower_bound
+    from xmesh_plan.planner.unit_tasks import decompose
     # two source hosts hold everything; four one-device destination hosts each need a quarter
     p = problem((64, 64), "2x4", "R R", "4x1", "S0 R", dtype="int32")
     bound = lower_bound(decompose(p), p.cluster, p.itemsize)
@@ -241,8 +241,8 @@ def test_lower_bound_when_all_source_hosts_must_share_the_sending(problem):
 
 
 def test_lower_bound_inside_one_host_is_the_device_intake(problem):
-    from planner.bounds import lower_bound
-    from planner.unit_tasks import decompose
+    from xmesh_plan.planner.bounds import lower_bound
+    from xmesh_plan.planner.unit_tasks import decompose
     p = problem((8, 8), {"shape": [2], "devices": [0, 1]}, "S0 R", {"shape": [2], "devices": [2, 3]}, "R S0")
     bound = lower_bound(decompose(p), p.cluster, p.itemsize)
     needed = 8 * 4 * p.itemsize  # each destination device needs an 8x4 block and holds none of it

@@ -13,11 +13,11 @@ import pytest
 from click.testing import CliRunner
 from hypothesis import given, settings
 
-from planner.baselines import baseline_seconds
-from planner.cli import main
-from planner.compile import compile_plan
-from planner.problem_io import build_problem
-from planner.unit_tasks import DEFAULT_MAX_TASKS, TooManyTasksError, decompose, task_count_bound
+from xmesh_plan.planner.baselines import baseline_seconds
+from xmesh_plan.planner.cli import main
+from xmesh_plan.planner.compile import compile_plan
+from xmesh_plan.planner.problem_io import build_problem
+from xmesh_plan.planner.unit_tasks import DEFAULT_MAX_TASKS, TooManyTasksError, decompose, task_count_bound
 from test_properties import FAST_SOLVER, SETTINGS, problems
 
 ROOT = Path(__file__).resolve().parents[1]

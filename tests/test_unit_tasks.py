@@ -10,9 +10,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from planner.unit_tasks import cut_points, decompose
-from schemas.geometry import intersect, region_size
-from schemas.plan import format_region
+from xmesh_plan.planner.unit_tasks import cut_points, decompose
+from xmesh_plan.schemas.geometry import intersect, region_size
+from xmesh_plan.schemas.plan import format_region
 
 
 def check_cells(problem, cells):
@@ -156,7 +156,7 @@ def test_merge_does_not_change_what_moves(case, problem):
 
 
 def test_cell_nbytes_and_str():
-    from planner.unit_tasks import Cell
+    from xmesh_plan.planner.unit_tasks import Cell
     cell = Cell(region=((0, 2), (4, 8)), senders=(0, 1), receivers=(8,), local_copies=())
     assert cell.nbytes(4) == 2 * 4 * 4
     assert str(cell) == "[0:2, 4:8] from [0, 1] to [8]"
@@ -166,7 +166,7 @@ def test_cell_nbytes_and_str():
 
 @st.composite
 def small_problems(draw):
-    from planner.problem_io import build_problem
+    from xmesh_plan.planner.problem_io import build_problem
     rank = draw(st.integers(1, 3))
     shape = [draw(st.integers(0, 9)) for _ in range(rank)]
 

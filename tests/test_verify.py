@@ -11,8 +11,8 @@ import random
 
 import pytest
 
-from planner.verify import PlanError, VerifyReport, verify_plan
-from schemas.plan import Plan, format_region
+from xmesh_plan.planner.verify import PlanError, VerifyReport, verify_plan
+from xmesh_plan.schemas.plan import Plan, format_region
 
 BOX = ((0, 512), (0, 512), (0, 512))  # case 3: rows 0:512 go to host 2 (devices 8-11), cols 0:512 live on host 0
 BOX_TEXT = "[0:512, 0:512, 0:512]"

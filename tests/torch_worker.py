@@ -21,11 +21,11 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from executor import ExecutorError, PlanMismatchError, ReshardingExecutor  # noqa: E402
-from executor.arrays import storage_dtype  # noqa: E402
-from executor.pattern import fill  # noqa: E402
-from schemas import Plan, read_plan_file  # noqa: E402
-from schemas.geometry import local_slices  # noqa: E402
+from xmesh_plan.executor import ExecutorError, PlanMismatchError, ReshardingExecutor  # noqa: E402
+from xmesh_plan.executor.arrays import storage_dtype  # noqa: E402
+from xmesh_plan.executor.pattern import fill  # noqa: E402
+from xmesh_plan.schemas import Plan, read_plan_file  # noqa: E402
+from xmesh_plan.schemas.geometry import local_slices  # noqa: E402
 
 TIMEOUT_S = 20.0
 

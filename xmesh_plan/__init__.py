@@ -1,7 +1,9 @@
-"""xmesh-plan's public front ends: a PyTorch DTensor or JAX layout pair -> a `ReshardingProblem` to plan.
+"""xmesh-plan: `xmesh_plan.planner`, `xmesh_plan.executor`, `xmesh_plan.schemas`, and the public front ends.
 
+The front ends turn a PyTorch DTensor or JAX layout pair into a `ReshardingProblem` to plan.
 `problem_from_dtensor` needs torch and `problem_from_shardings` needs jax; each is imported only when
-first used, so `import xmesh_plan` works with either framework alone.
+first used, so `import xmesh_plan` works with either framework alone, and importing the executor
+(`xmesh_plan.executor`) does not load the planner through this package.
 """
 
 from __future__ import annotations
@@ -9,11 +11,9 @@ from __future__ import annotations
 from importlib import import_module
 from typing import Any
 
-from .sides import FrontendError
+_LAZY = {"FrontendError": ".sides", "problem_from_dtensor": ".dtensor", "problem_from_shardings": ".jax_sharding"}
 
-_LAZY = {"problem_from_dtensor": ".dtensor", "problem_from_shardings": ".jax_sharding"}
-
-__all__ = ["FrontendError", *_LAZY]
+__all__ = [*_LAZY]
 
 
 def __getattr__(name: str) -> Any:

@@ -22,8 +22,8 @@ from torch.distributed.device_mesh import DeviceMesh as TorchDeviceMesh
 from torch.distributed.tensor import Partial, Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
-from schemas import Cluster, ReshardingProblem
-from schemas.geometry import shard_interval
+from xmesh_plan.schemas import Cluster, ReshardingProblem
+from xmesh_plan.schemas.geometry import shard_interval
 
 from .sides import FrontendError, Side, build_problem, global_shape
 

@@ -20,8 +20,8 @@ from collections.abc import Sequence
 
 from jax.sharding import AbstractMesh, NamedSharding, PartitionSpec
 
-from planner.problem_io import InputError, hosts_used, place_mesh
-from schemas import Cluster, ReshardingProblem
+from xmesh_plan.planner.problem_io import InputError, hosts_used, place_mesh
+from xmesh_plan.schemas import Cluster, ReshardingProblem
 
 from .sides import FrontendError, Side, build_problem, global_shape
 

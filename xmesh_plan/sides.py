@@ -18,11 +18,11 @@ from dataclasses import dataclass
 
 from pydantic import ValidationError
 
-from planner.problem_io import InputError
-from schemas import Cluster, DeviceMesh, Placement, ReshardingProblem
-from schemas.dtypes import DTYPE_SIZES, canonical_dtype
-from schemas.spec import DimSharding, ShardingSpec
-from schemas.validation import describe_validation_error
+from xmesh_plan.planner.problem_io import InputError
+from xmesh_plan.schemas import Cluster, DeviceMesh, Placement, ReshardingProblem
+from xmesh_plan.schemas.dtypes import DTYPE_SIZES, canonical_dtype
+from xmesh_plan.schemas.spec import DimSharding, ShardingSpec
+from xmesh_plan.schemas.validation import describe_validation_error
 
 
 class FrontendError(InputError):

@@ -11,7 +11,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from schemas import PlanFileError, read_plan_file
+from xmesh_plan.schemas import PlanFileError, read_plan_file
 
 from .run_plan import RunOptions, RunResult, run_plans
 from .testbed import LinkShape, TestbedError, clean_stale, unavailable_reason

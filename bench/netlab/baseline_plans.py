@@ -8,12 +8,12 @@ order. The result passes `verify_plan`, so the executor's lowering accepts it.
 
 from __future__ import annotations
 
-from planner.baselines import BASELINES
-from planner.bounds import lower_bound
-from planner.simulate import simulate
-from planner.unit_tasks import decompose
-from schemas import Operation, Plan, ReshardingProblem, SolverInfo, UnitTask
-from schemas.geometry import region_size
+from xmesh_plan.planner.baselines import BASELINES
+from xmesh_plan.planner.bounds import lower_bound
+from xmesh_plan.planner.simulate import simulate
+from xmesh_plan.planner.unit_tasks import decompose
+from xmesh_plan.schemas import Operation, Plan, ReshardingProblem, SolverInfo, UnitTask
+from xmesh_plan.schemas.geometry import region_size
 
 STRATEGY_OF = {"alpa-send-recv": "send_recv", "alpa-allgather": "local_allgather"}
 

@@ -12,8 +12,8 @@ import json
 import subprocess
 from dataclasses import dataclass
 
-from planner.inspect_plan import plan_loads
-from schemas import Plan
+from xmesh_plan.planner.inspect_plan import plan_loads
+from xmesh_plan.schemas import Plan
 
 from .launch import plan_hosts
 from .testbed import IP, Testbed, TestbedError

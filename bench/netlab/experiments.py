@@ -20,9 +20,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from report import replace_section, write_json  # noqa: E402
-from planner.compile import compile_plan  # noqa: E402
-from planner.problem_io import build_problem  # noqa: E402
-from planner.reference_cases import reference_problems  # noqa: E402
+from xmesh_plan.planner.compile import compile_plan  # noqa: E402
+from xmesh_plan.planner.problem_io import build_problem  # noqa: E402
+from xmesh_plan.planner.reference_cases import reference_problems  # noqa: E402
 
 from .baseline_plans import baseline_plan  # noqa: E402
 from .predict import at_rate, predictions  # noqa: E402

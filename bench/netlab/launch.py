@@ -1,4 +1,4 @@
-"""Run `python -m executor.run` with each host's ranks inside that host's namespace.
+"""Run `python -m xmesh_plan.executor.run` with each host's ranks inside that host's namespace.
 
 One Hydra proxy per host namespace: mpiexec runs in the bridge namespace and "logs in" to host
 `h<i>` through a launcher script that runs the proxy under `ip netns exec <run>-h<i>`, so ranks of
@@ -19,8 +19,8 @@ from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
-from executor.ranks import plan_devices
-from schemas import Plan
+from xmesh_plan.executor.ranks import plan_devices
+from xmesh_plan.schemas import Plan
 
 from .testbed import IP, Testbed, kill_processes
 

@@ -10,10 +10,10 @@ Three ways to queue the same operations (the simulator's flows, fluid max-min sh
 
 from __future__ import annotations
 
-from planner.bounds import lower_bound
-from planner.simulate import _Lowering, nic_assignment, run_flows, simulate
-from planner.unit_tasks import decompose
-from schemas import Nic, Operation, Plan, ReshardingProblem
+from xmesh_plan.planner.bounds import lower_bound
+from xmesh_plan.planner.simulate import _Lowering, nic_assignment, run_flows, simulate
+from xmesh_plan.planner.unit_tasks import decompose
+from xmesh_plan.schemas import Nic, Operation, Plan, ReshardingProblem
 
 
 def at_rate(problem: ReshardingProblem, rate_mbit: float) -> ReshardingProblem:

@@ -12,10 +12,10 @@ import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from executor.run import bytes_moved
-from executor.scale import factors_for, scale_plan
-from schemas import Plan
-from schemas.plan import write_atomic
+from xmesh_plan.executor.run import bytes_moved
+from xmesh_plan.executor.scale import factors_for, scale_plan
+from xmesh_plan.schemas import Plan
+from xmesh_plan.schemas.plan import write_atomic
 
 from . import counters
 from .launch import LaunchResult, plan_hosts, ranks_per_host, run_ranks
@@ -71,7 +71,7 @@ def scaled(plan: Plan, max_mb: float) -> Plan:
 
 def _program(paths: list[Path], plan: Plan, opts: RunOptions) -> list[str]:
     ones = ",".join("1" * len(plan.problem.shape))
-    return ["-m", "executor.run", *map(str, paths), "--scale", ones, "--iters", str(opts.iters), "--warmup", str(opts.warmup),
+    return ["-m", "xmesh_plan.executor.run", *map(str, paths), "--scale", ones, "--iters", str(opts.iters), "--warmup", str(opts.warmup),
             "--timeout", f"{opts.rank_timeout_s:g}"] + (["--check"] if opts.check else [])
 
 

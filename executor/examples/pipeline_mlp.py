@@ -10,7 +10,7 @@ The executor never imports the planner: `bench/pipeline_mlp_inputs.py` plans the
 writes every schedule into a folder first, and this script reads that folder.
 
     python bench/pipeline_mlp_inputs.py --meshes 2,1,1,2 --skip -o mlp-inputs
-    mpiexec -n 6 python -m executor.examples.pipeline_mlp mlp-inputs --steps 3
+    mpiexec -n 6 python -m xmesh_plan.executor.examples.pipeline_mlp mlp-inputs --steps 3
 """
 
 from __future__ import annotations
@@ -22,9 +22,9 @@ from pathlib import Path
 
 import numpy as np
 
-from schemas import Plan, load_plan
-from schemas.geometry import shard_interval
-from schemas.pipeline import PipelineProblem, PipelineSchedule
+from xmesh_plan.schemas import Plan, load_plan
+from xmesh_plan.schemas.geometry import shard_interval
+from xmesh_plan.schemas.pipeline import PipelineProblem, PipelineSchedule
 
 from ..pipeline_runner import PipelineRunner, pipeline_executors, stage_of_device
 

@@ -5,7 +5,7 @@ tanh between), one training step. The parent process checks every stage's gradie
 model run in one process and prints one line; any mismatch or runtime error exits non-zero.
 
     xmesh-plan schedule bench/pipelines/gpt-2.6b-4stage-fp16.json --torch-csv s.csv --torch-format compute_comms
-    python -m executor.examples.torch_pipeline_csv s.csv --format compute_comms --micro-batches 16
+    python -m xmesh_plan.executor.examples.torch_pipeline_csv s.csv --format compute_comms --micro-batches 16
 
 Imports torch only (not the planner); torch's schedule class for a CSV is `_PipelineScheduleRuntime`.
 """

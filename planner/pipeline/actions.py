@@ -4,6 +4,6 @@
 '0SEND_F[h0]3'
 """
 
-from schemas.pipeline import COMM_KINDS, COMPUTE_KINDS, KINDS, Action, format_actions, parse_actions
+from xmesh_plan.schemas.pipeline import COMM_KINDS, COMPUTE_KINDS, KINDS, Action, format_actions, parse_actions
 
 __all__ = ["COMM_KINDS", "COMPUTE_KINDS", "KINDS", "Action", "format_actions", "parse_actions"]

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from schemas.pipeline import PipelineProblem, PipelineSchedule, TransferCost
+from xmesh_plan.schemas.pipeline import PipelineProblem, PipelineSchedule, TransferCost
 
-from planner import __version__
+from xmesh_plan.planner import __version__
 
 from .actions import format_actions
 from .delaying import choose_weight_delay

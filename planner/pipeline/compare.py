@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from schemas.pipeline import PipelineProblem, PipelineSchedule, TransferCost
+from xmesh_plan.schemas.pipeline import PipelineProblem, PipelineSchedule, TransferCost
 
 from .build import build_schedule
 from .costs import signal_costs

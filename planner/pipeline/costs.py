@@ -9,9 +9,9 @@ from __future__ import annotations
 
 from typing import Callable
 
-from schemas.pipeline import PipelineProblem, TransferCost
-from schemas.plan import Plan
-from schemas.problem import ReshardingProblem
+from xmesh_plan.schemas.pipeline import PipelineProblem, TransferCost
+from xmesh_plan.schemas.plan import Plan
+from xmesh_plan.schemas.problem import ReshardingProblem
 
 PlanFn = Callable[[ReshardingProblem], Plan]
 
@@ -25,7 +25,7 @@ def nics_of_plan(plan: Plan) -> tuple[str, ...]:
 def default_plan_fn(strategy: str = "broadcast", solver: str = "auto", seed: int = 0, max_tasks: int | None = None) -> PlanFn:
     """compile_plan with fixed arguments (imported here so the schedule code stays planner-agnostic); `max_tasks`
     None keeps compile_plan's default limit."""
-    from planner.compile import compile_plan
+    from xmesh_plan.planner.compile import compile_plan
 
     limit = {} if max_tasks is None else {"max_tasks": max_tasks}
     return lambda problem: compile_plan(problem, strategy=strategy, solver=solver, seed=seed, **limit)

@@ -7,7 +7,7 @@ it helps.
 
 from __future__ import annotations
 
-from schemas.pipeline import PipelineProblem, TransferCost
+from xmesh_plan.schemas.pipeline import PipelineProblem, TransferCost
 
 from .schedules import stage_actions
 from .simulate import simulate

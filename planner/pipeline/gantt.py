@@ -12,7 +12,7 @@ import io
 import textwrap
 from dataclasses import dataclass
 
-from schemas.plan import write_atomic
+from xmesh_plan.schemas.plan import write_atomic
 
 from .simulate import Timeline, TransferSpan
 

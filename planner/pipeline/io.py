@@ -12,8 +12,8 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from planner.problem_io import InputError, describe_validation_error, hosts_used, parse_cluster, parse_mesh, parse_shape, read_data_file
-from schemas.pipeline import PipelineProblem, PipelineSchedule
+from xmesh_plan.planner.problem_io import InputError, describe_validation_error, hosts_used, parse_cluster, parse_mesh, parse_shape, read_data_file
+from xmesh_plan.schemas.pipeline import PipelineProblem, PipelineSchedule
 
 
 def build_pipeline(raw: Any) -> PipelineProblem:

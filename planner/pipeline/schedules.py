@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import Callable
 
-from schemas.pipeline import PipelineProblem
+from xmesh_plan.schemas.pipeline import PipelineProblem
 
 from .actions import Action
 

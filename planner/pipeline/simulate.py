@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from schemas.pipeline import PipelineProblem, PipelineSchedule, TransferCost
+from xmesh_plan.schemas.pipeline import PipelineProblem, PipelineSchedule, TransferCost
 
 from .actions import Action, parse_actions
 from .costs import signal_costs

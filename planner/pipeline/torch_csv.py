@@ -27,7 +27,7 @@ from __future__ import annotations
 import csv
 import io
 
-from schemas.pipeline import PipelineProblem
+from xmesh_plan.schemas.pipeline import PipelineProblem
 
 from .actions import Action
 

@@ -10,7 +10,7 @@ from collections import Counter
 
 import networkx as nx
 
-from schemas.pipeline import PipelineProblem
+from xmesh_plan.schemas.pipeline import PipelineProblem
 
 from .actions import Action
 
