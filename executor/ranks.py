@@ -8,7 +8,7 @@ Only devices in the source or destination mesh count, so a plan whose meshes lea
 device numbering (case 8 uses devices 0-2, 4-6, 8, 9, ...) needs no idle ranks. The world size must
 equal the number of distinct devices used.
 
->>> from schemas import DeviceMesh
+>>> from xmesh_plan.schemas import DeviceMesh
 >>> devices_used_by((DeviceMesh(shape=(2,), devices=(4, 0)), DeviceMesh(shape=(1,), devices=(9,))))
 (0, 4, 9)
 """

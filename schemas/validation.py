@@ -8,7 +8,7 @@ from pydantic import ValidationError
 def describe_validation_error(err: ValidationError) -> str:
     """First error of a pydantic validation as one line: `src.spec: <message>`.
 
-    >>> from schemas import Cluster
+    >>> from xmesh_plan.schemas import Cluster
     >>> try:
     ...     Cluster.model_validate({"devices_per_host": 0})
     ... except ValidationError as err:

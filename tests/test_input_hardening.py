@@ -182,7 +182,7 @@ def test_tests_still_see_tracebacks_through_the_cli_runner(monkeypatch):
 
 def test_the_console_script_reports_an_internal_error_in_one_line(tmp_path):
     """The installed `xmesh-plan`, with the bug planted through a sitecustomize on its path."""
-    (tmp_path / "sitecustomize.py").write_text("import planner.cli\nplanner.cli.summarize = lambda *a, **k: 1 / 0\n")
+    (tmp_path / "sitecustomize.py").write_text("import xmesh_plan.planner.cli as cli\ncli.summarize = lambda *a, **k: 1 / 0\n")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), str(ROOT)])}
     env.pop(DEBUG_ENV, None)
     script = Path(sys.executable).parent / "xmesh-plan"
@@ -195,7 +195,7 @@ def test_the_console_script_reports_an_internal_error_in_one_line(tmp_path):
 
 def test_the_executor_demo_reports_an_internal_error_in_one_line(tmp_path):
     """`python -m xmesh_plan.executor.run`, with reading the plan made to fail unexpectedly."""
-    (tmp_path / "sitecustomize.py").write_text("import schemas\nschemas.read_plan_file = lambda *a, **k: 1 / 0\n")
+    (tmp_path / "sitecustomize.py").write_text("import xmesh_plan.schemas as schemas\nschemas.read_plan_file = lambda *a, **k: 1 / 0\n")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), str(ROOT)])}
     env.pop(DEBUG_ENV, None)
     result = subprocess.run([sys.executable, "-m", "xmesh_plan.executor.run", str(CASE3_PLAN)], capture_output=True, text=True,
