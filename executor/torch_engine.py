@@ -91,6 +91,7 @@ class TorchEngine:
         self.bound = self.src = None
         self.pending = 0
         self.current = -1  # the step the progress thread waits on
+        self.launching = -1  # the step being posted, when posting itself fails
         self.thread_error: tuple[int, BaseException] | None = None
         self.go, self.done, self.stopping = threading.Event(), threading.Event(), False
         self.done.set()
@@ -174,9 +175,10 @@ class TorchEngine:
             if self.stopping:
                 return
             try:
+                self.launching = -1
                 self._iterate()
             except BaseException as err:  # kept for test()/wait() to raise in the caller's thread
-                self.thread_error = (self.current, err)
+                self.thread_error = (self.launching if self.launching >= 0 else self.current, err)
             self.done.set()
 
     def _iterate(self) -> None:
@@ -196,9 +198,13 @@ class TorchEngine:
     def _launch(self, i: int) -> None:
         action = self.steps[i].action
         if action == "recv":
+            self.launching = i  # a dead peer can make posting raise too: name this step, not the one waited on
             self.works[i] = self.group.recv(self.buffers[i], self.peer_rank[i], self.steps[i].tag)
+            self.launching = -1
         elif action == "send":
+            self.launching = i
             self.works[i] = self.group.send(self.buffers[i], self.peer_rank[i], self.steps[i].tag)
+            self.launching = -1
         else:
             target, source = self.buffers[i]
             target.copy_(source)
