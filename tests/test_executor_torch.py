@@ -33,13 +33,13 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def launch(n: int, *args: str) -> list[str]:
-    """Start `n` ranks of the worker with env:// variables; their stdout lines, after every rank ended."""
+def launch(n: int, *args: str, worker: Path = WORKER) -> list[str]:
+    """Start `n` ranks of `worker` with env:// variables; their stdout lines, after every rank ended."""
     port, procs = _free_port(), []
     for rank in range(n):
         env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank), "WORLD_SIZE": str(n),
                "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(n), "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-        procs.append(subprocess.Popen([sys.executable, str(WORKER), *args], cwd=ROOT, env=env, text=True,
+        procs.append(subprocess.Popen([sys.executable, str(worker), *args], cwd=ROOT, env=env, text=True,
                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE))
     outputs = []
     deadline = time.monotonic() + LAUNCH_TIMEOUT_S
