@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import subprocess
+import sys
 import threading
 from pathlib import Path
 
@@ -107,11 +108,11 @@ def test_runner_refuses_missing_executors():
 def mpirun(tmp_path, ranks: int, inputs_args: list[str], steps: str) -> subprocess.CompletedProcess:
     """The documented two commands: the planner writes plans and schedules, then mpiexec runs the MLP on them."""
     env = dict(os.environ, MPIR_CVAR_ENABLE_HEAVY_YIELD="1")
-    python, inputs = str(ROOT / ".venv/bin/python"), str(tmp_path / "mlp-inputs")
+    python, inputs = sys.executable, str(tmp_path / "mlp-inputs")
     made = subprocess.run([python, "bench/pipeline_mlp_inputs.py", *inputs_args, "-o", inputs], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=300)
     assert made.returncode == 0, made.stdout + made.stderr
-    command = [str(ROOT / ".venv/bin/mpiexec"), "-n", str(ranks), python, "-m", "xmesh_plan.executor.examples.pipeline_mlp", inputs,
+    command = [str(Path(sys.executable).parent / "mpiexec"), "-n", str(ranks), python, "-m", "xmesh_plan.executor.examples.pipeline_mlp", inputs,
                "--steps", steps]
     # generous: a passing run takes seconds, but oversubscribed ranks on a loaded 2-core machine can take minutes
     return subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
