@@ -1,19 +1,28 @@
 """One gloo rank of tests/test_redistribute.py: redistribute DTensors between meshes and check them.
 
 Each destination shard is compared bit for bit with DTensor's own `distribute_tensor` of the same
-full tensor on the destination mesh; gradients with what a single process computes. Prints `rank R: ok N`.
+full tensor on the destination mesh; gradients with what a single process computes. Fixed layouts,
+then seeded random meshes (any subset of the ranks, 1-d or 2-d, so some moves leave ranks out) and
+placements, synchronous and `async_op`. Prints `rank R: ok N` and `rank R: counts ...`.
 """
 
 from __future__ import annotations
 
+import random
 import sys
 
 import torch
 import torch.distributed as dist
+from torch.distributed._functional_collectives import AsyncCollectiveTensor
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-from xmesh_plan.redistribute import _CACHE, redistribute
+from xmesh_plan.dtensor import problem_from_dtensor
+from xmesh_plan.redistribute import _CACHE, _GROUPS, redistribute
+from xmesh_plan.sides import FrontendError
+
+WORLD = 4
 
 CASES = [  # shape, source ranks, placements, destination ranks, placements (4 ranks)
     ((7, 6), [0, 1], [Shard(0)], [2, 3], [Shard(1)]),  # disjoint meshes, uneven shards
@@ -25,6 +34,7 @@ CASES = [  # shape, source ranks, placements, destination ranks, placements (4 r
 
 def main() -> int:
     dist.init_process_group("gloo")
+    seed = int(sys.argv[1]) if len(sys.argv) > 1 else 0
     rank, checked = dist.get_rank(), 0
     for dtype in (torch.float32, torch.bfloat16, torch.int32):
         for shape, src, src_placements, dst, dst_placements in CASES:
@@ -45,22 +55,24 @@ def main() -> int:
     except NotImplementedError as err:
         refused = "Cross device mesh" in str(err)
     assert refused
-    checked += _gradient(rank)
+    checked += _gradient(rank, 3, False) + _gradient(rank, 0, True)
     print(f"rank {rank}: ok {checked}", flush=True)
+    print(f"rank {rank}: counts {_random_layouts(rank, seed)}", flush=True)
     dist.destroy_process_group()
     return 0
 
 
-def _gradient(rank: int) -> int:
-    """Sharded destination on every rank: each element is on one rank, so the summed loss is
-    sum(full * weight) and its gradient with respect to the source is `weight`, laid out on the source
-    mesh (both replicas of a replicated source get it, as DTensor's own backward gives them)."""
-    shape, src, src_placements, dst, dst_placements = CASES[3]
+def _gradient(rank: int, case: int, async_op: bool) -> int:
+    """Sharded destination: each element is on one rank, so the summed loss is sum(full * weight) and its
+    gradient with respect to the source is `weight`, laid out on the source mesh (both replicas of a
+    replicated source get it, as DTensor's own backward gives them). Case 3 has every rank in the
+    destination mesh; case 0 sends from ranks outside it, which backpropagate through their empty shard."""
+    shape, src, src_placements, dst, dst_placements = CASES[case]
     full = torch.linspace(-1, 1, torch.Size(shape).numel()).reshape(shape)
     weight = torch.linspace(2, 3, full.numel()).reshape(shape)
     src_mesh, dst_mesh = DeviceMesh("cpu", src), DeviceMesh("cpu", dst)
     x = distribute_tensor(full, src_mesh, src_placements).requires_grad_()
-    y = redistribute(x, dst_mesh, dst_placements)
+    y = redistribute(x, dst_mesh, dst_placements, async_op=async_op)
     w = distribute_tensor(weight, dst_mesh, dst_placements).to_local()
     (y.to_local() * w).sum().backward()
     if src_mesh.get_coordinate() is None:
@@ -68,6 +80,64 @@ def _gradient(rank: int) -> int:
     expected = distribute_tensor(weight, src_mesh, src_placements).to_local()
     assert torch.equal(x.grad.to_local(), expected), (rank, x.grad.to_local(), expected)
     return 1
+
+
+def _random_mesh(rng: random.Random) -> list:
+    ranks = rng.sample(range(WORLD), rng.randint(1, WORLD))
+    if len(ranks) == 4 and rng.random() < 0.5:
+        return [ranks[:2], ranks[2:]]
+    return ranks
+
+
+def _random_placements(rng: random.Random, mesh: list, ndim: int) -> list:
+    mesh_dims = 2 if isinstance(mesh[0], list) else 1
+    return [Replicate() if rng.random() < 0.3 else Shard(rng.randrange(ndim)) for _ in range(mesh_dims)]
+
+
+def _dtensor_slice(full: torch.Tensor, mesh: DeviceMesh, placements: list) -> torch.Tensor:
+    """This rank's shard by DTensor's own slicing rule (`compute_local_shape_and_global_offset`).
+
+    Not `distribute_tensor`: on a mesh whose ranks are not in ascending order (e.g. [3, 1, 2]), torch
+    2.13's `distribute_tensor` scatters in group-rank order and hands ranks another coordinate's data."""
+    shape, offset = compute_local_shape_and_global_offset(full.shape, mesh, placements)
+    if mesh.get_coordinate() is None:
+        return full.new_empty(0)
+    return full[tuple(slice(o, o + n) for o, n in zip(offset, shape))].clone()
+
+
+def _random_layouts(rank: int, seed: int, count: int = 24) -> str:
+    """Seeded random moves (the same on every rank); layouts DTensor splits unlike our ceil rule must be refused."""
+    rng = random.Random(seed)
+    moved = refused = left_out = async_checked = 0
+    for case in range(count):
+        shape = tuple(rng.randint(1, 9) for _ in range(rng.randint(1, 3)))
+        src, dst = _random_mesh(rng), _random_mesh(rng)
+        src_placements, dst_placements = _random_placements(rng, src, len(shape)), _random_placements(rng, dst, len(shape))
+        dtype = rng.choice([torch.float32, torch.bfloat16, torch.int64])
+        use_async = rng.random() < 0.5
+        src_mesh, dst_mesh = DeviceMesh("cpu", src), DeviceMesh("cpu", dst)
+        try:
+            problem_from_dtensor(shape, dtype, src, src_placements, dst, dst_placements)
+        except FrontendError:
+            refused += 1
+            continue
+        full = (torch.arange(torch.Size(shape).numel()).reshape(shape) * 13 % 97 - 40).to(dtype)
+        x = DTensor.from_local(_dtensor_slice(full, src_mesh, src_placements), src_mesh, src_placements, run_check=False,
+                               shape=full.shape, stride=full.stride())
+        y = redistribute(x, dst_mesh, dst_placements, async_op=use_async)
+        expected = _dtensor_slice(full, dst_mesh, dst_placements)
+        involved = set(torch.tensor(src).flatten().tolist()) | set(torch.tensor(dst).flatten().tolist())
+        left_out += len(involved) < WORLD
+        if dst_mesh.get_coordinate() is not None:
+            assert y.placements == tuple(dst_placements) and y.shape == full.shape
+            assert isinstance(y._local_tensor, AsyncCollectiveTensor) == use_async  # waited for on first use
+            assert torch.equal(y.to_local(), expected), (rank, case, shape, src, src_placements, dst, dst_placements)
+            async_checked += use_async
+        elif rank in involved:
+            assert y.to_local().shape == (0,) * len(shape)
+        moved += 1
+    assert moved >= count // 2, (moved, refused)
+    return f"moved={moved} refused={refused} left_out={left_out} async={async_checked} groups={len(_GROUPS)}"
 
 
 if __name__ == "__main__":

@@ -14,11 +14,18 @@ pytestmark = pytest.mark.slow
 
 
 def test_redistribute_across_meshes_matches_dtensor_on_every_rank():
-    lines = launch(4, worker=Path(__file__).with_name("redistribute_worker.py"))
-    counts = {line.split(":")[0]: int(line.split()[-1]) for line in lines}
+    lines = launch(4, "0", worker=Path(__file__).with_name("redistribute_worker.py"))
+    counts = {line.split(":")[0]: int(line.split()[-1]) for line in lines if ": ok " in line}
     assert sorted(counts) == ["rank 0", "rank 1", "rank 2", "rank 3"]
     # 4 layouts x 3 dtypes x 2 calls, on the ranks of each destination mesh, plus one gradient check per source rank
-    assert sum(counts.values()) == 2 * 3 * (2 + 2 + 4 + 4) + 4
+    # of case 3 (every rank in the destination mesh) and of case 0 (source ranks 0, 1 outside it, async)
+    assert sum(counts.values()) == 2 * 3 * (2 + 2 + 4 + 4) + 4 + 2
+    randoms = {line.split(":")[0]: dict(kv.split("=") for kv in line.split()[3:]) for line in lines if ": counts " in line}
+    assert sorted(randoms) == sorted(counts)
+    moved = {r["moved"] for r in randoms.values()}
+    assert len(moved) == 1 and int(moved.pop()) >= 12  # every rank went through the same random moves
+    assert all(int(r["left_out"]) > 0 and int(r["groups"]) > 0 for r in randoms.values())  # subgroups were exercised
+    assert sum(int(r["async"]) for r in randoms.values()) > 0
 
 
 def test_a_plain_tensor_is_refused_in_one_line():
