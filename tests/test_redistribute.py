@@ -4,11 +4,15 @@ of the same call shown (tests/redistribute_worker.py does the checking on every 
 
 from __future__ import annotations
 
+import os
+import shlex
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
-from test_executor_torch import launch
+from test_executor_torch import LAUNCH_TIMEOUT_S, ROOT, launch
 
 pytestmark = pytest.mark.slow
 
@@ -34,3 +38,15 @@ def test_a_plain_tensor_is_refused_in_one_line():
 
     with pytest.raises(FrontendError, match="pass a DTensor"):
         redistribute(object(), None, [])
+
+
+def test_the_readme_torchrun_example_runs_bit_exact():
+    """The exact `torchrun` line the README shows, with this environment's torchrun."""
+    readme = (ROOT / "README.md").read_text()
+    line = next(line for line in readme.splitlines() if line.startswith("torchrun ") and "redistribute_demo" in line)
+    command = [str(Path(sys.executable).parent / "torchrun"), *shlex.split(line)[1:]]
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=LAUNCH_TIMEOUT_S)
+    assert done.returncode == 0, done.stdout + done.stderr[-3000:]
+    assert "every destination shard bit-exact against distribute_tensor" in done.stdout
+    assert done.stdout.count("ms per call") == 2, done.stdout
