@@ -37,8 +37,8 @@ ROW = 16  # float32 elements per box: 64 B
 
 
 def many_task_plan(tasks: int, kind: str):
-    """T hand-made operations, one per unit task (the executor does not look at `tasks`)."""
-    from xmesh_plan.schemas import DeviceMesh, Operation, Placement, Plan, ReshardingProblem, SolverInfo
+    """T hand-made operations, one per unit task (plans must name the tasks their operations serve)."""
+    from xmesh_plan.schemas import DeviceMesh, Operation, Placement, Plan, ReshardingProblem, SolverInfo, UnitTask
 
     receivers = 3 if kind == "broadcast" else 1
     shape = (ROW, tasks) if kind == "send_strided" else (tasks, ROW)
@@ -47,11 +47,16 @@ def many_task_plan(tasks: int, kind: str):
         src=Placement(mesh=DeviceMesh(shape=(1,), devices=(0,)), spec="R R"),
         dst=Placement(mesh=DeviceMesh(shape=(receivers,), devices=tuple(range(1, receivers + 1))), spec="R R"))
     op_kind = "broadcast" if kind == "broadcast" else "send"
-    ops = tuple(Operation(id=i, task=i, kind=op_kind, src=0, dsts=tuple(range(1, receivers + 1)),
-                          region=((0, ROW), (i, i + 1)) if kind == "send_strided" else ((i, i + 1), (0, ROW)))
-                for i in range(tasks))
+    dsts = tuple(range(1, receivers + 1))
+    regions = [((0, ROW), (i, i + 1)) if kind == "send_strided" else ((i, i + 1), (0, ROW)) for i in range(tasks)]
+    cluster = problem.cluster
+    units = tuple(UnitTask(id=i, region=region, nbytes=ROW * 4, senders=(0,), receivers=dsts, sender=0, sender_host=0,
+                           receiver_hosts=tuple(sorted({cluster.host_of(d) for d in dsts})),
+                           strategy="broadcast" if kind == "broadcast" else "send_recv")
+                  for i, region in enumerate(regions))
+    ops = tuple(Operation(id=i, task=i, kind=op_kind, src=0, dsts=dsts, region=region) for i, region in enumerate(regions))
     return Plan(generator="bench_executor", problem=problem, strategy=op_kind, solver=SolverInfo(name="hand"),
-                merged_slices=False, tasks=(), operations=ops, host_order=(), predicted_seconds=0.0, lower_bound_seconds=0.0)
+                merged_slices=False, tasks=units, operations=ops, host_order=(), predicted_seconds=0.0, lower_bound_seconds=0.0)
 
 
 def _timed(comm, iters: int, once) -> float:
