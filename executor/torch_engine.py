@@ -1,4 +1,4 @@
-"""Run one device's steps over a torch.distributed gloo process group, on CPU tensors.
+"""Run one device's steps over a torch.distributed process group: gloo on CPU tensors, NCCL on CUDA tensors.
 
 Every message moves raw bytes (a uint8 view of the shard or of staging), so every dtype the planner
 knows travels bit for bit, bfloat16 and float8 included, although gloo has no such types. Local
@@ -6,17 +6,27 @@ copies, packs and unpacks are `Tensor.copy_` between views made once in `setup()
 host round trip. Messages are posted straight on the ProcessGroup (`group.send([buf], peer, tag)`,
 what `dist.isend` does after its checks) with the one-tensor lists made in `setup()`.
 
+One discipline serves both backends. NCCL ignores tags and runs a pair's messages in the order they
+were posted, one after another on that pair's stream, so both ends must post them in the same order,
+and a send must not be posted before the receives it needs. Every rank therefore keeps one queue per
+peer, in the plan's message order (tag, then step), and posts each queue's front as soon as it is
+ready (a receive at once, a send when its data is in); it waits for posted receives earliest first.
+A send depends only on receives of its own or smaller tags, so the first unfinished message of the
+whole plan is always posted at both ends: no deadlock, on either backend. Tests also run gloo with every tag 0 (`MATCH_BY_TAG = False`), which makes gloo
+match a pair's messages by order alone, as NCCL does, so a wrong order shows as wrong bytes.
+
 Gloo's point-to-point work cannot be polled: `is_completed()` stays False until `wait()` is called
 (checked with torch 2.13), and `wait(timeout)` closes the connection when it expires. So each engine
-has one progress thread that posts the steps, waits for the receives in step order (= tag order)
-and posts what each unblocks. A send depends only on receives of its own or smaller tags, so
-waiting in tag order never waits on a message that needs a later one first. `start()` hands the
-iteration to that thread and returns; `test()` looks at a flag; `wait()` sleeps on an event and,
-when nothing completes for `timeout_s`, raises naming the op, task and peer the thread waits on.
+has one progress thread that posts the messages and waits for them. `start()` hands the iteration
+to that thread and returns; `test()` looks at a flag; `wait()` sleeps on an event and, when nothing
+completes for `timeout_s`, raises naming the op, task and peer the thread waits on. On NCCL a work's
+`wait()` only orders the thread's CUDA stream after it, so the thread records an event and polls it.
+The CUDA lines (device, stream and event handling) have never run: this project has no GPU.
 """
 
 from __future__ import annotations
 
+import heapq
 import threading
 import time
 
@@ -28,6 +38,7 @@ from .errors import BackendUnavailableError, ExecutorError, PeerTimeoutError, Pl
 from .lower import RankProgram
 
 _ABANDONED: list = []  # works (and the buffers they touch) still in flight after a failure: kept until exit
+MATCH_BY_TAG = True  # False: post every message with tag 0, so gloo matches a pair's messages by order alone, as NCCL does
 
 
 def torch_dtype(torch, name: str):
@@ -60,11 +71,11 @@ class TorchEngine:
 
         self.torch = torch
         backend = str(dist.get_backend(self.group)).lower()
-        if backend != "gloo":
-            raise BackendUnavailableError(
-                f"the torch engine runs on gloo process groups, this one runs {backend}: NCCL needs every pair's sends and "
-                "receives batched in one order (not done yet); use a gloo group, or backend='nccl' with an mpi4py communicator (CuPy)")
-        self.device = torch.device("cpu")
+        if backend not in ("gloo", "nccl"):
+            raise BackendUnavailableError(f"the torch engine runs on gloo (CPU) or nccl (CUDA) process groups, this one runs "
+                                          f"{backend}; make the group with backend='gloo' or 'nccl'")
+        self.cuda = backend == "nccl"
+        self.device = torch.device("cuda", torch.cuda.current_device()) if self.cuda else torch.device("cpu")
         self.dtype = torch_dtype(torch, self.context.dtype_name)
         p = self.program
         self.dst = torch.empty(p.dst_shape, dtype=self.dtype, device=self.device) if p.dst_shape is not None else None
@@ -84,12 +95,18 @@ class TorchEngine:
                 self.dependents[d].append(s.index)
         self.initial = [len(s.deps) for s in self.steps]
         self.remaining = self.initial.copy()
-        self.first = [s.index for s in self.steps if not s.deps and s.action == "recv"]
-        self.first += [s.index for s in self.steps if not s.deps and s.action != "recv"]
-        self.recvs = [s.index for s in self.steps if s.action == "recv"]
-        self.sends = [s.index for s in self.steps if s.action == "send"]
+        self.local_first = [s.index for s in self.steps if not s.deps and s.action not in ("send", "recv")]
+        self.order = sorted((s.index for s in self.steps if s.action in ("send", "recv")), key=lambda i: (self.steps[i].tag, i))
+        self.position = {i: k for k, i in enumerate(self.order)}  # each message's place in the plan's message order
+        peers = sorted({self.steps[i].peer for i in self.order})
+        self.queues = [[i for i in self.order if self.steps[i].peer == peer] for peer in peers]  # per peer, in order
+        self.queue_of = {i: q for q, queue in enumerate(self.queues) for i in queue}
+        self.heads = [0] * len(self.queues)  # the first message of each queue not posted yet
+        self.sends = [i for i in self.order if self.steps[i].action == "send"]
+        self.tags = [s.tag if MATCH_BY_TAG else 0 for s in self.steps]
+        self.posted_recvs: list[int] = []  # a heap of the positions of receives posted and not yet finished
+        self.ready = None
         self.bound = self.src = None
-        self.pending = 0
         self.current = -1  # the step the progress thread waits on
         self.launching = -1  # the step being posted, when posting itself fails
         self.thread_error: tuple[int, BaseException] | None = None
@@ -162,7 +179,9 @@ class TorchEngine:
             raise ExecutorError(f"this executor stopped after an error ({self.broken}); create and prepare a new one")
         self._bind(src)
         self.src = src
-        self.pending = len(self.steps)
+        if self.cuda:  # the progress thread's stream waits for what the caller's stream wrote so far
+            self.ready = self.torch.cuda.Event()
+            self.ready.record()
         self.last_progress = time.monotonic()
         self.done.clear()
         self.go.set()
@@ -182,42 +201,89 @@ class TorchEngine:
             self.done.set()
 
     def _iterate(self) -> None:
-        """Post the steps that wait for nothing, then finish the receives in tag order, then the sends."""
-        for i in self.first:
-            self._launch(i)
-        works = self.works
-        for i in self.recvs + self.sends:
-            self.current = i
-            works[i].wait()  # releases the GIL; a dead peer makes gloo raise here
-            works[i] = None
-            self.last_progress = time.monotonic()
-            if self.steps[i].action == "recv":
-                self._finish(i)
+        """Run the local steps that wait for nothing and post what is ready, then finish the posted receives
+        earliest first, posting what each unblocks; then wait for the sends."""
+        if self.cuda:
+            self.torch.cuda.set_device(self.device)
+            self.torch.cuda.current_stream().wait_event(self.ready)  # the caller's writes to the source come first
+        heads, posted = self.heads, self.posted_recvs
+        for q in range(len(heads)):
+            heads[q] = 0
+        posted.clear()
+        for i in self.local_first:
+            self._run_local(i)
+        for q in range(len(heads)):
+            self._advance(q)
+        while posted:
+            self._received(self.order[heapq.heappop(posted)])
+        if any(head < len(queue) for head, queue in zip(heads, self.queues)):
+            raise ExecutorError("some messages wait for steps that never finish; recompile the plan and check it with `xmesh-plan verify`")
+        for i in self.sends:
+            self._complete(i)
+        if self.cuda:
+            self._complete(-1)
         self.current = -1
 
-    def _launch(self, i: int) -> None:
-        action = self.steps[i].action
-        if action == "recv":
+    def _advance(self, q: int) -> None:
+        """Post the messages at the front of peer queue `q` while they are ready (a receive always is; a send once
+        every step it waits for has finished)."""
+        queue, steps, remaining = self.queues[q], self.steps, self.remaining
+        head = self.heads[q]
+        while head < len(queue):
+            i = queue[head]
+            if remaining[i]:
+                break
+            remaining[i] = self.initial[i]
             self.launching = i  # a dead peer can make posting raise too: name this step, not the one waited on
-            self.works[i] = self.group.recv(self.buffers[i], self.peer_rank[i], self.steps[i].tag)
+            if steps[i].action == "recv":
+                self.works[i] = self.group.recv(self.buffers[i], self.peer_rank[i], self.tags[i])
+                heapq.heappush(self.posted_recvs, self.position[i])
+            else:
+                self.works[i] = self.group.send(self.buffers[i], self.peer_rank[i], self.tags[i])
             self.launching = -1
-        elif action == "send":
-            self.launching = i
-            self.works[i] = self.group.send(self.buffers[i], self.peer_rank[i], self.steps[i].tag)
-            self.launching = -1
-        else:
-            target, source = self.buffers[i]
-            target.copy_(source)
-            self._finish(i)
+            head += 1
+        self.heads[q] = head
+
+    def _complete(self, i: int) -> None:
+        """Wait until message `i` has finished (i = -1: everything this thread queued on its CUDA stream)."""
+        self.current = i
+        if not self.cuda:
+            self.works[i].wait()  # releases the GIL; a dead peer makes gloo raise here
+        else:  # the stream waits for the work; polling an event keeps wait() able to name what hangs
+            if i >= 0:
+                self.works[i].wait()
+            finished = self.torch.cuda.Event()
+            finished.record()
+            nap = self.poll_s[0]
+            while not finished.query():
+                time.sleep(nap)
+                nap = min(nap * 2, self.poll_s[1])
+        if i >= 0:
+            self.works[i] = None
+        self.last_progress = time.monotonic()
+
+    def _received(self, i: int) -> None:
+        self._complete(i)
+        self._finish(i)
+
+    def _run_local(self, i: int) -> None:
+        target, source = self.buffers[i]
+        target.copy_(source)
+        self._finish(i)
 
     def _finish(self, i: int) -> None:
-        self.pending -= 1
-        remaining, initial = self.remaining, self.initial
+        """Step `i` is done: run the local steps it was the last wait of, and post a send it unblocked at the front of its queue."""
+        remaining, initial, steps = self.remaining, self.initial, self.steps
         for d in self.dependents[i]:
             remaining[d] -= 1
             if remaining[d] == 0:
-                remaining[d] = initial[d]
-                self._launch(d)
+                if steps[d].action == "send":
+                    q = self.queue_of[d]
+                    if self.queues[q][self.heads[q]] == d:
+                        self._advance(q)
+                else:
+                    remaining[d] = initial[d]
+                    self._run_local(d)
 
     def test(self) -> bool:
         """True when the reshard has finished; raises what the progress thread hit."""

@@ -2,6 +2,7 @@
 
     python tests/torch_worker.py check PLAN...      every destination shard, 3 iterations, bit-exact vs numpy slicing
                                                     of the box DTensor gives this rank (where DTensor can express the layout)
+    python tests/torch_worker.py check_by_order PLAN...   the same with every tag 0: gloo then matches by order, as NCCL
     python tests/torch_worker.py disagree A B       rank 1 loads B, the others A: prepare() must fail on every rank
     python tests/torch_worker.py die PLAN           the last rank exits after prepare(): the others must fail in time
 
@@ -141,6 +142,10 @@ def main(argv: list[str]) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
     mode, args = argv[0], argv[1:]
+    if mode == "check_by_order":
+        from xmesh_plan.executor import torch_engine
+
+        torch_engine.MATCH_BY_TAG, mode = False, "check"
     {"check": lambda: check(args), "disagree": lambda: disagree(*args), "die": lambda: die(*args)}[mode]()
     dist.destroy_process_group()
 

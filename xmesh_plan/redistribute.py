@@ -13,7 +13,7 @@ It is differentiable: the gradient goes back through the reverse plan (destinati
 is DTensor's own rule for replicated gradients (each replica's gradient is taken to be the same).
 Every rank of both meshes must run the backward too (a rank outside the destination mesh gets an
 empty local tensor with the tensor's number of dims, so `y.to_local()` backpropagates there).
-Gloo process groups only (the torch engine's limit).
+Gloo on CPU tensors; NCCL on CUDA tensors is the same code but has never run (this project has no GPU).
 """
 
 from __future__ import annotations
@@ -78,15 +78,16 @@ def _executor(key: tuple, problem_args: tuple, group) -> ReshardingExecutor:
 class _Move:
     """One direction of one redistribution: where it goes, and the executor that moves this rank's bytes."""
 
-    def __init__(self, shape, dtype, src, src_placements, dst, dst_placements, cluster: Cluster):
+    def __init__(self, shape, dtype, src, src_placements, dst, dst_placements, cluster: Cluster, device: torch.device):
         self.shape, self.dtype, self.dst, self.dst_placements = torch.Size(shape), dtype, dst, tuple(dst_placements)
+        self.device = device
         self.ranks = tuple(sorted(set(_ranks(src)) | set(_ranks(dst))))
         self.key = (tuple(shape), str(dtype), _mesh_key(src), tuple(map(str, src_placements)), _mesh_key(dst),
                     tuple(map(str, dst_placements)), cluster)
         self.problem_args = (tuple(shape), dtype, src, tuple(src_placements), dst, self.dst_placements, cluster)
 
     def reverse(self, src, src_placements) -> "_Move":
-        return _Move(self.shape, self.dtype, self.dst, self.dst_placements, src, src_placements, self.problem_args[-1])
+        return _Move(self.shape, self.dtype, self.dst, self.dst_placements, src, src_placements, self.problem_args[-1], self.device)
 
     def run(self, local: torch.Tensor | None, *, async_op: bool = False, requires_grad: bool = False) -> DTensor:
         """This rank's part of the move: the destination DTensor (its local shard waited for lazily with `async_op`)."""
@@ -101,7 +102,7 @@ class _Move:
         _finish_pending(self.key)
         executor.start(None if local is None else local.contiguous())
         shape = executor.program.dst_shape
-        out = torch.empty((0,) * len(self.shape) if shape is None else shape, dtype=self.dtype)
+        out = torch.empty((0,) * len(self.shape) if shape is None else shape, dtype=self.dtype, device=self.device)
         finish = _Finisher(executor, out if shape is not None else None)
         if shape is None:  # nothing to use here: the sends finish on the engine's thread, collected on the next run
             _PENDING[self.key] = finish
@@ -114,7 +115,7 @@ class _Move:
         """The destination DTensor around `local`; a rank outside the mesh holds an empty tensor of the same number of dims
         (DTensor's own 1-d placeholder breaks its `to_local()` backward for Shard(d > 0))."""
         if local is None:
-            local = torch.empty((0,) * len(self.shape), dtype=self.dtype)
+            local = torch.empty((0,) * len(self.shape), dtype=self.dtype, device=self.device)
         meta = TensorMeta(self.shape, torch.empty(self.shape, device="meta").stride(), self.dtype)
         return DTensor(local, DTensorSpec(self.dst, self.dst_placements, tensor_meta=meta), requires_grad=requires_grad)
 
@@ -174,5 +175,5 @@ def redistribute(tensor: DTensor, dst_mesh, dst_placements: Sequence[object], *,
     if not isinstance(async_op, bool):
         raise FrontendError(f"redistribute: async_op is a {type(async_op).__name__}; pass True or False")
     move = _Move(tensor.shape, tensor.dtype, tensor.device_mesh, tuple(tensor.placements), dst_mesh, tuple(dst_placements),
-                 cluster or default_cluster())
+                 cluster or default_cluster(), tensor.to_local().device)
     return _Redistribute.apply(tensor, move, async_op)
