@@ -17,7 +17,7 @@ from .unit_tasks import DEFAULT_MAX_TASKS, Cell, decompose
 
 DIGITS = 12  # times are rounded to picoseconds so plans print and compare stably
 NIC_SIDES = ("send", "recv")  # the resources a plan's host order lists; device ports are not queued
-MAX_SIMULATED_OPERATIONS = 20_000  # beyond this the schedule's own timetable stands in for the simulator
+MAX_SIMULATED_OPERATIONS = 250_000  # about 30 us per operation (bench/bench_scaling.py); beyond this the schedule's own timetable stands in for the simulator
 MAX_RELISTINGS = 8  # re-simulations until the listing is the order of its own predicted starts
 
 
