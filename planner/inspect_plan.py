@@ -7,6 +7,8 @@ from dataclasses import dataclass, field
 from xmesh_plan.schemas import Plan
 from xmesh_plan.schemas.geometry import region_size
 
+from .simulate import simulate_plan
+
 
 @dataclass
 class HostLoad:
@@ -51,7 +53,24 @@ def _gib(nbytes: float) -> str:
     return f"{nbytes / 2**30:.3f} GiB"
 
 
-def summarize(plan: Plan, show_tasks: bool = False, show_ops: bool = False) -> str:
+ORDER_MEANINGS = {  # queueing discipline -> who executes that way
+    "host-order": "each NIC side in the plan's order (the plan's claim)",
+    "device-order": "each device in turn (how Alpa's baselines run)",
+    "posted": "every operation at once, links shared (the MPI and torch engines)",
+}
+
+
+def order_lines(plan: Plan) -> list[str]:
+    """The plan timed by the simulator under each queueing discipline, next to the byte lower bound."""
+    lines = ["predicted under each queueing (simulator):"]
+    for discipline, meaning in ORDER_MEANINGS.items():
+        seconds = simulate_plan(plan, discipline).makespan_s
+        ratio = seconds / plan.lower_bound_seconds if plan.lower_bound_seconds > 0 else float("inf")
+        lines.append(f"  {discipline:<13} {seconds:.4f} s  {ratio:.3f}x bound   {meaning}")
+    return lines
+
+
+def summarize(plan: Plan, show_tasks: bool = False, show_ops: bool = False, show_orders: bool = False) -> str:
     p = plan.problem
     loads = plan_loads(plan)
     cluster = p.cluster
@@ -74,6 +93,8 @@ def summarize(plan: Plan, show_tasks: bool = False, show_ops: bool = False) -> s
     reason = plan.solver.details.get("lower_bound_reason", "")
     lines.append(f"predicted: {plan.predicted_seconds:.4f} s   lower bound: {plan.lower_bound_seconds:.4f} s"
                  f"{f' ({reason})' if reason else ''}   efficiency (bound/predicted): {plan.efficiency:.1%}")
+    if show_orders:
+        lines += order_lines(plan)
     if show_tasks:
         lines += ["tasks:"] + [f"  {t}" for t in plan.tasks]
     if show_ops:
