@@ -119,8 +119,8 @@ def _arguments(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--fake-hosts", action="store_true",
                         help="nccl: give each rank its own NCCL_HOSTID and the socket transport, so several ranks can share one GPU")
     parser.add_argument(DEBUG_FLAG, action="store_true", help=f"show the full traceback of an internal error (or set {DEBUG_ENV}=1)")
-    parser.add_argument("--order", choices=["posted", "device"], default="posted",
-                        help="posted: every message of a reshard posted at once (default); device: one operation at a time per device")
+    parser.add_argument("--order", choices=["device", "posted"], default="device",
+                        help="device: one operation at a time per device, in plan order (default); posted: every message at once")
     parser.add_argument("--timeout", type=float, default=60.0, help="seconds without progress before a rank gives up (default 60)")
     args = parser.parse_args(argv)
     _check_numbers(args)

@@ -86,8 +86,8 @@ def _arguments(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--check", action="store_true", help="compare every destination shard with numpy slicing, bit for bit")
     parser.add_argument("--iters", type=int, default=5, help="timed iterations (default 5)")
     parser.add_argument("--warmup", type=int, default=1, help="untimed iterations first (default 1)")
-    parser.add_argument("--order", choices=["posted", "device"], default="posted",
-                        help="posted: every message of a reshard posted at once (default); device: one operation at a time per device")
+    parser.add_argument("--order", choices=["device", "posted"], default="device",
+                        help="device: one operation at a time per device, in plan order (default); posted: every message at once")
     parser.add_argument("--max-mb", type=float, default=16.0, help="shrink the tensor to at most this many MiB (default 16)")
     parser.add_argument("--nccl", action="store_true", help="use an NCCL process group on cuda:LOCAL_RANK instead of gloo on the CPU")
     parser.add_argument("--timeout", type=float, default=60.0, help="seconds without progress before a rank gives up (default 60)")
