@@ -365,22 +365,33 @@ ORDERS = ("posted", "device")  # how a rank lets its operations onto the wire; s
 
 def in_device_order(program: RankProgram) -> RankProgram:
     """The same steps, but each operation's messages (and packs) wait for every step of this device's
-    previous operation, so a device takes part in one operation at a time, in plan order, at both ends of
+    earlier operations, so a device takes part in one operation at a time, in plan order, at both ends of
     a message: the simulator's `device-order`, as NCCL runs a stream's calls, instead of posting every
-    operation at once (`posted`). Deadlock-free: every rank walks the plan in one order, so the earliest
-    unfinished operation never waits on a later one.
+    operation at once (`posted`). Consecutive operations with the same peers run together: they share
+    the same links in order anyway, and waiting between them would only add a round trip each.
+    Deadlock-free: every rank walks the plan in one order, so the earliest unfinished operation never
+    waits on a later one.
     """
-    steps: list[Step] = []
-    barrier: tuple[int, ...] = ()  # steps whose completion means every earlier operation here has finished
-    current: list[int] = []
-    gated = False  # whether the current operation has a step that waits for `barrier`
+    peers: dict[int, frozenset[int]] = {}
     for s in program.steps:
-        if current and s.op != steps[-1].op:
-            barrier, current, gated = tuple(current) if gated else tuple(sorted(set(barrier) | set(current))), [], False
+        peers.setdefault(s.op, frozenset())
+        if s.action in ("send", "recv"):
+            peers[s.op] |= {s.peer}
+    steps: list[Step] = []
+    barrier: tuple[int, ...] = ()  # steps whose completion means every operation before this run has finished
+    run: list[int] = []  # steps of the current run of operations with the same peers
+    run_peers: frozenset[int] | None = None
+    gated = False  # whether the run has a step that waits for `barrier`
+    for s in program.steps:
+        if not steps or s.op != steps[-1].op:
+            if peers[s.op] != run_peers:
+                if run:
+                    barrier = tuple(run) if gated else tuple(sorted(set(barrier) | set(run)))
+                run, run_peers, gated = [], peers[s.op], False
         if barrier and s.action in ("send", "recv", "pack"):
             s, gated = replace(s, deps=tuple(sorted(set(s.deps) | set(barrier)))), True
         steps.append(s)
-        current.append(s.index)
+        run.append(s.index)
     return replace(program, steps=tuple(steps), order="device")
 
 
