@@ -15,7 +15,7 @@ which fails at import, naming the consumer, when one is missing.
 {(0, 1): 32, (1, 2): 32}
 >>> gather = Operation(id=1, task=0, kind="allgather", dsts=(3, 4, 5), region=((0, 6),), parts=(((0, 2),), ((2, 4),), ((4, 6),)))
 >>> [(h.src, h.dst, h.piece) for h in route(gather)][:3], tags_used(gather), parties(gather)
-([(3, 4, 0), (4, 5, 1), (5, 3, 2)], 3, 'among d3,d4,d5')
+([(3, 4, 0), (4, 5, 1), (5, 3, 2)], 2, 'among d3,d4,d5')
 """
 
 from __future__ import annotations
@@ -173,7 +173,7 @@ class _PatternFacts:
 _PATTERNS: dict[str, _PatternFacts] = {
     "local": _PatternFacts(_local_route, lambda op: (), lambda op: 0),
     "chain": _PatternFacts(_chain_route, _chain_pairs, lambda op: op.chunks),
-    "ring": _PatternFacts(_ring_route, _ring_pairs, lambda op: len(op.dsts)),
+    "ring": _PatternFacts(_ring_route, _ring_pairs, lambda op: len(op.dsts) - 1),
 }
 
 
@@ -199,7 +199,7 @@ def wire_pairs(op: OpLike) -> tuple[tuple[int, int], ...]:
 
 def tags_used(op: OpLike) -> int:
     """How many message tags an operation owns: one per broadcast chunk (a send is one chunk), one per
-    all-gather member, none for a copy. Tags count up through the plan, so no two messages between
+    all-gather ring step, none for a copy. Tags count up through the plan, so no two messages between
     one pair share a tag."""
     return _PATTERNS[rule_of(op).pattern].tags(op)
 

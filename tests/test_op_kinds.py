@@ -1,7 +1,9 @@
 """The table of operation kinds (`schemas.op_kinds`) against the consumers that read it.
 
 For random plans from the property generator, independent consumers must agree with the table: the
-simulator puts the route's bytes on each link, `inspect` counts the same bytes, and the plan checker and verifier
+per-rank programs the executor lowers send and receive exactly the route's bytes per pair of devices
+with the route's tags, the NCCL calls run on the table's groups, the simulator puts the route's bytes
+on each link, `bytes_moved` and `inspect` count the same bytes, and the plan checker and verifier
 accept an operation exactly when the table's facts allow it. A kind the consumers cannot handle
 fails in one place, naming the consumer.
 """
@@ -16,14 +18,18 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from pydantic import ValidationError
 
+from test_executor_cases import all_fixed_plans
 from test_properties import FAST_SOLVER, SETTINGS, problems
+from xmesh_plan.executor.lower import lower
+from xmesh_plan.executor.ranks import plan_devices
+from xmesh_plan.executor.run import bytes_moved
 from xmesh_plan.planner.compile import compile_plan
 from xmesh_plan.planner.inspect_plan import plan_loads
 from xmesh_plan.planner.simulate import _Lowering, nic_assignment
 from xmesh_plan.planner.verify import verify_plan
 from xmesh_plan.schemas import op_kinds
 from xmesh_plan.schemas.geometry import region_size
-from xmesh_plan.schemas.op_kinds import OP_KINDS, OpKindRule, pair_bytes, route, rule_of, tags_used
+from xmesh_plan.schemas.op_kinds import OP_KINDS, OpKindRule, chunk_bounds, members, nccl_group, pair_bytes, route, rule_of, tags_used
 from xmesh_plan.schemas.plan import Operation, OpKind, Plan
 from xmesh_plan.schemas.plan_check import PlanError, check_plan
 
@@ -54,11 +60,15 @@ def test_the_op_kind_literal_is_the_table():
 
 def test_every_consumer_handles_every_row():
     op_kinds.check_support()  # the consumers imported above registered their handlers
+    assert any(name == "executor.lower" for name, _, _ in op_kinds._CONSUMERS)
 
 
 def test_a_kind_with_a_new_wire_pattern_fails_in_one_place_naming_the_consumer(monkeypatch):
     monkeypatch.setitem(OP_KINDS, "reduce", OpKindRule("tree", has_src=True, min_dsts=1, max_dsts=None, chunked=False, has_parts=False))
     with pytest.raises(NotImplementedError, match=r"schemas.op_kinds routes has no handler for operation pattern 'tree'"):
+        op_kinds.check_support()
+    monkeypatch.setitem(op_kinds._PATTERNS, "tree", op_kinds._PATTERNS["chain"])  # the table knows its route now
+    with pytest.raises(NotImplementedError, match=r"executor.lower has no handler for operation pattern 'tree'.*add one"):
         op_kinds.check_support()
 
 
@@ -78,6 +88,59 @@ def test_every_rule_is_consistent():
         assert rule.max_dsts is None or rule.max_dsts >= rule.min_dsts >= 1, kind
         assert not (rule.pattern == "local" and not rule.has_src), kind
         assert not (rule.pattern == "ring" and rule.has_src), kind
+
+
+def _lowered(plan: Plan):
+    """Per op: bytes sent per (from, to), the (from, to, tag) of each message, each side's view, and the NCCL groups."""
+    sent, recvd = defaultdict(lambda: defaultdict(int)), defaultdict(lambda: defaultdict(int))
+    tags, groups = defaultdict(set), defaultdict(set)
+    for device in plan_devices(plan):
+        program = lower(plan, device)
+        for s in program.steps:
+            if s.action == "send":
+                sent[s.op][(device, s.peer)] += s.data.nbytes
+                tags[s.op].add((device, s.peer, s.tag, s.data.nbytes))
+            elif s.action == "recv":
+                recvd[s.op][(s.peer, device)] += s.data.nbytes
+        for call in program.collectives:
+            groups[call.op].add((device, call.group))
+    return sent, recvd, tags, groups
+
+
+def _expected_messages(op: Operation, base: int, itemsize: int) -> set:
+    """(from, to, tag, bytes) of each message on the wire: a chunk's bytes are its `chunk_bounds`, not the model's even share."""
+    chunks = chunk_bounds(region_size(op.region), op.chunks)
+    def wire_bytes(h):
+        return (chunks[h.piece][1] - chunks[h.piece][0]) * itemsize if h.divisor > 1 else h.elements * itemsize
+    return {(h.src, h.dst, base + h.tag, wire_bytes(h)) for h in route(op) if h.src != h.dst and h.elements}
+
+
+def _check_lowering_follows_the_route(plan: Plan) -> None:
+    sent, recvd, tags, groups = _lowered(plan)
+    bases = _tag_bases(plan)
+    for op in plan.operations:
+        expected = pair_bytes(op, plan.problem.itemsize)
+        assert dict(sent[op.id]) == expected, str(op)
+        assert dict(recvd[op.id]) == expected, str(op)
+        assert tags[op.id] == _expected_messages(op, bases[op.id], plan.problem.itemsize), str(op)
+        group = nccl_group(op)
+        assert {g for _, g in groups[op.id]} <= {group}, str(op)
+        assert {d for d, _ in groups[op.id]} == set(members(op)), str(op)
+    assert bytes_moved(plan) == sum(n for per_op in sent.values() for n in per_op.values())
+
+
+@settings(max_examples=40, **SETTINGS)
+@given(problems(), st.sampled_from(STRATEGIES), st.sampled_from([1, 3]))
+def test_lowered_programs_send_the_tables_route(problem, strategy, chunks):
+    _check_lowering_follows_the_route(_plans(problem, strategy, chunks))
+
+
+def test_fixed_plans_lower_to_the_tables_route_all_gathers_round_a_ring():
+    """The fixed plans have all-gathers of 3 and more members, where a ring and direct sends differ."""
+    plans = all_fixed_plans()
+    assert any(rule_of(op).pattern == "ring" and len(op.dsts) >= 3 for plan in plans for op in plan.operations)
+    for plan in plans:
+        _check_lowering_follows_the_route(plan)
 
 
 def _link_bytes_from_table(plan: Plan, op: Operation) -> dict[str, float]:
