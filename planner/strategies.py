@@ -17,7 +17,6 @@ import numpy as np
 
 from xmesh_plan.schemas import Cluster
 from xmesh_plan.schemas.geometry import Region, split_region
-from xmesh_plan.schemas.op_kinds import wire_pairs
 from xmesh_plan.schemas.plan_check import MAX_CHUNKS  # the plan format's limit, which readers enforce
 
 from .scheduling import Resource
@@ -98,9 +97,13 @@ def hop_resources(hops: list[Hop], host_of: Callable[[int], int]) -> frozenset[R
     return frozenset(out)
 
 
-def op_hops(ops) -> list[Hop]:
-    """The device pairs the operations' messages cross (`schemas.op_kinds.wire_pairs`: chain hops, ring links)."""
-    return [pair for op in ops for pair in wire_pairs(op)]
+def _ring_hops(members: tuple[int, ...]) -> list[Hop]:
+    """The ring all-gather's links: each member to the next, the last back to the first.
+
+    The strategies list their operations' links themselves (send, chain, ring) instead of asking
+    `schemas.op_kinds.wire_pairs` per operation: a private fast path, about 10% of strategy time
+    (BENCHMARKS.md); tests/test_op_kinds.py checks every strategy's links against the table."""
+    return [(a, members[(i + 1) % len(members)]) for i, a in enumerate(members)] if len(members) > 1 else []
 
 
 def pipelined_seconds(nbytes: int, hop_cross: list[bool], ctx: TaskContext) -> tuple[float, int]:
@@ -129,7 +132,8 @@ def broadcast(ctx: TaskContext) -> StrategyResult:
     hop_cross = [a != b for a, b in zip(hosts, hosts[1:])]
     seconds, chunks = pipelined_seconds(ctx.nbytes, hop_cross, ctx)
     op = PlannedOp("broadcast", ctx.sender, tuple(chain), ctx.region, chunks=chunks, duration_s=seconds)
-    return StrategyResult((op,), seconds, hop_resources(op_hops([op]), ctx.host), chunks)
+    hops = list(zip([ctx.sender] + chain, chain))
+    return StrategyResult((op,), seconds, hop_resources(hops, ctx.host), chunks)
 
 
 def send_recv(ctx: TaskContext) -> StrategyResult:
@@ -140,7 +144,7 @@ def send_recv(ctx: TaskContext) -> StrategyResult:
             seconds = ctx.message_s(ctx.nbytes, ctx.host(d) != ctx.host(ctx.sender))
             ops.append(PlannedOp("send", ctx.sender, (d,), ctx.region, offset_s=clock, duration_s=seconds))
             clock += seconds
-    return StrategyResult(tuple(ops), clock, hop_resources(op_hops(ops), ctx.host))
+    return StrategyResult(tuple(ops), clock, hop_resources([(ctx.sender, op.dsts[0]) for op in ops], ctx.host))
 
 
 def _scatter_then_gather(ctx: TaskContext, groups: list[tuple[int, ...]]) -> StrategyResult:
@@ -161,7 +165,8 @@ def _scatter_then_gather(ctx: TaskContext, groups: list[tuple[int, ...]]) -> Str
         seconds = (len(members) - 1) * ctx.message_s(largest, len({ctx.host(d) for d in members}) > 1)
         ops.append(PlannedOp("allgather", None, members, ctx.region, parts=parts, offset_s=clock, duration_s=seconds))
         end = max(end, clock + seconds)
-    return StrategyResult(tuple(ops), end, hop_resources(op_hops(ops), ctx.host))
+    hops = [(ctx.sender, op.dsts[0]) for op in ops if op.kind == "send"] + [h for g in groups for h in _ring_hops(g)]
+    return StrategyResult(tuple(ops), end, hop_resources(hops, ctx.host))
 
 
 def _pad_parts(parts: tuple[Region, ...], members: tuple[int, ...], region: Region) -> tuple[Region, ...]:

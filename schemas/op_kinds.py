@@ -94,10 +94,10 @@ class Hop:
 
 
 def rule_of(op: OpLike) -> OpKindRule:
-    rule = OP_KINDS.get(op.kind)
-    if rule is None:
-        raise ValueError(f"operation kind {op.kind!r} is unknown; use one of {', '.join(OP_KINDS)}")
-    return rule
+    try:
+        return OP_KINDS[op.kind]
+    except KeyError:
+        raise ValueError(f"operation kind {op.kind!r} is unknown; use one of {', '.join(OP_KINDS)}") from None
 
 
 def members(op: OpLike) -> tuple[int, ...]:
@@ -187,21 +187,26 @@ def chunk_bounds(elements: int, chunks: int) -> list[tuple[int, int]]:
     return [(k * elements // chunks, (k + 1) * elements // chunks) for k in range(chunks)]
 
 
+def _facts(op: OpLike) -> _PatternFacts:
+    """The pattern facts of an operation's kind (two dict lookups: the planner and the lowering call this per operation)."""
+    return _PATTERNS[rule_of(op).pattern]
+
+
 def route(op: OpLike) -> tuple[Hop, ...]:
     """Every message of an operation in the order the model emits them (see `Hop`)."""
-    return _PATTERNS[rule_of(op).pattern].route(op)
+    return _facts(op).route(op)
 
 
 def wire_pairs(op: OpLike) -> tuple[tuple[int, int], ...]:
     """The distinct (from device, to device) pairs an operation's messages cross, without building its route."""
-    return _PATTERNS[rule_of(op).pattern].pairs(op)
+    return _facts(op).pairs(op)
 
 
 def tags_used(op: OpLike) -> int:
     """How many message tags an operation owns: one per broadcast chunk (a send is one chunk), one per
     all-gather ring step, none for a copy. Tags count up through the plan, so no two messages between
     one pair share a tag."""
-    return _PATTERNS[rule_of(op).pattern].tags(op)
+    return _facts(op).tags(op)
 
 
 def pair_bytes(op: OpLike, itemsize: int) -> dict[tuple[int, int], int]:

@@ -23,13 +23,16 @@ from test_properties import FAST_SOLVER, SETTINGS, problems
 from xmesh_plan.executor.lower import lower
 from xmesh_plan.executor.ranks import plan_devices
 from xmesh_plan.executor.run import bytes_moved
-from xmesh_plan.planner.compile import compile_plan
+from xmesh_plan.planner.compile import _sender_per_host, compile_plan
 from xmesh_plan.planner.inspect_plan import plan_loads
 from xmesh_plan.planner.simulate import _Lowering, nic_assignment
+from xmesh_plan.planner.strategies import STRATEGIES as STRATEGY_FUNCTIONS, TaskContext, hop_resources
+from xmesh_plan.planner.unit_tasks import decompose
 from xmesh_plan.planner.verify import verify_plan
 from xmesh_plan.schemas import op_kinds
 from xmesh_plan.schemas.geometry import region_size
-from xmesh_plan.schemas.op_kinds import OP_KINDS, OpKindRule, chunk_bounds, members, nccl_group, pair_bytes, route, rule_of, tags_used
+from xmesh_plan.schemas.op_kinds import (OP_KINDS, OpKindRule, chunk_bounds, members, nccl_group, pair_bytes, route, rule_of,
+                                         tags_used, wire_pairs)
 from xmesh_plan.schemas.plan import Operation, OpKind, Plan
 from xmesh_plan.schemas.plan_check import PlanError, check_plan
 
@@ -181,6 +184,20 @@ def test_the_simulator_puts_the_routes_bytes_on_each_link(problem, strategy, chu
         assert got.keys() == expected.keys(), str(op)
         assert all(got[k] == pytest.approx(expected[k], rel=1e-12) for k in got), str(op)
         assert sum(f.op == op.id for f in model.flows) >= len(route(op)), str(op)
+
+
+@settings(max_examples=30, **SETTINGS)
+@given(problems())
+def test_the_strategies_private_links_are_the_tables_wire_pairs(problem):
+    """planner/strategies.py lists its operations' links itself (a fast path); they must be the table's."""
+    for cell in decompose(problem):
+        if not (cell.receivers and cell.senders):
+            continue
+        for _, device in sorted(_sender_per_host(cell, problem).items()):
+            ctx = TaskContext(cell.region, cell.nbytes(problem.itemsize), device, cell.receivers, problem.cluster, problem.itemsize)
+            for name, strategy in STRATEGY_FUNCTIONS.items():
+                result = strategy(ctx)
+                assert result.resources == hop_resources([p for op in result.ops for p in wire_pairs(op)], ctx.host), name
 
 
 @settings(max_examples=20, **SETTINGS)
