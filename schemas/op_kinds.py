@@ -52,12 +52,7 @@ class OpKindRule:
     chunked: bool  # `chunks` may exceed 1 (each chunk is one message per hop, pipelined)
     has_parts: bool  # one part per member, read from its destination shard
     taskless: bool = False  # may belong to no unit task (task -1): a device copying between its own shards
-    meaning: str = ""  # one line for docs and `xmesh-plan inspect`
-
-    @property
-    def reads(self) -> Shard:
-        """The shard a sender reads: its source shard, or (parts) its destination shard."""
-        return "dst" if self.has_parts else "src"
+    meaning: str = ""  # what the kind does, in one line (docs/format.md has the same table)
 
 
 OP_KINDS: dict[str, OpKindRule] = {
