@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from xmesh_plan.schemas import Plan
-from xmesh_plan.schemas.geometry import region_size
+from xmesh_plan.schemas.op_kinds import pair_bytes
 
 from .simulate import simulate_plan
 
@@ -33,19 +33,12 @@ class PlanLoads:
 
 
 def plan_loads(plan: Plan) -> PlanLoads:
-    """Cross-host bytes per host: sends, broadcast chain hops, and ring all-gather steps."""
-    cluster, itemsize = plan.problem.cluster, plan.problem.itemsize
-    host = cluster.host_of
+    """Cross-host bytes per host: every message of every operation (`schemas.op_kinds.pair_bytes`)."""
+    itemsize, host = plan.problem.itemsize, plan.problem.cluster.host_of
     loads = PlanLoads()
     for op in plan.operations:
-        nbytes = region_size(op.region) * itemsize
-        if op.kind in ("send", "broadcast"):
-            chain = (op.src,) + op.dsts
-            for a, b in zip(chain, chain[1:]):
-                loads.add(host(a), host(b), nbytes)
-        elif op.kind == "allgather":
-            for i, member in enumerate(op.dsts):  # ring: each member gets all but its own part from its left
-                loads.add(host(op.dsts[i - 1]), host(member), nbytes - region_size(op.parts[i]) * itemsize)
+        for (a, b), nbytes in pair_bytes(op, itemsize).items():
+            loads.add(host(a), host(b), nbytes)
     return loads
 
 
