@@ -172,7 +172,8 @@ def _out_of_device_order(plan, world: FakeWorld) -> list[str]:
                 i = chain.index(d)
                 near = chain[max(i - 1, 0):i] + chain[i + 1:i + 2]
             else:
-                near = [m for m in members if m != d] if op.kind == "allgather" else []
+                i, n = members.index(d), len(members)  # an all-gather goes round the ring of its members
+                near = [members[(i - 1) % n], members[(i + 1) % n]] if op.kind == "allgather" else []
             peers[(rank_of[d], op.id)] = {rank_of[m] for m in near}
     for device, rank in rank_of.items():
         for s in lower(plan, device, tag_limit=2**20).steps:
