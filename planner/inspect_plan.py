@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from xmesh_plan.schemas import Plan
-from xmesh_plan.schemas.op_kinds import pair_bytes
+from xmesh_plan.schemas.op_kinds import pair_bytes, route
 
 from .simulate import simulate_plan
 
@@ -16,16 +16,26 @@ class HostLoad:
 
     send_bytes: int = 0
     recv_bytes: int = 0
+    send_messages: int = 0
+    recv_messages: int = 0
 
 
 @dataclass
 class PlanLoads:
     hosts: dict[int, HostLoad] = field(default_factory=dict)
 
-    def add(self, src_host: int, dst_host: int, nbytes: int) -> None:
-        if src_host != dst_host and nbytes:
-            self.hosts.setdefault(src_host, HostLoad()).send_bytes += nbytes
-            self.hosts.setdefault(dst_host, HostLoad()).recv_bytes += nbytes
+    def add(self, src_host: int, dst_host: int, nbytes: int, messages: int = 0) -> None:
+        if src_host != dst_host and (nbytes or messages):
+            sender, receiver = self.hosts.setdefault(src_host, HostLoad()), self.hosts.setdefault(dst_host, HostLoad())
+            sender.send_bytes += nbytes
+            receiver.recv_bytes += nbytes
+            sender.send_messages += messages
+            receiver.recv_messages += messages
+
+    def busiest_messages(self) -> tuple[int, str, int]:
+        """(host, side, messages) of the NIC side that carries the most messages."""
+        sides = [(h, side, getattr(load, f"{side}_messages")) for h, load in self.hosts.items() for side in ("send", "recv")]
+        return max(sides, key=lambda item: (item[2], -item[0]), default=(0, "send", 0))
 
     @property
     def cross_host_bytes(self) -> int:
@@ -39,7 +49,21 @@ def plan_loads(plan: Plan) -> PlanLoads:
     for op in plan.operations:
         for (a, b), nbytes in pair_bytes(op, itemsize).items():
             loads.add(host(a), host(b), nbytes)
+        for hop in route(op):
+            if hop.elements:
+                loads.add(host(hop.src), host(hop.dst), 0, 1)
     return loads
+
+
+def message_cost_line(plan: Plan, loads: PlanLoads) -> str:
+    """How much of the time is per-message cost: messages on the busiest NIC side x the per-message latency,
+    next to the gap between the prediction and the byte bound (which counts bandwidth only)."""
+    host, side, count = loads.busiest_messages()
+    latency = plan.problem.cluster.latency_s
+    cost, gap = count * latency, plan.predicted_seconds - plan.lower_bound_seconds
+    share = f"{cost / gap:.0%} of the {gap:.4f} s gap to the bound" if gap > 0 else "no gap to the bound"
+    return (f"per-message cost: host {host} {side} carries {count} messages x {latency * 1e6:g} us = {cost:.4f} s "
+            f"({share})")
 
 
 def _gib(nbytes: float) -> str:
@@ -86,6 +110,7 @@ def summarize(plan: Plan, show_tasks: bool = False, show_ops: bool = False, show
     reason = plan.solver.details.get("lower_bound_reason", "")
     lines.append(f"predicted: {plan.predicted_seconds:.4f} s   lower bound: {plan.lower_bound_seconds:.4f} s"
                  f"{f' ({reason})' if reason else ''}   efficiency (bound/predicted): {plan.efficiency:.1%}")
+    lines.append(message_cost_line(plan, loads))
     if show_orders:
         lines += order_lines(plan)
     if show_tasks:
