@@ -18,6 +18,7 @@ from collections import Counter
 import numpy as np
 
 from xmesh_plan.schemas import Plan
+from xmesh_plan.schemas.plan_tensors import is_multi
 
 from .arrays import storage_dtype
 from .engines import BACKENDS, EngineContext, engine_entry
@@ -60,6 +61,9 @@ class ReshardingExecutor:
         match the group's backend."""
         if not isinstance(plan, Plan):
             raise TypeError(f"plan is a {type(plan).__name__}; pass a schemas.Plan, e.g. schemas.read_plan_file('x.plan.json')")
+        if is_multi(plan):
+            raise TypeError(f"plan moves {len(plan.problem.tensors)} tensors; run it with executor.TransferExecutor "
+                            "(a name -> shard mapping in and out)")
         if backend is not None and backend not in BACKENDS:
             raise ValueError(f"backend {backend!r} is unknown; use one of: {', '.join(BACKENDS)}")
         world = make_world(comm, backend)

@@ -26,6 +26,7 @@ import heapq
 from dataclasses import dataclass
 
 from xmesh_plan.schemas import Operation, Plan, ReshardingProblem, region_size
+from xmesh_plan.schemas.transfer import TransferProblem
 
 DISCIPLINES = ("host-order", "device-order")
 REL_EPS = 1e-12
@@ -135,10 +136,11 @@ def run_flows(flows: list[Flow], capacity: dict[str, float]) -> dict[int, tuple[
 class _Lowering:
     """Turns operations into flows, with data dependencies and the discipline's queueing."""
 
-    def __init__(self, problem: ReshardingProblem, discipline: str, nic_of_task: dict[int, int] | None):
+    def __init__(self, problem: ReshardingProblem | TransferProblem, discipline: str, nic_of_task: dict[int, int] | None):
         if discipline not in DISCIPLINES:
             raise ValueError(f"unknown discipline {discipline!r}; choose one of: {', '.join(DISCIPLINES)}")
-        self.cluster, self.itemsize, self.discipline = problem.cluster, problem.itemsize, discipline
+        self.cluster, self.discipline = problem.cluster, discipline
+        self.itemsizes = [p.itemsize for p in problem.tensor_problems()]  # by an operation's tensor (None: the only one)
         self.nic_of_task = nic_of_task or {}
         self.flows: list[Flow] = []
         self.capacity: dict[str, float] = {}
@@ -210,7 +212,7 @@ class _Lowering:
 
     def emit(self, op: Operation, waits: list[int]) -> list[int]:
         """Flows of one operation; returns its terminal flows."""
-        nbytes = region_size(op.region) * self.itemsize
+        nbytes = region_size(op.region) * self.itemsizes[op.tensor or 0]
         if op.kind in ("copy", "send"):
             out = [i for d in op.dsts for i in self.hop(op, op.src, d, nbytes, waits)]
         elif op.kind == "broadcast":
@@ -240,12 +242,12 @@ class _Lowering:
             now = []
             for i in range(n):
                 part = op.parts[(i - step) % n]
-                now.append(self.hop(op, members[i], members[(i + 1) % n], region_size(part) * self.itemsize, list(waits) + received[i]))
+                now.append(self.hop(op, members[i], members[(i + 1) % n], region_size(part) * self.itemsizes[op.tensor or 0], list(waits) + received[i]))
             received = [now[(i - 1) % n] for i in range(n)]
         return [i for ids in received for i in ids]
 
 
-def simulate(operations: list[Operation] | tuple[Operation, ...], problem: ReshardingProblem,
+def simulate(operations: list[Operation] | tuple[Operation, ...], problem: ReshardingProblem | TransferProblem,
              discipline: str = "host-order", nic_of_task: dict[int, int] | None = None) -> SimResult:
     """Time `operations` (taken in list order) on the problem's cluster under the queueing `discipline`."""
     lowering = _Lowering(problem, discipline, nic_of_task)

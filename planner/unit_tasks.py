@@ -74,6 +74,21 @@ def check_task_count(problem: ReshardingProblem, max_tasks: int | None) -> int:
     return bound
 
 
+def check_joint_task_count(problems: list[ReshardingProblem], max_tasks: int | None) -> int:
+    """`check_task_count` for the tensors of one transfer together (one plan holds all their tasks)."""
+    if len(problems) == 1:
+        return check_task_count(problems[0], max_tasks)
+    bounds = [task_count_bound(p) for p in problems]
+    total = sum(bounds)
+    if max_tasks is not None and total > max_tasks:
+        largest = max(range(len(problems)), key=lambda i: bounds[i])
+        raise TooManyTasksError(
+            f"problem: cutting its {len(problems)} tensors gives up to {total:,} unit tasks (the most, {bounds[largest]:,}, "
+            f"from {problems[largest].name!r}), above the limit of {max_tasks:,}; pass --max-tasks {total} (max_tasks= in "
+            f"Python) if this machine has the memory (about {_memory(total * BYTES_PER_TASK)}), or use coarser meshes or specs")
+    return total
+
+
 def _memory(nbytes: int) -> str:
     """`3.1 GiB`, or whole MiB (at least 1) below a GiB, so an estimate never reads as zero."""
     return f"{nbytes / 2**30:.1f} GiB" if nbytes >= 2**30 else f"{max(1, round(nbytes / 2**20))} MiB"

@@ -17,19 +17,32 @@ import json
 import os
 import tempfile
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, ValidationError
 
 from .files import DataFileError, parse_data, read_text_file
 from .geometry import Region
 from .problem import ReshardingProblem
+from .transfer import TransferProblem
 from .validation import describe_validation_error
 
 SCHEMA_VERSION = 1
 OpKind = Literal["copy", "send", "broadcast", "allgather"]
 StrategyName = Literal["broadcast", "send_recv", "local_allgather", "global_allgather"]
 _FROZEN = ConfigDict(frozen=True, extra="forbid")
+TensorIndex = Annotated[int | None, Field(None, ge=0, exclude_if=lambda v: v is None,
+                                          description="multi-tensor plans: index into problem.tensors (absent otherwise)")]
+
+
+def _problem_kind(value: Any) -> str:
+    """`many` for a transfer problem (it lists tensors), `one` for a single-tensor problem."""
+    has_tensors = "tensors" in value if isinstance(value, dict) else isinstance(value, TransferProblem)
+    return "many" if has_tensors else "one"
+
+
+AnyProblem = Annotated[Union[Annotated[ReshardingProblem, Tag("one")], Annotated[TransferProblem, Tag("many")]],
+                       Discriminator(_problem_kind)]
 
 
 def format_region(region: Region) -> str:
@@ -43,6 +56,7 @@ class Operation(BaseModel):
     model_config = _FROZEN
     id: int
     task: int = Field(description="unit task this operation belongs to")
+    tensor: TensorIndex
     kind: OpKind
     src: int | None = Field(None, description="sending device for copy/send/broadcast; None for allgather")
     dsts: tuple[int, ...] = Field(description="receiving devices; the chain order for a broadcast, the members for an allgather")
@@ -54,9 +68,10 @@ class Operation(BaseModel):
 
     def __str__(self) -> str:
         who = f"d{self.src} -> " if self.src is not None else "among "
+        tensor = f" tensor {self.tensor}" if self.tensor is not None else ""
         chunks = f" K={self.chunks}" if self.kind == "broadcast" else ""
         dsts = ",".join(f"d{d}" for d in self.dsts)
-        return (f"op {self.id:>4} task {self.task:>4} {self.kind:<9} {who}{dsts} {format_region(self.region)}"
+        return (f"op {self.id:>4} task {self.task:>4}{tensor} {self.kind:<9} {who}{dsts} {format_region(self.region)}"
                 f"{chunks} @{self.start_s:.6f}-{self.end_s:.6f}s")
 
 
@@ -65,6 +80,7 @@ class UnitTask(BaseModel):
 
     model_config = _FROZEN
     id: int
+    tensor: TensorIndex
     region: Region
     nbytes: int
     senders: tuple[int, ...] = Field(description="source devices holding the box (candidates)")
@@ -80,7 +96,8 @@ class UnitTask(BaseModel):
 
     def __str__(self) -> str:
         recv = ",".join(f"h{h}" for h in self.receiver_hosts)
-        return (f"task {self.id:>4} {format_region(self.region)} {self.nbytes} B  h{self.sender_host}(d{self.sender}) -> {recv}"
+        tensor = f" tensor {self.tensor}" if self.tensor is not None else ""
+        return (f"task {self.id:>4}{tensor} {format_region(self.region)} {self.nbytes} B  h{self.sender_host}(d{self.sender}) -> {recv}"
                 f"  {self.strategy} @{self.start_s:.6f}-{self.end_s:.6f}s")
 
 
@@ -109,7 +126,7 @@ class Plan(BaseModel):
     model_config = _FROZEN
     schema_version: Literal[1] = SCHEMA_VERSION
     generator: str
-    problem: ReshardingProblem
+    problem: AnyProblem
     strategy: str = Field(description="strategy requested at compile time ('auto' picks per task)")
     solver: SolverInfo
     merged_slices: bool = Field(description="adjacent cells with identical senders and receivers were merged into one task")

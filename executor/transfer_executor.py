@@ -1,0 +1,111 @@
+"""`TransferExecutor`: replay a multi-tensor plan, a name -> shard mapping in and out on every rank.
+
+    ex = TransferExecutor(plan, MPI.COMM_WORLD).prepare()        # once, on every rank
+    new = ex.run({"embed.weight": e, "layers.0.q.weight": q})  # this rank's source shards by name
+    new["layers.0.q.weight"]                                      # its destination shards by name
+
+The plan is split into one single-tensor plan per tensor (`schemas.plan_tensors`), keeping the joint
+plan's operations, ids and order; each gets its own `ReshardingExecutor` (its own communicator, so
+tags never collide). `start()` starts every tensor's reshard before any is waited for, and a waiting
+MPI engine drives the others this thread started, so all tensors move at once. A rank outside the
+source mesh passes None (or {}); outside the destination mesh it gets {}. A single-tensor plan works
+too, its one tensor named by the problem's name.
+
+Engines: `mpi` (host memory). The torch and NCCL engines are not yet run with several reshards in
+flight on one group, so a multi-tensor plan is refused there with one line (run each tensor's plan
+from `tensor_plans` with its own `ReshardingExecutor` instead, one after another).
+Each tensor holds one duplicated communicator: MPICH allows about 2,000 at once, so a plan of more
+tensors than that cannot be prepared.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+from xmesh_plan.schemas import Plan
+from xmesh_plan.schemas.plan_check import PlanError, check_plan
+from xmesh_plan.schemas.plan_tensors import is_multi, tensor_names, tensor_plans
+
+from .errors import ExecutorError, PlanMismatchError
+from .executor import DEFAULT_POLL_S, ReshardingExecutor
+
+MULTI_TENSOR_BACKENDS = ("mpi",)
+
+
+class TransferExecutor:
+    """Replays every tensor of a plan on this rank; see the module docstring for the calling pattern."""
+
+    def __init__(self, plan: Plan, comm=None, backend: str | None = None, timeout_s: float = 60.0,
+                 poll_s: tuple[float, float] = DEFAULT_POLL_S, gpu: int | None = None):
+        if not isinstance(plan, Plan):
+            raise TypeError(f"plan is a {type(plan).__name__}; pass a schemas.Plan, e.g. schemas.read_plan_file('x.plan.json')")
+        try:
+            check_plan(plan)  # tensor indices in range before splitting
+        except PlanError as err:
+            raise PlanMismatchError(f"{err}; recompile the plan and check it with `xmesh-plan verify`") from None
+        self.plan, self.names = plan, tensor_names(plan)
+        self.parts = [ReshardingExecutor(p, comm, backend, timeout_s, poll_s, gpu) for p in tensor_plans(plan)]
+        if is_multi(plan) and self.parts[0].entry.name not in MULTI_TENSOR_BACKENDS:
+            raise PlanMismatchError(f"backend {self.parts[0].backend!r} does not run multi-tensor plans yet; use backend='mpi', "
+                                    "or run each tensor's plan (schemas.plan_tensors.tensor_plans) with its own ReshardingExecutor",
+                                    same_on_every_rank=True)
+
+    @property
+    def device(self) -> int:
+        return self.parts[0].device
+
+    def prepare(self) -> "TransferExecutor":
+        """Check and set up every tensor's executor (in tensor order, on every rank)."""
+        for part in self.parts:
+            part.prepare()
+        return self
+
+    def run(self, shards: Mapping[str, Any] | None = None) -> dict[str, Any]:
+        """Reshard every tensor once: this rank's source shards by name in, its destination shards by name out."""
+        self.start(shards)
+        return self.wait()
+
+    def start(self, shards: Mapping[str, Any] | None = None) -> None:
+        """Start every tensor's reshard and return at once; do not modify the shards until `wait()` returns."""
+        given = self._sources(shards)
+        started = []
+        try:
+            for part, name in zip(self.parts, self.names):
+                part.start(given.get(name))
+                started.append(part)
+        except BaseException:
+            for part in started:  # the peers cannot finish these without this rank's later tensors: give them up
+                part._abandon(ExecutorError("a later tensor failed to start"), "start()")
+            raise
+
+    def test(self) -> bool:
+        """Drive every tensor's communication once without blocking; True when all have finished."""
+        return all([part.test() for part in self.parts])
+
+    def wait(self) -> dict[str, Any]:
+        """Finish every tensor's reshard; name -> destination shard (the engines' own buffers, reused next time)."""
+        out = {}
+        for part, name in zip(self.parts, self.names):
+            shard = part.wait()
+            if shard is not None:
+                out[name] = shard
+        return out
+
+    def close(self) -> None:
+        """Close every tensor's executor (see `ReshardingExecutor.close`)."""
+        for part in self.parts:
+            part.close()
+
+    def _sources(self, shards: Mapping[str, Any] | None) -> dict[str, Any]:
+        """The shards by name, refusing unknown names and, on a source rank, missing ones."""
+        shards = dict(shards or {})
+        unknown = sorted(set(shards) - set(self.names))
+        if unknown:
+            raise PlanMismatchError(f"run(): {unknown[0]!r} is not a tensor of this plan; pass shards named as in the "
+                                    f"problem ({', '.join(self.names[:3])}{', ...' if len(self.names) > 3 else ''})")
+        if self.parts[0].engine is not None and self.parts[0].program.src_block is not None:
+            missing = [n for n, p in zip(self.names, self.parts) if n not in shards and p.program.src_block is not None]
+            if missing:
+                raise PlanMismatchError(f"run(): device {self.device} is in the source mesh; pass its shard of "
+                                        f"{missing[0]!r}{f' (and {len(missing) - 1} more)' if len(missing) > 1 else ''}")
+        return shards
