@@ -28,6 +28,7 @@ from xmesh_plan.schemas.plan_tensors import is_multi, tensor_names, tensor_plans
 
 from .errors import ExecutorError, PlanMismatchError
 from .executor import DEFAULT_POLL_S, ReshardingExecutor
+from .worlds import is_mpi_comm
 
 MULTI_TENSOR_BACKENDS = ("mpi",)
 
@@ -43,12 +44,13 @@ class TransferExecutor:
             check_plan(plan)  # tensor indices in range before splitting
         except PlanError as err:
             raise PlanMismatchError(f"{err}; recompile the plan and check it with `xmesh-plan verify`") from None
-        self.plan, self.names = plan, tensor_names(plan)
-        self.parts = [ReshardingExecutor(p, comm, backend, timeout_s, poll_s, gpu) for p in tensor_plans(plan)]
-        if is_multi(plan) and self.parts[0].entry.name not in MULTI_TENSOR_BACKENDS:
-            raise PlanMismatchError(f"backend {self.parts[0].backend!r} does not run multi-tensor plans yet; use backend='mpi', "
+        named = backend or ("mpi" if is_mpi_comm(comm) else "torch")
+        if is_multi(plan) and named not in MULTI_TENSOR_BACKENDS:
+            raise PlanMismatchError(f"backend {named!r} does not run multi-tensor plans yet; use backend='mpi', "
                                     "or run each tensor's plan (schemas.plan_tensors.tensor_plans) with its own ReshardingExecutor",
                                     same_on_every_rank=True)
+        self.plan, self.names = plan, tensor_names(plan)
+        self.parts = [ReshardingExecutor(p, comm, backend, timeout_s, poll_s, gpu) for p in tensor_plans(plan)]
 
     @property
     def device(self) -> int:

@@ -19,7 +19,7 @@ from .audit import audit_plan
 from .cli_types import POSITIVE, SEED, TIME_LIMIT, max_tasks_option
 from .baselines import BASELINES, baseline_seconds
 from .compile import compile_plan
-from .problem_io import load_problem
+from .transfer_io import load_any_problem
 from .solvers import SOLVERS
 from .unit_tasks import DEFAULT_MAX_TASKS
 from .verify import PlanError, verify_plan
@@ -107,7 +107,7 @@ def compare_command(problem_file, seed, time_limit, max_tasks):
     Example:
       xmesh-plan compare plans/case3.problem.json
     """
-    problem = load_problem(problem_file)
+    problem = load_any_problem(problem_file)
     with progress(f"comparing {len(SOLVERS)} solvers and {len(BASELINES)} baselines"):
         rows = compare_rows(problem, seed, time_limit, max_tasks)
     bound = next(b for _, _, b, _ in rows if b is not None)

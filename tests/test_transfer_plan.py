@@ -1,0 +1,270 @@
+"""Multi-tensor plans: joint compile, verification, corrupted plans refused, and the executor bit for bit
+against numpy slicing of each full tensor (in-process fake MPI and one real mpiexec launch)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from click.testing import CliRunner
+
+from xmesh_plan.executor import PlanMismatchError, ReshardingExecutor, TransferExecutor
+from xmesh_plan.executor.arrays import storage_dtype
+from xmesh_plan.executor.lower import lower
+from xmesh_plan.executor.mpi_engine import MpiEngine
+from xmesh_plan.executor.ranks import plan_devices, rank_of_devices
+from xmesh_plan.planner.cli import main
+from xmesh_plan.planner.compile import compile_plan
+from xmesh_plan.planner.transfer_io import build_transfer, load_any_problem
+from xmesh_plan.planner.verify import PlanError, verify_plan
+from xmesh_plan.schemas import Plan, read_plan_file
+from xmesh_plan.schemas.plan_check import check_plan
+from xmesh_plan.schemas.plan_tensors import tensor_plans
+from test_executor_sim import FakeComm, FakeMPI, FakeWorld
+
+ROOT = Path(__file__).resolve().parents[1]
+SMALL = ROOT / "plans" / "weight_sync_small.problem.toml"
+MPIEXEC = Path(sys.executable).parent / "mpiexec"
+
+
+def problem():
+    """Three tensors of three dtypes on overlapping meshes (device 3 is in both), so copies, sends and broadcasts all occur."""
+    return build_transfer({
+        "name": "three", "src_mesh": {"shape": [2, 2], "devices": [0, 1, 2, 3]}, "dst_mesh": {"shape": [3], "devices": [3, 4, 5]},
+        "cluster": {"devices_per_host": 2},
+        "tensors": [{"name": "w", "shape": [12, 6], "src": "S0 R", "dst": "R S0"},
+                    {"name": "bias", "shape": [9], "dtype": "int16", "src": "S01", "dst": "R"},
+                    {"name": "emb", "shape": [6, 4, 3], "dtype": "bfloat16", "src": "R S1 R", "dst": "S0 R R"}]})
+
+
+@pytest.fixture(scope="module")
+def plan():
+    return compile_plan(problem(), solver="greedy")
+
+
+# --- compile and verify -----------------------------------------------------------------------------------
+
+def test_every_tensor_is_planned_and_the_plan_verifies(plan):
+    report = verify_plan(plan)
+    assert report.tensors == 3 and report.operations == len(plan.operations)
+    assert {t.tensor for t in plan.tasks} == {0, 1, 2} and {op.tensor for op in plan.operations} == {0, 1, 2}
+    assert {op.kind for op in plan.operations} >= {"copy", "broadcast"}
+    assert len({t.id for t in plan.tasks}) == len(plan.tasks)  # task ids are global across tensors
+    for op in plan.operations:  # every operation's box lies in its own tensor
+        shape = plan.problem.tensors[op.tensor].shape
+        assert len(op.region) == len(shape) and all(0 <= a < b <= n for (a, b), n in zip(op.region, shape))
+
+
+def test_the_joint_plan_is_the_sum_of_its_tensors(plan):
+    """Tasks and bytes match compiling each tensor alone; the joint bound is at least every tensor's own."""
+    alone = [compile_plan(p, solver="greedy") for p in problem().tensor_problems()]
+    assert len(plan.tasks) == sum(len(a.tasks) for a in alone)
+    for i, single in enumerate(alone):
+        mine = [t for t in plan.tasks if t.tensor == i]
+        assert sorted((t.region, t.nbytes, t.receivers) for t in mine) == sorted((t.region, t.nbytes, t.receivers) for t in single.tasks)
+        assert plan.lower_bound_seconds >= single.lower_bound_seconds - 1e-12
+    assert plan.predicted_seconds >= plan.lower_bound_seconds
+
+
+def test_same_input_and_seed_give_a_byte_identical_plan_that_round_trips(plan):
+    again = compile_plan(problem(), solver="greedy")
+    assert again.to_json() == plan.to_json()
+    assert Plan.from_json(plan.to_json()) == plan
+    data = json.loads(plan.to_json())
+    assert all("tensor" in op for op in data["operations"]) and all("tensor" in t for t in data["tasks"])
+
+
+def test_a_single_tensor_plan_has_no_tensor_field_and_splits_into_itself():
+    single = read_plan_file(ROOT / "plans" / "case3.plan.json")
+    assert '"tensor"' not in single.to_json()
+    assert tensor_plans(single) == [single]
+
+
+def _without(plan: Plan, keep) -> Plan:
+    ops = tuple(op for op in plan.operations if keep(op))
+    return plan.model_copy(update={"operations": ops})
+
+
+def test_a_plan_that_drops_one_tensor_is_refused_naming_it(plan):
+    dropped = _without(plan, lambda op: op.tensor != 1)
+    with pytest.raises(PlanError, match=r"tensor 'bias': destination device \d+ never receives"):
+        verify_plan(dropped)
+
+
+def test_a_plan_that_drops_one_box_of_one_tensor_is_refused_naming_tensor_and_box(plan):
+    victim = next(op for op in plan.operations if op.tensor == 2 and op.kind != "copy")
+    with pytest.raises(PlanError, match=r"tensor 'emb': destination device \d+ never receives \["):
+        verify_plan(_without(plan, lambda op: op.id != victim.id))
+
+
+def test_an_operation_moved_to_another_tensor_is_refused(plan):
+    op = next(op for op in plan.operations if op.tensor == 0 and op.task >= 0)
+    moved = tuple(o.model_copy(update={"tensor": 1}) if o.id == op.id else o for o in plan.operations)
+    with pytest.raises(PlanError, match=rf"operation {op.id} \(tensor 1, task {op.task}.*belongs to task {op.task} of tensor 0"):
+        check_plan(plan.model_copy(update={"operations": moved}))
+
+
+@pytest.mark.parametrize("index, words", [(None, "gives every operation a tensor index"), (7, "names tensor 7")])
+def test_a_tensor_index_missing_or_out_of_range_is_refused(plan, index, words):
+    bad = tuple(o.model_copy(update={"tensor": index}) if o.id == 0 else o for o in plan.operations)
+    with pytest.raises(PlanError, match=words):
+        verify_plan(plan.model_copy(update={"operations": bad}))
+
+
+def test_a_tensor_index_in_a_single_tensor_plan_is_refused():
+    single = read_plan_file(ROOT / "plans" / "case3.plan.json")
+    bad = tuple(o.model_copy(update={"tensor": 0}) for o in single.operations)
+    with pytest.raises(PlanError, match="one tensor; drop the field"):
+        check_plan(single.model_copy(update={"operations": bad}))
+
+
+# --- CLI ----------------------------------------------------------------------------------------------------
+
+def test_compile_verify_inspect_and_check_work_on_the_small_example(tmp_path):
+    out = tmp_path / "small.plan.json"
+    runner = CliRunner()
+    result = runner.invoke(main, ["compile", str(SMALL), "-o", str(out), "--solver", "greedy"])
+    assert result.exit_code == 0, result.output
+    assert "verified" in result.output
+    result = runner.invoke(main, ["verify", str(out)])
+    assert result.exit_code == 0 and "of each of 21 tensors" in result.output, result.output
+    result = runner.invoke(main, ["inspect", str(out)])
+    assert result.exit_code == 0, result.output
+    assert "21 tensors" in result.output and "model.layers.1.mlp.down_proj.weight" in result.output
+    assert "S01 R -> R S1" in result.output
+    result = runner.invoke(main, ["check", str(out), "--max-ratio", "100"])  # tiny tensors: per-message latency dominates
+    assert result.exit_code == 0 and "ok" in result.output, result.output
+    broken = read_plan_file(out)
+    broken = broken.model_copy(update={"operations": tuple(op for op in broken.operations if op.tensor != 20)})
+    (tmp_path / "broken.plan.json").write_text(broken.to_json())
+    result = runner.invoke(main, ["check", str(tmp_path / "broken.plan.json"), "--max-ratio", "100"])
+    assert result.exit_code == 1 and "does not verify: tensor 'lm_head.weight'" in result.output, result.output
+
+
+def test_compare_prices_every_solver_and_alpa_on_all_tensors_together(tmp_path):
+    result = CliRunner().invoke(main, ["compare", str(SMALL), "--time-limit", "0.5"])
+    assert result.exit_code == 0, result.output
+    assert "alpa-send-recv" in result.output and "broadcast + greedy" in result.output and "lower bound" in result.output
+
+
+# --- executor -----------------------------------------------------------------------------------------------
+
+def full_tensors(plan: Plan, seed: int) -> dict[str, np.ndarray]:
+    """Random contents of every whole tensor, as the executor stores them (raw 16-bit for bfloat16)."""
+    rng = np.random.default_rng(seed)
+    out = {}
+    for t in plan.problem.tensors:
+        dtype = storage_dtype(t.dtype)
+        out[t.name] = rng.integers(0, 2**(8 * dtype.itemsize) - 1, size=t.shape, dtype=np.uint64).astype(
+            f"u{dtype.itemsize}").view(dtype)
+    return out
+
+
+def _slice(array: np.ndarray, box) -> np.ndarray:
+    return array[tuple(slice(a, b) for a, b in box)]
+
+
+class _WorldComm(FakeComm):
+    def __init__(self, world, rank, size):
+        super().__init__(world, rank)
+        self.size = size
+
+    def Get_size(self) -> int:
+        return self.size
+
+    def Idup(self):
+        raise AssertionError("not used: the test sets each tensor's engine up itself")
+
+
+def fake_executors(plan: Plan) -> list[TransferExecutor]:
+    """One TransferExecutor per rank over the fake MPI (a world per tensor, as each has its own communicator),
+    each tensor's engine set up as prepare() would."""
+    devices, rank_of = plan_devices(plan), rank_of_devices(plan)
+    worlds = [FakeWorld() for _ in plan.problem.tensors]
+    out = []
+    for rank, device in enumerate(devices):
+        ex = TransferExecutor(plan, _WorldComm(worlds[0], rank, len(devices)))
+        for part, world in zip(ex.parts, worlds):
+            part.program = lower(part.plan, device, tag_limit=2**20)
+            part.src_shape = part.program.src_shape
+            part.engine = MpiEngine(part.program, FakeComm(world, rank), rank_of, storage_dtype(part.plan.problem.dtype), 5.0, (1e-5, 1e-4))
+            part.engine.setup(mpi=FakeMPI)
+        out.append(ex)
+    return out
+
+
+def run_everywhere(plan: Plan, executors: list[TransferExecutor], full: dict[str, np.ndarray]) -> dict[int, dict[str, np.ndarray]]:
+    for ex in executors:
+        shards = {name: _slice(full[name], part.program.src_block)
+                  for name, part in zip(ex.names, ex.parts) if part.program.src_block is not None}
+        ex.start(shards or None)
+    for _ in range(10_000):
+        if all([ex.test() for ex in executors]):
+            break
+    else:
+        pytest.fail("stalled")
+    return {ex.device: {k: v.copy() for k, v in ex.wait().items()} for ex in executors}
+
+
+def test_the_executor_delivers_every_tensor_bit_exact_against_numpy_slicing(plan):
+    executors = fake_executors(plan)
+    for seed in (1, 2):  # twice: the second run overwrites the first's buffers with other data
+        full = full_tensors(plan, seed)
+        out = run_everywhere(plan, executors, full)
+        for device in plan_devices(plan):
+            expected = {t.name: _slice(full[t.name], p.blocks("dst")[device])
+                        for t, p in zip(plan.problem.tensors, plan.problem.tensor_problems()) if device in p.blocks("dst")}
+            assert set(out[device]) == set(expected), device
+            for name, want in expected.items():
+                got = out[device][name]
+                assert got.shape == want.shape and got.dtype == want.dtype and np.array_equal(got.view(np.uint8), want.view(np.uint8)), (device, name)
+
+
+def test_the_executor_catches_a_shard_handed_in_under_the_wrong_name():
+    """Two tensors of one shape: swapping their source shards must show in the output (the names matter)."""
+    twin = compile_plan(build_transfer({"src_mesh": "1x2", "dst_mesh": "1x2", "tensors": [
+        {"name": "p", "shape": [4, 4], "src": "S1 R", "dst": "R S1"}, {"name": "q", "shape": [4, 4], "src": "S1 R", "dst": "R S1"}]}),
+        solver="greedy")
+    full = full_tensors(twin, 3)
+    swapped = {"p": full["q"], "q": full["p"]}
+    out = run_everywhere(twin, fake_executors(twin), swapped)
+    device = twin.problem.dst_mesh.devices[0]
+    block = twin.problem.tensor_problem(0).blocks("dst")[device]
+    assert np.array_equal(out[device]["p"], _slice(full["q"], block)) and not np.array_equal(out[device]["p"], _slice(full["p"], block))
+
+
+def test_the_executor_refuses_missing_and_unknown_names(plan):
+    executors = fake_executors(plan)
+    source = next(ex for ex in executors if ex.parts[0].program.src_block is not None)
+    with pytest.raises(PlanMismatchError, match=r"'nope' is not a tensor of this plan"):
+        source.start({"nope": np.zeros(1)})
+    with pytest.raises(PlanMismatchError, match=r"in the source mesh; pass its shard of 'w' \(and 2 more\)"):
+        source.start({})
+
+
+def test_a_multi_tensor_plan_is_refused_by_the_single_tensor_executor_and_the_torch_engine(plan):
+    with pytest.raises(TypeError, match="moves 3 tensors; run it with executor.TransferExecutor"):
+        ReshardingExecutor(plan, _WorldComm(FakeWorld(), 0, 6))
+    for backend in ("torch", "gloo", "nccl"):
+        with pytest.raises(PlanMismatchError, match=f"backend '{backend}' does not run multi-tensor plans yet; use backend='mpi'"):
+            TransferExecutor(plan, _WorldComm(FakeWorld(), 0, 6), backend=backend)
+    with pytest.raises(PlanMismatchError, match="backend 'torch' does not run multi-tensor"):
+        TransferExecutor(plan, None)  # no communicator: torch's default group
+
+
+@pytest.mark.mpi
+@pytest.mark.skipif(not MPIEXEC.exists(), reason=f"no mpiexec at {MPIEXEC}")
+@pytest.mark.timeout(600)
+def test_mpiexec_runs_the_small_weight_sync_bit_exact(tmp_path):
+    path = tmp_path / "weight_sync_small.plan.json"
+    path.write_text(compile_plan(load_any_problem(SMALL), solver="greedy").to_json())
+    env = dict(os.environ, MPIR_CVAR_ENABLE_HEAVY_YIELD="1", PYTHONPATH=str(ROOT))
+    result = subprocess.run([str(MPIEXEC), "-n", "8", sys.executable, "-m", "xmesh_plan.executor.run", str(path), "--check",
+                             "--iters", "2", "--warmup", "1"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=500)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "check ok: 21 tensors x 4 destination shards bit-exact" in result.stdout, result.stdout
