@@ -10,6 +10,7 @@ points are optional: `--large` adds (128,8) -> (128,8).
 
 from __future__ import annotations
 
+import resource
 import sys
 import time
 from pathlib import Path
@@ -59,7 +60,8 @@ def measure(point) -> dict:
             "ratio": plan.predicted_seconds / plan.lower_bound_seconds, "winner": plan.solver.details.get("winner", ""),
             "task_mib": sum(t.nbytes for t in plan.tasks) / len(plan.tasks) / 2**20,
             "latency_share": p.cluster.latency_s / (sum(t.end_s - t.start_s for t in plan.tasks) / len(plan.tasks)),
-            "timed_by": plan.solver.details.get("timed_by", "")}
+            "timed_by": plan.solver.details.get("timed_by", ""),
+            "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
 
 
 def main() -> None:
@@ -73,7 +75,7 @@ def main() -> None:
     write_json("scaling.json", {"command": COMMAND + (" --large" if "--large" in sys.argv else ""), "points": rows})
     lines = "\n".join(
         f"| {r['src']} {r['src_spec']} | {r['dst']} {r['dst_spec']} | {r['shape']} | {r['tasks']} | {r['compile_s']:.2f} "
-        f"| {r['ratio']:.4f} | {r['task_mib']:.3f} | {r['latency_share']:.1%} | {r['winner']} | {r['timed_by']} |" for r in rows)
+        f"| {r['ratio']:.4f} | {r['task_mib']:.3f} | {r['latency_share']:.1%} | {r['winner']} | {r['timed_by']} | {r['peak_rss_mib']:.0f} |" for r in rows)
     replace_section("Scaling", f"""
 Made by (2-core CPU machine shared with other jobs, so compile times are noisy):
 
@@ -83,10 +85,12 @@ Made by (2-core CPU machine shared with other jobs, so compile times are noisy):
 
 Compile time (wall clock of `compile_plan`, default `auto` solver, including decomposition, the
 simulator and plan assembly) and quality (predicted / lower bound) against the unit-task count.
-8 GPUs per host except the first row; one 10 Gbit/s NIC per host. Raw: `bench/results/scaling.json`.
+8 GPUs per host except the first row; one 10 Gbit/s NIC per host. Peak RSS is the process's high-water
+mark after the row (rows run in order of size, so the last row's is its own peak). Every row is timed by
+the network simulator (the limit is 250,000 operations). Raw: `bench/results/scaling.json`.
 
-| source | destination | tensor | unit tasks | compile s | predicted / bound | MiB per task | latency share of a task | winner | timed by |
-|---|---|---|---:|---:|---:|---:|---:|---|---|
+| source | destination | tensor | unit tasks | compile s | predicted / bound | MiB per task | latency share of a task | winner | timed by | peak RSS MiB |
+|---|---|---|---:|---:|---:|---:|---:|---|---|---:|
 {lines}
 
 The lower bound counts bandwidth only, while the model charges every message its latency (20 us)

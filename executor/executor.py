@@ -23,7 +23,7 @@ from xmesh_plan.schemas.plan_tensors import is_multi
 from .arrays import storage_dtype
 from .engines import BACKENDS, EngineContext, engine_entry
 from .errors import ExecutorError, PlanMismatchError
-from .lower import RankProgram, lower
+from .lower import ORDERS, RankProgram, in_device_order, lower
 from .ranks import device_of_rank, rank_of_devices
 from .worlds import MpiWorld, TorchWorld, is_mpi_comm, is_torch_group, poll_until
 from .timeouts import MAX_TIMEOUT_S, check_timeout, is_number
@@ -55,10 +55,12 @@ class ReshardingExecutor:
     """Replays one plan on this rank; see the module docstring for the calling pattern."""
 
     def __init__(self, plan: Plan, comm=None, backend: str | None = None, timeout_s: float = 60.0,
-                 poll_s: tuple[float, float] = DEFAULT_POLL_S, gpu: int | None = None):
+                 poll_s: tuple[float, float] = DEFAULT_POLL_S, gpu: int | None = None, order: str = "posted"):
         """`backend`: a name in `executor.engines.BACKENDS`; None picks `mpi` for an mpi4py communicator and
         `torch` for a process group. With a process group, `gloo` and `nccl` also pick `torch` and must
-        match the group's backend."""
+        match the group's backend. `order`: `posted` (every operation's messages posted at once, the
+        transport shares the links; the faster one measured) or `device` (one operation at a time per
+        device, in plan order); see `lower.in_device_order`."""
         if not isinstance(plan, Plan):
             raise TypeError(f"plan is a {type(plan).__name__}; pass a schemas.Plan, e.g. schemas.read_plan_file('x.plan.json')")
         if is_multi(plan):
@@ -66,6 +68,8 @@ class ReshardingExecutor:
                             "(a name -> shard mapping in and out)")
         if backend is not None and backend not in BACKENDS:
             raise ValueError(f"backend {backend!r} is unknown; use one of: {', '.join(BACKENDS)}")
+        if order not in ORDERS:
+            raise ValueError(f"order {order!r} is unknown; use one of: {', '.join(ORDERS)}")
         world = make_world(comm, backend)
         self.entry = engine_entry(backend or ("torch" if world.kind == "torch" else "mpi"), world.kind)
         timeout_s = check_timeout(timeout_s)
@@ -73,7 +77,7 @@ class ReshardingExecutor:
                 and 0 < poll_s[0] <= poll_s[1] <= MAX_TIMEOUT_S):
             raise ValueError(f"poll_s={poll_s!r} must be (shortest, longest) sleep in seconds with 0 < shortest <= longest")
         self.plan, self.world, self.backend = plan, world, backend or self.entry.name
-        self.timeout_s, self.poll_s, self.gpu = float(timeout_s), (float(poll_s[0]), float(poll_s[1])), gpu
+        self.timeout_s, self.poll_s, self.gpu, self.order = float(timeout_s), (float(poll_s[0]), float(poll_s[1])), gpu, order
         self.program: RankProgram | None = None
         self.engine = None
         self.comm = None
@@ -100,6 +104,8 @@ class ReshardingExecutor:
         except PlanMismatchError as err:
             error = err
         self._agree(error)
+        if self.order == "device":
+            self.program = in_device_order(self.program)
         self.src_shape = self.program.src_shape
         self.comm = self.world.engine_comm(self.timeout_s, self.poll_s)
         problem = self.plan.problem

@@ -13,7 +13,7 @@ all-gather) numbered in plan order, so two messages between the same pair never 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Literal
 
 import numpy as np
@@ -357,6 +357,31 @@ def lower(plan: Plan, device: int, tag_limit: int | None = None) -> RankProgram:
             raise PlanMismatchError(_advice(f"destination device {device} never receives {format_region(missing)} "
                                             f"of its shard {format_region(dst_block)}"))
     return RankProgram(device, tuple(b.steps), b.stage_bytes, b.src_blocks.get(device), dst_block, b.itemsize, tuple(b.collectives))
+
+
+ORDERS = ("posted", "device")  # how a rank lets its operations onto the wire; see in_device_order
+
+
+def in_device_order(program: RankProgram) -> RankProgram:
+    """The same steps, but each operation's sends and packs wait for every step of this device's previous
+    operation, so the device puts one operation on the wire at a time in plan order (the simulator's
+    `device-order`, as a NCCL stream runs them), instead of posting them all at once (`posted`).
+
+    Receives stay posted early: they only let bytes land. Deadlock-free: every rank walks the plan in one
+    order, so the earliest unfinished operation never waits on a later one.
+    """
+    steps: list[Step] = []
+    barrier: tuple[int, ...] = ()  # steps whose completion means every earlier operation here has finished
+    current: list[int] = []
+    gated = False  # whether the current operation has a step that waits for `barrier`
+    for s in program.steps:
+        if current and s.op != steps[-1].op:
+            barrier, current, gated = tuple(current) if gated else tuple(sorted(set(barrier) | set(current))), [], False
+        if barrier and s.action in ("send", "pack"):
+            s, gated = replace(s, deps=tuple(sorted(set(s.deps) | set(barrier)))), True
+        steps.append(s)
+        current.append(s.index)
+    return replace(program, steps=tuple(steps))
 
 
 def _advice(message: str) -> str:

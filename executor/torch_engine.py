@@ -104,7 +104,7 @@ class TorchEngine:
         self.heads = [0] * len(self.queues)  # the first message of each queue not posted yet
         self.sends = [i for i in self.order if self.steps[i].action == "send"]
         self.tags = [s.tag if MATCH_BY_TAG else 0 for s in self.steps]
-        self.posted_recvs: list[int] = []  # a heap of the positions of receives posted and not yet finished
+        self.posted_recvs: list[int] = []  # a heap of the positions of receives (and sends a step waits for) posted, not finished
         self.ready = None
         self.bound = self.src = None
         self.current = -1  # the step the progress thread waits on
@@ -219,7 +219,8 @@ class TorchEngine:
         if any(head < len(queue) for head, queue in zip(heads, self.queues)):
             raise ExecutorError("some messages wait for steps that never finish; recompile the plan and check it with `xmesh-plan verify`")
         for i in self.sends:
-            self._complete(i)
+            if self.works[i] is not None:  # not finished above for a step that waited for it
+                self._complete(i)
         if self.cuda:
             self._complete(-1)
         self.current = -1
@@ -240,6 +241,8 @@ class TorchEngine:
                 heapq.heappush(self.posted_recvs, self.position[i])
             else:
                 self.works[i] = self.group.send(self.buffers[i], self.peer_rank[i], self.tags[i])
+                if self.dependents[i]:  # a step waits for this send (order="device"): finish it in message order too
+                    heapq.heappush(self.posted_recvs, self.position[i])
             self.launching = -1
             head += 1
         self.heads[q] = head

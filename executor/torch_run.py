@@ -3,7 +3,7 @@
 For each plan: shrink the tensor to at most `--max-mb`, fill every source shard with a pattern of
 global indices (as a torch tensor of the plan's dtype, bfloat16 and float8 included), run
 `--iters` reshards over the default process group (gloo on CPU, NCCL with `--nccl`), and print on
-rank 0 the median time per iteration of the slowest rank. With `--check`, each destination shard is
+rank 0 the median over iterations of the slowest rank's time (after `--warmup` untimed ones). With `--check`, each destination shard is
 compared bit for bit with numpy slicing of the whole pattern tensor.
 
     torchrun --nproc-per-node 8 -m xmesh_plan.executor.torch_run plans/case1.plan.json --check
@@ -52,35 +52,42 @@ def run_plan(plan: Plan, args: argparse.Namespace) -> tuple[str, int]:
     import torch
     import torch.distributed as dist
 
-    ex = ReshardingExecutor(plan, None, backend="torch", timeout_s=args.timeout).prepare()
+    ex = ReshardingExecutor(plan, None, backend="torch", timeout_s=args.timeout, order=args.order).prepare()
     src = source_tensor(plan, ex.program.src_block, ex.engine.device)
     times = []
-    for _ in range(args.iters):
+    for it in range(args.warmup + args.iters):
         dist.barrier()
         start = time.perf_counter()
         out = ex.run(src)
-        times.append(time.perf_counter() - start)
+        if it >= args.warmup:
+            times.append(time.perf_counter() - start)
     bad = 0
     if args.check and out is not None:
         got, want = ex.engine.host_copy(out), expected_shard(plan, ex.program.dst_block)
         bad = int((got.view(f"V{got.itemsize}") != want.view(f"V{want.itemsize}")).sum())
     ex.close()
-    totals = torch.tensor([bad, int(np.median(times) * 1e9)], dtype=torch.int64, device=ex.engine.device)
-    dist.all_reduce(totals)
+    slowest = torch.tensor(times, dtype=torch.float64, device=ex.engine.device)
+    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)  # an iteration lasts until its slowest rank is done
+    wrong = torch.tensor([bad], dtype=torch.int64, device=ex.engine.device)
+    dist.all_reduce(wrong)
+    per_iter = slowest.cpu().numpy() * 1e3
     problem = plan.problem
     line = (f"{problem.name or 'plan'}: {'x'.join(map(str, problem.shape))} {problem.dtype}, {dist.get_world_size()} ranks, "
-            f"{len(plan.operations)} ops, torch/{dist.get_backend()}: {totals[1].item() / dist.get_world_size() / 1e6:.2f} ms/iter "
-            f"(mean over ranks of each rank's median of {args.iters})")
+            f"{len(plan.operations)} ops, torch/{dist.get_backend()}: {np.median(per_iter):.2f} ms/iter median of {args.iters} "
+            f"(min {per_iter.min():.2f}), slowest rank per iteration")
     if args.check:
-        line += f"; check {'ok: every destination shard bit-exact' if not totals[0] else f'FAILED: {totals[0].item()} elements differ'}"
-    return line, int(totals[0].item())
+        line += f"; check {'ok: every destination shard bit-exact' if not wrong[0] else f'FAILED: {wrong[0].item()} elements differ'}"
+    return line, int(wrong[0].item())
 
 
 def _arguments(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="torchrun --nproc-per-node N -m xmesh_plan.executor.torch_run", description=__doc__.splitlines()[0])
     parser.add_argument("plans", nargs="+", type=Path, help="plan files (plans/*.plan.json)")
     parser.add_argument("--check", action="store_true", help="compare every destination shard with numpy slicing, bit for bit")
-    parser.add_argument("--iters", type=int, default=5, help="iterations (default 5)")
+    parser.add_argument("--iters", type=int, default=5, help="timed iterations (default 5)")
+    parser.add_argument("--warmup", type=int, default=1, help="untimed iterations first (default 1)")
+    parser.add_argument("--order", choices=["posted", "device"], default="posted",
+                        help="posted: every message of a reshard posted at once (default); device: one operation at a time per device")
     parser.add_argument("--max-mb", type=float, default=16.0, help="shrink the tensor to at most this many MiB (default 16)")
     parser.add_argument("--nccl", action="store_true", help="use an NCCL process group on cuda:LOCAL_RANK instead of gloo on the CPU")
     parser.add_argument("--timeout", type=float, default=60.0, help="seconds without progress before a rank gives up (default 60)")
@@ -92,8 +99,9 @@ def main(argv: list[str] | None = None) -> int:
     import torch.distributed as dist
 
     args = _arguments(argv)
-    if args.iters < 1 or not args.max_mb > 0 or not args.timeout > 0:
-        print("error: --iters, --max-mb and --timeout must be positive, e.g. --iters 5 --max-mb 16 --timeout 60", file=sys.stderr)
+    if args.iters < 1 or args.warmup < 0 or not args.max_mb > 0 or not args.timeout > 0:
+        print("error: --iters, --max-mb and --timeout must be positive and --warmup at least 0, e.g. --iters 5 --max-mb 16 "
+              "--timeout 60", file=sys.stderr)
         return 2
     if args.nccl:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))

@@ -37,7 +37,7 @@ class TransferExecutor:
     """Replays every tensor of a plan on this rank; see the module docstring for the calling pattern."""
 
     def __init__(self, plan: Plan, comm=None, backend: str | None = None, timeout_s: float = 60.0,
-                 poll_s: tuple[float, float] = DEFAULT_POLL_S, gpu: int | None = None):
+                 poll_s: tuple[float, float] = DEFAULT_POLL_S, gpu: int | None = None, order: str = "posted"):
         if not isinstance(plan, Plan):
             raise TypeError(f"plan is a {type(plan).__name__}; pass a schemas.Plan, e.g. schemas.read_plan_file('x.plan.json')")
         try:
@@ -49,8 +49,11 @@ class TransferExecutor:
             raise PlanMismatchError(f"backend {named!r} does not run multi-tensor plans yet; use backend='mpi', "
                                     "or run each tensor's plan (schemas.plan_tensors.tensor_plans) with its own ReshardingExecutor",
                                     same_on_every_rank=True)
+        if is_multi(plan) and order != "posted":
+            raise PlanMismatchError(f"order {order!r} would order each tensor's operations apart, not the joint plan's; "
+                                    "multi-tensor plans run with order='posted'", same_on_every_rank=True)
         self.plan, self.names = plan, tensor_names(plan)
-        self.parts = [ReshardingExecutor(p, comm, backend, timeout_s, poll_s, gpu) for p in tensor_plans(plan)]
+        self.parts = [ReshardingExecutor(p, comm, backend, timeout_s, poll_s, gpu, order) for p in tensor_plans(plan)]
 
     @property
     def device(self) -> int:

@@ -143,14 +143,16 @@ def compile_command(problem_file, output, shape, dtype, src_mesh, src_spec, dst_
 @click.argument("plan_file", type=click.Path(dir_okay=False))
 @click.option("--tasks", "show_tasks", is_flag=True, help="list every unit task")
 @click.option("--ops", "show_ops", is_flag=True, help="list every operation, one per line")
-def inspect_command(plan_file, show_tasks, show_ops):
+@click.option("--orders", "show_orders", is_flag=True,
+              help="time the plan under each queueing: host-order, device-order, posted (what the MPI and torch engines do)")
+def inspect_command(plan_file, show_tasks, show_ops, show_orders):
     """Summarize a plan: tasks, bytes crossing hosts, per-host load, predicted time, lower bound, efficiency.
 
     \b
     Example:
       xmesh-plan inspect plans/case3.plan.json --tasks
     """
-    click.echo(summarize(read_plan_file(plan_file), show_tasks=show_tasks, show_ops=show_ops))
+    click.echo(summarize(read_plan_file(plan_file), show_tasks=show_tasks, show_ops=show_ops, show_orders=show_orders))
 
 
 @main.command("verify")

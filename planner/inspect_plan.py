@@ -8,6 +8,8 @@ from xmesh_plan.schemas import Plan
 from xmesh_plan.schemas.geometry import region_size
 from xmesh_plan.schemas.plan_tensors import is_multi
 
+from .simulate import simulate_plan
+
 
 @dataclass
 class HostLoad:
@@ -96,7 +98,24 @@ def tensor_rows(plan: Plan) -> list[str]:
     return rows
 
 
-def summarize(plan: Plan, show_tasks: bool = False, show_ops: bool = False) -> str:
+ORDER_MEANINGS = {  # queueing discipline -> who executes that way
+    "host-order": "each NIC side in the plan's order (the plan's claim)",
+    "device-order": "each device in turn (how Alpa's baselines run)",
+    "posted": "every operation at once, links shared (the MPI and torch engines)",
+}
+
+
+def order_lines(plan: Plan) -> list[str]:
+    """The plan timed by the simulator under each queueing discipline, next to the byte lower bound."""
+    lines = ["predicted under each queueing (simulator):"]
+    for discipline, meaning in ORDER_MEANINGS.items():
+        seconds = simulate_plan(plan, discipline).makespan_s
+        ratio = seconds / plan.lower_bound_seconds if plan.lower_bound_seconds > 0 else float("inf")
+        lines.append(f"  {discipline:<13} {seconds:.4f} s  {ratio:.3f}x bound   {meaning}")
+    return lines
+
+
+def summarize(plan: Plan, show_tasks: bool = False, show_ops: bool = False, show_orders: bool = False) -> str:
     p = plan.problem
     loads = plan_loads(plan)
     cluster = p.cluster
@@ -118,6 +137,8 @@ def summarize(plan: Plan, show_tasks: bool = False, show_ops: bool = False) -> s
     reason = plan.solver.details.get("lower_bound_reason", "")
     lines.append(f"predicted: {plan.predicted_seconds:.4f} s   lower bound: {plan.lower_bound_seconds:.4f} s"
                  f"{f' ({reason})' if reason else ''}   efficiency (bound/predicted): {plan.efficiency:.1%}")
+    if show_orders:
+        lines += order_lines(plan)
     if is_multi(plan):
         lines += ["per tensor (cross-host: send and broadcast hops; all-gathers count in the host loads above):"] + tensor_rows(plan)
     if show_tasks:

@@ -15,7 +15,10 @@ Model (stated, so every plan and baseline is judged by the same rules):
   `host-order` (ours): operations that use a NIC side run one after another in plan order, as the
   planner's per-host order says; `device-order` (Alpa's): every device works through its own
   operations in plan order, and an operation starts when all its devices are free (a NCCL
-  send/recv needs both ends), so operations of different devices share a NIC concurrently.
+  send/recv needs both ends), so operations of different devices share a NIC concurrently;
+  `posted`: every operation starts as soon as its data is there and all running transfers share
+  the links, which is what the MPI and torch engines do (they post every send and receive of a
+  reshard at once and TCP shares the links; measured on the emulated cluster, bench/netlab).
 An uncontended broadcast costs `sum(c_h) + (K-1) max(c_h)` with `c_h` one chunk's time on hop h,
 i.e. `t + (A-1) t/K` for A equal cross-host hops: the paper's `t + A t/K` counts one chunk more.
 """
@@ -28,7 +31,7 @@ from dataclasses import dataclass
 from xmesh_plan.schemas import Operation, Plan, ReshardingProblem, region_size
 from xmesh_plan.schemas.transfer import TransferProblem
 
-DISCIPLINES = ("host-order", "device-order")
+DISCIPLINES = ("host-order", "device-order", "posted")
 REL_EPS = 1e-12
 
 
@@ -180,6 +183,9 @@ class _Lowering:
         return sorted({link for i in flows for link in self.flows[i].links if link.startswith("h")})
 
     def add(self, op: Operation) -> None:
+        if self.discipline == "posted":
+            self.emit(op, self.data_ready(op))
+            return
         first = len(self.flows)
         waits = self.data_ready(op)
         if self.discipline == "device-order":

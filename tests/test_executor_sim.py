@@ -16,7 +16,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 
 from xmesh_plan.executor.arrays import storage_dtype
 from xmesh_plan.executor.errors import ExecutorError, PeerTimeoutError
-from xmesh_plan.executor.lower import lower
+from xmesh_plan.executor.lower import in_device_order, lower
 from xmesh_plan.executor.mpi_engine import MpiEngine
 from xmesh_plan.executor.pattern import fill, mismatches
 from xmesh_plan.executor.ranks import plan_devices, rank_of_devices
@@ -33,6 +33,7 @@ class _PersistentSend:
 
     def Start(self) -> None:
         self.world.mail[self.key].append(bytes(self.buf))
+        self.world.log.append(("send", self.key))
 
     def Test(self) -> bool:
         return True
@@ -63,6 +64,7 @@ class _PersistentRecv(_PersistentSend):
         assert len(data) == self.buf.nbytes, f"message {self.key} has {len(data)} B, receiver expects {self.buf.nbytes} B"
         self.buf[:] = np.frombuffer(data, np.uint8)
         self.active = False
+        self.world.log.append(("recv", self.key))
         return True
 
 
@@ -91,16 +93,19 @@ class FakeWorld:
     def __init__(self):
         self.mail: dict[tuple, deque] = defaultdict(deque)
         self.freed = 0
+        self.log: list[tuple[str, tuple]] = []  # ("send", key) when a send starts, ("recv", key) when a receive lands
 
 
-def simulate(plan, iterations: int = 4) -> dict[int, np.ndarray]:
+def simulate(plan, iterations: int = 4, order: str = "posted", world: FakeWorld | None = None) -> dict[int, np.ndarray]:
     """Run every device's engine round-robin until all finish, checking every destination shard bit for bit
     after each iteration (different data each time); fail on a stall or a stray message."""
-    world, rank_of = FakeWorld(), rank_of_devices(plan)
+    world, rank_of = world or FakeWorld(), rank_of_devices(plan)
     dtype, shape = storage_dtype(plan.problem.dtype), plan.problem.shape
     engines = []
     for rank, device in enumerate(plan_devices(plan)):
-        engine = MpiEngine(lower(plan, device, tag_limit=2**20), FakeComm(world, rank), rank_of, dtype, 1.0, (1e-5, 1e-4))
+        program = lower(plan, device, tag_limit=2**20)
+        program = in_device_order(program) if order == "device" else program
+        engine = MpiEngine(program, FakeComm(world, rank), rank_of, dtype, 1.0, (1e-5, 1e-4))
         engine.setup(mpi=FakeMPI)
         engines.append(engine)
     shards = [None] * len(engines)
@@ -149,6 +154,53 @@ def test_random_planner_cases_bit_exact(seed, strategy, devices):
     plan = compiled(random_problem(seed, max_devices=devices, exact=False), strategy)
     verify_plan(plan)
     assert_bit_exact(plan)
+
+
+def _out_of_device_order(plan, world: FakeWorld) -> list[str]:
+    """Sends a device started before a receive of one of its earlier operations had landed (first iteration)."""
+    op_of = {}  # (rank, "send"/"recv", peer rank, tag) -> op id
+    rank_of = rank_of_devices(plan)
+    for device, rank in rank_of.items():
+        for s in lower(plan, device, tag_limit=2**20).steps:
+            if s.action in ("send", "recv"):
+                op_of[(rank, s.action, rank_of[s.peer], s.tag)] = s.op
+    waiting: dict[int, set] = defaultdict(set)  # rank -> ops with a receive not landed yet
+    for (rank, action, peer, tag), op in op_of.items():
+        if action == "recv":
+            waiting[rank].add(op)
+    bad = []
+    for event, (src, dst, tag) in world.log[:len(op_of)]:
+        if event == "recv":
+            waiting[dst].discard(op_of[(dst, "recv", src, tag)])
+        else:
+            op = op_of[(src, "send", dst, tag)]
+            if any(earlier < op for earlier in waiting[src]):
+                bad.append(f"rank {src} sent op {op} while op {min(waiting[src])} had not arrived")
+    return bad
+
+
+@pytest.mark.parametrize("plan", all_fixed_plans(), ids=lambda p: f"{p.problem.name}-{p.strategy}")
+def test_device_order_puts_one_operation_at_a_time_on_the_wire_and_stays_bit_exact(plan):
+    world = FakeWorld()
+    simulate(plan, order="device", world=world)
+    assert _out_of_device_order(plan, world) == []
+
+
+def test_posted_order_does_send_ahead_of_earlier_operations():
+    """The check above can fail: posting every operation at once starts some sends early."""
+    early = 0
+    for plan in all_fixed_plans():
+        world = FakeWorld()
+        simulate(plan, iterations=1, world=world)
+        early += len(_out_of_device_order(plan, world))
+    assert early > 0
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(seed=st.integers(0, 10**6), strategy=st.sampled_from(STRATEGIES + ("auto",)), devices=st.integers(1, 9))
+def test_random_plans_in_device_order_finish_bit_exact(seed, strategy, devices):
+    plan = compiled(random_problem(seed, max_devices=devices, exact=False), strategy)
+    simulate(plan, iterations=2, order="device")
 
 
 def test_a_tag_mismatch_stalls_instead_of_corrupting():

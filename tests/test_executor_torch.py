@@ -80,6 +80,15 @@ def test_fixed_and_random_plans_are_bit_exact_on_8_gloo_ranks(tmp_path):
     assert len(by_dtensor) >= len(ours) * 3 // 4, ours
 
 
+def test_device_order_on_gloo_matching_by_order_is_bit_exact(tmp_path):
+    """order="device" makes steps wait for sends of earlier operations; the engine must finish those sends
+    in message order too (it deadlocked before), with every tag 0 as on NCCL."""
+    plans = all_fixed_plans()
+    lines = launch(DEVICES, "check_in_device_order", *write_plans(tmp_path, plans))
+    ours = [line for line in lines if line.startswith("rank 0:")]
+    assert len(ours) == len(plans) and all(line.endswith((": ok", ": ok (our boxes)")) for line in ours), lines
+
+
 def test_float8_plans_are_bit_exact(tmp_path):
     from test_executor_cases import problem
 

@@ -190,6 +190,7 @@ class _Comm:
     ({"comm": None}, TypeError, "comm is a NoneType; pass an mpi4py communicator"),
     ({"comm": object(), "backend": "torch"}, TypeError, "comm is a object; pass an mpi4py communicator, e.g. MPI.COMM_WORLD, or a torch"),
     ({"plan": None}, TypeError, "plan is a NoneType; pass a schemas.Plan"),
+    ({"order": "host"}, ValueError, "order 'host' is unknown; use one of: posted, device"),
 ])
 def test_executor_arguments_are_checked_with_the_fix(kwargs, error, expect):
     args = {"plan": _plan(), "comm": _Comm(), **kwargs}

@@ -44,14 +44,14 @@ def test_broadcast_latency_is_paid_per_chunk_and_hop():
     assert simulate([op], p).makespan_s == pytest.approx(2 * chunk + 3 * chunk, rel=1e-9)
 
 
-def two_sends_from_one_host(discipline: str) -> tuple[float, float, float]:
-    """Devices 0 and 1 of host 0 each send the whole tensor to a different host."""
+def two_sends_from_one_host(discipline: str, one_device: bool = False) -> tuple[float, float, float]:
+    """Devices 0 and 1 of host 0 (or device 0 twice) each send the whole tensor to a different host."""
     cluster = Cluster(devices_per_host=2, latency_us=0.0)
     p = ReshardingProblem(shape=(1024, 1024, 64), dtype="int32", cluster=cluster,
                           src=Placement(mesh=DeviceMesh(shape=(1, 2), devices=(0, 1)), spec="R R R"),
                           dst=Placement(mesh=DeviceMesh(shape=(2, 1), devices=(2, 4)), spec="R R R"))
     ops = [Operation(id=0, task=0, kind="send", src=0, dsts=(2,), region=full(p)),
-           Operation(id=1, task=1, kind="send", src=1, dsts=(4,), region=full(p))]
+           Operation(id=1, task=1, kind="send", src=0 if one_device else 1, dsts=(4,), region=full(p))]
     result = simulate(ops, p, discipline)
     return result.op_end_s[0], result.op_end_s[1], p.nbytes / GBPS10
 
@@ -64,6 +64,19 @@ def test_two_tasks_on_one_nic_share_it_fairly_when_devices_run_freely():
 def test_two_tasks_on_one_nic_run_one_after_the_other_in_host_order():
     first, second, t = two_sends_from_one_host("host-order")
     assert first == pytest.approx(t) and second == pytest.approx(2 * t)
+
+
+def test_posted_operations_share_the_nic_even_from_one_device():
+    """The MPI and torch engines post every operation at once: no queue per NIC side or per device."""
+    first, second, t = two_sends_from_one_host("posted", one_device=True)
+    assert first == pytest.approx(2 * t) and second == pytest.approx(2 * t)
+    first, second, t = two_sends_from_one_host("device-order", one_device=True)
+    assert first == pytest.approx(t) and second == pytest.approx(2 * t)
+
+
+def test_unknown_discipline_names_the_choices():
+    with pytest.raises(ValueError, match="host-order, device-order, posted"):
+        two_sends_from_one_host("fifo")
 
 
 def test_max_min_fair_rates():
@@ -83,7 +96,8 @@ def test_dependencies_delay_a_flow():
     assert spans[1] == pytest.approx((2.5, 3.5))
 
 
-def test_ring_allgather_waits_for_its_parts_and_takes_n_minus_1_steps():
+@pytest.mark.parametrize("discipline", ["host-order", "posted"])
+def test_ring_allgather_waits_for_its_parts_and_takes_n_minus_1_steps(discipline):
     cluster = Cluster(devices_per_host=4, latency_us=0.0, intra_host_gbps=80.0)
     p = ReshardingProblem(shape=(4, 1024, 1024), dtype="int32", cluster=cluster,
                           src=Placement(mesh=DeviceMesh(shape=(1, 1), devices=(0,)), spec="R R R"),
@@ -91,7 +105,7 @@ def test_ring_allgather_waits_for_its_parts_and_takes_n_minus_1_steps():
     parts = tuple(((i, i + 1), (0, 1024), (0, 1024)) for i in range(4))
     sends = [Operation(id=i, task=0, kind="send", src=0, dsts=(4 + i,), region=parts[i]) for i in range(4)]
     gather = Operation(id=4, task=0, kind="allgather", src=None, dsts=(4, 5, 6, 7), region=full(p), parts=parts)
-    result = simulate(sends + [gather], p)
+    result = simulate(sends + [gather], p, discipline)
     part_bytes = 1024 * 1024 * 4
     sent = 4 * part_bytes / GBPS10  # the four sends share host 1's receive side
     assert result.op_start_s[4] == pytest.approx(sent)

@@ -74,12 +74,15 @@ def dtensor_box(plan: Plan) -> tuple | str:
     return tuple((o, o + n) for o, n in zip(offset, shape))
 
 
+ORDER = "posted"  # the executor's order; check_in_device_order sets "device"
+
+
 def check(paths: list[str]) -> None:
     """Run each plan 3 times (run(), start()+test()+wait(), a non-contiguous source); count wrong elements."""
     rank = dist.get_rank()
     for path in paths:
         plan = read_plan_file(path)
-        ex = ReshardingExecutor(plan, backend="gloo", timeout_s=TIMEOUT_S).prepare()
+        ex = ReshardingExecutor(plan, backend="gloo", timeout_s=TIMEOUT_S, order=ORDER).prepare()
         p, bad = ex.program, 0
         full = tuple((0, n) for n in plan.problem.shape)
         theirs = dtensor_box(plan)
@@ -142,9 +145,11 @@ def main(argv: list[str]) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
     mode, args = argv[0], argv[1:]
-    if mode == "check_by_order":
+    if mode in ("check_by_order", "check_in_device_order"):
         from xmesh_plan.executor import torch_engine
 
+        global ORDER
+        ORDER = "device" if mode == "check_in_device_order" else ORDER
         torch_engine.MATCH_BY_TAG, mode = False, "check"
     {"check": lambda: check(args), "disagree": lambda: disagree(*args), "die": lambda: die(*args)}[mode]()
     dist.destroy_process_group()

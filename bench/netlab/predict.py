@@ -3,17 +3,17 @@
 Three ways to queue the same operations (the simulator's flows, fluid max-min sharing):
 - `host-order`: each NIC side works through its operations one at a time in plan order (the plan's claim);
 - `device-order`: each device does its operations in turn (how Alpa's baselines are priced);
-- `posted` (prototype, here only): every operation starts as soon as its data is there and all
-  running transfers share the links, which is what the executor does today (it posts every send
-  and receive at once and TCP shares the links).
+- `posted`: every operation starts as soon as its data is there and all running transfers share
+  the links, which is what the executor does (it posts every send and receive at once and TCP
+  shares the links).
 """
 
 from __future__ import annotations
 
 from xmesh_plan.planner.bounds import lower_bound
-from xmesh_plan.planner.simulate import _Lowering, nic_assignment, run_flows, simulate
+from xmesh_plan.planner.simulate import nic_assignment, simulate
 from xmesh_plan.planner.unit_tasks import decompose
-from xmesh_plan.schemas import Nic, Operation, Plan, ReshardingProblem
+from xmesh_plan.schemas import Nic, Plan, ReshardingProblem
 
 
 def at_rate(problem: ReshardingProblem, rate_mbit: float) -> ReshardingProblem:
@@ -23,24 +23,6 @@ def at_rate(problem: ReshardingProblem, rate_mbit: float) -> ReshardingProblem:
     return problem.model_copy(update={"cluster": problem.cluster.model_copy(update={"nics": nics})})
 
 
-class _Posted(_Lowering):
-    """Flows wait only for their data: no queue per NIC side or per device."""
-
-    def __init__(self, problem: ReshardingProblem):
-        super().__init__(problem, "host-order", None)
-
-    def add(self, op: Operation) -> None:
-        self.emit(op, self.data_ready(op))
-
-
-def posted_seconds(operations, problem: ReshardingProblem) -> float:
-    lowering = _Posted(problem)
-    for op in operations:
-        lowering.add(op)
-    spans = run_flows(lowering.flows, lowering.capacity)
-    return max((end for _, end in spans.values()), default=0.0)
-
-
 def predictions(plan: Plan, rate_mbit: float) -> dict[str, float]:
     """Seconds per reshard under each queueing, and the byte lower bound, on the testbed's links."""
     problem = at_rate(plan.problem, rate_mbit)
@@ -48,6 +30,6 @@ def predictions(plan: Plan, rate_mbit: float) -> dict[str, float]:
     return {
         "host-order": simulate(ops, problem, "host-order", nic_assignment(plan.host_order)).makespan_s,
         "device-order": simulate(ops, problem, "device-order").makespan_s,
-        "posted": posted_seconds(ops, problem),
+        "posted": simulate(ops, problem, "posted").makespan_s,
         "lower-bound": lower_bound(decompose(problem), problem.cluster, problem.itemsize).seconds,
     }

@@ -37,6 +37,7 @@ class RunOptions:
     timeout_s: float = 600.0
     rank_timeout_s: float = 120.0
     max_run_bytes: int = MAX_RUN_BYTES
+    order: str = "posted"  # the executor's --order: posted (all at once) or device (one operation at a time per device)
 
 
 @dataclass
@@ -72,7 +73,7 @@ def scaled(plan: Plan, max_mb: float) -> Plan:
 def _program(paths: list[Path], plan: Plan, opts: RunOptions) -> list[str]:
     ones = ",".join("1" * len(plan.problem.shape))
     return ["-m", "xmesh_plan.executor.run", *map(str, paths), "--scale", ones, "--iters", str(opts.iters), "--warmup", str(opts.warmup),
-            "--timeout", f"{opts.rank_timeout_s:g}"] + (["--check"] if opts.check else [])
+            "--timeout", f"{opts.rank_timeout_s:g}", "--order", opts.order] + (["--check"] if opts.check else [])
 
 
 def _check_bounds(plans: list[Plan], opts: RunOptions) -> None:
