@@ -122,3 +122,11 @@ def test_the_llama_example_has_every_parameter_of_llama3_8b():
         for side in ("src", "dst"):
             sizes = {tuple(b - a for a, b in box) for box in single.blocks(side).values()}
             assert len(sizes) == 1, (single.name, side, sizes)
+
+
+def test_the_format_page_example_reads_as_it_says():
+    text = (ROOT / "docs" / "format.md").read_text().split("```toml")[1].split("```")[0]
+    p = build_transfer(tomllib.loads(text))
+    assert p.names == ("model.embed_tokens.weight", "model.layers.0.input_layernorm.weight", "model.layers.0.self_attn.q_proj.weight",
+                       "model.layers.1.input_layernorm.weight", "model.layers.1.self_attn.q_proj.weight")
+    assert [str(t.dst) for t in p.tensors] == ["S1 R", "R", "S1 R", "R", "S1 R"] and p.tensors[0].dtype == "bfloat16"
