@@ -11,11 +11,12 @@ MPI engine drives the others this thread started, so all tensors move at once. A
 source mesh passes None (or {}); outside the destination mesh it gets {}. A single-tensor plan works
 too, its one tensor named by the problem's name.
 
-Engines: `mpi` (host memory). The torch and NCCL engines are not yet run with several reshards in
-flight on one group, so a multi-tensor plan is refused there with one line (run each tensor's plan
-from `tensor_plans` with its own `ReshardingExecutor` instead, one after another).
-Each tensor holds one duplicated communicator: MPICH allows about 2,000 at once, so a plan of more
-tensors than that cannot be prepared.
+Engines: `mpi` runs every tensor at once as above. The torch engine (one process group for all
+tensors, NCCL pairing messages by order) and the NCCL engine are not run with several reshards in
+flight, so with them the tensors go one after another in tensor order: `start()` starts the first,
+`test()` and `wait()` start each next one as the one before finishes. Every engine takes and returns
+the same name -> shard mappings. With MPI each tensor holds one duplicated communicator: MPICH allows
+about 2,000 at once, so a plan of more tensors than that cannot be prepared there.
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from .errors import ExecutorError, PlanMismatchError
 from .executor import DEFAULT_POLL_S, ReshardingExecutor
 from .worlds import is_mpi_comm
 
-MULTI_TENSOR_BACKENDS = ("mpi",)
+CONCURRENT_BACKENDS = ("mpi",)  # engines that run several reshards in flight (a waiting one drives the others)
 
 
 class TransferExecutor:
@@ -45,15 +46,16 @@ class TransferExecutor:
         except PlanError as err:
             raise PlanMismatchError(f"{err}; recompile the plan and check it with `xmesh-plan verify`") from None
         named = backend or ("mpi" if is_mpi_comm(comm) else "torch")
-        if is_multi(plan) and named not in MULTI_TENSOR_BACKENDS:
-            raise PlanMismatchError(f"backend {named!r} does not run multi-tensor plans yet; use backend='mpi', "
-                                    "or run each tensor's plan (schemas.plan_tensors.tensor_plans) with its own ReshardingExecutor",
-                                    same_on_every_rank=True)
+        self.concurrent = named in CONCURRENT_BACKENDS
         if is_multi(plan) and order != "posted":
             raise PlanMismatchError(f"order {order!r} would order each tensor's operations apart, not the joint plan's; "
                                     "multi-tensor plans run with order='posted'", same_on_every_rank=True)
         self.plan, self.names = plan, tensor_names(plan)
         self.parts = [ReshardingExecutor(p, comm, backend, timeout_s, poll_s, gpu, order) for p in tensor_plans(plan)]
+        self.given: dict[str, Any] = {}
+        self.results: list[Any] = [None] * len(self.parts)
+        self.current = len(self.parts)  # one after another: the tensor in flight (len(parts): none)
+        self.running = False  # one after another: between start() and wait()
 
     @property
     def device(self) -> int:
@@ -73,6 +75,12 @@ class TransferExecutor:
     def start(self, shards: Mapping[str, Any] | None = None) -> None:
         """Start every tensor's reshard and return at once; do not modify the shards until `wait()` returns."""
         given = self._sources(shards)
+        if not self.concurrent:
+            if self.current < len(self.parts):
+                raise ExecutorError("start() called while a reshard is in flight; call wait() first")
+            self.parts[0].start(given.get(self.names[0]))
+            self.given, self.current, self.running = given, 0, True
+            return
         started = []
         try:
             for part, name in zip(self.parts, self.names):
@@ -85,16 +93,32 @@ class TransferExecutor:
 
     def test(self) -> bool:
         """Drive every tensor's communication once without blocking; True when all have finished."""
+        if not self.concurrent:
+            return self._advance(block=False)
         return all([part.test() for part in self.parts])
 
     def wait(self) -> dict[str, Any]:
         """Finish every tensor's reshard; name -> destination shard (the engines' own buffers, reused next time)."""
-        out = {}
-        for part, name in zip(self.parts, self.names):
-            shard = part.wait()
-            if shard is not None:
-                out[name] = shard
-        return out
+        if self.concurrent:
+            self.results = [part.wait() for part in self.parts]
+        elif not self.running:
+            raise ExecutorError("wait() called without start()")
+        else:
+            self._advance(block=True)
+            self.given, self.running = {}, False
+        return {name: shard for name, shard in zip(self.names, self.results) if shard is not None}
+
+    def _advance(self, block: bool) -> bool:
+        """One after another: collect finished tensors and start the next; True when the last has finished."""
+        while self.current < len(self.parts):
+            part = self.parts[self.current]
+            if not block and not part.test():
+                return False
+            self.results[self.current] = part.wait()
+            self.current += 1
+            if self.current < len(self.parts):
+                self.parts[self.current].start(self.given.get(self.names[self.current]))
+        return True
 
     def close(self) -> None:
         """Close every tensor's executor (see `ReshardingExecutor.close`)."""

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
-from xmesh_plan.executor import PlanMismatchError, ReshardingExecutor, TransferExecutor
+from xmesh_plan.executor import ExecutorError, PlanMismatchError, ReshardingExecutor, TransferExecutor
 from xmesh_plan.executor.arrays import storage_dtype
 from xmesh_plan.executor.lower import lower
 from xmesh_plan.executor.mpi_engine import MpiEngine
@@ -247,14 +247,30 @@ def test_the_executor_refuses_missing_and_unknown_names(plan):
         source.start({})
 
 
-def test_a_multi_tensor_plan_is_refused_by_the_single_tensor_executor_and_the_torch_engine(plan):
+def test_one_tensor_after_another_as_the_torch_and_nccl_engines_run_them_is_bit_exact(plan):
+    """Engines that do not run reshards concurrently get the tensors one after another; the fake MPI
+    stands in for them (concurrency off), so the sequencing itself is what is checked."""
+    executors = fake_executors(plan)
+    for ex in executors:
+        ex.concurrent = False
+    for seed in (4, 5):
+        full = full_tensors(plan, seed)
+        out = run_everywhere(plan, executors, full)
+        for device, shards in out.items():
+            for name, got in shards.items():
+                index = plan.problem.index_of(name)
+                want = _slice(full[name], plan.problem.tensor_problem(index).blocks("dst")[device])
+                assert np.array_equal(got.view(np.uint8), want.view(np.uint8)), (device, name)
+        assert sum(len(s) for s in out.values()) == sum(len(p.blocks("dst")) for p in plan.problem.tensor_problems())
+    with pytest.raises(ExecutorError, match="wait\\(\\) called without start\\(\\)"):
+        executors[0].wait()
+
+
+def test_a_multi_tensor_plan_is_refused_by_the_single_tensor_executor(plan):
     with pytest.raises(TypeError, match="moves 3 tensors; run it with executor.TransferExecutor"):
         ReshardingExecutor(plan, _WorldComm(FakeWorld(), 0, 6))
-    for backend in ("torch", "gloo", "nccl"):
-        with pytest.raises(PlanMismatchError, match=f"backend '{backend}' does not run multi-tensor plans yet; use backend='mpi'"):
-            TransferExecutor(plan, _WorldComm(FakeWorld(), 0, 6), backend=backend)
-    with pytest.raises(PlanMismatchError, match="backend 'torch' does not run multi-tensor"):
-        TransferExecutor(plan, None)  # no communicator: torch's default group
+    with pytest.raises(PlanMismatchError, match="order 'device' would order each tensor's operations apart"):
+        TransferExecutor(plan, _WorldComm(FakeWorld(), 0, 6), order="device")
 
 
 @pytest.mark.mpi
