@@ -31,7 +31,7 @@ from xmesh_plan.schemas.plan_tensors import is_multi, tensor_plans
 from .errors import ExecutorError, PeerTimeoutError, PlanMismatchError
 from .engines import ENGINES
 from .executor import DEFAULT_POLL_S, ReshardingExecutor, poll
-from .pattern import fill, mismatches
+from .pattern import fill, mismatches, tensor_salt
 from .scale import factors_for, factors_per_tensor, scale_plan, scale_tensors
 from .transfer_executor import TransferExecutor
 from .timeouts import MAX_TIMEOUT_S
@@ -180,11 +180,6 @@ def demo(plan: Plan, comm, args: argparse.Namespace) -> tuple[str, bool]:
         line += (f"; check ok: {len(problem.dst.mesh.devices)} destination shards bit-exact" if not failures[0]
                  else f"; CHECK FAILED: {failures[0]} elements differ on {failures[1]} devices")
     return line, not failures[0]
-
-
-def tensor_salt(index: int) -> int:
-    """The pattern salt of tensor `index` (1..255, never 0), so a shard delivered to the wrong tensor is caught."""
-    return index % 255 + 1
 
 
 def demo_transfer(plan: Plan, comm, args: argparse.Namespace) -> tuple[str, bool]:

@@ -284,3 +284,18 @@ def test_mpiexec_runs_the_small_weight_sync_bit_exact(tmp_path):
                              "--iters", "2", "--warmup", "1"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=500)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "check ok: 21 tensors x 4 destination shards bit-exact" in result.stdout, result.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(800)
+def test_torchrun_runs_the_small_weight_sync_on_gloo_bit_exact(tmp_path):
+    """The torch engine (tensors one after another), each destination shard against numpy slicing of its tensor's pattern."""
+    pytest.importorskip("torch")
+    path = tmp_path / "weight_sync_small.plan.json"
+    path.write_text(compile_plan(load_any_problem(SMALL), solver="greedy").to_json())
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "8", "-m", "xmesh_plan.executor.torch_run", str(path),
+           "--check", "--iters", "2"]
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    result = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=700)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "21 tensors, 8 ranks" in result.stdout and "check ok: every destination shard of every tensor bit-exact" in result.stdout, result.stdout
