@@ -95,7 +95,7 @@ def _expand(raw: Any) -> list[tuple[dict, str]]:
     out: list[tuple[dict, str]] = []
     for k, entry in enumerate(raw):
         if isinstance(entry, dict) and ("repeat" in entry or "group" in entry):
-            out += _repeat(entry, f"tensors[{k}]")
+            out += _repeat(entry, f"tensors[{k}]", room=MAX_TENSORS - len(out))
         else:
             out.append((entry, f"tensors[{k}]"))
         if len(out) > MAX_TENSORS:
@@ -103,7 +103,7 @@ def _expand(raw: Any) -> list[tuple[dict, str]]:
     return out
 
 
-def _repeat(entry: dict, where: str) -> list[tuple[dict, str]]:
+def _repeat(entry: dict, where: str, room: int) -> list[tuple[dict, str]]:
     repeat, group = entry.get("repeat"), entry.get("group")
     if set(entry) - {"repeat", "group"}:
         raise InputError(f"{where}.{sorted(set(entry) - {'repeat', 'group'})[0]}: a repeated group has only repeat and group")
@@ -111,6 +111,8 @@ def _repeat(entry: dict, where: str) -> list[tuple[dict, str]]:
         raise InputError(f"{where}.repeat: {shown(repeat)} must be a whole number of repetitions in 0 .. {MAX_REPEAT}")
     if not isinstance(group, list) or not group or not all(isinstance(t, dict) for t in group):
         raise InputError(f"{where}.group: give a non-empty list of tensors whose names contain {{i}}, e.g. \"layers.{{i}}.mlp.weight\"")
+    if repeat * len(group) > room:  # refused before anything is unrolled
+        raise InputError(f"{where}: {repeat} x {len(group)} tensors would pass {MAX_TENSORS:,} in all; split the transfer into several problems")
     for j, tensor in enumerate(group):
         if "{i}" not in str(tensor.get("name", "")):
             raise InputError(f"{where}.group[{j}].name: {shown(tensor.get('name'))} lacks {{i}}, so its {repeat} copies "

@@ -63,6 +63,7 @@ def test_a_repeated_group_unrolls_layer_by_layer():
      ["tensors[1].name", "'a'", "tensors[0]"]),
     ({"tensors": [{"repeat": 2, "group": [{"name": "w", "shape": [4], "src": "R", "dst": "R"}]}]}, ["tensors[0].group[0].name", "{i}"]),
     ({"tensors": [{"repeat": -1, "group": [{"name": "w{i}", "shape": [4]}]}]}, ["tensors[0].repeat"]),
+    ({"tensors": [{"repeat": 100_000, "group": [{"name": "w{i}", "shape": [4]}] * 1000}]}, ["tensors[0]", "100,000", "split"]),
     ({"tensors": [{"name": "a", "shape": [8, 4], "src": "S0 R", "dst": "R S2"}]}, ["tensors[0] (a)", "R S2", "axis 2"]),
     ({"tensors": [{"name": "a", "shape": [8, 4], "src": "S0", "dst": "R R"}]}, ["tensors[0] (a)", "src.spec"]),
     ({"tensors": [{"name": "a", "shape": [8, 4], "src": "S0 R", "dst": "R R", "spec": "R"}]}, ["tensors[0].spec"]),
