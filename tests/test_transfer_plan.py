@@ -299,3 +299,66 @@ def test_torchrun_runs_the_small_weight_sync_on_gloo_bit_exact(tmp_path):
     result = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=700)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "21 tensors, 8 ranks" in result.stdout and "check ok: every destination shard of every tensor bit-exact" in result.stdout, result.stdout
+
+
+# --- verify and the executor's lowering agree on mutated multi-tensor plans --------------------------------
+
+def _lowering_refuses(plan: Plan) -> str | None:
+    """What TransferExecutor does on every rank before a byte moves: the shared checks, then each tensor lowered."""
+    try:
+        check_plan(plan)
+    except PlanError as err:
+        return str(err)
+    for single in tensor_plans(plan):
+        for device in plan_devices(plan):
+            try:
+                lower(single, device)
+            except PlanMismatchError as err:
+                return str(err)
+    return None
+
+
+def test_verify_and_the_lowering_agree_on_mutated_multi_tensor_plans():
+    import random
+
+    from pydantic import ValidationError
+    from test_plan_mutations import _as_lists, _mutate
+
+    bases = [compile_plan(problem(), solver="greedy"), compile_plan(problem(), strategy="local_allgather", solver="greedy"),
+             compile_plan(load_any_problem(SMALL), strategy="auto", solver="greedy")]
+    assert {op.kind for b in bases for op in b.operations} == {"copy", "broadcast", "send", "allgather"}
+    raws = [_as_lists(b.model_dump()) for b in bases]
+    rng = random.Random(11)
+    valid = rejected = 0
+    disagreements = []
+    while valid < 300:
+        raw = _as_lists(rng.choice(raws))
+        if rng.random() < 0.15:  # move an operation to another tensor, or past the last one
+            op = rng.choice(raw["operations"])
+            op["tensor"] = rng.choice([0, 1, 2, len(raw["problem"]["tensors"]), op["tensor"] + 1])
+            kind = "tensor"
+        else:
+            try:
+                kind = _mutate(rng, raw)
+            except KeyError:  # the single-tensor "shape" mutation: change one tensor's shape instead
+                tensor = rng.choice(raw["problem"]["tensors"])
+                tensor["shape"][0] = max(0, tensor["shape"][0] + rng.choice([-1, 1, 7]))
+                kind = "shape"
+        if not raw["operations"]:
+            continue
+        try:
+            mutant = Plan.model_validate(raw)
+        except ValidationError:
+            continue
+        valid += 1
+        try:
+            verify_plan(mutant)
+            verdict = None
+        except PlanError as err:
+            verdict = str(err)
+        refusal = _lowering_refuses(mutant)
+        rejected += verdict is not None
+        if (verdict is None) != (refusal is None):
+            disagreements.append(f"{kind}: verify {verdict or 'passes'}; lowering {refusal or 'accepts'}")
+    assert not disagreements, "\n".join(disagreements[:10])
+    assert rejected > valid // 2
