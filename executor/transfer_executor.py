@@ -44,7 +44,8 @@ class TransferExecutor:
         try:
             check_plan(plan)  # tensor indices in range before splitting
         except PlanError as err:
-            raise PlanMismatchError(f"{err}; recompile the plan and check it with `xmesh-plan verify`") from None
+            raise PlanMismatchError(f"{err}; recompile the plan and check it with `xmesh-plan verify`",
+                                    same_on_every_rank=True) from None  # every rank reads the same plan
         named = backend or ("mpi" if is_mpi_comm(comm) else "torch")
         self.concurrent = named in CONCURRENT_BACKENDS
         if is_multi(plan) and order != "posted":
