@@ -81,6 +81,9 @@ class ReshardingExecutor:
         self.program: RankProgram | None = None
         self.engine = None
         self.comm = None
+        # Set by TransferExecutor before prepare(): tags start here and the engine uses this communicator
+        # (another executor's, which owns and releases it), so the tensors of one plan share one.
+        self.tag_offset, self.shared_comm = 0, None
         self.in_flight = False
         self.closed = False
 
@@ -100,14 +103,14 @@ class ReshardingExecutor:
         tag_limit = 2**62 if self.entry.name == "nccl" else self.world.tag_limit()
         error = None
         try:  # a refusal here (the world size too) is shared with every rank before anyone raises
-            self.program = lower(self.plan, self.device, tag_limit=tag_limit)
+            self.program = lower(self.plan, self.device, tag_limit=tag_limit, first_tag=self.tag_offset)
         except PlanMismatchError as err:
             error = err
         self._agree(error)
         if self.order == "device":
             self.program = in_device_order(self.program)
         self.src_shape = self.program.src_shape
-        self.comm = self.world.engine_comm(self.timeout_s, self.poll_s)
+        self.comm = self.shared_comm if self.shared_comm is not None else self.world.engine_comm(self.timeout_s, self.poll_s)
         problem = self.plan.problem
         context = EngineContext(self.comm, rank_of_devices(self.plan), problem.dtype, storage_dtype(problem.dtype),
                                 self.timeout_s, self.poll_s, self.gpu, problem.cluster.devices_per_host)
@@ -208,7 +211,8 @@ class ReshardingExecutor:
             self.engine.close()
         self.closed = True
         comm, self.comm = self.comm, None
-        self.world.release(comm)
+        if self.shared_comm is None:  # a shared communicator is its owner's to release
+            self.world.release(comm)
         if interrupted is not None:
             raise interrupted
 

@@ -334,15 +334,18 @@ def _lower_allgather(b: _Builder, op: Operation, base: int) -> None:
 _LOWER = {"copy": _lower_copy, "send": _lower_chain, "broadcast": _lower_chain, "allgather": _lower_allgather}
 
 
-def lower(plan: Plan, device: int, tag_limit: int | None = None) -> RankProgram:
-    """The steps `device` runs for `plan`; raises PlanMismatchError naming the op when the plan is inconsistent."""
+def lower(plan: Plan, device: int, tag_limit: int | None = None, first_tag: int = 0) -> RankProgram:
+    """The steps `device` runs for `plan`; raises PlanMismatchError naming the op when the plan is inconsistent.
+
+    Tags are numbered from `first_tag`, so programs of several plans sharing one communicator (the
+    tensors of a multi-tensor plan) never reuse a tag."""
     try:  # the same structural rules and messages as `xmesh-plan verify`
         check_plan(plan)
     except PlanError as err:
         raise PlanMismatchError(_advice(str(err))) from None
     problem = plan.problem
     b = _Builder(plan, device, problem.blocks("src"), problem.blocks("dst"), problem.itemsize)
-    base = 0
+    base = first_tag
     for op in plan.operations:
         _LOWER[op.kind](b, op, base)
         base += tags_used(op)

@@ -5,9 +5,9 @@
     new["layers.0.q.weight"]                                      # its destination shards by name
 
 The plan is split into one single-tensor plan per tensor (`schemas.plan_tensors`), keeping the joint
-plan's operations, ids and order; each gets its own `ReshardingExecutor` (its own communicator, so
-tags never collide). `start()` starts every tensor's reshard before any is waited for, and a waiting
-MPI engine drives the others this thread started, so all tensors move at once. A rank outside the
+plan's operations, ids and order; each gets its own `ReshardingExecutor`. `start()` starts every tensor's reshard before any is waited for, and a waiting
+MPI engine drives the others this thread started, so all tensors move at once; they share one
+duplicated communicator, each tensor's tags numbered after the ones before it. A rank outside the
 source mesh passes None (or {}); outside the destination mesh it gets {}. A single-tensor plan works
 too, its one tensor named by the problem's name.
 
@@ -15,8 +15,7 @@ Engines: `mpi` runs every tensor at once as above. The torch engine (one process
 tensors, NCCL pairing messages by order) and the NCCL engine are not run with several reshards in
 flight, so with them the tensors go one after another in tensor order: `start()` starts the first,
 `test()` and `wait()` start each next one as the one before finishes. Every engine takes and returns
-the same name -> shard mappings. With MPI each tensor holds one duplicated communicator: MPICH allows
-about 2,000 at once, so a plan of more tensors than that cannot be prepared there.
+the same name -> shard mappings.
 """
 
 from __future__ import annotations
@@ -24,7 +23,7 @@ from __future__ import annotations
 from typing import Any, Mapping
 
 from xmesh_plan.schemas import Plan
-from xmesh_plan.schemas.plan_check import PlanError, check_plan
+from xmesh_plan.schemas.plan_check import PlanError, check_plan, tags_used
 from xmesh_plan.schemas.plan_tensors import is_multi, tensor_names, tensor_plans
 
 from .errors import ExecutorError, PlanMismatchError
@@ -53,6 +52,10 @@ class TransferExecutor:
                                     "multi-tensor plans run with order='posted'", same_on_every_rank=True)
         self.plan, self.names = plan, tensor_names(plan)
         self.parts = [ReshardingExecutor(p, comm, backend, timeout_s, poll_s, gpu, order) for p in tensor_plans(plan)]
+        first = 0
+        for part in self.parts if self.concurrent else ():  # tags of tensor k follow those of tensors 0..k-1
+            part.tag_offset = first
+            first += sum(map(tags_used, part.plan.operations))
         self.given: dict[str, Any] = {}
         self.results: list[Any] = [None] * len(self.parts)
         self.current = len(self.parts)  # one after another: the tensor in flight (len(parts): none)
@@ -63,8 +66,13 @@ class TransferExecutor:
         return self.parts[0].device
 
     def prepare(self) -> "TransferExecutor":
-        """Check and set up every tensor's executor (in tensor order, on every rank)."""
-        for part in self.parts:
+        """Check and set up every tensor's executor (in tensor order, on every rank).
+
+        On MPI the first tensor's executor duplicates the communicator and the others share it, each
+        numbering its tags after the tensors before it (a plan's tags fit MPI's TAG_UB together)."""
+        for k, part in enumerate(self.parts):
+            if self.concurrent and k:
+                part.shared_comm = self.parts[0].comm
             part.prepare()
         return self
 
@@ -122,8 +130,8 @@ class TransferExecutor:
         return True
 
     def close(self) -> None:
-        """Close every tensor's executor (see `ReshardingExecutor.close`)."""
-        for part in self.parts:
+        """Close every tensor's executor (see `ReshardingExecutor.close`), the communicator's owner last."""
+        for part in reversed(self.parts):
             part.close()
 
     def _sources(self, shards: Mapping[str, Any] | None) -> dict[str, Any]:

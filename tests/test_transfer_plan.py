@@ -23,7 +23,7 @@ from xmesh_plan.planner.compile import compile_plan
 from xmesh_plan.planner.transfer_io import build_transfer, load_any_problem
 from xmesh_plan.planner.verify import PlanError, verify_plan
 from xmesh_plan.schemas import Plan, read_plan_file
-from xmesh_plan.schemas.plan_check import check_plan
+from xmesh_plan.schemas.plan_check import check_plan, tags_used
 from xmesh_plan.schemas.plan_tensors import tensor_plans
 from test_executor_sim import FakeComm, FakeMPI, FakeWorld
 
@@ -181,16 +181,20 @@ class _WorldComm(FakeComm):
         raise AssertionError("not used: the test sets each tensor's engine up itself")
 
 
-def fake_executors(plan: Plan) -> list[TransferExecutor]:
-    """One TransferExecutor per rank over the fake MPI (a world per tensor, as each has its own communicator),
-    each tensor's engine set up as prepare() would."""
+def fake_executors(plan: Plan, concurrent: bool = True) -> list[TransferExecutor]:
+    """One TransferExecutor per rank over one fake MPI communicator shared by every tensor (tags offset per
+    tensor as prepare() does, so a collision would deliver bytes to the wrong tensor), each tensor's engine
+    set up as prepare() would. `concurrent=False`: one tensor after another, every tensor's tags from 0 (as
+    on a torch process group)."""
     devices, rank_of = plan_devices(plan), rank_of_devices(plan)
-    worlds = [FakeWorld() for _ in plan.problem.tensors]
+    world = FakeWorld()
     out = []
     for rank, device in enumerate(devices):
-        ex = TransferExecutor(plan, _WorldComm(worlds[0], rank, len(devices)))
-        for part, world in zip(ex.parts, worlds):
-            part.program = lower(part.plan, device, tag_limit=2**20)
+        ex = TransferExecutor(plan, _WorldComm(world, rank, len(devices)))
+        ex.concurrent = concurrent
+        for part in ex.parts:
+            offset = part.tag_offset if concurrent else 0
+            part.program = lower(part.plan, device, tag_limit=2**20, first_tag=offset)
             part.src_shape = part.program.src_shape
             part.engine = MpiEngine(part.program, FakeComm(world, rank), rank_of, storage_dtype(part.plan.problem.dtype), 5.0, (1e-5, 1e-4))
             part.engine.setup(mpi=FakeMPI)
@@ -209,6 +213,16 @@ def run_everywhere(plan: Plan, executors: list[TransferExecutor], full: dict[str
     else:
         pytest.fail("stalled")
     return {ex.device: {k: v.copy() for k, v in ex.wait().items()} for ex in executors}
+
+
+def test_tensors_sharing_a_communicator_get_disjoint_tags(plan):
+    ex = fake_executors(plan)[0]
+    offsets = [p.tag_offset for p in ex.parts]
+    counts = [sum(map(tags_used, p.plan.operations)) for p in ex.parts]
+    assert offsets == [sum(counts[:k]) for k in range(len(counts))] and all(counts)
+    tags = [{s.tag for s in p.program.steps if s.action in ("send", "recv")} for p in ex.parts]
+    for k, mine in enumerate(tags):
+        assert all(offsets[k] <= t < offsets[k] + counts[k] for t in mine), k
 
 
 def test_the_executor_delivers_every_tensor_bit_exact_against_numpy_slicing(plan):
@@ -250,9 +264,7 @@ def test_the_executor_refuses_missing_and_unknown_names(plan):
 def test_one_tensor_after_another_as_the_torch_and_nccl_engines_run_them_is_bit_exact(plan):
     """Engines that do not run reshards concurrently get the tensors one after another; the fake MPI
     stands in for them (concurrency off), so the sequencing itself is what is checked."""
-    executors = fake_executors(plan)
-    for ex in executors:
-        ex.concurrent = False
+    executors = fake_executors(plan, concurrent=False)
     for seed in (4, 5):
         full = full_tensors(plan, seed)
         out = run_everywhere(plan, executors, full)
