@@ -40,8 +40,11 @@ bench: $(STAMP)
 	@for f in bench/bench_*.py; do echo "== $$f"; $(PY) $$f || exit 1; done
 
 ## Plans on an emulated cluster (as root: network namespaces, shaped links); figures go to BENCHMARKS.md.
+## Both executor orders, then the two side by side (an hour or so on 2 cores); NETLAB_ARGS narrows it, e.g. --cases case3 --rates 500.
 bench-net: $(STAMP)
-	PYTHONPATH=$(CURDIR) $(PY) -m bench.netlab.experiments $(NETLAB_ARGS)
+	PYTHONPATH=$(CURDIR) $(PY) -m bench.netlab.experiments --order device --out netlab-device.json $(NETLAB_ARGS)
+	PYTHONPATH=$(CURDIR) $(PY) -m bench.netlab.experiments --order posted --out netlab-posted.json $(NETLAB_ARGS)
+	PYTHONPATH=$(CURDIR) $(PY) -m bench.netlab.summary bench/results/netlab-posted.json bench/results/netlab-device.json
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis .plans-check build *.egg-info

@@ -111,6 +111,7 @@ class RankProgram:
     dst_block: Region | None
     itemsize: int
     collectives: tuple[Collective, ...] = ()
+    order: str = "posted"  # "device" after in_device_order: engines then also make a send finish only once received
 
     @property
     def src_shape(self) -> tuple[int, ...] | None:
@@ -366,12 +367,11 @@ ORDERS = ("posted", "device")  # how a rank lets its operations onto the wire; s
 
 
 def in_device_order(program: RankProgram) -> RankProgram:
-    """The same steps, but each operation's sends and packs wait for every step of this device's previous
-    operation, so the device puts one operation on the wire at a time in plan order (the simulator's
-    `device-order`, as a NCCL stream runs them), instead of posting them all at once (`posted`).
-
-    Receives stay posted early: they only let bytes land. Deadlock-free: every rank walks the plan in one
-    order, so the earliest unfinished operation never waits on a later one.
+    """The same steps, but each operation's messages (and packs) wait for every step of this device's
+    previous operation, so a device takes part in one operation at a time, in plan order, at both ends of
+    a message: the simulator's `device-order`, as NCCL runs a stream's calls, instead of posting every
+    operation at once (`posted`). Deadlock-free: every rank walks the plan in one order, so the earliest
+    unfinished operation never waits on a later one.
     """
     steps: list[Step] = []
     barrier: tuple[int, ...] = ()  # steps whose completion means every earlier operation here has finished
@@ -380,11 +380,11 @@ def in_device_order(program: RankProgram) -> RankProgram:
     for s in program.steps:
         if current and s.op != steps[-1].op:
             barrier, current, gated = tuple(current) if gated else tuple(sorted(set(barrier) | set(current))), [], False
-        if barrier and s.action in ("send", "pack"):
+        if barrier and s.action in ("send", "recv", "pack"):
             s, gated = replace(s, deps=tuple(sorted(set(s.deps) | set(barrier)))), True
         steps.append(s)
         current.append(s.index)
-    return replace(program, steps=tuple(steps))
+    return replace(program, steps=tuple(steps), order="device")
 
 
 def _advice(message: str) -> str:

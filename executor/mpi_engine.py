@@ -103,7 +103,10 @@ class MpiEngine:
             if s.action == "recv":
                 self.requests[i] = self.comm.Recv_init(buf, source=self.peer_rank[i], tag=s.tag)
             else:
-                self.requests[i] = self.comm.Send_init(buf, dest=self.peer_rank[i], tag=s.tag)
+                # in device order a send must not finish while its bytes sit in a socket buffer, or the
+                # device would start its next operation early: a synchronous send ends once it is being received
+                send_init = self.comm.Ssend_init if self.program.order == "device" else self.comm.Send_init
+                self.requests[i] = send_init(buf, dest=self.peer_rank[i], tag=s.tag)
         elif s.action == "copy":
             self.pairs[i] = (self.dst[s.target.index], flat["src_typed"][s.box.index])
         else:

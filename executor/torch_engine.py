@@ -280,7 +280,7 @@ class TorchEngine:
         for d in self.dependents[i]:
             remaining[d] -= 1
             if remaining[d] == 0:
-                if steps[d].action == "send":
+                if steps[d].action in ("send", "recv"):  # a receive waits for something in order="device"
                     q = self.queue_of[d]
                     if self.queues[q][self.heads[q]] == d:
                         self._advance(q)

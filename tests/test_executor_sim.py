@@ -85,6 +85,8 @@ class FakeComm:
     def Send_init(self, spec, dest: int, tag: int):
         return _PersistentSend(self.world, (self.rank, dest, tag), spec[0])
 
+    Ssend_init = Send_init  # a mailbox delivers at once: synchronous and buffered sends behave alike here
+
     def Recv_init(self, spec, source: int, tag: int):
         return _PersistentRecv(self.world, (source, self.rank, tag), spec[0])
 
@@ -157,7 +159,7 @@ def test_random_planner_cases_bit_exact(seed, strategy, devices):
 
 
 def _out_of_device_order(plan, world: FakeWorld) -> list[str]:
-    """Sends a device started before a receive of one of its earlier operations had landed (first iteration)."""
+    """Messages a device sent or received before a receive of one of its earlier operations had landed (first iteration)."""
     op_of = {}  # (rank, "send"/"recv", peer rank, tag) -> op id
     rank_of = rank_of_devices(plan)
     for device, rank in rank_of.items():
@@ -171,7 +173,10 @@ def _out_of_device_order(plan, world: FakeWorld) -> list[str]:
     bad = []
     for event, (src, dst, tag) in world.log[:len(op_of)]:
         if event == "recv":
-            waiting[dst].discard(op_of[(dst, "recv", src, tag)])
+            op = op_of[(dst, "recv", src, tag)]
+            if any(earlier < op for earlier in waiting[dst]):
+                bad.append(f"rank {dst} received op {op} while op {min(waiting[dst])} had not arrived")
+            waiting[dst].discard(op)
         else:
             op = op_of[(src, "send", dst, tag)]
             if any(earlier < op for earlier in waiting[src]):

@@ -43,13 +43,15 @@ def two_host_plan():
     return compile_fast(problem)
 
 
-def test_two_hosts_run_a_plan_bit_exact_and_links_carry_its_bytes():
+@pytest.mark.parametrize("engine, order, says", [("mpi", "posted", "check ok: 2 destination shards bit-exact"),
+                                                  ("torch", "device", "check ok: every destination shard bit-exact")])
+def test_two_hosts_run_a_plan_bit_exact_and_links_carry_its_bytes(engine, order, says):
     plan = two_host_plan()
     assert ranks_per_host(plan) == (2, 2)
-    opts = RunOptions(tb.LinkShape(rate_mbit=500), max_mb=4, iters=2, warmup=1, timeout_s=RUN_TIMEOUT_S)
+    opts = RunOptions(tb.LinkShape(rate_mbit=500), max_mb=4, iters=2, warmup=1, timeout_s=RUN_TIMEOUT_S, engine=engine, order=order)
     result = run_plan(plan, opts)
     assert result.ok, result.launch.stderr[-3000:]
-    assert "check ok: 2 destination shards bit-exact" in result.launch.stdout, result.launch.stdout
+    assert says in result.launch.stdout, result.launch.stdout
     assert [row.predicted.sent for row in result.hosts] == [3 * 4 * 2**20, 0]
     assert counters.within(result.hosts, rel=0.01, slack_bytes=CONTROL_SLACK) == []
     assert result.run_id and ours(result.run_id) == []

@@ -26,6 +26,9 @@ def _arguments(argv):
     parser.add_argument("--iters", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--check", action="store_true", help="check every destination shard bit for bit")
+    parser.add_argument("--engine", choices=["mpi", "torch"], default="mpi", help="mpi (mpiexec) or torch (gloo); default mpi")
+    parser.add_argument("--order", choices=["posted", "device"], default="posted",
+                        help="the executor's order: posted (every message at once) or device (one operation at a time per device)")
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds before a run is killed (default 600)")
     parser.add_argument("--clean-stale", action="store_true", help="remove namespaces left by killed runs, then go on")
     return parser.parse_args(argv)
@@ -53,7 +56,8 @@ def main(argv=None) -> int:
         if not args.plans:
             return 0
     try:
-        opts = RunOptions(LinkShape(args.rate_mbit, args.mtu), args.max_mb, args.iters, args.warmup, args.check, args.timeout)
+        opts = RunOptions(LinkShape(args.rate_mbit, args.mtu), args.max_mb, args.iters, args.warmup, args.check, args.timeout,
+                          order=args.order, engine=args.engine)
         plans = [read_plan_file(p) for p in args.plans]
         if not plans:
             raise ValueError("give at least one plan file, e.g. plans/case3.plan.json")

@@ -15,6 +15,7 @@ import argparse
 import os
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -43,9 +44,10 @@ APPROACHES = [  # label, strategy, solver (None: an Alpa baseline)
 COMMAND = "PYTHONPATH=$PWD .venv/bin/python -m bench.netlab.experiments"
 
 
-def _plans(name: str, rate_mbit: float):
-    """(label, plan or the reason it could not be made) for every approach on case `name` at the link rate."""
-    problem = at_rate(build_problem(dict(reference_problems())[name]), rate_mbit)
+def _plans(name: str, rate_mbit: float, latency_us: float | None = None):
+    """(label, plan or the reason it could not be made) for every approach on case `name` at the link rate
+    (and per-message latency, when given)."""
+    problem = at_rate(build_problem(dict(reference_problems())[name]), rate_mbit, latency_us)
     out = []
     for label, strategy, solver in APPROACHES:
         try:
@@ -56,8 +58,18 @@ def _plans(name: str, rate_mbit: float):
     return out
 
 
-def run_case(name: str, rate_mbit: float, opts: RunOptions) -> dict:
-    made = _plans(name, rate_mbit)
+def measure_latency(opts: RunOptions) -> float:
+    """One message's cost on the testbed, in microseconds: the median time of a reshard that sends one tiny
+    message between two hosts (the engine's per-message work, the kernel and the link's round trip)."""
+    plan = compile_plan(at_rate(build_problem(dict(reference_problems())["one_to_1x1"]), opts.link.rate_mbit), "send_recv", "auto")
+    result = run_plans([plan], replace(opts, max_mb=1e-4, iters=30, warmup=5))
+    if not result.ok:
+        raise RuntimeError(f"the latency probe failed: {result.launch.stderr[-500:]}")
+    return result.median_s[0] * 1e6
+
+
+def run_case(name: str, rate_mbit: float, opts: RunOptions, latency_us: float | None = None) -> dict:
+    made = _plans(name, rate_mbit, latency_us)
     plans = [(label, p) for label, p in made if not isinstance(p, str)]
     started = time.monotonic()
     result = run_plans([p for _, p in plans], opts)
@@ -65,7 +77,7 @@ def run_case(name: str, rate_mbit: float, opts: RunOptions) -> dict:
     for (label, _), plan, median, fastest in zip(plans, result.plans, result.median_s, result.min_s):
         rows.append({"approach": label, "strategy": plan.strategy, "solver": plan.solver.name, "ops": len(plan.operations),
                      "measured_s": median, "min_s": fastest, "predicted_s": predictions(plan, rate_mbit)})
-    return {"case": name, "rate_mbit": rate_mbit, "shape": list(result.plans[0].problem.shape), "rows": rows,
+    return {"case": name, "rate_mbit": rate_mbit, "latency_us": latency_us, "shape": list(result.plans[0].problem.shape), "rows": rows,
             "skipped": {label: p for label, p in made if isinstance(p, str)}, "checked": result.checked,
             "ok": result.ok, "wall_s": round(time.monotonic() - started, 1), "links": [h.as_dict() for h in result.hosts],
             "retransmitted_segments": result.retransmits,
@@ -97,12 +109,13 @@ def table(runs: list[dict], order: str = "posted") -> str:
 
 
 def link_table(runs: list[dict]) -> str:
-    lines = ["| case | Mbit/s | plan bytes (all hosts, both ways) | link bytes | excess | excess per reshard | TCP retransmits | bit-exact |",
-             "|---|---|---|---|---|---|---|---|"]
+    lines = ["| case | Mbit/s | latency us | plan bytes (all hosts, both ways) | link bytes | excess | excess per reshard | TCP retransmits | bit-exact |",
+             "|---|---|---|---|---|---|---|---|---|"]
     for run in runs:
         plan = sum(h["predicted_sent"] + h["predicted_received"] for h in run["links"])
         link = sum(h["sent"] + h["received"] for h in run["links"])
-        lines.append(f"| {run['case']} | {run['rate_mbit']:g} | {plan:,} | {link:,} | {(link - plan) / plan:+.2%} | "
+        latency = "plan's" if run.get("latency_us") is None else f"{run['latency_us']:g}"
+        lines.append(f"| {run['case']} | {run['rate_mbit']:g} | {latency} | {plan:,} | {link:,} | {(link - plan) / plan:+.2%} | "
                      f"{(link - plan) / run['reshards'] / len(run['rows']) / 2**10:,.0f} KiB | "
                      f"{sum(run.get('retransmitted_segments', {}).values()):,} | {'yes' if run['checked'] else 'NO'} |")
     return "\n".join(lines)
@@ -119,8 +132,19 @@ def _arguments(argv):
     parser.add_argument("--out", default="netlab.json", help="results file name under bench/results/")
     parser.add_argument("--order", choices=sorted(MODEL_OF_ORDER), default="posted",
                         help="the executor's order: posted (every message at once) or device (one operation at a time per device)")
+    parser.add_argument("--engine", choices=["mpi", "torch"], default="mpi",
+                        help="mpi: mpiexec + executor.run; torch: torch.distributed over gloo + executor.torch_run")
+    parser.add_argument("--latency-us", default="measure",
+                        help="per-message latency the plans are made and predicted with: a number, 'measure' (a probe on "
+                             "the testbed at each rate, the default) or 'plan' (the reference cases' own, 20 us)")
     parser.add_argument("--no-markdown", action="store_true", help="leave BENCHMARKS.md alone")
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if args.latency_us not in ("measure", "plan"):
+        try:
+            args.latency_us = float(args.latency_us)
+        except ValueError:
+            parser.error(f"--latency-us {args.latency_us!r}: give microseconds (e.g. 200), 'measure' or 'plan'")
+    return args
 
 
 def main(argv=None) -> int:
@@ -131,17 +155,22 @@ def main(argv=None) -> int:
         return 2
     runs = []
     for rate in [float(r) for r in args.rates.split(",")]:
-        opts = RunOptions(LinkShape(rate, args.mtu), args.max_mb, args.iters, args.warmup, order=args.order)
+        opts = RunOptions(LinkShape(rate, args.mtu), args.max_mb, args.iters, args.warmup, order=args.order, engine=args.engine)
+        latency = {"measure": None, "plan": None}.get(args.latency_us, args.latency_us)
+        if args.latency_us == "measure":
+            latency = round(measure_latency(opts), 1)
+            print(f"measured per-message latency at {rate:g} Mbit/s: {latency:g} us", flush=True)
         for name in args.cases.split(","):
-            runs.append(run_case(name, rate, opts))
+            runs.append(run_case(name, rate, opts, latency))
             print(*table([runs[-1]], args.order).splitlines()[2:], link_table([runs[-1]]).splitlines()[-1], sep="\n", flush=True)
     load = os.getloadavg()
     meta = {"command": f"{COMMAND} --cases {args.cases} --rates {args.rates} --max-mb {args.max_mb:g} --iters {args.iters} "
-                       f"--warmup {args.warmup} --mtu {args.mtu} --order {args.order}", "loadavg_after": load, "cpus": os.cpu_count(),
-            "order": args.order}
+                       f"--warmup {args.warmup} --mtu {args.mtu} --order {args.order} --engine {args.engine} --latency-us {args.latency_us}", "loadavg_after": load, "cpus": os.cpu_count(),
+            "order": args.order, "engine": args.engine}
     write_json(args.out, {"meta": meta, "runs": runs})
     if not args.no_markdown:
-        title = "Emulated cluster (bench/netlab)" + ("" if args.order == "posted" else f", executor order {args.order}")
+        title = "Emulated cluster (bench/netlab)" + ("" if args.order == "posted" else f", executor order {args.order}") + (
+            "" if args.engine == "mpi" else f", {args.engine} engine")
         replace_section(title, f"`{meta['command']}` (as root; load average after: "
                         f"{load[0]:.1f}, {os.cpu_count()} cores)\n\n{table(runs, args.order)}\n\n{link_table(runs)}\n")
     return 0 if all(r["ok"] and r["checked"] for r in runs) else 1

@@ -15,6 +15,7 @@ import shlex
 import subprocess
 import sys
 import tempfile
+import time
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
@@ -80,15 +81,57 @@ def run_ranks(bed: Testbed, plan: Plan, program: list[str], timeout_s: float) ->
         cmd = mpiexec_command(bed, plan, write_launcher(bed, Path(folder)), program)
         proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                 start_new_session=True, env=dict(os.environ, **RANK_ENV))
-        try:
-            out, err = proc.communicate(timeout=timeout_s)
-            return LaunchResult(proc.returncode, out, err, False)
-        except subprocess.TimeoutExpired:
-            kill_processes(list(bed.namespaces))
-            out, err = proc.communicate()
-            return LaunchResult(proc.returncode, out, err, True)
-        finally:  # an exception or Ctrl-C while waiting: nothing of this run may outlive it
-            if proc.poll() is None:
+        return _collect(bed, [proc], timeout_s)
+
+
+TORCH_PORT = 29400  # the rendezvous store listens on testbed host 0; each testbed has its own namespaces, so no clash
+
+
+def torch_rank_commands(bed: Testbed, plan: Plan, program: list[str]) -> list[tuple[list[str], dict[str, str]]]:
+    """One (command, environment) per rank, as torchrun would set them (env:// rendezvous on host 0), each
+    run inside its host's namespace; gloo is held to `eth0`, so ranks of different hosts cross the shaped links."""
+    counts = ranks_per_host(plan)
+    if len(counts) != bed.hosts:
+        raise ValueError(f"plan {plan.problem.name or '(unnamed)'} uses {len(counts)} hosts but the testbed has {bed.hosts}")
+    out, rank = [], 0
+    for host, n in enumerate(counts):
+        for local in range(n):
+            env = {"RANK": str(rank), "WORLD_SIZE": str(sum(counts)), "LOCAL_RANK": str(local), "LOCAL_WORLD_SIZE": str(n),
+                   "MASTER_ADDR": bed.host_addr(0), "MASTER_PORT": str(TORCH_PORT), "GLOO_SOCKET_IFNAME": "eth0",
+                   "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+            out.append(([IP, "netns", "exec", bed.host_ns(host), sys.executable, *program], env))
+            rank += 1
+    return out
+
+
+def run_torch_ranks(bed: Testbed, plan: Plan, program: list[str], timeout_s: float) -> LaunchResult:
+    """Launch `program` on every rank under torch.distributed (gloo) instead of MPI; rank 0's output is returned."""
+    procs = [subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+                              env=dict(os.environ, **env)) for cmd, env in torch_rank_commands(bed, plan, program)]
+    return _collect(bed, procs, timeout_s)
+
+
+def _collect(bed: Testbed, procs: list[subprocess.Popen], timeout_s: float) -> LaunchResult:
+    """Wait for every process; the first's output, every process's errors, the worst exit code. After `timeout_s`,
+    or on an exception or Ctrl-C, every process in the namespaces is killed: nothing of this run outlives it."""
+    deadline = time.monotonic() + timeout_s
+    outs, errs, codes, timed_out = [], [], [], False
+    try:
+        for proc in procs:
+            try:
+                out, err = proc.communicate(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                timed_out = True
                 kill_processes(list(bed.namespaces))
-                proc.kill()
-                proc.communicate()
+                out, err = proc.communicate()
+            outs.append(out)
+            errs.append(err)
+            codes.append(proc.returncode)
+        return LaunchResult(max(codes, key=abs), outs[0], "".join(errs), timed_out)
+    finally:
+        if any(p.poll() is None for p in procs):
+            kill_processes(list(bed.namespaces))
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+                    p.communicate()

@@ -16,11 +16,14 @@ from xmesh_plan.planner.unit_tasks import decompose
 from xmesh_plan.schemas import Nic, Plan, ReshardingProblem
 
 
-def at_rate(problem: ReshardingProblem, rate_mbit: float) -> ReshardingProblem:
-    """The same problem on a cluster whose every NIC sends and receives at `rate_mbit`."""
+def at_rate(problem: ReshardingProblem, rate_mbit: float, latency_us: float | None = None) -> ReshardingProblem:
+    """The same problem on a cluster whose every NIC sends and receives at `rate_mbit` (and whose messages each
+    cost `latency_us`, when given: on the testbed a message costs what a rank's Python and the kernel add)."""
     gbps = rate_mbit / 1e3
-    nics = tuple(Nic(send_gbps=gbps, recv_gbps=gbps) for _ in problem.cluster.nics)
-    return problem.model_copy(update={"cluster": problem.cluster.model_copy(update={"nics": nics})})
+    update = {"nics": tuple(Nic(send_gbps=gbps, recv_gbps=gbps) for _ in problem.cluster.nics)}
+    if latency_us is not None:
+        update["latency_us"] = latency_us
+    return problem.model_copy(update={"cluster": problem.cluster.model_copy(update=update)})
 
 
 def predictions(plan: Plan, rate_mbit: float) -> dict[str, float]:

@@ -18,7 +18,7 @@ from xmesh_plan.schemas import Plan
 from xmesh_plan.schemas.plan import write_atomic
 
 from . import counters
-from .launch import LaunchResult, plan_hosts, ranks_per_host, run_ranks
+from .launch import LaunchResult, plan_hosts, ranks_per_host, run_ranks, run_torch_ranks
 from .testbed import LinkShape, testbed
 
 MAX_RUN_BYTES = 8 * 2**30
@@ -38,6 +38,7 @@ class RunOptions:
     rank_timeout_s: float = 120.0
     max_run_bytes: int = MAX_RUN_BYTES
     order: str = "posted"  # the executor's --order: posted (all at once) or device (one operation at a time per device)
+    engine: str = "mpi"  # mpi (mpiexec, executor.run) or torch (torch.distributed over gloo, executor.torch_run)
 
 
 @dataclass
@@ -71,8 +72,10 @@ def scaled(plan: Plan, max_mb: float) -> Plan:
 
 
 def _program(paths: list[Path], plan: Plan, opts: RunOptions) -> list[str]:
-    ones = ",".join("1" * len(plan.problem.shape))
-    return ["-m", "xmesh_plan.executor.run", *map(str, paths), "--scale", ones, "--iters", str(opts.iters), "--warmup", str(opts.warmup),
+    """The rank's command line after `python`; the plans are scaled already, so neither runner shrinks them again."""
+    keep = ["--scale", ",".join("1" * len(plan.problem.shape))] if opts.engine == "mpi" else ["--max-mb", str(2**20)]
+    module = {"mpi": "xmesh_plan.executor.run", "torch": "xmesh_plan.executor.torch_run"}[opts.engine]
+    return ["-m", module, *map(str, paths), *keep, "--iters", str(opts.iters), "--warmup", str(opts.warmup),
             "--timeout", f"{opts.rank_timeout_s:g}", "--order", opts.order] + (["--check"] if opts.check else [])
 
 
@@ -98,7 +101,8 @@ def run_plans(plans: list[Plan], opts: RunOptions) -> RunResult:
         for path, plan in zip(paths, plans):
             write_atomic(path, plan.to_json())
         before = counters.read_links(bed)
-        launch = run_ranks(bed, plans[0], _program(paths, plans[0], opts), opts.timeout_s)
+        launcher = run_torch_ranks if opts.engine == "torch" else run_ranks
+        launch = launcher(bed, plans[0], _program(paths, plans[0], opts), opts.timeout_s)
         after = counters.read_links(bed)
         retransmits = counters.retransmitted_segments(bed)
     result = RunResult(plans, launch, bed.run_id, counters.compare_many(before, after, plans, reshards), retransmits=retransmits)

@@ -1,0 +1,102 @@
+"""Set two emulated-cluster runs side by side: the executor posting every message at once against one
+operation at a time per device, per case and approach, with each order's own model and the byte bound.
+
+    .venv/bin/python -m bench.netlab.summary bench/results/netlab-posted-500.json bench/results/netlab-device-500.json
+
+Writes the BENCHMARKS.md section "Emulated cluster: executor order" (or prints it with --print).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from report import replace_section  # noqa: E402
+
+from .experiments import APPROACHES  # noqa: E402
+
+MODEL = {"posted": "posted", "device": "device-order"}
+PAPER = {  # the paper's measured speed-up of its system over Alpa (section 6), by case
+    "case1": "~1x", "case2": "~1x", "case5": "~1x", "case6": "~1x", "case7": "up to 2.5x", "case8": "up to 2.5x",
+    "case3": "3-10x", "case4": "3-10x", "case9": "3-10x",
+}
+
+
+def _rows(path: Path) -> tuple[dict, dict[tuple[str, float, str], dict]]:
+    data = json.loads(path.read_text())
+    order = data["meta"].get("order", "posted")
+    rows = {(run["case"], run["rate_mbit"], r["approach"]): r | {"checked": run["checked"]} for run in data["runs"] for r in run["rows"]}
+    return data["meta"] | {"order": order}, rows
+
+
+def _f(x, digits=2) -> str:
+    return "-" if x is None else f"{x:.{digits}f}"
+
+
+def summary(paths: list[Path]) -> str:
+    runs = [_rows(p) for p in paths]
+    orders = [meta["order"] for meta, _ in runs]
+    place = {label: i for i, (label, _, _) in enumerate(APPROACHES)}
+    keys = sorted({k for _, rows in runs for k in rows}, key=lambda k: (k[1], k[0], place.get(k[2], len(place)), k[2]))
+    head = ["case", "Mbit/s", "approach"] + [f"{o} ms" for o in orders] + [f"{o}: meas/model" for o in orders] + \
+        [f"{o}: meas/bound" for o in orders]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    errors = {o: [] for o in orders}
+    for key in keys:
+        cells, ratios, bounds = [], [], []
+        for (meta, rows), order in zip(runs, orders):
+            r = rows.get(key)
+            m = r["measured_s"] if r else None
+            cells.append(_f(m * 1e3 if m is not None else None, 0))
+            model = r["predicted_s"][MODEL[order]] if r else None
+            ratios.append(_f(m / model if m and model else None))
+            bounds.append(_f(m / r["predicted_s"]["lower-bound"] if m and r else None))
+            if m and model:
+                errors[order].append(m / model)
+        lines.append(f"| {key[0]} | {key[1]:g} | {key[2]} | " + " | ".join(cells + ratios + bounds) + " |")
+    facts = []
+    for order, values in errors.items():
+        if values:
+            within = sum(abs(v - 1) <= 0.10 for v in values)
+            facts.append(f"- `{order}`: measured / its model, median {statistics.median(values):.2f}, range "
+                         f"{min(values):.2f}-{max(values):.2f}; within 10% for {within} of {len(values)} runs.")
+    speedups = []
+    for case in sorted({k[0] for k in keys}):
+        for rate in sorted({k[1] for k in keys}):
+            for (meta, rows), order in zip(runs, orders):
+                ours = rows.get((case, rate, "ours"))
+                if not ours or not ours["measured_s"]:
+                    continue
+                others = {a: rows[(case, rate, a)]["measured_s"] for a in ("naive", "alpa-send-recv", "alpa-allgather")
+                          if (case, rate, a) in rows and rows[(case, rate, a)]["measured_s"]}
+                vs = ", ".join(f"{a} {t / ours['measured_s']:.2f}x" for a, t in others.items())
+                speedups.append(f"| {case} | {rate:g} | {order} | {vs} | {PAPER.get(case, '-')} |")
+    commands = "\n".join(f"    {meta['command']}" for meta, _ in runs)
+    loads = ", ".join(f"{meta['order']}: {meta['loadavg_after'][0]:.1f}" for meta, _ in runs)
+    return (f"Made by (as root, one launch per case and rate; load average after each run: {loads}, "
+            f"{runs[0][0]['cpus']} cores):\n\n{commands}\n    .venv/bin/python -m bench.netlab.summary "
+            + " ".join(str(p) for p in paths) + "\n\n" + "\n".join(lines) + "\n\n" + "\n".join(facts)
+            + "\n\nOurs measured against the others (their time over ours), next to the paper's speed-up over Alpa:\n\n"
+            + "| case | Mbit/s | executor order | others / ours | paper |\n|---|---|---|---|---|\n" + "\n".join(speedups) + "\n")
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.netlab.summary", description=__doc__.splitlines()[0])
+    parser.add_argument("results", nargs="+", type=Path, help="results JSON files of bench.netlab.experiments")
+    parser.add_argument("--print", action="store_true", help="print the section instead of writing BENCHMARKS.md")
+    args = parser.parse_args(argv)
+    text = summary(args.results)
+    if args.print:
+        print(text)
+    else:
+        replace_section("Emulated cluster: executor order", text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
