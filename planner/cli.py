@@ -106,9 +106,11 @@ def problem_from_flags(problem_file, shape, dtype, src_mesh, src_spec, dst_mesh,
 @click.option("--time-limit", default=10.0, show_default=True, type=TIME_LIMIT,
               help="solver budget in deterministic seconds (CP-SAT's deterministic time; no wall clock, so plans are reproducible)")
 @click.option("--no-merge", is_flag=True, help="keep every cut-point cell as its own unit task")
+@click.option("--split-hosts", is_flag=True,
+              help="one unit task per receiving host, each sent from a holder on its own (weight sync: FSDP -> TP replicas)")
 @max_tasks_option
 def compile_command(problem_file, output, shape, dtype, src_mesh, src_spec, dst_mesh, dst_spec, strategy, solver, seed, time_limit, no_merge,
-                    max_tasks):
+                    split_hosts, max_tasks):
     """Compile a resharding problem into a verified plan.
 
     A PROBLEM file with a `tensors` list moves many named tensors in one plan (docs/format.md).
@@ -123,7 +125,7 @@ def compile_command(problem_file, output, shape, dtype, src_mesh, src_spec, dst_
     problem = problem_from_flags(problem_file, shape, dtype, src_mesh, src_spec, dst_mesh, dst_spec)
     with progress("compiling") as timing:
         plan = compile_plan(problem, strategy=strategy, solver=solver, seed=seed, time_limit_s=time_limit, merge=not no_merge,
-                            on_stage=timing["stage"], max_tasks=max_tasks)
+                            on_stage=timing["stage"], max_tasks=max_tasks, split_hosts=split_hosts)
     report = verify_plan(plan)
     if output == "-":
         sys.stdout.write(plan.to_json())

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Callable
 
@@ -14,7 +15,7 @@ from .scheduling import Option, Schedule, SchedulingTask
 from .simulate import nic_assignment, simulate
 from .solvers import solve
 from .strategies import STRATEGIES, PlannedOp, StrategyResult, TaskContext, get_strategy
-from .unit_tasks import DEFAULT_MAX_TASKS, Cell, check_joint_task_count, decompose
+from .unit_tasks import DEFAULT_MAX_TASKS, Cell, check_joint_task_count, decompose, split_by_receiver_host
 
 DIGITS = 12  # times are rounded to picoseconds so plans print and compare stably
 NIC_SIDES = ("send", "recv")  # the resources a plan's host order lists; device ports are not queued
@@ -180,10 +181,12 @@ def _quiet(stage: str) -> None:
 
 def compile_plan(problem: ReshardingProblem | TransferProblem, strategy: str = "broadcast", solver: str = "auto", seed: int = 0,
                  time_limit_s: float = 10.0, merge: bool = True, on_stage: Callable[[str], None] = _quiet,
-                 max_tasks: int | None = DEFAULT_MAX_TASKS) -> Plan:
+                 max_tasks: int | None = DEFAULT_MAX_TASKS, split_hosts: bool = False) -> Plan:
     """Compile a plan; same inputs give a byte-identical plan. `on_stage` hears each step's name (for progress).
     A problem that could cut into more than `max_tasks` unit tasks (all tensors together) is refused up
-    front (TooManyTasksError). A `TransferProblem`'s tensors are cut one by one and scheduled together."""
+    front (TooManyTasksError). A `TransferProblem`'s tensors are cut one by one and scheduled together.
+    `split_hosts`: one unit task per receiving host (`unit_tasks.split_by_receiver_host`; recorded in
+    `solver.details`), as many tasks per box as it has receiving hosts."""
     on_stage("cutting unit tasks")
     singles = problem.tensor_problems()
     check_joint_task_count(singles, max_tasks)
@@ -191,12 +194,15 @@ def compile_plan(problem: ReshardingProblem | TransferProblem, strategy: str = "
     cells = [decompose(single, merge=merge, max_tasks=None) for single in singles]
     on_stage(f"costing {sum(map(len, cells))} cells")
     works, first = [], 0
-    for index, single, mine in zip(indices, singles, cells):
-        options = task_options(single, mine, strategy, first_id=first)
+    for index, single, mine in zip(indices, singles, cells):  # the bound and copies come from the cells as cut
+        tasks_of = split_by_receiver_host(mine, problem.cluster) if split_hosts else mine
+        options = task_options(single, tasks_of, strategy, first_id=first)
         works.append(TensorWork(index, single, mine, options))
         first += len(options)
     tasks = [o.scheduling for w in works for o in w.options]
     on_stage(f"scheduling {len(tasks)} tasks with {solver}")
     schedule = solve(tasks, solver, seed=seed, time_limit_s=time_limit_s)
     on_stage("timing operations and assembling the plan")
+    if split_hosts:  # recorded only when on, so plans compiled without it are unchanged
+        schedule = dataclasses.replace(schedule, details={**schedule.details, "split_hosts": "one unit task per receiving host"})
     return assemble_joint(problem, works, schedule, strategy, seed)

@@ -151,3 +151,23 @@ def decompose(problem: ReshardingProblem, merge: bool = True, max_tasks: int | N
             merged_cells=math.prod(r[1] - r[0] for r in combo),
         ))
     return cells
+
+
+def split_by_receiver_host(cells: list[Cell], cluster) -> list[Cell]:
+    """Each cell whose receivers sit on several hosts as one cell per receiving host (same box and
+    senders; local copies stay with the first), so each host's share is scheduled, and sent, on its own.
+
+    A broadcast chain through two hosts holds both hosts' receive sides until its last hop ends;
+    split, each host receives from a holder directly and the two transfers may overlap others.
+    """
+    out = []
+    for cell in cells:
+        by_host: dict[int, list[int]] = {}
+        for device in cell.receivers:
+            by_host.setdefault(cluster.host_of(device), []).append(device)
+        if len(by_host) <= 1:
+            out.append(cell)
+            continue
+        for k, (_, devices) in enumerate(sorted(by_host.items())):
+            out.append(Cell(cell.region, cell.senders, tuple(devices), cell.local_copies if k == 0 else (), cell.merged_cells))
+    return out
