@@ -55,7 +55,7 @@ def run_plan(plan: Plan, args: argparse.Namespace) -> tuple[str, int]:
     import torch
     import torch.distributed as dist
 
-    ex = ReshardingExecutor(plan, None, backend="torch", timeout_s=args.timeout, order=args.order).prepare()
+    ex = ReshardingExecutor(plan, None, backend="torch", timeout_s=args.timeout, order=args.order or "device").prepare()
     src = source_tensor(plan, ex.program.src_block, ex.engine.device)
     times = []
     for it in range(args.warmup + args.iters):
@@ -125,8 +125,9 @@ def _arguments(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--check", action="store_true", help="compare every destination shard with numpy slicing, bit for bit")
     parser.add_argument("--iters", type=int, default=5, help="timed iterations (default 5)")
     parser.add_argument("--warmup", type=int, default=1, help="untimed iterations first (default 1)")
-    parser.add_argument("--order", choices=["posted", "device"], default="posted",
-                        help="posted: every message of a reshard posted at once (default); device: one operation at a time per device")
+    parser.add_argument("--order", choices=["device", "posted"],
+                        help="device: one operation at a time per device, in plan order (default); posted: every message at once "
+                             "(the default, and the only order, for multi-tensor plans)")
     parser.add_argument("--max-mb", type=float, default=16.0, help="shrink the tensor to at most this many MiB (default 16)")
     parser.add_argument("--nccl", action="store_true", help="use an NCCL process group on cuda:LOCAL_RANK instead of gloo on the CPU")
     parser.add_argument("--timeout", type=float, default=60.0, help="seconds without progress before a rank gives up (default 60)")
@@ -150,7 +151,7 @@ def main(argv: list[str] | None = None) -> int:
         try:
             plan = read_plan_file(path)
             if is_multi(plan):
-                if args.order != "posted":
+                if args.order not in (None, "posted"):
                     raise PlanMismatchError("--order device is for single-tensor plans; run multi-tensor plans with --order posted")
                 plan = scale_tensors(plan, factors_per_tensor(plan, int(args.max_mb * 2**20)))
                 line, bad = run_transfer(plan, args)

@@ -146,7 +146,7 @@ def compile_command(problem_file, output, shape, dtype, src_mesh, src_spec, dst_
 @click.option("--tasks", "show_tasks", is_flag=True, help="list every unit task")
 @click.option("--ops", "show_ops", is_flag=True, help="list every operation, one per line")
 @click.option("--orders", "show_orders", is_flag=True,
-              help="time the plan under each queueing: host-order, device-order, posted (what the MPI and torch engines do)")
+              help="time the plan under each queueing: host-order, device-order (the executor's default), posted")
 def inspect_command(plan_file, show_tasks, show_ops, show_orders):
     """Summarize a plan: tasks, bytes crossing hosts, per-host load, predicted time, lower bound, efficiency.
 

@@ -100,8 +100,8 @@ def tensor_rows(plan: Plan) -> list[str]:
 
 ORDER_MEANINGS = {  # queueing discipline -> who executes that way
     "host-order": "each NIC side in the plan's order (the plan's claim)",
-    "device-order": "each device in turn (how Alpa's baselines run)",
-    "posted": "every operation at once, links shared (the MPI and torch engines)",
+    "device-order": "each device in one operation at a time (the executor's default order, NCCL, Alpa)",
+    "posted": "every operation at once, links shared (the executor with order='posted')",
 }
 
 

@@ -17,8 +17,9 @@ Model (stated, so every plan and baseline is judged by the same rules):
   operations in plan order, and an operation starts when all its devices are free (a NCCL
   send/recv needs both ends), so operations of different devices share a NIC concurrently;
   `posted`: every operation starts as soon as its data is there and all running transfers share
-  the links, which is what the MPI and torch engines do (they post every send and receive of a
-  reshard at once and TCP shares the links; measured on the emulated cluster, bench/netlab).
+  the links: the executor with `order="posted"` (every send and receive of a reshard posted at once,
+  TCP sharing the links; measured on the emulated cluster, docs/netlab.md). The executor's default,
+  `order="device"`, is `device-order`.
 An uncontended broadcast costs `sum(c_h) + (K-1) max(c_h)` with `c_h` one chunk's time on hop h,
 i.e. `t + (A-1) t/K` for A equal cross-host hops: the paper's `t + A t/K` counts one chunk more.
 """

@@ -200,7 +200,9 @@ def interrupt(comm, path: str) -> None:
     from xmesh_plan.schemas import load_plan
 
     plan = load_plan(path)
-    ex = ReshardingExecutor(plan, comm, timeout_s=20).prepare()
+    # posted: rank 0's sends are all on the wire after start(), so the peers finish the reshard it abandons
+    # (in device order they wait for rank 0 to drive its later operations, and time out)
+    ex = ReshardingExecutor(plan, comm, timeout_s=20, order="posted").prepare()
     shard = fill(ex.program.src_block, plan.problem.shape, ex.engine.dtype) if ex.program.src_block else None
     ex.run(shard)
     rank = comm.Get_rank()

@@ -27,7 +27,7 @@ def _arguments(argv):
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--check", action="store_true", help="check every destination shard bit for bit")
     parser.add_argument("--engine", choices=["mpi", "torch"], default="mpi", help="mpi (mpiexec) or torch (gloo); default mpi")
-    parser.add_argument("--order", choices=["posted", "device"], default="posted",
+    parser.add_argument("--order", choices=["device", "posted"], default="device",
                         help="the executor's order: posted (every message at once) or device (one operation at a time per device)")
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds before a run is killed (default 600)")
     parser.add_argument("--clean-stale", action="store_true", help="remove namespaces left by killed runs, then go on")

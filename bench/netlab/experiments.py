@@ -95,7 +95,7 @@ def _ratio(a, b) -> str:
 MODEL_OF_ORDER = {"posted": "posted", "device": "device-order"}  # executor --order -> the simulator queueing that describes it
 
 
-def table(runs: list[dict], order: str = "posted") -> str:
+def table(runs: list[dict], order: str = "device") -> str:
     model = MODEL_OF_ORDER[order]
     lines = ["| case | Mbit/s | approach | measured ms | host-order ms | device-order ms | posted ms | bound ms | "
              f"meas/{model} | meas/bound |", "|---|---|---|---|---|---|---|---|---|---|"]
@@ -130,7 +130,7 @@ def _arguments(argv):
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--mtu", type=int, default=9000)
     parser.add_argument("--out", default="netlab.json", help="results file name under bench/results/")
-    parser.add_argument("--order", choices=sorted(MODEL_OF_ORDER), default="posted",
+    parser.add_argument("--order", choices=sorted(MODEL_OF_ORDER), default="device",
                         help="the executor's order: posted (every message at once) or device (one operation at a time per device)")
     parser.add_argument("--engine", choices=["mpi", "torch"], default="mpi",
                         help="mpi: mpiexec + executor.run; torch: torch.distributed over gloo + executor.torch_run")
@@ -169,7 +169,7 @@ def main(argv=None) -> int:
             "order": args.order, "engine": args.engine}
     write_json(args.out, {"meta": meta, "runs": runs})
     if not args.no_markdown:
-        title = "Emulated cluster (bench/netlab)" + ("" if args.order == "posted" else f", executor order {args.order}") + (
+        title = "Emulated cluster (bench/netlab)" + ("" if args.order == "device" else f", executor order {args.order}") + (
             "" if args.engine == "mpi" else f", {args.engine} engine")
         replace_section(title, f"`{meta['command']}` (as root; load average after: "
                         f"{load[0]:.1f}, {os.cpu_count()} cores)\n\n{table(runs, args.order)}\n\n{link_table(runs)}\n")

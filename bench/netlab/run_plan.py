@@ -37,7 +37,7 @@ class RunOptions:
     timeout_s: float = 600.0
     rank_timeout_s: float = 120.0
     max_run_bytes: int = MAX_RUN_BYTES
-    order: str = "posted"  # the executor's --order: posted (all at once) or device (one operation at a time per device)
+    order: str = "device"  # the executor's --order: device (one operation at a time per device, the default) or posted
     engine: str = "mpi"  # mpi (mpiexec, executor.run) or torch (torch.distributed over gloo, executor.torch_run)
 
 

@@ -31,14 +31,29 @@ def _rows(path: Path) -> tuple[dict, dict[tuple[str, float, str], dict]]:
     data = json.loads(path.read_text())
     order = data["meta"].get("order", "posted")
     rows = {(run["case"], run["rate_mbit"], r["approach"]): r | {"checked": run["checked"]} for run in data["runs"] for r in run["rows"]}
-    return data["meta"] | {"order": order}, rows
+    return data["meta"] | {"order": order, "runs": data["runs"]}, rows
+
+
+def _links(runs: list[tuple[dict, dict]]) -> str:
+    """Per launch: the links' bytes over the plans' (every approach of a case runs in one launch), and TCP retransmits."""
+    lines = ["| case | Mbit/s | order | latency us | link bytes / plan bytes | TCP retransmits | every shard bit-exact |",
+             "|---|---|---|---|---|---|---|"]
+    for meta, _ in runs:
+        for run in meta["runs"]:
+            plan = sum(h["predicted_sent"] + h["predicted_received"] for h in run["links"])
+            link = sum(h["sent"] + h["received"] for h in run["links"])
+            lines.append(f"| {run['case']} | {run['rate_mbit']:g} | {meta['order']} | {run.get('latency_us') or '-'} | "
+                         f"{link / plan:.4f} | {sum(run.get('retransmitted_segments', {}).values())} | "
+                         f"{'yes' if run['checked'] else 'NO'} |")
+    return "\n".join(lines)
 
 
 def _f(x, digits=2) -> str:
     return "-" if x is None else f"{x:.{digits}f}"
 
 
-def summary(paths: list[Path]) -> str:
+def summary(paths: list[Path], title: str = "Emulated cluster: executor order") -> str:
+    title_flag = "" if title == "Emulated cluster: executor order" else f" --title '{title}'"
     runs = [_rows(p) for p in paths]
     orders = [meta["order"] for meta, _ in runs]
     place = {label: i for i, (label, _, _) in enumerate(APPROACHES)}
@@ -80,21 +95,24 @@ def summary(paths: list[Path]) -> str:
     loads = ", ".join(f"{meta['order']}: {meta['loadavg_after'][0]:.1f}" for meta, _ in runs)
     return (f"Made by (as root, one launch per case and rate; load average after each run: {loads}, "
             f"{runs[0][0]['cpus']} cores):\n\n{commands}\n    .venv/bin/python -m bench.netlab.summary "
-            + " ".join(str(p) for p in paths) + "\n\n" + "\n".join(lines) + "\n\n" + "\n".join(facts)
+            + " ".join(str(p) for p in paths) + title_flag + "\n\n" + "\n".join(lines) + "\n\n" + "\n".join(facts)
             + "\n\nOurs measured against the others (their time over ours), next to the paper's speed-up over Alpa:\n\n"
-            + "| case | Mbit/s | executor order | others / ours | paper |\n|---|---|---|---|---|\n" + "\n".join(speedups) + "\n")
+            + "| case | Mbit/s | executor order | others / ours | paper |\n|---|---|---|---|---|\n" + "\n".join(speedups)
+            + "\n\nBytes on the links against the plans' bytes crossing each host's NIC (all hosts, both ways):\n\n"
+            + _links(runs) + "\n")
 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.netlab.summary", description=__doc__.splitlines()[0])
     parser.add_argument("results", nargs="+", type=Path, help="results JSON files of bench.netlab.experiments")
     parser.add_argument("--print", action="store_true", help="print the section instead of writing BENCHMARKS.md")
+    parser.add_argument("--title", default="Emulated cluster: executor order", help="the BENCHMARKS.md section to write")
     args = parser.parse_args(argv)
-    text = summary(args.results)
+    text = summary(args.results, args.title)
     if args.print:
         print(text)
     else:
-        replace_section("Emulated cluster: executor order", text)
+        replace_section(args.title, text)
     return 0
 
 
