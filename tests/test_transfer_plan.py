@@ -137,8 +137,15 @@ def test_compile_verify_inspect_and_check_work_on_the_small_example(tmp_path):
     assert result.exit_code == 0, result.output
     assert "21 tensors" in result.output and "model.layers.1.mlp.down_proj.weight" in result.output
     assert "S01 R -> R S1" in result.output
-    result = runner.invoke(main, ["check", str(out), "--max-ratio", "100"])  # tiny tensors: per-message latency dominates
+    result = runner.invoke(main, ["check", str(out), "--max-ratio", "100", "--tensors"])  # tiny tensors: per-message latency dominates
     assert result.exit_code == 0 and "ok" in result.output, result.output
+    rows = {line.split()[0]: line.split()[1:] for line in result.output.splitlines()[2:]}
+    assert len(rows) == 21 and rows["lm_head.weight"][0] == "4"  # 4 tasks: one per source shard of dim 0
+    plan = read_plan_file(out)
+    last = max(op.end_s for op in plan.operations if op.tensor == 20)
+    assert float(rows["lm_head.weight"][1]) == pytest.approx(last, abs=1e-4)
+    own = [float(r[2]) for r in rows.values()]
+    assert all(0 <= b <= plan.lower_bound_seconds + 1e-4 for b in own) and max(own) > 0  # each alone needs no more than all
     broken = read_plan_file(out)
     broken = broken.model_copy(update={"operations": tuple(op for op in broken.operations if op.tensor != 20)})
     (tmp_path / "broken.plan.json").write_text(broken.to_json())
