@@ -409,3 +409,12 @@ def test_split_hosts_beats_the_chained_plan_on_the_small_weight_sync():
     chained, split = compile_plan(small), compile_plan(small, split_hosts=True)
     assert split.predicted_seconds < chained.predicted_seconds
     assert split.lower_bound_seconds == chained.lower_bound_seconds
+
+
+def test_each_tensor_of_a_multi_tensor_plan_runs_bit_exact_on_the_fake_nccl(plan, monkeypatch):
+    """The NCCL engine runs a multi-tensor plan one tensor after another: each tensor's plan on the fake
+    CuPy/NCCL of test_executor_gpu (every CuPy call checked against the real API), bit for bit."""
+    from test_executor_gpu import FakeGpu, run_on_fake
+
+    for single in tensor_plans(plan):
+        run_on_fake(single, FakeGpu(api=14).install(monkeypatch), iterations=2)
