@@ -6,8 +6,10 @@ backends only walk them. A box that is one contiguous run of its shard is sent f
 into, the shard itself; any other box goes through a staging area (packed before a send, unpacked
 after the last chunk arrives).
 
-Tags: every operation owns a block of tags (one per chunk of a broadcast, one per member of an
-all-gather) numbered in plan order, so two messages between the same pair never share a tag.
+What each operation kind sends is its route in `schemas.op_kinds` (a chain for send and broadcast,
+a ring for all-gather); this module lowers each route pattern, and tests check the steps against the route.
+Tags: every operation owns a block of tags (`op_kinds.tags_used`: one per chunk of a broadcast, one
+per ring step of an all-gather) numbered in plan order, so two messages between the same pair never share a tag.
 """
 
 from __future__ import annotations
@@ -19,9 +21,10 @@ from typing import Literal
 import numpy as np
 
 from xmesh_plan.schemas import Operation, Plan
-from xmesh_plan.schemas.geometry import Region, intersect, local_slices, region_shape, region_size, shard_interval
+from xmesh_plan.schemas.geometry import Region, intersect, local_slices, region_shape, region_size
 from xmesh_plan.schemas.plan import format_region
-from xmesh_plan.schemas.plan_check import TOLERANCE_S, PlanError, check_plan, describe, tags_used, uncovered
+from xmesh_plan.schemas.op_kinds import chunk_bounds, nccl_group, rule_of, supported, tags_used
+from xmesh_plan.schemas.plan_check import TOLERANCE_S, PlanError, check_plan, describe, uncovered
 
 from .errors import PlanMismatchError
 
@@ -153,10 +156,9 @@ def make_box(side: Side, region: Region, block: Region, itemsize: int) -> Box:
 
 
 def chunk_ranges(nbytes: int, chunks: int, itemsize: int) -> list[tuple[int, int]]:
-    """Byte ranges of the non-empty pieces when `nbytes` is cut into `chunks` on element boundaries."""
-    elements = nbytes // itemsize
-    pieces = (shard_interval(elements, chunks, k) for k in range(chunks))
-    return [(lo * itemsize, hi * itemsize) for lo, hi in pieces if hi > lo]
+    """Byte ranges of the non-empty pieces when `nbytes` is cut into `chunks` on element boundaries
+    (`op_kinds.chunk_bounds`: all `chunks` of them in a checked plan, which has no more chunks than elements)."""
+    return [(lo * itemsize, hi * itemsize) for lo, hi in chunk_bounds(nbytes // itemsize, chunks) if hi > lo]
 
 
 def is_empty(region: Region) -> bool:
@@ -216,8 +218,7 @@ class _Builder:
         return len(self.steps) - 1
 
     def collective(self, op: Operation, root: int, box: Box, chunks=(), target: Box | None = None) -> None:
-        group = (self.device,) if op.kind == "copy" else tuple(sorted(op.dsts if op.kind == "allgather" else (op.src, *op.dsts)))
-        self.collectives.append(Collective(op.id, op.task, op.kind, group, root, box, tuple(chunks), target))
+        self.collectives.append(Collective(op.id, op.task, op.kind, nccl_group(op), root, box, tuple(chunks), target))
 
     def stage(self, nbytes: int) -> int:
         start, self.stage_bytes = self.stage_bytes, self.stage_bytes + nbytes
@@ -308,12 +309,20 @@ def _lower_chain(b: _Builder, op: Operation, base: int) -> None:
     b.receive(op, own, prev, tags, ranges, pieces, forward_to=nxt)
 
 
-def _lower_allgather(b: _Builder, op: Operation, base: int) -> None:
-    """Member i sends parts[i] (from its destination shard) to every other member, and receives theirs."""
-    members = op.dsts
-    if b.device not in members:
+def _lower_ring(b: _Builder, op: Operation, base: int) -> None:
+    """The ring of `op_kinds.route`: at step s member i sends part (i - s) mod n to member i+1 with tag
+    base + s, its own part (from its destination shard) at step 0, later the part it received from
+    member i-1 the step before; empty parts are not sent. Tags count steps, so each pair's messages
+    come in tag order (engines that match by order post them so)."""
+    ring, n = op.dsts, len(op.dsts)
+    if b.device not in ring:
         return
-    i = members.index(b.device)
+    i = ring.index(b.device)
+    left, right = ring[i - 1], ring[(i + 1) % n]
+    for peer, part in zip(ring, op.parts):  # as NCCL calls: one broadcast per non-empty part
+        if not is_empty(part):
+            box = b.box("dst", part)
+            b.collective(op, peer, box, [(0, box.nbytes)])
     mine = op.parts[i]
     if not is_empty(mine):
         held = b.writes.overlapping(mine)
@@ -322,17 +331,21 @@ def _lower_allgather(b: _Builder, op: Operation, base: int) -> None:
         if missing is not None or late:
             b.fail(op, f"device {b.device} sends {format_region(missing or late[0])} which it does not hold at {op.start_s:.9g}s")
         data, deps = b.outgoing(op, b.box("dst", mine), tuple(step for _, step, _ in held))
-        for peer in members[:i] + members[i + 1:]:
-            b.add("send", op, deps=deps, peer=peer, tag=base + i, data=data, piece=f"part {i}")
-    for j, (peer, part) in enumerate(zip(members, op.parts)):
-        if not is_empty(part):  # check_plan: an all-gather has two or more members
-            box = b.box("dst", part)
-            b.collective(op, peer, box, [(0, box.nbytes)])
-            if j != i:
-                b.receive(op, box, peer, [base + j], [(0, box.nbytes)], [f"part {j}"])
+        b.add("send", op, deps=deps, peer=right, tag=base, data=data, piece=f"part {i}")
+    for step in range(n - 1):  # receive at `step` what member i-1 sends, and pass it on at step + 1
+        j = (i - 1 - step) % n
+        if is_empty(op.parts[j]):
+            continue
+        box = b.box("dst", op.parts[j])
+        land = b.landing(box)
+        recv = b.add("recv", op, peer=left, tag=base + step, data=land, piece=f"part {j}")
+        if step < n - 2:
+            b.add("send", op, deps=(recv,), peer=right, tag=base + step + 1, data=land, piece=f"part {j}")
+        done = [recv] if land.buffer != "stage" else [b.add("unpack", op, deps=(recv,), data=land, box=box)]
+        b.record(op, box.region, done)
 
 
-_LOWER = {"copy": _lower_copy, "send": _lower_chain, "broadcast": _lower_chain, "allgather": _lower_allgather}
+_LOWER = supported("executor.lower", {"local": _lower_copy, "chain": _lower_chain, "ring": _lower_ring})
 
 
 def lower(plan: Plan, device: int, tag_limit: int | None = None, first_tag: int = 0) -> RankProgram:
@@ -348,7 +361,7 @@ def lower(plan: Plan, device: int, tag_limit: int | None = None, first_tag: int 
     b = _Builder(plan, device, problem.blocks("src"), problem.blocks("dst"), problem.itemsize)
     base = first_tag
     for op in plan.operations:
-        _LOWER[op.kind](b, op, base)
+        _LOWER[rule_of(op).pattern](b, op, base)
         base += tags_used(op)
     if tag_limit is not None and base > tag_limit + 1:  # every message has its own tag; reusing one could match the wrong message
         raise PlanMismatchError(f"the plan needs {base} message tags but this MPI allows tags up to {tag_limit} (its TAG_UB); "
@@ -368,22 +381,33 @@ ORDERS = ("posted", "device")  # how a rank lets its operations onto the wire; s
 
 def in_device_order(program: RankProgram) -> RankProgram:
     """The same steps, but each operation's messages (and packs) wait for every step of this device's
-    previous operation, so a device takes part in one operation at a time, in plan order, at both ends of
+    earlier operations, so a device takes part in one operation at a time, in plan order, at both ends of
     a message: the simulator's `device-order`, as NCCL runs a stream's calls, instead of posting every
-    operation at once (`posted`). Deadlock-free: every rank walks the plan in one order, so the earliest
-    unfinished operation never waits on a later one.
+    operation at once (`posted`). Consecutive operations with the same peers run together: they share
+    the same links in order anyway, and waiting between them would only add a round trip each.
+    Deadlock-free: every rank walks the plan in one order, so the earliest unfinished operation never
+    waits on a later one.
     """
-    steps: list[Step] = []
-    barrier: tuple[int, ...] = ()  # steps whose completion means every earlier operation here has finished
-    current: list[int] = []
-    gated = False  # whether the current operation has a step that waits for `barrier`
+    peers: dict[int, frozenset[int]] = {}
     for s in program.steps:
-        if current and s.op != steps[-1].op:
-            barrier, current, gated = tuple(current) if gated else tuple(sorted(set(barrier) | set(current))), [], False
+        peers.setdefault(s.op, frozenset())
+        if s.action in ("send", "recv"):
+            peers[s.op] |= {s.peer}
+    steps: list[Step] = []
+    barrier: tuple[int, ...] = ()  # steps whose completion means every operation before this run has finished
+    run: list[int] = []  # steps of the current run of operations with the same peers
+    run_peers: frozenset[int] | None = None
+    gated = False  # whether the run has a step that waits for `barrier`
+    for s in program.steps:
+        if not steps or s.op != steps[-1].op:
+            if peers[s.op] != run_peers:
+                if run:
+                    barrier = tuple(run) if gated else tuple(sorted(set(barrier) | set(run)))
+                run, run_peers, gated = [], peers[s.op], False
         if barrier and s.action in ("send", "recv", "pack"):
             s, gated = replace(s, deps=tuple(sorted(set(s.deps) | set(barrier)))), True
         steps.append(s)
-        current.append(s.index)
+        run.append(s.index)
     return replace(program, steps=tuple(steps), order="device")
 
 

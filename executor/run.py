@@ -24,7 +24,7 @@ from pathlib import Path
 import numpy as np
 
 from xmesh_plan.schemas import Plan, PlanFileError, read_plan_file
-from xmesh_plan.schemas.geometry import region_size
+from xmesh_plan.schemas.op_kinds import pair_bytes
 from xmesh_plan.schemas.last_resort import DEBUG_ENV, DEBUG_FLAG, run_guarded
 from xmesh_plan.schemas.plan_tensors import is_multi, tensor_plans
 
@@ -42,13 +42,7 @@ def bytes_moved(plan: Plan) -> int:
     if is_multi(plan):
         return sum(map(bytes_moved, tensor_plans(plan)))
     size = plan.problem.itemsize
-    total = 0
-    for op in plan.operations:
-        if op.kind in ("send", "broadcast"):
-            total += region_size(op.region) * size * len(op.dsts)
-        elif op.kind == "allgather":
-            total += sum(region_size(p) for p in op.parts if all(a < b for a, b in p)) * size * (len(op.dsts) - 1)
-    return total
+    return sum(nbytes for op in plan.operations for nbytes in pair_bytes(op, size).values())
 
 
 MAX_ITERS = 1_000_000  # iteration times are kept in memory, 8 bytes each

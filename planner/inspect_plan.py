@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from xmesh_plan.schemas import Plan
-from xmesh_plan.schemas.geometry import region_size
+from xmesh_plan.schemas.op_kinds import pair_bytes, route
 from xmesh_plan.schemas.plan_tensors import is_multi
 
 from .simulate import simulate_plan
@@ -17,16 +17,26 @@ class HostLoad:
 
     send_bytes: int = 0
     recv_bytes: int = 0
+    send_messages: int = 0
+    recv_messages: int = 0
 
 
 @dataclass
 class PlanLoads:
     hosts: dict[int, HostLoad] = field(default_factory=dict)
 
-    def add(self, src_host: int, dst_host: int, nbytes: int) -> None:
-        if src_host != dst_host and nbytes:
-            self.hosts.setdefault(src_host, HostLoad()).send_bytes += nbytes
-            self.hosts.setdefault(dst_host, HostLoad()).recv_bytes += nbytes
+    def add(self, src_host: int, dst_host: int, nbytes: int, messages: int = 0) -> None:
+        if src_host != dst_host and (nbytes or messages):
+            sender, receiver = self.hosts.setdefault(src_host, HostLoad()), self.hosts.setdefault(dst_host, HostLoad())
+            sender.send_bytes += nbytes
+            receiver.recv_bytes += nbytes
+            sender.send_messages += messages
+            receiver.recv_messages += messages
+
+    def busiest_messages(self) -> tuple[int, str, int]:
+        """(host, side, messages) of the NIC side that carries the most messages."""
+        sides = [(h, side, getattr(load, f"{side}_messages")) for h, load in self.hosts.items() for side in ("send", "recv")]
+        return max(sides, key=lambda item: (item[2], -item[0]), default=(0, "send", 0))
 
     @property
     def cross_host_bytes(self) -> int:
@@ -34,21 +44,27 @@ class PlanLoads:
 
 
 def plan_loads(plan: Plan) -> PlanLoads:
-    """Cross-host bytes per host: sends, broadcast chain hops, and ring all-gather steps."""
-    cluster, itemsizes = plan.problem.cluster, [p.itemsize for p in plan.problem.tensor_problems()]
-    host = cluster.host_of
+    """Cross-host bytes per host: every message of every operation (`schemas.op_kinds.pair_bytes`), in its tensor's itemsize."""
+    itemsizes, host = [p.itemsize for p in plan.problem.tensor_problems()], plan.problem.cluster.host_of
     loads = PlanLoads()
     for op in plan.operations:
-        itemsize = itemsizes[op.tensor or 0]
-        nbytes = region_size(op.region) * itemsize
-        if op.kind in ("send", "broadcast"):
-            chain = (op.src,) + op.dsts
-            for a, b in zip(chain, chain[1:]):
-                loads.add(host(a), host(b), nbytes)
-        elif op.kind == "allgather":
-            for i, member in enumerate(op.dsts):  # ring: each member gets all but its own part from its left
-                loads.add(host(op.dsts[i - 1]), host(member), nbytes - region_size(op.parts[i]) * itemsize)
+        for (a, b), nbytes in pair_bytes(op, itemsizes[op.tensor or 0]).items():
+            loads.add(host(a), host(b), nbytes)
+        for hop in route(op):
+            if hop.elements:
+                loads.add(host(hop.src), host(hop.dst), 0, 1)
     return loads
+
+
+def message_cost_line(plan: Plan, loads: PlanLoads) -> str:
+    """How much of the time is per-message cost: messages on the busiest NIC side x the per-message latency,
+    next to the gap between the prediction and the byte bound (which counts bandwidth only)."""
+    host, side, count = loads.busiest_messages()
+    latency = plan.problem.cluster.latency_s
+    cost, gap = count * latency, plan.predicted_seconds - plan.lower_bound_seconds
+    share = f"{cost / gap:.0%} of the {gap:.4f} s gap to the bound" if gap > 0 else "no gap to the bound"
+    return (f"per-message cost: host {host} {side} carries {count} messages x {latency * 1e6:g} us = {cost:.4f} s "
+            f"({share})")
 
 
 def _gib(nbytes: float) -> str:
@@ -87,9 +103,7 @@ def tensor_rows(plan: Plan) -> list[str]:
     crossing = [0] * len(p.tensors)
     host, itemsizes = p.cluster.host_of, [t.itemsize for t in p.tensor_problems()]
     for op in plan.operations:
-        if op.kind in ("send", "broadcast"):
-            chain = (op.src,) + op.dsts
-            crossing[op.tensor] += region_size(op.region) * itemsizes[op.tensor] * sum(host(a) != host(b) for a, b in zip(chain, chain[1:]))
+        crossing[op.tensor] += sum(n for (a, b), n in pair_bytes(op, itemsizes[op.tensor]).items() if host(a) != host(b))
     width = max(len(t.name) for t in p.tensors)
     rows = [f"  {'tensor':<{width}} {'shape':>14} {'dtype':>9} {'src -> dst spec':>18} {'tasks':>6} {'ops':>6} {'cross-host':>12} {'done at':>10}"]
     for i, t in enumerate(p.tensors):
@@ -137,10 +151,11 @@ def summarize(plan: Plan, show_tasks: bool = False, show_ops: bool = False, show
     reason = plan.solver.details.get("lower_bound_reason", "")
     lines.append(f"predicted: {plan.predicted_seconds:.4f} s   lower bound: {plan.lower_bound_seconds:.4f} s"
                  f"{f' ({reason})' if reason else ''}   efficiency (bound/predicted): {plan.efficiency:.1%}")
+    lines.append(message_cost_line(plan, loads))
     if show_orders:
         lines += order_lines(plan)
     if is_multi(plan):
-        lines += ["per tensor (cross-host: send and broadcast hops; all-gathers count in the host loads above):"] + tensor_rows(plan)
+        lines += ["per tensor (cross-host: bytes of its messages between hosts):"] + tensor_rows(plan)
     if show_tasks:
         lines += ["tasks:"] + [f"  {t}" for t in plan.tasks]
     if show_ops:

@@ -5,10 +5,11 @@ Model (stated, so every plan and baseline is judged by the same rules):
   own bandwidth (full duplex). A host with several NICs stripes every cross-host message over all
   of them in proportion to their bandwidth, unless the plan pins a task to one NIC (`send:N`). Inside a host every device has an outgoing and an incoming port at the
   intra-host bandwidth (`d8.out`, `d8.in`); a local copy uses the device's copy engine (`d8.copy`).
-- Flows. Every operation becomes flows: a send is one flow; a broadcast of K chunks down a chain is
-  K x hops flows, chunk k on hop h starting once chunk k has crossed hop h-1 and chunk k-1 has
-  crossed hop h; a ring all-gather is (n-1) x n flows, each member forwarding what it received the
-  step before. A flow waits the per-message latency, then moves its bytes.
+- Flows. Every message of an operation's route (`schemas.op_kinds.route`) becomes a flow: a send is
+  one flow; a broadcast of K chunks down a chain is K x hops flows, chunk k on hop h starting once
+  chunk k has crossed hop h-1 and chunk k-1 has crossed hop h; a ring all-gather is (n-1) x n flows,
+  each member forwarding what it received the step before. A flow waits the per-message latency,
+  then moves its bytes.
 - Sharing. Flows active on a link at the same time share it max-min fairly (progressive filling);
   no link is ever oversubscribed.
 - Order. How operations queue is the executing system's choice, so it is a parameter:
@@ -29,7 +30,8 @@ from __future__ import annotations
 import heapq
 from dataclasses import dataclass
 
-from xmesh_plan.schemas import Operation, Plan, ReshardingProblem, region_size
+from xmesh_plan.schemas import Operation, Plan, ReshardingProblem
+from xmesh_plan.schemas.op_kinds import members, reads, route
 from xmesh_plan.schemas.transfer import TransferProblem
 
 DISCIPLINES = ("host-order", "device-order", "posted")
@@ -180,7 +182,7 @@ class _Lowering:
 
     def queue_keys(self, op: Operation, flows: list[int]) -> list[str]:
         if self.discipline == "device-order":
-            return [f"d{d}" for d in sorted({op.src, *op.dsts} - {None})]
+            return [f"d{d}" for d in sorted(members(op))]
         return sorted({link for i in flows for link in self.flows[i].links if link.startswith("h")})
 
     def add(self, op: Operation) -> None:
@@ -213,45 +215,23 @@ class _Lowering:
                 self.flows[i] = Flow(f.id, f.op, f.nbytes, f.latency_s, f.links, tuple(sorted(set(f.after) | set(extra))))
 
     def data_ready(self, op: Operation) -> list[int]:
-        if op.kind != "allgather":
-            return []
-        return [i for d in op.dsts for i in self.delivered.get((op.task, d), [])]
+        """What an operation that sends out of destination shards waits for: what earlier operations of its task delivered there."""
+        return [i for d, shard, _ in reads(op) if shard == "dst" for i in self.delivered.get((op.task, d), [])]
 
     def emit(self, op: Operation, waits: list[int]) -> list[int]:
-        """Flows of one operation; returns its terminal flows."""
-        nbytes = region_size(op.region) * self.itemsizes[op.tensor or 0]
-        if op.kind in ("copy", "send"):
-            out = [i for d in op.dsts for i in self.hop(op, op.src, d, nbytes, waits)]
-        elif op.kind == "broadcast":
-            out = self.broadcast(op, nbytes, waits)
-        else:
-            out = self.allgather(op, waits)
+        """Flows of one operation, one per message of its route (several when striped); returns its
+        terminal flows: the last message on each pair of devices."""
+        flows: list[list[int]] = []
+        last: dict[tuple[int, int], list[int]] = {}
+        itemsize = self.itemsizes[op.tensor or 0]
+        for hop in route(op):
+            after = (waits if hop.gated else []) + [i for k in hop.after for i in flows[k]]
+            flows.append(self.hop(op, hop.src, hop.dst, hop.nbytes(itemsize), after))
+            last[(hop.src, hop.dst)] = flows[-1]
+        out = [i for ids in last.values() for i in ids]
         for d in op.dsts:
-            self.delivered.setdefault((op.task, d), []).extend(out if op.kind != "allgather" else [])
+            self.delivered.setdefault((op.task, d), []).extend(out)
         return out
-
-    def broadcast(self, op: Operation, nbytes: float, waits: list[int]) -> list[int]:
-        chain = [op.src, *op.dsts]
-        k = op.chunks
-        previous_chunk: list[list[int]] = [[] for _ in chain[1:]]
-        for chunk in range(k):
-            upstream: list[int] = []
-            piece = nbytes / k
-            for h, (a, b) in enumerate(zip(chain, chain[1:])):
-                after = (list(waits) if chunk == 0 and h == 0 else []) + upstream + previous_chunk[h]
-                upstream = previous_chunk[h] = self.hop(op, a, b, piece, after)
-        return [i for ids in previous_chunk for i in ids]
-
-    def allgather(self, op: Operation, waits: list[int]) -> list[int]:
-        members, n = list(op.dsts), len(op.dsts)
-        received: list[list[int]] = [[] for _ in members]
-        for step in range(n - 1):
-            now = []
-            for i in range(n):
-                part = op.parts[(i - step) % n]
-                now.append(self.hop(op, members[i], members[(i + 1) % n], region_size(part) * self.itemsizes[op.tensor or 0], list(waits) + received[i]))
-            received = [now[(i - 1) % n] for i in range(n)]
-        return [i for ids in received for i in ids]
 
 
 def simulate(operations: list[Operation] | tuple[Operation, ...], problem: ReshardingProblem | TransferProblem,

@@ -98,7 +98,11 @@ def hop_resources(hops: list[Hop], host_of: Callable[[int], int]) -> frozenset[R
 
 
 def _ring_hops(members: tuple[int, ...]) -> list[Hop]:
-    """The ring all-gather's links: each member to the next, the last back to the first."""
+    """The ring all-gather's links: each member to the next, the last back to the first.
+
+    The strategies list their operations' links themselves (send, chain, ring) instead of asking
+    `schemas.op_kinds.wire_pairs` per operation: a private fast path, about 10% of strategy time
+    (BENCHMARKS.md); tests/test_op_kinds.py checks every strategy's links against the table."""
     return [(a, members[(i + 1) % len(members)]) for i, a in enumerate(members)] if len(members) > 1 else []
 
 

@@ -16,6 +16,7 @@ import numpy as np
 
 from xmesh_plan.schemas import Plan
 from xmesh_plan.schemas.geometry import Region
+from xmesh_plan.schemas.op_kinds import reads, writes
 from xmesh_plan.schemas.plan import format_region
 from xmesh_plan.schemas.plan_check import TOLERANCE_S, PlanError, check_plan, describe
 from xmesh_plan.schemas.plan_tensors import is_multi, tensor_names, tensor_plans
@@ -105,16 +106,14 @@ class _Replay:
         cells.ready[idx] = np.where(incoming, self.op.end_s, cells.ready[idx])
 
     def run(self, op) -> None:
+        """What the kind reads from a destination shard must be there when it starts (a source shard
+        holds everything from time 0); then what it writes lands (`schemas.op_kinds`)."""
         self.op = op
-        if op.kind == "allgather":
-            for d, part in zip(op.dsts, op.parts):
-                if not _empty(part):
-                    self.check_holds(d, part)
-            for d, part in zip(op.dsts, op.parts):
-                self.deliver(d, op.region, skip=part)
-        else:  # copy, send, broadcast: the sender's source shard holds the box from time 0
-            for d in op.dsts:
-                self.deliver(d, op.region)
+        for device, shard, box in reads(op):
+            if shard == "dst" and not _empty(box):
+                self.check_holds(device, box)
+        for device, box, own in writes(op):
+            self.deliver(device, box, skip=own)
 
     def finish(self) -> None:
         for d in sorted(self.dst):

@@ -3,12 +3,13 @@
 A plan is small frozen records that round-trip through JSON exactly. Operations are listed in
 execution order (predicted start time, then id); every rank replays the ones it takes part in.
 
-Operation kinds, all on boxes in global tensor coordinates:
+Operation kinds, all on boxes in global tensor coordinates, are rows of `op_kinds.OP_KINDS` (what
+each means, who takes part, the messages it sends):
 - `copy`: a device that holds the box in its source shard copies it into its destination shard.
 - `send`: `src` (a source-mesh device) sends the box to the single device in `dsts`.
 - `broadcast`: `src` sends the box down the chain `dsts` in `chunks` pipelined pieces.
 - `allgather`: every member in `dsts` already holds `parts[i]` in its destination shard; afterwards
-  each holds all of `region` (the union of the parts).
+  each holds all of `region` (the union of the parts), passed round the ring `dsts` in n-1 steps.
 """
 
 from __future__ import annotations
@@ -23,12 +24,13 @@ from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, Validatio
 
 from .files import DataFileError, parse_data, read_text_file
 from .geometry import Region
+from .op_kinds import OP_KINDS, chunk_label, parties
 from .problem import ReshardingProblem
 from .transfer import TransferProblem
 from .validation import describe_validation_error
 
 SCHEMA_VERSION = 1
-OpKind = Literal["copy", "send", "broadcast", "allgather"]
+OpKind = Literal[tuple(OP_KINDS)]  # type: ignore[valid-type]  # "copy", "send", "broadcast", "allgather": the table's rows
 StrategyName = Literal["broadcast", "send_recv", "local_allgather", "global_allgather"]
 _FROZEN = ConfigDict(frozen=True, extra="forbid")
 TensorIndex = Annotated[int | None, Field(None, ge=0, exclude_if=lambda v: v is None,
@@ -67,12 +69,9 @@ class Operation(BaseModel):
     end_s: float = 0.0
 
     def __str__(self) -> str:
-        who = f"d{self.src} -> " if self.src is not None else "among "
         tensor = f" tensor {self.tensor}" if self.tensor is not None else ""
-        chunks = f" K={self.chunks}" if self.kind == "broadcast" else ""
-        dsts = ",".join(f"d{d}" for d in self.dsts)
-        return (f"op {self.id:>4} task {self.task:>4}{tensor} {self.kind:<9} {who}{dsts} {format_region(self.region)}"
-                f"{chunks} @{self.start_s:.6f}-{self.end_s:.6f}s")
+        return (f"op {self.id:>4} task {self.task:>4}{tensor} {self.kind:<9} {parties(self)} {format_region(self.region)}"
+                f"{chunk_label(self)} @{self.start_s:.6f}-{self.end_s:.6f}s")
 
 
 class UnitTask(BaseModel):

@@ -1,7 +1,7 @@
 """The one structural checker of plans, shared by `xmesh-plan verify` and the executor's lowering.
 
 It checks what a plan must satisfy before anyone replays it: finite, non-negative times; unique ids;
-operations listed in execution order; per-kind device membership (`KIND_RULES`); boxes inside the
+operations listed in execution order; per-kind device membership (`op_kinds.OP_KINDS`); boxes inside the
 tensor and inside the shards that hold or receive them; all-gather parts that tile their box; chunk
 counts within limits. Both sides call `check_plan`, so the same fault gets the same message.
 What needs a replay (who holds what when, nothing received twice, every shard complete) is checked
@@ -12,14 +12,15 @@ from __future__ import annotations
 
 import math
 import re
-from dataclasses import dataclass
-
 import numpy as np
 
 from .geometry import Region, region_size
+from .op_kinds import OP_KINDS, OpKindRule, reads, rule_of, tags_used, writes
 from .plan import Operation, Plan, format_region
 from .problem import ReshardingProblem
 from .transfer import TransferProblem
+
+__all__ = ["MAX_CHUNKS", "MAX_TAGS", "PlanError", "TOLERANCE_S", "check_plan", "describe", "overlapping_pair", "tags_used", "uncovered"]
 
 MAX_CHUNKS = 1024  # the most pipelined pieces a broadcast may have (the planner never picks more)
 TOLERANCE_S = 1e-9  # slack for comparing times rounded to picoseconds
@@ -30,31 +31,6 @@ _SIDE = re.compile(r"(send|recv)(:(0|[1-9][0-9]*))?")
 class PlanError(ValueError):
     """A plan that breaks the format's rules or does not deliver every byte; the message names the
     operation, device and box."""
-
-
-@dataclass(frozen=True, slots=True)
-class KindRule:
-    """What one operation kind requires of its devices: who sends, from which shard, who receives."""
-
-    has_src: bool  # `src` is a device (else None)
-    src_in: tuple[str, ...]  # the shards `src` must have: "src" (reads its source shard), "dst" (a copy writes its own)
-    min_dsts: int
-    max_dsts: int | None
-    chunked: bool  # `chunks` may exceed 1
-    has_parts: bool
-
-
-KIND_RULES: dict[str, KindRule] = {
-    "copy": KindRule(has_src=True, src_in=("src", "dst"), min_dsts=1, max_dsts=1, chunked=False, has_parts=False),
-    "send": KindRule(has_src=True, src_in=("src",), min_dsts=1, max_dsts=1, chunked=False, has_parts=False),
-    "broadcast": KindRule(has_src=True, src_in=("src",), min_dsts=1, max_dsts=None, chunked=True, has_parts=False),
-    "allgather": KindRule(has_src=False, src_in=(), min_dsts=2, max_dsts=None, chunked=False, has_parts=True),
-}
-
-
-def tags_used(op: Operation) -> int:
-    """How many message tags an operation owns: one per broadcast chunk, one per all-gather member."""
-    return {"copy": 0, "send": 1, "broadcast": op.chunks, "allgather": len(op.dsts)}[op.kind]
 
 
 def describe(op: Operation) -> str:
@@ -100,7 +76,7 @@ def _check_ids_and_order(plan: Plan) -> None:
         if op.id in seen:
             raise PlanError(f"operation at position {index} reuses id {op.id}; every operation needs its own id")
         seen.add(op.id)
-        if op.task not in task_ids and not (op.task == -1 and op.kind == "copy"):
+        if op.task not in task_ids and not (op.task == -1 and rule_of(op).taskless):
             raise PlanError(f"{describe(op)} names task {op.task}, which the plan does not have")
         if not (math.isfinite(op.start_s) and math.isfinite(op.end_s)):
             raise PlanError(f"{describe(op)} runs @{op.start_s}-{op.end_s}s; times must be finite numbers of seconds")
@@ -189,7 +165,7 @@ class _Shards:
             raise PlanError(f"{describe(op)}: {what} {format_region(box)} is not a box inside the tensor {list(self.shape)}")
 
 
-def _check_devices(op: Operation, rule: KindRule, shards: _Shards) -> None:
+def _check_devices(op: Operation, rule: OpKindRule, shards: _Shards) -> None:
     """Sender and receivers as the kind requires, each holding (or receiving) the box in its shard."""
     if rule.has_src != (op.src is not None):
         raise PlanError(f"{describe(op)}: src must be {'a device' if rule.has_src else 'null'}, got {op.src}")
@@ -199,23 +175,23 @@ def _check_devices(op: Operation, rule: KindRule, shards: _Shards) -> None:
         raise PlanError(f"{describe(op)}: a {op.kind} {wanted}, got {list(op.dsts)}")
     if len(set(op.dsts)) != count:
         raise PlanError(f"{describe(op)}: dsts {list(op.dsts)} names a device twice")
-    if op.kind == "copy":
+    if rule.pattern == "local":
         if op.dsts != (op.src,):
-            raise PlanError(f"{describe(op)}: a copy must stay on device {op.src}, but names {list(op.dsts)}")
+            raise PlanError(f"{describe(op)}: a {op.kind} must stay on device {op.src}, but names {list(op.dsts)}")
     elif op.src in op.dsts:
         raise PlanError(f"{describe(op)}: device {op.src} sends to itself; a device that holds the box needs a copy")
-    for side in rule.src_in:
-        shards.require(op, op.src, side, op.region, "sends" if side == "src" else "receives")
-    if op.kind != "copy":
-        for device in op.dsts:
-            shards.require(op, device, "dst", op.region, "receives")
+    for device, side, box in reads(op):
+        if side == "src":  # parts read from a destination shard are checked with the box (`_check_parts`)
+            shards.require(op, device, "src", box, "sends")
+    for device, box, _ in writes(op):
+        shards.require(op, device, "dst", box, "receives")
 
 
-def _check_parts(op: Operation, rule: KindRule, shards: _Shards) -> None:
+def _check_parts(op: Operation, rule: OpKindRule, shards: _Shards) -> None:
     """All-gather parts: one per member, inside the box, tiling it exactly (no gap, no overlap)."""
     if not rule.has_parts:
         if op.parts:
-            raise PlanError(f"{describe(op)}: only an allgather has parts; drop them")
+            raise PlanError(f"{describe(op)}: only {_kinds_that('has_parts')} has parts; drop them")
         return
     if len(op.parts) != len(op.dsts):
         raise PlanError(f"{describe(op)}: {len(op.dsts)} members but {len(op.parts)} parts")
@@ -230,6 +206,12 @@ def _check_parts(op: Operation, rule: KindRule, shards: _Shards) -> None:
                         "overlap; each element needs one contributor")
     if sum(map(region_size, filled)) != region_size(op.region):  # disjoint parts inside the box: equal volume is a tiling
         raise PlanError(f"{describe(op)}: no member contributes {format_region(uncovered(op.region, filled))}")
+
+
+def _kinds_that(fact: str) -> str:
+    """`an allgather`: the kinds whose rule has `fact`, for messages."""
+    kinds = [k for k, rule in OP_KINDS.items() if getattr(rule, fact)]
+    return ("an " if kinds[0][0] in "aeiou" else "a ") + " or ".join(kinds)
 
 
 def overlapping_pair(boxes: list[Region]) -> tuple[int, int] | None:
@@ -249,13 +231,13 @@ def overlapping_pair(boxes: list[Region]) -> tuple[int, int] | None:
 
 
 def _check_operation(op: Operation, shards: _Shards) -> None:
-    rule = KIND_RULES[op.kind]
+    rule = rule_of(op)
     shards.check_box(op, "region", op.region)
     if not region_size(op.region):
         raise PlanError(f"{describe(op)}: region {format_region(op.region)} is empty; drop operations that move nothing")
     elements = region_size(op.region)
     if not rule.chunked and op.chunks != 1:
-        raise PlanError(f"{describe(op)}: chunks is {op.chunks}; only a broadcast is cut into chunks, so use 1")
+        raise PlanError(f"{describe(op)}: chunks is {op.chunks}; only {_kinds_that('chunked')} is cut into chunks, so use 1")
     if op.chunks > min(MAX_CHUNKS, elements):
         raise PlanError(f"{describe(op)}: chunks {op.chunks} is above {min(MAX_CHUNKS, elements)}, the most for a box of "
                         f"{elements} elements (at most {MAX_CHUNKS}, and at most one element per chunk)")

@@ -356,6 +356,24 @@ def test_inspect_without_flags_omits_task_and_op_lists():
     assert "tasks:" in run("inspect", str(ROOT / "plans" / "case3.plan.json"), "--tasks").stdout.splitlines()
 
 
+def test_inspect_reports_the_per_message_cost_on_the_busiest_nic_side(tmp_path):
+    """A send/recv plan: every operation is one message, so the busiest side's count is plain counting."""
+    out = tmp_path / "sr.json"
+    assert run("compile", str(CASE3), "--strategy", "send_recv", "-o", str(out)).exit_code == 0
+    plan = Plan.from_json(out.read_text())
+    host = plan.problem.cluster.host_of
+    counts = {}
+    for op in plan.operations:
+        if op.kind == "send" and host(op.src) != host(op.dsts[0]):
+            counts[(host(op.src), "send")] = counts.get((host(op.src), "send"), 0) + 1
+            counts[(host(op.dsts[0]), "recv")] = counts.get((host(op.dsts[0]), "recv"), 0) + 1
+    busiest = max(counts.values())
+    line = next(x for x in run("inspect", str(out)).stdout.splitlines() if x.startswith("per-message cost"))
+    latency = plan.problem.cluster.latency_s
+    assert f"carries {busiest} messages x {latency * 1e6:g} us = {busiest * latency:.4f} s" in line, line
+    assert "of the" in line and "gap to the bound" in line
+
+
 def test_inspect_orders_times_the_plan_as_each_executor_queues_it(tmp_path):
     """Case 3 in the naive order: queued per NIC side it is 1.5x the bound; posted at once (as the MPI
     engine runs it, and as measured on the emulated cluster) the links stay full and it meets the bound."""

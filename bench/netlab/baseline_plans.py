@@ -14,14 +14,16 @@ from xmesh_plan.planner.simulate import simulate
 from xmesh_plan.planner.unit_tasks import decompose
 from xmesh_plan.schemas import Operation, Plan, ReshardingProblem, SolverInfo, UnitTask
 from xmesh_plan.schemas.geometry import region_size
+from xmesh_plan.schemas.op_kinds import reads, rule_of
 
 STRATEGY_OF = {"alpa-send-recv": "send_recv", "alpa-allgather": "local_allgather"}
 
 
 def _task(task_id: int, ops: list[Operation], problem: ReshardingProblem, strategy: str) -> UnitTask:
-    """A unit task covering the box its operations move (an all-gather's box when there is one)."""
-    main = next((op for op in ops if op.kind == "allgather"), ops[0])
-    senders = tuple(sorted({op.src for op in ops if op.kind == "send"}))
+    """A unit task covering the box its operations move (the box an operation's parts tile, when there
+    is one), sent by the devices that read it from their source shards."""
+    main = next((op for op in ops if rule_of(op).has_parts), ops[0])
+    senders = tuple(sorted({d for op in ops for d, shard, _ in reads(op) if shard == "src"}))
     receivers = tuple(sorted({d for op in ops for d in op.dsts}))
     host = problem.cluster.host_of
     return UnitTask(id=task_id, region=main.region, nbytes=region_size(main.region) * problem.itemsize,

@@ -1,0 +1,123 @@
+"""The planner's hot paths that read the table of operation kinds, timed against a git revision in one run.
+
+    .venv/bin/python bench/bench_op_kinds.py                 # this tree only
+    .venv/bin/python bench/bench_op_kinds.py --compare REV   # also REV's modules, interleaved (about 1 min)
+
+`schemas/op_kinds.py` replaced per-kind code in the simulator (each operation's flows now come from
+its `route`) and in the strategies (links from `wire_pairs`). This times, on the same plans and
+interleaved, `simulate_plan` and every strategy on every unit task (what `compile` runs per task)
+with the modules of this tree and of revision REV (`planner/simulate.py`, `planner/strategies.py`,
+loaded from git). Best of `--repeat`, the versions taking turns. Results: bench/results/op_kinds.json. For the executor's
+lowering see bench/bench_lowering.py.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from xmesh_plan.planner import simulate as simulate_now  # noqa: E402
+from xmesh_plan.planner import strategies as strategies_now  # noqa: E402
+from xmesh_plan.planner.compile import _sender_per_host, compile_plan  # noqa: E402
+from xmesh_plan.planner.problem_io import build_problem  # noqa: E402
+from xmesh_plan.planner.unit_tasks import decompose  # noqa: E402
+
+CASES = [  # (name, source mesh, source spec, destination mesh, destination spec, shape, strategy)
+    ("all-to-all 32x4", "32x4", "S0 R", "32x4", "R S0", (4096, 4096), "auto"),
+    ("broadcast 8x4 -> 8x4", "8x4", "S0 R", "8x4", "R R", (8192, 1024), "broadcast"),
+    ("gather 64x4 local_allgather", "64x4", "S01 R R", "1x4", "R R R", (4096, 4096, 64), "local_allgather"),
+    ("global_allgather 8x4 -> 8x4", "8x4", "S01 R", "8x4", "R R", (8192, 1024), "global_allgather"),
+]
+
+
+def module_at(rev: str, path: str, name: str):
+    """`path` as of git revision `rev`, imported as module `name` (relative imports resolve in the planner)."""
+    text = subprocess.run(["git", "show", f"{rev}:{path}"], cwd=ROOT, capture_output=True, text=True, check=True).stdout
+    file = Path(tempfile.mkdtemp()) / Path(path).name
+    file.write_text(text)
+    spec = importlib.util.spec_from_file_location(name, file)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def best_seconds(fn, repeat: int) -> float:
+    times = []
+    for _ in range(repeat):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return min(times)
+
+
+def contexts(problem, strategies):
+    """Every (unit task, sender host) a compile tries, as strategy inputs."""
+    out = []
+    for cell in decompose(problem):
+        for _, device in sorted(_sender_per_host(cell, problem).items()) if cell.receivers and cell.senders else ():
+            out.append(strategies.TaskContext(cell.region, cell.nbytes(problem.itemsize), device, cell.receivers,
+                                              problem.cluster, problem.itemsize))
+    return out
+
+
+def run_strategies(module, ctxs) -> None:
+    module._pipelined_seconds.cache_clear()
+    for ctx in ctxs:
+        for fn in module.STRATEGIES.values():
+            fn(ctx)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--compare", metavar="REV", help="also time the simulator and strategies of this git revision")
+    parser.add_argument("--repeat", type=int, default=3, help="runs per point; the best is kept (default 3)")
+    parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "op_kinds.json")
+    args = parser.parse_args()
+    versions = [("now", simulate_now, strategies_now)]
+    if args.compare:
+        versions.append(("before", module_at(args.compare, "planner/simulate.py", "xmesh_plan.planner.simulate_compared"),
+                         module_at(args.compare, "planner/strategies.py", "xmesh_plan.planner.strategies_compared")))
+    rows = []
+    for name, src_mesh, src_spec, dst_mesh, dst_spec, shape, strategy in CASES:
+        problem = build_problem({"name": name, "shape": list(shape), "dtype": "float32", "cluster": {"devices_per_host": 4},
+                                 "src": {"mesh": src_mesh, "spec": src_spec}, "dst": {"mesh": dst_mesh, "spec": dst_spec}})
+        plan = compile_plan(problem, strategy=strategy, solver="greedy", seed=0)
+        ctxs = contexts(problem, strategies_now)
+        timed = [sim.simulate_plan(plan) for _, sim, _ in versions]
+        assert all((t.makespan_s, t.op_start_s, t.op_end_s, t.flows) == (timed[0].makespan_s, timed[0].op_start_s, timed[0].op_end_s,
+                                                                         timed[0].flows) for t in timed), "the simulators disagree"
+        row = {"case": name, "operations": len(plan.operations), "flows": simulate_now.simulate_plan(plan).flows, "tasks": len(ctxs)}
+        for _ in range(args.repeat):  # interleaved, so a burst of load on this shared machine hits both versions
+            for label, sim, strat in versions:
+                for what, fn in (("simulate", lambda: sim.simulate_plan(plan)), ("strategies", lambda: run_strategies(strat, ctxs))):
+                    key = f"{what}_{label}_s"
+                    row[key] = min(row.get(key, float("inf")), best_seconds(fn, 1))
+        rows.append(row)
+        print(row, flush=True)
+    if args.compare:
+        table(rows, args.compare)
+    args.out.write_text(json.dumps({"compared_with": args.compare, "rows": rows}, indent=1) + "\n")
+    print(f"written to {args.out}")
+
+
+def table(rows: list[dict], rev: str) -> None:
+    print(f"\n| plan | operations | flows | simulate_plan | before ({rev}) | now/before | every strategy, every task (tasks) | before | now/before |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for r in rows:
+        print(f"| {r['case']} | {r['operations']} | {r['flows']} | {r['simulate_now_s']:.3f} s | {r['simulate_before_s']:.3f} s | "
+              f"{r['simulate_now_s'] / r['simulate_before_s']:.2f} | {r['strategies_now_s']:.3f} s ({r['tasks']}) | "
+              f"{r['strategies_before_s']:.3f} s | {r['strategies_now_s'] / r['strategies_before_s']:.2f} |")
+
+
+if __name__ == "__main__":
+    main()

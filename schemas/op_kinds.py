@@ -1,0 +1,263 @@
+"""One table of facts per operation kind, read by every consumer of plans instead of a switch of its own.
+
+`OP_KINDS[kind]` says which devices take part, which shard each one reads and what it writes, the
+messages on the wire (`route`: a local copy, a chain or a ring), the message tags an operation owns,
+its NCCL group and how it prints. The plan checker, the verifier, the simulator, `inspect`, the
+executor's lowering and NCCL calls and the demo's byte count all read it, so a new kind is one row
+here; a new wire pattern also needs a handler in each consumer that registers through `supported`,
+which fails at import, naming the consumer, when one is missing.
+
+>>> from xmesh_plan.schemas.plan import Operation
+>>> op = Operation(id=0, task=0, kind="broadcast", src=0, dsts=(1, 2), region=((0, 8),), chunks=2)
+>>> [(h.src, h.dst, h.tag, h.after) for h in route(op)]
+[(0, 1, 0, ()), (1, 2, 0, (0,)), (0, 1, 1, (0,)), (1, 2, 1, (2, 1))]
+>>> pair_bytes(op, itemsize=4)
+{(0, 1): 32, (1, 2): 32}
+>>> gather = Operation(id=1, task=0, kind="allgather", dsts=(3, 4, 5), region=((0, 6),), parts=(((0, 2),), ((2, 4),), ((4, 6),)))
+>>> [(h.src, h.dst, h.piece) for h in route(gather)][:3], tags_used(gather), parties(gather)
+([(3, 4, 0), (4, 5, 1), (5, 3, 2)], 2, 'among d3,d4,d5')
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from fractions import Fraction
+from typing import Callable, Literal, Mapping, Protocol, TypeVar
+
+from .geometry import Region, region_size
+
+Shard = Literal["src", "dst"]
+Pattern = Literal["local", "chain", "ring"]
+
+
+class OpLike(Protocol):
+    """What the table reads of an operation: a plan's `Operation` or the planner's `PlannedOp`."""
+
+    kind: str
+    src: int | None
+    dsts: tuple[int, ...]
+    region: Region
+    parts: tuple[Region, ...]
+    chunks: int
+
+
+@dataclass(frozen=True, slots=True)
+class OpKindRule:
+    """The facts of one operation kind that are not read off the operation itself."""
+
+    pattern: Pattern  # local: src copies into its own destination shard; chain: src -> dsts[0] -> dsts[1] -> ...; ring: dsts[i] -> dsts[i+1]
+    has_src: bool  # `src` is a device (else null)
+    min_dsts: int
+    max_dsts: int | None  # None: no limit
+    chunked: bool  # `chunks` may exceed 1 (each chunk is one message per hop, pipelined)
+    has_parts: bool  # one part per member, read from its destination shard
+    taskless: bool = False  # may belong to no unit task (task -1): a device copying between its own shards
+    meaning: str = ""  # what the kind does, in one line (docs/format.md has the same table)
+
+
+OP_KINDS: dict[str, OpKindRule] = {
+    "copy": OpKindRule("local", has_src=True, min_dsts=1, max_dsts=1, chunked=False, has_parts=False, taskless=True,
+                       meaning="a device that holds the box in its source shard copies it into its destination shard"),
+    "send": OpKindRule("chain", has_src=True, min_dsts=1, max_dsts=1, chunked=False, has_parts=False,
+                       meaning="src sends the box to the single device in dsts"),
+    "broadcast": OpKindRule("chain", has_src=True, min_dsts=1, max_dsts=None, chunked=True, has_parts=False,
+                            meaning="src sends the box down the chain dsts in `chunks` pipelined pieces"),
+    "allgather": OpKindRule("ring", has_src=False, min_dsts=2, max_dsts=None, chunked=False, has_parts=True,
+                            meaning="member dsts[i] holds parts[i]; in n-1 ring steps each member passes the part it got last to the next"),
+}
+
+
+@dataclass(frozen=True, slots=True)
+class Hop:
+    """One message of an operation (a local copy when src == dst): piece `piece` (a broadcast chunk, an
+    all-gather part) with tag `tag` of the operation's block. It moves `elements / divisor` elements:
+    the model spreads a broadcast's box evenly over its chunks (on the wire `chunk_bounds` cuts on
+    element boundaries; every pair carries the whole box either way). It may start once the hops at
+    positions `after` of the same route have arrived; a `gated` hop also waits for what the operation waits for."""
+
+    src: int
+    dst: int
+    piece: int
+    tag: int
+    elements: int
+    divisor: int
+    after: tuple[int, ...]
+    gated: bool
+
+    def nbytes(self, itemsize: int) -> float:
+        return self.elements * itemsize / self.divisor
+
+
+def rule_of(op: OpLike) -> OpKindRule:
+    try:
+        return OP_KINDS[op.kind]
+    except KeyError:
+        raise ValueError(f"operation kind {op.kind!r} is unknown; use one of {', '.join(OP_KINDS)}") from None
+
+
+def members(op: OpLike) -> tuple[int, ...]:
+    """Every device an operation involves, once each: the sender, then `dsts` in order."""
+    head = (op.src,) if op.src is not None and op.src not in op.dsts else ()
+    return head + tuple(op.dsts)
+
+
+def nccl_group(op: OpLike) -> tuple[int, ...]:
+    """The communicator an operation runs on: its members, sorted (a device's NCCL rank is its index)."""
+    return tuple(sorted(members(op)))
+
+
+def reads(op: OpLike) -> tuple[tuple[int, Shard, Region], ...]:
+    """(device, shard, box) of everything an operation sends out of a shard: the sender's source
+    shard, or each member's own part of its destination shard (which it must hold when the operation starts)."""
+    if rule_of(op).has_parts:
+        return tuple((d, "dst", part) for d, part in zip(op.dsts, op.parts))
+    return ((op.src, "src", op.region),)
+
+
+def writes(op: OpLike) -> tuple[tuple[int, Region, Region | None], ...]:
+    """(device, box, own) of what lands in destination shards: every receiver gets the box, less `own`
+    (the part an all-gather member already holds)."""
+    if rule_of(op).has_parts:
+        return tuple((d, op.region, part) for d, part in zip(op.dsts, op.parts))
+    return tuple((d, op.region, None) for d in op.dsts)
+
+
+def _local_route(op: OpLike) -> tuple[Hop, ...]:
+    return (Hop(op.src, op.src, 0, 0, region_size(op.region), 1, (), True),)
+
+
+def _chain_route(op: OpLike) -> tuple[Hop, ...]:
+    """Chunk k crosses hop h after chunk k crossed hop h-1 and chunk k-1 crossed hop h; only the first waits for the operation."""
+    chain, elements, k_total = (op.src, *op.dsts), region_size(op.region), op.chunks
+    hops_per_chunk = len(op.dsts)
+    out = []
+    for k in range(k_total):
+        for h in range(hops_per_chunk):
+            at = len(out)
+            after = ((at - 1,) if h else ()) + ((at - hops_per_chunk,) if k else ())
+            out.append(Hop(chain[h], chain[h + 1], k, k, elements, k_total, after, k == 0 and h == 0))
+    return tuple(out)
+
+
+def _ring_route(op: OpLike) -> tuple[Hop, ...]:
+    """Step s: member i sends part (i - s) mod n, which it got at step s-1 (its own at step 0), to member i+1."""
+    ring, n = op.dsts, len(op.dsts)
+    sizes = [region_size(p) for p in op.parts]
+    return tuple(Hop(ring[i], ring[(i + 1) % n], (i - s) % n, s, sizes[(i - s) % n], 1,
+                     ((s - 1) * n + (i - 1) % n,) if s else (), True)
+                 for s in range(n - 1) for i in range(n))
+
+
+def _chain_pairs(op: OpLike) -> tuple[tuple[int, int], ...]:
+    chain = (op.src, *op.dsts)
+    return tuple(zip(chain, chain[1:]))
+
+
+def _ring_pairs(op: OpLike) -> tuple[tuple[int, int], ...]:
+    ring = op.dsts
+    return tuple((a, ring[(i + 1) % len(ring)]) for i, a in enumerate(ring))
+
+
+@dataclass(frozen=True, slots=True)
+class _PatternFacts:
+    route: Callable[[OpLike], tuple[Hop, ...]]
+    pairs: Callable[[OpLike], tuple[tuple[int, int], ...]]  # distinct (from, to) on the wire, in route order
+    tags: Callable[[OpLike], int]
+
+
+_PATTERNS: dict[str, _PatternFacts] = {
+    "local": _PatternFacts(_local_route, lambda op: (), lambda op: 0),
+    "chain": _PatternFacts(_chain_route, _chain_pairs, lambda op: op.chunks),
+    "ring": _PatternFacts(_ring_route, _ring_pairs, lambda op: len(op.dsts) - 1),
+}
+
+
+def chunk_bounds(elements: int, chunks: int) -> list[tuple[int, int]]:
+    """Element ranges (of the box in C order) of a chunked operation's chunks on the wire: even cuts,
+    every one non-empty when chunks <= elements (as `check_plan` requires).
+
+    >>> chunk_bounds(4, 3)
+    [(0, 1), (1, 2), (2, 4)]
+    """
+    return [(k * elements // chunks, (k + 1) * elements // chunks) for k in range(chunks)]
+
+
+def _facts(op: OpLike) -> _PatternFacts:
+    """The pattern facts of an operation's kind (two dict lookups: the planner and the lowering call this per operation)."""
+    return _PATTERNS[rule_of(op).pattern]
+
+
+def route(op: OpLike) -> tuple[Hop, ...]:
+    """Every message of an operation in the order the model emits them (see `Hop`)."""
+    return _facts(op).route(op)
+
+
+def wire_pairs(op: OpLike) -> tuple[tuple[int, int], ...]:
+    """The distinct (from device, to device) pairs an operation's messages cross, without building its route."""
+    return _facts(op).pairs(op)
+
+
+def tags_used(op: OpLike) -> int:
+    """How many message tags an operation owns: one per broadcast chunk (a send is one chunk), one per
+    all-gather ring step, none for a copy. Tags count up through the plan, so no two messages between
+    one pair share a tag."""
+    return _facts(op).tags(op)
+
+
+def pair_bytes(op: OpLike, itemsize: int) -> dict[tuple[int, int], int]:
+    """Bytes an operation moves between each pair of distinct devices (exact; local copies left out)."""
+    elements: dict[tuple[int, int, int], int] = {}  # (from, to, divisor) -> elements
+    for hop in route(op):
+        if hop.src != hop.dst and hop.elements:
+            key = (hop.src, hop.dst, hop.divisor)
+            elements[key] = elements.get(key, 0) + hop.elements
+    total: dict[tuple[int, int], Fraction] = {}
+    for (a, b, divisor), count in elements.items():
+        total[(a, b)] = total.get((a, b), Fraction(0)) + Fraction(count * itemsize, divisor)
+    return {key: int(value) for key, value in total.items()}
+
+
+def messages(op: OpLike) -> int:
+    """Messages an operation puts on the wire: its hops between distinct devices that carry bytes."""
+    return sum(h.src != h.dst and h.elements > 0 for h in route(op))
+
+
+def parties(op: OpLike) -> str:
+    """`d0 -> d1,d2` or `among d3,d4`: who talks to whom, as an operation's text form prints it."""
+    who = f"d{op.src} -> " if rule_of(op).has_src else "among "
+    return who + ",".join(f"d{d}" for d in op.dsts)
+
+
+def chunk_label(op: OpLike) -> str:
+    """` K=4` for a kind cut into chunks, else empty: the end of an operation's text form."""
+    return f" K={op.chunks}" if rule_of(op).chunked else ""
+
+
+Handler = TypeVar("Handler")
+_CONSUMERS: list[tuple[str, Mapping, str]] = []  # every registered (consumer, handlers, by), appended at its import
+
+
+def supported(consumer: str, handlers: Mapping[str, Handler], by: Literal["pattern", "kind"] = "pattern") -> Mapping[str, Handler]:
+    """`handlers` after checking it covers every pattern (or kind) in the table; a consumer calls this at
+    import so an operation kind it cannot handle fails there, naming the consumer and the fix."""
+    _require(consumer, handlers, by)
+    _CONSUMERS.append((consumer, handlers, by))
+    return handlers
+
+
+def check_support() -> None:
+    """Every consumer registered so far (and this module's own routes) handles every row of the table."""
+    _require("schemas.op_kinds routes", _PATTERNS, "pattern")
+    for consumer, handlers, by in _CONSUMERS:
+        _require(consumer, handlers, by)
+
+
+def _require(consumer: str, handlers: Mapping, by: str) -> None:
+    needed = {rule.pattern for rule in OP_KINDS.values()} if by == "pattern" else set(OP_KINDS)
+    missing = sorted(needed - set(handlers))
+    if missing:
+        raise NotImplementedError(f"{consumer} has no handler for operation {by} {missing[0]!r} of schemas/op_kinds.py; "
+                                  f"add one to its table (it handles {', '.join(sorted(handlers))})")
+
+
+check_support()
