@@ -1,7 +1,8 @@
 """Replay a compiled resharding plan every iteration: MPI on the CPU, NCCL through CuPy on GPUs,
 torch.distributed over any process group (gloo, NCCL).
 
-Imports `schemas` only, never the planner. Entry points: `ReshardingExecutor` and the demo
+Imports `schemas` only, never the planner. Entry points: `ReshardingExecutor` (one tensor),
+`TransferExecutor` (a multi-tensor plan, name -> shard mapping in and out) and the demo
 `mpiexec -disable-auto-cleanup -n N python -m xmesh_plan.executor.run PLAN --check`.
 """
 
@@ -9,6 +10,7 @@ from .errors import BackendUnavailableError, ExecutorError, PeerTimeoutError, Pl
 from .engines import BACKENDS, ENGINES
 from .executor import ReshardingExecutor
 from .ranks import device_of_rank, plan_devices
+from .transfer_executor import TransferExecutor
 
 __all__ = ["BACKENDS", "ENGINES", "BackendUnavailableError", "ExecutorError", "PeerTimeoutError", "PlanMismatchError",
-           "ReshardingExecutor", "device_of_rank", "plan_devices"]
+           "ReshardingExecutor", "TransferExecutor", "device_of_rank", "plan_devices"]

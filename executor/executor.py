@@ -18,6 +18,7 @@ from collections import Counter
 import numpy as np
 
 from xmesh_plan.schemas import Plan
+from xmesh_plan.schemas.plan_tensors import is_multi
 
 from .arrays import storage_dtype
 from .engines import BACKENDS, EngineContext, engine_entry
@@ -63,6 +64,9 @@ class ReshardingExecutor:
         see `lower.in_device_order`."""
         if not isinstance(plan, Plan):
             raise TypeError(f"plan is a {type(plan).__name__}; pass a schemas.Plan, e.g. schemas.read_plan_file('x.plan.json')")
+        if is_multi(plan):
+            raise TypeError(f"plan moves {len(plan.problem.tensors)} tensors; run it with executor.TransferExecutor "
+                            "(a name -> shard mapping in and out)")
         if backend is not None and backend not in BACKENDS:
             raise ValueError(f"backend {backend!r} is unknown; use one of: {', '.join(BACKENDS)}")
         if order not in ORDERS:
@@ -78,6 +82,9 @@ class ReshardingExecutor:
         self.program: RankProgram | None = None
         self.engine = None
         self.comm = None
+        # Set by TransferExecutor before prepare(): tags start here and the engine uses this communicator
+        # (another executor's, which owns and releases it), so the tensors of one plan share one.
+        self.tag_offset, self.shared_comm = 0, None
         self.in_flight = False
         self.closed = False
 
@@ -97,14 +104,14 @@ class ReshardingExecutor:
         tag_limit = 2**62 if self.entry.name == "nccl" else self.world.tag_limit()
         error = None
         try:  # a refusal here (the world size too) is shared with every rank before anyone raises
-            self.program = lower(self.plan, self.device, tag_limit=tag_limit)
+            self.program = lower(self.plan, self.device, tag_limit=tag_limit, first_tag=self.tag_offset)
         except PlanMismatchError as err:
             error = err
         self._agree(error)
         if self.order == "device":
             self.program = in_device_order(self.program)
         self.src_shape = self.program.src_shape
-        self.comm = self.world.engine_comm(self.timeout_s, self.poll_s)
+        self.comm = self.shared_comm if self.shared_comm is not None else self.world.engine_comm(self.timeout_s, self.poll_s)
         problem = self.plan.problem
         context = EngineContext(self.comm, rank_of_devices(self.plan), problem.dtype, storage_dtype(problem.dtype),
                                 self.timeout_s, self.poll_s, self.gpu, problem.cluster.devices_per_host)
@@ -205,7 +212,8 @@ class ReshardingExecutor:
             self.engine.close()
         self.closed = True
         comm, self.comm = self.comm, None
-        self.world.release(comm)
+        if self.shared_comm is None:  # a shared communicator is its owner's to release
+            self.world.release(comm)
         if interrupted is not None:
             raise interrupted
 

@@ -348,15 +348,18 @@ def _lower_ring(b: _Builder, op: Operation, base: int) -> None:
 _LOWER = supported("executor.lower", {"local": _lower_copy, "chain": _lower_chain, "ring": _lower_ring})
 
 
-def lower(plan: Plan, device: int, tag_limit: int | None = None) -> RankProgram:
-    """The steps `device` runs for `plan`; raises PlanMismatchError naming the op when the plan is inconsistent."""
+def lower(plan: Plan, device: int, tag_limit: int | None = None, first_tag: int = 0) -> RankProgram:
+    """The steps `device` runs for `plan`; raises PlanMismatchError naming the op when the plan is inconsistent.
+
+    Tags are numbered from `first_tag`, so programs of several plans sharing one communicator (the
+    tensors of a multi-tensor plan) never reuse a tag."""
     try:  # the same structural rules and messages as `xmesh-plan verify`
         check_plan(plan)
     except PlanError as err:
         raise PlanMismatchError(_advice(str(err))) from None
     problem = plan.problem
     b = _Builder(plan, device, problem.blocks("src"), problem.blocks("dst"), problem.itemsize)
-    base = 0
+    base = first_tag
     for op in plan.operations:
         _LOWER[rule_of(op).pattern](b, op, base)
         base += tags_used(op)

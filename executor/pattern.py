@@ -47,6 +47,12 @@ def fill(region: Region, tensor_shape: tuple[int, ...], dtype: np.dtype, salt: i
     return array
 
 
+def tensor_salt(index: int) -> int:
+    """The pattern salt of tensor `index` of a multi-tensor plan (1..255, never 0), so that tensors of
+    one shape hold different bits and a shard delivered to the wrong tensor is caught."""
+    return index % 255 + 1
+
+
 def mismatches(shard: np.ndarray, region: Region, tensor_shape: tuple[int, ...], salt: int = 0) -> tuple[int, tuple[int, ...] | None]:
     """(number of elements of `shard` whose bits differ from the pattern with `salt`, global index of the first)."""
     want = fill(region, tensor_shape, shard.dtype, salt)

@@ -18,6 +18,7 @@ from __future__ import annotations
 from typing import Iterable
 
 from xmesh_plan.schemas import DeviceMesh, Plan
+from xmesh_plan.schemas.plan_check import meshes
 
 from .errors import PlanMismatchError
 
@@ -28,7 +29,7 @@ def devices_used_by(meshes: Iterable[DeviceMesh]) -> tuple[int, ...]:
 
 def plan_devices(plan: Plan) -> tuple[int, ...]:
     """Sorted distinct device ids of both meshes: index r is the device that rank r plays."""
-    return devices_used_by((plan.problem.src.mesh, plan.problem.dst.mesh))
+    return devices_used_by(meshes(plan.problem))
 
 
 def device_of_rank(plan: Plan, rank: int, world_size: int, world: str = "MPI world", launch: str = "mpiexec -n") -> int:

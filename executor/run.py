@@ -26,17 +26,21 @@ import numpy as np
 from xmesh_plan.schemas import Plan, PlanFileError, read_plan_file
 from xmesh_plan.schemas.op_kinds import pair_bytes
 from xmesh_plan.schemas.last_resort import DEBUG_ENV, DEBUG_FLAG, run_guarded
+from xmesh_plan.schemas.plan_tensors import is_multi, tensor_plans
 
 from .errors import ExecutorError, PeerTimeoutError, PlanMismatchError
 from .engines import ENGINES
 from .executor import DEFAULT_POLL_S, ReshardingExecutor, poll
-from .pattern import fill, mismatches
-from .scale import factors_for, scale_plan
+from .pattern import fill, mismatches, tensor_salt
+from .scale import factors_for, factors_per_tensor, scale_plan, scale_tensors
+from .transfer_executor import TransferExecutor
 from .timeouts import MAX_TIMEOUT_S
 
 
 def bytes_moved(plan: Plan) -> int:
-    """Bytes that cross from one device to another in one reshard (local copies excluded)."""
+    """Bytes that cross from one device to another in one reshard (local copies excluded), all tensors together."""
+    if is_multi(plan):
+        return sum(map(bytes_moved, tensor_plans(plan)))
     size = plan.problem.itemsize
     return sum(nbytes for op in plan.operations for nbytes in pair_bytes(op, size).values())
 
@@ -113,8 +117,9 @@ def _arguments(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--fake-hosts", action="store_true",
                         help="nccl: give each rank its own NCCL_HOSTID and the socket transport, so several ranks can share one GPU")
     parser.add_argument(DEBUG_FLAG, action="store_true", help=f"show the full traceback of an internal error (or set {DEBUG_ENV}=1)")
-    parser.add_argument("--order", choices=["device", "posted"], default="device",
-                        help="device: one operation at a time per device, in plan order (default); posted: every message at once")
+    parser.add_argument("--order", choices=["device", "posted"],
+                        help="device: one operation at a time per device, in plan order (default); posted: every message at once "
+                             "(the default, and the only order, for multi-tensor plans)")
     parser.add_argument("--timeout", type=float, default=60.0, help="seconds without progress before a rank gives up (default 60)")
     args = parser.parse_args(argv)
     _check_numbers(args)
@@ -136,7 +141,7 @@ def demo(plan: Plan, comm, args: argparse.Namespace) -> tuple[str, bool]:
     """Run one plan; returns rank 0's report line and whether every check passed."""
     from mpi4py import MPI
 
-    ex = ReshardingExecutor(plan, comm, backend=args.backend, timeout_s=args.timeout, gpu=args.gpu, order=args.order).prepare()
+    ex = ReshardingExecutor(plan, comm, backend=args.backend, timeout_s=args.timeout, gpu=args.gpu, order=args.order or "device").prepare()
     problem, program = plan.problem, ex.program
     shard = fill(program.src_block, problem.shape, ex.engine.dtype) if program.src_block else None
     if args.backend == "nccl" and shard is not None:
@@ -169,6 +174,47 @@ def demo(plan: Plan, comm, args: argparse.Namespace) -> tuple[str, bool]:
     if args.check:
         line += (f"; check ok: {len(problem.dst.mesh.devices)} destination shards bit-exact" if not failures[0]
                  else f"; CHECK FAILED: {failures[0]} elements differ on {failures[1]} devices")
+    return line, not failures[0]
+
+
+def demo_transfer(plan: Plan, comm, args: argparse.Namespace) -> tuple[str, bool]:
+    """`demo` for a multi-tensor plan: every tensor's pattern in, name -> shard out, each checked bit for bit."""
+    from mpi4py import MPI
+
+    ex = TransferExecutor(plan, comm, backend=args.backend, timeout_s=args.timeout, gpu=args.gpu, order=args.order or "posted").prepare()
+    salts = {name: tensor_salt(k) for k, name in enumerate(ex.names)}  # tensors of one shape get different bits
+    shards = {name: fill(part.program.src_block, part.plan.problem.shape, part.engine.dtype, salts[name])
+              for name, part in zip(ex.names, ex.parts) if part.program.src_block is not None}
+    times = np.zeros(args.iters)
+    for i in range(args.warmup + args.iters):
+        if i == args.warmup + args.iters - 1 and args.check:
+            for part in ex.parts:
+                if part.engine.dst is not None:
+                    part.engine.poison()
+        _barrier(comm, args.timeout)
+        start = time.perf_counter()
+        out = ex.run(shards)
+        if i >= args.warmup:
+            times[i - args.warmup] = time.perf_counter() - start
+    bad = tensors_bad = 0
+    for name, part in zip(ex.names, ex.parts) if args.check else ():
+        if name in out:
+            wrong, first = mismatches(out[name], part.program.dst_block, part.plan.problem.shape, salts[name])
+            if wrong:
+                print(f"rank {comm.Get_rank()}: device {part.program.device}: tensor {name}: {wrong} elements differ, "
+                      f"first at global index {first}", file=sys.stderr, flush=True)
+            bad, tensors_bad = bad + wrong, tensors_bad + bool(wrong)
+    slowest = _reduce(comm, times, MPI.MAX, args.timeout)
+    failures = _reduce(comm, np.array([bad, tensors_bad], np.int64), MPI.SUM, args.timeout)
+    ex.close()
+    median, moved, problem = float(np.median(slowest)), bytes_moved(plan), plan.problem
+    line = (f"{problem.name or 'plan'}: {len(problem.tensors)} tensors ({problem.nbytes / 2**20:.1f} MiB), {comm.Get_size()} ranks, "
+            f"{len(plan.operations)} ops ({','.join(sorted({o.kind for o in plan.operations}))}), "
+            f"{args.backend}: {median * 1e3:.2f} ms/iter median of {args.iters} (min {slowest.min() * 1e3:.2f}), "
+            f"moved {moved / 2**20:.1f} MiB/iter = {moved / median / 1e9:.3f} GB/s")
+    if args.check:
+        line += (f"; check ok: {len(problem.tensors)} tensors x {len(problem.dst_mesh.devices)} destination shards bit-exact"
+                 if not failures[0] else f"; CHECK FAILED: {failures[0]} elements differ in {failures[1]} (tensor, device) shards")
     return line, not failures[0]
 
 
@@ -210,6 +256,19 @@ def _shared_error(rank: int, message: str) -> int:
     return 2
 
 
+def _scaled(plan: Plan, args: argparse.Namespace) -> tuple[Plan, str]:
+    """The plan shrunk as the flags say, and the note saying how (empty when not shrunk)."""
+    if is_multi(plan):
+        if args.scale:
+            raise PlanMismatchError("--scale gives one tensor's factors; a multi-tensor plan is shrunk with --max-mb")
+        per_tensor = factors_per_tensor(plan, int(args.max_mb * 2**20))
+        shrunk = sum(set(f) != {1} for f in per_tensor)
+        return scale_tensors(plan, per_tensor), (f" [{shrunk} of {len(per_tensor)} tensors scaled down to fit --max-mb]" if shrunk else "")
+    full, factors = plan.problem, args.scale or factors_for(plan, int(args.max_mb * 2**20))
+    scaled = scale_plan(plan, factors)
+    return scaled, ("" if set(factors) == {1} else f" [scaled from {'x'.join(map(str, full.shape))} by {','.join(map(str, factors))}]")
+
+
 def main(argv: list[str] | None = None) -> int:
     try:
         args, usage_error = _arguments(argv), None
@@ -229,17 +288,14 @@ def main(argv: list[str] | None = None) -> int:
         except PlanFileError as err:
             status = _shared_error(rank, str(err))
             break
-        full = plan.problem
-        factors = args.scale or factors_for(plan, int(args.max_mb * 2**20))
         try:
-            plan = scale_plan(plan, factors)
+            plan, shrink = _scaled(plan, args)
         except PlanMismatchError as err:
             status = _shared_error(rank, f"{path.name}: {err}")
             break
         try:
-            line, ok = demo(plan, comm, args)
+            line, ok = demo_transfer(plan, comm, args) if is_multi(plan) else demo(plan, comm, args)
             if rank == 0:
-                shrink = "" if set(factors) == {1} else f" [scaled from {'x'.join(map(str, full.shape))} by {','.join(map(str, factors))}]"
                 print(line + shrink, flush=True)
             status = status or (0 if ok else 1)
         except PlanMismatchError as err:  # raised on every rank, before any byte moved

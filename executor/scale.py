@@ -15,6 +15,7 @@ from typing import Any
 
 from xmesh_plan.schemas import Plan
 from xmesh_plan.schemas.geometry import Region
+from xmesh_plan.schemas.plan_tensors import is_multi, tensor_plans
 
 from .errors import PlanMismatchError
 
@@ -82,3 +83,27 @@ def scale_plan(plan: Plan, factors: tuple[int, ...]) -> Plan:
             raise PlanMismatchError(f"scaling by {factors} changes how the {side} spec splits the tensor (uneven shards); "
                                     "pick smaller factors")
     return scaled
+
+
+def factors_per_tensor(plan: Plan, max_bytes: int) -> list[tuple[int, ...]]:
+    """`factors_for` for each tensor of a plan, its share of `max_bytes` in proportion to its size."""
+    singles = tensor_plans(plan)
+    total = sum(p.problem.nbytes for p in singles) or 1
+    return [factors_for(p, max(1, max_bytes * p.problem.nbytes // total)) for p in singles]
+
+
+def scale_tensors(plan: Plan, factors: list[tuple[int, ...]]) -> Plan:
+    """`scale_plan` for every tensor of a plan (factors per tensor, in tensor order); the joint order stays."""
+    if not is_multi(plan):
+        return scale_plan(plan, factors[0])
+    singles = [scale_plan(p, f) for p, f in zip(tensor_plans(plan), factors)]
+    ops = {op.id: op for single in singles for op in single.operations}
+    tasks = {t.id: t for single in singles for t in single.tasks}
+    data = plan.model_dump(mode="json")
+    for entry, single in zip(data["problem"]["tensors"], singles):
+        entry["shape"] = list(single.problem.shape)
+    for op in data["operations"]:
+        op["region"], op["parts"] = ops[op["id"]].region, ops[op["id"]].parts
+    for task in data["tasks"]:
+        task["region"], task["nbytes"] = tasks[task["id"]].region, tasks[task["id"]].nbytes
+    return Plan.model_validate(data)

@@ -4,7 +4,8 @@ For each plan: shrink the tensor to at most `--max-mb`, fill every source shard 
 global indices (as a torch tensor of the plan's dtype, bfloat16 and float8 included), run
 `--iters` reshards over the default process group (gloo on CPU, NCCL with `--nccl`), and print on
 rank 0 the median over iterations of the slowest rank's time (after `--warmup` untimed ones). With `--check`, each destination shard is
-compared bit for bit with numpy slicing of the whole pattern tensor.
+compared bit for bit with numpy slicing of the whole pattern tensor. A multi-tensor plan runs through
+`TransferExecutor` (tensors one after another on this engine), each tensor checked the same way.
 
     torchrun --nproc-per-node 8 -m xmesh_plan.executor.torch_run plans/case1.plan.json --check
 """
@@ -22,28 +23,30 @@ import numpy as np
 
 from xmesh_plan.schemas import Plan, PlanFileError, read_plan_file
 from xmesh_plan.schemas.geometry import local_slices
+from xmesh_plan.schemas.plan_tensors import is_multi
 
 from .arrays import storage_dtype
 from .errors import ExecutorError, PeerTimeoutError, PlanMismatchError
 from .executor import ReshardingExecutor
-from .pattern import fill
-from .scale import factors_for, scale_plan
+from .pattern import fill, tensor_salt
+from .scale import factors_for, factors_per_tensor, scale_plan, scale_tensors
+from .transfer_executor import TransferExecutor
 
 
-def source_tensor(plan: Plan, block, device):
+def source_tensor(plan: Plan, block, device, salt: int = 0):
     """The pattern's values for `block` as a torch tensor of the plan's dtype on `device` (None without a block)."""
     import torch
 
     if block is None:
         return None
-    raw = fill(block, plan.problem.shape, storage_dtype(plan.problem.dtype))
+    raw = fill(block, plan.problem.shape, storage_dtype(plan.problem.dtype), salt)
     return torch.from_numpy(raw).view(getattr(torch, plan.problem.dtype)).to(device)
 
 
-def expected_shard(plan: Plan, block) -> np.ndarray:
+def expected_shard(plan: Plan, block, salt: int = 0) -> np.ndarray:
     """The destination shard by plain numpy slicing of the whole pattern tensor (independent of the plan)."""
     shape = plan.problem.shape
-    whole = fill(tuple((0, n) for n in shape), shape, storage_dtype(plan.problem.dtype))
+    whole = fill(tuple((0, n) for n in shape), shape, storage_dtype(plan.problem.dtype), salt)
     return whole[local_slices(block, tuple((0, n) for n in shape))]
 
 
@@ -52,7 +55,7 @@ def run_plan(plan: Plan, args: argparse.Namespace) -> tuple[str, int]:
     import torch
     import torch.distributed as dist
 
-    ex = ReshardingExecutor(plan, None, backend="torch", timeout_s=args.timeout, order=args.order).prepare()
+    ex = ReshardingExecutor(plan, None, backend="torch", timeout_s=args.timeout, order=args.order or "device").prepare()
     src = source_tensor(plan, ex.program.src_block, ex.engine.device)
     times = []
     for it in range(args.warmup + args.iters):
@@ -80,14 +83,51 @@ def run_plan(plan: Plan, args: argparse.Namespace) -> tuple[str, int]:
     return line, int(wrong[0].item())
 
 
+def run_transfer(plan: Plan, args: argparse.Namespace) -> tuple[str, int]:
+    """`run_plan` for a multi-tensor plan: name -> shard in and out, the tensors one after another."""
+    import torch
+    import torch.distributed as dist
+
+    ex = TransferExecutor(plan, None, backend="torch", timeout_s=args.timeout).prepare()
+    device = ex.parts[0].engine.device
+    salts = {name: tensor_salt(k) for k, name in enumerate(ex.names)}  # tensors of one shape get different bits
+    shards = {name: source_tensor(part.plan, part.program.src_block, device, salts[name])
+              for name, part in zip(ex.names, ex.parts) if part.program.src_block is not None}
+    times = []
+    for it in range(args.warmup + args.iters):
+        dist.barrier()
+        start = time.perf_counter()
+        out = ex.run(shards)
+        if it >= args.warmup:
+            times.append(time.perf_counter() - start)
+    bad = 0
+    for name, part in zip(ex.names, ex.parts) if args.check else ():
+        if name in out:
+            got, want = part.engine.host_copy(out[name]), expected_shard(part.plan, part.program.dst_block, salts[name])
+            bad += int((got.view(f"V{got.itemsize}") != want.view(f"V{want.itemsize}")).sum())
+    ex.close()
+    slowest = torch.tensor(times, dtype=torch.float64, device=device)
+    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+    wrong = torch.tensor([bad], dtype=torch.int64, device=device)
+    dist.all_reduce(wrong)
+    per_iter = slowest.cpu().numpy() * 1e3
+    line = (f"{plan.problem.name or 'plan'}: {len(plan.problem.tensors)} tensors, {dist.get_world_size()} ranks, "
+            f"{len(plan.operations)} ops, torch/{dist.get_backend()} (tensors one after another): {np.median(per_iter):.2f} ms/iter "
+            f"median of {args.iters} (min {per_iter.min():.2f}), slowest rank per iteration")
+    if args.check:
+        line += (f"; check {'ok: every destination shard of every tensor bit-exact' if not wrong[0] else f'FAILED: {wrong[0].item()} elements differ'}")
+    return line, int(wrong[0].item())
+
+
 def _arguments(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="torchrun --nproc-per-node N -m xmesh_plan.executor.torch_run", description=__doc__.splitlines()[0])
     parser.add_argument("plans", nargs="+", type=Path, help="plan files (plans/*.plan.json)")
     parser.add_argument("--check", action="store_true", help="compare every destination shard with numpy slicing, bit for bit")
     parser.add_argument("--iters", type=int, default=5, help="timed iterations (default 5)")
     parser.add_argument("--warmup", type=int, default=1, help="untimed iterations first (default 1)")
-    parser.add_argument("--order", choices=["device", "posted"], default="device",
-                        help="device: one operation at a time per device, in plan order (default); posted: every message at once")
+    parser.add_argument("--order", choices=["device", "posted"],
+                        help="device: one operation at a time per device, in plan order (default); posted: every message at once "
+                             "(the default, and the only order, for multi-tensor plans)")
     parser.add_argument("--max-mb", type=float, default=16.0, help="shrink the tensor to at most this many MiB (default 16)")
     parser.add_argument("--nccl", action="store_true", help="use an NCCL process group on cuda:LOCAL_RANK instead of gloo on the CPU")
     parser.add_argument("--timeout", type=float, default=60.0, help="seconds without progress before a rank gives up (default 60)")
@@ -110,8 +150,14 @@ def main(argv: list[str] | None = None) -> int:
     for path in args.plans:
         try:
             plan = read_plan_file(path)
-            plan = scale_plan(plan, factors_for(plan, int(args.max_mb * 2**20)))
-            line, bad = run_plan(plan, args)
+            if is_multi(plan):
+                if args.order not in (None, "posted"):
+                    raise PlanMismatchError("--order device is for single-tensor plans; run multi-tensor plans with --order posted")
+                plan = scale_tensors(plan, factors_per_tensor(plan, int(args.max_mb * 2**20)))
+                line, bad = run_transfer(plan, args)
+            else:
+                plan = scale_plan(plan, factors_for(plan, int(args.max_mb * 2**20)))
+                line, bad = run_plan(plan, args)
         except (PlanFileError, PlanMismatchError) as err:  # the same on every rank, before any byte moved
             if rank == 0 or not getattr(err, "same_on_every_rank", True):
                 print(f"rank {rank}: error: {path.name}: {err}", file=sys.stderr, flush=True)

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 from xmesh_plan.schemas import Plan
 
-from .bounds import lower_bound
+from .bounds import joint_lower_bound
 from .compile import DIGITS, MAX_SIMULATED_OPERATIONS, settle_listing
 from .simulate import nic_assignment, simulate
 from .unit_tasks import decompose
@@ -38,7 +38,8 @@ def audit_plan(plan: Plan) -> Audit:
     that claims the schedule's times is believed only when its listing does not settle (see
     `compile.settle_listing`), as in compile."""
     problem = plan.problem
-    bound = lower_bound(decompose(problem, max_tasks=None), problem.cluster, problem.itemsize).seconds  # the plan holds these tasks already
+    tensors = [(decompose(p, max_tasks=None), p.itemsize) for p in problem.tensor_problems()]  # the plan holds these tasks already
+    bound = joint_lower_bound(tensors, problem.cluster).seconds
     mismatch = None
     if _differ(plan.lower_bound_seconds, round(bound, DIGITS)):
         mismatch = f"stored lower bound {plan.lower_bound_seconds} s disagrees with {bound:.12g} s recomputed from the problem"

@@ -17,7 +17,7 @@ from typing import Callable
 
 from xmesh_plan.schemas import Operation, ReshardingProblem, split_region
 
-from .unit_tasks import DEFAULT_MAX_TASKS, Cell, check_task_count, decompose
+from .unit_tasks import DEFAULT_MAX_TASKS, Cell, check_joint_task_count, decompose
 
 BASELINES: dict[str, Callable[[ReshardingProblem], list[Operation]]] = {}
 
@@ -88,12 +88,27 @@ BASELINES["alpa-send-recv"] = alpa_send_recv
 BASELINES["alpa-allgather"] = alpa_allgather
 
 
-def baseline_seconds(problem: ReshardingProblem, name: str, max_tasks: int | None = DEFAULT_MAX_TASKS) -> float:
-    """Simulated time of Alpa's approach `name` (device order); the error lists the valid names. Refuses
-    (TooManyTasksError) a problem that could cut into more than `max_tasks` unit tasks."""
+def baseline_operations(problem, name: str) -> list[Operation]:
+    """Alpa's operations for every tensor of a problem, tensor after tensor as its loop goes (task ids kept
+    apart per tensor); a single-tensor problem's own."""
+    singles = problem.tensor_problems()
+    if len(singles) == 1 and singles[0] is problem:
+        return BASELINES[name](problem)
+    ops: list[Operation] = []
+    for k, single in enumerate(singles):
+        for op in BASELINES[name](single):
+            task = op.task if op.task < 0 else op.task + (k << 32)
+            ops.append(op.model_copy(update={"id": len(ops), "task": task, "tensor": k}))
+    return ops
+
+
+def baseline_seconds(problem, name: str, max_tasks: int | None = DEFAULT_MAX_TASKS) -> float:
+    """Simulated time of Alpa's approach `name` (device order) on a problem of one or many tensors; the
+    error lists the valid names. Refuses (TooManyTasksError) a problem that could cut into more than
+    `max_tasks` unit tasks."""
     from .simulate import simulate
 
     if name not in BASELINES:
         raise ValueError(f"unknown baseline {name!r}; choose one of: {', '.join(BASELINES)}")
-    check_task_count(problem, max_tasks)
-    return simulate(BASELINES[name](problem), problem, "device-order").makespan_s
+    check_joint_task_count(problem.tensor_problems(), max_tasks)
+    return simulate(baseline_operations(problem, name), problem, "device-order").makespan_s

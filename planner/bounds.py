@@ -28,11 +28,17 @@ class LowerBound:
 
 
 def lower_bound(cells: list[Cell], cluster: Cluster, itemsize: int) -> LowerBound:
+    """The bound of one tensor's cells."""
+    return joint_lower_bound([(cells, itemsize)], cluster)
+
+
+def joint_lower_bound(tensors: list[tuple[list[Cell], int]], cluster: Cluster) -> LowerBound:
+    """The bound of several tensors moved together: (cells, itemsize) per tensor, every byte summed per NIC side."""
     recv: dict[int, int] = {}
     device_in: dict[int, int] = {}
     sole_send: dict[int, int] = {}
     total_send, source_hosts = 0, set()
-    for cell in cells:
+    for cell, itemsize in ((c, size) for cells, size in tensors for c in cells):
         nbytes = cell.nbytes(itemsize)
         for device in cell.receivers:
             device_in[device] = device_in.get(device, 0) + nbytes

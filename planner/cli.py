@@ -15,12 +15,14 @@ import click
 from xmesh_plan.schemas import Plan, ReshardingProblem, read_plan_file
 from xmesh_plan.schemas.last_resort import DEBUG_ENV, DEBUG_FLAG, run_guarded
 from xmesh_plan.schemas.plan import write_atomic
+from xmesh_plan.schemas.transfer import TransferProblem
 
 from .cli_types import SEED, TIME_LIMIT, max_tasks_option
 from .cli_solvers import progress, solver_summary
 from .compile import compile_plan
 from .inspect_plan import summarize
-from .problem_io import InputError, build_problem, load_problem, user_error_message
+from .problem_io import InputError, build_problem, user_error_message
+from .transfer_io import load_any_problem
 from .solvers import SOLVERS
 from .strategies import STRATEGIES
 from .verify import PlanError, verify_plan
@@ -73,13 +75,13 @@ def main() -> None:
     """
 
 
-def problem_from_flags(problem_file, shape, dtype, src_mesh, src_spec, dst_mesh, dst_spec) -> ReshardingProblem:
+def problem_from_flags(problem_file, shape, dtype, src_mesh, src_spec, dst_mesh, dst_spec) -> ReshardingProblem | TransferProblem:
     flags = {"--shape": shape, "--src-mesh": src_mesh, "--src-spec": src_spec, "--dst-mesh": dst_mesh, "--dst-spec": dst_spec}
     if problem_file:
         given = [k for k, v in flags.items() if v is not None]
         if given:
             raise InputError(f"{given[0]}: give either a PROBLEM file or the flags, not both")
-        return load_problem(problem_file)
+        return load_any_problem(problem_file)
     missing = [k for k, v in flags.items() if v is None]
     if missing:
         raise InputError(f"{missing[0]}: missing; pass a PROBLEM file or all of {', '.join(flags)}")
@@ -104,21 +106,26 @@ def problem_from_flags(problem_file, shape, dtype, src_mesh, src_spec, dst_mesh,
 @click.option("--time-limit", default=10.0, show_default=True, type=TIME_LIMIT,
               help="solver budget in deterministic seconds (CP-SAT's deterministic time; no wall clock, so plans are reproducible)")
 @click.option("--no-merge", is_flag=True, help="keep every cut-point cell as its own unit task")
+@click.option("--split-hosts", is_flag=True,
+              help="one unit task per receiving host, each sent from a holder on its own (weight sync: FSDP -> TP replicas)")
 @max_tasks_option
 def compile_command(problem_file, output, shape, dtype, src_mesh, src_spec, dst_mesh, dst_spec, strategy, solver, seed, time_limit, no_merge,
-                    max_tasks):
+                    split_hosts, max_tasks):
     """Compile a resharding problem into a verified plan.
+
+    A PROBLEM file with a `tensors` list moves many named tensors in one plan (docs/format.md).
 
     \b
     Examples:
       xmesh-plan compile plans/case3.problem.json -o case3.plan.json
+      xmesh-plan compile plans/weight_sync_small.problem.toml -o weight_sync_small.plan.json
       xmesh-plan compile --shape 1024,1024,512 --dtype int32 --src-mesh 2x4 --src-spec "R S0 R" \\
                          --dst-mesh 2x4 --dst-spec "S0 R R" -o case3.plan.json
     """
     problem = problem_from_flags(problem_file, shape, dtype, src_mesh, src_spec, dst_mesh, dst_spec)
     with progress("compiling") as timing:
         plan = compile_plan(problem, strategy=strategy, solver=solver, seed=seed, time_limit_s=time_limit, merge=not no_merge,
-                            on_stage=timing["stage"], max_tasks=max_tasks)
+                            on_stage=timing["stage"], max_tasks=max_tasks, split_hosts=split_hosts)
     report = verify_plan(plan)
     if output == "-":
         sys.stdout.write(plan.to_json())
@@ -174,7 +181,8 @@ def verify_command(plan_files):
 
 
 @main.command("schema")
-@click.option("--of", "which", type=click.Choice(["plan", "problem"]), default="plan", show_default=True)
+@click.option("--of", "which", type=click.Choice(["plan", "problem", "transfer"]), default="plan", show_default=True,
+              help="plan, single-tensor problem, or multi-tensor (transfer) problem")
 def schema_command(which):
     """Print the JSON Schema of a plan or a (fully expanded) problem.
 
@@ -182,7 +190,7 @@ def schema_command(which):
     Example:
       xmesh-plan schema --of plan > plan.schema.json
     """
-    model = Plan if which == "plan" else ReshardingProblem
+    model = {"plan": Plan, "problem": ReshardingProblem, "transfer": TransferProblem}[which]
     click.echo(json.dumps(model.model_json_schema(), indent=1, sort_keys=True))
 
 

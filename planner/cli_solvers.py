@@ -19,10 +19,13 @@ from .audit import audit_plan
 from .cli_types import POSITIVE, SEED, TIME_LIMIT, max_tasks_option
 from .baselines import BASELINES, baseline_seconds
 from .compile import compile_plan
-from .problem_io import load_problem
+from .transfer_io import load_any_problem
 from .solvers import SOLVERS
 from .unit_tasks import DEFAULT_MAX_TASKS
 from .verify import PlanError, verify_plan
+from .bounds import lower_bound
+from .unit_tasks import decompose
+from xmesh_plan.schemas.transfer import TransferProblem
 
 
 class _Ticker:
@@ -107,7 +110,7 @@ def compare_command(problem_file, seed, time_limit, max_tasks):
     Example:
       xmesh-plan compare plans/case3.problem.json
     """
-    problem = load_problem(problem_file)
+    problem = load_any_problem(problem_file)
     with progress(f"comparing {len(SOLVERS)} solvers and {len(BASELINES)} baselines"):
         rows = compare_rows(problem, seed, time_limit, max_tasks)
     bound = next(b for _, _, b, _ in rows if b is not None)
@@ -123,7 +126,8 @@ def compare_command(problem_file, seed, time_limit, max_tasks):
 @click.option("--max-ratio", default=1.1, show_default=True, type=POSITIVE,
               help="fail when predicted time exceeds this times the lower bound (or the reference's predicted time)")
 @click.option("--reference", type=click.Path(dir_okay=False), help="a reference plan to compare predicted times with")
-def check_command(plan_files, max_ratio, reference):
+@click.option("--tensors", "per_tensor", is_flag=True, help="multi-tensor plans: also a row per tensor (when it is done, its own bound)")
+def check_command(plan_files, max_ratio, reference, per_tensor):
     """Exit 1 when a plan fails verification, when its stored times or bound disagree with what they
     recompute to, or when it is more than --max-ratio over its lower bound or a reference plan (for CI).
 
@@ -150,9 +154,30 @@ def check_command(plan_files, max_ratio, reference):
         if not audit.retimed:
             status += " (operation times not re-checked: this plan was timed by the schedule model)"
         click.echo(f"{path}: predicted {predicted:.4f} s, bound {bound:.4f} s ({over_bound:.4f}x) {status}")
+        if per_tensor:
+            click.echo("\n".join(tensor_check_rows(read_plan_file(path))))
         failed += bool(problems)
     if failed:
         raise click.exceptions.Exit(1)
+
+
+def tensor_check_rows(plan) -> list[str]:
+    """Per tensor of a multi-tensor plan: its tasks, when its last operation ends, and its own lower bound
+    (the bound were it moved alone); none for a single-tensor plan."""
+    if not isinstance(plan.problem, TransferProblem):
+        return []
+    done = [0.0] * len(plan.problem.tensors)
+    tasks = [0] * len(plan.problem.tensors)
+    for op in plan.operations:
+        done[op.tensor] = max(done[op.tensor], op.end_s)
+    for task in plan.tasks:
+        tasks[task.tensor] += 1
+    width = max(len(n) for n in plan.problem.names)
+    rows = [f"  {'tensor':<{width}} {'tasks':>6} {'done at s':>10} {'own bound s':>12}"]
+    for i, single in enumerate(plan.problem.tensor_problems()):
+        own = lower_bound(decompose(single, max_tasks=None), single.cluster, single.itemsize).seconds
+        rows.append(f"  {single.name:<{width}} {tasks[i]:>6} {done[i]:>10.4f} {own:>12.4f}")
+    return rows
 
 
 def _audited(path: str, plan):

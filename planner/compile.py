@@ -2,18 +2,20 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Callable
 
 from xmesh_plan.schemas import HostOrder, Operation, Plan, ReshardingProblem, SolverInfo, UnitTask
+from xmesh_plan.schemas.transfer import TransferProblem
 
 from . import __version__
-from .bounds import lower_bound
+from .bounds import joint_lower_bound
 from .scheduling import Option, Schedule, SchedulingTask
 from .simulate import nic_assignment, simulate
 from .solvers import solve
 from .strategies import STRATEGIES, PlannedOp, StrategyResult, TaskContext, get_strategy
-from .unit_tasks import DEFAULT_MAX_TASKS, Cell, decompose
+from .unit_tasks import DEFAULT_MAX_TASKS, Cell, check_joint_task_count, decompose, split_by_receiver_host
 
 DIGITS = 12  # times are rounded to picoseconds so plans print and compare stably
 NIC_SIDES = ("send", "recv")  # the resources a plan's host order lists; device ports are not queued
@@ -44,8 +46,9 @@ def _best_strategy(ctx: TaskContext, strategy: str) -> tuple[str, StrategyResult
     return min(results, key=lambda item: (item[1].duration_s, names.index(item[0])))
 
 
-def task_options(problem: ReshardingProblem, cells: list[Cell], strategy: str) -> list[TaskOptions]:
-    """Every cell that crosses devices, with one scheduling option per candidate sender host."""
+def task_options(problem: ReshardingProblem, cells: list[Cell], strategy: str, first_id: int = 0) -> list[TaskOptions]:
+    """Every cell that crosses devices, with one scheduling option per candidate sender host; scheduling
+    tasks are numbered from `first_id` (each tensor of a transfer after the ones before it)."""
     if strategy != "auto":
         get_strategy(strategy)
     out = []
@@ -60,7 +63,7 @@ def task_options(problem: ReshardingProblem, cells: list[Cell], strategy: str) -
             name, result = _best_strategy(ctx, strategy)
             results.append((name, result))
             options.append(Option(host, device, result.duration_s, result.resources))
-        out.append(TaskOptions(cell, tuple(results), SchedulingTask(len(out), tuple(options))))
+        out.append(TaskOptions(cell, tuple(results), SchedulingTask(first_id + len(out), tuple(options))))
     return out
 
 
@@ -70,48 +73,68 @@ def _copy_ops(cell: Cell, problem: ReshardingProblem) -> list[tuple[float, Plann
     return [(0.0, PlannedOp("copy", d, (d,), cell.region, duration_s=seconds)) for d in cell.local_copies]
 
 
+@dataclass(frozen=True, slots=True)
+class TensorWork:
+    """One tensor's share of a compile: its index in a transfer (None: the plan has one tensor), its
+    single-tensor problem, its cells and its scheduling tasks."""
+
+    index: int | None
+    problem: ReshardingProblem
+    cells: list[Cell]
+    options: list[TaskOptions]
+
+
 def assemble(problem: ReshardingProblem, cells: list[Cell], options: list[TaskOptions], schedule: Schedule,
              strategy: str, seed: int) -> Plan:
     """Number tasks and operations, time them from the schedule, and build the plan record."""
+    return assemble_joint(problem, [TensorWork(None, problem, cells, options)], schedule, strategy, seed)
+
+
+def assemble_joint(problem: ReshardingProblem | TransferProblem, works: list[TensorWork], schedule: Schedule,
+                   strategy: str, seed: int) -> Plan:
+    """`assemble` for every tensor of a problem at once: tasks of all tensors share the NICs and one timeline."""
     tasks, timed_ops, per_resource = [], [], {}
-    for item in options:
-        t = item.scheduling
-        option = t.options[schedule.choice[t.id]]
-        name, result = item.results[schedule.choice[t.id]]
-        start = schedule.start_s[t.id]
-        tasks.append(UnitTask(
-            id=t.id, region=item.cell.region, nbytes=item.cell.nbytes(problem.itemsize), senders=item.cell.senders,
-            receivers=item.cell.receivers, merged_cells=item.cell.merged_cells, sender=option.sender,
-            sender_host=option.sender_host,
-            receiver_hosts=tuple(sorted({problem.cluster.host_of(d) for d in item.cell.receivers})),
-            strategy=name, chunks=result.chunks, start_s=round(start, DIGITS), end_s=round(start + option.duration_s, DIGITS)))
-        timed_ops += [(start + op.offset_s, t.id, op) for op in result.ops]
-        timed_ops += [(at, t.id, op) for at, op in _copy_ops(item.cell, problem)]
-        for host, side in option.resources:
-            if side.partition(":")[0] in NIC_SIDES:
-                per_resource.setdefault((host, side), []).append((start, t.id))
-    copy_only = [c for c in cells if not c.receivers and c.local_copies]
-    for cell in copy_only:
-        timed_ops += [(at, -1, op) for at, op in _copy_ops(cell, problem)]
-    timed_ops.sort(key=lambda item: (item[0], item[1] if item[1] >= 0 else len(tasks), item[2].kind, item[2].src or 0, item[2].dsts))
+    cluster = problem.cluster
+    for work in works:
+        single = work.problem
+        for item in work.options:
+            t = item.scheduling
+            option = t.options[schedule.choice[t.id]]
+            name, result = item.results[schedule.choice[t.id]]
+            start = schedule.start_s[t.id]
+            tasks.append(UnitTask(
+                id=t.id, tensor=work.index, region=item.cell.region, nbytes=item.cell.nbytes(single.itemsize),
+                senders=item.cell.senders, receivers=item.cell.receivers, merged_cells=item.cell.merged_cells,
+                sender=option.sender, sender_host=option.sender_host,
+                receiver_hosts=tuple(sorted({cluster.host_of(d) for d in item.cell.receivers})),
+                strategy=name, chunks=result.chunks, start_s=round(start, DIGITS), end_s=round(start + option.duration_s, DIGITS)))
+            timed_ops += [(start + op.offset_s, t.id, work.index, op) for op in result.ops]
+            timed_ops += [(at, t.id, work.index, op) for at, op in _copy_ops(item.cell, single)]
+            for host, side in option.resources:
+                if side.partition(":")[0] in NIC_SIDES:
+                    per_resource.setdefault((host, side), []).append((start, t.id))
+        for cell in (c for c in work.cells if not c.receivers and c.local_copies):
+            timed_ops += [(at, -1, work.index, op) for at, op in _copy_ops(cell, single)]
+    timed_ops.sort(key=lambda item: (item[0], item[1] if item[1] >= 0 else len(tasks), item[2] or 0, item[3].kind,
+                                     item[3].src or 0, item[3].dsts))
     operations = tuple(
-        Operation(id=i, task=task, kind=op.kind, src=op.src, dsts=op.dsts, region=op.region, parts=op.parts,
+        Operation(id=i, task=task, tensor=tensor, kind=op.kind, src=op.src, dsts=op.dsts, region=op.region, parts=op.parts,
                   chunks=op.chunks, start_s=round(at, DIGITS), end_s=round(at + op.duration_s, DIGITS))
-        for i, (at, task, op) in enumerate(timed_ops))
+        for i, (at, task, tensor, op) in enumerate(timed_ops))
     host_order = tuple(HostOrder(host=h, side=s, tasks=tuple(t for _, t in sorted(v))) for (h, s), v in sorted(per_resource.items()))
     operations, timed_by = _simulated(operations, problem, nic_assignment(host_order))
     tasks = _retimed_tasks(tasks, operations)
-    bound = lower_bound(cells, problem.cluster, problem.itemsize)
+    bound = joint_lower_bound([(w.cells, w.problem.itemsize) for w in works], cluster)
     predicted = max((op.end_s for op in operations), default=0.0)
     details = dict(sorted(schedule.details.items())) | {"lower_bound_reason": bound.reason, "timed_by": timed_by}
     return Plan(
         generator=f"xmesh-plan {__version__}", problem=problem, strategy=strategy,
         solver=SolverInfo(name=schedule.solver, seed=seed, proven_bound_seconds=schedule.proven_bound_s, details=details),
-        merged_slices=any(c.merged_cells > 1 for c in cells), tasks=tuple(tasks), operations=operations, host_order=host_order,
-        predicted_seconds=round(predicted, DIGITS), lower_bound_seconds=round(bound.seconds, DIGITS))
+        merged_slices=any(c.merged_cells > 1 for w in works for c in w.cells), tasks=tuple(tasks), operations=operations,
+        host_order=host_order, predicted_seconds=round(predicted, DIGITS), lower_bound_seconds=round(bound.seconds, DIGITS))
 
 
-def settle_listing(operations: tuple[Operation, ...], problem: ReshardingProblem, nic_of_task: dict[int, int]):
+def settle_listing(operations: tuple[Operation, ...], problem: ReshardingProblem | TransferProblem, nic_of_task: dict[int, int]):
     """(listing, simulated times) where the listing is the order of its own predicted starts, or None.
 
     The simulator queues operations on each NIC side in list order, and listing them by predicted start
@@ -128,7 +151,7 @@ def settle_listing(operations: tuple[Operation, ...], problem: ReshardingProblem
     return None
 
 
-def _simulated(operations: tuple[Operation, ...], problem: ReshardingProblem,
+def _simulated(operations: tuple[Operation, ...], problem: ReshardingProblem | TransferProblem,
                nic_of_task: dict[int, int]) -> tuple[tuple[Operation, ...], str]:
     """Operation times from the network simulator (host order), listed and numbered by predicted start,
     so what is stored is what `check` recomputes; the schedule's own times when that cannot be had."""
@@ -156,16 +179,30 @@ def _quiet(stage: str) -> None:
     del stage
 
 
-def compile_plan(problem: ReshardingProblem, strategy: str = "broadcast", solver: str = "auto", seed: int = 0,
+def compile_plan(problem: ReshardingProblem | TransferProblem, strategy: str = "broadcast", solver: str = "auto", seed: int = 0,
                  time_limit_s: float = 10.0, merge: bool = True, on_stage: Callable[[str], None] = _quiet,
-                 max_tasks: int | None = DEFAULT_MAX_TASKS) -> Plan:
+                 max_tasks: int | None = DEFAULT_MAX_TASKS, split_hosts: bool = False) -> Plan:
     """Compile a plan; same inputs give a byte-identical plan. `on_stage` hears each step's name (for progress).
-    A problem that could cut into more than `max_tasks` unit tasks is refused up front (TooManyTasksError)."""
+    A problem that could cut into more than `max_tasks` unit tasks (all tensors together) is refused up
+    front (TooManyTasksError). A `TransferProblem`'s tensors are cut one by one and scheduled together.
+    `split_hosts`: one unit task per receiving host (`unit_tasks.split_by_receiver_host`; recorded in
+    `solver.details`), as many tasks per box as it has receiving hosts."""
     on_stage("cutting unit tasks")
-    cells = decompose(problem, merge=merge, max_tasks=max_tasks)
-    on_stage(f"costing {len(cells)} cells")
-    options = task_options(problem, cells, strategy)
-    on_stage(f"scheduling {len(options)} tasks with {solver}")
-    schedule = solve([o.scheduling for o in options], solver, seed=seed, time_limit_s=time_limit_s)
+    singles = problem.tensor_problems()
+    check_joint_task_count(singles, max_tasks)
+    indices = range(len(singles)) if isinstance(problem, TransferProblem) else [None]
+    cells = [decompose(single, merge=merge, max_tasks=None) for single in singles]
+    on_stage(f"costing {sum(map(len, cells))} cells")
+    works, first = [], 0
+    for index, single, mine in zip(indices, singles, cells):  # the bound and copies come from the cells as cut
+        tasks_of = split_by_receiver_host(mine, problem.cluster) if split_hosts else mine
+        options = task_options(single, tasks_of, strategy, first_id=first)
+        works.append(TensorWork(index, single, mine, options))
+        first += len(options)
+    tasks = [o.scheduling for w in works for o in w.options]
+    on_stage(f"scheduling {len(tasks)} tasks with {solver}")
+    schedule = solve(tasks, solver, seed=seed, time_limit_s=time_limit_s)
     on_stage("timing operations and assembling the plan")
-    return assemble(problem, cells, options, schedule, strategy, seed)
+    if split_hosts:  # recorded only when on, so plans compiled without it are unchanged
+        schedule = dataclasses.replace(schedule, details={**schedule.details, "split_hosts": "one unit task per receiving host"})
+    return assemble_joint(problem, works, schedule, strategy, seed)

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 from xmesh_plan.schemas import Plan
 from xmesh_plan.schemas.op_kinds import pair_bytes, route
+from xmesh_plan.schemas.plan_tensors import is_multi
 
 from .simulate import simulate_plan
 
@@ -43,11 +44,11 @@ class PlanLoads:
 
 
 def plan_loads(plan: Plan) -> PlanLoads:
-    """Cross-host bytes per host: every message of every operation (`schemas.op_kinds.pair_bytes`)."""
-    itemsize, host = plan.problem.itemsize, plan.problem.cluster.host_of
+    """Cross-host bytes per host: every message of every operation (`schemas.op_kinds.pair_bytes`), in its tensor's itemsize."""
+    itemsizes, host = [p.itemsize for p in plan.problem.tensor_problems()], plan.problem.cluster.host_of
     loads = PlanLoads()
     for op in plan.operations:
-        for (a, b), nbytes in pair_bytes(op, itemsize).items():
+        for (a, b), nbytes in pair_bytes(op, itemsizes[op.tensor or 0]).items():
             loads.add(host(a), host(b), nbytes)
         for hop in route(op):
             if hop.elements:
@@ -68,6 +69,47 @@ def message_cost_line(plan: Plan, loads: PlanLoads) -> str:
 
 def _gib(nbytes: float) -> str:
     return f"{nbytes / 2**30:.3f} GiB"
+
+
+def _bytes(nbytes: float) -> str:
+    """`512 B`, `3.0 KiB`, `1.5 MiB`, `2.000 GiB`: a size small tensors still show."""
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if nbytes >= scale:
+            return f"{nbytes / scale:.3f} {unit}" if unit == "GiB" else f"{nbytes / scale:.1f} {unit}"
+    return f"{int(nbytes)} B"
+
+
+def _what(plan: Plan) -> str:
+    """The line saying what moves where: the tensor and its specs, or the tensor count and the meshes."""
+    p = plan.problem
+    if is_multi(plan):
+        src, dst, cluster = p.src_mesh, p.dst_mesh, p.cluster
+        return (f"{len(p.tensors)} tensors ({_bytes(p.nbytes)}): mesh {src.label} on hosts {','.join(map(str, src.hosts(cluster)))} "
+                f"-> mesh {dst.label} on hosts {','.join(map(str, dst.hosts(cluster)))}")
+    return (f"tensor {'x'.join(map(str, p.shape))} {p.dtype} ({_gib(p.nbytes)}): mesh {p.src.mesh.label} [{p.src.spec}] on hosts "
+            f"{','.join(map(str, p.src.mesh.hosts(p.cluster)))} -> mesh {p.dst.mesh.label} [{p.dst.spec}] on hosts "
+            f"{','.join(map(str, p.dst.mesh.hosts(p.cluster)))}")
+
+
+def tensor_rows(plan: Plan) -> list[str]:
+    """One row per tensor of a multi-tensor plan: specs, tasks, operations, bytes crossing hosts, when it is done."""
+    p = plan.problem
+    tasks, ops, done = [0] * len(p.tensors), [0] * len(p.tensors), [0.0] * len(p.tensors)
+    for t in plan.tasks:
+        tasks[t.tensor] += 1
+    for op in plan.operations:
+        ops[op.tensor] += 1
+        done[op.tensor] = max(done[op.tensor], op.end_s)
+    crossing = [0] * len(p.tensors)
+    host, itemsizes = p.cluster.host_of, [t.itemsize for t in p.tensor_problems()]
+    for op in plan.operations:
+        crossing[op.tensor] += sum(n for (a, b), n in pair_bytes(op, itemsizes[op.tensor]).items() if host(a) != host(b))
+    width = max(len(t.name) for t in p.tensors)
+    rows = [f"  {'tensor':<{width}} {'shape':>14} {'dtype':>9} {'src -> dst spec':>18} {'tasks':>6} {'ops':>6} {'cross-host':>12} {'done at':>10}"]
+    for i, t in enumerate(p.tensors):
+        rows.append(f"  {t.name:<{width}} {'x'.join(map(str, t.shape)):>14} {t.dtype:>9} {f'{t.src} -> {t.dst}':>18} "
+                    f"{tasks[i]:>6} {ops[i]:>6} {_bytes(crossing[i]):>12} {done[i]:>9.4f}s")
+    return rows
 
 
 ORDER_MEANINGS = {  # queueing discipline -> who executes that way
@@ -93,8 +135,7 @@ def summarize(plan: Plan, show_tasks: bool = False, show_ops: bool = False, show
     cluster = p.cluster
     lines = [
         f"plan {p.name or '(unnamed)'}: schema {plan.schema_version}, {plan.generator}",
-        f"tensor {'x'.join(map(str, p.shape))} {p.dtype} ({_gib(p.nbytes)}): mesh {p.src.mesh.label} [{p.src.spec}] on hosts "
-        f"{','.join(map(str, p.src.mesh.hosts(cluster)))} -> mesh {p.dst.mesh.label} [{p.dst.spec}] on hosts {','.join(map(str, p.dst.mesh.hosts(cluster)))}",
+        _what(plan),
         f"cluster: {cluster.devices_per_host} devices/host, {len(cluster.nics)} NIC(s) of {cluster.nics[0].send_gbps:g}/{cluster.nics[0].recv_gbps:g} Gbit/s "
         f"send/recv, intra-host {cluster.intra_host_gbps:g} Gbit/s, latency {cluster.latency_us:g} us",
         f"strategy {plan.strategy}, solver {plan.solver.name} (seed {plan.solver.seed})",
@@ -113,6 +154,8 @@ def summarize(plan: Plan, show_tasks: bool = False, show_ops: bool = False, show
     lines.append(message_cost_line(plan, loads))
     if show_orders:
         lines += order_lines(plan)
+    if is_multi(plan):
+        lines += ["per tensor (cross-host: bytes of its messages between hosts):"] + tensor_rows(plan)
     if show_tasks:
         lines += ["tasks:"] + [f"  {t}" for t in plan.tasks]
     if show_ops:

@@ -3,12 +3,17 @@
 Nine many-to-many cases (tensor 1024x1024x512 int32, 2 GiB) and seven one-to-many cases (1 GiB,
 replicated, from one device to meshes of 1 to 8 devices) on the paper's cluster: 4 GPUs per host,
 one 10 Gbit/s NIC. Case 6 pads 1024 over 3 hosts unevenly, as the paper describes.
+
+Then the multi-tensor weight-sync examples (`planner/weight_sync.py`): their TOML problem files, and
+the plan of the small one (the Llama-3-8B one has 23,648 unit tasks and an 18 MB plan: compile it
+yourself, see the README).
 """
 
 from __future__ import annotations
 
 import json
 import sys
+import tomllib
 from pathlib import Path
 
 import click
@@ -19,7 +24,11 @@ from xmesh_plan.schemas.plan import write_atomic
 from .baselines import baseline_seconds
 from .compile import compile_plan
 from .problem_io import build_problem
+from .transfer_io import build_transfer
 from .verify import verify_plan
+from .weight_sync import WEIGHT_SYNC, weight_sync_toml
+
+COMPILED_TRANSFERS = ("weight_sync_small",)  # weight-sync examples whose plan `make plans` writes too
 
 MANY_TO_MANY = [
     # name, src mesh, dst mesh, src spec, dst spec
@@ -63,6 +72,14 @@ def summary_row(name: str, plan) -> str:
             f"| {plan.lower_bound_seconds:.4f} | {plan.efficiency:.3f} | {plan.solver.details.get('winner', plan.solver.name)} |")
 
 
+def transfer_row(name: str, plan) -> str:
+    """`summary_row` for a multi-tensor plan."""
+    alpa = [baseline_seconds(plan.problem, b) for b in ("alpa-send-recv", "alpa-allgather")]
+    ours = plan.predicted_seconds
+    return (f"| {name} | {len(plan.problem.tensors)} | {len(plan.tasks)} | {alpa[0]:.4f} | {alpa[1]:.4f} | {ours:.4f} "
+            f"| {min(alpa) / ours:.2f}x | {plan.lower_bound_seconds:.4f} | {plan.efficiency:.3f} |")
+
+
 @click.command()
 @click.option("--out", "out_dir", type=click.Path(file_okay=False), default="plans", show_default=True, help="folder for problem and plan files")
 @click.option("--quiet", is_flag=True, help="write the files without printing the table")
@@ -70,7 +87,7 @@ def main(out_dir: str, quiet: bool) -> None:
     """Compile every reference case into OUT (problem + plan JSON), verify each, print a comparison table."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    rows = []
+    rows, transfers = [], []
     for name, raw in reference_problems():
         problem = build_problem(raw)
         plan = compile_plan(problem)
@@ -78,12 +95,25 @@ def main(out_dir: str, quiet: bool) -> None:
         write_atomic(out / f"{name}.problem.json", json.dumps(raw, indent=1, sort_keys=True) + "\n")
         write_atomic(out / f"{name}.plan.json", plan.to_json())
         rows.append(summary_row(name, plan))
+    for name, config in WEIGHT_SYNC.items():
+        text = weight_sync_toml(*config)
+        write_atomic(out / f"{name}.problem.toml", text)
+        if name in COMPILED_TRANSFERS:
+            plan = compile_plan(build_transfer(tomllib.loads(text)))
+            verify_plan(plan)
+            write_atomic(out / f"{name}.plan.json", plan.to_json())
+            transfers.append(transfer_row(name, plan))
     if not quiet:
         click.echo(f"Compiled and verified {len(rows)} reference cases into {out}/. Seconds predicted by one network "
                    "simulator for all columns;\nspeed-up is over the better of Alpa's two approaches; efficiency = lower bound / ours.\n")
         click.echo("| case | resharding | tasks | Alpa send/recv | Alpa send+all-gather | ours | speed-up | lower bound | efficiency | solver |")
         click.echo("|---|---|---|---|---|---|---|---|---|---|")
         for row in rows:
+            click.echo(row)
+        click.echo("\nMulti-tensor weight sync (all tensors in one plan; Alpa's approaches run tensor after tensor):\n")
+        click.echo("| problem | tensors | tasks | Alpa send/recv | Alpa send+all-gather | ours | speed-up | lower bound | efficiency |")
+        click.echo("|---|---|---|---|---|---|---|---|---|")
+        for row in transfers:
             click.echo(row)
 
 

@@ -32,6 +32,7 @@ from dataclasses import dataclass
 
 from xmesh_plan.schemas import Operation, Plan, ReshardingProblem
 from xmesh_plan.schemas.op_kinds import members, reads, route
+from xmesh_plan.schemas.transfer import TransferProblem
 
 DISCIPLINES = ("host-order", "device-order", "posted")
 REL_EPS = 1e-12
@@ -141,10 +142,11 @@ def run_flows(flows: list[Flow], capacity: dict[str, float]) -> dict[int, tuple[
 class _Lowering:
     """Turns operations into flows, with data dependencies and the discipline's queueing."""
 
-    def __init__(self, problem: ReshardingProblem, discipline: str, nic_of_task: dict[int, int] | None):
+    def __init__(self, problem: ReshardingProblem | TransferProblem, discipline: str, nic_of_task: dict[int, int] | None):
         if discipline not in DISCIPLINES:
             raise ValueError(f"unknown discipline {discipline!r}; choose one of: {', '.join(DISCIPLINES)}")
-        self.cluster, self.itemsize, self.discipline = problem.cluster, problem.itemsize, discipline
+        self.cluster, self.discipline = problem.cluster, discipline
+        self.itemsizes = [p.itemsize for p in problem.tensor_problems()]  # by an operation's tensor (None: the only one)
         self.nic_of_task = nic_of_task or {}
         self.flows: list[Flow] = []
         self.capacity: dict[str, float] = {}
@@ -221,9 +223,10 @@ class _Lowering:
         terminal flows: the last message on each pair of devices."""
         flows: list[list[int]] = []
         last: dict[tuple[int, int], list[int]] = {}
+        itemsize = self.itemsizes[op.tensor or 0]
         for hop in route(op):
             after = (waits if hop.gated else []) + [i for k in hop.after for i in flows[k]]
-            flows.append(self.hop(op, hop.src, hop.dst, hop.nbytes(self.itemsize), after))
+            flows.append(self.hop(op, hop.src, hop.dst, hop.nbytes(itemsize), after))
             last[(hop.src, hop.dst)] = flows[-1]
         out = [i for ids in last.values() for i in ids]
         for d in op.dsts:
@@ -231,7 +234,7 @@ class _Lowering:
         return out
 
 
-def simulate(operations: list[Operation] | tuple[Operation, ...], problem: ReshardingProblem,
+def simulate(operations: list[Operation] | tuple[Operation, ...], problem: ReshardingProblem | TransferProblem,
              discipline: str = "host-order", nic_of_task: dict[int, int] | None = None) -> SimResult:
     """Time `operations` (taken in list order) on the problem's cluster under the queueing `discipline`."""
     lowering = _Lowering(problem, discipline, nic_of_task)

@@ -74,6 +74,21 @@ def check_task_count(problem: ReshardingProblem, max_tasks: int | None) -> int:
     return bound
 
 
+def check_joint_task_count(problems: list[ReshardingProblem], max_tasks: int | None) -> int:
+    """`check_task_count` for the tensors of one transfer together (one plan holds all their tasks)."""
+    if len(problems) == 1:
+        return check_task_count(problems[0], max_tasks)
+    bounds = [task_count_bound(p) for p in problems]
+    total = sum(bounds)
+    if max_tasks is not None and total > max_tasks:
+        largest = max(range(len(problems)), key=lambda i: bounds[i])
+        raise TooManyTasksError(
+            f"problem: cutting its {len(problems)} tensors gives up to {total:,} unit tasks (the most, {bounds[largest]:,}, "
+            f"from {problems[largest].name!r}), above the limit of {max_tasks:,}; pass --max-tasks {total} (max_tasks= in "
+            f"Python) if this machine has the memory (about {_memory(total * BYTES_PER_TASK)}), or use coarser meshes or specs")
+    return total
+
+
 def _memory(nbytes: int) -> str:
     """`3.1 GiB`, or whole MiB (at least 1) below a GiB, so an estimate never reads as zero."""
     return f"{nbytes / 2**30:.1f} GiB" if nbytes >= 2**30 else f"{max(1, round(nbytes / 2**20))} MiB"
@@ -136,3 +151,23 @@ def decompose(problem: ReshardingProblem, merge: bool = True, max_tasks: int | N
             merged_cells=math.prod(r[1] - r[0] for r in combo),
         ))
     return cells
+
+
+def split_by_receiver_host(cells: list[Cell], cluster) -> list[Cell]:
+    """Each cell whose receivers sit on several hosts as one cell per receiving host (same box and
+    senders; local copies stay with the first), so each host's share is scheduled, and sent, on its own.
+
+    A broadcast chain through two hosts holds both hosts' receive sides until its last hop ends;
+    split, each host receives from a holder directly and the two transfers may overlap others.
+    """
+    out = []
+    for cell in cells:
+        by_host: dict[int, list[int]] = {}
+        for device in cell.receivers:
+            by_host.setdefault(cluster.host_of(device), []).append(device)
+        if len(by_host) <= 1:
+            out.append(cell)
+            continue
+        for k, (_, devices) in enumerate(sorted(by_host.items())):
+            out.append(Cell(cell.region, cell.senders, tuple(devices), cell.local_copies if k == 0 else (), cell.merged_cells))
+    return out

@@ -19,6 +19,7 @@ from xmesh_plan.schemas.geometry import Region
 from xmesh_plan.schemas.op_kinds import reads, writes
 from xmesh_plan.schemas.plan import format_region
 from xmesh_plan.schemas.plan_check import TOLERANCE_S, PlanError, check_plan, describe
+from xmesh_plan.schemas.plan_tensors import is_multi, tensor_names, tensor_plans
 
 __all__ = ["PlanError", "VerifyReport", "verify_plan"]
 
@@ -28,9 +29,12 @@ class VerifyReport:
     operations: int
     devices_checked: int
     cells: int
+    tensors: int = 1
 
     def __str__(self) -> str:
-        return f"ok: {self.operations} operations replayed, {self.devices_checked} destination devices hold exactly their shards ({self.cells} destination cells)"
+        every = f" of each of {self.tensors} tensors" if self.tensors > 1 else ""
+        return (f"ok: {self.operations} operations replayed, {self.devices_checked} destination devices hold exactly their "
+                f"shards{every} ({self.cells} destination cells)")
 
 
 class _Cells:
@@ -123,11 +127,25 @@ class _Replay:
 def verify_plan(plan: Plan) -> VerifyReport:
     """Raise PlanError at the first violation; return a short report when the plan is correct.
 
-    The structural rules (`schemas.plan_check`, shared with the executor) first, then the replay."""
+    The structural rules (`schemas.plan_check`, shared with the executor) first, then the replay; a
+    multi-tensor plan replays each tensor's operations on its own (tensors share no bytes), and a
+    failure begins with the tensor's name."""
     check_plan(plan)
+    cells, devices = 0, set()
+    for name, single in zip(tensor_names(plan), tensor_plans(plan)):
+        try:
+            replay = _replay(single)
+        except PlanError as err:
+            raise PlanError(f"tensor {name!r}: {err}" if is_multi(plan) else str(err)) from None
+        cells += sum(c.ready.size for c in replay.dst.values())
+        devices |= set(replay.dst)
+    return VerifyReport(len(plan.operations), len(devices), cells, len(tensor_names(plan)))
+
+
+def _replay(plan: Plan) -> _Replay:
+    """Replay a checked single-tensor plan; PlanError at the first fault."""
     replay = _Replay(plan)
     for op in plan.operations:  # in execution order, checked above
         replay.run(op)
     replay.finish()
-    cells = sum(c.ready.size for c in replay.dst.values())
-    return VerifyReport(len(plan.operations), len(replay.dst), cells)
+    return replay

@@ -18,20 +18,33 @@ import json
 import os
 import tempfile
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, ValidationError
 
 from .files import DataFileError, parse_data, read_text_file
 from .geometry import Region
 from .op_kinds import OP_KINDS, chunk_label, parties
 from .problem import ReshardingProblem
+from .transfer import TransferProblem
 from .validation import describe_validation_error
 
 SCHEMA_VERSION = 1
 OpKind = Literal[tuple(OP_KINDS)]  # type: ignore[valid-type]  # "copy", "send", "broadcast", "allgather": the table's rows
 StrategyName = Literal["broadcast", "send_recv", "local_allgather", "global_allgather"]
 _FROZEN = ConfigDict(frozen=True, extra="forbid")
+TensorIndex = Annotated[int | None, Field(None, ge=0, exclude_if=lambda v: v is None,
+                                          description="multi-tensor plans: index into problem.tensors (absent otherwise)")]
+
+
+def _problem_kind(value: Any) -> str:
+    """`many` for a transfer problem (it lists tensors), `one` for a single-tensor problem."""
+    has_tensors = "tensors" in value if isinstance(value, dict) else isinstance(value, TransferProblem)
+    return "many" if has_tensors else "one"
+
+
+AnyProblem = Annotated[Union[Annotated[ReshardingProblem, Tag("one")], Annotated[TransferProblem, Tag("many")]],
+                       Discriminator(_problem_kind)]
 
 
 def format_region(region: Region) -> str:
@@ -45,6 +58,7 @@ class Operation(BaseModel):
     model_config = _FROZEN
     id: int
     task: int = Field(description="unit task this operation belongs to")
+    tensor: TensorIndex
     kind: OpKind
     src: int | None = Field(None, description="sending device for copy/send/broadcast; None for allgather")
     dsts: tuple[int, ...] = Field(description="receiving devices; the chain order for a broadcast, the members for an allgather")
@@ -55,7 +69,8 @@ class Operation(BaseModel):
     end_s: float = 0.0
 
     def __str__(self) -> str:
-        return (f"op {self.id:>4} task {self.task:>4} {self.kind:<9} {parties(self)} {format_region(self.region)}"
+        tensor = f" tensor {self.tensor}" if self.tensor is not None else ""
+        return (f"op {self.id:>4} task {self.task:>4}{tensor} {self.kind:<9} {parties(self)} {format_region(self.region)}"
                 f"{chunk_label(self)} @{self.start_s:.6f}-{self.end_s:.6f}s")
 
 
@@ -64,6 +79,7 @@ class UnitTask(BaseModel):
 
     model_config = _FROZEN
     id: int
+    tensor: TensorIndex
     region: Region
     nbytes: int
     senders: tuple[int, ...] = Field(description="source devices holding the box (candidates)")
@@ -79,7 +95,8 @@ class UnitTask(BaseModel):
 
     def __str__(self) -> str:
         recv = ",".join(f"h{h}" for h in self.receiver_hosts)
-        return (f"task {self.id:>4} {format_region(self.region)} {self.nbytes} B  h{self.sender_host}(d{self.sender}) -> {recv}"
+        tensor = f" tensor {self.tensor}" if self.tensor is not None else ""
+        return (f"task {self.id:>4}{tensor} {format_region(self.region)} {self.nbytes} B  h{self.sender_host}(d{self.sender}) -> {recv}"
                 f"  {self.strategy} @{self.start_s:.6f}-{self.end_s:.6f}s")
 
 
@@ -108,7 +125,7 @@ class Plan(BaseModel):
     model_config = _FROZEN
     schema_version: Literal[1] = SCHEMA_VERSION
     generator: str
-    problem: ReshardingProblem
+    problem: AnyProblem
     strategy: str = Field(description="strategy requested at compile time ('auto' picks per task)")
     solver: SolverInfo
     merged_slices: bool = Field(description="adjacent cells with identical senders and receivers were merged into one task")

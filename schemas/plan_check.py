@@ -17,6 +17,8 @@ import numpy as np
 from .geometry import Region, region_size
 from .op_kinds import OP_KINDS, OpKindRule, reads, rule_of, tags_used, writes
 from .plan import Operation, Plan, format_region
+from .problem import ReshardingProblem
+from .transfer import TransferProblem
 
 __all__ = ["MAX_CHUNKS", "MAX_TAGS", "PlanError", "TOLERANCE_S", "check_plan", "describe", "overlapping_pair", "tags_used", "uncovered"]
 
@@ -32,8 +34,10 @@ class PlanError(ValueError):
 
 
 def describe(op: Operation) -> str:
-    """`operation 7 (task 3, broadcast)`: how every message about an operation begins."""
-    return f"operation {op.id} (task {op.task}, {op.kind})"
+    """`operation 7 (task 3, broadcast)`: how every message about an operation begins (`tensor 2, ` added
+    before the task in a multi-tensor plan)."""
+    tensor = "" if op.tensor is None else f"tensor {op.tensor}, "
+    return f"operation {op.id} ({tensor}task {op.task}, {op.kind})"
 
 
 def _is_time(value: float | None) -> bool:
@@ -92,7 +96,7 @@ def _check_ids_and_order(plan: Plan) -> None:
 def _check_host_order(plan: Plan, task_ids: set[int]) -> None:
     """Each (host, NIC side) once, on a host of the meshes, naming existing tasks."""
     nics, cluster = len(plan.problem.cluster.nics), plan.problem.cluster
-    hosts = {cluster.host_of(d) for side in ("src", "dst") for d in getattr(plan.problem, side).mesh.devices}
+    hosts = {cluster.host_of(d) for mesh in meshes(plan.problem) for d in mesh.devices}
     seen = set()
     for entry in plan.host_order:
         match = _SIDE.fullmatch(entry.side)
@@ -113,12 +117,36 @@ def _inside(box: Region, block: Region) -> bool:
     return all(b0 <= a <= b <= b1 for (a, b), (b0, b1) in zip(box, block))
 
 
+def meshes(problem: ReshardingProblem | TransferProblem) -> tuple:
+    """(source mesh, destination mesh) of either kind of problem."""
+    if isinstance(problem, TransferProblem):
+        return problem.src_mesh, problem.dst_mesh
+    return problem.src.mesh, problem.dst.mesh
+
+
+def _check_tensor_indices(plan: Plan) -> None:
+    """A multi-tensor plan names a tensor of its problem on every task and operation (its task's tensor);
+    a single-tensor plan names none."""
+    count = len(plan.problem.tensors) if isinstance(plan.problem, TransferProblem) else None
+    tensor_of = {t.id: t.tensor for t in plan.tasks}
+    for what, items in (("task", plan.tasks), ("operation", plan.operations)):
+        for item in items:
+            if count is None and item.tensor is not None:
+                raise PlanError(f"{what} {item.id} names tensor {item.tensor}, but the problem has one tensor; drop the field")
+            if count is not None and (item.tensor is None or item.tensor >= count):
+                raise PlanError(f"{what} {item.id} names tensor {item.tensor}; a multi-tensor plan gives every {what} "
+                                f"a tensor index in 0..{count - 1}")
+            if what == "operation" and item.task in tensor_of and tensor_of[item.task] != item.tensor:
+                raise PlanError(f"{describe(item)} belongs to task {item.task} of tensor {tensor_of[item.task]}; "
+                                "an operation moves its own task's tensor")
+
+
 class _Shards:
     """Each device's source and destination block, to check that boxes lie inside the shards they touch."""
 
-    def __init__(self, plan: Plan):
-        self.blocks = {"src": plan.problem.blocks("src"), "dst": plan.problem.blocks("dst")}
-        self.shape = plan.problem.shape
+    def __init__(self, problem: ReshardingProblem):
+        self.blocks = {"src": problem.blocks("src"), "dst": problem.blocks("dst")}
+        self.shape = problem.shape
 
     def require(self, op: Operation, device: int, side: str, box: Region, role: str) -> None:
         """`device` must hold `box` in its `side` shard (role "sends") or have room for it there ("receives")."""
@@ -221,9 +249,13 @@ def check_plan(plan: Plan) -> None:
     """Raise PlanError naming the first structural fault of `plan` (see the module docstring)."""
     _check_ids_and_order(plan)
     _check_numbers(plan)
-    shards = _Shards(plan)
+    _check_tensor_indices(plan)
+    problems = plan.problem.tensor_problems()
+    shards: dict[int | None, _Shards] = {}
     for op in plan.operations:
-        _check_operation(op, shards)
+        if op.tensor not in shards:
+            shards[op.tensor] = _Shards(problems[op.tensor or 0])
+        _check_operation(op, shards[op.tensor])
     tags = sum(map(tags_used, plan.operations))
     if tags > MAX_TAGS:  # every message has its own tag; reusing one could match the wrong message
         raise PlanError(f"the plan needs {tags} message tags, more than the {MAX_TAGS} a plan may use; "

@@ -137,6 +137,10 @@ class ReshardingProblem(BaseModel):
     def nbytes(self) -> int:
         return math.prod(self.shape) * self.itemsize
 
+    def tensor_problems(self) -> list["ReshardingProblem"]:
+        """The problem's tensors one by one (a `TransferProblem` has many): this one."""
+        return [self]
+
     def layout(self, side: str) -> Layout:
         placement: Placement = getattr(self, side)
         return Layout(tuple(self.shape), tuple(placement.mesh.shape), placement.spec)

@@ -43,6 +43,7 @@ def test_the_wheel_has_one_top_level_package(installed):
     top = {name.split("/")[0] for name in names if not name.split("/")[0].endswith((".dist-info", ".data"))}
     assert top == {"xmesh_plan"}
     assert "xmesh_plan/examples_data/plans/case3.problem.json" in names
+    assert "xmesh_plan/examples_data/plans/weight_sync_small.problem.toml" in names  # multi-tensor examples are TOML
     assert "xmesh_plan/examples_data/pipelines/utrans-2.1b-fp16.json" in names
 
 

@@ -1,0 +1,149 @@
+"""`TransferExecutor`: replay a multi-tensor plan, a name -> shard mapping in and out on every rank.
+
+    ex = TransferExecutor(plan, MPI.COMM_WORLD).prepare()        # once, on every rank
+    new = ex.run({"embed.weight": e, "layers.0.q.weight": q})  # this rank's source shards by name
+    new["layers.0.q.weight"]                                      # its destination shards by name
+
+The plan is split into one single-tensor plan per tensor (`schemas.plan_tensors`), keeping the joint
+plan's operations, ids and order; each gets its own `ReshardingExecutor`. `start()` starts every tensor's reshard before any is waited for, and a waiting
+MPI engine drives the others this thread started, so all tensors move at once; they share one
+duplicated communicator, each tensor's tags numbered after the ones before it. A rank outside the
+source mesh passes None (or {}); outside the destination mesh it gets {}. A single-tensor plan works
+too, its one tensor named by the problem's name.
+
+Engines: `mpi` runs every tensor at once as above. The torch engine (one process group for all
+tensors, NCCL pairing messages by order) and the NCCL engine are not run with several reshards in
+flight, so with them the tensors go one after another in tensor order: `start()` starts the first,
+`test()` and `wait()` start each next one as the one before finishes. Every engine takes and returns
+the same name -> shard mappings.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+from xmesh_plan.schemas import Plan
+from xmesh_plan.schemas.plan_check import PlanError, check_plan, tags_used
+from xmesh_plan.schemas.plan_tensors import is_multi, tensor_names, tensor_plans
+
+from .errors import ExecutorError, PlanMismatchError
+from .executor import DEFAULT_POLL_S, ReshardingExecutor
+from .worlds import is_mpi_comm
+
+CONCURRENT_BACKENDS = ("mpi",)  # engines that run several reshards in flight (a waiting one drives the others)
+
+
+class TransferExecutor:
+    """Replays every tensor of a plan on this rank; see the module docstring for the calling pattern."""
+
+    def __init__(self, plan: Plan, comm=None, backend: str | None = None, timeout_s: float = 60.0,
+                 poll_s: tuple[float, float] = DEFAULT_POLL_S, gpu: int | None = None, order: str = "posted"):
+        if not isinstance(plan, Plan):
+            raise TypeError(f"plan is a {type(plan).__name__}; pass a schemas.Plan, e.g. schemas.read_plan_file('x.plan.json')")
+        try:
+            check_plan(plan)  # tensor indices in range before splitting
+        except PlanError as err:
+            raise PlanMismatchError(f"{err}; recompile the plan and check it with `xmesh-plan verify`",
+                                    same_on_every_rank=True) from None  # every rank reads the same plan
+        named = backend or ("mpi" if is_mpi_comm(comm) else "torch")
+        self.concurrent = named in CONCURRENT_BACKENDS
+        if is_multi(plan) and order != "posted":
+            raise PlanMismatchError(f"order {order!r} would order each tensor's operations apart, not the joint plan's; "
+                                    "multi-tensor plans run with order='posted'", same_on_every_rank=True)
+        self.plan, self.names = plan, tensor_names(plan)
+        self.parts = [ReshardingExecutor(p, comm, backend, timeout_s, poll_s, gpu, order) for p in tensor_plans(plan)]
+        first = 0
+        for part in self.parts if self.concurrent else ():  # tags of tensor k follow those of tensors 0..k-1
+            part.tag_offset = first
+            first += sum(map(tags_used, part.plan.operations))
+        self.given: dict[str, Any] = {}
+        self.results: list[Any] = [None] * len(self.parts)
+        self.current = len(self.parts)  # one after another: the tensor in flight (len(parts): none)
+        self.running = False  # one after another: between start() and wait()
+
+    @property
+    def device(self) -> int:
+        return self.parts[0].device
+
+    def prepare(self) -> "TransferExecutor":
+        """Check and set up every tensor's executor (in tensor order, on every rank).
+
+        On MPI the first tensor's executor duplicates the communicator and the others share it, each
+        numbering its tags after the tensors before it (a plan's tags fit MPI's TAG_UB together)."""
+        for k, part in enumerate(self.parts):
+            if self.concurrent and k:
+                part.shared_comm = self.parts[0].comm
+            part.prepare()
+        return self
+
+    def run(self, shards: Mapping[str, Any] | None = None) -> dict[str, Any]:
+        """Reshard every tensor once: this rank's source shards by name in, its destination shards by name out."""
+        self.start(shards)
+        return self.wait()
+
+    def start(self, shards: Mapping[str, Any] | None = None) -> None:
+        """Start every tensor's reshard and return at once; do not modify the shards until `wait()` returns."""
+        given = self._sources(shards)
+        if not self.concurrent:
+            if self.current < len(self.parts):
+                raise ExecutorError("start() called while a reshard is in flight; call wait() first")
+            self.parts[0].start(given.get(self.names[0]))
+            self.given, self.current, self.running = given, 0, True
+            return
+        started = []
+        try:
+            for part, name in zip(self.parts, self.names):
+                part.start(given.get(name))
+                started.append(part)
+        except BaseException:
+            for part in started:  # the peers cannot finish these without this rank's later tensors: give them up
+                part._abandon(ExecutorError("a later tensor failed to start"), "start()")
+            raise
+
+    def test(self) -> bool:
+        """Drive every tensor's communication once without blocking; True when all have finished."""
+        if not self.concurrent:
+            return self._advance(block=False)
+        return all([part.test() for part in self.parts])
+
+    def wait(self) -> dict[str, Any]:
+        """Finish every tensor's reshard; name -> destination shard (the engines' own buffers, reused next time)."""
+        if self.concurrent:
+            self.results = [part.wait() for part in self.parts]
+        elif not self.running:
+            raise ExecutorError("wait() called without start()")
+        else:
+            self._advance(block=True)
+            self.given, self.running = {}, False
+        return {name: shard for name, shard in zip(self.names, self.results) if shard is not None}
+
+    def _advance(self, block: bool) -> bool:
+        """One after another: collect finished tensors and start the next; True when the last has finished."""
+        while self.current < len(self.parts):
+            part = self.parts[self.current]
+            if not block and not part.test():
+                return False
+            self.results[self.current] = part.wait()
+            self.current += 1
+            if self.current < len(self.parts):
+                self.parts[self.current].start(self.given.get(self.names[self.current]))
+        return True
+
+    def close(self) -> None:
+        """Close every tensor's executor (see `ReshardingExecutor.close`), the communicator's owner last."""
+        for part in reversed(self.parts):
+            part.close()
+
+    def _sources(self, shards: Mapping[str, Any] | None) -> dict[str, Any]:
+        """The shards by name, refusing unknown names and, on a source rank, missing ones."""
+        shards = dict(shards or {})
+        unknown = sorted(set(shards) - set(self.names))
+        if unknown:
+            raise PlanMismatchError(f"run(): {unknown[0]!r} is not a tensor of this plan; pass shards named as in the "
+                                    f"problem ({', '.join(self.names[:3])}{', ...' if len(self.names) > 3 else ''})")
+        if self.parts[0].engine is not None and self.parts[0].program.src_block is not None:
+            missing = [n for n, p in zip(self.names, self.parts) if n not in shards and p.program.src_block is not None]
+            if missing:
+                raise PlanMismatchError(f"run(): device {self.device} is in the source mesh; pass its shard of "
+                                        f"{missing[0]!r}{f' (and {len(missing) - 1} more)' if len(missing) > 1 else ''}")
+        return shards

@@ -1,0 +1,143 @@
+"""Read a transfer problem (many named tensors between two shared meshes) from JSON/TOML data.
+
+A tensor gives its name, shape and optionally dtype (else the file's `dtype`, else float32) and its
+`src` / `dst` specs; a spec it leaves out comes from the first entry of `rules` whose `match` (a
+shell pattern, `*` and `?`, over the whole name) fits the name and that gives that side. A
+`tensors` entry with `repeat = N` and a `group` of tensors stands for the group N times, `{i}` in
+each name replaced by 0 .. N-1 (layer by layer), so a model's hundreds of parameters take a few lines:
+
+>>> p = build_transfer({"src_mesh": "1x4", "dst_mesh": "1x2", "dtype": "bfloat16",
+...     "rules": [{"match": "*.norm", "src": "S1", "dst": "R"}, {"match": "*", "src": "S1 R", "dst": "R S1"}],
+...     "tensors": [{"repeat": 2, "group": [{"name": "l{i}.w", "shape": [8, 8]}, {"name": "l{i}.norm", "shape": [8]}]}]})
+>>> [(t.name, str(t.src), str(t.dst)) for t in p.tensors]
+[('l0.w', 'S1 R', 'R S1'), ('l0.norm', 'S1', 'R'), ('l1.w', 'S1 R', 'R S1'), ('l1.norm', 'S1', 'R')]
+
+Meshes take shorthand like single-tensor problems (`"2x4"`: 2 hosts of 4 devices), the source
+from host 0 and the destination on the hosts after it, or objects with `devices` / `first_host`.
+"""
+
+from __future__ import annotations
+
+from fnmatch import fnmatchcase
+from pathlib import Path
+from typing import Any
+
+from pydantic import ValidationError
+
+from xmesh_plan.schemas import ReshardingProblem
+from xmesh_plan.schemas.limits import shown
+from xmesh_plan.schemas.transfer import MAX_TENSORS, TransferProblem
+from xmesh_plan.schemas.validation import describe_validation_error
+
+from .problem_io import InputError, build_problem, hosts_used, parse_cluster, parse_mesh, parse_shape, read_data_file
+
+TOP_KEYS = ("name", "dtype", "src_mesh", "dst_mesh", "cluster", "rules", "tensors")
+TENSOR_KEYS = ("name", "shape", "dtype", "src", "dst")
+RULE_KEYS = ("match", "src", "dst")
+MAX_REPEAT = MAX_TENSORS
+
+
+def is_transfer(raw: Any) -> bool:
+    """Whether parsed problem data describes many tensors (it has a `tensors` list)."""
+    return isinstance(raw, dict) and "tensors" in raw
+
+
+def build_any_problem(raw: Any) -> ReshardingProblem | TransferProblem:
+    """A transfer problem from data with `tensors`, a single-tensor problem otherwise."""
+    return build_transfer(raw) if is_transfer(raw) else build_problem(raw)
+
+
+def load_any_problem(path: str | Path) -> ReshardingProblem | TransferProblem:
+    """Read a `.json` or `.toml` problem file of either kind; errors name the file and field."""
+    return build_any_problem(read_data_file(path, "problem file"))
+
+
+def build_transfer(raw: dict[str, Any]) -> TransferProblem:
+    """A transfer problem from plain data (see the module docstring); InputError naming the field otherwise."""
+    unknown = sorted(set(raw) - set(TOP_KEYS))
+    if unknown:
+        raise InputError(f"{unknown[0]}: not a field of a multi-tensor problem; use {', '.join(TOP_KEYS)}")
+    cluster = parse_cluster(raw.get("cluster", {}))
+    for side in ("src_mesh", "dst_mesh"):
+        if side not in raw:
+            raise InputError(f"{side}: missing; give the shared {side[:3]} mesh, e.g. \"2x4\" (2 hosts of 4 devices)")
+    src_mesh = parse_mesh(raw["src_mesh"], "src_mesh", 0, cluster.devices_per_host)
+    dst_mesh = parse_mesh(raw["dst_mesh"], "dst_mesh", hosts_used(src_mesh, cluster.devices_per_host), cluster.devices_per_host)
+    rules = _rules(raw.get("rules", []))
+    default_dtype = raw.get("dtype", "float32")
+    tensors = [_tensor(entry, where, rules, default_dtype) for entry, where in _expand(raw["tensors"])]
+    name = raw.get("name", "")
+    try:
+        return TransferProblem(name=name, src_mesh=src_mesh, dst_mesh=dst_mesh, cluster=cluster, tensors=tuple(tensors))
+    except ValidationError as err:
+        raise InputError(describe_validation_error(err)) from None
+
+
+def _rules(raw: Any) -> list[tuple[str, dict[str, Any]]]:
+    """(pattern, {side: spec}) per rule, in file order."""
+    if not isinstance(raw, list):
+        raise InputError("rules: give a list of {match = \"*.q_proj.weight\", src = \"S01 R\", dst = \"S1 R\"} entries")
+    out = []
+    for k, rule in enumerate(raw):
+        if not isinstance(rule, dict) or not isinstance(rule.get("match"), str) or not ({"src", "dst"} & set(rule)):
+            raise InputError(f"rules[{k}]: give match (a name pattern such as \"*.q_proj.weight\") and src and/or dst specs")
+        extra = sorted(set(rule) - set(RULE_KEYS))
+        if extra:
+            raise InputError(f"rules[{k}].{extra[0]}: not a field of a rule; use {', '.join(RULE_KEYS)}")
+        out.append((rule["match"], {s: rule[s] for s in ("src", "dst") if s in rule}))
+    return out
+
+
+def _expand(raw: Any) -> list[tuple[dict, str]]:
+    """Tensor entries with repeated groups unrolled, each with the field path errors name."""
+    if not isinstance(raw, list) or not raw:
+        raise InputError("tensors: give a non-empty list of tensors, each with name and shape (and optionally dtype, src, dst)")
+    out: list[tuple[dict, str]] = []
+    for k, entry in enumerate(raw):
+        if isinstance(entry, dict) and ("repeat" in entry or "group" in entry):
+            out += _repeat(entry, f"tensors[{k}]", room=MAX_TENSORS - len(out))
+        else:
+            out.append((entry, f"tensors[{k}]"))
+        if len(out) > MAX_TENSORS:
+            raise InputError(f"tensors: more than {MAX_TENSORS:,} tensors; split the transfer into several problems")
+    return out
+
+
+def _repeat(entry: dict, where: str, room: int) -> list[tuple[dict, str]]:
+    repeat, group = entry.get("repeat"), entry.get("group")
+    if set(entry) - {"repeat", "group"}:
+        raise InputError(f"{where}.{sorted(set(entry) - {'repeat', 'group'})[0]}: a repeated group has only repeat and group")
+    if not isinstance(repeat, int) or isinstance(repeat, bool) or not 0 <= repeat <= MAX_REPEAT:
+        raise InputError(f"{where}.repeat: {shown(repeat)} must be a whole number of repetitions in 0 .. {MAX_REPEAT}")
+    if not isinstance(group, list) or not group or not all(isinstance(t, dict) for t in group):
+        raise InputError(f"{where}.group: give a non-empty list of tensors whose names contain {{i}}, e.g. \"layers.{{i}}.mlp.weight\"")
+    if repeat * len(group) > room:  # refused before anything is unrolled
+        raise InputError(f"{where}: {repeat} x {len(group)} tensors would pass {MAX_TENSORS:,} in all; split the transfer into several problems")
+    for j, tensor in enumerate(group):
+        if "{i}" not in str(tensor.get("name", "")):
+            raise InputError(f"{where}.group[{j}].name: {shown(tensor.get('name'))} lacks {{i}}, so its {repeat} copies "
+                             "would share a name; write e.g. \"layers.{i}.mlp.weight\"")
+    return [({**t, "name": t["name"].replace("{i}", str(i))}, f"{where}.group[{j}] (i={i})")
+            for i in range(repeat) for j, t in enumerate(group)]
+
+
+def _tensor(entry: Any, where: str, rules: list[tuple[str, dict]], default_dtype: Any) -> dict[str, Any]:
+    """One tensor as TensorTransfer data, specs filled in from the rules."""
+    if not isinstance(entry, dict) or not isinstance(entry.get("name"), str) or not entry["name"] or "shape" not in entry:
+        raise InputError(f"{where}: give a tensor as an object with name (text) and shape, e.g. {{name = \"w\", shape = [1024, 512]}}")
+    extra = sorted(set(entry) - set(TENSOR_KEYS))
+    if extra:
+        raise InputError(f"{where}.{extra[0]}: not a field of a tensor; use {', '.join(TENSOR_KEYS)}")
+    name = entry["name"]
+    out = {"name": name, "dtype": entry.get("dtype", default_dtype), "shape": entry["shape"]}
+    if isinstance(out["shape"], str):
+        out["shape"] = parse_shape(out["shape"], f"{where}.shape")
+    for side in ("src", "dst"):
+        spec = entry.get(side)
+        if spec is None:
+            spec = next((given[side] for pattern, given in rules if side in given and fnmatchcase(name, pattern)), None)
+        if spec is None:
+            raise InputError(f"{where} ({name}): no rule gives its {side} spec; add a rule whose match fits {name!r} "
+                             f"(match = \"*\" as the last rule catches every tensor) or give {side} on the tensor")
+        out[side] = spec
+    return out

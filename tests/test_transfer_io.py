@@ -1,0 +1,133 @@
+"""Reading multi-tensor problems: rules by name pattern, repeated groups, the example files, and errors."""
+
+from __future__ import annotations
+
+import json
+import tomllib
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from xmesh_plan.planner.cli import main
+from xmesh_plan.planner.problem_io import InputError, load_problem
+from xmesh_plan.planner.transfer_io import build_any_problem, build_transfer, load_any_problem
+from xmesh_plan.schemas import ReshardingProblem
+from xmesh_plan.schemas.transfer import TransferProblem
+
+ROOT = Path(__file__).resolve().parents[1]
+LLAMA = ROOT / "plans" / "weight_sync_llama3_8b.problem.toml"
+SMALL = ROOT / "plans" / "weight_sync_small.problem.toml"
+
+
+def raw(**changes):
+    data = {"src_mesh": "2x2", "dst_mesh": "1x2", "cluster": {"devices_per_host": 2},
+            "tensors": [{"name": "a", "shape": [8, 4], "src": "S0 R", "dst": "R S1"},
+                        {"name": "b", "shape": [6], "dtype": "int16", "src": "S01", "dst": "R"}]}
+    data.update(changes)
+    return data
+
+
+def test_tensors_keep_their_order_dtype_and_specs_and_share_the_meshes():
+    p = build_transfer(raw(dtype="bfloat16"))
+    assert [(t.name, t.shape, t.dtype, str(t.src), str(t.dst)) for t in p.tensors] == [
+        ("a", (8, 4), "bfloat16", "S0 R", "R S1"), ("b", (6,), "int16", "S01", "R")]
+    assert p.src_mesh.devices == (0, 1, 2, 3) and p.dst_mesh.devices == (4, 5)  # destination on the hosts after the source
+    single = p.tensor_problem(1)
+    assert isinstance(single, ReshardingProblem) and single.src.mesh == p.src_mesh and single.nbytes == 12
+
+
+def test_the_first_rule_that_fits_and_gives_the_side_wins_and_the_tensor_own_spec_beats_rules():
+    rules = [{"match": "*.w", "dst": "S1 R"}, {"match": "x.*", "src": "R R", "dst": "R R"}, {"match": "*", "src": "S0 R", "dst": "R S1"}]
+    tensors = [{"name": "x.w", "shape": [4, 4]}, {"name": "x.v", "shape": [4, 4]}, {"name": "y.v", "shape": [4, 4]},
+               {"name": "y.w", "shape": [4, 4], "src": "S1 R"}]
+    p = build_transfer(raw(rules=rules, tensors=tensors))
+    assert [(str(t.src), str(t.dst)) for t in p.tensors] == [("R R", "S1 R"), ("R R", "R R"), ("S0 R", "R S1"), ("S1 R", "S1 R")]
+
+
+def test_a_pattern_matches_the_whole_name_not_a_part_of_it():
+    rules = [{"match": "q_proj.weight", "src": "R R", "dst": "R R"}, {"match": "*", "src": "S0 R", "dst": "S0 R"}]
+    p = build_transfer(raw(rules=rules, tensors=[{"name": "layers.0.q_proj.weight", "shape": [4, 4]}]))
+    assert str(p.tensors[0].src) == "S0 R"
+
+
+def test_a_repeated_group_unrolls_layer_by_layer():
+    group = [{"name": "l.{i}.w", "shape": [4, 2], "src": "S0 R", "dst": "R R"}, {"name": "l.{i}.n", "shape": [4], "src": "R", "dst": "R"}]
+    p = build_transfer(raw(tensors=[{"name": "e", "shape": [2], "src": "R", "dst": "R"}, {"repeat": 3, "group": group}]))
+    assert p.names == ("e", "l.0.w", "l.0.n", "l.1.w", "l.1.n", "l.2.w", "l.2.n")
+
+
+@pytest.mark.parametrize("change, words", [
+    ({"tensors": [{"name": "a", "shape": [8, 4], "src": "S0 R"}]}, ["tensors[0] (a)", "dst", "rule"]),
+    ({"tensors": [{"name": "a", "shape": [4], "src": "R", "dst": "R"}, {"name": "a", "shape": [4], "src": "R", "dst": "R"}]},
+     ["tensors[1].name", "'a'", "tensors[0]"]),
+    ({"tensors": [{"repeat": 2, "group": [{"name": "w", "shape": [4], "src": "R", "dst": "R"}]}]}, ["tensors[0].group[0].name", "{i}"]),
+    ({"tensors": [{"repeat": -1, "group": [{"name": "w{i}", "shape": [4]}]}]}, ["tensors[0].repeat"]),
+    ({"tensors": [{"repeat": 100_000, "group": [{"name": "w{i}", "shape": [4]}] * 1000}]}, ["tensors[0]", "100,000", "split"]),
+    ({"tensors": [{"name": "a", "shape": [8, 4], "src": "S0 R", "dst": "R S2"}]}, ["tensors[0] (a)", "R S2", "axis 2"]),
+    ({"tensors": [{"name": "a", "shape": [8, 4], "src": "S0", "dst": "R R"}]}, ["tensors[0] (a)", "src.spec"]),
+    ({"tensors": [{"name": "a", "shape": [8, 4], "src": "S0 R", "dst": "R R", "spec": "R"}]}, ["tensors[0].spec"]),
+    ({"tensors": []}, ["tensors", "non-empty"]),
+    ({"rules": [{"match": "*"}]}, ["rules[0]", "src and/or dst"]),
+    ({"rules": [{"match": "*", "src": "R", "when": 1}]}, ["rules[0].when"]),
+    ({"src_mes": "2x2"}, ["src_mes", "src_mesh"]),
+    ({"dst_mesh": "1x4"}, ["dst_mesh", "devices_per_host"]),
+    ({"tensors": [{"name": "a", "shape": "8,x", "src": "R", "dst": "R"}]}, ["tensors[0].shape"]),
+])
+def test_bad_input_is_one_line_naming_the_field(change, words):
+    data = raw(**change)
+    with pytest.raises(InputError) as err:
+        build_transfer(data)
+    message = str(err.value)
+    assert "\n" not in message
+    for word in words:
+        assert word in message, (word, message)
+
+
+def test_the_cli_refuses_a_bad_multi_tensor_file_with_one_line_and_exit_2(tmp_path):
+    path = tmp_path / "bad.json"
+    path.write_text(json.dumps(raw(tensors=[{"name": "layers.3.mlp.w", "shape": [8, 4], "src": "S0 R"}])))
+    result = CliRunner().invoke(main, ["compile", str(path)])
+    assert result.exit_code == 2, result.output
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and "layers.3.mlp.w" in lines[0] and "Traceback" not in result.output
+
+
+def test_a_single_tensor_problem_stays_valid_as_it_is():
+    path = ROOT / "plans" / "case3.problem.json"
+    assert load_any_problem(path) == load_problem(path)
+    assert isinstance(build_any_problem(json.loads(path.read_text())), ReshardingProblem)
+
+
+def test_toml_and_json_forms_give_the_same_problem(tmp_path):
+    data = tomllib.loads(SMALL.read_text())
+    path = tmp_path / "small.json"
+    path.write_text(json.dumps(data))
+    assert load_any_problem(path) == load_any_problem(SMALL)
+
+
+def test_the_llama_example_has_every_parameter_of_llama3_8b():
+    p = load_any_problem(LLAMA)
+    assert isinstance(p, TransferProblem) and len(p.tensors) == 1 + 32 * 9 + 2
+    assert sum(t.nbytes for t in p.tensors) == 2 * 8_030_261_248  # Llama-3-8B's published parameter count, bfloat16
+    assert p.src_mesh.shape == (4, 8) and p.dst_mesh.shape == (2, 8) and not set(p.src_mesh.devices) & set(p.dst_mesh.devices)
+    specs = {t.name: (str(t.src), str(t.dst)) for t in p.tensors}
+    for name, dst in [("model.embed_tokens.weight", "S1 R"), ("lm_head.weight", "S1 R"), ("model.norm.weight", "R"),
+                      ("model.layers.7.self_attn.q_proj.weight", "S1 R"), ("model.layers.7.self_attn.k_proj.weight", "S1 R"),
+                      ("model.layers.31.mlp.up_proj.weight", "S1 R"), ("model.layers.0.self_attn.o_proj.weight", "R S1"),
+                      ("model.layers.0.mlp.down_proj.weight", "R S1"), ("model.layers.5.input_layernorm.weight", "R")]:
+        assert specs[name][1] == dst, name
+    assert {src for src, _ in specs.values()} == {"S01 R", "S01"}  # FSDP: dim 0 over all 32 devices
+    for i in (0, 1, 4):  # every sharded dim splits evenly on both sides
+        single = p.tensor_problem(i)
+        for side in ("src", "dst"):
+            sizes = {tuple(b - a for a, b in box) for box in single.blocks(side).values()}
+            assert len(sizes) == 1, (single.name, side, sizes)
+
+
+def test_the_format_page_example_reads_as_it_says():
+    text = (ROOT / "docs" / "format.md").read_text().split("```toml")[1].split("```")[0]
+    p = build_transfer(tomllib.loads(text))
+    assert p.names == ("model.embed_tokens.weight", "model.layers.0.input_layernorm.weight", "model.layers.0.self_attn.q_proj.weight",
+                       "model.layers.1.input_layernorm.weight", "model.layers.1.self_attn.q_proj.weight")
+    assert [str(t.dst) for t in p.tensors] == ["S1 R", "R", "S1 R", "R", "S1 R"] and p.tensors[0].dtype == "bfloat16"

@@ -1,0 +1,420 @@
+"""Multi-tensor plans: joint compile, verification, corrupted plans refused, and the executor bit for bit
+against numpy slicing of each full tensor (in-process fake MPI and one real mpiexec launch)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from click.testing import CliRunner
+
+from xmesh_plan.executor import ExecutorError, PlanMismatchError, ReshardingExecutor, TransferExecutor
+from xmesh_plan.executor.arrays import storage_dtype
+from xmesh_plan.executor.lower import lower
+from xmesh_plan.executor.mpi_engine import MpiEngine
+from xmesh_plan.executor.ranks import plan_devices, rank_of_devices
+from xmesh_plan.planner.cli import main
+from xmesh_plan.planner.compile import compile_plan
+from xmesh_plan.planner.transfer_io import build_transfer, load_any_problem
+from xmesh_plan.planner.verify import PlanError, verify_plan
+from xmesh_plan.schemas import Plan, read_plan_file
+from xmesh_plan.schemas.plan_check import check_plan, tags_used
+from xmesh_plan.schemas.plan_tensors import tensor_plans
+from test_executor_sim import FakeComm, FakeMPI, FakeWorld
+
+ROOT = Path(__file__).resolve().parents[1]
+SMALL = ROOT / "plans" / "weight_sync_small.problem.toml"
+MPIEXEC = Path(sys.executable).parent / "mpiexec"
+
+
+def problem():
+    """Three tensors of three dtypes on overlapping meshes (device 3 is in both), so copies, sends and broadcasts all occur."""
+    return build_transfer({
+        "name": "three", "src_mesh": {"shape": [2, 2], "devices": [0, 1, 2, 3]}, "dst_mesh": {"shape": [3], "devices": [3, 4, 5]},
+        "cluster": {"devices_per_host": 2},
+        "tensors": [{"name": "w", "shape": [12, 6], "src": "S0 R", "dst": "R S0"},
+                    {"name": "bias", "shape": [9], "dtype": "int16", "src": "S01", "dst": "R"},
+                    {"name": "emb", "shape": [6, 4, 3], "dtype": "bfloat16", "src": "R S1 R", "dst": "S0 R R"}]})
+
+
+@pytest.fixture(scope="module")
+def plan():
+    return compile_plan(problem(), solver="greedy")
+
+
+# --- compile and verify -----------------------------------------------------------------------------------
+
+def test_every_tensor_is_planned_and_the_plan_verifies(plan):
+    report = verify_plan(plan)
+    assert report.tensors == 3 and report.operations == len(plan.operations)
+    assert {t.tensor for t in plan.tasks} == {0, 1, 2} and {op.tensor for op in plan.operations} == {0, 1, 2}
+    assert {op.kind for op in plan.operations} >= {"copy", "broadcast"}
+    assert len({t.id for t in plan.tasks}) == len(plan.tasks)  # task ids are global across tensors
+    for op in plan.operations:  # every operation's box lies in its own tensor
+        shape = plan.problem.tensors[op.tensor].shape
+        assert len(op.region) == len(shape) and all(0 <= a < b <= n for (a, b), n in zip(op.region, shape))
+
+
+def test_the_joint_plan_is_the_sum_of_its_tensors(plan):
+    """Tasks and bytes match compiling each tensor alone; the joint bound is at least every tensor's own."""
+    alone = [compile_plan(p, solver="greedy") for p in problem().tensor_problems()]
+    assert len(plan.tasks) == sum(len(a.tasks) for a in alone)
+    for i, single in enumerate(alone):
+        mine = [t for t in plan.tasks if t.tensor == i]
+        assert sorted((t.region, t.nbytes, t.receivers) for t in mine) == sorted((t.region, t.nbytes, t.receivers) for t in single.tasks)
+        assert plan.lower_bound_seconds >= single.lower_bound_seconds - 1e-12
+    assert plan.predicted_seconds >= plan.lower_bound_seconds
+
+
+def test_same_input_and_seed_give_a_byte_identical_plan_that_round_trips(plan):
+    again = compile_plan(problem(), solver="greedy")
+    assert again.to_json() == plan.to_json()
+    assert Plan.from_json(plan.to_json()) == plan
+    data = json.loads(plan.to_json())
+    assert all("tensor" in op for op in data["operations"]) and all("tensor" in t for t in data["tasks"])
+
+
+def test_a_single_tensor_plan_has_no_tensor_field_and_splits_into_itself():
+    single = read_plan_file(ROOT / "plans" / "case3.plan.json")
+    assert '"tensor"' not in single.to_json()
+    assert tensor_plans(single) == [single]
+
+
+def _without(plan: Plan, keep) -> Plan:
+    ops = tuple(op for op in plan.operations if keep(op))
+    return plan.model_copy(update={"operations": ops})
+
+
+def test_a_plan_that_drops_one_tensor_is_refused_naming_it(plan):
+    dropped = _without(plan, lambda op: op.tensor != 1)
+    with pytest.raises(PlanError, match=r"tensor 'bias': destination device \d+ never receives"):
+        verify_plan(dropped)
+
+
+def test_a_plan_that_drops_one_box_of_one_tensor_is_refused_naming_tensor_and_box(plan):
+    victim = next(op for op in plan.operations if op.tensor == 2 and op.kind != "copy")
+    with pytest.raises(PlanError, match=r"tensor 'emb': destination device \d+ never receives \["):
+        verify_plan(_without(plan, lambda op: op.id != victim.id))
+
+
+def test_an_operation_moved_to_another_tensor_is_refused(plan):
+    op = next(op for op in plan.operations if op.tensor == 0 and op.task >= 0)
+    moved = tuple(o.model_copy(update={"tensor": 1}) if o.id == op.id else o for o in plan.operations)
+    with pytest.raises(PlanError, match=rf"operation {op.id} \(tensor 1, task {op.task}.*belongs to task {op.task} of tensor 0"):
+        check_plan(plan.model_copy(update={"operations": moved}))
+
+
+@pytest.mark.parametrize("index, words", [(None, "gives every operation a tensor index"), (7, "names tensor 7")])
+def test_a_tensor_index_missing_or_out_of_range_is_refused(plan, index, words):
+    bad = tuple(o.model_copy(update={"tensor": index}) if o.id == 0 else o for o in plan.operations)
+    with pytest.raises(PlanError, match=words):
+        verify_plan(plan.model_copy(update={"operations": bad}))
+
+
+def test_a_tensor_index_in_a_single_tensor_plan_is_refused():
+    single = read_plan_file(ROOT / "plans" / "case3.plan.json")
+    bad = tuple(o.model_copy(update={"tensor": 0}) for o in single.operations)
+    with pytest.raises(PlanError, match="one tensor; drop the field"):
+        check_plan(single.model_copy(update={"operations": bad}))
+
+
+# --- CLI ----------------------------------------------------------------------------------------------------
+
+def test_compile_verify_inspect_and_check_work_on_the_small_example(tmp_path):
+    out = tmp_path / "small.plan.json"
+    runner = CliRunner()
+    result = runner.invoke(main, ["compile", str(SMALL), "-o", str(out), "--solver", "greedy"])
+    assert result.exit_code == 0, result.output
+    assert "verified" in result.output
+    result = runner.invoke(main, ["verify", str(out)])
+    assert result.exit_code == 0 and "of each of 21 tensors" in result.output, result.output
+    result = runner.invoke(main, ["inspect", str(out)])
+    assert result.exit_code == 0, result.output
+    assert "21 tensors" in result.output and "model.layers.1.mlp.down_proj.weight" in result.output
+    assert "S01 R -> R S1" in result.output
+    result = runner.invoke(main, ["check", str(out), "--max-ratio", "100", "--tensors"])  # tiny tensors: per-message latency dominates
+    assert result.exit_code == 0 and "ok" in result.output, result.output
+    rows = {line.split()[0]: line.split()[1:] for line in result.output.splitlines()[2:]}
+    assert len(rows) == 21 and rows["lm_head.weight"][0] == "4"  # 4 tasks: one per source shard of dim 0
+    plan = read_plan_file(out)
+    last = max(op.end_s for op in plan.operations if op.tensor == 20)
+    assert float(rows["lm_head.weight"][1]) == pytest.approx(last, abs=1e-4)
+    own = [float(r[2]) for r in rows.values()]
+    assert all(0 <= b <= plan.lower_bound_seconds + 1e-4 for b in own) and max(own) > 0  # each alone needs no more than all
+    broken = read_plan_file(out)
+    broken = broken.model_copy(update={"operations": tuple(op for op in broken.operations if op.tensor != 20)})
+    (tmp_path / "broken.plan.json").write_text(broken.to_json())
+    result = runner.invoke(main, ["check", str(tmp_path / "broken.plan.json"), "--max-ratio", "100"])
+    assert result.exit_code == 1 and "does not verify: tensor 'lm_head.weight'" in result.output, result.output
+
+
+def test_compare_prices_every_solver_and_alpa_on_all_tensors_together(tmp_path):
+    result = CliRunner().invoke(main, ["compare", str(SMALL), "--time-limit", "0.5"])
+    assert result.exit_code == 0, result.output
+    assert "alpa-send-recv" in result.output and "broadcast + greedy" in result.output and "lower bound" in result.output
+
+
+# --- executor -----------------------------------------------------------------------------------------------
+
+def full_tensors(plan: Plan, seed: int) -> dict[str, np.ndarray]:
+    """Random contents of every whole tensor, as the executor stores them (raw 16-bit for bfloat16)."""
+    rng = np.random.default_rng(seed)
+    out = {}
+    for t in plan.problem.tensors:
+        dtype = storage_dtype(t.dtype)
+        out[t.name] = rng.integers(0, 2**(8 * dtype.itemsize) - 1, size=t.shape, dtype=np.uint64).astype(
+            f"u{dtype.itemsize}").view(dtype)
+    return out
+
+
+def _slice(array: np.ndarray, box) -> np.ndarray:
+    return array[tuple(slice(a, b) for a, b in box)]
+
+
+class _WorldComm(FakeComm):
+    def __init__(self, world, rank, size):
+        super().__init__(world, rank)
+        self.size = size
+
+    def Get_size(self) -> int:
+        return self.size
+
+    def Idup(self):
+        raise AssertionError("not used: the test sets each tensor's engine up itself")
+
+
+def fake_executors(plan: Plan, concurrent: bool = True) -> list[TransferExecutor]:
+    """One TransferExecutor per rank over one fake MPI communicator shared by every tensor (tags offset per
+    tensor as prepare() does, so a collision would deliver bytes to the wrong tensor), each tensor's engine
+    set up as prepare() would. `concurrent=False`: one tensor after another, every tensor's tags from 0 (as
+    on a torch process group)."""
+    devices, rank_of = plan_devices(plan), rank_of_devices(plan)
+    world = FakeWorld()
+    out = []
+    for rank, device in enumerate(devices):
+        ex = TransferExecutor(plan, _WorldComm(world, rank, len(devices)))
+        ex.concurrent = concurrent
+        for part in ex.parts:
+            offset = part.tag_offset if concurrent else 0
+            part.program = lower(part.plan, device, tag_limit=2**20, first_tag=offset)
+            part.src_shape = part.program.src_shape
+            part.engine = MpiEngine(part.program, FakeComm(world, rank), rank_of, storage_dtype(part.plan.problem.dtype), 5.0, (1e-5, 1e-4))
+            part.engine.setup(mpi=FakeMPI)
+        out.append(ex)
+    return out
+
+
+def run_everywhere(plan: Plan, executors: list[TransferExecutor], full: dict[str, np.ndarray]) -> dict[int, dict[str, np.ndarray]]:
+    for ex in executors:
+        shards = {name: _slice(full[name], part.program.src_block)
+                  for name, part in zip(ex.names, ex.parts) if part.program.src_block is not None}
+        ex.start(shards or None)
+    for _ in range(10_000):
+        if all([ex.test() for ex in executors]):
+            break
+    else:
+        pytest.fail("stalled")
+    return {ex.device: {k: v.copy() for k, v in ex.wait().items()} for ex in executors}
+
+
+def test_tensors_sharing_a_communicator_get_disjoint_tags(plan):
+    ex = fake_executors(plan)[0]
+    offsets = [p.tag_offset for p in ex.parts]
+    counts = [sum(map(tags_used, p.plan.operations)) for p in ex.parts]
+    assert offsets == [sum(counts[:k]) for k in range(len(counts))] and all(counts)
+    tags = [{s.tag for s in p.program.steps if s.action in ("send", "recv")} for p in ex.parts]
+    for k, mine in enumerate(tags):
+        assert all(offsets[k] <= t < offsets[k] + counts[k] for t in mine), k
+
+
+def test_the_executor_delivers_every_tensor_bit_exact_against_numpy_slicing(plan):
+    executors = fake_executors(plan)
+    for seed in (1, 2):  # twice: the second run overwrites the first's buffers with other data
+        full = full_tensors(plan, seed)
+        out = run_everywhere(plan, executors, full)
+        for device in plan_devices(plan):
+            expected = {t.name: _slice(full[t.name], p.blocks("dst")[device])
+                        for t, p in zip(plan.problem.tensors, plan.problem.tensor_problems()) if device in p.blocks("dst")}
+            assert set(out[device]) == set(expected), device
+            for name, want in expected.items():
+                got = out[device][name]
+                assert got.shape == want.shape and got.dtype == want.dtype and np.array_equal(got.view(np.uint8), want.view(np.uint8)), (device, name)
+
+
+def test_the_executor_catches_a_shard_handed_in_under_the_wrong_name():
+    """Two tensors of one shape: swapping their source shards must show in the output (the names matter)."""
+    twin = compile_plan(build_transfer({"src_mesh": "1x2", "dst_mesh": "1x2", "tensors": [
+        {"name": "p", "shape": [4, 4], "src": "S1 R", "dst": "R S1"}, {"name": "q", "shape": [4, 4], "src": "S1 R", "dst": "R S1"}]}),
+        solver="greedy")
+    full = full_tensors(twin, 3)
+    swapped = {"p": full["q"], "q": full["p"]}
+    out = run_everywhere(twin, fake_executors(twin), swapped)
+    device = twin.problem.dst_mesh.devices[0]
+    block = twin.problem.tensor_problem(0).blocks("dst")[device]
+    assert np.array_equal(out[device]["p"], _slice(full["q"], block)) and not np.array_equal(out[device]["p"], _slice(full["p"], block))
+
+
+def test_the_executor_refuses_missing_and_unknown_names(plan):
+    executors = fake_executors(plan)
+    source = next(ex for ex in executors if ex.parts[0].program.src_block is not None)
+    with pytest.raises(PlanMismatchError, match=r"'nope' is not a tensor of this plan"):
+        source.start({"nope": np.zeros(1)})
+    with pytest.raises(PlanMismatchError, match=r"in the source mesh; pass its shard of 'w' \(and 2 more\)"):
+        source.start({})
+
+
+def test_one_tensor_after_another_as_the_torch_and_nccl_engines_run_them_is_bit_exact(plan):
+    """Engines that do not run reshards concurrently get the tensors one after another; the fake MPI
+    stands in for them (concurrency off), so the sequencing itself is what is checked."""
+    executors = fake_executors(plan, concurrent=False)
+    for seed in (4, 5):
+        full = full_tensors(plan, seed)
+        out = run_everywhere(plan, executors, full)
+        for device, shards in out.items():
+            for name, got in shards.items():
+                index = plan.problem.index_of(name)
+                want = _slice(full[name], plan.problem.tensor_problem(index).blocks("dst")[device])
+                assert np.array_equal(got.view(np.uint8), want.view(np.uint8)), (device, name)
+        assert sum(len(s) for s in out.values()) == sum(len(p.blocks("dst")) for p in plan.problem.tensor_problems())
+    with pytest.raises(ExecutorError, match="wait\\(\\) called without start\\(\\)"):
+        executors[0].wait()
+
+
+def test_a_multi_tensor_plan_is_refused_by_the_single_tensor_executor(plan):
+    with pytest.raises(TypeError, match="moves 3 tensors; run it with executor.TransferExecutor"):
+        ReshardingExecutor(plan, _WorldComm(FakeWorld(), 0, 6))
+    with pytest.raises(PlanMismatchError, match="order 'device' would order each tensor's operations apart"):
+        TransferExecutor(plan, _WorldComm(FakeWorld(), 0, 6), order="device")
+
+
+@pytest.mark.mpi
+@pytest.mark.skipif(not MPIEXEC.exists(), reason=f"no mpiexec at {MPIEXEC}")
+@pytest.mark.timeout(600)
+def test_mpiexec_runs_the_small_weight_sync_bit_exact(tmp_path):
+    path = tmp_path / "weight_sync_small.plan.json"
+    path.write_text(compile_plan(load_any_problem(SMALL), solver="greedy").to_json())
+    env = dict(os.environ, MPIR_CVAR_ENABLE_HEAVY_YIELD="1", PYTHONPATH=str(ROOT))
+    result = subprocess.run([str(MPIEXEC), "-n", "8", sys.executable, "-m", "xmesh_plan.executor.run", str(path), "--check",
+                             "--iters", "2", "--warmup", "1"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=500)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "check ok: 21 tensors x 4 destination shards bit-exact" in result.stdout, result.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(800)
+def test_torchrun_runs_the_small_weight_sync_on_gloo_bit_exact(tmp_path):
+    """The torch engine (tensors one after another), each destination shard against numpy slicing of its tensor's pattern."""
+    pytest.importorskip("torch")
+    path = tmp_path / "weight_sync_small.plan.json"
+    path.write_text(compile_plan(load_any_problem(SMALL), solver="greedy").to_json())
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "8", "-m", "xmesh_plan.executor.torch_run", str(path),
+           "--check", "--iters", "2"]
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    result = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=700)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "21 tensors, 8 ranks" in result.stdout and "check ok: every destination shard of every tensor bit-exact" in result.stdout, result.stdout
+
+
+# --- verify and the executor's lowering agree on mutated multi-tensor plans --------------------------------
+
+def _lowering_refuses(plan: Plan) -> str | None:
+    """What TransferExecutor does on every rank before a byte moves: the shared checks, then each tensor lowered."""
+    try:
+        check_plan(plan)
+    except PlanError as err:
+        return str(err)
+    for single in tensor_plans(plan):
+        for device in plan_devices(plan):
+            try:
+                lower(single, device)
+            except PlanMismatchError as err:
+                return str(err)
+    return None
+
+
+def test_verify_and_the_lowering_agree_on_mutated_multi_tensor_plans():
+    import random
+
+    from pydantic import ValidationError
+    from test_plan_mutations import _as_lists, _mutate
+
+    bases = [compile_plan(problem(), solver="greedy"), compile_plan(problem(), strategy="local_allgather", solver="greedy"),
+             compile_plan(load_any_problem(SMALL), strategy="auto", solver="greedy")]
+    assert {op.kind for b in bases for op in b.operations} == {"copy", "broadcast", "send", "allgather"}
+    raws = [_as_lists(b.model_dump()) for b in bases]
+    rng = random.Random(11)
+    valid = rejected = 0
+    disagreements = []
+    while valid < 300:
+        raw = _as_lists(rng.choice(raws))
+        if rng.random() < 0.15:  # move an operation to another tensor, or past the last one
+            op = rng.choice(raw["operations"])
+            op["tensor"] = rng.choice([0, 1, 2, len(raw["problem"]["tensors"]), op["tensor"] + 1])
+            kind = "tensor"
+        else:
+            try:
+                kind = _mutate(rng, raw)
+            except KeyError:  # the single-tensor "shape" mutation: change one tensor's shape instead
+                tensor = rng.choice(raw["problem"]["tensors"])
+                tensor["shape"][0] = max(0, tensor["shape"][0] + rng.choice([-1, 1, 7]))
+                kind = "shape"
+        if not raw["operations"]:
+            continue
+        try:
+            mutant = Plan.model_validate(raw)
+        except ValidationError:
+            continue
+        valid += 1
+        try:
+            verify_plan(mutant)
+            verdict = None
+        except PlanError as err:
+            verdict = str(err)
+        refusal = _lowering_refuses(mutant)
+        rejected += verdict is not None
+        if (verdict is None) != (refusal is None):
+            disagreements.append(f"{kind}: verify {verdict or 'passes'}; lowering {refusal or 'accepts'}")
+    assert not disagreements, "\n".join(disagreements[:10])
+    assert rejected > valid // 2
+
+
+# --- one unit task per receiving host (--split-hosts) ------------------------------------------------------
+
+def test_split_hosts_gives_one_task_per_receiving_host_and_stays_correct(plan):
+    split = compile_plan(problem(), solver="greedy", split_hosts=True)
+    verify_plan(split)
+    host = split.problem.cluster.host_of
+    assert all(len({host(d) for d in t.receivers}) == 1 for t in split.tasks)
+    expected = sum(len({host(d) for d in t.receivers}) for t in plan.tasks)  # the unsplit plan's boxes, one per receiving host
+    assert len(split.tasks) == expected > len(plan.tasks)
+    assert split.lower_bound_seconds == plan.lower_bound_seconds  # a bound of the problem, not of how it is cut
+    assert split.solver.details["split_hosts"] == "one unit task per receiving host" and "split_hosts" not in plan.solver.details
+    full = full_tensors(split, 9)
+    out = run_everywhere(split, fake_executors(split), full)
+    for device, shards in out.items():
+        for name, got in shards.items():
+            want = _slice(full[name], split.problem.tensor_problem(split.problem.index_of(name)).blocks("dst")[device])
+            assert np.array_equal(got.view(np.uint8), want.view(np.uint8)), (device, name)
+
+
+def test_split_hosts_beats_the_chained_plan_on_the_small_weight_sync():
+    """Each box of the weight sync goes to one device on each of two hosts: a two-hop chain holds both
+    hosts' receive sides, one task per host does not (predicted by the same simulator)."""
+    small = load_any_problem(SMALL)
+    chained, split = compile_plan(small), compile_plan(small, split_hosts=True)
+    assert split.predicted_seconds < chained.predicted_seconds
+    assert split.lower_bound_seconds == chained.lower_bound_seconds
+
+
+def test_each_tensor_of_a_multi_tensor_plan_runs_bit_exact_on_the_fake_nccl(plan, monkeypatch):
+    """The NCCL engine runs a multi-tensor plan one tensor after another: each tensor's plan on the fake
+    CuPy/NCCL of test_executor_gpu (every CuPy call checked against the real API), bit for bit."""
+    from test_executor_gpu import FakeGpu, run_on_fake
+
+    for single in tensor_plans(plan):
+        run_on_fake(single, FakeGpu(api=14).install(monkeypatch), iterations=2)
