@@ -138,7 +138,7 @@ each compiled alone and run after the previous one ends; Alpa's approaches run t
 {lines}
 
 Times are host order (the plan's own claim: each NIC side works through its operations in the
-plan's order); in brackets, the same plan timed as the MPI and torch engines run it (every message
+plan's order); in brackets, the same plan timed as `TransferExecutor` runs it on MPI (every message
 posted at once, links shared; `xmesh-plan inspect --orders`).
 
 What this shows. Planning all tensors together beats one plan per tensor run back to back only a
