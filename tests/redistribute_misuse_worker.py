@@ -217,8 +217,34 @@ def bounded(rank: int) -> str:
     return f"sizes {len(rd._CACHE)} {len(rd._PROBLEMS)} {len(rd._PENDING)}"
 
 
+def no_grad(rank: int) -> str:
+    """Under torch.no_grad() the result does not require grad (no backward will run), and a result still being
+    moved can be the source of the next move."""
+    full, src, dst, world = full_of((12, 8)), mesh([0, 1]), mesh([2, 3]), mesh([0, 1, 2, 3])
+    with torch.no_grad():
+        y = redistribute(distribute_tensor(full, src, [Shard(0)]).requires_grad_(), dst, [Shard(1)], async_op=True)
+    z = redistribute(y, world, [Shard(0)])
+    check(z, full, world, [Shard(0)], "chained")
+    return f"requires_grad {y.requires_grad}"
+
+
+def reinit(rank: int) -> str:
+    """After destroy_process_group() and a new init_process_group(), moves over old rank sets run again."""
+    full = full_of((12, 8))
+    for life in range(2):
+        src, sub, world = mesh([0, 1]), mesh([1, 2]), mesh([0, 1, 2, 3])
+        x = distribute_tensor(full, src, [Shard(0)])
+        check(redistribute(x, sub, [Shard(1)]), full, sub, [Shard(1)], "subgroup")
+        check(redistribute(x, world, [Shard(1)], async_op=True), full, world, [Shard(1)], "world")
+        dist.barrier()  # no rank destroys the group while another still uses it
+        dist.destroy_process_group()
+        port = int(os.environ["REINIT_PORT"]) + life  # a new store: the old one may live on and hold stale addresses
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=4)
+    return "ok"
+
+
 SCENARIOS = ("bad_arguments", "back_to_back", "sender_waits", "wrong_local_shard", "grad_on_one_rank", "scalar", "freed",
-             "bounded")
+             "bounded", "no_grad", "reinit")
 
 
 def main_mode(rank: int, names: list[str]) -> None:

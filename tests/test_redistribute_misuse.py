@@ -25,10 +25,11 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(2 * LAUNCH_TIMEOUT_S)]
 
 def launch(*args: str) -> list[tuple[int, str, str]]:
     """(return code, stdout, stderr) of each of 4 ranks of the worker; every rank is killed after the deadline."""
-    port, procs = _free_port(), []
+    port, reinit, procs = _free_port(), _free_port(), []
     for rank in range(RANKS):
         env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank), "WORLD_SIZE": str(RANKS),
-               "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(RANKS), "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+               "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(RANKS), "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1",
+               "REINIT_PORT": str(reinit)}
         procs.append(subprocess.Popen([sys.executable, str(WORKER), *args], cwd=ROOT, env=env, text=True,
                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE))
     deadline, runs = time.monotonic() + LAUNCH_TIMEOUT_S, []
@@ -114,6 +115,15 @@ def test_the_cache_does_not_keep_the_source_shard_alive_and_clear_cache_empties_
 def test_caches_stay_bounded_and_a_move_dropped_on_some_ranks_runs_again(main_lines):
     sizes = [tuple(map(int, line.split()[1:])) for line in main_lines["bounded"]]
     assert len(sizes) == RANKS and all(executors <= 3 and problems <= 5 and pending <= 2 for executors, problems, pending in sizes)
+
+
+def test_under_no_grad_the_result_does_not_require_grad_and_can_be_moved_on_unwaited(main_lines):
+    """A regression guard: this held before issue 10's changes too (they moved where requires_grad is read)."""
+    assert same_everywhere(main_lines, "no_grad") == "requires_grad False"
+
+
+def test_moves_run_again_after_the_process_group_is_made_again(main_lines):
+    assert same_everywhere(main_lines, "reinit") == "ok"
 
 
 def test_a_failed_asynchronous_move_raises_on_every_use():

@@ -28,6 +28,7 @@ from __future__ import annotations
 import atexit
 import hashlib
 import os
+import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 
@@ -57,11 +58,13 @@ AGREE_TIMEOUT_S = 60.0  # how long a rank waits for the others to reach the same
 # rank may have dropped one its peers keep (`_agree` then makes them all prepare it again); _PENDING holds
 # at most one unfinished asynchronous move per rank set, and a move over a rank set starts only after the
 # one pending over it has finished here (both use the same group, so their tags would clash); _GROUPS is
-# made by every rank in the same order (torch's `new_group` rule) and dropped only by `clear_cache()`.
+# made by every rank in the same order (torch's `new_group` rule) and dropped by `clear_cache()` or with the
+# default group they were made under (`_same_world`).
 _CACHE: OrderedDict[tuple, ReshardingExecutor] = OrderedDict()  # prepared executor per move, least recently used first
 _PENDING: dict[tuple[int, ...], tuple[ReshardingExecutor, Callable[[], object]]] = {}  # by the ranks of the move
 _GROUPS: dict[tuple[int, ...], object] = {}  # process groups of the ranks of two meshes that do not hold every rank
 _PROBLEMS: OrderedDict[tuple, tuple[ReshardingProblem, tuple[int, int]]] = OrderedDict()  # checked problem, key hash
+_WORLD: list = [None]  # a weak reference to the default group the groups and executors above were made under
 
 
 def _ranks(mesh) -> tuple[int, ...]:
@@ -76,6 +79,16 @@ def default_cluster() -> Cluster:
     """Our default links, with as many devices per host as torchrun started on this one (LOCAL_WORLD_SIZE)."""
     local = os.environ.get("LOCAL_WORLD_SIZE", "")
     return Cluster(devices_per_host=int(local)) if local.isdigit() and int(local) > 0 else Cluster()
+
+
+def _same_world() -> None:
+    """Forget the groups and executors of a default group that was destroyed (every rank sees the same new one)."""
+    world = dist.group.WORLD
+    if _WORLD[0] is None or _WORLD[0]() is not world:
+        if _WORLD[0] is not None:
+            _forget()
+            _GROUPS.clear()  # destroyed with the old default group
+        _WORLD[0] = weakref.ref(world)
 
 
 def _group(ranks: tuple[int, ...]):
@@ -144,6 +157,7 @@ class _Move:
 
     def run(self, local: torch.Tensor | None, *, async_op: bool = False, wants_grad: bool = False) -> DTensor:
         """This rank's part of the move: the destination DTensor (its local shard waited for lazily with `async_op`)."""
+        _same_world()
         group = _group(self.ranks)
         if dist.get_rank() not in self.ranks:
             return self._wrap(None, wants_grad)
@@ -288,18 +302,25 @@ def _finish_all_pending() -> None:
 def clear_cache() -> None:
     """Finish pending asynchronous moves, close every cached executor and forget plans and process groups.
 
-    Call it on every rank (it frees the buffers of moves you will not make again); also after
-    `destroy_process_group()`, before a new `init_process_group()`."""
-    _finish_all_pending()
-    while _CACHE:
-        _CACHE.popitem(last=False)[1].close()
-    _PROBLEMS.clear()
+    Call it on every rank, as every redistribute (it frees the buffers of moves you will not make again).
+    After `destroy_process_group()` and a new `init_process_group()` the next redistribute does this itself."""
+    if dist.is_initialized():
+        _same_world()  # the groups of a destroyed default group are gone already
+    _forget()
     groups = list(_GROUPS.values())
     _GROUPS.clear()
     if groups and dist.is_initialized():  # no rank destroys a group a peer may still be finishing a move over
         TorchWorld(None).allgather(np.zeros(1, np.int64), AGREE_TIMEOUT_S, DEFAULT_POLL_S, "clear_cache() on every rank")
         for group in groups:
             dist.destroy_process_group(group)
+
+
+def _forget() -> None:
+    """Finish pending moves and close every executor, on this rank only (no collective)."""
+    _finish_all_pending()
+    while _CACHE:
+        _CACHE.popitem(last=False)[1].close()
+    _PROBLEMS.clear()
 
 
 def _local(tensor: DTensor) -> torch.Tensor | None:
