@@ -228,6 +228,20 @@ def no_grad(rank: int) -> str:
     return f"requires_grad {y.requires_grad}"
 
 
+def broken(rank: int) -> str:
+    """An executor that broke on rank 2 only (as after a peer timeout there): the next call of that move fails on
+    every rank before anything moves, and works again after clear_cache()."""
+    full, src, dst = full_of((9, 4)), mesh([0, 1]), mesh([1, 2])
+    x = distribute_tensor(full, src, [Shard(0)])
+    check(redistribute(x, dst, [Shard(1)]), full, dst, [Shard(1)], "before")
+    if rank == 2:
+        next(e for e in rd._CACHE.values() if e.engine.program.dst_shape == (9, 2)).engine.abandon("simulated peer timeout")
+    refused = _refused(lambda: redistribute(x, dst, [Shard(1)]))
+    rd.clear_cache()
+    check(redistribute(x, dst, [Shard(1)]), full, dst, [Shard(1)], "after clear_cache")
+    return refused
+
+
 def reinit(rank: int) -> str:
     """After destroy_process_group() and a new init_process_group(), moves over old rank sets run again."""
     full = full_of((12, 8))
@@ -244,7 +258,7 @@ def reinit(rank: int) -> str:
 
 
 SCENARIOS = ("bad_arguments", "back_to_back", "sender_waits", "wrong_local_shard", "grad_on_one_rank", "scalar", "freed",
-             "bounded", "no_grad", "reinit")
+             "bounded", "no_grad", "broken", "reinit")
 
 
 def main_mode(rank: int, names: list[str]) -> None:

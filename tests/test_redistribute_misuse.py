@@ -122,6 +122,13 @@ def test_under_no_grad_the_result_does_not_require_grad_and_can_be_moved_on_unwa
     assert same_everywhere(main_lines, "no_grad") == "requires_grad False"
 
 
+def test_a_move_that_broke_on_one_rank_fails_on_every_rank_of_the_move_until_clear_cache(main_lines):
+    lines = main_lines["broken"]
+    message = ("ExecutorError: redistribute: this move failed earlier on rank 2 (that error says why); "
+               "call xmesh_plan.redistribute.clear_cache() on every rank before moving again")
+    assert lines.count(message) == 3 and lines.count("no error") == 1, lines  # rank 3 is in neither mesh
+
+
 def test_moves_run_again_after_the_process_group_is_made_again(main_lines):
     assert same_everywhere(main_lines, "reinit") == "ok"
 
