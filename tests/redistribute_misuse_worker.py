@@ -151,19 +151,31 @@ def _refused(call) -> str:
 
 
 def wrong_local_shard(rank: int) -> str:
-    """Rank 1's local tensor has 2 rows where its Shard(0) of 7 rows over 2 ranks has 3."""
+    """Rank 1's local tensor has 2 rows where its Shard(0) of 7 rows over 2 ranks has 3 (after a good call, so every
+    rank holds the prepared executor and only the per-call check can see it)."""
     full = full_of((7, 6))
-    src = mesh([0, 1])
+    src, dst = mesh([0, 1]), mesh([2, 3])
+    check(redistribute(distribute_tensor(full, src, [Shard(0)]), dst, [Shard(1)]), full, dst, [Shard(1)], "good")
     local = full[:4] if rank == 0 else full[4:6] if rank == 1 else full.new_empty(0, 6)
     x = DTensor.from_local(local.clone(), src, [Shard(0)], run_check=False, shape=full.shape, stride=full.stride())
-    return _refused(lambda: redistribute(x, mesh([2, 3]), [Shard(1)]))
+    return _refused(lambda: redistribute(x, dst, [Shard(1)]))
 
 
 def grad_on_one_rank(rank: int) -> str:
-    x = distribute_tensor(full_of((6, 4)), mesh([0, 1]), [Shard(0)])
+    """requires_grad on rank 0 only, for a move every rank has made before (its executor is prepared everywhere)."""
+    x, dst = distribute_tensor(full_of((6, 4)), mesh([0, 1]), [Shard(0)]), mesh([1, 2, 3])
+    redistribute(x, dst, [Shard(1)])
     if rank == 0:
         x.requires_grad_()
-    return _refused(lambda: redistribute(x, mesh([1, 2, 3]), [Shard(1)]))
+    return _refused(lambda: redistribute(x, dst, [Shard(1)]))
+
+
+def other_layout_on_one_rank(rank: int) -> str:
+    """Rank 3 asks for Shard(0) where the others ask for Shard(1), over the same ranks, each layout made before."""
+    x, dst = distribute_tensor(full_of((8, 8)), mesh([0, 1, 2, 3]), [Shard(0)]), mesh([0, 1, 2, 3])
+    redistribute(x, dst, [Shard(1)])
+    redistribute(x, dst, [Shard(0)])
+    return _refused(lambda: redistribute(x, dst, [Shard(0) if rank == 3 else Shard(1)]))
 
 
 def scalar(rank: int) -> str:
@@ -257,7 +269,8 @@ def reinit(rank: int) -> str:
     return "ok"
 
 
-SCENARIOS = ("bad_arguments", "back_to_back", "sender_waits", "wrong_local_shard", "grad_on_one_rank", "scalar", "freed",
+SCENARIOS = ("bad_arguments", "back_to_back", "sender_waits", "wrong_local_shard", "grad_on_one_rank",
+             "other_layout_on_one_rank", "scalar", "freed",
              "bounded", "no_grad", "broken", "reinit")
 
 

@@ -103,6 +103,12 @@ def test_requires_grad_on_one_rank_fails_on_every_rank_before_the_backward(main_
                            "ranks 1,2,3"), line
 
 
+def test_a_rank_called_with_another_layout_fails_on_every_rank(main_lines):
+    line = same_everywhere(main_lines, "other_layout_on_one_rank")
+    assert line.startswith("FrontendError: redistribute: rank 3 called it with another shape, dtype, mesh, placements "
+                           "or cluster than the other ranks of both meshes"), line
+
+
 def test_a_scalar_moves_and_backpropagates(main_lines):
     assert same_everywhere(main_lines, "scalar") == "ok"
 

@@ -13,8 +13,9 @@ d // LOCAL_WORLD_SIZE, as torchrun numbers ranks; pass `cluster` to describe oth
 
 Arguments are checked on every rank before any process group or collective, so a bad one raises
 the same line everywhere. Then, before any byte moves, the ranks of both meshes compare one small
-row each (`_agree`): the layout they were called with, their local shard's shape, whether they will
-run the backward, whether their executor is prepared. A disagreement fails on every rank.
+row each (`_agree`, one small all-reduce per call): the layout they were called with, their local
+shard's shape, whether they will run the backward, whether their executor is prepared. A
+disagreement fails on every rank of both meshes.
 
 It is differentiable: the gradient goes back through the reverse plan (destination -> source), which
 is DTensor's own rule for replicated gradients (each replica's gradient is taken to be the same).
@@ -43,7 +44,7 @@ from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
 from xmesh_plan.executor import ExecutorError, ReshardingExecutor
 from xmesh_plan.executor.executor import DEFAULT_POLL_S
-from xmesh_plan.executor.worlds import TorchWorld
+from xmesh_plan.executor.worlds import TorchWorld, poll_until
 from xmesh_plan.planner.compile import compile_plan
 from xmesh_plan.schemas import Cluster, ReshardingProblem
 
@@ -204,14 +205,19 @@ class _Move:
 def _agree(move: _Move, group, local: torch.Tensor | None, wants_grad: bool) -> ReshardingExecutor:
     """The prepared executor, once every rank of the move agrees to run it; else the same error on every rank.
 
-    One all-gather of a row per rank: the hash of the layout it was called with, whether it will run the
-    backward, whether its local shard fits the plan, whether its executor is prepared, whether that one broke.
-    Ranks that all hold the executor run it; otherwise they all prepare it again (a rank may have dropped it)."""
+    Each rank has a row: the hash of the layout it was called with, whether it will run the backward, whether
+    its local shard fits the plan, whether its executor is prepared, whether that one broke. A 2-number
+    all-reduce tells every rank whether all rows agree and are fine (the usual case: run); if not, all
+    ranks all-gather the rows to name the ranks in one error, or, when only some ranks lack the executor
+    (a rank may have dropped it), all prepare it again."""
     rank = dist.get_rank()
     executor = _CACHE.get(move.key)
     fits = local is None or (tuple(local.shape) == move.local_shape(rank) and local.dtype == move.dtype)
     broken = executor is not None and bool(executor.engine.broken)
     row = np.array([*move.fingerprint, wants_grad, fits, executor is not None, broken], dtype=np.int64)
+    if _all_fine(group, row):
+        _CACHE.move_to_end(move.key)
+        return executor
     every = TorchWorld(group).allgather(row, AGREE_TIMEOUT_S, DEFAULT_POLL_S, "redistribute() on every rank of both meshes")
     ranks = np.array(move.ranks)
     _check_rows(move, ranks, every)
@@ -226,6 +232,23 @@ def _agree(move: _Move, group, local: torch.Tensor | None, wants_grad: bool) -> 
     prepared = ReshardingExecutor(compile_plan(move.problem), group, backend="torch", timeout_s=AGREE_TIMEOUT_S).prepare()
     _remember(move.key, prepared)
     return prepared
+
+
+def _all_fine(group, row: np.ndarray) -> bool:
+    """Whether every rank's row has the same layout hash (30 bits of it) and gradient flag, a fitting shard and a
+    prepared, unbroken executor: one MAX all-reduce of 2 int64 (gloo's fast path for fewer numbers than ranks).
+
+    Each rank sends x << 3 | trouble and (2**31 - 1 - x) << 3 | trouble: the maxima give max(x) and min(x),
+    equal only when every x is, and a nonzero low part when any rank has trouble."""
+    same = (int(row[0]) & (2**30 - 1)) << 1 | int(row[2])
+    trouble = int(not row[3]) | int(not row[4]) << 1 | int(row[5]) << 2
+    both = torch.tensor([same << 3 | trouble, (2**31 - 1 - same) << 3 | trouble], dtype=torch.int64,
+                        device=TorchWorld(group).tensor_device())
+    work = dist.all_reduce(both, op=dist.ReduceOp.MAX, group=group, async_op=True)
+    poll_until(work.is_completed, AGREE_TIMEOUT_S, DEFAULT_POLL_S, "redistribute() on every rank of both meshes")
+    work.wait()
+    high, low = (int(v) for v in both.tolist())
+    return high >> 3 == 2**31 - 1 - (low >> 3) and not (high | low) & 7
 
 
 def _check_rows(move: _Move, ranks: np.ndarray, every: np.ndarray) -> None:
