@@ -140,9 +140,15 @@ def main() -> None:
         worker(sizes, args.iters)
         return
     rows = launch(args.sizes, args.iters)
-    out = ROOT / "bench" / "results" / "redistribute.json"
-    out.write_text(json.dumps(rows, indent=1) + "\n")
+    save(rows, ROOT / "bench" / "results" / "redistribute.json")
     print(table(rows))
+
+
+def save(rows: list[dict], path: Path) -> None:
+    """Write the results through a temporary file and a rename, so an interrupted run leaves the last results whole."""
+    from xmesh_plan.schemas import write_atomic
+
+    write_atomic(path, json.dumps(rows, indent=1) + "\n")
 
 
 if __name__ == "__main__":

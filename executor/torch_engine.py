@@ -310,6 +310,15 @@ class TorchEngine:
             self.done.wait(nap)
             nap = min(nap * 2, high)
 
+    def unbind(self) -> None:
+        """Drop the views of the last source shard, so that this engine no longer keeps it alive (the next
+        start() makes them again). Only between reshards: the progress thread may still read them."""
+        if not self.done.is_set():
+            raise ExecutorError("unbind() while a reshard is in flight; call wait() first")
+        for i in self.reads_src:
+            self.buffers[i] = None
+        self.bound = self.src = None
+
     def close(self) -> None:
         """Stop the progress thread (when idle) and drop the views; the engine cannot run again."""
         self.broken = self.broken or "closed"

@@ -2,12 +2,20 @@
 
     y = redistribute(x, dst_mesh, [Shard(1)])                  # every rank calls it, as with any DTensor op
     y = redistribute(x, dst_mesh, [Shard(1)], async_op=True)   # returns at once; waits when y's data is first used
+    clear_cache()                                              # every rank: drop cached plans, executors, groups
 
 The plan is compiled once per (shape, dtype, meshes, placements, cluster) and kept with its prepared
-executor (the torch engine), so later calls only move bytes. Every rank of the default group calls it,
-as every DTensor operation; the executor runs over the default group when the two meshes hold every
-rank, else over a group of just their ranks (made once); a rank in neither mesh moves nothing. By default device d sits on host
+executor (the torch engine), so later calls only move bytes; the `CACHE_SIZE` most recently used
+are kept. Every rank of the default group calls it, as every DTensor operation; the executor runs
+over the default group when the two meshes hold every rank, else over a group of just their ranks
+(made once); a rank in neither mesh moves nothing. By default device d sits on host
 d // LOCAL_WORLD_SIZE, as torchrun numbers ranks; pass `cluster` to describe other hosts or links.
+
+Arguments are checked on every rank before any process group or collective, so a bad one raises
+the same line everywhere. Then, before any byte moves, the ranks of both meshes compare one small
+row each (`_agree`, one small all-reduce per call): the layout they were called with, their local
+shard's shape, whether they will run the backward, whether their executor is prepared. A
+disagreement fails on every rank of both meshes.
 
 It is differentiable: the gradient goes back through the reverse plan (destination -> source), which
 is DTensor's own rule for replicated gradients (each replica's gradient is taken to be the same).
@@ -18,26 +26,46 @@ Gloo on CPU tensors; NCCL on CUDA tensors is the same code but has never run (th
 
 from __future__ import annotations
 
+import atexit
+import hashlib
 import os
+import weakref
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from torch._C._distributed_c10d import PythonCallbackWork, _register_work
 from torch.distributed._functional_collectives import AsyncCollectiveTensor, wait_tensor
-from torch.distributed.tensor import DTensor
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
-from xmesh_plan.executor import ReshardingExecutor
+from xmesh_plan.executor import ExecutorError, ReshardingExecutor
+from xmesh_plan.executor.executor import DEFAULT_POLL_S
+from xmesh_plan.executor.worlds import TorchWorld, poll_until
 from xmesh_plan.planner.compile import compile_plan
-from xmesh_plan.schemas import Cluster
+from xmesh_plan.schemas import Cluster, ReshardingProblem
 
 from .dtensor import problem_from_dtensor
 from .sides import FrontendError
 
-_CACHE: dict[tuple, ReshardingExecutor] = {}  # one prepared executor per move, on the ranks of its meshes
-_PENDING: dict[tuple, Callable[[], object]] = {}  # asynchronous moves not waited for yet, by move
+CACHE_SIZE = 16  # prepared executors kept, least recently used dropped first (each holds a thread and its buffers)
+PROBLEM_CACHE_SIZE = 256  # checked problems kept, so a repeated call checks its arguments by one dict look-up
+AGREE_TIMEOUT_S = 60.0  # how long a rank waits for the others to reach the same call
+
+# This rank's state. Invariants: every executor in _CACHE was prepared by every rank of its group, but a
+# rank may have dropped one its peers keep (`_agree` then makes them all prepare it again); _PENDING holds
+# at most one unfinished asynchronous move per rank set, and a move over a rank set starts only after the
+# one pending over it has finished here (both use the same group, so their tags would clash); _GROUPS is
+# made by every rank in the same order (torch's `new_group` rule) and dropped by `clear_cache()` or with the
+# default group they were made under (`_same_world`).
+_CACHE: OrderedDict[tuple, ReshardingExecutor] = OrderedDict()  # prepared executor per move, least recently used first
+_PENDING: dict[tuple[int, ...], tuple[ReshardingExecutor, Callable[[], object]]] = {}  # by the ranks of the move
 _GROUPS: dict[tuple[int, ...], object] = {}  # process groups of the ranks of two meshes that do not hold every rank
+_PROBLEMS: OrderedDict[tuple, tuple[ReshardingProblem, tuple[int, int]]] = OrderedDict()  # checked problem, key hash
+_WORLD: list = [None]  # a weak reference to the default group the groups and executors above were made under
 
 
 def _ranks(mesh) -> tuple[int, ...]:
@@ -54,6 +82,16 @@ def default_cluster() -> Cluster:
     return Cluster(devices_per_host=int(local)) if local.isdigit() and int(local) > 0 else Cluster()
 
 
+def _same_world() -> None:
+    """Forget the groups and executors of a default group that was destroyed (every rank sees the same new one)."""
+    world = dist.group.WORLD
+    if _WORLD[0] is None or _WORLD[0]() is not world:
+        if _WORLD[0] is not None:
+            _forget()
+            _GROUPS.clear()  # destroyed with the old default group
+        _WORLD[0] = weakref.ref(world)
+
+
 def _group(ranks: tuple[int, ...]):
     """The process group the executor runs over: the default one, or one of exactly `ranks`.
 
@@ -67,80 +105,245 @@ def _group(ranks: tuple[int, ...]):
     return _GROUPS[ranks]
 
 
-def _executor(key: tuple, problem_args: tuple, group) -> ReshardingExecutor:
-    """The prepared executor for this move, compiled and prepared on first use (collective over the group)."""
-    if key not in _CACHE:
-        plan = compile_plan(problem_from_dtensor(*problem_args))
-        _CACHE[key] = ReshardingExecutor(plan, group, backend="torch").prepare()
-    return _CACHE[key]
+def _problem(key: tuple, problem_args: tuple) -> tuple[ReshardingProblem, tuple[int, int]]:
+    """The checked problem of a move and a hash of its key (what ranks compare); FrontendError on a bad layout."""
+    if key in _PROBLEMS:
+        _PROBLEMS.move_to_end(key)
+        return _PROBLEMS[key]
+    problem = problem_from_dtensor(*problem_args)
+    digest = np.frombuffer(hashlib.sha256(repr(key).encode()).digest()[:16], dtype=np.int64)
+    _PROBLEMS[key] = problem, (int(digest[0]), int(digest[1]))
+    while len(_PROBLEMS) > PROBLEM_CACHE_SIZE:
+        _PROBLEMS.popitem(last=False)
+    return _PROBLEMS[key]
+
+
+def _remember(key: tuple, executor: ReshardingExecutor) -> None:
+    """Cache `executor`, closing the least recently used ones beyond CACHE_SIZE (after their pending move)."""
+    _CACHE[key] = executor
+    while len(_CACHE) > CACHE_SIZE:
+        _close(_CACHE.popitem(last=False)[1])
+
+
+def _close(executor: ReshardingExecutor) -> None:
+    for ranks, (pending, _) in list(_PENDING.items()):
+        if pending is executor:
+            _finish_pending(ranks)
+    executor.close()
 
 
 class _Move:
-    """One direction of one redistribution: where it goes, and the executor that moves this rank's bytes."""
+    """One direction of one redistribution: where it goes, and the executor that moves this rank's bytes.
+
+    A 0-dim tensor (a scalar) moves as a tensor of shape (1,), which only Replicate() can lay out."""
 
     def __init__(self, shape, dtype, src, src_placements, dst, dst_placements, cluster: Cluster, device: torch.device):
         self.shape, self.dtype, self.dst, self.dst_placements = torch.Size(shape), dtype, dst, tuple(dst_placements)
-        self.device = device
+        self.src, self.src_placements, self.cluster, self.device = src, tuple(src_placements), cluster, device
         self.ranks = tuple(sorted(set(_ranks(src)) | set(_ranks(dst))))
         self.key = (tuple(shape), str(dtype), _mesh_key(src), tuple(map(str, src_placements)), _mesh_key(dst),
                     tuple(map(str, dst_placements)), cluster)
-        self.problem_args = (tuple(shape), dtype, src, tuple(src_placements), dst, self.dst_placements, cluster)
+        planned = tuple(shape) or (1,)
+        self.problem, self.fingerprint = _problem(self.key, (planned, dtype, src, self.src_placements, dst,
+                                                             self.dst_placements, cluster))
 
-    def reverse(self, src, src_placements) -> "_Move":
-        return _Move(self.shape, self.dtype, self.dst, self.dst_placements, src, src_placements, self.problem_args[-1], self.device)
+    def reverse(self) -> "_Move":
+        return _Move(self.shape, self.dtype, self.dst, self.dst_placements, self.src, self.src_placements, self.cluster,
+                     self.device)
 
-    def run(self, local: torch.Tensor | None, *, async_op: bool = False, requires_grad: bool = False) -> DTensor:
+    def local_shape(self, rank: int) -> tuple[int, ...]:
+        """The shape of `rank`'s source shard under the source placements (the plan's box)."""
+        box = self.problem.blocks("src")[rank]
+        return tuple(stop - start for start, stop in box) if self.shape else ()
+
+    def run(self, local: torch.Tensor | None, *, async_op: bool = False, wants_grad: bool = False) -> DTensor:
         """This rank's part of the move: the destination DTensor (its local shard waited for lazily with `async_op`)."""
+        _same_world()
         group = _group(self.ranks)
         if dist.get_rank() not in self.ranks:
-            return self._wrap(None, requires_grad)
-        executor = _executor(self.key, self.problem_args, group)
+            return self._wrap(None, wants_grad)
+        _finish_pending(self.ranks)
+        executor = _agree(self, group, local, wants_grad)
+        src = None if local is None else local.reshape(1) if local.dim() == 0 else local.contiguous()
         if not async_op:
-            _finish_pending(self.key)
-            out = executor.run(None if local is None else local.contiguous())
-            return self._wrap(None if out is None else out.clone(), requires_grad)  # run() returns a buffer reused next call
-        _finish_pending(self.key)
-        executor.start(None if local is None else local.contiguous())
+            try:
+                out = executor.run(src)
+                out = None if out is None else out.clone()  # run() returns a buffer reused next call
+            finally:
+                if not executor.engine.broken:
+                    executor.engine.unbind()  # the cache must not keep the caller's shard alive
+            return self._wrap(None if out is None else self._to_user(out), wants_grad)
+        executor.start(src)
         shape = executor.program.dst_shape
-        out = torch.empty((0,) * len(self.shape) if shape is None else shape, dtype=self.dtype, device=self.device)
-        finish = _Finisher(executor, out if shape is not None else None)
-        if shape is None:  # nothing to use here: the sends finish on the engine's thread, collected on the next run
-            _PENDING[self.key] = finish
-        else:
-            _register_work(out, PythonCallbackWork(finish))
-            _PENDING[self.key] = lambda: wait_tensor(out)
-        return self._wrap(AsyncCollectiveTensor(out), requires_grad)
+        out = self._placeholder() if shape is None else torch.empty(self._user_shape(shape), dtype=self.dtype,
+                                                                   device=self.device)
+        _register_work(out, PythonCallbackWork(_Finisher(executor, out, shape is not None)))
+        _PENDING[self.ranks] = executor, lambda: wait_tensor(out)  # a rank that only sends may never touch its result
+        return self._wrap(AsyncCollectiveTensor(out), wants_grad)
+
+    def _user_shape(self, shape) -> tuple[int, ...]:
+        """A destination shard's shape as the caller sees it (a scalar travels as shape (1,))."""
+        return tuple(shape) if self.shape else ()
+
+    def _to_user(self, out: torch.Tensor) -> torch.Tensor:
+        return out if self.shape else out.reshape(())
+
+    def _placeholder(self) -> torch.Tensor:
+        """What a rank outside the destination mesh holds: no elements, the tensor's number of dims (DTensor's own 1-d
+        placeholder breaks its `to_local()` backward for Shard(d > 0)); a zero for a scalar, for the same reason."""
+        if not self.shape:
+            return torch.zeros((), dtype=self.dtype, device=self.device)
+        return torch.empty((0,) * len(self.shape), dtype=self.dtype, device=self.device)
 
     def _wrap(self, local: torch.Tensor | None, requires_grad: bool) -> DTensor:
-        """The destination DTensor around `local`; a rank outside the mesh holds an empty tensor of the same number of dims
-        (DTensor's own 1-d placeholder breaks its `to_local()` backward for Shard(d > 0))."""
-        if local is None:
-            local = torch.empty((0,) * len(self.shape), dtype=self.dtype, device=self.device)
+        """The destination DTensor around `local` (the placeholder on a rank outside the mesh)."""
+        local = self._placeholder() if local is None else local
         meta = TensorMeta(self.shape, torch.empty(self.shape, device="meta").stride(), self.dtype)
         return DTensor(local, DTensorSpec(self.dst, self.dst_placements, tensor_meta=meta), requires_grad=requires_grad)
 
 
+def _agree(move: _Move, group, local: torch.Tensor | None, wants_grad: bool) -> ReshardingExecutor:
+    """The prepared executor, once every rank of the move agrees to run it; else the same error on every rank.
+
+    Each rank has a row: the hash of the layout it was called with, whether it will run the backward, whether
+    its local shard fits the plan, whether its executor is prepared, whether that one broke. A 2-number
+    all-reduce tells every rank whether all rows agree and are fine (the usual case: run); if not, all
+    ranks all-gather the rows to name the ranks in one error, or, when only some ranks lack the executor
+    (a rank may have dropped it), all prepare it again."""
+    rank = dist.get_rank()
+    executor = _CACHE.get(move.key)
+    fits = local is None or (tuple(local.shape) == move.local_shape(rank) and local.dtype == move.dtype)
+    broken = executor is not None and bool(executor.engine.broken)
+    row = np.array([*move.fingerprint, wants_grad, fits, executor is not None, broken], dtype=np.int64)
+    if _all_fine(group, row):
+        _CACHE.move_to_end(move.key)
+        return executor
+    every = TorchWorld(group).allgather(row, AGREE_TIMEOUT_S, DEFAULT_POLL_S, "redistribute() on every rank of both meshes")
+    ranks = np.array(move.ranks)
+    _check_rows(move, ranks, every)
+    if every[:, 5].any():
+        raise ExecutorError(f"redistribute: this move failed earlier on {_list(ranks[every[:, 5] == 1])} (that error says "
+                            "why); call xmesh_plan.redistribute.clear_cache() on every rank before moving again")
+    if executor is not None and every[:, 4].all():
+        _CACHE.move_to_end(move.key)
+        return executor
+    if executor is not None:
+        _close(_CACHE.pop(move.key))
+    prepared = ReshardingExecutor(compile_plan(move.problem), group, backend="torch", timeout_s=AGREE_TIMEOUT_S).prepare()
+    _remember(move.key, prepared)
+    return prepared
+
+
+def _all_fine(group, row: np.ndarray) -> bool:
+    """Whether every rank's row has the same layout hash (30 bits of it) and gradient flag, a fitting shard and a
+    prepared, unbroken executor: one MAX all-reduce of 2 int64 (gloo's fast path for fewer numbers than ranks).
+
+    Each rank sends x << 3 | trouble and (2**31 - 1 - x) << 3 | trouble: the maxima give max(x) and min(x),
+    equal only when every x is, and a nonzero low part when any rank has trouble."""
+    same = (int(row[0]) & (2**30 - 1)) << 1 | int(row[2])
+    trouble = int(not row[3]) | int(not row[4]) << 1 | int(row[5]) << 2
+    both = torch.tensor([same << 3 | trouble, (2**31 - 1 - same) << 3 | trouble], dtype=torch.int64,
+                        device=TorchWorld(group).tensor_device())
+    work = dist.all_reduce(both, op=dist.ReduceOp.MAX, group=group, async_op=True)
+    poll_until(work.is_completed, AGREE_TIMEOUT_S, DEFAULT_POLL_S, "redistribute() on every rank of both meshes")
+    work.wait()
+    high, low = (int(v) for v in both.tolist())
+    return high >> 3 == 2**31 - 1 - (low >> 3) and not (high | low) & 7
+
+
+def _check_rows(move: _Move, ranks: np.ndarray, every: np.ndarray) -> None:
+    """Raise, identically on every rank, when the ranks were called with other layouts, wrong shards or gradients."""
+    prints = [tuple(r[:2]) for r in every]
+    if len(set(prints)) > 1:
+        common = max(set(prints), key=prints.count)
+        other = [r for r, p in zip(ranks, prints) if p != common]
+        raise FrontendError(f"redistribute: {_list(other)} called it with another shape, dtype, mesh, placements or cluster "
+                            f"than the other ranks of both meshes; call it with the same arguments on every rank")
+    unfit = ranks[every[:, 3] == 0]
+    if len(unfit):
+        wrong = int(unfit[0])
+        raise FrontendError(
+            f"redistribute: the local shard of {_list(unfit)} does not match the DTensor's spec (rank {wrong} must hold "
+            f"shape {move.local_shape(wrong)} {str(move.dtype).removeprefix('torch.')} of the global {tuple(move.shape)} under "
+            f"{list(move.src_placements)}); make it with distribute_tensor, or DTensor.from_local with the right shape= and stride=")
+    grads = every[:, 2]
+    if grads.any() and not grads.all():
+        raise FrontendError(
+            f"redistribute: requires_grad (with grad mode on) is True on {_list(ranks[grads == 1])} but False on "
+            f"{_list(ranks[grads == 0])}; the backward runs on every rank of both meshes, so call requires_grad_() "
+            "on the tensor on every rank or on none")
+
+
+def _list(ranks) -> str:
+    ranks = [int(r) for r in ranks]
+    return f"rank{'s' if len(ranks) > 1 else ''} {','.join(map(str, ranks))}"
+
+
 class _Finisher:
     """Waits for one asynchronous move and copies its result out, once: when the result is first used, or before
-    the same move starts again (a rank that only sends may never touch its empty result)."""
+    the next move over the same ranks starts. A failure is kept and raised again on every later use."""
 
-    def __init__(self, executor: ReshardingExecutor, out: torch.Tensor | None):
-        self.executor, self.out = executor, out
+    def __init__(self, executor: ReshardingExecutor, out: torch.Tensor, receives: bool):
+        self.executor, self.out, self.receives, self.error = executor, out, receives, None
 
     def __call__(self, _timeout=None) -> bool:
         if self.executor is not None:
             executor, self.executor = self.executor, None
-            result = executor.wait()
-            if self.out is not None:
-                self.out.copy_(result)
+            try:
+                result = executor.wait()
+                if self.receives:
+                    self.out.copy_(result.reshape(self.out.shape))
+            except BaseException as err:
+                self.error = err
+            if not executor.engine.broken:
+                executor.engine.unbind()  # the cache must not keep the caller's shard alive
+        if self.error is not None:
+            _register_work(self.out, PythonCallbackWork(self))  # wait_tensor popped this work: the next use raises too
+            raise self.error
         return True
 
 
-def _finish_pending(key: tuple) -> None:
-    """Wait for the last asynchronous run of this move if its result was never used (no-op once waited)."""
-    finish = _PENDING.pop(key, None)
-    if finish is not None:
-        finish()
+def _finish_pending(ranks: tuple[int, ...]) -> None:
+    """Wait for the last asynchronous move over `ranks` if its result was never used (no-op once waited).
+
+    A failure stays with that move's result and its executor (the next call of that move reports it)."""
+    pending = _PENDING.pop(ranks, None)
+    if pending is not None:
+        try:
+            pending[1]()
+        except Exception:
+            pass
+
+
+@atexit.register
+def _finish_all_pending() -> None:
+    """At exit, finish the moves nobody waited for: a rank that only sends may still be sending, and its peers wait."""
+    for ranks in list(_PENDING):
+        _finish_pending(ranks)
+
+
+def clear_cache() -> None:
+    """Finish pending asynchronous moves, close every cached executor and forget plans and process groups.
+
+    Call it on every rank, as every redistribute (it frees the buffers of moves you will not make again).
+    After `destroy_process_group()` and a new `init_process_group()` the next redistribute does this itself."""
+    if dist.is_initialized():
+        _same_world()  # the groups of a destroyed default group are gone already
+    _forget()
+    groups = list(_GROUPS.values())
+    _GROUPS.clear()
+    if groups and dist.is_initialized():  # no rank destroys a group a peer may still be finishing a move over
+        TorchWorld(None).allgather(np.zeros(1, np.int64), AGREE_TIMEOUT_S, DEFAULT_POLL_S, "clear_cache() on every rank")
+        for group in groups:
+            dist.destroy_process_group(group)
+
+
+def _forget() -> None:
+    """Finish pending moves and close every executor, on this rank only (no collective)."""
+    _finish_all_pending()
+    while _CACHE:
+        _CACHE.popitem(last=False)[1].close()
+    _PROBLEMS.clear()
 
 
 def _local(tensor: DTensor) -> torch.Tensor | None:
@@ -150,30 +353,54 @@ def _local(tensor: DTensor) -> torch.Tensor | None:
 
 class _Redistribute(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, tensor: DTensor, move: _Move, async_op: bool):
-        ctx.move, ctx.src, ctx.src_placements = move, tensor.device_mesh, tuple(tensor.placements)
-        return move.run(_local(tensor), async_op=async_op, requires_grad=tensor.requires_grad)
+    def forward(ctx, tensor: DTensor, move: _Move, async_op: bool, wants_grad: bool):
+        ctx.move = move
+        return move.run(_local(tensor), async_op=async_op, wants_grad=wants_grad)
 
     @staticmethod
     def backward(ctx, grad: DTensor):
         move = ctx.move
         if tuple(grad.placements) != move.dst_placements:
             grad = grad.redistribute(move.dst, move.dst_placements)
-        return ctx.move.reverse(ctx.src, ctx.src_placements).run(_local(grad)), None, None
+        return move.reverse().run(_local(grad)), None, None, None
 
 
-def redistribute(tensor: DTensor, dst_mesh, dst_placements: Sequence[object], *, cluster: Cluster | None = None,
-                 async_op: bool = False) -> DTensor:
+def _check_args(tensor, dst_mesh, dst_placements, cluster, async_op) -> None:
+    """Refuse what the plan cannot even be asked for; the same on every rank, before any group or collective."""
+    if not isinstance(tensor, DTensor):
+        raise FrontendError(f"redistribute: tensor is a {type(tensor).__name__}; pass a DTensor (torch.distributed.tensor)")
+    if not isinstance(dst_mesh, DeviceMesh):
+        raise FrontendError(f"redistribute: dst_mesh is a {type(dst_mesh).__name__}; pass a DeviceMesh, "
+                            "e.g. DeviceMesh('cpu', [2, 3]) or init_device_mesh('cpu', (2, 2))")
+    if dst_mesh.device_type != tensor.device_mesh.device_type:
+        raise FrontendError(f"redistribute: dst_mesh is a {dst_mesh.device_type!r} mesh but the tensor is on a "
+                            f"{tensor.device_mesh.device_type!r} one; make dst_mesh with device type {tensor.device_mesh.device_type!r}")
+    if not isinstance(dst_placements, (list, tuple)):
+        raise FrontendError(f"redistribute: dst_placements is a {type(dst_placements).__name__}; pass a list with one "
+                            f"placement per mesh dim, e.g. [Shard(0)] or [Replicate(), Shard(1)]")
+    if cluster is not None and not isinstance(cluster, Cluster):
+        raise FrontendError(f"redistribute: cluster is a {type(cluster).__name__}; pass an xmesh_plan.schemas.Cluster or None")
+    if not isinstance(async_op, bool):
+        raise FrontendError(f"redistribute: async_op is a {type(async_op).__name__}; pass True or False")
+    if tensor.dim() == 0:
+        for field, placements in (("src_placements", tensor.placements), ("dst_placements", dst_placements)):
+            for i, placement in enumerate(placements):
+                if isinstance(placement, Shard):
+                    raise FrontendError(f"{field}[{i}]: {placement} on a 0-dim tensor (a scalar), which has no dim to "
+                                        "split; use Replicate() (or reshape it to (1,) first)")
+
+
+def redistribute(tensor: DTensor, dst_mesh: DeviceMesh, dst_placements: Sequence[object], *,
+                 cluster: Cluster | None = None, async_op: bool = False) -> DTensor:
     """`tensor` laid out on `dst_mesh` with `dst_placements`; every rank of the default group calls it.
 
     With `async_op=True` it returns once this rank's messages are posted; the local shard is an
-    `AsyncCollectiveTensor` that waits when first used (as DTensor's own `async_op`), or when the same
-    move runs again. Do not modify the source shard until then.
+    `AsyncCollectiveTensor` that waits when first used or `.wait()`ed (as DTensor's own `async_op`), or
+    when the next move over the same ranks starts. On every rank, even one that only sends, do not
+    modify the source shard until then. A failure raises on every use of the result.
     """
-    if not isinstance(tensor, DTensor):
-        raise FrontendError(f"redistribute: tensor is a {type(tensor).__name__}; pass a DTensor (torch.distributed.tensor)")
-    if not isinstance(async_op, bool):
-        raise FrontendError(f"redistribute: async_op is a {type(async_op).__name__}; pass True or False")
+    _check_args(tensor, dst_mesh, dst_placements, cluster, async_op)
     move = _Move(tensor.shape, tensor.dtype, tensor.device_mesh, tuple(tensor.placements), dst_mesh, tuple(dst_placements),
                  cluster or default_cluster(), tensor.to_local().device)
-    return _Redistribute.apply(tensor, move, async_op)
+    wants_grad = torch.is_grad_enabled() and tensor.requires_grad
+    return _Redistribute.apply(tensor, move, async_op, wants_grad)
