@@ -42,6 +42,21 @@ def test_predictions_scale_with_the_link_rate_and_posted_never_beats_the_bound(c
     assert at_rate(plan.problem, 200).cluster.nics[0].recv_gbps == 0.2
 
 
+def test_the_weight_sync_case_gives_verified_multi_tensor_plans_scaled_and_predicted():
+    from bench.netlab.experiments import _plans
+    from xmesh_plan.schemas.plan_tensors import is_multi
+
+    made = dict(_plans("weight_sync_small", 500, latency_us=200))
+    assert sorted(made) == ["ours", "split-hosts"]
+    for plan in made.values():
+        assert is_multi(plan) and plan.problem.cluster.latency_us == 200
+        verify_plan(plan)
+        verify_plan(scaled(plan, 0.01))  # every tensor shrunk where its boundaries allow
+        p = predictions(plan, 500)
+        assert p["lower-bound"] == pytest.approx(plan.lower_bound_seconds, rel=1e-6)  # the joint bound over all tensors
+        assert p["lower-bound"] <= p["posted"] + 1e-9
+
+
 def test_plan_bytes_per_testbed_host_and_the_one_percent_check(case, compile_quick):
     plan = compile_quick(case("case3"))
     assert ranks_per_host(plan) == (4, 4, 4, 4)

@@ -15,6 +15,7 @@ import argparse
 import os
 import sys
 import time
+import tomllib
 from dataclasses import replace
 from pathlib import Path
 
@@ -24,6 +25,8 @@ from report import replace_section, write_json  # noqa: E402
 from xmesh_plan.planner.compile import compile_plan  # noqa: E402
 from xmesh_plan.planner.problem_io import build_problem  # noqa: E402
 from xmesh_plan.planner.reference_cases import reference_problems  # noqa: E402
+from xmesh_plan.planner.transfer_io import build_transfer  # noqa: E402
+from xmesh_plan.planner.weight_sync import WEIGHT_SYNC, weight_sync_toml  # noqa: E402
 
 from .baseline_plans import baseline_plan  # noqa: E402
 from .predict import at_rate, predictions  # noqa: E402
@@ -47,6 +50,9 @@ COMMAND = "PYTHONPATH=$PWD .venv/bin/python -m bench.netlab.experiments"
 def _plans(name: str, rate_mbit: float, latency_us: float | None = None):
     """(label, plan or the reason it could not be made) for every approach on case `name` at the link rate
     (and per-message latency, when given)."""
+    if name in WEIGHT_SYNC:  # a multi-tensor plan: ours, with and without one unit task per receiving host
+        problem = at_rate(build_transfer(tomllib.loads(weight_sync_toml(*WEIGHT_SYNC[name]))), rate_mbit, latency_us)
+        return [("ours", compile_plan(problem)), ("split-hosts", compile_plan(problem, split_hosts=True))]
     problem = at_rate(build_problem(dict(reference_problems())[name]), rate_mbit, latency_us)
     out = []
     for label, strategy, solver in APPROACHES:
@@ -69,6 +75,8 @@ def measure_latency(opts: RunOptions) -> float:
 
 
 def run_case(name: str, rate_mbit: float, opts: RunOptions, latency_us: float | None = None) -> dict:
+    if name in WEIGHT_SYNC:
+        opts = replace(opts, order="posted")  # multi-tensor plans run posted (TransferExecutor)
     made = _plans(name, rate_mbit, latency_us)
     plans = [(label, p) for label, p in made if not isinstance(p, str)]
     started = time.monotonic()
@@ -77,7 +85,8 @@ def run_case(name: str, rate_mbit: float, opts: RunOptions, latency_us: float | 
     for (label, _), plan, median, fastest in zip(plans, result.plans, result.median_s, result.min_s):
         rows.append({"approach": label, "strategy": plan.strategy, "solver": plan.solver.name, "ops": len(plan.operations),
                      "measured_s": median, "min_s": fastest, "predicted_s": predictions(plan, rate_mbit)})
-    return {"case": name, "rate_mbit": rate_mbit, "latency_us": latency_us, "shape": list(result.plans[0].problem.shape), "rows": rows,
+    shape = list(getattr(result.plans[0].problem, "shape", ()))
+    return {"case": name, "rate_mbit": rate_mbit, "latency_us": latency_us, "order": opts.order, "shape": shape, "rows": rows,
             "skipped": {label: p for label, p in made if isinstance(p, str)}, "checked": result.checked,
             "ok": result.ok, "wall_s": round(time.monotonic() - started, 1), "links": [h.as_dict() for h in result.hosts],
             "retransmitted_segments": result.retransmits,
@@ -96,10 +105,10 @@ MODEL_OF_ORDER = {"posted": "posted", "device": "device-order"}  # executor --or
 
 
 def table(runs: list[dict], order: str = "device") -> str:
-    model = MODEL_OF_ORDER[order]
     lines = ["| case | Mbit/s | approach | measured ms | host-order ms | device-order ms | posted ms | bound ms | "
-             f"meas/{model} | meas/bound |", "|---|---|---|---|---|---|---|---|---|---|"]
+             f"meas/{MODEL_OF_ORDER[order]} | meas/bound |", "|---|---|---|---|---|---|---|---|---|---|"]
     for run in runs:
+        model = MODEL_OF_ORDER[run.get("order", order)]
         for r in run["rows"]:
             p, m = r["predicted_s"], r["measured_s"]
             lines.append(f"| {run['case']} | {run['rate_mbit']:g} | {r['approach']} | {_ms(m)} | {_ms(p['host-order'])} | "

@@ -10,10 +10,11 @@ Three ways to queue the same operations (the simulator's flows, fluid max-min sh
 
 from __future__ import annotations
 
-from xmesh_plan.planner.bounds import lower_bound
+from xmesh_plan.planner.bounds import joint_lower_bound
 from xmesh_plan.planner.simulate import nic_assignment, simulate
 from xmesh_plan.planner.unit_tasks import decompose
 from xmesh_plan.schemas import Nic, Plan, ReshardingProblem
+from xmesh_plan.schemas.transfer import tensor_problems
 
 
 def at_rate(problem: ReshardingProblem, rate_mbit: float, latency_us: float | None = None) -> ReshardingProblem:
@@ -34,5 +35,5 @@ def predictions(plan: Plan, rate_mbit: float) -> dict[str, float]:
         "host-order": simulate(ops, problem, "host-order", nic_assignment(plan.host_order)).makespan_s,
         "device-order": simulate(ops, problem, "device-order").makespan_s,
         "posted": simulate(ops, problem, "posted").makespan_s,
-        "lower-bound": lower_bound(decompose(problem), problem.cluster, problem.itemsize).seconds,
+        "lower-bound": joint_lower_bound([(decompose(t), t.itemsize) for t in tensor_problems(problem)], problem.cluster).seconds,
     }

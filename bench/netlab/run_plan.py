@@ -13,8 +13,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from xmesh_plan.executor.run import bytes_moved
-from xmesh_plan.executor.scale import factors_for, scale_plan
+from xmesh_plan.executor.scale import factors_for, factors_per_tensor, scale_plan, scale_tensors
 from xmesh_plan.schemas import Plan
+from xmesh_plan.schemas.plan_tensors import is_multi
 from xmesh_plan.schemas.plan import write_atomic
 
 from . import counters
@@ -67,13 +68,16 @@ class RunResult:
 
 
 def scaled(plan: Plan, max_mb: float) -> Plan:
-    """The plan on a tensor shrunk to at most `max_mb` MiB where its boundaries allow (as `executor.run --max-mb`)."""
+    """The plan on tensors shrunk to at most `max_mb` MiB each where their boundaries allow (as `executor.run --max-mb`)."""
+    if is_multi(plan):
+        return scale_tensors(plan, factors_per_tensor(plan, int(max_mb * 2**20)))
     return scale_plan(plan, factors_for(plan, int(max_mb * 2**20)))
 
 
 def _program(paths: list[Path], plan: Plan, opts: RunOptions) -> list[str]:
     """The rank's command line after `python`; the plans are scaled already, so neither runner shrinks them again."""
-    keep = ["--scale", ",".join("1" * len(plan.problem.shape))] if opts.engine == "mpi" else ["--max-mb", str(2**20)]
+    single = opts.engine == "mpi" and not is_multi(plan)
+    keep = ["--scale", ",".join("1" * len(plan.problem.shape))] if single else ["--max-mb", str(2**20)]
     module = {"mpi": "xmesh_plan.executor.run", "torch": "xmesh_plan.executor.torch_run"}[opts.engine]
     return ["-m", module, *map(str, paths), *keep, "--iters", str(opts.iters), "--warmup", str(opts.warmup),
             "--timeout", f"{opts.rank_timeout_s:g}", "--order", opts.order] + (["--check"] if opts.check else [])

@@ -30,7 +30,8 @@ PAPER = {  # the paper's measured speed-up of its system over Alpa (section 6), 
 def _rows(path: Path) -> tuple[dict, dict[tuple[str, float, str], dict]]:
     data = json.loads(path.read_text())
     order = data["meta"].get("order", "posted")
-    rows = {(run["case"], run["rate_mbit"], r["approach"]): r | {"checked": run["checked"]} for run in data["runs"] for r in run["rows"]}
+    rows = {(run["case"], run["rate_mbit"], r["approach"]): r | {"checked": run["checked"], "order": run.get("order", order)}
+            for run in data["runs"] for r in run["rows"]}
     return data["meta"] | {"order": order, "runs": data["runs"]}, rows
 
 
@@ -68,7 +69,7 @@ def summary(paths: list[Path], title: str = "Emulated cluster: executor order") 
             r = rows.get(key)
             m = r["measured_s"] if r else None
             cells.append(_f(m * 1e3 if m is not None else None, 0))
-            model = r["predicted_s"][MODEL[order]] if r else None
+            model = r["predicted_s"][MODEL[r["order"]]] if r else None  # a multi-tensor case runs posted in either file
             ratios.append(_f(m / model if m and model else None))
             bounds.append(_f(m / r["predicted_s"]["lower-bound"] if m and r else None))
             if m and model:
