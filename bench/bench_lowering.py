@@ -13,16 +13,14 @@ module of git revision REV and times it in the same run, interleaved. Results: b
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
-import subprocess
 import sys
-import tempfile
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+sys.path[:0] = [str(ROOT), str(ROOT / "bench")]
+
+from report import best_seconds, module_at  # noqa: E402
 
 from xmesh_plan.executor.lower import lower  # noqa: E402
 from xmesh_plan.executor.ranks import plan_devices  # noqa: E402
@@ -44,34 +42,13 @@ def gather_plan(hosts: int, shape: tuple[int, ...]):
     return compile_plan(problem, strategy="local_allgather", seed=0)
 
 
-def lowering_module(rev: str):
-    """executor/lower.py as of git revision `rev`, imported as a module of the executor package."""
-    text = subprocess.run(["git", "show", f"{rev}:executor/lower.py"], cwd=ROOT, capture_output=True, text=True, check=True).stdout
-    path = Path(tempfile.mkdtemp()) / "lower_compared.py"
-    path.write_text(text)
-    spec = importlib.util.spec_from_file_location("xmesh_plan.executor.lower_compared", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-def best_seconds(fn, repeat: int) -> float:
-    times = []
-    for _ in range(repeat):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return min(times)
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--compare", metavar="REV", help="also time executor/lower.py of this git revision")
     parser.add_argument("--repeat", type=int, default=3, help="runs per point; the best is kept (default 3)")
     parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "lowering.json")
     args = parser.parse_args()
-    before = lowering_module(args.compare) if args.compare else None
+    before = module_at(args.compare, "executor/lower.py", "xmesh_plan.executor.lower_compared") if args.compare else None
     rows = []
     for hosts, shape in CASES:
         plan = gather_plan(hosts, shape)

@@ -14,16 +14,14 @@ lowering see bench/bench_lowering.py.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
-import subprocess
 import sys
-import tempfile
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+sys.path[:0] = [str(ROOT), str(ROOT / "bench")]
+
+from report import best_seconds, module_at  # noqa: E402
 
 from xmesh_plan.planner import simulate as simulate_now  # noqa: E402
 from xmesh_plan.planner import strategies as strategies_now  # noqa: E402
@@ -37,27 +35,6 @@ CASES = [  # (name, source mesh, source spec, destination mesh, destination spec
     ("gather 64x4 local_allgather", "64x4", "S01 R R", "1x4", "R R R", (4096, 4096, 64), "local_allgather"),
     ("global_allgather 8x4 -> 8x4", "8x4", "S01 R", "8x4", "R R", (8192, 1024), "global_allgather"),
 ]
-
-
-def module_at(rev: str, path: str, name: str):
-    """`path` as of git revision `rev`, imported as module `name` (relative imports resolve in the planner)."""
-    text = subprocess.run(["git", "show", f"{rev}:{path}"], cwd=ROOT, capture_output=True, text=True, check=True).stdout
-    file = Path(tempfile.mkdtemp()) / Path(path).name
-    file.write_text(text)
-    spec = importlib.util.spec_from_file_location(name, file)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-def best_seconds(fn, repeat: int) -> float:
-    times = []
-    for _ in range(repeat):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return min(times)
 
 
 def contexts(problem, strategies):

@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
+import subprocess
 import sys
+import tempfile
+import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
@@ -32,3 +36,26 @@ def replace_section(title: str, body: str, path: Path = ROOT / "BENCHMARKS.md") 
     else:
         text = text.rstrip("\n") + "\n\n" + block
     write_atomic(path, text.rstrip("\n") + "\n")
+
+
+def module_at(rev: str, path: str, name: str):
+    """`path` as of git revision `rev`, imported as module `name` (name it inside its package, e.g.
+    `xmesh_plan.executor.lower_compared`, so its relative imports resolve), to time old code against new."""
+    text = subprocess.run(["git", "show", f"{rev}:{path}"], cwd=ROOT, capture_output=True, text=True, check=True).stdout
+    file = Path(tempfile.mkdtemp()) / Path(path).name
+    file.write_text(text)
+    spec = importlib.util.spec_from_file_location(name, file)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def best_seconds(fn, repeat: int) -> float:
+    """The fastest of `repeat` calls of `fn`, in seconds (the least disturbed by other load)."""
+    times = []
+    for _ in range(repeat):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return min(times)
