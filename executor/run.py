@@ -137,6 +137,23 @@ def _barrier(comm, timeout_s: float) -> None:
     poll(comm.Ibarrier(), timeout_s, DEFAULT_POLL_S, "barrier between iterations")
 
 
+def _timed(reshard, engines, comm, args: argparse.Namespace):
+    """Run `reshard` --warmup + --iters times, each after a barrier; the last output and the timed seconds.
+    With --check the destination shards are poisoned before the last run, so a check proves it wrote them."""
+    times = np.zeros(args.iters)
+    for i in range(args.warmup + args.iters):
+        if i == args.warmup + args.iters - 1 and args.check:
+            for engine in engines:
+                if engine.dst is not None:
+                    engine.poison()
+        _barrier(comm, args.timeout)
+        start = time.perf_counter()
+        out = reshard()
+        if i >= args.warmup:
+            times[i - args.warmup] = time.perf_counter() - start
+    return out, times
+
+
 def demo(plan: Plan, comm, args: argparse.Namespace) -> tuple[str, bool]:
     """Run one plan; returns rank 0's report line and whether every check passed."""
     from mpi4py import MPI
@@ -146,16 +163,7 @@ def demo(plan: Plan, comm, args: argparse.Namespace) -> tuple[str, bool]:
     shard = fill(program.src_block, problem.shape, ex.engine.dtype) if program.src_block else None
     if args.backend == "nccl" and shard is not None:
         shard = ex.engine.adopt(shard)
-    times = np.zeros(args.iters)
-    for i in range(args.warmup + args.iters):
-        last = i == args.warmup + args.iters - 1
-        if last and args.check and ex.engine.dst is not None:
-            ex.engine.poison()
-        _barrier(comm, args.timeout)
-        start = time.perf_counter()
-        out = ex.run(shard)
-        if i >= args.warmup:
-            times[i - args.warmup] = time.perf_counter() - start
+    out, times = _timed(lambda: ex.run(shard), [ex.engine], comm, args)
     bad, first = (0, None)
     if args.check and out is not None:
         bad, first = mismatches(ex.engine.host_copy(out), program.dst_block, problem.shape)
@@ -185,17 +193,7 @@ def demo_transfer(plan: Plan, comm, args: argparse.Namespace) -> tuple[str, bool
     salts = {name: tensor_salt(k) for k, name in enumerate(ex.names)}  # tensors of one shape get different bits
     shards = {name: fill(part.program.src_block, part.plan.problem.shape, part.engine.dtype, salts[name])
               for name, part in zip(ex.names, ex.parts) if part.program.src_block is not None}
-    times = np.zeros(args.iters)
-    for i in range(args.warmup + args.iters):
-        if i == args.warmup + args.iters - 1 and args.check:
-            for part in ex.parts:
-                if part.engine.dst is not None:
-                    part.engine.poison()
-        _barrier(comm, args.timeout)
-        start = time.perf_counter()
-        out = ex.run(shards)
-        if i >= args.warmup:
-            times[i - args.warmup] = time.perf_counter() - start
+    out, times = _timed(lambda: ex.run(shards), [part.engine for part in ex.parts], comm, args)
     bad = tensors_bad = 0
     for name, part in zip(ex.names, ex.parts) if args.check else ():
         if name in out:

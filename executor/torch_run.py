@@ -50,6 +50,20 @@ def expected_shard(plan: Plan, block, salt: int = 0) -> np.ndarray:
     return whole[local_slices(block, tuple((0, n) for n in shape))]
 
 
+def _timed(reshard, args: argparse.Namespace) -> tuple[object, list[float]]:
+    """Run `reshard` --warmup + --iters times, each after a barrier; the last output and the timed seconds."""
+    import torch.distributed as dist
+
+    times = []
+    for it in range(args.warmup + args.iters):
+        dist.barrier()
+        start = time.perf_counter()
+        out = reshard()
+        if it >= args.warmup:
+            times.append(time.perf_counter() - start)
+    return out, times
+
+
 def run_plan(plan: Plan, args: argparse.Namespace) -> tuple[str, int]:
     """Reshard `plan` `--iters` times; rank 0's report line and the number of wrong elements over all ranks."""
     import torch
@@ -57,13 +71,7 @@ def run_plan(plan: Plan, args: argparse.Namespace) -> tuple[str, int]:
 
     ex = ReshardingExecutor(plan, None, backend="torch", timeout_s=args.timeout, order=args.order or "device").prepare()
     src = source_tensor(plan, ex.program.src_block, ex.engine.device)
-    times = []
-    for it in range(args.warmup + args.iters):
-        dist.barrier()
-        start = time.perf_counter()
-        out = ex.run(src)
-        if it >= args.warmup:
-            times.append(time.perf_counter() - start)
+    out, times = _timed(lambda: ex.run(src), args)
     bad = 0
     if args.check and out is not None:
         got, want = ex.engine.host_copy(out), expected_shard(plan, ex.program.dst_block)
@@ -93,13 +101,7 @@ def run_transfer(plan: Plan, args: argparse.Namespace) -> tuple[str, int]:
     salts = {name: tensor_salt(k) for k, name in enumerate(ex.names)}  # tensors of one shape get different bits
     shards = {name: source_tensor(part.plan, part.program.src_block, device, salts[name])
               for name, part in zip(ex.names, ex.parts) if part.program.src_block is not None}
-    times = []
-    for it in range(args.warmup + args.iters):
-        dist.barrier()
-        start = time.perf_counter()
-        out = ex.run(shards)
-        if it >= args.warmup:
-            times.append(time.perf_counter() - start)
+    out, times = _timed(lambda: ex.run(shards), args)
     bad = 0
     for name, part in zip(ex.names, ex.parts) if args.check else ():
         if name in out:
