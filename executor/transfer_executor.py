@@ -28,6 +28,7 @@ from xmesh_plan.schemas.plan_tensors import is_multi, tensor_names, tensor_plans
 
 from .errors import ExecutorError, PlanMismatchError
 from .executor import DEFAULT_POLL_S, ReshardingExecutor
+from .ranks import device_of_rank
 from .worlds import is_mpi_comm
 
 CONCURRENT_BACKENDS = ("mpi",)  # engines that run several reshards in flight (a waiting one drives the others)
@@ -70,6 +71,9 @@ class TransferExecutor:
 
         On MPI the first tensor's executor duplicates the communicator and the others share it, each
         numbering its tags after the tensors before it (a plan's tags fit MPI's TAG_UB together)."""
+        first, world = self.parts[0], self.parts[0].world  # the world's size against the joint plan, named as the user knows it
+        joint = first.plan.model_copy(update={"problem": first.plan.problem.model_copy(update={"name": self.plan.problem.name})})
+        device_of_rank(joint, world.rank, world.size, world.label, world.launch)
         for k, part in enumerate(self.parts):
             if self.concurrent and k:
                 part.shared_comm = self.parts[0].comm

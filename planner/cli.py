@@ -15,6 +15,7 @@ import click
 from xmesh_plan.schemas import Plan, ReshardingProblem, read_plan_file
 from xmesh_plan.schemas.last_resort import DEBUG_ENV, DEBUG_FLAG, run_guarded
 from xmesh_plan.schemas.plan import write_atomic
+from xmesh_plan.schemas.plan_check import check_plan
 from xmesh_plan.schemas.transfer import TransferProblem
 
 from .cli_types import SEED, TIME_LIMIT, max_tasks_option
@@ -154,7 +155,12 @@ def inspect_command(plan_file, show_tasks, show_ops, show_orders):
     Example:
       xmesh-plan inspect plans/case3.plan.json --tasks
     """
-    click.echo(summarize(read_plan_file(plan_file), show_tasks=show_tasks, show_ops=show_ops, show_orders=show_orders))
+    plan = read_plan_file(plan_file)
+    try:
+        check_plan(plan)  # its sums index by tensor, device and host: a malformed plan gets one line, not a crash
+    except PlanError as err:
+        raise UserError(f"{plan_file}: {err}; recompile it, or run `xmesh-plan verify {plan_file}`") from None
+    click.echo(summarize(plan, show_tasks=show_tasks, show_ops=show_ops, show_orders=show_orders))
 
 
 @main.command("verify")

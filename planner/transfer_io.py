@@ -25,6 +25,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from xmesh_plan.schemas import ReshardingProblem
+from xmesh_plan.schemas.dtypes import DTYPE_SIZES, canonical_dtype
 from xmesh_plan.schemas.limits import shown
 from xmesh_plan.schemas.transfer import MAX_TENSORS, TransferProblem
 from xmesh_plan.schemas.validation import describe_validation_error
@@ -65,12 +66,24 @@ def build_transfer(raw: dict[str, Any]) -> TransferProblem:
     dst_mesh = parse_mesh(raw["dst_mesh"], "dst_mesh", hosts_used(src_mesh, cluster.devices_per_host), cluster.devices_per_host)
     rules = _rules(raw.get("rules", []))
     default_dtype = raw.get("dtype", "float32")
+    if "dtype" in raw and not _known_dtype(default_dtype):
+        raise InputError(f"dtype: unknown dtype {shown(default_dtype)} (the default of every tensor); use one of "
+                         f"{', '.join(sorted(DTYPE_SIZES))}")
+    if "tensors" not in raw:
+        raise InputError("tensors: missing; give a list of tensors, each with name and shape")
     tensors = [_tensor(entry, where, rules, default_dtype) for entry, where in _expand(raw["tensors"])]
+    if not tensors:
+        raise InputError("tensors: no tensor is left once repeated groups are unrolled (repeat = 0 everywhere?); "
+                         "give at least one tensor")
     name = raw.get("name", "")
     try:
         return TransferProblem(name=name, src_mesh=src_mesh, dst_mesh=dst_mesh, cluster=cluster, tensors=tuple(tensors))
     except ValidationError as err:
         raise InputError(describe_validation_error(err)) from None
+
+
+def _known_dtype(value: Any) -> bool:
+    return isinstance(value, str) and canonical_dtype(value) in DTYPE_SIZES
 
 
 def _rules(raw: Any) -> list[tuple[str, dict[str, Any]]]:
@@ -84,6 +97,9 @@ def _rules(raw: Any) -> list[tuple[str, dict[str, Any]]]:
         extra = sorted(set(rule) - set(RULE_KEYS))
         if extra:
             raise InputError(f"rules[{k}].{extra[0]}: not a field of a rule; use {', '.join(RULE_KEYS)}")
+        for side in ("src", "dst"):
+            if side in rule and not isinstance(rule[side], str):
+                raise InputError(f"rules[{k}].{side}: {shown(rule[side])} is not a sharding spec; give text such as \"S0 R\"")
         out.append((rule["match"], {s: rule[s] for s in ("src", "dst") if s in rule}))
     return out
 
@@ -114,6 +130,9 @@ def _repeat(entry: dict, where: str, room: int) -> list[tuple[dict, str]]:
     if repeat * len(group) > room:  # refused before anything is unrolled
         raise InputError(f"{where}: {repeat} x {len(group)} tensors would pass {MAX_TENSORS:,} in all; split the transfer into several problems")
     for j, tensor in enumerate(group):
+        if "repeat" in tensor or "group" in tensor:
+            raise InputError(f"{where}.group[{j}]: a repeated group cannot hold another; unroll the inner one by hand "
+                             "or write its tensors with both indices")
         if "{i}" not in str(tensor.get("name", "")):
             raise InputError(f"{where}.group[{j}].name: {shown(tensor.get('name'))} lacks {{i}}, so its {repeat} copies "
                              "would share a name; write e.g. \"layers.{i}.mlp.weight\"")
@@ -129,6 +148,8 @@ def _tensor(entry: Any, where: str, rules: list[tuple[str, dict]], default_dtype
     if extra:
         raise InputError(f"{where}.{extra[0]}: not a field of a tensor; use {', '.join(TENSOR_KEYS)}")
     name = entry["name"]
+    if "dtype" in entry and not _known_dtype(entry["dtype"]):
+        raise InputError(f"{where}.dtype ({name}): unknown dtype {shown(entry['dtype'])}; use one of {', '.join(sorted(DTYPE_SIZES))}")
     out = {"name": name, "dtype": entry.get("dtype", default_dtype), "shape": entry["shape"]}
     if isinstance(out["shape"], str):
         out["shape"] = parse_shape(out["shape"], f"{where}.shape")

@@ -14,7 +14,6 @@ are shared, so all the tensors' unit tasks compete for the same NICs and are sch
 from __future__ import annotations
 
 import math
-from functools import cached_property
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
@@ -83,9 +82,16 @@ class TransferProblem(BaseModel):
     def nbytes(self) -> int:
         return sum(t.nbytes for t in self.tensors)
 
-    @cached_property
+    @property
     def _problems(self) -> dict[int, ReshardingProblem]:
-        return {}
+        """Per-tensor problems made so far, kept with the fields they were made from: `model_copy(update=...)`
+        copies this dict along, so a copy whose tensors, meshes or cluster differ must not reuse it."""
+        made_from = (self.tensors, self.src_mesh, self.dst_mesh, self.cluster)
+        kept = self.__dict__.get("_problem_cache")
+        if kept is None or any(a is not b for a, b in zip(kept[0], made_from)):
+            kept = (made_from, {})
+            self.__dict__["_problem_cache"] = kept  # frozen model: a cache, not a field
+        return kept[1]
 
     def tensor_problem(self, index: int) -> ReshardingProblem:
         """Tensor `index` alone, as a single-tensor problem on the shared meshes and cluster (made once)."""

@@ -73,6 +73,12 @@ def test_a_repeated_group_unrolls_layer_by_layer():
     ({"src_mes": "2x2"}, ["src_mes", "src_mesh"]),
     ({"dst_mesh": "1x4"}, ["dst_mesh", "devices_per_host"]),
     ({"tensors": [{"name": "a", "shape": "8,x", "src": "R", "dst": "R"}]}, ["tensors[0].shape"]),
+    ({"dtype": "bf16x"}, ["dtype:", "'bf16x'", "default of every tensor"]),
+    ({"tensors": [{"name": "a", "dtype": "bf16x", "shape": [4], "src": "R", "dst": "R"}]}, ["tensors[0].dtype (a)", "'bf16x'"]),
+    ({"rules": [{"match": "*", "src": 5}]}, ["rules[0].src", "not a sharding spec"]),
+    ({"tensors": [{"repeat": 0, "group": [{"name": "w{i}", "shape": [4], "src": "R", "dst": "R"}]}]}, ["tensors", "no tensor is left"]),
+    ({"tensors": [{"repeat": 2, "group": [{"repeat": 2, "group": [{"name": "w{i}", "shape": [4]}]}]}]},
+     ["tensors[0].group[0]", "cannot hold another"]),
 ])
 def test_bad_input_is_one_line_naming_the_field(change, words):
     data = raw(**change)
@@ -91,6 +97,13 @@ def test_the_cli_refuses_a_bad_multi_tensor_file_with_one_line_and_exit_2(tmp_pa
     assert result.exit_code == 2, result.output
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: ") and "layers.3.mlp.w" in lines[0] and "Traceback" not in result.output
+
+
+def test_a_copy_with_other_tensors_does_not_reuse_the_original_per_tensor_problems():
+    p = build_transfer(raw(tensors=[{"name": "a", "shape": [8, 4], "src": "S0 R", "dst": "R R"}]))
+    assert p.tensor_problem(0).shape == (8, 4)  # fills the per-tensor cache
+    q = p.model_copy(update={"tensors": (p.tensors[0].model_copy(update={"shape": (4, 4)}),)})
+    assert q.tensor_problem(0).shape == (4, 4) and p.tensor_problem(0).shape == (8, 4)
 
 
 def test_a_single_tensor_problem_stays_valid_as_it_is():

@@ -125,6 +125,15 @@ def test_a_tensor_index_in_a_single_tensor_plan_is_refused():
 
 # --- CLI ----------------------------------------------------------------------------------------------------
 
+@pytest.mark.parametrize("index", [None, 999])
+def test_inspect_refuses_a_bad_tensor_index_in_one_line(plan, tmp_path, index):
+    bad = tuple(o.model_copy(update={"tensor": index}) if o.id == 0 else o for o in plan.operations)
+    path = tmp_path / "bad.plan.json"
+    path.write_text(plan.model_copy(update={"operations": bad}).to_json())
+    result = CliRunner().invoke(main, ["inspect", str(path)])
+    assert result.exit_code == 2, result.output
+    assert result.stderr.strip().count("\n") == 0 and f"names tensor {index}" in result.stderr, result.stderr
+
 def test_compile_verify_inspect_and_check_work_on_the_small_example(tmp_path):
     out = tmp_path / "small.plan.json"
     runner = CliRunner()
@@ -303,6 +312,19 @@ def test_mpiexec_runs_the_small_weight_sync_bit_exact(tmp_path):
                              "--iters", "2", "--warmup", "1"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=500)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "check ok: 21 tensors x 4 destination shards bit-exact" in result.stdout, result.stdout
+
+
+@pytest.mark.mpi
+@pytest.mark.skipif(not MPIEXEC.exists(), reason=f"no mpiexec at {MPIEXEC}")
+@pytest.mark.timeout(300)
+def test_a_world_of_the_wrong_size_is_refused_naming_the_plan_not_a_tensor(tmp_path):
+    path = tmp_path / "ws.plan.json"
+    path.write_text(compile_plan(load_any_problem(SMALL), solver="greedy").to_json())
+    env = dict(os.environ, MPIR_CVAR_ENABLE_HEAVY_YIELD="1", PYTHONPATH=str(ROOT))
+    result = subprocess.run([str(MPIEXEC), "-n", "3", sys.executable, "-m", "xmesh_plan.executor.run", str(path), "--check"],
+                            cwd=ROOT, env=env, capture_output=True, text=True, timeout=250)
+    assert result.returncode == 2, result.stderr[-3000:]
+    assert "plan weight_sync_small uses 8 devices" in result.stderr and "mpiexec -n 8" in result.stderr, result.stderr
 
 
 @pytest.mark.slow
