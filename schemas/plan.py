@@ -10,6 +10,9 @@ each means, who takes part, the messages it sends):
 - `broadcast`: `src` sends the box down the chain `dsts` in `chunks` pipelined pieces.
 - `allgather`: every member in `dsts` already holds `parts[i]` in its destination shard; afterwards
   each holds all of `region` (the union of the parts), passed round the ring `dsts` in n-1 steps.
+- `bundle` (`compile --coalesce`): `holders[i]`, on the host of `src`, holds `parts[i]`; `src` gathers
+  the parts over the intra-host links, sends them to `dsts[0]` in one cross-host message, and that
+  device scatters part i to every device in `needers[i]` on its host. `region` bounds the parts.
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ from .validation import describe_validation_error
 
 SCHEMA_VERSION = 1
 OpKind = Literal[tuple(OP_KINDS)]  # type: ignore[valid-type]  # "copy", "send", "broadcast", "allgather": the table's rows
-StrategyName = Literal["broadcast", "send_recv", "local_allgather", "global_allgather"]
+StrategyName = Literal["broadcast", "send_recv", "local_allgather", "global_allgather", "bundle"]
 _FROZEN = ConfigDict(frozen=True, extra="forbid")
 TensorIndex = Annotated[int | None, Field(None, ge=0, exclude_if=lambda v: v is None,
                                           description="multi-tensor plans: index into problem.tensors (absent otherwise)")]
@@ -65,6 +68,9 @@ class Operation(BaseModel):
     region: Region
     parts: tuple[Region, ...] = Field((), description="allgather only: the part each member contributes")
     chunks: int = Field(1, ge=1, description="pipelined pieces of a broadcast")
+    holders: tuple[int, ...] = Field((), exclude_if=lambda v: not v, description="bundle only: the device holding each part")
+    needers: tuple[tuple[int, ...], ...] = Field((), exclude_if=lambda v: not v,
+                                                 description="bundle only: the devices needing each part")
     start_s: float = 0.0
     end_s: float = 0.0
 

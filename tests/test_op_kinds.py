@@ -214,7 +214,8 @@ def _table_allows(op: Operation, task_ids: set[int]) -> bool:
     rule = OP_KINDS[op.kind]
     count_ok = len(op.dsts) >= rule.min_dsts and (rule.max_dsts is None or len(op.dsts) <= rule.max_dsts)
     where_ok = op.dsts == (op.src,) if rule.pattern == "local" else op.src not in op.dsts
-    return (rule.has_src == (op.src is not None) and count_ok and where_ok and (op.chunks == 1 or rule.chunked)
+    bundle_ok = (rule.pattern == "bundle") == bool(op.holders)  # a bundle needs holders and needers, which no other kind has
+    return (rule.has_src == (op.src is not None) and count_ok and where_ok and (op.chunks == 1 or rule.chunked) and bundle_ok
             and bool(op.parts) == rule.has_parts and (op.task in task_ids or (op.task == -1 and rule.taskless)))
 
 

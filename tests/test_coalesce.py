@@ -1,0 +1,160 @@
+"""`compile --coalesce`: bundles verify, are refused when broken, run bit-exact, and cut the cross-host
+message count to what a brute-force count over the tensor's elements says."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings, strategies as st
+
+from xmesh_plan.executor.errors import PlanMismatchError
+from xmesh_plan.executor.lower import lower
+from xmesh_plan.executor.nccl_plan import nccl_program
+from xmesh_plan.executor.ranks import plan_devices
+from xmesh_plan.planner.compile import compile_plan
+from xmesh_plan.planner.verify import PlanError, verify_plan
+from test_executor_cases import problem, random_problem
+from test_executor_sim import simulate
+
+CELL_ELEMENTS = 16 * 4 * 2  # one cell of the all-to-all below
+CELL_BYTES = CELL_ELEMENTS * 4
+BUCKET = 8 * CELL_BYTES  # 16 cells per host pair: two bundles each
+
+
+def all_to_all(dtype: str = "int32"):
+    """4 hosts of 8 devices; 16 source devices (4 per host) -> 16 destination devices (4 per host), every pair talks."""
+    src = [8 * h + k for h in range(4) for k in range(4)]
+    dst = [8 * h + 4 + k for h in range(4) for k in range(4)]
+    return problem("a2a", (64, 64, 8), (4, 4), src, "S0 R S1", (4, 4), dst, "R S01 R", dtype=dtype, devices_per_host=8)
+
+
+def coalesced(prob, bucket: int = BUCKET, **kw):
+    return compile_plan(prob, solver="greedy", seed=0, coalesce=True, bucket_bytes=bucket, **kw)
+
+
+def _host_pair_bytes(prob) -> dict[tuple[int, int], int]:
+    """Brute force over every element: bytes each (holding host, needing host) pair must move, from
+    numpy masks of the shards; an element is charged to the one host holding it (here each element has one)."""
+    shape, host_of = prob.shape, prob.cluster.host_of
+    held = np.full(shape, -1)
+    for d, block in prob.blocks("src").items():
+        held[tuple(slice(a, b) for a, b in block)] = host_of(d)
+    out: dict[tuple[int, int], int] = {}
+    for d, block in prob.blocks("dst").items():
+        sub = held[tuple(slice(a, b) for a, b in block)]
+        for h in np.unique(sub):
+            if h != host_of(d):
+                key = (int(h), host_of(d))
+                out[key] = out.get(key, 0) + int((sub == h).sum()) * prob.itemsize
+    return out
+
+
+def _cross_host_sends(plan) -> dict[int, int]:
+    """Cross-host send steps per sending host, from every device's lowered program."""
+    host_of, out = plan.problem.cluster.host_of, {}
+    for d in plan_devices(plan):
+        for s in lower(plan, d).steps:
+            if s.action == "send" and host_of(s.peer) != host_of(d):
+                out[host_of(d)] = out.get(host_of(d), 0) + 1
+    return out
+
+
+def test_all_to_all_bundles_verify_and_send_one_message_per_bundle():
+    prob = all_to_all()
+    plan = coalesced(prob)
+    verify_plan(plan)
+    assert "bundle" in {op.kind for op in plan.operations}
+    pair_bytes = _host_pair_bytes(prob)
+    expected: dict[int, int] = {}
+    for (h, _), nbytes in pair_bytes.items():  # the host pair's bytes in bundles of at most BUCKET (every cell is CELL_BYTES)
+        expected[h] = expected.get(h, 0) + math.ceil(nbytes / BUCKET)
+    assert _cross_host_sends(plan) == expected
+    plain = compile_plan(prob, solver="greedy", seed=0)
+    assert max(_cross_host_sends(plain).values()) == max(pair_bytes_per_host(pair_bytes).values()) // CELL_BYTES
+    assert max(expected.values()) < max(_cross_host_sends(plain).values())
+
+
+def pair_bytes_per_host(pair_bytes):
+    out: dict[int, int] = {}
+    for (h, _), nbytes in pair_bytes.items():
+        out[h] = out.get(h, 0) + nbytes
+    return out
+
+
+def test_same_input_gives_a_byte_identical_plan_and_plain_plans_have_no_bundle_fields():
+    assert coalesced(all_to_all()).to_json() == coalesced(all_to_all()).to_json()
+    plain = compile_plan(all_to_all(), solver="greedy", seed=0).to_json()
+    assert "holders" not in plain and "needers" not in plain and "coalesce" not in plain
+
+
+def test_coalesced_plan_predicts_less_than_the_plain_one():
+    prob = all_to_all()
+    assert coalesced(prob, bucket=2**20).predicted_seconds < compile_plan(prob, solver="greedy", seed=0).predicted_seconds
+
+
+def _first_bundle(plan):
+    return next(op for op in plan.operations if op.kind == "bundle")
+
+
+def _mutated(plan, update):
+    """The plan with its first bundle changed by `update(op)`."""
+    ops = list(plan.operations)
+    k = ops.index(_first_bundle(plan))
+    ops[k] = ops[k].model_copy(update=update(ops[k]))
+    return plan.model_copy(update={"operations": tuple(ops)})
+
+
+def test_a_dropped_part_is_refused_naming_the_operation():
+    plan = coalesced(all_to_all())
+    op = _first_bundle(plan)
+    broken = _mutated(plan, lambda op: {"parts": op.parts[1:], "holders": op.holders[1:], "needers": op.needers[1:]})
+    with pytest.raises(PlanError, match=rf"destination device {op.needers[0][0]} never receives"):
+        verify_plan(broken)
+    short = _mutated(plan, lambda op: {"holders": op.holders[1:]})
+    with pytest.raises(PlanError, match=rf"operation {op.id} .*one holder and one needers list per part"):
+        verify_plan(short)
+
+
+def test_a_wrong_holder_is_refused_naming_the_operation_and_device():
+    plan = coalesced(all_to_all())
+    op = _first_bundle(plan)
+    same_host = [d for d in plan.problem.src.mesh.devices if plan.problem.cluster.host_of(d) == plan.problem.cluster.host_of(op.src)]
+    other = next(d for d in same_host if d != op.holders[0])
+    with pytest.raises(PlanError, match=rf"operation {op.id} .*device {other} sends .* which it does not hold"):
+        verify_plan(_mutated(plan, lambda o: {"holders": (other,) + o.holders[1:]}))
+    far = next(d for d in plan.problem.src.mesh.devices if plan.problem.cluster.host_of(d) != plan.problem.cluster.host_of(op.src))
+    with pytest.raises(PlanError, match=rf"operation {op.id} .*holder d{far} .* is not on the host of relay"):
+        verify_plan(_mutated(plan, lambda o: {"holders": (far,) + o.holders[1:]}))
+    with pytest.raises(PlanError, match=rf"operation {op.id} .*needers \[{op.src}\]"):
+        verify_plan(_mutated(plan, lambda o: {"needers": ((o.src,),) + o.needers[1:]}))
+
+
+@pytest.mark.parametrize("order", ["posted", "device"])
+@pytest.mark.parametrize("dtype", ["int32", "bfloat16", "complex128"])
+def test_all_to_all_runs_bit_exact(order, dtype):
+    prob = all_to_all(dtype)
+    plan = coalesced(prob, bucket=12 * CELL_ELEMENTS * prob.itemsize)  # bundles of 12 cells and of 4
+    assert any(op.kind == "bundle" for op in plan.operations)
+    out = simulate(plan, iterations=2, order=order)
+    assert set(out) == set(plan.problem.blocks("dst"))
+
+
+def test_random_problems_include_bundles():
+    kinds = [{op.kind for op in coalesced(random_problem(seed, max_devices=9, exact=False), bucket=2048).operations} for seed in range(40)]
+    assert sum("bundle" in k for k in kinds) >= 10
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(seed=st.integers(0, 10**6), devices=st.integers(2, 9), bucket=st.sampled_from([64, 512, 2048, 8192]))
+def test_random_coalesced_plans_verify_and_run_bit_exact(seed, devices, bucket):
+    plan = coalesced(random_problem(seed, max_devices=devices, exact=False), bucket=bucket)
+    verify_plan(plan)
+    simulate(plan, iterations=2)
+
+
+def test_the_nccl_engine_refuses_bundles_in_one_line():
+    plan = coalesced(all_to_all())
+    with pytest.raises(PlanMismatchError, match="nccl engine does not run bundle operations.*without --coalesce"):
+        nccl_program(lower(plan, _first_bundle(plan).src))
