@@ -15,6 +15,7 @@ from xmesh_plan.executor.nccl_plan import nccl_program
 from xmesh_plan.executor.ranks import plan_devices
 from xmesh_plan.planner.compile import compile_plan
 from xmesh_plan.planner.verify import PlanError, verify_plan
+from xmesh_plan.schemas.op_kinds import bundle_runs
 from test_executor_cases import problem, random_problem
 from test_executor_sim import simulate
 
@@ -158,3 +159,35 @@ def test_the_nccl_engine_refuses_bundles_in_one_line():
     plan = coalesced(all_to_all())
     with pytest.raises(PlanMismatchError, match="nccl engine does not run bundle operations.*without --coalesce"):
         nccl_program(lower(plan, _first_bundle(plan).src))
+
+
+def small_all_to_all(dtype: str = "int32"):
+    """2 hosts of 4 devices, 8 ranks: devices 0,1,4,5 -> 2,3,6,7, every source device sends to every destination device."""
+    return problem("a2a8", (16, 16, 8), (2, 2), (0, 1, 4, 5), "S0 R S1", (2, 2), (2, 3, 6, 7), "R S01 R", dtype=dtype, devices_per_host=4)
+
+
+@pytest.mark.mpi
+def test_a_coalesced_plan_runs_bit_exact_under_mpiexec(tmp_path):
+    from test_executor_mpi import MPIEXEC, WORKER, mpiexec
+    from test_executor_cases import write_plans
+    if not MPIEXEC.exists():
+        pytest.skip(f"no mpiexec at {MPIEXEC}")
+    plans = [coalesced(small_all_to_all(dtype), bucket=2**16) for dtype in ("int32", "bfloat16")]
+    assert all("bundle" in {op.kind for op in plan.operations} for plan in plans)  # and sends inside each host
+    result = mpiexec(8, str(WORKER), "check", *write_plans(tmp_path, plans))
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.count("ok ") == len(plans), result.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(800)
+def test_a_coalesced_plan_runs_bit_exact_on_the_torch_engine_matching_by_order(tmp_path):
+    """Gloo matches each pair's messages in posting order (every tag 0), as NCCL would: a bundle's
+    scatter runs to one needer must be posted in the same order at both ends."""
+    from test_executor_cases import write_plans
+    from test_executor_torch import launch
+    plans = [coalesced(small_all_to_all(dtype), bucket=2**16) for dtype in ("int32", "bfloat16")]
+    assert any(len({d for d, _ in bundle_runs(op)[1]}) < len(bundle_runs(op)[1]) for op in plans[0].operations if op.kind == "bundle")
+    lines = launch(8, "check_by_order", *write_plans(tmp_path, plans))
+    ours = [line for line in lines if line.startswith("rank 0:")]
+    assert len(ours) == len(plans) and all(line.endswith((": ok", ": ok (our boxes)")) for line in ours), lines
