@@ -295,7 +295,9 @@ def parties(op: OpLike) -> str:
 
 
 def chunk_label(op: OpLike) -> str:
-    """` K=4` for a kind cut into chunks, else empty: the end of an operation's text form."""
+    """` K=4` for a kind cut into chunks, ` 64 parts` for a bundle, else empty: the end of an operation's text form."""
+    if rule_of(op).pattern == "bundle":
+        return f" {len(op.parts)} parts"
     return f" K={op.chunks}" if rule_of(op).chunked else ""
 
 
