@@ -102,7 +102,10 @@ def rule_of(op: OpLike) -> OpKindRule:
 
 
 def members(op: OpLike) -> tuple[int, ...]:
-    """Every device an operation involves, once each: the sender, then `dsts` in order."""
+    """Every device an operation involves, once each: the sender, then `dsts` in order (a bundle's
+    holders after its sender, its needers after its receiving relay)."""
+    if rule_of(op).pattern == "bundle":
+        return tuple(dict.fromkeys((op.src, *op.holders, op.dsts[0], *(d for n in op.needers for d in n))))
     head = (op.src,) if op.src is not None and op.src not in op.dsts else ()
     return head + tuple(op.dsts)
 

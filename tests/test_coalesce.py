@@ -15,6 +15,7 @@ from xmesh_plan.executor.nccl_plan import nccl_program
 from xmesh_plan.executor.ranks import plan_devices
 from xmesh_plan.planner.compile import compile_plan
 from xmesh_plan.planner.verify import PlanError, verify_plan
+from xmesh_plan.schemas import load_plan
 from xmesh_plan.schemas.op_kinds import bundle_runs
 from test_executor_cases import problem, random_problem
 from test_executor_sim import simulate
@@ -191,3 +192,28 @@ def test_a_coalesced_plan_runs_bit_exact_on_the_torch_engine_matching_by_order(t
     lines = launch(8, "check_by_order", *write_plans(tmp_path, plans))
     ours = [line for line in lines if line.startswith("rank 0:")]
     assert len(ours) == len(plans) and all(line.endswith((": ok", ": ok (our boxes)")) for line in ours), lines
+
+
+def test_two_nics_and_split_hosts_combine_with_coalesce():
+    from xmesh_plan.schemas.problem import Nic
+    prob = all_to_all()
+    two = prob.model_copy(update={"cluster": prob.cluster.model_copy(update={"nics": (Nic(), Nic(send_gbps=5, recv_gbps=5))})})
+    for plan in (coalesced(two), coalesced(prob, split_hosts=True)):
+        verify_plan(plan)
+        assert "bundle" in {op.kind for op in plan.operations}
+        simulate(plan, iterations=1)
+
+
+def test_the_cli_compiles_with_coalesce_and_refuses_it_for_a_transfer(tmp_path):
+    from click.testing import CliRunner
+    from xmesh_plan.planner.cli import main
+    out = tmp_path / "a2a.plan.json"
+    result = CliRunner().invoke(main, ["compile", "--shape", "16,16,8", "--src-mesh", "2x2", "--src-spec", "S0 R S1", "--dst-mesh", "2x2",
+                                       "--dst-spec", "R S01 R", "--coalesce", "--bucket-mb", "0.0625", "-o", str(out)])
+    assert result.exit_code == 0, result.output
+    plan = load_plan(out)
+    verify_plan(plan)
+    assert "bundle" in {op.kind for op in plan.operations}
+    assert plan.solver.details["coalesce"] == "bundles of at most 65536 B"
+    result = CliRunner().invoke(main, ["compile", "plans/weight_sync_small.problem.toml", "--coalesce"])
+    assert result.exit_code == 2 and "--coalesce works on single-tensor problems only" in result.output, result.output
