@@ -70,7 +70,7 @@ device-order and posted columns time the same plan as the executor's two orders 
 Read them with care: the model's per-message latency is a delay, not link time, so messages posted
 together overlap their latencies, and the uncoalesced plan is already near the bound when posted;
 coalescing removes the gap where messages queue one after another on a NIC side (host order, the
-plan's claim) and in device order, and costs about 1% posted (the gathers and scatters). Which
+plan's claim), helps little in device order, and costs about 1% posted (the gathers and scatters). Which
 model a real NIC follows for 64 KiB messages is for the emulated cluster (bench/netlab) to measure.
 
 | flags | unit tasks | operations | cross-host messages, busiest send side | predicted s | bound s | predicted / bound | device-order / bound | posted / bound | compile s | timed by |
