@@ -11,7 +11,7 @@ from xmesh_plan.schemas.transfer import TransferProblem
 
 from . import __version__
 from .bounds import joint_lower_bound
-from .coalesce import DEFAULT_BUCKET_BYTES, bundle_task, coalesce_cells
+from .coalesce import DEFAULT_BUCKET_BYTES, BundleCell, bundle_task, coalesce_cells
 from .scheduling import Option, Schedule, SchedulingTask
 from .simulate import nic_assignment, simulate
 from .solvers import solve
@@ -176,7 +176,7 @@ def _retimed_tasks(tasks: list[UnitTask], operations: tuple[Operation, ...]) -> 
     return [t.model_copy(update=dict(zip(("start_s", "end_s"), spans[t.id]))) if t.id in spans else t for t in tasks]
 
 
-def _bundle_options(bundles: list, problem: ReshardingProblem, first_id: int) -> list[TaskOptions]:
+def _bundle_options(bundles: list[BundleCell], problem: ReshardingProblem, first_id: int) -> list[TaskOptions]:
     """One scheduling task per bundle, numbered from `first_id` after the tensor's other tasks."""
     out = []
     for k, bundle in enumerate(bundles):

@@ -33,7 +33,7 @@ from .transfer import TransferProblem
 from .validation import describe_validation_error
 
 SCHEMA_VERSION = 1
-OpKind = Literal[tuple(OP_KINDS)]  # type: ignore[valid-type]  # "copy", "send", "broadcast", "allgather": the table's rows
+OpKind = Literal[tuple(OP_KINDS)]  # type: ignore[valid-type]  # "copy", "send", "broadcast", "allgather", "bundle": the table's rows
 StrategyName = Literal["broadcast", "send_recv", "local_allgather", "global_allgather", "bundle"]
 _FROZEN = ConfigDict(frozen=True, extra="forbid")
 TensorIndex = Annotated[int | None, Field(None, ge=0, exclude_if=lambda v: v is None,
@@ -66,7 +66,7 @@ class Operation(BaseModel):
     src: int | None = Field(None, description="sending device for copy/send/broadcast; None for allgather")
     dsts: tuple[int, ...] = Field(description="receiving devices; the chain order for a broadcast, the members for an allgather")
     region: Region
-    parts: tuple[Region, ...] = Field((), description="allgather only: the part each member contributes")
+    parts: tuple[Region, ...] = Field((), description="allgather: the part each member contributes; bundle: the boxes it carries")
     chunks: int = Field(1, ge=1, description="pipelined pieces of a broadcast")
     holders: tuple[int, ...] = Field((), exclude_if=lambda v: not v, description="bundle only: the device holding each part")
     needers: tuple[tuple[int, ...], ...] = Field((), exclude_if=lambda v: not v,
