@@ -217,3 +217,20 @@ def test_the_cli_compiles_with_coalesce_and_refuses_it_for_a_transfer(tmp_path):
     assert plan.solver.details["coalesce"] == "bundles of at most 65536 B"
     result = CliRunner().invoke(main, ["compile", "plans/weight_sync_small.problem.toml", "--coalesce"])
     assert result.exit_code == 2 and "--coalesce works on single-tensor problems only" in result.output, result.output
+
+
+@pytest.mark.parametrize("cells_per_bundle", [8, 9, 12, 16, 40])
+def test_bundles_hold_every_small_cross_host_cell_once_and_stay_within_the_bucket(cells_per_bundle):
+    from xmesh_plan.planner.coalesce import coalesce_cells
+    from xmesh_plan.planner.unit_tasks import decompose
+    prob = all_to_all()
+    bucket = cells_per_bundle * CELL_BYTES
+    cells = decompose(prob)
+    rest, bundles = coalesce_cells(cells, prob, bucket)
+    host = prob.cluster.host_of
+    cross = sorted(c.region for c in cells if host(c.senders[0]) != host(c.receivers[0]))
+    assert sorted(p for b in bundles for p in b.parts) == cross
+    assert sorted(c.region for c in rest) == sorted(c.region for c in cells if host(c.senders[0]) == host(c.receivers[0]))
+    assert all(b.nbytes(prob.itemsize) <= bucket for b in bundles)
+    assert len(bundles) == 12 * math.ceil(16 / cells_per_bundle)  # 12 host pairs of 16 cells each
+    assert coalesce_cells(cells, prob, 7 * CELL_BYTES)[1] == []  # cells above 1/8 of the bucket go on their own
