@@ -23,7 +23,7 @@ import numpy as np
 from xmesh_plan.schemas import Operation, Plan
 from xmesh_plan.schemas.geometry import Region, intersect, local_slices, region_shape, region_size
 from xmesh_plan.schemas.plan import format_region
-from xmesh_plan.schemas.op_kinds import chunk_bounds, nccl_group, rule_of, supported, tags_used
+from xmesh_plan.schemas.op_kinds import bundle_runs, chunk_bounds, nccl_group, rule_of, supported, tags_used
 from xmesh_plan.schemas.plan_check import TOLERANCE_S, PlanError, check_plan, describe, uncovered
 
 from .errors import PlanMismatchError
@@ -345,7 +345,54 @@ def _lower_ring(b: _Builder, op: Operation, base: int) -> None:
         b.record(op, box.region, done)
 
 
-_LOWER = supported("executor.lower", {"local": _lower_copy, "chain": _lower_chain, "ring": _lower_ring})
+def _lower_bundle(b: _Builder, op: Operation, base: int) -> None:
+    """The bundle of `op_kinds.route`: always through staging. The cross-host message is the parts in
+    index order; a holder packs each run it sends, src packs its own parts and receives the other runs
+    into their places, dsts[0] unpacks the parts it needs and sends each run on from where it landed,
+    and every other needer receives its runs and unpacks them. Tags: the route's, one per message."""
+    gathers, scatters = bundle_runs(op)
+    relay = op.dsts[0]
+    sizes = [math.prod(region_shape(p)) * b.itemsize for p in op.parts]
+    offsets = [0]
+    for size in sizes:
+        offsets.append(offsets[-1] + size)
+    cross = base + len(gathers)
+
+    def span(start: int, run: tuple[int, ...]) -> Bytes:
+        return Bytes("stage", start + offsets[run[0]], start + offsets[run[-1] + 1])
+
+    if b.device == op.src:
+        at = b.stage(offsets[-1])
+        ready = [b.add("pack", op, data=span(at, (i,)), box=b.box("src", part), piece=f"part {i}")
+                 for i, (part, holder) in enumerate(zip(op.parts, op.holders)) if holder == b.device]
+        ready += [b.add("recv", op, peer=h, tag=base + k, data=span(at, run), piece=f"gather {k}")
+                  for k, (h, run) in enumerate(gathers)]
+        b.add("send", op, deps=tuple(ready), peer=relay, tag=cross, data=Bytes("stage", at, at + offsets[-1]), piece="bundle")
+        return
+    for k, (h, run) in enumerate(gathers):
+        if h == b.device:
+            at = b.stage(offsets[run[-1] + 1] - offsets[run[0]]) - offsets[run[0]]
+            packs = tuple(b.add("pack", op, data=span(at, (i,)), box=b.box("src", op.parts[i]), piece=f"part {i}") for i in run)
+            b.add("send", op, deps=packs, peer=op.src, tag=base + k, data=span(at, run), piece=f"gather {k}")
+    if b.device == relay:
+        at = b.stage(offsets[-1])
+        recv = b.add("recv", op, peer=op.src, tag=cross, data=Bytes("stage", at, at + offsets[-1]), piece="bundle")
+        for i, (part, needers) in enumerate(zip(op.parts, op.needers)):
+            if relay in needers:
+                b.record(op, part, [b.add("unpack", op, deps=(recv,), data=span(at, (i,)), box=b.box("dst", part), piece=f"part {i}")])
+        for j, (d, run) in enumerate(scatters):
+            b.add("send", op, deps=(recv,), peer=d, tag=cross + 1 + j, data=span(at, run), piece=f"scatter {j}")
+        return
+    for j, (d, run) in enumerate(scatters):
+        if d == b.device:
+            at = b.stage(offsets[run[-1] + 1] - offsets[run[0]]) - offsets[run[0]]
+            recv = b.add("recv", op, peer=relay, tag=cross + 1 + j, data=span(at, run), piece=f"scatter {j}")
+            for i in run:
+                box = b.box("dst", op.parts[i])
+                b.record(op, op.parts[i], [b.add("unpack", op, deps=(recv,), data=span(at, (i,)), box=box, piece=f"part {i}")])
+
+
+_LOWER = supported("executor.lower", {"local": _lower_copy, "chain": _lower_chain, "ring": _lower_ring, "bundle": _lower_bundle})
 
 
 def lower(plan: Plan, device: int, tag_limit: int | None = None, first_tag: int = 0) -> RankProgram:

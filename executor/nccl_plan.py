@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from .errors import PlanMismatchError
 from .lower import Box, RankProgram
 
 MAX_CALL_BYTES = 1 << 30
@@ -87,6 +88,9 @@ def split_calls(ranges, itemsize: int, limit: int | None = None) -> list[tuple[i
 
 def nccl_program(program: RankProgram) -> NcclProgram:
     """The calls `program.device` makes, in plan order, from the lowered program's collectives."""
+    if any(s.kind == "bundle" for s in program.steps):
+        raise PlanMismatchError("the nccl engine does not run bundle operations (a plan compiled with --coalesce); "
+                                "run it with the mpi or torch engine, or compile without --coalesce")
     actions: list[Copy | Bcast] = []
     stage = 0
     for call in program.collectives:

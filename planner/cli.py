@@ -109,9 +109,13 @@ def problem_from_flags(problem_file, shape, dtype, src_mesh, src_spec, dst_mesh,
 @click.option("--no-merge", is_flag=True, help="keep every cut-point cell as its own unit task")
 @click.option("--split-hosts", is_flag=True,
               help="one unit task per receiving host, each sent from a holder on its own (weight sync: FSDP -> TP replicas)")
+@click.option("--coalesce", is_flag=True,
+              help="send small boxes between two hosts in bundles: gathered on one device, one cross-host message, scattered")
+@click.option("--bucket-mb", default=4.0, show_default=True, type=click.FloatRange(min=0.001, max=4096),
+              help="with --coalesce: the most MiB in one bundle (boxes above 1/8 of it are sent on their own)")
 @max_tasks_option
 def compile_command(problem_file, output, shape, dtype, src_mesh, src_spec, dst_mesh, dst_spec, strategy, solver, seed, time_limit, no_merge,
-                    split_hosts, max_tasks):
+                    split_hosts, coalesce, bucket_mb, max_tasks):
     """Compile a resharding problem into a verified plan.
 
     A PROBLEM file with a `tensors` list moves many named tensors in one plan (docs/format.md).
@@ -124,9 +128,12 @@ def compile_command(problem_file, output, shape, dtype, src_mesh, src_spec, dst_
                          --dst-mesh 2x4 --dst-spec "S0 R R" -o case3.plan.json
     """
     problem = problem_from_flags(problem_file, shape, dtype, src_mesh, src_spec, dst_mesh, dst_spec)
+    if coalesce and isinstance(problem, TransferProblem):
+        raise InputError("--coalesce works on single-tensor problems only; compile this transfer without --coalesce")
     with progress("compiling") as timing:
         plan = compile_plan(problem, strategy=strategy, solver=solver, seed=seed, time_limit_s=time_limit, merge=not no_merge,
-                            on_stage=timing["stage"], max_tasks=max_tasks, split_hosts=split_hosts)
+                            on_stage=timing["stage"], max_tasks=max_tasks, split_hosts=split_hosts, coalesce=coalesce,
+                            bucket_bytes=int(bucket_mb * 2**20))
     report = verify_plan(plan)
     if output == "-":
         sys.stdout.write(plan.to_json())

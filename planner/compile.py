@@ -11,6 +11,7 @@ from xmesh_plan.schemas.transfer import TransferProblem
 
 from . import __version__
 from .bounds import joint_lower_bound
+from .coalesce import DEFAULT_BUCKET_BYTES, BundleCell, bundle_task, coalesce_cells
 from .scheduling import Option, Schedule, SchedulingTask
 from .simulate import nic_assignment, simulate
 from .solvers import solve
@@ -119,7 +120,7 @@ def assemble_joint(problem: ReshardingProblem | TransferProblem, works: list[Ten
                                      item[3].src or 0, item[3].dsts))
     operations = tuple(
         Operation(id=i, task=task, tensor=tensor, kind=op.kind, src=op.src, dsts=op.dsts, region=op.region, parts=op.parts,
-                  chunks=op.chunks, start_s=round(at, DIGITS), end_s=round(at + op.duration_s, DIGITS))
+                  chunks=op.chunks, holders=op.holders, needers=op.needers, start_s=round(at, DIGITS), end_s=round(at + op.duration_s, DIGITS))
         for i, (at, task, tensor, op) in enumerate(timed_ops))
     host_order = tuple(HostOrder(host=h, side=s, tasks=tuple(t for _, t in sorted(v))) for (h, s), v in sorted(per_resource.items()))
     operations, timed_by = _simulated(operations, problem, nic_assignment(host_order))
@@ -175,18 +176,31 @@ def _retimed_tasks(tasks: list[UnitTask], operations: tuple[Operation, ...]) -> 
     return [t.model_copy(update=dict(zip(("start_s", "end_s"), spans[t.id]))) if t.id in spans else t for t in tasks]
 
 
+def _bundle_options(bundles: list[BundleCell], problem: ReshardingProblem, first_id: int) -> list[TaskOptions]:
+    """One scheduling task per bundle, numbered from `first_id` after the tensor's other tasks."""
+    out = []
+    for k, bundle in enumerate(bundles):
+        result, task = bundle_task(bundle, k, problem, first_id + k)
+        out.append(TaskOptions(bundle, (("bundle", result),), task))
+    return out
+
+
 def _quiet(stage: str) -> None:
     del stage
 
 
 def compile_plan(problem: ReshardingProblem | TransferProblem, strategy: str = "broadcast", solver: str = "auto", seed: int = 0,
                  time_limit_s: float = 10.0, merge: bool = True, on_stage: Callable[[str], None] = _quiet,
-                 max_tasks: int | None = DEFAULT_MAX_TASKS, split_hosts: bool = False) -> Plan:
+                 max_tasks: int | None = DEFAULT_MAX_TASKS, split_hosts: bool = False, coalesce: bool = False,
+                 bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> Plan:
     """Compile a plan; same inputs give a byte-identical plan. `on_stage` hears each step's name (for progress).
     A problem that could cut into more than `max_tasks` unit tasks (all tensors together) is refused up
     front (TooManyTasksError). A `TransferProblem`'s tensors are cut one by one and scheduled together.
     `split_hosts`: one unit task per receiving host (`unit_tasks.split_by_receiver_host`; recorded in
-    `solver.details`), as many tasks per box as it has receiving hosts."""
+    `solver.details`), as many tasks per box as it has receiving hosts. `coalesce`: small cells between
+    two hosts travel in bundles of at most `bucket_bytes` (`planner/coalesce.py`; single-tensor problems only)."""
+    if coalesce and isinstance(problem, TransferProblem):
+        raise ValueError("coalesce works on single-tensor problems only; compile this transfer without --coalesce")
     on_stage("cutting unit tasks")
     singles = problem.tensor_problems()
     check_joint_task_count(singles, max_tasks)
@@ -196,7 +210,11 @@ def compile_plan(problem: ReshardingProblem | TransferProblem, strategy: str = "
     works, first = [], 0
     for index, single, mine in zip(indices, singles, cells):  # the bound and copies come from the cells as cut
         tasks_of = split_by_receiver_host(mine, problem.cluster) if split_hosts else mine
+        bundles = []
+        if coalesce:
+            tasks_of, bundles = coalesce_cells(tasks_of, single, bucket_bytes)
         options = task_options(single, tasks_of, strategy, first_id=first)
+        options += _bundle_options(bundles, single, first + len(options))
         works.append(TensorWork(index, single, mine, options))
         first += len(options)
     tasks = [o.scheduling for w in works for o in w.options]
@@ -205,4 +223,6 @@ def compile_plan(problem: ReshardingProblem | TransferProblem, strategy: str = "
     on_stage("timing operations and assembling the plan")
     if split_hosts:  # recorded only when on, so plans compiled without it are unchanged
         schedule = dataclasses.replace(schedule, details={**schedule.details, "split_hosts": "one unit task per receiving host"})
+    if coalesce:
+        schedule = dataclasses.replace(schedule, details={**schedule.details, "coalesce": f"bundles of at most {bucket_bytes} B"})
     return assemble_joint(problem, works, schedule, strategy, seed)

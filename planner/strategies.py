@@ -35,6 +35,8 @@ class PlannedOp:
     parts: tuple[Region, ...] = ()
     chunks: int = 1
     offset_s: float = 0.0
+    holders: tuple[int, ...] = ()  # a bundle's (planner/coalesce.py)
+    needers: tuple[tuple[int, ...], ...] = ()
     duration_s: float = 0.0
 
 

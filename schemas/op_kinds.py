@@ -27,7 +27,7 @@ from typing import Callable, Literal, Mapping, Protocol, TypeVar
 from .geometry import Region, region_size
 
 Shard = Literal["src", "dst"]
-Pattern = Literal["local", "chain", "ring"]
+Pattern = Literal["local", "chain", "ring", "bundle"]
 
 
 class OpLike(Protocol):
@@ -39,13 +39,16 @@ class OpLike(Protocol):
     region: Region
     parts: tuple[Region, ...]
     chunks: int
+    holders: tuple[int, ...]
+    needers: tuple[tuple[int, ...], ...]
 
 
 @dataclass(frozen=True, slots=True)
 class OpKindRule:
     """The facts of one operation kind that are not read off the operation itself."""
 
-    pattern: Pattern  # local: src copies into its own destination shard; chain: src -> dsts[0] -> dsts[1] -> ...; ring: dsts[i] -> dsts[i+1]
+    pattern: Pattern  # local: src copies into its own destination shard; chain: src -> dsts[0] -> dsts[1] -> ...; ring: dsts[i] -> dsts[i+1];
+    # bundle: holders -> src (gather inside the sending host), src -> dsts[0] (one cross-host message), dsts[0] -> needers (scatter)
     has_src: bool  # `src` is a device (else null)
     min_dsts: int
     max_dsts: int | None  # None: no limit
@@ -64,6 +67,9 @@ OP_KINDS: dict[str, OpKindRule] = {
                             meaning="src sends the box down the chain dsts in `chunks` pipelined pieces"),
     "allgather": OpKindRule("ring", has_src=False, min_dsts=2, max_dsts=None, chunked=False, has_parts=True,
                             meaning="member dsts[i] holds parts[i]; in n-1 ring steps each member passes the part it got last to the next"),
+    "bundle": OpKindRule("bundle", has_src=True, min_dsts=1, max_dsts=1, chunked=False, has_parts=False,
+                         meaning="holders[i] (on src's host) hold parts[i] in their source shards; src gathers them, sends them "
+                                 "to dsts[0] in one message, which scatters part i to every device in needers[i] (on its host)"),
 }
 
 
@@ -96,7 +102,10 @@ def rule_of(op: OpLike) -> OpKindRule:
 
 
 def members(op: OpLike) -> tuple[int, ...]:
-    """Every device an operation involves, once each: the sender, then `dsts` in order."""
+    """Every device an operation involves, once each: the sender, then `dsts` in order (a bundle's
+    holders after its sender, its needers after its receiving relay)."""
+    if rule_of(op).pattern == "bundle":
+        return tuple(dict.fromkeys((op.src, *op.holders, op.dsts[0], *(d for n in op.needers for d in n))))
     head = (op.src,) if op.src is not None and op.src not in op.dsts else ()
     return head + tuple(op.dsts)
 
@@ -111,6 +120,8 @@ def reads(op: OpLike) -> tuple[tuple[int, Shard, Region], ...]:
     shard, or each member's own part of its destination shard (which it must hold when the operation starts)."""
     if rule_of(op).has_parts:
         return tuple((d, "dst", part) for d, part in zip(op.dsts, op.parts))
+    if rule_of(op).pattern == "bundle":
+        return tuple((h, "src", part) for h, part in zip(op.holders, op.parts))
     return ((op.src, "src", op.region),)
 
 
@@ -119,6 +130,8 @@ def writes(op: OpLike) -> tuple[tuple[int, Region, Region | None], ...]:
     (the part an all-gather member already holds)."""
     if rule_of(op).has_parts:
         return tuple((d, op.region, part) for d, part in zip(op.dsts, op.parts))
+    if rule_of(op).pattern == "bundle":
+        return tuple((d, part, None) for part, needers in zip(op.parts, op.needers) for d in needers)
     return tuple((d, op.region, None) for d in op.dsts)
 
 
@@ -148,6 +161,61 @@ def _ring_route(op: OpLike) -> tuple[Hop, ...]:
                  for s in range(n - 1) for i in range(n))
 
 
+Run = tuple[int, tuple[int, ...]]
+"""(device, consecutive part indices): one intra-host message of a bundle."""
+
+
+def bundle_runs(op: OpLike) -> tuple[tuple[Run, ...], tuple[Run, ...]]:
+    """(gathers, scatters) of a bundle: each holder other than src sends every maximal run of consecutive
+    parts it holds to src in one message; dsts[0] sends each needer other than itself every maximal run
+    of consecutive parts it needs in one message (needers in order of first need). The cross-host
+    message carries the parts in index order, so each run is one contiguous piece of it.
+
+    >>> from xmesh_plan.schemas.plan import Operation
+    >>> op = Operation(id=0, task=0, kind="bundle", src=0, dsts=(4,), region=((0, 4),), parts=(((0, 1),), ((1, 2),), ((2, 3),), ((3, 4),)),
+    ...                holders=(0, 1, 1, 0), needers=((5,), (5,), (4, 6), (5,)))
+    >>> bundle_runs(op)
+    (((1, (1, 2)),), ((5, (0, 1)), (5, (3,)), (6, (2,))))
+    """
+    gathers: list[Run] = []
+    for i, h in enumerate(op.holders):
+        if h == op.src:
+            continue
+        if gathers and gathers[-1][0] == h and gathers[-1][1][-1] == i - 1:
+            gathers[-1] = (h, gathers[-1][1] + (i,))
+        else:
+            gathers.append((h, (i,)))
+    relay = op.dsts[0]
+    order = list(dict.fromkeys(d for needers in op.needers for d in needers if d != relay))
+    scatters: list[Run] = []
+    for d in order:
+        for i, needers in enumerate(op.needers):
+            if d not in needers:
+                continue
+            if scatters and scatters[-1][0] == d and scatters[-1][1][-1] == i - 1:
+                scatters[-1] = (d, scatters[-1][1] + (i,))
+            else:
+                scatters.append((d, (i,)))
+    return tuple(gathers), tuple(scatters)
+
+
+def _bundle_route(op: OpLike) -> tuple[Hop, ...]:
+    """Gathers (no waiting inside the operation), the cross-host message after all of them, then the
+    scatters after it; every message has its own tag (a needer may get several runs from one relay)."""
+    gathers, scatters = bundle_runs(op)
+    sizes = [region_size(p) for p in op.parts]
+    out = [Hop(h, op.src, k, k, sum(sizes[i] for i in run), 1, (), True) for k, (h, run) in enumerate(gathers)]
+    cross = len(out)
+    out.append(Hop(op.src, op.dsts[0], 0, cross, sum(sizes), 1, tuple(range(cross)), True))
+    out += [Hop(op.dsts[0], d, j, cross + 1 + j, sum(sizes[i] for i in run), 1, (cross,), False)
+            for j, (d, run) in enumerate(scatters)]
+    return tuple(out)
+
+
+def _bundle_pairs(op: OpLike) -> tuple[tuple[int, int], ...]:
+    return tuple(dict.fromkeys((h.src, h.dst) for h in _bundle_route(op)))
+
+
 def _chain_pairs(op: OpLike) -> tuple[tuple[int, int], ...]:
     chain = (op.src, *op.dsts)
     return tuple(zip(chain, chain[1:]))
@@ -169,6 +237,7 @@ _PATTERNS: dict[str, _PatternFacts] = {
     "local": _PatternFacts(_local_route, lambda op: (), lambda op: 0),
     "chain": _PatternFacts(_chain_route, _chain_pairs, lambda op: op.chunks),
     "ring": _PatternFacts(_ring_route, _ring_pairs, lambda op: len(op.dsts) - 1),
+    "bundle": _PatternFacts(_bundle_route, _bundle_pairs, lambda op: len(_bundle_route(op))),
 }
 
 
@@ -199,7 +268,7 @@ def wire_pairs(op: OpLike) -> tuple[tuple[int, int], ...]:
 
 def tags_used(op: OpLike) -> int:
     """How many message tags an operation owns: one per broadcast chunk (a send is one chunk), one per
-    all-gather ring step, none for a copy. Tags count up through the plan, so no two messages between
+    all-gather ring step, one per message of a bundle, none for a copy. Tags count up through the plan, so no two messages between
     one pair share a tag."""
     return _facts(op).tags(op)
 
@@ -229,7 +298,9 @@ def parties(op: OpLike) -> str:
 
 
 def chunk_label(op: OpLike) -> str:
-    """` K=4` for a kind cut into chunks, else empty: the end of an operation's text form."""
+    """` K=4` for a kind cut into chunks, ` 64 parts` for a bundle, else empty: the end of an operation's text form."""
+    if rule_of(op).pattern == "bundle":
+        return f" {len(op.parts)} parts"
     return f" K={op.chunks}" if rule_of(op).chunked else ""
 
 

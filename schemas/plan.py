@@ -10,6 +10,9 @@ each means, who takes part, the messages it sends):
 - `broadcast`: `src` sends the box down the chain `dsts` in `chunks` pipelined pieces.
 - `allgather`: every member in `dsts` already holds `parts[i]` in its destination shard; afterwards
   each holds all of `region` (the union of the parts), passed round the ring `dsts` in n-1 steps.
+- `bundle` (`compile --coalesce`): `holders[i]`, on the host of `src`, holds `parts[i]`; `src` gathers
+  the parts over the intra-host links, sends them to `dsts[0]` in one cross-host message, and that
+  device scatters part i to every device in `needers[i]` on its host. `region` bounds the parts.
 """
 
 from __future__ import annotations
@@ -30,8 +33,8 @@ from .transfer import TransferProblem
 from .validation import describe_validation_error
 
 SCHEMA_VERSION = 1
-OpKind = Literal[tuple(OP_KINDS)]  # type: ignore[valid-type]  # "copy", "send", "broadcast", "allgather": the table's rows
-StrategyName = Literal["broadcast", "send_recv", "local_allgather", "global_allgather"]
+OpKind = Literal[tuple(OP_KINDS)]  # type: ignore[valid-type]  # "copy", "send", "broadcast", "allgather", "bundle": the table's rows
+StrategyName = Literal["broadcast", "send_recv", "local_allgather", "global_allgather", "bundle"]
 _FROZEN = ConfigDict(frozen=True, extra="forbid")
 TensorIndex = Annotated[int | None, Field(None, ge=0, exclude_if=lambda v: v is None,
                                           description="multi-tensor plans: index into problem.tensors (absent otherwise)")]
@@ -63,8 +66,11 @@ class Operation(BaseModel):
     src: int | None = Field(None, description="sending device for copy/send/broadcast; None for allgather")
     dsts: tuple[int, ...] = Field(description="receiving devices; the chain order for a broadcast, the members for an allgather")
     region: Region
-    parts: tuple[Region, ...] = Field((), description="allgather only: the part each member contributes")
+    parts: tuple[Region, ...] = Field((), description="allgather: the part each member contributes; bundle: the boxes it carries")
     chunks: int = Field(1, ge=1, description="pipelined pieces of a broadcast")
+    holders: tuple[int, ...] = Field((), exclude_if=lambda v: not v, description="bundle only: the device holding each part")
+    needers: tuple[tuple[int, ...], ...] = Field((), exclude_if=lambda v: not v,
+                                                 description="bundle only: the devices needing each part")
     start_s: float = 0.0
     end_s: float = 0.0
 

@@ -147,6 +147,7 @@ class _Shards:
     def __init__(self, problem: ReshardingProblem):
         self.blocks = {"src": problem.blocks("src"), "dst": problem.blocks("dst")}
         self.shape = problem.shape
+        self.host_of = problem.cluster.host_of
 
     def require(self, op: Operation, device: int, side: str, box: Region, role: str) -> None:
         """`device` must hold `box` in its `side` shard (role "sends") or have room for it there ("receives")."""
@@ -187,8 +188,36 @@ def _check_devices(op: Operation, rule: OpKindRule, shards: _Shards) -> None:
         shards.require(op, device, "dst", box, "receives")
 
 
+def _check_bundle(op: Operation, rule: OpKindRule, shards: _Shards) -> None:
+    """A bundle's parts: each non-empty inside `region`, with a holder on the sending relay's host and at
+    least one needer on the receiving relay's host, on two different hosts; each relay is one of its side's devices."""
+    if rule.pattern != "bundle":
+        if op.holders or op.needers:
+            raise PlanError(f"{describe(op)}: only a bundle has holders and needers; drop them")
+        return
+    if not op.parts or len(op.holders) != len(op.parts) or len(op.needers) != len(op.parts):
+        raise PlanError(f"{describe(op)}: a bundle needs one holder and one needers list per part, "
+                        f"got {len(op.parts)} parts, {len(op.holders)} holders, {len(op.needers)} needers")
+    host_of, relay = shards.host_of, op.dsts[0]
+    if host_of(op.src) == host_of(relay):
+        raise PlanError(f"{describe(op)}: relays d{op.src} and d{relay} are on one host; a bundle crosses hosts, use sends inside one")
+    for part, holder, needers in zip(op.parts, op.holders, op.needers):
+        shards.check_box(op, "part", part)
+        if not region_size(part) or not _inside(part, op.region):
+            raise PlanError(f"{describe(op)}: part {format_region(part)} is empty or outside {format_region(op.region)}")
+        if host_of(holder) != host_of(op.src):
+            raise PlanError(f"{describe(op)}: holder d{holder} of part {format_region(part)} is not on the host of relay d{op.src}")
+        if not needers or len(set(needers)) != len(needers) or any(host_of(d) != host_of(relay) for d in needers):
+            raise PlanError(f"{describe(op)}: needers {list(needers)} of part {format_region(part)} must be distinct devices "
+                            f"on the host of relay d{relay}, at least one")
+    if op.src not in op.holders or not any(relay in n for n in op.needers):
+        raise PlanError(f"{describe(op)}: relays d{op.src} and d{relay} must hold and need a part of the bundle themselves")
+
+
 def _check_parts(op: Operation, rule: OpKindRule, shards: _Shards) -> None:
     """All-gather parts: one per member, inside the box, tiling it exactly (no gap, no overlap)."""
+    if rule.pattern == "bundle":
+        return
     if not rule.has_parts:
         if op.parts:
             raise PlanError(f"{describe(op)}: only {_kinds_that('has_parts')} has parts; drop them")
@@ -241,6 +270,7 @@ def _check_operation(op: Operation, shards: _Shards) -> None:
     if op.chunks > min(MAX_CHUNKS, elements):
         raise PlanError(f"{describe(op)}: chunks {op.chunks} is above {min(MAX_CHUNKS, elements)}, the most for a box of "
                         f"{elements} elements (at most {MAX_CHUNKS}, and at most one element per chunk)")
+    _check_bundle(op, rule, shards)
     _check_devices(op, rule, shards)
     _check_parts(op, rule, shards)
 

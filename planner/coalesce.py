@@ -1,0 +1,122 @@
+"""Coalesced messages (`compile --coalesce`): many small cells between two hosts become a few bundles.
+
+A cell qualifies when it is small (at most `bucket_bytes / SMALL_FRACTION`), held on one host only,
+needed on one other host only, and copied locally nowhere. Qualifying cells are grouped by (sending
+host, receiving host), in cell order, into bundles of at most `bucket_bytes`. A bundle is one
+operation (`schemas.op_kinds`, kind `bundle`): its holders send their parts to a relay over the
+intra-host links, the relay sends all of them across in one message, and the receiving relay scatters
+them; so a host pair exchanges a few large messages instead of thousands of small ones. Each bundle
+is one scheduling task holding the two NIC sides for its cross-host message. Other cells are planned as before.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from xmesh_plan.schemas import ReshardingProblem
+from xmesh_plan.schemas.geometry import Region
+
+from .scheduling import Option, SchedulingTask
+from .strategies import PlannedOp, StrategyResult
+from .unit_tasks import Cell
+
+DEFAULT_BUCKET_BYTES = 4 * 2**20
+SMALL_FRACTION = 8  # a cell above bucket_bytes / 8 already amortises the per-message cost; it is sent on its own
+
+
+@dataclass(frozen=True, slots=True)
+class BundleCell:
+    """The cells of one bundle, seen as one unit task: `region` bounds them, `parts` are their boxes.
+
+    Read where a `Cell` is (`compile.assemble_joint`): same fields, `nbytes` the parts' total."""
+
+    region: Region
+    parts: tuple[Region, ...]
+    holders: tuple[int, ...]
+    needers: tuple[tuple[int, ...], ...]
+    senders: tuple[int, ...]
+    receivers: tuple[int, ...]
+    local_copies: tuple[int, ...] = ()
+    merged_cells: int = 1
+
+    def nbytes(self, itemsize: int) -> int:
+        return sum(math.prod(b - a for a, b in part) for part in self.parts) * itemsize
+
+
+def _hosts(devices: tuple[int, ...], problem: ReshardingProblem) -> set[int]:
+    return {problem.cluster.host_of(d) for d in devices}
+
+
+def qualifies(cell: Cell, problem: ReshardingProblem, bucket_bytes: int) -> bool:
+    """Small, held on one host, needed on one other host, no local copy."""
+    if not cell.receivers or not cell.senders or cell.local_copies:
+        return False
+    if cell.nbytes(problem.itemsize) * SMALL_FRACTION > bucket_bytes:
+        return False
+    send, recv = _hosts(cell.senders, problem), _hosts(cell.receivers, problem)
+    return len(send) == 1 and len(recv) == 1 and send != recv
+
+
+def coalesce_cells(cells: list[Cell], problem: ReshardingProblem, bucket_bytes: int) -> tuple[list[Cell], list[BundleCell]]:
+    """(cells planned as before, bundles): qualifying cells grouped per host pair, in cell order, into
+    bundles of at most `bucket_bytes`."""
+    if bucket_bytes < problem.itemsize:
+        raise ValueError(f"bucket_bytes {bucket_bytes} is below one element ({problem.itemsize} B); use --bucket-mb 4")
+    rest, groups = [], {}
+    for cell in cells:
+        if qualifies(cell, problem, bucket_bytes):
+            pair = (problem.cluster.host_of(cell.senders[0]), problem.cluster.host_of(cell.receivers[0]))
+            groups.setdefault(pair, []).append(cell)
+        else:
+            rest.append(cell)
+    bundles = []
+    for pair in sorted(groups):
+        batch, size = [], 0
+        for cell in groups[pair]:
+            nbytes = cell.nbytes(problem.itemsize)
+            if batch and size + nbytes > bucket_bytes:
+                bundles.append(_bundle(batch))
+                batch, size = [], 0
+            batch.append(cell)
+            size += nbytes
+        bundles.append(_bundle(batch))
+    return rest, bundles
+
+
+def _bundle(cells: list[Cell]) -> BundleCell:
+    """Parts sorted by (holder, needers, box), so each holder's parts are one run (one gather message);
+    relays rotate over the holders and needers, so no one device relays every bundle of its host."""
+    rows = sorted((min(c.senders), c.receivers, c.region, c.merged_cells) for c in cells)
+    holders = tuple(r[0] for r in rows)
+    needers = tuple(r[1] for r in rows)
+    parts = tuple(r[2] for r in rows)
+    ndim = len(parts[0])
+    region = tuple((min(p[d][0] for p in parts), max(p[d][1] for p in parts)) for d in range(ndim))
+    senders = tuple(sorted(set(holders)))
+    receivers = tuple(sorted({d for n in needers for d in n}))
+    return BundleCell(region, parts, holders, needers, senders, receivers, (), sum(r[3] for r in rows))
+
+
+def relays(bundle: BundleCell, index: int) -> tuple[int, int]:
+    """(sending relay, receiving relay): a holder and a needer, rotated by the bundle's index."""
+    return bundle.senders[index % len(bundle.senders)], bundle.receivers[index % len(bundle.receivers)]
+
+
+def bundle_result(bundle: BundleCell, index: int, problem: ReshardingProblem) -> tuple[StrategyResult, Option]:
+    """The bundle's one operation and its scheduling option: the NIC sides for the cross-host message's time."""
+    cluster = problem.cluster
+    src, dst = relays(bundle, index)
+    nbytes = bundle.nbytes(problem.itemsize)
+    nic_s = cluster.latency_s + nbytes / min(cluster.send_bytes_per_s, cluster.recv_bytes_per_s)
+    op = PlannedOp("bundle", src, (dst,), bundle.region, parts=bundle.parts, holders=bundle.holders,
+                   needers=bundle.needers, duration_s=nic_s)
+    sh, rh = cluster.host_of(src), cluster.host_of(dst)
+    resources = frozenset({(sh, "send"), (rh, "recv")})
+    return StrategyResult((op,), nic_s, resources), Option(sh, src, nic_s, resources)
+
+
+def bundle_task(bundle: BundleCell, index: int, problem: ReshardingProblem, task_id: int) -> tuple[StrategyResult, SchedulingTask]:
+    """`bundle_result` as a scheduling task with one option (its relays are fixed)."""
+    result, option = bundle_result(bundle, index, problem)
+    return result, SchedulingTask(task_id, (option,))

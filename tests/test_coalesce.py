@@ -1,0 +1,236 @@
+"""`compile --coalesce`: bundles verify, are refused when broken, run bit-exact, and cut the cross-host
+message count to what a brute-force count over the tensor's elements says."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings, strategies as st
+
+from xmesh_plan.executor.errors import PlanMismatchError
+from xmesh_plan.executor.lower import lower
+from xmesh_plan.executor.nccl_plan import nccl_program
+from xmesh_plan.executor.ranks import plan_devices
+from xmesh_plan.planner.compile import compile_plan
+from xmesh_plan.planner.verify import PlanError, verify_plan
+from xmesh_plan.schemas import load_plan
+from xmesh_plan.schemas.op_kinds import bundle_runs
+from test_executor_cases import problem, random_problem
+from test_executor_sim import simulate
+
+CELL_ELEMENTS = 16 * 4 * 2  # one cell of the all-to-all below
+CELL_BYTES = CELL_ELEMENTS * 4
+BUCKET = 8 * CELL_BYTES  # 16 cells per host pair: two bundles each
+
+
+def all_to_all(dtype: str = "int32"):
+    """4 hosts of 8 devices; 16 source devices (4 per host) -> 16 destination devices (4 per host), every pair talks."""
+    src = [8 * h + k for h in range(4) for k in range(4)]
+    dst = [8 * h + 4 + k for h in range(4) for k in range(4)]
+    return problem("a2a", (64, 64, 8), (4, 4), src, "S0 R S1", (4, 4), dst, "R S01 R", dtype=dtype, devices_per_host=8)
+
+
+def coalesced(prob, bucket: int = BUCKET, **kw):
+    return compile_plan(prob, solver="greedy", seed=0, coalesce=True, bucket_bytes=bucket, **kw)
+
+
+def _host_pair_bytes(prob) -> dict[tuple[int, int], int]:
+    """Brute force over every element: bytes each (holding host, needing host) pair must move, from
+    numpy masks of the shards; an element is charged to the one host holding it (here each element has one)."""
+    shape, host_of = prob.shape, prob.cluster.host_of
+    held = np.full(shape, -1)
+    for d, block in prob.blocks("src").items():
+        held[tuple(slice(a, b) for a, b in block)] = host_of(d)
+    out: dict[tuple[int, int], int] = {}
+    for d, block in prob.blocks("dst").items():
+        sub = held[tuple(slice(a, b) for a, b in block)]
+        for h in np.unique(sub):
+            if h != host_of(d):
+                key = (int(h), host_of(d))
+                out[key] = out.get(key, 0) + int((sub == h).sum()) * prob.itemsize
+    return out
+
+
+def _cross_host_sends(plan) -> dict[int, int]:
+    """Cross-host send steps per sending host, from every device's lowered program."""
+    host_of, out = plan.problem.cluster.host_of, {}
+    for d in plan_devices(plan):
+        for s in lower(plan, d).steps:
+            if s.action == "send" and host_of(s.peer) != host_of(d):
+                out[host_of(d)] = out.get(host_of(d), 0) + 1
+    return out
+
+
+def test_all_to_all_bundles_verify_and_send_one_message_per_bundle():
+    prob = all_to_all()
+    plan = coalesced(prob)
+    verify_plan(plan)
+    assert "bundle" in {op.kind for op in plan.operations}
+    pair_bytes = _host_pair_bytes(prob)
+    expected: dict[int, int] = {}
+    for (h, _), nbytes in pair_bytes.items():  # the host pair's bytes in bundles of at most BUCKET (every cell is CELL_BYTES)
+        expected[h] = expected.get(h, 0) + math.ceil(nbytes / BUCKET)
+    assert _cross_host_sends(plan) == expected
+    plain = compile_plan(prob, solver="greedy", seed=0)
+    assert max(_cross_host_sends(plain).values()) == max(pair_bytes_per_host(pair_bytes).values()) // CELL_BYTES
+    assert max(expected.values()) < max(_cross_host_sends(plain).values())
+
+
+def pair_bytes_per_host(pair_bytes):
+    out: dict[int, int] = {}
+    for (h, _), nbytes in pair_bytes.items():
+        out[h] = out.get(h, 0) + nbytes
+    return out
+
+
+def test_same_input_gives_a_byte_identical_plan_and_plain_plans_have_no_bundle_fields():
+    assert coalesced(all_to_all()).to_json() == coalesced(all_to_all()).to_json()
+    plain = compile_plan(all_to_all(), solver="greedy", seed=0).to_json()
+    assert "holders" not in plain and "needers" not in plain and "coalesce" not in plain
+
+
+def test_coalesced_plan_predicts_less_than_the_plain_one():
+    prob = all_to_all()
+    assert coalesced(prob, bucket=2**20).predicted_seconds < compile_plan(prob, solver="greedy", seed=0).predicted_seconds
+
+
+def _first_bundle(plan):
+    return next(op for op in plan.operations if op.kind == "bundle")
+
+
+def _mutated(plan, update):
+    """The plan with its first bundle changed by `update(op)`."""
+    ops = list(plan.operations)
+    k = ops.index(_first_bundle(plan))
+    ops[k] = ops[k].model_copy(update=update(ops[k]))
+    return plan.model_copy(update={"operations": tuple(ops)})
+
+
+def test_a_dropped_part_is_refused_naming_the_operation():
+    plan = coalesced(all_to_all())
+    op = _first_bundle(plan)
+    broken = _mutated(plan, lambda op: {"parts": op.parts[1:], "holders": op.holders[1:], "needers": op.needers[1:]})
+    with pytest.raises(PlanError, match=rf"destination device {op.needers[0][0]} never receives"):
+        verify_plan(broken)
+    short = _mutated(plan, lambda op: {"holders": op.holders[1:]})
+    with pytest.raises(PlanError, match=rf"operation {op.id} .*one holder and one needers list per part"):
+        verify_plan(short)
+
+
+def test_a_wrong_holder_is_refused_naming_the_operation_and_device():
+    plan = coalesced(all_to_all())
+    op = _first_bundle(plan)
+    same_host = [d for d in plan.problem.src.mesh.devices if plan.problem.cluster.host_of(d) == plan.problem.cluster.host_of(op.src)]
+    other = next(d for d in same_host if d != op.holders[0])
+    with pytest.raises(PlanError, match=rf"operation {op.id} .*device {other} sends .* which it does not hold"):
+        verify_plan(_mutated(plan, lambda o: {"holders": (other,) + o.holders[1:]}))
+    far = next(d for d in plan.problem.src.mesh.devices if plan.problem.cluster.host_of(d) != plan.problem.cluster.host_of(op.src))
+    with pytest.raises(PlanError, match=rf"operation {op.id} .*holder d{far} .* is not on the host of relay"):
+        verify_plan(_mutated(plan, lambda o: {"holders": (far,) + o.holders[1:]}))
+    with pytest.raises(PlanError, match=rf"operation {op.id} .*needers \[{op.src}\]"):
+        verify_plan(_mutated(plan, lambda o: {"needers": ((o.src,),) + o.needers[1:]}))
+
+
+@pytest.mark.parametrize("order", ["posted", "device"])
+@pytest.mark.parametrize("dtype", ["int32", "bfloat16", "complex128"])
+def test_all_to_all_runs_bit_exact(order, dtype):
+    prob = all_to_all(dtype)
+    plan = coalesced(prob, bucket=12 * CELL_ELEMENTS * prob.itemsize)  # bundles of 12 cells and of 4
+    assert any(op.kind == "bundle" for op in plan.operations)
+    out = simulate(plan, iterations=2, order=order)
+    assert set(out) == set(plan.problem.blocks("dst"))
+
+
+def test_random_problems_include_bundles():
+    kinds = [{op.kind for op in coalesced(random_problem(seed, max_devices=9, exact=False), bucket=2048).operations} for seed in range(40)]
+    assert sum("bundle" in k for k in kinds) >= 10
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(seed=st.integers(0, 10**6), devices=st.integers(2, 9), bucket=st.sampled_from([64, 512, 2048, 8192]))
+def test_random_coalesced_plans_verify_and_run_bit_exact(seed, devices, bucket):
+    plan = coalesced(random_problem(seed, max_devices=devices, exact=False), bucket=bucket)
+    verify_plan(plan)
+    simulate(plan, iterations=2)
+
+
+def test_the_nccl_engine_refuses_bundles_in_one_line():
+    plan = coalesced(all_to_all())
+    with pytest.raises(PlanMismatchError, match="nccl engine does not run bundle operations.*without --coalesce"):
+        nccl_program(lower(plan, _first_bundle(plan).src))
+
+
+def small_all_to_all(dtype: str = "int32"):
+    """2 hosts of 4 devices, 8 ranks: devices 0,1,4,5 -> 2,3,6,7, every source device sends to every destination device."""
+    return problem("a2a8", (16, 16, 8), (2, 2), (0, 1, 4, 5), "S0 R S1", (2, 2), (2, 3, 6, 7), "R S01 R", dtype=dtype, devices_per_host=4)
+
+
+@pytest.mark.mpi
+def test_a_coalesced_plan_runs_bit_exact_under_mpiexec(tmp_path):
+    from test_executor_mpi import MPIEXEC, WORKER, mpiexec
+    from test_executor_cases import write_plans
+    if not MPIEXEC.exists():
+        pytest.skip(f"no mpiexec at {MPIEXEC}")
+    plans = [coalesced(small_all_to_all(dtype), bucket=2**16) for dtype in ("int32", "bfloat16")]
+    assert all("bundle" in {op.kind for op in plan.operations} for plan in plans)  # and sends inside each host
+    result = mpiexec(8, str(WORKER), "check", *write_plans(tmp_path, plans))
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.count("ok ") == len(plans), result.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(800)
+def test_a_coalesced_plan_runs_bit_exact_on_the_torch_engine_matching_by_order(tmp_path):
+    """Gloo matches each pair's messages in posting order (every tag 0), as NCCL would: a bundle's
+    scatter runs to one needer must be posted in the same order at both ends."""
+    from test_executor_cases import write_plans
+    from test_executor_torch import launch
+    plans = [coalesced(small_all_to_all(dtype), bucket=2**16) for dtype in ("int32", "bfloat16")]
+    assert any(len({d for d, _ in bundle_runs(op)[1]}) < len(bundle_runs(op)[1]) for op in plans[0].operations if op.kind == "bundle")
+    lines = launch(8, "check_by_order", *write_plans(tmp_path, plans))
+    ours = [line for line in lines if line.startswith("rank 0:")]
+    assert len(ours) == len(plans) and all(line.endswith((": ok", ": ok (our boxes)")) for line in ours), lines
+
+
+def test_two_nics_and_split_hosts_combine_with_coalesce():
+    from xmesh_plan.schemas.problem import Nic
+    prob = all_to_all()
+    two = prob.model_copy(update={"cluster": prob.cluster.model_copy(update={"nics": (Nic(), Nic(send_gbps=5, recv_gbps=5))})})
+    for plan in (coalesced(two), coalesced(prob, split_hosts=True)):
+        verify_plan(plan)
+        assert "bundle" in {op.kind for op in plan.operations}
+        simulate(plan, iterations=1)
+
+
+def test_the_cli_compiles_with_coalesce_and_refuses_it_for_a_transfer(tmp_path):
+    from click.testing import CliRunner
+    from xmesh_plan.planner.cli import main
+    out = tmp_path / "a2a.plan.json"
+    result = CliRunner().invoke(main, ["compile", "--shape", "16,16,8", "--src-mesh", "2x2", "--src-spec", "S0 R S1", "--dst-mesh", "2x2",
+                                       "--dst-spec", "R S01 R", "--coalesce", "--bucket-mb", "0.0625", "-o", str(out)])
+    assert result.exit_code == 0, result.output
+    plan = load_plan(out)
+    verify_plan(plan)
+    assert "bundle" in {op.kind for op in plan.operations}
+    assert plan.solver.details["coalesce"] == "bundles of at most 65536 B"
+    result = CliRunner().invoke(main, ["compile", "plans/weight_sync_small.problem.toml", "--coalesce"])
+    assert result.exit_code == 2 and "--coalesce works on single-tensor problems only" in result.output, result.output
+
+
+@pytest.mark.parametrize("cells_per_bundle", [8, 9, 12, 16, 40])
+def test_bundles_hold_every_small_cross_host_cell_once_and_stay_within_the_bucket(cells_per_bundle):
+    from xmesh_plan.planner.coalesce import coalesce_cells
+    from xmesh_plan.planner.unit_tasks import decompose
+    prob = all_to_all()
+    bucket = cells_per_bundle * CELL_BYTES
+    cells = decompose(prob)
+    rest, bundles = coalesce_cells(cells, prob, bucket)
+    host = prob.cluster.host_of
+    cross = sorted(c.region for c in cells if host(c.senders[0]) != host(c.receivers[0]))
+    assert sorted(p for b in bundles for p in b.parts) == cross
+    assert sorted(c.region for c in rest) == sorted(c.region for c in cells if host(c.senders[0]) == host(c.receivers[0]))
+    assert all(b.nbytes(prob.itemsize) <= bucket for b in bundles)
+    assert len(bundles) == 12 * math.ceil(16 / cells_per_bundle)  # 12 host pairs of 16 cells each
+    assert coalesce_cells(cells, prob, 7 * CELL_BYTES)[1] == []  # cells above 1/8 of the bucket go on their own
