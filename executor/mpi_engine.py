@@ -33,6 +33,7 @@ from .lower import RankProgram
 
 SHOWN_PENDING = 3
 WINDOW = 16
+SYNC_SEND_BYTES = 256 * 1024  # device order: sends this large are synchronous (measured on bench/netlab, docs/executor.md)
 LOCK_WAIT_S = 1.0  # another thread holds an engine's lock for one pass over its requests; longer means it leaked
 _ENGINES: list = []  # weak references to every set-up engine in this process (a waiting engine drives the others)
 _THREAD = threading.local()
@@ -103,9 +104,11 @@ class MpiEngine:
             if s.action == "recv":
                 self.requests[i] = self.comm.Recv_init(buf, source=self.peer_rank[i], tag=s.tag)
             else:
-                # in device order a send must not finish while its bytes sit in a socket buffer, or the
-                # device would start its next operation early: a synchronous send ends once it is being received
-                send_init = self.comm.Ssend_init if self.program.order == "device" else self.comm.Send_init
+                # in device order a large send must not finish while its bytes sit in a socket buffer, or the
+                # device would start its next operation early: a synchronous send ends once it is being received.
+                # Small ones stay buffered: a round trip each would cost more than the order saves (many-box plans)
+                sync = self.program.order == "device" and s.data.nbytes >= SYNC_SEND_BYTES
+                send_init = self.comm.Ssend_init if sync else self.comm.Send_init
                 self.requests[i] = send_init(buf, dest=self.peer_rank[i], tag=s.tag)
         elif s.action == "copy":
             self.pairs[i] = (self.dst[s.target.index], flat["src_typed"][s.box.index])
