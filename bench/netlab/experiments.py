@@ -45,11 +45,18 @@ APPROACHES = [  # label, strategy, solver (None: an Alpa baseline)
     ("alpa-allgather", None, None),
 ]
 COMMAND = "PYTHONPATH=$PWD .venv/bin/python -m bench.netlab.experiments"
+ALL_TO_ALL = {  # the scaling table's all-to-all, small: 64 boxes of 64 KiB between 4 hosts
+    "alltoall_2x4": {"name": "alltoall_2x4", "shape": [128, 256, 32], "dtype": "float32",
+                     "src": {"mesh": "2x4", "spec": "S0 R S1"}, "dst": {"mesh": "2x4", "spec": "R S01 R"}},
+}
 
 
 def _plans(name: str, rate_mbit: float, latency_us: float | None = None):
     """(label, plan or the reason it could not be made) for every approach on case `name` at the link rate
     (and per-message latency, when given)."""
+    if name in ALL_TO_ALL:  # many small boxes: ours, without and with coalescing
+        problem = at_rate(build_problem(ALL_TO_ALL[name]), rate_mbit, latency_us)
+        return [("ours", compile_plan(problem)), ("coalesce", compile_plan(problem, coalesce=True))]
     if name in WEIGHT_SYNC:  # a multi-tensor plan: ours, with and without one unit task per receiving host
         problem = at_rate(build_transfer(tomllib.loads(weight_sync_toml(*WEIGHT_SYNC[name]))), rate_mbit, latency_us)
         return [("ours", compile_plan(problem)), ("split-hosts", compile_plan(problem, split_hosts=True))]
@@ -132,7 +139,7 @@ def link_table(runs: list[dict]) -> str:
 
 def _arguments(argv):
     parser = argparse.ArgumentParser(prog="python -m bench.netlab.experiments", description=__doc__.splitlines()[0])
-    parser.add_argument("--cases", default=",".join(n for n, _ in reference_problems()), help="comma-separated case names")
+    parser.add_argument("--cases", default=",".join(n for n, _ in reference_problems()), help="comma-separated case names: the reference cases, alltoall_2x4, weight_sync_small")
     parser.add_argument("--rates", default="200,500", help="link rates in Mbit/s, comma-separated")
     parser.add_argument("--max-mb", type=float, default=16.0)
     parser.add_argument("--iters", type=int, default=3)
