@@ -301,15 +301,20 @@ def test_a_multi_tensor_plan_is_refused_by_the_single_tensor_executor(plan):
         TransferExecutor(plan, _WorldComm(FakeWorld(), 0, 6), order="device")
 
 
+def _demo_on_the_small_weight_sync(tmp_path, ranks: int, *flags: str, timeout: float) -> subprocess.CompletedProcess:
+    """`mpiexec -n ranks python -m xmesh_plan.executor.run` on the small weight sync's plan, with --check."""
+    path = tmp_path / "weight_sync_small.plan.json"
+    path.write_text(compile_plan(load_any_problem(SMALL), solver="greedy").to_json())
+    env = dict(os.environ, MPIR_CVAR_ENABLE_HEAVY_YIELD="1", PYTHONPATH=str(ROOT))
+    return subprocess.run([str(MPIEXEC), "-n", str(ranks), sys.executable, "-m", "xmesh_plan.executor.run", str(path), "--check",
+                           *flags], cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+
+
 @pytest.mark.mpi
 @pytest.mark.skipif(not MPIEXEC.exists(), reason=f"no mpiexec at {MPIEXEC}")
 @pytest.mark.timeout(600)
 def test_mpiexec_runs_the_small_weight_sync_bit_exact(tmp_path):
-    path = tmp_path / "weight_sync_small.plan.json"
-    path.write_text(compile_plan(load_any_problem(SMALL), solver="greedy").to_json())
-    env = dict(os.environ, MPIR_CVAR_ENABLE_HEAVY_YIELD="1", PYTHONPATH=str(ROOT))
-    result = subprocess.run([str(MPIEXEC), "-n", "8", sys.executable, "-m", "xmesh_plan.executor.run", str(path), "--check",
-                             "--iters", "2", "--warmup", "1"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=500)
+    result = _demo_on_the_small_weight_sync(tmp_path, 8, "--iters", "2", "--warmup", "1", timeout=500)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "check ok: 21 tensors x 4 destination shards bit-exact" in result.stdout, result.stdout
 
@@ -318,11 +323,7 @@ def test_mpiexec_runs_the_small_weight_sync_bit_exact(tmp_path):
 @pytest.mark.skipif(not MPIEXEC.exists(), reason=f"no mpiexec at {MPIEXEC}")
 @pytest.mark.timeout(300)
 def test_a_world_of_the_wrong_size_is_refused_naming_the_plan_not_a_tensor(tmp_path):
-    path = tmp_path / "ws.plan.json"
-    path.write_text(compile_plan(load_any_problem(SMALL), solver="greedy").to_json())
-    env = dict(os.environ, MPIR_CVAR_ENABLE_HEAVY_YIELD="1", PYTHONPATH=str(ROOT))
-    result = subprocess.run([str(MPIEXEC), "-n", "3", sys.executable, "-m", "xmesh_plan.executor.run", str(path), "--check"],
-                            cwd=ROOT, env=env, capture_output=True, text=True, timeout=250)
+    result = _demo_on_the_small_weight_sync(tmp_path, 3, timeout=250)
     assert result.returncode == 2, result.stderr[-3000:]
     assert "plan weight_sync_small uses 8 devices" in result.stderr and "mpiexec -n 8" in result.stderr, result.stderr
 
