@@ -264,7 +264,7 @@ def reinit(rank: int) -> str:
         check(redistribute(x, world, [Shard(1)], async_op=True), full, world, [Shard(1)], "world")
         dist.barrier()  # no rank destroys the group while another still uses it
         dist.destroy_process_group()
-        port = int(os.environ["REINIT_PORT"]) + life  # a new store: the old one may live on and hold stale addresses
+        port = int(os.environ["REINIT_PORTS"].split(",")[life])  # a new free port: the old store may live on, stale
         dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=4)
     return "ok"
 

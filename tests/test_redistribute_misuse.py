@@ -25,11 +25,11 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(2 * LAUNCH_TIMEOUT_S)]
 
 def launch(*args: str) -> list[tuple[int, str, str]]:
     """(return code, stdout, stderr) of each of 4 ranks of the worker; every rank is killed after the deadline."""
-    port, reinit, procs = _free_port(), _free_port(), []
+    port, reinit, procs = _free_port(), ",".join(str(_free_port()) for _ in range(2)), []
     for rank in range(RANKS):
         env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank), "WORLD_SIZE": str(RANKS),
                "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(RANKS), "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1",
-               "REINIT_PORT": str(reinit)}
+               "REINIT_PORTS": reinit}
         procs.append(subprocess.Popen([sys.executable, str(WORKER), *args], cwd=ROOT, env=env, text=True,
                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE))
     deadline, runs = time.monotonic() + LAUNCH_TIMEOUT_S, []
