@@ -129,7 +129,8 @@ def import_torch_distributed():
     try:
         import torch.distributed as dist
     except ImportError as err:
-        raise BackendUnavailableError(f"the torch backend needs PyTorch ({err}); pip install 'xmesh-plan[torch]'") from None
+        raise BackendUnavailableError(f"the torch backend needs PyTorch ({err}); pip install torch==2.13.0 'xmesh-plan[torch]' "
+                                      "(pin torch: a bare requirement downloads a CUDA build of several GB)") from None
     if not dist.is_available():
         raise BackendUnavailableError("this PyTorch was built without torch.distributed; install a build with it")
     return dist

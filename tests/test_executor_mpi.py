@@ -66,7 +66,7 @@ def test_planner_cases_every_strategy_uneven_and_overlapping(tmp_path):
     assert result.stdout.count("ok ") == len(plans), result.stdout
 
 
-@pytest.mark.skipif(importlib.util.find_spec("torch") is None, reason="torch is not installed (pip install torch to run it)")
+@pytest.mark.skipif(importlib.util.find_spec("torch") is None, reason="torch is not installed (pip install torch==2.13.0 to run it)")
 def test_cpu_torch_tensors_bfloat16_included(tmp_path):
     """Real torch tensors in, through DLPack without a copy; bfloat16 ones through a same-size integer view."""
     plans = all_fixed_plans() + [compiled(random_problem(seed), "auto") for seed in range(6)]

@@ -282,7 +282,7 @@ def test_dlpack_input_is_used_without_a_copy_and_gpu_input_is_refused():
         as_host_array([1, 2, 3], 0)
 
 
-@pytest.mark.skipif(importlib.util.find_spec("torch") is None, reason="torch is not installed (pip install torch to run it)")
+@pytest.mark.skipif(importlib.util.find_spec("torch") is None, reason="torch is not installed (pip install torch==2.13.0 to run it)")
 def test_torch_tensors_are_taken_without_a_copy_bfloat16_and_float8_as_raw_bits():
     import torch
 
