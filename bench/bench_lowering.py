@@ -12,7 +12,6 @@ module of git revision REV and times it in the same run, interleaved. Results: b
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from pathlib import Path
@@ -20,7 +19,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "bench")]
 
-from report import best_seconds, module_at  # noqa: E402
+from report import best_seconds, compare_parser, module_at  # noqa: E402
 
 from xmesh_plan.executor.lower import lower  # noqa: E402
 from xmesh_plan.executor.ranks import plan_devices  # noqa: E402
@@ -43,10 +42,7 @@ def gather_plan(hosts: int, shape: tuple[int, ...]):
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--compare", metavar="REV", help="also time executor/lower.py of this git revision")
-    parser.add_argument("--repeat", type=int, default=3, help="runs per point; the best is kept (default 3)")
-    parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "lowering.json")
+    parser = compare_parser(__doc__, "executor/lower.py", "lowering.json")
     args = parser.parse_args()
     before = module_at(args.compare, "executor/lower.py", "xmesh_plan.executor.lower_compared") if args.compare else None
     rows = []

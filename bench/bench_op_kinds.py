@@ -13,7 +13,6 @@ lowering see bench/bench_lowering.py.
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from pathlib import Path
@@ -21,7 +20,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "bench")]
 
-from report import best_seconds, module_at  # noqa: E402
+from report import best_seconds, compare_parser, module_at  # noqa: E402
 
 from xmesh_plan.planner import simulate as simulate_now  # noqa: E402
 from xmesh_plan.planner import strategies as strategies_now  # noqa: E402
@@ -55,10 +54,7 @@ def run_strategies(module, ctxs) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--compare", metavar="REV", help="also time the simulator and strategies of this git revision")
-    parser.add_argument("--repeat", type=int, default=3, help="runs per point; the best is kept (default 3)")
-    parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "op_kinds.json")
+    parser = compare_parser(__doc__, "the simulator and strategies", "op_kinds.json")
     args = parser.parse_args()
     versions = [("now", simulate_now, strategies_now)]
     if args.compare:

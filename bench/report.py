@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import importlib.util
 import json
 import subprocess
@@ -59,3 +60,12 @@ def best_seconds(fn, repeat: int) -> float:
         fn()
         times.append(time.perf_counter() - start)
     return min(times)
+
+
+def compare_parser(doc: str, compared: str, results: str) -> argparse.ArgumentParser:
+    """The flags of a bench that times this tree against a git revision: --compare REV, --repeat, --out."""
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
+    parser.add_argument("--compare", metavar="REV", help=f"also time {compared} of this git revision")
+    parser.add_argument("--repeat", type=int, default=3, help="runs per point; the best is kept (default 3)")
+    parser.add_argument("--out", type=Path, default=RESULTS / results)
+    return parser

@@ -27,6 +27,7 @@ from xmesh_plan.planner.problem_io import build_problem  # noqa: E402
 from xmesh_plan.planner.reference_cases import reference_problems  # noqa: E402
 from xmesh_plan.planner.transfer_io import build_transfer  # noqa: E402
 from xmesh_plan.planner.weight_sync import WEIGHT_SYNC, weight_sync_toml  # noqa: E402
+from xmesh_plan.schemas.plan_tensors import is_multi  # noqa: E402
 
 from .baseline_plans import baseline_plan  # noqa: E402
 from .predict import at_rate, predictions  # noqa: E402
@@ -45,21 +46,24 @@ APPROACHES = [  # label, strategy, solver (None: an Alpa baseline)
     ("alpa-allgather", None, None),
 ]
 COMMAND = "PYTHONPATH=$PWD .venv/bin/python -m bench.netlab.experiments"
-ALL_TO_ALL = {  # the scaling table's all-to-all, small: 64 boxes of 64 KiB between 4 hosts
-    "alltoall_2x4": {"name": "alltoall_2x4", "shape": [128, 256, 32], "dtype": "float32",
-                     "src": {"mesh": "2x4", "spec": "S0 R S1"}, "dst": {"mesh": "2x4", "spec": "R S01 R"}},
+EXTRA_CASES = {  # name -> (the problem, (label, compile_plan options) per plan); reference cases use APPROACHES
+    "alltoall_2x4": (  # the scaling table's all-to-all, small: 64 boxes of 64 KiB between 4 hosts
+        lambda: build_problem({"name": "alltoall_2x4", "shape": [128, 256, 32], "dtype": "float32",
+                               "src": {"mesh": "2x4", "spec": "S0 R S1"}, "dst": {"mesh": "2x4", "spec": "R S01 R"}}),
+        (("ours", {}), ("coalesce", {"coalesce": True}))),
+    "weight_sync_small": (  # a multi-tensor plan
+        lambda: build_transfer(tomllib.loads(weight_sync_toml(*WEIGHT_SYNC["weight_sync_small"]))),
+        (("ours", {}), ("split-hosts", {"split_hosts": True}))),
 }
 
 
 def _plans(name: str, rate_mbit: float, latency_us: float | None = None):
     """(label, plan or the reason it could not be made) for every approach on case `name` at the link rate
     (and per-message latency, when given)."""
-    if name in ALL_TO_ALL:  # many small boxes: ours, without and with coalescing
-        problem = at_rate(build_problem(ALL_TO_ALL[name]), rate_mbit, latency_us)
-        return [("ours", compile_plan(problem)), ("coalesce", compile_plan(problem, coalesce=True))]
-    if name in WEIGHT_SYNC:  # a multi-tensor plan: ours, with and without one unit task per receiving host
-        problem = at_rate(build_transfer(tomllib.loads(weight_sync_toml(*WEIGHT_SYNC[name]))), rate_mbit, latency_us)
-        return [("ours", compile_plan(problem)), ("split-hosts", compile_plan(problem, split_hosts=True))]
+    if name in EXTRA_CASES:
+        make, variants = EXTRA_CASES[name]
+        problem = at_rate(make(), rate_mbit, latency_us)
+        return [(label, compile_plan(problem, **options)) for label, options in variants]
     problem = at_rate(build_problem(dict(reference_problems())[name]), rate_mbit, latency_us)
     out = []
     for label, strategy, solver in APPROACHES:
@@ -82,10 +86,10 @@ def measure_latency(opts: RunOptions) -> float:
 
 
 def run_case(name: str, rate_mbit: float, opts: RunOptions, latency_us: float | None = None) -> dict:
-    if name in WEIGHT_SYNC:
-        opts = replace(opts, order="posted")  # multi-tensor plans run posted (TransferExecutor)
     made = _plans(name, rate_mbit, latency_us)
     plans = [(label, p) for label, p in made if not isinstance(p, str)]
+    if any(is_multi(p) for _, p in plans):
+        opts = replace(opts, order="posted")  # multi-tensor plans run posted (TransferExecutor)
     started = time.monotonic()
     result = run_plans([p for _, p in plans], opts)
     rows = []
