@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from xmesh_plan.schemas import Plan
-from xmesh_plan.schemas.op_kinds import pair_bytes, route
+from xmesh_plan.schemas.op_kinds import hops_pair_bytes, pair_bytes, route
 from xmesh_plan.schemas.plan_tensors import is_multi
 
 from .simulate import simulate_plan
@@ -48,9 +48,10 @@ def plan_loads(plan: Plan) -> PlanLoads:
     itemsizes, host = [p.itemsize for p in plan.problem.tensor_problems()], plan.problem.cluster.host_of
     loads = PlanLoads()
     for op in plan.operations:
-        for (a, b), nbytes in pair_bytes(op, itemsizes[op.tensor or 0]).items():
+        hops = route(op)
+        for (a, b), nbytes in hops_pair_bytes(hops, itemsizes[op.tensor or 0]).items():
             loads.add(host(a), host(b), nbytes)
-        for hop in route(op):
+        for hop in hops:
             if hop.elements:
                 loads.add(host(hop.src), host(hop.dst), 0, 1)
     return loads

@@ -275,8 +275,13 @@ def tags_used(op: OpLike) -> int:
 
 def pair_bytes(op: OpLike, itemsize: int) -> dict[tuple[int, int], int]:
     """Bytes an operation moves between each pair of distinct devices (exact; local copies left out)."""
+    return hops_pair_bytes(route(op), itemsize)
+
+
+def hops_pair_bytes(hops: tuple[Hop, ...], itemsize: int) -> dict[tuple[int, int], int]:
+    """`pair_bytes` of a route already built (a caller that also walks the hops builds it once)."""
     elements: dict[tuple[int, int, int], int] = {}  # (from, to, divisor) -> elements
-    for hop in route(op):
+    for hop in hops:
         if hop.src != hop.dst and hop.elements:
             key = (hop.src, hop.dst, hop.divisor)
             elements[key] = elements.get(key, 0) + hop.elements
