@@ -47,11 +47,24 @@ def _best_strategy(ctx: TaskContext, strategy: str) -> tuple[str, StrategyResult
     return min(results, key=lambda item: (item[1].duration_s, names.index(item[0])))
 
 
-def task_options(problem: ReshardingProblem, cells: list[Cell], strategy: str, first_id: int = 0) -> list[TaskOptions]:
+def receiving_load(cells_of: list[list[Cell]], cluster) -> dict[int, int]:
+    """Host -> how many cells (of every tensor) have a receiver there: the tasks its receive side queues."""
+    load: dict[int, int] = {}
+    for cells in cells_of:
+        for cell in cells:
+            for host in {cluster.host_of(d) for d in cell.receivers}:
+                load[host] = load.get(host, 0) + 1
+    return load
+
+
+def task_options(problem: ReshardingProblem, cells: list[Cell], strategy: str, first_id: int = 0,
+                 load: dict[int, int] | None = None) -> list[TaskOptions]:
     """Every cell that crosses devices, with one scheduling option per candidate sender host; scheduling
-    tasks are numbered from `first_id` (each tensor of a transfer after the ones before it)."""
+    tasks are numbered from `first_id` (each tensor of a transfer after the ones before it). `load`
+    (`receiving_load`, all tensors together; these cells' own when None) sets each task's `sharing`."""
     if strategy != "auto":
         get_strategy(strategy)
+    load = receiving_load([cells], problem.cluster) if load is None else load
     out = []
     for cell in cells:
         if not cell.receivers:
@@ -60,7 +73,8 @@ def task_options(problem: ReshardingProblem, cells: list[Cell], strategy: str, f
             raise ValueError(f"no source device holds {cell.region}; the source spec must cover the whole tensor")
         results, options = [], []
         for host, device in sorted(_sender_per_host(cell, problem).items()):
-            ctx = TaskContext(cell.region, cell.nbytes(problem.itemsize), device, cell.receivers, problem.cluster, problem.itemsize)
+            sharing = max((load.get(problem.cluster.host_of(d), 1) for d in cell.receivers), default=1)
+            ctx = TaskContext(cell.region, cell.nbytes(problem.itemsize), device, cell.receivers, problem.cluster, problem.itemsize, sharing)
             name, result = _best_strategy(ctx, strategy)
             results.append((name, result))
             options.append(Option(host, device, result.duration_s, result.resources))
@@ -207,13 +221,13 @@ def compile_plan(problem: ReshardingProblem | TransferProblem, strategy: str = "
     indices = range(len(singles)) if isinstance(problem, TransferProblem) else [None]
     cells = [decompose(single, merge=merge, max_tasks=None) for single in singles]
     on_stage(f"costing {sum(map(len, cells))} cells")
-    works, first = [], 0
-    for index, single, mine in zip(indices, singles, cells):  # the bound and copies come from the cells as cut
+    works, first, cut = [], 0, []
+    for single, mine in zip(singles, cells):  # the bound and copies come from the cells as cut
         tasks_of = split_by_receiver_host(mine, problem.cluster) if split_hosts else mine
-        bundles = []
-        if coalesce:
-            tasks_of, bundles = coalesce_cells(tasks_of, single, bucket_bytes)
-        options = task_options(single, tasks_of, strategy, first_id=first)
+        cut.append(coalesce_cells(tasks_of, single, bucket_bytes) if coalesce else (tasks_of, []))
+    load = receiving_load([tasks_of for tasks_of, _ in cut], problem.cluster)
+    for index, single, mine, (tasks_of, bundles) in zip(indices, singles, cells, cut):
+        options = task_options(single, tasks_of, strategy, first_id=first, load=load)
         options += _bundle_options(bundles, single, first + len(options))
         works.append(TensorWork(index, single, mine, options))
         first += len(options)

@@ -58,13 +58,14 @@ def plan_loads(plan: Plan) -> PlanLoads:
 
 
 def message_cost_line(plan: Plan, loads: PlanLoads) -> str:
-    """How much of the time is per-message cost: messages on the busiest NIC side x the per-message latency,
+    """How much of the time is per-message cost: messages on the busiest NIC side x the per-message overhead
+    (the time the side is busy with each message besides its bytes; latency overlaps other messages),
     next to the gap between the prediction and the byte bound (which counts bandwidth only)."""
     host, side, count = loads.busiest_messages()
-    latency = plan.problem.cluster.latency_s
-    cost, gap = count * latency, plan.predicted_seconds - plan.lower_bound_seconds
+    overhead = plan.problem.cluster.overhead_s
+    cost, gap = count * overhead, plan.predicted_seconds - plan.lower_bound_seconds
     share = f"{cost / gap:.0%} of the {gap:.4f} s gap to the bound" if gap > 0 else "no gap to the bound"
-    return (f"per-message cost: host {host} {side} carries {count} messages x {latency * 1e6:g} us = {cost:.4f} s "
+    return (f"per-message cost: host {host} {side} carries {count} messages x {overhead * 1e6:g} us overhead = {cost:.4f} s "
             f"({share})")
 
 
@@ -138,7 +139,7 @@ def summarize(plan: Plan, show_tasks: bool = False, show_ops: bool = False, show
         f"plan {p.name or '(unnamed)'}: schema {plan.schema_version}, {plan.generator}",
         _what(plan),
         f"cluster: {cluster.devices_per_host} devices/host, {len(cluster.nics)} NIC(s) of {cluster.nics[0].send_gbps:g}/{cluster.nics[0].recv_gbps:g} Gbit/s "
-        f"send/recv, intra-host {cluster.intra_host_gbps:g} Gbit/s, latency {cluster.latency_us:g} us",
+        f"send/recv, intra-host {cluster.intra_host_gbps:g} Gbit/s, latency {cluster.latency_us:g} us, overhead {cluster.overhead_us:g} us per message",
         f"strategy {plan.strategy}, solver {plan.solver.name} (seed {plan.solver.seed})",
         f"unit tasks: {len(plan.tasks)} ({'adjacent identical cells merged' if plan.merged_slices else 'no merging'}), operations: {len(plan.operations)}",
         f"bytes crossing hosts: {_gib(loads.cross_host_bytes)}",

@@ -8,8 +8,11 @@ Model (stated, so every plan and baseline is judged by the same rules):
 - Flows. Every message of an operation's route (`schemas.op_kinds.route`) becomes a flow: a send is
   one flow; a broadcast of K chunks down a chain is K x hops flows, chunk k on hop h starting once
   chunk k has crossed hop h-1 and chunk k-1 has crossed hop h; a ring all-gather is (n-1) x n flows,
-  each member forwarding what it received the step before. A flow waits the per-message latency,
-  then moves its bytes.
+  each member forwarding what it received the step before. A flow moves its bytes (plus the
+  cluster's per-message overhead, time its links are busy with the message itself), then its
+  data arrives one per-message latency later. The latency is a delay, not work: a link carries
+  the next message while the last one is still in flight (LogGP's L against its o), so messages
+  back to back on one link, or the chunks of a pipelined broadcast, pay it once, not each.
 - Sharing. Flows active on a link at the same time share it max-min fairly (progressive filling);
   no link is ever oversubscribed.
 - Order. How operations queue is the executing system's choice, so it is a parameter:
@@ -21,12 +24,14 @@ Model (stated, so every plan and baseline is judged by the same rules):
   the links: the executor with `order="posted"` (every send and receive of a reshard posted at once,
   TCP sharing the links; measured on the emulated cluster, docs/netlab.md). The executor's default,
   `order="device"`, is `device-order`.
-An uncontended broadcast costs `sum(c_h) + (K-1) max(c_h)` with `c_h` one chunk's time on hop h,
-i.e. `t + (A-1) t/K` for A equal cross-host hops: the paper's `t + A t/K` counts one chunk more.
+An uncontended broadcast of K chunks down A hops costs `A L + sum(c_h) + (K-1) max(c_h)` with `c_h`
+one chunk's time on hop h (overhead plus bytes) and L the latency, i.e. `t + (A-1) t/K` plus A
+latencies and K overheads for A equal cross-host hops: the paper's `t + A t/K` counts one chunk more.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import heapq
 from dataclasses import dataclass
 
@@ -40,7 +45,9 @@ REL_EPS = 1e-12
 
 @dataclass(frozen=True, slots=True)
 class Flow:
-    """`nbytes` over `links` after `latency_s`, once every flow in `after` has finished."""
+    """`nbytes` over `links`, arriving `latency_s` after its last byte left; it starts once every flow
+    in `after` has arrived and every flow in `after_sent` has left its links (a queue, not data).
+    `overhead` is the per-message overhead as the bytes its links could have moved meanwhile."""
 
     id: int
     op: int
@@ -48,6 +55,12 @@ class Flow:
     latency_s: float
     links: tuple[str, ...]
     after: tuple[int, ...] = ()
+    after_sent: tuple[int, ...] = ()
+    overhead: float = 0.0
+
+    @property
+    def work(self) -> float:
+        return self.nbytes + self.overhead
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,44 +109,55 @@ def max_min_rates(active: list[Flow], capacity: dict[str, float]) -> dict[int, f
 
 
 def run_flows(flows: list[Flow], capacity: dict[str, float]) -> dict[int, tuple[float, float]]:
-    """Event-driven fluid simulation; (start, end) per flow id. Flows with no links take only their latency."""
-    waiting = {f.id: len(f.after) for f in flows}
-    children: dict[int, list[int]] = {}
+    """Event-driven fluid simulation; (start, arrival) per flow id. A flow with no bytes or links
+    takes only its latency."""
+    waiting = {f.id: len(f.after) + len(f.after_sent) for f in flows}
+    on_arrival: dict[int, list[int]] = {}
+    on_sent: dict[int, list[int]] = {}
     for f in flows:
         for parent in f.after:
-            children.setdefault(parent, []).append(f.id)
+            on_arrival.setdefault(parent, []).append(f.id)
+        for parent in f.after_sent:
+            on_sent.setdefault(parent, []).append(f.id)
     by_id = {f.id: f for f in flows}
-    clock, latency_heap, moving, span = 0.0, [], {}, {}
-    for f in flows:
-        if not f.after:
-            heapq.heappush(latency_heap, (f.latency_s, f.id))
-            span[f.id] = (0.0, None)
+    # events: (time, kind, flow): kind 0 = its last byte left (release queued flows), 1 = it arrived
+    clock, events, moving, span = 0.0, [], {}, {}
 
-    def finish(fid: int) -> None:
-        span[fid] = (span[fid][0], clock)
-        for child in children.get(fid, ()):
+    def start(fid: int) -> None:
+        span[fid] = (clock, None)
+        if by_id[fid].work > 0 and by_id[fid].links:
+            moving[fid] = by_id[fid].work
+        else:
+            sent(fid)
+
+    def release(children: list[int]) -> None:
+        for child in children:
             waiting[child] -= 1
             if waiting[child] == 0:
-                span[child] = (clock, None)
-                heapq.heappush(latency_heap, (clock + by_id[child].latency_s, child))
+                start(child)
 
-    while latency_heap or moving:
+    def sent(fid: int) -> None:
+        heapq.heappush(events, (clock + by_id[fid].latency_s, 1, fid))
+        release(on_sent.get(fid, ()))
+
+    for f in flows:
+        if not waiting[f.id]:
+            start(f.id)
+    while events or moving:
         rates = max_min_rates([by_id[i] for i in moving], capacity) if moving else {}
         next_move = min(((left / rates[i], i) for i, left in moving.items()), default=(float("inf"), -1))
-        next_latency = latency_heap[0][0] if latency_heap else float("inf")
-        step = min(next_move[0], next_latency - clock)
+        next_event = events[0][0] if events else float("inf")
+        step = min(next_move[0], next_event - clock)
         for i in list(moving):
             moving[i] -= rates[i] * step
         clock += step
-        for i in [i for i, left in moving.items() if left <= REL_EPS * max(1.0, by_id[i].nbytes)]:
+        for i in [i for i, left in moving.items() if left <= REL_EPS * max(1.0, by_id[i].work)]:
             del moving[i]
-            finish(i)
-        while latency_heap and latency_heap[0][0] <= clock + REL_EPS * max(1.0, clock):
-            _, i = heapq.heappop(latency_heap)
-            if by_id[i].nbytes > 0 and by_id[i].links:
-                moving[i] = by_id[i].nbytes
-            else:
-                finish(i)
+            sent(i)
+        while events and events[0][0] <= clock + REL_EPS * max(1.0, clock):
+            _, _, i = heapq.heappop(events)
+            span[i] = (span[i][0], clock)
+            release(on_arrival.get(i, ()))
     if any(v for v in waiting.values()):
         raise ValueError("flow dependencies form a cycle; some flows never start")
     return {i: (s, e) for i, (s, e) in span.items()}
@@ -153,10 +177,12 @@ class _Lowering:
         self.delivered: dict[tuple[int, int], list[int]] = {}  # (task, device) -> flows that brought it data
         self.last_on: dict[str, list[int]] = {}  # queue key -> terminal flows of the previous operation
 
-    def hop(self, op: Operation, a: int, b: int, nbytes: float, after: list[int]) -> list[int]:
-        """One message from device a to device b; returns its flow ids (one per NIC it is striped over)."""
+    def hop(self, op: Operation, a: int, b: int, nbytes: float, after: list[int], after_sent: list[int] = ()) -> list[int]:
+        """One message from device a to device b; returns its flow ids (one per NIC it is striped over).
+        Each stripe also carries the per-message overhead, as bytes at its slower side's speed."""
         ha, hb = self.cluster.host_of(a), self.cluster.host_of(b)
         latency = 0.0 if a == b else self.cluster.latency_s
+        overhead = 0.0 if a == b else self.cluster.overhead_s
         if a == b:
             lanes = [{f"d{a}.copy": self.cluster.intra_bytes_per_s}]
         elif ha == hb:
@@ -169,7 +195,8 @@ class _Lowering:
         for links in lanes:
             self.capacity |= links
             share = nbytes * self._weight(links, lanes)
-            flow = Flow(len(self.flows), op.id, share, latency, tuple(sorted(links)), tuple(sorted(set(after))))
+            flow = Flow(len(self.flows), op.id, share, latency, tuple(sorted(links)), tuple(sorted(set(after))),
+                        tuple(sorted(set(after_sent))), overhead * min(links.values()) if nbytes > 0 else 0.0)
             self.flows.append(flow)
             out.append(flow.id)
         return out
@@ -202,7 +229,8 @@ class _Lowering:
             self.last_on[key] = [i for i in terminal if key.startswith("d") or key in self.flows[i].links] or terminal
 
     def gate_on_links(self, mine: list[int]) -> None:
-        """The first flow of this operation on each NIC side also waits for the previous operation there."""
+        """The first flow of this operation on each NIC side also waits for the previous operation's
+        messages there to have left that side (not to have arrived: the NIC is free once they are out)."""
         seen: set[str] = set()
         for i in mine:
             extra = []
@@ -212,7 +240,7 @@ class _Lowering:
                     extra += self.last_on.get(link, [])
             if extra:
                 f = self.flows[i]
-                self.flows[i] = Flow(f.id, f.op, f.nbytes, f.latency_s, f.links, tuple(sorted(set(f.after) | set(extra))))
+                self.flows[i] = dataclasses.replace(f, after_sent=tuple(sorted(set(f.after_sent) | set(extra))))
 
     def data_ready(self, op: Operation) -> list[int]:
         """What an operation that sends out of destination shards waits for: what earlier operations of its task delivered there."""
@@ -226,7 +254,7 @@ class _Lowering:
         itemsize = self.itemsizes[op.tensor or 0]
         for hop in route(op):
             after = (waits if hop.gated else []) + [i for k in hop.after for i in flows[k]]
-            flows.append(self.hop(op, hop.src, hop.dst, hop.nbytes(itemsize), after))
+            flows.append(self.hop(op, hop.src, hop.dst, hop.nbytes(itemsize), after, [i for k in hop.queued_after for i in flows[k]]))
             last[(hop.src, hop.dst)] = flows[-1]
         out = [i for ids in last.values() for i in ids]
         for d in op.dsts:

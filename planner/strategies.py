@@ -1,10 +1,11 @@
 """Strategies for one unit task: the concrete operations each emits and its predicted duration.
 
-Times follow the paper's model made concrete with the cluster: a message of b bytes over a link
-costs `latency + b / bandwidth`; cross-host links use the NIC bandwidth, links inside a host the
-intra-host bandwidth. A pipelined broadcast of K chunks down a chain of hops with per-chunk times c_h
-takes `sum(c_h) + (K - 1) * max(c_h)`, which is the paper's `t + A*t/K` shape with latency added,
-so K has an optimum.
+Times follow the paper's model made concrete with the cluster (and match planner/simulate.py): a
+message of b bytes over a link keeps it busy `overhead + b / bandwidth` and arrives one `latency`
+later; cross-host links use the NIC bandwidth, links inside a host the intra-host bandwidth. A
+pipelined broadcast of K chunks down a chain of A hops with per-chunk times c_h (overhead plus the
+chunk's bytes) takes `A * latency + sum(c_h) + (K - 1) * max(c_h)`: the paper's `t + A*t/K` shape
+with a per-message overhead that every chunk pays, so K has an optimum.
 """
 
 from __future__ import annotations
@@ -60,6 +61,7 @@ class TaskContext:
     receivers: tuple[int, ...]
     cluster: Cluster
     itemsize: int = field(default=1)
+    sharing: int = 1  # unit tasks queued on this task's busiest receiving NIC side (`chunks_for` weighs its tail by it)
 
     def host(self, device: int) -> int:
         return self.cluster.host_of(device)
@@ -74,7 +76,7 @@ class TaskContext:
 
     def message_s(self, nbytes: float, cross_host: bool) -> float:
         bandwidth = min(self.cluster.send_bytes_per_s, self.cluster.recv_bytes_per_s) if cross_host else self.cluster.intra_bytes_per_s
-        return self.cluster.latency_s + nbytes / bandwidth
+        return self.cluster.latency_s + self.cluster.overhead_s + nbytes / bandwidth
 
 
 Hop = tuple[int, int]
@@ -109,22 +111,26 @@ def _ring_hops(members: tuple[int, ...]) -> list[Hop]:
 
 
 def pipelined_seconds(nbytes: int, hop_cross: list[bool], ctx: TaskContext) -> tuple[float, int]:
-    """Best (time, K) for a chunked broadcast down hops (True = cross-host), trying K = 1..MAX_CHUNKS."""
-    return _pipelined_seconds(nbytes, tuple(hop_cross), ctx.cluster)
+    """(time, K) for a chunked broadcast down hops (True = cross-host), K chosen from 1..MAX_CHUNKS."""
+    return _pipelined_seconds(nbytes, tuple(hop_cross), ctx.cluster, max(1, ctx.sharing))
 
 
 @lru_cache(maxsize=4096)
-def _pipelined_seconds(nbytes: int, hop_cross: tuple[bool, ...], cluster: Cluster) -> tuple[float, int]:
+def _pipelined_seconds(nbytes: int, hop_cross: tuple[bool, ...], cluster: Cluster, sharing: int = 1) -> tuple[float, int]:
+    """The time is `A*latency + fill + K*c_max`, where `fill` (the other hops' share of one chunk) is
+    the pipeline's fill and drain. K minimises `fill / sharing + K*c_max`: among `sharing` tasks queued
+    on one NIC side only the last one's drain shows (each runs while the next fills), while every
+    chunk's overhead keeps the side busy, so a lone task gets the fastest K and a crowded one fewer chunks."""
     if not hop_cross:
         return 0.0, 1
     k_max = int(max(1, min(MAX_CHUNKS, nbytes // MIN_CHUNK_BYTES)))
     ks = np.arange(1, k_max + 1, dtype=np.float64)
-    lat = cluster.latency_s
     bw = np.array([min(cluster.send_bytes_per_s, cluster.recv_bytes_per_s) if c else cluster.intra_bytes_per_s for c in hop_cross])
-    per_chunk = lat + (nbytes / ks)[:, None] / bw[None, :]
-    total = per_chunk.sum(axis=1) + (ks - 1) * per_chunk.max(axis=1)
-    best = int(np.argmin(total))
-    return float(total[best]), int(ks[best])
+    per_chunk = cluster.overhead_s + (nbytes / ks)[:, None] / bw[None, :]
+    widest = per_chunk.max(axis=1)
+    fill = per_chunk.sum(axis=1) - widest
+    best = int(np.argmin(fill / sharing + ks * widest))
+    return float(len(hop_cross) * cluster.latency_s + fill[best] + ks[best] * widest[best]), int(ks[best])
 
 
 def broadcast(ctx: TaskContext) -> StrategyResult:

@@ -9,8 +9,8 @@ which fails at import, naming the consumer, when one is missing.
 
 >>> from xmesh_plan.schemas.plan import Operation
 >>> op = Operation(id=0, task=0, kind="broadcast", src=0, dsts=(1, 2), region=((0, 8),), chunks=2)
->>> [(h.src, h.dst, h.tag, h.after) for h in route(op)]
-[(0, 1, 0, ()), (1, 2, 0, (0,)), (0, 1, 1, (0,)), (1, 2, 1, (2, 1))]
+>>> [(h.src, h.dst, h.tag, h.after, h.queued_after) for h in route(op)]
+[(0, 1, 0, (), ()), (1, 2, 0, (0,), ()), (0, 1, 1, (), (0,)), (1, 2, 1, (2,), (1,))]
 >>> pair_bytes(op, itemsize=4)
 {(0, 1): 32, (1, 2): 32}
 >>> gather = Operation(id=1, task=0, kind="allgather", dsts=(3, 4, 5), region=((0, 6),), parts=(((0, 2),), ((2, 4),), ((4, 6),)))
@@ -79,7 +79,8 @@ class Hop:
     all-gather part) with tag `tag` of the operation's block. It moves `elements / divisor` elements:
     the model spreads a broadcast's box evenly over its chunks (on the wire `chunk_bounds` cuts on
     element boundaries; every pair carries the whole box either way). It may start once the hops at
-    positions `after` of the same route have arrived; a `gated` hop also waits for what the operation waits for."""
+    positions `after` of the same route have arrived (its data), and the hops at `queued_after` have
+    left (messages on one pair go in order); a `gated` hop also waits for what the operation waits for."""
 
     src: int
     dst: int
@@ -89,6 +90,7 @@ class Hop:
     divisor: int
     after: tuple[int, ...]
     gated: bool
+    queued_after: tuple[int, ...] = ()
 
     def nbytes(self, itemsize: int) -> float:
         return self.elements * itemsize / self.divisor
@@ -140,15 +142,15 @@ def _local_route(op: OpLike) -> tuple[Hop, ...]:
 
 
 def _chain_route(op: OpLike) -> tuple[Hop, ...]:
-    """Chunk k crosses hop h after chunk k crossed hop h-1 and chunk k-1 crossed hop h; only the first waits for the operation."""
+    """Chunk k crosses hop h after chunk k arrived over hop h-1 and chunk k-1 left on hop h; only the first waits for the operation."""
     chain, elements, k_total = (op.src, *op.dsts), region_size(op.region), op.chunks
     hops_per_chunk = len(op.dsts)
     out = []
     for k in range(k_total):
         for h in range(hops_per_chunk):
             at = len(out)
-            after = ((at - 1,) if h else ()) + ((at - hops_per_chunk,) if k else ())
-            out.append(Hop(chain[h], chain[h + 1], k, k, elements, k_total, after, k == 0 and h == 0))
+            out.append(Hop(chain[h], chain[h + 1], k, k, elements, k_total, (at - 1,) if h else (), k == 0 and h == 0,
+                           (at - hops_per_chunk,) if k else ()))
     return tuple(out)
 
 

@@ -33,7 +33,8 @@ class Nic(BaseModel):
 
 
 class Cluster(BaseModel):
-    """Hosts of identical shape: devices per host, NICs per host, the intra-host link, per-message latency.
+    """Hosts of identical shape: devices per host, NICs per host, the intra-host link, and what each message
+    costs besides its bytes: a latency (a delay other messages overlap) and an overhead (time its link is busy).
 
     The default is the paper's: 4 GPUs per host over NVLink, one 10 Gbit/s NIC per host.
     Device d lives on host d // devices_per_host.
@@ -43,7 +44,10 @@ class Cluster(BaseModel):
     devices_per_host: integer(1, MAX_MESH_DEVICES, "a device count") = 4
     nics: tuple[Nic, ...] = Field((Nic(),), min_length=1, description="NICs of every host")
     intra_host_gbps: finite(MIN_GBPS, MAX_GBPS, description="device-to-device bandwidth inside a host, Gbit/s") = 800.0
-    latency_us: finite(0, MAX_LATENCY_US, description="fixed cost of one message, microseconds") = 20.0
+    latency_us: finite(0, MAX_LATENCY_US, description="delay of one message from its last byte sent to its arrival, "
+                       "microseconds; links carry other messages meanwhile") = 20.0
+    overhead_us: finite(0, MAX_LATENCY_US, description="time a link is busy with one message besides its bytes "
+                        "(per-message software and NIC work), microseconds") = 1.0
 
     def host_of(self, device: int) -> int:
         return device // self.devices_per_host
@@ -63,6 +67,10 @@ class Cluster(BaseModel):
     @property
     def latency_s(self) -> float:
         return self.latency_us * 1e-6
+
+    @property
+    def overhead_s(self) -> float:
+        return self.overhead_us * 1e-6
 
 
 class DeviceMesh(BaseModel):

@@ -13,9 +13,9 @@ from xmesh_plan.schemas import Cluster, DeviceMesh, Operation, Placement, Reshar
 GBPS10 = 10e9 / 8  # bytes per second of a 10 Gbit/s NIC
 
 
-def one_gpu_hosts(latency_us: float = 0.0, hosts: int = 8, shape=(1024, 1024, 64)) -> ReshardingProblem:
+def one_gpu_hosts(latency_us: float = 0.0, hosts: int = 8, shape=(1024, 1024, 64), overhead_us: float = 0.0) -> ReshardingProblem:
     """A problem whose only use here is its cluster: one device per host, so every hop crosses hosts."""
-    cluster = Cluster(devices_per_host=1, latency_us=latency_us)
+    cluster = Cluster(devices_per_host=1, latency_us=latency_us, overhead_us=overhead_us)
     mesh = DeviceMesh(shape=(1, 1), devices=(0,))
     other = DeviceMesh(shape=(1, hosts - 1), devices=tuple(range(1, hosts)))
     return ReshardingProblem(shape=shape, dtype="int32", cluster=cluster,
@@ -37,16 +37,41 @@ def test_one_broadcast_matches_the_pipeline_formula(receivers, chunks):
     assert result.makespan_s <= t + receivers * t / chunks
 
 
-def test_broadcast_latency_is_paid_per_chunk_and_hop():
-    p = one_gpu_hosts(latency_us=20.0)
+def test_broadcast_pays_latency_once_per_hop_and_overhead_per_chunk():
+    """Chunks stream back to back: a link sends the next while the last is in flight (2 hops, 4 chunks)."""
+    p = one_gpu_hosts(latency_us=20.0, overhead_us=3.0)
     op = Operation(id=0, task=0, kind="broadcast", src=0, dsts=(1, 2), region=full(p), chunks=4)
-    chunk = 20e-6 + p.nbytes / 4 / GBPS10
-    assert simulate([op], p).makespan_s == pytest.approx(2 * chunk + 3 * chunk, rel=1e-9)
+    chunk = 3e-6 + p.nbytes / 4 / GBPS10
+    assert simulate([op], p).makespan_s == pytest.approx(2 * 20e-6 + 2 * chunk + 3 * chunk, rel=1e-9)
+
+
+@pytest.mark.parametrize("discipline,expected", [("host-order", (1, 2, 1)), ("device-order", (1, 2, 2))])
+def test_back_to_back_messages_on_one_nic_overlap_their_latency(discipline, expected):
+    """Host order: the NIC sends the second message while the first is in flight (2t + L); device
+    order: device 0 waits for its first send to land before the second (2t + 2L)."""
+    cluster = Cluster(devices_per_host=2, latency_us=50.0, overhead_us=0.0)
+    p = ReshardingProblem(shape=(1024, 1024, 64), dtype="int32", cluster=cluster,
+                          src=Placement(mesh=DeviceMesh(shape=(1, 1), devices=(0,)), spec="R R R"),
+                          dst=Placement(mesh=DeviceMesh(shape=(2, 1), devices=(2, 4)), spec="R R R"))
+    ops = [Operation(id=i, task=i, kind="send", src=0, dsts=(2 + 2 * i,), region=full(p)) for i in range(2)]
+    result = simulate(ops, p, discipline)
+    t, latency = p.nbytes / GBPS10, 50e-6
+    first_sends, second_sends, latencies = expected
+    assert result.op_end_s[0] == pytest.approx(first_sends * t + latency)
+    assert result.op_end_s[1] == pytest.approx(second_sends * t + latencies * latency)
+
+
+def test_overhead_keeps_the_link_busy():
+    """Two one-element sends in a row on one NIC, each with 0.5 s of overhead: the second ends after both."""
+    p = one_gpu_hosts(overhead_us=0.5e6)
+    ops = [Operation(id=i, task=i, kind="send", src=0, dsts=(1,), region=((0, 1),) * 3) for i in range(2)]
+    result = simulate(ops, p, "host-order")
+    assert result.op_end_s[1] == pytest.approx(2 * (0.5 + 4 / GBPS10))
 
 
 def two_sends_from_one_host(discipline: str, one_device: bool = False) -> tuple[float, float, float]:
     """Devices 0 and 1 of host 0 (or device 0 twice) each send the whole tensor to a different host."""
-    cluster = Cluster(devices_per_host=2, latency_us=0.0)
+    cluster = Cluster(devices_per_host=2, latency_us=0.0, overhead_us=0.0)
     p = ReshardingProblem(shape=(1024, 1024, 64), dtype="int32", cluster=cluster,
                           src=Placement(mesh=DeviceMesh(shape=(1, 2), devices=(0, 1)), spec="R R R"),
                           dst=Placement(mesh=DeviceMesh(shape=(2, 1), devices=(2, 4)), spec="R R R"))
@@ -92,13 +117,17 @@ def test_a_flow_speeds_up_when_its_competitor_finishes():
 
 
 def test_dependencies_delay_a_flow():
-    spans = run_flows([Flow(0, 0, 2.0, 0.5, ("x",)), Flow(1, 1, 1.0, 0.0, ("y",), after=(0,))], {"x": 1.0, "y": 1.0})
+    """Flow 1 needs flow 0's data (sent at 2 s, arrived 0.5 s later); flow 2 only queues behind it on x."""
+    flows = [Flow(0, 0, 2.0, 0.5, ("x",)), Flow(1, 1, 1.0, 0.0, ("y",), after=(0,)), Flow(2, 2, 1.0, 0.25, ("x",), after_sent=(0,))]
+    spans = run_flows(flows, {"x": 1.0, "y": 1.0})
+    assert spans[0] == pytest.approx((0.0, 2.5))
     assert spans[1] == pytest.approx((2.5, 3.5))
+    assert spans[2] == pytest.approx((2.0, 3.25))
 
 
 @pytest.mark.parametrize("discipline", ["host-order", "posted"])
 def test_ring_allgather_waits_for_its_parts_and_takes_n_minus_1_steps(discipline):
-    cluster = Cluster(devices_per_host=4, latency_us=0.0, intra_host_gbps=80.0)
+    cluster = Cluster(devices_per_host=4, latency_us=0.0, overhead_us=0.0, intra_host_gbps=80.0)
     p = ReshardingProblem(shape=(4, 1024, 1024), dtype="int32", cluster=cluster,
                           src=Placement(mesh=DeviceMesh(shape=(1, 1), devices=(0,)), spec="R R R"),
                           dst=Placement(mesh=DeviceMesh(shape=(1, 4), devices=(4, 5, 6, 7)), spec="R R R"))

@@ -10,14 +10,18 @@ from hypothesis import strategies as st
 
 from xmesh_plan.planner.strategies import (MAX_CHUNKS, MIN_CHUNK_BYTES, STRATEGIES, TaskContext, broadcast, get_strategy,
                                 global_allgather, local_allgather, pipelined_seconds, send_recv)
+from xmesh_plan.planner.compile import receiving_load
+from xmesh_plan.planner.unit_tasks import decompose
 from xmesh_plan.planner.verify import verify_plan
 from xmesh_plan.schemas import Cluster
 from xmesh_plan.schemas.geometry import intersect, region_size
 
-CLUSTER = Cluster()  # the paper's: 4 devices per host, 10 Gbit/s NIC, 800 Gbit/s intra-host, 20 us latency
+CLUSTER = Cluster()  # the paper's: 4 devices per host, 10 Gbit/s NIC, 800 Gbit/s intra-host, 20 us latency, 1 us overhead
 NIC = 10e9 / 8
 INTRA = 800e9 / 8
 LAT = 20e-6
+OVERHEAD = 1e-6
+MESSAGE = LAT + OVERHEAD  # one message's fixed cost when nothing overlaps it
 REGION = ((0, 256), (0, 1024), (0, 64))  # 16 Mi elements
 ITEMSIZE = 4
 NBYTES = region_size(REGION) * ITEMSIZE
@@ -28,9 +32,9 @@ def ctx(sender, receivers, region=REGION, itemsize=ITEMSIZE, cluster=CLUSTER):
 
 
 def chain_seconds(nbytes, bandwidths, k):
-    """The module docstring's formula: per-chunk hop times c_h, total sum(c_h) + (K-1)*max(c_h)."""
-    per_chunk = [LAT + nbytes / k / bw for bw in bandwidths]
-    return sum(per_chunk) + (k - 1) * max(per_chunk)
+    """The module docstring's formula: per-chunk hop times c_h, total A*latency + sum(c_h) + (K-1)*max(c_h)."""
+    per_chunk = [OVERHEAD + nbytes / k / bw for bw in bandwidths]
+    return len(bandwidths) * LAT + sum(per_chunk) + (k - 1) * max(per_chunk)
 
 
 # --- broadcast ----------------------------------------------------------------------------------------
@@ -48,11 +52,30 @@ def test_broadcast_duration_is_the_pipelined_chain_formula_at_the_best_k():
     assert NBYTES / NIC < result.duration_s < 1.05 * NBYTES / NIC
 
 
+@pytest.mark.parametrize("sharing", [1, 10, 1000])
+def test_a_broadcast_queued_behind_others_trades_its_drain_for_fewer_chunks(sharing):
+    """Among `sharing` tasks on one receive side only the last one's pipeline drain shows, while every
+    chunk's overhead keeps the side busy: K minimises drain / sharing + K * (overhead + chunk time)."""
+    bandwidths = [NIC, NIC]  # host 0 -> host 1 -> host 2
+    result = broadcast(TaskContext(REGION, NBYTES, 0, (4, 8), CLUSTER, ITEMSIZE, sharing))
+
+    def objective(k):
+        per_chunk = [OVERHEAD + NBYTES / k / bw for bw in bandwidths]
+        return (sum(per_chunk) - max(per_chunk)) / sharing + k * max(per_chunk)
+
+    k_max = min(MAX_CHUNKS, NBYTES // MIN_CHUNK_BYTES)
+    assert result.chunks == min(range(1, k_max + 1), key=objective)
+    assert result.duration_s == pytest.approx(chain_seconds(NBYTES, bandwidths, result.chunks), rel=1e-12)
+    if sharing > 1:
+        alone = broadcast(TaskContext(REGION, NBYTES, 0, (4, 8), CLUSTER, ITEMSIZE, 1))
+        assert result.chunks < alone.chunks and result.duration_s > alone.duration_s
+
+
 def test_broadcast_of_a_tiny_box_uses_one_chunk():
     region = ((0, 8),)
     result = broadcast(ctx(0, [4], region=region))
     assert result.chunks == 1
-    assert result.duration_s == pytest.approx(LAT + 8 * ITEMSIZE / NIC, rel=1e-12)
+    assert result.duration_s == pytest.approx(MESSAGE + 8 * ITEMSIZE / NIC, rel=1e-12)
 
 
 def test_broadcast_chain_order_own_host_first_then_by_host():
@@ -91,7 +114,7 @@ def test_broadcast_to_more_devices_of_one_host_is_nearly_free():
 def test_send_recv_time_is_linear_in_receivers(count):
     receivers = [4 * (h + 1) for h in range(count)]  # one device on each of `count` remote hosts
     result = send_recv(ctx(0, receivers))
-    message = LAT + NBYTES / NIC
+    message = MESSAGE + NBYTES / NIC
     assert result.duration_s == pytest.approx(count * message, rel=1e-12)
     assert [op.dsts for op in result.ops] == [(d,) for d in receivers]
     assert all(op.kind == "send" and op.src == 0 and op.region == REGION for op in result.ops)
@@ -108,7 +131,7 @@ def test_send_recv_grows_linearly_with_gpus_on_one_host_unlike_broadcast():
 
 def test_send_recv_mixes_intra_and_cross_host_costs():
     result = send_recv(ctx(0, [1, 4]))
-    assert result.duration_s == pytest.approx((LAT + NBYTES / INTRA) + (LAT + NBYTES / NIC), rel=1e-12)
+    assert result.duration_s == pytest.approx((MESSAGE + NBYTES / INTRA) + (MESSAGE + NBYTES / NIC), rel=1e-12)
 
 
 # --- scatter + all-gather -----------------------------------------------------------------------------
@@ -130,9 +153,9 @@ def test_local_allgather_scatters_quarters_then_gathers_inside_the_host():
     _check_parts(gather, REGION)
     assert [op.region for op in sends] == list(gather.parts)
     quarter = NBYTES / 4
-    scatter = 4 * (LAT + quarter / NIC)
+    scatter = 4 * (MESSAGE + quarter / NIC)
     assert gather.offset_s == pytest.approx(scatter, rel=1e-12)  # the gather waits for the scatter
-    assert result.duration_s == pytest.approx(scatter + 3 * (LAT + quarter / INTRA), rel=1e-12)
+    assert result.duration_s == pytest.approx(scatter + 3 * (MESSAGE + quarter / INTRA), rel=1e-12)
 
 
 def test_local_allgather_runs_one_gather_per_host():
@@ -150,7 +173,7 @@ def test_global_allgather_gathers_across_all_receivers():
     assert gather.dsts == (4, 5, 8, 9)
     _check_parts(gather, REGION)
     eighth = NBYTES / 4
-    assert result.duration_s == pytest.approx(4 * (LAT + eighth / NIC) + 3 * (LAT + eighth / NIC), rel=1e-12)
+    assert result.duration_s == pytest.approx(4 * (MESSAGE + eighth / NIC) + 3 * (MESSAGE + eighth / NIC), rel=1e-12)
     assert {(1, "send"), (2, "send")} <= result.resources  # the ring crosses hosts both ways
 
 
@@ -201,8 +224,10 @@ def test_every_strategy_plan_verifies_on_the_reference_cases(case, compile_quick
 def test_auto_picks_the_fastest_strategy_per_task(case, compile_quick):
     problem = case("case7").model_copy(update={"shape": (64, 64, 32)})
     plan = compile_quick(problem, "auto")
+    load = receiving_load([decompose(problem)], problem.cluster)  # tasks queued per receiving host, as compile counts them
     for task in plan.tasks:
-        c = TaskContext(task.region, task.nbytes, task.sender, task.receivers, problem.cluster, problem.itemsize)
+        sharing = max(load[problem.cluster.host_of(d)] for d in task.receivers)
+        c = TaskContext(task.region, task.nbytes, task.sender, task.receivers, problem.cluster, problem.itemsize, sharing)
         durations = {name: fn(c).duration_s for name, fn in STRATEGIES.items()}
         assert task.end_s - task.start_s == pytest.approx(min(durations.values()), abs=1e-11)
         assert durations[task.strategy] == pytest.approx(min(durations.values()), abs=1e-11)

@@ -27,6 +27,7 @@ from xmesh_plan.planner.problem_io import build_problem  # noqa: E402
 from xmesh_plan.planner.reference_cases import reference_problems  # noqa: E402
 from xmesh_plan.planner.transfer_io import build_transfer  # noqa: E402
 from xmesh_plan.planner.weight_sync import WEIGHT_SYNC, weight_sync_toml  # noqa: E402
+from xmesh_plan.schemas import Plan  # noqa: E402
 from xmesh_plan.schemas.plan_tensors import is_multi  # noqa: E402
 
 from .baseline_plans import baseline_plan  # noqa: E402
@@ -57,14 +58,14 @@ EXTRA_CASES = {  # name -> (the problem, (label, compile_plan options) per plan)
 }
 
 
-def _plans(name: str, rate_mbit: float, latency_us: float | None = None):
+def _plans(name: str, rate_mbit: float, latency_us: float | None = None, overhead_us: float | None = None):
     """(label, plan or the reason it could not be made) for every approach on case `name` at the link rate
-    (and per-message latency, when given)."""
+    (and per-message latency and overhead, when given)."""
     if name in EXTRA_CASES:
         make, variants = EXTRA_CASES[name]
-        problem = at_rate(make(), rate_mbit, latency_us)
+        problem = at_rate(make(), rate_mbit, latency_us, overhead_us)
         return [(label, compile_plan(problem, **options)) for label, options in variants]
-    problem = at_rate(build_problem(dict(reference_problems())[name]), rate_mbit, latency_us)
+    problem = at_rate(build_problem(dict(reference_problems())[name]), rate_mbit, latency_us, overhead_us)
     out = []
     for label, strategy, solver in APPROACHES:
         try:
@@ -75,18 +76,29 @@ def _plans(name: str, rate_mbit: float, latency_us: float | None = None):
     return out
 
 
-def measure_latency(opts: RunOptions) -> float:
-    """One message's cost on the testbed, in microseconds: the median time of a reshard that sends one tiny
-    message between two hosts (the engine's per-message work, the kernel and the link's round trip)."""
-    plan = compile_plan(at_rate(build_problem(dict(reference_problems())["one_to_1x1"]), opts.link.rate_mbit), "send_recv", "auto")
-    result = run_plans([plan], replace(opts, max_mb=1e-4, iters=30, warmup=5))
+PROBE_CHUNKS = 32  # messages in the overhead probe's one operation
+
+
+def measure_message_costs(opts: RunOptions) -> tuple[float, float]:
+    """(latency, overhead) of one message on the testbed, in microseconds, from two tiny reshards between two
+    hosts, timed in one launch: one message (latency + overhead, plus the reshard's own fixed cost, which
+    counts as latency), and one broadcast of PROBE_CHUNKS chunks streamed back to back (latency +
+    PROBE_CHUNKS overheads): the overhead is the engine's, kernel's and link's work per message, the
+    latency what is left."""
+    problem = at_rate(build_problem(dict(reference_problems())["one_to_1x1"]), opts.link.rate_mbit)
+    one = compile_plan(problem, "send_recv", "auto")
+    (op,) = one.operations
+    streamed = one.model_copy(update={"operations": (op.model_copy(update={"kind": "broadcast", "chunks": PROBE_CHUNKS}),)})
+    result = run_plans([one, Plan.model_validate(streamed.model_dump())], replace(opts, max_mb=1e-3, iters=30, warmup=5))
     if not result.ok:
-        raise RuntimeError(f"the latency probe failed: {result.launch.stderr[-500:]}")
-    return result.median_s[0] * 1e6
+        raise RuntimeError(f"the message-cost probe failed: {result.launch.stderr[-500:]}")
+    single, many = (s * 1e6 for s in result.median_s)
+    overhead = max(0.0, (many - single) / (PROBE_CHUNKS - 1))
+    return single - overhead, overhead
 
 
-def run_case(name: str, rate_mbit: float, opts: RunOptions, latency_us: float | None = None) -> dict:
-    made = _plans(name, rate_mbit, latency_us)
+def run_case(name: str, rate_mbit: float, opts: RunOptions, latency_us: float | None = None, overhead_us: float | None = None) -> dict:
+    made = _plans(name, rate_mbit, latency_us, overhead_us)
     plans = [(label, p) for label, p in made if not isinstance(p, str)]
     if any(is_multi(p) for _, p in plans):
         opts = replace(opts, order="posted")  # multi-tensor plans run posted (TransferExecutor)
@@ -97,7 +109,7 @@ def run_case(name: str, rate_mbit: float, opts: RunOptions, latency_us: float | 
         rows.append({"approach": label, "strategy": plan.strategy, "solver": plan.solver.name, "ops": len(plan.operations),
                      "measured_s": median, "min_s": fastest, "predicted_s": predictions(plan, rate_mbit)})
     shape = list(getattr(result.plans[0].problem, "shape", ()))
-    return {"case": name, "rate_mbit": rate_mbit, "latency_us": latency_us, "order": opts.order, "shape": shape, "rows": rows,
+    return {"case": name, "rate_mbit": rate_mbit, "latency_us": latency_us, "overhead_us": overhead_us, "order": opts.order, "shape": shape, "rows": rows,
             "skipped": {label: p for label, p in made if isinstance(p, str)}, "checked": result.checked,
             "ok": result.ok, "wall_s": round(time.monotonic() - started, 1), "links": [h.as_dict() for h in result.hosts],
             "retransmitted_segments": result.retransmits,
@@ -155,15 +167,20 @@ def _arguments(argv):
     parser.add_argument("--engine", choices=["mpi", "torch"], default="mpi",
                         help="mpi: mpiexec + executor.run; torch: torch.distributed over gloo + executor.torch_run")
     parser.add_argument("--latency-us", default="measure",
-                        help="per-message latency the plans are made and predicted with: a number, 'measure' (a probe on "
-                             "the testbed at each rate, the default) or 'plan' (the reference cases' own, 20 us)")
+                        help="per-message latency and overhead the plans are made and predicted with: 'measure' (two probes "
+                             "on the testbed at each rate, the default), 'plan' (the cases' own: 20 us and 1 us), or "
+                             "LATENCY[,OVERHEAD] in microseconds (e.g. 200,40; overhead the cluster default when left out)")
     parser.add_argument("--no-markdown", action="store_true", help="leave BENCHMARKS.md alone")
     args = parser.parse_args(argv)
+    args.costs = None
     if args.latency_us not in ("measure", "plan"):
         try:
-            args.latency_us = float(args.latency_us)
+            costs = [float(v) for v in args.latency_us.split(",")]
+            if not 1 <= len(costs) <= 2 or min(costs) < 0:
+                raise ValueError
+            args.costs = (costs[0], costs[1] if len(costs) == 2 else None)
         except ValueError:
-            parser.error(f"--latency-us {args.latency_us!r}: give microseconds (e.g. 200), 'measure' or 'plan'")
+            parser.error(f"--latency-us {args.latency_us!r}: give LATENCY[,OVERHEAD] in microseconds (e.g. 200,40), 'measure' or 'plan'")
     return args
 
 
@@ -176,12 +193,12 @@ def main(argv=None) -> int:
     runs = []
     for rate in [float(r) for r in args.rates.split(",")]:
         opts = RunOptions(LinkShape(rate, args.mtu), args.max_mb, args.iters, args.warmup, order=args.order, engine=args.engine)
-        latency = {"measure": None, "plan": None}.get(args.latency_us, args.latency_us)
+        latency, overhead = args.costs or (None, None)
         if args.latency_us == "measure":
-            latency = round(measure_latency(opts), 1)
-            print(f"measured per-message latency at {rate:g} Mbit/s: {latency:g} us", flush=True)
+            latency, overhead = (round(v, 1) for v in measure_message_costs(opts))
+            print(f"measured per message at {rate:g} Mbit/s: latency {latency:g} us, overhead {overhead:g} us", flush=True)
         for name in args.cases.split(","):
-            runs.append(run_case(name, rate, opts, latency))
+            runs.append(run_case(name, rate, opts, latency, overhead))
             print(*table([runs[-1]], args.order).splitlines()[2:], link_table([runs[-1]]).splitlines()[-1], sep="\n", flush=True)
     load = os.getloadavg()
     meta = {"command": f"{COMMAND} --cases {args.cases} --rates {args.rates} --max-mb {args.max_mb:g} --iters {args.iters} "

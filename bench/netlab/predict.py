@@ -17,13 +17,16 @@ from xmesh_plan.schemas import Nic, Plan, ReshardingProblem
 from xmesh_plan.schemas.transfer import tensor_problems
 
 
-def at_rate(problem: ReshardingProblem, rate_mbit: float, latency_us: float | None = None) -> ReshardingProblem:
+def at_rate(problem: ReshardingProblem, rate_mbit: float, latency_us: float | None = None,
+            overhead_us: float | None = None) -> ReshardingProblem:
     """The same problem on a cluster whose every NIC sends and receives at `rate_mbit` (and whose messages each
-    cost `latency_us`, when given: on the testbed a message costs what a rank's Python and the kernel add)."""
+    take `latency_us` and `overhead_us`, when given: on the testbed a message costs what a rank's Python and the kernel add)."""
     gbps = rate_mbit / 1e3
     update = {"nics": tuple(Nic(send_gbps=gbps, recv_gbps=gbps) for _ in problem.cluster.nics)}
     if latency_us is not None:
         update["latency_us"] = latency_us
+    if overhead_us is not None:
+        update["overhead_us"] = overhead_us
     return problem.model_copy(update={"cluster": problem.cluster.model_copy(update=update)})
 
 

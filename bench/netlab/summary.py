@@ -37,13 +37,13 @@ def _rows(path: Path) -> tuple[dict, dict[tuple[str, float, str], dict]]:
 
 def _links(runs: list[tuple[dict, dict]]) -> str:
     """Per launch: the links' bytes over the plans' (every approach of a case runs in one launch), and TCP retransmits."""
-    lines = ["| case | Mbit/s | order | latency us | link bytes / plan bytes | TCP retransmits | every shard bit-exact |",
-             "|---|---|---|---|---|---|---|"]
+    lines = ["| case | Mbit/s | order | latency us | overhead us | link bytes / plan bytes | TCP retransmits | every shard bit-exact |",
+             "|---|---|---|---|---|---|---|---|"]
     for meta, _ in runs:
         for run in meta["runs"]:
             plan = sum(h["predicted_sent"] + h["predicted_received"] for h in run["links"])
             link = sum(h["sent"] + h["received"] for h in run["links"])
-            lines.append(f"| {run['case']} | {run['rate_mbit']:g} | {meta['order']} | {run.get('latency_us') or '-'} | "
+            lines.append(f"| {run['case']} | {run['rate_mbit']:g} | {meta['order']} | {run.get('latency_us') or '-'} | {run.get('overhead_us') or '-'} | "
                          f"{link / plan:.4f} | {sum(run.get('retransmitted_segments', {}).values())} | "
                          f"{'yes' if run['checked'] else 'NO'} |")
     return "\n".join(lines)
