@@ -128,8 +128,6 @@ def compile_command(problem_file, output, shape, dtype, src_mesh, src_spec, dst_
                          --dst-mesh 2x4 --dst-spec "S0 R R" -o case3.plan.json
     """
     problem = problem_from_flags(problem_file, shape, dtype, src_mesh, src_spec, dst_mesh, dst_spec)
-    if coalesce and isinstance(problem, TransferProblem):
-        raise InputError("--coalesce works on single-tensor problems only; compile this transfer without --coalesce")
     with progress("compiling") as timing:
         plan = compile_plan(problem, strategy=strategy, solver=solver, seed=seed, time_limit_s=time_limit, merge=not no_merge,
                             on_stage=timing["stage"], max_tasks=max_tasks, split_hosts=split_hosts, coalesce=coalesce,

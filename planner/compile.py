@@ -212,9 +212,7 @@ def compile_plan(problem: ReshardingProblem | TransferProblem, strategy: str = "
     front (TooManyTasksError). A `TransferProblem`'s tensors are cut one by one and scheduled together.
     `split_hosts`: one unit task per receiving host (`unit_tasks.split_by_receiver_host`; recorded in
     `solver.details`), as many tasks per box as it has receiving hosts. `coalesce`: small cells between
-    two hosts travel in bundles of at most `bucket_bytes` (`planner/coalesce.py`; single-tensor problems only)."""
-    if coalesce and isinstance(problem, TransferProblem):
-        raise ValueError("coalesce works on single-tensor problems only; compile this transfer without --coalesce")
+    two hosts travel in bundles of at most `bucket_bytes` (`planner/coalesce.py`; a bundle holds boxes of one tensor)."""
     on_stage("cutting unit tasks")
     singles = problem.tensor_problems()
     check_joint_task_count(singles, max_tasks)
