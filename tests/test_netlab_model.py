@@ -57,6 +57,22 @@ def test_the_weight_sync_case_gives_verified_multi_tensor_plans_scaled_and_predi
         assert p["lower-bound"] <= p["posted"] + 1e-9
 
 
+def test_reference_cases_are_planned_on_the_tensor_that_runs():
+    """With max_mb the case is compiled on the shrunk tensor (chunk counts fit its bytes), with the same boxes
+    as the full-size plan shrunk by the executor, and the testbed's message costs in its cluster."""
+    from bench.netlab.experiments import _plans
+
+    small = dict(_plans("case7", 500, latency_us=200, overhead_us=30, max_mb=16))
+    full = dict(_plans("case7", 500, latency_us=200, overhead_us=30))
+    for label in ("ours", "naive", "alpa-send-recv"):
+        plan = small[label]
+        verify_plan(plan)
+        assert plan.problem.nbytes <= 16 * 2**20 < full[label].problem.nbytes
+        assert (plan.problem.cluster.latency_us, plan.problem.cluster.overhead_us) == (200, 30)
+        assert sorted(op.region for op in plan.operations) == sorted(op.region for op in scaled(full[label], 16).operations)
+    assert max(op.chunks for op in small["ours"].operations) < max(op.chunks for op in full["ours"].operations)
+
+
 def test_plan_bytes_per_testbed_host_and_the_one_percent_check(case, compile_quick):
     plan = compile_quick(case("case3"))
     assert ranks_per_host(plan) == (4, 4, 4, 4)

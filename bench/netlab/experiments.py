@@ -27,6 +27,7 @@ from xmesh_plan.planner.problem_io import build_problem  # noqa: E402
 from xmesh_plan.planner.reference_cases import reference_problems  # noqa: E402
 from xmesh_plan.planner.transfer_io import build_transfer  # noqa: E402
 from xmesh_plan.planner.weight_sync import WEIGHT_SYNC, weight_sync_toml  # noqa: E402
+from xmesh_plan.executor.scale import factors_for  # noqa: E402
 from xmesh_plan.schemas import Plan  # noqa: E402
 from xmesh_plan.schemas.plan_tensors import is_multi  # noqa: E402
 
@@ -58,14 +59,19 @@ EXTRA_CASES = {  # name -> (the problem, (label, compile_plan options) per plan)
 }
 
 
-def _plans(name: str, rate_mbit: float, latency_us: float | None = None, overhead_us: float | None = None):
+def _plans(name: str, rate_mbit: float, latency_us: float | None = None, overhead_us: float | None = None,
+           max_mb: float | None = None):
     """(label, plan or the reason it could not be made) for every approach on case `name` at the link rate
-    (and per-message latency and overhead, when given)."""
+    (and per-message latency and overhead, when given), on the reference tensor shrunk to at most
+    `max_mb` MiB as the executor would shrink it (when given)."""
     if name in EXTRA_CASES:
         make, variants = EXTRA_CASES[name]
         problem = at_rate(make(), rate_mbit, latency_us, overhead_us)
         return [(label, compile_plan(problem, **options)) for label, options in variants]
     problem = at_rate(build_problem(dict(reference_problems())[name]), rate_mbit, latency_us, overhead_us)
+    if max_mb is not None:  # plan the tensor that runs, so chunk counts fit its bytes (scaling keeps them)
+        factors = factors_for(compile_plan(problem, "broadcast", "naive"), int(max_mb * 2**20))
+        problem = problem.model_copy(update={"shape": tuple(n // f for n, f in zip(problem.shape, factors))})
     out = []
     for label, strategy, solver in APPROACHES:
         try:
@@ -76,29 +82,32 @@ def _plans(name: str, rate_mbit: float, latency_us: float | None = None, overhea
     return out
 
 
-PROBE_CHUNKS = 32  # messages in the overhead probe's one operation
+PROBE_CHUNKS = 32  # chunks in the overhead probe's streamed broadcast
 
 
 def measure_message_costs(opts: RunOptions) -> tuple[float, float]:
-    """(latency, overhead) of one message on the testbed, in microseconds, from two tiny reshards between two
-    hosts, timed in one launch: one message (latency + overhead, plus the reshard's own fixed cost, which
-    counts as latency), and one broadcast of PROBE_CHUNKS chunks streamed back to back (latency +
-    PROBE_CHUNKS overheads): the overhead is the engine's, kernel's and link's work per message, the
-    latency what is left."""
-    problem = at_rate(build_problem(dict(reference_problems())["one_to_1x1"]), opts.link.rate_mbit)
-    one = compile_plan(problem, "send_recv", "auto")
-    (op,) = one.operations
-    streamed = one.model_copy(update={"operations": (op.model_copy(update={"kind": "broadcast", "chunks": PROBE_CHUNKS}),)})
-    result = run_plans([one, Plan.model_validate(streamed.model_dump())], replace(opts, max_mb=1e-3, iters=30, warmup=5))
+    """(latency, overhead) of one message on the testbed, in microseconds, from two tiny broadcasts timed in
+    one launch, each from a device of one host down the four devices of another (one cross-host hop, three
+    relays inside the host): in one chunk (four hops in series, each a latency and an overhead, plus the
+    reshard's own fixed cost, which counts as latency), and in PROBE_CHUNKS chunks streamed down the chain
+    (the same, plus an overhead per extra chunk at the slowest relay): the overhead is what a rank's
+    Python, the kernel and the link spend per message, receiving and forwarding included."""
+    problem = at_rate(build_problem(dict(reference_problems())["one_to_1x4"]), opts.link.rate_mbit)
+    plan = compile_plan(problem, "broadcast", "auto")
+    (op,) = plan.operations
+    hops = len(op.dsts)
+    probes = [Plan.model_validate(plan.model_copy(update={"operations": (op.model_copy(update={"chunks": k}),)}).model_dump())
+              for k in (1, PROBE_CHUNKS)]
+    result = run_plans(probes, replace(opts, max_mb=1e-2, iters=30, warmup=5))
     if not result.ok:
         raise RuntimeError(f"the message-cost probe failed: {result.launch.stderr[-500:]}")
     single, many = (s * 1e6 for s in result.median_s)
     overhead = max(0.0, (many - single) / (PROBE_CHUNKS - 1))
-    return single - overhead, overhead
+    return max(0.0, single / hops - overhead), overhead
 
 
 def run_case(name: str, rate_mbit: float, opts: RunOptions, latency_us: float | None = None, overhead_us: float | None = None) -> dict:
-    made = _plans(name, rate_mbit, latency_us, overhead_us)
+    made = _plans(name, rate_mbit, latency_us, overhead_us, opts.max_mb)
     plans = [(label, p) for label, p in made if not isinstance(p, str)]
     if any(is_multi(p) for _, p in plans):
         opts = replace(opts, order="posted")  # multi-tensor plans run posted (TransferExecutor)
