@@ -84,3 +84,30 @@ def test_plan_bytes_per_testbed_host_and_the_one_percent_check(case, compile_qui
     over = HostBytes(2, LinkBytes(1020, 0), LinkBytes(995, 0))
     assert within([ok], 0.01, 0) == []
     assert len(within([short, over], 0.01, 0)) == 2
+
+
+def test_a_case_runs_each_distinct_plan_once_and_every_solver_gets_a_row(monkeypatch):
+    """Solvers that find the same operations share one launch slot; their rows point at the first."""
+    from types import SimpleNamespace
+
+    import bench.netlab.experiments as experiments
+    from bench.netlab.run_plan import RunOptions
+    from bench.netlab.testbed import LinkShape
+
+    launched = []
+
+    def fake_run(plans, opts):
+        launched.extend(plans)
+        times = [0.1 + i / 100 for i in range(len(plans))]
+        return SimpleNamespace(plans=plans, median_s=times, min_s=times, checked=True, ok=True, hosts=[], retransmits={})
+
+    monkeypatch.setattr(experiments, "run_plans", fake_run)
+    run = experiments.run_case("case3", 500, RunOptions(LinkShape(500, 9000), 1.0, 1, 0), latency_us=200, overhead_us=30)
+    rows = {r["approach"]: r for r in run["rows"]}
+    assert set(rows) == {label for label, _, _ in experiments.APPROACHES}
+    ops = [p.model_dump_json(include={"operations"}) for p in launched]
+    assert len(set(ops)) == len(ops) == len(rows) - sum("same_as" in r for r in rows.values())
+    for r in rows.values():
+        if "same_as" in r:
+            twin = rows[r["same_as"]]
+            assert "same_as" not in twin and r["measured_s"] == twin["measured_s"]

@@ -72,9 +72,11 @@ def summary(paths: list[Path], title: str = "Emulated cluster: executor order") 
             model = r["predicted_s"][MODEL[r["order"]]] if r else None  # a multi-tensor case runs posted in either file
             ratios.append(_f(m / model if m and model else None))
             bounds.append(_f(m / r["predicted_s"]["lower-bound"] if m and r else None))
-            if m and model:
+            if m and model and not (r or {}).get("same_as"):  # a plan run once counts once
                 errors[order].append(m / model)
-        lines.append(f"| {key[0]} | {key[1]:g} | {key[2]} | " + " | ".join(cells + ratios + bounds) + " |")
+        same = next((r["same_as"] for _, rows in runs if (r := rows.get(key)) and r.get("same_as")), None)
+        label = key[2] + (f" (= {same})" if same else "")
+        lines.append(f"| {key[0]} | {key[1]:g} | {label} | " + " | ".join(cells + ratios + bounds) + " |")
     facts = []
     for order, values in errors.items():
         if values:
