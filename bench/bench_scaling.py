@@ -6,10 +6,12 @@ with the default `auto` solver on this machine, which is shared, so times are no
 points are optional: `--large` adds (128,8) -> (128,8).
 
     .venv/bin/python bench/bench_scaling.py [--large]
+    .venv/bin/python bench/bench_scaling.py --render   # the BENCHMARKS.md section again from bench/results/scaling.json
 """
 
 from __future__ import annotations
 
+import json
 import resource
 import sys
 import time
@@ -59,12 +61,15 @@ def measure(point) -> dict:
             "predicted_s": plan.predicted_seconds, "lower_bound_s": plan.lower_bound_seconds,
             "ratio": plan.predicted_seconds / plan.lower_bound_seconds, "winner": plan.solver.details.get("winner", ""),
             "task_mib": sum(t.nbytes for t in plan.tasks) / len(plan.tasks) / 2**20,
-            "latency_share": p.cluster.latency_s / (sum(t.end_s - t.start_s for t in plan.tasks) / len(plan.tasks)),
+            "overhead_share": p.cluster.overhead_s / (sum(t.end_s - t.start_s for t in plan.tasks) / len(plan.tasks)),
             "timed_by": plan.solver.details.get("timed_by", ""),
             "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
 
 
 def main() -> None:
+    if "--render" in sys.argv:  # the section again from the last results file, no measuring
+        data = json.loads((Path(__file__).resolve().parent / "results" / "scaling.json").read_text())
+        return render(data["points"], data["command"])
     points = POINTS + (LARGE if "--large" in sys.argv else [])
     rows = []
     for point in points:
@@ -72,15 +77,20 @@ def main() -> None:
         r = rows[-1]
         print(f"{r['src']} -> {r['dst']} {r['src_spec']} -> {r['dst_spec']}: {r['tasks']} tasks, {r['compile_s']:.2f} s, "
               f"ratio {r['ratio']:.4f} ({r['winner']})", flush=True)
-    write_json("scaling.json", {"command": COMMAND + (" --large" if "--large" in sys.argv else ""), "points": rows})
+    command = COMMAND + (" --large" if "--large" in sys.argv else "")
+    write_json("scaling.json", {"command": command, "points": rows})
+    render(rows, command)
+
+
+def render(rows: list[dict], command: str) -> None:
     lines = "\n".join(
         f"| {r['src']} {r['src_spec']} | {r['dst']} {r['dst_spec']} | {r['shape']} | {r['tasks']} | {r['compile_s']:.2f} "
-        f"| {r['ratio']:.4f} | {r['task_mib']:.3f} | {r['latency_share']:.1%} | {r['winner']} | {r['timed_by']} | {r['peak_rss_mib']:.0f} |" for r in rows)
+        f"| {r['ratio']:.4f} | {r['task_mib']:.3f} | {r['overhead_share']:.1%} | {r['winner']} | {r['timed_by']} | {r['peak_rss_mib']:.0f} |" for r in rows)
     replace_section("Scaling", f"""
 Made by (2-core CPU machine shared with other jobs, so compile times are noisy):
 
 ```
-{COMMAND}{" --large" if "--large" in sys.argv else ""}
+{command}
 ```
 
 Compile time (wall clock of `compile_plan`, default `auto` solver, including decomposition, the
@@ -89,19 +99,18 @@ simulator and plan assembly) and quality (predicted / lower bound) against the u
 mark after the row (rows run in order of size, so the last row's is its own peak). Every row is timed by
 the network simulator (the limit is 250,000 operations). Raw: `bench/results/scaling.json`.
 
-| source | destination | tensor | unit tasks | compile s | predicted / bound | MiB per task | latency share of a task | winner | timed by | peak RSS MiB |
+| source | destination | tensor | unit tasks | compile s | predicted / bound | MiB per task | overhead share of a task | winner | timed by | peak RSS MiB |
 |---|---|---|---:|---:|---:|---:|---:|---|---|---:|
 {lines}
 
-The lower bound counts bandwidth only, while the model charges every message its latency (20 us)
-on the NIC it crosses; "latency share" is that latency over the mean task time. Where tasks shrink
-to a few hundred KiB or less, the gap to the bound is mostly this per-message cost, not the order:
-in the 32x8 `S0 R S1 -> R S01 R` row every source device sends one small box to every destination
-device (an all-to-all), and `list-backfill` meets the schedule's own bound there
-(`solver.details.gap_to_proven_bound` is 0), yet the plan sits well above the byte bound. Fewer,
-larger messages (gathering a host's boxes before they cross the NIC) would close it; that strategy
-does not exist yet. `xmesh-plan inspect` prints this part of the gap: for that row, host 0's send
-side carries 2048 messages x 20 us = 41 ms, all of the 41 ms between the prediction and the bound.
+The lower bound counts bandwidth only, while the model charges every message an overhead (1 us) on
+the links it crosses, besides a latency (20 us) other messages overlap; "overhead share" is that
+overhead over the mean task time. Where tasks shrink to a few hundred KiB or less the gap to the
+bound is mostly this per-message cost, not the order: in the 32x8 `S0 R S1 -> R S01 R` row (an
+all-to-all of 64 KiB boxes) host 0's send side carries 2048 messages x 1 us = 2 ms of the 2 ms
+between the prediction and the bound (`xmesh-plan inspect`); `--coalesce` closes it (BENCHMARKS.md,
+"Coalesced messages"). Until fb54710 the model made every message hold its NIC for the whole 20 us
+latency, and these rows sat at up to 1.38x (32x8 all-to-all) and 1.19x ((128,8) -> (128,8)).
 """)
 
 
