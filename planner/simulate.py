@@ -123,26 +123,29 @@ def run_flows(flows: list[Flow], capacity: dict[str, float]) -> dict[int, tuple[
     # events: (time, kind, flow): kind 0 = its last byte left (release queued flows), 1 = it arrived
     clock, events, moving, span = 0.0, [], {}, {}
 
-    def start(fid: int) -> None:
-        span[fid] = (clock, None)
-        if by_id[fid].work > 0 and by_id[fid].links:
-            moving[fid] = by_id[fid].work
-        else:
-            sent(fid)
+    def release(ready: list[int]) -> None:
+        """Start every flow in `ready` whose last dependency just ended; a flow with nothing to move has
+        left at once, which may start more (a work list, not recursion: such runs can be long)."""
+        while ready:
+            fid = ready.pop()
+            waiting[fid] -= 1
+            if waiting[fid]:
+                continue
+            span[fid] = (clock, None)
+            if by_id[fid].work > 0 and by_id[fid].links:
+                moving[fid] = by_id[fid].work
+            else:
+                ready.extend(sent(fid))
 
-    def release(children: list[int]) -> None:
-        for child in children:
-            waiting[child] -= 1
-            if waiting[child] == 0:
-                start(child)
-
-    def sent(fid: int) -> None:
+    def sent(fid: int) -> list[int]:
+        """Its last byte left: it arrives a latency later; flows queued behind it may go."""
         heapq.heappush(events, (clock + by_id[fid].latency_s, 1, fid))
-        release(on_sent.get(fid, ()))
+        return list(on_sent.get(fid, ()))
 
-    for f in flows:
-        if not waiting[f.id]:
-            start(f.id)
+    free = [f.id for f in reversed(flows) if not waiting[f.id]]
+    for fid in free:
+        waiting[fid] = 1  # released below like a flow whose last dependency just ended
+    release(free)
     while events or moving:
         rates = max_min_rates([by_id[i] for i in moving], capacity) if moving else {}
         next_move = min(((left / rates[i], i) for i, left in moving.items()), default=(float("inf"), -1))
@@ -153,11 +156,11 @@ def run_flows(flows: list[Flow], capacity: dict[str, float]) -> dict[int, tuple[
         clock += step
         for i in [i for i, left in moving.items() if left <= REL_EPS * max(1.0, by_id[i].work)]:
             del moving[i]
-            sent(i)
+            release(sent(i))
         while events and events[0][0] <= clock + REL_EPS * max(1.0, clock):
             _, _, i = heapq.heappop(events)
             span[i] = (span[i][0], clock)
-            release(on_arrival.get(i, ()))
+            release(list(on_arrival.get(i, ())))
     if any(v for v in waiting.values()):
         raise ValueError("flow dependencies form a cycle; some flows never start")
     return {i: (s, e) for i, (s, e) in span.items()}

@@ -125,6 +125,14 @@ def test_dependencies_delay_a_flow():
     assert spans[2] == pytest.approx((2.0, 3.25))
 
 
+def test_a_long_run_of_empty_messages_queued_on_one_link_finishes():
+    """Empty messages leave at once and release the next in line: 5,000 of them, then one real one."""
+    flows = [Flow(i, i, 0.0, 1e-3, ("x",), after_sent=(i - 1,) if i else ()) for i in range(5000)]
+    flows.append(Flow(5000, 5000, 2.0, 0.0, ("x",), after_sent=(4999,)))
+    spans = run_flows(flows, {"x": 1.0})
+    assert spans[4999] == pytest.approx((0.0, 1e-3)) and spans[5000] == pytest.approx((0.0, 2.0))
+
+
 @pytest.mark.parametrize("discipline", ["host-order", "posted"])
 def test_ring_allgather_waits_for_its_parts_and_takes_n_minus_1_steps(discipline):
     cluster = Cluster(devices_per_host=4, latency_us=0.0, overhead_us=0.0, intra_host_gbps=80.0)
