@@ -245,6 +245,27 @@ def test_coalescing_a_transfer_sends_fewer_cross_host_messages_and_predicts_less
     assert packed.predicted_seconds < plain.predicted_seconds
 
 
+def test_small_boxes_needed_on_several_hosts_are_cut_per_host_and_bundled_large_ones_stay_chained():
+    """The small weight sync without --split-hosts: norms and small shards go to both TP replicas' hosts."""
+    from xmesh_plan.planner.coalesce import SMALL_FRACTION, coalesce_cells
+    from xmesh_plan.planner.unit_tasks import decompose
+    plain, packed = _weight_sync(), _weight_sync(coalesce=True)
+    verify_plan(packed)
+    host = packed.problem.cluster.host_of
+    bucket = 4 * 2**20
+    for single in packed.problem.tensor_problems():
+        cells = [c for c in decompose(single) if c.receivers]
+        rest, bundles = coalesce_cells(cells, single, bucket)
+        bundled = {(part, d) for b in bundles for part, needers in zip(b.parts, b.needers) for d in needers}
+        for cell in cells:
+            small = cell.nbytes(single.itemsize) * SMALL_FRACTION <= bucket and len({host(d) for d in cell.senders}) == 1
+            if small and not cell.local_copies:  # every receiver gets it from a bundle
+                assert all((cell.region, d) in bundled for d in cell.receivers), cell
+            else:
+                assert cell in rest
+    assert len(packed.operations) < len(plain.operations)
+
+
 @pytest.mark.mpi
 @pytest.mark.timeout(600)
 def test_a_coalesced_transfer_runs_bit_exact_under_mpiexec(tmp_path):
