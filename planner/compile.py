@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
+import gc
 from dataclasses import dataclass
 from typing import Callable
 
@@ -203,6 +205,23 @@ def _quiet(stage: str) -> None:
     del stage
 
 
+def _without_cyclic_gc(fn):
+    """Run `fn` with Python's cyclic garbage collector paused (it runs again afterwards): a compile
+    allocates hundreds of thousands of small objects and few cycles, and the collector's passes over
+    them took a third of the (64,8) -> (64,8) compile (BENCHMARKS.md, "Scaling")."""
+    @functools.wraps(fn)
+    def run(*args, **kwargs):
+        was_on = gc.isenabled()
+        gc.disable()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            if was_on:
+                gc.enable()
+    return run
+
+
+@_without_cyclic_gc
 def compile_plan(problem: ReshardingProblem | TransferProblem, strategy: str = "broadcast", solver: str = "auto", seed: int = 0,
                  time_limit_s: float = 10.0, merge: bool = True, on_stage: Callable[[str], None] = _quiet,
                  max_tasks: int | None = DEFAULT_MAX_TASKS, split_hosts: bool = False, coalesce: bool = False,

@@ -2,6 +2,8 @@
 
 import sys
 
+import pytest
+
 from xmesh_plan.planner.cli_solvers import progress
 from xmesh_plan.planner.compile import compile_plan
 
@@ -25,3 +27,23 @@ def test_progress_draws_the_stage_on_a_terminal_and_stays_silent_when_piped(monk
     with progress("compiling") as timing:
         timing["stage"]("scheduling 4 tasks with auto")
     assert capsys.readouterr().err == "" and timing["seconds"] >= 0
+
+
+def test_compile_pauses_the_cyclic_collector_and_turns_it_back_on_even_when_it_fails(case):
+    """compile_plan runs with gc paused (a third of a large compile was collector passes) and restores it."""
+    import gc
+
+    from xmesh_plan.planner.compile import compile_plan
+
+    seen = []
+    compile_plan(case("case3"), on_stage=lambda stage: seen.append(gc.isenabled()))
+    assert seen and not any(seen) and gc.isenabled()
+    with pytest.raises(ValueError, match="unknown solver"):
+        compile_plan(case("case3"), solver="nope")
+    assert gc.isenabled()
+    gc.disable()
+    try:
+        compile_plan(case("case3"))
+        assert not gc.isenabled()  # a caller that had it off keeps it off
+    finally:
+        gc.enable()
