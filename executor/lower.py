@@ -4,7 +4,8 @@ Every rank lowers the same plan the same way, so both ends of a message agree on
 size without talking. Steps are plain records with the indices of the steps they wait for; the
 backends only walk them. A box that is one contiguous run of its shard is sent from, or received
 into, the shard itself; any other box goes through a staging area (packed before a send, unpacked
-after the last chunk arrives).
+after the last chunk arrives). Staging is laid out one operation after another (`stage_bytes` is the
+sum: every operation may be in flight at once); `in_device_order` lets each run of operations reuse it.
 
 What each operation kind sends is its route in `schemas.op_kinds` (a chain for send and broadcast,
 a ring for all-gather); this module lowers each route pattern, and tests check the steps against the route.
@@ -25,6 +26,7 @@ from xmesh_plan.schemas.geometry import Region, intersect, local_slices, region_
 from xmesh_plan.schemas.plan import format_region
 from xmesh_plan.schemas.op_kinds import bundle_runs, chunk_bounds, nccl_group, rule_of, supported, tags_used
 from xmesh_plan.schemas.plan_check import TOLERANCE_S, PlanError, check_plan, describe, uncovered
+from xmesh_plan.schemas.staging import ORDERS, contiguous_span, device_runs
 
 from .errors import PlanMismatchError
 
@@ -128,27 +130,6 @@ class RankProgram:
         return sum(s.action in ("send", "recv") for s in self.steps)
 
 
-def contiguous_span(region: Region, block: Region, itemsize: int) -> tuple[int, int] | None:
-    """Byte range of `region` inside a C-ordered buffer holding `block`, or None when it is not one run.
-
-    >>> contiguous_span(((1, 2), (0, 4)), ((0, 3), (0, 4)), 4)
-    (16, 32)
-    >>> contiguous_span(((0, 2), (0, 2)), ((0, 3), (0, 4)), 4) is None
-    True
-    """
-    sub, full = region_shape(region), region_shape(block)
-    k = 0
-    while k < len(sub) and sub[k] == 1:
-        k += 1
-    if any(sub[j] != full[j] for j in range(k + 1, len(sub))):
-        return None
-    offset, stride = 0, 1
-    for (r0, _), (b0, b1) in reversed(list(zip(region, block))):
-        offset += (r0 - b0) * stride
-        stride *= b1 - b0
-    return offset * itemsize, (offset + math.prod(sub)) * itemsize
-
-
 def make_box(side: Side, region: Region, block: Region, itemsize: int) -> Box:
     """`region` (inside `block`) as it sits in the C-ordered shard holding `block`."""
     shape = region_shape(region)
@@ -157,7 +138,11 @@ def make_box(side: Side, region: Region, block: Region, itemsize: int) -> Box:
 
 def chunk_ranges(nbytes: int, chunks: int, itemsize: int) -> list[tuple[int, int]]:
     """Byte ranges of the non-empty pieces when `nbytes` is cut into `chunks` on element boundaries
-    (`op_kinds.chunk_bounds`: all `chunks` of them in a checked plan, which has no more chunks than elements)."""
+    (`op_kinds.chunk_bounds`: all `chunks` of them in a checked plan, which has no more chunks than elements).
+
+    >>> chunk_ranges(10, 3, 2)
+    [(0, 2), (2, 6), (6, 10)]
+    """
     return [(lo * itemsize, hi * itemsize) for lo, hi in chunk_bounds(nbytes // itemsize, chunks) if hi > lo]
 
 
@@ -423,39 +408,51 @@ def lower(plan: Plan, device: int, tag_limit: int | None = None, first_tag: int 
     return RankProgram(device, tuple(b.steps), b.stage_bytes, b.src_blocks.get(device), dst_block, b.itemsize, tuple(b.collectives))
 
 
-ORDERS = ("posted", "device")  # how a rank lets its operations onto the wire; see in_device_order
-
-
-def in_device_order(program: RankProgram) -> RankProgram:
+def in_device_order(program: RankProgram, stage_budget: int | None = None) -> RankProgram:
     """The same steps, but each operation's messages (and packs) wait for every step of this device's
     earlier operations, so a device takes part in one operation at a time, in plan order, at both ends of
     a message: the simulator's `device-order`, as NCCL runs a stream's calls, instead of posting every
     operation at once (`posted`). Consecutive operations with the same peers run together: they share
-    the same links in order anyway, and waiting between them would only add a round trip each.
+    the same links in order anyway, and waiting between them would only add a round trip each; with a
+    `stage_budget` (the plan's `--max-staging-mb`) a run also ends before it would stage more than that
+    (`schemas.staging.device_runs`). Every run starts its staging at byte 0: the runs before it have
+    finished, so `stage_bytes` becomes the largest run's staging (`schemas.staging.staging_peaks`).
     Deadlock-free: every rank walks the plan in one order, so the earliest unfinished operation never
     waits on a later one.
     """
-    peers: dict[int, frozenset[int]] = {}
+    ops: dict[int, list] = {}  # op -> [peers, first staging byte, end of its staging], in plan order
     for s in program.steps:
-        peers.setdefault(s.op, frozenset())
+        facts = ops.setdefault(s.op, [frozenset(), None, None])
         if s.action in ("send", "recv"):
-            peers[s.op] |= {s.peer}
+            facts[0] |= {s.peer}
+        if s.data is not None and s.data.buffer == "stage":
+            facts[1] = s.data.start if facts[1] is None else min(facts[1], s.data.start)
+            facts[2] = s.data.stop if facts[2] is None else max(facts[2], s.data.stop)
+    staged = {op: (0 if lo is None else hi - lo) for op, (_, lo, hi) in ops.items()}
+    run_of = dict(zip(ops, device_runs([(facts[0], staged[op]) for op, facts in ops.items()], stage_budget)))
+    base: dict[int, int] = {}  # run -> its first staging byte in the posted layout (operations stage in plan order)
+    for op, (_, lo, _) in ops.items():
+        if lo is not None:
+            base.setdefault(run_of[op], lo)
+    peak = max((hi - base[run_of[op]] for op, (_, lo, hi) in ops.items() if lo is not None), default=0)
     steps: list[Step] = []
     barrier: tuple[int, ...] = ()  # steps whose completion means every operation before this run has finished
-    run: list[int] = []  # steps of the current run of operations with the same peers
-    run_peers: frozenset[int] | None = None
+    run: list[int] = []  # steps of the current run
+    current = None
     gated = False  # whether the run has a step that waits for `barrier`
     for s in program.steps:
-        if not steps or s.op != steps[-1].op:
-            if peers[s.op] != run_peers:
-                if run:
-                    barrier = tuple(run) if gated else tuple(sorted(set(barrier) | set(run)))
-                run, run_peers, gated = [], peers[s.op], False
+        if run_of[s.op] != current:
+            if run:
+                barrier = tuple(run) if gated else tuple(sorted(set(barrier) | set(run)))
+            run, current, gated = [], run_of[s.op], False
         if barrier and s.action in ("send", "recv", "pack"):
             s, gated = replace(s, deps=tuple(sorted(set(s.deps) | set(barrier)))), True
+        if s.data is not None and s.data.buffer == "stage":
+            shift = base[current]
+            s = replace(s, data=Bytes("stage", s.data.start - shift, s.data.stop - shift))
         steps.append(s)
         run.append(s.index)
-    return replace(program, steps=tuple(steps), order="device")
+    return replace(program, steps=tuple(steps), stage_bytes=peak, order="device")
 
 
 def _advice(message: str) -> str:

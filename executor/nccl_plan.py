@@ -36,7 +36,8 @@ class Bcast:
     """Broadcast `box` from `root` to the rest of `group`, one call per byte range in `chunks`.
 
     `box` lies in this device's source shard when it is the root of a send or broadcast, else in its
-    destination shard. A box that is not one contiguous run travels through staging at `stage`.
+    destination shard. A box that is not one contiguous run travels through staging at `stage` (always
+    0: the stream runs one call after another, so every call reuses the same staging bytes).
     """
 
     op: int
@@ -87,19 +88,21 @@ def split_calls(ranges, itemsize: int, limit: int | None = None) -> list[tuple[i
 
 
 def nccl_program(program: RankProgram) -> NcclProgram:
-    """The calls `program.device` makes, in plan order, from the lowered program's collectives."""
+    """The calls `program.device` makes, in plan order, from the lowered program's collectives. One CUDA
+    stream runs them one after another (pack, broadcast, unpack), so staging is the largest staged box,
+    never more than the program's own staging in either order."""
     if any(s.kind == "bundle" for s in program.steps):
         raise PlanMismatchError("the nccl engine does not run bundle operations (a plan compiled with --coalesce); "
                                 "run it with the mpi or torch engine, or compile without --coalesce")
     actions: list[Copy | Bcast] = []
-    stage = 0
+    stage = 0  # the largest staged box
     for call in program.collectives:
         if call.target is not None:
             actions.append(Copy(call.op, call.box, call.target))
             continue
         at = None
         if call.box.span is None:
-            at, stage = stage, stage + call.box.nbytes
+            at, stage = 0, max(stage, call.box.nbytes)
         ranges = tuple(split_calls(call.chunks, program.itemsize))
         actions.append(Bcast(call.op, call.task, call.kind, program.device, call.group, call.root, call.box, ranges, at))
     return NcclProgram(program.device, tuple(actions), communicator_groups(program), stage)

@@ -125,6 +125,16 @@ class SolverInfo(BaseModel):
     details: dict[str, str] = Field(default_factory=dict)
 
 
+class Staging(BaseModel):
+    """The staging memory a plan was compiled for (`compile --max-staging-mb`; the field is absent otherwise):
+    the per-device limit and each device's peak in the executor's device order (`schemas.staging`)."""
+
+    model_config = _FROZEN
+    order: Literal["device"] = Field("device", description="the executor order the peaks are for")
+    limit_bytes: int = Field(ge=1, description="the most bytes of staging any device may need (--max-staging-mb)")
+    peak_bytes: dict[int, int] = Field(description="device -> bytes of staging it allocates in `order`; devices left out stage nothing")
+
+
 class Plan(BaseModel):
     """A compiled, verifiable resharding plan."""
 
@@ -140,6 +150,8 @@ class Plan(BaseModel):
     host_order: tuple[HostOrder, ...]
     predicted_seconds: float
     lower_bound_seconds: float
+    staging: Staging | None = Field(None, exclude_if=lambda v: v is None,
+                                    description="compiled with a staging limit: the limit and each device's peak (absent otherwise)")
 
     @property
     def efficiency(self) -> float:

@@ -21,6 +21,7 @@ from xmesh_plan.executor.mpi_engine import MpiEngine
 from xmesh_plan.executor.pattern import fill, mismatches
 from xmesh_plan.executor.ranks import plan_devices, rank_of_devices
 from xmesh_plan.planner.verify import verify_plan
+from xmesh_plan.schemas.staging import stage_budget
 from test_executor_cases import STRATEGIES, all_fixed_plans, compiled, fixed_problems, random_problem
 from test_executor_worker import next_source
 
@@ -106,7 +107,7 @@ def simulate(plan, iterations: int = 4, order: str = "posted", world: FakeWorld 
     engines = []
     for rank, device in enumerate(plan_devices(plan)):
         program = lower(plan, device, tag_limit=2**20)
-        program = in_device_order(program) if order == "device" else program
+        program = in_device_order(program, stage_budget(plan)) if order == "device" else program
         engine = MpiEngine(program, FakeComm(world, rank), rank_of, dtype, 1.0, (1e-5, 1e-4))
         engine.setup(mpi=FakeMPI)
         engines.append(engine)

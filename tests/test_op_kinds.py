@@ -29,7 +29,7 @@ from xmesh_plan.planner.simulate import _Lowering, nic_assignment
 from xmesh_plan.planner.strategies import STRATEGIES as STRATEGY_FUNCTIONS, TaskContext, hop_resources
 from xmesh_plan.planner.unit_tasks import decompose
 from xmesh_plan.planner.verify import verify_plan
-from xmesh_plan.schemas import op_kinds
+from xmesh_plan.schemas import op_kinds, staging
 from xmesh_plan.schemas.geometry import region_size
 from xmesh_plan.schemas.op_kinds import (OP_KINDS, OpKindRule, chunk_bounds, members, nccl_group, pair_bytes, route, rule_of,
                                          tags_used, wire_pairs)
@@ -71,6 +71,9 @@ def test_a_kind_with_a_new_wire_pattern_fails_in_one_place_naming_the_consumer(m
     with pytest.raises(NotImplementedError, match=r"schemas.op_kinds routes has no handler for operation pattern 'tree'"):
         op_kinds.check_support()
     monkeypatch.setitem(op_kinds._PATTERNS, "tree", op_kinds._PATTERNS["chain"])  # the table knows its route now
+    with pytest.raises(NotImplementedError, match=r"schemas.staging has no handler for operation pattern 'tree'.*add one"):
+        op_kinds.check_support()  # the staging table, imported by the lowering, registered first
+    monkeypatch.setitem(staging._PATTERNS, "tree", staging._PATTERNS["chain"])
     with pytest.raises(NotImplementedError, match=r"executor.lower has no handler for operation pattern 'tree'.*add one"):
         op_kinds.check_support()
 

@@ -1,0 +1,233 @@
+"""Staging memory: how many bytes each device needs to hold boxes that are not one run of its shard.
+
+A box that is one contiguous run of a shard is sent from, or received into, the shard itself; any
+other box goes through the device's staging area (packed before it is sent, received there and
+unpacked; a broadcast relay forwards from there; a bundle always stages). `staged_bytes` says how
+much one operation stages on one device, and `staging_peaks` how large each device's staging area
+must be, which is what the executor's lowering allocates (`executor.lower`; tests check they agree):
+
+- `posted`: every operation is in flight at once, so a device needs the sum over its operations.
+- `device`: a device takes part in one run of operations at a time, in plan order (`device_runs`:
+  consecutive operations with the same peers run together, and with a budget a run also ends before
+  it would stage more than the budget), so a run's staging is free again once the run is done and
+  a device needs the largest run.
+
+>>> from xmesh_plan.schemas.plan import Operation
+>>> op = Operation(id=0, task=0, kind="send", src=0, dsts=(1,), region=((0, 2), (0, 2)))
+>>> staged_bytes(op, 0, ((0, 4), (0, 4)), None, 4), staged_bytes(op, 1, None, ((0, 2), (0, 2)), 4)
+(16, 0)
+>>> device_runs([(frozenset({1}), 16), (frozenset({1}), 16), (frozenset({2}), 8)], budget=None)
+[0, 0, 1]
+>>> device_runs([(frozenset({1}), 16), (frozenset({1}), 16), (frozenset({2}), 8)], budget=16)
+[0, 1, 2]
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Callable, Sequence
+
+from .geometry import Region, region_shape, region_size
+from .op_kinds import OpLike, bundle_runs, members, rule_of, supported
+
+if TYPE_CHECKING:
+    from .plan import Plan
+
+ORDERS = ("posted", "device")  # the executor's orders (`executor.lower.ORDERS` is this tuple)
+Footprint = tuple[frozenset[int], int]
+"""What one operation asks of one device: the peers it exchanges messages with, and the bytes it stages."""
+
+
+def contiguous_span(region: Region, block: Region, itemsize: int) -> tuple[int, int] | None:
+    """Byte range of `region` inside a C-ordered buffer holding `block`, or None when it is not one run.
+
+    >>> contiguous_span(((1, 2), (0, 4)), ((0, 3), (0, 4)), 4)
+    (16, 32)
+    >>> contiguous_span(((0, 2), (0, 2)), ((0, 3), (0, 4)), 4) is None
+    True
+    """
+    sub, full = region_shape(region), region_shape(block)
+    k = 0
+    while k < len(sub) and sub[k] == 1:
+        k += 1
+    if any(sub[j] != full[j] for j in range(k + 1, len(sub))):
+        return None
+    offset, stride = 0, 1
+    for (r0, _), (b0, b1) in reversed(list(zip(region, block))):
+        offset += (r0 - b0) * stride
+        stride *= b1 - b0
+    return offset * itemsize, (offset + math.prod(sub)) * itemsize
+
+
+def _unless_run(region: Region, block: Region | None, itemsize: int) -> int:
+    """The bytes of `region` when it must be staged (not one run of the shard holding `block`), else 0."""
+    if block is None or not region_size(region) or contiguous_span(region, block, itemsize) is not None:
+        return 0
+    return region_size(region) * itemsize
+
+
+def _local_staged(op: OpLike, device: int, src: Region | None, dst: Region | None, itemsize: int) -> int:
+    return 0
+
+
+def _chain_staged(op: OpLike, device: int, src: Region | None, dst: Region | None, itemsize: int) -> int:
+    """The sender packs its box, every device down the chain receives the box (and forwards it) from where it lands."""
+    if device == op.src:
+        return _unless_run(op.region, src, itemsize)
+    return _unless_run(op.region, dst, itemsize) if device in op.dsts else 0
+
+
+def _ring_staged(op: OpLike, device: int, src: Region | None, dst: Region | None, itemsize: int) -> int:
+    """A member sends its own part and receives every other part: each that is not one run of its shard is staged."""
+    return sum(_unless_run(part, dst, itemsize) for part in op.parts) if device in op.dsts else 0
+
+
+def _bundle_staged(op: OpLike, device: int, src: Region | None, dst: Region | None, itemsize: int) -> int:
+    """Both relays stage the whole message; a holder stages the runs it gathers to the sender, a needer the runs scattered to it."""
+    sizes = [region_size(p) for p in op.parts]
+    if device in (op.src, op.dsts[0]):
+        return sum(sizes) * itemsize
+    gathers, scatters = bundle_runs(op)
+    return itemsize * sum(sizes[i] for d, run in gathers + scatters if d == device for i in run)
+
+
+def staged_bytes(op: OpLike, device: int, src_block: Region | None, dst_block: Region | None, itemsize: int) -> int:
+    """Bytes `op` stages on `device`, whose source and destination shards hold `src_block` and `dst_block` (None: no shard)."""
+    return _PATTERNS[rule_of(op).pattern].staged(op, device, src_block, dst_block, itemsize)
+
+
+def peers(op: OpLike, device: int) -> frozenset[int]:
+    """The devices `device` sends to or receives from in `op` (the non-empty messages of `op_kinds.route`)."""
+    return _PATTERNS[rule_of(op).pattern].peers(op, device)
+
+
+def _chain_peers(op: OpLike, device: int) -> frozenset[int]:
+    chain = (op.src, *op.dsts)
+    i = chain.index(device)
+    return frozenset(chain[j] for j in (i - 1, i + 1) if 0 <= j < len(chain))
+
+
+def _ring_peers(op: OpLike, device: int) -> frozenset[int]:
+    """Member i sends to i+1 when it has a part to send at some step (its own, or one it forwards), and
+    receives from i-1 when any other part is non-empty."""
+    ring, n = op.dsts, len(op.dsts)
+    i = ring.index(device)
+    filled = [region_size(p) > 0 for p in op.parts]
+    sends = filled[i] or any(filled[(i - 1 - s) % n] for s in range(n - 2))
+    receives = any(filled[j] for j in range(n) if j != i)
+    return frozenset(([ring[(i + 1) % n]] if sends else []) + ([ring[i - 1]] if receives else []))
+
+
+def _bundle_peers(op: OpLike, device: int) -> frozenset[int]:
+    """The sender hears from every other holder and talks to the receiving relay, which scatters to every other needer."""
+    gathers, scatters = bundle_runs(op)
+    relay = op.dsts[0]
+    if device == op.src:
+        return frozenset({h for h, _ in gathers} | {relay})
+    if device == relay:
+        return frozenset({op.src} | {d for d, _ in scatters})
+    return frozenset({op.src} if device in op.holders else {relay})
+
+
+@dataclass(frozen=True, slots=True)
+class _PatternStaging:
+    staged: Callable[[OpLike, int, Region | None, Region | None, int], int]
+    peers: Callable[[OpLike, int], frozenset[int]]
+
+
+_PATTERNS = supported("schemas.staging", {
+    "local": _PatternStaging(_local_staged, lambda op, device: frozenset()),
+    "chain": _PatternStaging(_chain_staged, _chain_peers),
+    "ring": _PatternStaging(_ring_staged, _ring_peers),
+    "bundle": _PatternStaging(_bundle_staged, _bundle_peers),
+})
+
+
+def device_runs(footprints: Sequence[Footprint], budget: int | None) -> list[int]:
+    """The run number of each of a device's operations (in plan order) in device order: a run goes on
+    while the peers stay the same and, with a `budget`, while its staging stays within the budget (an
+    operation that stages more than the budget on its own is a run of its own)."""
+    out, run, run_peers, run_bytes = [], -1, None, 0
+    for op_peers, nbytes in footprints:
+        if op_peers != run_peers or (budget is not None and run_bytes and run_bytes + nbytes > budget):
+            run, run_peers, run_bytes = run + 1, op_peers, 0
+        run_bytes += nbytes
+        out.append(run)
+    return out
+
+
+def run_peak(footprints: Sequence[Footprint], budget: int | None) -> int:
+    """The largest staging of one run: what a device needs in device order."""
+    totals: dict[int, int] = {}
+    for run, (_, nbytes) in zip(device_runs(footprints, budget), footprints):
+        totals[run] = totals.get(run, 0) + nbytes
+    return max(totals.values(), default=0)
+
+
+def stage_budget(plan: "Plan") -> int | None:
+    """The staging budget a plan was compiled with (`compile --max-staging-mb`), or None."""
+    return plan.staging.limit_bytes if plan.staging is not None else None
+
+
+def footprints(plan: "Plan") -> dict[int, list[Footprint]]:
+    """Device -> (peers, staged bytes) of each operation it takes part in, in plan order (a single-tensor plan)."""
+    problem = plan.problem
+    src, dst, itemsize = problem.blocks("src"), problem.blocks("dst"), problem.itemsize
+    out: dict[int, list[Footprint]] = {}
+    for op in plan.operations:
+        for device in members(op):
+            out.setdefault(device, []).append((peers(op, device), staged_bytes(op, device, src.get(device), dst.get(device), itemsize)))
+    return out
+
+
+def staging_peaks(plan: "Plan", order: str = "device") -> dict[int, int]:
+    """Device -> the bytes of staging the executor allocates on it for `plan` in `order` (devices that
+    stage nothing left out). Device order uses the plan's own budget (`stage_budget`). A multi-tensor
+    plan runs posted (each tensor has its own staging area): its posted peak is the sum over tensors."""
+    if order not in ORDERS:
+        raise ValueError(f"order {order!r} is unknown; use one of: {', '.join(ORDERS)}")
+    from .plan_tensors import is_multi, tensor_plans
+
+    if is_multi(plan):
+        if order != "posted":
+            raise ValueError("a multi-tensor plan runs with order='posted'; ask for its posted staging")
+        total: dict[int, int] = {}
+        for single in tensor_plans(plan):
+            for device, nbytes in staging_peaks(single, "posted").items():
+                total[device] = total.get(device, 0) + nbytes
+        return dict(sorted(total.items()))
+    peak: Callable[[list[Footprint]], int] = (lambda f: sum(n for _, n in f)) if order == "posted" else \
+        (lambda f: run_peak(f, stage_budget(plan)))
+    return {device: value for device, f in sorted(footprints(plan).items()) if (value := peak(f))}
+
+
+def with_stated_staging(plan: "Plan", limit_bytes: int) -> "Plan":
+    """`plan` stating the staging limit it was made for and each device's peak in device order under it."""
+    from .plan import Staging
+
+    limited = plan.model_copy(update={"staging": Staging(limit_bytes=limit_bytes, peak_bytes={})})
+    return plan.model_copy(update={"staging": Staging(limit_bytes=limit_bytes, peak_bytes=staging_peaks(limited, "device"))})
+
+
+def stated_staging_fault(plan: "Plan") -> str | None:
+    """Why the staging a plan states (`Plan.staging`) is wrong, or None when it is right or absent: every
+    device's peak must be what `staging_peaks` computes, and none above the limit."""
+    stated = plan.staging
+    if stated is None:
+        return None
+    from .plan_tensors import is_multi
+
+    if is_multi(plan):
+        return ("staging is stated, but only single-tensor plans state it (multi-tensor plans run posted); "
+                "recompile without --max-staging-mb")
+    peaks = staging_peaks(plan, stated.order)
+    for device in sorted(set(peaks) | set(stated.peak_bytes)):
+        want, said = peaks.get(device, 0), stated.peak_bytes.get(device, 0)
+        if want != said:
+            return (f"staging.peak_bytes states {said} B for device {device}, but the plan needs {want} B there in "
+                    f"{stated.order} order; recompile the plan")
+        if want > stated.limit_bytes:
+            return (f"device {device} needs {want} B of staging in {stated.order} order, above the plan's limit "
+                    f"staging.limit_bytes {stated.limit_bytes} B; recompile the plan with `xmesh-plan compile --max-staging-mb`")
+    return None
