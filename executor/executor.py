@@ -18,6 +18,7 @@ from collections import Counter
 import numpy as np
 
 from xmesh_plan.schemas import Plan
+from xmesh_plan.schemas.staging import stage_budget
 from xmesh_plan.schemas.plan_tensors import is_multi
 
 from .arrays import storage_dtype
@@ -51,6 +52,21 @@ def make_world(comm, backend: str | None):
     return MpiWorld(comm)
 
 
+def check_staging(plan: Plan, program: RankProgram, order: str) -> RankProgram:
+    """`program` when its staging fits the peak the plan states for its device (a plan compiled with
+    `--max-staging-mb`); else PlanMismatchError naming the order, the bytes and the fix."""
+    if plan.staging is None:
+        return program
+    stated = plan.staging.peak_bytes.get(program.device, 0)
+    if program.stage_bytes > stated:
+        limit = plan.staging.limit_bytes
+        raise PlanMismatchError(f"order={order!r} needs {program.stage_bytes} B of staging on device {program.device}, but the plan "
+                                f"states {stated} B there (compiled with --max-staging-mb {limit / 2**20:g} for order="
+                                f"{plan.staging.order!r}); run it with order={plan.staging.order!r}, or recompile the plan "
+                                "(with `xmesh-plan compile`; a hand-edited staging field is wrong)")
+    return program
+
+
 class ReshardingExecutor:
     """Replays one plan on this rank; see the module docstring for the calling pattern."""
 
@@ -61,7 +77,9 @@ class ReshardingExecutor:
         match the group's backend. `order`: `device` (each device takes part in one operation at a time,
         in plan order, as the plan was scheduled; measured as fast or faster for our plans on the emulated
         cluster, and steadier) or `posted` (every message posted at once, the transport shares the links);
-        see `lower.in_device_order`."""
+        see `lower.in_device_order`. Staging is the largest run's in device order and the sum of every
+        staged box posted; a plan compiled with `--max-staging-mb` states its peaks, and an order that
+        would need more is refused in prepare()."""
         if not isinstance(plan, Plan):
             raise TypeError(f"plan is a {type(plan).__name__}; pass a schemas.Plan, e.g. schemas.read_plan_file('x.plan.json')")
         if is_multi(plan):
@@ -104,12 +122,13 @@ class ReshardingExecutor:
         tag_limit = 2**62 if self.entry.name == "nccl" else self.world.tag_limit()
         error = None
         try:  # a refusal here (the world size too) is shared with every rank before anyone raises
-            self.program = lower(self.plan, self.device, tag_limit=tag_limit, first_tag=self.tag_offset)
+            program = lower(self.plan, self.device, tag_limit=tag_limit, first_tag=self.tag_offset)
+            if self.order == "device":
+                program = in_device_order(program, stage_budget(self.plan))
+            self.program = check_staging(self.plan, program, self.order)
         except PlanMismatchError as err:
             error = err
         self._agree(error)
-        if self.order == "device":
-            self.program = in_device_order(self.program)
         self.src_shape = self.program.src_shape
         self.comm = self.shared_comm if self.shared_comm is not None else self.world.engine_comm(self.timeout_s, self.poll_s)
         problem = self.plan.problem

@@ -172,13 +172,15 @@ def demo(plan: Plan, comm, args: argparse.Namespace) -> tuple[str, bool]:
                   file=sys.stderr, flush=True)
     slowest = _reduce(comm, times, MPI.MAX, args.timeout)
     failures = _reduce(comm, np.array([bad, int(bad > 0)], np.int64), MPI.SUM, args.timeout)
+    staging = int(_reduce(comm, np.array([program.stage_bytes], np.int64), MPI.MAX, args.timeout)[0])
     ex.close()
     median = float(np.median(slowest))
     moved = bytes_moved(plan)
     line = (f"{problem.name or 'plan'}: {'x'.join(map(str, problem.shape))} {problem.dtype} ({problem.nbytes / 2**20:.1f} MiB), "
             f"{comm.Get_size()} ranks, {len(plan.operations)} ops ({','.join(sorted({o.kind for o in plan.operations}))}), "
             f"{args.backend}: {median * 1e3:.2f} ms/iter median of {args.iters} (min {slowest.min() * 1e3:.2f}), "
-            f"moved {moved / 2**20:.1f} MiB/iter = {moved / median / 1e9:.3f} GB/s")
+            f"moved {moved / 2**20:.1f} MiB/iter = {moved / median / 1e9:.3f} GB/s, staging {staging / 2**10:.1f} KiB/rank at most "
+            f"({ex.order} order)")
     if args.check:
         line += (f"; check ok: {len(problem.dst.mesh.devices)} destination shards bit-exact" if not failures[0]
                  else f"; CHECK FAILED: {failures[0]} elements differ on {failures[1]} devices")

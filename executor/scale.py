@@ -16,6 +16,7 @@ from typing import Any
 from xmesh_plan.schemas import Plan
 from xmesh_plan.schemas.geometry import Region
 from xmesh_plan.schemas.plan_tensors import is_multi, tensor_plans
+from xmesh_plan.schemas.staging import with_stated_staging
 
 from .errors import PlanMismatchError
 
@@ -82,6 +83,8 @@ def scale_plan(plan: Plan, factors: tuple[int, ...]) -> Plan:
         if scaled.problem.blocks(side) != want:
             raise PlanMismatchError(f"scaling by {factors} changes how the {side} spec splits the tensor (uneven shards); "
                                     "pick smaller factors")
+    if scaled.staging is not None:  # every staged box shrinks by the same factor: so does the limit, and the peaks are restated
+        scaled = with_stated_staging(scaled, max(1, -(-scaled.staging.limit_bytes // math.prod(factors))))
     return scaled
 
 
