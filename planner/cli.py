@@ -21,7 +21,7 @@ from xmesh_plan.schemas.transfer import TransferProblem
 from .cli_types import SEED, TIME_LIMIT, max_tasks_option
 from .cli_solvers import progress, solver_summary
 from .compile import compile_plan
-from .inspect_plan import summarize
+from .inspect_plan import staging_summary, summarize
 from .problem_io import InputError, build_problem, user_error_message
 from .transfer_io import load_any_problem
 from .solvers import SOLVERS
@@ -111,11 +111,15 @@ def problem_from_flags(problem_file, shape, dtype, src_mesh, src_spec, dst_mesh,
               help="one unit task per receiving host, each sent from a holder on its own (weight sync: FSDP -> TP replicas)")
 @click.option("--coalesce", is_flag=True,
               help="send small boxes between two hosts in bundles: gathered on one device, one cross-host message, scattered")
-@click.option("--bucket-mb", default=4.0, show_default=True, type=click.FloatRange(min=0.001, max=4096),
-              help="with --coalesce: the most MiB in one bundle (boxes above 1/8 of it are sent on their own)")
+@click.option("--bucket-mb", type=click.FloatRange(min=0.001, max=4096),
+              help="with --coalesce: the most MiB in one bundle (boxes above 1/8 of it are sent on their own)  "
+                   "[default: 4, or --max-staging-mb when less]")
+@click.option("--max-staging-mb", type=click.FloatRange(min=0, min_open=True, max=2**20),
+              help="the most MiB of staging any device needs in the executor's device order: larger staged boxes are cut, "
+                   "and the plan states each device's peak")
 @max_tasks_option
 def compile_command(problem_file, output, shape, dtype, src_mesh, src_spec, dst_mesh, dst_spec, strategy, solver, seed, time_limit, no_merge,
-                    split_hosts, coalesce, bucket_mb, max_tasks):
+                    split_hosts, coalesce, bucket_mb, max_staging_mb, max_tasks):
     """Compile a resharding problem into a verified plan.
 
     A PROBLEM file with a `tensors` list moves many named tensors in one plan (docs/format.md).
@@ -131,7 +135,8 @@ def compile_command(problem_file, output, shape, dtype, src_mesh, src_spec, dst_
     with progress("compiling") as timing:
         plan = compile_plan(problem, strategy=strategy, solver=solver, seed=seed, time_limit_s=time_limit, merge=not no_merge,
                             on_stage=timing["stage"], max_tasks=max_tasks, split_hosts=split_hosts, coalesce=coalesce,
-                            bucket_bytes=int(bucket_mb * 2**20))
+                            bucket_bytes=None if bucket_mb is None else int(bucket_mb * 2**20),
+                            max_staging_bytes=None if max_staging_mb is None else int(max_staging_mb * 2**20))
     report = verify_plan(plan)
     if output == "-":
         sys.stdout.write(plan.to_json())
@@ -144,7 +149,7 @@ def compile_command(problem_file, output, shape, dtype, src_mesh, src_spec, dst_
     click.echo(f"{output or 'plan (not written: pass -o FILE to save it)'}: {len(plan.tasks)} unit tasks, {len(plan.operations)} operations, "
                f"predicted {plan.predicted_seconds:.4f} s, lower bound {plan.lower_bound_seconds:.4f} s, "
                f"efficiency {plan.efficiency:.1%}; verified ({report.operations} operations replayed); "
-               f"{solver_summary(plan, timing['seconds'])}")
+               f"{solver_summary(plan, timing['seconds'])}{staging_summary(plan)}")
 
 
 @main.command("inspect")

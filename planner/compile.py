@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from xmesh_plan.schemas import HostOrder, Operation, Plan, ReshardingProblem, SolverInfo, UnitTask
+from xmesh_plan.schemas.staging import with_stated_staging
 from xmesh_plan.schemas.transfer import TransferProblem
 
 from . import __version__
@@ -17,7 +18,9 @@ from .coalesce import DEFAULT_BUCKET_BYTES, BundleCell, bundle_task, coalesce_ce
 from .scheduling import Option, Schedule, SchedulingTask
 from .simulate import nic_assignment, simulate
 from .solvers import solve
+from .staging_limit import MIB, limit_staging
 from .strategies import STRATEGIES, PlannedOp, StrategyResult, TaskContext, get_strategy
+from .problem_io import InputError
 from .unit_tasks import DEFAULT_MAX_TASKS, Cell, check_joint_task_count, decompose, split_by_receiver_host
 
 DIGITS = 12  # times are rounded to picoseconds so plans print and compare stably
@@ -108,8 +111,10 @@ def assemble(problem: ReshardingProblem, cells: list[Cell], options: list[TaskOp
 
 
 def assemble_joint(problem: ReshardingProblem | TransferProblem, works: list[TensorWork], schedule: Schedule,
-                   strategy: str, seed: int) -> Plan:
-    """`assemble` for every tensor of a problem at once: tasks of all tensors share the NICs and one timeline."""
+                   strategy: str, seed: int, max_staging_bytes: int | None = None, max_operations: int | None = None) -> Plan:
+    """`assemble` for every tensor of a problem at once: tasks of all tensors share the NICs and one timeline.
+    `max_staging_bytes` (a single-tensor problem): operations that would stage more on a device are cut
+    (`staging_limit.limit_staging`, at most `max_operations` in all) and the plan states each device's peak."""
     tasks, timed_ops, per_resource = [], [], {}
     cluster = problem.cluster
     for work in works:
@@ -132,6 +137,8 @@ def assemble_joint(problem: ReshardingProblem | TransferProblem, works: list[Ten
                     per_resource.setdefault((host, side), []).append((start, t.id))
         for cell in (c for c in work.cells if not c.receivers and c.local_copies):
             timed_ops += [(at, -1, work.index, op) for at, op in _copy_ops(cell, single)]
+    if max_staging_bytes is not None:
+        timed_ops = limit_staging(timed_ops, works[0].problem, max_staging_bytes, max_operations)
     timed_ops.sort(key=lambda item: (item[0], item[1] if item[1] >= 0 else len(tasks), item[2] or 0, item[3].kind,
                                      item[3].src or 0, item[3].dsts))
     operations = tuple(
@@ -144,11 +151,12 @@ def assemble_joint(problem: ReshardingProblem | TransferProblem, works: list[Ten
     bound = joint_lower_bound([(w.cells, w.problem.itemsize) for w in works], cluster)
     predicted = max((op.end_s for op in operations), default=0.0)
     details = dict(sorted(schedule.details.items())) | {"lower_bound_reason": bound.reason, "timed_by": timed_by}
-    return Plan(
+    plan = Plan(
         generator=f"xmesh-plan {__version__}", problem=problem, strategy=strategy,
         solver=SolverInfo(name=schedule.solver, seed=seed, proven_bound_seconds=schedule.proven_bound_s, details=details),
         merged_slices=any(c.merged_cells > 1 for w in works for c in w.cells), tasks=tuple(tasks), operations=operations,
         host_order=host_order, predicted_seconds=round(predicted, DIGITS), lower_bound_seconds=round(bound.seconds, DIGITS))
+    return plan if max_staging_bytes is None else with_stated_staging(plan, max_staging_bytes)
 
 
 def settle_listing(operations: tuple[Operation, ...], problem: ReshardingProblem | TransferProblem, nic_of_task: dict[int, int]):
@@ -225,13 +233,17 @@ def _without_cyclic_gc(fn):
 def compile_plan(problem: ReshardingProblem | TransferProblem, strategy: str = "broadcast", solver: str = "auto", seed: int = 0,
                  time_limit_s: float = 10.0, merge: bool = True, on_stage: Callable[[str], None] = _quiet,
                  max_tasks: int | None = DEFAULT_MAX_TASKS, split_hosts: bool = False, coalesce: bool = False,
-                 bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> Plan:
+                 bucket_bytes: int | None = None, max_staging_bytes: int | None = None) -> Plan:
     """Compile a plan; same inputs give a byte-identical plan. `on_stage` hears each step's name (for progress).
     A problem that could cut into more than `max_tasks` unit tasks (all tensors together) is refused up
     front (TooManyTasksError). A `TransferProblem`'s tensors are cut one by one and scheduled together.
     `split_hosts`: one unit task per receiving host (`unit_tasks.split_by_receiver_host`; recorded in
     `solver.details`), as many tasks per box as it has receiving hosts. `coalesce`: small cells between
-    two hosts travel in bundles of at most `bucket_bytes` (`planner/coalesce.py`; a bundle holds boxes of one tensor)."""
+    two hosts travel in bundles of at most `bucket_bytes` (`planner/coalesce.py`; a bundle holds boxes of one tensor;
+    default 4 MiB, or `max_staging_bytes` when that is less). `max_staging_bytes`: no device stages more in
+    device order (`planner/staging_limit.py`; single-tensor problems only); the plan states the limit and
+    each device's peak (`Plan.staging`), and more than `max_tasks` operations are refused."""
+    bucket_bytes = _bucket(bucket_bytes, max_staging_bytes, isinstance(problem, TransferProblem))
     on_stage("cutting unit tasks")
     singles = problem.tensor_problems()
     check_joint_task_count(singles, max_tasks)
@@ -256,4 +268,20 @@ def compile_plan(problem: ReshardingProblem | TransferProblem, strategy: str = "
         schedule = dataclasses.replace(schedule, details={**schedule.details, "split_hosts": "one unit task per receiving host"})
     if coalesce:
         schedule = dataclasses.replace(schedule, details={**schedule.details, "coalesce": f"bundles of at most {bucket_bytes} B"})
-    return assemble_joint(problem, works, schedule, strategy, seed)
+    return assemble_joint(problem, works, schedule, strategy, seed, max_staging_bytes, max_tasks)
+
+
+def _bucket(bucket_bytes: int | None, max_staging_bytes: int | None, multi: bool) -> int:
+    """The bundle bucket: as given, else 4 MiB or the staging limit when less; refused above the limit
+    (a bundle is staged whole on both relays). A staging limit needs a single-tensor problem."""
+    if max_staging_bytes is None:
+        return DEFAULT_BUCKET_BYTES if bucket_bytes is None else bucket_bytes
+    if multi:
+        raise InputError("--max-staging-mb works on single-tensor problems only (multi-tensor plans run posted, where every "
+                         "staged box is allocated at once); compile this transfer without --max-staging-mb")
+    if bucket_bytes is None:
+        return min(DEFAULT_BUCKET_BYTES, max_staging_bytes)
+    if bucket_bytes > max_staging_bytes:
+        raise InputError(f"--bucket-mb {bucket_bytes / MIB:g} is above --max-staging-mb {max_staging_bytes / MIB:g}: a bundle is "
+                         f"staged whole on both relays; use --bucket-mb {max_staging_bytes / MIB:g} or less")
+    return bucket_bytes

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from xmesh_plan.schemas import Plan
 from xmesh_plan.schemas.op_kinds import hops_pair_bytes, pair_bytes, route
 from xmesh_plan.schemas.plan_tensors import is_multi
+from xmesh_plan.schemas.staging import staging_peaks
 
 from .simulate import simulate_plan
 
@@ -131,6 +132,34 @@ def order_lines(plan: Plan) -> list[str]:
     return lines
 
 
+def _peak(peaks: dict[int, int]) -> str:
+    """`512.0 MiB (device 9; 8 devices stage)` or `none`: the largest per-device staging."""
+    if not peaks:
+        return "none"
+    device, top = max(peaks.items(), key=lambda item: (item[1], -item[0]))
+    return f"{_bytes(top)} (device {device}; {len(peaks)} device{'s' if len(peaks) > 1 else ''} stage)"
+
+
+def staging_lines(plan: Plan) -> list[str]:
+    """The largest staging area on one device in each executor order (`schemas.staging`), and the plan's stated limit."""
+    orders = ("posted",) if is_multi(plan) else ("device", "posted")
+    shown = "; ".join(f"{order} order {_peak(staging_peaks(plan, order))}" for order in orders)
+    lines = [f"staging per device (boxes that are not one run of a shard): {shown}"]
+    if plan.staging is not None:
+        stated = plan.staging
+        lines.append(f"stated staging: limit {_bytes(stated.limit_bytes)} per device (--max-staging-mb {stated.limit_bytes / 2**20:g}), "
+                     f"peak {_peak(stated.peak_bytes)} in {stated.order} order; the executor refuses an order that needs more")
+    return lines
+
+
+def staging_summary(plan: Plan) -> str:
+    """`; staging at most 64.0 MiB per device (device order)` for a plan that states its staging, else empty."""
+    if plan.staging is None:
+        return ""
+    top = max(plan.staging.peak_bytes.values(), default=0)
+    return f"; staging at most {_bytes(top)} per device ({plan.staging.order} order, limit {_bytes(plan.staging.limit_bytes)})"
+
+
 def summarize(plan: Plan, show_tasks: bool = False, show_ops: bool = False, show_orders: bool = False) -> str:
     p = plan.problem
     loads = plan_loads(plan)
@@ -154,6 +183,7 @@ def summarize(plan: Plan, show_tasks: bool = False, show_ops: bool = False, show
     lines.append(f"predicted: {plan.predicted_seconds:.4f} s   lower bound: {plan.lower_bound_seconds:.4f} s"
                  f"{f' ({reason})' if reason else ''}   efficiency (bound/predicted): {plan.efficiency:.1%}")
     lines.append(message_cost_line(plan, loads))
+    lines += staging_lines(plan)
     if show_orders:
         lines += order_lines(plan)
     if is_multi(plan):

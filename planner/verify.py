@@ -5,7 +5,8 @@ covers whole cells. For each device we track when each cell became available (so
 0). After the structural rules every reader shares (`schemas.plan_check`), replaying operations in
 list order (the execution order) we check that every all-gather member held its part when the
 operation started, that no device receives a cell twice, and at the end that every destination
-device holds exactly its shard. Numpy index arithmetic, no element loops.
+device holds exactly its shard, and that the staging a plan states (`compile --max-staging-mb`) is
+what `schemas.staging` computes. Numpy index arithmetic, no element loops.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from xmesh_plan.schemas.op_kinds import reads, writes
 from xmesh_plan.schemas.plan import format_region
 from xmesh_plan.schemas.plan_check import TOLERANCE_S, PlanError, check_plan, describe
 from xmesh_plan.schemas.plan_tensors import is_multi, tensor_names, tensor_plans
+from xmesh_plan.schemas.staging import stated_staging_fault
 
 __all__ = ["PlanError", "VerifyReport", "verify_plan"]
 
@@ -30,11 +32,13 @@ class VerifyReport:
     devices_checked: int
     cells: int
     tensors: int = 1
+    staging_peak: int | None = None  # the largest stated per-device staging peak, checked (None: the plan states none)
 
     def __str__(self) -> str:
         every = f" of each of {self.tensors} tensors" if self.tensors > 1 else ""
+        staging = "" if self.staging_peak is None else f"; stated staging right (peak {self.staging_peak} B per device)"
         return (f"ok: {self.operations} operations replayed, {self.devices_checked} destination devices hold exactly their "
-                f"shards{every} ({self.cells} destination cells)")
+                f"shards{every} ({self.cells} destination cells){staging}")
 
 
 class _Cells:
@@ -139,7 +143,11 @@ def verify_plan(plan: Plan) -> VerifyReport:
             raise PlanError(f"tensor {name!r}: {err}" if is_multi(plan) else str(err)) from None
         cells += sum(c.ready.size for c in replay.dst.values())
         devices |= set(replay.dst)
-    return VerifyReport(len(plan.operations), len(devices), cells, len(tensor_names(plan)))
+    fault = stated_staging_fault(plan)
+    if fault is not None:
+        raise PlanError(fault)
+    peak = None if plan.staging is None else max(plan.staging.peak_bytes.values(), default=0)
+    return VerifyReport(len(plan.operations), len(devices), cells, len(tensor_names(plan)), peak)
 
 
 def _replay(plan: Plan) -> _Replay:

@@ -1,0 +1,157 @@
+"""`compile --max-staging-mb`: no device needs more staging than a limit, in the executor's device order.
+
+An operation stages on a device every box that is not one contiguous run of that device's shard
+(`schemas.staging`). Where an operation would stage more than the limit on some device, it is cut
+into operations over consecutive sub-boxes of at most the limit (slabs along the outermost dim that
+needs cutting, in C order), each with the same devices, its share of the chunks and of the time; a
+bundle's bucket is capped by the limit instead (`compile_plan`). In device order a run of operations
+then also ends before it would stage more than the limit (`schemas.staging.device_runs`), so each
+device's peak is at most the limit. A limit below one element cannot be met, and one so small that
+the plan would exceed `max_operations` operations is refused: both errors name the smallest limit
+that works.
+
+>>> split_box(((0, 4), (0, 6)), max_elements=12)
+[((0, 2), (0, 6)), ((2, 4), (0, 6))]
+>>> split_box(((0, 2), (0, 6)), max_elements=4)
+[((0, 1), (0, 3)), ((0, 1), (3, 6)), ((1, 2), (0, 3)), ((1, 2), (3, 6))]
+>>> mib_text(4), mib_text(3 * 2**20)
+('0.000004', '3')
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from dataclasses import replace
+from typing import Iterable, Sequence
+
+from xmesh_plan.schemas import ReshardingProblem
+from xmesh_plan.schemas.geometry import Region, region_shape, region_size
+from xmesh_plan.schemas.op_kinds import chunk_bounds, members, rule_of
+from xmesh_plan.schemas.plan_check import MAX_CHUNKS
+from xmesh_plan.schemas.staging import staged_bytes
+
+from .problem_io import InputError
+from .strategies import PlannedOp
+
+MIB = 2**20
+TimedOp = tuple[float, int, int | None, PlannedOp]  # (start, task, tensor index, operation), as `compile.assemble_joint` lists them
+
+
+class StagingLimitError(InputError):
+    """A staging limit that cannot be met; the message names `--max-staging-mb` and the smallest value that works."""
+
+
+def mib_text(nbytes: int) -> str:
+    """The shortest `--max-staging-mb` value (at most 6 decimals) that gives at least `nbytes` bytes."""
+    value = math.ceil(nbytes / MIB * 10**6) / 10**6
+    while int(value * MIB) < nbytes:
+        value += 1e-6
+    return f"{value:.6f}".rstrip("0").rstrip(".")
+
+
+def _cut(shape: tuple[int, ...], max_elements: int) -> tuple[int, int]:
+    """(dim, slab rows): cut along the outermost dim whose inner rows fit, single indices before it."""
+    for d in range(len(shape)):
+        inner = math.prod(shape[d + 1:])
+        if inner <= max_elements:
+            return d, max_elements // inner
+    raise ValueError("max_elements must be at least 1")
+
+
+def piece_count(region: Region, max_elements: int) -> int:
+    """How many sub-boxes `split_box` cuts `region` into."""
+    shape = region_shape(region)
+    if math.prod(shape) <= max_elements:
+        return 1
+    d, rows = _cut(shape, max_elements)
+    return math.prod(shape[:d]) * -(-shape[d] // rows)
+
+
+def split_box(region: Region, max_elements: int) -> list[Region]:
+    """`region` as consecutive sub-boxes (C order) of at most `max_elements` each: even slabs along the
+    outermost dim whose inner rows fit, single indices along the dims before it."""
+    shape = region_shape(region)
+    if math.prod(shape) <= max_elements:
+        return [region]
+    d, rows = _cut(shape, max_elements)
+    start = region[d][0]
+    slabs = [(start + lo, start + hi) for lo, hi in chunk_bounds(shape[d], -(-shape[d] // rows))]
+    outer = itertools.product(*(range(a, b) for a, b in region[:d]))
+    return [tuple((i, i + 1) for i in index) + (slab,) + region[d + 1:] for index in outer for slab in slabs]
+
+
+def _clipped(part: Region, box: Region) -> Region:
+    """`part` inside `box`: their overlap, or an empty box at its corner when they do not meet."""
+    out = []
+    for (a, b), (c, d) in zip(part, box):
+        lo = max(a, c)
+        out.append((lo, max(lo, min(b, d))))
+    return tuple(out)
+
+
+def split_op(op: PlannedOp, pieces: Sequence[Region]) -> list[PlannedOp]:
+    """`op` over each piece in turn: the same devices, its parts clipped, its chunks and time shared by size."""
+    total, offset, out = region_size(op.region), op.offset_s, []
+    for piece in pieces:
+        share, elements = region_size(piece) / total, region_size(piece)
+        chunks = min(MAX_CHUNKS, elements, max(1, math.ceil(op.chunks * share))) if rule_of(op).chunked else 1
+        parts = tuple(_clipped(p, piece) for p in op.parts)
+        out.append(replace(op, region=piece, parts=parts, chunks=chunks, offset_s=offset, duration_s=op.duration_s * share))
+        offset += op.duration_s * share
+    return out
+
+
+def op_staging(op: PlannedOp, problem: ReshardingProblem) -> int:
+    """The most bytes `op` stages on any one of its devices."""
+    src, dst = problem.blocks("src"), problem.blocks("dst")
+    return max((staged_bytes(op, d, src.get(d), dst.get(d), problem.itemsize) for d in members(op)), default=0)
+
+
+def _count(staging: Iterable[tuple[int, PlannedOp]], limit: int, itemsize: int) -> int:
+    """Operations after cutting every one that stages more than `limit`."""
+    return sum(piece_count(op.region, limit // itemsize) if nbytes > limit else 1 for nbytes, op in staging)
+
+
+def smallest_limit(staging: list[tuple[int, PlannedOp]], itemsize: int, max_operations: int | None) -> int:
+    """The smallest limit (a whole number of elements, at least one) that cuts into at most `max_operations` operations."""
+    lo, hi = 1, max([nbytes // itemsize for nbytes, _ in staging] + [1])
+    if max_operations is None:
+        return itemsize
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if _count(staging, mid * itemsize, itemsize) <= max_operations:
+            hi = mid
+        else:
+            lo = mid + 1
+    return lo * itemsize
+
+
+def limit_staging(timed_ops: list[TimedOp], problem: ReshardingProblem, limit_bytes: int,
+                  max_operations: int | None) -> list[TimedOp]:
+    """Every operation that would stage more than `limit_bytes` on a device, cut into operations that stage
+    at most that (see the module docstring); StagingLimitError when the limit cannot be met."""
+    itemsize = problem.itemsize
+    staging = [(op_staging(op, problem), op) for _, _, _, op in timed_ops]
+    if any(op.kind == "bundle" and nbytes > limit_bytes for nbytes, op in staging):
+        raise ValueError("a bundle stages more than the staging limit; cap the bucket by it (compile_plan does)")
+    if limit_bytes < itemsize:
+        smallest = smallest_limit(staging, itemsize, max_operations)
+        within = f" (for at most --max-tasks {max_operations} operations)" if smallest > itemsize else ""
+        raise StagingLimitError(f"--max-staging-mb: {limit_bytes} B is below one {problem.dtype} element ({itemsize} B), the smallest "
+                                f"piece a staged box can be cut into; the smallest value that works is --max-staging-mb "
+                                f"{mib_text(smallest)}{within}")
+    count = _count(staging, limit_bytes, itemsize)
+    if max_operations is not None and count > max_operations:
+        smallest = smallest_limit(staging, itemsize, max_operations)
+        raise StagingLimitError(f"--max-staging-mb: {limit_bytes} B would cut the plan into {count} operations, more than --max-tasks "
+                                f"{max_operations}; the smallest value that works is --max-staging-mb {mib_text(smallest)} "
+                                "(or raise --max-tasks)")
+    out: list[TimedOp] = []
+    for (at, task, tensor, op), (nbytes, _) in zip(timed_ops, staging):
+        if nbytes <= limit_bytes:
+            out.append((at, task, tensor, op))
+            continue
+        for piece in split_op(op, split_box(op.region, limit_bytes // itemsize)):
+            out.append((at + piece.offset_s - op.offset_s, task, tensor, piece))
+    return out
