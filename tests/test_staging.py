@@ -1,0 +1,294 @@
+"""Staging memory: the peak `schemas.staging` computes is what the lowering allocates (and what a brute
+force over the definitions says), device order's reuse is safe, and `compile --max-staging-mb` keeps
+every device within the limit, states it, and still runs bit-exact."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+
+import numpy as np
+import pytest
+from click.testing import CliRunner
+from hypothesis import HealthCheck, given, settings, strategies as st
+
+from xmesh_plan.executor.errors import PlanMismatchError
+from xmesh_plan.executor.executor import check_staging
+from xmesh_plan.executor.lower import in_device_order, lower
+from xmesh_plan.executor.nccl_plan import nccl_program
+from xmesh_plan.executor.ranks import plan_devices
+from xmesh_plan.executor.scale import scale_plan
+from xmesh_plan.planner.cli import main
+from xmesh_plan.planner.compile import compile_plan
+from xmesh_plan.planner.staging_limit import StagingLimitError, piece_count, split_box
+from xmesh_plan.planner.verify import PlanError, verify_plan
+from xmesh_plan.schemas import Plan, load_plan
+from xmesh_plan.schemas.geometry import local_slices, region_shape, region_size
+from xmesh_plan.schemas.op_kinds import members, route, rule_of
+from xmesh_plan.schemas.staging import stage_budget, staging_peaks
+from test_coalesce import all_to_all, coalesced
+from test_executor_cases import DEVICES, STRATEGIES, fixed_problems, problem, random_problem, write_plans
+from test_executor_mpi import MPIEXEC, WORKER, mpiexec
+from test_executor_sim import simulate
+
+ORDERS = ("posted", "device")
+
+
+def lowered(plan: Plan, order: str) -> dict[int, object]:
+    """Every device's program in `order`, as the executor makes it."""
+    out = {}
+    for d in plan_devices(plan):
+        program = lower(plan, d, tag_limit=2**29)
+        out[d] = in_device_order(program, stage_budget(plan)) if order == "device" else program
+    return out
+
+
+def allocated(plan: Plan, order: str) -> dict[int, int]:
+    return {d: p.stage_bytes for d, p in lowered(plan, order).items() if p.stage_bytes}
+
+
+def _staged_by_numpy(region, block, itemsize: int) -> int:
+    """Bytes of `region` unless its elements are consecutive in the C-ordered buffer holding `block` (numpy indices)."""
+    if block is None or not region_size(region):
+        return 0
+    flat = np.arange(region_size(block)).reshape(region_shape(block))[local_slices(region, block)].ravel()
+    return 0 if (np.diff(flat) == 1).all() else flat.size * itemsize
+
+
+def brute_force_peaks(plan: Plan, order: str) -> dict[int, int]:
+    """The staging peaks from the definitions, written apart from `schemas.staging`: the boxes each device
+    holds while it takes part (its own box of a chain, every part of a ring, a bundle's whole message on
+    its relays and their own parts elsewhere), staged unless numpy finds them one run; peers from the
+    route's messages; runs of equal peers cut before they pass the plan's budget."""
+    prob, budget = plan.problem, stage_budget(plan)
+    src, dst, size = prob.blocks("src"), prob.blocks("dst"), prob.itemsize
+    per_device: dict[int, list[tuple[frozenset, int]]] = {}
+    for op in plan.operations:
+        pattern = rule_of(op).pattern
+        for d in members(op):
+            if pattern == "chain":
+                staged = _staged_by_numpy(op.region, src.get(d) if d == op.src else dst.get(d), size)
+            elif pattern == "ring":
+                staged = sum(_staged_by_numpy(p, dst.get(d), size) for p in op.parts)
+            elif pattern == "bundle":
+                mine = [p for p, h, n in zip(op.parts, op.holders, op.needers) if d in (op.src, op.dsts[0]) or h == d or d in n]
+                staged = sum(map(region_size, mine)) * size
+            else:
+                staged = 0
+            talks = frozenset(h.dst if h.src == d else h.src for h in route(op)
+                              if h.src != h.dst and h.elements and d in (h.src, h.dst))
+            per_device.setdefault(d, []).append((talks, staged))
+    out = {}
+    for d, items in per_device.items():
+        if order == "posted":
+            peak = sum(n for _, n in items)
+        else:
+            runs, peers, total = [], None, 0
+            for talks, n in items:
+                if talks != peers or (budget is not None and total and total + n > budget):
+                    runs.append(total)
+                    peers, total = talks, 0
+                total += n
+            peak = max(runs + [total])
+        if peak:
+            out[d] = peak
+    return out
+
+
+def _ancestors(steps) -> list[int]:
+    """Bitset of every step each step waits for, directly or not."""
+    out = []
+    for s in steps:
+        bits = 0
+        for d in s.deps:
+            bits |= out[d] | (1 << d)
+        out.append(bits)
+    return out
+
+
+def unsafe_reuse(program) -> list[str]:
+    """Pairs of steps of different operations touching the same staging bytes where the later one does not wait
+    for the earlier: reused staging that could be overwritten while still in use."""
+    staged = [s for s in program.steps if s.data is not None and s.data.buffer == "stage"]
+    before = _ancestors(program.steps)
+    bad = []
+    for i, a in enumerate(staged):
+        for b in staged[i + 1:]:
+            if a.op != b.op and a.data.start < b.data.stop and b.data.start < a.data.stop and not before[b.index] >> a.index & 1:
+                bad.append(f"device {program.device}: {b.describe()} may overwrite staging of {a.describe()}")
+    return bad
+
+
+def random_plan(seed: int, strategy: str, devices: int, limit_share: float | None, coalesce: bool) -> Plan:
+    """A random single-tensor plan, compiled with a staging limit at `limit_share` of its largest staged box when given."""
+    prob = random_problem(seed, max_devices=devices, exact=False)
+    options = dict(strategy=strategy, solver="greedy", seed=0, coalesce=coalesce, bucket_bytes=64 if coalesce else None)
+    plain = compile_plan(prob, **options)
+    if limit_share is None:
+        return plain
+    largest = max(list(staging_peaks(plain, "posted").values()) + [prob.itemsize])
+    limit = max(prob.itemsize, int(largest * limit_share), 64 if coalesce else 0)
+    return compile_plan(prob, max_staging_bytes=limit, **options)
+
+
+plans_strategy = dict(seed=st.integers(0, 10**6), strategy=st.sampled_from(STRATEGIES + ("auto",)), devices=st.integers(2, 9),
+                      limit_share=st.sampled_from([None, 0.0, 0.3, 0.7]), coalesce=st.booleans())
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(**plans_strategy)
+def test_the_peak_is_what_the_lowering_allocates_and_what_a_brute_force_says(seed, strategy, devices, limit_share, coalesce):
+    plan = random_plan(seed, strategy, devices, limit_share, coalesce)
+    for order in ORDERS:
+        peaks = staging_peaks(plan, order)
+        assert peaks == allocated(plan, order), order
+        assert peaks == brute_force_peaks(plan, order), order
+
+
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(**plans_strategy)
+def test_device_order_reuses_staging_only_after_the_operation_using_it_is_done(seed, strategy, devices, limit_share, coalesce):
+    plan = random_plan(seed, strategy, devices, limit_share, coalesce)
+    for program in lowered(plan, "device").values():
+        assert unsafe_reuse(program) == []
+
+
+def test_the_reuse_check_can_fail():
+    """Device order's reused layout with posted order's dependencies (nothing waits for earlier operations) is caught."""
+    plan = compile_plan(all_to_all(), solver="greedy", seed=0)
+    posted = lowered(plan, "posted").values()
+    program = next(p for p in posted if in_device_order(p).stage_bytes < p.stage_bytes)
+    squeezed = in_device_order(program)
+    unordered = replace(squeezed, steps=tuple(replace(s, deps=o.deps) for s, o in zip(squeezed.steps, program.steps)))
+    assert unsafe_reuse(squeezed) == [] and unsafe_reuse(unordered)
+
+
+def test_device_order_needs_less_than_posted_on_the_reference_plans():
+    for name in ("case3", "case4", "case9"):
+        plan = load_plan(f"plans/{name}.plan.json")
+        device, posted = staging_peaks(plan, "device"), staging_peaks(plan, "posted")
+        assert all(device.get(d, 0) <= n for d, n in posted.items())
+        assert sum(device.values()) < sum(posted.values()), name
+
+
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(seed=st.integers(0, 10**6), strategy=st.sampled_from(STRATEGIES + ("auto",)), devices=st.integers(2, 9),
+       share=st.sampled_from([0.0, 0.2, 0.5]), coalesce=st.booleans())
+def test_a_limited_plan_stays_within_its_limit_verifies_and_runs_bit_exact_in_device_order(seed, strategy, devices, share, coalesce):
+    plan = random_plan(seed, strategy, devices, share, coalesce)
+    limit = plan.staging.limit_bytes
+    assert all(n <= limit for n in plan.staging.peak_bytes.values())
+    assert plan.staging.peak_bytes == staging_peaks(plan, "device") == allocated(plan, "device")
+    verify_plan(plan)
+    simulate(plan, iterations=2, order="device")
+
+
+def test_the_limit_cuts_big_staged_boxes_and_no_device_holds_the_whole_tensor():
+    prob = fixed_problems()[0]  # 8x6x4 int32, S0 S1 R -> R S0 S1: every box is strided somewhere
+    plain = compile_plan(prob, solver="greedy", seed=0)
+    limited = compile_plan(prob, solver="greedy", seed=0, max_staging_bytes=40)
+    assert max(staging_peaks(plain, "device").values()) > 40
+    assert len(limited.operations) > len(plain.operations)
+    assert 0 < max(limited.staging.peak_bytes.values()) <= 40 < prob.nbytes
+    assert "staging" not in json.loads(plain.to_json())  # absent unless asked for: existing plans stay byte-identical
+    assert compile_plan(prob, solver="greedy", seed=0, max_staging_bytes=40).to_json() == limited.to_json()
+
+
+def test_split_box_cuts_into_consecutive_boxes_within_the_limit():
+    for region, limit in [(((0, 8), (0, 6), (0, 4)), 7), (((2, 9), (1, 4)), 2), (((0, 5),), 2), (((0, 3), (0, 3)), 100)]:
+        pieces = split_box(region, limit)
+        assert len(pieces) == piece_count(region, limit)
+        assert all(0 < region_size(p) <= limit for p in pieces)
+        assert sum(map(region_size, pieces)) == region_size(region)
+        covered = np.zeros([b for _, b in region], int)
+        for p in pieces:
+            covered[tuple(slice(a, b) for a, b in p)] += 1
+        assert (covered[tuple(slice(a, b) for a, b in region)] == 1).all()
+
+
+def test_an_impossible_limit_names_the_flag_and_the_smallest_value_that_works(tmp_path):
+    problem_file = tmp_path / "p.json"
+    problem_file.write_text(json.dumps({"shape": [8, 6, 4], "dtype": "int32", "src": {"mesh": "2x2", "spec": "S0 S1 R"},
+                                        "dst": {"mesh": "2x2", "spec": "R S0 S1"}}))
+    runner = CliRunner()
+    below = runner.invoke(main, ["compile", str(problem_file), "--max-staging-mb", "0.000001"])
+    assert below.exit_code == 2 and below.output.count("\n") == 1 and "Traceback" not in below.output
+    assert "--max-staging-mb" in below.output and "below one int32 element (4 B)" in below.output
+    too_many = runner.invoke(main, ["compile", str(problem_file), "--max-staging-mb", "0.00001", "--max-tasks", "60"])
+    assert too_many.exit_code == 2 and too_many.output.count("\n") == 1, too_many.output
+    smallest = too_many.output.rsplit("--max-staging-mb ", 1)[1].split()[0]
+    assert "more than --max-tasks 60" in too_many.output
+    out = tmp_path / "smallest.plan.json"
+    works = runner.invoke(main, ["compile", str(problem_file), "--max-staging-mb", smallest, "--max-tasks", "60", "-o", str(out)])
+    assert works.exit_code == 0, works.output
+    plan = load_plan(out)
+    assert len(plan.operations) <= 60 and max(plan.staging.peak_bytes.values(), default=0) <= float(smallest) * 2**20
+    below_smallest = f"{float(smallest) - 0.000001:.6f}"
+    assert runner.invoke(main, ["compile", str(problem_file), "--max-staging-mb", below_smallest, "--max-tasks", "60"]).exit_code == 2
+
+
+def test_the_bucket_may_not_exceed_the_limit_and_transfers_are_refused(tmp_path):
+    runner = CliRunner()
+    over = runner.invoke(main, ["compile", "plans/case3.problem.json", "--coalesce", "--bucket-mb", "8", "--max-staging-mb", "4"])
+    assert over.exit_code == 2 and "--bucket-mb 8 is above --max-staging-mb 4" in over.output
+    plan = coalesced(all_to_all(), bucket=None, max_staging_bytes=4096)  # the bucket becomes 4096 B: 8 cells a bundle
+    assert any(op.kind == "bundle" for op in plan.operations) and max(plan.staging.peak_bytes.values()) <= 4096
+    transfer = runner.invoke(main, ["compile", "plans/weight_sync_small.problem.toml", "--max-staging-mb", "1"])
+    assert transfer.exit_code == 2 and "single-tensor problems only" in transfer.output
+    with pytest.raises(StagingLimitError):
+        compile_plan(all_to_all(), solver="greedy", seed=0, max_staging_bytes=2)
+
+
+def test_inspect_prints_and_verify_checks_the_stated_peaks(tmp_path):
+    out = tmp_path / "c4.plan.json"
+    runner = CliRunner()
+    compiled = runner.invoke(main, ["compile", "plans/case4.problem.json", "--max-staging-mb", "16", "-o", str(out)])
+    assert compiled.exit_code == 0 and "staging at most 16.0 MiB per device" in compiled.output
+    text = runner.invoke(main, ["inspect", str(out)]).output
+    assert "device order 16.0 MiB" in text and "stated staging: limit 16.0 MiB per device (--max-staging-mb 16)" in text
+    assert "stated staging right" in runner.invoke(main, ["verify", str(out)]).output
+    plan = load_plan(out)
+    device = min(plan.staging.peak_bytes)
+    wrong = plan.model_copy(update={"staging": plan.staging.model_copy(update={"peak_bytes": {**plan.staging.peak_bytes, device: 1}})})
+    with pytest.raises(PlanError, match=f"states 1 B for device {device}, but the plan needs"):
+        verify_plan(wrong)
+    low = plan.model_copy(update={"staging": plan.staging.model_copy(update={"limit_bytes": 1024})})
+    with pytest.raises(PlanError, match="above the plan's limit"):
+        verify_plan(low)
+    assert "posted order 256.0 MiB" in runner.invoke(main, ["inspect", "plans/case4.plan.json"]).output
+
+
+def test_the_executor_refuses_an_order_that_needs_more_than_the_stated_peak():
+    plan = compile_plan(fixed_problems()[0], solver="greedy", seed=0, max_staging_bytes=40)
+    device = max(plan.staging.peak_bytes, key=plan.staging.peak_bytes.get)
+    posted = lower(plan, device)
+    assert posted.stage_bytes > plan.staging.peak_bytes[device]
+    with pytest.raises(PlanMismatchError, match="order='posted' needs .* run it with order='device'"):
+        check_staging(plan, posted, "posted")
+    ordered = in_device_order(posted, stage_budget(plan))
+    assert check_staging(plan, ordered, "device") is ordered
+    assert nccl_program(ordered).stage_bytes <= ordered.stage_bytes  # one CUDA stream: the largest box
+
+
+def test_a_scaled_plan_restates_its_staging():
+    plan = compile_plan(fixed_problems()[0], solver="greedy", seed=0, max_staging_bytes=64)
+    scaled = scale_plan(plan, (2, 1, 1))
+    assert scaled.staging.limit_bytes == 32
+    verify_plan(scaled)
+
+
+@pytest.mark.mpi
+@pytest.mark.skipif(not MPIEXEC.exists(), reason=f"no mpiexec at {MPIEXEC} (install the mpich wheel)")
+@pytest.mark.timeout(600)
+def test_limited_plans_run_bit_exact_under_mpiexec_in_device_order(tmp_path):
+    """Real MPI, the executor's default order: every fixed case under a limit of a few elements, and the refusal of posted order."""
+    plans = [compile_plan(p, strategy=s, solver="greedy", seed=0, max_staging_bytes=4 * p.itemsize)
+             for p in fixed_problems() for s in ("broadcast", "local_allgather")]
+    assert all(plan.staging.peak_bytes for plan in plans[:2])
+    assert all(max(plan.staging.peak_bytes.values(), default=0) <= 4 * plan.problem.itemsize for plan in plans)
+    paths = write_plans(tmp_path, plans)
+    result = mpiexec(DEVICES, str(WORKER), "check", *paths)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.count("ok ") == len(plans), result.stdout
+    refused = mpiexec(DEVICES, "-m", "xmesh_plan.executor.run", paths[0], "--order", "posted", "--check")
+    assert refused.returncode != 0 and "run it with order='device'" in refused.stdout + refused.stderr
