@@ -408,6 +408,20 @@ def lower(plan: Plan, device: int, tag_limit: int | None = None, first_tag: int 
     return RankProgram(device, tuple(b.steps), b.stage_bytes, b.src_blocks.get(device), dst_block, b.itemsize, tuple(b.collectives))
 
 
+def _staging_spans(program: RankProgram) -> dict[int, tuple[frozenset[int], int, int]]:
+    """Op -> (its peers, the start and stop of its staging bytes, equal when none), in plan order. The
+    lowering stages one operation after another, so each operation's staging is one range."""
+    spans: dict[int, tuple[frozenset[int], int, int]] = {}
+    for s in program.steps:
+        peers, lo, hi = spans.get(s.op, (frozenset(), None, None))
+        if s.action in ("send", "recv"):
+            peers |= {s.peer}
+        if s.data is not None and s.data.buffer == "stage":
+            lo, hi = min(s.data.start, lo if lo is not None else s.data.start), max(s.data.stop, hi or 0)
+        spans[s.op] = (peers, lo, hi)
+    return {op: (peers, lo or 0, hi or 0) for op, (peers, lo, hi) in spans.items()}
+
+
 def in_device_order(program: RankProgram, stage_budget: int | None = None) -> RankProgram:
     """The same steps, but each operation's messages (and packs) wait for every step of this device's
     earlier operations, so a device takes part in one operation at a time, in plan order, at both ends of
@@ -420,21 +434,13 @@ def in_device_order(program: RankProgram, stage_budget: int | None = None) -> Ra
     Deadlock-free: every rank walks the plan in one order, so the earliest unfinished operation never
     waits on a later one.
     """
-    ops: dict[int, list] = {}  # op -> [peers, first staging byte, end of its staging], in plan order
-    for s in program.steps:
-        facts = ops.setdefault(s.op, [frozenset(), None, None])
-        if s.action in ("send", "recv"):
-            facts[0] |= {s.peer}
-        if s.data is not None and s.data.buffer == "stage":
-            facts[1] = s.data.start if facts[1] is None else min(facts[1], s.data.start)
-            facts[2] = s.data.stop if facts[2] is None else max(facts[2], s.data.stop)
-    staged = {op: (0 if lo is None else hi - lo) for op, (_, lo, hi) in ops.items()}
-    run_of = dict(zip(ops, device_runs([(facts[0], staged[op]) for op, facts in ops.items()], stage_budget)))
+    spans = _staging_spans(program)
+    run_of = dict(zip(spans, device_runs([(peers, hi - lo) for peers, lo, hi in spans.values()], stage_budget)))
     base: dict[int, int] = {}  # run -> its first staging byte in the posted layout (operations stage in plan order)
-    for op, (_, lo, _) in ops.items():
-        if lo is not None:
+    for op, (_, lo, hi) in spans.items():
+        if hi > lo:
             base.setdefault(run_of[op], lo)
-    peak = max((hi - base[run_of[op]] for op, (_, lo, hi) in ops.items() if lo is not None), default=0)
+    peak = max((hi - base[run_of[op]] for op, (_, lo, hi) in spans.items() if hi > lo), default=0)
     steps: list[Step] = []
     barrier: tuple[int, ...] = ()  # steps whose completion means every operation before this run has finished
     run: list[int] = []  # steps of the current run
