@@ -33,7 +33,8 @@ from xmesh_plan.schemas.staging import peers, run_peak, staged_bytes, staging_pe
 ROOT = Path(__file__).resolve().parent.parent
 MPIEXEC = Path(sys.executable).parent / "mpiexec"
 COMMAND = ".venv/bin/python bench/bench_staging.py"
-TIMING = re.compile(r"([\d.]+) ms/iter median of \d+ \(min ([\d.]+)\).*staging ([\d.]+) KiB/rank")
+TIMING = re.compile(r"([\d.]+) ms/iter median of \d+ \(min ([\d.]+)\).*staging ([\d.]+) (B|KiB|MiB)/rank")
+UNITS = {"B": 2**-10, "KiB": 1, "MiB": 2**10}
 LIMITED = ("case3", "case4", "case9")  # the reference plans that stage anything
 LIMITS_MB = (64, 16)
 SMALL = {"name": "staging_small", "shape": [256, 256, 64], "dtype": "int32", "src": {"mesh": "2x2", "spec": "S0 S1 R"},
@@ -100,7 +101,7 @@ def measured(iters: int) -> dict:
     found = [TIMING.search(line) for line in lines]
     return {"iters": iters, "lines": lines, "operations": [len(p.operations) for p in plans],
             "median_ms": [float(m.group(1)) for m in found], "min_ms": [float(m.group(2)) for m in found],
-            "staging_kib": [float(m.group(3)) for m in found],
+            "staging_kib": [float(m.group(3)) * UNITS[m.group(4)] for m in found],
             "posted_kib": [max(staging_peaks(p, "posted").values(), default=0) / 2**10 for p in plans],
             "predicted_ms": [p.predicted_seconds * 1e3 for p in plans],
             "device_order_ms": [simulate_plan(p, "device-order").makespan_s * 1e3 for p in plans]}

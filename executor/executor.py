@@ -61,9 +61,9 @@ def check_staging(plan: Plan, program: RankProgram, order: str) -> RankProgram:
     if program.stage_bytes > stated:
         limit = plan.staging.limit_bytes
         raise PlanMismatchError(f"order={order!r} needs {program.stage_bytes} B of staging on device {program.device}, but the plan "
-                                f"states {stated} B there (compiled with --max-staging-mb {limit / 2**20:g} for order="
-                                f"{plan.staging.order!r}); run it with order={plan.staging.order!r}, or recompile the plan "
-                                "(with `xmesh-plan compile`; a hand-edited staging field is wrong)")
+                                f"states {stated} B there (compiled with a staging limit of {limit} B, --max-staging-mb, for "
+                                f"order={plan.staging.order!r}); run it with order={plan.staging.order!r}, or recompile it "
+                                "without --max-staging-mb to run it in this order")
     return program
 
 

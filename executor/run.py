@@ -154,6 +154,11 @@ def _timed(reshard, engines, comm, args: argparse.Namespace):
     return out, times
 
 
+def _size(nbytes: int) -> str:
+    """`24 B`, `256.0 KiB`, `2.0 MiB`."""
+    return f"{nbytes} B" if nbytes < 2**10 else f"{nbytes / 2**10:.1f} KiB" if nbytes < 2**20 else f"{nbytes / 2**20:.1f} MiB"
+
+
 def demo(plan: Plan, comm, args: argparse.Namespace) -> tuple[str, bool]:
     """Run one plan; returns rank 0's report line and whether every check passed."""
     from mpi4py import MPI
@@ -179,7 +184,7 @@ def demo(plan: Plan, comm, args: argparse.Namespace) -> tuple[str, bool]:
     line = (f"{problem.name or 'plan'}: {'x'.join(map(str, problem.shape))} {problem.dtype} ({problem.nbytes / 2**20:.1f} MiB), "
             f"{comm.Get_size()} ranks, {len(plan.operations)} ops ({','.join(sorted({o.kind for o in plan.operations}))}), "
             f"{args.backend}: {median * 1e3:.2f} ms/iter median of {args.iters} (min {slowest.min() * 1e3:.2f}), "
-            f"moved {moved / 2**20:.1f} MiB/iter = {moved / median / 1e9:.3f} GB/s, staging {staging / 2**10:.1f} KiB/rank at most "
+            f"moved {moved / 2**20:.1f} MiB/iter = {moved / median / 1e9:.3f} GB/s, staging {_size(staging)}/rank at most "
             f"({ex.order} order)")
     if args.check:
         line += (f"; check ok: {len(problem.dst.mesh.devices)} destination shards bit-exact" if not failures[0]
