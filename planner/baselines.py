@@ -1,4 +1,5 @@
-"""Alpa's two send/recv approaches as operation lists, so the simulator prices them like our plans.
+"""Four baselines as operation lists, so the simulator prices them like our plans: Alpa's two
+send/recv approaches and two that RL frameworks use to sync weights from trainer to inference ranks.
 
 - `alpa-send-recv`: every destination device receives each slice it needs by one send/recv from a
   source device holding it; the sender is the least-loaded holder so far (Alpa's `normal` load
@@ -7,8 +8,23 @@
 - `alpa-allgather`: for each destination host, a slice is split over the host's devices that need
   it, each part sent from the least-loaded holder, then all-gathered inside the host (Alpa rewrites
   the spec only over devices of one host); all sends first, then the all-gathers.
-Both run in `device-order` in the simulator: each device does its own operations in turn, and
-operations of different devices share a NIC. Alpa asserts even shards; we price uneven ones anyway.
+- `rank0-gather-broadcast` (verl / NeMo-RL style: full parameters on trainer rank 0, then an NCCL
+  broadcast to every inference rank): one send per distinct source block into the source mesh's
+  first device (from a replica on its host when there is one), one at a time as that device takes
+  them; then it broadcasts the whole tensor down every destination device, host by host (a chunked
+  chain, as NCCL pipelines a broadcast), and each destination device keeps its own slice (a local
+  step, not priced). A destination device that is the root copies its shard locally.
+- `per-rank-broadcast`: every source rank broadcasts each block it holds (the first replica, when
+  blocks are replicated) down a chunked chain of the destination devices that need any part of it,
+  host by host; all ranks at once, each needer taking the broadcasts it is in one after another.
+  A rank that is also a destination device copies its own part locally.
+Broadcast chains put the sender's own host first, then hosts by id, devices by id; their chunk count
+is the one our `broadcast` strategy picks for the same chain alone, so they pipeline as well as ours.
+Every destination device of the last two receives whole blocks, more than its shard, so their lists
+are for the simulator only (the plan format rejects writes outside a destination shard).
+All four run in `device-order` in the simulator: each device does its own operations in turn, and
+operations of different devices share a NIC; a multi-tensor problem runs tensor after tensor, as
+frameworks loop over parameters. Alpa asserts even shards; we price uneven ones anyway.
 """
 
 from __future__ import annotations
@@ -16,7 +32,9 @@ from __future__ import annotations
 from typing import Callable
 
 from xmesh_plan.schemas import Operation, ReshardingProblem, split_region
+from xmesh_plan.schemas.geometry import Region, intersect, region_size
 
+from .strategies import TaskContext, pipelined_seconds
 from .unit_tasks import DEFAULT_MAX_TASKS, Cell, check_joint_task_count, decompose
 
 BASELINES: dict[str, Callable[[ReshardingProblem], list[Operation]]] = {}
@@ -84,13 +102,73 @@ def _copies(problem: ReshardingProblem, first_id: int) -> list[Operation]:
     return out
 
 
+def _source_blocks(problem: ReshardingProblem) -> list[tuple[Region, tuple[int, ...]]]:
+    """Each distinct non-empty source block with the devices holding it (replicas), in source-mesh order.
+    A layout's blocks form a grid, so two blocks are equal or disjoint."""
+    holders: dict[Region, list[int]] = {}
+    for device, block in problem.blocks("src").items():
+        if region_size(block):
+            holders.setdefault(block, []).append(device)
+    return [(block, tuple(devices)) for block, devices in holders.items()]
+
+
+def _chain_broadcast(problem: ReshardingProblem, op_id: int, task: int, sender: int, receivers, region: Region) -> Operation:
+    """A chunked broadcast of `region` from `sender` down `receivers`, host by host (the sender's host
+    first), with the chunk count our `broadcast` strategy would pick for that chain alone."""
+    host = problem.cluster.host_of
+    chain = tuple(sorted(receivers, key=lambda d: (host(d) != host(sender), host(d), d)))
+    hosts = [host(sender)] + [host(d) for d in chain]
+    nbytes = region_size(region) * problem.itemsize
+    context = TaskContext(region, nbytes, sender, chain, problem.cluster, problem.itemsize)
+    _, chunks = pipelined_seconds(nbytes, [a != b for a, b in zip(hosts, hosts[1:])], context)
+    return Operation(id=op_id, task=task, kind="broadcast", src=sender, dsts=chain, region=region, chunks=chunks)
+
+
+def _own_copy(op_id: int, device: int, region: Region | None) -> list[Operation]:
+    return [] if region is None else [Operation(id=op_id, task=-1, kind="copy", src=device, dsts=(device,), region=region)]
+
+
+def rank0_gather_broadcast(problem: ReshardingProblem) -> list[Operation]:
+    root = problem.src.mesh.devices[0]
+    host = problem.cluster.host_of
+    ops: list[Operation] = []
+    for block, holders in _source_blocks(problem):
+        if root not in holders:
+            sender = min(holders, key=lambda d: host(d) != host(root))  # a replica on the root's host, else the first
+            ops.append(Operation(id=len(ops), task=len(ops), kind="send", src=sender, dsts=(root,), region=block))
+    receivers = [d for d in problem.dst.mesh.devices if d != root]
+    if receivers:
+        whole = tuple((0, n) for n in problem.shape)
+        ops.append(_chain_broadcast(problem, len(ops), len(ops), root, receivers, whole))
+    own = problem.blocks("dst").get(root)
+    return ops + _own_copy(len(ops), root, own if own and region_size(own) else None)
+
+
+def per_rank_broadcast(problem: ReshardingProblem) -> list[Operation]:
+    wanted = problem.blocks("dst")
+    ops: list[Operation] = []
+    copies: list[tuple[int, Region | None]] = []
+    for task, (block, holders) in enumerate(_source_blocks(problem)):
+        sender = holders[0]
+        needers = [d for d, box in wanted.items() if d != sender and intersect(block, box)]
+        if needers:
+            ops.append(_chain_broadcast(problem, len(ops), task, sender, needers, block))
+        if sender in wanted:
+            copies.append((sender, intersect(block, wanted[sender])))
+    for device, region in copies:
+        ops += _own_copy(len(ops), device, region)
+    return ops
+
+
 BASELINES["alpa-send-recv"] = alpa_send_recv
 BASELINES["alpa-allgather"] = alpa_allgather
+BASELINES["rank0-gather-broadcast"] = rank0_gather_broadcast
+BASELINES["per-rank-broadcast"] = per_rank_broadcast
 
 
 def baseline_operations(problem, name: str) -> list[Operation]:
-    """Alpa's operations for every tensor of a problem, tensor after tensor as its loop goes (task ids kept
-    apart per tensor); a single-tensor problem's own."""
+    """Baseline `name`'s operations for every tensor of a problem, tensor after tensor as Alpa's and the
+    frameworks' loops go (task ids kept apart per tensor); a single-tensor problem's own."""
     singles = problem.tensor_problems()
     if len(singles) == 1 and singles[0] is problem:
         return BASELINES[name](problem)
@@ -103,7 +181,7 @@ def baseline_operations(problem, name: str) -> list[Operation]:
 
 
 def baseline_seconds(problem, name: str, max_tasks: int | None = DEFAULT_MAX_TASKS) -> float:
-    """Simulated time of Alpa's approach `name` (device order) on a problem of one or many tensors; the
+    """Simulated time of baseline `name` (device order) on a problem of one or many tensors; the
     error lists the valid names. Refuses (TooManyTasksError) a problem that could cut into more than
     `max_tasks` unit tasks."""
     from .simulate import simulate

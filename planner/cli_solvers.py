@@ -104,7 +104,8 @@ def register(group: click.Group) -> None:
 @click.option("--time-limit", default=10.0, show_default=True, type=TIME_LIMIT, help="solver budget in deterministic seconds")
 @max_tasks_option
 def compare_command(problem_file, seed, time_limit, max_tasks):
-    """Every solver and Alpa's baselines on one problem, predicted by the same simulator.
+    """Every solver and every baseline (Alpa's two, the RL frameworks' rank-0 gather-broadcast and
+    per-rank broadcast; planner/baselines.py) on one problem, predicted by the same simulator.
 
     \b
     Example:

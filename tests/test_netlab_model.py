@@ -31,6 +31,8 @@ def test_baselines_become_verified_plans_that_scale(case, case_name, name):
 def test_unknown_baseline_lists_the_valid_names(case):
     with pytest.raises(ValueError, match="alpa-send-recv, alpa-allgather"):
         baseline_plan(case("case3"), "alpa")
+    with pytest.raises(ValueError, match="'per-rank-broadcast' is simulator-only .*alpa-send-recv, alpa-allgather"):
+        baseline_plan(case("case3"), "per-rank-broadcast")
 
 
 def test_predictions_scale_with_the_link_rate_and_posted_never_beats_the_bound(case, compile_quick):

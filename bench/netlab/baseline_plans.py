@@ -3,7 +3,9 @@
 A baseline is an operation list; a plan also needs one unit task per task id its operations name,
 and operations listed in execution order. Times come from the simulator's `device-order` replay
 (how `xmesh-plan compare` prices baselines); `host_order` stays empty, since Alpa keeps no per-host
-order. The result passes `verify_plan`, so the executor's lowering accepts it.
+order. The result passes `verify_plan`, so the executor's lowering accepts it. Only Alpa's two can
+run: the RL frameworks' baselines broadcast whole blocks, more than a destination shard holds, which
+the plan format rejects, so they stay simulator-only (`xmesh-plan compare`, bench/bench_weight_sync.py).
 """
 
 from __future__ import annotations
@@ -34,8 +36,9 @@ def _task(task_id: int, ops: list[Operation], problem: ReshardingProblem, strate
 
 def baseline_plan(problem: ReshardingProblem, name: str) -> Plan:
     """Alpa's approach `name` on `problem` as a plan; the error lists the valid names."""
-    if name not in BASELINES:
-        raise ValueError(f"unknown baseline {name!r}; choose one of: {', '.join(BASELINES)}")
+    if name not in STRATEGY_OF:
+        why = "is simulator-only (it writes outside destination shards)" if name in BASELINES else "is unknown"
+        raise ValueError(f"baseline {name!r} {why}; a runnable one is one of: {', '.join(STRATEGY_OF)}")
     ops = BASELINES[name](problem)
     sim = simulate(ops, problem, "device-order")
     ops = sorted((op.model_copy(update={"start_s": sim.op_start_s[op.id], "end_s": sim.op_end_s[op.id]}) for op in ops),
