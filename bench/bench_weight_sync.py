@@ -1,10 +1,12 @@
-"""Weight sync: one joint plan for all tensors against one plan per tensor run one after another (predicted).
+"""Weight sync: approaches side by side, one network model (predicted): ours, one plan per tensor, four baselines.
 
 For each weight-sync example (planner/weight_sync.py): compile the whole model as one plan (every
-tensor's unit tasks scheduled together on the shared NICs), and compile each tensor alone and add
-up their predicted times (what running per-tensor plans back to back costs); also Alpa's two
-approaches, tensor after tensor, and the lower bound. All times come from the same network
-simulator. Compile wall times are this machine's, noisy, and only reported.
+tensor's unit tasks scheduled together on the shared NICs; default and `--split-hosts`), and compile
+each tensor alone and add up their predicted times (what running per-tensor plans back to back
+costs); the four baselines of planner/baselines.py (rank-0 gather then broadcast, per-rank
+broadcast, Alpa's two), tensor after tensor in device order, each also without message latency;
+and the lower bound. All times come from the same network simulator. Compile wall times are this
+machine's, noisy, and only reported.
 
     .venv/bin/python bench/bench_weight_sync.py           # the small example and the Llama-3-8B one (a few minutes)
     .venv/bin/python bench/bench_weight_sync.py --small   # the small example only (seconds)
@@ -20,6 +22,7 @@ import json
 import resource
 import subprocess
 import sys
+import textwrap
 import time
 import tomllib
 from dataclasses import replace
@@ -28,12 +31,14 @@ from pathlib import Path
 sys.path[:0] = [str(Path(__file__).resolve().parent.parent), str(Path(__file__).resolve().parent)]
 
 from report import replace_section, write_json  # noqa: E402
-from xmesh_plan.planner.baselines import baseline_seconds  # noqa: E402
+from xmesh_plan.planner.baselines import baseline_operations, baseline_seconds  # noqa: E402
 from xmesh_plan.planner.compile import compile_plan  # noqa: E402
 from xmesh_plan.planner.simulate import simulate_plan  # noqa: E402
 from xmesh_plan.planner.transfer_io import build_transfer  # noqa: E402
 from xmesh_plan.planner.verify import verify_plan  # noqa: E402
 from xmesh_plan.planner.weight_sync import WEIGHT_SYNC, weight_sync_toml  # noqa: E402
+from xmesh_plan.schemas.geometry import region_size  # noqa: E402
+from xmesh_plan.schemas.op_kinds import messages  # noqa: E402
 
 COMMAND = ".venv/bin/python bench/bench_weight_sync.py"
 
@@ -55,12 +60,87 @@ def measure(name: str) -> dict:
         "joint_posted_s": simulate_plan(joint, "posted").makespan_s,
         "split_hosts_s": split.predicted_seconds, "split_hosts_posted_s": simulate_plan(split, "posted").makespan_s,
         "lower_bound_s": joint.lower_bound_seconds,
-        "alpa_send_recv_s": baseline_seconds(problem, "alpa-send-recv"),
-        "alpa_allgather_s": baseline_seconds(problem, "alpa-allgather"),
         "joint_compile_wall_s": joint_s, "per_tensor_compile_wall_s": alone_s,
-        "solver": joint.solver.details.get("winner", joint.solver.name),
+        "solver": joint.solver.details.get("winner", joint.solver.name), **baselines(problem),
     }
 
+
+BASELINES = {"alpa-send-recv": "alpa_send_recv", "alpa-allgather": "alpa_allgather",
+             "rank0-gather-broadcast": "rank0_gather_broadcast", "per-rank-broadcast": "per_rank_broadcast"}
+
+
+def baselines(problem) -> dict:
+    """Each baseline's time, its time with the message latency set to 0 (the per-message overhead kept, so
+    chunk counts stay), its messages; and what the paragraph under the table cites: the bytes rank 0's
+    host takes in and the per-rank broadcasts that go down every destination device."""
+    no_latency = problem.model_copy(update={"cluster": problem.cluster.model_copy(update={"latency_us": 0.0})})
+    cluster = problem.cluster
+    out = {"nic_bytes_per_s": min(cluster.send_bytes_per_s, cluster.recv_bytes_per_s), "latency_us": cluster.latency_us,
+           "dst_devices": len(problem.dst_mesh.devices)}
+    for name, key in BASELINES.items():
+        out[f"{key}_s"] = baseline_seconds(problem, name)
+        out[f"{key}_no_latency_s"] = baseline_seconds(no_latency, name)
+        out[f"{key}_messages"] = sum(messages(op) for op in baseline_operations(problem, name))
+    out["alpa_allgather_ring_messages"] = sum(messages(op) for op in baseline_operations(problem, "alpa-allgather")
+                                              if op.kind == "allgather")
+    host, itemsizes = problem.cluster.host_of, [t.itemsize for t in problem.tensor_problems()]
+    rank0 = baseline_operations(problem, "rank0-gather-broadcast")
+    root = next(op.src for op in rank0 if op.kind == "broadcast")
+    out["rank0_gather_nic_bytes"] = sum(region_size(op.region) * itemsizes[op.tensor] for op in rank0
+                                        if op.kind == "send" and host(op.src) != host(root))
+    every = set(problem.dst_mesh.devices)
+    out["per_rank_all_needer_broadcasts"] = sum(op.kind == "broadcast" and set(op.dsts) == every
+                                                for op in baseline_operations(problem, "per-rank-broadcast"))
+    return out
+
+
+BASELINE_KEYS = ["sequential_s", "rank0_gather_broadcast_s", "per_rank_broadcast_s", "alpa_send_recv_s", "alpa_allgather_s"]
+
+
+def _size(nbytes: float) -> str:
+    return f"{nbytes / 2**30:.2f} GiB" if nbytes >= 2**30 else f"{nbytes / 2**20:.1f} MiB"
+
+
+def _bullet(text: str) -> str:
+    return textwrap.fill(text, width=104, initial_indent="- ", subsequent_indent="  ", break_on_hyphens=False)
+
+
+def why(r: dict) -> str:
+    """What each baseline shows on one problem's row, and why, with the row's figures."""
+    bound, ours = r["lower_bound_s"], r["split_hosts_posted_s"]
+    hops, latency_us, full = r["dst_devices"], r["latency_us"], r["per_rank_all_needer_broadcasts"]
+    rank0_bytes_s = (r["rank0_gather_nic_bytes"] + r["gib"] * 2**30) / r["nic_bytes_per_s"]
+    over = {key: f"{r[key]:.4f} s, {r[key] / ours:.2f}x ours" for key in BASELINE_KEYS}
+    bullets = [
+        f"**Rank-0 gather then broadcast** ({over['rank0_gather_broadcast_s']}): the model goes into rank 0's host and out "
+        f"again. {_size(r['rank0_gather_nic_bytes'])} of blocks cross into it, then the whole {_size(r['gib'] * 2**30)} "
+        "leaves it down the chain, and the two never overlap (each tensor's broadcast waits for its gather, the next "
+        f"gather for that broadcast): the bytes alone take {rank0_bytes_s:.4f} s "
+        f"({rank0_bytes_s / bound:.2f}x the bound). The other {r['rank0_gather_broadcast_s'] - rank0_bytes_s:.4f} s is "
+        "per-message cost and pipeline fill (without latency "
+        f"{r['rank0_gather_broadcast_no_latency_s']:.4f} s): rank 0 takes its gather messages one at a time, and each "
+        f"tensor's broadcast fills a {hops}-hop chain.",
+        f"**Per-rank broadcast** ({over['per_rank_broadcast_s']}): every destination host receives each block once, the "
+        f"bound's own traffic, and all ranks send at once, yet {full} of its broadcasts (blocks that every destination "
+        f"device needs: here the row-parallel weights and the norms) go down all {hops} destination devices, so in device "
+        f"order they run one after another, each paying {hops} hop latencies: {full} x {hops} x {latency_us:g} us = "
+        f"{full * hops * latency_us * 1e-6:.4f} s of latency alone (without latency {r['per_rank_broadcast_no_latency_s']:.4f} s). "
+        "Ranks sending at once only help where their receivers are disjoint.",
+        f"**Alpa send/recv** ({over['alpa_send_recv_s']}): each destination device pulls only its own slices "
+        f"({r['alpa_send_recv_messages']:,} messages), so its bytes are close to the bound's (replicated norms arrive once per "
+        f"device); without latency it takes {r['alpa_send_recv_no_latency_s']:.4f} s, so what it loses is device-order "
+        "queueing more than per-message cost.",
+        f"**Alpa send + all-gather** ({over['alpa_allgather_s']}): {r['alpa_allgather_messages']:,} messages, "
+        f"{r['alpa_allgather_ring_messages']:,} of them all-gather ring steps inside a host, each waiting for the one "
+        "before; latency costs it "
+        f"{r['alpa_allgather_s'] - r['alpa_allgather_no_latency_s']:.4f} s (without latency {r['alpa_allgather_no_latency_s']:.4f} s).",
+        f"**One plan per tensor** ({over['sequential_s']}): each plan ends with a tail where NICs idle while its last boxes "
+        "finish; one joint plan fills those.",
+    ]
+    intro = textwrap.fill(f"What each baseline shows, on {r['problem']} (\"without latency\": the same operations timed with the "
+                          "message latency set to 0, the per-message overhead kept, so chunk counts stay):", width=104)
+    return (intro + "\n\n" + "\n".join(_bullet(b) for b in bullets)
+            + f"\n\nOurs is {ours / bound:.2f}x the byte lower bound (issue 11's target: 1.05x).")
 
 SCALE_MESHES = ["4x8", "8x8", "16x8"]
 
@@ -88,13 +168,20 @@ def scaling() -> list[dict]:
     return rows
 
 
+def model_commit() -> str:
+    """The short hash of the last commit that changed the network model (planner/simulate.py), or "unknown"."""
+    found = subprocess.run(["git", "log", "-1", "--format=%h", "--", "planner/simulate.py"], capture_output=True, text=True,
+                           cwd=Path(__file__).resolve().parent.parent)
+    return found.stdout.strip() or "unknown"
+
+
 def main() -> None:
     if sys.argv[1:2] == ["--one"]:
         print(json.dumps(scale_point(sys.argv[2])))
         return
     if sys.argv[1:2] == ["--render"]:
         saved = json.loads((Path(__file__).resolve().parent / "results" / "weight_sync.json").read_text())
-        render(saved["command"], saved["rows"], saved["scaling"])
+        render(saved["command"], saved["rows"], saved["scaling"], saved.get("model", "unknown"))
         return
     names = ["weight_sync_small"] + ([] if "--small" in sys.argv else ["weight_sync_llama3_8b"])
     rows = []
@@ -104,20 +191,38 @@ def main() -> None:
         print(f"{name}: joint {r['joint_s']:.4f} s, one after another {r['sequential_s']:.4f} s, bound {r['lower_bound_s']:.4f} s", flush=True)
     command = COMMAND + (" --small" if "--small" in sys.argv else "")
     scale = [] if "--small" in sys.argv else scaling()
-    write_json("weight_sync.json", {"command": command, "rows": rows, "scaling": scale})
-    render(command, rows, scale)
+    model = model_commit()
+    write_json("weight_sync.json", {"command": command, "model": model, "rows": rows, "scaling": scale})
+    render(command, rows, scale, model)
 
 
-def render(command: str, rows: list[dict], scale: list[dict]) -> None:
+def detail(r: dict) -> str:
+    """Our plans on one problem's row: host order against posted, joint against one plan per tensor."""
+    bound = r["lower_bound_s"]
+    posted = "worse posted than in its own order" if r["joint_posted_s"] > r["joint_s"] else "no worse posted than in its own order"
+    return textwrap.fill(
+        f"On {r['problem']}, in host order the joint plan is {r['joint_s'] / bound:.2f}x its bound and the `--split-hosts` "
+        f"one {r['split_hosts_s'] / bound:.2f}x; posted, {r['joint_posted_s'] / bound:.2f}x and "
+        f"{r['split_hosts_posted_s'] / bound:.2f}x. The default plan sends each box from its one FSDP holder down a two-hop "
+        f"chain (a device on each destination host), which does {posted}; with "
+        "`--split-hosts` every message goes straight from a holder to its host. One plan per tensor, back to back, "
+        f"is {r['sequential_s'] / r['joint_s']:.2f}x the joint plan (host order).", width=104, break_on_hyphens=False)
+
+
+def render(command: str, rows: list[dict], scale: list[dict], model: str = "unknown") -> None:
     """Write the BENCHMARKS.md section from measured rows (`--render` redoes it from the results JSON)."""
     scale_lines = "\n".join(
         f"| {r['src_mesh']} | {r['tasks']:,} | {r['compile_s']:.1f} | {r['verify_s']:.1f} | {r['peak_rss_mib']:.0f} | {r['predicted_s']:.4f} "
         f"| {r['lower_bound_s']:.4f} | {r['solver']} | {r['timed_by']} |" for r in scale)
+    side_by_side = "\n".join(
+        f"| {r['problem']} | {r['tensors']} | {r['gib']:.3f} | {r['lower_bound_s']:.4f} | {r['split_hosts_posted_s']:.4f} "
+        f"| {r['split_hosts_posted_s'] / r['lower_bound_s']:.2f}x | "
+        + " | ".join(f"{r[key]:.4f} ({r[key] / r['split_hosts_posted_s']:.2f}x)" for key in BASELINE_KEYS) + " |"
+        for r in rows)
     lines = "\n".join(
-        f"| {r['problem']} | {r['tensors']} | {r['gib']:.3f} | {r['tasks']} | {r['joint_s']:.4f} ({r['joint_posted_s']:.4f}) "
+        f"| {r['problem']} | {r['tasks']} | {r['joint_s']:.4f} ({r['joint_posted_s']:.4f}) "
         f"| {r['split_hosts_s']:.4f} ({r['split_hosts_posted_s']:.4f}) | {r['sequential_s']:.4f} "
-        f"| {r['sequential_s'] / r['joint_s']:.2f}x | {r['alpa_send_recv_s']:.4f} | {r['alpa_allgather_s']:.4f} "
-        f"| {r['lower_bound_s']:.4f} | {r['joint_compile_wall_s']:.1f} | {r['solver']} |"
+        f"| {r['sequential_s'] / r['joint_s']:.2f}x | {r['lower_bound_s']:.4f} | {r['joint_compile_wall_s']:.1f} | {r['solver']} |"
         for r in rows)
     replace_section("Weight sync: one plan for all tensors", f"""
 Made by (2-core CPU machine shared with other jobs; compile times are noisy, predicted times are not):
@@ -126,31 +231,41 @@ Made by (2-core CPU machine shared with other jobs; compile times are noisy, pre
 {command}
 ```
 
-The weight-sync examples (`plans/weight_sync_*.problem.toml`, generated by `planner/weight_sync.py`):
-FSDP on the source mesh -> replicas of tensor parallelism on the destination mesh. "joint" is one
-plan whose unit tasks of every tensor are scheduled together on the shared NICs (default compile:
-`broadcast`, `auto` solver; `--split-hosts`: the same with one unit task per receiving host); "one after another" adds up the predicted times of one plan per tensor,
-each compiled alone and run after the previous one ends; Alpa's approaches run tensor after tensor
-(device order). Every time is the same network simulator's. Raw: `bench/results/weight_sync.json`.
+Predicted figures are from the network model as of commit {model} (the last change to the model:
+a message's latency is a delay other messages overlap, and a per-message overhead of 1 us keeps its
+link busy); figures taken before it are replaced. Raw: `bench/results/weight_sync.json`.
 
-| problem | tensors | GiB | unit tasks | joint s (posted) | joint `--split-hosts` s (posted) | one after another s | joint speed-up | Alpa send/recv s | Alpa send+all-gather s | lower bound s | joint compile wall s | solver |
-|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|
+The weight-sync examples (`plans/weight_sync_*.problem.toml`, generated by `planner/weight_sync.py`):
+FSDP on the source mesh -> replicas of tensor parallelism on the destination mesh. Every time below
+is the same network simulator's.
+
+Approaches side by side. **Ours** is one joint plan for every tensor, compiled with `--split-hosts`
+(one unit task per receiving host), timed as `TransferExecutor` runs it (every message posted at
+once, links shared). In brackets, each other approach over ours. "One plan per tensor" adds up the
+predicted times of one plan per tensor, each compiled alone and run after the previous one ends
+(host order). The four baselines (`planner/baselines.py`) run tensor after tensor in device order
+(each device does its operations in turn, as on a NCCL stream): rank-0 gather then broadcast (every
+source block sent to the source mesh's first device, which broadcasts the whole tensor down every
+destination device, host by host, in pipelined chunks; verl / NeMo-RL style); per-rank broadcast (every
+trainer rank broadcasts its block down the destination devices that need any of it, all ranks at
+once); Alpa's send/recv and send + all-gather. Coalesced messages (`--coalesce`) are for single-tensor
+problems only so far, so no coalesced joint plan appears here.
+
+| problem | tensors | GiB | byte lower bound s | ours s | ours / bound | one plan per tensor s | rank-0 gather + broadcast s | per-rank broadcast s | Alpa send/recv s | Alpa send + all-gather s |
+|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|
+{side_by_side}
+
+{why(rows[-1])}
+
+Our plans in detail: "joint" is the default compile (`broadcast`, `auto` solver), "`--split-hosts`"
+the same with one unit task per receiving host; times are host order (the plan's own claim: each NIC
+side works through its operations in the plan's order), in brackets posted (`xmesh-plan inspect --orders`).
+
+| problem | unit tasks | joint s (posted) | joint `--split-hosts` s (posted) | one plan per tensor s | joint speed-up | lower bound s | joint compile wall s | solver |
+|---|---:|---:|---:|---:|---:|---:|---:|---|
 {lines}
 
-Times are host order (the plan's own claim: each NIC side works through its operations in the
-plan's order); in brackets, the same plan timed as `TransferExecutor` runs it on MPI (every message
-posted at once, links shared; `xmesh-plan inspect --orders`).
-
-What this shows. Planning all tensors together beats one plan per tensor run back to back only a
-little (a plan per tensor leaves NICs idle at each tensor's tail; the joint schedule fills some of
-that). With the default `broadcast` strategy the Llama plan stays near half its bound and loses to
-Alpa's send/recv: every box goes from its one FSDP holder to one device on each of the two
-destination hosts as a two-hop chain, and in host order a chain holds both hosts' receive sides
-until its second hop ends, each hop paying the 10 us message latency. `--split-hosts` makes one
-unit task per receiving host instead (each host's device receives from a holder directly): in host
-order it is faster than the chained plan, and posted it reaches the bound, ahead of Alpa's
-send/recv (which runs in device order). `--strategy send_recv` is worse here (the norms go to 16
-devices one message at a time).
+{detail(rows[-1])}
 
 Scale: the same Llama-3-8B-like model from larger FSDP meshes (every parameter split on dim 0 over
 all source devices, so more and smaller boxes) to the same 2x8 TP mesh, one plan each, compiled

@@ -125,10 +125,12 @@ def _chain_broadcast(problem: ReshardingProblem, op_id: int, task: int, sender: 
 
 
 def _own_copy(op_id: int, device: int, region: Region | None) -> list[Operation]:
+    """A device that is also a destination copies `region` locally (none when it is empty)."""
     return [] if region is None else [Operation(id=op_id, task=-1, kind="copy", src=device, dsts=(device,), region=region)]
 
 
 def rank0_gather_broadcast(problem: ReshardingProblem) -> list[Operation]:
+    """Gather every source block into the source mesh's first device, then broadcast the whole tensor (module docstring)."""
     root = problem.src.mesh.devices[0]
     host = problem.cluster.host_of
     ops: list[Operation] = []
@@ -145,6 +147,7 @@ def rank0_gather_broadcast(problem: ReshardingProblem) -> list[Operation]:
 
 
 def per_rank_broadcast(problem: ReshardingProblem) -> list[Operation]:
+    """Every source block broadcast by its first holder down the destination devices needing any of it (module docstring)."""
     wanted = problem.blocks("dst")
     ops: list[Operation] = []
     copies: list[tuple[int, Region | None]] = []
@@ -168,7 +171,9 @@ BASELINES["per-rank-broadcast"] = per_rank_broadcast
 
 def baseline_operations(problem, name: str) -> list[Operation]:
     """Baseline `name`'s operations for every tensor of a problem, tensor after tensor as Alpa's and the
-    frameworks' loops go (task ids kept apart per tensor); a single-tensor problem's own."""
+    frameworks' loops go (task ids kept apart per tensor); a single-tensor problem's own. The error lists the valid names."""
+    if name not in BASELINES:
+        raise ValueError(f"unknown baseline {name!r}; choose one of: {', '.join(BASELINES)}")
     singles = problem.tensor_problems()
     if len(singles) == 1 and singles[0] is problem:
         return BASELINES[name](problem)
@@ -186,7 +191,7 @@ def baseline_seconds(problem, name: str, max_tasks: int | None = DEFAULT_MAX_TAS
     `max_tasks` unit tasks."""
     from .simulate import simulate
 
-    if name not in BASELINES:
+    if name not in BASELINES:  # before the task count, so a misspelt name fails first
         raise ValueError(f"unknown baseline {name!r}; choose one of: {', '.join(BASELINES)}")
     check_joint_task_count(problem.tensor_problems(), max_tasks)
     return simulate(baseline_operations(problem, name), problem, "device-order").makespan_s
