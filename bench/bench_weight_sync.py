@@ -33,6 +33,7 @@ sys.path[:0] = [str(Path(__file__).resolve().parent.parent), str(Path(__file__).
 from report import replace_section, write_json  # noqa: E402
 from xmesh_plan.planner.baselines import baseline_operations, baseline_seconds  # noqa: E402
 from xmesh_plan.planner.compile import compile_plan  # noqa: E402
+from xmesh_plan.planner.inspect_plan import plan_loads  # noqa: E402
 from xmesh_plan.planner.simulate import simulate_plan  # noqa: E402
 from xmesh_plan.planner.transfer_io import build_transfer  # noqa: E402
 from xmesh_plan.planner.verify import verify_plan  # noqa: E402
@@ -43,26 +44,31 @@ from xmesh_plan.schemas.op_kinds import messages  # noqa: E402
 COMMAND = ".venv/bin/python bench/bench_weight_sync.py"
 
 
+VARIANTS = {  # key -> compile options of one joint plan; "split_coalesce" is ours in the side-by-side table
+    "joint": {}, "split_hosts": {"split_hosts": True}, "coalesce": {"coalesce": True},
+    "split_coalesce": {"split_hosts": True, "coalesce": True},
+}
+
+
 def measure(name: str) -> dict:
     problem = build_transfer(tomllib.loads(weight_sync_toml(*WEIGHT_SYNC[name])))
+    row = {"problem": name, "tensors": len(problem.tensors), "gib": problem.nbytes / 2**30}
+    for key, options in VARIANTS.items():
+        begin = time.perf_counter()
+        plan = compile_plan(problem, **options)
+        row[f"{key}_compile_wall_s"] = time.perf_counter() - begin
+        verify_plan(plan)
+        row |= {f"{key}_s": plan.predicted_seconds, f"{key}_posted_s": simulate_plan(plan, "posted").makespan_s,
+                f"{key}_busiest_messages": plan_loads(plan).busiest_messages()[2]}
+        if key == "joint":
+            row |= {"tasks": len(plan.tasks), "lower_bound_s": plan.lower_bound_seconds,
+                    "solver": plan.solver.details.get("winner", plan.solver.name)}
     begin = time.perf_counter()
-    joint = compile_plan(problem)
-    joint_s = time.perf_counter() - begin
-    verify_plan(joint)
-    split = compile_plan(problem, split_hosts=True)
-    verify_plan(split)
-    begin = time.perf_counter()
-    alone = [compile_plan(single) for single in problem.tensor_problems()]
-    alone_s = time.perf_counter() - begin
-    return {
-        "problem": name, "tensors": len(problem.tensors), "gib": problem.nbytes / 2**30, "tasks": len(joint.tasks),
-        "joint_s": joint.predicted_seconds, "sequential_s": sum(p.predicted_seconds for p in alone),
-        "joint_posted_s": simulate_plan(joint, "posted").makespan_s,
-        "split_hosts_s": split.predicted_seconds, "split_hosts_posted_s": simulate_plan(split, "posted").makespan_s,
-        "lower_bound_s": joint.lower_bound_seconds,
-        "joint_compile_wall_s": joint_s, "per_tensor_compile_wall_s": alone_s,
-        "solver": joint.solver.details.get("winner", joint.solver.name), **baselines(problem),
-    }
+    row["sequential_s"] = sum(compile_plan(single).predicted_seconds for single in problem.tensor_problems())
+    row["per_tensor_compile_wall_s"] = time.perf_counter() - begin
+    row["split_coalesce_sequential_s"] = sum(compile_plan(single, **VARIANTS["split_coalesce"]).predicted_seconds
+                                             for single in problem.tensor_problems())
+    return row | baselines(problem)
 
 
 BASELINES = {"alpa-send-recv": "alpa_send_recv", "alpa-allgather": "alpa_allgather",
@@ -76,7 +82,7 @@ def baselines(problem) -> dict:
     no_latency = problem.model_copy(update={"cluster": problem.cluster.model_copy(update={"latency_us": 0.0})})
     cluster = problem.cluster
     out = {"nic_bytes_per_s": min(cluster.send_bytes_per_s, cluster.recv_bytes_per_s), "latency_us": cluster.latency_us,
-           "dst_devices": len(problem.dst_mesh.devices)}
+           "overhead_us": cluster.overhead_us, "dst_devices": len(problem.dst_mesh.devices)}
     for name, key in BASELINES.items():
         out[f"{key}_s"] = baseline_seconds(problem, name)
         out[f"{key}_no_latency_s"] = baseline_seconds(no_latency, name)
@@ -94,7 +100,9 @@ def baselines(problem) -> dict:
     return out
 
 
-BASELINE_KEYS = ["sequential_s", "rank0_gather_broadcast_s", "per_rank_broadcast_s", "alpa_send_recv_s", "alpa_allgather_s"]
+OURS = "split_coalesce_posted_s"  # ours in the side-by-side table: the joint --split-hosts --coalesce plan, posted
+BASELINE_KEYS = ["split_hosts_posted_s", "split_coalesce_sequential_s", "rank0_gather_broadcast_s", "per_rank_broadcast_s",
+                 "alpa_send_recv_s", "alpa_allgather_s"]
 
 
 def _size(nbytes: float) -> str:
@@ -107,7 +115,7 @@ def _bullet(text: str) -> str:
 
 def why(r: dict) -> str:
     """What each baseline shows on one problem's row, and why, with the row's figures."""
-    bound, ours = r["lower_bound_s"], r["split_hosts_posted_s"]
+    bound, ours = r["lower_bound_s"], r[OURS]
     hops, latency_us, full = r["dst_devices"], r["latency_us"], r["per_rank_all_needer_broadcasts"]
     rank0_bytes_s = (r["rank0_gather_nic_bytes"] + r["gib"] * 2**30) / r["nic_bytes_per_s"]
     over = {key: f"{r[key]:.4f} s, {r[key] / ours:.2f}x ours" for key in BASELINE_KEYS}
@@ -134,8 +142,13 @@ def why(r: dict) -> str:
         f"{r['alpa_allgather_ring_messages']:,} of them all-gather ring steps inside a host, each waiting for the one "
         "before; latency costs it "
         f"{r['alpa_allgather_s'] - r['alpa_allgather_no_latency_s']:.4f} s (without latency {r['alpa_allgather_no_latency_s']:.4f} s).",
-        f"**One plan per tensor** ({over['sequential_s']}): each plan ends with a tail where NICs idle while its last boxes "
-        "finish; one joint plan fills those.",
+        f"**One plan per tensor** ({over['split_coalesce_sequential_s']}, each compiled as ours is): each plan ends with a "
+        "tail where NICs idle while its last boxes finish; one joint plan fills those.",
+        f"**Ours without coalescing** ({over['split_hosts_posted_s']}): every box is its own message; its busiest NIC side "
+        f"takes {r['split_hosts_busiest_messages']:,} of them against {r['split_coalesce_busiest_messages']:,} coalesced, and "
+        f"at {r['overhead_us']:g} us overhead each the difference is "
+        f"{(r['split_hosts_busiest_messages'] - r['split_coalesce_busiest_messages']) * r['overhead_us'] * 1e-6:.4f} s "
+        f"(it is {r['split_hosts_posted_s'] - ours:.4f} s slower).",
     ]
     intro = textwrap.fill(f"What each baseline shows, on {r['problem']} (\"without latency\": the same operations timed with the "
                           "message latency set to 0, the per-message overhead kept, so chunk counts stay):", width=104)
@@ -197,16 +210,18 @@ def main() -> None:
 
 
 def detail(r: dict) -> str:
-    """Our plans on one problem's row: host order against posted, joint against one plan per tensor."""
+    """Our plans on one problem's row: each compile option in host order and posted, joint against one plan per tensor."""
     bound = r["lower_bound_s"]
-    posted = "worse posted than in its own order" if r["joint_posted_s"] > r["joint_s"] else "no worse posted than in its own order"
+    host = ", ".join(f"{r[f'{key}_s'] / bound:.2f}x" for key in VARIANTS)
+    posted = ", ".join(f"{r[f'{key}_posted_s'] / bound:.2f}x" for key in VARIANTS)
+    chain = "worse posted than in its own order" if r["joint_posted_s"] > r["joint_s"] else "no worse posted than in its own order"
     return textwrap.fill(
-        f"On {r['problem']}, in host order the joint plan is {r['joint_s'] / bound:.2f}x its bound and the `--split-hosts` "
-        f"one {r['split_hosts_s'] / bound:.2f}x; posted, {r['joint_posted_s'] / bound:.2f}x and "
-        f"{r['split_hosts_posted_s'] / bound:.2f}x. The default plan sends each box from its one FSDP holder down a two-hop "
-        f"chain (a device on each destination host), which does {posted}; with "
-        "`--split-hosts` every message goes straight from a holder to its host. One plan per tensor, back to back, "
-        f"is {r['sequential_s'] / r['joint_s']:.2f}x the joint plan (host order).", width=104, break_on_hyphens=False)
+        f"On {r['problem']}, over the bound: in host order {host} (default, `--split-hosts`, `--coalesce`, both); "
+        f"posted {posted}. The default plan sends each box from its one FSDP holder down a chain through both "
+        f"destination hosts, which does {chain}; with `--split-hosts` every message goes straight from a holder to its "
+        "host, and `--coalesce` packs each host pair's small boxes into a few messages. One plan per tensor (default "
+        f"compile), back to back, is {r['sequential_s'] / r['joint_s']:.2f}x the joint default plan (host order).",
+        width=104, break_on_hyphens=False)
 
 
 def render(command: str, rows: list[dict], scale: list[dict], model: str = "unknown") -> None:
@@ -215,14 +230,15 @@ def render(command: str, rows: list[dict], scale: list[dict], model: str = "unkn
         f"| {r['src_mesh']} | {r['tasks']:,} | {r['compile_s']:.1f} | {r['verify_s']:.1f} | {r['peak_rss_mib']:.0f} | {r['predicted_s']:.4f} "
         f"| {r['lower_bound_s']:.4f} | {r['solver']} | {r['timed_by']} |" for r in scale)
     side_by_side = "\n".join(
-        f"| {r['problem']} | {r['tensors']} | {r['gib']:.3f} | {r['lower_bound_s']:.4f} | {r['split_hosts_posted_s']:.4f} "
-        f"| {r['split_hosts_posted_s'] / r['lower_bound_s']:.2f}x | "
-        + " | ".join(f"{r[key]:.4f} ({r[key] / r['split_hosts_posted_s']:.2f}x)" for key in BASELINE_KEYS) + " |"
+        f"| {r['problem']} | {r['tensors']} | {r['gib']:.3f} | {r['lower_bound_s']:.4f} | {r[OURS]:.4f} "
+        f"| {r[OURS] / r['lower_bound_s']:.2f}x | "
+        + " | ".join(f"{r[key]:.4f} ({r[key] / r[OURS]:.2f}x)" for key in BASELINE_KEYS) + " |"
         for r in rows)
     lines = "\n".join(
-        f"| {r['problem']} | {r['tasks']} | {r['joint_s']:.4f} ({r['joint_posted_s']:.4f}) "
-        f"| {r['split_hosts_s']:.4f} ({r['split_hosts_posted_s']:.4f}) | {r['sequential_s']:.4f} "
-        f"| {r['sequential_s'] / r['joint_s']:.2f}x | {r['lower_bound_s']:.4f} | {r['joint_compile_wall_s']:.1f} | {r['solver']} |"
+        f"| {r['problem']} | {r['tasks']} | "
+        + " | ".join(f"{r[f'{key}_s']:.4f} ({r[f'{key}_posted_s']:.4f})" for key in VARIANTS)
+        + f" | {r['sequential_s']:.4f} | {r['sequential_s'] / r['joint_s']:.2f}x | {r['lower_bound_s']:.4f} "
+        f"| {r['joint_compile_wall_s']:.1f} / {r['split_coalesce_compile_wall_s']:.1f} | {r['solver']} |"
         for r in rows)
     replace_section("Weight sync: one plan for all tensors", f"""
 Made by (2-core CPU machine shared with other jobs; compile times are noisy, predicted times are not):
@@ -231,38 +247,42 @@ Made by (2-core CPU machine shared with other jobs; compile times are noisy, pre
 {command}
 ```
 
-Predicted figures are from the network model as of commit {model} (the last change to the model:
-a message's latency is a delay other messages overlap, and a per-message overhead of 1 us keeps its
-link busy); figures taken before it are replaced. Raw: `bench/results/weight_sync.json`.
+Predicted figures are from the network model as of fb54710 (a message's latency is a delay other
+messages overlap; a per-message overhead, 1 us by default, keeps its link busy), run with the
+simulator's code as of commit {model}; they replace every figure taken before fb54710. Raw:
+`bench/results/weight_sync.json`.
 
 The weight-sync examples (`plans/weight_sync_*.problem.toml`, generated by `planner/weight_sync.py`):
 FSDP on the source mesh -> replicas of tensor parallelism on the destination mesh. Every time below
 is the same network simulator's.
 
-Approaches side by side. **Ours** is one joint plan for every tensor, compiled with `--split-hosts`
-(one unit task per receiving host), timed as `TransferExecutor` runs it (every message posted at
-once, links shared). In brackets, each other approach over ours. "One plan per tensor" adds up the
-predicted times of one plan per tensor, each compiled alone and run after the previous one ends
-(host order). The four baselines (`planner/baselines.py`) run tensor after tensor in device order
-(each device does its operations in turn, as on a NCCL stream): rank-0 gather then broadcast (every
-source block sent to the source mesh's first device, which broadcasts the whole tensor down every
-destination device, host by host, in pipelined chunks; verl / NeMo-RL style); per-rank broadcast (every
-trainer rank broadcasts its block down the destination devices that need any of it, all ranks at
-once); Alpa's send/recv and send + all-gather. Coalesced messages (`--coalesce`) are for single-tensor
-problems only so far, so no coalesced joint plan appears here.
+Approaches side by side. **Ours** is one joint plan for every tensor, compiled with `--split-hosts
+--coalesce` (one unit task per receiving host; small boxes between two hosts bundled into one
+message), timed as `TransferExecutor` runs it (every message posted at once, links shared); "ours
+without coalescing" is the same with `--split-hosts` only. In brackets, each other approach over
+ours. "One plan per tensor" adds up the predicted times of one plan per tensor, each compiled alone
+as ours is and run after the previous one ends (host order). The four baselines
+(`planner/baselines.py`) run tensor after tensor in device order (each device does its operations
+in turn, as on a NCCL stream): rank-0 gather then broadcast (every source block sent to the source
+mesh's first device, which broadcasts the whole tensor down every destination device, host by host,
+in pipelined chunks; verl / NeMo-RL style); per-rank broadcast (every trainer rank broadcasts its
+block down the destination devices that need any of it, all ranks at once); Alpa's send/recv and
+send + all-gather.
 
-| problem | tensors | GiB | byte lower bound s | ours s | ours / bound | one plan per tensor s | rank-0 gather + broadcast s | per-rank broadcast s | Alpa send/recv s | Alpa send + all-gather s |
-|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|
+| problem | tensors | GiB | byte lower bound s | ours s | ours / bound | ours without coalescing s | one plan per tensor s | rank-0 gather + broadcast s | per-rank broadcast s | Alpa send/recv s | Alpa send + all-gather s |
+|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|
 {side_by_side}
 
 {why(rows[-1])}
 
-Our plans in detail: "joint" is the default compile (`broadcast`, `auto` solver), "`--split-hosts`"
-the same with one unit task per receiving host; times are host order (the plan's own claim: each NIC
-side works through its operations in the plan's order), in brackets posted (`xmesh-plan inspect --orders`).
+Our plans in detail: one joint plan each, "default" compiled as `broadcast` with the `auto` solver,
+the others with the options named; times are host order (the plan's own claim: each NIC side works
+through its operations in the plan's order), in brackets posted (`xmesh-plan inspect --orders`).
+"One plan per tensor" here is the default compile per tensor, and the speed-up is the joint default
+plan's over it; unit tasks and solver are the default plan's.
 
-| problem | unit tasks | joint s (posted) | joint `--split-hosts` s (posted) | one plan per tensor s | joint speed-up | lower bound s | joint compile wall s | solver |
-|---|---:|---:|---:|---:|---:|---:|---:|---|
+| problem | unit tasks | default s (posted) | `--split-hosts` s (posted) | `--coalesce` s (posted) | `--split-hosts --coalesce` s (posted) | one plan per tensor s | joint speed-up | lower bound s | compile wall s (default / both) | solver |
+|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|
 {lines}
 
 {detail(rows[-1])}
