@@ -91,22 +91,30 @@ class EngineEntry:
     module: str
     build: Callable[[Any, RankProgram, EngineContext], Engine]
     summary: str
+    # builds the engine that replays a `joint.JointProgram` over every tensor's set-up engine (device order
+    # across the tensors of a multi-tensor plan); None: the engine cannot
+    join: Callable[[Any, Any, list], Engine] | None = None
 
     def make(self, program: RankProgram, context: EngineContext) -> Engine:
         """Import the engine's module (only now: CuPy and torch are optional) and build the engine."""
         return self.build(importlib.import_module(self.module), program, context)
 
+    def make_joint(self, program, parts: list) -> Engine:
+        """The engine replaying `program` (a `joint.JointProgram`) with the buffers of `parts`, one set-up engine per tensor."""
+        return self.join(importlib.import_module(self.module), program, parts)
+
 
 ENGINES: dict[str, EngineEntry] = {e.name: e for e in (
     EngineEntry("mpi", "mpi", "xmesh_plan.executor.mpi_engine",
                 lambda m, p, c: m.MpiEngine(p, c.comm, c.rank_of, c.storage, c.timeout_s, c.poll_s),
-                "MPI point-to-point on host memory (numpy)"),
+                "MPI point-to-point on host memory (numpy)", join=lambda m, p, parts: m.JointMpiEngine(p, parts)),
     EngineEntry("nccl", "mpi", "xmesh_plan.executor.nccl_engine",
                 lambda m, p, c: m.NcclEngine(p, c.comm, c.rank_of, c.storage, c.timeout_s, c.poll_s, gpu=c.gpu,
                                              devices_per_host=c.devices_per_host),
                 "NCCL broadcasts through CuPy on GPUs, ids exchanged over MPI"),
     EngineEntry("torch", "torch", "xmesh_plan.executor.torch_engine", lambda m, p, c: m.TorchEngine(p, c),
-                "torch.distributed isend/irecv over any process group (gloo on CPU, NCCL on CUDA)"),
+                "torch.distributed isend/irecv over any process group (gloo on CPU, NCCL on CUDA)",
+                join=lambda m, p, parts: m.JointTorchEngine(p, parts)),
 )}
 
 TORCH_BACKENDS = ("gloo", "nccl")

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import hashlib
 from collections import Counter
+from dataclasses import replace
 
 import numpy as np
 
@@ -103,6 +104,9 @@ class ReshardingExecutor:
         # Set by TransferExecutor before prepare(): tags start here and the engine uses this communicator
         # (another executor's, which owns and releases it), so the tensors of one plan share one.
         self.tag_offset, self.shared_comm = 0, None
+        # Set by TransferExecutor in device order: the steps stay as lowered (flagged device order, so engines
+        # send large messages synchronously) and one joint engine orders them across the plan's tensors.
+        self.joined = False
         self.in_flight = False
         self.closed = False
 
@@ -123,8 +127,8 @@ class ReshardingExecutor:
         error = None
         try:  # a refusal here (the world size too) is shared with every rank before anyone raises
             program = lower(self.plan, self.device, tag_limit=tag_limit, first_tag=self.tag_offset)
-            if self.order == "device":
-                program = in_device_order(program, stage_budget(self.plan))
+            if self.order == "device":  # joined: one engine orders every tensor's steps (TransferExecutor)
+                program = replace(program, order="device") if self.joined else in_device_order(program, stage_budget(self.plan))
             self.program = check_staging(self.plan, program, self.order)
         except PlanMismatchError as err:
             error = err

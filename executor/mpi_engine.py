@@ -79,11 +79,15 @@ class MpiEngine:
         self.requests: list = [None] * n
         self.pairs: list = [None] * n
         weakref.finalize(self, _free_requests, self.requests, mpi)
-        _ENGINES.append(weakref.ref(self, _ENGINES.remove))  # the reference leaves the list when the engine is collected
         self.reads_src = [s.index for s in self.steps if _reads_src(s)]  # made in _bind()
         for s in self.steps:
             if not _reads_src(s):
                 self._make(s.index, self.flat)
+        self._schedule()
+
+    def _schedule(self) -> None:
+        """The per-iteration bookkeeping of the steps' dependencies (after the requests and views exist)."""
+        _ENGINES.append(weakref.ref(self, _ENGINES.remove))  # the reference leaves the list when the engine is collected
         self.dependents: list[list[int]] = [[] for _ in self.steps]
         for s in self.steps:
             for d in s.deps:
@@ -92,7 +96,7 @@ class MpiEngine:
         self.remaining = self.initial.copy()  # each count is restored when its step launches
         self.first = [s.index for s in self.steps if not s.deps and s.action == "recv"]
         self.first += [s.index for s in self.steps if not s.deps and s.action != "recv"]
-        self.live = [-1] * p.messages()
+        self.live = [-1] * self.program.messages()
         self.head = self.tail = self.holes = self.pending = 0
         self.bound_address, self.bound_ref = None, None
 
@@ -318,6 +322,38 @@ class MpiEngine:
             "check that every rank is alive and runs the same plan, or raise timeout_s if transfers are just slow")
         self.abandon(why)
         raise self.failure
+
+
+class JointMpiEngine(MpiEngine):
+    """Replays a `joint.JointProgram`: this device's steps of every tensor as one program, so that device order
+    spans tensors. The buffers and requests are each tensor's own engine's (set up first, never started)."""
+
+    def __init__(self, program, parts: list[MpiEngine]):
+        first = parts[0]
+        super().__init__(program, first.comm, first.rank_of, first.dtype, first.timeout_s, first.poll_s)
+        self.parts = parts
+
+    def setup(self, mpi=None) -> None:
+        """Take every step's request or views from its tensor's engine; `mpi` as in `MpiEngine.setup`."""
+        self._mpi = mpi or self.parts[0]._mpi
+        where, parts = self.program.where, self.parts
+        self.peer_rank = [parts[t].peer_rank[j] for t, j in where]
+        self.requests = [parts[t].requests[j] for t, j in where]
+        self.pairs = [parts[t].pairs[j] for t, j in where]
+        self.reads_src = [(i, t, j) for i, (t, j) in enumerate(where) if _reads_src(self.steps[i])]
+        self._schedule()
+
+    def _bind(self, srcs: list) -> None:
+        """Bind each tensor's engine to its source shard (None: it has none), then take up what they remade."""
+        for part, src in zip(self.parts, srcs):
+            part._bind(src)
+        parts, requests, pairs = self.parts, self.requests, self.pairs
+        for i, t, j in self.reads_src:
+            requests[i], pairs[i] = parts[t].requests[j], parts[t].pairs[j]
+
+    def close(self) -> None:
+        """Refuse to run again; the requests belong to the tensors' engines, which free them when closed."""
+        self.broken = self.broken or "closed"
 
 
 def _reads_src(step) -> bool:

@@ -17,7 +17,7 @@ match a pair's messages by order alone, as NCCL does, so a wrong order shows as 
 
 Gloo's point-to-point work cannot be polled: `is_completed()` stays False until `wait()` is called
 (checked with torch 2.13), and `wait(timeout)` closes the connection when it expires. So each engine
-has one progress thread that posts the messages and waits for them. `start()` hands the iteration
+has one progress thread (started by its first reshard) that posts the messages and waits for them. `start()` hands the iteration
 to that thread and returns; `test()` looks at a flag; `wait()` sleeps on an event and, when nothing
 completes for `timeout_s`, raises naming the op, task and peer the thread waits on. On NCCL a work's
 `wait()` only orders the thread's CUDA stream after it, so the thread records an event and polls it.
@@ -89,6 +89,15 @@ class TorchEngine:
             if not _reads_src(s):
                 self._make(s.index, self.flat)
         self.reads_src = [s.index for s in self.steps if _reads_src(s)]
+        self._schedule()
+
+    def _message_key(self, i: int) -> tuple:
+        """Where message `i` stands in the plan's message order, which both ends of every pair share."""
+        return self.steps[i].tag, i
+
+    def _schedule(self) -> None:
+        """The per-peer message queues and dependency counts; the progress thread starts with the first reshard."""
+        p = self.program
         self.dependents: list[list[int]] = [[] for _ in self.steps]
         for s in self.steps:
             for d in s.deps:
@@ -96,7 +105,7 @@ class TorchEngine:
         self.initial = [len(s.deps) for s in self.steps]
         self.remaining = self.initial.copy()
         self.local_first = [s.index for s in self.steps if not s.deps and s.action not in ("send", "recv")]
-        self.order = sorted((s.index for s in self.steps if s.action in ("send", "recv")), key=lambda i: (self.steps[i].tag, i))
+        self.order = sorted((s.index for s in self.steps if s.action in ("send", "recv")), key=self._message_key)
         self.position = {i: k for k, i in enumerate(self.order)}  # each message's place in the plan's message order
         peers = sorted({self.steps[i].peer for i in self.order})
         self.queues = [[i for i in self.order if self.steps[i].peer == peer] for peer in peers]  # per peer, in order
@@ -113,7 +122,6 @@ class TorchEngine:
         self.go, self.done, self.stopping = threading.Event(), threading.Event(), False
         self.done.set()
         self.thread = threading.Thread(target=self._serve, name=f"xmesh-torch-engine-d{p.device}", daemon=True)
-        self.thread.start()
 
     def _make(self, i: int, flat: dict) -> None:
         s = self.steps[i]
@@ -184,6 +192,8 @@ class TorchEngine:
             self.ready.record()
         self.last_progress = time.monotonic()
         self.done.clear()
+        if self.thread.ident is None:  # not before: the engines of a joint program's tensors never start one
+            self.thread.start()
         self.go.set()
 
     def _serve(self) -> None:
@@ -325,7 +335,8 @@ class TorchEngine:
         if self.done.is_set():
             self.stopping = True
             self.go.set()
-            self.thread.join(self.timeout_s)
+            if self.thread.ident is not None:
+                self.thread.join(self.timeout_s)
             self.buffers = [None] * len(self.steps)
             self.bound = self.src = None
 
@@ -344,6 +355,51 @@ class TorchEngine:
             "check that every rank is alive and runs the same plan, or raise timeout_s if transfers are just slow")
         self.abandon(why)
         raise self.failure
+
+
+class JointTorchEngine(TorchEngine):
+    """Replays a `joint.JointProgram`: this device's steps of every tensor as one program on one progress
+    thread, so that device order spans tensors. The views are each tensor's own engine's (set up first,
+    never started). Each pair's messages go in the joint plan's operation order, then tag order."""
+
+    def __init__(self, program, parts: list[TorchEngine]):
+        super().__init__(program, parts[0].context)
+        self.parts = parts
+
+    def setup(self) -> None:
+        """Take every step's views from its tensor's engine and number this device's operations in plan order."""
+        first, where, parts = self.parts[0], self.program.where, self.parts
+        self.torch, self.cuda, self.device, self.dtype, self.rank = first.torch, first.cuda, first.device, first.dtype, first.rank
+        self.peer_rank = [parts[t].peer_rank[j] for t, j in where]
+        self.buffers = [parts[t].buffers[j] for t, j in where]
+        self.works = [None] * len(self.steps)
+        self.reads_src = [(i, t, j) for i, (t, j) in enumerate(where) if _reads_src(self.steps[i])]
+        self.ordinal, count, last = [], -1, None  # each step's operation counted in plan order (ids need not be)
+        for s in self.steps:
+            count += s.op != last
+            self.ordinal.append(count)
+            last = s.op
+        self._schedule()
+
+    def _message_key(self, i: int) -> tuple:
+        return self.ordinal[i], self.steps[i].tag, i
+
+    def _bind(self, srcs: list) -> None:
+        """Bind each tensor's engine to its source shard (None: it has none), then take up the views they remade."""
+        for part, src in zip(self.parts, srcs):
+            part._bind(src)
+        for i, t, j in self.reads_src:
+            self.buffers[i] = self.parts[t].buffers[j]
+
+    def unbind(self) -> None:
+        """As `TorchEngine.unbind`, for every tensor."""
+        if not self.done.is_set():
+            raise ExecutorError("unbind() while a reshard is in flight; call wait() first")
+        for part in self.parts:
+            part.unbind()
+        for i, _, _ in self.reads_src:
+            self.buffers[i] = None
+        self.src = None
 
 
 def _bytes_of(tensor):

@@ -5,17 +5,23 @@
     new["layers.0.q.weight"]                                      # its destination shards by name
 
 The plan is split into one single-tensor plan per tensor (`schemas.plan_tensors`), keeping the joint
-plan's operations, ids and order; each gets its own `ReshardingExecutor`. `start()` starts every tensor's reshard before any is waited for, and a waiting
-MPI engine drives the others this thread started, so all tensors move at once; they share one
-duplicated communicator, each tensor's tags numbered after the ones before it. A rank outside the
-source mesh passes None (or {}); outside the destination mesh it gets {}. A single-tensor plan works
-too, its one tensor named by the problem's name.
+plan's operations, ids and order; each gets its own `ReshardingExecutor`, which lowers it and owns its
+buffers. A rank outside the source mesh passes None (or {}); outside the destination mesh it gets {}.
+A single-tensor plan works too, its one tensor named by the problem's name. How the tensors run:
 
-Engines: `mpi` runs every tensor at once as above. The torch engine (one process group for all
-tensors, NCCL pairing messages by order) and the NCCL engine are not run with several reshards in
-flight, so with them the tensors go one after another in tensor order: `start()` starts the first,
-`test()` and `wait()` start each next one as the one before finishes. Every engine takes and returns
-the same name -> shard mappings.
+- `order="device"` (the default, as for one tensor): each device takes part in one operation at a
+  time in the joint plan's order, across tensors (`executor.joint`): one engine replays this device's
+  steps of every tensor, with each tensor's buffers; its tensors' tags are numbered one after another
+  on one communicator. On `mpi` and `torch`; `nccl` refuses it (its tensors run one after another).
+- `order="posted"`: on `mpi` every message of every tensor is posted at once: each tensor's reshard
+  is started before any is waited for, and a waiting MPI engine drives the others this thread
+  started; they share one duplicated communicator, each tensor's tags numbered after the ones before
+  it. The torch engine (one process group for all tensors, NCCL pairing messages by order) and the
+  NCCL engine do not run several reshards in flight, so they run the tensors one after another in
+  tensor order: `start()` starts the first, `test()` and `wait()` start each next one as the one
+  before finishes.
+
+Every engine takes and returns the same name -> shard mappings.
 """
 
 from __future__ import annotations
@@ -28,6 +34,8 @@ from xmesh_plan.schemas.plan_tensors import is_multi, tensor_names, tensor_plans
 
 from .errors import ExecutorError, PlanMismatchError
 from .executor import DEFAULT_POLL_S, ReshardingExecutor
+from .joint import join_programs
+from .lower import ORDERS
 from .ranks import device_of_rank
 from .worlds import is_mpi_comm
 
@@ -38,9 +46,11 @@ class TransferExecutor:
     """Replays every tensor of a plan on this rank; see the module docstring for the calling pattern."""
 
     def __init__(self, plan: Plan, comm=None, backend: str | None = None, timeout_s: float = 60.0,
-                 poll_s: tuple[float, float] = DEFAULT_POLL_S, gpu: int | None = None, order: str = "posted"):
+                 poll_s: tuple[float, float] = DEFAULT_POLL_S, gpu: int | None = None, order: str = "device"):
         if not isinstance(plan, Plan):
             raise TypeError(f"plan is a {type(plan).__name__}; pass a schemas.Plan, e.g. schemas.read_plan_file('x.plan.json')")
+        if order not in ORDERS:
+            raise ValueError(f"order {order!r} is unknown; use one of: {', '.join(ORDERS)}")
         try:
             check_plan(plan)  # tensor indices in range before splitting
         except PlanError as err:
@@ -48,19 +58,24 @@ class TransferExecutor:
                                     same_on_every_rank=True) from None  # every rank reads the same plan
         named = backend or ("mpi" if is_mpi_comm(comm) else "torch")
         self.concurrent = named in CONCURRENT_BACKENDS
-        if is_multi(plan) and order != "posted":
-            raise PlanMismatchError(f"order {order!r} would order each tensor's operations apart, not the joint plan's; "
-                                    "multi-tensor plans run with order='posted'", same_on_every_rank=True)
-        self.plan, self.names = plan, tensor_names(plan)
+        self.plan, self.names, self.order = plan, tensor_names(plan), order
         self.parts = [ReshardingExecutor(p, comm, backend, timeout_s, poll_s, gpu, order) for p in tensor_plans(plan)]
+        self.entry = self.parts[0].entry
+        self.joined = order == "device" and is_multi(plan)  # one engine replays every tensor's steps (executor.joint)
+        if self.joined and self.entry.join is None:
+            raise PlanMismatchError(f"backend {named!r} runs a multi-tensor plan's tensors one after another, not in the plan's "
+                                    "operation order across tensors; pass order='posted' to run them so, or use backend 'mpi' or 'torch'",
+                                    same_on_every_rank=True)
         first = 0
-        for part in self.parts if self.concurrent else ():  # tags of tensor k follow those of tensors 0..k-1
-            part.tag_offset = first
+        for part in self.parts if self.concurrent or self.joined else ():  # tags of tensor k follow those of tensors 0..k-1
+            part.tag_offset, part.joined = first, self.joined
             first += sum(map(tags_used, part.plan.operations))
         self.given: dict[str, Any] = {}
         self.results: list[Any] = [None] * len(self.parts)
         self.current = len(self.parts)  # one after another: the tensor in flight (len(parts): none)
         self.running = False  # one after another: between start() and wait()
+        self.engine = None  # device order: the joint engine, made by prepare()
+        self.in_flight = self.closed = False  # device order: between start() and wait(); after close()
 
     @property
     def device(self) -> int:
@@ -75,10 +90,18 @@ class TransferExecutor:
         joint = first.plan.model_copy(update={"problem": first.plan.problem.model_copy(update={"name": self.plan.problem.name})})
         device_of_rank(joint, world.rank, world.size, world.label, world.launch)
         for k, part in enumerate(self.parts):
-            if self.concurrent and k:
+            if (self.concurrent or self.joined) and k:
                 part.shared_comm = self.parts[0].comm
             part.prepare()
+        if self.joined:
+            self._join()
+            self.engine.setup()
         return self
+
+    def _join(self) -> None:
+        """The joint engine: this device's steps of every tensor as one program in device order (`executor.joint`)."""
+        program = join_programs([part.program for part in self.parts], self.plan)
+        self.engine = self.entry.make_joint(program, [part.engine for part in self.parts])
 
     def run(self, shards: Mapping[str, Any] | None = None) -> dict[str, Any]:
         """Reshard every tensor once: this rank's source shards by name in, its destination shards by name out."""
@@ -88,6 +111,9 @@ class TransferExecutor:
     def start(self, shards: Mapping[str, Any] | None = None) -> None:
         """Start every tensor's reshard and return at once; do not modify the shards until `wait()` returns."""
         given = self._sources(shards)
+        if self.joined:
+            self._start_joint(given)
+            return
         if not self.concurrent:
             if self.current < len(self.parts):
                 raise ExecutorError("start() called while a reshard is in flight; call wait() first")
@@ -106,13 +132,21 @@ class TransferExecutor:
 
     def test(self) -> bool:
         """Drive every tensor's communication once without blocking; True when all have finished."""
+        if self.joined:
+            return self._guarded("test()", self.engine.test) if self.in_flight else True
         if not self.concurrent:
             return self._advance(block=False)
         return all([part.test() for part in self.parts])
 
     def wait(self) -> dict[str, Any]:
         """Finish every tensor's reshard; name -> destination shard (the engines' own buffers, reused next time)."""
-        if self.concurrent:
+        if self.joined:
+            if not self.in_flight:
+                raise ExecutorError("wait() called without start()")
+            self._guarded("wait()", self.engine.wait)
+            self.in_flight = False
+            self.results = [part.engine.dst for part in self.parts]
+        elif self.concurrent:
             self.results = [part.wait() for part in self.parts]
         elif not self.running:
             raise ExecutorError("wait() called without start()")
@@ -134,9 +168,51 @@ class TransferExecutor:
         return True
 
     def close(self) -> None:
-        """Close every tensor's executor (see `ReshardingExecutor.close`), the communicator's owner last."""
+        """Close every tensor's executor (see `ReshardingExecutor.close`), the communicator's owner last; in
+        device order the joint engine first, after finishing a reshard in flight as `ReshardingExecutor.close` does."""
+        interrupted = None
+        if self.engine is not None:
+            if self.in_flight:
+                try:
+                    self.engine.wait()
+                except ExecutorError:
+                    pass  # the engine marked itself broken; close() is cleanup and does not raise it
+                except BaseException as err:  # Ctrl-C while finishing: close anyway, then let it through
+                    interrupted = err
+                    if not self.engine.broken:
+                        self.engine.abandon(f"{type(err).__name__} in close()")
+                self.in_flight = False
+            self.engine.close()
+        self.closed = True
         for part in reversed(self.parts):
             part.close()
+        if interrupted is not None:
+            raise interrupted
+
+    def _start_joint(self, given: dict[str, Any]) -> None:
+        """Device order: check every tensor's shard and start the joint engine."""
+        if self.closed:
+            raise ExecutorError("run() or start() after close(); create and prepare a new executor")
+        if self.engine is None:
+            raise ExecutorError("call prepare() (on every rank) before run() or start()")
+        if self.in_flight:
+            raise ExecutorError("start() called while a reshard is in flight; call wait() first")
+        if self.engine.broken:
+            raise ExecutorError(f"this executor stopped after an error ({self.engine.broken}); close() it, then create and prepare a new one")
+        sources = [part._adopt(given.get(name)) for part, name in zip(self.parts, self.names)]
+        self.in_flight = True
+        self._guarded("start()", self.engine.start, sources)
+
+    def _guarded(self, call: str, method, *args):
+        """A call into the joint engine; anything escaping it leaves requests half done, so the engine is
+        marked broken and never restarts them (as `ReshardingExecutor._abandon`)."""
+        try:
+            return method(*args)
+        except BaseException as err:
+            self.in_flight = False
+            if not self.engine.broken:
+                self.engine.abandon(f"{type(err).__name__} in {call}")
+            raise
 
     def _sources(self, shards: Mapping[str, Any] | None) -> dict[str, Any]:
         """The shards by name, refusing unknown names and, on a source rank, missing ones."""

@@ -159,12 +159,16 @@ def test_random_planner_cases_bit_exact(seed, strategy, devices):
     assert_bit_exact(plan)
 
 
-def _out_of_device_order(plan, world: FakeWorld) -> list[str]:
+def _out_of_device_order(plan, world: FakeWorld, steps_of=None) -> list[str]:
     """Messages a device sent or received (first iteration) before a receive of an earlier operation of its own
-    with other peers had landed; operations with the same peers may overlap (one link, in order anyway)."""
+    with other peers had landed; operations with the same peers may overlap (one link, in order anyway).
+    `steps_of(device)`: the steps whose tags name that device's messages (default: its lowering of `plan`;
+    a multi-tensor plan passes every tensor's, tags as its executor numbered them). Earlier: in the plan's list."""
     op_of = {}  # (rank, "send"/"recv", peer rank, tag) -> op id
     peers = defaultdict(set)  # (rank, op) -> peer ranks, read from the plan: an operation's other devices here
     rank_of = rank_of_devices(plan)
+    position = {op.id: k for k, op in enumerate(plan.operations)}
+    steps_of = steps_of or (lambda device: lower(plan, device, tag_limit=2**20).steps)
     for op in plan.operations:
         members = [d for d in (op.src, *op.dsts) if d is not None]
         chain = [op.src, *op.dsts] if op.kind in ("send", "broadcast") else None
@@ -177,8 +181,9 @@ def _out_of_device_order(plan, world: FakeWorld) -> list[str]:
                 near = [members[(i - 1) % n], members[(i + 1) % n]] if op.kind == "allgather" else []
             peers[(rank_of[d], op.id)] = {rank_of[m] for m in near}
     for device, rank in rank_of.items():
-        for s in lower(plan, device, tag_limit=2**20).steps:
+        for s in steps_of(device):
             if s.action in ("send", "recv"):
+                assert (rank, s.action, rank_of[s.peer], s.tag) not in op_of, "two messages share a tag"
                 op_of[(rank, s.action, rank_of[s.peer], s.tag)] = s.op
     waiting: dict[int, set] = defaultdict(set)  # rank -> ops with a receive not landed yet
     for (rank, action, peer, tag), op in op_of.items():
@@ -187,18 +192,18 @@ def _out_of_device_order(plan, world: FakeWorld) -> list[str]:
     bad = []
 
     def blockers(rank, op):
-        return [e for e in waiting[rank] if e < op and peers[(rank, e)] != peers[(rank, op)]]
+        return [e for e in waiting[rank] if position[e] < position[op] and peers[(rank, e)] != peers[(rank, op)]]
 
     for event, (src, dst, tag) in world.log[:len(op_of)]:
         if event == "recv":
             op = op_of[(dst, "recv", src, tag)]
             if blockers(dst, op):
-                bad.append(f"rank {dst} received op {op} while op {min(blockers(dst, op))} had not arrived")
+                bad.append(f"rank {dst} received op {op} while op {min(blockers(dst, op), key=position.get)} had not arrived")
             waiting[dst].discard(op)
         else:
             op = op_of[(src, "send", dst, tag)]
             if blockers(src, op):
-                bad.append(f"rank {src} sent op {op} while op {min(blockers(src, op))} had not arrived")
+                bad.append(f"rank {src} sent op {op} while op {min(blockers(src, op), key=position.get)} had not arrived")
     return bad
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+from dataclasses import replace
 import subprocess
 import sys
 from pathlib import Path
@@ -12,10 +13,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 from click.testing import CliRunner
+from hypothesis import HealthCheck, given, settings, strategies as st
 
 from xmesh_plan.executor import ExecutorError, PlanMismatchError, ReshardingExecutor, TransferExecutor
 from xmesh_plan.executor.arrays import storage_dtype
-from xmesh_plan.executor.lower import lower
+from xmesh_plan.executor.lower import in_device_order, lower
 from xmesh_plan.executor.mpi_engine import MpiEngine
 from xmesh_plan.executor.ranks import plan_devices, rank_of_devices
 from xmesh_plan.planner.cli import main
@@ -25,7 +27,7 @@ from xmesh_plan.planner.verify import PlanError, verify_plan
 from xmesh_plan.schemas import Plan, read_plan_file
 from xmesh_plan.schemas.plan_check import check_plan, tags_used
 from xmesh_plan.schemas.plan_tensors import tensor_plans
-from test_executor_sim import FakeComm, FakeMPI, FakeWorld
+from test_executor_sim import FakeComm, FakeMPI, FakeWorld, _out_of_device_order
 
 ROOT = Path(__file__).resolve().parents[1]
 SMALL = ROOT / "plans" / "weight_sync_small.problem.toml"
@@ -197,23 +199,28 @@ class _WorldComm(FakeComm):
         raise AssertionError("not used: the test sets each tensor's engine up itself")
 
 
-def fake_executors(plan: Plan, concurrent: bool = True) -> list[TransferExecutor]:
+def fake_executors(plan: Plan, concurrent: bool = True, order: str = "device") -> list[TransferExecutor]:
     """One TransferExecutor per rank over one fake MPI communicator shared by every tensor (tags offset per
     tensor as prepare() does, so a collision would deliver bytes to the wrong tensor), each tensor's engine
-    set up as prepare() would. `concurrent=False`: one tensor after another, every tensor's tags from 0 (as
-    on a torch process group)."""
+    set up as prepare() would, and in device order the joint engine over them. `concurrent=False` (posted):
+    one tensor after another, every tensor's tags from 0 (as on a torch process group)."""
     devices, rank_of = plan_devices(plan), rank_of_devices(plan)
     world = FakeWorld()
     out = []
     for rank, device in enumerate(devices):
-        ex = TransferExecutor(plan, _WorldComm(world, rank, len(devices)))
+        ex = TransferExecutor(plan, _WorldComm(world, rank, len(devices)), order=order)
         ex.concurrent = concurrent
         for part in ex.parts:
-            offset = part.tag_offset if concurrent else 0
+            offset = part.tag_offset if concurrent or ex.joined else 0
             part.program = lower(part.plan, device, tag_limit=2**20, first_tag=offset)
+            if order == "device":
+                part.program = replace(part.program, order="device") if ex.joined else in_device_order(part.program)
             part.src_shape = part.program.src_shape
             part.engine = MpiEngine(part.program, FakeComm(world, rank), rank_of, storage_dtype(part.plan.problem.dtype), 5.0, (1e-5, 1e-4))
             part.engine.setup(mpi=FakeMPI)
+        if ex.joined:
+            ex._join()
+            ex.engine.setup(mpi=FakeMPI)
         out.append(ex)
     return out
 
@@ -280,7 +287,7 @@ def test_the_executor_refuses_missing_and_unknown_names(plan):
 def test_one_tensor_after_another_as_the_torch_and_nccl_engines_run_them_is_bit_exact(plan):
     """Engines that do not run reshards concurrently get the tensors one after another; the fake MPI
     stands in for them (concurrency off), so the sequencing itself is what is checked."""
-    executors = fake_executors(plan, concurrent=False)
+    executors = fake_executors(plan, concurrent=False, order="posted")
     for seed in (4, 5):
         full = full_tensors(plan, seed)
         out = run_everywhere(plan, executors, full)
@@ -297,8 +304,17 @@ def test_one_tensor_after_another_as_the_torch_and_nccl_engines_run_them_is_bit_
 def test_a_multi_tensor_plan_is_refused_by_the_single_tensor_executor(plan):
     with pytest.raises(TypeError, match="moves 3 tensors; run it with executor.TransferExecutor"):
         ReshardingExecutor(plan, _WorldComm(FakeWorld(), 0, 6))
-    with pytest.raises(PlanMismatchError, match="order 'device' would order each tensor's operations apart"):
-        TransferExecutor(plan, _WorldComm(FakeWorld(), 0, 6), order="device")
+
+
+def test_the_nccl_engine_refuses_device_order_on_a_multi_tensor_plan_naming_the_fix(plan):
+    """It runs the tensors one after another: asked for the plan's order across tensors (the default), it says so."""
+    with pytest.raises(PlanMismatchError, match=r"backend 'nccl' runs a multi-tensor plan's tensors one after another, not in "
+                                                r"the plan's operation order across tensors; pass order='posted'") as err:
+        TransferExecutor(plan, _WorldComm(FakeWorld(), 0, 6), backend="nccl")
+    assert err.value.same_on_every_rank and "\n" not in str(err.value)
+    assert not TransferExecutor(plan, _WorldComm(FakeWorld(), 0, 6), backend="nccl", order="posted").joined
+    with pytest.raises(ValueError, match="order 'fifo' is unknown; use one of: posted, device"):
+        TransferExecutor(plan, _WorldComm(FakeWorld(), 0, 6), order="fifo")
 
 
 def _demo_on_the_small_weight_sync(tmp_path, ranks: int, *flags: str, timeout: float) -> subprocess.CompletedProcess:
@@ -441,3 +457,85 @@ def test_each_tensor_of_a_multi_tensor_plan_runs_bit_exact_on_the_fake_nccl(plan
 
     for single in tensor_plans(plan):
         run_on_fake(single, FakeGpu(api=14).install(monkeypatch), iterations=2)
+
+
+# --- device order across tensors -----------------------------------------------------------------------------
+
+def _assert_every_shard(plan: Plan, out: dict[int, dict[str, np.ndarray]], full: dict[str, np.ndarray]) -> None:
+    """Every destination shard of every tensor, and nothing else, bit for bit against numpy slicing."""
+    problems = plan.problem.tensor_problems()
+    assert sum(len(s) for s in out.values()) == sum(len(p.blocks("dst")) for p in problems)
+    for device, shards in out.items():
+        for name, got in shards.items():
+            want = _slice(full[name], problems[plan.problem.index_of(name)].blocks("dst")[device])
+            assert got.shape == want.shape and np.array_equal(got.view(np.uint8), want.view(np.uint8)), (device, name)
+
+
+def _order_plans() -> list[Plan]:
+    """Multi-tensor plans with every operation kind and several tensors interleaved in one plan."""
+    return [compile_plan(problem(), solver="greedy"), compile_plan(problem(), strategy="local_allgather", solver="greedy"),
+            compile_plan(load_any_problem(SMALL), solver="greedy"), compile_plan(load_any_problem(SMALL), split_hosts=True)]
+
+
+def _violations(plan: Plan, order: str, executors: list[TransferExecutor] | None = None) -> list[str]:
+    """Run once on the fake MPI in `order`; messages that moved ahead of an earlier operation with other peers."""
+    executors = executors or fake_executors(plan, order=order)
+    run_everywhere(plan, executors, full_tensors(plan, 8))
+    parts = {ex.device: ex.parts for ex in executors}
+    world = executors[0].parts[0].engine.comm.world
+    return _out_of_device_order(plan, world, steps_of=lambda device: [s for p in parts[device] for s in p.program.steps])
+
+
+@pytest.mark.parametrize("index", range(4))
+def test_device_order_spans_tensors_one_operation_at_a_time_on_the_wire(index):
+    """No message of a later operation moves before an earlier one's with other peers has landed, whichever
+    tensors the two belong to (the plans interleave tensors, so per-tensor order alone would fail this)."""
+    plan = _order_plans()[index]
+    assert len({op.tensor for op in plan.operations}) > 1
+    assert _violations(plan, "device") == []
+
+
+def test_posted_order_and_per_tensor_device_order_send_ahead_of_earlier_operations():
+    """The check above can fail: posting every message at once, or ordering each tensor's operations apart
+    (the joint engine's steps with the gates of their own tensor only), starts some messages early."""
+    assert sum(len(_violations(p, "posted")) for p in _order_plans()) > 0
+    plan = _order_plans()[2]
+    executors = fake_executors(plan, order="posted")
+    for ex in executors:  # each tensor in device order on its own, all tensors at once
+        for part in ex.parts:
+            part.engine = MpiEngine(in_device_order(part.program), part.engine.comm, part.engine.rank_of, part.engine.dtype,
+                                    5.0, (1e-5, 1e-4))
+            part.engine.setup(mpi=FakeMPI)
+    assert _violations(plan, "posted", executors)
+
+
+def random_transfer(seed: int, max_devices: int):
+    """A seeded random multi-tensor problem: one to four tensors of random shapes, dtypes and specs on the
+    meshes of a random single-tensor problem (overlapping or not)."""
+    from test_executor_cases import _spec, random_problem
+
+    base = random_problem(seed, max_devices=max_devices, exact=False)
+    rng = np.random.default_rng(seed + 1)
+    tensors = []
+    for k in range(int(rng.integers(1, 5))):
+        ndim = int(rng.integers(1, 4))
+        tensors.append({"name": f"t{k}", "shape": [int(n) for n in rng.integers(1, 10, size=ndim)],
+                        "dtype": str(rng.choice(["int8", "float16", "bfloat16", "float32", "int64"])),
+                        "src": _spec(rng, ndim, len(base.src.mesh.shape)), "dst": _spec(rng, ndim, len(base.dst.mesh.shape))})
+    mesh = lambda m: {"shape": list(m.shape), "devices": list(m.devices)}  # noqa: E731
+    return build_transfer({"name": f"random{seed}", "src_mesh": mesh(base.src.mesh), "dst_mesh": mesh(base.dst.mesh),
+                           "cluster": {"devices_per_host": base.cluster.devices_per_host}, "tensors": tensors})
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(seed=st.integers(0, 10**6), strategy=st.sampled_from(("broadcast", "send_recv", "local_allgather", "global_allgather", "auto")),
+       devices=st.integers(1, 9), order=st.sampled_from(("device", "posted")))
+def test_random_multi_tensor_plans_are_bit_exact_in_both_orders(seed, strategy, devices, order):
+    plan = compile_plan(random_transfer(seed, devices), strategy=strategy, solver="greedy", seed=0)
+    verify_plan(plan)
+    executors = fake_executors(plan, order=order)
+    for it in range(2):  # twice: the second run overwrites the first's buffers with other data
+        full = full_tensors(plan, seed + it)
+        _assert_every_shard(plan, run_everywhere(plan, executors, full), full)
+    if order == "device" and len(plan.problem.tensors) > 1:
+        assert _violations(plan, "device") == []
