@@ -1,18 +1,22 @@
-"""Weight sync on the executor: one joint plan for all tensors against one plan per tensor run one after another.
+"""Weight sync on the executor: one joint plan for all tensors against one plan per tensor run one after another,
+in both executor orders.
 
 The small weight-sync example (21 tensors, 2x4 FSDP -> 2x2 TP, `plans/weight_sync_small.problem.toml`)
 is compiled once as a joint plan and once per tensor; all of them run in one `mpiexec` launch of 8
-ranks (`executor.run`, every shard checked bit for bit, both posted: the order multi-tensor plans run
-in), so both pay the same start-up and share the machine's load. "One after another" is the sum of
-the per-tensor plans' medians. 2 CPU cores and 8 ranks: a ratio of the two, not a speed figure.
+ranks (`executor.run`, every shard checked bit for bit) per order, `posted` and `device` launches
+taking turns `--rounds` times, so both orders and both ways of planning pay the same start-up and
+share the machine's load. Each plan's figure is the median over its launches of the launch's median
+per reshard; "one after another" is the sum of the per-tensor plans' figures. 2 CPU cores and 8
+ranks: ratios, not speed figures.
 
-    .venv/bin/python bench/bench_weight_sync_run.py [--iters 20]
+    .venv/bin/python bench/bench_weight_sync_run.py [--iters 20] [--rounds 3]
 """
 
 from __future__ import annotations
 
 import argparse
 import re
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -33,53 +37,76 @@ TIMING = re.compile(r"([\d.]+) ms/iter median of \d+ \(min ([\d.]+)\)")
 COMMAND = ".venv/bin/python bench/bench_weight_sync_run.py"
 
 
+ORDERS = ("posted", "device")
+
+
+def launch(paths: list[Path], ranks: int, order: str, iters: int) -> list[float]:
+    """One `mpiexec` launch of every plan in `order`; each plan's median ms per reshard (every shard checked)."""
+    cmd = [str(MPIEXEC), "-n", str(ranks), sys.executable, "-m", "xmesh_plan.executor.run", *map(str, paths), "--check",
+           "--order", order, "--iters", str(iters), "--warmup", "2", "--max-mb", "64"]
+    result = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=1800,
+                            env={"PYTHONPATH": str(ROOT), "PATH": str(MPIEXEC.parent)})
+    lines = [line for line in result.stdout.splitlines() if TIMING.search(line)]
+    if result.returncode or len(lines) != len(paths) or result.stdout.count("check ok") != len(paths):
+        sys.exit(f"the {order} launch failed (exit {result.returncode}):\n{result.stdout[-2000:]}\n{result.stderr[-2000:]}")
+    return [float(TIMING.search(line).group(1)) for line in lines]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--iters", type=int, default=20)
+    parser.add_argument("--rounds", type=int, default=3, help="launches per order, taking turns (default 3)")
     args = parser.parse_args()
     problem = build_transfer(tomllib.loads(weight_sync_toml(*WEIGHT_SYNC["weight_sync_small"])))
     joint = compile_plan(problem)
     alone = [compile_plan(single) for single in problem.tensor_problems()]
+    ranks = len(set(problem.src_mesh.devices) | set(problem.dst_mesh.devices))
+    runs: dict[str, list[list[float]]] = {order: [] for order in ORDERS}
     with tempfile.TemporaryDirectory(prefix="weight-sync-run-") as folder:
         paths = []
         for i, plan in enumerate([joint, *alone]):
             paths.append(Path(folder) / f"{i:03d}.plan.json")
             write_atomic(paths[-1], plan.to_json())
-        ranks = len(set(problem.src_mesh.devices) | set(problem.dst_mesh.devices))
-        cmd = [str(MPIEXEC), "-n", str(ranks), sys.executable, "-m", "xmesh_plan.executor.run", *map(str, paths), "--check",
-               "--order", "posted", "--iters", str(args.iters), "--warmup", "2", "--max-mb", "64"]
-        result = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=1800,
-                                env={"PYTHONPATH": str(ROOT), "PATH": str(MPIEXEC.parent)})
-    lines = [line for line in result.stdout.splitlines() if TIMING.search(line)]
-    if result.returncode or len(lines) != len(paths) or result.stdout.count("check ok") != len(paths):
-        sys.exit(f"the launch failed (exit {result.returncode}):\n{result.stdout[-2000:]}\n{result.stderr[-2000:]}")
-    medians = [float(TIMING.search(line).group(1)) for line in lines]
-    row = {"tensors": len(problem.tensors), "ranks": ranks, "iters": args.iters, "joint_ms": medians[0],
-           "one_after_another_ms": sum(medians[1:]), "per_tensor_ms": medians[1:],
-           "joint_predicted_ms": joint.predicted_seconds * 1e3, "sequential_predicted_ms": sum(p.predicted_seconds for p in alone) * 1e3}
-    write_json("weight_sync_run.json", {"command": COMMAND, "row": row, "joint_line": lines[0]})
-    print(f"joint {row['joint_ms']:.2f} ms, one after another {row['one_after_another_ms']:.2f} ms "
-          f"({row['one_after_another_ms'] / row['joint_ms']:.2f}x); every shard bit-exact")
+        for _ in range(args.rounds):
+            for order in ORDERS:
+                runs[order].append(launch(paths, ranks, order, args.iters))
+    rows = {}
+    for order, medians in runs.items():
+        per_plan = [statistics.median(m[k] for m in medians) for k in range(len(paths))]
+        rows[order] = {"joint_ms": per_plan[0], "one_after_another_ms": sum(per_plan[1:]), "per_tensor_ms": per_plan[1:],
+                       "launches_ms": medians}
+    predicted = {"joint_ms": joint.predicted_seconds * 1e3, "sequential_ms": sum(p.predicted_seconds for p in alone) * 1e3}
+    write_json("weight_sync_run.json", {"command": f"{COMMAND} --iters {args.iters} --rounds {args.rounds}", "tensors": len(problem.tensors),
+                                        "ranks": ranks, "iters": args.iters, "rounds": args.rounds, "orders": rows, "predicted": predicted})
+    p, d = rows["posted"], rows["device"]
+    for order, row in rows.items():
+        print(f"{order}: joint {row['joint_ms']:.2f} ms, one after another {row['one_after_another_ms']:.2f} ms "
+              f"({row['one_after_another_ms'] / row['joint_ms']:.2f}x)")
+    print(f"joint device / posted: {d['joint_ms'] / p['joint_ms']:.2f}x; every shard bit-exact")
     replace_section("Weight sync on the executor", f"""
-Made by (2-core machine shared with other jobs; 8 ranks oversubscribe it, so compare the ratio, not the times):
+Made by (2-core machine shared with other jobs; 8 ranks oversubscribe it, so compare the ratios, not the times):
 
 ```
-{COMMAND} --iters {args.iters}
+{COMMAND} --iters {args.iters} --rounds {args.rounds}
 ```
 
-The small weight-sync example ({row['tensors']} tensors, `plans/weight_sync_small.problem.toml`) on {ranks} MPI
-ranks, one launch: the joint plan, then each tensor's own plan, every destination shard of every
-tensor checked bit for bit, all posted. Medians of {args.iters} reshards after 2 warm-up ones.
+The small weight-sync example ({len(problem.tensors)} tensors, `plans/weight_sync_small.problem.toml`) on {ranks} MPI
+ranks: the joint plan, then each tensor's own plan, every destination shard of every tensor checked
+bit for bit, in one launch per order; {args.rounds} `posted` and {args.rounds} `device` launches taking turns in
+one run. Each figure: the median over an order's launches of the launch's median of {args.iters} reshards
+(after 2 warm-up ones). In device order a multi-tensor plan runs one operation at a time per device in
+the joint plan's order, across tensors (one joint engine per rank); posted, every message of every
+tensor at once.
 
-| plan | measured ms per reshard | predicted ms |
-|---|---:|---:|
-| joint (one plan, all tensors) | {row['joint_ms']:.2f} | {row['joint_predicted_ms']:.2f} |
-| one plan per tensor, one after another | {row['one_after_another_ms']:.2f} | {row['sequential_predicted_ms']:.2f} |
+| plan | posted ms | device ms | device / posted | predicted ms (host order) |
+|---|---:|---:|---:|---:|
+| joint (one plan, all tensors) | {p['joint_ms']:.2f} | {d['joint_ms']:.2f} | {d['joint_ms'] / p['joint_ms']:.2f} | {predicted['joint_ms']:.2f} |
+| one plan per tensor, one after another | {p['one_after_another_ms']:.2f} | {d['one_after_another_ms']:.2f} | {d['one_after_another_ms'] / p['one_after_another_ms']:.2f} | {predicted['sequential_ms']:.2f} |
+| one after another / joint | {p['one_after_another_ms'] / p['joint_ms']:.2f}x | {d['one_after_another_ms'] / d['joint_ms']:.2f}x | | {predicted['sequential_ms'] / predicted['joint_ms']:.2f}x |
 
-One after another over joint: {row['one_after_another_ms'] / row['joint_ms']:.2f}x measured,
-{row['sequential_predicted_ms'] / row['joint_predicted_ms']:.2f}x predicted. Raw: `bench/results/weight_sync_run.json`.
-Measured, each per-tensor plan also pays a reshard's fixed cost (the call, its first and last
-messages, waking the ranks) once per tensor; the model only sees the links.
+Each launch's medians (joint; one after another) in run order: {'; '.join(f"{o} {m[0]:.1f}, {sum(m[1:]):.1f}" for pair in zip(runs['posted'], runs['device']) for o, m in zip(ORDERS, pair))}.
+Raw: `bench/results/weight_sync_run.json`. Measured, each per-tensor plan also pays a reshard's fixed
+cost (the call, its first and last messages, waking the ranks) once per tensor; the model only sees the links.
 """)
 
 

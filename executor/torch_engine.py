@@ -97,7 +97,6 @@ class TorchEngine:
 
     def _schedule(self) -> None:
         """The per-peer message queues and dependency counts; the progress thread starts with the first reshard."""
-        p = self.program
         self.dependents: list[list[int]] = [[] for _ in self.steps]
         for s in self.steps:
             for d in s.deps:
@@ -121,7 +120,7 @@ class TorchEngine:
         self.thread_error: tuple[int, BaseException] | None = None
         self.go, self.done, self.stopping = threading.Event(), threading.Event(), False
         self.done.set()
-        self.thread = threading.Thread(target=self._serve, name=f"xmesh-torch-engine-d{p.device}", daemon=True)
+        self.thread = None  # made by the first start(): an engine never started (a joint program's tensors') has none
 
     def _make(self, i: int, flat: dict) -> None:
         s = self.steps[i]
@@ -192,7 +191,8 @@ class TorchEngine:
             self.ready.record()
         self.last_progress = time.monotonic()
         self.done.clear()
-        if self.thread.ident is None:  # not before: the engines of a joint program's tensors never start one
+        if self.thread is None:
+            self.thread = threading.Thread(target=self._serve, name=f"xmesh-torch-engine-d{self.program.device}", daemon=True)
             self.thread.start()
         self.go.set()
 
@@ -335,7 +335,7 @@ class TorchEngine:
         if self.done.is_set():
             self.stopping = True
             self.go.set()
-            if self.thread.ident is not None:
+            if self.thread is not None:
                 self.thread.join(self.timeout_s)
             self.buffers = [None] * len(self.steps)
             self.bound = self.src = None

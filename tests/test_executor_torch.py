@@ -89,6 +89,23 @@ def test_device_order_on_gloo_matching_by_order_is_bit_exact(tmp_path):
     assert len(ours) == len(plans) and all(line.endswith((": ok", ": ok (our boxes)")) for line in ours), lines
 
 
+def test_multi_tensor_plans_in_device_order_on_gloo_matching_by_order_are_bit_exact(tmp_path):
+    """TransferExecutor's joint engine posts each pair's messages in the joint plan's operation order, across
+    tensors; with every tag 0 (gloo matching by order, as NCCL) both ends must agree on that order, or bytes
+    land in the wrong tensor. Three tensors of three dtypes, every strategy, and random multi-tensor plans."""
+    from xmesh_plan.planner.compile import compile_plan
+    from test_transfer_plan import problem as three_tensors, random_transfer
+
+    plans = [compile_plan(three_tensors(), strategy=s, solver="greedy") for s in ("broadcast", "send_recv", "local_allgather")]
+    plans += [compile_plan(random_transfer(seed, 6, exact=True), strategy="auto", solver="greedy") for seed in range(4)]
+    assert all(len({op.tensor for op in p.operations}) > 1 for p in plans[:3])
+    assert {"copy", "send", "broadcast", "allgather"} <= {op.kind for p in plans for op in p.operations}
+    paths = write_plans(tmp_path, plans)
+    lines = launch(6, "check_transfer_by_order", *paths)
+    ours = [line for line in lines if line.startswith("rank 0:")]
+    assert ours == [f"rank 0: {Path(p).name}: ok" for p in paths], lines
+
+
 def test_float8_plans_are_bit_exact(tmp_path):
     from test_executor_cases import problem
 

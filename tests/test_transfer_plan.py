@@ -329,8 +329,11 @@ def _demo_on_the_small_weight_sync(tmp_path, ranks: int, *flags: str, timeout: f
 @pytest.mark.mpi
 @pytest.mark.skipif(not MPIEXEC.exists(), reason=f"no mpiexec at {MPIEXEC}")
 @pytest.mark.timeout(600)
-def test_mpiexec_runs_the_small_weight_sync_bit_exact(tmp_path):
-    result = _demo_on_the_small_weight_sync(tmp_path, 8, "--iters", "2", "--warmup", "1", timeout=500)
+@pytest.mark.parametrize("order", [None, "device", "posted"])
+def test_mpiexec_runs_the_small_weight_sync_bit_exact(tmp_path, order):
+    """In device order (the default) one joint engine per rank runs all 21 tensors; posted, one engine per tensor."""
+    flags = ("--order", order) if order else ()
+    result = _demo_on_the_small_weight_sync(tmp_path, 8, "--iters", "2", "--warmup", "1", *flags, timeout=500)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "check ok: 21 tensors x 4 destination shards bit-exact" in result.stdout, result.stdout
 
@@ -346,17 +349,20 @@ def test_a_world_of_the_wrong_size_is_refused_naming_the_plan_not_a_tensor(tmp_p
 
 @pytest.mark.slow
 @pytest.mark.timeout(800)
-def test_torchrun_runs_the_small_weight_sync_on_gloo_bit_exact(tmp_path):
-    """The torch engine (tensors one after another), each destination shard against numpy slicing of its tensor's pattern."""
+@pytest.mark.parametrize("order, how", [(None, "device order across tensors"), ("posted", "tensors one after another")])
+def test_torchrun_runs_the_small_weight_sync_on_gloo_bit_exact(tmp_path, order, how):
+    """The torch engine (device order: one joint engine; posted: tensors one after another), each destination
+    shard against numpy slicing of its tensor's pattern."""
     pytest.importorskip("torch")
     path = tmp_path / "weight_sync_small.plan.json"
     path.write_text(compile_plan(load_any_problem(SMALL), solver="greedy").to_json())
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "8", "-m", "xmesh_plan.executor.torch_run", str(path),
-           "--check", "--iters", "2"]
+           "--check", "--iters", "2", *(("--order", order) if order else ())]
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     result = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=700)
     assert result.returncode == 0, result.stderr[-3000:]
-    assert "21 tensors, 8 ranks" in result.stdout and "check ok: every destination shard of every tensor bit-exact" in result.stdout, result.stdout
+    assert f"21 tensors, 8 ranks, 100 ops, torch/gloo ({how})" in result.stdout, result.stdout
+    assert "check ok: every destination shard of every tensor bit-exact" in result.stdout, result.stdout
 
 
 # --- verify and the executor's lowering agree on mutated multi-tensor plans --------------------------------
@@ -509,12 +515,12 @@ def test_posted_order_and_per_tensor_device_order_send_ahead_of_earlier_operatio
     assert _violations(plan, "posted", executors)
 
 
-def random_transfer(seed: int, max_devices: int):
+def random_transfer(seed: int, max_devices: int, exact: bool = False):
     """A seeded random multi-tensor problem: one to four tensors of random shapes, dtypes and specs on the
-    meshes of a random single-tensor problem (overlapping or not)."""
+    meshes of a random single-tensor problem (overlapping or not; with `exact`, on exactly `max_devices`)."""
     from test_executor_cases import _spec, random_problem
 
-    base = random_problem(seed, max_devices=max_devices, exact=False)
+    base = random_problem(seed, max_devices=max_devices, exact=exact)
     rng = np.random.default_rng(seed + 1)
     tensors = []
     for k in range(int(rng.integers(1, 5))):

@@ -3,6 +3,9 @@
     python tests/torch_worker.py check PLAN...      every destination shard, 3 iterations, bit-exact vs numpy slicing
                                                     of the box DTensor gives this rank (where DTensor can express the layout)
     python tests/torch_worker.py check_by_order PLAN...   the same with every tag 0: gloo then matches by order, as NCCL
+    python tests/torch_worker.py check_in_device_order PLAN...   check_by_order with order="device"
+    python tests/torch_worker.py check_transfer_by_order PLAN...   multi-tensor plans through TransferExecutor, every
+                                                    tag 0, order="device" (check_transfer_posted_by_order: "posted")
     python tests/torch_worker.py disagree A B       rank 1 loads B, the others A: prepare() must fail on every rank
     python tests/torch_worker.py die PLAN           the last rank exits after prepare(): the others must fail in time
 
@@ -23,7 +26,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from xmesh_plan.executor import ExecutorError, PlanMismatchError, ReshardingExecutor  # noqa: E402
+from xmesh_plan.executor import ExecutorError, PlanMismatchError, ReshardingExecutor, TransferExecutor  # noqa: E402
 from xmesh_plan.executor.arrays import storage_dtype  # noqa: E402
 from xmesh_plan.executor.pattern import fill  # noqa: E402
 from xmesh_plan.schemas import Plan, read_plan_file  # noqa: E402
@@ -114,6 +117,42 @@ def check(paths: list[str]) -> None:
         print(f"rank {rank}: {Path(path).name}: {'ok' if total[0].item() == 0 else f'{total[0].item()} wrong elements'}{how}", flush=True)
 
 
+def check_transfer(paths: list[str]) -> None:
+    """Run each multi-tensor plan 3 times through TransferExecutor (run(), then start()+test()+wait(), then a
+    non-contiguous source); count wrong elements of every tensor's shards against numpy slicing."""
+    rank = dist.get_rank()
+    for path in paths:
+        plan = read_plan_file(path)
+        ex = TransferExecutor(plan, backend="gloo", timeout_s=TIMEOUT_S, order=ORDER).prepare()
+        bad = 0
+        for salt in (0, 7, 200):
+            wholes = [pattern(part.plan, salt + k) for k, part in enumerate(ex.parts)]
+            shards = {}
+            for name, part, whole in zip(ex.names, ex.parts, wholes):
+                if part.program.src_block is not None:
+                    src = shard_of(whole, part.program.src_block, part.plan)
+                    shards[name] = src.transpose(0, -1).contiguous().transpose(0, -1) if salt == 200 and src.dim() > 1 else src
+                if part.engine.dst is not None:
+                    part.engine.poison()
+            if salt == 7:
+                ex.start(shards)
+                while not ex.test():
+                    time.sleep(1e-4)
+                out = ex.wait()
+            else:
+                out = ex.run(shards)
+            for name, part, whole in zip(ex.names, ex.parts, wholes):
+                assert (name in out) == (part.program.dst_block is not None), (path, name)
+                if name in out:
+                    full = tuple((0, n) for n in part.plan.problem.shape)
+                    got, want = part.engine.host_copy(out[name]), whole[local_slices(part.program.dst_block, full)]
+                    bad += int((got.view(f"V{got.itemsize}") != want.view(f"V{want.itemsize}")).sum())
+        ex.close()
+        total = torch.tensor([bad])
+        dist.all_reduce(total)
+        print(f"rank {rank}: {Path(path).name}: {'ok' if total[0].item() == 0 else f'{total[0].item()} wrong elements'}", flush=True)
+
+
 def disagree(first: str, second: str) -> None:
     rank = dist.get_rank()
     plan = read_plan_file(second if rank == 1 else first)
@@ -145,13 +184,14 @@ def main(argv: list[str]) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
     mode, args = argv[0], argv[1:]
-    if mode in ("check_by_order", "check_in_device_order"):
+    if mode in ("check_by_order", "check_in_device_order", "check_transfer_by_order", "check_transfer_posted_by_order"):
         from xmesh_plan.executor import torch_engine
 
         global ORDER
-        ORDER = "device" if mode == "check_in_device_order" else ORDER
-        torch_engine.MATCH_BY_TAG, mode = False, "check"
-    {"check": lambda: check(args), "disagree": lambda: disagree(*args), "die": lambda: die(*args)}[mode]()
+        ORDER = "posted" if mode in ("check_by_order", "check_transfer_posted_by_order") else "device"
+        torch_engine.MATCH_BY_TAG, mode = False, "check_transfer" if "transfer" in mode else "check"
+    {"check": lambda: check(args), "check_transfer": lambda: check_transfer(args), "disagree": lambda: disagree(*args),
+     "die": lambda: die(*args)}[mode]()
     dist.destroy_process_group()
 
 

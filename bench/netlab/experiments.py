@@ -29,7 +29,6 @@ from xmesh_plan.planner.transfer_io import build_transfer  # noqa: E402
 from xmesh_plan.planner.weight_sync import WEIGHT_SYNC, weight_sync_toml  # noqa: E402
 from xmesh_plan.executor.scale import factors_for  # noqa: E402
 from xmesh_plan.schemas import Plan  # noqa: E402
-from xmesh_plan.schemas.plan_tensors import is_multi  # noqa: E402
 
 from .baseline_plans import baseline_plan  # noqa: E402
 from .predict import at_rate, predictions  # noqa: E402
@@ -98,8 +97,6 @@ def measure_message_costs(opts: RunOptions) -> tuple[float, float]:
 def run_case(name: str, rate_mbit: float, opts: RunOptions, latency_us: float | None = None, overhead_us: float | None = None) -> dict:
     made = _plans(name, rate_mbit, latency_us, overhead_us, opts.max_mb)
     plans = [(label, p) for label, p in made if not isinstance(p, str)]
-    if any(is_multi(p) for _, p in plans):
-        opts = replace(opts, order="posted")  # multi-tensor plans run posted (TransferExecutor)
     first_of: dict[str, str] = {}  # the operations, as JSON -> the first approach that has them
     same_as = {}
     for label, plan in plans:

@@ -69,7 +69,7 @@ def summary(paths: list[Path], title: str = "Emulated cluster: executor order") 
             r = rows.get(key)
             m = r["measured_s"] if r else None
             cells.append(_f(m * 1e3 if m is not None else None, 0))
-            model = r["predicted_s"][MODEL[r["order"]]] if r else None  # a multi-tensor case runs posted in either file
+            model = r["predicted_s"][MODEL[r["order"]]] if r else None  # the order each row ran in (multi-tensor cases ran posted before device order took them)
             ratios.append(_f(m / model if m and model else None))
             bounds.append(_f(m / r["predicted_s"]["lower-bound"] if m and r else None))
             if m and model and not (r or {}).get("same_as"):  # a plan run once counts once
