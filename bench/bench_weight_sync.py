@@ -258,7 +258,7 @@ is the same network simulator's.
 
 Approaches side by side. **Ours** is one joint plan for every tensor, compiled with `--split-hosts
 --coalesce` (one unit task per receiving host; small boxes between two hosts bundled into one
-message), timed as `TransferExecutor` runs it (every message posted at once, links shared); "ours
+message), timed posted, as `TransferExecutor` runs it with `order="posted"` (every message at once, links shared); "ours
 without coalescing" is the same with `--split-hosts` only. In brackets, each other approach over
 ours. "One plan per tensor" adds up the predicted times of one plan per tensor, each compiled alone
 as ours is and run after the previous one ends (host order). The four baselines

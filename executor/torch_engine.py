@@ -17,9 +17,10 @@ match a pair's messages by order alone, as NCCL does, so a wrong order shows as 
 
 Gloo's point-to-point work cannot be polled: `is_completed()` stays False until `wait()` is called
 (checked with torch 2.13), and `wait(timeout)` closes the connection when it expires. So each engine
-has one progress thread (started by its first reshard) that posts the messages and waits for them. `start()` hands the iteration
-to that thread and returns; `test()` looks at a flag; `wait()` sleeps on an event and, when nothing
-completes for `timeout_s`, raises naming the op, task and peer the thread waits on. On NCCL a work's
+has one progress thread (started by its first reshard) that posts the messages and waits for them.
+`start()` hands the iteration to that thread and returns; `test()` looks at a flag; `wait()` sleeps
+on an event and, when nothing completes for `timeout_s`, raises naming the op, task and peer the
+thread waits on. On NCCL a work's
 `wait()` only orders the thread's CUDA stream after it, so the thread records an event and polls it.
 The CUDA lines (device, stream and event handling) have never run: this project has no GPU.
 """

@@ -134,7 +134,7 @@ def _arguments(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--warmup", type=int, default=1, help="untimed iterations first (default 1)")
     parser.add_argument("--order", choices=["device", "posted"],
                         help="device: one operation at a time per device, in plan order, across the tensors of a multi-tensor "
-                             "plan too (default); posted: every message at once")
+                             "plan too (default); posted: every message at once (a multi-tensor plan: tensors one after another)")
     parser.add_argument("--max-mb", type=float, default=16.0, help="shrink the tensor to at most this many MiB (default 16)")
     parser.add_argument("--nccl", action="store_true", help="use an NCCL process group on cuda:LOCAL_RANK instead of gloo on the CPU")
     parser.add_argument("--timeout", type=float, default=60.0, help="seconds without progress before a rank gives up (default 60)")

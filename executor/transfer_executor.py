@@ -64,8 +64,8 @@ class TransferExecutor:
         self.joined = order == "device" and is_multi(plan)  # one engine replays every tensor's steps (executor.joint)
         if self.joined and self.entry.join is None:
             raise PlanMismatchError(f"backend {named!r} runs a multi-tensor plan's tensors one after another, not in the plan's "
-                                    "operation order across tensors; pass order='posted' to run them so, or use backend 'mpi' or 'torch'",
-                                    same_on_every_rank=True)
+                                    "operation order across tensors; pass order='posted' (--order posted) to run them so, "
+                                    "or use backend 'mpi' or 'torch'", same_on_every_rank=True)
         first = 0
         for part in self.parts if self.concurrent or self.joined else ():  # tags of tensor k follow those of tensors 0..k-1
             part.tag_offset, part.joined = first, self.joined
