@@ -477,6 +477,24 @@ def _assert_every_shard(plan: Plan, out: dict[int, dict[str, np.ndarray]], full:
             assert got.shape == want.shape and np.array_equal(got.view(np.uint8), want.view(np.uint8)), (device, name)
 
 
+def test_joining_keeps_every_step_and_dependency_and_puts_them_in_the_joint_plans_order(plan):
+    from xmesh_plan.executor.joint import join_programs
+
+    position = {op.id: k for k, op in enumerate(plan.operations)}
+    for device in plan_devices(plan):
+        programs = [lower(single, device) for single in tensor_plans(plan)]
+        joint = join_programs(programs, plan, order="posted")
+        assert sorted(joint.where) == sorted((t, s.index) for t, p in enumerate(programs) for s in p.steps)
+        assert [position[s.op] for s in joint.steps] == sorted(position[s.op] for s in joint.steps)
+        for s, (t, j) in zip(joint.steps, joint.where):
+            mine = programs[t].steps[j]
+            assert replace(s, index=j, deps=mine.deps) == mine
+            assert sorted(joint.where[d] for d in s.deps) == [(t, d) for d in sorted(mine.deps)]
+            assert all(d < s.index for d in s.deps)
+        gated = join_programs(programs, plan)
+        assert gated.order == "device" and [replace(s, deps=()) for s in gated.steps] == [replace(s, deps=()) for s in joint.steps]
+
+
 def _order_plans() -> list[Plan]:
     """Multi-tensor plans with every operation kind and several tensors interleaved in one plan."""
     return [compile_plan(problem(), solver="greedy"), compile_plan(problem(), strategy="local_allgather", solver="greedy"),
