@@ -20,6 +20,7 @@ from xmesh_plan.executor.lower import in_device_order, lower
 from xmesh_plan.executor.mpi_engine import MpiEngine
 from xmesh_plan.executor.pattern import fill, mismatches
 from xmesh_plan.executor.ranks import plan_devices, rank_of_devices
+from xmesh_plan.schemas.op_kinds import wire_pairs
 from xmesh_plan.planner.verify import verify_plan
 from xmesh_plan.schemas.staging import stage_budget
 from test_executor_cases import STRATEGIES, all_fixed_plans, compiled, fixed_problems, random_problem
@@ -172,6 +173,11 @@ def _out_of_device_order(plan, world: FakeWorld, steps_of=None) -> list[str]:
     for op in plan.operations:
         members = [d for d in (op.src, *op.dsts) if d is not None]
         chain = [op.src, *op.dsts] if op.kind in ("send", "broadcast") else None
+        if op.kind == "bundle":  # gathers to src, src to the relay, scatters from it: the op-kind table's pairs
+            for a, b in wire_pairs(op):
+                peers[(rank_of[a], op.id)].add(rank_of[b])
+                peers[(rank_of[b], op.id)].add(rank_of[a])
+            continue
         for d in members:
             if chain is not None:
                 i = chain.index(d)

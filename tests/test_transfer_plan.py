@@ -498,7 +498,8 @@ def test_joining_keeps_every_step_and_dependency_and_puts_them_in_the_joint_plan
 def _order_plans() -> list[Plan]:
     """Multi-tensor plans with every operation kind and several tensors interleaved in one plan."""
     return [compile_plan(problem(), solver="greedy"), compile_plan(problem(), strategy="local_allgather", solver="greedy"),
-            compile_plan(load_any_problem(SMALL), solver="greedy"), compile_plan(load_any_problem(SMALL), split_hosts=True)]
+            compile_plan(load_any_problem(SMALL), solver="greedy"), compile_plan(load_any_problem(SMALL), split_hosts=True),
+            compile_plan(load_any_problem(SMALL), solver="greedy", split_hosts=True, coalesce=True)]
 
 
 def _violations(plan: Plan, order: str, executors: list[TransferExecutor] | None = None) -> list[str]:
@@ -510,7 +511,7 @@ def _violations(plan: Plan, order: str, executors: list[TransferExecutor] | None
     return _out_of_device_order(plan, world, steps_of=lambda device: [s for p in parts[device] for s in p.program.steps])
 
 
-@pytest.mark.parametrize("index", range(4))
+@pytest.mark.parametrize("index", range(5))
 def test_device_order_spans_tensors_one_operation_at_a_time_on_the_wire(index):
     """No message of a later operation moves before an earlier one's with other peers has landed, whichever
     tensors the two belong to (the plans interleave tensors, so per-tensor order alone would fail this)."""
@@ -553,9 +554,10 @@ def random_transfer(seed: int, max_devices: int, exact: bool = False):
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(seed=st.integers(0, 10**6), strategy=st.sampled_from(("broadcast", "send_recv", "local_allgather", "global_allgather", "auto")),
-       devices=st.integers(1, 9), order=st.sampled_from(("device", "posted")))
-def test_random_multi_tensor_plans_are_bit_exact_in_both_orders(seed, strategy, devices, order):
-    plan = compile_plan(random_transfer(seed, devices), strategy=strategy, solver="greedy", seed=0)
+       devices=st.integers(1, 9), order=st.sampled_from(("device", "posted")), coalesce=st.booleans())
+def test_random_multi_tensor_plans_are_bit_exact_in_both_orders(seed, strategy, devices, order, coalesce):
+    plan = compile_plan(random_transfer(seed, devices), strategy=strategy, solver="greedy", seed=0, coalesce=coalesce,
+                        bucket_bytes=256)
     verify_plan(plan)
     executors = fake_executors(plan, order=order)
     for it in range(2):  # twice: the second run overwrites the first's buffers with other data
