@@ -133,6 +133,7 @@ class TransferExecutor:
     def test(self) -> bool:
         """Drive every tensor's communication once without blocking; True when all have finished."""
         if self.joined:
+            self._check_joint("test()")
             return self._guarded("test()", self.engine.test) if self.in_flight else True
         if not self.concurrent:
             return self._advance(block=False)
@@ -141,6 +142,7 @@ class TransferExecutor:
     def wait(self) -> dict[str, Any]:
         """Finish every tensor's reshard; name -> destination shard (the engines' own buffers, reused next time)."""
         if self.joined:
+            self._check_joint("wait()")
             if not self.in_flight:
                 raise ExecutorError("wait() called without start()")
             self._guarded("wait()", self.engine.wait)
@@ -191,17 +193,21 @@ class TransferExecutor:
 
     def _start_joint(self, given: dict[str, Any]) -> None:
         """Device order: check every tensor's shard and start the joint engine."""
-        if self.closed:
-            raise ExecutorError("run() or start() after close(); create and prepare a new executor")
-        if self.engine is None:
-            raise ExecutorError("call prepare() (on every rank) before run() or start()")
+        self._check_joint("run() or start()")
         if self.in_flight:
             raise ExecutorError("start() called while a reshard is in flight; call wait() first")
-        if self.engine.broken:
-            raise ExecutorError(f"this executor stopped after an error ({self.engine.broken}); close() it, then create and prepare a new one")
         sources = [part._adopt(given.get(name)) for part, name in zip(self.parts, self.names)]
         self.in_flight = True
         self._guarded("start()", self.engine.start, sources)
+
+    def _check_joint(self, call: str) -> None:
+        """Device order: refuse a call before prepare(), after close() or after an error (as `ReshardingExecutor`)."""
+        if self.closed:
+            raise ExecutorError(f"{call} after close(); create and prepare a new executor")
+        if self.engine is None:
+            raise ExecutorError(f"call prepare() (on every rank) before {call}")
+        if self.engine.broken and not self.in_flight:
+            raise ExecutorError(f"this executor stopped after an error ({self.engine.broken}); close() it, then create and prepare a new one")
 
     def _guarded(self, call: str, method, *args):
         """A call into the joint engine; anything escaping it leaves requests half done, so the engine is

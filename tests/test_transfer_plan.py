@@ -495,6 +495,25 @@ def test_joining_keeps_every_step_and_dependency_and_puts_them_in_the_joint_plan
         assert gated.order == "device" and [replace(s, deps=()) for s in gated.steps] == [replace(s, deps=()) for s in joint.steps]
 
 
+def test_device_order_refuses_calls_out_of_turn_after_an_error_and_after_close(plan):
+    from xmesh_plan.executor import PeerTimeoutError
+
+    executors = fake_executors(plan)
+    receiver = next(ex for ex in executors if ex.parts[0].program.src_block is None)
+    with pytest.raises(ExecutorError, match=r"wait\(\) called without start\(\)"):
+        receiver.wait()
+    assert receiver.test()  # nothing in flight
+    receiver.engine.timeout_s = 0.05
+    receiver.start()  # alone: nobody sends
+    with pytest.raises(PeerTimeoutError, match=rf"device {receiver.device} .*nothing completed for 0.05 s"):
+        receiver.wait()
+    with pytest.raises(ExecutorError, match=r"this executor stopped after an error \(nothing completed for 0.05 s\); close\(\) it"):
+        receiver.start()
+    receiver.close()
+    with pytest.raises(ExecutorError, match=r"run\(\) or start\(\) after close\(\)"):
+        receiver.run()
+
+
 def _order_plans() -> list[Plan]:
     """Multi-tensor plans with every operation kind and several tensors interleaved in one plan."""
     return [compile_plan(problem(), solver="greedy"), compile_plan(problem(), strategy="local_allgather", solver="greedy"),
