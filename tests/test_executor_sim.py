@@ -20,7 +20,7 @@ from xmesh_plan.executor.lower import in_device_order, lower
 from xmesh_plan.executor.mpi_engine import MpiEngine
 from xmesh_plan.executor.pattern import fill, mismatches
 from xmesh_plan.executor.ranks import plan_devices, rank_of_devices
-from xmesh_plan.schemas.op_kinds import wire_pairs
+from xmesh_plan.schemas.op_kinds import route
 from xmesh_plan.planner.verify import verify_plan
 from xmesh_plan.schemas.staging import stage_budget
 from test_executor_cases import STRATEGIES, all_fixed_plans, compiled, fixed_problems, random_problem
@@ -166,26 +166,15 @@ def _out_of_device_order(plan, world: FakeWorld, steps_of=None) -> list[str]:
     `steps_of(device)`: the steps whose tags name that device's messages (default: its lowering of `plan`;
     a multi-tensor plan passes every tensor's, tags as its executor numbered them). Earlier: in the plan's list."""
     op_of = {}  # (rank, "send"/"recv", peer rank, tag) -> op id
-    peers = defaultdict(set)  # (rank, op) -> peer ranks, read from the plan: an operation's other devices here
+    peers = defaultdict(set)  # (rank, op) -> peer ranks, read from the plan (the op-kind table's route), not the lowering
     rank_of = rank_of_devices(plan)
     position = {op.id: k for k, op in enumerate(plan.operations)}
     steps_of = steps_of or (lambda device: lower(plan, device, tag_limit=2**20).steps)
-    for op in plan.operations:
-        members = [d for d in (op.src, *op.dsts) if d is not None]
-        chain = [op.src, *op.dsts] if op.kind in ("send", "broadcast") else None
-        if op.kind == "bundle":  # gathers to src, src to the relay, scatters from it: the op-kind table's pairs
-            for a, b in wire_pairs(op):
-                peers[(rank_of[a], op.id)].add(rank_of[b])
-                peers[(rank_of[b], op.id)].add(rank_of[a])
-            continue
-        for d in members:
-            if chain is not None:
-                i = chain.index(d)
-                near = chain[max(i - 1, 0):i] + chain[i + 1:i + 2]
-            else:
-                i, n = members.index(d), len(members)  # an all-gather goes round the ring of its members
-                near = [members[(i - 1) % n], members[(i + 1) % n]] if op.kind == "allgather" else []
-            peers[(rank_of[d], op.id)] = {rank_of[m] for m in near}
+    for op in plan.operations:  # a device's peers: the other ends of the messages it sends or receives (empty ones are not sent)
+        for hop in route(op):
+            if hop.src != hop.dst and hop.elements:
+                peers[(rank_of[hop.src], op.id)].add(rank_of[hop.dst])
+                peers[(rank_of[hop.dst], op.id)].add(rank_of[hop.src])
     for device, rank in rank_of.items():
         for s in steps_of(device):
             if s.action in ("send", "recv"):
