@@ -211,12 +211,15 @@ def demo_transfer(plan: Plan, comm, args: argparse.Namespace) -> tuple[str, bool
             bad, tensors_bad = bad + wrong, tensors_bad + bool(wrong)
     slowest = _reduce(comm, times, MPI.MAX, args.timeout)
     failures = _reduce(comm, np.array([bad, tensors_bad], np.int64), MPI.SUM, args.timeout)
+    staging = sum(part.program.stage_bytes for part in ex.parts)  # each tensor's own area, in either order
+    staging = int(_reduce(comm, np.array([staging], np.int64), MPI.MAX, args.timeout)[0])
     ex.close()
     median, moved, problem = float(np.median(slowest)), bytes_moved(plan), plan.problem
     line = (f"{problem.name or 'plan'}: {len(problem.tensors)} tensors ({problem.nbytes / 2**20:.1f} MiB), {comm.Get_size()} ranks, "
             f"{len(plan.operations)} ops ({','.join(sorted({o.kind for o in plan.operations}))}), "
             f"{args.backend}: {median * 1e3:.2f} ms/iter median of {args.iters} (min {slowest.min() * 1e3:.2f}), "
-            f"moved {moved / 2**20:.1f} MiB/iter = {moved / median / 1e9:.3f} GB/s")
+            f"moved {moved / 2**20:.1f} MiB/iter = {moved / median / 1e9:.3f} GB/s, staging {_size(staging)}/rank at most "
+            f"({ex.order} order)")
     if args.check:
         line += (f"; check ok: {len(problem.tensors)} tensors x {len(problem.dst_mesh.devices)} destination shards bit-exact"
                  if not failures[0] else f"; CHECK FAILED: {failures[0]} elements differ in {failures[1]} (tensor, device) shards")
