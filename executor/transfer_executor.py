@@ -9,7 +9,9 @@ plan's operations, ids and order; each gets its own `ReshardingExecutor`, which 
 buffers. A rank outside the source mesh passes None (or {}); outside the destination mesh it gets {}.
 A single-tensor plan works too, its one tensor named by the problem's name. How the tensors run:
 
-- `order="device"` (the default, as for one tensor): each device takes part in one operation at a
+- `order=None` (the default): `default_order`: `posted` for a multi-tensor plan on `mpi` and `nccl`
+  (measured faster), `device` otherwise.
+- `order="device"`: each device takes part in one operation at a
   time in the joint plan's order, across tensors (`executor.joint`): one engine replays this device's
   steps of every tensor, with each tensor's buffers; its tensors' tags are numbered one after another
   on one communicator. On `mpi` and `torch`; `nccl` refuses it (its tensors run one after another).
@@ -42,13 +44,22 @@ from .worlds import is_mpi_comm
 CONCURRENT_BACKENDS = ("mpi",)  # engines that run several reshards in flight (a waiting one drives the others)
 
 
+def default_order(plan: Plan, backend: str) -> str:
+    """The order a plan runs in when none is given: `device`, except a multi-tensor plan on an engine
+    that posts every tensor's messages at once (`mpi`, `nccl`), where `posted` measured faster (the small
+    weight sync on 8 MPI ranks: 2.76x; BENCHMARKS.md, "Weight sync on the executor"); the torch
+    engine's posted order runs the tensors one after another, so it keeps device order."""
+    return "posted" if is_multi(plan) and backend != "torch" else "device"
+
+
 class TransferExecutor:
     """Replays every tensor of a plan on this rank; see the module docstring for the calling pattern."""
 
     def __init__(self, plan: Plan, comm=None, backend: str | None = None, timeout_s: float = 60.0,
-                 poll_s: tuple[float, float] = DEFAULT_POLL_S, gpu: int | None = None, order: str = "device"):
+                 poll_s: tuple[float, float] = DEFAULT_POLL_S, gpu: int | None = None, order: str | None = None):
         if not isinstance(plan, Plan):
             raise TypeError(f"plan is a {type(plan).__name__}; pass a schemas.Plan, e.g. schemas.read_plan_file('x.plan.json')")
+        order = order or default_order(plan, backend or ("mpi" if is_mpi_comm(comm) else "torch"))
         if order not in ORDERS:
             raise ValueError(f"order {order!r} is unknown; use one of: {', '.join(ORDERS)}")
         try:

@@ -307,12 +307,24 @@ def test_a_multi_tensor_plan_is_refused_by_the_single_tensor_executor(plan):
 
 
 def test_the_nccl_engine_refuses_device_order_on_a_multi_tensor_plan_naming_the_fix(plan):
-    """It runs the tensors one after another: asked for the plan's order across tensors (the default), it says so."""
+    """It runs the tensors one after another: asked for the plan's order across tensors, it says so; by default it runs posted."""
     with pytest.raises(PlanMismatchError, match=r"backend 'nccl' runs a multi-tensor plan's tensors one after another, not in "
                                                 r"the plan's operation order across tensors; pass order='posted'") as err:
-        TransferExecutor(plan, _WorldComm(FakeWorld(), 0, 6), backend="nccl")
+        TransferExecutor(plan, _WorldComm(FakeWorld(), 0, 6), backend="nccl", order="device")
     assert err.value.same_on_every_rank and "\n" not in str(err.value)
-    assert not TransferExecutor(plan, _WorldComm(FakeWorld(), 0, 6), backend="nccl", order="posted").joined
+    for order in ("posted", None):
+        ex = TransferExecutor(plan, _WorldComm(FakeWorld(), 0, 6), backend="nccl", order=order)
+        assert not ex.joined and ex.order == "posted"
+
+
+def test_the_default_order_is_posted_for_a_multi_tensor_plan_on_mpi_device_otherwise(plan):
+    """Measured: the joint weight sync ran 2.76x faster posted on MPI; torch's posted runs tensors one after another."""
+    from xmesh_plan.executor.transfer_executor import default_order
+    from xmesh_plan.schemas.plan_tensors import tensor_plans
+    single = tensor_plans(plan)[0]
+    assert [default_order(plan, b) for b in ("mpi", "nccl", "torch")] == ["posted", "posted", "device"]
+    assert [default_order(single, b) for b in ("mpi", "nccl", "torch")] == ["device"] * 3
+    assert TransferExecutor(plan, _WorldComm(FakeWorld(), 0, 6)).order == "posted"
     with pytest.raises(ValueError, match="order 'fifo' is unknown; use one of: posted, device"):
         TransferExecutor(plan, _WorldComm(FakeWorld(), 0, 6), order="fifo")
 
@@ -331,11 +343,12 @@ def _demo_on_the_small_weight_sync(tmp_path, ranks: int, *flags: str, timeout: f
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("order", [None, "device", "posted"])
 def test_mpiexec_runs_the_small_weight_sync_bit_exact(tmp_path, order):
-    """In device order (the default) one joint engine per rank runs all 21 tensors; posted, one engine per tensor."""
+    """In device order one joint engine per rank runs all 21 tensors; posted (the default on MPI), one engine per tensor."""
     flags = ("--order", order) if order else ()
     result = _demo_on_the_small_weight_sync(tmp_path, 8, "--iters", "2", "--warmup", "1", *flags, timeout=500)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "check ok: 21 tensors x 4 destination shards bit-exact" in result.stdout, result.stdout
+    assert f"({order or 'posted'} order)" in result.stdout, result.stdout
 
 
 @pytest.mark.mpi
