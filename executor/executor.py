@@ -68,6 +68,21 @@ def check_staging(plan: Plan, program: RankProgram, order: str) -> RankProgram:
     return program
 
 
+def finish_in_flight(engine) -> BaseException | None:
+    """Finish an engine's reshard in flight before it is closed: an error the engine raises is dropped (it
+    marked itself broken, and closing is cleanup); an interrupt (Ctrl-C) abandons it and is returned,
+    for the caller to raise once everything is closed."""
+    try:
+        engine.wait()
+    except ExecutorError:
+        return None
+    except BaseException as err:
+        if not engine.broken:
+            engine.abandon(f"{type(err).__name__} in close()")
+        return err
+    return None
+
+
 class ReshardingExecutor:
     """Replays one plan on this rank; see the module docstring for the calling pattern."""
 
@@ -222,14 +237,7 @@ class ReshardingExecutor:
         """
         interrupted = None
         if self.in_flight:
-            try:
-                self.engine.wait()
-            except ExecutorError:
-                pass  # the engine marked itself broken; close() is cleanup and does not raise it
-            except BaseException as err:  # Ctrl-C while finishing: close anyway, then let it through
-                interrupted = err
-                if not self.engine.broken:
-                    self.engine.abandon(f"{type(err).__name__} in close()")
+            interrupted = finish_in_flight(self.engine)
             self.in_flight = False
         if self.engine is not None and hasattr(self.engine, "close"):
             self.engine.close()

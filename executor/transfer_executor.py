@@ -35,7 +35,7 @@ from xmesh_plan.schemas.plan_check import PlanError, check_plan, tags_used
 from xmesh_plan.schemas.plan_tensors import is_multi, tensor_names, tensor_plans
 
 from .errors import ExecutorError, PlanMismatchError
-from .executor import DEFAULT_POLL_S, ReshardingExecutor
+from .executor import DEFAULT_POLL_S, ReshardingExecutor, finish_in_flight
 from .joint import join_programs
 from .lower import ORDERS
 from .ranks import device_of_rank
@@ -186,14 +186,7 @@ class TransferExecutor:
         interrupted = None
         if self.engine is not None:
             if self.in_flight:
-                try:
-                    self.engine.wait()
-                except ExecutorError:
-                    pass  # the engine marked itself broken; close() is cleanup and does not raise it
-                except BaseException as err:  # Ctrl-C while finishing: close anyway, then let it through
-                    interrupted = err
-                    if not self.engine.broken:
-                        self.engine.abandon(f"{type(err).__name__} in close()")
+                interrupted = finish_in_flight(self.engine)
                 self.in_flight = False
             self.engine.close()
         self.closed = True

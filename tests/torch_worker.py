@@ -99,13 +99,7 @@ def check(paths: list[str]) -> None:
                 src = src.transpose(0, -1).contiguous().transpose(0, -1)
             if ex.engine.dst is not None:
                 ex.engine.poison()
-            if salt == 7:
-                ex.start(src)
-                while not ex.test():
-                    time.sleep(1e-4)
-                out = ex.wait()
-            else:
-                out = ex.run(src)
+            out = _reshard(ex, src, salt)
             if out is not None:
                 assert out.dtype == getattr(torch, plan.problem.dtype) and tuple(out.shape) == p.dst_shape
                 got, want = ex.engine.host_copy(out), whole[local_slices(box, full)]
@@ -115,6 +109,16 @@ def check(paths: list[str]) -> None:
         dist.all_reduce(total)
         how = " (our boxes)" if total[1].item() else ""
         print(f"rank {rank}: {Path(path).name}: {'ok' if total[0].item() == 0 else f'{total[0].item()} wrong elements'}{how}", flush=True)
+
+
+def _reshard(ex, src, salt: int):
+    """One reshard through `ex`: start(), test() until done and wait() for salt 7, run() otherwise."""
+    if salt == 7:
+        ex.start(src)
+        while not ex.test():
+            time.sleep(1e-4)
+        return ex.wait()
+    return ex.run(src)
 
 
 def check_transfer(paths: list[str]) -> None:
@@ -134,13 +138,7 @@ def check_transfer(paths: list[str]) -> None:
                     shards[name] = src.transpose(0, -1).contiguous().transpose(0, -1) if salt == 200 and src.dim() > 1 else src
                 if part.engine.dst is not None:
                     part.engine.poison()
-            if salt == 7:
-                ex.start(shards)
-                while not ex.test():
-                    time.sleep(1e-4)
-                out = ex.wait()
-            else:
-                out = ex.run(shards)
+            out = _reshard(ex, shards, salt)
             for name, part, whole in zip(ex.names, ex.parts, wholes):
                 assert (name in out) == (part.program.dst_block is not None), (path, name)
                 if name in out:
