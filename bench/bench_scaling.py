@@ -111,6 +111,10 @@ all-to-all of 64 KiB boxes) host 0's send side carries 2048 messages x 1 us = 2 
 between the prediction and the bound (`xmesh-plan inspect`); `--coalesce` closes it (BENCHMARKS.md,
 "Coalesced messages"). Until fb54710 the model made every message hold its NIC for the whole 20 us
 latency, and these rows sat at up to 1.38x (32x8 all-to-all) and 1.19x ((128,8) -> (128,8)).
+
+Compile runs with Python's cyclic garbage collector paused (planner/compile.py, since 8f2f932): the
+run just before that change took 32.2 s for (128,8) -> (128,8) and 14.5 s for (64,8) -> (64,8), at
+load average 11-25 (`bench/results/scaling.json` in git history); this run, at load 7-10, 8.7 s and 2.1 s.
 """)
 
 
