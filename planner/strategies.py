@@ -1,6 +1,7 @@
 """Strategies for one unit task: the concrete operations each emits and its predicted duration.
 
-Times follow the paper's model made concrete with the cluster (and match planner/simulate.py): a
+Times follow the paper's model made concrete with the cluster (and match planner/simulate.py in host
+order, a task alone): a
 message of b bytes over a link keeps it busy `overhead + b / bandwidth` and arrives one `latency`
 later; cross-host links use the NIC bandwidth, links inside a host the intra-host bandwidth. A
 pipelined broadcast of K chunks down a chain of A hops with per-chunk times c_h (overhead plus the
@@ -74,9 +75,14 @@ class TaskContext:
         order = sorted(groups, key=lambda h: (h != self.host(self.sender), h))
         return {h: tuple(groups[h]) for h in order}
 
-    def message_s(self, nbytes: float, cross_host: bool) -> float:
+    def busy_s(self, nbytes: float, cross_host: bool) -> float:
+        """How long one message keeps its link busy: the overhead and its bytes (it lands a latency later)."""
         bandwidth = min(self.cluster.send_bytes_per_s, self.cluster.recv_bytes_per_s) if cross_host else self.cluster.intra_bytes_per_s
-        return self.cluster.latency_s + self.cluster.overhead_s + nbytes / bandwidth
+        return self.cluster.overhead_s + nbytes / bandwidth
+
+    def message_s(self, nbytes: float, cross_host: bool) -> float:
+        """One message from its first byte to its arrival, alone on its link."""
+        return self.cluster.latency_s + self.busy_s(nbytes, cross_host)
 
 
 Hop = tuple[int, int]
@@ -145,34 +151,39 @@ def broadcast(ctx: TaskContext) -> StrategyResult:
 
 
 def send_recv(ctx: TaskContext) -> StrategyResult:
-    """The sender sends the whole box to every receiver, one after another (Alpa's default)."""
-    ops, clock = [], 0.0
+    """The sender sends the whole box to every receiver, one after another (Alpa's default): each send
+    follows the previous one's last byte, so only the last one's latency shows."""
+    ops, clock, end = [], 0.0, 0.0
     for group in ctx.receivers_by_host().values():
         for d in group:
-            seconds = ctx.message_s(ctx.nbytes, ctx.host(d) != ctx.host(ctx.sender))
-            ops.append(PlannedOp("send", ctx.sender, (d,), ctx.region, offset_s=clock, duration_s=seconds))
-            clock += seconds
-    return StrategyResult(tuple(ops), clock, hop_resources([(ctx.sender, op.dsts[0]) for op in ops], ctx.host))
+            cross = ctx.host(d) != ctx.host(ctx.sender)
+            ops.append(PlannedOp("send", ctx.sender, (d,), ctx.region, offset_s=clock, duration_s=ctx.message_s(ctx.nbytes, cross)))
+            clock += ctx.busy_s(ctx.nbytes, cross)
+            end = max(end, ops[-1].offset_s + ops[-1].duration_s)
+    return StrategyResult(tuple(ops), end, hop_resources([(ctx.sender, op.dsts[0]) for op in ops], ctx.host))
 
 
 def _scatter_then_gather(ctx: TaskContext, groups: list[tuple[int, ...]]) -> StrategyResult:
-    """Send one part of the box to each member of each group, then all-gather inside every group (ring)."""
-    ops, clock, gathers = [], 0.0, []
+    """Send one part of the box to each member of each group (back to back, as `send_recv`), then all-gather
+    inside every group (ring: each step forwards what the last one delivered, so every step pays a latency)."""
+    ops, clock, end, gathers = [], 0.0, 0.0, []
     for members in groups:
         parts = _pad_parts(tuple(split_region(ctx.region, len(members))), members, ctx.region)
         for d, part in zip(members, parts):
             if _size(part):
-                seconds = ctx.message_s(_size(part) * ctx.itemsize, ctx.host(d) != ctx.host(ctx.sender))
-                ops.append(PlannedOp("send", ctx.sender, (d,), part, offset_s=clock, duration_s=seconds))
-                clock += seconds
+                cross = ctx.host(d) != ctx.host(ctx.sender)
+                nbytes = _size(part) * ctx.itemsize
+                ops.append(PlannedOp("send", ctx.sender, (d,), part, offset_s=clock, duration_s=ctx.message_s(nbytes, cross)))
+                clock += ctx.busy_s(nbytes, cross)
+                end = max(end, ops[-1].offset_s + ops[-1].duration_s)
         if len(members) > 1:
             gathers.append((members, parts))
-    end = clock
+    scattered = end
     for members, parts in gathers:
         largest = max(_size(p) for p in parts) * ctx.itemsize
         seconds = (len(members) - 1) * ctx.message_s(largest, len({ctx.host(d) for d in members}) > 1)
-        ops.append(PlannedOp("allgather", None, members, ctx.region, parts=parts, offset_s=clock, duration_s=seconds))
-        end = max(end, clock + seconds)
+        ops.append(PlannedOp("allgather", None, members, ctx.region, parts=parts, offset_s=scattered, duration_s=seconds))
+        end = max(end, scattered + seconds)
     hops = [(ctx.sender, op.dsts[0]) for op in ops if op.kind == "send"] + [h for g in groups for h in _ring_hops(g)]
     return StrategyResult(tuple(ops), end, hop_resources(hops, ctx.host))
 
