@@ -9,8 +9,8 @@ plan's operations, ids and order; each gets its own `ReshardingExecutor`, which 
 buffers. A rank outside the source mesh passes None (or {}); outside the destination mesh it gets {}.
 A single-tensor plan works too, its one tensor named by the problem's name. How the tensors run:
 
-- `order=None` (the default): `default_order`: `posted` for a multi-tensor plan on `mpi` and `nccl`
-  (measured faster), `device` otherwise.
+- `order=None` (the default): `default_order`: `posted` for a multi-tensor plan on the `mpi` engine
+  (measured faster) and the `nccl` engine (its only order for one), `device` otherwise.
 - `order="device"`: each device takes part in one operation at a
   time in the joint plan's order, across tensors (`executor.joint`): one engine replays this device's
   steps of every tensor, with each tensor's buffers; its tensors' tags are numbered one after another
@@ -35,6 +35,7 @@ from xmesh_plan.schemas.plan_check import PlanError, check_plan, tags_used
 from xmesh_plan.schemas.plan_tensors import is_multi, tensor_names, tensor_plans
 
 from .errors import ExecutorError, PlanMismatchError
+from .engines import engine_entry
 from .executor import DEFAULT_POLL_S, ReshardingExecutor, finish_in_flight
 from .joint import join_programs
 from .lower import ORDERS
@@ -44,12 +45,14 @@ from .worlds import is_mpi_comm
 CONCURRENT_BACKENDS = ("mpi",)  # engines that run several reshards in flight (a waiting one drives the others)
 
 
-def default_order(plan: Plan, backend: str) -> str:
-    """The order a plan runs in when none is given: `device`, except a multi-tensor plan on an engine
-    that posts every tensor's messages at once (`mpi`, `nccl`), where `posted` measured faster (the small
-    weight sync on 8 MPI ranks: 2.76x; BENCHMARKS.md, "Weight sync on the executor"); the torch
-    engine's posted order runs the tensors one after another, so it keeps device order."""
-    return "posted" if is_multi(plan) and backend != "torch" else "device"
+def default_order(plan: Plan, engine: str) -> str:
+    """The order a plan runs in when none is given, by the engine that runs it (`engines.engine_entry`:
+    `gloo`, or `nccl` over a torch process group, is the torch engine): `device`, except a multi-tensor
+    plan on `mpi`, which posts every tensor's messages at once and measured faster so (the small weight
+    sync on 8 MPI ranks: 2.76x; BENCHMARKS.md, "Weight sync on the executor"), and on `nccl`, which
+    takes no other order for one (it runs the tensors one after another). The torch engine's posted
+    order also runs the tensors one after another, so it keeps device order."""
+    return "posted" if is_multi(plan) and engine != "torch" else "device"
 
 
 class TransferExecutor:
@@ -59,7 +62,8 @@ class TransferExecutor:
                  poll_s: tuple[float, float] = DEFAULT_POLL_S, gpu: int | None = None, order: str | None = None):
         if not isinstance(plan, Plan):
             raise TypeError(f"plan is a {type(plan).__name__}; pass a schemas.Plan, e.g. schemas.read_plan_file('x.plan.json')")
-        order = order or default_order(plan, backend or ("mpi" if is_mpi_comm(comm) else "torch"))
+        world = "mpi" if is_mpi_comm(comm) else "torch"
+        order = order or default_order(plan, engine_entry(backend or world, world).name)
         if order not in ORDERS:
             raise ValueError(f"order {order!r} is unknown; use one of: {', '.join(ORDERS)}")
         try:

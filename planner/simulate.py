@@ -120,7 +120,7 @@ def run_flows(flows: list[Flow], capacity: dict[str, float]) -> dict[int, tuple[
         for parent in f.after_sent:
             on_sent.setdefault(parent, []).append(f.id)
     by_id = {f.id: f for f in flows}
-    # events: (time, kind, flow): kind 0 = its last byte left (release queued flows), 1 = it arrived
+    # events: (time, flow) of arrivals: a flow's last byte left `latency_s` earlier
     clock, events, moving, span = 0.0, [], {}, {}
 
     def release(ready: list[int]) -> None:
@@ -139,7 +139,7 @@ def run_flows(flows: list[Flow], capacity: dict[str, float]) -> dict[int, tuple[
 
     def sent(fid: int) -> list[int]:
         """Its last byte left: it arrives a latency later; flows queued behind it may go."""
-        heapq.heappush(events, (clock + by_id[fid].latency_s, 1, fid))
+        heapq.heappush(events, (clock + by_id[fid].latency_s, fid))
         return list(on_sent.get(fid, ()))
 
     free = [f.id for f in reversed(flows) if not waiting[f.id]]
@@ -158,7 +158,7 @@ def run_flows(flows: list[Flow], capacity: dict[str, float]) -> dict[int, tuple[
             del moving[i]
             release(sent(i))
         while events and events[0][0] <= clock + REL_EPS * max(1.0, clock):
-            _, _, i = heapq.heappop(events)
+            _, i = heapq.heappop(events)
             span[i] = (span[i][0], clock)
             release(list(on_arrival.get(i, ())))
     if any(v for v in waiting.values()):

@@ -408,3 +408,19 @@ def test_help_of_every_command_has_an_example(command):
     assert result.exit_code == 0
     assert "Example" in result.stdout
     assert "xmesh-plan " in result.stdout.split("Example", 1)[1]
+
+
+def test_check_says_a_plan_predates_the_per_message_overhead(tmp_path):
+    """A plan file without cluster.overhead_us whose times the simulator no longer reproduces: the
+    failure says why (made by the earlier network model); with the field, it does not."""
+    import json
+    data = json.loads((ROOT / "plans" / "case3.plan.json").read_text())
+    data["problem"]["cluster"]["latency_us"] = 500.0  # times no longer match the stored ones
+    with_field = tmp_path / "with.plan.json"
+    with_field.write_text(json.dumps(data))
+    del data["problem"]["cluster"]["overhead_us"]
+    without = tmp_path / "without.plan.json"
+    without.write_text(json.dumps(data))
+    old, new = run("check", str(without)), run("check", str(with_field))
+    assert old.exit_code == 1 and "compiled before the network model charged latency as a delay" in old.output, old.output
+    assert new.exit_code == 1 and "stored" in new.output and "overhead_us" not in new.output, new.output

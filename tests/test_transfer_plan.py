@@ -325,6 +325,9 @@ def test_the_default_order_is_posted_for_a_multi_tensor_plan_on_mpi_device_other
     assert [default_order(plan, b) for b in ("mpi", "nccl", "torch")] == ["posted", "posted", "device"]
     assert [default_order(single, b) for b in ("mpi", "nccl", "torch")] == ["device"] * 3
     assert TransferExecutor(plan, _WorldComm(FakeWorld(), 0, 6)).order == "posted"
+    from xmesh_plan.executor.engines import engine_entry
+    for backend in ("gloo", "nccl", "torch"):  # over a torch process group each names the torch engine
+        assert default_order(plan, engine_entry(backend, "torch").name) == "device"
     with pytest.raises(ValueError, match="order 'fifo' is unknown; use one of: posted, device"):
         TransferExecutor(plan, _WorldComm(FakeWorld(), 0, 6), order="fifo")
 

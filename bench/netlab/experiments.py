@@ -12,6 +12,7 @@ Writes bench/results/netlab.json (or `--out`) and the BENCHMARKS.md section "Emu
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 import time
@@ -171,16 +172,16 @@ def _arguments(argv):
     parser.add_argument("--engine", choices=["mpi", "torch"], default="mpi",
                         help="mpi: mpiexec + executor.run; torch: torch.distributed over gloo + executor.torch_run")
     parser.add_argument("--latency-us", default="measure",
-                        help="per-message latency and overhead the plans are made and predicted with: 'measure' (two probes "
-                             "on the testbed at each rate, the default), 'plan' (the cases' own: 20 us and 1 us), or "
-                             "LATENCY[,OVERHEAD] in microseconds (e.g. 200,40; overhead the cluster default when left out)")
+                        help="per-message latency and overhead the plans are made and predicted with: 'measure' (a probe on "
+                             "the testbed at each rate, charged as overhead, no latency; the default), 'plan' (the cases' own: "
+                             "20 us and 1 us), or LATENCY[,OVERHEAD] in microseconds (e.g. 0,300; overhead the cluster default when left out)")
     parser.add_argument("--no-markdown", action="store_true", help="leave BENCHMARKS.md alone")
     args = parser.parse_args(argv)
     args.costs = None
     if args.latency_us not in ("measure", "plan"):
         try:
             costs = [float(v) for v in args.latency_us.split(",")]
-            if not 1 <= len(costs) <= 2 or min(costs) < 0:
+            if not 1 <= len(costs) <= 2 or not all(math.isfinite(c) and c >= 0 for c in costs):
                 raise ValueError
             args.costs = (costs[0], costs[1] if len(costs) == 2 else None)
         except ValueError:

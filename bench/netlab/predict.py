@@ -13,7 +13,7 @@ from __future__ import annotations
 from xmesh_plan.planner.bounds import joint_lower_bound
 from xmesh_plan.planner.simulate import nic_assignment, simulate
 from xmesh_plan.planner.unit_tasks import decompose
-from xmesh_plan.schemas import Nic, Plan, ReshardingProblem
+from xmesh_plan.schemas import Cluster, Nic, Plan, ReshardingProblem
 from xmesh_plan.schemas.transfer import tensor_problems
 
 
@@ -27,7 +27,8 @@ def at_rate(problem: ReshardingProblem, rate_mbit: float, latency_us: float | No
         update["latency_us"] = latency_us
     if overhead_us is not None:
         update["overhead_us"] = overhead_us
-    return problem.model_copy(update={"cluster": problem.cluster.model_copy(update=update)})
+    cluster = Cluster.model_validate({**problem.cluster.model_dump(), **update})  # the range checks apply
+    return problem.model_copy(update={"cluster": cluster})
 
 
 def predictions(plan: Plan, rate_mbit: float) -> dict[str, float]:
