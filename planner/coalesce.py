@@ -121,7 +121,7 @@ def bundle_result(bundle: BundleCell, index: int, problem: ReshardingProblem) ->
     cluster = problem.cluster
     src, dst = relays(bundle, index)
     nbytes = bundle.nbytes(problem.itemsize)
-    nic_s = cluster.latency_s + cluster.overhead_s + nbytes / min(cluster.send_bytes_per_s, cluster.recv_bytes_per_s)
+    nic_s = cluster.latency_s + cluster.overhead_s + nbytes / cluster.message_bytes_per_s
     op = PlannedOp("bundle", src, (dst,), bundle.region, parts=bundle.parts, holders=bundle.holders,
                    needers=bundle.needers, duration_s=nic_s)
     sh, rh = cluster.host_of(src), cluster.host_of(dst)

@@ -77,7 +77,7 @@ class TaskContext:
 
     def busy_s(self, nbytes: float, cross_host: bool) -> float:
         """How long one message keeps its link busy: the overhead and its bytes (it lands a latency later)."""
-        bandwidth = min(self.cluster.send_bytes_per_s, self.cluster.recv_bytes_per_s) if cross_host else self.cluster.intra_bytes_per_s
+        bandwidth = self.cluster.message_bytes_per_s if cross_host else self.cluster.intra_bytes_per_s
         return self.cluster.overhead_s + nbytes / bandwidth
 
     def message_s(self, nbytes: float, cross_host: bool) -> float:
@@ -131,7 +131,7 @@ def _pipelined_seconds(nbytes: int, hop_cross: tuple[bool, ...], cluster: Cluste
         return 0.0, 1
     k_max = int(max(1, min(MAX_CHUNKS, nbytes // MIN_CHUNK_BYTES)))
     ks = np.arange(1, k_max + 1, dtype=np.float64)
-    bw = np.array([min(cluster.send_bytes_per_s, cluster.recv_bytes_per_s) if c else cluster.intra_bytes_per_s for c in hop_cross])
+    bw = np.array([cluster.message_bytes_per_s if c else cluster.intra_bytes_per_s for c in hop_cross])
     per_chunk = cluster.overhead_s + (nbytes / ks)[:, None] / bw[None, :]
     widest = per_chunk.max(axis=1)
     fill = per_chunk.sum(axis=1) - widest

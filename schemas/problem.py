@@ -61,6 +61,11 @@ class Cluster(BaseModel):
         return sum(n.recv_gbps for n in self.nics) * 1e9 / 8
 
     @property
+    def message_bytes_per_s(self) -> float:
+        """How fast one cross-host message moves alone: striped over every NIC, each lane at its slower side."""
+        return sum(min(n.send_gbps, n.recv_gbps) for n in self.nics) * 1e9 / 8
+
+    @property
     def intra_bytes_per_s(self) -> float:
         return self.intra_host_gbps * 1e9 / 8
 

@@ -346,3 +346,19 @@ def test_a_lone_tasks_duration_is_what_the_simulator_times_in_host_order(name, r
     else:
         assert simulated <= result.duration_s * (1 + 1e-9)
         assert result.duration_s <= 1.01 * simulated  # ... and not far off
+
+
+def test_a_broadcast_over_asymmetric_nics_is_timed_as_the_simulator_stripes_it():
+    """Two NICs of 10/20 and 20/10 Gbit/s: a message is striped lane by lane, each at its slower side
+    (20 Gbit/s in all, not min(30, 30)); the strategy's time and the simulator's agree."""
+    from xmesh_plan.planner.simulate import simulate
+    from xmesh_plan.schemas import DeviceMesh, Nic, Operation, Placement, ReshardingProblem
+    cluster = Cluster(nics=(Nic(send_gbps=10, recv_gbps=20), Nic(send_gbps=20, recv_gbps=10)))
+    assert cluster.message_bytes_per_s == 20e9 / 8
+    problem = ReshardingProblem(shape=(256, 1024, 64), dtype="int32", cluster=cluster,
+                                src=Placement(mesh=DeviceMesh(shape=(1, 1), devices=(0,)), spec="R R R"),
+                                dst=Placement(mesh=DeviceMesh(shape=(2, 1), devices=(4, 8)), spec="R R R"))
+    result = broadcast(ctx(0, [4, 8], cluster=cluster))
+    (op,) = result.ops
+    timed = simulate([Operation(id=0, task=0, kind="broadcast", src=0, dsts=op.dsts, region=op.region, chunks=op.chunks)], problem)
+    assert timed.makespan_s == pytest.approx(result.duration_s, rel=1e-9)
