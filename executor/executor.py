@@ -68,6 +68,16 @@ def check_staging(plan: Plan, program: RankProgram, order: str) -> RankProgram:
     return program
 
 
+def check_usable(call: str, closed: bool, engine, in_flight: bool) -> None:
+    """Refuse `call` after close(), before prepare() (no engine yet) or after an error, in one line saying what to do."""
+    if closed:
+        raise ExecutorError(f"{call} after close(); create and prepare a new executor")
+    if engine is None:
+        raise ExecutorError(f"call prepare() (on every rank) before {call}")
+    if engine.broken and not in_flight:
+        raise ExecutorError(f"this executor stopped after an error ({engine.broken}); close() it, then create and prepare a new one")
+
+
 def finish_in_flight(engine) -> BaseException | None:
     """Finish an engine's reshard in flight before it is closed: an error the engine raises is dropped (it
     marked itself broken, and closing is cleanup); an interrupt (Ctrl-C) abandons it and is returned,
@@ -249,12 +259,7 @@ class ReshardingExecutor:
             raise interrupted
 
     def _check_usable(self, call: str) -> None:
-        if self.closed:
-            raise ExecutorError(f"{call} after close(); create and prepare a new executor")
-        if self.engine is None:
-            raise ExecutorError(f"call prepare() (on every rank) before {call}")
-        if self.engine.broken and not self.in_flight:
-            raise ExecutorError(f"this executor stopped after an error ({self.engine.broken}); close() it, then create and prepare a new one")
+        check_usable(call, self.closed, self.engine, self.in_flight)
 
     def _abandon(self, err: BaseException, call: str) -> None:
         """Anything that escapes an engine call (a peer timeout, Ctrl-C, an exception from a signal

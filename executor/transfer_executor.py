@@ -36,7 +36,7 @@ from xmesh_plan.schemas.plan_tensors import is_multi, tensor_names, tensor_plans
 
 from .errors import ExecutorError, PlanMismatchError
 from .engines import engine_entry
-from .executor import DEFAULT_POLL_S, ReshardingExecutor, finish_in_flight
+from .executor import DEFAULT_POLL_S, ReshardingExecutor, check_usable, finish_in_flight
 from .joint import join_programs
 from .lower import ORDERS
 from .ranks import device_of_rank
@@ -210,12 +210,7 @@ class TransferExecutor:
 
     def _check_joint(self, call: str) -> None:
         """Device order: refuse a call before prepare(), after close() or after an error (as `ReshardingExecutor`)."""
-        if self.closed:
-            raise ExecutorError(f"{call} after close(); create and prepare a new executor")
-        if self.engine is None:
-            raise ExecutorError(f"call prepare() (on every rank) before {call}")
-        if self.engine.broken and not self.in_flight:
-            raise ExecutorError(f"this executor stopped after an error ({self.engine.broken}); close() it, then create and prepare a new one")
+        check_usable(call, self.closed, self.engine, self.in_flight)
 
     def _guarded(self, call: str, method, *args):
         """A call into the joint engine; anything escaping it leaves requests half done, so the engine is
