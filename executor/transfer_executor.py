@@ -71,7 +71,7 @@ class TransferExecutor:
         except PlanError as err:
             raise PlanMismatchError(f"{err}; recompile the plan and check it with `xmesh-plan verify`",
                                     same_on_every_rank=True) from None  # every rank reads the same plan
-        named = backend or ("mpi" if is_mpi_comm(comm) else "torch")
+        named = backend or world
         self.concurrent = named in CONCURRENT_BACKENDS
         self.plan, self.names, self.order = plan, tensor_names(plan), order
         self.parts = [ReshardingExecutor(p, comm, backend, timeout_s, poll_s, gpu, order) for p in tensor_plans(plan)]
