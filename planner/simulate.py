@@ -17,9 +17,11 @@ Model (stated, so every plan and baseline is judged by the same rules):
   no link is ever oversubscribed.
 - Order. How operations queue is the executing system's choice, so it is a parameter:
   `host-order` (ours): operations that use a NIC side run one after another in plan order, as the
-  planner's per-host order says; `device-order` (Alpa's): every device works through its own
-  operations in plan order, and an operation starts when all its devices are free (a NCCL
-  send/recv needs both ends), so operations of different devices share a NIC concurrently;
+  planner's per-host order says; `device-order` (Alpa's, and the executor's `order="device"`,
+  `executor.lower.in_device_order`): every device works through its own operations in plan order,
+  consecutive ones with the same peers as one run, and an operation starts when all its devices are
+  free: what each received in its run before has arrived and what it sent has left (its own part,
+  not the whole operation's), so operations of different devices share a NIC concurrently;
   `posted`: every operation starts as soon as its data is there and all running transfers share
   the links: the executor with `order="posted"` (every send and receive of a reshard posted at once,
   TCP sharing the links; measured on the emulated cluster, docs/netlab.md). The executor's default,
@@ -178,7 +180,8 @@ class _Lowering:
         self.flows: list[Flow] = []
         self.capacity: dict[str, float] = {}
         self.delivered: dict[tuple[int, int], list[int]] = {}  # (task, device) -> flows that brought it data
-        self.last_on: dict[str, list[int]] = {}  # queue key -> terminal flows of the previous operation
+        self.last_on: dict[str, list[int]] = {}  # host order: NIC side -> terminal flows of the previous operation there
+        self.runs: dict[int, tuple] = {}  # device order: device -> (peers, arrivals and sends it waits for, its run's last flows per pair)
 
     def hop(self, op: Operation, a: int, b: int, nbytes: float, after: list[int], after_sent: list[int] = ()) -> list[int]:
         """One message from device a to device b; returns its flow ids (one per NIC it is striped over).
@@ -210,26 +213,50 @@ class _Lowering:
         total = sum(min(lane.values()) for lane in lanes)
         return min(links.values()) / total
 
-    def queue_keys(self, op: Operation, flows: list[int]) -> list[str]:
-        if self.discipline == "device-order":
-            return [f"d{d}" for d in sorted(members(op))]
-        return sorted({link for i in flows for link in self.flows[i].links if link.startswith("h")})
-
     def add(self, op: Operation) -> None:
         if self.discipline == "posted":
             self.emit(op, self.data_ready(op))
             return
-        first = len(self.flows)
-        waits = self.data_ready(op)
         if self.discipline == "device-order":
-            keys = self.queue_keys(op, [])
-            waits += [i for k in keys for i in self.last_on.get(k, [])]
-        terminal = self.emit(op, waits)
+            self.add_in_device_order(op)
+            return
+        first = len(self.flows)
+        terminal, _ = self.emit(op, self.data_ready(op))
         mine = list(range(first, len(self.flows)))
-        if self.discipline == "host-order":
-            self.gate_on_links(mine)
-        for key in self.queue_keys(op, mine):
-            self.last_on[key] = [i for i in terminal if key.startswith("d") or key in self.flows[i].links] or terminal
+        self.gate_on_links(mine)
+        for key in sorted({link for i in mine for link in self.flows[i].links if link.startswith("h")}):
+            self.last_on[key] = [i for i in terminal if key in self.flows[i].links] or terminal
+
+    def add_in_device_order(self, op: Operation) -> None:
+        """As the executor's device order (`executor.lower.in_device_order`): a device's operations with
+        the same peers as the one before run together; the first of a new run, and every operation in
+        it, waits for the device's own messages of the run before (not the whole operation's: a broadcast
+        chain's head is free long before its tail): those it received to have arrived, those it sent to
+        have left its links (a send completes once the transport holds its bytes, not when they arrive)."""
+        waits, sent = self.data_ready(op), []
+        peers = self.peers_of(op)
+        for d in sorted(members(op)):
+            mine = peers.get(d, frozenset())
+            run = self.runs.get(d)
+            if run is None or run[0] != mine:
+                pairs = run[3] if run is not None else {}
+                run = self.runs[d] = (mine, sorted(i for (a, b), ids in pairs.items() if b == d for i in ids),
+                                      sorted(i for (a, b), ids in pairs.items() if a == d for i in ids), {})
+            waits += run[1]
+            sent += run[2]
+        _, last = self.emit(op, waits, sent)
+        for (a, b), ids in last.items():  # the run's latest messages per pair of devices (its barrier when it ends)
+            for d in {a, b}:
+                self.runs[d][3][(a, b)] = ids
+
+    def peers_of(self, op: Operation) -> dict[int, frozenset[int]]:
+        """Device -> the devices it exchanges messages with in `op` (what decides a run in device order)."""
+        out: dict[int, set[int]] = {}
+        for hop in route(op):
+            if hop.src != hop.dst:
+                out.setdefault(hop.src, set()).add(hop.dst)
+                out.setdefault(hop.dst, set()).add(hop.src)
+        return {d: frozenset(p) for d, p in out.items()}
 
     def gate_on_links(self, mine: list[int]) -> None:
         """The first flow of this operation on each NIC side also waits for the previous operation's
@@ -249,20 +276,22 @@ class _Lowering:
         """What an operation that sends out of destination shards waits for: what earlier operations of its task delivered there."""
         return [i for d, shard, _ in reads(op) if shard == "dst" for i in self.delivered.get((op.task, d), [])]
 
-    def emit(self, op: Operation, waits: list[int]) -> list[int]:
-        """Flows of one operation, one per message of its route (several when striped); returns its
-        terminal flows: the last message on each pair of devices."""
+    def emit(self, op: Operation, waits: list[int], sent: list[int] = ()) -> tuple[list[int], dict[tuple[int, int], list[int]]]:
+        """Flows of one operation, one per message of its route (several when striped), its gated hops
+        waiting for `waits` to arrive and `sent` to have left; returns its terminal flows and the same by
+        pair of devices: (src, dst) -> its last message's flows."""
         flows: list[list[int]] = []
         last: dict[tuple[int, int], list[int]] = {}
         itemsize = self.itemsizes[op.tensor or 0]
         for hop in route(op):
             after = (waits if hop.gated else []) + [i for k in hop.after for i in flows[k]]
-            flows.append(self.hop(op, hop.src, hop.dst, hop.nbytes(itemsize), after, [i for k in hop.queued_after for i in flows[k]]))
+            queued = (list(sent) if hop.gated else []) + [i for k in hop.queued_after for i in flows[k]]
+            flows.append(self.hop(op, hop.src, hop.dst, hop.nbytes(itemsize), after, queued))
             last[(hop.src, hop.dst)] = flows[-1]
         out = [i for ids in last.values() for i in ids]
         for d in op.dsts:
             self.delivered.setdefault((op.task, d), []).extend(out)
-        return out
+        return out, last
 
 
 def simulate(operations: list[Operation] | tuple[Operation, ...], problem: ReshardingProblem | TransferProblem,

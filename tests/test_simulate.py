@@ -45,10 +45,11 @@ def test_broadcast_pays_latency_once_per_hop_and_overhead_per_chunk():
     assert simulate([op], p).makespan_s == pytest.approx(2 * 20e-6 + 2 * chunk + 3 * chunk, rel=1e-9)
 
 
-@pytest.mark.parametrize("discipline,expected", [("host-order", (1, 2, 1)), ("device-order", (1, 2, 2))])
+@pytest.mark.parametrize("discipline,expected", [("host-order", (1, 2, 1)), ("device-order", (1, 2, 1))])
 def test_back_to_back_messages_on_one_nic_overlap_their_latency(discipline, expected):
-    """Host order: the NIC sends the second message while the first is in flight (2t + L); device
-    order: device 0 waits for its first send to land before the second (2t + 2L)."""
+    """The NIC sends the second message while the first is in flight (2t + L): in host order by the
+    plan's NIC queue; in device order device 0's second send (another peer) waits for its first to
+    have left, not to have landed (a send completes once the transport holds its bytes)."""
     cluster = Cluster(devices_per_host=2, latency_us=50.0, overhead_us=0.0)
     p = ReshardingProblem(shape=(1024, 1024, 64), dtype="int32", cluster=cluster,
                           src=Placement(mesh=DeviceMesh(shape=(1, 1), devices=(0,)), spec="R R R"),
@@ -59,6 +60,39 @@ def test_back_to_back_messages_on_one_nic_overlap_their_latency(discipline, expe
     first_sends, second_sends, latencies = expected
     assert result.op_end_s[0] == pytest.approx(first_sends * t + latency)
     assert result.op_end_s[1] == pytest.approx(second_sends * t + latencies * latency)
+
+
+def _sends_from_device_0(dsts: tuple[int, ...]) -> tuple[ReshardingProblem, list[Operation]]:
+    cluster = Cluster(devices_per_host=2, latency_us=50.0, overhead_us=0.0)
+    p = ReshardingProblem(shape=(1024, 1024, 64), dtype="int32", cluster=cluster,
+                          src=Placement(mesh=DeviceMesh(shape=(1, 1), devices=(0,)), spec="R R R"),
+                          dst=Placement(mesh=DeviceMesh(shape=(1, 1), devices=(2,)), spec="R R R"))
+    return p, [Operation(id=i, task=i, kind="send", src=0, dsts=(d,), region=full(p)) for i, d in enumerate(dsts)]
+
+
+def test_device_order_runs_operations_with_the_same_peers_together():
+    """As `executor.lower.in_device_order`: two sends to the same peer are one run, posted together and
+    sharing the NIC (both end at 2t + L); to two peers, the second waits for the first to leave."""
+    t, latency = 1024 * 1024 * 64 * 4 / GBPS10, 50e-6
+    p, same = _sends_from_device_0((2, 2))
+    result = simulate(same, p, "device-order")
+    assert result.op_end_s[0] == pytest.approx(2 * t + latency) and result.op_end_s[1] == pytest.approx(2 * t + latency)
+    p, other = _sends_from_device_0((2, 4))
+    result = simulate(other, p, "device-order")
+    assert result.op_end_s[0] == pytest.approx(t + latency) and result.op_start_s[1] == pytest.approx(t)
+
+
+def test_device_order_frees_a_chain_head_before_the_tail():
+    """A device's next operation waits for its own part of a broadcast (its last chunk sent), not for
+    the chain's tail: the head's next send starts at t, while the 3-hop chain ends at t + 2t/K + 3L."""
+    p = one_gpu_hosts(latency_us=50.0)
+    t, chunks = p.nbytes / GBPS10, 4
+    ops = [Operation(id=0, task=0, kind="broadcast", src=0, dsts=(1, 2, 3), region=full(p), chunks=chunks),
+           Operation(id=1, task=1, kind="send", src=0, dsts=(4,), region=full(p))]
+    result = simulate(ops, p, "device-order")
+    assert result.op_end_s[0] == pytest.approx(t + 2 * t / chunks + 3 * 50e-6)
+    assert result.op_start_s[1] == pytest.approx(t)
+    assert result.op_end_s[1] == pytest.approx(2 * t + 50e-6)
 
 
 def test_overhead_keeps_the_link_busy():
