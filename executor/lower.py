@@ -426,7 +426,7 @@ def in_device_order(program: RankProgram, stage_budget: int | None = None) -> Ra
     """The same steps, but each operation's messages (and packs) wait for every step of this device's
     earlier operations, so a device takes part in one operation at a time, in plan order, at both ends of
     a message: the simulator's `device-order`, as NCCL runs a stream's calls, instead of posting every
-    operation at once (`posted`). Consecutive operations with the same peers run together: they share
+    operation at once (`posted`). Consecutive operations with the same peers (a local copy has none and joins the run it is in) run together: they share
     the same links in order anyway, and waiting between them would only add a round trip each; with a
     `stage_budget` (the plan's `--max-staging-mb`) a run also ends before it would stage more than that
     (`schemas.staging.device_runs`). Every run starts its staging at byte 0: the runs before it have

@@ -25,7 +25,9 @@ Model (stated, so every plan and baseline is judged by the same rules):
   `posted`: every operation starts as soon as its data is there and all running transfers share
   the links: the executor with `order="posted"` (every send and receive of a reshard posted at once,
   TCP sharing the links; measured on the emulated cluster, docs/netlab.md). The executor's default,
-  `order="device"`, is `device-order`.
+  `order="device"`, is `device-order`. In both executor orders a device starts its part of an
+  operation once its own data is there (an all-gather member does not wait for the others' parts),
+  and the messages between two devices go in order (one connection), not side by side.
 An uncontended broadcast of K chunks down A hops costs `A L + sum(c_h) + (K-1) max(c_h)` with `c_h`
 one chunk's time on hop h (overhead plus bytes) and L the latency, i.e. `t + (A-1) t/K` plus A
 latencies and K overheads for A equal cross-host hops: the paper's `t + A t/K` counts one chunk more.
@@ -181,6 +183,7 @@ class _Lowering:
         self.capacity: dict[str, float] = {}
         self.delivered: dict[tuple[int, int], list[int]] = {}  # (task, device) -> flows that brought it data
         self.last_on: dict[str, list[int]] = {}  # host order: NIC side -> terminal flows of the previous operation there
+        self.last_on_pair: dict[tuple[int, int], list[int]] = {}  # executor orders: (src, dst) device pair -> its last message's flows
         self.runs: dict[int, tuple] = {}  # device order: device -> (peers, arrivals and sends it waits for, its run's last flows per pair)
 
     def hop(self, op: Operation, a: int, b: int, nbytes: float, after: list[int], after_sent: list[int] = ()) -> list[int]:
@@ -197,6 +200,8 @@ class _Lowering:
             nics = [self.nic_of_task[op.task]] if op.task in self.nic_of_task else range(len(self.cluster.nics))
             lanes = [{f"h{ha}.send:{n}": self.cluster.nics[n].send_gbps * 1e9 / 8,
                       f"h{hb}.recv:{n}": self.cluster.nics[n].recv_gbps * 1e9 / 8} for n in nics]
+        if a != b and self.discipline != "host-order":  # one connection per pair of devices: its messages go in order
+            after_sent = [*after_sent, *self.last_on_pair.get((a, b), ())]
         out = []
         for links in lanes:
             self.capacity |= links
@@ -205,6 +210,8 @@ class _Lowering:
                         tuple(sorted(set(after_sent))), overhead * min(links.values()) if nbytes > 0 else 0.0)
             self.flows.append(flow)
             out.append(flow.id)
+        if a != b:
+            self.last_on_pair[(a, b)] = out
         return out
 
     @staticmethod
@@ -215,7 +222,7 @@ class _Lowering:
 
     def add(self, op: Operation) -> None:
         if self.discipline == "posted":
-            self.emit(op, self.data_ready(op))
+            self.emit(op, [])
             return
         if self.discipline == "device-order":
             self.add_in_device_order(op)
@@ -229,22 +236,23 @@ class _Lowering:
 
     def add_in_device_order(self, op: Operation) -> None:
         """As the executor's device order (`executor.lower.in_device_order`): a device's operations with
-        the same peers as the one before run together; the first of a new run, and every operation in
+        the same peers as the one before run together (a local copy joins the run it is in); the first of a new run, and every operation in
         it, waits for the device's own messages of the run before (not the whole operation's: a broadcast
         chain's head is free long before its tail): those it received to have arrived, those it sent to
         have left its links (a send completes once the transport holds its bytes, not when they arrive)."""
-        waits, sent = self.data_ready(op), []
         peers = self.peers_of(op)
+        barrier: dict[int, tuple[list[int], list[int]]] = {}
         for d in sorted(members(op)):
             mine = peers.get(d, frozenset())
             run = self.runs.get(d)
-            if run is None or run[0] != mine:
+            if run is None or (mine and run[0] and run[0] != mine):  # a local copy (no peers) joins the run it is in
                 pairs = run[3] if run is not None else {}
                 run = self.runs[d] = (mine, sorted(i for (a, b), ids in pairs.items() if b == d for i in ids),
                                       sorted(i for (a, b), ids in pairs.items() if a == d for i in ids), {})
-            waits += run[1]
-            sent += run[2]
-        _, last = self.emit(op, waits, sent)
+            elif mine and not run[0]:
+                run = self.runs[d] = (mine, *run[1:])
+            barrier[d] = (run[1], run[2])
+        _, last = self.emit(op, [], barrier)
         for (a, b), ids in last.items():  # the run's latest messages per pair of devices (its barrier when it ends)
             for d in {a, b}:
                 self.runs[d][3][(a, b)] = ids
@@ -253,7 +261,7 @@ class _Lowering:
         """Device -> the devices it exchanges messages with in `op` (what decides a run in device order)."""
         out: dict[int, set[int]] = {}
         for hop in route(op):
-            if hop.src != hop.dst:
+            if hop.src != hop.dst and hop.elements:
                 out.setdefault(hop.src, set()).add(hop.dst)
                 out.setdefault(hop.dst, set()).add(hop.src)
         return {d: frozenset(p) for d, p in out.items()}
@@ -274,18 +282,35 @@ class _Lowering:
 
     def data_ready(self, op: Operation) -> list[int]:
         """What an operation that sends out of destination shards waits for: what earlier operations of its task delivered there."""
-        return [i for d, shard, _ in reads(op) if shard == "dst" for i in self.delivered.get((op.task, d), [])]
+        return [i for ids in self.data_by_device(op).values() for i in ids]
 
-    def emit(self, op: Operation, waits: list[int], sent: list[int] = ()) -> tuple[list[int], dict[tuple[int, int], list[int]]]:
-        """Flows of one operation, one per message of its route (several when striped), its gated hops
-        waiting for `waits` to arrive and `sent` to have left; returns its terminal flows and the same by
-        pair of devices: (src, dst) -> its last message's flows."""
+    def data_by_device(self, op: Operation) -> dict[int, list[int]]:
+        """`data_ready` by the device whose destination shard the operation sends from (an all-gather's members)."""
+        return {d: self.delivered.get((op.task, d), []) for d, shard, _ in reads(op) if shard == "dst"}
+
+    def emit(self, op: Operation, waits: list[int], barrier: dict[int, tuple[list[int], list[int]]] | None = None
+             ) -> tuple[list[int], dict[tuple[int, int], list[int]]]:
+        """Flows of one operation, one per message of its route (several when striped); returns its
+        terminal flows and the same by pair of devices: (src, dst) -> its last message's flows. Its
+        gated hops wait for `waits` to arrive (host order: the operation's data, all of it). In the
+        executor's orders a device starts as soon as its own data is there: a hop with no earlier hop
+        of the route waits for what was delivered to its sender; in device order every message of a
+        device waits for its `barrier`: device -> (messages to have arrived, to have left)."""
         flows: list[list[int]] = []
         last: dict[tuple[int, int], list[int]] = {}
         itemsize = self.itemsizes[op.tensor or 0]
+        own_data = self.data_by_device(op) if self.discipline != "host-order" else {}
         for hop in route(op):
-            after = (waits if hop.gated else []) + [i for k in hop.after for i in flows[k]]
-            queued = (list(sent) if hop.gated else []) + [i for k in hop.queued_after for i in flows[k]]
+            after = [i for k in hop.after for i in flows[k]]
+            queued = [i for k in hop.queued_after for i in flows[k]]
+            if hop.gated:
+                after += waits
+                if not hop.after:
+                    after += own_data.get(hop.src, [])
+            for d in (hop.src, hop.dst) if barrier and hop.src != hop.dst else ():  # a local copy waits for no barrier
+                arrived, left = barrier.get(d, ((), ()))
+                after += arrived
+                queued += left
             flows.append(self.hop(op, hop.src, hop.dst, hop.nbytes(itemsize), after, queued))
             last[(hop.src, hop.dst)] = flows[-1]
         out = [i for ids in last.values() for i in ids]

@@ -147,11 +147,15 @@ _PATTERNS = supported("schemas.staging", {
 def device_runs(footprints: Sequence[Footprint], budget: int | None) -> list[int]:
     """The run number of each of a device's operations (in plan order) in device order: a run goes on
     while the peers stay the same and, with a `budget`, while its staging stays within the budget (an
-    operation that stages more than the budget on its own is a run of its own)."""
-    out, run, run_peers, run_bytes = [], -1, None, 0
+    operation that stages more than the budget on its own is a run of its own). An operation with no
+    peers (a local copy) joins the run it falls in, so a copy between a send and a receive with one
+    peer does not make the receive wait for the send."""
+    out, run, run_peers, run_bytes = [], -1, frozenset(), 0
     for op_peers, nbytes in footprints:
-        if op_peers != run_peers or (budget is not None and run_bytes and run_bytes + nbytes > budget):
+        if run < 0 or (op_peers and run_peers and op_peers != run_peers) or (budget is not None and run_bytes and run_bytes + nbytes > budget):
             run, run_peers, run_bytes = run + 1, op_peers, 0
+        elif op_peers and not run_peers:  # a run of local copies takes its first message's peers
+            run_peers = op_peers
         run_bytes += nbytes
         out.append(run)
     return out

@@ -62,24 +62,37 @@ def test_back_to_back_messages_on_one_nic_overlap_their_latency(discipline, expe
     assert result.op_end_s[1] == pytest.approx(second_sends * t + latencies * latency)
 
 
-def _sends_from_device_0(dsts: tuple[int, ...]) -> tuple[ReshardingProblem, list[Operation]]:
+def _sends(pairs: tuple[tuple[int, int], ...]) -> tuple[ReshardingProblem, list[Operation]]:
+    """A 16 MiB send per (src, dst) pair, one device per host used (2 devices per host)."""
     cluster = Cluster(devices_per_host=2, latency_us=50.0, overhead_us=0.0)
-    p = ReshardingProblem(shape=(1024, 1024, 64), dtype="int32", cluster=cluster,
+    p = ReshardingProblem(shape=(1024, 1024, 4), dtype="int32", cluster=cluster,
                           src=Placement(mesh=DeviceMesh(shape=(1, 1), devices=(0,)), spec="R R R"),
                           dst=Placement(mesh=DeviceMesh(shape=(1, 1), devices=(2,)), spec="R R R"))
-    return p, [Operation(id=i, task=i, kind="send", src=0, dsts=(d,), region=full(p)) for i, d in enumerate(dsts)]
+    return p, [Operation(id=i, task=i, kind="send", src=a, dsts=(b,), region=full(p)) for i, (a, b) in enumerate(pairs)]
 
 
 def test_device_order_runs_operations_with_the_same_peers_together():
-    """As `executor.lower.in_device_order`: two sends to the same peer are one run, posted together and
-    sharing the NIC (both end at 2t + L); to two peers, the second waits for the first to leave."""
-    t, latency = 1024 * 1024 * 64 * 4 / GBPS10, 50e-6
-    p, same = _sends_from_device_0((2, 2))
-    result = simulate(same, p, "device-order")
-    assert result.op_end_s[0] == pytest.approx(2 * t + latency) and result.op_end_s[1] == pytest.approx(2 * t + latency)
-    p, other = _sends_from_device_0((2, 4))
-    result = simulate(other, p, "device-order")
-    assert result.op_end_s[0] == pytest.approx(t + latency) and result.op_start_s[1] == pytest.approx(t)
+    """As `executor.lower.in_device_order`: 0 -> 2 then 2 -> 0 have the same peers on both devices, one
+    run, so the second does not wait (both end at t + L); 0 -> 2 then 4 -> 0 change device 0's peers,
+    so the second waits for device 0's send to have left (ends at 2t + L)."""
+    t, latency = 1024 * 1024 * 4 * 4 / GBPS10, 50e-6
+    p, ops = _sends(((0, 2), (2, 0)))
+    result = simulate(ops, p, "device-order")
+    assert result.op_end_s[1] == pytest.approx(t + latency)
+    p, ops = _sends(((0, 2), (4, 0)))
+    result = simulate(ops, p, "device-order")
+    assert result.op_start_s[1] == pytest.approx(t) and result.op_end_s[1] == pytest.approx(2 * t + latency)
+
+
+@pytest.mark.parametrize("discipline", ["device-order", "posted"])
+def test_messages_between_one_pair_of_devices_go_in_order(discipline):
+    """The executor's orders send every message between two devices over one connection, so a second
+    message on the pair starts when the first has left (t + L, then 2t + L), instead of sharing the
+    link with it (both at 2t + L); host order keeps its own NIC queue."""
+    t, latency = 1024 * 1024 * 4 * 4 / GBPS10, 50e-6
+    p, ops = _sends(((0, 2), (0, 2)))
+    result = simulate(ops, p, discipline)
+    assert result.op_end_s[0] == pytest.approx(t + latency) and result.op_end_s[1] == pytest.approx(2 * t + latency)
 
 
 def test_device_order_frees_a_chain_head_before_the_tail():

@@ -83,11 +83,12 @@ def brute_force_peaks(plan: Plan, order: str) -> dict[int, int]:
         if order == "posted":
             peak = sum(n for _, n in items)
         else:
-            runs, peers, total = [], None, 0
-            for talks, n in items:
-                if talks != peers or (budget is not None and total and total + n > budget):
+            runs, peers, total = [], frozenset(), 0
+            for talks, n in items:  # a local copy (no peers) stays in the run it falls in
+                if (talks and peers and talks != peers) or (budget is not None and total and total + n > budget):
                     runs.append(total)
                     peers, total = talks, 0
+                peers = peers or talks
                 total += n
             peak = max(runs + [total])
         if peak:
