@@ -183,6 +183,7 @@ class _Lowering:
         self.capacity: dict[str, float] = {}
         self.delivered: dict[tuple[int, int], list[int]] = {}  # (task, device) -> flows that brought it data
         self.last_on: dict[str, list[int]] = {}  # host order: NIC side -> terminal flows of the previous operation there
+        self.ready: dict[int, list[int]] = {}  # operation -> the flows that bring the data it sends from destination shards
         self.last_on_pair: dict[tuple[int, int], list[int]] = {}  # executor orders: (src, dst) device pair -> its last message's flows
         self.runs: dict[int, tuple] = {}  # device order: device -> (peers, arrivals and sends it waits for, its run's last flows per pair)
 
@@ -221,6 +222,9 @@ class _Lowering:
         return min(links.values()) / total
 
     def add(self, op: Operation) -> None:
+        ready = self.data_ready(op)
+        if ready:
+            self.ready[op.id] = ready
         if self.discipline == "posted":
             self.emit(op, [])
             return
@@ -228,7 +232,7 @@ class _Lowering:
             self.add_in_device_order(op)
             return
         first = len(self.flows)
-        terminal, _ = self.emit(op, self.data_ready(op))
+        terminal, _ = self.emit(op, ready)
         mine = list(range(first, len(self.flows)))
         self.gate_on_links(mine)
         for key in sorted({link for i in mine for link in self.flows[i].links if link.startswith("h")}):
@@ -332,6 +336,8 @@ def simulate(operations: list[Operation] | tuple[Operation, ...], problem: Resha
         s, e = spans[f.id]
         start[f.op] = min(start.get(f.op, s), s)
         end[f.op] = max(end.get(f.op, e), e)
+    for op_id, ready in lowering.ready.items():  # it starts once all its data is there (as the verifier checks),
+        start[op_id] = max(start.get(op_id, 0.0), max(spans[i][1] for i in ready))  # though a member may send earlier
     for op in operations:  # an operation without flows (an empty box) takes no time
         start.setdefault(op.id, 0.0)
         end.setdefault(op.id, start[op.id])

@@ -257,3 +257,19 @@ def test_a_two_nic_cluster_plan_predicts_about_half():
     assert two_plan.predicted_seconds == pytest.approx(one_plan.predicted_seconds / 2, rel=0.02)
     assert two_plan.predicted_seconds <= 1.05 * two_plan.lower_bound_seconds
     verify_plan(two_plan)
+
+
+@pytest.mark.parametrize("discipline", ["host-order", "device-order", "posted"])
+def test_an_allgather_starts_once_every_member_holds_its_part(discipline):
+    """In the executor's orders a member may send its own part before the others have theirs, but the
+    operation's start (what the verifier and the executor check holdings at) is when all parts are there."""
+    p = one_gpu_hosts()
+    x, rest = p.shape[0], p.shape[1:]
+    half = ((0, x // 4), *((0, n) for n in rest))
+    other = ((x // 4, x), *((0, n) for n in rest))
+    ops = [Operation(id=0, task=0, kind="send", src=0, dsts=(1,), region=half),
+           Operation(id=1, task=0, kind="send", src=0, dsts=(2,), region=other),
+           Operation(id=2, task=0, kind="allgather", dsts=(1, 2), region=full(p), parts=(half, other))]
+    result = simulate(ops, p, discipline)
+    assert result.op_start_s[2] >= result.op_end_s[1] > result.op_end_s[0]
+    assert result.op_end_s[2] > result.op_start_s[2]
