@@ -27,13 +27,14 @@ import weakref
 
 import numpy as np
 
+from xmesh_plan.schemas.staging import SYNC_SEND_BYTES  # device order: sends this large are synchronous (docs/executor.md)
+
 from .arrays import as_host_array, check_shard
 from .errors import ExecutorError, PeerTimeoutError
 from .lower import RankProgram
 
 SHOWN_PENDING = 3
 WINDOW = 16
-SYNC_SEND_BYTES = 256 * 1024  # device order: sends this large are synchronous (measured on bench/netlab, docs/executor.md)
 LOCK_WAIT_S = 1.0  # another thread holds an engine's lock for one pass over its requests; longer means it leaked
 _ENGINES: list = []  # weak references to every set-up engine in this process (a waiting engine drives the others)
 _THREAD = threading.local()

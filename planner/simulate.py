@@ -21,7 +21,8 @@ Model (stated, so every plan and baseline is judged by the same rules):
   `executor.lower.in_device_order`): every device works through its own operations in plan order,
   consecutive ones with the same peers as one run, and an operation starts when all its devices are
   free: what each received in its run before has arrived and what it sent has left (its own part,
-  not the whole operation's), so operations of different devices share a NIC concurrently;
+  not the whole operation's; a message under `SYNC_SEND_BYTES` is buffered and done once posted), so
+  operations of different devices share a NIC concurrently;
   `posted`: every operation starts as soon as its data is there and all running transfers share
   the links: the executor with `order="posted"` (every send and receive of a reshard posted at once,
   TCP sharing the links; measured on the emulated cluster, docs/netlab.md). The executor's default,
@@ -41,6 +42,7 @@ from dataclasses import dataclass
 
 from xmesh_plan.schemas import Operation, Plan, ReshardingProblem
 from xmesh_plan.schemas.op_kinds import members, reads, route
+from xmesh_plan.schemas.staging import SYNC_SEND_BYTES
 from xmesh_plan.schemas.transfer import TransferProblem
 
 DISCIPLINES = ("host-order", "device-order", "posted")
@@ -186,6 +188,7 @@ class _Lowering:
         self.ready: dict[int, list[int]] = {}  # operation -> the flows that bring the data it sends from destination shards
         self.last_on_pair: dict[tuple[int, int], list[int]] = {}  # executor orders: (src, dst) device pair -> its last message's flows
         self.runs: dict[int, tuple] = {}  # device order: device -> (peers, arrivals and sends it waits for, its run's last flows per pair)
+        self.posted_when: dict[int, tuple[list[int], list[int]]] = {}  # device order: buffered send -> what its sender waited for to post it
 
     def hop(self, op: Operation, a: int, b: int, nbytes: float, after: list[int], after_sent: list[int] = ()) -> list[int]:
         """One message from device a to device b; returns its flow ids (one per NIC it is striped over).
@@ -251,8 +254,15 @@ class _Lowering:
             run = self.runs.get(d)
             if run is None or (mine and run[0] and run[0] != mine):  # a local copy (no peers) joins the run it is in
                 pairs = run[3] if run is not None else {}
-                run = self.runs[d] = (mine, sorted(i for (a, b), ids in pairs.items() if b == d for i in ids),
-                                      sorted(i for (a, b), ids in pairs.items() if a == d for i in ids), {})
+                arrived = {i for (a, b), ids in pairs.items() if b == d for i in ids}
+                left: set[int] = set()
+                for i in (i for (a, b), ids in pairs.items() if a == d for i in ids):
+                    if i in self.posted_when:  # a buffered send ended when it was posted: wait for what that waited for
+                        arrived.update(self.posted_when[i][0])
+                        left.update(self.posted_when[i][1])
+                    else:
+                        left.add(i)
+                run = self.runs[d] = (mine, sorted(arrived), sorted(left), {})
             elif mine and not run[0]:
                 run = self.runs[d] = (mine, *run[1:])
             barrier[d] = (run[1], run[2])
@@ -311,11 +321,17 @@ class _Lowering:
                 after += waits
                 if not hop.after:
                     after += own_data.get(hop.src, [])
+            posting = (list(after), [])  # what the sender waits for to post this message (its data and its own barrier)
             for d in (hop.src, hop.dst) if barrier and hop.src != hop.dst else ():  # a local copy waits for no barrier
                 arrived, left = barrier.get(d, ((), ()))
                 after += arrived
                 queued += left
+                if d == hop.src:
+                    posting = (posting[0] + list(arrived), list(left))
             flows.append(self.hop(op, hop.src, hop.dst, hop.nbytes(itemsize), after, queued))
+            if barrier is not None and hop.src != hop.dst and hop.nbytes(itemsize) < SYNC_SEND_BYTES:
+                for i in flows[-1]:  # buffered: the send ends once posted, and its device goes on (executor.mpi_engine)
+                    self.posted_when[i] = posting
             last[(hop.src, hop.dst)] = flows[-1]
         out = [i for ids in last.values() for i in ids]
         for d in op.dsts:

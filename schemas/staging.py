@@ -35,6 +35,10 @@ if TYPE_CHECKING:
     from .plan import Plan
 
 ORDERS = ("posted", "device")  # the executor's orders (`executor.lower.ORDERS` is this tuple)
+SYNC_SEND_BYTES = 256 * 1024
+"""In device order the MPI engine sends a message this large synchronously (it ends once it is being
+received); a smaller one is buffered and ends once posted, so its device goes on at once (the simulator
+models both)."""
 Footprint = tuple[frozenset[int], int]
 """What one operation asks of one device: the peers it exchanges messages with, and the bytes it stages."""
 

@@ -9,6 +9,7 @@ from xmesh_plan.planner.compile import compile_plan
 from xmesh_plan.planner.simulate import Flow, max_min_rates, run_flows, simulate, simulate_plan
 from xmesh_plan.planner.verify import verify_plan
 from xmesh_plan.schemas import Cluster, DeviceMesh, Operation, Placement, ReshardingProblem
+from xmesh_plan.schemas.staging import SYNC_SEND_BYTES
 
 GBPS10 = 10e9 / 8  # bytes per second of a 10 Gbit/s NIC
 
@@ -93,6 +94,25 @@ def test_messages_between_one_pair_of_devices_go_in_order(discipline):
     p, ops = _sends(((0, 2), (0, 2)))
     result = simulate(ops, p, discipline)
     assert result.op_end_s[0] == pytest.approx(t + latency) and result.op_end_s[1] == pytest.approx(2 * t + latency)
+
+
+@pytest.mark.parametrize("elements", [SYNC_SEND_BYTES // 4 - 1024, SYNC_SEND_BYTES // 4])
+def test_device_order_goes_on_after_a_buffered_send_once_it_is_posted(elements):
+    """The MPI engine sends a message under `SYNC_SEND_BYTES` buffered (it ends once posted), a larger
+    one synchronously: device 0's send to device 4 then waits for its send to device 2 to have left
+    (starts at t), and after a buffered one it starts at once, the two sharing the NIC (both end at 2t)."""
+    cluster = Cluster(devices_per_host=2, latency_us=0.0, overhead_us=0.0)
+    p = ReshardingProblem(shape=(elements, 1, 1), dtype="int32", cluster=cluster,
+                          src=Placement(mesh=DeviceMesh(shape=(1, 1), devices=(0,)), spec="R R R"),
+                          dst=Placement(mesh=DeviceMesh(shape=(2, 1), devices=(2, 4)), spec="R R R"))
+    ops = [Operation(id=i, task=i, kind="send", src=0, dsts=(2 + 2 * i,), region=full(p)) for i in range(2)]
+    result = simulate(ops, p, "device-order")
+    t = p.nbytes / GBPS10
+    if p.nbytes < SYNC_SEND_BYTES:
+        assert result.op_start_s[1] == 0.0 and result.op_end_s[0] == pytest.approx(2 * t)
+    else:
+        assert result.op_start_s[1] == pytest.approx(t) and result.op_end_s[1] == pytest.approx(2 * t)
+    assert simulate(ops, p, "host-order").op_start_s[1] == pytest.approx(t)  # the plan's NIC queue is unchanged
 
 
 def test_device_order_frees_a_chain_head_before_the_tail():
