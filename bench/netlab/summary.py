@@ -105,12 +105,47 @@ def summary(paths: list[Path], title: str = "Emulated cluster: executor order") 
             + _links(runs) + "\n")
 
 
+def compact(paths: list[Path]) -> str:
+    """One row per case and rate: ours measured against the byte bound and its own model, the others'
+    measured time over ours, and how many distinct plans of the launch came within 10% of their model."""
+    lines = ["| case | Mbit/s | order | ours ms | ours / bound | ours / model | naive / ours | Alpa send/recv / ours | "
+             "Alpa all-gather / ours | plans within 10% of model | worst plan / model | link bytes / plan bytes |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    within = total = 0
+    for meta, rows in (_rows(p) for p in paths):
+        for run in meta["runs"]:
+            by = {r["approach"]: r for r in run["rows"] if r["measured_s"]}
+            ours = by.get("ours")
+            if not ours:
+                continue
+            model = MODEL[run.get("order", meta["order"])]
+            fits = [(r["measured_s"] / r["predicted_s"][model], r["approach"]) for r in by.values() if not r.get("same_as")]
+            good = sum(abs(q - 1) <= 0.10 for q, _ in fits)
+            within, total = within + good, total + len(fits)
+            worst = max(fits, key=lambda f: abs(f[0] - 1))
+            other = [_f(by[a]["measured_s"] / ours["measured_s"]) if a in by else "-" for a in ("naive", "alpa-send-recv", "alpa-allgather")]
+            plan = sum(h["predicted_sent"] + h["predicted_received"] for h in run["links"])
+            link = sum(h["sent"] + h["received"] for h in run["links"])
+            lines.append(f"| {run['case']} | {run['rate_mbit']:g} | {meta['order']} | {ours['measured_s'] * 1e3:.0f} | "
+                         f"{ours['measured_s'] / ours['predicted_s']['lower-bound']:.3f} | {ours['measured_s'] / ours['predicted_s'][model]:.2f} | "
+                         + " | ".join(other) + f" | {good} of {len(fits)} | {worst[1]} {worst[0]:.2f} | {link / plan:.4f} |")
+    commands = "\n".join(f"    {meta['command']}" for meta, _ in (_rows(p) for p in paths))
+    loads = ", ".join(f"{_rows(p)[0]['loadavg_after'][0]:.1f}" for p in paths)
+    return (f"Made by (as root, one launch per case and rate; load average after each run: {loads}):\n\n{commands}\n"
+            f"    .venv/bin/python -m bench.netlab.summary --compact " + " ".join(str(p) for p in paths)
+            + f"\n\n" + "\n".join(lines) + f"\n\nDistinct plans within 10% of their model: {within} of {total}.\n")
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.netlab.summary", description=__doc__.splitlines()[0])
     parser.add_argument("results", nargs="+", type=Path, help="results JSON files of bench.netlab.experiments")
     parser.add_argument("--print", action="store_true", help="print the section instead of writing BENCHMARKS.md")
     parser.add_argument("--title", default="Emulated cluster: executor order", help="the BENCHMARKS.md section to write")
+    parser.add_argument("--compact", action="store_true", help="one row per case and rate (printed; paste it where it belongs)")
     args = parser.parse_args(argv)
+    if args.compact:
+        print(compact(args.results))
+        return 0
     text = summary(args.results, args.title)
     if args.print:
         print(text)
