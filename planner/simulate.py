@@ -28,7 +28,7 @@ Model (stated, so every plan and baseline is judged by the same rules):
   TCP sharing the links; measured on the emulated cluster, docs/netlab.md). The executor's default,
   `order="device"`, is `device-order`. In both executor orders a device starts its part of an
   operation once its own data is there (an all-gather member does not wait for the others' parts),
-  and the messages between two devices go in order (one connection), not side by side.
+  and the messages between two devices go one at a time (one connection), in the order they are ready.
 An uncontended broadcast of K chunks down A hops costs `A L + sum(c_h) + (K-1) max(c_h)` with `c_h`
 one chunk's time on hop h (overhead plus bytes) and L the latency, i.e. `t + (A-1) t/K` plus A
 latencies and K overheads for A equal cross-host hops: the paper's `t + A t/K` counts one chunk more.
@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import dataclasses
 import heapq
+from collections import deque
 from dataclasses import dataclass
 
 from xmesh_plan.schemas import Operation, Plan, ReshardingProblem
@@ -53,7 +54,8 @@ REL_EPS = 1e-12
 class Flow:
     """`nbytes` over `links`, arriving `latency_s` after its last byte left; it starts once every flow
     in `after` has arrived and every flow in `after_sent` has left its links (a queue, not data).
-    `overhead` is the per-message overhead as the bytes its links could have moved meanwhile."""
+    `overhead` is the per-message overhead as the bytes its links could have moved meanwhile. Flows
+    with the same `queue` (one connection) move one at a time, in the order they became ready."""
 
     id: int
     op: int
@@ -63,6 +65,7 @@ class Flow:
     after: tuple[int, ...] = ()
     after_sent: tuple[int, ...] = ()
     overhead: float = 0.0
+    queue: str = ""
 
     @property
     def work(self) -> float:
@@ -128,6 +131,8 @@ def run_flows(flows: list[Flow], capacity: dict[str, float]) -> dict[int, tuple[
     by_id = {f.id: f for f in flows}
     # events: (time, flow) of arrivals: a flow's last byte left `latency_s` earlier
     clock, events, moving, span = 0.0, [], {}, {}
+    busy: dict[str, int] = {}  # queue -> the flow moving on it
+    queued: dict[str, deque[int]] = {}  # queue -> ready flows behind it, first ready first
 
     def release(ready: list[int]) -> None:
         """Start every flow in `ready` whose last dependency just ended; a flow with nothing to move has
@@ -137,6 +142,12 @@ def run_flows(flows: list[Flow], capacity: dict[str, float]) -> dict[int, tuple[
             waiting[fid] -= 1
             if waiting[fid]:
                 continue
+            queue = by_id[fid].queue
+            if queue:
+                if queue in busy:
+                    queued.setdefault(queue, deque()).append(fid)
+                    continue
+                busy[queue] = fid
             span[fid] = (clock, None)
             if by_id[fid].work > 0 and by_id[fid].links:
                 moving[fid] = by_id[fid].work
@@ -146,7 +157,15 @@ def run_flows(flows: list[Flow], capacity: dict[str, float]) -> dict[int, tuple[
     def sent(fid: int) -> list[int]:
         """Its last byte left: it arrives a latency later; flows queued behind it may go."""
         heapq.heappush(events, (clock + by_id[fid].latency_s, fid))
-        return list(on_sent.get(fid, ()))
+        out = list(on_sent.get(fid, ()))
+        queue = by_id[fid].queue
+        if queue and busy.get(queue) == fid:
+            del busy[queue]
+            if queued.get(queue):  # the next on the connection goes first (release pops from the end)
+                nxt = queued[queue].popleft()
+                waiting[nxt] = 1
+                out.append(nxt)
+        return out
 
     free = [f.id for f in reversed(flows) if not waiting[f.id]]
     for fid in free:
@@ -186,7 +205,6 @@ class _Lowering:
         self.delivered: dict[tuple[int, int], list[int]] = {}  # (task, device) -> flows that brought it data
         self.last_on: dict[str, list[int]] = {}  # host order: NIC side -> terminal flows of the previous operation there
         self.ready: dict[int, list[int]] = {}  # operation -> the flows that bring the data it sends from destination shards
-        self.last_on_pair: dict[tuple[int, int], list[int]] = {}  # executor orders: (src, dst) device pair -> its last message's flows
         self.runs: dict[int, tuple] = {}  # device order: device -> (peers, arrivals and sends it waits for, its run's last flows per pair)
         self.posted_when: dict[int, tuple[list[int], list[int]]] = {}  # device order: buffered send -> what its sender waited for to post it
 
@@ -204,18 +222,16 @@ class _Lowering:
             nics = [self.nic_of_task[op.task]] if op.task in self.nic_of_task else range(len(self.cluster.nics))
             lanes = [{f"h{ha}.send:{n}": self.cluster.nics[n].send_gbps * 1e9 / 8,
                       f"h{hb}.recv:{n}": self.cluster.nics[n].recv_gbps * 1e9 / 8} for n in nics]
-        if a != b and self.discipline != "host-order":  # one connection per pair of devices: its messages go in order
-            after_sent = [*after_sent, *self.last_on_pair.get((a, b), ())]
+        queue = f"{a}>{b}" if a != b and self.discipline != "host-order" else ""  # executor orders: one connection per pair
         out = []
-        for links in lanes:
+        for k, links in enumerate(lanes):
             self.capacity |= links
             share = nbytes * self._weight(links, lanes)
             flow = Flow(len(self.flows), op.id, share, latency, tuple(sorted(links)), tuple(sorted(set(after))),
-                        tuple(sorted(set(after_sent))), overhead * min(links.values()) if nbytes > 0 else 0.0)
+                        tuple(sorted(set(after_sent))), overhead * min(links.values()) if nbytes > 0 else 0.0,
+                        f"{queue}:{k}" if queue else "")
             self.flows.append(flow)
             out.append(flow.id)
-        if a != b:
-            self.last_on_pair[(a, b)] = out
         return out
 
     @staticmethod

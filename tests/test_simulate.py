@@ -115,6 +115,18 @@ def test_device_order_goes_on_after_a_buffered_send_once_it_is_posted(elements):
     assert simulate(ops, p, "host-order").op_start_s[1] == pytest.approx(t)  # the plan's NIC queue is unchanged
 
 
+def test_posted_messages_on_one_connection_go_in_the_order_they_are_ready():
+    """Posted, device 1 forwards a broadcast to device 2 once it has arrived (at t) and also sends its
+    own message to device 2, ready at once and later in the plan: over their one connection the ready
+    one goes first (ends at t), the relayed one after it (ends at 2t); in plan order it would wait to 3t."""
+    p = one_gpu_hosts()
+    t = p.nbytes / GBPS10
+    ops = [Operation(id=0, task=0, kind="broadcast", src=0, dsts=(1, 2), region=full(p), chunks=1),
+           Operation(id=1, task=1, kind="send", src=1, dsts=(2,), region=full(p))]
+    result = simulate(ops, p, "posted")
+    assert result.op_end_s[1] == pytest.approx(t) and result.op_end_s[0] == pytest.approx(2 * t)
+
+
 def test_device_order_frees_a_chain_head_before_the_tail():
     """A device's next operation waits for its own part of a broadcast (its last chunk sent), not for
     the chain's tail: the head's next send starts at t, while the 3-hop chain ends at t + 2t/K + 3L."""
