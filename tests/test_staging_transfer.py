@@ -20,7 +20,7 @@ from click.testing import CliRunner
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 from xmesh_plan.executor import PlanMismatchError, TransferExecutor
-from xmesh_plan.executor.joint import join_programs, tensor_programs
+from xmesh_plan.executor.joint import join_programs
 from xmesh_plan.executor.lower import lower
 from xmesh_plan.executor.ranks import plan_devices
 from xmesh_plan.executor.scale import factors_for, scale_tensors
