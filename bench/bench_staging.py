@@ -1,7 +1,8 @@
 """Staging memory: the largest staging area on one device, before (every staged box at once: posted order,
 and what device order allocated before it reused staging) and after (device order reuses a run's
 staging once the run is done), on the reference plans and the weight-sync examples; plans compiled with
-`--max-staging-mb`; and the executor's time per reshard with and without a limit, measured in one launch.
+`--max-staging-mb` (the small weight sync too: a multi-tensor plan shares one area per device); and the
+executor's time per reshard with and without a limit, measured in one launch per problem.
 
     .venv/bin/python bench/bench_staging.py [--iters 20]
 """
@@ -20,60 +21,47 @@ sys.path[:0] = [str(Path(__file__).resolve().parent.parent), str(Path(__file__).
 
 from report import replace_section, write_json  # noqa: E402
 from xmesh_plan.planner.compile import compile_plan  # noqa: E402
-from xmesh_plan.planner.problem_io import build_problem, load_problem  # noqa: E402
+from xmesh_plan.planner.problem_io import build_problem  # noqa: E402
 from xmesh_plan.planner.simulate import simulate_plan  # noqa: E402
 from xmesh_plan.planner.transfer_io import load_any_problem  # noqa: E402
 from xmesh_plan.planner.verify import verify_plan  # noqa: E402
 from xmesh_plan.schemas import Plan, load_plan  # noqa: E402
-from xmesh_plan.schemas.op_kinds import members  # noqa: E402
 from xmesh_plan.schemas.plan import write_atomic  # noqa: E402
 from xmesh_plan.schemas.plan_tensors import is_multi  # noqa: E402
-from xmesh_plan.schemas.staging import peers, run_peak, staged_bytes, staging_peaks  # noqa: E402
+from xmesh_plan.schemas.staging import staging_peaks  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 MPIEXEC = Path(sys.executable).parent / "mpiexec"
 COMMAND = ".venv/bin/python bench/bench_staging.py"
 TIMING = re.compile(r"([\d.]+) ms/iter median of \d+ \(min ([\d.]+)\).*staging ([\d.]+) (B|KiB|MiB)/rank")
 UNITS = {"B": 2**-10, "KiB": 1, "MiB": 2**10}
-LIMITED = ("case3", "case4", "case9")  # the reference plans that stage anything
-LIMITS_MB = (64, 16)
+LIMITED = {"case3": (64, 16), "case4": (64, 16), "case9": (64, 16),  # the reference plans that stage anything
+           "weight_sync_small": (1 / 32, 1 / 128)}  # MiB: a multi-tensor plan (its plain device-order peak is 64 KiB)
 SMALL = {"name": "staging_small", "shape": [256, 256, 64], "dtype": "int32", "src": {"mesh": "2x2", "spec": "S0 S1 R"},
          "dst": {"mesh": "2x2", "spec": "R S0 S1"}, "cluster": {"devices_per_host": 2}}  # 16 MiB on 8 ranks, every box strided
 SMALL_LIMITS_MB = (1, 0.25)  # half and an eighth of the plain plan's device-order peak (2 MiB)
+SYNC = ROOT / "plans" / "weight_sync_small.problem.toml"  # 21 bfloat16 tensors, 7.8 MiB on 8 ranks
+SYNC_LIMITS_MB = LIMITED["weight_sync_small"]
 
 
 def mib(nbytes: int) -> str:
     return f"{nbytes / 2**20:.1f}"
 
 
-def joint_device_peak(plan: Plan) -> int:
-    """A multi-tensor plan's largest device-order staging if it ran in device order over the joint list
-    (it runs posted today): the same runs as a single-tensor plan, each operation staged in its tensor's shards."""
-    problems = plan.problem.tensor_problems()
-    blocks = [(p.blocks("src"), p.blocks("dst"), p.itemsize) for p in problems]
-    per_device: dict[int, list] = {}
-    for op in plan.operations:
-        src, dst, itemsize = blocks[op.tensor]
-        for d in members(op):
-            per_device.setdefault(d, []).append((peers(op, d), staged_bytes(op, d, src.get(d), dst.get(d), itemsize)))
-    return max((run_peak(f, None) for f in per_device.values()), default=0)
-
-
 def before_after(name: str, plan: Plan) -> dict:
-    posted = staging_peaks(plan, "posted")
-    device = joint_device_peak(plan) if is_multi(plan) else max(staging_peaks(plan, "device").values(), default=0)
+    posted, device = staging_peaks(plan, "posted"), staging_peaks(plan, "device")
     return {"plan": name, "operations": len(plan.operations), "sum_max_mib": max(posted.values(), default=0) / 2**20,
-            "reuse_max_mib": device / 2**20, "multi": is_multi(plan)}
+            "reuse_max_mib": max(device.values(), default=0) / 2**20, "multi": is_multi(plan)}
 
 
 def limited_rows() -> list[dict]:
     rows = []
-    for name in LIMITED:
-        problem = load_problem(ROOT / "plans" / f"{name}.problem.json")
+    for name, limits in LIMITED.items():
+        problem = load_any_problem(next((ROOT / "plans").glob(f"{name}.problem.*")))
         plain = load_plan(ROOT / "plans" / f"{name}.plan.json")
-        for limit_mb in LIMITS_MB:
+        for limit_mb in limits:
             begin = time.perf_counter()
-            plan = compile_plan(problem, max_staging_bytes=limit_mb * 2**20)
+            plan = compile_plan(problem, max_staging_bytes=int(limit_mb * 2**20))
             seconds = time.perf_counter() - begin
             verify_plan(plan)
             rows.append({"plan": name, "limit_mb": limit_mb, "operations": len(plan.operations), "plain_operations": len(plain.operations),
@@ -83,28 +71,45 @@ def limited_rows() -> list[dict]:
     return rows
 
 
-def measured(iters: int) -> dict:
-    """The small problem without and with each limit, device order, every plan in one launch of 8 ranks."""
-    problem = build_problem(SMALL)
-    plans = [compile_plan(problem)] + [compile_plan(problem, max_staging_bytes=int(mb * 2**20)) for mb in SMALL_LIMITS_MB]
+def launch(plans: list[Plan], iters: int, *flags: str) -> list[str]:
+    """The executor's timing lines for `plans`, one launch of 8 ranks, every shard checked."""
     with tempfile.TemporaryDirectory(prefix="staging-") as folder:
         paths = [Path(folder) / f"{i}.plan.json" for i in range(len(plans))]
         for path, plan in zip(paths, plans):
             write_atomic(path, plan.to_json())
         cmd = [str(MPIEXEC), "-n", "8", sys.executable, "-m", "xmesh_plan.executor.run", *map(str, paths), "--check",
-               "--order", "device", "--iters", str(iters), "--warmup", "2", "--max-mb", "64"]
+               *flags, "--iters", str(iters), "--warmup", "2", "--max-mb", "64"]
         result = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=1800,
                                 env={"PYTHONPATH": str(ROOT), "PATH": str(MPIEXEC.parent)})
     lines = [line for line in result.stdout.splitlines() if TIMING.search(line)]
     if result.returncode or len(lines) != len(plans) or result.stdout.count("check ok") != len(plans):
         sys.exit(f"the launch failed (exit {result.returncode}):\n{result.stdout[-2000:]}\n{result.stderr[-2000:]}")
+    return lines
+
+
+def measured(iters: int, problem, limits_mb, *flags: str) -> dict:
+    """`problem` without and with each limit, every plan in one launch of 8 ranks (with `flags`)."""
+    plans = [compile_plan(problem)] + [compile_plan(problem, max_staging_bytes=int(mb * 2**20)) for mb in limits_mb]
+    lines = launch(plans, iters, *flags)
     found = [TIMING.search(line) for line in lines]
-    return {"iters": iters, "lines": lines, "operations": [len(p.operations) for p in plans],
+    return {"iters": iters, "lines": lines, "flags": list(flags), "operations": [len(p.operations) for p in plans],
             "median_ms": [float(m.group(1)) for m in found], "min_ms": [float(m.group(2)) for m in found],
             "staging_kib": [float(m.group(3)) * UNITS[m.group(4)] for m in found],
             "posted_kib": [max(staging_peaks(p, "posted").values(), default=0) / 2**10 for p in plans],
             "predicted_ms": [p.predicted_seconds * 1e3 for p in plans],
             "device_order_ms": [simulate_plan(p, "device-order").makespan_s * 1e3 for p in plans]}
+
+
+def size(nbytes: float) -> str:
+    """`64.0 MiB` or `16.0 KiB`: a staging size small weight-sync boxes still show."""
+    return f"{nbytes / 2**20:.1f} MiB" if nbytes >= 2**20 else f"{nbytes / 2**10:.1f} KiB"
+
+
+def measured_rows(run: dict, labels: list[str]) -> str:
+    ms, kib, predicted = run["median_ms"], run["staging_kib"], run["device_order_ms"]
+    return "\n".join(f"| {label} | {run['operations'][i]} | {kib[i]:.1f} | {run['posted_kib'][i]:.1f} | {ms[i]:.2f} "
+                     f"| {run['min_ms'][i]:.2f} | {predicted[i]:.2f} | {ms[i] / ms[0]:.2f}x | {predicted[i] / predicted[0]:.2f}x |"
+                     for i, label in enumerate(labels))
 
 
 def main() -> None:
@@ -115,23 +120,28 @@ def main() -> None:
     llama = compile_plan(load_any_problem(ROOT / "plans" / "weight_sync_llama3_8b.problem.toml"))
     references.append(before_after("weight_sync_llama3_8b (compiled here)", llama))
     limited = limited_rows()
-    run = measured(args.iters)
+    run = measured(args.iters, build_problem(SMALL), SMALL_LIMITS_MB, "--order", "device")
+    sync = measured(args.iters, load_any_problem(SYNC), SYNC_LIMITS_MB, "--order", "device")
+    posted = TIMING.search(launch([compile_plan(load_any_problem(SYNC))], args.iters)[0])  # the plain plan in its default order
+    sync["posted_default"] = {"median_ms": float(posted.group(1)), "min_ms": float(posted.group(2)),
+                              "staging_kib": float(posted.group(3)) * UNITS[posted.group(4)]}
     for row in references + limited:
         print(row, flush=True)
-    print(run, flush=True)
-    write_json("staging.json", {"command": COMMAND, "references": references, "limited": limited, "measured": run})
+    print(run, sync, flush=True)
+    write_json("staging.json", {"command": COMMAND, "references": references, "limited": limited, "measured": run, "weight_sync": sync})
     staged = [r for r in references if r["sum_max_mib"]]
     quiet = ", ".join(r["plan"] for r in references if not r["sum_max_mib"])
-    table = "\n".join(f"| {r['plan']}{' (multi-tensor: runs posted)' if r['multi'] else ''} | {r['operations']} | {r['sum_max_mib']:.1f} "
+    table = "\n".join(f"| {r['plan']}{' (multi-tensor)' if r['multi'] else ''} | {r['operations']} | {r['sum_max_mib']:.1f} "
                       f"| {r['reuse_max_mib']:.1f} | {r['sum_max_mib'] / r['reuse_max_mib']:.1f}x |" for r in staged)
-    limits = "\n".join(f"| {r['plan']} | {r['limit_mb']} | {r['plain_operations']} -> {r['operations']} | {r['peak_mib']:.1f} "
-                       f"| {r['posted_peak_mib']:.1f} | {r['plain_predicted_s']:.4f} -> {r['predicted_s']:.4f} | {r['compile_s']:.1f} |"
+    limits = "\n".join(f"| {r['plan']} | {r['limit_mb']:g} | {r['plain_operations']} -> {r['operations']} | {size(r['peak_mib'] * 2**20)} "
+                       f"| {size(r['posted_peak_mib'] * 2**20)} | {r['plain_predicted_s']:.4f} -> {r['predicted_s']:.4f} | {r['compile_s']:.1f} |"
                        for r in limited)
-    ms, kib, predicted = run["median_ms"], run["staging_kib"], run["device_order_ms"]
-    labels = ["plain"] + [f"--max-staging-mb {mb:g}" for mb in SMALL_LIMITS_MB]
-    measured_rows = "\n".join(f"| {label} | {run['operations'][i]} | {kib[i]:.1f} | {run['posted_kib'][i]:.1f} | {ms[i]:.2f} "
-                               f"| {run['min_ms'][i]:.2f} | {predicted[i]:.2f} | {ms[i] / ms[0]:.2f}x | {predicted[i] / predicted[0]:.2f}x |"
-                               for i, label in enumerate(labels))
+    ms, predicted = run["median_ms"], run["device_order_ms"]
+    small_rows = measured_rows(run, ["plain"] + [f"--max-staging-mb {mb:g}" for mb in SMALL_LIMITS_MB])
+    sync_rows = measured_rows(sync, ["plain"] + [f"--max-staging-mb {mb:g}" for mb in SYNC_LIMITS_MB])
+    default = sync["posted_default"]
+    sync_ms, sync_kib = sync["median_ms"], sync["staging_kib"]
+    sync_ratios = [t / sync_ms[0] for t in sync_ms[1:]]
     replace_section("Staging memory", f"""
 Made by `{COMMAND} --iters {args.iters}` (2-core CPU machine shared with other jobs; 8 ranks oversubscribe it, so
 compare the ratio, not the times). A box that is not one run of a device's shard is packed into, or
@@ -144,9 +154,10 @@ Largest staging area on one device, MiB:
 |---|---|---|---|---|
 {table}
 
-Plans that stage nothing (every box one run of its shards): {quiet}. The weight-sync plans run posted
-(multi-tensor plans have no device order yet), so their "after" is what device order over the joint
-list would allocate, not what they allocate today; `--max-staging-mb` refuses multi-tensor problems.
+Plans that stage nothing (every box one run of its shards): {quiet}. A multi-tensor plan's "after" is
+the one area every tensor shares in device order (`executor.joint`), which it allocates with `--order
+device` and by default once compiled with `--max-staging-mb`; without a limit MPI runs it posted by
+default, which allocates the "before" column (each tensor's own area).
 Device order saves nothing on case3 and case9: the device with the largest area relays two broadcasts
 with the same peers one after the other, and consecutive operations with the same peers run together
 (one run, both boxes staged at once), which `--max-staging-mb` splits.
@@ -154,7 +165,7 @@ with the same peers one after the other, and consecutive operations with the sam
 With `--max-staging-mb` (compiled here, default solver; each plan verified; peak in device order,
 which the plan states; posted order would need the "posted" column, so the executor refuses it):
 
-| plan | limit MiB | operations | peak MiB | posted MiB | predicted s (plain -> limited) | compile s |
+| plan | limit MiB | operations | peak | posted | predicted s (plain -> limited) | compile s |
 |---|---|---|---|---|---|---|
 {limits}
 
@@ -165,10 +176,24 @@ Ratios are to the plain plan, measured in the same launch:
 
 | plan | operations | staging KiB/rank (allocated, largest) | posted order would need KiB | measured ms per reshard (median) | min ms | predicted ms (device order) | measured / plain | predicted / plain |
 |---|---|---|---|---|---|---|---|---|
-{measured_rows}
+{small_rows}
+
+The small weight sync (`plans/weight_sync_small.problem.toml`: 21 bfloat16 tensors, 7.8 MiB, 8 ranks),
+plain against two limits, the same way (device order, one launch; "staging" is what each rank
+allocated, `TransferExecutor.stage_bytes`: one area every tensor shares). The plain plan in MPI's
+default order for it (posted, another launch) took {default['median_ms']:.2f} ms (min {default['min_ms']:.2f}) with
+{default['staging_kib']:.1f} KiB of staging on the largest rank:
+
+| plan | operations | staging KiB/rank (allocated, largest) | posted order would need KiB | measured ms per reshard (median) | min ms | predicted ms (device order) | measured / plain | predicted / plain |
+|---|---|---|---|---|---|---|---|---|
+{sync_rows}
+
+Device order is what keeps a transfer's staging bounded, and on MPI it costs time on this machine: the
+plain plan took {sync_ms[0] / default['median_ms']:.2f}x as long in device order as posted ({sync_ms[0]:.2f} against {default['median_ms']:.2f} ms) with
+{sync_kib[0] / default['staging_kib']:.2f}x the staging; within device order the limits cost {min(sync_ratios):.2f}x to {max(sync_ratios):.2f}x the plain plan's time.
 
 "Predicted" is the simulator in device order (`xmesh-plan inspect --orders`), the executor's order here.
-Cutting a box into {run['operations'][-1] // run['operations'][0]}x the operations costs {predicted[-1] / predicted[0]:.2f}x
+On the 16 MiB tensor, cutting a box into {run['operations'][-1] // run['operations'][0]}x the operations costs {predicted[-1] / predicted[0]:.2f}x
 predicted (the model overlaps message latencies and charges each message a small overhead) but
 {ms[-1] / ms[0]:.2f}x measured: on this oversubscribed CPU machine each message and each wait at a run
 boundary costs far more than the model's per-message figures. Pick the largest limit that fits.

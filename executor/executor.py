@@ -145,19 +145,34 @@ class ReshardingExecutor:
         Each rank lowers the plan for its device; the ranks then compare plan fingerprints and
         outcomes, so a bad plan or a rank with another plan fails everywhere before any byte moves.
         """
-        if self.engine is not None or self.closed:
+        self.lower_program()
+        self.setup_engine()
+        return self
+
+    def lower_program(self) -> RankProgram:
+        """`prepare()`'s first half, on every rank: lower the plan for this device and agree that every rank could.
+
+        `TransferExecutor` calls the halves apart, so that in device order it can lay every tensor's
+        staging out in one area (`executor.joint`) before the engines are set up."""
+        if self.engine is not None or self.program is not None or self.closed:
             raise ExecutorError("prepare() was already called on this executor; call it once, then run() every iteration")
         # messages each need their own tag (below MPI's TAG_UB); CuPy's NCCL calls use no tags
         tag_limit = 2**62 if self.entry.name == "nccl" else self.world.tag_limit()
-        error = None
+        error = program = None
         try:  # a refusal here (the world size too) is shared with every rank before anyone raises
             program = lower(self.plan, self.device, tag_limit=tag_limit, first_tag=self.tag_offset)
             if self.order == "device":  # joined: one engine orders every tensor's steps (TransferExecutor)
                 program = replace(program, order="device") if self.joined else in_device_order(program, stage_budget(self.plan))
-            self.program = check_staging(self.plan, program, self.order)
+            program = check_staging(self.plan, program, self.order)
         except PlanMismatchError as err:
             error = err
         self._agree(error)
+        self.program = program
+        return program
+
+    def setup_engine(self, stage=None) -> None:
+        """`prepare()`'s second half: the communicator, the engine and its buffers (`stage`: a staging area the
+        engine uses instead of allocating its own; `TransferExecutor` passes one shared by every tensor)."""
         self.src_shape = self.program.src_shape
         self.comm = self.shared_comm if self.shared_comm is not None else self.world.engine_comm(self.timeout_s, self.poll_s)
         problem = self.plan.problem
@@ -167,8 +182,10 @@ class ReshardingExecutor:
         if self.backend in ("gloo", "nccl") and self.world.kind == "torch" and self.world.backend != self.backend:
             raise ExecutorError(f"backend={self.backend!r} but the process group runs {self.world.backend}; "
                                 "pass backend='torch' (any group) or a group of that backend")
-        self.engine.setup()
-        return self
+        if stage is None:
+            self.engine.setup()
+        else:
+            self.engine.setup(stage=stage)
 
     def _agree(self, error: PlanMismatchError | None) -> None:
         """All ranks learn whether any rank refused the plan or loaded a different one."""

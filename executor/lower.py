@@ -26,7 +26,7 @@ from xmesh_plan.schemas.geometry import Region, intersect, local_slices, region_
 from xmesh_plan.schemas.plan import format_region
 from xmesh_plan.schemas.op_kinds import bundle_runs, chunk_bounds, nccl_group, rule_of, supported, tags_used
 from xmesh_plan.schemas.plan_check import TOLERANCE_S, PlanError, check_plan, describe, uncovered
-from xmesh_plan.schemas.staging import ORDERS, contiguous_span, device_runs
+from xmesh_plan.schemas.staging import ORDERS, contiguous_span, device_layout
 
 from .errors import PlanMismatchError
 
@@ -422,25 +422,25 @@ def _staging_spans(program: RankProgram) -> dict[int, tuple[frozenset[int], int,
     return {op: (peers, lo or 0, hi or 0) for op, (peers, lo, hi) in spans.items()}
 
 
-def in_device_order(program: RankProgram, stage_budget: int | None = None) -> RankProgram:
+def in_device_order(program: RankProgram, stage_budget: int | None = None, align: int | None = None) -> RankProgram:
     """The same steps, but each operation's messages (and packs) wait for every step of this device's
     earlier operations, so a device takes part in one operation at a time, in plan order, at both ends of
     a message: the simulator's `device-order`, as NCCL runs a stream's calls, instead of posting every
     operation at once (`posted`). Consecutive operations with the same peers (a local copy has none and joins the run it is in) run together: they share
     the same links in order anyway, and waiting between them would only add a round trip each; with a
     `stage_budget` (the plan's `--max-staging-mb`) a run also ends before it would stage more than that
-    (`schemas.staging.device_runs`). Every run starts its staging at byte 0: the runs before it have
-    finished, so `stage_bytes` becomes the largest run's staging (`schemas.staging.staging_peaks`).
+    (`schemas.staging.device_layout`). Every run starts its staging at byte 0, its operations one after
+    another, each at a multiple of `align` (default: the program's element size; `executor.joint` passes
+    the largest among a plan's tensors): the runs before it have finished, so `stage_bytes` becomes the
+    largest run's staging (`schemas.staging.staging_peaks`).
     Deadlock-free: every rank walks the plan in one order, so the earliest unfinished operation never
     waits on a later one.
     """
     spans = _staging_spans(program)
-    run_of = dict(zip(spans, device_runs([(peers, hi - lo) for peers, lo, hi in spans.values()], stage_budget)))
-    base: dict[int, int] = {}  # run -> its first staging byte in the posted layout (operations stage in plan order)
-    for op, (_, lo, hi) in spans.items():
-        if hi > lo:
-            base.setdefault(run_of[op], lo)
-    peak = max((hi - base[run_of[op]] for op, (_, lo, hi) in spans.items() if hi > lo), default=0)
+    layout = device_layout([(peers, hi - lo) for peers, lo, hi in spans.values()], stage_budget, align or program.itemsize)
+    run_of = {op: run for op, (run, _) in zip(spans, layout)}
+    shift = {op: lo - start for (op, (_, lo, _)), (_, start) in zip(spans.items(), layout)}  # posted byte - shift = byte in its run
+    peak = max((start + hi - lo for (_, lo, hi), (_, start) in zip(spans.values(), layout) if hi > lo), default=0)
     steps: list[Step] = []
     barrier: tuple[int, ...] = ()  # steps whose completion means every operation before this run has finished
     run: list[int] = []  # steps of the current run
@@ -454,8 +454,8 @@ def in_device_order(program: RankProgram, stage_budget: int | None = None) -> Ra
         if barrier and s.action in ("send", "recv", "pack"):
             s, gated = replace(s, deps=tuple(sorted(set(s.deps) | set(barrier)))), True
         if s.data is not None and s.data.buffer == "stage":
-            shift = base[current]
-            s = replace(s, data=Bytes("stage", s.data.start - shift, s.data.stop - shift))
+            moved = shift[s.op]
+            s = replace(s, data=Bytes("stage", s.data.start - moved, s.data.stop - moved))
         steps.append(s)
         run.append(s.index)
     return replace(program, steps=tuple(steps), stage_bytes=peak, order="device")

@@ -64,17 +64,19 @@ class MpiEngine:
         self.owner: object | None = None  # the token of the thread that last started or waited for a reshard
         self.lock = threading.Lock()  # held while a thread progresses this engine's requests
 
-    def setup(self, mpi=None) -> None:
+    def setup(self, mpi=None, stage: np.ndarray | None = None) -> None:
         """Allocate the destination shard and staging, and make every request and view that does not read the source shard.
 
-        `mpi` stands in for the `mpi4py.MPI` module (tests pass an in-process fake).
+        `mpi` stands in for the `mpi4py.MPI` module (tests pass an in-process fake). `stage`: a staging
+        area to use instead of allocating one (a uint8 array of at least `program.stage_bytes`): the one
+        area every tensor of a multi-tensor plan shares in device order (`executor.joint`).
         """
         if mpi is None:
             from mpi4py import MPI as mpi
         self._mpi = mpi
         p, n = self.program, len(self.steps)
         self.dst = np.empty(p.dst_shape, self.dtype) if p.dst_shape is not None else None
-        self.stage = np.empty(p.stage_bytes, np.uint8)
+        self.stage = np.empty(p.stage_bytes, np.uint8) if stage is None else _shared_stage(stage, p.stage_bytes)
         self.flat = {"dst": self.dst.reshape(-1).view(np.uint8) if self.dst is not None else None, "stage": self.stage}
         self.peer_rank = [self.rank_of.get(s.peer, -1) for s in self.steps]
         self.requests: list = [None] * n
@@ -355,6 +357,14 @@ class JointMpiEngine(MpiEngine):
     def close(self) -> None:
         """Refuse to run again; the requests belong to the tensors' engines, which free them when closed."""
         self.broken = self.broken or "closed"
+
+
+def _shared_stage(stage: np.ndarray, nbytes: int) -> np.ndarray:
+    """`stage` when it is a uint8 array of at least `nbytes`; ValueError naming what to pass otherwise."""
+    if not isinstance(stage, np.ndarray) or stage.dtype != np.uint8 or stage.ndim != 1 or stage.size < nbytes:
+        raise ValueError(f"setup(stage=...) needs a 1-D uint8 numpy array of at least {nbytes} B (the program's stage_bytes); "
+                         f"got {getattr(stage, 'dtype', type(stage).__name__)} of {getattr(stage, 'size', '?')} elements")
+    return stage
 
 
 def _reads_src(step) -> bool:

@@ -109,4 +109,8 @@ def scale_tensors(plan: Plan, factors: list[tuple[int, ...]]) -> Plan:
         op["region"], op["parts"] = ops[op["id"]].region, ops[op["id"]].parts
     for task in data["tasks"]:
         task["region"], task["nbytes"] = tasks[task["id"]].region, tasks[task["id"]].nbytes
-    return Plan.model_validate(data)
+    scaled = Plan.model_validate(data)
+    if scaled.staging is not None:  # each tensor's staged boxes shrink by its own factor: the limit by the least, the peaks restated
+        least = min(math.prod(f) for f in factors)
+        scaled = with_stated_staging(scaled, max(1, -(-scaled.staging.limit_bytes // least)))
+    return scaled

@@ -65,8 +65,12 @@ class TorchEngine:
         self.broken: str | None = None
         self.failure: ExecutorError | None = None
 
-    def setup(self) -> None:
-        """Allocate the destination shard and staging on the group's device and make every view that does not read the source."""
+    def setup(self, stage=None) -> None:
+        """Allocate the destination shard and staging on the group's device and make every view that does not read the source.
+
+        `stage`: a staging area to use instead of allocating one (a 1-D uint8 tensor on the group's device of
+        at least `program.stage_bytes`): the one area every tensor of a multi-tensor plan shares in device
+        order (`executor.joint`)."""
         import torch
         import torch.distributed as dist
 
@@ -80,7 +84,11 @@ class TorchEngine:
         self.dtype = torch_dtype(torch, self.context.dtype_name)
         p = self.program
         self.dst = torch.empty(p.dst_shape, dtype=self.dtype, device=self.device) if p.dst_shape is not None else None
-        self.stage = torch.empty(p.stage_bytes, dtype=torch.uint8, device=self.device)
+        self.stage = torch.empty(p.stage_bytes, dtype=torch.uint8, device=self.device) if stage is None else stage
+        if stage is not None and (stage.dtype != torch.uint8 or stage.dim() != 1 or stage.numel() < p.stage_bytes
+                                  or stage.device != self.device):
+            raise ValueError(f"setup(stage=...) needs a 1-D uint8 tensor on {self.device} of at least {p.stage_bytes} B "
+                             f"(the program's stage_bytes); got {stage.dtype} of {stage.numel()} elements on {stage.device}")
         self.flat = {"dst": _bytes_of(self.dst), "stage": self.stage, "dst_typed": self.dst}
         self.rank = dist.get_rank(self.group)
         self.peer_rank = [self.context.rank_of.get(s.peer, -1) for s in self.steps]

@@ -10,18 +10,23 @@ buffers. A rank outside the source mesh passes None (or {}); outside the destina
 A single-tensor plan works too, its one tensor named by the problem's name. How the tensors run:
 
 - `order=None` (the default): `default_order`: `posted` for a multi-tensor plan on the `mpi` engine
-  (measured faster) and the `nccl` engine (its only order for one), `device` otherwise.
+  (measured faster) unless the plan states a staging limit (`compile --max-staging-mb`), and on the
+  `nccl` engine (its only order for one), `device` otherwise.
 - `order="device"`: each device takes part in one operation at a
   time in the joint plan's order, across tensors (`executor.joint`): one engine replays this device's
-  steps of every tensor, with each tensor's buffers; its tensors' tags are numbered one after another
-  on one communicator. On `mpi` and `torch`; `nccl` refuses it (its tensors run one after another).
+  steps of every tensor, with each tensor's buffers and one staging area shared by every tensor, re-used
+  run after run (`stage_bytes`; what `schemas.staging.staging_peaks` computes and a limited plan
+  states); its tensors' tags are numbered one after another on one communicator. On `mpi` and `torch`;
+  `nccl` refuses it (its tensors run one after another).
 - `order="posted"`: on `mpi` every message of every tensor is posted at once: each tensor's reshard
   is started before any is waited for, and a waiting MPI engine drives the others this thread
   started; they share one duplicated communicator, each tensor's tags numbered after the ones before
   it. The torch engine (one process group for all tensors, NCCL pairing messages by order) and the
   NCCL engine do not run several reshards in flight, so they run the tensors one after another in
   tensor order: `start()` starts the first, `test()` and `wait()` start each next one as the one
-  before finishes.
+  before finishes. Each tensor has its own staging area (the sum over tensors), so a plan compiled
+  with `--max-staging-mb` is refused posted where that sum is above the peak it states; the NCCL
+  engine refuses such a plan in any order.
 
 Every engine takes and returns the same name -> shard mappings.
 """
@@ -33,11 +38,12 @@ from typing import Any, Mapping
 from xmesh_plan.schemas import Plan
 from xmesh_plan.schemas.plan_check import PlanError, check_plan, tags_used
 from xmesh_plan.schemas.plan_tensors import is_multi, tensor_names, tensor_plans
+from xmesh_plan.schemas.staging import staging_peaks
 
 from .errors import ExecutorError, PlanMismatchError
 from .engines import engine_entry
 from .executor import DEFAULT_POLL_S, ReshardingExecutor, check_usable, finish_in_flight
-from .joint import join_programs
+from .joint import JointProgram, join_programs, tensor_programs
 from .lower import ORDERS
 from .ranks import device_of_rank
 from .worlds import is_mpi_comm
@@ -51,8 +57,30 @@ def default_order(plan: Plan, engine: str) -> str:
     plan on `mpi`, which posts every tensor's messages at once and measured faster so (the small weight
     sync on 8 MPI ranks: 2.76x; BENCHMARKS.md, "Weight sync on the executor"), and on `nccl`, which
     takes no other order for one (it runs the tensors one after another). The torch engine's posted
-    order also runs the tensors one after another, so it keeps device order."""
-    return "posted" if is_multi(plan) and engine != "torch" else "device"
+    order also runs the tensors one after another, so it keeps device order; and a plan that states a
+    staging limit (`--max-staging-mb`) keeps it on `mpi` too, since posted order stages every box at once."""
+    if not is_multi(plan) or engine == "torch" or (engine == "mpi" and plan.staging is not None):
+        return "device"
+    return "posted"
+
+
+def check_transfer_staging(plan: Plan, order: str, engine: str) -> None:
+    """Refuse (on every rank alike: it reads only the plan) to run a multi-tensor plan that states a staging
+    limit in a way that would allocate more than the peak it states on some device."""
+    if not is_multi(plan) or plan.staging is None:
+        return
+    if engine == "nccl":
+        raise PlanMismatchError("backend 'nccl' runs a multi-tensor plan's tensors one after another, each with its own "
+                                "staging, and cannot keep to the staging limit this plan states (--max-staging-mb); use "
+                                "backend 'mpi' or 'torch', or recompile the plan without --max-staging-mb", same_on_every_rank=True)
+    stated, need = plan.staging.peak_bytes, staging_peaks(plan, order)
+    for device, nbytes in need.items():
+        if nbytes > stated.get(device, 0):
+            how = "every tensor's staged boxes at once" if order == "posted" else "one area shared by every tensor"
+            raise PlanMismatchError(f"order={order!r} needs {nbytes} B of staging on device {device} ({how}), but the plan states "
+                                    f"{stated.get(device, 0)} B there (compiled with a staging limit of {plan.staging.limit_bytes} B, "
+                                    f"--max-staging-mb, for order={plan.staging.order!r}); run it with order={plan.staging.order!r}, "
+                                    "or recompile it without --max-staging-mb to run it in this order", same_on_every_rank=True)
 
 
 class TransferExecutor:
@@ -72,6 +100,7 @@ class TransferExecutor:
             raise PlanMismatchError(f"{err}; recompile the plan and check it with `xmesh-plan verify`",
                                     same_on_every_rank=True) from None  # every rank reads the same plan
         named = backend or world
+        check_transfer_staging(plan, order, engine_entry(named, world).name)
         self.concurrent = named in CONCURRENT_BACKENDS
         self.plan, self.names, self.order = plan, tensor_names(plan), order
         self.parts = [ReshardingExecutor(p, comm, backend, timeout_s, poll_s, gpu, order) for p in tensor_plans(plan)]
@@ -90,33 +119,54 @@ class TransferExecutor:
         self.current = len(self.parts)  # one after another: the tensor in flight (len(parts): none)
         self.running = False  # one after another: between start() and wait()
         self.engine = None  # device order: the joint engine, made by prepare()
+        self.joint: JointProgram | None = None  # device order: this device's steps of every tensor, made by prepare()
         self.in_flight = self.closed = False  # device order: between start() and wait(); after close()
 
     @property
     def device(self) -> int:
         return self.parts[0].device
 
+    @property
+    def stage_bytes(self) -> int:
+        """Bytes of staging this rank allocated: in device order one area every tensor shares (`executor.joint`),
+        posted each tensor's own (the sum). At most what the plan states for this device when it states any."""
+        if self.joint is not None:
+            return self.joint.stage_bytes
+        return sum(part.program.stage_bytes for part in self.parts if part.program is not None)
+
     def prepare(self) -> "TransferExecutor":
         """Check and set up every tensor's executor (in tensor order, on every rank).
 
-        On MPI the first tensor's executor duplicates the communicator and the others share it, each
-        numbering its tags after the tensors before it (a plan's tags fit MPI's TAG_UB together)."""
+        Every tensor's plan is lowered (and agreed on by every rank) first; in device order the joint
+        program then lays their staging out in one area, which the first tensor's engine allocates and
+        the others share. On MPI the first tensor's executor duplicates the communicator and the others
+        share it, each numbering its tags after the tensors before it (a plan's tags fit MPI's TAG_UB together)."""
         first, world = self.parts[0], self.parts[0].world  # the world's size against the joint plan, named as the user knows it
         joint = first.plan.model_copy(update={"problem": first.plan.problem.model_copy(update={"name": self.plan.problem.name})})
         device_of_rank(joint, world.rank, world.size, world.label, world.launch)
+        for part in self.parts:
+            part.lower_program()
+        if self.joined:
+            self._join()
+        stage = None
         for k, part in enumerate(self.parts):
             if (self.concurrent or self.joined) and k:
                 part.shared_comm = self.parts[0].comm
-            part.prepare()
+            part.setup_engine(stage)
+            if self.joined:
+                stage = part.engine.stage  # the first tensor's engine allocated the joint program's area; the rest share it
         if self.joined:
-            self._join()
+            self.engine = self.entry.make_joint(self.joint, [part.engine for part in self.parts])
             self.engine.setup()
         return self
 
     def _join(self) -> None:
-        """The joint engine: this device's steps of every tensor as one program in device order (`executor.joint`)."""
-        program = join_programs([part.program for part in self.parts], self.plan)
-        self.engine = self.entry.make_joint(program, [part.engine for part in self.parts])
+        """Device order: this device's steps of every tensor as one program (`executor.joint`), and each tensor's
+        program re-based into the one staging area they share (before their engines are set up)."""
+        programs = [part.program for part in self.parts]
+        self.joint = join_programs(programs, self.plan)
+        for part, program in zip(self.parts, tensor_programs(self.joint, programs)):
+            part.program = program
 
     def run(self, shards: Mapping[str, Any] | None = None) -> dict[str, Any]:
         """Reshard every tensor once: this rank's source shards by name in, its destination shards by name out."""

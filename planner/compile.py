@@ -113,8 +113,9 @@ def assemble(problem: ReshardingProblem, cells: list[Cell], options: list[TaskOp
 def assemble_joint(problem: ReshardingProblem | TransferProblem, works: list[TensorWork], schedule: Schedule,
                    strategy: str, seed: int, max_staging_bytes: int | None = None, max_operations: int | None = None) -> Plan:
     """`assemble` for every tensor of a problem at once: tasks of all tensors share the NICs and one timeline.
-    `max_staging_bytes` (a single-tensor problem): operations that would stage more on a device are cut
-    (`staging_limit.limit_staging`, at most `max_operations` in all) and the plan states each device's peak."""
+    `max_staging_bytes`: operations that would stage more on a device are cut (`staging_limit.limit_staging`,
+    each in its own tensor's elements, at most `max_operations` in all) and the plan states each device's
+    peak in device order (across tensors: one staging area per device)."""
     tasks, timed_ops, per_resource = [], [], {}
     cluster = problem.cluster
     for work in works:
@@ -138,7 +139,7 @@ def assemble_joint(problem: ReshardingProblem | TransferProblem, works: list[Ten
         for cell in (c for c in work.cells if not c.receivers and c.local_copies):
             timed_ops += [(at, -1, work.index, op) for at, op in _copy_ops(cell, single)]
     if max_staging_bytes is not None:
-        timed_ops = limit_staging(timed_ops, works[0].problem, max_staging_bytes, max_operations)
+        timed_ops = limit_staging(timed_ops, [w.problem for w in works], max_staging_bytes, max_operations)
     timed_ops.sort(key=lambda item: (item[0], item[1] if item[1] >= 0 else len(tasks), item[2] or 0, item[3].kind,
                                      item[3].src or 0, item[3].dsts))
     operations = tuple(
@@ -241,9 +242,9 @@ def compile_plan(problem: ReshardingProblem | TransferProblem, strategy: str = "
     `solver.details`), as many tasks per box as it has receiving hosts. `coalesce`: small cells between
     two hosts travel in bundles of at most `bucket_bytes` (`planner/coalesce.py`; a bundle holds boxes of one tensor;
     default 4 MiB, or `max_staging_bytes` when that is less). `max_staging_bytes`: no device stages more in
-    device order (`planner/staging_limit.py`; single-tensor problems only); the plan states the limit and
-    each device's peak (`Plan.staging`), and more than `max_tasks` operations are refused."""
-    bucket_bytes = _bucket(bucket_bytes, max_staging_bytes, isinstance(problem, TransferProblem))
+    device order (`planner/staging_limit.py`; a transfer's tensors share one staging area per device); the
+    plan states the limit and each device's peak (`Plan.staging`), and more than `max_tasks` operations are refused."""
+    bucket_bytes = _bucket(bucket_bytes, max_staging_bytes)
     on_stage("cutting unit tasks")
     singles = problem.tensor_problems()
     check_joint_task_count(singles, max_tasks)
@@ -271,14 +272,11 @@ def compile_plan(problem: ReshardingProblem | TransferProblem, strategy: str = "
     return assemble_joint(problem, works, schedule, strategy, seed, max_staging_bytes, max_tasks)
 
 
-def _bucket(bucket_bytes: int | None, max_staging_bytes: int | None, multi: bool) -> int:
+def _bucket(bucket_bytes: int | None, max_staging_bytes: int | None) -> int:
     """The bundle bucket: as given, else 4 MiB or the staging limit when less; refused above the limit
-    (a bundle is staged whole on both relays). A staging limit needs a single-tensor problem."""
+    (a bundle is staged whole on both relays)."""
     if max_staging_bytes is None:
         return DEFAULT_BUCKET_BYTES if bucket_bytes is None else bucket_bytes
-    if multi:
-        raise InputError("--max-staging-mb works on single-tensor problems only (multi-tensor plans run posted, where every "
-                         "staged box is allocated at once); compile this transfer without --max-staging-mb")
     if bucket_bytes is None:
         return min(DEFAULT_BUCKET_BYTES, max_staging_bytes)
     if bucket_bytes > max_staging_bytes:

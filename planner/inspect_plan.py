@@ -142,8 +142,7 @@ def _peak(peaks: dict[int, int]) -> str:
 
 def staging_lines(plan: Plan) -> list[str]:
     """The largest staging area on one device in each executor order (`schemas.staging`), and the plan's stated limit."""
-    orders = ("posted",) if is_multi(plan) else ("device", "posted")
-    shown = "; ".join(f"{order} order {_peak(staging_peaks(plan, order))}" for order in orders)
+    shown = "; ".join(f"{order} order {_peak(staging_peaks(plan, order))}" for order in ("device", "posted"))
     lines = [f"staging per device (boxes that are not one run of a shard): {shown}"]
     if plan.staging is not None:
         stated = plan.staging

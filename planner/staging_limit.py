@@ -6,9 +6,11 @@ into operations over consecutive sub-boxes of at most the limit (slabs along the
 needs cutting, in C order), each with the same devices, its share of the chunks and of the time; a
 bundle's bucket is capped by the limit instead (`compile_plan`). In device order a run of operations
 then also ends before it would stage more than the limit (`schemas.staging.device_runs`), so each
-device's peak is at most the limit. A limit below one element cannot be met, and one so small that
-the plan would exceed `max_operations` operations is refused: both errors name the smallest limit
-that works.
+device's peak is at most the limit. In a multi-tensor problem each operation is cut in its own
+tensor's elements, and device order runs every tensor's operations in one staging area per device,
+so the limit holds across tensors too. A limit below one element (of the tensor with the largest
+elements) cannot be met, and one so small that the plan would exceed `max_operations` operations is
+refused: both errors name the smallest limit that works.
 
 >>> split_box(((0, 4), (0, 6)), max_elements=12)
 [((0, 2), (0, 6)), ((2, 4), (0, 6))]
@@ -108,50 +110,54 @@ def op_staging(op: PlannedOp, problem: ReshardingProblem) -> int:
     return max((staged_bytes(op, d, src.get(d), dst.get(d), problem.itemsize) for d in members(op)), default=0)
 
 
-def _count(staging: Iterable[tuple[int, PlannedOp]], limit: int, itemsize: int) -> int:
+def _count(staging: Iterable[tuple[int, int, PlannedOp]], limit: int) -> int:
     """Operations after cutting every one that stages more than `limit`."""
-    return sum(piece_count(op.region, limit // itemsize) if nbytes > limit else 1 for nbytes, op in staging)
+    return sum(piece_count(op.region, limit // itemsize) if nbytes > limit else 1 for nbytes, itemsize, op in staging)
 
 
-def smallest_limit(staging: list[tuple[int, PlannedOp]], itemsize: int, max_operations: int | None) -> int:
-    """The smallest limit (a whole number of elements, at least one) that cuts into at most `max_operations` operations."""
-    lo, hi = 1, max([nbytes // itemsize for nbytes, _ in staging] + [1])
+def smallest_limit(staging: list[tuple[int, int, PlannedOp]], itemsize: int, max_operations: int | None) -> int:
+    """The smallest limit in bytes (at least `itemsize`, the largest element) that cuts into at most
+    `max_operations` operations; each operation is cut in its own element size."""
+    lo, hi = itemsize, max([nbytes for nbytes, _, _ in staging] + [itemsize])
     if max_operations is None:
         return itemsize
     while lo < hi:
         mid = (lo + hi) // 2
-        if _count(staging, mid * itemsize, itemsize) <= max_operations:
+        if _count(staging, mid) <= max_operations:
             hi = mid
         else:
             lo = mid + 1
-    return lo * itemsize
+    return lo
 
 
-def limit_staging(timed_ops: list[TimedOp], problem: ReshardingProblem, limit_bytes: int,
+def limit_staging(timed_ops: list[TimedOp], problems: Sequence[ReshardingProblem], limit_bytes: int,
                   max_operations: int | None) -> list[TimedOp]:
     """Every operation that would stage more than `limit_bytes` on a device, cut into operations that stage
-    at most that (see the module docstring); StagingLimitError when the limit cannot be met."""
-    itemsize = problem.itemsize
-    staging = [(op_staging(op, problem), op) for _, _, _, op in timed_ops]
-    if any(op.kind == "bundle" and nbytes > limit_bytes for nbytes, op in staging):
+    at most that (see the module docstring); StagingLimitError when the limit cannot be met. `problems[t]`
+    is tensor t's problem (the one problem of a single-tensor plan, whose operations have tensor None)."""
+    staging = [(op_staging(op, problems[tensor or 0]), problems[tensor or 0].itemsize, op) for _, _, tensor, op in timed_ops]
+    if any(op.kind == "bundle" and nbytes > limit_bytes for nbytes, _, op in staging):
         raise ValueError("a bundle stages more than the staging limit; cap the bucket by it (compile_plan does)")
+    widest = max(problems, key=lambda p: p.itemsize)  # the first tensor with the largest elements
+    itemsize = widest.itemsize
     if limit_bytes < itemsize:
         smallest = smallest_limit(staging, itemsize, max_operations)
         within = f" (for at most --max-tasks {max_operations} operations)" if smallest > itemsize else ""
-        raise StagingLimitError(f"--max-staging-mb: {limit_bytes} B is below one {problem.dtype} element ({itemsize} B), the smallest "
-                                f"piece a staged box can be cut into; the smallest value that works is --max-staging-mb "
+        tensor = f", tensor {widest.name!r}" if len(problems) > 1 else ""
+        raise StagingLimitError(f"--max-staging-mb: {limit_bytes} B is below one {widest.dtype} element ({itemsize} B{tensor}), the "
+                                f"smallest piece a staged box can be cut into; the smallest value that works is --max-staging-mb "
                                 f"{mib_text(smallest)}{within}")
-    count = _count(staging, limit_bytes, itemsize)
+    count = _count(staging, limit_bytes)
     if max_operations is not None and count > max_operations:
         smallest = smallest_limit(staging, itemsize, max_operations)
         raise StagingLimitError(f"--max-staging-mb: {limit_bytes} B would cut the plan into {count} operations, more than --max-tasks "
                                 f"{max_operations}; the smallest value that works is --max-staging-mb {mib_text(smallest)} "
                                 "(or raise --max-tasks)")
     out: list[TimedOp] = []
-    for (at, task, tensor, op), (nbytes, _) in zip(timed_ops, staging):
+    for (at, task, tensor, op), (nbytes, size, _) in zip(timed_ops, staging):
         if nbytes <= limit_bytes:
             out.append((at, task, tensor, op))
             continue
-        for piece in split_op(op, split_box(op.region, limit_bytes // itemsize)):
+        for piece in split_op(op, split_box(op.region, limit_bytes // size)):
             out.append((at + piece.offset_s - op.offset_s, task, tensor, piece))
     return out

@@ -10,7 +10,9 @@ must be, which is what the executor's lowering allocates (`executor.lower`; test
 - `device`: a device takes part in one run of operations at a time, in plan order (`device_runs`:
   consecutive operations with the same peers run together, and with a budget a run also ends before
   it would stage more than the budget), so a run's staging is free again once the run is done and
-  a device needs the largest run.
+  a device needs the largest run. A multi-tensor plan's device order spans its tensors: one staging
+  area per device, shared by every tensor, each operation's bytes starting at a multiple of the
+  largest element size among the tensors (`staging_align`), so every tensor's view of it is aligned.
 
 >>> from xmesh_plan.schemas.plan import Operation
 >>> op = Operation(id=0, task=0, kind="send", src=0, dsts=(1,), region=((0, 2), (0, 2)))
@@ -20,6 +22,8 @@ must be, which is what the executor's lowering allocates (`executor.lower`; test
 [0, 0, 1]
 >>> device_runs([(frozenset({1}), 16), (frozenset({1}), 16), (frozenset({2}), 8)], budget=16)
 [0, 1, 2]
+>>> device_layout([(frozenset({1}), 2), (frozenset({1}), 8)], budget=None, align=8)  # (run, start) of each
+[(0, 0), (0, 8)]
 """
 
 from __future__ import annotations
@@ -148,29 +152,43 @@ _PATTERNS = supported("schemas.staging", {
 })
 
 
-def device_runs(footprints: Sequence[Footprint], budget: int | None) -> list[int]:
-    """The run number of each of a device's operations (in plan order) in device order: a run goes on
-    while the peers stay the same and, with a `budget`, while its staging stays within the budget (an
-    operation that stages more than the budget on its own is a run of its own). An operation with no
-    peers (a local copy) joins the run it falls in, so a copy between a send and a receive with one
-    peer does not make the receive wait for the send."""
+def aligned(offset: int, align: int) -> int:
+    """`offset` rounded up to a multiple of `align`.
+
+    >>> aligned(10, 8), aligned(16, 8), aligned(3, 1)
+    (16, 16, 3)
+    """
+    return -(-offset // align) * align
+
+
+def device_layout(footprints: Sequence[Footprint], budget: int | None, align: int = 1) -> list[tuple[int, int]]:
+    """(run number, first staging byte within the run) of each of a device's operations, in plan order, in
+    device order: a run goes on while the peers stay the same and, with a `budget`, while its staging stays
+    within the budget (an operation that stages more than the budget on its own is a run of its own). An
+    operation with no peers (a local copy) joins the run it falls in, so a copy between a send and a receive
+    with one peer does not make the receive wait for the send. Within a run operations stage one after
+    another, each starting at a multiple of `align` (bytes of padding count against the budget)."""
     out, run, run_peers, run_bytes = [], -1, frozenset(), 0
     for op_peers, nbytes in footprints:
-        if run < 0 or (op_peers and run_peers and op_peers != run_peers) or (budget is not None and run_bytes and run_bytes + nbytes > budget):
-            run, run_peers, run_bytes = run + 1, op_peers, 0
+        start = aligned(run_bytes, align) if nbytes else run_bytes
+        if run < 0 or (op_peers and run_peers and op_peers != run_peers) or (budget is not None and run_bytes and start + nbytes > budget):
+            run, run_peers, start = run + 1, op_peers, 0
         elif op_peers and not run_peers:  # a run of local copies takes its first message's peers
             run_peers = op_peers
-        run_bytes += nbytes
-        out.append(run)
+        run_bytes = start + nbytes
+        out.append((run, start))
     return out
 
 
-def run_peak(footprints: Sequence[Footprint], budget: int | None) -> int:
-    """The largest staging of one run: what a device needs in device order."""
-    totals: dict[int, int] = {}
-    for run, (_, nbytes) in zip(device_runs(footprints, budget), footprints):
-        totals[run] = totals.get(run, 0) + nbytes
-    return max(totals.values(), default=0)
+def device_runs(footprints: Sequence[Footprint], budget: int | None, align: int = 1) -> list[int]:
+    """The run number of each of a device's operations (in plan order) in device order (`device_layout`)."""
+    return [run for run, _ in device_layout(footprints, budget, align)]
+
+
+def run_peak(footprints: Sequence[Footprint], budget: int | None, align: int = 1) -> int:
+    """The largest staging of one run, padding included: what a device needs in device order."""
+    return max((start + nbytes for (_, start), (_, nbytes) in zip(device_layout(footprints, budget, align), footprints)
+                if nbytes), default=0)
 
 
 def stage_budget(plan: "Plan") -> int | None:
@@ -178,12 +196,19 @@ def stage_budget(plan: "Plan") -> int | None:
     return plan.staging.limit_bytes if plan.staging is not None else None
 
 
+def staging_align(plan: "Plan") -> int:
+    """Where each operation's staging starts in device order, in bytes: the largest element size among the
+    plan's tensors (its one element size for a single-tensor plan, where every staged box is a multiple of it)."""
+    return max(p.itemsize for p in plan.problem.tensor_problems())
+
+
 def footprints(plan: "Plan") -> dict[int, list[Footprint]]:
-    """Device -> (peers, staged bytes) of each operation it takes part in, in plan order (a single-tensor plan)."""
-    problem = plan.problem
-    src, dst, itemsize = problem.blocks("src"), problem.blocks("dst"), problem.itemsize
+    """Device -> (peers, staged bytes) of each operation it takes part in, in plan order, across tensors
+    (each operation staged in its own tensor's shards)."""
+    shards = [(p.blocks("src"), p.blocks("dst"), p.itemsize) for p in plan.problem.tensor_problems()]
     out: dict[int, list[Footprint]] = {}
     for op in plan.operations:
+        src, dst, itemsize = shards[op.tensor or 0]
         for device in members(op):
             out.setdefault(device, []).append((peers(op, device), staged_bytes(op, device, src.get(device), dst.get(device), itemsize)))
     return out
@@ -191,22 +216,22 @@ def footprints(plan: "Plan") -> dict[int, list[Footprint]]:
 
 def staging_peaks(plan: "Plan", order: str = "device") -> dict[int, int]:
     """Device -> the bytes of staging the executor allocates on it for `plan` in `order` (devices that
-    stage nothing left out). Device order uses the plan's own budget (`stage_budget`). A multi-tensor
-    plan runs posted (each tensor has its own staging area): its posted peak is the sum over tensors."""
+    stage nothing left out). Device order uses the plan's own budget (`stage_budget`) and, across the
+    tensors of a multi-tensor plan, one area per device (`staging_align`). Posted, each tensor of a
+    multi-tensor plan has its own staging area: the peak is the sum over tensors."""
     if order not in ORDERS:
         raise ValueError(f"order {order!r} is unknown; use one of: {', '.join(ORDERS)}")
     from .plan_tensors import is_multi, tensor_plans
 
-    if is_multi(plan):
-        if order != "posted":
-            raise ValueError("a multi-tensor plan runs with order='posted'; ask for its posted staging")
+    if is_multi(plan) and order == "posted":
         total: dict[int, int] = {}
         for single in tensor_plans(plan):
             for device, nbytes in staging_peaks(single, "posted").items():
                 total[device] = total.get(device, 0) + nbytes
         return dict(sorted(total.items()))
+    budget, align = stage_budget(plan), staging_align(plan)
     peak: Callable[[list[Footprint]], int] = (lambda f: sum(n for _, n in f)) if order == "posted" else \
-        (lambda f: run_peak(f, stage_budget(plan)))
+        (lambda f: run_peak(f, budget, align))
     return {device: value for device, f in sorted(footprints(plan).items()) if (value := peak(f))}
 
 
@@ -224,11 +249,6 @@ def stated_staging_fault(plan: "Plan") -> str | None:
     stated = plan.staging
     if stated is None:
         return None
-    from .plan_tensors import is_multi
-
-    if is_multi(plan):
-        return ("staging is stated, but only single-tensor plans state it (multi-tensor plans run posted); "
-                "recompile without --max-staging-mb")
     peaks = staging_peaks(plan, stated.order)
     for device in sorted(set(peaks) | set(stated.peak_bytes)):
         want, said = peaks.get(device, 0), stated.peak_bytes.get(device, 0)

@@ -213,13 +213,18 @@ def fake_executors(plan: Plan, concurrent: bool = True, order: str = "device") -
         for part in ex.parts:
             offset = part.tag_offset if concurrent or ex.joined else 0
             part.program = lower(part.plan, device, tag_limit=2**20, first_tag=offset)
-            if order == "device":
-                part.program = replace(part.program, order="device") if ex.joined else in_device_order(part.program)
+            if order == "device" and not ex.joined:
+                part.program = in_device_order(part.program)
+        if ex.joined:
+            ex._join()  # one staging area for every tensor: the first engine allocates it, the others share it
+        stage = None
+        for part in ex.parts:
             part.src_shape = part.program.src_shape
             part.engine = MpiEngine(part.program, FakeComm(world, rank), rank_of, storage_dtype(part.plan.problem.dtype), 5.0, (1e-5, 1e-4))
-            part.engine.setup(mpi=FakeMPI)
+            part.engine.setup(mpi=FakeMPI, stage=stage)
+            stage = part.engine.stage if ex.joined else None
         if ex.joined:
-            ex._join()
+            ex.engine = ex.entry.make_joint(ex.joint, [part.engine for part in ex.parts])
             ex.engine.setup(mpi=FakeMPI)
         out.append(ex)
     return out
@@ -507,8 +512,10 @@ def test_joining_keeps_every_step_and_dependency_and_puts_them_in_the_joint_plan
             assert replace(s, index=j, deps=mine.deps) == mine
             assert sorted(joint.where[d] for d in s.deps) == [(t, d) for d in sorted(mine.deps)]
             assert all(d < s.index for d in s.deps)
-        gated = join_programs(programs, plan)
-        assert gated.order == "device" and [replace(s, deps=()) for s in gated.steps] == [replace(s, deps=()) for s in joint.steps]
+        gated = join_programs(programs, plan)  # the same steps, gated and re-based into one staging area
+        assert gated.order == "device" and [replace(s, deps=(), data=None) for s in gated.steps] == \
+            [replace(s, deps=(), data=None) for s in joint.steps]
+        assert [s.data.nbytes for s in gated.steps if s.data] == [s.data.nbytes for s in joint.steps if s.data]
 
 
 def test_device_order_refuses_calls_out_of_turn_after_an_error_and_after_close(plan):

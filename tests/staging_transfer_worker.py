@@ -1,0 +1,81 @@
+"""Run under `mpiexec` by tests/test_staging_transfer.py; holds no tests itself.
+
+    mpiexec -n 8 python tests/staging_transfer_worker.py PLAN...   # TransferExecutor in its default order
+
+Per plan, three reshards with other bits each time, every destination shard of every tensor checked bit
+for bit against its tensor's pattern (`executor.pattern`); and the staging this rank allocated (the
+distinct staging buffers of its tensors' engines) must equal `TransferExecutor.stage_bytes` and be at
+most the peak the plan states for this rank's device. Rank 0 prints
+`ok NAME order ORDER staging MAX_ALLOCATED stated MAX_STATED limit LIMIT` per plan (bytes, the largest
+over ranks); errors go to stderr as `rank R: <type>: <message>`.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root
+
+
+def allocated(ex) -> int:
+    """Bytes of the distinct staging buffers this rank's engines hold (a buffer shared by tensors counted once)."""
+    buffers = {id(part.engine.stage): part.engine.stage.nbytes for part in ex.parts}
+    return sum(buffers.values())
+
+
+def check(comm, path: str) -> None:
+    from mpi4py import MPI
+
+    from xmesh_plan.executor import TransferExecutor
+    from xmesh_plan.executor.pattern import fill, mismatches, tensor_salt
+    from xmesh_plan.schemas import load_plan
+
+    plan = load_plan(path)
+    ex = TransferExecutor(plan, comm, timeout_s=60).prepare()
+    stated = plan.staging.peak_bytes.get(ex.device, 0) if plan.staging is not None else None
+    mine = allocated(ex)
+    assert mine == ex.stage_bytes, f"device {ex.device}: engines hold {mine} B of staging, stage_bytes says {ex.stage_bytes}"
+    assert stated is None or mine <= stated, f"device {ex.device}: {mine} B of staging allocated, the plan states {stated} B"
+    for run in range(3):
+        salts = {name: tensor_salt(k) + 101 * run for k, name in enumerate(ex.names)}
+        shards = {name: fill(part.program.src_block, part.plan.problem.shape, part.engine.dtype, salts[name])
+                  for name, part in zip(ex.names, ex.parts) if part.program.src_block is not None}
+        for part in ex.parts:
+            if part.engine.dst is not None:
+                part.engine.poison()
+        out = ex.run(shards)
+        for name, part in zip(ex.names, ex.parts):
+            assert (name in out) == (part.program.dst_block is not None), (name, part.program.device)
+            if name in out:
+                bad, first = mismatches(out[name], part.program.dst_block, part.plan.problem.shape, salts[name])
+                assert not bad, f"run {run}: device {ex.device}: tensor {name}: {bad} elements differ, first at {first}"
+    order = ex.order
+    ex.close()
+    import numpy as np
+
+    top = np.zeros(2, np.int64)
+    comm.Allreduce(np.array([mine, stated or 0], np.int64), top, op=MPI.MAX)
+    if comm.Get_rank() == 0:
+        limit = plan.staging.limit_bytes if plan.staging is not None else 0
+        print(f"ok {plan.problem.name} order {order} staging {top[0]} stated {top[1]} limit {limit}", flush=True)
+
+
+def main() -> int:
+    from mpi4py import MPI
+
+    from xmesh_plan.executor import ExecutorError
+
+    comm = MPI.COMM_WORLD
+    try:
+        for path in sys.argv[1:]:
+            check(comm, path)
+    except (ExecutorError, AssertionError) as err:
+        print(f"rank {comm.Get_rank()}: {type(err).__name__}: {err}", file=sys.stderr, flush=True)
+        os._exit(3)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,316 @@
+"""`--max-staging-mb` on multi-tensor (transfer) problems: every tensor's operations cut to the limit,
+one staging area per device shared by every tensor in device order, the plan stating each device's peak
+(checked here against a brute force over the definitions), and the executor allocating no more than
+that on MPI (in process and under mpiexec) and on torch/gloo, every destination shard bit for bit."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from click.testing import CliRunner
+from hypothesis import HealthCheck, given, settings, strategies as st
+
+from xmesh_plan.executor import PlanMismatchError, TransferExecutor
+from xmesh_plan.executor.joint import join_programs
+from xmesh_plan.executor.lower import lower
+from xmesh_plan.executor.ranks import plan_devices
+from xmesh_plan.executor.scale import factors_for, scale_tensors
+from xmesh_plan.executor.transfer_executor import default_order
+from xmesh_plan.planner.cli import main
+from xmesh_plan.planner.compile import compile_plan
+from xmesh_plan.planner.staging_limit import StagingLimitError
+from xmesh_plan.planner.transfer_io import build_transfer, load_any_problem
+from xmesh_plan.planner.verify import PlanError, verify_plan
+from xmesh_plan.schemas import Plan, read_plan_file
+from xmesh_plan.schemas.op_kinds import members, route, rule_of
+from xmesh_plan.schemas.plan_tensors import tensor_plans
+from xmesh_plan.schemas.staging import staging_peaks
+from test_staging import _staged_by_numpy, unsafe_reuse
+from test_transfer_plan import _WorldComm, _assert_every_shard, fake_executors, full_tensors, random_transfer, run_everywhere
+from test_executor_sim import FakeWorld
+
+ROOT = Path(__file__).resolve().parents[1]
+SMALL = ROOT / "plans" / "weight_sync_small.problem.toml"
+MPIEXEC = Path(sys.executable).parent / "mpiexec"
+WORKER = ROOT / "tests" / "staging_transfer_worker.py"
+SMALL_LIMIT = 16 * 2**10  # a quarter of the small weight sync's largest device-order run without a limit (64 KiB)
+
+
+TWO = {  # a float64 and an int8 tensor whose boxes are strided on both sides (so most of them stage), on
+    # overlapping 2x2 meshes (devices 2 and 3 in both): staging of two element sizes in one area
+    "name": "two", "src_mesh": {"shape": [2, 2], "devices": [0, 1, 2, 3]}, "dst_mesh": {"shape": [2, 2], "devices": [2, 3, 4, 5]},
+    "cluster": {"devices_per_host": 2},
+    "tensors": [{"name": "w", "shape": [8, 6, 4], "dtype": "float64", "src": "S0 S1 R", "dst": "R S0 S1"},
+                {"name": "b", "shape": [6, 10, 3], "dtype": "int8", "src": "R S0 S1", "dst": "S1 R S0"}]}
+
+
+def two_tensors():
+    return build_transfer(TWO)
+
+
+@pytest.fixture(scope="module")
+def small_plan() -> Plan:
+    return compile_plan(load_any_problem(SMALL), solver="greedy", max_staging_bytes=SMALL_LIMIT)
+
+
+@pytest.fixture(scope="module")
+def two_plan() -> Plan:
+    return compile_plan(two_tensors(), solver="greedy", max_staging_bytes=200)
+
+
+def brute_force_peaks(plan: Plan) -> dict[int, int]:
+    """Each device's device-order staging, from the definitions and written apart from `schemas.staging`: in
+    plan order across tensors, the boxes a device holds while it takes part in an operation (its box of a
+    chain, every part of a ring, a bundle's whole message on its relays and its own parts elsewhere),
+    staged unless numpy finds them one run of its shard of that tensor; runs of the same peers (from the
+    route's messages) cut before they pass the plan's limit; each box at a multiple of the largest element."""
+    problems = plan.problem.tensor_problems()
+    align = max(p.itemsize for p in problems)
+    per_device: dict[int, list[tuple[frozenset, int]]] = {}
+    for op in plan.operations:
+        prob = problems[op.tensor]
+        src, dst, size = prob.blocks("src"), prob.blocks("dst"), prob.itemsize
+        pattern = rule_of(op).pattern
+        for d in members(op):
+            if pattern == "chain":
+                staged = _staged_by_numpy(op.region, src.get(d) if d == op.src else dst.get(d), size)
+            elif pattern == "ring":
+                staged = sum(_staged_by_numpy(p, dst.get(d), size) for p in op.parts)
+            elif pattern == "bundle":
+                mine = [p for p, h, n in zip(op.parts, op.holders, op.needers) if d in (op.src, op.dsts[0]) or h == d or d in n]
+                staged = sum(int(np.prod([b - a for a, b in p])) for p in mine) * size
+            else:
+                staged = 0
+            talks = frozenset(h.dst if h.src == d else h.src for h in route(op) if h.src != h.dst and h.elements and d in (h.src, h.dst))
+            per_device.setdefault(d, []).append((talks, staged))
+    budget, out = plan.staging.limit_bytes if plan.staging else None, {}
+    for d, items in per_device.items():
+        peak, peers, used = 0, frozenset(), 0
+        for talks, n in items:
+            start = -(-used // align) * align if n else used
+            if (talks and peers and talks != peers) or (budget is not None and used and start + n > budget):
+                peers, used, start = talks, 0, 0
+            peers = peers or talks
+            used = start + n
+            peak = max(peak, used)
+        if peak:
+            out[d] = peak
+    return out
+
+
+def joint_programs(plan: Plan) -> dict[int, object]:
+    """Every device's joint program in device order, as `TransferExecutor.prepare` lays it out."""
+    out = {}
+    for device in plan_devices(plan):
+        programs, first = [], 0
+        for single in tensor_plans(plan):
+            programs.append(lower(single, device, tag_limit=2**29, first_tag=first))
+            first += 10**6
+        out[device] = join_programs(programs, plan)
+    return out
+
+
+# --- compile ------------------------------------------------------------------------------------------------
+
+def test_the_small_weight_sync_compiles_within_the_limit_and_states_its_peaks(small_plan):
+    plain = compile_plan(load_any_problem(SMALL), solver="greedy")
+    assert max(staging_peaks(plain, "device").values()) > SMALL_LIMIT  # the limit bites
+    assert len(small_plan.operations) > len(plain.operations)
+    report = verify_plan(small_plan)
+    assert report.tensors == 21 and report.staging_peak == max(small_plan.staging.peak_bytes.values())
+    stated = small_plan.staging
+    assert stated.limit_bytes == SMALL_LIMIT and stated.order == "device"
+    assert 0 < max(stated.peak_bytes.values()) <= SMALL_LIMIT
+    assert stated.peak_bytes == brute_force_peaks(small_plan) == staging_peaks(small_plan, "device")
+    biggest = max(p.nbytes for p in small_plan.problem.tensor_problems())
+    assert SMALL_LIMIT < biggest  # so no device stages a whole tensor of the largest kind
+
+
+def test_two_element_sizes_share_one_area_aligned_to_the_larger(two_plan):
+    verify_plan(two_plan)
+    peaks = two_plan.staging.peak_bytes
+    assert peaks == brute_force_peaks(two_plan) and 0 < max(peaks.values()) <= 200
+    assert {op.tensor for op in two_plan.operations} == {0, 1}
+    for device, joint in joint_programs(two_plan).items():
+        assert joint.stage_bytes == peaks.get(device, 0), device
+        starts = {s.data.start for s in joint.steps if s.data and s.data.buffer == "stage"}
+        op_starts = {}
+        for s in joint.steps:
+            if s.data and s.data.buffer == "stage":
+                op_starts[s.op] = min(op_starts.get(s.op, s.data.start), s.data.start)
+        assert all(start % 8 == 0 for start in op_starts.values()), (device, sorted(starts))
+        assert all(s.data.stop <= joint.stage_bytes for s in joint.steps if s.data and s.data.buffer == "stage")
+        assert unsafe_reuse(joint) == []
+
+
+def test_same_input_and_seed_give_a_byte_identical_limited_plan(small_plan):
+    again = compile_plan(load_any_problem(SMALL), solver="greedy", max_staging_bytes=SMALL_LIMIT)
+    assert again.to_json() == small_plan.to_json()
+    assert Plan.model_validate_json(small_plan.to_json()) == small_plan
+    assert "staging" not in json.loads(compile_plan(two_tensors(), solver="greedy").to_json())
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(seed=st.integers(0, 10**6), strategy=st.sampled_from(("broadcast", "send_recv", "local_allgather", "global_allgather", "auto")),
+       devices=st.integers(2, 9), share=st.sampled_from([0.0, 0.3, 0.7]), coalesce=st.booleans())
+def test_random_limited_transfers_agree_with_the_brute_force_and_run_bit_exact(seed, strategy, devices, share, coalesce):
+    problem = random_transfer(seed, devices)
+    options = dict(strategy=strategy, solver="greedy", seed=0, coalesce=coalesce, bucket_bytes=64 if coalesce else None)
+    plain = compile_plan(problem, **options)
+    widest = max(p.itemsize for p in problem.tensor_problems())
+    limit = max(widest, int(max(staging_peaks(plain, "posted").values(), default=0) * share), 64 if coalesce else 0)
+    plan = compile_plan(problem, max_staging_bytes=limit, **options)
+    verify_plan(plan)
+    assert plan.staging.peak_bytes == brute_force_peaks(plan) and all(n <= limit for n in plan.staging.peak_bytes.values())
+    for device, joint in joint_programs(plan).items():
+        assert joint.stage_bytes == plan.staging.peak_bytes.get(device, 0)
+        assert unsafe_reuse(joint) == []
+    executors = fake_executors(plan, order="device")
+    full = full_tensors(plan, seed)
+    _assert_every_shard(plan, run_everywhere(plan, executors, full), full)
+    for ex in executors:
+        assert ex.stage_bytes == plan.staging.peak_bytes.get(ex.device, 0)
+
+
+# --- the executor -------------------------------------------------------------------------------------------
+
+def test_every_tensor_shares_one_staging_area_and_runs_bit_exact_in_process(two_plan, small_plan):
+    for plan in (two_plan, small_plan):
+        executors = fake_executors(plan, order="device")
+        for seed in (1, 2):
+            full = full_tensors(plan, seed)
+            _assert_every_shard(plan, run_everywhere(plan, executors, full), full)
+        for ex in executors:
+            stage = ex.parts[0].engine.stage
+            assert all(part.engine.stage is stage for part in ex.parts)  # one buffer, not one per tensor
+            assert ex.stage_bytes == stage.nbytes == plan.staging.peak_bytes.get(ex.device, 0) <= plan.staging.limit_bytes
+    posted = sum(staging_peaks(small_plan, "posted").values())
+    assert posted > sum(small_plan.staging.peak_bytes.values())
+
+
+def test_a_limited_plan_runs_in_device_order_by_default_and_posted_is_refused(small_plan):
+    assert default_order(small_plan, "mpi") == "device" and default_order(small_plan, "torch") == "device"
+    comm = _WorldComm(FakeWorld(), 0, 8)
+    assert TransferExecutor(small_plan, comm).order == "device"
+    with pytest.raises(PlanMismatchError, match=r"order='posted' needs \d+ B of staging on device \d+ \(every tensor's staged boxes "
+                                                r"at once\), but the plan states \d+ B there .* run it with order='device'") as err:
+        TransferExecutor(small_plan, comm, order="posted")
+    assert err.value.same_on_every_rank and "\n" not in str(err.value)
+    with pytest.raises(PlanMismatchError, match=r"backend 'nccl' .* cannot keep to the staging limit this plan states "
+                                                r"\(--max-staging-mb\); use backend 'mpi' or 'torch'"):
+        TransferExecutor(small_plan, comm, backend="nccl")
+
+
+def test_a_plan_stating_less_than_it_needs_is_refused_before_anything_runs(two_plan):
+    device = max(two_plan.staging.peak_bytes, key=two_plan.staging.peak_bytes.get)
+    peaks = {**two_plan.staging.peak_bytes, device: 8}
+    wrong = two_plan.model_copy(update={"staging": two_plan.staging.model_copy(update={"peak_bytes": peaks})})
+    with pytest.raises(PlanError, match=f"states 8 B for device {device}, but the plan needs"):
+        verify_plan(wrong)
+    with pytest.raises(PlanMismatchError, match=f"order='device' needs \\d+ B of staging on device {device} \\(one area shared"):
+        TransferExecutor(wrong, _WorldComm(FakeWorld(), 0, 6))
+
+
+def test_a_scaled_transfer_restates_its_staging(two_plan):
+    """The executor's demo shrinks each tensor by its own factors: the limit shrinks by the least of them."""
+    factors = [factors_for(single, single.problem.nbytes // 2) for single in tensor_plans(two_plan)]
+    assert any(math.prod(f) > 1 for f in factors)
+    scaled = scale_tensors(two_plan, factors)
+    assert scaled.staging.limit_bytes == -(-200 // min(math.prod(f) for f in factors))
+    verify_plan(scaled)
+    assert scaled.staging.peak_bytes == brute_force_peaks(scaled)
+
+
+# --- the command line ---------------------------------------------------------------------------------------
+
+def _transfer_file(tmp_path: Path) -> Path:
+    path = tmp_path / "two.problem.json"
+    path.write_text(json.dumps(TWO))
+    return path
+
+
+def test_a_limit_below_one_element_names_the_flag_the_tensor_and_the_smallest_value(tmp_path):
+    runner = CliRunner()
+    below = runner.invoke(main, ["compile", str(_transfer_file(tmp_path)), "--max-staging-mb", "0.000006"])  # 6 B < one float64
+    assert below.exit_code == 2 and below.output.count("\n") == 1 and "Traceback" not in below.output, below.output
+    assert "--max-staging-mb: 6 B is below one float64 element (8 B, tensor 'w')" in below.output
+    assert "the smallest value that works is --max-staging-mb 0.000008" in below.output
+    with pytest.raises(StagingLimitError):
+        compile_plan(two_tensors(), solver="greedy", max_staging_bytes=7)
+
+
+def test_a_bucket_above_the_limit_is_refused_naming_both_flags(tmp_path):
+    result = CliRunner().invoke(main, ["compile", str(SMALL), "--coalesce", "--bucket-mb", "1", "--max-staging-mb", "0.5"])
+    assert result.exit_code == 2 and result.output.count("\n") == 1, result.output
+    assert "--bucket-mb 1 is above --max-staging-mb 0.5" in result.output and "use --bucket-mb 0.5 or less" in result.output
+    coalesced = compile_plan(load_any_problem(SMALL), solver="greedy", coalesce=True, max_staging_bytes=SMALL_LIMIT)
+    assert any(op.kind == "bundle" for op in coalesced.operations)  # the bucket became the limit
+    assert max(coalesced.staging.peak_bytes.values()) <= SMALL_LIMIT and coalesced.staging.peak_bytes == brute_force_peaks(coalesced)
+
+
+def test_compile_verify_and_inspect_state_the_limit(tmp_path):
+    out = tmp_path / "small.plan.json"
+    runner = CliRunner()
+    result = runner.invoke(main, ["compile", str(SMALL), "--solver", "greedy", "--max-staging-mb", "0.015625", "-o", str(out)])
+    assert result.exit_code == 0, result.output
+    assert re.search(r"staging at most [\d.]+ KiB per device \(device order, limit 16.0 KiB\)", result.output), result.output
+    assert "stated staging right" in runner.invoke(main, ["verify", str(out)]).output
+    text = runner.invoke(main, ["inspect", str(out)]).output
+    assert re.search(r"device order [\d.]+ KiB \(device \d+; \d+ devices? stage\); posted order", text), text
+    assert "stated staging: limit 16.0 KiB per device (--max-staging-mb 0.015625)" in text, text
+    assert read_plan_file(out).to_json() == compile_plan(load_any_problem(SMALL), solver="greedy", max_staging_bytes=SMALL_LIMIT).to_json()
+
+
+# --- real launches ------------------------------------------------------------------------------------------
+
+def _mpiexec(n: int, *args: str, timeout: float = 500) -> subprocess.CompletedProcess:
+    env = dict(os.environ, MPIR_CVAR_ENABLE_HEAVY_YIELD="1", PYTHONPATH=str(ROOT))
+    return subprocess.run([str(MPIEXEC), "-n", str(n), sys.executable, *args], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+@pytest.mark.mpi
+@pytest.mark.skipif(not MPIEXEC.exists(), reason=f"no mpiexec at {MPIEXEC}")
+@pytest.mark.timeout(900)
+def test_mpiexec_runs_limited_transfers_bit_exact_within_the_stated_staging(tmp_path, small_plan, two_plan):
+    """Real MPI, the executor's default order (device, for a plan that states a limit): 3 reshards each, every
+    shard checked, each rank's allocated staging (its engines' distinct buffers) at most its stated peak."""
+    for plan, ranks in ((small_plan, 8), (two_plan, 6)):
+        path = tmp_path / f"{plan.problem.name}.plan.json"
+        path.write_text(plan.to_json())
+        result = _mpiexec(ranks, str(WORKER), str(path))
+        assert result.returncode == 0, result.stderr[-3000:]
+        found = re.search(r"ok (\S+) order (\w+) staging (\d+) stated (\d+) limit (\d+)", result.stdout)
+        assert found, result.stdout
+        name, order, allocated, stated, limit = found.groups()
+        assert (name, order) == (plan.problem.name, "device")
+        assert 0 < int(allocated) <= int(stated) <= int(limit) == plan.staging.limit_bytes
+    refused = _mpiexec(8, "-m", "xmesh_plan.executor.run", str(tmp_path / "weight_sync_small.plan.json"), "--order", "posted", "--check")
+    assert refused.returncode != 0 and "run it with order='device'" in refused.stdout + refused.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+@pytest.mark.skipif(importlib.util.find_spec("torch") is None, reason="torch is not installed")
+def test_torch_gloo_runs_a_limited_transfer_bit_exact_within_the_stated_staging(tmp_path, two_plan):
+    """The torch engine in device order: one staging tensor every tensor shares, each shard bit for bit (tags 0: gloo matches by order, as NCCL)."""
+    from test_executor_torch import launch
+
+    path = tmp_path / "two.plan.json"
+    path.write_text(two_plan.to_json())
+    lines = launch(6, "check_transfer_by_order", str(path))
+    assert [line for line in lines if line.startswith("rank 0:") and "ok" in line] == ["rank 0: two.plan.json: ok"], lines
+    staged = [line for line in lines if "staging" in line]
+    assert len(staged) == 6 and all(re.search(r"staging (\d+) B, stated (\d+) B, shared", line) for line in staged), lines
+    for line in staged:
+        allocated, stated = map(int, re.search(r"staging (\d+) B, stated (\d+) B", line).groups())
+        assert allocated <= stated <= two_plan.staging.limit_bytes, line
