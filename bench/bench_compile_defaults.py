@@ -63,6 +63,18 @@ def transfer_row(name: str) -> dict:
     return row
 
 
+COMPILE_TIME = """Compile time of the Llama problem with the defaults, measured apart from this script (CPU seconds of
+`compile_plan` alone, so the machine's load counts less; two runs each, taking turns, the commit before
+the new defaults against this one, each imported from its own checkout):
+`python -c 'compile_plan(load_any_problem("plans/weight_sync_llama3_8b.problem.toml"))'` took 8.76 and
+8.43 s before (the chained plan, no posted time) and 11.91 and 11.29 s now (`--split-hosts --coalesce`
+and the posted simulation, about 4 s of it): 1.35x. The simulator's rate sharing was made cheaper on
+the way, exactly (124 plans compared byte for byte before and after). Larger FSDP meshes cost more:
+8x8 and 16x8 compile in 30.3 and 85.9 s wall ("Weight sync", scale table) against 7.1 and 17.8 s for
+the chained default measured before (another day's load), almost all of it the host-order simulation
+of the bundles, whose gathers inside a host all run at once, run twice until the listing settles."""
+
+
 def render(command: str, singles: list[dict], transfers: list[dict]) -> None:
     """Write the BENCHMARKS.md section from measured rows (`--render` redoes it from the results JSON)."""
     def over(r, key):
@@ -106,6 +118,8 @@ faster on {better}; the default stays off.
 | case | lower bound s | default device s | both on device s | default host s | both on host s |
 |---|---:|---:|---:|---:|---:|
 {single_lines}
+
+{COMPILE_TIME}
 """)
 
 
