@@ -1,7 +1,8 @@
 """Weight sync: approaches side by side, one network model (predicted): ours, one plan per tensor, four baselines.
 
 For each weight-sync example (planner/weight_sync.py): compile the whole model as one plan (every
-tensor's unit tasks scheduled together on the shared NICs; default and `--split-hosts`), and compile
+tensor's unit tasks scheduled together on the shared NICs; both off, `--split-hosts`, `--coalesce`, both
+(the default for a multi-tensor problem, planner/compile_defaults.py)), and compile
 each tensor alone and add up their predicted times (what running per-tensor plans back to back
 costs); the four baselines of planner/baselines.py (rank-0 gather then broadcast, per-rank
 broadcast, Alpa's two), tensor after tensor in device order, each also without message latency;
@@ -44,9 +45,9 @@ from xmesh_plan.schemas.op_kinds import messages  # noqa: E402
 COMMAND = ".venv/bin/python bench/bench_weight_sync.py"
 
 
-VARIANTS = {  # key -> compile options of one joint plan; "split_coalesce" is ours in the side-by-side table
-    "joint": {}, "split_hosts": {"split_hosts": True}, "coalesce": {"coalesce": True},
-    "split_coalesce": {"split_hosts": True, "coalesce": True},
+VARIANTS = {  # key -> compile options of one joint plan; "split_coalesce" (the default) is ours in the side-by-side table
+    "joint": {"split_hosts": False, "coalesce": False}, "split_hosts": {"split_hosts": True, "coalesce": False},
+    "coalesce": {"split_hosts": False, "coalesce": True}, "split_coalesce": {"split_hosts": True, "coalesce": True},
 }
 
 
@@ -58,7 +59,9 @@ def measure(name: str) -> dict:
         plan = compile_plan(problem, **options)
         row[f"{key}_compile_wall_s"] = time.perf_counter() - begin
         verify_plan(plan)
-        row |= {f"{key}_s": plan.predicted_seconds, f"{key}_posted_s": simulate_plan(plan, "posted").makespan_s,
+        stated = plan.executor_prediction  # absent where posted is too costly to simulate at compile (planner/executor_order.py)
+        row |= {f"{key}_s": plan.predicted_seconds, f"{key}_posted_stated": stated is not None,
+                f"{key}_posted_s": stated.predicted_seconds if stated else simulate_plan(plan, "posted").makespan_s,
                 f"{key}_busiest_messages": plan_loads(plan).busiest_messages()[2]}
         if key == "joint":
             row |= {"tasks": len(plan.tasks), "lower_bound_s": plan.lower_bound_seconds,
@@ -130,10 +133,10 @@ def why(r: dict) -> str:
         f"tensor's broadcast fills a {hops}-hop chain.",
         f"**Per-rank broadcast** ({over['per_rank_broadcast_s']}): every destination host receives each block once, the "
         f"bound's own traffic, and all ranks send at once, yet {full} of its broadcasts (blocks that every destination "
-        f"device needs: here the row-parallel weights and the norms) go down all {hops} destination devices, so in device "
-        f"order they run one after another, each paying {hops} hop latencies: {full} x {hops} x {latency_us:g} us = "
-        f"{full * hops * latency_us * 1e-6:.4f} s of latency alone (without latency {r['per_rank_broadcast_no_latency_s']:.4f} s). "
-        "Ranks sending at once only help where their receivers are disjoint.",
+        f"device needs: here the row-parallel weights and the norms) go down all {hops} destination devices, {hops} hop "
+        f"latencies each ({full} x {hops} x {latency_us:g} us = {full * hops * latency_us * 1e-6:.4f} s were they paid one "
+        "after another; in device order as the executor runs it a device starts its part once its own data is there, so "
+        f"most overlap: without latency it takes {r['per_rank_broadcast_no_latency_s']:.4f} s).",
         f"**Alpa send/recv** ({over['alpa_send_recv_s']}): each destination device pulls only its own slices "
         f"({r['alpa_send_recv_messages']:,} messages), so its bytes are close to the bound's (replicated norms arrive once per "
         f"device); without latency it takes {r['alpa_send_recv_no_latency_s']:.4f} s, so what it loses is device-order "
@@ -163,7 +166,7 @@ def scale_point(src_mesh: str) -> dict:
     name, model, layout = WEIGHT_SYNC["weight_sync_llama3_8b"]
     problem = build_transfer(tomllib.loads(weight_sync_toml(name, model, replace(layout, src_mesh=src_mesh))))
     begin = time.perf_counter()
-    plan = compile_plan(problem)
+    plan = compile_plan(problem)  # the default: --split-hosts --coalesce
     compiled = time.perf_counter()
     verify_plan(plan)
     return {"src_mesh": src_mesh, "tasks": len(plan.tasks), "compile_s": compiled - begin, "verify_s": time.perf_counter() - compiled,
@@ -216,11 +219,12 @@ def detail(r: dict) -> str:
     posted = ", ".join(f"{r[f'{key}_posted_s'] / bound:.2f}x" for key in VARIANTS)
     chain = "worse posted than in its own order" if r["joint_posted_s"] > r["joint_s"] else "no worse posted than in its own order"
     return textwrap.fill(
-        f"On {r['problem']}, over the bound: in host order {host} (default, `--split-hosts`, `--coalesce`, both); "
-        f"posted {posted}. The default plan sends each box from its one FSDP holder down a chain through both "
-        f"destination hosts, which does {chain}; with `--split-hosts` every message goes straight from a holder to its "
-        "host, and `--coalesce` packs each host pair's small boxes into a few messages. One plan per tensor (default "
-        f"compile), back to back, is {r['sequential_s'] / r['joint_s']:.2f}x the joint default plan (host order).",
+        f"On {r['problem']}, over the bound: in host order {host} (both off, `--split-hosts`, `--coalesce`, both: the "
+        f"default); posted {posted}. The plan with both off sends each box from its one FSDP holder down a chain through "
+        f"both destination hosts, which does {chain}; with `--split-hosts` every message goes straight from a holder to its "
+        "host, and `--coalesce` packs each host pair's small boxes into a few messages. One plan per tensor (each "
+        f"compiled with both off), back to back, is {r['sequential_s'] / r['joint_s']:.2f}x the joint plan with both off "
+        "(host order).",
         width=104, break_on_hyphens=False)
 
 
@@ -258,8 +262,10 @@ is the same network simulator's.
 
 Approaches side by side. **Ours** is one joint plan for every tensor, compiled with `--split-hosts
 --coalesce` (one unit task per receiving host; small boxes between two hosts bundled into one
-message), timed posted, as `TransferExecutor` runs it with `order="posted"` (every message at once, links shared); "ours
-without coalescing" is the same with `--split-hosts` only. In brackets, each other approach over
+message; the default for a multi-tensor problem, so `xmesh-plan compile PROBLEM` gives it), timed
+posted, as `TransferExecutor` runs it by default on MPI (every message at once, links shared; the
+plan states this time, `executor_prediction`); "ours without coalescing" is the same with
+`--no-coalesce`. In brackets, each other approach over
 ours. "One plan per tensor" adds up the predicted times of one plan per tensor, each compiled alone
 as ours is and run after the previous one ends (host order). The four baselines
 (`planner/baselines.py`) run tensor after tensor in device order (each device does its operations
@@ -275,13 +281,14 @@ send + all-gather.
 
 {why(rows[-1])}
 
-Our plans in detail: one joint plan each, "default" compiled as `broadcast` with the `auto` solver,
-the others with the options named; times are host order (the plan's own claim: each NIC side works
-through its operations in the plan's order), in brackets posted (`xmesh-plan inspect --orders`).
-"One plan per tensor" here is the default compile per tensor, and the speed-up is the joint default
-plan's over it; unit tasks and solver are the default plan's.
+Our plans in detail: one joint plan each, compiled as `broadcast` with the `auto` solver and the
+switches named ("both off": `--no-split-hosts --no-coalesce`, the chained plan that was the default
+before; "both": the default); times are host order (the plan's own claim: each NIC side works through
+its operations in the plan's order), in brackets posted (what the plan states, `xmesh-plan inspect`).
+"One plan per tensor" here compiles each tensor alone with both off, and the speed-up is the joint
+both-off plan's over it; unit tasks and solver are the both-off plan's.
 
-| problem | unit tasks | default s (posted) | `--split-hosts` s (posted) | `--coalesce` s (posted) | `--split-hosts --coalesce` s (posted) | one plan per tensor s | joint speed-up | lower bound s | compile wall s (default / both) | solver |
+| problem | unit tasks | both off s (posted) | `--split-hosts` s (posted) | `--coalesce` s (posted) | both (default) s (posted) | one plan per tensor s | joint speed-up | lower bound s | compile wall s (both off / both) | solver |
 |---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|
 {lines}
 
@@ -289,7 +296,8 @@ plan's over it; unit tasks and solver are the default plan's.
 
 Scale: the same Llama-3-8B-like model from larger FSDP meshes (every parameter split on dim 0 over
 all source devices, so more and smaller boxes) to the same 2x8 TP mesh, one plan each, compiled
-and verified in a fresh process (peak RSS is the whole process):
+with the default switches (`--split-hosts --coalesce`) and verified in a fresh process (peak RSS is
+the whole process):
 
 | FSDP mesh | unit tasks | compile s | verify s | peak RSS MiB | predicted s | lower bound s | solver | timed by |
 |---|---:|---:|---:|---:|---:|---:|---|---|

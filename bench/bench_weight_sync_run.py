@@ -60,7 +60,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3, help="launches per order, taking turns (default 3)")
     args = parser.parse_args()
     problem = build_transfer(tomllib.loads(weight_sync_toml(*WEIGHT_SYNC["weight_sync_small"])))
-    joint = compile_plan(problem)
+    joint = compile_plan(problem, split_hosts=False, coalesce=False)  # the chained plan BENCHMARKS.md's figures are of
     alone = [compile_plan(single) for single in problem.tensor_problems()]
     ranks = len(set(problem.src_mesh.devices) | set(problem.dst_mesh.devices))
     runs: dict[str, list[list[float]]] = {order: [] for order in ORDERS}

@@ -92,8 +92,9 @@ def nccl_program(program: RankProgram) -> NcclProgram:
     stream runs them one after another (pack, broadcast, unpack), so staging is the largest staged box,
     never more than the program's own staging in either order."""
     if any(s.kind == "bundle" for s in program.steps):
-        raise PlanMismatchError("the nccl engine does not run bundle operations (a plan compiled with --coalesce); "
-                                "run it with the mpi or torch engine, or compile without --coalesce")
+        raise PlanMismatchError("the nccl engine does not run bundle operations (a plan compiled with --coalesce, the "
+                                "default for a multi-tensor problem); run it with the mpi or torch engine, or compile "
+                                "with --no-coalesce")
     actions: list[Copy | Bcast] = []
     stage = 0  # the largest staged box
     for call in program.collectives:

@@ -1,5 +1,6 @@
-"""Recompute a plan's numbers instead of trusting them: the lower bound from its problem, and the
-operation times with the method `compile` used, so `xmesh-plan check` gates on figures it derived.
+"""Recompute a plan's numbers instead of trusting them: the lower bound from its problem, the
+operation times with the method `compile` used, and a multi-tensor plan's time in the executor's
+default order (`executor_order`), so `xmesh-plan check` gates on figures it derived.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from xmesh_plan.schemas import Plan
 
 from .bounds import joint_lower_bound
 from .compile import DIGITS, MAX_SIMULATED_OPERATIONS, settle_listing
+from .executor_order import executor_order_seconds, posted_budget
 from .simulate import nic_assignment, simulate
 from .unit_tasks import decompose
 
@@ -19,12 +21,14 @@ REL_TOLERANCE = 1e-9
 
 @dataclass(frozen=True, slots=True)
 class Audit:
-    """The recomputed lower bound and predicted time; `mismatch` says which stored figure disagrees."""
+    """The recomputed lower bound and predicted time, and a multi-tensor plan's time in the executor's default
+    order (posted; None for other plans and plans too large to time); `mismatch` says which stored figure disagrees."""
 
     lower_bound_seconds: float
     predicted_seconds: float
     retimed: bool  # False when the plan was timed by the schedule model (too large to simulate, or its listing never settles)
     mismatch: str | None
+    executor_seconds: float | None = None
 
 
 def _differ(stored: float, derived: float) -> bool:
@@ -59,7 +63,14 @@ def audit_plan(plan: Plan) -> Audit:
     predicted = round(result.makespan_s, DIGITS)
     if mismatch is None and _differ(plan.predicted_seconds, predicted):
         mismatch = f"stored predicted time {plan.predicted_seconds} s disagrees with {predicted:.12g} s from the simulator"
+    stated = plan.executor_prediction  # a stated time is re-derived whatever it costs; otherwise only where compile would time it
+    executed = executor_order_seconds(plan.operations, problem, plan.host_order, None if stated else posted_budget(result.work),
+                                      plan.staging is not None)
+    executed = None if executed is None else round(executed, DIGITS)
+    if mismatch is None and stated is not None and (executed is None or _differ(stated.predicted_seconds, executed)):
+        mismatch = (f"stored executor_prediction ({stated.order}) {stated.predicted_seconds} s disagrees with "
+                    f"{'no time' if executed is None else f'{executed:.12g} s'} from the simulator")
     if mismatch is not None and "overhead_us" not in problem.cluster.model_fields_set:
         mismatch += ("; the plan has no cluster.overhead_us, so it was compiled before the network model charged latency "
                      "as a delay and a per-message overhead as link time (fb54710)")
-    return Audit(bound, predicted, True, mismatch)
+    return Audit(bound, predicted, True, mismatch, executed)

@@ -21,7 +21,7 @@ from xmesh_plan.schemas.transfer import TransferProblem
 from .cli_types import SEED, TIME_LIMIT, max_tasks_option
 from .cli_solvers import progress, solver_summary
 from .compile import compile_plan
-from .inspect_plan import staging_summary, summarize
+from .inspect_plan import executor_summary, staging_summary, summarize
 from .problem_io import InputError, build_problem, user_error_message
 from .transfer_io import load_any_problem
 from .solvers import SOLVERS
@@ -107,12 +107,14 @@ def problem_from_flags(problem_file, shape, dtype, src_mesh, src_spec, dst_mesh,
 @click.option("--time-limit", default=10.0, show_default=True, type=TIME_LIMIT,
               help="solver budget in deterministic seconds (CP-SAT's deterministic time; no wall clock, so plans are reproducible)")
 @click.option("--no-merge", is_flag=True, help="keep every cut-point cell as its own unit task")
-@click.option("--split-hosts", is_flag=True,
-              help="one unit task per receiving host, each sent from a holder on its own (weight sync: FSDP -> TP replicas)")
-@click.option("--coalesce", is_flag=True,
-              help="send small boxes between two hosts in bundles: gathered on one device, one cross-host message, scattered")
+@click.option("--split-hosts/--no-split-hosts", default=None,
+              help="one unit task per receiving host, each sent from a holder on its own (weight sync: FSDP -> TP replicas)  "
+                   "[default: on for a multi-tensor problem, off for one tensor]")
+@click.option("--coalesce/--no-coalesce", default=None,
+              help="send small boxes between two hosts in bundles: gathered on one device, one cross-host message, scattered "
+                   "(the nccl engine does not run bundles)  [default: on for a multi-tensor problem, off for one tensor]")
 @click.option("--bucket-mb", type=click.FloatRange(min=0.001, max=4096),
-              help="with --coalesce: the most MiB in one bundle (boxes above 1/8 of it are sent on their own)  "
+              help="when coalescing: the most MiB in one bundle (boxes above 1/8 of it are sent on their own)  "
                    "[default: 4, or --max-staging-mb when less]")
 @click.option("--max-staging-mb", type=click.FloatRange(min=0, min_open=True, max=2**20),
               help="the most MiB of staging any device needs in the executor's device order: larger staged boxes are cut, "
@@ -122,7 +124,9 @@ def compile_command(problem_file, output, shape, dtype, src_mesh, src_spec, dst_
                     split_hosts, coalesce, bucket_mb, max_staging_mb, max_tasks):
     """Compile a resharding problem into a verified plan.
 
-    A PROBLEM file with a `tensors` list moves many named tensors in one plan (docs/format.md).
+    A PROBLEM file with a `tensors` list moves many named tensors in one plan (docs/format.md); such a
+    problem is compiled with --split-hosts --coalesce unless told otherwise, and its plan also states
+    its time posted, the order the executor runs it in by default.
 
     \b
     Examples:
@@ -147,7 +151,7 @@ def compile_command(problem_file, output, shape, dtype, src_mesh, src_spec, dst_
         except OSError as err:
             raise InputError(f"--output: cannot write {output} ({err.strerror}); check that the folder exists and is writable") from None
     click.echo(f"{output or 'plan (not written: pass -o FILE to save it)'}: {len(plan.tasks)} unit tasks, {len(plan.operations)} operations, "
-               f"predicted {plan.predicted_seconds:.4f} s, lower bound {plan.lower_bound_seconds:.4f} s, "
+               f"predicted {plan.predicted_seconds:.4f} s{executor_summary(plan)}, lower bound {plan.lower_bound_seconds:.4f} s, "
                f"efficiency {plan.efficiency:.1%}; verified ({report.operations} operations replayed); "
                f"{solver_summary(plan, timing['seconds'])}{staging_summary(plan)}")
 

@@ -8,13 +8,15 @@ import gc
 from dataclasses import dataclass
 from typing import Callable
 
-from xmesh_plan.schemas import HostOrder, Operation, Plan, ReshardingProblem, SolverInfo, UnitTask
+from xmesh_plan.schemas import ExecutorPrediction, HostOrder, Operation, Plan, ReshardingProblem, SolverInfo, UnitTask
 from xmesh_plan.schemas.staging import with_stated_staging
 from xmesh_plan.schemas.transfer import TransferProblem
 
 from . import __version__
 from .bounds import joint_lower_bound
 from .coalesce import DEFAULT_BUCKET_BYTES, BundleCell, bundle_task, coalesce_cells
+from .compile_defaults import resolve
+from .executor_order import executor_order, executor_order_seconds, posted_budget
 from .scheduling import Option, Schedule, SchedulingTask
 from .simulate import nic_assignment, simulate
 from .solvers import solve
@@ -147,16 +149,19 @@ def assemble_joint(problem: ReshardingProblem | TransferProblem, works: list[Ten
                   chunks=op.chunks, holders=op.holders, needers=op.needers, start_s=round(at, DIGITS), end_s=round(at + op.duration_s, DIGITS))
         for i, (at, task, tensor, op) in enumerate(timed_ops))
     host_order = tuple(HostOrder(host=h, side=s, tasks=tuple(t for _, t in sorted(v))) for (h, s), v in sorted(per_resource.items()))
-    operations, timed_by = _simulated(operations, problem, nic_assignment(host_order))
+    operations, timed_by, work = _simulated(operations, problem, nic_assignment(host_order))
     tasks = _retimed_tasks(tasks, operations)
     bound = joint_lower_bound([(w.cells, w.problem.itemsize) for w in works], cluster)
     predicted = max((op.end_s for op in operations), default=0.0)
     details = dict(sorted(schedule.details.items())) | {"lower_bound_reason": bound.reason, "timed_by": timed_by}
+    limited = max_staging_bytes is not None
+    executed = None if work is None else executor_order_seconds(operations, problem, host_order, posted_budget(work), limited)
     plan = Plan(
         generator=f"xmesh-plan {__version__}", problem=problem, strategy=strategy,
         solver=SolverInfo(name=schedule.solver, seed=seed, proven_bound_seconds=schedule.proven_bound_s, details=details),
         merged_slices=any(c.merged_cells > 1 for w in works for c in w.cells), tasks=tuple(tasks), operations=operations,
-        host_order=host_order, predicted_seconds=round(predicted, DIGITS), lower_bound_seconds=round(bound.seconds, DIGITS))
+        host_order=host_order, predicted_seconds=round(predicted, DIGITS), lower_bound_seconds=round(bound.seconds, DIGITS),
+        executor_prediction=None if executed is None else ExecutorPrediction(order=executor_order(limited), predicted_seconds=round(executed, DIGITS)))
     return plan if max_staging_bytes is None else with_stated_staging(plan, max_staging_bytes)
 
 
@@ -178,18 +183,19 @@ def settle_listing(operations: tuple[Operation, ...], problem: ReshardingProblem
 
 
 def _simulated(operations: tuple[Operation, ...], problem: ReshardingProblem | TransferProblem,
-               nic_of_task: dict[int, int]) -> tuple[tuple[Operation, ...], str]:
+               nic_of_task: dict[int, int]) -> tuple[tuple[Operation, ...], str, int | None]:
     """Operation times from the network simulator (host order), listed and numbered by predicted start,
-    so what is stored is what `check` recomputes; the schedule's own times when that cannot be had."""
+    so what is stored is what `check` recomputes; the schedule's own times when that cannot be had.
+    Also the simulation's work (`SimResult.work`; None when not simulated)."""
     if len(operations) > MAX_SIMULATED_OPERATIONS:
-        return operations, "schedule (too many operations to simulate)"
+        return operations, "schedule (too many operations to simulate)", None
     settled = settle_listing(operations, problem, nic_of_task)
     if settled is None:
-        return operations, "schedule (the simulated listing did not settle)"
+        return operations, "schedule (the simulated listing did not settle)", None
     listing, result = settled
     retimed = tuple(op.model_copy(update={"id": i, "start_s": round(result.op_start_s[op.id], DIGITS),
                                           "end_s": round(result.op_end_s[op.id], DIGITS)}) for i, op in enumerate(listing))
-    return retimed, "simulator (host-order)"
+    return retimed, "simulator (host-order)", result.work
 
 
 def _retimed_tasks(tasks: list[UnitTask], operations: tuple[Operation, ...]) -> list[UnitTask]:
@@ -233,22 +239,30 @@ def _without_cyclic_gc(fn):
 @_without_cyclic_gc
 def compile_plan(problem: ReshardingProblem | TransferProblem, strategy: str = "broadcast", solver: str = "auto", seed: int = 0,
                  time_limit_s: float = 10.0, merge: bool = True, on_stage: Callable[[str], None] = _quiet,
-                 max_tasks: int | None = DEFAULT_MAX_TASKS, split_hosts: bool = False, coalesce: bool = False,
+                 max_tasks: int | None = DEFAULT_MAX_TASKS, split_hosts: bool | None = None, coalesce: bool | None = None,
                  bucket_bytes: int | None = None, max_staging_bytes: int | None = None) -> Plan:
     """Compile a plan; same inputs give a byte-identical plan. `on_stage` hears each step's name (for progress).
     A problem that could cut into more than `max_tasks` unit tasks (all tensors together) is refused up
     front (TooManyTasksError). A `TransferProblem`'s tensors are cut one by one and scheduled together.
-    `split_hosts`: one unit task per receiving host (`unit_tasks.split_by_receiver_host`; recorded in
-    `solver.details`), as many tasks per box as it has receiving hosts. `coalesce`: small cells between
+    `split_hosts` and `coalesce` left None take the problem's kind's default (`compile_defaults`: both on
+    for a `TransferProblem`, off for a single tensor). `split_hosts`: one unit task per receiving host
+    (`unit_tasks.split_by_receiver_host`; recorded in `solver.details`), as many tasks per box as it has
+    receiving hosts. `coalesce`: small cells between
     two hosts travel in bundles of at most `bucket_bytes` (`planner/coalesce.py`; a bundle holds boxes of one tensor;
     default 4 MiB, or `max_staging_bytes` when that is less). `max_staging_bytes`: no device stages more in
     device order (`planner/staging_limit.py`; a transfer's tensors share one staging area per device); the
-    plan states the limit and each device's peak (`Plan.staging`), and more than `max_tasks` operations are refused."""
+    plan states the limit and each device's peak (`Plan.staging`), and more than `max_tasks` operations are refused.
+    A multi-tensor plan also states its time run in the executor's default order for it (`executor_order`)."""
+    multi = isinstance(problem, TransferProblem)
+    chosen = resolve(split_hosts, coalesce, multi)
+    split_hosts, coalesce = chosen.split_hosts, chosen.coalesce
     bucket_bytes = _bucket(bucket_bytes, max_staging_bytes)
     on_stage("cutting unit tasks")
     singles = problem.tensor_problems()
+    if coalesce and max_staging_bytes is not None and max_staging_bytes < max(s.itemsize for s in singles):
+        coalesce = False  # a limit below one element: limit_staging refuses it, naming the smallest limit that works
     check_joint_task_count(singles, max_tasks)
-    indices = range(len(singles)) if isinstance(problem, TransferProblem) else [None]
+    indices = range(len(singles)) if multi else [None]
     cells = [decompose(single, merge=merge, max_tasks=None) for single in singles]
     on_stage(f"costing {sum(map(len, cells))} cells")
     works, first, cut = [], 0, []

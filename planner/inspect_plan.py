@@ -9,6 +9,7 @@ from xmesh_plan.schemas.op_kinds import hops_pair_bytes, pair_bytes, route
 from xmesh_plan.schemas.plan_tensors import is_multi
 from xmesh_plan.schemas.staging import staging_peaks
 
+from .executor_order import executor_order
 from .simulate import simulate_plan
 
 
@@ -120,16 +121,47 @@ ORDER_MEANINGS = {  # queueing discipline -> who executes that way
     "device-order": "each device in one operation at a time (the executor's default order, NCCL, Alpa)",
     "posted": "every operation at once, links shared (the executor with order='posted')",
 }
+MULTI_TENSOR_ORDER_MEANINGS = ORDER_MEANINGS | {  # TransferExecutor's defaults differ (executor.transfer_executor.default_order)
+    "device-order": "each device in one operation at a time (the torch engine's default for this plan, Alpa)",
+    "posted": "every operation at once, links shared (the executor's default for this plan on MPI)",
+}
 
 
 def order_lines(plan: Plan) -> list[str]:
     """The plan timed by the simulator under each queueing discipline, next to the byte lower bound."""
     lines = ["predicted under each queueing (simulator):"]
-    for discipline, meaning in ORDER_MEANINGS.items():
+    for discipline, meaning in (MULTI_TENSOR_ORDER_MEANINGS if is_multi(plan) else ORDER_MEANINGS).items():
         seconds = simulate_plan(plan, discipline).makespan_s
         ratio = seconds / plan.lower_bound_seconds if plan.lower_bound_seconds > 0 else float("inf")
         lines.append(f"  {discipline:<13} {seconds:.4f} s  {ratio:.3f}x bound   {meaning}")
     return lines
+
+
+def _over(seconds: float, bound: float) -> str:
+    return f"{seconds / bound:.3f}x" if bound > 0 else "inf x"
+
+
+def executor_line(plan: Plan) -> list[str]:
+    """A multi-tensor plan's stated time in the executor's default order (posted), against the bound; none
+    for a single-tensor plan (its default device order is what its host order is scheduled for)."""
+    if not is_multi(plan):
+        return []
+    stated = plan.executor_prediction
+    if stated is None:
+        return [f"predicted {executor_order(plan.staging is not None)} (the executor's default order for this plan): not stated; "
+                "`inspect --orders` times it"]
+    return [f"predicted {stated.order} (the executor's default order for this plan): {stated.predicted_seconds:.4f} s, "
+            f"{_over(stated.predicted_seconds, plan.lower_bound_seconds)} the bound"]
+
+
+def executor_summary(plan: Plan) -> str:
+    """` in host order, 0.3262 s posted (the executor's default order, 1.016x the bound)` for a plan that states
+    its time in the executor's order, else empty: what `compile` prints after the predicted time."""
+    stated = plan.executor_prediction
+    if stated is None:
+        return ""
+    return (f" in host order, {stated.predicted_seconds:.4f} s {stated.order} (the executor's default order, "
+            f"{_over(stated.predicted_seconds, plan.lower_bound_seconds)} the bound)")
 
 
 def _peak(peaks: dict[int, int]) -> str:
@@ -181,6 +213,7 @@ def summarize(plan: Plan, show_tasks: bool = False, show_ops: bool = False, show
     reason = plan.solver.details.get("lower_bound_reason", "")
     lines.append(f"predicted: {plan.predicted_seconds:.4f} s   lower bound: {plan.lower_bound_seconds:.4f} s"
                  f"{f' ({reason})' if reason else ''}   efficiency (bound/predicted): {plan.efficiency:.1%}")
+    lines += executor_line(plan)
     lines.append(message_cost_line(plan, loads))
     lines += staging_lines(plan)
     if show_orders:

@@ -74,12 +74,19 @@ class Flow:
 
 @dataclass(frozen=True, slots=True)
 class SimResult:
-    """When each operation started and ended, and when the last one ended."""
+    """When each operation started and ended, and when the last one ended; `work` is what the run cost
+    (moving flows summed over every time their rates were shared out), a machine-independent measure."""
 
     makespan_s: float
     op_start_s: dict[int, float]
     op_end_s: dict[int, float]
     flows: int
+    work: int = 0
+
+
+class TooCostly(RuntimeError):
+    """A simulation stopped at its work budget (`run_flows(max_work=...)`): counted in flows, not seconds,
+    so whether a plan gets timed does not change with machine load."""
 
 
 def max_min_rates(active: list[Flow], capacity: dict[str, float]) -> dict[int, float]:
@@ -87,8 +94,10 @@ def max_min_rates(active: list[Flow], capacity: dict[str, float]) -> dict[int, f
 
     A heap of (fair share, link) with stale entries skipped keeps each round logarithmic; users are
     insertion-ordered dicts so shares are subtracted in the same order every run (byte-identical plans).
+    A link whose share changes gets one heap entry for its share after the round, not one per flow
+    the round took off it (the ones in between would be stale when popped).
     """
-    by_id = {f.id: f for f in active}
+    links_of = {f.id: f.links for f in active}
     left: dict[str, float] = {}
     users: dict[str, dict[int, None]] = {}
     for f in active:
@@ -97,29 +106,37 @@ def max_min_rates(active: list[Flow], capacity: dict[str, float]) -> dict[int, f
             users.setdefault(link, {})[f.id] = None
     heap = [(left[link] / len(u), link) for link, u in users.items()]
     heapq.heapify(heap)
+    pop, push = heapq.heappop, heapq.heappush
     rates: dict[int, float] = {}
     while heap:
-        share, link = heapq.heappop(heap)
+        share, link = pop(heap)
         members = users.get(link)
         if not members or share != left[link] / len(members):
             continue  # stale entry: the link was finished or its share changed since it was pushed
         del users[link]
+        touched: dict[str, None] = {}
         for fid in members:
             rates[fid] = share
-            for other in by_id[fid].links:
-                if other in users:
+            for other in links_of[fid]:
+                sharing = users.get(other)
+                if sharing is not None:
                     left[other] -= share
-                    del users[other][fid]
-                    if users[other]:
-                        heapq.heappush(heap, (left[other] / len(users[other]), other))
+                    del sharing[fid]
+                    if sharing:
+                        touched[other] = None
                     else:
                         del users[other]
+                        touched.pop(other, None)
+        for other in touched:
+            push(heap, (left[other] / len(users[other]), other))
     return rates
 
 
-def run_flows(flows: list[Flow], capacity: dict[str, float]) -> dict[int, tuple[float, float]]:
+def run_flows(flows: list[Flow], capacity: dict[str, float], max_work: int | None = None,
+              cost: list[int] | None = None) -> dict[int, tuple[float, float]]:
     """Event-driven fluid simulation; (start, arrival) per flow id. A flow with no bytes or links
-    takes only its latency."""
+    takes only its latency. Raises TooCostly once more than `max_work` moving flows have had their
+    rates shared out (summed over the run); `cost`, when given, gets that sum appended."""
     waiting = {f.id: len(f.after) + len(f.after_sent) for f in flows}
     on_arrival: dict[int, list[int]] = {}
     on_sent: dict[int, list[int]] = {}
@@ -171,15 +188,26 @@ def run_flows(flows: list[Flow], capacity: dict[str, float]) -> dict[int, tuple[
     for fid in free:
         waiting[fid] = 1  # released below like a flow whose last dependency just ended
     release(free)
+    done_below = {f.id: REL_EPS * max(1.0, f.work) for f in flows}  # what is left of a flow that has moved it all
+    rates, rated, work = {}, (), 0  # the rates and the moving flows (in order) they were computed for
     while events or moving:
-        rates = max_min_rates([by_id[i] for i in moving], capacity) if moving else {}
+        if tuple(moving) != rated:  # an arrival that starts nothing leaves the moving flows, and so their rates, as they were
+            rated = tuple(moving)
+            rates = max_min_rates([by_id[i] for i in rated], capacity) if rated else {}
+            work += len(rated)
+            if max_work is not None and work > max_work:
+                raise TooCostly(f"the simulation took more than its budget of {max_work} flow rate updates")
         next_move = min(((left / rates[i], i) for i, left in moving.items()), default=(float("inf"), -1))
         next_event = events[0][0] if events else float("inf")
         step = min(next_move[0], next_event - clock)
-        for i in list(moving):
-            moving[i] -= rates[i] * step
+        finished = []
+        for i, left in moving.items():  # values change, keys do not: safe while iterating
+            left -= rates[i] * step
+            moving[i] = left
+            if left <= done_below[i]:
+                finished.append(i)
         clock += step
-        for i in [i for i, left in moving.items() if left <= REL_EPS * max(1.0, by_id[i].work)]:
+        for i in finished:
             del moving[i]
             release(sent(i))
         while events and events[0][0] <= clock + REL_EPS * max(1.0, clock):
@@ -188,6 +216,8 @@ def run_flows(flows: list[Flow], capacity: dict[str, float]) -> dict[int, tuple[
             release(list(on_arrival.get(i, ())))
     if any(v for v in waiting.values()):
         raise ValueError("flow dependencies form a cycle; some flows never start")
+    if cost is not None:
+        cost.append(work)
     return {i: (s, e) for i, (s, e) in span.items()}
 
 
@@ -356,12 +386,14 @@ class _Lowering:
 
 
 def simulate(operations: list[Operation] | tuple[Operation, ...], problem: ReshardingProblem | TransferProblem,
-             discipline: str = "host-order", nic_of_task: dict[int, int] | None = None) -> SimResult:
-    """Time `operations` (taken in list order) on the problem's cluster under the queueing `discipline`."""
+             discipline: str = "host-order", nic_of_task: dict[int, int] | None = None, max_work: int | None = None) -> SimResult:
+    """Time `operations` (taken in list order) on the problem's cluster under the queueing `discipline`;
+    TooCostly past `max_work` (see `run_flows`)."""
     lowering = _Lowering(problem, discipline, nic_of_task)
     for op in operations:
         lowering.add(op)
-    spans = run_flows(lowering.flows, lowering.capacity)
+    cost: list[int] = []
+    spans = run_flows(lowering.flows, lowering.capacity, max_work, cost)
     start: dict[int, float] = {}
     end: dict[int, float] = {}
     for f in lowering.flows:
@@ -373,7 +405,7 @@ def simulate(operations: list[Operation] | tuple[Operation, ...], problem: Resha
     for op in operations:  # an operation without flows (an empty box) takes no time
         start.setdefault(op.id, 0.0)
         end.setdefault(op.id, start[op.id])
-    return SimResult(max(end.values(), default=0.0), start, end, len(lowering.flows))
+    return SimResult(max(end.values(), default=0.0), start, end, len(lowering.flows), cost[0])
 
 
 def nic_assignment(host_order) -> dict[int, int]:

@@ -135,6 +135,17 @@ class Staging(BaseModel):
     peak_bytes: dict[int, int] = Field(description="device -> bytes of staging it allocates in `order`; devices left out stage nothing")
 
 
+class ExecutorPrediction(BaseModel):
+    """The plan timed by the simulator in the order the executor runs it by default, where that is not the
+    plan's own host order: a multi-tensor plan, which `TransferExecutor` runs posted on MPI (every message
+    at once, links shared), or in device order where the plan states a staging limit. Absent on other plans; `predicted_seconds` (the plan's) stays the host-order time
+    its operations are stamped with. `xmesh-plan check` recomputes it."""
+
+    model_config = _FROZEN
+    order: Literal["posted", "device"] = Field("posted", description="the executor order timed (executor.transfer_executor.default_order)")
+    predicted_seconds: float = Field(description="the simulator's time for the plan run in `order`")
+
+
 class Plan(BaseModel):
     """A compiled, verifiable resharding plan."""
 
@@ -152,6 +163,9 @@ class Plan(BaseModel):
     lower_bound_seconds: float
     staging: Staging | None = Field(None, exclude_if=lambda v: v is None,
                                     description="compiled with a staging limit: the limit and each device's peak (absent otherwise)")
+    executor_prediction: ExecutorPrediction | None = Field(
+        None, exclude_if=lambda v: v is None,
+        description="multi-tensor plans: the time in the executor's default order, posted (absent otherwise)")
 
     @property
     def efficiency(self) -> float:

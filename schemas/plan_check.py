@@ -62,6 +62,23 @@ def _check_numbers(plan: Plan) -> None:
     if plan.lower_bound_seconds > plan.predicted_seconds * (1 + 1e-9) + TOLERANCE_S:
         raise PlanError(f"lower_bound_seconds {plan.lower_bound_seconds} is above predicted_seconds {plan.predicted_seconds}; "
                         "no plan beats the physical bound, so one of them is wrong (recompile the plan)")
+    _check_executor_prediction(plan)
+
+
+def _check_executor_prediction(plan: Plan) -> None:
+    """A multi-tensor plan's time in the executor's order is a time no better than the bound; other plans carry none."""
+    stated = plan.executor_prediction
+    if stated is None:
+        return
+    if not isinstance(plan.problem, TransferProblem):
+        raise PlanError("executor_prediction is only for multi-tensor plans (a single-tensor plan runs in device order, its "
+                        "predicted_seconds' own); remove the field or recompile the plan")
+    if not _is_time(stated.predicted_seconds):
+        raise PlanError(f"executor_prediction.predicted_seconds is {stated.predicted_seconds}; it must be a finite number of "
+                        "seconds >= 0 (recompile the plan)")
+    if plan.lower_bound_seconds > stated.predicted_seconds * (1 + 1e-9) + TOLERANCE_S:
+        raise PlanError(f"lower_bound_seconds {plan.lower_bound_seconds} is above executor_prediction.predicted_seconds "
+                        f"{stated.predicted_seconds}; no order beats the physical bound (recompile the plan)")
 
 
 def _check_ids_and_order(plan: Plan) -> None:

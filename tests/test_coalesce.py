@@ -161,7 +161,7 @@ def test_random_coalesced_plans_verify_and_run_bit_exact(seed, devices, bucket):
 
 def test_the_nccl_engine_refuses_bundles_in_one_line():
     plan = coalesced(all_to_all())
-    with pytest.raises(PlanMismatchError, match="nccl engine does not run bundle operations.*without --coalesce"):
+    with pytest.raises(PlanMismatchError, match="nccl engine does not run bundle operations.*with --no-coalesce"):
         nccl_program(lower(plan, _first_bundle(plan).src))
 
 
@@ -234,7 +234,7 @@ def _weight_sync(**options):
 
 def test_coalescing_a_transfer_sends_fewer_cross_host_messages_and_predicts_less():
     """Each receiving host gets its boxes of a tensor from a sending host in a few bundles, not box by box."""
-    plain, packed = _weight_sync(split_hosts=True), _weight_sync(split_hosts=True, coalesce=True)
+    plain, packed = _weight_sync(split_hosts=True, coalesce=False), _weight_sync(split_hosts=True, coalesce=True)
     host = plain.problem.cluster.host_of
 
     def cross_messages(plan):
@@ -249,7 +249,7 @@ def test_small_boxes_needed_on_several_hosts_are_cut_per_host_and_bundled_large_
     """The small weight sync without --split-hosts: norms and small shards go to both TP replicas' hosts."""
     from xmesh_plan.planner.coalesce import SMALL_FRACTION, coalesce_cells
     from xmesh_plan.planner.unit_tasks import decompose
-    plain, packed = _weight_sync(), _weight_sync(coalesce=True)
+    plain, packed = _weight_sync(split_hosts=False, coalesce=False), _weight_sync(split_hosts=False, coalesce=True)
     verify_plan(packed)
     host = packed.problem.cluster.host_of
     bucket = 4 * 2**20

@@ -96,8 +96,9 @@ def test_multi_tensor_plans_in_device_order_on_gloo_matching_by_order_are_bit_ex
     from xmesh_plan.planner.compile import compile_plan
     from test_transfer_plan import problem as three_tensors, random_transfer
 
-    plans = [compile_plan(three_tensors(), strategy=s, solver="greedy") for s in ("broadcast", "send_recv", "local_allgather")]
-    plans += [compile_plan(random_transfer(seed, 6, exact=True), strategy="auto", solver="greedy") for seed in range(4)]
+    chained = {"split_hosts": False, "coalesce": False}  # every strategy's own operations, no bundles
+    plans = [compile_plan(three_tensors(), strategy=s, solver="greedy", **chained) for s in ("broadcast", "send_recv", "local_allgather")]
+    plans += [compile_plan(random_transfer(seed, 6, exact=True), strategy="auto", solver="greedy", **chained) for seed in range(4)]
     assert all(len({op.tensor for op in p.operations}) > 1 for p in plans[:3])
     assert {"copy", "send", "broadcast", "allgather"} <= {op.kind for p in plans for op in p.operations}
     paths = write_plans(tmp_path, plans)

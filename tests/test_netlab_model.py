@@ -15,6 +15,7 @@ from bench.netlab.launch import ranks_per_host  # noqa: E402
 from bench.netlab.predict import at_rate, predictions  # noqa: E402
 from bench.netlab.run_plan import scaled  # noqa: E402
 from xmesh_plan.planner.baselines import baseline_seconds  # noqa: E402
+from xmesh_plan.planner.compile import compile_plan  # noqa: E402
 from xmesh_plan.planner.verify import verify_plan  # noqa: E402
 
 
@@ -49,7 +50,8 @@ def test_the_weight_sync_case_gives_verified_multi_tensor_plans_scaled_and_predi
     from xmesh_plan.schemas.plan_tensors import is_multi
 
     made = dict(_plans("weight_sync_small", 500, latency_us=200))
-    assert sorted(made) == ["ours", "split-hosts"]
+    assert sorted(made) == ["chained", "default", "split-hosts"]
+    assert made["default"].to_json() == compile_plan(made["default"].problem, split_hosts=True, coalesce=True).to_json()
     for plan in made.values():
         assert is_multi(plan) and plan.problem.cluster.latency_us == 200
         verify_plan(plan)

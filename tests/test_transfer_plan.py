@@ -31,6 +31,7 @@ from test_executor_sim import FakeComm, FakeMPI, FakeWorld, _out_of_device_order
 
 ROOT = Path(__file__).resolve().parents[1]
 SMALL = ROOT / "plans" / "weight_sync_small.problem.toml"
+CHAINED = {"split_hosts": False, "coalesce": False}  # the plan a multi-tensor problem got by default before compile_defaults
 MPIEXEC = Path(sys.executable).parent / "mpiexec"
 
 
@@ -46,7 +47,8 @@ def problem():
 
 @pytest.fixture(scope="module")
 def plan():
-    return compile_plan(problem(), solver="greedy")
+    """Copies, sends and broadcasts of three tensors: the chained plan (both switches off), every kind the NCCL engine runs."""
+    return compile_plan(problem(), solver="greedy", **CHAINED)
 
 
 # --- compile and verify -----------------------------------------------------------------------------------
@@ -74,7 +76,7 @@ def test_the_joint_plan_is_the_sum_of_its_tensors(plan):
 
 
 def test_same_input_and_seed_give_a_byte_identical_plan_that_round_trips(plan):
-    again = compile_plan(problem(), solver="greedy")
+    again = compile_plan(problem(), solver="greedy", **CHAINED)
     assert again.to_json() == plan.to_json()
     assert Plan.from_json(plan.to_json()) == plan
     data = json.loads(plan.to_json())
@@ -139,7 +141,7 @@ def test_inspect_refuses_a_bad_tensor_index_in_one_line(plan, tmp_path, index):
 def test_compile_verify_inspect_and_check_work_on_the_small_example(tmp_path):
     out = tmp_path / "small.plan.json"
     runner = CliRunner()
-    result = runner.invoke(main, ["compile", str(SMALL), "-o", str(out), "--solver", "greedy"])
+    result = runner.invoke(main, ["compile", str(SMALL), "-o", str(out), "--solver", "greedy", "--no-split-hosts", "--no-coalesce"])
     assert result.exit_code == 0, result.output
     assert "verified" in result.output
     result = runner.invoke(main, ["verify", str(out)])
@@ -340,7 +342,7 @@ def test_the_default_order_is_posted_for_a_multi_tensor_plan_on_mpi_device_other
 def _demo_on_the_small_weight_sync(tmp_path, ranks: int, *flags: str, timeout: float) -> subprocess.CompletedProcess:
     """`mpiexec -n ranks python -m xmesh_plan.executor.run` on the small weight sync's plan, with --check."""
     path = tmp_path / "weight_sync_small.plan.json"
-    path.write_text(compile_plan(load_any_problem(SMALL), solver="greedy").to_json())
+    path.write_text(compile_plan(load_any_problem(SMALL), solver="greedy", **CHAINED).to_json())
     env = dict(os.environ, MPIR_CVAR_ENABLE_HEAVY_YIELD="1", PYTHONPATH=str(ROOT))
     return subprocess.run([str(MPIEXEC), "-n", str(ranks), sys.executable, "-m", "xmesh_plan.executor.run", str(path), "--check",
                            *flags], cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
@@ -376,7 +378,7 @@ def test_torchrun_runs_the_small_weight_sync_on_gloo_bit_exact(tmp_path, order, 
     shard against numpy slicing of its tensor's pattern."""
     pytest.importorskip("torch")
     path = tmp_path / "weight_sync_small.plan.json"
-    path.write_text(compile_plan(load_any_problem(SMALL), solver="greedy").to_json())
+    path.write_text(compile_plan(load_any_problem(SMALL), solver="greedy", **CHAINED).to_json())
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "8", "-m", "xmesh_plan.executor.torch_run", str(path),
            "--check", "--iters", "2", *(("--order", order) if order else ())]
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
@@ -409,8 +411,9 @@ def test_verify_and_the_lowering_agree_on_mutated_multi_tensor_plans():
     from pydantic import ValidationError
     from test_plan_mutations import _as_lists, _mutate
 
-    bases = [compile_plan(problem(), solver="greedy"), compile_plan(problem(), strategy="local_allgather", solver="greedy"),
-             compile_plan(load_any_problem(SMALL), strategy="auto", solver="greedy")]
+    bases = [compile_plan(problem(), solver="greedy", **CHAINED),
+             compile_plan(problem(), strategy="local_allgather", solver="greedy", **CHAINED),
+             compile_plan(load_any_problem(SMALL), strategy="auto", solver="greedy", **CHAINED)]
     assert {op.kind for b in bases for op in b.operations} == {"copy", "broadcast", "send", "allgather"}
     raws = [_as_lists(b.model_dump()) for b in bases]
     rng = random.Random(11)
@@ -452,7 +455,7 @@ def test_verify_and_the_lowering_agree_on_mutated_multi_tensor_plans():
 # --- one unit task per receiving host (--split-hosts) ------------------------------------------------------
 
 def test_split_hosts_gives_one_task_per_receiving_host_and_stays_correct(plan):
-    split = compile_plan(problem(), solver="greedy", split_hosts=True)
+    split = compile_plan(problem(), solver="greedy", split_hosts=True, coalesce=False)
     verify_plan(split)
     host = split.problem.cluster.host_of
     assert all(len({host(d) for d in t.receivers}) == 1 for t in split.tasks)
@@ -472,7 +475,7 @@ def test_split_hosts_beats_the_chained_plan_on_the_small_weight_sync():
     """Each box of the weight sync goes to one device on each of two hosts: a two-hop chain holds both
     hosts' receive sides, one task per host does not (predicted by the same simulator)."""
     small = load_any_problem(SMALL)
-    chained, split = compile_plan(small), compile_plan(small, split_hosts=True)
+    chained, split = compile_plan(small, **CHAINED), compile_plan(small, split_hosts=True, coalesce=False)
     assert split.predicted_seconds < chained.predicted_seconds
     assert split.lower_bound_seconds == chained.lower_bound_seconds
 
@@ -539,8 +542,10 @@ def test_device_order_refuses_calls_out_of_turn_after_an_error_and_after_close(p
 
 def _order_plans() -> list[Plan]:
     """Multi-tensor plans with every operation kind and several tensors interleaved in one plan."""
-    return [compile_plan(problem(), solver="greedy"), compile_plan(problem(), strategy="local_allgather", solver="greedy"),
-            compile_plan(load_any_problem(SMALL), solver="greedy"), compile_plan(load_any_problem(SMALL), split_hosts=True),
+    return [compile_plan(problem(), solver="greedy", **CHAINED),
+            compile_plan(problem(), strategy="local_allgather", solver="greedy", **CHAINED),
+            compile_plan(load_any_problem(SMALL), solver="greedy", **CHAINED),
+            compile_plan(load_any_problem(SMALL), split_hosts=True, coalesce=False),
             compile_plan(load_any_problem(SMALL), solver="greedy", split_hosts=True, coalesce=True)]
 
 
@@ -596,10 +601,11 @@ def random_transfer(seed: int, max_devices: int, exact: bool = False):
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(seed=st.integers(0, 10**6), strategy=st.sampled_from(("broadcast", "send_recv", "local_allgather", "global_allgather", "auto")),
-       devices=st.integers(1, 9), order=st.sampled_from(("device", "posted")), coalesce=st.booleans())
-def test_random_multi_tensor_plans_are_bit_exact_in_both_orders(seed, strategy, devices, order, coalesce):
+       devices=st.integers(1, 9), order=st.sampled_from(("device", "posted")), coalesce=st.booleans(),
+       split_hosts=st.booleans())
+def test_random_multi_tensor_plans_are_bit_exact_in_both_orders(seed, strategy, devices, order, coalesce, split_hosts):
     plan = compile_plan(random_transfer(seed, devices), strategy=strategy, solver="greedy", seed=0, coalesce=coalesce,
-                        bucket_bytes=256)
+                        split_hosts=split_hosts, bucket_bytes=256)
     verify_plan(plan)
     executors = fake_executors(plan, order=order)
     for it in range(2):  # twice: the second run overwrites the first's buffers with other data

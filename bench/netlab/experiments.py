@@ -54,9 +54,10 @@ EXTRA_CASES = {  # name -> (the problem, (label, compile_plan options) per plan)
         lambda: build_problem({"name": "alltoall_2x4", "shape": [128, 256, 32], "dtype": "float32",
                                "src": {"mesh": "2x4", "spec": "S0 R S1"}, "dst": {"mesh": "2x4", "spec": "R S01 R"}}),
         (("ours", {}), ("coalesce", {"coalesce": True}))),
-    "weight_sync_small": (  # a multi-tensor plan
+    "weight_sync_small": (  # a multi-tensor plan; "chained" was labelled "ours" before the default became --split-hosts --coalesce
         lambda: build_transfer(tomllib.loads(weight_sync_toml(*WEIGHT_SYNC["weight_sync_small"]))),
-        (("ours", {}), ("split-hosts", {"split_hosts": True}))),
+        (("default", {}), ("chained", {"split_hosts": False, "coalesce": False}),
+         ("split-hosts", {"split_hosts": True, "coalesce": False}))),
 }
 
 

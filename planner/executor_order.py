@@ -1,0 +1,53 @@
+"""A multi-tensor plan timed in the order the executor runs it by default, for the plan to state.
+
+A plan's operations carry host-order times (each NIC side in the plan's order: the planner's own
+claim, what `check` re-derives), but `TransferExecutor` runs a multi-tensor plan posted on MPI (every
+message at once, links shared; `executor.transfer_executor.default_order`), and a plan can be much
+slower so (the chained Llama-3-8B weight-sync plan: 1.08x its bound in host order, 1.45x posted). So `compile`
+also times the plan posted and records it (`Plan.executor_prediction`); `check` recomputes it.
+Single-tensor plans run in device order, which their host order is scheduled for: nothing is added.
+
+Posted simulation can cost far more than host order's (every message in flight at once: the chained
+Llama-3-8B plan took 82 s posted against 6 s in host order), so it is run only where cheap: within
+POSTED_WORK_FACTOR times the host-order simulation's work (the default Llama plan's posted run costs
+about as much as its host-order one) (`SimResult.work`, counted in flows, not
+seconds, so whether a plan states the time does not change with machine load).
+"""
+
+from __future__ import annotations
+
+from xmesh_plan.schemas import HostOrder, Operation, ReshardingProblem
+from xmesh_plan.schemas.transfer import TransferProblem
+
+from .simulate import TooCostly, nic_assignment, simulate
+
+EXECUTOR_ORDER = "posted"  # the executor's default for a multi-tensor plan on MPI (tests/test_compile_defaults.py keeps them equal)
+LIMITED_ORDER = "device"  # ... and for one that states a staging limit (posted would stage every box at once)
+SIMULATED_AS = {"posted": "posted", "device": "device-order"}  # executor order -> the simulator's discipline
+POSTED_WORK_FACTOR = 1.25  # posted is timed when it costs at most this many times the host-order simulation
+MIN_POSTED_WORK = 100_000  # ... or this many flow rate updates (a few tenths of a second), whichever is more
+
+
+def posted_budget(host_order_work: int) -> int:
+    """The most work (`SimResult.work`) the posted simulation may take, given the host-order simulation's."""
+    return max(int(POSTED_WORK_FACTOR * host_order_work), MIN_POSTED_WORK)
+
+
+def executor_order(limited: bool) -> str:
+    """The order `TransferExecutor` runs a multi-tensor plan in on MPI by default: posted, or device order
+    where the plan states a staging limit (`executor.transfer_executor.default_order`)."""
+    return LIMITED_ORDER if limited else EXECUTOR_ORDER
+
+
+def executor_order_seconds(operations: tuple[Operation, ...], problem: ReshardingProblem | TransferProblem,
+                           host_order: tuple[HostOrder, ...], max_work: int | None = None, limited: bool = False) -> float | None:
+    """The simulator's time for `operations`, in their listed order, run in `executor_order(limited)`; None
+    for a single-tensor problem (nothing to state) or when the simulation would take more than `max_work`
+    (see `posted_budget`)."""
+    if not isinstance(problem, TransferProblem):
+        return None
+    try:
+        discipline = SIMULATED_AS[executor_order(limited)]
+        return simulate(operations, problem, discipline, nic_assignment(host_order), max_work=max_work).makespan_s
+    except TooCostly:
+        return None

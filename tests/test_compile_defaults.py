@@ -1,0 +1,151 @@
+"""Compile defaults by problem kind (planner/compile_defaults.py) and the multi-tensor plan's stated time in
+the executor's default order (planner/executor_order.py, `Plan.executor_prediction`)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from xmesh_plan.executor.transfer_executor import default_order
+from xmesh_plan.planner.cli import main
+from xmesh_plan.planner.compile import DIGITS, compile_plan
+from xmesh_plan.planner.compile_defaults import MULTI_TENSOR, SINGLE_TENSOR, defaults_for, resolve
+from xmesh_plan.planner.simulate import nic_assignment, simulate
+from xmesh_plan.planner.transfer_io import load_any_problem
+from xmesh_plan.planner.verify import verify_plan
+from xmesh_plan.schemas import ExecutorPrediction, Plan, read_plan_file
+from xmesh_plan.schemas.plan_check import PlanError, check_plan
+
+ROOT = Path(__file__).resolve().parents[1]
+SMALL = ROOT / "plans" / "weight_sync_small.problem.toml"
+
+
+@pytest.fixture(scope="module")
+def small():
+    return load_any_problem(SMALL)
+
+
+@pytest.fixture(scope="module")
+def default_plan(small):
+    return compile_plan(small)
+
+
+def test_the_rule_reads_the_problem_kind_and_a_given_switch_wins(small, case):
+    assert defaults_for(small) == MULTI_TENSOR == resolve(None, None, multi_tensor=True)
+    assert defaults_for(case("case3")) == SINGLE_TENSOR == resolve(None, None, multi_tensor=False)
+    assert resolve(False, None, multi_tensor=True) == MULTI_TENSOR.__class__(split_hosts=False, coalesce=True)
+    assert resolve(True, True, multi_tensor=False) == MULTI_TENSOR
+
+
+def test_the_cli_default_for_a_transfer_is_byte_for_byte_the_flagged_compile(tmp_path):
+    runner = CliRunner()
+    plain, flagged = tmp_path / "plain.json", tmp_path / "flagged.json"
+    first = runner.invoke(main, ["compile", str(SMALL), "-o", str(plain)])
+    assert first.exit_code == 0, first.output
+    assert runner.invoke(main, ["compile", str(SMALL), "--split-hosts", "--coalesce", "-o", str(flagged)]).exit_code == 0
+    assert plain.read_bytes() == flagged.read_bytes()
+    plan = read_plan_file(plain)
+    assert {op.kind for op in plan.operations} == {"bundle"}  # every box of the small weight sync rides in a bundle
+    assert plan.solver.details["split_hosts"] and plan.solver.details["coalesce"]
+    stated = plan.executor_prediction
+    assert f"{stated.predicted_seconds:.4f} s posted (the executor's default order, " in first.output, first.output
+
+
+@pytest.mark.parametrize("flags, options", [(["--no-coalesce"], {"split_hosts": True, "coalesce": False}),
+                                            (["--no-split-hosts"], {"split_hosts": False, "coalesce": True}),
+                                            (["--no-split-hosts", "--no-coalesce"], {"split_hosts": False, "coalesce": False})])
+def test_the_no_flags_turn_each_default_off(tmp_path, small, default_plan, flags, options):
+    out = tmp_path / "plan.json"
+    result = CliRunner().invoke(main, ["compile", str(SMALL), *flags, "-o", str(out)])
+    assert result.exit_code == 0, result.output
+    text = out.read_text()
+    assert text == compile_plan(small, **options).to_json() != default_plan.to_json()
+    plan = Plan.from_json(text)
+    assert ("split_hosts" in plan.solver.details) == options["split_hosts"]
+    assert ("coalesce" in plan.solver.details) == options["coalesce"]
+    assert (any(op.kind == "bundle" for op in plan.operations)) == options["coalesce"]
+
+
+def test_the_default_beats_the_chained_plan_posted_on_the_small_weight_sync(small, default_plan):
+    """The measurement behind the rule, on the example in the repository: 1.02x against 1.15x the bound posted."""
+    chained = compile_plan(small, split_hosts=False, coalesce=False)
+    bound = default_plan.lower_bound_seconds
+    assert default_plan.executor_prediction.predicted_seconds < 1.05 * bound
+    assert chained.executor_prediction.predicted_seconds > 1.1 * bound
+
+
+def test_the_stated_posted_time_is_what_the_simulator_gives_on_its_own(small, default_plan):
+    for plan in (default_plan, compile_plan(small, split_hosts=False, coalesce=False)):
+        posted = simulate(plan.operations, plan.problem, "posted", nic_assignment(plan.host_order)).makespan_s
+        assert plan.executor_prediction == ExecutorPrediction(order="posted", predicted_seconds=round(posted, DIGITS))
+        assert plan.executor_prediction.order == default_order(plan, "mpi")  # the order the executor runs it in on MPI
+        assert plan.executor_prediction.predicted_seconds >= plan.lower_bound_seconds
+
+
+def test_a_plan_with_a_staging_limit_states_its_device_order_time(small):
+    """The executor runs a multi-tensor plan that states a staging limit in device order on MPI, so the
+    plan states that order's time (posted would stage every box at once), and `check` re-derives it."""
+    plan = compile_plan(small, max_staging_bytes=16 * 2**10)
+    device = simulate(plan.operations, plan.problem, "device-order", nic_assignment(plan.host_order)).makespan_s
+    assert plan.executor_prediction == ExecutorPrediction(order="device", predicted_seconds=round(device, DIGITS))
+    assert plan.executor_prediction.order == default_order(plan, "mpi")
+    check_plan(plan)
+
+
+def test_single_tensor_plans_are_unchanged_and_state_nothing(case):
+    problem = case("case3")
+    plan = compile_plan(problem)
+    assert plan.to_json() == compile_plan(problem, split_hosts=False, coalesce=False).to_json()
+    assert plan.executor_prediction is None and "executor_prediction" not in plan.to_json()
+    assert plan.to_json() == (ROOT / "plans" / "case3.plan.json").read_text()
+
+
+def test_the_committed_small_weight_sync_plan_is_the_default_compile(default_plan):
+    assert (ROOT / "plans" / "weight_sync_small.plan.json").read_text() == default_plan.to_json()
+
+
+def test_a_plan_without_the_field_still_loads_and_round_trips(default_plan):
+    old = json.loads(default_plan.to_json())
+    del old["executor_prediction"]
+    plan = Plan.model_validate(old)
+    assert plan.executor_prediction is None and Plan.from_json(plan.to_json()) == plan
+    verify_plan(plan)
+
+
+def test_a_wrong_or_misplaced_stated_time_is_refused_naming_the_field(default_plan, case, tmp_path):
+    bad = default_plan.model_copy(update={"executor_prediction": ExecutorPrediction(predicted_seconds=float("nan"))})
+    with pytest.raises(PlanError, match="executor_prediction.predicted_seconds is nan"):
+        check_plan(bad)
+    fast = default_plan.model_copy(update={"executor_prediction": ExecutorPrediction(predicted_seconds=0.0)})
+    with pytest.raises(PlanError, match="above executor_prediction.predicted_seconds 0.0"):
+        check_plan(fast)
+    single = compile_plan(case("case3"))
+    with pytest.raises(PlanError, match="executor_prediction is only for multi-tensor plans"):
+        check_plan(single.model_copy(update={"executor_prediction": ExecutorPrediction(predicted_seconds=1.0)}))
+    off = default_plan.executor_prediction.predicted_seconds * 1.5
+    path = tmp_path / "off.plan.json"
+    path.write_text(default_plan.model_copy(update={"executor_prediction": ExecutorPrediction(predicted_seconds=off)}).to_json())
+    result = CliRunner().invoke(main, ["check", str(path), "--max-ratio", "100"])
+    assert result.exit_code == 1 and "stored executor_prediction (posted)" in result.output, result.output
+
+
+def test_check_and_inspect_report_the_posted_time_and_check_gates_on_it(small, default_plan, tmp_path):
+    good, chained = tmp_path / "good.plan.json", tmp_path / "chained.plan.json"
+    good.write_text(default_plan.to_json())
+    chained_plan = compile_plan(small, split_hosts=False, coalesce=False)
+    chained.write_text(chained_plan.to_json())
+    runner = CliRunner()
+    stated = default_plan.executor_prediction.predicted_seconds
+    result = runner.invoke(main, ["check", str(good), "--max-ratio", "1.1"])
+    assert result.exit_code == 0 and f"posted (executor default) {stated:.4f} s" in result.output, result.output
+    host_ratio = chained_plan.predicted_seconds / chained_plan.lower_bound_seconds
+    assert host_ratio < 1.1  # in its own host order the chained plan passes; posted, as it runs, it does not
+    result = runner.invoke(main, ["check", str(chained), "--max-ratio", "1.1"])
+    assert result.exit_code == 1 and "its lower bound posted (the executor's default order)" in result.output, result.output
+    result = runner.invoke(main, ["inspect", str(good)])
+    assert result.exit_code == 0 and f"predicted posted (the executor's default order for this plan): {stated:.4f} s" in result.output
+    result = runner.invoke(main, ["inspect", str(good), "--orders"])
+    assert "the executor's default for this plan on MPI" in result.output, result.output
