@@ -4,8 +4,8 @@ the problem's kind, read from the kind alone, so one compile makes one plan (no 
 A multi-tensor problem (a weight sync: every FSDP shard's boxes go to each TP replica's host) gets both
 on. The executor runs its plan posted (`TransferExecutor`'s default on MPI: every message at once), and
 the chained plan both-off gives (each box down a broadcast chain through every destination host) shares
-the NICs badly so: on the Llama-3-8B weight sync posted 1.45x the byte bound against 1.02x with both on,
-on the small one 1.30x against 1.02x. A single-tensor problem keeps both off: its executor runs device
+the NICs worse so: on the Llama-3-8B weight sync posted 1.14x the byte bound against 1.02x with both on,
+on the small one 1.15x against 1.02x. A single-tensor problem keeps both off: its executor runs device
 order, where both on is no faster on any of the 16 reference cases and 2-4x slower on five (case7,
 case8, one_to_{2x2,3x2,4x2}: a split chain sends the whole tensor once per host). BENCHMARKS.md,
 "Compile defaults" (bench/bench_compile_defaults.py).
