@@ -18,7 +18,7 @@ from xmesh_plan.schemas.plan import write_atomic
 from xmesh_plan.schemas.plan_check import check_plan
 from xmesh_plan.schemas.transfer import TransferProblem
 
-from .cli_types import SEED, TIME_LIMIT, max_tasks_option
+from .cli_types import BUCKET_MB, SEED, STAGING_MB, TIME_LIMIT, max_tasks_option
 from .cli_solvers import progress, solver_summary
 from .compile import compile_plan
 from .inspect_plan import executor_summary, staging_summary, summarize
@@ -113,10 +113,10 @@ def problem_from_flags(problem_file, shape, dtype, src_mesh, src_spec, dst_mesh,
 @click.option("--coalesce/--no-coalesce", default=None,
               help="send small boxes between two hosts in bundles: gathered on one device, one cross-host message, scattered "
                    "(the nccl engine does not run bundles)  [default: on for a multi-tensor problem, off for one tensor]")
-@click.option("--bucket-mb", type=click.FloatRange(min=0.001, max=4096),
+@click.option("--bucket-mb", type=BUCKET_MB,
               help="when coalescing: the most MiB in one bundle (boxes above 1/8 of it are sent on their own)  "
                    "[default: 4, or --max-staging-mb when less]")
-@click.option("--max-staging-mb", type=click.FloatRange(min=0, min_open=True, max=2**20),
+@click.option("--max-staging-mb", type=STAGING_MB,
               help="the most MiB of staging any device needs in the executor's device order: larger staged boxes are cut, "
                    "and the plan states each device's peak")
 @max_tasks_option

@@ -13,21 +13,23 @@ MAX_TIME_LIMIT_S = 1e6  # deterministic seconds (about 11 days): a larger budget
 
 
 class PositiveFloat(click.ParamType):
-    """A finite number in (0, most]: `nan`, `inf`, 0 and negatives are refused (a NaN ratio would pass every check)."""
+    """A finite number in (0, most] and at least `least`: `nan`, `inf`, 0 and negatives are refused (a NaN
+    ratio would pass every check)."""
 
     name = "number>0"
 
-    def __init__(self, most: float = math.inf):
-        self.most = most
+    def __init__(self, most: float = math.inf, least: float = 0.0):
+        self.most, self.least = most, least
 
     def convert(self, value, param, ctx):
         try:
             number = float(value)
         except (TypeError, ValueError, OverflowError):
             self.fail(f"{str(value)[:40]!r} is not a number; give a positive number such as 1.1", param, ctx)
-        if not math.isfinite(number) or number <= 0 or number > self.most:
+        if not math.isfinite(number) or number <= 0 or number < self.least or number > self.most:
             upto = f" up to {self.most:g}" if math.isfinite(self.most) else ""
-            self.fail(f"{str(value)[:40]!r} must be a finite number > 0{upto}, e.g. 1.1", param, ctx)
+            low = f">= {self.least:g}" if self.least > 0 else "> 0"
+            self.fail(f"{str(value)[:40]!r} must be a finite number {low}{upto}, e.g. {max(1.1, self.least):g}", param, ctx)
         return number
 
 
@@ -45,6 +47,8 @@ class Seed(click.ParamType):
 
 POSITIVE = PositiveFloat()
 TIME_LIMIT = PositiveFloat(MAX_TIME_LIMIT_S)
+BUCKET_MB = PositiveFloat(4096, least=0.001)  # --bucket-mb
+STAGING_MB = PositiveFloat(2**20)  # --max-staging-mb
 SEED = Seed()
 
 

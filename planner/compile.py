@@ -294,6 +294,7 @@ def _bucket(bucket_bytes: int | None, max_staging_bytes: int | None) -> int:
     if bucket_bytes is None:
         return min(DEFAULT_BUCKET_BYTES, max_staging_bytes)
     if bucket_bytes > max_staging_bytes:
-        raise InputError(f"--bucket-mb {bucket_bytes / MIB:g} is above --max-staging-mb {max_staging_bytes / MIB:g}: a bundle is "
-                         f"staged whole on both relays; use --bucket-mb {max_staging_bytes / MIB:g} or less")
+        raise InputError(f"--bucket-mb {bucket_bytes / MIB:.4g} is above --max-staging-mb {max_staging_bytes / MIB:.4g}: a bundle is "
+                         "staged whole on both relays; leave out --bucket-mb (bundles then take the staging limit), give "
+                         "a smaller one, or raise --max-staging-mb")
     return bucket_bytes

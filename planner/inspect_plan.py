@@ -125,12 +125,17 @@ MULTI_TENSOR_ORDER_MEANINGS = ORDER_MEANINGS | {  # TransferExecutor's defaults 
     "device-order": "each device in one operation at a time (the torch engine's default for this plan, Alpa)",
     "posted": "every operation at once, links shared (the executor's default for this plan on MPI)",
 }
+LIMITED_ORDER_MEANINGS = ORDER_MEANINGS | {  # a multi-tensor plan that states a staging limit runs in device order
+    "device-order": "each device in one operation at a time (the executor's default for this plan: it states a staging limit)",
+    "posted": "every operation at once, links shared (refused where it stages more than the plan states)",
+}
 
 
 def order_lines(plan: Plan) -> list[str]:
     """The plan timed by the simulator under each queueing discipline, next to the byte lower bound."""
     lines = ["predicted under each queueing (simulator):"]
-    for discipline, meaning in (MULTI_TENSOR_ORDER_MEANINGS if is_multi(plan) else ORDER_MEANINGS).items():
+    meanings = ORDER_MEANINGS if not is_multi(plan) else LIMITED_ORDER_MEANINGS if plan.staging is not None else MULTI_TENSOR_ORDER_MEANINGS
+    for discipline, meaning in meanings.items():
         seconds = simulate_plan(plan, discipline).makespan_s
         ratio = seconds / plan.lower_bound_seconds if plan.lower_bound_seconds > 0 else float("inf")
         lines.append(f"  {discipline:<13} {seconds:.4f} s  {ratio:.3f}x bound   {meaning}")

@@ -45,6 +45,9 @@ def is_transfer(raw: Any) -> bool:
 
 def build_any_problem(raw: Any) -> ReshardingProblem | TransferProblem:
     """A transfer problem from data with `tensors`, a single-tensor problem otherwise."""
+    if isinstance(raw, dict) and "schema_version" in raw and "operations" in raw:
+        raise InputError("this is a plan file (it has schema_version and operations), not a problem; give the problem file "
+                         "it was compiled from (its `problem` section is one), e.g. plans/case3.problem.json")
     return build_transfer(raw) if is_transfer(raw) else build_problem(raw)
 
 
@@ -72,6 +75,9 @@ def build_transfer(raw: dict[str, Any]) -> TransferProblem:
     if "tensors" not in raw:
         raise InputError("tensors: missing; give a list of tensors, each with name and shape")
     tensors = [_tensor(entry, where, rules, default_dtype) for entry, where in _expand(raw["tensors"])]
+    for k, (pattern, _) in enumerate(rules):  # a typo in a pattern would silently leave its tensors to a later rule
+        if not any(isinstance(t, dict) and isinstance(t.get("name"), str) and fnmatchcase(t["name"], pattern) for t in tensors):
+            raise InputError(f"rules[{k}] (match {pattern!r}) fits no tensor's name; fix the pattern or remove the rule")
     if not tensors:
         raise InputError("tensors: no tensor is left once repeated groups are unrolled (repeat = 0 everywhere?); "
                          "give at least one tensor")

@@ -149,3 +149,16 @@ def test_check_and_inspect_report_the_posted_time_and_check_gates_on_it(small, d
     assert result.exit_code == 0 and f"predicted posted (the executor's default order for this plan): {stated:.4f} s" in result.output
     result = runner.invoke(main, ["inspect", str(good), "--orders"])
     assert "the executor's default for this plan on MPI" in result.output, result.output
+
+
+def test_check_names_the_order_it_gates_and_refuses_a_wrong_stated_order(small, tmp_path):
+    """A plan with a staging limit runs in device order by default: `check` says so (not "posted"), and a
+    plan whose stated order is not the executor's default for it is refused."""
+    limited = compile_plan(small, max_staging_bytes=16 * 2**10)
+    path = tmp_path / "limited.plan.json"
+    path.write_text(limited.to_json())
+    result = CliRunner().invoke(main, ["check", str(path), "--max-ratio", "2"])
+    assert result.exit_code == 0 and "device (executor default)" in result.output and "posted" not in result.output, result.output
+    wrong = limited.model_copy(update={"executor_prediction": limited.executor_prediction.model_copy(update={"order": "posted"})})
+    with pytest.raises(PlanError, match="executor_prediction.order is 'posted', but the executor runs this plan 'device'"):
+        check_plan(wrong)

@@ -47,8 +47,26 @@ def test_the_first_rule_that_fits_and_gives_the_side_wins_and_the_tensor_own_spe
 
 def test_a_pattern_matches_the_whole_name_not_a_part_of_it():
     rules = [{"match": "q_proj.weight", "src": "R R", "dst": "R R"}, {"match": "*", "src": "S0 R", "dst": "S0 R"}]
-    p = build_transfer(raw(rules=rules, tensors=[{"name": "layers.0.q_proj.weight", "shape": [4, 4]}]))
-    assert str(p.tensors[0].src) == "S0 R"
+    p = build_transfer(raw(rules=rules, tensors=[{"name": "layers.0.q_proj.weight", "shape": [4, 4]}, {"name": "q_proj.weight", "shape": [4, 4]}]))
+    assert [str(t.src) for t in p.tensors] == ["S0 R", "R R"]
+
+
+def test_a_rule_that_fits_no_tensor_is_refused_naming_it():
+    """A typo in a pattern would leave its tensors to a later rule and give a wrong layout without a word."""
+    rules = [{"match": "*.o_prj.weight", "dst": "R S1"}, {"match": "*", "src": "S0 R", "dst": "S0 R"}]
+    with pytest.raises(InputError, match=r"rules\[0\] \(match '\*\.o_prj\.weight'\) fits no tensor's name"):
+        build_transfer(raw(rules=rules, tensors=[{"name": "l.0.o_proj.weight", "shape": [4, 4]}]))
+
+
+def test_a_plan_file_given_as_a_problem_says_so(tmp_path):
+    result = CliRunner().invoke(main, ["compile", str(ROOT / "plans" / "weight_sync_small.plan.json"), "-o", str(tmp_path / "x.json")])
+    assert result.exit_code == 2 and "this is a plan file" in result.output and not (tmp_path / "x.json").exists()
+
+
+@pytest.mark.parametrize("flag", ["--max-staging-mb", "--bucket-mb"])
+def test_a_nan_size_flag_is_refused_with_exit_2(flag, tmp_path):
+    result = CliRunner().invoke(main, ["compile", str(SMALL), flag, "nan", "-o", str(tmp_path / "x.json")])
+    assert result.exit_code == 2 and "'nan' must be a finite number" in result.output and "Traceback" not in result.output
 
 
 def test_a_repeated_group_unrolls_layer_by_layer():
