@@ -66,13 +66,15 @@ def transfer_row(name: str) -> dict:
 COMPILE_TIME = """Compile time of the Llama problem with the defaults, measured apart from this script (CPU seconds of
 `compile_plan` alone, so the machine's load counts less; two runs each, taking turns, the commit before
 the new defaults against this one, each imported from its own checkout):
-`python -c 'compile_plan(load_any_problem("plans/weight_sync_llama3_8b.problem.toml"))'` took 8.76 and
-8.43 s before (the chained plan, no posted time) and 11.91 and 11.29 s now (`--split-hosts --coalesce`
-and the posted simulation, about 4 s of it): 1.35x. The simulator's rate sharing was made cheaper on
-the way, exactly (124 plans compared byte for byte before and after). Larger FSDP meshes cost more:
-8x8 and 16x8 compile in 30.3 and 85.9 s wall ("Weight sync", scale table) against 7.1 and 17.8 s for
-the chained default measured before (another day's load), almost all of it the host-order simulation
-of the bundles, whose gathers inside a host all run at once, run twice until the listing settles."""
+`python -c 'compile_plan(load_any_problem("plans/weight_sync_llama3_8b.problem.toml"))'` took 8.30 and
+8.39 s before (the chained plan, no posted time) and 10.04 and 10.58 s now (`--split-hosts --coalesce`
+and the posted simulation, about 3 s of it): 1.24x. The simulator's rate sharing was made cheaper on
+the way, exactly (124 plans and the Llama plan compared byte for byte before and after). Larger FSDP
+meshes cost more: from 16x8 (the same CPU measure, one run each) the default took 45.1 s before
+(94,592 unit tasks, predicted 0.4160 s) and 95.7 s now (25,120, predicted 0.3359 s): 2.1x, most of
+it the host-order simulation of the bundles, whose gathers inside a host all run at once, run twice
+until the listing settles (the wall times of the "Weight sync" scale table were taken under heavier
+load than the ones they replace)."""
 
 
 def render(command: str, singles: list[dict], transfers: list[dict]) -> None:

@@ -150,6 +150,20 @@ def run_flows(flows: list[Flow], capacity: dict[str, float], max_work: int | Non
     clock, events, moving, span = 0.0, [], {}, {}
     busy: dict[str, int] = {}  # queue -> the flow moving on it
     queued: dict[str, deque[int]] = {}  # queue -> ready flows behind it, first ready first
+    on_link: dict[str, set[int]] = {}  # link -> the moving flows on it
+    changed: set[int] = set()  # flows that started or finished moving since rates were last shared out
+
+    def start_moving(fid: int) -> None:
+        moving[fid] = by_id[fid].work
+        changed.add(fid)
+        for link in by_id[fid].links:
+            on_link.setdefault(link, set()).add(fid)
+
+    def stop_moving(fid: int) -> None:
+        del moving[fid]
+        changed.add(fid)
+        for link in by_id[fid].links:
+            on_link[link].discard(fid)
 
     def release(ready: list[int]) -> None:
         """Start every flow in `ready` whose last dependency just ended; a flow with nothing to move has
@@ -167,7 +181,7 @@ def run_flows(flows: list[Flow], capacity: dict[str, float], max_work: int | Non
                 busy[queue] = fid
             span[fid] = (clock, None)
             if by_id[fid].work > 0 and by_id[fid].links:
-                moving[fid] = by_id[fid].work
+                start_moving(fid)
             else:
                 ready.extend(sent(fid))
 
@@ -189,12 +203,14 @@ def run_flows(flows: list[Flow], capacity: dict[str, float], max_work: int | Non
         waiting[fid] = 1  # released below like a flow whose last dependency just ended
     release(free)
     done_below = {f.id: REL_EPS * max(1.0, f.work) for f in flows}  # what is left of a flow that has moved it all
-    rates, rated, work = {}, (), 0  # the rates and the moving flows (in order) they were computed for
+    rates: dict[int, float] = {}
+    work = 0
     while events or moving:
-        if tuple(moving) != rated:  # an arrival that starts nothing leaves the moving flows, and so their rates, as they were
-            rated = tuple(moving)
-            rates = max_min_rates([by_id[i] for i in rated], capacity) if rated else {}
-            work += len(rated)
+        if changed:  # an arrival that starts nothing leaves the moving flows, and so their rates, as they were
+            affected = _sharing_links(changed, by_id, on_link)
+            rates.update(max_min_rates([by_id[i] for i in moving if i in affected], capacity))
+            changed.clear()
+            work += len(moving)
             if max_work is not None and work > max_work:
                 raise TooCostly(f"the simulation took more than its budget of {max_work} flow rate updates")
         next_move = min(((left / rates[i], i) for i, left in moving.items()), default=(float("inf"), -1))
@@ -208,7 +224,7 @@ def run_flows(flows: list[Flow], capacity: dict[str, float], max_work: int | Non
                 finished.append(i)
         clock += step
         for i in finished:
-            del moving[i]
+            stop_moving(i)
             release(sent(i))
         while events and events[0][0] <= clock + REL_EPS * max(1.0, clock):
             _, i = heapq.heappop(events)
@@ -219,6 +235,26 @@ def run_flows(flows: list[Flow], capacity: dict[str, float], max_work: int | Non
     if cost is not None:
         cost.append(work)
     return {i: (s, e) for i, (s, e) in span.items()}
+
+
+def _sharing_links(changed: set[int], by_id: dict[int, Flow], on_link: dict[str, set[int]]) -> set[int]:
+    """The moving flows linked, through links they share, to a link of a flow in `changed`: the only ones
+    whose max-min rates can differ from before. Flows of other groups keep theirs: progressive filling
+    on a group that shares no link with the rest does the same arithmetic in the same order alone as
+    with them, so reusing their rates changes no bit."""
+    affected: set[int] = set()
+    seen: set[str] = set()
+    stack = [link for i in changed for link in by_id[i].links]
+    while stack:
+        link = stack.pop()
+        if link in seen:
+            continue
+        seen.add(link)
+        for fid in on_link.get(link, ()):
+            if fid not in affected:
+                affected.add(fid)
+                stack.extend(by_id[fid].links)
+    return affected
 
 
 class _Lowering:
