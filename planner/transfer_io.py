@@ -18,6 +18,7 @@ from host 0 and the destination on the hosts after it, or objects with `devices`
 
 from __future__ import annotations
 
+import re
 from fnmatch import fnmatchcase
 from pathlib import Path
 from typing import Any
@@ -85,7 +86,17 @@ def build_transfer(raw: dict[str, Any]) -> TransferProblem:
     try:
         return TransferProblem(name=name, src_mesh=src_mesh, dst_mesh=dst_mesh, cluster=cluster, tensors=tuple(tensors))
     except ValidationError as err:
-        raise InputError(describe_validation_error(err)) from None
+        raise InputError(_named(describe_validation_error(err), tensors)) from None
+
+
+def _named(message: str, tensors: list[dict[str, Any]]) -> str:
+    """`tensors.3.dst: ...` as `tensors[3] (name).dst: ...`, the form the other errors use."""
+    found = re.match(r"tensors\.(\d+)(\.|:)", message)
+    if not found or int(found.group(1)) >= len(tensors):
+        return message
+    k = int(found.group(1))
+    rest = message[found.end() - 1:] if found.group(2) == ":" else "." + message[found.end():]
+    return f"tensors[{k}] ({tensors[k].get('name')}){rest}"
 
 
 def _known_dtype(value: Any) -> bool:
@@ -159,6 +170,8 @@ def _tensor(entry: Any, where: str, rules: list[tuple[str, dict]], default_dtype
     out = {"name": name, "dtype": entry.get("dtype", default_dtype), "shape": entry["shape"]}
     if isinstance(out["shape"], str):
         out["shape"] = parse_shape(out["shape"], f"{where}.shape")
+    if isinstance(out["shape"], (list, tuple)) and not out["shape"]:
+        raise InputError(f"{where}.shape ({name}): a 0-d tensor (a scalar) has no dim to shard; give it as shape [1]")
     for side in ("src", "dst"):
         spec = entry.get(side)
         if spec is None:
