@@ -20,6 +20,7 @@ from xmesh_plan.schemas.transfer import TransferProblem
 
 from .cli_types import BUCKET_MB, SEED, STAGING_MB, TIME_LIMIT, max_tasks_option
 from .cli_solvers import progress, solver_summary
+from .compile_defaults import resolve
 from .compile import compile_plan
 from .inspect_plan import executor_summary, staging_summary, summarize
 from .problem_io import InputError, build_problem, user_error_message
@@ -136,6 +137,9 @@ def compile_command(problem_file, output, shape, dtype, src_mesh, src_spec, dst_
                          --dst-mesh 2x4 --dst-spec "S0 R R" -o case3.plan.json
     """
     problem = problem_from_flags(problem_file, shape, dtype, src_mesh, src_spec, dst_mesh, dst_spec)
+    if bucket_mb is not None and not resolve(split_hosts, coalesce, isinstance(problem, TransferProblem)).coalesce:
+        raise InputError("--bucket-mb sizes coalesced bundles, and this compile does not coalesce (a single tensor "
+                         "coalesces only with --coalesce; --no-coalesce turns it off); add --coalesce or drop --bucket-mb")
     with progress("compiling") as timing:
         plan = compile_plan(problem, strategy=strategy, solver=solver, seed=seed, time_limit_s=time_limit, merge=not no_merge,
                             on_stage=timing["stage"], max_tasks=max_tasks, split_hosts=split_hosts, coalesce=coalesce,

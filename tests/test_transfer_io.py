@@ -165,3 +165,12 @@ def test_the_format_page_example_reads_as_it_says():
     assert p.names == ("model.embed_tokens.weight", "model.layers.0.input_layernorm.weight", "model.layers.0.self_attn.q_proj.weight",
                        "model.layers.1.input_layernorm.weight", "model.layers.1.self_attn.q_proj.weight")
     assert [str(t.dst) for t in p.tensors] == ["S1 R", "R", "S1 R", "R", "S1 R"] and p.tensors[0].dtype == "bfloat16"
+
+
+def test_a_bucket_size_without_coalescing_is_refused(tmp_path):
+    """--bucket-mb only sizes bundles: given where nothing is coalesced it would be silently ignored."""
+    for args in (["--no-coalesce"], []):
+        problem = str(SMALL) if args else str(ROOT / "plans" / "case3.problem.json")  # a single tensor coalesces only when asked
+        result = CliRunner().invoke(main, ["compile", problem, *args, "--bucket-mb", "2", "-o", str(tmp_path / "x.json")])
+        assert result.exit_code == 2 and "--bucket-mb sizes coalesced bundles" in result.output and not (tmp_path / "x.json").exists()
+
