@@ -55,29 +55,34 @@ def _staged_by_numpy(region, block, itemsize: int) -> int:
     return 0 if (np.diff(flat) == 1).all() else flat.size * itemsize
 
 
+def brute_footprint(op, d: int, prob) -> tuple[frozenset, int]:
+    """(peers, bytes staged) of one operation on device d, from numpy's view of the boxes: its own box of a
+    chain, every part of a ring, a bundle's whole message on its relays and their own parts elsewhere."""
+    src, dst, size = prob.blocks("src"), prob.blocks("dst"), prob.itemsize
+    pattern = rule_of(op).pattern
+    if pattern == "chain":
+        staged = _staged_by_numpy(op.region, src.get(d) if d == op.src else dst.get(d), size)
+    elif pattern == "ring":
+        staged = sum(_staged_by_numpy(p, dst.get(d), size) for p in op.parts)
+    elif pattern == "bundle":
+        mine = [p for p, h, n in zip(op.parts, op.holders, op.needers) if d in (op.src, op.dsts[0]) or h == d or d in n]
+        staged = sum(map(region_size, mine)) * size
+    else:
+        staged = 0
+    talks = frozenset(h.dst if h.src == d else h.src for h in route(op) if h.src != h.dst and h.elements and d in (h.src, h.dst))
+    return talks, staged
+
+
 def brute_force_peaks(plan: Plan, order: str) -> dict[int, int]:
     """The staging peaks from the definitions, written apart from `schemas.staging`: the boxes each device
     holds while it takes part (its own box of a chain, every part of a ring, a bundle's whole message on
     its relays and their own parts elsewhere), staged unless numpy finds them one run; peers from the
     route's messages; runs of equal peers cut before they pass the plan's budget."""
     prob, budget = plan.problem, stage_budget(plan)
-    src, dst, size = prob.blocks("src"), prob.blocks("dst"), prob.itemsize
     per_device: dict[int, list[tuple[frozenset, int]]] = {}
     for op in plan.operations:
-        pattern = rule_of(op).pattern
         for d in members(op):
-            if pattern == "chain":
-                staged = _staged_by_numpy(op.region, src.get(d) if d == op.src else dst.get(d), size)
-            elif pattern == "ring":
-                staged = sum(_staged_by_numpy(p, dst.get(d), size) for p in op.parts)
-            elif pattern == "bundle":
-                mine = [p for p, h, n in zip(op.parts, op.holders, op.needers) if d in (op.src, op.dsts[0]) or h == d or d in n]
-                staged = sum(map(region_size, mine)) * size
-            else:
-                staged = 0
-            talks = frozenset(h.dst if h.src == d else h.src for h in route(op)
-                              if h.src != h.dst and h.elements and d in (h.src, h.dst))
-            per_device.setdefault(d, []).append((talks, staged))
+            per_device.setdefault(d, []).append(brute_footprint(op, d, prob))
     out = {}
     for d, items in per_device.items():
         if order == "posted":

@@ -14,7 +14,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import numpy as np
 import pytest
 from click.testing import CliRunner
 from hypothesis import HealthCheck, given, settings, strategies as st
@@ -31,10 +30,10 @@ from xmesh_plan.planner.staging_limit import StagingLimitError
 from xmesh_plan.planner.transfer_io import build_transfer, load_any_problem
 from xmesh_plan.planner.verify import PlanError, verify_plan
 from xmesh_plan.schemas import Plan, read_plan_file
-from xmesh_plan.schemas.op_kinds import members, route, rule_of
+from xmesh_plan.schemas.op_kinds import members
 from xmesh_plan.schemas.plan_tensors import tensor_plans
 from xmesh_plan.schemas.staging import staging_peaks
-from test_staging import _staged_by_numpy, unsafe_reuse
+from test_staging import brute_footprint, unsafe_reuse
 from test_transfer_plan import _WorldComm, _assert_every_shard, fake_executors, full_tensors, random_transfer, run_everywhere
 from test_executor_sim import FakeWorld
 
@@ -77,21 +76,8 @@ def brute_force_peaks(plan: Plan) -> dict[int, int]:
     align = max(p.itemsize for p in problems)
     per_device: dict[int, list[tuple[frozenset, int]]] = {}
     for op in plan.operations:
-        prob = problems[op.tensor]
-        src, dst, size = prob.blocks("src"), prob.blocks("dst"), prob.itemsize
-        pattern = rule_of(op).pattern
         for d in members(op):
-            if pattern == "chain":
-                staged = _staged_by_numpy(op.region, src.get(d) if d == op.src else dst.get(d), size)
-            elif pattern == "ring":
-                staged = sum(_staged_by_numpy(p, dst.get(d), size) for p in op.parts)
-            elif pattern == "bundle":
-                mine = [p for p, h, n in zip(op.parts, op.holders, op.needers) if d in (op.src, op.dsts[0]) or h == d or d in n]
-                staged = sum(int(np.prod([b - a for a, b in p])) for p in mine) * size
-            else:
-                staged = 0
-            talks = frozenset(h.dst if h.src == d else h.src for h in route(op) if h.src != h.dst and h.elements and d in (h.src, h.dst))
-            per_device.setdefault(d, []).append((talks, staged))
+            per_device.setdefault(d, []).append(brute_footprint(op, d, problems[op.tensor]))
     budget, out = plan.staging.limit_bytes if plan.staging else None, {}
     for d, items in per_device.items():
         peak, peers, used = 0, frozenset(), 0
