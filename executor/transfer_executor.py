@@ -37,7 +37,7 @@ from typing import Any, Mapping
 
 from xmesh_plan.schemas import Plan
 from xmesh_plan.schemas.plan_check import PlanError, check_plan, tags_used
-from xmesh_plan.schemas.plan_tensors import is_multi, tensor_names, tensor_plans
+from xmesh_plan.schemas.plan_tensors import is_multi, mpi_transfer_order, tensor_names, tensor_plans
 from xmesh_plan.schemas.staging import staging_peaks
 
 from .errors import ExecutorError, PlanMismatchError
@@ -59,9 +59,9 @@ def default_order(plan: Plan, engine: str) -> str:
     takes no other order for one (it runs the tensors one after another). The torch engine's posted
     order also runs the tensors one after another, so it keeps device order; and a plan that states a
     staging limit (`--max-staging-mb`) keeps it on `mpi` too, since posted order stages every box at once."""
-    if not is_multi(plan) or engine == "torch" or (engine == "mpi" and plan.staging is not None):
+    if not is_multi(plan) or engine == "torch":
         return "device"
-    return "posted"
+    return mpi_transfer_order(engine == "mpi" and plan.staging is not None)
 
 
 def check_transfer_staging(plan: Plan, order: str, engine: str) -> None:

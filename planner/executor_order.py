@@ -17,12 +17,11 @@ seconds, so whether a plan states the time does not change with machine load).
 from __future__ import annotations
 
 from xmesh_plan.schemas import HostOrder, Operation, ReshardingProblem
+from xmesh_plan.schemas.plan_tensors import mpi_transfer_order
 from xmesh_plan.schemas.transfer import TransferProblem
 
 from .simulate import TooCostly, nic_assignment, simulate
 
-EXECUTOR_ORDER = "posted"  # the executor's default for a multi-tensor plan on MPI (tests/test_compile_defaults.py keeps them equal)
-LIMITED_ORDER = "device"  # ... and for one that states a staging limit (posted would stage every box at once)
 SIMULATED_AS = {"posted": "posted", "device": "device-order"}  # executor order -> the simulator's discipline
 POSTED_WORK_FACTOR = 1.25  # posted is timed when it costs at most this many times the host-order simulation
 MIN_POSTED_WORK = 100_000  # ... or this many flow rate updates (a few tenths of a second), whichever is more
@@ -33,10 +32,7 @@ def posted_budget(host_order_work: int) -> int:
     return max(int(POSTED_WORK_FACTOR * host_order_work), MIN_POSTED_WORK)
 
 
-def executor_order(limited: bool) -> str:
-    """The order `TransferExecutor` runs a multi-tensor plan in on MPI by default: posted, or device order
-    where the plan states a staging limit (`executor.transfer_executor.default_order`)."""
-    return LIMITED_ORDER if limited else EXECUTOR_ORDER
+executor_order = mpi_transfer_order  # the order `TransferExecutor` runs a multi-tensor plan in on MPI by default
 
 
 def executor_order_seconds(operations: tuple[Operation, ...], problem: ReshardingProblem | TransferProblem,

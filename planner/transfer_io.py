@@ -77,7 +77,7 @@ def build_transfer(raw: dict[str, Any]) -> TransferProblem:
         raise InputError("tensors: missing; give a list of tensors, each with name and shape")
     tensors = [_tensor(entry, where, rules, default_dtype) for entry, where in _expand(raw["tensors"])]
     for k, (pattern, _) in enumerate(rules):  # a typo in a pattern would silently leave its tensors to a later rule
-        if not any(isinstance(t, dict) and isinstance(t.get("name"), str) and fnmatchcase(t["name"], pattern) for t in tensors):
+        if not any(fnmatchcase(t["name"], pattern) for t in tensors):  # _tensor made each a dict with a text name
             raise InputError(f"rules[{k}] (match {pattern!r}) fits no tensor's name; fix the pattern or remove the rule")
     if not tensors:
         raise InputError("tensors: no tensor is left once repeated groups are unrolled (repeat = 0 everywhere?); "

@@ -17,6 +17,7 @@ import numpy as np
 from .geometry import Region, region_size
 from .op_kinds import OP_KINDS, OpKindRule, reads, rule_of, tags_used, writes
 from .plan import Operation, Plan, format_region
+from .plan_tensors import mpi_transfer_order
 from .problem import ReshardingProblem
 from .transfer import TransferProblem
 
@@ -73,7 +74,7 @@ def _check_executor_prediction(plan: Plan) -> None:
     if not isinstance(plan.problem, TransferProblem):
         raise PlanError("executor_prediction is only for multi-tensor plans (a single-tensor plan runs in device order, its "
                         "predicted_seconds' own); remove the field or recompile the plan")
-    expected = "device" if plan.staging is not None else "posted"  # executor.transfer_executor.default_order on MPI
+    expected = mpi_transfer_order(plan.staging is not None)
     if stated.order != expected:
         raise PlanError(f"executor_prediction.order is {stated.order!r}, but the executor runs this plan {expected!r} by default "
                         f"({'it states' if plan.staging is not None else 'it states no'} staging limit); recompile the plan")

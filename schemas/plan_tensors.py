@@ -19,6 +19,13 @@ def is_multi(plan: Plan) -> bool:
     return isinstance(plan.problem, TransferProblem)
 
 
+def mpi_transfer_order(limited: bool) -> str:
+    """The order the MPI executor runs a multi-tensor plan in by default: every message posted at once,
+    or device order where the plan states a staging limit (posted would stage every box at once). The
+    executor's `default_order`, the planner's stated time and the plan check all read it from here."""
+    return "device" if limited else "posted"
+
+
 def tensor_names(plan: Plan) -> tuple[str, ...]:
     """The tensors' names in index order; a single-tensor plan's one tensor is its problem's name."""
     return plan.problem.names if is_multi(plan) else (plan.problem.name,)
