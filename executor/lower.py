@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field, replace
-from typing import Literal
+from typing import Literal, Mapping
 
 import numpy as np
 
@@ -408,21 +408,24 @@ def lower(plan: Plan, device: int, tag_limit: int | None = None, first_tag: int 
     return RankProgram(device, tuple(b.steps), b.stage_bytes, b.src_blocks.get(device), dst_block, b.itemsize, tuple(b.collectives))
 
 
-def _staging_spans(program: RankProgram) -> dict[int, tuple[frozenset[int], int, int]]:
-    """Op -> (its peers, the start and stop of its staging bytes, equal when none), in plan order. The
-    lowering stages one operation after another, so each operation's staging is one range."""
+def _staging_spans(program: RankProgram, key: Mapping[int, int]) -> dict[int, tuple[frozenset[int], int, int]]:
+    """Op (or the group `key` puts it in) -> (its peers, the start and stop of its staging bytes, equal when
+    none), in plan order. The lowering stages one operation after another, so each operation's staging is one
+    range (and `executor.joint` lays a shared message's bundles out one after another)."""
     spans: dict[int, tuple[frozenset[int], int, int]] = {}
     for s in program.steps:
-        peers, lo, hi = spans.get(s.op, (frozenset(), None, None))
+        k = key.get(s.op, s.op)
+        peers, lo, hi = spans.get(k, (frozenset(), None, None))
         if s.action in ("send", "recv"):
             peers |= {s.peer}
         if s.data is not None and s.data.buffer == "stage":
             lo, hi = min(s.data.start, lo if lo is not None else s.data.start), max(s.data.stop, hi or 0)
-        spans[s.op] = (peers, lo, hi)
+        spans[k] = (peers, lo, hi)
     return {op: (peers, lo or 0, hi or 0) for op, (peers, lo, hi) in spans.items()}
 
 
-def in_device_order(program: RankProgram, stage_budget: int | None = None, align: int | None = None) -> RankProgram:
+def in_device_order(program: RankProgram, stage_budget: int | None = None, align: int | None = None,
+                    key: Mapping[int, int] | None = None) -> RankProgram:
     """The same steps, but each operation's messages (and packs) wait for every step of this device's
     earlier operations, so a device takes part in one operation at a time, in plan order, at both ends of
     a message: the simulator's `device-order`, as NCCL runs a stream's calls, instead of posting every
@@ -434,9 +437,11 @@ def in_device_order(program: RankProgram, stage_budget: int | None = None, align
     the largest among a plan's tensors): the runs before it have finished, so `stage_bytes` becomes the
     largest run's staging (`schemas.staging.staging_peaks`).
     Deadlock-free: every rank walks the plan in one order, so the earliest unfinished operation never
-    waits on a later one.
+    waits on a later one. `key` (op -> op) makes several operations one here: the bundles of one shared
+    message (`schemas.carriers`), keyed by their carrier.
     """
-    spans = _staging_spans(program)
+    key = key or {}
+    spans = _staging_spans(program, key)
     layout = device_layout([(peers, hi - lo) for peers, lo, hi in spans.values()], stage_budget, align or program.itemsize)
     run_of = {op: run for op, (run, _) in zip(spans, layout)}
     shift = {op: lo - start for (op, (_, lo, _)), (_, start) in zip(spans.items(), layout)}  # posted byte - shift = byte in its run
@@ -447,14 +452,15 @@ def in_device_order(program: RankProgram, stage_budget: int | None = None, align
     current = None
     gated = False  # whether the run has a step that waits for `barrier`
     for s in program.steps:
-        if run_of[s.op] != current:
+        k = key.get(s.op, s.op)
+        if run_of[k] != current:
             if run:
                 barrier = tuple(run) if gated else tuple(sorted(set(barrier) | set(run)))
-            run, current, gated = [], run_of[s.op], False
+            run, current, gated = [], run_of[k], False
         if barrier and s.action in ("send", "recv", "pack"):
             s, gated = replace(s, deps=tuple(sorted(set(s.deps) | set(barrier)))), True
         if s.data is not None and s.data.buffer == "stage":
-            moved = shift[s.op]
+            moved = shift[k]
             s = replace(s, data=Bytes("stage", s.data.start - moved, s.data.stop - moved))
         steps.append(s)
         run.append(s.index)

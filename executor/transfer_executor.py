@@ -36,6 +36,7 @@ from __future__ import annotations
 from typing import Any, Mapping
 
 from xmesh_plan.schemas import Plan
+from xmesh_plan.schemas.carriers import has_carriers
 from xmesh_plan.schemas.plan_check import PlanError, check_plan, tags_used
 from xmesh_plan.schemas.plan_tensors import is_multi, mpi_transfer_order, tensor_names, tensor_plans
 from xmesh_plan.schemas.staging import staging_peaks
@@ -105,7 +106,9 @@ class TransferExecutor:
         self.plan, self.names, self.order = plan, tensor_names(plan), order
         self.parts = [ReshardingExecutor(p, comm, backend, timeout_s, poll_s, gpu, order) for p in tensor_plans(plan)]
         self.entry = self.parts[0].entry
-        self.joined = order == "device" and is_multi(plan)  # one engine replays every tensor's steps (executor.joint)
+        # one engine replays every tensor's steps (executor.joint): in device order, and posted on MPI where
+        # bundles of several tensors share messages (one message needs one staging area)
+        self.joined = is_multi(plan) and (order == "device" or (self.concurrent and has_carriers(plan.operations)))
         if self.joined and self.entry.join is None:
             raise PlanMismatchError(f"backend {named!r} runs a multi-tensor plan's tensors one after another, not in the plan's "
                                     "operation order across tensors; pass order='posted' (--order posted) to run them so, "
@@ -164,7 +167,7 @@ class TransferExecutor:
         """Device order: this device's steps of every tensor as one program (`executor.joint`), and each tensor's
         program re-based into the one staging area they share (before their engines are set up)."""
         programs = [part.program for part in self.parts]
-        self.joint = join_programs(programs, self.plan)
+        self.joint = join_programs(programs, self.plan, self.order)
         for part, program in zip(self.parts, tensor_programs(self.joint, programs)):
             part.program = program
 

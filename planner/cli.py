@@ -22,7 +22,7 @@ from .cli_types import BUCKET_MB, SEED, STAGING_MB, TIME_LIMIT, max_tasks_option
 from .cli_solvers import progress, solver_summary
 from .compile_defaults import resolve
 from .compile import compile_plan
-from .inspect_plan import executor_summary, staging_summary, summarize
+from .inspect_plan import executor_summary, shared_summary, staging_summary, summarize
 from .problem_io import InputError, build_problem, user_error_message
 from .transfer_io import load_any_problem
 from .solvers import SOLVERS
@@ -117,12 +117,15 @@ def problem_from_flags(problem_file, shape, dtype, src_mesh, src_spec, dst_mesh,
 @click.option("--bucket-mb", type=BUCKET_MB,
               help="when coalescing: the most MiB in one bundle (boxes above 1/8 of it are sent on their own)  "
                    "[default: 4, or --max-staging-mb when less]")
+@click.option("--cross-tensor/--no-cross-tensor", default=None,
+              help="when coalescing: bundles of several tensors between the same two hosts share one cross-host message, "
+                   "up to --bucket-mb  [default: on when a multi-tensor problem is coalesced]")
 @click.option("--max-staging-mb", type=STAGING_MB,
               help="the most MiB of staging any device needs in the executor's device order: larger staged boxes are cut, "
                    "and the plan states each device's peak")
 @max_tasks_option
 def compile_command(problem_file, output, shape, dtype, src_mesh, src_spec, dst_mesh, dst_spec, strategy, solver, seed, time_limit, no_merge,
-                    split_hosts, coalesce, bucket_mb, max_staging_mb, max_tasks):
+                    split_hosts, coalesce, bucket_mb, cross_tensor, max_staging_mb, max_tasks):
     """Compile a resharding problem into a verified plan.
 
     A PROBLEM file with a `tensors` list moves many named tensors in one plan (docs/format.md); such a
@@ -144,7 +147,8 @@ def compile_command(problem_file, output, shape, dtype, src_mesh, src_spec, dst_
         plan = compile_plan(problem, strategy=strategy, solver=solver, seed=seed, time_limit_s=time_limit, merge=not no_merge,
                             on_stage=timing["stage"], max_tasks=max_tasks, split_hosts=split_hosts, coalesce=coalesce,
                             bucket_bytes=None if bucket_mb is None else int(bucket_mb * 2**20),
-                            max_staging_bytes=None if max_staging_mb is None else int(max_staging_mb * 2**20))
+                            max_staging_bytes=None if max_staging_mb is None else int(max_staging_mb * 2**20),
+                            cross_tensor=cross_tensor)
     report = verify_plan(plan)
     if output == "-":
         sys.stdout.write(plan.to_json())
@@ -154,7 +158,8 @@ def compile_command(problem_file, output, shape, dtype, src_mesh, src_spec, dst_
             write_atomic(output, plan.to_json())
         except OSError as err:
             raise InputError(f"--output: cannot write {output} ({err.strerror}); check that the folder exists and is writable") from None
-    click.echo(f"{output or 'plan (not written: pass -o FILE to save it)'}: {len(plan.tasks)} unit tasks, {len(plan.operations)} operations, "
+    click.echo(f"{output or 'plan (not written: pass -o FILE to save it)'}: {len(plan.tasks)} unit tasks, {len(plan.operations)} operations"
+               f"{shared_summary(plan)}, "
                f"predicted {plan.predicted_seconds:.4f} s{executor_summary(plan)}, lower bound {plan.lower_bound_seconds:.4f} s, "
                f"efficiency {plan.efficiency:.1%}; verified ({report.operations} operations replayed); "
                f"{solver_summary(plan, timing['seconds'])}{staging_summary(plan)}")

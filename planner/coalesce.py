@@ -13,7 +13,7 @@ is one scheduling task holding the two NIC sides for its cross-host message. Oth
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from xmesh_plan.schemas import ReshardingProblem
 from xmesh_plan.schemas.geometry import Region
@@ -133,3 +133,36 @@ def bundle_task(bundle: BundleCell, index: int, problem: ReshardingProblem, task
     """`bundle_result` as a scheduling task with one option (its relays are fixed)."""
     result, option = bundle_result(bundle, index, problem)
     return result, SchedulingTask(task_id, (option,))
+
+
+TimedOp = tuple[float, int, int | None, PlannedOp]
+"""(start, task, tensor, operation): an operation as `compile.assemble_joint` lists it before numbering."""
+
+
+def share_messages(timed_ops: list[TimedOp], itemsizes: list[int], bucket_bytes: int, host_of) -> list[list[TimedOp]]:
+    """The operations in order, bundles of any tensors between the same two hosts grouped into shared
+    messages of at most `bucket_bytes` (`schemas.carriers`): each bundle, in list order, joins the open
+    group of its host pair when the total stays within the bucket and the group's last bundle so far
+    carries a multiple of the largest element size; it takes the group's relays and start. Every other
+    operation is a group of one. A weight sync's many small tensors then cross each host pair in a few
+    messages instead of one or more per tensor."""
+    align = max(itemsizes)
+    groups: list[list[TimedOp]] = []
+    open_group: dict[tuple[int, int], tuple[int, int]] = {}  # host pair -> (index in groups, bytes so far)
+    for item in timed_ops:
+        at, task, tensor, op = item
+        if op.kind != "bundle":
+            groups.append([item])
+            continue
+        nbytes = sum(math.prod(b - a for a, b in part) for part in op.parts) * itemsizes[tensor or 0]
+        pair = (host_of(op.src), host_of(op.dsts[0]))
+        index, total = open_group.get(pair, (-1, 0))
+        if index >= 0 and total + nbytes <= bucket_bytes:
+            head = groups[index][0]
+            groups[index].append((head[0], task, tensor, replace(op, src=head[3].src, dsts=head[3].dsts)))
+            total += nbytes
+        else:
+            groups.append([item])
+            index, total = len(groups) - 1, nbytes
+        open_group[pair] = (index, total) if nbytes % align == 0 else (-1, 0)  # a ragged bundle ends its group
+    return groups

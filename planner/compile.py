@@ -14,7 +14,7 @@ from xmesh_plan.schemas.transfer import TransferProblem
 
 from . import __version__
 from .bounds import joint_lower_bound
-from .coalesce import DEFAULT_BUCKET_BYTES, BundleCell, bundle_task, coalesce_cells
+from .coalesce import DEFAULT_BUCKET_BYTES, BundleCell, bundle_task, coalesce_cells, share_messages
 from .compile_defaults import resolve
 from .executor_order import executor_order, executor_order_seconds, posted_budget
 from .scheduling import Option, Schedule, SchedulingTask
@@ -113,11 +113,13 @@ def assemble(problem: ReshardingProblem, cells: list[Cell], options: list[TaskOp
 
 
 def assemble_joint(problem: ReshardingProblem | TransferProblem, works: list[TensorWork], schedule: Schedule,
-                   strategy: str, seed: int, max_staging_bytes: int | None = None, max_operations: int | None = None) -> Plan:
+                   strategy: str, seed: int, max_staging_bytes: int | None = None, max_operations: int | None = None,
+                   share_bytes: int | None = None) -> Plan:
     """`assemble` for every tensor of a problem at once: tasks of all tensors share the NICs and one timeline.
     `max_staging_bytes`: operations that would stage more on a device are cut (`staging_limit.limit_staging`,
     each in its own tensor's elements, at most `max_operations` in all) and the plan states each device's
-    peak in device order (across tensors: one staging area per device)."""
+    peak in device order (across tensors: one staging area per device). `share_bytes`: bundles between the same
+    two hosts share cross-host messages of at most that many bytes (`coalesce.share_messages`)."""
     tasks, timed_ops, per_resource = [], [], {}
     cluster = problem.cluster
     for work in works:
@@ -144,10 +146,22 @@ def assemble_joint(problem: ReshardingProblem | TransferProblem, works: list[Ten
         timed_ops = limit_staging(timed_ops, [w.problem for w in works], max_staging_bytes, max_operations)
     timed_ops.sort(key=lambda item: (item[0], item[1] if item[1] >= 0 else len(tasks), item[2] or 0, item[3].kind,
                                      item[3].src or 0, item[3].dsts))
-    operations = tuple(
-        Operation(id=i, task=task, tensor=tensor, kind=op.kind, src=op.src, dsts=op.dsts, region=op.region, parts=op.parts,
-                  chunks=op.chunks, holders=op.holders, needers=op.needers, start_s=round(at, DIGITS), end_s=round(at + op.duration_s, DIGITS))
-        for i, (at, task, tensor, op) in enumerate(timed_ops))
+    groups = share_messages(timed_ops, [w.problem.itemsize for w in works], share_bytes, cluster.host_of) \
+        if share_bytes is not None else [[item] for item in timed_ops]
+    operations, riders = [], {}  # riders: task of a bundle in another's message -> (its group's start, relay)
+    for group in groups:
+        head = len(operations)
+        for k, (at, task, tensor, op) in enumerate(group):
+            operations.append(Operation(
+                id=len(operations), task=task, tensor=tensor, kind=op.kind, src=op.src, dsts=op.dsts, region=op.region,
+                parts=op.parts, chunks=op.chunks, holders=op.holders, needers=op.needers, carrier=head if k else None,
+                start_s=round(at, DIGITS), end_s=round(at + op.duration_s, DIGITS)))
+            if k:
+                riders[task] = (at, op.src)
+    operations = tuple(operations)
+    if riders:  # a bundle in a shared message goes when its group goes, from the group's relay
+        tasks = [t.model_copy(update={"sender": riders[t.id][1]}) if t.id in riders else t for t in tasks]
+        per_resource = {key: [(riders[t][0] if t in riders else at, t) for at, t in v] for key, v in per_resource.items()}
     host_order = tuple(HostOrder(host=h, side=s, tasks=tuple(t for _, t in sorted(v))) for (h, s), v in sorted(per_resource.items()))
     operations, timed_by, work = _simulated(operations, problem, nic_assignment(host_order))
     tasks = _retimed_tasks(tasks, operations)
@@ -193,8 +207,11 @@ def _simulated(operations: tuple[Operation, ...], problem: ReshardingProblem | T
     if settled is None:
         return operations, "schedule (the simulated listing did not settle)", None
     listing, result = settled
+    renumbered = {op.id: i for i, op in enumerate(listing)}
     retimed = tuple(op.model_copy(update={"id": i, "start_s": round(result.op_start_s[op.id], DIGITS),
-                                          "end_s": round(result.op_end_s[op.id], DIGITS)}) for i, op in enumerate(listing))
+                                          "end_s": round(result.op_end_s[op.id], DIGITS),
+                                          "carrier": None if op.carrier is None else renumbered[op.carrier]})
+                    for i, op in enumerate(listing))
     return retimed, "simulator (host-order)", result.work
 
 
@@ -240,7 +257,7 @@ def _without_cyclic_gc(fn):
 def compile_plan(problem: ReshardingProblem | TransferProblem, strategy: str = "broadcast", solver: str = "auto", seed: int = 0,
                  time_limit_s: float = 10.0, merge: bool = True, on_stage: Callable[[str], None] = _quiet,
                  max_tasks: int | None = DEFAULT_MAX_TASKS, split_hosts: bool | None = None, coalesce: bool | None = None,
-                 bucket_bytes: int | None = None, max_staging_bytes: int | None = None) -> Plan:
+                 bucket_bytes: int | None = None, max_staging_bytes: int | None = None, cross_tensor: bool | None = None) -> Plan:
     """Compile a plan; same inputs give a byte-identical plan. `on_stage` hears each step's name (for progress).
     A problem that could cut into more than `max_tasks` unit tasks (all tensors together) is refused up
     front (TooManyTasksError). A `TransferProblem`'s tensors are cut one by one and scheduled together.
@@ -249,7 +266,9 @@ def compile_plan(problem: ReshardingProblem | TransferProblem, strategy: str = "
     (`unit_tasks.split_by_receiver_host`; recorded in `solver.details`), as many tasks per box as it has
     receiving hosts. `coalesce`: small cells between
     two hosts travel in bundles of at most `bucket_bytes` (`planner/coalesce.py`; a bundle holds boxes of one tensor;
-    default 4 MiB, or `max_staging_bytes` when that is less). `max_staging_bytes`: no device stages more in
+    default 4 MiB, or `max_staging_bytes` when that is less). `cross_tensor` (default: on where a multi-tensor
+    problem is coalesced): bundles of several tensors between two hosts share one message up to the bucket
+    (`coalesce.share_messages`, `schemas.carriers`). `max_staging_bytes`: no device stages more in
     device order (`planner/staging_limit.py`; a transfer's tensors share one staging area per device); the
     plan states the limit and each device's peak (`Plan.staging`), and more than `max_tasks` operations are refused.
     A multi-tensor plan also states its time run in the executor's default order for it (`executor_order`)."""
@@ -257,6 +276,10 @@ def compile_plan(problem: ReshardingProblem | TransferProblem, strategy: str = "
     chosen = resolve(split_hosts, coalesce, multi)
     split_hosts, coalesce = chosen.split_hosts, chosen.coalesce
     bucket_bytes = _bucket(bucket_bytes, max_staging_bytes)
+    cross_tensor = coalesce and multi if cross_tensor is None else cross_tensor
+    if cross_tensor and not coalesce:
+        raise InputError("--cross-tensor shares the messages of coalesced bundles, and this compile does not coalesce; "
+                         "add --coalesce or leave out --cross-tensor")
     on_stage("cutting unit tasks")
     singles = problem.tensor_problems()
     if coalesce and max_staging_bytes is not None and max_staging_bytes < max(s.itemsize for s in singles):
@@ -283,7 +306,10 @@ def compile_plan(problem: ReshardingProblem | TransferProblem, strategy: str = "
         schedule = dataclasses.replace(schedule, details={**schedule.details, "split_hosts": "one unit task per receiving host"})
     if coalesce:
         schedule = dataclasses.replace(schedule, details={**schedule.details, "coalesce": f"bundles of at most {bucket_bytes} B"})
-    return assemble_joint(problem, works, schedule, strategy, seed, max_staging_bytes, max_tasks)
+    if cross_tensor:
+        schedule = dataclasses.replace(schedule, details={**schedule.details, "cross_tensor": f"bundles share messages of at most {bucket_bytes} B"})
+    return assemble_joint(problem, works, schedule, strategy, seed, max_staging_bytes, max_tasks,
+                          share_bytes=bucket_bytes if cross_tensor else None)
 
 
 def _bucket(bucket_bytes: int | None, max_staging_bytes: int | None) -> int:

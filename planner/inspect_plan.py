@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from xmesh_plan.schemas import Plan
+from xmesh_plan.schemas.carriers import fused, message_groups
 from xmesh_plan.schemas.op_kinds import hops_pair_bytes, pair_bytes, route
 from xmesh_plan.schemas.plan_tensors import is_multi
 from xmesh_plan.schemas.staging import staging_peaks
@@ -46,12 +47,14 @@ class PlanLoads:
 
 
 def plan_loads(plan: Plan) -> PlanLoads:
-    """Cross-host bytes per host: every message of every operation (`schemas.op_kinds.pair_bytes`), in its tensor's itemsize."""
+    """Cross-host bytes per host: every message of every operation (`schemas.op_kinds.pair_bytes`), in its tensor's
+    itemsize; the bundles of one shared message (`schemas.carriers`) as the one bundle they are on the wire."""
     itemsizes, host = [p.itemsize for p in plan.problem.tensor_problems()], plan.problem.cluster.host_of
     loads = PlanLoads()
-    for op in plan.operations:
+    for group in message_groups(plan.operations):
+        op = fused(group, itemsizes)
         hops = route(op)
-        for (a, b), nbytes in hops_pair_bytes(hops, itemsizes[op.tensor or 0]).items():
+        for (a, b), nbytes in hops_pair_bytes(hops, 1 if len(group) > 1 else itemsizes[op.tensor or 0]).items():
             loads.add(host(a), host(b), nbytes)
         for hop in hops:
             if hop.elements:
@@ -169,6 +172,14 @@ def executor_summary(plan: Plan) -> str:
             f"{_over(stated.predicted_seconds, plan.lower_bound_seconds)} the bound)")
 
 
+def shared_summary(plan: Plan) -> str:
+    """` (84 bundles in 4 shared cross-host messages)` for a plan whose bundles share messages (`schemas.carriers`), else empty."""
+    groups = [g for g in message_groups(plan.operations) if len(g) > 1]
+    if not groups:
+        return ""
+    return f" ({sum(map(len, groups))} bundles in {len(groups)} shared cross-host messages)"
+
+
 def _peak(peaks: dict[int, int]) -> str:
     """`512.0 MiB (device 9; 8 devices stage)` or `none`: the largest per-device staging."""
     if not peaks:
@@ -206,7 +217,8 @@ def summarize(plan: Plan, show_tasks: bool = False, show_ops: bool = False, show
         f"cluster: {cluster.devices_per_host} devices/host, {len(cluster.nics)} NIC(s) of {cluster.nics[0].send_gbps:g}/{cluster.nics[0].recv_gbps:g} Gbit/s "
         f"send/recv, intra-host {cluster.intra_host_gbps:g} Gbit/s, latency {cluster.latency_us:g} us, overhead {cluster.overhead_us:g} us per message",
         f"strategy {plan.strategy}, solver {plan.solver.name} (seed {plan.solver.seed})",
-        f"unit tasks: {len(plan.tasks)} ({'adjacent identical cells merged' if plan.merged_slices else 'no merging'}), operations: {len(plan.operations)}",
+        f"unit tasks: {len(plan.tasks)} ({'adjacent identical cells merged' if plan.merged_slices else 'no merging'}), "
+        f"operations: {len(plan.operations)}{shared_summary(plan)}",
         f"bytes crossing hosts: {_gib(loads.cross_host_bytes)}",
         "per-host NIC load:",
         f"  {'host':>5} {'send':>12} {'recv':>12} {'send time':>10} {'recv time':>10}",

@@ -43,6 +43,7 @@ from dataclasses import dataclass
 
 from xmesh_plan.schemas import Operation, Plan, ReshardingProblem
 from xmesh_plan.schemas.op_kinds import members, reads, route
+from xmesh_plan.schemas.carriers import fused, message_groups
 from xmesh_plan.schemas.staging import SYNC_SEND_BYTES
 from xmesh_plan.schemas.transfer import TransferProblem
 
@@ -273,6 +274,7 @@ class _Lowering:
         self.ready: dict[int, list[int]] = {}  # operation -> the flows that bring the data it sends from destination shards
         self.runs: dict[int, tuple] = {}  # device order: device -> (peers, arrivals and sends it waits for, its run's last flows per pair)
         self.posted_when: dict[int, tuple[list[int], list[int]]] = {}  # device order: buffered send -> what its sender waited for to post it
+        self.bytewise: set[int] = set()  # operations whose boxes count bytes, not elements: shared messages (`schemas.carriers.fused`)
 
     def hop(self, op: Operation, a: int, b: int, nbytes: float, after: list[int], after_sent: list[int] = ()) -> list[int]:
         """One message from device a to device b; returns its flow ids (one per NIC it is striped over).
@@ -394,7 +396,7 @@ class _Lowering:
         device waits for its `barrier`: device -> (messages to have arrived, to have left)."""
         flows: list[list[int]] = []
         last: dict[tuple[int, int], list[int]] = {}
-        itemsize = self.itemsizes[op.tensor or 0]
+        itemsize = 1 if op.id in self.bytewise else self.itemsizes[op.tensor or 0]
         own_data = self.data_by_device(op) if self.discipline != "host-order" else {}
         for hop in route(op):
             after = [i for k in hop.after for i in flows[k]]
@@ -426,8 +428,12 @@ def simulate(operations: list[Operation] | tuple[Operation, ...], problem: Resha
     """Time `operations` (taken in list order) on the problem's cluster under the queueing `discipline`;
     TooCostly past `max_work` (see `run_flows`)."""
     lowering = _Lowering(problem, discipline, nic_of_task)
-    for op in operations:
-        lowering.add(op)
+    riders: dict[int, int] = {}  # a bundle riding in another's message -> its carrier (timed as the carrier)
+    for group in message_groups(operations):
+        if len(group) > 1:
+            lowering.bytewise.add(group[0].id)
+            riders |= {op.id: group[0].id for op in group[1:]}
+        lowering.add(fused(group, lowering.itemsizes))
     cost: list[int] = []
     spans = run_flows(lowering.flows, lowering.capacity, max_work, cost)
     start: dict[int, float] = {}
@@ -438,6 +444,8 @@ def simulate(operations: list[Operation] | tuple[Operation, ...], problem: Resha
         end[f.op] = max(end.get(f.op, e), e)
     for op_id, ready in lowering.ready.items():  # it starts once all its data is there (as the verifier checks),
         start[op_id] = max(start.get(op_id, 0.0), max(spans[i][1] for i in ready))  # though a member may send earlier
+    for rider, carrier in riders.items():
+        start[rider], end[rider] = start[carrier], end[carrier]
     for op in operations:  # an operation without flows (an empty box) takes no time
         start.setdefault(op.id, 0.0)
         end.setdefault(op.id, start[op.id])

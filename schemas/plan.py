@@ -13,6 +13,8 @@ each means, who takes part, the messages it sends):
 - `bundle` (`compile --coalesce`): `holders[i]`, on the host of `src`, holds `parts[i]`; `src` gathers
   the parts over the intra-host links, sends them to `dsts[0]` in one cross-host message, and that
   device scatters part i to every device in `needers[i]` on its host. `region` bounds the parts.
+  Bundles of several tensors between the same two relays may share one cross-host message: each
+  names the group's first bundle as its `carrier` (`schemas.carriers`).
 """
 
 from __future__ import annotations
@@ -71,13 +73,17 @@ class Operation(BaseModel):
     holders: tuple[int, ...] = Field((), exclude_if=lambda v: not v, description="bundle only: the device holding each part")
     needers: tuple[tuple[int, ...], ...] = Field((), exclude_if=lambda v: not v,
                                                  description="bundle only: the devices needing each part")
+    carrier: int | None = Field(None, ge=0, exclude_if=lambda v: v is None,
+                                description="bundle only: the id of the bundle whose cross-host message also carries this "
+                                            "one's parts (its group's first; schemas.carriers); absent when it sends its own")
     start_s: float = 0.0
     end_s: float = 0.0
 
     def __str__(self) -> str:
         tensor = f" tensor {self.tensor}" if self.tensor is not None else ""
+        carried = f" in op {self.carrier}'s message" if self.carrier is not None else ""
         return (f"op {self.id:>4} task {self.task:>4}{tensor} {self.kind:<9} {parties(self)} {format_region(self.region)}"
-                f"{chunk_label(self)} @{self.start_s:.6f}-{self.end_s:.6f}s")
+                f"{chunk_label(self)}{carried} @{self.start_s:.6f}-{self.end_s:.6f}s")
 
 
 class UnitTask(BaseModel):

@@ -14,6 +14,7 @@ import math
 import re
 import numpy as np
 
+from .carriers import carrier_fault
 from .geometry import Region, region_size
 from .op_kinds import OP_KINDS, OpKindRule, reads, rule_of, tags_used, writes
 from .plan import Operation, Plan, format_region
@@ -212,7 +213,8 @@ def _check_devices(op: Operation, rule: OpKindRule, shards: _Shards) -> None:
 
 def _check_bundle(op: Operation, rule: OpKindRule, shards: _Shards) -> None:
     """A bundle's parts: each non-empty inside `region`, with a holder on the sending relay's host and at
-    least one needer on the receiving relay's host, on two different hosts; each relay is one of its side's devices."""
+    least one needer on the receiving relay's host, on two different hosts; the sending relay a source device and the
+    receiving relay a destination device (in a shared message, `schemas.carriers`, they need hold nothing of this tensor)."""
     if rule.pattern != "bundle":
         if op.holders or op.needers:
             raise PlanError(f"{describe(op)}: only a bundle has holders and needers; drop them")
@@ -232,8 +234,9 @@ def _check_bundle(op: Operation, rule: OpKindRule, shards: _Shards) -> None:
         if not needers or len(set(needers)) != len(needers) or any(host_of(d) != host_of(relay) for d in needers):
             raise PlanError(f"{describe(op)}: needers {list(needers)} of part {format_region(part)} must be distinct devices "
                             f"on the host of relay d{relay}, at least one")
-    if op.src not in op.holders or not any(relay in n for n in op.needers):
-        raise PlanError(f"{describe(op)}: relays d{op.src} and d{relay} must hold and need a part of the bundle themselves")
+    if op.src not in shards.blocks["src"] or relay not in shards.blocks["dst"]:
+        raise PlanError(f"{describe(op)}: relays d{op.src} and d{relay} must be a source and a destination device "
+                        "(they stage the bundle; holding or needing a part of it is not required)")
 
 
 def _check_parts(op: Operation, rule: OpKindRule, shards: _Shards) -> None:
@@ -308,6 +311,9 @@ def check_plan(plan: Plan) -> None:
         if op.tensor not in shards:
             shards[op.tensor] = _Shards(problems[op.tensor or 0])
         _check_operation(op, shards[op.tensor])
+    fault = carrier_fault(plan.operations, [p.itemsize for p in problems], max(p.itemsize for p in problems))
+    if fault is not None:
+        raise PlanError(fault)
     tags = sum(map(tags_used, plan.operations))
     if tags > MAX_TAGS:  # every message has its own tag; reusing one could match the wrong message
         raise PlanError(f"the plan needs {tags} message tags, more than the {MAX_TAGS} a plan may use; "

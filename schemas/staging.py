@@ -202,15 +202,39 @@ def staging_align(plan: "Plan") -> int:
     return max(p.itemsize for p in plan.problem.tensor_problems())
 
 
+def chained(sizes: Sequence[int], align: int) -> int:
+    """Bytes of staging `sizes` take laid out one after another, each non-empty one at a multiple of `align`
+    (how the executor's joint program lays out the bundles of one shared message, `schemas.carriers`).
+
+    >>> chained([6, 0, 8], 4)
+    16
+    """
+    at = 0
+    for n in sizes:
+        if n:
+            at = aligned(at, align) + n
+    return at
+
+
 def footprints(plan: "Plan") -> dict[int, list[Footprint]]:
     """Device -> (peers, staged bytes) of each operation it takes part in, in plan order, across tensors
-    (each operation staged in its own tensor's shards)."""
+    (each operation staged in its own tensor's shards); the bundles of one shared message
+    (`schemas.carriers`) count as one operation, their staging one after another (`chained`)."""
+    from .carriers import message_groups
+
     shards = [(p.blocks("src"), p.blocks("dst"), p.itemsize) for p in plan.problem.tensor_problems()]
+    align = staging_align(plan)
     out: dict[int, list[Footprint]] = {}
-    for op in plan.operations:
-        src, dst, itemsize = shards[op.tensor or 0]
-        for device in members(op):
-            out.setdefault(device, []).append((peers(op, device), staged_bytes(op, device, src.get(device), dst.get(device), itemsize)))
+    for group in message_groups(plan.operations):
+        mine: dict[int, tuple[set[int], list[int]]] = {}
+        for op in group:
+            src, dst, itemsize = shards[op.tensor or 0]
+            for device in members(op):
+                talks, sizes = mine.setdefault(device, (set(), []))
+                talks |= peers(op, device)
+                sizes.append(staged_bytes(op, device, src.get(device), dst.get(device), itemsize))
+        for device, (talks, sizes) in mine.items():
+            out.setdefault(device, []).append((frozenset(talks), chained(sizes, align)))
     return out
 
 
@@ -218,18 +242,22 @@ def staging_peaks(plan: "Plan", order: str = "device") -> dict[int, int]:
     """Device -> the bytes of staging the executor allocates on it for `plan` in `order` (devices that
     stage nothing left out). Device order uses the plan's own budget (`stage_budget`) and, across the
     tensors of a multi-tensor plan, one area per device (`staging_align`). Posted, each tensor of a
-    multi-tensor plan has its own staging area: the peak is the sum over tensors."""
+    multi-tensor plan has its own staging area: the peak is the sum over tensors; where bundles share
+    messages (`schemas.carriers`) one area holds every operation's staging, one after another (`chained`)."""
     if order not in ORDERS:
         raise ValueError(f"order {order!r} is unknown; use one of: {', '.join(ORDERS)}")
+    from .carriers import has_carriers
     from .plan_tensors import is_multi, tensor_plans
 
+    budget, align = stage_budget(plan), staging_align(plan)
+    if is_multi(plan) and order == "posted" and has_carriers(plan.operations):
+        return {device: value for device, f in sorted(footprints(plan).items()) if (value := chained([n for _, n in f], align))}
     if is_multi(plan) and order == "posted":
         total: dict[int, int] = {}
         for single in tensor_plans(plan):
             for device, nbytes in staging_peaks(single, "posted").items():
                 total[device] = total.get(device, 0) + nbytes
         return dict(sorted(total.items()))
-    budget, align = stage_budget(plan), staging_align(plan)
     peak: Callable[[list[Footprint]], int] = (lambda f: sum(n for _, n in f)) if order == "posted" else \
         (lambda f: run_peak(f, budget, align))
     return {device: value for device, f in sorted(footprints(plan).items()) if (value := peak(f))}

@@ -20,6 +20,7 @@ from xmesh_plan.executor.lower import in_device_order, lower
 from xmesh_plan.executor.mpi_engine import MpiEngine
 from xmesh_plan.executor.pattern import fill, mismatches
 from xmesh_plan.executor.ranks import plan_devices, rank_of_devices
+from xmesh_plan.schemas.carriers import group_key
 from xmesh_plan.schemas.op_kinds import route
 from xmesh_plan.planner.verify import verify_plan
 from xmesh_plan.schemas.staging import stage_budget
@@ -165,21 +166,22 @@ def _out_of_device_order(plan, world: FakeWorld, steps_of=None) -> list[str]:
     with other peers had landed; operations with the same peers may overlap (one link, in order anyway).
     `steps_of(device)`: the steps whose tags name that device's messages (default: its lowering of `plan`;
     a multi-tensor plan passes every tensor's, tags as its executor numbered them). Earlier: in the plan's list."""
-    op_of = {}  # (rank, "send"/"recv", peer rank, tag) -> op id
+    op_of = {}  # (rank, "send"/"recv", peer rank, tag) -> op id (a shared message's bundles: their carrier's)
     peers = defaultdict(set)  # (rank, op) -> peer ranks, read from the plan (the op-kind table's route), not the lowering
     rank_of = rank_of_devices(plan)
+    key = {op.id: group_key(op) for op in plan.operations}  # bundles sharing one message are one operation (schemas.carriers)
     position = {op.id: k for k, op in enumerate(plan.operations)}
     steps_of = steps_of or (lambda device: lower(plan, device, tag_limit=2**20).steps)
     for op in plan.operations:  # a device's peers: the other ends of the messages it sends or receives (empty ones are not sent)
         for hop in route(op):
             if hop.src != hop.dst and hop.elements:
-                peers[(rank_of[hop.src], op.id)].add(rank_of[hop.dst])
-                peers[(rank_of[hop.dst], op.id)].add(rank_of[hop.src])
+                peers[(rank_of[hop.src], key[op.id])].add(rank_of[hop.dst])
+                peers[(rank_of[hop.dst], key[op.id])].add(rank_of[hop.src])
     for device, rank in rank_of.items():
         for s in steps_of(device):
             if s.action in ("send", "recv"):
                 assert (rank, s.action, rank_of[s.peer], s.tag) not in op_of, "two messages share a tag"
-                op_of[(rank, s.action, rank_of[s.peer], s.tag)] = s.op
+                op_of[(rank, s.action, rank_of[s.peer], s.tag)] = key[s.op]
     waiting: dict[int, set] = defaultdict(set)  # rank -> ops with a receive not landed yet
     for (rank, action, peer, tag), op in op_of.items():
         if action == "recv":

@@ -553,9 +553,9 @@ def _violations(plan: Plan, order: str, executors: list[TransferExecutor] | None
     """Run once on the fake MPI in `order`; messages that moved ahead of an earlier operation with other peers."""
     executors = executors or fake_executors(plan, order=order)
     run_everywhere(plan, executors, full_tensors(plan, 8))
-    parts = {ex.device: ex.parts for ex in executors}
+    steps = {ex.device: ex.joint.steps if ex.joint is not None else [s for p in ex.parts for s in p.program.steps] for ex in executors}
     world = executors[0].parts[0].engine.comm.world
-    return _out_of_device_order(plan, world, steps_of=lambda device: [s for p in parts[device] for s in p.program.steps])
+    return _out_of_device_order(plan, world, steps_of=steps.get)
 
 
 @pytest.mark.parametrize("index", range(5))

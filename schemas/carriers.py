@@ -1,0 +1,101 @@
+"""Bundles that share one cross-host message: pieces of several tensors packed into one message.
+
+A bundle (`op_kinds`, kind `bundle`) moves boxes of one tensor between two relays. Bundles of other
+tensors between the same two relays can ride in the same message: each names the group's first
+bundle as its `carrier`, the group's bundles are listed one after another right after it, and every
+one of them has the carrier's relays (`src`, `dsts`). Each bundle stays a whole bundle of its own
+tensor (its holders gather to the sending relay, the receiving relay scatters), so the verifier and
+the executor's per-tensor lowering see it as before; only the one cross-host message is shared:
+the executor's joint program (`executor.joint`) lays the group's staging out one bundle after
+another and sends it as one message, and the simulator times the group as one bundle (`fused`).
+Every bundle of a group but the last carries a multiple of `align` bytes (the plan's largest element
+size), so each one's staging starts where the executor's views need it with no padding in between.
+
+>>> from xmesh_plan.schemas.plan import Operation
+>>> a = Operation(id=0, task=0, tensor=0, kind="bundle", src=0, dsts=(4,), region=((0, 2),), parts=(((0, 2),),), holders=(0,), needers=((4,),))
+>>> b = Operation(id=1, task=1, tensor=1, kind="bundle", src=0, dsts=(4,), region=((0, 3),), parts=(((0, 3),),), holders=(1,), needers=((5,),), carrier=0)
+>>> [[op.id for op in g] for g in message_groups([a, b])]
+[[0, 1]]
+>>> f = fused([a, b], [4, 2])
+>>> f.parts, f.holders, f.needers, f.region
+((((0, 8),), ((8, 14),)), (0, 1), ((4,), (5,)), ((0, 14),))
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+from .geometry import region_size
+from .plan import Operation
+
+
+def group_key(op: Operation) -> int:
+    """The id of the operation whose cross-host message `op` travels in (its own id when it has no carrier)."""
+    return op.id if op.carrier is None else op.carrier
+
+
+def has_carriers(operations: Sequence[Operation]) -> bool:
+    return any(op.carrier is not None for op in operations)
+
+
+def message_groups(operations: Sequence[Operation]) -> list[list[Operation]]:
+    """The operations in list order, those sharing one message together (a group is listed contiguously)."""
+    out: list[list[Operation]] = []
+    for op in operations:
+        if out and op.carrier is not None and group_key(out[-1][0]) == op.carrier:
+            out[-1].append(op)
+        else:
+            out.append([op])
+    return out
+
+
+def bundle_bytes(op: Operation, itemsize: int) -> int:
+    """The bytes a bundle's cross-host message carries for it: all of its parts."""
+    return sum(map(region_size, op.parts)) * itemsize
+
+
+def fused(group: Sequence[Operation], itemsizes: Sequence[int]) -> Operation:
+    """A group as the one bundle it is on the wire, in bytes (a 1-D tensor of uint8): each member's parts
+    one after another, with their holders and needers, under the carrier's id, task and relays; a group
+    of one is returned as it is. `itemsizes[t]` is tensor t's element size. For the simulator and the
+    staging footprint, which see only sizes, devices and messages."""
+    if len(group) == 1:
+        return group[0]
+    parts, holders, needers, at = [], [], [], 0
+    for op in group:
+        size = itemsizes[op.tensor or 0]
+        for part, holder, need in zip(op.parts, op.holders, op.needers):
+            n = region_size(part) * size
+            parts.append(((at, at + n),))
+            holders.append(holder)
+            needers.append(need)
+            at += n
+    first = group[0]
+    return first.model_copy(update={"tensor": None, "region": ((0, at),), "parts": tuple(parts), "holders": tuple(holders),
+                                    "needers": tuple(needers), "carrier": None})
+
+
+def carrier_fault(operations: Sequence[Operation], itemsizes: Sequence[int], align: int) -> str | None:
+    """Why the plan's shared messages are malformed (see the module docstring), or None."""
+    position = {op.id: k for k, op in enumerate(operations)}
+    for k, op in enumerate(operations):
+        if op.carrier is None:
+            continue
+        what = f"operation {op.id} (carrier {op.carrier})"
+        if op.kind != "bundle":
+            return f"{what}: only a bundle rides in another bundle's message; drop carrier"
+        if op.carrier not in position:
+            return f"{what}: no operation {op.carrier} in the plan; name the group's first bundle"
+        head = operations[position[op.carrier]]
+        if head.kind != "bundle" or head.carrier is not None:
+            return f"{what}: operation {op.carrier} must be a bundle that sends its own message (no carrier of its own)"
+        before = operations[k - 1]
+        if group_key(before) != op.carrier:
+            return f"{what}: the bundles of one message must be listed right after operation {op.carrier}, one after another"
+        if (op.src, op.dsts) != (head.src, head.dsts):
+            return (f"{what}: relays d{op.src} -> d{op.dsts[0]} differ from its carrier's d{head.src} -> d{head.dsts[0]}; "
+                    "a shared message has one sending and one receiving relay")
+        if bundle_bytes(before, itemsizes[before.tensor or 0]) % align:
+            return (f"operation {before.id}: carries {bundle_bytes(before, itemsizes[before.tensor or 0])} B, not a multiple of "
+                    f"{align} B (the largest element size), and another bundle follows it in one message; recompile the plan")
+    return None
