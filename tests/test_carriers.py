@@ -1,0 +1,261 @@
+"""Bundles of several tensors sharing one cross-host message (`schemas.carriers`, `compile --cross-tensor`).
+
+What is checked, each against something other than the code under test: the plan's groups against
+their definition (written out here), the messages that actually cross hosts on a fake MPI (its log,
+not the lowering), every destination shard bit for bit against numpy slicing (in process, under
+mpiexec and on torch/gloo), the staging each rank allocates against what the plan says, the
+simulator's time against a hand formula, and the plan check against malformed groups."""
+
+from __future__ import annotations
+
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from click.testing import CliRunner
+
+from xmesh_plan.executor.ranks import plan_devices
+from xmesh_plan.planner.cli import main
+from xmesh_plan.planner.compile import compile_plan
+from xmesh_plan.planner.inspect_plan import plan_loads
+from xmesh_plan.planner.transfer_io import build_transfer, load_any_problem
+from xmesh_plan.planner.verify import verify_plan
+from xmesh_plan.schemas import Plan
+from xmesh_plan.schemas.geometry import region_size
+from xmesh_plan.schemas.plan_check import PlanError, check_plan
+from xmesh_plan.schemas.staging import staging_peaks
+from test_transfer_plan import _assert_every_shard, fake_executors, full_tensors, random_transfer, run_everywhere
+
+ROOT = Path(__file__).resolve().parents[1]
+SMALL = ROOT / "plans" / "weight_sync_small.problem.toml"
+MPIEXEC = Path(sys.executable).parent / "mpiexec"
+BUCKET = 4 * 2**20
+
+
+@pytest.fixture(scope="module")
+def shared() -> Plan:
+    return compile_plan(load_any_problem(SMALL), solver="greedy")
+
+
+@pytest.fixture(scope="module")
+def separate() -> Plan:
+    return compile_plan(load_any_problem(SMALL), solver="greedy", cross_tensor=False)
+
+
+def _groups(plan: Plan) -> list[list]:
+    """The plan's shared messages from the definition: a bundle with a carrier joins the group of the one before it."""
+    out = []
+    for op in plan.operations:
+        if op.carrier is not None:
+            assert out and out[-1][0].id == op.carrier, f"op {op.id} is not listed right after its group"
+            out[-1].append(op)
+        else:
+            out.append([op])
+    return out
+
+
+def _bytes(op, plan: Plan) -> int:
+    return sum(map(region_size, op.parts)) * plan.problem.tensor_problems()[op.tensor].itemsize
+
+
+def _cross_host_sends(plan: Plan, log) -> int:
+    """Sends between ranks on different hosts in one iteration of the fake MPI's log."""
+    host = plan.problem.cluster.host_of
+    devices = plan_devices(plan)
+    return sum(1 for event, (a, b, _) in log if event == "send" and host(devices[a]) != host(devices[b]))
+
+
+def test_the_default_compile_of_a_weight_sync_puts_small_tensors_in_shared_messages(shared, separate):
+    groups = [g for g in _groups(shared) if len(g) > 1]
+    assert groups and sum(map(len, groups)) > len(shared.problem.tensors)
+    assert len({op.tensor for g in groups for op in g}) > 1  # pieces of several tensors in one message
+    for group in groups:
+        assert all(op.kind == "bundle" and (op.src, op.dsts) == (group[0].src, group[0].dsts) for op in group)
+        assert sum(_bytes(op, shared) for op in group) <= BUCKET
+        align = max(t.itemsize for t in shared.problem.tensor_problems())
+        assert all(_bytes(op, shared) % align == 0 for op in group[:-1])
+    assert not any(op.carrier is not None for op in separate.operations)
+    verify_plan(shared)
+    # the same bundles otherwise: only relays and grouping differ, so the bytes crossing hosts are the same
+    assert plan_loads(shared).cross_host_bytes == plan_loads(separate).cross_host_bytes
+    busiest = lambda plan: plan_loads(plan).busiest_messages()[2]  # noqa: E731
+    assert busiest(shared) < busiest(separate) / 4
+
+
+@pytest.mark.parametrize("order", ["posted", "device"])
+def test_one_message_crosses_hosts_per_group_bit_exact_on_a_fake_mpi(shared, separate, order):
+    """The fake MPI's log counts what crossed: one message per group instead of one per bundle; every shard
+    against numpy slicing, twice (the second run overwrites the first's buffers), and each rank's staging
+    is what the plan says for that order."""
+    crossed = {}
+    for name, plan in (("shared", shared), ("separate", separate)):
+        executors = fake_executors(plan, order=order)
+        world = executors[0].parts[0].engine.comm.world
+        for it in range(2):
+            start = len(world.log)
+            full = full_tensors(plan, 10 + it)
+            _assert_every_shard(plan, run_everywhere(plan, executors, full), full)
+            crossed[name] = _cross_host_sends(plan, world.log[start:])
+        peaks = staging_peaks(plan, order)
+        assert {ex.device: ex.stage_bytes for ex in executors if ex.stage_bytes} == peaks
+    groups = _groups(shared)
+    assert crossed["shared"] == len(groups) < len(separate.operations) == crossed["separate"]
+
+
+def test_random_multi_tensor_plans_with_shared_messages_are_bit_exact():
+    """Random tensors, dtypes and meshes with a small bucket, so groups form often: every plan that has one
+    runs bit-exact in both orders, with what crossed hosts one message per group."""
+    seen = 0
+    for seed in range(40):
+        plan = compile_plan(random_transfer(seed, 8), solver="greedy", bucket_bytes=512)
+        if not any(op.carrier is not None for op in plan.operations):
+            continue
+        seen += 1
+        verify_plan(plan)
+        for order in ("posted", "device"):
+            executors = fake_executors(plan, order=order)
+            full = full_tensors(plan, seed)
+            _assert_every_shard(plan, run_everywhere(plan, executors, full), full)
+    assert seen >= 5
+
+
+def _two_tiny_tensors(overhead_us: float):
+    return build_transfer({"name": "tiny", "src_mesh": {"shape": [1], "devices": [0]}, "dst_mesh": {"shape": [1], "devices": [1]},
+                           "cluster": {"devices_per_host": 1, "overhead_us": overhead_us, "latency_us": 10.0},
+                           "tensors": [{"name": "a", "shape": [64], "dtype": "float32", "src": "S0", "dst": "R"},
+                                       {"name": "b", "shape": [32], "dtype": "float32", "src": "S0", "dst": "R"}]})
+
+
+def test_a_shared_message_pays_one_message_overhead():
+    """Two small tensors, host 0 -> host 1 (one device each: no gathers or scatters), with a per-message overhead
+    far above their bytes' time: the plan with one shared message predicts one overhead, the plan with a bundle
+    per tensor two, back to back on the NIC (hand formula: overheads + one latency + the bytes' time)."""
+    overhead = 2000e-6
+    problem = _two_tiny_tensors(overhead * 1e6)
+    one = compile_plan(problem, solver="greedy")
+    two = compile_plan(problem, solver="greedy", cross_tensor=False)
+    assert [len(g) for g in _groups(one)] == [2] and [len(g) for g in _groups(two)] == [1, 1]
+    cluster = problem.cluster
+    nbytes = (64 + 32) * 4
+    wire = nbytes / cluster.message_bytes_per_s
+    assert one.predicted_seconds == pytest.approx(overhead + cluster.latency_s + wire, rel=0.02, abs=20e-6)
+    assert two.predicted_seconds == pytest.approx(2 * overhead + cluster.latency_s + wire, rel=0.02, abs=20e-6)
+
+
+# --- the plan check refuses malformed groups ---------------------------------------------------------------
+
+def _replace(plan: Plan, index: int, **update) -> Plan:
+    ops = list(plan.operations)
+    ops[index] = ops[index].model_copy(update=update)
+    return plan.model_copy(update={"operations": tuple(ops)})
+
+
+def _first_rider(plan: Plan) -> int:
+    return next(k for k, op in enumerate(plan.operations) if op.carrier is not None)
+
+
+def test_the_plan_check_refuses_malformed_groups(shared):
+    check_plan(shared)
+    k = _first_rider(shared)
+    rider = shared.operations[k]
+    with pytest.raises(PlanError, match="no operation 1000000 in the plan"):
+        check_plan(_replace(shared, k, carrier=10**6))
+    with pytest.raises(PlanError, match="differ from its carrier's"):
+        check_plan(_replace(shared, k, dsts=(rider.dsts[0] + 1,)))
+    # a bundle naming the carrier of an earlier group, with other messages listed in between
+    ops = shared.operations
+    later = next(j for j in range(k + 1, len(ops)) if ops[j].carrier is None and ops[j - 1].carrier is not None
+                 and ops[j - 1].carrier != rider.carrier or (ops[j].carrier is None and ops[j - 1].carrier is None and j > k + 1))
+    with pytest.raises(PlanError, match="listed right after operation"):
+        check_plan(_replace(shared, later, carrier=rider.carrier))
+    # naming as carrier a bundle that itself rides in another's message
+    assert ops[k + 1].carrier == rider.carrier
+    with pytest.raises(PlanError, match="must be a bundle that sends its own message"):
+        check_plan(_replace(shared, k + 1, carrier=rider.id))
+
+
+def test_a_ragged_bundle_cannot_share_a_message_with_the_next(tmp_path):
+    """A group member that is not a multiple of the largest element size, followed by another, is refused
+    (the executor lays the group out with no padding); the planner never makes one."""
+    problem = build_transfer({"name": "ragged", "src_mesh": {"shape": [1], "devices": [0]}, "dst_mesh": {"shape": [1], "devices": [1]},
+                              "cluster": {"devices_per_host": 1},
+                              "tensors": [{"name": "a", "shape": [3], "dtype": "int8", "src": "R", "dst": "R"},
+                                          {"name": "b", "shape": [4], "dtype": "int8", "src": "R", "dst": "R"},
+                                          {"name": "c", "shape": [2], "dtype": "float32", "src": "R", "dst": "R"}]})
+    plan = compile_plan(problem, solver="greedy")
+    for group in _groups(plan):
+        assert all(_bytes(op, plan) % 4 == 0 for op in group[:-1])
+    ops = list(plan.operations)
+    ragged = next(k for k, op in enumerate(ops) if op.tensor == 0)
+    other = next(k for k, op in enumerate(ops) if op.tensor == 1)
+    listed = [ops[ragged], ops[other]] + [op for k, op in enumerate(ops) if k not in (ragged, other)]
+    relays = {"src": ops[ragged].src, "dsts": ops[ragged].dsts}
+    bad = plan.model_copy(update={"operations": tuple(
+        op.model_copy(update={"id": i, "start_s": 0.0, "carrier": 0 if i == 1 else None, **(relays if i == 1 else {})})
+        for i, op in enumerate(listed))})
+    with pytest.raises(PlanError, match="not a multiple of 4 B"):
+        check_plan(bad)
+    path = tmp_path / "bad.plan.json"
+    path.write_text(bad.to_json())
+    result = CliRunner().invoke(main, ["verify", str(path)])
+    assert result.exit_code == 1 and "not a multiple of 4 B" in result.output and "Traceback" not in result.output  # verify: 1 = a wrong plan
+
+
+def test_cli_cross_tensor_flags(tmp_path):
+    runner = CliRunner()
+    result = runner.invoke(main, ["compile", str(SMALL), "-o", str(tmp_path / "a.json")])
+    assert result.exit_code == 0, result.output
+    assert "bundles in 4 shared cross-host messages" in result.output
+    result = runner.invoke(main, ["compile", str(SMALL), "--no-cross-tensor", "-o", str(tmp_path / "b.json")])
+    assert result.exit_code == 0 and "shared" not in result.output, result.output
+    result = runner.invoke(main, ["compile", str(SMALL), "--no-coalesce", "--cross-tensor"])
+    assert result.exit_code == 2 and "--cross-tensor" in result.output and "--coalesce" in result.output
+    assert not (tmp_path / "c.json").exists()
+    result = runner.invoke(main, ["inspect", str(tmp_path / "a.json")])
+    assert "84 bundles in 4 shared cross-host messages" in result.output
+
+
+def test_same_input_gives_a_byte_identical_plan_with_shared_messages():
+    problem = load_any_problem(SMALL)
+    assert compile_plan(problem, solver="greedy").to_json() == compile_plan(problem, solver="greedy").to_json()
+
+
+# --- real processes ---------------------------------------------------------------------------------------------
+
+def _write(tmp_path, plan: Plan) -> Path:
+    path = tmp_path / "weight_sync_small.plan.json"
+    path.write_text(plan.to_json())
+    return path
+
+
+@pytest.mark.mpi
+@pytest.mark.skipif(not MPIEXEC.exists(), reason=f"no mpiexec at {MPIEXEC}")
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("order", ["posted", "device"])
+def test_mpiexec_runs_shared_messages_bit_exact(tmp_path, shared, order):
+    path = _write(tmp_path, shared)
+    env = dict(os.environ, MPIR_CVAR_ENABLE_HEAVY_YIELD="1", PYTHONPATH=str(ROOT))
+    result = subprocess.run([str(MPIEXEC), "-n", "8", sys.executable, "-m", "xmesh_plan.executor.run", str(path), "--check",
+                             "--iters", "2", "--order", order], cwd=ROOT, env=env, capture_output=True, text=True, timeout=500)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "check ok: 21 tensors x 4 destination shards bit-exact" in result.stdout, result.stdout
+    want = max(staging_peaks(shared, order).values())
+    assert f"staging {want / 2**20:.1f} MiB/rank at most ({order} order)" in result.stdout, result.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(800)
+def test_torchrun_runs_shared_messages_on_gloo_bit_exact(tmp_path, shared):
+    """The torch engine's device order replays the joint program, so it sends each group as one message."""
+    pytest.importorskip("torch")
+    path = _write(tmp_path, shared)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "8", "-m", "xmesh_plan.executor.torch_run", str(path),
+           "--check", "--iters", "2"]
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    result = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=700)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "check ok: every destination shard of every tensor bit-exact" in result.stdout, result.stdout
