@@ -2,7 +2,8 @@
 in both executor orders.
 
 The small weight-sync example (21 tensors, 2x4 FSDP -> 2x2 TP, `plans/weight_sync_small.problem.toml`)
-is compiled once as a joint plan and once per tensor; all of them run in one `mpiexec` launch of 8
+is compiled as three joint plans (the default, whose bundles share messages across tensors; bundles of
+one tensor each; chained, neither split nor coalesced) and once per tensor; all of them run in one `mpiexec` launch of 8
 ranks (`executor.run`, every shard checked bit for bit) per order, `posted` and `device` launches
 taking turns `--rounds` times, so both orders and both ways of planning pay the same start-up and
 share the machine's load. Each plan's figure is the median over its launches of the launch's median
@@ -30,6 +31,7 @@ from xmesh_plan.planner.compile import compile_plan  # noqa: E402
 from xmesh_plan.planner.simulate import simulate_plan  # noqa: E402
 from xmesh_plan.planner.transfer_io import build_transfer  # noqa: E402
 from xmesh_plan.planner.weight_sync import WEIGHT_SYNC, weight_sync_toml  # noqa: E402
+from xmesh_plan.schemas.carriers import message_groups  # noqa: E402
 from xmesh_plan.schemas.plan import write_atomic  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -54,39 +56,53 @@ def launch(paths: list[Path], ranks: int, order: str, iters: int) -> list[float]
     return [float(TIMING.search(line).group(1)) for line in lines]
 
 
+JOINTS = {  # the joint plans run, by row label: compile flags
+    "joint, default (bundles sharing messages across tensors)": {},
+    "joint, bundles of one tensor each (--no-cross-tensor)": {"cross_tensor": False},
+    "joint, chained (--no-split-hosts --no-coalesce)": {"split_hosts": False, "coalesce": False},
+}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--rounds", type=int, default=3, help="launches per order, taking turns (default 3)")
     args = parser.parse_args()
     problem = build_transfer(tomllib.loads(weight_sync_toml(*WEIGHT_SYNC["weight_sync_small"])))
-    joint = compile_plan(problem, split_hosts=False, coalesce=False)  # the chained plan BENCHMARKS.md's figures are of
+    joints = {label: compile_plan(problem, **flags) for label, flags in JOINTS.items()}
     alone = [compile_plan(single) for single in problem.tensor_problems()]
     ranks = len(set(problem.src_mesh.devices) | set(problem.dst_mesh.devices))
     runs: dict[str, list[list[float]]] = {order: [] for order in ORDERS}
     with tempfile.TemporaryDirectory(prefix="weight-sync-run-") as folder:
         paths = []
-        for i, plan in enumerate([joint, *alone]):
+        for i, plan in enumerate([*joints.values(), *alone]):
             paths.append(Path(folder) / f"{i:03d}.plan.json")
             write_atomic(paths[-1], plan.to_json())
         for _ in range(args.rounds):
             for order in ORDERS:
                 runs[order].append(launch(paths, ranks, order, args.iters))
+    k = len(joints)
     rows = {}
     for order, medians in runs.items():
-        per_plan = [statistics.median(m[k] for m in medians) for k in range(len(paths))]
-        rows[order] = {"joint_ms": per_plan[0], "one_after_another_ms": sum(per_plan[1:]), "per_tensor_ms": per_plan[1:],
-                       "launches_ms": medians}
-    predicted = {model: {"joint_ms": simulate_plan(joint, model).makespan_s * 1e3,
+        per_plan = [statistics.median(m[i] for m in medians) for i in range(len(paths))]
+        rows[order] = {"joint_ms": dict(zip(joints, per_plan[:k])), "one_after_another_ms": sum(per_plan[k:]),
+                       "per_tensor_ms": per_plan[k:], "launches_ms": medians}
+    predicted = {model: {"joint_ms": {label: simulate_plan(plan, model).makespan_s * 1e3 for label, plan in joints.items()},
                          "sequential_ms": sum(simulate_plan(p, model).makespan_s for p in alone) * 1e3} for model in MODELS.values()}
+    messages = {label: len(message_groups(plan.operations)) for label, plan in joints.items()}
     write_json("weight_sync_run.json", {"command": f"{COMMAND} --iters {args.iters} --rounds {args.rounds}", "tensors": len(problem.tensors),
-                                        "ranks": ranks, "iters": args.iters, "rounds": args.rounds, "orders": rows, "predicted": predicted})
+                                        "ranks": ranks, "iters": args.iters, "rounds": args.rounds, "orders": rows, "predicted": predicted,
+                                        "operations_or_shared_messages": messages})
     p, d = rows["posted"], rows["device"]
     mp, md = predicted["posted"], predicted["device-order"]
     for order, row in rows.items():
-        print(f"{order}: joint {row['joint_ms']:.2f} ms, one after another {row['one_after_another_ms']:.2f} ms "
-              f"({row['one_after_another_ms'] / row['joint_ms']:.2f}x)")
-    print(f"joint device / posted: {d['joint_ms'] / p['joint_ms']:.2f}x; every shard bit-exact")
+        print(f"{order}: " + ", ".join(f"{label} {ms:.2f} ms" for label, ms in row["joint_ms"].items())
+              + f"; one after another {row['one_after_another_ms']:.2f} ms")
+    table = "\n".join(
+        f"| {label} | {messages[label]} | {p['joint_ms'][label]:.2f} | {d['joint_ms'][label]:.2f} | "
+        f"{d['joint_ms'][label] / p['joint_ms'][label]:.2f} | {mp['joint_ms'][label]:.2f} | {md['joint_ms'][label]:.2f} |"
+        for label in joints)
+    first = next(iter(joints))
     replace_section("Weight sync on the executor", f"""
 Made by (2-core machine shared with other jobs; 8 ranks oversubscribe it, so compare the ratios, not the times):
 
@@ -95,26 +111,29 @@ Made by (2-core machine shared with other jobs; 8 ranks oversubscribe it, so com
 ```
 
 The small weight-sync example ({len(problem.tensors)} tensors, `plans/weight_sync_small.problem.toml`) on {ranks} MPI
-ranks: the joint plan, then each tensor's own plan, every destination shard of every tensor checked
-bit for bit, in one launch per order; {args.rounds} `posted` and {args.rounds} `device` launches taking turns in
-one run. Each figure: the median over an order's launches of the launch's median of {args.iters} reshards
-(after 2 warm-up ones). In device order a multi-tensor plan runs one operation at a time per device in
-the joint plan's order, across tensors (one joint engine per rank); posted, every message of every
-tensor at once.
+ranks: three joint plans of all tensors, then each tensor's own plan, every destination shard of every
+tensor checked bit for bit, in one launch per order; {args.rounds} `posted` and {args.rounds} `device` launches taking
+turns in one run. Each figure: the median over an order's launches of the launch's median of {args.iters}
+reshards (after 2 warm-up ones). In device order a multi-tensor plan runs one operation at a time per
+device in the joint plan's order, across tensors (one joint engine per rank); posted, every message of
+every tensor at once. "Operations" counts a shared message's bundles once (`schemas.carriers`).
 
-| plan | posted ms | device ms | device / posted | model: posted ms | model: device-order ms | model: device / posted |
+| plan | operations | posted ms | device ms | device / posted | model: posted ms | model: device-order ms |
 |---|---:|---:|---:|---:|---:|---:|
-| joint (one plan, all tensors) | {p['joint_ms']:.2f} | {d['joint_ms']:.2f} | {d['joint_ms'] / p['joint_ms']:.2f} | {mp['joint_ms']:.2f} | {md['joint_ms']:.2f} | {md['joint_ms'] / mp['joint_ms']:.2f} |
-| one plan per tensor, one after another | {p['one_after_another_ms']:.2f} | {d['one_after_another_ms']:.2f} | {d['one_after_another_ms'] / p['one_after_another_ms']:.2f} | {mp['sequential_ms']:.2f} | {md['sequential_ms']:.2f} | {md['sequential_ms'] / mp['sequential_ms']:.2f} |
-| one after another / joint | {p['one_after_another_ms'] / p['joint_ms']:.2f}x | {d['one_after_another_ms'] / d['joint_ms']:.2f}x | | {mp['sequential_ms'] / mp['joint_ms']:.2f}x | {md['sequential_ms'] / md['joint_ms']:.2f}x | |
+{table}
+| one plan per tensor, one after another | {len(alone)} plans | {p['one_after_another_ms']:.2f} | {d['one_after_another_ms']:.2f} | {d['one_after_another_ms'] / p['one_after_another_ms']:.2f} | {mp['sequential_ms']:.2f} | {md['sequential_ms']:.2f} |
+
+One after another over the default joint plan: {p['one_after_another_ms'] / p['joint_ms'][first]:.2f}x posted,
+{d['one_after_another_ms'] / d['joint_ms'][first]:.2f}x in device order.
 
 The model columns are the simulator's timing of the same plans on the problem's cluster (10 Gbit/s
 NICs; `xmesh-plan inspect --orders`), not of this machine, where 8 ranks share 2 cores and talk
 through shared memory: no link is shaped or shared, so what device order saves on a network does not
 show here, while each wait between two operations of a device costs a wake-up (the engines poll with
-sleeps growing to 1 ms). docs/netlab.md measures both orders on shaped links.
+sleeps growing to 1 ms), and every message costs both ranks CPU. docs/netlab.md measures both orders on shaped links.
 
-Each launch's medians (joint; one after another) in run order: {'; '.join(f"{o} {m[0]:.1f}, {sum(m[1:]):.1f}" for pair in zip(runs['posted'], runs['device']) for o, m in zip(ORDERS, pair))}.
+Each launch's medians (joint plans in the table's order; one after another) in run order:
+{'; '.join(f"{o} " + ", ".join(f"{x:.1f}" for x in m[:k]) + f", {sum(m[k:]):.1f}" for pair in zip(runs['posted'], runs['device']) for o, m in zip(ORDERS, pair))}.
 Raw: `bench/results/weight_sync_run.json`. Measured, each per-tensor plan also pays a reshard's fixed
 cost (the call, its first and last messages, waking the ranks) once per tensor; the model only sees the links.
 """)

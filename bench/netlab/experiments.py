@@ -57,7 +57,8 @@ EXTRA_CASES = {  # name -> (the problem, (label, compile_plan options) per plan)
     "weight_sync_small": (  # a multi-tensor plan; "chained" was labelled "ours" before the default became --split-hosts --coalesce
         lambda: build_transfer(tomllib.loads(weight_sync_toml(*WEIGHT_SYNC["weight_sync_small"]))),
         (("default", {}), ("chained", {"split_hosts": False, "coalesce": False}),
-         ("split-hosts", {"split_hosts": True, "coalesce": False}))),
+         ("split-hosts", {"split_hosts": True, "coalesce": False}),
+         ("no-cross-tensor", {"cross_tensor": False}))),  # bundles of one tensor each (the default before shared messages)
 }
 
 
