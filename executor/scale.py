@@ -14,6 +14,7 @@ import math
 from typing import Any
 
 from xmesh_plan.schemas import Plan
+from xmesh_plan.schemas.carriers import split_ragged
 from xmesh_plan.schemas.geometry import Region
 from xmesh_plan.schemas.plan_tensors import is_multi, tensor_plans
 from xmesh_plan.schemas.staging import with_stated_staging
@@ -110,6 +111,8 @@ def scale_tensors(plan: Plan, factors: list[tuple[int, ...]]) -> Plan:
     for task in data["tasks"]:
         task["region"], task["nbytes"] = tasks[task["id"]].region, tasks[task["id"]].nbytes
     scaled = Plan.model_validate(data)
+    itemsizes = [p.itemsize for p in scaled.problem.tensor_problems()]  # a shared message's bundles may no longer align
+    scaled = scaled.model_copy(update={"operations": split_ragged(scaled.operations, itemsizes, max(itemsizes))})
     if scaled.staging is not None:  # each tensor's staged boxes shrink by its own factor: the limit by the least, the peaks restated
         least = min(math.prod(f) for f in factors)
         scaled = with_stated_staging(scaled, max(1, -(-scaled.staging.limit_bytes // least)))

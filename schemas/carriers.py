@@ -99,3 +99,18 @@ def carrier_fault(operations: Sequence[Operation], itemsizes: Sequence[int], ali
             return (f"operation {before.id}: carries {bundle_bytes(before, itemsizes[before.tensor or 0])} B, not a multiple of "
                     f"{align} B (the largest element size), and another bundle follows it in one message; recompile the plan")
     return None
+
+
+def split_ragged(operations: Sequence[Operation], itemsizes: Sequence[int], align: int) -> tuple[Operation, ...]:
+    """The operations with every group cut after a bundle that does not carry a multiple of `align` bytes (the
+    next one then sends its own message and carries the rest): what a shrunk plan needs (`executor.scale`),
+    whose boxes may no longer keep the rule."""
+    out: list[Operation] = []
+    for group in message_groups(operations):
+        head = group[0].id
+        for k, op in enumerate(group):
+            if k and bundle_bytes(group[k - 1], itemsizes[group[k - 1].tensor or 0]) % align:
+                head = op.id
+            out.append(op if (op.carrier if k else None) == (None if op.id == head else head) else
+                       op.model_copy(update={"carrier": None if op.id == head else head}))
+    return tuple(out)

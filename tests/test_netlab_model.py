@@ -50,7 +50,7 @@ def test_the_weight_sync_case_gives_verified_multi_tensor_plans_scaled_and_predi
     from xmesh_plan.schemas.plan_tensors import is_multi
 
     made = dict(_plans("weight_sync_small", 500, latency_us=200))
-    assert sorted(made) == ["chained", "default", "split-hosts"]
+    assert sorted(made) == ["chained", "default", "no-cross-tensor", "split-hosts"]
     assert made["default"].to_json() == compile_plan(made["default"].problem, split_hosts=True, coalesce=True).to_json()
     for plan in made.values():
         assert is_multi(plan) and plan.problem.cluster.latency_us == 200
