@@ -107,9 +107,10 @@ def _one_area(steps: tuple[Step, ...], where: tuple[tuple[int, int], ...], align
 
 def _share_messages(steps: tuple[Step, ...], where: tuple[tuple[int, int], ...], key: dict[int, int]
                     ) -> tuple[tuple[Step, ...], tuple[tuple[int, int], ...]]:
-    """One cross-host send (and receive) per shared message (`schemas.carriers`): the first bundle's, over
-    the bytes of every bundle in it (laid out one after another by `_one_area`); the others' are dropped and
-    what waited for a dropped receive waits for the kept one. Both ends keep the carrier's tag."""
+    """One cross-host send (and receive) per shared message (`schemas.carriers`), over the bytes of every bundle
+    in it (laid out one after another by `_one_area`), with the carrier's tag: the receive where the first
+    bundle's was (what waited for a dropped one waits for it), the send where the last bundle's was (after
+    every gather it waits for), so every dependency still points backwards. The others are dropped."""
     crossing: dict[tuple[str, int], list[int]] = {}
     carriers = set(key.values())
     for i, s in enumerate(steps):
@@ -126,8 +127,9 @@ def _share_messages(steps: tuple[Step, ...], where: tuple[tuple[int, int], ...],
                 raise PlanMismatchError(f"{first.describe()}: the bundles of operation {group}'s message are not laid out "
                                         "one after another in staging; recompile the plan and check it with `xmesh-plan verify`")
         deps = sorted({d for i in indices for d in steps[i].deps} - set(indices))
-        merged[indices[0]] = replace(first, data=Bytes("stage", first.data.start, last.data.stop), deps=tuple(deps))
-        instead |= {i: indices[0] for i in indices[1:]}
+        keep = indices[-1] if action == "send" else indices[0]
+        merged[keep] = replace(steps[keep], data=Bytes("stage", first.data.start, last.data.stop), deps=tuple(deps), tag=first.tag)
+        instead |= {i: keep for i in indices if i != keep}
     if not instead:
         return steps, where
     kept = [i for i in range(len(steps)) if i not in instead]
@@ -150,6 +152,6 @@ def tensor_programs(joint: JointProgram, programs: Sequence[RankProgram]) -> lis
         for j, s in enumerate(mine):
             if (t, j) not in replayed and s.data is not None and s.data.buffer == "stage":
                 mine[j] = replace(s, data=Bytes("stage", 0, 0))
-    for s, (t, j) in zip(joint.steps, joint.where):
-        steps[t][j] = replace(steps[t][j], data=s.data)
+    for s, (t, j) in zip(joint.steps, joint.where):  # a shared message's send also takes its carrier's tag
+        steps[t][j] = replace(steps[t][j], data=s.data, tag=s.tag)
     return [replace(p, steps=tuple(mine), stage_bytes=joint.stage_bytes, order=joint.order) for p, mine in zip(programs, steps)]

@@ -13,7 +13,7 @@ from xmesh_plan.schemas import Plan
 from .bounds import joint_lower_bound
 from .compile import DIGITS, MAX_SIMULATED_OPERATIONS, settle_listing
 from .executor_order import executor_order_seconds, posted_budget
-from .simulate import nic_assignment, simulate
+from .simulate import nic_assignment, simulate, staging_runs
 from .unit_tasks import decompose
 
 REL_TOLERANCE = 1e-9
@@ -65,7 +65,7 @@ def audit_plan(plan: Plan) -> Audit:
         mismatch = f"stored predicted time {plan.predicted_seconds} s disagrees with {predicted:.12g} s from the simulator"
     stated = plan.executor_prediction  # a stated time is re-derived whatever it costs; otherwise only where compile would time it
     executed = executor_order_seconds(plan.operations, problem, plan.host_order, None if stated else posted_budget(result.work),
-                                      plan.staging is not None)
+                                      plan.staging is not None, staging_runs(plan))
     executed = None if executed is None else round(executed, DIGITS)
     if mismatch is None and stated is not None and (executed is None or _differ(stated.predicted_seconds, executed)):
         mismatch = (f"stored executor_prediction ({stated.order}) {stated.predicted_seconds} s disagrees with "

@@ -36,14 +36,16 @@ executor_order = mpi_transfer_order  # the order `TransferExecutor` runs a multi
 
 
 def executor_order_seconds(operations: tuple[Operation, ...], problem: ReshardingProblem | TransferProblem,
-                           host_order: tuple[HostOrder, ...], max_work: int | None = None, limited: bool = False) -> float | None:
+                           host_order: tuple[HostOrder, ...], max_work: int | None = None, limited: bool = False,
+                           run_numbers: dict[int, list[int]] | None = None) -> float | None:
     """The simulator's time for `operations`, in their listed order, run in `executor_order(limited)`; None
     for a single-tensor problem (nothing to state) or when the simulation would take more than `max_work`
-    (see `posted_budget`)."""
+    (see `posted_budget`). `run_numbers`: a limited plan's device-order runs (`simulate.staging_runs`)."""
     if not isinstance(problem, TransferProblem):
         return None
     try:
         discipline = SIMULATED_AS[executor_order(limited)]
-        return simulate(operations, problem, discipline, nic_assignment(host_order), max_work=max_work).makespan_s
+        return simulate(operations, problem, discipline, nic_assignment(host_order), max_work=max_work,
+                        run_numbers=run_numbers if limited else None).makespan_s
     except TooCostly:
         return None

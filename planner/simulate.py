@@ -44,7 +44,7 @@ from dataclasses import dataclass
 from xmesh_plan.schemas import Operation, Plan, ReshardingProblem
 from xmesh_plan.schemas.op_kinds import members, reads, route
 from xmesh_plan.schemas.carriers import fused, message_groups
-from xmesh_plan.schemas.staging import SYNC_SEND_BYTES
+from xmesh_plan.schemas.staging import SYNC_SEND_BYTES, device_runs, footprints, stage_budget, staging_align
 from xmesh_plan.schemas.transfer import TransferProblem
 
 DISCIPLINES = ("host-order", "device-order", "posted")
@@ -261,7 +261,8 @@ def _sharing_links(changed: set[int], by_id: dict[int, Flow], on_link: dict[str,
 class _Lowering:
     """Turns operations into flows, with data dependencies and the discipline's queueing."""
 
-    def __init__(self, problem: ReshardingProblem | TransferProblem, discipline: str, nic_of_task: dict[int, int] | None):
+    def __init__(self, problem: ReshardingProblem | TransferProblem, discipline: str, nic_of_task: dict[int, int] | None,
+                 run_numbers: dict[int, list[int]] | None = None):
         if discipline not in DISCIPLINES:
             raise ValueError(f"unknown discipline {discipline!r}; choose one of: {', '.join(DISCIPLINES)}")
         self.cluster, self.discipline = problem.cluster, discipline
@@ -273,6 +274,8 @@ class _Lowering:
         self.last_on: dict[str, list[int]] = {}  # host order: NIC side -> terminal flows of the previous operation there
         self.ready: dict[int, list[int]] = {}  # operation -> the flows that bring the data it sends from destination shards
         self.runs: dict[int, tuple] = {}  # device order: device -> (peers, arrivals and sends it waits for, its run's last flows per pair)
+        self.run_numbers = run_numbers  # device order with a staging budget: device -> the run of each of its operations (`staging_runs`)
+        self.taken: dict[int, int] = {}  # ... and how many of them were added so far
         self.posted_when: dict[int, tuple[list[int], list[int]]] = {}  # device order: buffered send -> what its sender waited for to post it
         self.bytewise: set[int] = set()  # operations whose boxes count bytes, not elements: shared messages (`schemas.carriers.fused`)
 
@@ -336,7 +339,14 @@ class _Lowering:
         for d in sorted(members(op)):
             mine = peers.get(d, frozenset())
             run = self.runs.get(d)
-            if run is None or (mine and run[0] and run[0] != mine):  # a local copy (no peers) joins the run it is in
+            if self.run_numbers is not None:  # the executor's runs, which a staging budget also ends (`schemas.staging.device_layout`)
+                k = self.taken.get(d, 0)
+                self.taken[d] = k + 1
+                number = self.run_numbers[d][k]
+                new_run = run is None or number != run[4]
+            else:
+                number, new_run = 0, run is None or (mine and run[0] and run[0] != mine)  # a local copy (no peers) joins the run it is in
+            if new_run:
                 pairs = run[3] if run is not None else {}
                 arrived = {i for (a, b), ids in pairs.items() if b == d for i in ids}
                 left: set[int] = set()
@@ -346,7 +356,7 @@ class _Lowering:
                         left.update(self.posted_when[i][1])
                     else:
                         left.add(i)
-                run = self.runs[d] = (mine, sorted(arrived), sorted(left), {})
+                run = self.runs[d] = (mine, sorted(arrived), sorted(left), {}, number)
             elif mine and not run[0]:
                 run = self.runs[d] = (mine, *run[1:])
             barrier[d] = (run[1], run[2])
@@ -424,10 +434,12 @@ class _Lowering:
 
 
 def simulate(operations: list[Operation] | tuple[Operation, ...], problem: ReshardingProblem | TransferProblem,
-             discipline: str = "host-order", nic_of_task: dict[int, int] | None = None, max_work: int | None = None) -> SimResult:
+             discipline: str = "host-order", nic_of_task: dict[int, int] | None = None, max_work: int | None = None,
+             run_numbers: dict[int, list[int]] | None = None) -> SimResult:
     """Time `operations` (taken in list order) on the problem's cluster under the queueing `discipline`;
-    TooCostly past `max_work` (see `run_flows`)."""
-    lowering = _Lowering(problem, discipline, nic_of_task)
+    TooCostly past `max_work` (see `run_flows`). `run_numbers` (device order, a plan with a staging budget:
+    `staging_runs`): each device's run of each of its operations, where the budget ends runs the peers alone would not."""
+    lowering = _Lowering(problem, discipline, nic_of_task, run_numbers)
     riders: dict[int, int] = {}  # a bundle riding in another's message -> its carrier (timed as the carrier)
     for group in message_groups(operations):
         if len(group) > 1:
@@ -457,6 +469,17 @@ def nic_assignment(host_order) -> dict[int, int]:
     return {task: int(o.side.split(":")[1]) for o in host_order if ":" in o.side for task in o.tasks}
 
 
+def staging_runs(plan: Plan) -> dict[int, list[int]] | None:
+    """Device -> the run of each operation it takes part in (a shared message's bundles once), in the executor's
+    device order under the staging budget the plan states (`schemas.staging.device_runs`); None without one,
+    where runs change only with the peers, which the simulator follows itself."""
+    if plan.staging is None:
+        return None
+    budget, align = stage_budget(plan), staging_align(plan)
+    return {device: device_runs(f, budget, align) for device, f in footprints(plan).items()}
+
+
 def simulate_plan(plan: Plan, discipline: str = "host-order") -> SimResult:
-    """Time a compiled plan; plans from this planner run in host order."""
-    return simulate(plan.operations, plan.problem, discipline, nic_assignment(plan.host_order))
+    """Time a compiled plan; plans from this planner run in host order (device order keeps its staging budget's runs)."""
+    runs = staging_runs(plan) if discipline == "device-order" else None
+    return simulate(plan.operations, plan.problem, discipline, nic_assignment(plan.host_order), run_numbers=runs)

@@ -71,17 +71,25 @@ def brute_force_peaks(plan: Plan) -> dict[int, int]:
     plan order across tensors, the boxes a device holds while it takes part in an operation (its box of a
     chain, every part of a ring, a bundle's whole message on its relays and its own parts elsewhere),
     staged unless numpy finds them one run of its shard of that tensor; runs of the same peers (from the
-    route's messages) cut before they pass the plan's limit; each box at a multiple of the largest element."""
+    route's messages) cut before they pass the plan's limit; each box at a multiple of the largest element.
+    Bundles sharing one message (`carrier`: listed after the bundle named) count as one operation on a
+    device: their peers together, their boxes one after another, each at a multiple of the largest element."""
     problems = plan.problem.tensor_problems()
     align = max(p.itemsize for p in problems)
     per_device: dict[int, list[tuple[frozenset, int]]] = {}
     for op in plan.operations:
         for d in members(op):
-            per_device.setdefault(d, []).append(brute_footprint(op, d, problems[op.tensor]))
+            talks, n = brute_footprint(op, d, problems[op.tensor])
+            items = per_device.setdefault(d, [])
+            if op.carrier is not None and items and items[-1][2] == op.carrier:  # the same message as the one before
+                before, used, _ = items[-1]
+                items[-1] = (before | talks, (-(-used // align) * align if n else used) + n, op.carrier)
+            else:
+                items.append((talks, n, op.id if op.carrier is None else op.carrier))
     budget, out = plan.staging.limit_bytes if plan.staging else None, {}
     for d, items in per_device.items():
         peak, peers, used = 0, frozenset(), 0
-        for talks, n in items:
+        for talks, n, _ in items:
             start = -(-used // align) * align if n else used
             if (talks and peers and talks != peers) or (budget is not None and used and start + n > budget):
                 peers, used, start = talks, 0, 0

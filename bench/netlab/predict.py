@@ -11,7 +11,7 @@ Three ways to queue the same operations (the simulator's flows, fluid max-min sh
 from __future__ import annotations
 
 from xmesh_plan.planner.bounds import joint_lower_bound
-from xmesh_plan.planner.simulate import nic_assignment, simulate
+from xmesh_plan.planner.simulate import nic_assignment, simulate, staging_runs
 from xmesh_plan.planner.unit_tasks import decompose
 from xmesh_plan.schemas import Cluster, Nic, Plan, ReshardingProblem
 from xmesh_plan.schemas.transfer import tensor_problems
@@ -37,7 +37,7 @@ def predictions(plan: Plan, rate_mbit: float) -> dict[str, float]:
     ops = plan.operations
     return {
         "host-order": simulate(ops, problem, "host-order", nic_assignment(plan.host_order)).makespan_s,
-        "device-order": simulate(ops, problem, "device-order").makespan_s,
+        "device-order": simulate(ops, problem, "device-order", run_numbers=staging_runs(plan)).makespan_s,
         "posted": simulate(ops, problem, "posted").makespan_s,
         "lower-bound": joint_lower_bound([(decompose(t), t.itemsize) for t in tensor_problems(problem)], problem.cluster).seconds,
     }
