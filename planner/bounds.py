@@ -60,3 +60,14 @@ def joint_lower_bound(tensors: list[tuple[list[Cell], int]], cluster: Cluster) -
     if source_hosts:
         candidates.append(LowerBound(total_send / (cluster.send_bytes_per_s * len(source_hosts)), "all source hosts send"))
     return max(candidates, key=lambda c: (c.seconds, c.reason))
+
+
+def over_bound(seconds: float, bound: float) -> float:
+    """`seconds` over the byte lower bound; 1.0 where the bound is 0 (nothing crosses a link: the plan
+    cannot do better), so `compile`, `inspect` and `check` print and gate the same figure.
+
+    >>> over_bound(0.5, 0.25), over_bound(0.0, 0.0)
+    (2.0, 1.0)
+    """
+    return seconds / bound if bound > 0 else 1.0
+

@@ -24,7 +24,7 @@ from .transfer_io import load_any_problem
 from .solvers import SOLVERS
 from .unit_tasks import DEFAULT_MAX_TASKS
 from .verify import PlanError, verify_plan
-from .bounds import lower_bound
+from .bounds import lower_bound, over_bound
 from .unit_tasks import decompose
 from xmesh_plan.schemas.transfer import TransferProblem
 
@@ -151,10 +151,10 @@ def check_command(plan_files, max_ratio, reference, per_tensor):
             failed += 1
             continue
         predicted, bound = audit.predicted_seconds, audit.lower_bound_seconds
-        over_bound = predicted / bound if bound > 0 else 1.0
-        problems = [f"{over_bound:.4f}x its lower bound"] if over_bound > max_ratio else []
+        over = over_bound(predicted, bound)
+        problems = [f"{over:.4f}x its lower bound"] if over > max_ratio else []
         executed = audit.executor_seconds
-        over_executed = (executed / bound if bound > 0 else 1.0) if executed is not None else None
+        over_executed = over_bound(executed, bound) if executed is not None else None
         order = executor_order(plan.staging is not None)
         if over_executed is not None and over_executed > max_ratio:
             problems.append(f"{over_executed:.4f}x its lower bound {order} (the executor's default order)")
@@ -166,7 +166,7 @@ def check_command(plan_files, max_ratio, reference, per_tensor):
         posted = f", {order} (executor default) {executed:.4f} s ({over_executed:.4f}x)" if executed is not None else \
             (f", {order} (executor default) not timed: too costly to simulate here, not gated; `xmesh-plan inspect --orders` "
              "times it" if isinstance(plan.problem, TransferProblem) else "")
-        click.echo(f"{path}: predicted {predicted:.4f} s, bound {bound:.4f} s ({over_bound:.4f}x){posted} {status}")
+        click.echo(f"{path}: predicted {predicted:.4f} s, bound {bound:.4f} s ({over:.4f}x){posted} {status}")
         if per_tensor:
             click.echo("\n".join(tensor_check_rows(plan)))
         failed += bool(problems)

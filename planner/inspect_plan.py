@@ -11,6 +11,7 @@ from xmesh_plan.schemas.plan_tensors import is_multi
 from xmesh_plan.schemas.staging import staging_peaks
 
 from .executor_order import executor_order
+from .bounds import over_bound
 from .simulate import simulate_plan
 
 
@@ -146,7 +147,7 @@ def order_lines(plan: Plan) -> list[str]:
 
 
 def _over(seconds: float, bound: float) -> str:
-    return f"{seconds / bound:.3f}x" if bound > 0 else "inf x"
+    return f"{over_bound(seconds, bound):.3f}x"
 
 
 def executor_line(plan: Plan) -> list[str]:
