@@ -283,6 +283,9 @@ def compile_plan(problem: ReshardingProblem | TransferProblem, strategy: str = "
     split_hosts, coalesce = chosen.split_hosts, chosen.coalesce
     bucket_bytes = _bucket(bucket_bytes, max_staging_bytes)
     cross_tensor = coalesce and multi if cross_tensor is None else cross_tensor
+    if cross_tensor and not multi:
+        raise InputError("--cross-tensor shares messages between the tensors of a multi-tensor problem, and this problem "
+                         "has one tensor (its bundles already carry all of a host pair's small boxes); leave it out")
     if cross_tensor and not coalesce:
         raise InputError("--cross-tensor shares the messages of coalesced bundles, and this compile does not coalesce; "
                          "add --coalesce or leave out --cross-tensor")

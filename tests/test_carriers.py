@@ -237,6 +237,8 @@ def test_cli_cross_tensor_flags(tmp_path):
     result = runner.invoke(main, ["compile", str(SMALL), "--no-coalesce", "--cross-tensor"])
     assert result.exit_code == 2 and "--cross-tensor" in result.output and "--coalesce" in result.output
     assert not (tmp_path / "c.json").exists()
+    result = runner.invoke(main, ["compile", str(ROOT / "plans" / "case3.problem.json"), "--coalesce", "--cross-tensor"])
+    assert result.exit_code == 2 and "has one tensor" in result.output and "Traceback" not in result.output
     result = runner.invoke(main, ["inspect", str(tmp_path / "a.json")])
     assert "84 bundles in 4 shared cross-host messages" in result.output
 
