@@ -29,6 +29,10 @@ Model (stated, so every plan and baseline is judged by the same rules):
   `order="device"`, is `device-order`. In both executor orders a device starts its part of an
   operation once its own data is there (an all-gather member does not wait for the others' parts),
   and the messages between two devices go one at a time (one connection), in the order they are ready.
+- CPU (opt-in, `Cluster.cpu`; the emulated cluster, where every rank runs on the same few cores): a
+  message inside a host is CPU work at both ends (per message, and per byte copied through shared
+  memory), a local copy CPU work at its device; each rank uses at most one core, and every rank at work
+  shares the machine's cores max-min fairly (links `d8.cpu` and `cpu`, in core microseconds per second).
 An uncontended broadcast of K chunks down A hops costs `A L + sum(c_h) + (K-1) max(c_h)` with `c_h`
 one chunk's time on hop h (overhead plus bytes) and L the latency, i.e. `t + (A-1) t/K` plus A
 latencies and K overheads for A equal cross-host hops: the paper's `t + A t/K` counts one chunk more.
@@ -283,6 +287,8 @@ class _Lowering:
         """One message from device a to device b; returns its flow ids (one per NIC it is striped over).
         Each stripe also carries the per-message overhead, as bytes at its slower side's speed."""
         ha, hb = self.cluster.host_of(a), self.cluster.host_of(b)
+        if ha == hb and self.cluster.cpu is not None:
+            return self.cpu_hop(op, a, b, nbytes, after, after_sent)
         latency = 0.0 if a == b else self.cluster.latency_s
         overhead = 0.0 if a == b else self.cluster.overhead_s
         if a == b:
@@ -301,6 +307,24 @@ class _Lowering:
             flow = Flow(len(self.flows), op.id, share, latency, tuple(sorted(links)), tuple(sorted(set(after))),
                         tuple(sorted(set(after_sent))), overhead * min(links.values()) if nbytes > 0 else 0.0,
                         f"{queue}:{k}" if queue else "")
+            self.flows.append(flow)
+            out.append(flow.id)
+        return out
+
+    def cpu_hop(self, op: Operation, a: int, b: int, nbytes: float, after: list[int], after_sent: list[int] = ()) -> list[int]:
+        """A message inside a host, or a local copy, with the CPU modelled (`Cluster.cpu`): CPU work, in core
+        microseconds, at each end at once (one flow per end, as stripes: it has arrived when both are done),
+        each end on its rank's core (`d8.cpu`, at most one core) and on the machine's pool (`cpu`, `cores`)."""
+        cpu = self.cluster.cpu
+        ends = (a,) if a == b else (a, b)
+        work = nbytes / cpu.copy_bytes_per_us + (cpu.message_us if a != b else 0.0) if nbytes > 0 else 0.0
+        queue = f"{a}>{b}" if a != b and self.discipline != "host-order" else ""
+        out = []
+        for k, device in enumerate(ends):
+            links = {"cpu": cpu.cores * 1e6, f"d{device}.cpu": 1e6}
+            self.capacity |= links
+            flow = Flow(len(self.flows), op.id, work, 0.0, tuple(sorted(links)), tuple(sorted(set(after))),
+                        tuple(sorted(set(after_sent))), 0.0, f"{queue}:{k}" if queue else "")
             self.flows.append(flow)
             out.append(flow.id)
         return out

@@ -3,12 +3,12 @@
 from .dtypes import DTYPE_SIZES
 from .geometry import Layout, Region, intersect, local_slices, region_shape, region_size, shard_interval, split_region
 from .plan import SCHEMA_VERSION, ExecutorPrediction, HostOrder, Operation, Plan, SolverInfo, Staging, UnitTask, PlanFileError, format_region, load_plan, read_plan_file, write_atomic
-from .problem import Cluster, DeviceMesh, Nic, Placement, ReshardingProblem
+from .problem import Cluster, Cpu, DeviceMesh, Nic, Placement, ReshardingProblem
 from .spec import DimSharding, ShardingSpec, SpecError
 
 __all__ = [
     "DTYPE_SIZES", "Layout", "Region", "intersect", "local_slices", "region_shape", "region_size", "shard_interval",
     "split_region", "SCHEMA_VERSION", "ExecutorPrediction", "HostOrder", "Operation", "Plan", "SolverInfo", "Staging", "UnitTask", "format_region",
-    "PlanFileError", "load_plan", "read_plan_file", "write_atomic", "Cluster", "DeviceMesh", "Nic", "Placement", "ReshardingProblem",
+    "PlanFileError", "load_plan", "read_plan_file", "write_atomic", "Cluster", "Cpu", "DeviceMesh", "Nic", "Placement", "ReshardingProblem",
     "DimSharding", "ShardingSpec", "SpecError",
 ]

@@ -32,6 +32,25 @@ class Nic(BaseModel):
     recv_gbps: finite(MIN_GBPS, MAX_GBPS, description="receive bandwidth, Gbit/s") = 10.0
 
 
+class Cpu(BaseModel):
+    """The CPU that every rank of every host shares (the emulated cluster: all hosts on one machine), opt-in.
+
+    With it, a message inside a host is CPU work at both ends instead of a transfer on an intra-host link:
+    each end spends `message_us` plus its bytes at `copy_gbps` (shared-memory copies: the sender's in, the
+    receiver's out), and a local copy its bytes once. Each rank gets at most one core; all ranks at work
+    at once share `cores` max-min fairly. Messages between hosts are priced as without it.
+    """
+
+    model_config = _FROZEN
+    cores: finite(1e-3, MAX_MESH_DEVICES, description="cores all ranks of all hosts share") = 2.0
+    message_us: finite(0, MAX_LATENCY_US, description="CPU time at each end of a message inside a host, microseconds") = 0.0
+    copy_gbps: finite(MIN_GBPS, MAX_GBPS, description="bytes one core copies through shared memory, Gbit/s") = 24.0
+
+    @property
+    def copy_bytes_per_us(self) -> float:
+        return self.copy_gbps * 1e3 / 8
+
+
 class Cluster(BaseModel):
     """Hosts of identical shape: devices per host, NICs per host, the intra-host link, and what each message
     costs besides its bytes: a latency (a delay other messages overlap) and an overhead (time its link is busy).
@@ -48,6 +67,8 @@ class Cluster(BaseModel):
                        "microseconds; links carry other messages meanwhile") = 20.0
     overhead_us: finite(0, MAX_LATENCY_US, description="time a link is busy with one message besides its bytes "
                         "(per-message software and NIC work), microseconds") = 1.0
+    cpu: Cpu | None = Field(None, exclude_if=lambda v: v is None,
+                            description="the CPU every rank shares (emulated clusters; None: not modelled)")
 
     def host_of(self, device: int) -> int:
         return device // self.devices_per_host

@@ -32,7 +32,7 @@ from xmesh_plan.executor.scale import factors_for  # noqa: E402
 from xmesh_plan.schemas import Plan  # noqa: E402
 
 from .baseline_plans import baseline_plan  # noqa: E402
-from .predict import at_rate, predictions  # noqa: E402
+from .predict import TESTBED_CPU, at_rate, predictions  # noqa: E402
 from .run_plan import RunOptions, run_plans, scaled  # noqa: E402
 from .testbed import LinkShape, unavailable_reason  # noqa: E402
 
@@ -97,6 +97,11 @@ def measure_message_costs(opts: RunOptions) -> tuple[float, float]:
     return 0.0, result.median_s[0] * 1e6
 
 
+def replace_cores(cpu):
+    """The fitted CPU model with this machine's core count (the ranks of every host run on all of them)."""
+    return cpu.model_copy(update={"cores": float(os.cpu_count() or cpu.cores)})
+
+
 def run_case(name: str, rate_mbit: float, opts: RunOptions, latency_us: float | None = None, overhead_us: float | None = None) -> dict:
     made = _plans(name, rate_mbit, latency_us, overhead_us, opts.max_mb)
     plans = [(label, p) for label, p in made if not isinstance(p, str)]
@@ -113,6 +118,7 @@ def run_case(name: str, rate_mbit: float, opts: RunOptions, latency_us: float | 
         median, fastest = timed[same_as[label]]
         rows.append({"approach": label, "strategy": plan.strategy, "solver": plan.solver.name, "ops": len(plan.operations),
                      "measured_s": median, "min_s": fastest, "predicted_s": predictions(scaled(plan, opts.max_mb), rate_mbit),
+                     "predicted_cpu_s": predictions(scaled(plan, opts.max_mb), rate_mbit, replace_cores(TESTBED_CPU)),
                      **({"same_as": same_as[label]} if same_as[label] != label else {})})
     shape = list(getattr(plans[0][1].problem, "shape", ()))
     return {"case": name, "rate_mbit": rate_mbit, "latency_us": latency_us, "overhead_us": overhead_us, "order": opts.order, "shape": shape, "rows": rows,

@@ -13,27 +13,36 @@ from __future__ import annotations
 from xmesh_plan.planner.bounds import joint_lower_bound
 from xmesh_plan.planner.simulate import nic_assignment, simulate, staging_runs
 from xmesh_plan.planner.unit_tasks import decompose
-from xmesh_plan.schemas import Cluster, Nic, Plan, ReshardingProblem
+from xmesh_plan.schemas import Cluster, Cpu, Nic, Plan, ReshardingProblem
 from xmesh_plan.schemas.transfer import tensor_problems
 
 
+# The shared CPU of the 2-core machine the session-7 runs were made on (BENCHMARKS.md, "Emulated cluster: a model of
+# the shared CPU"): copy_gbps fitted on those runs (3 GB/s of shared-memory traffic per core and end: the executor's
+# pack or unpack plus MPI's copy, with idle ranks polling); no per-message CPU inside a host (the runs cannot tell).
+TESTBED_CPU = Cpu(cores=2, copy_gbps=24, message_us=0)
+
+
 def at_rate(problem: ReshardingProblem, rate_mbit: float, latency_us: float | None = None,
-            overhead_us: float | None = None) -> ReshardingProblem:
+            overhead_us: float | None = None, cpu: Cpu | None = None) -> ReshardingProblem:
     """The same problem on a cluster whose every NIC sends and receives at `rate_mbit` (and whose messages each
-    take `latency_us` and `overhead_us`, when given: on the testbed a message costs what a rank's Python and the kernel add)."""
+    take `latency_us` and `overhead_us`, when given: on the testbed a message costs what a rank's Python and the kernel add;
+    and whose ranks share `cpu`, when given: `Cluster.cpu`)."""
     gbps = rate_mbit / 1e3
     update = {"nics": tuple(Nic(send_gbps=gbps, recv_gbps=gbps) for _ in problem.cluster.nics)}
     if latency_us is not None:
         update["latency_us"] = latency_us
     if overhead_us is not None:
         update["overhead_us"] = overhead_us
+    if cpu is not None:
+        update["cpu"] = cpu
     cluster = Cluster.model_validate({**problem.cluster.model_dump(), **update})  # the range checks apply
     return problem.model_copy(update={"cluster": cluster})
 
 
-def predictions(plan: Plan, rate_mbit: float) -> dict[str, float]:
-    """Seconds per reshard under each queueing, and the byte lower bound, on the testbed's links."""
-    problem = at_rate(plan.problem, rate_mbit)
+def predictions(plan: Plan, rate_mbit: float, cpu: Cpu | None = None) -> dict[str, float]:
+    """Seconds per reshard under each queueing, and the byte lower bound, on the testbed's links (and CPU, when given)."""
+    problem = at_rate(plan.problem, rate_mbit, cpu=cpu)
     ops = plan.operations
     return {
         "host-order": simulate(ops, problem, "host-order", nic_assignment(plan.host_order)).makespan_s,
