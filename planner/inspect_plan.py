@@ -216,7 +216,9 @@ def summarize(plan: Plan, show_tasks: bool = False, show_ops: bool = False, show
         f"plan {p.name or '(unnamed)'}: schema {plan.schema_version}, {plan.generator}",
         _what(plan),
         f"cluster: {cluster.devices_per_host} devices/host, {len(cluster.nics)} NIC(s) of {cluster.nics[0].send_gbps:g}/{cluster.nics[0].recv_gbps:g} Gbit/s "
-        f"send/recv, intra-host {cluster.intra_host_gbps:g} Gbit/s, latency {cluster.latency_us:g} us, overhead {cluster.overhead_us:g} us per message",
+        f"send/recv, intra-host {cluster.intra_host_gbps:g} Gbit/s, latency {cluster.latency_us:g} us, overhead {cluster.overhead_us:g} us per message"
+        + ("" if cluster.cpu is None else f"; CPU shared by every rank: {cluster.cpu.cores:g} cores, copies {cluster.cpu.copy_gbps:g} "
+           f"Gbit/s per core, {cluster.cpu.message_us:g} us per message inside a host"),
         f"strategy {plan.strategy}, solver {plan.solver.name} (seed {plan.solver.seed})",
         f"unit tasks: {len(plan.tasks)} ({'adjacent identical cells merged' if plan.merged_slices else 'no merging'}), "
         f"operations: {len(plan.operations)}{shared_summary(plan)}",

@@ -137,3 +137,14 @@ def test_saved_runs_are_repredicted_with_and_without_the_cpu(tmp_path):
     assert rows[0]["today"] == pytest.approx(rows[0]["saved"], rel=1e-9)
     assert all(r["cpu"] >= r["today"] for r in rows)
     assert "| case1 | 500 | 5 |" in table(rows)
+
+
+def test_inspect_names_the_cpu_only_when_there_is_one():
+    from xmesh_plan.planner.inspect_plan import summarize
+
+    plan = compile_fast(reference_problem("case1"))
+    assert "CPU" not in summarize(plan)
+    raw = plan.problem.model_dump()
+    raw["cluster"]["cpu"] = {"cores": 2, "copy_gbps": 24}
+    with_cpu = compile_fast(ReshardingProblem.model_validate(raw))
+    assert "CPU shared by every rank: 2 cores, copies 24 Gbit/s per core, 0 us per message inside a host" in summarize(with_cpu)
