@@ -141,8 +141,7 @@ def order_lines(plan: Plan) -> list[str]:
     meanings = ORDER_MEANINGS if not is_multi(plan) else LIMITED_ORDER_MEANINGS if plan.staging is not None else MULTI_TENSOR_ORDER_MEANINGS
     for discipline, meaning in meanings.items():
         seconds = simulate_plan(plan, discipline).makespan_s
-        ratio = seconds / plan.lower_bound_seconds if plan.lower_bound_seconds > 0 else float("inf")
-        lines.append(f"  {discipline:<13} {seconds:.4f} s  {ratio:.3f}x bound   {meaning}")
+        lines.append(f"  {discipline:<13} {seconds:.4f} s  {_over(seconds, plan.lower_bound_seconds)} bound   {meaning}")
     return lines
 
 

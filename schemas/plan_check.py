@@ -116,6 +116,23 @@ def _check_ids_and_order(plan: Plan) -> None:
     _check_host_order(plan, task_ids)
 
 
+def _check_shared_sides(plan: Plan) -> None:
+    """A bundle in a shared message (`schemas.carriers`) is listed on the NIC sides its carrier is: one message
+    crosses one NIC, which the simulator reads off the carrier's task."""
+    if not any(op.carrier is not None for op in plan.operations):
+        return
+    sides: dict[int, set[tuple[int, str]]] = {}
+    for entry in plan.host_order:
+        for task in entry.tasks:
+            sides.setdefault(task, set()).add((entry.host, entry.side))
+    task_of = {op.id: op.task for op in plan.operations}
+    for op in plan.operations:
+        if op.carrier is not None and sides.get(op.task, set()) != sides.get(task_of[op.carrier], set()):
+            raise PlanError(f"{describe(op)}: its task {op.task} is in host_order on other NIC sides than task "
+                            f"{task_of[op.carrier]} of its carrier, operation {op.carrier}; one message crosses one NIC, "
+                            "so list both on the same sides")
+
+
 def _check_host_order(plan: Plan, task_ids: set[int]) -> None:
     """Each (host, NIC side) once, on a host of the meshes, naming existing tasks."""
     nics, cluster = len(plan.problem.cluster.nics), plan.problem.cluster
@@ -314,6 +331,7 @@ def check_plan(plan: Plan) -> None:
     fault = carrier_fault(plan.operations, [p.itemsize for p in problems], max(p.itemsize for p in problems))
     if fault is not None:
         raise PlanError(fault)
+    _check_shared_sides(plan)
     tags = sum(map(tags_used, plan.operations))
     if tags > MAX_TAGS:  # every message has its own tag; reusing one could match the wrong message
         raise PlanError(f"the plan needs {tags} message tags, more than the {MAX_TAGS} a plan may use; "

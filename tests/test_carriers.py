@@ -283,3 +283,32 @@ def test_torchrun_runs_shared_messages_on_gloo_bit_exact(tmp_path, shared):
     result = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=700)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "check ok: every destination shard of every tensor bit-exact" in result.stdout, result.stdout
+
+
+def test_a_bundle_listed_on_other_nic_sides_than_its_carrier_is_refused(shared):
+    """One message crosses one NIC side at each end: a group's bundle listed elsewhere in host_order than its
+    carrier's task is refused (the simulator times the group on its carrier's sides)."""
+    k = _first_rider(shared)
+    rider = shared.operations[k]
+    moved = []
+    for entry in shared.host_order:
+        tasks = tuple(t for t in entry.tasks if t != rider.task)
+        if entry.side == "recv" and rider.task not in entry.tasks:
+            tasks = tasks + (rider.task,)
+        moved.append(entry.model_copy(update={"tasks": tasks}))
+    bad = shared.model_copy(update={"host_order": tuple(e for e in moved if e.tasks)})
+    with pytest.raises(PlanError, match="other NIC sides than task"):
+        check_plan(bad)
+
+
+def test_inspect_orders_prints_one_ratio_where_the_bound_is_zero(tmp_path):
+    """Nothing crosses a link (one device holds and needs everything): every line says 1.000x, none inf."""
+    problem = build_transfer({"name": "local", "src_mesh": {"shape": [1], "devices": [0]}, "dst_mesh": {"shape": [1], "devices": [0]},
+                              "tensors": [{"name": "a", "shape": [8], "dtype": "float32", "src": "R", "dst": "R"}]})
+    plan = compile_plan(problem, solver="greedy")
+    assert plan.lower_bound_seconds == 0
+    path = tmp_path / "local.plan.json"
+    path.write_text(plan.to_json())
+    result = CliRunner().invoke(main, ["inspect", "--orders", str(path)])
+    assert result.exit_code == 0, result.output
+    assert "inf" not in result.output and result.output.count("1.000x") >= 3

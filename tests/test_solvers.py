@@ -154,3 +154,32 @@ def test_compile_defaults_to_auto_and_the_plan_verifies():
     assert plan.predicted_seconds <= 1.05 * plan.lower_bound_seconds
     verify_plan(plan)
     assert compile_plan(problem("R S0 R", "R R S0")).to_json() == plan.to_json()
+
+
+def test_cpsat_plans_do_not_depend_on_the_process_string_hashing(tmp_path):
+    """CP-SAT's model was built by walking each option's resources, a frozenset of (host, side) whose order
+    follows Python's string hashing, different in every process: the same problem then gave different plans
+    from one run to the next (the default solver runs CP-SAT among others). Three processes with three hash
+    seeds must write one plan."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    problem = {"name": "r10", "src_mesh": {"shape": [4, 1], "first_host": 0}, "dst_mesh": {"shape": [2, 1], "first_host": 4},
+               "cluster": {"devices_per_host": 1},
+               "tensors": [{"name": "t0", "shape": [3, 1], "dtype": "float16", "src": "S0 S1", "dst": "S0 R"},
+                           {"name": "t1", "shape": [13, 7], "dtype": "int32", "src": "S0 R", "dst": "S1 R"},
+                           {"name": "t2", "shape": [64, 13], "dtype": "int8", "src": "S0 S1", "dst": "S0 S1"},
+                           {"name": "t3", "shape": [17, 2], "dtype": "int32", "src": "S0 R", "dst": "S1 R"},
+                           {"name": "t4", "shape": [7, 64], "dtype": "int32", "src": "S0 S1", "dst": "S1 R"}]}
+    path = tmp_path / "p.json"
+    path.write_text(json.dumps(problem))
+    plans = set()
+    for seed in ("1", "2", "3"):
+        result = subprocess.run([sys.executable, "-m", "xmesh_plan.planner.cli", "compile", str(path),
+                                 "--bucket-mb", "0.001", "-o", "-"], capture_output=True, text=True, timeout=240,
+                                env={**os.environ, "PYTHONHASHSEED": seed})
+        assert result.returncode == 0, result.stderr[-2000:]
+        plans.add(result.stdout)
+    assert len(plans) == 1

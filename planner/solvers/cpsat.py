@@ -45,7 +45,7 @@ def _build(tasks: list[SchedulingTask], tick: float, horizon: int):
             length = int(option.duration_s / tick)
             lit = model.new_bool_var(f"use[{t.id},{i}]") if len(t.options) > 1 else model.new_constant(1)
             interval = model.new_optional_fixed_size_interval_var(start[t.id], length, lit, f"run[{t.id},{i}]")
-            for r in option.resources:
+            for r in sorted(option.resources):  # a frozenset's order follows string hashing, which differs per process
                 per_resource.setdefault(r, []).append(interval)
             model.add(end_all >= start[t.id] + length).only_enforce_if(lit)
             presence[t.id, i] = lit
