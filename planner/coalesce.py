@@ -142,7 +142,8 @@ TimedOp = tuple[float, int, int | None, PlannedOp]
 def share_messages(timed_ops: list[TimedOp], itemsizes: list[int], bucket_bytes: int, host_of) -> list[list[TimedOp]]:
     """The operations in order, bundles of any tensors between the same two hosts grouped into shared
     messages of at most `bucket_bytes` (`schemas.carriers`): each bundle, in list order, joins the open
-    group of its host pair when the total stays within the bucket and the group's last bundle so far
+    group of its host pair when the total, with the most alignment padding a holder could add, stays within
+    the bucket and the group's last bundle so far
     carries a multiple of the largest element size; it takes the group's relays and start. Every other
     operation is a group of one. A weight sync's many small tensors then cross each host pair in a few
     messages instead of one or more per tensor."""
@@ -157,7 +158,9 @@ def share_messages(timed_ops: list[TimedOp], itemsizes: list[int], bucket_bytes:
         nbytes = sum(math.prod(b - a for a, b in part) for part in op.parts) * itemsizes[tensor or 0]
         pair = (host_of(op.src), host_of(op.dsts[0]))
         index, total = open_group.get(pair, (-1, 0))
-        if index >= 0 and total + nbytes <= bucket_bytes:
+        # a holder stages its parts of each bundle at a multiple of `align` (schemas.staging.chained): count that
+        # padding too, so no device of the group stages more than the bucket (the staging limit, when one is set)
+        if index >= 0 and total + nbytes + len(groups[index]) * (align - 1) <= bucket_bytes:
             head = groups[index][0]
             groups[index].append((head[0], task, tensor, replace(op, src=head[3].src, dsts=head[3].dsts)))
             total += nbytes
