@@ -102,6 +102,39 @@ class Collective:
 
 
 @dataclass(frozen=True, slots=True)
+class StagedCall:
+    """One step of a bundle for engines built on collectives (NCCL), in the order this device takes it: `pack`
+    `box` (its source shard) into staging bytes [start, stop), `unpack` them into `box` (its destination shard),
+    or `bcast` them from `root` to the other device of `group` (a send as a broadcast in a group of two). The
+    bytes count from the start of the operation's own staging: a stream runs one operation after another."""
+
+    op: int
+    task: int
+    kind: str
+    action: Literal["pack", "unpack", "bcast"]
+    start: int
+    stop: int
+    box: Box | None = None
+    group: tuple[int, ...] = ()
+    root: int = -1
+
+
+def _staged_calls(steps: list[Step], first: int, device: int) -> list[StagedCall]:
+    """A bundle's steps from index `first` on (this device's, in lowering order) as `StagedCall`s."""
+    mine = steps[first:]
+    base = min((s.data.start for s in mine if s.data is not None), default=0)
+    out = []
+    for s in mine:
+        lo, hi = s.data.start - base, s.data.stop - base
+        if s.action in ("pack", "unpack"):
+            out.append(StagedCall(s.op, s.task, s.kind, s.action, lo, hi, box=s.box))
+        elif s.action in ("send", "recv"):
+            root = device if s.action == "send" else s.peer
+            out.append(StagedCall(s.op, s.task, s.kind, "bcast", lo, hi, group=tuple(sorted((device, s.peer))), root=root))
+    return out
+
+
+@dataclass(frozen=True, slots=True)
 class RankProgram:
     """Everything one device does for a plan, with the shard shapes it expects and staging it needs.
 
@@ -115,7 +148,7 @@ class RankProgram:
     src_block: Region | None
     dst_block: Region | None
     itemsize: int
-    collectives: tuple[Collective, ...] = ()
+    collectives: tuple[Collective | StagedCall, ...] = ()
     order: str = "posted"  # "device" after in_device_order: engines then also make a send finish only once received
 
     @property
@@ -190,7 +223,7 @@ class _Builder:
     dst_blocks: dict[int, Region]
     itemsize: int
     steps: list[Step] = field(default_factory=list)
-    collectives: list[Collective] = field(default_factory=list)
+    collectives: list[Collective | StagedCall] = field(default_factory=list)
     writes: _Writes = field(init=False)
     received: list[tuple[Operation, Region]] = field(default_factory=list)
     stage_bytes: int = 0
@@ -393,7 +426,10 @@ def lower(plan: Plan, device: int, tag_limit: int | None = None, first_tag: int 
     b = _Builder(plan, device, problem.blocks("src"), problem.blocks("dst"), problem.itemsize)
     base = first_tag
     for op in plan.operations:
+        first = len(b.steps)
         _LOWER[rule_of(op).pattern](b, op, base)
+        if rule_of(op).pattern == "bundle":  # collective engines replay its messages as broadcasts in groups of two
+            b.collectives += _staged_calls(b.steps, first, device)
         base += tags_used(op)
     if tag_limit is not None and base > tag_limit + 1:  # every message has its own tag; reusing one could match the wrong message
         raise PlanMismatchError(f"the plan needs {base} message tags but this MPI allows tags up to {tag_limit} (its TAG_UB); "

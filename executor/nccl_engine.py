@@ -21,7 +21,7 @@ import numpy as np
 
 from .arrays import check_shard, import_dlpack, is_device_array
 from .errors import BackendUnavailableError, ExecutorError, PeerTimeoutError, PlanMismatchError
-from .lower import RankProgram
+from .lower import RankProgram, StagedCall
 from .nccl_plan import Bcast, Copy, nccl_program
 
 UNIQUE_ID_BYTES = 128
@@ -106,7 +106,7 @@ class NcclEngine:
         requests = []
         first_op = {}
         for call in self.calls.actions:
-            if isinstance(call, Bcast):
+            if len(getattr(call, "group", ())) > 1:
                 first_op.setdefault(call.group, call.op)
         for group in self.calls.groups:
             buf, tag = np.zeros(UNIQUE_ID_BYTES, np.uint8), first_op[group] % 32768
@@ -174,6 +174,8 @@ class NcclEngine:
             for call, event in zip(self.calls.actions, self.done):
                 if isinstance(call, Copy):
                     cupy.copyto(self.dst[call.target.index], src[call.source.index])
+                elif isinstance(call, StagedCall):
+                    self._staged(call, src)
                 else:
                     self._bcast(call, src)
                 event.record(self.stream)
@@ -195,6 +197,20 @@ class NcclEngine:
             comm.bcast(base + lo, hi - lo, self.uint8, root, self.stream.ptr)
         if call.stage is not None and not call.is_root:
             cupy.copyto(self.dst[box.index], staged)
+
+    def _staged(self, call: StagedCall, src) -> None:
+        """One step of a bundle over staging (`lower.StagedCall`)."""
+        if call.action == "bcast":
+            comm = self.communicators[call.group]
+            comm.bcast(self.stage.data.ptr + call.start, call.stop - call.start, self.uint8,
+                       call.group.index(call.root), self.stream.ptr)
+            return
+        box = call.box
+        staged = self.stage[call.start:call.stop].view(self.dtype).reshape(box.shape)
+        if call.action == "pack":
+            self.cupy.copyto(staged, src[box.index])
+        else:
+            self.cupy.copyto(self.dst[box.index], staged)
 
     def test(self) -> bool:
         if self.pending and self.done[-1].done:
@@ -227,7 +243,8 @@ class NcclEngine:
 
     def _fail(self) -> None:
         first = next((c for c, e in zip(self.calls.actions, self.done) if not e.done), self.calls.actions[-1])
-        what = first.describe() if isinstance(first, Bcast) else f"op {first.op}: local copy"
+        what = first.describe() if isinstance(first, Bcast) else f"op {first.op}: local copy" if isinstance(first, Copy) else \
+            f"op {first.op} (task {first.task}, bundle): {first.action} of staging bytes {first.start}-{first.stop}"
         self.abandon(f"timed out in {what}")
         raise PeerTimeoutError(f"device {self.program.device} (GPU {self.gpu}): {what} did not finish within "
                                f"{self.timeout_s:g} s; check that every rank is alive and runs the same plan "

@@ -3,16 +3,17 @@
 NCCL runs every call of a rank on one CUDA stream in plan order, so each operation becomes calls on
 one communicator per distinct member set: a send is a broadcast in a group of two, a broadcast is
 one call per planned chunk, an all-gather is one broadcast per non-empty part (uneven parts work).
+A bundle is its route's messages, each a broadcast in a group of two over staging (`lower.StagedCall`:
+the gathers, the cross-host message, the scatters), with packs and unpacks around them.
 Because every rank issues its calls in the same global order, no two ranks wait on each other in a
 cycle. NCCL picks its own ring inside a group, so the plan's chain order is not enforced here.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
-from .errors import PlanMismatchError
-from .lower import Box, RankProgram
+from .lower import Box, RankProgram, StagedCall
 
 MAX_CALL_BYTES = 1 << 30
 """Largest byte count of one NCCL call: CuPy before v13 declares `bcast(..., int count, ...)`, so a
@@ -61,7 +62,7 @@ class Bcast:
 @dataclass(frozen=True, slots=True)
 class NcclProgram:
     device: int
-    actions: tuple[Copy | Bcast, ...]
+    actions: tuple[Copy | Bcast | StagedCall, ...]
     groups: tuple[Group, ...]
     stage_bytes: int
 
@@ -71,7 +72,7 @@ def communicator_groups(program: RankProgram) -> tuple[Group, ...]:
     of its operations, so any two ranks meet their shared groups in the same order."""
     seen: dict[Group, None] = {}
     for call in program.collectives:
-        if len(call.group) > 1:
+        if len(call.group) > 1:  # a bundle's packs and unpacks have no group
             seen.setdefault(call.group, None)
     return tuple(seen)
 
@@ -91,13 +92,17 @@ def nccl_program(program: RankProgram) -> NcclProgram:
     """The calls `program.device` makes, in plan order, from the lowered program's collectives. One CUDA
     stream runs them one after another (pack, broadcast, unpack), so staging is the largest staged box,
     never more than the program's own staging in either order."""
-    if any(s.kind == "bundle" for s in program.steps):
-        raise PlanMismatchError("the nccl engine does not run bundle operations (a plan compiled with --coalesce, the "
-                                "default for a multi-tensor problem); run it with the mpi or torch engine, or compile "
-                                "with --no-coalesce")
-    actions: list[Copy | Bcast] = []
-    stage = 0  # the largest staged box
+    actions: list[Copy | Bcast | StagedCall] = []
+    stage = 0  # the largest staged box, or a bundle's staging on this device
     for call in program.collectives:
+        if isinstance(call, StagedCall):  # a bundle: packs, broadcasts in groups of two and unpacks over staging
+            if call.action == "bcast":
+                for lo, hi in split_calls([(call.start, call.stop)], 1):
+                    actions.append(replace(call, start=lo, stop=hi))
+            else:
+                actions.append(call)
+            stage = max(stage, call.stop)
+            continue
         if call.target is not None:
             actions.append(Copy(call.op, call.box, call.target))
             continue

@@ -113,7 +113,7 @@ def problem_from_flags(problem_file, shape, dtype, src_mesh, src_spec, dst_mesh,
                    "[default: on for a multi-tensor problem, off for one tensor]")
 @click.option("--coalesce/--no-coalesce", default=None,
               help="send small boxes between two hosts in bundles: gathered on one device, one cross-host message, scattered "
-                   "(the nccl engine does not run bundles)  [default: on for a multi-tensor problem, off for one tensor]")
+                   "[default: on for a multi-tensor problem, off for one tensor]")
 @click.option("--bucket-mb", type=BUCKET_MB,
               help="when coalescing: the most MiB in one bundle (boxes above 1/8 of it are sent on their own)  "
                    "[default: 4, or --max-staging-mb when less]")

@@ -4,6 +4,7 @@ message count to what a brute-force count over the tensor's elements says."""
 from __future__ import annotations
 
 import math
+from collections import defaultdict
 from pathlib import Path
 
 import numpy as np
@@ -17,7 +18,7 @@ from xmesh_plan.executor.ranks import plan_devices
 from xmesh_plan.planner.compile import compile_plan
 from xmesh_plan.planner.verify import PlanError, verify_plan
 from xmesh_plan.schemas import load_plan
-from xmesh_plan.schemas.op_kinds import bundle_runs
+from xmesh_plan.schemas.op_kinds import bundle_runs, route
 from test_executor_cases import problem, random_problem
 from test_executor_sim import simulate
 
@@ -159,10 +160,22 @@ def test_random_coalesced_plans_verify_and_run_bit_exact(seed, devices, bucket):
     simulate(plan, iterations=2)
 
 
-def test_the_nccl_engine_refuses_bundles_in_one_line():
+def test_the_nccl_program_sends_each_message_of_a_bundle_as_a_broadcast_in_a_group_of_two():
+    """Every message of every bundle's route (`op_kinds.route`), and nothing else, is one broadcast in the group of
+    its two devices rooted at its sender, on both devices, with the message's bytes."""
+    from xmesh_plan.executor.lower import StagedCall
+
     plan = coalesced(all_to_all())
-    with pytest.raises(PlanMismatchError, match="nccl engine does not run bundle operations.*with --no-coalesce"):
-        nccl_program(lower(plan, _first_bundle(plan).src))
+    itemsize = plan.problem.itemsize
+    want = {(op.id, tuple(sorted((h.src, h.dst))), h.src, h.elements * itemsize) for op in plan.operations if op.kind == "bundle"
+            for h in route(op) if h.src != h.dst and h.elements}
+    seen = defaultdict(set)
+    for device in plan_devices(plan):
+        for call in nccl_program(lower(plan, device)).actions:
+            if isinstance(call, StagedCall) and call.action == "bcast":
+                seen[(call.op, call.group, call.root, call.stop - call.start)].add(device)
+    assert set(seen) == want
+    assert all(devices == set(key[1]) for key, devices in seen.items())
 
 
 def small_all_to_all(dtype: str = "int32"):
