@@ -111,6 +111,6 @@ def split_ragged(operations: Sequence[Operation], itemsizes: Sequence[int], alig
         for k, op in enumerate(group):
             if k and bundle_bytes(group[k - 1], itemsizes[group[k - 1].tensor or 0]) % align:
                 head = op.id
-            out.append(op if (op.carrier if k else None) == (None if op.id == head else head) else
-                       op.model_copy(update={"carrier": None if op.id == head else head}))
+            carrier = None if op.id == head else head
+            out.append(op if op.carrier == carrier else op.model_copy(update={"carrier": carrier}))
     return tuple(out)
