@@ -168,21 +168,18 @@ def assemble_joint(problem: ReshardingProblem | TransferProblem, works: list[Ten
     bound = joint_lower_bound([(w.cells, w.problem.itemsize) for w in works], cluster)
     predicted = max((op.end_s for op in operations), default=0.0)
     details = dict(sorted(schedule.details.items())) | {"lower_bound_reason": bound.reason, "timed_by": timed_by}
-    limited = max_staging_bytes is not None
-    executed = None if work is None or limited else executor_order_seconds(operations, problem, host_order, posted_budget(work))
     plan = Plan(
         generator=f"xmesh-plan {__version__}", problem=problem, strategy=strategy,
         solver=SolverInfo(name=schedule.solver, seed=seed, proven_bound_seconds=schedule.proven_bound_s, details=details),
         merged_slices=any(c.merged_cells > 1 for w in works for c in w.cells), tasks=tuple(tasks), operations=operations,
-        host_order=host_order, predicted_seconds=round(predicted, DIGITS), lower_bound_seconds=round(bound.seconds, DIGITS),
-        executor_prediction=None if executed is None else ExecutorPrediction(order=executor_order(limited), predicted_seconds=round(executed, DIGITS)))
-    if not limited:
-        return plan
-    plan = with_stated_staging(plan, max_staging_bytes)  # device order then runs as its budget cuts it: timed so
-    executed = None if work is None else executor_order_seconds(operations, problem, host_order, posted_budget(work), True,
+        host_order=host_order, predicted_seconds=round(predicted, DIGITS), lower_bound_seconds=round(bound.seconds, DIGITS))
+    limited = max_staging_bytes is not None
+    if limited:  # device order then runs as the budget cuts it (`simulate.staging_runs`), and is timed so
+        plan = with_stated_staging(plan, max_staging_bytes)
+    executed = None if work is None else executor_order_seconds(operations, problem, host_order, posted_budget(work), limited,
                                                                 staging_runs(plan))
     return plan if executed is None else plan.model_copy(update={"executor_prediction": ExecutorPrediction(
-        order=executor_order(True), predicted_seconds=round(executed, DIGITS))})
+        order=executor_order(limited), predicted_seconds=round(executed, DIGITS))})
 
 
 def settle_listing(operations: tuple[Operation, ...], problem: ReshardingProblem | TransferProblem, nic_of_task: dict[int, int]):
