@@ -466,6 +466,8 @@ class FakeGpu:
             if not np.can_cast(src.dtype, dst.dtype, casting):
                 raise TypeError(f"Cannot cast array data from {src.dtype} to {dst.dtype} according to the rule '{casting}'")
             assert np.broadcast_shapes(src.shape, dst.shape) == dst.shape, f"fake: copyto {src.shape} -> {dst.shape}"
+            for a in (dst, src):  # a CUDA kernel reading or writing a misaligned element faults (misaligned address)
+                assert a.data.ptr % a.dtype.itemsize == 0, f"fake: copyto on a {a.dtype} array at a misaligned address"
             gpu.current_stream().enqueue(("host", lambda: np.copyto(dst, src, casting=casting)))
 
         def empty(shape, dtype=float):
@@ -567,8 +569,9 @@ def _engines(plan, gpu, timeout_s: float = 5.0):
     return engines
 
 
-def run_on_fake(plan, gpu, iterations: int = 3, mutate=None) -> None:
-    """Every rank's NcclEngine in one process over the fake; every destination shard checked bit for bit."""
+def run_on_fake(plan, gpu, iterations: int = 3, mutate=None) -> list:
+    """Every rank's NcclEngine in one process over the fake; every destination shard checked bit for bit.
+    Returns the (closed) engines, for their staging."""
     engines = _engines(plan, gpu)
     for e in engines:
         if mutate:
@@ -602,6 +605,7 @@ def run_on_fake(plan, gpu, iterations: int = 3, mutate=None) -> None:
     assert sorted(gpu.destroyed) == sorted(created), "close() must destroy every communicator it created"
     for p, order in gpu.init_order.items():
         assert [c for q, c in gpu.destroyed if q == p] == [id(gpu.cliques[raw]) for raw in order], "destroyed out of creation order"
+    return engines
 
 
 @pytest.mark.parametrize("api,signed", [(14, True), (13, True), (13, False)], ids=["cupy14-bytes-id", "cupy13-x86", "cupy13-arm"])
@@ -668,6 +672,9 @@ def test_fake_refuses_what_the_real_api_refuses(monkeypatch):
     with pytest.raises(TypeError, match="Cannot cast"):
         with s:
             cupy.copyto(cupy.empty(4, np.uint16), cupy.empty(4, np.int16))
+    with pytest.raises(AssertionError, match="misaligned"):
+        with s:
+            cupy.copyto(cupy.empty(12, np.uint8)[1:9].view(np.int32), cupy.empty(2, np.int32))
     # two ranks that both send first, without a group: deadlock; with groupStart/groupEnd: fine
     for rank in range(2):
         gpu.process = rank
@@ -774,37 +781,78 @@ def test_bundles_run_bit_exact_on_fake_cupy(monkeypatch):
     message a broadcast in a group of two over staging, every destination shard bit for bit, on the first 6
     random problems that form bundles; the staging the engine allocates stays within the device-order peak
     `schemas.staging` states for the plan."""
-    from xmesh_plan.executor.nccl_plan import nccl_program
     from xmesh_plan.planner.compile import compile_plan
-    from xmesh_plan.schemas.staging import staging_peaks
 
     ran = 0
     for seed in range(40):
         plan = compile_plan(random_problem(seed, exact=False), solver="greedy", coalesce=True, bucket_bytes=4096)
         if not any(op.kind == "bundle" for op in plan.operations):
             continue
-        gpu = FakeGpu(api=14 if seed % 2 else 13).install(monkeypatch)
-        run_on_fake(plan, gpu, iterations=2)
-        assert any(entry[0] == "bcast" for entry in gpu.log)
-        peaks = staging_peaks(plan, "device")
-        for device in plan_devices(plan):
-            assert nccl_program(lower(plan, device)).stage_bytes <= peaks.get(device, 0)
+        run_bundles_on_fake(plan, FakeGpu(api=14 if seed % 2 else 13).install(monkeypatch))
         ran += 1
         if ran == 6:
             break
     assert ran == 6
 
 
-def test_the_small_weight_sync_runs_on_fake_nccl_tensor_by_tensor(monkeypatch):
-    """The default multi-tensor plan (bundles sharing messages): each tensor's plan, as the NCCL engine runs
-    them one after another, bit-exact on the fake (shrunk to fit memory)."""
+# ---------------------------------------------------------------------------------------------
+# Bundles on the reference problems and the weight sync
+# ---------------------------------------------------------------------------------------------
+
+REFERENCE_WITH_BUNDLES = ("case1", "case3", "case4", "case6", "case7", "case9", "one_to_1x4", "one_to_2x2", "one_to_4x2")
+
+
+def shrunk_problem(name: str, max_bytes: int = 2**16):
+    """plans/<name>.problem.json with its shape divided as `executor.scale` would shrink its plan, so that its
+    boxes are small enough to bundle and the fake moves few bytes."""
+    from xmesh_plan.executor.scale import factors_for
+    from xmesh_plan.planner.compile import compile_plan
+    from xmesh_plan.planner.problem_io import load_problem
+    from xmesh_plan.schemas.problem import ReshardingProblem
+
+    full = load_problem(ROOT / "plans" / f"{name}.problem.json")
+    factors = factors_for(compile_plan(full), max_bytes)
+    return ReshardingProblem.model_validate({**full.model_dump(), "shape": [n // f for n, f in zip(full.shape, factors)]})
+
+
+def run_bundles_on_fake(plan, gpu, iterations: int = 2) -> None:
+    """`run_on_fake`, then: bundle messages went over NCCL, and no engine allocated more staging than the
+    device-order peak `schemas.staging.staging_peaks` states for the plan."""
+    from xmesh_plan.executor.lower import StagedCall
+    from xmesh_plan.schemas.staging import staging_peaks
+
+    engines = run_on_fake(plan, gpu, iterations=iterations)
+    assert any(isinstance(c, StagedCall) and c.action == "bcast" for e in engines for c in e.calls.actions)
+    peaks = staging_peaks(plan, "device")
+    for e in engines:
+        assert e.calls.stage_bytes <= peaks.get(e.program.device, 0), f"device {e.program.device}"
+        assert e.stage.nbytes <= max(peaks.get(e.program.device, 0), 1), f"device {e.program.device}"
+
+
+@pytest.mark.parametrize("name", REFERENCE_WITH_BUNDLES)
+def test_coalesced_reference_problems_run_bit_exact_on_fake_nccl(name, monkeypatch):
+    """Each reference problem (shrunk), compiled with coalesce=True, has bundles; on the fake NCCL every
+    destination shard is bit-exact and staging stays within the device-order peak."""
+    from xmesh_plan.planner.compile import compile_plan
+
+    plan = compile_plan(shrunk_problem(name), coalesce=True)
+    assert any(op.kind == "bundle" for op in plan.operations), name
+    run_bundles_on_fake(plan, FakeGpu(api=14 if len(name) % 2 else 13).install(monkeypatch))
+
+
+def test_every_tensor_of_the_small_weight_sync_runs_on_fake_nccl(monkeypatch):
+    """The default multi-tensor plan of plans/weight_sync_small.problem.toml (bundles, shared messages), shrunk,
+    as the NCCL engine runs it: its tensors one after another, each bit-exact with the staging of its own
+    device-order peak, and every tensor's bundles run."""
     from xmesh_plan.executor.scale import factors_per_tensor, scale_tensors
     from xmesh_plan.planner.compile import compile_plan
     from xmesh_plan.planner.transfer_io import load_any_problem
     from xmesh_plan.schemas.plan_tensors import tensor_plans
 
-    plan = compile_plan(load_any_problem(Path(__file__).resolve().parents[1] / "plans" / "weight_sync_small.problem.toml"))
+    plan = compile_plan(load_any_problem(ROOT / "plans" / "weight_sync_small.problem.toml"))
     assert any(op.carrier is not None for op in plan.operations)
-    shrunk = scale_tensors(plan, factors_per_tensor(plan, 2**16))
-    for single in tensor_plans(shrunk)[:6]:
-        run_on_fake(single, FakeGpu(api=14).install(monkeypatch), iterations=1)
+    singles = tensor_plans(scale_tensors(plan, factors_per_tensor(plan, 2**16)))
+    assert len(singles) > 1 and all(any(op.kind == "bundle" for op in s.operations) for s in singles)
+    for single in singles:
+        with monkeypatch.context() as m:
+            run_bundles_on_fake(single, FakeGpu(api=14).install(m), iterations=1)
