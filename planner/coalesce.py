@@ -16,6 +16,7 @@ import math
 from dataclasses import dataclass, replace
 
 from xmesh_plan.schemas import ReshardingProblem
+from xmesh_plan.schemas.carriers import bundle_bytes
 from xmesh_plan.schemas.geometry import Region
 
 from .scheduling import Option, SchedulingTask
@@ -155,7 +156,7 @@ def share_messages(timed_ops: list[TimedOp], itemsizes: list[int], bucket_bytes:
         if op.kind != "bundle":
             groups.append([item])
             continue
-        nbytes = sum(math.prod(b - a for a, b in part) for part in op.parts) * itemsizes[tensor or 0]
+        nbytes = bundle_bytes(op, itemsizes[tensor or 0])
         pair = (host_of(op.src), host_of(op.dsts[0]))
         index, total = open_group.get(pair, (-1, 0))
         # a holder stages its parts of each bundle at a multiple of `align` (schemas.staging.chained): count that

@@ -26,6 +26,7 @@ from __future__ import annotations
 from typing import Sequence
 
 from .geometry import region_size
+from .op_kinds import OpLike
 from .plan import Operation
 
 
@@ -49,7 +50,7 @@ def message_groups(operations: Sequence[Operation]) -> list[list[Operation]]:
     return out
 
 
-def bundle_bytes(op: Operation, itemsize: int) -> int:
+def bundle_bytes(op: "Operation | OpLike", itemsize: int) -> int:
     """The bytes a bundle's cross-host message carries for it: all of its parts."""
     return sum(map(region_size, op.parts)) * itemsize
 
