@@ -94,10 +94,16 @@ class EngineEntry:
     # builds the engine that replays a `joint.JointProgram` over every tensor's set-up engine (device order
     # across the tensors of a multi-tensor plan); None: the engine cannot
     join: Callable[[Any, Any, list], Engine] | None = None
+    # the staging bytes the engine allocates for a program (None: the program's own `stage_bytes`)
+    need: Callable[[Any, RankProgram], int] | None = None
 
     def make(self, program: RankProgram, context: EngineContext) -> Engine:
         """Import the engine's module (only now: CuPy and torch are optional) and build the engine."""
         return self.build(importlib.import_module(self.module), program, context)
+
+    def stage_need(self, program: RankProgram) -> int:
+        """Bytes of staging this engine allocates to replay `program` on its own."""
+        return program.stage_bytes if self.need is None else self.need(importlib.import_module(self.module), program)
 
     def make_joint(self, program, parts: list) -> Engine:
         """The engine replaying `program` (a `joint.JointProgram`) with the buffers of `parts`, one set-up engine per tensor."""
@@ -111,7 +117,8 @@ ENGINES: dict[str, EngineEntry] = {e.name: e for e in (
     EngineEntry("nccl", "mpi", "xmesh_plan.executor.nccl_engine",
                 lambda m, p, c: m.NcclEngine(p, c.comm, c.rank_of, c.storage, c.timeout_s, c.poll_s, gpu=c.gpu,
                                              devices_per_host=c.devices_per_host),
-                "NCCL broadcasts through CuPy on GPUs, ids exchanged over MPI"),
+                "NCCL broadcasts through CuPy on GPUs, ids exchanged over MPI",
+                need=lambda m, p: m.nccl_program(p).stage_bytes),
     EngineEntry("torch", "torch", "xmesh_plan.executor.torch_engine", lambda m, p, c: m.TorchEngine(p, c),
                 "torch.distributed isend/irecv over any process group (gloo on CPU, NCCL on CUDA)",
                 join=lambda m, p, parts: m.JointTorchEngine(p, parts)),

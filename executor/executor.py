@@ -170,9 +170,10 @@ class ReshardingExecutor:
         self.program = program
         return program
 
-    def setup_engine(self, stage=None) -> None:
+    def setup_engine(self, stage=None, stage_bytes: int | None = None) -> None:
         """`prepare()`'s second half: the communicator, the engine and its buffers (`stage`: a staging area the
-        engine uses instead of allocating its own; `TransferExecutor` passes one shared by every tensor)."""
+        engine uses instead of allocating its own; `TransferExecutor` passes one shared by every tensor, which
+        the first tensor's engine allocates, `stage_bytes` of it where the tensors run one after another)."""
         self.src_shape = self.program.src_shape
         self.comm = self.shared_comm if self.shared_comm is not None else self.world.engine_comm(self.timeout_s, self.poll_s)
         problem = self.plan.problem
@@ -182,10 +183,12 @@ class ReshardingExecutor:
         if self.backend in ("gloo", "nccl") and self.world.kind == "torch" and self.world.backend != self.backend:
             raise ExecutorError(f"backend={self.backend!r} but the process group runs {self.world.backend}; "
                                 "pass backend='torch' (any group) or a group of that backend")
-        if stage is None:
-            self.engine.setup()
-        else:
+        if stage is not None:
             self.engine.setup(stage=stage)
+        elif stage_bytes is not None:
+            self.engine.setup(stage_bytes=stage_bytes)
+        else:
+            self.engine.setup()
 
     def _agree(self, error: PlanMismatchError | None) -> None:
         """All ranks learn whether any rank refused the plan or loaded a different one."""

@@ -77,7 +77,11 @@ class NcclEngine:
         self.dst = None
         self.broken: str | None = None
 
-    def setup(self) -> None:
+    def setup(self, stage=None, stage_bytes: int | None = None) -> None:
+        """Pick the GPU, create the communicators (every rank in the same order) and allocate the destination
+        shard and staging. `stage`: a uint8 CuPy array to use for staging instead of allocating one, of at
+        least this program's staging; `stage_bytes`: allocate this many bytes instead (at least its own), so
+        that the tensors of a multi-tensor plan, which run one after another, share one area."""
         cupy, nccl = import_cupy()
         self.cupy, self.nccl = cupy, nccl
         count = gpu_count(cupy)
@@ -89,7 +93,14 @@ class NcclEngine:
         self.communicators = self._communicators()
         p = self.program
         self.dst = cupy.empty(p.dst_shape, self.dtype) if p.dst_shape is not None else None
-        self.stage = cupy.empty(max(self.calls.stage_bytes, 1), cupy.uint8)
+        need = self.calls.stage_bytes
+        if stage is None:
+            self.stage = cupy.empty(max(need, stage_bytes or 0, 1), cupy.uint8)
+        elif stage.dtype != cupy.uint8 or stage.ndim != 1 or stage.nbytes < need:
+            raise ValueError(f"setup(stage=...) needs a 1-D uint8 CuPy array of at least {need} B (this device's largest "
+                             f"staged call); got {stage.dtype} of shape {stage.shape}")
+        else:
+            self.stage = stage
         self.stream = cupy.cuda.Stream(non_blocking=True)
         self.input_ready = cupy.cuda.Event(disable_timing=True)
         self.done = [cupy.cuda.Event(disable_timing=True) for _ in self.calls.actions]

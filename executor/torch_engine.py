@@ -65,12 +65,13 @@ class TorchEngine:
         self.broken: str | None = None
         self.failure: ExecutorError | None = None
 
-    def setup(self, stage=None) -> None:
+    def setup(self, stage=None, stage_bytes: int | None = None) -> None:
         """Allocate the destination shard and staging on the group's device and make every view that does not read the source.
 
         `stage`: a staging area to use instead of allocating one (a 1-D uint8 tensor on the group's device of
         at least `program.stage_bytes`): the one area every tensor of a multi-tensor plan shares in device
-        order (`executor.joint`)."""
+        order (`executor.joint`), or posted, one tensor after another; `stage_bytes`: allocate this many bytes
+        instead (at least the program's), the area the tensors that run one after another share."""
         import torch
         import torch.distributed as dist
 
@@ -84,7 +85,10 @@ class TorchEngine:
         self.dtype = torch_dtype(torch, self.context.dtype_name)
         p = self.program
         self.dst = torch.empty(p.dst_shape, dtype=self.dtype, device=self.device) if p.dst_shape is not None else None
-        self.stage = torch.empty(p.stage_bytes, dtype=torch.uint8, device=self.device) if stage is None else stage
+        if stage is None:
+            self.stage = torch.empty(max(p.stage_bytes, stage_bytes or 0), dtype=torch.uint8, device=self.device)
+        else:
+            self.stage = stage
         if stage is not None and (stage.dtype != torch.uint8 or stage.dim() != 1 or stage.numel() < p.stage_bytes
                                   or stage.device != self.device):
             raise ValueError(f"setup(stage=...) needs a 1-D uint8 tensor on {self.device} of at least {p.stage_bytes} B "

@@ -24,9 +24,10 @@ A single-tensor plan works too, its one tensor named by the problem's name. How 
   it. The torch engine (one process group for all tensors, NCCL pairing messages by order) and the
   NCCL engine do not run several reshards in flight, so they run the tensors one after another in
   tensor order: `start()` starts the first, `test()` and `wait()` start each next one as the one
-  before finishes. Each tensor has its own staging area (the sum over tensors), so a plan compiled
-  with `--max-staging-mb` is refused posted where that sum is above the peak it states; the NCCL
-  engine refuses such a plan in any order.
+  before finishes. On `mpi` each tensor has its own staging area (the sum over tensors), so a plan
+  compiled with `--max-staging-mb` is refused posted there where that sum is above the peak it states;
+  the tensors that run one after another share one area, the largest any of them needs (on NCCL each
+  call's own staging, within the device-order peak a limited plan states, which `prepare()` checks).
 
 Every engine takes and returns the same name -> shard mappings.
 """
@@ -67,17 +68,22 @@ def default_order(plan: Plan, engine: str) -> str:
 
 def check_transfer_staging(plan: Plan, order: str, engine: str) -> None:
     """Refuse (on every rank alike: it reads only the plan) to run a multi-tensor plan that states a staging
-    limit in a way that would allocate more than the peak it states on some device."""
-    if not is_multi(plan) or plan.staging is None:
+    limit in a way that would allocate more than the peak it states on some device. NCCL's need is its
+    largest call on each device, known once lowered: `TransferExecutor.prepare()` checks it."""
+    if not is_multi(plan) or plan.staging is None or engine == "nccl":
         return
-    if engine == "nccl":
-        raise PlanMismatchError("backend 'nccl' runs a multi-tensor plan's tensors one after another, each with its own "
-                                "staging, and cannot keep to the staging limit this plan states (--max-staging-mb); use "
-                                "backend 'mpi' or 'torch', or recompile the plan without --max-staging-mb", same_on_every_rank=True)
-    stated, need = plan.staging.peak_bytes, staging_peaks(plan, order)
+    stated = plan.staging.peak_bytes
+    if order == "posted" and engine not in CONCURRENT_BACKENDS:  # one tensor after another, in one shared area
+        need: dict[int, int] = {}
+        for single in tensor_plans(plan):
+            for device, nbytes in staging_peaks(single, "posted").items():
+                need[device] = max(need.get(device, 0), nbytes)
+        how = "the largest tensor's staged boxes at once"
+    else:
+        need = staging_peaks(plan, order)
+        how = "every tensor's staged boxes at once" if order == "posted" else "one area shared by every tensor"
     for device, nbytes in need.items():
         if nbytes > stated.get(device, 0):
-            how = "every tensor's staged boxes at once" if order == "posted" else "one area shared by every tensor"
             raise PlanMismatchError(f"order={order!r} needs {nbytes} B of staging on device {device} ({how}), but the plan states "
                                     f"{stated.get(device, 0)} B there (compiled with a staging limit of {plan.staging.limit_bytes} B, "
                                     f"--max-staging-mb, for order={plan.staging.order!r}); run it with order={plan.staging.order!r}, "
@@ -124,6 +130,7 @@ class TransferExecutor:
         self.engine = None  # device order: the joint engine, made by prepare()
         self.joint: JointProgram | None = None  # device order: this device's steps of every tensor, made by prepare()
         self.in_flight = self.closed = False  # device order: between start() and wait(); after close()
+        self.area: int | None = None  # one after another: the staging area every tensor shares, made by prepare()
 
     @property
     def device(self) -> int:
@@ -132,9 +139,12 @@ class TransferExecutor:
     @property
     def stage_bytes(self) -> int:
         """Bytes of staging this rank allocated: in device order one area every tensor shares (`executor.joint`),
-        posted each tensor's own (the sum). At most what the plan states for this device when it states any."""
+        posted on MPI each tensor's own (the sum), one after another one area the size of the largest need.
+        At most what the plan states for this device when it states any."""
         if self.joint is not None:
             return self.joint.stage_bytes
+        if self.area is not None:
+            return self.area
         return sum(part.program.stage_bytes for part in self.parts if part.program is not None)
 
     def prepare(self) -> "TransferExecutor":
@@ -151,17 +161,39 @@ class TransferExecutor:
             part.lower_program()
         if self.joined:
             self._join()
+        elif not self.concurrent and len(self.parts) > 1:
+            self._share_area()
+        self._setup_engines()
+        return self
+
+    def _setup_engines(self) -> None:
+        """`prepare()` after lowering: every tensor's engine in tensor order (the same on every rank), sharing
+        the first one's communicator and staging where the plan's tensors run through one area."""
+        sequential = self.area is not None
         stage = None
         for k, part in enumerate(self.parts):
             if (self.concurrent or self.joined) and k:
                 part.shared_comm = self.parts[0].comm
-            part.setup_engine(stage)
-            if self.joined:
-                stage = part.engine.stage  # the first tensor's engine allocated the joint program's area; the rest share it
+            part.setup_engine(stage, stage_bytes=self.area if k == 0 else None)
+            if self.joined or sequential:
+                stage = part.engine.stage  # the first tensor's engine allocated the area; the rest share it
         if self.joined:
             self.engine = self.entry.make_joint(self.joint, [part.engine for part in self.parts])
             self.engine.setup()
-        return self
+
+    def _share_area(self) -> None:
+        """One after another: the staging area every tensor's engine shares, the largest any of them needs on
+        this device; a plan stating a staging limit is refused on every rank where some device would need more."""
+        self.area = max(self.entry.stage_need(part.program) for part in self.parts)
+        if self.plan.staging is None:
+            return
+        stated, error = self.plan.staging.peak_bytes.get(self.device, 0), None
+        if self.area > stated:
+            error = PlanMismatchError(f"backend {self.entry.name!r} needs {self.area} B of staging on device {self.device} (its "
+                                      f"tensors one after another, in one area), but the plan states {stated} B there (compiled "
+                                      f"with a staging limit of {self.plan.staging.limit_bytes} B, --max-staging-mb); use "
+                                      "backend 'mpi' or 'torch', or recompile the plan without --max-staging-mb")
+        self.parts[0]._agree(error)  # every rank takes this branch (it reads the plan), so every rank learns
 
     def _join(self) -> None:
         """Device order: this device's steps of every tensor as one program (`executor.joint`), and each tensor's

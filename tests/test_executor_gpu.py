@@ -856,3 +856,106 @@ def test_every_tensor_of_the_small_weight_sync_runs_on_fake_nccl(monkeypatch):
     for single in singles:
         with monkeypatch.context() as m:
             run_bundles_on_fake(single, FakeGpu(api=14).install(m), iterations=1)
+
+
+# ---------------------------------------------------------------------------------------------
+# A multi-tensor plan with a staging limit through TransferExecutor on the fake NCCL
+# ---------------------------------------------------------------------------------------------
+
+def fake_nccl_transfer(plan, gpu, monkeypatch) -> list:
+    """One `TransferExecutor(backend='nccl')` per rank in this process, set up as `prepare()` does after lowering
+    (`_share_area`, then `_setup_engines`, every rank's engines before the next rank's: the lowest device of a
+    group sends its unique id); the unique ids travel over `FakeMpiComm`, the rank agreement is this rank's alone."""
+    from test_executor_sim import FakeWorld
+    from test_transfer_plan import _WorldComm
+    from xmesh_plan.executor import TransferExecutor
+    from xmesh_plan.executor.executor import ReshardingExecutor
+
+    def agree_alone(self, error):
+        if error is not None:
+            raise error
+
+    monkeypatch.setattr(ReshardingExecutor, "_agree", agree_alone)
+    world, mail, devices = FakeWorld(), defaultdict(deque), plan_devices(plan)
+    out = []
+    for rank, device in enumerate(devices):
+        gpu.process = device
+        ex = TransferExecutor(plan, _WorldComm(world, rank, len(devices)), backend="nccl")
+        for part in ex.parts:
+            part.program = lower(part.plan, device, tag_limit=2**62)
+            part.shared_comm = FakeMpiComm(mail, rank)
+        ex._share_area()
+        ex._setup_engines()
+        out.append(ex)
+    assert not any(mail.values()), "unique ids sent that nobody received"
+    gpu.check_init_order()
+    return out
+
+
+def test_a_limited_weight_sync_runs_on_fake_nccl_in_one_staging_area(monkeypatch):
+    """The small weight sync compiled with --max-staging-mb (16 KiB: bundles, shared messages) on NCCL: its tensors
+    run one after another through one staging area per rank, the largest any tensor's calls need, which is
+    within the peak the plan states (a quarter of the sum of the tensors' own areas on the trainer devices);
+    every destination shard of every tensor bit for bit, three times."""
+    from xmesh_plan.executor.pattern import tensor_salt
+    from xmesh_plan.planner.compile import compile_plan
+    from xmesh_plan.planner.transfer_io import load_any_problem
+
+    plan = compile_plan(load_any_problem(ROOT / "plans" / "weight_sync_small.problem.toml"), solver="greedy",
+                        max_staging_bytes=16 * 2**10)
+    assert any(op.carrier is not None for op in plan.operations)
+    gpu = FakeGpu(api=14).install(monkeypatch)
+    executors = fake_nccl_transfer(plan, gpu, monkeypatch)
+    sums = []
+    for ex in executors:
+        stage = ex.parts[0].engine.stage
+        assert all(part.engine.stage is stage for part in ex.parts), "one staging buffer per rank, not one per tensor"
+        needs = [part.engine.calls.stage_bytes for part in ex.parts]
+        assert ex.stage_bytes == stage.nbytes == max(needs) <= plan.staging.peak_bytes[ex.device]
+        sums.append(sum(needs))
+    assert max(sums) > 2 * max(plan.staging.peak_bytes.values())  # one area per tensor would pass the limit
+    for run in range(3):
+        salts = {name: tensor_salt(k) + 101 * run for k, name in enumerate(executors[0].names)}
+        for ex in executors:
+            gpu.process = ex.device
+            shards = {name: part.engine.adopt(fill(part.program.src_block, part.plan.problem.shape, part.engine.dtype, salts[name]))
+                      for name, part in zip(ex.names, ex.parts) if part.program.src_block is not None}
+            for part in ex.parts:
+                if part.engine.dst is not None:
+                    part.engine.poison()
+            ex.start(shards)
+        for _ in range(10_000):
+            done = []
+            for ex in executors:
+                gpu.process = ex.device  # the next tensor starts on this rank's GPU
+                done.append(ex.test())
+            if all(done):
+                break
+        else:
+            pytest.fail(f"stalled: {gpu.stuck()}")
+        for ex in executors:
+            gpu.process = ex.device
+            out = ex.wait()
+            for name, part in zip(ex.names, ex.parts):
+                assert (name in out) == (part.program.dst_block is not None)
+                if name in out:
+                    bad, first = mismatches(gpu.cupy.asnumpy(out[name]), part.program.dst_block, part.plan.problem.shape, salts[name])
+                    assert bad == 0, f"run {run}: device {ex.device}: {name}: {bad} elements differ, first at {first}"
+    for ex in executors:
+        gpu.process = ex.device
+        ex.close()
+
+
+def test_nccl_refuses_a_plan_stating_less_staging_than_its_calls_need(monkeypatch):
+    """A plan whose stated peak on one device is below the largest NCCL call's staging there is refused in
+    prepare(), naming the backend, the bytes, the device and the fix."""
+    from xmesh_plan.planner.compile import compile_plan
+    from xmesh_plan.planner.transfer_io import load_any_problem
+
+    plan = compile_plan(load_any_problem(ROOT / "plans" / "weight_sync_small.problem.toml"), solver="greedy",
+                        max_staging_bytes=16 * 2**10)
+    peaks = {**plan.staging.peak_bytes, 0: 64}
+    wrong = plan.model_copy(update={"staging": plan.staging.model_copy(update={"peak_bytes": peaks})})
+    with pytest.raises(PlanMismatchError, match=r"backend 'nccl' needs 16384 B of staging on device 0 \(its tensors one after "
+                                                r"another, in one area\), but the plan states 64 B there .* use backend 'mpi'"):
+        fake_nccl_transfer(wrong, FakeGpu(api=14).install(monkeypatch), monkeypatch)

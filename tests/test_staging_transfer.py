@@ -23,7 +23,7 @@ from xmesh_plan.executor.joint import join_programs
 from xmesh_plan.executor.lower import lower
 from xmesh_plan.executor.ranks import plan_devices
 from xmesh_plan.executor.scale import factors_for, scale_tensors
-from xmesh_plan.executor.transfer_executor import default_order
+from xmesh_plan.executor.transfer_executor import check_transfer_staging, default_order
 from xmesh_plan.planner.cli import main
 from xmesh_plan.planner.compile import compile_plan
 from xmesh_plan.planner.staging_limit import StagingLimitError
@@ -199,9 +199,13 @@ def test_a_limited_plan_runs_in_device_order_by_default_and_posted_is_refused(sm
                                                 r"at once\), but the plan states \d+ B there .* run it with order='device'") as err:
         TransferExecutor(small_plan, comm, order="posted")
     assert err.value.same_on_every_rank and "\n" not in str(err.value)
-    with pytest.raises(PlanMismatchError, match=r"backend 'nccl' .* cannot keep to the staging limit this plan states "
-                                                r"\(--max-staging-mb\); use backend 'mpi' or 'torch'"):
-        TransferExecutor(small_plan, comm, backend="nccl")
+    # torch posted runs the tensors one after another in one area: the largest tensor's staged boxes at once
+    with pytest.raises(PlanMismatchError, match=r"order='posted' needs 262144 B of staging on device 0 \(the largest tensor's "
+                                                r"staged boxes at once\)"):
+        check_transfer_staging(small_plan, "posted", "torch")
+    # NCCL runs them one after another too, one call's staging at a time: prepare() checks that on each rank
+    # (tests/test_executor_gpu.py runs this plan so on the fake NCCL)
+    assert TransferExecutor(small_plan, comm, backend="nccl").order == "posted"
 
 
 def test_a_plan_stating_less_than_it_needs_is_refused_before_anything_runs(two_plan):
@@ -308,3 +312,26 @@ def test_torch_gloo_runs_a_limited_transfer_bit_exact_within_the_stated_staging(
     for line in staged:
         allocated, stated = map(int, re.search(r"staging (\d+) B, stated (\d+) B", line).groups())
         assert allocated <= stated <= two_plan.staging.limit_bytes, line
+
+
+@pytest.mark.skipif(importlib.util.find_spec("torch") is None, reason="torch is not installed")
+def test_torch_gloo_posted_runs_the_tensors_one_after_another_in_one_staging_area(tmp_path):
+    """The torch engine posted runs a multi-tensor plan's tensors one after another, so they share one staging
+    tensor, the largest any tensor's posted program needs on that device (not the sum); bit for bit on gloo."""
+    from test_executor_torch import launch
+
+    plan = compile_plan(two_tensors(), solver="greedy")
+    path = tmp_path / "two_posted.plan.json"
+    path.write_text(plan.to_json())
+    lines = launch(6, "check_transfer_posted_by_order", str(path))
+    assert [line for line in lines if line.startswith("rank 0:") and "ok" in line] == ["rank 0: two_posted.plan.json: ok"], lines
+    staged = {int(m.group(1)): (int(m.group(2)), m.group(3)) for line in lines
+              if (m := re.search(r"device (\d+) staging (\d+) B, stated None B, (.*)$", line))}
+    assert len(staged) == 6, lines
+    singles = tensor_plans(plan)
+    summed = 0
+    for device, (allocated, shared) in staged.items():
+        own = [lower(single, device).stage_bytes for single in singles]
+        assert shared == "shared" and allocated == max(own), (device, allocated, own)
+        summed = max(summed, sum(own) - max(own))
+    assert summed > 0  # some device would have held more with one area per tensor

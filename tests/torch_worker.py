@@ -128,11 +128,12 @@ def check_transfer(paths: list[str]) -> None:
     for path in paths:
         plan = read_plan_file(path)
         ex = TransferExecutor(plan, backend="gloo", timeout_s=TIMEOUT_S, order=ORDER).prepare()
-        if plan.staging is not None:  # the staging this rank allocated: distinct buffers of its tensors' engines
+        if plan.staging is not None or ORDER == "posted":  # the staging this rank allocated: distinct buffers of its engines
             stages = {part.engine.stage.data_ptr(): part.engine.stage.numel() for part in ex.parts}
             shared = "shared" if all(part.engine.stage is ex.parts[0].engine.stage for part in ex.parts) else f"{len(stages)} areas"
-            print(f"rank {rank}: {Path(path).name}: staging {sum(stages.values())} B, stated "
-                  f"{plan.staging.peak_bytes.get(ex.device, 0)} B, {shared}", flush=True)
+            stated = plan.staging.peak_bytes.get(ex.device, 0) if plan.staging is not None else None
+            print(f"rank {rank}: {Path(path).name}: device {ex.device} staging {sum(stages.values())} B, stated {stated} B, "
+                  f"{shared}", flush=True)
         bad = 0
         for salt in (0, 7, 200):
             wholes = [pattern(part.plan, salt + k) for k, part in enumerate(ex.parts)]
