@@ -39,6 +39,7 @@ class EngineContext:
     poll_s: tuple[float, float]
     gpu: int | None = None
     devices_per_host: int = 1
+    joined: bool = False  # one tensor of a multi-tensor plan whose steps a joint engine replays (`EngineEntry.join`)
 
 
 class Engine(Protocol):
@@ -116,9 +117,9 @@ ENGINES: dict[str, EngineEntry] = {e.name: e for e in (
                 "MPI point-to-point on host memory (numpy)", join=lambda m, p, parts: m.JointMpiEngine(p, parts)),
     EngineEntry("nccl", "mpi", "xmesh_plan.executor.nccl_engine",
                 lambda m, p, c: m.NcclEngine(p, c.comm, c.rank_of, c.storage, c.timeout_s, c.poll_s, gpu=c.gpu,
-                                             devices_per_host=c.devices_per_host),
+                                             devices_per_host=c.devices_per_host, joined=c.joined),
                 "NCCL broadcasts through CuPy on GPUs, ids exchanged over MPI",
-                need=lambda m, p: m.nccl_program(p).stage_bytes),
+                join=lambda m, p, parts: m.JointNcclEngine(p, parts), need=lambda m, p: m.nccl_program(p).stage_bytes),
     EngineEntry("torch", "torch", "xmesh_plan.executor.torch_engine", lambda m, p, c: m.TorchEngine(p, c),
                 "torch.distributed isend/irecv over any process group (gloo on CPU, NCCL on CUDA)",
                 join=lambda m, p, parts: m.JointTorchEngine(p, parts)),

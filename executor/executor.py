@@ -178,7 +178,7 @@ class ReshardingExecutor:
         self.comm = self.shared_comm if self.shared_comm is not None else self.world.engine_comm(self.timeout_s, self.poll_s)
         problem = self.plan.problem
         context = EngineContext(self.comm, rank_of_devices(self.plan), problem.dtype, storage_dtype(problem.dtype),
-                                self.timeout_s, self.poll_s, self.gpu, problem.cluster.devices_per_host)
+                                self.timeout_s, self.poll_s, self.gpu, problem.cluster.devices_per_host, self.joined)
         self.engine = self.entry.make(self.program, context)
         if self.backend in ("gloo", "nccl") and self.world.kind == "torch" and self.world.backend != self.backend:
             raise ExecutorError(f"backend={self.backend!r} but the process group runs {self.world.backend}; "

@@ -45,6 +45,11 @@ class JointProgram:
     order: str = "posted"
     stage_bytes: int = 0
     shared: bool = False  # every tensor's steps stage in one area of `stage_bytes` (device order, or bundles sharing messages)
+    # the joint plan's operation ids in order, each bundle of a shared message -> its carrier, and the staging
+    # alignment: what an engine that merges the tensors' programs its own way needs (`nccl_plan.joint_nccl_program`)
+    operations: tuple[int, ...] = ()
+    carriers: tuple[tuple[int, int], ...] = ()
+    align: int = 1
 
     def messages(self) -> int:
         return sum(s.action in ("send", "recv") for s in self.steps)
@@ -72,18 +77,19 @@ def join_programs(programs: Sequence[RankProgram], plan: Plan, order: str = "dev
                   for i, (t, j) in enumerate(where))
     device = programs[0].device
     carried = has_carriers(plan.operations)
-    if order != "device" and not carried:
-        return JointProgram(device, steps, where, order)
     align = staging_align(plan)
     key = {op.id: group_key(op) for op in plan.operations if op.carrier is not None}
+    facts = {"operations": tuple(op.id for op in plan.operations), "carriers": tuple(sorted(key.items())), "align": align}
+    if order != "device" and not carried:
+        return JointProgram(device, steps, where, order, **facts)
     stage_bytes = 0
     if carried:  # one area, each operation's staging after the one before, so a shared message is one range
         steps, stage_bytes = _one_area(steps, where, align)
         steps, where = _share_messages(steps, where, key)
     if order != "device":
-        return JointProgram(device, steps, where, order, stage_bytes, shared=True)
+        return JointProgram(device, steps, where, order, stage_bytes, shared=True, **facts)
     ordered = in_device_order(RankProgram(device, steps, stage_bytes, None, None, align), stage_budget(plan), align, key)
-    return JointProgram(device, ordered.steps, where, order, ordered.stage_bytes, shared=True)
+    return JointProgram(device, ordered.steps, where, order, ordered.stage_bytes, shared=True, **facts)
 
 
 def _one_area(steps: tuple[Step, ...], where: tuple[tuple[int, int], ...], align: int) -> tuple[tuple[Step, ...], int]:

@@ -117,6 +117,7 @@ class StagedCall:
     box: Box | None = None
     group: tuple[int, ...] = ()
     root: int = -1
+    crossing: bool = False  # the bundle's cross-host message (a shared message sends its bundles' at once)
 
 
 def _staged_calls(steps: list[Step], first: int, device: int) -> list[StagedCall]:
@@ -130,7 +131,8 @@ def _staged_calls(steps: list[Step], first: int, device: int) -> list[StagedCall
             out.append(StagedCall(s.op, s.task, s.kind, s.action, lo, hi, box=s.box))
         elif s.action in ("send", "recv"):
             root = device if s.action == "send" else s.peer
-            out.append(StagedCall(s.op, s.task, s.kind, "bcast", lo, hi, group=tuple(sorted((device, s.peer))), root=root))
+            out.append(StagedCall(s.op, s.task, s.kind, "bcast", lo, hi, group=tuple(sorted((device, s.peer))), root=root,
+                                  crossing=s.piece == "bundle"))
     return out
 
 

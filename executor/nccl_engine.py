@@ -22,7 +22,7 @@ import numpy as np
 from .arrays import check_shard, import_dlpack, is_device_array
 from .errors import BackendUnavailableError, ExecutorError, PeerTimeoutError, PlanMismatchError
 from .lower import RankProgram, StagedCall
-from .nccl_plan import Bcast, Copy, nccl_program
+from .nccl_plan import Bcast, Copy, joint_nccl_program, nccl_program
 
 UNIQUE_ID_BYTES = 128
 
@@ -70,11 +70,15 @@ class NcclEngine:
     """Replays the NCCL calls of one device's lowered program; an `executor.engines.Engine`."""
 
     def __init__(self, program: RankProgram, comm, rank_of: dict[int, int], dtype: np.dtype, timeout_s: float,
-                 poll_s: tuple[float, float], gpu: int | None = None, devices_per_host: int = 1):
+                 poll_s: tuple[float, float], gpu: int | None = None, devices_per_host: int = 1, joined: bool = False):
+        """`joined`: one tensor of a multi-tensor plan that a `JointNcclEngine` replays; setup() then only
+        picks the GPU and allocates the destination shard (the joint engine makes the rest, once)."""
         self.program, self.comm, self.rank_of, self.dtype = program, comm, rank_of, dtype
         self.timeout_s, self.poll_s = timeout_s, poll_s
         self.gpu = program.device % devices_per_host if gpu is None else gpu
-        self.dst = None
+        self.joined = joined
+        self.dst = self.stage = None
+        self.communicators: dict = {}
         self.broken: str | None = None
 
     def setup(self, stage=None, stage_bytes: int | None = None) -> None:
@@ -89,10 +93,11 @@ class NcclEngine:
             raise PlanMismatchError(f"device {self.program.device} maps to GPU {self.gpu} but this host has {count}; "
                                     "pass gpu= (python -m xmesh_plan.executor.run --gpu) or place fewer devices per host")
         cupy.cuda.Device(self.gpu).use()
-        self.calls = nccl_program(self.program)
-        self.communicators = self._communicators()
         p = self.program
         self.dst = cupy.empty(p.dst_shape, self.dtype) if p.dst_shape is not None else None
+        if self.joined:
+            return
+        self._connect(nccl_program(p))
         need = self.calls.stage_bytes
         if stage is None:
             self.stage = cupy.empty(max(need, stage_bytes or 0, 1), cupy.uint8)
@@ -101,6 +106,12 @@ class NcclEngine:
                              f"staged call); got {stage.dtype} of shape {stage.shape}")
         else:
             self.stage = stage
+
+    def _connect(self, calls) -> None:
+        """Take `calls` (an `NcclProgram` or `JointNcclProgram`): their communicators, a stream, an event per call."""
+        cupy, nccl = self.cupy, self.nccl
+        self.calls = calls
+        self.communicators = self._communicators()
         self.stream = cupy.cuda.Stream(non_blocking=True)
         self.input_ready = cupy.cuda.Event(disable_timing=True)
         self.done = [cupy.cuda.Event(disable_timing=True) for _ in self.calls.actions]
@@ -112,7 +123,7 @@ class NcclEngine:
 
         The id travels tagged with the group's first operation, which every member of the group knows.
         """
-        me, mine = self.program.device, {}
+        me, mine = self.calls.device, {}
         ids = {}
         requests = []
         first_op = {}
@@ -183,23 +194,27 @@ class NcclEngine:
         self.stream.wait_event(self.input_ready)
         with self.stream:
             for call, event in zip(self.calls.actions, self.done):
-                if isinstance(call, Copy):
-                    cupy.copyto(self.dst[call.target.index], src[call.source.index])
-                elif isinstance(call, StagedCall):
-                    self._staged(call, src)
-                else:
-                    self._bcast(call, src)
+                self._call(call, src, self.dst, self.dtype)
                 event.record(self.stream)
         self.pending = bool(self.done)
         self.started = time.monotonic()
 
-    def _bcast(self, call: Bcast, src) -> None:
+    def _call(self, call, src, dst, dtype) -> None:
+        """Enqueue one call on the current stream, over the shards `src` and `dst` of element type `dtype`."""
+        if isinstance(call, Copy):
+            self.cupy.copyto(dst[call.target.index], src[call.source.index])
+        elif isinstance(call, StagedCall):
+            self._staged(call, src, dst, dtype)
+        else:
+            self._bcast(call, src, dst, dtype)
+
+    def _bcast(self, call: Bcast, src, dst, dtype) -> None:
         box, cupy = call.box, self.cupy
-        shard = src if box.side == "src" else self.dst
+        shard = src if box.side == "src" else dst
         if call.stage is None:
             base = shard.data.ptr + box.span[0]
         else:
-            staged = self.stage[call.stage:call.stage + box.nbytes].view(self.dtype).reshape(box.shape)
+            staged = self.stage[call.stage:call.stage + box.nbytes].view(dtype).reshape(box.shape)
             base = staged.data.ptr
             if call.is_root:
                 cupy.copyto(staged, shard[box.index])
@@ -207,9 +222,9 @@ class NcclEngine:
         for lo, hi in call.chunks:
             comm.bcast(base + lo, hi - lo, self.uint8, root, self.stream.ptr)
         if call.stage is not None and not call.is_root:
-            cupy.copyto(self.dst[box.index], staged)
+            cupy.copyto(dst[box.index], staged)
 
-    def _staged(self, call: StagedCall, src) -> None:
+    def _staged(self, call: StagedCall, src, dst, dtype) -> None:
         """One step of a bundle over staging (`lower.StagedCall`)."""
         if call.action == "bcast":
             comm = self.communicators[call.group]
@@ -217,11 +232,11 @@ class NcclEngine:
                        call.group.index(call.root), self.stream.ptr)
             return
         box = call.box
-        staged = self.stage[call.start:call.stop].view(self.dtype).reshape(box.shape)
+        staged = self.stage[call.start:call.stop].view(dtype).reshape(box.shape)
         if call.action == "pack":
             self.cupy.copyto(staged, src[box.index])
         else:
-            self.cupy.copyto(self.dst[box.index], staged)
+            self.cupy.copyto(dst[box.index], staged)
 
     def test(self) -> bool:
         if self.pending and self.done[-1].done:
@@ -257,6 +272,51 @@ class NcclEngine:
         what = first.describe() if isinstance(first, Bcast) else f"op {first.op}: local copy" if isinstance(first, Copy) else \
             f"op {first.op} (task {first.task}, bundle): {first.action} of staging bytes {first.start}-{first.stop}"
         self.abandon(f"timed out in {what}")
-        raise PeerTimeoutError(f"device {self.program.device} (GPU {self.gpu}): {what} did not finish within "
+        raise PeerTimeoutError(f"device {self.calls.device} (GPU {self.gpu}): {what} did not finish within "
                                f"{self.timeout_s:g} s; check that every rank is alive and runs the same plan "
                                "(the communicators were aborted)")
+
+
+class JointNcclEngine(NcclEngine):
+    """Replays every tensor of a multi-tensor plan on one stream in the joint plan's order
+    (`nccl_plan.joint_nccl_program`): one communicator per group and one staging area for all tensors, the
+    bundles of a shared message in one cross-host message; each tensor's shards are its own engine's
+    (`parts`, set up `joined`). An `executor.engines.Engine` over a list of source shards, one per tensor."""
+
+    def __init__(self, joint, parts: list[NcclEngine]):
+        first = parts[0]
+        self.joint, self.parts = joint, parts
+        self.program, self.comm, self.rank_of, self.dtype = first.program, first.comm, first.rank_of, first.dtype
+        self.timeout_s, self.poll_s, self.gpu = first.timeout_s, first.poll_s, first.gpu
+        self.dst = None
+        self.communicators = {}
+        self.broken = None
+
+    def setup(self) -> None:
+        """The joint calls, their communicators (every rank in the same order) and one staging area."""
+        first = self.parts[0]
+        self.cupy, self.nccl = first.cupy, first.nccl
+        j = self.joint
+        self._connect(joint_nccl_program([p.program for p in self.parts], j.operations, dict(j.carriers), j.align))
+        self.stage = self.cupy.empty(max(self.calls.stage_bytes, 1), self.cupy.uint8)
+
+    @property
+    def stage_bytes(self) -> int:
+        """Bytes of staging this engine allocated (the largest operation's or shared message's)."""
+        return self.calls.stage_bytes
+
+    def start(self, srcs: list) -> None:
+        """Enqueue every tensor's calls on this engine's stream, after the work queued on the caller's stream."""
+        if self.broken:
+            raise ExecutorError(f"this executor stopped after an error ({self.broken}); create and prepare a new one")
+        cupy = self.cupy
+        srcs = [s.view(p.dtype) if s is not None and s.dtype != p.dtype else s for s, p in zip(srcs, self.parts)]
+        self.input_ready.record(cupy.cuda.get_current_stream())
+        self.stream.wait_event(self.input_ready)
+        with self.stream:
+            for call, t, event in zip(self.calls.actions, self.calls.tensors, self.done):
+                part = self.parts[t]
+                self._call(call, srcs[t], part.dst, part.dtype)
+                event.record(self.stream)
+        self.pending = bool(self.done)
+        self.started = time.monotonic()

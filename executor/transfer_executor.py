@@ -10,14 +10,15 @@ buffers. A rank outside the source mesh passes None (or {}); outside the destina
 A single-tensor plan works too, its one tensor named by the problem's name. How the tensors run:
 
 - `order=None` (the default): `default_order`: `posted` for a multi-tensor plan on the `mpi` engine
-  (measured faster) unless the plan states a staging limit (`compile --max-staging-mb`), and on the
-  `nccl` engine (its only order for one), `device` otherwise.
+  (measured faster) unless the plan states a staging limit (`compile --max-staging-mb`), `device` otherwise.
 - `order="device"`: each device takes part in one operation at a
   time in the joint plan's order, across tensors (`executor.joint`): one engine replays this device's
   steps of every tensor, with each tensor's buffers and one staging area shared by every tensor, re-used
   run after run (`stage_bytes`; what `schemas.staging.staging_peaks` computes and a limited plan
-  states); its tensors' tags are numbered one after another on one communicator. On `mpi` and `torch`;
-  `nccl` refuses it (its tensors run one after another).
+  states); its tensors' tags are numbered one after another on one communicator. On `mpi` and `torch`.
+  The `nccl` engine merges the tensors' calls its own way (`nccl_plan.joint_nccl_program`): one stream in
+  the joint plan's order, one communicator per group for every tensor, staging the largest operation's
+  (a shared message's bundles together, sent as one message), `stage_bytes` what its engine allocated.
 - `order="posted"`: on `mpi` every message of every tensor is posted at once: each tensor's reshard
   is started before any is waited for, and a waiting MPI engine drives the others this thread
   started; they share one duplicated communicator, each tensor's tags numbered after the ones before
@@ -57,13 +58,13 @@ def default_order(plan: Plan, engine: str) -> str:
     """The order a plan runs in when none is given, by the engine that runs it (`engines.engine_entry`:
     `gloo`, or `nccl` over a torch process group, is the torch engine): `device`, except a multi-tensor
     plan on `mpi`, which posts every tensor's messages at once and measured faster so (the small weight
-    sync on 8 MPI ranks: 2.76x; BENCHMARKS.md, "Weight sync on the executor"), and on `nccl`, which
-    takes no other order for one (it runs the tensors one after another). The torch engine's posted
-    order also runs the tensors one after another, so it keeps device order; and a plan that states a
-    staging limit (`--max-staging-mb`) keeps it on `mpi` too, since posted order stages every box at once."""
-    if not is_multi(plan) or engine == "torch":
+    sync on 8 MPI ranks: 2.76x; BENCHMARKS.md, "Weight sync on the executor"). The torch and NCCL engines'
+    posted order runs the tensors one after another (on NCCL with a communicator per group per tensor,
+    and no shared messages), so they keep device order; and a plan that states a staging limit
+    (`--max-staging-mb`) keeps it on `mpi` too, since posted order stages every box at once."""
+    if not is_multi(plan) or engine in ("torch", "nccl"):
         return "device"
-    return mpi_transfer_order(engine == "mpi" and plan.staging is not None)
+    return mpi_transfer_order(plan.staging is not None)
 
 
 def check_transfer_staging(plan: Plan, order: str, engine: str) -> None:
@@ -141,6 +142,9 @@ class TransferExecutor:
         """Bytes of staging this rank allocated: in device order one area every tensor shares (`executor.joint`),
         posted on MPI each tensor's own (the sum), one after another one area the size of the largest need.
         At most what the plan states for this device when it states any."""
+        own = getattr(self.engine, "stage_bytes", None)  # a joint engine that lays staging out its own way (NCCL)
+        if own is not None:
+            return own
         if self.joint is not None:
             return self.joint.stage_bytes
         if self.area is not None:
@@ -162,8 +166,10 @@ class TransferExecutor:
         if self.joined:
             self._join()
         elif not self.concurrent and len(self.parts) > 1:
-            self._share_area()
+            self.area = max(self.entry.stage_need(part.program) for part in self.parts)
         self._setup_engines()
+        if self.plan.staging is not None:  # every rank reads the same plan, so every rank agrees here
+            self.parts[0]._agree(self._over_stated())
         return self
 
     def _setup_engines(self) -> None:
@@ -181,19 +187,16 @@ class TransferExecutor:
             self.engine = self.entry.make_joint(self.joint, [part.engine for part in self.parts])
             self.engine.setup()
 
-    def _share_area(self) -> None:
-        """One after another: the staging area every tensor's engine shares, the largest any of them needs on
-        this device; a plan stating a staging limit is refused on every rank where some device would need more."""
-        self.area = max(self.entry.stage_need(part.program) for part in self.parts)
-        if self.plan.staging is None:
-            return
-        stated, error = self.plan.staging.peak_bytes.get(self.device, 0), None
-        if self.area > stated:
-            error = PlanMismatchError(f"backend {self.entry.name!r} needs {self.area} B of staging on device {self.device} (its "
-                                      f"tensors one after another, in one area), but the plan states {stated} B there (compiled "
-                                      f"with a staging limit of {self.plan.staging.limit_bytes} B, --max-staging-mb); use "
-                                      "backend 'mpi' or 'torch', or recompile the plan without --max-staging-mb")
-        self.parts[0]._agree(error)  # every rank takes this branch (it reads the plan), so every rank learns
+    def _over_stated(self) -> PlanMismatchError | None:
+        """The error to raise where this rank allocated more staging than the plan states for its device (a plan
+        compiled with `--max-staging-mb`); `check_transfer_staging` refuses what the plan alone shows earlier."""
+        stated = self.plan.staging.peak_bytes.get(self.device, 0)
+        if self.stage_bytes <= stated:
+            return None
+        return PlanMismatchError(f"backend {self.entry.name!r} in order={self.order!r} needs {self.stage_bytes} B of staging on "
+                                 f"device {self.device}, but the plan states {stated} B there (compiled with a staging limit of "
+                                 f"{self.plan.staging.limit_bytes} B, --max-staging-mb); use backend 'mpi' or 'torch', or "
+                                 "recompile the plan without --max-staging-mb")
 
     def _join(self) -> None:
         """Device order: this device's steps of every tensor as one program (`executor.joint`), and each tensor's

@@ -862,9 +862,10 @@ def test_every_tensor_of_the_small_weight_sync_runs_on_fake_nccl(monkeypatch):
 # A multi-tensor plan with a staging limit through TransferExecutor on the fake NCCL
 # ---------------------------------------------------------------------------------------------
 
-def fake_nccl_transfer(plan, gpu, monkeypatch) -> list:
+def fake_nccl_transfer(plan, gpu, monkeypatch, order: str | None = None) -> list:
     """One `TransferExecutor(backend='nccl')` per rank in this process, set up as `prepare()` does after lowering
-    (`_share_area`, then `_setup_engines`, every rank's engines before the next rank's: the lowest device of a
+    (the joint program in device order or the shared area one after another, then `_setup_engines` and the
+    check against the stated staging, every rank's engines before the next rank's: the lowest device of a
     group sends its unique id); the unique ids travel over `FakeMpiComm`, the rank agreement is this rank's alone."""
     from test_executor_sim import FakeWorld
     from test_transfer_plan import _WorldComm
@@ -880,41 +881,29 @@ def fake_nccl_transfer(plan, gpu, monkeypatch) -> list:
     out = []
     for rank, device in enumerate(devices):
         gpu.process = device
-        ex = TransferExecutor(plan, _WorldComm(world, rank, len(devices)), backend="nccl")
+        ex = TransferExecutor(plan, _WorldComm(world, rank, len(devices)), backend="nccl", order=order)
         for part in ex.parts:
             part.program = lower(part.plan, device, tag_limit=2**62)
             part.shared_comm = FakeMpiComm(mail, rank)
-        ex._share_area()
+        if ex.joined:
+            ex._join()
+        else:
+            ex.area = max(ex.entry.stage_need(part.program) for part in ex.parts)
         ex._setup_engines()
+        if plan.staging is not None:
+            agree_alone(ex, ex._over_stated())
         out.append(ex)
     assert not any(mail.values()), "unique ids sent that nobody received"
     gpu.check_init_order()
     return out
 
 
-def test_a_limited_weight_sync_runs_on_fake_nccl_in_one_staging_area(monkeypatch):
-    """The small weight sync compiled with --max-staging-mb (16 KiB: bundles, shared messages) on NCCL: its tensors
-    run one after another through one staging area per rank, the largest any tensor's calls need, which is
-    within the peak the plan states (a quarter of the sum of the tensors' own areas on the trainer devices);
-    every destination shard of every tensor bit for bit, three times."""
+def run_transfer_on_fake(executors, gpu, runs: int = 3) -> None:
+    """Three reshards through every rank's TransferExecutor, other bits each time; every destination shard of
+    every tensor checked bit for bit against its pattern; then close()."""
     from xmesh_plan.executor.pattern import tensor_salt
-    from xmesh_plan.planner.compile import compile_plan
-    from xmesh_plan.planner.transfer_io import load_any_problem
 
-    plan = compile_plan(load_any_problem(ROOT / "plans" / "weight_sync_small.problem.toml"), solver="greedy",
-                        max_staging_bytes=16 * 2**10)
-    assert any(op.carrier is not None for op in plan.operations)
-    gpu = FakeGpu(api=14).install(monkeypatch)
-    executors = fake_nccl_transfer(plan, gpu, monkeypatch)
-    sums = []
-    for ex in executors:
-        stage = ex.parts[0].engine.stage
-        assert all(part.engine.stage is stage for part in ex.parts), "one staging buffer per rank, not one per tensor"
-        needs = [part.engine.calls.stage_bytes for part in ex.parts]
-        assert ex.stage_bytes == stage.nbytes == max(needs) <= plan.staging.peak_bytes[ex.device]
-        sums.append(sum(needs))
-    assert max(sums) > 2 * max(plan.staging.peak_bytes.values())  # one area per tensor would pass the limit
-    for run in range(3):
+    for run in range(runs):
         salts = {name: tensor_salt(k) + 101 * run for k, name in enumerate(executors[0].names)}
         for ex in executors:
             gpu.process = ex.device
@@ -946,6 +935,94 @@ def test_a_limited_weight_sync_runs_on_fake_nccl_in_one_staging_area(monkeypatch
         ex.close()
 
 
+@pytest.fixture(scope="module")
+def limited_sync():
+    """The small weight sync compiled with --max-staging-mb 16 KiB (bundles, shared messages)."""
+    from xmesh_plan.planner.compile import compile_plan
+    from xmesh_plan.planner.transfer_io import load_any_problem
+
+    plan = compile_plan(load_any_problem(ROOT / "plans" / "weight_sync_small.problem.toml"), solver="greedy",
+                        max_staging_bytes=16 * 2**10)
+    assert any(op.carrier is not None for op in plan.operations)
+    return plan
+
+
+def test_a_limited_weight_sync_runs_posted_on_fake_nccl_in_one_staging_area(limited_sync, monkeypatch):
+    """order='posted' on NCCL: the tensors run one after another through one staging area per rank, the largest any
+    tensor's calls need, within the peak the plan states (a quarter of the sum of the tensors' own areas on the
+    trainer devices); every destination shard of every tensor bit for bit, three times."""
+    plan = limited_sync
+    gpu = FakeGpu(api=14).install(monkeypatch)
+    executors = fake_nccl_transfer(plan, gpu, monkeypatch, order="posted")
+    sums = []
+    for ex in executors:
+        stage = ex.parts[0].engine.stage
+        assert all(part.engine.stage is stage for part in ex.parts), "one staging buffer per rank, not one per tensor"
+        needs = [part.engine.calls.stage_bytes for part in ex.parts]
+        assert ex.stage_bytes == stage.nbytes == max(needs) <= plan.staging.peak_bytes[ex.device]
+        sums.append(sum(needs))
+    assert max(sums) > 2 * max(plan.staging.peak_bytes.values())  # one area per tensor would pass the limit
+    run_transfer_on_fake(executors, gpu)
+
+
+def crossing_messages(executors) -> int:
+    """Cross-host bundle messages the source relays send (each counted once however NCCL calls cut it)."""
+    count = 0
+    for ex in executors:
+        calls = ex.engine.calls.actions if ex.engine is not None else [c for p in ex.parts for c in p.engine.calls.actions]
+        count += len({(c.op, c.group) for c in calls if getattr(c, "crossing", False) and c.root == ex.device})
+    return count
+
+
+@pytest.mark.parametrize("limited", [False, True], ids=["default", "max-staging"])
+def test_the_weight_sync_runs_on_fake_nccl_in_device_order_with_shared_messages(limited, limited_sync, monkeypatch):
+    """The default order on NCCL for a multi-tensor plan: one joint stream per rank in the plan's order
+    (`JointNcclEngine`), one communicator per device group for every tensor, each shared message's bundles
+    sent as one cross-host message (as many as the plan's groups, fewer than its bundles), staging within
+    the device-order peak the plan states; every destination shard of every tensor bit for bit."""
+    from xmesh_plan.planner.compile import compile_plan
+    from xmesh_plan.planner.transfer_io import load_any_problem
+    from xmesh_plan.schemas.carriers import message_groups
+    from xmesh_plan.schemas.staging import staging_peaks
+
+    plan = limited_sync if limited else compile_plan(load_any_problem(ROOT / "plans" / "weight_sync_small.problem.toml"))
+    gpu = FakeGpu(api=13).install(monkeypatch)
+    executors = fake_nccl_transfer(plan, gpu, monkeypatch)
+    assert all(ex.order == "device" and ex.joined for ex in executors)
+    peaks = staging_peaks(plan, "device")
+    for ex in executors:
+        assert all(part.engine.stage is None and not part.engine.communicators for part in ex.parts)
+        assert ex.stage_bytes == ex.engine.stage.nbytes or ex.stage_bytes == 0
+        assert ex.stage_bytes <= peaks.get(ex.device, 0), ex.device
+        assert len(ex.engine.communicators) == len(ex.engine.calls.groups) == len(set(ex.engine.calls.groups))
+    bundles = [op for op in plan.operations if op.kind == "bundle"]
+    groups = [g for g in message_groups(plan.operations) if g[0].kind == "bundle"]
+    assert len(groups) < len(bundles)
+    assert crossing_messages(executors) == len(groups)
+    run_transfer_on_fake(executors, gpu)
+
+
+def test_random_coalesced_transfers_run_on_fake_nccl_in_device_order(monkeypatch):
+    """Random multi-tensor problems (mixed element sizes, overlapping meshes), coalesced with tiny buckets so
+    bundles of several tensors share messages: the joint NCCL program bit for bit, in both orders."""
+    from xmesh_plan.planner.compile import compile_plan
+    from test_transfer_plan import random_transfer
+
+    ran = 0
+    for seed in range(30):
+        plan = compile_plan(random_transfer(seed, 6, exact=False), solver="greedy", coalesce=True, bucket_bytes=2048)
+        if not any(op.carrier is not None for op in plan.operations):
+            continue
+        for order in ("device", "posted"):
+            with monkeypatch.context() as m:
+                gpu = FakeGpu(api=14 if seed % 2 else 13).install(m)
+                run_transfer_on_fake(fake_nccl_transfer(plan, gpu, m, order=order), gpu, runs=2)
+        ran += 1
+        if ran == 4:
+            break
+    assert ran == 4
+
+
 def test_nccl_refuses_a_plan_stating_less_staging_than_its_calls_need(monkeypatch):
     """A plan whose stated peak on one device is below the largest NCCL call's staging there is refused in
     prepare(), naming the backend, the bytes, the device and the fix."""
@@ -956,6 +1033,8 @@ def test_nccl_refuses_a_plan_stating_less_staging_than_its_calls_need(monkeypatc
                         max_staging_bytes=16 * 2**10)
     peaks = {**plan.staging.peak_bytes, 0: 64}
     wrong = plan.model_copy(update={"staging": plan.staging.model_copy(update={"peak_bytes": peaks})})
-    with pytest.raises(PlanMismatchError, match=r"backend 'nccl' needs 16384 B of staging on device 0 \(its tensors one after "
-                                                r"another, in one area\), but the plan states 64 B there .* use backend 'mpi'"):
-        fake_nccl_transfer(wrong, FakeGpu(api=14).install(monkeypatch), monkeypatch)
+    for order in ("device", "posted"):
+        with pytest.raises(PlanMismatchError, match=rf"backend 'nccl' in order='{order}' needs \d+ B of staging on device 0, "
+                                                    r"but the plan states 64 B there .* use backend 'mpi'"):
+            with monkeypatch.context() as m:
+                fake_nccl_transfer(wrong, FakeGpu(api=14).install(m), m, order=order)

@@ -203,9 +203,10 @@ def test_a_limited_plan_runs_in_device_order_by_default_and_posted_is_refused(sm
     with pytest.raises(PlanMismatchError, match=r"order='posted' needs 262144 B of staging on device 0 \(the largest tensor's "
                                                 r"staged boxes at once\)"):
         check_transfer_staging(small_plan, "posted", "torch")
-    # NCCL runs them one after another too, one call's staging at a time: prepare() checks that on each rank
-    # (tests/test_executor_gpu.py runs this plan so on the fake NCCL)
-    assert TransferExecutor(small_plan, comm, backend="nccl").order == "posted"
+    # NCCL runs them on one stream, one call's staging at a time, joined by default or one tensor after another
+    # posted: prepare() checks what it allocated on each rank (tests/test_executor_gpu.py runs both on the fake NCCL)
+    assert TransferExecutor(small_plan, comm, backend="nccl").order == "device"
+    assert TransferExecutor(small_plan, comm, backend="nccl", order="posted").order == "posted"
 
 
 def test_a_plan_stating_less_than_it_needs_is_refused_before_anything_runs(two_plan):

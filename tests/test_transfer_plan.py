@@ -313,15 +313,14 @@ def test_a_multi_tensor_plan_is_refused_by_the_single_tensor_executor(plan):
         ReshardingExecutor(plan, _WorldComm(FakeWorld(), 0, 6))
 
 
-def test_the_nccl_engine_refuses_device_order_on_a_multi_tensor_plan_naming_the_fix(plan):
-    """It runs the tensors one after another: asked for the plan's order across tensors, it says so; by default it runs posted."""
-    with pytest.raises(PlanMismatchError, match=r"backend 'nccl' runs a multi-tensor plan's tensors one after another, not in "
-                                                r"the plan's operation order across tensors; pass order='posted'") as err:
-        TransferExecutor(plan, _WorldComm(FakeWorld(), 0, 6), backend="nccl", order="device")
-    assert err.value.same_on_every_rank and "\n" not in str(err.value)
-    for order in ("posted", None):
+def test_the_nccl_engine_joins_the_tensors_in_device_order_by_default_and_runs_them_one_after_another_posted(plan):
+    """Device order (the default on NCCL) replays every tensor through one joint engine (`JointNcclEngine`);
+    posted runs them one after another (tests/test_executor_gpu.py runs both on the fake CuPy)."""
+    for order in ("device", None):
         ex = TransferExecutor(plan, _WorldComm(FakeWorld(), 0, 6), backend="nccl", order=order)
-        assert not ex.joined and ex.order == "posted"
+        assert ex.joined and ex.order == "device" and ex.entry.join is not None
+    ex = TransferExecutor(plan, _WorldComm(FakeWorld(), 0, 6), backend="nccl", order="posted")
+    assert not ex.joined and ex.order == "posted"
 
 
 def test_the_default_order_is_posted_for_a_multi_tensor_plan_on_mpi_device_otherwise(plan):
@@ -329,7 +328,7 @@ def test_the_default_order_is_posted_for_a_multi_tensor_plan_on_mpi_device_other
     from xmesh_plan.executor.transfer_executor import default_order
     from xmesh_plan.schemas.plan_tensors import tensor_plans
     single = tensor_plans(plan)[0]
-    assert [default_order(plan, b) for b in ("mpi", "nccl", "torch")] == ["posted", "posted", "device"]
+    assert [default_order(plan, b) for b in ("mpi", "nccl", "torch")] == ["posted", "device", "device"]
     assert [default_order(single, b) for b in ("mpi", "nccl", "torch")] == ["device"] * 3
     assert TransferExecutor(plan, _WorldComm(FakeWorld(), 0, 6)).order == "posted"
     from xmesh_plan.executor.engines import engine_entry
