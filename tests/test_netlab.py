@@ -12,6 +12,7 @@ import signal
 import subprocess
 import sys
 import time
+import types
 from pathlib import Path
 
 import pytest
@@ -43,18 +44,32 @@ def two_host_plan():
     return compile_fast(problem)
 
 
-@pytest.mark.parametrize("engine, order, says", [("mpi", "posted", "check ok: 2 destination shards bit-exact"),
-                                                  ("torch", "device", "check ok: every destination shard bit-exact")])
-def test_two_hosts_run_a_plan_bit_exact_and_links_carry_its_bytes(engine, order, says):
+@pytest.mark.parametrize("engine, order, single_copy, says", [
+    ("mpi", "posted", False, "check ok: 2 destination shards bit-exact"),
+    ("mpi", "device", True, "check ok: 2 destination shards bit-exact"),  # MPICH's single copy inside a host
+    ("torch", "device", False, "check ok: every destination shard bit-exact")])
+def test_two_hosts_run_a_plan_bit_exact_and_links_carry_its_bytes(engine, order, single_copy, says):
     plan = two_host_plan()
     assert ranks_per_host(plan) == (2, 2)
-    opts = RunOptions(tb.LinkShape(rate_mbit=500), max_mb=4, iters=2, warmup=1, timeout_s=RUN_TIMEOUT_S, engine=engine, order=order)
+    opts = RunOptions(tb.LinkShape(rate_mbit=500), max_mb=4, iters=2, warmup=1, timeout_s=RUN_TIMEOUT_S, engine=engine, order=order,
+                      single_copy=single_copy)
     result = run_plan(plan, opts)
     assert result.ok, result.launch.stderr[-3000:]
     assert says in result.launch.stdout, result.launch.stdout
     assert [row.predicted.sent for row in result.hosts] == [3 * 4 * 2**20, 0]
     assert counters.within(result.hosts, rel=0.01, slack_bytes=CONTROL_SLACK) == []
     assert result.run_id and ours(result.run_id) == []
+
+
+def test_single_copy_reaches_every_rank_of_every_host():
+    """`--single-copy` puts MPICH's CMA switch in the environment mpiexec hands every rank (`-genv`)."""
+    from bench.netlab.launch import SINGLE_COPY_ENV, mpiexec_command
+
+    bed = types.SimpleNamespace(hosts=2, bridge_ns="b", bridge_addr="10.0.0.1")
+    for single_copy in (False, True):
+        cmd = mpiexec_command(bed, two_host_plan(), Path("/launcher"), ["-m", "x"], single_copy)
+        pairs = {(cmd[i + 1], cmd[i + 2]) for i, a in enumerate(cmd) if a == "-genv"}
+        assert (set(SINGLE_COPY_ENV.items()) <= pairs) == single_copy
 
 
 def test_testbed_shapes_both_directions_and_is_removed_after_an_error():

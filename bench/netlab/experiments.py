@@ -183,8 +183,13 @@ def _arguments(argv):
                         help="per-message latency and overhead the plans are made and predicted with: 'measure' (a probe on "
                              "the testbed at each rate, charged as overhead, no latency; the default), 'plan' (the cases' own: "
                              "20 us and 1 us), or LATENCY[,OVERHEAD] in microseconds (e.g. 0,300; overhead the cluster default when left out)")
+    parser.add_argument("--single-copy", action="store_true",
+                        help="mpi: MPICH's single-copy transport inside a host (MPIR_CVAR_CH4_CMA_ENABLE=1): one copy per "
+                             "message of 8 KiB or more instead of two through shared memory")
     parser.add_argument("--no-markdown", action="store_true", help="leave BENCHMARKS.md alone")
     args = parser.parse_args(argv)
+    if args.single_copy and args.engine != "mpi":
+        parser.error("--single-copy is an MPICH setting; use it with --engine mpi")
     args.costs = None
     if args.latency_us not in ("measure", "plan"):
         try:
@@ -205,7 +210,8 @@ def main(argv=None) -> int:
         return 2
     runs = []
     for rate in [float(r) for r in args.rates.split(",")]:
-        opts = RunOptions(LinkShape(rate, args.mtu), args.max_mb, args.iters, args.warmup, order=args.order, engine=args.engine)
+        opts = RunOptions(LinkShape(rate, args.mtu), args.max_mb, args.iters, args.warmup, order=args.order, engine=args.engine,
+                          single_copy=args.single_copy)
         latency, overhead = args.costs or (None, None)
         if args.latency_us == "measure":
             latency, overhead = (round(v, 1) for v in measure_message_costs(opts))
@@ -215,8 +221,9 @@ def main(argv=None) -> int:
             print(*table([runs[-1]], args.order).splitlines()[2:], link_table([runs[-1]]).splitlines()[-1], sep="\n", flush=True)
     load = os.getloadavg()
     meta = {"command": f"{COMMAND} --cases {args.cases} --rates {args.rates} --max-mb {args.max_mb:g} --iters {args.iters} "
-                       f"--warmup {args.warmup} --mtu {args.mtu} --order {args.order} --engine {args.engine} --latency-us {args.latency_us}", "loadavg_after": load, "cpus": os.cpu_count(),
-            "order": args.order, "engine": args.engine}
+                       f"--warmup {args.warmup} --mtu {args.mtu} --order {args.order} --engine {args.engine} --latency-us {args.latency_us}"
+                       f"{' --single-copy' if args.single_copy else ''}", "loadavg_after": load, "cpus": os.cpu_count(),
+            "order": args.order, "engine": args.engine, "single_copy": args.single_copy}
     write_json(args.out, {"meta": meta, "runs": runs})
     if not args.no_markdown:
         title = "Emulated cluster (bench/netlab)" + ("" if args.order == "device" else f", executor order {args.order}") + (

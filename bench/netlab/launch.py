@@ -33,6 +33,10 @@ RANK_ENV = {
     "MPIR_CVAR_ENABLE_HEAVY_YIELD": "1",  # blocking MPI calls yield the core instead of spinning
     "PYTHONPATH": str(ROOT),
 }
+SINGLE_COPY_ENV = {"MPIR_CVAR_CH4_CMA_ENABLE": "1"}
+"""MPICH's single-copy transport inside a host (cross memory attach, `process_vm_readv`): a message of 8 KiB or
+more is copied once, from the sender's buffer into the receiver's, instead of twice through shared memory.
+Off by default in MPICH (it needs ptrace permission between the ranks, which root on one machine has)."""
 
 
 @dataclass(frozen=True)
@@ -65,22 +69,27 @@ def write_launcher(bed: Testbed, folder: Path) -> Path:
     return path
 
 
-def mpiexec_command(bed: Testbed, plan: Plan, launcher: Path, program: list[str]) -> list[str]:
+def mpiexec_command(bed: Testbed, plan: Plan, launcher: Path, program: list[str], single_copy: bool = False) -> list[str]:
     counts = ranks_per_host(plan)
     if len(counts) != bed.hosts:
         raise ValueError(f"plan {plan.problem.name or '(unnamed)'} uses {len(counts)} hosts but the testbed has {bed.hosts}")
     hosts = ",".join(f"h{i}:{n}" for i, n in enumerate(counts))
-    env = [a for key, value in RANK_ENV.items() for a in ("-genv", key, value)]
+    env = [a for key, value in rank_env(single_copy).items() for a in ("-genv", key, value)]
     return [IP, "netns", "exec", bed.bridge_ns, str(MPIEXEC), "-launcher", "ssh", "-launcher-exec", str(launcher),
             "-localhost", bed.bridge_addr, "-hosts", hosts, "-n", str(sum(counts)), *env, sys.executable, *program]
 
 
-def run_ranks(bed: Testbed, plan: Plan, program: list[str], timeout_s: float) -> LaunchResult:
+def rank_env(single_copy: bool = False) -> dict[str, str]:
+    """The environment every MPI rank gets: `RANK_ENV`, and `SINGLE_COPY_ENV` with `single_copy`."""
+    return {**RANK_ENV, **(SINGLE_COPY_ENV if single_copy else {})}
+
+
+def run_ranks(bed: Testbed, plan: Plan, program: list[str], timeout_s: float, single_copy: bool = False) -> LaunchResult:
     """Launch `program` (arguments after `python`) on every rank; kill everything in the namespaces after `timeout_s`."""
     with tempfile.TemporaryDirectory(prefix=f"{bed.run_id}-") as folder:
-        cmd = mpiexec_command(bed, plan, write_launcher(bed, Path(folder)), program)
+        cmd = mpiexec_command(bed, plan, write_launcher(bed, Path(folder)), program, single_copy)
         proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                start_new_session=True, env=dict(os.environ, **RANK_ENV))
+                                start_new_session=True, env=dict(os.environ, **rank_env(single_copy)))
         return _collect(bed, [proc], timeout_s)
 
 

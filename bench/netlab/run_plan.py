@@ -40,6 +40,7 @@ class RunOptions:
     max_run_bytes: int = MAX_RUN_BYTES
     order: str = "device"  # the executor's --order: device (one operation at a time per device, the default) or posted
     engine: str = "mpi"  # mpi (mpiexec, executor.run) or torch (torch.distributed over gloo, executor.torch_run)
+    single_copy: bool = False  # mpi: MPICH's single-copy transport inside a host (launch.SINGLE_COPY_ENV)
 
 
 @dataclass
@@ -105,8 +106,11 @@ def run_plans(plans: list[Plan], opts: RunOptions) -> RunResult:
         for path, plan in zip(paths, plans):
             write_atomic(path, plan.to_json())
         before = counters.read_links(bed)
-        launcher = run_torch_ranks if opts.engine == "torch" else run_ranks
-        launch = launcher(bed, plans[0], _program(paths, plans[0], opts), opts.timeout_s)
+        program = _program(paths, plans[0], opts)
+        if opts.engine == "torch":
+            launch = run_torch_ranks(bed, plans[0], program, opts.timeout_s)
+        else:
+            launch = run_ranks(bed, plans[0], program, opts.timeout_s, opts.single_copy)
         after = counters.read_links(bed)
         retransmits = counters.retransmitted_segments(bed)
     result = RunResult(plans, launch, bed.run_id, counters.compare_many(before, after, plans, reshards), retransmits=retransmits)
