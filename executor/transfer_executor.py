@@ -194,9 +194,9 @@ class TransferExecutor:
         if self.stage_bytes <= stated:
             return None
         return PlanMismatchError(f"backend {self.entry.name!r} in order={self.order!r} needs {self.stage_bytes} B of staging on "
-                                 f"device {self.device}, but the plan states {stated} B there (compiled with a staging limit of "
-                                 f"{self.plan.staging.limit_bytes} B, --max-staging-mb); use backend 'mpi' or 'torch', or "
-                                 "recompile the plan without --max-staging-mb")
+                                 f"device {self.device}, but the plan states {stated} B there (staging.peak_bytes; compiled with a "
+                                 f"staging limit of {self.plan.staging.limit_bytes} B, --max-staging-mb), less than its largest "
+                                 "operation; recompile the plan and check it with `xmesh-plan verify`")
 
     def _join(self) -> None:
         """Device order: this device's steps of every tensor as one program (`executor.joint`), and each tensor's

@@ -1035,6 +1035,6 @@ def test_nccl_refuses_a_plan_stating_less_staging_than_its_calls_need(monkeypatc
     wrong = plan.model_copy(update={"staging": plan.staging.model_copy(update={"peak_bytes": peaks})})
     for order in ("device", "posted"):
         with pytest.raises(PlanMismatchError, match=rf"backend 'nccl' in order='{order}' needs \d+ B of staging on device 0, "
-                                                    r"but the plan states 64 B there .* use backend 'mpi'"):
+                                                    r"but the plan states 64 B there .* recompile the plan and check it with `xmesh-plan verify`"):
             with monkeypatch.context() as m:
                 fake_nccl_transfer(wrong, FakeGpu(api=14).install(m), m, order=order)
