@@ -97,6 +97,9 @@ class EngineEntry:
     join: Callable[[Any, Any, list], Engine] | None = None
     # the staging bytes the engine allocates for a program (None: the program's own `stage_bytes`)
     need: Callable[[Any, RankProgram], int] | None = None
+    # the staging bytes its joint engine allocates for a `joint.JointProgram` over the tensors' programs (None: the joint
+    # program's own `stage_bytes`)
+    joint_need: Callable[[Any, Any, list], int] | None = None
 
     def make(self, program: RankProgram, context: EngineContext) -> Engine:
         """Import the engine's module (only now: CuPy and torch are optional) and build the engine."""
@@ -105,6 +108,12 @@ class EngineEntry:
     def stage_need(self, program: RankProgram) -> int:
         """Bytes of staging this engine allocates to replay `program` on its own."""
         return program.stage_bytes if self.need is None else self.need(importlib.import_module(self.module), program)
+
+    def joint_stage_need(self, joint, programs: list[RankProgram]) -> int:
+        """Bytes of staging this engine's joint form allocates to replay `joint` over `programs`."""
+        if self.joint_need is None:
+            return joint.stage_bytes
+        return self.joint_need(importlib.import_module(self.module), joint, programs)
 
     def make_joint(self, program, parts: list) -> Engine:
         """The engine replaying `program` (a `joint.JointProgram`) with the buffers of `parts`, one set-up engine per tensor."""
@@ -119,7 +128,8 @@ ENGINES: dict[str, EngineEntry] = {e.name: e for e in (
                 lambda m, p, c: m.NcclEngine(p, c.comm, c.rank_of, c.storage, c.timeout_s, c.poll_s, gpu=c.gpu,
                                              devices_per_host=c.devices_per_host, joined=c.joined),
                 "NCCL broadcasts through CuPy on GPUs, ids exchanged over MPI",
-                join=lambda m, p, parts: m.JointNcclEngine(p, parts), need=lambda m, p: m.nccl_program(p).stage_bytes),
+                join=lambda m, p, parts: m.JointNcclEngine(p, parts), need=lambda m, p: m.nccl_program(p).stage_bytes,
+                joint_need=lambda m, j, ps: m.joint_nccl_program(ps, j.operations, dict(j.carriers), j.align).stage_bytes),
     EngineEntry("torch", "torch", "xmesh_plan.executor.torch_engine", lambda m, p, c: m.TorchEngine(p, c),
                 "torch.distributed isend/irecv over any process group (gloo on CPU, NCCL on CUDA)",
                 join=lambda m, p, parts: m.JointTorchEngine(p, parts)),

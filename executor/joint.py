@@ -45,7 +45,7 @@ class JointProgram:
     order: str = "posted"
     stage_bytes: int = 0
     shared: bool = False  # every tensor's steps stage in one area of `stage_bytes` (device order, or bundles sharing messages)
-    # the joint plan's operation ids in order, each bundle of a shared message -> its carrier, and the staging
+    # the joint plan's operation ids in order, each bundle of a shared message but the carrier -> the carrier, and the staging
     # alignment: what an engine that merges the tensors' programs its own way needs (`nccl_plan.joint_nccl_program`)
     operations: tuple[int, ...] = ()
     carriers: tuple[tuple[int, int], ...] = ()

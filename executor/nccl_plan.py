@@ -140,7 +140,9 @@ def joint_nccl_program(programs: Sequence[RankProgram], operations: Sequence[int
     unit: their staging one after another, each at a multiple of `align`, so the cross-host messages
     form one byte range; every bundle's gathers, then that range in one message (its carrier's group),
     then every bundle's scatters. Every device walks units in plan order, and a unit's calls in that one
-    order, so no two devices wait on each other in a cycle."""
+    order, so no two devices wait on each other in a cycle: a group's holders are all on the sending
+    relay's host and its needers on the receiving relay's, another host (`plan_check`), so no device
+    both gathers and is scattered to in one unit."""
     position = {op: k for k, op in enumerate(operations)}
     blocks: list[tuple[int, int, list]] = []  # (position of the operation, tensor, its collectives on this device)
     for t, program in enumerate(programs):

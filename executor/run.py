@@ -119,8 +119,9 @@ def _arguments(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument(DEBUG_FLAG, action="store_true", help=f"show the full traceback of an internal error (or set {DEBUG_ENV}=1)")
     parser.add_argument("--order", choices=["device", "posted"],
                         help="device: one operation at a time per device, in plan order, across the tensors of a multi-tensor "
-                             "plan too (the default for one tensor, and for a multi-tensor plan compiled with --max-staging-mb); "
-                             "posted: every message at once (the default for other multi-tensor plans, measured faster there)")
+                             "plan too (the default for one tensor, on --backend nccl, and for a multi-tensor plan compiled with "
+                             "--max-staging-mb); posted: every message at once (the default for other multi-tensor plans on mpi, "
+                             "measured faster there)")
     parser.add_argument("--timeout", type=float, default=60.0, help="seconds without progress before a rank gives up (default 60)")
     args = parser.parse_args(argv)
     _check_numbers(args)
@@ -212,7 +213,7 @@ def demo_transfer(plan: Plan, comm, args: argparse.Namespace) -> tuple[str, bool
             bad, tensors_bad = bad + wrong, tensors_bad + bool(wrong)
     slowest = _reduce(comm, times, MPI.MAX, args.timeout)
     failures = _reduce(comm, np.array([bad, tensors_bad], np.int64), MPI.SUM, args.timeout)
-    staging = ex.stage_bytes  # device order: one area every tensor shares; posted: each tensor's own
+    staging = ex.stage_bytes  # device order: one area every tensor shares; posted on mpi: each tensor's own
     staging = int(_reduce(comm, np.array([staging], np.int64), MPI.MAX, args.timeout)[0])
     ex.close()
     median, moved, problem = float(np.median(slowest)), bytes_moved(plan), plan.problem

@@ -69,8 +69,9 @@ def default_order(plan: Plan, engine: str) -> str:
 
 def check_transfer_staging(plan: Plan, order: str, engine: str) -> None:
     """Refuse (on every rank alike: it reads only the plan) to run a multi-tensor plan that states a staging
-    limit in a way that would allocate more than the peak it states on some device. NCCL's need is its
-    largest call on each device, known once lowered: `TransferExecutor.prepare()` checks it."""
+    limit in a way that would allocate more than the peak it states on some device. NCCL's need (its largest
+    operation, or shared message in device order, on each device) is known once every tensor is lowered:
+    `TransferExecutor.prepare()` checks it on every rank before anything is allocated."""
     if not is_multi(plan) or plan.staging is None or engine == "nccl":
         return
     stated = plan.staging.peak_bytes
@@ -167,10 +168,19 @@ class TransferExecutor:
             self._join()
         elif not self.concurrent and len(self.parts) > 1:
             self.area = max(self.entry.stage_need(part.program) for part in self.parts)
+        if self.plan.staging is not None:  # every rank reads the same plan, so every rank agrees here, before any allocation
+            self.parts[0]._agree(self._over_stated(self._planned_staging()))
         self._setup_engines()
-        if self.plan.staging is not None:  # every rank reads the same plan, so every rank agrees here
-            self.parts[0]._agree(self._over_stated())
         return self
+
+    def _planned_staging(self) -> int:
+        """Bytes of staging the engines will allocate on this rank (what `stage_bytes` says once they are set up)."""
+        programs = [part.program for part in self.parts]
+        if self.joined:
+            return self.entry.joint_stage_need(self.joint, programs)
+        if self.area is not None:
+            return self.area
+        return sum(self.entry.stage_need(p) for p in programs)
 
     def _setup_engines(self) -> None:
         """`prepare()` after lowering: every tensor's engine in tensor order (the same on every rank), sharing
@@ -187,13 +197,14 @@ class TransferExecutor:
             self.engine = self.entry.make_joint(self.joint, [part.engine for part in self.parts])
             self.engine.setup()
 
-    def _over_stated(self) -> PlanMismatchError | None:
-        """The error to raise where this rank allocated more staging than the plan states for its device (a plan
-        compiled with `--max-staging-mb`); `check_transfer_staging` refuses what the plan alone shows earlier."""
+    def _over_stated(self, need: int) -> PlanMismatchError | None:
+        """The error to raise where this rank would allocate `need` bytes of staging, more than the plan states for its
+        device (a plan compiled with `--max-staging-mb`). On MPI and torch `check_transfer_staging` refuses that from
+        the plan alone in the constructor; NCCL's need is known once every tensor is lowered."""
         stated = self.plan.staging.peak_bytes.get(self.device, 0)
-        if self.stage_bytes <= stated:
+        if need <= stated:
             return None
-        return PlanMismatchError(f"backend {self.entry.name!r} in order={self.order!r} needs {self.stage_bytes} B of staging on "
+        return PlanMismatchError(f"backend {self.entry.name!r} in order={self.order!r} needs {need} B of staging on "
                                  f"device {self.device}, but the plan states {stated} B there (staging.peak_bytes; compiled with a "
                                  f"staging limit of {self.plan.staging.limit_bytes} B, --max-staging-mb), less than its largest "
                                  "operation; recompile the plan and check it with `xmesh-plan verify`")

@@ -842,8 +842,8 @@ def test_coalesced_reference_problems_run_bit_exact_on_fake_nccl(name, monkeypat
 
 def test_every_tensor_of_the_small_weight_sync_runs_on_fake_nccl(monkeypatch):
     """The default multi-tensor plan of plans/weight_sync_small.problem.toml (bundles, shared messages), shrunk,
-    as the NCCL engine runs it: its tensors one after another, each bit-exact with the staging of its own
-    device-order peak, and every tensor's bundles run."""
+    as the NCCL engine's posted order runs it: its tensors one after another, each bit-exact with the staging
+    of its own device-order peak, and every tensor's bundles run."""
     from xmesh_plan.executor.scale import factors_per_tensor, scale_tensors
     from xmesh_plan.planner.compile import compile_plan
     from xmesh_plan.planner.transfer_io import load_any_problem
@@ -889,9 +889,10 @@ def fake_nccl_transfer(plan, gpu, monkeypatch, order: str | None = None) -> list
             ex._join()
         else:
             ex.area = max(ex.entry.stage_need(part.program) for part in ex.parts)
-        ex._setup_engines()
         if plan.staging is not None:
-            agree_alone(ex, ex._over_stated())
+            agree_alone(ex, ex._over_stated(ex._planned_staging()))
+        ex._setup_engines()
+        assert ex.stage_bytes == ex._planned_staging()
         out.append(ex)
     assert not any(mail.values()), "unique ids sent that nobody received"
     gpu.check_init_order()
@@ -1037,4 +1038,8 @@ def test_nccl_refuses_a_plan_stating_less_staging_than_its_calls_need(monkeypatc
         with pytest.raises(PlanMismatchError, match=rf"backend 'nccl' in order='{order}' needs \d+ B of staging on device 0, "
                                                     r"but the plan states 64 B there .* recompile the plan and check it with `xmesh-plan verify`"):
             with monkeypatch.context() as m:
-                fake_nccl_transfer(wrong, FakeGpu(api=14).install(m), m, order=order)
+                gpu = FakeGpu(api=14).install(m)
+                try:
+                    fake_nccl_transfer(wrong, gpu, m, order=order)
+                finally:
+                    assert not any(gpu.init_order.values()), "refused after creating communicators"

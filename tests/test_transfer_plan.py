@@ -480,8 +480,8 @@ def test_split_hosts_beats_the_chained_plan_on_the_small_weight_sync():
 
 
 def test_each_tensor_of_a_multi_tensor_plan_runs_bit_exact_on_the_fake_nccl(plan, monkeypatch):
-    """The NCCL engine runs a multi-tensor plan one tensor after another: each tensor's plan on the fake
-    CuPy/NCCL of test_executor_gpu (every CuPy call checked against the real API), bit for bit."""
+    """Each tensor's plan of a multi-tensor plan on its own (as the NCCL engine's posted order runs them, one
+    after another) on the fake CuPy/NCCL of test_executor_gpu (every CuPy call checked against the real API), bit for bit."""
     from test_executor_gpu import FakeGpu, run_on_fake
 
     for single in tensor_plans(plan):
