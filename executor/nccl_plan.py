@@ -14,6 +14,8 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Mapping, Sequence
 
+from xmesh_plan.schemas.staging import aligned
+
 from .errors import PlanMismatchError
 from .lower import Box, RankProgram, StagedCall
 
@@ -69,12 +71,13 @@ class NcclProgram:
     stage_bytes: int
 
 
-def communicator_groups(program: RankProgram) -> tuple[Group, ...]:
-    """The groups this device is in, in order of first use: every member of a group takes part in each
-    of its operations, so any two ranks meet their shared groups in the same order."""
+def communicator_groups(calls) -> tuple[Group, ...]:
+    """The groups a device's calls (a lowered program's collectives, or NCCL calls) use, in order of first
+    use: every member of a group takes part in each of its operations, so any two ranks meet their shared
+    groups in the same order."""
     seen: dict[Group, None] = {}
-    for call in program.collectives:
-        if len(call.group) > 1:  # a bundle's packs and unpacks have no group
+    for call in calls:
+        if len(getattr(call, "group", ())) > 1:  # local copies, and a bundle's packs and unpacks, have no group
             seen.setdefault(call.group, None)
     return tuple(seen)
 
@@ -95,7 +98,7 @@ def nccl_program(program: RankProgram) -> NcclProgram:
     stream runs them one after another (pack, broadcast, unpack), so staging is the largest staged box,
     never more than the program's own staging in either order."""
     actions, stage = nccl_actions(program.collectives, program.device, program.itemsize)
-    return NcclProgram(program.device, tuple(actions), communicator_groups(program), stage)
+    return NcclProgram(program.device, tuple(actions), communicator_groups(program.collectives), stage)
 
 
 def nccl_actions(collectives, device: int, itemsize: int) -> tuple[list[Copy | Bcast | StagedCall], int]:
@@ -167,11 +170,8 @@ def joint_nccl_program(programs: Sequence[RankProgram], operations: Sequence[int
             mine, need = _shared_message([(t, calls) for _, t, calls in blocks[k:end]], align)
             actions += mine
         stage, k = max(stage, need), end
-    groups: dict[Group, None] = {}
-    for _, a in actions:
-        if len(getattr(a, "group", ())) > 1:
-            groups.setdefault(a.group, None)
-    return JointNcclProgram(programs[0].device, tuple(a for _, a in actions), tuple(t for t, _ in actions), tuple(groups), stage)
+    calls = tuple(a for _, a in actions)
+    return JointNcclProgram(programs[0].device, calls, tuple(t for t, _ in actions), communicator_groups(calls), stage)
 
 
 def _shared_message(bundles: list[tuple[int, list[StagedCall]]], align: int) -> tuple[list[tuple[int, StagedCall]], int]:
@@ -180,7 +180,7 @@ def _shared_message(bundles: list[tuple[int, list[StagedCall]]], align: int) -> 
     gathers, crossings, scatters = [], [], []
     at = 0
     for t, calls in bundles:
-        start = -(-at // align) * align
+        start = aligned(at, align)
         moved = [replace(c, start=c.start + start, stop=c.stop + start) for c in calls]
         cross = next((i for i, c in enumerate(moved) if c.crossing), None)
         if cross is None:

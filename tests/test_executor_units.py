@@ -365,7 +365,7 @@ def test_communicator_groups_are_ordered_by_first_use_the_same_on_every_member()
     plan = compiled(fixed_problems()[3], "global_allgather")
     everyone = [tuple(sorted(op.dsts if op.kind == "allgather" else (op.src, *op.dsts))) for op in plan.operations]
     for device in plan_devices(plan):
-        groups = communicator_groups(lower(plan, device, tag_limit=2**20))
+        groups = communicator_groups(lower(plan, device, tag_limit=2**20).collectives)
         assert len(groups) == len(set(groups)) and all(list(g) == sorted(g) and device in g for g in groups)
         assert set(groups) == {g for g in everyone if device in g and len(g) > 1}
         first_use = [everyone.index(g) for g in groups]
