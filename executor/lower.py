@@ -4,7 +4,7 @@ Every rank lowers the same plan the same way, so both ends of a message agree on
 size without talking. Steps are plain records with the indices of the steps they wait for; the
 backends only walk them. A box that is one contiguous run of its shard is sent from, or received
 into, the shard itself; any other box goes through a staging area (packed before a send, unpacked
-after the last chunk arrives). Staging is laid out one operation after another (`stage_bytes` is the
+after it arrives; chunk by chunk when it is sent in chunks). Staging is laid out one operation after another (`stage_bytes` is the
 sum: every operation may be in flight at once); `in_device_order` lets each run of operations reuse it.
 
 What each operation kind sends is its route in `schemas.op_kinds` (a chain for send and broadcast,
@@ -181,6 +181,39 @@ def chunk_ranges(nbytes: int, chunks: int, itemsize: int) -> list[tuple[int, int
     return [(lo * itemsize, hi * itemsize) for lo, hi in chunk_bounds(nbytes // itemsize, chunks) if hi > lo]
 
 
+def _chunk_names(ranges: list) -> list[str]:
+    """`chunk 2/4` for each chunk of a message sent in several, for error messages ("" for one)."""
+    return [f"chunk {k + 1}/{len(ranges)}" if len(ranges) > 1 else "" for k in range(len(ranges))]
+
+
+def flat_pieces(shape: tuple[int, ...], lo: int, hi: int) -> list[Region]:
+    """Boxes, relative to a box of `shape`, whose elements in C order are its elements lo..hi-1 in turn:
+    at most 2 * ndim - 1 of them, so a chunk of a staged box is packed and unpacked on its own.
+
+    >>> flat_pieces((2, 3), 1, 5)
+    [((0, 1), (1, 3)), ((1, 2), (0, 2))]
+    >>> flat_pieces((2, 3), 0, 6)
+    [((0, 2), (0, 3))]
+    """
+    if lo >= hi:
+        return []
+    if len(shape) == 1:
+        return [((lo, hi),)]
+    inner = math.prod(shape[1:])
+    (r0, c0), (r1, c1) = divmod(lo, inner), divmod(hi, inner)
+    if r0 == r1:
+        return [((r0, r0 + 1),) + p for p in flat_pieces(shape[1:], c0, c1)]
+    out = []
+    if c0:
+        out += [((r0, r0 + 1),) + p for p in flat_pieces(shape[1:], c0, inner)]
+        r0 += 1
+    if r1 > r0:
+        out.append(((r0, r1),) + tuple((0, n) for n in shape[1:]))
+    if c1:
+        out += [((r1, r1 + 1),) + p for p in flat_pieces(shape[1:], 0, c1)]
+    return out
+
+
 def is_empty(region: Region) -> bool:
     return any(a >= b for a, b in region)
 
@@ -273,11 +306,30 @@ class _Builder:
 
     def outgoing(self, op: Operation, box: Box, deps: tuple[int, ...]) -> tuple[Bytes, tuple[int, ...]]:
         """Where the bytes of `box` are sent from: the shard itself, or staging after a pack step."""
+        data, (deps,) = self.outgoing_chunks(op, box, deps, [(0, box.nbytes)])
+        return data, deps
+
+    def outgoing_chunks(self, op: Operation, box: Box, deps: tuple[int, ...],
+                        ranges: list[tuple[int, int]]) -> tuple[Bytes, list[tuple[int, ...]]]:
+        """`outgoing` for a box sent in chunks (byte ranges of it): a staged box is packed chunk by chunk,
+        so its first chunk leaves after one chunk's pack, not the whole box's; what each chunk's send waits for."""
         if box.span is not None:
-            return Bytes(box.side, *box.span), deps
+            return Bytes(box.side, *box.span), [deps] * len(ranges)
         start = self.stage(box.nbytes)
         data = Bytes("stage", start, start + box.nbytes)
-        return data, (self.add("pack", op, deps=deps, data=data, box=box),)
+        return data, [tuple(self.add("pack", op, deps=deps, data=d, box=piece, piece=name)
+                            for d, piece in self.pieces(box, data, lo, hi)) for (lo, hi), name in zip(ranges, _chunk_names(ranges))]
+
+    def pieces(self, box: Box, staged: Bytes, lo: int, hi: int) -> list[tuple[Bytes, Box]]:
+        """Bytes lo..hi-1 of staged `box` as (staging bytes, sub-box) pairs to pack or unpack one by one (`flat_pieces`)."""
+        if (lo, hi) == (0, box.nbytes):
+            return [(staged, box)]
+        out, at = [], staged.start + lo
+        for rel in flat_pieces(box.shape, lo // self.itemsize, hi // self.itemsize):
+            piece = self.box(box.side, tuple((r0 + a, r0 + b) for (r0, _), (a, b) in zip(box.region, rel)))
+            out.append((Bytes("stage", at, at + piece.nbytes), piece))
+            at += piece.nbytes
+        return out
 
     def landing(self, box: Box) -> Bytes:
         """Where the bytes of `box` arrive: the destination shard itself, or staging."""
@@ -290,15 +342,17 @@ class _Builder:
                 forward_to: int | None = None) -> None:
         """Receive `box` from `peer` in pieces (forwarding each to `forward_to`), unpack if staged, record the write."""
         land = self.landing(box)
-        recvs = []
+        done = []
         for tag, (lo, hi), piece in zip(tags, ranges, pieces):
             chunk = Bytes(land.buffer, land.start + lo, land.start + hi)
-            recvs.append(self.add("recv", op, peer=peer, tag=tag, data=chunk, piece=piece))
+            recv = self.add("recv", op, peer=peer, tag=tag, data=chunk, piece=piece)
             if forward_to is not None:
-                self.add("send", op, deps=(recvs[-1],), peer=forward_to, tag=tag, data=chunk, piece=piece)
-        if land.buffer == "stage":
-            recvs = [self.add("unpack", op, deps=tuple(recvs), data=land, box=box)]
-        self.record(op, box.region, recvs)
+                self.add("send", op, deps=(recv,), peer=forward_to, tag=tag, data=chunk, piece=piece)
+            if land.buffer != "stage":
+                done.append(recv)
+            else:  # unpacked chunk by chunk, while the next chunks arrive
+                done += [self.add("unpack", op, deps=(recv,), data=d, box=sub, piece=piece) for d, sub in self.pieces(box, land, lo, hi)]
+        self.record(op, box.region, done)
 
 
 def _lower_copy(b: _Builder, op: Operation, base: int) -> None:
@@ -315,12 +369,12 @@ def _lower_chain(b: _Builder, op: Operation, base: int) -> None:
         return
     ranges = chunk_ranges(math.prod(region_shape(op.region)) * b.itemsize, op.chunks, b.itemsize)
     tags = [base + k for k in range(len(ranges))]
-    pieces = [f"chunk {k + 1}/{len(ranges)}" if len(ranges) > 1 else "" for k in range(len(ranges))]
+    pieces = _chunk_names(ranges)
     own = b.box("src" if b.device == op.src else "dst", op.region)
     b.collective(op, op.src, own, ranges)
     if b.device == op.src:
-        data, deps = b.outgoing(op, own, ())
-        for tag, (lo, hi), piece in zip(tags, ranges, pieces):
+        data, waits = b.outgoing_chunks(op, own, (), ranges)
+        for tag, (lo, hi), piece, deps in zip(tags, ranges, pieces, waits):
             b.add("send", op, deps=deps, peer=chain[0], tag=tag, data=Bytes(data.buffer, data.start + lo, data.start + hi), piece=piece)
         return
     i = chain.index(b.device)

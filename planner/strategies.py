@@ -77,12 +77,23 @@ class TaskContext:
 
     def busy_s(self, nbytes: float, cross_host: bool) -> float:
         """How long one message keeps its link busy: the overhead and its bytes (it lands a latency later)."""
-        bandwidth = self.cluster.message_bytes_per_s if cross_host else self.cluster.intra_bytes_per_s
-        return self.cluster.overhead_s + nbytes / bandwidth
+        _, overhead, bandwidth = hop_cost(self.cluster, cross_host)
+        return overhead + nbytes / bandwidth
 
     def message_s(self, nbytes: float, cross_host: bool) -> float:
         """One message from its first byte to its arrival, alone on its link."""
-        return self.cluster.latency_s + self.busy_s(nbytes, cross_host)
+        return hop_cost(self.cluster, cross_host)[0] + self.busy_s(nbytes, cross_host)
+
+
+def hop_cost(cluster: Cluster, cross_host: bool) -> tuple[float, float, float]:
+    """(latency s, overhead s, bytes/s) of one message between two devices, as `simulate` prices it alone:
+    across hosts over the NIC; inside a host over the intra-host link, or, where the cluster models its
+    shared CPU (`Cluster.cpu`), as CPU work: `message_us` plus the bytes at the copy rate, no latency."""
+    if cross_host:
+        return cluster.latency_s, cluster.overhead_s, cluster.message_bytes_per_s
+    if cluster.cpu is not None:
+        return 0.0, cluster.cpu.message_us * 1e-6, cluster.cpu.copy_bytes_per_us * 1e6
+    return cluster.latency_s, cluster.overhead_s, cluster.intra_bytes_per_s
 
 
 Hop = tuple[int, int]
@@ -131,12 +142,12 @@ def _pipelined_seconds(nbytes: int, hop_cross: tuple[bool, ...], cluster: Cluste
         return 0.0, 1
     k_max = int(max(1, min(MAX_CHUNKS, nbytes // MIN_CHUNK_BYTES)))
     ks = np.arange(1, k_max + 1, dtype=np.float64)
-    bw = np.array([cluster.message_bytes_per_s if c else cluster.intra_bytes_per_s for c in hop_cross])
-    per_chunk = cluster.overhead_s + (nbytes / ks)[:, None] / bw[None, :]
+    latency, overhead, bw = np.array([hop_cost(cluster, c) for c in hop_cross]).T
+    per_chunk = overhead[None, :] + (nbytes / ks)[:, None] / bw[None, :]
     widest = per_chunk.max(axis=1)
     fill = per_chunk.sum(axis=1) - widest
     best = int(np.argmin(fill / sharing + ks * widest))
-    return float(len(hop_cross) * cluster.latency_s + fill[best] + ks[best] * widest[best]), int(ks[best])
+    return float(latency.sum() + fill[best] + ks[best] * widest[best]), int(ks[best])
 
 
 def broadcast(ctx: TaskContext) -> StrategyResult:

@@ -148,3 +148,23 @@ def test_inspect_names_the_cpu_only_when_there_is_one():
     raw["cluster"]["cpu"] = {"cores": 2, "copy_gbps": 24}
     with_cpu = compile_fast(ReshardingProblem.model_validate(raw))
     assert "CPU shared by every rank: 2 cores, copies 24 Gbit/s per core, 0 us per message inside a host" in summarize(with_cpu)
+
+
+def one_to_host(cpu: Cpu | None) -> ReshardingProblem:
+    """One device sends a 16 MiB tensor to the 4 devices of another host over a 500 Mbit/s NIC: one cross-host hop, then 3 inside."""
+    return build_problem({"name": "fan", "shape": list(SHAPE), "dtype": "int32", "src": {"mesh": "1x1", "spec": "R R R"},
+                          "dst": {"mesh": "1x4", "spec": "R R R"},
+                          "cluster": {"nics": [{"send_gbps": 0.5, "recv_gbps": 0.5}], "overhead_us": 200, "latency_us": 0,
+                                      **({"cpu": cpu.model_dump()} if cpu else {})}})
+
+
+def test_the_planner_chunks_for_the_relays_copies_when_the_cpu_is_modelled():
+    """With the CPU modelled a relay inside a host copies at `copy_gbps`, not at the intra-host link's speed, so the
+    broadcast takes more chunks, and the simulator (which prices it independently) agrees it is faster that way."""
+    cpu = Cpu(cores=2, copy_gbps=24)
+    links_only, with_cpu = (compile_fast(one_to_host(c), "broadcast") for c in (None, cpu))
+    k_links, k_cpu = (p.operations[0].chunks for p in (links_only, with_cpu))
+    assert k_cpu > k_links
+    priced = one_to_host(cpu)
+    assert simulate(with_cpu.operations, priced).makespan_s < simulate(links_only.operations, priced).makespan_s
+    assert with_cpu.predicted_seconds == pytest.approx(simulate(with_cpu.operations, priced).makespan_s, rel=0.02)

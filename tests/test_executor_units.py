@@ -6,6 +6,7 @@ import ast
 import doctest
 import importlib
 import importlib.util
+import math
 from pathlib import Path
 
 import numpy as np
@@ -13,11 +14,13 @@ import pytest
 
 from xmesh_plan.executor import BackendUnavailableError, PlanMismatchError, ReshardingExecutor
 from xmesh_plan.executor.arrays import as_host_array, check_shard, storage_dtype
-from xmesh_plan.executor.lower import chunk_ranges, contiguous_span, lower, tags_used
+from xmesh_plan.executor.lower import chunk_ranges, contiguous_span, flat_pieces, lower, tags_used
 from xmesh_plan.executor.nccl_plan import Bcast, Copy, communicator_groups, nccl_program
 from xmesh_plan.executor.pattern import fill, mismatches
 from xmesh_plan.executor.ranks import device_of_rank, plan_devices
 from xmesh_plan.executor.scale import factors_for, scale_plan
+from xmesh_plan.planner.compile import compile_plan
+from xmesh_plan.planner.problem_io import build_problem
 from xmesh_plan.planner.verify import PlanError, verify_plan
 from xmesh_plan.schemas import load_plan
 from xmesh_plan.schemas.geometry import intersect, region_shape
@@ -401,3 +404,42 @@ def test_written_box_index_finds_exactly_the_overlapping_boxes():
             query = tuple(tuple(sorted(int(x) for x in rng.integers(0, 9, size=2))) for _ in range(ndim))
             expect = [(intersect(b, query), k, k / 2) for k, b in enumerate(boxes) if intersect(b, query) is not None]
             assert writes.overlapping(query) == expect, (boxes, query)
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_flat_pieces_are_the_c_order_elements_of_a_range(seed):
+    """Each piece of a chunk, read from the box, gives the chunk's elements in numpy's C order."""
+    rng = np.random.default_rng(seed)
+    shape = tuple(int(n) for n in rng.integers(1, 5, size=rng.integers(1, 5)))
+    box = np.arange(math.prod(shape)).reshape(shape)
+    lo, hi = sorted(int(v) for v in rng.integers(0, box.size + 1, size=2))
+    pieces = flat_pieces(shape, lo, hi)
+    got = [box[tuple(slice(a, b) for a, b in piece)].reshape(-1) for piece in pieces]
+    assert np.array_equal(np.concatenate(got) if got else np.empty(0, int), box.reshape(-1)[lo:hi])
+    assert len(pieces) <= 2 * len(shape) - 1
+
+
+def test_a_staged_box_sent_in_chunks_is_packed_and_unpacked_chunk_by_chunk():
+    """A broadcast of a box that is not contiguous in either shard (case 9's `R S0 R -> R R S0`): the first
+    chunk leaves after its own pack, and every receiver unpacks each chunk once it has arrived."""
+    problem = build_problem({"name": "c9", "shape": [8, 8, 8], "dtype": "int32",
+                             "src": {"mesh": "2x4", "spec": "R S0 R"}, "dst": {"mesh": "2x4", "spec": "R R S0"}})
+    plan = compile_plan(problem, "broadcast", "naive")
+    plan = plan.model_copy(update={"operations": tuple(op.model_copy(update={"chunks": 3}) for op in plan.operations)})
+    op = plan.operations[0]
+    sender = lower(plan, op.src)
+    packs = [s for s in sender.steps if s.op == op.id and s.action == "pack"]
+    sends = [s for s in sender.steps if s.op == op.id and s.action == "send"]
+    assert len(sends) == 3 and len(packs) > 3
+    for send in sends:
+        waited = [sender.steps[d] for d in send.deps]
+        assert waited and all(w.action == "pack" for w in waited)
+        assert sum(w.data.nbytes for w in waited) == send.data.nbytes  # its own chunk's bytes, no more
+        assert min(w.data.start for w in waited) == send.data.start
+    for device in op.dsts:
+        steps = lower(plan, device).steps
+        recvs = [s for s in steps if s.op == op.id and s.action == "recv"]
+        unpacks = [s for s in steps if s.op == op.id and s.action == "unpack"]
+        assert len(recvs) == 3 and all(len(u.deps) == 1 and steps[u.deps[0]].action == "recv" for u in unpacks)
+        for recv in recvs:
+            assert sum(u.data.nbytes for u in unpacks if u.deps == (recv.index,)) == recv.data.nbytes

@@ -29,7 +29,7 @@ from xmesh_plan.planner.reference_cases import reference_problems  # noqa: E402
 from xmesh_plan.planner.transfer_io import build_transfer  # noqa: E402
 from xmesh_plan.planner.weight_sync import WEIGHT_SYNC, weight_sync_toml  # noqa: E402
 from xmesh_plan.executor.scale import factors_for  # noqa: E402
-from xmesh_plan.schemas import Plan  # noqa: E402
+from xmesh_plan.schemas import Cpu, Plan  # noqa: E402
 
 from .baseline_plans import baseline_plan  # noqa: E402
 from .predict import TESTBED_CPU, at_rate, predictions  # noqa: E402
@@ -63,15 +63,15 @@ EXTRA_CASES = {  # name -> (the problem, (label, compile_plan options) per plan)
 
 
 def _plans(name: str, rate_mbit: float, latency_us: float | None = None, overhead_us: float | None = None,
-           max_mb: float | None = None):
+           max_mb: float | None = None, cpu: Cpu | None = None):
     """(label, plan or the reason it could not be made) for every approach on case `name` at the link rate
     (and per-message latency and overhead, when given), on the reference tensor shrunk to at most
-    `max_mb` MiB as the executor would shrink it (when given)."""
+    `max_mb` MiB as the executor would shrink it (when given); planned with the shared CPU `cpu`, when given."""
     if name in EXTRA_CASES:
         make, variants = EXTRA_CASES[name]
-        problem = at_rate(make(), rate_mbit, latency_us, overhead_us)
+        problem = at_rate(make(), rate_mbit, latency_us, overhead_us, cpu)
         return [(label, compile_plan(problem, **options)) for label, options in variants]
-    problem = at_rate(build_problem(dict(reference_problems())[name]), rate_mbit, latency_us, overhead_us)
+    problem = at_rate(build_problem(dict(reference_problems())[name]), rate_mbit, latency_us, overhead_us, cpu)
     if max_mb is not None:  # plan the tensor that runs, so chunk counts fit its bytes (scaling keeps them)
         factors = factors_for(compile_plan(problem, "broadcast", "naive"), int(max_mb * 2**20))
         problem = problem.model_copy(update={"shape": tuple(n // f for n, f in zip(problem.shape, factors))})
@@ -102,8 +102,9 @@ def replace_cores(cpu):
     return cpu.model_copy(update={"cores": float(os.cpu_count() or cpu.cores)})
 
 
-def run_case(name: str, rate_mbit: float, opts: RunOptions, latency_us: float | None = None, overhead_us: float | None = None) -> dict:
-    made = _plans(name, rate_mbit, latency_us, overhead_us, opts.max_mb)
+def run_case(name: str, rate_mbit: float, opts: RunOptions, latency_us: float | None = None, overhead_us: float | None = None,
+             plan_cpu: Cpu | None = None) -> dict:
+    made = _plans(name, rate_mbit, latency_us, overhead_us, opts.max_mb, plan_cpu)
     plans = [(label, p) for label, p in made if not isinstance(p, str)]
     first_of: dict[str, str] = {}  # the operations, as JSON -> the first approach that has them
     same_as = {}
@@ -122,6 +123,7 @@ def run_case(name: str, rate_mbit: float, opts: RunOptions, latency_us: float | 
                      **({"same_as": same_as[label]} if same_as[label] != label else {})})
     shape = list(getattr(plans[0][1].problem, "shape", ()))
     return {"case": name, "rate_mbit": rate_mbit, "latency_us": latency_us, "overhead_us": overhead_us, "order": opts.order, "shape": shape, "rows": rows,
+            "plan_cpu": plan_cpu.model_dump() if plan_cpu is not None else None,
             "skipped": {label: p for label, p in made if isinstance(p, str)}, "checked": result.checked,
             "ok": result.ok, "wall_s": round(time.monotonic() - started, 1), "links": [h.as_dict() for h in result.hosts],
             "retransmitted_segments": result.retransmits,
@@ -186,6 +188,9 @@ def _arguments(argv):
     parser.add_argument("--single-copy", action="store_true",
                         help="mpi: MPICH's single-copy transport inside a host (MPIR_CVAR_CH4_CMA_ENABLE=1): one copy per "
                              "message of 8 KiB or more instead of two through shared memory")
+    parser.add_argument("--plan-cpu", action="store_true",
+                        help="make the plans with the testbed's shared CPU modelled (predict.TESTBED_CPU at this machine's "
+                             "core count, as Cluster.cpu): chunk counts that weigh the relays' copies inside a host")
     parser.add_argument("--no-markdown", action="store_true", help="leave BENCHMARKS.md alone")
     args = parser.parse_args(argv)
     if args.single_copy and args.engine != "mpi":
@@ -217,12 +222,13 @@ def main(argv=None) -> int:
             latency, overhead = (round(v, 1) for v in measure_message_costs(opts))
             print(f"measured per message at {rate:g} Mbit/s: latency {latency:g} us, overhead {overhead:g} us", flush=True)
         for name in args.cases.split(","):
-            runs.append(run_case(name, rate, opts, latency, overhead))
+            runs.append(run_case(name, rate, opts, latency, overhead, replace_cores(TESTBED_CPU) if args.plan_cpu else None))
             print(*table([runs[-1]], args.order).splitlines()[2:], link_table([runs[-1]]).splitlines()[-1], sep="\n", flush=True)
     load = os.getloadavg()
     meta = {"command": f"{COMMAND} --cases {args.cases} --rates {args.rates} --max-mb {args.max_mb:g} --iters {args.iters} "
                        f"--warmup {args.warmup} --mtu {args.mtu} --order {args.order} --engine {args.engine} --latency-us {args.latency_us}"
-                       f"{' --single-copy' if args.single_copy else ''}", "loadavg_after": load, "cpus": os.cpu_count(),
+                       f"{' --single-copy' if args.single_copy else ''}{' --plan-cpu' if args.plan_cpu else ''}",
+            "loadavg_after": load, "cpus": os.cpu_count(), "plan_cpu": args.plan_cpu,
             "order": args.order, "engine": args.engine, "single_copy": args.single_copy}
     write_json(args.out, {"meta": meta, "runs": runs})
     if not args.no_markdown:

@@ -43,6 +43,8 @@ def at_rate(problem: ReshardingProblem, rate_mbit: float, latency_us: float | No
 def predictions(plan: Plan, rate_mbit: float, cpu: Cpu | None = None) -> dict[str, float]:
     """Seconds per reshard under each queueing, and the byte lower bound, on the testbed's links (and CPU, when given)."""
     problem = at_rate(plan.problem, rate_mbit, cpu=cpu)
+    if cpu is None and problem.cluster.cpu is not None:  # a plan made with the CPU model (`experiments --plan-cpu`), priced on links alone
+        problem = problem.model_copy(update={"cluster": problem.cluster.model_copy(update={"cpu": None})})
     ops = plan.operations
     return {
         "host-order": simulate(ops, problem, "host-order", nic_assignment(plan.host_order)).makespan_s,

@@ -40,7 +40,8 @@ def repredicted(path: Path, cpu: Cpu) -> list[dict]:
     rows = []
     for run in data["runs"]:
         model = MODEL[run.get("order", data["meta"]["order"])]
-        made = dict(_plans(run["case"], run["rate_mbit"], run["latency_us"], run["overhead_us"], max_mb))
+        plan_cpu = Cpu.model_validate(run["plan_cpu"]) if run.get("plan_cpu") else None  # runs of `experiments --plan-cpu`
+        made = dict(_plans(run["case"], run["rate_mbit"], run["latency_us"], run["overhead_us"], max_mb, plan_cpu))
         for row in run["rows"]:
             if row.get("same_as") or not row["measured_s"] or isinstance(made.get(row["approach"]), str):
                 continue
