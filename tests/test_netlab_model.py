@@ -115,3 +115,23 @@ def test_a_case_runs_each_distinct_plan_once_and_every_solver_gets_a_row(monkeyp
         if "same_as" in r:
             twin = rows[r["same_as"]]
             assert "same_as" not in twin and r["measured_s"] == twin["measured_s"]
+
+
+def test_plans_made_with_the_testbed_cpu_chunk_more_and_are_also_priced_on_links_alone():
+    """`experiments --plan-cpu`: the plans carry the CPU (case 9's relays copy at the CPU's rate, so more chunks);
+    `predictions` without a CPU prices them as if they had none, with it as the CPU model says."""
+    from bench.netlab.experiments import _arguments, _plans
+    from bench.netlab.predict import TESTBED_CPU
+
+    links = dict(_plans("case9", 500, latency_us=0, overhead_us=250, max_mb=32))["ours"]
+    cpu = dict(_plans("case9", 500, latency_us=0, overhead_us=250, max_mb=32, cpu=TESTBED_CPU))["ours"]
+    verify_plan(cpu)
+    assert links.problem.cluster.cpu is None and cpu.problem.cluster.cpu == TESTBED_CPU
+    assert max(op.chunks for op in cpu.operations) > max(op.chunks for op in links.operations)
+    bare = cpu.model_copy(update={"problem": links.problem})  # the same operations on a cluster without the CPU
+    assert predictions(cpu, 500) == predictions(bare, 500)
+    assert predictions(cpu, 500, TESTBED_CPU) == predictions(bare, 500, TESTBED_CPU)
+    assert predictions(cpu, 500, TESTBED_CPU)["device-order"] < predictions(links, 500, TESTBED_CPU)["device-order"]
+    assert _arguments(["--plan-cpu"]).plan_cpu and not _arguments([]).plan_cpu
+    with pytest.raises(SystemExit):
+        _arguments(["--max-run-gib", "0"])

@@ -33,7 +33,7 @@ from xmesh_plan.schemas import Cpu, Plan  # noqa: E402
 
 from .baseline_plans import baseline_plan  # noqa: E402
 from .predict import TESTBED_CPU, at_rate, predictions  # noqa: E402
-from .run_plan import RunOptions, run_plans, scaled  # noqa: E402
+from .run_plan import MAX_RUN_BYTES, RunOptions, run_plans, scaled  # noqa: E402
 from .testbed import LinkShape, unavailable_reason  # noqa: E402
 
 APPROACHES = [  # label, strategy, solver (None: an Alpa baseline)
@@ -191,8 +191,13 @@ def _arguments(argv):
     parser.add_argument("--plan-cpu", action="store_true",
                         help="make the plans with the testbed's shared CPU modelled (predict.TESTBED_CPU at this machine's "
                              "core count, as Cluster.cpu): chunk counts that weigh the relays' copies inside a host")
+    parser.add_argument("--max-run-gib", type=float, default=MAX_RUN_BYTES / 2**30,
+                        help="refuse a case whose plans would move more than this across devices in all their reshards "
+                             "(default %(default)g; every paper case at 64 MiB and 4 reshards needs 10)")
     parser.add_argument("--no-markdown", action="store_true", help="leave BENCHMARKS.md alone")
     args = parser.parse_args(argv)
+    if not (math.isfinite(args.max_run_gib) and args.max_run_gib > 0):
+        parser.error(f"--max-run-gib {args.max_run_gib:g}: give a positive number of GiB")
     if args.single_copy and args.engine != "mpi":
         parser.error("--single-copy is an MPICH setting; use it with --engine mpi")
     args.costs = None
@@ -216,7 +221,7 @@ def main(argv=None) -> int:
     runs = []
     for rate in [float(r) for r in args.rates.split(",")]:
         opts = RunOptions(LinkShape(rate, args.mtu), args.max_mb, args.iters, args.warmup, order=args.order, engine=args.engine,
-                          single_copy=args.single_copy)
+                          single_copy=args.single_copy, max_run_bytes=int(args.max_run_gib * 2**30))
         latency, overhead = args.costs or (None, None)
         if args.latency_us == "measure":
             latency, overhead = (round(v, 1) for v in measure_message_costs(opts))
@@ -224,12 +229,9 @@ def main(argv=None) -> int:
         for name in args.cases.split(","):
             runs.append(run_case(name, rate, opts, latency, overhead, replace_cores(TESTBED_CPU) if args.plan_cpu else None))
             print(*table([runs[-1]], args.order).splitlines()[2:], link_table([runs[-1]]).splitlines()[-1], sep="\n", flush=True)
+            write_json(args.out, {"meta": _meta(args, None), "runs": runs})  # kept case by case: a later failure loses nothing
     load = os.getloadavg()
-    meta = {"command": f"{COMMAND} --cases {args.cases} --rates {args.rates} --max-mb {args.max_mb:g} --iters {args.iters} "
-                       f"--warmup {args.warmup} --mtu {args.mtu} --order {args.order} --engine {args.engine} --latency-us {args.latency_us}"
-                       f"{' --single-copy' if args.single_copy else ''}{' --plan-cpu' if args.plan_cpu else ''}",
-            "loadavg_after": load, "cpus": os.cpu_count(), "plan_cpu": args.plan_cpu,
-            "order": args.order, "engine": args.engine, "single_copy": args.single_copy}
+    meta = _meta(args, load)
     write_json(args.out, {"meta": meta, "runs": runs})
     if not args.no_markdown:
         title = "Emulated cluster (bench/netlab)" + ("" if args.order == "device" else f", executor order {args.order}") + (
@@ -237,6 +239,16 @@ def main(argv=None) -> int:
         replace_section(title, f"`{meta['command']}` (as root; load average after: "
                         f"{load[0]:.1f}, {os.cpu_count()} cores)\n\n{table(runs, args.order)}\n\n{link_table(runs)}\n")
     return 0 if all(r["ok"] and r["checked"] for r in runs) else 1
+
+
+def _meta(args, load) -> dict:
+    """The results file's header: the command that made it, the load average after (None while it runs), the machine."""
+    return {"command": f"{COMMAND} --cases {args.cases} --rates {args.rates} --max-mb {args.max_mb:g} --iters {args.iters} "
+                       f"--warmup {args.warmup} --mtu {args.mtu} --order {args.order} --engine {args.engine} --latency-us {args.latency_us}"
+                       f"{' --single-copy' if args.single_copy else ''}{' --plan-cpu' if args.plan_cpu else ''}"
+                       f"{f' --max-run-gib {args.max_run_gib:g}' if args.max_run_gib * 2**30 != MAX_RUN_BYTES else ''}",
+            "loadavg_after": load, "cpus": os.cpu_count(), "plan_cpu": args.plan_cpu,
+            "order": args.order, "engine": args.engine, "single_copy": args.single_copy}
 
 
 if __name__ == "__main__":

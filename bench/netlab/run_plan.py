@@ -92,7 +92,7 @@ def _check_bounds(plans: list[Plan], opts: RunOptions) -> None:
     total = sum(bytes_moved(p) for p in plans) * (opts.warmup + opts.iters)
     if total > opts.max_run_bytes:
         raise ValueError(f"these plans would move {total / 2**30:.1f} GiB in {opts.warmup + opts.iters} reshards each, over the "
-                         f"{opts.max_run_bytes / 2**30:.1f} GiB bound; lower max_mb or iterations")
+                         f"{opts.max_run_bytes / 2**30:.1f} GiB bound; lower max_mb or iterations (or raise the bound: experiments --max-run-gib)")
 
 
 def run_plans(plans: list[Plan], opts: RunOptions) -> RunResult:
