@@ -1,7 +1,9 @@
 """Strategies for one unit task: the concrete operations each emits and its predicted duration.
 
 Times follow the paper's model made concrete with the cluster (and match planner/simulate.py in host
-order, a task alone): a
+order, a task alone, without `Cluster.cpu`; with it they price each hop inside a host at the copy rate
+but leave out that a relay's two copies share its one core and all ranks share the cores, which the
+simulator, and so the plan's predicted time, counts): a
 message of b bytes over a link keeps it busy `overhead + b / bandwidth` and arrives one `latency`
 later; cross-host links use the NIC bandwidth, links inside a host the intra-host bandwidth. A
 pipelined broadcast of K chunks down a chain of A hops with per-chunk times c_h (overhead plus the
