@@ -135,3 +135,19 @@ def test_plans_made_with_the_testbed_cpu_chunk_more_and_are_also_priced_on_links
     assert _arguments(["--plan-cpu"]).plan_cpu and not _arguments([]).plan_cpu
     with pytest.raises(SystemExit):
         _arguments(["--max-run-gib", "0"])
+
+
+def test_the_summary_reads_a_results_file_that_is_still_being_written(tmp_path):
+    """`experiments` writes its results after each case with no load average yet; `summary --compact` still reads it."""
+    import json
+
+    from bench.netlab.summary import compact
+
+    row = {"approach": "ours", "measured_s": 0.3, "min_s": 0.3, "strategy": "broadcast", "solver": "auto", "ops": 4,
+           "predicted_s": {"device-order": 0.28, "host-order": 0.28, "posted": 0.28, "lower-bound": 0.27}}
+    run = {"case": "case9", "rate_mbit": 500, "order": "device", "rows": [row], "ok": True, "checked": True,
+           "links": [{"host": 0, "sent": 101, "received": 0, "predicted_sent": 100, "predicted_received": 0}]}
+    path = tmp_path / "partial.json"
+    path.write_text(json.dumps({"meta": {"command": "x", "loadavg_after": None, "order": "device"}, "runs": [run]}))
+    text = compact([path])
+    assert "had not finished" in text and "| case9 | 500 | device | 300 | 1.111 |" in text

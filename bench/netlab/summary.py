@@ -130,10 +130,16 @@ def compact(paths: list[Path]) -> str:
                          f"{ours['measured_s'] / ours['predicted_s']['lower-bound']:.3f} | {ours['measured_s'] / ours['predicted_s'][model]:.2f} | "
                          + " | ".join(other) + f" | {good} of {len(fits)} | {worst[1]} {worst[0]:.2f} | {link / plan:.4f} |")
     commands = "\n".join(f"    {meta['command']}" for meta, _ in (_rows(p) for p in paths))
-    loads = ", ".join(f"{_rows(p)[0]['loadavg_after'][0]:.1f}" for p in paths)
+    loads = ", ".join(_load(_rows(p)[0]) for p in paths)
     return (f"Made by (as root, one launch per case and rate; load average after each run: {loads}):\n\n{commands}\n"
             f"    .venv/bin/python -m bench.netlab.summary --compact " + " ".join(str(p) for p in paths)
             + f"\n\n" + "\n".join(lines) + f"\n\nDistinct plans within 10% of their model: {within} of {total}.\n")
+
+
+def _load(meta: dict) -> str:
+    """The load average after a launch, or what a results file still being written (or cut short) says instead."""
+    load = meta.get("loadavg_after")
+    return f"{load[0]:.1f}" if load else "- (the launch had not finished)"
 
 
 def main(argv=None) -> int:
