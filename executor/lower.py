@@ -306,11 +306,11 @@ class _Builder:
 
     def outgoing(self, op: Operation, box: Box, deps: tuple[int, ...]) -> tuple[Bytes, tuple[int, ...]]:
         """Where the bytes of `box` are sent from: the shard itself, or staging after a pack step."""
-        data, (deps,) = self.outgoing_chunks(op, box, deps, [(0, box.nbytes)])
+        data, (deps,) = self.outgoing_chunks(op, box, deps, [(0, box.nbytes)], [""])
         return data, deps
 
-    def outgoing_chunks(self, op: Operation, box: Box, deps: tuple[int, ...],
-                        ranges: list[tuple[int, int]]) -> tuple[Bytes, list[tuple[int, ...]]]:
+    def outgoing_chunks(self, op: Operation, box: Box, deps: tuple[int, ...], ranges: list[tuple[int, int]],
+                        names: list[str]) -> tuple[Bytes, list[tuple[int, ...]]]:
         """`outgoing` for a box sent in chunks (byte ranges of it): a staged box is packed chunk by chunk,
         so its first chunk leaves after one chunk's pack, not the whole box's; what each chunk's send waits for."""
         if box.span is not None:
@@ -318,7 +318,7 @@ class _Builder:
         start = self.stage(box.nbytes)
         data = Bytes("stage", start, start + box.nbytes)
         return data, [tuple(self.add("pack", op, deps=deps, data=d, box=piece, piece=name)
-                            for d, piece in self.pieces(box, data, lo, hi)) for (lo, hi), name in zip(ranges, _chunk_names(ranges))]
+                            for d, piece in self.pieces(box, data, lo, hi)) for (lo, hi), name in zip(ranges, names)]
 
     def pieces(self, box: Box, staged: Bytes, lo: int, hi: int) -> list[tuple[Bytes, Box]]:
         """Bytes lo..hi-1 of staged `box` as (staging bytes, sub-box) pairs to pack or unpack one by one (`flat_pieces`)."""
@@ -373,7 +373,7 @@ def _lower_chain(b: _Builder, op: Operation, base: int) -> None:
     own = b.box("src" if b.device == op.src else "dst", op.region)
     b.collective(op, op.src, own, ranges)
     if b.device == op.src:
-        data, waits = b.outgoing_chunks(op, own, (), ranges)
+        data, waits = b.outgoing_chunks(op, own, (), ranges, pieces)
         for tag, (lo, hi), piece, deps in zip(tags, ranges, pieces, waits):
             b.add("send", op, deps=deps, peer=chain[0], tag=tag, data=Bytes(data.buffer, data.start + lo, data.start + hi), piece=piece)
         return

@@ -164,6 +164,12 @@ class TransferExecutor:
         device_of_rank(joint, world.rank, world.size, world.label, world.launch)
         for part in self.parts:
             part.lower_program()
+        self._allocate()
+        return self
+
+    def _allocate(self) -> None:
+        """`prepare()` once every tensor is lowered: lay out their staging (one joint program, or one area
+        used in turn), check it against the plan's stated peak on every rank, then set up the engines."""
         if self.joined:
             self._join()
         elif not self.concurrent and len(self.parts) > 1:
@@ -171,7 +177,6 @@ class TransferExecutor:
         if self.plan.staging is not None:  # every rank reads the same plan, so every rank agrees here, before any allocation
             self.parts[0]._agree(self._over_stated(self._planned_staging()))
         self._setup_engines()
-        return self
 
     def _planned_staging(self) -> int:
         """Bytes of staging the engines will allocate on this rank (what `stage_bytes` says once they are set up)."""

@@ -863,10 +863,10 @@ def test_every_tensor_of_the_small_weight_sync_runs_on_fake_nccl(monkeypatch):
 # ---------------------------------------------------------------------------------------------
 
 def fake_nccl_transfer(plan, gpu, monkeypatch, order: str | None = None) -> list:
-    """One `TransferExecutor(backend='nccl')` per rank in this process, set up as `prepare()` does after lowering
-    (the joint program in device order or the shared area one after another, then `_setup_engines` and the
-    check against the stated staging, every rank's engines before the next rank's: the lowest device of a
-    group sends its unique id); the unique ids travel over `FakeMpiComm`, the rank agreement is this rank's alone."""
+    """One `TransferExecutor(backend='nccl')` per rank in this process, lowered here and then set up by `prepare()`'s
+    own `_allocate` (staging layout, the check against the stated staging, the engines), every rank's engines before
+    the next rank's: the lowest device of a group sends its unique id; the unique ids travel over `FakeMpiComm`,
+    the rank agreement is this rank's alone."""
     from test_executor_sim import FakeWorld
     from test_transfer_plan import _WorldComm
     from xmesh_plan.executor import TransferExecutor
@@ -885,13 +885,7 @@ def fake_nccl_transfer(plan, gpu, monkeypatch, order: str | None = None) -> list
         for part in ex.parts:
             part.program = lower(part.plan, device, tag_limit=2**62)
             part.shared_comm = FakeMpiComm(mail, rank)
-        if ex.joined:
-            ex._join()
-        else:
-            ex.area = max(ex.entry.stage_need(part.program) for part in ex.parts)
-        if plan.staging is not None:
-            agree_alone(ex, ex._over_stated(ex._planned_staging()))
-        ex._setup_engines()
+        ex._allocate()
         assert ex.stage_bytes == ex._planned_staging()
         out.append(ex)
     assert not any(mail.values()), "unique ids sent that nobody received"
