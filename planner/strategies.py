@@ -1,9 +1,9 @@
 """Strategies for one unit task: the concrete operations each emits and its predicted duration.
 
 Times follow the paper's model made concrete with the cluster (and match planner/simulate.py in host
-order, a task alone, without `Cluster.cpu`; with it they price each hop inside a host at the copy rate
-but leave out that a relay's two copies share its one core and all ranks share the cores, which the
-simulator, and so the plan's predicted time, counts): a
+order, a task alone, without `Cluster.cpu`; with it they price each hop inside a host at the copy rate,
+and a broadcast's chunks also wait for a relay's two copies on its one core and for the cores its chain
+shares, but not for other tasks' copies, which the simulator, and so the plan's predicted time, counts): a
 message of b bytes over a link keeps it busy `overhead + b / bandwidth` and arrives one `latency`
 later; cross-host links use the NIC bandwidth, links inside a host the intra-host bandwidth. A
 pipelined broadcast of K chunks down a chain of A hops with per-chunk times c_h (overhead plus the
@@ -136,7 +136,8 @@ def pipelined_seconds(nbytes: int, hop_cross: list[bool], ctx: TaskContext) -> t
 
 @lru_cache(maxsize=4096)
 def _pipelined_seconds(nbytes: int, hop_cross: tuple[bool, ...], cluster: Cluster, sharing: int = 1) -> tuple[float, int]:
-    """The time is `A*latency + fill + K*c_max`, where `fill` (the other hops' share of one chunk) is
+    """The time is `A*latency + fill + K*c_max`, where `c_max` is the slowest stage per chunk (a hop, or with
+    the CPU modelled a relay's or the cores' copies: `_cpu_per_chunk`) and `fill` (the rest of one chunk's way) is
     the pipeline's fill and drain. K minimises `fill / sharing + K*c_max`: among `sharing` tasks queued
     on one NIC side only the last one's drain shows (each runs while the next fills), while every
     chunk's overhead keeps the side busy, so a lone task gets the fastest K and a crowded one fewer chunks."""
@@ -146,10 +147,22 @@ def _pipelined_seconds(nbytes: int, hop_cross: tuple[bool, ...], cluster: Cluste
     ks = np.arange(1, k_max + 1, dtype=np.float64)
     latency, overhead, bw = np.array([hop_cost(cluster, c) for c in hop_cross]).T
     per_chunk = overhead[None, :] + (nbytes / ks)[:, None] / bw[None, :]
-    widest = per_chunk.max(axis=1)
+    widest = np.maximum(per_chunk.max(axis=1), _cpu_per_chunk(per_chunk, hop_cross, cluster))
     fill = per_chunk.sum(axis=1) - widest
     best = int(np.argmin(fill / sharing + ks * widest))
     return float(latency.sum() + fill[best] + ks[best] * widest[best]), int(ks[best])
+
+
+def _cpu_per_chunk(per_chunk: np.ndarray, hop_cross: tuple[bool, ...], cluster: Cluster) -> np.ndarray:
+    """Per K, the CPU's time per chunk in the pipeline's steady state (`Cluster.cpu`; zeros without it): a hop
+    inside a host is copy work at both of its ends, so a relay between two such hops copies twice per chunk on its
+    one core, and all of the chain's copies share the machine's `cores` (as `simulate` prices them)."""
+    inside = ~np.array(hop_cross)
+    if cluster.cpu is None or not inside.any():
+        return np.zeros(per_chunk.shape[0])
+    copies = np.where(inside[None, :], per_chunk, 0.0)
+    relay = (copies[:, 1:] + copies[:, :-1]).max(axis=1) if len(hop_cross) > 1 else np.zeros(per_chunk.shape[0])
+    return np.maximum(relay, 2 * copies.sum(axis=1) / cluster.cpu.cores)
 
 
 def broadcast(ctx: TaskContext) -> StrategyResult:

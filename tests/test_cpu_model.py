@@ -150,11 +150,11 @@ def test_inspect_names_the_cpu_only_when_there_is_one():
     assert "CPU shared by every rank: 2 cores, copies 24 Gbit/s per core, 0 us per message inside a host" in summarize(with_cpu)
 
 
-def one_to_host(cpu: Cpu | None) -> ReshardingProblem:
+def one_to_host(cpu: Cpu | None, gbps: float = 0.5) -> ReshardingProblem:
     """One device sends a 16 MiB tensor to the 4 devices of another host over a 500 Mbit/s NIC: one cross-host hop, then 3 inside."""
     return build_problem({"name": "fan", "shape": list(SHAPE), "dtype": "int32", "src": {"mesh": "1x1", "spec": "R R R"},
                           "dst": {"mesh": "1x4", "spec": "R R R"},
-                          "cluster": {"nics": [{"send_gbps": 0.5, "recv_gbps": 0.5}], "overhead_us": 200, "latency_us": 0,
+                          "cluster": {"nics": [{"send_gbps": gbps, "recv_gbps": gbps}], "overhead_us": 200, "latency_us": 0,
                                       **({"cpu": cpu.model_dump()} if cpu else {})}})
 
 
@@ -168,3 +168,21 @@ def test_the_planner_chunks_for_the_relays_copies_when_the_cpu_is_modelled():
     priced = one_to_host(cpu)
     assert simulate(with_cpu.operations, priced).makespan_s < simulate(links_only.operations, priced).makespan_s
     assert with_cpu.predicted_seconds == pytest.approx(simulate(with_cpu.operations, priced).makespan_s, rel=0.02)
+
+
+def test_a_broadcasts_chunks_wait_for_the_copies_its_relays_share():
+    """With a fast NIC the copies pace the chain: each of the 2 relays copies every chunk twice on its one core, and the
+    chain's 6 copies per chunk share 2 cores (3 copies' time per chunk, not 1). The broadcast's time, with the K it
+    chose, is what the simulator gives that operation, and no other K simulates faster by more than 1%."""
+    from xmesh_plan.planner.strategies import TaskContext, broadcast
+
+    problem = one_to_host(Cpu(cores=2, copy_gbps=24), gbps=10)
+    ctx = TaskContext(full(problem), problem.nbytes, 0, (4, 5, 6, 7), problem.cluster, problem.itemsize)
+    chosen = broadcast(ctx)
+
+    def simulated(k):
+        op = Operation(id=0, task=0, kind="broadcast", src=0, dsts=(4, 5, 6, 7), region=full(problem), chunks=k)
+        return simulate([op], problem).makespan_s
+
+    assert chosen.duration_s == pytest.approx(simulated(chosen.chunks), rel=0.01)
+    assert simulated(chosen.chunks) <= 1.01 * min(simulated(k) for k in (1, 2, 4, 8, 16, 32, 64))
