@@ -29,7 +29,7 @@ from xmesh_plan.schemas.carriers import group_key, has_carriers
 from xmesh_plan.schemas.staging import aligned, stage_budget, staging_align
 
 from .errors import PlanMismatchError
-from .lower import Bytes, RankProgram, Step, in_device_order
+from .lower import Bytes, RankProgram, Step, in_device_order, stage_ranges
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,11 +95,7 @@ def join_programs(programs: Sequence[RankProgram], plan: Plan, order: str = "dev
 def _one_area(steps: tuple[Step, ...], where: tuple[tuple[int, int], ...], align: int) -> tuple[tuple[Step, ...], int]:
     """The steps with every (tensor, operation)'s staging moved into one area, one after another in step order,
     each starting at a multiple of `align` (`schemas.staging.chained`); and the area's size."""
-    spans: dict[tuple[int, int], list[int]] = {}
-    for s, (t, _) in zip(steps, where):
-        if s.data is not None and s.data.buffer == "stage":
-            lo, hi = spans.setdefault((t, s.op), [s.data.start, s.data.stop])
-            spans[(t, s.op)] = [min(lo, s.data.start), max(hi, s.data.stop)]
+    spans = stage_ranges(steps, [(t, s.op) for s, (t, _) in zip(steps, where)])
     shift, at = {}, 0
     for k, (lo, hi) in spans.items():  # dicts keep the order of first appearance: step order
         if hi > lo:

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field, replace
-from typing import Literal, Mapping
+from typing import Hashable, Literal, Mapping, Sequence
 
 import numpy as np
 
@@ -500,20 +500,27 @@ def lower(plan: Plan, device: int, tag_limit: int | None = None, first_tag: int 
     return RankProgram(device, tuple(b.steps), b.stage_bytes, b.src_blocks.get(device), dst_block, b.itemsize, tuple(b.collectives))
 
 
-def _staging_spans(program: RankProgram, key: Mapping[int, int]) -> dict[int, tuple[frozenset[int], int, int]]:
-    """Op (or the group `key` puts it in) -> (its peers, the start and stop of its staging bytes, equal when
-    none), in plan order. The lowering stages one operation after another, so each operation's staging is one
-    range (and `executor.joint` lays a shared message's bundles out one after another)."""
-    spans: dict[int, tuple[frozenset[int], int, int]] = {}
-    for s in program.steps:
-        k = key.get(s.op, s.op)
-        peers, lo, hi = spans.get(k, (frozenset(), None, None))
-        if s.action in ("send", "recv"):
-            peers |= {s.peer}
+def stage_ranges(steps: Sequence[Step], keys: Sequence[Hashable]) -> dict[Hashable, tuple[int, int]]:
+    """Key -> (start, stop) of the staging bytes of the steps with that key (`keys[i]` is step i's), equal when
+    none, in the order keys first appear. The lowering stages one operation after another, so an operation's
+    staging is one range; `in_device_order` keys steps by operation, `executor.joint` by (tensor, operation)."""
+    spans: dict[Hashable, tuple[int | None, int]] = {}
+    for s, k in zip(steps, keys):
+        lo, hi = spans.get(k, (None, 0))
         if s.data is not None and s.data.buffer == "stage":
-            lo, hi = min(s.data.start, lo if lo is not None else s.data.start), max(s.data.stop, hi or 0)
-        spans[k] = (peers, lo, hi)
-    return {op: (peers, lo or 0, hi or 0) for op, (peers, lo, hi) in spans.items()}
+            lo, hi = min(s.data.start, s.data.start if lo is None else lo), max(s.data.stop, hi)
+        spans[k] = (lo, hi)
+    return {k: (lo or 0, hi) for k, (lo, hi) in spans.items()}
+
+
+def _staging_spans(program: RankProgram, key: Mapping[int, int]) -> dict[int, tuple[frozenset[int], int, int]]:
+    """Op (or the group `key` puts it in) -> (its peers, the start and stop of its staging bytes), in plan order
+    (`executor.joint` lays a shared message's bundles out one after another, so a group's staging is one range too)."""
+    keys = [key.get(s.op, s.op) for s in program.steps]
+    peers: dict[int, frozenset[int]] = {}
+    for s, k in zip(program.steps, keys):
+        peers[k] = peers.get(k, frozenset()) | ({s.peer} if s.action in ("send", "recv") else set())
+    return {k: (peers[k], lo, hi) for k, (lo, hi) in stage_ranges(program.steps, keys).items()}
 
 
 def in_device_order(program: RankProgram, stage_budget: int | None = None, align: int | None = None,
