@@ -151,3 +151,26 @@ def test_the_summary_reads_a_results_file_that_is_still_being_written(tmp_path):
     path.write_text(json.dumps({"meta": {"command": "x", "loadavg_after": None, "order": "device"}, "runs": [run]}))
     text = compact([path])
     assert "had not finished" in text and "| case9 | 500 | device | 300 | 1.111 |" in text
+
+
+def test_the_first_come_what_if_serves_a_send_side_one_message_at_a_time_and_restores_max_min():
+    """`bench.netlab.sharing`: two 1 MB messages leave one host at once. Max-min: both arrive at 2 ms on a 1 GB/s
+    side. First come at send sides: the first at 1 ms, the second at 2 ms; two messages from different hosts into
+    one receive side still share it (both at 2 ms). The simulator's own rule is back after the block."""
+    from bench.netlab.sharing import sharing
+    from xmesh_plan.planner import simulate
+    from xmesh_plan.planner.simulate import Flow, max_min_rates, run_flows
+
+    cap = {"h0.send:0": 1e9, "h1.send:0": 1e9, "h2.recv:0": 1e9, "h3.recv:0": 1e9}
+    one_side = [Flow(0, 0, 1e6, 0.0, ("h0.send:0", "h2.recv:0")), Flow(1, 1, 1e6, 0.0, ("h0.send:0", "h3.recv:0"))]
+    into_one = [Flow(0, 0, 1e6, 0.0, ("h0.send:0", "h2.recv:0")), Flow(1, 1, 1e6, 0.0, ("h1.send:0", "h2.recv:0"))]
+    arrivals = lambda flows: sorted(round(end * 1e3, 6) for _, end in simulate.run_flows(flows, cap).values())
+    assert arrivals(one_side) == [2.0, 2.0]
+    with sharing("first-come-send"):
+        assert arrivals(one_side) == [1.0, 2.0]
+        assert arrivals(into_one) == [2.0, 2.0]
+    with sharing("first-come-all"):
+        assert arrivals(into_one) == [1.0, 2.0]
+    with sharing("first-come-send-small", small_mib=0.5):  # 1 MB is not small: max-min
+        assert arrivals(one_side) == [2.0, 2.0]
+    assert simulate.run_flows is run_flows and simulate.max_min_rates is max_min_rates

@@ -1,0 +1,65 @@
+"""The planner's chunk counts against the simulator's best, with the testbed's CPU model (`Cluster.cpu`).
+
+    PYTHONPATH=$PWD .venv/bin/python -m bench.netlab.chunk_sweep --cases one_to_1x4,case9 --rates 500,10000 --mb 32,2048
+
+Per case, rate and tensor size: the broadcast plan (greedy solver) made with `predict.TESTBED_CPU` and 300 us per
+message, its simulated time (host order, the plan's own claim), and every broadcast forced to each K of a sweep:
+the best K and "planner / best" (below 1 where the planner's K is above the sweep's largest). `--hops-only` prices
+chunks hop by hop, as the planner did before it counted a relay's copies and the shared cores (session 11).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import numpy as np
+
+from xmesh_plan.executor.scale import factors_for
+from xmesh_plan.planner.compile import compile_plan
+from xmesh_plan.planner.problem_io import build_problem
+from xmesh_plan.planner.reference_cases import reference_problems
+from xmesh_plan.planner import strategies
+from xmesh_plan.planner.simulate import simulate_plan
+
+from .predict import TESTBED_CPU, at_rate
+
+SWEEP = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
+
+
+def sweep(name: str, rate_mbit: float, max_mb: float) -> str:
+    """One table row: the planner's chunk counts and time against the best forced K."""
+    problem = at_rate(build_problem(dict(reference_problems())[name]), rate_mbit, 0.0, 300.0, TESTBED_CPU)
+    factors = factors_for(compile_plan(problem, "broadcast", "naive"), int(max_mb * 2**20))
+    problem = problem.model_copy(update={"shape": tuple(n // f for n, f in zip(problem.shape, factors))})
+    plan = compile_plan(problem, "broadcast", "greedy")
+    timed = {}
+    for k in SWEEP:
+        ops = tuple(op.model_copy(update={"chunks": k}) if op.kind == "broadcast" else op for op in plan.operations)
+        timed[k] = simulate_plan(plan.model_copy(update={"operations": ops})).makespan_s
+    best = min(timed, key=timed.get)
+    mine = simulate_plan(plan).makespan_s
+    ks = sorted({op.chunks for op in plan.operations if op.kind == "broadcast"})
+    return (f"| {name} | {rate_mbit:g} | {max_mb:g} | {','.join(map(str, ks))} | {mine * 1e3:.2f} | {best} | "
+            f"{timed[best] * 1e3:.2f} | {mine / timed[best]:.3f} |")
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.netlab.chunk_sweep", description=__doc__.splitlines()[0])
+    parser.add_argument("--cases", default="one_to_1x4,case9")
+    parser.add_argument("--rates", default="500,10000", help="Mbit/s, comma-separated")
+    parser.add_argument("--mb", default="32,2048", help="tensor sizes in MiB, comma-separated")
+    parser.add_argument("--hops-only", action="store_true", help="the planner prices each hop alone (before session 11)")
+    args = parser.parse_args(argv)
+    if args.hops_only:
+        strategies._cpu_per_chunk = lambda per_chunk, hop_cross, cluster: np.zeros(per_chunk.shape[0])
+    print("| case | Mbit/s | MiB | planner K | planner ms | best K | best ms | planner / best |\n|---|---|---|---|---|---|---|---|")
+    for name in args.cases.split(","):
+        for rate in map(float, args.rates.split(",")):
+            for mb in map(float, args.mb.split(",")):
+                print(sweep(name, rate, mb), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
