@@ -90,11 +90,13 @@ class TaskContext:
 def hop_cost(cluster: Cluster, cross_host: bool) -> tuple[float, float, float]:
     """(latency s, overhead s, bytes/s) of one message between two devices, as `simulate` prices it alone:
     across hosts over the NIC; inside a host over the intra-host link, or, where the cluster models its
-    shared CPU (`Cluster.cpu`), as CPU work: `message_us` plus the bytes at the copy rate, no latency."""
+    shared CPU (`Cluster.cpu`), as CPU work: `message_us` plus the bytes at the copy rate, no latency, each end on
+    a core of its own unless the machine has fewer than 2 (`_end_share`)."""
     if cross_host:
         return cluster.latency_s, cluster.overhead_s, cluster.message_bytes_per_s
     if cluster.cpu is not None:
-        return 0.0, cluster.cpu.message_us * 1e-6, cluster.cpu.copy_bytes_per_us * 1e6
+        share = _end_share(cluster)
+        return 0.0, cluster.cpu.message_us * 1e-6 / share, cluster.cpu.copy_bytes_per_us * 1e6 * share
     return cluster.latency_s, cluster.overhead_s, cluster.intra_bytes_per_s
 
 
@@ -148,7 +150,7 @@ def _pipelined_seconds(nbytes: int, hop_cross: tuple[bool, ...], cluster: Cluste
     latency, overhead, bw = np.array([hop_cost(cluster, c) for c in hop_cross]).T
     per_chunk = overhead[None, :] + (nbytes / ks)[:, None] / bw[None, :]
     widest = np.maximum(per_chunk.max(axis=1), _cpu_per_chunk(per_chunk, hop_cross, cluster))
-    fill = per_chunk.sum(axis=1) - widest
+    fill = np.maximum(per_chunk.sum(axis=1) - widest, 0.0)  # K chunks take at least K times the slowest stage
     best = int(np.argmin(fill / sharing + ks * widest))
     return float(latency.sum() + fill[best] + ks[best] * widest[best]), int(ks[best])
 
@@ -160,9 +162,15 @@ def _cpu_per_chunk(per_chunk: np.ndarray, hop_cross: tuple[bool, ...], cluster: 
     inside = ~np.array(hop_cross)
     if cluster.cpu is None or not inside.any():
         return np.zeros(per_chunk.shape[0])
-    copies = np.where(inside[None, :], per_chunk, 0.0)
+    copies = np.where(inside[None, :], per_chunk, 0.0) * _end_share(cluster)  # one end's work, in seconds of one core
     relay = (copies[:, 1:] + copies[:, :-1]).max(axis=1) if len(hop_cross) > 1 else np.zeros(per_chunk.shape[0])
     return np.maximum(relay, 2 * copies.sum(axis=1) / cluster.cpu.cores)
+
+
+def _end_share(cluster: Cluster) -> float:
+    """The share of a core each end of a message inside a host gets when it runs alone: the two ends share the
+    machine's `cores`, at most one core each (as `simulate.cpu_hop` prices them)."""
+    return min(1.0, cluster.cpu.cores / 2)
 
 
 def broadcast(ctx: TaskContext) -> StrategyResult:

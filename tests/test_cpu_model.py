@@ -170,13 +170,15 @@ def test_the_planner_chunks_for_the_relays_copies_when_the_cpu_is_modelled():
     assert with_cpu.predicted_seconds == pytest.approx(simulate(with_cpu.operations, priced).makespan_s, rel=0.02)
 
 
-def test_a_broadcasts_chunks_wait_for_the_copies_its_relays_share():
+@pytest.mark.parametrize("cores", [2, 1, 0.5])
+def test_a_broadcasts_chunks_wait_for_the_copies_its_relays_share(cores):
     """With a fast NIC the copies pace the chain: each of the 2 relays copies every chunk twice on its one core, and the
-    chain's 6 copies per chunk share 2 cores (3 copies' time per chunk, not 1). The broadcast's time, with the K it
-    chose, is what the simulator gives that operation, and no other K simulates faster by more than 1%."""
+    chain's 6 copies per chunk share the cores (on 2 cores 3 copies' time per chunk, not 1; below 2 the two ends of
+    one message already share them). The broadcast's time, with the K it chose, is what the simulator gives that
+    operation, and no other K simulates faster by more than 1%."""
     from xmesh_plan.planner.strategies import TaskContext, broadcast
 
-    problem = one_to_host(Cpu(cores=2, copy_gbps=24), gbps=10)
+    problem = one_to_host(Cpu(cores=cores, copy_gbps=24), gbps=10)
     ctx = TaskContext(full(problem), problem.nbytes, 0, (4, 5, 6, 7), problem.cluster, problem.itemsize)
     chosen = broadcast(ctx)
 

@@ -157,7 +157,7 @@ def test_the_first_come_what_if_serves_a_send_side_one_message_at_a_time_and_res
     """`bench.netlab.sharing`: two 1 MB messages leave one host at once. Max-min: both arrive at 2 ms on a 1 GB/s
     side. First come at send sides: the first at 1 ms, the second at 2 ms; two messages from different hosts into
     one receive side still share it (both at 2 ms). The simulator's own rule is back after the block."""
-    from bench.netlab.sharing import sharing
+    from bench.netlab.sharing import FirstCome, sharing
     from xmesh_plan.planner import simulate
     from xmesh_plan.planner.simulate import Flow, max_min_rates, run_flows
 
@@ -173,4 +173,11 @@ def test_the_first_come_what_if_serves_a_send_side_one_message_at_a_time_and_res
         assert arrivals(into_one) == [1.0, 2.0]
     with sharing("first-come-send-small", small_mib=0.5):  # 1 MB is not small: max-min
         assert arrivals(one_side) == [2.0, 2.0]
+    # the first message is held to 0.25 GB/s by a slow receive side; the second takes the 0.75 GB/s it leaves
+    slow = cap | {"h2.recv:0": 0.25e9}
+    assert FirstCome(("send",))(one_side, slow) == pytest.approx({0: 0.25e9, 1: 0.75e9})
+    assert FirstCome(("send",))(one_side, cap) == pytest.approx({0: 1e9, 1: 1e-9})  # the second waits its turn
     assert simulate.run_flows is run_flows and simulate.max_min_rates is max_min_rates
+    with pytest.raises(ValueError, match="unknown sharing rule 'fair'; choose one of: max-min, first-come-send"):
+        with sharing("fair"):
+            pass

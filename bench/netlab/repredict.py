@@ -33,8 +33,9 @@ from .summary import MODEL
 WITHIN = 0.10
 
 
-def repredicted(path: Path, cpu: Cpu) -> list[dict]:
-    """Per distinct plan of every run in `path`: case, rate, approach, measured, saved, today's and the CPU model's prediction."""
+def repredicted(path: Path, cpu: Cpu, predict=predictions) -> list[dict]:
+    """Per distinct plan of every run in `path`: case, rate, approach, measured, saved, today's and the CPU model's
+    prediction (`predict`: `predict.predictions` or a stand-in with its arguments, `sharing` prices by other rules)."""
     data = json.loads(path.read_text())
     max_mb = float(re.search(r"--max-mb (\S+)", data["meta"]["command"]).group(1))
     rows = []
@@ -47,8 +48,8 @@ def repredicted(path: Path, cpu: Cpu) -> list[dict]:
                 continue
             plan = scaled(made[row["approach"]], max_mb)
             rows.append({"case": run["case"], "rate": run["rate_mbit"], "approach": row["approach"], "measured": row["measured_s"],
-                         "saved": row["predicted_s"][model], "today": predictions(plan, run["rate_mbit"])[model],
-                         "cpu": predictions(plan, run["rate_mbit"], cpu)[model]})
+                         "saved": row["predicted_s"][model], "today": predict(plan, run["rate_mbit"])[model],
+                         "cpu": predict(plan, run["rate_mbit"], cpu)[model]})
     return rows
 
 

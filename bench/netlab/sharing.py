@@ -23,7 +23,7 @@ from pathlib import Path
 from xmesh_plan.planner import simulate
 from xmesh_plan.planner.simulate import Flow, max_min_rates
 
-from .predict import TESTBED_CPU
+from .predict import TESTBED_CPU, predictions
 from .repredict import WITHIN, repredicted
 
 RULES = ("max-min", "first-come-send", "first-come-send-small", "first-come-all")
@@ -82,6 +82,8 @@ class FirstCome:
 @contextlib.contextmanager
 def sharing(rule: str, small_mib: float = 2.0):
     """The simulator sharing links by `rule` inside the block (a fresh rule per simulation)."""
+    if rule not in RULES:
+        raise ValueError(f"unknown sharing rule {rule!r}; choose one of: {', '.join(RULES)}")
     if rule == "max-min":
         yield
         return
@@ -100,14 +102,21 @@ def sharing(rule: str, small_mib: float = 2.0):
         simulate.run_flows, simulate.max_min_rates = run_flows, max_min_rates
 
 
+def priced_by(rule: str, small_mib: float = 2.0):
+    """`predict.predictions` with the links shared by `rule` (the planner, which also simulates, is left alone)."""
+    def predict(plan, rate_mbit, cpu=None):
+        with sharing(rule, small_mib):
+            return predictions(plan, rate_mbit, cpu)
+    return predict
+
+
 def compare(paths: list[Path], rules: tuple[str, ...] = RULES, small_mib: float = 2.0, show: float = 0.02) -> str:
     """Per results file and rule, the plans within 10% of measured; then each plan some rule moves by `show` or more."""
     lines = []
     for path in paths:
         rows = {}
-        for rule in rules:
-            with sharing(rule, small_mib):
-                rows[rule] = repredicted(path, TESTBED_CPU)
+        for rule in rules:  # the plans are made as they were for the run (max-min); only their pricing follows the rule
+            rows[rule] = repredicted(path, TESTBED_CPU, priced_by(rule, small_mib))
         base = rows[rules[0]]
         lines.append(f"{path.name}: " + ", ".join(
             f"{rule} {sum(abs(r['measured'] / r['cpu'] - 1) <= WITHIN for r in rows[rule])} of {len(base)}" for rule in rules))
