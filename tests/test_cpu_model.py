@@ -151,7 +151,8 @@ def test_inspect_names_the_cpu_only_when_there_is_one():
 
 
 def one_to_host(cpu: Cpu | None, gbps: float = 0.5) -> ReshardingProblem:
-    """One device sends a 16 MiB tensor to the 4 devices of another host over a 500 Mbit/s NIC: one cross-host hop, then 3 inside."""
+    """One device sends a 16 MiB tensor to the 4 devices of another host over a NIC of `gbps` (500 Mbit/s unless
+    given): one cross-host hop, then 3 inside."""
     return build_problem({"name": "fan", "shape": list(SHAPE), "dtype": "int32", "src": {"mesh": "1x1", "spec": "R R R"},
                           "dst": {"mesh": "1x4", "spec": "R R R"},
                           "cluster": {"nics": [{"send_gbps": gbps, "recv_gbps": gbps}], "overhead_us": 200, "latency_us": 0,
