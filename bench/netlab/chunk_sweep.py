@@ -18,23 +18,19 @@ import sys
 
 import numpy as np
 
-from xmesh_plan.executor.scale import factors_for
-from xmesh_plan.planner.compile import compile_plan
-from xmesh_plan.planner.problem_io import build_problem
-from xmesh_plan.planner.reference_cases import reference_problems
 from xmesh_plan.planner import strategies
+from xmesh_plan.planner.compile import compile_plan
 from xmesh_plan.planner.simulate import simulate_plan
 
-from .predict import TESTBED_CPU, at_rate
+from .experiments import reference_problem
+from .predict import TESTBED_CPU
 
 SWEEP = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
 
 
 def sweep(name: str, rate_mbit: float, max_mb: float) -> str:
     """One table row: the planner's chunk counts and time against the best forced K."""
-    problem = at_rate(build_problem(dict(reference_problems())[name]), rate_mbit, 0.0, 300.0, TESTBED_CPU)
-    factors = factors_for(compile_plan(problem, "broadcast", "naive"), int(max_mb * 2**20))
-    problem = problem.model_copy(update={"shape": tuple(n // f for n, f in zip(problem.shape, factors))})
+    problem = reference_problem(name, rate_mbit, 0.0, 300.0, max_mb, TESTBED_CPU)
     plan = compile_plan(problem, "broadcast", "greedy")
     timed = {}
     fewest = min((math.prod(b - a for a, b in op.region) * problem.itemsize for op in plan.operations if op.kind == "broadcast"), default=0)

@@ -29,7 +29,7 @@ from xmesh_plan.planner.reference_cases import reference_problems  # noqa: E402
 from xmesh_plan.planner.transfer_io import build_transfer  # noqa: E402
 from xmesh_plan.planner.weight_sync import WEIGHT_SYNC, weight_sync_toml  # noqa: E402
 from xmesh_plan.executor.scale import factors_for  # noqa: E402
-from xmesh_plan.schemas import Cpu, Plan  # noqa: E402
+from xmesh_plan.schemas import Cpu, Plan, ReshardingProblem  # noqa: E402
 
 from .baseline_plans import baseline_plan  # noqa: E402
 from .predict import TESTBED_CPU, at_rate, predictions  # noqa: E402
@@ -62,6 +62,17 @@ EXTRA_CASES = {  # name -> (the problem, (label, compile_plan options) per plan)
 }
 
 
+def reference_problem(name: str, rate_mbit: float, latency_us: float | None = None, overhead_us: float | None = None,
+                      max_mb: float | None = None, cpu: Cpu | None = None) -> ReshardingProblem:
+    """Paper case `name` on the testbed's links (`predict.at_rate`), its tensor shrunk to at most `max_mb` MiB as the
+    executor would shrink it (when given): plans are made for the tensor that runs, so chunk counts fit its bytes."""
+    problem = at_rate(build_problem(dict(reference_problems())[name]), rate_mbit, latency_us, overhead_us, cpu)
+    if max_mb is None:
+        return problem
+    factors = factors_for(compile_plan(problem, "broadcast", "naive"), int(max_mb * 2**20))
+    return problem.model_copy(update={"shape": tuple(n // f for n, f in zip(problem.shape, factors))})
+
+
 def _plans(name: str, rate_mbit: float, latency_us: float | None = None, overhead_us: float | None = None,
            max_mb: float | None = None, cpu: Cpu | None = None):
     """(label, plan or the reason it could not be made) for every approach on case `name` at the link rate
@@ -71,10 +82,7 @@ def _plans(name: str, rate_mbit: float, latency_us: float | None = None, overhea
         make, variants = EXTRA_CASES[name]
         problem = at_rate(make(), rate_mbit, latency_us, overhead_us, cpu)
         return [(label, compile_plan(problem, **options)) for label, options in variants]
-    problem = at_rate(build_problem(dict(reference_problems())[name]), rate_mbit, latency_us, overhead_us, cpu)
-    if max_mb is not None:  # plan the tensor that runs, so chunk counts fit its bytes (scaling keeps them)
-        factors = factors_for(compile_plan(problem, "broadcast", "naive"), int(max_mb * 2**20))
-        problem = problem.model_copy(update={"shape": tuple(n // f for n, f in zip(problem.shape, factors))})
+    problem = reference_problem(name, rate_mbit, latency_us, overhead_us, max_mb, cpu)
     out = []
     for label, strategy, solver in APPROACHES:
         try:
