@@ -96,6 +96,7 @@ class MpiEngine:
             for d in s.deps:
                 self.dependents[d].append(s.index)
         self.initial = [len(s.deps) for s in self.steps]
+        self.local = [s.action not in ("send", "recv") for s in self.steps]  # runs at once when launched (no request)
         self.remaining = self.initial.copy()  # each count is restored when its step launches
         self.first = [s.index for s in self.steps if not s.deps and s.action == "recv"]
         self.first += [s.index for s in self.steps if not s.deps and s.action != "recv"]
@@ -186,10 +187,17 @@ class MpiEngine:
             self._finish(i)
 
     def _finish(self, i: int) -> None:
+        """Step i is done: launch the steps it was the last wait of, messages first. A local copy runs at once, so a
+        pack launched first would hold back a send that is ready now until every ready pack (and what it frees) had run."""
         self.pending -= 1
-        remaining, initial = self.remaining, self.initial
-        for d in self.dependents[i]:
+        remaining, initial, local, dependents = self.remaining, self.initial, self.local, self.dependents[i]
+        for d in dependents:
             remaining[d] -= 1
+        for d in dependents:
+            if remaining[d] == 0 and not local[d]:
+                remaining[d] = initial[d]
+                self._launch(d)
+        for d in dependents:  # a copy's own dependents cannot be among these at zero: they still wait for it
             if remaining[d] == 0:
                 remaining[d] = initial[d]
                 self._launch(d)

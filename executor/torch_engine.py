@@ -116,6 +116,7 @@ class TorchEngine:
                 self.dependents[d].append(s.index)
         self.initial = [len(s.deps) for s in self.steps]
         self.remaining = self.initial.copy()
+        self.local = [s.action not in ("send", "recv") for s in self.steps]  # runs at once when its waits are over
         self.local_first = [s.index for s in self.steps if not s.deps and s.action not in ("send", "recv")]
         self.order = sorted((s.index for s in self.steps if s.action in ("send", "recv")), key=self._message_key)
         self.position = {i: k for k, i in enumerate(self.order)}  # each message's place in the plan's message order
@@ -298,18 +299,20 @@ class TorchEngine:
         self._finish(i)
 
     def _finish(self, i: int) -> None:
-        """Step `i` is done: run the local steps it was the last wait of, and post a send it unblocked at the front of its queue."""
-        remaining, initial, steps = self.remaining, self.initial, self.steps
-        for d in self.dependents[i]:
+        """Step `i` is done: post a message it unblocked at the front of its queue, then run the local steps it was the last
+        wait of (messages first: a local copy runs at once, so a pack run first would hold back a send that is ready now)."""
+        remaining, initial, local, dependents = self.remaining, self.initial, self.local, self.dependents[i]
+        for d in dependents:
             remaining[d] -= 1
-            if remaining[d] == 0:
-                if steps[d].action in ("send", "recv"):  # a receive waits for something in order="device"
-                    q = self.queue_of[d]
-                    if self.queues[q][self.heads[q]] == d:
-                        self._advance(q)
-                else:
-                    remaining[d] = initial[d]
-                    self._run_local(d)
+        for d in dependents:
+            if remaining[d] == 0 and not local[d]:  # a receive waits for something in order="device"
+                q = self.queue_of[d]
+                if self.queues[q][self.heads[q]] == d:
+                    self._advance(q)
+        for d in dependents:  # a copy's own dependents cannot be among these at zero: they still wait for it
+            if remaining[d] == 0 and local[d]:
+                remaining[d] = initial[d]
+                self._run_local(d)
 
     def test(self) -> bool:
         """True when the reshard has finished; raises what the progress thread hit."""

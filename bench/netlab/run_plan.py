@@ -41,6 +41,7 @@ class RunOptions:
     order: str = "device"  # the executor's --order: device (one operation at a time per device, the default) or posted
     engine: str = "mpi"  # mpi (mpiexec, executor.run) or torch (torch.distributed over gloo, executor.torch_run)
     single_copy: bool = False  # mpi: MPICH's single-copy transport inside a host (launch.SINGLE_COPY_ENV)
+    module: str | None = None  # the ranks' `python -m` module in place of the engine's runner (steptrace's timed runner)
 
 
 @dataclass
@@ -79,7 +80,7 @@ def _program(paths: list[Path], plan: Plan, opts: RunOptions) -> list[str]:
     """The rank's command line after `python`; the plans are scaled already, so neither runner shrinks them again."""
     single = opts.engine == "mpi" and not is_multi(plan)
     keep = ["--scale", ",".join("1" * len(plan.problem.shape))] if single else ["--max-mb", str(2**20)]
-    module = {"mpi": "xmesh_plan.executor.run", "torch": "xmesh_plan.executor.torch_run"}[opts.engine]
+    module = opts.module or {"mpi": "xmesh_plan.executor.run", "torch": "xmesh_plan.executor.torch_run"}[opts.engine]
     return ["-m", module, *map(str, paths), *keep, "--iters", str(opts.iters), "--warmup", str(opts.warmup),
             "--timeout", f"{opts.rank_timeout_s:g}", "--order", opts.order] + (["--check"] if opts.check else [])
 

@@ -1,0 +1,186 @@
+"""Where a reshard's time goes on the testbed: every MPI step's launch and finish time, per operation, against the model.
+
+The ranks run `executor.run` with `MpiEngine._launch` and `_finish` wrapped to note the monotonic time
+(one clock for every namespace of the machine) of each step of the last reshard; the plan's simulated
+timeline (`predict.py`'s queueing for the order) is set beside the measured one, operation by
+operation, so a gap the model does not have shows where it opens. A bench tool: the engines are
+patched only inside the ranks this module launches.
+
+    sudo PYTHONPATH=$PWD .venv/bin/python -m bench.netlab.steptrace --case case9 --approach ours --max-mb 32
+"""
+
+from __future__ import annotations
+
+import argparse
+import atexit
+import json
+import os
+import sys
+import tempfile
+import time
+from dataclasses import replace
+from pathlib import Path
+
+TRACE_ENV = "XMESH_NETLAB_STEPTRACE"  # the folder each rank writes its trace-<rank>.json into
+
+
+def _patch(folder: Path) -> None:
+    """Wrap the MPI engine so every step's launch and finish are timed; written out at exit, last reshard per engine."""
+    from xmesh_plan.executor import mpi_engine
+
+    engines: list = []
+    launch, finish, start = mpi_engine.MpiEngine._launch, mpi_engine.MpiEngine._finish, mpi_engine.MpiEngine.start
+
+    def timed_start(self, src):
+        if not hasattr(self, "_trace"):
+            engines.append(self)
+            self._traces = []
+        self._trace = {"start": time.monotonic(), "launch": {}, "finish": {}}
+        self._traces.append(self._trace)
+        return start(self, src)
+
+    def timed_launch(self, i):
+        self._trace["launch"][i] = time.monotonic()
+        return launch(self, i)
+
+    def timed_finish(self, i):
+        self._trace["finish"][i] = time.monotonic()
+        return finish(self, i)
+
+    mpi_engine.MpiEngine.start, mpi_engine.MpiEngine._launch, mpi_engine.MpiEngine._finish = timed_start, timed_launch, timed_finish
+    if os.environ.get("XMESH_NETLAB_POLL"):  # experiment: the engines' (shortest, longest) sleep between polls
+        poll = tuple(float(v) for v in os.environ["XMESH_NETLAB_POLL"].split(","))
+        init = mpi_engine.MpiEngine.__init__
+
+        def polled_init(self, *a, **k):
+            init(self, *a, **k)
+            self.poll_s = poll
+
+        mpi_engine.MpiEngine.__init__ = polled_init
+
+    def dump():
+        rank = os.environ.get("PMI_RANK", os.environ.get("RANK", str(os.getpid())))
+        out = []
+        for engine in engines:
+            steps = [{"op": s.op, "action": s.action, "peer": s.peer, "nbytes": s.data.nbytes if s.data else 0, "piece": s.piece}
+                     for s in engine.steps]
+            out.append({"device": engine.program.device, "steps": steps,
+                        "reshards": [{"start": t["start"], "launch": [t["launch"].get(s.index) for s in engine.steps],
+                                      "finish": [t["finish"].get(s.index) for s in engine.steps]} for t in engine._traces]})
+        (folder / f"trace-{rank}.json").write_text(json.dumps(out))
+
+    atexit.register(dump)
+
+
+def rank_main() -> int:
+    """A rank: `executor.run` with its steps timed into $XMESH_NETLAB_STEPTRACE."""
+    _patch(Path(os.environ[TRACE_ENV]))
+    from xmesh_plan.executor.run import console_main
+    return console_main("python -m bench.netlab.steptrace")
+
+
+def op_times(traces: list[dict], reshard: int = -2, plan_index: int = 0
+             ) -> tuple[dict[int, tuple[float, float]], dict[tuple[int, int], tuple[float, float]]]:
+    """Measured seconds from the reshard's start (the earliest rank's `start()`): per operation (first message
+    launched, last step finished) and per (operation, device) the same, for the `plan_index`-th plan each rank ran.
+    `reshard` -2: the last timed one before the checked one (whose finished ranks compare their shards meanwhile)."""
+    zero = min(t[plan_index]["reshards"][reshard]["start"] for t in traces)
+    per_op: dict[int, list[float]] = {}
+    per_device: dict[tuple[int, int], list[float]] = {}
+    for t in traces:
+        r = t[plan_index]
+        times = r["reshards"][reshard]
+        for s, launched, finished in zip(r["steps"], times["launch"], times["finish"]):
+            if finished is None:
+                continue
+            key = (s["op"], r["device"])
+            lo = launched - zero if s["action"] in ("send", "recv") else finished - zero
+            hi = finished - zero
+            for table, k in ((per_op, s["op"]), (per_device, key)):
+                was = table.setdefault(k, [lo, hi])
+                was[0], was[1] = min(was[0], lo), max(was[1], hi)
+    return {k: tuple(v) for k, v in per_op.items()}, {k: tuple(v) for k, v in per_device.items()}
+
+
+def compare(plan, traces: list[dict], rate_mbit: float, order: str, cpu=None) -> str:
+    """A table, operation by operation in plan order: measured (start, end) against the simulator's for `order`."""
+    from xmesh_plan.planner.simulate import simulate, staging_runs
+
+    from .predict import at_rate
+
+    problem = at_rate(plan.problem, rate_mbit, cpu=cpu)
+    if cpu is None and problem.cluster.cpu is not None:
+        problem = problem.model_copy(update={"cluster": problem.cluster.model_copy(update={"cpu": None})})
+    sim = simulate(plan.operations, problem, "device-order" if order == "device" else "posted",
+                   run_numbers=staging_runs(plan) if order == "device" else None)
+    measured, _ = op_times(traces)
+    lines = ["| op | kind | src -> dsts | MiB | chunks | model start ms | model end ms | measured start ms | measured end ms | end late by ms |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for op in plan.operations:
+        m = measured.get(op.id)
+        ms, me = (f"{m[0] * 1e3:.1f}", f"{m[1] * 1e3:.1f}") if m else ("-", "-")
+        late = f"{(m[1] - sim.op_end_s[op.id]) * 1e3:+.1f}" if m else "-"
+        nbytes = plan.problem.itemsize
+        for lo, hi in op.region:
+            nbytes *= hi - lo
+        lines.append(f"| {op.id} | {op.kind} | {op.src} -> {','.join(map(str, op.dsts))} | {nbytes / 2**20:.2f} | {op.chunks} | "
+                     f"{sim.op_start_s[op.id] * 1e3:.1f} | {sim.op_end_s[op.id] * 1e3:.1f} | {ms} | {me} | {late} |")
+    total = max(e for _, e in measured.values())
+    lines.append(f"\nmodel {sim.makespan_s * 1e3:.1f} ms, measured (this reshard) {total * 1e3:.1f} ms, ratio {total / sim.makespan_s:.3f}")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.netlab.steptrace", description=__doc__.splitlines()[0])
+    parser.add_argument("--case", default="case9")
+    parser.add_argument("--approach", default="ours", help="a label of experiments.APPROACHES")
+    parser.add_argument("--rate", type=float, default=500.0, help="link rate, Mbit/s")
+    parser.add_argument("--max-mb", type=float, default=32.0)
+    parser.add_argument("--order", choices=["device", "posted"], default="device")
+    parser.add_argument("--iters", type=int, default=3)
+    parser.add_argument("--overhead-us", type=float, default=None, help="per-message overhead to plan and predict with "
+                        "(default: measured on the testbed, as experiments --latency-us measure)")
+    parser.add_argument("--plan-cpu", action="store_true", help="plan with the testbed's CPU modelled (experiments --plan-cpu)")
+    parser.add_argument("--keep", help="also write the raw traces and the table into this folder")
+    args = parser.parse_args(argv)
+
+    from .experiments import _plans, measure_message_costs, replace_cores
+    from .predict import TESTBED_CPU
+    from .run_plan import RunOptions, run_plans, scaled
+    from .testbed import LinkShape, unavailable_reason
+
+    reason = unavailable_reason()
+    if reason:
+        print(f"error: {reason}", file=sys.stderr)
+        return 2
+    opts = RunOptions(LinkShape(args.rate, 9000), args.max_mb, args.iters, 1, order=args.order)
+    overhead = args.overhead_us if args.overhead_us is not None else round(measure_message_costs(opts)[1], 1)
+    made = dict(_plans(args.case, args.rate, 0.0, overhead, args.max_mb, replace_cores(TESTBED_CPU) if args.plan_cpu else None))
+    plan = made[args.approach]
+    if isinstance(plan, str):
+        print(f"error: {args.approach} on {args.case}: {plan}", file=sys.stderr)
+        return 2
+    with tempfile.TemporaryDirectory(prefix="netlab-steptrace-") as folder:
+        os.chmod(folder, 0o777)
+        os.environ[TRACE_ENV] = folder
+        result = run_plans([plan], replace(opts, module="bench.netlab.steptrace"))
+        traces = [json.loads(p.read_text()) for p in sorted(Path(folder).glob("trace-*.json"))]
+    if not result.ok or not traces:
+        print(f"error: the run failed: {result.launch.stderr[-1500:]}", file=sys.stderr)
+        return 1
+    table = compare(scaled(plan, args.max_mb), traces, args.rate, args.order)
+    print(f"{args.case} {args.approach} at {args.rate:g} Mbit/s, {args.max_mb:g} MiB, {args.order} order, "
+          f"{overhead:g} us per message; median {result.median_s[0] * 1e3:.1f} ms over {args.iters}; "
+          f"bit-exact: {result.checked}\n{table}")
+    if args.keep:
+        keep = Path(args.keep)
+        keep.mkdir(parents=True, exist_ok=True)
+        (keep / "traces.json").write_text(json.dumps(traces))
+        (keep / "table.md").write_text(table + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    if os.environ.get(TRACE_ENV) and "--case" not in sys.argv:
+        sys.exit(rank_main())
+    sys.exit(main())
