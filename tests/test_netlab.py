@@ -7,6 +7,7 @@ generous and only catch hangs: nothing here asserts a time.
 from __future__ import annotations
 
 import doctest
+import math
 import os
 import signal
 import subprocess
@@ -139,3 +140,36 @@ def test_stale_namespaces_of_dead_runs_are_cleaned_and_live_ones_kept():
 
 def test_docstring_examples():
     assert doctest.testmod(tb, report=False).failed == 0
+
+
+def test_steptrace_times_every_step_on_one_clock():
+    """bench.netlab.steptrace: every step of every rank is launched and finished, and a message never lands before its
+    sender started it (the ranks' clocks are one), so the per-operation table it sets against the model is real."""
+    from bench.netlab.steptrace import compare, op_times, traced_run
+
+    plan = two_host_plan()
+    opts = RunOptions(tb.LinkShape(rate_mbit=500), max_mb=4, iters=2, warmup=1, timeout_s=RUN_TIMEOUT_S, order="device")
+    result, traces = traced_run(plan, opts)
+    assert result.ok and result.checked, result.launch.stderr[-3000:]
+    assert sorted(t[0]["device"] for t in traces) == sorted({d for op in plan.operations for d in (op.src, *op.dsts)})
+    sent: dict[tuple, float] = {}
+    for t in traces:
+        run = t[0]
+        assert len(run["reshards"]) == 3  # warm-up, two timed
+        times = run["reshards"][-2]
+        for s, launched, finished in zip(run["steps"], times["launch"], times["finish"]):
+            assert launched is not None and finished is not None and launched <= finished, s
+            if s["action"] == "send":
+                sent[(run["device"], s["peer"], s["op"], s["piece"])] = launched
+    for t in traces:
+        run = t[0]
+        for s, finished in zip(run["steps"], run["reshards"][-2]["finish"]):
+            if s["action"] == "recv":
+                assert finished >= sent[(s["peer"], run["device"], s["op"], s["piece"])], s
+    per_op, _ = op_times(traces)
+    assert sorted(per_op) == sorted(op.id for op in plan.operations)
+    for op in plan.operations:  # every op crosses the 500 Mbit/s link: none ends before half its bytes could (htb's burst)
+        nbytes = plan.problem.itemsize * math.prod(hi - lo for lo, hi in op.region)
+        assert per_op[op.id][1] >= 0.5 * nbytes * 8 / 500e6, (op, per_op[op.id])
+    table = compare(plan, traces, 500, "device")
+    assert len([line for line in table.splitlines() if line.startswith("| ") and line[2].isdigit()]) == len(plan.operations)

@@ -130,6 +130,27 @@ def compare(plan, traces: list[dict], rate_mbit: float, order: str, cpu=None) ->
     return "\n".join(lines)
 
 
+def traced_run(plan, opts):
+    """`run_plan.run_plans([plan], opts)` with every rank's steps timed: (the run's result, one trace per rank)."""
+    from .run_plan import run_plans
+
+    if opts.engine != "mpi":
+        raise ValueError(f"steptrace times the MPI engine's steps; got engine {opts.engine!r}")
+    before = os.environ.get(TRACE_ENV)
+    with tempfile.TemporaryDirectory(prefix="netlab-steptrace-") as folder:
+        os.chmod(folder, 0o777)
+        os.environ[TRACE_ENV] = folder  # the ranks inherit it (mpiexec passes the environment on)
+        try:
+            result = run_plans([plan], replace(opts, module="bench.netlab.steptrace"))
+        finally:
+            if before is None:
+                os.environ.pop(TRACE_ENV, None)
+            else:
+                os.environ[TRACE_ENV] = before
+        traces = [json.loads(p.read_text()) for p in sorted(Path(folder).glob("trace-*.json"))]
+    return result, traces
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.netlab.steptrace", description=__doc__.splitlines()[0])
     parser.add_argument("--case", default="case9")
@@ -146,7 +167,7 @@ def main(argv=None) -> int:
 
     from .experiments import _plans, measure_message_costs, replace_cores
     from .predict import TESTBED_CPU
-    from .run_plan import RunOptions, run_plans, scaled
+    from .run_plan import RunOptions, scaled
     from .testbed import LinkShape, unavailable_reason
 
     reason = unavailable_reason()
@@ -160,11 +181,7 @@ def main(argv=None) -> int:
     if isinstance(plan, str):
         print(f"error: {args.approach} on {args.case}: {plan}", file=sys.stderr)
         return 2
-    with tempfile.TemporaryDirectory(prefix="netlab-steptrace-") as folder:
-        os.chmod(folder, 0o777)
-        os.environ[TRACE_ENV] = folder
-        result = run_plans([plan], replace(opts, module="bench.netlab.steptrace"))
-        traces = [json.loads(p.read_text()) for p in sorted(Path(folder).glob("trace-*.json"))]
+    result, traces = traced_run(plan, opts)
     if not result.ok or not traces:
         print(f"error: the run failed: {result.launch.stderr[-1500:]}", file=sys.stderr)
         return 1
@@ -181,6 +198,6 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    if os.environ.get(TRACE_ENV) and "--case" not in sys.argv:
+    if os.environ.get(TRACE_ENV) and sys.argv[1:2] and sys.argv[1].endswith(".json"):  # a rank: plan files first
         sys.exit(rank_main())
     sys.exit(main())
