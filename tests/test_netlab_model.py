@@ -173,6 +173,10 @@ def test_the_first_come_what_if_serves_a_send_side_one_message_at_a_time_and_res
         assert arrivals(into_one) == [1.0, 2.0]
     with sharing("first-come-send-small", small_mib=0.5):  # 1 MB is not small: max-min
         assert arrivals(one_side) == [2.0, 2.0]
+    with sharing("first-come-send-short", short_ms=0.5):  # 1 MB is 1 ms at 1 GB/s: not short, max-min
+        assert arrivals(one_side) == [2.0, 2.0]
+    with sharing("first-come-send-short", short_ms=1.0):  # short at this rate: first come
+        assert arrivals(one_side) == [1.0, 2.0]
     # the first message is held to 0.25 GB/s by a slow receive side; the second takes the 0.75 GB/s it leaves
     slow = cap | {"h2.recv:0": 0.25e9}
     assert FirstCome(("send",))(one_side, slow) == pytest.approx({0: 0.25e9, 1: 0.75e9})
