@@ -1,10 +1,11 @@
 """Where a reshard's time goes on the testbed: every MPI step's launch and finish time, per operation, against the model.
 
 The ranks run `executor.run` with `MpiEngine._launch` and `_finish` wrapped to note the monotonic time
-(one clock for every namespace of the machine) of each step of the last reshard; the plan's simulated
-timeline (`predict.py`'s queueing for the order) is set beside the measured one, operation by
-operation, so a gap the model does not have shows where it opens. A bench tool: the engines are
-patched only inside the ranks this module launches.
+(one clock for every namespace of the machine) of each step of every reshard; the plan's simulated
+timeline (`predict.py`'s queueing for the order) is set beside the measured one of the last timed reshard
+before the checked one, operation by operation, so a gap the model does not have shows where it opens.
+A bench tool: the engines are patched only inside the ranks this module launches. `XMESH_NETLAB_POLL=LOW,HIGH`
+(seconds) sets the ranks' sleeps between polls, for experiments (BENCHMARKS.md, session 12).
 
     sudo PYTHONPATH=$PWD .venv/bin/python -m bench.netlab.steptrace --case case9 --approach ours --max-mb 32
 """
@@ -25,7 +26,7 @@ TRACE_ENV = "XMESH_NETLAB_STEPTRACE"  # the folder each rank writes its trace-<r
 
 
 def _patch(folder: Path) -> None:
-    """Wrap the MPI engine so every step's launch and finish are timed; written out at exit, last reshard per engine."""
+    """Wrap the MPI engine so every step's launch and finish are timed in every reshard; written out at exit."""
     from xmesh_plan.executor import mpi_engine
 
     engines: list = []
@@ -164,8 +165,18 @@ def main(argv=None) -> int:
     parser.add_argument("--plan-cpu", action="store_true", help="plan with the testbed's CPU modelled (experiments --plan-cpu)")
     parser.add_argument("--keep", help="also write the raw traces and the table into this folder")
     args = parser.parse_args(argv)
+    if args.iters < 1:
+        parser.error(f"--iters {args.iters}: give at least 1 timed reshard")
 
-    from .experiments import _plans, measure_message_costs, replace_cores
+    from .experiments import APPROACHES, _plans, measure_message_costs, replace_cores
+    from xmesh_plan.planner.reference_cases import reference_problems
+
+    cases = [n for n, _ in reference_problems()]
+    if args.case not in cases:
+        parser.error(f"--case {args.case!r}: choose one of {', '.join(cases)}")
+    labels = [label for label, *_ in APPROACHES]
+    if args.approach not in labels:
+        parser.error(f"--approach {args.approach!r}: choose one of {', '.join(labels)}")
     from .predict import TESTBED_CPU
     from .run_plan import RunOptions, scaled
     from .testbed import LinkShape, unavailable_reason
