@@ -190,7 +190,10 @@ class MpiEngine:
         """Step i is done: launch the steps it was the last wait of, messages first. A local copy runs at once, so a
         pack launched first would hold back a send that is ready now until every ready pack (and what it frees) had run."""
         self.pending -= 1
-        remaining, initial, local, dependents = self.remaining, self.initial, self.local, self.dependents[i]
+        remaining = self.remaining  # one name per line: a 4-name unpack would build a tuple on every call
+        initial = self.initial
+        local = self.local
+        dependents = self.dependents[i]
         for d in dependents:
             remaining[d] -= 1
         for d in dependents:

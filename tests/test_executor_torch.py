@@ -158,3 +158,61 @@ def test_the_documented_torchrun_command_works(tmp_path):
     result = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=LAUNCH_TIMEOUT_S)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "check ok: every destination shard bit-exact" in result.stdout, result.stdout
+
+
+def test_the_torch_engine_posts_a_send_as_soon_as_its_chunk_is_packed(monkeypatch):
+    """As the MPI engine (tests/test_executor_sim.py): when an operation's wait ends in device order, its first chunk's
+    send is posted after its own pack, not after every chunk's. In process, on a stand-in group whose sends finish
+    at once (one source device: it only sends)."""
+    import numpy as np
+    import torch
+    import torch.distributed as dist
+
+    from xmesh_plan.executor import torch_engine
+    from xmesh_plan.executor.engines import EngineContext
+    from xmesh_plan.executor.lower import in_device_order, lower
+    from xmesh_plan.executor.pattern import fill
+    from xmesh_plan.executor.ranks import plan_devices, rank_of_devices
+    from xmesh_plan.planner.compile import compile_plan
+    from xmesh_plan.planner.problem_io import build_problem
+
+    events: list[tuple[str, int]] = []
+
+    class Done:
+        def wait(self):
+            pass
+
+    class Group:
+        def send(self, buffer, peer, tag):
+            events.append(("send", tag))
+            return Done()
+
+        def recv(self, buffer, peer, tag):
+            raise AssertionError("the source device receives nothing")
+
+    class Recording(torch_engine.TorchEngine):
+        def _run_local(self, i):
+            events.append((self.steps[i].action, self.steps[i].op))
+            super()._run_local(i)
+
+    monkeypatch.setattr(dist, "get_backend", lambda group: "gloo")
+    monkeypatch.setattr(dist, "get_rank", lambda group: 0)
+    problem = build_problem({"name": "case9_small", "shape": [8, 8, 16], "dtype": "int32",
+                             "src": {"mesh": "2x4", "spec": "R S0 R"}, "dst": {"mesh": "2x4", "spec": "R R S0"}})
+    plan = compile_plan(problem, "broadcast", "naive")
+    plan = plan.model_copy(update={"operations": tuple(op.model_copy(update={"chunks": 4}) for op in plan.operations)})
+    sender = next(d for d in plan_devices(plan) if sum(op.src == d for op in plan.operations) == 2)
+    program = in_device_order(lower(plan, sender, tag_limit=2**20))
+    engine = Recording(program, EngineContext(Group(), rank_of_devices(plan), "int32", np.dtype(np.int32), 5.0, (1e-4, 1e-3)))
+    engine.setup()
+    try:
+        engine.start(torch.from_numpy(np.ascontiguousarray(fill(program.src_block, problem.shape, np.dtype(np.int32)))))
+        engine.wait()
+    finally:
+        engine.close()
+    second = max(s.op for s in program.steps)
+    tags = {s.tag for s in program.steps if s.op == second and s.action == "send"}
+    packs = [k for k, (what, op) in enumerate(events) if what == "pack" and op == second]
+    sends = [k for k, (what, tag) in enumerate(events) if what == "send" and tag in tags]
+    assert len(packs) >= 4 and len(sends) == 4, events
+    assert sends[0] < packs[-1], f"op {second}'s first send was posted only after all {len(packs)} packs: {events}"

@@ -175,7 +175,7 @@ def test_the_first_come_what_if_serves_a_send_side_one_message_at_a_time_and_res
         assert arrivals(one_side) == [2.0, 2.0]
     with sharing("first-come-send-short", short_ms=0.5):  # 1 MB is 1 ms at 1 GB/s: not short, max-min
         assert arrivals(one_side) == [2.0, 2.0]
-    with sharing("first-come-send-short", short_ms=1.0):  # short at this rate: first come
+    with sharing("first-come-send-short", short_ms=1.1):  # short at this rate: first come
         assert arrivals(one_side) == [1.0, 2.0]
     # the first message is held to 0.25 GB/s by a slow receive side; the second takes the 0.75 GB/s it leaves
     slow = cap | {"h2.recv:0": 0.25e9}
@@ -185,3 +185,22 @@ def test_the_first_come_what_if_serves_a_send_side_one_message_at_a_time_and_res
     with pytest.raises(ValueError, match="unknown sharing rule 'fair'; choose one of: max-min, first-come-send"):
         with sharing("fair"):
             pass
+
+
+def test_steptrace_times_an_operation_from_its_first_send_and_needs_two_timed_reshards():
+    """`bench.netlab.steptrace.op_times`: a receive posted early does not start an operation (its first send does);
+    the table's reshard is the last timed one before the checked one, so fewer than three reshards is an error."""
+    from bench.netlab.steptrace import op_times
+
+    def rank(device, action, peer, launch, finish, reshards=3):
+        steps = [{"op": 0, "action": action, "peer": peer, "nbytes": 8, "piece": ""}]
+        return [{"device": device, "steps": steps,
+                 "reshards": [{"start": 10.0 * k, "launch": [10.0 * k + launch], "finish": [10.0 * k + finish]}
+                              for k in range(reshards)]}]
+
+    traces = [rank(0, "send", 1, 0.5, 2.0), rank(1, "recv", 0, 0.0, 2.5)]
+    per_op, per_device = op_times(traces)
+    assert per_op == {0: pytest.approx((0.5, 2.5))}
+    assert per_device[(0, 1)] == pytest.approx((2.5, 2.5)) and per_device[(0, 0)] == pytest.approx((0.5, 2.0))
+    with pytest.raises(ValueError, match="run a warm-up and at least 2 timed ones"):
+        op_times([rank(0, "send", 1, 0.5, 2.0, reshards=2), rank(1, "recv", 0, 0.0, 2.5, reshards=2)])

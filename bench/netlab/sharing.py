@@ -146,11 +146,15 @@ def main(argv=None) -> int:
                         help="first-come-send-short: messages of at most this many ms at their send side's rate wait their turn")
     parser.add_argument("--rules", default=",".join(RULES), help="comma-separated, from: " + ", ".join(RULES))
     args = parser.parse_args(argv)
-    rules = tuple(args.rules.split(","))
+    rules = tuple(r.strip() for r in args.rules.split(","))
     unknown = [r for r in rules if r not in RULES]
     if unknown:
         parser.error(f"--rules: unknown {', '.join(unknown)}; choose from {', '.join(RULES)}")
-    print(compare(args.results, rules, small_mib=args.small_mib, short_ms=args.short_ms))
+    for name in ("small_mib", "short_ms"):
+        if not 0 < getattr(args, name) < float("inf"):
+            parser.error(f"--{name.replace('_', '-')} {getattr(args, name):g}: give a positive number")
+    show = 0.02 if len(rules) > 1 else -1.0  # one rule: list every plan (there is no spread between rules to show)
+    print(compare(args.results, rules, small_mib=args.small_mib, show=show, short_ms=args.short_ms))
     return 0
 
 

@@ -50,7 +50,7 @@ def _patch(folder: Path) -> None:
 
     mpi_engine.MpiEngine.start, mpi_engine.MpiEngine._launch, mpi_engine.MpiEngine._finish = timed_start, timed_launch, timed_finish
     if os.environ.get("XMESH_NETLAB_POLL"):  # experiment: the engines' (shortest, longest) sleep between polls
-        poll = tuple(float(v) for v in os.environ["XMESH_NETLAB_POLL"].split(","))
+        poll = poll_sleeps(os.environ["XMESH_NETLAB_POLL"])
         init = mpi_engine.MpiEngine.__init__
 
         def polled_init(self, *a, **k):
@@ -73,6 +73,17 @@ def _patch(folder: Path) -> None:
     atexit.register(dump)
 
 
+def poll_sleeps(text: str) -> tuple[float, float]:
+    """`XMESH_NETLAB_POLL`'s LOW,HIGH: two sleeps in seconds, 0 < LOW <= HIGH."""
+    try:
+        low, high = (float(v) for v in text.split(","))
+        if not 0 < low <= high < float("inf"):
+            raise ValueError
+    except ValueError:
+        raise ValueError(f"XMESH_NETLAB_POLL={text!r}: give LOW,HIGH in seconds with 0 < LOW <= HIGH, e.g. 2e-5,1e-4") from None
+    return low, high
+
+
 def rank_main() -> int:
     """A rank: `executor.run` with its steps timed into $XMESH_NETLAB_STEPTRACE."""
     _patch(Path(os.environ[TRACE_ENV]))
@@ -80,22 +91,30 @@ def rank_main() -> int:
     return console_main("python -m bench.netlab.steptrace")
 
 
-def op_times(traces: list[dict], reshard: int = -2, plan_index: int = 0
+def op_times(traces: list[dict], reshard: int = -2, engine: int = 0
              ) -> tuple[dict[int, tuple[float, float]], dict[tuple[int, int], tuple[float, float]]]:
-    """Measured seconds from the reshard's start (the earliest rank's `start()`): per operation (first message
-    launched, last step finished) and per (operation, device) the same, for the `plan_index`-th plan each rank ran.
-    `reshard` -2: the last timed one before the checked one (whose finished ranks compare their shards meanwhile)."""
-    zero = min(t[plan_index]["reshards"][reshard]["start"] for t in traces)
+    """Measured seconds from the reshard's start (the earliest rank's `start()`): per operation (its first send
+    started, or for a local copy its end; its last step finished) and per (operation, device) the same, for the
+    `engine`-th engine each rank started (one per plan the ranks ran; a multi-tensor plan in posted order starts one
+    per tensor). `reshard` -2: the last timed one before the checked one (whose finished ranks compare their shards
+    meanwhile), which needs a warm-up and two timed reshards."""
+    traces = [t for t in traces if len(t) > engine]  # a rank that started no engine wrote an empty trace
+    counts = {len(t[engine]["reshards"]) for t in traces} or {0}
+    if min(counts) < 3 and reshard == -2:
+        raise ValueError(f"the ranks ran {min(counts)} reshards; the table takes the last timed one before the checked "
+                         "one, so run a warm-up and at least 2 timed ones (--iters 2)")
+    zero = min(t[engine]["reshards"][reshard]["start"] for t in traces)
     per_op: dict[int, list[float]] = {}
     per_device: dict[tuple[int, int], list[float]] = {}
     for t in traces:
-        r = t[plan_index]
+        r = t[engine]
         times = r["reshards"][reshard]
         for s, launched, finished in zip(r["steps"], times["launch"], times["finish"]):
             if finished is None:
                 continue
             key = (s["op"], r["device"])
-            lo = launched - zero if s["action"] in ("send", "recv") else finished - zero
+            # a receive is posted long before bytes move (posted order: at start()), so only sends mark a start
+            lo = launched - zero if s["action"] == "send" else finished - zero
             hi = finished - zero
             for table, k in ((per_op, s["op"]), (per_device, key)):
                 was = table.setdefault(k, [lo, hi])
@@ -115,7 +134,9 @@ def compare(plan, traces: list[dict], rate_mbit: float, order: str, cpu=None) ->
     sim = simulate(plan.operations, problem, "device-order" if order == "device" else "posted",
                    run_numbers=staging_runs(plan) if order == "device" else None)
     measured, _ = op_times(traces)
-    lines = ["| op | kind | src -> dsts | MiB | chunks | model start ms | model end ms | measured start ms | measured end ms | end late by ms |",
+    if not measured:
+        raise ValueError("the traces hold no finished step; did the ranks run the plan?")
+    lines = ["| op | kind | src -> dsts | MiB | chunks | model start ms | model end ms | first send ms | measured end ms | end late by ms |",
              "|---|---|---|---|---|---|---|---|---|---|"]
     for op in plan.operations:
         m = measured.get(op.id)
@@ -139,7 +160,6 @@ def traced_run(plan, opts):
         raise ValueError(f"steptrace times the MPI engine's steps; got engine {opts.engine!r}")
     before = os.environ.get(TRACE_ENV)
     with tempfile.TemporaryDirectory(prefix="netlab-steptrace-") as folder:
-        os.chmod(folder, 0o777)
         os.environ[TRACE_ENV] = folder  # the ranks inherit it (mpiexec passes the environment on)
         try:
             result = run_plans([plan], replace(opts, module="bench.netlab.steptrace"))
@@ -165,8 +185,8 @@ def main(argv=None) -> int:
     parser.add_argument("--plan-cpu", action="store_true", help="plan with the testbed's CPU modelled (experiments --plan-cpu)")
     parser.add_argument("--keep", help="also write the raw traces and the table into this folder")
     args = parser.parse_args(argv)
-    if args.iters < 1:
-        parser.error(f"--iters {args.iters}: give at least 1 timed reshard")
+    if args.iters < 2:
+        parser.error(f"--iters {args.iters}: give at least 2 (the table takes the last timed reshard before the checked one)")
 
     from .experiments import APPROACHES, _plans, measure_message_costs, replace_cores
     from xmesh_plan.planner.reference_cases import reference_problems
@@ -179,6 +199,7 @@ def main(argv=None) -> int:
         parser.error(f"--approach {args.approach!r}: choose one of {', '.join(labels)}")
     from .predict import TESTBED_CPU
     from .run_plan import RunOptions, scaled
+    from xmesh_plan.executor.ranks import plan_devices
     from .testbed import LinkShape, unavailable_reason
 
     reason = unavailable_reason()
@@ -193,8 +214,9 @@ def main(argv=None) -> int:
         print(f"error: {args.approach} on {args.case}: {plan}", file=sys.stderr)
         return 2
     result, traces = traced_run(plan, opts)
-    if not result.ok or not traces:
-        print(f"error: the run failed: {result.launch.stderr[-1500:]}", file=sys.stderr)
+    ranks = len(plan_devices(plan))  # every rank writes a trace at exit, an empty one if it started no engine
+    if not result.ok or len(traces) != ranks:
+        print(f"error: the run failed ({len(traces)} of {ranks} ranks wrote a trace): {result.launch.stderr[-1500:]}", file=sys.stderr)
         return 1
     table = compare(scaled(plan, args.max_mb), traces, args.rate, args.order)
     print(f"{args.case} {args.approach} at {args.rate:g} Mbit/s, {args.max_mb:g} MiB, {args.order} order, "
