@@ -11,7 +11,7 @@ Rules (each prediction with the CPU model, `predict.TESTBED_CPU`, as `repredict`
 - `first-come-send-short`: the same for messages of at most `--short-ms` of their send side's rate, longer ones
   sharing max-min (a threshold in time, not bytes: the same at every link rate);
 - `first-come-all`: every NIC side serves its messages oldest first (then in plan order); CPUs share max-min.
-An experiment, not a model: the simulator keeps max-min (BENCHMARKS.md, "Emulated cluster ... (session 11)").
+An experiment, not a model: the simulator keeps max-min (BENCHMARKS.md, "Emulated cluster ..." sessions 11 and 12).
 """
 
 from __future__ import annotations
