@@ -99,3 +99,18 @@ def all_fixed_plans() -> list[Plan]:
     plans = [compiled(p, s) for p in fixed_problems() for s in STRATEGIES]
     plans += [with_chunks(compiled(p, "broadcast"), 3) for p in fixed_problems()[1:3]]
     return plans
+
+
+def two_chunked_broadcasts_from_one_device():
+    """Case 9 in small (strided boxes), every broadcast cut into 4 chunks: (problem, plan, a device that sends two of
+    them, that device's device-order program), for the engines' step-order tests."""
+    from xmesh_plan.executor.lower import in_device_order, lower
+    from xmesh_plan.executor.ranks import plan_devices
+    from xmesh_plan.planner.problem_io import build_problem
+
+    problem = build_problem({"name": "case9_small", "shape": [8, 8, 16], "dtype": "int32",
+                             "src": {"mesh": "2x4", "spec": "R S0 R"}, "dst": {"mesh": "2x4", "spec": "R R S0"}})
+    plan = compile_plan(problem, "broadcast", "naive")
+    plan = plan.model_copy(update={"operations": tuple(op.model_copy(update={"chunks": 4}) for op in plan.operations)})
+    sender = next(d for d in plan_devices(plan) if sum(op.src == d for op in plan.operations) == 2)
+    return problem, plan, sender, in_device_order(lower(plan, sender, tag_limit=2**20))

@@ -24,7 +24,8 @@ from xmesh_plan.schemas.carriers import group_key
 from xmesh_plan.schemas.op_kinds import route
 from xmesh_plan.planner.verify import verify_plan
 from xmesh_plan.schemas.staging import stage_budget
-from test_executor_cases import STRATEGIES, all_fixed_plans, compiled, fixed_problems, random_problem
+from test_executor_cases import (STRATEGIES, all_fixed_plans, compiled, fixed_problems, random_problem,
+                                 two_chunked_broadcasts_from_one_device)
 from test_executor_worker import next_source
 
 
@@ -416,14 +417,7 @@ def test_a_send_goes_as_soon_as_its_chunk_is_packed_not_after_every_ready_pack()
     chunk's pack, not after every pack that became ready at that moment: a local copy runs at once, so the engine
     starts the messages a finished step unblocks before it runs the copies (on the emulated cluster the packs of a
     4-chunk 2 MiB broadcast held its first send back 7-12 ms)."""
-    from xmesh_plan.planner.compile import compile_plan
-    from xmesh_plan.planner.problem_io import build_problem
-
-    problem = build_problem({"name": "case9_small", "shape": [8, 8, 16], "dtype": "int32",
-                             "src": {"mesh": "2x4", "spec": "R S0 R"}, "dst": {"mesh": "2x4", "spec": "R R S0"}})
-    plan = compile_plan(problem, "broadcast", "naive")
-    plan = plan.model_copy(update={"operations": tuple(op.model_copy(update={"chunks": 4}) for op in plan.operations)})
-    sender = next(d for d in plan_devices(plan) if sum(op.src == d for op in plan.operations) == 2)
+    problem, plan, sender, program = two_chunked_broadcasts_from_one_device()
     launched: list[int] = []
 
     class Recording(MpiEngine):
@@ -432,7 +426,6 @@ def test_a_send_goes_as_soon_as_its_chunk_is_packed_not_after_every_ready_pack()
             super()._launch(i)
 
     world, rank_of = FakeWorld(), rank_of_devices(plan)
-    program = in_device_order(lower(plan, sender, tag_limit=2**20))
     engine = Recording(program, FakeComm(world, rank_of[sender]), rank_of, np.dtype(np.int32), 1.0, (1e-5, 1e-4))
     engine.setup(mpi=FakeMPI)
     engine.start(fill(program.src_block, problem.shape, np.dtype(np.int32)))

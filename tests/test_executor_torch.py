@@ -18,7 +18,8 @@ import pytest
 
 from xmesh_plan.executor.scale import factors_for, scale_plan
 from xmesh_plan.schemas import load_plan
-from test_executor_cases import DEVICES, all_fixed_plans, compiled, fixed_problems, random_problem, write_plans
+from test_executor_cases import (DEVICES, all_fixed_plans, compiled, fixed_problems, random_problem,
+                                 two_chunked_broadcasts_from_one_device, write_plans)
 
 ROOT = Path(__file__).resolve().parents[1]
 WORKER = Path(__file__).with_name("torch_worker.py")
@@ -170,11 +171,8 @@ def test_the_torch_engine_posts_a_send_as_soon_as_its_chunk_is_packed(monkeypatc
 
     from xmesh_plan.executor import torch_engine
     from xmesh_plan.executor.engines import EngineContext
-    from xmesh_plan.executor.lower import in_device_order, lower
     from xmesh_plan.executor.pattern import fill
-    from xmesh_plan.executor.ranks import plan_devices, rank_of_devices
-    from xmesh_plan.planner.compile import compile_plan
-    from xmesh_plan.planner.problem_io import build_problem
+    from xmesh_plan.executor.ranks import rank_of_devices
 
     events: list[tuple[str, int]] = []
 
@@ -197,12 +195,7 @@ def test_the_torch_engine_posts_a_send_as_soon_as_its_chunk_is_packed(monkeypatc
 
     monkeypatch.setattr(dist, "get_backend", lambda group: "gloo")
     monkeypatch.setattr(dist, "get_rank", lambda group: 0)
-    problem = build_problem({"name": "case9_small", "shape": [8, 8, 16], "dtype": "int32",
-                             "src": {"mesh": "2x4", "spec": "R S0 R"}, "dst": {"mesh": "2x4", "spec": "R R S0"}})
-    plan = compile_plan(problem, "broadcast", "naive")
-    plan = plan.model_copy(update={"operations": tuple(op.model_copy(update={"chunks": 4}) for op in plan.operations)})
-    sender = next(d for d in plan_devices(plan) if sum(op.src == d for op in plan.operations) == 2)
-    program = in_device_order(lower(plan, sender, tag_limit=2**20))
+    problem, plan, _, program = two_chunked_broadcasts_from_one_device()
     engine = Recording(program, EngineContext(Group(), rank_of_devices(plan), "int32", np.dtype(np.int32), 5.0, (1e-4, 1e-3)))
     engine.setup()
     try:

@@ -7,7 +7,6 @@ generous and only catch hangs: nothing here asserts a time.
 from __future__ import annotations
 
 import doctest
-import math
 import os
 import signal
 import subprocess
@@ -146,12 +145,14 @@ def test_steptrace_times_every_step_on_one_clock():
     """bench.netlab.steptrace: every step of every rank is launched and finished, and a message never lands before its
     sender started it (the ranks' clocks are one), so the per-operation table it sets against the model is real."""
     from bench.netlab.steptrace import compare, op_times, traced_run
+    from xmesh_plan.executor.ranks import plan_devices
+    from xmesh_plan.schemas.geometry import region_size
 
     plan = two_host_plan()
     opts = RunOptions(tb.LinkShape(rate_mbit=500), max_mb=4, iters=2, warmup=1, timeout_s=RUN_TIMEOUT_S, order="device")
     result, traces = traced_run(plan, opts)
     assert result.ok and result.checked, result.launch.stderr[-3000:]
-    assert sorted(t[0]["device"] for t in traces) == sorted({d for op in plan.operations for d in (op.src, *op.dsts)})
+    assert sorted(t[0]["device"] for t in traces) == sorted(plan_devices(plan))
     sent: dict[tuple, float] = {}
     for t in traces:
         run = t[0]
@@ -169,7 +170,7 @@ def test_steptrace_times_every_step_on_one_clock():
     per_op, _ = op_times(traces)
     assert sorted(per_op) == sorted(op.id for op in plan.operations)
     for op in plan.operations:  # every op crosses the 500 Mbit/s link: none ends before half its bytes could (htb's burst)
-        nbytes = plan.problem.itemsize * math.prod(hi - lo for lo, hi in op.region)
+        nbytes = plan.problem.itemsize * region_size(op.region)
         assert per_op[op.id][1] >= 0.5 * nbytes * 8 / 500e6, (op, per_op[op.id])
     table = compare(plan, traces, 500, "device")
     assert len([line for line in table.splitlines() if line.startswith("| ") and line[2].isdigit()]) == len(plan.operations)

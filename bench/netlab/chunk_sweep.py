@@ -13,7 +13,6 @@ as before on 2 or more cores).
 from __future__ import annotations
 
 import argparse
-import math
 import sys
 
 import numpy as np
@@ -21,6 +20,7 @@ import numpy as np
 from xmesh_plan.planner import strategies
 from xmesh_plan.planner.compile import compile_plan
 from xmesh_plan.planner.simulate import simulate_plan
+from xmesh_plan.schemas.geometry import region_size
 
 from .experiments import reference_problem
 from .predict import TESTBED_CPU
@@ -33,7 +33,7 @@ def sweep(name: str, rate_mbit: float, max_mb: float) -> str:
     problem = reference_problem(name, rate_mbit, 0.0, 300.0, max_mb, TESTBED_CPU)
     plan = compile_plan(problem, "broadcast", "greedy")
     timed = {}
-    fewest = min((math.prod(b - a for a, b in op.region) * problem.itemsize for op in plan.operations if op.kind == "broadcast"), default=0)
+    fewest = min((region_size(op.region) * problem.itemsize for op in plan.operations if op.kind == "broadcast"), default=0)
     for k in (k for k in SWEEP if k == 1 or k <= fewest // strategies.MIN_CHUNK_BYTES):  # chunks the planner could choose
         ops = tuple(op.model_copy(update={"chunks": k}) if op.kind == "broadcast" else op for op in plan.operations)
         timed[k] = simulate_plan(plan.model_copy(update={"operations": ops})).makespan_s

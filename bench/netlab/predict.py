@@ -11,7 +11,7 @@ Three ways to queue the same operations (the simulator's flows, fluid max-min sh
 from __future__ import annotations
 
 from xmesh_plan.planner.bounds import joint_lower_bound
-from xmesh_plan.planner.simulate import nic_assignment, simulate, staging_runs
+from xmesh_plan.planner.simulate import SimResult, nic_assignment, simulate, staging_runs
 from xmesh_plan.planner.unit_tasks import decompose
 from xmesh_plan.schemas import Cluster, Cpu, Nic, Plan, ReshardingProblem
 from xmesh_plan.schemas.transfer import tensor_problems
@@ -40,15 +40,26 @@ def at_rate(problem: ReshardingProblem, rate_mbit: float, latency_us: float | No
     return problem.model_copy(update={"cluster": cluster})
 
 
+def testbed_problem(plan: Plan, rate_mbit: float, cpu: Cpu | None = None) -> ReshardingProblem:
+    """The plan's problem on the testbed's links, priced with `cpu` when given and on links alone otherwise (a plan made
+    with the CPU model, `experiments --plan-cpu`, carries one)."""
+    problem = at_rate(plan.problem, rate_mbit, cpu=cpu)
+    if cpu is None and problem.cluster.cpu is not None:
+        problem = problem.model_copy(update={"cluster": problem.cluster.model_copy(update={"cpu": None})})
+    return problem
+
+
+def simulated(plan: Plan, problem: ReshardingProblem, queueing: str) -> SimResult:
+    """The plan's operations on `problem` (`testbed_problem`) under one queueing: host-order, device-order or posted."""
+    extra = {"host-order": {"nic_of_task": nic_assignment(plan.host_order)}, "device-order": {"run_numbers": staging_runs(plan)},
+             "posted": {}}[queueing]
+    return simulate(plan.operations, problem, queueing, **extra)
+
+
 def predictions(plan: Plan, rate_mbit: float, cpu: Cpu | None = None) -> dict[str, float]:
     """Seconds per reshard under each queueing, and the byte lower bound, on the testbed's links (and CPU, when given)."""
-    problem = at_rate(plan.problem, rate_mbit, cpu=cpu)
-    if cpu is None and problem.cluster.cpu is not None:  # a plan made with the CPU model (`experiments --plan-cpu`), priced on links alone
-        problem = problem.model_copy(update={"cluster": problem.cluster.model_copy(update={"cpu": None})})
-    ops = plan.operations
+    problem = testbed_problem(plan, rate_mbit, cpu)
     return {
-        "host-order": simulate(ops, problem, "host-order", nic_assignment(plan.host_order)).makespan_s,
-        "device-order": simulate(ops, problem, "device-order", run_numbers=staging_runs(plan)).makespan_s,
-        "posted": simulate(ops, problem, "posted").makespan_s,
+        **{queueing: simulated(plan, problem, queueing).makespan_s for queueing in ("host-order", "device-order", "posted")},
         "lower-bound": joint_lower_bound([(decompose(t), t.itemsize) for t in tensor_problems(problem)], problem.cluster).seconds,
     }

@@ -124,15 +124,12 @@ def op_times(traces: list[dict], reshard: int = -2, engine: int = 0
 
 def compare(plan, traces: list[dict], rate_mbit: float, order: str, cpu=None) -> str:
     """A table, operation by operation in plan order: measured (start, end) against the simulator's for `order`."""
-    from xmesh_plan.planner.simulate import simulate, staging_runs
+    from xmesh_plan.schemas.geometry import region_size
 
-    from .predict import at_rate
+    from .experiments import MODEL_OF_ORDER
+    from .predict import simulated, testbed_problem
 
-    problem = at_rate(plan.problem, rate_mbit, cpu=cpu)
-    if cpu is None and problem.cluster.cpu is not None:
-        problem = problem.model_copy(update={"cluster": problem.cluster.model_copy(update={"cpu": None})})
-    sim = simulate(plan.operations, problem, "device-order" if order == "device" else "posted",
-                   run_numbers=staging_runs(plan) if order == "device" else None)
+    sim = simulated(plan, testbed_problem(plan, rate_mbit, cpu), MODEL_OF_ORDER[order])
     measured, _ = op_times(traces)
     if not measured:
         raise ValueError("the traces hold no finished step; did the ranks run the plan?")
@@ -142,9 +139,7 @@ def compare(plan, traces: list[dict], rate_mbit: float, order: str, cpu=None) ->
         m = measured.get(op.id)
         ms, me = (f"{m[0] * 1e3:.1f}", f"{m[1] * 1e3:.1f}") if m else ("-", "-")
         late = f"{(m[1] - sim.op_end_s[op.id]) * 1e3:+.1f}" if m else "-"
-        nbytes = plan.problem.itemsize
-        for lo, hi in op.region:
-            nbytes *= hi - lo
+        nbytes = plan.problem.itemsize * region_size(op.region)
         lines.append(f"| {op.id} | {op.kind} | {op.src} -> {','.join(map(str, op.dsts))} | {nbytes / 2**20:.2f} | {op.chunks} | "
                      f"{sim.op_start_s[op.id] * 1e3:.1f} | {sim.op_end_s[op.id] * 1e3:.1f} | {ms} | {me} | {late} |")
     total = max(e for _, e in measured.values())
