@@ -93,6 +93,7 @@ def run_cpsat(tasks: list[SchedulingTask], *, seed: int = 0, time_limit_s: float
     solver.parameters.random_seed = seed
     solver.parameters.max_deterministic_time = time_limit_s
     solver.parameters.interleave_search = True  # deterministic search whatever the worker count
+    solver.parameters.catch_sigint_signal = False  # else CP-SAT leaves SIGINT at its default: Ctrl-C would kill without cleanup
     status = solver.solve(model)
     bound = max(solver.best_objective_bound * tick, schedule_lower_bound(tasks))
     if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
