@@ -85,9 +85,12 @@ def test_testbed_shapes_both_directions_and_is_removed_after_an_error():
     assert ours(bed.run_id) == []
 
 
-def test_sigterm_removes_the_testbed_and_its_processes():
-    """A run killed politely (SIGTERM, as a CI timeout sends) removes its namespaces and the processes inside them."""
-    code = ("import sys, time; sys.path.insert(0, sys.argv[1]); from bench.netlab import testbed as tb\n"
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "ctrl-c"])
+def test_sigterm_or_ctrl_c_removes_the_testbed_and_its_processes(sig):
+    """A run killed politely (SIGTERM, as a CI timeout sends) or by Ctrl-C removes its namespaces and the processes
+    inside them; Ctrl-C also after a C library reset SIGINT to its default behind Python's back (as CP-SAT did)."""
+    code = ("import ctypes, sys, time; sys.path.insert(0, sys.argv[1]); from bench.netlab import testbed as tb\n"
+            "ctypes.CDLL(None).signal(2, None)  # SIGINT to SIG_DFL in the kernel; Python still thinks its handler is set\n"
             "with tb.testbed(2, tb.LinkShape(100)) as bed:\n"
             "    import subprocess; subprocess.Popen([tb.IP, 'netns', 'exec', bed.host_ns(1), 'sleep', '600'])\n"
             "    print(bed.run_id, flush=True); time.sleep(600)\n")
@@ -97,7 +100,7 @@ def test_sigterm_removes_the_testbed_and_its_processes():
         assert run_id and len(ours(run_id)) == 3
         sleeper = _wait_for_pids(f"{run_id}-h1")  # the sleeper enters its namespace a moment after Popen returns
         assert sleeper
-        proc.send_signal(signal.SIGTERM)
+        proc.send_signal(sig)
         proc.wait(timeout=120)
     finally:  # a failed assert must not leave the child (and its testbed) for 600 s
         if proc.poll() is None:

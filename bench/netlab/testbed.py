@@ -213,9 +213,13 @@ def _raise_interrupted(signum, frame):
 
 @contextlib.contextmanager
 def testbed(hosts: int, link: LinkShape):
-    """Build a testbed, yield it, and remove it on any exit: return, exception, Ctrl-C, SIGTERM or SIGHUP."""
+    """Build a testbed, yield it, and remove it on any exit: return, exception, Ctrl-C, SIGTERM or SIGHUP.
+    Ctrl-C's handler is installed again (unless SIGINT is ignored): a C library may have reset it behind Python's back
+    (CP-SAT did), and the default action kills the process before the `finally`."""
     bed = Testbed(run_id=new_run_id(), hosts=hosts, link=link)
     previous = {s: signal.signal(s, _raise_interrupted) for s in (signal.SIGTERM, signal.SIGHUP)}
+    if signal.getsignal(signal.SIGINT) is not signal.SIG_IGN:
+        previous[signal.SIGINT] = signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         build(bed)
         yield bed
