@@ -141,7 +141,8 @@ def _barrier(comm, timeout_s: float) -> None:
 
 def _timed(reshard, engines, comm, args: argparse.Namespace):
     """Run `reshard` --warmup + --iters times, each after a barrier; the last output and the timed seconds.
-    With --check the destination shards are poisoned before the last run, so a check proves it wrote them."""
+    With --check the destination shards are poisoned before the last run, so a check proves it wrote them. A last
+    barrier keeps a rank that finished early from checking its shards while others still run the timed reshard."""
     times = np.zeros(args.iters)
     for i in range(args.warmup + args.iters):
         if i == args.warmup + args.iters - 1 and args.check:
@@ -153,6 +154,7 @@ def _timed(reshard, engines, comm, args: argparse.Namespace):
         out = reshard()
         if i >= args.warmup:
             times[i - args.warmup] = time.perf_counter() - start
+    _barrier(comm, args.timeout)
     return out, times
 
 

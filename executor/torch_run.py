@@ -52,7 +52,8 @@ def expected_shard(plan: Plan, block, salt: int = 0) -> np.ndarray:
 
 
 def _timed(reshard, args: argparse.Namespace) -> tuple[object, list[float]]:
-    """Run `reshard` --warmup + --iters times, each after a barrier; the last output and the timed seconds."""
+    """Run `reshard` --warmup + --iters times, each after a barrier; the last output and the timed seconds. A last
+    barrier keeps a rank that finished early from checking its shards while others still run the timed reshard."""
     import torch.distributed as dist
 
     times = []
@@ -62,6 +63,7 @@ def _timed(reshard, args: argparse.Namespace) -> tuple[object, list[float]]:
         out = reshard()
         if it >= args.warmup:
             times.append(time.perf_counter() - start)
+    dist.barrier()
     return out, times
 
 
