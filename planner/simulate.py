@@ -13,7 +13,8 @@ Model (stated, so every plan and baseline is judged by the same rules):
   data arrives one per-message latency later. The latency is a delay, not work: a link carries
   the next message while the last one is still in flight (LogGP's L against its o), so messages
   back to back on one link, or the chunks of a pipelined broadcast, pay it once, not each.
-- Sharing. Flows active on a link at the same time share it max-min fairly (progressive filling);
+- Sharing. Flows active on a link at the same time share it max-min fairly (progressive filling), or by
+  the rule a caller passes (`simulate(share=...)`: the emulated cluster's TCP, `bench/netlab/first_come.py`);
   no link is ever oversubscribed.
 - Order. How operations queue is the executing system's choice, so it is a parameter:
   `host-order` (ours): operations that use a NIC side run one after another in plan order, as the
@@ -43,6 +44,7 @@ from __future__ import annotations
 import dataclasses
 import heapq
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from xmesh_plan.schemas import Operation, Plan, ReshardingProblem
@@ -87,6 +89,9 @@ class SimResult:
     op_end_s: dict[int, float]
     flows: int
     work: int = 0
+
+
+ShareRule = Callable[[list[Flow], dict[str, float]], dict[int, float]]  # moving flows, link capacities -> rate per flow id
 
 
 class TooCostly(RuntimeError):
@@ -138,10 +143,11 @@ def max_min_rates(active: list[Flow], capacity: dict[str, float]) -> dict[int, f
 
 
 def run_flows(flows: list[Flow], capacity: dict[str, float], max_work: int | None = None,
-              cost: list[int] | None = None) -> dict[int, tuple[float, float]]:
+              cost: list[int] | None = None, share: ShareRule = max_min_rates) -> dict[int, tuple[float, float]]:
     """Event-driven fluid simulation; (start, arrival) per flow id. A flow with no bytes or links
     takes only its latency. Raises TooCostly once more than `max_work` moving flows have had their
-    rates shared out (summed over the run); `cost`, when given, gets that sum appended."""
+    rates shared out (summed over the run); `cost`, when given, gets that sum appended. `share` gives
+    the moving flows that share links with a flow that started or ended their rates (max-min fair by default)."""
     waiting = {f.id: len(f.after) + len(f.after_sent) for f in flows}
     on_arrival: dict[int, list[int]] = {}
     on_sent: dict[int, list[int]] = {}
@@ -213,7 +219,7 @@ def run_flows(flows: list[Flow], capacity: dict[str, float], max_work: int | Non
     while events or moving:
         if changed:  # an arrival that starts nothing leaves the moving flows, and so their rates, as they were
             affected = _sharing_links(changed, by_id, on_link)
-            rates.update(max_min_rates([by_id[i] for i in moving if i in affected], capacity))
+            rates.update(share([by_id[i] for i in moving if i in affected], capacity))
             changed.clear()
             work += len(moving)
             if max_work is not None and work > max_work:
@@ -459,10 +465,11 @@ class _Lowering:
 
 def simulate(operations: list[Operation] | tuple[Operation, ...], problem: ReshardingProblem | TransferProblem,
              discipline: str = "host-order", nic_of_task: dict[int, int] | None = None, max_work: int | None = None,
-             run_numbers: dict[int, list[int]] | None = None) -> SimResult:
+             run_numbers: dict[int, list[int]] | None = None, share: ShareRule | None = None) -> SimResult:
     """Time `operations` (taken in list order) on the problem's cluster under the queueing `discipline`;
     TooCostly past `max_work` (see `run_flows`). `run_numbers` (device order, a plan with a staging budget:
-    `staging_runs`): each device's run of each of its operations, where the budget ends runs the peers alone would not."""
+    `staging_runs`): each device's run of each of its operations, where the budget ends runs the peers alone would not.
+    `share`: how links share bandwidth (`run_flows`; None: max-min fair); a rule that remembers flows must be fresh per call."""
     lowering = _Lowering(problem, discipline, nic_of_task, run_numbers)
     riders: dict[int, int] = {}  # a bundle riding in another's message -> its carrier (timed as the carrier)
     for group in message_groups(operations):
@@ -471,7 +478,7 @@ def simulate(operations: list[Operation] | tuple[Operation, ...], problem: Resha
             riders |= {op.id: group[0].id for op in group[1:]}
         lowering.add(fused(group, lowering.itemsizes))
     cost: list[int] = []
-    spans = run_flows(lowering.flows, lowering.capacity, max_work, cost)
+    spans = run_flows(lowering.flows, lowering.capacity, max_work, cost, share or max_min_rates)
     start: dict[int, float] = {}
     end: dict[int, float] = {}
     for f in lowering.flows:

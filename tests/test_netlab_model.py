@@ -153,38 +153,59 @@ def test_the_summary_reads_a_results_file_that_is_still_being_written(tmp_path):
     assert "had not finished" in text and "| case9 | 500 | device | 300 | 1.111 |" in text
 
 
-def test_the_first_come_what_if_serves_a_send_side_one_message_at_a_time_and_restores_max_min():
-    """`bench.netlab.sharing`: two 1 MB messages leave one host at once. Max-min: both arrive at 2 ms on a 1 GB/s
-    side. First come at send sides: the first at 1 ms, the second at 2 ms; two messages from different hosts into
-    one receive side still share it (both at 2 ms). The simulator's own rule is back after the block."""
-    from bench.netlab.sharing import FirstCome, sharing
-    from xmesh_plan.planner import simulate
-    from xmesh_plan.planner.simulate import Flow, max_min_rates, run_flows
+def test_the_first_come_rules_serve_a_send_side_one_message_at_a_time():
+    """`bench.netlab.sharing`'s rules as `run_flows(share=...)`: two 1 MB messages leave one host at once. Max-min: both
+    arrive at 2 ms on a 1 GB/s side. First come at send sides: the first at 1 ms, the second at 2 ms; two messages from
+    different hosts into one receive side still share it (both at 2 ms)."""
+    from bench.netlab.first_come import FirstCome
+    from bench.netlab.sharing import rule_table
+    from xmesh_plan.planner.simulate import Flow, run_flows
 
     cap = {"h0.send:0": 1e9, "h1.send:0": 1e9, "h2.recv:0": 1e9, "h3.recv:0": 1e9}
     one_side = [Flow(0, 0, 1e6, 0.0, ("h0.send:0", "h2.recv:0")), Flow(1, 1, 1e6, 0.0, ("h0.send:0", "h3.recv:0"))]
     into_one = [Flow(0, 0, 1e6, 0.0, ("h0.send:0", "h2.recv:0")), Flow(1, 1, 1e6, 0.0, ("h1.send:0", "h2.recv:0"))]
-    arrivals = lambda flows: sorted(round(end * 1e3, 6) for _, end in simulate.run_flows(flows, cap).values())
+
+    def arrivals(flows, rule="max-min", **kw):
+        make = rule_table(rule, **kw).get("posted")
+        spans = run_flows(flows, cap, share=make()) if make else run_flows(flows, cap)
+        return sorted(round(end * 1e3, 6) for _, end in spans.values())
+
     assert arrivals(one_side) == [2.0, 2.0]
-    with sharing("first-come-send"):
-        assert arrivals(one_side) == [1.0, 2.0]
-        assert arrivals(into_one) == [2.0, 2.0]
-    with sharing("first-come-all"):
-        assert arrivals(into_one) == [1.0, 2.0]
-    with sharing("first-come-send-small", small_mib=0.5):  # 1 MB is not small: max-min
-        assert arrivals(one_side) == [2.0, 2.0]
-    with sharing("first-come-send-short", short_ms=0.5):  # 1 MB is 1 ms at 1 GB/s: not short, max-min
-        assert arrivals(one_side) == [2.0, 2.0]
-    with sharing("first-come-send-short", short_ms=1.1):  # short at this rate: first come
-        assert arrivals(one_side) == [1.0, 2.0]
+    assert arrivals(one_side, "first-come-send") == [1.0, 2.0]
+    assert arrivals(into_one, "first-come-send") == [2.0, 2.0]
+    assert arrivals(into_one, "first-come-all") == [1.0, 2.0]
+    assert arrivals(one_side, "first-come-send-small", small_mib=0.5) == [2.0, 2.0]  # 1 MB is not small: max-min
+    assert arrivals(one_side, "first-come-send-short", short_ms=0.5) == [2.0, 2.0]  # 1 ms at 1 GB/s: not short
+    assert arrivals(one_side, "first-come-send-short", short_ms=1.1) == [1.0, 2.0]  # short at this rate: first come
     # the first message is held to 0.25 GB/s by a slow receive side; the second takes the 0.75 GB/s it leaves
     slow = cap | {"h2.recv:0": 0.25e9}
     assert FirstCome(("send",))(one_side, slow) == pytest.approx({0: 0.25e9, 1: 0.75e9})
     assert FirstCome(("send",))(one_side, cap) == pytest.approx({0: 1e9, 1: 1e-9})  # the second waits its turn
-    assert simulate.run_flows is run_flows and simulate.max_min_rates is max_min_rates
-    with pytest.raises(ValueError, match="unknown sharing rule 'fair'; choose one of: max-min, first-come-send"):
-        with sharing("fair"):
-            pass
+    with pytest.raises(ValueError, match="unknown sharing rule 'fair'; choose one of: testbed, max-min, first-come-send"):
+        rule_table("fair")
+
+
+@pytest.mark.parametrize("mib,first_come", [(0.5, True), (4.0, False)])
+def test_the_testbed_model_serves_a_hosts_short_messages_first_come_in_device_order_only(mib, first_come, compile_quick):
+    """`predict.simulated`: two ranks of one host each send `mib` to another host at once, at 500 Mbit/s. In device
+    order a message of at most `TESTBED_SHORT_MS` at the link's rate (0.5 MiB: 8.4 ms) goes first come: one arrives
+    after t, the other after 2t; a longer one (4 MiB: 67 ms) shares max-min, both at 2t. Posted order always shares."""
+    from bench.netlab.predict import TESTBED_SHORT_MS, simulated, testbed_problem
+    from xmesh_plan.schemas import Cluster, DeviceMesh, Placement, ReshardingProblem
+
+    side = int(mib * 2**20 / 4)
+    problem = ReshardingProblem(shape=(2, side), dtype="int32", cluster=Cluster(devices_per_host=2, latency_us=0.0, overhead_us=0.0),
+                                src=Placement(mesh=DeviceMesh(shape=(1, 2), devices=(0, 1)), spec="S1 R"),
+                                dst=Placement(mesh=DeviceMesh(shape=(2, 1), devices=(2, 4)), spec="S0 R"))
+    plan = compile_quick(problem, "send_recv")
+    assert sorted((op.src, op.dsts) for op in plan.operations) == [(0, (2,)), (1, (4,))]
+    t = mib * 2**20 / (500e6 / 8)
+    assert (t <= TESTBED_SHORT_MS / 1e3) == first_come
+    on_testbed = testbed_problem(plan, 500)
+    device = simulated(plan, on_testbed, "device-order")
+    posted = simulated(plan, on_testbed, "posted")
+    assert sorted(device.op_end_s.values()) == pytest.approx([t, 2 * t] if first_come else [2 * t, 2 * t], rel=1e-6)
+    assert sorted(posted.op_end_s.values()) == pytest.approx([2 * t, 2 * t], rel=1e-6)
 
 
 def test_steptrace_times_an_operation_from_its_first_send_and_needs_two_timed_reshards():

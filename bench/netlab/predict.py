@@ -1,6 +1,6 @@
 """What the model predicts for a plan on the testbed: the plan's cluster with every NIC at the link rate.
 
-Three ways to queue the same operations (the simulator's flows, fluid max-min sharing):
+Three ways to queue the same operations (the simulator's flows, fluid max-min sharing, except where `TESTBED_SHARING` says):
 - `host-order`: each NIC side works through its operations one at a time in plan order (the plan's claim);
 - `device-order`: each device does its operations in turn (how Alpa's baselines are priced);
 - `posted`: every operation starts as soon as its data is there and all running transfers share
@@ -10,17 +10,30 @@ Three ways to queue the same operations (the simulator's flows, fluid max-min sh
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
+
 from xmesh_plan.planner.bounds import joint_lower_bound
-from xmesh_plan.planner.simulate import SimResult, nic_assignment, simulate, staging_runs
+from xmesh_plan.planner.simulate import ShareRule, SimResult, nic_assignment, simulate, staging_runs
 from xmesh_plan.planner.unit_tasks import decompose
 from xmesh_plan.schemas import Cluster, Cpu, Nic, Plan, ReshardingProblem
 from xmesh_plan.schemas.transfer import tensor_problems
+
+from .first_come import FirstCome
 
 
 # The shared CPU of the 2-core machine the session-7 runs were made on (BENCHMARKS.md, "Emulated cluster: a model of
 # the shared CPU"): copy_gbps fitted on those runs (3 GB/s of shared-memory traffic per core and end: the executor's
 # pack or unpack plus MPI's copy, with idle ranks polling); no per-message CPU inside a host (the runs cannot tell).
 TESTBED_CPU = Cpu(cores=2, copy_gbps=24, message_us=0)
+
+# How the testbed's links share bandwidth, per queueing (a fresh rule per simulation; absent: max-min). In device order a
+# host's ranks start their messages a few ms apart and TCP serves the short ones first come (`first_come.py`); a message
+# of more than TESTBED_SHORT_MS at its link's rate shares max-min. In posted order every message starts at once and the
+# links share max-min (BENCHMARKS.md, sessions 12 and 13: the threshold fitted on session 12's runs, checked on 13's).
+TESTBED_SHORT_MS = 25.0
+TESTBED_SHARING: Mapping[str, Callable[[], ShareRule]] = {
+    "device-order": lambda: FirstCome(("send",), short_s=TESTBED_SHORT_MS / 1e3),
+}
 
 
 def at_rate(problem: ReshardingProblem, rate_mbit: float, latency_us: float | None = None,
@@ -49,17 +62,22 @@ def testbed_problem(plan: Plan, rate_mbit: float, cpu: Cpu | None = None) -> Res
     return problem
 
 
-def simulated(plan: Plan, problem: ReshardingProblem, queueing: str) -> SimResult:
-    """The plan's operations on `problem` (`testbed_problem`) under one queueing: host-order, device-order or posted."""
+def simulated(plan: Plan, problem: ReshardingProblem, queueing: str,
+              sharing: Mapping[str, Callable[[], ShareRule]] = TESTBED_SHARING) -> SimResult:
+    """The plan's operations on `problem` (`testbed_problem`) under one queueing: host-order, device-order or posted,
+    the links shared as `sharing` says for that queueing (max-min where it says nothing)."""
     extra = {"host-order": {"nic_of_task": nic_assignment(plan.host_order)}, "device-order": {"run_numbers": staging_runs(plan)},
              "posted": {}}[queueing]
-    return simulate(plan.operations, problem, queueing, **extra)
+    rule = sharing.get(queueing)
+    return simulate(plan.operations, problem, queueing, share=rule() if rule else None, **extra)
 
 
-def predictions(plan: Plan, rate_mbit: float, cpu: Cpu | None = None) -> dict[str, float]:
-    """Seconds per reshard under each queueing, and the byte lower bound, on the testbed's links (and CPU, when given)."""
+def predictions(plan: Plan, rate_mbit: float, cpu: Cpu | None = None,
+                sharing: Mapping[str, Callable[[], ShareRule]] = TESTBED_SHARING) -> dict[str, float]:
+    """Seconds per reshard under each queueing, and the byte lower bound, on the testbed's links (and CPU, when given),
+    shared as `sharing` says (`simulated`)."""
     problem = testbed_problem(plan, rate_mbit, cpu)
     return {
-        **{queueing: simulated(plan, problem, queueing).makespan_s for queueing in ("host-order", "device-order", "posted")},
+        **{queueing: simulated(plan, problem, queueing, sharing).makespan_s for queueing in ("host-order", "device-order", "posted")},
         "lower-bound": joint_lower_bound([(decompose(t), t.itemsize) for t in tensor_problems(problem)], problem.cluster).seconds,
     }

@@ -2,7 +2,8 @@
 
 The ranks run `executor.run` with `MpiEngine._launch` and `_finish` wrapped to note the monotonic time
 (one clock for every namespace of the machine) of each step of every reshard; the plan's simulated
-timeline (`predict.py`'s queueing for the order) is set beside the measured one of the last timed reshard
+timeline (`predict.simulated`: the queueing for the order, the testbed's sharing and, as `repredict`'s "CPU model",
+`predict.TESTBED_CPU`) is set beside the measured one of the last timed reshard
 before the checked one, operation by operation, so a gap the model does not have shows where it opens.
 A bench tool: the engines are patched only inside the ranks this module launches. `XMESH_NETLAB_POLL=LOW,HIGH`
 (seconds) sets the ranks' sleeps between polls, for experiments (BENCHMARKS.md, session 12).
@@ -123,7 +124,8 @@ def op_times(traces: list[dict], reshard: int = -2, engine: int = 0
 
 
 def compare(plan, traces: list[dict], rate_mbit: float, order: str, cpu=None) -> str:
-    """A table, operation by operation in plan order: measured (start, end) against the simulator's for `order`."""
+    """A table, operation by operation in plan order: measured (start, end) against the simulator's for `order`
+    (with `cpu`, when given, as `predict.testbed_problem`)."""
     from xmesh_plan.schemas.geometry import region_size
 
     from .experiments import MODEL_OF_ORDER
@@ -213,7 +215,7 @@ def main(argv=None) -> int:
     if not result.ok or len(traces) != ranks:
         print(f"error: the run failed ({len(traces)} of {ranks} ranks wrote a trace): {result.launch.stderr[-1500:]}", file=sys.stderr)
         return 1
-    table = compare(scaled(plan, args.max_mb), traces, args.rate, args.order)
+    table = compare(scaled(plan, args.max_mb), traces, args.rate, args.order, TESTBED_CPU)
     print(f"{args.case} {args.approach} at {args.rate:g} Mbit/s, {args.max_mb:g} MiB, {args.order} order, "
           f"{overhead:g} us per message; median {result.median_s[0] * 1e3:.1f} ms over {args.iters}; "
           f"bit-exact: {result.checked}\n{table}")
