@@ -177,3 +177,19 @@ def test_steptrace_times_every_step_on_one_clock():
         assert per_op[op.id][1] >= 0.5 * nbytes * 8 / 500e6, (op, per_op[op.id])
     table = compare(plan, traces, 500, "device")
     assert len([line for line in table.splitlines() if line.startswith("| ") and line[2].isdigit()]) == len(plan.operations)
+
+
+def test_experiments_stop_with_one_line_naming_the_case_over_the_byte_bound(tmp_path, capsys):
+    """A case whose plans would move more than `--max-run-gib` stops the sweep before it launches anything, with one
+    line that names the case and the fix, and the runs before it kept."""
+    from bench.netlab.experiments import main
+
+    out = tmp_path / "sweep.json"
+    code = main(["--cases", "one_to_1x2", "--rates", "500", "--max-mb", "8", "--latency-us", "200,40",
+                 "--max-run-gib", "0.01", "--no-markdown", "--out", str(out)])
+    err = capsys.readouterr().err
+    assert code == 2
+    assert err.startswith("error: one_to_1x2 at 500 Mbit/s: these plans would move ") and err.count("\n") == 1
+    assert "raise the bound: experiments --max-run-gib" in err and "Traceback" not in err
+    assert not out.exists()  # no case ran, so no results file
+    assert ours(f"xnl{os.getpid()}x") == []  # and no testbed was left (none was built: the bound is checked first)

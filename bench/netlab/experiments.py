@@ -22,7 +22,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from report import replace_section, write_json  # noqa: E402
+from report import RESULTS, replace_section, write_json  # noqa: E402
 from xmesh_plan.planner.compile import compile_plan  # noqa: E402
 from xmesh_plan.planner.problem_io import build_problem  # noqa: E402
 from xmesh_plan.planner.reference_cases import reference_problems  # noqa: E402
@@ -33,7 +33,7 @@ from xmesh_plan.schemas import Cpu, Plan, ReshardingProblem  # noqa: E402
 
 from .baseline_plans import baseline_plan  # noqa: E402
 from .predict import TESTBED_CPU, at_rate, predictions  # noqa: E402
-from .run_plan import MAX_RUN_BYTES, RunOptions, run_plans, scaled  # noqa: E402
+from .run_plan import MAX_RUN_BYTES, OverBoundError, RunOptions, run_plans, scaled  # noqa: E402
 from .testbed import LinkShape, unavailable_reason  # noqa: E402
 
 APPROACHES = [  # label, strategy, solver (None: an Alpa baseline)
@@ -235,7 +235,12 @@ def main(argv=None) -> int:
             latency, overhead = (round(v, 1) for v in measure_message_costs(opts))
             print(f"measured per message at {rate:g} Mbit/s: latency {latency:g} us, overhead {overhead:g} us", flush=True)
         for name in args.cases.split(","):
-            runs.append(run_case(name, rate, opts, latency, overhead, replace_cores(TESTBED_CPU) if args.plan_cpu else None))
+            try:
+                runs.append(run_case(name, rate, opts, latency, overhead, replace_cores(TESTBED_CPU) if args.plan_cpu else None))
+            except OverBoundError as err:
+                kept = f"; the {len(runs)} runs before it are in {RESULTS / args.out}" if runs else ""
+                print(f"error: {name} at {rate:g} Mbit/s: {err}{kept}", file=sys.stderr)
+                return 2
             print(*table([runs[-1]], args.order).splitlines()[2:], link_table([runs[-1]]).splitlines()[-1], sep="\n", flush=True)
             write_json(args.out, {"meta": _meta(args, None), "runs": runs})  # kept case by case: a later failure loses nothing
     load = os.getloadavg()
