@@ -135,8 +135,8 @@ def _reduce(comm, values: np.ndarray, op, timeout_s: float) -> np.ndarray:
     return out
 
 
-def _barrier(comm, timeout_s: float) -> None:
-    poll(comm.Ibarrier(), timeout_s, DEFAULT_POLL_S, "barrier between iterations")
+def _barrier(comm, timeout_s: float, what: str = "barrier between iterations") -> None:
+    poll(comm.Ibarrier(), timeout_s, DEFAULT_POLL_S, what)
 
 
 def _timed(reshard, engines, comm, args: argparse.Namespace):
@@ -154,7 +154,7 @@ def _timed(reshard, engines, comm, args: argparse.Namespace):
         out = reshard()
         if i >= args.warmup:
             times[i - args.warmup] = time.perf_counter() - start
-    _barrier(comm, args.timeout)
+    _barrier(comm, args.timeout, "barrier after the timed reshards")
     return out, times
 
 

@@ -143,11 +143,12 @@ def max_min_rates(active: list[Flow], capacity: dict[str, float]) -> dict[int, f
 
 
 def run_flows(flows: list[Flow], capacity: dict[str, float], max_work: int | None = None,
-              cost: list[int] | None = None, share: ShareRule = max_min_rates) -> dict[int, tuple[float, float]]:
+              cost: list[int] | None = None, share: ShareRule | None = None) -> dict[int, tuple[float, float]]:
     """Event-driven fluid simulation; (start, arrival) per flow id. A flow with no bytes or links
     takes only its latency. Raises TooCostly once more than `max_work` moving flows have had their
     rates shared out (summed over the run); `cost`, when given, gets that sum appended. `share` gives
-    the moving flows that share links with a flow that started or ended their rates (max-min fair by default)."""
+    the moving flows that share links with a flow that started or ended their rates (None: max-min fair)."""
+    share = share or max_min_rates
     waiting = {f.id: len(f.after) + len(f.after_sent) for f in flows}
     on_arrival: dict[int, list[int]] = {}
     on_sent: dict[int, list[int]] = {}
@@ -478,7 +479,7 @@ def simulate(operations: list[Operation] | tuple[Operation, ...], problem: Resha
             riders |= {op.id: group[0].id for op in group[1:]}
         lowering.add(fused(group, lowering.itemsizes))
     cost: list[int] = []
-    spans = run_flows(lowering.flows, lowering.capacity, max_work, cost, share or max_min_rates)
+    spans = run_flows(lowering.flows, lowering.capacity, max_work, cost, share)
     start: dict[int, float] = {}
     end: dict[int, float] = {}
     for f in lowering.flows:

@@ -206,6 +206,8 @@ def test_the_testbed_model_serves_a_hosts_short_messages_first_come_in_device_or
     posted = simulated(plan, on_testbed, "posted")
     assert sorted(device.op_end_s.values()) == pytest.approx([t, 2 * t] if first_come else [2 * t, 2 * t], rel=1e-6)
     assert sorted(posted.op_end_s.values()) == pytest.approx([2 * t, 2 * t], rel=1e-6)
+    with pytest.raises(ValueError, match=r"unknown queueings \['device'\]; use host-order, device-order, posted"):
+        simulated(plan, on_testbed, "device-order", {"device": lambda: None})
 
 
 def test_steptrace_times_an_operation_from_its_first_send_and_needs_two_timed_reshards():
@@ -225,3 +227,19 @@ def test_steptrace_times_an_operation_from_its_first_send_and_needs_two_timed_re
     assert per_device[(0, 1)] == pytest.approx((2.5, 2.5)) and per_device[(0, 0)] == pytest.approx((0.5, 2.0))
     with pytest.raises(ValueError, match="run a warm-up and at least 2 timed ones"):
         op_times([rank(0, "send", 1, 0.5, 2.0, reshards=2), rank(1, "recv", 0, 0.0, 2.5, reshards=2)])
+
+
+def test_experiments_stop_with_one_line_naming_the_case_over_the_byte_bound(tmp_path, capsys, monkeypatch):
+    """A case whose plans would move more than `--max-run-gib` stops the sweep before it launches anything (so no
+    namespace is needed here), with one line that names the case and the fix, and no results file (no case ran)."""
+    from bench.netlab import experiments
+
+    monkeypatch.setattr(experiments, "unavailable_reason", lambda: None)
+    out = tmp_path / "sweep.json"
+    code = experiments.main(["--cases", "one_to_1x2", "--rates", "500", "--max-mb", "8", "--latency-us", "200,40",
+                             "--max-run-gib", "0.01", "--no-markdown", "--out", str(out)])
+    err = capsys.readouterr().err
+    assert code == 2
+    assert err.startswith("error: one_to_1x2 at 500 Mbit/s: these plans would move ") and err.count("\n") == 1
+    assert "raise the bound: experiments --max-run-gib" in err and "Traceback" not in err
+    assert not out.exists()

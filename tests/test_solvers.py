@@ -5,6 +5,7 @@ from __future__ import annotations
 import ast
 import itertools
 import random
+import signal
 from pathlib import Path
 
 import pytest
@@ -114,19 +115,23 @@ def test_cpsat_bound_is_a_true_lower_bound_and_it_finds_a_solution():
     assert outcome.proven_bound_s <= brute_force(tasks) + 1e-9 <= outcome.schedule.makespan(tasks) + 2e-9
 
 
-
 @pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="reads the kernel's signal dispositions from /proc (Linux)")
 def test_cpsat_leaves_ctrl_c_to_the_caller():
     """CP-SAT catches SIGINT while it solves and, unless told not to, leaves it at the default afterwards, so a later
     Ctrl-C killed the process without its cleanup (the emulated cluster's namespaces stayed). The kernel's view, read
-    from /proc, keeps Python's handler."""
+    from /proc, keeps Python's handler (installed here: a shell without job control starts pytest with SIGINT ignored)."""
     def caught() -> bool:
         mask = next(line for line in Path("/proc/self/status").read_text().splitlines() if line.startswith("SigCgt:"))
         return bool(int(mask.split()[1], 16) >> 1 & 1)  # bit 1: signal 2, SIGINT
 
-    assert caught(), "pytest's process should catch SIGINT (Python's default_int_handler)"
-    assert run_cpsat(random_tasks(5, 5, src_hosts=2, dst_hosts=2), time_limit_s=1.0).schedule is not None
-    assert caught()
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        assert caught()
+        assert run_cpsat(random_tasks(5, 5, src_hosts=2, dst_hosts=2), time_limit_s=1.0).schedule is not None
+        assert caught()
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
 
 def test_case3_reaches_the_edge_colouring_optimum():
     """R S0 R -> S0 R R: each sender host feeds both receiver hosts; ordering lets both send at once."""

@@ -22,7 +22,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from report import RESULTS, replace_section, write_json  # noqa: E402
+from report import replace_section, write_json  # noqa: E402
 from xmesh_plan.planner.compile import compile_plan  # noqa: E402
 from xmesh_plan.planner.problem_io import build_problem  # noqa: E402
 from xmesh_plan.planner.reference_cases import reference_problems  # noqa: E402
@@ -32,8 +32,8 @@ from xmesh_plan.executor.scale import factors_for  # noqa: E402
 from xmesh_plan.schemas import Cpu, Plan, ReshardingProblem  # noqa: E402
 
 from .baseline_plans import baseline_plan  # noqa: E402
-from .predict import TESTBED_CPU, at_rate, predictions  # noqa: E402
-from .run_plan import MAX_RUN_BYTES, OverBoundError, RunOptions, run_plans, scaled  # noqa: E402
+from .predict import TESTBED_CPU, TESTBED_SHORT_MS, at_rate, predictions  # noqa: E402
+from .run_plan import MAX_RUN_BYTES, PlansRefusedError, RunOptions, run_plans, scaled  # noqa: E402
 from .testbed import LinkShape, unavailable_reason  # noqa: E402
 
 APPROACHES = [  # label, strategy, solver (None: an Alpa baseline)
@@ -237,8 +237,12 @@ def main(argv=None) -> int:
         for name in args.cases.split(","):
             try:
                 runs.append(run_case(name, rate, opts, latency, overhead, replace_cores(TESTBED_CPU) if args.plan_cpu else None))
-            except OverBoundError as err:
-                kept = f"; the {len(runs)} runs before it are in {RESULTS / args.out}" if runs else ""
+            except PlansRefusedError as err:
+                kept = ""
+                if runs:  # the file says where the sweep stopped, so its command (every case) does not mislead
+                    path = write_json(args.out, {"meta": {**_meta(args, os.getloadavg()), "stopped_at": f"{name} at {rate:g} Mbit/s"},
+                                                 "runs": runs})
+                    kept = f"; the {len(runs)} runs before it are in {path}"
                 print(f"error: {name} at {rate:g} Mbit/s: {err}{kept}", file=sys.stderr)
                 return 2
             print(*table([runs[-1]], args.order).splitlines()[2:], link_table([runs[-1]]).splitlines()[-1], sep="\n", flush=True)
@@ -261,6 +265,7 @@ def _meta(args, load) -> dict:
                        f"{' --single-copy' if args.single_copy else ''}{' --plan-cpu' if args.plan_cpu else ''}"
                        f"{f' --max-run-gib {args.max_run_gib:g}' if args.max_run_gib * 2**30 != MAX_RUN_BYTES else ''}",
             "loadavg_after": load, "cpus": os.cpu_count(), "plan_cpu": args.plan_cpu,
+            "sharing": f"testbed: first come at a host's send side for messages up to {TESTBED_SHORT_MS:g} ms in device order, else max-min",
             "order": args.order, "engine": args.engine, "single_copy": args.single_copy}
 
 

@@ -11,6 +11,7 @@ Three ways to queue the same operations (the simulator's flows, fluid max-min sh
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
+from types import MappingProxyType
 
 from xmesh_plan.planner.bounds import joint_lower_bound
 from xmesh_plan.planner.simulate import ShareRule, SimResult, nic_assignment, simulate, staging_runs
@@ -31,9 +32,10 @@ TESTBED_CPU = Cpu(cores=2, copy_gbps=24, message_us=0)
 # of more than TESTBED_SHORT_MS at its link's rate shares max-min. In posted order every message starts at once and the
 # links share max-min (BENCHMARKS.md, sessions 12 and 13: the threshold fitted on session 12's runs, checked on 13's).
 TESTBED_SHORT_MS = 25.0
-TESTBED_SHARING: Mapping[str, Callable[[], ShareRule]] = {
+TESTBED_SHARING: Mapping[str, Callable[[], ShareRule]] = MappingProxyType({
     "device-order": lambda: FirstCome(("send",), short_s=TESTBED_SHORT_MS / 1e3),
-}
+})
+QUEUEINGS = ("host-order", "device-order", "posted")
 
 
 def at_rate(problem: ReshardingProblem, rate_mbit: float, latency_us: float | None = None,
@@ -68,6 +70,9 @@ def simulated(plan: Plan, problem: ReshardingProblem, queueing: str,
     the links shared as `sharing` says for that queueing (max-min where it says nothing)."""
     extra = {"host-order": {"nic_of_task": nic_assignment(plan.host_order)}, "device-order": {"run_numbers": staging_runs(plan)},
              "posted": {}}[queueing]
+    unknown = set(sharing) - set(QUEUEINGS)
+    if unknown:
+        raise ValueError(f"sharing names unknown queueings {sorted(unknown)}; use {', '.join(QUEUEINGS)}")
     rule = sharing.get(queueing)
     return simulate(plan.operations, problem, queueing, share=rule() if rule else None, **extra)
 
@@ -78,6 +83,6 @@ def predictions(plan: Plan, rate_mbit: float, cpu: Cpu | None = None,
     shared as `sharing` says (`simulated`)."""
     problem = testbed_problem(plan, rate_mbit, cpu)
     return {
-        **{queueing: simulated(plan, problem, queueing, sharing).makespan_s for queueing in ("host-order", "device-order", "posted")},
+        **{queueing: simulated(plan, problem, queueing, sharing).makespan_s for queueing in QUEUEINGS},
         "lower-bound": joint_lower_bound([(decompose(t), t.itemsize) for t in tensor_problems(problem)], problem.cluster).seconds,
     }

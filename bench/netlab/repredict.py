@@ -5,8 +5,9 @@ with today's model, with and without a model of the shared CPU (`Cluster.cpu`), 
         bench/results/netlab-device-200-s7.json [--cores 2 --copy-gbps 24 --message-us 0]
 
 A distinct plan of a launch counts once (as `summary.compact` counts); "saved" is the prediction stored in the file,
-"today" this checkout's model without the CPU (on the session-7 runs it differs from "saved" only on all-gather plans, by up to 1%), "CPU model"
-with it (defaults: `predict.TESTBED_CPU`). The plans are rebuilt with this checkout's planner, so a file made with
+"today" this checkout's model without the CPU, "CPU model" with it (defaults: `predict.TESTBED_CPU`); both share the
+links as the testbed does (`predict.TESTBED_SHARING`, since session 13: files saved before price device order with
+max-min, so case 4's solver plans, 0.80-0.88x "saved", are about 0.97x "today"). The plans are rebuilt with this checkout's planner, so a file made with
 another version may get other plans; compare "saved" with "today" to see.
 """
 

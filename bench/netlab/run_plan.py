@@ -23,11 +23,11 @@ from .launch import LaunchResult, plan_hosts, ranks_per_host, run_ranks, run_tor
 from .testbed import LinkShape, testbed
 
 MAX_RUN_BYTES = 8 * 2**30
-class OverBoundError(ValueError):
-    """Plans refused before anything started: different rank layouts, or more bytes than `max_run_bytes`."""
-
-
 _TIMING = re.compile(r"([\d.]+) ms/iter median of \d+ \(min ([\d.]+)\)")
+
+
+class PlansRefusedError(ValueError):
+    """Plans refused before anything started: different rank layouts, or more bytes than `max_run_bytes`."""
 
 
 @dataclass(frozen=True)
@@ -93,10 +93,10 @@ def _check_bounds(plans: list[Plan], opts: RunOptions) -> None:
     """Refuse plans that need different rank layouts, or that would move more than `max_run_bytes` in all."""
     layouts = {ranks_per_host(p) for p in plans}
     if len(layouts) != 1:
-        raise OverBoundError(f"plans launched together need the same ranks per host; got {sorted(layouts)}")
+        raise PlansRefusedError(f"plans launched together need the same ranks per host; got {sorted(layouts)}")
     total = sum(bytes_moved(p) for p in plans) * (opts.warmup + opts.iters)
     if total > opts.max_run_bytes:
-        raise OverBoundError(f"these plans would move {total / 2**30:.1f} GiB in {opts.warmup + opts.iters} reshards each, over the "
+        raise PlansRefusedError(f"these plans would move {total / 2**30:.1f} GiB in {opts.warmup + opts.iters} reshards each, over the "
                          f"{opts.max_run_bytes / 2**30:.1f} GiB bound; lower max_mb or iterations (or raise the bound: experiments --max-run-gib)")
 
 

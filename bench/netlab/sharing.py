@@ -27,11 +27,10 @@ from pathlib import Path
 from xmesh_plan.planner.simulate import ShareRule
 
 from .first_come import FirstCome
-from .predict import TESTBED_CPU, TESTBED_SHARING, TESTBED_SHORT_MS, predictions
+from .predict import QUEUEINGS, TESTBED_CPU, TESTBED_SHARING, TESTBED_SHORT_MS, predictions
 from .repredict import WITHIN, repredicted
 
 RULES = ("testbed", "max-min", "first-come-send", "first-come-send-small", "first-come-send-short", "first-come-all")
-QUEUEINGS = ("host-order", "device-order", "posted")
 
 
 def rule_table(rule: str, small_mib: float = 2.0, short_ms: float = TESTBED_SHORT_MS) -> Mapping[str, Callable[[], ShareRule]]:
@@ -48,7 +47,7 @@ def rule_table(rule: str, small_mib: float = 2.0, short_ms: float = TESTBED_SHOR
     return dict.fromkeys(QUEUEINGS, lambda: FirstCome(sides, small, short))
 
 
-def priced_by(rule: str, small_mib: float = 2.0, short_ms: float = TESTBED_SHORT_MS):
+def priced_by(rule: str, small_mib: float = 2.0, short_ms: float = TESTBED_SHORT_MS) -> Callable[..., dict[str, float]]:
     """`predict.predictions` with the links shared by `rule` (the plans are made as the planner makes them)."""
     table = rule_table(rule, small_mib, short_ms)
 
@@ -84,7 +83,8 @@ def main(argv=None) -> int:
     parser.add_argument("results", nargs="+", type=Path, help="results JSON files of bench.netlab.experiments")
     parser.add_argument("--small-mib", type=float, default=2.0, help="first-come-send-small: messages of at most this many MiB wait their turn")
     parser.add_argument("--short-ms", type=float, default=TESTBED_SHORT_MS,
-                        help="first-come-send-short: messages of at most this many ms at their send side's rate wait their turn")
+                        help="first-come-send-short: messages of at most this many ms at their send side's rate wait their turn "
+                             "(the testbed rule keeps its own, predict.TESTBED_SHORT_MS)")
     parser.add_argument("--rules", default=",".join(RULES), help="comma-separated, from: " + ", ".join(RULES))
     args = parser.parse_args(argv)
     rules = tuple(r.strip() for r in args.rules.split(","))

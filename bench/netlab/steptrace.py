@@ -2,8 +2,8 @@
 
 The ranks run `executor.run` with `MpiEngine._launch` and `_finish` wrapped to note the monotonic time
 (one clock for every namespace of the machine) of each step of every reshard; the plan's simulated
-timeline (`predict.simulated`: the queueing for the order, the testbed's sharing and, as `repredict`'s "CPU model",
-`predict.TESTBED_CPU`) is set beside the measured one of the last timed reshard
+timeline (`predict.simulated`: the queueing for the order, the testbed's sharing and `predict.TESTBED_CPU` at this
+machine's core count, as `experiments` prices) is set beside the measured one of the last timed reshard
 before the checked one, operation by operation, so a gap the model does not have shows where it opens.
 A bench tool: the engines are patched only inside the ranks this module launches. `XMESH_NETLAB_POLL=LOW,HIGH`
 (seconds) sets the ranks' sleeps between polls, for experiments (BENCHMARKS.md, session 12).
@@ -215,7 +215,7 @@ def main(argv=None) -> int:
     if not result.ok or len(traces) != ranks:
         print(f"error: the run failed ({len(traces)} of {ranks} ranks wrote a trace): {result.launch.stderr[-1500:]}", file=sys.stderr)
         return 1
-    table = compare(scaled(plan, args.max_mb), traces, args.rate, args.order, TESTBED_CPU)
+    table = compare(scaled(plan, args.max_mb), traces, args.rate, args.order, replace_cores(TESTBED_CPU))
     print(f"{args.case} {args.approach} at {args.rate:g} Mbit/s, {args.max_mb:g} MiB, {args.order} order, "
           f"{overhead:g} us per message; median {result.median_s[0] * 1e3:.1f} ms over {args.iters}; "
           f"bit-exact: {result.checked}\n{table}")

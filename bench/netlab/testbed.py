@@ -218,14 +218,17 @@ def testbed(hosts: int, link: LinkShape):
     (CP-SAT did), and the default action kills the process before the `finally`."""
     bed = Testbed(run_id=new_run_id(), hosts=hosts, link=link)
     previous = {s: signal.signal(s, _raise_interrupted) for s in (signal.SIGTERM, signal.SIGHUP)}
-    if signal.getsignal(signal.SIGINT) is not signal.SIG_IGN:
-        previous[signal.SIGINT] = signal.signal(signal.SIGINT, signal.default_int_handler)
+    ctrl_c = signal.getsignal(signal.SIGINT)
+    if ctrl_c is not signal.SIG_IGN:
+        previous[signal.SIGINT] = signal.signal(signal.SIGINT, ctrl_c if callable(ctrl_c) else signal.default_int_handler)
     try:
         build(bed)
         yield bed
     finally:
-        left = teardown(bed)
-        for s, handler in previous.items():
-            signal.signal(s, handler)
+        try:
+            left = teardown(bed)
+        finally:
+            for s, handler in previous.items():
+                signal.signal(s, handler if handler is not None else signal.SIG_DFL)
         if left:
             raise TestbedError(f"could not remove namespaces {', '.join(left)}; remove them with `ip netns del NAME`")
