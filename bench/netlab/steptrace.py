@@ -1,7 +1,9 @@
-"""Where a reshard's time goes on the testbed: every MPI step's launch and finish time, per operation, against the model.
+"""Where a reshard's time goes on the testbed: every step's launch and finish time, per operation, against the model.
 
 The ranks run `executor.run` with `MpiEngine._launch` and `_finish` wrapped to note the monotonic time
-(one clock for every namespace of the machine) of each step of every reshard; the plan's simulated
+(one clock for every namespace of the machine) of each step of every reshard, or with `--engine torch`
+`executor.torch_run` with `TorchEngine._advance` (which posts messages) and `_finish` wrapped: the torch
+engine waits for a send no step depends on only at the end, so such a send marks only its start; the plan's simulated
 timeline (`predict.simulated`: the queueing for the order, the testbed's sharing and `predict.TESTBED_CPU` at this
 machine's core count, as `experiments` prices) is set beside the measured one of the last timed reshard
 before the checked one, operation by operation, so a gap the model does not have shows where it opens.
@@ -24,13 +26,51 @@ from dataclasses import replace
 from pathlib import Path
 
 TRACE_ENV = "XMESH_NETLAB_STEPTRACE"  # the folder each rank writes its trace-<rank>.json into
+ENGINE_ENV = "XMESH_NETLAB_STEPTRACE_ENGINE"  # mpi or torch: which engine the ranks run and time
 
 
-def _patch(folder: Path) -> None:
-    """Wrap the MPI engine so every step's launch and finish are timed in every reshard; written out at exit."""
+def _patch_torch(engines: list) -> None:
+    """Wrap the torch engine as `_patch` wraps MPI's: a message's launch is when `_advance` posts it."""
+    from xmesh_plan.executor import torch_engine
+
+    cls = torch_engine.TorchEngine
+    advance, finish, run_local, start = cls._advance, cls._finish, cls._run_local, cls.start
+
+    def timed_start(self, src):
+        if not hasattr(self, "_trace"):
+            engines.append(self)
+            self._traces = []
+        self._trace = {"start": time.monotonic(), "launch": {}, "finish": {}}
+        self._traces.append(self._trace)
+        return start(self, src)
+
+    def timed_advance(self, q):
+        head = self.heads[q]
+        now = time.monotonic()
+        advance(self, q)
+        for i in self.queues[q][head:self.heads[q]]:
+            self._trace["launch"][i] = now
+
+    def timed_run_local(self, i):
+        self._trace["launch"][i] = time.monotonic()
+        return run_local(self, i)
+
+    def timed_finish(self, i):
+        self._trace["finish"][i] = time.monotonic()
+        return finish(self, i)
+
+    cls.start, cls._advance, cls._run_local, cls._finish = timed_start, timed_advance, timed_run_local, timed_finish
+
+
+def _patch(folder: Path, engine: str = "mpi") -> None:
+    """Wrap the engine (`mpi` or `torch`) so every step's launch and finish are timed in every reshard; written out at exit."""
+    engines: list = []
+    atexit.register(lambda: _dump(folder, engines))
+    if engine == "torch":
+        _patch_torch(engines)
+        return
     from xmesh_plan.executor import mpi_engine
 
-    engines: list = []
     launch, finish, start = mpi_engine.MpiEngine._launch, mpi_engine.MpiEngine._finish, mpi_engine.MpiEngine.start
 
     def timed_start(self, src):
@@ -60,18 +100,18 @@ def _patch(folder: Path) -> None:
 
         mpi_engine.MpiEngine.__init__ = polled_init
 
-    def dump():
-        rank = os.environ.get("PMI_RANK", os.environ.get("RANK", str(os.getpid())))
-        out = []
-        for engine in engines:
-            steps = [{"op": s.op, "action": s.action, "peer": s.peer, "nbytes": s.data.nbytes if s.data else 0, "piece": s.piece}
-                     for s in engine.steps]
-            out.append({"device": engine.program.device, "steps": steps,
-                        "reshards": [{"start": t["start"], "launch": [t["launch"].get(s.index) for s in engine.steps],
-                                      "finish": [t["finish"].get(s.index) for s in engine.steps]} for t in engine._traces]})
-        (folder / f"trace-{rank}.json").write_text(json.dumps(out))
 
-    atexit.register(dump)
+def _dump(folder: Path, engines: list) -> None:
+    """Write this rank's traces: per engine its device, steps and every reshard's launch and finish times."""
+    rank = os.environ.get("PMI_RANK", os.environ.get("RANK", str(os.getpid())))
+    out = []
+    for engine in engines:
+        steps = [{"op": s.op, "action": s.action, "peer": s.peer, "nbytes": s.data.nbytes if s.data else 0, "piece": s.piece}
+                 for s in engine.steps]
+        out.append({"device": engine.program.device, "steps": steps,
+                    "reshards": [{"start": t["start"], "launch": [t["launch"].get(s.index) for s in engine.steps],
+                                  "finish": [t["finish"].get(s.index) for s in engine.steps]} for t in engine._traces]})
+    (folder / f"trace-{rank}.json").write_text(json.dumps(out))
 
 
 def poll_sleeps(text: str) -> tuple[float, float]:
@@ -86,8 +126,13 @@ def poll_sleeps(text: str) -> tuple[float, float]:
 
 
 def rank_main() -> int:
-    """A rank: `executor.run` with its steps timed into $XMESH_NETLAB_STEPTRACE."""
-    _patch(Path(os.environ[TRACE_ENV]))
+    """A rank: `executor.run` (or `executor.torch_run`, $XMESH_NETLAB_STEPTRACE_ENGINE=torch) with its steps timed
+    into $XMESH_NETLAB_STEPTRACE."""
+    engine = os.environ.get(ENGINE_ENV, "mpi")
+    _patch(Path(os.environ[TRACE_ENV]), engine)
+    if engine == "torch":
+        from xmesh_plan.executor.torch_run import main as torch_main
+        return torch_main()
     from xmesh_plan.executor.run import console_main
     return console_main("python -m bench.netlab.steptrace")
 
@@ -111,12 +156,13 @@ def op_times(traces: list[dict], reshard: int = -2, engine: int = 0
         r = t[engine]
         times = r["reshards"][reshard]
         for s, launched, finished in zip(r["steps"], times["launch"], times["finish"]):
-            if finished is None:
+            if finished is None and (launched is None or s["action"] != "send"):
                 continue
             key = (s["op"], r["device"])
-            # a receive is posted long before bytes move (posted order: at start()), so only sends mark a start
+            # a receive is posted long before bytes move (posted order: at start()), so only sends mark a start; a send
+            # whose end no step waited for (the torch engine waits for those after the rest) marks only its start
             lo = launched - zero if s["action"] == "send" else finished - zero
-            hi = finished - zero
+            hi = finished - zero if finished is not None else lo
             for table, k in ((per_op, s["op"]), (per_device, key)):
                 was = table.setdefault(k, [lo, hi])
                 was[0], was[1] = min(was[0], lo), max(was[1], hi)
@@ -153,18 +199,20 @@ def traced_run(plan, opts):
     """`run_plan.run_plans([plan], opts)` with every rank's steps timed: (the run's result, one trace per rank)."""
     from .run_plan import run_plans
 
-    if opts.engine != "mpi":
-        raise ValueError(f"steptrace times the MPI engine's steps; got engine {opts.engine!r}")
-    before = os.environ.get(TRACE_ENV)
+    if opts.engine not in ("mpi", "torch"):
+        raise ValueError(f"steptrace times the mpi or torch engine's steps; got engine {opts.engine!r}")
+    before = {key: os.environ.get(key) for key in (TRACE_ENV, ENGINE_ENV)}
     with tempfile.TemporaryDirectory(prefix="netlab-steptrace-") as folder:
-        os.environ[TRACE_ENV] = folder  # the ranks inherit it (mpiexec passes the environment on)
+        os.environ[TRACE_ENV] = folder  # the ranks inherit it (mpiexec and the torch launcher pass the environment on)
+        os.environ[ENGINE_ENV] = opts.engine
         try:
             result = run_plans([plan], replace(opts, module="bench.netlab.steptrace"))
         finally:
-            if before is None:
-                os.environ.pop(TRACE_ENV, None)
-            else:
-                os.environ[TRACE_ENV] = before
+            for key, value in before.items():
+                if value is None:
+                    os.environ.pop(key, None)
+                else:
+                    os.environ[key] = value
         traces = [json.loads(p.read_text()) for p in sorted(Path(folder).glob("trace-*.json"))]
     return result, traces
 
@@ -176,6 +224,7 @@ def main(argv=None) -> int:
     parser.add_argument("--rate", type=float, default=500.0, help="link rate, Mbit/s")
     parser.add_argument("--max-mb", type=float, default=32.0)
     parser.add_argument("--order", choices=["device", "posted"], default="device")
+    parser.add_argument("--engine", choices=["mpi", "torch"], default="mpi", help="the ranks' engine: MPI, or torch.distributed over gloo")
     parser.add_argument("--iters", type=int, default=3)
     parser.add_argument("--overhead-us", type=float, default=None, help="per-message overhead to plan and predict with "
                         "(default: measured on the testbed, as experiments --latency-us measure)")
@@ -203,7 +252,7 @@ def main(argv=None) -> int:
     if reason:
         print(f"error: {reason}", file=sys.stderr)
         return 2
-    opts = RunOptions(LinkShape(args.rate, 9000), args.max_mb, args.iters, 1, order=args.order)
+    opts = RunOptions(LinkShape(args.rate, 9000), args.max_mb, args.iters, 1, order=args.order, engine=args.engine)
     overhead = args.overhead_us if args.overhead_us is not None else round(measure_message_costs(opts)[1], 1)
     made = dict(_plans(args.case, args.rate, 0.0, overhead, args.max_mb, replace_cores(TESTBED_CPU) if args.plan_cpu else None))
     plan = made[args.approach]
@@ -216,7 +265,7 @@ def main(argv=None) -> int:
         print(f"error: the run failed ({len(traces)} of {ranks} ranks wrote a trace): {result.launch.stderr[-1500:]}", file=sys.stderr)
         return 1
     table = compare(scaled(plan, args.max_mb), traces, args.rate, args.order, replace_cores(TESTBED_CPU))
-    print(f"{args.case} {args.approach} at {args.rate:g} Mbit/s, {args.max_mb:g} MiB, {args.order} order, "
+    print(f"{args.case} {args.approach} at {args.rate:g} Mbit/s, {args.max_mb:g} MiB, {args.order} order, {args.engine} engine, "
           f"{overhead:g} us per message; median {result.median_s[0] * 1e3:.1f} ms over {args.iters}; "
           f"bit-exact: {result.checked}\n{table}")
     if args.keep:
