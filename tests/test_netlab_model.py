@@ -243,3 +243,35 @@ def test_experiments_stop_with_one_line_naming_the_case_over_the_byte_bound(tmp_
     assert err.startswith("error: one_to_1x2 at 500 Mbit/s: these plans would move ") and err.count("\n") == 1
     assert "raise the bound: experiments --max-run-gib" in err and "Traceback" not in err
     assert not out.exists()
+
+
+def test_a_sweep_refused_after_a_case_ran_keeps_that_run_and_says_where_it_stopped(tmp_path, capsys, monkeypatch):
+    """When a later case is refused, the results file keeps the runs before it and names where the sweep stopped
+    (its command lists every case, so without that line the file would claim cases it does not hold)."""
+    import json
+    from types import SimpleNamespace
+
+    from bench.netlab import experiments
+    from bench.netlab.counters import HostBytes, LinkBytes
+    from bench.netlab.run_plan import PlansRefusedError
+
+    def fake_run(plans, opts):
+        if fake_run.calls:
+            raise PlansRefusedError("these plans would move 9.9 GiB; raise the bound: experiments --max-run-gib 10")
+        fake_run.calls += 1
+        times = [0.1] * len(plans)
+        hosts = [HostBytes(0, LinkBytes(2**20, 0), LinkBytes(2**20, 0)), HostBytes(1, LinkBytes(0, 2**20), LinkBytes(0, 2**20))]
+        return SimpleNamespace(plans=plans, median_s=times, min_s=times, checked=True, ok=True, hosts=hosts, retransmits={})
+
+    fake_run.calls = 0
+    monkeypatch.setattr(experiments, "unavailable_reason", lambda: None)
+    monkeypatch.setattr(experiments, "run_plans", fake_run)
+    out = tmp_path / "sweep.json"
+    code = experiments.main(["--cases", "one_to_1x1,one_to_1x2", "--rates", "500", "--max-mb", "1", "--latency-us", "200,40",
+                             "--no-markdown", "--out", str(out)])
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1 and "Traceback" not in err
+    assert err.startswith("error: one_to_1x2 at 500 Mbit/s: these plans would move 9.9 GiB") and f"in {out}" in err
+    saved = json.loads(out.read_text())
+    assert saved["meta"]["stopped_at"] == "one_to_1x2 at 500 Mbit/s"
+    assert [run["case"] for run in saved["runs"]] == ["one_to_1x1"]
