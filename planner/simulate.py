@@ -62,7 +62,9 @@ class Flow:
     """`nbytes` over `links`, arriving `latency_s` after its last byte left; it starts once every flow
     in `after` has arrived and every flow in `after_sent` has left its links (a queue, not data).
     `overhead` is the per-message overhead as the bytes its links could have moved meanwhile. Flows
-    with the same `queue` (one connection) move one at a time, in the order they became ready."""
+    with the same `queue` (one connection) move one at a time, in the order they became ready. A flow
+    counts as left for `after_sent` once at most `sent_below` of its work is left to move (a transport
+    that copies a send into a socket buffer ends it that early; the connection stays busy to the end)."""
 
     id: int
     op: int
@@ -73,6 +75,7 @@ class Flow:
     after_sent: tuple[int, ...] = ()
     overhead: float = 0.0
     queue: str = ""
+    sent_below: float = 0.0
 
     @property
     def work(self) -> float:
@@ -152,12 +155,14 @@ def run_flows(flows: list[Flow], capacity: dict[str, float], max_work: int | Non
     waiting = {f.id: len(f.after) + len(f.after_sent) for f in flows}
     on_arrival: dict[int, list[int]] = {}
     on_sent: dict[int, list[int]] = {}
+    early: set[int] = set()  # flows that counted as left before their last byte did (`Flow.sent_below`)
     for f in flows:
         for parent in f.after:
             on_arrival.setdefault(parent, []).append(f.id)
         for parent in f.after_sent:
             on_sent.setdefault(parent, []).append(f.id)
     by_id = {f.id: f for f in flows}
+    buffered = {f.id for f in flows if f.sent_below > 0 and f.id in on_sent}  # flows that may count as left early
     # events: (time, flow) of arrivals: a flow's last byte left `latency_s` earlier
     clock, events, moving, span = 0.0, [], {}, {}
     busy: dict[str, int] = {}  # queue -> the flow moving on it
@@ -194,13 +199,20 @@ def run_flows(flows: list[Flow], capacity: dict[str, float], max_work: int | Non
             span[fid] = (clock, None)
             if by_id[fid].work > 0 and by_id[fid].links:
                 start_moving(fid)
+                if fid in buffered and by_id[fid].sent_below >= by_id[fid].work:  # the buffer takes it all at once
+                    ready.extend(left_early(fid))
             else:
                 ready.extend(sent(fid))
+
+    def left_early(fid: int) -> list[int]:
+        """At most `sent_below` of it is left: what waits for it to have left may go (not what queues behind it)."""
+        early.add(fid)
+        return list(on_sent.get(fid, ()))
 
     def sent(fid: int) -> list[int]:
         """Its last byte left: it arrives a latency later; flows queued behind it may go."""
         heapq.heappush(events, (clock + by_id[fid].latency_s, fid))
-        out = list(on_sent.get(fid, ()))
+        out = [] if fid in early else list(on_sent.get(fid, ()))
         queue = by_id[fid].queue
         if queue and busy.get(queue) == fid:
             del busy[queue]
@@ -226,15 +238,22 @@ def run_flows(flows: list[Flow], capacity: dict[str, float], max_work: int | Non
             if max_work is not None and work > max_work:
                 raise TooCostly(f"the simulation took more than its budget of {max_work} flow rate updates")
         next_move = min(((left / rates[i], i) for i, left in moving.items()), default=(float("inf"), -1))
+        if buffered:
+            next_move = min(next_move, min((((left - by_id[i].sent_below) / rates[i], i) for i, left in moving.items()
+                                            if i in buffered and i not in early), default=next_move))
         next_event = events[0][0] if events else float("inf")
         step = min(next_move[0], next_event - clock)
-        finished = []
+        finished, emptied = [], []
         for i, left in moving.items():  # values change, keys do not: safe while iterating
             left -= rates[i] * step
             moving[i] = left
             if left <= done_below[i]:
                 finished.append(i)
+            elif i in buffered and i not in early and left - by_id[i].sent_below <= done_below[i]:
+                emptied.append(i)
         clock += step
+        for i in emptied:
+            release(left_early(i))
         for i in finished:
             stop_moving(i)
             release(sent(i))
@@ -273,7 +292,7 @@ class _Lowering:
     """Turns operations into flows, with data dependencies and the discipline's queueing."""
 
     def __init__(self, problem: ReshardingProblem | TransferProblem, discipline: str, nic_of_task: dict[int, int] | None,
-                 run_numbers: dict[int, list[int]] | None = None):
+                 run_numbers: dict[int, list[int]] | None = None, send_buffer_bytes: float | None = None):
         if discipline not in DISCIPLINES:
             raise ValueError(f"unknown discipline {discipline!r}; choose one of: {', '.join(DISCIPLINES)}")
         self.cluster, self.discipline = problem.cluster, discipline
@@ -289,6 +308,7 @@ class _Lowering:
         self.taken: dict[int, int] = {}  # ... and how many of them were added so far
         self.posted_when: dict[int, tuple[list[int], list[int]]] = {}  # device order: buffered send -> what its sender waited for to post it
         self.bytewise: set[int] = set()  # operations whose boxes count bytes, not elements: shared messages (`schemas.carriers.fused`)
+        self.send_buffer = send_buffer_bytes if discipline != "host-order" else None  # `simulate(send_buffer_bytes=)`
 
     def hop(self, op: Operation, a: int, b: int, nbytes: float, after: list[int], after_sent: list[int] = ()) -> list[int]:
         """One message from device a to device b; returns its flow ids (one per NIC it is striped over).
@@ -311,9 +331,10 @@ class _Lowering:
         for k, links in enumerate(lanes):
             self.capacity |= links
             share = nbytes * self._weight(links, lanes)
+            buffer = self.send_buffer * share / nbytes if self.send_buffer and a != b and nbytes > 0 else 0.0
             flow = Flow(len(self.flows), op.id, share, latency, tuple(sorted(links)), tuple(sorted(set(after))),
                         tuple(sorted(set(after_sent))), overhead * min(links.values()) if nbytes > 0 else 0.0,
-                        f"{queue}:{k}" if queue else "")
+                        f"{queue}:{k}" if queue else "", buffer)
             self.flows.append(flow)
             out.append(flow.id)
         return out
@@ -326,12 +347,13 @@ class _Lowering:
         ends = (a,) if a == b else (a, b)
         work = nbytes / cpu.copy_bytes_per_us + (cpu.message_us if a != b else 0.0) if nbytes > 0 else 0.0
         queue = f"{a}>{b}" if a != b and self.discipline != "host-order" else ""
+        buffer = self.send_buffer / cpu.copy_bytes_per_us if self.send_buffer and a != b else 0.0  # in core microseconds
         out = []
         for k, device in enumerate(ends):
             links = {"cpu": cpu.cores * 1e6, f"d{device}.cpu": 1e6}
             self.capacity |= links
             flow = Flow(len(self.flows), op.id, work, 0.0, tuple(sorted(links)), tuple(sorted(set(after))),
-                        tuple(sorted(set(after_sent))), 0.0, f"{queue}:{k}" if queue else "")
+                        tuple(sorted(set(after_sent))), 0.0, f"{queue}:{k}" if queue else "", buffer)
             self.flows.append(flow)
             out.append(flow.id)
         return out
@@ -454,7 +476,7 @@ class _Lowering:
                 if d == hop.src:
                     posting = (posting[0] + list(arrived), list(left))
             flows.append(self.hop(op, hop.src, hop.dst, hop.nbytes(itemsize), after, queued))
-            if barrier is not None and hop.src != hop.dst and hop.nbytes(itemsize) < SYNC_SEND_BYTES:
+            if barrier is not None and self.send_buffer is None and hop.src != hop.dst and hop.nbytes(itemsize) < SYNC_SEND_BYTES:
                 for i in flows[-1]:  # buffered: the send ends once posted, and its device goes on (executor.mpi_engine)
                     self.posted_when[i] = posting
             last[(hop.src, hop.dst)] = flows[-1]
@@ -466,12 +488,16 @@ class _Lowering:
 
 def simulate(operations: list[Operation] | tuple[Operation, ...], problem: ReshardingProblem | TransferProblem,
              discipline: str = "host-order", nic_of_task: dict[int, int] | None = None, max_work: int | None = None,
-             run_numbers: dict[int, list[int]] | None = None, share: ShareRule | None = None) -> SimResult:
+             run_numbers: dict[int, list[int]] | None = None, share: ShareRule | None = None,
+             send_buffer_bytes: float | None = None) -> SimResult:
     """Time `operations` (taken in list order) on the problem's cluster under the queueing `discipline`;
     TooCostly past `max_work` (see `run_flows`). `run_numbers` (device order, a plan with a staging budget:
     `staging_runs`): each device's run of each of its operations, where the budget ends runs the peers alone would not.
-    `share`: how links share bandwidth (`run_flows`; None: max-min fair); a rule that remembers flows must be fresh per call."""
-    lowering = _Lowering(problem, discipline, nic_of_task, run_numbers)
+    `share`: how links share bandwidth (`run_flows`; None: max-min fair); a rule that remembers flows must be fresh per call.
+    `send_buffer_bytes` (executor orders): when a send ends for its device. None: as the MPI engine, a message under
+    `SYNC_SEND_BYTES` once posted, a larger one once it has left; a number: once at most that many of its bytes are
+    left to go, as torch's gloo, which ends a send when the socket's buffer has taken the rest."""
+    lowering = _Lowering(problem, discipline, nic_of_task, run_numbers, send_buffer_bytes)
     riders: dict[int, int] = {}  # a bundle riding in another's message -> its carrier (timed as the carrier)
     for group in message_groups(operations):
         if len(group) > 1:

@@ -185,6 +185,21 @@ def test_the_first_come_rules_serve_a_send_side_one_message_at_a_time():
         rule_table("fair")
 
 
+def test_sharing_prices_with_gloos_send_buffer_when_asked_and_refuses_a_bad_size(monkeypatch, capsys):
+    """`sharing --send-buffer-mib`: each prediction gets the buffer in bytes (None without the option: the MPI rule);
+    a size that is not positive is refused in one line naming the option."""
+    from bench.netlab import sharing
+
+    seen = []
+    monkeypatch.setattr(sharing, "predictions", lambda plan, rate, cpu, table, buffer: seen.append(buffer) or {})
+    sharing.priced_by("testbed", send_buffer_mib=1.5)(None, 500)
+    sharing.priced_by("max-min")(None, 500)
+    assert seen == [1.5 * 2**20, None]
+    with pytest.raises(SystemExit) as stop:
+        sharing.main(["results.json", "--send-buffer-mib", "0"])
+    assert stop.value.code == 2 and "--send-buffer-mib 0: give a positive number" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("mib,first_come", [(0.5, True), (4.0, False)])
 def test_the_testbed_model_serves_a_hosts_short_messages_first_come_in_device_order_only(mib, first_come, compile_quick):
     """`predict.simulated`: two ranks of one host each send `mib` to another host at once, at 500 Mbit/s. In device

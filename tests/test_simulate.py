@@ -115,6 +115,43 @@ def test_device_order_goes_on_after_a_buffered_send_once_it_is_posted(elements):
     assert simulate(ops, p, "host-order").op_start_s[1] == pytest.approx(t)  # the plan's NIC queue is unchanged
 
 
+def test_a_flow_counts_as_left_once_its_buffer_holds_the_rest_but_its_connection_stays_busy():
+    """`Flow.sent_below`: 10 bytes at 1 byte/s with 4 buffered: a flow waiting for it to have left starts at 6, one
+    queued behind it on the same connection at 10; a flow the buffer takes whole counts as left at once."""
+    flows = [Flow(0, 0, 10.0, 0.0, ("L",), queue="c", sent_below=4.0),
+             Flow(1, 1, 1.0, 0.0, ("M",), after_sent=(0,)),
+             Flow(2, 2, 1.0, 0.0, ("L",), queue="c"),
+             Flow(3, 3, 3.0, 0.0, ("N",), sent_below=4.0),
+             Flow(4, 4, 1.0, 0.0, ("P",), after_sent=(3,))]
+    span = run_flows(flows, {"L": 1.0, "M": 1.0, "N": 1.0, "P": 1.0})
+    assert span[1] == pytest.approx((6.0, 7.0)) and span[0] == pytest.approx((0.0, 10.0))
+    assert span[2] == pytest.approx((10.0, 11.0))
+    assert span[4] == pytest.approx((0.0, 1.0)) and span[3] == pytest.approx((0.0, 3.0))
+
+
+@pytest.mark.parametrize("buffer_fraction", [0.25, 2.0])
+def test_device_order_with_a_send_buffer_goes_on_once_the_buffer_holds_the_rest(buffer_fraction):
+    """`simulate(send_buffer_bytes=)` (gloo ends a send once the socket's buffer holds the rest): device 0's second
+    send, a synchronous one for the MPI engine (it starts at t), starts once a quarter of the first is left to go,
+    sharing the NIC from then (t - t/4 alone, then both at half rate: the first ends at t + t/4); a buffer as large
+    as the message lets it start at once."""
+    elements = 4 * SYNC_SEND_BYTES // 4
+    cluster = Cluster(devices_per_host=2, latency_us=0.0, overhead_us=0.0)
+    p = ReshardingProblem(shape=(elements, 1, 1), dtype="int32", cluster=cluster,
+                          src=Placement(mesh=DeviceMesh(shape=(1, 1), devices=(0,)), spec="R R R"),
+                          dst=Placement(mesh=DeviceMesh(shape=(2, 1), devices=(2, 4)), spec="R R R"))
+    ops = [Operation(id=i, task=i, kind="send", src=0, dsts=(2 + 2 * i,), region=full(p)) for i in range(2)]
+    t = p.nbytes / GBPS10
+    assert simulate(ops, p, "device-order").op_start_s[1] == pytest.approx(t)
+    result = simulate(ops, p, "device-order", send_buffer_bytes=buffer_fraction * p.nbytes)
+    if buffer_fraction < 1:
+        assert result.op_start_s[1] == pytest.approx(0.75 * t) and result.op_end_s[0] == pytest.approx(1.25 * t)
+    else:
+        assert result.op_start_s[1] == 0.0 and result.op_end_s[0] == pytest.approx(2 * t)
+    assert result.op_end_s[1] == pytest.approx(2 * t)
+    assert simulate(ops, p, "host-order", send_buffer_bytes=p.nbytes).op_start_s[1] == pytest.approx(t)  # the plan's queue
+
+
 def test_posted_messages_on_one_connection_go_in_the_order_they_are_ready():
     """Posted, device 1 forwards a broadcast to device 2 once it has arrived (at t) and also sends its
     own message to device 2, ready at once and later in the plan: over their one connection the ready

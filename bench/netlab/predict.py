@@ -65,24 +65,26 @@ def testbed_problem(plan: Plan, rate_mbit: float, cpu: Cpu | None = None) -> Res
 
 
 def simulated(plan: Plan, problem: ReshardingProblem, queueing: str,
-              sharing: Mapping[str, Callable[[], ShareRule]] = TESTBED_SHARING) -> SimResult:
+              sharing: Mapping[str, Callable[[], ShareRule]] = TESTBED_SHARING, send_buffer_bytes: float | None = None) -> SimResult:
     """The plan's operations on `problem` (`testbed_problem`) under one queueing: host-order, device-order or posted,
-    the links shared as `sharing` says for that queueing (max-min where it says nothing)."""
+    the links shared as `sharing` says for that queueing (max-min where it says nothing); `send_buffer_bytes`: when a
+    send ends for its device (`planner.simulate.simulate`; None: as the MPI engine)."""
     extra = {"host-order": {"nic_of_task": nic_assignment(plan.host_order)}, "device-order": {"run_numbers": staging_runs(plan)},
              "posted": {}}[queueing]
     unknown = set(sharing) - set(QUEUEINGS)
     if unknown:
         raise ValueError(f"sharing names unknown queueings {sorted(unknown)}; use {', '.join(QUEUEINGS)}")
     rule = sharing.get(queueing)
-    return simulate(plan.operations, problem, queueing, share=rule() if rule else None, **extra)
+    return simulate(plan.operations, problem, queueing, share=rule() if rule else None, send_buffer_bytes=send_buffer_bytes, **extra)
 
 
 def predictions(plan: Plan, rate_mbit: float, cpu: Cpu | None = None,
-                sharing: Mapping[str, Callable[[], ShareRule]] = TESTBED_SHARING) -> dict[str, float]:
+                sharing: Mapping[str, Callable[[], ShareRule]] = TESTBED_SHARING, send_buffer_bytes: float | None = None
+                ) -> dict[str, float]:
     """Seconds per reshard under each queueing, and the byte lower bound, on the testbed's links (and CPU, when given),
-    shared as `sharing` says (`simulated`)."""
+    shared as `sharing` says, sends ending as `send_buffer_bytes` says (`simulated`)."""
     problem = testbed_problem(plan, rate_mbit, cpu)
     return {
-        **{queueing: simulated(plan, problem, queueing, sharing).makespan_s for queueing in QUEUEINGS},
+        **{queueing: simulated(plan, problem, queueing, sharing, send_buffer_bytes).makespan_s for queueing in QUEUEINGS},
         "lower-bound": joint_lower_bound([(decompose(t), t.itemsize) for t in tensor_problems(problem)], problem.cluster).seconds,
     }

@@ -14,7 +14,10 @@ but `testbed` applies under every queueing:
 - `first-come-send-short`: the same for messages of at most `--short-ms` of their send side's rate, longer ones
   sharing max-min (a threshold in time, not bytes: the same at every link rate);
 - `first-come-all`: every NIC side serves its messages oldest first (then in plan order); CPUs share max-min.
-BENCHMARKS.md, "Emulated cluster ..." sessions 11 to 13, has what each rule fits.
+`--send-buffer-mib B` also ends every send in device and posted order once at most B MiB of it is left to go, as gloo
+ends a send when the socket's buffer has taken the rest (`planner.simulate.simulate(send_buffer_bytes=)`), where the
+model otherwise ends it as the MPI engine does (session 14's torch step traces).
+BENCHMARKS.md, "Emulated cluster ..." sessions 11 to 14, has what each rule fits.
 """
 
 from __future__ import annotations
@@ -47,23 +50,26 @@ def rule_table(rule: str, small_mib: float = 2.0, short_ms: float = TESTBED_SHOR
     return dict.fromkeys(QUEUEINGS, lambda: FirstCome(sides, small, short))
 
 
-def priced_by(rule: str, small_mib: float = 2.0, short_ms: float = TESTBED_SHORT_MS) -> Callable[..., dict[str, float]]:
-    """`predict.predictions` with the links shared by `rule` (the plans are made as the planner makes them)."""
+def priced_by(rule: str, small_mib: float = 2.0, short_ms: float = TESTBED_SHORT_MS,
+              send_buffer_mib: float | None = None) -> Callable[..., dict[str, float]]:
+    """`predict.predictions` with the links shared by `rule` and sends ending as `send_buffer_mib` says (None: as the
+    MPI engine's); the plans are made as the planner makes them."""
     table = rule_table(rule, small_mib, short_ms)
+    buffer = None if send_buffer_mib is None else send_buffer_mib * 2**20
 
     def predict(plan, rate_mbit, cpu=None):
-        return predictions(plan, rate_mbit, cpu, table)
+        return predictions(plan, rate_mbit, cpu, table, buffer)
     return predict
 
 
 def compare(paths: list[Path], rules: tuple[str, ...] = RULES, small_mib: float = 2.0, show: float = 0.02,
-            short_ms: float = TESTBED_SHORT_MS) -> str:
+            short_ms: float = TESTBED_SHORT_MS, send_buffer_mib: float | None = None) -> str:
     """Per results file and rule, the plans within 10% of measured; then each plan some rule moves by `show` or more."""
     lines = []
     for path in paths:
         rows = {}
         for rule in rules:  # the plans are made as they were for the run (max-min); only their pricing follows the rule
-            rows[rule] = repredicted(path, TESTBED_CPU, priced_by(rule, small_mib, short_ms))
+            rows[rule] = repredicted(path, TESTBED_CPU, priced_by(rule, small_mib, short_ms, send_buffer_mib))
         base = rows[rules[0]]
         lines.append(f"{path.name}: " + ", ".join(
             f"{rule} {sum(abs(r['measured'] / r['cpu'] - 1) <= WITHIN for r in rows[rule])} of {len(base)}" for rule in rules))
@@ -86,16 +92,18 @@ def main(argv=None) -> int:
                         help="first-come-send-short: messages of at most this many ms at their send side's rate wait their turn "
                              "(the testbed rule keeps its own, predict.TESTBED_SHORT_MS)")
     parser.add_argument("--rules", default=",".join(RULES), help="comma-separated, from: " + ", ".join(RULES))
+    parser.add_argument("--send-buffer-mib", type=float, default=None,
+                        help="end a send once at most this many MiB of it are left to go, as gloo does (default: as the MPI engine)")
     args = parser.parse_args(argv)
     rules = tuple(r.strip() for r in args.rules.split(","))
     unknown = [r for r in rules if r not in RULES]
     if unknown:
         parser.error(f"--rules: unknown {', '.join(unknown)}; choose from {', '.join(RULES)}")
-    for name in ("small_mib", "short_ms"):
-        if not 0 < getattr(args, name) < float("inf"):
+    for name in ("small_mib", "short_ms", "send_buffer_mib"):
+        if getattr(args, name) is not None and not 0 < getattr(args, name) < float("inf"):
             parser.error(f"--{name.replace('_', '-')} {getattr(args, name):g}: give a positive number")
     show = 0.02 if len(rules) > 1 else -1.0  # one rule: list every plan (there is no spread between rules to show)
-    print(compare(args.results, rules, small_mib=args.small_mib, show=show, short_ms=args.short_ms))
+    print(compare(args.results, rules, small_mib=args.small_mib, show=show, short_ms=args.short_ms, send_buffer_mib=args.send_buffer_mib))
     return 0
 
 
