@@ -22,7 +22,8 @@ Model (stated, so every plan and baseline is judged by the same rules):
   `executor.lower.in_device_order`): every device works through its own operations in plan order,
   consecutive ones with the same peers as one run, and an operation starts when all its devices are
   free: what each received in its run before has arrived and what it sent has left (its own part,
-  not the whole operation's; a message under `SYNC_SEND_BYTES` is buffered and done once posted), so
+  not the whole operation's; a message under `SYNC_SEND_BYTES` is buffered and done once posted, as
+  the MPI engine sends it; `simulate(send_buffer_bytes=)` ends a send as torch's gloo does instead), so
   operations of different devices share a NIC concurrently;
   `posted`: every operation starts as soon as its data is there and all running transfers share
   the links: the executor with `order="posted"` (every send and receive of a reshard posted at once,
@@ -308,7 +309,7 @@ class _Lowering:
         self.taken: dict[int, int] = {}  # ... and how many of them were added so far
         self.posted_when: dict[int, tuple[list[int], list[int]]] = {}  # device order: buffered send -> what its sender waited for to post it
         self.bytewise: set[int] = set()  # operations whose boxes count bytes, not elements: shared messages (`schemas.carriers.fused`)
-        self.send_buffer = send_buffer_bytes if discipline != "host-order" else None  # `simulate(send_buffer_bytes=)`
+        self.send_buffer = send_buffer_bytes if discipline == "device-order" else None  # `simulate(send_buffer_bytes=)`
 
     def hop(self, op: Operation, a: int, b: int, nbytes: float, after: list[int], after_sent: list[int] = ()) -> list[int]:
         """One message from device a to device b; returns its flow ids (one per NIC it is striped over).
@@ -494,9 +495,13 @@ def simulate(operations: list[Operation] | tuple[Operation, ...], problem: Resha
     TooCostly past `max_work` (see `run_flows`). `run_numbers` (device order, a plan with a staging budget:
     `staging_runs`): each device's run of each of its operations, where the budget ends runs the peers alone would not.
     `share`: how links share bandwidth (`run_flows`; None: max-min fair); a rule that remembers flows must be fresh per call.
-    `send_buffer_bytes` (executor orders): when a send ends for its device. None: as the MPI engine, a message under
-    `SYNC_SEND_BYTES` once posted, a larger one once it has left; a number: once at most that many of its bytes are
-    left to go, as torch's gloo, which ends a send when the socket's buffer has taken the rest."""
+    `send_buffer_bytes` (device order): when a send ends for its device's next run. None: as the MPI engine, a message
+    under `SYNC_SEND_BYTES` once posted, a larger one once its last byte has left; a number: once it moves (gloo's
+    send waits until the receiver has posted its receive) with at most that many of its bytes left to go, as torch's
+    gloo ends a send when the socket's buffer has taken the rest. One buffer per message: a send queued behind another
+    on its connection starts to count down only when that one's last byte has left."""
+    if send_buffer_bytes is not None and not 0 < send_buffer_bytes < float("inf"):
+        raise ValueError(f"send_buffer_bytes={send_buffer_bytes!r}: give a positive number of bytes, or None for the MPI engine's sends")
     lowering = _Lowering(problem, discipline, nic_of_task, run_numbers, send_buffer_bytes)
     riders: dict[int, int] = {}  # a bundle riding in another's message -> its carrier (timed as the carrier)
     for group in message_groups(operations):

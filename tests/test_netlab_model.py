@@ -191,7 +191,12 @@ def test_sharing_prices_with_gloos_send_buffer_when_asked_and_refuses_a_bad_size
     from bench.netlab import sharing
 
     seen = []
-    monkeypatch.setattr(sharing, "predictions", lambda plan, rate, cpu, table, buffer: seen.append(buffer) or {})
+
+    def predictions(plan, rate, cpu=None, sharing=None, send_buffer_bytes=None):
+        seen.append(send_buffer_bytes)
+        return {}
+
+    monkeypatch.setattr(sharing, "predictions", predictions)
     sharing.priced_by("testbed", send_buffer_mib=1.5)(None, 500)
     sharing.priced_by("max-min")(None, 500)
     assert seen == [1.5 * 2**20, None]
@@ -230,11 +235,11 @@ def test_steptrace_times_an_operation_from_its_first_send_and_needs_two_timed_re
     the table's reshard is the last timed one before the checked one, so fewer than three reshards is an error."""
     from bench.netlab.steptrace import op_times
 
-    def rank(device, action, peer, launch, finish, reshards=3):
+    def rank(device, action, peer, launch, finish, reshards=3, engine="mpi"):
         steps = [{"op": 0, "action": action, "peer": peer, "nbytes": 8, "piece": ""}]
-        return [{"device": device, "steps": steps,
-                 "reshards": [{"start": 10.0 * k, "launch": [10.0 * k + launch], "finish": [10.0 * k + finish]}
-                              for k in range(reshards)]}]
+        return [{"device": device, "engine": engine, "steps": steps,
+                 "reshards": [{"start": 10.0 * k, "launch": [10.0 * k + launch],
+                               "finish": [None if finish is None else 10.0 * k + finish]} for k in range(reshards)]}]
 
     traces = [rank(0, "send", 1, 0.5, 2.0), rank(1, "recv", 0, 0.0, 2.5)]
     per_op, per_device = op_times(traces)
@@ -242,6 +247,12 @@ def test_steptrace_times_an_operation_from_its_first_send_and_needs_two_timed_re
     assert per_device[(0, 1)] == pytest.approx((2.5, 2.5)) and per_device[(0, 0)] == pytest.approx((0.5, 2.0))
     with pytest.raises(ValueError, match="run a warm-up and at least 2 timed ones"):
         op_times([rank(0, "send", 1, 0.5, 2.0, reshards=2), rank(1, "recv", 0, 0.0, 2.5, reshards=2)])
+    # the torch engine finishes a send no step waits for after the rest: its launch alone marks the start; an MPI send
+    # without a finish (a rank that failed) marks nothing
+    per_op, _ = op_times([rank(0, "send", 1, 0.5, None, engine="torch"), rank(1, "recv", 0, 0.0, 2.5, engine="torch")])
+    assert per_op == {0: pytest.approx((0.5, 2.5))}
+    per_op, _ = op_times([rank(0, "send", 1, 0.5, None), rank(1, "recv", 0, 0.0, 2.5)])
+    assert per_op == {0: pytest.approx((2.5, 2.5))}
 
 
 def test_experiments_stop_with_one_line_naming_the_case_over_the_byte_bound(tmp_path, capsys, monkeypatch):

@@ -152,6 +152,26 @@ def test_device_order_with_a_send_buffer_goes_on_once_the_buffer_holds_the_rest(
     assert simulate(ops, p, "host-order", send_buffer_bytes=p.nbytes).op_start_s[1] == pytest.approx(t)  # the plan's queue
 
 
+def test_a_send_buffer_inside_a_host_counts_in_core_microseconds_and_bad_sizes_are_refused():
+    """With the CPU modelled a message inside a host is CPU work at both ends (core microseconds), so the buffer is too:
+    device 0's second send (to another peer, a new run) starts once a quarter of the first's copying is left (0.75 t,
+    t the first alone at one core per end). A buffer that is not a positive number is refused."""
+    from xmesh_plan.schemas import Cpu
+
+    elements = SYNC_SEND_BYTES  # 4 x SYNC_SEND_BYTES bytes of int32: a synchronous send for the MPI engine
+    cluster = Cluster(devices_per_host=4, latency_us=0.0, overhead_us=0.0, cpu=Cpu(cores=4, copy_gbps=8, message_us=0))
+    p = ReshardingProblem(shape=(elements, 1, 1), dtype="int32", cluster=cluster,
+                          src=Placement(mesh=DeviceMesh(shape=(1, 1), devices=(0,)), spec="R R R"),
+                          dst=Placement(mesh=DeviceMesh(shape=(2, 1), devices=(1, 2)), spec="R R R"))
+    ops = [Operation(id=i, task=i, kind="send", src=0, dsts=(1 + i,), region=full(p)) for i in range(2)]
+    t = p.nbytes / 1e9  # 8 Gbit/s of copying per core
+    assert simulate(ops, p, "device-order").op_start_s[1] == pytest.approx(t)
+    assert simulate(ops, p, "device-order", send_buffer_bytes=p.nbytes / 4).op_start_s[1] == pytest.approx(0.75 * t)
+    for bad in (0, -1.0, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="send_buffer_bytes=.*give a positive number of bytes"):
+            simulate(ops, p, "device-order", send_buffer_bytes=bad)
+
+
 def test_posted_messages_on_one_connection_go_in_the_order_they_are_ready():
     """Posted, device 1 forwards a broadcast to device 2 once it has arrived (at t) and also sends its
     own message to device 2, ready at once and later in the plan: over their one connection the ready

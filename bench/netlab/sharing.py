@@ -14,9 +14,9 @@ but `testbed` applies under every queueing:
 - `first-come-send-short`: the same for messages of at most `--short-ms` of their send side's rate, longer ones
   sharing max-min (a threshold in time, not bytes: the same at every link rate);
 - `first-come-all`: every NIC side serves its messages oldest first (then in plan order); CPUs share max-min.
-`--send-buffer-mib B` also ends every send in device and posted order once at most B MiB of it is left to go, as gloo
-ends a send when the socket's buffer has taken the rest (`planner.simulate.simulate(send_buffer_bytes=)`), where the
-model otherwise ends it as the MPI engine does (session 14's torch step traces).
+`--send-buffer-mib B` also ends every send in device order, for its device's next run, once at most B MiB of it is
+left to go, as gloo ends a send when the socket's buffer has taken the rest (`planner.simulate.simulate(send_buffer_bytes=)`),
+where the model otherwise ends it as the MPI engine does (session 14's torch step traces); posted order has no runs to end.
 BENCHMARKS.md, "Emulated cluster ..." sessions 11 to 14, has what each rule fits.
 """
 

@@ -108,7 +108,8 @@ def _dump(folder: Path, engines: list) -> None:
     for engine in engines:
         steps = [{"op": s.op, "action": s.action, "peer": s.peer, "nbytes": s.data.nbytes if s.data else 0, "piece": s.piece}
                  for s in engine.steps]
-        out.append({"device": engine.program.device, "steps": steps,
+        out.append({"device": engine.program.device, "engine": type(engine).__module__.rsplit(".", 1)[-1].removesuffix("_engine"),
+                    "steps": steps,
                     "reshards": [{"start": t["start"], "launch": [t["launch"].get(s.index) for s in engine.steps],
                                   "finish": [t["finish"].get(s.index) for s in engine.steps]} for t in engine._traces]})
     (folder / f"trace-{rank}.json").write_text(json.dumps(out))
@@ -156,7 +157,7 @@ def op_times(traces: list[dict], reshard: int = -2, engine: int = 0
         r = t[engine]
         times = r["reshards"][reshard]
         for s, launched, finished in zip(r["steps"], times["launch"], times["finish"]):
-            if finished is None and (launched is None or s["action"] != "send"):
+            if finished is None and (launched is None or s["action"] != "send" or r.get("engine") != "torch"):
                 continue
             key = (s["op"], r["device"])
             # a receive is posted long before bytes move (posted order: at start()), so only sends mark a start; a send
