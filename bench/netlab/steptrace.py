@@ -29,13 +29,8 @@ TRACE_ENV = "XMESH_NETLAB_STEPTRACE"  # the folder each rank writes its trace-<r
 ENGINE_ENV = "XMESH_NETLAB_STEPTRACE_ENGINE"  # mpi or torch: which engine the ranks run and time
 
 
-def _patch_torch(engines: list) -> None:
-    """Wrap the torch engine as `_patch` wraps MPI's: a message's launch is when `_advance` posts it."""
-    from xmesh_plan.executor import torch_engine
-
-    cls = torch_engine.TorchEngine
-    advance, finish, run_local, start = cls._advance, cls._finish, cls._run_local, cls.start
-
+def _timed_start(engines: list, start):
+    """An engine's `start` that opens a new reshard's trace (and lists the engine at its first)."""
     def timed_start(self, src):
         if not hasattr(self, "_trace"):
             engines.append(self)
@@ -43,6 +38,23 @@ def _patch_torch(engines: list) -> None:
         self._trace = {"start": time.monotonic(), "launch": {}, "finish": {}}
         self._traces.append(self._trace)
         return start(self, src)
+    return timed_start
+
+
+def _stamped(method, key: str):
+    """`method(self, i)` that first notes the time of step i under `key` ("launch" or "finish") in this reshard's trace."""
+    def stamped(self, i):
+        self._trace[key][i] = time.monotonic()
+        return method(self, i)
+    return stamped
+
+
+def _patch_torch(engines: list) -> None:
+    """Wrap the torch engine as `_patch` wraps MPI's: a message's launch is when `_advance` posts it."""
+    from xmesh_plan.executor import torch_engine
+
+    cls = torch_engine.TorchEngine
+    advance = cls._advance
 
     def timed_advance(self, q):
         head = self.heads[q]
@@ -51,15 +63,8 @@ def _patch_torch(engines: list) -> None:
         for i in self.queues[q][head:self.heads[q]]:
             self._trace["launch"][i] = now
 
-    def timed_run_local(self, i):
-        self._trace["launch"][i] = time.monotonic()
-        return run_local(self, i)
-
-    def timed_finish(self, i):
-        self._trace["finish"][i] = time.monotonic()
-        return finish(self, i)
-
-    cls.start, cls._advance, cls._run_local, cls._finish = timed_start, timed_advance, timed_run_local, timed_finish
+    cls.start, cls._advance = _timed_start(engines, cls.start), timed_advance
+    cls._run_local, cls._finish = _stamped(cls._run_local, "launch"), _stamped(cls._finish, "finish")
 
 
 def _patch(folder: Path, engine: str = "mpi") -> None:
@@ -71,25 +76,8 @@ def _patch(folder: Path, engine: str = "mpi") -> None:
         return
     from xmesh_plan.executor import mpi_engine
 
-    launch, finish, start = mpi_engine.MpiEngine._launch, mpi_engine.MpiEngine._finish, mpi_engine.MpiEngine.start
-
-    def timed_start(self, src):
-        if not hasattr(self, "_trace"):
-            engines.append(self)
-            self._traces = []
-        self._trace = {"start": time.monotonic(), "launch": {}, "finish": {}}
-        self._traces.append(self._trace)
-        return start(self, src)
-
-    def timed_launch(self, i):
-        self._trace["launch"][i] = time.monotonic()
-        return launch(self, i)
-
-    def timed_finish(self, i):
-        self._trace["finish"][i] = time.monotonic()
-        return finish(self, i)
-
-    mpi_engine.MpiEngine.start, mpi_engine.MpiEngine._launch, mpi_engine.MpiEngine._finish = timed_start, timed_launch, timed_finish
+    cls = mpi_engine.MpiEngine
+    cls.start, cls._launch, cls._finish = _timed_start(engines, cls.start), _stamped(cls._launch, "launch"), _stamped(cls._finish, "finish")
     if os.environ.get("XMESH_NETLAB_POLL"):  # experiment: the engines' (shortest, longest) sleep between polls
         poll = poll_sleeps(os.environ["XMESH_NETLAB_POLL"])
         init = mpi_engine.MpiEngine.__init__
