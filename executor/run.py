@@ -202,13 +202,14 @@ def demo_transfer(plan: Plan, comm, args: argparse.Namespace) -> tuple[str, bool
 
     ex = TransferExecutor(plan, comm, backend=args.backend, timeout_s=args.timeout, gpu=args.gpu, order=args.order).prepare()
     salts = {name: tensor_salt(k) for k, name in enumerate(ex.names)}  # tensors of one shape get different bits
-    shards = {name: fill(part.program.src_block, part.plan.problem.shape, part.engine.dtype, salts[name])
-              for name, part in zip(ex.names, ex.parts) if part.program.src_block is not None}
+    shards = {name: part.engine.adopt(fill(part.program.src_block, part.plan.problem.shape, part.engine.dtype, salts[name]))
+              for name, part in zip(ex.names, ex.parts) if part.program.src_block is not None}  # on the GPU for nccl
     out, times = _timed(lambda: ex.run(shards), [part.engine for part in ex.parts], comm, args)
     bad = tensors_bad = 0
     for name, part in zip(ex.names, ex.parts) if args.check else ():
         if name in out:
-            wrong, first = mismatches(out[name], part.program.dst_block, part.plan.problem.shape, salts[name])
+            got = part.engine.host_copy(out[name])
+            wrong, first = mismatches(got, part.program.dst_block, part.plan.problem.shape, salts[name])
             if wrong:
                 print(f"rank {comm.Get_rank()}: device {part.program.device}: tensor {name}: {wrong} elements differ, "
                       f"first at global index {first}", file=sys.stderr, flush=True)
@@ -231,7 +232,7 @@ def demo_transfer(plan: Plan, comm, args: argparse.Namespace) -> tuple[str, bool
 
 
 def fake_hosts(rank: int) -> None:
-    """Make NCCL treat each rank as its own host (untested here: no GPU on the development machine).
+    """Make NCCL treat each rank as its own host (run in session 14 on one H200: 2 to 8 ranks on GPU 0, bit-exact).
 
     NCCL refuses two ranks of one host on one GPU ("Duplicate GPU detected"); the host is identified
     by a hash that NCCL_HOSTID overrides. Sockets replace the P2P and shared-memory transports, which

@@ -22,7 +22,9 @@ has one progress thread (started by its first reshard) that posts the messages a
 on an event and, when nothing completes for `timeout_s`, raises naming the op, task and peer the
 thread waits on. On NCCL a work's
 `wait()` only orders the thread's CUDA stream after it, so the thread records an event and polls it.
-The CUDA lines (device, stream and event handling) have never run: this project has no GPU.
+The CUDA lines (device, stream and event handling) ran once, in session 14, on one H200 with every rank on GPU 0
+(NCCL over sockets, `NCCL_HOSTID` per rank): four plans bit-exact, a 21-tensor weight sync on 8 ranks among them;
+never on several GPUs.
 """
 
 from __future__ import annotations
