@@ -4,10 +4,13 @@ Each destination shard is compared bit for bit with DTensor's own `distribute_te
 full tensor on the destination mesh; gradients with what a single process computes. Fixed layouts,
 then seeded random meshes (any subset of the ranks, 1-d or 2-d, so some moves leave ranks out) and
 placements, synchronous and `async_op`. Prints `rank R: ok N` and `rank R: counts ...`.
+`XMESH_WORKER_DEVICE=cuda` runs the same checks on CUDA tensors over NCCL, every rank on GPU 0 (a GPU check by
+hand, with `NCCL_HOSTID` set per rank; the tests run gloo on the CPU).
 """
 
 from __future__ import annotations
 
+import os
 import random
 import sys
 
@@ -23,6 +26,7 @@ from xmesh_plan.redistribute import _CACHE, _GROUPS, redistribute
 from xmesh_plan.sides import FrontendError
 
 WORLD = 4
+DEVICE = os.environ.get("XMESH_WORKER_DEVICE", "cpu")
 
 CASES = [  # shape, source ranks, placements, destination ranks, placements (4 ranks)
     ((7, 6), [0, 1], [Shard(0)], [2, 3], [Shard(1)]),  # disjoint meshes, uneven shards
@@ -33,13 +37,15 @@ CASES = [  # shape, source ranks, placements, destination ranks, placements (4 r
 
 
 def main() -> int:
-    dist.init_process_group("gloo")
+    if DEVICE == "cuda":
+        torch.cuda.set_device(0)
+    dist.init_process_group("nccl" if DEVICE == "cuda" else "gloo")
     seed = int(sys.argv[1]) if len(sys.argv) > 1 else 0
     rank, checked = dist.get_rank(), 0
     for dtype in (torch.float32, torch.bfloat16, torch.int32):
         for shape, src, src_placements, dst, dst_placements in CASES:
-            full = (torch.arange(torch.Size(shape).numel()).reshape(shape) * 7 % 101 - 50).to(dtype)
-            src_mesh, dst_mesh = DeviceMesh("cpu", src), DeviceMesh("cpu", dst)
+            full = (torch.arange(torch.Size(shape).numel()).reshape(shape) * 7 % 101 - 50).to(dtype).to(DEVICE)
+            src_mesh, dst_mesh = DeviceMesh(DEVICE, src), DeviceMesh(DEVICE, dst)
             x = distribute_tensor(full, src_mesh, src_placements)
             for _ in range(2):  # the second call reuses the cached plan and executor
                 y = redistribute(x, dst_mesh, dst_placements)
@@ -68,9 +74,9 @@ def _gradient(rank: int, case: int, async_op: bool) -> int:
     replicated source get it, as DTensor's own backward gives them). Case 3 has every rank in the
     destination mesh; case 0 sends from ranks outside it, which backpropagate through their empty shard."""
     shape, src, src_placements, dst, dst_placements = CASES[case]
-    full = torch.linspace(-1, 1, torch.Size(shape).numel()).reshape(shape)
-    weight = torch.linspace(2, 3, full.numel()).reshape(shape)
-    src_mesh, dst_mesh = DeviceMesh("cpu", src), DeviceMesh("cpu", dst)
+    full = torch.linspace(-1, 1, torch.Size(shape).numel()).reshape(shape).to(DEVICE)
+    weight = torch.linspace(2, 3, full.numel()).reshape(shape).to(DEVICE)
+    src_mesh, dst_mesh = DeviceMesh(DEVICE, src), DeviceMesh(DEVICE, dst)
     x = distribute_tensor(full, src_mesh, src_placements).requires_grad_()
     y = redistribute(x, dst_mesh, dst_placements, async_op=async_op)
     w = distribute_tensor(weight, dst_mesh, dst_placements).to_local()
@@ -115,13 +121,13 @@ def _random_layouts(rank: int, seed: int, count: int = 24) -> str:
         src_placements, dst_placements = _random_placements(rng, src, len(shape)), _random_placements(rng, dst, len(shape))
         dtype = rng.choice([torch.float32, torch.bfloat16, torch.int64])
         use_async = rng.random() < 0.5
-        src_mesh, dst_mesh = DeviceMesh("cpu", src), DeviceMesh("cpu", dst)
+        src_mesh, dst_mesh = DeviceMesh(DEVICE, src), DeviceMesh(DEVICE, dst)
         try:
             problem_from_dtensor(shape, dtype, src, src_placements, dst, dst_placements)
         except FrontendError:
             refused += 1
             continue
-        full = (torch.arange(torch.Size(shape).numel()).reshape(shape) * 13 % 97 - 40).to(dtype)
+        full = (torch.arange(torch.Size(shape).numel()).reshape(shape) * 13 % 97 - 40).to(dtype).to(DEVICE)
         x = DTensor.from_local(_dtensor_slice(full, src_mesh, src_placements), src_mesh, src_placements, run_check=False,
                                shape=full.shape, stride=full.stride())
         y = redistribute(x, dst_mesh, dst_placements, async_op=use_async)
