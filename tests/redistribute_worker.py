@@ -44,7 +44,7 @@ def main() -> int:
     rank, checked = dist.get_rank(), 0
     for dtype in (torch.float32, torch.bfloat16, torch.int32):
         for shape, src, src_placements, dst, dst_placements in CASES:
-            full = (torch.arange(torch.Size(shape).numel()).reshape(shape) * 7 % 101 - 50).to(dtype).to(DEVICE)
+            full = (torch.arange(torch.Size(shape).numel()).reshape(shape) * 7 % 101 - 50).to(DEVICE, dtype)
             src_mesh, dst_mesh = DeviceMesh(DEVICE, src), DeviceMesh(DEVICE, dst)
             x = distribute_tensor(full, src_mesh, src_placements)
             for _ in range(2):  # the second call reuses the cached plan and executor
@@ -127,7 +127,7 @@ def _random_layouts(rank: int, seed: int, count: int = 24) -> str:
         except FrontendError:
             refused += 1
             continue
-        full = (torch.arange(torch.Size(shape).numel()).reshape(shape) * 13 % 97 - 40).to(dtype).to(DEVICE)
+        full = (torch.arange(torch.Size(shape).numel()).reshape(shape) * 13 % 97 - 40).to(DEVICE, dtype)
         x = DTensor.from_local(_dtensor_slice(full, src_mesh, src_placements), src_mesh, src_placements, run_check=False,
                                shape=full.shape, stride=full.stride())
         y = redistribute(x, dst_mesh, dst_placements, async_op=use_async)

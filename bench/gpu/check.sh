@@ -40,7 +40,7 @@ launch() {  # launch N ranks of a python command line on cuda:0, each its own NC
     pids+=($!)
   done
   for pid in "${pids[@]}"; do wait "$pid" || rc=$?; done
-  if [ "$rc" = 0 ]; then grep -h "check\|^rank" /tmp/rank-*.log | tail -8; else tail -n 6 /tmp/rank-*.log; fi
+  if [ "$rc" = 0 ]; then grep -h "check ok\|CHECK FAILED\|^rank [0-9]*: \(ok\|counts\)" /tmp/rank-*.log; else tail -n 6 /tmp/rank-*.log; fi
   echo "rc=$rc"
 }
 echo "=== torch engine over NCCL"

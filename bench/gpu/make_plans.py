@@ -10,21 +10,21 @@ import sys
 from pathlib import Path
 
 from xmesh_plan.planner.compile import compile_plan
-from xmesh_plan.schemas import Cluster, DeviceMesh, Placement, ReshardingProblem
+from xmesh_plan.planner.problem_io import build_problem
 
 
-def problem(name, shape, src_devices, src_spec, dst_devices, dst_spec) -> ReshardingProblem:
-    return ReshardingProblem(name=name, shape=shape, dtype="int32", cluster=Cluster(devices_per_host=2),
-                             src=Placement(mesh=DeviceMesh(shape=(len(src_devices),), devices=src_devices), spec=src_spec),
-                             dst=Placement(mesh=DeviceMesh(shape=(len(dst_devices),), devices=dst_devices), spec=dst_spec))
+def problem(name, shape, src_mesh, src_spec, dst_mesh, dst_spec):
+    """The problem `xmesh-plan compile --shape ... --src-mesh AxB ...` builds (every rank runs on GPU 0 anyway)."""
+    return build_problem({"name": name, "shape": shape, "dtype": "int32", "src": {"mesh": src_mesh, "spec": src_spec},
+                          "dst": {"mesh": dst_mesh, "spec": dst_spec}})
 
 
 def main(folder: str) -> int:
     out = Path(folder)
     out.mkdir(parents=True, exist_ok=True)
-    for p, strategy in [(problem("gpu_pair", (64, 48), (0,), "R R", (1,), "R S0"), "send_recv"),
-                        (problem("gpu_bcast3", (64, 48, 8), (0,), "R R R", (1, 2), "R R R"), "broadcast"),
-                        (problem("gpu_2to2", (64, 48), (0, 1), "S0 R", (2, 3), "R S0"), "broadcast")]:
+    for p, strategy in [(problem("gpu_pair", [64, 48], "1x1", "R R", "1x1", "R S0"), "send_recv"),
+                        (problem("gpu_bcast3", [64, 48, 8], "1x1", "R R R", "1x2", "R R R"), "broadcast"),
+                        (problem("gpu_2to2", [64, 48], "1x2", "S0 R", "1x2", "R S0"), "broadcast")]:
         (out / f"{p.name}.plan.json").write_text(compile_plan(p, strategy=strategy, solver="greedy", seed=0).to_json())
     shutil.copy(Path(__file__).resolve().parents[2] / "plans" / "weight_sync_small.plan.json", out)
     return 0

@@ -70,7 +70,7 @@ def _patch_torch(engines: list) -> None:
 def _patch(folder: Path, engine: str = "mpi") -> None:
     """Wrap the engine (`mpi` or `torch`) so every step's launch and finish are timed in every reshard; written out at exit."""
     engines: list = []
-    atexit.register(lambda: _dump(folder, engines))
+    atexit.register(lambda: _dump(folder, engines, engine))
     if engine == "torch":
         _patch_torch(engines)
         return
@@ -89,15 +89,14 @@ def _patch(folder: Path, engine: str = "mpi") -> None:
         mpi_engine.MpiEngine.__init__ = polled_init
 
 
-def _dump(folder: Path, engines: list) -> None:
-    """Write this rank's traces: per engine its device, steps and every reshard's launch and finish times."""
+def _dump(folder: Path, engines: list, kind: str) -> None:
+    """Write this rank's traces: per engine (`kind`: mpi or torch) its device, steps and every reshard's launch and finish times."""
     rank = os.environ.get("PMI_RANK", os.environ.get("RANK", str(os.getpid())))
     out = []
     for engine in engines:
         steps = [{"op": s.op, "action": s.action, "peer": s.peer, "nbytes": s.data.nbytes if s.data else 0, "piece": s.piece}
                  for s in engine.steps]
-        out.append({"device": engine.program.device, "engine": type(engine).__module__.rsplit(".", 1)[-1].removesuffix("_engine"),
-                    "steps": steps,
+        out.append({"device": engine.program.device, "engine": kind, "steps": steps,
                     "reshards": [{"start": t["start"], "launch": [t["launch"].get(s.index) for s in engine.steps],
                                   "finish": [t["finish"].get(s.index) for s in engine.steps]} for t in engine._traces]})
     (folder / f"trace-{rank}.json").write_text(json.dumps(out))
@@ -145,7 +144,8 @@ def op_times(traces: list[dict], reshard: int = -2, engine: int = 0
         r = t[engine]
         times = r["reshards"][reshard]
         for s, launched, finished in zip(r["steps"], times["launch"], times["finish"]):
-            if finished is None and (launched is None or s["action"] != "send" or r.get("engine") != "torch"):
+            unfinished_send = launched is not None and s["action"] == "send" and r.get("engine") == "torch"
+            if finished is None and not unfinished_send:
                 continue
             key = (s["op"], r["device"])
             # a receive is posted long before bytes move (posted order: at start()), so only sends mark a start; a send
