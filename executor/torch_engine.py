@@ -30,18 +30,24 @@ never on several GPUs.
 from __future__ import annotations
 
 import heapq
+import math
 import threading
 import time
 
 import numpy as np
 
+from xmesh_plan.schemas.staging import SYNC_SEND_BYTES  # device order: messages this large end when received (docs/executor.md)
+
 from .arrays import RAW_KINDS
 from .engines import EngineContext
 from .errors import BackendUnavailableError, ExecutorError, PeerTimeoutError, PlanMismatchError
-from .lower import RankProgram
+from .lower import Bytes, RankProgram, Step
 
 _ABANDONED: list = []  # works (and the buffers they touch) still in flight after a failure: kept until exit
 MATCH_BY_TAG = True  # False: post every message with tag 0, so gloo matches a pair's messages by order alone, as NCCL does
+# gloo in device order: a message of at least this many bytes ends for its sender when the receiver says it arrived
+# (`TorchEngine._add_receipts`; the MPI engine's synchronous sends start at the same size); None: never
+RECEIPT_BYTES: int | None = SYNC_SEND_BYTES
 
 
 def torch_dtype(torch, name: str):
@@ -110,17 +116,54 @@ class TorchEngine:
         """Where message `i` stands in the plan's message order, which both ends of every pair share."""
         return self.steps[i].tag, i
 
+    def _add_receipts(self) -> None:
+        """In device order on gloo, give every message of `RECEIPT_BYTES` or more a receipt: a 1-byte message back
+        from the receiver once the message has arrived, which the sender's next steps wait for instead of the send.
+
+        Gloo ends a send once the kernel's socket buffer holds what is left (megabytes), so without it a device
+        would start its next operation while the last one is still on the wire, and device order would not be the
+        plan's; the MPI engine sends these messages synchronously for the same reason (docs/executor.md, "Order")."""
+        self.receipt_of: dict[int, int] = {}  # receipt step -> the message it acknowledges
+        if self.cuda or RECEIPT_BYTES is None or self.program.order != "device":
+            return
+        large = [s for s in self.steps if s.action in ("send", "recv") and s.data.nbytes >= RECEIPT_BYTES]
+        if not large:
+            return
+        marks = self.torch.zeros(len(large), dtype=self.torch.uint8)
+        steps = list(self.steps)
+        for k, s in enumerate(large):  # the receiver sends it after the message (deps), the sender receives it at once
+            back = "recv" if s.action == "send" else "send"
+            steps.append(Step(len(steps), back, s.op, s.task, f"receipt of {s.kind}", () if back == "recv" else (s.index,),
+                              s.peer, s.tag, Bytes("stage", k, k + 1), piece=s.piece))
+            self.receipt_of[len(steps) - 1] = s.index
+            self.buffers.append([marks[k:k + 1]])
+            self.works.append(None)
+            self.peer_rank.append(self.peer_rank[s.index])
+        self.steps = steps
+
+    def _key(self, i: int) -> tuple:
+        """`_message_key`; a receipt goes after every message of its message's tag, which both ends place alike (a ring
+        step of two devices sends each way with one tag: the receipt must follow the data going its way at both ends)."""
+        if i in self.receipt_of:
+            message = self.receipt_of[i]
+            return (*self._message_key(message)[:-1], math.inf, message)
+        return self._message_key(i)
+
     def _schedule(self) -> None:
         """The per-peer message queues and dependency counts; the progress thread starts with the first reshard."""
+        self._add_receipts()
         self.dependents: list[list[int]] = [[] for _ in self.steps]
         for s in self.steps:
             for d in s.deps:
                 self.dependents[d].append(s.index)
+        for receipt, message in self.receipt_of.items():  # what waited for a send now waits for its receipt
+            if self.steps[message].action == "send":
+                self.dependents[receipt], self.dependents[message] = self.dependents[message], []
         self.initial = [len(s.deps) for s in self.steps]
         self.remaining = self.initial.copy()
         self.local = [s.action not in ("send", "recv") for s in self.steps]  # runs at once when its waits are over
         self.local_first = [s.index for s in self.steps if not s.deps and s.action not in ("send", "recv")]
-        self.order = sorted((s.index for s in self.steps if s.action in ("send", "recv")), key=self._message_key)
+        self.order = sorted((s.index for s in self.steps if s.action in ("send", "recv")), key=self._key)
         self.position = {i: k for k, i in enumerate(self.order)}  # each message's place in the plan's message order
         peers = sorted({self.steps[i].peer for i in self.order})
         self.queues = [[i for i in self.order if self.steps[i].peer == peer] for peer in peers]  # per peer, in order

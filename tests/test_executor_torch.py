@@ -90,6 +90,16 @@ def test_device_order_on_gloo_matching_by_order_is_bit_exact(tmp_path):
     assert len(ours) == len(plans) and all(line.endswith((": ok", ": ok (our boxes)")) for line in ours), lines
 
 
+def test_receipts_in_device_order_on_gloo_with_its_tags_are_bit_exact(tmp_path):
+    """Every message with a receipt (the engine gives them to messages of 256 KiB or more), gloo matching by tag: a
+    two-device ring step sends each way with one tag, so a receipt shares its tag with the data going its way."""
+    plans = [p for p in all_fixed_plans() if p.strategy in ("global_allgather", "broadcast")]
+    assert any(op.kind == "allgather" and len(op.dsts) == 2 for p in plans for op in p.operations)
+    lines = launch(DEVICES, "check_in_device_order_with_receipts", *write_plans(tmp_path, plans))
+    ours = [line for line in lines if line.startswith("rank 0:")]
+    assert len(ours) == len(plans) and all(line.endswith((": ok", ": ok (our boxes)")) for line in ours), lines
+
+
 def test_multi_tensor_plans_in_device_order_on_gloo_matching_by_order_are_bit_exact(tmp_path):
     """TransferExecutor's joint engine posts each pair's messages in the joint plan's operation order, across
     tensors; with every tag 0 (gloo matching by order, as NCCL) both ends must agree on that order, or bytes
@@ -209,3 +219,63 @@ def test_the_torch_engine_posts_a_send_as_soon_as_its_chunk_is_packed(monkeypatc
     sends = [k for k, (what, tag) in enumerate(events) if what == "send" and tag in tags]
     assert len(packs) >= 4 and len(sends) == 4, events
     assert sends[0] < packs[-1], f"op {second}'s first send was posted only after all {len(packs)} packs: {events}"
+
+
+@pytest.mark.parametrize("receipts", [True, False])
+def test_in_device_order_a_gloo_send_ends_for_its_device_when_the_receiver_acknowledges_it(monkeypatch, receipts):
+    """Gloo ends a send once the socket buffer holds the rest, so in device order the engine waits for a 1-byte receipt
+    from the receiver before the device's next operation (as the MPI engine sends synchronously). In process, on a
+    stand-in group whose sends end at once (gloo's early end): the second broadcast's first send comes only after every
+    receipt of the first was waited for; with receipts off it comes with none."""
+    import numpy as np
+    import torch
+    import torch.distributed as dist
+
+    from xmesh_plan.executor import torch_engine
+    from xmesh_plan.executor.engines import EngineContext
+    from xmesh_plan.executor.pattern import fill
+    from xmesh_plan.executor.ranks import rank_of_devices
+
+    events: list[tuple[str, int]] = []
+
+    class Done:
+        def __init__(self, what="", tag=-1):
+            self.what, self.tag = what, tag
+
+        def wait(self):
+            if self.what:
+                events.append((self.what, self.tag))
+
+    class Group:
+        def send(self, buffer, peer, tag):
+            events.append(("send", tag))
+            return Done()
+
+        def recv(self, buffer, peer, tag):
+            assert buffer[0].numel() == 1, "the sender receives only receipts"
+            events.append(("post receipt", tag))
+            return Done("receipt", tag)
+
+    monkeypatch.setattr(dist, "get_backend", lambda group: "gloo")
+    monkeypatch.setattr(dist, "get_rank", lambda group: 0)
+    monkeypatch.setattr(torch_engine, "RECEIPT_BYTES", 1 if receipts else None)  # every message of this small plan
+    problem, plan, _, program = two_chunked_broadcasts_from_one_device()
+    engine = torch_engine.TorchEngine(program, EngineContext(Group(), rank_of_devices(plan), "int32", np.dtype(np.int32), 5.0, (1e-4, 1e-3)))
+    engine.setup()
+    try:
+        engine.start(torch.from_numpy(np.ascontiguousarray(fill(program.src_block, problem.shape, np.dtype(np.int32)))))
+        engine.wait()
+    finally:
+        engine.close()
+    first, second = sorted({s.op for s in program.steps})
+    tags = {op: {s.tag for s in program.steps if s.op == op and s.action == "send"} for op in (first, second)}
+    sends = {op: [k for k, (what, tag) in enumerate(events) if what == "send" and tag in tags[op]] for op in (first, second)}
+    acked = [k for k, (what, tag) in enumerate(events) if what == "receipt" and tag in tags[first]]
+    assert len(sends[first]) == len(tags[first]) >= 4 and len(sends[second]) == len(tags[second]) >= 4, events
+    if not receipts:
+        assert all(what == "send" for what, _ in events), events
+        return
+    assert len(acked) == len(tags[first]), events
+    for k in sends[first]:  # each receipt's receive is posted right after its message, as the receiver places its send
+        assert events[k + 1] == ("post receipt", events[k][1]), events
+    assert max(acked) < sends[second][0], f"op {second} began before op {first}'s messages were received: {events}"

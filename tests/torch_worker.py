@@ -185,15 +185,21 @@ def die(path: str) -> None:
 
 
 def main(argv: list[str]) -> None:
+    global ORDER
     torch.set_num_threads(1)
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
     mode, args = argv[0], argv[1:]
+    if mode == "check_in_device_order_with_receipts":  # gloo's own tags, every message with a receipt
+        from xmesh_plan.executor import torch_engine
+
+        ORDER, torch_engine.RECEIPT_BYTES, mode = "device", 1, "check"
     if mode in ("check_by_order", "check_in_device_order", "check_transfer_by_order", "check_transfer_posted_by_order"):
         from xmesh_plan.executor import torch_engine
 
-        global ORDER
         ORDER = "posted" if mode in ("check_by_order", "check_transfer_posted_by_order") else "device"
         torch_engine.MATCH_BY_TAG, mode = False, "check_transfer" if "transfer" in mode else "check"
+        if ORDER == "device":  # every message gets a receipt, not only those of RECEIPT_BYTES: more to match by order
+            torch_engine.RECEIPT_BYTES = 1
     {"check": lambda: check(args), "check_transfer": lambda: check_transfer(args), "disagree": lambda: disagree(*args),
      "die": lambda: die(*args)}[mode]()
     dist.destroy_process_group()

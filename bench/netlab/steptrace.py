@@ -94,8 +94,9 @@ def _dump(folder: Path, engines: list, kind: str) -> None:
     rank = os.environ.get("PMI_RANK", os.environ.get("RANK", str(os.getpid())))
     out = []
     for engine in engines:
-        steps = [{"op": s.op, "action": s.action, "peer": s.peer, "nbytes": s.data.nbytes if s.data else 0, "piece": s.piece}
-                 for s in engine.steps]
+        receipts = getattr(engine, "receipt_of", {})  # the torch engine's 1-byte receipts on gloo in device order
+        steps = [{"op": s.op, "action": s.action, "peer": s.peer, "nbytes": s.data.nbytes if s.data else 0, "piece": s.piece,
+                  **({"receipt": True} if s.index in receipts else {})} for s in engine.steps]
         out.append({"device": engine.program.device, "engine": kind, "steps": steps,
                     "reshards": [{"start": t["start"], "launch": [t["launch"].get(s.index) for s in engine.steps],
                                   "finish": [t["finish"].get(s.index) for s in engine.steps]} for t in engine._traces]})
@@ -145,7 +146,7 @@ def op_times(traces: list[dict], reshard: int = -2, engine: int = 0
         times = r["reshards"][reshard]
         for s, launched, finished in zip(r["steps"], times["launch"], times["finish"]):
             unfinished_send = launched is not None and s["action"] == "send" and r.get("engine") == "torch"
-            if finished is None and not unfinished_send:
+            if (finished is None and not unfinished_send) or s.get("receipt"):  # a receipt moves none of the op's bytes
                 continue
             key = (s["op"], r["device"])
             # a receive is posted long before bytes move (posted order: at start()), so only sends mark a start; a send
