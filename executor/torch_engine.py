@@ -15,6 +15,11 @@ A send depends only on receives of its own or smaller tags, so the first unfinis
 whole plan is always posted at both ends: no deadlock, on either backend. Tests also run gloo with every tag 0 (`MATCH_BY_TAG = False`), which makes gloo
 match a pair's messages by order alone, as NCCL does, so a wrong order shows as wrong bytes.
 
+In device order on gloo, a message of 256 KiB or more (`RECEIPT_BYTES`, the size from which the MPI engine sends
+synchronously) gets a receipt: the receiver sends 1 byte back once it has the message, and the sender's next steps
+wait for that instead of the send. Gloo ends a send once the kernel's socket buffer holds the rest (megabytes), so
+without it a device began its next operation while the last was still on the wire (`_add_receipts`).
+
 Gloo's point-to-point work cannot be polled: `is_completed()` stays False until `wait()` is called
 (checked with torch 2.13), and `wait(timeout)` closes the connection when it expires. So each engine
 has one progress thread (started by its first reshard) that posts the messages and waits for them.

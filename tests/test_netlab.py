@@ -44,15 +44,16 @@ def two_host_plan():
     return compile_fast(problem)
 
 
-@pytest.mark.parametrize("engine, order, single_copy, says", [
-    ("mpi", "posted", False, "check ok: 2 destination shards bit-exact"),
-    ("mpi", "device", True, "check ok: 2 destination shards bit-exact"),  # MPICH's single copy inside a host
-    ("torch", "device", False, "check ok: every destination shard bit-exact")])
-def test_two_hosts_run_a_plan_bit_exact_and_links_carry_its_bytes(engine, order, single_copy, says):
+@pytest.mark.parametrize("engine, order, single_copy, module, says", [
+    ("mpi", "posted", False, None, "check ok: 2 destination shards bit-exact"),
+    ("mpi", "device", True, None, "check ok: 2 destination shards bit-exact"),  # MPICH's single copy inside a host
+    ("torch", "device", False, None, "check ok: every destination shard bit-exact"),  # 1 MiB messages: with receipts
+    ("torch", "device", False, "bench.netlab.no_receipts", "check ok: every destination shard bit-exact")])
+def test_two_hosts_run_a_plan_bit_exact_and_links_carry_its_bytes(engine, order, single_copy, module, says):
     plan = two_host_plan()
     assert ranks_per_host(plan) == (2, 2)
     opts = RunOptions(tb.LinkShape(rate_mbit=500), max_mb=4, iters=2, warmup=1, timeout_s=RUN_TIMEOUT_S, engine=engine, order=order,
-                      single_copy=single_copy)
+                      single_copy=single_copy, module=module)
     result = run_plan(plan, opts)
     assert result.ok, result.launch.stderr[-3000:]
     assert says in result.launch.stdout, result.launch.stdout

@@ -137,6 +137,19 @@ def test_plans_made_with_the_testbed_cpu_chunk_more_and_are_also_priced_on_links
         _arguments(["--max-run-gib", "0"])
 
 
+def test_no_receipts_is_a_torch_option(capsys):
+    """`experiments --no-receipts` runs torch ranks without the engine's receipts (bench.netlab.no_receipts); the MPI
+    engine has none to turn off, so asking it of MPI is a usage error that names the fix."""
+    from bench.netlab.experiments import _arguments, _meta
+
+    args = _arguments(["--engine", "torch", "--no-receipts"])
+    assert args.no_receipts and "--no-receipts" in _meta(args, None)["command"] and _meta(args, None)["receipts"] is False
+    assert _meta(_arguments(["--engine", "torch"]), None)["receipts"] is True
+    with pytest.raises(SystemExit) as stop:
+        _arguments(["--no-receipts"])
+    assert stop.value.code == 2 and "use it with --engine torch" in capsys.readouterr().err
+
+
 def test_the_summary_reads_a_results_file_that_is_still_being_written(tmp_path):
     """`experiments` writes its results after each case with no load average yet; `summary --compact` still reads it."""
     import json

@@ -202,12 +202,16 @@ def _arguments(argv):
     parser.add_argument("--max-run-gib", type=float, default=MAX_RUN_BYTES / 2**30,
                         help="refuse a case whose plans would move more than this across devices in all their reshards "
                              "(default %(default)g; every paper case at 64 MiB and 4 reshards needs 10)")
+    parser.add_argument("--no-receipts", action="store_true",
+                        help="torch: end gloo sends as gloo does, without the engine's receipts in device order (bench.netlab.no_receipts)")
     parser.add_argument("--no-markdown", action="store_true", help="leave BENCHMARKS.md alone")
     args = parser.parse_args(argv)
     if not (math.isfinite(args.max_run_gib) and args.max_run_gib > 0):
         parser.error(f"--max-run-gib {args.max_run_gib:g}: give a positive number of GiB")
     if args.single_copy and args.engine != "mpi":
         parser.error("--single-copy is an MPICH setting; use it with --engine mpi")
+    if args.no_receipts and args.engine != "torch":
+        parser.error("--no-receipts is the torch engine's; use it with --engine torch")
     args.costs = None
     if args.latency_us not in ("measure", "plan"):
         try:
@@ -229,7 +233,8 @@ def main(argv=None) -> int:
     runs = []
     for rate in [float(r) for r in args.rates.split(",")]:
         opts = RunOptions(LinkShape(rate, args.mtu), args.max_mb, args.iters, args.warmup, order=args.order, engine=args.engine,
-                          single_copy=args.single_copy, max_run_bytes=int(args.max_run_gib * 2**30))
+                          single_copy=args.single_copy, max_run_bytes=int(args.max_run_gib * 2**30),
+                          module="bench.netlab.no_receipts" if args.no_receipts else None)
         latency, overhead = args.costs or (None, None)
         if args.latency_us == "measure":
             latency, overhead = (round(v, 1) for v in measure_message_costs(opts))
@@ -263,10 +268,12 @@ def _meta(args, load) -> dict:
     return {"command": f"{COMMAND} --cases {args.cases} --rates {args.rates} --max-mb {args.max_mb:g} --iters {args.iters} "
                        f"--warmup {args.warmup} --mtu {args.mtu} --order {args.order} --engine {args.engine} --latency-us {args.latency_us}"
                        f"{' --single-copy' if args.single_copy else ''}{' --plan-cpu' if args.plan_cpu else ''}"
+                       f"{' --no-receipts' if args.no_receipts else ''}"
                        f"{f' --max-run-gib {args.max_run_gib:g}' if args.max_run_gib * 2**30 != MAX_RUN_BYTES else ''}",
             "loadavg_after": load, "cpus": os.cpu_count(), "plan_cpu": args.plan_cpu,
             "sharing": f"testbed: first come at a host's send side for messages up to {TESTBED_SHORT_MS:g} ms in device order, else max-min",
-            "order": args.order, "engine": args.engine, "single_copy": args.single_copy}
+            "order": args.order, "engine": args.engine, "single_copy": args.single_copy,
+            **({"receipts": not args.no_receipts} if args.engine == "torch" else {})}
 
 
 if __name__ == "__main__":
