@@ -23,7 +23,8 @@ Model (stated, so every plan and baseline is judged by the same rules):
   consecutive ones with the same peers as one run, and an operation starts when all its devices are
   free: what each received in its run before has arrived and what it sent has left (its own part,
   not the whole operation's; a message under `SYNC_SEND_BYTES` is buffered and done once posted, as
-  the MPI engine sends it; `simulate(send_buffer_bytes=)` ends a send as torch's gloo does instead), so
+  the MPI engine sends it and the torch engine's receipts end it; `simulate(send_buffer_bytes=)` ends a send as bare
+  gloo does instead), so
   operations of different devices share a NIC concurrently;
   `posted`: every operation starts as soon as its data is there and all running transfers share
   the links: the executor with `order="posted"` (every send and receive of a reshard posted at once,
@@ -495,10 +496,10 @@ def simulate(operations: list[Operation] | tuple[Operation, ...], problem: Resha
     TooCostly past `max_work` (see `run_flows`). `run_numbers` (device order, a plan with a staging budget:
     `staging_runs`): each device's run of each of its operations, where the budget ends runs the peers alone would not.
     `share`: how links share bandwidth (`run_flows`; None: max-min fair); a rule that remembers flows must be fresh per call.
-    `send_buffer_bytes` (device order): when a send ends for its device's next run. None: as the MPI engine, a message
-    under `SYNC_SEND_BYTES` once posted, a larger one once its last byte has left; a number: once it moves (gloo's
-    send waits until the receiver has posted its receive) with at most that many of its bytes left to go, as torch's
-    gloo ends a send when the socket's buffer has taken the rest. One buffer per message: a send queued behind another
+    `send_buffer_bytes` (device order): when a send ends for its device's next run. None: as the MPI engine (and the
+    torch engine, with its receipts), a message under `SYNC_SEND_BYTES` once posted, a larger one once its last byte has
+    left; a number: once it moves (gloo's send waits until the receiver has posted its receive) with at most that many
+    of its bytes left to go, as bare gloo ends a send when the socket's buffer has taken the rest. One buffer per message: a send queued behind another
     on its connection starts to count down only when that one's last byte has left."""
     if send_buffer_bytes is not None and not 0 < send_buffer_bytes < float("inf"):
         raise ValueError(f"send_buffer_bytes={send_buffer_bytes!r}: give a positive number of bytes, or None for the MPI engine's sends")

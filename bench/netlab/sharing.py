@@ -16,8 +16,9 @@ but `testbed` applies under every queueing:
 - `first-come-all`: every NIC side serves its messages oldest first (then in plan order); CPUs share max-min.
 `--send-buffer-mib B` also ends every send in device order, for its device's next run, once at most B MiB of it is
 left to go, as gloo ends a send when the socket's buffer has taken the rest (`planner.simulate.simulate(send_buffer_bytes=)`),
-where the model otherwise ends it as the MPI engine does (session 14's torch step traces); posted order has no runs to end.
-BENCHMARKS.md, "Emulated cluster ..." sessions 11 to 14, has what each rule fits.
+where the model otherwise ends it as the MPI engine does (session 14's torch step traces, before the torch engine's
+receipts; `experiments --no-receipts` runs it so again); posted order has no runs to end.
+BENCHMARKS.md, "Emulated cluster ..." sessions 11 to 15, has what each rule fits.
 """
 
 from __future__ import annotations
