@@ -50,7 +50,7 @@ class Box:
 class Bytes:
     """A byte range of the source shard, the destination shard, or the staging area."""
 
-    buffer: Literal["src", "dst", "stage"]
+    buffer: Literal["src", "dst", "stage", "receipt"]  # receipt: the torch engine's 1-byte receipts (torch_engine._add_receipts)
     start: int
     stop: int
 

@@ -15,10 +15,14 @@ A send depends only on receives of its own or smaller tags, so the first unfinis
 whole plan is always posted at both ends: no deadlock, on either backend. Tests also run gloo with every tag 0 (`MATCH_BY_TAG = False`), which makes gloo
 match a pair's messages by order alone, as NCCL does, so a wrong order shows as wrong bytes.
 
-In device order on gloo, a message of 256 KiB or more (`RECEIPT_BYTES`, the size from which the MPI engine sends
-synchronously) gets a receipt: the receiver sends 1 byte back once it has the message, and the sender's next steps
-wait for that instead of the send. Gloo ends a send once the kernel's socket buffer holds the rest (megabytes), so
-without it a device began its next operation while the last was still on the wire (`_add_receipts`).
+In device order on gloo, an operation's messages of 256 KiB or more (`RECEIPT_BYTES`, the size from which the MPI
+engine sends synchronously) from one device to another get a receipt: once the last of them has arrived the receiver
+sends 1 byte back, and the sender's next steps wait for that instead of the sends. Gloo ends a send once the kernel's
+socket buffer holds the rest (megabytes), so without it a device began its next operation while the last was still
+on the wire (`_add_receipts`). A receipt sits in both ends' queues after every message of its operation between the
+two, and it waits only for a receive of that operation, while what waits for it belongs to later operations, so the
+order above still has the first unfinished message posted at both ends. `RECEIPT_BYTES` must be the same on every
+rank: a rank that expects a receipt the other never sends waits until its timeout.
 
 Gloo's point-to-point work cannot be polled: `is_completed()` stays False until `wait()` is called
 (checked with torch 2.13), and `wait(timeout)` closes the connection when it expires. So each engine
@@ -115,55 +119,69 @@ class TorchEngine:
             if not _reads_src(s):
                 self._make(s.index, self.flat)
         self.reads_src = [s.index for s in self.steps if _reads_src(s)]
-        self._schedule()
+        self._schedule(receipts=not self.context.joined)
 
     def _message_key(self, i: int) -> tuple:
         """Where message `i` stands in the plan's message order, which both ends of every pair share."""
         return self.steps[i].tag, i
 
-    def _add_receipts(self) -> None:
-        """In device order on gloo, give every message of `RECEIPT_BYTES` or more a receipt: a 1-byte message back
-        from the receiver once the message has arrived, which the sender's next steps wait for instead of the send.
+    def _add_receipts(self, enabled: bool = True) -> None:
+        """In device order on gloo, give each operation's messages of `RECEIPT_BYTES` or more from one device to another
+        a receipt: a 1-byte message back from the receiver once the last of them has arrived, which the sender's next
+        steps wait for instead of those sends (a pair's messages arrive in the order they were sent).
 
         Gloo ends a send once the kernel's socket buffer holds what is left (megabytes), so without it a device
         would start its next operation while the last one is still on the wire, and device order would not be the
-        plan's; the MPI engine sends these messages synchronously for the same reason (docs/executor.md, "Order")."""
-        self.receipt_of: dict[int, int] = {}  # receipt step -> the message it acknowledges
-        if self.cuda or RECEIPT_BYTES is None or self.program.order != "device":
+        plan's; the MPI engine sends these messages synchronously for the same reason (docs/executor.md, "Order").
+        One receipt per operation and pair, after all of that operation's messages between the two, keeps a broadcast's
+        chunks pipelined: a receipt per chunk, posted before the next chunk's receive, held each hop to one chunk."""
+        self.receipt_of: dict[int, int] = {}  # receipt step -> the message whose tag it carries (its group's last)
+        self.acknowledges: dict[int, list[int]] = {}  # receipt step -> the messages it says arrived
+        self.receipt_key: dict[int, tuple] = {}
+        if not enabled or self.cuda or RECEIPT_BYTES is None or self.program.order != "device":
             return
-        large = [s for s in self.steps if s.action in ("send", "recv") and s.data.nbytes >= RECEIPT_BYTES]
-        if not large:
+        groups: dict[tuple[int, int, str], list[int]] = {}  # (operation, peer, send or recv) -> its large messages
+        pair_keys: dict[tuple[int, int], list[tuple]] = {}  # (operation, peer) -> the keys of all its messages, both ways
+        for s in self.steps:
+            if s.action in ("send", "recv"):
+                pair_keys.setdefault((s.op, s.peer), []).append(self._message_key(s.index)[:-1])
+                if s.data.nbytes >= RECEIPT_BYTES:
+                    groups.setdefault((s.op, s.peer, s.action), []).append(s.index)
+        if not groups:
             return
-        marks = self.torch.zeros(len(large), dtype=self.torch.uint8)
+        marks = self.torch.zeros(len(groups), dtype=self.torch.uint8)
         steps = list(self.steps)
-        for k, s in enumerate(large):  # the receiver sends it after the message (deps), the sender receives it at once
-            back = "recv" if s.action == "send" else "send"
-            steps.append(Step(len(steps), back, s.op, s.task, f"receipt of {s.kind}", () if back == "recv" else (s.index,),
-                              s.peer, s.tag, Bytes("stage", k, k + 1), piece=s.piece))
-            self.receipt_of[len(steps) - 1] = s.index
+        for k, ((op, peer, action), members) in enumerate(sorted(groups.items())):
+            last = steps[max(members, key=self._message_key)]
+            back = "recv" if action == "send" else "send"  # the receiver sends it once `last` is in, the sender waits for it
+            steps.append(Step(len(steps), back, op, last.task, f"receipt of {last.kind}", () if back == "recv" else (last.index,),
+                              peer, last.tag, Bytes("receipt", k, k + 1), piece=last.piece))
+            self.receipt_of[len(steps) - 1], self.acknowledges[len(steps) - 1] = last.index, members
+            self.receipt_key[len(steps) - 1] = (*max(pair_keys[(op, peer)]), math.inf, last.index)
             self.buffers.append([marks[k:k + 1]])
             self.works.append(None)
-            self.peer_rank.append(self.peer_rank[s.index])
+            self.peer_rank.append(self.peer_rank[last.index])
         self.steps = steps
 
     def _key(self, i: int) -> tuple:
-        """`_message_key`; a receipt goes after every message of its message's tag, which both ends place alike (a ring
-        step of two devices sends each way with one tag: the receipt must follow the data going its way at both ends)."""
-        if i in self.receipt_of:
-            message = self.receipt_of[i]
-            return (*self._message_key(message)[:-1], math.inf, message)
-        return self._message_key(i)
+        """`_message_key`; a receipt goes after every message of its operation between the two devices, which both ends
+        place alike (a ring step of two devices sends each way with one tag: the receipt must follow the data going
+        its way at both ends; and after the last chunk, so the chunks before it flow as they would without it)."""
+        return self.receipt_key[i] if i in self.receipt_key else self._message_key(i)
 
-    def _schedule(self) -> None:
-        """The per-peer message queues and dependency counts; the progress thread starts with the first reshard."""
-        self._add_receipts()
+    def _schedule(self, receipts: bool = True) -> None:
+        """The per-peer message queues and dependency counts; the progress thread starts with the first reshard.
+        `receipts`: add them (`_add_receipts`); not for a joint program's per-tensor engines, which never run."""
+        self._add_receipts(receipts)
         self.dependents: list[list[int]] = [[] for _ in self.steps]
         for s in self.steps:
             for d in s.deps:
                 self.dependents[d].append(s.index)
-        for receipt, message in self.receipt_of.items():  # what waited for a send now waits for its receipt
-            if self.steps[message].action == "send":
-                self.dependents[receipt], self.dependents[message] = self.dependents[message], []
+        for receipt, members in self.acknowledges.items():  # what waited for those sends now waits for their receipt
+            if self.steps[receipt].action == "recv":
+                self.dependents[receipt] = [d for m in members for d in self.dependents[m]]  # counts stay: one per wait
+                for m in members:
+                    self.dependents[m] = []
         self.initial = [len(s.deps) for s in self.steps]
         self.remaining = self.initial.copy()
         self.local = [s.action not in ("send", "recv") for s in self.steps]  # runs at once when its waits are over
@@ -341,6 +359,10 @@ class TorchEngine:
 
     def _received(self, i: int) -> None:
         self._complete(i)
+        for m in self.acknowledges.get(i, ()):  # a receipt: the sends it acknowledges are done (their waits return at once)
+            if self.works[m] is not None:
+                self._complete(m)
+                self._finish(m)
         self._finish(i)
 
     def _run_local(self, i: int) -> None:

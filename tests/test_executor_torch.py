@@ -81,11 +81,14 @@ def test_fixed_and_random_plans_are_bit_exact_on_8_gloo_ranks(tmp_path):
     assert len(by_dtensor) >= len(ours) * 3 // 4, ours
 
 
-def test_device_order_on_gloo_matching_by_order_is_bit_exact(tmp_path):
+@pytest.mark.parametrize("mode", ["check_in_device_order", "check_in_device_order_mixed_receipts"])
+def test_device_order_on_gloo_matching_by_order_is_bit_exact(tmp_path, mode):
     """order="device" makes steps wait for sends of earlier operations; the engine must finish those sends
-    in message order too (it deadlocked before), with every tag 0 as on NCCL."""
+    in message order too (it deadlocked before), with every tag 0 as on NCCL. Again with receipts on the messages of
+    16 B or more (these plans' are 2-192 B), so a plan's operations end both ways and both ends must place every
+    receipt alike among the messages."""
     plans = all_fixed_plans()
-    lines = launch(DEVICES, "check_in_device_order", *write_plans(tmp_path, plans))
+    lines = launch(DEVICES, mode, *write_plans(tmp_path, plans))
     ours = [line for line in lines if line.startswith("rank 0:")]
     assert len(ours) == len(plans) and all(line.endswith((": ok", ": ok (our boxes)")) for line in ours), lines
 
@@ -224,9 +227,10 @@ def test_the_torch_engine_posts_a_send_as_soon_as_its_chunk_is_packed(monkeypatc
 @pytest.mark.parametrize("receipts", [True, False])
 def test_in_device_order_a_gloo_send_ends_for_its_device_when_the_receiver_acknowledges_it(monkeypatch, receipts):
     """Gloo ends a send once the socket buffer holds the rest, so in device order the engine waits for a 1-byte receipt
-    from the receiver before the device's next operation (as the MPI engine sends synchronously). In process, on a
-    stand-in group whose sends end at once (gloo's early end): the second broadcast's first send comes only after every
-    receipt of the first was waited for; with receipts off it comes with none."""
+    from the receiver before the device's next operation (as the MPI engine sends synchronously): one per operation and
+    receiver, asked for right after the operation's last message to it, so its chunks go out without waiting. In
+    process, on a stand-in group whose sends end at once (gloo's early end): the second broadcast's first send comes
+    only after every receipt of the first was waited for; with receipts off it comes with none."""
     import numpy as np
     import torch
     import torch.distributed as dist
@@ -275,7 +279,11 @@ def test_in_device_order_a_gloo_send_ends_for_its_device_when_the_receiver_ackno
     if not receipts:
         assert all(what == "send" for what, _ in events), events
         return
-    assert len(acked) == len(tags[first]), events
-    for k in sends[first]:  # each receipt's receive is posted right after its message, as the receiver places its send
-        assert events[k + 1] == ("post receipt", events[k][1]), events
+    receivers = {s.peer for s in program.steps if s.op == first and s.action == "send"}
+    assert len(acked) == len(receivers), events
+    for peer in receivers:  # one receipt, asked for right after the last chunk to that receiver (not one per chunk)
+        chunks = sorted(s.tag for s in program.steps if s.op == first and s.action == "send" and s.peer == peer)
+        k = events.index(("send", chunks[-1]))
+        assert len(chunks) >= 4 and events[k + 1] == ("post receipt", chunks[-1]), events
+        assert [what for what, tag in events[:k + 1] if tag in chunks] == ["send"] * len(chunks), events
     assert max(acked) < sends[second][0], f"op {second} began before op {first}'s messages were received: {events}"

@@ -4,8 +4,12 @@
                                                     of the box DTensor gives this rank (where DTensor can express the layout)
     python tests/torch_worker.py check_by_order PLAN...   the same with every tag 0: gloo then matches by order, as NCCL
     python tests/torch_worker.py check_in_device_order PLAN...   check_by_order with order="device"
+    python tests/torch_worker.py check_in_device_order_mixed_receipts PLAN...   the same, the engine's receipts
+                                                    (torch_engine.RECEIPT_BYTES) on messages of 16 B or more
+    python tests/torch_worker.py check_in_device_order_with_receipts PLAN...   order="device", gloo's own tags,
+                                                    a receipt for every message
     python tests/torch_worker.py check_transfer_by_order PLAN...   multi-tensor plans through TransferExecutor, every
-                                                    tag 0, order="device" (check_transfer_posted_by_order: "posted")
+                                                    tag 0, order="device", receipts from 16 B (check_transfer_posted_by_order: "posted")
     python tests/torch_worker.py disagree A B       rank 1 loads B, the others A: prepare() must fail on every rank
     python tests/torch_worker.py die PLAN           the last rank exits after prepare(): the others must fail in time
 
@@ -193,13 +197,14 @@ def main(argv: list[str]) -> None:
         from xmesh_plan.executor import torch_engine
 
         ORDER, torch_engine.RECEIPT_BYTES, mode = "device", 1, "check"
-    if mode in ("check_by_order", "check_in_device_order", "check_transfer_by_order", "check_transfer_posted_by_order"):
+    if mode in ("check_by_order", "check_in_device_order", "check_in_device_order_mixed_receipts", "check_transfer_by_order",
+                "check_transfer_posted_by_order"):
         from xmesh_plan.executor import torch_engine
 
         ORDER = "posted" if mode in ("check_by_order", "check_transfer_posted_by_order") else "device"
+        if mode in ("check_in_device_order_mixed_receipts", "check_transfer_by_order"):  # these small plans' messages are
+            torch_engine.RECEIPT_BYTES = 16  # 2-192 B: some operations end on receipts, others on their sends, as in use
         torch_engine.MATCH_BY_TAG, mode = False, "check_transfer" if "transfer" in mode else "check"
-        if ORDER == "device":  # every message gets a receipt, not only those of RECEIPT_BYTES: more to match by order
-            torch_engine.RECEIPT_BYTES = 1
     {"check": lambda: check(args), "check_transfer": lambda: check_transfer(args), "disagree": lambda: disagree(*args),
      "die": lambda: die(*args)}[mode]()
     dist.destroy_process_group()
