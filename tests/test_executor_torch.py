@@ -178,14 +178,7 @@ def test_the_torch_engine_posts_a_send_as_soon_as_its_chunk_is_packed(monkeypatc
     """As the MPI engine (tests/test_executor_sim.py): when an operation's wait ends in device order, its first chunk's
     send is posted after its own pack, not after every chunk's. In process, on a stand-in group whose sends finish
     at once (one source device: it only sends)."""
-    import numpy as np
-    import torch
-    import torch.distributed as dist
-
     from xmesh_plan.executor import torch_engine
-    from xmesh_plan.executor.engines import EngineContext
-    from xmesh_plan.executor.pattern import fill
-    from xmesh_plan.executor.ranks import rank_of_devices
 
     events: list[tuple[str, int]] = []
 
@@ -206,16 +199,7 @@ def test_the_torch_engine_posts_a_send_as_soon_as_its_chunk_is_packed(monkeypatc
             events.append((self.steps[i].action, self.steps[i].op))
             super()._run_local(i)
 
-    monkeypatch.setattr(dist, "get_backend", lambda group: "gloo")
-    monkeypatch.setattr(dist, "get_rank", lambda group: 0)
-    problem, plan, _, program = two_chunked_broadcasts_from_one_device()
-    engine = Recording(program, EngineContext(Group(), rank_of_devices(plan), "int32", np.dtype(np.int32), 5.0, (1e-4, 1e-3)))
-    engine.setup()
-    try:
-        engine.start(torch.from_numpy(np.ascontiguousarray(fill(program.src_block, problem.shape, np.dtype(np.int32)))))
-        engine.wait()
-    finally:
-        engine.close()
+    program = _one_reshard_in_process(monkeypatch, Group(), Recording)
     second = max(s.op for s in program.steps)
     tags = {s.tag for s in program.steps if s.op == second and s.action == "send"}
     packs = [k for k, (what, op) in enumerate(events) if what == "pack" and op == second]
@@ -231,14 +215,7 @@ def test_in_device_order_a_gloo_send_ends_for_its_device_when_the_receiver_ackno
     receiver, asked for right after the operation's last message to it, so its chunks go out without waiting. In
     process, on a stand-in group whose sends end at once (gloo's early end): the second broadcast's first send comes
     only after every receipt of the first was waited for; with receipts off it comes with none."""
-    import numpy as np
-    import torch
-    import torch.distributed as dist
-
     from xmesh_plan.executor import torch_engine
-    from xmesh_plan.executor.engines import EngineContext
-    from xmesh_plan.executor.pattern import fill
-    from xmesh_plan.executor.ranks import rank_of_devices
 
     events: list[tuple[str, int]] = []
 
@@ -260,17 +237,8 @@ def test_in_device_order_a_gloo_send_ends_for_its_device_when_the_receiver_ackno
             events.append(("post receipt", tag))
             return Done("receipt", tag)
 
-    monkeypatch.setattr(dist, "get_backend", lambda group: "gloo")
-    monkeypatch.setattr(dist, "get_rank", lambda group: 0)
     monkeypatch.setattr(torch_engine, "RECEIPT_BYTES", 1 if receipts else None)  # every message of this small plan
-    problem, plan, _, program = two_chunked_broadcasts_from_one_device()
-    engine = torch_engine.TorchEngine(program, EngineContext(Group(), rank_of_devices(plan), "int32", np.dtype(np.int32), 5.0, (1e-4, 1e-3)))
-    engine.setup()
-    try:
-        engine.start(torch.from_numpy(np.ascontiguousarray(fill(program.src_block, problem.shape, np.dtype(np.int32)))))
-        engine.wait()
-    finally:
-        engine.close()
+    program = _one_reshard_in_process(monkeypatch, Group(), torch_engine.TorchEngine)
     first, second = sorted({s.op for s in program.steps})
     tags = {op: {s.tag for s in program.steps if s.op == op and s.action == "send"} for op in (first, second)}
     sends = {op: [k for k, (what, tag) in enumerate(events) if what == "send" and tag in tags[op]] for op in (first, second)}
@@ -287,3 +255,27 @@ def test_in_device_order_a_gloo_send_ends_for_its_device_when_the_receiver_ackno
         assert len(chunks) >= 4 and events[k + 1] == ("post receipt", chunks[-1]), events
         assert [what for what, tag in events[:k + 1] if tag in chunks] == ["send"] * len(chunks), events
     assert max(acked) < sends[second][0], f"op {second} began before op {first}'s messages were received: {events}"
+
+
+def _one_reshard_in_process(monkeypatch, group, engine_class):
+    """One reshard of `two_chunked_broadcasts_from_one_device`'s sender (device order) by `engine_class` on `group`, a
+    stand-in for a gloo process group; returns the sender's program."""
+    import numpy as np
+    import torch
+    import torch.distributed as dist
+
+    from xmesh_plan.executor.engines import EngineContext
+    from xmesh_plan.executor.pattern import fill
+    from xmesh_plan.executor.ranks import rank_of_devices
+
+    monkeypatch.setattr(dist, "get_backend", lambda group: "gloo")
+    monkeypatch.setattr(dist, "get_rank", lambda group: 0)
+    problem, plan, _, program = two_chunked_broadcasts_from_one_device()
+    engine = engine_class(program, EngineContext(group, rank_of_devices(plan), "int32", np.dtype(np.int32), 5.0, (1e-4, 1e-3)))
+    engine.setup()
+    try:
+        engine.start(torch.from_numpy(np.ascontiguousarray(fill(program.src_block, problem.shape, np.dtype(np.int32)))))
+        engine.wait()
+    finally:
+        engine.close()
+    return program
