@@ -94,8 +94,9 @@ def test_device_order_on_gloo_matching_by_order_is_bit_exact(tmp_path, mode):
 
 
 def test_receipts_in_device_order_on_gloo_with_its_tags_are_bit_exact(tmp_path):
-    """Every message with a receipt (the engine gives them to messages of 256 KiB or more), gloo matching by tag: a
-    two-device ring step sends each way with one tag, so a receipt shares its tag with the data going its way."""
+    """Receipts on every operation's messages between two devices, whatever their size (the engine's threshold is
+    256 KiB), gloo matching by tag: a two-device ring step sends each way with one tag, so a receipt shares its tag
+    with the data going its way, and both ends must post it after that data."""
     plans = [p for p in all_fixed_plans() if p.strategy in ("global_allgather", "broadcast")]
     assert any(op.kind == "allgather" and len(op.dsts) == 2 for p in plans for op in p.operations)
     lines = launch(DEVICES, "check_in_device_order_with_receipts", *write_plans(tmp_path, plans))
