@@ -135,7 +135,6 @@ class TorchEngine:
         plan's; the MPI engine sends these messages synchronously for the same reason (docs/executor.md, "Order").
         One receipt per operation and pair, after all of that operation's messages between the two, keeps a broadcast's
         chunks pipelined: a receipt per chunk, posted before the next chunk's receive, held each hop to one chunk."""
-        self.receipt_of: dict[int, int] = {}  # receipt step -> the message whose tag it carries (its group's last)
         self.acknowledges: dict[int, list[int]] = {}  # receipt step -> the messages it says arrived
         self.receipt_key: dict[int, tuple] = {}
         if not enabled or self.cuda or RECEIPT_BYTES is None or self.program.order != "device":
@@ -156,7 +155,7 @@ class TorchEngine:
             back = "recv" if action == "send" else "send"  # the receiver sends it once `last` is in, the sender waits for it
             steps.append(Step(len(steps), back, op, last.task, f"receipt of {last.kind}", () if back == "recv" else (last.index,),
                               peer, last.tag, Bytes("receipt", k, k + 1), piece=last.piece))
-            self.receipt_of[len(steps) - 1], self.acknowledges[len(steps) - 1] = last.index, members
+            self.acknowledges[len(steps) - 1] = members
             self.receipt_key[len(steps) - 1] = (*max(pair_keys[(op, peer)]), math.inf, last.index)
             self.buffers.append([marks[k:k + 1]])
             self.works.append(None)

@@ -94,9 +94,9 @@ def _dump(folder: Path, engines: list, kind: str) -> None:
     rank = os.environ.get("PMI_RANK", os.environ.get("RANK", str(os.getpid())))
     out = []
     for engine in engines:
-        receipts = getattr(engine, "receipt_of", {})  # the torch engine's 1-byte receipts on gloo in device order
         steps = [{"op": s.op, "action": s.action, "peer": s.peer, "nbytes": s.data.nbytes if s.data else 0, "piece": s.piece,
-                  **({"receipt": True} if s.index in receipts else {})} for s in engine.steps]
+                  **({"receipt": True} if s.data and s.data.buffer == "receipt" else {})}  # the torch engine's, on gloo
+                 for s in engine.steps]
         out.append({"device": engine.program.device, "engine": kind, "steps": steps,
                     "reshards": [{"start": t["start"], "launch": [t["launch"].get(s.index) for s in engine.steps],
                                   "finish": [t["finish"].get(s.index) for s in engine.steps]} for t in engine._traces]})
