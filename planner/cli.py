@@ -14,11 +14,10 @@ import click
 
 from xmesh_plan.schemas import Plan, ReshardingProblem, read_plan_file
 from xmesh_plan.schemas.last_resort import DEBUG_ENV, DEBUG_FLAG, run_guarded
-from xmesh_plan.schemas.plan import write_atomic
 from xmesh_plan.schemas.plan_check import check_plan
 from xmesh_plan.schemas.transfer import TransferProblem
 
-from .cli_types import BUCKET_MB, SEED, STAGING_MB, TIME_LIMIT, max_tasks_option
+from .cli_types import BUCKET_MB, SEED, STAGING_MB, TIME_LIMIT, max_tasks_option, write_output
 from .cli_solvers import progress, solver_summary
 from .compile_defaults import resolve
 from .compile import compile_plan
@@ -154,10 +153,7 @@ def compile_command(problem_file, output, shape, dtype, src_mesh, src_spec, dst_
         sys.stdout.write(plan.to_json())
         return
     if output:
-        try:
-            write_atomic(output, plan.to_json())
-        except OSError as err:
-            raise InputError(f"--output: cannot write {output} ({err.strerror}); check that the folder exists and is writable") from None
+        write_output(output, plan.to_json(), "--output")
     click.echo(f"{output or 'plan (not written: pass -o FILE to save it)'}: {len(plan.tasks)} unit tasks, {len(plan.operations)} operations"
                f"{shared_summary(plan)}, "
                f"predicted {plan.predicted_seconds:.4f} s{executor_summary(plan)}, lower bound {plan.lower_bound_seconds:.4f} s, "

@@ -10,8 +10,6 @@ import json
 
 import click
 
-from xmesh_plan.schemas.plan import write_atomic
-
 from .pipeline.build import build_schedule
 from .pipeline.compare import compare, format_table
 from .pipeline.costs import default_plan_fn, signal_costs, transfer_costs
@@ -20,7 +18,7 @@ from .pipeline.schedules import SCHEDULE_NAMES, WEIGHT_DELAY_SUFFIX, parse_sched
 from .pipeline.simulate import Metrics, evaluate, schedule_actions
 from .pipeline.torch_csv import TORCH_FORMATS, check_torch_chain, torch_csv
 from .pipeline.trace import trace_json
-from .cli_types import SEED, max_tasks_option
+from .cli_types import SEED, max_tasks_option, output_error, write_output
 from .problem_io import InputError
 from .solvers import SOLVERS
 from .strategies import STRATEGIES
@@ -40,13 +38,6 @@ def _as_input_error(func):
             # str(KeyError) wraps its message in quotes; a ValueError's text is shown as is (it may end in a quote)
             raise InputError(str(err.args[0]) if isinstance(err, KeyError) and err.args else str(err)) from None
     return wrapper
-
-
-def _write(path: str, text: str, flag: str) -> None:
-    try:
-        write_atomic(path, text)
-    except OSError as err:
-        raise InputError(f"{flag}: cannot write {path} ({err.strerror}); check that the folder exists and is writable") from None
 
 
 def _torch_chain(pipeline) -> None:
@@ -133,12 +124,12 @@ def schedule_command(pipeline_file, name, no_overlap, signal, weight_delay, outp
     costs = _costs(pipeline, strategy, solver, seed, max_tasks)
     schedule = build_schedule(pipeline, name, signal_costs(costs) if signal else costs, not no_overlap, delays)
     if torch_csv_path:
-        _write(torch_csv_path, torch_csv(schedule_actions(schedule), torch_format), "--torch-csv")
+        write_output(torch_csv_path, torch_csv(schedule_actions(schedule), torch_format), "--torch-csv")
     if output == "-":
         click.echo(schedule.to_json(), nl=False)
         return
     if output:
-        _write(output, schedule.to_json(), "--output")
+        write_output(output, schedule.to_json(), "--output")
     delay = f", weight delay {','.join(map(str, schedule.weight_delay))}" if schedule.weight_delay else ""
     click.echo(f"{output or name}: {name}{delay}; {describe(evaluate(schedule)[1])}")
     if torch_csv_path:
@@ -163,7 +154,7 @@ def simulate_command(schedule_file, trace, png, as_json, show):
     schedule = load_schedule(schedule_file)
     timeline, metrics = evaluate(schedule)
     if trace:
-        _write(trace, trace_json(timeline, {"schedule": schedule.schedule, **metrics.as_dict()}), "--trace")
+        write_output(trace, trace_json(timeline, {"schedule": schedule.schedule, **metrics.as_dict()}), "--trace")
     if png:
         from .pipeline.gantt import draw_gantt
 
@@ -172,7 +163,7 @@ def simulate_command(schedule_file, trace, png, as_json, show):
         except RuntimeError as err:
             raise InputError(f"--png: {err}") from None
         except OSError as err:
-            raise InputError(f"--png: cannot write {png} ({err.strerror}); check that the folder exists and is writable") from None
+            raise output_error(err, png, "--png") from None
     if show:
         for line in schedule.stages:
             click.echo(line)

@@ -1,13 +1,19 @@
-"""Read a file a user names as UTF-8 text and parse it as JSON or TOML, every failure one line.
+"""Read a file a user names as UTF-8 text and parse it as JSON or TOML, every failure one line; write
+every output file (`write_atomic`) without ever replacing what its path points to.
 
 Text that is not UTF-8, a device such as /dev/zero, a folder, nesting deeper than Python's
-recursion limit and integers of thousands of digits all become a `DataFileError` naming the file.
+recursion limit, integers of thousands of digits and an object naming a key twice all become a
+`DataFileError` naming the file.
 """
 
 from __future__ import annotations
 
+import errno
+import fcntl
 import json
 import os
+import stat
+import tempfile
 import tomllib
 from pathlib import Path
 from typing import Any
@@ -58,3 +64,60 @@ def parse_data(text: str, path: str | os.PathLike, toml: bool = False) -> Any:
 def read_data_file(path: str | os.PathLike, what: str) -> Any:
     """Parse a `.toml` file as TOML and anything else as JSON; every failure is a one-line DataFileError."""
     return parse_data(read_text_file(path, what), path, toml=Path(path).suffix == ".toml")
+
+
+def _read_umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+_UMASK = _read_umask()  # read once at import: os.umask is process-wide, so reading it later races other threads
+
+
+def write_atomic(path: str | os.PathLike, data: str | bytes) -> None:
+    """Write text or bytes to `path` without ever replacing what the path points to.
+
+    A regular file (or a path that does not exist yet) gets a temporary file in the same folder renamed
+    over it, so a failure leaves no partial file; the result has the usual permissions (0666 less the
+    umask), not the temp file's 0600. A symbolic link stays: the file it points to is written so. A
+    device, FIFO or socket is written through in place, as the shell's `>` does (a FIFO nobody reads
+    is an OSError, not a hang); a folder is an IsADirectoryError. Never unlinks anything."""
+    target = Path(os.path.realpath(path))  # through symbolic links: the link stays, its target gets the data
+    try:
+        mode = os.stat(target).st_mode
+    except FileNotFoundError:
+        mode = None
+    if mode is not None and stat.S_ISDIR(mode):
+        raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR), str(path))
+    if mode is not None and not stat.S_ISREG(mode):
+        _write_through(target, data.encode() if isinstance(data, str) else data)
+        return
+    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
+    try:
+        with os.fdopen(fd, "wb" if isinstance(data, bytes) else "w") as handle:
+            handle.write(data)
+        os.chmod(tmp, 0o666 & ~_UMASK)
+        os.replace(tmp, target)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def _write_through(target: Path, data: bytes) -> None:
+    """Write into an existing file that is not a regular file (a device, a FIFO), without creating or truncating
+    it: opened non-blocking, so a FIFO with no reader fails at once (ENXIO), then written blocking."""
+    try:
+        fd = os.open(target, os.O_WRONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as err:
+        reason = "a FIFO or socket that nothing reads" if err.errno == errno.ENXIO else err.strerror
+        raise OSError(err.errno, reason, str(target)) from None
+    try:
+        fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~os.O_NONBLOCK)
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view):]
+    except OSError as err:
+        raise OSError(err.errno, err.strerror, str(target)) from None
+    finally:
+        os.close(fd)

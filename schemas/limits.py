@@ -46,6 +46,17 @@ def shown(value: object, width: int = 40) -> str:
     return text if len(text) <= width else text[: width - 3] + "..."
 
 
+def quoted(text: object) -> str:
+    """User text (a name, a key, a path) as a message shows it: as it is when it is plain printable text, else
+    quoted as Python's repr quotes it, so a newline or control character in it cannot break the one-line message.
+
+    >>> quoted("plans/case3.plan.json"), quoted("a\\nb")
+    ('plans/case3.plan.json', "'a\\\\nb'")
+    """
+    text = str(text)
+    return text if text and text.isprintable() and text.strip() == text else repr(text)
+
+
 def finite(low: float, high: float, **kwargs) -> object:
     """A float field in [low, high] that refuses booleans, NaN and infinities with a message giving the range."""
     def check(value: object) -> object:

@@ -21,13 +21,12 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
 from pathlib import Path
 from typing import Annotated, Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, ValidationError
 
-from .files import DataFileError, parse_data, read_text_file
+from .files import DataFileError, parse_data, read_text_file, write_atomic  # noqa: F401  (write_atomic: re-exported)
 from .geometry import Region
 from .op_kinds import OP_KINDS, chunk_label, parties
 from .problem import ReshardingProblem
@@ -215,27 +214,3 @@ def read_plan_file(path: str | os.PathLike) -> Plan:
         return Plan.model_validate(raw)
     except ValidationError as err:
         raise PlanFileError(f"{path}: {describe_validation_error(err)}") from None
-
-
-def _read_umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
-
-
-_UMASK = _read_umask()  # read once at import: os.umask is process-wide, so reading it later races other threads
-
-
-def write_atomic(path: str | os.PathLike, data: str | bytes) -> None:
-    """Write text or bytes through a temporary file in the same folder and rename, so a failure leaves
-    no partial file; the result gets the usual permissions (0666 less the umask), not the temp file's 0600."""
-    path = Path(path)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent or ".")
-    try:
-        with os.fdopen(fd, "wb" if isinstance(data, bytes) else "w") as handle:
-            handle.write(data)
-        os.chmod(tmp, 0o666 & ~_UMASK)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
