@@ -13,6 +13,7 @@ from pathlib import Path
 import click
 
 from xmesh_plan.schemas import Plan, ReshardingProblem, read_plan_file
+from xmesh_plan.schemas.files import DataFileError, check_writable_size
 from xmesh_plan.schemas.last_resort import DEBUG_ENV, DEBUG_FLAG, run_guarded
 from xmesh_plan.schemas.plan_check import check_plan
 from xmesh_plan.schemas.transfer import TransferProblem
@@ -149,11 +150,17 @@ def compile_command(problem_file, output, shape, dtype, src_mesh, src_spec, dst_
                             max_staging_bytes=None if max_staging_mb is None else int(max_staging_mb * 2**20),
                             cross_tensor=cross_tensor)
     report = verify_plan(plan)
+    text = plan.to_json()
+    if output:
+        try:
+            check_writable_size(text, "plan")
+        except DataFileError as err:
+            raise InputError(f"--output: {err} ({len(plan.tasks):,} unit tasks)") from None
     if output == "-":
-        sys.stdout.write(plan.to_json())
+        sys.stdout.write(text)
         return
     if output:
-        write_output(output, plan.to_json(), "--output")
+        write_output(output, text, "--output")
     click.echo(f"{output or 'plan (not written: pass -o FILE to save it)'}: {len(plan.tasks)} unit tasks, {len(plan.operations)} operations"
                f"{shared_summary(plan)}, "
                f"predicted {plan.predicted_seconds:.4f} s{executor_summary(plan)}, lower bound {plan.lower_bound_seconds:.4f} s, "

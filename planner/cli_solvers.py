@@ -119,8 +119,16 @@ def compare_command(problem_file, seed, time_limit, max_tasks):
     best = min(p for _, p, _, _ in rows)
     click.echo(f"{'approach':<28} {'predicted s':>12} {'/ bound':>8} {'/ best':>8} {'wall s':>8}")
     for name, predicted, _, wall in rows:
-        click.echo(f"{name:<28} {predicted:>12.4f} {predicted / bound:>8.3f} {predicted / best:>8.3f} {wall:>8.2f}")
+        click.echo(f"{name:<28} {predicted:>12.4f} {over_bound(predicted, bound):>8.3f} {_over_best(predicted, best):>8.3f} "
+                   f"{wall:>8.2f}")
     click.echo(f"lower bound {bound:.4f} s")
+
+
+def _over_best(seconds: float, best: float) -> float:
+    """`seconds` over the best approach's: 1.0 where both are 0 (nothing to move), inf where only the best is."""
+    if best > 0:
+        return seconds / best
+    return 1.0 if seconds <= 0 else float("inf")
 
 
 @click.command("check")
@@ -159,7 +167,7 @@ def check_command(plan_files, max_ratio, reference, per_tensor):
         if over_executed is not None and over_executed > max_ratio:
             problems.append(f"{over_executed:.4f}x its lower bound {order} (the executor's default order)")
         if ref is not None and predicted > max_ratio * ref.predicted_seconds:
-            problems.append(f"{predicted / ref.predicted_seconds:.4f}x the reference {reference}")
+            problems.append(f"{_over_best(predicted, ref.predicted_seconds):.4f}x the reference {reference}")
         status = "FAIL " + "; ".join(problems) if problems else "ok"
         if not audit.retimed:
             status += " (operation times not re-checked: this plan was timed by the schedule model)"

@@ -27,7 +27,7 @@ from pydantic import ValidationError
 
 from xmesh_plan.schemas import ReshardingProblem
 from xmesh_plan.schemas.dtypes import DTYPE_SIZES, canonical_dtype
-from xmesh_plan.schemas.limits import shown
+from xmesh_plan.schemas.limits import quoted, shown
 from xmesh_plan.schemas.transfer import MAX_TENSORS, TransferProblem
 from xmesh_plan.schemas.validation import describe_validation_error
 
@@ -61,7 +61,7 @@ def build_transfer(raw: dict[str, Any]) -> TransferProblem:
     """A transfer problem from plain data (see the module docstring); InputError naming the field otherwise."""
     unknown = sorted(set(raw) - set(TOP_KEYS))
     if unknown:
-        raise InputError(f"{unknown[0]}: not a field of a multi-tensor problem; use {', '.join(TOP_KEYS)}")
+        raise InputError(f"{quoted(unknown[0])}: not a field of a multi-tensor problem; use {', '.join(TOP_KEYS)}")
     cluster = parse_cluster(raw.get("cluster", {}))
     for side in ("src_mesh", "dst_mesh"):
         if side not in raw:
@@ -96,7 +96,7 @@ def _named(message: str, tensors: list[dict[str, Any]]) -> str:
         return message
     k = int(found.group(1))
     rest = message[found.end() - 1:] if found.group(2) == ":" else "." + message[found.end():]
-    return f"tensors[{k}] ({tensors[k].get('name')}){rest}"
+    return f"tensors[{k}] ({quoted(tensors[k].get('name'))}){rest}"
 
 
 def _known_dtype(value: Any) -> bool:
@@ -113,7 +113,7 @@ def _rules(raw: Any) -> list[tuple[str, dict[str, Any]]]:
             raise InputError(f"rules[{k}]: give match (a name pattern such as \"*.q_proj.weight\") and src and/or dst specs")
         extra = sorted(set(rule) - set(RULE_KEYS))
         if extra:
-            raise InputError(f"rules[{k}].{extra[0]}: not a field of a rule; use {', '.join(RULE_KEYS)}")
+            raise InputError(f"rules[{k}].{quoted(extra[0])}: not a field of a rule; use {', '.join(RULE_KEYS)}")
         for side in ("src", "dst"):
             if side in rule and not isinstance(rule[side], str):
                 raise InputError(f"rules[{k}].{side}: {shown(rule[side])} is not a sharding spec; give text such as \"S0 R\"")
@@ -139,7 +139,7 @@ def _expand(raw: Any) -> list[tuple[dict, str]]:
 def _repeat(entry: dict, where: str, room: int) -> list[tuple[dict, str]]:
     repeat, group = entry.get("repeat"), entry.get("group")
     if set(entry) - {"repeat", "group"}:
-        raise InputError(f"{where}.{sorted(set(entry) - {'repeat', 'group'})[0]}: a repeated group has only repeat and group")
+        raise InputError(f"{where}.{quoted(sorted(set(entry) - {'repeat', 'group'})[0])}: a repeated group has only repeat and group")
     if not isinstance(repeat, int) or isinstance(repeat, bool) or not 0 <= repeat <= MAX_REPEAT:
         raise InputError(f"{where}.repeat: {shown(repeat)} must be a whole number of repetitions in 0 .. {MAX_REPEAT}")
     if not isinstance(group, list) or not group or not all(isinstance(t, dict) for t in group):
@@ -150,7 +150,10 @@ def _repeat(entry: dict, where: str, room: int) -> list[tuple[dict, str]]:
         if "repeat" in tensor or "group" in tensor:
             raise InputError(f"{where}.group[{j}]: a repeated group cannot hold another; unroll the inner one by hand "
                              "or write its tensors with both indices")
-        if "{i}" not in str(tensor.get("name", "")):
+        if not isinstance(tensor.get("name"), str):
+            raise InputError(f"{where}.group[{j}].name: {shown(tensor.get('name'))} is not text; give a name containing {{i}}, "
+                             "e.g. \"layers.{i}.mlp.weight\"")
+        if "{i}" not in tensor["name"]:
             raise InputError(f"{where}.group[{j}].name: {shown(tensor.get('name'))} lacks {{i}}, so its {repeat} copies "
                              "would share a name; write e.g. \"layers.{i}.mlp.weight\"")
     return [({**t, "name": t["name"].replace("{i}", str(i))}, f"{where}.group[{j}] (i={i})")
@@ -163,21 +166,21 @@ def _tensor(entry: Any, where: str, rules: list[tuple[str, dict]], default_dtype
         raise InputError(f"{where}: give a tensor as an object with name (text) and shape, e.g. {{name = \"w\", shape = [1024, 512]}}")
     extra = sorted(set(entry) - set(TENSOR_KEYS))
     if extra:
-        raise InputError(f"{where}.{extra[0]}: not a field of a tensor; use {', '.join(TENSOR_KEYS)}")
-    name = entry["name"]
+        raise InputError(f"{where}.{quoted(extra[0])}: not a field of a tensor; use {', '.join(TENSOR_KEYS)}")
+    name, shown_name = entry["name"], quoted(entry["name"])
     if "dtype" in entry and not _known_dtype(entry["dtype"]):
-        raise InputError(f"{where}.dtype ({name}): unknown dtype {shown(entry['dtype'])}; use one of {', '.join(sorted(DTYPE_SIZES))}")
+        raise InputError(f"{where}.dtype ({shown_name}): unknown dtype {shown(entry['dtype'])}; use one of {', '.join(sorted(DTYPE_SIZES))}")
     out = {"name": name, "dtype": entry.get("dtype", default_dtype), "shape": entry["shape"]}
     if isinstance(out["shape"], str):
         out["shape"] = parse_shape(out["shape"], f"{where}.shape")
     if isinstance(out["shape"], (list, tuple)) and not out["shape"]:
-        raise InputError(f"{where}.shape ({name}): a 0-d tensor (a scalar) has no dim to shard; give it as shape [1]")
+        raise InputError(f"{where}.shape ({shown_name}): a 0-d tensor (a scalar) has no dim to shard; give it as shape [1]")
     for side in ("src", "dst"):
         spec = entry.get(side)
         if spec is None:
             spec = next((given[side] for pattern, given in rules if side in given and fnmatchcase(name, pattern)), None)
         if spec is None:
-            raise InputError(f"{where} ({name}): no rule gives its {side} spec; add a rule whose match fits {name!r} "
+            raise InputError(f"{where} ({shown_name}): no rule gives its {side} spec; add a rule whose match fits {name!r} "
                              f"(match = \"*\" as the last rule catches every tensor) or give {side} on the tensor")
         out[side] = spec
     return out

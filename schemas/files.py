@@ -18,7 +18,9 @@ import tomllib
 from pathlib import Path
 from typing import Any
 
-MAX_FILE_BYTES = 256 * 2**20  # far above any problem, pipeline, schedule or plan; stops /dev/zero
+from .limits import quoted
+
+MAX_FILE_BYTES = 256 * 2**20  # far above any problem, pipeline or schedule; stops /dev/zero. Writers refuse plans above it (`check_writable_size`)
 
 
 class DataFileError(ValueError):
@@ -31,13 +33,23 @@ def read_text_file(path: str | os.PathLike, what: str) -> str:
         with open(_existing_or_example(path), "rb") as handle:
             data = handle.read(MAX_FILE_BYTES + 1)
     except OSError as err:
-        raise DataFileError(f"{path}: cannot read the {what} ({err.strerror or err}); check the path") from None
+        raise DataFileError(f"{quoted(path)}: cannot read the {what} ({err.strerror or err}); check the path") from None
     if len(data) > MAX_FILE_BYTES:
-        raise DataFileError(f"{path}: more than {MAX_FILE_BYTES // 2**20} MiB; this is not a {what}")
+        raise DataFileError(f"{quoted(path)}: more than {MAX_FILE_BYTES // 2**20} MiB, the most a {what} file may be; "
+                            "split what it describes into smaller files")
     try:
         return data.decode("utf-8-sig")
     except UnicodeDecodeError as err:
-        raise DataFileError(f"{path}: not a text file (not UTF-8 at byte {err.start}); pass a {what} saved as UTF-8 JSON or TOML") from None
+        raise DataFileError(f"{quoted(path)}: not a text file (not UTF-8 at byte {err.start}); pass a {what} saved as UTF-8 JSON or TOML") from None
+
+
+def check_writable_size(text: str, what: str) -> None:
+    """Raise DataFileError where `text` is larger than the readers take (MAX_FILE_BYTES), so no writer makes a
+    file its own readers refuse."""
+    size = len(text.encode())
+    if size > MAX_FILE_BYTES:
+        raise DataFileError(f"the {what} would be {size / 2**20:,.0f} MiB, above the {MAX_FILE_BYTES // 2**20} MiB its readers take, "
+                            "so it was not written; split the problem into smaller transfers")
 
 
 def _existing_or_example(path: str | os.PathLike) -> str | os.PathLike:
@@ -53,12 +65,27 @@ def parse_data(text: str, path: str | os.PathLike, toml: bool = False) -> Any:
     """JSON (or TOML) text as plain data; syntax errors, absurd nesting and huge integers name the file."""
     kind = "TOML" if toml else "JSON"
     try:
-        return tomllib.loads(text) if toml else json.loads(text)
+        return tomllib.loads(text) if toml else json.loads(text, object_pairs_hook=_unique_keys)
+    except _DuplicateKey as err:
+        raise DataFileError(f"{quoted(path)}: not valid {kind} (the key {quoted(err.args[0])} appears twice in one object; "
+                            "only one can count); keep one of them") from None
     except (ValueError, RecursionError) as err:  # JSONDecodeError and TOMLDecodeError are ValueErrors too
         reason = "nested too deeply" if isinstance(err, RecursionError) else str(err).splitlines()[0][:200]
         if "integer string conversion" in reason:  # Python's own advice (set_int_max_str_digits) is not the user's fix
             reason = "an integer of thousands of digits"
-        raise DataFileError(f"{path}: not valid {kind} ({reason}); fix the syntax") from None
+        raise DataFileError(f"{quoted(path)}: not valid {kind} ({reason}); fix the syntax") from None
+
+
+class _DuplicateKey(Exception):
+    """A JSON object names a key twice (json.loads would silently keep the last)."""
+
+
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    out = dict(pairs)
+    if len(out) != len(pairs):
+        seen: set[str] = set()
+        raise _DuplicateKey(next(k for k, _ in pairs if k in seen or seen.add(k)))
+    return out
 
 
 def read_data_file(path: str | os.PathLike, what: str) -> Any:

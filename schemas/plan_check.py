@@ -16,7 +16,7 @@ import numpy as np
 
 from .carriers import carrier_fault
 from .geometry import Region, region_size
-from .op_kinds import OP_KINDS, OpKindRule, reads, rule_of, tags_used, writes
+from .op_kinds import OP_KINDS, OpKindRule, members, reads, rule_of, tags_used, writes
 from .plan import Operation, Plan, format_region
 from .plan_tensors import mpi_transfer_order
 from .problem import ReshardingProblem
@@ -131,6 +131,17 @@ def _check_shared_sides(plan: Plan) -> None:
             raise PlanError(f"{describe(op)}: its task {op.task} is in host_order on other NIC sides than task "
                             f"{task_of[op.carrier]} of its carrier, operation {op.carrier}; one message crosses one NIC, "
                             "so list both on the same sides")
+
+
+def _check_nic_listing(plan: Plan) -> None:
+    """Every task with an operation between hosts is in host_order: the simulator queues it on a NIC side by that
+    listing, so a task missing from it (or an empty host_order) would be timed as if no NIC carried it."""
+    listed = {t for entry in plan.host_order for t in entry.tasks}
+    host_of = plan.problem.cluster.host_of
+    for op in plan.operations:
+        if op.task not in listed and len({host_of(d) for d in members(op)}) > 1:
+            raise PlanError(f"{describe(op)} crosses hosts, but its task {op.task} is in no host_order entry; list it on "
+                            "the NIC sides it uses (recompile the plan)")
 
 
 def _check_host_order(plan: Plan, task_ids: set[int]) -> None:
@@ -332,6 +343,7 @@ def check_plan(plan: Plan) -> None:
     if fault is not None:
         raise PlanError(fault)
     _check_shared_sides(plan)
+    _check_nic_listing(plan)
     tags = sum(map(tags_used, plan.operations))
     if tags > MAX_TAGS:  # every message has its own tag; reusing one could match the wrong message
         raise PlanError(f"the plan needs {tags} message tags, more than the {MAX_TAGS} a plan may use; "
