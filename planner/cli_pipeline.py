@@ -18,7 +18,7 @@ from .pipeline.schedules import SCHEDULE_NAMES, WEIGHT_DELAY_SUFFIX, parse_sched
 from .pipeline.simulate import Metrics, evaluate, schedule_actions
 from .pipeline.torch_csv import TORCH_FORMATS, check_torch_chain, torch_csv
 from .pipeline.trace import trace_json
-from .cli_types import SEED, max_tasks_option, output_error, write_output
+from .cli_types import SEED, max_actions_option, max_tasks_option, output_error, write_output
 from .problem_io import InputError
 from .solvers import SOLVERS
 from .strategies import STRATEGIES
@@ -64,7 +64,19 @@ _plan_options = [  # as for `compile`: same names, choices and defaults
                  help="resharding scheduler for every transfer's plan (planner/solvers)"),
     click.option("--seed", default=0, show_default=True, type=SEED, help="seed for randomized solvers"),
     max_tasks_option,
+    max_actions_option,
 ]
+
+
+def check_schedule_size(pipeline, split_backward: bool, max_actions: int) -> None:
+    """Refuse, before anything is planned, a pipeline whose schedule lays out more than `max_actions` compute actions
+    (time and memory grow with them: 64 stages x 2,000 micro-batches took minutes and GBs)."""
+    per = 3 if split_backward else 2  # F and B, or F, I and W
+    actions = len(pipeline.stages) * pipeline.micro_batches * per
+    if actions > max_actions:
+        raise InputError(f"pipeline: {len(pipeline.stages)} stages x {pipeline.micro_batches} micro-batches x {per} gives "
+                         f"{actions:,} compute actions, above the limit of {max_actions:,}; pass --max-actions {actions} if "
+                         "this machine has the time, or give fewer micro-batches")
 
 
 def parse_weight_delay(text: str, name: str, stages: int, micro_batches: int) -> tuple[int, ...]:
@@ -109,7 +121,7 @@ def plan_options(func):
 @plan_options
 @_as_input_error
 def schedule_command(pipeline_file, name, no_overlap, signal, weight_delay, output, torch_csv_path, torch_format,
-                     strategy, solver, seed, max_tasks):
+                     strategy, solver, seed, max_tasks, max_actions):
     """Plan every transfer of a pipeline and lay out one schedule; validated before it is written.
 
     \b
@@ -118,6 +130,7 @@ def schedule_command(pipeline_file, name, no_overlap, signal, weight_delay, outp
       xmesh-plan schedule bench/pipelines/gpt-2.6b-4stage-fp16.json --torch-csv schedule.csv
     """
     pipeline = load_pipeline(pipeline_file)
+    check_schedule_size(pipeline, parse_schedule_name(name)[1], max_actions)
     if torch_csv_path:
         _torch_chain(pipeline)
     delays = None if weight_delay is None else parse_weight_delay(weight_delay, name, len(pipeline.stages), pipeline.micro_batches)
@@ -174,7 +187,7 @@ def simulate_command(schedule_file, trace, png, as_json, show):
 @click.argument("pipeline_file", type=click.Path(dir_okay=False))
 @plan_options
 @_as_input_error
-def compare_command(pipeline_file, strategy, solver, seed, max_tasks):
+def compare_command(pipeline_file, strategy, solver, seed, max_tasks, max_actions):
     """Every schedule on one pipeline in one table, against the signal bound (free transfers).
 
     \b
@@ -182,6 +195,7 @@ def compare_command(pipeline_file, strategy, solver, seed, max_tasks):
       xmesh-plan compare-schedules bench/pipelines/utrans-2.1b-fp16.json
     """
     pipeline = load_pipeline(pipeline_file)
+    check_schedule_size(pipeline, True, max_actions)
     click.echo(format_table(compare(pipeline, _costs(pipeline, strategy, solver, seed, max_tasks))))
 
 

@@ -112,7 +112,7 @@ def compare_command(problem_file, seed, time_limit, max_tasks):
     Example:
       xmesh-plan compare plans/case3.problem.json
     """
-    problem = load_any_problem(problem_file)
+    problem = load_any_problem(problem_file, max_tasks)
     with progress(f"comparing {len(SOLVERS)} solvers and {len(BASELINES)} baselines"):
         rows = compare_rows(problem, seed, time_limit, max_tasks)
     bound = next(b for _, _, b, _ in rows if b is not None)

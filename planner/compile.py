@@ -23,7 +23,7 @@ from .solvers import solve
 from .staging_limit import MIB, limit_staging
 from .strategies import STRATEGIES, PlannedOp, StrategyResult, TaskContext, get_strategy
 from .problem_io import InputError
-from .unit_tasks import DEFAULT_MAX_TASKS, Cell, check_joint_task_count, decompose, split_by_receiver_host
+from .unit_tasks import DEFAULT_MAX_TASKS, Cell, check_joint_task_count, check_split_count, decompose, split_by_receiver_host
 
 DIGITS = 12  # times are rounded to picoseconds so plans print and compare stably
 NIC_SIDES = ("send", "recv")  # the resources a plan's host order lists; device ports are not queued
@@ -295,6 +295,8 @@ def compile_plan(problem: ReshardingProblem | TransferProblem, strategy: str = "
     cells = [decompose(single, merge=merge, max_tasks=None) for single in singles]
     on_stage(f"costing {sum(map(len, cells))} cells")
     works, first, cut = [], 0, []
+    if split_hosts:
+        check_split_count(cells, problem.cluster, max_tasks)
     for single, mine in zip(singles, cells):  # the bound and copies come from the cells as cut
         tasks_of = split_by_receiver_host(mine, problem.cluster) if split_hosts else mine
         cut.append(coalesce_cells(tasks_of, single, bucket_bytes) if coalesce else (tasks_of, []))

@@ -19,24 +19,26 @@ from host 0 and the destination on the hosts after it, or objects with `devices`
 from __future__ import annotations
 
 import re
-from fnmatch import fnmatchcase
+from fnmatch import translate
 from pathlib import Path
 from typing import Any
 
 from pydantic import ValidationError
 
-from xmesh_plan.schemas import ReshardingProblem
+from xmesh_plan.schemas import Placement, ReshardingProblem
 from xmesh_plan.schemas.dtypes import DTYPE_SIZES, canonical_dtype
 from xmesh_plan.schemas.limits import quoted, shown
 from xmesh_plan.schemas.transfer import MAX_TENSORS, TransferProblem
 from xmesh_plan.schemas.validation import describe_validation_error
 
 from .problem_io import InputError, build_problem, hosts_used, parse_cluster, parse_mesh, parse_shape, read_data_file
+from .unit_tasks import check_counted_tasks, task_count_bound
 
 TOP_KEYS = ("name", "dtype", "src_mesh", "dst_mesh", "cluster", "rules", "tensors")
 TENSOR_KEYS = ("name", "shape", "dtype", "src", "dst")
 RULE_KEYS = ("match", "src", "dst")
 MAX_REPEAT = MAX_TENSORS
+MAX_RULES = 256  # every rule is matched against every tensor name once at most; a model needs a few dozen
 
 
 def is_transfer(raw: Any) -> bool:
@@ -44,21 +46,24 @@ def is_transfer(raw: Any) -> bool:
     return isinstance(raw, dict) and "tensors" in raw
 
 
-def build_any_problem(raw: Any) -> ReshardingProblem | TransferProblem:
-    """A transfer problem from data with `tensors`, a single-tensor problem otherwise."""
+def build_any_problem(raw: Any, max_tasks: int | None = None) -> ReshardingProblem | TransferProblem:
+    """A transfer problem from data with `tensors`, a single-tensor problem otherwise; a transfer that could cut into
+    more than `max_tasks` unit tasks is refused as it is read (`build_transfer`)."""
     if isinstance(raw, dict) and "schema_version" in raw and "operations" in raw:
         raise InputError("this is a plan file (it has schema_version and operations), not a problem; give the problem file "
                          "it was compiled from (its `problem` section is one), e.g. plans/case3.problem.json")
-    return build_transfer(raw) if is_transfer(raw) else build_problem(raw)
+    return build_transfer(raw, max_tasks) if is_transfer(raw) else build_problem(raw)
 
 
-def load_any_problem(path: str | Path) -> ReshardingProblem | TransferProblem:
+def load_any_problem(path: str | Path, max_tasks: int | None = None) -> ReshardingProblem | TransferProblem:
     """Read a `.json` or `.toml` problem file of either kind; errors name the file and field."""
-    return build_any_problem(read_data_file(path, "problem file"))
+    return build_any_problem(read_data_file(path, "problem file"), max_tasks)
 
 
-def build_transfer(raw: dict[str, Any]) -> TransferProblem:
-    """A transfer problem from plain data (see the module docstring); InputError naming the field otherwise."""
+def build_transfer(raw: dict[str, Any], max_tasks: int | None = None) -> TransferProblem:
+    """A transfer problem from plain data (see the module docstring); InputError naming the field otherwise.
+    With `max_tasks`, tensors that could cut into more unit tasks together are refused (TooManyTasksError) from
+    their counts, before the problem is built: each distinct (shape, specs) is counted once."""
     unknown = sorted(set(raw) - set(TOP_KEYS))
     if unknown:
         raise InputError(f"{quoted(unknown[0])}: not a field of a multi-tensor problem; use {', '.join(TOP_KEYS)}")
@@ -75,18 +80,69 @@ def build_transfer(raw: dict[str, Any]) -> TransferProblem:
                          f"{', '.join(sorted(DTYPE_SIZES))}")
     if "tensors" not in raw:
         raise InputError("tensors: missing; give a list of tensors, each with name and shape")
-    tensors = [_tensor(entry, where, rules, default_dtype) for entry, where in _expand(raw["tensors"])]
-    for k, (pattern, _) in enumerate(rules):  # a typo in a pattern would silently leave its tensors to a later rule
-        if not any(fnmatchcase(t["name"], pattern) for t in tensors):  # _tensor made each a dict with a text name
-            raise InputError(f"rules[{k}] (match {pattern!r}) fits no tensor's name; fix the pattern or remove the rule")
+    matcher = _RuleMatcher(rules)
+    tensors = [_tensor(entry, where, matcher, default_dtype) for entry, where in _expand(raw["tensors"])]
+    unused = matcher.fitting_none([t["name"] for t in tensors])  # _tensor made each a dict with a text name
+    if unused is not None:  # a typo in a pattern would silently leave its tensors to a later rule
+        raise InputError(f"rules[{unused}] (match {rules[unused][0]!r}) fits no tensor's name; fix the pattern or remove the rule")
     if not tensors:
         raise InputError("tensors: no tensor is left once repeated groups are unrolled (repeat = 0 everywhere?); "
                          "give at least one tensor")
     name = raw.get("name", "")
+    if max_tasks is not None:
+        _check_counts(tensors, src_mesh, dst_mesh, cluster, max_tasks)
     try:
         return TransferProblem(name=name, src_mesh=src_mesh, dst_mesh=dst_mesh, cluster=cluster, tensors=tuple(tensors))
     except ValidationError as err:
         raise InputError(_named(describe_validation_error(err), tensors)) from None
+
+
+def _check_counts(tensors: list[dict[str, Any]], src_mesh, dst_mesh, cluster, max_tasks: int) -> None:
+    """TooManyTasksError where the tensors could cut into more than `max_tasks` unit tasks together, counted from
+    one problem per distinct (shape, src spec, dst spec); a tensor whose problem is malformed is left to the
+    schema, which names its fault."""
+    known: dict[tuple, int] = {}
+    bounds = []
+    for t in tensors:
+        key = (tuple(t["shape"]) if isinstance(t["shape"], (list, tuple)) else t["shape"], t["src"], t["dst"])
+        if key not in known:
+            try:
+                single = ReshardingProblem(name=t["name"], shape=t["shape"], dtype=t["dtype"], cluster=cluster,
+                                           src=Placement(mesh=src_mesh, spec=t["src"]), dst=Placement(mesh=dst_mesh, spec=t["dst"]))
+            except (ValidationError, ValueError, TypeError):
+                return  # the schema refuses this tensor below, naming it
+            known[key] = task_count_bound(single)
+        bounds.append(known[key])
+    check_counted_tasks([t["name"] for t in tensors], bounds, max_tasks)
+
+
+class _RuleMatcher:
+    """The rules' shell patterns compiled once: per side, one regular expression whose first alternative to match a
+    name is the first rule giving that side whose pattern fits it (so a tensor costs one match, not one per rule)."""
+
+    def __init__(self, rules: list[tuple[str, dict[str, Any]]]):
+        self.rules = rules
+        self.patterns = [re.compile(translate(p)) for p, _ in rules]
+        self.side = {side: re.compile("|".join(f"(?P<r{k}>{translate(p)})" for k, (p, given) in enumerate(rules)
+                                               if side in given) or "(?!)")
+                     for side in ("src", "dst")}
+        self.used: set[int] = set()
+
+    def spec(self, name: str, side: str) -> Any:
+        """The spec of the first rule giving `side` whose pattern fits `name`, or None."""
+        found = self.side[side].match(name)
+        if found is None:
+            return None
+        k = int(found.lastgroup[1:])
+        self.used.add(k)
+        return self.rules[k][1][side]
+
+    def fitting_none(self, names: list[str]) -> int | None:
+        """The first rule whose pattern fits none of `names`; only rules never picked need a look."""
+        for k, pattern in enumerate(self.patterns):
+            if k not in self.used and not any(pattern.match(n) for n in names):
+                return k
+        return None
 
 
 def _named(message: str, tensors: list[dict[str, Any]]) -> str:
@@ -107,6 +163,9 @@ def _rules(raw: Any) -> list[tuple[str, dict[str, Any]]]:
     """(pattern, {side: spec}) per rule, in file order."""
     if not isinstance(raw, list):
         raise InputError("rules: give a list of {match = \"*.q_proj.weight\", src = \"S01 R\", dst = \"S1 R\"} entries")
+    if len(raw) > MAX_RULES:
+        raise InputError(f"rules: {len(raw):,} rules; give at most {MAX_RULES} (a pattern such as \"layers.*.mlp.*\" covers "
+                         "many tensors, and a tensor may give its own src and dst)")
     out = []
     for k, rule in enumerate(raw):
         if not isinstance(rule, dict) or not isinstance(rule.get("match"), str) or not ({"src", "dst"} & set(rule)):
@@ -160,27 +219,27 @@ def _repeat(entry: dict, where: str, room: int) -> list[tuple[dict, str]]:
             for i in range(repeat) for j, t in enumerate(group)]
 
 
-def _tensor(entry: Any, where: str, rules: list[tuple[str, dict]], default_dtype: Any) -> dict[str, Any]:
+def _tensor(entry: Any, where: str, rules: _RuleMatcher, default_dtype: Any) -> dict[str, Any]:
     """One tensor as TensorTransfer data, specs filled in from the rules."""
     if not isinstance(entry, dict) or not isinstance(entry.get("name"), str) or not entry["name"] or "shape" not in entry:
         raise InputError(f"{where}: give a tensor as an object with name (text) and shape, e.g. {{name = \"w\", shape = [1024, 512]}}")
     extra = sorted(set(entry) - set(TENSOR_KEYS))
     if extra:
         raise InputError(f"{where}.{quoted(extra[0])}: not a field of a tensor; use {', '.join(TENSOR_KEYS)}")
-    name, shown_name = entry["name"], quoted(entry["name"])
+    name = entry["name"]
     if "dtype" in entry and not _known_dtype(entry["dtype"]):
-        raise InputError(f"{where}.dtype ({shown_name}): unknown dtype {shown(entry['dtype'])}; use one of {', '.join(sorted(DTYPE_SIZES))}")
+        raise InputError(f"{where}.dtype ({quoted(name)}): unknown dtype {shown(entry['dtype'])}; use one of {', '.join(sorted(DTYPE_SIZES))}")
     out = {"name": name, "dtype": entry.get("dtype", default_dtype), "shape": entry["shape"]}
     if isinstance(out["shape"], str):
         out["shape"] = parse_shape(out["shape"], f"{where}.shape")
     if isinstance(out["shape"], (list, tuple)) and not out["shape"]:
-        raise InputError(f"{where}.shape ({shown_name}): a 0-d tensor (a scalar) has no dim to shard; give it as shape [1]")
+        raise InputError(f"{where}.shape ({quoted(name)}): a 0-d tensor (a scalar) has no dim to shard; give it as shape [1]")
     for side in ("src", "dst"):
         spec = entry.get(side)
         if spec is None:
-            spec = next((given[side] for pattern, given in rules if side in given and fnmatchcase(name, pattern)), None)
+            spec = rules.spec(name, side)
         if spec is None:
-            raise InputError(f"{where} ({shown_name}): no rule gives its {side} spec; add a rule whose match fits {name!r} "
+            raise InputError(f"{where} ({quoted(name)}): no rule gives its {side} spec; add a rule whose match fits {name!r} "
                              f"(match = \"*\" as the last rule catches every tensor) or give {side} on the tensor")
         out[side] = spec
     return out
