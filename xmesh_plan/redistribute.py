@@ -164,6 +164,7 @@ class _Move:
             return self._wrap(None, wants_grad)
         _finish_pending(self.ranks)
         executor = _agree(self, group, local, wants_grad)
+        local = None if local is None else local.detach()  # the engines write views of it outside autograd (grad is ours)
         src = None if local is None else local.reshape(1) if local.dim() == 0 else local.contiguous()
         if not async_op:
             try:
