@@ -20,7 +20,7 @@ from xmesh_plan.schemas.transfer import TransferProblem
 
 from .cli_types import BUCKET_MB, SEED, STAGING_MB, TIME_LIMIT, max_tasks_option, write_output
 from .cli_solvers import progress, solver_summary
-from .compile_defaults import resolve
+from .compile_defaults import CompileOptions
 from .compile import compile_plan
 from .inspect_plan import executor_summary, shared_summary, staging_summary, summarize
 from .problem_io import InputError, build_problem, user_error_message
@@ -141,15 +141,15 @@ def compile_command(problem_file, output, shape, dtype, src_mesh, src_spec, dst_
                          --dst-mesh 2x4 --dst-spec "S0 R R" -o case3.plan.json
     """
     problem = problem_from_flags(problem_file, shape, dtype, src_mesh, src_spec, dst_mesh, dst_spec, max_tasks)
-    if bucket_mb is not None and not resolve(split_hosts, coalesce, isinstance(problem, TransferProblem)).coalesce:
+    options = CompileOptions(strategy=strategy, solver=solver, seed=seed, time_limit_s=time_limit, merge=not no_merge,
+                             max_tasks=max_tasks, split_hosts=split_hosts, coalesce=coalesce, cross_tensor=cross_tensor,
+                             bucket_bytes=None if bucket_mb is None else int(bucket_mb * 2**20),
+                             max_staging_bytes=None if max_staging_mb is None else int(max_staging_mb * 2**20))
+    if bucket_mb is not None and not options.for_problem(problem).coalesce:
         raise InputError("--bucket-mb sizes coalesced bundles, and this compile does not coalesce (a single tensor "
                          "coalesces only with --coalesce; --no-coalesce turns it off); add --coalesce or drop --bucket-mb")
     with progress("compiling") as timing:
-        plan = compile_plan(problem, strategy=strategy, solver=solver, seed=seed, time_limit_s=time_limit, merge=not no_merge,
-                            on_stage=timing["stage"], max_tasks=max_tasks, split_hosts=split_hosts, coalesce=coalesce,
-                            bucket_bytes=None if bucket_mb is None else int(bucket_mb * 2**20),
-                            max_staging_bytes=None if max_staging_mb is None else int(max_staging_mb * 2**20),
-                            cross_tensor=cross_tensor)
+        plan = compile_plan(problem, options, on_stage=timing["stage"])
     report = verify_plan(plan)
     text = plan.to_json()
     if output:
