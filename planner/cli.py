@@ -15,6 +15,7 @@ import click
 from xmesh_plan.schemas import Plan, ReshardingProblem, read_plan_file
 from xmesh_plan.schemas.files import DataFileError, check_writable_size
 from xmesh_plan.schemas.last_resort import DEBUG_ENV, DEBUG_FLAG, run_guarded
+from xmesh_plan.schemas.limits import quoted
 from xmesh_plan.schemas.plan_check import check_plan
 from xmesh_plan.schemas.transfer import TransferProblem
 
@@ -206,9 +207,9 @@ def verify_command(plan_files):
             report = verify_plan(plan)
         except PlanError as err:
             failed += 1
-            click.echo(f"{path}: FAILED: {err}")
+            click.echo(f"{quoted(path)}: FAILED: {err}")
             continue
-        click.echo(f"{path}: {report}")
+        click.echo(f"{quoted(path)}: {report}")
     if failed:
         raise click.exceptions.Exit(1)
 

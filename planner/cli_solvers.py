@@ -14,6 +14,7 @@ from contextlib import contextmanager
 import click
 
 from xmesh_plan.schemas import read_plan_file
+from xmesh_plan.schemas.limits import quoted
 
 from .audit import audit_plan
 from .cli_types import POSITIVE, SEED, TIME_LIMIT, max_tasks_option
@@ -155,7 +156,7 @@ def check_command(plan_files, max_ratio, reference, per_tensor):
         plan = read_plan_file(path)
         audit = _audited(path, plan)
         if isinstance(audit, str):
-            click.echo(f"{path}: FAIL {audit}")
+            click.echo(f"{quoted(path)}: FAIL {audit}")
             failed += 1
             continue
         predicted, bound = audit.predicted_seconds, audit.lower_bound_seconds
@@ -174,7 +175,7 @@ def check_command(plan_files, max_ratio, reference, per_tensor):
         posted = f", {order} (executor default) {executed:.4f} s ({over_executed:.4f}x)" if executed is not None else \
             (f", {order} (executor default) not timed: too costly to simulate here, not gated; `xmesh-plan inspect --orders` "
              "times it" if isinstance(plan.problem, TransferProblem) else "")
-        click.echo(f"{path}: predicted {predicted:.4f} s, bound {bound:.4f} s ({over:.4f}x){posted} {status}")
+        click.echo(f"{quoted(path)}: predicted {predicted:.4f} s, bound {bound:.4f} s ({over:.4f}x){posted} {status}")
         if per_tensor:
             click.echo("\n".join(tensor_check_rows(plan)))
         failed += bool(problems)

@@ -181,3 +181,22 @@ def test_an_oversized_plan_file_is_not_called_not_a_plan(tmp_path, monkeypatch):
     monkeypatch.setattr(files, "MAX_FILE_BYTES", 2000)
     line = one_line_error(run("verify", CASE3_PLAN), "MiB")
     assert "not a plan" not in line
+
+
+def test_a_schedule_flag_as_a_number_is_refused(tmp_path):
+    pipeline = ROOT / "bench" / "pipelines" / "gpt-1.3b-2x2-fp16.json"
+    schedule = tmp_path / "s.json"
+    assert run("schedule", pipeline, "--schedule", "1f1b", "--solver", "greedy", "-o", schedule).exit_code == 0
+    raw = json.loads(schedule.read_text())
+    raw["overlap"] = 1
+    schedule.write_text(json.dumps(raw))
+    one_line_error(run("simulate", schedule), "overlap")
+
+
+def test_verify_quotes_a_plan_path_with_a_newline(tmp_path):
+    folder = tmp_path / "a\nb"
+    folder.mkdir()
+    path = folder / "x.plan.json"
+    path.write_text(CASE3_PLAN.read_text())
+    result = run("verify", path)
+    assert result.exit_code == 0 and result.output.count("\n") == 1 and "a\\nb" in result.output, result.output
