@@ -6,8 +6,8 @@ Per case, rate and tensor size: the broadcast plan (greedy solver) made with `pr
 message, its simulated time (host order, the plan's own claim), and every broadcast forced to each K of a sweep:
 the best K and "planner / best": 1.000 is as good as the sweep's best, below 1 where the planner's K (or mix of K across
 broadcasts) is not in the sweep and simulates faster than every K in it. `--hops-only` prices
-chunks hop by hop, as the planner did before it counted a relay's copies and the shared cores (session 11; the same
-as before on 2 or more cores).
+chunks hop by hop, leaving out a relay's copies and the cores the relays share (`strategies._cpu_per_chunk` zeroed),
+to show what that part of the planner's pricing changes.
 """
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ def main(argv=None) -> int:
     parser.add_argument("--cases", default="one_to_1x4,case9")
     parser.add_argument("--rates", default="500,10000", help="Mbit/s, comma-separated")
     parser.add_argument("--mb", default="32,2048", help="tensor sizes in MiB, comma-separated")
-    parser.add_argument("--hops-only", action="store_true", help="the planner prices each hop alone (before session 11)")
+    parser.add_argument("--hops-only", action="store_true", help="the planner prices each hop alone, without the relays' copies on the shared cores")
     args = parser.parse_args(argv)
     if args.hops_only:
         strategies._cpu_per_chunk = lambda per_chunk, hop_cross, cluster: np.zeros(per_chunk.shape[0])

@@ -1,13 +1,13 @@
 """Re-predict saved emulated-cluster runs without the testbed: rebuild each run's plans (deterministic), price them
 with today's model, with and without a model of the shared CPU (`Cluster.cpu`), and count the fits per case.
 
-    PYTHONPATH=$PWD .venv/bin/python -m bench.netlab.repredict bench/results/netlab-device-500-s7.json \\
-        bench/results/netlab-device-200-s7.json [--cores 2 --copy-gbps 24 --message-us 0]
+    PYTHONPATH=$PWD .venv/bin/python -m bench.netlab.repredict bench/results/netlab-mpi-device-500-32mb.json \\
+        bench/results/netlab-mpi-device-200-16mb.json [--cores 2 --copy-gbps 24 --message-us 0]
 
 A distinct plan of a launch counts once (as `summary.compact` counts); "saved" is the prediction stored in the file,
 "today" this checkout's model without the CPU, "CPU model" with it (defaults: `predict.TESTBED_CPU`); both share the
-links as the testbed does (`predict.TESTBED_SHARING`, since session 13: files saved before price device order with
-max-min, so case 4's solver plans, 0.80-0.88x "saved", are about 0.97x "today"). The plans are rebuilt with this checkout's planner, so a file made with
+links as the testbed does (`predict.TESTBED_SHARING`; a file whose saved predictions share device order max-min, as
+some archived ones do, then differs from "today" on case 4's solver plans: 0.80-0.88x "saved", about 0.97x "today"). The plans are rebuilt with this checkout's planner, so a file made with
 another version may get other plans; compare "saved" with "today" to see.
 """
 

@@ -1,7 +1,7 @@
 """What if the links shared bandwidth by another rule? Re-predict saved emulated-cluster runs with the links shared by
 each rule in turn, and count the plans within 10% of measured under each.
 
-    PYTHONPATH=$PWD .venv/bin/python -m bench.netlab.sharing bench/results/netlab-device-500-64mb-plancpu-s10.json
+    PYTHONPATH=$PWD .venv/bin/python -m bench.netlab.sharing bench/results/netlab-mpi-device-500-32mb.json
 
 Rules (each prediction with the CPU model, `predict.TESTBED_CPU`, as `repredict`'s "CPU model" column); each rule
 but `testbed` applies under every queueing:
@@ -16,9 +16,9 @@ but `testbed` applies under every queueing:
 - `first-come-all`: every NIC side serves its messages oldest first (then in plan order); CPUs share max-min.
 `--send-buffer-mib B` also ends every send in device order, for its device's next run, once at most B MiB of it is
 left to go, as gloo ends a send when the socket's buffer has taken the rest (`planner.simulate.simulate(send_buffer_bytes=)`),
-where the model otherwise ends it as the MPI engine does (session 14's torch step traces, before the torch engine's
-receipts; `experiments --no-receipts` runs it so again); posted order has no runs to end.
-BENCHMARKS.md, "Emulated cluster ..." sessions 11 to 15, has what each rule fits.
+where the model otherwise ends it as the MPI engine does (the torch engine without receipts ends its sends so;
+`experiments --no-receipts` runs it that way); posted order has no runs to end.
+docs/netlab.md, "How TCP shares a link", has what each rule fits.
 """
 
 from __future__ import annotations

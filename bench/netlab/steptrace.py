@@ -8,7 +8,7 @@ timeline (`predict.simulated`: the queueing for the order, the testbed's sharing
 machine's core count, as `experiments` prices) is set beside the measured one of the last timed reshard
 before the checked one, operation by operation, so a gap the model does not have shows where it opens.
 A bench tool: the engines are patched only inside the ranks this module launches. `XMESH_NETLAB_POLL=LOW,HIGH`
-(seconds) sets the ranks' sleeps between polls, for experiments (BENCHMARKS.md, session 12).
+(seconds) sets the ranks' sleeps between polls, to see how polling shifts the timeline.
 
     sudo PYTHONPATH=$PWD .venv/bin/python -m bench.netlab.steptrace --case case9 --approach ours --max-mb 32
 """
