@@ -3,8 +3,8 @@
     .venv/bin/python bench/bench_op_kinds.py                 # this tree only
     .venv/bin/python bench/bench_op_kinds.py --compare REV   # also REV's modules, interleaved (about 1 min)
 
-`schemas/op_kinds.py` replaced per-kind code in the simulator (each operation's flows now come from
-its `route`) and in the strategies (links from `wire_pairs`). This times, on the same plans and
+The simulator takes each operation's flows from its kind's `route` in `schemas/op_kinds.py`, and the
+strategies their links from `wire_pairs`. This times, on the same plans and
 interleaved, `simulate_plan` and every strategy on every unit task (what `compile` runs per task)
 with the modules of this tree and of revision REV (`planner/simulate.py`, `planner/strategies.py`,
 loaded from git). Best of `--repeat`, the versions taking turns. Results: bench/results/op_kinds.json. For the executor's

@@ -26,7 +26,7 @@ TEXT_SUFFIXES = {".py", ".md", ".toml", ".txt", ".sh", ".cfg", ".ini", ".yml", "
 # What each pattern catches; every one is a phrase that dates the text rather than describes the code.
 PATTERNS = {
     "numbered work period": r"\bsessions? \d+",
-    "work-period suffix on a file name": r"(?<!archive/)\b[\w.-]*[a-z0-9]-s\d+(?=\.json|-[a-z])",
+    "work-period suffix on a file name": r"\b[\w.-]*[a-z0-9]-s\d+(?=\.json|-[a-z])",
     "what code used to do": r"(?<!\bis )(?<!\bare )(?<!\bbe )(?<!\bbeen )(?<!\bbeing )\bused to\b",
     "before a change": r"\bbefore the (fix|fixes|change|rewrite|review)\b",
     "an earlier version": r"\b(first|previous|earlier|old) version\b|\bpreviously\b|\bformerly\b",
@@ -34,6 +34,7 @@ PATTERNS = {
     "a revision as a point in time": r"\b(until|since|as of|before) [0-9a-f]{7,40}\b",
 }
 COMPILED = {name: re.compile(pattern, re.IGNORECASE) for name, pattern in PATTERNS.items()}
+ARCHIVED = re.compile(r"results/archive/\S*")  # a reference to an archived file names it as it was written
 
 
 def tracked_files(root: Path = ROOT) -> list[Path]:
@@ -51,8 +52,9 @@ def history_lines(paths: list[Path], root: Path = ROOT) -> list[str]:
         except (UnicodeDecodeError, OSError):
             continue
         for number, line in enumerate(text.splitlines(), 1):
+            checked = ARCHIVED.sub("", line)
             for what, pattern in COMPILED.items():
-                if pattern.search(line):
+                if pattern.search(checked):
                     shown = path.relative_to(root) if path.is_relative_to(root) else path
                     found.append(f"{shown}:{number}: [{what}] {line.strip()[:160]}")
                     break

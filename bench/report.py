@@ -1,4 +1,4 @@
-"""Shared by the benchmarks: replace one `## ` section of BENCHMARKS.md, write a results JSON."""
+"""Shared by the benchmarks: write a results JSON, remake BENCHMARKS.md from the results, time old code against new."""
 
 from __future__ import annotations
 
@@ -25,18 +25,12 @@ def write_json(name: str, data) -> Path:
     return path
 
 
-def replace_section(title: str, body: str, path: Path = ROOT / "BENCHMARKS.md") -> None:
-    """Put `## title` + body in place of that section (up to the next `## `), or append it."""
-    text = path.read_text() if path.exists() else "# Benchmarks\n"
-    header = f"## {title}\n"
-    block = header + "\n" + body.strip() + "\n\n"
-    if header in text:
-        before, rest = text.split(header, 1)
-        after = rest[rest.index("\n## "):].lstrip("\n") if "\n## " in rest else ""
-        text = before + block + after
-    else:
-        text = text.rstrip("\n") + "\n\n" + block
-    write_atomic(path, text.rstrip("\n") + "\n")
+def update_benchmarks_doc() -> None:
+    """Remake BENCHMARKS.md from every results file (bench/benchmarks_doc.py), once a bench has written its own."""
+    from benchmarks_doc import DOC, render
+
+    write_atomic(DOC, render())
+    print(f"{DOC.name} remade from {RESULTS.relative_to(ROOT)}/")
 
 
 def module_at(rev: str, path: str, name: str):

@@ -4,7 +4,8 @@ For each case and link rate, every approach is compiled on the paper's problem w
 link rate, scaled to `--max-mb`, and all of them run in one launch (start-up paid once) on a fresh
 testbed; the medians of `--iters` timed reshards after `--warmup` are set against three predictions
 (`predict.py`) and the byte lower bound, and the links' byte counters against the plans' bytes.
-Writes bench/results/netlab.json (or `--out`) and the BENCHMARKS.md section "Emulated cluster".
+Writes bench/results/netlab.json (or `--out`) and prints the runs as Markdown tables (`--no-markdown`: not);
+`bench/benchmarks_doc.py` makes BENCHMARKS.md from the results files it names.
 
     sudo PYTHONPATH=$PWD .venv/bin/python -m bench.netlab.experiments [--cases case3,case7] [--rates 200,500]
 """
@@ -22,7 +23,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from report import replace_section, write_json  # noqa: E402
+from report import write_json  # noqa: E402
 from xmesh_plan.planner.compile import compile_plan  # noqa: E402
 from xmesh_plan.planner.problem_io import build_problem  # noqa: E402
 from xmesh_plan.planner.reference_cases import reference_problems  # noqa: E402
@@ -54,11 +55,11 @@ EXTRA_CASES = {  # name -> (the problem, (label, compile_plan options) per plan)
         lambda: build_problem({"name": "alltoall_2x4", "shape": [128, 256, 32], "dtype": "float32",
                                "src": {"mesh": "2x4", "spec": "S0 R S1"}, "dst": {"mesh": "2x4", "spec": "R S01 R"}}),
         (("ours", {}), ("coalesce", {"coalesce": True}))),
-    "weight_sync_small": (  # a multi-tensor plan; "chained" was labelled "ours" before the default became --split-hosts --coalesce
+    "weight_sync_small": (  # a multi-tensor plan: the default against chained (neither split nor coalesced) and the rest
         lambda: build_transfer(tomllib.loads(weight_sync_toml(*WEIGHT_SYNC["weight_sync_small"]))),
         (("default", {}), ("chained", {"split_hosts": False, "coalesce": False}),
          ("split-hosts", {"split_hosts": True, "coalesce": False}),
-         ("no-cross-tensor", {"cross_tensor": False}))),  # bundles of one tensor each (the default before shared messages)
+         ("no-cross-tensor", {"cross_tensor": False}))),  # bundles of one tensor each, no shared messages
 }
 
 
@@ -204,7 +205,7 @@ def _arguments(argv):
                              "(default %(default)g; every paper case at 64 MiB and 4 reshards needs 10)")
     parser.add_argument("--no-receipts", action="store_true",
                         help="torch: end gloo sends as gloo does, without the engine's receipts in device order (bench.netlab.no_receipts)")
-    parser.add_argument("--no-markdown", action="store_true", help="leave BENCHMARKS.md alone")
+    parser.add_argument("--no-markdown", action="store_true", help="do not print the runs as Markdown tables at the end")
     args = parser.parse_args(argv)
     if not (math.isfinite(args.max_run_gib) and args.max_run_gib > 0):
         parser.error(f"--max-run-gib {args.max_run_gib:g}: give a positive number of GiB")
@@ -256,10 +257,8 @@ def main(argv=None) -> int:
     meta = _meta(args, load)
     write_json(args.out, {"meta": meta, "runs": runs})
     if not args.no_markdown:
-        title = "Emulated cluster (bench/netlab)" + ("" if args.order == "device" else f", executor order {args.order}") + (
-            "" if args.engine == "mpi" else f", {args.engine} engine")
-        replace_section(title, f"`{meta['command']}` (as root; load average after: "
-                        f"{load[0]:.1f}, {os.cpu_count()} cores)\n\n{table(runs, args.order)}\n\n{link_table(runs)}\n")
+        print(f"\n`{meta['command']}` (as root; load average after: {load[0]:.1f}, {os.cpu_count()} cores)\n\n"
+              f"{table(runs, args.order)}\n\n{link_table(runs)}")
     return 0 if all(r["ok"] and r["checked"] for r in runs) else 1
 
 
