@@ -488,11 +488,10 @@ Distinct plans within 10% of the prediction saved with each run:
 
 {table(fit_rows, ["engine", "order", "Mbit/s", "within 10%"], "lllr")}
 
-The saved device-order predictions share every link max-min. Re-priced with the testbed's own link sharing
-(first come for a host's short messages, `predict.TESTBED_SHARING`) by
-`PYTHONPATH=$PWD .venv/bin/python -m bench.netlab.repredict bench/results/<file>`, the counts change; that
-re-pricing rebuilds and simulates every plan, so it is not part of this table (docs/netlab.md gives its
-figures).
+The prediction saved with a run is the model the run was made with (the testbed's link sharing and CPU,
+`bench/netlab/predict.py`). `PYTHONPATH=$PWD .venv/bin/python -m bench.netlab.repredict bench/results/<file>`
+rebuilds every plan of a file and prices it with this checkout's model, with and without the CPU; it simulates
+every plan, so it is not part of this table (docs/netlab.md gives its figures).
 
 **The torch engine's receipts.** In device order the torch engine on gloo has the receiver of an operation's
 large messages send a 1-byte receipt back, so a rank starts its next operation only once its sends have
