@@ -16,11 +16,12 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "bench")]
 
-from report import best_seconds, compare_parser, module_at  # noqa: E402
+from report import best_seconds, compare_command, module_at  # noqa: E402
 
 from xmesh_plan.planner import simulate as simulate_now  # noqa: E402
 from xmesh_plan.planner import strategies as strategies_now  # noqa: E402
@@ -53,9 +54,9 @@ def run_strategies(module, ctxs) -> None:
             fn(ctx)
 
 
-def main() -> None:
-    parser = compare_parser(__doc__, "the simulator and strategies", "op_kinds.json")
-    args = parser.parse_args()
+@compare_command(__doc__, "the simulator and strategies", "op_kinds.json")
+def main(**options) -> None:
+    args = SimpleNamespace(**options)
     versions = [("now", simulate_now, strategies_now)]
     if args.compare:
         versions.append(("before", module_at(args.compare, "planner/simulate.py", "xmesh_plan.planner.simulate_compared"),

@@ -8,13 +8,15 @@ executor's time per reshard with and without a limit, measured in one launch per
 
 from __future__ import annotations
 
-import argparse
 import re
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+from types import SimpleNamespace
+
+import click
 
 sys.path[:0] = [str(Path(__file__).resolve().parent.parent), str(Path(__file__).resolve().parent)]
 
@@ -111,10 +113,10 @@ def measured_rows(run: dict, labels: list[str]) -> str:
                      for i, label in enumerate(labels))
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--iters", type=int, default=20)
-    args = parser.parse_args()
+@click.command(help=__doc__.splitlines()[0])
+@click.option("--iters", type=int, default=20, show_default=True, help="timed reshards per plan")
+def main(**options) -> None:
+    args = SimpleNamespace(**options)
     references = [before_after(path.name.removesuffix(".plan.json"), load_plan(path)) for path in sorted((ROOT / "plans").glob("*.plan.json"))]
     llama = compile_plan(load_any_problem(ROOT / "plans" / "weight_sync_llama3_8b.problem.toml"),
                          split_hosts=False, coalesce=False)  # the chained plan BENCHMARKS.md's figures are of

@@ -15,7 +15,6 @@ ranks: ratios, not speed figures.
 
 from __future__ import annotations
 
-import argparse
 import re
 import statistics
 import subprocess
@@ -23,6 +22,9 @@ import sys
 import tempfile
 import tomllib
 from pathlib import Path
+from types import SimpleNamespace
+
+import click
 
 sys.path[:0] = [str(Path(__file__).resolve().parent.parent), str(Path(__file__).resolve().parent)]
 
@@ -63,11 +65,11 @@ JOINTS = {  # the joint plans run, by row label: compile flags
 }
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--iters", type=int, default=20)
-    parser.add_argument("--rounds", type=int, default=3, help="launches per order, taking turns (default 3)")
-    args = parser.parse_args()
+@click.command(help=__doc__.splitlines()[0])
+@click.option("--iters", type=int, default=20, show_default=True, help="timed reshards per plan and launch")
+@click.option("--rounds", type=int, default=3, show_default=True, help="launches per order, taking turns")
+def main(**options) -> None:
+    args = SimpleNamespace(**options)
     problem = build_transfer(tomllib.loads(weight_sync_toml(*WEIGHT_SYNC["weight_sync_small"])))
     joints = {label: compile_plan(problem, **flags) for label, flags in JOINTS.items()}
     alone = [compile_plan(single) for single in problem.tensor_problems()]

@@ -8,12 +8,14 @@ Prints the comparison as Markdown (BENCHMARKS.md itself is made by `bench/benchm
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import sys
 from pathlib import Path
 
+import click
+
+from .cli import options, parse
 from .experiments import APPROACHES
 
 MODEL = {"posted": "posted", "device": "device-order"}
@@ -138,13 +140,17 @@ def _load(meta: dict) -> str:
     return f"{load[0]:.1f}" if load else "- (the launch had not finished)"
 
 
+@click.argument("results", nargs=-1, required=True, type=click.Path(exists=True, dir_okay=False, path_type=Path))
+@click.option("--print", "print_", is_flag=True, help="print the comparison (what it always does)")
+@click.option("--title", default="Emulated cluster: executor order", show_default=True, help="the heading printed above the comparison")
+@click.option("--compact", is_flag=True, help="one row per case and rate")
+@options
+def _command(**_):
+    """Set emulated-cluster runs side by side (RESULTS: results JSON files of bench.netlab.experiments)."""
+
+
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench.netlab.summary", description=__doc__.splitlines()[0])
-    parser.add_argument("results", nargs="+", type=Path, help="results JSON files of bench.netlab.experiments")
-    parser.add_argument("--print", action="store_true", help="print the comparison (what it always does)")
-    parser.add_argument("--title", default="Emulated cluster: executor order", help="the heading printed above the comparison")
-    parser.add_argument("--compact", action="store_true", help="one row per case and rate (printed; paste it where it belongs)")
-    args = parser.parse_args(argv)
+    args = parse(_command, argv, "python -m bench.netlab.summary")
     if args.compact:
         print(compact(args.results))
         return 0
