@@ -1,26 +1,23 @@
 """BENCHMARKS.md is generated from bench/results/*.json by bench/benchmarks_doc.py; the committed file must be what the
 script makes of the committed results, so no table shows a figure its results file does not hold."""
 
-import importlib.util
+import runpy
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _doc_module():
-    spec = importlib.util.spec_from_file_location("benchmarks_doc", ROOT / "bench" / "benchmarks_doc.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+def render() -> str:
+    return runpy.run_path(str(ROOT / "bench" / "benchmarks_doc.py"))["render"]()
 
 
 def test_benchmarks_md_is_what_the_results_files_make():
-    made = _doc_module().render()
+    made = render()
     assert (ROOT / "BENCHMARKS.md").read_text() == made, "BENCHMARKS.md is stale: run `make benchmarks-doc`"
 
 
 def test_every_section_answers_one_question_with_a_command_and_a_table():
-    text = _doc_module().render()
+    text = render()
     sections = text.split("\n## ")[1:]
     titles = [s.splitlines()[0] for s in sections]
     assert titles == ["Metrics", "Paper cases, held against the bound", "Weight sync", "Scale", "Executor overhead",

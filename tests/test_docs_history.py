@@ -1,17 +1,15 @@
 """No project file narrates how the software was developed (bench/history_check.py): no "session 13", no `-s13`
 result files, no "used to" or "before the fix". The history is in git; the files say what the software does."""
 
-import importlib.util
+import runpy
 from pathlib import Path
+from types import SimpleNamespace
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def _checker():
-    spec = importlib.util.spec_from_file_location("history_check", ROOT / "bench" / "history_check.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return SimpleNamespace(**runpy.run_path(str(ROOT / "bench" / "history_check.py")))
 
 
 def test_no_tracked_file_narrates_development_history():

@@ -105,7 +105,7 @@ def crossed(rows: list[dict]) -> str:
             + (", ".join(map(name, out)) or "none"))
 
 
-@click.argument("results", nargs=-1, required=True, type=click.Path(exists=True, dir_okay=False, path_type=Path))
+@click.argument("results", nargs=-1, required=True, type=click.Path(dir_okay=False, path_type=Path))
 @click.option("--cores", type=float, default=TESTBED_CPU.cores, show_default=True, help="cores every rank shares")
 @click.option("--message-us", type=float, default=TESTBED_CPU.message_us, show_default=True,
               help="CPU per message inside a host, at each end, microseconds")

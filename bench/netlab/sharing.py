@@ -87,7 +87,7 @@ def compare(paths: list[Path], rules: tuple[str, ...] = RULES, small_mib: float 
     return "\n".join(lines)
 
 
-@click.argument("results", nargs=-1, required=True, type=click.Path(exists=True, dir_okay=False, path_type=Path))
+@click.argument("results", nargs=-1, required=True, type=click.Path(dir_okay=False, path_type=Path))
 @click.option("--small-mib", type=float, default=2.0, show_default=True,
               help="first-come-send-small: messages of at most this many MiB wait their turn")
 @click.option("--short-ms", type=float, default=TESTBED_SHORT_MS, show_default=True,

@@ -140,7 +140,7 @@ def _load(meta: dict) -> str:
     return f"{load[0]:.1f}" if load else "- (the launch had not finished)"
 
 
-@click.argument("results", nargs=-1, required=True, type=click.Path(exists=True, dir_okay=False, path_type=Path))
+@click.argument("results", nargs=-1, required=True, type=click.Path(dir_okay=False, path_type=Path))
 @click.option("--print", "print_", is_flag=True, help="print the comparison (what it always does)")
 @click.option("--title", default="Emulated cluster: executor order", show_default=True, help="the heading printed above the comparison")
 @click.option("--compact", is_flag=True, help="one row per case and rate")
