@@ -66,7 +66,7 @@ def compile_quick():
 
 def pytest_terminal_summary(terminalreporter) -> None:
     """Print what summary-keeping tests recorded (e.g. the plan-mutation counts), so CI's log shows it."""
-    from test_plan_mutations import SUMMARY
+    from tests.test_plan_mutations import SUMMARY
 
     for line in SUMMARY:
         terminalreporter.write_line(line)

@@ -29,7 +29,7 @@ from xmesh_plan.schemas import Plan
 from xmesh_plan.schemas.geometry import region_size
 from xmesh_plan.schemas.plan_check import PlanError, check_plan
 from xmesh_plan.schemas.staging import staging_peaks
-from test_transfer_plan import _assert_every_shard, fake_executors, full_tensors, random_transfer, run_everywhere
+from tests.test_transfer_plan import _assert_every_shard, fake_executors, full_tensors, random_transfer, run_everywhere
 
 ROOT = Path(__file__).resolve().parents[1]
 SMALL = ROOT / "plans" / "weight_sync_small.problem.toml"

@@ -19,8 +19,8 @@ from xmesh_plan.planner.compile import compile_plan
 from xmesh_plan.planner.verify import PlanError, verify_plan
 from xmesh_plan.schemas import load_plan
 from xmesh_plan.schemas.op_kinds import bundle_runs, route
-from test_executor_cases import problem, random_problem
-from test_executor_sim import simulate
+from tests.support.cases import problem, random_problem
+from tests.test_executor_sim import simulate
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -185,8 +185,8 @@ def small_all_to_all(dtype: str = "int32"):
 
 @pytest.mark.mpi
 def test_a_coalesced_plan_runs_bit_exact_under_mpiexec(tmp_path):
-    from test_executor_mpi import MPIEXEC, WORKER, mpiexec
-    from test_executor_cases import write_plans
+    from tests.test_executor_mpi import MPIEXEC, WORKER, mpiexec
+    from tests.support.cases import write_plans
     if not MPIEXEC.exists():
         pytest.skip(f"no mpiexec at {MPIEXEC}")
     plans = [coalesced(small_all_to_all(dtype), bucket=2**16) for dtype in ("int32", "bfloat16")]
@@ -201,8 +201,8 @@ def test_a_coalesced_plan_runs_bit_exact_under_mpiexec(tmp_path):
 def test_a_coalesced_plan_runs_bit_exact_on_the_torch_engine_matching_by_order(tmp_path):
     """Gloo matches each pair's messages in posting order (every tag 0), as NCCL would: a bundle's
     scatter runs to one needer must be posted in the same order at both ends."""
-    from test_executor_cases import write_plans
-    from test_executor_torch import launch
+    from tests.support.cases import write_plans
+    from tests.test_executor_torch import launch
     plans = [coalesced(small_all_to_all(dtype), bucket=2**16) for dtype in ("int32", "bfloat16")]
     assert any(len({d for d, _ in bundle_runs(op)[1]}) < len(bundle_runs(op)[1]) for op in plans[0].operations if op.kind == "bundle")
     lines = launch(8, "check_by_order", *write_plans(tmp_path, plans))
@@ -286,7 +286,7 @@ def test_a_coalesced_transfer_runs_bit_exact_under_mpiexec(tmp_path):
     import os
     import subprocess
     import sys
-    from test_executor_mpi import MPIEXEC
+    from tests.test_executor_mpi import MPIEXEC
     if not MPIEXEC.exists():
         pytest.skip(f"no mpiexec at {MPIEXEC}")
     plan = _weight_sync(split_hosts=True, coalesce=True)

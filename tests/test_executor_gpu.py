@@ -25,7 +25,7 @@ from xmesh_plan.executor.arrays import storage_dtype
 from xmesh_plan.executor.lower import lower
 from xmesh_plan.executor.pattern import fill, mismatches
 from xmesh_plan.executor.ranks import plan_devices, rank_of_devices
-from test_executor_cases import STRATEGIES, all_fixed_plans, compiled, problem, random_problem, write_plans
+from tests.support.cases import STRATEGIES, all_fixed_plans, compiled, problem, random_problem, write_plans
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -879,8 +879,8 @@ def fake_nccl_transfer(plan, gpu, monkeypatch, order: str | None = None) -> list
     own `_allocate` (staging layout, the check against the stated staging, the engines), every rank's engines before
     the next rank's: the lowest device of a group sends its unique id; the unique ids travel over `FakeMpiComm`,
     the rank agreement is this rank's alone."""
-    from test_executor_sim import FakeWorld
-    from test_transfer_plan import _WorldComm
+    from tests.test_executor_sim import FakeWorld
+    from tests.test_transfer_plan import _WorldComm
     from xmesh_plan.executor import TransferExecutor
     from xmesh_plan.executor.executor import ReshardingExecutor
 
@@ -1013,7 +1013,7 @@ def test_random_coalesced_transfers_run_on_fake_nccl_in_device_order(monkeypatch
     """Random multi-tensor problems (mixed element sizes, overlapping meshes), coalesced with tiny buckets so
     bundles of several tensors share messages: the joint NCCL program bit for bit, in both orders."""
     from xmesh_plan.planner.compile import compile_plan
-    from test_transfer_plan import random_transfer
+    from tests.test_transfer_plan import random_transfer
 
     ran = 0
     for seed in range(30):

@@ -12,12 +12,12 @@ from pathlib import Path
 import pytest
 
 from xmesh_plan.schemas import load_plan
-from test_executor_cases import DEVICES, all_fixed_plans, compiled, fixed_problems, random_problem, with_chunks, write_plans
+from tests.support.cases import DEVICES, all_fixed_plans, compiled, fixed_problems, random_problem, with_chunks, write_plans
 
 ROOT = Path(__file__).resolve().parents[1]
 VENV_BIN = Path(sys.executable).parent
 MPIEXEC = VENV_BIN / "mpiexec"
-WORKER = ROOT / "tests" / "test_executor_worker.py"
+WORKER = ROOT / "tests" / "workers" / "executor_worker.py"
 PLANS = ROOT / "plans"
 
 LAUNCH_TIMEOUT_S = 300  # catches a hang only; a passing launch takes seconds, but 16-20 ranks on a loaded 2-core CI box take minutes

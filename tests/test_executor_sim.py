@@ -24,9 +24,9 @@ from xmesh_plan.schemas.carriers import group_key
 from xmesh_plan.schemas.op_kinds import route
 from xmesh_plan.planner.verify import verify_plan
 from xmesh_plan.schemas.staging import stage_budget
-from test_executor_cases import (STRATEGIES, all_fixed_plans, compiled, fixed_problems, random_problem,
+from tests.support.cases import (STRATEGIES, all_fixed_plans, compiled, fixed_problems, random_problem,
                                  two_chunked_broadcasts_from_one_device)
-from test_executor_worker import next_source
+from tests.workers.executor_worker import next_source
 
 
 class _PersistentSend:

@@ -18,11 +18,11 @@ import pytest
 
 from xmesh_plan.executor.scale import factors_for, scale_plan
 from xmesh_plan.schemas import load_plan
-from test_executor_cases import (DEVICES, all_fixed_plans, compiled, fixed_problems, random_problem,
+from tests.support.cases import (DEVICES, all_fixed_plans, compiled, fixed_problems, random_problem,
                                  two_chunked_broadcasts_from_one_device, write_plans)
 
 ROOT = Path(__file__).resolve().parents[1]
-WORKER = Path(__file__).with_name("torch_worker.py")
+WORKER = Path(__file__).parent / "workers" / "torch_worker.py"
 PLANS = ROOT / "plans"
 LAUNCH_TIMEOUT_S = 400  # catches a hang only: 8-16 ranks importing torch on a loaded 2-core machine take a while
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(2 * LAUNCH_TIMEOUT_S)]
@@ -109,7 +109,7 @@ def test_multi_tensor_plans_in_device_order_on_gloo_matching_by_order_are_bit_ex
     tensors; with every tag 0 (gloo matching by order, as NCCL) both ends must agree on that order, or bytes
     land in the wrong tensor. Three tensors of three dtypes, every strategy, and random multi-tensor plans."""
     from xmesh_plan.planner.compile import compile_plan
-    from test_transfer_plan import problem as three_tensors, random_transfer
+    from tests.test_transfer_plan import problem as three_tensors, random_transfer
 
     chained = {"split_hosts": False, "coalesce": False}  # every strategy's own operations, no bundles
     plans = [compile_plan(three_tensors(), strategy=s, solver="greedy", **chained) for s in ("broadcast", "send_recv", "local_allgather")]
@@ -123,7 +123,7 @@ def test_multi_tensor_plans_in_device_order_on_gloo_matching_by_order_are_bit_ex
 
 
 def test_float8_plans_are_bit_exact(tmp_path):
-    from test_executor_cases import problem
+    from tests.support.cases import problem
 
     plans = [compiled(problem(f"f8_{dtype}", (6, 10), (2,), (0, 1), "S0 R", (2, 2), range(4), "R S01", dtype=dtype), strategy)
              for dtype in ("float8_e4m3fn", "float8_e5m2") for strategy in ("send_recv", "global_allgather")]

@@ -199,7 +199,7 @@ def test_the_tag_budget_is_a_plan_rule_and_the_mpi_limit_an_executor_one(case3, 
 def test_check_passes_what_compile_just_wrote(tmp_path, seed):
     """Listing operations by predicted start used to change the simulator's NIC queues, so `check`
     re-timed 2-3% of fresh plans differently (e.g. seed 14, global all-gather) and failed them."""
-    from test_executor_cases import compiled, random_problem
+    from tests.support.cases import compiled, random_problem
 
     for strategy in ("global_allgather", "auto"):
         plan = compiled(random_problem(seed, max_devices=4 + seed % 9, exact=False), strategy)

@@ -21,7 +21,7 @@ from xmesh_plan.executor.lower import lower
 from xmesh_plan.executor.ranks import plan_devices
 from xmesh_plan.planner.verify import PlanError, verify_plan
 from xmesh_plan.schemas import Plan
-from test_executor_cases import STRATEGIES, compiled, random_problem
+from tests.support.cases import STRATEGIES, compiled, random_problem
 
 MIN_MUTANTS = 1000  # schema-valid mutants per run (the issue asks for at least 1,000)
 SUMMARY: list[str] = []  # printed at the end of the run by conftest's terminal summary

@@ -1,6 +1,6 @@
 """`xmesh_plan.redistribute` misused on 4 gloo ranks: every misuse fails on every rank with one line, or works.
 
-tests/redistribute_misuse_worker.py does the calls; these tests compare what the ranks print. Each
+tests/workers/redistribute_misuse_worker.py does the calls; these tests compare what the ranks print. Each
 launch is bounded (a rank that hangs is killed and the test fails) and keeps tensors small.
 """
 
@@ -15,9 +15,9 @@ from pathlib import Path
 
 import pytest
 
-from test_executor_torch import ROOT, _free_port
+from tests.test_executor_torch import ROOT, _free_port
 
-WORKER = Path(__file__).with_name("redistribute_misuse_worker.py")
+WORKER = Path(__file__).parent / "workers" / "redistribute_misuse_worker.py"
 RANKS = 4
 LAUNCH_TIMEOUT_S = 300  # a hang only: 4 ranks importing torch on a loaded 2-core machine take a while
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(2 * LAUNCH_TIMEOUT_S)]

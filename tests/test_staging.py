@@ -26,10 +26,10 @@ from xmesh_plan.schemas import Plan, load_plan
 from xmesh_plan.schemas.geometry import local_slices, region_shape, region_size
 from xmesh_plan.schemas.op_kinds import members, route, rule_of
 from xmesh_plan.schemas.staging import stage_budget, staging_peaks
-from test_coalesce import all_to_all, coalesced
-from test_executor_cases import DEVICES, STRATEGIES, fixed_problems, random_problem, write_plans
-from test_executor_mpi import MPIEXEC, WORKER, mpiexec
-from test_executor_sim import simulate
+from tests.test_coalesce import all_to_all, coalesced
+from tests.support.cases import DEVICES, STRATEGIES, fixed_problems, random_problem, write_plans
+from tests.test_executor_mpi import MPIEXEC, WORKER, mpiexec
+from tests.test_executor_sim import simulate
 
 ORDERS = ("posted", "device")
 

@@ -33,14 +33,14 @@ from xmesh_plan.schemas import Plan, read_plan_file
 from xmesh_plan.schemas.op_kinds import members
 from xmesh_plan.schemas.plan_tensors import tensor_plans
 from xmesh_plan.schemas.staging import staging_peaks
-from test_staging import brute_footprint, unsafe_reuse
-from test_transfer_plan import _WorldComm, _assert_every_shard, fake_executors, full_tensors, random_transfer, run_everywhere
-from test_executor_sim import FakeWorld
+from tests.test_staging import brute_footprint, unsafe_reuse
+from tests.test_transfer_plan import _WorldComm, _assert_every_shard, fake_executors, full_tensors, random_transfer, run_everywhere
+from tests.test_executor_sim import FakeWorld
 
 ROOT = Path(__file__).resolve().parents[1]
 SMALL = ROOT / "plans" / "weight_sync_small.problem.toml"
 MPIEXEC = Path(sys.executable).parent / "mpiexec"
-WORKER = ROOT / "tests" / "staging_transfer_worker.py"
+WORKER = ROOT / "tests" / "workers" / "staging_transfer_worker.py"
 SMALL_LIMIT = 16 * 2**10  # a quarter of the small weight sync's largest device-order run without a limit (64 KiB)
 
 
@@ -302,7 +302,7 @@ def test_mpiexec_runs_limited_transfers_bit_exact_within_the_stated_staging(tmp_
 @pytest.mark.skipif(importlib.util.find_spec("torch") is None, reason="torch is not installed")
 def test_torch_gloo_runs_a_limited_transfer_bit_exact_within_the_stated_staging(tmp_path, two_plan):
     """The torch engine in device order: one staging tensor every tensor shares, each shard bit for bit (tags 0: gloo matches by order, as NCCL)."""
-    from test_executor_torch import launch
+    from tests.test_executor_torch import launch
 
     path = tmp_path / "two.plan.json"
     path.write_text(two_plan.to_json())
@@ -319,7 +319,7 @@ def test_torch_gloo_runs_a_limited_transfer_bit_exact_within_the_stated_staging(
 def test_torch_gloo_posted_runs_the_tensors_one_after_another_in_one_staging_area(tmp_path):
     """The torch engine posted runs a multi-tensor plan's tensors one after another, so they share one staging
     tensor, the largest any tensor's posted program needs on that device (not the sum); bit for bit on gloo."""
-    from test_executor_torch import launch
+    from tests.test_executor_torch import launch
 
     plan = compile_plan(two_tensors(), solver="greedy")
     path = tmp_path / "two_posted.plan.json"

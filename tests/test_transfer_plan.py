@@ -27,7 +27,7 @@ from xmesh_plan.planner.verify import PlanError, verify_plan
 from xmesh_plan.schemas import Plan, read_plan_file
 from xmesh_plan.schemas.plan_check import check_plan, tags_used
 from xmesh_plan.schemas.plan_tensors import tensor_plans
-from test_executor_sim import FakeComm, FakeMPI, FakeWorld, _out_of_device_order
+from tests.test_executor_sim import FakeComm, FakeMPI, FakeWorld, _out_of_device_order
 
 ROOT = Path(__file__).resolve().parents[1]
 SMALL = ROOT / "plans" / "weight_sync_small.problem.toml"
@@ -408,7 +408,7 @@ def test_verify_and_the_lowering_agree_on_mutated_multi_tensor_plans():
     import random
 
     from pydantic import ValidationError
-    from test_plan_mutations import _as_lists, _mutate
+    from tests.test_plan_mutations import _as_lists, _mutate
 
     bases = [compile_plan(problem(), solver="greedy", **CHAINED),
              compile_plan(problem(), strategy="local_allgather", solver="greedy", **CHAINED),
@@ -482,7 +482,7 @@ def test_split_hosts_beats_the_chained_plan_on_the_small_weight_sync():
 def test_each_tensor_of_a_multi_tensor_plan_runs_bit_exact_on_the_fake_nccl(plan, monkeypatch):
     """Each tensor's plan of a multi-tensor plan on its own (as the NCCL engine's posted order runs them, one
     after another) on the fake CuPy/NCCL of test_executor_gpu (every CuPy call checked against the real API), bit for bit."""
-    from test_executor_gpu import FakeGpu, run_on_fake
+    from tests.test_executor_gpu import FakeGpu, run_on_fake
 
     for single in tensor_plans(plan):
         run_on_fake(single, FakeGpu(api=14).install(monkeypatch), iterations=2)
@@ -583,7 +583,7 @@ def test_posted_order_and_per_tensor_device_order_send_ahead_of_earlier_operatio
 def random_transfer(seed: int, max_devices: int, exact: bool = False):
     """A seeded random multi-tensor problem: one to four tensors of random shapes, dtypes and specs on the
     meshes of a random single-tensor problem (overlapping or not; with `exact`, on exactly `max_devices`)."""
-    from test_executor_cases import _spec, random_problem
+    from tests.support.cases import _spec, random_problem
 
     base = random_problem(seed, max_devices=max_devices, exact=exact)
     rng = np.random.default_rng(seed + 1)
