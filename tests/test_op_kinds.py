@@ -19,7 +19,8 @@ from hypothesis import strategies as st
 from pydantic import ValidationError
 
 from tests.support.cases import all_fixed_plans
-from tests.test_properties import FAST_SOLVER, SETTINGS, problems
+from tests.support.builders import FAST_SOLVER
+from tests.support.strategies import SETTINGS, problems
 from xmesh_plan.executor.lower import lower
 from xmesh_plan.executor.ranks import plan_devices
 from xmesh_plan.executor.run import bytes_moved

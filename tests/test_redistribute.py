@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.test_executor_torch import LAUNCH_TIMEOUT_S, ROOT, launch
+from tests.support.launch import ROOT, TORCH_LAUNCH_TIMEOUT_S as LAUNCH_TIMEOUT_S, launch
 
 pytestmark = pytest.mark.slow
 

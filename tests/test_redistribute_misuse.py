@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.test_executor_torch import ROOT, _free_port
+from tests.support.launch import ROOT, free_port
 
 WORKER = Path(__file__).parent / "workers" / "redistribute_misuse_worker.py"
 RANKS = 4
@@ -25,7 +25,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(2 * LAUNCH_TIMEOUT_S)]
 
 def launch(*args: str) -> list[tuple[int, str, str]]:
     """(return code, stdout, stderr) of each of 4 ranks of the worker; every rank is killed after the deadline."""
-    port, reinit, procs = _free_port(), ",".join(str(_free_port()) for _ in range(2)), []
+    port, reinit, procs = free_port(), ",".join(str(free_port()) for _ in range(2)), []
     for rank in range(RANKS):
         env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank), "WORLD_SIZE": str(RANKS),
                "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(RANKS), "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1",
