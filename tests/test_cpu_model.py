@@ -10,7 +10,7 @@ from xmesh_plan.planner.problem_io import build_problem
 from xmesh_plan.planner.simulate import simulate, simulate_plan
 from xmesh_plan.schemas import Cluster, Cpu, DeviceMesh, Operation, Placement, ReshardingProblem
 
-from conftest import compile_fast, reference_problem
+from tests.support.builders import compile_fast, reference_problem
 
 SHAPE = (256, 256, 64)  # int32: 16 MiB
 

@@ -12,28 +12,14 @@ from pathlib import Path
 import pytest
 
 from xmesh_plan.schemas import load_plan
-from test_executor_cases import DEVICES, all_fixed_plans, compiled, fixed_problems, random_problem, with_chunks, write_plans
+from tests.support.cases import DEVICES, all_fixed_plans, compiled, fixed_problems, random_problem, with_chunks, write_plans
+from tests.support.launch import EXECUTOR_WORKER as WORKER, MPI_LAUNCH_TIMEOUT_S, MPIEXEC, mpiexec
 
 ROOT = Path(__file__).resolve().parents[1]
-VENV_BIN = Path(sys.executable).parent
-MPIEXEC = VENV_BIN / "mpiexec"
-WORKER = ROOT / "tests" / "test_executor_worker.py"
 PLANS = ROOT / "plans"
 
-LAUNCH_TIMEOUT_S = 300  # catches a hang only; a passing launch takes seconds, but 16-20 ranks on a loaded 2-core CI box take minutes
 pytestmark = [pytest.mark.mpi, pytest.mark.skipif(not MPIEXEC.exists(), reason=f"no mpiexec at {MPIEXEC} (install the mpich wheel)"),
-              pytest.mark.timeout(2 * LAUNCH_TIMEOUT_S)]  # above the launch's own limit, so that limit reports first
-
-
-def mpiexec(n: int, *args: str, timeout: float = LAUNCH_TIMEOUT_S, keep_going: bool = False) -> subprocess.CompletedProcess:
-    """Launch `n` ranks; with `keep_going`, a dead rank does not take the others down (they must notice it).
-
-    The timeout only catches a hang: a passing launch ends in seconds, but on a loaded 2-core CI machine
-    16-20 oversubscribed ranks can take minutes, so it is generous.
-    """
-    env = dict(os.environ, MPIR_CVAR_ENABLE_HEAVY_YIELD="1", PYTHONPATH=str(ROOT))
-    cmd = [str(MPIEXEC)] + (["-disable-auto-cleanup"] if keep_going else []) + ["-n", str(n), sys.executable, *args]
-    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+              pytest.mark.timeout(2 * MPI_LAUNCH_TIMEOUT_S)]  # above the launch's own limit, so that limit reports first
 
 
 REFERENCE_GROUPS = {  # world size -> reference plans that need exactly that many ranks

@@ -201,7 +201,7 @@ def test_the_tag_budget_is_a_plan_rule_and_the_mpi_limit_an_executor_one(case3, 
 def test_check_passes_what_compile_just_wrote(tmp_path, seed):
     """`check` re-times a fresh plan exactly as `compile` timed it, though `compile` lists operations by predicted start
     (the listing must not change the simulator's NIC queues; seed 14's global all-gather is one plan where it would)."""
-    from test_executor_cases import compiled, random_problem
+    from tests.support.cases import compiled, random_problem
 
     for strategy in ("global_allgather", "auto"):
         plan = compiled(random_problem(seed, max_devices=4 + seed % 9, exact=False), strategy)

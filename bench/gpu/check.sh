@@ -52,5 +52,5 @@ done
 echo "=== DTensor front end (redistribute) on CUDA tensors over NCCL"
 for seed in 0 1; do
   echo "--- seed $seed, 4 ranks"
-  launch 4 $((29700 + seed)) env XMESH_WORKER_DEVICE=cuda python3 tests/redistribute_worker.py "$seed"
+  launch 4 $((29700 + seed)) env XMESH_WORKER_DEVICE=cuda python3 tests/workers/redistribute_worker.py "$seed"
 done
