@@ -32,6 +32,7 @@ PATTERNS = {
     "an earlier version": r"\b(first|previous|earlier|old) version\b|\bpreviously\b|\bformerly\b",
     "a change, told as news": r"\b(was|were) (added|removed|changed|fixed|introduced|rewritten|replaced)\b(?! so far)|\bnow the default\b",
     "a revision as a point in time": r"\b(until|since|as of|before) [0-9a-f]{7,40}\b",
+    "before and now": r"(?-i:\bBefore: |(?<=\. )Now (the|a|an|it|every|each)\b)",
 }
 COMPILED = {name: re.compile(pattern, re.IGNORECASE) for name, pattern in PATTERNS.items()}
 ARCHIVED = re.compile(r"results/archive/\S*")  # a reference to an archived file names it as it was written
