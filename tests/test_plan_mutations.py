@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 import random
+from pathlib import Path
 
 import pytest
 from pydantic import ValidationError
@@ -21,10 +22,10 @@ from xmesh_plan.executor.lower import lower
 from xmesh_plan.executor.ranks import plan_devices
 from xmesh_plan.planner.verify import PlanError, verify_plan
 from xmesh_plan.schemas import Plan
-from test_executor_cases import STRATEGIES, compiled, random_problem
+from tests.support.cases import STRATEGIES, compiled, random_problem
+from tests.support.mutations import SUMMARY, as_lists, mutate
 
 MIN_MUTANTS = 1000  # schema-valid mutants per run (the issue asks for at least 1,000)
-SUMMARY: list[str] = []  # printed at the end of the run by conftest's terminal summary
 
 
 def _base_plans() -> list[Plan]:
@@ -36,84 +37,6 @@ def _base_plans() -> list[Plan]:
             if plan.operations:
                 plans.append(plan)
     return plans
-
-
-def _box_field(rng: random.Random, op: dict) -> tuple[list, int]:
-    """A (mutable) box of the operation, the region or one of its parts, and a dim of it."""
-    boxes = [op["region"]] + list(op["parts"])
-    box = rng.choice(boxes)
-    return box, rng.randrange(len(box)) if box else 0
-
-
-def _device(rng: random.Random, plan: dict) -> int:
-    devices = plan_devices(Plan.model_validate(plan))
-    return rng.choice([*devices, -1, max(devices) + 1, max(devices) + 7, rng.choice(devices)])
-
-
-def _mutate(rng: random.Random, plan: dict) -> str:
-    """Apply one random mutation in place; return its name (for the summary)."""
-    ops = plan["operations"]
-    i = rng.randrange(len(ops))
-    op = ops[i]
-    kind = rng.choice(["device", "bound", "chunks", "kind", "order", "time", "drop", "duplicate", "chain", "plan-number", "part",
-                       "host-order", "shape"])
-    if kind == "device":
-        if op["src"] is not None and rng.random() < 0.5:
-            op["src"] = _device(rng, plan)
-        elif op["dsts"]:
-            op["dsts"][rng.randrange(len(op["dsts"]))] = _device(rng, plan)
-    elif kind in ("bound", "part"):
-        box, d = _box_field(rng, op) if kind == "bound" else (rng.choice(op["parts"] or [op["region"]]), 0)
-        d = rng.randrange(len(box))
-        lo, hi = box[d]
-        box[d] = rng.choice([(lo - 1, hi), (lo + 1, hi), (lo, hi + 1), (lo, hi - 1), (hi, hi), (hi, lo), (0, hi), (lo, 10**6)])
-    elif kind == "chunks":
-        op["chunks"] = rng.choice([2, 3, op["chunks"] + 1, 1024, 1025, 10**9, 2**40, max(1, op["chunks"] - 1)])
-    elif kind == "kind":
-        op["kind"] = rng.choice(["copy", "send", "broadcast", "allgather"])
-    elif kind == "order":
-        j = rng.randrange(len(ops))
-        ops[i], ops[j] = ops[j], ops[i]
-    elif kind == "time":
-        field = rng.choice(["start_s", "end_s"])
-        op[field] = rng.choice([math.nan, math.inf, -math.inf, -1.0, op[field] * 0.5, op[field] + 1e-3, 0.0])
-    elif kind == "drop":
-        ops.pop(i)
-    elif kind == "duplicate":
-        twin = {**op, "dsts": list(op["dsts"]), "region": [list(b) for b in op["region"]], "parts": [[list(b) for b in p] for p in op["parts"]]}
-        if rng.random() < 0.5:
-            twin["id"] = max(o["id"] for o in ops) + 1
-        ops.insert(i + 1, twin)
-    elif kind == "host-order":
-        entry = rng.choice(plan["host_order"] or [{"host": 0, "side": "send", "tasks": []}])
-        what = rng.choice(["side", "host", "task", "twice"])
-        if what == "side":
-            entry["side"] = rng.choice(["send:", "send:00", "recv:1", "recv:9", "both", "recv", "send:0"])
-        elif what == "host":
-            entry["host"] = rng.choice([-1, 99, entry["host"] + 1])
-        elif what == "task":
-            entry["tasks"].append(rng.choice([-5, 10**6]))
-        else:
-            plan["host_order"].append({**entry, "tasks": list(entry["tasks"])})
-    elif kind == "shape":
-        shape = plan["problem"]["shape"]
-        d = rng.randrange(len(shape))
-        shape[d] = max(0, shape[d] + rng.choice([-1, 1, 7]))
-    elif kind == "chain":
-        op["dsts"] = [] if rng.random() < 0.5 else op["dsts"][:1]
-    else:
-        field = rng.choice(["predicted_seconds", "lower_bound_seconds"])
-        plan[field] = rng.choice([math.nan, math.inf, -1.0, plan["predicted_seconds"] * 2, 0.0])
-    return kind
-
-
-def _as_lists(value):
-    """model_dump gives tuples; mutations need lists (the JSON a user edits has lists too)."""
-    if isinstance(value, (list, tuple)):
-        return [_as_lists(v) for v in value]
-    if isinstance(value, dict):
-        return {k: _as_lists(v) for k, v in value.items()}
-    return value
 
 
 def _lowering_refuses(plan: Plan) -> str | None:
@@ -136,13 +59,13 @@ def _verify_rejects(plan: Plan) -> str | None:
 
 def test_verify_and_the_executor_agree_on_random_mutants():
     rng = random.Random(20261123)
-    bases = [_as_lists(p.model_dump()) for p in _base_plans()]
+    bases = [as_lists(p.model_dump()) for p in _base_plans()]
     valid = schema_refused = rejected = 0
     disagreements = []
     kinds: dict[str, int] = {}
     while valid < MIN_MUTANTS:
-        raw = _as_lists(rng.choice(bases))
-        kind = _mutate(rng, raw)
+        raw = as_lists(rng.choice(bases))
+        kind = mutate(rng, raw)
         if not raw["operations"]:
             continue
         try:
@@ -168,7 +91,7 @@ def test_verify_and_the_executor_agree_on_random_mutants():
 @pytest.mark.parametrize("field,value", [("start_s", math.nan), ("end_s", math.inf), ("start_s", -1.0)])
 def test_a_bad_operation_time_gets_the_same_message_on_both_sides(field, value):
     plan = compiled(random_problem(3, max_devices=6, exact=False), "broadcast")
-    raw = _as_lists(plan.model_dump())
+    raw = as_lists(plan.model_dump())
     raw["operations"][0][field] = value
     mutant = Plan.model_validate(raw)
     verdict, refusal = _verify_rejects(mutant), _lowering_refuses(mutant)
@@ -184,23 +107,23 @@ MIN_MULTI_MUTANTS = 600
 def _multi_bases() -> list[Plan]:
     """Multi-tensor plans with every feature a mutation can break: bundles, bundles of several tensors sharing one
     message (`carrier`), a stated staging limit and peaks (with and without shared messages), copies, broadcasts."""
-    from test_transfer_plan import SMALL, problem
-
     from xmesh_plan.planner.compile import compile_plan
     from xmesh_plan.planner.transfer_io import load_any_problem
+    from tests.support.transfer import three_tensors
 
-    bases = [compile_plan(problem(), solver="greedy"),  # split by host, coalesced, shared messages
-             compile_plan(problem(), solver="greedy", max_staging_bytes=64),
-             compile_plan(problem(), solver="greedy", max_staging_bytes=512),
-             compile_plan(problem(), strategy="auto", solver="greedy", split_hosts=False),
-             compile_plan(load_any_problem(SMALL), solver="greedy")]  # 84 bundles, 80 of them riding in another's message
+    small = Path(__file__).resolve().parents[1] / "plans" / "weight_sync_small.problem.toml"
+    bases = [compile_plan(three_tensors(), solver="greedy"),  # split by host, coalesced, shared messages
+             compile_plan(three_tensors(), solver="greedy", max_staging_bytes=64),
+             compile_plan(three_tensors(), solver="greedy", max_staging_bytes=512),
+             compile_plan(three_tensors(), strategy="auto", solver="greedy", split_hosts=False),
+             compile_plan(load_any_problem(small), solver="greedy")]  # 84 bundles, 80 of them riding in another's message
     assert any(op.carrier is not None for op in bases[0].operations)
     assert all(b.staging is not None for b in bases[1:3]) and any(op.kind == "bundle" for op in bases[1].operations)
     return bases
 
 
 def _mutate_multi(rng: random.Random, plan: dict) -> str:
-    """One mutation of what only multi-tensor plans have (else a generic one, `_mutate`); returns its name."""
+    """One mutation of what only multi-tensor plans have (else a generic one, `mutate`); returns its name."""
     ops = plan["operations"]
     bundles = [op for op in ops if op["kind"] == "bundle"]
     kind = rng.choice(["carrier", "carrier", "staging", "staging", "bundle", "bundle", "tensor", "host-order-empty", "generic",
@@ -253,7 +176,7 @@ def _mutate_multi(rng: random.Random, plan: dict) -> str:
         plan["host_order"] = []
     else:
         try:
-            return _mutate(rng, plan)
+            return mutate(rng, plan)
         except KeyError:  # the single-tensor "shape" mutation: change one tensor's shape instead
             tensor = rng.choice(plan["problem"]["tensors"])
             tensor["shape"][0] = max(0, tensor["shape"][0] + rng.choice([-1, 1, 7]))
@@ -287,11 +210,11 @@ def _executor_refuses(plan: Plan) -> str | None:
 
 def test_verify_and_the_executor_agree_on_random_multi_tensor_mutants():
     rng = random.Random(20261126)
-    bases = [_as_lists(p.model_dump()) for p in _multi_bases()]
+    bases = [as_lists(p.model_dump()) for p in _multi_bases()]
     valid = rejected = schema_refused = 0
     disagreements, kinds = [], {}
     while valid < MIN_MULTI_MUTANTS:
-        raw = _as_lists(bases[rng.choice([0, 0, 1, 1, 2, 2, 3, 4])])
+        raw = as_lists(bases[rng.choice([0, 0, 1, 1, 2, 2, 3, 4])])
         kind = _mutate_multi(rng, raw)
         if not raw["operations"]:
             continue
@@ -325,7 +248,7 @@ def test_verify_and_the_executor_agree_on_random_multi_tensor_mutants():
 
 
 def test_a_carrier_naming_a_later_operation_is_refused_by_both():
-    raw = _as_lists(_multi_bases()[0].model_dump())
+    raw = as_lists(_multi_bases()[0].model_dump())
     ops = raw["operations"]
     k = next(i for i, op in enumerate(ops) if op["kind"] == "bundle" and op.get("carrier") is None)
     ops[k]["carrier"] = next(op for op in ops[k + 1:] if op["kind"] == "bundle" and op.get("carrier") is None)["id"]
@@ -347,7 +270,7 @@ def test_the_first_operation_naming_the_last_as_carrier_does_not_wrap_around():
 
 
 def test_a_bundle_with_no_sender_is_a_clean_refusal():
-    raw = _as_lists(_multi_bases()[0].model_dump())
+    raw = as_lists(_multi_bases()[0].model_dump())
     next(op for op in raw["operations"] if op["kind"] == "bundle")["src"] = None
     mutant = Plan.model_validate(raw)
     assert "src must be a device" in _verify_rejects(mutant)
