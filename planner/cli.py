@@ -187,7 +187,7 @@ def inspect_command(plan_file, show_tasks, show_ops, show_orders):
     try:
         check_plan(plan)  # its sums index by tensor, device and host: a malformed plan gets one line, not a crash
     except PlanError as err:
-        raise UserError(f"{plan_file}: {err}; recompile it, or run `xmesh-plan verify {plan_file}`") from None
+        raise UserError(f"{quoted(plan_file)}: {err}; recompile it, or run `xmesh-plan verify {quoted(plan_file)}`") from None
     click.echo(summarize(plan, show_tasks=show_tasks, show_ops=show_ops, show_orders=show_orders))
 
 
