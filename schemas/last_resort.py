@@ -56,7 +56,8 @@ def run_guarded(entry: Callable[[], int | None], program: str, argv: Sequence[st
         try:
             code = entry() or 0
         finally:
-            sys.stdout.flush()  # here, not at exit, so a full disk behind `>` is reported, not lost
+            if sys.stdout is not None and not sys.stdout.closed:
+                sys.stdout.flush()  # here, not at exit, so a full disk behind `>` is reported, not lost
         return code
     except SystemExit:
         raise
