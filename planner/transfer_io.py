@@ -32,7 +32,7 @@ from xmesh_plan.schemas.transfer import MAX_TENSORS, TransferProblem
 from xmesh_plan.schemas.validation import describe_validation_error
 
 from .problem_io import InputError, build_problem, hosts_used, parse_cluster, parse_mesh, parse_shape, read_data_file
-from .unit_tasks import check_counted_tasks, task_count_bound
+from .unit_tasks import check_task_total, task_count_bound
 
 TOP_KEYS = ("name", "dtype", "src_mesh", "dst_mesh", "cluster", "rules", "tensors")
 TENSOR_KEYS = ("name", "shape", "dtype", "src", "dst")
@@ -81,6 +81,8 @@ def build_transfer(raw: dict[str, Any], max_tasks: int | None = None) -> Transfe
     if "tensors" not in raw:
         raise InputError("tensors: missing; give a list of tensors, each with name and shape")
     matcher = _RuleMatcher(rules)
+    if max_tasks is not None:  # from the entries as written, before a repeated group is unrolled
+        _TaskCount(src_mesh, dst_mesh, cluster, matcher, default_dtype).of_entries(raw["tensors"], max_tasks)
     tensors = [_tensor(entry, where, matcher, default_dtype) for entry, where in _expand(raw["tensors"])]
     unused = matcher.fitting_none([t["name"] for t in tensors])  # _tensor made each a dict with a text name
     if unused is not None:  # a typo in a pattern would silently leave its tensors to a later rule
@@ -89,31 +91,71 @@ def build_transfer(raw: dict[str, Any], max_tasks: int | None = None) -> Transfe
         raise InputError("tensors: no tensor is left once repeated groups are unrolled (repeat = 0 everywhere?); "
                          "give at least one tensor")
     name = raw.get("name", "")
-    if max_tasks is not None:
-        _check_counts(tensors, src_mesh, dst_mesh, cluster, max_tasks)
     try:
         return TransferProblem(name=name, src_mesh=src_mesh, dst_mesh=dst_mesh, cluster=cluster, tensors=tuple(tensors))
     except ValidationError as err:
         raise InputError(_named(describe_validation_error(err), tensors)) from None
 
 
-def _check_counts(tensors: list[dict[str, Any]], src_mesh, dst_mesh, cluster, max_tasks: int) -> None:
-    """TooManyTasksError where the tensors could cut into more than `max_tasks` unit tasks together, counted from
-    one problem per distinct (shape, src spec, dst spec); a tensor whose problem is malformed is left to the
-    schema, which names its fault."""
-    known: dict[tuple, int] = {}
-    bounds = []
-    for t in tensors:
-        key = (tuple(t["shape"]) if isinstance(t["shape"], (list, tuple)) else t["shape"], t["src"], t["dst"])
-        if key not in known:
+class _TaskCount:
+    """The unit tasks tensor entries could cut into, counted as written: a repeated group's tensor that gives both
+    specs itself counts once for all its copies, one whose specs come from the rules is matched name by name (one
+    regular expression each); each distinct (shape, dtype, specs) is cut into cut points once. Anything malformed
+    stops the count (`of_entries` then refuses nothing): reading the entries in full names the fault."""
+
+    def __init__(self, src_mesh, dst_mesh, cluster, rules: "_RuleMatcher", default_dtype: Any):
+        self.src_mesh, self.dst_mesh, self.cluster, self.rules, self.default_dtype = src_mesh, dst_mesh, cluster, rules, default_dtype
+        self.known: dict[tuple, int | None] = {}
+        self.tensors = self.total = self.largest = 0
+        self.largest_name = ""
+
+    def of_entries(self, entries: Any, max_tasks: int) -> None:
+        """TooManyTasksError where the entries (a problem's `tensors`) could cut into more than `max_tasks` unit tasks."""
+        if not isinstance(entries, list):
+            return
+        for entry in entries:
+            if not isinstance(entry, dict):
+                return
+            repeat, group = (entry.get("repeat"), entry.get("group")) if "repeat" in entry or "group" in entry else (None, [entry])
+            if repeat is not None and (not isinstance(repeat, int) or isinstance(repeat, bool) or not 0 <= repeat <= MAX_REPEAT):
+                return
+            if not isinstance(group, list) or not all(isinstance(t, dict) and isinstance(t.get("name"), str) for t in group):
+                return
+            for tensor in group:
+                if not self._add_copies(tensor, repeat):
+                    return
+        if self.tensors:
+            check_task_total(self.tensors, self.total, self.largest_name, self.largest, max_tasks)
+
+    def _add_copies(self, tensor: dict, repeat: int | None) -> bool:
+        """Count `tensor` (`repeat` copies named by {i}, or itself when None); False where something is malformed."""
+        if repeat is None or ("src" in tensor and "dst" in tensor):
+            return self._add(tensor["name"].replace("{i}", "0") if repeat else tensor["name"], tensor, 1 if repeat is None else repeat)
+        return all(self._add(tensor["name"].replace("{i}", str(i)), tensor, 1) for i in range(repeat))
+
+    def _add(self, name: str, tensor: dict, copies: int) -> bool:
+        specs = [tensor[side] if tensor.get(side) is not None else self.rules.spec(name, side) for side in ("src", "dst")]
+        shape = tensor.get("shape")
+        try:
+            key = (parse_shape(shape) if isinstance(shape, str) else tuple(shape), tensor.get("dtype", self.default_dtype), *specs)
+            hash(key)
+        except (InputError, TypeError):
+            return False
+        if key not in self.known:
             try:
-                single = ReshardingProblem(name=t["name"], shape=t["shape"], dtype=t["dtype"], cluster=cluster,
-                                           src=Placement(mesh=src_mesh, spec=t["src"]), dst=Placement(mesh=dst_mesh, spec=t["dst"]))
+                single = ReshardingProblem(name=name, shape=key[0], dtype=key[1], cluster=self.cluster,
+                                           src=Placement(mesh=self.src_mesh, spec=key[2]), dst=Placement(mesh=self.dst_mesh, spec=key[3]))
+                self.known[key] = task_count_bound(single)
             except (ValidationError, ValueError, TypeError):
-                return  # the schema refuses this tensor below, naming it
-            known[key] = task_count_bound(single)
-        bounds.append(known[key])
-    check_counted_tasks([t["name"] for t in tensors], bounds, max_tasks)
+                self.known[key] = None
+        bound = self.known[key]
+        if bound is None or not copies:
+            return bound is not None
+        self.tensors += copies
+        self.total += bound * copies
+        if bound > self.largest:
+            self.largest, self.largest_name = bound, name
+        return True
 
 
 class _RuleMatcher:

@@ -86,19 +86,19 @@ def check_joint_task_count(problems: list[ReshardingProblem], max_tasks: int | N
         if key not in known:
             known[key] = task_count_bound(p)
         bounds.append(known[key])
-    return check_counted_tasks([p.name for p in problems], bounds, max_tasks)
+    largest = max(range(len(bounds)), key=lambda i: bounds[i])
+    check_task_total(len(bounds), sum(bounds), problems[largest].name, bounds[largest], max_tasks)
+    return sum(bounds)
 
 
-def check_counted_tasks(names: list[str], bounds: list[int], max_tasks: int | None) -> int:
-    """The sum of the tensors' task bounds, or TooManyTasksError naming it, the largest and `--max-tasks`."""
-    total = sum(bounds)
+def check_task_total(tensors: int, total: int, largest_name: str, largest: int, max_tasks: int | None) -> None:
+    """TooManyTasksError where `tensors` tensors cut into `total` unit tasks, above `max_tasks` (`largest` of them from
+    the tensor called `largest_name`)."""
     if max_tasks is not None and total > max_tasks:
-        largest = max(range(len(bounds)), key=lambda i: bounds[i])
         raise TooManyTasksError(
-            f"problem: cutting its {len(bounds)} tensors gives up to {total:,} unit tasks (the most, {bounds[largest]:,}, "
-            f"from {names[largest]!r}), above the limit of {max_tasks:,}; pass --max-tasks {total} (max_tasks= in "
+            f"problem: cutting its {tensors} tensors gives up to {total:,} unit tasks (the most, {largest:,}, "
+            f"from {largest_name!r}), above the limit of {max_tasks:,}; pass --max-tasks {total} (max_tasks= in "
             f"Python) if this machine has the memory (about {_memory(total * BYTES_PER_TASK)}), or use coarser meshes or specs")
-    return total
 
 
 def check_split_count(cells_of: list[list[Cell]], cluster, max_tasks: int | None) -> int:

@@ -142,6 +142,7 @@ def test_a_repeated_file_is_refused_from_its_counts_before_the_problem_is_built(
         raise AssertionError("the transfer problem was built before its task count was checked")
 
     monkeypatch.setattr(transfer_io, "TransferProblem", not_built)
+    monkeypatch.setattr(transfer_io, "_tensor", lambda *a: pytest.fail("a repeated group was unrolled before counting"))
     with pytest.raises(TooManyTasksError, match="100000 tensors gives up to 800,000 unit tasks"):
         transfer_io.build_transfer(json.loads(json.dumps(REPEATED)), max_tasks=DEFAULT_MAX_TASKS)
     assert len(counted) == 1  # 100,000 tensors of one shape and specs: one count
@@ -155,6 +156,17 @@ def test_the_cli_refuses_a_repeated_file_above_max_tasks(tmp_path, monkeypatch):
     path.write_text(json.dumps(REPEATED))
     refused = CliRunner().invoke(main, ["compile", str(path)])
     assert refused.exit_code == 2 and "800,000 unit tasks" in refused.stderr, refused.output
+
+
+def test_a_repeated_group_with_rules_is_counted_name_by_name_before_unrolling(monkeypatch):
+    from xmesh_plan.planner import transfer_io
+
+    monkeypatch.setattr(transfer_io, "_tensor", lambda *a: pytest.fail("a repeated group was unrolled before counting"))
+    raw = {**REPEATED, "rules": [{"match": "l1?.w", "src": "R R", "dst": "R R"}, {"match": "*", "src": "S0 R", "dst": "R S1"}],
+           "tensors": [{"repeat": 20, "group": [{"name": "l{i}.w", "shape": [64, 64]}]}]}
+    # l10.w .. l19.w take the first rule (nothing to cut: 1 task each), the other ten 8 tasks each
+    with pytest.raises(TooManyTasksError, match="20 tensors gives up to 90 unit tasks"):
+        transfer_io.build_transfer(raw, max_tasks=89)
 
 
 def test_rules_are_bounded(tmp_path):
