@@ -50,8 +50,16 @@ def compile_raw(tmp_path: Path, raw, name: str = "p.json"):
 
 # --- 17: strict types at the door ---------------------------------------------------------------------------
 
-def _plan_raw() -> dict:
-    return json.loads(CASE3_PLAN.read_text())
+def edited(source: Path, tmp_path: Path, where: tuple, value) -> Path:
+    """A copy of the JSON file `source` in `tmp_path` with the field at path `where` set to `value`."""
+    raw = json.loads(source.read_text())
+    node = raw
+    for key in where[:-1]:
+        node = node[key]
+    node[where[-1]] = value
+    path = tmp_path / f"edited-{source.name}"
+    path.write_text(json.dumps(raw))
+    return path
 
 
 @pytest.mark.parametrize("where,value", [
@@ -65,15 +73,8 @@ def _plan_raw() -> dict:
     (("host_order", 0, "tasks", 0), False),
 ])
 def test_plan_numbers_and_flags_are_not_coerced(tmp_path, where, value):
-    raw = _plan_raw()
-    node = raw
-    for key in where[:-1]:
-        node = node[key]
-    node[where[-1]] = value
-    path = tmp_path / "x.plan.json"
-    path.write_text(json.dumps(raw))
     with pytest.raises(PlanFileError, match=".".join(map(str, where))):
-        read_plan_file(path)
+        read_plan_file(edited(CASE3_PLAN, tmp_path, where, value))
 
 
 @pytest.mark.parametrize("shape", [[8.0, 8], [8.5, 8], ["8", 8]])
@@ -133,11 +134,7 @@ def test_a_tensor_name_with_a_newline_is_quoted(tmp_path):
 
 
 def test_a_solver_details_key_with_a_newline_is_quoted(tmp_path):
-    raw = _plan_raw()
-    raw["solver"]["details"]["x\ny"] = 1
-    path = tmp_path / "x.plan.json"
-    path.write_text(json.dumps(raw))
-    one_line_error(run("inspect", path), "'x\\ny'")
+    one_line_error(run("inspect", edited(CASE3_PLAN, tmp_path, ("solver", "details", "x\ny"), 1)), "'x\\ny'")
 
 
 def test_a_problem_path_with_a_newline_is_quoted(tmp_path):
@@ -187,10 +184,7 @@ def test_a_schedule_flag_as_a_number_is_refused(tmp_path):
     pipeline = ROOT / "bench" / "pipelines" / "gpt-1.3b-2x2-fp16.json"
     schedule = tmp_path / "s.json"
     assert run("schedule", pipeline, "--schedule", "1f1b", "--solver", "greedy", "-o", schedule).exit_code == 0
-    raw = json.loads(schedule.read_text())
-    raw["overlap"] = 1
-    schedule.write_text(json.dumps(raw))
-    one_line_error(run("simulate", schedule), "overlap")
+    one_line_error(run("simulate", edited(schedule, tmp_path, ("overlap",), 1)), "overlap")
 
 
 def test_verify_quotes_a_plan_path_with_a_newline(tmp_path):
