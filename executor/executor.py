@@ -23,7 +23,7 @@ from xmesh_plan.schemas.staging import stage_budget
 from xmesh_plan.schemas.plan_tensors import is_multi
 
 from .arrays import storage_dtype
-from .engines import BACKENDS, EngineContext, engine_entry
+from .engines import BACKENDS, TORCH_BACKENDS, EngineContext, engine_entry, world_of_backend
 from .errors import ExecutorError, PlanMismatchError
 from .lower import ORDERS, RankProgram, in_device_order, lower
 from .ranks import device_of_rank, rank_of_devices
@@ -45,7 +45,7 @@ def poll(request, timeout_s: float, poll_s: tuple[float, float], what: str) -> N
 
 def make_world(comm, backend: str | None):
     """The world `comm` names: an mpi4py communicator, a torch process group, or None (torch's default group)."""
-    if is_torch_group(comm) or (comm is None and backend in ("torch", "gloo")):
+    if is_torch_group(comm) or (comm is None and world_of_backend(backend) == "torch"):
         return TorchWorld(comm)
     if not is_mpi_comm(comm):
         raise TypeError(f"comm is a {type(comm).__name__}; pass an mpi4py communicator, e.g. MPI.COMM_WORLD, "
@@ -116,7 +116,7 @@ class ReshardingExecutor:
         if order not in ORDERS:
             raise ValueError(f"order {order!r} is unknown; use one of: {', '.join(ORDERS)}")
         world = make_world(comm, backend)
-        self.entry = engine_entry(backend or ("torch" if world.kind == "torch" else "mpi"), world.kind)
+        self.entry = engine_entry(backend, world.kind)
         timeout_s = check_timeout(timeout_s)
         if not (isinstance(poll_s, (tuple, list)) and len(poll_s) == 2 and all(map(is_number, poll_s))
                 and 0 < poll_s[0] <= poll_s[1] <= MAX_TIMEOUT_S):
@@ -156,8 +156,8 @@ class ReshardingExecutor:
         staging out in one area (`executor.joint`) before the engines are set up."""
         if self.engine is not None or self.program is not None or self.closed:
             raise ExecutorError("prepare() was already called on this executor; call it once, then run() every iteration")
-        # messages each need their own tag (below MPI's TAG_UB); CuPy's NCCL calls use no tags
-        tag_limit = 2**62 if self.entry.name == "nccl" else self.world.tag_limit()
+        # messages each need their own tag (below MPI's TAG_UB); an engine without tags has no limit
+        tag_limit = self.world.tag_limit() if self.entry.tagged else 2**62
         error = program = None
         try:  # a refusal here (the world size too) is shared with every rank before anyone raises
             program = lower(self.plan, self.device, tag_limit=tag_limit, first_tag=self.tag_offset)
@@ -180,7 +180,7 @@ class ReshardingExecutor:
         context = EngineContext(self.comm, rank_of_devices(self.plan), problem.dtype, storage_dtype(problem.dtype),
                                 self.timeout_s, self.poll_s, self.gpu, problem.cluster.devices_per_host, self.joined)
         self.engine = self.entry.make(self.program, context)
-        if self.backend in ("gloo", "nccl") and self.world.kind == "torch" and self.world.backend != self.backend:
+        if self.backend in TORCH_BACKENDS and self.world.kind == "torch" and self.world.backend != self.backend:
             raise ExecutorError(f"backend={self.backend!r} but the process group runs {self.world.backend}; "
                                 "pass backend='torch' (any group) or a group of that backend")
         if stage is not None:

@@ -170,7 +170,7 @@ def demo(plan: Plan, comm, args: argparse.Namespace) -> tuple[str, bool]:
     ex = ReshardingExecutor(plan, comm, backend=args.backend, timeout_s=args.timeout, gpu=args.gpu, order=args.order or "device").prepare()
     problem, program = plan.problem, ex.program
     shard = fill(program.src_block, problem.shape, ex.engine.dtype) if program.src_block else None
-    if args.backend == "nccl" and shard is not None:
+    if shard is not None:  # the engine's own array type (a GPU array for nccl)
         shard = ex.engine.adopt(shard)
     out, times = _timed(lambda: ex.run(shard), [ex.engine], comm, args)
     bad, first = (0, None)

@@ -44,14 +44,12 @@ from xmesh_plan.schemas.plan_tensors import is_multi, mpi_transfer_order, tensor
 from xmesh_plan.schemas.staging import staging_peaks
 
 from .errors import ExecutorError, PlanMismatchError
-from .engines import engine_entry
+from .engines import ENGINES, engine_entry
 from .executor import DEFAULT_POLL_S, ReshardingExecutor, check_usable, finish_in_flight
 from .joint import JointProgram, join_programs, tensor_programs
 from .lower import ORDERS
 from .ranks import device_of_rank
 from .worlds import is_mpi_comm
-
-CONCURRENT_BACKENDS = ("mpi",)  # engines that run several reshards in flight (a waiting one drives the others)
 
 
 def default_order(plan: Plan, engine: str) -> str:
@@ -62,7 +60,7 @@ def default_order(plan: Plan, engine: str) -> str:
     posted order runs the tensors one after another (on NCCL with a communicator per group per tensor,
     and no shared messages), so they keep device order; and a plan that states a staging limit
     (`--max-staging-mb`) keeps it on `mpi` too, since posted order stages every box at once."""
-    if not is_multi(plan) or engine in ("torch", "nccl"):
+    if not is_multi(plan) or not ENGINES[engine].concurrent:
         return "device"
     return mpi_transfer_order(plan.staging is not None)
 
@@ -72,10 +70,11 @@ def check_transfer_staging(plan: Plan, order: str, engine: str) -> None:
     limit in a way that would allocate more than the peak it states on some device. NCCL's need (its largest
     operation, or shared message in device order, on each device) is known once every tensor is lowered:
     `TransferExecutor.prepare()` checks it on every rank before anything is allocated."""
-    if not is_multi(plan) or plan.staging is None or engine == "nccl":
+    entry = ENGINES[engine]
+    if not is_multi(plan) or plan.staging is None or entry.own_staging:
         return
     stated = plan.staging.peak_bytes
-    if order == "posted" and engine not in CONCURRENT_BACKENDS:  # one tensor after another, in one shared area
+    if order == "posted" and not entry.concurrent:  # one tensor after another, in one shared area
         need: dict[int, int] = {}
         for single in tensor_plans(plan):
             for device, nbytes in staging_peaks(single, "posted").items():
@@ -100,7 +99,8 @@ class TransferExecutor:
         if not isinstance(plan, Plan):
             raise TypeError(f"plan is a {type(plan).__name__}; pass a schemas.Plan, e.g. schemas.read_plan_file('x.plan.json')")
         world = "mpi" if is_mpi_comm(comm) else "torch"
-        order = order or default_order(plan, engine_entry(backend or world, world).name)
+        entry = engine_entry(backend, world)
+        order = order or default_order(plan, entry.name)
         if order not in ORDERS:
             raise ValueError(f"order {order!r} is unknown; use one of: {', '.join(ORDERS)}")
         try:
@@ -109,8 +109,8 @@ class TransferExecutor:
             raise PlanMismatchError(f"{err}; recompile the plan and check it with `xmesh-plan verify`",
                                     same_on_every_rank=True) from None  # every rank reads the same plan
         named = backend or world
-        check_transfer_staging(plan, order, engine_entry(named, world).name)
-        self.concurrent = named in CONCURRENT_BACKENDS
+        check_transfer_staging(plan, order, entry.name)
+        self.concurrent = entry.concurrent
         self.plan, self.names, self.order = plan, tensor_names(plan), order
         self.parts = [ReshardingExecutor(p, comm, backend, timeout_s, poll_s, gpu, order) for p in tensor_plans(plan)]
         self.entry = self.parts[0].entry
