@@ -31,7 +31,7 @@ from xmesh_plan.schemas.staging import SYNC_SEND_BYTES  # device order: sends th
 
 from .arrays import as_host_array, check_shard
 from .errors import ExecutorError, PeerTimeoutError
-from .lower import RankProgram
+from .lower import Action, RankProgram
 
 SHOWN_PENDING = 3
 WINDOW = 16
@@ -82,9 +82,9 @@ class MpiEngine:
         self.requests: list = [None] * n
         self.pairs: list = [None] * n
         weakref.finalize(self, _free_requests, self.requests, mpi)
-        self.reads_src = [s.index for s in self.steps if _reads_src(s)]  # made in _bind()
+        self.reads_src = [s.index for s in self.steps if s.reads_src]  # made in _bind()
         for s in self.steps:
-            if not _reads_src(s):
+            if not s.reads_src:
                 self._make(s.index, self.flat)
         self._schedule()
 
@@ -96,10 +96,10 @@ class MpiEngine:
             for d in s.deps:
                 self.dependents[d].append(s.index)
         self.initial = [len(s.deps) for s in self.steps]
-        self.local = [s.action not in ("send", "recv") for s in self.steps]  # runs at once when launched (no request)
+        self.local = [not s.action.is_message for s in self.steps]  # runs at once when launched (no request)
         self.remaining = self.initial.copy()  # each count is restored when its step launches
-        self.first = [s.index for s in self.steps if not s.deps and s.action == "recv"]
-        self.first += [s.index for s in self.steps if not s.deps and s.action != "recv"]
+        self.first = [s.index for s in self.steps if not s.deps and s.action is Action.RECV]
+        self.first += [s.index for s in self.steps if not s.deps and s.action is not Action.RECV]
         self.live = [-1] * self.program.messages()
         self.head = self.tail = self.holes = self.pending = 0
         self.bound_address, self.bound_ref = None, None
@@ -107,9 +107,9 @@ class MpiEngine:
     def _make(self, i: int, flat: dict) -> None:
         """The persistent request (message) or (target, source) views (local copy) of step i, reading `flat` buffers."""
         s, mpi = self.steps[i], self._mpi
-        if s.action in ("send", "recv"):
+        if s.action.is_message:
             buf = [flat[s.data.buffer][s.data.start:s.data.stop], mpi.BYTE]
-            if s.action == "recv":
+            if s.action is Action.RECV:
                 self.requests[i] = self.comm.Recv_init(buf, source=self.peer_rank[i], tag=s.tag)
             else:
                 # in device order a large send must not finish while its bytes sit in a socket buffer, or the
@@ -118,13 +118,13 @@ class MpiEngine:
                 sync = self.program.order == "device" and s.data.nbytes >= SYNC_SEND_BYTES
                 send_init = self.comm.Ssend_init if sync else self.comm.Send_init
                 self.requests[i] = send_init(buf, dest=self.peer_rank[i], tag=s.tag)
-        elif s.action == "copy":
+        elif s.action is Action.COPY:
             self.pairs[i] = (self.dst[s.target.index], flat["src_typed"][s.box.index])
         else:
             staged = self.stage[s.data.start:s.data.stop].view(self.dtype).reshape(s.box.shape)
             shard = self.dst if s.box.side == "dst" else flat.get("src_typed")
             boxed = shard[s.box.index] if shard is not None else None
-            self.pairs[i] = (boxed, staged) if s.action == "unpack" else (staged, boxed)
+            self.pairs[i] = (boxed, staged) if s.action is Action.UNPACK else (staged, boxed)
 
     def _bind(self, src: np.ndarray | None) -> None:
         """Point the steps that read the source shard at `src`; remade only when its address changed since the last call."""
@@ -354,7 +354,7 @@ class JointMpiEngine(MpiEngine):
         self.peer_rank = [parts[t].peer_rank[j] for t, j in where]
         self.requests = [parts[t].requests[j] for t, j in where]
         self.pairs = [parts[t].pairs[j] for t, j in where]
-        self.reads_src = [(i, t, j) for i, (t, j) in enumerate(where) if _reads_src(self.steps[i])]
+        self.reads_src = [(i, t, j) for i, (t, j) in enumerate(where) if self.steps[i].reads_src]
         self._schedule()
 
     def _bind(self, srcs: list) -> None:
@@ -377,12 +377,6 @@ def _shared_stage(stage: np.ndarray, nbytes: int) -> np.ndarray:
                          f"got {getattr(stage, 'dtype', type(stage).__name__)} of {getattr(stage, 'size', '?')} elements")
     return stage
 
-
-def _reads_src(step) -> bool:
-    """Whether a step reads the caller's source shard (its request or views are made per shard address)."""
-    if step.action == "send":
-        return step.data.buffer == "src"
-    return step.action in ("copy", "pack") and step.box.side == "src"
 
 
 _ABANDONED: list = []  # requests (and source shards they read) still active after a failure: kept until exit

@@ -50,7 +50,7 @@ from xmesh_plan.schemas.staging import SYNC_SEND_BYTES  # device order: messages
 from .arrays import RAW_KINDS
 from .engines import EngineContext
 from .errors import BackendUnavailableError, ExecutorError, PeerTimeoutError, PlanMismatchError
-from .lower import Bytes, RankProgram, Step
+from .lower import Action, Bytes, RankProgram, Step
 
 _ABANDONED: list = []  # works (and the buffers they touch) still in flight after a failure: kept until exit
 MATCH_BY_TAG = True  # False: post every message with tag 0, so gloo matches a pair's messages by order alone, as NCCL does
@@ -63,12 +63,6 @@ def torch_dtype(torch, name: str):
     """The torch dtype of a plan dtype name (every name in schemas.dtypes has one)."""
     return getattr(torch, name)
 
-
-def _reads_src(step) -> bool:
-    """Whether a step reads the caller's source shard (its views are remade when the shard changes)."""
-    if step.action == "send":
-        return step.data.buffer == "src"
-    return step.action in ("copy", "pack") and step.box.side == "src"
 
 
 class TorchEngine:
@@ -116,9 +110,9 @@ class TorchEngine:
         self.buffers: list = [None] * len(self.steps)  # [uint8 view] per message, (target, source) per local copy
         self.works: list = [None] * len(self.steps)
         for s in self.steps:
-            if not _reads_src(s):
+            if not s.reads_src:
                 self._make(s.index, self.flat)
-        self.reads_src = [s.index for s in self.steps if _reads_src(s)]
+        self.reads_src = [s.index for s in self.steps if s.reads_src]
         self._schedule(receipts=not self.context.joined)
 
     def _message_key(self, i: int) -> tuple:
@@ -142,7 +136,7 @@ class TorchEngine:
         groups: dict[tuple[int, int, str], list[int]] = {}  # (operation, peer, send or recv) -> its large messages
         pair_keys: dict[tuple[int, int], list[tuple]] = {}  # (operation, peer) -> the keys of all its messages, both ways
         for s in self.steps:
-            if s.action in ("send", "recv"):
+            if s.action.is_message:
                 pair_keys.setdefault((s.op, s.peer), []).append(self._message_key(s.index)[:-1])
                 if s.data.nbytes >= RECEIPT_BYTES:
                     groups.setdefault((s.op, s.peer, s.action), []).append(s.index)
@@ -152,8 +146,8 @@ class TorchEngine:
         steps = list(self.steps)
         for k, ((op, peer, action), members) in enumerate(sorted(groups.items())):
             last = steps[max(members, key=self._message_key)]
-            back = "recv" if action == "send" else "send"  # the receiver sends it once `last` is in, the sender waits for it
-            steps.append(Step(len(steps), back, op, last.task, f"receipt of {last.kind}", () if back == "recv" else (last.index,),
+            back = Action.RECV if action is Action.SEND else Action.SEND  # the receiver sends it once `last` is in, the sender waits for it
+            steps.append(Step(len(steps), back, op, last.task, f"receipt of {last.kind}", () if back is Action.RECV else (last.index,),
                               peer, last.tag, Bytes("receipt", k, k + 1), piece=last.piece))
             self.acknowledges[len(steps) - 1] = members
             self.receipt_key[len(steps) - 1] = (*max(pair_keys[(op, peer)]), math.inf, last.index)
@@ -177,21 +171,21 @@ class TorchEngine:
             for d in s.deps:
                 self.dependents[d].append(s.index)
         for receipt, members in self.acknowledges.items():  # what waited for those sends now waits for their receipt
-            if self.steps[receipt].action == "recv":
+            if self.steps[receipt].action is Action.RECV:
                 self.dependents[receipt] = [d for m in members for d in self.dependents[m]]  # counts stay: one per wait
                 for m in members:
                     self.dependents[m] = []
         self.initial = [len(s.deps) for s in self.steps]
         self.remaining = self.initial.copy()
-        self.local = [s.action not in ("send", "recv") for s in self.steps]  # runs at once when its waits are over
-        self.local_first = [s.index for s in self.steps if not s.deps and s.action not in ("send", "recv")]
-        self.order = sorted((s.index for s in self.steps if s.action in ("send", "recv")), key=self._key)
+        self.local = [not s.action.is_message for s in self.steps]  # runs at once when its waits are over
+        self.local_first = [s.index for s in self.steps if not s.deps and not s.action.is_message]
+        self.order = sorted((s.index for s in self.steps if s.action.is_message), key=self._key)
         self.position = {i: k for k, i in enumerate(self.order)}  # each message's place in the plan's message order
         peers = sorted({self.steps[i].peer for i in self.order})
         self.queues = [[i for i in self.order if self.steps[i].peer == peer] for peer in peers]  # per peer, in order
         self.queue_of = {i: q for q, queue in enumerate(self.queues) for i in queue}
         self.heads = [0] * len(self.queues)  # the first message of each queue not posted yet
-        self.sends = [i for i in self.order if self.steps[i].action == "send"]
+        self.sends = [i for i in self.order if self.steps[i].action is Action.SEND]
         self.tags = [s.tag if MATCH_BY_TAG else 0 for s in self.steps]
         self.posted_recvs: list[int] = []  # a heap of the positions of receives (and sends a step waits for) posted, not finished
         self.ready = None
@@ -205,15 +199,15 @@ class TorchEngine:
 
     def _make(self, i: int, flat: dict) -> None:
         s = self.steps[i]
-        if s.action in ("send", "recv"):
+        if s.action.is_message:
             self.buffers[i] = [flat[s.data.buffer][s.data.start:s.data.stop]]
-        elif s.action == "copy":
+        elif s.action is Action.COPY:
             self.buffers[i] = (self.dst[s.target.index], flat["src_typed"][s.box.index])
         else:
             staged = self.stage[s.data.start:s.data.stop].view(self.dtype).view(s.box.shape)
             shard = flat["dst_typed"] if s.box.side == "dst" else flat.get("src_typed")
             boxed = shard[s.box.index] if shard is not None else None
-            self.buffers[i] = (boxed, staged) if s.action == "unpack" else (staged, boxed)
+            self.buffers[i] = (boxed, staged) if s.action is Action.UNPACK else (staged, boxed)
 
     def _bind(self, src) -> None:
         """Point the steps that read the source shard at `src`; remade only when another tensor arrives."""
@@ -327,7 +321,7 @@ class TorchEngine:
                 break
             remaining[i] = self.initial[i]
             self.launching = i  # a dead peer can make posting raise too: name this step, not the one waited on
-            if steps[i].action == "recv":
+            if steps[i].action is Action.RECV:
                 self.works[i] = self.group.recv(self.buffers[i], self.peer_rank[i], self.tags[i])
                 heapq.heappush(self.posted_recvs, self.position[i])
             else:
@@ -460,7 +454,7 @@ class JointTorchEngine(TorchEngine):
         self.peer_rank = [parts[t].peer_rank[j] for t, j in where]
         self.buffers = [parts[t].buffers[j] for t, j in where]
         self.works = [None] * len(self.steps)
-        self.reads_src = [(i, t, j) for i, (t, j) in enumerate(where) if _reads_src(self.steps[i])]
+        self.reads_src = [(i, t, j) for i, (t, j) in enumerate(where) if self.steps[i].reads_src]
         self.ordinal, count, last = [], -1, None  # each step's operation counted in plan order (ids need not be)
         for s in self.steps:
             count += s.op != last
