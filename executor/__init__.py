@@ -7,10 +7,10 @@ Imports `schemas` only, never the planner. Entry points: `ReshardingExecutor` (o
 """
 
 from .errors import BackendUnavailableError, ExecutorError, PeerTimeoutError, PlanMismatchError
-from .engines import BACKENDS, ENGINES
+from .engines import BACKENDS, ENGINES, TransportOptions
 from .executor import ReshardingExecutor
 from .ranks import device_of_rank, plan_devices
 from .transfer_executor import TransferExecutor
 
 __all__ = ["BACKENDS", "ENGINES", "BackendUnavailableError", "ExecutorError", "PeerTimeoutError", "PlanMismatchError",
-           "ReshardingExecutor", "TransferExecutor", "device_of_rank", "plan_devices"]
+           "ReshardingExecutor", "TransferExecutor", "TransportOptions", "device_of_rank", "plan_devices"]

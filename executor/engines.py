@@ -23,7 +23,30 @@ from typing import Any, Callable, Protocol
 
 import numpy as np
 
+from xmesh_plan.schemas.staging import SYNC_SEND_BYTES
+
 from .lower import RankProgram
+
+
+@dataclass(frozen=True)
+class TransportOptions:
+    """How an engine matches and acknowledges its messages; pass the same on every rank (a rank that expects a
+    receipt its peer never sends waits until its timeout).
+
+    `match_by_tag`: False posts every message with tag 0, so gloo matches a pair's messages by their order alone,
+    as NCCL does (tests use it to show a wrong order as wrong bytes). `receipt_bytes`: in device order on gloo, the
+    torch engine ends an operation's messages of at least this many bytes to one peer when the peer's 1-byte
+    receipt arrives (`torch_engine.TorchEngine._add_receipts`; the MPI engine's synchronous sends start at the same
+    size); None: no receipts."""
+
+    match_by_tag: bool = True
+    receipt_bytes: int | None = SYNC_SEND_BYTES
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.match_by_tag, bool):
+            raise ValueError(f"TransportOptions.match_by_tag={self.match_by_tag!r}; pass True or False")
+        if self.receipt_bytes is not None and (not isinstance(self.receipt_bytes, int) or self.receipt_bytes < 1):
+            raise ValueError(f"TransportOptions.receipt_bytes={self.receipt_bytes!r}; pass a positive byte count or None (no receipts)")
 
 
 @dataclass(frozen=True)
@@ -40,6 +63,7 @@ class EngineContext:
     gpu: int | None = None
     devices_per_host: int = 1
     joined: bool = False  # one tensor of a multi-tensor plan whose steps a joint engine replays (`EngineEntry.join`)
+    transport: TransportOptions = TransportOptions()
 
 
 class Engine(Protocol):

@@ -23,7 +23,7 @@ from xmesh_plan.schemas.staging import stage_budget
 from xmesh_plan.schemas.plan_tensors import is_multi
 
 from .arrays import storage_dtype
-from .engines import BACKENDS, TORCH_BACKENDS, EngineContext, engine_entry, world_of_backend
+from .engines import BACKENDS, TORCH_BACKENDS, EngineContext, TransportOptions, engine_entry, world_of_backend
 from .errors import ExecutorError, PlanMismatchError
 from .lower import ORDERS, RankProgram, in_device_order, lower
 from .ranks import device_of_rank, rank_of_devices
@@ -97,7 +97,8 @@ class ReshardingExecutor:
     """Replays one plan on this rank; see the module docstring for the calling pattern."""
 
     def __init__(self, plan: Plan, comm=None, backend: str | None = None, timeout_s: float = 60.0,
-                 poll_s: tuple[float, float] = DEFAULT_POLL_S, gpu: int | None = None, order: str = "device"):
+                 poll_s: tuple[float, float] = DEFAULT_POLL_S, gpu: int | None = None, order: str = "device",
+                 transport: TransportOptions | None = None):
         """`backend`: a name in `executor.engines.BACKENDS`; None picks `mpi` for an mpi4py communicator and
         `torch` for a process group. With a process group, `gloo` and `nccl` also pick `torch` and must
         match the group's backend. `order`: `device` (each device takes part in one operation at a time,
@@ -105,7 +106,8 @@ class ReshardingExecutor:
         cluster, and steadier) or `posted` (every message posted at once, the transport shares the links);
         see `lower.in_device_order`. Staging is the largest run's in device order and the sum of every
         staged box posted; a plan compiled with `--max-staging-mb` states its peaks, and an order that
-        would need more is refused in prepare()."""
+        would need more is refused in prepare(). `transport`: how messages are matched and acknowledged
+        (`engines.TransportOptions`; the defaults suit every engine), the same on every rank."""
         if not isinstance(plan, Plan):
             raise TypeError(f"plan is a {type(plan).__name__}; pass a schemas.Plan, e.g. schemas.read_plan_file('x.plan.json')")
         if is_multi(plan):
@@ -123,6 +125,9 @@ class ReshardingExecutor:
             raise ValueError(f"poll_s={poll_s!r} must be (shortest, longest) sleep in seconds with 0 < shortest <= longest")
         self.plan, self.world, self.backend = plan, world, backend or self.entry.name
         self.timeout_s, self.poll_s, self.gpu, self.order = float(timeout_s), (float(poll_s[0]), float(poll_s[1])), gpu, order
+        if transport is not None and not isinstance(transport, TransportOptions):
+            raise TypeError(f"transport is a {type(transport).__name__}; pass an executor.TransportOptions or None")
+        self.transport = transport or TransportOptions()
         self.program: RankProgram | None = None
         self.engine = None
         self.comm = None
@@ -178,7 +183,8 @@ class ReshardingExecutor:
         self.comm = self.shared_comm if self.shared_comm is not None else self.world.engine_comm(self.timeout_s, self.poll_s)
         problem = self.plan.problem
         context = EngineContext(self.comm, rank_of_devices(self.plan), problem.dtype, storage_dtype(problem.dtype),
-                                self.timeout_s, self.poll_s, self.gpu, problem.cluster.devices_per_host, self.joined)
+                                self.timeout_s, self.poll_s, self.gpu, problem.cluster.devices_per_host, self.joined,
+                                self.transport)
         self.engine = self.entry.make(self.program, context)
         if self.backend in TORCH_BACKENDS and self.world.kind == "torch" and self.world.backend != self.backend:
             raise ExecutorError(f"backend={self.backend!r} but the process group runs {self.world.backend}; "

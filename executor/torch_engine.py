@@ -12,16 +12,17 @@ and a send must not be posted before the receives it needs. Every rank therefore
 peer, in the plan's message order (tag, then step), and posts each queue's front as soon as it is
 ready (a receive at once, a send when its data is in); it waits for posted receives earliest first.
 A send depends only on receives of its own or smaller tags, so the first unfinished message of the
-whole plan is always posted at both ends: no deadlock, on either backend. Tests also run gloo with every tag 0 (`MATCH_BY_TAG = False`), which makes gloo
-match a pair's messages by order alone, as NCCL does, so a wrong order shows as wrong bytes.
+whole plan is always posted at both ends: no deadlock, on either backend. Tests also run gloo with every tag 0
+(`TransportOptions(match_by_tag=False)`), which makes gloo match a pair's messages by order alone, as NCCL does, so a
+wrong order shows as wrong bytes.
 
-In device order on gloo, an operation's messages of 256 KiB or more (`RECEIPT_BYTES`, the size from which the MPI
+In device order on gloo, an operation's messages of 256 KiB or more (`TransportOptions.receipt_bytes`, the size from which the MPI
 engine sends synchronously) from one device to another get a receipt: once the last of them has arrived the receiver
 sends 1 byte back, and the sender's next steps wait for that instead of the sends. Gloo ends a send once the kernel's
 socket buffer holds the rest (megabytes), so without it a device began its next operation while the last was still
 on the wire (`_add_receipts`). A receipt sits in both ends' queues after every message of its operation between the
 two, and it waits only for a receive of that operation, while what waits for it belongs to later operations, so the
-order above still has the first unfinished message posted at both ends. `RECEIPT_BYTES` must be the same on every
+order above still has the first unfinished message posted at both ends. The receipt size must be the same on every
 rank: a rank that expects a receipt the other never sends waits until its timeout.
 
 Gloo's point-to-point work cannot be polled: `is_completed()` stays False until `wait()` is called
@@ -45,18 +46,12 @@ import time
 
 import numpy as np
 
-from xmesh_plan.schemas.staging import SYNC_SEND_BYTES  # device order: messages this large end when received (docs/executor.md)
-
 from .arrays import RAW_KINDS
 from .engines import EngineContext
 from .errors import BackendUnavailableError, ExecutorError, PeerTimeoutError, PlanMismatchError
 from .lower import Action, Bytes, RankProgram, Step
 
 _ABANDONED: list = []  # works (and the buffers they touch) still in flight after a failure: kept until exit
-MATCH_BY_TAG = True  # False: post every message with tag 0, so gloo matches a pair's messages by order alone, as NCCL does
-# gloo in device order: a message of at least this many bytes ends for its sender when the receiver says it arrived
-# (`TorchEngine._add_receipts`; the MPI engine's synchronous sends start at the same size); None: never
-RECEIPT_BYTES: int | None = SYNC_SEND_BYTES
 
 
 def torch_dtype(torch, name: str):
@@ -120,7 +115,7 @@ class TorchEngine:
         return self.steps[i].tag, i
 
     def _add_receipts(self, enabled: bool = True) -> None:
-        """In device order on gloo, give each operation's messages of `RECEIPT_BYTES` or more from one device to another
+        """In device order on gloo, give each operation's messages of `TransportOptions.receipt_bytes` or more from one device to another
         a receipt: a 1-byte message back from the receiver once the last of them has arrived, which the sender's next
         steps wait for instead of those sends (a pair's messages arrive in the order they were sent).
 
@@ -131,14 +126,15 @@ class TorchEngine:
         chunks pipelined: a receipt per chunk, posted before the next chunk's receive, held each hop to one chunk."""
         self.acknowledges: dict[int, list[int]] = {}  # receipt step -> the messages it says arrived
         self.receipt_key: dict[int, tuple] = {}
-        if not enabled or self.cuda or RECEIPT_BYTES is None or self.program.order != "device":
+        threshold = self.context.transport.receipt_bytes
+        if not enabled or self.cuda or threshold is None or self.program.order != "device":
             return
         groups: dict[tuple[int, int, str], list[int]] = {}  # (operation, peer, send or recv) -> its large messages
         pair_keys: dict[tuple[int, int], list[tuple]] = {}  # (operation, peer) -> the keys of all its messages, both ways
         for s in self.steps:
             if s.action.is_message:
                 pair_keys.setdefault((s.op, s.peer), []).append(self._message_key(s.index)[:-1])
-                if s.data.nbytes >= RECEIPT_BYTES:
+                if s.data.nbytes >= threshold:
                     groups.setdefault((s.op, s.peer, s.action), []).append(s.index)
         if not groups:
             return
@@ -186,7 +182,8 @@ class TorchEngine:
         self.queue_of = {i: q for q, queue in enumerate(self.queues) for i in queue}
         self.heads = [0] * len(self.queues)  # the first message of each queue not posted yet
         self.sends = [i for i in self.order if self.steps[i].action is Action.SEND]
-        self.tags = [s.tag if MATCH_BY_TAG else 0 for s in self.steps]
+        by_tag = self.context.transport.match_by_tag
+        self.tags = [s.tag if by_tag else 0 for s in self.steps]
         self.posted_recvs: list[int] = []  # a heap of the positions of receives (and sends a step waits for) posted, not finished
         self.ready = None
         self.bound = self.src = None

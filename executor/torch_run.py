@@ -27,6 +27,7 @@ from xmesh_plan.schemas.geometry import local_slices
 from xmesh_plan.schemas.plan_tensors import is_multi
 
 from .arrays import storage_dtype
+from .engines import TransportOptions
 from .errors import ExecutorError, PeerTimeoutError, PlanMismatchError
 from .executor import ReshardingExecutor
 from .pattern import fill, tensor_salt
@@ -72,7 +73,8 @@ def run_plan(plan: Plan, args: argparse.Namespace) -> tuple[str, int]:
     import torch
     import torch.distributed as dist
 
-    ex = ReshardingExecutor(plan, None, backend="torch", timeout_s=args.timeout, order=args.order or "device").prepare()
+    ex = ReshardingExecutor(plan, None, backend="torch", timeout_s=args.timeout, order=args.order or "device",
+                            transport=args.transport).prepare()
     src = source_tensor(plan, ex.program.src_block, ex.engine.device)
     out, times = _timed(lambda: ex.run(src), args)
     bad = 0
@@ -103,7 +105,7 @@ def run_transfer(plan: Plan, args: argparse.Namespace) -> tuple[str, int]:
     import torch.distributed as dist
 
     order = args.order or "device"
-    ex = TransferExecutor(plan, None, backend="torch", timeout_s=args.timeout, order=order).prepare()
+    ex = TransferExecutor(plan, None, backend="torch", timeout_s=args.timeout, order=order, transport=args.transport).prepare()
     device = ex.parts[0].engine.device
     salts = {name: tensor_salt(k) for k, name in enumerate(ex.names)}  # tensors of one shape get different bits
     shards = {name: source_tensor(part.plan, part.program.src_block, device, salts[name])
@@ -143,11 +145,13 @@ def _arguments(argv: list[str] | None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, transport: TransportOptions | None = None) -> int:
+    """The command; `transport`: the engines' message options (`engines.TransportOptions`; None: the defaults)."""
     import torch
     import torch.distributed as dist
 
     args = _arguments(argv)
+    args.transport = transport or TransportOptions()
     if args.iters < 1 or args.warmup < 0 or not args.max_mb > 0 or not args.timeout > 0:
         print("error: --iters, --max-mb and --timeout must be positive and --warmup at least 0, e.g. --iters 5 --max-mb 16 "
               "--timeout 60", file=sys.stderr)

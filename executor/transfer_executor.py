@@ -44,7 +44,7 @@ from xmesh_plan.schemas.plan_tensors import is_multi, mpi_transfer_order, tensor
 from xmesh_plan.schemas.staging import staging_peaks
 
 from .errors import ExecutorError, PlanMismatchError
-from .engines import ENGINES, engine_entry
+from .engines import ENGINES, TransportOptions, engine_entry
 from .executor import DEFAULT_POLL_S, ReshardingExecutor, check_usable, finish_in_flight
 from .joint import JointProgram, join_programs, tensor_programs
 from .lower import ORDERS
@@ -95,7 +95,8 @@ class TransferExecutor:
     """Replays every tensor of a plan on this rank; see the module docstring for the calling pattern."""
 
     def __init__(self, plan: Plan, comm=None, backend: str | None = None, timeout_s: float = 60.0,
-                 poll_s: tuple[float, float] = DEFAULT_POLL_S, gpu: int | None = None, order: str | None = None):
+                 poll_s: tuple[float, float] = DEFAULT_POLL_S, gpu: int | None = None, order: str | None = None,
+                 transport: TransportOptions | None = None):
         if not isinstance(plan, Plan):
             raise TypeError(f"plan is a {type(plan).__name__}; pass a schemas.Plan, e.g. schemas.read_plan_file('x.plan.json')")
         world = "mpi" if is_mpi_comm(comm) else "torch"
@@ -112,7 +113,7 @@ class TransferExecutor:
         check_transfer_staging(plan, order, entry.name)
         self.concurrent = entry.concurrent
         self.plan, self.names, self.order = plan, tensor_names(plan), order
-        self.parts = [ReshardingExecutor(p, comm, backend, timeout_s, poll_s, gpu, order) for p in tensor_plans(plan)]
+        self.parts = [ReshardingExecutor(p, comm, backend, timeout_s, poll_s, gpu, order, transport) for p in tensor_plans(plan)]
         self.entry = self.parts[0].entry
         # one engine replays every tensor's steps (executor.joint): in device order, and posted on MPI where
         # bundles of several tensors share messages (one message needs one staging area)
