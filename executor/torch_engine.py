@@ -19,7 +19,7 @@ wrong order shows as wrong bytes.
 In device order on gloo, an operation's messages of 256 KiB or more (`TransportOptions.receipt_bytes`, the size from which the MPI
 engine sends synchronously) from one device to another get a receipt: once the last of them has arrived the receiver
 sends 1 byte back, and the sender's next steps wait for that instead of the sends. Gloo ends a send once the kernel's
-socket buffer holds the rest (megabytes), so without it a device began its next operation while the last was still
+socket buffer holds the rest (megabytes), so without it a device would begin its next operation while the last is still
 on the wire (`_add_receipts`). A receipt sits in both ends' queues after every message of its operation between the
 two, and it waits only for a receive of that operation, while what waits for it belongs to later operations, so the
 order above still has the first unfinished message posted at both ends. The receipt size must be the same on every
@@ -32,9 +32,9 @@ has one progress thread (started by its first reshard) that posts the messages a
 on an event and, when nothing completes for `timeout_s`, raises naming the op, task and peer the
 thread waits on. On NCCL a work's
 `wait()` only orders the thread's CUDA stream after it, so the thread records an event and polls it.
-The CUDA lines (device, stream and event handling) ran once, in session 14, on one H200 with every rank on GPU 0
+The CUDA lines (device, stream and event handling) have run on one H200 with every rank on GPU 0
 (NCCL over sockets, `NCCL_HOSTID` per rank): four plans bit-exact, a 21-tensor weight sync on 8 ranks among them;
-never on several GPUs.
+it has not run on several GPUs.
 """
 
 from __future__ import annotations
@@ -50,8 +50,7 @@ from .arrays import RAW_KINDS
 from .engines import EngineContext
 from .errors import BackendUnavailableError, ExecutorError, PeerTimeoutError, PlanMismatchError
 from .lower import Action, Bytes, RankProgram, Step
-
-_ABANDONED: list = []  # works (and the buffers they touch) still in flight after a failure: kept until exit
+from .replay import PROCESS, Dependencies, abandoned, backoff_wait, failure, refuse_broken
 
 
 def torch_dtype(torch, name: str):
@@ -162,18 +161,13 @@ class TorchEngine:
         """The per-peer message queues and dependency counts; the progress thread starts with the first reshard.
         `receipts`: add them (`_add_receipts`); not for a joint program's per-tensor engines, which never run."""
         self._add_receipts(receipts)
-        self.dependents: list[list[int]] = [[] for _ in self.steps]
-        for s in self.steps:
-            for d in s.deps:
-                self.dependents[d].append(s.index)
+        deps = Dependencies(self.steps)
+        self.dependents, self.initial, self.remaining, self.local = deps.dependents, deps.initial, deps.remaining, deps.local
         for receipt, members in self.acknowledges.items():  # what waited for those sends now waits for their receipt
             if self.steps[receipt].action is Action.RECV:
                 self.dependents[receipt] = [d for m in members for d in self.dependents[m]]  # counts stay: one per wait
                 for m in members:
                     self.dependents[m] = []
-        self.initial = [len(s.deps) for s in self.steps]
-        self.remaining = self.initial.copy()
-        self.local = [not s.action.is_message for s in self.steps]  # runs at once when its waits are over
         self.local_first = [s.index for s in self.steps if not s.deps and not s.action.is_message]
         self.order = sorted((s.index for s in self.steps if s.action.is_message), key=self._key)
         self.position = {i: k for k, i in enumerate(self.order)}  # each message's place in the plan's message order
@@ -254,8 +248,7 @@ class TorchEngine:
 
     def start(self, src) -> None:
         """Hand one reshard to the progress thread and return; `src` is the contiguous source shard."""
-        if self.broken:
-            raise ExecutorError(f"this executor stopped after an error ({self.broken}); create and prepare a new one")
+        refuse_broken(self.broken)
         self._bind(src)
         self.src = src
         if self.cuda:  # the progress thread's stream waits for what the caller's stream wrote so far
@@ -379,7 +372,7 @@ class TorchEngine:
     def test(self) -> bool:
         """True when the reshard has finished; raises what the progress thread hit."""
         if self.broken:
-            raise self.failure or ExecutorError(f"this reshard was abandoned ({self.broken}); close() the executor and make a new one")
+            raise self.failure or abandoned(self.broken)
         if not self.done.is_set():
             return False
         if self.thread_error is not None:
@@ -389,14 +382,15 @@ class TorchEngine:
         return True
 
     def wait(self) -> None:
-        """Sleep until done; PeerTimeoutError naming the step waited on when nothing completes for `timeout_s`."""
-        low, high = self.poll_s
-        nap = low
-        while not self.test():
-            if time.monotonic() - self.last_progress > self.timeout_s:
-                self._fail(f"nothing completed for {self.timeout_s:g} s", self.current)
-            self.done.wait(nap)
-            nap = min(nap * 2, high)
+        """Sleep until done (`replay.backoff_wait`); PeerTimeoutError naming the step waited on when nothing completes
+        for `timeout_s`."""
+        backoff_wait(self)
+
+    def idle(self, nap: float) -> None:
+        self.done.wait(nap)
+
+    def timed_out(self) -> None:
+        self._fail(f"nothing completed for {self.timeout_s:g} s", self.current)
 
     def unbind(self) -> None:
         """Drop the views of the last source shard, so that this engine no longer keeps it alive (the next
@@ -422,15 +416,12 @@ class TorchEngine:
         """Refuse to run again; the progress thread may stay blocked in gloo (it cannot cancel a receive),
         so the works and buffers it uses stay referenced."""
         self.broken = why
-        _ABANDONED.append((self.works, self.src, self.buffers))
+        PROCESS.keep((self.works, self.src, self.buffers))
 
     def _fail(self, why: str, step: int) -> None:
-        me = self.program.device
         at = f"{self.steps[step].describe()} (rank {self.peer_rank[step]})" if step >= 0 else "local steps"
         others = sum(w is not None for w in self.works) - (step >= 0 and self.works[step] is not None)
-        self.failure = PeerTimeoutError(
-            f"device {me} (rank {self.rank}): {why}; waiting on {at}{f' and {others} more transfers' if others > 0 else ''}; "
-            "check that every rank is alive and runs the same plan, or raise timeout_s if transfers are just slow")
+        self.failure = failure(self.program.device, self.rank, why, [at], more=others)
         self.abandon(why)
         raise self.failure
 

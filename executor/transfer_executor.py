@@ -45,7 +45,7 @@ from xmesh_plan.schemas.staging import staging_peaks
 
 from .errors import ExecutorError, PlanMismatchError
 from .engines import ENGINES, TransportOptions, engine_entry
-from .executor import DEFAULT_POLL_S, ReshardingExecutor, check_usable, finish_in_flight
+from .executor import DEFAULT_POLL_S, Flight, ReshardingExecutor
 from .joint import JointProgram, join_programs, tensor_programs
 from .lower import ORDERS
 from .ranks import device_of_rank
@@ -130,10 +130,26 @@ class TransferExecutor:
         self.results: list[Any] = [None] * len(self.parts)
         self.current = len(self.parts)  # one after another: the tensor in flight (len(parts): none)
         self.running = False  # one after another: between start() and wait()
-        self.engine = None  # device order: the joint engine, made by prepare()
+        self.flight = Flight()  # device order: the joint engine (made by prepare()) and the calls into it
         self.joint: JointProgram | None = None  # device order: this device's steps of every tensor, made by prepare()
-        self.in_flight = self.closed = False  # device order: between start() and wait(); after close()
         self.area: int | None = None  # one after another: the staging area every tensor shares, made by prepare()
+
+    @property
+    def engine(self):
+        """Device order: the joint engine (None before prepare(), and for the other ways of running)."""
+        return self.flight.engine
+
+    @engine.setter
+    def engine(self, engine) -> None:
+        self.flight.engine = engine
+
+    @property
+    def in_flight(self) -> bool:
+        return self.flight.in_flight
+
+    @property
+    def closed(self) -> bool:
+        return self.flight.closed
 
     @property
     def device(self) -> int:
@@ -247,14 +263,13 @@ class TransferExecutor:
                 started.append(part)
         except BaseException:
             for part in started:  # the peers cannot finish these without this rank's later tensors: give them up
-                part._abandon(ExecutorError("a later tensor failed to start"), "start()")
+                part.flight.abandon(ExecutorError("a later tensor failed to start"), "start()")
             raise
 
     def test(self) -> bool:
         """Drive every tensor's communication once without blocking; True when all have finished."""
         if self.joined:
-            self._check_joint("test()")
-            return self._guarded("test()", self.engine.test) if self.in_flight else True
+            return self.flight.test()
         if not self.concurrent:
             return self._advance(block=False)
         return all([part.test() for part in self.parts])
@@ -262,11 +277,7 @@ class TransferExecutor:
     def wait(self) -> dict[str, Any]:
         """Finish every tensor's reshard; name -> destination shard (the engines' own buffers, reused next time)."""
         if self.joined:
-            self._check_joint("wait()")
-            if not self.in_flight:
-                raise ExecutorError("wait() called without start()")
-            self._guarded("wait()", self.engine.wait)
-            self.in_flight = False
+            self.flight.wait()
             self.results = [part.engine.dst for part in self.parts]
         elif self.concurrent:
             self.results = [part.wait() for part in self.parts]
@@ -292,13 +303,7 @@ class TransferExecutor:
     def close(self) -> None:
         """Close every tensor's executor (see `ReshardingExecutor.close`), the communicator's owner last; in
         device order the joint engine first, after finishing a reshard in flight as `ReshardingExecutor.close` does."""
-        interrupted = None
-        if self.engine is not None:
-            if self.in_flight:
-                interrupted = finish_in_flight(self.engine)
-                self.in_flight = False
-            self.engine.close()
-        self.closed = True
+        interrupted = self.flight.close()
         for part in reversed(self.parts):
             part.close()
         if interrupted is not None:
@@ -306,27 +311,10 @@ class TransferExecutor:
 
     def _start_joint(self, given: dict[str, Any]) -> None:
         """Device order: check every tensor's shard and start the joint engine."""
-        self._check_joint("run() or start()")
-        if self.in_flight:
+        self.flight.usable("run() or start()")
+        if self.flight.in_flight:
             raise ExecutorError("start() called while a reshard is in flight; call wait() first")
-        sources = [part._adopt(given.get(name)) for part, name in zip(self.parts, self.names)]
-        self.in_flight = True
-        self._guarded("start()", self.engine.start, sources)
-
-    def _check_joint(self, call: str) -> None:
-        """Device order: refuse a call before prepare(), after close() or after an error (as `ReshardingExecutor`)."""
-        check_usable(call, self.closed, self.engine, self.in_flight)
-
-    def _guarded(self, call: str, method, *args):
-        """A call into the joint engine; anything escaping it leaves requests half done, so the engine is
-        marked broken and never restarts them (as `ReshardingExecutor._abandon`)."""
-        try:
-            return method(*args)
-        except BaseException as err:
-            self.in_flight = False
-            if not self.engine.broken:
-                self.engine.abandon(f"{type(err).__name__} in {call}")
-            raise
+        self.flight.start([part._adopt(given.get(name)) for part, name in zip(self.parts, self.names)])
 
     def _sources(self, shards: Mapping[str, Any] | None) -> dict[str, Any]:
         """The shards by name, refusing unknown names and, on a source rank, missing ones."""
