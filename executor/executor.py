@@ -164,7 +164,30 @@ class Flight:
         return interrupted
 
 
-class ReshardingExecutor:
+class Flying:
+    """An executor face's `engine`, `in_flight` and `closed`, read from its `flight` (a `Flight`)."""
+
+    flight: Flight
+
+    @property
+    def engine(self):
+        """The engine that replays this rank's reshards (None before prepare())."""
+        return self.flight.engine
+
+    @engine.setter
+    def engine(self, engine) -> None:
+        self.flight.engine = engine
+
+    @property
+    def in_flight(self) -> bool:
+        return self.flight.in_flight
+
+    @property
+    def closed(self) -> bool:
+        return self.flight.closed
+
+
+class ReshardingExecutor(Flying):
     """Replays one plan on this rank; see the module docstring for the calling pattern."""
 
     def __init__(self, plan: Plan, comm=None, backend: str | None = None, timeout_s: float = 60.0,
@@ -208,23 +231,6 @@ class ReshardingExecutor:
         # Set by TransferExecutor in device order: the steps stay as lowered (flagged device order, so engines
         # send large messages synchronously) and one joint engine orders them across the plan's tensors.
         self.joined = False
-
-    @property
-    def engine(self):
-        """The engine replaying this rank's program (None before prepare())."""
-        return self.flight.engine
-
-    @engine.setter
-    def engine(self, engine) -> None:
-        self.flight.engine = engine
-
-    @property
-    def in_flight(self) -> bool:
-        return self.flight.in_flight
-
-    @property
-    def closed(self) -> bool:
-        return self.flight.closed
 
     @property
     def device(self) -> int:

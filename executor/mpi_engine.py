@@ -51,6 +51,8 @@ def _thread_token() -> object:
 class MpiEngine:
     """Replays a RankProgram over an mpi4py communicator (one the executor owns); an `executor.engines.Engine`."""
 
+    test_progresses = True  # test() progresses the requests itself (`replay.backoff_wait`)
+
     def __init__(self, program: RankProgram, comm, rank_of: dict[int, int], dtype: np.dtype,
                  timeout_s: float, poll_s: tuple[float, float]):
         self.program, self.comm, self.rank_of, self.dtype = program, comm, rank_of, dtype

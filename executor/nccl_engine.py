@@ -70,6 +70,8 @@ def gpu_count(cupy) -> int:
 class NcclEngine:
     """Replays the NCCL calls of one device's lowered program; an `executor.engines.Engine`."""
 
+    test_progresses = False  # progress happens elsewhere; test() only looks (`replay.backoff_wait`)
+
     def __init__(self, program: RankProgram, comm, rank_of: dict[int, int], dtype: np.dtype, timeout_s: float,
                  poll_s: tuple[float, float], gpu: int | None = None, devices_per_host: int = 1, joined: bool = False):
         """`joined`: one tensor of a multi-tensor plan that a `JointNcclEngine` replays; setup() then only

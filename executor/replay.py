@@ -72,17 +72,21 @@ class Dependencies:
 def backoff_wait(engine) -> None:
     """Call `engine.test()` until it returns True, sleeping `engine.idle(nap)` between calls, the nap doubling from
     `engine.poll_s[0]` up to `poll_s[1]` while nothing moves and starting over when `engine.last_progress` moves; past
-    `engine.timeout_s` without progress, `engine.timed_out()` (which raises). Methods are called straight on the
-    engine, so a wait allocates no bound method."""
+    `engine.timeout_s` without progress, `engine.timed_out()` (which raises). An engine whose `test()` itself makes
+    progress (`engine.test_progresses`: MPI) is tested again at once after progress; one progressed by another
+    thread or a GPU stream idles between tests, so the waiting thread does not take the interpreter from it. Methods
+    are called straight on the engine, so a wait allocates no bound method."""
     low, high = engine.poll_s
     nap = low
+    progresses = engine.test_progresses
     while True:
         before = engine.last_progress
         if engine.test():
             return
         if engine.last_progress != before:
             nap = low
-            continue
+            if progresses:
+                continue
         if time.monotonic() - engine.last_progress > engine.timeout_s:
             engine.timed_out()
         engine.idle(nap)

@@ -62,6 +62,8 @@ def torch_dtype(torch, name: str):
 class TorchEngine:
     """Replays a RankProgram over a torch.distributed process group; an `executor.engines.Engine`."""
 
+    test_progresses = False  # progress happens elsewhere; test() only looks (`replay.backoff_wait`)
+
     def __init__(self, program: RankProgram, context: EngineContext):
         self.program, self.context, self.group = program, context, context.comm
         self.timeout_s, self.poll_s = context.timeout_s, context.poll_s

@@ -45,7 +45,7 @@ from xmesh_plan.schemas.staging import staging_peaks
 
 from .errors import ExecutorError, PlanMismatchError
 from .engines import ENGINES, TransportOptions, engine_entry
-from .executor import DEFAULT_POLL_S, Flight, ReshardingExecutor
+from .executor import DEFAULT_POLL_S, Flight, Flying, ReshardingExecutor
 from .joint import JointProgram, join_programs, tensor_programs
 from .lower import ORDERS
 from .ranks import device_of_rank
@@ -91,8 +91,9 @@ def check_transfer_staging(plan: Plan, order: str, engine: str) -> None:
                                     "or recompile it without --max-staging-mb to run it in this order", same_on_every_rank=True)
 
 
-class TransferExecutor:
-    """Replays every tensor of a plan on this rank; see the module docstring for the calling pattern."""
+class TransferExecutor(Flying):
+    """Replays every tensor of a plan on this rank; see the module docstring for the calling pattern. `engine`: in
+    device order the joint engine (None before prepare(), and for the other ways of running)."""
 
     def __init__(self, plan: Plan, comm=None, backend: str | None = None, timeout_s: float = 60.0,
                  poll_s: tuple[float, float] = DEFAULT_POLL_S, gpu: int | None = None, order: str | None = None,
@@ -133,23 +134,6 @@ class TransferExecutor:
         self.flight = Flight()  # device order: the joint engine (made by prepare()) and the calls into it
         self.joint: JointProgram | None = None  # device order: this device's steps of every tensor, made by prepare()
         self.area: int | None = None  # one after another: the staging area every tensor shares, made by prepare()
-
-    @property
-    def engine(self):
-        """Device order: the joint engine (None before prepare(), and for the other ways of running)."""
-        return self.flight.engine
-
-    @engine.setter
-    def engine(self, engine) -> None:
-        self.flight.engine = engine
-
-    @property
-    def in_flight(self) -> bool:
-        return self.flight.in_flight
-
-    @property
-    def closed(self) -> bool:
-        return self.flight.closed
 
     @property
     def device(self) -> int:
