@@ -17,7 +17,6 @@ Results: bench/results/executor.json.
 
 from __future__ import annotations
 
-import argparse
 import importlib.util
 import json
 import os
@@ -27,6 +26,9 @@ import tempfile
 import time
 import tracemalloc
 from pathlib import Path
+from types import SimpleNamespace
+
+import click
 
 import numpy as np
 
@@ -223,19 +225,19 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--tasks", default="16,64,256,1024", help="unit-task counts (default 16,64,256,1024)")
-    parser.add_argument("--iters", type=int, default=40, help="timed iterations per point (default 40)")
-    parser.add_argument("--compare", metavar="REV", help="also measure executor/mpi_engine.py of git revision REV")
-    parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "executor.json")
-    parser.add_argument("--worker", choices=("send", "send_strided", "broadcast"), help=argparse.SUPPRESS)
-    parser.add_argument("--engine-file", help=argparse.SUPPRESS)
-    args = parser.parse_args()
+@click.command(help=__doc__.splitlines()[0])
+@click.option("--tasks", default="16,64,256,1024", show_default=True, help="unit-task counts")
+@click.option("--iters", type=int, default=40, show_default=True, help="timed iterations per point")
+@click.option("--compare", metavar="REV", help="also measure executor/mpi_engine.py of git revision REV")
+@click.option("--out", type=click.Path(dir_okay=False, path_type=Path), default=ROOT / "bench" / "results" / "executor.json")
+@click.option("--worker", type=click.Choice(("send", "send_strided", "broadcast")), hidden=True)
+@click.option("--engine-file", hidden=True)
+def main(**options) -> None:
+    args = SimpleNamespace(**options)
     counts = [int(x) for x in args.tasks.split(",")]
     if args.worker:
         worker(args.worker, counts, args.iters, args.engine_file)
-        return 0
+        return
     env = dict(os.environ, PYTHONPATH=str(ROOT))
     mpiexec = Path(sys.executable).parent / "mpiexec"
     extra = ["--engine-file", engine_file(args.compare)] if args.compare else []
@@ -249,7 +251,7 @@ def main() -> int:
                              capture_output=True, text=True, timeout=900)
         if out.returncode:
             print(out.stderr[-3000:], file=sys.stderr)
-            return 1
+            sys.exit(1)
         rows += [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
     gpu = gpu_bench()
     args.out.parent.mkdir(parents=True, exist_ok=True)
@@ -257,8 +259,7 @@ def main() -> int:
     print(table(rows))
     print(f"\nGPU pack/unpack and NCCL broadcast: {gpu if isinstance(gpu, str) else json.dumps(gpu)}")
     print(f"written to {args.out}")
-    return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    main()

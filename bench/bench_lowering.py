@@ -15,11 +15,12 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "bench")]
 
-from report import best_seconds, compare_parser, module_at  # noqa: E402
+from report import best_seconds, compare_command, module_at  # noqa: E402
 
 from xmesh_plan.executor.lower import lower  # noqa: E402
 from xmesh_plan.executor.ranks import plan_devices  # noqa: E402
@@ -41,9 +42,9 @@ def gather_plan(hosts: int, shape: tuple[int, ...]):
     return compile_plan(problem, strategy="local_allgather", seed=0)
 
 
-def main() -> None:
-    parser = compare_parser(__doc__, "executor/lower.py", "lowering.json")
-    args = parser.parse_args()
+@compare_command(__doc__, "executor/lower.py", "lowering.json")
+def main(**options) -> None:
+    args = SimpleNamespace(**options)
     before = module_at(args.compare, "executor/lower.py", "xmesh_plan.executor.lower_compared") if args.compare else None
     rows = []
     for hosts, shape in CASES:

@@ -3,8 +3,8 @@
     .venv/bin/python bench/bench_op_kinds.py                 # this tree only
     .venv/bin/python bench/bench_op_kinds.py --compare REV   # also REV's modules, interleaved (about 1 min)
 
-`schemas/op_kinds.py` replaced per-kind code in the simulator (each operation's flows now come from
-its `route`) and in the strategies (links from `wire_pairs`). This times, on the same plans and
+The simulator takes each operation's flows from its kind's `route` in `schemas/op_kinds.py`, and the
+strategies their links from `wire_pairs`. This times, on the same plans and
 interleaved, `simulate_plan` and every strategy on every unit task (what `compile` runs per task)
 with the modules of this tree and of revision REV (`planner/simulate.py`, `planner/strategies.py`,
 loaded from git). Best of `--repeat`, the versions taking turns. Results: bench/results/op_kinds.json. For the executor's
@@ -16,11 +16,12 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "bench")]
 
-from report import best_seconds, compare_parser, module_at  # noqa: E402
+from report import best_seconds, compare_command, module_at  # noqa: E402
 
 from xmesh_plan.planner import simulate as simulate_now  # noqa: E402
 from xmesh_plan.planner import strategies as strategies_now  # noqa: E402
@@ -53,9 +54,9 @@ def run_strategies(module, ctxs) -> None:
             fn(ctx)
 
 
-def main() -> None:
-    parser = compare_parser(__doc__, "the simulator and strategies", "op_kinds.json")
-    args = parser.parse_args()
+@compare_command(__doc__, "the simulator and strategies", "op_kinds.json")
+def main(**options) -> None:
+    args = SimpleNamespace(**options)
     versions = [("now", simulate_now, strategies_now)]
     if args.compare:
         versions.append(("before", module_at(args.compare, "planner/simulate.py", "xmesh_plan.planner.simulate_compared"),

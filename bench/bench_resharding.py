@@ -16,7 +16,7 @@ from pathlib import Path
 
 sys.path[:0] = [str(Path(__file__).resolve().parent.parent), str(Path(__file__).resolve().parent)]
 
-from report import replace_section, write_json  # noqa: E402
+from report import update_benchmarks_doc, write_json  # noqa: E402
 from xmesh_plan.planner.baselines import baseline_seconds  # noqa: E402
 from xmesh_plan.planner.compile import compile_plan  # noqa: E402
 from xmesh_plan.planner.reference_cases import reference_cases  # noqa: E402
@@ -87,50 +87,7 @@ def main() -> None:
     write_json("resharding.json", {"command": COMMAND, "cases": rows, "two_nics": nic_rows})
     print(table(rows))
     print(targets(rows))
-    replace_section("Resharding: paper cases", f"""
-Made by (2-core CPU machine, under a minute):
-
-```
-{COMMAND}
-```
-
-Predicted seconds from one model, the network simulator (`planner/simulate.py`): 10 Gbit/s
-full-duplex NIC per host, 4 GPUs per host at 800 Gbit/s, 20 us per message, concurrent flows share a
-link max-min fairly. Alpa's approaches (`planner/baselines.py`: send/recv per device pair with its
-`normal` least-loaded sender; send to a host-local sharding + all-gather inside the host) run in
-device order, each device doing its operations in Alpa's loop order; `bc <solver>` is our broadcast
-strategy with the paper's solvers; **ours** is the default (`auto` solver). Ratios are baseline /
-ours in the same run; compile is wall clock of `compile_plan` (auto). Raw numbers:
-`bench/results/resharding.json`.
-
-{table(rows)}
-
-{targets(rows)}
-
-Where the model differs from the paper: the paper measured up to 10x over Alpa on case 4; our
-simulator prices only bandwidth, latency and queueing (no NCCL communicator set-up, no kernel
-launch costs), and under it Alpa's device-order send/recv on case 4 is 1.5x slower than ours, not 10x.
-""")
-    replace_section("Multiple NICs", multi_nic_section(nic_rows))
-
-
-def multi_nic_section(nic_rows: list[dict]) -> str:
-    lines = "\n".join(f"| {r['case']} | {r['one_nic']:.3f} | {r['two_nics']:.3f} | {r['one_nic'] / r['two_nics']:.2f}x "
-                      f"| {r['two_nics'] / r['two_nics_bound']:.3f} |" for r in nic_rows)
-    return f"""
-Made by the same run (`{COMMAND}`): the paper's cases on a cluster whose hosts have two 10 Gbit/s
-NICs instead of one; predicted seconds of ours (`auto`), same simulator.
-
-How a task uses several NICs: every cross-host message of a unit task is striped over all NICs of
-both hosts in proportion to their bandwidth (the simulator's `h2.send:0`, `h2.send:1` lanes), so the
-scheduler sees a host's NICs as one pipe of their summed bandwidth and the lower bound doubles its
-rate. Pinning whole tasks to single NICs (`send:N` in the host order, also supported by the
-simulator) can never beat striping here: the per-message latency is paid on the lanes in parallel.
-
-| case | 1 NIC | 2 NICs | gain | 2 NICs / bound |
-|---|---:|---:|---:|---:|
-{lines}
-"""
+    update_benchmarks_doc()
 
 
 if __name__ == "__main__":

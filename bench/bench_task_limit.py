@@ -20,9 +20,9 @@ from pathlib import Path
 
 sys.path[:0] = [str(Path(__file__).resolve().parent.parent), str(Path(__file__).resolve().parent)]
 
-from report import replace_section, write_json  # noqa: E402
+from report import update_benchmarks_doc, write_json  # noqa: E402
 from xmesh_plan.planner.problem_io import build_problem  # noqa: E402
-from xmesh_plan.planner.unit_tasks import BYTES_PER_TASK, DEFAULT_MAX_TASKS, TooManyTasksError, check_task_count  # noqa: E402
+from xmesh_plan.planner.unit_tasks import DEFAULT_MAX_TASKS, TooManyTasksError, check_task_count  # noqa: E402
 
 HOSTS = [16, 32, 64, 128]  # (H, 4) meshes: 4 H^2 unit tasks
 LARGE = [181, 256, 354]
@@ -87,43 +87,7 @@ def main() -> None:
     print(f"refused in {refused['seconds'] * 1e3:.1f} ms: {refused['message']}")
     command = COMMAND + (" --large" if large else "")
     write_json("task_limit.json", {"command": command, "points": rows, "refusal": refused})
-    base = rows[0]
-    lines = "\n".join(
-        f"| {r['mesh']} | {r['tasks']} | {r['operations']} | {r['compile_s']:.2f} | {r['verify_s']:.2f} | {r['write_s']:.2f} "
-        f"| {r['peak_rss_mib']:.0f} | {r['plan_mib']:.1f} "
-        f"| {(r['peak_rss_mib'] - base['peak_rss_mib']) * 1024 / max(1, r['tasks'] - base['tasks']):.1f} "
-        f"| {r['total_s'] / r['tasks'] * 1e3:.3f} |" for r in rows)
-    replace_section("Task limit", f"""
-Made by (2-core CPU machine with 24 GiB, shared with other jobs, so times are noisy):
-
-```
-{command}
-```
-
-What `xmesh-plan compile -o` costs per unit task: each size in a fresh process, meshes (H,4) ->
-(H,4), `S0 S1 R -> R S0 S1`, 8192x8192x64 float32, `auto` solver, no limit. Peak RSS is the whole
-process (Python, numpy, OR-Tools included); "KiB / task" is the peak's growth over the first row
-divided by the added tasks. Raw: `bench/results/task_limit.json`.
-
-| meshes | unit tasks | operations | compile s | verify s | write s | peak RSS MiB | plan MiB | KiB / task | ms / task |
-|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|
-{lines}
-
-`planner.unit_tasks.BYTES_PER_TASK` is {BYTES_PER_TASK // 2**10} KiB and the default `--max-tasks` is
-{DEFAULT_MAX_TASKS:,}. The issue's 1000x4 -> 1000x4 problem ({REFUSED['src']['spec']} -> {REFUSED['dst']['spec']},
-{REFUSED['shape']}) is refused from its cut points, before anything is cut, in
-{refused['seconds'] * 1e3:.1f} ms (problem building included):
-
-```
-error: {refused['message']}
-```
-
-Memory grows linearly, about 7.6 KiB per unit task over a ~100 MiB base; time is 0.3-0.9 ms per
-task here (noisy: the 354x4 row ran beside MPI tests on the same two cores). The default limit
-keeps a compile below about 4 GiB, a sixth of this machine's 24 GiB, and under ten minutes; the
-issue's problem would need about 21 GiB (the issue saw it die after 90 s and 3.8 GB) and is refused.
-Pass `--max-tasks` to go beyond, at about 8 KiB per task.
-""")
+    update_benchmarks_doc()
 
 
 if __name__ == "__main__":

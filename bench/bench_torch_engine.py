@@ -16,7 +16,6 @@ variables, one process group. Results: bench/results/torch_engine.json.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import socket
@@ -24,8 +23,10 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
-import numpy as np
+import click
+
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -134,13 +135,13 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--tasks", default="16,64,256,1024")
-    parser.add_argument("--iters", type=int, default=30)
-    parser.add_argument("--kinds", default="send,send_strided,broadcast")
-    parser.add_argument("--worker", help=argparse.SUPPRESS)
-    args = parser.parse_args()
+@click.command(help=__doc__.splitlines()[0])
+@click.option("--tasks", default="16,64,256,1024", show_default=True, help="unit-task counts, comma-separated")
+@click.option("--iters", type=int, default=30, show_default=True, help="timed iterations per point")
+@click.option("--kinds", default="send,send_strided,broadcast", show_default=True, help="plans to time, comma-separated")
+@click.option("--worker", hidden=True)
+def main(**options) -> None:
+    args = SimpleNamespace(**options)
     counts = [int(t) for t in args.tasks.split(",")]
     if args.worker:
         worker(args.worker, counts, args.iters)

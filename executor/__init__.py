@@ -6,6 +6,10 @@ Imports `schemas` only, never the planner. Entry points: `ReshardingExecutor` (o
 `mpiexec -disable-auto-cleanup -n N python -m xmesh_plan.executor.run PLAN --check`.
 """
 
+if __name__ != "xmesh_plan.executor":  # this folder reached under its bare name, from the repository root
+    raise ImportError(f"import xmesh_plan.executor, not {__name__}: the executor/ folder is installed as xmesh_plan.executor "
+                      "(pip install -e .); under another name it would load a second copy of the package")
+
 from .errors import BackendUnavailableError, ExecutorError, PeerTimeoutError, PlanMismatchError
 from .engines import BACKENDS, ENGINES, TransportOptions
 from .executor import ReshardingExecutor

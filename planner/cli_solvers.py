@@ -7,11 +7,13 @@ appear only here, never in a plan (plans stay byte-identical).
 from __future__ import annotations
 
 import sys
-import threading
 import time
 from contextlib import contextmanager
 
 import click
+from rich.console import Console
+from rich.progress import Progress, TextColumn, TimeElapsedColumn
+from tabulate import tabulate
 
 from xmesh_plan.schemas import read_plan_file
 
@@ -20,6 +22,7 @@ from .cli_types import POSITIVE, SEED, TIME_LIMIT, max_tasks_option
 from .baselines import BASELINES, baseline_seconds
 from .compile import compile_plan
 from .executor_order import executor_order
+from .inspect_plan import indented
 from .transfer_io import load_any_problem
 from .solvers import SOLVERS
 from .unit_tasks import DEFAULT_MAX_TASKS
@@ -29,47 +32,24 @@ from .unit_tasks import decompose
 from xmesh_plan.schemas.transfer import TransferProblem
 
 
-class _Ticker:
-    """On a terminal, one status line rewritten in place: the current step and the seconds so far."""
-
-    def __init__(self, label: str, tty: bool):
-        self.label, self.stage, self.tty = label, "", tty
-        self.begin = time.perf_counter()
-        self.done = threading.Event()
-
-    def __call__(self, stage: str) -> None:
-        self.stage = stage
-        self.draw()
-
-    def draw(self) -> None:
-        if self.tty:
-            line = f"{self.label}: {self.stage} ... {time.perf_counter() - self.begin:.1f} s"
-            click.echo(f"\r{line:<79}", err=True, nl=False)
-
-    def run(self) -> None:
-        while not self.done.wait(0.5):
-            self.draw()
-
-
 @contextmanager
 def progress(label: str):
-    """On a terminal, show what is being done and for how long, updated twice a second; silent when piped.
-    Yields a dict whose "stage" entry is a callback for `compile_plan(on_stage=...)` and whose
-    "seconds" entry holds the elapsed time afterwards."""
-    ticker = _Ticker(label, sys.stderr.isatty())
-    timing = {"stage": ticker}
-    thread = threading.Thread(target=ticker.run, daemon=True) if ticker.tty else None
-    if thread:
-        ticker.draw()
-        thread.start()
-    try:
-        yield timing
-    finally:
-        ticker.done.set()
-        timing["seconds"] = time.perf_counter() - ticker.begin
-        if thread:
-            thread.join()
-            click.echo(f"\r{label}: done in {timing['seconds']:.2f} s".ljust(80), err=True)
+    """On a terminal, one status line (rich's live display, redrawn twice a second): the current step and the time
+    so far, then `label: done in N s`; silent when piped. Yields a dict whose "stage" entry is a callback for
+    `compile_plan(on_stage=...)` and whose "seconds" entry holds the elapsed time afterwards."""
+    tty = sys.stderr.isatty()
+    begin = time.perf_counter()
+    bar = Progress(TextColumn("{task.description} ..."), TimeElapsedColumn(), transient=True, disable=not tty,
+                   refresh_per_second=2, console=Console(file=sys.stderr, force_terminal=tty))
+    task = bar.add_task(label)
+    timing = {"stage": lambda stage: bar.update(task, description=f"{label}: {stage}")}
+    with bar:
+        try:
+            yield timing
+        finally:
+            timing["seconds"] = time.perf_counter() - begin
+    if tty:
+        click.echo(f"{label}: done in {timing['seconds']:.2f} s", err=True)
 
 
 def solver_summary(plan, seconds: float) -> str:
@@ -117,9 +97,9 @@ def compare_command(problem_file, seed, time_limit, max_tasks):
         rows = compare_rows(problem, seed, time_limit, max_tasks)
     bound = next(b for _, _, b, _ in rows if b is not None)
     best = min(p for _, p, _, _ in rows)
-    click.echo(f"{'approach':<28} {'predicted s':>12} {'/ bound':>8} {'/ best':>8} {'wall s':>8}")
-    for name, predicted, _, wall in rows:
-        click.echo(f"{name:<28} {predicted:>12.4f} {predicted / bound:>8.3f} {predicted / best:>8.3f} {wall:>8.2f}")
+    table = [(name, predicted, predicted / bound, predicted / best, wall) for name, predicted, _, wall in rows]
+    click.echo(tabulate(table, headers=("approach", "predicted s", "/ bound", "/ best", "wall s"), tablefmt="plain",
+                        floatfmt=("", ".4f", ".3f", ".3f", ".2f")))
     click.echo(f"lower bound {bound:.4f} s")
 
 
@@ -185,11 +165,10 @@ def tensor_check_rows(plan) -> list[str]:
         done[op.tensor] = max(done[op.tensor], op.end_s)
     for task in plan.tasks:
         tasks[task.tensor] += 1
-    width = max(len(n) for n in plan.problem.names)
-    rows = [f"  {'tensor':<{width}} {'tasks':>6} {'done at s':>10} {'own bound s':>12}"]
-    for i, single in enumerate(plan.problem.tensor_problems()):
-        own = lower_bound(decompose(single, max_tasks=None), single.cluster, single.itemsize).seconds
-        rows.append(f"  {single.name:<{width}} {tasks[i]:>6} {done[i]:>10.4f} {own:>12.4f}")
+    rows = [(single.name, tasks[i], f"{done[i]:.4f}",
+             f"{lower_bound(decompose(single, max_tasks=None), single.cluster, single.itemsize).seconds:.4f}")
+            for i, single in enumerate(plan.problem.tensor_problems())]
+    rows = indented(rows, ("tensor", "tasks", "done at s", "own bound s"), colalign=("left", "right", "right", "right"))
     return rows
 
 

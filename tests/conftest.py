@@ -8,7 +8,6 @@ solver is. Nothing here hard-codes a predicted time.
 from __future__ import annotations
 
 import os
-from typing import Any
 
 # The JAX front-end tests need 16 CPU devices. XLA reads this flag once, when jax is first imported,
 # so it is set here before any test module loads; it changes nothing for code that does not use jax.
@@ -18,33 +17,12 @@ if _HOST_DEVICES not in os.environ.get("XLA_FLAGS", ""):
 
 import pytest
 
-from xmesh_plan.planner.compile import compile_plan
-from xmesh_plan.planner.problem_io import build_problem
-from xmesh_plan.planner.reference_cases import reference_problems
+from tests.support.builders import compile_fast, make_problem, reference_problem
+
 
 # Subprocesses the tests start (xmesh-plan, mpiexec ... executor.run) show real tracebacks, not the one-line
 # internal-error report; tests of that report unset it themselves.
 os.environ.setdefault("XMESH_PLAN_DEBUG", "1")
-
-FAST_SOLVER = "greedy"
-STRATEGY_NAMES = ("broadcast", "send_recv", "local_allgather", "global_allgather", "auto")
-
-
-def make_problem(shape, src_mesh, src_spec, dst_mesh, dst_spec, dtype: str = "float32", **extra: Any):
-    """A problem from CLI-like shorthand; `extra` goes into the raw dict (cluster, name, ...)."""
-    raw = {"shape": list(shape), "dtype": dtype, "src": {"mesh": src_mesh, "spec": src_spec},
-           "dst": {"mesh": dst_mesh, "spec": dst_spec}, **extra}
-    return build_problem(raw)
-
-
-def reference_problem(name: str):
-    raw = dict(reference_problems())[name]
-    return build_problem(raw)
-
-
-def compile_fast(problem, strategy: str = "broadcast", **kwargs: Any):
-    return compile_plan(problem, strategy=strategy, solver=kwargs.pop("solver", FAST_SOLVER), **kwargs)
-
 
 @pytest.fixture
 def problem():
@@ -66,7 +44,7 @@ def compile_quick():
 
 def pytest_terminal_summary(terminalreporter) -> None:
     """Print what summary-keeping tests recorded (e.g. the plan-mutation counts), so CI's log shows it."""
-    from test_plan_mutations import SUMMARY
+    from tests.support.mutations import SUMMARY
 
     for line in SUMMARY:
         terminalreporter.write_line(line)

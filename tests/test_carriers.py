@@ -29,7 +29,7 @@ from xmesh_plan.schemas import Plan
 from xmesh_plan.schemas.geometry import region_size
 from xmesh_plan.schemas.plan_check import PlanError, check_plan
 from xmesh_plan.schemas.staging import staging_peaks
-from test_transfer_plan import _assert_every_shard, fake_executors, full_tensors, random_transfer, run_everywhere
+from tests.support.transfer import assert_every_shard, fake_executors, full_tensors, random_transfer, run_everywhere
 
 ROOT = Path(__file__).resolve().parents[1]
 SMALL = ROOT / "plans" / "weight_sync_small.problem.toml"
@@ -99,7 +99,7 @@ def test_one_message_crosses_hosts_per_group_bit_exact_on_a_fake_mpi(shared, sep
         for it in range(2):
             start = len(world.log)
             full = full_tensors(plan, 10 + it)
-            _assert_every_shard(plan, run_everywhere(plan, executors, full), full)
+            assert_every_shard(plan, run_everywhere(plan, executors, full), full)
             crossed[name] = _cross_host_sends(plan, world.log[start:])
         peaks = staging_peaks(plan, order)
         assert {ex.device: ex.stage_bytes for ex in executors if ex.stage_bytes} == peaks
@@ -120,7 +120,7 @@ def test_random_multi_tensor_plans_with_shared_messages_are_bit_exact():
         for order in ("posted", "device"):
             executors = fake_executors(plan, order=order)
             full = full_tensors(plan, seed)
-            _assert_every_shard(plan, run_everywhere(plan, executors, full), full)
+            assert_every_shard(plan, run_everywhere(plan, executors, full), full)
     assert seen >= 5
 
 
@@ -141,7 +141,7 @@ def test_shrunk_plans_keep_shared_messages_valid():
             ran += 1
             executors = fake_executors(shrunk, order="posted")
             full = full_tensors(shrunk, seed)
-            _assert_every_shard(shrunk, run_everywhere(shrunk, executors, full), full)
+            assert_every_shard(shrunk, run_everywhere(shrunk, executors, full), full)
     assert cut >= 3
 
 

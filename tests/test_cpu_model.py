@@ -10,7 +10,7 @@ from xmesh_plan.planner.problem_io import build_problem
 from xmesh_plan.planner.simulate import simulate, simulate_plan
 from xmesh_plan.schemas import Cluster, Cpu, DeviceMesh, Operation, Placement, ReshardingProblem
 
-from conftest import compile_fast, reference_problem
+from tests.support.builders import compile_fast, reference_problem
 
 SHAPE = (256, 256, 64)  # int32: 16 MiB
 
@@ -120,7 +120,7 @@ def test_a_problem_file_with_a_bad_cpu_gets_one_line_naming_the_field():
 
 
 def test_saved_runs_are_repredicted_with_and_without_the_cpu(tmp_path):
-    """One case of a saved session-7 run: rebuilt plans predict as saved without the CPU model (broadcasts),
+    """One case of an archived run (made before the CPU model existed): rebuilt plans predict as saved without the CPU model (broadcasts),
     and the CPU model only adds time (its copies are work the default model charges next to nothing)."""
     import json
     import sys
@@ -129,7 +129,7 @@ def test_saved_runs_are_repredicted_with_and_without_the_cpu(tmp_path):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     from bench.netlab.repredict import repredicted, table
 
-    saved = json.loads((Path(__file__).resolve().parents[1] / "bench/results/netlab-device-500-s7.json").read_text())
+    saved = json.loads((Path(__file__).resolve().parents[1] / "bench/results/archive/netlab-device-500-s7.json").read_text())
     one = {"meta": saved["meta"], "runs": [run for run in saved["runs"] if run["case"] == "case1"]}
     (tmp_path / "one.json").write_text(json.dumps(one))
     rows = repredicted(tmp_path / "one.json", Cpu(cores=2, copy_gbps=24))

@@ -17,7 +17,7 @@ from xmesh_plan.planner.problem_io import build_problem
 from xmesh_plan.planner.strategies import PlannedOp
 from xmesh_plan.planner.unit_tasks import decompose
 from xmesh_plan.schemas import Cluster, ReshardingProblem
-from test_properties import SETTINGS, spec_for
+from tests.support.strategies import SETTINGS, spec_for
 
 REL_TOLERANCE = 0.01  # the simulator may differ from the cost model by a hair (seen: 0.06% on a ring); the old model lost up to 2x
 ABS_TOLERANCE_S = 1e-11  # plans round times to picoseconds

@@ -12,28 +12,14 @@ from pathlib import Path
 import pytest
 
 from xmesh_plan.schemas import load_plan
-from test_executor_cases import DEVICES, all_fixed_plans, compiled, fixed_problems, random_problem, with_chunks, write_plans
+from tests.support.cases import DEVICES, all_fixed_plans, compiled, fixed_problems, random_problem, with_chunks, write_plans
+from tests.support.launch import EXECUTOR_WORKER as WORKER, MPI_LAUNCH_TIMEOUT_S, MPIEXEC, mpiexec
 
 ROOT = Path(__file__).resolve().parents[1]
-VENV_BIN = Path(sys.executable).parent
-MPIEXEC = VENV_BIN / "mpiexec"
-WORKER = ROOT / "tests" / "test_executor_worker.py"
 PLANS = ROOT / "plans"
 
-LAUNCH_TIMEOUT_S = 300  # catches a hang only; a passing launch takes seconds, but 16-20 ranks on a loaded 2-core CI box take minutes
 pytestmark = [pytest.mark.mpi, pytest.mark.skipif(not MPIEXEC.exists(), reason=f"no mpiexec at {MPIEXEC} (install the mpich wheel)"),
-              pytest.mark.timeout(2 * LAUNCH_TIMEOUT_S)]  # above the launch's own limit, so that limit reports first
-
-
-def mpiexec(n: int, *args: str, timeout: float = LAUNCH_TIMEOUT_S, keep_going: bool = False) -> subprocess.CompletedProcess:
-    """Launch `n` ranks; with `keep_going`, a dead rank does not take the others down (they must notice it).
-
-    The timeout only catches a hang: a passing launch ends in seconds, but on a loaded 2-core CI machine
-    16-20 oversubscribed ranks can take minutes, so it is generous.
-    """
-    env = dict(os.environ, MPIR_CVAR_ENABLE_HEAVY_YIELD="1", PYTHONPATH=str(ROOT))
-    cmd = [str(MPIEXEC)] + (["-disable-auto-cleanup"] if keep_going else []) + ["-n", str(n), sys.executable, *args]
-    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+              pytest.mark.timeout(2 * MPI_LAUNCH_TIMEOUT_S)]  # above the launch's own limit, so that limit reports first
 
 
 REFERENCE_GROUPS = {  # world size -> reference plans that need exactly that many ranks
@@ -106,7 +92,7 @@ def test_the_demo_gives_up_after_its_timeout_when_a_rank_dies(small_plan):
     assert sorted(map(int, reports)) == [r for r in range(DEVICES) if r != 1], result.stderr
 
 
-HANG_S = 120  # the job ends within its --timeout (2 s) after start-up; this only catches a hang (before: for ever)
+HANG_S = 120  # the job ends within its --timeout (2 s) after start-up; this only catches a hang, which would otherwise last for ever
 
 
 @pytest.mark.parametrize("mode,failure,status", [
@@ -114,11 +100,10 @@ HANG_S = 120  # the job ends within its --timeout (2 s) after start-up; this onl
     ("demo-bug", "rank 1: error: 00_even_disjoint_broadcast.plan.json: unexpected ZeroDivisionError: injected bug in run()", 4 | 3),
 ], ids=["after-the-last-collective", "unexpected-error"])
 def test_a_failure_on_one_rank_ends_the_demo(small_plan, mode, failure, status):
-    """Under -disable-auto-cleanup, as docs/executor.md recommends. Before: rank 1 failing after the demo's last
-    collective left the others blocked in MPI_Finalize for ever; an unexpected error left rank 1 itself there
-    (traceback, then finalize) once its peers had timed out. Now the failing rank reports in one line, the
-    others stop at their next wait (the last one is a barrier before finalize) and mpiexec returns the OR of
-    the statuses (2 or 4 for rank 1, 3 for the timeouts)."""
+    """Under -disable-auto-cleanup, as docs/executor.md recommends: rank 1 failing after the demo's last collective,
+    or with an unexpected error, must not leave any rank blocked in MPI_Finalize. The failing rank reports in one line,
+    the others stop at their next wait (the last one is a barrier before finalize) and mpiexec returns the OR of the
+    statuses (2 or 4 for rank 1, 3 for the timeouts)."""
     result = mpiexec(DEVICES, str(WORKER), mode, small_plan, keep_going=True, timeout=HANG_S)
     assert result.returncode == status, result.stderr
     assert failure in result.stderr and "Traceback" not in result.stderr, result.stderr

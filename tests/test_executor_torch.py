@@ -8,54 +8,21 @@ torchrun command itself.
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 
 from xmesh_plan.executor.scale import factors_for, scale_plan
 from xmesh_plan.schemas import load_plan
-from test_executor_cases import (DEVICES, all_fixed_plans, compiled, fixed_problems, random_problem,
+from tests.support.cases import (DEVICES, all_fixed_plans, compiled, fixed_problems, random_problem,
                                  two_chunked_broadcasts_from_one_device, write_plans)
+from tests.support.launch import TORCH_LAUNCH_TIMEOUT_S, launch
 
 ROOT = Path(__file__).resolve().parents[1]
-WORKER = Path(__file__).with_name("torch_worker.py")
 PLANS = ROOT / "plans"
-LAUNCH_TIMEOUT_S = 400  # catches a hang only: 8-16 ranks importing torch on a loaded 2-core machine take a while
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(2 * LAUNCH_TIMEOUT_S)]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def launch(n: int, *args: str, worker: Path = WORKER) -> list[str]:
-    """Start `n` ranks of `worker` with env:// variables; their stdout lines, after every rank ended."""
-    port, procs = _free_port(), []
-    for rank in range(n):
-        env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank), "WORLD_SIZE": str(n),
-               "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(n), "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-        procs.append(subprocess.Popen([sys.executable, str(worker), *args], cwd=ROOT, env=env, text=True,
-                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE))
-    outputs = []
-    deadline = time.monotonic() + LAUNCH_TIMEOUT_S
-    for proc in procs:
-        try:
-            out, err = proc.communicate(timeout=max(1, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            for p in procs:
-                p.kill()
-            raise
-        outputs.append((proc.returncode, out, err))
-    lines = [line for _, out, _ in outputs for line in out.splitlines() if line.startswith("rank ")]
-    failed = [(code, err[-2000:]) for code, _, err in outputs if code]
-    assert not failed, failed
-    return lines
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(2 * TORCH_LAUNCH_TIMEOUT_S)]
 
 
 def small(plans, max_bytes: int = 64 * 1024):
@@ -109,7 +76,7 @@ def test_multi_tensor_plans_in_device_order_on_gloo_matching_by_order_are_bit_ex
     tensors; with every tag 0 (gloo matching by order, as NCCL) both ends must agree on that order, or bytes
     land in the wrong tensor. Three tensors of three dtypes, every strategy, and random multi-tensor plans."""
     from xmesh_plan.planner.compile import compile_plan
-    from test_transfer_plan import problem as three_tensors, random_transfer
+    from tests.support.transfer import random_transfer, three_tensors
 
     chained = {"split_hosts": False, "coalesce": False}  # every strategy's own operations, no bundles
     plans = [compile_plan(three_tensors(), strategy=s, solver="greedy", **chained) for s in ("broadcast", "send_recv", "local_allgather")]
@@ -123,7 +90,7 @@ def test_multi_tensor_plans_in_device_order_on_gloo_matching_by_order_are_bit_ex
 
 
 def test_float8_plans_are_bit_exact(tmp_path):
-    from test_executor_cases import problem
+    from tests.support.cases import problem
 
     plans = [compiled(problem(f"f8_{dtype}", (6, 10), (2,), (0, 1), "S0 R", (2, 2), range(4), "R S01", dtype=dtype), strategy)
              for dtype in ("float8_e4m3fn", "float8_e5m2") for strategy in ("send_recv", "global_allgather")]
@@ -170,7 +137,7 @@ def test_the_documented_torchrun_command_works(tmp_path):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(DEVICES), "-m", "xmesh_plan.executor.torch_run", path,
            "--check", "--iters", "2", "--max-mb", "1"]
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    result = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=LAUNCH_TIMEOUT_S)
+    result = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=TORCH_LAUNCH_TIMEOUT_S)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "check ok: every destination shard bit-exact" in result.stdout, result.stdout
 

@@ -24,7 +24,7 @@ from xmesh_plan.planner.problem_io import build_problem
 from xmesh_plan.planner.verify import PlanError, verify_plan
 from xmesh_plan.schemas import load_plan
 from xmesh_plan.schemas.geometry import intersect, region_shape
-from test_executor_cases import STRATEGIES, all_fixed_plans, compiled, fixed_problems, random_problem
+from tests.support.cases import STRATEGIES, all_fixed_plans, compiled, fixed_problems, random_problem
 
 MODULES = ["xmesh_plan.executor.lower", "xmesh_plan.executor.ranks", "xmesh_plan.executor.pattern", "xmesh_plan.executor.scale", "xmesh_plan.executor.engines"]
 

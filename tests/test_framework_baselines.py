@@ -13,7 +13,7 @@ from xmesh_plan.planner.simulate import _Lowering, simulate
 from xmesh_plan.planner.transfer_io import build_transfer
 from xmesh_plan.planner.weight_sync import WEIGHT_SYNC, weight_sync_toml
 
-from conftest import make_problem
+from tests.support.builders import make_problem
 
 RL_BASELINES = ("rank0-gather-broadcast", "per-rank-broadcast")
 TWO_PER_HOST = {"cluster": {"devices_per_host": 2}}  # 10 Gbit/s NIC, 800 Gbit/s inside a host, 20 us latency, 1 us overhead

@@ -20,7 +20,7 @@ from torch.distributed.tensor._utils import _compute_local_shape_and_global_offs
 from torch.distributed.tensor.placement_types import _StridedShard
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
-from conftest import compile_fast
+from tests.support.builders import compile_fast
 from xmesh_plan.planner.verify import verify_plan
 from xmesh_plan.schemas import Layout, ShardingSpec
 from xmesh_plan.schemas.spec import DimSharding

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from jax.sharding import AbstractMesh, AxisType, Mesh, NamedSharding, PartitionSpec as P, SingleDeviceSharding
 
-from conftest import compile_fast
+from tests.support.builders import compile_fast
 from xmesh_plan.planner.verify import verify_plan
 from xmesh_plan import FrontendError, problem_from_shardings
 

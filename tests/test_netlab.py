@@ -23,7 +23,7 @@ sys.path.insert(0, str(ROOT))
 from bench.netlab import counters, testbed as tb  # noqa: E402
 from bench.netlab.launch import MPIEXEC, ranks_per_host  # noqa: E402
 from bench.netlab.run_plan import RunOptions, run_plan  # noqa: E402
-from conftest import compile_fast, make_problem  # noqa: E402
+from tests.support.builders import compile_fast, make_problem  # noqa: E402
 
 REASON = tb.unavailable_reason() if os.name == "posix" else "network namespaces are Linux only"
 pytestmark = [pytest.mark.mpi, pytest.mark.timeout(900),

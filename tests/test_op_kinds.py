@@ -18,8 +18,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from pydantic import ValidationError
 
-from test_executor_cases import all_fixed_plans
-from test_properties import FAST_SOLVER, SETTINGS, problems
+from tests.support.cases import all_fixed_plans
+from tests.support.builders import FAST_SOLVER
+from tests.support.strategies import SETTINGS, problems
 from xmesh_plan.executor.lower import lower
 from xmesh_plan.executor.ranks import plan_devices
 from xmesh_plan.executor.run import bytes_moved

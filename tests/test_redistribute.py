@@ -1,6 +1,6 @@
 """`xmesh_plan.redistribute` moves DTensors between meshes on 4 gloo ranks, bit-exact against DTensor's
 own `distribute_tensor` on the destination mesh, with gradients, a plan cache, and DTensor's own refusal
-of the same call shown (tests/redistribute_worker.py does the checking on every rank)."""
+of the same call shown (tests/workers/redistribute_worker.py does the checking on every rank)."""
 
 from __future__ import annotations
 
@@ -12,13 +12,13 @@ from pathlib import Path
 
 import pytest
 
-from test_executor_torch import LAUNCH_TIMEOUT_S, ROOT, launch
+from tests.support.launch import ROOT, TORCH_LAUNCH_TIMEOUT_S as LAUNCH_TIMEOUT_S, launch
 
 pytestmark = pytest.mark.slow
 
 
 def test_redistribute_across_meshes_matches_dtensor_on_every_rank():
-    lines = launch(4, "0", worker=Path(__file__).with_name("redistribute_worker.py"))
+    lines = launch(4, "0", worker=Path(__file__).parent / "workers" / "redistribute_worker.py")
     counts = {line.split(":")[0]: int(line.split()[-1]) for line in lines if ": ok " in line}
     assert sorted(counts) == ["rank 0", "rank 1", "rank 2", "rank 3"]
     # 4 layouts x 3 dtypes x 2 calls, on the ranks of each destination mesh, plus one gradient check per source rank

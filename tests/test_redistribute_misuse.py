@@ -1,6 +1,6 @@
 """`xmesh_plan.redistribute` misused on 4 gloo ranks: every misuse fails on every rank with one line, or works.
 
-tests/redistribute_misuse_worker.py does the calls; these tests compare what the ranks print. Each
+tests/workers/redistribute_misuse_worker.py does the calls; these tests compare what the ranks print. Each
 launch is bounded (a rank that hangs is killed and the test fails) and keeps tensors small.
 """
 
@@ -15,9 +15,9 @@ from pathlib import Path
 
 import pytest
 
-from test_executor_torch import ROOT, _free_port
+from tests.support.launch import ROOT, free_port
 
-WORKER = Path(__file__).with_name("redistribute_misuse_worker.py")
+WORKER = Path(__file__).parent / "workers" / "redistribute_misuse_worker.py"
 RANKS = 4
 LAUNCH_TIMEOUT_S = 300  # a hang only: 4 ranks importing torch on a loaded 2-core machine take a while
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(2 * LAUNCH_TIMEOUT_S)]
@@ -25,7 +25,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(2 * LAUNCH_TIMEOUT_S)]
 
 def launch(*args: str) -> list[tuple[int, str, str]]:
     """(return code, stdout, stderr) of each of 4 ranks of the worker; every rank is killed after the deadline."""
-    port, reinit, procs = _free_port(), ",".join(str(_free_port()) for _ in range(2)), []
+    port, reinit, procs = free_port(), ",".join(str(free_port()) for _ in range(2)), []
     for rank in range(RANKS):
         env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank), "WORLD_SIZE": str(RANKS),
                "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(RANKS), "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1",

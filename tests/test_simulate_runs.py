@@ -40,7 +40,7 @@ def test_a_run_cut_in_two_waits_for_the_first_half_to_arrive():
 def test_a_limited_plan_states_its_time_in_the_runs_its_budget_makes():
     """A random transfer under a 64-byte budget: the budget cuts runs the peers alone would not, the plan's stated
     device-order time is the simulation in those runs, and it is later than the peers' runs alone predict."""
-    from test_transfer_plan import random_transfer
+    from tests.support.transfer import random_transfer
 
     plan = compile_plan(random_transfer(1, 8), solver="greedy", max_staging_bytes=64)
     f, align = footprints(plan), staging_align(plan)

@@ -33,14 +33,14 @@ from xmesh_plan.schemas import Plan, read_plan_file
 from xmesh_plan.schemas.op_kinds import members
 from xmesh_plan.schemas.plan_tensors import tensor_plans
 from xmesh_plan.schemas.staging import staging_peaks
-from test_staging import brute_footprint, unsafe_reuse
-from test_transfer_plan import _WorldComm, _assert_every_shard, fake_executors, full_tensors, random_transfer, run_everywhere
-from test_executor_sim import FakeWorld
+from tests.support.staging import brute_footprint, unsafe_reuse
+from tests.support.fake_mpi import FakeWorld, WorldComm
+from tests.support.transfer import assert_every_shard, fake_executors, full_tensors, random_transfer, run_everywhere
 
 ROOT = Path(__file__).resolve().parents[1]
 SMALL = ROOT / "plans" / "weight_sync_small.problem.toml"
 MPIEXEC = Path(sys.executable).parent / "mpiexec"
-WORKER = ROOT / "tests" / "staging_transfer_worker.py"
+WORKER = ROOT / "tests" / "workers" / "staging_transfer_worker.py"
 SMALL_LIMIT = 16 * 2**10  # a quarter of the small weight sync's largest device-order run without a limit (64 KiB)
 
 
@@ -170,7 +170,7 @@ def test_random_limited_transfers_agree_with_the_brute_force_and_run_bit_exact(s
         assert unsafe_reuse(joint) == []
     executors = fake_executors(plan, order="device")
     full = full_tensors(plan, seed)
-    _assert_every_shard(plan, run_everywhere(plan, executors, full), full)
+    assert_every_shard(plan, run_everywhere(plan, executors, full), full)
     for ex in executors:
         assert ex.stage_bytes == plan.staging.peak_bytes.get(ex.device, 0)
 
@@ -182,7 +182,7 @@ def test_every_tensor_shares_one_staging_area_and_runs_bit_exact_in_process(two_
         executors = fake_executors(plan, order="device")
         for seed in (1, 2):
             full = full_tensors(plan, seed)
-            _assert_every_shard(plan, run_everywhere(plan, executors, full), full)
+            assert_every_shard(plan, run_everywhere(plan, executors, full), full)
         for ex in executors:
             stage = ex.parts[0].engine.stage
             assert all(part.engine.stage is stage for part in ex.parts)  # one buffer, not one per tensor
@@ -193,7 +193,7 @@ def test_every_tensor_shares_one_staging_area_and_runs_bit_exact_in_process(two_
 
 def test_a_limited_plan_runs_in_device_order_by_default_and_posted_is_refused(small_plan):
     assert default_order(small_plan, "mpi") == "device" and default_order(small_plan, "torch") == "device"
-    comm = _WorldComm(FakeWorld(), 0, 8)
+    comm = WorldComm(FakeWorld(), 0, 8)
     assert TransferExecutor(small_plan, comm).order == "device"
     with pytest.raises(PlanMismatchError, match=r"order='posted' needs \d+ B of staging on device \d+ \(every tensor's staged boxes "
                                                 r"at once\), but the plan states \d+ B there .* run it with order='device'") as err:
@@ -216,7 +216,7 @@ def test_a_plan_stating_less_than_it_needs_is_refused_before_anything_runs(two_p
     with pytest.raises(PlanError, match=f"states 8 B for device {device}, but the plan needs"):
         verify_plan(wrong)
     with pytest.raises(PlanMismatchError, match=f"order='device' needs \\d+ B of staging on device {device} \\(one area shared"):
-        TransferExecutor(wrong, _WorldComm(FakeWorld(), 0, 6))
+        TransferExecutor(wrong, WorldComm(FakeWorld(), 0, 6))
 
 
 def test_a_scaled_transfer_restates_its_staging(two_plan):
@@ -302,7 +302,7 @@ def test_mpiexec_runs_limited_transfers_bit_exact_within_the_stated_staging(tmp_
 @pytest.mark.skipif(importlib.util.find_spec("torch") is None, reason="torch is not installed")
 def test_torch_gloo_runs_a_limited_transfer_bit_exact_within_the_stated_staging(tmp_path, two_plan):
     """The torch engine in device order: one staging tensor every tensor shares, each shard bit for bit (tags 0: gloo matches by order, as NCCL)."""
-    from test_executor_torch import launch
+    from tests.support.launch import launch
 
     path = tmp_path / "two.plan.json"
     path.write_text(two_plan.to_json())
@@ -319,7 +319,7 @@ def test_torch_gloo_runs_a_limited_transfer_bit_exact_within_the_stated_staging(
 def test_torch_gloo_posted_runs_the_tensors_one_after_another_in_one_staging_area(tmp_path):
     """The torch engine posted runs a multi-tensor plan's tensors one after another, so they share one staging
     tensor, the largest any tensor's posted program needs on that device (not the sum); bit for bit on gloo."""
-    from test_executor_torch import launch
+    from tests.support.launch import launch
 
     plan = compile_plan(two_tensors(), solver="greedy")
     path = tmp_path / "two_posted.plan.json"

@@ -18,7 +18,8 @@ from xmesh_plan.planner.cli import main
 from xmesh_plan.planner.compile import compile_plan
 from xmesh_plan.planner.problem_io import build_problem
 from xmesh_plan.planner.unit_tasks import DEFAULT_MAX_TASKS, TooManyTasksError, decompose, task_count_bound
-from test_properties import FAST_SOLVER, SETTINGS, problems
+from tests.support.builders import FAST_SOLVER
+from tests.support.strategies import SETTINGS, problems
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = Path(sys.executable).parent / "xmesh-plan"

@@ -16,10 +16,9 @@ from click.testing import CliRunner
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 from xmesh_plan.executor import ExecutorError, PlanMismatchError, ReshardingExecutor, TransferExecutor
-from xmesh_plan.executor.arrays import storage_dtype
 from xmesh_plan.executor.lower import in_device_order, lower
 from xmesh_plan.executor.mpi_engine import MpiEngine
-from xmesh_plan.executor.ranks import plan_devices, rank_of_devices
+from xmesh_plan.executor.ranks import plan_devices
 from xmesh_plan.planner.cli import main
 from xmesh_plan.planner.compile import compile_plan
 from xmesh_plan.planner.transfer_io import build_transfer, load_any_problem
@@ -27,7 +26,8 @@ from xmesh_plan.planner.verify import PlanError, verify_plan
 from xmesh_plan.schemas import Plan, read_plan_file
 from xmesh_plan.schemas.plan_check import check_plan, tags_used
 from xmesh_plan.schemas.plan_tensors import tensor_plans
-from test_executor_sim import FakeComm, FakeMPI, FakeWorld, _out_of_device_order
+from tests.support.fake_mpi import FakeMPI, FakeWorld, WorldComm, out_of_device_order
+from tests.support.transfer import assert_every_shard, fake_executors, full_tensors, random_transfer, run_everywhere, slice_box, three_tensors
 
 ROOT = Path(__file__).resolve().parents[1]
 SMALL = ROOT / "plans" / "weight_sync_small.problem.toml"
@@ -35,20 +35,10 @@ CHAINED = {"split_hosts": False, "coalesce": False}  # the plan a multi-tensor p
 MPIEXEC = Path(sys.executable).parent / "mpiexec"
 
 
-def problem():
-    """Three tensors of three dtypes on overlapping meshes (device 3 is in both), so copies, sends and broadcasts all occur."""
-    return build_transfer({
-        "name": "three", "src_mesh": {"shape": [2, 2], "devices": [0, 1, 2, 3]}, "dst_mesh": {"shape": [3], "devices": [3, 4, 5]},
-        "cluster": {"devices_per_host": 2},
-        "tensors": [{"name": "w", "shape": [12, 6], "src": "S0 R", "dst": "R S0"},
-                    {"name": "bias", "shape": [9], "dtype": "int16", "src": "S01", "dst": "R"},
-                    {"name": "emb", "shape": [6, 4, 3], "dtype": "bfloat16", "src": "R S1 R", "dst": "S0 R R"}]})
-
-
 @pytest.fixture(scope="module")
 def plan():
     """Copies, sends and broadcasts of three tensors: the chained plan (both switches off), every kind the NCCL engine runs."""
-    return compile_plan(problem(), solver="greedy", **CHAINED)
+    return compile_plan(three_tensors(), solver="greedy", **CHAINED)
 
 
 # --- compile and verify -----------------------------------------------------------------------------------
@@ -66,7 +56,7 @@ def test_every_tensor_is_planned_and_the_plan_verifies(plan):
 
 def test_the_joint_plan_is_the_sum_of_its_tensors(plan):
     """Tasks and bytes match compiling each tensor alone; the joint bound is at least every tensor's own."""
-    alone = [compile_plan(p, solver="greedy") for p in problem().tensor_problems()]
+    alone = [compile_plan(p, solver="greedy") for p in three_tensors().tensor_problems()]
     assert len(plan.tasks) == sum(len(a.tasks) for a in alone)
     for i, single in enumerate(alone):
         mine = [t for t in plan.tasks if t.tensor == i]
@@ -76,7 +66,7 @@ def test_the_joint_plan_is_the_sum_of_its_tensors(plan):
 
 
 def test_same_input_and_seed_give_a_byte_identical_plan_that_round_trips(plan):
-    again = compile_plan(problem(), solver="greedy", **CHAINED)
+    again = compile_plan(three_tensors(), solver="greedy", **CHAINED)
     assert again.to_json() == plan.to_json()
     assert Plan.from_json(plan.to_json()) == plan
     data = json.loads(plan.to_json())
@@ -174,77 +164,6 @@ def test_compare_prices_every_solver_and_alpa_on_all_tensors_together(tmp_path):
 
 # --- executor -----------------------------------------------------------------------------------------------
 
-def full_tensors(plan: Plan, seed: int) -> dict[str, np.ndarray]:
-    """Random contents of every whole tensor, as the executor stores them (raw 16-bit for bfloat16)."""
-    rng = np.random.default_rng(seed)
-    out = {}
-    for t in plan.problem.tensors:
-        dtype = storage_dtype(t.dtype)
-        out[t.name] = rng.integers(0, 2**(8 * dtype.itemsize) - 1, size=t.shape, dtype=np.uint64).astype(
-            f"u{dtype.itemsize}").view(dtype)
-    return out
-
-
-def _slice(array: np.ndarray, box) -> np.ndarray:
-    return array[tuple(slice(a, b) for a, b in box)]
-
-
-class _WorldComm(FakeComm):
-    def __init__(self, world, rank, size):
-        super().__init__(world, rank)
-        self.size = size
-
-    def Get_size(self) -> int:
-        return self.size
-
-    def Idup(self):
-        raise AssertionError("not used: the test sets each tensor's engine up itself")
-
-
-def fake_executors(plan: Plan, concurrent: bool = True, order: str = "device") -> list[TransferExecutor]:
-    """One TransferExecutor per rank over one fake MPI communicator shared by every tensor (tags offset per
-    tensor as prepare() does, so a collision would deliver bytes to the wrong tensor), each tensor's engine
-    set up as prepare() would, and in device order the joint engine over them. `concurrent=False` (posted):
-    one tensor after another, every tensor's tags from 0 (as on a torch process group)."""
-    devices, rank_of = plan_devices(plan), rank_of_devices(plan)
-    world = FakeWorld()
-    out = []
-    for rank, device in enumerate(devices):
-        ex = TransferExecutor(plan, _WorldComm(world, rank, len(devices)), order=order)
-        ex.concurrent = concurrent
-        for part in ex.parts:
-            offset = part.tag_offset if concurrent or ex.joined else 0
-            part.program = lower(part.plan, device, tag_limit=2**20, first_tag=offset)
-            if order == "device" and not ex.joined:
-                part.program = in_device_order(part.program)
-        if ex.joined:
-            ex._join()  # one staging area for every tensor: the first engine allocates it, the others share it
-        stage = None
-        for part in ex.parts:
-            part.src_shape = part.program.src_shape
-            part.engine = MpiEngine(part.program, FakeComm(world, rank), rank_of, storage_dtype(part.plan.problem.dtype), 5.0, (1e-5, 1e-4))
-            part.engine.setup(mpi=FakeMPI, stage=stage)
-            stage = part.engine.stage if ex.joined else None
-        if ex.joined:
-            ex.engine = ex.entry.make_joint(ex.joint, [part.engine for part in ex.parts])
-            ex.engine.setup(mpi=FakeMPI)
-        out.append(ex)
-    return out
-
-
-def run_everywhere(plan: Plan, executors: list[TransferExecutor], full: dict[str, np.ndarray]) -> dict[int, dict[str, np.ndarray]]:
-    for ex in executors:
-        shards = {name: _slice(full[name], part.program.src_block)
-                  for name, part in zip(ex.names, ex.parts) if part.program.src_block is not None}
-        ex.start(shards or None)
-    for _ in range(10_000):
-        if all([ex.test() for ex in executors]):
-            break
-    else:
-        pytest.fail("stalled")
-    return {ex.device: {k: v.copy() for k, v in ex.wait().items()} for ex in executors}
-
-
 def test_tensors_sharing_a_communicator_get_disjoint_tags(plan):
     ex = fake_executors(plan)[0]
     offsets = [p.tag_offset for p in ex.parts]
@@ -261,7 +180,7 @@ def test_the_executor_delivers_every_tensor_bit_exact_against_numpy_slicing(plan
         full = full_tensors(plan, seed)
         out = run_everywhere(plan, executors, full)
         for device in plan_devices(plan):
-            expected = {t.name: _slice(full[t.name], p.blocks("dst")[device])
+            expected = {t.name: slice_box(full[t.name], p.blocks("dst")[device])
                         for t, p in zip(plan.problem.tensors, plan.problem.tensor_problems()) if device in p.blocks("dst")}
             assert set(out[device]) == set(expected), device
             for name, want in expected.items():
@@ -279,7 +198,7 @@ def test_the_executor_catches_a_shard_handed_in_under_the_wrong_name():
     out = run_everywhere(twin, fake_executors(twin), swapped)
     device = twin.problem.dst_mesh.devices[0]
     block = twin.problem.tensor_problem(0).blocks("dst")[device]
-    assert np.array_equal(out[device]["p"], _slice(full["q"], block)) and not np.array_equal(out[device]["p"], _slice(full["p"], block))
+    assert np.array_equal(out[device]["p"], slice_box(full["q"], block)) and not np.array_equal(out[device]["p"], slice_box(full["p"], block))
 
 
 def test_the_executor_refuses_missing_and_unknown_names(plan):
@@ -301,7 +220,7 @@ def test_one_tensor_after_another_as_the_torch_and_nccl_engines_run_them_is_bit_
         for device, shards in out.items():
             for name, got in shards.items():
                 index = plan.problem.index_of(name)
-                want = _slice(full[name], plan.problem.tensor_problem(index).blocks("dst")[device])
+                want = slice_box(full[name], plan.problem.tensor_problem(index).blocks("dst")[device])
                 assert np.array_equal(got.view(np.uint8), want.view(np.uint8)), (device, name)
         assert sum(len(s) for s in out.values()) == sum(len(p.blocks("dst")) for p in plan.problem.tensor_problems())
     with pytest.raises(ExecutorError, match="wait\\(\\) called without start\\(\\)"):
@@ -310,16 +229,16 @@ def test_one_tensor_after_another_as_the_torch_and_nccl_engines_run_them_is_bit_
 
 def test_a_multi_tensor_plan_is_refused_by_the_single_tensor_executor(plan):
     with pytest.raises(TypeError, match="moves 3 tensors; run it with executor.TransferExecutor"):
-        ReshardingExecutor(plan, _WorldComm(FakeWorld(), 0, 6))
+        ReshardingExecutor(plan, WorldComm(FakeWorld(), 0, 6))
 
 
 def test_the_nccl_engine_joins_the_tensors_in_device_order_by_default_and_runs_them_one_after_another_posted(plan):
     """Device order (the default on NCCL) replays every tensor through one joint engine (`JointNcclEngine`);
     posted runs them one after another (tests/test_executor_gpu.py runs both on the fake CuPy)."""
     for order in ("device", None):
-        ex = TransferExecutor(plan, _WorldComm(FakeWorld(), 0, 6), backend="nccl", order=order)
+        ex = TransferExecutor(plan, WorldComm(FakeWorld(), 0, 6), backend="nccl", order=order)
         assert ex.joined and ex.order == "device" and ex.entry.join is not None
-    ex = TransferExecutor(plan, _WorldComm(FakeWorld(), 0, 6), backend="nccl", order="posted")
+    ex = TransferExecutor(plan, WorldComm(FakeWorld(), 0, 6), backend="nccl", order="posted")
     assert not ex.joined and ex.order == "posted"
 
 
@@ -330,12 +249,12 @@ def test_the_default_order_is_posted_for_a_multi_tensor_plan_on_mpi_device_other
     single = tensor_plans(plan)[0]
     assert [default_order(plan, b) for b in ("mpi", "nccl", "torch")] == ["posted", "device", "device"]
     assert [default_order(single, b) for b in ("mpi", "nccl", "torch")] == ["device"] * 3
-    assert TransferExecutor(plan, _WorldComm(FakeWorld(), 0, 6)).order == "posted"
+    assert TransferExecutor(plan, WorldComm(FakeWorld(), 0, 6)).order == "posted"
     from xmesh_plan.executor.engines import engine_entry
     for backend in ("gloo", "nccl", "torch"):  # over a torch process group each names the torch engine
         assert default_order(plan, engine_entry(backend, "torch").name) == "device"
     with pytest.raises(ValueError, match="order 'fifo' is unknown; use one of: posted, device"):
-        TransferExecutor(plan, _WorldComm(FakeWorld(), 0, 6), order="fifo")
+        TransferExecutor(plan, WorldComm(FakeWorld(), 0, 6), order="fifo")
 
 
 def _demo_on_the_small_weight_sync(tmp_path, ranks: int, *flags: str, timeout: float) -> subprocess.CompletedProcess:
@@ -408,25 +327,25 @@ def test_verify_and_the_lowering_agree_on_mutated_multi_tensor_plans():
     import random
 
     from pydantic import ValidationError
-    from test_plan_mutations import _as_lists, _mutate
+    from tests.support.mutations import as_lists, mutate
 
-    bases = [compile_plan(problem(), solver="greedy", **CHAINED),
-             compile_plan(problem(), strategy="local_allgather", solver="greedy", **CHAINED),
+    bases = [compile_plan(three_tensors(), solver="greedy", **CHAINED),
+             compile_plan(three_tensors(), strategy="local_allgather", solver="greedy", **CHAINED),
              compile_plan(load_any_problem(SMALL), strategy="auto", solver="greedy", **CHAINED)]
     assert {op.kind for b in bases for op in b.operations} == {"copy", "broadcast", "send", "allgather"}
-    raws = [_as_lists(b.model_dump()) for b in bases]
+    raws = [as_lists(b.model_dump()) for b in bases]
     rng = random.Random(11)
     valid = rejected = 0
     disagreements = []
     while valid < 300:
-        raw = _as_lists(rng.choice(raws))
+        raw = as_lists(rng.choice(raws))
         if rng.random() < 0.15:  # move an operation to another tensor, or past the last one
             op = rng.choice(raw["operations"])
             op["tensor"] = rng.choice([0, 1, 2, len(raw["problem"]["tensors"]), op["tensor"] + 1])
             kind = "tensor"
         else:
             try:
-                kind = _mutate(rng, raw)
+                kind = mutate(rng, raw)
             except KeyError:  # the single-tensor "shape" mutation: change one tensor's shape instead
                 tensor = rng.choice(raw["problem"]["tensors"])
                 tensor["shape"][0] = max(0, tensor["shape"][0] + rng.choice([-1, 1, 7]))
@@ -454,7 +373,7 @@ def test_verify_and_the_lowering_agree_on_mutated_multi_tensor_plans():
 # --- one unit task per receiving host (--split-hosts) ------------------------------------------------------
 
 def test_split_hosts_gives_one_task_per_receiving_host_and_stays_correct(plan):
-    split = compile_plan(problem(), solver="greedy", split_hosts=True, coalesce=False)
+    split = compile_plan(three_tensors(), solver="greedy", split_hosts=True, coalesce=False)
     verify_plan(split)
     host = split.problem.cluster.host_of
     assert all(len({host(d) for d in t.receivers}) == 1 for t in split.tasks)
@@ -466,7 +385,7 @@ def test_split_hosts_gives_one_task_per_receiving_host_and_stays_correct(plan):
     out = run_everywhere(split, fake_executors(split), full)
     for device, shards in out.items():
         for name, got in shards.items():
-            want = _slice(full[name], split.problem.tensor_problem(split.problem.index_of(name)).blocks("dst")[device])
+            want = slice_box(full[name], split.problem.tensor_problem(split.problem.index_of(name)).blocks("dst")[device])
             assert np.array_equal(got.view(np.uint8), want.view(np.uint8)), (device, name)
 
 
@@ -482,23 +401,13 @@ def test_split_hosts_beats_the_chained_plan_on_the_small_weight_sync():
 def test_each_tensor_of_a_multi_tensor_plan_runs_bit_exact_on_the_fake_nccl(plan, monkeypatch):
     """Each tensor's plan of a multi-tensor plan on its own (as the NCCL engine's posted order runs them, one
     after another) on the fake CuPy/NCCL of test_executor_gpu (every CuPy call checked against the real API), bit for bit."""
-    from test_executor_gpu import FakeGpu, run_on_fake
+    from tests.support.fake_gpu import FakeGpu, run_on_fake
 
     for single in tensor_plans(plan):
         run_on_fake(single, FakeGpu(api=14).install(monkeypatch), iterations=2)
 
 
 # --- device order across tensors -----------------------------------------------------------------------------
-
-def _assert_every_shard(plan: Plan, out: dict[int, dict[str, np.ndarray]], full: dict[str, np.ndarray]) -> None:
-    """Every destination shard of every tensor, and nothing else, bit for bit against numpy slicing."""
-    problems = plan.problem.tensor_problems()
-    assert sum(len(s) for s in out.values()) == sum(len(p.blocks("dst")) for p in problems)
-    for device, shards in out.items():
-        for name, got in shards.items():
-            want = _slice(full[name], problems[plan.problem.index_of(name)].blocks("dst")[device])
-            assert got.shape == want.shape and np.array_equal(got.view(np.uint8), want.view(np.uint8)), (device, name)
-
 
 def test_joining_keeps_every_step_and_dependency_and_puts_them_in_the_joint_plans_order(plan):
     from xmesh_plan.executor.joint import join_programs
@@ -541,8 +450,8 @@ def test_device_order_refuses_calls_out_of_turn_after_an_error_and_after_close(p
 
 def _order_plans() -> list[Plan]:
     """Multi-tensor plans with every operation kind and several tensors interleaved in one plan."""
-    return [compile_plan(problem(), solver="greedy", **CHAINED),
-            compile_plan(problem(), strategy="local_allgather", solver="greedy", **CHAINED),
+    return [compile_plan(three_tensors(), solver="greedy", **CHAINED),
+            compile_plan(three_tensors(), strategy="local_allgather", solver="greedy", **CHAINED),
             compile_plan(load_any_problem(SMALL), solver="greedy", **CHAINED),
             compile_plan(load_any_problem(SMALL), split_hosts=True, coalesce=False),
             compile_plan(load_any_problem(SMALL), solver="greedy", split_hosts=True, coalesce=True)]
@@ -554,7 +463,7 @@ def _violations(plan: Plan, order: str, executors: list[TransferExecutor] | None
     run_everywhere(plan, executors, full_tensors(plan, 8))
     steps = {ex.device: ex.joint.steps if ex.joint is not None else [s for p in ex.parts for s in p.program.steps] for ex in executors}
     world = executors[0].parts[0].engine.comm.world
-    return _out_of_device_order(plan, world, steps_of=steps.get)
+    return out_of_device_order(plan, world, steps_of=steps.get)
 
 
 @pytest.mark.parametrize("index", range(5))
@@ -580,24 +489,6 @@ def test_posted_order_and_per_tensor_device_order_send_ahead_of_earlier_operatio
     assert _violations(plan, "posted", executors)
 
 
-def random_transfer(seed: int, max_devices: int, exact: bool = False):
-    """A seeded random multi-tensor problem: one to four tensors of random shapes, dtypes and specs on the
-    meshes of a random single-tensor problem (overlapping or not; with `exact`, on exactly `max_devices`)."""
-    from test_executor_cases import _spec, random_problem
-
-    base = random_problem(seed, max_devices=max_devices, exact=exact)
-    rng = np.random.default_rng(seed + 1)
-    tensors = []
-    for k in range(int(rng.integers(1, 5))):
-        ndim = int(rng.integers(1, 4))
-        tensors.append({"name": f"t{k}", "shape": [int(n) for n in rng.integers(1, 10, size=ndim)],
-                        "dtype": str(rng.choice(["int8", "float16", "bfloat16", "float32", "int64"])),
-                        "src": _spec(rng, ndim, len(base.src.mesh.shape)), "dst": _spec(rng, ndim, len(base.dst.mesh.shape))})
-    mesh = lambda m: {"shape": list(m.shape), "devices": list(m.devices)}  # noqa: E731
-    return build_transfer({"name": f"random{seed}", "src_mesh": mesh(base.src.mesh), "dst_mesh": mesh(base.dst.mesh),
-                           "cluster": {"devices_per_host": base.cluster.devices_per_host}, "tensors": tensors})
-
-
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(seed=st.integers(0, 10**6), strategy=st.sampled_from(("broadcast", "send_recv", "local_allgather", "global_allgather", "auto")),
        devices=st.integers(1, 9), order=st.sampled_from(("device", "posted")), coalesce=st.booleans(),
@@ -609,6 +500,6 @@ def test_random_multi_tensor_plans_are_bit_exact_in_both_orders(seed, strategy, 
     executors = fake_executors(plan, order=order)
     for it in range(2):  # twice: the second run overwrites the first's buffers with other data
         full = full_tensors(plan, seed + it)
-        _assert_every_shard(plan, run_everywhere(plan, executors, full), full)
+        assert_every_shard(plan, run_everywhere(plan, executors, full), full)
     if order == "device" and len(plan.problem.tensors) > 1:
         assert _violations(plan, "device") == []

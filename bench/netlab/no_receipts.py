@@ -1,5 +1,5 @@
 """A torch rank without the engine's receipts: `executor.torch_run` with `TransportOptions(receipt_bytes=None)`, so
-in device order a gloo send ends for its device once the socket buffer holds the rest.
+in device order a gloo send ends for its device once the socket buffer holds the rest (gloo's own behaviour).
 
     sudo PYTHONPATH=$PWD .venv/bin/python -m bench.netlab.experiments --engine torch --no-receipts ...
 

@@ -1,16 +1,16 @@
 """Run under `mpiexec` by tests/test_executor_mpi.py; holds no tests itself.
 
-    mpiexec -n 8 python tests/test_executor_worker.py check PLAN...    # run(), start()/test()/wait(), DLPack input
-    mpiexec -n 8 python tests/test_executor_worker.py torch PLAN...    # CPU torch tensors in (bfloat16 included)
-    mpiexec -n 8 python tests/test_executor_worker.py iterations PLAN...  # new data every iteration, checked every time
-    mpiexec -n 4 python tests/test_executor_worker.py die PLAN         # rank 1 exits before iteration 2
-    mpiexec -n 4 python tests/test_executor_worker.py demo-die PLAN    # the demo, with rank 1 exiting in its 3rd run()
-    mpiexec -n 4 python tests/test_executor_worker.py demo-fail-late PLAN  # the demo, rank 1's close() failing after its last collective
-    mpiexec -n 4 python tests/test_executor_worker.py demo-bug PLAN    # the demo, rank 1's 3rd run() raising an unexpected error
-    mpiexec -n 4 python tests/test_executor_worker.py interrupt PLAN   # an exception escapes wait() on rank 0
-    mpiexec -n 8 python tests/test_executor_worker.py cross-wait A B   # two reshards in flight, waited in rank-dependent order
-    mpiexec -n 8 python tests/test_executor_worker.py threads PLAN     # two executors, each run in a loop by its own thread
-    mpiexec -n 2 python tests/test_executor_worker.py other-plan A B [R]  # rank R (default 1) loads plan B, the others A
+    mpiexec -n 8 python tests/workers/executor_worker.py check PLAN...    # run(), start()/test()/wait(), DLPack input
+    mpiexec -n 8 python tests/workers/executor_worker.py torch PLAN...    # CPU torch tensors in (bfloat16 included)
+    mpiexec -n 8 python tests/workers/executor_worker.py iterations PLAN...  # new data every iteration, checked every time
+    mpiexec -n 4 python tests/workers/executor_worker.py die PLAN         # rank 1 exits before iteration 2
+    mpiexec -n 4 python tests/workers/executor_worker.py demo-die PLAN    # the demo, with rank 1 exiting in its 3rd run()
+    mpiexec -n 4 python tests/workers/executor_worker.py demo-fail-late PLAN  # the demo, rank 1's close() failing after its last collective
+    mpiexec -n 4 python tests/workers/executor_worker.py demo-bug PLAN    # the demo, rank 1's 3rd run() raising an unexpected error
+    mpiexec -n 4 python tests/workers/executor_worker.py interrupt PLAN   # an exception escapes wait() on rank 0
+    mpiexec -n 8 python tests/workers/executor_worker.py cross-wait A B   # two reshards in flight, waited in rank-dependent order
+    mpiexec -n 8 python tests/workers/executor_worker.py threads PLAN     # two executors, each run in a loop by its own thread
+    mpiexec -n 2 python tests/workers/executor_worker.py other-plan A B [R]  # rank R (default 1) loads plan B, the others A
 
 Prints `ok <plan name>` on rank 0 per checked plan; errors go to stderr as `rank R: <type>: <message>`.
 """
@@ -20,9 +20,6 @@ from __future__ import annotations
 import os
 import sys
 import time
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root, for `executor` and `schemas`
 
 
 class DLPackOnly:

@@ -1,6 +1,6 @@
 """One gloo rank of tests/test_redistribute_misuse.py: `xmesh_plan.redistribute` called the wrong way.
 
-`python redistribute_misuse_worker.py MODE` on 4 ranks. MODE `main` runs the scenarios below one after
+`python tests/workers/redistribute_misuse_worker.py MODE` on 4 ranks. MODE `main` runs the scenarios below one after
 another and prints `rank R: <scenario> ...` lines for the test to compare across ranks; `die` kills
 rank 0 in the middle of an asynchronous move; `exit` leaves asynchronous moves unwaited at exit.
 """

@@ -1,17 +1,17 @@
 """One rank of a torch engine test, started by test_executor_torch.py with env:// variables (or torchrun).
 
-    python tests/torch_worker.py check PLAN...      every destination shard, 3 iterations, bit-exact vs numpy slicing
+    python tests/workers/torch_worker.py check PLAN...      every destination shard, 3 iterations, bit-exact vs numpy slicing
                                                     of the box DTensor gives this rank (where DTensor can express the layout)
-    python tests/torch_worker.py check_by_order PLAN...   the same with every tag 0: gloo then matches by order, as NCCL
-    python tests/torch_worker.py check_in_device_order PLAN...   check_by_order with order="device"
-    python tests/torch_worker.py check_in_device_order_mixed_receipts PLAN...   the same, the engine's receipts
+    python tests/workers/torch_worker.py check_by_order PLAN...   the same with every tag 0: gloo then matches by order, as NCCL
+    python tests/workers/torch_worker.py check_in_device_order PLAN...   check_by_order with order="device"
+    python tests/workers/torch_worker.py check_in_device_order_mixed_receipts PLAN...   the same, the engine's receipts
                                                     (TransportOptions.receipt_bytes) on messages of 16 B or more
-    python tests/torch_worker.py check_in_device_order_with_receipts PLAN...   order="device", gloo's own tags,
+    python tests/workers/torch_worker.py check_in_device_order_with_receipts PLAN...   order="device", gloo's own tags,
                                                     a receipt for every message
-    python tests/torch_worker.py check_transfer_by_order PLAN...   multi-tensor plans through TransferExecutor, every
+    python tests/workers/torch_worker.py check_transfer_by_order PLAN...   multi-tensor plans through TransferExecutor, every
                                                     tag 0, order="device", receipts from 16 B (check_transfer_posted_by_order: "posted")
-    python tests/torch_worker.py disagree A B       rank 1 loads B, the others A: prepare() must fail on every rank
-    python tests/torch_worker.py die PLAN           the last rank exits after prepare(): the others must fail in time
+    python tests/workers/torch_worker.py disagree A B       rank 1 loads B, the others A: prepare() must fail on every rank
+    python tests/workers/torch_worker.py die PLAN           the last rank exits after prepare(): the others must fail in time
 
 Each rank prints result lines starting with `rank R:`; the test reads them.
 """
@@ -28,13 +28,11 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from xmesh_plan.executor import ExecutorError, PlanMismatchError, ReshardingExecutor, TransferExecutor, TransportOptions  # noqa: E402
-from xmesh_plan.executor.arrays import storage_dtype  # noqa: E402
-from xmesh_plan.executor.pattern import fill  # noqa: E402
-from xmesh_plan.schemas import Plan, read_plan_file  # noqa: E402
-from xmesh_plan.schemas.geometry import local_slices  # noqa: E402
+from xmesh_plan.executor import ExecutorError, PlanMismatchError, ReshardingExecutor, TransferExecutor, TransportOptions
+from xmesh_plan.executor.arrays import storage_dtype
+from xmesh_plan.executor.pattern import fill
+from xmesh_plan.schemas import Plan, read_plan_file
+from xmesh_plan.schemas.geometry import local_slices
 
 TIMEOUT_S = 20.0
 

@@ -114,3 +114,19 @@ def two_chunked_broadcasts_from_one_device():
     plan = plan.model_copy(update={"operations": tuple(op.model_copy(update={"chunks": 4}) for op in plan.operations)})
     sender = next(d for d in plan_devices(plan) if sum(op.src == d for op in plan.operations) == 2)
     return problem, plan, sender, in_device_order(lower(plan, sender, tag_limit=2**20))
+
+
+CELL_ELEMENTS = 16 * 4 * 2  # one cell of the all-to-all below
+CELL_BYTES = CELL_ELEMENTS * 4
+BUCKET = 8 * CELL_BYTES  # 16 cells per host pair: two bundles each
+
+
+def all_to_all(dtype: str = "int32"):
+    """4 hosts of 8 devices; 16 source devices (4 per host) -> 16 destination devices (4 per host), every pair talks."""
+    src = [8 * h + k for h in range(4) for k in range(4)]
+    dst = [8 * h + 4 + k for h in range(4) for k in range(4)]
+    return problem("a2a", (64, 64, 8), (4, 4), src, "S0 R S1", (4, 4), dst, "R S01 R", dtype=dtype, devices_per_host=8)
+
+
+def coalesced(prob, bucket: int = BUCKET, **kw):
+    return compile_plan(prob, solver="greedy", seed=0, coalesce=True, bucket_bytes=bucket, **kw)

@@ -1,6 +1,6 @@
 """Run under `mpiexec` by tests/test_staging_transfer.py; holds no tests itself.
 
-    mpiexec -n 8 python tests/staging_transfer_worker.py PLAN...   # TransferExecutor in its default order
+    mpiexec -n 8 python tests/workers/staging_transfer_worker.py PLAN...   # TransferExecutor in its default order
 
 Per plan, three reshards with other bits each time, every destination shard of every tensor checked bit
 for bit against its tensor's pattern (`executor.pattern`); and the staging this rank allocated (the
@@ -14,9 +14,6 @@ from __future__ import annotations
 
 import os
 import sys
-from pathlib import Path
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repository root
 
 
 def allocated(ex) -> int:

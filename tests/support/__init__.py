@@ -1,0 +1,1 @@
+"""What the tests share: builders, fakes, hypothesis strategies, launchers and waits (no tests here)."""

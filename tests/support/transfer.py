@@ -1,0 +1,113 @@
+"""Multi-tensor plans on the fake MPI: a three-tensor problem, random ones, one TransferExecutor per rank,
+and the check of every destination shard against numpy slicing of each full tensor."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from xmesh_plan.executor import TransferExecutor
+from xmesh_plan.executor.arrays import storage_dtype
+from xmesh_plan.executor.lower import in_device_order, lower
+from xmesh_plan.executor.mpi_engine import MpiEngine
+from xmesh_plan.executor.ranks import plan_devices, rank_of_devices
+from xmesh_plan.planner.transfer_io import build_transfer
+from xmesh_plan.schemas import Plan
+from tests.support.fake_mpi import FakeComm, FakeMPI, FakeWorld, WorldComm
+
+
+def three_tensors():
+    """Three tensors of three dtypes on overlapping meshes (device 3 is in both), so copies, sends and broadcasts all occur."""
+    return build_transfer({
+        "name": "three", "src_mesh": {"shape": [2, 2], "devices": [0, 1, 2, 3]}, "dst_mesh": {"shape": [3], "devices": [3, 4, 5]},
+        "cluster": {"devices_per_host": 2},
+        "tensors": [{"name": "w", "shape": [12, 6], "src": "S0 R", "dst": "R S0"},
+                    {"name": "bias", "shape": [9], "dtype": "int16", "src": "S01", "dst": "R"},
+                    {"name": "emb", "shape": [6, 4, 3], "dtype": "bfloat16", "src": "R S1 R", "dst": "S0 R R"}]})
+
+
+def full_tensors(plan: Plan, seed: int) -> dict[str, np.ndarray]:
+    """Random contents of every whole tensor, as the executor stores them (raw 16-bit for bfloat16)."""
+    rng = np.random.default_rng(seed)
+    out = {}
+    for t in plan.problem.tensors:
+        dtype = storage_dtype(t.dtype)
+        out[t.name] = rng.integers(0, 2**(8 * dtype.itemsize) - 1, size=t.shape, dtype=np.uint64).astype(
+            f"u{dtype.itemsize}").view(dtype)
+    return out
+
+
+def slice_box(array: np.ndarray, box) -> np.ndarray:
+    return array[tuple(slice(a, b) for a, b in box)]
+
+
+def fake_executors(plan: Plan, concurrent: bool = True, order: str = "device") -> list[TransferExecutor]:
+    """One TransferExecutor per rank over one fake MPI communicator shared by every tensor (tags offset per
+    tensor as prepare() does, so a collision would deliver bytes to the wrong tensor), each tensor's engine
+    set up as prepare() would, and in device order the joint engine over them. `concurrent=False` (posted):
+    one tensor after another, every tensor's tags from 0 (as on a torch process group)."""
+    devices, rank_of = plan_devices(plan), rank_of_devices(plan)
+    world = FakeWorld()
+    out = []
+    for rank, device in enumerate(devices):
+        ex = TransferExecutor(plan, WorldComm(world, rank, len(devices)), order=order)
+        ex.concurrent = concurrent
+        for part in ex.parts:
+            offset = part.tag_offset if concurrent or ex.joined else 0
+            part.program = lower(part.plan, device, tag_limit=2**20, first_tag=offset)
+            if order == "device" and not ex.joined:
+                part.program = in_device_order(part.program)
+        if ex.joined:
+            ex._join()  # one staging area for every tensor: the first engine allocates it, the others share it
+        stage = None
+        for part in ex.parts:
+            part.src_shape = part.program.src_shape
+            part.engine = MpiEngine(part.program, FakeComm(world, rank), rank_of, storage_dtype(part.plan.problem.dtype), 5.0, (1e-5, 1e-4))
+            part.engine.setup(mpi=FakeMPI, stage=stage)
+            stage = part.engine.stage if ex.joined else None
+        if ex.joined:
+            ex.engine = ex.entry.make_joint(ex.joint, [part.engine for part in ex.parts])
+            ex.engine.setup(mpi=FakeMPI)
+        out.append(ex)
+    return out
+
+
+def run_everywhere(plan: Plan, executors: list[TransferExecutor], full: dict[str, np.ndarray]) -> dict[int, dict[str, np.ndarray]]:
+    for ex in executors:
+        shards = {name: slice_box(full[name], part.program.src_block)
+                  for name, part in zip(ex.names, ex.parts) if part.program.src_block is not None}
+        ex.start(shards or None)
+    for _ in range(10_000):
+        if all([ex.test() for ex in executors]):
+            break
+    else:
+        pytest.fail("stalled")
+    return {ex.device: {k: v.copy() for k, v in ex.wait().items()} for ex in executors}
+
+
+def assert_every_shard(plan: Plan, out: dict[int, dict[str, np.ndarray]], full: dict[str, np.ndarray]) -> None:
+    """Every destination shard of every tensor, and nothing else, bit for bit against numpy slicing."""
+    problems = plan.problem.tensor_problems()
+    assert sum(len(s) for s in out.values()) == sum(len(p.blocks("dst")) for p in problems)
+    for device, shards in out.items():
+        for name, got in shards.items():
+            want = slice_box(full[name], problems[plan.problem.index_of(name)].blocks("dst")[device])
+            assert got.shape == want.shape and np.array_equal(got.view(np.uint8), want.view(np.uint8)), (device, name)
+
+
+def random_transfer(seed: int, max_devices: int, exact: bool = False):
+    """A seeded random multi-tensor problem: one to four tensors of random shapes, dtypes and specs on the
+    meshes of a random single-tensor problem (overlapping or not; with `exact`, on exactly `max_devices`)."""
+    from tests.support.cases import _spec, random_problem
+
+    base = random_problem(seed, max_devices=max_devices, exact=exact)
+    rng = np.random.default_rng(seed + 1)
+    tensors = []
+    for k in range(int(rng.integers(1, 5))):
+        ndim = int(rng.integers(1, 4))
+        tensors.append({"name": f"t{k}", "shape": [int(n) for n in rng.integers(1, 10, size=ndim)],
+                        "dtype": str(rng.choice(["int8", "float16", "bfloat16", "float32", "int64"])),
+                        "src": _spec(rng, ndim, len(base.src.mesh.shape)), "dst": _spec(rng, ndim, len(base.dst.mesh.shape))})
+    mesh = lambda m: {"shape": list(m.shape), "devices": list(m.devices)}  # noqa: E731
+    return build_transfer({"name": f"random{seed}", "src_mesh": mesh(base.src.mesh), "dst_mesh": mesh(base.dst.mesh),
+                           "cluster": {"devices_per_host": base.cluster.devices_per_host}, "tensors": tensors})

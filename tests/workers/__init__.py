@@ -1,0 +1,1 @@
+"""Scripts the tests start as separate processes (under mpiexec or as torch.distributed ranks); no tests here."""
