@@ -11,6 +11,7 @@ and how a command prints the outcome.
 from __future__ import annotations
 
 import time
+import zlib
 from dataclasses import dataclass
 from typing import Any, Callable, Protocol
 
@@ -126,6 +127,26 @@ def run_plan(plan: Plan, comm, world: Collectives, options: dict, iters: int, wa
     order = ex.order
     ex.close()
     return Outcome(slowest, int(failures[0]), int(failures[1]), staging, order)
+
+
+def refused_input(world: Collectives, rank: int, error: str | None, report: Callable[[str], None]) -> bool:
+    """Whether any rank refused its input (`error`: this rank's one-line reason, None when its input is fine), agreed
+    by every rank in one reduction before any byte moves, so no rank waits out a timeout for a peer that stopped.
+    The reason is printed once, by rank 0, when every rank gave the same one; else each refusing rank prints its own
+    (`rank R: error: ...`) and rank 0, when its own input was fine, says why it stops too."""
+    mine = -1 if error is None else zlib.crc32(error.encode())
+    high, low = (int(v) for v in world.max(np.array([mine, -mine], np.int64)))
+    low = -low
+    if high == -1:
+        return False
+    if low == high:
+        if rank == 0:
+            report(f"error: {error}")
+    elif error is not None:
+        report(f"rank {rank}: error: {error}")
+    elif rank == 0:
+        report(f"rank {rank}: stopped: another rank refused its input (its own line above or below says why)")
+    return True
 
 
 def bytes_moved(plan: Plan) -> int:
