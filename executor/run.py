@@ -15,7 +15,6 @@ so the whole job ends with or without `-disable-auto-cleanup` (which lets the ot
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import sys
 from pathlib import Path
@@ -26,19 +25,16 @@ from xmesh_plan.schemas import Plan, PlanFileError, read_plan_file
 from xmesh_plan.schemas.last_resort import DEBUG_ENV, DEBUG_FLAG, run_guarded
 from xmesh_plan.schemas.plan_tensors import is_multi
 
-from .drive import Tensor, bytes_moved, refused_input, run_plan
+from .drive import Tensor, bytes_moved, flag_error, refused_input, run_plan
 from .errors import ExecutorError, PeerTimeoutError, PlanMismatchError
 from .engines import ENGINES
 from .executor import DEFAULT_POLL_S, poll
 from .pattern import fill, mismatches
 from .scale import factors_for, factors_per_tensor, scale_plan, scale_tensors
-from .timeouts import MAX_TIMEOUT_S
 
 __all__ = ["bytes_moved", "console_main", "demo", "main"]
 
 
-MAX_ITERS = 1_000_000  # iteration times are kept in memory, 8 bytes each
-MAX_MB = 2**30  # 1 PiB: far above any tensor, far below float overflow
 LAUNCH = "mpiexec -disable-auto-cleanup -n 16 python -m xmesh_plan.executor.run plans/case4.plan.json --check"  # docs/executor.md shows it too
 EPILOG = """A rank that fails ends the job within --timeout seconds; -disable-auto-cleanup lets the
 other ranks report why they stopped. Exit status: 0 ok, 1 a check failed, 2 a plan was refused,
@@ -83,14 +79,9 @@ def _parse_scale(text: str | None) -> tuple[int, ...] | None:
 
 def _check_numbers(args: argparse.Namespace) -> None:
     """Every numeric flag in its range, or a UsageError naming the flag and a valid value."""
-    if not 1 <= args.iters <= MAX_ITERS:
-        raise UsageError(f"--iters {args.iters}: give 1 to {MAX_ITERS:,} timed iterations, e.g. --iters 5")
-    if not 0 <= args.warmup <= MAX_ITERS:
-        raise UsageError(f"--warmup {args.warmup}: give 0 to {MAX_ITERS:,} untimed iterations, e.g. --warmup 1")
-    if not (math.isfinite(args.max_mb) and 0 < args.max_mb <= MAX_MB):
-        raise UsageError(f"--max-mb {args.max_mb:g}: give a positive size in MiB up to {MAX_MB:,}, e.g. --max-mb 64")
-    if not (math.isfinite(args.timeout) and 0 < args.timeout <= MAX_TIMEOUT_S):
-        raise UsageError(f"--timeout {args.timeout:g}: give a positive number of seconds up to {MAX_TIMEOUT_S:g}, e.g. --timeout 60")
+    error = flag_error(args.iters, args.warmup, args.max_mb, args.timeout)
+    if error is not None:
+        raise UsageError(error)
     if args.gpu is not None and not 0 <= args.gpu <= MAX_GPU:
         raise UsageError(f"--gpu {args.gpu}: give a GPU index from 0 to {MAX_GPU}, e.g. --gpu 0")
 
