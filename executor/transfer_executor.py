@@ -234,10 +234,12 @@ class TransferExecutor(Flying):
         if self.joined:
             self._start_joint(given)
             return
+        if not self.concurrent and self.current < len(self.parts):
+            raise ExecutorError("start() called while a reshard is in flight; call wait() first")
+        for part, name in zip(self.parts, self.names):  # every input first: a wrong one refused before any tensor moves
+            given[name] = part._adopt(given.get(name))
         if not self.concurrent:
-            if self.current < len(self.parts):
-                raise ExecutorError("start() called while a reshard is in flight; call wait() first")
-            self.parts[0].start(given.get(self.names[0]))
+            self.parts[0].start(given[self.names[0]])
             self.given, self.current, self.running = given, 0, True
             return
         started = []

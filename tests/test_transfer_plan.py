@@ -210,6 +210,21 @@ def test_the_executor_refuses_missing_and_unknown_names(plan):
         source.start({})
 
 
+@pytest.mark.parametrize("concurrent,order", [(True, "posted"), (False, "posted"), (True, "device")],
+                         ids=["posted-at-once", "one-after-another", "device-order"])
+def test_a_wrong_later_input_is_refused_before_any_tensor_starts_and_the_executor_stays_usable(plan, concurrent, order):
+    """The last tensor's shard has the wrong dtype on one source rank: start() refuses it before starting any tensor
+    (nothing moved), so the same executor runs the corrected call and every peer's reshard completes bit-exact."""
+    executors = fake_executors(plan, concurrent=concurrent, order=order)
+    full = full_tensors(plan, 6)
+    source = next(ex for ex in executors if all(part.program.src_block is not None for part in ex.parts))
+    shards = {name: slice_box(full[name], part.program.src_block) for name, part in zip(source.names, source.parts)}
+    last = source.names[-1]
+    with pytest.raises(PlanMismatchError, match=f"{last}|dtype|element type|float64"):
+        source.start({**shards, last: shards[last].astype(np.float64)})
+    assert_every_shard(plan, run_everywhere(plan, executors, full), full)
+
+
 def test_one_tensor_after_another_as_the_torch_and_nccl_engines_run_them_is_bit_exact(plan):
     """Engines that do not run reshards concurrently get the tensors one after another; the fake MPI
     stands in for them (concurrency off), so the sequencing itself is what is checked."""
