@@ -171,12 +171,18 @@ class TransferExecutor(Flying):
     def _allocate(self) -> None:
         """`prepare()` once every tensor is lowered: lay out their staging (one joint program, or one area
         used in turn), check it against the plan's stated peak on every rank, then set up the engines."""
+        refusal = None
         if self.joined:
-            self._join()
+            try:
+                self._join()
+            except PlanMismatchError as err:  # this device's steps alone may show it: every rank learns of it below
+                refusal = err
         elif not self.concurrent and len(self.parts) > 1:
             self.area = max(self.entry.stage_need(part.program) for part in self.parts)
-        if self.plan.staging is not None:  # every rank reads the same plan, so every rank agrees here, before any allocation
-            self.parts[0]._agree(self._over_stated(self._planned_staging()))
+        if refusal is None and self.plan.staging is not None:
+            refusal = self._over_stated(self._planned_staging())
+        if self.joined or self.plan.staging is not None:  # the same on every rank: every rank agrees here, before any allocation
+            self.parts[0]._agree(refusal)
         self._setup_engines()
 
     def _planned_staging(self) -> int:
