@@ -491,8 +491,9 @@ def test_random_coalesced_transfers_run_on_fake_nccl_in_device_order(monkeypatch
 
 
 def test_nccl_refuses_a_plan_stating_less_staging_than_its_calls_need(monkeypatch):
-    """A plan whose stated peak on one device is below the largest NCCL call's staging there is refused in
-    prepare(), naming the backend, the bytes, the device and the fix."""
+    """A plan whose stated peak on one device is below what it needs there is refused before any communicator is
+    made, by the checker every reader shares (the same message as `xmesh-plan verify`), naming the bytes, the device
+    and the fix."""
     from xmesh_plan.planner.compile import compile_plan
     from xmesh_plan.planner.transfer_io import load_any_problem
 
@@ -501,8 +502,8 @@ def test_nccl_refuses_a_plan_stating_less_staging_than_its_calls_need(monkeypatc
     peaks = {**plan.staging.peak_bytes, 0: 64}
     wrong = plan.model_copy(update={"staging": plan.staging.model_copy(update={"peak_bytes": peaks})})
     for order in ("device", "posted"):
-        with pytest.raises(PlanMismatchError, match=rf"backend 'nccl' in order='{order}' needs \d+ B of staging on device 0, "
-                                                    r"but the plan states 64 B there .* recompile the plan and check it with `xmesh-plan verify`"):
+        with pytest.raises(PlanMismatchError, match=r"staging.peak_bytes states 64 B for device 0, but the plan needs \d+ B "
+                                                    r"there .* recompile the plan and check it with `xmesh-plan verify`"):
             with monkeypatch.context() as m:
                 gpu = FakeGpu(api=14).install(m)
                 try:

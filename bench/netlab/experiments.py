@@ -90,7 +90,7 @@ def _plans(name: str, rate_mbit: float, latency_us: float | None = None, overhea
     out = []
     for label, strategy, solver in APPROACHES:
         try:
-            plan = baseline_plan(problem, label) if strategy is None else compile_plan(problem, strategy, solver)
+            plan = baseline_plan(problem, label) if strategy is None else compile_plan(problem, strategy=strategy, solver=solver)
             out.append((label, plan))
         except (ValueError, AssertionError) as err:
             out.append((label, f"{type(err).__name__}: {err}"))
