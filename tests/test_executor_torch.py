@@ -7,9 +7,6 @@ torchrun command itself.
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -18,7 +15,7 @@ from xmesh_plan.executor.scale import factors_for, scale_plan
 from xmesh_plan.schemas import load_plan
 from tests.support.cases import (DEVICES, all_fixed_plans, compiled, fixed_problems, random_problem,
                                  two_chunked_broadcasts_from_one_device, write_plans)
-from tests.support.launch import TORCH_LAUNCH_TIMEOUT_S, launch
+from tests.support.launch import TORCH_LAUNCH_TIMEOUT_S, launch, torchrun
 
 ROOT = Path(__file__).resolve().parents[1]
 PLANS = ROOT / "plans"
@@ -134,10 +131,7 @@ def test_a_dead_rank_ends_every_other_rank_within_the_deadline(tmp_path):
 def test_the_documented_torchrun_command_works(tmp_path):
     plan = small([compiled(fixed_problems()[1], "global_allgather")])[0]
     path = write_plans(tmp_path, [plan])[0]
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(DEVICES), "-m", "xmesh_plan.executor.torch_run", path,
-           "--check", "--iters", "2", "--max-mb", "1"]
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    result = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=TORCH_LAUNCH_TIMEOUT_S)
+    result = torchrun(DEVICES, "xmesh_plan.executor.torch_run", path, "--check", "--iters", "2", "--max-mb", "1")
     assert result.returncode == 0, result.stderr[-3000:]
     assert "check ok: every destination shard bit-exact" in result.stdout, result.stdout
 

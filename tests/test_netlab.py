@@ -17,13 +17,11 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from bench.netlab import counters, testbed as tb  # noqa: E402
-from bench.netlab.launch import MPIEXEC, ranks_per_host  # noqa: E402
-from bench.netlab.run_plan import RunOptions, run_plan  # noqa: E402
-from tests.support.builders import compile_fast, make_problem  # noqa: E402
+from bench.netlab import counters, testbed as tb
+from bench.netlab.launch import MPIEXEC, ranks_per_host
+from bench.netlab.run_plan import RunOptions, run_plan
+from tests.support.builders import compile_fast, make_problem
+from tests.support.launch import ROOT
 
 REASON = tb.unavailable_reason() if os.name == "posix" else "network namespaces are Linux only"
 pytestmark = [pytest.mark.mpi, pytest.mark.timeout(900),
@@ -90,13 +88,13 @@ def test_testbed_shapes_both_directions_and_is_removed_after_an_error():
 def test_sigterm_or_ctrl_c_removes_the_testbed_and_its_processes(sig):
     """A run killed politely (SIGTERM, as a CI timeout sends) or by Ctrl-C removes its namespaces and the processes
     inside them; Ctrl-C also after a C library reset SIGINT to its default behind Python's back (as CP-SAT did)."""
-    code = ("import ctypes, signal, sys, time; sys.path.insert(0, sys.argv[1]); from bench.netlab import testbed as tb\n"
+    code = ("import ctypes, signal, time; from bench.netlab import testbed as tb  # the repository root is the working directory\n"
             "signal.signal(signal.SIGINT, signal.default_int_handler)  # as at a terminal, even if pytest started with it ignored\n"
             "ctypes.CDLL(None).signal(2, None)  # SIGINT to SIG_DFL in the kernel; Python still thinks its handler is set\n"
             "with tb.testbed(2, tb.LinkShape(100)) as bed:\n"
             "    import subprocess; subprocess.Popen([tb.IP, 'netns', 'exec', bed.host_ns(1), 'sleep', '600'])\n"
             "    print(bed.run_id, flush=True); time.sleep(600)\n")
-    proc = subprocess.Popen([sys.executable, "-c", code, str(ROOT)], stdout=subprocess.PIPE, text=True)
+    proc = subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, stdout=subprocess.PIPE, text=True)
     try:
         run_id = proc.stdout.readline().strip()
         assert run_id and len(ours(run_id)) == 3
