@@ -11,7 +11,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 import types
 from pathlib import Path
 
@@ -22,6 +21,7 @@ from bench.netlab.launch import MPIEXEC, ranks_per_host
 from bench.netlab.run_plan import RunOptions, run_plan
 from tests.support.builders import compile_fast, make_problem
 from tests.support.launch import ROOT
+from tests.support.wait import wait_until
 
 REASON = tb.unavailable_reason() if os.name == "posix" else "network namespaces are Linux only"
 pytestmark = [pytest.mark.mpi, pytest.mark.timeout(900),
@@ -98,8 +98,8 @@ def test_sigterm_or_ctrl_c_removes_the_testbed_and_its_processes(sig):
     try:
         run_id = proc.stdout.readline().strip()
         assert run_id and len(ours(run_id)) == 3
-        sleeper = _wait_for_pids(f"{run_id}-h1")  # the sleeper enters its namespace a moment after Popen returns
-        assert sleeper
+        # the sleeper enters its namespace a moment after Popen returns
+        sleeper = wait_until(lambda: tb.namespace_pids(f"{run_id}-h1"), "the sleeper in host 1's namespace")
         proc.send_signal(sig)
         proc.wait(timeout=120)
     finally:  # a failed assert must not leave the child (and its testbed) for 600 s
@@ -107,15 +107,8 @@ def test_sigterm_or_ctrl_c_removes_the_testbed_and_its_processes(sig):
             proc.send_signal(signal.SIGTERM)
             proc.wait(timeout=120)
     assert ours(run_id) == []
-    time.sleep(0.5)
-    assert not any(os.path.exists(f"/proc/{pid}") and _not_zombie(pid) for pid in sleeper)
-
-
-def _wait_for_pids(ns: str, timeout_s: float = 60.0) -> list[int]:
-    deadline = time.monotonic() + timeout_s
-    while not (pids := tb.namespace_pids(ns)) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    return pids
+    wait_until(lambda: not any(os.path.exists(f"/proc/{pid}") and _not_zombie(pid) for pid in sleeper),
+               "the sleeper in the removed namespace to end", timeout_s=30)
 
 
 def _not_zombie(pid: int) -> bool:
