@@ -11,8 +11,7 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from xmesh_plan.schemas.plan import write_atomic  # noqa: E402
+from xmesh_plan.schemas.plan import write_atomic
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results"

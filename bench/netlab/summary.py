@@ -14,11 +14,10 @@ import statistics
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from report import replace_section  # noqa: E402
+from ..report import replace_section
 
-from .experiments import APPROACHES  # noqa: E402
+from .experiments import APPROACHES
 
 MODEL = {"posted": "posted", "device": "device-order"}
 PAPER = {  # the paper's measured speed-up of its system over Alpa (section 6), by case
