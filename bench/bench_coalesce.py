@@ -1,22 +1,25 @@
 """Coalesced messages: the 32x8 all-to-all of bench_scaling.py (POINTS[7]) compiled with and without
 `--coalesce`, predicted time against the byte bound, and the cross-host messages on the busiest NIC side.
 
-    .venv/bin/python -m bench.bench_coalesce
+    .venv/bin/python bench/bench_coalesce.py
 """
 
 from __future__ import annotations
 
+import sys
 import time
+from pathlib import Path
 
+sys.path[:0] = [str(Path(__file__).resolve().parent.parent), str(Path(__file__).resolve().parent)]
 
-from bench.bench_scaling import POINTS, problem
-from bench.report import replace_section, write_json
-from xmesh_plan.planner.compile import compile_plan
-from xmesh_plan.planner.simulate import simulate_plan
-from xmesh_plan.planner.verify import verify_plan
-from xmesh_plan.schemas.op_kinds import route
+from bench_scaling import POINTS, problem  # noqa: E402
+from report import update_benchmarks_doc, write_json  # noqa: E402
+from xmesh_plan.planner.compile import compile_plan  # noqa: E402
+from xmesh_plan.planner.simulate import simulate_plan  # noqa: E402
+from xmesh_plan.planner.verify import verify_plan  # noqa: E402
+from xmesh_plan.schemas.op_kinds import route  # noqa: E402
 
-COMMAND = ".venv/bin/python -m bench.bench_coalesce"
+COMMAND = ".venv/bin/python bench/bench_coalesce.py"
 POINT = POINTS[7]  # 32x8 S0 R S1 -> 32x8 R S01 R, 4096x4096x64 float32: 65,536 unit tasks of 64 KiB
 
 
@@ -50,31 +53,7 @@ def main() -> None:
     for r in rows:
         print(r, flush=True)
     write_json("coalesce.json", {"command": COMMAND, "rows": rows})
-    lines = "\n".join(
-        f"| {'--coalesce --bucket-mb ' + format(r['bucket_mb'], 'g') if r['coalesce'] else '(none)'} | {r['tasks']} | {r['operations']} "
-        f"| {r['busiest_messages']} (host {r['busiest_host']}) | {r['predicted_s']:.4f} | {r['lower_bound_s']:.4f} | {r['ratio']:.4f} "
-        f"| {r['device-order_ratio']:.4f} | {r['posted_ratio']:.4f} | {r['compile_s']:.1f} | {r['timed_by']} |" for r in rows)
-    src, dst, src_spec, dst_spec, shape = POINT
-    replace_section("Coalesced messages", f"""
-Made by `{COMMAND}` (2-core CPU machine shared with other jobs, so compile times are noisy).
-The all-to-all of the scaling table, {src[0]}x{src[1]} `{src_spec}` -> {dst[0]}x{dst[1]} `{dst_spec}`,
-{'x'.join(map(str, shape))} float32 (every unit task 64 KiB): without coalescing the gap to the byte bound is
-per-message cost (the busiest NIC send side carries one 20 us message per unit task). With `--coalesce`
-each host pair's 64 boxes are gathered on one device over the intra-host links, cross the NIC as one
-message, and are scattered on the receiving host (`bundle` operations); the simulator charges the
-intra-host gathers and scatters from the bundle's route. The plan's prediction is host order; the
-device-order and posted columns time the same plan as the executor's two orders run it (`xmesh-plan inspect --orders`).
-Read them with care: the model's per-message latency is a delay, not link time, so messages posted
-together overlap their latencies, and the uncoalesced plan is already near the bound when posted;
-coalescing removes the gap where messages queue one after another on a NIC side (host order, the
-plan's claim), helps little in device order, and costs about 1% posted (the gathers and scatters). Which
-model real links follow was measured on the emulated cluster ("Emulated cluster: what the runs show", Coalescing):
-there the engines overlap 64 KiB messages, the uncoalesced all-to-all runs at the bound and coalescing costs 16-22%.
-
-| flags | unit tasks | operations | cross-host messages, busiest send side | predicted s | bound s | predicted / bound | device-order / bound | posted / bound | compile s | timed by |
-|---|---|---|---|---|---|---|---|---|---|---|
-{lines}
-""")
+    update_benchmarks_doc()
 
 
 if __name__ == "__main__":

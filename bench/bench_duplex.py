@@ -1,25 +1,29 @@
 """Shared hosts: predicted / bound where the source and destination meshes share hosts, with the
-full-duplex resource model against the old one (an exclusive intra-host resource on every host a
-task touches, held for its whole duration, so a shared host never sent and received at once).
+full-duplex resource model (a cross-host hop holds the sender's NIC send side and the receiver's receive
+side) against an "exclusive hosts" model (an exclusive intra-host resource on every host a task touches, held
+for its whole duration, so a shared host never sends and receives at once).
 
-The old model is rebuilt here from the same task options (NIC sides kept, device ports replaced by
+The exclusive-hosts model is built here from the same task options (NIC sides kept, device ports replaced by
 one `intra` resource per host touched), scheduled by the same solver and timed by the same
 simulator, so the two columns differ only in the resource model. Tensors are 4096x4096 float32
 (64 MiB); hosts have one 100 Gbit/s NIC, 800 Gbit/s inside, 20 us latency.
 
-    .venv/bin/python -m bench.bench_duplex
+    .venv/bin/python bench/bench_duplex.py
 """
 
 from __future__ import annotations
 
+import sys
 from dataclasses import replace
+from pathlib import Path
 
+sys.path[:0] = [str(Path(__file__).resolve().parent.parent), str(Path(__file__).resolve().parent)]
 
-from bench.report import replace_section, write_json
-from xmesh_plan.planner.compile import TaskOptions, assemble, task_options
-from xmesh_plan.planner.problem_io import build_problem
-from xmesh_plan.planner.solvers import solve
-from xmesh_plan.planner.unit_tasks import decompose
+from report import update_benchmarks_doc, write_json  # noqa: E402
+from xmesh_plan.planner.compile import TaskOptions, assemble, task_options  # noqa: E402
+from xmesh_plan.planner.problem_io import build_problem  # noqa: E402
+from xmesh_plan.planner.solvers import solve  # noqa: E402
+from xmesh_plan.planner.unit_tasks import decompose  # noqa: E402
 
 CLUSTER = {"devices_per_host": 4, "nics": [{"send_gbps": 100, "recv_gbps": 100}], "intra_host_gbps": 800, "latency_us": 20}
 CASES = [  # src mesh, src spec, dst mesh, dst first host, dst spec, tensor shape
@@ -36,7 +40,7 @@ STRATEGIES = ("broadcast", "auto")
 
 
 def exclusive_host_model(options: list[TaskOptions], host_of) -> list[TaskOptions]:
-    """The old model: device ports dropped, an `intra` resource on every host the option touches."""
+    """The exclusive-hosts model: device ports dropped, an `intra` resource on every host the option touches."""
     out = []
     for item in options:
         hosts = {host_of(d) for d in item.cell.receivers}
@@ -64,43 +68,17 @@ def main() -> None:
                                  "dst": {"mesh": {"shape": list(dst), "first_host": first}, "spec": dst_spec}})
         src_hosts, dst_hosts = problem.src.mesh.hosts(problem.cluster), problem.dst.mesh.hosts(problem.cluster)
         for strategy in STRATEGIES:
-            old, new = compiled(problem, strategy, True), compiled(problem, strategy, False)
+            exclusive, duplex = compiled(problem, strategy, True), compiled(problem, strategy, False)
             case = (f"{src[0]}x{src[1]} {src_spec} on hosts {','.join(map(str, src_hosts))} -> "
                     f"{dst[0]}x{dst[1]} {dst_spec} on hosts {','.join(map(str, dst_hosts))}")
-            old_ratio, new_ratio = (p.predicted_seconds / p.lower_bound_seconds for p in (old, new))
-            rows.append(f"| {case} | {strategy} | {len(new.tasks)} | {new.lower_bound_seconds * 1e3:.3f} | {old_ratio:.3f} | {new_ratio:.3f} | "
-                        f"{new.solver.details['gap_to_proven_bound']} |")
-            data.append({"case": case, "strategy": strategy, "tasks": len(new.tasks), "bound_s": new.lower_bound_seconds,
-                         "exclusive_hosts_predicted_s": old.predicted_seconds, "duplex_predicted_s": new.predicted_seconds})
+            exclusive_ratio, duplex_ratio = (p.predicted_seconds / p.lower_bound_seconds for p in (exclusive, duplex))
+            rows.append(f"| {case} | {strategy} | {len(duplex.tasks)} | {duplex.lower_bound_seconds * 1e3:.3f} | {exclusive_ratio:.3f} | {duplex_ratio:.3f} | "
+                        f"{duplex.solver.details['gap_to_proven_bound']} |")
+            data.append({"case": case, "strategy": strategy, "tasks": len(duplex.tasks), "bound_s": duplex.lower_bound_seconds,
+                         "exclusive_hosts_predicted_s": exclusive.predicted_seconds, "duplex_predicted_s": duplex.predicted_seconds})
             print(rows[-1], flush=True)
     write_json("duplex.json", data)
-    replace_section("Shared hosts (full duplex)", BODY.format(rows="\n".join(rows)))
-
-
-BODY = """
-Made by (2-core CPU machine shared with other jobs):
-
-```
-.venv/bin/python -m bench.bench_duplex
-```
-
-Meshes that share hosts, 4096x4096 float32 and larger (64 MiB+), 4 devices per host, one
-100 Gbit/s NIC, 800 Gbit/s inside a host, 20 us latency; `auto` solver. "Exclusive hosts" is the old
-resource model (every task held an exclusive intra-host resource on every host it touched, so a
-shared host never sent while it received), rebuilt from the same task options, solver and
-simulator; "duplex" is the model now (a cross-host hop holds the sender host's NIC send side and the
-receiver host's receive side; a hop inside a host holds the sending device's out port and the
-receiving device's in port). Gap is the duplex schedule's gap to its own proven bound. Raw:
-`bench/results/duplex.json`.
-
-| case | strategy | unit tasks | byte bound ms | exclusive hosts: predicted / bound | duplex: predicted / bound | duplex schedule gap |
-|---|---|---:|---:|---:|---:|---:|
-{rows}
-
-Where the duplex schedule meets its own bound (gap 0), what remains above the byte bound is the
-per-message cost inside a task (a pipelined broadcast of K chunks pays K latencies and a pipeline
-tail on its chain), not the order.
-"""
+    update_benchmarks_doc()
 
 
 if __name__ == "__main__":

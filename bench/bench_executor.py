@@ -1,7 +1,7 @@
 """Executor overhead: time of `run()` beyond the data movement, per unit task, on the CPU (MPI) path.
 
-    .venv/bin/python -m bench.bench_executor                  # launches mpiexec itself, ~1 minute
-    .venv/bin/python -m bench.bench_executor --tasks 16,256 --iters 30
+    .venv/bin/python bench/bench_executor.py                  # launches mpiexec itself, ~1 minute
+    .venv/bin/python bench/bench_executor.py --tasks 16,256 --iters 30
 
 Plans of T unit tasks, each one small box (64 B): `send` moves row i from device 0 to device 1
 (contiguous, sent in place); `send_strided` moves column i (packed and unpacked through staging);
@@ -17,7 +17,6 @@ Results: bench/results/executor.json.
 
 from __future__ import annotations
 
-import argparse
 import importlib.util
 import json
 import os
@@ -27,10 +26,15 @@ import tempfile
 import time
 import tracemalloc
 from pathlib import Path
+from types import SimpleNamespace
+
+import click
 
 import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+from xmesh_plan.schemas.files import write_atomic  # noqa: E402
 
 ROW = 16  # float32 elements per box: 64 B
 
@@ -222,20 +226,20 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--tasks", default="16,64,256,1024", help="unit-task counts (default 16,64,256,1024)")
-    parser.add_argument("--iters", type=int, default=40, help="timed iterations per point (default 40)")
-    parser.add_argument("--compare", metavar="REV", help="also measure executor/mpi_engine.py of git revision REV")
-    parser.add_argument("--out", type=Path, default=ROOT / "bench" / "results" / "executor.json")
-    parser.add_argument("--worker", choices=("send", "send_strided", "broadcast"), help=argparse.SUPPRESS)
-    parser.add_argument("--engine-file", help=argparse.SUPPRESS)
-    args = parser.parse_args()
+@click.command(help=__doc__.splitlines()[0])
+@click.option("--tasks", default="16,64,256,1024", show_default=True, help="unit-task counts")
+@click.option("--iters", type=int, default=40, show_default=True, help="timed iterations per point")
+@click.option("--compare", metavar="REV", help="also measure executor/mpi_engine.py of git revision REV")
+@click.option("--out", type=click.Path(dir_okay=False, path_type=Path), default=ROOT / "bench" / "results" / "executor.json")
+@click.option("--worker", type=click.Choice(("send", "send_strided", "broadcast")), hidden=True)
+@click.option("--engine-file", hidden=True)
+def main(**options) -> None:
+    args = SimpleNamespace(**options)
     counts = [int(x) for x in args.tasks.split(",")]
     if args.worker:
         worker(args.worker, counts, args.iters, args.engine_file)
-        return 0
-    env = dict(os.environ)
+        return
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
     mpiexec = Path(sys.executable).parent / "mpiexec"
     extra = ["--engine-file", engine_file(args.compare)] if args.compare else []
     rows = []
@@ -248,16 +252,15 @@ def main() -> int:
                              capture_output=True, text=True, timeout=900)
         if out.returncode:
             print(out.stderr[-3000:], file=sys.stderr)
-            return 1
+            sys.exit(1)
         rows += [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
     gpu = gpu_bench()
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"cpu_overhead": rows, "compared_with": args.compare, "gpu": gpu}, indent=1) + "\n")
+    write_atomic(args.out, json.dumps({"cpu_overhead": rows, "compared_with": args.compare, "gpu": gpu}, indent=1) + "\n")
     print(table(rows))
     print(f"\nGPU pack/unpack and NCCL broadcast: {gpu if isinstance(gpu, str) else json.dumps(gpu)}")
     print(f"written to {args.out}")
-    return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    main()

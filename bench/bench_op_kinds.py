@@ -1,10 +1,10 @@
 """The planner's hot paths that read the table of operation kinds, timed against a git revision in one run.
 
-    .venv/bin/python -m bench.bench_op_kinds                 # this tree only
-    .venv/bin/python -m bench.bench_op_kinds --compare REV   # also REV's modules, interleaved (about 1 min)
+    .venv/bin/python bench/bench_op_kinds.py                 # this tree only
+    .venv/bin/python bench/bench_op_kinds.py --compare REV   # also REV's modules, interleaved (about 1 min)
 
-`schemas/op_kinds.py` replaced per-kind code in the simulator (each operation's flows now come from
-its `route`) and in the strategies (links from `wire_pairs`). This times, on the same plans and
+The simulator takes each operation's flows from its kind's `route` in `schemas/op_kinds.py`, and the
+strategies their links from `wire_pairs`. This times, on the same plans and
 interleaved, `simulate_plan` and every strategy on every unit task (what `compile` runs per task)
 with the modules of this tree and of revision REV (`planner/simulate.py`, `planner/strategies.py`,
 loaded from git). Best of `--repeat`, the versions taking turns. Results: bench/results/op_kinds.json. For the executor's
@@ -14,17 +14,21 @@ lowering see bench/bench_lowering.py.
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
-
-from bench.report import best_seconds, compare_parser, module_at
-
-from xmesh_plan.planner import simulate as simulate_now
-from xmesh_plan.planner import strategies as strategies_now
-from xmesh_plan.planner.compile import _sender_per_host, compile_plan
-from xmesh_plan.planner.problem_io import build_problem
-from xmesh_plan.planner.unit_tasks import decompose
+from types import SimpleNamespace
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT), str(ROOT / "bench")]
+
+from report import best_seconds, compare_command, module_at  # noqa: E402
+
+from xmesh_plan.schemas.files import write_atomic  # noqa: E402
+from xmesh_plan.planner import simulate as simulate_now  # noqa: E402
+from xmesh_plan.planner import strategies as strategies_now  # noqa: E402
+from xmesh_plan.planner.compile import _sender_per_host, compile_plan  # noqa: E402
+from xmesh_plan.planner.problem_io import build_problem  # noqa: E402
+from xmesh_plan.planner.unit_tasks import decompose  # noqa: E402
 
 CASES = [  # (name, source mesh, source spec, destination mesh, destination spec, shape, strategy)
     ("all-to-all 32x4", "32x4", "S0 R", "32x4", "R S0", (4096, 4096), "auto"),
@@ -51,9 +55,9 @@ def run_strategies(module, ctxs) -> None:
             fn(ctx)
 
 
-def main() -> None:
-    parser = compare_parser(__doc__, "the simulator and strategies", "op_kinds.json")
-    args = parser.parse_args()
+@compare_command(__doc__, "the simulator and strategies", "op_kinds.json")
+def main(**options) -> None:
+    args = SimpleNamespace(**options)
     versions = [("now", simulate_now, strategies_now)]
     if args.compare:
         versions.append(("before", module_at(args.compare, "planner/simulate.py", "xmesh_plan.planner.simulate_compared"),
@@ -77,7 +81,7 @@ def main() -> None:
         print(row, flush=True)
     if args.compare:
         table(rows, args.compare)
-    args.out.write_text(json.dumps({"compared_with": args.compare, "rows": rows}, indent=1) + "\n")
+    write_atomic(args.out, json.dumps({"compared_with": args.compare, "rows": rows}, indent=1) + "\n")
     print(f"written to {args.out}")
 
 

@@ -10,28 +10,35 @@ gradients, at 40 TFLOP/s per V100 in FP16 and 10 in FP32 (about a third of FP16 
 of FP32 peak). Each stage is one host of 4 GPUs (logical 2x2 or 4x1); hosts have one 10 Gbit/s
 NIC, the paper's p3.8xlarge. Transfer times come from compile_plan (broadcast strategy).
 
-Run: .venv/bin/python -m bench.bench_pipeline [--quick] [--png-dir bench/results] [--examples bench/pipelines]
+Run: .venv/bin/python bench/bench_pipeline.py [--quick] [--png-dir bench/results] [--examples bench/pipelines]
+Writes bench/results/pipeline.json (every case's metrics per schedule), from which `bench/benchmarks_doc.py` makes the
+BENCHMARKS.md section "Pipelines".
 """
 
 from __future__ import annotations
 
-import argparse
+import json
+import sys
 import time
 from pathlib import Path
 
+import click  # noqa: E402
 
-from xmesh_plan.planner.pipeline.compare import compare, format_table, row_by_label
-from xmesh_plan.planner.pipeline.costs import transfer_costs
-from xmesh_plan.planner.pipeline.simulate import evaluate
-from xmesh_plan.schemas.pipeline import PipelineProblem
-from xmesh_plan.schemas.problem import DeviceMesh
-from xmesh_plan.schemas.plan import write_atomic
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from xmesh_plan.planner.pipeline.compare import compare, format_table, row_by_label  # noqa: E402
+from xmesh_plan.planner.pipeline.costs import transfer_costs  # noqa: E402
+from xmesh_plan.planner.pipeline.simulate import evaluate  # noqa: E402
+from xmesh_plan.schemas.pipeline import PipelineProblem  # noqa: E402
+from xmesh_plan.schemas.problem import DeviceMesh  # noqa: E402
+from xmesh_plan.schemas.plan import write_atomic  # noqa: E402
 
 TFLOPS_PER_GPU = {"float16": 40e12, "float32": 10e12}
 GPUS_PER_STAGE = 4
 LEVELS = 4
 UTRANS_TOKENS = 256
 GPT_TOKENS = 1024
+RESULTS = Path(__file__).resolve().parent / "results"
 
 
 def stage_mesh(stage: int, shape: tuple[int, int]) -> DeviceMesh:
@@ -119,28 +126,34 @@ def checks(problem: PipelineProblem, rows) -> list[str]:
     return notes
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--micro-batches", type=int, default=16)
-    parser.add_argument("--quick", action="store_true", help="only the paper's 2-stage cases")
-    parser.add_argument("--png-dir", help="write a Gantt chart of 1f1b / eager-1f1b / eager-1f1b-wd per case here")
-    parser.add_argument("--examples", help="write each case's pipeline JSON here")
-    args = parser.parse_args()
-    for problem in cases(args.micro_batches, args.quick):
+@click.command(help=__doc__.splitlines()[0])
+@click.option("--micro-batches", type=int, default=16, show_default=True)
+@click.option("--quick", is_flag=True, help="only the paper's 2-stage cases")
+@click.option("--png-dir", help="write a Gantt chart of 1f1b / eager-1f1b / eager-1f1b-wd per case here")
+@click.option("--examples", help="write each case's pipeline JSON here")
+@click.option("--out", type=click.Path(dir_okay=False, path_type=Path), default=RESULTS / "pipeline.json", show_default=True,
+              help="results JSON")
+def main(micro_batches: int, quick: bool, png_dir: str | None, examples: str | None, out: Path) -> None:
+    results = []
+    for problem in cases(micro_batches, quick):
         started = time.perf_counter()
         costs = transfer_costs(problem)
         rows = compare(problem, costs)
         fwd = sum(c.seconds for c in costs if c.direction == "F")
-        print(f"\n### {problem.name}: {len(problem.stages)} stages, {problem.micro_batches} micro-batches, "
-              f"forward {problem.stages[0].forward_s * 1e3:.2f} ms/stage, forward transfers (sum) {fwd * 1e3:.2f} ms per micro-batch "
-              f"({time.perf_counter() - started:.1f} s to plan and simulate)\n")
-        print(format_table(rows))
-        print("\n" + "; ".join(checks(problem, rows)))
-        if args.examples:
-            Path(args.examples).mkdir(parents=True, exist_ok=True)
-            write_atomic(Path(args.examples) / f"{problem.name}.json", problem.model_dump_json(indent=1) + "\n")
-        if args.png_dir:
-            draw(problem, rows, Path(args.png_dir))
+        click.echo(f"\n### {problem.name}: {len(problem.stages)} stages, {problem.micro_batches} micro-batches, "
+                   f"forward {problem.stages[0].forward_s * 1e3:.2f} ms/stage, forward transfers (sum) {fwd * 1e3:.2f} ms per micro-batch "
+                   f"({time.perf_counter() - started:.1f} s to plan and simulate)\n")
+        click.echo(format_table(rows))
+        click.echo("\n" + "; ".join(checks(problem, rows)))
+        results.append({"case": problem.name, "stages": len(problem.stages), "micro_batches": problem.micro_batches,
+                        "schedules": {r.label: r.metrics.as_dict() for r in rows}})
+        if examples:
+            Path(examples).mkdir(parents=True, exist_ok=True)
+            write_atomic(Path(examples) / f"{problem.name}.json", problem.model_dump_json(indent=1) + "\n")
+        if png_dir:
+            draw(problem, rows, Path(png_dir))
+    command = " ".join([".venv/bin/python bench/bench_pipeline.py"] + sys.argv[1:])
+    write_atomic(out, json.dumps({"command": command, "cases": results}, indent=1, sort_keys=True) + "\n")
 
 
 def draw(problem: PipelineProblem, rows, folder: Path) -> None:

@@ -16,7 +16,6 @@ barriers; both results are checked equal first. Results: bench/results/redistrib
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import socket
@@ -24,6 +23,8 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+
+import click
 
 ROOT = Path(__file__).resolve().parents[1]
 RANKS = 4
@@ -67,7 +68,7 @@ def _timed(dist, torch, iters: int, once) -> float:
     return float(times.median())
 
 
-def worker(sizes_mib: list[float], iters: int) -> None:
+def run_worker(sizes_mib: list[float], iters: int) -> None:
     import torch
     import torch.distributed as dist
     from torch.distributed.tensor import distribute_tensor
@@ -126,19 +127,21 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--sizes", default="1,16", help="tensor sizes in MiB, comma-separated (default 1,16)")
-    parser.add_argument("--iters", type=int, default=15, help="timed iterations per approach (default 15)")
-    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    args = parser.parse_args()
-    sizes = [float(s) for s in args.sizes.split(",")]
-    if not sizes or min(sizes) <= 0 or args.iters < 3:
-        parser.error("--sizes must be positive MiB (e.g. 1,16) and --iters at least 3")
-    if args.worker:
-        worker(sizes, args.iters)
+@click.command(help=__doc__.splitlines()[0])
+@click.option("--sizes", default="1,16", show_default=True, help="tensor sizes in MiB, comma-separated")
+@click.option("--iters", type=int, default=15, show_default=True, help="timed iterations per approach")
+@click.option("--worker", is_flag=True, hidden=True)
+def main(sizes: str, iters: int, worker: bool) -> None:
+    try:
+        sizes_mib = [float(s) for s in sizes.split(",")]
+    except ValueError:
+        sizes_mib = []
+    if not sizes_mib or min(sizes_mib) <= 0 or iters < 3:
+        raise click.UsageError("--sizes must be positive MiB (e.g. 1,16) and --iters at least 3")
+    if worker:
+        run_worker(sizes_mib, iters)
         return
-    rows = launch(args.sizes, args.iters)
+    rows = launch(sizes, iters)
     save(rows, ROOT / "bench" / "results" / "redistribute.json")
     print(table(rows))
 

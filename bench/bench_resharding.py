@@ -5,22 +5,25 @@ host, 4 GPUs per host, 800 Gbit/s inside a host, 20 us per message, max-min fair
 send/recv and send + local all-gather run in device order (`planner/baselines.py`), our plans in
 host order. Compile time is wall clock on this machine for `compile_plan` with the `auto` solver.
 
-    .venv/bin/python -m bench.bench_resharding
+    .venv/bin/python bench/bench_resharding.py
 """
 
 from __future__ import annotations
 
+import sys
 import time
+from pathlib import Path
 
+sys.path[:0] = [str(Path(__file__).resolve().parent.parent), str(Path(__file__).resolve().parent)]
 
-from bench.report import replace_section, write_json
-from xmesh_plan.planner.baselines import baseline_seconds
-from xmesh_plan.planner.compile import compile_plan
-from xmesh_plan.planner.reference_cases import reference_cases
-from xmesh_plan.planner.verify import verify_plan
-from xmesh_plan.schemas import Cluster, Nic
+from report import update_benchmarks_doc, write_json  # noqa: E402
+from xmesh_plan.planner.baselines import baseline_seconds  # noqa: E402
+from xmesh_plan.planner.compile import compile_plan  # noqa: E402
+from xmesh_plan.planner.reference_cases import reference_cases  # noqa: E402
+from xmesh_plan.planner.verify import verify_plan  # noqa: E402
+from xmesh_plan.schemas import Cluster, Nic  # noqa: E402
 
-COMMAND = ".venv/bin/python -m bench.bench_resharding"
+COMMAND = ".venv/bin/python bench/bench_resharding.py"
 PAPER_SOLVERS = ("naive", "size", "randomized-greedy")
 
 
@@ -28,7 +31,7 @@ def measure(name: str, problem) -> dict:
     row = {"case": name, "alpa_send_recv": baseline_seconds(problem, "alpa-send-recv"),
            "alpa_allgather": baseline_seconds(problem, "alpa-allgather")}
     for solver in PAPER_SOLVERS:
-        row[f"broadcast_{solver}"] = compile_plan(problem, "broadcast", solver).predicted_seconds
+        row[f"broadcast_{solver}"] = compile_plan(problem, strategy="broadcast", solver=solver).predicted_seconds
     begin = time.perf_counter()
     plan = compile_plan(problem)
     row["compile_s"] = time.perf_counter() - begin
@@ -84,50 +87,7 @@ def main() -> None:
     write_json("resharding.json", {"command": COMMAND, "cases": rows, "two_nics": nic_rows})
     print(table(rows))
     print(targets(rows))
-    replace_section("Resharding: paper cases", f"""
-Made by (2-core CPU machine, under a minute):
-
-```
-{COMMAND}
-```
-
-Predicted seconds from one model, the network simulator (`planner/simulate.py`): 10 Gbit/s
-full-duplex NIC per host, 4 GPUs per host at 800 Gbit/s, 20 us per message, concurrent flows share a
-link max-min fairly. Alpa's approaches (`planner/baselines.py`: send/recv per device pair with its
-`normal` least-loaded sender; send to a host-local sharding + all-gather inside the host) run in
-device order, each device doing its operations in Alpa's loop order; `bc <solver>` is our broadcast
-strategy with the paper's solvers; **ours** is the default (`auto` solver). Ratios are baseline /
-ours in the same run; compile is wall clock of `compile_plan` (auto). Raw numbers:
-`bench/results/resharding.json`.
-
-{table(rows)}
-
-{targets(rows)}
-
-Where the model differs from the paper: the paper measured up to 10x over Alpa on case 4; our
-simulator prices only bandwidth, latency and queueing (no NCCL communicator set-up, no kernel
-launch costs), and under it Alpa's device-order send/recv on case 4 is 1.5x slower than ours, not 10x.
-""")
-    replace_section("Multiple NICs", multi_nic_section(nic_rows))
-
-
-def multi_nic_section(nic_rows: list[dict]) -> str:
-    lines = "\n".join(f"| {r['case']} | {r['one_nic']:.3f} | {r['two_nics']:.3f} | {r['one_nic'] / r['two_nics']:.2f}x "
-                      f"| {r['two_nics'] / r['two_nics_bound']:.3f} |" for r in nic_rows)
-    return f"""
-Made by the same run (`{COMMAND}`): the paper's cases on a cluster whose hosts have two 10 Gbit/s
-NICs instead of one; predicted seconds of ours (`auto`), same simulator.
-
-How a task uses several NICs: every cross-host message of a unit task is striped over all NICs of
-both hosts in proportion to their bandwidth (the simulator's `h2.send:0`, `h2.send:1` lanes), so the
-scheduler sees a host's NICs as one pipe of their summed bandwidth and the lower bound doubles its
-rate. Pinning whole tasks to single NICs (`send:N` in the host order, also supported by the
-simulator) can never beat striping here: the per-message latency is paid on the lanes in parallel.
-
-| case | 1 NIC | 2 NICs | gain | 2 NICs / bound |
-|---|---:|---:|---:|---:|
-{lines}
-"""
+    update_benchmarks_doc()
 
 
 if __name__ == "__main__":

@@ -5,22 +5,23 @@
 with the default `auto` solver on this machine, which is shared, so times are noisy. The largest
 points are optional: `--large` adds (128,8) -> (128,8).
 
-    .venv/bin/python -m bench.bench_scaling [--large]
-    .venv/bin/python -m bench.bench_scaling --render   # the BENCHMARKS.md section again from bench/results/scaling.json
+    .venv/bin/python bench/bench_scaling.py [--large]
+
+Writes bench/results/scaling.json and remakes BENCHMARKS.md ("Scale").
 """
 
 from __future__ import annotations
 
-import json
 import resource
 import sys
 import time
 from pathlib import Path
 
+sys.path[:0] = [str(Path(__file__).resolve().parent.parent), str(Path(__file__).resolve().parent)]
 
-from bench.report import replace_section, write_json
-from xmesh_plan.planner.compile import compile_plan
-from xmesh_plan.schemas import Cluster, DeviceMesh, Placement, ReshardingProblem
+from report import update_benchmarks_doc, write_json  # noqa: E402
+from xmesh_plan.planner.compile import compile_plan  # noqa: E402
+from xmesh_plan.schemas import Cluster, DeviceMesh, Placement, ReshardingProblem  # noqa: E402
 
 POINTS = [  # src mesh, dst mesh, src spec, dst spec, tensor shape
     ((2, 4), (2, 4), "R S0 R", "S0 R R", (1024, 1024, 512)),
@@ -35,7 +36,7 @@ POINTS = [  # src mesh, dst mesh, src spec, dst spec, tensor shape
     ((64, 8), (64, 8), "S0 S1 R", "R S0 S1", (8192, 8192, 64)),
 ]
 LARGE = [((128, 8), (128, 8), "S0 S1 R", "R S0 S1", (8192, 8192, 64))]
-COMMAND = ".venv/bin/python -m bench.bench_scaling"
+COMMAND = ".venv/bin/python bench/bench_scaling.py"
 
 
 def mesh(shape, first_host, per_host):
@@ -66,9 +67,6 @@ def measure(point) -> dict:
 
 
 def main() -> None:
-    if "--render" in sys.argv:  # the section again from the last results file, no measuring
-        data = json.loads((Path(__file__).resolve().parent / "results" / "scaling.json").read_text())
-        return render(data["points"], data["command"])
     points = POINTS + (LARGE if "--large" in sys.argv else [])
     rows = []
     for point in points:
@@ -78,43 +76,7 @@ def main() -> None:
               f"ratio {r['ratio']:.4f} ({r['winner']})", flush=True)
     command = COMMAND + (" --large" if "--large" in sys.argv else "")
     write_json("scaling.json", {"command": command, "points": rows})
-    render(rows, command)
-
-
-def render(rows: list[dict], command: str) -> None:
-    lines = "\n".join(
-        f"| {r['src']} {r['src_spec']} | {r['dst']} {r['dst_spec']} | {r['shape']} | {r['tasks']} | {r['compile_s']:.2f} "
-        f"| {r['ratio']:.4f} | {r['task_mib']:.3f} | {r['overhead_share']:.1%} | {r['winner']} | {r['timed_by']} | {r['peak_rss_mib']:.0f} |" for r in rows)
-    replace_section("Scaling", f"""
-Made by (2-core CPU machine shared with other jobs, so compile times are noisy):
-
-```
-{command}
-```
-
-Compile time (wall clock of `compile_plan`, default `auto` solver, including decomposition, the
-simulator and plan assembly) and quality (predicted / lower bound) against the unit-task count.
-8 GPUs per host except the first row; one 10 Gbit/s NIC per host. Peak RSS is the process's high-water
-mark after the row (rows run in order of size, so the last row's is its own peak). Every row is timed by
-the network simulator (the limit is 250,000 operations). Raw: `bench/results/scaling.json`.
-
-| source | destination | tensor | unit tasks | compile s | predicted / bound | MiB per task | overhead share of a task | winner | timed by | peak RSS MiB |
-|---|---|---|---:|---:|---:|---:|---:|---|---|---:|
-{lines}
-
-The lower bound counts bandwidth only, while the model charges every message an overhead (1 us) on
-the links it crosses, besides a latency (20 us) other messages overlap; "overhead share" is that
-overhead over the mean task time. Where tasks shrink to a few hundred KiB or less the gap to the
-bound is mostly this per-message cost, not the order: in the 32x8 `S0 R S1 -> R S01 R` row (an
-all-to-all of 64 KiB boxes) host 0's send side carries 2048 messages x 1 us = 2 ms of the 2 ms
-between the prediction and the bound (`xmesh-plan inspect`); `--coalesce` closes it (BENCHMARKS.md,
-"Coalesced messages"). Until fb54710 the model made every message hold its NIC for the whole 20 us
-latency, and these rows sat at up to 1.38x (32x8 all-to-all) and 1.19x ((128,8) -> (128,8)).
-
-Compile runs with Python's cyclic garbage collector paused (planner/compile.py, since 8f2f932): the
-run just before that change took 32.2 s for (128,8) -> (128,8) and 14.5 s for (64,8) -> (64,8), at
-load average 11-25 (`bench/results/scaling.json` in git history); this run, at load 7-10, 8.7 s and 2.1 s.
-""")
+    update_benchmarks_doc()
 
 
 if __name__ == "__main__":

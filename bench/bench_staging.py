@@ -1,37 +1,39 @@
-"""Staging memory: the largest staging area on one device, before (every staged box at once: posted order,
-and what device order allocated before it reused staging) and after (device order reuses a run's
-staging once the run is done), on the reference plans and the weight-sync examples; plans compiled with
+"""Staging memory: the largest staging area on one device, with every staged box at once (posted order) and with
+device order reusing a run's staging once the run is done, on the reference plans and the weight-sync examples; plans compiled with
 `--max-staging-mb` (the small weight sync too: a multi-tensor plan shares one area per device); and the
 executor's time per reshard with and without a limit, measured in one launch per problem.
 
-    .venv/bin/python -m bench.bench_staging [--iters 20]
+    .venv/bin/python bench/bench_staging.py [--iters 20]
 """
 
 from __future__ import annotations
 
-import argparse
 import re
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
+import click
 
-from bench.report import replace_section, write_json
-from xmesh_plan.planner.compile import compile_plan
-from xmesh_plan.planner.problem_io import build_problem
-from xmesh_plan.planner.simulate import simulate_plan
-from xmesh_plan.planner.transfer_io import load_any_problem
-from xmesh_plan.planner.verify import verify_plan
-from xmesh_plan.schemas import Plan, load_plan
-from xmesh_plan.schemas.plan import write_atomic
-from xmesh_plan.schemas.plan_tensors import is_multi
-from xmesh_plan.schemas.staging import staging_peaks
+sys.path[:0] = [str(Path(__file__).resolve().parent.parent), str(Path(__file__).resolve().parent)]
+
+from report import update_benchmarks_doc, write_json  # noqa: E402
+from xmesh_plan.planner.compile import compile_plan  # noqa: E402
+from xmesh_plan.planner.problem_io import build_problem  # noqa: E402
+from xmesh_plan.planner.simulate import simulate_plan  # noqa: E402
+from xmesh_plan.planner.transfer_io import load_any_problem  # noqa: E402
+from xmesh_plan.planner.verify import verify_plan  # noqa: E402
+from xmesh_plan.schemas import Plan, load_plan  # noqa: E402
+from xmesh_plan.schemas.plan import write_atomic  # noqa: E402
+from xmesh_plan.schemas.plan_tensors import is_multi  # noqa: E402
+from xmesh_plan.schemas.staging import staging_peaks  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 MPIEXEC = Path(sys.executable).parent / "mpiexec"
-COMMAND = ".venv/bin/python -m bench.bench_staging"
+COMMAND = ".venv/bin/python bench/bench_staging.py"
 TIMING = re.compile(r"([\d.]+) ms/iter median of \d+ \(min ([\d.]+)\).*staging ([\d.]+) (B|KiB|MiB)/rank")
 UNITS = {"B": 2**-10, "KiB": 1, "MiB": 2**10}
 LIMITED = {"case3": (64, 16), "case4": (64, 16), "case9": (64, 16),  # the reference plans that stage anything
@@ -111,10 +113,10 @@ def measured_rows(run: dict, labels: list[str]) -> str:
                      for i, label in enumerate(labels))
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--iters", type=int, default=20)
-    args = parser.parse_args()
+@click.command(help=__doc__.splitlines()[0])
+@click.option("--iters", type=int, default=20, show_default=True, help="timed reshards per plan")
+def main(**options) -> None:
+    args = SimpleNamespace(**options)
     references = [before_after(path.name.removesuffix(".plan.json"), load_plan(path)) for path in sorted((ROOT / "plans").glob("*.plan.json"))]
     llama = compile_plan(load_any_problem(ROOT / "plans" / "weight_sync_llama3_8b.problem.toml"),
                          split_hosts=False, coalesce=False)  # the chained plan BENCHMARKS.md's figures are of
@@ -129,76 +131,7 @@ def main() -> None:
         print(row, flush=True)
     print(run, sync, flush=True)
     write_json("staging.json", {"command": COMMAND, "references": references, "limited": limited, "measured": run, "weight_sync": sync})
-    staged = [r for r in references if r["sum_max_mib"]]
-    quiet = ", ".join(r["plan"] for r in references if not r["sum_max_mib"])
-    table = "\n".join(f"| {r['plan']}{' (multi-tensor)' if r['multi'] else ''} | {r['operations']} | {r['sum_max_mib']:.1f} "
-                      f"| {r['reuse_max_mib']:.1f} | {r['sum_max_mib'] / r['reuse_max_mib']:.1f}x |" for r in staged)
-    limits = "\n".join(f"| {r['plan']} | {r['limit_mb']:g} | {r['plain_operations']} -> {r['operations']} | {size(r['peak_mib'] * 2**20)} "
-                       f"| {size(r['posted_peak_mib'] * 2**20)} | {r['plain_predicted_s']:.4f} -> {r['predicted_s']:.4f} | {r['compile_s']:.1f} |"
-                       for r in limited)
-    ms, predicted = run["median_ms"], run["device_order_ms"]
-    small_rows = measured_rows(run, ["plain"] + [f"--max-staging-mb {mb:g}" for mb in SMALL_LIMITS_MB])
-    sync_rows = measured_rows(sync, ["plain"] + [f"--max-staging-mb {mb:g}" for mb in SYNC_LIMITS_MB])
-    default = sync["posted_default"]
-    sync_ms, sync_kib = sync["median_ms"], sync["staging_kib"]
-    sync_ratios = [t / sync_ms[0] for t in sync_ms[1:]]
-    replace_section("Staging memory", f"""
-Made by `{COMMAND} --iters {args.iters}` (2-core CPU machine shared with other jobs; 8 ranks oversubscribe it, so
-compare the ratio, not the times). A box that is not one run of a device's shard is packed into, or
-received into, the device's staging area. Before this change every staged box had its own bytes (the
-sum: what posted order still needs, since every operation is in flight at once); device order now
-reuses a run's staging once the run is done (`schemas.staging`, the same number the lowering allocates).
-Largest staging area on one device, MiB:
-
-| plan | operations | before: sum of staged boxes | after: device order reuses | saved |
-|---|---|---|---|---|
-{table}
-
-Plans that stage nothing (every box one run of its shards): {quiet}. A multi-tensor plan's "after" is
-the one area every tensor shares in device order (`executor.joint`), which it allocates with `--order
-device` and by default once compiled with `--max-staging-mb`; without a limit MPI runs it posted by
-default, which allocates the "before" column (each tensor's own area).
-Device order saves nothing on case3 and case9: the device with the largest area relays two broadcasts
-with the same peers one after the other, and consecutive operations with the same peers run together
-(one run, both boxes staged at once), which `--max-staging-mb` splits.
-
-With `--max-staging-mb` (compiled here, default solver; each plan verified; peak in device order,
-which the plan states; posted order would need the "posted" column, so the executor refuses it):
-
-| plan | limit MiB | operations | peak | posted | predicted s (plain -> limited) | compile s |
-|---|---|---|---|---|---|---|
-{limits}
-
-Measured on the executor (MPI, device order, one launch, every shard checked bit for bit; medians of
-{run['iters']} reshards after 2 warm-up ones): {SMALL['shape'][0]}x{SMALL['shape'][1]}x{SMALL['shape'][2]} int32
-(16 MiB), 2x2 `{SMALL['src']['spec']}` -> 2x2 `{SMALL['dst']['spec']}` on 8 ranks, plain against two limits.
-Ratios are to the plain plan, measured in the same launch:
-
-| plan | operations | staging KiB/rank (allocated, largest) | posted order would need KiB | measured ms per reshard (median) | min ms | predicted ms (device order) | measured / plain | predicted / plain |
-|---|---|---|---|---|---|---|---|---|
-{small_rows}
-
-The small weight sync (`plans/weight_sync_small.problem.toml`: 21 bfloat16 tensors, 7.8 MiB, 8 ranks),
-plain against two limits, the same way (device order, one launch; "staging" is what each rank
-allocated, `TransferExecutor.stage_bytes`: one area every tensor shares). The plain plan in MPI's
-default order for it (posted, another launch) took {default['median_ms']:.2f} ms (min {default['min_ms']:.2f}) with
-{default['staging_kib']:.1f} KiB of staging on the largest rank:
-
-| plan | operations | staging KiB/rank (allocated, largest) | posted order would need KiB | measured ms per reshard (median) | min ms | predicted ms (device order) | measured / plain | predicted / plain |
-|---|---|---|---|---|---|---|---|---|
-{sync_rows}
-
-Device order is what keeps a transfer's staging bounded, and on MPI it costs time on this machine: the
-plain plan took {sync_ms[0] / default['median_ms']:.2f}x as long in device order as posted ({sync_ms[0]:.2f} against {default['median_ms']:.2f} ms) with
-{sync_kib[0] / default['staging_kib']:.2f}x the staging; within device order the limits cost {min(sync_ratios):.2f}x to {max(sync_ratios):.2f}x the plain plan's time.
-
-"Predicted" is the simulator in device order (`xmesh-plan inspect --orders`), the executor's order here.
-On the 16 MiB tensor, cutting a box into {run['operations'][-1] // run['operations'][0]}x the operations costs {predicted[-1] / predicted[0]:.2f}x
-predicted (the model overlaps message latencies and charges each message a small overhead) but
-{ms[-1] / ms[0]:.2f}x measured: on this oversubscribed CPU machine each message and each wait at a run
-boundary costs far more than the model's per-message figures. Pick the largest limit that fits.
-Raw: `bench/results/staging.json`.
-""")
+    update_benchmarks_doc()
 
 
 if __name__ == "__main__":

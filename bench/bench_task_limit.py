@@ -5,8 +5,8 @@ does: cut, cost, schedule, assemble, verify, write the JSON. Meshes (H, 4) -> (H
 R S0 S1`, float32, default `auto` solver, no task limit. The default `--max-tasks`
 (`planner.unit_tasks.DEFAULT_MAX_TASKS`) is chosen from these figures.
 
-    .venv/bin/python -m bench.bench_task_limit            # 4 sizes up to 65,536 tasks, about 1.5 minutes
-    .venv/bin/python -m bench.bench_task_limit --large    # adds 130,312, 262,144 and 470,592 tasks (about 10 minutes, 3.6 GiB)
+    .venv/bin/python bench/bench_task_limit.py            # 4 sizes up to 65,536 tasks, about 1.5 minutes
+    .venv/bin/python bench/bench_task_limit.py --large    # adds 130,312, 262,144 and 470,592 tasks (about 10 minutes, 3.6 GiB)
 """
 
 from __future__ import annotations
@@ -18,16 +18,17 @@ import sys
 import time
 from pathlib import Path
 
+sys.path[:0] = [str(Path(__file__).resolve().parent.parent), str(Path(__file__).resolve().parent)]
 
-from bench.report import ROOT, replace_section, write_json
-from xmesh_plan.planner.problem_io import build_problem
-from xmesh_plan.planner.unit_tasks import BYTES_PER_TASK, DEFAULT_MAX_TASKS, TooManyTasksError, check_task_count
+from report import update_benchmarks_doc, write_json  # noqa: E402
+from xmesh_plan.planner.problem_io import build_problem  # noqa: E402
+from xmesh_plan.planner.unit_tasks import DEFAULT_MAX_TASKS, TooManyTasksError, check_task_count  # noqa: E402
 
 HOSTS = [16, 32, 64, 128]  # (H, 4) meshes: 4 H^2 unit tasks
 LARGE = [181, 256, 354]
 REFUSED = {"shape": "4096,4096,512", "dtype": "float32", "src": {"mesh": "1000x4", "spec": "S0 S1 R"},
            "dst": {"mesh": "1000x4", "spec": "R S0 S1"}}  # the issue's 1000x4 -> 1000x4 problem
-COMMAND = ".venv/bin/python -m bench.bench_task_limit"
+COMMAND = ".venv/bin/python bench/bench_task_limit.py"
 
 
 def raw_problem(hosts: int) -> dict:
@@ -57,8 +58,7 @@ def one(hosts: int, out: str) -> dict:
 
 def measure(hosts: int) -> dict:
     out = Path("/tmp") / f"bench_task_limit_{hosts}.plan.json"
-    child = subprocess.run([sys.executable, "-m", "bench.bench_task_limit", "--one", str(hosts), str(out)], cwd=ROOT,
-                           capture_output=True, text=True, check=True)
+    child = subprocess.run([sys.executable, __file__, "--one", str(hosts), str(out)], capture_output=True, text=True, check=True)
     out.unlink(missing_ok=True)
     return json.loads(child.stdout)
 
@@ -87,43 +87,7 @@ def main() -> None:
     print(f"refused in {refused['seconds'] * 1e3:.1f} ms: {refused['message']}")
     command = COMMAND + (" --large" if large else "")
     write_json("task_limit.json", {"command": command, "points": rows, "refusal": refused})
-    base = rows[0]
-    lines = "\n".join(
-        f"| {r['mesh']} | {r['tasks']} | {r['operations']} | {r['compile_s']:.2f} | {r['verify_s']:.2f} | {r['write_s']:.2f} "
-        f"| {r['peak_rss_mib']:.0f} | {r['plan_mib']:.1f} "
-        f"| {(r['peak_rss_mib'] - base['peak_rss_mib']) * 1024 / max(1, r['tasks'] - base['tasks']):.1f} "
-        f"| {r['total_s'] / r['tasks'] * 1e3:.3f} |" for r in rows)
-    replace_section("Task limit", f"""
-Made by (2-core CPU machine with 24 GiB, shared with other jobs, so times are noisy):
-
-```
-{command}
-```
-
-What `xmesh-plan compile -o` costs per unit task: each size in a fresh process, meshes (H,4) ->
-(H,4), `S0 S1 R -> R S0 S1`, 8192x8192x64 float32, `auto` solver, no limit. Peak RSS is the whole
-process (Python, numpy, OR-Tools included); "KiB / task" is the peak's growth over the first row
-divided by the added tasks. Raw: `bench/results/task_limit.json`.
-
-| meshes | unit tasks | operations | compile s | verify s | write s | peak RSS MiB | plan MiB | KiB / task | ms / task |
-|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|
-{lines}
-
-`planner.unit_tasks.BYTES_PER_TASK` is {BYTES_PER_TASK // 2**10} KiB and the default `--max-tasks` is
-{DEFAULT_MAX_TASKS:,}. The issue's 1000x4 -> 1000x4 problem ({REFUSED['src']['spec']} -> {REFUSED['dst']['spec']},
-{REFUSED['shape']}) is refused from its cut points, before anything is cut, in
-{refused['seconds'] * 1e3:.1f} ms (problem building included):
-
-```
-error: {refused['message']}
-```
-
-Memory grows linearly, about 7.6 KiB per unit task over a ~100 MiB base; time is 0.3-0.9 ms per
-task here (noisy: the 354x4 row ran beside MPI tests on the same two cores). The default limit
-keeps a compile below about 4 GiB, a sixth of this machine's 24 GiB, and under ten minutes; the
-issue's problem would need about 21 GiB (the issue saw it die after 90 s and 3.8 GB) and is refused.
-Pass `--max-tasks` to go beyond, at about 8 KiB per task.
-""")
+    update_benchmarks_doc()
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """Torch engine overhead: `run()` against bare torch.distributed isend/irecv of the same messages, on gloo.
 
-    .venv/bin/python -m bench.bench_torch_engine                    # starts its own ranks, ~1 minute
-    .venv/bin/python -m bench.bench_torch_engine --tasks 16,256 --iters 30
+    .venv/bin/python bench/bench_torch_engine.py                    # starts its own ranks, ~1 minute
+    .venv/bin/python bench/bench_torch_engine.py --tasks 16,256 --iters 30
 
 Plans of T unit tasks, each one 64 B box (`bench_executor.many_task_plan`): `send` moves row i
 from device 0 to device 1 (sent in place), `send_strided` column i (packed and unpacked through
@@ -16,7 +16,6 @@ variables, one process group. Results: bench/results/torch_engine.json.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import socket
@@ -24,10 +23,17 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
-from bench.bench_executor import ROW, allocation, many_task_plan
+import click
+
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "bench"))
+
+from bench_executor import ROW, allocation, many_task_plan  # noqa: E402
+from xmesh_plan.schemas.files import write_atomic  # noqa: E402
 
 RANKS = {"send": 2, "send_strided": 2, "broadcast": 4}
 
@@ -108,9 +114,9 @@ def launch(kind: str, tasks: str, iters: int) -> list[dict]:
     n, procs = RANKS[kind], []
     for rank in range(n):
         env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank), "WORLD_SIZE": str(n),
-               "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(n), "OMP_NUM_THREADS": "1"}
-        procs.append(subprocess.Popen([sys.executable, "-m", "bench.bench_torch_engine", "--worker", kind, "--tasks", tasks,
-                                       "--iters", str(iters)], cwd=ROOT, env=env, stdout=subprocess.PIPE, text=True))
+               "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(n), "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+        procs.append(subprocess.Popen([sys.executable, __file__, "--worker", kind, "--tasks", tasks, "--iters", str(iters)],
+                                      env=env, stdout=subprocess.PIPE, text=True))
     outs = [p.communicate()[0] for p in procs]
     if any(p.returncode for p in procs):
         raise SystemExit(f"{kind}: a rank failed")
@@ -130,20 +136,20 @@ def table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--tasks", default="16,64,256,1024")
-    parser.add_argument("--iters", type=int, default=30)
-    parser.add_argument("--kinds", default="send,send_strided,broadcast")
-    parser.add_argument("--worker", help=argparse.SUPPRESS)
-    args = parser.parse_args()
+@click.command(help=__doc__.splitlines()[0])
+@click.option("--tasks", default="16,64,256,1024", show_default=True, help="unit-task counts, comma-separated")
+@click.option("--iters", type=int, default=30, show_default=True, help="timed iterations per point")
+@click.option("--kinds", default="send,send_strided,broadcast", show_default=True, help="plans to time, comma-separated")
+@click.option("--worker", hidden=True)
+def main(**options) -> None:
+    args = SimpleNamespace(**options)
     counts = [int(t) for t in args.tasks.split(",")]
     if args.worker:
         worker(args.worker, counts, args.iters)
         return
     rows = [row for kind in args.kinds.split(",") for row in launch(kind, args.tasks, args.iters)]
     out = ROOT / "bench" / "results" / "torch_engine.json"
-    out.write_text(json.dumps(rows, indent=1) + "\n")
+    write_atomic(out, json.dumps(rows, indent=1) + "\n")
     print(table(rows))
 
 

@@ -9,12 +9,11 @@ broadcast, Alpa's two), tensor after tensor in device order, each also without m
 and the lower bound. All times come from the same network simulator. Compile wall times are this
 machine's, noisy, and only reported.
 
-    .venv/bin/python -m bench.bench_weight_sync           # the small example and the Llama-3-8B one (a few minutes)
-    .venv/bin/python -m bench.bench_weight_sync --small   # the small example only (seconds)
-    .venv/bin/python -m bench.bench_weight_sync --render  # rewrite BENCHMARKS.md from bench/results/weight_sync.json
+    .venv/bin/python bench/bench_weight_sync.py           # the small example and the Llama-3-8B one (a few minutes)
+    .venv/bin/python bench/bench_weight_sync.py --small   # the small example only (seconds)
 
-Then, for scale, the Llama model from FSDP meshes of 4x8, 8x8 and 16x8 devices (up to 94,592 unit
-tasks in one plan), each compiled and verified in a fresh process: unit tasks, wall time, peak RSS.
+Then, for scale, the Llama model from FSDP meshes of 4x8, 8x8 and 16x8 devices, each compiled and verified in a
+fresh process: unit tasks, wall time, peak RSS. Writes bench/results/weight_sync.json and remakes BENCHMARKS.md.
 """
 
 from __future__ import annotations
@@ -29,19 +28,20 @@ import tomllib
 from dataclasses import replace
 from pathlib import Path
 
+sys.path[:0] = [str(Path(__file__).resolve().parent.parent), str(Path(__file__).resolve().parent)]
 
-from bench.report import ROOT, replace_section, write_json
-from xmesh_plan.planner.baselines import baseline_operations, baseline_seconds
-from xmesh_plan.planner.compile import compile_plan
-from xmesh_plan.planner.inspect_plan import plan_loads
-from xmesh_plan.planner.simulate import simulate_plan
-from xmesh_plan.planner.transfer_io import build_transfer
-from xmesh_plan.planner.verify import verify_plan
-from xmesh_plan.planner.weight_sync import WEIGHT_SYNC, weight_sync_toml
-from xmesh_plan.schemas.geometry import region_size
-from xmesh_plan.schemas.op_kinds import messages
+from report import update_benchmarks_doc, write_json  # noqa: E402
+from xmesh_plan.planner.baselines import baseline_operations, baseline_seconds  # noqa: E402
+from xmesh_plan.planner.compile import compile_plan  # noqa: E402
+from xmesh_plan.planner.inspect_plan import plan_loads  # noqa: E402
+from xmesh_plan.planner.simulate import simulate_plan  # noqa: E402
+from xmesh_plan.planner.transfer_io import build_transfer  # noqa: E402
+from xmesh_plan.planner.verify import verify_plan  # noqa: E402
+from xmesh_plan.planner.weight_sync import WEIGHT_SYNC, weight_sync_toml  # noqa: E402
+from xmesh_plan.schemas.geometry import region_size  # noqa: E402
+from xmesh_plan.schemas.op_kinds import messages  # noqa: E402
 
-COMMAND = ".venv/bin/python -m bench.bench_weight_sync"
+COMMAND = ".venv/bin/python bench/bench_weight_sync.py"
 
 
 VARIANTS = {  # key -> compile options of one joint plan; "split_coalesce" (the default) is ours in the side-by-side table
@@ -189,8 +189,7 @@ def scale_point(src_mesh: str) -> dict:
 def scaling() -> list[dict]:
     rows = []
     for mesh in SCALE_MESHES:
-        child = subprocess.run([sys.executable, "-m", "bench.bench_weight_sync", "--one", mesh], cwd=ROOT, capture_output=True, text=True,
-                               check=True)
+        child = subprocess.run([sys.executable, __file__, "--one", mesh], capture_output=True, text=True, check=True)
         rows.append(json.loads(child.stdout))
         print(f"{mesh}: {rows[-1]['tasks']} tasks, compile {rows[-1]['compile_s']:.1f} s, peak {rows[-1]['peak_rss_mib']:.0f} MiB", flush=True)
     return rows
@@ -207,10 +206,6 @@ def main() -> None:
     if sys.argv[1:2] == ["--one"]:
         print(json.dumps(scale_point(sys.argv[2])))
         return
-    if sys.argv[1:2] == ["--render"]:
-        saved = json.loads((Path(__file__).resolve().parent / "results" / "weight_sync.json").read_text())
-        render(saved["command"], saved["rows"], saved["scaling"], saved.get("model", "unknown"))
-        return
     names = ["weight_sync_small"] + ([] if "--small" in sys.argv else ["weight_sync_llama3_8b"])
     rows = []
     for name in names:
@@ -221,101 +216,7 @@ def main() -> None:
     scale = [] if "--small" in sys.argv else scaling()
     model = model_commit()
     write_json("weight_sync.json", {"command": command, "model": model, "rows": rows, "scaling": scale})
-    render(command, rows, scale, model)
-
-
-def detail(r: dict) -> str:
-    """Our plans on one problem's row: each compile option in host order and posted, joint against one plan per tensor."""
-    bound = r["lower_bound_s"]
-    host = ", ".join(f"{r[f'{key}_s'] / bound:.2f}x" for key in VARIANTS)
-    posted = ", ".join(f"{r[f'{key}_posted_s'] / bound:.2f}x" for key in VARIANTS)
-    chain = "worse posted than in its own order" if r["joint_posted_s"] > r["joint_s"] else "no worse posted than in its own order"
-    return textwrap.fill(
-        f"On {r['problem']}, over the bound: in host order {host} (both off, `--split-hosts`, `--coalesce`, both: the "
-        f"default); posted {posted}. The plan with both off sends each box from its one FSDP holder down a chain through "
-        f"both destination hosts, which does {chain}; with `--split-hosts` every message goes straight from a holder to its "
-        "host, and `--coalesce` packs each host pair's small boxes into a few messages. One plan per tensor (each "
-        f"compiled with both off), back to back, is {r['sequential_s'] / r['joint_s']:.2f}x the joint plan with both off "
-        "(host order).",
-        width=104, break_on_hyphens=False)
-
-
-def render(command: str, rows: list[dict], scale: list[dict], model: str = "unknown") -> None:
-    """Write the BENCHMARKS.md section from measured rows (`--render` redoes it from the results JSON)."""
-    scale_lines = "\n".join(
-        f"| {r['src_mesh']} | {r['tasks']:,} | {r['compile_s']:.1f} | {r['verify_s']:.1f} | {r['peak_rss_mib']:.0f} | {r['predicted_s']:.4f} "
-        f"| {r['lower_bound_s']:.4f} | {r['solver']} | {r['timed_by']} |" for r in scale)
-    side_by_side = "\n".join(
-        f"| {r['problem']} | {r['tensors']} | {r['gib']:.3f} | {r['lower_bound_s']:.4f} | {r[OURS]:.4f} "
-        f"| {r[OURS] / r['lower_bound_s']:.2f}x | "
-        + " | ".join(f"{r[key]:.4f} ({r[key] / r[OURS]:.2f}x)" for key in BASELINE_KEYS) + " |"
-        for r in rows)
-    lines = "\n".join(
-        f"| {r['problem']} | {r['tasks']} | "
-        + " | ".join(f"{r[f'{key}_s']:.4f} ({r[f'{key}_posted_s']:.4f})" for key in VARIANTS)
-        + f" | {r['sequential_s']:.4f} | {r['sequential_s'] / r['joint_s']:.2f}x | {r['lower_bound_s']:.4f} "
-        f"| {r['joint_compile_wall_s']:.1f} / {r['split_coalesce_compile_wall_s']:.1f} | {r['solver']} |"
-        for r in rows)
-    replace_section("Weight sync: one plan for all tensors", f"""
-Made by (2-core CPU machine shared with other jobs; compile times are noisy, predicted times are not):
-
-```
-{command}
-```
-
-Predicted figures are from the network model as of fb54710 (a message's latency is a delay other
-messages overlap; a per-message overhead, 1 us by default, keeps its link busy), run with the
-simulator's code as of commit {model}; they replace every figure taken before fb54710. Raw:
-`bench/results/weight_sync.json`.
-
-The weight-sync examples (`plans/weight_sync_*.problem.toml`, generated by `planner/weight_sync.py`):
-FSDP on the source mesh -> replicas of tensor parallelism on the destination mesh. Every time below
-is the same network simulator's.
-
-Approaches side by side. **Ours** is one joint plan for every tensor, compiled with `--split-hosts
---coalesce` (one unit task per receiving host; small boxes between two hosts bundled into one
-message, and bundles of several tensors sharing one message, `--cross-tensor`; the default for a
-multi-tensor problem, so `xmesh-plan compile PROBLEM` gives it), timed
-posted, as `TransferExecutor` runs it by default on MPI (every message at once, links shared; the
-plan states this time, `executor_prediction`); "ours without coalescing" is the same with
-`--no-coalesce`. In brackets, each other approach over
-ours. "One plan per tensor" adds up the predicted times of one plan per tensor, each compiled alone
-as ours is and run after the previous one ends (host order). The four baselines
-(`planner/baselines.py`) run tensor after tensor in device order (each device does its operations
-in turn, as on a NCCL stream): rank-0 gather then broadcast (every source block sent to the source
-mesh's first device, which broadcasts the whole tensor down every destination device, host by host,
-in pipelined chunks; verl / NeMo-RL style); per-rank broadcast (every trainer rank broadcasts its
-block down the destination devices that need any of it, all ranks at once); Alpa's send/recv and
-send + all-gather.
-
-| problem | tensors | GiB | byte lower bound s | ours s | ours / bound | ours without coalescing s | one plan per tensor s | rank-0 gather + broadcast s | per-rank broadcast s | Alpa send/recv s | Alpa send + all-gather s |
-|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|
-{side_by_side}
-
-{why(rows[-1])}
-
-Our plans in detail: one joint plan each, compiled as `broadcast` with the `auto` solver and the
-switches named ("both off": `--no-split-hosts --no-coalesce`, the chained plan that was the default
-before; "both": the default); times are host order (the plan's own claim: each NIC side works through
-its operations in the plan's order), in brackets posted (what the plan states, `xmesh-plan inspect`).
-"One plan per tensor" here compiles each tensor alone with both off, and the speed-up is the joint
-both-off plan's over it; unit tasks and solver are the both-off plan's.
-
-| problem | unit tasks | both off s (posted) | `--split-hosts` s (posted) | `--coalesce` s (posted) | both (default) s (posted) | one plan per tensor s | joint speed-up | lower bound s | compile wall s (both off / both) | solver |
-|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|
-{lines}
-
-{detail(rows[-1])}
-
-Scale: the same Llama-3-8B-like model from larger FSDP meshes (every parameter split on dim 0 over
-all source devices, so more and smaller boxes) to the same 2x8 TP mesh, one plan each, compiled
-with the default switches (`--split-hosts --coalesce`) and verified in a fresh process (peak RSS is
-the whole process):
-
-| FSDP mesh | unit tasks | compile s | verify s | peak RSS MiB | predicted s | lower bound s | solver | timed by |
-|---|---:|---:|---:|---:|---:|---:|---|---|
-{scale_lines}
-""")
+    update_benchmarks_doc()
 
 
 if __name__ == "__main__":

@@ -10,12 +10,11 @@ share the machine's load. Each plan's figure is the median over its launches of 
 per reshard; "one after another" is the sum of the per-tensor plans' figures. 2 CPU cores and 8
 ranks: ratios, not speed figures.
 
-    .venv/bin/python -m bench.bench_weight_sync_run [--iters 20] [--rounds 3]
+    .venv/bin/python bench/bench_weight_sync_run.py [--iters 20] [--rounds 3]
 """
 
 from __future__ import annotations
 
-import argparse
 import re
 import statistics
 import subprocess
@@ -23,20 +22,24 @@ import sys
 import tempfile
 import tomllib
 from pathlib import Path
+from types import SimpleNamespace
 
+import click
 
-from bench.report import replace_section, write_json
-from xmesh_plan.planner.compile import compile_plan
-from xmesh_plan.planner.simulate import simulate_plan
-from xmesh_plan.planner.transfer_io import build_transfer
-from xmesh_plan.planner.weight_sync import WEIGHT_SYNC, weight_sync_toml
-from xmesh_plan.schemas.carriers import message_groups
-from xmesh_plan.schemas.plan import write_atomic
+sys.path[:0] = [str(Path(__file__).resolve().parent.parent), str(Path(__file__).resolve().parent)]
+
+from report import update_benchmarks_doc, write_json  # noqa: E402
+from xmesh_plan.planner.compile import compile_plan  # noqa: E402
+from xmesh_plan.planner.simulate import simulate_plan  # noqa: E402
+from xmesh_plan.planner.transfer_io import build_transfer  # noqa: E402
+from xmesh_plan.planner.weight_sync import WEIGHT_SYNC, weight_sync_toml  # noqa: E402
+from xmesh_plan.schemas.carriers import message_groups  # noqa: E402
+from xmesh_plan.schemas.plan import write_atomic  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 MPIEXEC = Path(sys.executable).parent / "mpiexec"
 TIMING = re.compile(r"([\d.]+) ms/iter median of \d+ \(min ([\d.]+)\)")
-COMMAND = ".venv/bin/python -m bench.bench_weight_sync_run"
+COMMAND = ".venv/bin/python bench/bench_weight_sync_run.py"
 
 
 ORDERS = ("posted", "device")
@@ -62,11 +65,11 @@ JOINTS = {  # the joint plans run, by row label: compile flags
 }
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--iters", type=int, default=20)
-    parser.add_argument("--rounds", type=int, default=3, help="launches per order, taking turns (default 3)")
-    args = parser.parse_args()
+@click.command(help=__doc__.splitlines()[0])
+@click.option("--iters", type=int, default=20, show_default=True, help="timed reshards per plan and launch")
+@click.option("--rounds", type=int, default=3, show_default=True, help="launches per order, taking turns")
+def main(**options) -> None:
+    args = SimpleNamespace(**options)
     problem = build_transfer(tomllib.loads(weight_sync_toml(*WEIGHT_SYNC["weight_sync_small"])))
     joints = {label: compile_plan(problem, **flags) for label, flags in JOINTS.items()}
     alone = [compile_plan(single) for single in problem.tensor_problems()]
@@ -92,50 +95,10 @@ def main() -> None:
     write_json("weight_sync_run.json", {"command": f"{COMMAND} --iters {args.iters} --rounds {args.rounds}", "tensors": len(problem.tensors),
                                         "ranks": ranks, "iters": args.iters, "rounds": args.rounds, "orders": rows, "predicted": predicted,
                                         "operations_or_shared_messages": messages})
-    p, d = rows["posted"], rows["device"]
-    mp, md = predicted["posted"], predicted["device-order"]
     for order, row in rows.items():
         print(f"{order}: " + ", ".join(f"{label} {ms:.2f} ms" for label, ms in row["joint_ms"].items())
               + f"; one after another {row['one_after_another_ms']:.2f} ms")
-    table = "\n".join(
-        f"| {label} | {messages[label]} | {p['joint_ms'][label]:.2f} | {d['joint_ms'][label]:.2f} | "
-        f"{d['joint_ms'][label] / p['joint_ms'][label]:.2f} | {mp['joint_ms'][label]:.2f} | {md['joint_ms'][label]:.2f} |"
-        for label in joints)
-    first = next(iter(joints))
-    replace_section("Weight sync on the executor", f"""
-Made by (2-core machine shared with other jobs; 8 ranks oversubscribe it, so compare the ratios, not the times):
-
-```
-{COMMAND} --iters {args.iters} --rounds {args.rounds}
-```
-
-The small weight-sync example ({len(problem.tensors)} tensors, `plans/weight_sync_small.problem.toml`) on {ranks} MPI
-ranks: three joint plans of all tensors, then each tensor's own plan, every destination shard of every
-tensor checked bit for bit, in one launch per order; {args.rounds} `posted` and {args.rounds} `device` launches taking
-turns in one run. Each figure: the median over an order's launches of the launch's median of {args.iters}
-reshards (after 2 warm-up ones). In device order a multi-tensor plan runs one operation at a time per
-device in the joint plan's order, across tensors (one joint engine per rank); posted, every message of
-every tensor at once. "Operations" counts a shared message's bundles once (`schemas.carriers`).
-
-| plan | operations | posted ms | device ms | device / posted | model: posted ms | model: device-order ms |
-|---|---:|---:|---:|---:|---:|---:|
-{table}
-| one plan per tensor, one after another | {len(alone)} plans | {p['one_after_another_ms']:.2f} | {d['one_after_another_ms']:.2f} | {d['one_after_another_ms'] / p['one_after_another_ms']:.2f} | {mp['sequential_ms']:.2f} | {md['sequential_ms']:.2f} |
-
-One after another over the default joint plan: {p['one_after_another_ms'] / p['joint_ms'][first]:.2f}x posted,
-{d['one_after_another_ms'] / d['joint_ms'][first]:.2f}x in device order.
-
-The model columns are the simulator's timing of the same plans on the problem's cluster (10 Gbit/s
-NICs; `xmesh-plan inspect --orders`), not of this machine, where 8 ranks share 2 cores and talk
-through shared memory: no link is shaped or shared, so what device order saves on a network does not
-show here, while each wait between two operations of a device costs a wake-up (the engines poll with
-sleeps growing to 1 ms), and every message costs both ranks CPU. docs/netlab.md measures both orders on shaped links.
-
-Each launch's medians (joint plans in the table's order; one after another) in run order:
-{'; '.join(f"{o} " + ", ".join(f"{x:.1f}" for x in m[:k]) + f", {sum(m[k:]):.1f}" for pair in zip(runs['posted'], runs['device']) for o, m in zip(ORDERS, pair))}.
-Raw: `bench/results/weight_sync_run.json`. Measured, each per-tensor plan also pays a reshard's fixed
-cost (the call, its first and last messages, waking the ranks) once per tensor; the model only sees the links.
-""")
+    update_benchmarks_doc()
 
 
 if __name__ == "__main__":

@@ -4,24 +4,26 @@ The executor never imports the planner, so the planner's part runs here, beforeh
 plan per (tensor, direction) and one schedule file per variant (every schedule with overlap, then
 1f1b without), listed in order in `manifest.json` in the output folder.
 
-Run: .venv/bin/python -m bench.pipeline_mlp_inputs --meshes 2,1,1,2 --skip -o mlp-inputs
+Run: .venv/bin/python bench/pipeline_mlp_inputs.py --meshes 2,1,1,2 --skip -o mlp-inputs
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from pathlib import Path
 
+import click
 
-from xmesh_plan.executor.examples.pipeline_mlp import MANIFEST, make_problem, plan_file
-from xmesh_plan.planner.compile import compile_plan
-from xmesh_plan.planner.pipeline.build import build_schedule
-from xmesh_plan.planner.pipeline.costs import transfer_costs
-from xmesh_plan.planner.pipeline.schedules import SCHEDULE_NAMES
-from xmesh_plan.schemas.pipeline import PipelineProblem
-from xmesh_plan.schemas.plan import write_atomic
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from xmesh_plan.executor.examples.pipeline_mlp import MANIFEST, make_problem, plan_file  # noqa: E402
+from xmesh_plan.planner.compile import compile_plan  # noqa: E402
+from xmesh_plan.planner.pipeline.build import build_schedule  # noqa: E402
+from xmesh_plan.planner.pipeline.costs import transfer_costs  # noqa: E402
+from xmesh_plan.planner.pipeline.schedules import SCHEDULE_NAMES  # noqa: E402
+from xmesh_plan.schemas.pipeline import PipelineProblem  # noqa: E402
+from xmesh_plan.schemas.plan import write_atomic  # noqa: E402
 
 
 def write_inputs(problem: PipelineProblem, folder: Path) -> list[str]:
@@ -39,25 +41,24 @@ def write_inputs(problem: PipelineProblem, folder: Path) -> list[str]:
     return names
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--meshes", default="2,2", help="ranks per stage, e.g. 2,1,1,2 (default 2,2)")
-    parser.add_argument("--micro-batches", type=int, default=4, help="micro-batches per step (default 4)")
-    parser.add_argument("--skip", action="store_true", help="also send stage 0's output to the last stage")
-    parser.add_argument("-o", "--output", type=Path, required=True, help="folder to write into (created if missing)")
-    args = parser.parse_args(argv)
+@click.command(help=__doc__.splitlines()[0])
+@click.option("--meshes", default="2,2", show_default=True, help="ranks per stage, e.g. 2,1,1,2")
+@click.option("--micro-batches", type=int, default=4, show_default=True, help="micro-batches per step")
+@click.option("--skip", is_flag=True, help="also send stage 0's output to the last stage")
+@click.option("-o", "--output", type=click.Path(file_okay=False, path_type=Path), required=True,
+              help="folder to write into (created if missing)")
+def main(meshes: str, micro_batches: int, skip: bool, output: Path) -> None:
     try:
-        meshes = [int(n) for n in args.meshes.split(",")]
+        ranks = [int(n) for n in meshes.split(",")]
     except ValueError:
-        meshes = []
-    if len(meshes) < 2 or min(meshes) < 1:
-        parser.error(f"--meshes {args.meshes!r}: give two or more positive rank counts, e.g. --meshes 2,1,1,2")
-    if args.micro_batches < 1:
-        parser.error(f"--micro-batches {args.micro_batches}: give at least 1, e.g. --micro-batches 4")
-    write_inputs(make_problem(meshes, args.micro_batches, args.skip), args.output)
-    print(f"wrote {args.output}; now run: mpiexec -n {sum(meshes)} python -m xmesh_plan.executor.examples.pipeline_mlp {args.output}")
-    return 0
+        ranks = []
+    if len(ranks) < 2 or min(ranks) < 1:
+        raise click.UsageError(f"--meshes {meshes!r}: give two or more positive rank counts, e.g. --meshes 2,1,1,2")
+    if micro_batches < 1:
+        raise click.UsageError(f"--micro-batches {micro_batches}: give at least 1, e.g. --micro-batches 4")
+    write_inputs(make_problem(ranks, micro_batches, skip), output)
+    click.echo(f"wrote {output}; now run: mpiexec -n {sum(ranks)} python -m xmesh_plan.executor.examples.pipeline_mlp {output}")
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    main()

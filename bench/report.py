@@ -1,8 +1,7 @@
-"""Shared by the benchmarks: replace one `## ` section of BENCHMARKS.md, write a results JSON."""
+"""Shared by the benchmarks: write a results JSON, remake BENCHMARKS.md from the results, time old code against new."""
 
 from __future__ import annotations
 
-import argparse
 import importlib.util
 import json
 import subprocess
@@ -11,7 +10,10 @@ import tempfile
 import time
 from pathlib import Path
 
-from xmesh_plan.schemas.plan import write_atomic
+import click
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from xmesh_plan.schemas.plan import write_atomic  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results"
@@ -24,18 +26,12 @@ def write_json(name: str, data) -> Path:
     return path
 
 
-def replace_section(title: str, body: str, path: Path = ROOT / "BENCHMARKS.md") -> None:
-    """Put `## title` + body in place of that section (up to the next `## `), or append it."""
-    text = path.read_text() if path.exists() else "# Benchmarks\n"
-    header = f"## {title}\n"
-    block = header + "\n" + body.strip() + "\n\n"
-    if header in text:
-        before, rest = text.split(header, 1)
-        after = rest[rest.index("\n## "):].lstrip("\n") if "\n## " in rest else ""
-        text = before + block + after
-    else:
-        text = text.rstrip("\n") + "\n\n" + block
-    write_atomic(path, text.rstrip("\n") + "\n")
+def update_benchmarks_doc() -> None:
+    """Remake BENCHMARKS.md from every results file (bench/benchmarks_doc.py), once a bench has written its own."""
+    from benchmarks_doc import DOC, render
+
+    write_atomic(DOC, render())
+    print(f"{DOC.name} remade from {RESULTS.relative_to(ROOT)}/")
 
 
 def module_at(rev: str, path: str, name: str):
@@ -61,10 +57,12 @@ def best_seconds(fn, repeat: int) -> float:
     return min(times)
 
 
-def compare_parser(doc: str, compared: str, results: str) -> argparse.ArgumentParser:
-    """The flags of a bench that times this tree against a git revision: --compare REV, --repeat, --out."""
-    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
-    parser.add_argument("--compare", metavar="REV", help=f"also time {compared} of this git revision")
-    parser.add_argument("--repeat", type=int, default=3, help="runs per point; the best is kept (default 3)")
-    parser.add_argument("--out", type=Path, default=RESULTS / results)
-    return parser
+def compare_command(doc: str, compared: str, results: str):
+    """A click command for a bench that times this tree against a git revision: --compare REV, --repeat, --out."""
+    def decorate(fn):
+        fn = click.option("--out", type=click.Path(dir_okay=False, path_type=Path), default=RESULTS / results, show_default=True,
+                          help="results JSON")(fn)
+        fn = click.option("--repeat", type=int, default=3, show_default=True, help="runs per point; the best is kept")(fn)
+        fn = click.option("--compare", metavar="REV", help=f"also time {compared} of this git revision")(fn)
+        return click.command(help=doc.splitlines()[0])(fn)
+    return decorate

@@ -7,19 +7,23 @@ appear only here, never in a plan (plans stay byte-identical).
 from __future__ import annotations
 
 import sys
-import threading
 import time
 from contextlib import contextmanager
 
 import click
+from rich.console import Console
+from rich.progress import Progress, TextColumn, TimeElapsedColumn
+from tabulate import tabulate
 
 from xmesh_plan.schemas import read_plan_file
+from xmesh_plan.schemas.limits import quoted
 
 from .audit import audit_plan
 from .cli_types import POSITIVE, SEED, TIME_LIMIT, max_tasks_option
 from .baselines import BASELINES, baseline_seconds
 from .compile import compile_plan
 from .executor_order import executor_order
+from .inspect_plan import indented
 from .transfer_io import load_any_problem
 from .solvers import SOLVERS
 from .unit_tasks import DEFAULT_MAX_TASKS
@@ -29,47 +33,24 @@ from .unit_tasks import decompose
 from xmesh_plan.schemas.transfer import TransferProblem
 
 
-class _Ticker:
-    """On a terminal, one status line rewritten in place: the current step and the seconds so far."""
-
-    def __init__(self, label: str, tty: bool):
-        self.label, self.stage, self.tty = label, "", tty
-        self.begin = time.perf_counter()
-        self.done = threading.Event()
-
-    def __call__(self, stage: str) -> None:
-        self.stage = stage
-        self.draw()
-
-    def draw(self) -> None:
-        if self.tty:
-            line = f"{self.label}: {self.stage} ... {time.perf_counter() - self.begin:.1f} s"
-            click.echo(f"\r{line:<79}", err=True, nl=False)
-
-    def run(self) -> None:
-        while not self.done.wait(0.5):
-            self.draw()
-
-
 @contextmanager
 def progress(label: str):
-    """On a terminal, show what is being done and for how long, updated twice a second; silent when piped.
-    Yields a dict whose "stage" entry is a callback for `compile_plan(on_stage=...)` and whose
-    "seconds" entry holds the elapsed time afterwards."""
-    ticker = _Ticker(label, sys.stderr.isatty())
-    timing = {"stage": ticker}
-    thread = threading.Thread(target=ticker.run, daemon=True) if ticker.tty else None
-    if thread:
-        ticker.draw()
-        thread.start()
-    try:
-        yield timing
-    finally:
-        ticker.done.set()
-        timing["seconds"] = time.perf_counter() - ticker.begin
-        if thread:
-            thread.join()
-            click.echo(f"\r{label}: done in {timing['seconds']:.2f} s".ljust(80), err=True)
+    """On a terminal, one status line (rich's live display, redrawn twice a second): the current step and the time
+    so far, then `label: done in N s`; silent when piped. Yields a dict whose "stage" entry is a callback for
+    `compile_plan(on_stage=...)` and whose "seconds" entry holds the elapsed time afterwards."""
+    tty = sys.stderr.isatty()
+    begin = time.perf_counter()
+    bar = Progress(TextColumn("{task.description} ..."), TimeElapsedColumn(), transient=True, disable=not tty,
+                   refresh_per_second=2, console=Console(file=sys.stderr, force_terminal=tty))
+    task = bar.add_task(label)
+    timing = {"stage": lambda stage: bar.update(task, description=f"{label}: {stage}")}
+    with bar:
+        try:
+            yield timing
+        finally:
+            timing["seconds"] = time.perf_counter() - begin
+    if tty:
+        click.echo(f"{label}: done in {timing['seconds']:.2f} s", err=True)
 
 
 def solver_summary(plan, seconds: float) -> str:
@@ -112,15 +93,22 @@ def compare_command(problem_file, seed, time_limit, max_tasks):
     Example:
       xmesh-plan compare plans/case3.problem.json
     """
-    problem = load_any_problem(problem_file)
+    problem = load_any_problem(problem_file, max_tasks)
     with progress(f"comparing {len(SOLVERS)} solvers and {len(BASELINES)} baselines"):
         rows = compare_rows(problem, seed, time_limit, max_tasks)
     bound = next(b for _, _, b, _ in rows if b is not None)
     best = min(p for _, p, _, _ in rows)
-    click.echo(f"{'approach':<28} {'predicted s':>12} {'/ bound':>8} {'/ best':>8} {'wall s':>8}")
-    for name, predicted, _, wall in rows:
-        click.echo(f"{name:<28} {predicted:>12.4f} {predicted / bound:>8.3f} {predicted / best:>8.3f} {wall:>8.2f}")
+    table = [(name, predicted, over_bound(predicted, bound), _over_best(predicted, best), wall) for name, predicted, _, wall in rows]
+    click.echo(tabulate(table, headers=("approach", "predicted s", "/ bound", "/ best", "wall s"), tablefmt="plain",
+                        floatfmt=("", ".4f", ".3f", ".3f", ".2f")))
     click.echo(f"lower bound {bound:.4f} s")
+
+
+def _over_best(seconds: float, best: float) -> float:
+    """`seconds` over the best approach's: 1.0 where both are 0 (nothing to move), inf where only the best is."""
+    if best > 0:
+        return seconds / best
+    return 1.0 if seconds <= 0 else float("inf")
 
 
 @click.command("check")
@@ -147,7 +135,7 @@ def check_command(plan_files, max_ratio, reference, per_tensor):
         plan = read_plan_file(path)
         audit = _audited(path, plan)
         if isinstance(audit, str):
-            click.echo(f"{path}: FAIL {audit}")
+            click.echo(f"{quoted(path)}: FAIL {audit}")
             failed += 1
             continue
         predicted, bound = audit.predicted_seconds, audit.lower_bound_seconds
@@ -159,14 +147,14 @@ def check_command(plan_files, max_ratio, reference, per_tensor):
         if over_executed is not None and over_executed > max_ratio:
             problems.append(f"{over_executed:.4f}x its lower bound {order} (the executor's default order)")
         if ref is not None and predicted > max_ratio * ref.predicted_seconds:
-            problems.append(f"{predicted / ref.predicted_seconds:.4f}x the reference {reference}")
+            problems.append(f"{_over_best(predicted, ref.predicted_seconds):.4f}x the reference {reference}")
         status = "FAIL " + "; ".join(problems) if problems else "ok"
         if not audit.retimed:
             status += " (operation times not re-checked: this plan was timed by the schedule model)"
         posted = f", {order} (executor default) {executed:.4f} s ({over_executed:.4f}x)" if executed is not None else \
             (f", {order} (executor default) not timed: too costly to simulate here, not gated; `xmesh-plan inspect --orders` "
              "times it" if isinstance(plan.problem, TransferProblem) else "")
-        click.echo(f"{path}: predicted {predicted:.4f} s, bound {bound:.4f} s ({over:.4f}x){posted} {status}")
+        click.echo(f"{quoted(path)}: predicted {predicted:.4f} s, bound {bound:.4f} s ({over:.4f}x){posted} {status}")
         if per_tensor:
             click.echo("\n".join(tensor_check_rows(plan)))
         failed += bool(problems)
@@ -185,11 +173,10 @@ def tensor_check_rows(plan) -> list[str]:
         done[op.tensor] = max(done[op.tensor], op.end_s)
     for task in plan.tasks:
         tasks[task.tensor] += 1
-    width = max(len(n) for n in plan.problem.names)
-    rows = [f"  {'tensor':<{width}} {'tasks':>6} {'done at s':>10} {'own bound s':>12}"]
-    for i, single in enumerate(plan.problem.tensor_problems()):
-        own = lower_bound(decompose(single, max_tasks=None), single.cluster, single.itemsize).seconds
-        rows.append(f"  {single.name:<{width}} {tasks[i]:>6} {done[i]:>10.4f} {own:>12.4f}")
+    rows = [(single.name, tasks[i], f"{done[i]:.4f}",
+             f"{lower_bound(decompose(single, max_tasks=None), single.cluster, single.itemsize).seconds:.4f}")
+            for i, single in enumerate(plan.problem.tensor_problems())]
+    rows = indented(rows, ("tensor", "tasks", "done at s", "own bound s"), colalign=("left", "right", "right", "right"))
     return rows
 
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from tabulate import tabulate
+
 from xmesh_plan.schemas import Plan
 from xmesh_plan.schemas.carriers import fused, message_groups
 from xmesh_plan.schemas.op_kinds import hops_pair_bytes, pair_bytes, route
@@ -99,6 +101,12 @@ def _what(plan: Plan) -> str:
             f"{','.join(map(str, p.dst.mesh.hosts(p.cluster)))}")
 
 
+def indented(rows, headers, colalign) -> list[str]:
+    """`rows` under `headers` as aligned plain-text lines (tabulate), each indented by two spaces."""
+    return ["  " + line for line in tabulate(rows, headers=headers, tablefmt="plain", colalign=colalign,
+                                              disable_numparse=True).splitlines()]
+
+
 def tensor_rows(plan: Plan) -> list[str]:
     """One row per tensor of a multi-tensor plan: specs, tasks, operations, bytes crossing hosts, when it is done."""
     p = plan.problem
@@ -112,11 +120,10 @@ def tensor_rows(plan: Plan) -> list[str]:
     host, itemsizes = p.cluster.host_of, [t.itemsize for t in p.tensor_problems()]
     for op in plan.operations:
         crossing[op.tensor] += sum(n for (a, b), n in pair_bytes(op, itemsizes[op.tensor]).items() if host(a) != host(b))
-    width = max(len(t.name) for t in p.tensors)
-    rows = [f"  {'tensor':<{width}} {'shape':>14} {'dtype':>9} {'src -> dst spec':>18} {'tasks':>6} {'ops':>6} {'cross-host':>12} {'done at':>10}"]
-    for i, t in enumerate(p.tensors):
-        rows.append(f"  {t.name:<{width}} {'x'.join(map(str, t.shape)):>14} {t.dtype:>9} {f'{t.src} -> {t.dst}':>18} "
-                    f"{tasks[i]:>6} {ops[i]:>6} {_bytes(crossing[i]):>12} {done[i]:>9.4f}s")
+    table = [(t.name, "x".join(map(str, t.shape)), t.dtype, f"{t.src} -> {t.dst}", tasks[i], ops[i], _bytes(crossing[i]),
+              f"{done[i]:.4f}s") for i, t in enumerate(p.tensors)]
+    rows = indented(table, ("tensor", "shape", "dtype", "src -> dst spec", "tasks", "ops", "cross-host", "done at"),
+                    colalign=("left",) + ("right",) * 7)
     return rows
 
 
@@ -223,12 +230,10 @@ def summarize(plan: Plan, show_tasks: bool = False, show_ops: bool = False, show
         f"operations: {len(plan.operations)}{shared_summary(plan)}",
         f"bytes crossing hosts: {_gib(loads.cross_host_bytes)}",
         "per-host NIC load:",
-        f"  {'host':>5} {'send':>12} {'recv':>12} {'send time':>10} {'recv time':>10}",
     ]
-    for h in sorted(loads.hosts):
-        load = loads.hosts[h]
-        lines.append(f"  {h:>5} {_gib(load.send_bytes):>12} {_gib(load.recv_bytes):>12} "
-                     f"{load.send_bytes / cluster.send_bytes_per_s:>9.4f}s {load.recv_bytes / cluster.recv_bytes_per_s:>9.4f}s")
+    lines += indented([(h, _gib(load.send_bytes), _gib(load.recv_bytes), f"{load.send_bytes / cluster.send_bytes_per_s:.4f}s",
+                        f"{load.recv_bytes / cluster.recv_bytes_per_s:.4f}s") for h, load in sorted(loads.hosts.items())],
+                      ("host", "send", "recv", "send time", "recv time"), colalign=("right",) * 5)
     reason = plan.solver.details.get("lower_bound_reason", "")
     lines.append(f"predicted: {plan.predicted_seconds:.4f} s   lower bound: {plan.lower_bound_seconds:.4f} s"
                  f"{f' ({reason})' if reason else ''}   efficiency (bound/predicted): {plan.efficiency:.1%}")

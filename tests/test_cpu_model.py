@@ -120,14 +120,14 @@ def test_a_problem_file_with_a_bad_cpu_gets_one_line_naming_the_field():
 
 
 def test_saved_runs_are_repredicted_with_and_without_the_cpu(tmp_path):
-    """One case of a saved session-7 run: rebuilt plans predict as saved without the CPU model (broadcasts),
+    """One case of an archived run (made before the CPU model existed): rebuilt plans predict as saved without the CPU model (broadcasts),
     and the CPU model only adds time (its copies are work the default model charges next to nothing)."""
     import json
     from pathlib import Path
 
     from bench.netlab.repredict import repredicted, table
 
-    saved = json.loads((Path(__file__).resolve().parents[1] / "bench/results/netlab-device-500-s7.json").read_text())
+    saved = json.loads((Path(__file__).resolve().parents[1] / "bench/results/archive/netlab-device-500-s7.json").read_text())
     one = {"meta": saved["meta"], "runs": [run for run in saved["runs"] if run["case"] == "case1"]}
     (tmp_path / "one.json").write_text(json.dumps(one))
     rows = repredicted(tmp_path / "one.json", Cpu(cores=2, copy_gbps=24))

@@ -71,8 +71,8 @@ def test_two_ranks_share_one_gpu_with_fake_hosts(tmp_path):
 @pytest.mark.parametrize("order", ["device", "posted"])
 def test_a_multi_tensor_plan_runs_bit_exact_with_eight_ranks_on_one_gpu(order):
     """`executor.run` on a weight sync (21 tensors, 8 ranks): device order replays every tensor through the joint
-    NCCL engine, posted order one tensor after another; the source shards go to the GPU first (a numpy shard made
-    CuPy raise "Unsupported type" until session 14, which first ran this on a GPU)."""
+    NCCL engine, posted order one tensor after another; the source shards go to the GPU first (CuPy raises
+    "Unsupported type" on a numpy shard)."""
     path = ROOT / "plans" / "weight_sync_small.plan.json"
     result = _run(8, str(path), "--backend", "nccl", "--check", "--gpu", "0", "--fake-hosts", "--max-mb", "1", "--order", order)
     assert result.returncode == 0 and "check ok: 21 tensors" in result.stdout, result.stderr[-3000:]

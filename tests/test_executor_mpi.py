@@ -91,7 +91,7 @@ def test_the_demo_gives_up_after_its_timeout_when_a_rank_dies(fixed_plan_path):
     assert sorted(map(int, reports)) == [r for r in range(DEVICES) if r != 1], result.stderr
 
 
-HANG_S = 120  # the job ends within its --timeout (2 s) after start-up; this only catches a hang (before: for ever)
+HANG_S = 120  # the job ends within its --timeout (2 s) after start-up; this only catches a hang, which would otherwise last for ever
 
 
 @pytest.mark.parametrize("mode,failure,status", [
@@ -99,11 +99,10 @@ HANG_S = 120  # the job ends within its --timeout (2 s) after start-up; this onl
     ("demo-bug", "rank 1: error: 00_even_disjoint_broadcast.plan.json: unexpected ZeroDivisionError: injected bug in run()", 4 | 3),
 ], ids=["after-the-last-collective", "unexpected-error"])
 def test_a_failure_on_one_rank_ends_the_demo(fixed_plan_path, mode, failure, status):
-    """Under -disable-auto-cleanup, as docs/executor.md recommends. Before: rank 1 failing after the demo's last
-    collective left the others blocked in MPI_Finalize for ever; an unexpected error left rank 1 itself there
-    (traceback, then finalize) once its peers had timed out. Now the failing rank reports in one line, the
-    others stop at their next wait (the last one is a barrier before finalize) and mpiexec returns the OR of
-    the statuses (2 or 4 for rank 1, 3 for the timeouts)."""
+    """Under -disable-auto-cleanup, as docs/executor.md recommends: rank 1 failing after the demo's last collective,
+    or with an unexpected error, must not leave any rank blocked in MPI_Finalize. The failing rank reports in one line,
+    the others stop at their next wait (the last one is a barrier before finalize) and mpiexec returns the OR of the
+    statuses (2 or 4 for rank 1, 3 for the timeouts)."""
     result = mpiexec(DEVICES, str(WORKER), mode, fixed_plan_path, keep_going=True, timeout=HANG_S)
     assert result.returncode == status, result.stderr
     assert failure in result.stderr and "Traceback" not in result.stderr, result.stderr

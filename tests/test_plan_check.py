@@ -67,7 +67,8 @@ def test_an_operation_time_that_is_not_a_finite_non_negative_number(case3, value
 
 
 def test_nan_start_cannot_hide_an_all_gather_part_sent_before_it_arrived(case, compile_quick):
-    """NaN compares false with everything, so it used to pass both the order check and the holds check."""
+    """NaN compares false with everything, so a check written as `start < arrival` would pass it: both the order
+    check and the holds check must refuse it."""
     plan = compile_quick(case("case3"), "local_allgather")
     gather = next(op for op in plan.operations if op.kind == "allgather")
     ops = [op for op in plan.operations if op is not gather]
@@ -104,7 +105,8 @@ def test_a_device_that_does_not_exist(case3, device):
 
 @pytest.mark.parametrize("chunks", [10**9, 2**40, MAX_CHUNKS + 1])
 def test_a_chunk_count_beyond_the_limit_is_refused_at_once(case3, chunks):
-    """The lowering used to loop over every chunk (for ever, at 2**40) while the peers timed out."""
+    """A chunk count of 2**40 is refused before the lowering loops over its chunks (which would never end while the
+    peers time out)."""
     message = both_refuse(edited(case3, lambda raw: first_op("broadcast")(raw).update(chunks=chunks)))
     assert f"chunks {chunks} is above {MAX_CHUNKS}" in message
 
@@ -174,7 +176,7 @@ def test_check_verifies_the_plan(tmp_path, case3):
 
 @pytest.mark.parametrize("side", ["send:", "send:00", "recv:7", "both"])
 def test_a_malformed_nic_side_is_refused(case3, side):
-    """`send:` used to pass the checker and then crash `check` inside the simulator's NIC lookup."""
+    """A malformed side such as `send:` is refused by the checker, not left to crash `check` in the simulator's NIC lookup."""
     message = both_refuse(edited(case3, lambda raw: raw["host_order"][0].update(side=side)))
     assert f"has side {side!r}; use send or recv" in message
 
@@ -197,8 +199,8 @@ def test_the_tag_budget_is_a_plan_rule_and_the_mpi_limit_an_executor_one(case3, 
 
 @pytest.mark.parametrize("seed", range(10, 22))
 def test_check_passes_what_compile_just_wrote(tmp_path, seed):
-    """Listing operations by predicted start used to change the simulator's NIC queues, so `check`
-    re-timed 2-3% of fresh plans differently (e.g. seed 14, global all-gather) and failed them."""
+    """`check` re-times a fresh plan exactly as `compile` timed it, though `compile` lists operations by predicted start
+    (the listing must not change the simulator's NIC queues; seed 14's global all-gather is one plan where it would)."""
     from tests.support.cases import compiled, random_problem
 
     for strategy in ("global_allgather", "auto"):

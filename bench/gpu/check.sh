@@ -1,8 +1,8 @@
 #!/bin/bash
 # The executor's GPU paths on ONE GPU, every rank on GPU 0 (NCCL over sockets, NCCL_HOSTID per rank): the real-GPU
 # tests, the MPI + CuPy nccl engine and the torch engine over NCCL on four plans (--check), and the DTensor front end
-# on CUDA tensors. Session 14 ran it on an H200 lent through the `device` tool; its timings mean nothing (eight ranks
-# share one GPU over sockets), so none are kept.
+# on CUDA tensors. It passes on one H200 (docs/executor.md, "GPU"); its timings mean nothing (eight ranks share one
+# GPU over sockets), so none are kept.
 #
 # Prepare here (pip works here, not there), in the repo root:
 #   echo /.whl/ >> .git/info/exclude; P="--only-binary=:all: --python-version 3.12 --implementation cp \

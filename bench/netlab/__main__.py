@@ -7,31 +7,37 @@ every run passed, 1 when a run failed or a check did not pass, 2 on bad input or
 
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 
 from xmesh_plan.schemas import PlanFileError, read_plan_file
 
+import click
+
+from .cli import options, parse
 from .run_plan import RunOptions, RunResult, run_plans
 from .testbed import LinkShape, TestbedError, clean_stale, unavailable_reason
 
 
+@click.argument("plans", nargs=-1, type=click.Path(dir_okay=False, path_type=Path))
+@click.option("--rate-mbit", type=float, default=500.0, show_default=True, help="every host link, each direction")
+@click.option("--mtu", type=int, default=9000, show_default=True, help="link MTU")
+@click.option("--max-mb", type=float, default=64.0, show_default=True, help="shrink each tensor to at most this")
+@click.option("--iters", type=int, default=5, show_default=True)
+@click.option("--warmup", type=int, default=1, show_default=True)
+@click.option("--check", is_flag=True, help="check every destination shard bit for bit")
+@click.option("--engine", type=click.Choice(["mpi", "torch"]), default="mpi", show_default=True, help="mpi (mpiexec) or torch (gloo)")
+@click.option("--order", type=click.Choice(["device", "posted"]), default="device", show_default=True,
+              help="the executor's order: posted (every message at once) or device (one operation at a time per device)")
+@click.option("--timeout", type=float, default=600.0, show_default=True, help="seconds before a run is killed")
+@click.option("--clean-stale", is_flag=True, help="remove namespaces left by killed runs, then go on")
+@options
+def _command(**_):
+    """Run plans (PLANS: plans needing the same ranks per host, run in one launch) on the emulated cluster."""
+
+
 def _arguments(argv):
-    parser = argparse.ArgumentParser(prog="python -m bench.netlab", description=__doc__.splitlines()[0])
-    parser.add_argument("plans", nargs="*", type=Path, help="plans needing the same ranks per host (run in one launch)")
-    parser.add_argument("--rate-mbit", type=float, default=500.0, help="every host link, each direction (default 500)")
-    parser.add_argument("--mtu", type=int, default=9000, help="link MTU (default 9000)")
-    parser.add_argument("--max-mb", type=float, default=64.0, help="shrink each tensor to at most this (default 64)")
-    parser.add_argument("--iters", type=int, default=5)
-    parser.add_argument("--warmup", type=int, default=1)
-    parser.add_argument("--check", action="store_true", help="check every destination shard bit for bit")
-    parser.add_argument("--engine", choices=["mpi", "torch"], default="mpi", help="mpi (mpiexec) or torch (gloo); default mpi")
-    parser.add_argument("--order", choices=["device", "posted"], default="device",
-                        help="the executor's order: posted (every message at once) or device (one operation at a time per device)")
-    parser.add_argument("--timeout", type=float, default=600.0, help="seconds before a run is killed (default 600)")
-    parser.add_argument("--clean-stale", action="store_true", help="remove namespaces left by killed runs, then go on")
-    return parser.parse_args(argv)
+    return parse(_command, argv, "python -m bench.netlab")
 
 
 def report(result: RunResult) -> str:

@@ -6,15 +6,15 @@ Per case, rate and tensor size: the broadcast plan (greedy solver) made with `pr
 message, its simulated time (host order, the plan's own claim), and every broadcast forced to each K of a sweep:
 the best K and "planner / best": 1.000 is as good as the sweep's best, below 1 where the planner's K (or mix of K across
 broadcasts) is not in the sweep and simulates faster than every K in it. `--hops-only` prices
-chunks hop by hop, as the planner did before it counted a relay's copies and the shared cores (session 11; the same
-as before on 2 or more cores).
+chunks hop by hop, leaving out a relay's copies and the cores the relays share (`strategies._cpu_per_chunk` zeroed),
+to show what that part of the planner's pricing changes.
 """
 
 from __future__ import annotations
 
-import argparse
 import sys
 
+import click
 import numpy as np
 
 from xmesh_plan.planner import strategies
@@ -22,6 +22,7 @@ from xmesh_plan.planner.compile import compile_plan
 from xmesh_plan.planner.simulate import simulate_plan
 from xmesh_plan.schemas.geometry import region_size
 
+from .cli import options, parse
 from .experiments import reference_problem
 from .predict import TESTBED_CPU
 
@@ -31,7 +32,7 @@ SWEEP = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
 def sweep(name: str, rate_mbit: float, max_mb: float) -> str:
     """One table row: the planner's chunk counts and time against the best forced K."""
     problem = reference_problem(name, rate_mbit, 0.0, 300.0, max_mb, TESTBED_CPU)
-    plan = compile_plan(problem, "broadcast", "greedy")
+    plan = compile_plan(problem, strategy="broadcast", solver="greedy")
     timed = {}
     fewest = min((region_size(op.region) * problem.itemsize for op in plan.operations if op.kind == "broadcast"), default=0)
     for k in (k for k in SWEEP if k == 1 or k <= fewest // strategies.MIN_CHUNK_BYTES):  # chunks the planner could choose
@@ -44,13 +45,17 @@ def sweep(name: str, rate_mbit: float, max_mb: float) -> str:
             f"{timed[best] * 1e3:.2f} | {mine / timed[best]:.3f} |")
 
 
+@click.option("--cases", default="one_to_1x4,case9", show_default=True)
+@click.option("--rates", default="500,10000", show_default=True, help="Mbit/s, comma-separated")
+@click.option("--mb", default="32,2048", show_default=True, help="tensor sizes in MiB, comma-separated")
+@click.option("--hops-only", is_flag=True, help="the planner prices each hop alone, without the relays' copies on the shared cores")
+@options
+def _command(**_):
+    """The planner's chunk counts against the simulator's best."""
+
+
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench.netlab.chunk_sweep", description=__doc__.splitlines()[0])
-    parser.add_argument("--cases", default="one_to_1x4,case9")
-    parser.add_argument("--rates", default="500,10000", help="Mbit/s, comma-separated")
-    parser.add_argument("--mb", default="32,2048", help="tensor sizes in MiB, comma-separated")
-    parser.add_argument("--hops-only", action="store_true", help="the planner prices each hop alone (before session 11)")
-    args = parser.parse_args(argv)
+    args = parse(_command, argv, "python -m bench.netlab.chunk_sweep")
     if args.hops_only:
         strategies._cpu_per_chunk = lambda per_chunk, hop_cross, cluster: np.zeros(per_chunk.shape[0])
         strategies._pipelined_seconds.cache_clear()

@@ -4,35 +4,40 @@ For each case and link rate, every approach is compiled on the paper's problem w
 link rate, scaled to `--max-mb`, and all of them run in one launch (start-up paid once) on a fresh
 testbed; the medians of `--iters` timed reshards after `--warmup` are set against three predictions
 (`predict.py`) and the byte lower bound, and the links' byte counters against the plans' bytes.
-Writes bench/results/netlab.json (or `--out`) and the BENCHMARKS.md section "Emulated cluster".
+Writes bench/results/netlab.json (or `--out`) and prints the runs as Markdown tables (`--no-markdown`: not);
+`bench/benchmarks_doc.py` makes BENCHMARKS.md from the results files it names.
 
-    sudo .venv/bin/python -m bench.netlab.experiments [--cases case3,case7] [--rates 200,500]
+    sudo PYTHONPATH=$PWD .venv/bin/python -m bench.netlab.experiments [--cases case3,case7] [--rates 200,500]
 """
 
 from __future__ import annotations
 
-import argparse
 import math
 import os
 import sys
 import time
 import tomllib
 from dataclasses import replace
+from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from ..report import replace_section, write_json
-from xmesh_plan.planner.compile import compile_plan
-from xmesh_plan.planner.problem_io import build_problem
-from xmesh_plan.planner.reference_cases import reference_problems
-from xmesh_plan.planner.transfer_io import build_transfer
-from xmesh_plan.planner.weight_sync import WEIGHT_SYNC, weight_sync_toml
-from xmesh_plan.executor.scale import factors_for
-from xmesh_plan.schemas import Cpu, Plan, ReshardingProblem
+import click  # noqa: E402
 
-from .baseline_plans import baseline_plan
-from .predict import TESTBED_CPU, TESTBED_SHORT_MS, at_rate, predictions
-from .run_plan import MAX_RUN_BYTES, PlansRefusedError, RunOptions, run_plans, scaled
-from .testbed import LinkShape, unavailable_reason
+from report import write_json  # noqa: E402
+from xmesh_plan.planner.compile import compile_plan  # noqa: E402
+from xmesh_plan.planner.problem_io import build_problem  # noqa: E402
+from xmesh_plan.planner.reference_cases import reference_problems  # noqa: E402
+from xmesh_plan.planner.transfer_io import build_transfer  # noqa: E402
+from xmesh_plan.planner.weight_sync import WEIGHT_SYNC, weight_sync_toml  # noqa: E402
+from xmesh_plan.executor.scale import factors_for  # noqa: E402
+from xmesh_plan.schemas import Cpu, Plan, ReshardingProblem  # noqa: E402
+
+from .baseline_plans import baseline_plan  # noqa: E402
+from .cli import options, parse, usage_error  # noqa: E402
+from .predict import TESTBED_CPU, TESTBED_SHORT_MS, at_rate, predictions  # noqa: E402
+from .run_plan import MAX_RUN_BYTES, PlansRefusedError, RunOptions, run_plans, scaled  # noqa: E402
+from .testbed import LinkShape, unavailable_reason  # noqa: E402
 
 APPROACHES = [  # label, strategy, solver (None: an Alpa baseline)
     ("ours", "broadcast", "auto"),
@@ -46,17 +51,18 @@ APPROACHES = [  # label, strategy, solver (None: an Alpa baseline)
     ("alpa-allgather", None, None),
 ] + [(f"bc-{solver}", "broadcast", solver) for solver in ("greedy", "randomized-greedy", "dfs", "list-backfill", "cpsat")]
 # every solver on its own; one whose operations are another approach's runs once (rows say `same_as`)
-COMMAND = ".venv/bin/python -m bench.netlab.experiments"
+COMMAND = "PYTHONPATH=$PWD .venv/bin/python -m bench.netlab.experiments"
+PROG = "python -m bench.netlab.experiments"
 EXTRA_CASES = {  # name -> (the problem, (label, compile_plan options) per plan); reference cases use APPROACHES
     "alltoall_2x4": (  # the scaling table's all-to-all, small: 64 boxes of 64 KiB between 4 hosts
         lambda: build_problem({"name": "alltoall_2x4", "shape": [128, 256, 32], "dtype": "float32",
                                "src": {"mesh": "2x4", "spec": "S0 R S1"}, "dst": {"mesh": "2x4", "spec": "R S01 R"}}),
         (("ours", {}), ("coalesce", {"coalesce": True}))),
-    "weight_sync_small": (  # a multi-tensor plan; "chained" was labelled "ours" before the default became --split-hosts --coalesce
+    "weight_sync_small": (  # a multi-tensor plan: the default against chained (neither split nor coalesced) and the rest
         lambda: build_transfer(tomllib.loads(weight_sync_toml(*WEIGHT_SYNC["weight_sync_small"]))),
         (("default", {}), ("chained", {"split_hosts": False, "coalesce": False}),
          ("split-hosts", {"split_hosts": True, "coalesce": False}),
-         ("no-cross-tensor", {"cross_tensor": False}))),  # bundles of one tensor each (the default before shared messages)
+         ("no-cross-tensor", {"cross_tensor": False}))),  # bundles of one tensor each, no shared messages
 }
 
 
@@ -67,7 +73,7 @@ def reference_problem(name: str, rate_mbit: float, latency_us: float | None = No
     problem = at_rate(build_problem(dict(reference_problems())[name]), rate_mbit, latency_us, overhead_us, cpu)
     if max_mb is None:
         return problem
-    factors = factors_for(compile_plan(problem, "broadcast", "naive"), int(max_mb * 2**20))
+    factors = factors_for(compile_plan(problem, strategy="broadcast", solver="naive"), int(max_mb * 2**20))
     return problem.model_copy(update={"shape": tuple(n // f for n, f in zip(problem.shape, factors))})
 
 
@@ -174,42 +180,47 @@ def link_table(runs: list[dict]) -> str:
     return "\n".join(lines)
 
 
+@click.option("--cases", default=",".join(n for n, _ in reference_problems()), show_default=True,
+              help="comma-separated case names: the reference cases, alltoall_2x4, weight_sync_small")
+@click.option("--rates", default="200,500", show_default=True, help="link rates in Mbit/s, comma-separated")
+@click.option("--max-mb", type=float, default=16.0, show_default=True)
+@click.option("--iters", type=int, default=3, show_default=True)
+@click.option("--warmup", type=int, default=1, show_default=True)
+@click.option("--mtu", type=int, default=9000, show_default=True)
+@click.option("--out", default="netlab.json", show_default=True, help="results file name under bench/results/")
+@click.option("--order", type=click.Choice(sorted(MODEL_OF_ORDER)), default="device", show_default=True,
+              help="the executor's order: posted (every message at once) or device (one operation at a time per device)")
+@click.option("--engine", type=click.Choice(["mpi", "torch"]), default="mpi", show_default=True,
+              help="mpi: mpiexec + executor.run; torch: torch.distributed over gloo + executor.torch_run")
+@click.option("--latency-us", default="measure", show_default=True,
+              help="per-message latency and overhead the plans are made and predicted with: 'measure' (a probe on "
+                   "the testbed at each rate, charged as overhead, no latency), 'plan' (the cases' own: "
+                   "20 us and 1 us), or LATENCY[,OVERHEAD] in microseconds (e.g. 0,300; overhead the cluster default when left out)")
+@click.option("--single-copy", is_flag=True,
+              help="mpi: MPICH's single-copy transport inside a host (MPIR_CVAR_CH4_CMA_ENABLE=1): one copy per "
+                   "message of 8 KiB or more instead of two through shared memory")
+@click.option("--plan-cpu", is_flag=True,
+              help="make the plans with the testbed's shared CPU modelled (predict.TESTBED_CPU at this machine's "
+                   "core count, as Cluster.cpu): chunk counts that weigh the relays' copies inside a host")
+@click.option("--max-run-gib", type=float, default=MAX_RUN_BYTES / 2**30, show_default=True,
+              help="refuse a case whose plans would move more than this across devices in all their reshards "
+                   "(every paper case at 64 MiB and 4 reshards needs 10)")
+@click.option("--no-receipts", is_flag=True,
+              help="torch: end gloo sends as gloo does, without the engine's receipts in device order (bench.netlab.no_receipts)")
+@click.option("--no-markdown", is_flag=True, help="do not print the runs as Markdown tables at the end")
+@options
+def _command(**_):
+    """Paper cases on the emulated cluster: measured time per reshard against the model."""
+
+
 def _arguments(argv):
-    parser = argparse.ArgumentParser(prog="python -m bench.netlab.experiments", description=__doc__.splitlines()[0])
-    parser.add_argument("--cases", default=",".join(n for n, _ in reference_problems()), help="comma-separated case names: the reference cases, alltoall_2x4, weight_sync_small")
-    parser.add_argument("--rates", default="200,500", help="link rates in Mbit/s, comma-separated")
-    parser.add_argument("--max-mb", type=float, default=16.0)
-    parser.add_argument("--iters", type=int, default=3)
-    parser.add_argument("--warmup", type=int, default=1)
-    parser.add_argument("--mtu", type=int, default=9000)
-    parser.add_argument("--out", default="netlab.json", help="results file name under bench/results/")
-    parser.add_argument("--order", choices=sorted(MODEL_OF_ORDER), default="device",
-                        help="the executor's order: posted (every message at once) or device (one operation at a time per device)")
-    parser.add_argument("--engine", choices=["mpi", "torch"], default="mpi",
-                        help="mpi: mpiexec + executor.run; torch: torch.distributed over gloo + executor.torch_run")
-    parser.add_argument("--latency-us", default="measure",
-                        help="per-message latency and overhead the plans are made and predicted with: 'measure' (a probe on "
-                             "the testbed at each rate, charged as overhead, no latency; the default), 'plan' (the cases' own: "
-                             "20 us and 1 us), or LATENCY[,OVERHEAD] in microseconds (e.g. 0,300; overhead the cluster default when left out)")
-    parser.add_argument("--single-copy", action="store_true",
-                        help="mpi: MPICH's single-copy transport inside a host (MPIR_CVAR_CH4_CMA_ENABLE=1): one copy per "
-                             "message of 8 KiB or more instead of two through shared memory")
-    parser.add_argument("--plan-cpu", action="store_true",
-                        help="make the plans with the testbed's shared CPU modelled (predict.TESTBED_CPU at this machine's "
-                             "core count, as Cluster.cpu): chunk counts that weigh the relays' copies inside a host")
-    parser.add_argument("--max-run-gib", type=float, default=MAX_RUN_BYTES / 2**30,
-                        help="refuse a case whose plans would move more than this across devices in all their reshards "
-                             "(default %(default)g; every paper case at 64 MiB and 4 reshards needs 10)")
-    parser.add_argument("--no-receipts", action="store_true",
-                        help="torch: end gloo sends as gloo does, without the engine's receipts in device order (bench.netlab.no_receipts)")
-    parser.add_argument("--no-markdown", action="store_true", help="leave BENCHMARKS.md alone")
-    args = parser.parse_args(argv)
+    args = parse(_command, argv, PROG)
     if not (math.isfinite(args.max_run_gib) and args.max_run_gib > 0):
-        parser.error(f"--max-run-gib {args.max_run_gib:g}: give a positive number of GiB")
+        usage_error(PROG, f"--max-run-gib {args.max_run_gib:g}: give a positive number of GiB")
     if args.single_copy and args.engine != "mpi":
-        parser.error("--single-copy is an MPICH setting; use it with --engine mpi")
+        usage_error(PROG, "--single-copy is an MPICH setting; use it with --engine mpi")
     if args.no_receipts and args.engine != "torch":
-        parser.error("--no-receipts is the torch engine's; use it with --engine torch")
+        usage_error(PROG, "--no-receipts is the torch engine's; use it with --engine torch")
     args.costs = None
     if args.latency_us not in ("measure", "plan"):
         try:
@@ -218,7 +229,7 @@ def _arguments(argv):
                 raise ValueError
             args.costs = (costs[0], costs[1] if len(costs) == 2 else None)
         except ValueError:
-            parser.error(f"--latency-us {args.latency_us!r}: give LATENCY[,OVERHEAD] in microseconds (e.g. 200,40), 'measure' or 'plan'")
+            usage_error(PROG, f"--latency-us {args.latency_us!r}: give LATENCY[,OVERHEAD] in microseconds (e.g. 200,40), 'measure' or 'plan'")
     return args
 
 
@@ -254,10 +265,8 @@ def main(argv=None) -> int:
     meta = _meta(args, load)
     write_json(args.out, {"meta": meta, "runs": runs})
     if not args.no_markdown:
-        title = "Emulated cluster (bench/netlab)" + ("" if args.order == "device" else f", executor order {args.order}") + (
-            "" if args.engine == "mpi" else f", {args.engine} engine")
-        replace_section(title, f"`{meta['command']}` (as root; load average after: "
-                        f"{load[0]:.1f}, {os.cpu_count()} cores)\n\n{table(runs, args.order)}\n\n{link_table(runs)}\n")
+        print(f"\n`{meta['command']}` (as root; load average after: {load[0]:.1f}, {os.cpu_count()} cores)\n\n"
+              f"{table(runs, args.order)}\n\n{link_table(runs)}")
     return 0 if all(r["ok"] and r["checked"] for r in runs) else 1
 
 

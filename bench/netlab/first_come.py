@@ -1,6 +1,6 @@
 """How the testbed's TCP shares a host's link among short messages: first come, first served.
 
-A step trace (BENCHMARKS.md, session 12) showed three 0.5 MiB messages that one host's ranks started
+A step trace (`bench.netlab.steptrace`, case 4; docs/netlab.md) shows three 0.5 MiB messages that one host's ranks started
 within a few ms finish one after another (13.4, 18.3, 23.5 ms), not together at 26 ms as max-min fair
 sharing has it. A message that starts while another from the same host is moving joins the back of
 that one's queue in the shaped link and grows its window over round trips the queue lengthens, so a

@@ -22,15 +22,16 @@ from xmesh_plan.schemas.transfer import tensor_problems
 from .first_come import FirstCome
 
 
-# The shared CPU of the 2-core machine the session-7 runs were made on (BENCHMARKS.md, "Emulated cluster: a model of
-# the shared CPU"): copy_gbps fitted on those runs (3 GB/s of shared-memory traffic per core and end: the executor's
+# The shared CPU of the 2-core testbed machine (docs/netlab.md, "What one message costs"): copy_gbps fitted on its
+# device-order runs at 200 and 500 Mbit/s (3 GB/s of shared-memory traffic per core and end: the executor's
 # pack or unpack plus MPI's copy, with idle ranks polling); no per-message CPU inside a host (the runs cannot tell).
 TESTBED_CPU = Cpu(cores=2, copy_gbps=24, message_us=0)
 
 # How the testbed's links share bandwidth, per queueing (a fresh rule per simulation; absent: max-min). In device order a
 # host's ranks start their messages a few ms apart and TCP serves the short ones first come (`first_come.py`); a message
 # of more than TESTBED_SHORT_MS at its link's rate shares max-min. In posted order every message starts at once and the
-# links share max-min (BENCHMARKS.md, sessions 12 and 13: the threshold fitted on session 12's runs, checked on 13's).
+# links share max-min (docs/netlab.md, "How TCP shares a link": the threshold is fitted on one set of runs and checked on
+# runs made after it was set).
 TESTBED_SHORT_MS = 25.0
 TESTBED_SHARING: Mapping[str, Callable[[], ShareRule]] = MappingProxyType({
     "device-order": lambda: FirstCome(("send",), short_s=TESTBED_SHORT_MS / 1e3),

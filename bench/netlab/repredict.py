@@ -1,19 +1,18 @@
 """Re-predict saved emulated-cluster runs without the testbed: rebuild each run's plans (deterministic), price them
 with today's model, with and without a model of the shared CPU (`Cluster.cpu`), and count the fits per case.
 
-    .venv/bin/python -m bench.netlab.repredict bench/results/netlab-device-500-s7.json \\
-        bench/results/netlab-device-200-s7.json [--cores 2 --copy-gbps 24 --message-us 0]
+    PYTHONPATH=$PWD .venv/bin/python -m bench.netlab.repredict bench/results/netlab-mpi-device-500-32mb.json \\
+        bench/results/netlab-mpi-device-200-16mb.json [--cores 2 --copy-gbps 24 --message-us 0]
 
 A distinct plan of a launch counts once (as `summary.compact` counts); "saved" is the prediction stored in the file,
 "today" this checkout's model without the CPU, "CPU model" with it (defaults: `predict.TESTBED_CPU`); both share the
-links as the testbed does (`predict.TESTBED_SHARING`, since session 13: files saved before price device order with
-max-min, so case 4's solver plans, 0.80-0.88x "saved", are about 0.97x "today"). The plans are rebuilt with this checkout's planner, so a file made with
+links as the testbed does (`predict.TESTBED_SHARING`; a file whose saved predictions share device order max-min, as
+some archived ones do, then differs from "today" on case 4's solver plans: 0.80-0.88x "saved", about 0.97x "today"). The plans are rebuilt with this checkout's planner, so a file made with
 another version may get other plans; compare "saved" with "today" to see.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import re
@@ -21,11 +20,13 @@ import statistics
 import sys
 from pathlib import Path
 
+import click
 from pydantic import ValidationError
 
 from xmesh_plan.schemas import Cpu
 from xmesh_plan.schemas.validation import describe_validation_error
 
+from .cli import options, parse, usage_error
 from .experiments import _plans
 from .predict import TESTBED_CPU, predictions
 from .run_plan import scaled
@@ -104,17 +105,23 @@ def crossed(rows: list[dict]) -> str:
             + (", ".join(map(name, out)) or "none"))
 
 
+@click.argument("results", nargs=-1, required=True, type=click.Path(dir_okay=False, path_type=Path))
+@click.option("--cores", type=float, default=TESTBED_CPU.cores, show_default=True, help="cores every rank shares")
+@click.option("--message-us", type=float, default=TESTBED_CPU.message_us, show_default=True,
+              help="CPU per message inside a host, at each end, microseconds")
+@click.option("--copy-gbps", type=float, default=TESTBED_CPU.copy_gbps, show_default=True, help="shared-memory copy rate of one core, Gbit/s")
+@options
+def _command(**_):
+    """Re-predict saved emulated-cluster runs (RESULTS: results JSON files of bench.netlab.experiments)."""
+
+
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench.netlab.repredict", description=__doc__.splitlines()[0])
-    parser.add_argument("results", nargs="+", type=Path, help="results JSON files of bench.netlab.experiments")
-    parser.add_argument("--cores", type=float, default=TESTBED_CPU.cores, help="cores every rank shares")
-    parser.add_argument("--message-us", type=float, default=TESTBED_CPU.message_us, help="CPU per message inside a host, at each end, microseconds")
-    parser.add_argument("--copy-gbps", type=float, default=TESTBED_CPU.copy_gbps, help="shared-memory copy rate of one core, Gbit/s")
-    args = parser.parse_args(argv)
+    prog = "python -m bench.netlab.repredict"
+    args = parse(_command, argv, prog)
     try:
         cpu = Cpu(cores=args.cores, message_us=args.message_us, copy_gbps=args.copy_gbps)
     except ValidationError as err:
-        parser.error(f"cpu.{describe_validation_error(err)}")
+        usage_error(prog, f"cpu.{describe_validation_error(err)}")
     rows = [r for path in args.results for r in repredicted(path, cpu)]
     print(f"{cpu!r}\n\n{table(rows)}\n\n{spread(rows)}\n{crossed(rows)}\n\nPlans the CPU model moves by 0.02 or more (measured / model):\n\n{changed(rows)}")
     return 0

@@ -1,7 +1,7 @@
 """What if the links shared bandwidth by another rule? Re-predict saved emulated-cluster runs with the links shared by
 each rule in turn, and count the plans within 10% of measured under each.
 
-    .venv/bin/python -m bench.netlab.sharing bench/results/netlab-device-500-64mb-plancpu-s10.json
+    PYTHONPATH=$PWD .venv/bin/python -m bench.netlab.sharing bench/results/netlab-mpi-device-500-32mb.json
 
 Rules (each prediction with the CPU model, `predict.TESTBED_CPU`, as `repredict`'s "CPU model" column); each rule
 but `testbed` applies under every queueing:
@@ -16,20 +16,22 @@ but `testbed` applies under every queueing:
 - `first-come-all`: every NIC side serves its messages oldest first (then in plan order); CPUs share max-min.
 `--send-buffer-mib B` also ends every send in device order, for its device's next run, once at most B MiB of it is
 left to go, as gloo ends a send when the socket's buffer has taken the rest (`planner.simulate.simulate(send_buffer_bytes=)`),
-where the model otherwise ends it as the MPI engine does (session 14's torch step traces, before the torch engine's
-receipts; `experiments --no-receipts` runs it so again); posted order has no runs to end.
-BENCHMARKS.md, "Emulated cluster ..." sessions 11 to 15, has what each rule fits.
+where the model otherwise ends it as the MPI engine does (the torch engine without receipts ends its sends so;
+`experiments --no-receipts` runs it that way); posted order has no runs to end.
+docs/netlab.md, "How TCP shares a link", has what each rule fits.
 """
 
 from __future__ import annotations
 
-import argparse
 import sys
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
+import click
+
 from xmesh_plan.planner.simulate import ShareRule
 
+from .cli import options, parse, usage_error
 from .first_come import FirstCome
 from .predict import QUEUEINGS, TESTBED_CPU, TESTBED_SHARING, TESTBED_SHORT_MS, predictions
 from .repredict import WITHIN, repredicted
@@ -85,24 +87,30 @@ def compare(paths: list[Path], rules: tuple[str, ...] = RULES, small_mib: float 
     return "\n".join(lines)
 
 
+@click.argument("results", nargs=-1, required=True, type=click.Path(dir_okay=False, path_type=Path))
+@click.option("--small-mib", type=float, default=2.0, show_default=True,
+              help="first-come-send-small: messages of at most this many MiB wait their turn")
+@click.option("--short-ms", type=float, default=TESTBED_SHORT_MS, show_default=True,
+              help="first-come-send-short: messages of at most this many ms at their send side's rate wait their turn "
+                   "(the testbed rule keeps its own, predict.TESTBED_SHORT_MS)")
+@click.option("--rules", default=",".join(RULES), show_default=True, help="comma-separated, from: " + ", ".join(RULES))
+@click.option("--send-buffer-mib", type=float, default=None,
+              help="end a send once at most this many MiB of it are left to go, as gloo does (default: as the MPI engine)")
+@options
+def _command(**_):
+    """Re-predict saved runs with the links shared by each rule (RESULTS: results JSON files of bench.netlab.experiments)."""
+
+
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench.netlab.sharing", description=__doc__.splitlines()[0])
-    parser.add_argument("results", nargs="+", type=Path, help="results JSON files of bench.netlab.experiments")
-    parser.add_argument("--small-mib", type=float, default=2.0, help="first-come-send-small: messages of at most this many MiB wait their turn")
-    parser.add_argument("--short-ms", type=float, default=TESTBED_SHORT_MS,
-                        help="first-come-send-short: messages of at most this many ms at their send side's rate wait their turn "
-                             "(the testbed rule keeps its own, predict.TESTBED_SHORT_MS)")
-    parser.add_argument("--rules", default=",".join(RULES), help="comma-separated, from: " + ", ".join(RULES))
-    parser.add_argument("--send-buffer-mib", type=float, default=None,
-                        help="end a send once at most this many MiB of it are left to go, as gloo does (default: as the MPI engine)")
-    args = parser.parse_args(argv)
+    prog = "python -m bench.netlab.sharing"
+    args = parse(_command, argv, prog)
     rules = tuple(r.strip() for r in args.rules.split(","))
     unknown = [r for r in rules if r not in RULES]
     if unknown:
-        parser.error(f"--rules: unknown {', '.join(unknown)}; choose from {', '.join(RULES)}")
+        usage_error(prog, f"--rules: unknown {', '.join(unknown)}; choose from {', '.join(RULES)}")
     for name in ("small_mib", "short_ms", "send_buffer_mib"):
         if getattr(args, name) is not None and not 0 < getattr(args, name) < float("inf"):
-            parser.error(f"--{name.replace('_', '-')} {getattr(args, name):g}: give a positive number")
+            usage_error(prog, f"--{name.replace('_', '-')} {getattr(args, name):g}: give a positive number")
     show = 0.02 if len(rules) > 1 else -1.0  # one rule: list every plan (there is no spread between rules to show)
     print(compare(args.results, rules, small_mib=args.small_mib, show=show, short_ms=args.short_ms, send_buffer_mib=args.send_buffer_mib))
     return 0

@@ -8,14 +8,13 @@ timeline (`predict.simulated`: the queueing for the order, the testbed's sharing
 machine's core count, as `experiments` prices) is set beside the measured one of the last timed reshard
 before the checked one, operation by operation, so a gap the model does not have shows where it opens.
 A bench tool: the engines are patched only inside the ranks this module launches. `XMESH_NETLAB_POLL=LOW,HIGH`
-(seconds) sets the ranks' sleeps between polls, for experiments (BENCHMARKS.md, session 12).
+(seconds) sets the ranks' sleeps between polls, to see how polling shifts the timeline.
 
     sudo .venv/bin/python -m bench.netlab.steptrace --case case9 --approach ours --max-mb 32
 """
 
 from __future__ import annotations
 
-import argparse
 import atexit
 import json
 import os
@@ -24,6 +23,10 @@ import tempfile
 import time
 from dataclasses import replace
 from pathlib import Path
+
+import click
+
+from .cli import options, parse, usage_error
 
 TRACE_ENV = "XMESH_NETLAB_STEPTRACE"  # the folder each rank writes its trace-<rank>.json into
 ENGINE_ENV = "XMESH_NETLAB_STEPTRACE_ENGINE"  # mpi or torch: which engine the ranks run and time
@@ -207,32 +210,38 @@ def traced_run(plan, opts):
     return result, traces
 
 
+@click.option("--case", default="case9", show_default=True)
+@click.option("--approach", default="ours", show_default=True, help="a label of experiments.APPROACHES")
+@click.option("--rate", type=float, default=500.0, show_default=True, help="link rate, Mbit/s")
+@click.option("--max-mb", type=float, default=32.0, show_default=True)
+@click.option("--order", type=click.Choice(["device", "posted"]), default="device", show_default=True)
+@click.option("--engine", type=click.Choice(["mpi", "torch"]), default="mpi", show_default=True,
+              help="the ranks' engine: MPI, or torch.distributed over gloo")
+@click.option("--iters", type=int, default=3, show_default=True)
+@click.option("--overhead-us", type=float, default=None,
+              help="per-message overhead to plan and predict with (default: measured on the testbed, as experiments --latency-us measure)")
+@click.option("--plan-cpu", is_flag=True, help="plan with the testbed's CPU modelled (experiments --plan-cpu)")
+@click.option("--keep", help="also write the raw traces and the table into this folder")
+@options
+def _command(**_):
+    """Where a reshard's time goes on the testbed: every step's launch and finish, per operation, against the model."""
+
+
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench.netlab.steptrace", description=__doc__.splitlines()[0])
-    parser.add_argument("--case", default="case9")
-    parser.add_argument("--approach", default="ours", help="a label of experiments.APPROACHES")
-    parser.add_argument("--rate", type=float, default=500.0, help="link rate, Mbit/s")
-    parser.add_argument("--max-mb", type=float, default=32.0)
-    parser.add_argument("--order", choices=["device", "posted"], default="device")
-    parser.add_argument("--engine", choices=["mpi", "torch"], default="mpi", help="the ranks' engine: MPI, or torch.distributed over gloo")
-    parser.add_argument("--iters", type=int, default=3)
-    parser.add_argument("--overhead-us", type=float, default=None, help="per-message overhead to plan and predict with "
-                        "(default: measured on the testbed, as experiments --latency-us measure)")
-    parser.add_argument("--plan-cpu", action="store_true", help="plan with the testbed's CPU modelled (experiments --plan-cpu)")
-    parser.add_argument("--keep", help="also write the raw traces and the table into this folder")
-    args = parser.parse_args(argv)
+    prog = "python -m bench.netlab.steptrace"
+    args = parse(_command, argv, prog)
     if args.iters < 2:
-        parser.error(f"--iters {args.iters}: give at least 2 (the table takes the last timed reshard before the checked one)")
+        usage_error(prog, f"--iters {args.iters}: give at least 2 (the table takes the last timed reshard before the checked one)")
 
     from .experiments import APPROACHES, _plans, measure_message_costs, replace_cores
     from xmesh_plan.planner.reference_cases import reference_problems
 
     cases = [n for n, _ in reference_problems()]
     if args.case not in cases:
-        parser.error(f"--case {args.case!r}: choose one of {', '.join(cases)}")
+        usage_error(prog, f"--case {args.case!r}: choose one of {', '.join(cases)}")
     labels = [label for label, *_ in APPROACHES]
     if args.approach not in labels:
-        parser.error(f"--approach {args.approach!r}: choose one of {', '.join(labels)}")
+        usage_error(prog, f"--approach {args.approach!r}: choose one of {', '.join(labels)}")
     from .predict import TESTBED_CPU
     from .run_plan import RunOptions, scaled
     from xmesh_plan.executor.ranks import plan_devices
@@ -261,8 +270,10 @@ def main(argv=None) -> int:
     if args.keep:
         keep = Path(args.keep)
         keep.mkdir(parents=True, exist_ok=True)
-        (keep / "traces.json").write_text(json.dumps(traces))
-        (keep / "table.md").write_text(table + "\n")
+        from xmesh_plan.schemas.files import write_atomic
+
+        write_atomic(keep / "traces.json", json.dumps(traces))
+        write_atomic(keep / "table.md", table + "\n")
     return 0
 
 

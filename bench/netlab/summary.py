@@ -3,20 +3,19 @@ operation at a time per device, per case and approach, with each order's own mod
 
     .venv/bin/python -m bench.netlab.summary bench/results/netlab-posted-500.json bench/results/netlab-device-500.json
 
-Writes the BENCHMARKS.md section "Emulated cluster: executor order" (or prints it with --print).
+Prints the comparison as Markdown (BENCHMARKS.md itself is made by `bench/benchmarks_doc.py`).
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
 import sys
 from pathlib import Path
 
+import click
 
-from ..report import replace_section
-
+from .cli import options, parse
 from .experiments import APPROACHES
 
 MODEL = {"posted": "posted", "device": "device-order"}
@@ -68,7 +67,7 @@ def summary(paths: list[Path], title: str = "Emulated cluster: executor order") 
             r = rows.get(key)
             m = r["measured_s"] if r else None
             cells.append(_f(m * 1e3 if m is not None else None, 0))
-            model = r["predicted_s"][MODEL[r["order"]]] if r else None  # the order each row ran in (multi-tensor cases ran posted before device order took them)
+            model = r["predicted_s"][MODEL[r["order"]]] if r else None  # the order each row ran in (a run's rows may say their own)
             ratios.append(_f(m / model if m and model else None))
             bounds.append(_f(m / r["predicted_s"]["lower-bound"] if m and r else None))
             if m and model and not (r or {}).get("same_as"):  # a plan run once counts once
@@ -141,21 +140,21 @@ def _load(meta: dict) -> str:
     return f"{load[0]:.1f}" if load else "- (the launch had not finished)"
 
 
+@click.argument("results", nargs=-1, required=True, type=click.Path(dir_okay=False, path_type=Path))
+@click.option("--print", "print_", is_flag=True, help="print the comparison (what it always does)")
+@click.option("--title", default="Emulated cluster: executor order", show_default=True, help="the heading printed above the comparison")
+@click.option("--compact", is_flag=True, help="one row per case and rate")
+@options
+def _command(**_):
+    """Set emulated-cluster runs side by side (RESULTS: results JSON files of bench.netlab.experiments)."""
+
+
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench.netlab.summary", description=__doc__.splitlines()[0])
-    parser.add_argument("results", nargs="+", type=Path, help="results JSON files of bench.netlab.experiments")
-    parser.add_argument("--print", action="store_true", help="print the section instead of writing BENCHMARKS.md")
-    parser.add_argument("--title", default="Emulated cluster: executor order", help="the BENCHMARKS.md section to write")
-    parser.add_argument("--compact", action="store_true", help="one row per case and rate (printed; paste it where it belongs)")
-    args = parser.parse_args(argv)
+    args = parse(_command, argv, "python -m bench.netlab.summary")
     if args.compact:
         print(compact(args.results))
         return 0
-    text = summary(args.results, args.title)
-    if args.print:
-        print(text)
-    else:
-        replace_section(args.title, text)
+    print(f"## {args.title}\n\n{summary(args.results, args.title)}")
     return 0
 
 

@@ -1,0 +1,31 @@
+"""No project file narrates how the software was developed (bench/history_check.py): no "session 13", no `-s13`
+result files, no "used to" or "before the fix". The history is in git; the files say what the software does."""
+
+import runpy
+from pathlib import Path
+from types import SimpleNamespace
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _checker():
+    return SimpleNamespace(**runpy.run_path(str(ROOT / "bench" / "history_check.py")))
+
+
+def test_no_tracked_file_narrates_development_history():
+    check = _checker()
+    found = check.history_lines(check.tracked_files())
+    assert not found, "lines that narrate history (say what the software does instead):\n" + "\n".join(found)
+
+
+def test_the_check_finds_each_kind_of_history_line(tmp_path):
+    check = _checker()
+    lines = ["Measured in session 13 on a quiet machine.", "See bench/results/netlab-device-500-s7.json.",
+             "The lowering used to loop over every chunk.", "Before the fix it crashed.", "The first version sent more.",
+             "The model changed in fb54710.", "Until fb54710 the model held the NIC.", "Before: it hung. Now the rank reports."]
+    kept = ["A send ends once its receipt arrives.", "bench/results/archive/netlab-device-500-s7.json holds it.",
+            "The stage is used to pick a chunk count.", "how many flows were added so far"]
+    text = tmp_path / "doc.md"
+    text.write_text("\n".join(lines + kept) + "\n")
+    found = check.history_lines([text], root=tmp_path)
+    assert [int(f.split(":")[1]) for f in found] == [1, 2, 3, 4, 5, 7, 8]
