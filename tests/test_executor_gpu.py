@@ -8,9 +8,7 @@ CuPy version refuses fails here, without a GPU. What it cannot tell is listed in
 
 from __future__ import annotations
 
-import os
 import subprocess
-import sys
 from collections import defaultdict, deque
 from pathlib import Path
 
@@ -22,6 +20,7 @@ from xmesh_plan.executor.lower import lower
 from xmesh_plan.executor.pattern import fill, mismatches
 from xmesh_plan.executor.ranks import plan_devices
 from tests.support.cases import STRATEGIES, all_fixed_plans, compiled, problem, random_problem, write_plans
+from tests.support.launch import mpiexec
 from tests.support.fake_gpu import FakeGpu, FakeMpiComm, nccl_engines, run_on_fake
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -44,9 +43,7 @@ needs_gpu = [pytest.mark.gpu, pytest.mark.skipif(GPU_REASON is not None, reason=
 
 
 def _run(n: int, *args: str) -> subprocess.CompletedProcess:
-    env = dict(os.environ, MPIR_CVAR_ENABLE_HEAVY_YIELD="1", PYTHONPATH=str(ROOT))
-    cmd = [str(Path(sys.executable).parent / "mpiexec"), "-n", str(n), sys.executable, "-m", "xmesh_plan.executor.run", *args]
-    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    return mpiexec(n, "-m", "xmesh_plan.executor.run", *args, timeout=300)
 
 
 @pytest.mark.gpu

@@ -4,10 +4,8 @@ against numpy slicing of each full tensor (in-process fake MPI and one real mpie
 from __future__ import annotations
 
 import json
-import os
 from dataclasses import replace
 import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -27,12 +25,12 @@ from xmesh_plan.schemas import Plan, read_plan_file
 from xmesh_plan.schemas.plan_check import check_plan, tags_used
 from xmesh_plan.schemas.plan_tensors import tensor_plans
 from tests.support.fake_mpi import FakeMPI, FakeWorld, WorldComm, out_of_device_order
+from tests.support.launch import MPIEXEC, run_demo, torchrun
 from tests.support.transfer import assert_every_shard, fake_executors, full_tensors, random_transfer, run_everywhere, slice_box, three_tensors
 
 ROOT = Path(__file__).resolve().parents[1]
 SMALL = ROOT / "plans" / "weight_sync_small.problem.toml"
 CHAINED = {"split_hosts": False, "coalesce": False}  # the plan a multi-tensor problem got by default before compile_defaults
-MPIEXEC = Path(sys.executable).parent / "mpiexec"
 
 
 @pytest.fixture(scope="module")
@@ -276,9 +274,7 @@ def _demo_on_the_small_weight_sync(tmp_path, ranks: int, *flags: str, timeout: f
     """`mpiexec -n ranks python -m xmesh_plan.executor.run` on the small weight sync's plan, with --check."""
     path = tmp_path / "weight_sync_small.plan.json"
     path.write_text(compile_plan(load_any_problem(SMALL), solver="greedy", **CHAINED).to_json())
-    env = dict(os.environ, MPIR_CVAR_ENABLE_HEAVY_YIELD="1", PYTHONPATH=str(ROOT))
-    return subprocess.run([str(MPIEXEC), "-n", str(ranks), sys.executable, "-m", "xmesh_plan.executor.run", str(path), "--check",
-                           *flags], cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    return run_demo(ranks, path, "--check", *flags, timeout=timeout)
 
 
 @pytest.mark.mpi
@@ -312,10 +308,8 @@ def test_torchrun_runs_the_small_weight_sync_on_gloo_bit_exact(tmp_path, order, 
     pytest.importorskip("torch")
     path = tmp_path / "weight_sync_small.plan.json"
     path.write_text(compile_plan(load_any_problem(SMALL), solver="greedy", **CHAINED).to_json())
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "8", "-m", "xmesh_plan.executor.torch_run", str(path),
-           "--check", "--iters", "2", *(("--order", order) if order else ())]
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    result = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=700)
+    result = torchrun(8, "xmesh_plan.executor.torch_run", str(path), "--check", "--iters", "2", *(("--order", order) if order else ()),
+                      timeout=700)
     assert result.returncode == 0, result.stderr[-3000:]
     assert f"21 tensors, 8 ranks, 100 ops, torch/gloo ({how})" in result.stdout, result.stdout
     assert "check ok: every destination shard of every tensor bit-exact" in result.stdout, result.stdout
