@@ -47,7 +47,7 @@ from .errors import ExecutorError, PlanMismatchError
 from .engines import ENGINES, TransportOptions, engine_entry
 from .executor import DEFAULT_POLL_S, Flight, Flying, ReshardingExecutor
 from .joint import JointProgram, join_programs, tensor_programs
-from .lower import ORDERS
+from .lower import ORDERS, refusal_advice
 from .ranks import device_of_rank
 from .worlds import is_mpi_comm
 
@@ -108,7 +108,7 @@ class TransferExecutor(Flying):
         try:
             check_plan(plan)  # tensor indices in range before splitting
         except PlanError as err:
-            raise PlanMismatchError(f"{err}; recompile the plan and check it with `xmesh-plan verify`",
+            raise PlanMismatchError(refusal_advice(str(err)),
                                     same_on_every_rank=True) from None  # every rank reads the same plan
         named = backend or world
         check_transfer_staging(plan, order, entry.name)
@@ -310,6 +310,9 @@ class TransferExecutor(Flying):
 
     def _sources(self, shards: Mapping[str, Any] | None) -> dict[str, Any]:
         """The shards by name, refusing unknown names and, on a source rank, missing ones."""
+        if shards is not None and not isinstance(shards, Mapping):
+            raise PlanMismatchError(f"run(): shards is a {type(shards).__name__}; pass a mapping of tensor name to this rank's "
+                                    f"source shard, e.g. {{{self.names[0]!r}: shard}} (None or {{}} on a rank with no source shard)")
         shards = dict(shards or {})
         unknown = sorted(set(shards) - set(self.names))
         if unknown:

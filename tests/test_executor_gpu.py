@@ -500,10 +500,11 @@ def test_nccl_refuses_a_plan_stating_less_staging_than_its_calls_need(monkeypatc
     wrong = plan.model_copy(update={"staging": plan.staging.model_copy(update={"peak_bytes": peaks})})
     for order in ("device", "posted"):
         with pytest.raises(PlanMismatchError, match=r"staging.peak_bytes states 64 B for device 0, but the plan needs \d+ B "
-                                                    r"there .* recompile the plan and check it with `xmesh-plan verify`"):
+                                                    r"there .* recompile the plan and check it with `xmesh-plan verify`") as refused:
             with monkeypatch.context() as m:
                 gpu = FakeGpu(api=14).install(m)
                 try:
                     fake_nccl_transfer(wrong, gpu, m, order=order)
                 finally:
                     assert not any(gpu.init_order.values()), "refused after creating communicators"
+        assert str(refused.value).count("recompile the plan") == 1, refused.value  # the advice said once

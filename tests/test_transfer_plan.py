@@ -206,6 +206,8 @@ def test_the_executor_refuses_missing_and_unknown_names(plan):
         source.start({"nope": np.zeros(1)})
     with pytest.raises(PlanMismatchError, match=r"in the source mesh; pass its shard of 'w' \(and 2 more\)"):
         source.start({})
+    with pytest.raises(PlanMismatchError, match=r"shards is a list; pass a mapping of tensor name to this rank's source shard"):
+        source.run([np.zeros(1), np.zeros(1)])
 
 
 @pytest.mark.parametrize("concurrent,order", [(True, "posted"), (False, "posted"), (True, "device")],
