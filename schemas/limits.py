@@ -13,7 +13,8 @@ ValueError: shape (4294967296, 2147483648) of 4-byte elements is 368934881474191
 from __future__ import annotations
 
 import math
-from typing import Annotated
+import re
+from typing import Annotated, Literal
 
 from pydantic import BeforeValidator, Field, Strict
 
@@ -99,6 +100,26 @@ def integer(low: int, high: int, what: str) -> object:
     return Annotated[int, Strict(), BeforeValidator(check)]
 
 
+def version_field(version: int) -> object:
+    """A `schema_version` field: the integer `version` as written (`true` and `1.0` equal 1 in Python, so a plain
+    Literal takes them)."""
+    def check(value: object) -> object:
+        if type(value) is not int:
+            raise ValueError(f"{shown(value)} is not an integer; write {version}")
+        return value
+    return Annotated[Literal[version], BeforeValidator(check)]  # type: ignore[valid-type]
+
+
+def _decimal_key(value: object) -> object:
+    """A JSON object key naming an integer must be plain decimal: `"0"` and `"00"` (or `" 0"`, `"0.0"`) would name
+    one device twice, and one would silently win."""
+    if isinstance(value, bool) or (isinstance(value, str) and not re.fullmatch(r"0|[1-9][0-9]*", value)):
+        raise ValueError(f"key {quoted(value)} is not a plain decimal integer; write e.g. \"3\"")
+    return value
+
+
+IntKey = Annotated[int, BeforeValidator(_decimal_key)]
+"""An integer key of a JSON object (always text in the file): plain decimal only, so no two keys name one number."""
 StrictInt = Annotated[int, Strict()]
 """An int field that refuses booleans, floats (8.0 too) and text: what a plan file states is taken as written."""
 StrictFloat = Annotated[float, Strict()]

@@ -28,7 +28,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from .dtypes import DTYPE_SIZES, canonical_dtype, check_dtype
 from .limits import (INT64_MAX, MAX_MICRO_BATCHES, MAX_SECONDS, MAX_STAGES, MAX_TENSOR_RANK, Length, StrictBool, StrictInt,
-                     check_int64_product, finite, integer)
+                     check_int64_product, finite, integer, version_field)
 from .problem import Cluster, DeviceMesh, Placement, ReshardingProblem, Spec
 from .spec import SpecError
 
@@ -239,7 +239,7 @@ class PipelineSchedule(BaseModel):
     """
 
     model_config = _FROZEN
-    schema_version: Literal[1] = PIPELINE_SCHEMA_VERSION
+    schema_version: version_field(1) = PIPELINE_SCHEMA_VERSION
     generator: str = "xmesh-plan"
     schedule: str = Field(description="schedule name, e.g. 1f1b or eager-1f1b-wd")
     overlap: StrictBool = True

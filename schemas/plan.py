@@ -28,7 +28,7 @@ from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, Validatio
 
 from .files import DataFileError, parse_data, read_text_file, write_atomic  # noqa: F401  (write_atomic: re-exported)
 from .geometry import Region
-from .limits import StrictBool, StrictFloat, StrictInt, quoted
+from .limits import IntKey, StrictBool, StrictFloat, StrictInt, quoted, version_field
 from .op_kinds import OP_KINDS, chunk_label, parties
 from .problem import ReshardingProblem
 from .transfer import TransferProblem
@@ -139,7 +139,7 @@ class Staging(BaseModel):
     model_config = _FROZEN
     order: Literal["device"] = Field("device", description="the executor order the peaks are for")
     limit_bytes: StrictInt = Field(ge=1, description="the most bytes of staging any device may need (--max-staging-mb)")
-    peak_bytes: dict[int, StrictInt] = Field(description="device -> bytes of staging it allocates in `order`; devices left out stage nothing")
+    peak_bytes: dict[IntKey, StrictInt] = Field(description="device -> bytes of staging it allocates in `order`; devices left out stage nothing")
 
 
 class ExecutorPrediction(BaseModel):
@@ -157,7 +157,7 @@ class Plan(BaseModel):
     """A compiled, verifiable resharding plan."""
 
     model_config = _FROZEN
-    schema_version: Literal[1] = SCHEMA_VERSION
+    schema_version: version_field(1) = SCHEMA_VERSION
     generator: str
     problem: AnyProblem
     strategy: str = Field(description="strategy requested at compile time ('auto' picks per task)")

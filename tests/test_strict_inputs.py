@@ -83,6 +83,32 @@ def test_a_duplicate_key_in_a_plan_is_refused(tmp_path):
     assert_user_error(run_cli("verify", path), "strategy", "twice")
 
 
+@pytest.mark.parametrize("version", [True, 1.0])
+def test_a_plan_schema_version_that_is_not_the_integer_1_is_refused(tmp_path, version):
+    assert_user_error(run_cli("verify", edited(CASE3_PLAN, tmp_path, ("schema_version",), version)), "schema_version")
+
+
+@pytest.mark.parametrize("version", [True, 1.0])
+def test_a_schedule_schema_version_that_is_not_the_integer_1_is_refused(tmp_path, version):
+    pipeline = ROOT / "bench" / "pipelines" / "gpt-1.3b-2x2-fp16.json"
+    schedule = tmp_path / "s.json"
+    assert run_cli("schedule", pipeline, "--schedule", "1f1b", "--solver", "greedy", "-o", schedule).exit_code == 0
+    assert_user_error(run_cli("simulate", edited(schedule, tmp_path, ("schema_version",), version)), "schema_version")
+
+
+@pytest.mark.parametrize("key", ["0D", " D", "D.0", "+D"])  # D: the device's own key
+def test_a_staging_device_written_two_ways_is_refused(tmp_path, key):
+    """`"0"` and `"00"` name one device: an integer key not written in plain decimal would let one silently win."""
+    plan = tmp_path / "st.plan.json"
+    assert run_cli("compile", CASE3, "--solver", "greedy", "--max-staging-mb", "2048", "-o", plan).exit_code == 0
+    raw = json.loads(plan.read_text())
+    device, peak = next(iter(raw["staging"]["peak_bytes"].items()))
+    raw["staging"]["peak_bytes"][key.replace("D", device)] = peak
+    plan.write_text(json.dumps(raw))
+    with pytest.raises(PlanFileError, match="staging.peak_bytes"):
+        read_plan_file(plan)
+
+
 def test_first_host_with_devices_is_refused(tmp_path):
     raw = {**GOOD, "dst": {"mesh": {"shape": [2], "devices": [0, 1], "first_host": 5}, "spec": "R R"}}
     assert_user_error(compile_raw(tmp_path, raw), "dst.mesh", "devices", "first_host")
