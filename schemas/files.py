@@ -106,16 +106,16 @@ def write_atomic(path: str | os.PathLike, data: str | bytes) -> None:
     """Write text or bytes to `path` without ever replacing what the path points to.
 
     A regular file (or a path that does not exist yet) gets a temporary file in the same folder renamed
-    over it, so a failure leaves no partial file; the result has the usual permissions (0666 less the
-    umask), not the temp file's 0600. A symbolic link stays: the file it points to is written so. A
-    device, FIFO or socket is written through in place, as the shell's `>` does (a FIFO nobody reads
+    over it, so a failure leaves no partial file; the result keeps the replaced file's permissions (a new
+    one gets 0666 less the umask), not the temp file's 0600. A symbolic link stays: the file it points to
+    is written so. A device, FIFO or socket is written through in place, as the shell's `>` does (a FIFO nobody reads
     is an OSError, not a hang); a folder is an IsADirectoryError. Never unlinks anything."""
     target = Path(os.path.realpath(path))  # through symbolic links: the link stays, its target gets the data
     try:
         mode = os.stat(target).st_mode
     except FileNotFoundError:
         mode = None
-    if mode is not None and stat.S_ISDIR(mode):
+    if (mode is not None and stat.S_ISDIR(mode)) or os.fspath(path).endswith(os.sep):  # `out/` names a folder, as `>` reads it
         raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR), str(path))
     if mode is not None and not stat.S_ISREG(mode):
         _write_through(target, data.encode() if isinstance(data, str) else data)
@@ -124,7 +124,7 @@ def write_atomic(path: str | os.PathLike, data: str | bytes) -> None:
     try:
         with os.fdopen(fd, "wb" if isinstance(data, bytes) else "w") as handle:
             handle.write(data)
-        os.chmod(tmp, 0o666 & ~_UMASK)
+        os.chmod(tmp, 0o666 & ~_UMASK if mode is None else stat.S_IMODE(mode))  # a file replaced keeps its permissions
         os.replace(tmp, target)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)

@@ -70,6 +70,22 @@ def test_a_folder_is_refused_and_stays(tmp_path):
     assert tmp_path.is_dir()
 
 
+def test_an_existing_file_keeps_its_permissions(tmp_path):
+    """A private file (0600) stays private: the new content does not come with the umask's 0644."""
+    private = tmp_path / "private.json"
+    private.write_text("old\n")
+    private.chmod(0o600)
+    write_atomic(private, "new\n")
+    assert private.read_text() == "new\n" and stat.S_IMODE(os.stat(private).st_mode) == 0o600
+
+
+def test_a_path_ending_in_a_slash_is_a_folder_not_a_file(tmp_path):
+    """`-o out/` names a folder, as the shell's `>` reads it: no file `out` is made in its place."""
+    with pytest.raises(IsADirectoryError):
+        write_atomic(f"{tmp_path / 'out'}/", "x")
+    assert list(tmp_path.iterdir()) == []
+
+
 @root_only
 def test_a_device_is_written_through_not_replaced(tmp_path):
     null = device(tmp_path / "fakenull", 3)
