@@ -100,13 +100,14 @@ def build_transfer(raw: dict[str, Any], max_tasks: int | None = None) -> Transfe
 class _TaskCount:
     """The unit tasks tensor entries could cut into, counted as written: a repeated group's tensor that gives both
     specs itself counts once for all its copies, one whose specs come from the rules is matched name by name (one
-    regular expression each); each distinct (shape, dtype, specs) is cut into cut points once. Anything malformed
-    stops the count (`of_entries` then refuses nothing): reading the entries in full names the fault."""
+    regular expression each); each distinct (shape, dtype, specs) is cut into cut points once. Anything malformed,
+    or more tensors than a problem may hold, stops the count (`of_entries` then refuses nothing): reading the entries
+    in full names the fault."""
 
     def __init__(self, src_mesh, dst_mesh, cluster, rules: "_RuleMatcher", default_dtype: Any):
         self.src_mesh, self.dst_mesh, self.cluster, self.rules, self.default_dtype = src_mesh, dst_mesh, cluster, rules, default_dtype
         self.known: dict[tuple, int | None] = {}
-        self.tensors = self.total = self.largest = 0
+        self.tensors = self.total = self.largest = self.written = 0
         self.largest_name = ""
 
     def of_entries(self, entries: Any, max_tasks: int) -> None:
@@ -120,6 +121,9 @@ class _TaskCount:
             if repeat is not None and (not isinstance(repeat, int) or isinstance(repeat, bool) or not 0 <= repeat <= MAX_REPEAT):
                 return
             if not isinstance(group, list) or not all(isinstance(t, dict) and isinstance(t.get("name"), str) for t in group):
+                return
+            self.written += len(group) * (1 if repeat is None else repeat)
+            if self.written > MAX_TENSORS:  # unrolling refuses this entry by name; counting past it only takes time
                 return
             for tensor in group:
                 if not self._add_copies(tensor, repeat):

@@ -167,6 +167,34 @@ def test_a_repeated_group_with_rules_is_counted_name_by_name_before_unrolling(mo
         transfer_io.build_transfer(raw, max_tasks=89)
 
 
+@pytest.mark.parametrize("groups,size", [(1, 50), (30, 1)])
+def test_tensors_past_the_file_limit_are_not_counted_name_by_name(monkeypatch, groups, size):
+    """100,000 copies of a 50-tensor group (or 30 groups of 100,000): the file states more tensors than a problem
+    may hold, so it is refused naming the entry that passes the limit, after at most that many rule matches (not
+    5,000,000 of them first, 43 s)."""
+    from xmesh_plan.planner import transfer_io
+
+    matched = []
+    spec = transfer_io._RuleMatcher.spec
+    monkeypatch.setattr(transfer_io._RuleMatcher, "spec", lambda self, name, side: matched.append(name) or spec(self, name, side))
+    group = [{"name": f"l{{i}}.t{j}", "shape": [64, 64]} for j in range(size)]
+    raw = {**REPEATED, "tensors": [{"repeat": 100_000, "group": group} for _ in range(groups)]}
+    with pytest.raises(transfer_io.InputError, match=r"tensors\[\d+\]: 100000 x \d+ tensors would pass 100,000 in all"):
+        transfer_io.build_transfer(raw, max_tasks=DEFAULT_MAX_TASKS)
+    assert len(matched) <= 2 * transfer_io.MAX_TENSORS  # one match per side and tensor within the limit
+
+
+def test_tensors_past_the_file_limit_are_refused_as_such_not_as_too_many_tasks():
+    """Tensors giving their own specs count from the entries; past the tensor limit, raising --max-tasks cannot help,
+    so the message is the tensor limit's."""
+    from xmesh_plan.planner import transfer_io
+
+    group = [{"name": "a{i}", "shape": [64, 64], "src": "S0 R", "dst": "R S1"}]
+    raw = {**REPEATED, "tensors": [{"repeat": 100_000, "group": group} for _ in range(30)]}
+    with pytest.raises(transfer_io.InputError, match=r"tensors\[1\]: 100000 x 1 tensors would pass 100,000 in all"):
+        transfer_io.build_transfer(raw, max_tasks=DEFAULT_MAX_TASKS)
+
+
 def test_rules_are_bounded(tmp_path):
     from xmesh_plan.planner.transfer_io import MAX_RULES, InputError, build_transfer
 
