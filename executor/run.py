@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import zlib
 from pathlib import Path
 
 import numpy as np
@@ -239,6 +240,11 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if refused_input(world, rank, usage_error, _report):
             return _leave_together(comm, 2, timeout_s)
+        if _flags_differ(world, args):
+            if rank == 0:
+                _report("error: the ranks were given different flags (or numbers of plans); give every rank the same "
+                        "flags, e.g. one mpiexec -n N command")
+            return _leave_together(comm, 2, timeout_s)
         if args.fake_hosts:
             fake_hosts(rank)
         for path in args.plans:
@@ -259,6 +265,16 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:  # MPI_Finalize would wait for ever for peers that do not know
         _fail_alone(rank, "interrupted", 130, "interrupted; the other ranks stop within --timeout")
     return _leave_together(comm, status, timeout_s)
+
+
+def _flags_differ(world: MpiCollectives, args: argparse.Namespace) -> bool:
+    """Whether any two ranks were given different flags or numbers of plans (`mpiexec ... : ...`), agreed in one
+    reduction: such ranks would run different collectives and wait out the timeout. Plan files may differ (each is
+    checked when read)."""
+    flags = {k: v for k, v in vars(args).items() if k not in ("plans", "debug")}
+    mine = zlib.crc32(repr((sorted(flags.items()), len(args.plans))).encode())
+    high, low = (int(v) for v in world.max(np.array([mine, -mine], np.int64)))
+    return high != -low
 
 
 def _report(line: str) -> None:

@@ -198,6 +198,19 @@ def test_a_usage_error_on_one_rank_alone_is_reported_by_that_rank(fixed_plan_pat
     assert "did not finish" not in result.stderr and "nothing completed" not in result.stderr, result.stderr
 
 
+@pytest.mark.parametrize("plans,options", [([], ["--iters", "2"]), ([], ["--check"]), ([str(PLANS / "weight_sync_small.plan.json")], [])],
+                         ids=["iters", "check", "one-more-plan"])
+def test_flags_that_differ_on_one_rank_are_refused_before_any_byte_moves(fixed_plan_path, plans, options):
+    """Ranks given different --iters or --check would run different collectives and wait out the timeout, and one
+    more plan on one rank hung the job for good; every rank agrees on the flags and the number of plans first."""
+    demo = [sys.executable, "-m", "xmesh_plan.executor.run", fixed_plan_path]
+    flags = ["--iters", "1", "--timeout", "30"]
+    result = mpiexec_programs(["-n", str(DEVICES - 1), *demo, *flags], ["-n", "1", *demo, *plans, *flags, *options])
+    assert result.returncode == 2, result.stderr
+    assert "different flags" in result.stderr, result.stderr
+    assert "did not finish" not in result.stderr and "nothing completed" not in result.stderr, result.stderr
+
+
 def test_ctrl_c_on_one_rank_ends_the_job(fixed_plan_path):
     """A real SIGINT on one rank mid-run: it says so and leaves without MPI_Finalize (which would wait for ever under
     -disable-auto-cleanup); the others stop within their --timeout."""
