@@ -27,7 +27,7 @@ from .unit_tasks import DEFAULT_MAX_TASKS, Cell, check_joint_task_count, decompo
 
 DIGITS = 12  # times are rounded to picoseconds so plans print and compare stably
 NIC_SIDES = ("send", "recv")  # the resources a plan's host order lists; device ports are not queued
-MAX_SIMULATED_OPERATIONS = 250_000  # about 30 us per operation (bench/bench_scaling.py); beyond this the schedule's own timetable stands in for the simulator
+MAX_SIMULATED_OPERATIONS = 2_000_000  # 10^6 operations simulate in about a minute and 2.5 GiB (bench/bench_simulate.py); beyond this the schedule's own timetable stands in
 MAX_RELISTINGS = 8  # re-simulations until the listing is the order of its own predicted starts
 
 

@@ -43,9 +43,11 @@ latencies and K overheads for A equal cross-host hops: the paper's `t + A t/K` c
 
 from __future__ import annotations
 
+import gc
 import heapq
 from collections import deque
 from collections.abc import Callable
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 from xmesh_plan.schemas import Operation, Plan, ReshardingProblem
@@ -157,7 +159,7 @@ def run_flows(flows: list[Flow], capacity: dict[str, float], max_work: int | Non
     the last time its rate changed (`_Moving`), its finish in a heap (stale entries skipped), and an event
     shares rates out again only over the links connected to a flow that started or ended (`_sharing_links`).
     """
-    share = share or max_min_rates
+    fair, share = share is None, share or max_min_rates
     waiting = {f.id: len(f.after) + len(f.after_sent) for f in flows}
     on_arrival: dict[int, list[int]] = {}
     on_sent: dict[int, list[int]] = {}
@@ -223,18 +225,26 @@ def run_flows(flows: list[Flow], capacity: dict[str, float], max_work: int | Non
         if moving.touched:  # an arrival that starts nothing leaves the moving flows, and so their rates, as they were
             affected = _sharing_links(moving.touched, by_id, moving.on_link)
             moving.touched.clear()
-            moving.set_rates(share([by_id[i] for i in sorted(affected, key=moving.seq.__getitem__)], capacity), clock)
+            if len(affected) == 1 and fair:  # one flow alone on its links: progressive filling gives it the slowest one
+                (alone,) = affected
+                moving.set_rates({alone: min(capacity[link] for link in by_id[alone].links)}, clock)
+            else:
+                moving.set_rates(share([by_id[i] for i in sorted(affected, key=moving.seq.__getitem__)], capacity), clock)
             work += len(moving.seq)
             if max_work is not None and work > max_work:
                 raise TooCostly(f"the simulation took more than its budget of {max_work} flow rate updates")
-        next_event = events[0][0] if events else float("inf")
-        clock += max(min(moving.next_time(), next_event) - clock, 0.0)
-        emptied, finished = moving.due(clock)
-        for i in emptied:
-            release(left_early(i))
-        for i in finished:
-            moving.stop(i)
-            release(sent(i))
+        step = moving.next_time()
+        if events and events[0][0] < step:
+            step = events[0][0]
+        if step > clock:
+            clock += step - clock
+        if (moving.next and moving.next[0][0] <= clock) or (moving.done and moving.done[0][0] <= clock):
+            emptied, finished = moving.due(clock)
+            for i in emptied:
+                release(left_early(i))
+            for i in finished:
+                moving.stop(i)
+                release(sent(i))
         while events and events[0][0] <= clock + REL_EPS * max(1.0, clock):
             _, i = heapq.heappop(events)
             span[i] = (span[i][0], clock)
@@ -303,28 +313,32 @@ class _Moving:
             heapq.heappush(self.next, (since + (left - f.sent_below) / r, seq, fid, version, True))
             heapq.heappush(self.done, (since + (left - f.sent_below - tol) / r, seq, fid, version, True))
 
-    def _live(self, entry: tuple[float, int, int, int, bool]) -> bool:
-        _, _, fid, version, buffer = entry
-        return self.version.get(fid) == version and not (buffer and fid in self.early)
-
     def next_time(self) -> float:
         """When the next moving flow has moved all its work (or down to its buffer)."""
-        while self.next and not self._live(self.next[0]):
-            heapq.heappop(self.next)
-        return self.next[0][0] if self.next else float("inf")
+        heap, version, early = self.next, self.version, self.early
+        while heap:
+            _, _, fid, v, buffer = heap[0]
+            if version.get(fid) == v and not (buffer and fid in early):
+                return heap[0][0]
+            heapq.heappop(heap)  # stale: its rate changed, it ended, or it is already down to its buffer
+        return float("inf")
 
     def due(self, clock: float) -> tuple[list[int], list[int]]:
         """(flows down to their buffer, flows that have moved all) at `clock`, each in the order they started:
         those whose time is up, and those within REL_EPS of their work of it."""
         hits: dict[int, bool] = {}
+        version, early, pop = self.version, self.early, heapq.heappop
         for heap in (self.next, self.done):
             while heap and heap[0][0] <= clock:
-                entry = heapq.heappop(heap)
-                if self._live(entry):
-                    hits[entry[2]] = hits.get(entry[2], False) or not entry[4]
-        emptied = sorted((i for i, whole in hits.items() if not whole), key=self.seq.__getitem__)
-        finished = sorted((i for i, whole in hits.items() if whole), key=self.seq.__getitem__)
-        return emptied, finished
+                _, _, fid, v, buffer = pop(heap)
+                if version.get(fid) == v and not (buffer and fid in early):
+                    hits[fid] = hits.get(fid, False) or not buffer
+        if len(hits) == 1:
+            ((fid, whole),) = hits.items()
+            return ([], [fid]) if whole else ([fid], [])
+        seq = self.seq.__getitem__
+        return (sorted((i for i, whole in hits.items() if not whole), key=seq),
+                sorted((i for i, whole in hits.items() if whole), key=seq))
 
 
 def _sharing_links(touched: dict[str, None], by_id: dict[int, Flow], on_link: dict[str, dict[int, None]]) -> set[int]:
@@ -355,6 +369,8 @@ class _Lowering:
         if discipline not in DISCIPLINES:
             raise ValueError(f"unknown discipline {discipline!r}; choose one of: {', '.join(DISCIPLINES)}")
         self.cluster, self.discipline = problem.cluster, discipline
+        self.per_host, self.cpu = self.cluster.devices_per_host, self.cluster.cpu
+        self.latency_s, self.overhead_s = self.cluster.latency_s, self.cluster.overhead_s
         self.itemsizes = [p.itemsize for p in problem.tensor_problems()]  # by an operation's tensor (None: the only one)
         self.nic_of_task = nic_of_task or {}
         self.flows: list[Flow] = []
@@ -368,26 +384,26 @@ class _Lowering:
         self.posted_when: dict[int, tuple[list[int], list[int]]] = {}  # device order: buffered send -> what its sender waited for to post it
         self.bytewise: set[int] = set()  # operations whose boxes count bytes, not elements: shared messages (`schemas.carriers.fused`)
         self.send_buffer = send_buffer_bytes if discipline == "device-order" else None  # `simulate(send_buffer_bytes=)`
+        self.gated: set[str] | None = None  # host order, while an operation is added: the NIC sides its flows were gated on (`gate`)
         self.lane_cache: dict[tuple[int, int, int | None], list[tuple[tuple[str, ...], float, float]]] = {}  # `lanes`
 
     def hop(self, op: Operation, a: int, b: int, nbytes: float, after: list[int], after_sent: list[int] = ()) -> list[int]:
         """One message from device a to device b; returns its flow ids (one per NIC it is striped over).
         Each stripe also carries the per-message overhead, as bytes at its slower side's speed."""
-        ha, hb = self.cluster.host_of(a), self.cluster.host_of(b)
-        if ha == hb and self.cluster.cpu is not None:
+        ha, hb = a // self.per_host, b // self.per_host  # `Cluster.host_of`
+        if ha == hb and self.cpu is not None:
             return self.cpu_hop(op, a, b, nbytes, after, after_sent)
-        latency = 0.0 if a == b else self.cluster.latency_s
-        overhead = 0.0 if a == b else self.cluster.overhead_s
+        latency, overhead = (0.0, 0.0) if a == b else (self.latency_s, self.overhead_s)
         queue = f"{a}>{b}" if a != b and self.discipline != "host-order" else ""  # executor orders: one connection per pair
-        after, after_sent = _ids(after), _ids(after_sent)
-        out = []
+        after, waits = _ids(after), _ids(after_sent)
+        flows, out = self.flows, []
         for k, (links, weight, slowest) in enumerate(self.lanes(op, a, b, ha, hb)):
             share = nbytes * weight
             buffer = self.send_buffer * share / nbytes if self.send_buffer and a != b and nbytes > 0 else 0.0
-            flow = Flow(len(self.flows), op.id, share, latency, links, after, after_sent,
-                        overhead * slowest if nbytes > 0 else 0.0, f"{queue}:{k}" if queue else "", buffer)
-            self.flows.append(flow)
-            out.append(flow.id)
+            after_sent = waits if self.gated is None else _ids(self.gate(links, waits))
+            out.append(len(flows))
+            flows.append(Flow(len(flows), op.id, share, latency, links, after, after_sent,
+                              overhead * slowest if nbytes > 0 else 0.0, f"{queue}:{k}" if queue else "", buffer))
         return out
 
     def lanes(self, op: Operation, a: int, b: int, ha: int, hb: int) -> list[tuple[tuple[str, ...], float, float]]:
@@ -425,8 +441,9 @@ class _Lowering:
         for k, device in enumerate(ends):
             links = {"cpu": cpu.cores * 1e6, f"d{device}.cpu": 1e6}
             self.capacity |= links
-            flow = Flow(len(self.flows), op.id, work, 0.0, tuple(sorted(links)), _ids(after), _ids(after_sent), 0.0,
-                        f"{queue}:{k}" if queue else "", buffer)
+            links = tuple(sorted(links))
+            flow = Flow(len(self.flows), op.id, work, 0.0, links, _ids(after),
+                        _ids(after_sent if self.gated is None else self.gate(links, after_sent)), 0.0, f"{queue}:{k}" if queue else "", buffer)
             self.flows.append(flow)
             out.append(flow.id)
         return out
@@ -448,9 +465,10 @@ class _Lowering:
             self.add_in_device_order(op)
             return
         first = len(self.flows)
+        self.gated = set()
         terminal, _ = self.emit(op, ready)
-        mine = list(range(first, len(self.flows)))
-        self.gate_on_links(mine)
+        self.gated = None
+        mine = range(first, len(self.flows))
         for key in sorted({link for i in mine for link in self.flows[i].links if link.startswith("h")}):
             self.last_on[key] = [i for i in terminal if key in self.flows[i].links] or terminal
 
@@ -500,20 +518,15 @@ class _Lowering:
                 out.setdefault(hop.dst, set()).add(hop.src)
         return {d: frozenset(p) for d, p in out.items()}
 
-    def gate_on_links(self, mine: list[int]) -> None:
-        """The first flow of this operation on each NIC side also waits for the previous operation's
+    def gate(self, links: tuple[str, ...], after_sent: list[int] | tuple[int, ...]) -> list[int] | tuple[int, ...]:
+        """Host order: the operation's first flow on each NIC side also waits for the previous operation's
         messages there to have left that side (not to have arrived: the NIC is free once they are out)."""
-        seen: set[str] = set()
-        for i in mine:
-            extra = []
-            for link in self.flows[i].links:
-                if link.startswith("h") and link not in seen:
-                    seen.add(link)
-                    extra += self.last_on.get(link, [])
-            if extra:
-                f = self.flows[i]
-                self.flows[i] = Flow(f.id, f.op, f.nbytes, f.latency_s, f.links, f.after, _ids([*f.after_sent, *extra]),
-                                     f.overhead, f.queue, f.sent_below)
+        extra = []
+        for link in links:
+            if link.startswith("h") and link not in self.gated:
+                self.gated.add(link)
+                extra += self.last_on.get(link, [])
+        return [*after_sent, *extra] if extra else after_sent
 
     def data_ready(self, op: Operation) -> list[int]:
         """What an operation that sends out of destination shards waits for: what earlier operations of its task delivered there."""
@@ -582,10 +595,24 @@ def simulate(operations: list[Operation] | tuple[Operation, ...], problem: Resha
     on its connection starts to count down only when that one's last byte has left."""
     if send_buffer_bytes is not None and not 0 < send_buffer_bytes < float("inf"):
         raise ValueError(f"send_buffer_bytes={send_buffer_bytes!r}: give a positive number of bytes, or None for the MPI engine's sends")
-    lowering, riders = lower(operations, problem, discipline, nic_of_task, run_numbers, send_buffer_bytes)
-    cost: list[int] = []
-    spans = run_flows(lowering.flows, lowering.capacity, max_work, cost, share)
-    return op_times(operations, lowering, riders, spans, cost[0])
+    with _no_cycle_collection():
+        lowering, riders = lower(operations, problem, discipline, nic_of_task, run_numbers, send_buffer_bytes)
+        cost: list[int] = []
+        spans = run_flows(lowering.flows, lowering.capacity, max_work, cost, share)
+        return op_times(operations, lowering, riders, spans, cost[0])
+
+
+@contextmanager
+def _no_cycle_collection():
+    """Python's cycle collector paused: a simulation makes millions of small objects, none in a cycle, and the
+    collector would rescan them all every few thousand (a fifth of the time at 10^5 operations)."""
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
 
 
 def lower(operations: list[Operation] | tuple[Operation, ...], problem: ReshardingProblem | TransferProblem,
