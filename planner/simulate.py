@@ -595,11 +595,48 @@ def simulate(operations: list[Operation] | tuple[Operation, ...], problem: Resha
     on its connection starts to count down only when that one's last byte has left."""
     if send_buffer_bytes is not None and not 0 < send_buffer_bytes < float("inf"):
         raise ValueError(f"send_buffer_bytes={send_buffer_bytes!r}: give a positive number of bytes, or None for the MPI engine's sends")
+    return simulated(operations, problem, discipline, nic_of_task, max_work, run_numbers, share, send_buffer_bytes)[0]
+
+
+def simulated(operations: list[Operation] | tuple[Operation, ...], problem: ReshardingProblem | TransferProblem,
+              discipline: str = "host-order", nic_of_task: dict[int, int] | None = None, max_work: int | None = None,
+              run_numbers: dict[int, list[int]] | None = None, share: ShareRule | None = None,
+              send_buffer_bytes: float | None = None) -> tuple[SimResult, _Lowering]:
+    """`simulate`, and the flows it timed (for `renumbered_only`)."""
     with _no_cycle_collection():
         lowering, riders = lower(operations, problem, discipline, nic_of_task, run_numbers, send_buffer_bytes)
         cost: list[int] = []
         spans = run_flows(lowering.flows, lowering.capacity, max_work, cost, share)
-        return op_times(operations, lowering, riders, spans, cost[0])
+        return op_times(operations, lowering, riders, spans, cost[0]), lowering
+
+
+def renumbered_only(before: list[Operation] | tuple[Operation, ...], after: list[Operation] | tuple[Operation, ...],
+                    lowering: _Lowering) -> bool:
+    """Whether listing `after` (the same operations as `before`, whose host-order flows are `lowering`) lowers to the
+    same flows, only numbered differently: the same shared messages, every NIC side taking its operations in the same
+    order (each waits for the one before there) and every task too (an operation waits for what its task's earlier ones
+    delivered). Then host order times `after` exactly as `before`, bit for bit: a flow's number decides only in which
+    order things that happen at one instant are taken, and progressive filling gives the same rates whatever order the
+    flows come in (each round subtracts one share, the same, from every link it touches; links are taken by share and
+    name). With the default sharing rule and no connection queues only, which host order is."""
+    if lowering.discipline != "host-order":
+        raise ValueError(f"renumbered_only compares host-order listings, not {lowering.discipline!r}")
+    groups = [tuple(op.id for op in group) for group in message_groups(before)]
+    if sorted(groups) != sorted(tuple(op.id for op in group) for group in message_groups(after)):
+        return False
+    task = {op.id: op.task for op in before}
+    keys: dict[int, list] = {group[0]: [("task", task[group[0]])] for group in groups}  # a message's head (its flows'
+    for f in lowering.flows:  # `op`) -> the task and NIC sides it queues on (an operation without flows waits on its task)
+        keys[f.op].extend(link for link in f.links if link.startswith("h") and link not in keys[f.op])
+
+    def queues(listing) -> dict:
+        out: dict = {}
+        for op in listing:
+            for key in keys.get(op.id, ()):
+                out.setdefault(key, []).append(op.id)
+        return out
+
+    return queues(before) == queues(after)
 
 
 @contextmanager
