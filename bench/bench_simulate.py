@@ -11,10 +11,10 @@ its peak RSS is its own: lowering plus the simulation (`planner.simulate.simulat
 even where the wall-clock seconds do not. `--disciplines posted` (every message at once, rates shared over
 thousands of concurrent flows at every event) is quadratic in either engine: keep it to 10^4.
 
-    .venv/bin/python bench/bench_simulate.py                          # 10^4 .. 10^6, reference up to 10^5
-    .venv/bin/python bench/bench_simulate.py --sizes 10000 --old-max-ops 10000
+    .venv/bin/python bench/bench_simulate.py --plans sends                           # 10^4 .. 10^6, reference up to 10^5
+    .venv/bin/python bench/bench_simulate.py --plans broadcasts --sizes 10000,100000
 
-Writes bench/results/simulate.json.
+Adds each point to bench/results/simulate.json as it is measured (a point measured again replaces its row).
 """
 
 from __future__ import annotations
@@ -104,12 +104,12 @@ def main(sizes: str, old_max_ops: int, plans: str, disciplines: str, out: Path, 
         counts = [int(s) for s in sizes.split(",")]
     except ValueError:
         raise click.BadParameter(f"{sizes!r}: give whole numbers separated by commas, e.g. 10000,100000", param_hint="--sizes")
-    rows = []
+    command = COMMAND + "".join(f" {a}" for a in sys.argv[1:])
     for kind in plans.split(","):
         for n in counts:
             for discipline in disciplines.split(","):
                 new = measure(kind, n, discipline, "new")
-                rows.append(new)
+                rows = [new]
                 line = (f"{kind:<10} {n:>9,} ops {discipline:<12} new {new['seconds']:7.1f} s (CPU {new['cpu_s']:6.1f} s, "
                         f"{new['ops_per_s']:>7,.0f} ops/s, {new['peak_rss_mib']:,.0f} MiB)")
                 if n <= old_max_ops:
@@ -120,11 +120,22 @@ def main(sizes: str, old_max_ops: int, plans: str, disciplines: str, out: Path, 
                     line += (f"  old {old['seconds']:7.1f} s (CPU {old['cpu_s']:6.1f} s, {old['peak_rss_mib']:,.0f} MiB)"
                              f"  old/new CPU {new['old_over_new']:.1f}x")
                 print(line, flush=True)
-    command = COMMAND + "".join(f" {a}" for a in sys.argv[1:])
-    path = write_json(out.name, {"command": command, "points": rows}) if out.parent == RESULTS else out
-    if out.parent != RESULTS:
-        out.write_text(json.dumps({"command": command, "points": rows}, indent=1, sort_keys=True) + "\n")
-    print(f"wrote {path}")
+                record(out, command, rows)
+    print(f"wrote {out}")
+
+
+def record(out: Path, command: str, rows: list[dict]) -> None:
+    """Add `rows` to the results in `out` (a point measured again replaces its row), after every point, so a long run
+    that is stopped keeps what it measured."""
+    data = json.loads(out.read_text()) if out.exists() else {"commands": [], "points": []}
+    key = lambda r: (r["plan"], r["operations"], r["discipline"], r["engine"])  # noqa: E731
+    fresh = {key(r) for r in rows}
+    data["points"] = sorted([r for r in data["points"] if key(r) not in fresh] + rows, key=key)
+    data["commands"] = sorted(set(data["commands"]) | {command})
+    if out.parent == RESULTS:
+        write_json(out.name, data)
+    else:
+        out.write_text(json.dumps(data, indent=1, sort_keys=True) + "\n")
 
 
 if __name__ == "__main__":
