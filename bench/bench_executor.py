@@ -34,6 +34,7 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+from xmesh_plan.schemas.files import write_atomic  # noqa: E402
 
 ROW = 16  # float32 elements per box: 64 B
 
@@ -255,7 +256,7 @@ def main(**options) -> None:
         rows += [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
     gpu = gpu_bench()
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"cpu_overhead": rows, "compared_with": args.compare, "gpu": gpu}, indent=1) + "\n")
+    write_atomic(args.out, json.dumps({"cpu_overhead": rows, "compared_with": args.compare, "gpu": gpu}, indent=1) + "\n")
     print(table(rows))
     print(f"\nGPU pack/unpack and NCCL broadcast: {gpu if isinstance(gpu, str) else json.dumps(gpu)}")
     print(f"written to {args.out}")

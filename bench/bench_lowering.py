@@ -22,6 +22,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "bench")]
 
 from report import best_seconds, compare_command, module_at  # noqa: E402
 
+from xmesh_plan.schemas.files import write_atomic  # noqa: E402
 from xmesh_plan.executor.lower import lower  # noqa: E402
 from xmesh_plan.executor.ranks import plan_devices  # noqa: E402
 from xmesh_plan.planner.compile import compile_plan  # noqa: E402
@@ -65,7 +66,7 @@ def main(**options) -> None:
         if before is not None:
             line += f" {r['before_s']:.3f} s | {r['lower_s'] / r['before_s']:.2f} |"
         print(line)
-    args.out.write_text(json.dumps({"compared_with": args.compare, "rows": rows}, indent=1) + "\n")
+    write_atomic(args.out, json.dumps({"compared_with": args.compare, "rows": rows}, indent=1) + "\n")
     print(f"written to {args.out}")
 
 

@@ -23,6 +23,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "bench")]
 
 from report import best_seconds, compare_command, module_at  # noqa: E402
 
+from xmesh_plan.schemas.files import write_atomic  # noqa: E402
 from xmesh_plan.planner import simulate as simulate_now  # noqa: E402
 from xmesh_plan.planner import strategies as strategies_now  # noqa: E402
 from xmesh_plan.planner.compile import _sender_per_host, compile_plan  # noqa: E402
@@ -80,7 +81,7 @@ def main(**options) -> None:
         print(row, flush=True)
     if args.compare:
         table(rows, args.compare)
-    args.out.write_text(json.dumps({"compared_with": args.compare, "rows": rows}, indent=1) + "\n")
+    write_atomic(args.out, json.dumps({"compared_with": args.compare, "rows": rows}, indent=1) + "\n")
     print(f"written to {args.out}")
 
 

@@ -31,7 +31,7 @@ def measure(name: str, problem) -> dict:
     row = {"case": name, "alpa_send_recv": baseline_seconds(problem, "alpa-send-recv"),
            "alpa_allgather": baseline_seconds(problem, "alpa-allgather")}
     for solver in PAPER_SOLVERS:
-        row[f"broadcast_{solver}"] = compile_plan(problem, "broadcast", solver).predicted_seconds
+        row[f"broadcast_{solver}"] = compile_plan(problem, strategy="broadcast", solver=solver).predicted_seconds
     begin = time.perf_counter()
     plan = compile_plan(problem)
     row["compile_s"] = time.perf_counter() - begin

@@ -33,6 +33,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "bench"))
 
 from bench_executor import ROW, allocation, many_task_plan  # noqa: E402
+from xmesh_plan.schemas.files import write_atomic  # noqa: E402
 
 RANKS = {"send": 2, "send_strided": 2, "broadcast": 4}
 
@@ -148,7 +149,7 @@ def main(**options) -> None:
         return
     rows = [row for kind in args.kinds.split(",") for row in launch(kind, args.tasks, args.iters)]
     out = ROOT / "bench" / "results" / "torch_engine.json"
-    out.write_text(json.dumps(rows, indent=1) + "\n")
+    write_atomic(out, json.dumps(rows, indent=1) + "\n")
     print(table(rows))
 
 

@@ -11,10 +11,10 @@ if __name__ != "xmesh_plan.executor":  # this folder reached under its bare name
                       "(pip install -e .); under another name it would load a second copy of the package")
 
 from .errors import BackendUnavailableError, ExecutorError, PeerTimeoutError, PlanMismatchError
-from .engines import BACKENDS, ENGINES
+from .engines import BACKENDS, ENGINES, TransportOptions
 from .executor import ReshardingExecutor
 from .ranks import device_of_rank, plan_devices
 from .transfer_executor import TransferExecutor
 
 __all__ = ["BACKENDS", "ENGINES", "BackendUnavailableError", "ExecutorError", "PeerTimeoutError", "PlanMismatchError",
-           "ReshardingExecutor", "TransferExecutor", "device_of_rank", "plan_devices"]
+           "ReshardingExecutor", "TransferExecutor", "TransportOptions", "device_of_rank", "plan_devices"]

@@ -23,7 +23,30 @@ from typing import Any, Callable, Protocol
 
 import numpy as np
 
+from xmesh_plan.schemas.staging import SYNC_SEND_BYTES
+
 from .lower import RankProgram
+
+
+@dataclass(frozen=True)
+class TransportOptions:
+    """How an engine matches and acknowledges its messages; pass the same on every rank (a rank that expects a
+    receipt its peer never sends waits until its timeout).
+
+    `match_by_tag`: False posts every message with tag 0, so gloo matches a pair's messages by their order alone,
+    as NCCL does (tests use it to show a wrong order as wrong bytes). `receipt_bytes`: in device order on gloo, the
+    torch engine ends an operation's messages of at least this many bytes to one peer when the peer's 1-byte
+    receipt arrives (`torch_engine.TorchEngine._add_receipts`; the MPI engine's synchronous sends start at the same
+    size); None: no receipts."""
+
+    match_by_tag: bool = True
+    receipt_bytes: int | None = SYNC_SEND_BYTES
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.match_by_tag, bool):
+            raise ValueError(f"TransportOptions.match_by_tag={self.match_by_tag!r}; pass True or False")
+        if self.receipt_bytes is not None and (not isinstance(self.receipt_bytes, int) or self.receipt_bytes < 1):
+            raise ValueError(f"TransportOptions.receipt_bytes={self.receipt_bytes!r}; pass a positive byte count or None (no receipts)")
 
 
 @dataclass(frozen=True)
@@ -40,6 +63,7 @@ class EngineContext:
     gpu: int | None = None
     devices_per_host: int = 1
     joined: bool = False  # one tensor of a multi-tensor plan whose steps a joint engine replays (`EngineEntry.join`)
+    transport: TransportOptions = TransportOptions()
 
 
 class Engine(Protocol):
@@ -92,6 +116,14 @@ class EngineEntry:
     module: str
     build: Callable[[Any, RankProgram, EngineContext], Engine]
     summary: str
+    # What the engine can do, read by the executors instead of comparing engine names:
+    # several reshards in flight at once, a waiting one driving the others (so a multi-tensor plan posts
+    # every tensor's messages at once, and that is its default order for such a plan)
+    concurrent: bool = False
+    # messages carry MPI-style tags, each below the world's tag limit (NCCL's calls carry none)
+    tagged: bool = True
+    # the staging it allocates is known only once every tensor is lowered (it lays staging out its own way)
+    own_staging: bool = False
     # builds the engine that replays a `joint.JointProgram` over every tensor's set-up engine (device order
     # across the tensors of a multi-tensor plan); None: the engine cannot
     join: Callable[[Any, Any, list], Engine] | None = None
@@ -123,11 +155,12 @@ class EngineEntry:
 ENGINES: dict[str, EngineEntry] = {e.name: e for e in (
     EngineEntry("mpi", "mpi", "xmesh_plan.executor.mpi_engine",
                 lambda m, p, c: m.MpiEngine(p, c.comm, c.rank_of, c.storage, c.timeout_s, c.poll_s),
-                "MPI point-to-point on host memory (numpy)", join=lambda m, p, parts: m.JointMpiEngine(p, parts)),
+                "MPI point-to-point on host memory (numpy)", concurrent=True,
+                join=lambda m, p, parts: m.JointMpiEngine(p, parts)),
     EngineEntry("nccl", "mpi", "xmesh_plan.executor.nccl_engine",
                 lambda m, p, c: m.NcclEngine(p, c.comm, c.rank_of, c.storage, c.timeout_s, c.poll_s, gpu=c.gpu,
                                              devices_per_host=c.devices_per_host, joined=c.joined),
-                "NCCL broadcasts through CuPy on GPUs, ids exchanged over MPI",
+                "NCCL broadcasts through CuPy on GPUs, ids exchanged over MPI", tagged=False, own_staging=True,
                 join=lambda m, p, parts: m.JointNcclEngine(p, parts), need=lambda m, p: m.nccl_program(p).stage_bytes,
                 joint_need=lambda m, j, ps: m.joint_nccl_program(ps, j.operations, dict(j.carriers), j.align).stage_bytes),
     EngineEntry("torch", "torch", "xmesh_plan.executor.torch_engine", lambda m, p, c: m.TorchEngine(p, c),
@@ -138,12 +171,27 @@ ENGINES: dict[str, EngineEntry] = {e.name: e for e in (
 TORCH_BACKENDS = ("gloo", "nccl")
 """Process-group backend names that, with a torch process group, select the torch engine (and are checked against the group)."""
 
-BACKENDS = (*ENGINES, "gloo")
+ALIASES = {"gloo": "torch"}
+"""Backend names that always select another engine (`gloo` runs over a torch process group whatever the world)."""
+
+DEFAULT_ENGINE = {"mpi": "mpi", "torch": "torch"}
+"""The engine a world of each kind runs when no backend is named."""
+
+BACKENDS = (*ENGINES, *ALIASES)
 
 
-def engine_entry(backend: str, world: str) -> EngineEntry:
-    """The engine `backend` names for a world of kind `world`; ValueError listing the valid names otherwise."""
-    named = "torch" if backend == "gloo" or (world == "torch" and backend in TORCH_BACKENDS) else backend
+def world_of_backend(backend: str | None) -> str | None:
+    """The kind of world a backend name needs when no communicator says (None: either, or unknown)."""
+    entry = ENGINES.get(ALIASES.get(backend, backend)) if backend is not None else None
+    return None if entry is None else entry.world
+
+
+def engine_entry(backend: str | None, world: str) -> EngineEntry:
+    """The engine `backend` names for a world of kind `world` (None: the world's default); ValueError listing
+    the valid names otherwise."""
+    if backend is None:
+        backend = DEFAULT_ENGINE[world]
+    named = "torch" if world == "torch" and backend in TORCH_BACKENDS else ALIASES.get(backend, backend)
     entry = ENGINES.get(named)
     if entry is None:
         raise ValueError(f"backend {backend!r} is unknown; use one of: {', '.join(BACKENDS)}")

@@ -23,10 +23,11 @@ from xmesh_plan.schemas.staging import stage_budget
 from xmesh_plan.schemas.plan_tensors import is_multi
 
 from .arrays import storage_dtype
-from .engines import BACKENDS, EngineContext, engine_entry
+from .engines import BACKENDS, TORCH_BACKENDS, EngineContext, TransportOptions, engine_entry, world_of_backend
 from .errors import ExecutorError, PlanMismatchError
 from .lower import ORDERS, RankProgram, in_device_order, lower
 from .ranks import device_of_rank, rank_of_devices
+from .replay import stopped
 from .worlds import MpiWorld, TorchWorld, is_mpi_comm, is_torch_group, poll_until
 from .timeouts import MAX_TIMEOUT_S, check_timeout, is_number
 
@@ -45,7 +46,7 @@ def poll(request, timeout_s: float, poll_s: tuple[float, float], what: str) -> N
 
 def make_world(comm, backend: str | None):
     """The world `comm` names: an mpi4py communicator, a torch process group, or None (torch's default group)."""
-    if is_torch_group(comm) or (comm is None and backend in ("torch", "gloo")):
+    if is_torch_group(comm) or (comm is None and world_of_backend(backend) == "torch"):
         return TorchWorld(comm)
     if not is_mpi_comm(comm):
         raise TypeError(f"comm is a {type(comm).__name__}; pass an mpi4py communicator, e.g. MPI.COMM_WORLD, "
@@ -75,7 +76,7 @@ def check_usable(call: str, closed: bool, engine, in_flight: bool) -> None:
     if engine is None:
         raise ExecutorError(f"call prepare() (on every rank) before {call}")
     if engine.broken and not in_flight:
-        raise ExecutorError(f"this executor stopped after an error ({engine.broken}); close() it, then create and prepare a new one")
+        raise stopped(engine.broken)
 
 
 def finish_in_flight(engine) -> BaseException | None:
@@ -93,11 +94,105 @@ def finish_in_flight(engine) -> BaseException | None:
     return None
 
 
-class ReshardingExecutor:
+class Flight:
+    """The calls into one engine and the protocol around them, the same for every executor face: refuse a call before
+    prepare(), after close() or after an error (`check_usable`); one reshard in flight at a time; anything that
+    escapes an engine call (a peer timeout, Ctrl-C, an exception from a signal handler) leaves requests half done,
+    so the engine is marked broken (`abandon`) and never restarts them; close() finishes a reshard in flight first.
+    (Each call is written out rather than wrapped, so a call allocates no bound method.)"""
+
+    __slots__ = ("engine", "in_flight", "closed")
+
+    def __init__(self) -> None:
+        self.engine = None  # set once prepared
+        self.in_flight = False
+        self.closed = False
+
+    def usable(self, call: str) -> None:
+        check_usable(call, self.closed, self.engine, self.in_flight)
+
+    def start(self, source) -> None:
+        """Start the engine on `source` (the caller checked `usable` and adopted the source shard)."""
+        if self.in_flight:
+            raise ExecutorError("start() called while a reshard is in flight; call wait() first")
+        try:
+            self.in_flight = True
+            self.engine.start(source)
+        except BaseException as err:
+            self.abandon(err, "start()")
+            raise
+
+    def test(self) -> bool:
+        self.usable("test()")
+        if not self.in_flight:
+            return True
+        try:
+            return self.engine.test()
+        except BaseException as err:
+            self.abandon(err, "test()")
+            raise
+
+    def wait(self):
+        """Finish the reshard in flight; the engine's destination shard."""
+        self.usable("wait()")
+        if not self.in_flight:
+            raise ExecutorError("wait() called without start()")
+        try:
+            self.engine.wait()
+        except BaseException as err:
+            self.abandon(err, "wait()")
+            raise
+        self.in_flight = False
+        return self.engine.dst
+
+    def abandon(self, err: BaseException, call: str) -> None:
+        """Give up the reshard in flight after `err` escaped `call`: the engine refuses to run again."""
+        self.in_flight = False
+        if not self.engine.broken:
+            self.engine.abandon(f"{type(err).__name__} in {call}")
+
+    def close(self) -> BaseException | None:
+        """Finish a reshard in flight (`finish_in_flight`), close the engine; an interrupt to raise once the caller
+        has released the rest, or None."""
+        interrupted = None
+        if self.in_flight:
+            interrupted = finish_in_flight(self.engine)
+            self.in_flight = False
+        if self.engine is not None and hasattr(self.engine, "close"):
+            self.engine.close()
+        self.closed = True
+        return interrupted
+
+
+class Flying:
+    """An executor face's `engine`, `in_flight` and `closed`, read from its `flight` (a `Flight`)."""
+
+    flight: Flight
+
+    @property
+    def engine(self):
+        """The engine that replays this rank's reshards (None before prepare())."""
+        return self.flight.engine
+
+    @engine.setter
+    def engine(self, engine) -> None:
+        self.flight.engine = engine
+
+    @property
+    def in_flight(self) -> bool:
+        return self.flight.in_flight
+
+    @property
+    def closed(self) -> bool:
+        return self.flight.closed
+
+
+class ReshardingExecutor(Flying):
     """Replays one plan on this rank; see the module docstring for the calling pattern."""
 
     def __init__(self, plan: Plan, comm=None, backend: str | None = None, timeout_s: float = 60.0,
-                 poll_s: tuple[float, float] = DEFAULT_POLL_S, gpu: int | None = None, order: str = "device"):
+                 poll_s: tuple[float, float] = DEFAULT_POLL_S, gpu: int | None = None, order: str = "device",
+                 transport: TransportOptions | None = None):
         """`backend`: a name in `executor.engines.BACKENDS`; None picks `mpi` for an mpi4py communicator and
         `torch` for a process group. With a process group, `gloo` and `nccl` also pick `torch` and must
         match the group's backend. `order`: `device` (each device takes part in one operation at a time,
@@ -105,7 +200,8 @@ class ReshardingExecutor:
         cluster, and steadier) or `posted` (every message posted at once, the transport shares the links);
         see `lower.in_device_order`. Staging is the largest run's in device order and the sum of every
         staged box posted; a plan compiled with `--max-staging-mb` states its peaks, and an order that
-        would need more is refused in prepare()."""
+        would need more is refused in prepare(). `transport`: how messages are matched and acknowledged
+        (`engines.TransportOptions`; the defaults suit every engine), the same on every rank."""
         if not isinstance(plan, Plan):
             raise TypeError(f"plan is a {type(plan).__name__}; pass a schemas.Plan, e.g. schemas.read_plan_file('x.plan.json')")
         if is_multi(plan):
@@ -116,15 +212,18 @@ class ReshardingExecutor:
         if order not in ORDERS:
             raise ValueError(f"order {order!r} is unknown; use one of: {', '.join(ORDERS)}")
         world = make_world(comm, backend)
-        self.entry = engine_entry(backend or ("torch" if world.kind == "torch" else "mpi"), world.kind)
+        self.entry = engine_entry(backend, world.kind)
         timeout_s = check_timeout(timeout_s)
         if not (isinstance(poll_s, (tuple, list)) and len(poll_s) == 2 and all(map(is_number, poll_s))
                 and 0 < poll_s[0] <= poll_s[1] <= MAX_TIMEOUT_S):
             raise ValueError(f"poll_s={poll_s!r} must be (shortest, longest) sleep in seconds with 0 < shortest <= longest")
         self.plan, self.world, self.backend = plan, world, backend or self.entry.name
         self.timeout_s, self.poll_s, self.gpu, self.order = float(timeout_s), (float(poll_s[0]), float(poll_s[1])), gpu, order
+        if transport is not None and not isinstance(transport, TransportOptions):
+            raise TypeError(f"transport is a {type(transport).__name__}; pass an executor.TransportOptions or None")
+        self.transport = transport or TransportOptions()
         self.program: RankProgram | None = None
-        self.engine = None
+        self.flight = Flight()  # the engine (once prepared) and the calls into it
         self.comm = None
         # Set by TransferExecutor before prepare(): tags start here and the engine uses this communicator
         # (another executor's, which owns and releases it), so the tensors of one plan share one.
@@ -132,8 +231,6 @@ class ReshardingExecutor:
         # Set by TransferExecutor in device order: the steps stay as lowered (flagged device order, so engines
         # send large messages synchronously) and one joint engine orders them across the plan's tensors.
         self.joined = False
-        self.in_flight = False
-        self.closed = False
 
     @property
     def device(self) -> int:
@@ -154,10 +251,10 @@ class ReshardingExecutor:
 
         `TransferExecutor` calls the halves apart, so that in device order it can lay every tensor's
         staging out in one area (`executor.joint`) before the engines are set up."""
-        if self.engine is not None or self.program is not None or self.closed:
+        if self.flight.engine is not None or self.program is not None or self.flight.closed:
             raise ExecutorError("prepare() was already called on this executor; call it once, then run() every iteration")
-        # messages each need their own tag (below MPI's TAG_UB); CuPy's NCCL calls use no tags
-        tag_limit = 2**62 if self.entry.name == "nccl" else self.world.tag_limit()
+        # messages each need their own tag (below MPI's TAG_UB); an engine without tags has no limit
+        tag_limit = self.world.tag_limit() if self.entry.tagged else 2**62
         error = program = None
         try:  # a refusal here (the world size too) is shared with every rank before anyone raises
             program = lower(self.plan, self.device, tag_limit=tag_limit, first_tag=self.tag_offset)
@@ -178,17 +275,18 @@ class ReshardingExecutor:
         self.comm = self.shared_comm if self.shared_comm is not None else self.world.engine_comm(self.timeout_s, self.poll_s)
         problem = self.plan.problem
         context = EngineContext(self.comm, rank_of_devices(self.plan), problem.dtype, storage_dtype(problem.dtype),
-                                self.timeout_s, self.poll_s, self.gpu, problem.cluster.devices_per_host, self.joined)
-        self.engine = self.entry.make(self.program, context)
-        if self.backend in ("gloo", "nccl") and self.world.kind == "torch" and self.world.backend != self.backend:
+                                self.timeout_s, self.poll_s, self.gpu, problem.cluster.devices_per_host, self.joined,
+                                self.transport)
+        self.flight.engine = engine = self.entry.make(self.program, context)
+        if self.backend in TORCH_BACKENDS and self.world.kind == "torch" and self.world.backend != self.backend:
             raise ExecutorError(f"backend={self.backend!r} but the process group runs {self.world.backend}; "
                                 "pass backend='torch' (any group) or a group of that backend")
         if stage is not None:
-            self.engine.setup(stage=stage)
+            engine.setup(stage=stage)
         elif stage_bytes is not None:
-            self.engine.setup(stage_bytes=stage_bytes)
+            engine.setup(stage_bytes=stage_bytes)
         else:
-            self.engine.setup()
+            engine.setup()
 
     def _agree(self, error: PlanMismatchError | None) -> None:
         """All ranks learn whether any rank refused the plan or loaded a different one."""
@@ -216,43 +314,22 @@ class ReshardingExecutor:
 
     def start(self, local_shard=None) -> None:
         """Begin a reshard and return at once; do not modify `local_shard` until `wait()` returns."""
-        self._check_usable("run() or start()")
-        if self.in_flight:
+        flight = self.flight
+        flight.usable("run() or start()")
+        if flight.in_flight:
             raise ExecutorError("start() called while a reshard is in flight; call wait() first")
-        source = self._adopt(local_shard)
-        try:
-            self.in_flight = True
-            self.engine.start(source)
-        except BaseException as err:
-            self._abandon(err, "start()")
-            raise
+        flight.start(self._adopt(local_shard))
 
     def test(self) -> bool:
         """Drive communication without blocking (call it now and then between start() and wait()).
 
         True when the reshard has finished (and when none is in flight); raises if the executor failed.
         """
-        self._check_usable("test()")
-        if not self.in_flight:
-            return True
-        try:
-            return self.engine.test()
-        except BaseException as err:
-            self._abandon(err, "test()")
-            raise
+        return self.flight.test()
 
     def wait(self):
         """Finish the reshard begun by start(); returns the destination shard (None on ranks outside the destination mesh)."""
-        self._check_usable("wait()")
-        if not self.in_flight:
-            raise ExecutorError("wait() called without start()")
-        try:
-            self.engine.wait()
-        except BaseException as err:
-            self._abandon(err, "wait()")
-            raise
-        self.in_flight = False
-        return self.engine.dst
+        return self.flight.wait()
 
     def close(self) -> None:
         """Release what prepare() made: the engine's requests or communicators, and the duplicated MPI communicator.
@@ -265,29 +342,12 @@ class ReshardingExecutor:
         abandoned reshard, sends still in flight may go on reading the source shard handed to
         start(): do not overwrite it until the peers are done.
         """
-        interrupted = None
-        if self.in_flight:
-            interrupted = finish_in_flight(self.engine)
-            self.in_flight = False
-        if self.engine is not None and hasattr(self.engine, "close"):
-            self.engine.close()
-        self.closed = True
+        interrupted = self.flight.close()
         comm, self.comm = self.comm, None
         if self.shared_comm is None:  # a shared communicator is its owner's to release
             self.world.release(comm)
         if interrupted is not None:
             raise interrupted
-
-    def _check_usable(self, call: str) -> None:
-        check_usable(call, self.closed, self.engine, self.in_flight)
-
-    def _abandon(self, err: BaseException, call: str) -> None:
-        """Anything that escapes an engine call (a peer timeout, Ctrl-C, an exception from a signal
-        handler) leaves requests half done: mark the engine broken so it never restarts them.
-        (Written out in each caller rather than wrapped, so a call allocates no bound method.)"""
-        self.in_flight = False
-        if not self.engine.broken:
-            self.engine.abandon(f"{type(err).__name__} in {call}")
 
     def _adopt(self, local_shard):
         """The source shard as the backend's array type, checked against the plan (None when this rank sends nothing)."""
@@ -299,9 +359,10 @@ class ReshardingExecutor:
             return None
         if local_shard is None:
             raise PlanMismatchError(f"run(): device {p.device} is in the source mesh; pass its source shard of shape {p.src_shape}")
-        array = self.engine.adopt(local_shard)
-        self.engine.check(array, self.src_shape, self.plan.problem.dtype, p.device, self.plan.problem.src.spec)
-        return self.engine.contiguous(array)
+        engine = self.flight.engine
+        array = engine.adopt(local_shard)
+        engine.check(array, self.src_shape, self.plan.problem.dtype, p.device, self.plan.problem.src.spec)
+        return engine.contiguous(array)
 
 
 def _list(ranks: list[int]) -> str:

@@ -29,7 +29,7 @@ from xmesh_plan.schemas.carriers import group_key, has_carriers
 from xmesh_plan.schemas.staging import aligned, stage_budget, staging_align
 
 from .errors import PlanMismatchError
-from .lower import Bytes, RankProgram, Step, in_device_order, stage_ranges
+from .lower import Action, Bytes, RankProgram, Step, in_device_order, stage_ranges
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,7 +52,7 @@ class JointProgram:
     align: int = 1
 
     def messages(self) -> int:
-        return sum(s.action in ("send", "recv") for s in self.steps)
+        return sum(s.action.is_message for s in self.steps)
 
 
 def join_programs(programs: Sequence[RankProgram], plan: Plan, order: str = "device") -> JointProgram:
@@ -129,7 +129,7 @@ def _share_messages(steps: tuple[Step, ...], where: tuple[tuple[int, int], ...],
                 raise PlanMismatchError(f"{first.describe()}: the bundles of operation {group}'s message are not laid out "
                                         "one after another in staging; recompile the plan and check it with `xmesh-plan verify`")
         deps = sorted({d for i in indices for d in steps[i].deps} - set(indices))
-        keep = indices[-1] if action == "send" else indices[0]
+        keep = indices[-1] if action is Action.SEND else indices[0]
         merged[keep] = replace(steps[keep], data=Bytes("stage", first.data.start, last.data.stop), deps=tuple(deps), tag=first.tag)
         instead |= {i: keep for i in indices if i != keep}
     if not instead:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field, replace
+from enum import StrEnum
 from typing import Hashable, Literal, Mapping, Sequence
 
 import numpy as np
@@ -30,7 +31,28 @@ from xmesh_plan.schemas.staging import ORDERS, contiguous_span, device_layout
 
 from .errors import PlanMismatchError
 
-Action = Literal["copy", "pack", "unpack", "send", "recv"]
+class Action(StrEnum):
+    """What a step does: a local copy between shards, a pack into or unpack out of staging, or one end of a message."""
+
+    COPY = "copy"
+    PACK = "pack"
+    UNPACK = "unpack"
+    SEND = "send"
+    RECV = "recv"
+
+    @property
+    def is_message(self) -> bool:
+        """A send or receive: a request to a peer (the others are local copies that run at once)."""
+        return self in _MESSAGES
+
+    @property
+    def reads_staging_first(self) -> bool:
+        """A step that device order gates behind the operations before it (messages, and packs into staging)."""
+        return self in _GATED
+
+
+_MESSAGES = frozenset({Action.SEND, Action.RECV})
+_GATED = frozenset({Action.SEND, Action.RECV, Action.PACK})
 Side = Literal["src", "dst"]
 
 
@@ -76,12 +98,19 @@ class Step:
     target: Box | None = None
     piece: str = ""
 
+    @property
+    def reads_src(self) -> bool:
+        """Whether the step reads the caller's source shard (engines remake its request or views per shard)."""
+        if self.action is Action.SEND:
+            return self.data.buffer == "src"
+        return (self.action is Action.COPY or self.action is Action.PACK) and self.box.side == "src"
+
     def describe(self) -> str:
         """`op 7 (task 3, broadcast chunk 2/4): receive 4096 B from device 5`, for error messages."""
         what = f"op {self.op} (task {self.task}, {self.kind}{' ' + self.piece if self.piece else ''})"
-        if self.action == "send":
+        if self.action is Action.SEND:
             return f"{what}: send {self.data.nbytes} B to device {self.peer}"
-        if self.action == "recv":
+        if self.action is Action.RECV:
             return f"{what}: receive {self.data.nbytes} B from device {self.peer}"
         return f"{what}: {self.action}"
 
@@ -127,10 +156,10 @@ def _staged_calls(steps: list[Step], first: int, device: int) -> list[StagedCall
     out = []
     for s in mine:
         lo, hi = s.data.start - base, s.data.stop - base
-        if s.action in ("pack", "unpack"):
+        if s.action in (Action.PACK, Action.UNPACK):
             out.append(StagedCall(s.op, s.task, s.kind, s.action, lo, hi, box=s.box))
-        elif s.action in ("send", "recv"):
-            root = device if s.action == "send" else s.peer
+        elif s.action.is_message:
+            root = device if s.action is Action.SEND else s.peer
             out.append(StagedCall(s.op, s.task, s.kind, "bcast", lo, hi, group=tuple(sorted((device, s.peer))), root=root,
                                   crossing=s.piece == "bundle"))
     return out
@@ -162,7 +191,7 @@ class RankProgram:
         return None if self.dst_block is None else region_shape(self.dst_block)
 
     def messages(self) -> int:
-        return sum(s.action in ("send", "recv") for s in self.steps)
+        return sum(s.action.is_message for s in self.steps)
 
 
 def make_box(side: Side, region: Region, block: Region, itemsize: int) -> Box:
@@ -317,7 +346,7 @@ class _Builder:
             return Bytes(box.side, *box.span), [deps] * len(ranges)
         start = self.stage(box.nbytes)
         data = Bytes("stage", start, start + box.nbytes)
-        return data, [tuple(self.add("pack", op, deps=deps, data=d, box=piece, piece=name)
+        return data, [tuple(self.add(Action.PACK, op, deps=deps, data=d, box=piece, piece=name)
                             for d, piece in self.pieces(box, data, lo, hi)) for (lo, hi), name in zip(ranges, names)]
 
     def pieces(self, box: Box, staged: Bytes, lo: int, hi: int) -> list[tuple[Bytes, Box]]:
@@ -345,20 +374,20 @@ class _Builder:
         done = []
         for tag, (lo, hi), piece in zip(tags, ranges, pieces):
             chunk = Bytes(land.buffer, land.start + lo, land.start + hi)
-            recv = self.add("recv", op, peer=peer, tag=tag, data=chunk, piece=piece)
+            recv = self.add(Action.RECV, op, peer=peer, tag=tag, data=chunk, piece=piece)
             if forward_to is not None:
-                self.add("send", op, deps=(recv,), peer=forward_to, tag=tag, data=chunk, piece=piece)
+                self.add(Action.SEND, op, deps=(recv,), peer=forward_to, tag=tag, data=chunk, piece=piece)
             if land.buffer != "stage":
                 done.append(recv)
             else:  # unpacked chunk by chunk, while the next chunks arrive
-                done += [self.add("unpack", op, deps=(recv,), data=d, box=sub, piece=piece) for d, sub in self.pieces(box, land, lo, hi)]
+                done += [self.add(Action.UNPACK, op, deps=(recv,), data=d, box=sub, piece=piece) for d, sub in self.pieces(box, land, lo, hi)]
         self.record(op, box.region, done)
 
 
 def _lower_copy(b: _Builder, op: Operation, base: int) -> None:
     if op.src == b.device:
         source, target = b.box("src", op.region), b.box("dst", op.region)
-        b.record(op, op.region, [b.add("copy", op, box=source, target=target)])
+        b.record(op, op.region, [b.add(Action.COPY, op, box=source, target=target)])
         b.collective(op, b.device, source, target=target)
 
 
@@ -375,7 +404,7 @@ def _lower_chain(b: _Builder, op: Operation, base: int) -> None:
     if b.device == op.src:
         data, waits = b.outgoing_chunks(op, own, (), ranges, pieces)
         for tag, (lo, hi), piece, deps in zip(tags, ranges, pieces, waits):
-            b.add("send", op, deps=deps, peer=chain[0], tag=tag, data=Bytes(data.buffer, data.start + lo, data.start + hi), piece=piece)
+            b.add(Action.SEND, op, deps=deps, peer=chain[0], tag=tag, data=Bytes(data.buffer, data.start + lo, data.start + hi), piece=piece)
         return
     i = chain.index(b.device)
     prev = op.src if i == 0 else chain[i - 1]
@@ -405,17 +434,17 @@ def _lower_ring(b: _Builder, op: Operation, base: int) -> None:
         if missing is not None or late:
             b.fail(op, f"device {b.device} sends {format_region(missing or late[0])} which it does not hold at {op.start_s:.9g}s")
         data, deps = b.outgoing(op, b.box("dst", mine), tuple(step for _, step, _ in held))
-        b.add("send", op, deps=deps, peer=right, tag=base, data=data, piece=f"part {i}")
+        b.add(Action.SEND, op, deps=deps, peer=right, tag=base, data=data, piece=f"part {i}")
     for step in range(n - 1):  # receive at `step` what member i-1 sends, and pass it on at step + 1
         j = (i - 1 - step) % n
         if is_empty(op.parts[j]):
             continue
         box = b.box("dst", op.parts[j])
         land = b.landing(box)
-        recv = b.add("recv", op, peer=left, tag=base + step, data=land, piece=f"part {j}")
+        recv = b.add(Action.RECV, op, peer=left, tag=base + step, data=land, piece=f"part {j}")
         if step < n - 2:
-            b.add("send", op, deps=(recv,), peer=right, tag=base + step + 1, data=land, piece=f"part {j}")
-        done = [recv] if land.buffer != "stage" else [b.add("unpack", op, deps=(recv,), data=land, box=box)]
+            b.add(Action.SEND, op, deps=(recv,), peer=right, tag=base + step + 1, data=land, piece=f"part {j}")
+        done = [recv] if land.buffer != "stage" else [b.add(Action.UNPACK, op, deps=(recv,), data=land, box=box)]
         b.record(op, box.region, done)
 
 
@@ -437,33 +466,33 @@ def _lower_bundle(b: _Builder, op: Operation, base: int) -> None:
 
     if b.device == op.src:
         at = b.stage(offsets[-1])
-        ready = [b.add("pack", op, data=span(at, (i,)), box=b.box("src", part), piece=f"part {i}")
+        ready = [b.add(Action.PACK, op, data=span(at, (i,)), box=b.box("src", part), piece=f"part {i}")
                  for i, (part, holder) in enumerate(zip(op.parts, op.holders)) if holder == b.device]
-        ready += [b.add("recv", op, peer=h, tag=base + k, data=span(at, run), piece=f"gather {k}")
+        ready += [b.add(Action.RECV, op, peer=h, tag=base + k, data=span(at, run), piece=f"gather {k}")
                   for k, (h, run) in enumerate(gathers)]
-        b.add("send", op, deps=tuple(ready), peer=relay, tag=cross, data=Bytes("stage", at, at + offsets[-1]), piece="bundle")
+        b.add(Action.SEND, op, deps=tuple(ready), peer=relay, tag=cross, data=Bytes("stage", at, at + offsets[-1]), piece="bundle")
         return
     for k, (h, run) in enumerate(gathers):
         if h == b.device:
             at = b.stage(offsets[run[-1] + 1] - offsets[run[0]]) - offsets[run[0]]
-            packs = tuple(b.add("pack", op, data=span(at, (i,)), box=b.box("src", op.parts[i]), piece=f"part {i}") for i in run)
-            b.add("send", op, deps=packs, peer=op.src, tag=base + k, data=span(at, run), piece=f"gather {k}")
+            packs = tuple(b.add(Action.PACK, op, data=span(at, (i,)), box=b.box("src", op.parts[i]), piece=f"part {i}") for i in run)
+            b.add(Action.SEND, op, deps=packs, peer=op.src, tag=base + k, data=span(at, run), piece=f"gather {k}")
     if b.device == relay:
         at = b.stage(offsets[-1])
-        recv = b.add("recv", op, peer=op.src, tag=cross, data=Bytes("stage", at, at + offsets[-1]), piece="bundle")
+        recv = b.add(Action.RECV, op, peer=op.src, tag=cross, data=Bytes("stage", at, at + offsets[-1]), piece="bundle")
         for i, (part, needers) in enumerate(zip(op.parts, op.needers)):
             if relay in needers:
-                b.record(op, part, [b.add("unpack", op, deps=(recv,), data=span(at, (i,)), box=b.box("dst", part), piece=f"part {i}")])
+                b.record(op, part, [b.add(Action.UNPACK, op, deps=(recv,), data=span(at, (i,)), box=b.box("dst", part), piece=f"part {i}")])
         for j, (d, run) in enumerate(scatters):
-            b.add("send", op, deps=(recv,), peer=d, tag=cross + 1 + j, data=span(at, run), piece=f"scatter {j}")
+            b.add(Action.SEND, op, deps=(recv,), peer=d, tag=cross + 1 + j, data=span(at, run), piece=f"scatter {j}")
         return
     for j, (d, run) in enumerate(scatters):
         if d == b.device:
             at = b.stage(offsets[run[-1] + 1] - offsets[run[0]]) - offsets[run[0]]
-            recv = b.add("recv", op, peer=relay, tag=cross + 1 + j, data=span(at, run), piece=f"scatter {j}")
+            recv = b.add(Action.RECV, op, peer=relay, tag=cross + 1 + j, data=span(at, run), piece=f"scatter {j}")
             for i in run:
                 box = b.box("dst", op.parts[i])
-                b.record(op, op.parts[i], [b.add("unpack", op, deps=(recv,), data=span(at, (i,)), box=box, piece=f"part {i}")])
+                b.record(op, op.parts[i], [b.add(Action.UNPACK, op, deps=(recv,), data=span(at, (i,)), box=box, piece=f"part {i}")])
 
 
 _LOWER = supported("executor.lower", {"local": _lower_copy, "chain": _lower_chain, "ring": _lower_ring, "bundle": _lower_bundle})
@@ -519,7 +548,7 @@ def _staging_spans(program: RankProgram, key: Mapping[int, int]) -> dict[int, tu
     keys = [key.get(s.op, s.op) for s in program.steps]
     peers: dict[int, frozenset[int]] = {}
     for s, k in zip(program.steps, keys):
-        peers[k] = peers.get(k, frozenset()) | ({s.peer} if s.action in ("send", "recv") else set())
+        peers[k] = peers.get(k, frozenset()) | ({s.peer} if s.action.is_message else set())
     return {k: (peers[k], lo, hi) for k, (lo, hi) in stage_ranges(program.steps, keys).items()}
 
 
@@ -556,7 +585,7 @@ def in_device_order(program: RankProgram, stage_budget: int | None = None, align
             if run:
                 barrier = tuple(run) if gated else tuple(sorted(set(barrier) | set(run)))
             run, current, gated = [], run_of[k], False
-        if barrier and s.action in ("send", "recv", "pack"):
+        if barrier and s.action.reads_staging_first:
             s, gated = replace(s, deps=tuple(sorted(set(s.deps) | set(barrier)))), True
         if s.data is not None and s.data.buffer == "stage":
             moved = shift[k]

@@ -31,12 +31,11 @@ from xmesh_plan.schemas.staging import SYNC_SEND_BYTES  # device order: sends th
 
 from .arrays import as_host_array, check_shard
 from .errors import ExecutorError, PeerTimeoutError
-from .lower import RankProgram
+from .lower import Action, RankProgram
+from .replay import PROCESS, Dependencies, abandoned, backoff_wait, failure, refuse_broken
 
-SHOWN_PENDING = 3
 WINDOW = 16
 LOCK_WAIT_S = 1.0  # another thread holds an engine's lock for one pass over its requests; longer means it leaked
-_ENGINES: list = []  # weak references to every set-up engine in this process (a waiting engine drives the others)
 _THREAD = threading.local()
 
 
@@ -51,6 +50,8 @@ def _thread_token() -> object:
 
 class MpiEngine:
     """Replays a RankProgram over an mpi4py communicator (one the executor owns); an `executor.engines.Engine`."""
+
+    test_progresses = True  # test() progresses the requests itself (`replay.backoff_wait`)
 
     def __init__(self, program: RankProgram, comm, rank_of: dict[int, int], dtype: np.dtype,
                  timeout_s: float, poll_s: tuple[float, float]):
@@ -82,24 +83,19 @@ class MpiEngine:
         self.requests: list = [None] * n
         self.pairs: list = [None] * n
         weakref.finalize(self, _free_requests, self.requests, mpi)
-        self.reads_src = [s.index for s in self.steps if _reads_src(s)]  # made in _bind()
+        self.reads_src = [s.index for s in self.steps if s.reads_src]  # made in _bind()
         for s in self.steps:
-            if not _reads_src(s):
+            if not s.reads_src:
                 self._make(s.index, self.flat)
         self._schedule()
 
     def _schedule(self) -> None:
         """The per-iteration bookkeeping of the steps' dependencies (after the requests and views exist)."""
-        _ENGINES.append(weakref.ref(self, _ENGINES.remove))  # the reference leaves the list when the engine is collected
-        self.dependents: list[list[int]] = [[] for _ in self.steps]
-        for s in self.steps:
-            for d in s.deps:
-                self.dependents[d].append(s.index)
-        self.initial = [len(s.deps) for s in self.steps]
-        self.local = [s.action not in ("send", "recv") for s in self.steps]  # runs at once when launched (no request)
-        self.remaining = self.initial.copy()  # each count is restored when its step launches
-        self.first = [s.index for s in self.steps if not s.deps and s.action == "recv"]
-        self.first += [s.index for s in self.steps if not s.deps and s.action != "recv"]
+        PROCESS.register(self)  # a waiting engine drives the others this thread started
+        deps = Dependencies(self.steps)
+        self.dependents, self.initial, self.remaining, self.local = deps.dependents, deps.initial, deps.remaining, deps.local
+        self.first = [s.index for s in self.steps if not s.deps and s.action is Action.RECV]
+        self.first += [s.index for s in self.steps if not s.deps and s.action is not Action.RECV]
         self.live = [-1] * self.program.messages()
         self.head = self.tail = self.holes = self.pending = 0
         self.bound_address, self.bound_ref = None, None
@@ -107,9 +103,9 @@ class MpiEngine:
     def _make(self, i: int, flat: dict) -> None:
         """The persistent request (message) or (target, source) views (local copy) of step i, reading `flat` buffers."""
         s, mpi = self.steps[i], self._mpi
-        if s.action in ("send", "recv"):
+        if s.action.is_message:
             buf = [flat[s.data.buffer][s.data.start:s.data.stop], mpi.BYTE]
-            if s.action == "recv":
+            if s.action is Action.RECV:
                 self.requests[i] = self.comm.Recv_init(buf, source=self.peer_rank[i], tag=s.tag)
             else:
                 # in device order a large send must not finish while its bytes sit in a socket buffer, or the
@@ -118,13 +114,13 @@ class MpiEngine:
                 sync = self.program.order == "device" and s.data.nbytes >= SYNC_SEND_BYTES
                 send_init = self.comm.Ssend_init if sync else self.comm.Send_init
                 self.requests[i] = send_init(buf, dest=self.peer_rank[i], tag=s.tag)
-        elif s.action == "copy":
+        elif s.action is Action.COPY:
             self.pairs[i] = (self.dst[s.target.index], flat["src_typed"][s.box.index])
         else:
             staged = self.stage[s.data.start:s.data.stop].view(self.dtype).reshape(s.box.shape)
             shard = self.dst if s.box.side == "dst" else flat.get("src_typed")
             boxed = shard[s.box.index] if shard is not None else None
-            self.pairs[i] = (boxed, staged) if s.action == "unpack" else (staged, boxed)
+            self.pairs[i] = (boxed, staged) if s.action is Action.UNPACK else (staged, boxed)
 
     def _bind(self, src: np.ndarray | None) -> None:
         """Point the steps that read the source shard at `src`; remade only when its address changed since the last call."""
@@ -159,8 +155,7 @@ class MpiEngine:
 
     def start(self, src: np.ndarray | None) -> None:
         """Start every step that waits for nothing (receives first); `src` is the C-contiguous source shard."""
-        if self.broken:
-            raise ExecutorError(f"this executor stopped after an error ({self.broken}); create and prepare a new one")
+        refuse_broken(self.broken)
         self.owner = _thread_token()
         if not self.lock.acquire(True, LOCK_WAIT_S):  # another thread's wait() drives it for a moment at most
             raise ExecutorError("start(): this executor is held by a call that was interrupted; close() it and make a new one")
@@ -217,7 +212,7 @@ class MpiEngine:
             return False
         try:
             if self.broken:  # checked under the lock: a driver may have just found an error
-                raise self.failure or ExecutorError(f"this reshard was abandoned ({self.broken}); close() the executor and make a new one")
+                raise self.failure or abandoned(self.broken)
             return self._progress()
         finally:
             self.lock.release()
@@ -284,27 +279,19 @@ class MpiEngine:
         self.tail, self.holes = kept, 0
 
     def wait(self) -> None:
-        """Poll until done; raise PeerTimeoutError when nothing completes for `timeout_s`."""
-        low, high = self.poll_s
-        nap, me = low, _thread_token()
-        self.owner = me
+        """Poll until done (`replay.backoff_wait`); raise PeerTimeoutError when nothing completes for `timeout_s`."""
+        self.owner = _thread_token()
         self.last_progress = time.monotonic()
-        while True:
-            before = self.last_progress
-            if self.test():
-                self.src = None
-                return
-            if self.last_progress != before:
-                nap = low
-                continue
-            for ref in _ENGINES:  # a relay this rank owes in another reshard may be what a peer waits for
-                other = ref()
-                if other is not None and other is not self and other.owner is me and other.pending and not other.broken:
-                    other.drive()
-            if time.monotonic() - self.last_progress > self.timeout_s:
-                self._fail(f"nothing completed for {self.timeout_s:g} s")
-            time.sleep(nap)
-            nap = min(nap * 2, high)
+        backoff_wait(self)
+        self.src = None
+
+    def idle(self, nap: float) -> None:
+        """Between polls of wait(): drive the other reshards this thread started, then sleep `nap` seconds."""
+        PROCESS.drive_others(self, self.owner)
+        time.sleep(nap)
+
+    def timed_out(self) -> None:
+        self._fail(f"nothing completed for {self.timeout_s:g} s")
 
     def close(self) -> None:
         """Free the persistent requests (MPICH reports any still allocated at exit); the engine cannot run again."""
@@ -321,19 +308,14 @@ class MpiEngine:
     def abandon(self, why: str) -> None:
         """Refuse to run again after a reshard that did not finish; requests may still be active."""
         self.broken = why
-        _ABANDONED.append(self.src)  # active sends may still read it (they point at its memory, not the array)
+        PROCESS.keep(self.src)  # active sends may still read it (they point at its memory, not the array)
 
     def _fail(self, why: str, error: type = PeerTimeoutError) -> None:
         """Raise with the pending transfers named; the engine refuses further runs."""
-        me = self.program.device
         waiting = [i for i in self.live[self.head:self.tail] if i >= 0]
-        shown = "; ".join(f"{self.steps[i].describe()} (rank {self.peer_rank[i]})" for i in waiting[:SHOWN_PENDING])
-        more = len(waiting) - SHOWN_PENDING
-        blocked = self.pending - len(waiting)
-        self.failure = error(
-            f"device {me} (rank {self.comm.Get_rank()}): {why}; waiting on {shown or 'nothing posted'}"
-            f"{f' and {more} more transfers' if more > 0 else ''}{f', {blocked} steps not started' if blocked else ''}; "
-            "check that every rank is alive and runs the same plan, or raise timeout_s if transfers are just slow")
+        described = [f"{self.steps[i].describe()} (rank {self.peer_rank[i]})" for i in waiting]
+        self.failure = failure(self.program.device, self.comm.Get_rank(), why, described, blocked=self.pending - len(waiting),
+                               error=error)
         self.abandon(why)
         raise self.failure
 
@@ -354,7 +336,7 @@ class JointMpiEngine(MpiEngine):
         self.peer_rank = [parts[t].peer_rank[j] for t, j in where]
         self.requests = [parts[t].requests[j] for t, j in where]
         self.pairs = [parts[t].pairs[j] for t, j in where]
-        self.reads_src = [(i, t, j) for i, (t, j) in enumerate(where) if _reads_src(self.steps[i])]
+        self.reads_src = [(i, t, j) for i, (t, j) in enumerate(where) if self.steps[i].reads_src]
         self._schedule()
 
     def _bind(self, srcs: list) -> None:
@@ -378,21 +360,12 @@ def _shared_stage(stage: np.ndarray, nbytes: int) -> np.ndarray:
     return stage
 
 
-def _reads_src(step) -> bool:
-    """Whether a step reads the caller's source shard (its request or views are made per shard address)."""
-    if step.action == "send":
-        return step.data.buffer == "src"
-    return step.action in ("copy", "pack") and step.box.side == "src"
-
-
-_ABANDONED: list = []  # requests (and source shards they read) still active after a failure: kept until exit
-
 
 def _free_requests(requests: list, mpi) -> None:
     """Free the persistent requests in place; skipped once MPI is finalized.
 
     A request still active after a failure is not freed or cancelled (cancelling a persistent send
-    crashes MPICH 4 at exit) but kept referenced here, so it is never deallocated while MPI may use it.
+    crashes MPICH 4 at exit) but kept (`replay.PROCESS`), so it is never deallocated while MPI may use it.
     """
     if getattr(mpi, "Is_finalized", lambda: False)():
         return
@@ -403,7 +376,7 @@ def _free_requests(requests: list, mpi) -> None:
             if request.Test():
                 request.Free()
             else:
-                _ABANDONED.append(request)
+                PROCESS.keep(request)
         except mpi.Exception:
-            _ABANDONED.append(request)
+            PROCESS.keep(request)
         requests[k] = None

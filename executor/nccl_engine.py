@@ -20,9 +20,10 @@ import time
 import numpy as np
 
 from .arrays import check_shard, import_dlpack, is_device_array
-from .errors import BackendUnavailableError, ExecutorError, PeerTimeoutError, PlanMismatchError
+from .errors import BackendUnavailableError, PeerTimeoutError, PlanMismatchError
 from .lower import RankProgram, StagedCall
 from .nccl_plan import Bcast, Copy, joint_nccl_program, nccl_program
+from .replay import backoff_wait, refuse_broken
 
 UNIQUE_ID_BYTES = 128
 
@@ -68,6 +69,8 @@ def gpu_count(cupy) -> int:
 
 class NcclEngine:
     """Replays the NCCL calls of one device's lowered program; an `executor.engines.Engine`."""
+
+    test_progresses = False  # progress happens elsewhere; test() only looks (`replay.backoff_wait`)
 
     def __init__(self, program: RankProgram, comm, rank_of: dict[int, int], dtype: np.dtype, timeout_s: float,
                  poll_s: tuple[float, float], gpu: int | None = None, devices_per_host: int = 1, joined: bool = False):
@@ -185,8 +188,7 @@ class NcclEngine:
 
     def start(self, src) -> None:
         """Enqueue every call on the executor's stream, after the work already queued on the caller's stream."""
-        if self.broken:
-            raise ExecutorError(f"this executor stopped after an error ({self.broken}); create and prepare a new one")
+        refuse_broken(self.broken)
         cupy = self.cupy
         if src is not None and src.dtype != self.dtype:  # bfloat16/float8 handed in as another int of the same size
             src = src.view(self.dtype)
@@ -244,12 +246,15 @@ class NcclEngine:
         return not self.pending
 
     def wait(self) -> None:
-        nap, deadline = self.poll_s[0], time.monotonic() + self.timeout_s
-        while not self.test():
-            if time.monotonic() > deadline:
-                self._fail()
-            time.sleep(nap)
-            nap = min(nap * 2, self.poll_s[1])
+        """Poll the last call's event (`replay.backoff_wait`); past `timeout_s` from here, abort and raise."""
+        self.last_progress = time.monotonic()  # the stream reports no progress before its last event: one deadline
+        backoff_wait(self)
+
+    def idle(self, nap: float) -> None:
+        time.sleep(nap)
+
+    def timed_out(self) -> None:
+        self._fail()
 
     def close(self) -> None:
         """Wait for the stream, then destroy the communicators in creation order (the same on every rank)."""
@@ -307,8 +312,7 @@ class JointNcclEngine(NcclEngine):
 
     def start(self, srcs: list) -> None:
         """Enqueue every tensor's calls on this engine's stream, after the work queued on the caller's stream."""
-        if self.broken:
-            raise ExecutorError(f"this executor stopped after an error ({self.broken}); create and prepare a new one")
+        refuse_broken(self.broken)
         cupy = self.cupy
         srcs = [s.view(p.dtype) if s is not None and s.dtype != p.dtype else s for s, p in zip(srcs, self.parts)]
         self.input_ready.record(cupy.cuda.get_current_stream())

@@ -18,31 +18,23 @@ import argparse
 import math
 import os
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
 
 from xmesh_plan.schemas import Plan, PlanFileError, read_plan_file
-from xmesh_plan.schemas.op_kinds import pair_bytes
 from xmesh_plan.schemas.last_resort import DEBUG_ENV, DEBUG_FLAG, run_guarded
-from xmesh_plan.schemas.plan_tensors import is_multi, tensor_plans
+from xmesh_plan.schemas.plan_tensors import is_multi
 
+from .drive import Tensor, bytes_moved, run_plan
 from .errors import ExecutorError, PeerTimeoutError, PlanMismatchError
 from .engines import ENGINES
-from .executor import DEFAULT_POLL_S, ReshardingExecutor, poll
-from .pattern import fill, mismatches, tensor_salt
+from .executor import DEFAULT_POLL_S, poll
+from .pattern import fill, mismatches
 from .scale import factors_for, factors_per_tensor, scale_plan, scale_tensors
-from .transfer_executor import TransferExecutor
 from .timeouts import MAX_TIMEOUT_S
 
-
-def bytes_moved(plan: Plan) -> int:
-    """Bytes that cross from one device to another in one reshard (local copies excluded), all tensors together."""
-    if is_multi(plan):
-        return sum(map(bytes_moved, tensor_plans(plan)))
-    size = plan.problem.itemsize
-    return sum(nbytes for op in plan.operations for nbytes in pair_bytes(op, size).values())
+__all__ = ["bytes_moved", "console_main", "demo", "main"]
 
 
 MAX_ITERS = 1_000_000  # iteration times are kept in memory, 8 bytes each
@@ -129,33 +121,29 @@ def _arguments(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
-def _reduce(comm, values: np.ndarray, op, timeout_s: float) -> np.ndarray:
-    out = np.empty_like(values)
-    poll(comm.Iallreduce(values, out, op=op), timeout_s, DEFAULT_POLL_S, "collecting results")
-    return out
+class MpiCollectives:
+    """The driver's barrier and reductions over an mpi4py communicator, each bounded by `--timeout` (`drive.Collectives`)."""
 
+    def __init__(self, comm, timeout_s: float):
+        self.comm, self.timeout_s = comm, timeout_s
 
-def _barrier(comm, timeout_s: float, what: str = "barrier between iterations") -> None:
-    poll(comm.Ibarrier(), timeout_s, DEFAULT_POLL_S, what)
+    def barrier(self, what: str) -> None:
+        poll(self.comm.Ibarrier(), self.timeout_s, DEFAULT_POLL_S, what)
 
+    def _reduce(self, values: np.ndarray, op) -> np.ndarray:
+        out = np.empty_like(values)
+        poll(self.comm.Iallreduce(values, out, op=op), self.timeout_s, DEFAULT_POLL_S, "collecting results")
+        return out
 
-def _timed(reshard, engines, comm, args: argparse.Namespace):
-    """Run `reshard` --warmup + --iters times, each after a barrier; the last output and the timed seconds.
-    With --check the destination shards are poisoned before the last run, so a check proves it wrote them. A last
-    barrier keeps a rank that finished early from checking its shards while others still run the timed reshard."""
-    times = np.zeros(args.iters)
-    for i in range(args.warmup + args.iters):
-        if i == args.warmup + args.iters - 1 and args.check:
-            for engine in engines:
-                if engine.dst is not None:
-                    engine.poison()
-        _barrier(comm, args.timeout)
-        start = time.perf_counter()
-        out = reshard()
-        if i >= args.warmup:
-            times[i - args.warmup] = time.perf_counter() - start
-    _barrier(comm, args.timeout, "barrier after the timed reshards")
-    return out, times
+    def max(self, values: np.ndarray) -> np.ndarray:
+        from mpi4py import MPI
+
+        return self._reduce(values, MPI.MAX)
+
+    def sum(self, values: np.ndarray) -> np.ndarray:
+        from mpi4py import MPI
+
+        return self._reduce(values, MPI.SUM)
 
 
 def _size(nbytes: int) -> str:
@@ -164,75 +152,43 @@ def _size(nbytes: int) -> str:
 
 
 def demo(plan: Plan, comm, args: argparse.Namespace) -> tuple[str, bool]:
-    """Run one plan; returns rank 0's report line and whether every check passed."""
-    from mpi4py import MPI
+    """Run one plan, one tensor or many (`drive.run_plan`); returns rank 0's report line and whether every check passed."""
+    rank = comm.Get_rank()
 
-    ex = ReshardingExecutor(plan, comm, backend=args.backend, timeout_s=args.timeout, gpu=args.gpu, order=args.order or "device").prepare()
-    problem, program = plan.problem, ex.program
-    shard = fill(program.src_block, problem.shape, ex.engine.dtype) if program.src_block else None
-    if args.backend == "nccl" and shard is not None:
-        shard = ex.engine.adopt(shard)
-    out, times = _timed(lambda: ex.run(shard), [ex.engine], comm, args)
-    bad, first = (0, None)
-    if args.check and out is not None:
-        bad, first = mismatches(ex.engine.host_copy(out), program.dst_block, problem.shape)
-        if bad:
-            print(f"rank {comm.Get_rank()}: device {program.device}: {bad} elements differ, first at global index {first}",
-                  file=sys.stderr, flush=True)
-    slowest = _reduce(comm, times, MPI.MAX, args.timeout)
-    failures = _reduce(comm, np.array([bad, int(bad > 0)], np.int64), MPI.SUM, args.timeout)
-    staging = int(_reduce(comm, np.array([program.stage_bytes], np.int64), MPI.MAX, args.timeout)[0])
-    ex.close()
-    median = float(np.median(slowest))
-    moved = bytes_moved(plan)
-    line = (f"{problem.name or 'plan'}: {'x'.join(map(str, problem.shape))} {problem.dtype} ({problem.nbytes / 2**20:.1f} MiB), "
-            f"{comm.Get_size()} ranks, {len(plan.operations)} ops ({','.join(sorted({o.kind for o in plan.operations}))}), "
-            f"{args.backend}: {median * 1e3:.2f} ms/iter median of {args.iters} (min {slowest.min() * 1e3:.2f}), "
-            f"moved {moved / 2**20:.1f} MiB/iter = {moved / median / 1e9:.3f} GB/s, staging {_size(staging)}/rank at most "
-            f"({ex.order} order)")
-    if args.check:
-        line += (f"; check ok: {len(problem.dst.mesh.devices)} destination shards bit-exact" if not failures[0]
-                 else f"; CHECK FAILED: {failures[0]} elements differ on {failures[1]} devices")
-    return line, not failures[0]
+    def source(t: Tensor):
+        return t.engine.adopt(fill(t.program.src_block, t.plan.problem.shape, t.engine.dtype, t.salt))  # on the GPU for nccl
 
+    def wrong(t: Tensor, shard) -> tuple[int, str]:
+        count, first = mismatches(t.engine.host_copy(shard), t.program.dst_block, t.plan.problem.shape, t.salt)
+        return count, f", first at global index {first}"
 
-def demo_transfer(plan: Plan, comm, args: argparse.Namespace) -> tuple[str, bool]:
-    """`demo` for a multi-tensor plan: every tensor's pattern in, name -> shard out, each checked bit for bit."""
-    from mpi4py import MPI
+    def report(line: str) -> None:
+        print(f"rank {rank}: {line}", file=sys.stderr, flush=True)
 
-    ex = TransferExecutor(plan, comm, backend=args.backend, timeout_s=args.timeout, gpu=args.gpu, order=args.order).prepare()
-    salts = {name: tensor_salt(k) for k, name in enumerate(ex.names)}  # tensors of one shape get different bits
-    shards = {name: part.engine.adopt(fill(part.program.src_block, part.plan.problem.shape, part.engine.dtype, salts[name]))
-              for name, part in zip(ex.names, ex.parts) if part.program.src_block is not None}  # on the GPU for nccl
-    out, times = _timed(lambda: ex.run(shards), [part.engine for part in ex.parts], comm, args)
-    bad = tensors_bad = 0
-    for name, part in zip(ex.names, ex.parts) if args.check else ():
-        if name in out:
-            got = part.engine.host_copy(out[name])
-            wrong, first = mismatches(got, part.program.dst_block, part.plan.problem.shape, salts[name])
-            if wrong:
-                print(f"rank {comm.Get_rank()}: device {part.program.device}: tensor {name}: {wrong} elements differ, "
-                      f"first at global index {first}", file=sys.stderr, flush=True)
-            bad, tensors_bad = bad + wrong, tensors_bad + bool(wrong)
-    slowest = _reduce(comm, times, MPI.MAX, args.timeout)
-    failures = _reduce(comm, np.array([bad, tensors_bad], np.int64), MPI.SUM, args.timeout)
-    staging = ex.stage_bytes  # device order: one area every tensor shares; posted on mpi: each tensor's own
-    staging = int(_reduce(comm, np.array([staging], np.int64), MPI.MAX, args.timeout)[0])
-    ex.close()
-    median, moved, problem = float(np.median(slowest)), bytes_moved(plan), plan.problem
-    line = (f"{problem.name or 'plan'}: {len(problem.tensors)} tensors ({problem.nbytes / 2**20:.1f} MiB), {comm.Get_size()} ranks, "
+    options = {"backend": args.backend, "timeout_s": args.timeout, "gpu": args.gpu, "order": args.order}
+    done = run_plan(plan, comm, MpiCollectives(comm, args.timeout), options, args.iters, args.warmup, args.check,
+                    source, wrong, report)
+    problem, median, moved = plan.problem, done.median_s, bytes_moved(plan)
+    if is_multi(plan):
+        what = f"{len(problem.tensors)} tensors ({problem.nbytes / 2**20:.1f} MiB)"
+        ok = f"{len(problem.tensors)} tensors x {len(problem.dst_mesh.devices)} destination shards bit-exact"
+        failed = f"{done.wrong} elements differ in {done.wrong_shards} (tensor, device) shards"
+    else:
+        what = f"{'x'.join(map(str, problem.shape))} {problem.dtype} ({problem.nbytes / 2**20:.1f} MiB)"
+        ok = f"{len(problem.dst.mesh.devices)} destination shards bit-exact"
+        failed = f"{done.wrong} elements differ on {done.wrong_shards} devices"
+    line = (f"{problem.name or 'plan'}: {what}, {comm.Get_size()} ranks, "
             f"{len(plan.operations)} ops ({','.join(sorted({o.kind for o in plan.operations}))}), "
-            f"{args.backend}: {median * 1e3:.2f} ms/iter median of {args.iters} (min {slowest.min() * 1e3:.2f}), "
-            f"moved {moved / 2**20:.1f} MiB/iter = {moved / median / 1e9:.3f} GB/s, staging {_size(staging)}/rank at most "
-            f"({ex.order} order)")
+            f"{args.backend}: {median * 1e3:.2f} ms/iter median of {args.iters} (min {done.seconds.min() * 1e3:.2f}), "
+            f"moved {moved / 2**20:.1f} MiB/iter = {moved / median / 1e9:.3f} GB/s, staging {_size(done.staging)}/rank at most "
+            f"({done.order} order)")
     if args.check:
-        line += (f"; check ok: {len(problem.tensors)} tensors x {len(problem.dst_mesh.devices)} destination shards bit-exact"
-                 if not failures[0] else f"; CHECK FAILED: {failures[0]} elements differ in {failures[1]} (tensor, device) shards")
-    return line, not failures[0]
+        line += f"; check ok: {ok}" if not done.wrong else f"; CHECK FAILED: {failed}"
+    return line, not done.wrong
 
 
 def fake_hosts(rank: int) -> None:
-    """Make NCCL treat each rank as its own host (run in session 14 on one H200: 2 to 8 ranks on GPU 0, bit-exact).
+    """Make NCCL treat each rank as its own host, so several ranks can share one GPU.
 
     NCCL refuses two ranks of one host on one GPU ("Duplicate GPU detected"); the host is identified
     by a hash that NCCL_HOSTID overrides. Sockets replace the P2P and shared-memory transports, which
@@ -307,7 +263,7 @@ def main(argv: list[str] | None = None) -> int:
             status = _shared_error(rank, f"{path.name}: {err}")
             break
         try:
-            line, ok = demo_transfer(plan, comm, args) if is_multi(plan) else demo(plan, comm, args)
+            line, ok = demo(plan, comm, args)
             if rank == 0:
                 print(line + shrink, flush=True)
             status = status or (0 if ok else 1)

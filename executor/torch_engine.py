@@ -12,16 +12,17 @@ and a send must not be posted before the receives it needs. Every rank therefore
 peer, in the plan's message order (tag, then step), and posts each queue's front as soon as it is
 ready (a receive at once, a send when its data is in); it waits for posted receives earliest first.
 A send depends only on receives of its own or smaller tags, so the first unfinished message of the
-whole plan is always posted at both ends: no deadlock, on either backend. Tests also run gloo with every tag 0 (`MATCH_BY_TAG = False`), which makes gloo
-match a pair's messages by order alone, as NCCL does, so a wrong order shows as wrong bytes.
+whole plan is always posted at both ends: no deadlock, on either backend. Tests also run gloo with every tag 0
+(`TransportOptions(match_by_tag=False)`), which makes gloo match a pair's messages by order alone, as NCCL does, so a
+wrong order shows as wrong bytes.
 
-In device order on gloo, an operation's messages of 256 KiB or more (`RECEIPT_BYTES`, the size from which the MPI
+In device order on gloo, an operation's messages of 256 KiB or more (`TransportOptions.receipt_bytes`, the size from which the MPI
 engine sends synchronously) from one device to another get a receipt: once the last of them has arrived the receiver
 sends 1 byte back, and the sender's next steps wait for that instead of the sends. Gloo ends a send once the kernel's
-socket buffer holds the rest (megabytes), so without it a device began its next operation while the last was still
+socket buffer holds the rest (megabytes), so without it a device would begin its next operation while the last is still
 on the wire (`_add_receipts`). A receipt sits in both ends' queues after every message of its operation between the
 two, and it waits only for a receive of that operation, while what waits for it belongs to later operations, so the
-order above still has the first unfinished message posted at both ends. `RECEIPT_BYTES` must be the same on every
+order above still has the first unfinished message posted at both ends. The receipt size must be the same on every
 rank: a rank that expects a receipt the other never sends waits until its timeout.
 
 Gloo's point-to-point work cannot be polled: `is_completed()` stays False until `wait()` is called
@@ -31,9 +32,9 @@ has one progress thread (started by its first reshard) that posts the messages a
 on an event and, when nothing completes for `timeout_s`, raises naming the op, task and peer the
 thread waits on. On NCCL a work's
 `wait()` only orders the thread's CUDA stream after it, so the thread records an event and polls it.
-The CUDA lines (device, stream and event handling) ran once, in session 14, on one H200 with every rank on GPU 0
+The CUDA lines (device, stream and event handling) have run on one H200 with every rank on GPU 0
 (NCCL over sockets, `NCCL_HOSTID` per rank): four plans bit-exact, a 21-tensor weight sync on 8 ranks among them;
-never on several GPUs.
+it has not run on several GPUs.
 """
 
 from __future__ import annotations
@@ -45,18 +46,11 @@ import time
 
 import numpy as np
 
-from xmesh_plan.schemas.staging import SYNC_SEND_BYTES  # device order: messages this large end when received (docs/executor.md)
-
 from .arrays import RAW_KINDS
 from .engines import EngineContext
 from .errors import BackendUnavailableError, ExecutorError, PeerTimeoutError, PlanMismatchError
-from .lower import Bytes, RankProgram, Step
-
-_ABANDONED: list = []  # works (and the buffers they touch) still in flight after a failure: kept until exit
-MATCH_BY_TAG = True  # False: post every message with tag 0, so gloo matches a pair's messages by order alone, as NCCL does
-# gloo in device order: a message of at least this many bytes ends for its sender when the receiver says it arrived
-# (`TorchEngine._add_receipts`; the MPI engine's synchronous sends start at the same size); None: never
-RECEIPT_BYTES: int | None = SYNC_SEND_BYTES
+from .lower import Action, Bytes, RankProgram, Step
+from .replay import PROCESS, Dependencies, abandoned, backoff_wait, failure, refuse_broken
 
 
 def torch_dtype(torch, name: str):
@@ -64,15 +58,11 @@ def torch_dtype(torch, name: str):
     return getattr(torch, name)
 
 
-def _reads_src(step) -> bool:
-    """Whether a step reads the caller's source shard (its views are remade when the shard changes)."""
-    if step.action == "send":
-        return step.data.buffer == "src"
-    return step.action in ("copy", "pack") and step.box.side == "src"
-
 
 class TorchEngine:
     """Replays a RankProgram over a torch.distributed process group; an `executor.engines.Engine`."""
+
+    test_progresses = False  # progress happens elsewhere; test() only looks (`replay.backoff_wait`)
 
     def __init__(self, program: RankProgram, context: EngineContext):
         self.program, self.context, self.group = program, context, context.comm
@@ -116,9 +106,9 @@ class TorchEngine:
         self.buffers: list = [None] * len(self.steps)  # [uint8 view] per message, (target, source) per local copy
         self.works: list = [None] * len(self.steps)
         for s in self.steps:
-            if not _reads_src(s):
+            if not s.reads_src:
                 self._make(s.index, self.flat)
-        self.reads_src = [s.index for s in self.steps if _reads_src(s)]
+        self.reads_src = [s.index for s in self.steps if s.reads_src]
         self._schedule(receipts=not self.context.joined)
 
     def _message_key(self, i: int) -> tuple:
@@ -126,7 +116,7 @@ class TorchEngine:
         return self.steps[i].tag, i
 
     def _add_receipts(self, enabled: bool = True) -> None:
-        """In device order on gloo, give each operation's messages of `RECEIPT_BYTES` or more from one device to another
+        """In device order on gloo, give each operation's messages of `TransportOptions.receipt_bytes` or more from one device to another
         a receipt: a 1-byte message back from the receiver once the last of them has arrived, which the sender's next
         steps wait for instead of those sends (a pair's messages arrive in the order they were sent).
 
@@ -137,14 +127,15 @@ class TorchEngine:
         chunks pipelined: a receipt per chunk, posted before the next chunk's receive, held each hop to one chunk."""
         self.acknowledges: dict[int, list[int]] = {}  # receipt step -> the messages it says arrived
         self.receipt_key: dict[int, tuple] = {}
-        if not enabled or self.cuda or RECEIPT_BYTES is None or self.program.order != "device":
+        threshold = self.context.transport.receipt_bytes
+        if not enabled or self.cuda or threshold is None or self.program.order != "device":
             return
         groups: dict[tuple[int, int, str], list[int]] = {}  # (operation, peer, send or recv) -> its large messages
         pair_keys: dict[tuple[int, int], list[tuple]] = {}  # (operation, peer) -> the keys of all its messages, both ways
         for s in self.steps:
-            if s.action in ("send", "recv"):
+            if s.action.is_message:
                 pair_keys.setdefault((s.op, s.peer), []).append(self._message_key(s.index)[:-1])
-                if s.data.nbytes >= RECEIPT_BYTES:
+                if s.data.nbytes >= threshold:
                     groups.setdefault((s.op, s.peer, s.action), []).append(s.index)
         if not groups:
             return
@@ -152,8 +143,8 @@ class TorchEngine:
         steps = list(self.steps)
         for k, ((op, peer, action), members) in enumerate(sorted(groups.items())):
             last = steps[max(members, key=self._message_key)]
-            back = "recv" if action == "send" else "send"  # the receiver sends it once `last` is in, the sender waits for it
-            steps.append(Step(len(steps), back, op, last.task, f"receipt of {last.kind}", () if back == "recv" else (last.index,),
+            back = Action.RECV if action is Action.SEND else Action.SEND  # the receiver sends it once `last` is in, the sender waits for it
+            steps.append(Step(len(steps), back, op, last.task, f"receipt of {last.kind}", () if back is Action.RECV else (last.index,),
                               peer, last.tag, Bytes("receipt", k, k + 1), piece=last.piece))
             self.acknowledges[len(steps) - 1] = members
             self.receipt_key[len(steps) - 1] = (*max(pair_keys[(op, peer)]), math.inf, last.index)
@@ -172,27 +163,23 @@ class TorchEngine:
         """The per-peer message queues and dependency counts; the progress thread starts with the first reshard.
         `receipts`: add them (`_add_receipts`); not for a joint program's per-tensor engines, which never run."""
         self._add_receipts(receipts)
-        self.dependents: list[list[int]] = [[] for _ in self.steps]
-        for s in self.steps:
-            for d in s.deps:
-                self.dependents[d].append(s.index)
+        deps = Dependencies(self.steps)
+        self.dependents, self.initial, self.remaining, self.local = deps.dependents, deps.initial, deps.remaining, deps.local
         for receipt, members in self.acknowledges.items():  # what waited for those sends now waits for their receipt
-            if self.steps[receipt].action == "recv":
+            if self.steps[receipt].action is Action.RECV:
                 self.dependents[receipt] = [d for m in members for d in self.dependents[m]]  # counts stay: one per wait
                 for m in members:
                     self.dependents[m] = []
-        self.initial = [len(s.deps) for s in self.steps]
-        self.remaining = self.initial.copy()
-        self.local = [s.action not in ("send", "recv") for s in self.steps]  # runs at once when its waits are over
-        self.local_first = [s.index for s in self.steps if not s.deps and s.action not in ("send", "recv")]
-        self.order = sorted((s.index for s in self.steps if s.action in ("send", "recv")), key=self._key)
+        self.local_first = [s.index for s in self.steps if not s.deps and not s.action.is_message]
+        self.order = sorted((s.index for s in self.steps if s.action.is_message), key=self._key)
         self.position = {i: k for k, i in enumerate(self.order)}  # each message's place in the plan's message order
         peers = sorted({self.steps[i].peer for i in self.order})
         self.queues = [[i for i in self.order if self.steps[i].peer == peer] for peer in peers]  # per peer, in order
         self.queue_of = {i: q for q, queue in enumerate(self.queues) for i in queue}
         self.heads = [0] * len(self.queues)  # the first message of each queue not posted yet
-        self.sends = [i for i in self.order if self.steps[i].action == "send"]
-        self.tags = [s.tag if MATCH_BY_TAG else 0 for s in self.steps]
+        self.sends = [i for i in self.order if self.steps[i].action is Action.SEND]
+        by_tag = self.context.transport.match_by_tag
+        self.tags = [s.tag if by_tag else 0 for s in self.steps]
         self.posted_recvs: list[int] = []  # a heap of the positions of receives (and sends a step waits for) posted, not finished
         self.ready = None
         self.bound = self.src = None
@@ -205,15 +192,15 @@ class TorchEngine:
 
     def _make(self, i: int, flat: dict) -> None:
         s = self.steps[i]
-        if s.action in ("send", "recv"):
+        if s.action.is_message:
             self.buffers[i] = [flat[s.data.buffer][s.data.start:s.data.stop]]
-        elif s.action == "copy":
+        elif s.action is Action.COPY:
             self.buffers[i] = (self.dst[s.target.index], flat["src_typed"][s.box.index])
         else:
             staged = self.stage[s.data.start:s.data.stop].view(self.dtype).view(s.box.shape)
             shard = flat["dst_typed"] if s.box.side == "dst" else flat.get("src_typed")
             boxed = shard[s.box.index] if shard is not None else None
-            self.buffers[i] = (boxed, staged) if s.action == "unpack" else (staged, boxed)
+            self.buffers[i] = (boxed, staged) if s.action is Action.UNPACK else (staged, boxed)
 
     def _bind(self, src) -> None:
         """Point the steps that read the source shard at `src`; remade only when another tensor arrives."""
@@ -263,8 +250,7 @@ class TorchEngine:
 
     def start(self, src) -> None:
         """Hand one reshard to the progress thread and return; `src` is the contiguous source shard."""
-        if self.broken:
-            raise ExecutorError(f"this executor stopped after an error ({self.broken}); create and prepare a new one")
+        refuse_broken(self.broken)
         self._bind(src)
         self.src = src
         if self.cuda:  # the progress thread's stream waits for what the caller's stream wrote so far
@@ -327,7 +313,7 @@ class TorchEngine:
                 break
             remaining[i] = self.initial[i]
             self.launching = i  # a dead peer can make posting raise too: name this step, not the one waited on
-            if steps[i].action == "recv":
+            if steps[i].action is Action.RECV:
                 self.works[i] = self.group.recv(self.buffers[i], self.peer_rank[i], self.tags[i])
                 heapq.heappush(self.posted_recvs, self.position[i])
             else:
@@ -388,7 +374,7 @@ class TorchEngine:
     def test(self) -> bool:
         """True when the reshard has finished; raises what the progress thread hit."""
         if self.broken:
-            raise self.failure or ExecutorError(f"this reshard was abandoned ({self.broken}); close() the executor and make a new one")
+            raise self.failure or abandoned(self.broken)
         if not self.done.is_set():
             return False
         if self.thread_error is not None:
@@ -398,14 +384,15 @@ class TorchEngine:
         return True
 
     def wait(self) -> None:
-        """Sleep until done; PeerTimeoutError naming the step waited on when nothing completes for `timeout_s`."""
-        low, high = self.poll_s
-        nap = low
-        while not self.test():
-            if time.monotonic() - self.last_progress > self.timeout_s:
-                self._fail(f"nothing completed for {self.timeout_s:g} s", self.current)
-            self.done.wait(nap)
-            nap = min(nap * 2, high)
+        """Sleep until done (`replay.backoff_wait`); PeerTimeoutError naming the step waited on when nothing completes
+        for `timeout_s`."""
+        backoff_wait(self)
+
+    def idle(self, nap: float) -> None:
+        self.done.wait(nap)
+
+    def timed_out(self) -> None:
+        self._fail(f"nothing completed for {self.timeout_s:g} s", self.current)
 
     def unbind(self) -> None:
         """Drop the views of the last source shard, so that this engine no longer keeps it alive (the next
@@ -431,15 +418,12 @@ class TorchEngine:
         """Refuse to run again; the progress thread may stay blocked in gloo (it cannot cancel a receive),
         so the works and buffers it uses stay referenced."""
         self.broken = why
-        _ABANDONED.append((self.works, self.src, self.buffers))
+        PROCESS.keep((self.works, self.src, self.buffers))
 
     def _fail(self, why: str, step: int) -> None:
-        me = self.program.device
         at = f"{self.steps[step].describe()} (rank {self.peer_rank[step]})" if step >= 0 else "local steps"
         others = sum(w is not None for w in self.works) - (step >= 0 and self.works[step] is not None)
-        self.failure = PeerTimeoutError(
-            f"device {me} (rank {self.rank}): {why}; waiting on {at}{f' and {others} more transfers' if others > 0 else ''}; "
-            "check that every rank is alive and runs the same plan, or raise timeout_s if transfers are just slow")
+        self.failure = failure(self.program.device, self.rank, why, [at], more=others)
         self.abandon(why)
         raise self.failure
 
@@ -460,7 +444,7 @@ class JointTorchEngine(TorchEngine):
         self.peer_rank = [parts[t].peer_rank[j] for t, j in where]
         self.buffers = [parts[t].buffers[j] for t, j in where]
         self.works = [None] * len(self.steps)
-        self.reads_src = [(i, t, j) for i, (t, j) in enumerate(where) if _reads_src(self.steps[i])]
+        self.reads_src = [(i, t, j) for i, (t, j) in enumerate(where) if self.steps[i].reads_src]
         self.ordinal, count, last = [], -1, None  # each step's operation counted in plan order (ids need not be)
         for s in self.steps:
             count += s.op != last

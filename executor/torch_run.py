@@ -17,7 +17,6 @@ import argparse
 import datetime
 import os
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
@@ -27,11 +26,12 @@ from xmesh_plan.schemas.geometry import local_slices
 from xmesh_plan.schemas.plan_tensors import is_multi
 
 from .arrays import storage_dtype
+from .drive import Tensor
+from .drive import run_plan as run_plan_on
+from .engines import TransportOptions
 from .errors import ExecutorError, PeerTimeoutError, PlanMismatchError
-from .executor import ReshardingExecutor
-from .pattern import fill, tensor_salt
+from .pattern import fill
 from .scale import factors_for, factors_per_tensor, scale_plan, scale_tensors
-from .transfer_executor import TransferExecutor
 
 
 def source_tensor(plan: Plan, block, device, salt: int = 0):
@@ -51,81 +51,66 @@ def expected_shard(plan: Plan, block, salt: int = 0) -> np.ndarray:
     return whole[local_slices(block, tuple((0, n) for n in shape))]
 
 
-def _timed(reshard, args: argparse.Namespace) -> tuple[object, list[float]]:
-    """Run `reshard` --warmup + --iters times, each after a barrier; the last output and the timed seconds. A last
-    barrier keeps a rank that finished early from checking its shards while others still run the timed reshard."""
-    import torch.distributed as dist
+class TorchCollectives:
+    """The driver's barrier and reductions over the default process group (`drive.Collectives`)."""
 
-    times = []
-    for it in range(args.warmup + args.iters):
+    def __init__(self, device):
+        self.device = device
+
+    def barrier(self, what: str) -> None:
+        import torch.distributed as dist
+
         dist.barrier()
-        start = time.perf_counter()
-        out = reshard()
-        if it >= args.warmup:
-            times.append(time.perf_counter() - start)
-    dist.barrier()
-    return out, times
 
+    def _reduce(self, values: np.ndarray, op) -> np.ndarray:
+        import torch
+        import torch.distributed as dist
 
-def run_plan(plan: Plan, args: argparse.Namespace) -> tuple[str, int]:
-    """Reshard `plan` `--iters` times; rank 0's report line and the number of wrong elements over all ranks."""
-    import torch
-    import torch.distributed as dist
+        out = torch.tensor(values, device=self.device)
+        dist.all_reduce(out, op=op)
+        return out.cpu().numpy()
 
-    ex = ReshardingExecutor(plan, None, backend="torch", timeout_s=args.timeout, order=args.order or "device").prepare()
-    src = source_tensor(plan, ex.program.src_block, ex.engine.device)
-    out, times = _timed(lambda: ex.run(src), args)
-    bad = 0
-    if args.check and out is not None:
-        got, want = ex.engine.host_copy(out), expected_shard(plan, ex.program.dst_block)
-        bad = int((got.view(f"V{got.itemsize}") != want.view(f"V{want.itemsize}")).sum())
-    ex.close()
-    slowest = torch.tensor(times, dtype=torch.float64, device=ex.engine.device)
-    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)  # an iteration lasts until its slowest rank is done
-    wrong = torch.tensor([bad], dtype=torch.int64, device=ex.engine.device)
-    dist.all_reduce(wrong)
-    per_iter = slowest.cpu().numpy() * 1e3
-    problem = plan.problem
-    line = (f"{problem.name or 'plan'}: {'x'.join(map(str, problem.shape))} {problem.dtype}, {dist.get_world_size()} ranks, "
-            f"{len(plan.operations)} ops, torch/{dist.get_backend()}: {np.median(per_iter):.2f} ms/iter median of {args.iters} "
-            f"(min {per_iter.min():.2f}), slowest rank per iteration")
-    if args.check:
-        line += f"; check {'ok: every destination shard bit-exact' if not wrong[0] else f'FAILED: {wrong[0].item()} elements differ'}"
-    return line, int(wrong[0].item())
+    def max(self, values: np.ndarray) -> np.ndarray:
+        import torch.distributed as dist
+
+        return self._reduce(values, dist.ReduceOp.MAX)
+
+    def sum(self, values: np.ndarray) -> np.ndarray:
+        import torch.distributed as dist
+
+        return self._reduce(values, dist.ReduceOp.SUM)
 
 
 WAYS = {"device": "device order across tensors", "posted": "tensors one after another"}  # how the torch engine runs a multi-tensor plan
 
 
-def run_transfer(plan: Plan, args: argparse.Namespace) -> tuple[str, int]:
-    """`run_plan` for a multi-tensor plan: name -> shard in and out (see `WAYS`)."""
-    import torch
+def run_plan(plan: Plan, args: argparse.Namespace) -> tuple[str, int]:
+    """Reshard `plan` (one tensor or many) `--iters` times (`drive.run_plan`); rank 0's report line and the number of
+    wrong elements over all ranks."""
     import torch.distributed as dist
 
-    order = args.order or "device"
-    ex = TransferExecutor(plan, None, backend="torch", timeout_s=args.timeout, order=order).prepare()
-    device = ex.parts[0].engine.device
-    salts = {name: tensor_salt(k) for k, name in enumerate(ex.names)}  # tensors of one shape get different bits
-    shards = {name: source_tensor(part.plan, part.program.src_block, device, salts[name])
-              for name, part in zip(ex.names, ex.parts) if part.program.src_block is not None}
-    out, times = _timed(lambda: ex.run(shards), args)
-    bad = 0
-    for name, part in zip(ex.names, ex.parts) if args.check else ():
-        if name in out:
-            got, want = part.engine.host_copy(out[name]), expected_shard(part.plan, part.program.dst_block, salts[name])
-            bad += int((got.view(f"V{got.itemsize}") != want.view(f"V{want.itemsize}")).sum())
-    ex.close()
-    slowest = torch.tensor(times, dtype=torch.float64, device=device)
-    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
-    wrong = torch.tensor([bad], dtype=torch.int64, device=device)
-    dist.all_reduce(wrong)
-    per_iter = slowest.cpu().numpy() * 1e3
-    line = (f"{plan.problem.name or 'plan'}: {len(plan.problem.tensors)} tensors, {dist.get_world_size()} ranks, "
-            f"{len(plan.operations)} ops, torch/{dist.get_backend()} ({WAYS[order]}): {np.median(per_iter):.2f} ms/iter "
+    from .worlds import TorchWorld
+
+    device = TorchWorld(None).tensor_device()
+
+    def wrong(t: Tensor, shard) -> tuple[int, str]:
+        got, want = t.engine.host_copy(shard), expected_shard(t.plan, t.program.dst_block, t.salt)
+        return int((got.view(f"V{got.itemsize}") != want.view(f"V{want.itemsize}")).sum()), ""
+
+    options = {"backend": "torch", "timeout_s": args.timeout, "order": args.order, "transport": args.transport}
+    done = run_plan_on(plan, None, TorchCollectives(device), options, args.iters, args.warmup, args.check,
+                       lambda t: source_tensor(t.plan, t.program.src_block, t.engine.device, t.salt), wrong, lambda line: None)
+    per_iter, problem = done.seconds * 1e3, plan.problem
+    if is_multi(plan):
+        what, ways, ok = f"{len(problem.tensors)} tensors", f" ({WAYS[done.order]})", "every destination shard of every tensor bit-exact"
+    else:
+        what, ways, ok = f"{'x'.join(map(str, problem.shape))} {problem.dtype}", "", "every destination shard bit-exact"
+    line = (f"{problem.name or 'plan'}: {what}, {dist.get_world_size()} ranks, "
+            f"{len(plan.operations)} ops, torch/{dist.get_backend()}{ways}: {np.median(per_iter):.2f} ms/iter "
             f"median of {args.iters} (min {per_iter.min():.2f}), slowest rank per iteration")
     if args.check:
-        line += (f"; check {'ok: every destination shard of every tensor bit-exact' if not wrong[0] else f'FAILED: {wrong[0].item()} elements differ'}")
-    return line, int(wrong[0].item())
+        line += f"; check {f'ok: {ok}' if not done.wrong else f'FAILED: {done.wrong} elements differ'}"
+    return line, done.wrong
 
 
 def _arguments(argv: list[str] | None) -> argparse.Namespace:
@@ -143,11 +128,13 @@ def _arguments(argv: list[str] | None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, transport: TransportOptions | None = None) -> int:
+    """The command; `transport`: the engines' message options (`engines.TransportOptions`; None: the defaults)."""
     import torch
     import torch.distributed as dist
 
     args = _arguments(argv)
+    args.transport = transport or TransportOptions()
     if args.iters < 1 or args.warmup < 0 or not args.max_mb > 0 or not args.timeout > 0:
         print("error: --iters, --max-mb and --timeout must be positive and --warmup at least 0, e.g. --iters 5 --max-mb 16 "
               "--timeout 60", file=sys.stderr)
@@ -161,10 +148,9 @@ def main(argv: list[str] | None = None) -> int:
             plan = read_plan_file(path)
             if is_multi(plan):
                 plan = scale_tensors(plan, factors_per_tensor(plan, int(args.max_mb * 2**20)))
-                line, bad = run_transfer(plan, args)
             else:
                 plan = scale_plan(plan, factors_for(plan, int(args.max_mb * 2**20)))
-                line, bad = run_plan(plan, args)
+            line, bad = run_plan(plan, args)
         except (PlanFileError, PlanMismatchError) as err:  # the same on every rank, before any byte moved
             if rank == 0 or not getattr(err, "same_on_every_rank", True):
                 print(f"rank {rank}: error: {path.name}: {err}", file=sys.stderr, flush=True)

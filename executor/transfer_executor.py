@@ -44,14 +44,12 @@ from xmesh_plan.schemas.plan_tensors import is_multi, mpi_transfer_order, tensor
 from xmesh_plan.schemas.staging import staging_peaks
 
 from .errors import ExecutorError, PlanMismatchError
-from .engines import engine_entry
-from .executor import DEFAULT_POLL_S, ReshardingExecutor, check_usable, finish_in_flight
+from .engines import ENGINES, TransportOptions, engine_entry
+from .executor import DEFAULT_POLL_S, Flight, Flying, ReshardingExecutor
 from .joint import JointProgram, join_programs, tensor_programs
 from .lower import ORDERS
 from .ranks import device_of_rank
 from .worlds import is_mpi_comm
-
-CONCURRENT_BACKENDS = ("mpi",)  # engines that run several reshards in flight (a waiting one drives the others)
 
 
 def default_order(plan: Plan, engine: str) -> str:
@@ -62,7 +60,7 @@ def default_order(plan: Plan, engine: str) -> str:
     posted order runs the tensors one after another (on NCCL with a communicator per group per tensor,
     and no shared messages), so they keep device order; and a plan that states a staging limit
     (`--max-staging-mb`) keeps it on `mpi` too, since posted order stages every box at once."""
-    if not is_multi(plan) or engine in ("torch", "nccl"):
+    if not is_multi(plan) or not ENGINES[engine].concurrent:
         return "device"
     return mpi_transfer_order(plan.staging is not None)
 
@@ -72,10 +70,11 @@ def check_transfer_staging(plan: Plan, order: str, engine: str) -> None:
     limit in a way that would allocate more than the peak it states on some device. NCCL's need (its largest
     operation, or shared message in device order, on each device) is known once every tensor is lowered:
     `TransferExecutor.prepare()` checks it on every rank before anything is allocated."""
-    if not is_multi(plan) or plan.staging is None or engine == "nccl":
+    entry = ENGINES[engine]
+    if not is_multi(plan) or plan.staging is None or entry.own_staging:
         return
     stated = plan.staging.peak_bytes
-    if order == "posted" and engine not in CONCURRENT_BACKENDS:  # one tensor after another, in one shared area
+    if order == "posted" and not entry.concurrent:  # one tensor after another, in one shared area
         need: dict[int, int] = {}
         for single in tensor_plans(plan):
             for device, nbytes in staging_peaks(single, "posted").items():
@@ -92,15 +91,18 @@ def check_transfer_staging(plan: Plan, order: str, engine: str) -> None:
                                     "or recompile it without --max-staging-mb to run it in this order", same_on_every_rank=True)
 
 
-class TransferExecutor:
-    """Replays every tensor of a plan on this rank; see the module docstring for the calling pattern."""
+class TransferExecutor(Flying):
+    """Replays every tensor of a plan on this rank; see the module docstring for the calling pattern. `engine`: in
+    device order the joint engine (None before prepare(), and for the other ways of running)."""
 
     def __init__(self, plan: Plan, comm=None, backend: str | None = None, timeout_s: float = 60.0,
-                 poll_s: tuple[float, float] = DEFAULT_POLL_S, gpu: int | None = None, order: str | None = None):
+                 poll_s: tuple[float, float] = DEFAULT_POLL_S, gpu: int | None = None, order: str | None = None,
+                 transport: TransportOptions | None = None):
         if not isinstance(plan, Plan):
             raise TypeError(f"plan is a {type(plan).__name__}; pass a schemas.Plan, e.g. schemas.read_plan_file('x.plan.json')")
         world = "mpi" if is_mpi_comm(comm) else "torch"
-        order = order or default_order(plan, engine_entry(backend or world, world).name)
+        entry = engine_entry(backend, world)
+        order = order or default_order(plan, entry.name)
         if order not in ORDERS:
             raise ValueError(f"order {order!r} is unknown; use one of: {', '.join(ORDERS)}")
         try:
@@ -109,10 +111,10 @@ class TransferExecutor:
             raise PlanMismatchError(f"{err}; recompile the plan and check it with `xmesh-plan verify`",
                                     same_on_every_rank=True) from None  # every rank reads the same plan
         named = backend or world
-        check_transfer_staging(plan, order, engine_entry(named, world).name)
-        self.concurrent = named in CONCURRENT_BACKENDS
+        check_transfer_staging(plan, order, entry.name)
+        self.concurrent = entry.concurrent
         self.plan, self.names, self.order = plan, tensor_names(plan), order
-        self.parts = [ReshardingExecutor(p, comm, backend, timeout_s, poll_s, gpu, order) for p in tensor_plans(plan)]
+        self.parts = [ReshardingExecutor(p, comm, backend, timeout_s, poll_s, gpu, order, transport) for p in tensor_plans(plan)]
         self.entry = self.parts[0].entry
         # one engine replays every tensor's steps (executor.joint): in device order, and posted on MPI where
         # bundles of several tensors share messages (one message needs one staging area)
@@ -129,9 +131,8 @@ class TransferExecutor:
         self.results: list[Any] = [None] * len(self.parts)
         self.current = len(self.parts)  # one after another: the tensor in flight (len(parts): none)
         self.running = False  # one after another: between start() and wait()
-        self.engine = None  # device order: the joint engine, made by prepare()
+        self.flight = Flight()  # device order: the joint engine (made by prepare()) and the calls into it
         self.joint: JointProgram | None = None  # device order: this device's steps of every tensor, made by prepare()
-        self.in_flight = self.closed = False  # device order: between start() and wait(); after close()
         self.area: int | None = None  # one after another: the staging area every tensor shares, made by prepare()
 
     @property
@@ -246,14 +247,13 @@ class TransferExecutor:
                 started.append(part)
         except BaseException:
             for part in started:  # the peers cannot finish these without this rank's later tensors: give them up
-                part._abandon(ExecutorError("a later tensor failed to start"), "start()")
+                part.flight.abandon(ExecutorError("a later tensor failed to start"), "start()")
             raise
 
     def test(self) -> bool:
         """Drive every tensor's communication once without blocking; True when all have finished."""
         if self.joined:
-            self._check_joint("test()")
-            return self._guarded("test()", self.engine.test) if self.in_flight else True
+            return self.flight.test()
         if not self.concurrent:
             return self._advance(block=False)
         return all([part.test() for part in self.parts])
@@ -261,11 +261,7 @@ class TransferExecutor:
     def wait(self) -> dict[str, Any]:
         """Finish every tensor's reshard; name -> destination shard (the engines' own buffers, reused next time)."""
         if self.joined:
-            self._check_joint("wait()")
-            if not self.in_flight:
-                raise ExecutorError("wait() called without start()")
-            self._guarded("wait()", self.engine.wait)
-            self.in_flight = False
+            self.flight.wait()
             self.results = [part.engine.dst for part in self.parts]
         elif self.concurrent:
             self.results = [part.wait() for part in self.parts]
@@ -291,13 +287,7 @@ class TransferExecutor:
     def close(self) -> None:
         """Close every tensor's executor (see `ReshardingExecutor.close`), the communicator's owner last; in
         device order the joint engine first, after finishing a reshard in flight as `ReshardingExecutor.close` does."""
-        interrupted = None
-        if self.engine is not None:
-            if self.in_flight:
-                interrupted = finish_in_flight(self.engine)
-                self.in_flight = False
-            self.engine.close()
-        self.closed = True
+        interrupted = self.flight.close()
         for part in reversed(self.parts):
             part.close()
         if interrupted is not None:
@@ -305,27 +295,10 @@ class TransferExecutor:
 
     def _start_joint(self, given: dict[str, Any]) -> None:
         """Device order: check every tensor's shard and start the joint engine."""
-        self._check_joint("run() or start()")
-        if self.in_flight:
+        self.flight.usable("run() or start()")
+        if self.flight.in_flight:
             raise ExecutorError("start() called while a reshard is in flight; call wait() first")
-        sources = [part._adopt(given.get(name)) for part, name in zip(self.parts, self.names)]
-        self.in_flight = True
-        self._guarded("start()", self.engine.start, sources)
-
-    def _check_joint(self, call: str) -> None:
-        """Device order: refuse a call before prepare(), after close() or after an error (as `ReshardingExecutor`)."""
-        check_usable(call, self.closed, self.engine, self.in_flight)
-
-    def _guarded(self, call: str, method, *args):
-        """A call into the joint engine; anything escaping it leaves requests half done, so the engine is
-        marked broken and never restarts them (as `ReshardingExecutor._abandon`)."""
-        try:
-            return method(*args)
-        except BaseException as err:
-            self.in_flight = False
-            if not self.engine.broken:
-                self.engine.abandon(f"{type(err).__name__} in {call}")
-            raise
+        self.flight.start([part._adopt(given.get(name)) for part, name in zip(self.parts, self.names)])
 
     def _sources(self, shards: Mapping[str, Any] | None) -> dict[str, Any]:
         """The shards by name, refusing unknown names and, on a source rank, missing ones."""

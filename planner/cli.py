@@ -13,14 +13,15 @@ from pathlib import Path
 import click
 
 from xmesh_plan.schemas import Plan, ReshardingProblem, read_plan_file
+from xmesh_plan.schemas.files import DataFileError, check_writable_size
 from xmesh_plan.schemas.last_resort import DEBUG_ENV, DEBUG_FLAG, run_guarded
-from xmesh_plan.schemas.plan import write_atomic
+from xmesh_plan.schemas.limits import quoted
 from xmesh_plan.schemas.plan_check import check_plan
 from xmesh_plan.schemas.transfer import TransferProblem
 
-from .cli_types import BUCKET_MB, SEED, STAGING_MB, TIME_LIMIT, max_tasks_option
+from .cli_types import BUCKET_MB, SEED, STAGING_MB, TIME_LIMIT, max_tasks_option, write_output
 from .cli_solvers import progress, solver_summary
-from .compile_defaults import resolve
+from .compile_defaults import CompileOptions
 from .compile import compile_plan
 from .inspect_plan import executor_summary, shared_summary, staging_summary, summarize
 from .problem_io import InputError, build_problem, user_error_message
@@ -77,13 +78,14 @@ def main() -> None:
     """
 
 
-def problem_from_flags(problem_file, shape, dtype, src_mesh, src_spec, dst_mesh, dst_spec) -> ReshardingProblem | TransferProblem:
+def problem_from_flags(problem_file, shape, dtype, src_mesh, src_spec, dst_mesh, dst_spec,
+                       max_tasks: int | None = None) -> ReshardingProblem | TransferProblem:
     flags = {"--shape": shape, "--src-mesh": src_mesh, "--src-spec": src_spec, "--dst-mesh": dst_mesh, "--dst-spec": dst_spec}
     if problem_file:
         given = [k for k, v in flags.items() if v is not None]
         if given:
             raise InputError(f"{given[0]}: give either a PROBLEM file or the flags, not both")
-        return load_any_problem(problem_file)
+        return load_any_problem(problem_file, max_tasks)
     missing = [k for k, v in flags.items() if v is None]
     if missing:
         raise InputError(f"{missing[0]}: missing; pass a PROBLEM file or all of {', '.join(flags)}")
@@ -139,25 +141,28 @@ def compile_command(problem_file, output, shape, dtype, src_mesh, src_spec, dst_
       xmesh-plan compile --shape 1024,1024,512 --dtype int32 --src-mesh 2x4 --src-spec "R S0 R" \\
                          --dst-mesh 2x4 --dst-spec "S0 R R" -o case3.plan.json
     """
-    problem = problem_from_flags(problem_file, shape, dtype, src_mesh, src_spec, dst_mesh, dst_spec)
-    if bucket_mb is not None and not resolve(split_hosts, coalesce, isinstance(problem, TransferProblem)).coalesce:
+    problem = problem_from_flags(problem_file, shape, dtype, src_mesh, src_spec, dst_mesh, dst_spec, max_tasks)
+    options = CompileOptions(strategy=strategy, solver=solver, seed=seed, time_limit_s=time_limit, merge=not no_merge,
+                             max_tasks=max_tasks, split_hosts=split_hosts, coalesce=coalesce, cross_tensor=cross_tensor,
+                             bucket_bytes=None if bucket_mb is None else int(bucket_mb * 2**20),
+                             max_staging_bytes=None if max_staging_mb is None else int(max_staging_mb * 2**20))
+    if bucket_mb is not None and not options.for_problem(problem).coalesce:
         raise InputError("--bucket-mb sizes coalesced bundles, and this compile does not coalesce (a single tensor "
                          "coalesces only with --coalesce; --no-coalesce turns it off); add --coalesce or drop --bucket-mb")
     with progress("compiling") as timing:
-        plan = compile_plan(problem, strategy=strategy, solver=solver, seed=seed, time_limit_s=time_limit, merge=not no_merge,
-                            on_stage=timing["stage"], max_tasks=max_tasks, split_hosts=split_hosts, coalesce=coalesce,
-                            bucket_bytes=None if bucket_mb is None else int(bucket_mb * 2**20),
-                            max_staging_bytes=None if max_staging_mb is None else int(max_staging_mb * 2**20),
-                            cross_tensor=cross_tensor)
+        plan = compile_plan(problem, options, on_stage=timing["stage"])
     report = verify_plan(plan)
-    if output == "-":
-        sys.stdout.write(plan.to_json())
-        return
+    text = plan.to_json()
     if output:
         try:
-            write_atomic(output, plan.to_json())
-        except OSError as err:
-            raise InputError(f"--output: cannot write {output} ({err.strerror}); check that the folder exists and is writable") from None
+            check_writable_size(text, "plan")
+        except DataFileError as err:
+            raise InputError(f"--output: {err} ({len(plan.tasks):,} unit tasks)") from None
+    if output == "-":
+        sys.stdout.write(text)
+        return
+    if output:
+        write_output(output, text, "--output")
     click.echo(f"{output or 'plan (not written: pass -o FILE to save it)'}: {len(plan.tasks)} unit tasks, {len(plan.operations)} operations"
                f"{shared_summary(plan)}, "
                f"predicted {plan.predicted_seconds:.4f} s{executor_summary(plan)}, lower bound {plan.lower_bound_seconds:.4f} s, "
@@ -182,7 +187,7 @@ def inspect_command(plan_file, show_tasks, show_ops, show_orders):
     try:
         check_plan(plan)  # its sums index by tensor, device and host: a malformed plan gets one line, not a crash
     except PlanError as err:
-        raise UserError(f"{plan_file}: {err}; recompile it, or run `xmesh-plan verify {plan_file}`") from None
+        raise UserError(f"{quoted(plan_file)}: {err}; recompile it, or run `xmesh-plan verify {quoted(plan_file)}`") from None
     click.echo(summarize(plan, show_tasks=show_tasks, show_ops=show_ops, show_orders=show_orders))
 
 
@@ -202,9 +207,9 @@ def verify_command(plan_files):
             report = verify_plan(plan)
         except PlanError as err:
             failed += 1
-            click.echo(f"{path}: FAILED: {err}")
+            click.echo(f"{quoted(path)}: FAILED: {err}")
             continue
-        click.echo(f"{path}: {report}")
+        click.echo(f"{quoted(path)}: {report}")
     if failed:
         raise click.exceptions.Exit(1)
 

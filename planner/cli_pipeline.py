@@ -10,8 +10,6 @@ import json
 
 import click
 
-from xmesh_plan.schemas.plan import write_atomic
-
 from .pipeline.build import build_schedule
 from .pipeline.compare import compare, format_table
 from .pipeline.costs import default_plan_fn, signal_costs, transfer_costs
@@ -20,7 +18,7 @@ from .pipeline.schedules import SCHEDULE_NAMES, WEIGHT_DELAY_SUFFIX, parse_sched
 from .pipeline.simulate import Metrics, evaluate, schedule_actions
 from .pipeline.torch_csv import TORCH_FORMATS, check_torch_chain, torch_csv
 from .pipeline.trace import trace_json
-from .cli_types import SEED, max_tasks_option
+from .cli_types import SEED, max_actions_option, max_tasks_option, output_error, write_output
 from .problem_io import InputError
 from .solvers import SOLVERS
 from .strategies import STRATEGIES
@@ -40,13 +38,6 @@ def _as_input_error(func):
             # str(KeyError) wraps its message in quotes; a ValueError's text is shown as is (it may end in a quote)
             raise InputError(str(err.args[0]) if isinstance(err, KeyError) and err.args else str(err)) from None
     return wrapper
-
-
-def _write(path: str, text: str, flag: str) -> None:
-    try:
-        write_atomic(path, text)
-    except OSError as err:
-        raise InputError(f"{flag}: cannot write {path} ({err.strerror}); check that the folder exists and is writable") from None
 
 
 def _torch_chain(pipeline) -> None:
@@ -73,7 +64,19 @@ _plan_options = [  # as for `compile`: same names, choices and defaults
                  help="resharding scheduler for every transfer's plan (planner/solvers)"),
     click.option("--seed", default=0, show_default=True, type=SEED, help="seed for randomized solvers"),
     max_tasks_option,
+    max_actions_option,
 ]
+
+
+def check_schedule_size(pipeline, split_backward: bool, max_actions: int) -> None:
+    """Refuse, before anything is planned, a pipeline whose schedule lays out more than `max_actions` compute actions
+    (time and memory grow with them: 64 stages x 2,000 micro-batches took minutes and GBs)."""
+    per = 3 if split_backward else 2  # F and B, or F, I and W
+    actions = len(pipeline.stages) * pipeline.micro_batches * per
+    if actions > max_actions:
+        raise InputError(f"pipeline: {len(pipeline.stages)} stages x {pipeline.micro_batches} micro-batches x {per} gives "
+                         f"{actions:,} compute actions, above the limit of {max_actions:,}; pass --max-actions {actions} if "
+                         "this machine has the time, or give fewer micro-batches")
 
 
 def parse_weight_delay(text: str, name: str, stages: int, micro_batches: int) -> tuple[int, ...]:
@@ -118,7 +121,7 @@ def plan_options(func):
 @plan_options
 @_as_input_error
 def schedule_command(pipeline_file, name, no_overlap, signal, weight_delay, output, torch_csv_path, torch_format,
-                     strategy, solver, seed, max_tasks):
+                     strategy, solver, seed, max_tasks, max_actions):
     """Plan every transfer of a pipeline and lay out one schedule; validated before it is written.
 
     \b
@@ -127,18 +130,19 @@ def schedule_command(pipeline_file, name, no_overlap, signal, weight_delay, outp
       xmesh-plan schedule bench/pipelines/gpt-2.6b-4stage-fp16.json --torch-csv schedule.csv
     """
     pipeline = load_pipeline(pipeline_file)
+    check_schedule_size(pipeline, parse_schedule_name(name)[1], max_actions)
     if torch_csv_path:
         _torch_chain(pipeline)
     delays = None if weight_delay is None else parse_weight_delay(weight_delay, name, len(pipeline.stages), pipeline.micro_batches)
     costs = _costs(pipeline, strategy, solver, seed, max_tasks)
     schedule = build_schedule(pipeline, name, signal_costs(costs) if signal else costs, not no_overlap, delays)
     if torch_csv_path:
-        _write(torch_csv_path, torch_csv(schedule_actions(schedule), torch_format), "--torch-csv")
+        write_output(torch_csv_path, torch_csv(schedule_actions(schedule), torch_format), "--torch-csv")
     if output == "-":
         click.echo(schedule.to_json(), nl=False)
         return
     if output:
-        _write(output, schedule.to_json(), "--output")
+        write_output(output, schedule.to_json(), "--output")
     delay = f", weight delay {','.join(map(str, schedule.weight_delay))}" if schedule.weight_delay else ""
     click.echo(f"{output or name}: {name}{delay}; {describe(evaluate(schedule)[1])}")
     if torch_csv_path:
@@ -163,7 +167,7 @@ def simulate_command(schedule_file, trace, png, as_json, show):
     schedule = load_schedule(schedule_file)
     timeline, metrics = evaluate(schedule)
     if trace:
-        _write(trace, trace_json(timeline, {"schedule": schedule.schedule, **metrics.as_dict()}), "--trace")
+        write_output(trace, trace_json(timeline, {"schedule": schedule.schedule, **metrics.as_dict()}), "--trace")
     if png:
         from .pipeline.gantt import draw_gantt
 
@@ -172,7 +176,7 @@ def simulate_command(schedule_file, trace, png, as_json, show):
         except RuntimeError as err:
             raise InputError(f"--png: {err}") from None
         except OSError as err:
-            raise InputError(f"--png: cannot write {png} ({err.strerror}); check that the folder exists and is writable") from None
+            raise output_error(err, png, "--png") from None
     if show:
         for line in schedule.stages:
             click.echo(line)
@@ -183,7 +187,7 @@ def simulate_command(schedule_file, trace, png, as_json, show):
 @click.argument("pipeline_file", type=click.Path(dir_okay=False))
 @plan_options
 @_as_input_error
-def compare_command(pipeline_file, strategy, solver, seed, max_tasks):
+def compare_command(pipeline_file, strategy, solver, seed, max_tasks, max_actions):
     """Every schedule on one pipeline in one table, against the signal bound (free transfers).
 
     \b
@@ -191,6 +195,7 @@ def compare_command(pipeline_file, strategy, solver, seed, max_tasks):
       xmesh-plan compare-schedules bench/pipelines/utrans-2.1b-fp16.json
     """
     pipeline = load_pipeline(pipeline_file)
+    check_schedule_size(pipeline, True, max_actions)
     click.echo(format_table(compare(pipeline, _costs(pipeline, strategy, solver, seed, max_tasks))))
 
 

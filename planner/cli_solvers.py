@@ -16,6 +16,7 @@ from rich.progress import Progress, TextColumn, TimeElapsedColumn
 from tabulate import tabulate
 
 from xmesh_plan.schemas import read_plan_file
+from xmesh_plan.schemas.limits import quoted
 
 from .audit import audit_plan
 from .cli_types import POSITIVE, SEED, TIME_LIMIT, max_tasks_option
@@ -92,15 +93,22 @@ def compare_command(problem_file, seed, time_limit, max_tasks):
     Example:
       xmesh-plan compare plans/case3.problem.json
     """
-    problem = load_any_problem(problem_file)
+    problem = load_any_problem(problem_file, max_tasks)
     with progress(f"comparing {len(SOLVERS)} solvers and {len(BASELINES)} baselines"):
         rows = compare_rows(problem, seed, time_limit, max_tasks)
     bound = next(b for _, _, b, _ in rows if b is not None)
     best = min(p for _, p, _, _ in rows)
-    table = [(name, predicted, predicted / bound, predicted / best, wall) for name, predicted, _, wall in rows]
+    table = [(name, predicted, over_bound(predicted, bound), _over_best(predicted, best), wall) for name, predicted, _, wall in rows]
     click.echo(tabulate(table, headers=("approach", "predicted s", "/ bound", "/ best", "wall s"), tablefmt="plain",
                         floatfmt=("", ".4f", ".3f", ".3f", ".2f")))
     click.echo(f"lower bound {bound:.4f} s")
+
+
+def _over_best(seconds: float, best: float) -> float:
+    """`seconds` over the best approach's: 1.0 where both are 0 (nothing to move), inf where only the best is."""
+    if best > 0:
+        return seconds / best
+    return 1.0 if seconds <= 0 else float("inf")
 
 
 @click.command("check")
@@ -127,7 +135,7 @@ def check_command(plan_files, max_ratio, reference, per_tensor):
         plan = read_plan_file(path)
         audit = _audited(path, plan)
         if isinstance(audit, str):
-            click.echo(f"{path}: FAIL {audit}")
+            click.echo(f"{quoted(path)}: FAIL {audit}")
             failed += 1
             continue
         predicted, bound = audit.predicted_seconds, audit.lower_bound_seconds
@@ -139,14 +147,14 @@ def check_command(plan_files, max_ratio, reference, per_tensor):
         if over_executed is not None and over_executed > max_ratio:
             problems.append(f"{over_executed:.4f}x its lower bound {order} (the executor's default order)")
         if ref is not None and predicted > max_ratio * ref.predicted_seconds:
-            problems.append(f"{predicted / ref.predicted_seconds:.4f}x the reference {reference}")
+            problems.append(f"{_over_best(predicted, ref.predicted_seconds):.4f}x the reference {reference}")
         status = "FAIL " + "; ".join(problems) if problems else "ok"
         if not audit.retimed:
             status += " (operation times not re-checked: this plan was timed by the schedule model)"
         posted = f", {order} (executor default) {executed:.4f} s ({over_executed:.4f}x)" if executed is not None else \
             (f", {order} (executor default) not timed: too costly to simulate here, not gated; `xmesh-plan inspect --orders` "
              "times it" if isinstance(plan.problem, TransferProblem) else "")
-        click.echo(f"{path}: predicted {predicted:.4f} s, bound {bound:.4f} s ({over:.4f}x){posted} {status}")
+        click.echo(f"{quoted(path)}: predicted {predicted:.4f} s, bound {bound:.4f} s ({over:.4f}x){posted} {status}")
         if per_tensor:
             click.echo("\n".join(tensor_check_rows(plan)))
         failed += bool(problems)

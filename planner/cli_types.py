@@ -6,9 +6,15 @@ import math
 
 import click
 
+from xmesh_plan.schemas.files import write_atomic
+from xmesh_plan.schemas.last_resort import ENVIRONMENT_ERRNOS
+from xmesh_plan.schemas.limits import quoted
+
+from .problem_io import InputError
 from .unit_tasks import DEFAULT_MAX_TASKS
 
 MAX_SEED = 2**31 - 1  # CP-SAT's random_seed is a 32-bit int
+DEFAULT_MAX_ACTIONS = 50_000  # compute actions a schedule lays out: about 1.4 ms each in `schedule` (8 stages x 256 micro-batches: 3.5 s)
 MAX_TIME_LIMIT_S = 1e6  # deterministic seconds (about 11 days): a larger budget only means never stopping
 
 
@@ -57,3 +63,28 @@ def max_tasks_option(func):
     return click.option("--max-tasks", type=click.IntRange(min=1), default=DEFAULT_MAX_TASKS, show_default=True,
                         help="refuse, before cutting, a problem that could give more unit tasks than this "
                              "(memory and time grow with it; see BENCHMARKS.md, 'Task limit')")(func)
+
+
+def max_actions_option(func):
+    """`--max-actions N` for every command that lays out pipeline schedules: larger ones are refused before any work."""
+    return click.option("--max-actions", type=click.IntRange(min=1), default=DEFAULT_MAX_ACTIONS, show_default=True,
+                        help="refuse, before planning, a pipeline whose schedule would lay out more compute actions than "
+                             "this (stages x micro-batches x 3, or x 2 without a split backward; time grows with it)")(func)
+
+
+def output_error(err: OSError, path: str, flag: str) -> Exception:
+    """What to raise when the output `flag` names cannot be written: the OSError itself where the machine is at
+    fault (a full disk: the last-resort handler's one line, exit 1), else a one-line InputError (exit 2)."""
+    if err.errno in ENVIRONMENT_ERRNOS:
+        return err
+    if isinstance(err, IsADirectoryError):
+        return InputError(f"{flag}: {quoted(path)} is a folder; give a file name in it")
+    return InputError(f"{flag}: cannot write {quoted(path)} ({err.strerror or err}); check that the folder exists and is writable")
+
+
+def write_output(path: str, data: str | bytes, flag: str) -> None:
+    """Write the output file `flag` names (`schemas.files.write_atomic`: never replaces what the path points to)."""
+    try:
+        write_atomic(path, data)
+    except OSError as err:
+        raise output_error(err, path, flag) from None

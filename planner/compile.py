@@ -14,16 +14,15 @@ from xmesh_plan.schemas.transfer import TransferProblem
 
 from . import __version__
 from .bounds import joint_lower_bound
-from .coalesce import DEFAULT_BUCKET_BYTES, BundleCell, bundle_task, coalesce_cells, share_messages
-from .compile_defaults import resolve
+from .coalesce import BundleCell, bundle_task, coalesce_cells, share_messages
+from .compile_defaults import CompileOptions
 from .executor_order import executor_order, executor_order_seconds, posted_budget
 from .scheduling import Option, Schedule, SchedulingTask
 from .simulate import nic_assignment, renumbered_only, simulated, staging_runs
 from .solvers import solve
-from .staging_limit import MIB, limit_staging
+from .staging_limit import limit_staging
 from .strategies import STRATEGIES, PlannedOp, StrategyResult, TaskContext, get_strategy
-from .problem_io import InputError
-from .unit_tasks import DEFAULT_MAX_TASKS, Cell, check_joint_task_count, decompose, split_by_receiver_host
+from .unit_tasks import Cell, check_joint_task_count, check_split_count, decompose, split_by_receiver_host
 
 DIGITS = 12  # times are rounded to picoseconds so plans print and compare stably
 NIC_SIDES = ("send", "recv")  # the resources a plan's host order lists; device ports are not queued
@@ -261,56 +260,55 @@ def _without_cyclic_gc(fn):
 
 
 @_without_cyclic_gc
-def compile_plan(problem: ReshardingProblem | TransferProblem, strategy: str = "broadcast", solver: str = "auto", seed: int = 0,
-                 time_limit_s: float = 10.0, merge: bool = True, on_stage: Callable[[str], None] = _quiet,
-                 max_tasks: int | None = DEFAULT_MAX_TASKS, split_hosts: bool | None = None, coalesce: bool | None = None,
-                 bucket_bytes: int | None = None, max_staging_bytes: int | None = None, cross_tensor: bool | None = None) -> Plan:
-    """Compile a plan; same inputs give a byte-identical plan. `on_stage` hears each step's name (for progress).
-    A problem that could cut into more than `max_tasks` unit tasks (all tensors together) is refused up
-    front (TooManyTasksError). A `TransferProblem`'s tensors are cut one by one and scheduled together.
-    `split_hosts` and `coalesce` left None take the problem's kind's default (`compile_defaults`: both on
-    for a `TransferProblem`, off for a single tensor). `split_hosts`: one unit task per receiving host
-    (`unit_tasks.split_by_receiver_host`; recorded in `solver.details`), as many tasks per box as it has
-    receiving hosts. `coalesce`: small cells between
-    two hosts travel in bundles of at most `bucket_bytes` (`planner/coalesce.py`; a bundle holds boxes of one tensor;
-    default 4 MiB, or `max_staging_bytes` when that is less). `cross_tensor` (default: on where a multi-tensor
-    problem is coalesced): bundles of several tensors between two hosts share one message up to the bucket
-    (`coalesce.share_messages`, `schemas.carriers`). `max_staging_bytes`: no device stages more in
-    device order (`planner/staging_limit.py`; a transfer's tensors share one staging area per device); the
-    plan states the limit and each device's peak (`Plan.staging`), and more than `max_tasks` operations are refused.
-    A multi-tensor plan also states its time run in the executor's default order for it (`executor_order`)."""
+def compile_plan(problem: ReshardingProblem | TransferProblem, options: CompileOptions | None = None, *,
+                 on_stage: Callable[[str], None] = _quiet, **settings) -> Plan:
+    """Compile a plan; same inputs give a byte-identical plan. `options` (`compile_defaults.CompileOptions`), or
+    its fields as keywords (`compile_plan(p, solver="greedy")`, on top of `options` when both are given), say how;
+    `on_stage` hears each step's name (for progress). Settings left None take the problem's kind's default in one
+    place (`CompileOptions.resolved`: split by host and coalesced, bundles of several tensors sharing messages,
+    for a `TransferProblem`; none of it for a single tensor).
+
+    A problem that could cut into more than `max_tasks` unit tasks (all tensors together, and as many per box as it
+    has receiving hosts when split by host) is refused up front (TooManyTasksError). A `TransferProblem`'s tensors
+    are cut one by one and scheduled together. `split_hosts`: one unit task per receiving host
+    (`unit_tasks.split_by_receiver_host`; recorded in `solver.details`). `coalesce`: small cells between two hosts
+    travel in bundles of at most `bucket_bytes` (`planner/coalesce.py`; a bundle holds boxes of one tensor).
+    `cross_tensor`: bundles of several tensors between two hosts share one message up to the bucket
+    (`coalesce.share_messages`, `schemas.carriers`). `max_staging_bytes`: no device stages more in device order
+    (`planner/staging_limit.py`; a transfer's tensors share one staging area per device); the plan states the limit
+    and each device's peak (`Plan.staging`), and more than `max_tasks` operations are refused. A multi-tensor plan
+    also states its time run in the executor's default order for it (`executor_order`)."""
+    if options is not None and not isinstance(options, CompileOptions):
+        raise TypeError(f"options is a {type(options).__name__}; pass a CompileOptions, or settings by keyword "
+                        "(compile_plan(problem, strategy=..., solver=...))")
+    options = dataclasses.replace(options or CompileOptions(), **settings).for_problem(problem)
     multi = isinstance(problem, TransferProblem)
-    chosen = resolve(split_hosts, coalesce, multi)
-    split_hosts, coalesce = chosen.split_hosts, chosen.coalesce
-    bucket_bytes = _bucket(bucket_bytes, max_staging_bytes)
-    cross_tensor = coalesce and multi if cross_tensor is None else cross_tensor
-    if cross_tensor and not multi:
-        raise InputError("--cross-tensor shares messages between the tensors of a multi-tensor problem, and this problem "
-                         "has one tensor (its bundles already carry all of a host pair's small boxes); leave it out")
-    if cross_tensor and not coalesce:
-        raise InputError("--cross-tensor shares the messages of coalesced bundles, and this compile does not coalesce; "
-                         "add --coalesce or leave out --cross-tensor")
+    strategy, solver, seed, max_tasks = options.strategy, options.solver, options.seed, options.max_tasks
+    split_hosts, coalesce, bucket_bytes = options.split_hosts, options.coalesce, options.bucket_bytes
+    max_staging_bytes, cross_tensor = options.max_staging_bytes, options.cross_tensor
     on_stage("cutting unit tasks")
     singles = problem.tensor_problems()
     if coalesce and max_staging_bytes is not None and max_staging_bytes < max(s.itemsize for s in singles):
         coalesce = False  # a limit below one element: limit_staging refuses it, naming the smallest limit that works
     check_joint_task_count(singles, max_tasks)
     indices = range(len(singles)) if multi else [None]
-    cells = [decompose(single, merge=merge, max_tasks=None) for single in singles]
+    cells = [decompose(single, merge=options.merge, max_tasks=None) for single in singles]
     on_stage(f"costing {sum(map(len, cells))} cells")
     works, first, cut = [], 0, []
+    if split_hosts:
+        check_split_count(cells, problem.cluster, max_tasks)
     for single, mine in zip(singles, cells):  # the bound and copies come from the cells as cut
         tasks_of = split_by_receiver_host(mine, problem.cluster) if split_hosts else mine
         cut.append(coalesce_cells(tasks_of, single, bucket_bytes) if coalesce else (tasks_of, []))
     load = receiving_load([tasks_of for tasks_of, _ in cut], problem.cluster)
     for index, single, mine, (tasks_of, bundles) in zip(indices, singles, cells, cut):
-        options = task_options(single, tasks_of, strategy, first_id=first, load=load)
-        options += _bundle_options(bundles, single, first + len(options))
-        works.append(TensorWork(index, single, mine, options))
-        first += len(options)
+        mine_options = task_options(single, tasks_of, strategy, first_id=first, load=load)
+        mine_options += _bundle_options(bundles, single, first + len(mine_options))
+        works.append(TensorWork(index, single, mine, mine_options))
+        first += len(mine_options)
     tasks = [o.scheduling for w in works for o in w.options]
     on_stage(f"scheduling {len(tasks)} tasks with {solver}")
-    schedule = solve(tasks, solver, seed=seed, time_limit_s=time_limit_s)
+    schedule = solve(tasks, solver, seed=seed, time_limit_s=options.time_limit_s)
     on_stage("timing operations and assembling the plan")
     if split_hosts:  # recorded only when on, so plans compiled without it are unchanged
         schedule = dataclasses.replace(schedule, details={**schedule.details, "split_hosts": "one unit task per receiving host"})
@@ -320,17 +318,3 @@ def compile_plan(problem: ReshardingProblem | TransferProblem, strategy: str = "
         schedule = dataclasses.replace(schedule, details={**schedule.details, "cross_tensor": f"bundles share messages of at most {bucket_bytes} B"})
     return assemble_joint(problem, works, schedule, strategy, seed, max_staging_bytes, max_tasks,
                           share_bytes=bucket_bytes if cross_tensor else None)
-
-
-def _bucket(bucket_bytes: int | None, max_staging_bytes: int | None) -> int:
-    """The bundle bucket: as given, else 4 MiB or the staging limit when less; refused above the limit
-    (a bundle is staged whole on both relays)."""
-    if max_staging_bytes is None:
-        return DEFAULT_BUCKET_BYTES if bucket_bytes is None else bucket_bytes
-    if bucket_bytes is None:
-        return min(DEFAULT_BUCKET_BYTES, max_staging_bytes)
-    if bucket_bytes > max_staging_bytes:
-        raise InputError(f"--bucket-mb {bucket_bytes / MIB:.4g} is above --max-staging-mb {max_staging_bytes / MIB:.4g}: a bundle is "
-                         "staged whole on both relays; leave out --bucket-mb (bundles then take the staging limit), give "
-                         "a smaller one, or raise --max-staging-mb")
-    return bucket_bytes

@@ -14,14 +14,28 @@ case8, one_to_{2x2,3x2,4x2}: a split chain sends the whole tensor once per host)
 CompileDefaults(split_hosts=True, coalesce=True)
 >>> resolve(False, None, multi_tensor=True)
 CompileDefaults(split_hosts=False, coalesce=True)
+
+Every other compile setting travels with these in one frozen `CompileOptions`; `CompileOptions.resolved`
+fills in everything left to the problem's kind (the two switches, the bundle bucket, shared messages)
+in this one place, and refuses combinations that cannot work:
+
+>>> o = CompileOptions(max_staging_bytes=2**20).resolved(multi_tensor=True)
+>>> o.split_hosts, o.coalesce, o.bucket_bytes, o.cross_tensor
+(True, True, 1048576, True)
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from xmesh_plan.schemas import ReshardingProblem
 from xmesh_plan.schemas.transfer import TransferProblem
+
+from .coalesce import DEFAULT_BUCKET_BYTES
+from .problem_io import InputError
+from .staging_limit import MIB
+from .unit_tasks import DEFAULT_MAX_TASKS
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,3 +65,58 @@ def resolve(split_hosts: bool | None, coalesce: bool | None, multi_tensor: bool)
     default = defaults_for_kind(multi_tensor)
     return CompileDefaults(default.split_hosts if split_hosts is None else split_hosts,
                            default.coalesce if coalesce is None else coalesce)
+
+
+@dataclass(frozen=True, slots=True)
+class CompileOptions:
+    """How to compile a problem (`compile.compile_plan`, `xmesh-plan compile`); None leaves a setting to the problem's
+    kind (`resolved`). `strategy`: per unit task ("auto" picks the fastest); `solver`: the scheduler; `seed`: for
+    randomized solvers; `time_limit_s`: solver budget in deterministic seconds; `merge`: adjacent identical cells as one
+    box; `max_tasks`: refuse a problem that could cut into more unit tasks; `split_hosts`: one unit task per receiving
+    host; `coalesce`: small boxes between two hosts in bundles of at most `bucket_bytes`; `cross_tensor`: bundles of
+    several tensors share one message; `max_staging_bytes`: no device stages more in device order."""
+
+    strategy: str = "broadcast"
+    solver: str = "auto"
+    seed: int = 0
+    time_limit_s: float = 10.0
+    merge: bool = True
+    max_tasks: int | None = DEFAULT_MAX_TASKS
+    split_hosts: bool | None = None
+    coalesce: bool | None = None
+    bucket_bytes: int | None = None
+    max_staging_bytes: int | None = None
+    cross_tensor: bool | None = None
+
+    def resolved(self, multi_tensor: bool) -> "CompileOptions":
+        """These options with nothing left to the kind: the switches (`resolve`), the bucket (as given, else 4 MiB or the
+        staging limit when less) and shared messages (on where a multi-tensor problem is coalesced). InputError for a
+        bucket above the staging limit (a bundle is staged whole on both relays) or shared messages that cannot be."""
+        bucket = _bucket(self.bucket_bytes, self.max_staging_bytes)
+        chosen = resolve(self.split_hosts, self.coalesce, multi_tensor)
+        cross = chosen.coalesce and multi_tensor if self.cross_tensor is None else self.cross_tensor
+        if cross and not multi_tensor:
+            raise InputError("--cross-tensor shares messages between the tensors of a multi-tensor problem, and this problem "
+                             "has one tensor (its bundles already carry all of a host pair's small boxes); leave it out")
+        if cross and not chosen.coalesce:
+            raise InputError("--cross-tensor shares the messages of coalesced bundles, and this compile does not coalesce; "
+                             "add --coalesce or leave out --cross-tensor")
+        return dataclasses.replace(self, split_hosts=chosen.split_hosts, coalesce=chosen.coalesce, cross_tensor=cross,
+                                   bucket_bytes=bucket)
+
+    def for_problem(self, problem: ReshardingProblem | TransferProblem) -> "CompileOptions":
+        """`resolved` for the problem's kind: a `TransferProblem` is multi-tensor."""
+        return self.resolved(isinstance(problem, TransferProblem))
+
+
+def _bucket(bucket_bytes: int | None, max_staging_bytes: int | None) -> int:
+    """The bundle bucket: as given, else 4 MiB or the staging limit when less; refused above the limit."""
+    if max_staging_bytes is None:
+        return DEFAULT_BUCKET_BYTES if bucket_bytes is None else bucket_bytes
+    if bucket_bytes is None:
+        return min(DEFAULT_BUCKET_BYTES, max_staging_bytes)
+    if bucket_bytes > max_staging_bytes:
+        raise InputError(f"--bucket-mb {bucket_bytes / MIB:.4g} is above --max-staging-mb {max_staging_bytes / MIB:.4g}: a bundle is "
+                         "staged whole on both relays; leave out --bucket-mb (bundles then take the staging limit), give "
+                         "a smaller one, or raise --max-staging-mb")
+    return bucket_bytes

@@ -95,6 +95,8 @@ def _build_mesh(raw: Any, field: str, first_host: int, devices_per_host: int) ->
     if unknown:
         raise InputError(f"{field}: unknown key {sorted(unknown)[0]!r}; use shape, devices or first_host")
     shape = _int_list(raw["shape"], f"{field}.shape")
+    if "devices" in raw and "first_host" in raw:
+        raise InputError(f"{field}: give devices or first_host, not both (explicit devices leave nothing to place from a host)")
     if "devices" in raw:
         return DeviceMesh(shape=shape, devices=_int_list(raw["devices"], f"{field}.devices"))
     first = raw.get("first_host", first_host)
@@ -108,7 +110,8 @@ def parse_cluster(raw: Any) -> Cluster:
     try:
         return Cluster.model_validate(raw)
     except ValidationError as err:
-        raise InputError(f"cluster.{describe_validation_error(err)}") from None
+        message = describe_validation_error(err)
+        raise InputError(f"cluster{'.' if err.errors()[0]['loc'] else ': '}{message}") from None
 
 
 def build_problem(raw: dict[str, Any]) -> ReshardingProblem:

@@ -19,24 +19,26 @@ from host 0 and the destination on the hosts after it, or objects with `devices`
 from __future__ import annotations
 
 import re
-from fnmatch import fnmatchcase
+from fnmatch import translate
 from pathlib import Path
 from typing import Any
 
 from pydantic import ValidationError
 
-from xmesh_plan.schemas import ReshardingProblem
+from xmesh_plan.schemas import Placement, ReshardingProblem
 from xmesh_plan.schemas.dtypes import DTYPE_SIZES, canonical_dtype
-from xmesh_plan.schemas.limits import shown
+from xmesh_plan.schemas.limits import quoted, shown
 from xmesh_plan.schemas.transfer import MAX_TENSORS, TransferProblem
 from xmesh_plan.schemas.validation import describe_validation_error
 
 from .problem_io import InputError, build_problem, hosts_used, parse_cluster, parse_mesh, parse_shape, read_data_file
+from .unit_tasks import check_task_total, task_count_bound
 
 TOP_KEYS = ("name", "dtype", "src_mesh", "dst_mesh", "cluster", "rules", "tensors")
 TENSOR_KEYS = ("name", "shape", "dtype", "src", "dst")
 RULE_KEYS = ("match", "src", "dst")
 MAX_REPEAT = MAX_TENSORS
+MAX_RULES = 256  # every rule is matched against every tensor name once at most; a model needs a few dozen
 
 
 def is_transfer(raw: Any) -> bool:
@@ -44,24 +46,27 @@ def is_transfer(raw: Any) -> bool:
     return isinstance(raw, dict) and "tensors" in raw
 
 
-def build_any_problem(raw: Any) -> ReshardingProblem | TransferProblem:
-    """A transfer problem from data with `tensors`, a single-tensor problem otherwise."""
+def build_any_problem(raw: Any, max_tasks: int | None = None) -> ReshardingProblem | TransferProblem:
+    """A transfer problem from data with `tensors`, a single-tensor problem otherwise; a transfer that could cut into
+    more than `max_tasks` unit tasks is refused as it is read (`build_transfer`)."""
     if isinstance(raw, dict) and "schema_version" in raw and "operations" in raw:
         raise InputError("this is a plan file (it has schema_version and operations), not a problem; give the problem file "
                          "it was compiled from (its `problem` section is one), e.g. plans/case3.problem.json")
-    return build_transfer(raw) if is_transfer(raw) else build_problem(raw)
+    return build_transfer(raw, max_tasks) if is_transfer(raw) else build_problem(raw)
 
 
-def load_any_problem(path: str | Path) -> ReshardingProblem | TransferProblem:
+def load_any_problem(path: str | Path, max_tasks: int | None = None) -> ReshardingProblem | TransferProblem:
     """Read a `.json` or `.toml` problem file of either kind; errors name the file and field."""
-    return build_any_problem(read_data_file(path, "problem file"))
+    return build_any_problem(read_data_file(path, "problem file"), max_tasks)
 
 
-def build_transfer(raw: dict[str, Any]) -> TransferProblem:
-    """A transfer problem from plain data (see the module docstring); InputError naming the field otherwise."""
+def build_transfer(raw: dict[str, Any], max_tasks: int | None = None) -> TransferProblem:
+    """A transfer problem from plain data (see the module docstring); InputError naming the field otherwise.
+    With `max_tasks`, tensors that could cut into more unit tasks together are refused (TooManyTasksError) from
+    their counts, before the problem is built: each distinct (shape, specs) is counted once."""
     unknown = sorted(set(raw) - set(TOP_KEYS))
     if unknown:
-        raise InputError(f"{unknown[0]}: not a field of a multi-tensor problem; use {', '.join(TOP_KEYS)}")
+        raise InputError(f"{quoted(unknown[0])}: not a field of a multi-tensor problem; use {', '.join(TOP_KEYS)}")
     cluster = parse_cluster(raw.get("cluster", {}))
     for side in ("src_mesh", "dst_mesh"):
         if side not in raw:
@@ -75,10 +80,13 @@ def build_transfer(raw: dict[str, Any]) -> TransferProblem:
                          f"{', '.join(sorted(DTYPE_SIZES))}")
     if "tensors" not in raw:
         raise InputError("tensors: missing; give a list of tensors, each with name and shape")
-    tensors = [_tensor(entry, where, rules, default_dtype) for entry, where in _expand(raw["tensors"])]
-    for k, (pattern, _) in enumerate(rules):  # a typo in a pattern would silently leave its tensors to a later rule
-        if not any(fnmatchcase(t["name"], pattern) for t in tensors):  # _tensor made each a dict with a text name
-            raise InputError(f"rules[{k}] (match {pattern!r}) fits no tensor's name; fix the pattern or remove the rule")
+    matcher = _RuleMatcher(rules)
+    if max_tasks is not None:  # from the entries as written, before a repeated group is unrolled
+        _TaskCount(src_mesh, dst_mesh, cluster, matcher, default_dtype).of_entries(raw["tensors"], max_tasks)
+    tensors = [_tensor(entry, where, matcher, default_dtype) for entry, where in _expand(raw["tensors"])]
+    unused = matcher.fitting_none([t["name"] for t in tensors])  # _tensor made each a dict with a text name
+    if unused is not None:  # a typo in a pattern would silently leave its tensors to a later rule
+        raise InputError(f"rules[{unused}] (match {rules[unused][0]!r}) fits no tensor's name; fix the pattern or remove the rule")
     if not tensors:
         raise InputError("tensors: no tensor is left once repeated groups are unrolled (repeat = 0 everywhere?); "
                          "give at least one tensor")
@@ -89,6 +97,96 @@ def build_transfer(raw: dict[str, Any]) -> TransferProblem:
         raise InputError(_named(describe_validation_error(err), tensors)) from None
 
 
+class _TaskCount:
+    """The unit tasks tensor entries could cut into, counted as written: a repeated group's tensor that gives both
+    specs itself counts once for all its copies, one whose specs come from the rules is matched name by name (one
+    regular expression each); each distinct (shape, dtype, specs) is cut into cut points once. Anything malformed
+    stops the count (`of_entries` then refuses nothing): reading the entries in full names the fault."""
+
+    def __init__(self, src_mesh, dst_mesh, cluster, rules: "_RuleMatcher", default_dtype: Any):
+        self.src_mesh, self.dst_mesh, self.cluster, self.rules, self.default_dtype = src_mesh, dst_mesh, cluster, rules, default_dtype
+        self.known: dict[tuple, int | None] = {}
+        self.tensors = self.total = self.largest = 0
+        self.largest_name = ""
+
+    def of_entries(self, entries: Any, max_tasks: int) -> None:
+        """TooManyTasksError where the entries (a problem's `tensors`) could cut into more than `max_tasks` unit tasks."""
+        if not isinstance(entries, list):
+            return
+        for entry in entries:
+            if not isinstance(entry, dict):
+                return
+            repeat, group = (entry.get("repeat"), entry.get("group")) if "repeat" in entry or "group" in entry else (None, [entry])
+            if repeat is not None and (not isinstance(repeat, int) or isinstance(repeat, bool) or not 0 <= repeat <= MAX_REPEAT):
+                return
+            if not isinstance(group, list) or not all(isinstance(t, dict) and isinstance(t.get("name"), str) for t in group):
+                return
+            for tensor in group:
+                if not self._add_copies(tensor, repeat):
+                    return
+        if self.tensors:
+            check_task_total(self.tensors, self.total, self.largest_name, self.largest, max_tasks)
+
+    def _add_copies(self, tensor: dict, repeat: int | None) -> bool:
+        """Count `tensor` (`repeat` copies named by {i}, or itself when None); False where something is malformed."""
+        if repeat is None or ("src" in tensor and "dst" in tensor):
+            return self._add(tensor["name"].replace("{i}", "0") if repeat else tensor["name"], tensor, 1 if repeat is None else repeat)
+        return all(self._add(tensor["name"].replace("{i}", str(i)), tensor, 1) for i in range(repeat))
+
+    def _add(self, name: str, tensor: dict, copies: int) -> bool:
+        specs = [tensor[side] if tensor.get(side) is not None else self.rules.spec(name, side) for side in ("src", "dst")]
+        shape = tensor.get("shape")
+        try:
+            key = (parse_shape(shape) if isinstance(shape, str) else tuple(shape), tensor.get("dtype", self.default_dtype), *specs)
+            hash(key)
+        except (InputError, TypeError):
+            return False
+        if key not in self.known:
+            try:
+                single = ReshardingProblem(name=name, shape=key[0], dtype=key[1], cluster=self.cluster,
+                                           src=Placement(mesh=self.src_mesh, spec=key[2]), dst=Placement(mesh=self.dst_mesh, spec=key[3]))
+                self.known[key] = task_count_bound(single)
+            except (ValidationError, ValueError, TypeError):
+                self.known[key] = None
+        bound = self.known[key]
+        if bound is None or not copies:
+            return bound is not None
+        self.tensors += copies
+        self.total += bound * copies
+        if bound > self.largest:
+            self.largest, self.largest_name = bound, name
+        return True
+
+
+class _RuleMatcher:
+    """The rules' shell patterns compiled once: per side, one regular expression whose first alternative to match a
+    name is the first rule giving that side whose pattern fits it (so a tensor costs one match, not one per rule)."""
+
+    def __init__(self, rules: list[tuple[str, dict[str, Any]]]):
+        self.rules = rules
+        self.patterns = [re.compile(translate(p)) for p, _ in rules]
+        self.side = {side: re.compile("|".join(f"(?P<r{k}>{translate(p)})" for k, (p, given) in enumerate(rules)
+                                               if side in given) or "(?!)")
+                     for side in ("src", "dst")}
+        self.used: set[int] = set()
+
+    def spec(self, name: str, side: str) -> Any:
+        """The spec of the first rule giving `side` whose pattern fits `name`, or None."""
+        found = self.side[side].match(name)
+        if found is None:
+            return None
+        k = int(found.lastgroup[1:])
+        self.used.add(k)
+        return self.rules[k][1][side]
+
+    def fitting_none(self, names: list[str]) -> int | None:
+        """The first rule whose pattern fits none of `names`; only rules never picked need a look."""
+        for k, pattern in enumerate(self.patterns):
+            if k not in self.used and not any(pattern.match(n) for n in names):
+                return k
+        return None
+
+
 def _named(message: str, tensors: list[dict[str, Any]]) -> str:
     """`tensors.3.dst: ...` as `tensors[3] (name).dst: ...`, the form the other errors use."""
     found = re.match(r"tensors\.(\d+)(\.|:)", message)
@@ -96,7 +194,7 @@ def _named(message: str, tensors: list[dict[str, Any]]) -> str:
         return message
     k = int(found.group(1))
     rest = message[found.end() - 1:] if found.group(2) == ":" else "." + message[found.end():]
-    return f"tensors[{k}] ({tensors[k].get('name')}){rest}"
+    return f"tensors[{k}] ({quoted(tensors[k].get('name'))}){rest}"
 
 
 def _known_dtype(value: Any) -> bool:
@@ -107,13 +205,16 @@ def _rules(raw: Any) -> list[tuple[str, dict[str, Any]]]:
     """(pattern, {side: spec}) per rule, in file order."""
     if not isinstance(raw, list):
         raise InputError("rules: give a list of {match = \"*.q_proj.weight\", src = \"S01 R\", dst = \"S1 R\"} entries")
+    if len(raw) > MAX_RULES:
+        raise InputError(f"rules: {len(raw):,} rules; give at most {MAX_RULES} (a pattern such as \"layers.*.mlp.*\" covers "
+                         "many tensors, and a tensor may give its own src and dst)")
     out = []
     for k, rule in enumerate(raw):
         if not isinstance(rule, dict) or not isinstance(rule.get("match"), str) or not ({"src", "dst"} & set(rule)):
             raise InputError(f"rules[{k}]: give match (a name pattern such as \"*.q_proj.weight\") and src and/or dst specs")
         extra = sorted(set(rule) - set(RULE_KEYS))
         if extra:
-            raise InputError(f"rules[{k}].{extra[0]}: not a field of a rule; use {', '.join(RULE_KEYS)}")
+            raise InputError(f"rules[{k}].{quoted(extra[0])}: not a field of a rule; use {', '.join(RULE_KEYS)}")
         for side in ("src", "dst"):
             if side in rule and not isinstance(rule[side], str):
                 raise InputError(f"rules[{k}].{side}: {shown(rule[side])} is not a sharding spec; give text such as \"S0 R\"")
@@ -139,7 +240,7 @@ def _expand(raw: Any) -> list[tuple[dict, str]]:
 def _repeat(entry: dict, where: str, room: int) -> list[tuple[dict, str]]:
     repeat, group = entry.get("repeat"), entry.get("group")
     if set(entry) - {"repeat", "group"}:
-        raise InputError(f"{where}.{sorted(set(entry) - {'repeat', 'group'})[0]}: a repeated group has only repeat and group")
+        raise InputError(f"{where}.{quoted(sorted(set(entry) - {'repeat', 'group'})[0])}: a repeated group has only repeat and group")
     if not isinstance(repeat, int) or isinstance(repeat, bool) or not 0 <= repeat <= MAX_REPEAT:
         raise InputError(f"{where}.repeat: {shown(repeat)} must be a whole number of repetitions in 0 .. {MAX_REPEAT}")
     if not isinstance(group, list) or not group or not all(isinstance(t, dict) for t in group):
@@ -150,34 +251,37 @@ def _repeat(entry: dict, where: str, room: int) -> list[tuple[dict, str]]:
         if "repeat" in tensor or "group" in tensor:
             raise InputError(f"{where}.group[{j}]: a repeated group cannot hold another; unroll the inner one by hand "
                              "or write its tensors with both indices")
-        if "{i}" not in str(tensor.get("name", "")):
+        if not isinstance(tensor.get("name"), str):
+            raise InputError(f"{where}.group[{j}].name: {shown(tensor.get('name'))} is not text; give a name containing {{i}}, "
+                             "e.g. \"layers.{i}.mlp.weight\"")
+        if "{i}" not in tensor["name"]:
             raise InputError(f"{where}.group[{j}].name: {shown(tensor.get('name'))} lacks {{i}}, so its {repeat} copies "
                              "would share a name; write e.g. \"layers.{i}.mlp.weight\"")
     return [({**t, "name": t["name"].replace("{i}", str(i))}, f"{where}.group[{j}] (i={i})")
             for i in range(repeat) for j, t in enumerate(group)]
 
 
-def _tensor(entry: Any, where: str, rules: list[tuple[str, dict]], default_dtype: Any) -> dict[str, Any]:
+def _tensor(entry: Any, where: str, rules: _RuleMatcher, default_dtype: Any) -> dict[str, Any]:
     """One tensor as TensorTransfer data, specs filled in from the rules."""
     if not isinstance(entry, dict) or not isinstance(entry.get("name"), str) or not entry["name"] or "shape" not in entry:
         raise InputError(f"{where}: give a tensor as an object with name (text) and shape, e.g. {{name = \"w\", shape = [1024, 512]}}")
     extra = sorted(set(entry) - set(TENSOR_KEYS))
     if extra:
-        raise InputError(f"{where}.{extra[0]}: not a field of a tensor; use {', '.join(TENSOR_KEYS)}")
+        raise InputError(f"{where}.{quoted(extra[0])}: not a field of a tensor; use {', '.join(TENSOR_KEYS)}")
     name = entry["name"]
     if "dtype" in entry and not _known_dtype(entry["dtype"]):
-        raise InputError(f"{where}.dtype ({name}): unknown dtype {shown(entry['dtype'])}; use one of {', '.join(sorted(DTYPE_SIZES))}")
+        raise InputError(f"{where}.dtype ({quoted(name)}): unknown dtype {shown(entry['dtype'])}; use one of {', '.join(sorted(DTYPE_SIZES))}")
     out = {"name": name, "dtype": entry.get("dtype", default_dtype), "shape": entry["shape"]}
     if isinstance(out["shape"], str):
         out["shape"] = parse_shape(out["shape"], f"{where}.shape")
     if isinstance(out["shape"], (list, tuple)) and not out["shape"]:
-        raise InputError(f"{where}.shape ({name}): a 0-d tensor (a scalar) has no dim to shard; give it as shape [1]")
+        raise InputError(f"{where}.shape ({quoted(name)}): a 0-d tensor (a scalar) has no dim to shard; give it as shape [1]")
     for side in ("src", "dst"):
         spec = entry.get(side)
         if spec is None:
-            spec = next((given[side] for pattern, given in rules if side in given and fnmatchcase(name, pattern)), None)
+            spec = rules.spec(name, side)
         if spec is None:
-            raise InputError(f"{where} ({name}): no rule gives its {side} spec; add a rule whose match fits {name!r} "
+            raise InputError(f"{where} ({quoted(name)}): no rule gives its {side} spec; add a rule whose match fits {name!r} "
                              f"(match = \"*\" as the last rule catches every tensor) or give {side} on the tensor")
         out[side] = spec
     return out

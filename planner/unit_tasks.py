@@ -75,17 +75,41 @@ def check_task_count(problem: ReshardingProblem, max_tasks: int | None) -> int:
 
 
 def check_joint_task_count(problems: list[ReshardingProblem], max_tasks: int | None) -> int:
-    """`check_task_count` for the tensors of one transfer together (one plan holds all their tasks)."""
+    """`check_task_count` for the tensors of one transfer together (one plan holds all their tasks); tensors of
+    one shape and specs are counted once (a model's layers repeat)."""
     if len(problems) == 1:
         return check_task_count(problems[0], max_tasks)
-    bounds = [task_count_bound(p) for p in problems]
-    total = sum(bounds)
+    known: dict[tuple, int] = {}
+    bounds = []
+    for p in problems:
+        key = (p.shape, str(p.src.spec), str(p.dst.spec), p.src.mesh.shape, p.dst.mesh.shape)
+        if key not in known:
+            known[key] = task_count_bound(p)
+        bounds.append(known[key])
+    largest = max(range(len(bounds)), key=lambda i: bounds[i])
+    check_task_total(len(bounds), sum(bounds), problems[largest].name, bounds[largest], max_tasks)
+    return sum(bounds)
+
+
+def check_task_total(tensors: int, total: int, largest_name: str, largest: int, max_tasks: int | None) -> None:
+    """TooManyTasksError where `tensors` tensors cut into `total` unit tasks, above `max_tasks` (`largest` of them from
+    the tensor called `largest_name`)."""
     if max_tasks is not None and total > max_tasks:
-        largest = max(range(len(problems)), key=lambda i: bounds[i])
         raise TooManyTasksError(
-            f"problem: cutting its {len(problems)} tensors gives up to {total:,} unit tasks (the most, {bounds[largest]:,}, "
-            f"from {problems[largest].name!r}), above the limit of {max_tasks:,}; pass --max-tasks {total} (max_tasks= in "
+            f"problem: cutting its {tensors} tensors gives up to {total:,} unit tasks (the most, {largest:,}, "
+            f"from {largest_name!r}), above the limit of {max_tasks:,}; pass --max-tasks {total} (max_tasks= in "
             f"Python) if this machine has the memory (about {_memory(total * BYTES_PER_TASK)}), or use coarser meshes or specs")
+
+
+def check_split_count(cells_of: list[list[Cell]], cluster, max_tasks: int | None) -> int:
+    """The unit tasks `split_by_receiver_host` makes of these cells (one per receiving host of each), counted before
+    anything is split; TooManyTasksError naming it and `--max-tasks` above `max_tasks`."""
+    total = sum(len({cluster.host_of(d) for d in cell.receivers}) or 1 for cells in cells_of for cell in cells)
+    if max_tasks is not None and total > max_tasks:
+        raise TooManyTasksError(
+            f"problem: split by receiving host (--split-hosts) it gives {total:,} unit tasks, above the limit of {max_tasks:,}; "
+            f"pass --max-tasks {total} (max_tasks= in Python) if this machine has the memory (about "
+            f"{_memory(total * BYTES_PER_TASK)}), or compile with --no-split-hosts")
     return total
 
 

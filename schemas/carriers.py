@@ -87,6 +87,8 @@ def carrier_fault(operations: Sequence[Operation], itemsizes: Sequence[int], ali
             return f"{what}: only a bundle rides in another bundle's message; drop carrier"
         if op.carrier not in position:
             return f"{what}: no operation {op.carrier} in the plan; name the group's first bundle"
+        if position[op.carrier] >= k:  # operations[k - 1] below would wrap to the last one for k = 0
+            return f"{what}: its carrier must be listed before it (the group's first bundle, then the others right after it)"
         head = operations[position[op.carrier]]
         if head.kind != "bundle" or head.carrier is not None:
             return f"{what}: operation {op.carrier} must be a bundle that sends its own message (no carrier of its own)"

@@ -2,6 +2,8 @@
 
 Input errors are reported where they are found (one line, exit 2). Anything that still escapes is a
 bug: the user gets one line saying so, naming the exception and how to see the traceback, exit 1.
+A full disk or a failing device (`ENVIRONMENT_ERRNOS`, e.g. `> /dev/full`) is the machine's fault, not a
+bug: one line saying what could not be written and what to do, exit 1.
 `--debug` on the command line or `XMESH_PLAN_DEBUG=1` lets the exception through untouched. Only the
 entry functions use it, so tests that call `planner.cli.main` or `executor.run.main` see real
 tracebacks.
@@ -9,12 +11,15 @@ tracebacks.
 
 from __future__ import annotations
 
+import errno
 import os
 import sys
 from collections.abc import Callable, Sequence
 
 DEBUG_FLAG = "--debug"
 DEBUG_ENV = "XMESH_PLAN_DEBUG"
+ENVIRONMENT_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EIO, errno.EFBIG})
+"""OSErrors that say the machine cannot take the output (full disk, quota, device error, file too large)."""
 
 
 def debug_requested(argv: Sequence[str]) -> bool:
@@ -30,6 +35,15 @@ def internal_error_line(err: BaseException, program: str) -> str:
             f"(or {DEBUG_ENV}=1) to see the traceback, and report it")
 
 
+def environment_error_line(err: OSError) -> str:
+    """`error: cannot write 'out.json' (No space left on device); ...`: one line for an `ENVIRONMENT_ERRNOS` error."""
+    from .limits import quoted  # here: the handler itself imports nothing that could fail
+
+    where = "standard output" if err.filename is None else quoted(os.fsdecode(err.filename))
+    reason = err.strerror or os.strerror(err.errno or 0)
+    return f"error: cannot write {where} ({reason}); free some space or write to another disk"
+
+
 def run_guarded(entry: Callable[[], int | None], program: str, argv: Sequence[str], prefix: str = "") -> int:
     """Call `entry()` and return its exit code; an escaping exception becomes one line on stderr and exit 1.
 
@@ -39,7 +53,12 @@ def run_guarded(entry: Callable[[], int | None], program: str, argv: Sequence[st
     if debug_requested(argv):
         return entry() or 0
     try:
-        return entry() or 0
+        try:
+            code = entry() or 0
+        finally:
+            if sys.stdout is not None and not sys.stdout.closed:
+                sys.stdout.flush()  # here, not at exit, so a full disk behind `>` is reported, not lost
+        return code
     except SystemExit:
         raise
     except KeyboardInterrupt:
@@ -48,6 +67,13 @@ def run_guarded(entry: Callable[[], int | None], program: str, argv: Sequence[st
     except BrokenPipeError:
         _silence_stdout()
         return 141  # as a shell reports a process ended by SIGPIPE
+    except OSError as err:
+        if err.errno not in ENVIRONMENT_ERRNOS:
+            print(prefix + internal_error_line(err, program), file=sys.stderr, flush=True)
+            return 1
+        _silence_stdout()
+        print(prefix + environment_error_line(err), file=sys.stderr, flush=True)
+        return 1
     except MemoryError:
         print(f"{prefix}error: out of memory; give a smaller problem or run on a larger machine", file=sys.stderr, flush=True)
         return 1

@@ -15,7 +15,7 @@ from __future__ import annotations
 import math
 from typing import Annotated
 
-from pydantic import BeforeValidator, Field
+from pydantic import BeforeValidator, Field, Strict
 
 INT64_MAX = 2**63 - 1
 MAX_TENSOR_RANK = 16  # a unit-task grid indexes src and dst shard counts together: 2 x 16 = numpy's 32 dims
@@ -46,6 +46,17 @@ def shown(value: object, width: int = 40) -> str:
     return text if len(text) <= width else text[: width - 3] + "..."
 
 
+def quoted(text: object) -> str:
+    """User text (a name, a key, a path) as a message shows it: as it is when it is plain printable text, else
+    quoted as Python's repr quotes it, so a newline or control character in it cannot break the one-line message.
+
+    >>> quoted("plans/case3.plan.json"), quoted("a\\nb")
+    ('plans/case3.plan.json', "'a\\\\nb'")
+    """
+    text = str(text)
+    return text if text and text.isprintable() and text.strip() == text else repr(text)
+
+
 def finite(low: float, high: float, **kwargs) -> object:
     """A float field in [low, high] that refuses booleans, NaN and infinities with a message giving the range."""
     def check(value: object) -> object:
@@ -57,7 +68,7 @@ def finite(low: float, high: float, **kwargs) -> object:
         if number is not None and not (math.isfinite(number) and low <= number <= high):
             raise ValueError(f"{shown(value)} is not a finite number in {low:g} .. {high:g}; give one in that range")
         return value
-    return Annotated[float, BeforeValidator(check), Field(allow_inf_nan=False, **kwargs)]
+    return Annotated[float, Strict(), BeforeValidator(check), Field(allow_inf_nan=False, **kwargs)]
 
 
 def check_int64_product(shape: tuple[int, ...], itemsize: int, field: str) -> None:
@@ -85,7 +96,15 @@ def integer(low: int, high: int, what: str) -> object:
         if isinstance(value, int) and not low <= value <= high:
             raise ValueError(f"{shown(value)} is {'negative' if value < 0 else 'too small' if value < low else 'too large'}; give {what} in {low} .. {high}")
         return value
-    return Annotated[int, BeforeValidator(check)]
+    return Annotated[int, Strict(), BeforeValidator(check)]
+
+
+StrictInt = Annotated[int, Strict()]
+"""An int field that refuses booleans, floats (8.0 too) and text: what a plan file states is taken as written."""
+StrictFloat = Annotated[float, Strict()]
+"""A float field that takes ints and floats and refuses booleans and text ("0.9")."""
+StrictBool = Annotated[bool, Strict()]
+"""A bool field that refuses 0, 1 and text ("true")."""
 
 
 Length = integer(0, INT64_MAX, "a length")

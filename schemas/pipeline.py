@@ -27,7 +27,8 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from .dtypes import DTYPE_SIZES, canonical_dtype, check_dtype
-from .limits import INT64_MAX, MAX_MICRO_BATCHES, MAX_SECONDS, MAX_STAGES, MAX_TENSOR_RANK, Length, check_int64_product, finite, integer
+from .limits import (INT64_MAX, MAX_MICRO_BATCHES, MAX_SECONDS, MAX_STAGES, MAX_TENSOR_RANK, Length, StrictBool, StrictInt,
+                     check_int64_product, finite, integer)
 from .problem import Cluster, DeviceMesh, Placement, ReshardingProblem, Spec
 from .spec import SpecError
 
@@ -128,7 +129,7 @@ class BoundaryTensor(BaseModel):
     dtype: str = "float16"
     src_spec: Spec
     dst_spec: Spec
-    backward: bool = Field(True, description="its gradient flows back from dst_stage to src_stage")
+    backward: StrictBool = Field(True, description="its gradient flows back from dst_stage to src_stage")
 
     @field_validator("dtype", mode="before")
     @classmethod
@@ -241,8 +242,8 @@ class PipelineSchedule(BaseModel):
     schema_version: Literal[1] = PIPELINE_SCHEMA_VERSION
     generator: str = "xmesh-plan"
     schedule: str = Field(description="schedule name, e.g. 1f1b or eager-1f1b-wd")
-    overlap: bool = True
-    weight_delay: tuple[int, ...] = Field((), description="per stage: compute actions each weight-gradient part was moved behind")
+    overlap: StrictBool = True
+    weight_delay: tuple[StrictInt, ...] = Field((), description="per stage: compute actions each weight-gradient part was moved behind")
     pipeline: PipelineProblem
     costs: tuple[TransferCost, ...]
     stages: tuple[str, ...] = Field(description="per stage, its actions in order, space separated")

@@ -21,14 +21,14 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
 from pathlib import Path
 from typing import Annotated, Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, ValidationError
 
-from .files import DataFileError, parse_data, read_text_file
+from .files import DataFileError, parse_data, read_text_file, write_atomic  # noqa: F401  (write_atomic: re-exported)
 from .geometry import Region
+from .limits import StrictBool, StrictFloat, StrictInt, quoted
 from .op_kinds import OP_KINDS, chunk_label, parties
 from .problem import ReshardingProblem
 from .transfer import TransferProblem
@@ -38,7 +38,8 @@ SCHEMA_VERSION = 1
 OpKind = Literal[tuple(OP_KINDS)]  # type: ignore[valid-type]  # "copy", "send", "broadcast", "allgather", "bundle": the table's rows
 StrategyName = Literal["broadcast", "send_recv", "local_allgather", "global_allgather", "bundle"]
 _FROZEN = ConfigDict(frozen=True, extra="forbid")
-TensorIndex = Annotated[int | None, Field(None, ge=0, exclude_if=lambda v: v is None,
+BoxField = tuple[tuple[StrictInt, StrictInt], ...]  # a `geometry.Region` as a plan states it: integers only
+TensorIndex = Annotated[StrictInt | None, Field(None, ge=0, exclude_if=lambda v: v is None,
                                           description="multi-tensor plans: index into problem.tensors (absent otherwise)")]
 
 
@@ -61,23 +62,23 @@ class Operation(BaseModel):
     """One communication step; see the module docstring for what each kind means."""
 
     model_config = _FROZEN
-    id: int
-    task: int = Field(description="unit task this operation belongs to")
+    id: StrictInt
+    task: StrictInt = Field(description="unit task this operation belongs to")
     tensor: TensorIndex
     kind: OpKind
-    src: int | None = Field(None, description="sending device for copy/send/broadcast; None for allgather")
-    dsts: tuple[int, ...] = Field(description="receiving devices; the chain order for a broadcast, the members for an allgather")
-    region: Region
-    parts: tuple[Region, ...] = Field((), description="allgather: the part each member contributes; bundle: the boxes it carries")
-    chunks: int = Field(1, ge=1, description="pipelined pieces of a broadcast")
-    holders: tuple[int, ...] = Field((), exclude_if=lambda v: not v, description="bundle only: the device holding each part")
-    needers: tuple[tuple[int, ...], ...] = Field((), exclude_if=lambda v: not v,
+    src: StrictInt | None = Field(None, description="sending device for copy/send/broadcast; None for allgather")
+    dsts: tuple[StrictInt, ...] = Field(description="receiving devices; the chain order for a broadcast, the members for an allgather")
+    region: BoxField
+    parts: tuple[BoxField, ...] = Field((), description="allgather: the part each member contributes; bundle: the boxes it carries")
+    chunks: StrictInt = Field(1, ge=1, description="pipelined pieces of a broadcast")
+    holders: tuple[StrictInt, ...] = Field((), exclude_if=lambda v: not v, description="bundle only: the device holding each part")
+    needers: tuple[tuple[StrictInt, ...], ...] = Field((), exclude_if=lambda v: not v,
                                                  description="bundle only: the devices needing each part")
-    carrier: int | None = Field(None, ge=0, exclude_if=lambda v: v is None,
+    carrier: StrictInt | None = Field(None, ge=0, exclude_if=lambda v: v is None,
                                 description="bundle only: the id of the bundle whose cross-host message also carries this "
                                             "one's parts (its group's first; schemas.carriers); absent when it sends its own")
-    start_s: float = 0.0
-    end_s: float = 0.0
+    start_s: StrictFloat = 0.0
+    end_s: StrictFloat = 0.0
 
     def __str__(self) -> str:
         tensor = f" tensor {self.tensor}" if self.tensor is not None else ""
@@ -90,20 +91,20 @@ class UnitTask(BaseModel):
     """One box of the tensor with the devices that hold it and the devices that need it, and its plan."""
 
     model_config = _FROZEN
-    id: int
+    id: StrictInt
     tensor: TensorIndex
-    region: Region
-    nbytes: int
-    senders: tuple[int, ...] = Field(description="source devices holding the box (candidates)")
-    receivers: tuple[int, ...] = Field(description="destination devices that need the box and do not hold it")
-    merged_cells: int = Field(1, description="how many cut-point cells were merged into this box")
-    sender: int = Field(description="chosen sending device")
-    sender_host: int
-    receiver_hosts: tuple[int, ...]
+    region: BoxField
+    nbytes: StrictInt
+    senders: tuple[StrictInt, ...] = Field(description="source devices holding the box (candidates)")
+    receivers: tuple[StrictInt, ...] = Field(description="destination devices that need the box and do not hold it")
+    merged_cells: StrictInt = Field(1, description="how many cut-point cells were merged into this box")
+    sender: StrictInt = Field(description="chosen sending device")
+    sender_host: StrictInt
+    receiver_hosts: tuple[StrictInt, ...]
     strategy: StrategyName
-    chunks: int = 1
-    start_s: float = 0.0
-    end_s: float = 0.0
+    chunks: StrictInt = 1
+    start_s: StrictFloat = 0.0
+    end_s: StrictFloat = 0.0
 
     def __str__(self) -> str:
         recv = ",".join(f"h{h}" for h in self.receiver_hosts)
@@ -116,9 +117,9 @@ class HostOrder(BaseModel):
     """The order in which one host's NIC side works through its unit tasks."""
 
     model_config = _FROZEN
-    host: int
+    host: StrictInt
     side: str = Field(description="NIC side: send or recv (send:N / recv:N for NIC N of several)")
-    tasks: tuple[int, ...]
+    tasks: tuple[StrictInt, ...]
 
 
 class SolverInfo(BaseModel):
@@ -126,8 +127,8 @@ class SolverInfo(BaseModel):
 
     model_config = _FROZEN
     name: str
-    seed: int = 0
-    proven_bound_seconds: float | None = None
+    seed: StrictInt = 0
+    proven_bound_seconds: StrictFloat | None = None
     details: dict[str, str] = Field(default_factory=dict)
 
 
@@ -137,8 +138,8 @@ class Staging(BaseModel):
 
     model_config = _FROZEN
     order: Literal["device"] = Field("device", description="the executor order the peaks are for")
-    limit_bytes: int = Field(ge=1, description="the most bytes of staging any device may need (--max-staging-mb)")
-    peak_bytes: dict[int, int] = Field(description="device -> bytes of staging it allocates in `order`; devices left out stage nothing")
+    limit_bytes: StrictInt = Field(ge=1, description="the most bytes of staging any device may need (--max-staging-mb)")
+    peak_bytes: dict[int, StrictInt] = Field(description="device -> bytes of staging it allocates in `order`; devices left out stage nothing")
 
 
 class ExecutorPrediction(BaseModel):
@@ -149,7 +150,7 @@ class ExecutorPrediction(BaseModel):
 
     model_config = _FROZEN
     order: Literal["posted", "device"] = Field("posted", description="the executor order timed (executor.transfer_executor.default_order)")
-    predicted_seconds: float = Field(description="the simulator's time for the plan run in `order`")
+    predicted_seconds: StrictFloat = Field(description="the simulator's time for the plan run in `order`")
 
 
 class Plan(BaseModel):
@@ -161,12 +162,12 @@ class Plan(BaseModel):
     problem: AnyProblem
     strategy: str = Field(description="strategy requested at compile time ('auto' picks per task)")
     solver: SolverInfo
-    merged_slices: bool = Field(description="adjacent cells with identical senders and receivers were merged into one task")
+    merged_slices: StrictBool = Field(description="adjacent cells with identical senders and receivers were merged into one task")
     tasks: tuple[UnitTask, ...]
     operations: tuple[Operation, ...]
     host_order: tuple[HostOrder, ...]
-    predicted_seconds: float
-    lower_bound_seconds: float
+    predicted_seconds: StrictFloat
+    lower_bound_seconds: StrictFloat
     staging: Staging | None = Field(None, exclude_if=lambda v: v is None,
                                     description="compiled with a staging limit: the limit and each device's peak (absent otherwise)")
     executor_prediction: ExecutorPrediction | None = Field(
@@ -205,37 +206,13 @@ def read_plan_file(path: str | os.PathLike) -> Plan:
         raise PlanFileError(f"{err}; pass a plan written by `xmesh-plan compile`") from None
     version = raw.get("schema_version") if isinstance(raw, dict) else None
     if version is None and isinstance(raw, dict) and {"src", "dst"} <= set(raw):
-        raise PlanFileError(f"{path}: this is a problem file, not a plan; compile it first: xmesh-plan compile {path} -o plan.json")
+        raise PlanFileError(f"{quoted(path)}: this is a problem file, not a plan; compile it first: xmesh-plan compile {quoted(path)} -o plan.json")
     if version is None:
-        raise PlanFileError(f"{path}: not a plan (no schema_version field); pass a plan written by `xmesh-plan compile`")
+        raise PlanFileError(f"{quoted(path)}: not a plan (no schema_version field); pass a plan written by `xmesh-plan compile`")
     if version != SCHEMA_VERSION:
-        raise PlanFileError(f"{path}: schema_version {version!r} is not supported (this is schema {SCHEMA_VERSION}); "
+        raise PlanFileError(f"{quoted(path)}: schema_version {version!r} is not supported (this is schema {SCHEMA_VERSION}); "
                             "recompile the plan with this xmesh-plan")
     try:
         return Plan.model_validate(raw)
     except ValidationError as err:
-        raise PlanFileError(f"{path}: {describe_validation_error(err)}") from None
-
-
-def _read_umask() -> int:
-    mask = os.umask(0)
-    os.umask(mask)
-    return mask
-
-
-_UMASK = _read_umask()  # read once at import: os.umask is process-wide, so reading it later races other threads
-
-
-def write_atomic(path: str | os.PathLike, data: str | bytes) -> None:
-    """Write text or bytes through a temporary file in the same folder and rename, so a failure leaves
-    no partial file; the result gets the usual permissions (0666 less the umask), not the temp file's 0600."""
-    path = Path(path)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent or ".")
-    try:
-        with os.fdopen(fd, "wb" if isinstance(data, bytes) else "w") as handle:
-            handle.write(data)
-        os.chmod(tmp, 0o666 & ~_UMASK)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+        raise PlanFileError(f"{quoted(path)}: {describe_validation_error(err)}") from None

@@ -3,7 +3,10 @@
 It checks what a plan must satisfy before anyone replays it: finite, non-negative times; unique ids;
 operations listed in execution order; per-kind device membership (`op_kinds.OP_KINDS`); boxes inside the
 tensor and inside the shards that hold or receive them; all-gather parts that tile their box; chunk
-counts within limits. Both sides call `check_plan`, so the same fault gets the same message.
+counts within limits; shared messages whose carrier comes first (`schemas.carriers`); every task with an
+operation between hosts listed in host_order; and the staging a plan states (`schemas.staging`: each
+peak what it recomputes to, none above the limit). Both sides call `check_plan`, so the same fault gets
+the same message, and a plan one side refuses the other refuses too.
 What needs a replay (who holds what when, nothing received twice, every shard complete) is checked
 by the verifier and, per device, by the lowering, on top of this.
 """
@@ -16,10 +19,11 @@ import numpy as np
 
 from .carriers import carrier_fault
 from .geometry import Region, region_size
-from .op_kinds import OP_KINDS, OpKindRule, reads, rule_of, tags_used, writes
+from .op_kinds import OP_KINDS, OpKindRule, members, reads, rule_of, tags_used, writes
 from .plan import Operation, Plan, format_region
 from .plan_tensors import mpi_transfer_order
 from .problem import ReshardingProblem
+from .staging import stated_staging_fault
 from .transfer import TransferProblem
 
 __all__ = ["MAX_CHUNKS", "MAX_TAGS", "PlanError", "TOLERANCE_S", "check_plan", "describe", "overlapping_pair", "tags_used", "uncovered"]
@@ -133,6 +137,17 @@ def _check_shared_sides(plan: Plan) -> None:
                             "so list both on the same sides")
 
 
+def _check_nic_listing(plan: Plan) -> None:
+    """Every task with an operation between hosts is in host_order: the simulator queues it on a NIC side by that
+    listing, so a task missing from it (or an empty host_order) would be timed as if no NIC carried it."""
+    listed = {t for entry in plan.host_order for t in entry.tasks}
+    host_of = plan.problem.cluster.host_of
+    for op in plan.operations:
+        if op.task not in listed and len({host_of(d) for d in members(op)}) > 1:
+            raise PlanError(f"{describe(op)} crosses hosts, but its task {op.task} is in no host_order entry; list it on "
+                            "the NIC sides it uses (recompile the plan)")
+
+
 def _check_host_order(plan: Plan, task_ids: set[int]) -> None:
     """Each (host, NIC side) once, on a host of the meshes, naming existing tasks."""
     nics, cluster = len(plan.problem.cluster.nics), plan.problem.cluster
@@ -206,8 +221,8 @@ class _Shards:
             raise PlanError(f"{describe(op)}: {what} {format_region(box)} is not a box inside the tensor {list(self.shape)}")
 
 
-def _check_devices(op: Operation, rule: OpKindRule, shards: _Shards) -> None:
-    """Sender and receivers as the kind requires, each holding (or receiving) the box in its shard."""
+def _check_members(op: Operation, rule: OpKindRule) -> None:
+    """Sender and receivers as the kind requires (before anything reads them: a bundle's relays are its src and dsts[0])."""
     if rule.has_src != (op.src is not None):
         raise PlanError(f"{describe(op)}: src must be {'a device' if rule.has_src else 'null'}, got {op.src}")
     count = len(op.dsts)
@@ -221,6 +236,10 @@ def _check_devices(op: Operation, rule: OpKindRule, shards: _Shards) -> None:
             raise PlanError(f"{describe(op)}: a {op.kind} must stay on device {op.src}, but names {list(op.dsts)}")
     elif op.src in op.dsts:
         raise PlanError(f"{describe(op)}: device {op.src} sends to itself; a device that holds the box needs a copy")
+
+
+def _check_devices(op: Operation, shards: _Shards) -> None:
+    """Each sender holding, and each receiver having room for, the box in its shard."""
     for device, side, box in reads(op):
         if side == "src":  # parts read from a destination shard are checked with the box (`_check_parts`)
             shards.require(op, device, "src", box, "sends")
@@ -312,8 +331,9 @@ def _check_operation(op: Operation, shards: _Shards) -> None:
     if op.chunks > min(MAX_CHUNKS, elements):
         raise PlanError(f"{describe(op)}: chunks {op.chunks} is above {min(MAX_CHUNKS, elements)}, the most for a box of "
                         f"{elements} elements (at most {MAX_CHUNKS}, and at most one element per chunk)")
+    _check_members(op, rule)
     _check_bundle(op, rule, shards)
-    _check_devices(op, rule, shards)
+    _check_devices(op, shards)
     _check_parts(op, rule, shards)
 
 
@@ -332,6 +352,10 @@ def check_plan(plan: Plan) -> None:
     if fault is not None:
         raise PlanError(fault)
     _check_shared_sides(plan)
+    _check_nic_listing(plan)
+    fault = stated_staging_fault(plan)
+    if fault is not None:
+        raise PlanError(fault)
     tags = sum(map(tags_used, plan.operations))
     if tags > MAX_TAGS:  # every message has its own tag; reusing one could match the wrong message
         raise PlanError(f"the plan needs {tags} message tags, more than the {MAX_TAGS} a plan may use; "

@@ -49,7 +49,12 @@ class ShardingSpec:
     @classmethod
     def parse(cls, text: str) -> "ShardingSpec":
         """Parse `S0RR`, `R S01 R`, `S^0 R R` or `S1,R,R`; the error names the bad token."""
-        if not isinstance(text, str) or not text.strip():
+        if not isinstance(text, str):
+            from .limits import shown
+
+            raise SpecError(f"{shown(text)} is not a sharding spec (a {type(text).__name__}); write it as text with one entry per "
+                            f"tensor dim, e.g. {EXAMPLE_SPECS}")
+        if not text.strip():
             raise SpecError(f"empty sharding spec; write one entry per tensor dim, e.g. {EXAMPLE_SPECS}")
         dims, pos = [], 0
         while pos < len(text):

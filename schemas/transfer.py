@@ -18,7 +18,7 @@ import math
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from .dtypes import DTYPE_SIZES, canonical_dtype, check_dtype
-from .limits import MAX_TENSOR_RANK, Length, check_int64_product
+from .limits import MAX_TENSOR_RANK, Length, check_int64_product, quoted
 from .problem import Cluster, DeviceMesh, Placement, ReshardingProblem, Spec
 from .validation import describe_validation_error
 
@@ -71,7 +71,7 @@ class TransferProblem(BaseModel):
             try:
                 self.tensor_problem(i)
             except ValueError as err:
-                raise ValueError(f"tensors[{i}] ({tensor.name}): {_first_line(err)}") from None
+                raise ValueError(f"tensors[{i}] ({quoted(tensor.name)}): {_first_line(err)}") from None
         return self
 
     @property

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from pydantic import ValidationError
 
+from .limits import quoted
+
 
 def describe_validation_error(err: ValidationError) -> str:
     """First error of a pydantic validation as one line: `src.spec: <message>`.
@@ -16,7 +18,7 @@ def describe_validation_error(err: ValidationError) -> str:
     devices_per_host: 0 is too small; give a device count in 1 .. 1048576
     """
     first = err.errors()[0]
-    field = ".".join(str(p) for p in first["loc"])
+    field = ".".join(quoted(p) for p in first["loc"])  # a key with a newline in it stays on the one line
     message = first["msg"].removeprefix("Value error, ")
     if first["type"] == "missing":
         message = "is required; add it"

@@ -229,10 +229,10 @@ def test_failed_write_leaves_no_partial_or_temp_file(tmp_path, monkeypatch):
     target.write_text("old plan\n")
 
     def refuse(src, dst):
-        raise OSError(28, "No space left on device")
+        raise PermissionError(13, "Permission denied")
 
     monkeypatch.setattr(os, "replace", refuse)
-    assert_user_error(run("compile", *GOOD, *FAST, "-o", str(target)), "--output", "No space left on device")
+    assert_user_error(run("compile", *GOOD, *FAST, "-o", str(target)), "--output", "Permission denied")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["plan.json"]  # no .plan.json.*.tmp left behind
     assert target.read_text() == "old plan\n"  # the old file is untouched
 

@@ -162,3 +162,44 @@ def test_check_names_the_order_it_gates_and_refuses_a_wrong_stated_order(small, 
     wrong = limited.model_copy(update={"executor_prediction": limited.executor_prediction.model_copy(update={"order": "posted"})})
     with pytest.raises(PlanError, match="executor_prediction.order is 'posted', but the executor runs this plan 'device'"):
         check_plan(wrong)
+
+
+# --- one frozen options object, the kind's defaults resolved in one place -------------------------------------
+
+def test_compile_options_are_frozen_and_resolve_each_kind_in_one_place():
+    import dataclasses
+
+    from xmesh_plan.planner.compile_defaults import CompileOptions
+
+    options = CompileOptions(solver="greedy")
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        options.solver = "cpsat"
+    multi, single = options.resolved(multi_tensor=True), options.resolved(multi_tensor=False)
+    assert (multi.split_hosts, multi.coalesce, multi.cross_tensor, multi.bucket_bytes) == (True, True, True, 4 * 2**20)
+    assert (single.split_hosts, single.coalesce, single.cross_tensor) == (False, False, False)
+    assert CompileOptions(max_staging_bytes=1000).resolved(True).bucket_bytes == 1000
+    assert CompileOptions(split_hosts=False, cross_tensor=False).resolved(True).split_hosts is False
+
+
+def test_compile_plan_takes_the_options_object_or_its_fields_as_keywords(small):
+    from xmesh_plan.planner.compile_defaults import CompileOptions
+
+    options = CompileOptions(solver="greedy", max_staging_bytes=2**16)
+    by_object = compile_plan(small, options)
+    assert by_object.to_json() == compile_plan(small, solver="greedy", max_staging_bytes=2**16).to_json()
+    assert compile_plan(small, options, coalesce=False).to_json() == \
+        compile_plan(small, solver="greedy", max_staging_bytes=2**16, coalesce=False).to_json()  # keywords on top
+    with pytest.raises(TypeError, match="pass a CompileOptions"):
+        compile_plan(small, "broadcast")
+
+
+@pytest.mark.parametrize("options,words", [
+    (dict(cross_tensor=True, coalesce=False), "--cross-tensor shares the messages of coalesced bundles"),
+    (dict(bucket_bytes=2**20, max_staging_bytes=2**10), "--bucket-mb 1 is above --max-staging-mb"),
+])
+def test_impossible_options_are_refused_when_resolved(options, words):
+    from xmesh_plan.planner.compile_defaults import CompileOptions
+    from xmesh_plan.planner.problem_io import InputError
+
+    with pytest.raises(InputError, match=words):
+        CompileOptions(**options).resolved(multi_tensor=True)

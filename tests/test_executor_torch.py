@@ -205,8 +205,10 @@ def test_in_device_order_a_gloo_send_ends_for_its_device_when_the_receiver_ackno
             events.append(("post receipt", tag))
             return Done("receipt", tag)
 
-    monkeypatch.setattr(torch_engine, "RECEIPT_BYTES", 1 if receipts else None)  # every message of this small plan
-    program = _one_reshard_in_process(monkeypatch, Group(), torch_engine.TorchEngine)
+    from xmesh_plan.executor import TransportOptions
+
+    transport = TransportOptions(receipt_bytes=1 if receipts else None)  # every message of this small plan
+    program = _one_reshard_in_process(monkeypatch, Group(), torch_engine.TorchEngine, transport)
     first, second = sorted({s.op for s in program.steps})
     tags = {op: {s.tag for s in program.steps if s.op == op and s.action == "send"} for op in (first, second)}
     sends = {op: [k for k, (what, tag) in enumerate(events) if what == "send" and tag in tags[op]] for op in (first, second)}
@@ -225,21 +227,22 @@ def test_in_device_order_a_gloo_send_ends_for_its_device_when_the_receiver_ackno
     assert max(acked) < sends[second][0], f"op {second} began before op {first}'s messages were received: {events}"
 
 
-def _one_reshard_in_process(monkeypatch, group, engine_class):
+def _one_reshard_in_process(monkeypatch, group, engine_class, transport=None):
     """One reshard of `two_chunked_broadcasts_from_one_device`'s sender (device order) by `engine_class` on `group`, a
-    stand-in for a gloo process group; returns the sender's program."""
+    stand-in for a gloo process group, with `transport` options (None: the defaults); returns the sender's program."""
     import numpy as np
     import torch
     import torch.distributed as dist
 
-    from xmesh_plan.executor.engines import EngineContext
+    from xmesh_plan.executor.engines import EngineContext, TransportOptions
     from xmesh_plan.executor.pattern import fill
     from xmesh_plan.executor.ranks import rank_of_devices
 
     monkeypatch.setattr(dist, "get_backend", lambda group: "gloo")
     monkeypatch.setattr(dist, "get_rank", lambda group: 0)
     problem, plan, _, program = two_chunked_broadcasts_from_one_device()
-    engine = engine_class(program, EngineContext(group, rank_of_devices(plan), "int32", np.dtype(np.int32), 5.0, (1e-4, 1e-3)))
+    engine = engine_class(program, EngineContext(group, rank_of_devices(plan), "int32", np.dtype(np.int32), 5.0, (1e-4, 1e-3),
+                                                 transport=transport or TransportOptions()))
     engine.setup()
     try:
         engine.start(torch.from_numpy(np.ascontiguousarray(fill(program.src_block, problem.shape, np.dtype(np.int32)))))

@@ -424,7 +424,7 @@ def test_a_staged_box_sent_in_chunks_is_packed_and_unpacked_chunk_by_chunk():
     chunk leaves after its own pack, and every receiver unpacks each chunk once it has arrived."""
     problem = build_problem({"name": "c9", "shape": [8, 8, 8], "dtype": "int32",
                              "src": {"mesh": "2x4", "spec": "R S0 R"}, "dst": {"mesh": "2x4", "spec": "R R S0"}})
-    plan = compile_plan(problem, "broadcast", "naive")
+    plan = compile_plan(problem, strategy="broadcast", solver="naive")
     plan = plan.model_copy(update={"operations": tuple(op.model_copy(update={"chunks": 3}) for op in plan.operations)})
     op = plan.operations[0]
     sender = lower(plan, op.src)

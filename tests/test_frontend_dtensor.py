@@ -171,6 +171,12 @@ def test_partial_and_strided_sources_are_refused_with_the_fix(placement, words):
     (dict(dst_mesh=torch.ones(4, 4)), "dst_mesh: a Tensor is not a DeviceMesh"),
     (dict(dst_mesh=[1, 1]), "dst_mesh: mesh 2 device ids must be distinct"),
     (dict(shape=(8, -1)), "shape: .* no negative lengths"),
+    (dict(shape=(8.5, 8)), r"shape: \(8.5, 8\) is not a sequence of integers"),  # not planned as (8, 8)
+    (dict(shape=(8.0, 8)), r"shape: \(8.0, 8\) is not a sequence of integers"),
+    (dict(shape=(True, 8)), r"shape: \(True, 8\) is not a sequence of integers"),  # not planned as (1, 8)
+    (dict(dtype=None), "dtype: None is not a dtype"),  # not planned as float64
+    (dict(dst_placements=Shard(0)), r"dst_placements: Shard\(dim=0\) is not a list of placements; .* e.g. \[Shard\(dim=0\)\]"),
+    (dict(src_placements=Replicate()), r"src_placements: Replicate\(\) is not a list of placements"),
     (dict(src_placements=[Shard(0), Shard(0)], shape=(5, 2)), "src_placements: DTensor splits tensor dim 0 .* sizes 2,1,1,1, .* split 2,2,1,0"),
 ])
 def test_bad_input_gets_one_line_naming_the_argument(args, message):

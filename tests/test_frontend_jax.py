@@ -124,6 +124,9 @@ def test_abstract_meshes_are_placed_like_shorthand():
     (dict(shape=(6, 3)), "src: .* splits dim 1 \\(length 3\\) into 2 shards, which JAX requires to divide evenly"),
     (dict(dst=NamedSharding(AbstractMesh((2,), ("x",)), P())), "one sharding has an AbstractMesh"),
     (dict(dtype=np.dtype("U3")), "dtype: .* has no xmesh-plan equivalent"),
+    (dict(dtype=None), "dtype: None is not a dtype"),
+    (dict(shape=(8.5, 8)), r"shape: \(8.5, 8\) is not a sequence of integers"),
+    (dict(shape=(8, np.True_)), "shape: .* is not a sequence of integers"),
 ])
 def test_bad_input_gets_one_line_naming_the_argument(args, message):
     kwargs = dict(shape=(8, 8), dtype="float32", src=NamedSharding(MESH, P("x", "y")), dst=NamedSharding(MESH, P())) | args

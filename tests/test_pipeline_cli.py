@@ -237,3 +237,25 @@ def _cheap_costs(pipeline):
     from xmesh_plan.schemas.pipeline import TransferCost
 
     return tuple(TransferCost(tensor=n, direction=d, seconds=0.0005, nics=(f"{n}:{d}",)) for n, d in pipeline.transfers())
+
+
+@pytest.mark.parametrize("command,per", [(["schedule", "--schedule", "1f1b"], 2), (["schedule", "--schedule", "1f1b-wd"], 3),
+                                         (["compare-schedules"], 3)])
+def test_a_schedule_above_max_actions_is_refused_before_planning(tmp_path, monkeypatch, command, per):
+    from xmesh_plan.planner import cli_pipeline
+
+    monkeypatch.setattr(cli_pipeline, "_costs", lambda *a, **k: pytest.fail("planned before the size was checked"))
+    path = tmp_path / "big.json"
+    path.write_text(json.dumps({**PIPELINE, "micro_batches": 10_000}))
+    actions = 3 * 10_000 * per
+    result = CliRunner().invoke(main, [command[0], str(path), *command[1:]])
+    assert result.exit_code == 2, result.output
+    assert f"{actions:,} compute actions" in result.stderr and f"--max-actions {actions}" in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1
+
+
+def test_max_actions_lets_a_schedule_at_the_limit_through(pipeline_file):
+    actions = 3 * 4 * 2
+    assert invoke("schedule", str(pipeline_file), "--schedule", "1f1b", "--max-actions", str(actions))[0] == 0
+    code, _ = invoke("schedule", str(pipeline_file), "--schedule", "1f1b", "--max-actions", str(actions - 1))
+    assert code == 2

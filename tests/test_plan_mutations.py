@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 import random
+from pathlib import Path
 
 import pytest
 from pydantic import ValidationError
@@ -56,15 +57,16 @@ def _verify_rejects(plan: Plan) -> str | None:
     return None
 
 
-def test_verify_and_the_executor_agree_on_random_mutants():
-    rng = random.Random(20261123)
-    bases = [as_lists(p.model_dump()) for p in _base_plans()]
+def _agreement(rng: random.Random, bases: list[dict], mutate_one, refuses, wanted: int, summary: str) -> dict[str, int]:
+    """Mutate copies of `bases` until `wanted` are schema-valid; each goes to `verify_plan` and to `refuses` (the
+    executor's side). Asserts they agree on every one, that neither crashes, and that most mutants are rejected;
+    returns how many of each mutation ran."""
     valid = schema_refused = rejected = 0
-    disagreements = []
+    disagreements: list[str] = []
     kinds: dict[str, int] = {}
-    while valid < MIN_MUTANTS:
+    while valid < wanted:
         raw = as_lists(rng.choice(bases))
-        kind = mutate(rng, raw)
+        kind = mutate_one(rng, raw)
         if not raw["operations"]:
             continue
         try:
@@ -74,17 +76,26 @@ def test_verify_and_the_executor_agree_on_random_mutants():
             continue
         valid += 1
         kinds[kind] = kinds.get(kind, 0) + 1
-        verdict, refusal = _verify_rejects(mutant), _lowering_refuses(mutant)
+        try:  # a crash on either side (not its own one-line error) is a disagreement too
+            verdict, refusal = _verify_rejects(mutant), refuses(mutant)
+        except Exception as err:  # noqa: BLE001 - what this test hunts
+            disagreements.append(f"{kind}: crashed: {type(err).__name__}: {err}")
+            continue
         rejected += verdict is not None
         if (verdict is None) != (refusal is None):
             disagreements.append(f"{kind}: verify {'rejects: ' + verdict if verdict else 'passes'}; "
-                                 f"lowering {'refuses: ' + refusal if refusal else 'accepts'}")
-    SUMMARY.append(f"plan mutants: {valid} schema-valid ({rejected} rejected by verify and refused by the executor's "
-                   f"lowering, {valid - rejected - len(disagreements)} accepted by both, {len(disagreements)} disagreements), "
-                   f"{schema_refused} refused by the schema; by mutation: "
-                   + ", ".join(f"{k} {n}" for k, n in sorted(kinds.items())))
-    assert not disagreements, "\n".join(disagreements[:10])
+                                 f"executor {'refuses: ' + refusal if refusal else 'accepts'}")
+    SUMMARY.append(f"{summary}: {valid} schema-valid ({rejected} rejected by verify and refused by the executor, "
+                   f"{valid - rejected - len(disagreements)} accepted by both, {len(disagreements)} disagreements or crashes), "
+                   f"{schema_refused} refused by the schema; by mutation: " + ", ".join(f"{k} {n}" for k, n in sorted(kinds.items())))
+    assert not disagreements, f"{len(disagreements)} of {valid}:\n" + "\n".join(disagreements[:10])
     assert rejected > valid // 2  # most mutations break a plan; a checker that accepts everything fails here
+    return kinds
+
+
+def test_verify_and_the_executor_agree_on_random_mutants():
+    bases = [as_lists(p.model_dump()) for p in _base_plans()]
+    _agreement(random.Random(20261123), bases, mutate, _lowering_refuses, MIN_MUTANTS, "plan mutants")
 
 
 @pytest.mark.parametrize("field,value", [("start_s", math.nan), ("end_s", math.inf), ("start_s", -1.0)])
@@ -96,3 +107,164 @@ def test_a_bad_operation_time_gets_the_same_message_on_both_sides(field, value):
     verdict, refusal = _verify_rejects(mutant), _lowering_refuses(mutant)
     assert verdict is not None and refusal is not None
     assert refusal.startswith(verdict)
+
+
+# --- multi-tensor plans: bundles, shared messages (carriers) and stated staging ------------------------------
+
+MIN_MULTI_MUTANTS = 600
+
+
+def _multi_bases() -> list[Plan]:
+    """Multi-tensor plans with every feature a mutation can break: bundles, bundles of several tensors sharing one
+    message (`carrier`), a stated staging limit and peaks (with and without shared messages), copies, broadcasts."""
+    from xmesh_plan.planner.compile import compile_plan
+    from xmesh_plan.planner.transfer_io import load_any_problem
+    from tests.support.transfer import three_tensors
+
+    small = Path(__file__).resolve().parents[1] / "plans" / "weight_sync_small.problem.toml"
+    bases = [compile_plan(three_tensors(), solver="greedy"),  # split by host, coalesced, shared messages
+             compile_plan(three_tensors(), solver="greedy", max_staging_bytes=64),
+             compile_plan(three_tensors(), solver="greedy", max_staging_bytes=512),
+             compile_plan(three_tensors(), strategy="auto", solver="greedy", split_hosts=False),
+             compile_plan(load_any_problem(small), solver="greedy")]  # 84 bundles, 80 of them riding in another's message
+    assert any(op.carrier is not None for op in bases[0].operations)
+    assert all(b.staging is not None for b in bases[1:3]) and any(op.kind == "bundle" for op in bases[1].operations)
+    return bases
+
+
+def _mutate_multi(rng: random.Random, plan: dict) -> str:
+    """One mutation of what only multi-tensor plans have (else a generic one, `mutate`); returns its name."""
+    ops = plan["operations"]
+    bundles = [op for op in ops if op["kind"] == "bundle"]
+    kind = rng.choice(["carrier", "carrier", "staging", "staging", "bundle", "bundle", "tensor", "host-order-empty", "generic",
+                       "generic", "generic"])
+    if kind == "carrier" and bundles:
+        op = rng.choice(bundles)
+        later = [o["id"] for o in ops[ops.index(op) + 1:]] or [op["id"]]
+        op["carrier"] = rng.choice([rng.choice(later), op["id"], rng.choice(ops)["id"], None, max(o["id"] for o in ops) + 5,
+                                    ops[max(0, ops.index(op) - 1)]["id"], ops[0]["id"], ops[-1]["id"]])
+    elif kind == "staging" and plan.get("staging"):
+        staging = plan["staging"]
+        peaks = staging["peak_bytes"]
+        what = rng.choice(["limit", "limit", "peak", "drop-device", "add-device", "drop"])
+        if what == "limit":
+            values = list(peaks.values()) or [1]
+            staging["limit_bytes"] = rng.choice([1, max(1, min(values) - 1), max(1, max(values) - 1), max(values), staging["limit_bytes"] * 2])
+        elif what == "peak" and peaks:
+            device = rng.choice(list(peaks))
+            peaks[device] = max(0, peaks[device] + rng.choice([-8, -1, 1, 8]))
+        elif what == "drop-device" and peaks:
+            peaks.pop(rng.choice(list(peaks)))
+        elif what == "add-device":
+            peaks[rng.choice([0, 1, 2, 3, 4, 5, 99])] = rng.choice([0, 8, 64])
+        else:
+            plan.pop("staging")
+    elif kind == "bundle" and bundles:
+        op = rng.choice(bundles)
+        what = rng.choice(["src-null", "dsts-empty", "holder", "needers", "needers-twice", "part-dropped", "relay"])
+        if what == "src-null":
+            op["src"] = None
+        elif what == "dsts-empty":
+            op["dsts"] = []
+        elif what == "holder":
+            op["holders"][rng.randrange(len(op["holders"]))] = rng.choice([0, 1, 2, 3, 4, 5, -1, 64])
+        elif what == "needers":
+            op["needers"][rng.randrange(len(op["needers"]))] = rng.choice([[], [0], [5], [99]])
+        elif what == "needers-twice":
+            needers = op["needers"][rng.randrange(len(op["needers"]))]
+            needers.append(needers[0])
+        elif what == "part-dropped":
+            k = rng.randrange(len(op["parts"]))
+            for field in rng.choice([("parts",), ("parts", "holders", "needers")]):
+                op[field].pop(k)
+        else:
+            op["dsts"] = [rng.choice([0, 1, 2, 3, 4, 5])]
+    elif kind == "tensor":
+        op = rng.choice(ops)
+        op["tensor"] = rng.choice([0, 1, 2, len(plan["problem"]["tensors"]), op["tensor"] + 1])
+    elif kind == "host-order-empty":
+        plan["host_order"] = []
+    else:
+        try:
+            return mutate(rng, plan)
+        except KeyError:  # the single-tensor "shape" mutation: change one tensor's shape instead
+            tensor = rng.choice(plan["problem"]["tensors"])
+            tensor["shape"][0] = max(0, tensor["shape"][0] + rng.choice([-1, 1, 7]))
+            return "shape"
+    return kind
+
+
+def _executor_refuses(plan: Plan) -> str | None:
+    """What `TransferExecutor` refuses from the plan alone, on every rank, before a byte moves (MPI, its default
+    order): the shared checker in its constructor, the staging its order needs against what the plan states, each
+    tensor lowered for every device, and the tensors' programs joined where it runs them as one."""
+    from xmesh_plan.executor.joint import join_programs
+    from xmesh_plan.executor.transfer_executor import check_transfer_staging, default_order
+    from xmesh_plan.schemas.carriers import has_carriers
+    from xmesh_plan.schemas.plan_check import check_plan
+    from xmesh_plan.schemas.plan_tensors import is_multi, tensor_plans
+
+    try:
+        check_plan(plan)
+        order = default_order(plan, "mpi")
+        check_transfer_staging(plan, order, "mpi")
+        singles = tensor_plans(plan)
+        for device in plan_devices(plan):
+            programs = [lower(single, device) for single in singles]
+            if is_multi(plan) and (order == "device" or has_carriers(plan.operations)):
+                join_programs(programs, plan, order)
+    except (PlanError, PlanMismatchError) as err:
+        return str(err)
+    return None
+
+
+def test_verify_and_the_executor_agree_on_random_multi_tensor_mutants():
+    bases = [as_lists(p.model_dump()) for p in _multi_bases()]
+    weighted = [bases[k] for k in (0, 0, 1, 1, 2, 2, 3, 4)]  # the 84-bundle plan is slow to lower on every device
+    kinds = _agreement(random.Random(20261126), weighted, _mutate_multi, _executor_refuses, MIN_MULTI_MUTANTS,
+                       "multi-tensor plan mutants")
+    assert min(kinds.get("carrier", 0), kinds.get("staging", 0), kinds.get("bundle", 0)) >= 40  # the new mutations ran
+
+
+def test_a_carrier_naming_a_later_operation_is_refused_by_both():
+    raw = as_lists(_multi_bases()[0].model_dump())
+    ops = raw["operations"]
+    k = next(i for i, op in enumerate(ops) if op["kind"] == "bundle" and op.get("carrier") is None)
+    ops[k]["carrier"] = next(op for op in ops[k + 1:] if op["kind"] == "bundle" and op.get("carrier") is None)["id"]
+    mutant = Plan.model_validate(raw)
+    assert "carrier must be listed before it" in _verify_rejects(mutant)
+    assert "carrier must be listed before it" in _executor_refuses(mutant)
+
+
+def test_the_first_operation_naming_the_last_as_carrier_does_not_wrap_around():
+    """`operations[k - 1]` for k = 0 is the last operation: the carrier itself, which looked like the group before it."""
+    from xmesh_plan.schemas import Operation
+    from xmesh_plan.schemas.carriers import carrier_fault
+
+    rider = Operation(id=0, task=0, tensor=0, kind="bundle", src=0, dsts=(4,), region=((0, 2),), parts=(((0, 2),),),
+                      holders=(0,), needers=((4,),), carrier=1)
+    head = rider.model_copy(update={"id": 1, "task": 1, "tensor": 1, "carrier": None})
+    assert "carrier must be listed before it" in carrier_fault([rider, head], [4, 4], 4)
+    assert carrier_fault([head.model_copy(update={"id": 0}), rider.model_copy(update={"id": 1, "carrier": 0})], [4, 4], 4) is None
+
+
+def test_a_bundle_with_no_sender_is_a_clean_refusal():
+    raw = as_lists(_multi_bases()[0].model_dump())
+    next(op for op in raw["operations"] if op["kind"] == "bundle")["src"] = None
+    mutant = Plan.model_validate(raw)
+    assert "src must be a device" in _verify_rejects(mutant)
+    assert "src must be a device" in _executor_refuses(mutant)
+
+
+@pytest.mark.parametrize("change", ["limit-below-peak", "peak-differs"])
+def test_the_executor_refuses_staging_figures_verify_refuses(change):
+    plan = _multi_bases()[2]
+    peaks = dict(plan.staging.peak_bytes)
+    device = max(peaks, key=peaks.get)
+    if change == "limit-below-peak":
+        staging = plan.staging.model_copy(update={"limit_bytes": peaks[device] - 1})
+    else:
+        staging = plan.staging.model_copy(update={"peak_bytes": {**peaks, device: peaks[device] + 8}})
+    mutant = plan.model_copy(update={"staging": staging})
+    assert _verify_rejects(mutant) is not None
+    assert _executor_refuses(mutant) is not None

@@ -103,3 +103,87 @@ def test_pipeline_commands_take_max_tasks(command):
 def test_max_tasks_must_be_positive():
     result = CliRunner().invoke(main, ["compile", str(CASE3), "--max-tasks", "0"])
     assert result.exit_code == 2 and "--max-tasks" in result.stderr
+
+
+# --- what --split-hosts makes, and multi-tensor files counted before they are built ---------------------------
+
+def _fan_out_problem():
+    """One replicated box, one source device, received on four hosts: one cell, four tasks once split by host."""
+    return build_problem({"shape": [4], "dtype": "float32", "src": {"mesh": "1x1", "spec": "R"}, "dst": {"mesh": "4x1", "spec": "R"}})
+
+
+def test_max_tasks_counts_what_split_hosts_makes():
+    problem = _fan_out_problem()
+    assert task_count_bound(problem) == 1
+    with pytest.raises(TooManyTasksError, match="--split-hosts.* 4 unit tasks.*--max-tasks 4"):
+        compile_plan(problem, solver=FAST_SOLVER, split_hosts=True, max_tasks=3)
+    assert len(compile_plan(problem, solver=FAST_SOLVER, split_hosts=True, max_tasks=4).tasks) == 4
+
+
+def test_the_cli_refuses_split_tasks_above_max_tasks(tmp_path):
+    path = tmp_path / "p.json"
+    path.write_text(json.dumps({"shape": [4], "dtype": "float32", "src": {"mesh": "1x1", "spec": "R"},
+                                "dst": {"mesh": "4x1", "spec": "R"}}))
+    refused = CliRunner().invoke(main, ["compile", str(path), "--split-hosts", "--max-tasks", "3"])
+    assert refused.exit_code == 2 and "--split-hosts" in refused.stderr and "--max-tasks 4" in refused.stderr, refused.output
+
+
+REPEATED = {"src_mesh": "2x4", "dst_mesh": "2x4", "rules": [{"match": "*", "src": "S0 R", "dst": "R S1"}],
+            "tensors": [{"repeat": 100_000, "group": [{"name": "l{i}.w", "shape": [64, 64]}]}]}
+
+
+def test_a_repeated_file_is_refused_from_its_counts_before_the_problem_is_built(monkeypatch):
+    from xmesh_plan.planner import transfer_io
+
+    counted = []
+    monkeypatch.setattr(transfer_io, "task_count_bound", lambda p: counted.append(p) or task_count_bound(p))
+
+    def not_built(**kwargs):
+        raise AssertionError("the transfer problem was built before its task count was checked")
+
+    monkeypatch.setattr(transfer_io, "TransferProblem", not_built)
+    monkeypatch.setattr(transfer_io, "_tensor", lambda *a: pytest.fail("a repeated group was unrolled before counting"))
+    with pytest.raises(TooManyTasksError, match="100000 tensors gives up to 800,000 unit tasks"):
+        transfer_io.build_transfer(json.loads(json.dumps(REPEATED)), max_tasks=DEFAULT_MAX_TASKS)
+    assert len(counted) == 1  # 100,000 tensors of one shape and specs: one count
+
+
+def test_the_cli_refuses_a_repeated_file_above_max_tasks(tmp_path, monkeypatch):
+    from xmesh_plan.planner import transfer_io
+
+    monkeypatch.setattr(transfer_io.TransferProblem, "__init__", lambda *a, **k: pytest.fail("built before counting"))
+    path = tmp_path / "p.json"
+    path.write_text(json.dumps(REPEATED))
+    refused = CliRunner().invoke(main, ["compile", str(path)])
+    assert refused.exit_code == 2 and "800,000 unit tasks" in refused.stderr, refused.output
+
+
+def test_a_repeated_group_with_rules_is_counted_name_by_name_before_unrolling(monkeypatch):
+    from xmesh_plan.planner import transfer_io
+
+    monkeypatch.setattr(transfer_io, "_tensor", lambda *a: pytest.fail("a repeated group was unrolled before counting"))
+    raw = {**REPEATED, "rules": [{"match": "l1?.w", "src": "R R", "dst": "R R"}, {"match": "*", "src": "S0 R", "dst": "R S1"}],
+           "tensors": [{"repeat": 20, "group": [{"name": "l{i}.w", "shape": [64, 64]}]}]}
+    # l10.w .. l19.w take the first rule (nothing to cut: 1 task each), the other ten 8 tasks each
+    with pytest.raises(TooManyTasksError, match="20 tensors gives up to 90 unit tasks"):
+        transfer_io.build_transfer(raw, max_tasks=89)
+
+
+def test_rules_are_bounded(tmp_path):
+    from xmesh_plan.planner.transfer_io import MAX_RULES, InputError, build_transfer
+
+    raw = {**REPEATED, "rules": [{"match": f"x{k}.*", "src": "S0 R", "dst": "R S1"} for k in range(MAX_RULES + 1)]}
+    with pytest.raises(InputError, match=f"rules: {MAX_RULES + 1} rules; give at most {MAX_RULES}"):
+        build_transfer(raw)
+
+
+def test_the_first_fitting_rule_gives_each_side_and_unused_patterns_are_named():
+    from xmesh_plan.planner.transfer_io import InputError, build_transfer
+
+    raw = {"src_mesh": "1x2", "dst_mesh": "1x2", "tensors": [{"name": "a.w", "shape": [4]}, {"name": "b.w", "shape": [4]}],
+           "rules": [{"match": "a.*", "dst": "S0"}, {"match": "*.w", "src": "S0", "dst": "R"}, {"match": "[ab].w", "src": "R"}]}
+    problem = build_transfer(raw)  # rules[2] is shadowed by rules[1], but its pattern fits names: kept
+    assert [(str(t.src), str(t.dst)) for t in problem.tensors] == [("S0", "S0"), ("S0", "R")]
+    raw["rules"][2]["match"] = "c.w"
+    with pytest.raises(InputError, match=r"rules\[2\] \(match 'c.w'\) fits no tensor"):
+        build_transfer(raw)

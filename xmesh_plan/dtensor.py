@@ -46,6 +46,8 @@ def problem_from_dtensor(shape: Sequence[int], dtype: object, src_mesh: object, 
 def _side(shape: tuple[int, ...], mesh: object, placements: Sequence[object], name: str) -> Side:
     ranks = _mesh_ranks(mesh, f"{name}_mesh")
     field = f"{name}_placements"
+    if not isinstance(placements, Sequence) or isinstance(placements, str):  # Shard(0) alone, not [Shard(0)]
+        raise FrontendError(f"{field}: {placements!r} is not a list of placements; give one per mesh dim, e.g. [{placements!r}]")
     placements = list(placements)
     if len(placements) != ranks.ndim:
         raise FrontendError(f"{field}: {len(placements)} placements for a {ranks.ndim}-d mesh; give one per mesh dim")

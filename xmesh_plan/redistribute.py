@@ -55,17 +55,102 @@ CACHE_SIZE = 16  # prepared executors kept, least recently used dropped first (e
 PROBLEM_CACHE_SIZE = 256  # checked problems kept, so a repeated call checks its arguments by one dict look-up
 AGREE_TIMEOUT_S = 60.0  # how long a rank waits for the others to reach the same call
 
-# This rank's state. Invariants: every executor in _CACHE was prepared by every rank of its group, but a
-# rank may have dropped one its peers keep (`_agree` then makes them all prepare it again); _PENDING holds
-# at most one unfinished asynchronous move per rank set, and a move over a rank set starts only after the
-# one pending over it has finished here (both use the same group, so their tags would clash); _GROUPS is
-# made by every rank in the same order (torch's `new_group` rule) and dropped by `clear_cache()` or with the
-# default group they were made under (`_same_world`).
-_CACHE: OrderedDict[tuple, ReshardingExecutor] = OrderedDict()  # prepared executor per move, least recently used first
-_PENDING: dict[tuple[int, ...], tuple[ReshardingExecutor, Callable[[], object]]] = {}  # by the ranks of the move
-_GROUPS: dict[tuple[int, ...], object] = {}  # process groups of the ranks of two meshes that do not hold every rank
-_PROBLEMS: OrderedDict[tuple, tuple[ReshardingProblem, tuple[int, int]]] = OrderedDict()  # checked problem, key hash
-_WORLD: list = [None]  # a weak reference to the default group the groups and executors above were made under
+
+class _State:
+    """This rank's state of `redistribute()`: prepared executors, pending moves, process groups, checked problems.
+
+    Invariants: every executor in `executors` was prepared by every rank of its group, but a rank may have
+    dropped one its peers keep (`_agree` then makes them all prepare it again); `pending` holds at most one
+    unfinished asynchronous move per rank set, and a move over a rank set starts only after the one pending
+    over it has finished here (both use the same group, so their tags would clash); `groups` is made by every
+    rank in the same order (torch's `new_group` rule) and dropped by `clear_cache()` or with the default group
+    they were made under (`same_world`); everything is this rank's alone (no method here is a collective)."""
+
+    def __init__(self) -> None:
+        self.executors: OrderedDict[tuple, ReshardingExecutor] = OrderedDict()  # per move, least recently used first
+        self.pending: dict[tuple[int, ...], tuple[ReshardingExecutor, Callable[[], object]]] = {}  # by the ranks of the move
+        self.groups: dict[tuple[int, ...], object] = {}  # process groups of the ranks of two meshes that do not hold every rank
+        self.problems: OrderedDict[tuple, tuple[ReshardingProblem, tuple[int, int]]] = OrderedDict()  # checked problem, key hash
+        self.world = None  # a weak reference to the default group the groups and executors above were made under
+
+    def same_world(self) -> None:
+        """Forget the groups and executors of a default group that was destroyed (every rank sees the same new one)."""
+        world = dist.group.WORLD
+        if self.world is None or self.world() is not world:
+            if self.world is not None:
+                self.forget()
+                self.groups.clear()  # destroyed with the old default group
+            self.world = weakref.ref(world)
+
+    def group(self, ranks: tuple[int, ...]):
+        """The process group the executor runs over: the default one, or one of exactly `ranks`.
+
+        Made once, by every rank (torch's `new_group` rule). Groups made by their members only
+        (`use_local_synchronization`) are named after how many groups each rank has seen, which differs
+        between ranks once meshes of other rank sets exist, and then never connect."""
+        if set(ranks) == set(range(dist.get_world_size())):
+            return None
+        if ranks not in self.groups:
+            self.groups[ranks] = dist.new_group(list(ranks))
+        return self.groups[ranks]
+
+    def problem(self, key: tuple, problem_args: tuple) -> tuple[ReshardingProblem, tuple[int, int]]:
+        """The checked problem of a move and a hash of its key (what ranks compare); FrontendError on a bad layout."""
+        if key in self.problems:
+            self.problems.move_to_end(key)
+            return self.problems[key]
+        problem = problem_from_dtensor(*problem_args)
+        digest = np.frombuffer(hashlib.sha256(repr(key).encode()).digest()[:16], dtype=np.int64)
+        self.problems[key] = problem, (int(digest[0]), int(digest[1]))
+        while len(self.problems) > PROBLEM_CACHE_SIZE:
+            self.problems.popitem(last=False)
+        return self.problems[key]
+
+    def used(self, key: tuple) -> ReshardingExecutor:
+        """The cached executor of `key`, now the most recently used."""
+        self.executors.move_to_end(key)
+        return self.executors[key]
+
+    def remember(self, key: tuple, executor: ReshardingExecutor) -> None:
+        """Cache `executor`, closing the least recently used ones beyond CACHE_SIZE (after their pending move)."""
+        self.executors[key] = executor
+        while len(self.executors) > CACHE_SIZE:
+            self.close(self.executors.popitem(last=False)[1])
+
+    def drop(self, key: tuple) -> None:
+        """Close and forget the executor of `key` (after its pending move)."""
+        self.close(self.executors.pop(key))
+
+    def close(self, executor: ReshardingExecutor) -> None:
+        for ranks, (pending, _) in list(self.pending.items()):
+            if pending is executor:
+                self.finish_pending(ranks)
+        executor.close()
+
+    def finish_pending(self, ranks: tuple[int, ...]) -> None:
+        """Wait for the last asynchronous move over `ranks` if its result was never used (no-op once waited).
+
+        A failure stays with that move's result and its executor (the next call of that move reports it)."""
+        pending = self.pending.pop(ranks, None)
+        if pending is not None:
+            try:
+                pending[1]()
+            except Exception:
+                pass
+
+    def finish_all_pending(self) -> None:
+        for ranks in list(self.pending):
+            self.finish_pending(ranks)
+
+    def forget(self) -> None:
+        """Finish pending moves and close every executor, on this rank only (no collective)."""
+        self.finish_all_pending()
+        while self.executors:
+            self.executors.popitem(last=False)[1].close()
+        self.problems.clear()
+
+
+_STATE = _State()
 
 
 def _ranks(mesh) -> tuple[int, ...]:
@@ -82,56 +167,6 @@ def default_cluster() -> Cluster:
     return Cluster(devices_per_host=int(local)) if local.isdigit() and int(local) > 0 else Cluster()
 
 
-def _same_world() -> None:
-    """Forget the groups and executors of a default group that was destroyed (every rank sees the same new one)."""
-    world = dist.group.WORLD
-    if _WORLD[0] is None or _WORLD[0]() is not world:
-        if _WORLD[0] is not None:
-            _forget()
-            _GROUPS.clear()  # destroyed with the old default group
-        _WORLD[0] = weakref.ref(world)
-
-
-def _group(ranks: tuple[int, ...]):
-    """The process group the executor runs over: the default one, or one of exactly `ranks`.
-
-    Made once, by every rank (torch's `new_group` rule). Groups made by their members only
-    (`use_local_synchronization`) are named after how many groups each rank has seen, which differs
-    between ranks once meshes of other rank sets exist, and then never connect."""
-    if set(ranks) == set(range(dist.get_world_size())):
-        return None
-    if ranks not in _GROUPS:
-        _GROUPS[ranks] = dist.new_group(list(ranks))
-    return _GROUPS[ranks]
-
-
-def _problem(key: tuple, problem_args: tuple) -> tuple[ReshardingProblem, tuple[int, int]]:
-    """The checked problem of a move and a hash of its key (what ranks compare); FrontendError on a bad layout."""
-    if key in _PROBLEMS:
-        _PROBLEMS.move_to_end(key)
-        return _PROBLEMS[key]
-    problem = problem_from_dtensor(*problem_args)
-    digest = np.frombuffer(hashlib.sha256(repr(key).encode()).digest()[:16], dtype=np.int64)
-    _PROBLEMS[key] = problem, (int(digest[0]), int(digest[1]))
-    while len(_PROBLEMS) > PROBLEM_CACHE_SIZE:
-        _PROBLEMS.popitem(last=False)
-    return _PROBLEMS[key]
-
-
-def _remember(key: tuple, executor: ReshardingExecutor) -> None:
-    """Cache `executor`, closing the least recently used ones beyond CACHE_SIZE (after their pending move)."""
-    _CACHE[key] = executor
-    while len(_CACHE) > CACHE_SIZE:
-        _close(_CACHE.popitem(last=False)[1])
-
-
-def _close(executor: ReshardingExecutor) -> None:
-    for ranks, (pending, _) in list(_PENDING.items()):
-        if pending is executor:
-            _finish_pending(ranks)
-    executor.close()
-
-
 class _Move:
     """One direction of one redistribution: where it goes, and the executor that moves this rank's bytes.
 
@@ -144,7 +179,7 @@ class _Move:
         self.key = (tuple(shape), str(dtype), _mesh_key(src), tuple(map(str, src_placements)), _mesh_key(dst),
                     tuple(map(str, dst_placements)), cluster)
         planned = tuple(shape) or (1,)
-        self.problem, self.fingerprint = _problem(self.key, (planned, dtype, src, self.src_placements, dst,
+        self.problem, self.fingerprint = _STATE.problem(self.key, (planned, dtype, src, self.src_placements, dst,
                                                              self.dst_placements, cluster))
 
     def reverse(self) -> "_Move":
@@ -158,12 +193,13 @@ class _Move:
 
     def run(self, local: torch.Tensor | None, *, async_op: bool = False, wants_grad: bool = False) -> DTensor:
         """This rank's part of the move: the destination DTensor (its local shard waited for lazily with `async_op`)."""
-        _same_world()
-        group = _group(self.ranks)
+        _STATE.same_world()
+        group = _STATE.group(self.ranks)
         if dist.get_rank() not in self.ranks:
             return self._wrap(None, wants_grad)
-        _finish_pending(self.ranks)
+        _STATE.finish_pending(self.ranks)
         executor = _agree(self, group, local, wants_grad)
+        local = None if local is None else local.detach()  # the engines write views of it outside autograd (grad is ours)
         src = None if local is None else local.reshape(1) if local.dim() == 0 else local.contiguous()
         if not async_op:
             try:
@@ -178,7 +214,7 @@ class _Move:
         out = self._placeholder() if shape is None else torch.empty(self._user_shape(shape), dtype=self.dtype,
                                                                    device=self.device)
         _register_work(out, PythonCallbackWork(_Finisher(executor, out, shape is not None)))
-        _PENDING[self.ranks] = executor, lambda: wait_tensor(out)  # a rank that only sends may never touch its result
+        _STATE.pending[self.ranks] = executor, lambda: wait_tensor(out)  # a rank that only sends may never touch its result
         return self._wrap(AsyncCollectiveTensor(out), wants_grad)
 
     def _user_shape(self, shape) -> tuple[int, ...]:
@@ -211,13 +247,12 @@ def _agree(move: _Move, group, local: torch.Tensor | None, wants_grad: bool) -> 
     ranks all-gather the rows to name the ranks in one error, or, when only some ranks lack the executor
     (a rank may have dropped it), all prepare it again."""
     rank = dist.get_rank()
-    executor = _CACHE.get(move.key)
+    executor = _STATE.executors.get(move.key)
     fits = local is None or (tuple(local.shape) == move.local_shape(rank) and local.dtype == move.dtype)
     broken = executor is not None and bool(executor.engine.broken)
     row = np.array([*move.fingerprint, wants_grad, fits, executor is not None, broken], dtype=np.int64)
     if _all_fine(group, row):
-        _CACHE.move_to_end(move.key)
-        return executor
+        return _STATE.used(move.key)
     every = TorchWorld(group).allgather(row, AGREE_TIMEOUT_S, DEFAULT_POLL_S, "redistribute() on every rank of both meshes")
     ranks = np.array(move.ranks)
     _check_rows(move, ranks, every)
@@ -225,12 +260,11 @@ def _agree(move: _Move, group, local: torch.Tensor | None, wants_grad: bool) -> 
         raise ExecutorError(f"redistribute: this move failed earlier on {_list(ranks[every[:, 5] == 1])} (that error says "
                             "why); call xmesh_plan.redistribute.clear_cache() on every rank before moving again")
     if executor is not None and every[:, 4].all():
-        _CACHE.move_to_end(move.key)
-        return executor
+        return _STATE.used(move.key)
     if executor is not None:
-        _close(_CACHE.pop(move.key))
+        _STATE.drop(move.key)
     prepared = ReshardingExecutor(compile_plan(move.problem), group, backend="torch", timeout_s=AGREE_TIMEOUT_S).prepare()
-    _remember(move.key, prepared)
+    _STATE.remember(move.key, prepared)
     return prepared
 
 
@@ -303,23 +337,10 @@ class _Finisher:
         return True
 
 
-def _finish_pending(ranks: tuple[int, ...]) -> None:
-    """Wait for the last asynchronous move over `ranks` if its result was never used (no-op once waited).
-
-    A failure stays with that move's result and its executor (the next call of that move reports it)."""
-    pending = _PENDING.pop(ranks, None)
-    if pending is not None:
-        try:
-            pending[1]()
-        except Exception:
-            pass
-
-
 @atexit.register
 def _finish_all_pending() -> None:
     """At exit, finish the moves nobody waited for: a rank that only sends may still be sending, and its peers wait."""
-    for ranks in list(_PENDING):
-        _finish_pending(ranks)
+    _STATE.finish_all_pending()
 
 
 def clear_cache() -> None:
@@ -328,22 +349,14 @@ def clear_cache() -> None:
     Call it on every rank, as every redistribute (it frees the buffers of moves you will not make again).
     After `destroy_process_group()` and a new `init_process_group()` the next redistribute does this itself."""
     if dist.is_initialized():
-        _same_world()  # the groups of a destroyed default group are gone already
-    _forget()
-    groups = list(_GROUPS.values())
-    _GROUPS.clear()
+        _STATE.same_world()  # the groups of a destroyed default group are gone already
+    _STATE.forget()
+    groups = list(_STATE.groups.values())
+    _STATE.groups.clear()
     if groups and dist.is_initialized():  # no rank destroys a group a peer may still be finishing a move over
         TorchWorld(None).allgather(np.zeros(1, np.int64), AGREE_TIMEOUT_S, DEFAULT_POLL_S, "clear_cache() on every rank")
         for group in groups:
             dist.destroy_process_group(group)
-
-
-def _forget() -> None:
-    """Finish pending moves and close every executor, on this rank only (no collective)."""
-    _finish_all_pending()
-    while _CACHE:
-        _CACHE.popitem(last=False)[1].close()
-    _PROBLEMS.clear()
 
 
 def _local(tensor: DTensor) -> torch.Tensor | None:

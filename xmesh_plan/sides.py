@@ -14,6 +14,7 @@ argument and the fix.
 
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass
 
 from pydantic import ValidationError
@@ -44,6 +45,8 @@ class Side:
 
 def dtype_name(dtype: object, field: str = "dtype") -> str:
     """Our name for a torch, numpy/JAX or string dtype: `torch.bfloat16`, `jnp.bfloat16`, `"bf16"` -> `"bfloat16"`."""
+    if dtype is None:  # numpy reads None as float64: refused, not guessed
+        raise FrontendError(f"{field}: None is not a dtype; pass the tensor's dtype, e.g. torch.bfloat16 or \"float32\"")
     if isinstance(dtype, str):
         name = canonical_dtype(dtype)
     elif type(dtype).__module__.startswith("torch"):
@@ -76,13 +79,19 @@ def build_problem(shape: object, dtype: object, src: Side, dst: Side, cluster: C
 
 def global_shape(shape: object) -> tuple[int, ...]:
     """A tensor's global shape as a tuple of non-negative ints; anything else is one FrontendError line."""
-    try:
-        dims = tuple(int(n) for n in shape)  # type: ignore[union-attr]
+    try:  # operator.index: an int (numpy's too), never a float cut down (8.5 -> 8) or a boolean read as 0 or 1
+        dims = tuple(_dim(n) for n in shape)  # type: ignore[union-attr]
     except (TypeError, ValueError):
         raise FrontendError(f"shape: {shape!r} is not a sequence of integers; pass the global shape, e.g. (1024, 512)") from None
     if not dims or min(dims) < 0:
         raise FrontendError(f"shape: {shape!r} needs at least one dim and no negative lengths; pass the global shape, e.g. (1024, 512)")
     return dims
+
+
+def _dim(value: object) -> int:
+    if isinstance(value, bool) or type(value).__name__ == "bool_":
+        raise TypeError("a boolean is not a length")
+    return operator.index(value)
 
 
 def _placement(side: Side, name: str) -> Placement:

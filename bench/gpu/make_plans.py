@@ -11,6 +11,7 @@ from pathlib import Path
 
 from xmesh_plan.planner.compile import compile_plan
 from xmesh_plan.planner.problem_io import build_problem
+from xmesh_plan.schemas.files import write_atomic
 
 
 def problem(name, shape, src_mesh, src_spec, dst_mesh, dst_spec):
@@ -25,7 +26,7 @@ def main(folder: str) -> int:
     for p, strategy in [(problem("gpu_pair", [64, 48], "1x1", "R R", "1x1", "R S0"), "send_recv"),
                         (problem("gpu_bcast3", [64, 48, 8], "1x1", "R R R", "1x2", "R R R"), "broadcast"),
                         (problem("gpu_2to2", [64, 48], "1x2", "S0 R", "1x2", "R S0"), "broadcast")]:
-        (out / f"{p.name}.plan.json").write_text(compile_plan(p, strategy=strategy, solver="greedy", seed=0).to_json())
+        write_atomic(out / f"{p.name}.plan.json", compile_plan(p, strategy=strategy, solver="greedy", seed=0).to_json())
     shutil.copy(Path(__file__).resolve().parents[2] / "plans" / "weight_sync_small.plan.json", out)
     return 0
 

@@ -32,7 +32,7 @@ SWEEP = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64)
 def sweep(name: str, rate_mbit: float, max_mb: float) -> str:
     """One table row: the planner's chunk counts and time against the best forced K."""
     problem = reference_problem(name, rate_mbit, 0.0, 300.0, max_mb, TESTBED_CPU)
-    plan = compile_plan(problem, "broadcast", "greedy")
+    plan = compile_plan(problem, strategy="broadcast", solver="greedy")
     timed = {}
     fewest = min((region_size(op.region) * problem.itemsize for op in plan.operations if op.kind == "broadcast"), default=0)
     for k in (k for k in SWEEP if k == 1 or k <= fewest // strategies.MIN_CHUNK_BYTES):  # chunks the planner could choose

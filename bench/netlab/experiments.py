@@ -73,7 +73,7 @@ def reference_problem(name: str, rate_mbit: float, latency_us: float | None = No
     problem = at_rate(build_problem(dict(reference_problems())[name]), rate_mbit, latency_us, overhead_us, cpu)
     if max_mb is None:
         return problem
-    factors = factors_for(compile_plan(problem, "broadcast", "naive"), int(max_mb * 2**20))
+    factors = factors_for(compile_plan(problem, strategy="broadcast", solver="naive"), int(max_mb * 2**20))
     return problem.model_copy(update={"shape": tuple(n // f for n, f in zip(problem.shape, factors))})
 
 

@@ -1,5 +1,5 @@
-"""A torch rank without the engine's receipts: `executor.torch_run` with `torch_engine.RECEIPT_BYTES = None`, so in
-device order a gloo send ends for its device once the socket buffer holds the rest (gloo's own behaviour).
+"""A torch rank without the engine's receipts: `executor.torch_run` with `TransportOptions(receipt_bytes=None)`, so
+in device order a gloo send ends for its device once the socket buffer holds the rest (gloo's own behaviour).
 
     sudo PYTHONPATH=$PWD .venv/bin/python -m bench.netlab.experiments --engine torch --no-receipts ...
 
@@ -11,8 +11,7 @@ from __future__ import annotations
 import sys
 
 if __name__ == "__main__":
-    from xmesh_plan.executor import torch_engine
+    from xmesh_plan.executor import TransportOptions
     from xmesh_plan.executor.torch_run import main
 
-    torch_engine.RECEIPT_BYTES = None
-    sys.exit(main())
+    sys.exit(main(transport=TransportOptions(receipt_bytes=None)))

@@ -270,8 +270,10 @@ def main(argv=None) -> int:
     if args.keep:
         keep = Path(args.keep)
         keep.mkdir(parents=True, exist_ok=True)
-        (keep / "traces.json").write_text(json.dumps(traces))
-        (keep / "table.md").write_text(table + "\n")
+        from xmesh_plan.schemas.files import write_atomic
+
+        write_atomic(keep / "traces.json", json.dumps(traces))
+        write_atomic(keep / "table.md", table + "\n")
     return 0
 
 

@@ -14,6 +14,7 @@ from pydantic import ValidationError
 
 from xmesh_plan.planner.problem_io import InputError, describe_validation_error, hosts_used, parse_cluster, parse_mesh, parse_shape, read_data_file
 from xmesh_plan.schemas.pipeline import PipelineProblem, PipelineSchedule
+from xmesh_plan.schemas.limits import quoted
 
 
 def build_pipeline(raw: Any) -> PipelineProblem:
@@ -49,7 +50,7 @@ def load_pipeline(path: str | Path) -> PipelineProblem:
     try:
         return build_pipeline(raw)
     except InputError as err:
-        raise InputError(f"{path}: {err}") from None
+        raise InputError(f"{quoted(path)}: {err}") from None
 
 
 def load_schedule(path: str | Path) -> PipelineSchedule:
@@ -57,8 +58,8 @@ def load_schedule(path: str | Path) -> PipelineSchedule:
     raw = read_data_file(path, "schedule")
     version = raw.get("schema_version") if isinstance(raw, dict) else None
     if version != 1 or "stages" not in raw:
-        raise InputError(f"{path}: not a schedule of schema_version 1; make one with `xmesh-plan schedule PIPELINE.json -o schedule.json`")
+        raise InputError(f"{quoted(path)}: not a schedule of schema_version 1; make one with `xmesh-plan schedule PIPELINE.json -o schedule.json`")
     try:
         return PipelineSchedule.model_validate(raw)
     except ValidationError as err:
-        raise InputError(f"{path}: {describe_validation_error(err)}") from None
+        raise InputError(f"{quoted(path)}: {describe_validation_error(err)}") from None

@@ -110,7 +110,7 @@ def two_chunked_broadcasts_from_one_device():
 
     problem = build_problem({"name": "case9_small", "shape": [8, 8, 16], "dtype": "int32",
                              "src": {"mesh": "2x4", "spec": "R S0 R"}, "dst": {"mesh": "2x4", "spec": "R R S0"}})
-    plan = compile_plan(problem, "broadcast", "naive")
+    plan = compile_plan(problem, strategy="broadcast", solver="naive")
     plan = plan.model_copy(update={"operations": tuple(op.model_copy(update={"chunks": 4}) for op in plan.operations)})
     sender = next(d for d in plan_devices(plan) if sum(op.src == d for op in plan.operations) == 2)
     return problem, plan, sender, in_device_order(lower(plan, sender, tag_limit=2**20))

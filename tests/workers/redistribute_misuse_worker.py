@@ -128,7 +128,7 @@ def bad_arguments(rank: int) -> list[str]:
         "async_not_bool": lambda: redistribute(x, middle, [Shard(1)], async_op="yes"),
         "scalar_sharded": lambda: redistribute(scalar, last, [Shard(0)]),
     }
-    groups, torch_groups = len(rd._GROUPS), dist.distributed_c10d._world.group_count
+    groups, torch_groups = len(rd._STATE.groups), dist.distributed_c10d._world.group_count
     lines = []
     for name, call in calls.items():
         try:
@@ -136,7 +136,7 @@ def bad_arguments(rank: int) -> list[str]:
             lines.append(f"bad {name}: no error")
         except Exception as err:
             lines.append(f"bad {name}: {type(err).__name__}: {err}")
-    lines.append(f"bad groups made: {len(rd._GROUPS) - groups} {dist.distributed_c10d._world.group_count - torch_groups}")
+    lines.append(f"bad groups made: {len(rd._STATE.groups) - groups} {dist.distributed_c10d._world.group_count - torch_groups}")
     y = redistribute(x, middle, [Shard(1)])  # nobody is left inside a collective
     check(y, full_of((8, 6)), middle, [Shard(1)], "after bad arguments")
     return lines
@@ -204,10 +204,10 @@ def freed(rank: int) -> str:
         del x, y
         gc.collect()
         alive.append(ref() is not None)
-    executors = [weakref.ref(e) for e in rd._CACHE.values()]
+    executors = [weakref.ref(e) for e in rd._STATE.executors.values()]
     rd.clear_cache()
     gc.collect()
-    state = (len(rd._CACHE), len(rd._GROUPS), len(rd._PENDING), sum(e() is not None for e in executors))
+    state = (len(rd._STATE.executors), len(rd._STATE.groups), len(rd._STATE.pending), sum(e() is not None for e in executors))
     x = distribute_tensor(full_of((10, 6)), mesh([0, 1]), [Shard(0)])
     check(redistribute(x, mesh([3, 1]), [Shard(1)]), full_of((10, 6)), mesh([3, 1]), [Shard(1)], "after clear_cache")
     return f"source kept alive (sync, async): {alive}; after clear_cache (executors, groups, pending, executors alive): {state}"
@@ -226,7 +226,7 @@ def bounded(rank: int) -> str:
         y = redistribute(x, mesh([1]), [Shard(0)], async_op=rows % 2 == 0)
         check(y, full, mesh([1]), [Shard(0)], f"rows {rows}")
     check(redistribute(b, mesh([0, 1, 2, 3]), [Shard(1)]), big, mesh([0, 1, 2, 3]), [Shard(1)], "b again")
-    return f"sizes {len(rd._CACHE)} {len(rd._PROBLEMS)} {len(rd._PENDING)}"
+    return f"sizes {len(rd._STATE.executors)} {len(rd._STATE.problems)} {len(rd._STATE.pending)}"
 
 
 def no_grad(rank: int) -> str:
@@ -247,7 +247,7 @@ def broken(rank: int) -> str:
     x = distribute_tensor(full, src, [Shard(0)])
     check(redistribute(x, dst, [Shard(1)]), full, dst, [Shard(1)], "before")
     if rank == 2:
-        next(e for e in rd._CACHE.values() if e.engine.program.dst_shape == (9, 2)).engine.abandon("simulated peer timeout")
+        next(e for e in rd._STATE.executors.values() if e.engine.program.dst_shape == (9, 2)).engine.abandon("simulated peer timeout")
     refused = _refused(lambda: redistribute(x, dst, [Shard(1)]))
     rd.clear_cache()
     check(redistribute(x, dst, [Shard(1)]), full, dst, [Shard(1)], "after clear_cache")

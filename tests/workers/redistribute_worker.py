@@ -22,7 +22,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tenso
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from xmesh_plan.dtensor import problem_from_dtensor
-from xmesh_plan.redistribute import _CACHE, _GROUPS, redistribute
+from xmesh_plan.redistribute import _STATE, redistribute
 from xmesh_plan.sides import FrontendError
 
 WORLD = 4
@@ -54,7 +54,7 @@ def main() -> int:
                     assert y.placements == tuple(dst_placements) and y.shape == full.shape
                     assert torch.equal(y.to_local(), expected.to_local()), (rank, shape, dtype, y.to_local(), expected.to_local())
                     checked += 1
-    assert len(_CACHE) == 3 * len(CASES), len(_CACHE)  # one plan per (case, dtype): the repeat compiled nothing
+    assert len(_STATE.executors) == 3 * len(CASES), len(_STATE.executors)  # one plan per (case, dtype): the repeat compiled nothing
     try:  # DTensor itself refuses to move between meshes
         x.redistribute(dst_mesh, dst_placements)
         refused = False
@@ -143,7 +143,7 @@ def _random_layouts(rank: int, seed: int, count: int = 24) -> str:
             assert y.to_local().shape == (0,) * len(shape)
         moved += 1
     assert moved >= count // 2, (moved, refused)
-    return f"moved={moved} refused={refused} left_out={left_out} async={async_checked} groups={len(_GROUPS)}"
+    return f"moved={moved} refused={refused} left_out={left_out} async={async_checked} groups={len(_STATE.groups)}"
 
 
 if __name__ == "__main__":

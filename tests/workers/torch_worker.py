@@ -5,7 +5,7 @@
     python tests/workers/torch_worker.py check_by_order PLAN...   the same with every tag 0: gloo then matches by order, as NCCL
     python tests/workers/torch_worker.py check_in_device_order PLAN...   check_by_order with order="device"
     python tests/workers/torch_worker.py check_in_device_order_mixed_receipts PLAN...   the same, the engine's receipts
-                                                    (torch_engine.RECEIPT_BYTES) on messages of 16 B or more
+                                                    (TransportOptions.receipt_bytes) on messages of 16 B or more
     python tests/workers/torch_worker.py check_in_device_order_with_receipts PLAN...   order="device", gloo's own tags,
                                                     a receipt for every message
     python tests/workers/torch_worker.py check_transfer_by_order PLAN...   multi-tensor plans through TransferExecutor, every
@@ -28,7 +28,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from xmesh_plan.executor import ExecutorError, PlanMismatchError, ReshardingExecutor, TransferExecutor
+from xmesh_plan.executor import ExecutorError, PlanMismatchError, ReshardingExecutor, TransferExecutor, TransportOptions
 from xmesh_plan.executor.arrays import storage_dtype
 from xmesh_plan.executor.pattern import fill
 from xmesh_plan.schemas import Plan, read_plan_file
@@ -80,6 +80,7 @@ def dtensor_box(plan: Plan) -> tuple | str:
 
 
 ORDER = "posted"  # the executor's order; check_in_device_order sets "device"
+TRANSPORT = TransportOptions()  # how messages match and are acknowledged; main() sets it per mode
 
 
 def check(paths: list[str]) -> None:
@@ -87,7 +88,7 @@ def check(paths: list[str]) -> None:
     rank = dist.get_rank()
     for path in paths:
         plan = read_plan_file(path)
-        ex = ReshardingExecutor(plan, backend="gloo", timeout_s=TIMEOUT_S, order=ORDER).prepare()
+        ex = ReshardingExecutor(plan, backend="gloo", timeout_s=TIMEOUT_S, order=ORDER, transport=TRANSPORT).prepare()
         p, bad = ex.program, 0
         full = tuple((0, n) for n in plan.problem.shape)
         theirs = dtensor_box(plan)
@@ -129,7 +130,7 @@ def check_transfer(paths: list[str]) -> None:
     rank = dist.get_rank()
     for path in paths:
         plan = read_plan_file(path)
-        ex = TransferExecutor(plan, backend="gloo", timeout_s=TIMEOUT_S, order=ORDER).prepare()
+        ex = TransferExecutor(plan, backend="gloo", timeout_s=TIMEOUT_S, order=ORDER, transport=TRANSPORT).prepare()
         if plan.staging is not None or ORDER == "posted":  # the staging this rank allocated: distinct buffers of its engines
             stages = {part.engine.stage.data_ptr(): part.engine.stage.numel() for part in ex.parts}
             shared = "shared" if all(part.engine.stage is ex.parts[0].engine.stage for part in ex.parts) else f"{len(stages)} areas"
@@ -187,22 +188,19 @@ def die(path: str) -> None:
 
 
 def main(argv: list[str]) -> None:
-    global ORDER
+    global ORDER, TRANSPORT
     torch.set_num_threads(1)
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
     mode, args = argv[0], argv[1:]
     if mode == "check_in_device_order_with_receipts":  # gloo's own tags, every message with a receipt
-        from xmesh_plan.executor import torch_engine
-
-        ORDER, torch_engine.RECEIPT_BYTES, mode = "device", 1, "check"
+        ORDER, TRANSPORT, mode = "device", TransportOptions(receipt_bytes=1), "check"
     if mode in ("check_by_order", "check_in_device_order", "check_in_device_order_mixed_receipts", "check_transfer_by_order",
                 "check_transfer_posted_by_order"):
-        from xmesh_plan.executor import torch_engine
-
         ORDER = "posted" if mode in ("check_by_order", "check_transfer_posted_by_order") else "device"
-        if mode in ("check_in_device_order_mixed_receipts", "check_transfer_by_order"):  # these small plans' messages are
-            torch_engine.RECEIPT_BYTES = 16  # 2-192 B: some operations end on receipts, others on their sends, as in use
-        torch_engine.MATCH_BY_TAG, mode = False, "check_transfer" if "transfer" in mode else "check"
+        # these small plans' messages are 2-192 B: from 16 B some operations end on receipts, others on their sends, as in use
+        receipts = 16 if mode in ("check_in_device_order_mixed_receipts", "check_transfer_by_order") else TRANSPORT.receipt_bytes
+        TRANSPORT = TransportOptions(match_by_tag=False, receipt_bytes=receipts)
+        mode = "check_transfer" if "transfer" in mode else "check"
     {"check": lambda: check(args), "check_transfer": lambda: check_transfer(args), "disagree": lambda: disagree(*args),
      "die": lambda: die(*args)}[mode]()
     dist.destroy_process_group()
