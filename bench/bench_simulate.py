@@ -9,7 +9,10 @@ its peak RSS is its own: lowering plus the simulation (`planner.simulate.simulat
 (`tests.support.reference_flows`: every moving flow stepped at every event) runs the same plans up to
 `--old-max-ops`; both run in one session and the ratio is of CPU seconds, so it holds on a loaded machine
 even where the wall-clock seconds do not. `--disciplines posted` (every message at once, rates shared over
-thousands of concurrent flows at every event) is quadratic in either engine: keep it to 10^4.
+thousands of concurrent flows at every event) is quadratic in either engine: keep it to 10^4. `same_makespan`:
+host order agrees to rounding; device order can differ from 10^4 operations on (1e-6 .. 1e-2), as the reference
+engine does from itself with every link's capacity changed by 1e-15: messages ready at one instant take a connection
+in the order rounding puts them.
 
     .venv/bin/python bench/bench_simulate.py --plans sends                           # 10^4 .. 10^6, reference up to 10^5
     .venv/bin/python bench/bench_simulate.py --plans broadcasts --sizes 10000,100000
