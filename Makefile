@@ -34,9 +34,10 @@ test: $(STAMP)
 	$(MAKE) --no-print-directory check-plans
 	$(PY) -m pytest
 
-## Benchmarks: every bench/bench_*.py in turn; results go to bench/results/, then BENCHMARKS.md is made from them.
+## Benchmarks: every bench/bench_*.py in turn, as a module of the bench package; results go to bench/results/,
+## then BENCHMARKS.md is made from them.
 bench: $(STAMP)
-	@for f in bench/bench_*.py; do echo "== $$f"; $(PY) $$f || exit 1; done
+	@for f in bench/bench_*.py; do m=bench.$$(basename $$f .py); echo "== $$m"; $(PY) -m $$m || exit 1; done
 	$(MAKE) --no-print-directory benchmarks-doc
 
 ## BENCHMARKS.md from bench/results/*.json (tests/test_benchmarks_doc.py fails when it is stale).
@@ -50,9 +51,9 @@ history-check: $(STAMP)
 ## Plans on an emulated cluster (as root: network namespaces, shaped links); results go to bench/results/.
 ## Both executor orders, then the two side by side (an hour or so on 2 cores); NETLAB_ARGS narrows it, e.g. --cases case3 --rates 500.
 bench-net: $(STAMP)
-	PYTHONPATH=$(CURDIR) $(PY) -m bench.netlab.experiments --order device --out netlab-device.json $(NETLAB_ARGS)
-	PYTHONPATH=$(CURDIR) $(PY) -m bench.netlab.experiments --order posted --out netlab-posted.json $(NETLAB_ARGS)
-	PYTHONPATH=$(CURDIR) $(PY) -m bench.netlab.summary --print bench/results/netlab-posted.json bench/results/netlab-device.json
+	$(PY) -m bench.netlab.experiments --order device --out netlab-device.json $(NETLAB_ARGS)
+	$(PY) -m bench.netlab.experiments --order posted --out netlab-posted.json $(NETLAB_ARGS)
+	$(PY) -m bench.netlab.summary --print bench/results/netlab-posted.json bench/results/netlab-device.json
 
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis .plans-check build *.egg-info

@@ -1,25 +1,21 @@
 """Coalesced messages: the 32x8 all-to-all of bench_scaling.py (POINTS[7]) compiled with and without
 `--coalesce`, predicted time against the byte bound, and the cross-host messages on the busiest NIC side.
 
-    .venv/bin/python bench/bench_coalesce.py
+    .venv/bin/python -m bench.bench_coalesce
 """
 
 from __future__ import annotations
 
-import sys
 import time
-from pathlib import Path
 
-sys.path[:0] = [str(Path(__file__).resolve().parent.parent), str(Path(__file__).resolve().parent)]
+from bench.bench_scaling import POINTS, problem
+from bench.report import update_benchmarks_doc, write_json
+from xmesh_plan.planner.compile import compile_plan
+from xmesh_plan.planner.simulate import simulate_plan
+from xmesh_plan.planner.verify import verify_plan
+from xmesh_plan.schemas.op_kinds import route
 
-from bench_scaling import POINTS, problem  # noqa: E402
-from report import update_benchmarks_doc, write_json  # noqa: E402
-from xmesh_plan.planner.compile import compile_plan  # noqa: E402
-from xmesh_plan.planner.simulate import simulate_plan  # noqa: E402
-from xmesh_plan.planner.verify import verify_plan  # noqa: E402
-from xmesh_plan.schemas.op_kinds import route  # noqa: E402
-
-COMMAND = ".venv/bin/python bench/bench_coalesce.py"
+COMMAND = ".venv/bin/python -m bench.bench_coalesce"
 POINT = POINTS[7]  # 32x8 S0 R S1 -> 32x8 R S01 R, 4096x4096x64 float32: 65,536 unit tasks of 64 KiB
 
 

@@ -7,28 +7,24 @@ Single-tensor reference cases (the paper's nine and the seven one-to-many): defa
 timed posted (`TransferExecutor`'s default on MPI; the plan states it, `Plan.executor_prediction`)
 and host order. Compile wall times are this machine's and noisy.
 
-    .venv/bin/python bench/bench_compile_defaults.py   # a minute or two, most of it the Llama compiles
+    .venv/bin/python -m bench.bench_compile_defaults   # a minute or two, most of it the Llama compiles
 
 Writes bench/results/compile_defaults.json and remakes BENCHMARKS.md ("Weight sync", "Compile defaults").
 """
 
 from __future__ import annotations
 
-import sys
 import time
 import tomllib
-from pathlib import Path
 
-sys.path[:0] = [str(Path(__file__).resolve().parent.parent), str(Path(__file__).resolve().parent)]
+from bench.report import update_benchmarks_doc, write_json
+from xmesh_plan.planner.compile import compile_plan
+from xmesh_plan.planner.reference_cases import reference_cases
+from xmesh_plan.planner.simulate import simulate_plan
+from xmesh_plan.planner.transfer_io import build_transfer
+from xmesh_plan.planner.weight_sync import WEIGHT_SYNC, weight_sync_toml
 
-from report import update_benchmarks_doc, write_json  # noqa: E402
-from xmesh_plan.planner.compile import compile_plan  # noqa: E402
-from xmesh_plan.planner.reference_cases import reference_cases  # noqa: E402
-from xmesh_plan.planner.simulate import simulate_plan  # noqa: E402
-from xmesh_plan.planner.transfer_io import build_transfer  # noqa: E402
-from xmesh_plan.planner.weight_sync import WEIGHT_SYNC, weight_sync_toml  # noqa: E402
-
-COMMAND = ".venv/bin/python bench/bench_compile_defaults.py"
+COMMAND = ".venv/bin/python -m bench.bench_compile_defaults"
 BOTH_OFF = {"split_hosts": False, "coalesce": False}
 BOTH_ON = {"split_hosts": True, "coalesce": True}
 

@@ -8,22 +8,18 @@ one `intra` resource per host touched), scheduled by the same solver and timed b
 simulator, so the two columns differ only in the resource model. Tensors are 4096x4096 float32
 (64 MiB); hosts have one 100 Gbit/s NIC, 800 Gbit/s inside, 20 us latency.
 
-    .venv/bin/python bench/bench_duplex.py
+    .venv/bin/python -m bench.bench_duplex
 """
 
 from __future__ import annotations
 
-import sys
 from dataclasses import replace
-from pathlib import Path
 
-sys.path[:0] = [str(Path(__file__).resolve().parent.parent), str(Path(__file__).resolve().parent)]
-
-from report import update_benchmarks_doc, write_json  # noqa: E402
-from xmesh_plan.planner.compile import TaskOptions, assemble, task_options  # noqa: E402
-from xmesh_plan.planner.problem_io import build_problem  # noqa: E402
-from xmesh_plan.planner.solvers import solve  # noqa: E402
-from xmesh_plan.planner.unit_tasks import decompose  # noqa: E402
+from bench.report import update_benchmarks_doc, write_json
+from xmesh_plan.planner.compile import TaskOptions, assemble, task_options
+from xmesh_plan.planner.problem_io import build_problem
+from xmesh_plan.planner.solvers import solve
+from xmesh_plan.planner.unit_tasks import decompose
 
 CLUSTER = {"devices_per_host": 4, "nics": [{"send_gbps": 100, "recv_gbps": 100}], "intra_host_gbps": 800, "latency_us": 20}
 CASES = [  # src mesh, src spec, dst mesh, dst first host, dst spec, tensor shape

@@ -1,7 +1,7 @@
 """Executor overhead: time of `run()` beyond the data movement, per unit task, on the CPU (MPI) path.
 
-    .venv/bin/python bench/bench_executor.py                  # launches mpiexec itself, ~1 minute
-    .venv/bin/python bench/bench_executor.py --tasks 16,256 --iters 30
+    .venv/bin/python -m bench.bench_executor                  # launches mpiexec itself, ~1 minute
+    .venv/bin/python -m bench.bench_executor --tasks 16,256 --iters 30
 
 Plans of T unit tasks, each one small box (64 B): `send` moves row i from device 0 to device 1
 (contiguous, sent in place); `send_strided` moves column i (packed and unpacked through staging);
@@ -33,8 +33,7 @@ import click
 import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-from xmesh_plan.schemas.files import write_atomic  # noqa: E402
+from xmesh_plan.schemas.files import write_atomic
 
 ROW = 16  # float32 elements per box: 64 B
 
@@ -239,7 +238,7 @@ def main(**options) -> None:
     if args.worker:
         worker(args.worker, counts, args.iters, args.engine_file)
         return
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    env = dict(os.environ)
     mpiexec = Path(sys.executable).parent / "mpiexec"
     extra = ["--engine-file", engine_file(args.compare)] if args.compare else []
     rows = []

@@ -1,7 +1,7 @@
 """Executor `prepare()` cost: time to lower a plan into one device's steps, on plans with many operations.
 
-    .venv/bin/python bench/bench_lowering.py                    # about 20 s
-    .venv/bin/python bench/bench_lowering.py --compare 80312b2  # also times executor/lower.py of that revision (1 min)
+    .venv/bin/python -m bench.bench_lowering                    # about 20 s
+    .venv/bin/python -m bench.bench_lowering --compare 80312b2  # also times executor/lower.py of that revision (1 min)
 
 Each plan gathers a tensor sharded over many source devices onto one host (`local_allgather`), so
 the busiest destination device receives hundreds of boxes and then all-gathers them: every part it
@@ -13,20 +13,18 @@ module of git revision REV and times it in the same run, interleaved. Results: b
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 from types import SimpleNamespace
 
+from bench.report import best_seconds, compare_command, module_at
+
+from xmesh_plan.schemas.files import write_atomic
+from xmesh_plan.executor.lower import lower
+from xmesh_plan.executor.ranks import plan_devices
+from xmesh_plan.planner.compile import compile_plan
+from xmesh_plan.planner.problem_io import build_problem
+
 ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT), str(ROOT / "bench")]
-
-from report import best_seconds, compare_command, module_at  # noqa: E402
-
-from xmesh_plan.schemas.files import write_atomic  # noqa: E402
-from xmesh_plan.executor.lower import lower  # noqa: E402
-from xmesh_plan.executor.ranks import plan_devices  # noqa: E402
-from xmesh_plan.planner.compile import compile_plan  # noqa: E402
-from xmesh_plan.planner.problem_io import build_problem  # noqa: E402
 
 CASES = [  # (source hosts, tensor shape): 4 devices per host, `S01 R R` gathered onto one host as `R R R`
     (64, (4096, 4096, 64)),

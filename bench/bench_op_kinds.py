@@ -1,7 +1,7 @@
 """The planner's hot paths that read the table of operation kinds, timed against a git revision in one run.
 
-    .venv/bin/python bench/bench_op_kinds.py                 # this tree only
-    .venv/bin/python bench/bench_op_kinds.py --compare REV   # also REV's modules, interleaved (about 1 min)
+    .venv/bin/python -m bench.bench_op_kinds                 # this tree only
+    .venv/bin/python -m bench.bench_op_kinds --compare REV   # also REV's modules, interleaved (about 1 min)
 
 The simulator takes each operation's flows from its kind's `route` in `schemas/op_kinds.py`, and the
 strategies their links from `wire_pairs`. This times, on the same plans and
@@ -14,21 +14,19 @@ lowering see bench/bench_lowering.py.
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 from types import SimpleNamespace
 
+from bench.report import best_seconds, compare_command, module_at
+
+from xmesh_plan.schemas.files import write_atomic
+from xmesh_plan.planner import simulate as simulate_now
+from xmesh_plan.planner import strategies as strategies_now
+from xmesh_plan.planner.compile import _sender_per_host, compile_plan
+from xmesh_plan.planner.problem_io import build_problem
+from xmesh_plan.planner.unit_tasks import decompose
+
 ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT), str(ROOT / "bench")]
-
-from report import best_seconds, compare_command, module_at  # noqa: E402
-
-from xmesh_plan.schemas.files import write_atomic  # noqa: E402
-from xmesh_plan.planner import simulate as simulate_now  # noqa: E402
-from xmesh_plan.planner import strategies as strategies_now  # noqa: E402
-from xmesh_plan.planner.compile import _sender_per_host, compile_plan  # noqa: E402
-from xmesh_plan.planner.problem_io import build_problem  # noqa: E402
-from xmesh_plan.planner.unit_tasks import decompose  # noqa: E402
 
 CASES = [  # (name, source mesh, source spec, destination mesh, destination spec, shape, strategy)
     ("all-to-all 32x4", "32x4", "S0 R", "32x4", "R S0", (4096, 4096), "auto"),

@@ -10,7 +10,7 @@ gradients, at 40 TFLOP/s per V100 in FP16 and 10 in FP32 (about a third of FP16 
 of FP32 peak). Each stage is one host of 4 GPUs (logical 2x2 or 4x1); hosts have one 10 Gbit/s
 NIC, the paper's p3.8xlarge. Transfer times come from compile_plan (broadcast strategy).
 
-Run: .venv/bin/python bench/bench_pipeline.py [--quick] [--png-dir bench/results] [--examples bench/pipelines]
+Run: .venv/bin/python -m bench.bench_pipeline [--quick] [--png-dir bench/results] [--examples bench/pipelines]
 Writes bench/results/pipeline.json (every case's metrics per schedule), from which `bench/benchmarks_doc.py` makes the
 BENCHMARKS.md section "Pipelines".
 """
@@ -22,16 +22,14 @@ import sys
 import time
 from pathlib import Path
 
-import click  # noqa: E402
+import click
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from xmesh_plan.planner.pipeline.compare import compare, format_table, row_by_label  # noqa: E402
-from xmesh_plan.planner.pipeline.costs import transfer_costs  # noqa: E402
-from xmesh_plan.planner.pipeline.simulate import evaluate  # noqa: E402
-from xmesh_plan.schemas.pipeline import PipelineProblem  # noqa: E402
-from xmesh_plan.schemas.problem import DeviceMesh  # noqa: E402
-from xmesh_plan.schemas.plan import write_atomic  # noqa: E402
+from xmesh_plan.planner.pipeline.compare import compare, format_table, row_by_label
+from xmesh_plan.planner.pipeline.costs import transfer_costs
+from xmesh_plan.planner.pipeline.simulate import evaluate
+from xmesh_plan.schemas.pipeline import PipelineProblem
+from xmesh_plan.schemas.problem import DeviceMesh
+from xmesh_plan.schemas.plan import write_atomic
 
 TFLOPS_PER_GPU = {"float16": 40e12, "float32": 10e12}
 GPUS_PER_STAGE = 4
@@ -152,7 +150,7 @@ def main(micro_batches: int, quick: bool, png_dir: str | None, examples: str | N
             write_atomic(Path(examples) / f"{problem.name}.json", problem.model_dump_json(indent=1) + "\n")
         if png_dir:
             draw(problem, rows, Path(png_dir))
-    command = " ".join([".venv/bin/python bench/bench_pipeline.py"] + sys.argv[1:])
+    command = " ".join([".venv/bin/python -m bench.bench_pipeline"] + sys.argv[1:])
     write_atomic(out, json.dumps({"command": command, "cases": results}, indent=1, sort_keys=True) + "\n")
 
 

@@ -1,7 +1,7 @@
 """`redistribute` against what a DTensor user writes today: `full_tensor()`, broadcast from one rank, slice.
 
-    .venv/bin/python bench/bench_redistribute.py                    # starts 4 gloo ranks, ~1 minute
-    .venv/bin/python bench/bench_redistribute.py --sizes 1,16 --iters 10
+    .venv/bin/python -m bench.bench_redistribute                    # starts 4 gloo ranks, ~1 minute
+    .venv/bin/python -m bench.bench_redistribute --sizes 1,16 --iters 10
 
 Moves on 4 CPU ranks (gloo), float32 tensors of `--sizes` MiB:
 - `handoff`: ranks [0, 1] Shard(0) -> ranks [2, 3] Shard(1) (a pipeline-stage boundary, disjoint meshes);
@@ -27,7 +27,6 @@ from pathlib import Path
 import click
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 RANKS = 4
 
 
@@ -111,7 +110,7 @@ def launch(sizes: str, iters: int) -> list[dict]:
     procs = []
     for rank in range(RANKS):
         env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank), "WORLD_SIZE": str(RANKS),
-               "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(RANKS), "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+               "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(RANKS), "OMP_NUM_THREADS": "1"}
         procs.append(subprocess.Popen([sys.executable, __file__, "--worker", "--sizes", sizes, "--iters", str(iters)],
                                       env=env, stdout=subprocess.PIPE, text=True))
     outs = [p.communicate()[0] for p in procs]

@@ -5,25 +5,21 @@ host, 4 GPUs per host, 800 Gbit/s inside a host, 20 us per message, max-min fair
 send/recv and send + local all-gather run in device order (`planner/baselines.py`), our plans in
 host order. Compile time is wall clock on this machine for `compile_plan` with the `auto` solver.
 
-    .venv/bin/python bench/bench_resharding.py
+    .venv/bin/python -m bench.bench_resharding
 """
 
 from __future__ import annotations
 
-import sys
 import time
-from pathlib import Path
 
-sys.path[:0] = [str(Path(__file__).resolve().parent.parent), str(Path(__file__).resolve().parent)]
+from bench.report import update_benchmarks_doc, write_json
+from xmesh_plan.planner.baselines import baseline_seconds
+from xmesh_plan.planner.compile import compile_plan
+from xmesh_plan.planner.reference_cases import reference_cases
+from xmesh_plan.planner.verify import verify_plan
+from xmesh_plan.schemas import Cluster, Nic
 
-from report import update_benchmarks_doc, write_json  # noqa: E402
-from xmesh_plan.planner.baselines import baseline_seconds  # noqa: E402
-from xmesh_plan.planner.compile import compile_plan  # noqa: E402
-from xmesh_plan.planner.reference_cases import reference_cases  # noqa: E402
-from xmesh_plan.planner.verify import verify_plan  # noqa: E402
-from xmesh_plan.schemas import Cluster, Nic  # noqa: E402
-
-COMMAND = ".venv/bin/python bench/bench_resharding.py"
+COMMAND = ".venv/bin/python -m bench.bench_resharding"
 PAPER_SOLVERS = ("naive", "size", "randomized-greedy")
 
 

@@ -5,7 +5,7 @@
 with the default `auto` solver on this machine, which is shared, so times are noisy. The largest
 points are optional: `--large` adds (128,8) -> (128,8).
 
-    .venv/bin/python bench/bench_scaling.py [--large]
+    .venv/bin/python -m bench.bench_scaling [--large]
 
 Writes bench/results/scaling.json and remakes BENCHMARKS.md ("Scale").
 """
@@ -15,13 +15,10 @@ from __future__ import annotations
 import resource
 import sys
 import time
-from pathlib import Path
 
-sys.path[:0] = [str(Path(__file__).resolve().parent.parent), str(Path(__file__).resolve().parent)]
-
-from report import update_benchmarks_doc, write_json  # noqa: E402
-from xmesh_plan.planner.compile import compile_plan  # noqa: E402
-from xmesh_plan.schemas import Cluster, DeviceMesh, Placement, ReshardingProblem  # noqa: E402
+from bench.report import update_benchmarks_doc, write_json
+from xmesh_plan.planner.compile import compile_plan
+from xmesh_plan.schemas import Cluster, DeviceMesh, Placement, ReshardingProblem
 
 POINTS = [  # src mesh, dst mesh, src spec, dst spec, tensor shape
     ((2, 4), (2, 4), "R S0 R", "S0 R R", (1024, 1024, 512)),
@@ -36,7 +33,7 @@ POINTS = [  # src mesh, dst mesh, src spec, dst spec, tensor shape
     ((64, 8), (64, 8), "S0 S1 R", "R S0 S1", (8192, 8192, 64)),
 ]
 LARGE = [((128, 8), (128, 8), "S0 S1 R", "R S0 S1", (8192, 8192, 64))]
-COMMAND = ".venv/bin/python bench/bench_scaling.py"
+COMMAND = ".venv/bin/python -m bench.bench_scaling"
 
 
 def mesh(shape, first_host, per_host):

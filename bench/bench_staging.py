@@ -3,7 +3,7 @@ device order reusing a run's staging once the run is done, on the reference plan
 `--max-staging-mb` (the small weight sync too: a multi-tensor plan shares one area per device); and the
 executor's time per reshard with and without a limit, measured in one launch per problem.
 
-    .venv/bin/python bench/bench_staging.py [--iters 20]
+    .venv/bin/python -m bench.bench_staging [--iters 20]
 """
 
 from __future__ import annotations
@@ -18,22 +18,20 @@ from types import SimpleNamespace
 
 import click
 
-sys.path[:0] = [str(Path(__file__).resolve().parent.parent), str(Path(__file__).resolve().parent)]
-
-from report import update_benchmarks_doc, write_json  # noqa: E402
-from xmesh_plan.planner.compile import compile_plan  # noqa: E402
-from xmesh_plan.planner.problem_io import build_problem  # noqa: E402
-from xmesh_plan.planner.simulate import simulate_plan  # noqa: E402
-from xmesh_plan.planner.transfer_io import load_any_problem  # noqa: E402
-from xmesh_plan.planner.verify import verify_plan  # noqa: E402
-from xmesh_plan.schemas import Plan, load_plan  # noqa: E402
-from xmesh_plan.schemas.plan import write_atomic  # noqa: E402
-from xmesh_plan.schemas.plan_tensors import is_multi  # noqa: E402
-from xmesh_plan.schemas.staging import staging_peaks  # noqa: E402
+from bench.report import update_benchmarks_doc, write_json
+from xmesh_plan.planner.compile import compile_plan
+from xmesh_plan.planner.problem_io import build_problem
+from xmesh_plan.planner.simulate import simulate_plan
+from xmesh_plan.planner.transfer_io import load_any_problem
+from xmesh_plan.planner.verify import verify_plan
+from xmesh_plan.schemas import Plan, load_plan
+from xmesh_plan.schemas.plan import write_atomic
+from xmesh_plan.schemas.plan_tensors import is_multi
+from xmesh_plan.schemas.staging import staging_peaks
 
 ROOT = Path(__file__).resolve().parent.parent
 MPIEXEC = Path(sys.executable).parent / "mpiexec"
-COMMAND = ".venv/bin/python bench/bench_staging.py"
+COMMAND = ".venv/bin/python -m bench.bench_staging"
 TIMING = re.compile(r"([\d.]+) ms/iter median of \d+ \(min ([\d.]+)\).*staging ([\d.]+) (B|KiB|MiB)/rank")
 UNITS = {"B": 2**-10, "KiB": 1, "MiB": 2**10}
 LIMITED = {"case3": (64, 16), "case4": (64, 16), "case9": (64, 16),  # the reference plans that stage anything

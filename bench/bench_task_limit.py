@@ -5,8 +5,8 @@ does: cut, cost, schedule, assemble, verify, write the JSON. Meshes (H, 4) -> (H
 R S0 S1`, float32, default `auto` solver, no task limit. The default `--max-tasks`
 (`planner.unit_tasks.DEFAULT_MAX_TASKS`) is chosen from these figures.
 
-    .venv/bin/python bench/bench_task_limit.py            # 4 sizes up to 65,536 tasks, about 1.5 minutes
-    .venv/bin/python bench/bench_task_limit.py --large    # adds 130,312, 262,144 and 470,592 tasks (about 10 minutes, 3.6 GiB)
+    .venv/bin/python -m bench.bench_task_limit            # 4 sizes up to 65,536 tasks, about 1.5 minutes
+    .venv/bin/python -m bench.bench_task_limit --large    # adds 130,312, 262,144 and 470,592 tasks (about 10 minutes, 3.6 GiB)
 """
 
 from __future__ import annotations
@@ -18,17 +18,15 @@ import sys
 import time
 from pathlib import Path
 
-sys.path[:0] = [str(Path(__file__).resolve().parent.parent), str(Path(__file__).resolve().parent)]
-
-from report import update_benchmarks_doc, write_json  # noqa: E402
-from xmesh_plan.planner.problem_io import build_problem  # noqa: E402
-from xmesh_plan.planner.unit_tasks import DEFAULT_MAX_TASKS, TooManyTasksError, check_task_count  # noqa: E402
+from bench.report import ROOT, update_benchmarks_doc, write_json
+from xmesh_plan.planner.problem_io import build_problem
+from xmesh_plan.planner.unit_tasks import DEFAULT_MAX_TASKS, TooManyTasksError, check_task_count
 
 HOSTS = [16, 32, 64, 128]  # (H, 4) meshes: 4 H^2 unit tasks
 LARGE = [181, 256, 354]
 REFUSED = {"shape": "4096,4096,512", "dtype": "float32", "src": {"mesh": "1000x4", "spec": "S0 S1 R"},
            "dst": {"mesh": "1000x4", "spec": "R S0 S1"}}  # the issue's 1000x4 -> 1000x4 problem
-COMMAND = ".venv/bin/python bench/bench_task_limit.py"
+COMMAND = ".venv/bin/python -m bench.bench_task_limit"
 
 
 def raw_problem(hosts: int) -> dict:
@@ -58,7 +56,8 @@ def one(hosts: int, out: str) -> dict:
 
 def measure(hosts: int) -> dict:
     out = Path("/tmp") / f"bench_task_limit_{hosts}.plan.json"
-    child = subprocess.run([sys.executable, __file__, "--one", str(hosts), str(out)], capture_output=True, text=True, check=True)
+    child = subprocess.run([sys.executable, "-m", "bench.bench_task_limit", "--one", str(hosts), str(out)], cwd=ROOT,
+                           capture_output=True, text=True, check=True)
     out.unlink(missing_ok=True)
     return json.loads(child.stdout)
 

@@ -1,7 +1,7 @@
 """Torch engine overhead: `run()` against bare torch.distributed isend/irecv of the same messages, on gloo.
 
-    .venv/bin/python bench/bench_torch_engine.py                    # starts its own ranks, ~1 minute
-    .venv/bin/python bench/bench_torch_engine.py --tasks 16,256 --iters 30
+    .venv/bin/python -m bench.bench_torch_engine                    # starts its own ranks, ~1 minute
+    .venv/bin/python -m bench.bench_torch_engine --tasks 16,256 --iters 30
 
 Plans of T unit tasks, each one 64 B box (`bench_executor.many_task_plan`): `send` moves row i
 from device 0 to device 1 (sent in place), `send_strided` column i (packed and unpacked through
@@ -27,13 +27,10 @@ from types import SimpleNamespace
 
 import click
 
+from bench.bench_executor import ROW, allocation, many_task_plan
+from xmesh_plan.schemas.files import write_atomic
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "bench"))
-
-from bench_executor import ROW, allocation, many_task_plan  # noqa: E402
-from xmesh_plan.schemas.files import write_atomic  # noqa: E402
 
 RANKS = {"send": 2, "send_strided": 2, "broadcast": 4}
 
@@ -114,9 +111,9 @@ def launch(kind: str, tasks: str, iters: int) -> list[dict]:
     n, procs = RANKS[kind], []
     for rank in range(n):
         env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank), "WORLD_SIZE": str(n),
-               "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(n), "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-        procs.append(subprocess.Popen([sys.executable, __file__, "--worker", kind, "--tasks", tasks, "--iters", str(iters)],
-                                      env=env, stdout=subprocess.PIPE, text=True))
+               "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(n), "OMP_NUM_THREADS": "1"}
+        procs.append(subprocess.Popen([sys.executable, "-m", "bench.bench_torch_engine", "--worker", kind, "--tasks", tasks,
+                                       "--iters", str(iters)], cwd=ROOT, env=env, stdout=subprocess.PIPE, text=True))
     outs = [p.communicate()[0] for p in procs]
     if any(p.returncode for p in procs):
         raise SystemExit(f"{kind}: a rank failed")

@@ -9,8 +9,8 @@ broadcast, Alpa's two), tensor after tensor in device order, each also without m
 and the lower bound. All times come from the same network simulator. Compile wall times are this
 machine's, noisy, and only reported.
 
-    .venv/bin/python bench/bench_weight_sync.py           # the small example and the Llama-3-8B one (a few minutes)
-    .venv/bin/python bench/bench_weight_sync.py --small   # the small example only (seconds)
+    .venv/bin/python -m bench.bench_weight_sync           # the small example and the Llama-3-8B one (a few minutes)
+    .venv/bin/python -m bench.bench_weight_sync --small   # the small example only (seconds)
 
 Then, for scale, the Llama model from FSDP meshes of 4x8, 8x8 and 16x8 devices, each compiled and verified in a
 fresh process: unit tasks, wall time, peak RSS. Writes bench/results/weight_sync.json and remakes BENCHMARKS.md.
@@ -28,20 +28,18 @@ import tomllib
 from dataclasses import replace
 from pathlib import Path
 
-sys.path[:0] = [str(Path(__file__).resolve().parent.parent), str(Path(__file__).resolve().parent)]
+from bench.report import ROOT, update_benchmarks_doc, write_json
+from xmesh_plan.planner.baselines import baseline_operations, baseline_seconds
+from xmesh_plan.planner.compile import compile_plan
+from xmesh_plan.planner.inspect_plan import plan_loads
+from xmesh_plan.planner.simulate import simulate_plan
+from xmesh_plan.planner.transfer_io import build_transfer
+from xmesh_plan.planner.verify import verify_plan
+from xmesh_plan.planner.weight_sync import WEIGHT_SYNC, weight_sync_toml
+from xmesh_plan.schemas.geometry import region_size
+from xmesh_plan.schemas.op_kinds import messages
 
-from report import update_benchmarks_doc, write_json  # noqa: E402
-from xmesh_plan.planner.baselines import baseline_operations, baseline_seconds  # noqa: E402
-from xmesh_plan.planner.compile import compile_plan  # noqa: E402
-from xmesh_plan.planner.inspect_plan import plan_loads  # noqa: E402
-from xmesh_plan.planner.simulate import simulate_plan  # noqa: E402
-from xmesh_plan.planner.transfer_io import build_transfer  # noqa: E402
-from xmesh_plan.planner.verify import verify_plan  # noqa: E402
-from xmesh_plan.planner.weight_sync import WEIGHT_SYNC, weight_sync_toml  # noqa: E402
-from xmesh_plan.schemas.geometry import region_size  # noqa: E402
-from xmesh_plan.schemas.op_kinds import messages  # noqa: E402
-
-COMMAND = ".venv/bin/python bench/bench_weight_sync.py"
+COMMAND = ".venv/bin/python -m bench.bench_weight_sync"
 
 
 VARIANTS = {  # key -> compile options of one joint plan; "split_coalesce" (the default) is ours in the side-by-side table
@@ -189,7 +187,8 @@ def scale_point(src_mesh: str) -> dict:
 def scaling() -> list[dict]:
     rows = []
     for mesh in SCALE_MESHES:
-        child = subprocess.run([sys.executable, __file__, "--one", mesh], capture_output=True, text=True, check=True)
+        child = subprocess.run([sys.executable, "-m", "bench.bench_weight_sync", "--one", mesh], cwd=ROOT, capture_output=True, text=True,
+                               check=True)
         rows.append(json.loads(child.stdout))
         print(f"{mesh}: {rows[-1]['tasks']} tasks, compile {rows[-1]['compile_s']:.1f} s, peak {rows[-1]['peak_rss_mib']:.0f} MiB", flush=True)
     return rows

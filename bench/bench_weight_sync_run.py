@@ -10,7 +10,7 @@ share the machine's load. Each plan's figure is the median over its launches of 
 per reshard; "one after another" is the sum of the per-tensor plans' figures. 2 CPU cores and 8
 ranks: ratios, not speed figures.
 
-    .venv/bin/python bench/bench_weight_sync_run.py [--iters 20] [--rounds 3]
+    .venv/bin/python -m bench.bench_weight_sync_run [--iters 20] [--rounds 3]
 """
 
 from __future__ import annotations
@@ -26,20 +26,18 @@ from types import SimpleNamespace
 
 import click
 
-sys.path[:0] = [str(Path(__file__).resolve().parent.parent), str(Path(__file__).resolve().parent)]
-
-from report import update_benchmarks_doc, write_json  # noqa: E402
-from xmesh_plan.planner.compile import compile_plan  # noqa: E402
-from xmesh_plan.planner.simulate import simulate_plan  # noqa: E402
-from xmesh_plan.planner.transfer_io import build_transfer  # noqa: E402
-from xmesh_plan.planner.weight_sync import WEIGHT_SYNC, weight_sync_toml  # noqa: E402
-from xmesh_plan.schemas.carriers import message_groups  # noqa: E402
-from xmesh_plan.schemas.plan import write_atomic  # noqa: E402
+from bench.report import update_benchmarks_doc, write_json
+from xmesh_plan.planner.compile import compile_plan
+from xmesh_plan.planner.simulate import simulate_plan
+from xmesh_plan.planner.transfer_io import build_transfer
+from xmesh_plan.planner.weight_sync import WEIGHT_SYNC, weight_sync_toml
+from xmesh_plan.schemas.carriers import message_groups
+from xmesh_plan.schemas.plan import write_atomic
 
 ROOT = Path(__file__).resolve().parent.parent
 MPIEXEC = Path(sys.executable).parent / "mpiexec"
 TIMING = re.compile(r"([\d.]+) ms/iter median of \d+ \(min ([\d.]+)\)")
-COMMAND = ".venv/bin/python bench/bench_weight_sync_run.py"
+COMMAND = ".venv/bin/python -m bench.bench_weight_sync_run"
 
 
 ORDERS = ("posted", "device")

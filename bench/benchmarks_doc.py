@@ -51,8 +51,15 @@ def x(value: float, digits: int = 2) -> str:
     return f"{value:.{digits}f}x"
 
 
+def runnable(text: str) -> str:
+    """A recorded command as it runs now: `python -m bench.<name>` from the repository root, no PYTHONPATH."""
+    return re.sub(r"(python3?) bench/(\w+)\.py", r"\1 -m bench.\2", text.replace("PYTHONPATH=$PWD ", ""))
+
+
 def command(text: str, out: str | None = None) -> str:
-    """A results file's command as a fenced block; `--out` named as the file is named now."""
+    """A results file's command as a fenced block, as it runs now: `--out` named as the file is named now, a
+    benchmark run as a module of the bench package from the repository root (`python -m bench.<name>`)."""
+    text = runnable(text)
     if out is not None:
         text = re.sub(r"--out \S+", f"--out {out}", text)
     text = text.replace(" --no-markdown", "")
@@ -159,7 +166,7 @@ NICs, the **gain**, and two NICs over their bound.
 {table(nics, ["case", "1 NIC s", "2 NICs s", "gain", "2 NICs / bound"], "lrrrr")}
 
 **Meshes that share hosts** (full duplex: a host that both sends and receives). Made by
-`.venv/bin/python bench/bench_duplex.py`. A NIC sends and receives at once, so such a host's two directions
+`.venv/bin/python -m bench.bench_duplex`. A NIC sends and receives at once, so such a host's two directions
 are two resources; the table sets the prediction under that model against one that lets a host do one
 direction at a time (**exclusive hosts**). Times in ms.
 
@@ -232,7 +239,7 @@ wall clock, peak RSS and the plan's prediction (host order) over the bound.
 {table(scale, ["source mesh", "unit tasks", "compile s", "verify s", "peak RSS MiB", "predicted s", "bound s", "/ bound"], "lrrrrrrr")}
 
 **Compile defaults.** A multi-tensor problem compiles with `--split-hosts --coalesce` by default; a single
-tensor keeps both off. Made by `{defaults["command"]}`. Single tensors, predicted s with the default and with
+tensor keeps both off. Made by `{runnable(defaults["command"])}`. Single tensors, predicted s with the default and with
 both switches on, host and device order:
 
 {table(singles, ["problem", "default, host order", "both on, host order", "both on / default", "default, device order",
@@ -245,14 +252,14 @@ through both destination hosts), posted, over the bound:
                    "compile s (default)", "compile s (both off)"], "lrrrrrr")}
 
 **Coalesced messages.** An all-to-all of 64 KiB boxes (32x8 `S0 R S1` -> `R S01 R`, 65,536 unit tasks), where
-the per-message overhead is large next to a message's bytes. Made by `{coalesce["command"]}`. Columns: the
+the per-message overhead is large next to a message's bytes. Made by `{runnable(coalesce["command"])}`. Columns: the
 operations, the messages on the busiest NIC side, and the prediction over the bound in each order.
 
 {table(bundles, ["compile", "operations", "busiest side's messages", "host order / bound", "posted / bound",
                  "device order / bound", "compile s"], "lrrrrrr")}
 
 **Staging memory.** `--max-staging-mb N` cuts operations so that no device stages more than N MiB in device
-order. Made by `{staging["command"]}`. Columns: the limit, operations plain -> limited, the device-order peak the
+order. Made by `{runnable(staging["command"])}`. Columns: the limit, operations plain -> limited, the device-order peak the
 plan states, the peak posted order would need (the executor refuses posted order for such a plan), and the
 predicted s (host order) plain -> limited.
 
@@ -353,7 +360,7 @@ time or allocation? Environment: {DEV_MACHINE}. All ranks share two cores, so ab
 a cluster; the ratios within one run are what count.
 
 ```
-.venv/bin/python bench/bench_executor.py --iters 40 --compare {rev}
+.venv/bin/python -m bench.bench_executor --iters 40 --compare {rev}
 ```
 
 Plans of T unit tasks of one 64 B box each: `send`, device 0 -> device 1, rows (sent in place);
@@ -373,7 +380,7 @@ every copy, pack and unpack is a pair of views made in `prepare()`, so a call al
 objects whatever the task count.
 
 **The torch engine (gloo)** against bare `dist.isend`/`dist.irecv` of the same rows, in the same processes.
-Made by `.venv/bin/python bench/bench_torch_engine.py --tasks 16,64,256 --iters 20`; median of 20, slowest rank.
+Made by `.venv/bin/python -m bench.bench_torch_engine --tasks 16,64,256 --iters 20`; median of 20, slowest rank.
 **time ratio** and **alloc ratio** are engine over bare.
 
 {table(torch_rows, ["plan", "ranks", "unit tasks", "run() ms", "bare ms", "time ratio", "peak B", "bare peak B", "alloc ratio",
@@ -382,14 +389,14 @@ Made by `.venv/bin/python bench/bench_torch_engine.py --tasks 16,64,256 --iters 
 **Lowering in `prepare()`** on plans that gather a tensor from many hosts onto one (`S01 R R` -> `R R R`,
 `local_allgather`): the busiest destination device's steps, the time of `lower()` for it, and the same with
 the lowering of git revision `{lowering["compared_with"]}` (best of 5). Made by
-`.venv/bin/python bench/bench_lowering.py --compare {lowering["compared_with"]} --repeat 5`.
+`.venv/bin/python -m bench.bench_lowering --compare {lowering["compared_with"]} --repeat 5`.
 
 {table(low, ["plan", "operations", "busiest device", "its steps", "lower() s", f"{lowering['compared_with']} s", "ratio"], "lrrrrrr")}
 
 **`redistribute` against `full_tensor()` + broadcast + slice**, what a DTensor user writes to cross meshes
 without this package: every source rank gathers the tensor, the source mesh's first rank broadcasts it, each
 destination rank slices its shard. 4 gloo processes; median of the slowest rank; both results checked equal
-first. Made by `.venv/bin/python bench/bench_redistribute.py`. `handoff`: [0, 1] Shard(0) -> [2, 3] Shard(1);
+first. Made by `.venv/bin/python -m bench.bench_redistribute`. `handoff`: [0, 1] Shard(0) -> [2, 3] Shard(1);
 `grid_to_replicas`: 2x2 (Shard(0), Shard(1)) -> [2, 3] Replicate(); `same_ranks`: [0..3] Shard(0) -> Shard(1).
 
 {table(redistribute, ["move", "ranks", "tensor", "redistribute ms", "baseline ms", "baseline / ours"], "lrlrrr")}
@@ -456,7 +463,7 @@ def emulated() -> str:
                 if r["measured_s"]:
                     sync.append([run["case"], r["approach"], meta["order"], f"{run['rate_mbit']:g}", f"{r['measured_s'] * 1e3:.1f}",
                                  f"{r['measured_s'] / _model(meta, run, r):.2f}", f"{r['measured_s'] / r['predicted_s']['lower-bound']:.3f}"])
-    first = re.sub(r" --out \S+", "", load(NETLAB[0][0])["meta"]["command"]).replace(" --no-markdown", "")
+    first = re.sub(r" --out \S+", "", runnable(load(NETLAB[0][0])["meta"]["command"])).replace(" --no-markdown", "")
     return f"""\
 ## Emulated cluster, measured against the model
 
@@ -489,7 +496,7 @@ Distinct plans within 10% of the prediction saved with each run:
 {table(fit_rows, ["engine", "order", "Mbit/s", "within 10%"], "lllr")}
 
 The prediction saved with a run is the model the run was made with (the testbed's link sharing and CPU,
-`bench/netlab/predict.py`). `PYTHONPATH=$PWD .venv/bin/python -m bench.netlab.repredict bench/results/<file>`
+`bench/netlab/predict.py`). `.venv/bin/python -m bench.netlab.repredict bench/results/<file>`
 rebuilds every plan of a file and prices it with this checkout's model, with and without the CPU; it simulates
 every plan, so it is not part of this table (docs/netlab.md gives its figures).
 

@@ -4,26 +4,23 @@ The executor never imports the planner, so the planner's part runs here, beforeh
 plan per (tensor, direction) and one schedule file per variant (every schedule with overlap, then
 1f1b without), listed in order in `manifest.json` in the output folder.
 
-Run: .venv/bin/python bench/pipeline_mlp_inputs.py --meshes 2,1,1,2 --skip -o mlp-inputs
+Run: .venv/bin/python -m bench.pipeline_mlp_inputs --meshes 2,1,1,2 --skip -o mlp-inputs
 """
 
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import click
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from xmesh_plan.executor.examples.pipeline_mlp import MANIFEST, make_problem, plan_file  # noqa: E402
-from xmesh_plan.planner.compile import compile_plan  # noqa: E402
-from xmesh_plan.planner.pipeline.build import build_schedule  # noqa: E402
-from xmesh_plan.planner.pipeline.costs import transfer_costs  # noqa: E402
-from xmesh_plan.planner.pipeline.schedules import SCHEDULE_NAMES  # noqa: E402
-from xmesh_plan.schemas.pipeline import PipelineProblem  # noqa: E402
-from xmesh_plan.schemas.plan import write_atomic  # noqa: E402
+from xmesh_plan.executor.examples.pipeline_mlp import MANIFEST, make_problem, plan_file
+from xmesh_plan.planner.compile import compile_plan
+from xmesh_plan.planner.pipeline.build import build_schedule
+from xmesh_plan.planner.pipeline.costs import transfer_costs
+from xmesh_plan.planner.pipeline.schedules import SCHEDULE_NAMES
+from xmesh_plan.schemas.pipeline import PipelineProblem
+from xmesh_plan.schemas.plan import write_atomic
 
 
 def write_inputs(problem: PipelineProblem, folder: Path) -> list[str]:

@@ -12,8 +12,7 @@ from pathlib import Path
 
 import click
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from xmesh_plan.schemas.plan import write_atomic  # noqa: E402
+from xmesh_plan.schemas.plan import write_atomic
 
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results"
@@ -28,7 +27,7 @@ def write_json(name: str, data) -> Path:
 
 def update_benchmarks_doc() -> None:
     """Remake BENCHMARKS.md from every results file (bench/benchmarks_doc.py), once a bench has written its own."""
-    from benchmarks_doc import DOC, render
+    from bench.benchmarks_doc import DOC, render
 
     write_atomic(DOC, render())
     print(f"{DOC.name} remade from {RESULTS.relative_to(ROOT)}/")

@@ -10,7 +10,9 @@ and how a command prints the outcome.
 
 from __future__ import annotations
 
+import math
 import time
+import zlib
 from dataclasses import dataclass
 from typing import Any, Callable, Protocol
 
@@ -22,6 +24,7 @@ from xmesh_plan.schemas.plan_tensors import is_multi, tensor_plans
 from .executor import ReshardingExecutor
 from .lower import RankProgram
 from .pattern import tensor_salt
+from .timeouts import MAX_TIMEOUT_S
 from .transfer_executor import TransferExecutor
 
 
@@ -126,6 +129,43 @@ def run_plan(plan: Plan, comm, world: Collectives, options: dict, iters: int, wa
     order = ex.order
     ex.close()
     return Outcome(slowest, int(failures[0]), int(failures[1]), staging, order)
+
+
+MAX_ITERS = 1_000_000  # iteration times are kept in memory, 8 bytes each
+MAX_MB = 2**30  # 1 PiB: far above any tensor, far below float overflow
+
+
+def flag_error(iters: int, warmup: int, max_mb: float, timeout_s: float) -> str | None:
+    """The demos' shared flags in their ranges: None, or one line naming the flag and a valid value."""
+    if not 1 <= iters <= MAX_ITERS:
+        return f"--iters {iters}: give 1 to {MAX_ITERS:,} timed iterations, e.g. --iters 5"
+    if not 0 <= warmup <= MAX_ITERS:
+        return f"--warmup {warmup}: give 0 to {MAX_ITERS:,} untimed iterations, e.g. --warmup 1"
+    if not (math.isfinite(max_mb) and 0 < max_mb <= MAX_MB):
+        return f"--max-mb {max_mb:g}: give a positive size in MiB up to {MAX_MB:,}, e.g. --max-mb 64"
+    if not (math.isfinite(timeout_s) and 0 < timeout_s <= MAX_TIMEOUT_S):
+        return f"--timeout {timeout_s:g}: give a positive number of seconds up to {MAX_TIMEOUT_S:g}, e.g. --timeout 60"
+    return None
+
+
+def refused_input(world: Collectives, rank: int, error: str | None, report: Callable[[str], None]) -> bool:
+    """Whether any rank refused its input (`error`: this rank's one-line reason, None when its input is fine), agreed
+    by every rank in one reduction before any byte moves, so no rank waits out a timeout for a peer that stopped.
+    The reason is printed once, by rank 0, when every rank gave the same one; else each refusing rank prints its own
+    (`rank R: error: ...`) and rank 0, when its own input was fine, says why it stops too."""
+    mine = -1 if error is None else zlib.crc32(error.encode())
+    high, low = (int(v) for v in world.max(np.array([mine, -mine], np.int64)))
+    low = -low
+    if high == -1:
+        return False
+    if low == high:
+        if rank == 0:
+            report(f"error: {error}")
+    elif error is not None:
+        report(f"rank {rank}: error: {error}")
+    elif rank == 0:
+        report(f"rank {rank}: stopped: another rank refused its input (its own line above or below says why)")
+    return True
 
 
 def bytes_moved(plan: Plan) -> int:

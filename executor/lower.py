@@ -307,7 +307,7 @@ class _Builder:
         return start
 
     def fail(self, op: Operation, message: str) -> None:
-        raise PlanMismatchError(_advice(f"{describe(op)}: {message}"))
+        raise PlanMismatchError(refusal_advice(f"{describe(op)}: {message}"))
 
     def box(self, side: Side, region: Region) -> Box:
         """`region` inside this device's shard (check_plan has proved it lies there)."""
@@ -506,7 +506,7 @@ def lower(plan: Plan, device: int, tag_limit: int | None = None, first_tag: int 
     try:  # the same structural rules and messages as `xmesh-plan verify`
         check_plan(plan)
     except PlanError as err:
-        raise PlanMismatchError(_advice(str(err))) from None
+        raise PlanMismatchError(refusal_advice(str(err))) from None
     problem = plan.problem
     b = _Builder(plan, device, problem.blocks("src"), problem.blocks("dst"), problem.itemsize)
     base = first_tag
@@ -524,7 +524,7 @@ def lower(plan: Plan, device: int, tag_limit: int | None = None, first_tag: int 
     if dst_block is not None:
         missing = uncovered(dst_block, b.writes.regions)
         if missing is not None:
-            raise PlanMismatchError(_advice(f"destination device {device} never receives {format_region(missing)} "
+            raise PlanMismatchError(refusal_advice(f"destination device {device} never receives {format_region(missing)} "
                                             f"of its shard {format_region(dst_block)}"))
     return RankProgram(device, tuple(b.steps), b.stage_bytes, b.src_blocks.get(device), dst_block, b.itemsize, tuple(b.collectives))
 
@@ -595,5 +595,7 @@ def in_device_order(program: RankProgram, stage_budget: int | None = None, align
     return replace(program, steps=tuple(steps), stage_bytes=peak, order="device")
 
 
-def _advice(message: str) -> str:
+def refusal_advice(message: str) -> str:
+    """The checker's or the lowering's one-line refusal with what to do, said once (the checker's may end in part of it)."""
+    message = message.removesuffix("; recompile the plan").removesuffix(" (recompile the plan)")
     return f"{message}; recompile the plan and check it with `xmesh-plan verify`"

@@ -15,7 +15,6 @@ so the whole job ends with or without `-disable-auto-cleanup` (which lets the ot
 from __future__ import annotations
 
 import argparse
-import math
 import os
 import sys
 from pathlib import Path
@@ -26,29 +25,27 @@ from xmesh_plan.schemas import Plan, PlanFileError, read_plan_file
 from xmesh_plan.schemas.last_resort import DEBUG_ENV, DEBUG_FLAG, run_guarded
 from xmesh_plan.schemas.plan_tensors import is_multi
 
-from .drive import Tensor, bytes_moved, run_plan
+from .drive import Tensor, bytes_moved, flag_error, refused_input, run_plan
 from .errors import ExecutorError, PeerTimeoutError, PlanMismatchError
 from .engines import ENGINES
 from .executor import DEFAULT_POLL_S, poll
 from .pattern import fill, mismatches
 from .scale import factors_for, factors_per_tensor, scale_plan, scale_tensors
-from .timeouts import MAX_TIMEOUT_S
 
 __all__ = ["bytes_moved", "console_main", "demo", "main"]
 
 
-MAX_ITERS = 1_000_000  # iteration times are kept in memory, 8 bytes each
-MAX_MB = 2**30  # 1 PiB: far above any tensor, far below float overflow
 LAUNCH = "mpiexec -disable-auto-cleanup -n 16 python -m xmesh_plan.executor.run plans/case4.plan.json --check"  # docs/executor.md shows it too
 EPILOG = """A rank that fails ends the job within --timeout seconds; -disable-auto-cleanup lets the
 other ranks report why they stopped. Exit status: 0 ok, 1 a check failed, 2 a plan was refused,
 3 a peer timed out, 4 an unexpected error; with -disable-auto-cleanup, mpiexec returns the bitwise
 OR of the ranks' statuses."""
 MAX_GPU = 2**31 - 1  # CUDA device ordinals are C ints
+DEFAULT_TIMEOUT_S = 60.0  # --timeout's default, also for the agreement on a usage error (when no flag could be read)
 
 
 class UsageError(ValueError):
-    """A bad command-line value: the same on every rank, so rank 0 alone prints it (one line, exit 2)."""
+    """A bad command-line value (one line, exit 2): rank 0 prints it when every rank has it, else each rank that has it."""
 
 
 class _Parser(argparse.ArgumentParser):
@@ -82,14 +79,9 @@ def _parse_scale(text: str | None) -> tuple[int, ...] | None:
 
 def _check_numbers(args: argparse.Namespace) -> None:
     """Every numeric flag in its range, or a UsageError naming the flag and a valid value."""
-    if not 1 <= args.iters <= MAX_ITERS:
-        raise UsageError(f"--iters {args.iters}: give 1 to {MAX_ITERS:,} timed iterations, e.g. --iters 5")
-    if not 0 <= args.warmup <= MAX_ITERS:
-        raise UsageError(f"--warmup {args.warmup}: give 0 to {MAX_ITERS:,} untimed iterations, e.g. --warmup 1")
-    if not (math.isfinite(args.max_mb) and 0 < args.max_mb <= MAX_MB):
-        raise UsageError(f"--max-mb {args.max_mb:g}: give a positive size in MiB up to {MAX_MB:,}, e.g. --max-mb 64")
-    if not (math.isfinite(args.timeout) and 0 < args.timeout <= MAX_TIMEOUT_S):
-        raise UsageError(f"--timeout {args.timeout:g}: give a positive number of seconds up to {MAX_TIMEOUT_S:g}, e.g. --timeout 60")
+    error = flag_error(args.iters, args.warmup, args.max_mb, args.timeout)
+    if error is not None:
+        raise UsageError(error)
     if args.gpu is not None and not 0 <= args.gpu <= MAX_GPU:
         raise UsageError(f"--gpu {args.gpu}: give a GPU index from 0 to {MAX_GPU}, e.g. --gpu 0")
 
@@ -114,7 +106,7 @@ def _arguments(argv: list[str] | None) -> argparse.Namespace:
                              "plan too (the default for one tensor, on --backend nccl, and for a multi-tensor plan compiled with "
                              "--max-staging-mb); posted: every message at once (the default for other multi-tensor plans on mpi, "
                              "measured faster there)")
-    parser.add_argument("--timeout", type=float, default=60.0, help="seconds without progress before a rank gives up (default 60)")
+    parser.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT_S, help="seconds without progress before a rank gives up (default 60)")
     args = parser.parse_args(argv)
     _check_numbers(args)
     args.scale = _parse_scale(args.scale)
@@ -200,10 +192,11 @@ def fake_hosts(rank: int) -> None:
     os.environ.setdefault("NCCL_NET", "Socket")
 
 
-def _fail_alone(rank: int, message: str, code: int):
-    """This rank failed and its peers may not know: report it in one line and exit without MPI_Finalize, which would
-    wait for the peers for ever. The peers see the silence as a timeout within their own `--timeout`."""
-    print(f"rank {rank}: error: {message}", file=sys.stderr, flush=True)
+def _fail_alone(rank: int, message: str, code: int, line: str | None = None):
+    """This rank failed and its peers may not know: report it in one line (`rank R: error: message`, or `rank R: line`)
+    and exit without MPI_Finalize, which would wait for the peers for ever. The peers see the silence as a timeout
+    within their own `--timeout`."""
+    print(f"rank {rank}: {line or f'error: {message}'}", file=sys.stderr, flush=True)
     sys.stdout.flush()
     os._exit(code)
 
@@ -218,11 +211,6 @@ def _leave_together(comm, status: int, timeout_s: float) -> int:
     return status
 
 
-def _shared_error(rank: int, message: str) -> int:
-    """An error every rank hit alike: rank 0 prints it, every rank returns 2."""
-    if rank == 0:
-        print(f"error: {message}", file=sys.stderr, flush=True)
-    return 2
 
 
 def _scaled(plan: Plan, args: argparse.Namespace) -> tuple[Plan, str]:
@@ -242,42 +230,61 @@ def main(argv: list[str] | None = None) -> int:
     try:
         args, usage_error = _arguments(argv), None
     except UsageError as err:
-        args, usage_error = None, err
+        args, usage_error = None, str(err)
     from mpi4py import MPI
 
     comm, status = MPI.COMM_WORLD, 0
-    rank = comm.Get_rank()
-    if usage_error is not None:
-        return _shared_error(rank, str(usage_error))
-    if args.fake_hosts:
-        fake_hosts(rank)
-    for path in args.plans:
-        try:  # every rank reads the same file and scales it the same way, so these errors are shared
-            plan = read_plan_file(path)
-        except PlanFileError as err:
-            status = _shared_error(rank, str(err))
-            break
-        try:
-            plan, shrink = _scaled(plan, args)
-        except PlanMismatchError as err:
-            status = _shared_error(rank, f"{path.name}: {err}")
-            break
-        try:
-            line, ok = demo(plan, comm, args)
-            if rank == 0:
-                print(line + shrink, flush=True)
-            status = status or (0 if ok else 1)
-        except PlanMismatchError as err:  # raised on every rank, before any byte moved
-            if err.same_on_every_rank:
-                status = _shared_error(rank, f"{path.name}: {err}")
-            else:
-                print(f"rank {rank}: error: {path.name}: {err}", file=sys.stderr, flush=True)
+    rank, timeout_s = comm.Get_rank(), args.timeout if args is not None else DEFAULT_TIMEOUT_S
+    world = MpiCollectives(comm, timeout_s)
+    try:
+        if refused_input(world, rank, usage_error, _report):
+            return _leave_together(comm, 2, timeout_s)
+        if args.fake_hosts:
+            fake_hosts(rank)
+        for path in args.plans:
+            try:  # ranks may be given different files (mpiexec ... : ...), so every rank learns whether any failed here
+                plan, error = read_plan_file(path), None
+                plan, shrink = _scaled(plan, args)
+            except PlanFileError as err:
+                error = str(err)
+            except PlanMismatchError as err:
+                error = f"{path.name}: {err}"
+            if refused_input(world, rank, error, _report):
                 status = 2
-        except ExecutorError as err:  # a peer died or hangs: requests are pending, so MPI cannot finalize
-            _fail_alone(rank, f"{path.name}: {err}", 3 if isinstance(err, PeerTimeoutError) else 2)
-        except Exception as err:  # a bug on this rank alone: end it the same way, or the job would hang
-            _fail_alone(rank, f"{path.name}: unexpected {type(err).__name__}: {err}", 4)
-    return _leave_together(comm, status, args.timeout)
+                break
+            code = _run_one(plan, path, shrink, comm, args)
+            status = status or code
+    except ExecutorError as err:  # an agreement or barrier timed out: a peer died or hangs
+        _fail_alone(rank, str(err), 3 if isinstance(err, PeerTimeoutError) else 2)
+    except KeyboardInterrupt:  # MPI_Finalize would wait for ever for peers that do not know
+        _fail_alone(rank, "interrupted", 130, "interrupted; the other ranks stop within --timeout")
+    return _leave_together(comm, status, timeout_s)
+
+
+def _report(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
+
+
+def _run_one(plan: Plan, path: Path, shrink: str, comm, args: argparse.Namespace) -> int:
+    """Run one plan that every rank read; its exit status (0 ok, 1 a check failed, 2 refused). A failure that
+    leaves requests pending ends this rank at once (`_fail_alone`): MPI could not finalize."""
+    rank = comm.Get_rank()
+    try:
+        line, ok = demo(plan, comm, args)
+        if rank == 0:
+            print(line + shrink, flush=True)
+        return 0 if ok else 1
+    except PlanMismatchError as err:  # raised before any byte moved
+        if err.same_on_every_rank:
+            if rank == 0:
+                print(f"error: {path.name}: {err}", file=sys.stderr, flush=True)
+        else:
+            print(f"rank {rank}: error: {path.name}: {err}", file=sys.stderr, flush=True)
+        return 2
+    except ExecutorError as err:  # a peer died or hangs: requests are pending, so MPI cannot finalize
+        _fail_alone(rank, f"{path.name}: {err}", 3 if isinstance(err, PeerTimeoutError) else 2)
+    except Exception as err:  # a bug on this rank alone: end it the same way, or the job would hang
+        _fail_alone(rank, f"{path.name}: unexpected {type(err).__name__}: {err}", 4)
 
 
 def console_main(program: str = "xmesh-plan-run") -> int:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+from contextlib import contextmanager
 import os
 import sys
 from pathlib import Path
@@ -23,10 +24,11 @@ import numpy as np
 
 from xmesh_plan.schemas import Plan, PlanFileError, read_plan_file
 from xmesh_plan.schemas.geometry import local_slices
+from xmesh_plan.schemas.last_resort import run_guarded
 from xmesh_plan.schemas.plan_tensors import is_multi
 
 from .arrays import storage_dtype
-from .drive import Tensor
+from .drive import Tensor, flag_error, refused_input
 from .drive import run_plan as run_plan_on
 from .engines import TransportOptions
 from .errors import ExecutorError, PeerTimeoutError, PlanMismatchError
@@ -52,7 +54,8 @@ def expected_shard(plan: Plan, block, salt: int = 0) -> np.ndarray:
 
 
 class TorchCollectives:
-    """The driver's barrier and reductions over the default process group (`drive.Collectives`)."""
+    """The driver's barrier and reductions over the default process group (`drive.Collectives`); a peer that stopped
+    makes gloo raise its own error, which becomes a one-line PeerTimeoutError naming what this rank waited for."""
 
     def __init__(self, device):
         self.device = device
@@ -60,14 +63,16 @@ class TorchCollectives:
     def barrier(self, what: str) -> None:
         import torch.distributed as dist
 
-        dist.barrier()
+        with _peer_errors(what):
+            dist.barrier()
 
     def _reduce(self, values: np.ndarray, op) -> np.ndarray:
         import torch
         import torch.distributed as dist
 
         out = torch.tensor(values, device=self.device)
-        dist.all_reduce(out, op=op)
+        with _peer_errors("collecting results"):
+            dist.all_reduce(out, op=op)
         return out.cpu().numpy()
 
     def max(self, values: np.ndarray) -> np.ndarray:
@@ -81,6 +86,16 @@ class TorchCollectives:
         return self._reduce(values, dist.ReduceOp.SUM)
 
 
+@contextmanager
+def _peer_errors(what: str):
+    """A collective's failure (a peer stopped, the group's timeout passed) as one line instead of gloo's own error."""
+    try:
+        yield
+    except RuntimeError as err:  # torch's DistBackendError and gloo's errors are RuntimeErrors
+        detail = " ".join(str(err).split())[:200]
+        raise PeerTimeoutError(f"{what}: a peer stopped or hangs ({detail}); check that every rank is alive") from None
+
+
 WAYS = {"device": "device order across tensors", "posted": "tensors one after another"}  # how the torch engine runs a multi-tensor plan
 
 
@@ -89,9 +104,7 @@ def run_plan(plan: Plan, args: argparse.Namespace) -> tuple[str, int]:
     wrong elements over all ranks."""
     import torch.distributed as dist
 
-    from .worlds import TorchWorld
-
-    device = TorchWorld(None).tensor_device()
+    device = _tensor_device()
 
     def wrong(t: Tensor, shard) -> tuple[int, str]:
         got, want = t.engine.host_copy(shard), expected_shard(t.plan, t.program.dst_block, t.salt)
@@ -135,37 +148,79 @@ def main(argv: list[str] | None = None, transport: TransportOptions | None = Non
 
     args = _arguments(argv)
     args.transport = transport or TransportOptions()
-    if args.iters < 1 or args.warmup < 0 or not args.max_mb > 0 or not args.timeout > 0:
-        print("error: --iters, --max-mb and --timeout must be positive and --warmup at least 0, e.g. --iters 5 --max-mb 16 "
-              "--timeout 60", file=sys.stderr)
+    error = flag_error(args.iters, args.warmup, args.max_mb, args.timeout)
+    if error is not None:  # the same flags on every rank (torchrun), and no rank has joined the group yet
+        if _launcher_rank() == 0:
+            print(f"error: {error}", file=sys.stderr)
         return 2
     if args.nccl:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-    dist.init_process_group("nccl" if args.nccl else "gloo", timeout=datetime.timedelta(seconds=max(args.timeout, 1)))
+    dist.init_process_group("nccl" if args.nccl else "gloo", timeout=datetime.timedelta(seconds=args.timeout))
     rank, status = dist.get_rank(), 0
-    for path in args.plans:
-        try:
-            plan = read_plan_file(path)
-            if is_multi(plan):
-                plan = scale_tensors(plan, factors_per_tensor(plan, int(args.max_mb * 2**20)))
-            else:
-                plan = scale_plan(plan, factors_for(plan, int(args.max_mb * 2**20)))
-            line, bad = run_plan(plan, args)
-        except (PlanFileError, PlanMismatchError) as err:  # the same on every rank, before any byte moved
-            if rank == 0 or not getattr(err, "same_on_every_rank", True):
-                print(f"rank {rank}: error: {path.name}: {err}", file=sys.stderr, flush=True)
-            status = 2
-            continue
-        except ExecutorError as err:  # a peer died or hangs: work is pending, so the group cannot shut down cleanly
-            print(f"rank {rank}: error: {path.name}: {err}", file=sys.stderr, flush=True)
-            sys.stdout.flush()
-            os._exit(3 if isinstance(err, PeerTimeoutError) else 2)
-        if rank == 0:
-            print(line, flush=True)
-        status = status or (1 if bad else 0)
+    world = TorchCollectives(_tensor_device())
+    try:
+        for path in args.plans:
+            try:  # every rank learns whether any could not read or shrink its plan, before any byte moves
+                plan, error = read_plan_file(path), None
+                plan = _scaled(plan, args.max_mb)
+            except (PlanFileError, PlanMismatchError) as err:
+                error = f"{path.name}: {err}"
+            if refused_input(world, rank, error, _report):
+                status = 2
+                break
+            try:
+                line, bad = run_plan(plan, args)
+            except PlanMismatchError as err:  # before any byte moved
+                if rank == 0 or not err.same_on_every_rank:
+                    _report(f"rank {rank}: error: {path.name}: {err}")
+                status = 2
+                continue
+            if rank == 0:
+                print(line, flush=True)
+            status = status or (1 if bad else 0)
+    except ExecutorError as err:  # a peer died or hangs: work is pending, so the group cannot shut down cleanly
+        _leave(rank, f"error: {err}", 3 if isinstance(err, PeerTimeoutError) else 2)
+    except KeyboardInterrupt:
+        _leave(rank, "interrupted; the other ranks stop within --timeout", 130)
     dist.destroy_process_group()
     return status
 
 
+def _tensor_device():
+    """The device this rank's tensors live on (the CPU on gloo, its GPU on NCCL)."""
+    from .worlds import TorchWorld
+
+    return TorchWorld(None).tensor_device()
+
+
+def _scaled(plan: Plan, max_mb: float) -> Plan:
+    if is_multi(plan):
+        return scale_tensors(plan, factors_per_tensor(plan, int(max_mb * 2**20)))
+    return scale_plan(plan, factors_for(plan, int(max_mb * 2**20)))
+
+
+def _report(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
+
+
+def _leave(rank: int, line: str, code: int):
+    """Report in one line and end this rank at once: with work pending the process group cannot shut down cleanly,
+    and the other ranks learn of it through their own timeouts."""
+    _report(f"rank {rank}: {line}")
+    sys.stdout.flush()
+    os._exit(code)
+
+
+def _launcher_rank() -> int:
+    """This process's rank as torchrun set it (0 outside torchrun)."""
+    rank = os.environ.get("RANK", "0")
+    return int(rank) if rank.isdigit() else 0
+
+
+def console_main(program: str = "python -m xmesh_plan.executor.torch_run") -> int:
+    """The command behind the last-resort handler: anything unexpected is one line per rank, not a traceback."""
+    return run_guarded(main, program, sys.argv[1:], prefix=f"rank {_launcher_rank()}: ")
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(console_main())

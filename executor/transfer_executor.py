@@ -47,7 +47,7 @@ from .errors import ExecutorError, PlanMismatchError
 from .engines import ENGINES, TransportOptions, engine_entry
 from .executor import DEFAULT_POLL_S, Flight, Flying, ReshardingExecutor
 from .joint import JointProgram, join_programs, tensor_programs
-from .lower import ORDERS
+from .lower import ORDERS, refusal_advice
 from .ranks import device_of_rank
 from .worlds import is_mpi_comm
 
@@ -108,7 +108,7 @@ class TransferExecutor(Flying):
         try:
             check_plan(plan)  # tensor indices in range before splitting
         except PlanError as err:
-            raise PlanMismatchError(f"{err}; recompile the plan and check it with `xmesh-plan verify`",
+            raise PlanMismatchError(refusal_advice(str(err)),
                                     same_on_every_rank=True) from None  # every rank reads the same plan
         named = backend or world
         check_transfer_staging(plan, order, entry.name)
@@ -171,12 +171,18 @@ class TransferExecutor(Flying):
     def _allocate(self) -> None:
         """`prepare()` once every tensor is lowered: lay out their staging (one joint program, or one area
         used in turn), check it against the plan's stated peak on every rank, then set up the engines."""
+        refusal = None
         if self.joined:
-            self._join()
+            try:
+                self._join()
+            except PlanMismatchError as err:  # this device's steps alone may show it: every rank learns of it below
+                refusal = err
         elif not self.concurrent and len(self.parts) > 1:
             self.area = max(self.entry.stage_need(part.program) for part in self.parts)
-        if self.plan.staging is not None:  # every rank reads the same plan, so every rank agrees here, before any allocation
-            self.parts[0]._agree(self._over_stated(self._planned_staging()))
+        if refusal is None and self.plan.staging is not None:
+            refusal = self._over_stated(self._planned_staging())
+        if self.joined or self.plan.staging is not None:  # the same on every rank: every rank agrees here, before any allocation
+            self.parts[0]._agree(refusal)
         self._setup_engines()
 
     def _planned_staging(self) -> int:
@@ -234,10 +240,12 @@ class TransferExecutor(Flying):
         if self.joined:
             self._start_joint(given)
             return
+        if not self.concurrent and self.current < len(self.parts):
+            raise ExecutorError("start() called while a reshard is in flight; call wait() first")
+        for part, name in zip(self.parts, self.names):  # every input first: a wrong one refused before any tensor moves
+            given[name] = part._adopt(given.get(name))
         if not self.concurrent:
-            if self.current < len(self.parts):
-                raise ExecutorError("start() called while a reshard is in flight; call wait() first")
-            self.parts[0].start(given.get(self.names[0]))
+            self.parts[0].start(given[self.names[0]])
             self.given, self.current, self.running = given, 0, True
             return
         started = []
@@ -302,6 +310,9 @@ class TransferExecutor(Flying):
 
     def _sources(self, shards: Mapping[str, Any] | None) -> dict[str, Any]:
         """The shards by name, refusing unknown names and, on a source rank, missing ones."""
+        if shards is not None and not isinstance(shards, Mapping):
+            raise PlanMismatchError(f"run(): shards is a {type(shards).__name__}; pass a mapping of tensor name to this rank's "
+                                    f"source shard, e.g. {{{self.names[0]!r}: shard}} (None or {{}} on a rank with no source shard)")
         shards = dict(shards or {})
         unknown = sorted(set(shards) - set(self.names))
         if unknown:

@@ -9,9 +9,6 @@ simulator's time against a hand formula, and the plan check against malformed gr
 from __future__ import annotations
 
 import math
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -29,11 +26,11 @@ from xmesh_plan.schemas import Plan
 from xmesh_plan.schemas.geometry import region_size
 from xmesh_plan.schemas.plan_check import PlanError, check_plan
 from xmesh_plan.schemas.staging import staging_peaks
+from tests.support.launch import MPIEXEC, run_demo, torchrun
 from tests.support.transfer import assert_every_shard, fake_executors, full_tensors, random_transfer, run_everywhere
 
 ROOT = Path(__file__).resolve().parents[1]
 SMALL = ROOT / "plans" / "weight_sync_small.problem.toml"
-MPIEXEC = Path(sys.executable).parent / "mpiexec"
 BUCKET = 4 * 2**20
 
 
@@ -262,9 +259,7 @@ def _write(tmp_path, plan: Plan) -> Path:
 @pytest.mark.parametrize("order", ["posted", "device"])
 def test_mpiexec_runs_shared_messages_bit_exact(tmp_path, shared, order):
     path = _write(tmp_path, shared)
-    env = dict(os.environ, MPIR_CVAR_ENABLE_HEAVY_YIELD="1", PYTHONPATH=str(ROOT))
-    result = subprocess.run([str(MPIEXEC), "-n", "8", sys.executable, "-m", "xmesh_plan.executor.run", str(path), "--check",
-                             "--iters", "2", "--order", order], cwd=ROOT, env=env, capture_output=True, text=True, timeout=500)
+    result = run_demo(8, path, "--check", "--iters", "2", "--order", order, timeout=500)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "check ok: 21 tensors x 4 destination shards bit-exact" in result.stdout, result.stdout
     want = max(staging_peaks(shared, order).values())
@@ -277,10 +272,7 @@ def test_torchrun_runs_shared_messages_on_gloo_bit_exact(tmp_path, shared):
     """The torch engine's device order replays the joint program, so it sends each group as one message."""
     pytest.importorskip("torch")
     path = _write(tmp_path, shared)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "8", "-m", "xmesh_plan.executor.torch_run", str(path),
-           "--check", "--iters", "2"]
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    result = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=700)
+    result = torchrun(8, "xmesh_plan.executor.torch_run", str(path), "--check", "--iters", "2", timeout=700)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "check ok: every destination shard of every tensor bit-exact" in result.stdout, result.stdout
 

@@ -13,11 +13,10 @@ import sys
 from pathlib import Path
 
 import pytest
-from click.testing import CliRunner
 
-from xmesh_plan.planner.cli import main
 from xmesh_plan.planner.verify import verify_plan
 from xmesh_plan.schemas.plan import Plan
+from tests.support.cli import assert_user_error, run_cli
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = Path(sys.executable).parent / "xmesh-plan"
@@ -26,23 +25,6 @@ CASE3_FLAGS = ["--shape", "1024,1024,512", "--dtype", "int32", "--src-mesh", "2x
                "--dst-mesh", "2x4", "--dst-spec", "S0 R R"]
 FAST = ["--solver", "greedy"]
 GOOD = ["--shape", "8,8", "--src-mesh", "2x2", "--src-spec", "S0 R", "--dst-mesh", "2x2", "--dst-spec", "R S1"]
-
-
-def run(*args: str):
-    return CliRunner().invoke(main, list(args), catch_exceptions=True)
-
-
-def assert_user_error(result, *words: str):
-    """Exit 2, exactly one stderr line starting with `error:` that names `words`, no traceback."""
-    assert result.exception is None or isinstance(result.exception, SystemExit), repr(result.exception)
-    assert result.exit_code == 2, (result.exit_code, result.output)
-    lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1, result.stderr
-    assert lines[0].startswith("error: "), lines[0]
-    assert "Traceback" not in result.output
-    for word in words:
-        assert word in lines[0], (word, lines[0])
-    return lines[0]
 
 
 def write_problem(tmp_path: Path, raw) -> str:
@@ -61,8 +43,8 @@ def good_raw(**changes):
 
 def test_compile_from_flags_and_from_file_give_the_same_plan(tmp_path):
     a, b = tmp_path / "a.json", tmp_path / "b.json"
-    ra = run("compile", *CASE3_FLAGS, *FAST, "-o", str(a))
-    rb = run("compile", str(CASE3), *FAST, "-o", str(b))
+    ra = run_cli("compile", *CASE3_FLAGS, *FAST, "-o", str(a))
+    rb = run_cli("compile", str(CASE3), *FAST, "-o", str(b))
     assert ra.exit_code == 0 and rb.exit_code == 0, (ra.output, rb.output)
     plan_a, plan_b = Plan.from_json(a.read_text()), Plan.from_json(b.read_text())
     # the file names the problem; everything else is identical
@@ -72,7 +54,7 @@ def test_compile_from_flags_and_from_file_give_the_same_plan(tmp_path):
 
 
 def test_compile_to_stdout_is_the_plan_json():
-    result = run("compile", str(CASE3), *FAST, "-o", "-")
+    result = run_cli("compile", str(CASE3), *FAST, "-o", "-")
     assert result.exit_code == 0
     plan = Plan.from_json(result.stdout)
     verify_plan(plan)
@@ -82,8 +64,8 @@ def test_compile_to_stdout_is_the_plan_json():
 def test_compile_twice_is_byte_identical(tmp_path):
     """With the default solver and options: same input, same bytes."""
     a, b = tmp_path / "a.json", tmp_path / "b.json"
-    assert run("compile", str(CASE3), "-o", str(a)).exit_code == 0
-    assert run("compile", str(CASE3), "-o", str(b)).exit_code == 0
+    assert run_cli("compile", str(CASE3), "-o", str(a)).exit_code == 0
+    assert run_cli("compile", str(CASE3), "-o", str(b)).exit_code == 0
     assert a.read_bytes() == b.read_bytes()
 
 
@@ -102,7 +84,7 @@ def test_plans_do_not_depend_on_the_hash_seed(tmp_path):
 @pytest.mark.parametrize("strategy", ["broadcast", "send_recv", "local_allgather", "global_allgather", "auto"])
 def test_compile_every_strategy_flag(tmp_path, strategy):
     out = tmp_path / "p.json"
-    result = run("compile", *GOOD, *FAST, "--strategy", strategy, "-o", str(out))
+    result = run_cli("compile", *GOOD, *FAST, "--strategy", strategy, "-o", str(out))
     assert result.exit_code == 0, result.output
     plan = Plan.from_json(out.read_text())
     assert plan.strategy == strategy
@@ -111,7 +93,7 @@ def test_compile_every_strategy_flag(tmp_path, strategy):
 
 def test_compile_no_merge_and_seed_are_recorded(tmp_path):
     out = tmp_path / "p.json"
-    assert run("compile", *GOOD, *FAST, "--no-merge", "--seed", "7", "-o", str(out)).exit_code == 0
+    assert run_cli("compile", *GOOD, *FAST, "--no-merge", "--seed", "7", "-o", str(out)).exit_code == 0
     plan = Plan.from_json(out.read_text())
     assert plan.merged_slices is False and plan.solver.seed == 7
 
@@ -119,7 +101,7 @@ def test_compile_no_merge_and_seed_are_recorded(tmp_path):
 def test_compile_toml_problem(tmp_path):
     path = tmp_path / "p.toml"
     path.write_text('shape = [8, 8]\ndtype = "bf16"\n[src]\nmesh = "2x2"\nspec = "S0 R"\n[dst]\nmesh = "2x2"\nspec = "R S1"\n')
-    result = run("compile", str(path), *FAST, "-o", "-")
+    result = run_cli("compile", str(path), *FAST, "-o", "-")
     assert result.exit_code == 0, result.output
     assert Plan.from_json(result.stdout).problem.dtype == "bfloat16"
 
@@ -146,17 +128,17 @@ def _flags(**override):
     ({"--dtype": "int33"}, ["dtype", "int33", "bfloat16"]),
 ])
 def test_bad_flags(override, words):
-    assert_user_error(run("compile", *_flags(**override), *FAST), *words)
+    assert_user_error(run_cli("compile", *_flags(**override), *FAST), *words)
 
 
 def test_missing_flag_names_it():
     flags = _flags()
     i = flags.index("--dst-spec")
-    assert_user_error(run("compile", *(flags[:i] + flags[i + 2:]), *FAST), "--dst-spec")
+    assert_user_error(run_cli("compile", *(flags[:i] + flags[i + 2:]), *FAST), "--dst-spec")
 
 
 def test_file_and_flags_together_is_an_error():
-    assert_user_error(run("compile", str(CASE3), "--shape", "4", *FAST), "--shape")
+    assert_user_error(run_cli("compile", str(CASE3), "--shape", "4", *FAST), "--shape")
 
 
 @pytest.mark.parametrize("raw, words", [
@@ -176,18 +158,18 @@ def test_file_and_flags_together_is_an_error():
     (good_raw(src={"mesh": "2x2", "spec": "S0 Z"}), ["src.spec", "'Z'"]),
 ])
 def test_bad_problem_file(tmp_path, raw, words):
-    assert_user_error(run("compile", write_problem(tmp_path, raw), *FAST), *words)
+    assert_user_error(run_cli("compile", write_problem(tmp_path, raw), *FAST), *words)
 
 
 def test_missing_problem_file_names_the_path(tmp_path):
     missing = tmp_path / "nope.json"
-    assert_user_error(run("compile", str(missing), *FAST), str(missing), "cannot read")
+    assert_user_error(run_cli("compile", str(missing), *FAST), str(missing), "cannot read")
 
 
 def test_bad_toml_names_the_file(tmp_path):
     path = tmp_path / "p.toml"
     path.write_text("shape = [\n")
-    assert_user_error(run("compile", str(path), *FAST), str(path), "TOML")
+    assert_user_error(run_cli("compile", str(path), *FAST), str(path), "TOML")
 
 
 @pytest.mark.parametrize("raw, words", [
@@ -196,17 +178,17 @@ def test_bad_toml_names_the_file(tmp_path):
     (good_raw(src={"mesh": {"shape": [2, 2], "devices": [0, 1, 2]}, "spec": "S0 R"}), ["src.mesh"]),
 ])
 def test_bad_mesh_names_its_side(tmp_path, raw, words):
-    assert_user_error(run("compile", write_problem(tmp_path, raw), *FAST), *words)
+    assert_user_error(run_cli("compile", write_problem(tmp_path, raw), *FAST), *words)
 
 
 @pytest.mark.parametrize("mesh", [[2, "a"], {"shape": [2, 2], "first_host": "a"}])
 def test_non_integer_mesh_entries_are_user_errors(tmp_path, mesh):
     raw = good_raw(src={"mesh": mesh, "spec": "S0 R"})
-    assert_user_error(run("compile", write_problem(tmp_path, raw), *FAST), "src.mesh")
+    assert_user_error(run_cli("compile", write_problem(tmp_path, raw), *FAST), "src.mesh")
 
 
 def test_unknown_solver_is_a_user_error():
-    assert_user_error(run("compile", *GOOD, "--solver", "nope"), "solver", "nope", "greedy")
+    assert_user_error(run_cli("compile", *GOOD, "--solver", "nope"), "solver", "nope", "greedy")
 
 
 def test_bad_input_through_the_real_script_has_no_traceback():
@@ -220,7 +202,7 @@ def test_bad_input_through_the_real_script_has_no_traceback():
 
 def test_write_into_a_missing_folder_fails_cleanly(tmp_path):
     target = tmp_path / "missing" / "plan.json"
-    assert_user_error(run("compile", *GOOD, *FAST, "-o", str(target)), "--output", str(target))
+    assert_user_error(run_cli("compile", *GOOD, *FAST, "-o", str(target)), "--output", str(target))
     assert list(tmp_path.iterdir()) == []
 
 
@@ -232,14 +214,14 @@ def test_failed_write_leaves_no_partial_or_temp_file(tmp_path, monkeypatch):
         raise PermissionError(13, "Permission denied")
 
     monkeypatch.setattr(os, "replace", refuse)
-    assert_user_error(run("compile", *GOOD, *FAST, "-o", str(target)), "--output", "Permission denied")
+    assert_user_error(run_cli("compile", *GOOD, *FAST, "-o", str(target)), "--output", "Permission denied")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["plan.json"]  # no .plan.json.*.tmp left behind
     assert target.read_text() == "old plan\n"  # the old file is untouched
 
 
 def test_successful_write_leaves_only_the_plan(tmp_path):
     target = tmp_path / "plan.json"
-    assert run("compile", *GOOD, *FAST, "-o", str(target)).exit_code == 0
+    assert run_cli("compile", *GOOD, *FAST, "-o", str(target)).exit_code == 0
     assert [p.name for p in tmp_path.iterdir()] == ["plan.json"]
     verify_plan(Plan.from_json(target.read_text()))
 
@@ -248,7 +230,7 @@ def test_successful_write_leaves_only_the_plan(tmp_path):
 
 def _planted(tmp_path) -> tuple[Path, Path]:
     good = tmp_path / "good.plan.json"
-    assert run("compile", str(CASE3), *FAST, "--strategy", "send_recv", "-o", str(good)).exit_code == 0
+    assert run_cli("compile", str(CASE3), *FAST, "--strategy", "send_recv", "-o", str(good)).exit_code == 0
     plan = Plan.from_json(good.read_text())
     box = ((0, 512), (0, 512), (0, 512))
     victim = next(op for op in plan.operations if op.region == box and op.dsts == (8,))
@@ -260,7 +242,7 @@ def _planted(tmp_path) -> tuple[Path, Path]:
 
 def test_plan_json_text_round_trips_byte_for_byte(tmp_path):
     out = tmp_path / "p.json"
-    assert run("compile", str(CASE3), *FAST, "--strategy", "local_allgather", "-o", str(out)).exit_code == 0
+    assert run_cli("compile", str(CASE3), *FAST, "--strategy", "local_allgather", "-o", str(out)).exit_code == 0
     text = out.read_text()
     assert text.endswith("\n")
     assert Plan.from_json(text).to_json() == text
@@ -269,14 +251,14 @@ def test_plan_json_text_round_trips_byte_for_byte(tmp_path):
 def test_verify_reference_plans_pass():
     plans = sorted(str(p) for p in (ROOT / "plans").glob("*.plan.json"))
     assert plans
-    result = run("verify", *plans)
+    result = run_cli("verify", *plans)
     assert result.exit_code == 0, result.output
     assert result.stdout.count(": ok: ") == len(plans)
 
 
 def test_verify_rejects_a_planted_wrong_plan_naming_device_and_box(tmp_path):
     good, bad = _planted(tmp_path)
-    result = run("verify", str(good), str(bad))
+    result = run_cli("verify", str(good), str(bad))
     assert result.exit_code == 1
     lines = result.stdout.splitlines()
     assert lines[0].startswith(f"{good}: ok:")
@@ -307,7 +289,7 @@ def test_verify_real_script_exit_1_on_a_wrong_sender(tmp_path):
 def test_verify_unreadable_plan_is_a_user_error(tmp_path, text, words):
     path = tmp_path / "x.plan.json"
     path.write_bytes(text) if isinstance(text, bytes) else path.write_text(text)
-    assert_user_error(run("verify", str(path)), str(path), *words)
+    assert_user_error(run_cli("verify", str(path)), str(path), *words)
 
 
 def test_verify_malformed_box_is_reported_not_a_traceback(tmp_path):
@@ -315,7 +297,7 @@ def test_verify_malformed_box_is_reported_not_a_traceback(tmp_path):
     raw["operations"][0]["region"] = raw["operations"][0]["region"][:2]
     path = tmp_path / "short.plan.json"
     path.write_text(json.dumps(raw))
-    result = run("verify", str(path))
+    result = run_cli("verify", str(path))
     assert result.exception is None or isinstance(result.exception, SystemExit), repr(result.exception)
     assert result.exit_code == 1
     assert f"{path}: FAILED: operation 0" in result.stdout and "[0:512, 0:512]" in result.stdout
@@ -323,20 +305,20 @@ def test_verify_malformed_box_is_reported_not_a_traceback(tmp_path):
 
 @pytest.mark.parametrize("mesh", ["2x", "x4", "2xx4"])
 def test_incomplete_mesh_shorthand_is_rejected(mesh):
-    assert_user_error(run("compile", *_flags(**{"--src-mesh": mesh}), *FAST), "src.mesh")
+    assert_user_error(run_cli("compile", *_flags(**{"--src-mesh": mesh}), *FAST), "src.mesh")
 
 
 def test_verify_missing_plan_file(tmp_path):
-    assert_user_error(run("verify", str(tmp_path / "none.json")), "cannot read the plan")
+    assert_user_error(run_cli("verify", str(tmp_path / "none.json")), "cannot read the plan")
 
 
 # --- inspect, schema, help -------------------------------------------------------------------------------
 
 def test_inspect_case3_shows_bound_and_efficiency(tmp_path):
     out = tmp_path / "c3.json"
-    assert run("compile", str(CASE3), *FAST, "-o", str(out)).exit_code == 0
+    assert run_cli("compile", str(CASE3), *FAST, "-o", str(out)).exit_code == 0
     plan = Plan.from_json(out.read_text())
-    result = run("inspect", str(out), "--tasks", "--ops")
+    result = run_cli("inspect", str(out), "--tasks", "--ops")
     assert result.exit_code == 0, result.output
     text = result.stdout
     assert f"lower bound: {plan.lower_bound_seconds:.4f} s" in text
@@ -349,17 +331,17 @@ def test_inspect_case3_shows_bound_and_efficiency(tmp_path):
 
 
 def test_inspect_without_flags_omits_task_and_op_lists():
-    text = run("inspect", str(ROOT / "plans" / "case3.plan.json")).stdout
+    text = run_cli("inspect", str(ROOT / "plans" / "case3.plan.json")).stdout
     lines = text.splitlines()
     assert any("lower bound" in line for line in lines)
     assert "tasks:" not in lines and "operations:" not in lines
-    assert "tasks:" in run("inspect", str(ROOT / "plans" / "case3.plan.json"), "--tasks").stdout.splitlines()
+    assert "tasks:" in run_cli("inspect", str(ROOT / "plans" / "case3.plan.json"), "--tasks").stdout.splitlines()
 
 
 def test_inspect_reports_the_per_message_cost_on_the_busiest_nic_side(tmp_path):
     """A send/recv plan: every operation is one message, so the busiest side's count is plain counting."""
     out = tmp_path / "sr.json"
-    assert run("compile", str(CASE3), "--strategy", "send_recv", "-o", str(out)).exit_code == 0
+    assert run_cli("compile", str(CASE3), "--strategy", "send_recv", "-o", str(out)).exit_code == 0
     plan = Plan.from_json(out.read_text())
     host = plan.problem.cluster.host_of
     counts = {}
@@ -368,7 +350,7 @@ def test_inspect_reports_the_per_message_cost_on_the_busiest_nic_side(tmp_path):
             counts[(host(op.src), "send")] = counts.get((host(op.src), "send"), 0) + 1
             counts[(host(op.dsts[0]), "recv")] = counts.get((host(op.dsts[0]), "recv"), 0) + 1
     busiest = max(counts.values())
-    line = next(x for x in run("inspect", str(out)).stdout.splitlines() if x.startswith("per-message cost"))
+    line = next(x for x in run_cli("inspect", str(out)).stdout.splitlines() if x.startswith("per-message cost"))
     overhead = plan.problem.cluster.overhead_s
     assert f"carries {busiest} messages x {overhead * 1e6:g} us overhead = {busiest * overhead:.4f} s" in line, line
     assert "of the" in line and "gap to the bound" in line
@@ -378,33 +360,33 @@ def test_inspect_orders_times_the_plan_as_each_executor_queues_it(tmp_path):
     """Case 3 in the naive order: queued per NIC side it is 1.5x the bound; posted at once (as the MPI
     engine runs it, and as measured on the emulated cluster) the links stay full and it meets the bound."""
     out = tmp_path / "naive.json"
-    assert run("compile", str(CASE3), "--solver", "naive", "-o", str(out)).exit_code == 0
+    assert run_cli("compile", str(CASE3), "--solver", "naive", "-o", str(out)).exit_code == 0
     plan = Plan.from_json(out.read_text())
-    text = run("inspect", str(out), "--orders").stdout
+    text = run_cli("inspect", str(out), "--orders").stdout
     seconds = {line.split()[0]: float(line.split()[1]) for line in text.splitlines()
                if line.startswith("  ") and line.split()[0] in ("host-order", "device-order", "posted")}
     assert set(seconds) == {"host-order", "device-order", "posted"}
     assert seconds["host-order"] == pytest.approx(plan.predicted_seconds, abs=1e-4)
     assert seconds["host-order"] > 1.3 * plan.lower_bound_seconds
     assert seconds["posted"] == pytest.approx(plan.lower_bound_seconds, rel=0.01)
-    assert "each queueing" not in run("inspect", str(out)).stdout
+    assert "each queueing" not in run_cli("inspect", str(out)).stdout
 
 
 @pytest.mark.parametrize("which, key", [("plan", "operations"), ("problem", "src")])
 def test_schema_prints_valid_json(which, key):
-    result = run("schema", "--of", which)
+    result = run_cli("schema", "--of", which)
     assert result.exit_code == 0
     schema = json.loads(result.stdout)
     assert key in schema["properties"]
 
 
 def test_schema_default_is_the_plan():
-    assert json.loads(run("schema").stdout)["title"] == "Plan"
+    assert json.loads(run_cli("schema").stdout)["title"] == "Plan"
 
 
 @pytest.mark.parametrize("command", [[], ["compile"], ["inspect"], ["verify"], ["schema"]])
 def test_help_of_every_command_has_an_example(command):
-    result = run(*command, "--help")
+    result = run_cli(*command, "--help")
     assert result.exit_code == 0
     assert "Example" in result.stdout
     assert "xmesh-plan " in result.stdout.split("Example", 1)[1]
@@ -421,6 +403,6 @@ def test_check_says_a_plan_predates_the_per_message_overhead(tmp_path):
     del data["problem"]["cluster"]["overhead_us"]
     without = tmp_path / "without.plan.json"
     without.write_text(json.dumps(data))
-    old, new = run("check", str(without)), run("check", str(with_field))
+    old, new = run_cli("check", str(without)), run_cli("check", str(with_field))
     assert old.exit_code == 1 and "compiled before the network model charged latency as a delay" in old.output, old.output
     assert new.exit_code == 1 and "stored" in new.output and "overhead_us" not in new.output, new.output

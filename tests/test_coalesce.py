@@ -267,19 +267,14 @@ def test_small_boxes_needed_on_several_hosts_are_cut_per_host_and_bundled_large_
 @pytest.mark.timeout(600)
 def test_a_coalesced_transfer_runs_bit_exact_under_mpiexec(tmp_path):
     """`executor.run --check` on the small weight sync compiled with --split-hosts --coalesce (every op a bundle)."""
-    import os
-    import subprocess
-    import sys
-    from tests.support.launch import MPIEXEC
+    from tests.support.launch import MPIEXEC, run_demo
     if not MPIEXEC.exists():
         pytest.skip(f"no mpiexec at {MPIEXEC}")
     plan = _weight_sync(split_hosts=True, coalesce=True)
     assert {op.kind for op in plan.operations} == {"bundle"}
     path = tmp_path / "ws.plan.json"
     path.write_text(plan.to_json())
-    env = dict(os.environ, MPIR_CVAR_ENABLE_HEAVY_YIELD="1", PYTHONPATH=str(ROOT))
-    result = subprocess.run([str(MPIEXEC), "-n", "8", sys.executable, "-m", "xmesh_plan.executor.run", str(path), "--check",
-                             "--iters", "2", "--warmup", "1"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=500)
+    result = run_demo(8, path, "--check", "--iters", "2", "--warmup", "1", timeout=500)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "check ok: 21 tensors x 4 destination shards bit-exact" in result.stdout, result.stdout
 

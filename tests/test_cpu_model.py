@@ -123,10 +123,8 @@ def test_saved_runs_are_repredicted_with_and_without_the_cpu(tmp_path):
     """One case of an archived run (made before the CPU model existed): rebuilt plans predict as saved without the CPU model (broadcasts),
     and the CPU model only adds time (its copies are work the default model charges next to nothing)."""
     import json
-    import sys
     from pathlib import Path
 
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
     from bench.netlab.repredict import repredicted, table
 
     saved = json.loads((Path(__file__).resolve().parents[1] / "bench/results/archive/netlab-device-500-s7.json").read_text())

@@ -8,9 +8,7 @@ CuPy version refuses fails here, without a GPU. What it cannot tell is listed in
 
 from __future__ import annotations
 
-import os
 import subprocess
-import sys
 from collections import defaultdict, deque
 from pathlib import Path
 
@@ -22,6 +20,7 @@ from xmesh_plan.executor.lower import lower
 from xmesh_plan.executor.pattern import fill, mismatches
 from xmesh_plan.executor.ranks import plan_devices
 from tests.support.cases import STRATEGIES, all_fixed_plans, compiled, problem, random_problem, write_plans
+from tests.support.launch import mpiexec
 from tests.support.fake_gpu import FakeGpu, FakeMpiComm, nccl_engines, run_on_fake
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -44,9 +43,7 @@ needs_gpu = [pytest.mark.gpu, pytest.mark.skipif(GPU_REASON is not None, reason=
 
 
 def _run(n: int, *args: str) -> subprocess.CompletedProcess:
-    env = dict(os.environ, MPIR_CVAR_ENABLE_HEAVY_YIELD="1", PYTHONPATH=str(ROOT))
-    cmd = [str(Path(sys.executable).parent / "mpiexec"), "-n", str(n), sys.executable, "-m", "xmesh_plan.executor.run", *args]
-    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    return mpiexec(n, "-m", "xmesh_plan.executor.run", *args, timeout=300)
 
 
 @pytest.mark.gpu
@@ -491,8 +488,9 @@ def test_random_coalesced_transfers_run_on_fake_nccl_in_device_order(monkeypatch
 
 
 def test_nccl_refuses_a_plan_stating_less_staging_than_its_calls_need(monkeypatch):
-    """A plan whose stated peak on one device is below the largest NCCL call's staging there is refused in
-    prepare(), naming the backend, the bytes, the device and the fix."""
+    """A plan whose stated peak on one device is below what it needs there is refused before any communicator is
+    made, by the checker every reader shares (the same message as `xmesh-plan verify`), naming the bytes, the device
+    and the fix."""
     from xmesh_plan.planner.compile import compile_plan
     from xmesh_plan.planner.transfer_io import load_any_problem
 
@@ -501,11 +499,12 @@ def test_nccl_refuses_a_plan_stating_less_staging_than_its_calls_need(monkeypatc
     peaks = {**plan.staging.peak_bytes, 0: 64}
     wrong = plan.model_copy(update={"staging": plan.staging.model_copy(update={"peak_bytes": peaks})})
     for order in ("device", "posted"):
-        with pytest.raises(PlanMismatchError, match=rf"backend 'nccl' in order='{order}' needs \d+ B of staging on device 0, "
-                                                    r"but the plan states 64 B there .* recompile the plan and check it with `xmesh-plan verify`"):
+        with pytest.raises(PlanMismatchError, match=r"staging.peak_bytes states 64 B for device 0, but the plan needs \d+ B "
+                                                    r"there .* recompile the plan and check it with `xmesh-plan verify`") as refused:
             with monkeypatch.context() as m:
                 gpu = FakeGpu(api=14).install(m)
                 try:
                     fake_nccl_transfer(wrong, gpu, m, order=order)
                 finally:
                     assert not any(gpu.init_order.values()), "refused after creating communicators"
+        assert str(refused.value).count("recompile the plan") == 1, refused.value  # the advice said once

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import importlib.util
-import os
 import re
 import subprocess
 import sys
@@ -13,7 +12,7 @@ import pytest
 
 from xmesh_plan.schemas import load_plan
 from tests.support.cases import DEVICES, all_fixed_plans, compiled, fixed_problems, random_problem, with_chunks, write_plans
-from tests.support.launch import EXECUTOR_WORKER as WORKER, MPI_LAUNCH_TIMEOUT_S, MPIEXEC, mpiexec
+from tests.support.launch import EXECUTOR_WORKER as WORKER, MPI_LAUNCH_TIMEOUT_S, MPIEXEC, mpiexec, mpiexec_programs
 
 ROOT = Path(__file__).resolve().parents[1]
 PLANS = ROOT / "plans"
@@ -71,21 +70,21 @@ def test_every_iteration_delivers_that_iterations_data(tmp_path):
 
 
 @pytest.fixture(scope="module")
-def small_plan(tmp_path_factory) -> str:
+def fixed_plan_path(tmp_path_factory) -> str:
     return write_plans(tmp_path_factory.mktemp("plans"), [all_fixed_plans()[0]])[0]
 
 
-def test_a_dead_rank_makes_the_others_fail_with_a_named_peer(small_plan):
-    result = mpiexec(DEVICES, str(WORKER), "die", small_plan, keep_going=True)
+def test_a_dead_rank_makes_the_others_fail_with_a_named_peer(fixed_plan_path):
+    result = mpiexec(DEVICES, str(WORKER), "die", fixed_plan_path, keep_going=True)
     assert result.returncode != 0
     assert result.stderr.count("PeerTimeoutError") == DEVICES - 1, result.stderr  # ranks' lines may interleave
     named = re.findall(r"op \d+ \(task \d+, \w+[^)]*\): (?:receive|send) \d+ B (?:from|to) device 1 \(rank 1\)", result.stderr)
     assert named, result.stderr
 
 
-def test_the_demo_gives_up_after_its_timeout_when_a_rank_dies(small_plan):
+def test_the_demo_gives_up_after_its_timeout_when_a_rank_dies(fixed_plan_path):
     """Its barriers and reductions honour --timeout (2 s here), not a fixed minute."""
-    result = mpiexec(DEVICES, str(WORKER), "demo-die", small_plan, keep_going=True)
+    result = mpiexec(DEVICES, str(WORKER), "demo-die", fixed_plan_path, keep_going=True)
     assert result.returncode != 0
     # ranks' lines may interleave on one line, so match each report rather than split lines
     reports = re.findall(r"rank (\d+): error: .*?(?:did not finish within 2 s|nothing completed for 2 s)", result.stderr)
@@ -99,12 +98,12 @@ HANG_S = 120  # the job ends within its --timeout (2 s) after start-up; this onl
     ("demo-fail-late", "rank 1: error: 00_even_disjoint_broadcast.plan.json: injected failure in close()", 2 | 3),
     ("demo-bug", "rank 1: error: 00_even_disjoint_broadcast.plan.json: unexpected ZeroDivisionError: injected bug in run()", 4 | 3),
 ], ids=["after-the-last-collective", "unexpected-error"])
-def test_a_failure_on_one_rank_ends_the_demo(small_plan, mode, failure, status):
+def test_a_failure_on_one_rank_ends_the_demo(fixed_plan_path, mode, failure, status):
     """Under -disable-auto-cleanup, as docs/executor.md recommends: rank 1 failing after the demo's last collective,
     or with an unexpected error, must not leave any rank blocked in MPI_Finalize. The failing rank reports in one line,
     the others stop at their next wait (the last one is a barrier before finalize) and mpiexec returns the OR of the
     statuses (2 or 4 for rank 1, 3 for the timeouts)."""
-    result = mpiexec(DEVICES, str(WORKER), mode, small_plan, keep_going=True, timeout=HANG_S)
+    result = mpiexec(DEVICES, str(WORKER), mode, fixed_plan_path, keep_going=True, timeout=HANG_S)
     assert result.returncode == status, result.stderr
     assert failure in result.stderr and "Traceback" not in result.stderr, result.stderr
     others = re.findall(r"rank (\d+): error: .*?(?:did not finish within 2 s|nothing completed for 2 s)", result.stderr)
@@ -113,14 +112,14 @@ def test_a_failure_on_one_rank_ends_the_demo(small_plan, mode, failure, status):
 
 def test_the_demo_help_shows_the_launch_command_the_docs_show():
     help_text = subprocess.run([sys.executable, "-m", "xmesh_plan.executor.run", "--help"], cwd=ROOT, capture_output=True, text=True,
-                               env=dict(os.environ, PYTHONPATH=str(ROOT)), timeout=60).stdout
+                               timeout=60).stdout
     launch = re.search(r"^  (mpiexec .*)$", help_text, re.M)
     assert launch and "-disable-auto-cleanup" in launch.group(1), help_text
     assert launch.group(1) in (ROOT / "docs" / "executor.md").read_text()
 
 
-def test_an_exception_escaping_wait_leaves_a_refusing_executor_that_closes(small_plan):
-    result = mpiexec(DEVICES, str(WORKER), "interrupt", small_plan)
+def test_an_exception_escaping_wait_leaves_a_refusing_executor_that_closes(fixed_plan_path):
+    result = mpiexec(DEVICES, str(WORKER), "interrupt", fixed_plan_path)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "refused: this executor stopped after an error (Interrupted in wait())" in result.stdout
     assert "ok interrupt" in result.stdout
@@ -146,8 +145,8 @@ def test_two_executors_each_run_by_its_own_thread(tmp_path):
     assert "ok threads" in result.stdout
 
 
-def test_a_plan_for_another_world_size_is_refused(small_plan):
-    result = mpiexec(3, "-m", "xmesh_plan.executor.run", small_plan, "--check")
+def test_a_plan_for_another_world_size_is_refused(fixed_plan_path):
+    result = mpiexec(3, "-m", "xmesh_plan.executor.run", fixed_plan_path, "--check")
     assert result.returncode == 2
     assert f"run with mpiexec -n {DEVICES}" in result.stderr and "this MPI world has 3 ranks" in result.stderr
     assert result.stderr.count("error:") == 1, "only rank 0 reports an error every rank shares"
@@ -177,3 +176,34 @@ def test_demo_errors_shared_by_every_rank_print_once_and_exit_2_everywhere(flags
     assert result.returncode == 2, result.stdout + result.stderr
     assert "Traceback" not in result.stderr and "check ok" not in result.stdout
     assert result.stderr.strip().splitlines() == [result.stderr.strip()] and expect in result.stderr, result.stderr
+
+
+def test_a_plan_file_only_one_rank_cannot_read_is_reported_by_that_rank_and_every_rank_stops(tmp_path, small_plan):
+    """The failing rank is not rank 0: it prints its own error, and every rank agrees to stop before any byte moves,
+    well before the 30 s timeout a silent refusal would cost."""
+    bad = tmp_path / "truncated.plan.json"
+    bad.write_text(Path(small_plan).read_text()[:200])
+    demo = [sys.executable, "-m", "xmesh_plan.executor.run", "--timeout", "30"]
+    result = mpiexec_programs(["-n", str(DEVICES - 1), *demo, small_plan], ["-n", "1", *demo, str(bad)])
+    assert result.returncode == 2, result.stderr
+    assert f"rank {DEVICES - 1}: error: " in result.stderr and "truncated.plan.json" in result.stderr, result.stderr
+    assert "Traceback" not in result.stderr and "did not finish" not in result.stderr and "nothing completed" not in result.stderr
+
+
+def test_a_usage_error_on_one_rank_alone_is_reported_by_that_rank(small_plan):
+    demo = [sys.executable, "-m", "xmesh_plan.executor.run", small_plan, "--timeout", "30"]
+    result = mpiexec_programs(["-n", str(DEVICES - 1), *demo], ["-n", "1", *demo, "--iters", "0"])
+    assert result.returncode == 2, result.stderr
+    assert f"rank {DEVICES - 1}: error: --iters 0" in result.stderr, result.stderr
+    assert "did not finish" not in result.stderr and "nothing completed" not in result.stderr, result.stderr
+
+
+def test_ctrl_c_on_one_rank_ends_the_job(small_plan):
+    """A real SIGINT on one rank mid-run: it says so and leaves without MPI_Finalize (which would wait for ever under
+    -disable-auto-cleanup); the others stop within their --timeout."""
+    demo = ["-m", "xmesh_plan.executor.run", small_plan, "--iters", "50", "--timeout", "5"]
+    result = mpiexec_programs(["-n", str(DEVICES - 1), sys.executable, *demo],
+                   ["-n", "1", sys.executable, str(ROOT / "tests" / "workers" / "demo_interrupted.py"), *demo[2:]])
+    assert f"rank {DEVICES - 1}: interrupted" in result.stderr, result.stderr
+    assert result.returncode & 130 == 130, result.stderr
+    assert "Traceback" not in result.stderr, result.stderr

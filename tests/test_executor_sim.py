@@ -22,7 +22,7 @@ from xmesh_plan.executor.ranks import plan_devices, rank_of_devices
 from xmesh_plan.planner.verify import verify_plan
 from tests.support.cases import (STRATEGIES, all_fixed_plans, compiled, fixed_problems, random_problem,
                                  two_chunked_broadcasts_from_one_device)
-from tests.support.fake_mpi import FakeComm, FakeMPI, FakeWorld, PersistentRecv, out_of_device_order, simulate
+from tests.support.fake_mpi import FakeComm, FakeMPI, FakeWorld, PersistentRecv, WorldComm, out_of_device_order, simulate
 
 
 def assert_bit_exact(plan) -> None:
@@ -141,22 +141,12 @@ def test_an_error_in_a_reshard_driven_by_another_wait_is_kept_for_its_own_execut
         b.test()
 
 
-class _WorldComm(FakeComm):
-    """Enough of a world communicator for ReshardingExecutor's constructor."""
-
-    def Get_size(self) -> int:
-        return 8
-
-    def Idup(self):
-        raise AssertionError("not used: the test sets the engine up itself")
-
-
 def _executor_on(world: FakeWorld, plan, device: int, timeout_s: float):
     """A ReshardingExecutor for `device` over the fake MPI, set up without prepare()."""
     from xmesh_plan.executor import ReshardingExecutor
 
     rank = rank_of_devices(plan)[device]
-    ex = ReshardingExecutor(plan, _WorldComm(world, rank))
+    ex = ReshardingExecutor(plan, WorldComm(world, rank))
     ex.program = lower(plan, device, tag_limit=2**20)
     ex.src_shape = ex.program.src_shape
     ex.engine = MpiEngine(ex.program, FakeComm(world, rank), rank_of_devices(plan), storage_dtype(plan.problem.dtype),

@@ -7,9 +7,6 @@ torchrun command itself.
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -18,7 +15,8 @@ from xmesh_plan.executor.scale import factors_for, scale_plan
 from xmesh_plan.schemas import load_plan
 from tests.support.cases import (DEVICES, all_fixed_plans, compiled, fixed_problems, random_problem,
                                  two_chunked_broadcasts_from_one_device, write_plans)
-from tests.support.launch import TORCH_LAUNCH_TIMEOUT_S, launch
+from tests.support.builders import make_problem
+from tests.support.launch import TORCH_LAUNCH_TIMEOUT_S, launch, run_ranks, torchrun
 
 ROOT = Path(__file__).resolve().parents[1]
 PLANS = ROOT / "plans"
@@ -134,10 +132,7 @@ def test_a_dead_rank_ends_every_other_rank_within_the_deadline(tmp_path):
 def test_the_documented_torchrun_command_works(tmp_path):
     plan = small([compiled(fixed_problems()[1], "global_allgather")])[0]
     path = write_plans(tmp_path, [plan])[0]
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(DEVICES), "-m", "xmesh_plan.executor.torch_run", path,
-           "--check", "--iters", "2", "--max-mb", "1"]
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    result = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=TORCH_LAUNCH_TIMEOUT_S)
+    result = torchrun(DEVICES, "xmesh_plan.executor.torch_run", path, "--check", "--iters", "2", "--max-mb", "1")
     assert result.returncode == 0, result.stderr[-3000:]
     assert "check ok: every destination shard bit-exact" in result.stdout, result.stdout
 
@@ -250,3 +245,30 @@ def _one_reshard_in_process(monkeypatch, group, engine_class, transport=None):
     finally:
         engine.close()
     return program
+
+
+@pytest.mark.parametrize("flags,expect", [
+    (["--max-mb", "inf"], "--max-mb inf: give a positive size in MiB"),
+    (["--timeout", "inf"], "--timeout inf: give a positive number of seconds"),
+    (["--iters", "0"], "--iters 0: give 1 to"),
+])
+def test_the_torch_demo_refuses_flags_out_of_range_in_one_line(tmp_path, flags, expect):
+    path = write_plans(tmp_path, [small([compiled(fixed_problems()[1], "global_allgather")])[0]])[0]
+    result = subprocess.run([sys.executable, "-m", "xmesh_plan.executor.torch_run", path, *flags], cwd=ROOT, capture_output=True,
+                            text=True, timeout=TORCH_LAUNCH_TIMEOUT_S, env={**os.environ, "XMESH_PLAN_DEBUG": "0"})
+    assert result.returncode == 2, result.stderr[-3000:]
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and expect in lines[0], result.stderr
+
+
+def test_a_rank_that_dies_mid_run_makes_its_peer_stop_in_one_line(tmp_path):
+    """Rank 1 dies between iterations; rank 0 reports one line naming what it waited for and exits 3, no gloo traceback."""
+    problem = make_problem((8, 4), "1x1", "R R", "1x1", "R R", cluster={"devices_per_host": 1})  # device 0 to device 1
+    path = write_plans(tmp_path, [compiled(problem, "broadcast")])[0]
+    (code0, _, err0), (code1, _, _) = run_ranks(2, ROOT / "tests" / "workers" / "torch_demo_dies.py", path, "--iters", "5",
+                                                 "--timeout", "20", env={"XMESH_PLAN_DEBUG": "0"})
+    assert code1 == 9
+    assert code0 == 3, err0[-3000:]
+    lines = [line for line in err0.strip().splitlines() if line.startswith("rank 0: ")]
+    assert len(lines) == 1 and "a peer stopped or hangs" in lines[0], err0[-3000:]
+    assert "Traceback" not in err0, err0[-3000:]

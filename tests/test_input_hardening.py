@@ -14,10 +14,10 @@ import sys
 from pathlib import Path
 
 import pytest
-from click.testing import CliRunner
 
 from xmesh_plan.planner import cli
 from xmesh_plan.planner.cli import main
+from tests.support.cli import assert_user_error, run_cli
 
 DEBUG_ENV = "XMESH_PLAN_DEBUG"  # the documented name (schemas/last_resort.py)
 
@@ -26,21 +26,6 @@ CASE3_PLAN = ROOT / "plans" / "case3.plan.json"
 PIPELINE = ROOT / "bench" / "pipelines" / "gpt-1.3b-2x2-fp16.json"
 GOOD = {"shape": [8, 8, 4], "dtype": "int32", "src": {"mesh": "2x4", "spec": "R S0 R"}, "dst": {"mesh": "2x4", "spec": "S0 R R"}}
 DIGITS_5000 = "9" * 5000
-
-
-def run(*args: str):
-    return CliRunner().invoke(main, list(map(str, args)), catch_exceptions=True)
-
-
-def assert_user_error(result, *words: str) -> str:
-    """Exit 2, one stderr line `error: ...` containing `words`, no exception escaped."""
-    assert result.exception is None or isinstance(result.exception, SystemExit), repr(result.exception)
-    assert result.exit_code == 2, (result.exit_code, result.output)
-    lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr
-    for word in words:
-        assert word in lines[0], (word, lines[0])
-    return lines[0]
 
 
 def with_(path: tuple, value, base=GOOD) -> dict:
@@ -87,7 +72,7 @@ MESHES = [
 def test_bad_numbers_in_a_problem_are_one_line(tmp_path, path, value, words):
     problem = tmp_path / "p.json"
     problem.write_text(json.dumps(with_(path, value)))
-    assert_user_error(run("compile", problem, "--solver", "greedy", "-o", tmp_path / "out.json"), *words)
+    assert_user_error(run_cli("compile", problem, "--solver", "greedy", "-o", tmp_path / "out.json"), *words)
     assert not (tmp_path / "out.json").exists()
 
 
@@ -108,13 +93,13 @@ def test_unreadable_problem_files_are_one_line(tmp_path, suffix, content, words)
     problem = tmp_path / f"p{suffix}"
     problem.write_bytes(content)
     for command in ("compile", "compare"):
-        assert_user_error(run(command, problem), str(problem), *words)
+        assert_user_error(run_cli(command, problem), str(problem), *words)
 
 
 def test_a_byte_order_mark_is_accepted(tmp_path):
     problem = tmp_path / "p.json"
     problem.write_bytes(b"\xef\xbb\xbf" + json.dumps(GOOD).encode())
-    result = run("compile", problem, "--solver", "greedy")
+    result = run_cli("compile", problem, "--solver", "greedy")
     assert result.exit_code == 0, result.output
 
 
@@ -124,7 +109,7 @@ def test_a_byte_order_mark_is_accepted(tmp_path):
 def test_unreadable_plan_files_are_one_line(tmp_path, content, words, command):
     plan = tmp_path / "x.plan.json"
     plan.write_bytes(content)
-    assert_user_error(run(command, plan), str(plan), *words)
+    assert_user_error(run_cli(command, plan), str(plan), *words)
 
 
 @pytest.mark.parametrize("command,words", [
@@ -135,14 +120,14 @@ def test_unreadable_plan_files_are_one_line(tmp_path, content, words, command):
     (["schedule", PIPELINE, "--schedule", "1f1b-wd", "--weight-delay", DIGITS_5000 + ",0"], ["--weight-delay", "more than"]),
 ])
 def test_flags_are_bounded_to_what_every_component_accepts(command, words):
-    assert_user_error(run(*command), *words)
+    assert_user_error(run_cli(*command), *words)
 
 
 def test_png_to_a_missing_folder_is_one_line(tmp_path):
     pytest.importorskip("matplotlib")
     schedule = tmp_path / "s.json"
-    assert run("schedule", PIPELINE, "--solver", "greedy", "-o", schedule).exit_code == 0
-    assert_user_error(run("simulate", schedule, "--png", tmp_path / "none" / "x.png"), "--png", "cannot write")
+    assert run_cli("schedule", PIPELINE, "--solver", "greedy", "-o", schedule).exit_code == 0
+    assert_user_error(run_cli("simulate", schedule, "--png", tmp_path / "none" / "x.png"), "--png", "cannot write")
 
 
 # --- the last-resort handler ------------------------------------------------------------------------------------
@@ -177,13 +162,13 @@ def test_debug_shows_the_real_exception(monkeypatch, debug_flag, env):
 def test_tests_still_see_tracebacks_through_the_cli_runner(monkeypatch):
     monkeypatch.setattr(cli, "summarize", _explode)
     monkeypatch.delenv(DEBUG_ENV, raising=False)
-    assert isinstance(run("inspect", CASE3_PLAN).exception, ZeroDivisionError)
+    assert isinstance(run_cli("inspect", CASE3_PLAN).exception, ZeroDivisionError)
 
 
 def test_the_console_script_reports_an_internal_error_in_one_line(tmp_path):
     """The installed `xmesh-plan`, with the bug planted through a sitecustomize on its path."""
     (tmp_path / "sitecustomize.py").write_text("import xmesh_plan.planner.cli as cli\ncli.summarize = lambda *a, **k: 1 / 0\n")
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), str(ROOT)])}
+    env = {**os.environ, "PYTHONPATH": str(tmp_path)}
     env.pop(DEBUG_ENV, None)
     script = Path(sys.executable).parent / "xmesh-plan"
     result = subprocess.run([str(script), "inspect", str(CASE3_PLAN)], capture_output=True, text=True, env=env, timeout=120)
@@ -196,7 +181,7 @@ def test_the_console_script_reports_an_internal_error_in_one_line(tmp_path):
 def test_the_executor_demo_reports_an_internal_error_in_one_line(tmp_path):
     """`python -m xmesh_plan.executor.run`, with reading the plan made to fail unexpectedly."""
     (tmp_path / "sitecustomize.py").write_text("import xmesh_plan.schemas as schemas\nschemas.read_plan_file = lambda *a, **k: 1 / 0\n")
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), str(ROOT)])}
+    env = {**os.environ, "PYTHONPATH": str(tmp_path)}
     env.pop(DEBUG_ENV, None)
     result = subprocess.run([sys.executable, "-m", "xmesh_plan.executor.run", str(CASE3_PLAN)], capture_output=True, text=True,
                             env=env, timeout=120, cwd=ROOT)
@@ -234,4 +219,4 @@ def test_bad_numbers_in_a_pipeline_are_one_line(tmp_path, mutate, words):
     mutate(raw)
     pipeline = tmp_path / "pipeline.json"
     pipeline.write_text(json.dumps(raw))
-    assert_user_error(run("schedule", pipeline, "--solver", "greedy"), str(pipeline), *words)
+    assert_user_error(run_cli("schedule", pipeline, "--solver", "greedy"), str(pipeline), *words)

@@ -11,19 +11,17 @@ import os
 import signal
 import subprocess
 import sys
-import time
 import types
 from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from bench.netlab import counters, testbed as tb  # noqa: E402
-from bench.netlab.launch import MPIEXEC, ranks_per_host  # noqa: E402
-from bench.netlab.run_plan import RunOptions, run_plan  # noqa: E402
-from tests.support.builders import compile_fast, make_problem  # noqa: E402
+from bench.netlab import counters, testbed as tb
+from bench.netlab.launch import MPIEXEC, ranks_per_host
+from bench.netlab.run_plan import RunOptions, run_plan
+from tests.support.builders import compile_fast, make_problem
+from tests.support.launch import ROOT
+from tests.support.wait import wait_until
 
 REASON = tb.unavailable_reason() if os.name == "posix" else "network namespaces are Linux only"
 pytestmark = [pytest.mark.mpi, pytest.mark.timeout(900),
@@ -90,18 +88,18 @@ def test_testbed_shapes_both_directions_and_is_removed_after_an_error():
 def test_sigterm_or_ctrl_c_removes_the_testbed_and_its_processes(sig):
     """A run killed politely (SIGTERM, as a CI timeout sends) or by Ctrl-C removes its namespaces and the processes
     inside them; Ctrl-C also after a C library reset SIGINT to its default behind Python's back (as CP-SAT did)."""
-    code = ("import ctypes, signal, sys, time; sys.path.insert(0, sys.argv[1]); from bench.netlab import testbed as tb\n"
+    code = ("import ctypes, signal, time; from bench.netlab import testbed as tb  # the repository root is the working directory\n"
             "signal.signal(signal.SIGINT, signal.default_int_handler)  # as at a terminal, even if pytest started with it ignored\n"
             "ctypes.CDLL(None).signal(2, None)  # SIGINT to SIG_DFL in the kernel; Python still thinks its handler is set\n"
             "with tb.testbed(2, tb.LinkShape(100)) as bed:\n"
             "    import subprocess; subprocess.Popen([tb.IP, 'netns', 'exec', bed.host_ns(1), 'sleep', '600'])\n"
             "    print(bed.run_id, flush=True); time.sleep(600)\n")
-    proc = subprocess.Popen([sys.executable, "-c", code, str(ROOT)], stdout=subprocess.PIPE, text=True)
+    proc = subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, stdout=subprocess.PIPE, text=True)
     try:
         run_id = proc.stdout.readline().strip()
         assert run_id and len(ours(run_id)) == 3
-        sleeper = _wait_for_pids(f"{run_id}-h1")  # the sleeper enters its namespace a moment after Popen returns
-        assert sleeper
+        # the sleeper enters its namespace a moment after Popen returns
+        sleeper = wait_until(lambda: tb.namespace_pids(f"{run_id}-h1"), "the sleeper in host 1's namespace")
         proc.send_signal(sig)
         proc.wait(timeout=120)
     finally:  # a failed assert must not leave the child (and its testbed) for 600 s
@@ -109,15 +107,8 @@ def test_sigterm_or_ctrl_c_removes_the_testbed_and_its_processes(sig):
             proc.send_signal(signal.SIGTERM)
             proc.wait(timeout=120)
     assert ours(run_id) == []
-    time.sleep(0.5)
-    assert not any(os.path.exists(f"/proc/{pid}") and _not_zombie(pid) for pid in sleeper)
-
-
-def _wait_for_pids(ns: str, timeout_s: float = 60.0) -> list[int]:
-    deadline = time.monotonic() + timeout_s
-    while not (pids := tb.namespace_pids(ns)) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    return pids
+    wait_until(lambda: not any(os.path.exists(f"/proc/{pid}") and _not_zombie(pid) for pid in sleeper),
+               "the sleeper in the removed namespace to end", timeout_s=30)
 
 
 def _not_zombie(pid: int) -> bool:

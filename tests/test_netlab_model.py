@@ -2,21 +2,16 @@
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from bench.netlab.baseline_plans import baseline_plan  # noqa: E402
-from bench.netlab.counters import HostBytes, LinkBytes, predicted_links, within  # noqa: E402
-from bench.netlab.launch import ranks_per_host  # noqa: E402
-from bench.netlab.predict import at_rate, predictions  # noqa: E402
-from bench.netlab.run_plan import scaled  # noqa: E402
-from xmesh_plan.planner.baselines import baseline_seconds  # noqa: E402
-from xmesh_plan.planner.compile import compile_plan  # noqa: E402
-from xmesh_plan.planner.verify import verify_plan  # noqa: E402
+from bench.netlab.baseline_plans import baseline_plan
+from bench.netlab.counters import HostBytes, LinkBytes, predicted_links, within
+from bench.netlab.launch import ranks_per_host
+from bench.netlab.predict import at_rate, predictions
+from bench.netlab.run_plan import scaled
+from xmesh_plan.planner.baselines import baseline_seconds
+from xmesh_plan.planner.compile import compile_plan
+from xmesh_plan.planner.verify import verify_plan
 
 
 @pytest.mark.parametrize("name", ["alpa-send-recv", "alpa-allgather"])

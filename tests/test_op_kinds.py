@@ -18,7 +18,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from pydantic import ValidationError
 
-from tests.support.cases import all_fixed_plans
+from tests.support.cases import STRATEGIES, all_fixed_plans
 from tests.support.builders import FAST_SOLVER
 from tests.support.strategies import SETTINGS, problems
 from xmesh_plan.executor.lower import lower
@@ -36,8 +36,6 @@ from xmesh_plan.schemas.op_kinds import (OP_KINDS, OpKindRule, chunk_bounds, mem
                                          tags_used, wire_pairs)
 from xmesh_plan.schemas.plan import Operation, OpKind, Plan
 from xmesh_plan.schemas.plan_check import PlanError, check_plan
-
-STRATEGIES = ("broadcast", "send_recv", "local_allgather", "global_allgather")
 
 
 def _plans(problem, strategy: str, chunks: int) -> Plan:

@@ -14,10 +14,9 @@ import sys
 from pathlib import Path
 
 import pytest
-from click.testing import CliRunner
 
-from xmesh_plan.planner.cli import main
 from xmesh_plan.schemas.files import write_atomic
+from tests.support.cli import run_cli
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = Path(sys.executable).parent / "xmesh-plan"
@@ -26,9 +25,6 @@ PIPELINE = str(ROOT / "bench" / "pipelines" / "gpt-1.3b-2x2-fp16.json")
 FAST = ["--solver", "greedy"]
 root_only = pytest.mark.skipif(os.geteuid() != 0, reason="mknod of a character device needs root")
 
-
-def run(*args) -> object:
-    return CliRunner().invoke(main, list(map(str, args)), catch_exceptions=True)
 
 
 def device(path: Path, minor: int) -> Path:
@@ -87,7 +83,7 @@ def test_a_device_is_written_through_not_replaced(tmp_path):
 @root_only
 def test_compile_output_onto_a_device_keeps_the_device(tmp_path):
     null = device(tmp_path / "fakenull", 3)
-    result = run("compile", CASE3, *FAST, "-o", null)
+    result = run_cli("compile", CASE3, *FAST, "-o", null)
     assert result.exit_code == 0, result.output
     assert is_char_device(null)
 
@@ -96,9 +92,9 @@ def test_compile_output_onto_a_device_keeps_the_device(tmp_path):
 def test_pipeline_outputs_onto_devices_keep_the_devices(tmp_path):
     schedule = tmp_path / "schedule.json"
     out, csv, trace, png = (device(tmp_path / name, 3) for name in ("out", "csv", "trace", "png"))
-    assert run("schedule", PIPELINE, "--schedule", "1f1b", "-o", out, "--torch-csv", csv).exit_code == 0
-    assert run("schedule", PIPELINE, "--schedule", "1f1b", "-o", schedule).exit_code == 0
-    result = run("simulate", schedule, "--trace", trace, "--png", png)
+    assert run_cli("schedule", PIPELINE, "--schedule", "1f1b", "-o", out, "--torch-csv", csv).exit_code == 0
+    assert run_cli("schedule", PIPELINE, "--schedule", "1f1b", "-o", schedule).exit_code == 0
+    result = run_cli("simulate", schedule, "--trace", trace, "--png", png)
     assert result.exit_code == 0, result.output
     assert all(is_char_device(p) for p in (out, csv, trace, png))
 
@@ -106,14 +102,14 @@ def test_pipeline_outputs_onto_devices_keep_the_devices(tmp_path):
 def test_compile_output_onto_a_symlink_keeps_the_link(tmp_path):
     link = tmp_path / "plan.json"
     link.symlink_to("kept.plan.json")
-    assert run("compile", CASE3, *FAST, "-o", link).exit_code == 0
+    assert run_cli("compile", CASE3, *FAST, "-o", link).exit_code == 0
     assert link.is_symlink() and '"schema_version"' in (tmp_path / "kept.plan.json").read_text()
 
 
 def test_compile_output_onto_a_fifo_is_one_line(tmp_path):
     fifo = tmp_path / "fifo"
     os.mkfifo(fifo)
-    result = run("compile", CASE3, *FAST, "-o", fifo)
+    result = run_cli("compile", CASE3, *FAST, "-o", fifo)
     assert result.exit_code == 2 and result.stderr.count("\n") == 1, result.output
     assert "--output" in result.stderr and "nothing reads" in result.stderr
     assert stat.S_ISFIFO(os.lstat(fifo).st_mode)
@@ -121,7 +117,7 @@ def test_compile_output_onto_a_fifo_is_one_line(tmp_path):
 
 def test_an_output_path_with_a_newline_is_quoted_on_one_line(tmp_path):
     target = tmp_path / "no\nsuch" / "plan.json"
-    result = run("compile", CASE3, *FAST, "-o", target)
+    result = run_cli("compile", CASE3, *FAST, "-o", target)
     assert result.exit_code == 2 and result.stderr.count("\n") == 1, result.stderr
     assert "no\\nsuch" in result.stderr
 
@@ -159,6 +155,6 @@ def test_a_full_disk_behind_the_rename_is_exit_1_in_process(tmp_path, monkeypatc
         raise OSError(28, "No space left on device")
 
     monkeypatch.setattr(os, "replace", full)
-    result = run("compile", CASE3, *FAST, "-o", tmp_path / "plan.json")
+    result = run_cli("compile", CASE3, *FAST, "-o", tmp_path / "plan.json")
     assert isinstance(result.exception, OSError) and result.exception.errno == 28  # on to the last-resort handler
     assert list(tmp_path.iterdir()) == []

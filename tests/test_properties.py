@@ -20,10 +20,10 @@ from xmesh_plan.planner.unit_tasks import decompose
 from xmesh_plan.planner.verify import verify_plan
 from xmesh_plan.schemas.geometry import region_size
 from xmesh_plan.schemas.plan import Plan
-from tests.support.builders import FAST_SOLVER
+from tests.support.builders import FAST_SOLVER, STRATEGY_NAMES
 from tests.support.strategies import SETTINGS, problems
 
-STRATEGIES = ("broadcast", "send_recv", "local_allgather", "global_allgather", "auto")
+
 def received_bytes(plan: Plan) -> dict[int, int]:
     """Bytes delivered to each device: copies, sends and every broadcast chain member get the box; an
     all-gather member gets the box less the part it already holds."""
@@ -67,14 +67,14 @@ def check_plan(plan: Plan) -> None:
 @settings(max_examples=70, **SETTINGS)
 @given(problems())
 def test_every_strategy_gives_a_correct_plan(problem):
-    for strategy in STRATEGIES:
+    for strategy in STRATEGY_NAMES:
         plan = compile_plan(problem, strategy=strategy, solver=FAST_SOLVER)
         assert plan.strategy == strategy
         check_plan(plan)
 
 
 @settings(max_examples=30, **SETTINGS)
-@given(problems(), st.sampled_from(STRATEGIES), st.booleans())
+@given(problems(), st.sampled_from(STRATEGY_NAMES), st.booleans())
 def test_compiling_is_deterministic_and_merge_agnostic(problem, strategy, merge):
     a = compile_plan(problem, strategy=strategy, solver=FAST_SOLVER, merge=merge)
     b = compile_plan(problem, strategy=strategy, solver=FAST_SOLVER, merge=merge)
@@ -84,7 +84,7 @@ def test_compiling_is_deterministic_and_merge_agnostic(problem, strategy, merge)
 
 
 @settings(max_examples=12, **SETTINGS)
-@given(problems(), st.sampled_from(STRATEGIES))
+@given(problems(), st.sampled_from(STRATEGY_NAMES))
 def test_the_default_solver_gives_a_correct_plan(problem, strategy):
     # the default solver may run CP-SAT, whose budget is deterministic time, not wall time: keep instances small
     assume(len(decompose(problem)) <= 64)

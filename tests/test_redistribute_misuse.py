@@ -8,16 +8,12 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
-import time
-from pathlib import Path
 
 import pytest
 
-from tests.support.launch import ROOT, free_port
+from tests.support.launch import ROOT, free_port, run_ranks
 
-WORKER = Path(__file__).parent / "workers" / "redistribute_misuse_worker.py"
+WORKER = ROOT / "tests" / "workers" / "redistribute_misuse_worker.py"
 RANKS = 4
 LAUNCH_TIMEOUT_S = 300  # a hang only: 4 ranks importing torch on a loaded 2-core machine take a while
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(2 * LAUNCH_TIMEOUT_S)]
@@ -25,22 +21,8 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(2 * LAUNCH_TIMEOUT_S)]
 
 def launch(*args: str) -> list[tuple[int, str, str]]:
     """(return code, stdout, stderr) of each of 4 ranks of the worker; every rank is killed after the deadline."""
-    port, reinit, procs = free_port(), ",".join(str(free_port()) for _ in range(2)), []
-    for rank in range(RANKS):
-        env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank), "WORLD_SIZE": str(RANKS),
-               "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(RANKS), "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1",
-               "REINIT_PORTS": reinit}
-        procs.append(subprocess.Popen([sys.executable, str(WORKER), *args], cwd=ROOT, env=env, text=True,
-                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE))
-    deadline, runs = time.monotonic() + LAUNCH_TIMEOUT_S, []
-    try:
-        for proc in procs:
-            out, err = proc.communicate(timeout=max(1, deadline - time.monotonic()))
-            runs.append((proc.returncode, out, err))
-    finally:
-        for proc in procs:
-            proc.kill()
-    return runs
+    reinit = ",".join(str(free_port()) for _ in range(2))
+    return run_ranks(RANKS, WORKER, *args, env={"REINIT_PORTS": reinit}, timeout=LAUNCH_TIMEOUT_S)
 
 
 @pytest.fixture(scope="module")

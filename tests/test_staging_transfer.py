@@ -8,10 +8,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import math
-import os
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -30,16 +27,15 @@ from xmesh_plan.planner.staging_limit import StagingLimitError
 from xmesh_plan.planner.transfer_io import build_transfer, load_any_problem
 from xmesh_plan.planner.verify import PlanError, verify_plan
 from xmesh_plan.schemas import Plan, read_plan_file
-from xmesh_plan.schemas.op_kinds import members
 from xmesh_plan.schemas.plan_tensors import tensor_plans
 from xmesh_plan.schemas.staging import staging_peaks
-from tests.support.staging import brute_footprint, unsafe_reuse
+from tests.support.staging import brute_force_peaks, unsafe_reuse
 from tests.support.fake_mpi import FakeWorld, WorldComm
+from tests.support.launch import MPIEXEC, mpiexec
 from tests.support.transfer import assert_every_shard, fake_executors, full_tensors, random_transfer, run_everywhere
 
 ROOT = Path(__file__).resolve().parents[1]
 SMALL = ROOT / "plans" / "weight_sync_small.problem.toml"
-MPIEXEC = Path(sys.executable).parent / "mpiexec"
 WORKER = ROOT / "tests" / "workers" / "staging_transfer_worker.py"
 SMALL_LIMIT = 16 * 2**10  # a quarter of the small weight sync's largest device-order run without a limit (64 KiB)
 
@@ -64,41 +60,6 @@ def small_plan() -> Plan:
 @pytest.fixture(scope="module")
 def two_plan() -> Plan:
     return compile_plan(two_tensors(), solver="greedy", max_staging_bytes=200)
-
-
-def brute_force_peaks(plan: Plan) -> dict[int, int]:
-    """Each device's device-order staging, from the definitions and written apart from `schemas.staging`: in
-    plan order across tensors, the boxes a device holds while it takes part in an operation (its box of a
-    chain, every part of a ring, a bundle's whole message on its relays and its own parts elsewhere),
-    staged unless numpy finds them one run of its shard of that tensor; runs of the same peers (from the
-    route's messages) cut before they pass the plan's limit; each box at a multiple of the largest element.
-    Bundles sharing one message (`carrier`: listed after the bundle named) count as one operation on a
-    device: their peers together, their boxes one after another, each at a multiple of the largest element."""
-    problems = plan.problem.tensor_problems()
-    align = max(p.itemsize for p in problems)
-    per_device: dict[int, list[tuple[frozenset, int]]] = {}
-    for op in plan.operations:
-        for d in members(op):
-            talks, n = brute_footprint(op, d, problems[op.tensor])
-            items = per_device.setdefault(d, [])
-            if op.carrier is not None and items and items[-1][2] == op.carrier:  # the same message as the one before
-                before, used, _ = items[-1]
-                items[-1] = (before | talks, (-(-used // align) * align if n else used) + n, op.carrier)
-            else:
-                items.append((talks, n, op.id if op.carrier is None else op.carrier))
-    budget, out = plan.staging.limit_bytes if plan.staging else None, {}
-    for d, items in per_device.items():
-        peak, peers, used = 0, frozenset(), 0
-        for talks, n, _ in items:
-            start = -(-used // align) * align if n else used
-            if (talks and peers and talks != peers) or (budget is not None and used and start + n > budget):
-                peers, used, start = talks, 0, 0
-            peers = peers or talks
-            used = start + n
-            peak = max(peak, used)
-        if peak:
-            out[d] = peak
-    return out
 
 
 def joint_programs(plan: Plan) -> dict[int, object]:
@@ -271,12 +232,6 @@ def test_compile_verify_and_inspect_state_the_limit(tmp_path):
 
 # --- real launches ------------------------------------------------------------------------------------------
 
-def _mpiexec(n: int, *args: str, timeout: float = 500) -> subprocess.CompletedProcess:
-    env = dict(os.environ, MPIR_CVAR_ENABLE_HEAVY_YIELD="1", PYTHONPATH=str(ROOT))
-    return subprocess.run([str(MPIEXEC), "-n", str(n), sys.executable, *args], cwd=ROOT, env=env, capture_output=True, text=True,
-                          timeout=timeout)
-
-
 @pytest.mark.mpi
 @pytest.mark.skipif(not MPIEXEC.exists(), reason=f"no mpiexec at {MPIEXEC}")
 @pytest.mark.timeout(900)
@@ -286,14 +241,14 @@ def test_mpiexec_runs_limited_transfers_bit_exact_within_the_stated_staging(tmp_
     for plan, ranks in ((small_plan, 8), (two_plan, 6)):
         path = tmp_path / f"{plan.problem.name}.plan.json"
         path.write_text(plan.to_json())
-        result = _mpiexec(ranks, str(WORKER), str(path))
+        result = mpiexec(ranks, str(WORKER), str(path))
         assert result.returncode == 0, result.stderr[-3000:]
         found = re.search(r"ok (\S+) order (\w+) staging (\d+) stated (\d+) limit (\d+)", result.stdout)
         assert found, result.stdout
         name, order, allocated, stated, limit = found.groups()
         assert (name, order) == (plan.problem.name, "device")
         assert 0 < int(allocated) <= int(stated) <= int(limit) == plan.staging.limit_bytes
-    refused = _mpiexec(8, "-m", "xmesh_plan.executor.run", str(tmp_path / "weight_sync_small.plan.json"), "--order", "posted", "--check")
+    refused = mpiexec(8, "-m", "xmesh_plan.executor.run", str(tmp_path / "weight_sync_small.plan.json"), "--order", "posted", "--check")
     assert refused.returncode != 0 and "run it with order='device'" in refused.stdout + refused.stderr
 
 

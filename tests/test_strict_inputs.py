@@ -13,12 +13,11 @@ import json
 from pathlib import Path
 
 import pytest
-from click.testing import CliRunner
 
-from xmesh_plan.planner.cli import main
 from xmesh_plan.planner.verify import PlanError, verify_plan
 from xmesh_plan.schemas import Plan, files
 from xmesh_plan.schemas.plan import PlanFileError, read_plan_file
+from tests.support.cli import assert_user_error, run_cli
 
 ROOT = Path(__file__).resolve().parents[1]
 CASE3_PLAN = ROOT / "plans" / "case3.plan.json"
@@ -28,24 +27,11 @@ TRANSFER = {"src_mesh": "1x2", "dst_mesh": "1x2", "rules": [{"match": "*", "src"
             "tensors": [{"name": "w", "shape": [4]}]}
 
 
-def run(*args):
-    return CliRunner().invoke(main, list(map(str, args)), catch_exceptions=True)
-
-
-def one_line_error(result, *words: str) -> str:
-    assert result.exception is None or isinstance(result.exception, SystemExit), repr(result.exception)
-    assert result.exit_code == 2, (result.exit_code, result.output)
-    lines = result.stderr.splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr
-    for word in words:
-        assert word in lines[0], (word, lines[0])
-    return lines[0]
-
 
 def compile_raw(tmp_path: Path, raw, name: str = "p.json"):
     path = tmp_path / name
     path.write_text(raw if isinstance(raw, str) else json.dumps(raw))
-    return run("compile", path, "--solver", "greedy")
+    return run_cli("compile", path, "--solver", "greedy")
 
 
 # --- 17: strict types at the door ---------------------------------------------------------------------------
@@ -79,27 +65,27 @@ def test_plan_numbers_and_flags_are_not_coerced(tmp_path, where, value):
 
 @pytest.mark.parametrize("shape", [[8.0, 8], [8.5, 8], ["8", 8]])
 def test_a_shape_of_floats_or_text_is_refused(tmp_path, shape):
-    one_line_error(compile_raw(tmp_path, {**GOOD, "shape": shape}), "shape.0")
+    assert_user_error(compile_raw(tmp_path, {**GOOD, "shape": shape}), "shape.0")
 
 
 def test_a_number_as_text_in_the_cluster_is_refused(tmp_path):
-    one_line_error(compile_raw(tmp_path, {**GOOD, "cluster": {"latency_us": "5"}}), "cluster.latency_us")
+    assert_user_error(compile_raw(tmp_path, {**GOOD, "cluster": {"latency_us": "5"}}), "cluster.latency_us")
 
 
 def test_a_duplicate_key_is_refused_naming_it(tmp_path):
     text = json.dumps(GOOD)[:-1] + ', "shape": [4, 4]}'
-    one_line_error(compile_raw(tmp_path, text), "shape", "twice")
+    assert_user_error(compile_raw(tmp_path, text), "shape", "twice")
 
 
 def test_a_duplicate_key_in_a_plan_is_refused(tmp_path):
     path = tmp_path / "x.plan.json"
     path.write_text(CASE3_PLAN.read_text().replace('"strategy": "broadcast",', '"strategy": "broadcast", "strategy": "auto",', 1))
-    one_line_error(run("verify", path), "strategy", "twice")
+    assert_user_error(run_cli("verify", path), "strategy", "twice")
 
 
 def test_first_host_with_devices_is_refused(tmp_path):
     raw = {**GOOD, "dst": {"mesh": {"shape": [2], "devices": [0, 1], "first_host": 5}, "spec": "R R"}}
-    one_line_error(compile_raw(tmp_path, raw), "dst.mesh", "devices", "first_host")
+    assert_user_error(compile_raw(tmp_path, raw), "dst.mesh", "devices", "first_host")
 
 
 def test_an_empty_host_order_does_not_verify():
@@ -113,28 +99,28 @@ def test_an_empty_host_order_does_not_verify():
 @pytest.mark.parametrize("spec,words", [([1, 2], ["src.spec", "[1, 2]", "not a sharding spec"]),
                                         (3, ["src.spec", "not a sharding spec"]), (None, ["src.spec", "None"])])
 def test_a_spec_that_is_not_text_says_so(tmp_path, spec, words):
-    line = one_line_error(compile_raw(tmp_path, {**GOOD, "src": {"mesh": "1x2", "spec": spec}}), *words)
+    line = assert_user_error(compile_raw(tmp_path, {**GOOD, "src": {"mesh": "1x2", "spec": spec}}), *words)
     assert "empty" not in line
 
 
 def test_a_cluster_that_is_not_an_object_says_so(tmp_path):
-    line = one_line_error(compile_raw(tmp_path, {**GOOD, "cluster": []}), "cluster: ")
+    line = assert_user_error(compile_raw(tmp_path, {**GOOD, "cluster": []}), "cluster: ")
     assert "cluster.Input" not in line
 
 
 # --- 15: user text quoted -----------------------------------------------------------------------------------
 
 def test_an_unknown_key_with_a_newline_is_quoted(tmp_path):
-    one_line_error(compile_raw(tmp_path, {**TRANSFER, "oops\nkey": 1}), "'oops\\nkey'")
+    assert_user_error(compile_raw(tmp_path, {**TRANSFER, "oops\nkey": 1}), "'oops\\nkey'")
 
 
 def test_a_tensor_name_with_a_newline_is_quoted(tmp_path):
     raw = {**TRANSFER, "tensors": [{"name": "bad\nname", "shape": [4], "dtype": "nope"}]}
-    one_line_error(compile_raw(tmp_path, raw), "'bad\\nname'")
+    assert_user_error(compile_raw(tmp_path, raw), "'bad\\nname'")
 
 
 def test_a_solver_details_key_with_a_newline_is_quoted(tmp_path):
-    one_line_error(run("inspect", edited(CASE3_PLAN, tmp_path, ("solver", "details", "x\ny"), 1)), "'x\\ny'")
+    assert_user_error(run_cli("inspect", edited(CASE3_PLAN, tmp_path, ("solver", "details", "x\ny"), 1)), "'x\\ny'")
 
 
 def test_a_problem_path_with_a_newline_is_quoted(tmp_path):
@@ -142,7 +128,7 @@ def test_a_problem_path_with_a_newline_is_quoted(tmp_path):
     folder.mkdir()
     path = folder / "p.json"
     path.write_text("{")
-    one_line_error(run("compile", path), "a\\nb")
+    assert_user_error(run_cli("compile", path), "a\\nb")
 
 
 # --- 13: a repeated group's name that is not text -----------------------------------------------------------
@@ -150,7 +136,7 @@ def test_a_problem_path_with_a_newline_is_quoted(tmp_path):
 @pytest.mark.parametrize("name", [["l{i}.w"], {"n": "l{i}.w"}])
 def test_a_repeated_name_that_is_not_text_is_one_line(tmp_path, name):
     raw = {**TRANSFER, "tensors": [{"repeat": 2, "group": [{"name": name, "shape": [4]}]}]}
-    one_line_error(compile_raw(tmp_path, raw), "tensors[0].group[0].name", "not text")
+    assert_user_error(compile_raw(tmp_path, raw), "tensors[0].group[0].name", "not text")
 
 
 # --- 12: compare with a lower bound of 0 --------------------------------------------------------------------
@@ -159,7 +145,7 @@ def test_compare_a_problem_of_local_copies_only(tmp_path):
     mesh = {"shape": [2], "devices": [0, 1]}
     path = tmp_path / "local.json"
     path.write_text(json.dumps({**GOOD, "src": {"mesh": mesh, "spec": "S0 R"}, "dst": {"mesh": mesh, "spec": "S0 R"}}))
-    result = run("compare", path, "--time-limit", "1")
+    result = run_cli("compare", path, "--time-limit", "1")
     assert result.exit_code == 0, result.output
     assert "lower bound 0.0000 s" in result.output
 
@@ -169,22 +155,22 @@ def test_compare_a_problem_of_local_copies_only(tmp_path):
 def test_compile_refuses_to_write_a_plan_above_what_readers_take(tmp_path, monkeypatch):
     monkeypatch.setattr(files, "MAX_FILE_BYTES", 2000)
     out = tmp_path / "plan.json"
-    one_line_error(run("compile", CASE3, "--solver", "greedy", "-o", out), "--output", "MiB", "readers")
+    assert_user_error(run_cli("compile", CASE3, "--solver", "greedy", "-o", out), "--output", "MiB", "readers")
     assert not out.exists()
-    one_line_error(run("compile", CASE3, "--solver", "greedy", "-o", "-"), "--output", "readers")
+    assert_user_error(run_cli("compile", CASE3, "--solver", "greedy", "-o", "-"), "--output", "readers")
 
 
 def test_an_oversized_plan_file_is_not_called_not_a_plan(tmp_path, monkeypatch):
     monkeypatch.setattr(files, "MAX_FILE_BYTES", 2000)
-    line = one_line_error(run("verify", CASE3_PLAN), "MiB")
+    line = assert_user_error(run_cli("verify", CASE3_PLAN), "MiB")
     assert "not a plan" not in line
 
 
 def test_a_schedule_flag_as_a_number_is_refused(tmp_path):
     pipeline = ROOT / "bench" / "pipelines" / "gpt-1.3b-2x2-fp16.json"
     schedule = tmp_path / "s.json"
-    assert run("schedule", pipeline, "--schedule", "1f1b", "--solver", "greedy", "-o", schedule).exit_code == 0
-    one_line_error(run("simulate", edited(schedule, tmp_path, ("overlap",), 1)), "overlap")
+    assert run_cli("schedule", pipeline, "--schedule", "1f1b", "--solver", "greedy", "-o", schedule).exit_code == 0
+    assert_user_error(run_cli("simulate", edited(schedule, tmp_path, ("overlap",), 1)), "overlap")
 
 
 def test_verify_quotes_a_plan_path_with_a_newline(tmp_path):
@@ -192,5 +178,5 @@ def test_verify_quotes_a_plan_path_with_a_newline(tmp_path):
     folder.mkdir()
     path = folder / "x.plan.json"
     path.write_text(CASE3_PLAN.read_text())
-    result = run("verify", path)
+    result = run_cli("verify", path)
     assert result.exit_code == 0 and result.output.count("\n") == 1 and "a\\nb" in result.output, result.output

@@ -4,10 +4,8 @@ against numpy slicing of each full tensor (in-process fake MPI and one real mpie
 from __future__ import annotations
 
 import json
-import os
 from dataclasses import replace
 import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -27,12 +25,12 @@ from xmesh_plan.schemas import Plan, read_plan_file
 from xmesh_plan.schemas.plan_check import check_plan, tags_used
 from xmesh_plan.schemas.plan_tensors import tensor_plans
 from tests.support.fake_mpi import FakeMPI, FakeWorld, WorldComm, out_of_device_order
+from tests.support.launch import MPIEXEC, run_demo, torchrun
 from tests.support.transfer import assert_every_shard, fake_executors, full_tensors, random_transfer, run_everywhere, slice_box, three_tensors
 
 ROOT = Path(__file__).resolve().parents[1]
 SMALL = ROOT / "plans" / "weight_sync_small.problem.toml"
 CHAINED = {"split_hosts": False, "coalesce": False}  # the plan a multi-tensor problem got by default before compile_defaults
-MPIEXEC = Path(sys.executable).parent / "mpiexec"
 
 
 @pytest.fixture(scope="module")
@@ -208,6 +206,23 @@ def test_the_executor_refuses_missing_and_unknown_names(plan):
         source.start({"nope": np.zeros(1)})
     with pytest.raises(PlanMismatchError, match=r"in the source mesh; pass its shard of 'w' \(and 2 more\)"):
         source.start({})
+    with pytest.raises(PlanMismatchError, match=r"shards is a list; pass a mapping of tensor name to this rank's source shard"):
+        source.run([np.zeros(1), np.zeros(1)])
+
+
+@pytest.mark.parametrize("concurrent,order", [(True, "posted"), (False, "posted"), (True, "device")],
+                         ids=["posted-at-once", "one-after-another", "device-order"])
+def test_a_wrong_later_input_is_refused_before_any_tensor_starts_and_the_executor_stays_usable(plan, concurrent, order):
+    """The last tensor's shard has the wrong dtype on one source rank: start() refuses it before starting any tensor
+    (nothing moved), so the same executor runs the corrected call and every peer's reshard completes bit-exact."""
+    executors = fake_executors(plan, concurrent=concurrent, order=order)
+    full = full_tensors(plan, 6)
+    source = next(ex for ex in executors if all(part.program.src_block is not None for part in ex.parts))
+    shards = {name: slice_box(full[name], part.program.src_block) for name, part in zip(source.names, source.parts)}
+    last = source.names[-1]
+    with pytest.raises(PlanMismatchError, match=f"{last}|dtype|element type|float64"):
+        source.start({**shards, last: shards[last].astype(np.float64)})
+    assert_every_shard(plan, run_everywhere(plan, executors, full), full)
 
 
 def test_one_tensor_after_another_as_the_torch_and_nccl_engines_run_them_is_bit_exact(plan):
@@ -261,9 +276,7 @@ def _demo_on_the_small_weight_sync(tmp_path, ranks: int, *flags: str, timeout: f
     """`mpiexec -n ranks python -m xmesh_plan.executor.run` on the small weight sync's plan, with --check."""
     path = tmp_path / "weight_sync_small.plan.json"
     path.write_text(compile_plan(load_any_problem(SMALL), solver="greedy", **CHAINED).to_json())
-    env = dict(os.environ, MPIR_CVAR_ENABLE_HEAVY_YIELD="1", PYTHONPATH=str(ROOT))
-    return subprocess.run([str(MPIEXEC), "-n", str(ranks), sys.executable, "-m", "xmesh_plan.executor.run", str(path), "--check",
-                           *flags], cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    return run_demo(ranks, path, "--check", *flags, timeout=timeout)
 
 
 @pytest.mark.mpi
@@ -297,10 +310,8 @@ def test_torchrun_runs_the_small_weight_sync_on_gloo_bit_exact(tmp_path, order, 
     pytest.importorskip("torch")
     path = tmp_path / "weight_sync_small.plan.json"
     path.write_text(compile_plan(load_any_problem(SMALL), solver="greedy", **CHAINED).to_json())
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "8", "-m", "xmesh_plan.executor.torch_run", str(path),
-           "--check", "--iters", "2", *(("--order", order) if order else ())]
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    result = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=700)
+    result = torchrun(8, "xmesh_plan.executor.torch_run", str(path), "--check", "--iters", "2", *(("--order", order) if order else ()),
+                      timeout=700)
     assert result.returncode == 0, result.stderr[-3000:]
     assert f"21 tensors, 8 ranks, 100 ops, torch/gloo ({how})" in result.stdout, result.stdout
     assert "check ok: every destination shard of every tensor bit-exact" in result.stdout, result.stdout

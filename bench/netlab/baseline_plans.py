@@ -2,8 +2,9 @@
 
 A baseline is an operation list; a plan also needs one unit task per task id its operations name,
 and operations listed in execution order. Times come from the simulator's `device-order` replay
-(how `xmesh-plan compare` prices baselines); `host_order` stays empty, since Alpa keeps no per-host
-order. The result passes `verify_plan`, so the executor's lowering accepts it. Only Alpa's two can
+(how `xmesh-plan compare` prices baselines); `host_order` lists each task on the NIC sides of the hosts
+its operations cross, in the order that replay starts them (Alpa keeps no order of its own, and a plan
+lists every task that crosses hosts there). The result passes `verify_plan`, so the executor's lowering accepts it. Only Alpa's two can
 run: the RL frameworks' baselines broadcast whole blocks, more than a destination shard holds, which
 the plan format rejects, so they stay simulator-only (`xmesh-plan compare`, bench/bench_weight_sync.py).
 """
@@ -14,9 +15,9 @@ from xmesh_plan.planner.baselines import BASELINES
 from xmesh_plan.planner.bounds import lower_bound
 from xmesh_plan.planner.simulate import simulate
 from xmesh_plan.planner.unit_tasks import decompose
-from xmesh_plan.schemas import Operation, Plan, ReshardingProblem, SolverInfo, UnitTask
+from xmesh_plan.schemas import HostOrder, Operation, Plan, ReshardingProblem, SolverInfo, UnitTask
 from xmesh_plan.schemas.geometry import region_size
-from xmesh_plan.schemas.op_kinds import reads, rule_of
+from xmesh_plan.schemas.op_kinds import members, reads, rule_of
 
 STRATEGY_OF = {"alpa-send-recv": "send_recv", "alpa-allgather": "local_allgather"}
 
@@ -32,6 +33,22 @@ def _task(task_id: int, ops: list[Operation], problem: ReshardingProblem, strate
                     senders=senders, receivers=receivers, sender=senders[0], sender_host=host(senders[0]),
                     receiver_hosts=tuple(sorted({host(d) for d in receivers})), strategy=strategy,
                     start_s=min(op.start_s for op in ops), end_s=max(op.end_s for op in ops))
+
+
+def _host_order(ops: list[Operation], problem: ReshardingProblem) -> tuple[HostOrder, ...]:
+    """Each task on the send and receive side of every host its operations cross, first started first."""
+    host = problem.cluster.host_of
+    listed: dict[tuple[int, str], list[int]] = {}
+    for op in ops:  # in execution order
+        hosts = {host(d) for d in members(op)}
+        if op.task < 0 or len(hosts) < 2:
+            continue
+        for h in hosts:
+            for side in ("send", "recv"):
+                tasks = listed.setdefault((h, side), [])
+                if op.task not in tasks:
+                    tasks.append(op.task)
+    return tuple(HostOrder(host=h, side=side, tasks=tuple(tasks)) for (h, side), tasks in sorted(listed.items()))
 
 
 def baseline_plan(problem: ReshardingProblem, name: str) -> Plan:
@@ -50,5 +67,5 @@ def baseline_plan(problem: ReshardingProblem, name: str) -> Plan:
     tasks = tuple(_task(t, by_task[t], problem, STRATEGY_OF[name]) for t in sorted(by_task))
     bound = lower_bound(decompose(problem), problem.cluster, problem.itemsize).seconds
     return Plan(generator="bench.netlab baseline", problem=problem, strategy=name, solver=SolverInfo(name=name),
-                merged_slices=False, tasks=tasks, operations=tuple(ops), host_order=(),
+                merged_slices=False, tasks=tasks, operations=tuple(ops), host_order=_host_order(ops, problem),
                 predicted_seconds=sim.makespan_s, lower_bound_seconds=min(bound, sim.makespan_s))

@@ -1,6 +1,6 @@
 """The planner's chunk counts against the simulator's best, with the testbed's CPU model (`Cluster.cpu`).
 
-    PYTHONPATH=$PWD .venv/bin/python -m bench.netlab.chunk_sweep --cases one_to_1x4,case9 --rates 500,10000 --mb 32,2048
+    .venv/bin/python -m bench.netlab.chunk_sweep --cases one_to_1x4,case9 --rates 500,10000 --mb 32,2048
 
 Per case, rate and tensor size: the broadcast plan (greedy solver) made with `predict.TESTBED_CPU` and 300 us per
 message, its simulated time (host order, the plan's own claim), and every broadcast forced to each K of a sweep:

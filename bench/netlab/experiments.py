@@ -7,7 +7,7 @@ testbed; the medians of `--iters` timed reshards after `--warmup` are set agains
 Writes bench/results/netlab.json (or `--out`) and prints the runs as Markdown tables (`--no-markdown`: not);
 `bench/benchmarks_doc.py` makes BENCHMARKS.md from the results files it names.
 
-    sudo PYTHONPATH=$PWD .venv/bin/python -m bench.netlab.experiments [--cases case3,case7] [--rates 200,500]
+    sudo .venv/bin/python -m bench.netlab.experiments [--cases case3,case7] [--rates 200,500]
 """
 
 from __future__ import annotations
@@ -18,26 +18,24 @@ import sys
 import time
 import tomllib
 from dataclasses import replace
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import click  # noqa: E402
+import click
 
-from report import write_json  # noqa: E402
-from xmesh_plan.planner.compile import compile_plan  # noqa: E402
-from xmesh_plan.planner.problem_io import build_problem  # noqa: E402
-from xmesh_plan.planner.reference_cases import reference_problems  # noqa: E402
-from xmesh_plan.planner.transfer_io import build_transfer  # noqa: E402
-from xmesh_plan.planner.weight_sync import WEIGHT_SYNC, weight_sync_toml  # noqa: E402
-from xmesh_plan.executor.scale import factors_for  # noqa: E402
-from xmesh_plan.schemas import Cpu, Plan, ReshardingProblem  # noqa: E402
+from ..report import write_json
+from xmesh_plan.planner.compile import compile_plan
+from xmesh_plan.planner.problem_io import build_problem
+from xmesh_plan.planner.reference_cases import reference_problems
+from xmesh_plan.planner.transfer_io import build_transfer
+from xmesh_plan.planner.weight_sync import WEIGHT_SYNC, weight_sync_toml
+from xmesh_plan.executor.scale import factors_for
+from xmesh_plan.schemas import Cpu, Plan, ReshardingProblem
 
-from .baseline_plans import baseline_plan  # noqa: E402
-from .cli import options, parse, usage_error  # noqa: E402
-from .predict import TESTBED_CPU, TESTBED_SHORT_MS, at_rate, predictions  # noqa: E402
-from .run_plan import MAX_RUN_BYTES, PlansRefusedError, RunOptions, run_plans, scaled  # noqa: E402
-from .testbed import LinkShape, unavailable_reason  # noqa: E402
+from .baseline_plans import baseline_plan
+from .cli import options, parse, usage_error
+from .predict import TESTBED_CPU, TESTBED_SHORT_MS, at_rate, predictions
+from .run_plan import MAX_RUN_BYTES, PlansRefusedError, RunOptions, run_plans, scaled
+from .testbed import LinkShape, unavailable_reason
 
 APPROACHES = [  # label, strategy, solver (None: an Alpa baseline)
     ("ours", "broadcast", "auto"),
@@ -51,7 +49,7 @@ APPROACHES = [  # label, strategy, solver (None: an Alpa baseline)
     ("alpa-allgather", None, None),
 ] + [(f"bc-{solver}", "broadcast", solver) for solver in ("greedy", "randomized-greedy", "dfs", "list-backfill", "cpsat")]
 # every solver on its own; one whose operations are another approach's runs once (rows say `same_as`)
-COMMAND = "PYTHONPATH=$PWD .venv/bin/python -m bench.netlab.experiments"
+COMMAND = ".venv/bin/python -m bench.netlab.experiments"
 PROG = "python -m bench.netlab.experiments"
 EXTRA_CASES = {  # name -> (the problem, (label, compile_plan options) per plan); reference cases use APPROACHES
     "alltoall_2x4": (  # the scaling table's all-to-all, small: 64 boxes of 64 KiB between 4 hosts
@@ -90,7 +88,7 @@ def _plans(name: str, rate_mbit: float, latency_us: float | None = None, overhea
     out = []
     for label, strategy, solver in APPROACHES:
         try:
-            plan = baseline_plan(problem, label) if strategy is None else compile_plan(problem, strategy, solver)
+            plan = baseline_plan(problem, label) if strategy is None else compile_plan(problem, strategy=strategy, solver=solver)
             out.append((label, plan))
         except (ValueError, AssertionError) as err:
             out.append((label, f"{type(err).__name__}: {err}"))

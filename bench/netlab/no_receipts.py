@@ -1,7 +1,7 @@
 """A torch rank without the engine's receipts: `executor.torch_run` with `TransportOptions(receipt_bytes=None)`, so
 in device order a gloo send ends for its device once the socket buffer holds the rest (gloo's own behaviour).
 
-    sudo PYTHONPATH=$PWD .venv/bin/python -m bench.netlab.experiments --engine torch --no-receipts ...
+    sudo .venv/bin/python -m bench.netlab.experiments --engine torch --no-receipts ...
 
 A bench tool: `experiments --no-receipts` launches the ranks with it, to measure both ways on the testbed.
 """

@@ -1,7 +1,7 @@
 """Re-predict saved emulated-cluster runs without the testbed: rebuild each run's plans (deterministic), price them
 with today's model, with and without a model of the shared CPU (`Cluster.cpu`), and count the fits per case.
 
-    PYTHONPATH=$PWD .venv/bin/python -m bench.netlab.repredict bench/results/netlab-mpi-device-500-32mb.json \\
+    .venv/bin/python -m bench.netlab.repredict bench/results/netlab-mpi-device-500-32mb.json \\
         bench/results/netlab-mpi-device-200-16mb.json [--cores 2 --copy-gbps 24 --message-us 0]
 
 A distinct plan of a launch counts once (as `summary.compact` counts); "saved" is the prediction stored in the file,

@@ -1,7 +1,7 @@
 """What if the links shared bandwidth by another rule? Re-predict saved emulated-cluster runs with the links shared by
 each rule in turn, and count the plans within 10% of measured under each.
 
-    PYTHONPATH=$PWD .venv/bin/python -m bench.netlab.sharing bench/results/netlab-mpi-device-500-32mb.json
+    .venv/bin/python -m bench.netlab.sharing bench/results/netlab-mpi-device-500-32mb.json
 
 Rules (each prediction with the CPU model, `predict.TESTBED_CPU`, as `repredict`'s "CPU model" column); each rule
 but `testbed` applies under every queueing:

@@ -10,7 +10,7 @@ before the checked one, operation by operation, so a gap the model does not have
 A bench tool: the engines are patched only inside the ranks this module launches. `XMESH_NETLAB_POLL=LOW,HIGH`
 (seconds) sets the ranks' sleeps between polls, to see how polling shifts the timeline.
 
-    sudo PYTHONPATH=$PWD .venv/bin/python -m bench.netlab.steptrace --case case9 --approach ours --max-mb 32
+    sudo .venv/bin/python -m bench.netlab.steptrace --case case9 --approach ours --max-mb 32
 """
 
 from __future__ import annotations

@@ -133,7 +133,10 @@ def simulate(plan, iterations: int = 4, order: str = "posted", world: FakeWorld 
 
 
 class WorldComm(FakeComm):
-    def __init__(self, world, rank, size):
+    """Enough of a world communicator of `size` ranks for the executors' constructors (tests set the engines up
+    themselves, so nothing duplicates it)."""
+
+    def __init__(self, world, rank, size: int = 8):
         super().__init__(world, rank)
         self.size = size
 
@@ -141,7 +144,7 @@ class WorldComm(FakeComm):
         return self.size
 
     def Idup(self):
-        raise AssertionError("not used: the test sets each tensor's engine up itself")
+        raise AssertionError("not used: the test sets the engines up itself")
 
 
 def out_of_device_order(plan, world: FakeWorld, steps_of=None) -> list[str]:

@@ -37,29 +37,36 @@ def brute_footprint(op, d: int, prob) -> tuple[frozenset, int]:
     return talks, staged
 
 
-def brute_force_peaks(plan: Plan, order: str) -> dict[int, int]:
-    """The staging peaks from the definitions, written apart from `schemas.staging`: the boxes each device
-    holds while it takes part (its own box of a chain, every part of a ring, a bundle's whole message on
-    its relays and their own parts elsewhere), staged unless numpy finds them one run; peers from the
-    route's messages; runs of equal peers cut before they pass the plan's budget."""
-    prob, budget = plan.problem, stage_budget(plan)
-    per_device: dict[int, list[tuple[frozenset, int]]] = {}
+def brute_force_peaks(plan: Plan, order: str = "device") -> dict[int, int]:
+    """Each device's staging peak in `order`, from the definitions and written apart from `schemas.staging`: in
+    plan order across tensors, the boxes a device holds while it takes part in an operation (its box of a
+    chain, every part of a ring, a bundle's whole message on its relays and its own parts elsewhere),
+    staged unless numpy finds them one run of its shard of that tensor, each at a multiple of the largest
+    element. Posted order holds them all at once; device order cuts runs of the same peers (from the route's
+    messages) before they pass the plan's limit. Bundles sharing one message (`carrier`: listed after the
+    bundle named) count as one operation on a device: their peers together, their boxes one after another."""
+    problems = plan.problem.tensor_problems()
+    align = max(p.itemsize for p in problems)
+    per_device: dict[int, list[tuple[frozenset, int, int]]] = {}
     for op in plan.operations:
         for d in members(op):
-            per_device.setdefault(d, []).append(brute_footprint(op, d, prob))
-    out = {}
+            talks, n = brute_footprint(op, d, problems[op.tensor or 0])  # a single-tensor plan names no tensor
+            items = per_device.setdefault(d, [])
+            if op.carrier is not None and items and items[-1][2] == op.carrier:  # the same message as the one before
+                before, used, _ = items[-1]
+                items[-1] = (before | talks, (-(-used // align) * align if n else used) + n, op.carrier)
+            else:
+                items.append((talks, n, op.id if op.carrier is None else op.carrier))
+    budget, out = stage_budget(plan), {}
     for d, items in per_device.items():
-        if order == "posted":
-            peak = sum(n for _, n in items)
-        else:
-            runs, peers, total = [], frozenset(), 0
-            for talks, n in items:  # a local copy (no peers) stays in the run it falls in
-                if (talks and peers and talks != peers) or (budget is not None and total and total + n > budget):
-                    runs.append(total)
-                    peers, total = talks, 0
-                peers = peers or talks
-                total += n
-            peak = max(runs + [total])
+        peak, peers, used = 0, frozenset(), 0
+        for talks, n, _ in items:
+            start = -(-used // align) * align if n else used
+            if order == "device" and ((talks and peers and talks != peers) or (budget is not None and used and start + n > budget)):
+                peers, used, start = talks, 0, 0
+            peers = peers or talks
+            used = start + n
+            peak = max(peak, used)
         if peak:
             out[d] = peak
     return out

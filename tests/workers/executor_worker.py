@@ -188,7 +188,8 @@ class Interrupted(Exception):
 
 
 def interrupt(comm, path: str) -> None:
-    """Rank 0 waits on a peer that is slow this once; an exception escapes wait(); the executor must then refuse
+    """An exception escapes rank 0's wait() while its peers have not started the reshard (they start it only after
+    a barrier on the world communicator that rank 0 joins once wait() has raised); the executor must then refuse
     to run with a one-line ExecutorError (not start active MPI requests again), and close() must work."""
     from mpi4py import MPI
 
@@ -210,6 +211,7 @@ def interrupt(comm, path: str) -> None:
             ex.wait()
         except Interrupted:
             pass
+        comm.Barrier()  # now the peers start: the reshard rank 0 abandoned is still in flight on the wire
         del ex.engine.test
         try:
             ex.run(shard)
@@ -226,7 +228,7 @@ def interrupt(comm, path: str) -> None:
         else:
             raise AssertionError("test() after a failed reshard must raise, not report it done")
     else:
-        time.sleep(0.5)
+        comm.Barrier()  # until rank 0's wait() has raised
         ex.run(shard)  # the reshard rank 0 abandoned still completes on the wire
     duplicate = ex.comm
     ex.close()
