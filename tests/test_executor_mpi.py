@@ -178,30 +178,30 @@ def test_demo_errors_shared_by_every_rank_print_once_and_exit_2_everywhere(flags
     assert result.stderr.strip().splitlines() == [result.stderr.strip()] and expect in result.stderr, result.stderr
 
 
-def test_a_plan_file_only_one_rank_cannot_read_is_reported_by_that_rank_and_every_rank_stops(tmp_path, small_plan):
+def test_a_plan_file_only_one_rank_cannot_read_is_reported_by_that_rank_and_every_rank_stops(tmp_path, fixed_plan_path):
     """The failing rank is not rank 0: it prints its own error, and every rank agrees to stop before any byte moves,
     well before the 30 s timeout a silent refusal would cost."""
     bad = tmp_path / "truncated.plan.json"
-    bad.write_text(Path(small_plan).read_text()[:200])
+    bad.write_text(Path(fixed_plan_path).read_text()[:200])
     demo = [sys.executable, "-m", "xmesh_plan.executor.run", "--timeout", "30"]
-    result = mpiexec_programs(["-n", str(DEVICES - 1), *demo, small_plan], ["-n", "1", *demo, str(bad)])
+    result = mpiexec_programs(["-n", str(DEVICES - 1), *demo, fixed_plan_path], ["-n", "1", *demo, str(bad)])
     assert result.returncode == 2, result.stderr
     assert f"rank {DEVICES - 1}: error: " in result.stderr and "truncated.plan.json" in result.stderr, result.stderr
     assert "Traceback" not in result.stderr and "did not finish" not in result.stderr and "nothing completed" not in result.stderr
 
 
-def test_a_usage_error_on_one_rank_alone_is_reported_by_that_rank(small_plan):
-    demo = [sys.executable, "-m", "xmesh_plan.executor.run", small_plan, "--timeout", "30"]
+def test_a_usage_error_on_one_rank_alone_is_reported_by_that_rank(fixed_plan_path):
+    demo = [sys.executable, "-m", "xmesh_plan.executor.run", fixed_plan_path, "--timeout", "30"]
     result = mpiexec_programs(["-n", str(DEVICES - 1), *demo], ["-n", "1", *demo, "--iters", "0"])
     assert result.returncode == 2, result.stderr
     assert f"rank {DEVICES - 1}: error: --iters 0" in result.stderr, result.stderr
     assert "did not finish" not in result.stderr and "nothing completed" not in result.stderr, result.stderr
 
 
-def test_ctrl_c_on_one_rank_ends_the_job(small_plan):
+def test_ctrl_c_on_one_rank_ends_the_job(fixed_plan_path):
     """A real SIGINT on one rank mid-run: it says so and leaves without MPI_Finalize (which would wait for ever under
     -disable-auto-cleanup); the others stop within their --timeout."""
-    demo = ["-m", "xmesh_plan.executor.run", small_plan, "--iters", "50", "--timeout", "5"]
+    demo = ["-m", "xmesh_plan.executor.run", fixed_plan_path, "--iters", "50", "--timeout", "5"]
     result = mpiexec_programs(["-n", str(DEVICES - 1), sys.executable, *demo],
                    ["-n", "1", sys.executable, str(ROOT / "tests" / "workers" / "demo_interrupted.py"), *demo[2:]])
     assert f"rank {DEVICES - 1}: interrupted" in result.stderr, result.stderr
