@@ -18,7 +18,7 @@ from .coalesce import BundleCell, bundle_task, coalesce_cells, share_messages
 from .compile_defaults import CompileOptions
 from .executor_order import executor_order, executor_order_seconds, posted_budget
 from .scheduling import Option, Schedule, SchedulingTask
-from .simulate import nic_assignment, simulate, staging_runs
+from .simulate import nic_assignment, renumbered_only, simulated, staging_runs
 from .solvers import solve
 from .staging_limit import limit_staging
 from .strategies import STRATEGIES, PlannedOp, StrategyResult, TaskContext, get_strategy
@@ -26,7 +26,7 @@ from .unit_tasks import Cell, check_joint_task_count, check_split_count, decompo
 
 DIGITS = 12  # times are rounded to picoseconds so plans print and compare stably
 NIC_SIDES = ("send", "recv")  # the resources a plan's host order lists; device ports are not queued
-MAX_SIMULATED_OPERATIONS = 250_000  # about 30 us per operation (bench/bench_scaling.py); beyond this the schedule's own timetable stands in for the simulator
+MAX_SIMULATED_OPERATIONS = 2_000_000  # 10^6 operations simulate in about a minute and 2.5 GiB (bench/bench_simulate.py); beyond this the schedule's own timetable stands in
 MAX_RELISTINGS = 8  # re-simulations until the listing is the order of its own predicted starts
 
 
@@ -186,14 +186,18 @@ def settle_listing(operations: tuple[Operation, ...], problem: ReshardingProblem
 
     The simulator queues operations on each NIC side in list order, and listing them by predicted start
     can change that order (an all-gather's intra-host flows start before its NIC turn), so the listing
-    is re-simulated until it stops changing (at most MAX_RELISTINGS times; 1-3 on random problems)."""
+    is re-simulated until it stops changing (at most MAX_RELISTINGS times; 1-3 on random problems). A new listing
+    that keeps every NIC side's and every task's order lowers to the same flows renumbered, which time the same
+    (`simulate.renumbered_only`): it has settled on the times just simulated, without simulating it again."""
     listing = operations
-    for _ in range(MAX_RELISTINGS):
-        result = simulate(listing, problem, "host-order", nic_of_task)
+    for rounds in range(1, MAX_RELISTINGS + 1):
+        result, lowering = simulated(listing, problem, "host-order", nic_of_task)
         position = {op.id: i for i, op in enumerate(listing)}
         order = sorted(listing, key=lambda op: (round(result.op_start_s[op.id], DIGITS), position[op.id]))
         if order == list(listing):
             return listing, result
+        if rounds < MAX_RELISTINGS and renumbered_only(listing, order, lowering):
+            return tuple(order), result
         listing = tuple(order)
     return None
 

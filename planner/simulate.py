@@ -43,10 +43,11 @@ latencies and K overheads for A equal cross-host hops: the paper's `t + A t/K` c
 
 from __future__ import annotations
 
-import dataclasses
+import gc
 import heapq
 from collections import deque
 from collections.abc import Callable
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 from xmesh_plan.schemas import Operation, Plan, ReshardingProblem
@@ -152,8 +153,13 @@ def run_flows(flows: list[Flow], capacity: dict[str, float], max_work: int | Non
     """Event-driven fluid simulation; (start, arrival) per flow id. A flow with no bytes or links
     takes only its latency. Raises TooCostly once more than `max_work` moving flows have had their
     rates shared out (summed over the run); `cost`, when given, gets that sum appended. `share` gives
-    the moving flows that share links with a flow that started or ended their rates (None: max-min fair)."""
-    share = share or max_min_rates
+    the moving flows that share links with a flow that started or ended their rates (None: max-min fair).
+
+    Work per event follows the flows it touches, not all that move: a flow keeps its remaining work as of
+    the last time its rate changed (`_Moving`), its finish in a heap (stale entries skipped), and an event
+    shares rates out again only over the links connected to a flow that started or ended (`_sharing_links`).
+    """
+    fair, share = share is None, share or max_min_rates
     waiting = {f.id: len(f.after) + len(f.after_sent) for f in flows}
     on_arrival: dict[int, list[int]] = {}
     on_sent: dict[int, list[int]] = {}
@@ -165,24 +171,10 @@ def run_flows(flows: list[Flow], capacity: dict[str, float], max_work: int | Non
             on_sent.setdefault(parent, []).append(f.id)
     by_id = {f.id: f for f in flows}
     buffered = {f.id for f in flows if f.sent_below > 0 and f.id in on_sent}  # flows that may count as left early
-    # events: (time, flow) of arrivals: a flow's last byte left `latency_s` earlier
-    clock, events, moving, span = 0.0, [], {}, {}
+    clock, events, span = 0.0, [], {}  # events: (time, flow) of arrivals: a flow's last byte left `latency_s` earlier
+    moving = _Moving(by_id, buffered, early)
     busy: dict[str, int] = {}  # queue -> the flow moving on it
     queued: dict[str, deque[int]] = {}  # queue -> ready flows behind it, first ready first
-    on_link: dict[str, set[int]] = {}  # link -> the moving flows on it
-    changed: set[int] = set()  # flows that started or finished moving since rates were last shared out
-
-    def start_moving(fid: int) -> None:
-        moving[fid] = by_id[fid].work
-        changed.add(fid)
-        for link in by_id[fid].links:
-            on_link.setdefault(link, set()).add(fid)
-
-    def stop_moving(fid: int) -> None:
-        del moving[fid]
-        changed.add(fid)
-        for link in by_id[fid].links:
-            on_link[link].discard(fid)
 
     def release(ready: list[int]) -> None:
         """Start every flow in `ready` whose last dependency just ended; a flow with nothing to move has
@@ -200,7 +192,7 @@ def run_flows(flows: list[Flow], capacity: dict[str, float], max_work: int | Non
                 busy[queue] = fid
             span[fid] = (clock, None)
             if by_id[fid].work > 0 and by_id[fid].links:
-                start_moving(fid)
+                moving.start(fid, clock)
                 if fid in buffered and by_id[fid].sent_below >= by_id[fid].work:  # the buffer takes it all at once
                     ready.extend(left_early(fid))
             else:
@@ -228,37 +220,31 @@ def run_flows(flows: list[Flow], capacity: dict[str, float], max_work: int | Non
     for fid in free:
         waiting[fid] = 1  # released below like a flow whose last dependency just ended
     release(free)
-    done_below = {f.id: REL_EPS * max(1.0, f.work) for f in flows}  # what is left of a flow that has moved it all
-    rates: dict[int, float] = {}
     work = 0
-    while events or moving:
-        if changed:  # an arrival that starts nothing leaves the moving flows, and so their rates, as they were
-            affected = _sharing_links(changed, by_id, on_link)
-            rates.update(share([by_id[i] for i in moving if i in affected], capacity))
-            changed.clear()
-            work += len(moving)
+    while events or moving.seq:
+        if moving.touched:  # an arrival that starts nothing leaves the moving flows, and so their rates, as they were
+            affected = _sharing_links(moving.touched, by_id, moving.on_link)
+            moving.touched.clear()
+            if len(affected) == 1 and fair:  # one flow alone on its links: progressive filling gives it the slowest one
+                (alone,) = affected
+                moving.set_rates({alone: min(capacity[link] for link in by_id[alone].links)}, clock)
+            else:
+                moving.set_rates(share([by_id[i] for i in sorted(affected, key=moving.seq.__getitem__)], capacity), clock)
+            work += len(moving.seq)
             if max_work is not None and work > max_work:
                 raise TooCostly(f"the simulation took more than its budget of {max_work} flow rate updates")
-        next_move = min(((left / rates[i], i) for i, left in moving.items()), default=(float("inf"), -1))
-        if buffered:
-            next_move = min(next_move, min((((left - by_id[i].sent_below) / rates[i], i) for i, left in moving.items()
-                                            if i in buffered and i not in early), default=next_move))
-        next_event = events[0][0] if events else float("inf")
-        step = min(next_move[0], next_event - clock)
-        finished, emptied = [], []
-        for i, left in moving.items():  # values change, keys do not: safe while iterating
-            left -= rates[i] * step
-            moving[i] = left
-            if left <= done_below[i]:
-                finished.append(i)
-            elif i in buffered and i not in early and left - by_id[i].sent_below <= done_below[i]:
-                emptied.append(i)
-        clock += step
-        for i in emptied:
-            release(left_early(i))
-        for i in finished:
-            stop_moving(i)
-            release(sent(i))
+        step = moving.next_time()
+        if events and events[0][0] < step:
+            step = events[0][0]
+        if step > clock:
+            clock += step - clock
+        if (moving.next and moving.next[0][0] <= clock) or (moving.done and moving.done[0][0] <= clock):
+            emptied, finished = moving.due(clock)
+            for i in emptied:
+                release(left_early(i))
+            for i in finished:
+                moving.stop(i)
+                release(sent(i))
         while events and events[0][0] <= clock + REL_EPS * max(1.0, clock):
             _, i = heapq.heappop(events)
             span[i] = (span[i][0], clock)
@@ -270,14 +256,99 @@ def run_flows(flows: list[Flow], capacity: dict[str, float], max_work: int | Non
     return {i: (s, e) for i, (s, e) in span.items()}
 
 
-def _sharing_links(changed: set[int], by_id: dict[int, Flow], on_link: dict[str, set[int]]) -> set[int]:
-    """The moving flows linked, through links they share, to a link of a flow in `changed`: the only ones
-    whose max-min rates can differ from before. Flows of other groups keep theirs: progressive filling
-    on a group that shares no link with the rest does the same arithmetic in the same order alone as
-    with them, so reusing their rates changes no bit."""
+class _Moving:
+    """The flows moving bytes: each one's rate, and its work left as of `since` (settled only when its rate
+    changes, so an event costs the flows it re-rates, not all that move); finish times in heaps with stale
+    entries skipped. A flow has moved its work once at most `REL_EPS` of it (at least that many bytes) is left,
+    so flows that finish together by the arithmetic finish in one event, in the order they started."""
+
+    def __init__(self, by_id: dict[int, Flow], buffered: set[int], early: set[int]):
+        self.by_id, self.buffered, self.early = by_id, buffered, early
+        self.seq: dict[int, int] = {}  # moving flow -> when it started, as a count (rates are shared out in this order)
+        self.count = 0
+        self.on_link: dict[str, dict[int, None]] = {}  # link -> the moving flows on it
+        self.touched: dict[str, None] = {}  # links of flows that started or stopped since rates were last shared out
+        self.left: dict[int, float] = {}
+        self.since: dict[int, float] = {}
+        self.rate: dict[int, float] = {}
+        self.version: dict[int, int] = {}
+        self.next: list[tuple[float, int, int, int, bool]] = []  # (when it has moved all / down to its buffer, seq, flow, version, buffer?)
+        self.done: list[tuple[float, int, int, int, bool]] = []  # the same, at the time within REL_EPS of it
+
+    def start(self, fid: int, clock: float) -> None:
+        f = self.by_id[fid]
+        self.seq[fid] = self.count
+        self.count += 1
+        self.left[fid], self.since[fid] = f.work, clock
+        self.version[fid] = 0
+        for link in f.links:
+            self.on_link.setdefault(link, {})[fid] = None
+            self.touched[link] = None
+
+    def stop(self, fid: int) -> None:
+        del self.seq[fid], self.left[fid], self.since[fid], self.rate[fid], self.version[fid]
+        for link in self.by_id[fid].links:
+            del self.on_link[link][fid]
+            self.touched[link] = None
+
+    def set_rates(self, rates: dict[int, float], clock: float) -> None:
+        """New rates from `clock` on: a flow whose rate changed has its work left settled and new finish times."""
+        for fid, r in rates.items():
+            old = self.rate.get(fid)
+            if old == r:
+                continue
+            if old is not None:
+                self.left[fid] -= old * (clock - self.since[fid])
+                self.since[fid] = clock
+            self.rate[fid] = r
+            self.version[fid] += 1
+            self._push(fid)
+
+    def _push(self, fid: int) -> None:
+        f, left, since, r = self.by_id[fid], self.left[fid], self.since[fid], self.rate[fid]
+        seq, version, tol = self.seq[fid], self.version[fid], REL_EPS * max(1.0, f.work)
+        heapq.heappush(self.next, (since + left / r, seq, fid, version, False))
+        heapq.heappush(self.done, (since + (left - tol) / r, seq, fid, version, False))
+        if fid in self.buffered and fid not in self.early:
+            heapq.heappush(self.next, (since + (left - f.sent_below) / r, seq, fid, version, True))
+            heapq.heappush(self.done, (since + (left - f.sent_below - tol) / r, seq, fid, version, True))
+
+    def next_time(self) -> float:
+        """When the next moving flow has moved all its work (or down to its buffer)."""
+        heap, version, early = self.next, self.version, self.early
+        while heap:
+            _, _, fid, v, buffer = heap[0]
+            if version.get(fid) == v and not (buffer and fid in early):
+                return heap[0][0]
+            heapq.heappop(heap)  # stale: its rate changed, it ended, or it is already down to its buffer
+        return float("inf")
+
+    def due(self, clock: float) -> tuple[list[int], list[int]]:
+        """(flows down to their buffer, flows that have moved all) at `clock`, each in the order they started:
+        those whose time is up, and those within REL_EPS of their work of it."""
+        hits: dict[int, bool] = {}
+        version, early, pop = self.version, self.early, heapq.heappop
+        for heap in (self.next, self.done):
+            while heap and heap[0][0] <= clock:
+                _, _, fid, v, buffer = pop(heap)
+                if version.get(fid) == v and not (buffer and fid in early):
+                    hits[fid] = hits.get(fid, False) or not buffer
+        if len(hits) == 1:
+            ((fid, whole),) = hits.items()
+            return ([], [fid]) if whole else ([fid], [])
+        seq = self.seq.__getitem__
+        return (sorted((i for i, whole in hits.items() if not whole), key=seq),
+                sorted((i for i, whole in hits.items() if whole), key=seq))
+
+
+def _sharing_links(touched: dict[str, None], by_id: dict[int, Flow], on_link: dict[str, dict[int, None]]) -> set[int]:
+    """The moving flows linked, through links they share, to a link in `touched` (of a flow that started or
+    ended): the only ones whose max-min rates can differ from before. Flows of other groups keep theirs:
+    progressive filling on a group that shares no link with the rest does the same arithmetic in the same
+    order alone as with them, so reusing their rates changes no bit."""
     affected: set[int] = set()
     seen: set[str] = set()
-    stack = [link for i in changed for link in by_id[i].links]
+    stack = list(touched)
     while stack:
         link = stack.pop()
         if link in seen:
@@ -298,6 +369,8 @@ class _Lowering:
         if discipline not in DISCIPLINES:
             raise ValueError(f"unknown discipline {discipline!r}; choose one of: {', '.join(DISCIPLINES)}")
         self.cluster, self.discipline = problem.cluster, discipline
+        self.per_host, self.cpu = self.cluster.devices_per_host, self.cluster.cpu
+        self.latency_s, self.overhead_s = self.cluster.latency_s, self.cluster.overhead_s
         self.itemsizes = [p.itemsize for p in problem.tensor_problems()]  # by an operation's tensor (None: the only one)
         self.nic_of_task = nic_of_task or {}
         self.flows: list[Flow] = []
@@ -311,35 +384,49 @@ class _Lowering:
         self.posted_when: dict[int, tuple[list[int], list[int]]] = {}  # device order: buffered send -> what its sender waited for to post it
         self.bytewise: set[int] = set()  # operations whose boxes count bytes, not elements: shared messages (`schemas.carriers.fused`)
         self.send_buffer = send_buffer_bytes if discipline == "device-order" else None  # `simulate(send_buffer_bytes=)`
+        self.gated: set[str] | None = None  # host order, while an operation is added: the NIC sides its flows were gated on (`gate`)
+        self.lane_cache: dict[tuple[int, int, int | None], list[tuple[tuple[str, ...], float, float]]] = {}  # `lanes`
 
     def hop(self, op: Operation, a: int, b: int, nbytes: float, after: list[int], after_sent: list[int] = ()) -> list[int]:
         """One message from device a to device b; returns its flow ids (one per NIC it is striped over).
         Each stripe also carries the per-message overhead, as bytes at its slower side's speed."""
-        ha, hb = self.cluster.host_of(a), self.cluster.host_of(b)
-        if ha == hb and self.cluster.cpu is not None:
+        ha, hb = a // self.per_host, b // self.per_host  # `Cluster.host_of`
+        if ha == hb and self.cpu is not None:
             return self.cpu_hop(op, a, b, nbytes, after, after_sent)
-        latency = 0.0 if a == b else self.cluster.latency_s
-        overhead = 0.0 if a == b else self.cluster.overhead_s
+        latency, overhead = (0.0, 0.0) if a == b else (self.latency_s, self.overhead_s)
+        queue = f"{a}>{b}" if a != b and self.discipline != "host-order" else ""  # executor orders: one connection per pair
+        after, waits = _ids(after), _ids(after_sent)
+        flows, out = self.flows, []
+        for k, (links, weight, slowest) in enumerate(self.lanes(op, a, b, ha, hb)):
+            share = nbytes * weight
+            buffer = self.send_buffer * share / nbytes if self.send_buffer and a != b and nbytes > 0 else 0.0
+            after_sent = waits if self.gated is None else _ids(self.gate(links, waits))
+            out.append(len(flows))
+            flows.append(Flow(len(flows), op.id, share, latency, links, after, after_sent,
+                              overhead * slowest if nbytes > 0 else 0.0, f"{queue}:{k}" if queue else "", buffer))
+        return out
+
+    def lanes(self, op: Operation, a: int, b: int, ha: int, hb: int) -> list[tuple[tuple[str, ...], float, float]]:
+        """The lanes a message from a to b takes: (its links, sorted; its share of the message; its slower side's
+        bandwidth), one per NIC it is striped over; made once per pair of ends (and NIC), which also enters their
+        links' capacities."""
+        nic = self.nic_of_task.get(op.task) if ha != hb else None
+        key = (a, b, nic) if ha == hb else (-1 - ha, -1 - hb, nic)  # cross-host: the hosts decide, not the devices
+        known = self.lane_cache.get(key)
+        if known is not None:
+            return known
         if a == b:
             lanes = [{f"d{a}.copy": self.cluster.intra_bytes_per_s}]
         elif ha == hb:
             lanes = [{f"d{a}.out": self.cluster.intra_bytes_per_s, f"d{b}.in": self.cluster.intra_bytes_per_s}]
         else:
-            nics = [self.nic_of_task[op.task]] if op.task in self.nic_of_task else range(len(self.cluster.nics))
+            nics = [nic] if nic is not None else range(len(self.cluster.nics))
             lanes = [{f"h{ha}.send:{n}": self.cluster.nics[n].send_gbps * 1e9 / 8,
                       f"h{hb}.recv:{n}": self.cluster.nics[n].recv_gbps * 1e9 / 8} for n in nics]
-        queue = f"{a}>{b}" if a != b and self.discipline != "host-order" else ""  # executor orders: one connection per pair
-        out = []
-        for k, links in enumerate(lanes):
+        for links in lanes:
             self.capacity |= links
-            share = nbytes * self._weight(links, lanes)
-            buffer = self.send_buffer * share / nbytes if self.send_buffer and a != b and nbytes > 0 else 0.0
-            flow = Flow(len(self.flows), op.id, share, latency, tuple(sorted(links)), tuple(sorted(set(after))),
-                        tuple(sorted(set(after_sent))), overhead * min(links.values()) if nbytes > 0 else 0.0,
-                        f"{queue}:{k}" if queue else "", buffer)
-            self.flows.append(flow)
-            out.append(flow.id)
-        return out
+        known = self.lane_cache[key] = [(tuple(sorted(links)), self._weight(links, lanes), min(links.values())) for links in lanes]
+        return known
 
     def cpu_hop(self, op: Operation, a: int, b: int, nbytes: float, after: list[int], after_sent: list[int] = ()) -> list[int]:
         """A message inside a host, or a local copy, with the CPU modelled (`Cluster.cpu`): CPU work, in core
@@ -354,8 +441,9 @@ class _Lowering:
         for k, device in enumerate(ends):
             links = {"cpu": cpu.cores * 1e6, f"d{device}.cpu": 1e6}
             self.capacity |= links
-            flow = Flow(len(self.flows), op.id, work, 0.0, tuple(sorted(links)), tuple(sorted(set(after))),
-                        tuple(sorted(set(after_sent))), 0.0, f"{queue}:{k}" if queue else "", buffer)
+            links = tuple(sorted(links))
+            flow = Flow(len(self.flows), op.id, work, 0.0, links, _ids(after),
+                        _ids(after_sent if self.gated is None else self.gate(links, after_sent)), 0.0, f"{queue}:{k}" if queue else "", buffer)
             self.flows.append(flow)
             out.append(flow.id)
         return out
@@ -377,9 +465,10 @@ class _Lowering:
             self.add_in_device_order(op)
             return
         first = len(self.flows)
+        self.gated = set()
         terminal, _ = self.emit(op, ready)
-        mine = list(range(first, len(self.flows)))
-        self.gate_on_links(mine)
+        self.gated = None
+        mine = range(first, len(self.flows))
         for key in sorted({link for i in mine for link in self.flows[i].links if link.startswith("h")}):
             self.last_on[key] = [i for i in terminal if key in self.flows[i].links] or terminal
 
@@ -429,19 +518,15 @@ class _Lowering:
                 out.setdefault(hop.dst, set()).add(hop.src)
         return {d: frozenset(p) for d, p in out.items()}
 
-    def gate_on_links(self, mine: list[int]) -> None:
-        """The first flow of this operation on each NIC side also waits for the previous operation's
+    def gate(self, links: tuple[str, ...], after_sent: list[int] | tuple[int, ...]) -> list[int] | tuple[int, ...]:
+        """Host order: the operation's first flow on each NIC side also waits for the previous operation's
         messages there to have left that side (not to have arrived: the NIC is free once they are out)."""
-        seen: set[str] = set()
-        for i in mine:
-            extra = []
-            for link in self.flows[i].links:
-                if link.startswith("h") and link not in seen:
-                    seen.add(link)
-                    extra += self.last_on.get(link, [])
-            if extra:
-                f = self.flows[i]
-                self.flows[i] = dataclasses.replace(f, after_sent=tuple(sorted(set(f.after_sent) | set(extra))))
+        extra = []
+        for link in links:
+            if link.startswith("h") and link not in self.gated:
+                self.gated.add(link)
+                extra += self.last_on.get(link, [])
+        return [*after_sent, *extra] if extra else after_sent
 
     def data_ready(self, op: Operation) -> list[int]:
         """What an operation that sends out of destination shards waits for: what earlier operations of its task delivered there."""
@@ -488,6 +573,13 @@ class _Lowering:
         return out, last
 
 
+def _ids(flows: list[int] | tuple[int, ...]) -> tuple[int, ...]:
+    """Flow ids as a flow's dependencies keep them: each once, ascending."""
+    if not flows:
+        return ()
+    return (flows[0],) if len(flows) == 1 else tuple(sorted(set(flows)))
+
+
 def simulate(operations: list[Operation] | tuple[Operation, ...], problem: ReshardingProblem | TransferProblem,
              discipline: str = "host-order", nic_of_task: dict[int, int] | None = None, max_work: int | None = None,
              run_numbers: dict[int, list[int]] | None = None, share: ShareRule | None = None,
@@ -503,6 +595,68 @@ def simulate(operations: list[Operation] | tuple[Operation, ...], problem: Resha
     on its connection starts to count down only when that one's last byte has left."""
     if send_buffer_bytes is not None and not 0 < send_buffer_bytes < float("inf"):
         raise ValueError(f"send_buffer_bytes={send_buffer_bytes!r}: give a positive number of bytes, or None for the MPI engine's sends")
+    return simulated(operations, problem, discipline, nic_of_task, max_work, run_numbers, share, send_buffer_bytes)[0]
+
+
+def simulated(operations: list[Operation] | tuple[Operation, ...], problem: ReshardingProblem | TransferProblem,
+              discipline: str = "host-order", nic_of_task: dict[int, int] | None = None, max_work: int | None = None,
+              run_numbers: dict[int, list[int]] | None = None, share: ShareRule | None = None,
+              send_buffer_bytes: float | None = None) -> tuple[SimResult, _Lowering]:
+    """`simulate`, and the flows it timed (for `renumbered_only`)."""
+    with _no_cycle_collection():
+        lowering, riders = lower(operations, problem, discipline, nic_of_task, run_numbers, send_buffer_bytes)
+        cost: list[int] = []
+        spans = run_flows(lowering.flows, lowering.capacity, max_work, cost, share)
+        return op_times(operations, lowering, riders, spans, cost[0]), lowering
+
+
+def renumbered_only(before: list[Operation] | tuple[Operation, ...], after: list[Operation] | tuple[Operation, ...],
+                    lowering: _Lowering) -> bool:
+    """Whether listing `after` (the same operations as `before`, whose host-order flows are `lowering`) lowers to the
+    same flows, only numbered differently: the same shared messages, every NIC side taking its operations in the same
+    order (each waits for the one before there) and every task too (an operation waits for what its task's earlier ones
+    delivered). Then host order times `after` exactly as `before`, bit for bit: a flow's number decides only in which
+    order things that happen at one instant are taken, and progressive filling gives the same rates whatever order the
+    flows come in (each round subtracts one share, the same, from every link it touches; links are taken by share and
+    name). With the default sharing rule and no connection queues only, which host order is."""
+    if lowering.discipline != "host-order":
+        raise ValueError(f"renumbered_only compares host-order listings, not {lowering.discipline!r}")
+    groups = [tuple(op.id for op in group) for group in message_groups(before)]
+    if sorted(groups) != sorted(tuple(op.id for op in group) for group in message_groups(after)):
+        return False
+    task = {op.id: op.task for op in before}
+    keys: dict[int, list] = {group[0]: [("task", task[group[0]])] for group in groups}  # a message's head (its flows'
+    for f in lowering.flows:  # `op`) -> the task and NIC sides it queues on (an operation without flows waits on its task)
+        keys[f.op].extend(link for link in f.links if link.startswith("h") and link not in keys[f.op])
+
+    def queues(listing) -> dict:
+        out: dict = {}
+        for op in listing:
+            for key in keys.get(op.id, ()):
+                out.setdefault(key, []).append(op.id)
+        return out
+
+    return queues(before) == queues(after)
+
+
+@contextmanager
+def _no_cycle_collection():
+    """Python's cycle collector paused: a simulation makes millions of small objects, none in a cycle, and the
+    collector would rescan them all every few thousand (a fifth of the time at 10^5 operations)."""
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
+
+
+def lower(operations: list[Operation] | tuple[Operation, ...], problem: ReshardingProblem | TransferProblem,
+          discipline: str = "host-order", nic_of_task: dict[int, int] | None = None,
+          run_numbers: dict[int, list[int]] | None = None, send_buffer_bytes: float | None = None
+          ) -> tuple[_Lowering, dict[int, int]]:
+    """`operations` as flows (`simulate`'s first half), and each bundle riding in another's message -> its carrier."""
     lowering = _Lowering(problem, discipline, nic_of_task, run_numbers, send_buffer_bytes)
     riders: dict[int, int] = {}  # a bundle riding in another's message -> its carrier (timed as the carrier)
     for group in message_groups(operations):
@@ -510,8 +664,12 @@ def simulate(operations: list[Operation] | tuple[Operation, ...], problem: Resha
             lowering.bytewise.add(group[0].id)
             riders |= {op.id: group[0].id for op in group[1:]}
         lowering.add(fused(group, lowering.itemsizes))
-    cost: list[int] = []
-    spans = run_flows(lowering.flows, lowering.capacity, max_work, cost, share)
+    return lowering, riders
+
+
+def op_times(operations: list[Operation] | tuple[Operation, ...], lowering: _Lowering, riders: dict[int, int],
+             spans: dict[int, tuple[float, float]], work: int) -> SimResult:
+    """Each operation's start and end from its flows' (`simulate`'s second half)."""
     start: dict[int, float] = {}
     end: dict[int, float] = {}
     for f in lowering.flows:
@@ -525,7 +683,7 @@ def simulate(operations: list[Operation] | tuple[Operation, ...], problem: Resha
     for op in operations:  # an operation without flows (an empty box) takes no time
         start.setdefault(op.id, 0.0)
         end.setdefault(op.id, start[op.id])
-    return SimResult(max(end.values(), default=0.0), start, end, len(lowering.flows), cost[0])
+    return SimResult(max(end.values(), default=0.0), start, end, len(lowering.flows), work)
 
 
 def nic_assignment(host_order) -> dict[int, int]:

@@ -7,6 +7,9 @@ torchrun command itself.
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest

@@ -1,0 +1,77 @@
+"""`compile.settle_listing` takes a new listing that only renumbers the flows (`simulate.renumbered_only`) as settled
+on the times just simulated; on random plans that gives exactly the listing and times that simulating every round
+until the listing stops changing gives, and the shortcut is taken on some of them."""
+
+from __future__ import annotations
+
+import pytest
+
+from xmesh_plan.planner import compile as compile_module
+from xmesh_plan.planner.compile import DIGITS, MAX_RELISTINGS, compile_plan, settle_listing
+from xmesh_plan.planner.simulate import lower, nic_assignment, renumbered_only, simulate
+
+from tests.support.cases import random_problem
+from tests.support.transfer import random_transfer
+
+
+def settle_by_simulating(operations, problem, nic_of_task):
+    """The listing settle that simulates every listing it makes."""
+    listing = operations
+    for _ in range(MAX_RELISTINGS):
+        result = simulate(listing, problem, "host-order", nic_of_task)
+        position = {op.id: i for i, op in enumerate(listing)}
+        order = sorted(listing, key=lambda op: (round(result.op_start_s[op.id], DIGITS), position[op.id]))
+        if order == list(listing):
+            return listing, result
+        listing = tuple(order)
+    return None
+
+
+def schedule_listings():
+    """Operations in the schedule's order (what compile settles), with the plan's NIC choices, on random problems."""
+    shuffled = []
+    for seed in range(30):
+        for problem in (random_problem(seed, max_devices=12, exact=False), random_transfer(seed, 12)):
+            plan = compile_plan(problem, solver="greedy")
+            ops = sorted(plan.operations, key=lambda op: (op.task, op.id))  # a listing the simulation reorders
+            shuffled.append((tuple(ops), plan.problem, nic_assignment(plan.host_order)))
+    return shuffled
+
+
+def test_the_settled_listing_and_times_are_those_of_simulating_every_round(monkeypatch):
+    shortcuts = []
+    real = compile_module.renumbered_only
+
+    def counting(before, after, lowering):
+        taken = real(before, after, lowering)
+        shortcuts.append(taken)
+        return taken
+
+    monkeypatch.setattr(compile_module, "renumbered_only", counting)
+    for ops, problem, nics in schedule_listings():
+        fast, slow = settle_listing(ops, problem, nics), settle_by_simulating(ops, problem, nics)
+        assert (fast is None) == (slow is None)
+        if fast is not None:
+            assert [op.id for op in fast[0]] == [op.id for op in slow[0]]
+            assert fast[1] == slow[1]  # every start and end, bit for bit, and the work
+    assert any(shortcuts) and not all(shortcuts)
+
+
+def test_a_listing_that_swaps_two_operations_on_one_nic_side_is_not_a_renumbering():
+    """Two sends from one host's NIC: swapping them changes which one waits for the other there."""
+    problem = random_problem(3, max_devices=12, exact=False)
+    plan = compile_plan(problem, solver="greedy")
+    lowering, _ = lower(plan.operations, problem, "host-order", nic_assignment(plan.host_order))
+    sides: dict[str, list[int]] = {}
+    for f in lowering.flows:
+        for link in f.links:
+            if link.startswith("h") and f.op not in sides.get(link, []):
+                sides.setdefault(link, []).append(f.op)
+    shared = next(ids for ids in sides.values() if len(ids) > 1)
+    a, b = (next(i for i, op in enumerate(plan.operations) if op.id == x) for x in shared[:2])
+    swapped = list(plan.operations)
+    swapped[a], swapped[b] = swapped[b], swapped[a]
+    assert not renumbered_only(plan.operations, swapped, lowering)
+    assert renumbered_only(plan.operations, list(plan.operations), lowering)
+    with pytest.raises(ValueError, match="host-order"):
+        renumbered_only(plan.operations, swapped, lower(plan.operations, problem, "posted")[0])
