@@ -4,10 +4,9 @@
 
 Project files describe the software as it is; its history is in git. This scans every text file git
 tracks (or the paths given), except the archived results (`bench/results/archive/`, kept as they were
-measured) and this checker, and reports lines that key text to numbered work periods ("session 13"),
-name result files with such a suffix (`netlab-...-s13.json`), or tell what code "used to" do,
-"before the fix", "the first version", "previously", and the like. `tests/test_docs_history.py` runs it
-as part of `make test`.
+measured) and this checker, and reports each line that matches one of `PATTERNS`: a numbered work period,
+a result file named by one, what code did at an earlier time, or a commit used as a point in time.
+`tests/test_docs_history.py` runs it as part of `make test`.
 """
 
 from __future__ import annotations

@@ -127,7 +127,7 @@ def test_saved_runs_are_repredicted_with_and_without_the_cpu(tmp_path):
 
     from bench.netlab.repredict import repredicted, table
 
-    saved = json.loads((Path(__file__).resolve().parents[1] / "bench/results/archive/netlab-device-500-s7.json").read_text())
+    saved = json.loads((Path(__file__).resolve().parents[1] / "bench/results/archive/netlab-mpi-device-500-without-cpu-model.json").read_text())
     one = {"meta": saved["meta"], "runs": [run for run in saved["runs"] if run["case"] == "case1"]}
     (tmp_path / "one.json").write_text(json.dumps(one))
     rows = repredicted(tmp_path / "one.json", Cpu(cores=2, copy_gbps=24))
