@@ -314,11 +314,20 @@ class ReshardingExecutor(Flying):
 
     def start(self, local_shard=None) -> None:
         """Begin a reshard and return at once; do not modify `local_shard` until `wait()` returns."""
+        self._startable()
+        self.flight.start(self._adopt(local_shard))
+
+    def start_adopted(self, array) -> None:
+        """`start()` with a source shard its caller already checked and adopted (`_adopt`), so a multi-tensor
+        executor checks every tensor's input before starting any without checking it twice."""
+        self._startable()
+        self.flight.start(array)
+
+    def _startable(self) -> None:
         flight = self.flight
         flight.usable("run() or start()")
         if flight.in_flight:
             raise ExecutorError("start() called while a reshard is in flight; call wait() first")
-        flight.start(self._adopt(local_shard))
 
     def test(self) -> bool:
         """Drive communication without blocking (call it now and then between start() and wait()).

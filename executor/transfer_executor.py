@@ -243,15 +243,16 @@ class TransferExecutor(Flying):
         if not self.concurrent and self.current < len(self.parts):
             raise ExecutorError("start() called while a reshard is in flight; call wait() first")
         for part, name in zip(self.parts, self.names):  # every input first: a wrong one refused before any tensor moves
+            part._startable()
             given[name] = part._adopt(given.get(name))
         if not self.concurrent:
-            self.parts[0].start(given[self.names[0]])
+            self.parts[0].start_adopted(given[self.names[0]])
             self.given, self.current, self.running = given, 0, True
             return
         started = []
         try:
             for part, name in zip(self.parts, self.names):
-                part.start(given.get(name))
+                part.start_adopted(given[name])
                 started.append(part)
         except BaseException:
             for part in started:  # the peers cannot finish these without this rank's later tensors: give them up
@@ -289,7 +290,7 @@ class TransferExecutor(Flying):
             self.results[self.current] = part.wait()
             self.current += 1
             if self.current < len(self.parts):
-                self.parts[self.current].start(self.given.get(self.names[self.current]))
+                self.parts[self.current].start_adopted(self.given[self.names[self.current]])
         return True
 
     def close(self) -> None:
