@@ -4,7 +4,7 @@ A tensor gives its name, shape and optionally dtype (else the file's `dtype`, el
 `src` / `dst` specs; a spec it leaves out comes from the first entry of `rules` whose `match` (a
 shell pattern, `*` and `?`, over the whole name) fits the name and that gives that side. A
 `tensors` entry with `repeat = N` and a `group` of tensors stands for the group N times, `{i}` in
-each name replaced by 0 .. N-1 (layer by layer), so a model's hundreds of parameters take a few lines:
+each name replaced by 0 .. N-1 (layer by layer; from `first` on where it gives one), so a model's hundreds of parameters take a few lines:
 
 >>> p = build_transfer({"src_mesh": "1x4", "dst_mesh": "1x2", "dtype": "bfloat16",
 ...     "rules": [{"match": "*.norm", "src": "S1", "dst": "R"}, {"match": "*", "src": "S1 R", "dst": "R S1"}],
@@ -37,6 +37,7 @@ from .unit_tasks import check_task_total, task_count_bound
 TOP_KEYS = ("name", "dtype", "src_mesh", "dst_mesh", "cluster", "rules", "tensors")
 TENSOR_KEYS = ("name", "shape", "dtype", "src", "dst")
 RULE_KEYS = ("match", "src", "dst")
+GROUP_KEYS = ("repeat", "first", "group")
 MAX_REPEAT = MAX_TENSORS
 MAX_RULES = 256  # every rule is matched against every tensor name once at most; a model needs a few dozen
 
@@ -125,17 +126,20 @@ class _TaskCount:
             self.written += len(group) * (1 if repeat is None else repeat)
             if self.written > MAX_TENSORS:  # unrolling refuses this entry by name; counting past it only takes time
                 return
+            first = entry.get("first", 0)
+            if not isinstance(first, int) or isinstance(first, bool):
+                return
             for tensor in group:
-                if not self._add_copies(tensor, repeat):
+                if not self._add_copies(tensor, repeat, first):
                     return
         if self.tensors:
             check_task_total(self.tensors, self.total, self.largest_name, self.largest, max_tasks)
 
-    def _add_copies(self, tensor: dict, repeat: int | None) -> bool:
-        """Count `tensor` (`repeat` copies named by {i}, or itself when None); False where something is malformed."""
+    def _add_copies(self, tensor: dict, repeat: int | None, first: int = 0) -> bool:
+        """Count `tensor` (`repeat` copies named by {i} from `first`, or itself when None); False where something is malformed."""
         if repeat is None or ("src" in tensor and "dst" in tensor):
-            return self._add(tensor["name"].replace("{i}", "0") if repeat else tensor["name"], tensor, 1 if repeat is None else repeat)
-        return all(self._add(tensor["name"].replace("{i}", str(i)), tensor, 1) for i in range(repeat))
+            return self._add(tensor["name"].replace("{i}", str(first)) if repeat else tensor["name"], tensor, 1 if repeat is None else repeat)
+        return all(self._add(tensor["name"].replace("{i}", str(i)), tensor, 1) for i in range(first, first + repeat))
 
     def _add(self, name: str, tensor: dict, copies: int) -> bool:
         specs = [tensor[side] if tensor.get(side) is not None else self.rules.spec(name, side) for side in ("src", "dst")]
@@ -242,11 +246,13 @@ def _expand(raw: Any) -> list[tuple[dict, str]]:
 
 
 def _repeat(entry: dict, where: str, room: int) -> list[tuple[dict, str]]:
-    repeat, group = entry.get("repeat"), entry.get("group")
-    if set(entry) - {"repeat", "group"}:
-        raise InputError(f"{where}.{quoted(sorted(set(entry) - {'repeat', 'group'})[0])}: a repeated group has only repeat and group")
+    repeat, group, first = entry.get("repeat"), entry.get("group"), entry.get("first", 0)
+    if set(entry) - set(GROUP_KEYS):
+        raise InputError(f"{where}.{quoted(sorted(set(entry) - set(GROUP_KEYS))[0])}: a repeated group has only {', '.join(GROUP_KEYS)}")
     if not isinstance(repeat, int) or isinstance(repeat, bool) or not 0 <= repeat <= MAX_REPEAT:
         raise InputError(f"{where}.repeat: {shown(repeat)} must be a whole number of repetitions in 0 .. {MAX_REPEAT}")
+    if not isinstance(first, int) or isinstance(first, bool) or not 0 <= first <= MAX_REPEAT:
+        raise InputError(f"{where}.first: {shown(first)} must be the whole number {{i}} starts from, in 0 .. {MAX_REPEAT}")
     if not isinstance(group, list) or not group or not all(isinstance(t, dict) for t in group):
         raise InputError(f"{where}.group: give a non-empty list of tensors whose names contain {{i}}, e.g. \"layers.{{i}}.mlp.weight\"")
     if repeat * len(group) > room:  # refused before anything is unrolled
@@ -262,7 +268,7 @@ def _repeat(entry: dict, where: str, room: int) -> list[tuple[dict, str]]:
             raise InputError(f"{where}.group[{j}].name: {shown(tensor.get('name'))} lacks {{i}}, so its {repeat} copies "
                              "would share a name; write e.g. \"layers.{i}.mlp.weight\"")
     return [({**t, "name": t["name"].replace("{i}", str(i))}, f"{where}.group[{j}] (i={i})")
-            for i in range(repeat) for j, t in enumerate(group)]
+            for i in range(first, first + repeat) for j, t in enumerate(group)]
 
 
 def _tensor(entry: Any, where: str, rules: _RuleMatcher, default_dtype: Any) -> dict[str, Any]:

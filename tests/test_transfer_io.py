@@ -75,12 +75,20 @@ def test_a_repeated_group_unrolls_layer_by_layer():
     assert p.names == ("e", "l.0.w", "l.0.n", "l.1.w", "l.1.n", "l.2.w", "l.2.n")
 
 
+def test_a_repeated_group_numbers_its_layers_from_first():
+    group = [{"name": "l.{i}.w", "shape": [4], "src": "R", "dst": "R"}]
+    p = build_transfer(raw(tensors=[{"repeat": 1, "group": group}, {"repeat": 2, "first": 1, "group": group}]))
+    assert p.names == ("l.0.w", "l.1.w", "l.2.w")
+
+
 @pytest.mark.parametrize("change, words", [
     ({"tensors": [{"name": "a", "shape": [8, 4], "src": "S0 R"}]}, ["tensors[0] (a)", "dst", "rule"]),
     ({"tensors": [{"name": "a", "shape": [4], "src": "R", "dst": "R"}, {"name": "a", "shape": [4], "src": "R", "dst": "R"}]},
      ["tensors[1].name", "'a'", "tensors[0]"]),
     ({"tensors": [{"repeat": 2, "group": [{"name": "w", "shape": [4], "src": "R", "dst": "R"}]}]}, ["tensors[0].group[0].name", "{i}"]),
     ({"tensors": [{"repeat": -1, "group": [{"name": "w{i}", "shape": [4]}]}]}, ["tensors[0].repeat"]),
+    ({"tensors": [{"repeat": 2, "first": -3, "group": [{"name": "w{i}", "shape": [4]}]}]}, ["tensors[0].first", "-3"]),
+    ({"tensors": [{"repeat": 2, "last": 3, "group": [{"name": "w{i}", "shape": [4]}]}]}, ["tensors[0].last", "repeat, first, group"]),
     ({"tensors": [{"repeat": 100_000, "group": [{"name": "w{i}", "shape": [4]}] * 1000}]}, ["tensors[0]", "100,000", "split"]),
     ({"tensors": [{"name": "a", "shape": [8, 4], "src": "S0 R", "dst": "R S2"}]}, ["tensors[0] (a)", "R S2", "axis 2"]),
     ({"tensors": [{"name": "a", "shape": [8, 4], "src": "S0", "dst": "R R"}]}, ["tensors[0] (a)", "src.spec"]),
@@ -157,6 +165,20 @@ def test_the_llama_example_has_every_parameter_of_llama3_8b():
         for side in ("src", "dst"):
             sizes = {tuple(b - a for a, b in box) for box in single.blocks(side).values()}
             assert len(sizes) == 1, (single.name, side, sizes)
+
+
+def test_the_frontier_examples_hold_llama3_70b_and_deepseek_v3_as_laid_out():
+    dense = load_any_problem(ROOT / "plans" / "weight_sync_llama3_70b.problem.toml")
+    assert len(dense.tensors) == 1 + 80 * 9 + 2 and dense.nbytes == 2 * 70_553_706_496  # Llama-3-70B's parameters, bfloat16
+    assert dense.src_mesh.shape == (8, 8) and dense.dst_mesh.shape == (2, 8) and len(dense.cluster.nics) == 8
+    moe = load_any_problem(ROOT / "plans" / "weight_sync_deepseek_v3.problem.toml")
+    assert moe.nbytes == 2 * 671_026_419_200 and moe.src_mesh.shape == (32, 8) and moe.dst_mesh.shape == (4, 4, 8)
+    specs = {t.name: (t.shape, str(t.src), str(t.dst)) for t in moe.tensors}
+    assert "model.layers.2.mlp.down_proj.weight" in specs and "model.layers.3.mlp.down_proj.weight" not in specs
+    assert specs["model.layers.60.mlp.experts.down_proj.weight"] == ((256, 7168, 2048), "S0 S1 R", "S12 R R")
+    assert specs["model.layers.3.self_attn.o_proj.weight"][1:] == ("S01 R", "R S2")
+    assert specs["model.layers.3.mlp.shared_experts.gate_proj.weight"][1:] == ("S01 R", "S2 R")
+    assert specs["model.layers.3.mlp.gate.weight"][1:] == ("S01 R", "R R")
 
 
 def test_the_format_page_example_reads_as_it_says():
