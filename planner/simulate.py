@@ -3,7 +3,8 @@
 Model (stated, so every plan and baseline is judged by the same rules):
 - Links. Each host NIC has a send side and a receive side (`h2.send:0`, `h2.recv:0`), each with its
   own bandwidth (full duplex). A host with several NICs stripes every cross-host message over all
-  of them in proportion to their bandwidth, unless the plan pins a task to one NIC (`send:N`). Inside a host every device has an outgoing and an incoming port at the
+  of them in proportion to their bandwidth, unless the plan pins a task to one NIC (`send:N`); alike NICs,
+  a power of two of them, with no task pinned, are one pooled side per host (`h2.send`, `pooled_nics`). Inside a host every device has an outgoing and an incoming port at the
   intra-host bandwidth (`d8.out`, `d8.in`); a local copy uses the device's copy engine (`d8.copy`).
 - Flows. Every message of an operation's route (`schemas.op_kinds.route`) becomes a flow: a send is
   one flow; a broadcast of K chunks down a chain is K x hops flows, chunk k on hop h starting once
@@ -361,6 +362,16 @@ def _sharing_links(touched: dict[str, None], by_id: dict[int, Flow], on_link: di
     return affected
 
 
+def pooled_nics(cluster) -> bool:
+    """Whether a message striped over every NIC of a host can be simulated as one flow on the host's pooled sides
+    (`h3.send`, `h3.recv` at the NICs' summed bandwidth): the NICs are alike and their count a power of two. Each
+    stripe then carries exactly 1/n of the message (and overhead) at exactly 1/n of the rates, n scaling every
+    number by a power of two, which rounds the same: the times are the striped simulation's bit for bit, with n
+    times fewer flows to share rates out over (a host of 8 NICs). Only where no task is pinned to one NIC."""
+    n = len(cluster.nics)
+    return n > 1 and n & (n - 1) == 0 and len(set(cluster.nics)) == 1
+
+
 class _Lowering:
     """Turns operations into flows, with data dependencies and the discipline's queueing."""
 
@@ -386,6 +397,7 @@ class _Lowering:
         self.send_buffer = send_buffer_bytes if discipline == "device-order" else None  # `simulate(send_buffer_bytes=)`
         self.gated: set[str] | None = None  # host order, while an operation is added: the NIC sides its flows were gated on (`gate`)
         self.lane_cache: dict[tuple[int, int, int | None], list[tuple[tuple[str, ...], float, float]]] = {}  # `lanes`
+        self.pooled = pooled_nics(self.cluster) and not self.nic_of_task  # `lanes`: one lane for every NIC of a host
 
     def hop(self, op: Operation, a: int, b: int, nbytes: float, after: list[int], after_sent: list[int] = ()) -> list[int]:
         """One message from device a to device b; returns its flow ids (one per NIC it is striped over).
@@ -419,6 +431,9 @@ class _Lowering:
             lanes = [{f"d{a}.copy": self.cluster.intra_bytes_per_s}]
         elif ha == hb:
             lanes = [{f"d{a}.out": self.cluster.intra_bytes_per_s, f"d{b}.in": self.cluster.intra_bytes_per_s}]
+        elif self.pooled:  # every stripe would move as the others do: one flow stands for all, bit for bit (`pooled_nics`)
+            n, first = len(self.cluster.nics), self.cluster.nics[0]
+            lanes = [{f"h{ha}.send": n * (first.send_gbps * 1e9 / 8), f"h{hb}.recv": n * (first.recv_gbps * 1e9 / 8)}]
         else:
             nics = [nic] if nic is not None else range(len(self.cluster.nics))
             lanes = [{f"h{ha}.send:{n}": self.cluster.nics[n].send_gbps * 1e9 / 8,

@@ -26,7 +26,7 @@ from xmesh_plan.executor.ranks import plan_devices
 from xmesh_plan.executor.run import bytes_moved
 from xmesh_plan.planner.compile import _sender_per_host, compile_plan
 from xmesh_plan.planner.inspect_plan import plan_loads
-from xmesh_plan.planner.simulate import _Lowering, nic_assignment
+from xmesh_plan.planner.simulate import _Lowering, nic_assignment, pooled_nics
 from xmesh_plan.planner.strategies import STRATEGIES as STRATEGY_FUNCTIONS, TaskContext, hop_resources
 from xmesh_plan.planner.unit_tasks import decompose
 from xmesh_plan.planner.verify import verify_plan
@@ -164,6 +164,10 @@ def _link_bytes_from_table(plan: Plan, op: Operation) -> dict[str, float]:
         if host(a) == host(b):
             out[f"d{a}.out"] += nbytes
             out[f"d{b}.in"] += nbytes
+            continue
+        if not nics and pooled_nics(cluster):  # alike NICs, none pinned: one pooled side per host
+            out[f"h{host(a)}.send"] += nbytes
+            out[f"h{host(b)}.recv"] += nbytes
             continue
         lanes = [nics[op.task]] if op.task in nics else range(len(cluster.nics))
         total = sum(min(cluster.nics[n].send_gbps, cluster.nics[n].recv_gbps) for n in lanes)

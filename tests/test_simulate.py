@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
+import tomllib
+
 import pytest
 
+from xmesh_plan.planner import simulate as simulator
 from xmesh_plan.planner.baselines import BASELINES, alpa_allgather, alpa_send_recv, baseline_seconds
 from xmesh_plan.planner.compile import compile_plan
 from xmesh_plan.planner.simulate import Flow, max_min_rates, run_flows, simulate, simulate_plan
+from xmesh_plan.planner.transfer_io import build_transfer
 from xmesh_plan.planner.verify import verify_plan
-from xmesh_plan.schemas import Cluster, DeviceMesh, Operation, Placement, ReshardingProblem
+from xmesh_plan.planner.weight_sync import TOY, Layout, weight_sync_toml
+from xmesh_plan.schemas import Cluster, DeviceMesh, Nic, Operation, Placement, ReshardingProblem
 from xmesh_plan.schemas.staging import SYNC_SEND_BYTES
 
 GBPS10 = 10e9 / 8  # bytes per second of a 10 Gbit/s NIC
@@ -337,6 +342,23 @@ def test_two_nics_stripe_a_message_and_halve_its_time():
     op = Operation(id=0, task=0, kind="send", src=0, dsts=(1,), region=full(p))
     assert simulate([op], p2).makespan_s == pytest.approx(simulate([op], p).makespan_s / 2, rel=1e-9)
     assert simulate([op], p2, nic_of_task={0: 1}).makespan_s == pytest.approx(simulate([op], p).makespan_s, rel=1e-9)
+
+
+@pytest.mark.parametrize("discipline", ["host-order", "device-order", "posted"])
+@pytest.mark.parametrize("nics,pooled", [(2, True), (4, True), (8, True), (3, False)])
+def test_alike_nics_pooled_into_one_side_time_every_operation_as_the_stripes_do_bit_for_bit(monkeypatch, discipline, nics, pooled):
+    """A weight sync's plan on hosts of several alike NICs, simulated with each host's NICs pooled (one flow per
+    message) and striped (one per NIC): the same start and end of every operation, to the last bit."""
+    layout = Layout("toy", "2x2", "2x2", devices_per_host=2, nic_gbps=100.0, latency_us=5.0, nics=nics)
+    p = build_transfer(tomllib.loads(weight_sync_toml("toy", TOY, layout)))
+    plan = compile_plan(p, solver="greedy")
+    assert simulator.pooled_nics(p.cluster) is pooled
+    together = simulate(plan.operations, p, discipline)
+    monkeypatch.setattr(simulator, "pooled_nics", lambda cluster: False)
+    striped = simulate(plan.operations, p, discipline)
+    assert together.op_start_s == striped.op_start_s and together.op_end_s == striped.op_end_s
+    assert together.flows < striped.flows if pooled else together.flows == striped.flows
+    assert not simulator.pooled_nics(p.cluster.model_copy(update={"nics": (Nic(), Nic(send_gbps=5.0))}))
 
 
 def test_a_two_nic_cluster_plan_predicts_about_half():
