@@ -54,12 +54,16 @@ def _best_strategy(ctx: TaskContext, strategy: str) -> tuple[str, StrategyResult
 
 
 def receiving_load(cells_of: list[list[Cell]], cluster) -> dict[int, int]:
-    """Host -> how many cells (of every tensor) have a receiver there: the tasks its receive side queues."""
-    load: dict[int, int] = {}
+    """Host -> how many cells (of every tensor) have a receiver there: the tasks its receive side queues. A list
+    given for several tensors (one kind, `_kinds`) is counted once and taken as many times."""
+    times: dict[int, list] = {}
     for cells in cells_of:
+        times.setdefault(id(cells), [cells, 0])[1] += 1
+    load: dict[int, int] = {}
+    for cells, count in times.values():
         for cell in cells:
             for host in {cluster.host_of(d) for d in cell.receivers}:
-                load[host] = load.get(host, 0) + 1
+                load[host] = load.get(host, 0) + count
     return load
 
 
@@ -230,6 +234,24 @@ def _retimed_tasks(tasks: list[UnitTask], operations: tuple[Operation, ...]) -> 
     return [t.model_copy(update=dict(zip(("start_s", "end_s"), spans[t.id]))) if t.id in spans else t for t in tasks]
 
 
+def _kinds(singles: list[ReshardingProblem]) -> list[tuple]:
+    """Per tensor, what its unit tasks, strategies and per-host loads depend on: shape, element size, both
+    placements (meshes and specs) and the cluster. A model's layers repeat a few kinds of tensor tens of times,
+    and two tensors of one kind have the same cells, bundles and options up to their task numbers (`renumbered`)."""
+    known: dict[int, tuple] = {}  # a transfer's tensors share one cluster and two meshes: each is keyed once
+    def key(obj) -> tuple:
+        if id(obj) not in known:
+            known[id(obj)] = (obj, repr(obj))
+        return known[id(obj)][1]
+    return [(s.shape, s.itemsize, str(s.src.spec), str(s.dst.spec), key(s.src.mesh), key(s.dst.mesh), key(s.cluster))
+            for s in singles]
+
+
+def renumbered(options: list[TaskOptions], first_id: int) -> list[TaskOptions]:
+    """`options` (numbered from 0) as another tensor of the same kind's, numbered from `first_id`."""
+    return [TaskOptions(o.cell, o.results, SchedulingTask(first_id + o.scheduling.id, o.scheduling.options)) for o in options]
+
+
 def _bundle_options(bundles: list[BundleCell], problem: ReshardingProblem, first_id: int) -> list[TaskOptions]:
     """One scheduling task per bundle, numbered from `first_id` after the tensor's other tasks."""
     out = []
@@ -292,20 +314,30 @@ def compile_plan(problem: ReshardingProblem | TransferProblem, options: CompileO
         coalesce = False  # a limit below one element: limit_staging refuses it, naming the smallest limit that works
     check_joint_task_count(singles, max_tasks)
     indices = range(len(singles)) if multi else [None]
-    cells = [decompose(single, merge=options.merge, max_tasks=None) for single in singles]
-    on_stage(f"costing {sum(map(len, cells))} cells")
-    works, first, cut = [], 0, []
+    kinds = _kinds(singles)  # tensors of one kind cut, split, coalesce and cost alike: each kind is planned once
+    planned: dict[tuple, list[Cell]] = {}
+    for single, kind in zip(singles, kinds):
+        if kind not in planned:
+            planned[kind] = decompose(single, merge=options.merge, max_tasks=None)
+    cells = [planned[kind] for kind in kinds]
+    on_stage(f"costing {sum(map(len, cells))} cells ({len(planned)} kinds of tensor)")
     if split_hosts:
         check_split_count(cells, problem.cluster, max_tasks)
-    for single, mine in zip(singles, cells):  # the bound and copies come from the cells as cut
-        tasks_of = split_by_receiver_host(mine, problem.cluster) if split_hosts else mine
-        cut.append(coalesce_cells(tasks_of, single, bucket_bytes) if coalesce else (tasks_of, []))
-    load = receiving_load([tasks_of for tasks_of, _ in cut], problem.cluster)
-    for index, single, mine, (tasks_of, bundles) in zip(indices, singles, cells, cut):
-        mine_options = task_options(single, tasks_of, strategy, first_id=first, load=load)
-        mine_options += _bundle_options(bundles, single, first + len(mine_options))
-        works.append(TensorWork(index, single, mine, mine_options))
-        first += len(mine_options)
+    cut: dict[tuple, tuple[list[Cell], list[BundleCell]]] = {}
+    for single, kind in zip(singles, kinds):  # the bound and copies come from the cells as cut
+        if kind not in cut:
+            tasks_of = split_by_receiver_host(planned[kind], problem.cluster) if split_hosts else planned[kind]
+            cut[kind] = coalesce_cells(tasks_of, single, bucket_bytes) if coalesce else (tasks_of, [])
+    load = receiving_load([cut[kind][0] for kind in kinds], problem.cluster)
+    costed: dict[tuple, list[TaskOptions]] = {}  # kind -> its tasks' options, numbered from 0
+    works, first = [], 0
+    for index, single, kind in zip(indices, singles, kinds):
+        mine, (tasks_of, bundles) = planned[kind], cut[kind]
+        if kind not in costed:
+            costed[kind] = task_options(single, tasks_of, strategy, load=load)
+            costed[kind] += _bundle_options(bundles, single, len(costed[kind]))
+        works.append(TensorWork(index, single, mine, renumbered(costed[kind], first)))
+        first += len(costed[kind])
     tasks = [o.scheduling for w in works for o in w.options]
     on_stage(f"scheduling {len(tasks)} tasks with {solver}")
     schedule = solve(tasks, solver, seed=seed, time_limit_s=options.time_limit_s)

@@ -104,7 +104,12 @@ def check_task_total(tensors: int, total: int, largest_name: str, largest: int, 
 def check_split_count(cells_of: list[list[Cell]], cluster, max_tasks: int | None) -> int:
     """The unit tasks `split_by_receiver_host` makes of these cells (one per receiving host of each), counted before
     anything is split; TooManyTasksError naming it and `--max-tasks` above `max_tasks`."""
-    total = sum(len({cluster.host_of(d) for d in cell.receivers}) or 1 for cells in cells_of for cell in cells)
+    per_list: dict[int, int] = {}  # a list given for several tensors (one kind of tensor) is counted once
+    total = 0
+    for cells in cells_of:
+        if id(cells) not in per_list:
+            per_list[id(cells)] = sum(len({cluster.host_of(d) for d in cell.receivers}) or 1 for cell in cells)
+        total += per_list[id(cells)]
     if max_tasks is not None and total > max_tasks:
         raise TooManyTasksError(
             f"problem: split by receiving host (--split-hosts) it gives {total:,} unit tasks, above the limit of {max_tasks:,}; "
