@@ -20,7 +20,8 @@ from xmesh_plan.schemas.plan_check import check_plan
 from xmesh_plan.schemas.transfer import TransferProblem
 
 from .cli_types import BUCKET_MB, SEED, STAGING_MB, TIME_LIMIT, max_tasks_option, write_output
-from .cli_solvers import progress, solver_summary
+from .cli_solvers import solver_summary
+from .progress import QUIET_S, progress
 from .compile_defaults import CompileOptions
 from .compile import compile_plan
 from .inspect_plan import executor_summary, shared_summary, staging_summary, summarize
@@ -151,7 +152,8 @@ def compile_command(problem_file, output, shape, dtype, src_mesh, src_spec, dst_
                          "coalesces only with --coalesce; --no-coalesce turns it off); add --coalesce or drop --bucket-mb")
     with progress("compiling") as timing:
         plan = compile_plan(problem, options, on_stage=timing["stage"])
-    report = verify_plan(plan)
+    with progress("verifying", done_below_s=QUIET_S) as checking:
+        report = verify_plan(plan, on_stage=checking["stage"], on_count=checking["count"])
     text = plan.to_json()
     if output:
         try:
@@ -204,7 +206,8 @@ def verify_command(plan_files):
     for path in plan_files:
         plan = read_plan_file(path)
         try:
-            report = verify_plan(plan)
+            with progress(f"verifying {path}", done_below_s=QUIET_S) as timing:
+                report = verify_plan(plan, on_stage=timing["stage"], on_count=timing["count"])
         except PlanError as err:
             failed += 1
             click.echo(f"{quoted(path)}: FAILED: {err}")

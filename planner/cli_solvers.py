@@ -6,19 +6,16 @@ appear only here, never in a plan (plans stay byte-identical).
 
 from __future__ import annotations
 
-import sys
 import time
-from contextlib import contextmanager
 
 import click
-from rich.console import Console
-from rich.progress import Progress, TextColumn, TimeElapsedColumn
 from tabulate import tabulate
 
 from xmesh_plan.schemas import read_plan_file
 from xmesh_plan.schemas.limits import quoted
 
 from .audit import audit_plan
+from .progress import progress
 from .cli_types import POSITIVE, SEED, TIME_LIMIT, max_tasks_option
 from .baselines import BASELINES, baseline_seconds
 from .compile import compile_plan
@@ -31,26 +28,6 @@ from .verify import PlanError, verify_plan
 from .bounds import lower_bound, over_bound
 from .unit_tasks import decompose
 from xmesh_plan.schemas.transfer import TransferProblem
-
-
-@contextmanager
-def progress(label: str):
-    """On a terminal, one status line (rich's live display, redrawn twice a second): the current step and the time
-    so far, then `label: done in N s`; silent when piped. Yields a dict whose "stage" entry is a callback for
-    `compile_plan(on_stage=...)` and whose "seconds" entry holds the elapsed time afterwards."""
-    tty = sys.stderr.isatty()
-    begin = time.perf_counter()
-    bar = Progress(TextColumn("{task.description} ..."), TimeElapsedColumn(), transient=True, disable=not tty,
-                   refresh_per_second=2, console=Console(file=sys.stderr, force_terminal=tty))
-    task = bar.add_task(label)
-    timing = {"stage": lambda stage: bar.update(task, description=f"{label}: {stage}")}
-    with bar:
-        try:
-            yield timing
-        finally:
-            timing["seconds"] = time.perf_counter() - begin
-    if tty:
-        click.echo(f"{label}: done in {timing['seconds']:.2f} s", err=True)
 
 
 def solver_summary(plan, seconds: float) -> str:

@@ -11,6 +11,7 @@ what `schemas.staging` computes. Numpy index arithmetic, no element loops.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -127,21 +128,36 @@ class _Replay:
                 raise PlanError(f"destination device {d} never receives {cells.describe(everything, missing)} of its shard {format_region(cells.block)}")
 
 
-def verify_plan(plan: Plan) -> VerifyReport:
+def _quiet(stage: str) -> None:
+    del stage
+
+
+def _uncounted(done: int, total: int) -> None:
+    del done, total
+
+
+def verify_plan(plan: Plan, on_stage: Callable[[str], None] = _quiet,
+                on_count: Callable[[int, int], None] = _uncounted) -> VerifyReport:
     """Raise PlanError at the first violation; return a short report when the plan is correct.
 
     The structural rules (`schemas.plan_check`, shared with the executor) first, then the replay; a
     multi-tensor plan replays each tensor's operations on its own (tensors share no bytes), and a
-    failure begins with the tensor's name."""
+    failure begins with the tensor's name. `on_stage` hears each step's name and `on_count` (tensors replayed,
+    tensors) each tensor's end, for progress (`planner.progress`)."""
+    on_stage(f"checking {len(plan.operations):,} operations")
     check_plan(plan)
     cells, devices = 0, set()
-    for name, single in zip(tensor_names(plan), tensor_plans(plan)):
+    names = tensor_names(plan)
+    on_stage(f"replaying {len(names):,} tensor{'s' if len(names) != 1 else ''}")
+    for done, (name, single) in enumerate(zip(names, tensor_plans(plan))):
+        on_count(done, len(names))
         try:
             replay = _replay(single)
         except PlanError as err:
             raise PlanError(f"tensor {name!r}: {err}" if is_multi(plan) else str(err)) from None
         cells += sum(c.ready.size for c in replay.dst.values())
         devices |= set(replay.dst)
+    on_count(len(names), len(names))
     peak = None if plan.staging is None else max(plan.staging.peak_bytes.values(), default=0)
     return VerifyReport(len(plan.operations), len(devices), cells, len(tensor_names(plan)), peak)
 
