@@ -18,7 +18,7 @@ from .coalesce import BundleCell, bundle_task, coalesce_cells, share_messages
 from .compile_defaults import CompileOptions
 from .executor_order import executor_order, executor_order_seconds, posted_budget
 from .scheduling import Option, Schedule, SchedulingTask
-from .simulate import nic_assignment, renumbered_only, simulated, staging_runs
+from .simulate import TooCostly, nic_assignment, renumbered_only, simulated, staging_runs
 from .solvers import solve
 from .staging_limit import limit_staging
 from .strategies import STRATEGIES, PlannedOp, StrategyResult, TaskContext, get_strategy
@@ -27,6 +27,7 @@ from .unit_tasks import Cell, check_joint_task_count, check_split_count, decompo
 DIGITS = 12  # times are rounded to picoseconds so plans print and compare stably
 NIC_SIDES = ("send", "recv")  # the resources a plan's host order lists; device ports are not queued
 MAX_SIMULATED_OPERATIONS = 2_000_000  # 10^6 operations simulate in about a minute and 2.5 GiB (bench/bench_simulate.py); beyond this the schedule's own timetable stands in
+MAX_SIMULATION_WORK = 10_000_000  # flow-rate updates one simulation of a listing may take (`simulate.run_flows`): tens of seconds here; beyond, the schedule's timetable stands in
 MAX_RELISTINGS = 8  # re-simulations until the listing is the order of its own predicted starts
 
 
@@ -185,17 +186,19 @@ def assemble_joint(problem: ReshardingProblem | TransferProblem, works: list[Ten
         order=executor_order(limited), predicted_seconds=round(executed, DIGITS))})
 
 
-def settle_listing(operations: tuple[Operation, ...], problem: ReshardingProblem | TransferProblem, nic_of_task: dict[int, int]):
+def settle_listing(operations: tuple[Operation, ...], problem: ReshardingProblem | TransferProblem, nic_of_task: dict[int, int],
+                   max_work: int | None = None):
     """(listing, simulated times) where the listing is the order of its own predicted starts, or None.
 
     The simulator queues operations on each NIC side in list order, and listing them by predicted start
     can change that order (an all-gather's intra-host flows start before its NIC turn), so the listing
     is re-simulated until it stops changing (at most MAX_RELISTINGS times; 1-3 on random problems). A new listing
     that keeps every NIC side's and every task's order lowers to the same flows renumbered, which time the same
-    (`simulate.renumbered_only`): it has settled on the times just simulated, without simulating it again."""
+    (`simulate.renumbered_only`): it has settled on the times just simulated, without simulating it again.
+    TooCostly where one simulation takes more than `max_work` flow-rate updates."""
     listing = operations
     for rounds in range(1, MAX_RELISTINGS + 1):
-        result, lowering = simulated(listing, problem, "host-order", nic_of_task)
+        result, lowering = simulated(listing, problem, "host-order", nic_of_task, max_work)
         position = {op.id: i for i, op in enumerate(listing)}
         order = sorted(listing, key=lambda op: (round(result.op_start_s[op.id], DIGITS), position[op.id]))
         if order == list(listing):
@@ -213,7 +216,10 @@ def _simulated(operations: tuple[Operation, ...], problem: ReshardingProblem | T
     Also the simulation's work (`SimResult.work`; None when not simulated)."""
     if len(operations) > MAX_SIMULATED_OPERATIONS:
         return operations, "schedule (too many operations to simulate)", None
-    settled = settle_listing(operations, problem, nic_of_task)
+    try:
+        settled = settle_listing(operations, problem, nic_of_task, MAX_SIMULATION_WORK)
+    except TooCostly:  # deterministic: counted in flows, not seconds, so `check` decides the same
+        return operations, f"schedule (a simulation takes more than {MAX_SIMULATION_WORK:,} flow-rate updates)", None
     if settled is None:
         return operations, "schedule (the simulated listing did not settle)", None
     listing, result = settled
