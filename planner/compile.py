@@ -22,7 +22,7 @@ from .simulate import TooCostly, nic_assignment, renumbered_only, simulated, sta
 from .solvers import solve
 from .staging_limit import limit_staging
 from .strategies import STRATEGIES, PlannedOp, StrategyResult, TaskContext, get_strategy
-from .unit_tasks import Cell, check_joint_task_count, check_split_count, decompose, split_by_receiver_host
+from .unit_tasks import Cell, check_joint_task_count, check_scheduled_count, check_split_count, decompose, split_by_receiver_host
 
 DIGITS = 12  # times are rounded to picoseconds so plans print and compare stably
 NIC_SIDES = ("send", "recv")  # the resources a plan's host order lists; device ports are not queued
@@ -327,13 +327,16 @@ def compile_plan(problem: ReshardingProblem | TransferProblem, options: CompileO
             planned[kind] = decompose(single, merge=options.merge, max_tasks=None)
     cells = [planned[kind] for kind in kinds]
     on_stage(f"costing {sum(map(len, cells))} cells ({len(planned)} kinds of tensor)")
-    if split_hosts:
+    if split_hosts and not coalesce:
         check_split_count(cells, problem.cluster, max_tasks)
     cut: dict[tuple, tuple[list[Cell], list[BundleCell]]] = {}
     for single, kind in zip(singles, kinds):  # the bound and copies come from the cells as cut
         if kind not in cut:
             tasks_of = split_by_receiver_host(planned[kind], problem.cluster) if split_hosts else planned[kind]
             cut[kind] = coalesce_cells(tasks_of, single, bucket_bytes) if coalesce else (tasks_of, [])
+    if split_hosts and coalesce:  # what is scheduled: a kind's split cells are made once, its tasks once per tensor
+        check_scheduled_count(sum(len(cut[kind][0]) + len(cut[kind][1]) for kind in kinds), max_tasks,
+                              "split by receiving host (--split-hosts) and small boxes bundled (--coalesce),")
     load = receiving_load([cut[kind][0] for kind in kinds], problem.cluster)
     costed: dict[tuple, list[TaskOptions]] = {}  # kind -> its tasks' options, numbered from 0
     works, first = [], 0

@@ -110,12 +110,18 @@ def check_split_count(cells_of: list[list[Cell]], cluster, max_tasks: int | None
         if id(cells) not in per_list:
             per_list[id(cells)] = sum(len({cluster.host_of(d) for d in cell.receivers}) or 1 for cell in cells)
         total += per_list[id(cells)]
+    check_scheduled_count(total, max_tasks, "split by receiving host (--split-hosts)")
+    return total
+
+
+def check_scheduled_count(total: int, max_tasks: int | None, how: str) -> None:
+    """TooManyTasksError where a compile cut `how` (what made them, for the message) schedules `total` unit tasks,
+    above `max_tasks`."""
     if max_tasks is not None and total > max_tasks:
         raise TooManyTasksError(
-            f"problem: split by receiving host (--split-hosts) it gives {total:,} unit tasks, above the limit of {max_tasks:,}; "
+            f"problem: {how} it gives {total:,} unit tasks, above the limit of {max_tasks:,}; "
             f"pass --max-tasks {total} (max_tasks= in Python) if this machine has the memory (about "
             f"{_memory(total * BYTES_PER_TASK)}), or compile with --no-split-hosts")
-    return total
 
 
 def _memory(nbytes: int) -> str:

@@ -118,6 +118,17 @@ def test_max_tasks_counts_what_split_hosts_makes():
     assert len(compile_plan(problem, solver=FAST_SOLVER, split_hosts=True, max_tasks=4).tasks) == 4
 
 
+def test_a_coalesced_transfer_counts_the_tasks_it_schedules_not_the_split_boxes_it_bundles():
+    """The small weight sync cuts into 100 boxes, 200 once split by host, and schedules 84 tasks once the small
+    ones ride in bundles: a limit of 150 holds what the compile makes (it refused the 200 split boxes)."""
+    from xmesh_plan.planner.transfer_io import load_any_problem
+
+    small = load_any_problem(ROOT / "plans" / "weight_sync_small.problem.toml")
+    assert len(compile_plan(small, max_tasks=150).tasks) == 84
+    with pytest.raises(TooManyTasksError, match="--split-hosts.* 200 unit tasks"):
+        compile_plan(small, max_tasks=150, coalesce=False)
+
+
 def test_the_cli_refuses_split_tasks_above_max_tasks(tmp_path):
     path = tmp_path / "p.json"
     path.write_text(json.dumps({"shape": [4], "dtype": "float32", "src": {"mesh": "1x1", "spec": "R"},
