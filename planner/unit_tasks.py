@@ -21,9 +21,10 @@ from xmesh_plan.schemas.geometry import Region
 from .problem_io import InputError
 
 # Peak memory of a compile per unit task, measured by `bench/bench_task_limit.py` (BENCHMARKS.md, "Task limit");
-# the default limit keeps a compile well inside a 24 GiB machine.
+# the default limit keeps a compile within about 8 GiB of a 24 GiB machine, and holds the frontier weight syncs
+# (`bench/bench_frontier.py`): a DeepSeek-V3-like one schedules 667,520 tasks, a Kimi-K2-like (1T) one 613,760.
 BYTES_PER_TASK = 8 * 2**10
-DEFAULT_MAX_TASKS = 500_000
+DEFAULT_MAX_TASKS = 1_000_000
 
 
 class TooManyTasksError(InputError):

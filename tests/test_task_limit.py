@@ -153,7 +153,7 @@ def test_a_repeated_file_is_refused_from_its_counts_before_the_problem_is_built(
     monkeypatch.setattr(transfer_io, "TransferProblem", not_built)
     monkeypatch.setattr(transfer_io, "_tensor", lambda *a: pytest.fail("a repeated group was unrolled before counting"))
     with pytest.raises(TooManyTasksError, match="100000 tensors gives up to 800,000 unit tasks"):
-        transfer_io.build_transfer(json.loads(json.dumps(REPEATED)), max_tasks=DEFAULT_MAX_TASKS)
+        transfer_io.build_transfer(json.loads(json.dumps(REPEATED)), max_tasks=500_000)
     assert len(counted) == 1  # 100,000 tensors of one shape and specs: one count
 
 
@@ -163,7 +163,7 @@ def test_the_cli_refuses_a_repeated_file_above_max_tasks(tmp_path, monkeypatch):
     monkeypatch.setattr(transfer_io.TransferProblem, "__init__", lambda *a, **k: pytest.fail("built before counting"))
     path = tmp_path / "p.json"
     path.write_text(json.dumps(REPEATED))
-    refused = CliRunner().invoke(main, ["compile", str(path)])
+    refused = CliRunner().invoke(main, ["compile", str(path), "--max-tasks", "500000"])
     assert refused.exit_code == 2 and "800,000 unit tasks" in refused.stderr, refused.output
 
 
