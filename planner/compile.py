@@ -95,6 +95,8 @@ def task_options(problem: ReshardingProblem, cells: list[Cell], strategy: str, f
 
 def _copy_ops(cell: Cell, problem: ReshardingProblem) -> list[tuple[float, PlannedOp]]:
     """Local copies for destination devices that already hold the cell, from time 0 (no network involved)."""
+    if not cell.local_copies:
+        return []
     seconds = cell.nbytes(problem.itemsize) / problem.cluster.intra_bytes_per_s
     return [(0.0, PlannedOp("copy", d, (d,), cell.region, duration_s=seconds)) for d in cell.local_copies]
 
