@@ -22,6 +22,8 @@ from pathlib import Path
 import click
 from tabulate import tabulate
 
+from xmesh_plan.planner.unit_tasks import DEFAULT_MAX_TASKS
+
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results"
 DOC = ROOT / "BENCHMARKS.md"
@@ -80,9 +82,10 @@ Results files no table reads are kept in `bench/results/archive/`.
 1. [Paper cases, held against the bound](#paper-cases-held-against-the-bound)
 2. [Weight sync](#weight-sync)
 3. [Scale](#scale)
-4. [Executor overhead](#executor-overhead)
-5. [Emulated cluster, measured against the model](#emulated-cluster-measured-against-the-model)
-6. [Pipelines](#pipelines)
+4. [Frontier scale](#frontier-scale)
+5. [Executor overhead](#executor-overhead)
+6. [Emulated cluster, measured against the model](#emulated-cluster-measured-against-the-model)
+7. [Pipelines](#pipelines)
 
 ## Metrics
 
@@ -320,14 +323,59 @@ added task; **ms / task** the whole command's time per task.
 {table(tl, ["meshes", "unit tasks", "compile s", "verify s", "write s", "peak RSS MiB", "plan MiB", "KiB / task", "ms / task"],
        "lrrrrrrrr")}
 
-Memory grows by about 8 KiB per unit task over a base of about 100 MiB. The default `--max-tasks` (500,000,
-`planner.unit_tasks.DEFAULT_MAX_TASKS`) keeps a compile under about 4 GiB. A larger problem is refused from
+Memory grows by about 8 KiB per unit task over a base of about 100 MiB. The default `--max-tasks` ({DEFAULT_MAX_TASKS:,},
+`planner.unit_tasks.DEFAULT_MAX_TASKS`) keeps a compile under about {DEFAULT_MAX_TASKS * 8 / 2**20:.0f} GiB and holds a 1T-parameter MoE's weight
+sync (see Frontier scale). A larger problem is refused from
 its cut points, before anything is cut ({limit["refusal"]["seconds"] * 1e3:.1f} ms for 1000x4 -> 1000x4,
 `S0 S1 R -> R S0 S1`, 4096x4096x512):
 
 ```
 error: {limit["refusal"]["message"]}
 ```
+"""
+
+
+FRONTIER_TITLES = {"weight_sync_llama3_70b": "Llama-3-70B-like, 8x8 -> 2 x TP=8",
+                   "weight_sync_deepseek_v3": "DeepSeek-V3-like MoE, 32x8 -> 4 x 4x8"}
+
+
+def _frontier_row(r: dict) -> list:
+    title = FRONTIER_TITLES.get(r["problem"], r["problem"]) + (f" ({r['layers']} layers)" if r.get("layers") else "")
+    if not r["finished"]:
+        return [title] + ["-"] * 10 + [f"did not finish in {r['timeout_s']:.0f} s ({r['last_phase']})"]
+    executed = "-" if r["executor_over_bound"] is None else x(r["executor_over_bound"], 3)
+    return [title, f"{r['gib']:.0f}", f"{r['tasks']:,}", f"{r['operations']:,}", f"{r['compile_s']:.1f}", f"{r['compile_cpu_s']:.1f}",
+            f"{r['peak_rss_mib']:,.0f}", f"{r['plan_bytes'] / 2**20:,.0f}", f"{r['verify_s']:.1f}", x(r["predicted_over_bound"], 3),
+            executed, r["timed_by"]]
+
+
+def frontier() -> str:
+    runs = [load(name) for name in ("frontier.json", "frontier-shrunk.json") if (RESULTS / name).exists()]
+    rows = [_frontier_row(r) for data in runs for r in data["points"]]
+    commands = "\n\n".join(command(data["command"]) for data in runs)
+    return f"""\
+## Frontier scale
+
+How long do the weight syncs the frontier runs take to plan, in what memory, and how close to the bound? A
+Llama-3-70B-like dense model (80 layers) from an 8x8 FSDP mesh to 2 replicas of TP=8, and a DeepSeek-V3-like MoE
+(671B; 61 layers of MLA attention, 58 of them with 256 experts stacked as [256, 2048, 7168] tensors) from 32x8
+FSDP + EP to 4 inference instances of 4 hosts of 8 GPUs (experts split over an instance's 32 GPUs, attention TP=8
+inside a host); bfloat16, 8 x 400 Gbit/s NICs per host (`plans/weight_sync_llama3_70b.problem.toml`,
+`plans/weight_sync_deepseek_v3.problem.toml`). Each row is one fresh process running what `xmesh-plan compile -o`
+and `verify` do, with default flags. Environment: {DEV_MACHINE}; wall-clock seconds there depend on the other
+jobs, CPU seconds much less.
+
+{commands}
+
+Columns: **GiB** moved once; **unit tasks** and **operations** of the plan; **compile s** wall clock and
+**compile CPU s**; **peak RSS MiB** of the process when the compile returned; **plan MiB**, the JSON file;
+**verify s**; the plan's predicted time over the byte bound (**/ bound**) and its time in the executor's order
+(**executor / bound**, where the plan states it), and what timed the plan (`solver.details.timed_by`): the
+simulator in host order, or the schedule's own timetable where one simulation would take more than
+`compile.MAX_SIMULATION_WORK` flow-rate updates.
+
+{table(rows, ["problem", "GiB", "unit tasks", "operations", "compile s", "compile CPU s", "peak RSS MiB", "plan MiB",
+              "verify s", "/ bound", "executor / bound", "timed by"], "lrrrrrrrrrrl")}
 """
 
 
@@ -556,7 +604,7 @@ nothing can hide, so the share of the signal bound falls with the stage count.
 """
 
 
-SECTIONS = (paper_cases, weight_sync, scale, executor_overhead, emulated, pipelines)
+SECTIONS = (paper_cases, weight_sync, scale, frontier, executor_overhead, emulated, pipelines)
 
 
 def render() -> str:

@@ -20,7 +20,7 @@ def test_every_section_answers_one_question_with_a_command_and_a_table():
     text = render()
     sections = text.split("\n## ")[1:]
     titles = [s.splitlines()[0] for s in sections]
-    assert titles == ["Metrics", "Paper cases, held against the bound", "Weight sync", "Scale", "Executor overhead",
+    assert titles == ["Metrics", "Paper cases, held against the bound", "Weight sync", "Scale", "Frontier scale", "Executor overhead",
                       "Emulated cluster, measured against the model", "Pipelines"]
     for section in sections[1:]:
         assert "```\n" in section and "\n|:" in section, section.splitlines()[0]

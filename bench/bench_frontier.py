@@ -1,0 +1,131 @@
+"""Frontier scale: compile, write and verify the Llama-3-70B-like and DeepSeek-V3-like weight syncs with default flags.
+
+The problems are the ones `make plans` writes (`plans/weight_sync_llama3_70b.problem.toml`,
+`plans/weight_sync_deepseek_v3.problem.toml`; `planner/weight_sync.py`), or a shrunk variant of each with fewer
+layers (`--layers N`: the same layer types, N layers, the MoE keeping about its share of dense layers). Each point
+runs in a fresh process through what `xmesh-plan compile -o` and `xmesh-plan verify` do, and records: compile wall
+and CPU seconds (CPU seconds hold on a loaded machine, wall seconds do not) and the process's peak RSS when the
+compile returned; unit tasks, operations, the plan file's bytes and the seconds to write it; verify seconds;
+the byte bound, the plan's predicted time over it and what timed it (`solver.details.timed_by`: the simulator in
+host order, or the schedule's own timetable), and the executor's order over the bound where the plan states it.
+A point past `--timeout` seconds is recorded as not finished, with the phase it was in.
+
+    .venv/bin/python -m bench.bench_frontier                              # both problems, full size
+    .venv/bin/python -m bench.bench_frontier --layers 4 --out frontier-shrunk.json
+
+Adds each point to bench/results/frontier.json (or --out) as it is measured (a point measured again replaces its
+row), then remakes BENCHMARKS.md.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+import tomllib
+from pathlib import Path
+
+import click
+
+from bench.report import ROOT, update_benchmarks_doc, write_json
+
+PROBLEMS = ("weight_sync_llama3_70b", "weight_sync_deepseek_v3")
+COMMAND = ".venv/bin/python -m bench.bench_frontier"
+
+
+def problem_text(name: str, layers: int) -> str:
+    """The problem file's text: as `make plans` writes it, or with `layers` layers (0: all)."""
+    from xmesh_plan.planner.weight_sync import WEIGHT_SYNC, weight_sync_toml
+
+    file_name, model, layout = WEIGHT_SYNC[name]
+    if layers:
+        changes = {"layers": layers}
+        if hasattr(model, "dense_layers"):  # keep about the model's share of dense layers, at least one of each
+            changes["dense_layers"] = max(1, min(layers - 1, round(layers * model.dense_layers / model.layers)))
+        model = dataclasses.replace(model, **changes)
+    return weight_sync_toml(file_name, model, layout)
+
+
+def one(name: str, layers: int) -> dict:
+    """Compile (default flags), write and verify one problem in this process; the figures, and each phase as it
+    starts on stderr (the parent names the last one when the point runs out of time)."""
+    from xmesh_plan.planner.compile import compile_plan
+    from xmesh_plan.planner.transfer_io import build_transfer
+    from xmesh_plan.planner.verify import verify_plan
+    from xmesh_plan.schemas.plan import write_atomic
+
+    problem = build_transfer(tomllib.loads(problem_text(name, layers)))
+    phase = lambda stage: print(f"phase: {stage}", file=sys.stderr, flush=True)  # noqa: E731
+    wall, cpu = time.perf_counter(), time.process_time()
+    plan = compile_plan(problem, on_stage=phase)
+    compile_s, compile_cpu_s = time.perf_counter() - wall, time.process_time() - cpu
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    phase("writing the plan")
+    with tempfile.TemporaryDirectory() as folder:
+        path = Path(folder) / f"{name}.plan.json"
+        begin = time.perf_counter()
+        write_atomic(path, plan.to_json())
+        write_s, plan_bytes = time.perf_counter() - begin, path.stat().st_size
+    phase("verifying")
+    begin = time.perf_counter()
+    verify_plan(plan)
+    verify_s = time.perf_counter() - begin
+    bound = plan.lower_bound_seconds
+    executed = plan.executor_prediction
+    return {"problem": name, "layers": layers or None, "tensors": len(problem.tensors), "gib": problem.nbytes / 2**30,
+            "tasks": len(plan.tasks), "operations": len(plan.operations), "compile_s": compile_s, "compile_cpu_s": compile_cpu_s,
+            "peak_rss_mib": peak, "plan_bytes": plan_bytes, "write_s": write_s, "verify_s": verify_s, "bound_s": bound,
+            "predicted_over_bound": plan.predicted_seconds / bound, "timed_by": plan.solver.details.get("timed_by", ""),
+            "gap_to_proven_bound": plan.solver.details.get("gap_to_proven_bound"),
+            "executor_order": executed.order if executed else None,
+            "executor_over_bound": executed.predicted_seconds / bound if executed else None}
+
+
+def measure(name: str, layers: int, timeout_s: float) -> dict:
+    """`one` in a fresh process; a point that runs out of time names the phase it was in."""
+    args = [sys.executable, "-m", "bench.bench_frontier", "--one", name, "--layers", str(layers)]
+    begin = time.perf_counter()
+    try:
+        child = subprocess.run(args, cwd=ROOT, capture_output=True, text=True, timeout=timeout_s)
+    except subprocess.TimeoutExpired as err:
+        phases = [line for line in (err.stderr or b"").decode().splitlines() if line.startswith("phase: ")]
+        return {"problem": name, "layers": layers or None, "finished": False, "timeout_s": timeout_s,
+                "last_phase": phases[-1][len("phase: "):] if phases else "starting"}
+    if child.returncode:
+        raise click.ClickException(f"{name}: the point failed:\n{child.stderr[-2000:]}")
+    return {**json.loads(child.stdout.splitlines()[-1]), "finished": True, "seconds": time.perf_counter() - begin}
+
+
+@click.command()
+@click.option("--problems", default=",".join(PROBLEMS), show_default=True, help="comma-separated problem names")
+@click.option("--layers", type=click.IntRange(0), default=0, show_default=True, help="shrunk variants of N layers (0: full size)")
+@click.option("--timeout", "timeout_s", type=click.FloatRange(1), default=1800, show_default=True, help="seconds per point")
+@click.option("--out", default="frontier.json", show_default=True, help="results file in bench/results/")
+@click.option("--one", "single", default=None, hidden=True, help="measure one problem in this process (used by the parent)")
+def main(problems: str, layers: int, timeout_s: float, out: str, single: str | None) -> None:
+    """Compile, write and verify the frontier weight syncs, each in a fresh process; write the results and BENCHMARKS.md."""
+    if single is not None:
+        print(json.dumps(one(single, layers)))
+        return
+    names = [n for n in problems.split(",") if n]
+    unknown = [n for n in names if n not in PROBLEMS]
+    if unknown:
+        raise click.BadParameter(f"{unknown[0]!r}; choose from {', '.join(PROBLEMS)}", param_hint="--problems")
+    command = COMMAND + (f" --layers {layers}" if layers else "") + (f" --out {out}" if out != "frontier.json" else "")
+    path = ROOT / "bench" / "results" / out
+    points = json.loads(path.read_text())["points"] if path.exists() else []
+    for name in names:  # each point is written as it is measured; one measured again replaces its row
+        point = measure(name, layers, timeout_s)
+        print(json.dumps(point), flush=True)
+        points = [p for p in points if (p["problem"], p["layers"]) != (name, layers or None)] + [point]
+        points.sort(key=lambda p: (PROBLEMS.index(p["problem"]), p["layers"] or 0))
+        write_json(out, {"command": command, "points": points})
+    update_benchmarks_doc()
+
+
+if __name__ == "__main__":
+    main()
