@@ -125,8 +125,9 @@ def build_problem(raw: dict[str, Any]) -> ReshardingProblem:
     next_host = 0
     for side in ("src", "dst"):
         placement = data.get(side)
-        if not isinstance(placement, dict) or "mesh" not in placement or "spec" not in placement:
-            raise InputError(f"{side}: give an object with \"mesh\" (e.g. \"2x4\") and \"spec\" (e.g. \"S0 R R\")")
+        if not isinstance(placement, dict) or "mesh" not in placement or not ({"spec", "boxes"} & set(placement)):
+            raise InputError(f"{side}: give an object with \"mesh\" (e.g. \"2x4\") and \"spec\" (e.g. \"S0 R R\") "
+                             "or \"boxes\" (each device's [[start, stop], ...])")
         mesh = parse_mesh(placement["mesh"], f"{side}.mesh", next_host, cluster.devices_per_host)
         data[side] = {**placement, "mesh": mesh}
         next_host = max(next_host, hosts_used(mesh, cluster.devices_per_host))

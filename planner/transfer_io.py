@@ -26,6 +26,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from xmesh_plan.schemas import Placement, ReshardingProblem
+from xmesh_plan.schemas.boxes import box_field
 from xmesh_plan.schemas.dtypes import DTYPE_SIZES, canonical_dtype
 from xmesh_plan.schemas.limits import quoted, shown
 from xmesh_plan.schemas.transfer import MAX_TENSORS, TransferProblem
@@ -35,7 +36,7 @@ from .problem_io import InputError, build_problem, hosts_used, parse_cluster, pa
 from .unit_tasks import check_task_total, task_count_bound
 
 TOP_KEYS = ("name", "dtype", "src_mesh", "dst_mesh", "cluster", "rules", "tensors")
-TENSOR_KEYS = ("name", "shape", "dtype", "src", "dst")
+TENSOR_KEYS = ("name", "shape", "dtype", "src", "dst", "src_boxes", "dst_boxes")
 RULE_KEYS = ("match", "src", "dst")
 MAX_REPEAT = MAX_TENSORS
 MAX_RULES = 256  # every rule is matched against every tensor name once at most; a model needs a few dozen
@@ -138,17 +139,18 @@ class _TaskCount:
         return all(self._add(tensor["name"].replace("{i}", str(i)), tensor, 1) for i in range(repeat))
 
     def _add(self, name: str, tensor: dict, copies: int) -> bool:
-        specs = [tensor[side] if tensor.get(side) is not None else self.rules.spec(name, side) for side in ("src", "dst")]
         shape = tensor.get("shape")
         try:
-            key = (parse_shape(shape) if isinstance(shape, str) else tuple(shape), tensor.get("dtype", self.default_dtype), *specs)
+            layouts = [_layout(tensor, side, lambda: self.rules.spec(name, side)) for side in ("src", "dst")]
+            key = (parse_shape(shape) if isinstance(shape, str) else tuple(shape), tensor.get("dtype", self.default_dtype), *layouts)
             hash(key)
-        except (InputError, TypeError):
+        except (InputError, TypeError, ValueError):
             return False
         if key not in self.known:
             try:
                 single = ReshardingProblem(name=name, shape=key[0], dtype=key[1], cluster=self.cluster,
-                                           src=Placement(mesh=self.src_mesh, spec=key[2]), dst=Placement(mesh=self.dst_mesh, spec=key[3]))
+                                           src=Placement(mesh=self.src_mesh, **dict([key[2]])),
+                                           dst=Placement(mesh=self.dst_mesh, **dict([key[3]])))
                 self.known[key] = task_count_bound(single)
             except (ValidationError, ValueError, TypeError):
                 self.known[key] = None
@@ -160,6 +162,13 @@ class _TaskCount:
         if bound > self.largest:
             self.largest, self.largest_name = bound, name
         return True
+
+
+def _layout(tensor: dict, side: str, rule_spec) -> tuple[str, Any]:
+    """("boxes", the boxes as tuples) where the tensor lists `<side>_boxes`, else ("spec", its spec or the rule's)."""
+    if tensor.get(f"{side}_boxes") is not None:
+        return "boxes", tuple(box_field(b) for b in tensor[f"{side}_boxes"])
+    return "spec", tensor[side] if tensor.get(side) is not None else rule_spec()
 
 
 class _RuleMatcher:
@@ -281,6 +290,11 @@ def _tensor(entry: Any, where: str, rules: _RuleMatcher, default_dtype: Any) -> 
     if isinstance(out["shape"], (list, tuple)) and not out["shape"]:
         raise InputError(f"{where}.shape ({quoted(name)}): a 0-d tensor (a scalar) has no dim to shard; give it as shape [1]")
     for side in ("src", "dst"):
+        if entry.get(f"{side}_boxes") is not None:
+            if entry.get(side) is not None:
+                raise InputError(f"{where}.{side}_boxes ({quoted(name)}): give {side} or {side}_boxes, not both")
+            out[f"{side}_boxes"] = entry[f"{side}_boxes"]
+            continue
         spec = entry.get(side)
         if spec is None:
             spec = rules.spec(name, side)

@@ -17,23 +17,27 @@ import math
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from .boxes import Boxes
 from .dtypes import DTYPE_SIZES, canonical_dtype, check_dtype
 from .limits import MAX_TENSOR_RANK, Length, check_int64_product, quoted
-from .problem import Cluster, DeviceMesh, Placement, ReshardingProblem, Spec
+from .problem import Cluster, DeviceMesh, OptionalSpec, Placement, ReshardingProblem
 from .validation import describe_validation_error
 
 MAX_TENSORS = 100_000
 
 
 class TensorTransfer(BaseModel):
-    """One tensor of a transfer: its name, shape, dtype, and its spec on the source and destination mesh."""
+    """One tensor of a transfer: its name, shape, dtype, and its layout on the source and destination mesh: a spec
+    (`src`, `dst`) or each device's box (`src_boxes`, `dst_boxes`, `schemas.boxes`) where a spec cannot say it."""
 
     model_config = ConfigDict(frozen=True, extra="forbid")
     name: str = Field(min_length=1, description="unique within the problem, e.g. layers.0.self_attn.q_proj.weight")
     shape: tuple[Length, ...] = Field(min_length=1, max_length=MAX_TENSOR_RANK)
     dtype: str = "float32"
-    src: Spec
-    dst: Spec
+    src: OptionalSpec = Field(None, exclude_if=lambda v: v is None, description="source spec (or src_boxes)")
+    dst: OptionalSpec = Field(None, exclude_if=lambda v: v is None, description="destination spec (or dst_boxes)")
+    src_boxes: Boxes | None = Field(None, exclude_if=lambda v: v is None, description="each source device's box, instead of src")
+    dst_boxes: Boxes | None = Field(None, exclude_if=lambda v: v is None, description="each destination device's box, instead of dst")
 
     @field_validator("dtype", mode="before")
     @classmethod
@@ -99,8 +103,8 @@ class TransferProblem(BaseModel):
         if index not in cache:
             t = self.tensors[index]
             cache[index] = ReshardingProblem(name=t.name, shape=t.shape, dtype=t.dtype, cluster=self.cluster,
-                                             src=Placement(mesh=self.src_mesh, spec=t.src),
-                                             dst=Placement(mesh=self.dst_mesh, spec=t.dst))
+                                             src=_placement(self.src_mesh, t.src, t.src_boxes),
+                                             dst=_placement(self.dst_mesh, t.dst, t.dst_boxes))
         return cache[index]
 
     def tensor_problems(self) -> list[ReshardingProblem]:
@@ -112,6 +116,11 @@ class TransferProblem(BaseModel):
             if t.name == name:
                 return i
         raise KeyError(f"no tensor named {name!r}; the problem has {', '.join(self.names[:3])}{', ...' if len(self.tensors) > 3 else ''}")
+
+
+def _placement(mesh: DeviceMesh, spec, boxes) -> Placement:
+    """The placement a tensor's spec or boxes give on a shared mesh (the one it leaves out stays unset)."""
+    return Placement(mesh=mesh, **{k: v for k, v in (("spec", spec), ("boxes", boxes)) if v is not None})
 
 
 def _first_line(err: ValueError) -> str:
