@@ -28,6 +28,7 @@ from pydantic import ValidationError
 from xmesh_plan.schemas import Placement, ReshardingProblem
 from xmesh_plan.schemas.boxes import box_field
 from xmesh_plan.schemas.dtypes import DTYPE_SIZES, canonical_dtype
+from xmesh_plan.schemas.fused import part_ref
 from xmesh_plan.schemas.limits import quoted, shown
 from xmesh_plan.schemas.transfer import MAX_TENSORS, TransferProblem
 from xmesh_plan.schemas.validation import describe_validation_error
@@ -37,6 +38,7 @@ from .unit_tasks import check_task_total, task_count_bound
 
 TOP_KEYS = ("name", "dtype", "src_mesh", "dst_mesh", "cluster", "rules", "tensors")
 TENSOR_KEYS = ("name", "shape", "dtype", "src", "dst", "src_boxes", "dst_boxes")
+FUSED_KEYS = ("name", "fuse", "dim", "dst", "dst_boxes")
 RULE_KEYS = ("match", "src", "dst")
 MAX_REPEAT = MAX_TENSORS
 MAX_RULES = 256  # every rule is matched against every tensor name once at most; a model needs a few dozen
@@ -84,7 +86,12 @@ def build_transfer(raw: dict[str, Any], max_tasks: int | None = None) -> Transfe
     matcher = _RuleMatcher(rules)
     if max_tasks is not None:  # from the entries as written, before a repeated group is unrolled
         _TaskCount(src_mesh, dst_mesh, cluster, matcher, default_dtype).of_entries(raw["tensors"], max_tasks)
-    tensors = [_tensor(entry, where, matcher, default_dtype) for entry, where in _expand(raw["tensors"])]
+    entries = _expand(raw["tensors"])
+    known = {entry.get("name") for entry, _ in entries if isinstance(entry, dict) and "fuse" not in entry}
+    fused = [_fused(entry, where, matcher, known) for entry, where in entries if isinstance(entry, dict) and "fuse" in entry]
+    parts = {part_ref(part)[0] for f in fused for part in f["parts"]}
+    tensors = [_tensor(entry, where, matcher, default_dtype, parts) for entry, where in entries
+               if not (isinstance(entry, dict) and "fuse" in entry)]
     unused = matcher.fitting_none([t["name"] for t in tensors])  # _tensor made each a dict with a text name
     if unused is not None:  # a typo in a pattern would silently leave its tensors to a later rule
         raise InputError(f"rules[{unused}] (match {rules[unused][0]!r}) fits no tensor's name; fix the pattern or remove the rule")
@@ -93,7 +100,8 @@ def build_transfer(raw: dict[str, Any], max_tasks: int | None = None) -> Transfe
                          "give at least one tensor")
     name = raw.get("name", "")
     try:
-        return TransferProblem(name=name, src_mesh=src_mesh, dst_mesh=dst_mesh, cluster=cluster, tensors=tuple(tensors))
+        return TransferProblem(name=name, src_mesh=src_mesh, dst_mesh=dst_mesh, cluster=cluster, tensors=tuple(tensors),
+                               fused=tuple(fused))
     except ValidationError as err:
         raise InputError(_named(describe_validation_error(err), tensors)) from None
 
@@ -270,12 +278,48 @@ def _repeat(entry: dict, where: str, room: int) -> list[tuple[dict, str]]:
         if "{i}" not in tensor["name"]:
             raise InputError(f"{where}.group[{j}].name: {shown(tensor.get('name'))} lacks {{i}}, so its {repeat} copies "
                              "would share a name; write e.g. \"layers.{i}.mlp.weight\"")
-    return [({**t, "name": t["name"].replace("{i}", str(i))}, f"{where}.group[{j}] (i={i})")
-            for i in range(repeat) for j, t in enumerate(group)]
+    return [(_numbered(t, i), f"{where}.group[{j}] (i={i})") for i in range(repeat) for j, t in enumerate(group)]
 
 
-def _tensor(entry: Any, where: str, rules: _RuleMatcher, default_dtype: Any) -> dict[str, Any]:
-    """One tensor as TensorTransfer data, specs filled in from the rules."""
+def _numbered(tensor: dict, i: int) -> dict:
+    """A group's tensor as copy i: {i} in its name, and in the names a fused tensor lists, becomes i."""
+    out = {**tensor, "name": tensor["name"].replace("{i}", str(i))}
+    if isinstance(tensor.get("fuse"), list):
+        out["fuse"] = [p.replace("{i}", str(i)) if isinstance(p, str) else p for p in tensor["fuse"]]
+    return out
+
+
+def _fused(entry: dict, where: str, rules: _RuleMatcher, known: set) -> dict[str, Any]:
+    """One fused destination (`fuse = [parts...]`, `dim`, and `dst` or `dst_boxes`, or a rule's dst) as FusedTensor data."""
+    extra = sorted(set(entry) - set(FUSED_KEYS))
+    if extra:
+        raise InputError(f"{where}.{quoted(extra[0])}: not a field of a fused tensor; use {', '.join(FUSED_KEYS)}")
+    name = entry.get("name")
+    if not isinstance(name, str) or not name:
+        raise InputError(f"{where}: give a fused tensor a name (text), e.g. {{name = \"qkv\", fuse = [\"q\", \"k\", \"v\"], dim = 0}}")
+    fuse = entry["fuse"]
+    if not isinstance(fuse, list) or not fuse or not all(isinstance(p, str) for p in fuse):
+        raise InputError(f"{where}.fuse ({quoted(name)}): give the names of the tensors it concatenates, in order, e.g. [\"q\", \"k\", \"v\"]")
+    missing = next((p for p in fuse if part_ref(p)[0] not in known), None)
+    if missing is not None:
+        raise InputError(f"{where}.fuse ({quoted(name)}): no tensor is called {part_ref(missing)[0]!r}; list tensors of the problem")
+    if "dim" not in entry:
+        raise InputError(f"{where}.dim ({quoted(name)}): missing; give the dim its parts are concatenated along, e.g. dim = 0")
+    out = {"name": name, "parts": fuse, "dim": entry["dim"]}
+    if entry.get("dst_boxes") is not None and entry.get("dst") is not None:
+        raise InputError(f"{where}.dst_boxes ({quoted(name)}): give dst or dst_boxes, not both")
+    if entry.get("dst_boxes") is not None:
+        out["dst_boxes"] = entry["dst_boxes"]
+    else:
+        spec = entry["dst"] if entry.get("dst") is not None else rules.spec(name, "dst")
+        if spec is None:
+            raise InputError(f"{where} ({quoted(name)}): no rule gives its dst spec; give dst (the fused tensor's spec) or dst_boxes")
+        out["dst"] = spec
+    return out
+
+
+def _tensor(entry: Any, where: str, rules: _RuleMatcher, default_dtype: Any, parts: set[str] = frozenset()) -> dict[str, Any]:
+    """One tensor as TensorTransfer data, specs filled in from the rules (a part of a fused tensor takes no dst)."""
     if not isinstance(entry, dict) or not isinstance(entry.get("name"), str) or not entry["name"] or "shape" not in entry:
         raise InputError(f"{where}: give a tensor as an object with name (text) and shape, e.g. {{name = \"w\", shape = [1024, 512]}}")
     extra = sorted(set(entry) - set(TENSOR_KEYS))
@@ -290,6 +334,8 @@ def _tensor(entry: Any, where: str, rules: _RuleMatcher, default_dtype: Any) -> 
     if isinstance(out["shape"], (list, tuple)) and not out["shape"]:
         raise InputError(f"{where}.shape ({quoted(name)}): a 0-d tensor (a scalar) has no dim to shard; give it as shape [1]")
     for side in ("src", "dst"):
+        if side == "dst" and name in parts and entry.get("dst") is None and entry.get("dst_boxes") is None:
+            continue  # its destination layout is the fused tensor's
         if entry.get(f"{side}_boxes") is not None:
             if entry.get(side) is not None:
                 raise InputError(f"{where}.{side}_boxes ({quoted(name)}): give {side} or {side}_boxes, not both")

@@ -17,7 +17,10 @@ import math
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from .boxes import Boxes
+from .boxes import Boxes, check_boxes
+from .fused import FusedTensor, fused_pieces
+from .geometry import Layout, Region
+from .spec import SpecError
 from .dtypes import DTYPE_SIZES, canonical_dtype, check_dtype
 from .limits import MAX_TENSOR_RANK, Length, check_int64_product, quoted
 from .problem import Cluster, DeviceMesh, OptionalSpec, Placement, ReshardingProblem
@@ -64,6 +67,8 @@ class TransferProblem(BaseModel):
     dst_mesh: DeviceMesh
     cluster: Cluster = Cluster()
     tensors: tuple[TensorTransfer, ...] = Field(min_length=1, max_length=MAX_TENSORS)
+    fused: tuple[FusedTensor, ...] = Field((), exclude_if=lambda v: not v, max_length=MAX_TENSORS,
+                                           description="destination tensors that concatenate source tensors (schemas.fused)")
 
     @model_validator(mode="after")
     def _check(self) -> "TransferProblem":
@@ -72,11 +77,111 @@ class TransferProblem(BaseModel):
             if tensor.name in seen:
                 raise ValueError(f"tensors[{i}].name {tensor.name!r} is also tensors[{seen[tensor.name]}]'s; give every tensor its own name")
             seen[tensor.name] = i
+        if self.fused:
+            self._check_fused(seen)
+        for i, tensor in enumerate(self.tensors):
             try:
                 self.tensor_problem(i)
             except ValueError as err:
                 raise ValueError(f"tensors[{i}] ({quoted(tensor.name)}): {_first_line(err)}") from None
         return self
+
+    def _check_fused(self, index: dict[str, int]) -> None:
+        """Each fused tensor's parts: tensors of the problem (ranges inside them), in no other fused tensor, with no
+        destination layout of their own, of one dtype and one shape off the fused dim; its layout fits the fused shape."""
+        group: dict[str, int] = {}
+        for j, fused in enumerate(self.fused):
+            where = f"fused[{j}] ({quoted(fused.name)})"
+            if fused.name in index or any(f.name == fused.name for f in self.fused[:j]):
+                raise ValueError(f"{where}.name: {fused.name!r} is also another tensor's name; give the fused tensor its own name")
+            refs = fused.refs()
+            for k, (part, span) in enumerate(refs):
+                if part not in index:
+                    raise ValueError(f"{where}.parts[{k}]: no tensor is called {part!r}; list source tensors of the problem")
+                if group.get(part, j) != j:
+                    raise ValueError(f"{where}.parts[{k}]: {part!r} is also a part of fused[{group[part]}]; a tensor goes into one fused tensor")
+                group[part] = j
+                tensor = self.tensors[index[part]]
+                if tensor.dst is not None or tensor.dst_boxes is not None:
+                    raise ValueError(f"{where}.parts[{k}]: tensor {part!r} gives its own destination layout; a part's comes "
+                                     "from the fused tensor's, so drop its dst (or dst_boxes)")
+                if fused.dim >= len(tensor.shape):
+                    raise ValueError(f"{where}.dim: {fused.dim} but {part!r} has {len(tensor.shape)} dims; give a dim in 0..{len(tensor.shape) - 1}")
+                if span is not None and span[1] > tensor.shape[fused.dim]:
+                    raise ValueError(f"{where}.parts[{k}]: {fused.parts[k]!r} reaches past {part!r}'s length "
+                                     f"{tensor.shape[fused.dim]} along dim {fused.dim}; give a range inside it")
+            first = self.tensors[index[refs[0][0]]]
+            for k, (part, _) in enumerate(refs[1:], 1):
+                tensor = self.tensors[index[part]]
+                if tensor.dtype != first.dtype:
+                    raise ValueError(f"{where}.parts[{k}]: {part!r} is {tensor.dtype} but {first.name!r} is {first.dtype}; "
+                                     "fuse tensors of one dtype")
+                if len(tensor.shape) != len(first.shape) or any(a != b for d, (a, b) in enumerate(zip(tensor.shape, first.shape)) if d != fused.dim):
+                    raise ValueError(f"{where}.parts[{k}]: {part!r} has shape {list(tensor.shape)} and {first.name!r} "
+                                     f"{list(first.shape)}; parts may differ only along dim {fused.dim}")
+            try:
+                self.fused_blocks(j)
+                for part in dict.fromkeys(p for p, _ in refs):
+                    self._part_boxes(j, part)
+            except ValueError as err:
+                raise ValueError(f"{where}: {_first_line(err)}") from None
+
+    def fused_lengths(self, j: int) -> list[int]:
+        """How long each part of fused tensor j is along its dim (a range's length, or its tensor's)."""
+        fused = self.fused[j]
+        shapes = {t.name: t.shape for t in self.tensors}
+        return [shapes[name][fused.dim] if span is None else span[1] - span[0] for name, span in fused.refs()]
+
+    def fused_shape(self, j: int) -> tuple[int, ...]:
+        """Fused tensor j's shape: its parts' off the fused dim, their lengths summed on it."""
+        fused = self.fused[j]
+        first = next(t for t in self.tensors if t.name == fused.refs()[0][0]).shape
+        return first[:fused.dim] + (sum(self.fused_lengths(j)),) + first[fused.dim + 1:]
+
+    def fused_blocks(self, j: int) -> dict[int, Region]:
+        """Destination device id -> its box of fused tensor j (from its spec or boxes, on the fused shape)."""
+        fused = self.fused[j]
+        shape = self.fused_shape(j)
+        mesh = self.dst_mesh
+        if fused.dst_boxes is not None:
+            check_boxes(fused.dst_boxes, shape, len(mesh.devices), "dst_boxes")
+            return dict(zip(mesh.devices, fused.dst_boxes))
+        try:
+            fused.dst.check_fits(len(shape), mesh.shape, field="dst")
+        except SpecError as err:
+            raise ValueError(str(err)) from None
+        layout = Layout(shape, tuple(mesh.shape), fused.dst)
+        return {d: layout.block(c) for d, c in zip(mesh.devices, mesh.coords())}
+
+    def fused_part(self, name: str) -> int | None:
+        """The index of the fused tensor the tensor called `name` is a part of, or None."""
+        kept = self.__dict__.get("_fused_index")
+        if kept is None or kept[0] is not self.fused:  # made once per `fused` (a model_copy may replace it)
+            kept = (self.fused, {part: j for j, f in enumerate(self.fused) for part, _ in f.refs()})
+            self.__dict__["_fused_index"] = kept
+        return kept[1].get(name)
+
+    def _part_boxes(self, j: int, name: str) -> tuple[Region, ...]:
+        """Each destination device's box of tensor `name`, a part of fused tensor j: what its parts need on the
+        device, one box (pieces of two ranges must be adjacent there); ValueError naming the device otherwise."""
+        shape = next(t for t in self.tensors if t.name == name).shape
+        dim = self.fused[j].dim
+        out = []
+        for device in self.dst_mesh.devices:
+            pieces = sorted(piece for part, piece, _ in fused_pieces(self, j, device) if part == name)
+            if not pieces:
+                out.append(tuple((0, 0) if d == dim else (0, n) for d, n in enumerate(shape)))
+                continue
+            stop = pieces[0][dim][1]
+            for piece in pieces[1:]:
+                if piece[dim][0] > stop:
+                    from .plan import format_region  # plan imports this module
+
+                    raise ValueError(f"device {device} needs {format_region(pieces[0])} and {format_region(piece)} of {name!r}, "
+                                     "two separate boxes; a device receives one box of each tensor: split the tensor in two")
+                stop = max(stop, piece[dim][1])
+            out.append(pieces[0][:dim] + ((pieces[0][dim][0], stop),) + pieces[0][dim + 1:])
+        return tuple(out)
 
     @property
     def names(self) -> tuple[str, ...]:
@@ -90,7 +195,7 @@ class TransferProblem(BaseModel):
     def _problems(self) -> dict[int, ReshardingProblem]:
         """Per-tensor problems made so far, kept with the fields they were made from: `model_copy(update=...)`
         copies this dict along, so a copy whose tensors, meshes or cluster differ must not reuse it."""
-        made_from = (self.tensors, self.src_mesh, self.dst_mesh, self.cluster)
+        made_from = (self.tensors, self.src_mesh, self.dst_mesh, self.cluster, self.fused)
         kept = self.__dict__.get("_problem_cache")
         if kept is None or any(a is not b for a, b in zip(kept[0], made_from)):
             kept = (made_from, {})
@@ -102,9 +207,10 @@ class TransferProblem(BaseModel):
         cache = self._problems
         if index not in cache:
             t = self.tensors[index]
+            dst_boxes = t.dst_boxes if (fused := self.fused_part(t.name)) is None else self._part_boxes(fused, t.name)
             cache[index] = ReshardingProblem(name=t.name, shape=t.shape, dtype=t.dtype, cluster=self.cluster,
                                              src=_placement(self.src_mesh, t.src, t.src_boxes),
-                                             dst=_placement(self.dst_mesh, t.dst, t.dst_boxes))
+                                             dst=_placement(self.dst_mesh, t.dst, dst_boxes))
         return cache[index]
 
     def tensor_problems(self) -> list[ReshardingProblem]:
