@@ -22,6 +22,8 @@ from pydantic import ValidationError
 
 from xmesh_plan.schemas import Cluster, DeviceMesh, PlanFileError, ReshardingProblem
 from xmesh_plan.schemas import files as schemas_files
+from xmesh_plan.schemas.convert import FP8_MAX
+from xmesh_plan.schemas.dtypes import canonical_dtype
 from xmesh_plan.schemas.files import DataFileError
 from xmesh_plan.schemas.limits import MAX_DEVICE_ID, check_mesh_size, shown
 from xmesh_plan.schemas.spec import SpecError
@@ -131,6 +133,9 @@ def build_problem(raw: dict[str, Any]) -> ReshardingProblem:
         mesh = parse_mesh(placement["mesh"], f"{side}.mesh", next_host, cluster.devices_per_host)
         data[side] = {**placement, "mesh": mesh}
         next_host = max(next_host, hosts_used(mesh, cluster.devices_per_host))
+    if canonical_dtype(str(data.get("dst_dtype"))) in FP8_MAX:
+        raise InputError("dst_dtype: an FP8 destination needs scales, which travel as a tensor of their own; give the tensor in "
+                         "a multi-tensor problem (a tensors list) with scale = \"tensor\" or \"block\"")
     return ReshardingProblem.model_validate(data)
 
 

@@ -30,15 +30,15 @@ from xmesh_plan.schemas.boxes import box_field
 from xmesh_plan.schemas.dtypes import DTYPE_SIZES, canonical_dtype
 from xmesh_plan.schemas.fused import part_ref
 from xmesh_plan.schemas.limits import quoted, shown
-from xmesh_plan.schemas.transfer import MAX_TENSORS, TransferProblem
+from xmesh_plan.schemas.transfer import MAX_TENSORS, TensorTransfer, TransferProblem, scale_tensor, single_problem
 from xmesh_plan.schemas.validation import describe_validation_error
 
 from .problem_io import InputError, build_problem, hosts_used, parse_cluster, parse_mesh, parse_shape, read_data_file
 from .unit_tasks import check_task_total, task_count_bound
 
 TOP_KEYS = ("name", "dtype", "src_mesh", "dst_mesh", "cluster", "rules", "tensors")
-TENSOR_KEYS = ("name", "shape", "dtype", "src", "dst", "src_boxes", "dst_boxes")
-FUSED_KEYS = ("name", "fuse", "dim", "dst", "dst_boxes")
+TENSOR_KEYS = ("name", "shape", "dtype", "src", "dst", "src_boxes", "dst_boxes", "dst_dtype", "scale")
+FUSED_KEYS = ("name", "fuse", "dim", "dst", "dst_boxes", "dst_dtype")
 RULE_KEYS = ("match", "src", "dst")
 MAX_REPEAT = MAX_TENSORS
 MAX_RULES = 256  # every rule is matched against every tensor name once at most; a model needs a few dozen
@@ -92,6 +92,7 @@ def build_transfer(raw: dict[str, Any], max_tasks: int | None = None) -> Transfe
     parts = {part_ref(part)[0] for f in fused for part in f["parts"]}
     tensors = [_tensor(entry, where, matcher, default_dtype, parts) for entry, where in entries
                if not (isinstance(entry, dict) and "fuse" in entry)]
+    _fused_dtypes(tensors, fused)
     unused = matcher.fitting_none([t["name"] for t in tensors])  # _tensor made each a dict with a text name
     if unused is not None:  # a typo in a pattern would silently leave its tensors to a later rule
         raise InputError(f"rules[{unused}] (match {rules[unused][0]!r}) fits no tensor's name; fix the pattern or remove the rule")
@@ -99,6 +100,7 @@ def build_transfer(raw: dict[str, Any], max_tasks: int | None = None) -> Transfe
         raise InputError("tensors: no tensor is left once repeated groups are unrolled (repeat = 0 everywhere?); "
                          "give at least one tensor")
     name = raw.get("name", "")
+    tensors = _with_scales(tensors, src_mesh, dst_mesh, cluster)
     try:
         return TransferProblem(name=name, src_mesh=src_mesh, dst_mesh=dst_mesh, cluster=cluster, tensors=tuple(tensors),
                                fused=tuple(fused))
@@ -289,6 +291,41 @@ def _numbered(tensor: dict, i: int) -> dict:
     return out
 
 
+def _fused_dtypes(tensors: list[dict[str, Any]], fused: list[dict[str, Any]]) -> None:
+    """A fused tensor's `dst_dtype` is its parts' conversion (a part giving another one is refused)."""
+    by_name = {t["name"]: t for t in tensors}
+    for f in fused:
+        dst_dtype = f.pop("dst_dtype", None)
+        for part in dict.fromkeys(part_ref(p)[0] for p in f["parts"]):
+            tensor = by_name.get(part)
+            if tensor is None or dst_dtype is None:
+                continue
+            if tensor.get("dst_dtype") not in (None, dst_dtype):
+                raise InputError(f"tensors ({quoted(part)}): dst_dtype {tensor['dst_dtype']!r}, but its fused tensor "
+                                 f"{quoted(f['name'])} converts to {dst_dtype!r}; give the conversion once, on the fused tensor")
+            tensor["dst_dtype"] = dst_dtype
+
+
+def _with_scales(tensors: list[dict[str, Any]], src_mesh, dst_mesh, cluster) -> list[dict[str, Any]]:
+    """The tensors with each FP8 tensor's scale tensor after it (`schemas.transfer.scale_tensor`); a tensor that is
+    not valid as written is left for the problem's own checks to name."""
+    out = []
+    for i, t in enumerate(tensors):
+        out.append(t)
+        if t.get("scale") is None:
+            continue
+        try:
+            tensor = TensorTransfer.model_validate(t)
+            single = single_problem(tensor, src_mesh, dst_mesh, cluster)
+        except (ValidationError, ValueError):
+            continue
+        try:
+            out.append(scale_tensor(tensor, single).model_dump())
+        except ValueError as err:
+            raise InputError(f"tensors[{i}] ({quoted(tensor.name)}).scale: {err}") from None
+    return out
+
+
 def _fused(entry: dict, where: str, rules: _RuleMatcher, known: set) -> dict[str, Any]:
     """One fused destination (`fuse = [parts...]`, `dim`, and `dst` or `dst_boxes`, or a rule's dst) as FusedTensor data."""
     extra = sorted(set(entry) - set(FUSED_KEYS))
@@ -306,6 +343,8 @@ def _fused(entry: dict, where: str, rules: _RuleMatcher, known: set) -> dict[str
     if "dim" not in entry:
         raise InputError(f"{where}.dim ({quoted(name)}): missing; give the dim its parts are concatenated along, e.g. dim = 0")
     out = {"name": name, "parts": fuse, "dim": entry["dim"]}
+    if entry.get("dst_dtype") is not None:
+        out["dst_dtype"] = entry["dst_dtype"]
     if entry.get("dst_boxes") is not None and entry.get("dst") is not None:
         raise InputError(f"{where}.dst_boxes ({quoted(name)}): give dst or dst_boxes, not both")
     if entry.get("dst_boxes") is not None:
@@ -329,6 +368,7 @@ def _tensor(entry: Any, where: str, rules: _RuleMatcher, default_dtype: Any, par
     if "dtype" in entry and not _known_dtype(entry["dtype"]):
         raise InputError(f"{where}.dtype ({quoted(name)}): unknown dtype {shown(entry['dtype'])}; use one of {', '.join(sorted(DTYPE_SIZES))}")
     out = {"name": name, "dtype": entry.get("dtype", default_dtype), "shape": entry["shape"]}
+    out |= {key: entry[key] for key in ("dst_dtype", "scale") if entry.get(key) is not None}
     if isinstance(out["shape"], str):
         out["shape"] = parse_shape(out["shape"], f"{where}.shape")
     if isinstance(out["shape"], (list, tuple)) and not out["shape"]:

@@ -34,13 +34,14 @@ class VerifyReport:
     tensors: int = 1
     staging_peak: int | None = None  # the largest stated per-device staging peak, checked (None: the plan states none)
     fused: int = 0  # fused destination tensors whose every element was traced to its part's element (`fused_provenance`)
+    conversions: tuple[str, ...] = ()  # `name: bfloat16 -> float8_e4m3fn, block scales in 'name.scale'`, per converted tensor
 
     def __str__(self) -> str:
         every = f" of each of {self.tensors} tensors" if self.tensors > 1 else ""
         staging = "" if self.staging_peak is None else f"; stated staging right (peak {self.staging_peak} B per device)"
         fused = "" if not self.fused else f"; {self.fused} fused destination tensors each exactly their parts' boxes, concatenated"
         return (f"ok: {self.operations} operations replayed, {self.devices_checked} destination devices hold exactly their "
-                f"shards{every} ({self.cells} destination cells){fused}{staging}")
+                f"shards{every} ({self.cells} destination cells){fused}{_converted(self.conversions)}{staging}")
 
 
 class _Cells:
@@ -150,7 +151,23 @@ def verify_plan(plan: Plan) -> VerifyReport:
         for device in plan.problem.dst_mesh.devices:
             fused_provenance(plan, fused[j].name, device)
     peak = None if plan.staging is None else max(plan.staging.peak_bytes.values(), default=0)
-    return VerifyReport(len(plan.operations), len(devices), cells, len(tensor_names(plan)), peak, len(fused))
+    conversions = tuple(f"{k}: {v}" for k, v in plan.problem.conversions().items()) if is_multi(plan) else \
+        ((f"{plan.problem.name or 'tensor'}: {plan.problem.dtype} -> {plan.problem.dst_dtype}",) if plan.problem.dst_dtype else ())
+    return VerifyReport(len(plan.operations), len(devices), cells, len(tensor_names(plan)), peak, len(fused), conversions)
+
+
+def _converted(conversions: tuple[str, ...]) -> str:
+    """`; converted at the sender: 2 tensors to float8_e4m3fn (scales in their .scale tensors), 1 to bfloat16`."""
+    if not conversions:
+        return ""
+    targets: dict[str, int] = {}
+    for line in conversions:
+        if " -> " in line:
+            target = line.split(" -> ")[1].split(",")[0]
+            targets[target] = targets.get(target, 0) + 1
+    scales = sum(" scales in " in line for line in conversions)
+    counted = ", ".join(f"{n} to {t}" for t, n in sorted(targets.items()))
+    return f"; converted at the sender: {counted}" + (f" ({scales} with their scales as tensors of the plan)" if scales else "")
 
 
 def fused_provenance(plan: Plan, name: str, device: int) -> tuple[np.ndarray, np.ndarray]:

@@ -36,7 +36,8 @@ from .validation import describe_validation_error
 
 SCHEMA_VERSION = 2
 SCHEMA_VERSIONS = (1, 2)
-"""Plans of schema 2 may hold what schema 1 cannot say: box layouts and fused destinations (`plan_schema_version`).
+"""Plans of schema 2 may hold what schema 1 cannot say: box layouts, fused destinations and conversions at the
+sender (`plan_schema_version`).
 A plan that needs neither is written as schema 1, byte for byte what earlier writers wrote; readers take both."""
 OpKind = Literal[tuple(OP_KINDS)]  # type: ignore[valid-type]  # "copy", "send", "broadcast", "allgather", "bundle": the table's rows
 StrategyName = Literal["broadcast", "send_recv", "local_allgather", "global_allgather", "bundle"]
@@ -202,11 +203,12 @@ class Plan(BaseModel):
 
 
 def plan_schema_version(problem: ReshardingProblem | TransferProblem) -> int:
-    """2 where the problem lists boxes or fused destinations (schema 1 readers cannot say them), else 1."""
+    """2 where the problem lists boxes, fused destinations or conversions (schema 1 readers cannot say them), else 1."""
     if isinstance(problem, TransferProblem):
-        uses = bool(problem.fused) or any(t.src_boxes is not None or t.dst_boxes is not None for t in problem.tensors)
+        uses = bool(problem.fused) or any(t.src_boxes is not None or t.dst_boxes is not None or t.dst_dtype is not None
+                                          or t.scale_of is not None for t in problem.tensors)
     else:
-        uses = problem.has_boxes
+        uses = problem.has_boxes or problem.dst_dtype is not None
     return 2 if uses else 1
 
 

@@ -364,10 +364,10 @@ def check_plan(plan: Plan) -> None:
 
 
 def _check_schema_version(plan: Plan) -> None:
-    """A plan states at least the schema its problem needs (boxes and fused destinations are schema 2)."""
+    """A plan states at least the schema its problem needs (boxes, fused destinations and conversions are schema 2)."""
     needed = plan_schema_version(plan.problem)
     if plan.schema_version < needed:
-        raise PlanError(f"schema_version {plan.schema_version}, but the problem lists boxes or fused destinations, which "
+        raise PlanError(f"schema_version {plan.schema_version}, but the problem lists boxes, fused destinations or conversions, which "
                         f"need schema {needed}; write schema_version {needed}")
 
 

@@ -9,6 +9,7 @@ from typing import Annotated
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, PlainSerializer, WithJsonSchema, field_validator, model_validator
 
 from .boxes import Boxes, box_cut_points, check_boxes, uncovered
+from .convert import check_cast
 from .dtypes import DTYPE_SIZES, canonical_dtype, check_dtype
 from .geometry import Layout, Region
 from .limits import (MAX_DEVICE_ID, MAX_GBPS, MAX_LATENCY_US, MAX_MESH_DEVICES, MAX_TENSOR_RANK, MIN_GBPS, Length,
@@ -163,11 +164,13 @@ class ReshardingProblem(BaseModel):
     name: str = ""
     shape: tuple[Length, ...] = Field(min_length=1, max_length=MAX_TENSOR_RANK)
     dtype: str = "float32"
+    dst_dtype: str | None = Field(None, exclude_if=lambda v: v is None,
+                                  description="the destination's element type where the senders convert (schemas.convert)")
     src: Placement
     dst: Placement
     cluster: Cluster = Cluster()
 
-    @field_validator("dtype", mode="before")
+    @field_validator("dtype", "dst_dtype", mode="before")
     @classmethod
     def _canonical_dtype(cls, value: object) -> object:
         return canonical_dtype(value) if isinstance(value, str) else value
@@ -175,7 +178,10 @@ class ReshardingProblem(BaseModel):
     @model_validator(mode="after")
     def _check(self) -> "ReshardingProblem":
         check_dtype(self.dtype)
-        check_int64_product(self.shape, self.itemsize, "shape")
+        if self.dst_dtype is not None:
+            check_dtype(self.dst_dtype)
+            check_cast(self.dtype, self.dst_dtype)
+        check_int64_product(self.shape, max(self.itemsize, self.src_itemsize), "shape")
         for side in ("src", "dst"):
             placement: Placement = getattr(self, side)
             if placement.boxes is not None:
@@ -189,6 +195,12 @@ class ReshardingProblem(BaseModel):
 
     @property
     def itemsize(self) -> int:
+        """Bytes of one element as it crosses: the destination dtype's where the senders convert."""
+        return DTYPE_SIZES[self.dst_dtype or self.dtype]
+
+    @property
+    def src_itemsize(self) -> int:
+        """Bytes of one element in a source shard."""
         return DTYPE_SIZES[self.dtype]
 
     @property

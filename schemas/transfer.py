@@ -15,9 +15,12 @@ from __future__ import annotations
 
 import math
 
+from typing import Literal
+
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from .boxes import Boxes, check_boxes
+from .convert import check_conversion, scale_boxes, scale_name, scale_shape
 from .fused import FusedTensor, fused_pieces
 from .geometry import Layout, Region
 from .spec import SpecError
@@ -41,8 +44,14 @@ class TensorTransfer(BaseModel):
     dst: OptionalSpec = Field(None, exclude_if=lambda v: v is None, description="destination spec (or dst_boxes)")
     src_boxes: Boxes | None = Field(None, exclude_if=lambda v: v is None, description="each source device's box, instead of src")
     dst_boxes: Boxes | None = Field(None, exclude_if=lambda v: v is None, description="each destination device's box, instead of dst")
+    dst_dtype: str | None = Field(None, exclude_if=lambda v: v is None,
+                                  description="the destination's element type, converted at the sender (schemas.convert)")
+    scale: Literal["tensor", "block"] | None = Field(None, exclude_if=lambda v: v is None,
+                                                     description="an FP8 destination's scales: one per tensor or per 128x128 block")
+    scale_of: str | None = Field(None, exclude_if=lambda v: v is None,
+                                 description="this tensor holds the FP8 scales of the tensor of that name (schemas.convert)")
 
-    @field_validator("dtype", mode="before")
+    @field_validator("dtype", "dst_dtype", mode="before")
     @classmethod
     def _canonical_dtype(cls, value: object) -> object:
         return canonical_dtype(value) if isinstance(value, str) else value
@@ -51,6 +60,9 @@ class TensorTransfer(BaseModel):
     def _check(self) -> "TensorTransfer":
         check_dtype(self.dtype)
         check_int64_product(self.shape, DTYPE_SIZES[self.dtype], "shape")
+        if self.dst_dtype is not None:
+            check_dtype(self.dst_dtype)
+        check_conversion(self.dtype, self.dst_dtype, self.scale, len(self.shape))
         return self
 
     @property
@@ -84,7 +96,38 @@ class TransferProblem(BaseModel):
                 self.tensor_problem(i)
             except ValueError as err:
                 raise ValueError(f"tensors[{i}] ({quoted(tensor.name)}): {_first_line(err)}") from None
+        self._check_scales(seen)
         return self
+
+    def _check_scales(self, index: dict[str, int]) -> None:
+        """Each FP8 tensor with scales has its scale tensor (`schemas.convert.scale_tensor`), and each scale tensor
+        is exactly the one its tensor needs."""
+        for i, tensor in enumerate(self.tensors):
+            where = f"tensors[{i}] ({quoted(tensor.name)})"
+            if tensor.scale is not None:
+                if self.fused_part(tensor.name) is not None:
+                    raise ValueError(f"{where}.scale: FP8 scales of a fused tensor's parts are not planned; convert it to "
+                                     "float16/bfloat16, or give it no fused destination")
+                k = index.get(scale_name(tensor.name))
+                if k is None or self.tensors[k].scale_of != tensor.name:
+                    raise ValueError(f"{where}.scale: no tensor {scale_name(tensor.name)!r} with scale_of = {tensor.name!r} carries "
+                                     "its scales; add the one schemas.convert.scale_tensor makes (problem files add it themselves)")
+                try:
+                    want = scale_tensor(tensor, self.tensor_problem(i))
+                except ValueError as err:
+                    raise ValueError(f"{where}.scale: {err}") from None
+                if self.tensors[k] != want:
+                    raise ValueError(f"tensors[{k}] ({quoted(want.name)}): not the scale tensor {tensor.name!r} needs "
+                                     f"({want.model_dump_json(exclude={'name', 'scale_of'})}); replace it with scale_tensor's")
+            if tensor.scale_of is not None:
+                owner = index.get(tensor.scale_of)
+                if owner is None or self.tensors[owner].scale is None or tensor.name != scale_name(tensor.scale_of):
+                    raise ValueError(f"{where}.scale_of: {tensor.scale_of!r} is not an FP8 tensor with scales of the problem "
+                                     f"whose scales this could be (named {scale_name(str(tensor.scale_of))!r}); drop the tensor")
+
+    def conversions(self) -> dict[str, str]:
+        """Tensor name -> the conversion its senders apply, in words (tensors without one left out)."""
+        return {t.name: conversion_text(t) for t in self.tensors if t.dst_dtype is not None or t.scale_of is not None}
 
     def _check_fused(self, index: dict[str, int]) -> None:
         """Each fused tensor's parts: tensors of the problem (ranges inside them), in no other fused tensor, with no
@@ -208,7 +251,7 @@ class TransferProblem(BaseModel):
         if index not in cache:
             t = self.tensors[index]
             dst_boxes = t.dst_boxes if (fused := self.fused_part(t.name)) is None else self._part_boxes(fused, t.name)
-            cache[index] = ReshardingProblem(name=t.name, shape=t.shape, dtype=t.dtype, cluster=self.cluster,
+            cache[index] = ReshardingProblem(name=t.name, shape=t.shape, dtype=t.dtype, dst_dtype=t.dst_dtype, cluster=self.cluster,
                                              src=_placement(self.src_mesh, t.src, t.src_boxes),
                                              dst=_placement(self.dst_mesh, t.dst, dst_boxes))
         return cache[index]
@@ -222,6 +265,30 @@ class TransferProblem(BaseModel):
             if t.name == name:
                 return i
         raise KeyError(f"no tensor named {name!r}; the problem has {', '.join(self.names[:3])}{', ...' if len(self.tensors) > 3 else ''}")
+
+
+def scale_tensor(tensor: TensorTransfer, single: ReshardingProblem) -> TensorTransfer:
+    """The tensor of the plan that carries FP8 `tensor`'s scales, from its layouts (`single`: it alone as a problem,
+    e.g. `single_problem`); add it to the problem's tensors (problem files add it themselves)."""
+    shape = scale_shape(tuple(tensor.shape), tensor.scale)
+    sides = {f"{side}_boxes": scale_boxes(tuple(tensor.shape), tensor.scale, single.blocks(side),
+                                          getattr(single, side).mesh.devices, side) for side in ("src", "dst")}
+    return TensorTransfer(name=scale_name(tensor.name), shape=shape, dtype="float32", scale_of=tensor.name, **sides)
+
+
+def single_problem(tensor: TensorTransfer, src_mesh: DeviceMesh, dst_mesh: DeviceMesh, cluster: Cluster) -> ReshardingProblem:
+    """A tensor with its own layouts alone as a problem (a fused part's destination layout comes from its problem)."""
+    return ReshardingProblem(name=tensor.name, shape=tensor.shape, dtype=tensor.dtype, dst_dtype=tensor.dst_dtype, cluster=cluster,
+                             src=_placement(src_mesh, tensor.src, tensor.src_boxes),
+                             dst=_placement(dst_mesh, tensor.dst, tensor.dst_boxes))
+
+
+def conversion_text(tensor: TensorTransfer) -> str:
+    """`bfloat16 -> float8_e4m3fn, block scales in w.scale`, `float32 -> float16`, or `float32 scales of w`."""
+    if tensor.scale_of is not None:
+        return f"float32 scales of {tensor.scale_of!r}, computed by its senders"
+    scales = "" if tensor.scale is None else f", {tensor.scale} scales in {scale_name(tensor.name)!r}"
+    return f"{tensor.dtype} -> {tensor.dst_dtype}{scales}"
 
 
 def _placement(mesh: DeviceMesh, spec, boxes) -> Placement:

@@ -4,6 +4,7 @@ sharded, planned as its parts' boxes, verified element by element, run bit for b
 from __future__ import annotations
 
 import re
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -94,10 +95,10 @@ def test_the_verifier_reads_the_fused_layout_a_plan_states():
 
 def test_a_fused_plan_must_say_schema_2_and_old_plans_stay_schema_1():
     plan = compile_plan(build_transfer(fused_raw()), solver="greedy")
-    with pytest.raises(PlanError, match="schema_version 1, but the problem lists boxes or fused destinations, which need schema 2"):
+    with pytest.raises(PlanError, match="schema_version 1, but the problem lists boxes, fused destinations or conversions, which need schema 2"):
         check_plan(plan.model_copy(update={"schema_version": 1}))
     assert Plan.from_json(plan.to_json()) == plan
-    assert '"schema_version": 1' in open("plans/weight_sync_small.plan.json").read()
+    assert '"schema_version": 1' in (Path(__file__).resolve().parent.parent / "plans" / "weight_sync_small.plan.json").read_text()
 
 
 def _tensor(raw: dict, name: str) -> dict:
