@@ -7,6 +7,14 @@ its whole source shard (per block: the shard lies on block bounds, so its blocks
 the max over every source device's `amax` (per tensor). The scales themselves travel as the plan's tensor
 `<t>.scale`, whose source shard on that device is exactly these scales.
 
+The engines do not call these yet, so a plan with conversions (`problem.dst_dtype`, schema 2) must not be run:
+the lowering already sizes messages and staging in converted bytes (`ReshardingProblem.itemsize`) while the
+engines move source bytes. Running one takes, in the executor: destination shards allocated as
+`storage_dtype(problem.dst_dtype or problem.dtype)`; each box a sender reads out of its source shard (a send's,
+a broadcast's first hop, a bundle's gather, a local copy) passed through `convert` before it is packed (what is
+forwarded out of destination shards is converted already); and, before `start()`, each source rank's
+`<t>.scale` shard computed as above (a max over the source ranks' `amax` for per-tensor scales).
+
 >>> import torch
 >>> x = torch.tensor([[1.0, -448.0], [2.0, 896.0]])
 >>> convert(x, "float8_e4m3fn", torch.full((2, 2), 2.0)).float().tolist()

@@ -38,7 +38,7 @@ SCHEMA_VERSION = 2
 SCHEMA_VERSIONS = (1, 2)
 """Plans of schema 2 may hold what schema 1 cannot say: box layouts, fused destinations and conversions at the
 sender (`plan_schema_version`).
-A plan that needs neither is written as schema 1, byte for byte what earlier writers wrote; readers take both."""
+A plan that needs none of them is written as schema 1, which schema 1 readers read; readers take both."""
 OpKind = Literal[tuple(OP_KINDS)]  # type: ignore[valid-type]  # "copy", "send", "broadcast", "allgather", "bundle": the table's rows
 StrategyName = Literal["broadcast", "send_recv", "local_allgather", "global_allgather", "bundle"]
 _FROZEN = ConfigDict(frozen=True, extra="forbid")
