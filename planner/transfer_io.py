@@ -28,7 +28,8 @@ from pydantic import ValidationError
 from xmesh_plan.schemas import Placement, ReshardingProblem
 from xmesh_plan.schemas.boxes import box_field
 from xmesh_plan.schemas.dtypes import DTYPE_SIZES, canonical_dtype
-from xmesh_plan.schemas.fused import part_ref
+from xmesh_plan.schemas.convert import fused_block_scales
+from xmesh_plan.schemas.fused import FusedTensor, part_ref
 from xmesh_plan.schemas.limits import quoted, shown
 from xmesh_plan.schemas.transfer import MAX_TENSORS, TensorTransfer, TransferProblem, scale_tensor, single_problem
 from xmesh_plan.schemas.validation import describe_validation_error
@@ -38,7 +39,7 @@ from .unit_tasks import check_task_total, task_count_bound
 
 TOP_KEYS = ("name", "dtype", "src_mesh", "dst_mesh", "cluster", "rules", "tensors")
 TENSOR_KEYS = ("name", "shape", "dtype", "src", "dst", "src_boxes", "dst_boxes", "dst_dtype", "scale")
-FUSED_KEYS = ("name", "fuse", "dim", "dst", "dst_boxes", "dst_dtype")
+FUSED_KEYS = ("name", "fuse", "dim", "dst", "dst_boxes", "dst_dtype", "scale")
 RULE_KEYS = ("match", "src", "dst")
 MAX_REPEAT = MAX_TENSORS
 MAX_RULES = 256  # every rule is matched against every tensor name once at most; a model needs a few dozen
@@ -92,7 +93,7 @@ def build_transfer(raw: dict[str, Any], max_tasks: int | None = None) -> Transfe
     parts = {part_ref(part)[0] for f in fused for part in f["parts"]}
     tensors = [_tensor(entry, where, matcher, default_dtype, parts) for entry, where in entries
                if not (isinstance(entry, dict) and "fuse" in entry)]
-    _fused_dtypes(tensors, fused)
+    scaled = _fused_dtypes(tensors, fused)
     unused = matcher.fitting_none([t["name"] for t in tensors])  # _tensor made each a dict with a text name
     if unused is not None:  # a typo in a pattern would silently leave its tensors to a later rule
         raise InputError(f"rules[{unused}] (match {rules[unused][0]!r}) fits no tensor's name; fix the pattern or remove the rule")
@@ -100,7 +101,8 @@ def build_transfer(raw: dict[str, Any], max_tasks: int | None = None) -> Transfe
         raise InputError("tensors: no tensor is left once repeated groups are unrolled (repeat = 0 everywhere?); "
                          "give at least one tensor")
     name = raw.get("name", "")
-    tensors = _with_scales(tensors, src_mesh, dst_mesh, cluster)
+    tensors = _with_scales(tensors, src_mesh, dst_mesh, cluster, parts)
+    fused = fused + _fused_scales(fused, scaled, tensors, dst_mesh)
     try:
         return TransferProblem(name=name, src_mesh=src_mesh, dst_mesh=dst_mesh, cluster=cluster, tensors=tuple(tensors),
                                fused=tuple(fused))
@@ -291,22 +293,48 @@ def _numbered(tensor: dict, i: int) -> dict:
     return out
 
 
-def _fused_dtypes(tensors: list[dict[str, Any]], fused: list[dict[str, Any]]) -> None:
-    """A fused tensor's `dst_dtype` is its parts' conversion (a part giving another one is refused)."""
-    by_name = {t["name"]: t for t in tensors}
+def _fused_dtypes(tensors: list[dict[str, Any]], fused: list[dict[str, Any]]) -> set[str]:
+    """A fused tensor's `dst_dtype` and `scale` are its parts' (a part giving others is refused); the names of the
+    fused tensors with scales."""
+    by_name = {t["name"]: (i, t) for i, t in enumerate(tensors)}
+    scaled = set()
     for f in fused:
-        dst_dtype = f.pop("dst_dtype", None)
+        given = {key: f.pop(key) for key in ("dst_dtype", "scale") if f.get(key) is not None}
+        if "scale" in given:
+            scaled.add(f["name"])
         for part in dict.fromkeys(part_ref(p)[0] for p in f["parts"]):
-            tensor = by_name.get(part)
-            if tensor is None or dst_dtype is None:
+            if part not in by_name:
                 continue
-            if tensor.get("dst_dtype") not in (None, dst_dtype):
-                raise InputError(f"tensors ({quoted(part)}): dst_dtype {tensor['dst_dtype']!r}, but its fused tensor "
-                                 f"{quoted(f['name'])} converts to {dst_dtype!r}; give the conversion once, on the fused tensor")
-            tensor["dst_dtype"] = dst_dtype
+            i, tensor = by_name[part]
+            for key, value in given.items():
+                if tensor.get(key) not in (None, value):
+                    raise InputError(f"tensors[{i}] ({quoted(part)}).{key}: {tensor[key]!r}, but its fused tensor {quoted(f['name'])} "
+                                     f"gives {value!r}; give it once, on the fused tensor")
+                tensor[key] = value
+    return scaled
 
 
-def _with_scales(tensors: list[dict[str, Any]], src_mesh, dst_mesh, cluster) -> list[dict[str, Any]]:
+def _fused_scales(fused: list[dict[str, Any]], scaled: set[str], tensors: list[dict[str, Any]], dst_mesh) -> list[dict[str, Any]]:
+    """For each fused tensor with scales, the fused tensor of its parts' block scales (`schemas.convert.fused_block_scales`);
+    one not valid as written is left for the problem's own checks to name."""
+    out = []
+    shapes = {t["name"]: tuple(t["shape"]) for t in tensors if isinstance(t.get("shape"), (list, tuple))}
+    for k, f in enumerate(fused):
+        if f["name"] not in scaled:
+            continue
+        try:
+            made = FusedTensor.model_validate(f)
+            if any(t.get("scale") != "block" for t in tensors if t["name"] in {n for n, _ in made.refs()}):
+                continue  # the problem names the fault
+            out.append(fused_block_scales(made, shapes, dst_mesh).model_dump())
+        except (ValidationError, KeyError, IndexError, TypeError):
+            continue
+        except ValueError as err:
+            raise InputError(f"fused tensor {quoted(f['name'])}: {err}") from None
+    return out
+
+
+def _with_scales(tensors: list[dict[str, Any]], src_mesh, dst_mesh, cluster, parts: set[str]) -> list[dict[str, Any]]:
     """The tensors with each FP8 tensor's scale tensor after it (`schemas.transfer.scale_tensor`); a tensor that is
     not valid as written is left for the problem's own checks to name."""
     out = []
@@ -314,13 +342,16 @@ def _with_scales(tensors: list[dict[str, Any]], src_mesh, dst_mesh, cluster) -> 
         out.append(t)
         if t.get("scale") is None:
             continue
+        fused = t["name"] in parts  # no destination layout of its own: any stands in, only the source's is read
+        if fused and t["scale"] != "block":
+            continue  # a fused tensor takes block scales only: the problem says so
         try:
-            tensor = TensorTransfer.model_validate(t)
+            tensor = TensorTransfer.model_validate(t | ({"dst": " ".join("R" * len(t["shape"]))} if fused else {}))
             single = single_problem(tensor, src_mesh, dst_mesh, cluster)
-        except (ValidationError, ValueError):
+        except (ValidationError, ValueError, TypeError):
             continue
         try:
-            out.append(scale_tensor(tensor, single).model_dump())
+            out.append(scale_tensor(tensor, single, fused_part=fused).model_dump(exclude_none=True))
         except ValueError as err:
             raise InputError(f"tensors[{i}] ({quoted(tensor.name)}).scale: {err}") from None
     return out
@@ -343,8 +374,7 @@ def _fused(entry: dict, where: str, rules: _RuleMatcher, known: set) -> dict[str
     if "dim" not in entry:
         raise InputError(f"{where}.dim ({quoted(name)}): missing; give the dim its parts are concatenated along, e.g. dim = 0")
     out = {"name": name, "parts": fuse, "dim": entry["dim"]}
-    if entry.get("dst_dtype") is not None:
-        out["dst_dtype"] = entry["dst_dtype"]
+    out |= {key: entry[key] for key in ("dst_dtype", "scale") if entry.get(key) is not None}
     if entry.get("dst_boxes") is not None and entry.get("dst") is not None:
         raise InputError(f"{where}.dst_boxes ({quoted(name)}): give dst or dst_boxes, not both")
     if entry.get("dst_boxes") is not None:

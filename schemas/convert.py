@@ -10,6 +10,8 @@ bytes, and the plan's bound and prediction count those. An FP8 destination needs
 The scales are delivered as a tensor of the plan of their own, `<name>.scale` (`scale_of` names the tensor),
 float32, each source device holding the scales it computes, each destination device the scales of every
 block its box touches (`scale_tensor` makes it; the problem checks that a scale tensor is exactly that).
+A fused FP8 destination (`schemas.fused`) takes block scales only: its parts' scale tensors are fused in turn
+into `<fused>.scale` (`fused_block_scales`), which needs its parts on block bounds.
 The element conversion: x -> float(x) / scale, clamped to +-FP8 max, rounded to the nearest FP8 value
 (`executor.convert`); other conversions round to the nearest value of the destination type.
 
@@ -91,3 +93,26 @@ def scale_boxes(shape: tuple[int, ...], scale: str, blocks: dict[int, Region], d
 
 def scale_name(name: str) -> str:
     return name + SCALE_SUFFIX
+
+
+def fused_block_scales(fused, shapes: dict[str, tuple[int, ...]], mesh):
+    """The fused tensor of block scales an FP8 fused tensor's destinations keep (`schemas.fused`): its parts' scale
+    tensors, each range counted in blocks, each destination device holding the scales of the blocks its fused box
+    touches. ValueError naming the part unless every part lies on block bounds in its tensor and in the fused
+    tensor (each range starts on a bound and ends on one or at its tensor's end; every part but the last is a
+    whole number of blocks long), so that each fused block is one block of one part."""
+    from .fused import FusedTensor  # fused imports problem, which imports this module
+
+    lengths = fused.lengths(shapes)
+    parts = []
+    for k, ((name, span), length) in enumerate(zip(fused.refs(), lengths)):
+        full = shapes[name][fused.dim]
+        start, stop = span or (0, full)
+        if start % BLOCK or (stop % BLOCK and stop != full) or (k < len(lengths) - 1 and length % BLOCK):
+            raise ValueError(f"parts[{k}]: {fused.parts[k]!r} is not whole 128-blocks of {name!r} along dim {fused.dim}, so "
+                             "block scales of the fused tensor would mix parts; give parts on multiples of 128 (the last may "
+                             "end with its tensor), or convert to float16/bfloat16")
+        parts.append(scale_name(name) if span is None else f"{scale_name(name)}[{start // BLOCK}:{-(-stop // BLOCK)}]")
+    blocks = fused.blocks(shapes, mesh)
+    return FusedTensor(name=scale_name(fused.name), parts=tuple(parts), dim=fused.dim,
+                       dst_boxes=tuple(block_box(blocks[d]) for d in mesh.devices))

@@ -29,10 +29,11 @@ import re
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from .boxes import Boxes
-from .geometry import Region
+from .boxes import Boxes, check_boxes
+from .geometry import Layout, Region
 from .limits import MAX_TENSOR_RANK, integer
 from .problem import OptionalSpec
+from .spec import SpecError
 
 
 _RANGE = re.compile(r"(.+)\[([0-9]+):([0-9]+)\]")
@@ -64,6 +65,29 @@ class FusedTensor(BaseModel):
     def refs(self) -> list[tuple[str, tuple[int, int] | None]]:
         """Each part as (tensor name, (start, stop) along dim, or None for the whole tensor)."""
         return [part_ref(part) for part in self.parts]
+
+    def lengths(self, shapes: dict[str, tuple[int, ...]]) -> list[int]:
+        """How long each part is along the fused dim (a range's length, or its tensor's); `shapes`: tensor name -> shape."""
+        return [shapes[name][self.dim] if span is None else span[1] - span[0] for name, span in self.refs()]
+
+    def shape(self, shapes: dict[str, tuple[int, ...]]) -> tuple[int, ...]:
+        """The fused shape: the parts' off the fused dim, their lengths summed on it."""
+        first = tuple(shapes[self.refs()[0][0]])
+        return first[:self.dim] + (sum(self.lengths(shapes)),) + first[self.dim + 1:]
+
+    def blocks(self, shapes: dict[str, tuple[int, ...]], mesh) -> dict[int, Region]:
+        """Destination device id -> its box of the fused tensor on `mesh` (from the spec or the boxes); ValueError
+        naming dst or dst_boxes where the layout does not fit the fused shape."""
+        shape = self.shape(shapes)
+        if self.dst_boxes is not None:
+            check_boxes(self.dst_boxes, shape, len(mesh.devices), "dst_boxes")
+            return dict(zip(mesh.devices, self.dst_boxes))
+        try:
+            self.dst.check_fits(len(shape), mesh.shape, field="dst")
+        except SpecError as err:
+            raise ValueError(str(err)) from None
+        layout = Layout(shape, tuple(mesh.shape), self.dst)
+        return {d: layout.block(c) for d, c in zip(mesh.devices, mesh.coords())}
 
     def offsets(self, lengths: list[int]) -> tuple[int, ...]:
         """Where each part starts along the fused dim (parts of `lengths` there), and the fused length last."""

@@ -20,7 +20,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from .boxes import Boxes, check_boxes
-from .convert import check_conversion, scale_boxes, scale_name, scale_shape
+from .convert import check_conversion, fused_block_scales, scale_boxes, scale_name, scale_shape
 from .fused import FusedTensor, fused_pieces
 from .geometry import Layout, Region
 from .spec import SpecError
@@ -105,15 +105,15 @@ class TransferProblem(BaseModel):
         for i, tensor in enumerate(self.tensors):
             where = f"tensors[{i}] ({quoted(tensor.name)})"
             if tensor.scale is not None:
-                if self.fused_part(tensor.name) is not None:
-                    raise ValueError(f"{where}.scale: FP8 scales of a fused tensor's parts are not planned; convert it to "
-                                     "float16/bfloat16, or give it no fused destination")
+                fused = self.fused_part(tensor.name)
+                if fused is not None:
+                    self._check_fused_scales(fused, f"{where}.scale")
                 k = index.get(scale_name(tensor.name))
                 if k is None or self.tensors[k].scale_of != tensor.name:
                     raise ValueError(f"{where}.scale: no tensor {scale_name(tensor.name)!r} with scale_of = {tensor.name!r} carries "
                                      "its scales; add the one schemas.convert.scale_tensor makes (problem files add it themselves)")
                 try:
-                    want = scale_tensor(tensor, self.tensor_problem(i))
+                    want = scale_tensor(tensor, self.tensor_problem(i), fused_part=fused is not None)
                 except ValueError as err:
                     raise ValueError(f"{where}.scale: {err}") from None
                 if self.tensors[k] != want:
@@ -124,6 +124,24 @@ class TransferProblem(BaseModel):
                 if owner is None or self.tensors[owner].scale is None or tensor.name != scale_name(tensor.scale_of):
                     raise ValueError(f"{where}.scale_of: {tensor.scale_of!r} is not an FP8 tensor with scales of the problem "
                                      f"whose scales this could be (named {scale_name(str(tensor.scale_of))!r}); drop the tensor")
+
+    def _check_fused_scales(self, j: int, where: str) -> None:
+        """A fused tensor whose parts are FP8 with scales: block scales, the same on every part, and its scale
+        tensors fused as `schemas.convert.fused_block_scales` says, under `<fused>.scale`."""
+        fused = self.fused[j]
+        parts = {name: next(t for t in self.tensors if t.name == name) for name, _ in fused.refs()}
+        kinds = {(t.dst_dtype, t.scale) for t in parts.values()}
+        if len(kinds) != 1 or next(iter(kinds))[1] != "block":
+            raise ValueError(f"{where}: the parts of fused tensor {fused.name!r} convert as {sorted(kinds, key=str)}; a fused FP8 "
+                             "tensor takes block scales, the same on every part (give dst_dtype and scale = \"block\" on the fused tensor)")
+        try:
+            want = fused_block_scales(fused, self._shapes(), self.dst_mesh)
+        except ValueError as err:
+            raise ValueError(f"{where}: fused tensor {fused.name!r} {err}") from None
+        found = next((f for f in self.fused if f.name == want.name), None)
+        if found != want:
+            raise ValueError(f"{where}: fused tensor {fused.name!r} needs its scales fused as {want.name!r} "
+                             f"({want.model_dump_json(exclude={'name'})}); add schemas.convert.fused_block_scales' (problem files add it)")
 
     def conversions(self) -> dict[str, str]:
         """Tensor name -> the conversion its senders apply, in words (tensors without one left out)."""
@@ -169,32 +187,20 @@ class TransferProblem(BaseModel):
             except ValueError as err:
                 raise ValueError(f"{where}: {_first_line(err)}") from None
 
+    def _shapes(self) -> dict[str, tuple[int, ...]]:
+        return {t.name: tuple(t.shape) for t in self.tensors}
+
     def fused_lengths(self, j: int) -> list[int]:
         """How long each part of fused tensor j is along its dim (a range's length, or its tensor's)."""
-        fused = self.fused[j]
-        shapes = {t.name: t.shape for t in self.tensors}
-        return [shapes[name][fused.dim] if span is None else span[1] - span[0] for name, span in fused.refs()]
+        return self.fused[j].lengths(self._shapes())
 
     def fused_shape(self, j: int) -> tuple[int, ...]:
         """Fused tensor j's shape: its parts' off the fused dim, their lengths summed on it."""
-        fused = self.fused[j]
-        first = next(t for t in self.tensors if t.name == fused.refs()[0][0]).shape
-        return first[:fused.dim] + (sum(self.fused_lengths(j)),) + first[fused.dim + 1:]
+        return self.fused[j].shape(self._shapes())
 
     def fused_blocks(self, j: int) -> dict[int, Region]:
         """Destination device id -> its box of fused tensor j (from its spec or boxes, on the fused shape)."""
-        fused = self.fused[j]
-        shape = self.fused_shape(j)
-        mesh = self.dst_mesh
-        if fused.dst_boxes is not None:
-            check_boxes(fused.dst_boxes, shape, len(mesh.devices), "dst_boxes")
-            return dict(zip(mesh.devices, fused.dst_boxes))
-        try:
-            fused.dst.check_fits(len(shape), mesh.shape, field="dst")
-        except SpecError as err:
-            raise ValueError(str(err)) from None
-        layout = Layout(shape, tuple(mesh.shape), fused.dst)
-        return {d: layout.block(c) for d, c in zip(mesh.devices, mesh.coords())}
+        return self.fused[j].blocks(self._shapes(), self.dst_mesh)
 
     def fused_part(self, name: str) -> int | None:
         """The index of the fused tensor the tensor called `name` is a part of, or None."""
@@ -267,12 +273,13 @@ class TransferProblem(BaseModel):
         raise KeyError(f"no tensor named {name!r}; the problem has {', '.join(self.names[:3])}{', ...' if len(self.tensors) > 3 else ''}")
 
 
-def scale_tensor(tensor: TensorTransfer, single: ReshardingProblem) -> TensorTransfer:
+def scale_tensor(tensor: TensorTransfer, single: ReshardingProblem, fused_part: bool = False) -> TensorTransfer:
     """The tensor of the plan that carries FP8 `tensor`'s scales, from its layouts (`single`: it alone as a problem,
-    e.g. `single_problem`); add it to the problem's tensors (problem files add it themselves)."""
+    e.g. `single_problem`); add it to the problem's tensors (problem files add it themselves). A fused tensor's part's
+    has no destination layout of its own: it is a part of the fused scales (`convert.fused_block_scales`)."""
     shape = scale_shape(tuple(tensor.shape), tensor.scale)
     sides = {f"{side}_boxes": scale_boxes(tuple(tensor.shape), tensor.scale, single.blocks(side),
-                                          getattr(single, side).mesh.devices, side) for side in ("src", "dst")}
+                                          getattr(single, side).mesh.devices, side) for side in ("src", "dst")[:1 if fused_part else 2]}
     return TensorTransfer(name=scale_name(tensor.name), shape=shape, dtype="float32", scale_of=tensor.name, **sides)
 
 

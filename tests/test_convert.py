@@ -14,7 +14,8 @@ from xmesh_plan.executor.convert import amax, block_scales, convert, expand_scal
 from xmesh_plan.planner.compile import compile_plan
 from xmesh_plan.planner.problem_io import InputError, build_problem
 from xmesh_plan.planner.transfer_io import build_transfer
-from xmesh_plan.planner.verify import verify_plan
+from xmesh_plan.planner.verify import fused_provenance, verify_plan
+from xmesh_plan.schemas.fused import fused_pieces
 from xmesh_plan.schemas.transfer import TensorTransfer, TransferProblem, scale_tensor, single_problem
 from xmesh_plan.schemas.validation import describe_validation_error
 from tests.support.cli import run_cli
@@ -110,7 +111,7 @@ def test_a_scale_tensor_must_be_the_one_its_tensor_needs():
     TransferProblem(src_mesh=problem.src_mesh, dst_mesh=problem.dst_mesh, tensors=(mine, made))
 
 
-def test_fused_parts_take_the_fused_conversion_and_refuse_scales():
+def test_fused_parts_take_the_fused_conversion_and_refuse_tensor_scales():
     raw = converted_raw(w={"dst_dtype": None, "scale": None}, h={"dtype": "bfloat16", "dst_dtype": None})
     raw["tensors"].append({"name": "wh", "fuse": ["h", "w"], "dim": 1, "dst": "S1 R", "dst_dtype": "float16"})
     raw["tensors"][0]["shape"] = [64, 256]
@@ -120,7 +121,8 @@ def test_fused_parts_take_the_fused_conversion_and_refuse_scales():
     raw["tensors"][-1]["dst_dtype"] = "float8_e4m3fn"
     raw["tensors"][0] |= {"dst_dtype": "float8_e4m3fn", "scale": "tensor"}
     raw["tensors"][2] |= {"dst_dtype": "float8_e4m3fn", "scale": "tensor"}
-    with pytest.raises(InputError, match=r"scale: FP8 scales of a fused tensor's parts are not planned"):
+    with pytest.raises(InputError, match=r"tensors\[0\] \(w\).scale: the parts of fused tensor 'wh' convert as .*; a fused "
+                                         r"FP8 tensor takes block scales"):
         build_transfer(raw)
 
 
@@ -198,3 +200,56 @@ def test_validation_errors_from_python_name_the_field():
     with pytest.raises(Exception) as info:
         TensorTransfer(name="w", shape=(4, 4), src="R R", dst="R R", dst_dtype="float8_e4m3fn")
     assert "needs scales" in describe_validation_error(info.value)
+
+
+def fused_fp8_raw() -> dict:
+    """q, k, v on 4 FSDP ranks (128-row shards) fused as two TP ranks keep them, in FP8 with block scales."""
+    tp = ["q[0:512]", "k[0:256]", "v[0:256]", "q[512:1024]", "k[256:512]", "v[256:512]"]
+    return {"src_mesh": {"shape": [4], "devices": [0, 1, 2, 3]}, "dst_mesh": {"shape": [2, 2], "devices": [4, 5, 6, 7]},
+            "cluster": {"devices_per_host": 2}, "dtype": "bfloat16", "rules": [{"match": "*", "src": "S0 R"}],
+            "tensors": [{"name": "q", "shape": [1024, 192]}, {"name": "k", "shape": [512, 192]}, {"name": "v", "shape": [512, 192]},
+                        {"name": "qkv", "fuse": tp, "dim": 0, "dst": "S1 R", "dst_dtype": "float8_e4m3fn", "scale": "block"}]}
+
+
+def test_a_fused_fp8_destination_gets_its_parts_block_scales_fused_the_same_way():
+    problem = build_transfer(fused_fp8_raw())
+    assert [f.name for f in problem.fused] == ["qkv", "qkv.scale"]
+    scales = problem.fused[1]
+    assert scales.parts == ("q.scale[0:4]", "k.scale[0:2]", "v.scale[0:2]", "q.scale[4:8]", "k.scale[2:4]", "v.scale[2:4]")
+    assert problem.fused_shape(1) == (16, 2) and problem.fused_blocks(1)[5] == ((8, 16), (0, 2))
+    assert problem.tensors[problem.index_of("k.scale")].src_boxes == (((0, 1), (0, 2)), ((1, 2), (0, 2)), ((2, 3), (0, 2)), ((3, 4), (0, 2)))
+    plan = compile_plan(problem, solver="greedy")
+    report = verify_plan(plan)
+    assert report.fused == 2 and "3 to float8_e4m3fn" in str(report)
+    # what each destination device assembles, converted at the senders with their own blocks' scales, is the fused
+    # tensor quantized with its own block scales: fused blocks are part blocks
+    g = torch.Generator().manual_seed(9)
+    full = {n: (torch.randn(t.shape, generator=g) * (1 + 10 * i)).to(torch.bfloat16) for i, (n, t) in
+            enumerate((t.name, t) for t in problem.tensors if t.scale_of is None)}
+    own_scales = {n: block_scales(x, "float8_e4m3fn") for n, x in full.items()}
+    fused = torch.cat([full["q"][:512], full["k"][:256], full["v"][:256], full["q"][512:], full["k"][256:], full["v"][256:]])
+    fused_scales = block_scales(fused, "float8_e4m3fn")
+    want = convert(fused, "float8_e4m3fn", expand_scales(fused_scales, ((0, 2048), (0, 192))))
+    for device, box in problem.fused_blocks(0).items():
+        shard = torch.empty([b - a for a, b in box], dtype=torch.float8_e4m3fn)
+        for name, piece, where in fused_pieces(problem, 0, device):
+            values = full[name][piece[0][0]:piece[0][1], piece[1][0]:piece[1][1]]
+            shard[where] = convert(values, "float8_e4m3fn", expand_scales(own_scales[name], piece))
+        assert torch.equal(shard.view(torch.uint8), want[box[0][0]:box[0][1], box[1][0]:box[1][1]].view(torch.uint8)), device
+        tensors, index = fused_provenance(plan, "qkv.scale", device)
+        sbox = problem.fused_blocks(1)[device]
+        traced = torch.tensor([own_scales[problem.tensors[t].scale_of].flatten()[i].item() for t, i in zip(tensors.flat, index.flat)])
+        assert torch.equal(traced.reshape(tensors.shape), fused_scales[sbox[0][0]:sbox[0][1], sbox[1][0]:sbox[1][1]]), device
+
+
+@pytest.mark.parametrize("edit, message", [
+    (lambda t: t[3].update(scale="tensor"), r"a fused FP8 tensor takes block scales"),
+    (lambda t: t[3].update(fuse=["q[0:500]", "k", "v", "q[500:1024]"]), r"parts\[0\]: 'q\[0:500\]' is not whole 128-blocks of 'q'"),
+    (lambda t: t[1].update(scale="tensor"), r"tensors\[1\] \(k\).scale: 'tensor', but its fused tensor qkv gives 'block'; give it once"),
+])
+def test_bad_fused_fp8_destinations_are_refused_naming_the_fix(edit, message):
+    raw = fused_fp8_raw()
+    edit(raw["tensors"])
+    with pytest.raises(InputError) as info:
+        build_transfer(raw)
+    assert re.search(message, str(info.value)), str(info.value)
