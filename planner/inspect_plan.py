@@ -120,11 +120,18 @@ def tensor_rows(plan: Plan) -> list[str]:
     host, itemsizes = p.cluster.host_of, [t.itemsize for t in p.tensor_problems()]
     for op in plan.operations:
         crossing[op.tensor] += sum(n for (a, b), n in pair_bytes(op, itemsizes[op.tensor]).items() if host(a) != host(b))
-    table = [(t.name, "x".join(map(str, t.shape)), t.dtype, f"{t.src or 'boxes'} -> {t.dst or 'boxes'}", tasks[i], ops[i], _bytes(crossing[i]),
+    table = [(t.name, "x".join(map(str, t.shape)), t.dtype + (f" -> {t.dst_dtype}" if t.dst_dtype else ""),
+              f"{t.src or 'boxes'} -> {_dst_label(p, t)}", tasks[i], ops[i], _bytes(crossing[i]),
               f"{done[i]:.4f}s") for i, t in enumerate(p.tensors)]
     rows = indented(table, ("tensor", "shape", "dtype", "src -> dst spec", "tasks", "ops", "cross-host", "done at"),
                     colalign=("left",) + ("right",) * 7)
     return rows
+
+
+def _dst_label(problem, tensor) -> str:
+    """A tensor's destination layout in the listing: its spec, `boxes`, or `in <fused tensor>` for a fused part."""
+    fused = problem.fused_part(tensor.name)
+    return f"in {problem.fused[fused].name}" if fused is not None else str(tensor.dst or "boxes")
 
 
 ORDER_MEANINGS = {  # queueing discipline -> who executes that way
