@@ -29,6 +29,10 @@ from types import SimpleNamespace
 import click
 
 
+MPI_RANK = ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK")  # where mpiexec (MPICH, Open MPI, PMIx) puts a rank's number
+TORCH_RANK = ("RANK",)  # where torchrun puts it
+
+
 class UsageError(ValueError):
     """A bad command-line value: one line naming the flag (exit 2)."""
 

@@ -31,7 +31,7 @@ from .drive import Tensor, bytes_moved, flag_error, refused_input, run_plan
 from .errors import ExecutorError, PeerTimeoutError, PlanMismatchError
 from .engines import ENGINES
 from .executor import DEFAULT_POLL_S, poll
-from .flags import UsageError, command, launcher_rank, parse
+from .flags import MPI_RANK, UsageError, command, launcher_rank, parse
 from .pattern import fill, mismatches
 from .scale import factors_for, factors_per_tensor, scale_plan, scale_tensors
 
@@ -50,7 +50,7 @@ DEFAULT_TIMEOUT_S = 60.0  # --timeout's default, also for the agreement on a usa
 
 def _launcher_rank() -> int:
     """This process's rank as the MPI launcher set it (read before MPI starts; 0 when not under mpiexec)."""
-    return launcher_rank("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK")
+    return launcher_rank(*MPI_RANK)
 
 
 def _parse_scale(text: str | None) -> tuple[int, ...] | None:

@@ -33,7 +33,7 @@ from .drive import Tensor, flag_error, refused_input
 from .drive import run_plan as run_plan_on
 from .engines import TransportOptions
 from .errors import ExecutorError, PeerTimeoutError, PlanMismatchError
-from .flags import UsageError, command, launcher_rank, parse
+from .flags import TORCH_RANK, UsageError, command, launcher_rank, parse
 from .pattern import fill
 from .scale import factors_for, factors_per_tensor, scale_plan, scale_tensors
 
@@ -227,7 +227,7 @@ def _leave(rank: int, line: str, code: int):
 
 def _launcher_rank() -> int:
     """This process's rank as torchrun set it (0 outside torchrun)."""
-    return launcher_rank("RANK")
+    return launcher_rank(*TORCH_RANK)
 
 
 def console_main(program: str = "python -m xmesh_plan.executor.torch_run") -> int:

@@ -18,7 +18,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
-from xmesh_plan.executor.flags import UsageError, command, launcher_rank, parse
+from xmesh_plan.executor.flags import TORCH_RANK, UsageError, command, launcher_rank, parse
 from xmesh_plan.redistribute import redistribute
 
 
@@ -47,11 +47,11 @@ def _command(**_) -> None:
 def main(argv: list[str] | None = None) -> int:
     """The demo; a bad flag is one line from rank 0 and exit status 2 on every rank, before any rank joins the group."""
     try:
-        args = parse(_command, argv, PROG, show_help=launcher_rank("RANK") == 0)
+        args = parse(_command, argv, PROG, show_help=launcher_rank(*TORCH_RANK) == 0)
         if args.rows < 1 or args.cols < 1 or args.iters < 1:
             raise UsageError("--rows, --cols and --iters must be positive, e.g. --rows 1000 --cols 768 --iters 5")
     except UsageError as err:
-        if launcher_rank("RANK") == 0:
+        if launcher_rank(*TORCH_RANK) == 0:
             print(f"error: {err}", file=sys.stderr)
         return 2
     dist.init_process_group("gloo")
