@@ -61,3 +61,18 @@ def decompose_boxes(problem: ReshardingProblem, cuts: list[list[int]], merge: bo
         ))
     return cells
 
+
+
+MAX_COUNTED_CELLS = 2_000_000  # box layouts are counted by cutting them; above this many cells, bounded instead
+
+
+def box_split_count(problem: ReshardingProblem, merge: bool, decompose) -> int:
+    """The unit tasks splitting a box-layout problem's cells by receiving host makes (`unit_tasks.split_task_count`):
+    counted by cutting it, or, above MAX_COUNTED_CELLS cells, bounded by the cells times the destination's hosts."""
+    from .unit_tasks import task_count_bound
+
+    bound = task_count_bound(problem)
+    if bound > MAX_COUNTED_CELLS:
+        return bound * len(problem.dst.mesh.hosts(problem.cluster))
+    host = problem.cluster.host_of
+    return sum(len({host(d) for d in cell.receivers}) or 1 for cell in decompose(problem, merge, max_tasks=None))

@@ -34,8 +34,9 @@ from xmesh_plan.schemas.limits import quoted, shown
 from xmesh_plan.schemas.transfer import MAX_TENSORS, TensorTransfer, TransferProblem, scale_tensor, single_problem
 from xmesh_plan.schemas.validation import describe_validation_error
 
+from .compile_defaults import defaults_for_kind
 from .problem_io import InputError, build_problem, hosts_used, parse_cluster, parse_mesh, parse_shape, read_data_file
-from .unit_tasks import check_task_total, task_count_bound
+from .unit_tasks import TaskCount, check_task_total, count_tasks
 
 TOP_KEYS = ("name", "dtype", "src_mesh", "dst_mesh", "cluster", "rules", "tensors")
 TENSOR_KEYS = ("name", "shape", "dtype", "src", "dst", "src_boxes", "dst_boxes", "dst_dtype", "scale")
@@ -50,24 +51,31 @@ def is_transfer(raw: Any) -> bool:
     return isinstance(raw, dict) and "tensors" in raw
 
 
-def build_any_problem(raw: Any, max_tasks: int | None = None) -> ReshardingProblem | TransferProblem:
+def build_any_problem(raw: Any, max_tasks: int | None = None, split_hosts: bool | None = None,
+                      merge: bool = True) -> ReshardingProblem | TransferProblem:
     """A transfer problem from data with `tensors`, a single-tensor problem otherwise; a transfer that could cut into
-    more than `max_tasks` unit tasks is refused as it is read (`build_transfer`)."""
+    more than `max_tasks` unit tasks (compiled with `split_hosts` and `merge`) is refused as it is read
+    (`build_transfer`)."""
     if isinstance(raw, dict) and "schema_version" in raw and "operations" in raw:
         raise InputError("this is a plan file (it has schema_version and operations), not a problem; give the problem file "
                          "it was compiled from (its `problem` section is one), e.g. plans/case3.problem.json")
-    return build_transfer(raw, max_tasks) if is_transfer(raw) else build_problem(raw)
+    return build_transfer(raw, max_tasks, split_hosts, merge) if is_transfer(raw) else build_problem(raw)
 
 
-def load_any_problem(path: str | Path, max_tasks: int | None = None) -> ReshardingProblem | TransferProblem:
-    """Read a `.json` or `.toml` problem file of either kind; errors name the file and field."""
-    return build_any_problem(read_data_file(path, "problem file"), max_tasks)
+def load_any_problem(path: str | Path, max_tasks: int | None = None, split_hosts: bool | None = None,
+                     merge: bool = True) -> ReshardingProblem | TransferProblem:
+    """Read a `.json` or `.toml` problem file of either kind; errors name the file and field. `max_tasks`,
+    `split_hosts`, `merge`: as `build_transfer`."""
+    return build_any_problem(read_data_file(path, "problem file"), max_tasks, split_hosts, merge)
 
 
-def build_transfer(raw: dict[str, Any], max_tasks: int | None = None) -> TransferProblem:
+def build_transfer(raw: dict[str, Any], max_tasks: int | None = None, split_hosts: bool | None = None,
+                   merge: bool = True) -> TransferProblem:
     """A transfer problem from plain data (see the module docstring); InputError naming the field otherwise.
-    With `max_tasks`, tensors that could cut into more unit tasks together are refused (TooManyTasksError) from
-    their counts, before the problem is built: each distinct (shape, specs) is counted once."""
+    With `max_tasks`, tensors that compile into more unit tasks together are refused (TooManyTasksError) from
+    their counts, before the problem is built: each distinct (shape, dtype, specs) is counted once, split by
+    receiving host unless `split_hosts` is False (None: the multi-tensor default, `compile_defaults`), so the
+    limit the refusal names is the one the compile passes."""
     unknown = sorted(set(raw) - set(TOP_KEYS))
     if unknown:
         raise InputError(f"{quoted(unknown[0])}: not a field of a multi-tensor problem; use {', '.join(TOP_KEYS)}")
@@ -86,7 +94,8 @@ def build_transfer(raw: dict[str, Any], max_tasks: int | None = None) -> Transfe
         raise InputError("tensors: missing; give a list of tensors, each with name and shape")
     matcher = _RuleMatcher(rules)
     if max_tasks is not None:  # from the entries as written, before a repeated group is unrolled
-        _TaskCount(src_mesh, dst_mesh, cluster, matcher, default_dtype).of_entries(raw["tensors"], max_tasks)
+        split = defaults_for_kind(multi_tensor=True).split_hosts if split_hosts is None else split_hosts
+        _TaskCount(src_mesh, dst_mesh, cluster, matcher, default_dtype, split, merge).of_entries(raw["tensors"], max_tasks)
     entries = _expand(raw["tensors"])
     known = {entry.get("name") for entry, _ in entries if isinstance(entry, dict) and "fuse" not in entry}
     fused = [_fused(entry, where, matcher, known) for entry, where in entries if isinstance(entry, dict) and "fuse" in entry]
@@ -113,14 +122,17 @@ def build_transfer(raw: dict[str, Any], max_tasks: int | None = None) -> Transfe
 class _TaskCount:
     """The unit tasks tensor entries could cut into, counted as written: a repeated group's tensor that gives both
     specs itself counts once for all its copies, one whose specs come from the rules is matched name by name (one
-    regular expression each); each distinct (shape, dtype, specs) is cut into cut points once. Anything malformed,
+    regular expression each); each distinct (shape, dtype, specs) is counted from its cut points once (`count_tasks`:
+    split by receiving host when `split_hosts`). Anything malformed,
     or more tensors than a problem may hold, stops the count (`of_entries` then refuses nothing): reading the entries
     in full names the fault."""
 
-    def __init__(self, src_mesh, dst_mesh, cluster, rules: "_RuleMatcher", default_dtype: Any):
+    def __init__(self, src_mesh, dst_mesh, cluster, rules: "_RuleMatcher", default_dtype: Any, split_hosts: bool, merge: bool):
         self.src_mesh, self.dst_mesh, self.cluster, self.rules, self.default_dtype = src_mesh, dst_mesh, cluster, rules, default_dtype
-        self.known: dict[tuple, int | None] = {}
-        self.tensors = self.total = self.largest = self.written = 0
+        self.split_hosts, self.merge = split_hosts, merge
+        self.known: dict[tuple, TaskCount | None] = {}
+        self.total = TaskCount(0, 0 if split_hosts else None)
+        self.tensors = self.largest = self.written = 0
         self.largest_name = ""
 
     def of_entries(self, entries: Any, max_tasks: int) -> None:
@@ -163,16 +175,16 @@ class _TaskCount:
                 single = ReshardingProblem(name=name, shape=key[0], dtype=key[1], cluster=self.cluster,
                                            src=Placement(mesh=self.src_mesh, **dict([key[2]])),
                                            dst=Placement(mesh=self.dst_mesh, **dict([key[3]])))
-                self.known[key] = task_count_bound(single)
+                self.known[key] = count_tasks(single, self.split_hosts, self.merge)
             except (ValidationError, ValueError, TypeError):
                 self.known[key] = None
-        bound = self.known[key]
-        if bound is None or not copies:
-            return bound is not None
+        count = self.known[key]
+        if count is None or not copies:
+            return count is not None
         self.tensors += copies
-        self.total += bound * copies
-        if bound > self.largest:
-            self.largest, self.largest_name = bound, name
+        self.total += count.times(copies)
+        if count.needed > self.largest:
+            self.largest, self.largest_name = count.needed, name
         return True
 
 
