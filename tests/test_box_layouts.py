@@ -151,24 +151,23 @@ def test_offset_and_size_read_as_start_and_stop_and_a_plan_round_trips_its_boxes
     assert "boxes" not in ReshardingProblem.model_validate(raw | {"src": {"mesh": MESH2, "spec": "S0 R"}}).model_dump_json()
 
 
-def doc_box_example() -> dict:
+def doc_box_toml() -> str:
+    """The TOML example of format.md's "Box layouts" section."""
     text = FORMAT_DOC.read_text()
     block = text[text.index("### Box layouts"):]
-    return tomllib.loads(block[block.index("```toml") + 7:block.index("```", block.index("```toml") + 7)])
+    start = block.index("```toml") + len("```toml")
+    return block[start:block.index("```", start)]
 
 
 def test_the_format_doc_example_compiles_verifies_and_runs(tmp_path):
-    raw = doc_box_example()
-    problem = build_problem(raw)
+    problem = build_problem(tomllib.loads(doc_box_toml()))
     assert problem.blocks("dst")[problem.dst.mesh.devices[1]] == ((0, 3), (0, 4))
     for strategy in STRATEGIES:
         plan = compile_fast(problem, strategy=strategy)
         verify_plan(plan)
         simulate(plan, iterations=1)
     path = tmp_path / "boxes.toml"
-    text = FORMAT_DOC.read_text()
-    block = text[text.index("### Box layouts"):]
-    path.write_text(block[block.index("```toml") + 7:block.index("```", block.index("```toml") + 7)])
+    path.write_text(doc_box_toml())
     result = run_cli("compile", path, "-o", tmp_path / "plan.json")
     assert result.exit_code == 0, result.output
     result = run_cli("verify", tmp_path / "plan.json")
@@ -176,13 +175,8 @@ def test_the_format_doc_example_compiles_verifies_and_runs(tmp_path):
 
 
 def test_a_cli_problem_file_with_a_hole_in_its_source_boxes_is_one_user_error(tmp_path):
-    raw = doc_box_example()
-    text = FORMAT_DOC.read_text()
-    block = text[text.index("### Box layouts"):]
-    body = block[block.index("```toml") + 7:block.index("```", block.index("```toml") + 7)]
     path = tmp_path / "hole.toml"
-    path.write_text(body.replace("[[7, 9], [0, 4]]]", "[[8, 9], [0, 4]]]", 1))
-    assert raw  # the intact example parses
+    path.write_text(doc_box_toml().replace("[[7, 9], [0, 4]]]", "[[8, 9], [0, 4]]]", 1))
     assert_user_error(run_cli("compile", path), "src.boxes: no source device holds [7:8, 0:4]")
 
 
