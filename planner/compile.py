@@ -22,7 +22,7 @@ from .simulate import TooCostly, nic_assignment, renumbered_only, simulated, sta
 from .solvers import solve
 from .staging_limit import limit_staging
 from .strategies import STRATEGIES, PlannedOp, StrategyResult, TaskContext, get_strategy
-from .unit_tasks import Cell, check_joint_task_count, check_scheduled_count, check_split_count, decompose, split_by_receiver_host
+from .unit_tasks import Cell, check_joint_task_count, decompose, split_by_receiver_host
 
 DIGITS = 12  # times are rounded to picoseconds so plans print and compare stably
 NIC_SIDES = ("send", "recv")  # the resources a plan's host order lists; device ports are not queued
@@ -243,16 +243,16 @@ def _retimed_tasks(tasks: list[UnitTask], operations: tuple[Operation, ...]) -> 
 
 
 def _kinds(singles: list[ReshardingProblem]) -> list[tuple]:
-    """Per tensor, what its unit tasks, strategies and per-host loads depend on: shape, element size, both
-    placements (meshes and specs) and the cluster. A model's layers repeat a few kinds of tensor tens of times,
+    """Per tensor, what its unit tasks, strategies and per-host loads depend on: shape, dtypes and element size on
+    the wire, both placements (meshes and specs or boxes) and the cluster. A model's layers repeat a few kinds of tensor tens of times,
     and two tensors of one kind have the same cells, bundles and options up to their task numbers (`renumbered`)."""
     known: dict[int, tuple] = {}  # a transfer's tensors share one cluster and two meshes: each is keyed once
     def key(obj) -> tuple:
         if id(obj) not in known:
             known[id(obj)] = (obj, repr(obj))
         return known[id(obj)][1]
-    return [(s.shape, s.itemsize, str(s.src.spec), str(s.dst.spec), key(s.src.mesh), key(s.dst.mesh), key(s.cluster))
-            for s in singles]
+    return [(s.shape, s.dtype, s.dst_dtype, s.itemsize, s.src.layout_key(), s.dst.layout_key(), key(s.src.mesh), key(s.dst.mesh),
+             key(s.cluster)) for s in singles]
 
 
 def renumbered(options: list[TaskOptions], first_id: int) -> list[TaskOptions]:
@@ -320,7 +320,7 @@ def compile_plan(problem: ReshardingProblem | TransferProblem, options: CompileO
     singles = problem.tensor_problems()
     if coalesce and max_staging_bytes is not None and max_staging_bytes < max(s.itemsize for s in singles):
         coalesce = False  # a limit below one element: limit_staging refuses it, naming the smallest limit that works
-    check_joint_task_count(singles, max_tasks)
+    check_joint_task_count(singles, max_tasks, split_hosts, options.merge)
     indices = range(len(singles)) if multi else [None]
     kinds = _kinds(singles)  # tensors of one kind cut, split, coalesce and cost alike: each kind is planned once
     planned: dict[tuple, list[Cell]] = {}
@@ -329,16 +329,11 @@ def compile_plan(problem: ReshardingProblem | TransferProblem, options: CompileO
             planned[kind] = decompose(single, merge=options.merge, max_tasks=None)
     cells = [planned[kind] for kind in kinds]
     on_stage(f"costing {sum(map(len, cells))} cells ({len(planned)} kinds of tensor)")
-    if split_hosts and not coalesce:
-        check_split_count(cells, problem.cluster, max_tasks)
     cut: dict[tuple, tuple[list[Cell], list[BundleCell]]] = {}
     for single, kind in zip(singles, kinds):  # the bound and copies come from the cells as cut
         if kind not in cut:
             tasks_of = split_by_receiver_host(planned[kind], problem.cluster) if split_hosts else planned[kind]
             cut[kind] = coalesce_cells(tasks_of, single, bucket_bytes) if coalesce else (tasks_of, [])
-    if split_hosts and coalesce:  # what is scheduled: a kind's split cells are made once, its tasks once per tensor
-        check_scheduled_count(sum(len(cut[kind][0]) + len(cut[kind][1]) for kind in kinds), max_tasks,
-                              "split by receiving host (--split-hosts) and small boxes bundled (--coalesce),")
     load = receiving_load([cut[kind][0] for kind in kinds], problem.cluster)
     costed: dict[tuple, list[TaskOptions]] = {}  # kind -> its tasks' options, numbered from 0
     works, first = [], 0
