@@ -8,10 +8,13 @@ and CPU seconds (CPU seconds hold on a loaded machine, wall seconds do not) and 
 compile returned; unit tasks, operations, the plan file's bytes and the seconds to write it; verify seconds;
 the byte bound, the plan's predicted time over it and what timed it (`solver.details.timed_by`: the simulator in
 host order, or the schedule's own timetable), and the executor's order over the bound where the plan states it.
-A point past `--timeout` seconds is recorded as not finished, with the phase it was in.
+A point past `--timeout` seconds is recorded as not finished, with the phase it was in. `--max-tasks` passes a
+limit to the compile (recorded with the point and its command): the DeepSeek-V3-like problem splits into 7,099,392
+boxes by receiving host before its small ones are bundled, which the default refuses.
 
     .venv/bin/python -m bench.bench_frontier                              # both problems, full size
     .venv/bin/python -m bench.bench_frontier --layers 4 --out frontier-shrunk.json
+    .venv/bin/python -m bench.bench_frontier --problems weight_sync_deepseek_v3 --max-tasks 7099392
 
 Adds each point to bench/results/frontier.json (or --out) as it is measured (a point measured again replaces its
 row), then remakes BENCHMARKS.md.
@@ -50,7 +53,7 @@ def problem_text(name: str, layers: int) -> str:
     return weight_sync_toml(file_name, model, layout)
 
 
-def one(name: str, layers: int) -> dict:
+def one(name: str, layers: int, max_tasks: int | None) -> dict:
     """Compile (default flags), write and verify one problem in this process; the figures, and each phase as it
     starts on stderr (the parent names the last one when the point runs out of time)."""
     from xmesh_plan.planner.compile import compile_plan
@@ -61,7 +64,7 @@ def one(name: str, layers: int) -> dict:
     problem = build_transfer(tomllib.loads(problem_text(name, layers)))
     phase = lambda stage: print(f"phase: {stage}", file=sys.stderr, flush=True)  # noqa: E731
     wall, cpu = time.perf_counter(), time.process_time()
-    plan = compile_plan(problem, on_stage=phase)
+    plan = compile_plan(problem, on_stage=phase, **({} if max_tasks is None else {"max_tasks": max_tasks}))
     compile_s, compile_cpu_s = time.perf_counter() - wall, time.process_time() - cpu
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     phase("writing the plan")
@@ -76,7 +79,7 @@ def one(name: str, layers: int) -> dict:
     verify_s = time.perf_counter() - begin
     bound = plan.lower_bound_seconds
     executed = plan.executor_prediction
-    return {"problem": name, "layers": layers or None, "tensors": len(problem.tensors), "gib": problem.nbytes / 2**30,
+    return {"problem": name, "layers": layers or None, "max_tasks": max_tasks, "tensors": len(problem.tensors), "gib": problem.nbytes / 2**30,
             "tasks": len(plan.tasks), "operations": len(plan.operations), "compile_s": compile_s, "compile_cpu_s": compile_cpu_s,
             "peak_rss_mib": peak, "plan_bytes": plan_bytes, "write_s": write_s, "verify_s": verify_s, "bound_s": bound,
             "predicted_over_bound": plan.predicted_seconds / bound, "timed_by": plan.solver.details.get("timed_by", ""),
@@ -85,15 +88,16 @@ def one(name: str, layers: int) -> dict:
             "executor_over_bound": executed.predicted_seconds / bound if executed else None}
 
 
-def measure(name: str, layers: int, timeout_s: float) -> dict:
+def measure(name: str, layers: int, timeout_s: float, max_tasks: int | None) -> dict:
     """`one` in a fresh process; a point that runs out of time names the phase it was in."""
     args = [sys.executable, "-m", "bench.bench_frontier", "--one", name, "--layers", str(layers)]
+    args += [] if max_tasks is None else ["--max-tasks", str(max_tasks)]
     begin = time.perf_counter()
     try:
         child = subprocess.run(args, cwd=ROOT, capture_output=True, text=True, timeout=timeout_s)
     except subprocess.TimeoutExpired as err:
         phases = [line for line in (err.stderr or b"").decode().splitlines() if line.startswith("phase: ")]
-        return {"problem": name, "layers": layers or None, "finished": False, "timeout_s": timeout_s,
+        return {"problem": name, "layers": layers or None, "max_tasks": max_tasks, "finished": False, "timeout_s": timeout_s,
                 "last_phase": phases[-1][len("phase: "):] if phases else "starting"}
     if child.returncode:
         raise click.ClickException(f"{name}: the point failed:\n{child.stderr[-2000:]}")
@@ -104,24 +108,26 @@ def measure(name: str, layers: int, timeout_s: float) -> dict:
 @click.option("--problems", default=",".join(PROBLEMS), show_default=True, help="comma-separated problem names")
 @click.option("--layers", type=click.IntRange(0), default=0, show_default=True, help="shrunk variants of N layers (0: full size)")
 @click.option("--timeout", "timeout_s", type=click.FloatRange(1), default=1800, show_default=True, help="seconds per point")
+@click.option("--max-tasks", type=click.IntRange(1), default=None, help="compile's max_tasks (default: compile's own default)")
 @click.option("--out", default="frontier.json", show_default=True, help="results file in bench/results/")
 @click.option("--one", "single", default=None, hidden=True, help="measure one problem in this process (used by the parent)")
-def main(problems: str, layers: int, timeout_s: float, out: str, single: str | None) -> None:
+def main(problems: str, layers: int, timeout_s: float, max_tasks: int | None, out: str, single: str | None) -> None:
     """Compile, write and verify the frontier weight syncs, each in a fresh process; write the results and BENCHMARKS.md."""
     if single is not None:
-        print(json.dumps(one(single, layers)))
+        print(json.dumps(one(single, layers, max_tasks)))
         return
     names = [n for n in problems.split(",") if n]
     unknown = [n for n in names if n not in PROBLEMS]
     if unknown:
         raise click.BadParameter(f"{unknown[0]!r}; choose from {', '.join(PROBLEMS)}", param_hint="--problems")
     command = COMMAND + (f" --layers {layers}" if layers else "") + (f" --out {out}" if out != "frontier.json" else "")
+    given = f" --max-tasks {max_tasks}" if max_tasks is not None else ""
     path = ROOT / "bench" / "results" / out
     points = json.loads(path.read_text())["points"] if path.exists() else []
     for name in names:  # each point is written as it is measured; one measured again replaces its row
-        point = measure(name, layers, timeout_s)
+        point = measure(name, layers, timeout_s, max_tasks)
         print(json.dumps(point), flush=True)
-        points = [p for p in points if (p["problem"], p["layers"]) != (name, layers or None)] + [point]
+        points = [p for p in points if (p["problem"], p["layers"]) != (name, layers or None)] + [{**point, "command": command + given}]
         points.sort(key=lambda p: (PROBLEMS.index(p["problem"]), p["layers"] or 0))
         write_json(out, {"command": command, "points": points})
     update_benchmarks_doc()

@@ -340,7 +340,8 @@ FRONTIER_TITLES = {"weight_sync_llama3_70b": "Llama-3-70B-like, 8x8 -> 2 x TP=8"
 
 
 def _frontier_row(r: dict) -> list:
-    title = FRONTIER_TITLES.get(r["problem"], r["problem"]) + (f" ({r['layers']} layers)" if r.get("layers") else "")
+    title = FRONTIER_TITLES.get(r["problem"], r["problem"]) + (f" ({r['layers']} layers)" if r.get("layers") else "") \
+        + (f", --max-tasks {r['max_tasks']:,}" if r.get("max_tasks") else "")
     if not r["finished"]:
         return [title] + ["-"] * 10 + [f"did not finish in {r['timeout_s']:.0f} s ({r['last_phase']})"]
     executed = "-" if r["executor_over_bound"] is None else x(r["executor_over_bound"], 3)
@@ -352,7 +353,8 @@ def _frontier_row(r: dict) -> list:
 def frontier() -> str:
     runs = [load(name) for name in ("frontier.json", "frontier-shrunk.json") if (RESULTS / name).exists()]
     rows = [_frontier_row(r) for data in runs for r in data["points"]]
-    commands = "\n\n".join(command(data["command"]) for data in runs)
+    made = dict.fromkeys(r.get("command", data["command"]) for data in runs for r in data["points"])  # in row order, once each
+    commands = "\n\n".join(command(text) for text in made)
     return f"""\
 ## Frontier scale
 

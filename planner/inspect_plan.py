@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 
 from tabulate import tabulate
@@ -75,6 +76,65 @@ def message_cost_line(plan: Plan, loads: PlanLoads) -> str:
     share = f"{cost / gap:.0%} of the {gap:.4f} s gap to the bound" if gap > 0 else "no gap to the bound"
     return (f"per-message cost: host {host} {side} carries {count} messages x {overhead * 1e6:g} us overhead = {cost:.4f} s "
             f"({share})")
+
+
+@dataclass(frozen=True)
+class SideGap:
+    """The predicted time on the busiest NIC side: `need` (its bytes over its rate) plus the four parts of the rest."""
+
+    host: int
+    side: str
+    need: float
+    before: float
+    idle: float
+    beyond: float
+    after: float
+
+
+def side_gap(plan: Plan, loads: PlanLoads) -> SideGap | None:
+    """Where the time over the byte bound goes on the busiest NIC side (bytes over rate, the bound's side): before the
+    first operation crossing it starts, idle between such operations, the time they hold it beyond their bytes' time
+    (per-message overhead and latency, rates shared with other hops of theirs), and after the last one ends. The four
+    add up to the predicted time minus that side's byte time; the operations' stored (simulated) times span them.
+    None where nothing crosses hosts."""
+    cluster, host_of = plan.problem.cluster, plan.problem.cluster.host_of
+    rates = {"send": cluster.send_bytes_per_s, "recv": cluster.recv_bytes_per_s}
+    sides = [(getattr(load, f"{side}_bytes") / rates[side], h, side) for h, load in loads.hosts.items() for side in rates]
+    if not sides:
+        return None
+    named = re.match(r"host (\d+) (send|receive)", plan.solver.details.get("lower_bound_reason", ""))
+    need, host, side = max(sides, key=lambda item: (item[0], -item[1]))
+    if named:  # the side the bound names, where it is one of the busiest
+        mine = int(named.group(1)), "send" if named.group(2) == "send" else "recv"
+        need, host, side = next((item for item in sides if item[1:] == mine and item[0] >= need * (1 - 1e-12)), (need, host, side))
+    spans = []
+    for group in message_groups(plan.operations):
+        op = group[0]
+        for hop in route(op):
+            a, b = host_of(hop.src), host_of(hop.dst)
+            if hop.elements and a != b and host == (a if side == "send" else b):
+                spans.append((op.start_s, op.end_s))
+                break
+    spans.sort()
+    busy, reach = 0.0, None
+    for begin, end in spans:
+        if reach is None or begin > reach:
+            busy, reach = busy + end - begin, end
+        elif end > reach:
+            busy, reach = busy + end - reach, end
+    first, last = spans[0][0], max(end for _, end in spans)
+    idle, after = max(0.0, (last - first) - busy), max(0.0, plan.predicted_seconds - last)  # rounding aside
+    return SideGap(host, side, need, first, idle, busy - need, after)
+
+
+def gap_line(plan: Plan, loads: PlanLoads) -> str:
+    """`side_gap` as one line of `inspect`."""
+    gap = side_gap(plan, loads)
+    if gap is None:
+        return "gap to the bound: nothing crosses hosts"
+    return (f"gap to the bound on host {gap.host} {gap.side} ({gap.need:.4f} s of bytes): {gap.before:.4f} s before its first "
+            f"operation, {gap.idle:.4f} s idle between them, {gap.beyond:.4f} s held beyond their bytes' time (overhead, "
+            f"latency, shared rates), {gap.after:.4f} s after its last")
 
 
 def _gib(nbytes: float) -> str:
@@ -246,6 +306,7 @@ def summarize(plan: Plan, show_tasks: bool = False, show_ops: bool = False, show
                  f"{f' ({reason})' if reason else ''}   efficiency (bound/predicted): {plan.efficiency:.1%}")
     lines += executor_line(plan)
     lines.append(message_cost_line(plan, loads))
+    lines.append(gap_line(plan, loads))
     lines += staging_lines(plan)
     if show_orders:
         lines += order_lines(plan)

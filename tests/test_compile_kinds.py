@@ -31,3 +31,4 @@ def test_kinds_tell_apart_what_changes_the_cut():
         {"name": "e", "shape": [8, 8], "dtype": "float32", "src": "S1 R", "dst": "R S1"}]})
     kinds = compiler._kinds(p.tensor_problems())
     assert kinds[0] == kinds[1] and len(set(kinds)) == 4
+

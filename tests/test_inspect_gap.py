@@ -1,0 +1,20 @@
+"""`xmesh-plan inspect` says where a plan's time over the byte bound goes on the bound's NIC side."""
+
+
+def test_inspect_splits_the_time_over_the_bound_on_the_busiest_side_into_parts_that_add_up():
+    """`inspect`'s gap line: before the first operation on the bound's side, idle between, held beyond the bytes'
+    time, after the last; with that side's byte time they make the predicted time."""
+    from pathlib import Path
+
+    from xmesh_plan.planner.inspect_plan import plan_loads, side_gap
+    from xmesh_plan.schemas import read_plan_file
+
+    plans = Path(__file__).resolve().parents[1] / "plans"
+    for name in ("case3", "case6", "one_to_2x2", "weight_sync_small"):
+        plan = read_plan_file(plans / f"{name}.plan.json")
+        gap = side_gap(plan, plan_loads(plan))
+        assert f"host {gap.host} {'send' if gap.side == 'send' else 'receive'}" in plan.solver.details["lower_bound_reason"], name
+        assert abs(gap.need - plan.lower_bound_seconds) <= 1e-9 * plan.lower_bound_seconds
+        total = gap.need + gap.before + gap.idle + gap.beyond + gap.after
+        assert abs(total - plan.predicted_seconds) <= 1e-9 + 1e-9 * plan.predicted_seconds, name
+        assert min(gap.before, gap.idle, gap.after) >= 0.0
