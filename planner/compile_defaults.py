@@ -27,18 +27,15 @@ in this one place, and refuses combinations that cannot work:
 from __future__ import annotations
 
 import dataclasses
-import math
 from dataclasses import dataclass
 
-from xmesh_plan.schemas import Cluster, ReshardingProblem
+from xmesh_plan.schemas import ReshardingProblem
 from xmesh_plan.schemas.transfer import TransferProblem
 
 from .coalesce import DEFAULT_BUCKET_BYTES
 from .problem_io import InputError
 from .staging_limit import MIB
 from .unit_tasks import DEFAULT_MAX_TASKS
-
-BUCKET_OVERHEADS = 40  # a default bucket crosses a host in at least this many per-message overheads (`default_bucket`)
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,12 +88,11 @@ class CompileOptions:
     max_staging_bytes: int | None = None
     cross_tensor: bool | None = None
 
-    def resolved(self, multi_tensor: bool, cluster: Cluster | None = None) -> "CompileOptions":
-        """These options with nothing left to the kind: the switches (`resolve`), the bucket (as given, else
-        `default_bucket(cluster)` or the staging limit when less) and shared messages (on where a multi-tensor problem is
-        coalesced). InputError for a bucket above the staging limit (a bundle is staged whole on both relays) or shared
-        messages that cannot be."""
-        bucket = _bucket(self.bucket_bytes, self.max_staging_bytes, default_bucket(cluster))
+    def resolved(self, multi_tensor: bool) -> "CompileOptions":
+        """These options with nothing left to the kind: the switches (`resolve`), the bucket (as given, else 4 MiB or the
+        staging limit when less) and shared messages (on where a multi-tensor problem is coalesced). InputError for a
+        bucket above the staging limit (a bundle is staged whole on both relays) or shared messages that cannot be."""
+        bucket = _bucket(self.bucket_bytes, self.max_staging_bytes)
         chosen = resolve(self.split_hosts, self.coalesce, multi_tensor)
         cross = chosen.coalesce and multi_tensor if self.cross_tensor is None else self.cross_tensor
         if cross and not multi_tensor:
@@ -109,29 +105,16 @@ class CompileOptions:
                                    bucket_bytes=bucket)
 
     def for_problem(self, problem: ReshardingProblem | TransferProblem) -> "CompileOptions":
-        """`resolved` for the problem's kind (a `TransferProblem` is multi-tensor) and cluster."""
-        return self.resolved(isinstance(problem, TransferProblem), problem.cluster)
+        """`resolved` for the problem's kind: a `TransferProblem` is multi-tensor."""
+        return self.resolved(isinstance(problem, TransferProblem))
 
 
-def default_bucket(cluster: Cluster | None) -> int:
-    """The bundle bucket a compile takes when given none: 4 MiB, or on a cluster whose hosts move a message so fast
-    that a per-message overhead weighs on a 4 MiB one, the power of two of bytes that takes `BUCKET_OVERHEADS`
-    overheads to cross a host's NICs. Hosts of 8 x 400 Gbit/s (1 us overhead) get 16 MiB: the Llama-3-70B-like
-    sync's 4-layer cut goes from 1.12x the byte bound (1.11x posted) to 1.05x (1.04x posted), its busiest side
-    receiving 1,936 messages instead of 6,416 (`xmesh-plan inspect`'s per-message cost). 10 to 400 Gbit/s on one NIC
-    keeps 4 MiB."""
-    if cluster is None:
-        return DEFAULT_BUCKET_BYTES
-    wanted = BUCKET_OVERHEADS * cluster.overhead_s * cluster.message_bytes_per_s
-    return max(DEFAULT_BUCKET_BYTES, 1 << max(0, math.ceil(math.log2(wanted))) if wanted > 1 else 1)
-
-
-def _bucket(bucket_bytes: int | None, max_staging_bytes: int | None, default: int = DEFAULT_BUCKET_BYTES) -> int:
-    """The bundle bucket: as given, else `default` or the staging limit when less; refused above the limit."""
+def _bucket(bucket_bytes: int | None, max_staging_bytes: int | None) -> int:
+    """The bundle bucket: as given, else 4 MiB or the staging limit when less; refused above the limit."""
     if max_staging_bytes is None:
-        return default if bucket_bytes is None else bucket_bytes
+        return DEFAULT_BUCKET_BYTES if bucket_bytes is None else bucket_bytes
     if bucket_bytes is None:
-        return min(default, max_staging_bytes)
+        return min(DEFAULT_BUCKET_BYTES, max_staging_bytes)
     if bucket_bytes > max_staging_bytes:
         raise InputError(f"--bucket-mb {bucket_bytes / MIB:.4g} is above --max-staging-mb {max_staging_bytes / MIB:.4g}: a bundle is "
                          "staged whole on both relays; leave out --bucket-mb (bundles then take the staging limit), give "

@@ -203,20 +203,3 @@ def test_impossible_options_are_refused_when_resolved(options, words):
 
     with pytest.raises(InputError, match=words):
         CompileOptions(**options).resolved(multi_tensor=True)
-
-
-def test_the_default_bucket_grows_where_a_host_moves_4_mib_in_a_few_overheads():
-    """4 MiB on the examples' clusters up to one 400 Gbit/s NIC; 16 MiB on hosts of 8 x 400 Gbit/s (1 us a message), where
-    a 4 MiB message spends a tenth of its time on its overhead; a compile takes it unless told a bucket."""
-    from xmesh_plan.planner.compile_defaults import CompileOptions, default_bucket
-    from xmesh_plan.schemas import Cluster, Nic
-
-    assert default_bucket(None) == default_bucket(Cluster()) == 4 * 2**20
-    fast = Cluster(devices_per_host=8, nics=(Nic(send_gbps=400, recv_gbps=400),) * 8, overhead_us=1.0)
-    assert default_bucket(fast.model_copy(update={"nics": fast.nics[:1]})) == 4 * 2**20
-    assert default_bucket(fast) == 16 * 2**20 and default_bucket(fast.model_copy(update={"overhead_us": 4.0})) == 64 * 2**20
-    small = load_any_problem(SMALL)
-    on_fast = small.model_copy(update={"cluster": fast.model_copy(update={"devices_per_host": small.cluster.devices_per_host})})
-    assert CompileOptions().for_problem(on_fast).bucket_bytes == 16 * 2**20
-    assert CompileOptions(bucket_bytes=2**20).for_problem(on_fast).bucket_bytes == 2**20
-    assert CompileOptions().for_problem(small).bucket_bytes == 4 * 2**20
