@@ -374,7 +374,9 @@ Columns: **GiB** moved once; **unit tasks** and **operations** of the plan; **co
 **verify s**; the plan's predicted time over the byte bound (**/ bound**) and its time in the executor's order
 (**executor / bound**, where the plan states it), and what timed the plan (`solver.details.timed_by`): the
 simulator in host order, or the schedule's own timetable where one simulation would take more than
-`compile.MAX_SIMULATION_WORK` flow-rate updates.
+`compile.MAX_SIMULATION_WORK` flow-rate updates. A row with `--max-tasks` ran with that limit: the default refuses
+the full DeepSeek-V3-like problem, because the joint count (`unit_tasks.check_joint_task_count`) counts its boxes
+split by receiving host before the small ones ride in bundles, several times the unit tasks the compile schedules.
 
 {table(rows, ["problem", "GiB", "unit tasks", "operations", "compile s", "compile CPU s", "peak RSS MiB", "plan MiB",
               "verify s", "/ bound", "executor / bound", "timed by"], "lrrrrrrrrrrl")}
