@@ -7,7 +7,7 @@ its whole source shard (per block: the shard lies on block bounds, so its blocks
 the max over every source device's `amax` (per tensor). The scales themselves travel as the plan's tensor
 `<t>.scale`, whose source shard on that device is exactly these scales.
 
-The engines do not call these yet, so a plan with conversions (`problem.dst_dtype`, schema 2) must not be run:
+The engines do not call these yet, so `executor.lower` refuses a plan with conversions (`problem.dst_dtype`, schema 2):
 the lowering already sizes messages and staging in converted bytes (`ReshardingProblem.itemsize`) while the
 engines move source bytes. Running one takes, in the executor: destination shards allocated as
 `storage_dtype(problem.dst_dtype or problem.dtype)`; each box a sender reads out of its source shard (a send's,
