@@ -324,8 +324,7 @@ added task; **ms / task** the whole command's time per task.
        "lrrrrrrrr")}
 
 Memory grows by about 8 KiB per unit task over a base of about 100 MiB. The default `--max-tasks` ({DEFAULT_MAX_TASKS:,},
-`planner.unit_tasks.DEFAULT_MAX_TASKS`) keeps a compile under about {DEFAULT_MAX_TASKS * 8 / 2**20:.0f} GiB and holds a 1T-parameter MoE's weight
-sync (see Frontier scale). A larger problem is refused from
+`planner.unit_tasks.DEFAULT_MAX_TASKS`) keeps a compile under about {DEFAULT_MAX_TASKS * 8 / 2**20:.0f} GiB. A larger problem is refused from
 its cut points, before anything is cut ({limit["refusal"]["seconds"] * 1e3:.1f} ms for 1000x4 -> 1000x4,
 `S0 S1 R -> R S0 S1`, 4096x4096x512):
 
