@@ -251,8 +251,6 @@ LLAMA3_8B = Model(vocab=128256, hidden=4096, layers=32, heads=32, kv_heads=8, he
 LLAMA3_70B = Model(vocab=128256, hidden=8192, layers=80, heads=64, kv_heads=8, head_dim=128, mlp=28672)
 DEEPSEEK_V3 = MoeModel(vocab=129280, hidden=7168, layers=61, dense_layers=3, heads=128, q_lora_rank=1536, kv_lora_rank=512,
                        qk_nope_dim=128, qk_rope_dim=64, v_head_dim=128, mlp=18432, experts=256, expert_mlp=2048)
-KIMI_K2 = MoeModel(vocab=163840, hidden=7168, layers=61, dense_layers=1, heads=64, q_lora_rank=1536, kv_lora_rank=512,
-                   qk_nope_dim=128, qk_rope_dim=64, v_head_dim=128, mlp=18432, experts=384, expert_mlp=2048)  # 1T, for limits
 TOY = Model(vocab=4096, hidden=256, layers=2, heads=4, kv_heads=2, head_dim=64, mlp=1024)
 
 WEIGHT_SYNC = {  # name -> (name, model, layout); the small one is compiled into plans/ and run by the tests
