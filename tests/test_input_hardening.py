@@ -219,6 +219,8 @@ def _demo(name: str, flags: list[str], rank: int = 0) -> subprocess.CompletedPro
     ("pipeline_mlp", ["--steps", "x"], "Invalid value for '--steps'"),
     ("torch_pipeline_csv", ["--format", "x", "--micro-batches", "4"], "Invalid value for '--format'"),
     ("torch_pipeline_csv", [], "Missing option '--micro-batches'"),
+    ("torch_pipeline_csv", ["--micro-batches", "0"], "'--micro-batches': 0 is not in the range"),
+    ("torch_pipeline_csv", ["--micro-batches", "4"], "'s.csv': cannot read the schedule CSV"),  # a traceback, no such file
 ])
 def test_a_demo_refuses_a_bad_flag_in_one_line_with_exit_2(name, flags, expect):
     result = _demo(name, flags)
