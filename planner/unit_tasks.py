@@ -20,6 +20,7 @@ import numpy as np
 from xmesh_plan.schemas import ReshardingProblem
 from xmesh_plan.schemas.geometry import Region
 
+from .box_cells import box_split_count, decompose_boxes
 from .problem_io import InputError
 
 # Peak memory of a compile per unit task, measured by `bench/bench_task_limit.py` (BENCHMARKS.md, "Task limit");
@@ -52,7 +53,7 @@ class Cell:
 
 def cut_points(problem: ReshardingProblem) -> list[list[int]]:
     """Per dim, the sorted union of both sides' shard boundaries."""
-    src, dst = problem.layout("src").cut_points(), problem.layout("dst").cut_points()
+    src, dst = problem.cut_points("src"), problem.cut_points("dst")
     return [sorted(set(a) | set(b)) for a, b in zip(src, dst)]
 
 
@@ -112,7 +113,7 @@ def check_joint_task_count(problems: list[ReshardingProblem], max_tasks: int | N
     known: dict[tuple, TaskCount] = {}
     counts = []
     for p in problems:
-        key = (p.shape, str(p.src.spec), str(p.dst.spec), p.src.mesh.shape, p.dst.mesh.shape)
+        key = (p.shape, p.src.layout_key(), p.dst.layout_key())
         if key not in known:
             known[key] = count_tasks(p, split_hosts, merge)
         counts.append(known[key])
@@ -176,6 +177,8 @@ def decompose(problem: ReshardingProblem, merge: bool = True, max_tasks: int | N
     cuts = cut_points(problem)
     if any(len(c) < 2 for c in cuts):  # a zero-length dim: nothing to move
         return []
+    if problem.has_boxes:
+        return decompose_boxes(problem, cuts, merge, _merge_runs)
     src_layout, dst_layout = problem.layout("src"), problem.layout("dst")
     src_owners, dst_owners = _owners(problem, "src"), _owners(problem, "dst")
     starts = [np.asarray(c[:-1]) for c in cuts]
@@ -239,6 +242,8 @@ def split_task_count(problem: ReshardingProblem, merge: bool = True) -> int:
     cuts = cut_points(problem)
     if any(len(c) < 2 for c in cuts):
         return 0
+    if problem.has_boxes:
+        return box_split_count(problem, merge, decompose)
     src_layout, dst_layout = problem.layout("src"), problem.layout("dst")
     runs = [_runs_by_pair(src_layout.shard_of_points(d, c[:-1]), dst_layout.shard_of_points(d, c[:-1]), merge)
             for d, c in enumerate(cuts)]
