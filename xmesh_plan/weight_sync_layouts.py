@@ -198,8 +198,8 @@ def _side_of(rows: list[dict], key: str, label: str) -> tuple[DeviceMesh, dict[s
             agreed = tuple(fields[:-1])
             if name in tensors and tensors[name][:-1] != agreed:
                 k = next(k for k, (a, b) in enumerate(zip(agreed, tensors[name])) if a != b)
-                raise WeightSyncError(f"{label} tensor {name!r}: rank {row['rank']} has {names[k]} {_value(agreed[k])} but rank "
-                                      f"{said[name]} has {_value(tensors[name][k])}; give it the same {names[k]} on every rank")
+                raise WeightSyncError(f"{label} tensor {name!r}: rank {row['rank']} has {names[k]} {_value(names[k], agreed[k])} but rank "
+                                      f"{said[name]} has {_value(names[k], tensors[name][k])}; give it the same {names[k]} on every rank")
             tensors.setdefault(name, (*agreed, fields[-1]))
             said.setdefault(name, row["rank"])
     shape, devices = first[key]["mesh"]
@@ -210,8 +210,9 @@ def _side_of(rows: list[dict], key: str, label: str) -> tuple[DeviceMesh, dict[s
     return mesh, tensors
 
 
-def _value(value: object) -> str:
-    return str(tuple(value)) if isinstance(value, list) else repr(value) if isinstance(value, str) and " " not in value else str(value)
+def _value(field: str, value: object) -> str:
+    """A field of a tensor as an error shows it: a shape as a tuple, a source name quoted, a dtype or spec as is."""
+    return str(tuple(value)) if field == "shape" else repr(value) if field == "source" else str(value)
 
 
 def _check_members(rows: list[dict], mesh: DeviceMesh, tensors: dict[str, tuple], label: str, key: str) -> None:
