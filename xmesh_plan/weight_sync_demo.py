@@ -11,6 +11,7 @@ rank 0). Rank 0 prints the result; exit status 1 if any element differs.
 from __future__ import annotations
 
 import sys
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -23,45 +24,61 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 from xmesh_plan.weight_sync import COLUMN, REPLICATED, ROW, VOCAB, WeightSync
 
 TRAINER, ENGINE = [0, 1, 2, 3], [[4, 5], [6, 7]]
-VOCAB_SIZE, HIDDEN, HEADS, KV_HEADS, HEAD_DIM, MLP, LAYERS = 51, 12, 3, 1, 4, 18, 2  # uneven splits on purpose
 RULES = [("norm.weight", REPLICATED), ("o_proj.weight", ROW), ("down_proj.weight", ROW), ("_proj.weight", COLUMN),
          ("embed_tokens.weight", VOCAB), ("lm_head.weight", VOCAB)]
 PLACEMENTS = {COLUMN: [Replicate(), Shard(0)], ROW: [Replicate(), Shard(1)], VOCAB: [Replicate(), Shard(0)],
               REPLICATED: [Replicate(), Replicate()]}  # the same layouts as DTensor placements, for the reference
 
 
+@dataclass(frozen=True)
+class Config:
+    """The model's sizes; the defaults split unevenly on purpose (51 vocabulary rows, 18 MLP columns, ...)."""
+
+    vocab: int = 51
+    hidden: int = 12
+    heads: int = 3
+    kv_heads: int = 1
+    head_dim: int = 4
+    mlp: int = 18
+    layers: int = 2
+
+
+TINY = Config()
+
+
 class Attention(nn.Module):
-    def __init__(self):
+    def __init__(self, c: Config):
         super().__init__()
-        self.q_proj = nn.Linear(HIDDEN, HEADS * HEAD_DIM, bias=False)
-        self.k_proj = nn.Linear(HIDDEN, KV_HEADS * HEAD_DIM, bias=False)
-        self.v_proj = nn.Linear(HIDDEN, KV_HEADS * HEAD_DIM, bias=False)
-        self.o_proj = nn.Linear(HEADS * HEAD_DIM, HIDDEN, bias=False)
+        self.c = c
+        self.q_proj = nn.Linear(c.hidden, c.heads * c.head_dim, bias=False)
+        self.k_proj = nn.Linear(c.hidden, c.kv_heads * c.head_dim, bias=False)
+        self.v_proj = nn.Linear(c.hidden, c.kv_heads * c.head_dim, bias=False)
+        self.o_proj = nn.Linear(c.heads * c.head_dim, c.hidden, bias=False)
 
     def forward(self, x):
-        b, t, _ = x.shape
-        q = self.q_proj(x).view(b, t, HEADS, HEAD_DIM).transpose(1, 2)
-        k, v = (p(x).view(b, t, KV_HEADS, HEAD_DIM).transpose(1, 2).repeat_interleave(HEADS // KV_HEADS, 1)
+        (b, t, _), c = x.shape, self.c
+        q = self.q_proj(x).view(b, t, c.heads, c.head_dim).transpose(1, 2)
+        k, v = (p(x).view(b, t, c.kv_heads, c.head_dim).transpose(1, 2).repeat_interleave(c.heads // c.kv_heads, 1)
                 for p in (self.k_proj, self.v_proj))
         out = nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return self.o_proj(out.transpose(1, 2).reshape(b, t, HEADS * HEAD_DIM))
+        return self.o_proj(out.transpose(1, 2).reshape(b, t, c.heads * c.head_dim))
 
 
 class Mlp(nn.Module):
-    def __init__(self):
+    def __init__(self, c: Config):
         super().__init__()
-        self.gate_proj, self.up_proj = nn.Linear(HIDDEN, MLP, bias=False), nn.Linear(HIDDEN, MLP, bias=False)
-        self.down_proj = nn.Linear(MLP, HIDDEN, bias=False)
+        self.gate_proj, self.up_proj = nn.Linear(c.hidden, c.mlp, bias=False), nn.Linear(c.hidden, c.mlp, bias=False)
+        self.down_proj = nn.Linear(c.mlp, c.hidden, bias=False)
 
     def forward(self, x):
         return self.down_proj(nn.functional.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
 class Layer(nn.Module):
-    def __init__(self):
+    def __init__(self, c: Config):
         super().__init__()
-        self.input_layernorm, self.self_attn = nn.RMSNorm(HIDDEN), Attention()
-        self.post_attention_layernorm, self.mlp = nn.RMSNorm(HIDDEN), Mlp()
+        self.input_layernorm, self.self_attn = nn.RMSNorm(c.hidden), Attention(c)
+        self.post_attention_layernorm, self.mlp = nn.RMSNorm(c.hidden), Mlp(c)
 
     def forward(self, x):
         x = x + self.self_attn(self.input_layernorm(x))
@@ -69,11 +86,11 @@ class Layer(nn.Module):
 
 
 class Decoder(nn.Module):
-    def __init__(self):
+    def __init__(self, c: Config):
         super().__init__()
-        self.embed_tokens = nn.Embedding(VOCAB_SIZE, HIDDEN)
-        self.layers = nn.ModuleList(Layer() for _ in range(LAYERS))
-        self.norm = nn.RMSNorm(HIDDEN)
+        self.embed_tokens = nn.Embedding(c.vocab, c.hidden)
+        self.layers = nn.ModuleList(Layer(c) for _ in range(c.layers))
+        self.norm = nn.RMSNorm(c.hidden)
 
     def forward(self, ids):
         x = self.embed_tokens(ids)
@@ -83,9 +100,12 @@ class Decoder(nn.Module):
 
 
 class TinyLlama(nn.Module):
-    def __init__(self):
+    """A Llama-like decoder with Hugging Face's parameter names (model.layers.{i}.self_attn.q_proj.weight, ...)."""
+
+    def __init__(self, c: Config = TINY):
         super().__init__()
-        self.model, self.lm_head = Decoder(), nn.Linear(HIDDEN, VOCAB_SIZE, bias=False)
+        self.config = c
+        self.model, self.lm_head = Decoder(c), nn.Linear(c.hidden, c.vocab, bias=False)
 
     def forward(self, ids):
         return self.lm_head(self.model(ids))
@@ -95,14 +115,14 @@ def rule(name: str):
     return next(layout for suffix, layout in RULES if name.endswith(suffix))
 
 
-def shapes() -> dict[str, torch.Size]:
+def shapes(c: Config = TINY) -> dict[str, torch.Size]:
     with torch.device("meta"):
-        return {name: p.shape for name, p in TinyLlama().state_dict().items()}
+        return {name: p.shape for name, p in TinyLlama(c).state_dict().items()}
 
 
-def trainer_model(mesh: DeviceMesh) -> tuple[TinyLlama, torch.optim.Optimizer]:
+def trainer_model(mesh: DeviceMesh, c: Config = TINY) -> tuple[TinyLlama, torch.optim.Optimizer]:
     torch.manual_seed(0)
-    model = TinyLlama()
+    model = TinyLlama(c)
     for layer in model.model.layers:
         fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
@@ -111,26 +131,26 @@ def trainer_model(mesh: DeviceMesh) -> tuple[TinyLlama, torch.optim.Optimizer]:
 
 def train_step(model: TinyLlama, optimizer: torch.optim.Optimizer) -> None:
     torch.manual_seed(1)
-    ids = torch.randint(0, VOCAB_SIZE, (2, 5))
+    ids = torch.randint(0, model.config.vocab, (2, 5))
     nn.functional.cross_entropy(model(ids).flatten(0, 1), ids.roll(-1, 1).flatten()).backward()
     optimizer.step()
     optimizer.zero_grad()
 
 
-def engine_tensors(mesh: DeviceMesh) -> dict[str, tuple[torch.Tensor, object]]:
+def engine_tensors(mesh: DeviceMesh, c: Config = TINY) -> dict[str, tuple[torch.Tensor, object]]:
     """This inference rank's part of every parameter, by the engine's rules, filled with NaN (nothing synced yet)."""
     out = {}
-    for name, shape in shapes().items():
+    for name, shape in shapes(c).items():
         local, _ = compute_local_shape_and_global_offset(shape, mesh, PLACEMENTS[rule(name)])
         out[name] = (torch.full(local, float("nan")), rule(name))
     return out
 
 
-def references(model: TinyLlama | None, group) -> dict[str, torch.Tensor]:
+def references(model: TinyLlama | None, group, c: Config = TINY) -> dict[str, torch.Tensor]:
     """Every parameter's full value from the trainer's `full_tensor()` (transfer rank 0), broadcast over `group`."""
     full = model.state_dict() if model is not None else {}
     out = {}
-    for name, shape in shapes().items():
+    for name, shape in shapes(c).items():
         tensor = full[name].full_tensor() if model is not None else torch.empty(shape)
         group.broadcast(tensor, 0).wait()
         out[name] = tensor
@@ -167,13 +187,13 @@ def say(what: str, result: object) -> None:
     print(f"rank {dist.get_rank()}: {what}: {result}", flush=True)
 
 
-def sync_model(**options) -> tuple[WeightSync, TinyLlama | None, torch.optim.Optimizer | None, dict, DeviceMesh]:
+def sync_model(c: Config = TINY, **options) -> tuple[WeightSync, TinyLlama | None, torch.optim.Optimizer | None, dict, DeviceMesh]:
     """The sync of the demo on 8 ranks of the default group: (WeightSync, the trainer's model and optimizer or None,
     this rank's WeightSync arguments, the engine's mesh); `options` go to WeightSync. Every rank calls it."""
     rank = dist.get_rank()
     train_mesh, engine_mesh = DeviceMesh("cpu", TRAINER), DeviceMesh("cpu", ENGINE)
-    model, optimizer = trainer_model(train_mesh) if rank in TRAINER else (None, None)
-    given = {"trainer": model.state_dict()} if model else {"inference": engine_tensors(engine_mesh), "inference_mesh": ENGINE}
+    model, optimizer = trainer_model(train_mesh, c) if rank in TRAINER else (None, None)
+    given = {"trainer": model.state_dict()} if model else {"inference": engine_tensors(engine_mesh, c), "inference_mesh": ENGINE}
     return WeightSync(**given, **options), model, optimizer, given, engine_mesh
 
 

@@ -21,7 +21,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from xmesh_plan.transfer_group import transfer_group
 from xmesh_plan.weight_sync import WeightSync, WeightSyncError
-from xmesh_plan.weight_sync_demo import HIDDEN, MLP, engine_tensors, say, steps, sync_model, trainer_model
+from xmesh_plan.weight_sync_demo import TINY, engine_tensors, say, steps, sync_model, trainer_model
 
 
 def attempt(what: str, make) -> None:
@@ -54,7 +54,7 @@ def mismatches(rank: int, model, kwargs) -> None:
     q, down = "model.layers.0.self_attn.q_proj.weight", "model.layers.1.mlp.down_proj.weight"
     cases = {
         "dtype": lambda: changed(q, 5, torch.zeros(kwargs["inference"][q][0].shape, dtype=torch.float16)) if rank >= 4 else kwargs,
-        "shape": lambda: changed(down, 6, torch.zeros(HIDDEN, MLP)) if rank >= 4 else kwargs,
+        "shape": lambda: changed(down, 6, torch.zeros(TINY.hidden, TINY.mlp)) if rank >= 4 else kwargs,
         "missing": lambda: ({**kwargs, "inference": {k: v for k, v in kwargs["inference"].items() if k != "lm_head.weight"}}
                             if rank == 7 else kwargs),
     }
