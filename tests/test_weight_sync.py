@@ -40,6 +40,10 @@ def test_fsdp2_weights_land_bit_exact_in_the_tp_replicas_every_step(joint):
     assert joint["step 1"] == ["sent"] * 4 + ["ok, changed True"] * 4
 
 
+def test_colocated_ranks_pass_both_mappings_and_sync_bit_exact(joint):
+    assert joint["colocated"] == ["ok"] * 4 + ["outside"] * 4
+
+
 def test_the_plan_is_compiled_once_and_found_by_fingerprint_after(joint):
     assert joint["compiled"] == ["True"] * 8
     assert joint["same layouts again, compiled"] == ["False"] * 8

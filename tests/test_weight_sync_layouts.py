@@ -106,6 +106,8 @@ def test_a_rank_that_cannot_describe_its_tensors_sends_its_error_in_its_row():
     assert row["error"].startswith("inference_mesh: missing")
     row = describe(3, None, {"w": (torch.zeros(2), COLUMN)}, [[4, 5]], {4: 0}, Cluster())
     assert row["error"].startswith("inference_mesh: rank 5 of the mesh has no rank in the transfer group; add it to ranks=")
+    row = describe(3, None, {"w": (torch.zeros(2), COLUMN)}, [[4, 5]], None, Cluster())  # a transfer_group without ranks=
+    assert row["error"].startswith("ranks: missing; a group made by transfer_group needs ranks= on every process")
 
 
 @pytest.mark.parametrize("args, message", [

@@ -67,7 +67,8 @@ class WeightSync:
     or `Target(tensor, layout, source=trainer name)` on inference ranks, each tensor this rank's part under the
     layout (`engine_layouts`: COLUMN, ROW, VOCAB, REPLICATED, EXPERT, or spec text) on `inference_mesh` (a nested
     list of ranks: rows the replicas, columns the TP ranks). `group`: the transfer group (None: torch's default).
-    `ranks`: this side's rank -> its rank in `group` (None: the same numbers). `cluster`: the machines, for the
+    `ranks`: this side's rank -> its rank in `group` (None: each global rank's rank in `group`, for a group torch
+    made; a group made by `transfer_group` needs it). `cluster`: the machines, for the
     planner (default: as many devices per host as the group has ranks). `timeout_s`: how long a rank waits for
     the others at each step."""
 
@@ -80,7 +81,7 @@ class WeightSync:
         self.rank, size = self.world.rank, self.world.size
         self.trainer = dict(trainer or {})
         self.inference = dict(inference or {})
-        mapping = {r: r for r in range(size)} if ranks is None else dict(ranks)
+        mapping = _group_ranks(group) if ranks is None else dict(ranks)
         row = describe(self.rank, self.trainer, self.inference, inference_mesh, mapping, cluster or Cluster(devices_per_host=size))
         rows = [json.loads(b) for b in self._allgather_bytes(json.dumps(row).encode(), "WeightSync() on every rank")]
         self.problem, self.sources = agree(rows, size)
@@ -200,6 +201,15 @@ class WeightSync:
     def _wait(self, work, what: str) -> None:
         poll_until(work.is_completed, self.timeout_s, DEFAULT_POLL_S, what)
         work.wait()
+
+
+def _group_ranks(group) -> dict[int, int] | None:
+    """The default `ranks`: each global rank of a group torch made (the default one, `new_group`'s) -> its rank in the
+    group; None for a group made from its own store (`transfer_group`), whose ranks only the caller knows."""
+    try:
+        return {g: r for r, g in enumerate(dist.get_process_group_ranks(dist.group.WORLD if group is None else group))}
+    except KeyError:
+        return None
 
 
 def _target(value: object) -> Target:

@@ -50,7 +50,7 @@ class Target:
 
 
 def describe(rank: int, trainer: Mapping[str, Any] | None, inference: Mapping[str, Any] | None,
-             inference_mesh: object, ranks: Mapping[int, int], cluster: Cluster) -> dict[str, Any]:
+             inference_mesh: object, ranks: Mapping[int, int] | None, cluster: Cluster) -> dict[str, Any]:
     """This rank's row (JSON data): its trainer tensors' layouts, its destination tensors' layouts, the cluster."""
     row: dict[str, Any] = {"rank": rank, "cluster": cluster.model_dump(mode="json")}
     try:
@@ -63,8 +63,11 @@ def describe(rank: int, trainer: Mapping[str, Any] | None, inference: Mapping[st
     return row
 
 
-def transfer_ranks(mesh_ranks: Sequence[int], ranks: Mapping[int, int], field: str) -> list[int]:
-    """A mesh's ranks (this side's numbering) as ranks of the transfer group, through `ranks`."""
+def transfer_ranks(mesh_ranks: Sequence[int], ranks: Mapping[int, int] | None, field: str) -> list[int]:
+    """A mesh's ranks (this side's numbering) as ranks of the transfer group, through `ranks` (None: not given)."""
+    if ranks is None:
+        raise FrontendError("ranks: missing; a group made by transfer_group needs ranks= on every process (this launch's "
+                            "rank -> its rank in the transfer group, e.g. {r: 4 + r for r in range(4)})")
     missing = [r for r in mesh_ranks if r not in ranks]
     if missing:
         raise FrontendError(f"{field}: rank {missing[0]} of the mesh has no rank in the transfer group; add it to ranks= "
@@ -72,7 +75,7 @@ def transfer_ranks(mesh_ranks: Sequence[int], ranks: Mapping[int, int], field: s
     return [ranks[r] for r in mesh_ranks]
 
 
-def _trainer_side(trainer: Mapping[str, Any], ranks: Mapping[int, int]) -> dict[str, Any]:
+def _trainer_side(trainer: Mapping[str, Any], ranks: Mapping[int, int] | None) -> dict[str, Any]:
     from torch.distributed.tensor import DTensor
 
     from .dtensor import _mesh_ranks, _side
@@ -96,7 +99,7 @@ def _trainer_side(trainer: Mapping[str, Any], ranks: Mapping[int, int]) -> dict[
     return {"mesh": _one_mesh(meshes, "trainer"), "tensors": tensors}
 
 
-def _inference_side(inference: Mapping[str, Any], mesh: object, ranks: Mapping[int, int]) -> dict[str, Any]:
+def _inference_side(inference: Mapping[str, Any], mesh: object, ranks: Mapping[int, int] | None) -> dict[str, Any]:
     from .dtensor import _mesh_ranks
 
     if mesh is None:

@@ -3,8 +3,8 @@
 `python tests/workers/weight_sync_worker.py MODE`, with env:// variables (tests/support/launch.py):
 - `joint`: 8 ranks of one world; ranks 0-3 train (FSDP2 `fully_shard` on a mesh of 4), ranks 4-7 are two TP=2
   replicas ([[4, 5], [6, 7]]). Two syncs with a training step between, each destination element checked bit for
-  bit against the trainer's `full_tensor()`; a second WeightSync of the same layouts (the plan cache); then
-  mismatches, each of which must fail every rank with the same line within WeightSync's 5 s deadline.
+  bit against the trainer's `full_tensor()`; a second WeightSync of the same layouts (the plan cache); ranks 0-3 as
+  trainer and engine at once (colocated); then mismatches, each of which must fail every rank with the same line within WeightSync's 5 s deadline.
 - `trainer` / `inference`: the same sync as two launches of 4 ranks each, joined by `transfer_group` at
   127.0.0.1:$TRANSFER_PORT (trainer ranks are transfer ranks 0-3, inference ranks 4-7).
 Each rank prints `rank R: <what>: <result>` lines for the test to compare.
@@ -21,7 +21,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from xmesh_plan.transfer_group import transfer_group
 from xmesh_plan.weight_sync import WeightSync, WeightSyncError
-from xmesh_plan.weight_sync_demo import TINY, engine_tensors, say, steps, sync_model, trainer_model
+from xmesh_plan.weight_sync_demo import TINY, check, engine_tensors, references, say, steps, sync_model, trainer_model
 
 
 def attempt(what: str, make) -> None:
@@ -41,7 +41,20 @@ def joint() -> None:
     say("compiled", sync.compiled)
     steps(sync, model, optimizer, kwargs.get("inference", {}), mesh, dist.group.WORLD)
     say("same layouts again, compiled", WeightSync(**kwargs).compiled)
+    colocated(model)
     mismatches(dist.get_rank(), model, kwargs)
+
+
+def colocated(model) -> None:
+    """Ranks 0-3 are both the trainer and a TP=2 engine of two replicas ([[0, 1], [2, 3]]), over a group of their own:
+    each passes both mappings, and its own part moves by local copies."""
+    group, mesh = dist.new_group([0, 1, 2, 3]), DeviceMesh("cpu", [[0, 1], [2, 3]])  # every rank makes both
+    targets = engine_tensors(mesh) if model is not None else {}
+    if model is not None:
+        with WeightSync(trainer=model.state_dict(), inference=targets, inference_mesh=[[0, 1], [2, 3]], group=group) as sync:
+            sync.run()
+    refs = references(model, dist.group.WORLD)
+    say("colocated", check(targets, mesh, refs) if model is not None else "outside")
 
 
 def mismatches(rank: int, model, kwargs) -> None:
