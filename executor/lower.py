@@ -508,6 +508,10 @@ def lower(plan: Plan, device: int, tag_limit: int | None = None, first_tag: int 
     except PlanError as err:
         raise PlanMismatchError(refusal_advice(str(err))) from None
     problem = plan.problem
+    if problem.dst_dtype is not None:  # messages are sized in converted bytes, but no engine casts yet (executor/convert.py)
+        raise PlanMismatchError(f"the plan converts {problem.dtype} to {problem.dst_dtype} at the sender, which this executor "
+                                "does not run yet; compile the plan without dst_dtype and cast after the transfer",
+                                same_on_every_rank=True)
     b = _Builder(plan, device, problem.blocks("src"), problem.blocks("dst"), problem.itemsize)
     base = first_tag
     for op in plan.operations:
