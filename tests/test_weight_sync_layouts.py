@@ -119,3 +119,16 @@ def test_transfer_group_refuses_bad_arguments_in_one_line(args, message):
 
     with pytest.raises(FrontendError, match=message.replace("(", r"\(")):
         transfer_group(*args)
+
+
+def test_a_source_laid_out_by_boxes_plans_with_them():
+    """DTensor's [Shard(0), Shard(0)] of 9 rows on 2x2 holds 3,2,2,2 rows, which no spec says: the row lists boxes."""
+    boxes = [[[0, 3]], [[3, 5]], [[5, 7]], [[7, 9]]]
+    data = [{"rank": r, "src": {"mesh": [[2, 2], [0, 1, 2, 3]], "tensors": [["v", [9], "float32", boxes, [b[0][1] - b[0][0]]]]}}
+            for r, b in enumerate(boxes)]
+    data.append({"rank": 4, "dst": {"mesh": [[1], [4]], "tensors": [["v", "v", "R", "float32", [9]]]}})
+    problem, _ = agree(data, 5)
+    assert problem.tensors[0].src is None and problem.tensor_problem(0).blocks("src")[1] == ((3, 5),)
+    data[1]["src"]["tensors"][0][4] = [3]
+    with pytest.raises(WeightSyncError, match=r"trainer tensor 'v' on rank 1 has shape \(3,\) but its boxes of the global \(9,\) gives"):
+        agree(data, 5)

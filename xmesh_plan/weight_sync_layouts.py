@@ -1,7 +1,8 @@
 """What each rank of a weight sync says about its tensors, and the one problem every rank agrees on from those rows.
 
 Each rank describes what it holds as a plain JSON row (`describe`): on a trainer rank each DTensor's name,
-global shape, dtype, mesh (as transfer ranks) and spec, and its local shard's shape; on an inference rank
+global shape, dtype, mesh (as transfer ranks) and spec (or each rank's box, where DTensor's layout is one
+no spec says: strided shards of FSDP over TP, uneven splits over several mesh dims), and its local shard's shape; on an inference rank
 each destination tensor's name, the trainer tensor it takes, its spec on the inference mesh, its dtype and
 its shape. A rank that cannot describe its tensors sends its error instead. Every rank then reads every
 row (`agree`) and either builds the same `TransferProblem` or raises the same `WeightSyncError`, naming
@@ -94,8 +95,8 @@ def _trainer_side(trainer: Mapping[str, Any], ranks: Mapping[int, int] | None) -
         side = _side(tuple(value.shape), mesh, value.placements, field)
         devices = transfer_ranks(side.devices, ranks, f"{field}.device_mesh")
         meshes[name] = [list(side.mesh_shape), devices]
-        tensors.append([name, list(value.shape), dtype_name(value.dtype, f"{field}.dtype"), str(side.spec),
-                        list(value.to_local().shape)])
+        layout = str(side.spec) if side.boxes is None else [[list(dim) for dim in box] for box in side.boxes]
+        tensors.append([name, list(value.shape), dtype_name(value.dtype, f"{field}.dtype"), layout, list(value.to_local().shape)])
     return {"mesh": _one_mesh(meshes, "trainer"), "tensors": tensors}
 
 
@@ -174,7 +175,8 @@ def agree(rows: list[dict[str, Any]], group_size: int | None) -> tuple[TransferP
             raise WeightSyncError(f"inference tensor {name!r} on rank{'s' if len(holders) > 1 else ''} {','.join(holders)} "
                                   f"is {dtype} but the trainer's {source!r} is "
                                   f"{src_dtype}; give the destination the trainer's dtype")
-        tensors.append(TensorTransfer(name=name, shape=tuple(shape), dtype=dtype, src=src_spec, dst=spec))
+        source_layout = {"src": src_spec} if isinstance(src_spec, str) else {"src_boxes": _boxes(src_spec)}
+        tensors.append(TensorTransfer(name=name, shape=tuple(shape), dtype=dtype, dst=spec, **source_layout))
         sources[name] = source
     cluster = Cluster.model_validate(next((r["cluster"] for r in rows if "cluster" in r), {}))
     try:
@@ -184,6 +186,11 @@ def agree(rows: list[dict[str, Any]], group_size: int | None) -> tuple[TransferP
     _check_shards(problem, sources, src_rows, dst_rows)
     _check_group(problem, group_size)
     return problem, sources
+
+
+def _boxes(layout: list) -> tuple:
+    """Each device's box as JSON gave it ([[start, stop], ...] per device) as the schema's tuples."""
+    return tuple(tuple(tuple(dim) for dim in box) for box in layout)
 
 
 def _side_of(rows: list[dict], key: str, label: str) -> tuple[DeviceMesh, dict[str, tuple]]:
@@ -246,7 +253,8 @@ def _check_shards(problem: TransferProblem, sources: dict[str, str], src_rows: l
                     box = problem.tensor_problem(index[target]).blocks(side)[row["rank"]]
                     want = [stop - start for start, stop in box]
                     if list(fields[-1]) != want:
-                        spec = problem.tensors[index[target]].src if side == "src" else problem.tensors[index[target]].dst
+                        tensor = problem.tensors[index[target]]
+                        spec = (tensor.src or "its boxes") if side == "src" else tensor.dst
                         raise WeightSyncError(
                             f"{label} tensor {name!r} on rank {row['rank']} has shape {tuple(fields[-1])} but {spec} of the "
                             f"global {tuple(problem.tensors[index[target]].shape)} gives that rank {tuple(want)}; "
