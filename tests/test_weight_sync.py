@@ -44,6 +44,10 @@ def test_colocated_ranks_pass_both_mappings_and_sync_bit_exact(joint):
     assert joint["colocated"] == ["ok"] * 4 + ["outside"] * 4
 
 
+def test_fused_qkv_and_gate_up_land_as_each_tp_rank_concatenates_its_shares(joint):
+    assert joint["fused"] == ["sent"] * 4 + ["ok"] * 4
+
+
 def test_the_plan_is_compiled_once_and_found_by_fingerprint_after(joint):
     assert joint["compiled"] == ["True"] * 8
     assert joint["same layouts again, compiled"] == ["False"] * 8

@@ -132,3 +132,23 @@ def test_a_source_laid_out_by_boxes_plans_with_them():
     data[1]["src"]["tensors"][0][4] = [3]
     with pytest.raises(WeightSyncError, match=r"trainer tensor 'v' on rank 1 has shape \(3,\) but its boxes of the global \(9,\) gives"):
         agree(data, 5)
+
+
+def fused_rows(k_rows: int = 4) -> list[dict]:
+    trainer = {"mesh": [[2], [0, 1]], "tensors": [["q", [12, 12], "float32", "S0 R", [6, 12]],
+                                                  ["k", [k_rows, 12], "float32", "S0 R", [(k_rows + 1) // 2, 12]]]}
+    second = copy.deepcopy(trainer)
+    second["tensors"][1][-1] = [k_rows // 2, 12]
+    engine = {"mesh": [[1, 2], [2, 3]], "tensors": [["qk", {"parts": ["q", "k"], "dim": 0}, "S1 R", "float32", [6 + k_rows // 2, 12]]]}
+    return [{"rank": 0, "src": trainer}, {"rank": 1, "src": second}, {"rank": 2, "dst": engine}, {"rank": 3, "dst": copy.deepcopy(engine)}]
+
+
+def test_a_fused_destination_split_over_tp_ranks_takes_each_parts_share_in_turn():
+    problem, sources = agree(fused_rows(), 4)
+    assert problem.fused[0].parts == ("q[0:6]", "k[0:2]", "q[6:12]", "k[2:4]") and sources == {"q": "q", "k": "k"}
+    assert [t.dst for t in problem.tensors] == [None, None] and problem.fused_blocks(0)[3] == ((8, 16), (0, 12))
+
+
+def test_a_fused_part_the_tp_ranks_cannot_share_equally_is_refused():
+    with pytest.raises(WeightSyncError, match="inference tensor 'qk': part 'k' has length 5 along dim 0, not a multiple of the 2 ranks"):
+        agree(fused_rows(5), 4)

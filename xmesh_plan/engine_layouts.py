@@ -12,9 +12,10 @@ written in the spec language (docs/format.md) once the tensor's number of dims i
 | `REPLICATED`   | every TP rank holds all of it (norms, row-parallel biases)  | `R R`               | `R`   |
 | `EXPERT`       | expert-parallel (`FusedMoE`), experts (dim 0) over TP ranks | `S1 R R` (3-d)      | -     |
 
-Any spec text (e.g. `"R S1"`) is a rule too. Splits are ceil-division (`torch.chunk`); a vocabulary the
-engine pads to a multiple of its TP size, KV heads replicated when TP exceeds their count, and fused
-parameters (qkv, gate_up) need per-device boxes and fused destinations, which this catalogue does not say.
+Any spec text (e.g. `"R S1"`) is a rule too. Splits are ceil-division (`torch.chunk`). Fused parameters
+(qkv, gate_up) take a rule too, with `weight_sync.Fused` naming their parts; a vocabulary the engine pads to
+a multiple of its TP size and KV heads replicated when TP exceeds their count need per-device boxes, which
+this catalogue does not say.
 
 >>> COLUMN.spec(2, 2), ROW.spec(2, 2), VOCAB.spec(2, 1), REPLICATED.spec(1, 2), EXPERT.spec(3, 2)
 ('S1 R', 'R S1', 'S0 R', 'R', 'S1 R R')

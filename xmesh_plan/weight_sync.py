@@ -8,8 +8,9 @@
     sync.start(); ...; sync.wait()                      # the same, overlapped with other work
 
 Every rank of the transfer group builds one `WeightSync` together (a collective) and then calls `run()`
-(or `start()` then `wait()`) together each step. A rank that is both trainer and inference (colocated)
-passes both mappings; its part moves by local copies.
+(or `start()` then `wait()`) together each step. A fused destination (qkv, gate_up) names its parts with
+`Fused`; the plan moves each part and `wait()` places it in the fused tensor. A rank that is both trainer
+and inference (colocated) passes both mappings; its part moves by local copies.
 
 On construction the ranks agree before any byte moves: each sends one row describing its tensors (names,
 global shapes, dtypes, layouts, local shapes; `weight_sync_layouts.describe`) as JSON bytes in a uint8
@@ -50,11 +51,12 @@ from xmesh_plan.executor.executor import DEFAULT_POLL_S
 from xmesh_plan.executor.worlds import TorchWorld, poll_until
 from xmesh_plan.planner.compile import compile_plan
 from xmesh_plan.schemas import Cluster, Plan
+from xmesh_plan.schemas.fused import assemble_fused
 
 from .engine_layouts import COLUMN, EXPERT, REPLICATED, ROW, VOCAB
-from .weight_sync_layouts import Target, WeightSyncError, agree, describe
+from .weight_sync_layouts import Fused, Target, WeightSyncError, agree, describe
 
-__all__ = ["WeightSync", "Target", "WeightSyncError", "COLUMN", "ROW", "VOCAB", "REPLICATED", "EXPERT", "PLAN_CACHE_SIZE"]
+__all__ = ["WeightSync", "Target", "Fused", "WeightSyncError", "COLUMN", "ROW", "VOCAB", "REPLICATED", "EXPERT", "PLAN_CACHE_SIZE"]
 
 PLAN_CACHE_SIZE = 8  # plans kept by fingerprint, least recently used dropped first
 _PLANS: OrderedDict[str, Plan] = OrderedDict()
@@ -64,7 +66,7 @@ class WeightSync:
     """Moves a trainer's DTensors into inference tensors with one plan; see the module docstring.
 
     `trainer`: name -> DTensor on trainer ranks (a model's `state_dict()`). `inference`: name -> (tensor, layout)
-    or `Target(tensor, layout, source=trainer name)` on inference ranks, each tensor this rank's part under the
+    or `Target(tensor, layout, source=trainer name or Fused((names...), dim))` on inference ranks, each tensor this rank's part under the
     layout (`engine_layouts`: COLUMN, ROW, VOCAB, REPLICATED, EXPERT, or spec text) on `inference_mesh` (a nested
     list of ranks: rows the replicas, columns the TP ranks). `group`: the transfer group (None: torch's default).
     `ranks`: this side's rank -> its rank in `group` (None: each global rank's rank in `group`, for a group torch
@@ -107,9 +109,12 @@ class WeightSync:
     def wait(self) -> None:
         """Finish the move begun by `start()`; every destination tensor of this rank holds the trainer's values."""
         results = self.executor.wait()
-        for name, shard in results.items():
-            target = self.targets[name].tensor
-            target.copy_(shard.reshape(target.shape))
+        fused = {f.name: j for j, f in enumerate(self.problem.fused)}
+        for name, target in self.targets.items():
+            if name in fused:  # its parts' shards, each placed where it lies in the fused tensor
+                assemble_fused(self.problem, fused[name], self.rank, results, target.tensor)
+            else:
+                target.tensor.copy_(results[name].reshape(target.tensor.shape))
 
     def close(self) -> None:
         """Release the executor's buffers and thread (every rank); the object cannot run again."""
@@ -129,14 +134,23 @@ class WeightSync:
             value = self.trainer.get(source)
             if value is None or not hasattr(value, "to_local"):
                 return f"trainer tensor {source!r} is not passed (or not a DTensor) on rank {self.rank}; pass it every step"
-            why = _mismatch(value.to_local(), index[name], self.problem.tensor_problem(self.problem.index_of(name)), "src", self.rank)
+            why = _mismatch(value.to_local(), index[name], self._box(name, "src"))
             if why:
                 return f"trainer tensor {source!r} on rank {self.rank} {why}"
+        fused = {f.name: j for j, f in enumerate(self.problem.fused)}
         for name, target in self.targets.items():
-            why = _mismatch(target.tensor, index[name], self.problem.tensor_problem(self.problem.index_of(name)), "dst", self.rank)
+            if name in fused:  # the fused box, the parts' dtype
+                part = self.problem.fused[fused[name]].refs()[0][0]
+                why = _mismatch(target.tensor, index[part], self.problem.fused_blocks(fused[name])[self.rank])
+            else:
+                why = _mismatch(target.tensor, index[name], self._box(name, "dst"))
             if why:
                 return f"inference tensor {name!r} on rank {self.rank} {why}"
         return None
+
+    def _box(self, name: str, side: str):
+        """This rank's box of the plan's tensor `name` on `side`."""
+        return self.problem.tensor_problem(self.problem.index_of(name)).blocks(side)[self.rank]
 
     def _agree_step(self, problem: str | None) -> None:
         """One all-gather of a flag per rank; if any rank's tensors do not fit, every rank raises that rank's cause."""
@@ -216,9 +230,8 @@ def _target(value: object) -> Target:
     return value if isinstance(value, Target) else Target(*value)
 
 
-def _mismatch(tensor, transfer, problem, side: str, rank: int) -> str | None:
-    """How `tensor` differs from rank's box of the plan's tensor (shape or dtype), or None."""
-    box = problem.blocks(side)[rank]
+def _mismatch(tensor, transfer, box) -> str | None:
+    """How `tensor` differs from `box` of the plan's tensor `transfer` (shape or dtype), or None."""
     want = tuple(stop - start for start, stop in box)
     if tuple(tensor.shape) != want:
         return f"has shape {tuple(tensor.shape)}, not {want} as agreed"

@@ -29,6 +29,8 @@ from typing import Any
 from pydantic import ValidationError
 
 from xmesh_plan.schemas import Cluster, DeviceMesh
+from xmesh_plan.schemas.fused import FusedTensor
+from xmesh_plan.schemas.spec import ShardingSpec
 from xmesh_plan.schemas.transfer import TensorTransfer, TransferProblem
 from xmesh_plan.schemas.validation import describe_validation_error
 
@@ -48,6 +50,16 @@ class Target:
     tensor: Any
     layout: object
     source: str | None = None
+
+
+@dataclass(frozen=True)
+class Fused:
+    """A destination that concatenates trainer tensors along `dim` (vLLM's `qkv_proj` = cat(q, k, v), `gate_up_proj` =
+    cat(gate, up)). Where the layout splits `dim` over T ranks, rank t holds cat(q_t, k_t, v_t), each part's t-th of T
+    equal shares (`QKVParallelLinear`, `MergedColumnParallelLinear`); where it does not, the whole concatenation."""
+
+    parts: tuple[str, ...]
+    dim: int = 0
 
 
 def describe(rank: int, trainer: Mapping[str, Any] | None, inference: Mapping[str, Any] | None,
@@ -117,8 +129,12 @@ def _inference_side(inference: Mapping[str, Any], mesh: object, ranks: Mapping[i
         if target.tensor.dim() == 0:
             raise FrontendError(f"{field} is a 0-dim tensor (a scalar); leave it out or move it as shape (1,)")
         source = name if target.source is None else target.source
-        if not isinstance(source, str):
-            raise FrontendError(f"{field}.source: {source!r}; give the trainer tensor's name as text")
+        if isinstance(source, Fused):
+            if not source.parts or not all(isinstance(p, str) for p in source.parts) or not 0 <= source.dim < target.tensor.dim():
+                raise FrontendError(f"{field}.source: {source!r}; give Fused((trainer names...), dim) with a dim of the tensor")
+            source = {"parts": list(source.parts), "dim": source.dim}
+        elif not isinstance(source, str):
+            raise FrontendError(f"{field}.source: {source!r}; give the trainer tensor's name as text, or Fused((names...))")
         spec = layout_spec(target.layout, target.tensor.dim(), grid.ndim, name)
         tensors.append([name, source, spec, dtype_name(target.tensor.dtype, f"{field}.dtype"), list(target.tensor.shape)])
     return {"mesh": [list(grid.shape), devices], "tensors": tensors}
@@ -164,28 +180,66 @@ def agree(rows: list[dict[str, Any]], group_size: int | None) -> tuple[TransferP
     _check_members(src_rows, src_mesh, trained, "trainer", "src")
     _check_members(dst_rows, dst_mesh, wanted, "inference", "dst")
     tensors, sources = [], {}
+    fused = []
     for name, (source, spec, dtype, _) in wanted.items():
-        if source not in trained:
-            shown = ", ".join(list(trained)[:3]) + (", ..." if len(trained) > 3 else "")
-            raise WeightSyncError(f"inference tensor {name!r} takes trainer tensor {source!r}, which no trainer rank passes "
-                                  f"(the trainer passes {shown}); fix the name or its Target(source=...)")
-        shape, src_dtype, src_spec, _ = trained[source]
-        if dtype != src_dtype:
-            holders = [str(r["rank"]) for r in dst_rows if any(t[0] == name for t in r["dst"]["tensors"])]
-            raise WeightSyncError(f"inference tensor {name!r} on rank{'s' if len(holders) > 1 else ''} {','.join(holders)} "
-                                  f"is {dtype} but the trainer's {source!r} is "
-                                  f"{src_dtype}; give the destination the trainer's dtype")
-        source_layout = {"src": src_spec} if isinstance(src_spec, str) else {"src_boxes": _boxes(src_spec)}
-        tensors.append(TensorTransfer(name=name, shape=tuple(shape), dtype=dtype, dst=spec, **source_layout))
+        for part in source["parts"] if isinstance(source, dict) else [source]:
+            _check_source(name, part, dtype, trained, dst_rows)
+        if isinstance(source, dict):
+            fused.append(_fused(name, source, spec, trained, dst_mesh))
+            for part in source["parts"]:
+                tensors.append(_transfer(part, trained[part], None))
+                sources[part] = part
+            continue
+        tensors.append(_transfer(name, trained[source], spec))
         sources[name] = source
     cluster = Cluster.model_validate(next((r["cluster"] for r in rows if "cluster" in r), {}))
     try:
-        problem = TransferProblem(name="weight_sync", src_mesh=src_mesh, dst_mesh=dst_mesh, cluster=cluster, tensors=tuple(tensors))
+        problem = TransferProblem(name="weight_sync", src_mesh=src_mesh, dst_mesh=dst_mesh, cluster=cluster, tensors=tuple(tensors),
+                                  fused=tuple(fused))
     except ValidationError as err:
         raise WeightSyncError(f"the agreed layouts do not make a plan: {describe_validation_error(err)}") from None
     _check_shards(problem, sources, src_rows, dst_rows)
     _check_group(problem, group_size)
     return problem, sources
+
+
+def _check_source(name: str, source: str, dtype: str, trained: dict[str, tuple], dst_rows: list[dict]) -> None:
+    """Destination `name` may take trainer tensor `source`: some trainer rank passes it, of the destination's dtype."""
+    if source not in trained:
+        shown = ", ".join(list(trained)[:3]) + (", ..." if len(trained) > 3 else "")
+        raise WeightSyncError(f"inference tensor {name!r} takes trainer tensor {source!r}, which no trainer rank passes "
+                              f"(the trainer passes {shown}); fix the name or its Target(source=...)")
+    src_dtype = trained[source][1]
+    if dtype != src_dtype:
+        holders = [str(r["rank"]) for r in dst_rows if any(t[0] == name for t in r["dst"]["tensors"])]
+        raise WeightSyncError(f"inference tensor {name!r} on rank{'s' if len(holders) > 1 else ''} {','.join(holders)} "
+                              f"is {dtype} but the trainer's {source!r} is {src_dtype}; give the destination the trainer's dtype")
+
+
+def _transfer(name: str, trained: tuple, dst_spec: str | None) -> TensorTransfer:
+    """Trainer tensor `trained` (shape, dtype, layout, ...) as the plan's tensor `name`, to `dst_spec` (None: a fused part)."""
+    shape, dtype, layout = trained[:3]
+    given = {"src": layout} if isinstance(layout, str) else {"src_boxes": _boxes(layout)}
+    if dst_spec is not None:
+        given["dst"] = dst_spec
+    return TensorTransfer(name=name, shape=tuple(shape), dtype=dtype, **given)
+
+
+def _fused(name: str, source: dict, spec: str, trained: dict[str, tuple], mesh: DeviceMesh) -> FusedTensor:
+    """The fused destination `name`: its parts cut into T equal shares where `spec` splits the fused dim T ways, share
+    t of every part in turn (rank t's concatenation), else the parts whole."""
+    dim = source["dim"]
+    shares = ShardingSpec.parse(spec).shard_counts(tuple(mesh.shape))[dim]
+    ranges = []
+    for t in range(shares):
+        for part in source["parts"]:
+            length = trained[part][0][dim]
+            if length % shares:
+                raise WeightSyncError(f"inference tensor {name!r}: part {part!r} has length {length} along dim {dim}, not a "
+                                      f"multiple of the {shares} ranks that split it; each rank holds an equal share of every part")
+            step = length // shares
+            ranges.append(part if shares == 1 else f"{part}[{t * step}:{(t + 1) * step}]")
+    return FusedTensor(name=name, parts=tuple(ranges), dim=dim, dst=spec)
 
 
 def _boxes(layout: list) -> tuple:
@@ -245,9 +299,17 @@ def _check_members(rows: list[dict], mesh: DeviceMesh, tensors: dict[str, tuple]
 def _check_shards(problem: TransferProblem, sources: dict[str, str], src_rows: list[dict], dst_rows: list[dict]) -> None:
     """Every rank's local tensor has the shape of its box: the trainer's shards and the engine's tensors."""
     index = {t.name: i for i, t in enumerate(problem.tensors)}
+    fused = {f.name: j for j, f in enumerate(problem.fused)}
     for side, rows, label in (("src", src_rows, "trainer"), ("dst", dst_rows, "inference")):
         for row in rows:
             for name, *fields in row[side]["tensors"]:
+                if side == "dst" and name in fused:
+                    box = problem.fused_blocks(fused[name])[row["rank"]]
+                    if list(fields[-1]) != [stop - start for start, stop in box]:
+                        raise WeightSyncError(
+                            f"inference tensor {name!r} on rank {row['rank']} has shape {tuple(fields[-1])} but its fused "
+                            f"layout gives that rank {tuple(b - a for a, b in box)}; give it the shape of its part")
+                    continue
                 targets = [n for n, s in sources.items() if s == name] if side == "src" else [name]
                 for target in targets:
                     box = problem.tensor_problem(index[target]).blocks(side)[row["rank"]]

@@ -4,7 +4,7 @@
 - `joint`: 8 ranks of one world; ranks 0-3 train (FSDP2 `fully_shard` on a mesh of 4), ranks 4-7 are two TP=2
   replicas ([[4, 5], [6, 7]]). Two syncs with a training step between, each destination element checked bit for
   bit against the trainer's `full_tensor()`; a second WeightSync of the same layouts (the plan cache); ranks 0-3 as
-  trainer and engine at once (colocated); then mismatches, each of which must fail every rank with the same line within WeightSync's 5 s deadline.
+  trainer and engine at once (colocated); qkv and gate_up fused on the engine; then mismatches, each of which must fail every rank with the same line within WeightSync's 5 s deadline.
 - `trainer` / `inference`: the same sync as two launches of 4 ranks each, joined by `transfer_group` at
   127.0.0.1:$TRANSFER_PORT (trainer ranks are transfer ranks 0-3, inference ranks 4-7).
 Each rank prints `rank R: <what>: <result>` lines for the test to compare.
@@ -20,8 +20,9 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 from xmesh_plan.transfer_group import transfer_group
-from xmesh_plan.weight_sync import WeightSync, WeightSyncError
-from xmesh_plan.weight_sync_demo import TINY, check, engine_tensors, references, say, steps, sync_model, trainer_model
+from xmesh_plan.weight_sync import COLUMN, Fused, Target, WeightSync, WeightSyncError
+from xmesh_plan.weight_sync_demo import (ENGINE, TINY, check, engine_tensors, references, say, shapes, steps, sync_model,
+                                         trainer_model)
 
 
 def attempt(what: str, make) -> None:
@@ -42,7 +43,29 @@ def joint() -> None:
     steps(sync, model, optimizer, kwargs.get("inference", {}), mesh, dist.group.WORLD)
     say("same layouts again, compiled", WeightSync(**kwargs).compiled)
     colocated(model)
+    fused(model)
     mismatches(dist.get_rank(), model, kwargs)
+
+
+def fused(model) -> None:
+    """qkv and gate_up fused on the engine (ranks 4-7, two TP=2 replicas): TP rank t holds cat(q_t, k_t, v_t), each
+    part's t-th half, as vLLM's QKVParallelLinear; checked against the same cat of full_tensor()'s halves."""
+    mesh, sizes = DeviceMesh("cpu", ENGINE), shapes()  # every rank makes the mesh
+    groups = {"model.layers.0.self_attn.qkv_proj.weight": [f"model.layers.0.self_attn.{p}_proj.weight" for p in "qkv"],
+              "model.layers.1.mlp.gate_up_proj.weight": [f"model.layers.1.mlp.{p}_proj.weight" for p in ("gate", "up")]}
+    targets = {name: Target(torch.full((sum(sizes[p][0] for p in parts) // 2, TINY.hidden), float("nan")), COLUMN,
+                            source=Fused(tuple(parts))) for name, parts in groups.items()} if model is None else {}
+    given = {"trainer": model.state_dict()} if model is not None else {"inference": targets, "inference_mesh": ENGINE}
+    with WeightSync(**given) as sync:
+        sync.run()
+    refs = references(model, dist.group.WORLD)
+    if model is not None:
+        say("fused", "sent")
+        return
+    tp = mesh.get_coordinate()[1]
+    ok = all(torch.equal(t.tensor.view(torch.int32), torch.cat([refs[p].chunk(2)[tp] for p in groups[n]]).view(torch.int32))
+             for n, t in targets.items())
+    say("fused", "ok" if ok else "differs")
 
 
 def colocated(model) -> None:
