@@ -66,13 +66,13 @@ class WeightSync:
     """Moves a trainer's DTensors into inference tensors with one plan; see the module docstring.
 
     `trainer`: name -> DTensor on trainer ranks (a model's `state_dict()`). `inference`: name -> (tensor, layout)
-    or `Target(tensor, layout, source=trainer name or Fused((names...), dim))` on inference ranks, each tensor this rank's part under the
-    layout (`engine_layouts`: COLUMN, ROW, VOCAB, REPLICATED, EXPERT, or spec text) on `inference_mesh` (a nested
-    list of ranks: rows the replicas, columns the TP ranks). `group`: the transfer group (None: torch's default).
-    `ranks`: this side's rank -> its rank in `group` (None: each global rank's rank in `group`, for a group torch
-    made; a group made by `transfer_group` needs it). `cluster`: the machines, for the
-    planner (default: as many devices per host as the group has ranks). `timeout_s`: how long a rank waits for
-    the others at each step."""
+    or `Target(tensor, layout, source=...)` on inference ranks (source: a trainer name, or `Fused((names...), dim)`),
+    each tensor this rank's part under the layout (`engine_layouts`: COLUMN, ROW, VOCAB, REPLICATED, EXPERT, or
+    spec text) on `inference_mesh` (a nested list of ranks: rows the replicas, columns the TP ranks). `group`: the
+    transfer group (None: torch's default). `ranks`: this side's rank -> its rank in `group` (None: each global
+    rank's rank in `group`, for a group torch made; a group made by `transfer_group` needs it). `cluster`: the
+    machines, for the planner (default: as many devices per host as the group has ranks). `timeout_s`: how long a
+    rank waits for the others at each step."""
 
     def __init__(self, trainer: Mapping[str, Any] | None = None, inference: Mapping[str, Any] | None = None, *,
                  inference_mesh: object = None, group=None, ranks: Mapping[int, int] | None = None,
