@@ -191,11 +191,14 @@ class _Members:
         try:
             with zipfile.ZipFile(path) as archive:
                 infos = archive.infolist()
+                if all(i.filename != "header.npy" for i in infos):
+                    listed = ", ".join(i.filename for i in infos[:3]) or "nothing"
+                    raise CompactPlanError(f"a zip of {listed}{', ...' if len(infos) > 3 else ''} without header.npy, so not a compact plan")
                 self.where = {i.filename.removesuffix(".npy"): self._locate(archive, i) for i in infos}
+        except CompactPlanError:
+            raise
         except (zipfile.BadZipFile, zipfile.LargeZipFile, EOFError, ValueError) as err:
             raise CompactPlanError(f"a damaged or truncated zip ({err})") from None
-        if "header" not in self.where:
-            raise CompactPlanError("a zip without a plan header (header.npy), so not a compact plan")
 
     def _locate(self, archive: zipfile.ZipFile, info: zipfile.ZipInfo) -> tuple[np.dtype, tuple[int, ...], int]:
         """(dtype, shape, byte offset of the data) of a stored `.npy` member."""

@@ -26,7 +26,7 @@ FORMATS: dict[str, tuple[Callable[[Plan], bytes], int]] = {
     "compact": (compact_bytes, MAX_COMPACT_FILE_BYTES),
 }
 """format name -> (the plan's bytes in it, the most bytes its readers take)."""
-_FIX = "recompile it (xmesh-plan compile PROBLEM -o plan.npz) or copy it again"
+_FIX = "pass a plan written by `xmesh-plan compile -o NAME.plan.npz` (or copy it again)"
 
 
 def format_for(path: str | os.PathLike) -> str:
