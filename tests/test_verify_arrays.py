@@ -79,3 +79,35 @@ def test_late_allgather_parts_are_left_to_the_replay_for_its_message():
             else:
                 raise AssertionError("verify passed a plan whose all-gather runs before its parts arrive")
     assert reached
+
+
+def test_operations_the_arrays_prove_pass_the_one_by_one_checks():
+    """`schemas.plan_check_arrays` marks an operation proven only where `_check_operation` passes it; mutants hit
+    every per-operation rule (devices outside the meshes, boxes outside shards, chunks, kinds, chains)."""
+    from xmesh_plan.schemas.plan_check import MAX_CHUNKS, _check_operation, _Shards
+    from xmesh_plan.schemas.plan_check_arrays import proven_operations
+
+    rng = random.Random(30)
+    bases = [as_lists(compiled(random_problem(seed, max_devices=4 + seed % 5, exact=False), s).model_dump())
+             for seed in range(8) for s in STRATEGIES]
+    bases = [b for b in bases if b["operations"]]
+    proven_count = refused = 0
+    for _ in range(400):
+        raw = as_lists(rng.choice(bases))
+        mutate(rng, raw)
+        try:
+            plan = Plan.model_validate(raw)
+        except ValidationError:
+            continue
+        problems = plan.problem.tensor_problems()
+        proven = proven_operations(plan.operations, problems, MAX_CHUNKS)
+        for op, done in zip(plan.operations, proven.tolist()):
+            try:
+                _check_operation(op, _Shards(problems[0]))
+                passes = True
+            except PlanError:
+                passes = False
+            refused += not passes
+            assert passes or not done, op
+            proven_count += done
+    assert proven_count > 1000 and refused > 50
