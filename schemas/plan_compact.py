@@ -25,6 +25,7 @@ import json
 import os
 import zipfile
 from dataclasses import dataclass
+from operator import attrgetter
 from typing import Any, Callable
 
 import numpy as np
@@ -130,16 +131,24 @@ def _text(text: str) -> np.ndarray:
     return np.frombuffer(text.encode(), dtype=np.uint8)
 
 
-def _device_index(operations) -> dict[str, np.ndarray]:
-    """For each device, the rows of the operations it takes part in, ascending."""
-    pairs: dict[int, list[int]] = {}
-    for row, op in enumerate(operations):
-        for device in sorted(_op_devices(op)):
-            pairs.setdefault(device, []).append(row)
-    devices = sorted(pairs)
-    return {"index.devices": _ints(devices, "index devices"),
-            "index.offsets": _offsets([len(pairs[d]) for d in devices], "index"),
-            "index.rows": _ints([r for d in devices for r in pairs[d]], "index rows")}
+def _device_index(out: dict[str, np.ndarray], count: int) -> dict[str, np.ndarray]:
+    """For each device, the rows of the operations it takes part in, ascending; from the encoded device columns."""
+    rows, devices = [], []
+    for field, kind in ((f, COLUMN_KINDS["operations"][f]) for f in DEVICE_FIELDS):
+        name = f"operations.{field}"
+        if kind == "int?":
+            has = ~out[f"{name}.none"] if f"{name}.none" in out else np.ones(count, dtype=bool)
+            rows.append(np.flatnonzero(has)), devices.append(out[name][has].astype(np.int64))
+            continue
+        owner = np.repeat(np.arange(count), np.diff(out[f"{name}.offsets"].astype(np.int64)))
+        if kind == "intss":  # rows own inner lists, which own the values
+            owner = np.repeat(owner, np.diff(out[f"{name}.inner"].astype(np.int64)))
+        rows.append(owner), devices.append(out[f"{name}.values"].astype(np.int64))
+    pairs = np.unique(np.stack([np.concatenate(devices), np.concatenate(rows)], axis=1), axis=0) if count else np.zeros((0, 2), np.int64)
+    found, starts = np.unique(pairs[:, 0], return_index=True)
+    return {"index.devices": _ints(found.tolist(), "index devices"),
+            "index.offsets": _offsets(np.diff(np.append(starts, len(pairs))).tolist(), "index"),
+            "index.rows": _ints(pairs[:, 1].tolist(), "index rows")}
 
 
 def _op_devices(op) -> set[int]:
@@ -157,9 +166,10 @@ def compact_arrays(plan) -> dict[str, np.ndarray]:
     out: dict[str, np.ndarray] = {"header": _text(json.dumps(header))}
     for table, kinds in COLUMN_KINDS.items():
         rows = getattr(plan, table)
-        for field, kind in kinds.items():
-            _ENCODERS[kind](f"{table}.{field}", [getattr(r, field) for r in rows], out)
-    out.update(_device_index(plan.operations))
+        columns = list(zip(*map(attrgetter(*kinds), rows))) if rows else [() for _ in kinds]
+        for (field, kind), values in zip(kinds.items(), columns):
+            _ENCODERS[kind](f"{table}.{field}", list(values), out)
+    out.update(_device_index(out, len(plan.operations)))
     return out
 
 
