@@ -1,9 +1,8 @@
 """verify and the compact plan file at scale: a synthetic plan of N operations (default 10^6), verified and written.
 
 The plan moves a (N * rows_per_op, 64) float32 tensor between two 8-device meshes on 4-device hosts, row-sharded on
-both; each operation sends one run of rows from the source device that holds them to the destination device that
-needs them, alternating sends and two-member broadcasts (a chain over both destination devices of a replicated
-block) so both patterns replay. It is built directly as records (no compile: compiling 10^6 tasks is issue 29's
+both; each operation broadcasts one row from the source device that holds it down the chain of the two destination
+devices that need it (the destination mesh is 4 x 2, rows sharded over its first axis). It is built directly as records (no compile: compiling 10^6 tasks is issue 29's
 other part), so the figures are verify's and the file's alone.
 
     .venv/bin/python -m bench.bench_verify_scale [--ops 1000000] [--out plan.npz]
