@@ -6,7 +6,8 @@ covers whole cells. For each device we track when each cell became available (so
 list order (the execution order) we check that every all-gather member held its part when the
 operation started, that no device receives a cell twice, and at the end that every destination
 device holds exactly its shard, and that the staging a plan states (`compile --max-staging-mb`) is
-what `schemas.staging` computes. Numpy index arithmetic, no element loops.
+what `schemas.staging` computes. Numpy index arithmetic, no element loops; a plan the whole-array replay
+(`planner.verify_arrays`) proves skips the replay one operation at a time.
 """
 
 from __future__ import annotations
