@@ -15,12 +15,15 @@ Members:
   strings as indices into `<table>.<field>.names` (UTF-8 JSON list), lists of integers and boxes as offsets +
   flat values (CSR), an optional integer as values + a `.none` mask (left out when nothing is None).
 - `index.devices`, `index.offsets`, `index.rows`: for each device (sorted), the rows of the operations it takes
-  part in (src, dsts, holders or needers), in execution order.
+  part in (src, dsts, holders or needers), in execution order; `index.first_tags`: per row, the message tags of
+  the operations before it (`op_kinds.tags_used`, summed), and the plan's total last, so a rank numbers its
+  messages as a lowering of the whole plan would.
 """
 
 from __future__ import annotations
 
 import io
+import itertools
 import json
 import os
 import zipfile
@@ -29,6 +32,8 @@ from operator import attrgetter
 from typing import Any, Callable
 
 import numpy as np
+
+from .op_kinds import tags_used
 
 FORMAT = "xmesh-plan-compact"
 FORMAT_VERSION = 1
@@ -170,6 +175,7 @@ def compact_arrays(plan) -> dict[str, np.ndarray]:
         for (field, kind), values in zip(kinds.items(), columns):
             _ENCODERS[kind](f"{table}.{field}", list(values), out)
     out.update(_device_index(out, len(plan.operations)))
+    out["index.first_tags"] = _ints([0, *itertools.accumulate(map(tags_used, plan.operations))], "message tags")
     return out
 
 
@@ -365,12 +371,16 @@ def read_compact_data(path: str | os.PathLike) -> dict:
 @dataclass(frozen=True)
 class DeviceOps:
     """What one device needs of a plan to run its part: the plan's problem and schema version, the operations it
-    takes part in (execution order) and their rows in the plan's operation list."""
+    takes part in (execution order), their rows in the plan's operation list, the message tag each one's first
+    message gets when the whole plan is numbered from 0 (`op_kinds.tags_used` of the operations before it), and
+    the tags the whole plan uses."""
 
     schema_version: int
     problem: Any
     operations: tuple
     rows: tuple[int, ...]
+    first_tags: tuple[int, ...]
+    tags: int
 
 
 def device_rows(m: _Members, device: int) -> np.ndarray:
@@ -383,9 +393,14 @@ def device_rows(m: _Members, device: int) -> np.ndarray:
     return np.asarray(m.get("index.rows")[int(offsets[at]):int(offsets[at + 1])], dtype=np.int64)
 
 
-def read_device_data(path: str | os.PathLike, device: int) -> tuple[dict, list[dict], np.ndarray]:
-    """(the plan's fields less its tables, the operations `device` takes part in as plain dicts, their rows)."""
+def read_device_data(path: str | os.PathLike, device: int) -> tuple[dict, list[dict], np.ndarray, list[int], int]:
+    """(the plan's fields less its tables, the operations `device` takes part in as plain dicts, their rows, their
+    first message tags, the plan's tags)."""
     m = _Members(path)
     header = _header(m)
     rows = device_rows(m, device)
-    return header["plan"], _rows(m, "operations", rows), rows
+    tags = m.get("index.first_tags")
+    count = header["counts"].get("operations")
+    if not isinstance(count, int) or len(tags) != count + 1:
+        raise CompactPlanError("index.first_tags does not match the operations' count (damaged)")
+    return header["plan"], _rows(m, "operations", rows), rows, np.asarray(tags[rows]).tolist(), int(tags[-1])

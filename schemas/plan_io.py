@@ -8,6 +8,7 @@ file's first bytes; writers pick by the output's name (`*.npz` is compact) unles
 
 from __future__ import annotations
 
+import itertools
 import os
 from typing import Any, Callable
 
@@ -15,6 +16,7 @@ from pydantic import TypeAdapter, ValidationError
 
 from .files import MAX_COMPACT_FILE_BYTES, MAX_FILE_BYTES, DataFileError, _existing_or_example, parse_data, read_text_file, write_atomic
 from .limits import quoted
+from .op_kinds import tags_used
 from .plan import SCHEMA_VERSIONS, AnyProblem, Operation, Plan, PlanFileError, plan_from_data, read_plan_file
 from .plan_compact import CompactPlanError, DeviceOps, _op_devices, compact_bytes, is_compact, read_compact_data, read_device_data
 from .validation import describe_validation_error
@@ -88,15 +90,17 @@ _PROBLEM = TypeAdapter(AnyProblem)
 
 
 def read_plan_ops(path: str | os.PathLike, device: int) -> DeviceOps:
-    """The problem and the operations `device` takes part in (execution order, with their rows in the plan), read
-    from a compact file through its index (only those operations' rows are read), or from a JSON plan (all of it
+    """The problem and the operations `device` takes part in (execution order, with their rows in the plan and their
+    first message tags, `DeviceOps`), read from a compact file through its index (only those operations' rows are read), or from a JSON plan (all of it
     parsed, then filtered). PlanFileError naming the file and the fix otherwise. Unlike `read_plan_file`, the
     operations are validated one by one but not checked against each other (`schemas.plan_check` needs them all)."""
     if not is_compact(_head(path)):
         plan = read_plan_file(path)
         rows = tuple(i for i, op in enumerate(plan.operations) if device in _op_devices(op))
-        return DeviceOps(plan.schema_version, plan.problem, tuple(plan.operations[i] for i in rows), rows)
-    fields, ops, rows = _compact(path, read_device_data, device)
+        first = [0, *itertools.accumulate(map(tags_used, plan.operations))]
+        return DeviceOps(plan.schema_version, plan.problem, tuple(plan.operations[i] for i in rows), rows,
+                         tuple(first[i] for i in rows), first[-1])
+    fields, ops, rows, first_tags, tags = _compact(path, read_device_data, device)
     version = fields.get("schema_version")
     if version not in SCHEMA_VERSIONS:
         plan_from_data(fields, path)  # the one-line message a whole-plan read gives
@@ -105,5 +109,5 @@ def read_plan_ops(path: str | os.PathLike, device: int) -> DeviceOps:
         operations = tuple(Operation.model_validate(op) for op in ops)
     except ValidationError as err:
         raise PlanFileError(f"{quoted(path)}: {describe_validation_error(err)}") from None
-    return DeviceOps(version, problem, operations, tuple(rows.tolist()))
+    return DeviceOps(version, problem, operations, tuple(rows.tolist()), tuple(first_tags), tags)
 
