@@ -14,7 +14,8 @@ from typing import Any, Callable
 
 from pydantic import TypeAdapter, ValidationError
 
-from .files import MAX_COMPACT_FILE_BYTES, MAX_FILE_BYTES, DataFileError, _existing_or_example, parse_data, read_text_file, write_atomic
+from . import files
+from .files import DataFileError, _existing_or_example, parse_data, read_text_file, write_atomic
 from .limits import quoted
 from .op_kinds import tags_used
 from .plan import SCHEMA_VERSIONS, AnyProblem, Operation, Plan, PlanFileError, plan_from_data, read_plan_file
@@ -23,11 +24,11 @@ from .validation import describe_validation_error
 
 __all__ = ["FORMATS", "DeviceOps", "format_for", "plan_file_bytes", "read_plan_data", "read_plan_ops", "write_plan_file"]
 
-FORMATS: dict[str, tuple[Callable[[Plan], bytes], int]] = {
-    "json": (lambda plan: plan.to_json().encode(), MAX_FILE_BYTES),
-    "compact": (compact_bytes, MAX_COMPACT_FILE_BYTES),
+FORMATS: dict[str, tuple[Callable[[Plan], bytes], str]] = {
+    "json": (lambda plan: plan.to_json().encode(), "MAX_FILE_BYTES"),
+    "compact": (compact_bytes, "MAX_COMPACT_FILE_BYTES"),
 }
-"""format name -> (the plan's bytes in it, the most bytes its readers take)."""
+"""format name -> (the plan's bytes in it, the `schemas.files` limit on what its readers take)."""
 _FIX = "pass a plan written by `xmesh-plan compile -o NAME.plan.npz` (or copy it again)"
 
 
@@ -38,7 +39,8 @@ def format_for(path: str | os.PathLike) -> str:
 
 def plan_file_bytes(plan: Plan, fmt: str) -> bytes:
     """The plan's file in format `fmt`; DataFileError where its readers would refuse the size."""
-    encode, limit = FORMATS[fmt]
+    encode, limit_name = FORMATS[fmt]
+    limit = getattr(files, limit_name)
     try:
         data = encode(plan)
     except CompactPlanError as err:
@@ -77,8 +79,8 @@ def _compact(path: str | os.PathLike, read: Callable, *args: Any) -> Any:
     """`read(path, *args)` on a compact file within the size limit; every failure a one-line PlanFileError."""
     path = _existing_or_example(path)
     size = os.path.getsize(path)
-    if size > MAX_COMPACT_FILE_BYTES:
-        raise PlanFileError(f"{quoted(path)}: more than {MAX_COMPACT_FILE_BYTES // 2**20:,} MiB, the most a compact plan may be; "
+    if size > files.MAX_COMPACT_FILE_BYTES:
+        raise PlanFileError(f"{quoted(path)}: more than {files.MAX_COMPACT_FILE_BYTES // 2**20:,} MiB, the most a compact plan may be; "
                             "split the problem into smaller transfers")
     try:
         return read(path, *args)

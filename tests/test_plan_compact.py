@@ -173,12 +173,17 @@ def test_compile_writes_compact_and_export_round_trips(tmp_path):
         assert result.exit_code == 0, result.output
 
 
-def test_json_writer_refuses_what_its_readers_refuse(monkeypatch):
-    from xmesh_plan.schemas import plan_io
-    from xmesh_plan.schemas.files import DataFileError
+def test_json_writer_refuses_what_its_readers_refuse(monkeypatch, tmp_path):
+    from xmesh_plan.schemas import files
 
     plan = read_plan_file(ROOT / "plans" / "case4.plan.json")
-    monkeypatch.setitem(plan_io.FORMATS, "json", (plan_io.FORMATS["json"][0], 1000))
-    with pytest.raises(DataFileError, match="write it compact instead"):
+    monkeypatch.setattr(files, "MAX_FILE_BYTES", 1000)
+    with pytest.raises(files.DataFileError, match="write it compact instead"):
         plan_file_bytes(plan, "json")
     assert plan_file_bytes(plan, "compact")
+    monkeypatch.setattr(files, "MAX_COMPACT_FILE_BYTES", 1000)
+    with pytest.raises(files.DataFileError, match="split the problem"):
+        plan_file_bytes(plan, "compact")
+    path = tmp_path / "x.plan.npz"
+    path.write_bytes(compact_bytes(plan))
+    assert_user_error(run_cli("verify", path), "MiB", "split the problem")
