@@ -181,9 +181,14 @@ def compact_arrays(plan) -> dict[str, np.ndarray]:
 
 def compact_bytes(plan) -> bytes:
     """The compact file's bytes: the same plan gives the same bytes."""
+    return archive_bytes(compact_arrays(plan))
+
+
+def archive_bytes(arrays: dict[str, np.ndarray]) -> bytes:
+    """A zip of `arrays` as `<name>.npy` members, stored, with a fixed timestamp."""
     buffer = io.BytesIO()
     with zipfile.ZipFile(buffer, "w", compression=zipfile.ZIP_STORED, allowZip64=True) as archive:
-        for name, array in compact_arrays(plan).items():
+        for name, array in arrays.items():
             info = zipfile.ZipInfo(f"{name}.npy", date_time=_DATE)
             info.external_attr = 0o644 << 16
             with archive.open(info, "w", force_zip64=True) as member:
@@ -355,8 +360,12 @@ def _header(m: _Members) -> dict:
     return header
 
 
-def read_compact_data(path: str | os.PathLike) -> dict:
-    """The plan in `path` as the plain data its JSON states (validated by the caller); CompactPlanError otherwise."""
+CHUNK_ROWS = 65_536  # rows decoded at a time: a chunk's plain dicts are dropped once its records are made
+
+
+def read_compact_data(path: str | os.PathLike, records: dict[str, Callable[[dict], Any]] | None = None) -> dict:
+    """The plan in `path` as the data its JSON states (validated by the caller), each table's rows made into records by
+    `records[table]` a chunk at a time where given (plain dicts otherwise); CompactPlanError otherwise."""
     m = _Members(path)
     header = _header(m)
     data = dict(header["plan"])
@@ -364,7 +373,11 @@ def read_compact_data(path: str | os.PathLike) -> dict:
         count = header["counts"].get(table)
         if not isinstance(count, int) or count < 0:
             raise CompactPlanError(f"its header gives no row count for {table}")
-        data[table] = _rows(m, table, np.arange(count, dtype=np.int64))
+        make = (records or {}).get(table)
+        data[table] = []
+        for start in range(0, count, CHUNK_ROWS):
+            rows = _rows(m, table, np.arange(start, min(start + CHUNK_ROWS, count), dtype=np.int64))
+            data[table].extend(rows if make is None else map(make, rows))
     return data
 
 

@@ -18,7 +18,7 @@ from . import files
 from .files import DataFileError, _existing_or_example, parse_data, read_text_file, write_atomic
 from .limits import quoted
 from .op_kinds import tags_used
-from .plan import SCHEMA_VERSIONS, AnyProblem, Operation, Plan, PlanFileError, plan_from_data, read_plan_file
+from .plan import SCHEMA_VERSIONS, AnyProblem, HostOrder, Operation, Plan, UnitTask, PlanFileError, plan_from_data, read_plan_file
 from .plan_compact import CompactPlanError, DeviceOps, _op_devices, compact_bytes, is_compact, read_compact_data, read_device_data
 from .validation import describe_validation_error
 
@@ -68,7 +68,10 @@ def _head(path: str | os.PathLike) -> bytes:
 def read_plan_data(path: str | os.PathLike) -> Any:
     """A plan file's content as plain data (what its JSON states), either format; PlanFileError otherwise."""
     if is_compact(_head(path)):
-        return _compact(path, read_compact_data)
+        try:  # records made a chunk at a time: a million operations never sit in memory as dicts and records both
+            return _compact(path, read_compact_data, _RECORDS)
+        except ValidationError:  # as plain data instead, so the plan's validation names the field as for a JSON plan
+            return _compact(path, read_compact_data)
     try:
         return parse_data(read_text_file(path, "plan"), path)
     except DataFileError as err:
@@ -89,6 +92,7 @@ def _compact(path: str | os.PathLike, read: Callable, *args: Any) -> Any:
 
 
 _PROBLEM = TypeAdapter(AnyProblem)
+_RECORDS = {"operations": Operation.model_validate, "tasks": UnitTask.model_validate, "host_order": HostOrder.model_validate}
 
 
 def read_plan_ops(path: str | os.PathLike, device: int) -> DeviceOps:

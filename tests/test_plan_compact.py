@@ -16,7 +16,7 @@ from xmesh_plan.schemas import Plan, PlanFileError, read_plan_file
 from xmesh_plan.schemas.files import write_atomic
 from xmesh_plan.schemas.op_kinds import tags_used
 from xmesh_plan.schemas.plan import HostOrder, Operation, UnitTask
-from xmesh_plan.schemas.plan_compact import COLUMN_KINDS, compact_arrays, compact_bytes
+from xmesh_plan.schemas.plan_compact import COLUMN_KINDS, archive_bytes, compact_arrays, compact_bytes
 from xmesh_plan.schemas.plan_io import plan_file_bytes, read_plan_ops
 from tests.support.cases import compiled
 from tests.support.cli import assert_user_error, run_cli
@@ -187,3 +187,25 @@ def test_json_writer_refuses_what_its_readers_refuse(monkeypatch, tmp_path):
     path = tmp_path / "x.plan.npz"
     path.write_bytes(compact_bytes(plan))
     assert_user_error(run_cli("verify", path), "MiB", "split the problem")
+
+
+def test_a_bad_record_gets_the_json_plan_s_message(tmp_path):
+    """A compact file whose operation states what the schema refuses is refused as its JSON would be."""
+    plan = read_plan_file(ROOT / "plans" / "case4.plan.json")
+    arrays = compact_arrays(plan)
+    arrays["operations.kind.names"] = np.frombuffer(b'["teleport"]', dtype=np.uint8)
+    compact = tmp_path / "bad.plan.npz"
+    compact.write_bytes(archive_bytes(arrays))
+    raw = as_lists(plan.model_dump(mode="json"))
+    for op in raw["operations"]:
+        op["kind"] = "teleport"
+    import json
+
+    text = tmp_path / "bad.plan.json"
+    text.write_text(json.dumps(raw))
+    messages = []
+    for path in (compact, text):
+        with pytest.raises(PlanFileError) as err:
+            read_plan_file(path)
+        messages.append(str(err.value).replace(str(path), "PATH"))
+    assert messages[0] == messages[1] and "kind" in messages[0]
