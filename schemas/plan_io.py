@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import stat
 from typing import Any, Callable
 
 from pydantic import TypeAdapter, ValidationError
@@ -58,8 +59,12 @@ def write_plan_file(path: str | os.PathLike, plan: Plan, fmt: str | None = None)
 
 
 def _head(path: str | os.PathLike) -> bytes:
+    """The first bytes of a regular file; nothing for a pipe or device (read once, as text: `verify <(cat plan.json)`)."""
     try:
-        with open(_existing_or_example(path), "rb") as handle:
+        path = _existing_or_example(path)
+        if not stat.S_ISREG(os.stat(path).st_mode):
+            return b""
+        with open(path, "rb") as handle:
             return handle.read(4)
     except OSError:
         return b""  # read_text_file names the problem

@@ -209,3 +209,19 @@ def test_a_bad_record_gets_the_json_plan_s_message(tmp_path):
             read_plan_file(path)
         messages.append(str(err.value).replace(str(path), "PATH"))
     assert messages[0] == messages[1] and "kind" in messages[0]
+
+
+def test_a_plan_through_a_pipe_is_read_once(tmp_path):
+    """`xmesh-plan verify <(cat plan.json)`: telling the formats apart must not eat the pipe's first bytes."""
+    import os
+    import threading
+
+    source = ROOT / "plans" / "case3.plan.json"
+    fifo = tmp_path / "plan.fifo"
+    os.mkfifo(fifo)
+    writer = threading.Thread(target=lambda: fifo.write_bytes(source.read_bytes()))
+    writer.start()
+    try:
+        assert read_plan_file(fifo) == read_plan_file(source)
+    finally:
+        writer.join(timeout=30)
