@@ -198,7 +198,7 @@ def weight_sync() -> str:
     coalesce = load("coalesce.json")
     bundles = [["off" if not r["coalesce"] else f"--coalesce --bucket-mb {r['bucket_mb']:g}", r["operations"], r["busiest_messages"],
                 x(r["ratio"], 3), x(r["posted_ratio"], 3), x(r["device-order_ratio"], 3), f"{r['compile_s']:.1f}"] for r in coalesce["rows"]]
-    run = load("weight_sync_run.json")
+    run, sync = load("weight_sync_run.json"), load("weight_sync_torch.json")
     labels = list(run["orders"]["posted"]["joint_ms"])
     measured = []
     for label in labels:
@@ -275,6 +275,19 @@ machine. "Operations" counts a shared message's bundles once.
 
 {table(measured, ["plan", "operations", "posted ms", "device ms", "device / posted", "model: posted ms",
                   "model: device order ms"], "lrrrrrr")}
+
+**From a trainer's state dict, with `WeightSync`.** The demo's Llama-like model at the small example's size
+({sync["tensors"]} float32 tensors, {sync["mib"]:.1f} MiB) under FSDP2 `fully_shard` on 4 gloo ranks, into two TP=2
+replicas on 4 more (`xmesh_plan.weight_sync_demo`), one torchrun launch of {sync["ranks"]} ranks: `WeightSync.run()`
+against each tensor's `full_tensor()` on the trainer ranks, broadcast from rank 0 to every rank and sliced
+into the engine's tensors, taking turns; medians of {sync["iters"]} syncs each, both checked bit for bit once.
+Same machine: compare the ratio.
+
+{command(sync["command"])}
+
+{table([["WeightSync (one plan, copied into the engine's tensors)", f"{sync['weight_sync_ms']:.2f}", x(1.0)],
+        ["full_tensor() + broadcast + slice", f"{sync['full_tensor_broadcast_slice_ms']:.2f}",
+         x(sync["full_tensor_broadcast_slice_ms"] / sync["weight_sync_ms"])]], ["per sync", "ms", "/ WeightSync"], "lrr")}
 """
 
 

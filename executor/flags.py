@@ -70,6 +70,17 @@ def parse(cmd: click.Command, argv: Sequence[str] | None, prog: str, show_help: 
     return SimpleNamespace(**ctx.params)
 
 
+TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")  # what torch's env:// rendezvous reads; torchrun sets them
+
+
+def check_torchrun(prog: str) -> None:
+    """A UsageError naming `prog`'s launch where torch's env:// rendezvous variables are unset (the command was started
+    without torchrun): torch would fail inside `init_process_group` with its own traceback."""
+    missing = [key for key in TORCHRUN_ENV if not os.environ.get(key)]
+    if missing:
+        raise UsageError(f"not started by torchrun ({', '.join(missing)} unset); launch it as `{prog} ...`")
+
+
 def launcher_rank(*keys: str) -> int:
     """This process's rank as its launcher set it in the first of the environment variables `keys` that holds a number
     (read before the job's communicator starts); 0 when none does (not under a launcher)."""

@@ -220,16 +220,23 @@ def _scaled(plan: Plan, args: SimpleNamespace) -> tuple[Plan, str]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    asked_help = False
     try:
         args, usage_error = _arguments(argv), None
     except UsageError as err:
         args, usage_error = None, str(err)
+    except SystemExit as done:  # --help, printed: this rank still joins, or MPI_Init on a rank without it waits for ever
+        if done.code not in (0, None):
+            raise
+        args, usage_error, asked_help = None, None, True
     from mpi4py import MPI
 
     comm, status = MPI.COMM_WORLD, 0
     rank, timeout_s = comm.Get_rank(), args.timeout if args is not None else DEFAULT_TIMEOUT_S
     world = MpiCollectives(comm, timeout_s)
     try:
+        if _help_given(world, rank, asked_help):
+            return _leave_together(comm, 0 if asked_help else 2, timeout_s)
         if refused_input(world, rank, usage_error, _report):
             return _leave_together(comm, 2, timeout_s)
         if _flags_differ(world, args):
@@ -257,6 +264,15 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:  # MPI_Finalize would wait for ever for peers that do not know
         _fail_alone(rank, "interrupted", 130, "interrupted; the other ranks stop within --timeout")
     return _leave_together(comm, status, timeout_s)
+
+
+def _help_given(world: MpiCollectives, rank: int, asked: bool) -> bool:
+    """Whether any rank was given `--help` (it printed the help, on rank 0, and runs nothing), agreed in one reduction;
+    rank 0, when it was not given it, says why it stops."""
+    high = int(world.max(np.array([int(asked)], np.int64))[0])
+    if high and not asked and rank == 0:
+        _report("rank 0: stopped: another rank was given --help; give every rank the same flags, e.g. one mpiexec -n N command")
+    return bool(high)
 
 
 def _flags_differ(world: MpiCollectives, args: SimpleNamespace) -> bool:

@@ -51,6 +51,7 @@ from .engines import EngineContext
 from .errors import BackendUnavailableError, ExecutorError, PeerTimeoutError, PlanMismatchError
 from .lower import Action, Bytes, RankProgram, Step
 from .replay import PROCESS, Dependencies, abandoned, backoff_wait, failure, refuse_broken
+from .worlds import group_backend, group_rank
 
 
 def torch_dtype(torch, name: str):
@@ -83,7 +84,7 @@ class TorchEngine:
         import torch.distributed as dist
 
         self.torch = torch
-        backend = str(dist.get_backend(self.group)).lower()
+        backend = group_backend(dist, self.group)
         if backend not in ("gloo", "nccl"):
             raise BackendUnavailableError(f"the torch engine runs on gloo (CPU) or nccl (CUDA) process groups, this one runs "
                                           f"{backend}; make the group with backend='gloo' or 'nccl'")
@@ -101,7 +102,7 @@ class TorchEngine:
             raise ValueError(f"setup(stage=...) needs a 1-D uint8 tensor on {self.device} of at least {p.stage_bytes} B "
                              f"(the program's stage_bytes); got {stage.dtype} of {stage.numel()} elements on {stage.device}")
         self.flat = {"dst": _bytes_of(self.dst), "stage": self.stage, "dst_typed": self.dst}
-        self.rank = dist.get_rank(self.group)
+        self.rank = group_rank(dist, self.group)
         self.peer_rank = [self.context.rank_of.get(s.peer, -1) for s in self.steps]
         self.buffers: list = [None] * len(self.steps)  # [uint8 view] per message, (target, source) per local copy
         self.works: list = [None] * len(self.steps)

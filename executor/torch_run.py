@@ -25,7 +25,7 @@ import numpy as np
 
 from xmesh_plan.schemas import Plan, PlanFileError, read_plan_file
 from xmesh_plan.schemas.geometry import local_slices
-from xmesh_plan.schemas.last_resort import run_guarded
+from xmesh_plan.schemas.last_resort import DEBUG_ENV, DEBUG_FLAG, run_guarded
 from xmesh_plan.schemas.plan_tensors import is_multi
 
 from .arrays import storage_dtype
@@ -33,7 +33,7 @@ from .drive import Tensor, flag_error, refused_input
 from .drive import run_plan as run_plan_on
 from .engines import TransportOptions
 from .errors import ExecutorError, PeerTimeoutError, PlanMismatchError
-from .flags import TORCH_RANK, UsageError, command, launcher_rank, parse
+from .flags import TORCH_RANK, UsageError, check_torchrun, command, launcher_rank, parse
 from .pattern import fill
 from .scale import factors_for, factors_per_tensor, scale_plan, scale_tensors
 
@@ -142,16 +142,19 @@ PROG = "torchrun --nproc-per-node N -m xmesh_plan.executor.torch_run"
 @click.option("--max-mb", type=float, default=16.0, help="shrink the tensor to at most this many MiB (default 16)")
 @click.option("--nccl", is_flag=True, help="use an NCCL process group on cuda:LOCAL_RANK instead of gloo on the CPU")
 @click.option("--timeout", type=float, default=60.0, help="seconds without progress before a rank gives up (default 60)")
+@click.option(DEBUG_FLAG, "debug", is_flag=True, help=f"show the full traceback of an internal error (or set {DEBUG_ENV}=1)")
 def _command(**_) -> None:
     """The flags (`_arguments` reads them)."""
 
 
 def _arguments(argv: list[str] | None) -> SimpleNamespace:
-    """Parsed flags, each in its range; UsageError (one line naming the flag) otherwise. `--help` is printed by rank 0."""
+    """Parsed flags, each in its range; UsageError (one line naming the flag, or saying the command needs torchrun)
+    otherwise. `--help` is printed by rank 0."""
     args = parse(_command, argv, PROG, show_help=_launcher_rank() == 0)
     error = flag_error(args.iters, args.warmup, args.max_mb, args.timeout)
     if error is not None:
         raise UsageError(error)
+    check_torchrun(PROG)
     return args
 
 

@@ -82,14 +82,14 @@ class TorchWorld:
 
     def __init__(self, group=None):
         self.dist = import_torch_distributed()
-        if not self.dist.is_initialized():
+        if group is None and not self.dist.is_initialized():
             raise ExecutorError("torch.distributed is not initialised; call torch.distributed.init_process_group('gloo') "
                                 "(or 'nccl') first, e.g. under torchrun")
         self.group = self.dist.group.WORLD if group is None else group
 
     @property
     def rank(self) -> int:
-        return self.dist.get_rank(self.group)
+        return group_rank(self.dist, self.group)
 
     @property
     def size(self) -> int:
@@ -97,7 +97,7 @@ class TorchWorld:
 
     @property
     def backend(self) -> str:
-        return str(self.dist.get_backend(self.group)).lower()
+        return group_backend(self.dist, self.group)
 
     def tensor_device(self):
         """Where this group's tensors live: the current CUDA device for NCCL, else the CPU."""
@@ -113,7 +113,7 @@ class TorchWorld:
 
         mine = torch.as_tensor(np.asarray(row, np.int64), device=self.tensor_device())
         every = [torch.empty_like(mine) for _ in range(self.size)]
-        work = self.dist.all_gather(every, mine, group=self.group, async_op=True)
+        work = self.group.allgather([every], [mine])  # what dist.all_gather calls, on a group torch's registry may not know
         poll_until(work.is_completed, timeout_s, poll_s, what)
         work.wait()
         return torch.stack(every).cpu().numpy()
@@ -123,6 +123,23 @@ class TorchWorld:
 
     def release(self, comm) -> None:
         pass  # the group is the caller's
+
+
+def group_rank(dist, group) -> int:
+    """This process's rank in `group`. Torch's registry knows the groups it made (the default one, `new_group`'s);
+    a group made from its own store and not registered (`xmesh_plan.transfer_group`) answers for itself."""
+    try:
+        return dist.get_rank(group)
+    except ValueError:
+        return group.rank()
+
+
+def group_backend(dist, group) -> str:
+    """`group`'s backend name in lower case ("gloo", "nccl"), also for a group torch's registry does not know."""
+    try:
+        return str(dist.get_backend(group)).lower()
+    except ValueError:
+        return str(group.name()).lower()
 
 
 def import_torch_distributed():

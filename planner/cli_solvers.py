@@ -99,10 +99,13 @@ def compare_command(problem_file, seed, time_limit, max_tasks):
     bound = next(b for _, _, b, _ in rows if b is not None)
     best = min(p for _, p, _, _ in rows)
     unit, scale = _time_unit(max(p for _, p, _, _ in rows))
-    table = [(name, predicted * scale, over_bound(predicted, bound), _over_best(predicted, best), wall)
+    table = [(name, predicted * scale, _over_bound_of_row(predicted, bound, best), _over_best(predicted, best), wall)
              for name, predicted, _, wall in rows]
     click.echo(tabulate(table, headers=("approach", f"predicted {unit}", "/ bound", "/ best", "wall s"), tablefmt="plain",
                         floatfmt=("", ".4f", ".3f", ".3f", ".2f"), missingval="-"))
+    if any(row[2] is None for row in table):
+        click.echo("/ bound: '-' where the bound is 0 (nothing need cross a link) and this approach takes longer than the "
+                   f"best: compare the predicted {unit} instead")
     if any(row[3] is None for row in table):
         click.echo("/ best: '-' where the best approach takes 0 s (nothing crosses a link) and this one longer: "
                    f"compare the predicted {unit} instead")
@@ -113,6 +116,12 @@ def _time_unit(longest: float) -> tuple[str, float]:
     """The unit the predicted column shows times in, and its factor: seconds, or microseconds where every time is
     below a millisecond (so times that would all print as 0.0000 s stay apart)."""
     return ("s", 1.0) if longest >= 1e-3 else ("us", 1e6)
+
+
+def _over_bound_of_row(seconds: float, bound: float, best: float) -> float | None:
+    """`over_bound`, but None (no ratio) where the bound is 0 and this approach takes longer than the best: its 1.0
+    says a plan cannot do better, which holds only for the best approach when nothing need cross a link."""
+    return over_bound(seconds, bound) if bound > 0 or seconds <= best else None
 
 
 def _over_best(seconds: float, best: float) -> float | None:

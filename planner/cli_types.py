@@ -81,6 +81,8 @@ OUTPUT_FIXES = {
     errno.EACCES: "pick a file and folder you may write, or change their permissions",
     errno.EPERM: "pick a file and folder you may write, or change their permissions",
     errno.EROFS: "the file system is read-only; give a path on a writable one",
+    errno.ELOOP: "a symbolic link on the path leads back to itself; fix or remove the link",
+    errno.ENAMETOOLONG: "give a shorter file name",
 }
 
 

@@ -140,19 +140,23 @@ def limit_staging(timed_ops: list[TimedOp], problems: Sequence[ReshardingProblem
         raise ValueError("a bundle stages more than the staging limit; cap the bucket by it (compile_plan does)")
     widest = max(problems, key=lambda p: p.itemsize)  # the first tensor with the largest elements
     itemsize = widest.itemsize
+    uncut = len(staging)  # no limit cuts the plan into fewer operations than it has uncut
+    fits = max_operations is None or uncut <= max_operations
     if limit_bytes < itemsize:
-        smallest = smallest_limit(staging, itemsize, max_operations)
-        within = f" (for at most --max-tasks {max_operations} operations)" if smallest > itemsize else ""
+        smallest = smallest_limit(staging, itemsize, max_operations) if fits else itemsize
+        within = (f" (for at most --max-tasks {max_operations} operations)" if smallest > itemsize else "") if fits else \
+            f" with --max-tasks {_count(staging, smallest)} (uncut, the plan has {uncut} operations, more than --max-tasks {max_operations})"
         tensor = f", tensor {widest.name!r}" if len(problems) > 1 else ""
         raise StagingLimitError(f"--max-staging-mb: {limit_bytes} B is below one {widest.dtype} element ({itemsize} B{tensor}), the "
                                 f"smallest piece a staged box can be cut into; the smallest value that works is --max-staging-mb "
                                 f"{mib_text(smallest)}{within}")
     count = _count(staging, limit_bytes)
     if max_operations is not None and count > max_operations:
-        smallest = smallest_limit(staging, itemsize, max_operations)
+        fix = f"the smallest value that works is --max-staging-mb {mib_text(smallest_limit(staging, itemsize, max_operations))} " \
+            f"(or pass --max-tasks {count})" if fits else \
+            f"no --max-staging-mb brings it within (uncut, the plan has {uncut} operations); pass --max-tasks {count}"
         raise StagingLimitError(f"--max-staging-mb: {limit_bytes} B would cut the plan into {count} operations, more than --max-tasks "
-                                f"{max_operations}; the smallest value that works is --max-staging-mb {mib_text(smallest)} "
-                                "(or raise --max-tasks)")
+                                f"{max_operations}; {fix}")
     out: list[TimedOp] = []
     for (at, task, tensor, op), (nbytes, size, _) in zip(timed_ops, staging):
         if nbytes <= limit_bytes:

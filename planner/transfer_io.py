@@ -133,13 +133,13 @@ class _TaskCount:
         self.known: dict[tuple, TaskCount | None] = {}
         self.total = TaskCount(0, 0 if split_hosts else None)
         self.tensors = self.largest = self.written = 0
-        self.largest_name = ""
+        self.largest_name, self.largest_at = "", ()
 
     def of_entries(self, entries: Any, max_tasks: int) -> None:
         """TooManyTasksError where the entries (a problem's `tensors`) could cut into more than `max_tasks` unit tasks."""
         if not isinstance(entries, list):
             return
-        for entry in entries:
+        for e, entry in enumerate(entries):
             if not isinstance(entry, dict):
                 return
             repeat, group = (entry.get("repeat"), entry.get("group")) if "repeat" in entry or "group" in entry else (None, [entry])
@@ -150,19 +150,24 @@ class _TaskCount:
             self.written += len(group) * (1 if repeat is None else repeat)
             if self.written > MAX_TENSORS:  # unrolling refuses this entry by name; counting past it only takes time
                 return
-            for tensor in group:
-                if not self._add_copies(tensor, repeat):
+            for g, tensor in enumerate(group):
+                if not self._add_copies(tensor, repeat, (e, g)):
                     return
         if self.tensors:
             check_task_total(self.tensors, self.total, self.largest_name, self.largest, max_tasks)
 
-    def _add_copies(self, tensor: dict, repeat: int | None) -> bool:
-        """Count `tensor` (`repeat` copies named by {i}, or itself when None); False where something is malformed."""
+    def _add_copies(self, tensor: dict, repeat: int | None, at: tuple[int, int]) -> bool:
+        """Count `tensor` (`repeat` copies named by {i}, or itself when None), entry and group index `at`; False where
+        something is malformed."""
+        (e, g) = at
         if repeat is None or ("src" in tensor and "dst" in tensor):
-            return self._add(tensor["name"].replace("{i}", "0") if repeat else tensor["name"], tensor, 1 if repeat is None else repeat)
-        return all(self._add(tensor["name"].replace("{i}", str(i)), tensor, 1) for i in range(repeat))
+            return self._add(tensor["name"].replace("{i}", "0") if repeat else tensor["name"], tensor, 1 if repeat is None else repeat,
+                             (e, 0, g))
+        return all(self._add(tensor["name"].replace("{i}", str(i)), tensor, 1, (e, i, g)) for i in range(repeat))
 
-    def _add(self, name: str, tensor: dict, copies: int) -> bool:
+    def _add(self, name: str, tensor: dict, copies: int, at: tuple[int, int, int]) -> bool:
+        """Count `copies` of `tensor`, the first called `name` at `at` (entry, copy, group index: the order the file
+        unrolls in), so the largest is named as `check_joint_task_count` names it: the first of the most tasks."""
         shape = tensor.get("shape")
         try:
             layouts = [_layout(tensor, side, lambda: self.rules.spec(name, side)) for side in ("src", "dst")]
@@ -183,8 +188,8 @@ class _TaskCount:
             return count is not None
         self.tensors += copies
         self.total += count.times(copies)
-        if count.needed > self.largest:
-            self.largest, self.largest_name = count.needed, name
+        if count.needed > self.largest or (count.needed == self.largest and at < self.largest_at):
+            self.largest, self.largest_name, self.largest_at = count.needed, name, at
         return True
 
 

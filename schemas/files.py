@@ -132,10 +132,10 @@ def write_atomic(path: str | os.PathLike, data: str | bytes) -> None:
     if mode is not None and not stat.S_ISREG(mode):
         _write_through(target, raw)
         return
-    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
+    fd, tmp = _named_error(target, tempfile.mkstemp, prefix=f".{_short(target.name)}.", suffix=".tmp", dir=target.parent)
     try:
         with os.fdopen(fd, "wb") as handle:
-            handle.write(raw)
+            _named_error(target, handle.write, raw)  # a write on a descriptor names no file: name the output
         if found is not None and found.st_nlink > 1:  # a rename would part this name from the file's other names
             Path(tmp).unlink()
             _write_into(target, raw)
@@ -145,6 +145,20 @@ def write_atomic(path: str | os.PathLike, data: str | bytes) -> None:
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+def _short(name: str, most: int = 200) -> str:
+    """`name` cut to at most `most` bytes, so the temporary copy's name (a dot, this, a random part and `.tmp`)
+    stays within the 255 bytes a file system takes for any name the file itself may have."""
+    return os.fsdecode(os.fsencode(name)[:most])
+
+
+def _named_error(target: Path, call, *args, **kwargs):
+    """`call(*args, **kwargs)`, its OSError naming `target` (the output), not the temporary copy or nothing."""
+    try:
+        return call(*args, **kwargs)
+    except OSError as err:
+        raise OSError(err.errno, err.strerror, str(target)) from None
 
 
 def _write_into(target: Path, data: bytes) -> None:

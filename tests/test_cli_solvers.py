@@ -71,6 +71,20 @@ def test_compare_keeps_times_below_a_millisecond_apart(tmp_path):
     assert float(rows["rank0-gather-broadcast"][2]) == pytest.approx(gather / auto, rel=0.05)  # from the shown, rounded times
 
 
+@pytest.mark.parametrize("shape,shared", [([0, 8], False), ([8, 8], True)], ids=["empty", "local-copies-only"])
+def test_compare_claims_no_baseline_meets_a_bound_of_zero_it_is_far_above(tmp_path, shape, shared):
+    """A bound of 0 (nothing need cross a link): '/ bound' said 1.000 for every row, the gather-broadcast baseline's
+    tens of microseconds of cross-host messages too, as if it met the bound."""
+    mesh = {"shape": [2], "devices": [0, 1]} if shared else "1x2"
+    problem = write(tmp_path, "p.json", json.dumps({"shape": shape, "dtype": "float32", "cluster": {"latency_us": 20},
+                                                   "src": {"mesh": mesh, "spec": "S0 R"}, "dst": {"mesh": mesh, "spec": "S0 R" if shared else "R S1"}}))
+    result = CliRunner().invoke(main, ["compare", problem, "--time-limit", "0.5"])
+    assert result.exit_code == 0, result.output
+    rows = _compare_rows(result)
+    assert rows["rank0-gather-broadcast"][1] == "-" and rows["broadcast + auto"][1] == "1.000", result.output
+    assert "/ bound: '-' where the bound is 0" in result.output
+
+
 def test_check_passes_a_good_plan_and_fails_a_poor_one(tmp_path):
     good = write(tmp_path, "good.json", compile_plan(case3()).to_json())
     poor = write(tmp_path, "poor.json", compile_plan(case3(), solver="naive").to_json())

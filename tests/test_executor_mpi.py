@@ -198,6 +198,17 @@ def test_a_usage_error_on_one_rank_alone_is_reported_by_that_rank(fixed_plan_pat
     assert "did not finish" not in result.stderr and "nothing completed" not in result.stderr, result.stderr
 
 
+def test_help_on_one_rank_alone_ends_the_job():
+    """`--help` on one rank only: that rank left before MPI started, and MPI_Init on the others waited for it for
+    ever (no --timeout bounds MPI_Init). It joins the job, and every rank agrees to stop."""
+    plan = PLANS / "one_to_1x1.plan.json"
+    demo = [sys.executable, "-m", "xmesh_plan.executor.run", str(plan), "--timeout", "10"]
+    result = mpiexec_programs(["-n", "1", *demo], ["-n", "1", *demo, "--help"], timeout=150)
+    assert result.returncode == 2, result.stderr
+    assert "rank 0: stopped: another rank was given --help" in result.stderr, result.stderr
+    assert "Traceback" not in result.stderr and "did not finish" not in result.stderr, result.stderr
+
+
 @pytest.mark.parametrize("plans,options", [([], ["--iters", "2"]), ([], ["--check"]), ([str(PLANS / "weight_sync_small.plan.json")], [])],
                          ids=["iters", "check", "one-more-plan"])
 def test_flags_that_differ_on_one_rank_are_refused_before_any_byte_moves(fixed_plan_path, plans, options):

@@ -219,6 +219,8 @@ def _demo(name: str, flags: list[str], rank: int = 0) -> subprocess.CompletedPro
     ("pipeline_mlp", ["--steps", "x"], "Invalid value for '--steps'"),
     ("torch_pipeline_csv", ["--format", "x", "--micro-batches", "4"], "Invalid value for '--format'"),
     ("torch_pipeline_csv", [], "Missing option '--micro-batches'"),
+    ("torch_pipeline_csv", ["--micro-batches", "0"], "'--micro-batches': 0 is not in the range"),
+    ("torch_pipeline_csv", ["--micro-batches", "4"], "'s.csv': cannot read the schedule CSV"),  # a traceback, no such file
 ])
 def test_a_demo_refuses_a_bad_flag_in_one_line_with_exit_2(name, flags, expect):
     result = _demo(name, flags)
@@ -226,6 +228,48 @@ def test_a_demo_refuses_a_bad_flag_in_one_line_with_exit_2(name, flags, expect):
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 and expect in lines[0] and "Traceback" not in result.stderr, result.stderr
     assert "--help" in lines[0] or "e.g." in lines[0]
+
+
+TORCHRUN_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+
+
+@pytest.mark.parametrize("name,flags", [("torch_run", []), ("torch_run", ["--debug"]), ("redistribute_demo", [])])
+def test_a_torch_demo_started_without_torchrun_says_how_to_launch_it(name, flags):
+    """Not under torchrun, torch's env:// rendezvous fails: the torch demo called that a bug in itself (and its advice,
+    --debug, was a flag it refused), the DTensor demo printed torch's traceback."""
+    module, _, plans = DEMOS[name]
+    env = {k: v for k, v in os.environ.items() if k not in TORCHRUN_VARIABLES and k != DEBUG_ENV}
+    result = subprocess.run([sys.executable, "-m", module, *plans, *flags], capture_output=True, text=True, env=env,
+                            timeout=300, cwd=ROOT)
+    assert result.returncode == 2, result.stderr[-2000:]
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and "torchrun" in lines[0] and "RANK" in lines[0], result.stderr[-2000:]
+    assert "bug" not in lines[0] and "No such option" not in lines[0]
+
+
+@pytest.mark.parametrize("flags,expect", [(["--rows", "1000000000000"], "--rows 1000000000000 x --cols 768"),
+                                          (["--iters", "10000000000"], "--iters 10000000000")])
+def test_the_dtensor_demo_refuses_sizes_it_cannot_hold_in_one_line(flags, expect):
+    """No bound: every rank allocated rows x cols elements and died with torch's allocator traceback."""
+    result = _demo("redistribute_demo", flags)
+    assert result.returncode == 2, result.stderr[-2000:]
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and expect in lines[0], result.stderr[-2000:]
+
+
+def test_the_dtensor_demo_reports_an_internal_error_in_one_line(tmp_path):
+    """An unexpected failure on a rank is one line naming the rank (the last-resort handler), not a traceback."""
+    (tmp_path / "sitecustomize.py").write_text("import torch.distributed as dist\n"
+                                               "def failing(*a, **k):\n    raise RuntimeError('injected')\n"
+                                               "dist.init_process_group = failing\n")
+    env = {**os.environ, "PYTHONPATH": str(tmp_path), "RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1",
+           "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29999"}
+    env.pop(DEBUG_ENV, None)
+    result = subprocess.run([sys.executable, "-m", "xmesh_plan.redistribute_demo"], capture_output=True, text=True, env=env,
+                            timeout=300, cwd=ROOT)
+    assert result.returncode == 1, result.stderr[-2000:]
+    assert result.stderr.startswith("rank 1: internal error: RuntimeError: injected"), result.stderr[-2000:]
+    assert "Traceback" not in result.stderr and result.stderr.count("\n") == 1
 
 
 @pytest.mark.parametrize("name", sorted(set(DEMOS) - {"torch_pipeline_csv"}))  # that one is a single process

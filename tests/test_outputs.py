@@ -105,6 +105,43 @@ def test_a_hard_linked_file_is_untouched_when_the_copy_cannot_be_written(tmp_pat
     assert sorted(p.name for p in tmp_path.iterdir()) == ["copy.json", "plan.json"]
 
 
+def test_a_full_disk_under_the_copy_names_the_file_not_standard_output(tmp_path, monkeypatch):
+    """The copy is written through its descriptor, so the disk's error carries no file name; the one line the
+    last-resort handler prints named 'standard output' for `-o plan.json`."""
+    from xmesh_plan.schemas import files
+    from xmesh_plan.schemas.last_resort import environment_error_line
+
+    real_mkstemp = files.tempfile.mkstemp
+
+    def on_a_full_disk(**kwargs):
+        fd, name = real_mkstemp(**kwargs)
+        os.close(fd)
+        return os.open("/dev/full", os.O_WRONLY), name
+
+    monkeypatch.setattr(files.tempfile, "mkstemp", on_a_full_disk)
+    result = run_cli("compile", CASE3, *FAST, "-o", tmp_path / "plan.json")
+    assert isinstance(result.exception, OSError) and result.exception.errno == 28, result.output
+    line = environment_error_line(result.exception)
+    assert "plan.json" in line and "standard output" not in line, line
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_a_name_as_long_as_the_file_system_takes_is_written(tmp_path):
+    """The temporary copy is named after the file; a name near the 255-byte limit made that name too long."""
+    for name in ("a" * 255, "é" * 125 + ".json"):
+        path = tmp_path / name
+        write_atomic(path, "new\n")
+        assert path.read_text() == "new\n"
+    assert len(list(tmp_path.iterdir())) == 2
+
+
+def test_a_symlink_loop_is_one_line_that_says_so(tmp_path):
+    (tmp_path / "loop").symlink_to("loop")
+    result = run_cli("compile", CASE3, *FAST, "-o", tmp_path / "loop")
+    assert result.exit_code == 2 and result.output.count("\n") == 1, result.output
+    assert "symbolic link" in result.output.split(";", 1)[1] and "folder exists" not in result.output, result.output
+
+
 def test_a_folder_is_refused_and_stays(tmp_path):
     with pytest.raises(IsADirectoryError):
         write_atomic(tmp_path, "x")

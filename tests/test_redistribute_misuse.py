@@ -100,6 +100,18 @@ def test_the_cache_does_not_keep_the_source_shard_alive_and_clear_cache_empties_
                                                     "(executors, groups, pending, executors alive): (0, 0, 0, 0)")
 
 
+def test_a_layout_the_cache_holds_is_never_compiled_again(main_lines):
+    """20 layouts cycled three times with set_cache_size(20): 20 compiles (the default 16 compiled all 60 calls)."""
+    assert same_everywhere(main_lines, "cycled") == "compiles 20, distinct 20, kept 20"
+
+
+def test_set_cache_size_refuses_a_size_below_one():
+    from xmesh_plan.redistribute import FrontendError, set_cache_size
+
+    with pytest.raises(FrontendError, match="set_cache_size: size=0; give a whole number of layouts to keep, at least 1"):
+        set_cache_size(0)
+
+
 def test_caches_stay_bounded_and_a_move_dropped_on_some_ranks_runs_again(main_lines):
     sizes = [tuple(map(int, line.split()[1:])) for line in main_lines["bounded"]]
     assert len(sizes) == RANKS and all(executors <= 3 and problems <= 5 and pending <= 2 for executors, problems, pending in sizes)

@@ -154,6 +154,28 @@ def test_an_impossible_limit_names_the_flag_and_the_smallest_value_that_works(tm
     assert runner.invoke(main, ["compile", str(problem_file), "--max-staging-mb", below_smallest, "--max-tasks", "60"]).exit_code == 2
 
 
+def test_a_limit_no_cut_can_meet_names_the_max_tasks_that_works(tmp_path):
+    """Device 0 is on both sides, so the 2 unit tasks are 3 operations before any cut: at --max-tasks 2 (the
+    number the task-count refusal names) no staging limit fits, and the refusal named one that was then refused."""
+    problem_file = tmp_path / "p.json"
+    problem_file.write_text(json.dumps({"shape": [11], "dtype": "float32", "cluster": {"devices_per_host": 6},
+                                        "src": {"mesh": {"shape": [2]}, "spec": "S0"},
+                                        "dst": {"mesh": {"shape": [2, 1], "devices": [3, 0]}, "spec": "S1"}}))
+    runner = CliRunner()
+    counted = runner.invoke(main, ["compile", str(problem_file), "--no-merge", "--max-tasks", "1"])
+    assert counted.exit_code == 2 and "--max-tasks 2 " in counted.output, counted.output
+    cuts_nothing = runner.invoke(main, ["compile", str(problem_file), "--no-merge", "--max-tasks", "2", "--max-staging-mb", "0.0001"])
+    assert cuts_nothing.exit_code == 2 and cuts_nothing.output.count("\n") == 1, cuts_nothing.output
+    assert "no --max-staging-mb brings it within (uncut, the plan has 3 operations); pass --max-tasks 3" in cuts_nothing.output
+    below = runner.invoke(main, ["compile", str(problem_file), "--no-merge", "--max-tasks", "2", "--max-staging-mb", "0.000001"])
+    assert below.exit_code == 2 and below.output.count("\n") == 1, below.output
+    assert "the smallest value that works is --max-staging-mb 0.000004 with --max-tasks 3 " in below.output
+    for limit in ("0.0001", "0.000004"):
+        works = runner.invoke(main, ["compile", str(problem_file), "--no-merge", "--max-tasks", "3", "--max-staging-mb", limit,
+                                     "-o", str(tmp_path / "out.json")])
+        assert works.exit_code == 0, works.output
+
+
 def test_the_bucket_may_not_exceed_the_limit_and_transfers_take_a_limit_too(tmp_path):
     runner = CliRunner()
     over = runner.invoke(main, ["compile", "plans/case3.problem.json", "--coalesce", "--bucket-mb", "8", "--max-staging-mb", "4"])

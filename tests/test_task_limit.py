@@ -182,6 +182,22 @@ def test_the_reader_and_compile_name_the_same_limit():
             assert str(read.value) == str(compiled.value)
 
 
+def test_the_reader_and_compile_name_the_same_largest_tensor_on_a_tie():
+    """Compile names the first tensor of the most tasks in the order the file unrolls (layer by layer); the reader
+    counted a repeated group tensor by tensor, so on a tie it named l1.a where compile named l0.b."""
+    from xmesh_plan.planner.transfer_io import build_transfer
+
+    raw = {"src_mesh": "1x4", "dst_mesh": "1x2", "rules": [{"match": "l1.a", "src": "S1 R", "dst": "R S1"},
+                                                          {"match": "*", "src": "R R", "dst": "R R"}],
+           "tensors": [{"repeat": 2, "group": [{"name": "l{i}.a", "shape": [8, 8]},
+                                               {"name": "l{i}.b", "shape": [8, 8], "src": "S1 R", "dst": "R S1"}]}]}
+    with pytest.raises(TooManyTasksError) as read:
+        build_transfer(json.loads(json.dumps(raw)), max_tasks=1)
+    with pytest.raises(TooManyTasksError) as compiled:
+        compile_plan(build_transfer(json.loads(json.dumps(raw))), max_tasks=1)
+    assert "from 'l0.b'" in str(compiled.value) and str(read.value) == str(compiled.value)
+
+
 REPEATED = {"src_mesh": "2x4", "dst_mesh": "2x4", "rules": [{"match": "*", "src": "S0 R", "dst": "R S1"}],
             "tensors": [{"repeat": 100_000, "group": [{"name": "l{i}.w", "shape": [64, 64]}]}]}
 

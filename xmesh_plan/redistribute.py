@@ -3,10 +3,12 @@
     y = redistribute(x, dst_mesh, [Shard(1)])                  # every rank calls it, as with any DTensor op
     y = redistribute(x, dst_mesh, [Shard(1)], async_op=True)   # returns at once; waits when y's data is first used
     clear_cache()                                              # every rank: drop cached plans, executors, groups
+    set_cache_size(32)                                         # every rank: keep the 32 most recently used layouts
 
 The plan is compiled once per (shape, dtype, meshes, placements, cluster) and kept with its prepared
-executor (the torch engine), so later calls only move bytes; the `CACHE_SIZE` most recently used
-are kept. Every rank of the default group calls it, as every DTensor operation; the executor runs
+executor (the torch engine), keyed by a fingerprint of that layout (128 bits of its SHA-256), so later
+calls only move bytes; the `CACHE_SIZE` most recently used are kept (16; `set_cache_size(n)` on every
+rank keeps n), and a layout the cache holds is never compiled again. Every rank of the default group calls it, as every DTensor operation; the executor runs
 over the default group when the two meshes hold every rank, else over a group of just their ranks
 (made once); a rank in neither mesh moves nothing. By default device d sits on host
 d // LOCAL_WORLD_SIZE, as torchrun numbers ranks; pass `cluster` to describe other hosts or links.
@@ -51,7 +53,7 @@ from xmesh_plan.schemas import Cluster, ReshardingProblem
 from .dtensor import problem_from_dtensor
 from .sides import FrontendError
 
-CACHE_SIZE = 16  # prepared executors kept, least recently used dropped first (each holds a thread and its buffers)
+CACHE_SIZE = 16  # prepared executors kept, least recently used dropped first (each holds a thread and its buffers); set_cache_size
 PROBLEM_CACHE_SIZE = 256  # checked problems kept, so a repeated call checks its arguments by one dict look-up
 AGREE_TIMEOUT_S = 60.0  # how long a rank waits for the others to reach the same call
 
@@ -67,7 +69,7 @@ class _State:
     they were made under (`same_world`); everything is this rank's alone (no method here is a collective)."""
 
     def __init__(self) -> None:
-        self.executors: OrderedDict[tuple, ReshardingExecutor] = OrderedDict()  # per move, least recently used first
+        self.executors: OrderedDict[tuple[int, int], ReshardingExecutor] = OrderedDict()  # by layout fingerprint, least recently used first
         self.pending: dict[tuple[int, ...], tuple[ReshardingExecutor, Callable[[], object]]] = {}  # by the ranks of the move
         self.groups: dict[tuple[int, ...], object] = {}  # process groups of the ranks of two meshes that do not hold every rank
         self.problems: OrderedDict[tuple, tuple[ReshardingProblem, tuple[int, int]]] = OrderedDict()  # checked problem, key hash
@@ -106,18 +108,22 @@ class _State:
             self.problems.popitem(last=False)
         return self.problems[key]
 
-    def used(self, key: tuple) -> ReshardingExecutor:
+    def used(self, key: tuple[int, int]) -> ReshardingExecutor:
         """The cached executor of `key`, now the most recently used."""
         self.executors.move_to_end(key)
         return self.executors[key]
 
-    def remember(self, key: tuple, executor: ReshardingExecutor) -> None:
+    def remember(self, key: tuple[int, int], executor: ReshardingExecutor) -> None:
         """Cache `executor`, closing the least recently used ones beyond CACHE_SIZE (after their pending move)."""
         self.executors[key] = executor
+        self.trim()
+
+    def trim(self) -> None:
+        """Close the least recently used executors beyond CACHE_SIZE (after their pending move)."""
         while len(self.executors) > CACHE_SIZE:
             self.close(self.executors.popitem(last=False)[1])
 
-    def drop(self, key: tuple) -> None:
+    def drop(self, key: tuple[int, int]) -> None:
         """Close and forget the executor of `key` (after its pending move)."""
         self.close(self.executors.pop(key))
 
@@ -247,12 +253,12 @@ def _agree(move: _Move, group, local: torch.Tensor | None, wants_grad: bool) -> 
     ranks all-gather the rows to name the ranks in one error, or, when only some ranks lack the executor
     (a rank may have dropped it), all prepare it again."""
     rank = dist.get_rank()
-    executor = _STATE.executors.get(move.key)
+    executor = _STATE.executors.get(move.fingerprint)
     fits = local is None or (tuple(local.shape) == move.local_shape(rank) and local.dtype == move.dtype)
     broken = executor is not None and bool(executor.engine.broken)
     row = np.array([*move.fingerprint, wants_grad, fits, executor is not None, broken], dtype=np.int64)
     if _all_fine(group, row):
-        return _STATE.used(move.key)
+        return _STATE.used(move.fingerprint)
     every = TorchWorld(group).allgather(row, AGREE_TIMEOUT_S, DEFAULT_POLL_S, "redistribute() on every rank of both meshes")
     ranks = np.array(move.ranks)
     _check_rows(move, ranks, every)
@@ -260,11 +266,11 @@ def _agree(move: _Move, group, local: torch.Tensor | None, wants_grad: bool) -> 
         raise ExecutorError(f"redistribute: this move failed earlier on {_list(ranks[every[:, 5] == 1])} (that error says "
                             "why); call xmesh_plan.redistribute.clear_cache() on every rank before moving again")
     if executor is not None and every[:, 4].all():
-        return _STATE.used(move.key)
+        return _STATE.used(move.fingerprint)
     if executor is not None:
-        _STATE.drop(move.key)
+        _STATE.drop(move.fingerprint)
     prepared = ReshardingExecutor(compile_plan(move.problem), group, backend="torch", timeout_s=AGREE_TIMEOUT_S).prepare()
-    _STATE.remember(move.key, prepared)
+    _STATE.remember(move.fingerprint, prepared)
     return prepared
 
 
@@ -357,6 +363,19 @@ def clear_cache() -> None:
         TorchWorld(None).allgather(np.zeros(1, np.int64), AGREE_TIMEOUT_S, DEFAULT_POLL_S, "clear_cache() on every rank")
         for group in groups:
             dist.destroy_process_group(group)
+
+
+def set_cache_size(size: int) -> None:
+    """Keep the `size` most recently used layouts' plans and prepared executors (16 by default); call it on every rank.
+
+    A layout the cache holds is never compiled again: cycling through 20 layouts with `set_cache_size(20)`
+    compiles each once, where the default 16 compiles every call. Each kept executor holds a progress thread
+    and its destination and staging buffers; shrinking closes the least recently used beyond `size` at once."""
+    global CACHE_SIZE, PROBLEM_CACHE_SIZE
+    if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+        raise FrontendError(f"set_cache_size: size={size!r}; give a whole number of layouts to keep, at least 1 (16 by default)")
+    CACHE_SIZE, PROBLEM_CACHE_SIZE = size, max(PROBLEM_CACHE_SIZE, size)
+    _STATE.trim()
 
 
 def _local(tensor: DTensor) -> torch.Tensor | None:

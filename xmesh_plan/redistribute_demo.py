@@ -18,8 +18,12 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
-from xmesh_plan.executor.flags import TORCH_RANK, UsageError, command, launcher_rank, parse
+from xmesh_plan.executor.drive import MAX_ITERS
+from xmesh_plan.executor.flags import TORCH_RANK, UsageError, check_torchrun, command, launcher_rank, parse
 from xmesh_plan.redistribute import redistribute
+from xmesh_plan.schemas.last_resort import DEBUG_ENV, DEBUG_FLAG, run_guarded
+
+MAX_ELEMENTS = 2**28  # rows x cols: every rank builds the whole tensor (float32, then bfloat16), about 1.5 GiB at this size
 
 
 def moves(world: int) -> list[tuple[str, DeviceMesh, list, DeviceMesh, list]]:
@@ -40,6 +44,7 @@ PROG = "torchrun --standalone --nproc-per-node 4 -m xmesh_plan.redistribute_demo
 @click.option("--rows", type=int, default=1000, help="rows of the bfloat16 tensor (default 1000)")
 @click.option("--cols", type=int, default=768, help="columns (default 768)")
 @click.option("--iters", type=int, default=5, help="timed calls per move after the first (default 5)")
+@click.option(DEBUG_FLAG, "debug", is_flag=True, help=f"show the full traceback of an internal error (or set {DEBUG_ENV}=1)")
 def _command(**_) -> None:
     """The flags (`main` reads them)."""
 
@@ -50,6 +55,12 @@ def main(argv: list[str] | None = None) -> int:
         args = parse(_command, argv, PROG, show_help=launcher_rank(*TORCH_RANK) == 0)
         if args.rows < 1 or args.cols < 1 or args.iters < 1:
             raise UsageError("--rows, --cols and --iters must be positive, e.g. --rows 1000 --cols 768 --iters 5")
+        if args.rows * args.cols > MAX_ELEMENTS:
+            raise UsageError(f"--rows {args.rows} x --cols {args.cols}: at most {MAX_ELEMENTS:,} elements (every rank builds "
+                             "the whole tensor), e.g. --rows 1000 --cols 768")
+        if args.iters > MAX_ITERS:
+            raise UsageError(f"--iters {args.iters}: give 1 to {MAX_ITERS:,} timed calls, e.g. --iters 5")
+        check_torchrun(PROG)
     except UsageError as err:
         if launcher_rank(*TORCH_RANK) == 0:
             print(f"error: {err}", file=sys.stderr)
@@ -85,5 +96,11 @@ def main(argv: list[str] | None = None) -> int:
     return 1 if flag.item() else 0
 
 
+def console_main() -> int:
+    """The demo behind the last-resort handler: anything unexpected is one line per rank, not a traceback."""
+    return run_guarded(main, "python -m xmesh_plan.redistribute_demo", sys.argv[1:],
+                       prefix=f"rank {launcher_rank(*TORCH_RANK)}: ")
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(console_main())

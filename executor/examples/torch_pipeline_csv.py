@@ -29,6 +29,7 @@ from ..flags import UsageError, command, parse
 
 WIDTH, ROWS_PER_MICRO_BATCH, SEED = 8, 2, 0
 RTOL, ATOL = 1e-5, 1e-6
+MAX_MICRO_BATCHES = 1_000_000  # the batch is built whole: 2 x 8 floats per row, rows = 2 per micro-batch
 
 
 def csv_ranks(path: str) -> int:
@@ -124,7 +125,7 @@ PROG = "python -m xmesh_plan.executor.examples.torch_pipeline_csv"
 @click.argument("csv_file")
 @click.option("--format", "form", type=click.Choice(("compute_only", "compute_comms")), default="compute_only",
               help="the CSV's format, as `xmesh-plan schedule --torch-format` wrote it (default compute_only)")
-@click.option("--micro-batches", type=int, required=True, help="the pipeline's micro_batches")
+@click.option("--micro-batches", type=click.IntRange(1, MAX_MICRO_BATCHES), required=True, help="the pipeline's micro_batches")
 def _command(**_) -> None:
     """The flags (`main` reads them)."""
 
@@ -132,6 +133,12 @@ def _command(**_) -> None:
 def main(argv: list[str] | None = None) -> int:
     try:
         args = parse(_command, argv, PROG)
+        try:
+            csv_ranks(args.csv_file)
+        except (OSError, UnicodeDecodeError) as err:
+            reason = getattr(err, "strerror", None) or "not UTF-8 text"
+            raise UsageError(f"{args.csv_file!r}: cannot read the schedule CSV ({reason}); write one first, e.g. "
+                             "xmesh-plan schedule PIPELINE --torch-csv s.csv") from None
     except UsageError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

@@ -61,16 +61,20 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_ranks(n: int, worker: Path, *args: str, env: dict[str, str] | None = None,
-              timeout: float = TORCH_LAUNCH_TIMEOUT_S) -> list[tuple[int, str, str]]:
-    """Start `n` ranks of `worker` with env:// variables (plus `env`); (return code, stdout, stderr) of each once
-    every rank ended. A rank still running at the deadline is killed, and so are the others."""
+def start_ranks(n: int, worker: Path, *args: str, env: dict[str, str] | None = None) -> list[subprocess.Popen]:
+    """Start `n` ranks of `worker` with env:// variables of a world of their own (plus `env`); see `run_ranks`."""
     port, procs = free_port(), []
     for rank in range(n):
         rank_env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank), "WORLD_SIZE": str(n),
                     "LOCAL_RANK": str(rank), "LOCAL_WORLD_SIZE": str(n), "OMP_NUM_THREADS": "1", **(env or {})}
         procs.append(subprocess.Popen([sys.executable, str(worker), *args], cwd=ROOT, env=rank_env, text=True,
                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE))
+    return procs
+
+
+def finish_ranks(procs: list[subprocess.Popen], timeout: float = TORCH_LAUNCH_TIMEOUT_S) -> list[tuple[int, str, str]]:
+    """(return code, stdout, stderr) of each process once every one ended; one still running at the deadline is
+    killed, and so are the others."""
     deadline, runs = time.monotonic() + timeout, []
     try:
         for proc in procs:
@@ -80,6 +84,13 @@ def run_ranks(n: int, worker: Path, *args: str, env: dict[str, str] | None = Non
         for proc in procs:
             proc.kill()
     return runs
+
+
+def run_ranks(n: int, worker: Path, *args: str, env: dict[str, str] | None = None,
+              timeout: float = TORCH_LAUNCH_TIMEOUT_S) -> list[tuple[int, str, str]]:
+    """Start `n` ranks of `worker` with env:// variables (plus `env`); (return code, stdout, stderr) of each once
+    every rank ended. A rank still running at the deadline is killed, and so are the others."""
+    return finish_ranks(start_ranks(n, worker, *args, env=env), timeout)
 
 
 def launch(n: int, *args: str, worker: Path = TORCH_WORKER) -> list[str]:

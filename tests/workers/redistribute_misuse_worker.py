@@ -213,6 +213,24 @@ def freed(rank: int) -> str:
     return f"source kept alive (sync, async): {alive}; after clear_cache (executors, groups, pending, executors alive): {state}"
 
 
+def cycled(rank: int) -> str:
+    """20 layouts cycled three times with set_cache_size(20): each compiled once, every move right."""
+    rd.set_cache_size(int(os.environ.get("CYCLED_CACHE_SIZE", "20")))
+    rd.clear_cache()
+    src, dst, compiles, compile_plan = mesh([0, 1]), mesh([2, 3]), [], rd.compile_plan
+    rd.compile_plan = lambda problem, *args, **kwargs: compiles.append(problem.shape) or compile_plan(problem, *args, **kwargs)
+    try:
+        for _ in range(3):
+            for rows in range(1, 21):
+                full = full_of((rows, 4))
+                check(redistribute(distribute_tensor(full, src, [Shard(0)]), dst, [Shard(1)]), full, dst, [Shard(1)], f"rows {rows}")
+    finally:
+        rd.compile_plan = compile_plan
+    kept = len(rd._STATE.executors)
+    rd.set_cache_size(16)
+    return f"compiles {len(compiles)}, distinct {len(set(compiles))}, kept {kept}"
+
+
 def bounded(rank: int) -> str:
     """Many layouts: the caches stay bounded, and a move one rank dropped from its cache while others kept it still runs."""
     rd.CACHE_SIZE, rd.PROBLEM_CACHE_SIZE = 3, 5
@@ -270,7 +288,7 @@ def reinit(rank: int) -> str:
 
 
 SCENARIOS = ("bad_arguments", "back_to_back", "sender_waits", "wrong_local_shard", "grad_on_one_rank",
-             "other_layout_on_one_rank", "scalar", "freed",
+             "other_layout_on_one_rank", "scalar", "freed", "cycled",
              "bounded", "no_grad", "broken", "reinit")
 
 

@@ -1,0 +1,79 @@
+"""`xmesh_plan.weight_sync.WeightSync` on gloo: a tiny Llama-like model, FSDP2 `fully_shard` on 4 trainer ranks, into two
+TP=2 inference replicas, every destination element checked bit for bit against the trainer's `full_tensor()`.
+
+One launch of 8 ranks (one world) and one pair of launches of 4 (separate worlds joined by `transfer_group`);
+tests/workers/weight_sync_worker.py does the work and prints what the tests compare. Each mismatch case runs
+with WeightSync's deadline at 5 s after a barrier, so a mismatch noticed late would surface as a timeout,
+not as the cause the tests expect.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.support.launch import ROOT, finish_ranks, free_port, run_ranks, start_ranks
+
+WORKER = ROOT / "tests" / "workers" / "weight_sync_worker.py"
+LAUNCH_TIMEOUT_S = 400  # a hang only: 8 ranks importing torch on a loaded 2-core machine take minutes
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(3 * LAUNCH_TIMEOUT_S)]
+
+
+def lines_of(runs: list[tuple[int, str, str]]) -> dict[str, list[str]]:
+    """What -> every rank's result, in rank order, from `rank R: what: result` lines; every rank must have succeeded."""
+    assert not [(code, err[-3000:]) for code, _, err in runs if code], [(code, err[-3000:]) for code, _, err in runs]
+    out: dict[str, list[str]] = {}
+    for _, text, _ in runs:
+        for line in text.splitlines():
+            if line.startswith("rank "):
+                what, result = line.split(": ", 1)[1].split(": ", 1)
+                out.setdefault(what, []).append(result)
+    return out
+
+
+@pytest.fixture(scope="module")
+def joint() -> dict[str, list[str]]:
+    return lines_of(run_ranks(8, WORKER, "joint", timeout=LAUNCH_TIMEOUT_S))
+
+
+def test_fsdp2_weights_land_bit_exact_in_the_tp_replicas_every_step(joint):
+    assert joint["step 0"] == ["sent"] * 4 + ["ok"] * 4
+    assert joint["step 1"] == ["sent"] * 4 + ["ok, changed True"] * 4
+
+
+def test_colocated_ranks_pass_both_mappings_and_sync_bit_exact(joint):
+    assert joint["colocated"] == ["ok"] * 4 + ["outside"] * 4
+
+
+def test_fused_qkv_and_gate_up_land_as_each_tp_rank_concatenates_its_shares(joint):
+    assert joint["fused"] == ["sent"] * 4 + ["ok"] * 4
+
+
+def test_the_plan_is_compiled_once_and_found_by_fingerprint_after(joint):
+    assert joint["compiled"] == ["True"] * 8
+    assert joint["same layouts again, compiled"] == ["False"] * 8
+
+
+Q, DOWN = "model.layers.0.self_attn.q_proj.weight", "model.layers.1.mlp.down_proj.weight"
+
+
+@pytest.mark.parametrize("case, message", [
+    ("dtype", f"WeightSyncError: inference tensor '{Q}': rank 5 has dtype float16 but rank 4 has float32; give it the same "
+              "dtype on every rank"),
+    ("shape", f"WeightSyncError: inference tensor '{DOWN}' on rank 6 has shape (12, 18) but R S1 of the global (12, 18) gives "
+              "that rank (12, 9); give it the shape of its part"),
+    ("missing", "WeightSyncError: inference tensor 'lm_head.weight' is not passed on rank 7 (its other ranks pass it); pass "
+                "every inference tensor on every rank of the inference mesh"),
+    ("trainer shard dtype at run()", "WeightSyncError: trainer tensor 'model.norm.weight' on rank 2 is float64, not float32 as "
+                                     "agreed; nothing was moved"),
+])
+def test_a_mismatch_fails_every_rank_with_its_cause_before_the_deadline(joint, case, message):
+    assert joint[case] == [message] * 8
+
+
+def test_separate_launches_joined_by_a_tcp_rendezvous_sync_bit_exact():
+    env = {"TRANSFER_PORT": str(free_port())}
+    procs = start_ranks(4, WORKER, "trainer", env=env) + start_ranks(4, WORKER, "inference", env=env)
+    lines = lines_of(finish_ranks(procs, LAUNCH_TIMEOUT_S))
+    assert lines["transfer rank"] == [str(r) for r in range(8)]
+    assert lines["step 0"] == ["sent"] * 4 + ["ok"] * 4
+    assert lines["step 1"] == ["sent"] * 4 + ["ok, changed True"] * 4

@@ -1,0 +1,220 @@
+"""`torchrun --standalone --nproc-per-node 8 -m xmesh_plan.weight_sync_demo`: sync an FSDP2 model into TP inference tensors.
+
+A tiny Llama-like model (torch.nn, random weights, sizes that split unevenly) trains on ranks 0-3 under FSDP2
+`fully_shard`; ranks 4-7 are an inference engine of two replicas of TP=2 ([[4, 5], [6, 7]]) holding its own
+parameter tensors, laid out by the engine's rules (column-, row-, vocab-parallel, replicated). One
+`WeightSync` moves every parameter into those tensors; it runs twice with a training step between, and each
+time every destination element is compared bit for bit with the trainer's `full_tensor()` (broadcast from
+rank 0). Rank 0 prints the result; exit status 1 if any element differs.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+from xmesh_plan.weight_sync import COLUMN, REPLICATED, ROW, VOCAB, WeightSync
+
+TRAINER, ENGINE = [0, 1, 2, 3], [[4, 5], [6, 7]]
+RULES = [("norm.weight", REPLICATED), ("o_proj.weight", ROW), ("down_proj.weight", ROW), ("_proj.weight", COLUMN),
+         ("embed_tokens.weight", VOCAB), ("lm_head.weight", VOCAB)]
+PLACEMENTS = {COLUMN: [Replicate(), Shard(0)], ROW: [Replicate(), Shard(1)], VOCAB: [Replicate(), Shard(0)],
+              REPLICATED: [Replicate(), Replicate()]}  # the same layouts as DTensor placements, for the reference
+
+
+@dataclass(frozen=True)
+class Config:
+    """The model's sizes; the defaults split unevenly on purpose (51 vocabulary rows, 18 MLP columns, ...)."""
+
+    vocab: int = 51
+    hidden: int = 12
+    heads: int = 3
+    kv_heads: int = 1
+    head_dim: int = 4
+    mlp: int = 18
+    layers: int = 2
+
+
+TINY = Config()
+
+
+class Attention(nn.Module):
+    def __init__(self, c: Config):
+        super().__init__()
+        self.c = c
+        self.q_proj = nn.Linear(c.hidden, c.heads * c.head_dim, bias=False)
+        self.k_proj = nn.Linear(c.hidden, c.kv_heads * c.head_dim, bias=False)
+        self.v_proj = nn.Linear(c.hidden, c.kv_heads * c.head_dim, bias=False)
+        self.o_proj = nn.Linear(c.heads * c.head_dim, c.hidden, bias=False)
+
+    def forward(self, x):
+        (b, t, _), c = x.shape, self.c
+        q = self.q_proj(x).view(b, t, c.heads, c.head_dim).transpose(1, 2)
+        k, v = (p(x).view(b, t, c.kv_heads, c.head_dim).transpose(1, 2).repeat_interleave(c.heads // c.kv_heads, 1)
+                for p in (self.k_proj, self.v_proj))
+        out = nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.o_proj(out.transpose(1, 2).reshape(b, t, c.heads * c.head_dim))
+
+
+class Mlp(nn.Module):
+    def __init__(self, c: Config):
+        super().__init__()
+        self.gate_proj, self.up_proj = nn.Linear(c.hidden, c.mlp, bias=False), nn.Linear(c.hidden, c.mlp, bias=False)
+        self.down_proj = nn.Linear(c.mlp, c.hidden, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(nn.functional.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Layer(nn.Module):
+    def __init__(self, c: Config):
+        super().__init__()
+        self.input_layernorm, self.self_attn = nn.RMSNorm(c.hidden), Attention(c)
+        self.post_attention_layernorm, self.mlp = nn.RMSNorm(c.hidden), Mlp(c)
+
+    def forward(self, x):
+        x = x + self.self_attn(self.input_layernorm(x))
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Decoder(nn.Module):
+    def __init__(self, c: Config):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(c.vocab, c.hidden)
+        self.layers = nn.ModuleList(Layer(c) for _ in range(c.layers))
+        self.norm = nn.RMSNorm(c.hidden)
+
+    def forward(self, ids):
+        x = self.embed_tokens(ids)
+        for layer in self.layers:
+            x = layer(x)
+        return self.norm(x)
+
+
+class TinyLlama(nn.Module):
+    """A Llama-like decoder with Hugging Face's parameter names (model.layers.{i}.self_attn.q_proj.weight, ...)."""
+
+    def __init__(self, c: Config = TINY):
+        super().__init__()
+        self.config = c
+        self.model, self.lm_head = Decoder(c), nn.Linear(c.hidden, c.vocab, bias=False)
+
+    def forward(self, ids):
+        return self.lm_head(self.model(ids))
+
+
+def rule(name: str):
+    return next(layout for suffix, layout in RULES if name.endswith(suffix))
+
+
+def shapes(c: Config = TINY) -> dict[str, torch.Size]:
+    with torch.device("meta"):
+        return {name: p.shape for name, p in TinyLlama(c).state_dict().items()}
+
+
+def trainer_model(mesh: DeviceMesh, c: Config = TINY) -> tuple[TinyLlama, torch.optim.Optimizer]:
+    torch.manual_seed(0)
+    model = TinyLlama(c)
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model, torch.optim.SGD(model.parameters(), lr=0.5)
+
+
+def train_step(model: TinyLlama, optimizer: torch.optim.Optimizer) -> None:
+    torch.manual_seed(1)
+    ids = torch.randint(0, model.config.vocab, (2, 5))
+    nn.functional.cross_entropy(model(ids).flatten(0, 1), ids.roll(-1, 1).flatten()).backward()
+    optimizer.step()
+    optimizer.zero_grad()
+
+
+def engine_tensors(mesh: DeviceMesh, c: Config = TINY) -> dict[str, tuple[torch.Tensor, object]]:
+    """This inference rank's part of every parameter, by the engine's rules, filled with NaN (nothing synced yet)."""
+    out = {}
+    for name, shape in shapes(c).items():
+        local, _ = compute_local_shape_and_global_offset(shape, mesh, PLACEMENTS[rule(name)])
+        out[name] = (torch.full(local, float("nan")), rule(name))
+    return out
+
+
+def references(model: TinyLlama | None, group, c: Config = TINY) -> dict[str, torch.Tensor]:
+    """Every parameter's full value from the trainer's `full_tensor()` (transfer rank 0), broadcast over `group`."""
+    full = model.state_dict() if model is not None else {}
+    out = {}
+    for name, shape in shapes(c).items():
+        tensor = full[name].full_tensor() if model is not None else torch.empty(shape)
+        group.broadcast(tensor, 0).wait()
+        out[name] = tensor
+    return out
+
+
+def check(targets, mesh: DeviceMesh, refs: dict[str, torch.Tensor]) -> str:
+    """'ok' when every element of every destination tensor is bit for bit the reference's, else the first that is not."""
+    for name, (tensor, layout) in targets.items():
+        local, offset = compute_local_shape_and_global_offset(refs[name].shape, mesh, PLACEMENTS[layout])
+        want = refs[name][tuple(slice(o, o + n) for o, n in zip(offset, local))]
+        if tensor.shape != want.shape or not torch.equal(tensor.view(torch.int32), want.contiguous().view(torch.int32)):
+            return f"{name} differs"
+    return "ok"
+
+
+def steps(sync: WeightSync, model, optimizer, targets, mesh, group) -> list[str]:
+    """Two syncs with a training step between, each checked against the trainer's full_tensor() and printed; the
+    second must change what the first wrote (the training step moves the weights). This rank's results."""
+    before, results = {}, []
+    for step in range(2):
+        sync.run()
+        refs = references(model, group)
+        changed = any(not torch.equal(before[n], t) for n, (t, _) in targets.items()) if before else None
+        results.append((check(targets, mesh, refs) + ("" if step == 0 else f", changed {changed}")) if targets else "sent")
+        say(f"step {step}", results[-1])
+        before = {name: tensor.clone() for name, (tensor, _) in targets.items()}
+        if model is not None:
+            train_step(model, optimizer)
+    return results
+
+
+def say(what: str, result: object) -> None:
+    print(f"rank {dist.get_rank()}: {what}: {result}", flush=True)
+
+
+def sync_model(c: Config = TINY, **options) -> tuple[WeightSync, TinyLlama | None, torch.optim.Optimizer | None, dict, DeviceMesh]:
+    """The sync of the demo on 8 ranks of the default group: (WeightSync, the trainer's model and optimizer or None,
+    this rank's WeightSync arguments, the engine's mesh); `options` go to WeightSync. Every rank calls it."""
+    rank = dist.get_rank()
+    train_mesh, engine_mesh = DeviceMesh("cpu", TRAINER), DeviceMesh("cpu", ENGINE)
+    model, optimizer = trainer_model(train_mesh, c) if rank in TRAINER else (None, None)
+    given = {"trainer": model.state_dict()} if model else {"inference": engine_tensors(engine_mesh, c), "inference_mesh": ENGINE}
+    return WeightSync(**given, **options), model, optimizer, given, engine_mesh
+
+
+def main() -> int:
+    dist.init_process_group("gloo")
+    if dist.get_world_size() != 8:
+        if dist.get_rank() == 0:
+            print("error: this demo needs 8 ranks; run it with torchrun --standalone --nproc-per-node 8", file=sys.stderr)
+        dist.destroy_process_group()
+        return 2
+    sync, model, optimizer, given, mesh = sync_model()
+    results = steps(sync, model, optimizer, given.get("inference", {}), mesh, dist.group.WORLD)
+    wrong = torch.tensor([sum(r not in ("ok", "sent", "ok, changed True") for r in results)])
+    dist.all_reduce(wrong)
+    if dist.get_rank() == 0:
+        print(f"{len(sync.problem.tensors)} tensors synced twice (a training step between), every element bit-exact against "
+              "full_tensor()" if not wrong.item() else f"FAILED on {wrong.item()} checks", flush=True)
+    sync.close()
+    dist.destroy_process_group()
+    return 1 if wrong.item() else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

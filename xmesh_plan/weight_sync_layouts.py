@@ -1,0 +1,336 @@
+"""What each rank of a weight sync says about its tensors, and the one problem every rank agrees on from those rows.
+
+Each rank describes what it holds as a plain JSON row (`describe`): on a trainer rank each DTensor's name,
+global shape, dtype, mesh (as transfer ranks) and spec (or each rank's box, where DTensor's layout is one
+no spec says: strided shards of FSDP over TP, uneven splits over several mesh dims), and its local shard's shape; on an inference rank
+each destination tensor's name, the trainer tensor it takes, its spec on the inference mesh, its dtype and
+its shape. A rank that cannot describe its tensors sends its error instead. Every rank then reads every
+row (`agree`) and either builds the same `TransferProblem` or raises the same `WeightSyncError`, naming
+the tensor, the rank and the cause, before any byte moves. Plan device ids are ranks of the transfer group.
+
+>>> rows = [{"rank": 0, "src": {"mesh": [[1], [0]], "tensors": [["w", [4, 2], "float32", "S0 R", [4, 2]]]}},
+...         {"rank": 1, "dst": {"mesh": [[1], [1]], "tensors": [["w", "w", "R S0", "float32", [4, 2]]]}}]
+>>> problem, sources = agree(rows, None)
+>>> [(t.name, str(t.src), str(t.dst)) for t in problem.tensors], sources
+([('w', 'S0 R', 'R S0')], {'w': 'w'})
+>>> rows[1]["dst"]["tensors"][0][3] = "float16"
+>>> agree(rows, None)
+Traceback (most recent call last):
+...
+xmesh_plan.weight_sync_layouts.WeightSyncError: inference tensor 'w' on rank 1 is float16 but the trainer's 'w' is float32; give the destination the trainer's dtype
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from pydantic import ValidationError
+
+from xmesh_plan.schemas import Cluster, DeviceMesh
+from xmesh_plan.schemas.fused import FusedTensor
+from xmesh_plan.schemas.spec import ShardingSpec
+from xmesh_plan.schemas.transfer import TensorTransfer, TransferProblem
+from xmesh_plan.schemas.validation import describe_validation_error
+
+from .engine_layouts import layout_spec
+from .sides import FrontendError, dtype_name
+
+
+class WeightSyncError(FrontendError):
+    """A weight sync the ranks cannot run as given: the same line on every rank, naming the tensor, rank and cause."""
+
+
+@dataclass(frozen=True)
+class Target:
+    """One destination tensor of an inference rank: the engine's own tensor (this rank's part of it), its layout
+    (a rule of `xmesh_plan.engine_layouts` or spec text) and the trainer tensor it takes (default: its own name)."""
+
+    tensor: Any
+    layout: object
+    source: str | None = None
+
+
+@dataclass(frozen=True)
+class Fused:
+    """A destination that concatenates trainer tensors along `dim` (vLLM's `qkv_proj` = cat(q, k, v), `gate_up_proj` =
+    cat(gate, up)). Where the layout splits `dim` over T ranks, rank t holds cat(q_t, k_t, v_t), each part's t-th of T
+    equal shares (`QKVParallelLinear`, `MergedColumnParallelLinear`); where it does not, the whole concatenation."""
+
+    parts: tuple[str, ...]
+    dim: int = 0
+
+
+def describe(rank: int, trainer: Mapping[str, Any] | None, inference: Mapping[str, Any] | None,
+             inference_mesh: object, ranks: Mapping[int, int] | None, cluster: Cluster) -> dict[str, Any]:
+    """This rank's row (JSON data): its trainer tensors' layouts, its destination tensors' layouts, the cluster."""
+    row: dict[str, Any] = {"rank": rank, "cluster": cluster.model_dump(mode="json")}
+    try:
+        if trainer:
+            row["src"] = _trainer_side(trainer, ranks)
+        if inference:
+            row["dst"] = _inference_side(inference, inference_mesh, ranks)
+    except FrontendError as err:
+        return {"rank": rank, "error": str(err)}
+    return row
+
+
+def transfer_ranks(mesh_ranks: Sequence[int], ranks: Mapping[int, int] | None, field: str) -> list[int]:
+    """A mesh's ranks (this side's numbering) as ranks of the transfer group, through `ranks` (None: not given)."""
+    if ranks is None:
+        raise FrontendError("ranks: missing; a group made by transfer_group needs ranks= on every process (this launch's "
+                            "rank -> its rank in the transfer group, e.g. {r: 4 + r for r in range(4)})")
+    missing = [r for r in mesh_ranks if r not in ranks]
+    if missing:
+        raise FrontendError(f"{field}: rank {missing[0]} of the mesh has no rank in the transfer group; add it to ranks= "
+                            "(this side's rank -> its rank in the transfer group)")
+    return [ranks[r] for r in mesh_ranks]
+
+
+def _trainer_side(trainer: Mapping[str, Any], ranks: Mapping[int, int] | None) -> dict[str, Any]:
+    from torch.distributed.tensor import DTensor
+
+    from .dtensor import _mesh_ranks, _side
+
+    tensors, meshes = [], {}
+    for name, value in trainer.items():
+        field = f"trainer[{name!r}]"
+        if not isinstance(value, DTensor):
+            raise FrontendError(f"{field} is a {type(value).__name__}, not a DTensor; pass the trainer's state_dict() "
+                                "(FSDP2 or TP parameters are DTensors) or make one with distribute_tensor")
+        if value.dim() == 0:
+            raise FrontendError(f"{field} is a 0-dim tensor (a scalar); leave it out or move it as shape (1,)")
+        if value.device_mesh.get_coordinate() is None:
+            raise FrontendError(f"{field}: this rank is not in the tensor's mesh; pass trainer tensors only on their mesh's ranks")
+        mesh = _mesh_ranks(value.device_mesh, f"{field}.device_mesh")
+        side = _side(tuple(value.shape), mesh, value.placements, field)
+        devices = transfer_ranks(side.devices, ranks, f"{field}.device_mesh")
+        meshes[name] = [list(side.mesh_shape), devices]
+        layout = str(side.spec) if side.boxes is None else [[list(dim) for dim in box] for box in side.boxes]
+        tensors.append([name, list(value.shape), dtype_name(value.dtype, f"{field}.dtype"), layout, list(value.to_local().shape)])
+    return {"mesh": _one_mesh(meshes, "trainer"), "tensors": tensors}
+
+
+def _inference_side(inference: Mapping[str, Any], mesh: object, ranks: Mapping[int, int] | None) -> dict[str, Any]:
+    from .dtensor import _mesh_ranks
+
+    if mesh is None:
+        raise FrontendError("inference_mesh: missing; give the inference engine's ranks as a nested list, rows the replicas "
+                            "and columns the TP ranks, e.g. [[4, 5], [6, 7]]")
+    grid = _mesh_ranks(mesh, "inference_mesh")
+    devices = transfer_ranks([int(r) for r in grid.flat], ranks, "inference_mesh")
+    tensors = []
+    for name, value in inference.items():
+        target = value if isinstance(value, Target) else _target(name, value)
+        field = f"inference[{name!r}]"
+        if not hasattr(target.tensor, "shape") or not hasattr(target.tensor, "dtype"):
+            raise FrontendError(f"{field}: the tensor is a {type(target.tensor).__name__}; pass this rank's torch tensor")
+        if target.tensor.dim() == 0:
+            raise FrontendError(f"{field} is a 0-dim tensor (a scalar); leave it out or move it as shape (1,)")
+        source = name if target.source is None else target.source
+        if isinstance(source, Fused):
+            if not source.parts or not all(isinstance(p, str) for p in source.parts) or not 0 <= source.dim < target.tensor.dim():
+                raise FrontendError(f"{field}.source: {source!r}; give Fused((trainer names...), dim) with a dim of the tensor")
+            source = {"parts": list(source.parts), "dim": source.dim}
+        elif not isinstance(source, str):
+            raise FrontendError(f"{field}.source: {source!r}; give the trainer tensor's name as text, or Fused((names...))")
+        spec = layout_spec(target.layout, target.tensor.dim(), grid.ndim, name)
+        tensors.append([name, source, spec, dtype_name(target.tensor.dtype, f"{field}.dtype"), list(target.tensor.shape)])
+    return {"mesh": [list(grid.shape), devices], "tensors": tensors}
+
+
+def _target(name: str, value: object) -> Target:
+    if isinstance(value, tuple) and len(value) == 2:
+        return Target(*value)
+    raise FrontendError(f"inference[{name!r}]: {type(value).__name__}; give (tensor, layout), e.g. (q_proj, COLUMN), or a Target")
+
+
+def _one_mesh(meshes: dict[str, list], side: str) -> list:
+    """The one mesh every tensor of a side is on (a plan has one source and one destination mesh)."""
+    first = next(iter(meshes))
+    for name, mesh in meshes.items():
+        if mesh != meshes[first]:
+            raise FrontendError(f"{side}[{name!r}] is on mesh {_shown(mesh)} but {side}[{first!r}] on {_shown(meshes[first])}; "
+                                "one WeightSync moves tensors of one mesh: make one per mesh")
+    return meshes[first]
+
+
+def _shown(mesh: list) -> str:
+    return f"{'x'.join(map(str, mesh[0]))} of ranks {','.join(map(str, mesh[1]))}"
+
+
+def agree(rows: list[dict[str, Any]], group_size: int | None) -> tuple[TransferProblem, dict[str, str]]:
+    """The problem every rank will run (destination name -> trainer name alongside), read from every rank's row;
+    WeightSyncError, the same on every rank, where the rows do not fit together."""
+    for row in rows:
+        if row.get("error"):
+            others = [r["rank"] for r in rows if r.get("error") and r is not row]
+            also = f" (ranks {','.join(map(str, others))} failed too)" if others else ""
+            raise WeightSyncError(f"rank {row['rank']}: {row['error']}{also}")
+    clusters = {repr(r["cluster"]) for r in rows if "cluster" in r}
+    if len(clusters) > 1:
+        raise WeightSyncError("the ranks were given different clusters (cluster=); give every rank the same one")
+    src_rows, dst_rows = [r for r in rows if r.get("src")], [r for r in rows if r.get("dst")]
+    if not src_rows or not dst_rows:
+        raise WeightSyncError(f"no rank passes {'trainer' if not src_rows else 'inference'} tensors; trainer ranks pass "
+                              "trainer=state_dict and inference ranks inference={name: (tensor, layout)}")
+    src_mesh, trained = _side_of(src_rows, "src", "trainer")
+    dst_mesh, wanted = _side_of(dst_rows, "dst", "inference")
+    _check_members(src_rows, src_mesh, trained, "trainer", "src")
+    _check_members(dst_rows, dst_mesh, wanted, "inference", "dst")
+    tensors, sources = [], {}
+    fused = []
+    for name, (source, spec, dtype, _) in wanted.items():
+        for part in source["parts"] if isinstance(source, dict) else [source]:
+            _check_source(name, part, dtype, trained, dst_rows)
+        if isinstance(source, dict):
+            fused.append(_fused(name, source, spec, trained, dst_mesh))
+            for part in source["parts"]:
+                tensors.append(_transfer(part, trained[part], None))
+                sources[part] = part
+            continue
+        tensors.append(_transfer(name, trained[source], spec))
+        sources[name] = source
+    cluster = Cluster.model_validate(next((r["cluster"] for r in rows if "cluster" in r), {}))
+    try:
+        problem = TransferProblem(name="weight_sync", src_mesh=src_mesh, dst_mesh=dst_mesh, cluster=cluster, tensors=tuple(tensors),
+                                  fused=tuple(fused))
+    except ValidationError as err:
+        raise WeightSyncError(f"the agreed layouts do not make a plan: {describe_validation_error(err)}") from None
+    _check_shards(problem, sources, src_rows, dst_rows)
+    _check_group(problem, group_size)
+    return problem, sources
+
+
+def _check_source(name: str, source: str, dtype: str, trained: dict[str, tuple], dst_rows: list[dict]) -> None:
+    """Destination `name` may take trainer tensor `source`: some trainer rank passes it, of the destination's dtype."""
+    if source not in trained:
+        shown = ", ".join(list(trained)[:3]) + (", ..." if len(trained) > 3 else "")
+        raise WeightSyncError(f"inference tensor {name!r} takes trainer tensor {source!r}, which no trainer rank passes "
+                              f"(the trainer passes {shown}); fix the name or its Target(source=...)")
+    src_dtype = trained[source][1]
+    if dtype != src_dtype:
+        holders = [str(r["rank"]) for r in dst_rows if any(t[0] == name for t in r["dst"]["tensors"])]
+        raise WeightSyncError(f"inference tensor {name!r} on rank{'s' if len(holders) > 1 else ''} {','.join(holders)} "
+                              f"is {dtype} but the trainer's {source!r} is {src_dtype}; give the destination the trainer's dtype")
+
+
+def _transfer(name: str, trained: tuple, dst_spec: str | None) -> TensorTransfer:
+    """Trainer tensor `trained` (shape, dtype, layout, ...) as the plan's tensor `name`, to `dst_spec` (None: a fused part)."""
+    shape, dtype, layout = trained[:3]
+    given = {"src": layout} if isinstance(layout, str) else {"src_boxes": _boxes(layout)}
+    if dst_spec is not None:
+        given["dst"] = dst_spec
+    return TensorTransfer(name=name, shape=tuple(shape), dtype=dtype, **given)
+
+
+def _fused(name: str, source: dict, spec: str, trained: dict[str, tuple], mesh: DeviceMesh) -> FusedTensor:
+    """The fused destination `name`: its parts cut into T equal shares where `spec` splits the fused dim T ways, share
+    t of every part in turn (rank t's concatenation), else the parts whole."""
+    dim = source["dim"]
+    shares = ShardingSpec.parse(spec).shard_counts(tuple(mesh.shape))[dim]
+    ranges = []
+    for t in range(shares):
+        for part in source["parts"]:
+            length = trained[part][0][dim]
+            if length % shares:
+                raise WeightSyncError(f"inference tensor {name!r}: part {part!r} has length {length} along dim {dim}, not a "
+                                      f"multiple of the {shares} ranks that split it; each rank holds an equal share of every part")
+            step = length // shares
+            ranges.append(part if shares == 1 else f"{part}[{t * step}:{(t + 1) * step}]")
+    return FusedTensor(name=name, parts=tuple(ranges), dim=dim, dst=spec)
+
+
+def _boxes(layout: list) -> tuple:
+    """Each device's box as JSON gave it ([[start, stop], ...] per device) as the schema's tuples."""
+    return tuple(tuple(tuple(dim) for dim in box) for box in layout)
+
+
+def _side_of(rows: list[dict], key: str, label: str) -> tuple[DeviceMesh, dict[str, tuple]]:
+    """One side's mesh and its tensors by name (the fields every rank must agree on), the first rank's as the reference."""
+    first = rows[0]
+    for row in rows[1:]:
+        if row[key]["mesh"] != first[key]["mesh"]:
+            raise WeightSyncError(f"rank {row['rank']} puts its {label} tensors on mesh {_shown(row[key]['mesh'])} but rank "
+                                  f"{first['rank']} on {_shown(first[key]['mesh'])}; give every {label} rank the same mesh")
+    tensors: dict[str, tuple] = {}
+    said: dict[str, int] = {}
+    names = ("shape", "dtype", "layout") if label == "trainer" else ("source", "layout", "dtype")
+    for row in rows:
+        for name, *fields in row[key]["tensors"]:
+            agreed = tuple(fields[:-1])
+            if name in tensors and tensors[name][:-1] != agreed:
+                k = next(k for k, (a, b) in enumerate(zip(agreed, tensors[name])) if a != b)
+                raise WeightSyncError(f"{label} tensor {name!r}: rank {row['rank']} has {names[k]} {_value(names[k], agreed[k])} but rank "
+                                      f"{said[name]} has {_value(names[k], tensors[name][k])}; give it the same {names[k]} on every rank")
+            tensors.setdefault(name, (*agreed, fields[-1]))
+            said.setdefault(name, row["rank"])
+    shape, devices = first[key]["mesh"]
+    try:
+        mesh = DeviceMesh(shape=tuple(shape), devices=tuple(devices))
+    except ValidationError as err:
+        raise WeightSyncError(f"the {label} mesh: {describe_validation_error(err)}; check ranks=") from None
+    return mesh, tensors
+
+
+def _value(field: str, value: object) -> str:
+    """A field of a tensor as an error shows it: a shape as a tuple, a source name quoted, a dtype or spec as is."""
+    return str(tuple(value)) if field == "shape" else repr(value) if field == "source" else str(value)
+
+
+def _check_members(rows: list[dict], mesh: DeviceMesh, tensors: dict[str, tuple], label: str, key: str) -> None:
+    """Every rank of a side's mesh passes every tensor of that side, and no rank outside it passes any."""
+    by_rank = {row["rank"]: {t[0] for t in row[key]["tensors"]} for row in rows}
+    for rank in mesh.devices:
+        if rank not in by_rank:
+            raise WeightSyncError(f"rank {rank} is in the {label} mesh but passes no {label} tensors; pass them on every rank "
+                                  f"of the mesh (or fix ranks=)")
+        missing = [name for name in tensors if name not in by_rank[rank]]
+        if missing:
+            raise WeightSyncError(f"{label} tensor {missing[0]!r} is not passed on rank {rank} (its other ranks pass it); "
+                                  f"pass every {label} tensor on every rank of the {label} mesh")
+    outside = sorted(set(by_rank) - set(mesh.devices))
+    if outside:
+        raise WeightSyncError(f"rank {outside[0]} passes {label} tensors but is not in the {label} mesh "
+                              f"({','.join(map(str, mesh.devices))}); fix ranks= or the mesh")
+
+
+def _check_shards(problem: TransferProblem, sources: dict[str, str], src_rows: list[dict], dst_rows: list[dict]) -> None:
+    """Every rank's local tensor has the shape of its box: the trainer's shards and the engine's tensors."""
+    index = {t.name: i for i, t in enumerate(problem.tensors)}
+    fused = {f.name: j for j, f in enumerate(problem.fused)}
+    for side, rows, label in (("src", src_rows, "trainer"), ("dst", dst_rows, "inference")):
+        for row in rows:
+            for name, *fields in row[side]["tensors"]:
+                if side == "dst" and name in fused:
+                    box = problem.fused_blocks(fused[name])[row["rank"]]
+                    if list(fields[-1]) != [stop - start for start, stop in box]:
+                        raise WeightSyncError(
+                            f"inference tensor {name!r} on rank {row['rank']} has shape {tuple(fields[-1])} but its fused "
+                            f"layout gives that rank {tuple(b - a for a, b in box)}; give it the shape of its part")
+                    continue
+                targets = [n for n, s in sources.items() if s == name] if side == "src" else [name]
+                for target in targets:
+                    box = problem.tensor_problem(index[target]).blocks(side)[row["rank"]]
+                    want = [stop - start for start, stop in box]
+                    if list(fields[-1]) != want:
+                        tensor = problem.tensors[index[target]]
+                        spec = (tensor.src or "its boxes") if side == "src" else tensor.dst
+                        raise WeightSyncError(
+                            f"{label} tensor {name!r} on rank {row['rank']} has shape {tuple(fields[-1])} but {spec} of the "
+                            f"global {tuple(problem.tensors[index[target]].shape)} gives that rank {tuple(want)}; "
+                            f"give it the shape of its part")
+
+
+def _check_group(problem: TransferProblem, group_size: int | None) -> None:
+    """The plan's devices are ranks 0 .. size-1 of the transfer group, every one of them (rank r plays device r)."""
+    if group_size is None:
+        return
+    used = set(problem.src_mesh.devices) | set(problem.dst_mesh.devices)
+    if used != set(range(group_size)):
+        spare = sorted(set(range(group_size)) - used)
+        raise WeightSyncError(f"rank {spare[0]} of the transfer group is in neither mesh; make the group of the trainer and "
+                              f"inference ranks only" if spare else
+                              f"the meshes name ranks {sorted(used - set(range(group_size)))[:3]} beyond the transfer group's "
+                              f"{group_size}; fix ranks=")
