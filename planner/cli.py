@@ -1,4 +1,4 @@
-"""The `xmesh-plan` command line: compile, inspect, verify, schema.
+"""The `xmesh-plan` command line: compile, inspect, verify, export, schema.
 
 Bad input ends with one line naming the field and the fix, exit code 2, no traceback; a plan that
 fails verification exits 1.
@@ -13,10 +13,11 @@ from pathlib import Path
 import click
 
 from xmesh_plan.schemas import Plan, ReshardingProblem, read_plan_file
-from xmesh_plan.schemas.files import DataFileError, check_writable_size
+from xmesh_plan.schemas.files import DataFileError
 from xmesh_plan.schemas.last_resort import DEBUG_ENV, DEBUG_FLAG, run_guarded
 from xmesh_plan.schemas.limits import quoted
 from xmesh_plan.schemas.plan_check import check_plan
+from xmesh_plan.schemas.plan_io import FORMATS, format_for, plan_file_bytes
 from xmesh_plan.schemas.transfer import TransferProblem
 
 from .cli_types import BUCKET_MB, SEED, STAGING_MB, TIME_LIMIT, max_tasks_option, write_output
@@ -96,7 +97,11 @@ def problem_from_flags(problem_file, shape, dtype, src_mesh, src_spec, dst_mesh,
 
 @main.command("compile")
 @click.argument("problem_file", required=False, type=click.Path(dir_okay=False))
-@click.option("-o", "--output", type=click.Path(dir_okay=False), help="where to write the plan JSON ('-' for stdout)")
+@click.option("-o", "--output", type=click.Path(dir_okay=False),
+              help="where to write the plan ('-' for stdout); a name ending in .npz gets the compact format (docs/format.md)")
+@click.option("--format", "fmt", type=click.Choice(list(FORMATS)),
+              help="plan file format: json (readable) or compact (numpy columns with a per-device index, for large plans)  "
+                   "[default: compact for an -o name ending in .npz, else json]")
 @click.option("--shape", help="tensor shape, e.g. 1024,1024,512")
 @click.option("--dtype", default="float32", show_default=True, help="element type, e.g. int32, bfloat16, float8_e4m3fn")
 @click.option("--src-mesh", help="source mesh, AxB = A hosts of B devices, e.g. 2x4")
@@ -127,7 +132,7 @@ def problem_from_flags(problem_file, shape, dtype, src_mesh, src_spec, dst_mesh,
               help="the most MiB of staging any device needs in the executor's device order: larger staged boxes are cut, "
                    "and the plan states each device's peak")
 @max_tasks_option
-def compile_command(problem_file, output, shape, dtype, src_mesh, src_spec, dst_mesh, dst_spec, strategy, solver, seed, time_limit, no_merge,
+def compile_command(problem_file, output, fmt, shape, dtype, src_mesh, src_spec, dst_mesh, dst_spec, strategy, solver, seed, time_limit, no_merge,
                     split_hosts, coalesce, bucket_mb, cross_tensor, max_staging_mb, max_tasks):
     """Compile a resharding problem into a verified plan.
 
@@ -139,6 +144,7 @@ def compile_command(problem_file, output, shape, dtype, src_mesh, src_spec, dst_
     Examples:
       xmesh-plan compile plans/case3.problem.json -o case3.plan.json
       xmesh-plan compile plans/weight_sync_small.problem.toml -o weight_sync_small.plan.json
+      xmesh-plan compile plans/weight_sync_llama3_8b.problem.toml -o llama.plan.npz
       xmesh-plan compile --shape 1024,1024,512 --dtype int32 --src-mesh 2x4 --src-spec "R S0 R" \\
                          --dst-mesh 2x4 --dst-spec "S0 R R" -o case3.plan.json
     """
@@ -154,22 +160,48 @@ def compile_command(problem_file, output, shape, dtype, src_mesh, src_spec, dst_
         plan = compile_plan(problem, options, on_stage=timing["stage"])
     with progress("verifying", done_below_s=QUIET_S) as checking:
         report = verify_plan(plan, on_stage=checking["stage"], on_count=checking["count"])
-    text = plan.to_json()
     if output:
-        try:
-            check_writable_size(text, "plan")
-        except DataFileError as err:
-            raise InputError(f"--output: {err} ({len(plan.tasks):,} unit tasks)") from None
-    if output == "-":
-        sys.stdout.write(text)
-        return
-    if output:
-        write_output(output, text, "--output")
+        data = _plan_output(plan, output, fmt)
+        if output == "-":
+            sys.stdout.buffer.write(data)
+            return
+        write_output(output, data, "--output")
     click.echo(f"{output or 'plan (not written: pass -o FILE to save it)'}: {len(plan.tasks)} unit tasks, {len(plan.operations)} operations"
                f"{shared_summary(plan)}, "
                f"predicted {plan.predicted_seconds:.4f} s{executor_summary(plan)}, lower bound {plan.lower_bound_seconds:.4f} s, "
                f"efficiency {plan.efficiency:.1%}; verified ({report.operations} operations replayed); "
                f"{solver_summary(plan, timing['seconds'])}{staging_summary(plan)}")
+
+
+def _plan_output(plan: Plan, output: str, fmt: str | None) -> bytes:
+    """The bytes `-o output` gets: `fmt`, else what the name says (`-` for stdout: JSON); one line where too large."""
+    try:
+        return plan_file_bytes(plan, fmt or ("json" if output == "-" else format_for(output)))
+    except DataFileError as err:
+        raise InputError(f"--output: {err} ({len(plan.tasks):,} unit tasks, {len(plan.operations):,} operations)") from None
+
+
+@main.command("export")
+@click.argument("plan_file", type=click.Path(dir_okay=False))
+@click.option("-o", "--output", required=True, type=click.Path(dir_okay=False),
+              help="where to write the plan ('-' for stdout); a name ending in .npz gets the compact format")
+@click.option("--format", "fmt", type=click.Choice(list(FORMATS)),
+              help="json or compact  [default: compact for an -o name ending in .npz, else json]")
+def export_command(plan_file, output, fmt):
+    """Write a plan (JSON or compact) in the other format: the same plan, read back equal.
+
+    \b
+    Examples:
+      xmesh-plan export llama.plan.npz -o llama.plan.json
+      xmesh-plan export plans/case3.plan.json -o case3.plan.npz
+    """
+    plan = read_plan_file(plan_file)
+    data = _plan_output(plan, output, fmt)
+    if output == "-":
+        sys.stdout.buffer.write(data)
+        return
+    write_output(output, data, "--output")
+    click.echo(f"{output}: {len(plan.operations)} operations, {len(data):,} bytes ({fmt or format_for(output)})")
 
 
 @main.command("inspect")

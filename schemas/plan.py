@@ -221,11 +221,15 @@ class PlanFileError(ValueError):
 
 
 def read_plan_file(path: str | os.PathLike) -> Plan:
-    """`load_plan` for files a user names: anything wrong becomes a one-line PlanFileError."""
-    try:
-        raw = parse_data(read_text_file(path, "plan"), path)
-    except DataFileError as err:
-        raise PlanFileError(f"{err}; pass a plan written by `xmesh-plan compile`") from None
+    """`load_plan` for files a user names, JSON or compact (`schemas.plan_compact`, told apart by their first
+    bytes, not their name): anything wrong becomes a one-line PlanFileError."""
+    from .plan_io import read_plan_data  # plan_io imports this module
+
+    return plan_from_data(read_plan_data(path), path)
+
+
+def plan_from_data(raw: Any, path: str | os.PathLike) -> Plan:
+    """The plan a file's parsed data states; PlanFileError naming the file and the fix otherwise."""
     version = raw.get("schema_version") if isinstance(raw, dict) else None
     if version is None and isinstance(raw, dict) and {"src", "dst"} <= set(raw):
         raise PlanFileError(f"{quoted(path)}: this is a problem file, not a plan; compile it first: xmesh-plan compile {quoted(path)} -o plan.json")

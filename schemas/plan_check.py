@@ -21,6 +21,7 @@ from .carriers import carrier_fault
 from .geometry import Region, region_size
 from .op_kinds import OP_KINDS, OpKindRule, members, reads, rule_of, tags_used, writes
 from .plan import Operation, Plan, format_region, plan_schema_version
+from .plan_check_arrays import proven_operations
 from .plan_tensors import mpi_transfer_order
 from .problem import ReshardingProblem
 from .staging import stated_staging_fault
@@ -345,7 +346,10 @@ def check_plan(plan: Plan) -> None:
     _check_tensor_indices(plan)
     problems = plan.problem.tensor_problems()
     shards: dict[int | None, _Shards] = {}
-    for op in plan.operations:
+    proven = proven_operations(plan.operations, problems, MAX_CHUNKS)  # sends, broadcasts, copies all at once
+    for op, done in zip(plan.operations, proven.tolist()):
+        if done:
+            continue
         if op.tensor not in shards:
             shards[op.tensor] = _Shards(problems[op.tensor or 0])
         _check_operation(op, shards[op.tensor])

@@ -1,0 +1,419 @@
+"""The compact plan file (`*.plan.npz`): a plan's tasks, operations and host order as numpy columns, for plans of
+10^5-10^6 operations that JSON states in hundreds of megabytes; plus a per-device index, so a rank reads only the
+operations it takes part in (`read_plan_ops`).
+
+The container is a zip of `.npy` arrays (what `numpy.savez` writes, readable by `numpy.load(allow_pickle=False)`),
+every member stored uncompressed with a fixed timestamp: the same plan gives the same bytes, and a member is a
+contiguous byte range a reader maps (`numpy.memmap`) and indexes row by row. Nothing is pickled: every member is a
+plain integer, float or byte array.
+
+Members:
+- `header.npy`: UTF-8 JSON (a uint8 array) with `format`, `format_version`, and `plan`: the plan's JSON object
+  less its `tasks`, `operations` and `host_order` (problem, solver, predictions, staging), with its schema_version.
+- `<table>.<field>...npy` for the tables `tasks`, `operations`, `host_order`, one column kind per field
+  (`COLUMN_KINDS`): integers in the narrowest of int8/16/32/64 that holds them, floats as float64 (exact),
+  strings as indices into `<table>.<field>.names` (UTF-8 JSON list), lists of integers and boxes as offsets +
+  flat values (CSR), an optional integer as values + a `.none` mask (left out when nothing is None).
+- `index.devices`, `index.offsets`, `index.rows`: for each device (sorted), the rows of the operations it takes
+  part in (src, dsts, holders or needers), in execution order; `index.first_tags`: per row, the message tags of
+  the operations before it (`op_kinds.tags_used`, summed), and the plan's total last, so a rank numbers its
+  messages as a lowering of the whole plan would.
+"""
+
+from __future__ import annotations
+
+import io
+import itertools
+import json
+import os
+import zipfile
+from dataclasses import dataclass
+from operator import attrgetter
+from typing import Any, Callable
+
+import numpy as np
+
+from .op_kinds import tags_used
+
+FORMAT = "xmesh-plan-compact"
+FORMAT_VERSION = 1
+ZIP_MAGIC = b"PK\x03\x04"
+_DATE = (1980, 1, 1, 0, 0, 0)  # every member's timestamp: the same plan gives the same bytes
+TABLES = ("tasks", "operations", "host_order")
+
+# table -> field -> column kind (see _ENCODERS); tests check these cover every field of the plan's records.
+COLUMN_KINDS: dict[str, dict[str, str]] = {
+    "operations": {"id": "int", "task": "int", "tensor": "int?", "kind": "str", "src": "int?", "dsts": "ints",
+                   "region": "box", "parts": "boxes", "chunks": "int", "holders": "ints", "needers": "intss",
+                   "carrier": "int?", "start_s": "float", "end_s": "float"},
+    "tasks": {"id": "int", "tensor": "int?", "region": "box", "nbytes": "int", "senders": "ints", "receivers": "ints",
+              "merged_cells": "int", "sender": "int", "sender_host": "int", "receiver_hosts": "ints", "strategy": "str",
+              "chunks": "int", "start_s": "float", "end_s": "float"},
+    "host_order": {"host": "int", "side": "str", "tasks": "ints"},
+}
+DEVICE_FIELDS = ("src", "dsts", "holders", "needers")  # an operation's devices: who takes part in it
+
+
+class CompactPlanError(ValueError):
+    """A compact plan file that cannot be read: what is wrong, in one line (the caller adds the file and the fix)."""
+
+
+# ---------------------------------------------------------------- writing
+
+
+def _ints(values: list[int], what: str) -> np.ndarray:
+    """The narrowest signed integer array that holds `values` exactly."""
+    if not values:
+        return np.zeros(0, dtype=np.int8)
+    lo, hi = min(values), max(values)
+    for dtype in (np.int8, np.int16, np.int32, np.int64):
+        info = np.iinfo(dtype)
+        if info.min <= lo and hi <= info.max:
+            return np.array(values, dtype=dtype)
+    raise CompactPlanError(f"{what} holds {lo if lo < np.iinfo(np.int64).min else hi}, outside 64-bit integers")
+
+
+def _offsets(lengths: list[int], what: str) -> np.ndarray:
+    return _ints([0, *np.cumsum(lengths, dtype=np.int64).tolist()], f"{what} offsets")
+
+
+def _encode_int(name: str, values: list, out: dict) -> None:
+    out[name] = _ints(values, name)
+
+
+def _encode_optional_int(name: str, values: list, out: dict) -> None:
+    none = [v is None for v in values]
+    out[name] = _ints([0 if v is None else v for v in values], name)
+    if any(none):
+        out[f"{name}.none"] = np.array(none, dtype=np.bool_)
+
+
+def _encode_float(name: str, values: list, out: dict) -> None:
+    out[name] = np.array(values, dtype=np.float64)
+
+
+def _encode_str(name: str, values: list, out: dict) -> None:
+    names = sorted(set(values))
+    code = {n: i for i, n in enumerate(names)}
+    out[name] = _ints([code[v] for v in values], name)
+    out[f"{name}.names"] = _text(json.dumps(names))
+
+
+def _encode_ints(name: str, values: list, out: dict) -> None:
+    out[f"{name}.offsets"] = _offsets([len(v) for v in values], name)
+    out[f"{name}.values"] = _ints([x for v in values for x in v], name)
+
+
+def _encode_box(name: str, values: list, out: dict) -> None:
+    """A box as its dims' (start, stop) pairs, flat: offsets count dims."""
+    out[f"{name}.offsets"] = _offsets([len(v) for v in values], name)
+    out[f"{name}.values"] = _ints([x for box in values for pair in box for x in pair], name).reshape(-1, 2)
+
+
+def _encode_boxes(name: str, values: list, out: dict) -> None:
+    """A list of boxes: offsets count boxes per row, `.dims` offsets count dims per box."""
+    boxes = [box for row in values for box in row]
+    out[f"{name}.offsets"] = _offsets([len(v) for v in values], name)
+    out[f"{name}.dims"] = _offsets([len(b) for b in boxes], name)
+    out[f"{name}.values"] = _ints([x for box in boxes for pair in box for x in pair], name).reshape(-1, 2)
+
+
+def _encode_intss(name: str, values: list, out: dict) -> None:
+    """A list of lists of integers: offsets count lists per row, `.inner` offsets count integers per list."""
+    inner = [lst for row in values for lst in row]
+    out[f"{name}.offsets"] = _offsets([len(v) for v in values], name)
+    out[f"{name}.inner"] = _offsets([len(v) for v in inner], name)
+    out[f"{name}.values"] = _ints([x for lst in inner for x in lst], name)
+
+
+_ENCODERS: dict[str, Callable[[str, list, dict], None]] = {
+    "int": _encode_int, "int?": _encode_optional_int, "float": _encode_float, "str": _encode_str,
+    "ints": _encode_ints, "box": _encode_box, "boxes": _encode_boxes, "intss": _encode_intss,
+}
+
+
+def _text(text: str) -> np.ndarray:
+    return np.frombuffer(text.encode(), dtype=np.uint8)
+
+
+def _device_index(out: dict[str, np.ndarray], count: int) -> dict[str, np.ndarray]:
+    """For each device, the rows of the operations it takes part in, ascending; from the encoded device columns."""
+    rows, devices = [], []
+    for field, kind in ((f, COLUMN_KINDS["operations"][f]) for f in DEVICE_FIELDS):
+        name = f"operations.{field}"
+        if kind == "int?":
+            has = ~out[f"{name}.none"] if f"{name}.none" in out else np.ones(count, dtype=bool)
+            rows.append(np.flatnonzero(has)), devices.append(out[name][has].astype(np.int64))
+            continue
+        owner = np.repeat(np.arange(count), np.diff(out[f"{name}.offsets"].astype(np.int64)))
+        if kind == "intss":  # rows own inner lists, which own the values
+            owner = np.repeat(owner, np.diff(out[f"{name}.inner"].astype(np.int64)))
+        rows.append(owner), devices.append(out[f"{name}.values"].astype(np.int64))
+    pairs = np.unique(np.stack([np.concatenate(devices), np.concatenate(rows)], axis=1), axis=0) if count else np.zeros((0, 2), np.int64)
+    found, starts = np.unique(pairs[:, 0], return_index=True)
+    return {"index.devices": _ints(found.tolist(), "index devices"),
+            "index.offsets": _offsets(np.diff(np.append(starts, len(pairs))).tolist(), "index"),
+            "index.rows": _ints(pairs[:, 1].tolist(), "index rows")}
+
+
+def _op_devices(op) -> set[int]:
+    found = {d for d in op.dsts} | set(op.holders) | {d for group in op.needers for d in group}
+    if op.src is not None:
+        found.add(op.src)
+    return found
+
+
+def compact_arrays(plan) -> dict[str, np.ndarray]:
+    """Every member of `plan`'s compact file, by name (without `.npy`), in the order they are written."""
+    rest = plan.model_dump(mode="json", exclude=set(TABLES))
+    header = {"format": FORMAT, "format_version": FORMAT_VERSION, "plan": rest,
+              "counts": {t: len(getattr(plan, t)) for t in TABLES}}
+    out: dict[str, np.ndarray] = {"header": _text(json.dumps(header))}
+    for table, kinds in COLUMN_KINDS.items():
+        rows = getattr(plan, table)
+        columns = list(zip(*map(attrgetter(*kinds), rows))) if rows else [() for _ in kinds]
+        for (field, kind), values in zip(kinds.items(), columns):
+            _ENCODERS[kind](f"{table}.{field}", list(values), out)
+    out.update(_device_index(out, len(plan.operations)))
+    out["index.first_tags"] = _ints([0, *itertools.accumulate(map(tags_used, plan.operations))], "message tags")
+    return out
+
+
+def compact_bytes(plan) -> bytes:
+    """The compact file's bytes: the same plan gives the same bytes."""
+    return archive_bytes(compact_arrays(plan))
+
+
+def archive_bytes(arrays: dict[str, np.ndarray]) -> bytes:
+    """A zip of `arrays` as `<name>.npy` members, stored, with a fixed timestamp."""
+    buffer = io.BytesIO()
+    with zipfile.ZipFile(buffer, "w", compression=zipfile.ZIP_STORED, allowZip64=True) as archive:
+        for name, array in arrays.items():
+            info = zipfile.ZipInfo(f"{name}.npy", date_time=_DATE)
+            info.external_attr = 0o644 << 16
+            with archive.open(info, "w", force_zip64=True) as member:
+                np.lib.format.write_array(member, np.ascontiguousarray(array), allow_pickle=False)
+    return buffer.getvalue()
+
+
+def is_compact(head: bytes) -> bool:
+    """Whether a file starting with `head` is a zip (a compact plan, or some other zip the reader refuses)."""
+    return head.startswith(ZIP_MAGIC)
+
+
+# ---------------------------------------------------------------- reading
+
+
+class _Members:
+    """The `.npy` members of an open compact file, each mapped (not read) until indexed."""
+
+    def __init__(self, path: str | os.PathLike):
+        self.path = path
+        try:
+            with zipfile.ZipFile(path) as archive:
+                infos = archive.infolist()
+                if all(i.filename != "header.npy" for i in infos):
+                    listed = ", ".join(i.filename for i in infos[:3]) or "nothing"
+                    raise CompactPlanError(f"a zip of {listed}{', ...' if len(infos) > 3 else ''} without header.npy, so not a compact plan")
+                self.where = {i.filename.removesuffix(".npy"): self._locate(archive, i) for i in infos}
+        except CompactPlanError:
+            raise
+        except (zipfile.BadZipFile, zipfile.LargeZipFile, EOFError, ValueError) as err:
+            raise CompactPlanError(f"a damaged or truncated zip ({err})") from None
+
+    def _locate(self, archive: zipfile.ZipFile, info: zipfile.ZipInfo) -> tuple[np.dtype, tuple[int, ...], int]:
+        """(dtype, shape, byte offset of the data) of a stored `.npy` member."""
+        if info.compress_type != zipfile.ZIP_STORED:
+            raise CompactPlanError(f"member {info.filename} is compressed; compact plans store members as written by `xmesh-plan`")
+        with archive.open(info) as member:
+            version = np.lib.format.read_magic(member)
+            reader = {(1, 0): np.lib.format.read_array_header_1_0, (2, 0): np.lib.format.read_array_header_2_0}.get(version)
+            if reader is None:
+                raise CompactPlanError(f"member {info.filename} is .npy version {version}")
+            shape, fortran, dtype = reader(member)
+            skip = member.tell()
+        if fortran or dtype.hasobject or dtype.kind not in "biuf":
+            raise CompactPlanError(f"member {info.filename} holds {dtype}{' in Fortran order' if fortran else ''}, not plain numbers")
+        with open(self.path, "rb") as handle:
+            handle.seek(info.header_offset)
+            local = handle.read(30)
+            if len(local) < 30 or not local.startswith(ZIP_MAGIC):
+                raise CompactPlanError(f"member {info.filename} has no local header (truncated)")
+            start = info.header_offset + 30 + int.from_bytes(local[26:28], "little") + int.from_bytes(local[28:30], "little")
+        size = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+        if start + skip + size > os.path.getsize(self.path) or skip + size > info.file_size:
+            raise CompactPlanError(f"member {info.filename} is cut short (truncated file)")
+        return dtype, tuple(shape), start + skip
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.where
+
+    def get(self, name: str) -> np.ndarray:
+        """The member, mapped read-only (an empty array where it has no rows)."""
+        if name not in self.where:
+            raise CompactPlanError(f"member {name}.npy is missing")
+        dtype, shape, offset = self.where[name]
+        if int(np.prod(shape, dtype=np.int64)) == 0:
+            return np.zeros(shape, dtype=dtype)
+        return np.memmap(self.path, dtype=dtype, mode="r", offset=offset, shape=shape)
+
+    def text(self, name: str) -> Any:
+        try:
+            return json.loads(bytes(self.get(name)).decode())
+        except (UnicodeDecodeError, ValueError) as err:
+            raise CompactPlanError(f"member {name}.npy is not JSON text ({str(err)[:80]})") from None
+
+
+def _ranges(offsets: np.ndarray, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(lengths, flat positions) of the CSR rows `rows`: every position from offsets[r] to offsets[r+1], row by row."""
+    starts = np.asarray(offsets[rows], dtype=np.int64)
+    lengths = np.asarray(offsets[rows + 1], dtype=np.int64) - starts
+    if (lengths < 0).any():
+        raise CompactPlanError("offsets go backwards")
+    firsts = np.cumsum(lengths) - lengths
+    return lengths, np.repeat(starts - firsts, lengths) + np.arange(int(lengths.sum()), dtype=np.int64)
+
+
+def _split(values: list, lengths: np.ndarray) -> list[list]:
+    out, at = [], 0
+    for n in lengths.tolist():
+        out.append(values[at:at + n])
+        at += n
+    return out
+
+
+def _pairs(values: np.ndarray) -> list[list[int]]:
+    return values.reshape(-1, 2).tolist() if values.size else []
+
+
+def _decode_int(m: _Members, name: str, rows: np.ndarray) -> list:
+    return np.asarray(m.get(name)[rows]).tolist()
+
+
+def _decode_optional_int(m: _Members, name: str, rows: np.ndarray) -> list:
+    values = _decode_int(m, name, rows)
+    if f"{name}.none" not in m:
+        return values
+    none = np.asarray(m.get(f"{name}.none")[rows]).tolist()
+    return [None if n else v for v, n in zip(values, none)]
+
+
+def _decode_float(m: _Members, name: str, rows: np.ndarray) -> list:
+    return np.asarray(m.get(name)[rows], dtype=np.float64).tolist()
+
+
+def _decode_str(m: _Members, name: str, rows: np.ndarray) -> list:
+    names = m.text(f"{name}.names")
+    try:
+        return [names[i] for i in _decode_int(m, name, rows)]
+    except (IndexError, TypeError):
+        raise CompactPlanError(f"member {name}.npy names a string its table lacks") from None
+
+
+def _decode_ints(m: _Members, name: str, rows: np.ndarray) -> list:
+    lengths, flat = _ranges(m.get(f"{name}.offsets"), rows)
+    return _split(np.asarray(m.get(f"{name}.values")[flat]).tolist(), lengths)
+
+
+def _decode_box(m: _Members, name: str, rows: np.ndarray) -> list:
+    lengths, flat = _ranges(m.get(f"{name}.offsets"), rows)
+    return _split(_pairs(np.asarray(m.get(f"{name}.values")[flat])), lengths)
+
+
+def _decode_boxes(m: _Members, name: str, rows: np.ndarray) -> list:
+    lengths, boxes = _ranges(m.get(f"{name}.offsets"), rows)
+    dims, flat = _ranges(m.get(f"{name}.dims"), boxes)
+    return _split(_split(_pairs(np.asarray(m.get(f"{name}.values")[flat])), dims), lengths)
+
+
+def _decode_intss(m: _Members, name: str, rows: np.ndarray) -> list:
+    lengths, lists = _ranges(m.get(f"{name}.offsets"), rows)
+    inner, flat = _ranges(m.get(f"{name}.inner"), lists)
+    return _split(_split(np.asarray(m.get(f"{name}.values")[flat]).tolist(), inner), lengths)
+
+
+_DECODERS: dict[str, Callable[[_Members, str, np.ndarray], list]] = {
+    "int": _decode_int, "int?": _decode_optional_int, "float": _decode_float, "str": _decode_str,
+    "ints": _decode_ints, "box": _decode_box, "boxes": _decode_boxes, "intss": _decode_intss,
+}
+
+
+def _rows(m: _Members, table: str, rows: np.ndarray) -> list[dict]:
+    """The records at `rows` of `table` as plain dicts, the fields a plan's JSON states."""
+    try:
+        columns = {field: _DECODERS[kind](m, f"{table}.{field}", rows) for field, kind in COLUMN_KINDS[table].items()}
+    except IndexError:
+        raise CompactPlanError(f"the {table} columns are shorter than the header's count (truncated or damaged)") from None
+    if any(len(c) != len(rows) for c in columns.values()):
+        raise CompactPlanError(f"the {table} columns disagree on their length (damaged)")
+    return [dict(zip(columns, values)) for values in zip(*columns.values())]
+
+
+def _header(m: _Members) -> dict:
+    header = m.text("header")
+    if not isinstance(header, dict) or header.get("format") != FORMAT:
+        raise CompactPlanError(f"its header names format {header.get('format') if isinstance(header, dict) else None!r}, not {FORMAT!r}")
+    if header.get("format_version") != FORMAT_VERSION:
+        raise CompactPlanError(f"compact format version {header.get('format_version')!r}; this reads version {FORMAT_VERSION}")
+    if not isinstance(header.get("plan"), dict) or not isinstance(header.get("counts"), dict):
+        raise CompactPlanError("its header lacks the plan's fields")
+    return header
+
+
+CHUNK_ROWS = 65_536  # rows decoded at a time: a chunk's plain dicts are dropped once its records are made
+
+
+def read_compact_data(path: str | os.PathLike, records: dict[str, Callable[[dict], Any]] | None = None) -> dict:
+    """The plan in `path` as the data its JSON states (validated by the caller), each table's rows made into records by
+    `records[table]` a chunk at a time where given (plain dicts otherwise); CompactPlanError otherwise."""
+    m = _Members(path)
+    header = _header(m)
+    data = dict(header["plan"])
+    for table in TABLES:
+        count = header["counts"].get(table)
+        if not isinstance(count, int) or count < 0:
+            raise CompactPlanError(f"its header gives no row count for {table}")
+        make = (records or {}).get(table)
+        data[table] = []
+        for start in range(0, count, CHUNK_ROWS):
+            rows = _rows(m, table, np.arange(start, min(start + CHUNK_ROWS, count), dtype=np.int64))
+            data[table].extend(rows if make is None else map(make, rows))
+    return data
+
+
+@dataclass(frozen=True)
+class DeviceOps:
+    """What one device needs of a plan to run its part: the plan's problem and schema version, the operations it
+    takes part in (execution order), their rows in the plan's operation list, the message tag each one's first
+    message gets when the whole plan is numbered from 0 (`op_kinds.tags_used` of the operations before it), and
+    the tags the whole plan uses."""
+
+    schema_version: int
+    problem: Any
+    operations: tuple
+    rows: tuple[int, ...]
+    first_tags: tuple[int, ...]
+    tags: int
+
+
+def device_rows(m: _Members, device: int) -> np.ndarray:
+    """The rows of the operations `device` takes part in, read through the index."""
+    devices = m.get("index.devices")
+    at = int(np.searchsorted(devices, device))
+    if at >= len(devices) or int(devices[at]) != device:
+        return np.zeros(0, dtype=np.int64)
+    offsets = m.get("index.offsets")
+    return np.asarray(m.get("index.rows")[int(offsets[at]):int(offsets[at + 1])], dtype=np.int64)
+
+
+def read_device_data(path: str | os.PathLike, device: int) -> tuple[dict, list[dict], np.ndarray, list[int], int]:
+    """(the plan's fields less its tables, the operations `device` takes part in as plain dicts, their rows, their
+    first message tags, the plan's tags)."""
+    m = _Members(path)
+    header = _header(m)
+    rows = device_rows(m, device)
+    tags = m.get("index.first_tags")
+    count = header["counts"].get("operations")
+    if not isinstance(count, int) or len(tags) != count + 1:
+        raise CompactPlanError("index.first_tags does not match the operations' count (damaged)")
+    return header["plan"], _rows(m, "operations", rows), rows, np.asarray(tags[rows]).tolist(), int(tags[-1])

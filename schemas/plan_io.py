@@ -1,0 +1,124 @@
+"""Plan files in either format: JSON (`Plan.to_json`, readable, for small plans) or compact (`schemas.plan_compact`,
+numpy columns with a per-device index, for plans of up to millions of operations). Readers tell them apart by the
+file's first bytes; writers pick by the output's name (`*.npz` is compact) unless told.
+
+>>> format_for("x.plan.npz"), format_for("x.plan.json")
+('compact', 'json')
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import stat
+from typing import Any, Callable
+
+from pydantic import TypeAdapter, ValidationError
+
+from . import files
+from .files import DataFileError, _existing_or_example, parse_data, read_text_file, write_atomic
+from .limits import quoted
+from .op_kinds import tags_used
+from .plan import SCHEMA_VERSIONS, AnyProblem, HostOrder, Operation, Plan, UnitTask, PlanFileError, plan_from_data, read_plan_file
+from .plan_compact import CompactPlanError, DeviceOps, _op_devices, compact_bytes, is_compact, read_compact_data, read_device_data
+from .validation import describe_validation_error
+
+__all__ = ["FORMATS", "DeviceOps", "format_for", "plan_file_bytes", "read_plan_data", "read_plan_ops", "write_plan_file"]
+
+FORMATS: dict[str, tuple[Callable[[Plan], bytes], str]] = {
+    "json": (lambda plan: plan.to_json().encode(), "MAX_FILE_BYTES"),
+    "compact": (compact_bytes, "MAX_COMPACT_FILE_BYTES"),
+}
+"""format name -> (the plan's bytes in it, the `schemas.files` limit on what its readers take)."""
+_FIX = "pass a plan written by `xmesh-plan compile -o NAME.plan.npz` (or copy it again)"
+
+
+def format_for(path: str | os.PathLike) -> str:
+    """`compact` for a name ending in `.npz`, else `json`."""
+    return "compact" if os.fspath(path).endswith(".npz") else "json"
+
+
+def plan_file_bytes(plan: Plan, fmt: str) -> bytes:
+    """The plan's file in format `fmt`; DataFileError where its readers would refuse the size."""
+    encode, limit_name = FORMATS[fmt]
+    limit = getattr(files, limit_name)
+    try:
+        data = encode(plan)
+    except CompactPlanError as err:
+        raise DataFileError(f"the plan cannot be written compact: {err}") from None
+    if len(data) > limit:
+        bigger = "; write it compact instead (-o NAME.plan.npz)" if fmt == "json" else "; split the problem into smaller transfers"
+        raise DataFileError(f"the plan would be {len(data) / 2**20:,.0f} MiB as {fmt}, above the {limit // 2**20:,} MiB its readers take, "
+                            f"so it was not written{bigger}")
+    return data
+
+
+def write_plan_file(path: str | os.PathLike, plan: Plan, fmt: str | None = None) -> None:
+    """Write `plan` to `path` (`files.write_atomic`) in `fmt`, by default the one its name says (`format_for`)."""
+    write_atomic(path, plan_file_bytes(plan, fmt or format_for(path)))
+
+
+def _head(path: str | os.PathLike) -> bytes:
+    """The first bytes of a regular file; nothing for a pipe or device (read once, as text: `verify <(cat plan.json)`)."""
+    try:
+        path = _existing_or_example(path)
+        if not stat.S_ISREG(os.stat(path).st_mode):
+            return b""
+        with open(path, "rb") as handle:
+            return handle.read(4)
+    except OSError:
+        return b""  # read_text_file names the problem
+
+
+def read_plan_data(path: str | os.PathLike) -> Any:
+    """A plan file's content as plain data (what its JSON states), either format; PlanFileError otherwise."""
+    if is_compact(_head(path)):
+        try:  # records made a chunk at a time: a million operations never sit in memory as dicts and records both
+            return _compact(path, read_compact_data, _RECORDS)
+        except ValidationError:  # as plain data instead, so the plan's validation names the field as for a JSON plan
+            return _compact(path, read_compact_data)
+    try:
+        return parse_data(read_text_file(path, "plan"), path)
+    except DataFileError as err:
+        raise PlanFileError(f"{err}; pass a plan written by `xmesh-plan compile`") from None
+
+
+def _compact(path: str | os.PathLike, read: Callable, *args: Any) -> Any:
+    """`read(path, *args)` on a compact file within the size limit; every failure a one-line PlanFileError."""
+    path = _existing_or_example(path)
+    size = os.path.getsize(path)
+    if size > files.MAX_COMPACT_FILE_BYTES:
+        raise PlanFileError(f"{quoted(path)}: more than {files.MAX_COMPACT_FILE_BYTES // 2**20:,} MiB, the most a compact plan may be; "
+                            "split the problem into smaller transfers")
+    try:
+        return read(path, *args)
+    except (CompactPlanError, OSError) as err:
+        raise PlanFileError(f"{quoted(path)}: not a readable compact plan ({err}); {_FIX}") from None
+
+
+_PROBLEM = TypeAdapter(AnyProblem)
+_RECORDS = {"operations": Operation.model_validate, "tasks": UnitTask.model_validate, "host_order": HostOrder.model_validate}
+
+
+def read_plan_ops(path: str | os.PathLike, device: int) -> DeviceOps:
+    """The problem and the operations `device` takes part in (execution order, with their rows in the plan and their
+    first message tags, `DeviceOps`), read from a compact file through its index (only those operations' rows are read), or from a JSON plan (all of it
+    parsed, then filtered). PlanFileError naming the file and the fix otherwise. Unlike `read_plan_file`, the
+    operations are validated one by one but not checked against each other (`schemas.plan_check` needs them all)."""
+    if not is_compact(_head(path)):
+        plan = read_plan_file(path)
+        rows = tuple(i for i, op in enumerate(plan.operations) if device in _op_devices(op))
+        first = [0, *itertools.accumulate(map(tags_used, plan.operations))]
+        return DeviceOps(plan.schema_version, plan.problem, tuple(plan.operations[i] for i in rows), rows,
+                         tuple(first[i] for i in rows), first[-1])
+    fields, ops, rows, first_tags, tags = _compact(path, read_device_data, device)
+    version = fields.get("schema_version")
+    if version not in SCHEMA_VERSIONS:
+        plan_from_data(fields, path)  # the one-line message a whole-plan read gives
+    try:
+        problem = _PROBLEM.validate_python(fields.get("problem"))
+        operations = tuple(Operation.model_validate(op) for op in ops)
+    except ValidationError as err:
+        raise PlanFileError(f"{quoted(path)}: {describe_validation_error(err)}") from None
+    return DeviceOps(version, problem, operations, tuple(rows.tolist()), tuple(first_tags), tags)
+

@@ -1,0 +1,227 @@
+"""The compact plan file (`schemas.plan_compact`): any plan round-trips to the same `Plan` and the same bytes, a
+device's operations come back through the index, and damaged or foreign files get one line naming the fix."""
+
+from __future__ import annotations
+
+import random
+import zipfile
+from pathlib import Path
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from pydantic import ValidationError
+
+from xmesh_plan.schemas import Plan, PlanFileError, read_plan_file
+from xmesh_plan.schemas.files import write_atomic
+from xmesh_plan.schemas.op_kinds import tags_used
+from xmesh_plan.schemas.plan import HostOrder, Operation, UnitTask
+from xmesh_plan.schemas.plan_compact import COLUMN_KINDS, archive_bytes, compact_arrays, compact_bytes
+from xmesh_plan.schemas.plan_io import plan_file_bytes, read_plan_ops
+from tests.support.cases import compiled
+from tests.support.cli import assert_user_error, run_cli
+from tests.support.mutations import as_lists, mutate
+from tests.support.strategies import SETTINGS, problems
+
+ROOT = Path(__file__).resolve().parents[1]
+REFERENCE = sorted((ROOT / "plans").glob("*.plan.json"))
+
+
+def _round_trip(plan: Plan, tmp_path: Path, name: str = "x.plan.npz") -> Plan:
+    path = tmp_path / name
+    write_atomic(path, compact_bytes(plan))
+    back = read_plan_file(path)
+    assert back == plan
+    assert back.to_json() == plan.to_json()
+    assert compact_bytes(back) == path.read_bytes()  # the same plan, the same bytes
+    return back
+
+
+def _devices(op: Operation) -> set[int]:
+    return {d for d in (op.src, *op.dsts, *op.holders, *(d for g in op.needers for d in g)) if d is not None}
+
+
+def test_columns_cover_every_field():
+    """A field added to a plan record without a column would be dropped by the compact file."""
+    for table, model in (("operations", Operation), ("tasks", UnitTask), ("host_order", HostOrder)):
+        assert set(COLUMN_KINDS[table]) == set(model.model_fields), table
+
+
+@pytest.mark.parametrize("path", REFERENCE, ids=lambda p: p.name)
+def test_reference_plans_round_trip(path, tmp_path):
+    plan = read_plan_file(path)
+    _round_trip(plan, tmp_path)
+    assert compact_bytes(plan) == compact_bytes(read_plan_file(path))  # byte-identical for the same plan
+    operations = sum(a.nbytes for k, a in compact_arrays(plan).items() if k.startswith(("operations.", "index.")))
+    if len(plan.operations) >= 50:  # one-operation plans pay for the index's fixed entries alone
+        assert operations <= 100 * len(plan.operations)  # the issue's budget: about 100 bytes per operation
+
+
+@given(problems())
+@settings(max_examples=25, **SETTINGS)
+def test_random_plans_round_trip(problem):
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as folder:
+        for strategy in ("broadcast", "global_allgather"):
+            _round_trip(compiled(problem, strategy), Path(folder))
+
+
+def test_odd_values_round_trip(tmp_path):
+    """Mutated plans the schema accepts (negative devices, huge bounds, NaN times, None fields) come back as written."""
+    rng = random.Random(7)
+    base = read_plan_file(ROOT / "plans" / "case4.plan.json")
+    done = 0
+    for _ in range(60):
+        raw = as_lists(base.model_dump(mode="json"))
+        mutate(rng, raw)
+        try:
+            plan = Plan.model_validate(raw)
+        except ValidationError:
+            continue
+        path = tmp_path / "m.plan.npz"
+        write_atomic(path, compact_bytes(plan))
+        back = read_plan_file(path)
+        assert back.to_json() == plan.to_json()
+        done += 1
+    assert done >= 30
+
+
+def test_big_integers_pick_wider_columns(tmp_path):
+    plan = read_plan_file(ROOT / "plans" / "case1.plan.json")
+    op = plan.operations[0].model_copy(update={"id": 2**40, "task": -(2**35), "chunks": 70000})
+    plan = plan.model_copy(update={"operations": (op, *plan.operations[1:])})
+    arrays = compact_arrays(plan)
+    assert arrays["operations.id"].dtype == np.int64 and arrays["operations.chunks"].dtype == np.int32
+    _round_trip(plan, tmp_path)
+
+
+@pytest.mark.parametrize("name", ["case4.plan.json", "weight_sync_small.plan.json"])
+def test_device_ops_match_the_whole_plan(name, tmp_path):
+    plan = read_plan_file(ROOT / "plans" / name)
+    path = tmp_path / "x.plan.npz"
+    write_atomic(path, compact_bytes(plan))
+    devices = set().union(*(_devices(op) for op in plan.operations))
+    for device in sorted(devices) + [10_000]:
+        part = read_plan_ops(path, device)
+        want = [i for i, op in enumerate(plan.operations) if device in _devices(op)]
+        assert part.rows == tuple(want)
+        assert part.operations == tuple(plan.operations[i] for i in want)
+        assert part.problem == plan.problem and part.schema_version == plan.schema_version
+        tags = [sum(tags_used(o) for o in plan.operations[:i]) for i in want]
+        assert part.first_tags == tuple(tags) and part.tags == sum(map(tags_used, plan.operations))
+        assert read_plan_ops(ROOT / "plans" / name, device) == part  # a JSON plan gives the same
+
+
+def test_read_by_content_not_name(tmp_path):
+    plan = read_plan_file(ROOT / "plans" / "case3.plan.json")
+    path = tmp_path / "plan.json"  # compact bytes under a JSON name
+    write_atomic(path, compact_bytes(plan))
+    assert read_plan_file(path) == plan
+    json_named_npz = tmp_path / "plan.npz"
+    write_atomic(json_named_npz, plan.to_json())
+    assert read_plan_file(json_named_npz) == plan
+
+
+def _bad_files(tmp_path: Path) -> dict[str, Path]:
+    good = compact_bytes(read_plan_file(ROOT / "plans" / "case4.plan.json"))
+    files = {"truncated": good[: len(good) // 2], "cut-at-end": good[:-10], "header-only": good[:200]}
+    flipped = bytearray(good)
+    header_at = good.index(b"xmesh-plan-compact")
+    flipped[header_at:header_at + 5] = b"XXXXX"
+    files["foreign-format"] = bytes(flipped)
+    out = {k: tmp_path / f"{k}.plan.npz" for k in files}
+    for k, data in files.items():
+        out[k].write_bytes(data)
+    np.savez(tmp_path / "other.npz", a=np.arange(3))
+    out["other-npz"] = tmp_path / "other.npz"
+    with zipfile.ZipFile(tmp_path / "text.zip", "w") as archive:
+        archive.writestr("readme.txt", "hello")
+    out["zip-of-text"] = tmp_path / "text.zip"
+    with zipfile.ZipFile(tmp_path / "pickled.npz", "w") as archive:  # an object array: numpy would need pickle to read it
+        with archive.open("header.npy", "w") as member:
+            np.lib.format.write_array(member, np.array([{"a": 1}], dtype=object), allow_pickle=True)
+    out["object-array"] = tmp_path / "pickled.npz"
+    return out
+
+
+def test_damaged_and_foreign_files_get_one_line(tmp_path):
+    for what, path in _bad_files(tmp_path).items():
+        with pytest.raises(PlanFileError) as err:
+            read_plan_file(path)
+        message = str(err.value)
+        assert "\n" not in message and str(path) in message and "xmesh-plan compile" in message, (what, message)
+        with pytest.raises(PlanFileError):
+            read_plan_ops(path, 0)
+        for command in ("verify", "inspect", "check"):
+            assert_user_error(run_cli(command, path), str(path.name))
+
+
+def test_compile_writes_compact_and_export_round_trips(tmp_path):
+    problem = ROOT / "plans" / "weight_sync_small.problem.toml"
+    compact = tmp_path / "ws.plan.npz"
+    assert run_cli("compile", problem, "-o", compact).exit_code == 0
+    assert compact.read_bytes().startswith(b"PK\x03\x04")
+    json_out = tmp_path / "ws.json"
+    assert run_cli("export", compact, "-o", json_out).exit_code == 0
+    assert json_out.read_text() == (ROOT / "plans" / "weight_sync_small.plan.json").read_text()
+    again = tmp_path / "again.bin"
+    assert run_cli("export", json_out, "-o", again, "--format", "compact").exit_code == 0
+    assert again.read_bytes() == compact.read_bytes()
+    for command in ("verify", "inspect", "check"):
+        result = run_cli(command, compact)
+        assert result.exit_code == 0, result.output
+
+
+def test_json_writer_refuses_what_its_readers_refuse(monkeypatch, tmp_path):
+    from xmesh_plan.schemas import files
+
+    plan = read_plan_file(ROOT / "plans" / "case4.plan.json")
+    monkeypatch.setattr(files, "MAX_FILE_BYTES", 1000)
+    with pytest.raises(files.DataFileError, match="write it compact instead"):
+        plan_file_bytes(plan, "json")
+    assert plan_file_bytes(plan, "compact")
+    monkeypatch.setattr(files, "MAX_COMPACT_FILE_BYTES", 1000)
+    with pytest.raises(files.DataFileError, match="split the problem"):
+        plan_file_bytes(plan, "compact")
+    path = tmp_path / "x.plan.npz"
+    path.write_bytes(compact_bytes(plan))
+    assert_user_error(run_cli("verify", path), "MiB", "split the problem")
+
+
+def test_a_bad_record_gets_the_json_plan_s_message(tmp_path):
+    """A compact file whose operation states what the schema refuses is refused as its JSON would be."""
+    plan = read_plan_file(ROOT / "plans" / "case4.plan.json")
+    arrays = compact_arrays(plan)
+    arrays["operations.kind.names"] = np.frombuffer(b'["teleport"]', dtype=np.uint8)
+    compact = tmp_path / "bad.plan.npz"
+    compact.write_bytes(archive_bytes(arrays))
+    raw = as_lists(plan.model_dump(mode="json"))
+    for op in raw["operations"]:
+        op["kind"] = "teleport"
+    import json
+
+    text = tmp_path / "bad.plan.json"
+    text.write_text(json.dumps(raw))
+    messages = []
+    for path in (compact, text):
+        with pytest.raises(PlanFileError) as err:
+            read_plan_file(path)
+        messages.append(str(err.value).replace(str(path), "PATH"))
+    assert messages[0] == messages[1] and "kind" in messages[0]
+
+
+def test_a_plan_through_a_pipe_is_read_once(tmp_path):
+    """`xmesh-plan verify <(cat plan.json)`: telling the formats apart must not eat the pipe's first bytes."""
+    import os
+    import threading
+
+    source = ROOT / "plans" / "case3.plan.json"
+    fifo = tmp_path / "plan.fifo"
+    os.mkfifo(fifo)
+    writer = threading.Thread(target=lambda: fifo.write_bytes(source.read_bytes()))
+    writer.start()
+    try:
+        assert read_plan_file(fifo) == read_plan_file(source)
+    finally:
+        writer.join(timeout=30)
