@@ -130,3 +130,15 @@ def test_mpi_pipeline_matches_reference_for_every_schedule(tmp_path, ranks, inpu
     lines = [line for line in result.stdout.splitlines() if line.startswith(("OK", "MISMATCH"))]
     assert len(lines) == len(SCHEDULE_NAMES) + 1
     assert all(line.startswith("OK") for line in lines), result.stdout
+
+
+@pytest.mark.parametrize("odd", [["--help"], ["--steps", "0"]], ids=["help", "bad-flag"])
+def test_a_rank_alone_with_other_flags_ends_the_job(tmp_path, odd):
+    """`mpiexec A : B` with `--help` or a bad flag on one rank only: that rank left before MPI started and the other waited
+    in MPI_Init for ever. Every rank joins the job and they leave together, exit 2."""
+    from tests.support.launch import mpiexec_programs
+    mlp = [sys.executable, "-m", "xmesh_plan.executor.examples.pipeline_mlp"]
+    result = mpiexec_programs(["-n", "1", *mlp, str(tmp_path / "none")], ["-n", "1", *mlp, str(tmp_path / "other"), *odd],
+                              timeout=120)
+    assert result.returncode == 2, result.stderr
+    assert "Traceback" not in result.stderr and "error:" in result.stderr, result.stderr

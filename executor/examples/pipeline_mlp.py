@@ -145,19 +145,23 @@ def run(args) -> int:
     from mpi4py import MPI
 
     world = MPI.COMM_WORLD
+    error = None
     try:
         schedules, plans = load_inputs(args.inputs)
     except (OSError, ValueError, KeyError) as err:
-        if world.Get_rank() == 0:
-            print(f"error: {args.inputs}: cannot read the inputs ({str(err).splitlines()[0]}); write them with "
-                  "`python bench/pipeline_mlp_inputs.py -o FOLDER`", file=sys.stderr)
-        return 2
-    problem = schedules[0].pipeline
-    meshes = [len(s.mesh.devices) for s in problem.stages]
-    skip = any(t.name == "skip" for t in problem.tensors)
-    if world.Get_size() != sum(meshes):
-        if world.Get_rank() == 0:
-            print(f"error: run with mpiexec -n {sum(meshes)} for meshes {','.join(map(str, meshes))}", file=sys.stderr)
+        error = (f"{args.inputs}: cannot read the inputs ({str(err).splitlines()[0]}); write them with "
+                 "`python bench/pipeline_mlp_inputs.py -o FOLDER`")
+    else:
+        problem = schedules[0].pipeline
+        meshes = [len(s.mesh.devices) for s in problem.stages]
+        skip = any(t.name == "skip" for t in problem.tensors)
+        if world.Get_size() != sum(meshes):
+            error = f"run with mpiexec -n {sum(meshes)} for meshes {','.join(map(str, meshes))}"
+    if world.allreduce(error is not None, op=MPI.LOR):  # every rank leaves together: one leaving alone hangs the rest
+        if error is not None:
+            print(f"error: {error}" if world.Get_rank() == 0 else f"error: rank {world.Get_rank()}: {error}", file=sys.stderr)
+        elif world.Get_rank() == 0:
+            print("error: rank 0: stopped: another rank cannot run its inputs (see its line)", file=sys.stderr)
         return 2
     stage = stage_of_device(schedules[0], world.Get_rank())
     mesh = problem.stages[stage].mesh.devices
@@ -211,17 +215,34 @@ def _command(**_) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    """Every rank reads the same flags; a bad one is one line from rank 0 and exit status 2 on every rank."""
+    """Every rank reads its flags, then joins the job before leaving: a rank that left before MPI started (a bad flag or
+    `--help` on some ranks only, `mpiexec A : B`) left the others waiting in MPI_Init or the first reduction for ever.
+    Each rank with a bad flag prints its own line; every rank exits 2 (0 where every rank was given `--help`)."""
+    args, error, asked_help = None, None, False
     try:
         args = parse(_command, argv, PROG, show_help=launcher_rank(*MPI_RANK) == 0)
         if args.steps < 1:
             raise UsageError(f"--steps {args.steps}: give at least 1, e.g. --steps 3")
     except UsageError as err:
-        if launcher_rank(*MPI_RANK) == 0:
-            print(f"error: {err}", file=sys.stderr)
-        sys.exit(2)
-    sys.exit(run(args))
+        error = str(err)
+    except SystemExit as done:  # --help, printed on rank 0
+        if done.code not in (0, None):
+            raise
+        asked_help = True
+    from mpi4py import MPI
 
+    world = MPI.COMM_WORLD
+    mine = 2 if error else 1 if asked_help else 0
+    worst, least = world.allreduce(mine, op=MPI.MAX), world.allreduce(mine, op=MPI.MIN)
+    if error:
+        print(f"error: rank {world.Get_rank()}: {error}" if least == 0 or world.Get_rank() != 0 else f"error: {error}",
+              file=sys.stderr)
+    elif worst and world.Get_rank() == 0 and not asked_help:
+        print("error: rank 0: stopped: another rank was given --help or a bad flag; give every rank the same flags, "
+              "e.g. one mpiexec -n N command", file=sys.stderr)
+    if worst:
+        sys.exit(0 if worst == least == 1 else 2)
+    sys.exit(run(args))
 
 if __name__ == "__main__":
     main()
