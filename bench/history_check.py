@@ -5,7 +5,9 @@
 Project files describe the software as it is; its history is in git. This scans every text file git
 tracks (or the paths given), except the archived results (`bench/results/archive/`, kept as they were
 measured) and this checker, and reports each line that matches one of `PATTERNS`: a numbered work period,
-a result file named by one, what code did at an earlier time, or a commit used as a point in time.
+a result file named by one, what code did at an earlier time, or a commit used as a point in time. It
+also reports every tracked file, archived results included, whose own name carries a work-period suffix
+(`NAME_SUFFIX`, `-s7.json`): a results file is named by what it holds (engine, order, rate, size, cases).
 `tests/test_docs_history.py` runs it as part of `make test`.
 """
 
@@ -34,13 +36,25 @@ PATTERNS = {
     "before and now": r"(?-i:\bBefore: |(?<=\. )Now (the|a|an|it|every|each)\b)",
 }
 COMPILED = {name: re.compile(pattern, re.IGNORECASE) for name, pattern in PATTERNS.items()}
-ARCHIVED = re.compile(r"results/archive/\S*")  # a reference to an archived file names it as it was written
+NAME_SUFFIX = re.compile(r"(?<=[a-z0-9])-s\d+(?=[.-])", re.IGNORECASE)  # on a file's own name: `x-s7.json`, `x-s12-cases1-3.json`
+
+
+def tracked_names(root: Path = ROOT) -> list[Path]:
+    """Every file git tracks under `root`."""
+    names = subprocess.run(["git", "ls-files", "-z"], cwd=root, capture_output=True, text=True, check=True).stdout.split("\0")
+    return [root / n for n in names if n]
 
 
 def tracked_files(root: Path = ROOT) -> list[Path]:
     """The text files git tracks under `root`, less the skipped ones."""
-    names = subprocess.run(["git", "ls-files"], cwd=root, capture_output=True, text=True, check=True).stdout.split()
-    return [root / n for n in names if not n.startswith(SKIPPED) and Path(n).suffix in TEXT_SUFFIXES and (root / n).is_file()]
+    return [p for p in tracked_names(root) if not p.relative_to(root).as_posix().startswith(SKIPPED)
+            and p.suffix in TEXT_SUFFIXES and p.is_file()]
+
+
+def history_names(paths: list[Path], root: Path = ROOT) -> list[str]:
+    """`path: [work-period suffix on a file name]` for every path whose own name carries one (`NAME_SUFFIX`)."""
+    return [f"{p.relative_to(root) if p.is_relative_to(root) else p}: [work-period suffix on a file name] rename it by what it holds"
+            for p in paths if NAME_SUFFIX.search(p.name)]
 
 
 def history_lines(paths: list[Path], root: Path = ROOT) -> list[str]:
@@ -52,9 +66,8 @@ def history_lines(paths: list[Path], root: Path = ROOT) -> list[str]:
         except (UnicodeDecodeError, OSError):
             continue
         for number, line in enumerate(text.splitlines(), 1):
-            checked = ARCHIVED.sub("", line)
             for what, pattern in COMPILED.items():
-                if pattern.search(checked):
+                if pattern.search(line):
                     shown = path.relative_to(root) if path.is_relative_to(root) else path
                     found.append(f"{shown}:{number}: [{what}] {line.strip()[:160]}")
                     break
@@ -64,8 +77,10 @@ def history_lines(paths: list[Path], root: Path = ROOT) -> list[str]:
 @click.command()
 @click.argument("paths", nargs=-1, type=click.Path(exists=True, dir_okay=False, path_type=Path))
 def main(paths: tuple[Path, ...]) -> None:
-    """Print every line that narrates development history (all tracked text files, or PATHS); exit 1 if any."""
-    found = history_lines([p.resolve() for p in paths] or tracked_files())
+    """Print every line that narrates development history (all tracked text files, or PATHS), and every file named by
+    a work period (all tracked files, or PATHS); exit 1 if any."""
+    chosen = [p.resolve() for p in paths]
+    found = history_names(chosen or tracked_names()) + history_lines(chosen or tracked_files())
     for line in found:
         click.echo(line)
     if found:

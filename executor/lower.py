@@ -577,6 +577,11 @@ def lower(plan: Plan, device: int, tag_limit: int | None = None) -> RankProgram:
         raise PlanMismatchError(refusal_advice(str(err))) from None
     index = plan_index(plan)
     problems = plan.problem.tensor_problems()
+    converting = next((p for p in problems if p.dst_dtype is not None), None)
+    if converting is not None:  # messages are sized in converted bytes, but no engine casts yet (executor/convert.py)
+        raise PlanMismatchError(f"the plan converts {converting.dtype} to {converting.dst_dtype} at the sender, which this executor "
+                                "does not run yet; compile the plan without dst_dtype and cast after the transfer",
+                                same_on_every_rank=True)
     tensors = [_Tensor(t, TensorShards(src.get(device), dst.get(device), p.itemsize, p.dtype), len(p.shape))
                for t, (p, (src, dst)) in enumerate(zip(problems, index.blocks))]
     b = _Builder(device, tensors)

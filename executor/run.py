@@ -14,12 +14,13 @@ so the whole job ends with or without `-disable-auto-cleanup` (which lets the ot
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 import zlib
 from pathlib import Path
+from types import SimpleNamespace
 
+import click
 import numpy as np
 
 from xmesh_plan.schemas import Plan, PlanFileError, read_plan_file
@@ -30,12 +31,14 @@ from .drive import Tensor, bytes_moved, flag_error, refused_input, run_plan
 from .errors import ExecutorError, PeerTimeoutError, PlanMismatchError
 from .engines import ENGINES
 from .executor import DEFAULT_POLL_S, poll
+from .flags import MPI_RANK, UsageError, command, launcher_rank, parse
 from .pattern import fill, mismatches
 from .scale import factors_for, factors_per_tensor, scale_plan, scale_tensors
 
 __all__ = ["bytes_moved", "console_main", "demo", "main"]
 
 
+PROG = "python -m xmesh_plan.executor.run"
 LAUNCH = "mpiexec -disable-auto-cleanup -n 16 python -m xmesh_plan.executor.run plans/case4.plan.json --check"  # docs/executor.md shows it too
 EPILOG = """A rank that fails ends the job within --timeout seconds; -disable-auto-cleanup lets the
 other ranks report why they stopped. Exit status: 0 ok, 1 a check failed, 2 a plan was refused,
@@ -45,25 +48,9 @@ MAX_GPU = 2**31 - 1  # CUDA device ordinals are C ints
 DEFAULT_TIMEOUT_S = 60.0  # --timeout's default, also for the agreement on a usage error (when no flag could be read)
 
 
-class UsageError(ValueError):
-    """A bad command-line value (one line, exit 2): rank 0 prints it when every rank has it, else each rank that has it."""
-
-
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str):  # argparse would print the usage block and exit on every rank
-        raise UsageError(f"{message}; see `python -m xmesh_plan.executor.run --help`")
-
-    def print_help(self, file=None):  # --help: rank 0 prints it, the other ranks exit quietly
-        if _launcher_rank() == 0:
-            super().print_help(file)
-
-
 def _launcher_rank() -> int:
     """This process's rank as the MPI launcher set it (read before MPI starts; 0 when not under mpiexec)."""
-    for key in ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK"):
-        if os.environ.get(key, "").isdigit():
-            return int(os.environ[key])
-    return 0
+    return launcher_rank(*MPI_RANK)
 
 
 def _parse_scale(text: str | None) -> tuple[int, ...] | None:
@@ -78,7 +65,7 @@ def _parse_scale(text: str | None) -> tuple[int, ...] | None:
     return factors
 
 
-def _check_numbers(args: argparse.Namespace) -> None:
+def _check_numbers(args: SimpleNamespace) -> None:
     """Every numeric flag in its range, or a UsageError naming the flag and a valid value."""
     error = flag_error(args.iters, args.warmup, args.max_mb, args.timeout)
     if error is not None:
@@ -87,28 +74,33 @@ def _check_numbers(args: argparse.Namespace) -> None:
         raise UsageError(f"--gpu {args.gpu}: give a GPU index from 0 to {MAX_GPU}, e.g. --gpu 0")
 
 
-def _arguments(argv: list[str] | None) -> argparse.Namespace:
-    """Parsed flags; raises UsageError (one line naming the flag) instead of printing and exiting."""
-    parser = _Parser(prog="python -m xmesh_plan.executor.run", description=__doc__.splitlines()[0], formatter_class=argparse.RawDescriptionHelpFormatter,
-                     epilog=f"launch (-n: the devices the plan uses):\n  {LAUNCH}\n{EPILOG}")
-    parser.add_argument("plans", nargs="+", type=Path, help="plan files (plans/*.plan.json)")
-    parser.add_argument("--check", action="store_true", help="compare every destination shard with the pattern, bit for bit")
-    parser.add_argument("--iters", type=int, default=5, help="timed iterations (default 5)")
-    parser.add_argument("--warmup", type=int, default=1, help="untimed iterations first (default 1)")
-    parser.add_argument("--max-mb", type=float, default=64.0, help="shrink the tensor to at most this many MiB (default 64)")
-    parser.add_argument("--scale", help="exact shrink factors per dim instead of --max-mb, e.g. 4,4,2 (1,1,1 = full size)")
-    parser.add_argument("--backend", choices=[n for n, e in ENGINES.items() if e.world == "mpi"], default="mpi")
-    parser.add_argument("--gpu", type=int, help="nccl: put every rank on this GPU instead of device %% devices_per_host")
-    parser.add_argument("--fake-hosts", action="store_true",
-                        help="nccl: give each rank its own NCCL_HOSTID and the socket transport, so several ranks can share one GPU")
-    parser.add_argument(DEBUG_FLAG, action="store_true", help=f"show the full traceback of an internal error (or set {DEBUG_ENV}=1)")
-    parser.add_argument("--order", choices=["device", "posted"],
-                        help="device: one operation at a time per device, in plan order, across the tensors of a multi-tensor "
-                             "plan too (the default for one tensor, on --backend nccl, and for a multi-tensor plan compiled with "
-                             "--max-staging-mb); posted: every message at once (the default for other multi-tensor plans on mpi, "
-                             "measured faster there)")
-    parser.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT_S, help="seconds without progress before a rank gives up (default 60)")
-    args = parser.parse_args(argv)
+@command(__doc__.splitlines()[0], epilog=f"\b\nlaunch (-n: the devices the plan uses):\n{LAUNCH}\n\n\b\n{EPILOG}")
+@click.argument("plans", nargs=-1, required=True, type=click.Path(path_type=Path))
+@click.option("--check", is_flag=True, help="compare every destination shard with the pattern, bit for bit")
+@click.option("--iters", type=int, default=5, help="timed iterations (default 5)")
+@click.option("--warmup", type=int, default=1, help="untimed iterations first (default 1)")
+@click.option("--max-mb", type=float, default=64.0, help="shrink the tensor to at most this many MiB (default 64)")
+@click.option("--scale", help="exact shrink factors per dim instead of --max-mb, e.g. 4,4,2 (1,1,1 = full size)")
+@click.option("--backend", type=click.Choice([n for n, e in ENGINES.items() if e.world == "mpi"]), default="mpi",
+              help="the engine (default mpi)")
+@click.option("--gpu", type=int, help="nccl: put every rank on this GPU instead of device % devices_per_host")
+@click.option("--fake-hosts", is_flag=True,
+              help="nccl: give each rank its own NCCL_HOSTID and the socket transport, so several ranks can share one GPU")
+@click.option(DEBUG_FLAG, "debug", is_flag=True, help=f"show the full traceback of an internal error (or set {DEBUG_ENV}=1)")
+@click.option("--order", type=click.Choice(["device", "posted"]),
+              help="device: one operation at a time per device, in plan order, across the tensors of a multi-tensor "
+                   "plan too (the default for one tensor, on --backend nccl, and for a multi-tensor plan compiled with "
+                   "--max-staging-mb); posted: every message at once (the default for other multi-tensor plans on mpi, "
+                   "measured faster there)")
+@click.option("--timeout", type=float, default=DEFAULT_TIMEOUT_S, help="seconds without progress before a rank gives up (default 60)")
+def _command(**_) -> None:
+    """The flags (`_arguments` reads them)."""
+
+
+def _arguments(argv: list[str] | None) -> SimpleNamespace:
+    """Parsed flags; raises UsageError (one line naming the flag) instead of printing and exiting; `--help` is printed
+    by rank 0 (the other ranks exit quietly)."""
+    args = parse(_command, argv, PROG, show_help=_launcher_rank() == 0)
     _check_numbers(args)
     args.scale = _parse_scale(args.scale)
     return args
@@ -144,7 +136,7 @@ def _size(nbytes: int) -> str:
     return f"{nbytes} B" if nbytes < 2**10 else f"{nbytes / 2**10:.1f} KiB" if nbytes < 2**20 else f"{nbytes / 2**20:.1f} MiB"
 
 
-def demo(plan: Plan, comm, args: argparse.Namespace) -> tuple[str, bool]:
+def demo(plan: Plan, comm, args: SimpleNamespace) -> tuple[str, bool]:
     """Run one plan, one tensor or many (`drive.run_plan`); returns rank 0's report line and whether every check passed."""
     rank = comm.Get_rank()
 
@@ -214,7 +206,7 @@ def _leave_together(comm, status: int, timeout_s: float) -> int:
 
 
 
-def _scaled(plan: Plan, args: argparse.Namespace) -> tuple[Plan, str]:
+def _scaled(plan: Plan, args: SimpleNamespace) -> tuple[Plan, str]:
     """The plan shrunk as the flags say, and the note saying how (empty when not shrunk)."""
     if is_multi(plan):
         if args.scale:
@@ -267,7 +259,7 @@ def main(argv: list[str] | None = None) -> int:
     return _leave_together(comm, status, timeout_s)
 
 
-def _flags_differ(world: MpiCollectives, args: argparse.Namespace) -> bool:
+def _flags_differ(world: MpiCollectives, args: SimpleNamespace) -> bool:
     """Whether any two ranks were given different flags or numbers of plans (`mpiexec ... : ...`), agreed in one
     reduction: such ranks would run different collectives and wait out the timeout. Plan files may differ (each is
     checked when read)."""
@@ -281,7 +273,7 @@ def _report(line: str) -> None:
     print(line, file=sys.stderr, flush=True)
 
 
-def _run_one(plan: Plan, path: Path, shrink: str, comm, args: argparse.Namespace) -> int:
+def _run_one(plan: Plan, path: Path, shrink: str, comm, args: SimpleNamespace) -> int:
     """Run one plan that every rank read; its exit status (0 ok, 1 a check failed, 2 refused). A failure that
     leaves requests pending ends this rank at once (`_fail_alone`): MPI could not finalize."""
     rank = comm.Get_rank()

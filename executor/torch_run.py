@@ -13,13 +13,14 @@ compared bit for bit with numpy slicing of the whole pattern tensor. A multi-ten
 
 from __future__ import annotations
 
-import argparse
 import datetime
 from contextlib import contextmanager
 import os
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
+import click
 import numpy as np
 
 from xmesh_plan.schemas import Plan, PlanFileError, read_plan_file
@@ -32,6 +33,7 @@ from .drive import Tensor, flag_error, refused_input
 from .drive import run_plan as run_plan_on
 from .engines import TransportOptions
 from .errors import ExecutorError, PeerTimeoutError, PlanMismatchError
+from .flags import TORCH_RANK, UsageError, command, launcher_rank, parse
 from .pattern import fill
 from .scale import factors_for, factors_per_tensor, scale_plan, scale_tensors
 
@@ -99,7 +101,7 @@ def _peer_errors(what: str):
 WAYS = {"device": "device order across tensors", "posted": "tensors one after another"}  # how the torch engine runs a multi-tensor plan
 
 
-def run_plan(plan: Plan, args: argparse.Namespace) -> tuple[str, int]:
+def run_plan(plan: Plan, args: SimpleNamespace) -> tuple[str, int]:
     """Reshard `plan` (one tensor or many) `--iters` times (`drive.run_plan`); rank 0's report line and the number of
     wrong elements over all ranks."""
     import torch.distributed as dist
@@ -126,19 +128,31 @@ def run_plan(plan: Plan, args: argparse.Namespace) -> tuple[str, int]:
     return line, done.wrong
 
 
-def _arguments(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="torchrun --nproc-per-node N -m xmesh_plan.executor.torch_run", description=__doc__.splitlines()[0])
-    parser.add_argument("plans", nargs="+", type=Path, help="plan files (plans/*.plan.json)")
-    parser.add_argument("--check", action="store_true", help="compare every destination shard with numpy slicing, bit for bit")
-    parser.add_argument("--iters", type=int, default=5, help="timed iterations (default 5)")
-    parser.add_argument("--warmup", type=int, default=1, help="untimed iterations first (default 1)")
-    parser.add_argument("--order", choices=["device", "posted"],
-                        help="device: one operation at a time per device, in plan order, across the tensors of a multi-tensor "
-                             "plan too (default); posted: every message at once (a multi-tensor plan: tensors one after another)")
-    parser.add_argument("--max-mb", type=float, default=16.0, help="shrink the tensor to at most this many MiB (default 16)")
-    parser.add_argument("--nccl", action="store_true", help="use an NCCL process group on cuda:LOCAL_RANK instead of gloo on the CPU")
-    parser.add_argument("--timeout", type=float, default=60.0, help="seconds without progress before a rank gives up (default 60)")
-    return parser.parse_args(argv)
+PROG = "torchrun --nproc-per-node N -m xmesh_plan.executor.torch_run"
+
+
+@command(__doc__.splitlines()[0])
+@click.argument("plans", nargs=-1, required=True, type=click.Path(path_type=Path))
+@click.option("--check", is_flag=True, help="compare every destination shard with numpy slicing, bit for bit")
+@click.option("--iters", type=int, default=5, help="timed iterations (default 5)")
+@click.option("--warmup", type=int, default=1, help="untimed iterations first (default 1)")
+@click.option("--order", type=click.Choice(["device", "posted"]),
+              help="device: one operation at a time per device, in plan order, across the tensors of a multi-tensor "
+                   "plan too (default); posted: every message at once (a multi-tensor plan: tensors one after another)")
+@click.option("--max-mb", type=float, default=16.0, help="shrink the tensor to at most this many MiB (default 16)")
+@click.option("--nccl", is_flag=True, help="use an NCCL process group on cuda:LOCAL_RANK instead of gloo on the CPU")
+@click.option("--timeout", type=float, default=60.0, help="seconds without progress before a rank gives up (default 60)")
+def _command(**_) -> None:
+    """The flags (`_arguments` reads them)."""
+
+
+def _arguments(argv: list[str] | None) -> SimpleNamespace:
+    """Parsed flags, each in its range; UsageError (one line naming the flag) otherwise. `--help` is printed by rank 0."""
+    args = parse(_command, argv, PROG, show_help=_launcher_rank() == 0)
+    error = flag_error(args.iters, args.warmup, args.max_mb, args.timeout)
+    if error is not None:
+        raise UsageError(error)
+    return args
 
 
 def main(argv: list[str] | None = None, transport: TransportOptions | None = None) -> int:
@@ -146,13 +160,13 @@ def main(argv: list[str] | None = None, transport: TransportOptions | None = Non
     import torch
     import torch.distributed as dist
 
-    args = _arguments(argv)
-    args.transport = transport or TransportOptions()
-    error = flag_error(args.iters, args.warmup, args.max_mb, args.timeout)
-    if error is not None:  # the same flags on every rank (torchrun), and no rank has joined the group yet
+    try:
+        args = _arguments(argv)
+    except UsageError as err:  # the same flags on every rank (torchrun), and no rank has joined the group yet
         if _launcher_rank() == 0:
-            print(f"error: {error}", file=sys.stderr)
+            print(f"error: {err}", file=sys.stderr)
         return 2
+    args.transport = transport or TransportOptions()
     if args.nccl:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     dist.init_process_group("nccl" if args.nccl else "gloo", timeout=datetime.timedelta(seconds=args.timeout))
@@ -213,8 +227,7 @@ def _leave(rank: int, line: str, code: int):
 
 def _launcher_rank() -> int:
     """This process's rank as torchrun set it (0 outside torchrun)."""
-    rank = os.environ.get("RANK", "0")
-    return int(rank) if rank.isdigit() else 0
+    return launcher_rank(*TORCH_RANK)
 
 
 def console_main(program: str = "python -m xmesh_plan.executor.torch_run") -> int:

@@ -78,14 +78,14 @@ def main() -> None:
     """
 
 
-def problem_from_flags(problem_file, shape, dtype, src_mesh, src_spec, dst_mesh, dst_spec,
-                       max_tasks: int | None = None) -> ReshardingProblem | TransferProblem:
+def problem_from_flags(problem_file, shape, dtype, src_mesh, src_spec, dst_mesh, dst_spec, max_tasks: int | None = None,
+                       split_hosts: bool | None = None, merge: bool = True) -> ReshardingProblem | TransferProblem:
     flags = {"--shape": shape, "--src-mesh": src_mesh, "--src-spec": src_spec, "--dst-mesh": dst_mesh, "--dst-spec": dst_spec}
     if problem_file:
         given = [k for k, v in flags.items() if v is not None]
         if given:
             raise InputError(f"{given[0]}: give either a PROBLEM file or the flags, not both")
-        return load_any_problem(problem_file, max_tasks)
+        return load_any_problem(problem_file, max_tasks, split_hosts, merge)
     missing = [k for k, v in flags.items() if v is None]
     if missing:
         raise InputError(f"{missing[0]}: missing; pass a PROBLEM file or all of {', '.join(flags)}")
@@ -141,7 +141,7 @@ def compile_command(problem_file, output, shape, dtype, src_mesh, src_spec, dst_
       xmesh-plan compile --shape 1024,1024,512 --dtype int32 --src-mesh 2x4 --src-spec "R S0 R" \\
                          --dst-mesh 2x4 --dst-spec "S0 R R" -o case3.plan.json
     """
-    problem = problem_from_flags(problem_file, shape, dtype, src_mesh, src_spec, dst_mesh, dst_spec, max_tasks)
+    problem = problem_from_flags(problem_file, shape, dtype, src_mesh, src_spec, dst_mesh, dst_spec, max_tasks, split_hosts, not no_merge)
     options = CompileOptions(strategy=strategy, solver=solver, seed=seed, time_limit_s=time_limit, merge=not no_merge,
                              max_tasks=max_tasks, split_hosts=split_hosts, coalesce=coalesce, cross_tensor=cross_tensor,
                              bucket_bytes=None if bucket_mb is None else int(bucket_mb * 2**20),

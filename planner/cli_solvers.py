@@ -98,17 +98,29 @@ def compare_command(problem_file, seed, time_limit, max_tasks):
         rows = compare_rows(problem, seed, time_limit, max_tasks)
     bound = next(b for _, _, b, _ in rows if b is not None)
     best = min(p for _, p, _, _ in rows)
-    table = [(name, predicted, over_bound(predicted, bound), _over_best(predicted, best), wall) for name, predicted, _, wall in rows]
-    click.echo(tabulate(table, headers=("approach", "predicted s", "/ bound", "/ best", "wall s"), tablefmt="plain",
-                        floatfmt=("", ".4f", ".3f", ".3f", ".2f")))
+    unit, scale = _time_unit(max(p for _, p, _, _ in rows))
+    table = [(name, predicted * scale, over_bound(predicted, bound), _over_best(predicted, best), wall)
+             for name, predicted, _, wall in rows]
+    click.echo(tabulate(table, headers=("approach", f"predicted {unit}", "/ bound", "/ best", "wall s"), tablefmt="plain",
+                        floatfmt=("", ".4f", ".3f", ".3f", ".2f"), missingval="-"))
+    if any(row[3] is None for row in table):
+        click.echo("/ best: '-' where the best approach takes 0 s (nothing crosses a link) and this one longer: "
+                   f"compare the predicted {unit} instead")
     click.echo(f"lower bound {bound:.4f} s")
 
 
-def _over_best(seconds: float, best: float) -> float:
-    """`seconds` over the best approach's: 1.0 where both are 0 (nothing to move), inf where only the best is."""
+def _time_unit(longest: float) -> tuple[str, float]:
+    """The unit the predicted column shows times in, and its factor: seconds, or microseconds where every time is
+    below a millisecond (so times that would all print as 0.0000 s stay apart)."""
+    return ("s", 1.0) if longest >= 1e-3 else ("us", 1e6)
+
+
+def _over_best(seconds: float, best: float) -> float | None:
+    """`seconds` over the best approach's: 1.0 where both are 0 (nothing to move), None (no ratio) where only the
+    best is 0."""
     if best > 0:
         return seconds / best
-    return 1.0 if seconds <= 0 else float("inf")
+    return 1.0 if seconds <= 0 else None
 
 
 @click.command("check")
@@ -147,7 +159,9 @@ def check_command(plan_files, max_ratio, reference, per_tensor):
         if over_executed is not None and over_executed > max_ratio:
             problems.append(f"{over_executed:.4f}x its lower bound {order} (the executor's default order)")
         if ref is not None and predicted > max_ratio * ref.predicted_seconds:
-            problems.append(f"{_over_best(predicted, ref.predicted_seconds):.4f}x the reference {reference}")
+            ratio = _over_best(predicted, ref.predicted_seconds)
+            problems.append(f"{ratio:.4f}x the reference {reference}" if ratio is not None else
+                            f"{predicted:.4g} s where the reference {reference} takes 0 s")
         status = "FAIL " + "; ".join(problems) if problems else "ok"
         if not audit.retimed:
             status += " (operation times not re-checked: this plan was timed by the schedule model)"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import math
 
 import click
@@ -72,6 +73,17 @@ def max_actions_option(func):
                              "this (stages x micro-batches x 3, or x 2 without a split backward; time grows with it)")(func)
 
 
+# What to do about an output that cannot be written, by the error's number; others get the general advice.
+OUTPUT_FIXES = {
+    errno.ENXIO: "start the program that reads it first (e.g. `cat` on it), or give a regular file",
+    errno.ENOENT: "create its folder first, or give a path in a folder that exists",
+    errno.ENOTDIR: "a part of the path is a file, not a folder; give a path through folders",
+    errno.EACCES: "pick a file and folder you may write, or change their permissions",
+    errno.EPERM: "pick a file and folder you may write, or change their permissions",
+    errno.EROFS: "the file system is read-only; give a path on a writable one",
+}
+
+
 def output_error(err: OSError, path: str, flag: str) -> Exception:
     """What to raise when the output `flag` names cannot be written: the OSError itself where the machine is at
     fault (a full disk: the last-resort handler's one line, exit 1), else a one-line InputError (exit 2)."""
@@ -79,7 +91,8 @@ def output_error(err: OSError, path: str, flag: str) -> Exception:
         return err
     if isinstance(err, IsADirectoryError):
         return InputError(f"{flag}: {quoted(path)} is a folder; give a file name in it")
-    return InputError(f"{flag}: cannot write {quoted(path)} ({err.strerror or err}); check that the folder exists and is writable")
+    fix = OUTPUT_FIXES.get(err.errno, "check that the folder exists and is writable")
+    return InputError(f"{flag}: cannot write {quoted(path)} ({err.strerror or err}); {fix}")
 
 
 def write_output(path: str, data: str | bytes, flag: str) -> None:

@@ -22,7 +22,7 @@ from .simulate import nic_assignment, renumbered_only, simulated, staging_runs
 from .solvers import solve
 from .staging_limit import limit_staging
 from .strategies import STRATEGIES, PlannedOp, StrategyResult, TaskContext, get_strategy
-from .unit_tasks import Cell, check_joint_task_count, check_split_count, decompose, split_by_receiver_host
+from .unit_tasks import Cell, check_joint_task_count, decompose, split_by_receiver_host
 
 DIGITS = 12  # times are rounded to picoseconds so plans print and compare stably
 NIC_SIDES = ("send", "recv")  # the resources a plan's host order lists; device ports are not queued
@@ -290,13 +290,11 @@ def compile_plan(problem: ReshardingProblem | TransferProblem, options: CompileO
     singles = problem.tensor_problems()
     if coalesce and max_staging_bytes is not None and max_staging_bytes < max(s.itemsize for s in singles):
         coalesce = False  # a limit below one element: limit_staging refuses it, naming the smallest limit that works
-    check_joint_task_count(singles, max_tasks)
+    check_joint_task_count(singles, max_tasks, split_hosts, options.merge)
     indices = range(len(singles)) if multi else [None]
     cells = [decompose(single, merge=options.merge, max_tasks=None) for single in singles]
     on_stage(f"costing {sum(map(len, cells))} cells")
     works, first, cut = [], 0, []
-    if split_hosts:
-        check_split_count(cells, problem.cluster, max_tasks)
     for single, mine in zip(singles, cells):  # the bound and copies come from the cells as cut
         tasks_of = split_by_receiver_host(mine, problem.cluster) if split_hosts else mine
         cut.append(coalesce_cells(tasks_of, single, bucket_bytes) if coalesce else (tasks_of, []))

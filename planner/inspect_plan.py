@@ -96,8 +96,8 @@ def _what(plan: Plan) -> str:
         src, dst, cluster = p.src_mesh, p.dst_mesh, p.cluster
         return (f"{len(p.tensors)} tensors ({_bytes(p.nbytes)}): mesh {src.label} on hosts {','.join(map(str, src.hosts(cluster)))} "
                 f"-> mesh {dst.label} on hosts {','.join(map(str, dst.hosts(cluster)))}")
-    return (f"tensor {'x'.join(map(str, p.shape))} {p.dtype} ({_gib(p.nbytes)}): mesh {p.src.mesh.label} [{p.src.spec}] on hosts "
-            f"{','.join(map(str, p.src.mesh.hosts(p.cluster)))} -> mesh {p.dst.mesh.label} [{p.dst.spec}] on hosts "
+    return (f"tensor {'x'.join(map(str, p.shape))} {p.dtype} ({_gib(p.nbytes)}): mesh {p.src.mesh.label} [{p.src.label}] on hosts "
+            f"{','.join(map(str, p.src.mesh.hosts(p.cluster)))} -> mesh {p.dst.mesh.label} [{p.dst.label}] on hosts "
             f"{','.join(map(str, p.dst.mesh.hosts(p.cluster)))}")
 
 
@@ -120,11 +120,18 @@ def tensor_rows(plan: Plan) -> list[str]:
     host, itemsizes = p.cluster.host_of, [t.itemsize for t in p.tensor_problems()]
     for op in plan.operations:
         crossing[op.tensor] += sum(n for (a, b), n in pair_bytes(op, itemsizes[op.tensor]).items() if host(a) != host(b))
-    table = [(t.name, "x".join(map(str, t.shape)), t.dtype, f"{t.src} -> {t.dst}", tasks[i], ops[i], _bytes(crossing[i]),
+    table = [(t.name, "x".join(map(str, t.shape)), t.dtype + (f" -> {t.dst_dtype}" if t.dst_dtype else ""),
+              f"{t.src or 'boxes'} -> {_dst_label(p, t)}", tasks[i], ops[i], _bytes(crossing[i]),
               f"{done[i]:.4f}s") for i, t in enumerate(p.tensors)]
     rows = indented(table, ("tensor", "shape", "dtype", "src -> dst spec", "tasks", "ops", "cross-host", "done at"),
                     colalign=("left",) + ("right",) * 7)
     return rows
+
+
+def _dst_label(problem, tensor) -> str:
+    """A tensor's destination layout in the listing: its spec, `boxes`, or `in <fused tensor>` for a fused part."""
+    fused = problem.fused_part(tensor.name)
+    return f"in {problem.fused[fused].name}" if fused is not None else str(tensor.dst or "boxes")
 
 
 ORDER_MEANINGS = {  # queueing discipline -> who executes that way

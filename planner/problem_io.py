@@ -22,6 +22,8 @@ from pydantic import ValidationError
 
 from xmesh_plan.schemas import Cluster, DeviceMesh, PlanFileError, ReshardingProblem
 from xmesh_plan.schemas import files as schemas_files
+from xmesh_plan.schemas.convert import FP8_MAX
+from xmesh_plan.schemas.dtypes import canonical_dtype
 from xmesh_plan.schemas.files import DataFileError
 from xmesh_plan.schemas.limits import MAX_DEVICE_ID, check_mesh_size, shown
 from xmesh_plan.schemas.spec import SpecError
@@ -125,11 +127,15 @@ def build_problem(raw: dict[str, Any]) -> ReshardingProblem:
     next_host = 0
     for side in ("src", "dst"):
         placement = data.get(side)
-        if not isinstance(placement, dict) or "mesh" not in placement or "spec" not in placement:
-            raise InputError(f"{side}: give an object with \"mesh\" (e.g. \"2x4\") and \"spec\" (e.g. \"S0 R R\")")
+        if not isinstance(placement, dict) or "mesh" not in placement or not ({"spec", "boxes"} & set(placement)):
+            raise InputError(f"{side}: give an object with \"mesh\" (e.g. \"2x4\") and \"spec\" (e.g. \"S0 R R\") "
+                             "or \"boxes\" (each device's [[start, stop], ...])")
         mesh = parse_mesh(placement["mesh"], f"{side}.mesh", next_host, cluster.devices_per_host)
         data[side] = {**placement, "mesh": mesh}
         next_host = max(next_host, hosts_used(mesh, cluster.devices_per_host))
+    if canonical_dtype(str(data.get("dst_dtype"))) in FP8_MAX:
+        raise InputError("dst_dtype: an FP8 destination needs scales, which travel as a tensor of their own; give the tensor in "
+                         "a multi-tensor problem (a tensors list) with scale = \"tensor\" or \"block\"")
     return ReshardingProblem.model_validate(data)
 
 

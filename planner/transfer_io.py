@@ -26,16 +26,21 @@ from typing import Any
 from pydantic import ValidationError
 
 from xmesh_plan.schemas import Placement, ReshardingProblem
+from xmesh_plan.schemas.boxes import box_field
 from xmesh_plan.schemas.dtypes import DTYPE_SIZES, canonical_dtype
+from xmesh_plan.schemas.convert import fused_block_scales
+from xmesh_plan.schemas.fused import FusedTensor, part_ref
 from xmesh_plan.schemas.limits import quoted, shown
-from xmesh_plan.schemas.transfer import MAX_TENSORS, TransferProblem
+from xmesh_plan.schemas.transfer import MAX_TENSORS, TensorTransfer, TransferProblem, scale_tensor, single_problem
 from xmesh_plan.schemas.validation import describe_validation_error
 
+from .compile_defaults import defaults_for_kind
 from .problem_io import InputError, build_problem, hosts_used, parse_cluster, parse_mesh, parse_shape, read_data_file
-from .unit_tasks import check_task_total, task_count_bound
+from .unit_tasks import TaskCount, check_task_total, count_tasks
 
 TOP_KEYS = ("name", "dtype", "src_mesh", "dst_mesh", "cluster", "rules", "tensors")
-TENSOR_KEYS = ("name", "shape", "dtype", "src", "dst")
+TENSOR_KEYS = ("name", "shape", "dtype", "src", "dst", "src_boxes", "dst_boxes", "dst_dtype", "scale")
+FUSED_KEYS = ("name", "fuse", "dim", "dst", "dst_boxes", "dst_dtype", "scale")
 RULE_KEYS = ("match", "src", "dst")
 MAX_REPEAT = MAX_TENSORS
 MAX_RULES = 256  # every rule is matched against every tensor name once at most; a model needs a few dozen
@@ -46,24 +51,31 @@ def is_transfer(raw: Any) -> bool:
     return isinstance(raw, dict) and "tensors" in raw
 
 
-def build_any_problem(raw: Any, max_tasks: int | None = None) -> ReshardingProblem | TransferProblem:
+def build_any_problem(raw: Any, max_tasks: int | None = None, split_hosts: bool | None = None,
+                      merge: bool = True) -> ReshardingProblem | TransferProblem:
     """A transfer problem from data with `tensors`, a single-tensor problem otherwise; a transfer that could cut into
-    more than `max_tasks` unit tasks is refused as it is read (`build_transfer`)."""
+    more than `max_tasks` unit tasks (compiled with `split_hosts` and `merge`) is refused as it is read
+    (`build_transfer`)."""
     if isinstance(raw, dict) and "schema_version" in raw and "operations" in raw:
         raise InputError("this is a plan file (it has schema_version and operations), not a problem; give the problem file "
                          "it was compiled from (its `problem` section is one), e.g. plans/case3.problem.json")
-    return build_transfer(raw, max_tasks) if is_transfer(raw) else build_problem(raw)
+    return build_transfer(raw, max_tasks, split_hosts, merge) if is_transfer(raw) else build_problem(raw)
 
 
-def load_any_problem(path: str | Path, max_tasks: int | None = None) -> ReshardingProblem | TransferProblem:
-    """Read a `.json` or `.toml` problem file of either kind; errors name the file and field."""
-    return build_any_problem(read_data_file(path, "problem file"), max_tasks)
+def load_any_problem(path: str | Path, max_tasks: int | None = None, split_hosts: bool | None = None,
+                     merge: bool = True) -> ReshardingProblem | TransferProblem:
+    """Read a `.json` or `.toml` problem file of either kind; errors name the file and field. `max_tasks`,
+    `split_hosts`, `merge`: as `build_transfer`."""
+    return build_any_problem(read_data_file(path, "problem file"), max_tasks, split_hosts, merge)
 
 
-def build_transfer(raw: dict[str, Any], max_tasks: int | None = None) -> TransferProblem:
+def build_transfer(raw: dict[str, Any], max_tasks: int | None = None, split_hosts: bool | None = None,
+                   merge: bool = True) -> TransferProblem:
     """A transfer problem from plain data (see the module docstring); InputError naming the field otherwise.
-    With `max_tasks`, tensors that could cut into more unit tasks together are refused (TooManyTasksError) from
-    their counts, before the problem is built: each distinct (shape, specs) is counted once."""
+    With `max_tasks`, tensors that compile into more unit tasks together are refused (TooManyTasksError) from
+    their counts, before the problem is built: each distinct (shape, dtype, specs) is counted once, split by
+    receiving host unless `split_hosts` is False (None: the multi-tensor default, `compile_defaults`), so the
+    limit the refusal names is the one the compile passes."""
     unknown = sorted(set(raw) - set(TOP_KEYS))
     if unknown:
         raise InputError(f"{quoted(unknown[0])}: not a field of a multi-tensor problem; use {', '.join(TOP_KEYS)}")
@@ -82,8 +94,15 @@ def build_transfer(raw: dict[str, Any], max_tasks: int | None = None) -> Transfe
         raise InputError("tensors: missing; give a list of tensors, each with name and shape")
     matcher = _RuleMatcher(rules)
     if max_tasks is not None:  # from the entries as written, before a repeated group is unrolled
-        _TaskCount(src_mesh, dst_mesh, cluster, matcher, default_dtype).of_entries(raw["tensors"], max_tasks)
-    tensors = [_tensor(entry, where, matcher, default_dtype) for entry, where in _expand(raw["tensors"])]
+        split = defaults_for_kind(multi_tensor=True).split_hosts if split_hosts is None else split_hosts
+        _TaskCount(src_mesh, dst_mesh, cluster, matcher, default_dtype, split, merge).of_entries(raw["tensors"], max_tasks)
+    entries = _expand(raw["tensors"])
+    known = {entry.get("name") for entry, _ in entries if isinstance(entry, dict) and "fuse" not in entry}
+    fused = [_fused(entry, where, matcher, known) for entry, where in entries if isinstance(entry, dict) and "fuse" in entry]
+    parts = {part_ref(part)[0] for f in fused for part in f["parts"]}
+    tensors = [_tensor(entry, where, matcher, default_dtype, parts) for entry, where in entries
+               if not (isinstance(entry, dict) and "fuse" in entry)]
+    scaled = _fused_dtypes(tensors, fused)
     unused = matcher.fitting_none([t["name"] for t in tensors])  # _tensor made each a dict with a text name
     if unused is not None:  # a typo in a pattern would silently leave its tensors to a later rule
         raise InputError(f"rules[{unused}] (match {rules[unused][0]!r}) fits no tensor's name; fix the pattern or remove the rule")
@@ -91,8 +110,11 @@ def build_transfer(raw: dict[str, Any], max_tasks: int | None = None) -> Transfe
         raise InputError("tensors: no tensor is left once repeated groups are unrolled (repeat = 0 everywhere?); "
                          "give at least one tensor")
     name = raw.get("name", "")
+    tensors = _with_scales(tensors, src_mesh, dst_mesh, cluster, parts)
+    fused = fused + _fused_scales(fused, scaled, tensors, dst_mesh)
     try:
-        return TransferProblem(name=name, src_mesh=src_mesh, dst_mesh=dst_mesh, cluster=cluster, tensors=tuple(tensors))
+        return TransferProblem(name=name, src_mesh=src_mesh, dst_mesh=dst_mesh, cluster=cluster, tensors=tuple(tensors),
+                               fused=tuple(fused))
     except ValidationError as err:
         raise InputError(_named(describe_validation_error(err), tensors)) from None
 
@@ -100,14 +122,17 @@ def build_transfer(raw: dict[str, Any], max_tasks: int | None = None) -> Transfe
 class _TaskCount:
     """The unit tasks tensor entries could cut into, counted as written: a repeated group's tensor that gives both
     specs itself counts once for all its copies, one whose specs come from the rules is matched name by name (one
-    regular expression each); each distinct (shape, dtype, specs) is cut into cut points once. Anything malformed,
+    regular expression each); each distinct (shape, dtype, specs) is counted from its cut points once (`count_tasks`:
+    split by receiving host when `split_hosts`). Anything malformed,
     or more tensors than a problem may hold, stops the count (`of_entries` then refuses nothing): reading the entries
     in full names the fault."""
 
-    def __init__(self, src_mesh, dst_mesh, cluster, rules: "_RuleMatcher", default_dtype: Any):
+    def __init__(self, src_mesh, dst_mesh, cluster, rules: "_RuleMatcher", default_dtype: Any, split_hosts: bool, merge: bool):
         self.src_mesh, self.dst_mesh, self.cluster, self.rules, self.default_dtype = src_mesh, dst_mesh, cluster, rules, default_dtype
-        self.known: dict[tuple, int | None] = {}
-        self.tensors = self.total = self.largest = self.written = 0
+        self.split_hosts, self.merge = split_hosts, merge
+        self.known: dict[tuple, TaskCount | None] = {}
+        self.total = TaskCount(0, 0 if split_hosts else None)
+        self.tensors = self.largest = self.written = 0
         self.largest_name = ""
 
     def of_entries(self, entries: Any, max_tasks: int) -> None:
@@ -138,28 +163,36 @@ class _TaskCount:
         return all(self._add(tensor["name"].replace("{i}", str(i)), tensor, 1) for i in range(repeat))
 
     def _add(self, name: str, tensor: dict, copies: int) -> bool:
-        specs = [tensor[side] if tensor.get(side) is not None else self.rules.spec(name, side) for side in ("src", "dst")]
         shape = tensor.get("shape")
         try:
-            key = (parse_shape(shape) if isinstance(shape, str) else tuple(shape), tensor.get("dtype", self.default_dtype), *specs)
+            layouts = [_layout(tensor, side, lambda: self.rules.spec(name, side)) for side in ("src", "dst")]
+            key = (parse_shape(shape) if isinstance(shape, str) else tuple(shape), tensor.get("dtype", self.default_dtype), *layouts)
             hash(key)
-        except (InputError, TypeError):
+        except (InputError, TypeError, ValueError):
             return False
         if key not in self.known:
             try:
                 single = ReshardingProblem(name=name, shape=key[0], dtype=key[1], cluster=self.cluster,
-                                           src=Placement(mesh=self.src_mesh, spec=key[2]), dst=Placement(mesh=self.dst_mesh, spec=key[3]))
-                self.known[key] = task_count_bound(single)
+                                           src=Placement(mesh=self.src_mesh, **dict([key[2]])),
+                                           dst=Placement(mesh=self.dst_mesh, **dict([key[3]])))
+                self.known[key] = count_tasks(single, self.split_hosts, self.merge)
             except (ValidationError, ValueError, TypeError):
                 self.known[key] = None
-        bound = self.known[key]
-        if bound is None or not copies:
-            return bound is not None
+        count = self.known[key]
+        if count is None or not copies:
+            return count is not None
         self.tensors += copies
-        self.total += bound * copies
-        if bound > self.largest:
-            self.largest, self.largest_name = bound, name
+        self.total += count.times(copies)
+        if count.needed > self.largest:
+            self.largest, self.largest_name = count.needed, name
         return True
+
+
+def _layout(tensor: dict, side: str, rule_spec) -> tuple[str, Any]:
+    """("boxes", the boxes as tuples) where the tensor lists `<side>_boxes`, else ("spec", its spec or the rule's)."""
+    if tensor.get(f"{side}_boxes") is not None:
+        return "boxes", tuple(box_field(b) for b in tensor[f"{side}_boxes"])
+    return "spec", tensor[side] if tensor.get(side) is not None else rule_spec()
 
 
 class _RuleMatcher:
@@ -261,12 +294,113 @@ def _repeat(entry: dict, where: str, room: int) -> list[tuple[dict, str]]:
         if "{i}" not in tensor["name"]:
             raise InputError(f"{where}.group[{j}].name: {shown(tensor.get('name'))} lacks {{i}}, so its {repeat} copies "
                              "would share a name; write e.g. \"layers.{i}.mlp.weight\"")
-    return [({**t, "name": t["name"].replace("{i}", str(i))}, f"{where}.group[{j}] (i={i})")
-            for i in range(repeat) for j, t in enumerate(group)]
+    return [(_numbered(t, i), f"{where}.group[{j}] (i={i})") for i in range(repeat) for j, t in enumerate(group)]
 
 
-def _tensor(entry: Any, where: str, rules: _RuleMatcher, default_dtype: Any) -> dict[str, Any]:
-    """One tensor as TensorTransfer data, specs filled in from the rules."""
+def _numbered(tensor: dict, i: int) -> dict:
+    """A group's tensor as copy i: {i} in its name, and in the names a fused tensor lists, becomes i."""
+    out = {**tensor, "name": tensor["name"].replace("{i}", str(i))}
+    if isinstance(tensor.get("fuse"), list):
+        out["fuse"] = [p.replace("{i}", str(i)) if isinstance(p, str) else p for p in tensor["fuse"]]
+    return out
+
+
+def _fused_dtypes(tensors: list[dict[str, Any]], fused: list[dict[str, Any]]) -> set[str]:
+    """A fused tensor's `dst_dtype` and `scale` are its parts' (a part giving others is refused); the names of the
+    fused tensors with scales."""
+    by_name = {t["name"]: (i, t) for i, t in enumerate(tensors)}
+    scaled = set()
+    for f in fused:
+        given = {key: f.pop(key) for key in ("dst_dtype", "scale") if f.get(key) is not None}
+        if "scale" in given:
+            scaled.add(f["name"])
+        for part in dict.fromkeys(part_ref(p)[0] for p in f["parts"]):
+            if part not in by_name:
+                continue
+            i, tensor = by_name[part]
+            for key, value in given.items():
+                if tensor.get(key) not in (None, value):
+                    raise InputError(f"tensors[{i}] ({quoted(part)}).{key}: {tensor[key]!r}, but its fused tensor {quoted(f['name'])} "
+                                     f"gives {value!r}; give it once, on the fused tensor")
+                tensor[key] = value
+    return scaled
+
+
+def _fused_scales(fused: list[dict[str, Any]], scaled: set[str], tensors: list[dict[str, Any]], dst_mesh) -> list[dict[str, Any]]:
+    """For each fused tensor with scales, the fused tensor of its parts' block scales (`schemas.convert.fused_block_scales`);
+    one not valid as written is left for the problem's own checks to name."""
+    out = []
+    shapes = {t["name"]: tuple(t["shape"]) for t in tensors if isinstance(t.get("shape"), (list, tuple))}
+    for k, f in enumerate(fused):
+        if f["name"] not in scaled:
+            continue
+        try:
+            made = FusedTensor.model_validate(f)
+            if any(t.get("scale") != "block" for t in tensors if t["name"] in {n for n, _ in made.refs()}):
+                continue  # the problem names the fault
+            out.append(fused_block_scales(made, shapes, dst_mesh).model_dump())
+        except (ValidationError, KeyError, IndexError, TypeError):
+            continue
+        except ValueError as err:
+            raise InputError(f"fused tensor {quoted(f['name'])}: {err}") from None
+    return out
+
+
+def _with_scales(tensors: list[dict[str, Any]], src_mesh, dst_mesh, cluster, parts: set[str]) -> list[dict[str, Any]]:
+    """The tensors with each FP8 tensor's scale tensor after it (`schemas.transfer.scale_tensor`); a tensor that is
+    not valid as written is left for the problem's own checks to name."""
+    out = []
+    for i, t in enumerate(tensors):
+        out.append(t)
+        if t.get("scale") is None:
+            continue
+        fused = t["name"] in parts  # no destination layout of its own: any stands in, only the source's is read
+        if fused and t["scale"] != "block":
+            continue  # a fused tensor takes block scales only: the problem says so
+        try:
+            tensor = TensorTransfer.model_validate(t | ({"dst": " ".join("R" * len(t["shape"]))} if fused else {}))
+            single = single_problem(tensor, src_mesh, dst_mesh, cluster)
+        except (ValidationError, ValueError, TypeError):
+            continue
+        try:
+            out.append(scale_tensor(tensor, single, fused_part=fused).model_dump(exclude_none=True))
+        except ValueError as err:
+            raise InputError(f"tensors[{i}] ({quoted(tensor.name)}).scale: {err}") from None
+    return out
+
+
+def _fused(entry: dict, where: str, rules: _RuleMatcher, known: set) -> dict[str, Any]:
+    """One fused destination (`fuse = [parts...]`, `dim`, and `dst` or `dst_boxes`, or a rule's dst) as FusedTensor data."""
+    extra = sorted(set(entry) - set(FUSED_KEYS))
+    if extra:
+        raise InputError(f"{where}.{quoted(extra[0])}: not a field of a fused tensor; use {', '.join(FUSED_KEYS)}")
+    name = entry.get("name")
+    if not isinstance(name, str) or not name:
+        raise InputError(f"{where}: give a fused tensor a name (text), e.g. {{name = \"qkv\", fuse = [\"q\", \"k\", \"v\"], dim = 0}}")
+    fuse = entry["fuse"]
+    if not isinstance(fuse, list) or not fuse or not all(isinstance(p, str) for p in fuse):
+        raise InputError(f"{where}.fuse ({quoted(name)}): give the names of the tensors it concatenates, in order, e.g. [\"q\", \"k\", \"v\"]")
+    missing = next((p for p in fuse if part_ref(p)[0] not in known), None)
+    if missing is not None:
+        raise InputError(f"{where}.fuse ({quoted(name)}): no tensor is called {part_ref(missing)[0]!r}; list tensors of the problem")
+    if "dim" not in entry:
+        raise InputError(f"{where}.dim ({quoted(name)}): missing; give the dim its parts are concatenated along, e.g. dim = 0")
+    out = {"name": name, "parts": fuse, "dim": entry["dim"]}
+    out |= {key: entry[key] for key in ("dst_dtype", "scale") if entry.get(key) is not None}
+    if entry.get("dst_boxes") is not None and entry.get("dst") is not None:
+        raise InputError(f"{where}.dst_boxes ({quoted(name)}): give dst or dst_boxes, not both")
+    if entry.get("dst_boxes") is not None:
+        out["dst_boxes"] = entry["dst_boxes"]
+    else:
+        spec = entry["dst"] if entry.get("dst") is not None else rules.spec(name, "dst")
+        if spec is None:
+            raise InputError(f"{where} ({quoted(name)}): no rule gives its dst spec; give dst (the fused tensor's spec) or dst_boxes")
+        out["dst"] = spec
+    return out
+
+
+def _tensor(entry: Any, where: str, rules: _RuleMatcher, default_dtype: Any, parts: set[str] = frozenset()) -> dict[str, Any]:
+    """One tensor as TensorTransfer data, specs filled in from the rules (a part of a fused tensor takes no dst)."""
     if not isinstance(entry, dict) or not isinstance(entry.get("name"), str) or not entry["name"] or "shape" not in entry:
         raise InputError(f"{where}: give a tensor as an object with name (text) and shape, e.g. {{name = \"w\", shape = [1024, 512]}}")
     extra = sorted(set(entry) - set(TENSOR_KEYS))
@@ -276,11 +410,19 @@ def _tensor(entry: Any, where: str, rules: _RuleMatcher, default_dtype: Any) -> 
     if "dtype" in entry and not _known_dtype(entry["dtype"]):
         raise InputError(f"{where}.dtype ({quoted(name)}): unknown dtype {shown(entry['dtype'])}; use one of {', '.join(sorted(DTYPE_SIZES))}")
     out = {"name": name, "dtype": entry.get("dtype", default_dtype), "shape": entry["shape"]}
+    out |= {key: entry[key] for key in ("dst_dtype", "scale") if entry.get(key) is not None}
     if isinstance(out["shape"], str):
         out["shape"] = parse_shape(out["shape"], f"{where}.shape")
     if isinstance(out["shape"], (list, tuple)) and not out["shape"]:
         raise InputError(f"{where}.shape ({quoted(name)}): a 0-d tensor (a scalar) has no dim to shard; give it as shape [1]")
     for side in ("src", "dst"):
+        if side == "dst" and name in parts and entry.get("dst") is None and entry.get("dst_boxes") is None:
+            continue  # its destination layout is the fused tensor's
+        if entry.get(f"{side}_boxes") is not None:
+            if entry.get(side) is not None:
+                raise InputError(f"{where}.{side}_boxes ({quoted(name)}): give {side} or {side}_boxes, not both")
+            out[f"{side}_boxes"] = entry[f"{side}_boxes"]
+            continue
         spec = entry.get(side)
         if spec is None:
             spec = rules.spec(name, side)

@@ -16,13 +16,14 @@ from dataclasses import dataclass
 import numpy as np
 
 from xmesh_plan.schemas import Plan
-from xmesh_plan.schemas.geometry import Region
+from xmesh_plan.schemas.fused import fused_pieces
+from xmesh_plan.schemas.geometry import Region, region_shape
 from xmesh_plan.schemas.op_kinds import reads, writes
 from xmesh_plan.schemas.plan import format_region
 from xmesh_plan.schemas.plan_check import TOLERANCE_S, PlanError, check_plan, describe
 from xmesh_plan.schemas.plan_tensors import is_multi, tensor_names, tensor_plans
 
-__all__ = ["PlanError", "VerifyReport", "verify_plan"]
+__all__ = ["PlanError", "VerifyReport", "fused_provenance", "verify_plan"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -32,12 +33,15 @@ class VerifyReport:
     cells: int
     tensors: int = 1
     staging_peak: int | None = None  # the largest stated per-device staging peak, checked (None: the plan states none)
+    fused: int = 0  # fused destination tensors whose every element was traced to its part's element (`fused_provenance`)
+    conversions: tuple[str, ...] = ()  # `name: bfloat16 -> float8_e4m3fn, block scales in 'name.scale'`, per converted tensor
 
     def __str__(self) -> str:
         every = f" of each of {self.tensors} tensors" if self.tensors > 1 else ""
         staging = "" if self.staging_peak is None else f"; stated staging right (peak {self.staging_peak} B per device)"
+        fused = "" if not self.fused else f"; {self.fused} fused destination tensors each exactly their parts' boxes, concatenated"
         return (f"ok: {self.operations} operations replayed, {self.devices_checked} destination devices hold exactly their "
-                f"shards{every} ({self.cells} destination cells){staging}")
+                f"shards{every} ({self.cells} destination cells){fused}{_converted(self.conversions)}{staging}")
 
 
 class _Cells:
@@ -142,8 +146,68 @@ def verify_plan(plan: Plan) -> VerifyReport:
             raise PlanError(f"tensor {name!r}: {err}" if is_multi(plan) else str(err)) from None
         cells += sum(c.ready.size for c in replay.dst.values())
         devices |= set(replay.dst)
+    fused = plan.problem.fused if is_multi(plan) else ()
+    for j in range(len(fused)):
+        for device in plan.problem.dst_mesh.devices:
+            fused_provenance(plan, fused[j].name, device)
     peak = None if plan.staging is None else max(plan.staging.peak_bytes.values(), default=0)
-    return VerifyReport(len(plan.operations), len(devices), cells, len(tensor_names(plan)), peak)
+    conversions = tuple(f"{k}: {v}" for k, v in plan.problem.conversions().items()) if is_multi(plan) else \
+        ((f"{plan.problem.name or 'tensor'}: {plan.problem.dtype} -> {plan.problem.dst_dtype}",) if plan.problem.dst_dtype else ())
+    return VerifyReport(len(plan.operations), len(devices), cells, len(tensor_names(plan)), peak, len(fused), conversions)
+
+
+def _converted(conversions: tuple[str, ...]) -> str:
+    """`; converted at the sender: 2 tensors to float8_e4m3fn (scales in their .scale tensors), 1 to bfloat16`."""
+    if not conversions:
+        return ""
+    targets: dict[str, int] = {}
+    for line in conversions:
+        if " -> " in line:
+            target = line.split(" -> ")[1].split(",")[0]
+            targets[target] = targets.get(target, 0) + 1
+    scales = sum(" scales in " in line for line in conversions)
+    counted = ", ".join(f"{n} to {t}" for t, n in sorted(targets.items()))
+    return f"; converted at the sender: {counted}" + (f" ({scales} with their scales as tensors of the plan)" if scales else "")
+
+
+def fused_provenance(plan: Plan, name: str, device: int) -> tuple[np.ndarray, np.ndarray]:
+    """Where each element of `device`'s shard of destination tensor `name` comes from: (source tensor index, flat
+    index into that source tensor), arrays of the shard's shape. A plain tensor's shard is its own elements; a fused
+    tensor's (`schemas.fused`) is its parts' boxes on that device, concatenated along its dim: PlanError unless
+    those tile the shard exactly, each inside the box of its tensor the device receives. Called after the replay
+    has proved every tensor's destination box arrives on the device once, it traces every element of a fused shard
+    to one source element."""
+    problem = plan.problem
+    if not is_multi(plan) or all(f.name != name for f in problem.fused):
+        i = problem.index_of(name) if is_multi(plan) else 0
+        single = problem.tensor_problem(i) if is_multi(plan) else problem
+        box = single.blocks("dst")[device]
+        return np.full(region_shape(box), i), _flat_index(single.shape, box)
+    j = next(k for k, f in enumerate(problem.fused) if f.name == name)
+    box = problem.fused_blocks(j)[device]
+    tensors, index = np.full(region_shape(box), -1), np.full(region_shape(box), -1)
+    for part, piece, where in fused_pieces(problem, j, device):
+        i = problem.index_of(part)
+        received = problem.tensor_problem(i).blocks("dst")[device]
+        if any(not (r0 <= p0 and p1 <= r1) for (p0, p1), (r0, r1) in zip(piece, received)):
+            raise PlanError(f"fused tensor {name!r}: device {device} needs {format_region(piece)} of {part!r} but receives "
+                            f"{format_region(received)} of it")
+        if (tensors[where] != -1).any():
+            raise PlanError(f"fused tensor {name!r}: on device {device} two parts land on one element of its shard")
+        tensors[where] = i
+        index[where] = _flat_index(problem.tensors[i].shape, piece)
+    if (tensors == -1).any():
+        hole = tuple(int(x) for x in np.argwhere(tensors == -1)[0])
+        raise PlanError(f"fused tensor {name!r}: element {hole} of device {device}'s shard {format_region(box)} comes from no part")
+    return tensors, index
+
+
+def _flat_index(shape: tuple[int, ...], box: Region) -> np.ndarray:
+    """The row-major flat index, in a tensor of `shape`, of every element of `box`."""
+    if any(b <= a for a, b in box):
+        return np.zeros(region_shape(box), dtype=np.int64)
+    grids = np.meshgrid(*[np.arange(a, b) for a, b in box], indexing="ij")
+    return np.ravel_multi_index(tuple(grids), tuple(shape)).astype(np.int64)
 
 
 def _replay(plan: Plan) -> _Replay:

@@ -108,27 +108,51 @@ def write_atomic(path: str | os.PathLike, data: str | bytes) -> None:
     A regular file (or a path that does not exist yet) gets a temporary file in the same folder renamed
     over it, so a failure leaves no partial file; the result keeps the replaced file's permissions (a new
     one gets 0666 less the umask), not the temp file's 0600. A symbolic link stays: the file it points to
-    is written so. A device, FIFO or socket is written through in place, as the shell's `>` does (a FIFO nobody reads
-    is an OSError, not a hang); a folder is an IsADirectoryError. Never unlinks anything."""
+    is written so. A file with several names (hard links) keeps them all: every name shows the new bytes, as
+    after the shell's `>` (a rename would leave the other names on the old content); the temporary copy is
+    written in full first, so a full disk or a failed write is found before the file is touched, and then
+    the bytes are written into the file itself (not atomic: readers may see it half written, and a write
+    that fails there leaves it so). A device, FIFO or socket is written through in place, as `>` does (a
+    FIFO nobody reads is an OSError, not a hang); a folder is an IsADirectoryError. Never unlinks anything
+    but its own temporary file."""
     target = Path(os.path.realpath(path))  # through symbolic links: the link stays, its target gets the data
     try:
-        mode = os.stat(target).st_mode
+        found = os.stat(target)
     except FileNotFoundError:
-        mode = None
+        found = None
+    mode = found.st_mode if found is not None else None
     if (mode is not None and stat.S_ISDIR(mode)) or os.fspath(path).endswith(os.sep):  # `out/` names a folder, as `>` reads it
         raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR), str(path))
+    raw = data.encode() if isinstance(data, str) else data
     if mode is not None and not stat.S_ISREG(mode):
-        _write_through(target, data.encode() if isinstance(data, str) else data)
+        _write_through(target, raw)
         return
     fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
     try:
-        with os.fdopen(fd, "wb" if isinstance(data, bytes) else "w") as handle:
-            handle.write(data)
+        with os.fdopen(fd, "wb") as handle:
+            handle.write(raw)
+        if found is not None and found.st_nlink > 1:  # a rename would part this name from the file's other names
+            Path(tmp).unlink()
+            _write_into(target, raw)
+            return
         os.chmod(tmp, 0o666 & ~_UMASK if mode is None else stat.S_IMODE(mode))  # a file replaced keeps its permissions
         os.replace(tmp, target)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+def _write_into(target: Path, data: bytes) -> None:
+    """Overwrite a regular file's bytes in place (same file, every name and its permissions kept), then cut it to
+    the new length."""
+    fd = os.open(target, os.O_WRONLY | os.O_CLOEXEC)
+    try:
+        _write_all(fd, data)
+        os.ftruncate(fd, len(data))
+    except OSError as err:
+        raise OSError(err.errno, err.strerror, str(target)) from None
+    finally:
+        os.close(fd)
 
 
 def _write_through(target: Path, data: bytes) -> None:
@@ -141,10 +165,14 @@ def _write_through(target: Path, data: bytes) -> None:
         raise OSError(err.errno, reason, str(target)) from None
     try:
         fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~os.O_NONBLOCK)
-        view = memoryview(data)
-        while view:
-            view = view[os.write(fd, view):]
+        _write_all(fd, data)
     except OSError as err:
         raise OSError(err.errno, err.strerror, str(target)) from None
     finally:
         os.close(fd)
+
+
+def _write_all(fd: int, data: bytes) -> None:
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view):]

@@ -100,14 +100,14 @@ def integer(low: int, high: int, what: str) -> object:
     return Annotated[int, Strict(), BeforeValidator(check)]
 
 
-def version_field(version: int) -> object:
-    """A `schema_version` field: the integer `version` as written (`true` and `1.0` equal 1 in Python, so a plain
-    Literal takes them)."""
+def version_field(*versions: int) -> object:
+    """A `schema_version` field: one of the integers `versions` as written (`true` and `1.0` equal 1 in Python, so a
+    plain Literal takes them)."""
     def check(value: object) -> object:
         if type(value) is not int:
-            raise ValueError(f"{shown(value)} is not an integer; write {version}")
+            raise ValueError(f"{shown(value)} is not an integer; write {' or '.join(map(str, versions))}")
         return value
-    return Annotated[Literal[version], BeforeValidator(check)]  # type: ignore[valid-type]
+    return Annotated[Literal[versions], BeforeValidator(check)]  # type: ignore[valid-type]
 
 
 def _decimal_key(value: object) -> object:

@@ -24,7 +24,7 @@ import os
 from pathlib import Path
 from typing import Annotated, Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, ValidationError
+from pydantic import BaseModel, ConfigDict, Discriminator, Field, Tag, ValidationError, model_validator
 
 from .files import DataFileError, parse_data, read_text_file, write_atomic  # noqa: F401  (write_atomic: re-exported)
 from .geometry import Region
@@ -34,7 +34,11 @@ from .problem import ReshardingProblem
 from .transfer import TransferProblem
 from .validation import describe_validation_error
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
+SCHEMA_VERSIONS = (1, 2)
+"""Plans of schema 2 may hold what schema 1 cannot say: box layouts, fused destinations and conversions at the
+sender (`plan_schema_version`).
+A plan that needs none of them is written as schema 1, which schema 1 readers read; readers take both."""
 OpKind = Literal[tuple(OP_KINDS)]  # type: ignore[valid-type]  # "copy", "send", "broadcast", "allgather", "bundle": the table's rows
 StrategyName = Literal["broadcast", "send_recv", "local_allgather", "global_allgather", "bundle"]
 _FROZEN = ConfigDict(frozen=True, extra="forbid")
@@ -157,7 +161,7 @@ class Plan(BaseModel):
     """A compiled, verifiable resharding plan."""
 
     model_config = _FROZEN
-    schema_version: version_field(1) = SCHEMA_VERSION
+    schema_version: version_field(*SCHEMA_VERSIONS) = SCHEMA_VERSION
     generator: str
     problem: AnyProblem
     strategy: str = Field(description="strategy requested at compile time ('auto' picks per task)")
@@ -174,6 +178,14 @@ class Plan(BaseModel):
         None, exclude_if=lambda v: v is None,
         description="multi-tensor plans: the time in the executor's default order, posted (absent otherwise)")
 
+    @model_validator(mode="before")
+    @classmethod
+    def _version_of_problem(cls, data: Any) -> Any:
+        """A plan made without a stated schema_version gets the lowest its problem needs (`plan_schema_version`)."""
+        if isinstance(data, dict) and "schema_version" not in data and isinstance(data.get("problem"), BaseModel):
+            return {**data, "schema_version": plan_schema_version(data["problem"])}
+        return data
+
     @property
     def efficiency(self) -> float:
         """Lower bound over predicted time: 1.0 means the plan reaches the physical limit."""
@@ -188,6 +200,16 @@ class Plan(BaseModel):
     @classmethod
     def from_json(cls, text: str) -> "Plan":
         return cls.model_validate_json(text)
+
+
+def plan_schema_version(problem: ReshardingProblem | TransferProblem) -> int:
+    """2 where the problem lists boxes, fused destinations or conversions (schema 1 readers cannot say them), else 1."""
+    if isinstance(problem, TransferProblem):
+        uses = bool(problem.fused) or any(t.src_boxes is not None or t.dst_boxes is not None or t.dst_dtype is not None
+                                          or t.scale_of is not None for t in problem.tensors)
+    else:
+        uses = problem.has_boxes or problem.dst_dtype is not None
+    return 2 if uses else 1
 
 
 def load_plan(path: str | os.PathLike) -> Plan:
@@ -209,8 +231,9 @@ def read_plan_file(path: str | os.PathLike) -> Plan:
         raise PlanFileError(f"{quoted(path)}: this is a problem file, not a plan; compile it first: xmesh-plan compile {quoted(path)} -o plan.json")
     if version is None:
         raise PlanFileError(f"{quoted(path)}: not a plan (no schema_version field); pass a plan written by `xmesh-plan compile`")
-    if version != SCHEMA_VERSION:
-        raise PlanFileError(f"{quoted(path)}: schema_version {version!r} is not supported (this is schema {SCHEMA_VERSION}); "
+    if version not in SCHEMA_VERSIONS:
+        raise PlanFileError(f"{quoted(path)}: schema_version {version!r} is not supported (this reads schemas "
+                            f"{', '.join(map(str, SCHEMA_VERSIONS))}); "
                             "recompile the plan with this xmesh-plan")
     try:
         return Plan.model_validate(raw)

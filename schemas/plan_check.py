@@ -20,7 +20,7 @@ import numpy as np
 from .carriers import carrier_fault
 from .geometry import Region, region_size
 from .op_kinds import OP_KINDS, OpKindRule, members, reads, rule_of, tags_used, writes
-from .plan import Operation, Plan, format_region
+from .plan import Operation, Plan, format_region, plan_schema_version
 from .plan_tensors import mpi_transfer_order
 from .problem import ReshardingProblem
 from .staging import stated_staging_fault
@@ -339,6 +339,7 @@ def _check_operation(op: Operation, shards: _Shards) -> None:
 
 def check_plan(plan: Plan) -> None:
     """Raise PlanError naming the first structural fault of `plan` (see the module docstring)."""
+    _check_schema_version(plan)
     _check_ids_and_order(plan)
     _check_numbers(plan)
     _check_tensor_indices(plan)
@@ -360,6 +361,14 @@ def check_plan(plan: Plan) -> None:
     if tags > MAX_TAGS:  # every message has its own tag; reusing one could match the wrong message
         raise PlanError(f"the plan needs {tags} message tags, more than the {MAX_TAGS} a plan may use; "
                         "split the tensor into smaller transfers")
+
+
+def _check_schema_version(plan: Plan) -> None:
+    """A plan states at least the schema its problem needs (boxes, fused destinations and conversions are schema 2)."""
+    needed = plan_schema_version(plan.problem)
+    if plan.schema_version < needed:
+        raise PlanError(f"schema_version {plan.schema_version}, but the problem lists boxes, fused destinations or conversions, which "
+                        f"need schema {needed}; write schema_version {needed}")
 
 
 def uncovered(block: Region, written: list[Region]) -> Region | None:

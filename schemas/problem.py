@@ -1,4 +1,4 @@
-"""The resharding problem: tensor, source and destination (mesh, spec), and the cluster they run on."""
+"""The resharding problem: tensor, source and destination (mesh, spec or per-device boxes), and the cluster they run on."""
 
 from __future__ import annotations
 
@@ -8,18 +8,22 @@ from typing import Annotated
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, PlainSerializer, WithJsonSchema, field_validator, model_validator
 
+from .boxes import Boxes, box_cut_points, check_boxes, uncovered
+from .convert import check_cast
 from .dtypes import DTYPE_SIZES, canonical_dtype, check_dtype
 from .geometry import Layout, Region
 from .limits import (MAX_DEVICE_ID, MAX_GBPS, MAX_LATENCY_US, MAX_MESH_DEVICES, MAX_TENSOR_RANK, MIN_GBPS, Length,
                      check_int64_product, check_mesh_size, finite, integer)
 from .spec import ShardingSpec, SpecError
 
-Spec = Annotated[
-    ShardingSpec,
-    BeforeValidator(lambda v: v if isinstance(v, ShardingSpec) else ShardingSpec.parse(v)),
-    PlainSerializer(str, return_type=str),
-    WithJsonSchema({"type": "string", "examples": ["S0 R R", "R S01 R"], "description": "R or S<mesh axes> per tensor dim"}),
-]
+def _parse_spec(value: object) -> ShardingSpec:
+    return value if isinstance(value, ShardingSpec) else ShardingSpec.parse(value)
+
+
+_SPEC_SCHEMA = WithJsonSchema({"type": "string", "examples": ["S0 R R", "R S01 R"], "description": "R or S<mesh axes> per tensor dim"})
+Spec = Annotated[ShardingSpec, BeforeValidator(_parse_spec), PlainSerializer(str, return_type=str), _SPEC_SCHEMA]
+OptionalSpec = Annotated[ShardingSpec | None, BeforeValidator(_parse_spec), PlainSerializer(str, return_type=str), _SPEC_SCHEMA]
+"""A spec where boxes may stand instead: absent (the default, never validated) or a spec; an explicit null is refused."""
 
 _FROZEN = ConfigDict(frozen=True, extra="forbid")
 
@@ -128,11 +132,29 @@ class DeviceMesh(BaseModel):
 
 
 class Placement(BaseModel):
-    """A tensor's layout on one side: a mesh and a sharding spec."""
+    """A tensor's layout on one side: a mesh and either a sharding spec (the short form) or each device's box
+    (`schemas.boxes`: layouts a spec cannot say, one box per mesh position in the order of `mesh.devices`)."""
 
     model_config = _FROZEN
     mesh: DeviceMesh
-    spec: Spec
+    spec: OptionalSpec = Field(None, exclude_if=lambda v: v is None, description="R or S<mesh axes> per tensor dim")
+    boxes: Boxes | None = Field(None, exclude_if=lambda v: v is None,
+                                description="each device's box, in the order of mesh.devices (instead of spec)")
+
+    @model_validator(mode="after")
+    def _one_form(self) -> "Placement":
+        if (self.spec is None) == (self.boxes is None):
+            raise ValueError("give spec (e.g. \"S0 R\") or boxes (one [[start, stop], ...] per device), not both or neither")
+        return self
+
+    @property
+    def label(self) -> str:
+        """The spec as text, or `boxes` for a box layout (what listings print)."""
+        return "boxes" if self.spec is None else str(self.spec)
+
+    def layout_key(self) -> tuple:
+        """What decides the layout besides the tensor's shape: equal keys, equal boxes."""
+        return (self.mesh.shape, self.label if self.boxes is None else self.boxes)
 
 
 class ReshardingProblem(BaseModel):
@@ -142,11 +164,13 @@ class ReshardingProblem(BaseModel):
     name: str = ""
     shape: tuple[Length, ...] = Field(min_length=1, max_length=MAX_TENSOR_RANK)
     dtype: str = "float32"
+    dst_dtype: str | None = Field(None, exclude_if=lambda v: v is None,
+                                  description="the destination's element type where the senders convert (schemas.convert)")
     src: Placement
     dst: Placement
     cluster: Cluster = Cluster()
 
-    @field_validator("dtype", mode="before")
+    @field_validator("dtype", "dst_dtype", mode="before")
     @classmethod
     def _canonical_dtype(cls, value: object) -> object:
         return canonical_dtype(value) if isinstance(value, str) else value
@@ -154,9 +178,15 @@ class ReshardingProblem(BaseModel):
     @model_validator(mode="after")
     def _check(self) -> "ReshardingProblem":
         check_dtype(self.dtype)
-        check_int64_product(self.shape, self.itemsize, "shape")
+        if self.dst_dtype is not None:
+            check_dtype(self.dst_dtype)
+            check_cast(self.dtype, self.dst_dtype)
+        check_int64_product(self.shape, max(self.itemsize, self.src_itemsize), "shape")
         for side in ("src", "dst"):
             placement: Placement = getattr(self, side)
+            if placement.boxes is not None:
+                _check_side_boxes(placement, self.shape, side)
+                continue
             try:
                 placement.spec.check_fits(len(self.shape), placement.mesh.shape, field=f"{side}.spec")
             except SpecError as err:
@@ -165,6 +195,12 @@ class ReshardingProblem(BaseModel):
 
     @property
     def itemsize(self) -> int:
+        """Bytes of one element as it crosses: the destination dtype's where the senders convert."""
+        return DTYPE_SIZES[self.dst_dtype or self.dtype]
+
+    @property
+    def src_itemsize(self) -> int:
+        """Bytes of one element in a source shard."""
         return DTYPE_SIZES[self.dtype]
 
     @property
@@ -176,11 +212,38 @@ class ReshardingProblem(BaseModel):
         return [self]
 
     def layout(self, side: str) -> Layout:
+        """The spec layout of a side (a box layout has none: see `has_boxes`)."""
         placement: Placement = getattr(self, side)
+        if placement.spec is None:
+            raise ValueError(f"{side} is a box layout; it has no spec layout (read blocks({side!r}) instead)")
         return Layout(tuple(self.shape), tuple(placement.mesh.shape), placement.spec)
+
+    @property
+    def has_boxes(self) -> bool:
+        """Whether either side lists boxes instead of a spec."""
+        return self.src.boxes is not None or self.dst.boxes is not None
+
+    def cut_points(self, side: str) -> list[list[int]]:
+        """Per dim, every bound of a box of that side, 0 and the length included."""
+        placement: Placement = getattr(self, side)
+        if placement.boxes is not None:
+            return box_cut_points(tuple(self.shape), placement.boxes)
+        return self.layout(side).cut_points()
 
     def blocks(self, side: str) -> dict[int, Region]:
         """Device id -> the box it holds on that side."""
         placement: Placement = getattr(self, side)
+        if placement.boxes is not None:
+            return dict(zip(placement.mesh.devices, placement.boxes))
         layout = self.layout(side)
         return {d: layout.block(c) for d, c in zip(placement.mesh.devices, placement.mesh.coords())}
+
+
+def _check_side_boxes(placement: Placement, shape: tuple[int, ...], side: str) -> None:
+    """One box per device inside the tensor; the source's boxes together cover every element (the destination
+    takes what it lists: each of its elements is then held by some source device)."""
+    check_boxes(placement.boxes, tuple(shape), len(placement.mesh.devices), f"{side}.boxes")
+    if side == "src" and (hole := uncovered(tuple(shape), placement.boxes)) is not None:
+        where = "[" + ", ".join(f"{a}:{b}" for a, b in hole) + "]"
+        raise ValueError(f"src.boxes: no source device holds {where} of the tensor; every element must be in some "
+                         "source box: widen a box or add a device that holds it")

@@ -280,7 +280,7 @@ def test_verify_real_script_exit_1_on_a_wrong_sender(tmp_path):
 
 @pytest.mark.parametrize("text, words", [
     ("{bad", ["not valid JSON"]),
-    ('{"schema_version": 2}', ["schema_version 2"]),
+    ('{"schema_version": 3}', ["schema_version 3"]),
     ('{"schema_version": 1, "generator": "x"}', ["problem", "required"]),
     ("{}", ["not a plan (no schema_version field)"]),
     ("[]", ["not a plan (no schema_version field)"]),

@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import json
+import re
 
+import pytest
 from click.testing import CliRunner
 
 from xmesh_plan.planner.cli import main
 from xmesh_plan.planner.compile import compile_plan
+from xmesh_plan.planner.problem_io import build_problem
 from xmesh_plan.planner.solvers import SOLVERS
 from xmesh_plan.schemas import DeviceMesh, Placement, ReshardingProblem
 
@@ -34,6 +37,38 @@ def test_compare_lists_every_solver_and_baseline(tmp_path):
     naive = next(line for line in result.output.splitlines() if "+ naive " in line)
     auto = next(line for line in result.output.splitlines() if "+ auto " in line)
     assert float(naive.split()[3]) > float(auto.split()[3])  # predicted seconds column
+
+
+def _compare_rows(result) -> dict[str, list[str]]:
+    """approach -> its columns (predicted, / bound, / best, wall) from `compare`'s table."""
+    rows = [re.match(r"(\S.*?)\s{2,}(.*)$", line) for line in result.output.splitlines()[1:]]
+    return {row[1]: row[2].split() for row in rows if row}
+
+
+def test_compare_with_a_best_of_zero_names_no_infinite_ratio(tmp_path):
+    """An empty tensor: the plans take 0 s, the gather-broadcast baseline its latencies; no ratio to 0 exists."""
+    problem = write(tmp_path, "empty.json", json.dumps({"shape": [0, 8], "dtype": "float32", "cluster": {"latency_us": 20},
+                                                       "src": {"mesh": "1x2", "spec": "S0 R"}, "dst": {"mesh": "1x2", "spec": "R S1"}}))
+    result = CliRunner().invoke(main, ["compare", problem, "--time-limit", "0.5"])
+    assert result.exit_code == 0, result.output
+    assert "inf" not in result.output
+    rows = _compare_rows(result)
+    assert rows["rank0-gather-broadcast"][0] == "40.0000" and rows["rank0-gather-broadcast"][2] == "-"
+    assert rows["broadcast + auto"][:3] == ["0.0000", "1.000", "1.000"]
+    assert "predicted us" in result.output and "'-' where the best approach takes 0 s" in result.output
+
+
+def test_compare_keeps_times_below_a_millisecond_apart(tmp_path):
+    """Local copies only: every time below 0.0001 s printed as 0.0000 while the ratios said 8204x."""
+    mesh = {"shape": [2], "devices": [0, 1]}
+    problem = write(tmp_path, "local.json", json.dumps({"shape": [8, 8], "dtype": "float32", "cluster": {"latency_us": 20},
+                                                       "src": {"mesh": mesh, "spec": "S0 R"}, "dst": {"mesh": mesh, "spec": "S0 R"}}))
+    result = CliRunner().invoke(main, ["compare", problem, "--time-limit", "0.5"])
+    assert result.exit_code == 0, result.output
+    rows = _compare_rows(result)
+    auto, gather = float(rows["broadcast + auto"][0]), float(rows["rank0-gather-broadcast"][0])
+    assert 0 < auto < gather and "predicted us" in result.output
+    assert float(rows["rank0-gather-broadcast"][2]) == pytest.approx(gather / auto, rel=0.05)  # from the shown, rounded times
 
 
 def test_check_passes_a_good_plan_and_fails_a_poor_one(tmp_path):
@@ -68,3 +103,12 @@ def test_compile_rejects_an_unknown_solver_listing_the_names(tmp_path):
     problem = write(tmp_path, "p.json", case3().model_dump_json())
     result = CliRunner().invoke(main, ["compile", problem, "--solver", "magic"])
     assert result.exit_code == 2 and "list-backfill" in result.output
+
+
+def test_check_against_a_reference_of_zero_seconds_names_the_times(tmp_path):
+    empty = {"shape": [0, 8], "dtype": "float32", "src": {"mesh": "1x2", "spec": "S0 R"}, "dst": {"mesh": "1x2", "spec": "R S1"}}
+    reference = write(tmp_path, "ref.json", compile_plan(build_problem(empty)).to_json())
+    plan = write(tmp_path, "plan.json", compile_plan(build_problem({**empty, "shape": [4, 8]})).to_json())
+    result = CliRunner().invoke(main, ["check", plan, "--reference", reference])
+    assert result.exit_code == 1 and "inf" not in result.output, result.output
+    assert "where the reference" in result.output and "takes 0 s" in result.output

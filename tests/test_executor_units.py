@@ -231,7 +231,8 @@ def test_executor_with_good_arguments_is_made_without_mpi_calls():
     (["--timeout", "1e300"], "--timeout 1e+300: give a positive number of seconds up to 1e+07"),
     (["--scale", "0,1,1"], "--scale '0,1,1': give one positive integer factor"),
     (["--scale", "4,x"], "--scale '4,x': give one positive integer factor"),
-    (["--iters", "x"], "argument --iters: invalid int value"),
+    (["--iters", "x"], "Invalid value for '--iters': 'x' is not a valid integer"),
+    (["--backend", "tcp"], "Invalid value for '--backend': 'tcp' is not one of"),
 ])
 def test_demo_refuses_every_bad_numeric_flag_in_one_line(flags, expect):
     from xmesh_plan.executor.run import UsageError, _arguments

@@ -190,6 +190,53 @@ def test_the_executor_demo_reports_an_internal_error_in_one_line(tmp_path):
     assert "Traceback" not in result.stderr and "--debug" in result.stderr
 
 
+# --- the demo commands: click, one line, one rank ---------------------------------------------------------------------
+
+DEMOS = {"run": ("xmesh_plan.executor.run", "PMI_RANK", [str(CASE3_PLAN)]),
+         "torch_run": ("xmesh_plan.executor.torch_run", "RANK", [str(CASE3_PLAN)]),
+         "redistribute_demo": ("xmesh_plan.redistribute_demo", "RANK", []),
+         "pipeline_mlp": ("xmesh_plan.executor.examples.pipeline_mlp", "PMI_RANK", ["mlp-inputs"]),
+         "torch_pipeline_csv": ("xmesh_plan.executor.examples.torch_pipeline_csv", "RANK", ["s.csv"])}
+
+
+def _demo(name: str, flags: list[str], rank: int = 0) -> subprocess.CompletedProcess:
+    """The demo started as one rank of a job would be (its launcher's rank variable set), before it joins the job."""
+    module, variable, plans = DEMOS[name]
+    env = {**os.environ, variable: str(rank)}
+    env.pop(DEBUG_ENV, None)
+    return subprocess.run([sys.executable, "-m", module, *plans, *flags], capture_output=True, text=True, env=env,
+                          timeout=300, cwd=ROOT)
+
+
+@pytest.mark.parametrize("name,flags,expect", [
+    ("run", ["--iters", "x"], "Invalid value for '--iters': 'x' is not a valid integer"),
+    ("run", ["--order", "random"], "Invalid value for '--order'"),
+    ("torch_run", ["--iters", "x"], "Invalid value for '--iters': 'x' is not a valid integer"),
+    ("torch_run", ["--bogus"], "No such option '--bogus'"),
+    ("redistribute_demo", ["--rows", "x"], "Invalid value for '--rows'"),
+    ("redistribute_demo", ["--rows", "0"], "--rows, --cols and --iters must be positive, e.g. --rows 1000"),
+    ("pipeline_mlp", ["--steps", "0"], "--steps 0: give at least 1, e.g. --steps 3"),
+    ("pipeline_mlp", ["--steps", "x"], "Invalid value for '--steps'"),
+    ("torch_pipeline_csv", ["--format", "x", "--micro-batches", "4"], "Invalid value for '--format'"),
+    ("torch_pipeline_csv", [], "Missing option '--micro-batches'"),
+])
+def test_a_demo_refuses_a_bad_flag_in_one_line_with_exit_2(name, flags, expect):
+    result = _demo(name, flags)
+    assert result.returncode == 2, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and expect in lines[0] and "Traceback" not in result.stderr, result.stderr
+    assert "--help" in lines[0] or "e.g." in lines[0]
+
+
+@pytest.mark.parametrize("name", sorted(set(DEMOS) - {"torch_pipeline_csv"}))  # that one is a single process
+def test_a_demo_prints_its_help_on_rank_0_only(name):
+    """Every rank of a job gets `--help`; one copy of the help is enough, and no rank joins the job."""
+    first, other = _demo(name, ["--help"], rank=0), _demo(name, ["--help"], rank=1)
+    assert first.returncode == other.returncode == 0, first.stderr + other.stderr
+    assert first.stdout.startswith("Usage: ") and "--help" in first.stdout, first.stdout
+    assert other.stdout == "" and other.stderr == ""
+
+
 # --- the executor API ----------------------------------------------------------------------------------------------
 
 

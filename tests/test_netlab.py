@@ -137,6 +137,36 @@ def test_docstring_examples():
     assert doctest.testmod(tb, report=False).failed == 0
 
 
+def test_the_doc_commands_that_need_no_root_run_as_shown_without_pythonpath():
+    """docs/netlab.md shows its commands as they run from the repository root: `python -m` finds `bench` there."""
+    lines = [line[2:].split("  #")[0] for line in (ROOT / "docs" / "netlab.md").read_text().splitlines() if line.startswith("$ ")]
+    assert lines and not [line for line in lines if "PYTHONPATH" in line]
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    shown = [line.split() for line in lines if line.startswith(".venv/bin/python -m bench.netlab.")]
+    assert len(shown) == 2  # summary and repredict; the others need root for the testbed
+    for words in shown:
+        done = subprocess.run([sys.executable, *words[1:]], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+        assert done.returncode == 0 and "| case" in done.stdout, done.stderr[-2000:]
+
+
+def test_the_message_cost_probe_compiles_its_plan(monkeypatch):
+    """`experiments` and `steptrace` (the commands docs/netlab.md shows) start by timing one tiny send-recv message;
+    the probe's plan is compiled here, the launch faked (no testbed needed)."""
+    from bench.netlab import experiments
+    from bench.netlab.testbed import LinkShape
+
+    launched = []
+
+    def fake_run_plans(plans, opts):
+        launched.append((plans, opts))
+        return types.SimpleNamespace(ok=True, median_s=[250e-6])
+
+    monkeypatch.setattr(experiments, "run_plans", fake_run_plans)
+    assert experiments.measure_message_costs(RunOptions(LinkShape(500))) == (0.0, 250.0)
+    (plan,), opts = launched[0]
+    assert [op.kind for op in plan.operations] == ["send"] and opts.iters == 30  # one message, timed 30 times
+
+
 @pytest.mark.parametrize("engine", ["mpi", "torch"])
 def test_steptrace_times_every_step_on_one_clock(engine):
     """bench.netlab.steptrace: every step of every rank is launched and finished, and a message never lands before its

@@ -1,7 +1,7 @@
 """Every output file (`compile -o`, `schedule -o`, `--torch-csv`, `simulate --trace`, `--png`) goes through
 `schemas.files.write_atomic`: a regular file is replaced atomically, but what a path points to is never
 replaced: a device or FIFO is written through, a symbolic link stays a link (its target gets the data), a
-folder is refused in one line. A full disk is the machine's fault: one line, exit code 1, wherever the
+file with several hard links keeps them all (each shows the new bytes), a folder is refused in one line. A full disk is the machine's fault: one line, exit code 1, wherever the
 output goes (a file named by a flag, or standard output behind `>`).
 """
 
@@ -62,6 +62,47 @@ def test_a_fifo_nobody_reads_is_refused_at_once_and_stays(tmp_path):
     with pytest.raises(OSError, match="nothing reads"):
         write_atomic(fifo, "x")
     assert stat.S_ISFIFO(os.lstat(fifo).st_mode)
+
+
+def test_a_hard_linked_file_keeps_every_name_and_they_all_show_the_new_bytes(tmp_path):
+    """A rename would part `plan.json` from `copy.json`, which would keep the old plan."""
+    plan, other = tmp_path / "plan.json", tmp_path / "copy.json"
+    plan.write_text("a much longer old content\n")
+    plan.chmod(0o640)
+    os.link(plan, other)
+    inode = os.stat(plan).st_ino
+    write_atomic(plan, "new\n")
+    assert plan.read_text() == other.read_text() == "new\n"
+    assert os.stat(plan).st_ino == os.stat(other).st_ino == inode and os.stat(plan).st_nlink == 2
+    assert stat.S_IMODE(os.stat(plan).st_mode) == 0o640
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["copy.json", "plan.json"]  # no temp file left
+
+
+def test_a_hard_linked_file_is_untouched_when_the_copy_cannot_be_written(tmp_path, monkeypatch):
+    """The full copy is written first: a full disk is found before the file with several names is touched."""
+    plan, other = tmp_path / "plan.json", tmp_path / "copy.json"
+    plan.write_text("old\n")
+    os.link(plan, other)
+    real_fdopen = os.fdopen
+
+    class Full:
+        def __init__(self, fd, mode):
+            self.handle = real_fdopen(fd, mode)
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            self.handle.close()
+
+        def write(self, data):
+            raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(os, "fdopen", Full)
+    with pytest.raises(OSError, match="No space"):
+        write_atomic(plan, "new\n")
+    assert plan.read_text() == other.read_text() == "old\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["copy.json", "plan.json"]
 
 
 def test_a_folder_is_refused_and_stays(tmp_path):
@@ -128,7 +169,14 @@ def test_compile_output_onto_a_fifo_is_one_line(tmp_path):
     result = run_cli("compile", CASE3, *FAST, "-o", fifo)
     assert result.exit_code == 2 and result.stderr.count("\n") == 1, result.output
     assert "--output" in result.stderr and "nothing reads" in result.stderr
+    assert "start the program that reads it first" in result.stderr and "folder" not in result.stderr  # the folder is fine
     assert stat.S_ISFIFO(os.lstat(fifo).st_mode)
+
+
+def test_an_output_in_a_missing_folder_says_to_create_it(tmp_path):
+    result = run_cli("compile", CASE3, *FAST, "-o", tmp_path / "missing" / "plan.json")
+    assert result.exit_code == 2 and result.stderr.count("\n") == 1, result.output
+    assert "create its folder first" in result.stderr
 
 
 def test_an_output_path_with_a_newline_is_quoted_on_one_line(tmp_path):

@@ -16,7 +16,8 @@ from xmesh_plan.planner.baselines import baseline_seconds
 from xmesh_plan.planner.cli import main
 from xmesh_plan.planner.compile import compile_plan
 from xmesh_plan.planner.problem_io import build_problem
-from xmesh_plan.planner.unit_tasks import DEFAULT_MAX_TASKS, TooManyTasksError, decompose, task_count_bound
+from xmesh_plan.planner.unit_tasks import (DEFAULT_MAX_TASKS, TooManyTasksError, decompose, split_by_receiver_host,
+                                          split_task_count, task_count_bound)
 from tests.support.builders import FAST_SOLVER
 from tests.support.strategies import SETTINGS, problems
 
@@ -126,6 +127,61 @@ def test_the_cli_refuses_split_tasks_above_max_tasks(tmp_path):
     assert refused.exit_code == 2 and "--split-hosts" in refused.stderr and "--max-tasks 4" in refused.stderr, refused.output
 
 
+@settings(max_examples=80, **SETTINGS)
+@given(problems())
+def test_the_split_count_is_what_splitting_the_cut_cells_makes(problem):
+    """Counted from the cut points, merged or not, on disjoint, shared-host and shared-device meshes."""
+    for merge in (True, False):
+        cut = split_by_receiver_host(decompose(problem, merge=merge, max_tasks=None), problem.cluster)
+        assert split_task_count(problem, merge) == len(cut)
+
+
+SMALL = ROOT / "plans" / "weight_sync_small.problem.toml"
+LLAMA = ROOT / "plans" / "weight_sync_llama3_8b.problem.toml"
+
+
+def test_the_first_refusal_names_the_limit_the_next_compile_passes(tmp_path):
+    """The issue's repro: --max-tasks 10 named 100 (the cells before splitting), and 100 was then refused naming 200."""
+    out = tmp_path / "ws.plan.json"
+    refused = CliRunner().invoke(main, ["compile", str(SMALL), "--solver", FAST_SOLVER, "--max-tasks", "10", "-o", str(out)])
+    assert refused.exit_code == 2 and len(refused.stderr.strip().splitlines()) == 1, refused.output
+    assert "its 21 tensors give 200 unit tasks" in refused.stderr and "--max-tasks 200 " in refused.stderr, refused.stderr
+    assert "--no-split-hosts" in refused.stderr
+    passed = CliRunner().invoke(main, ["compile", str(SMALL), "--solver", FAST_SOLVER, "--max-tasks", "200", "-o", str(out)])
+    assert passed.exit_code == 0, passed.output
+    unsplit = CliRunner().invoke(main, ["compile", str(SMALL), "--no-split-hosts", "--max-tasks", "99"])
+    assert unsplit.exit_code == 2 and "--max-tasks 100 " in unsplit.stderr, unsplit.output
+
+
+def test_compile_plan_counts_split_tasks_before_cutting_anything(monkeypatch):
+    """compile_plan's own check (the library path, no reader in front) names the split count before any tensor is cut."""
+    from xmesh_plan.planner import compile as compile_module
+    from xmesh_plan.planner.transfer_io import load_any_problem
+
+    problem = load_any_problem(LLAMA)
+    monkeypatch.setattr(compile_module, "decompose", lambda *a, **k: pytest.fail("a tensor was cut before the count"))
+    with pytest.raises(TooManyTasksError, match="its 291 tensors give 47,296 unit tasks.*--max-tasks 47296 "):
+        compile_plan(problem, max_tasks=23_648)
+    with pytest.raises(TooManyTasksError, match="its 291 tensors gives up to 23,648 unit tasks.*--max-tasks 23648 "):
+        compile_plan(problem, max_tasks=10, split_hosts=False)
+
+
+def test_the_reader_and_compile_name_the_same_limit():
+    """The file reader counts from the entries as written, compile_plan from the built problem: one number."""
+    import tomllib
+
+    from xmesh_plan.planner.transfer_io import build_transfer
+
+    for path in (SMALL, LLAMA):
+        raw = tomllib.loads(path.read_text())
+        for split in (True, False):
+            with pytest.raises(TooManyTasksError) as read:
+                build_transfer(raw, max_tasks=10, split_hosts=split)
+            with pytest.raises(TooManyTasksError) as compiled:
+                compile_plan(build_transfer(raw), max_tasks=10, split_hosts=split)
+            assert str(read.value) == str(compiled.value)
+
+
 REPEATED = {"src_mesh": "2x4", "dst_mesh": "2x4", "rules": [{"match": "*", "src": "S0 R", "dst": "R S1"}],
             "tensors": [{"repeat": 100_000, "group": [{"name": "l{i}.w", "shape": [64, 64]}]}]}
 
@@ -134,14 +190,16 @@ def test_a_repeated_file_is_refused_from_its_counts_before_the_problem_is_built(
     from xmesh_plan.planner import transfer_io
 
     counted = []
-    monkeypatch.setattr(transfer_io, "task_count_bound", lambda p: counted.append(p) or task_count_bound(p))
+    count_tasks = transfer_io.count_tasks
+    monkeypatch.setattr(transfer_io, "count_tasks", lambda p, *a: counted.append(p) or count_tasks(p, *a))
 
     def not_built(**kwargs):
         raise AssertionError("the transfer problem was built before its task count was checked")
 
     monkeypatch.setattr(transfer_io, "TransferProblem", not_built)
     monkeypatch.setattr(transfer_io, "_tensor", lambda *a: pytest.fail("a repeated group was unrolled before counting"))
-    with pytest.raises(TooManyTasksError, match="100000 tensors gives up to 800,000 unit tasks"):
+    # each tensor cuts into 8 cells, each received on the 2 destination hosts: 16 tasks once split (the default)
+    with pytest.raises(TooManyTasksError, match="its 100000 tensors give 1,600,000 unit tasks.*--max-tasks 1600000 "):
         transfer_io.build_transfer(json.loads(json.dumps(REPEATED)), max_tasks=DEFAULT_MAX_TASKS)
     assert len(counted) == 1  # 100,000 tensors of one shape and specs: one count
 
@@ -153,7 +211,9 @@ def test_the_cli_refuses_a_repeated_file_above_max_tasks(tmp_path, monkeypatch):
     path = tmp_path / "p.json"
     path.write_text(json.dumps(REPEATED))
     refused = CliRunner().invoke(main, ["compile", str(path)])
-    assert refused.exit_code == 2 and "800,000 unit tasks" in refused.stderr, refused.output
+    assert refused.exit_code == 2 and "1,600,000 unit tasks" in refused.stderr, refused.output
+    unsplit = CliRunner().invoke(main, ["compile", str(path), "--no-split-hosts"])
+    assert unsplit.exit_code == 2 and "800,000 unit tasks" in unsplit.stderr, unsplit.output
 
 
 def test_a_repeated_group_with_rules_is_counted_name_by_name_before_unrolling(monkeypatch):
@@ -164,7 +224,10 @@ def test_a_repeated_group_with_rules_is_counted_name_by_name_before_unrolling(mo
            "tensors": [{"repeat": 20, "group": [{"name": "l{i}.w", "shape": [64, 64]}]}]}
     # l10.w .. l19.w take the first rule (nothing to cut: 1 task each), the other ten 8 tasks each
     with pytest.raises(TooManyTasksError, match="20 tensors gives up to 90 unit tasks"):
-        transfer_io.build_transfer(raw, max_tasks=89)
+        transfer_io.build_transfer(raw, max_tasks=89, split_hosts=False)
+    # split by host, each of those cells is received on the 2 destination hosts: 10 x 2 + 10 x 16
+    with pytest.raises(TooManyTasksError, match="20 tensors give 180 unit tasks"):
+        transfer_io.build_transfer(raw, max_tasks=179)
 
 
 @pytest.mark.parametrize("groups,size", [(1, 50), (30, 1)])

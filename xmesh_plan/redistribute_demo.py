@@ -9,15 +9,16 @@ rank 0 prints the time per call. Exit status 1 if any shard differs.
 
 from __future__ import annotations
 
-import argparse
 import sys
 import time
 
+import click
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
+from xmesh_plan.executor.flags import TORCH_RANK, UsageError, command, launcher_rank, parse
 from xmesh_plan.redistribute import redistribute
 
 
@@ -32,15 +33,27 @@ def moves(world: int) -> list[tuple[str, DeviceMesh, list, DeviceMesh, list]]:
              [Shard(0), Shard(1)], DeviceMesh("cpu", second), [Replicate()])]
 
 
+PROG = "torchrun --standalone --nproc-per-node 4 -m xmesh_plan.redistribute_demo"
+
+
+@command(__doc__.splitlines()[0])
+@click.option("--rows", type=int, default=1000, help="rows of the bfloat16 tensor (default 1000)")
+@click.option("--cols", type=int, default=768, help="columns (default 768)")
+@click.option("--iters", type=int, default=5, help="timed calls per move after the first (default 5)")
+def _command(**_) -> None:
+    """The flags (`main` reads them)."""
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="torchrun --standalone --nproc-per-node 4 -m xmesh_plan.redistribute_demo",
-                                     description=__doc__.splitlines()[0])
-    parser.add_argument("--rows", type=int, default=1000, help="rows of the bfloat16 tensor (default 1000)")
-    parser.add_argument("--cols", type=int, default=768, help="columns (default 768)")
-    parser.add_argument("--iters", type=int, default=5, help="timed calls per move after the first (default 5)")
-    args = parser.parse_args(argv)
-    if args.rows < 1 or args.cols < 1 or args.iters < 1:
-        parser.error("--rows, --cols and --iters must be positive, e.g. --rows 1000 --cols 768 --iters 5")
+    """The demo; a bad flag is one line from rank 0 and exit status 2 on every rank, before any rank joins the group."""
+    try:
+        args = parse(_command, argv, PROG, show_help=launcher_rank(*TORCH_RANK) == 0)
+        if args.rows < 1 or args.cols < 1 or args.iters < 1:
+            raise UsageError("--rows, --cols and --iters must be positive, e.g. --rows 1000 --cols 768 --iters 5")
+    except UsageError as err:
+        if launcher_rank(*TORCH_RANK) == 0:
+            print(f"error: {err}", file=sys.stderr)
+        return 2
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     if world < 2 or world % 2:

@@ -32,11 +32,13 @@ class FrontendError(InputError):
 
 @dataclass(frozen=True, slots=True)
 class Side:
-    """One side of a resharding in our terms: mesh shape, global device ids row-major, mesh axes per tensor dim (major first)."""
+    """One side of a resharding in our terms: mesh shape, global device ids row-major, mesh axes per tensor dim (major
+    first), or each device's box (row-major, as `devices`) for a layout the spec cannot say."""
 
     mesh_shape: tuple[int, ...]
     devices: tuple[int, ...]
     dim_axes: tuple[tuple[int, ...], ...]
+    boxes: tuple[tuple[tuple[int, int], ...], ...] | None = None  # each device's box where no spec says the layout
 
     @property
     def spec(self) -> ShardingSpec:
@@ -99,4 +101,6 @@ def _placement(side: Side, name: str) -> Placement:
         mesh = DeviceMesh(shape=side.mesh_shape, devices=side.devices)
     except ValidationError as err:
         raise FrontendError(f"{name}_mesh: {describe_validation_error(err)}") from None
+    if side.boxes is not None:
+        return Placement(mesh=mesh, boxes=side.boxes)
     return Placement(mesh=mesh, spec=side.spec)

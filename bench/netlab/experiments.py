@@ -100,7 +100,7 @@ def measure_message_costs(opts: RunOptions) -> tuple[float, float]:
     that sends one tiny message between two hosts, all of it charged as overhead (link time), none as
     latency. On the testbed a message's cost is CPU work on 2 cores shared by every rank, so messages
     in flight together queue for it rather than overlap (docs/netlab.md, "What one message costs")."""
-    plan = compile_plan(at_rate(build_problem(dict(reference_problems())["one_to_1x1"]), opts.link.rate_mbit), "send_recv", "auto")
+    plan = compile_plan(at_rate(build_problem(dict(reference_problems())["one_to_1x1"]), opts.link.rate_mbit), strategy="send_recv", solver="auto")
     result = run_plans([plan], replace(opts, max_mb=1e-4, iters=30, warmup=5))
     if not result.ok:
         raise RuntimeError(f"the message-cost probe failed: {result.launch.stderr[-500:]}")

@@ -15,17 +15,18 @@ writes every schedule into a folder first, and this script reads that folder.
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from pathlib import Path
 
+import click
 import numpy as np
 
 from xmesh_plan.schemas import Plan, load_plan
 from xmesh_plan.schemas.geometry import shard_interval
 from xmesh_plan.schemas.pipeline import PipelineProblem, PipelineSchedule
 
+from ..flags import MPI_RANK, UsageError, command, launcher_rank, parse
 from ..pipeline_runner import PipelineRunner, pipeline_executors, stage_of_device
 
 WIDTH, ROWS, IN_DIM, OUT_DIM, LR = 8, 6, 5, 3, 0.1
@@ -199,13 +200,26 @@ def run(args) -> int:
     return 0
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("inputs", type=Path, help="folder written by bench/pipeline_mlp_inputs.py (plans and schedules)")
-    parser.add_argument("--steps", type=int, default=3, help="training steps per schedule (default 3)")
-    args = parser.parse_args()
-    if args.steps < 1:
-        parser.error(f"--steps {args.steps}: give at least 1, e.g. --steps 3")
+PROG = "mpiexec -n N python -m xmesh_plan.executor.examples.pipeline_mlp"
+
+
+@command(f"{__doc__.splitlines()[0]} INPUTS: the folder bench/pipeline_mlp_inputs.py writes (plans and schedules).")
+@click.argument("inputs", type=click.Path(path_type=Path))
+@click.option("--steps", type=int, default=3, help="training steps per schedule (default 3)")
+def _command(**_) -> None:
+    """The flags (`main` reads them)."""
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Every rank reads the same flags; a bad one is one line from rank 0 and exit status 2 on every rank."""
+    try:
+        args = parse(_command, argv, PROG, show_help=launcher_rank(*MPI_RANK) == 0)
+        if args.steps < 1:
+            raise UsageError(f"--steps {args.steps}: give at least 1, e.g. --steps 3")
+    except UsageError as err:
+        if launcher_rank(*MPI_RANK) == 0:
+            print(f"error: {err}", file=sys.stderr)
+        sys.exit(2)
     sys.exit(run(args))
 
 

@@ -7,23 +7,25 @@ model run in one process and prints one line; any mismatch or runtime error exit
     xmesh-plan schedule bench/pipelines/gpt-2.6b-4stage-fp16.json --torch-csv s.csv --torch-format compute_comms
     python -m xmesh_plan.executor.examples.torch_pipeline_csv s.csv --format compute_comms --micro-batches 16
 
-Imports torch only (not the planner); torch's schedule class for a CSV is `_PipelineScheduleRuntime`.
+Imports torch only (not the planner), and click for its flags; torch's schedule class for a CSV is `_PipelineScheduleRuntime`.
 """
 
 from __future__ import annotations
 
-import argparse
 import csv
 import os
 import queue
 import socket
 import sys
 
+import click
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining.schedules import _PipelineScheduleRuntime
+
+from ..flags import UsageError, command, parse
 
 WIDTH, ROWS_PER_MICRO_BATCH, SEED = 8, 2, 0
 RTOL, ATOL = 1e-5, 1e-6
@@ -115,13 +117,25 @@ def run_csvs(runs: list[tuple[str, str]], micro_batches: int, timeout_s: float =
     return problems
 
 
+PROG = "python -m xmesh_plan.executor.examples.torch_pipeline_csv"
+
+
+@command(__doc__.splitlines()[0])
+@click.argument("csv_file")
+@click.option("--format", "form", type=click.Choice(("compute_only", "compute_comms")), default="compute_only",
+              help="the CSV's format, as `xmesh-plan schedule --torch-format` wrote it (default compute_only)")
+@click.option("--micro-batches", type=int, required=True, help="the pipeline's micro_batches")
+def _command(**_) -> None:
+    """The flags (`main` reads them)."""
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("csv_file")
-    parser.add_argument("--format", default="compute_only", choices=("compute_only", "compute_comms"))
-    parser.add_argument("--micro-batches", type=int, required=True, help="the pipeline's micro_batches")
-    args = parser.parse_args(argv)
-    problems = run_csvs([(args.csv_file, args.format)], args.micro_batches)
+    try:
+        args = parse(_command, argv, PROG)
+    except UsageError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    problems = run_csvs([(args.csv_file, args.form)], args.micro_batches)
     for problem in problems:
         print(problem, file=sys.stderr)
     if not problems:

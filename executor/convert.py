@@ -1,0 +1,73 @@
+"""The sender's conversion (`schemas.convert`) as array functions: scales from a source shard, and a box cast to the
+destination dtype with them, on torch tensors (numpy has no FP8).
+
+A sender converting tensor t (`dst_dtype`, `scale`) does, for each box it sends or copies locally out of its source
+shard: `convert(box_values, dst_dtype, expand_scales(scales, box, origin))`, with `scales` from `block_scales` of
+its whole source shard (per block: the shard lies on block bounds, so its blocks are whole) or `tensor_scale` of
+the max over every source device's `amax` (per tensor). The scales themselves travel as the plan's tensor
+`<t>.scale`, whose source shard on that device is exactly these scales.
+
+The engines do not call these yet, so `executor.lower` refuses a plan with conversions (`problem.dst_dtype`, schema 2):
+the lowering already sizes messages and staging in converted bytes (`ReshardingProblem.itemsize`) while the
+engines move source bytes. Running one takes, in the executor: destination shards allocated as
+`storage_dtype(problem.dst_dtype or problem.dtype)`; each box a sender reads out of its source shard (a send's,
+a broadcast's first hop, a bundle's gather, a local copy) passed through `convert` before it is packed (what is
+forwarded out of destination shards is converted already); and, before `start()`, each source rank's
+`<t>.scale` shard computed as above (a max over the source ranks' `amax` for per-tensor scales).
+
+>>> import torch
+>>> x = torch.tensor([[1.0, -448.0], [2.0, 896.0]])
+>>> convert(x, "float8_e4m3fn", torch.full((2, 2), 2.0)).float().tolist()
+[[0.5, -224.0], [1.0, 448.0]]
+"""
+
+from __future__ import annotations
+
+import torch
+
+from xmesh_plan.schemas.convert import BLOCK, FP8_MAX
+from xmesh_plan.schemas.geometry import Region
+
+MIN_AMAX = 1e-12  # an all-zero block still gets a finite, non-zero scale
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    return getattr(torch, name)
+
+
+def amax(shard: torch.Tensor) -> torch.Tensor:
+    """The largest magnitude in a source shard, as float32 (0 for an empty one); senders take the max over theirs."""
+    return shard.abs().max().float() if shard.numel() else torch.zeros((), dtype=torch.float32)
+
+
+def tensor_scale(amax_over_sources: torch.Tensor, fp8: str) -> torch.Tensor:
+    """The per-tensor scale, shape (1,): the tensor's largest magnitude over the FP8 type's largest value."""
+    return (amax_over_sources.float().clamp(min=MIN_AMAX) / FP8_MAX[fp8]).reshape(1)
+
+
+def block_scales(shard: torch.Tensor, fp8: str) -> torch.Tensor:
+    """One float32 scale per 128x128 block of a 2-d source shard that lies on block bounds (its last blocks may be
+    short, as the tensor's are): amax(|block|) over the FP8 type's largest value."""
+    rows, cols = shard.shape
+    br, bc = -(-rows // BLOCK), -(-cols // BLOCK)
+    padded = torch.zeros((br * BLOCK, bc * BLOCK), dtype=torch.float32)
+    padded[:rows, :cols] = shard.float().abs()
+    blocks = padded.reshape(br, BLOCK, bc, BLOCK).amax(dim=(1, 3))
+    return blocks.clamp(min=MIN_AMAX) / FP8_MAX[fp8]
+
+
+def expand_scales(scales: torch.Tensor, box: Region, origin: tuple[int, ...] = (0, 0)) -> torch.Tensor:
+    """Each element of `box` (global coordinates) with its block's scale; `scales` holds the blocks from block
+    `origin` on (a source shard's own scales start at its first block)."""
+    rows, cols = (torch.arange(a, b) // BLOCK - o for (a, b), o in zip(box, origin))
+    return scales[rows[:, None], cols[None, :]]
+
+
+def convert(values: torch.Tensor, dst_dtype: str, scales: torch.Tensor | None = None) -> torch.Tensor:
+    """`values` in `dst_dtype`: a plain cast (round to nearest), or for FP8 x / scale (elementwise, `scales` of
+    `values`' shape or one per tensor) clamped to the FP8 range, then cast."""
+    target = torch_dtype(dst_dtype)
+    if dst_dtype not in FP8_MAX:
+        return values.to(target)
+    limit = FP8_MAX[dst_dtype]
+    return (values.float() / scales).clamp(-limit, limit).to(target)

@@ -1,0 +1,97 @@
+"""Layouts as per-device boxes: what a placement lists where a sharding spec cannot say the layout.
+
+DTensor's nested uneven splits, FSDP + TP strided shards, padded vocabularies, KV heads replicated
+over more TP ranks than there are heads: any layout in which each device holds one box of the tensor.
+A placement gives one box per mesh position (in the order of `mesh.devices`), each one `[start, stop)`
+per tensor dim as a plan's `region` is written, or `{offset = [...], size = [...]}` as DTensor says it.
+Boxes may overlap (replicas) and may be empty (a device holding nothing).
+
+>>> box_field([[0, 5], [0, 8]]) == box_field({"offset": [0, 0], "size": [5, 8]})
+True
+>>> uncovered((4,), (((0, 2),), ((2, 4),))) is None
+True
+>>> uncovered((4,), (((0, 2),), ((3, 4),)))
+((2, 3),)
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+import numpy as np
+from pydantic import BeforeValidator, WithJsonSchema
+
+from .geometry import Region
+from .limits import shown
+
+MAX_BOX_CELLS = 2**24  # cells of the grid a box layout's coverage check cuts (a compile refuses far fewer unit tasks)
+
+
+def box_field(value: Any) -> Region:
+    """A box as given (`[[start, stop], ...]` or `{"offset": [...], "size": [...]}`) as a tuple of (start, stop) pairs."""
+    if isinstance(value, dict):
+        if set(value) != {"offset", "size"}:
+            raise ValueError(f"{shown(value)} is not a box; write [[start, stop], ...] per dim or {{offset = [...], size = [...]}}")
+        offset, size = value["offset"], value["size"]
+        if not (_ints(offset) and _ints(size)) or len(offset) != len(size) or min(size, default=0) < 0:
+            raise ValueError(f"{shown(value)}: offset and size must be lists of integers of one length, sizes >= 0")
+        return tuple((o, o + s) for o, s in zip(offset, size))
+    if not isinstance(value, (list, tuple)) or not all(isinstance(p, (list, tuple)) and len(p) == 2 and _ints(p) for p in value):
+        raise ValueError(f"{shown(value)} is not a box; write one [start, stop] per tensor dim, e.g. [[0, 4], [0, 8]]")
+    return tuple((p[0], p[1]) for p in value)
+
+
+def _ints(values: Any) -> bool:
+    return isinstance(values, (list, tuple)) and all(isinstance(v, int) and not isinstance(v, bool) for v in values)
+
+
+Box = Annotated[Region, BeforeValidator(box_field), WithJsonSchema({
+    "type": "array", "items": {"type": "array", "items": {"type": "integer"}, "minItems": 2, "maxItems": 2},
+    "description": "one [start, stop) per tensor dim (input also takes {offset, size})"})]
+Boxes = tuple[Box, ...]
+
+
+def is_empty(box: Region) -> bool:
+    return any(hi <= lo for lo, hi in box)
+
+
+def box_cut_points(shape: tuple[int, ...], boxes: Boxes) -> list[list[int]]:
+    """Per dim, 0, the length and every start and stop of a non-empty box, sorted."""
+    kept = [b for b in boxes if not is_empty(b)]
+    return [sorted({0, n} | {b[d][i] for b in kept for i in (0, 1)}) for d, n in enumerate(shape)]
+
+
+def box_index(cuts: list[np.ndarray], box: Region) -> tuple[slice, ...]:
+    """The cells of a grid cut at `cuts` that `box` covers (its bounds are among the cuts)."""
+    return tuple(slice(int(np.searchsorted(c, lo)), int(np.searchsorted(c, hi))) for c, (lo, hi) in zip(cuts, box))
+
+
+def check_boxes(boxes: Boxes, shape: tuple[int, ...], devices: int, field: str) -> None:
+    """Raise ValueError naming `field` unless there is one box per device, each inside the tensor."""
+    if len(boxes) != devices:
+        raise ValueError(f"{field}: {len(boxes)} boxes for a mesh of {devices} devices; give one box per device, in the order of the mesh's devices")
+    for i, box in enumerate(boxes):
+        if len(box) != len(shape):
+            raise ValueError(f"{field}[{i}]: {len(box)} [start, stop] pairs but the tensor has {len(shape)} dims; give one per dim")
+        for d, ((lo, hi), n) in enumerate(zip(box, shape)):
+            if not 0 <= lo <= hi <= n:
+                raise ValueError(f"{field}[{i}]: dim {d} is [{lo}, {hi}), not inside [0, {n}); give 0 <= start <= stop <= {n}")
+
+
+def uncovered(shape: tuple[int, ...], boxes: Boxes) -> Region | None:
+    """The first cell of the tensor (on the grid the boxes cut) that no box covers, or None when they cover it all."""
+    if 0 in shape:
+        return None
+    cuts = [np.asarray(c) for c in box_cut_points(shape, boxes)]
+    cells = int(np.prod([len(c) - 1 for c in cuts], dtype=object))
+    if cells > MAX_BOX_CELLS:
+        raise ValueError(f"the boxes cut the tensor into {cells:,} cells, more than the {MAX_BOX_CELLS:,} a layout may; "
+                         "give fewer distinct box bounds (a sharding spec, or coarser boxes)")
+    covered = np.zeros(tuple(len(c) - 1 for c in cuts), dtype=bool)
+    for box in set(boxes):
+        if not is_empty(box):
+            covered[box_index(cuts, box)] = True
+    if covered.all():
+        return None
+    first = np.argwhere(~covered)[0]
+    return tuple((int(c[i]), int(c[i + 1])) for c, i in zip(cuts, first))
