@@ -11,17 +11,19 @@ core): the data movement alone. Overhead per task =
 (executor - baseline) / T, from the same run. Python allocation: tracemalloc over `--iters` calls
 of `run()` after warm-up, the largest peak above the level before a call (short-lived objects) and
 the net growth over all calls (a leak), per rank, divided by the rank's messages for the per-message
-figure. `--compare REV` also times the MPI engine of git revision REV in the same run (before/after).
+figure. `--compare REV` also times git revision REV's executor (its whole package, run from a copy of that
+revision) on the same plans, each kind alternating with this one (before/after).
 Results: bench/results/executor.json.
 """
 
 from __future__ import annotations
 
-import importlib.util
+import io
 import json
 import os
 import subprocess
 import sys
+import tarfile
 import tempfile
 import time
 import tracemalloc
@@ -107,28 +109,12 @@ def allocation(run_once, iters: int) -> tuple[int, int]:
     return worst, net
 
 
-def load_engine(path: str | None):
-    """The MpiEngine class of the file at `path` (an earlier revision's executor/mpi_engine.py), or today's."""
-    from xmesh_plan.executor import mpi_engine
-
-    if path is None:
-        return mpi_engine.MpiEngine
-    spec = importlib.util.spec_from_file_location("xmesh_plan.executor.mpi_engine_compared", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.MpiEngine
-
-
-def measure(comm, plan, engine_cls, iters: int) -> dict:
-    """Median time of `run()` and its allocation with `engine_cls` as the MPI engine (max over ranks)."""
-    from xmesh_plan.executor import ReshardingExecutor, mpi_engine
+def measure(comm, plan, iters: int) -> dict:
+    """Median time of `run()` and its allocation (max over ranks)."""
+    from xmesh_plan.executor import ReshardingExecutor
     from xmesh_plan.executor.pattern import fill
 
-    today, mpi_engine.MpiEngine = mpi_engine.MpiEngine, engine_cls
-    try:
-        ex = ReshardingExecutor(plan, comm).prepare()
-    finally:
-        mpi_engine.MpiEngine = today
+    ex = ReshardingExecutor(plan, comm).prepare()
     shard = fill(ex.program.src_block, plan.problem.shape, ex.engine.dtype) if ex.program.src_block else None
     for _ in range(3):
         ex.run(shard)
@@ -142,16 +128,13 @@ def measure(comm, plan, engine_cls, iters: int) -> dict:
             "alloc_net_bytes_max_rank": int(every[:, 1].max()), "alloc_peak_bytes_per_message": int(every[:, 2].max())}
 
 
-def worker(kind: str, task_counts: list[int], iters: int, compare: str | None) -> None:
+def worker(kind: str, task_counts: list[int], iters: int) -> None:
     from mpi4py import MPI
 
     comm = MPI.COMM_WORLD
-    engines = {"current": load_engine(None)} | ({"before": load_engine(compare)} if compare else {})
     for tasks in task_counts:
         plan = many_task_plan(tasks, kind)
-        row = {"kind": kind, "tasks": tasks, "ranks": comm.Get_size()}
-        for name, engine_cls in engines.items():
-            row[name] = measure(comm, plan, engine_cls, iters)
+        row = {"kind": kind, "tasks": tasks, "ranks": comm.Get_size(), "current": measure(comm, plan, iters)}
         row |= row["current"]
         row["baseline_s"] = _timed(comm, iters, _baseline(comm, tasks)) if kind == "send" else None
         if comm.Get_rank() == 0:
@@ -195,12 +178,20 @@ def gpu_bench() -> dict | str:
             "nccl_bcast_1rank_s": bcast}
 
 
-def engine_file(rev: str) -> str:
-    """executor/mpi_engine.py as of git revision `rev`, written to a temporary file for the workers."""
-    text = subprocess.run(["git", "show", f"{rev}:executor/mpi_engine.py"], cwd=ROOT, capture_output=True, text=True, check=True).stdout
-    path = Path(tempfile.mkdtemp()) / "mpi_engine_compared.py"
-    path.write_text(text)
-    return str(path)
+def revision_tree(rev: str) -> Path:
+    """Git revision `rev`'s files in a temporary folder, with a `pkg/xmesh_plan` package laid out as pyproject.toml's
+    package-dir maps the folders, so that `PYTHONPATH=<it>/pkg` runs that revision's code under the package's name."""
+    root = Path(tempfile.mkdtemp())
+    archive = subprocess.run(["git", "archive", rev], cwd=ROOT, capture_output=True, check=True).stdout
+    with tarfile.open(fileobj=io.BytesIO(archive)) as tar:
+        tar.extractall(root / "src", filter="data")
+    package = root / "pkg" / "xmesh_plan"
+    package.mkdir(parents=True)
+    for entry in (root / "src" / "xmesh_plan").iterdir():
+        (package / entry.name).symlink_to(entry)
+    for name in ("planner", "executor", "schemas"):
+        (package / name).symlink_to(root / "src" / name)
+    return root
 
 
 def table(rows: list[dict]) -> str:
@@ -228,31 +219,39 @@ def table(rows: list[dict]) -> str:
 @click.command(help=__doc__.splitlines()[0])
 @click.option("--tasks", default="16,64,256,1024", show_default=True, help="unit-task counts")
 @click.option("--iters", type=int, default=40, show_default=True, help="timed iterations per point")
-@click.option("--compare", metavar="REV", help="also measure executor/mpi_engine.py of git revision REV")
+@click.option("--compare", metavar="REV", help="also measure the executor of git revision REV")
 @click.option("--out", type=click.Path(dir_okay=False, path_type=Path), default=ROOT / "bench" / "results" / "executor.json")
 @click.option("--worker", type=click.Choice(("send", "send_strided", "broadcast")), hidden=True)
-@click.option("--engine-file", hidden=True)
 def main(**options) -> None:
     args = SimpleNamespace(**options)
     counts = [int(x) for x in args.tasks.split(",")]
     if args.worker:
-        worker(args.worker, counts, args.iters, args.engine_file)
+        worker(args.worker, counts, args.iters)
         return
     env = dict(os.environ)
     mpiexec = Path(sys.executable).parent / "mpiexec"
-    extra = ["--engine-file", engine_file(args.compare)] if args.compare else []
+    before = revision_tree(args.compare) if args.compare else None
     rows = []
     for kind, ranks in (("send", 2), ("send_strided", 2), ("broadcast", 4)):
-        cmd = [str(mpiexec), "-n", str(ranks), sys.executable, __file__, "--worker", kind, "--tasks", args.tasks,
-               "--iters", str(args.iters), *extra]
         # 2 ranks on 2 cores may spin (the baseline's Waitall then runs at full speed); 4 ranks must yield.
         spin = ranks <= (os.cpu_count() or 1)
-        out = subprocess.run(cmd, env=env | {"MPIR_CVAR_ENABLE_HEAVY_YIELD": "0" if spin else "1"},
-                             capture_output=True, text=True, timeout=900)
-        if out.returncode:
-            print(out.stderr[-3000:], file=sys.stderr)
-            sys.exit(1)
-        rows += [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
+
+        def measured(script: Path, extra_env: dict) -> list[dict]:
+            cmd = [str(mpiexec), "-n", str(ranks), sys.executable, str(script), "--worker", kind, "--tasks", args.tasks,
+                   "--iters", str(args.iters)]
+            out = subprocess.run(cmd, env=env | extra_env | {"MPIR_CVAR_ENABLE_HEAVY_YIELD": "0" if spin else "1"},
+                                 capture_output=True, text=True, timeout=900)
+            if out.returncode:
+                print(out.stderr[-3000:], file=sys.stderr)
+                sys.exit(1)
+            return [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
+
+        mine = measured(Path(__file__), {})
+        if before is not None:
+            theirs = measured(before / "src" / "bench" / "bench_executor.py", {"PYTHONPATH": str(before / "pkg")})
+            for row, old in zip(mine, theirs):
+                row["before"] = old["current"]
+        rows += mine
     gpu = gpu_bench()
     args.out.parent.mkdir(parents=True, exist_ok=True)
     write_atomic(args.out, json.dumps({"cpu_overhead": rows, "compared_with": args.compare, "gpu": gpu}, indent=1) + "\n")

@@ -1,8 +1,9 @@
 """Replay a compiled resharding plan every iteration: MPI on the CPU, NCCL through CuPy on GPUs,
 torch.distributed over any process group (gloo, NCCL).
 
-Imports `schemas` only, never the planner. Entry points: `ReshardingExecutor` (one tensor),
-`TransferExecutor` (a multi-tensor plan, name -> shard mapping in and out) and the demo
+Imports `schemas` only, never the planner. Entry points: `ReshardingExecutor` (one tensor) and
+`TransferExecutor` (a multi-tensor plan, name -> shard mapping in and out), the two faces of one
+`Executor` (one program per device, one engine), and the demo
 `mpiexec -disable-auto-cleanup -n N python -m xmesh_plan.executor.run PLAN --check`.
 """
 
@@ -12,9 +13,9 @@ if __name__ != "xmesh_plan.executor":  # this folder reached under its bare name
 
 from .errors import BackendUnavailableError, ExecutorError, PeerTimeoutError, PlanMismatchError
 from .engines import BACKENDS, ENGINES, TransportOptions
-from .executor import ReshardingExecutor
+from .executor import Executor, ReshardingExecutor
 from .ranks import device_of_rank, plan_devices
 from .transfer_executor import TransferExecutor
 
-__all__ = ["BACKENDS", "ENGINES", "BackendUnavailableError", "ExecutorError", "PeerTimeoutError", "PlanMismatchError",
+__all__ = ["BACKENDS", "ENGINES", "BackendUnavailableError", "Executor", "ExecutorError", "PeerTimeoutError", "PlanMismatchError",
            "ReshardingExecutor", "TransferExecutor", "TransportOptions", "device_of_rank", "plan_devices"]

@@ -21,8 +21,8 @@ import numpy as np
 from xmesh_plan.schemas import Plan
 from xmesh_plan.schemas.plan_tensors import is_multi, tensor_plans
 
+from .arrays import storage_dtype
 from .executor import ReshardingExecutor
-from .lower import RankProgram
 from .pattern import tensor_salt
 from .timeouts import MAX_TIMEOUT_S
 from .transfer_executor import TransferExecutor
@@ -40,11 +40,15 @@ class Collectives(Protocol):
 
 @dataclass(frozen=True)
 class Tensor:
-    """One tensor of the plan as this rank runs it: its single-tensor plan, lowered program, engine and pattern salt."""
+    """One tensor of the plan as this rank runs it: its name and single-tensor problem, its shards on this device,
+    their storage dtype, the engine that moves every tensor, and the tensor's pattern salt."""
 
     name: str
-    plan: Plan
-    program: RankProgram
+    problem: Any  # schemas.ReshardingProblem
+    device: int
+    src_block: Any
+    dst_block: Any
+    dtype: np.dtype
     engine: Any
     salt: int
 
@@ -70,17 +74,20 @@ def prepare(plan: Plan, comm, options: dict) -> tuple[Any, list[Tensor], Callabl
     rank, its tensors, and one reshard as a function of name -> source shard to name -> destination shard."""
     if is_multi(plan):
         ex = TransferExecutor(plan, comm, **options).prepare()
-        tensors = [Tensor(name, part.plan, part.program, part.engine, tensor_salt(k))
-                   for k, (name, part) in enumerate(zip(ex.names, ex.parts))]
-        return ex, tensors, ex.run
-    ex = ReshardingExecutor(plan, comm, **{**options, "order": options.get("order") or "device"}).prepare()
-    name = plan.problem.name or "plan"
+        names, salts, reshard = ex.names, [tensor_salt(k) for k in range(len(ex.names))], ex.run
+    else:
+        ex = ReshardingExecutor(plan, comm, **{**options, "order": options.get("order") or "device"}).prepare()
+        name = plan.problem.name or "plan"
+        names, salts = (name,), [0]
 
-    def reshard(shards: dict) -> dict:
-        out = ex.run(shards.get(name))
-        return {} if out is None else {name: out}
+        def reshard(shards: dict) -> dict:
+            out = ex.run(shards.get(name))
+            return {} if out is None else {name: out}
 
-    return ex, [Tensor(name, plan, ex.program, ex.engine, 0)], reshard
+    p = ex.program
+    tensors = [Tensor(name, problem, p.device, shards.src_block, shards.dst_block, storage_dtype(problem.dtype), ex.engine, salt)
+               for name, problem, shards, salt in zip(names, plan.problem.tensor_problems(), p.tensors, salts)]
+    return ex, tensors, reshard
 
 
 def timed(reshard: Callable[[], Any], world: Collectives, iters: int, warmup: int, before_last: Callable[[], None] | None = None):
@@ -107,12 +114,10 @@ def run_plan(plan: Plan, comm, world: Collectives, options: dict, iters: int, wa
     this rank in the engine's array type; `wrong(tensor, shard)`: (wrong elements of a destination shard, a note naming
     the first), each reported through `report` on this rank."""
     ex, tensors, reshard = prepare(plan, comm, options)
-    shards = {t.name: source(t) for t in tensors if t.program.src_block is not None}
+    shards = {t.name: source(t) for t in tensors if t.src_block is not None}
 
     def poison() -> None:
-        for t in tensors:
-            if t.engine.dst is not None:
-                t.engine.poison()
+        ex.engine.poison()
 
     out, times = timed(lambda: reshard(shards), world, iters, warmup, poison if check else None)
     bad = bad_shards = 0
@@ -120,7 +125,7 @@ def run_plan(plan: Plan, comm, world: Collectives, options: dict, iters: int, wa
         if t.name in out:
             count, note = wrong(t, out[t.name])
             if count:
-                report(f"device {t.program.device}: {f'tensor {t.name}: ' if is_multi(plan) else ''}{count} elements differ{note}")
+                report(f"device {t.device}: {f'tensor {t.name}: ' if is_multi(plan) else ''}{count} elements differ{note}")
             bad, bad_shards = bad + count, bad_shards + bool(count)
     staging = ex.stage_bytes if is_multi(plan) else ex.program.stage_bytes
     slowest = world.max(times)

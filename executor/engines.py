@@ -1,7 +1,8 @@
 """One engine protocol and a name -> engine registry: every engine replays the same lowered `RankProgram`.
 
-`ReshardingExecutor` lowers the plan once per rank, checks it on every rank, then asks the registry
-for the engine its `backend` names and hands it the program and an `EngineContext`. Engines raise
+The executor (`executor.Executor`) lowers the plan once per rank, every tensor together, checks it on
+every rank, then asks the registry for the engine its `backend` names and hands it the program and an
+`EngineContext`. What an engine can do is data in its entry (`EngineEntry`), read instead of its name. Engines raise
 only the classes in `executor.errors`, for the same states:
 
 - `PlanMismatchError`: the shard handed in does not fit the plan (nothing moved);
@@ -34,10 +35,10 @@ class TransportOptions:
     receipt its peer never sends waits until its timeout).
 
     `match_by_tag`: False posts every message with tag 0, so gloo matches a pair's messages by their order alone,
-    as NCCL does (tests use it to show a wrong order as wrong bytes). `receipt_bytes`: in device order on gloo, the
-    torch engine ends an operation's messages of at least this many bytes to one peer when the peer's 1-byte
-    receipt arrives (`torch_engine.TorchEngine._add_receipts`; the MPI engine's synchronous sends start at the same
-    size); None: no receipts."""
+    as NCCL does (tests use it to show a wrong order as wrong bytes). `receipt_bytes`: in device order on gloo, an
+    engine with receipts (the torch engine) ends an operation's messages of at least this many bytes to one peer
+    when the peer's 1-byte receipt arrives (`passes.with_receipts`; the MPI engine's synchronous sends start at the
+    same size); None: no receipts."""
 
     match_by_tag: bool = True
     receipt_bytes: int | None = SYNC_SEND_BYTES
@@ -51,26 +52,24 @@ class TransportOptions:
 
 @dataclass(frozen=True)
 class EngineContext:
-    """What an engine needs besides its program: the communicator it owns, where each device's rank
-    is, the element type, its deadline and poll sleeps, and (GPU engines) which device to use."""
+    """What an engine needs besides its program (which names every tensor's shards and dtype): the communicator
+    it owns, where each device's rank is, its deadline and poll sleeps, and (GPU engines) which device to use."""
 
     comm: Any
     rank_of: dict[int, int]
-    dtype_name: str
-    storage: np.dtype
     timeout_s: float
     poll_s: tuple[float, float]
     gpu: int | None = None
     devices_per_host: int = 1
-    joined: bool = False  # one tensor of a multi-tensor plan whose steps a joint engine replays (`EngineEntry.join`)
     transport: TransportOptions = TransportOptions()
 
 
 class Engine(Protocol):
-    """Replays one RankProgram every iteration; made by the registry, then `setup()` once."""
+    """Replays one RankProgram (every tensor of a plan) every iteration; made by the registry, then `setup()` once."""
 
     program: RankProgram
-    dst: Any  # this rank's destination shard (the engine's own buffer, reused), None outside the destination mesh
+    dsts: list  # per tensor, this rank's destination shard (the engine's own buffer, reused), None outside that mesh
+    dst: Any  # dsts[0]: the one-tensor face
     broken: str | None  # why the engine refuses to run again, None while usable
 
     def setup(self) -> None:
@@ -86,7 +85,8 @@ class Engine(Protocol):
         """`array` itself when C-contiguous, else a contiguous copy."""
 
     def start(self, src: Any) -> None:
-        """Begin one reshard and return at once."""
+        """Begin one reshard and return at once: `src` is a one-tensor program's source shard, or a sequence of one per
+        tensor (None where the device has none)."""
 
     def test(self) -> bool:
         """Drive progress without blocking; True when finished."""
@@ -101,7 +101,7 @@ class Engine(Protocol):
         """Release what setup() made; the engine cannot run again."""
 
     def poison(self) -> None:
-        """Fill the destination shard with 0xA5 bytes (checks prove the next run wrote all of it)."""
+        """Fill the destination shards with 0xA5 bytes (checks prove the next run wrote all of them)."""
 
     def host_copy(self, array: Any) -> np.ndarray:
         """`array` as a numpy array on the host (for checks)."""
@@ -116,56 +116,41 @@ class EngineEntry:
     module: str
     build: Callable[[Any, RankProgram, EngineContext], Engine]
     summary: str
-    # What the engine can do, read by the executors instead of comparing engine names:
+    # What the engine can do, read by the executor instead of comparing engine names:
     # several reshards in flight at once, a waiting one driving the others (so a multi-tensor plan posts
-    # every tensor's messages at once, and that is its default order for such a plan)
+    # every tensor's messages at once, and that is its default order for such a plan; an engine that cannot
+    # runs a multi-tensor plan posted one tensor after another, `passes.one_tensor_at_a_time`)
     concurrent: bool = False
     # messages carry MPI-style tags, each below the world's tag limit (NCCL's calls carry none)
     tagged: bool = True
-    # the staging it allocates is known only once every tensor is lowered (it lays staging out its own way)
+    # it lays staging out its own way: what it allocates is known only once the program is lowered (`need`)
     own_staging: bool = False
-    # builds the engine that replays a `joint.JointProgram` over every tensor's set-up engine (device order
-    # across the tensors of a multi-tensor plan); None: the engine cannot
-    join: Callable[[Any, Any, list], Engine] | None = None
     # the staging bytes the engine allocates for a program (None: the program's own `stage_bytes`)
     need: Callable[[Any, RankProgram], int] | None = None
-    # the staging bytes its joint engine allocates for a `joint.JointProgram` over the tensors' programs (None: the joint
-    # program's own `stage_bytes`)
-    joint_need: Callable[[Any, Any, list], int] | None = None
+    # replays receipts (`passes.with_receipts`): in device order, on a world whose sends end once buffered
+    # (`worlds.TorchWorld.buffered_sends`: gloo), large sends end when the receiver's receipt arrives
+    receipts: bool = False
 
     def make(self, program: RankProgram, context: EngineContext) -> Engine:
         """Import the engine's module (only now: CuPy and torch are optional) and build the engine."""
         return self.build(importlib.import_module(self.module), program, context)
 
     def stage_need(self, program: RankProgram) -> int:
-        """Bytes of staging this engine allocates to replay `program` on its own."""
+        """Bytes of staging this engine allocates to replay `program`."""
         return program.stage_bytes if self.need is None else self.need(importlib.import_module(self.module), program)
-
-    def joint_stage_need(self, joint, programs: list[RankProgram]) -> int:
-        """Bytes of staging this engine's joint form allocates to replay `joint` over `programs`."""
-        if self.joint_need is None:
-            return joint.stage_bytes
-        return self.joint_need(importlib.import_module(self.module), joint, programs)
-
-    def make_joint(self, program, parts: list) -> Engine:
-        """The engine replaying `program` (a `joint.JointProgram`) with the buffers of `parts`, one set-up engine per tensor."""
-        return self.join(importlib.import_module(self.module), program, parts)
 
 
 ENGINES: dict[str, EngineEntry] = {e.name: e for e in (
     EngineEntry("mpi", "mpi", "xmesh_plan.executor.mpi_engine",
-                lambda m, p, c: m.MpiEngine(p, c.comm, c.rank_of, c.storage, c.timeout_s, c.poll_s),
-                "MPI point-to-point on host memory (numpy)", concurrent=True,
-                join=lambda m, p, parts: m.JointMpiEngine(p, parts)),
+                lambda m, p, c: m.MpiEngine(p, c.comm, c.rank_of, c.timeout_s, c.poll_s),
+                "MPI point-to-point on host memory (numpy)", concurrent=True),
     EngineEntry("nccl", "mpi", "xmesh_plan.executor.nccl_engine",
-                lambda m, p, c: m.NcclEngine(p, c.comm, c.rank_of, c.storage, c.timeout_s, c.poll_s, gpu=c.gpu,
-                                             devices_per_host=c.devices_per_host, joined=c.joined),
+                lambda m, p, c: m.NcclEngine(p, c.comm, c.rank_of, c.timeout_s, c.poll_s, gpu=c.gpu,
+                                             devices_per_host=c.devices_per_host),
                 "NCCL broadcasts through CuPy on GPUs, ids exchanged over MPI", tagged=False, own_staging=True,
-                join=lambda m, p, parts: m.JointNcclEngine(p, parts), need=lambda m, p: m.nccl_program(p).stage_bytes,
-                joint_need=lambda m, j, ps: m.joint_nccl_program(ps, j.operations, dict(j.carriers), j.align).stage_bytes),
+                need=lambda m, p: m.nccl_program(p).stage_bytes),
     EngineEntry("torch", "torch", "xmesh_plan.executor.torch_engine", lambda m, p, c: m.TorchEngine(p, c),
-                "torch.distributed isend/irecv over any process group (gloo on CPU, NCCL on CUDA)",
-                join=lambda m, p, parts: m.JointTorchEngine(p, parts)),
+                "torch.distributed isend/irecv over any process group (gloo on CPU, NCCL on CUDA)", receipts=True),
 )}
 
 TORCH_BACKENDS = ("gloo", "nccl")

@@ -5,27 +5,28 @@
     new_shard = ex.run(old_shard)                              # every iteration
     ex.start(old_shard); ...compute...; new_shard = ex.wait()  # the same, overlapped with compute
 
-Rank r plays the r-th smallest device id of the plan's two meshes (see `executor.ranks`). The
-engine is looked up by name in `executor.engines` and fed the lowered program. `run()` returns the
-engine's own destination buffer, reused by the next call: copy it if you keep it.
+Rank r plays the r-th smallest device id of the plan's two meshes (see `executor.ranks`). `Executor`
+is the one executor: prepare() lowers the plan for this rank's device once, every tensor together, and
+runs the passes its order asks for (`passes.rank_program`); the engine is looked up by name in
+`executor.engines` and fed that program. `ReshardingExecutor` is its one-tensor face (a shard in and
+out), `transfer_executor.TransferExecutor` its multi-tensor face (a name -> shard mapping). `run()`
+returns the engine's own destination buffer, reused by the next call: copy it if you keep it.
 """
 
 from __future__ import annotations
 
 import hashlib
 from collections import Counter
-from dataclasses import replace
 
 import numpy as np
 
 from xmesh_plan.schemas import Plan
-from xmesh_plan.schemas.staging import stage_budget
 from xmesh_plan.schemas.plan_tensors import is_multi
 
-from .arrays import storage_dtype
 from .engines import BACKENDS, TORCH_BACKENDS, EngineContext, TransportOptions, engine_entry, world_of_backend
 from .errors import ExecutorError, PlanMismatchError
-from .lower import ORDERS, RankProgram, in_device_order, lower
+from .lower import ORDERS, RankProgram
+from .passes import rank_program
 from .ranks import device_of_rank, rank_of_devices
 from .replay import stopped
 from .worlds import MpiWorld, TorchWorld, is_mpi_comm, is_torch_group, poll_until
@@ -187,26 +188,20 @@ class Flying:
         return self.flight.closed
 
 
-class ReshardingExecutor(Flying):
-    """Replays one plan on this rank; see the module docstring for the calling pattern."""
+class Executor(Flying):
+    """The executor: one plan (every tensor of it) on this rank, lowered once into one program (`passes.rank_program`)
+    that one engine replays. `ReshardingExecutor` (one tensor, a shard in and out) and `TransferExecutor` (a name ->
+    shard mapping in and out) are its two faces; they differ only in what they take and give back.
+
+    `backend`: a name in `executor.engines.BACKENDS`; None picks `mpi` for an mpi4py communicator and `torch` for a
+    process group. With a process group, `gloo` and `nccl` also pick `torch` and must match the group's backend.
+    `order`: `device` (each device takes part in one operation at a time, in plan order, as the plan was scheduled)
+    or `posted` (every message posted at once; see `lower.in_device_order`). `transport`: how messages are matched
+    and acknowledged (`engines.TransportOptions`), the same on every rank."""
 
     def __init__(self, plan: Plan, comm=None, backend: str | None = None, timeout_s: float = 60.0,
                  poll_s: tuple[float, float] = DEFAULT_POLL_S, gpu: int | None = None, order: str = "device",
                  transport: TransportOptions | None = None):
-        """`backend`: a name in `executor.engines.BACKENDS`; None picks `mpi` for an mpi4py communicator and
-        `torch` for a process group. With a process group, `gloo` and `nccl` also pick `torch` and must
-        match the group's backend. `order`: `device` (each device takes part in one operation at a time,
-        in plan order, as the plan was scheduled; measured as fast or faster for our plans on the emulated
-        cluster, and steadier) or `posted` (every message posted at once, the transport shares the links);
-        see `lower.in_device_order`. Staging is the largest run's in device order and the sum of every
-        staged box posted; a plan compiled with `--max-staging-mb` states its peaks, and an order that
-        would need more is refused in prepare(). `transport`: how messages are matched and acknowledged
-        (`engines.TransportOptions`; the defaults suit every engine), the same on every rank."""
-        if not isinstance(plan, Plan):
-            raise TypeError(f"plan is a {type(plan).__name__}; pass a schemas.Plan, e.g. schemas.read_plan_file('x.plan.json')")
-        if is_multi(plan):
-            raise TypeError(f"plan moves {len(plan.problem.tensors)} tensors; run it with executor.TransferExecutor "
-                            "(a name -> shard mapping in and out)")
         if backend is not None and backend not in BACKENDS:
             raise ValueError(f"backend {backend!r} is unknown; use one of: {', '.join(BACKENDS)}")
         if order not in ORDERS:
@@ -218,6 +213,7 @@ class ReshardingExecutor(Flying):
                 and 0 < poll_s[0] <= poll_s[1] <= MAX_TIMEOUT_S):
             raise ValueError(f"poll_s={poll_s!r} must be (shortest, longest) sleep in seconds with 0 < shortest <= longest")
         self.plan, self.world, self.backend = plan, world, backend or self.entry.name
+        self.problems = plan.problem.tensor_problems()  # each tensor's own problem (its shape, dtype and specs)
         self.timeout_s, self.poll_s, self.gpu, self.order = float(timeout_s), (float(poll_s[0]), float(poll_s[1])), gpu, order
         if transport is not None and not isinstance(transport, TransportOptions):
             raise TypeError(f"transport is a {type(transport).__name__}; pass an executor.TransportOptions or None")
@@ -225,68 +221,64 @@ class ReshardingExecutor(Flying):
         self.program: RankProgram | None = None
         self.flight = Flight()  # the engine (once prepared) and the calls into it
         self.comm = None
-        # Set by TransferExecutor before prepare(): tags start here and the engine uses this communicator
-        # (another executor's, which owns and releases it), so the tensors of one plan share one.
-        self.tag_offset, self.shared_comm = 0, None
-        # Set by TransferExecutor in device order: the steps stay as lowered (flagged device order, so engines
-        # send large messages synchronously) and one joint engine orders them across the plan's tensors.
-        self.joined = False
 
     @property
     def device(self) -> int:
         return device_of_rank(self.plan, self.world.rank, self.world.size, self.world.label, self.world.launch)
 
-    def prepare(self) -> "ReshardingExecutor":
+    @property
+    def program(self) -> RankProgram | None:
+        """This device's program (every tensor of the plan), made by prepare()."""
+        return self._program
+
+    @program.setter
+    def program(self, program: RankProgram | None) -> None:
+        self._program = program
+        self.src_shapes = None if program is None else [t.src_shape for t in program.tensors]  # made once: run() checks against them
+
+    @property
+    def stage_bytes(self) -> int:
+        """Bytes of staging this rank allocated (the engine's own layout where it has one, NCCL's), at most what the
+        plan states for this device when it states any."""
+        own = getattr(self.flight.engine, "stage_bytes", None)
+        return own if own is not None else self.program.stage_bytes
+
+    def prepare(self):
         """Check the plan against this world on every rank, then allocate buffers; all ranks must call it.
 
-        Each rank lowers the plan for its device; the ranks then compare plan fingerprints and
-        outcomes, so a bad plan or a rank with another plan fails everywhere before any byte moves.
+        Each rank lowers the plan for its device (`passes.rank_program`); the ranks then compare plan
+        fingerprints and outcomes, so a bad plan or a rank with another plan fails everywhere before any byte moves.
         """
-        self.lower_program()
-        self.setup_engine()
-        return self
-
-    def lower_program(self) -> RankProgram:
-        """`prepare()`'s first half, on every rank: lower the plan for this device and agree that every rank could.
-
-        `TransferExecutor` calls the halves apart, so that in device order it can lay every tensor's
-        staging out in one area (`executor.joint`) before the engines are set up."""
         if self.flight.engine is not None or self.program is not None or self.flight.closed:
             raise ExecutorError("prepare() was already called on this executor; call it once, then run() every iteration")
         # messages each need their own tag (below MPI's TAG_UB); an engine without tags has no limit
-        tag_limit = self.world.tag_limit() if self.entry.tagged else 2**62
+        tag_limit = self.world.tag_limit() if self.entry.tagged else None
         error = program = None
         try:  # a refusal here (the world size too) is shared with every rank before anyone raises
-            program = lower(self.plan, self.device, tag_limit=tag_limit, first_tag=self.tag_offset)
-            if self.order == "device":  # joined: one engine orders every tensor's steps (TransferExecutor)
-                program = replace(program, order="device") if self.joined else in_device_order(program, stage_budget(self.plan))
-            program = check_staging(self.plan, program, self.order)
+            receipts = self.transport.receipt_bytes if self.entry.receipts and self.world.buffered_sends else None
+            program = rank_program(self.plan, self.device, self.order, self.entry.concurrent, tag_limit, receipts)
+            self._check_staging(program)
         except PlanMismatchError as err:
             error = err
         self._agree(error)
         self.program = program
-        return program
+        self._setup_engine()
+        return self
 
-    def setup_engine(self, stage=None, stage_bytes: int | None = None) -> None:
-        """`prepare()`'s second half: the communicator, the engine and its buffers (`stage`: a staging area the
-        engine uses instead of allocating its own; `TransferExecutor` passes one shared by every tensor, which
-        the first tensor's engine allocates, `stage_bytes` of it where the tensors run one after another)."""
-        self.src_shape = self.program.src_shape
-        self.comm = self.shared_comm if self.shared_comm is not None else self.world.engine_comm(self.timeout_s, self.poll_s)
-        problem = self.plan.problem
-        context = EngineContext(self.comm, rank_of_devices(self.plan), problem.dtype, storage_dtype(problem.dtype),
-                                self.timeout_s, self.poll_s, self.gpu, problem.cluster.devices_per_host, self.joined,
-                                self.transport)
+    def _check_staging(self, program: RankProgram) -> None:
+        """Refuse (PlanMismatchError) a program whose staging is above the peak the plan states for its device."""
+        check_staging(self.plan, program, self.order)
+
+    def _setup_engine(self) -> None:
+        """`prepare()`'s second half: the communicator, the engine and its buffers."""
+        self.comm = self.world.engine_comm(self.timeout_s, self.poll_s)
+        context = EngineContext(self.comm, rank_of_devices(self.plan), self.timeout_s, self.poll_s, self.gpu,
+                                self.plan.problem.cluster.devices_per_host, self.transport)
         self.flight.engine = engine = self.entry.make(self.program, context)
         if self.backend in TORCH_BACKENDS and self.world.kind == "torch" and self.world.backend != self.backend:
             raise ExecutorError(f"backend={self.backend!r} but the process group runs {self.world.backend}; "
                                 "pass backend='torch' (any group) or a group of that backend")
-        if stage is not None:
-            engine.setup(stage=stage)
-        elif stage_bytes is not None:
-            engine.setup(stage_bytes=stage_bytes)
-        else:
-            engine.setup()
+        engine.setup()
 
     def _agree(self, error: PlanMismatchError | None) -> None:
         """All ranks learn whether any rank refused the plan or loaded a different one."""
@@ -307,27 +299,29 @@ class ReshardingExecutor(Flying):
             raise PlanMismatchError(f"{_list(refused)} refused the plan (their errors say why); nothing was moved",
                                     same_on_every_rank=True)
 
-    def run(self, local_shard=None):
-        """Reshard once: this rank's source shard in (None if it has none), its destination shard out (or None)."""
-        self.start(local_shard)
-        return self.wait()
-
-    def start(self, local_shard=None) -> None:
-        """Begin a reshard and return at once; do not modify `local_shard` until `wait()` returns."""
-        self._startable()
-        self.flight.start(self._adopt(local_shard))
-
-    def start_adopted(self, array) -> None:
-        """`start()` with a source shard its caller already checked and adopted (`_adopt`), so a multi-tensor
-        executor checks every tensor's input before starting any without checking it twice."""
-        self._startable()
-        self.flight.start(array)
-
     def _startable(self) -> None:
         flight = self.flight
         flight.usable("run() or start()")
         if flight.in_flight:
             raise ExecutorError("start() called while a reshard is in flight; call wait() first")
+
+    def _adopt(self, t: int, local_shard, call: str = "run()"):
+        """Tensor t's source shard as the backend's array type, checked against the plan (None when this rank sends
+        none of it)."""
+        p = self._program
+        shape = self.src_shapes[t]
+        if shape is None:
+            if local_shard is not None:
+                raise PlanMismatchError(f"{call}: device {p.device} (rank {self.world.rank}) is not in the source mesh, "
+                                        "so it has no source shard; pass None (check the rank-to-device mapping in docs/executor.md)")
+            return None
+        if local_shard is None:
+            raise PlanMismatchError(f"{call}: device {p.device} is in the source mesh; pass its source shard of shape {shape}")
+        engine = self.flight.engine
+        array = engine.adopt(local_shard)
+        problem = self.problems[t]
+        engine.check(array, shape, problem.dtype, p.device, problem.src.spec)
+        return engine.contiguous(array)
 
     def test(self) -> bool:
         """Drive communication without blocking (call it now and then between start() and wait()).
@@ -335,10 +329,6 @@ class ReshardingExecutor(Flying):
         True when the reshard has finished (and when none is in flight); raises if the executor failed.
         """
         return self.flight.test()
-
-    def wait(self):
-        """Finish the reshard begun by start(); returns the destination shard (None on ranks outside the destination mesh)."""
-        return self.flight.wait()
 
     def close(self) -> None:
         """Release what prepare() made: the engine's requests or communicators, and the duplicated MPI communicator.
@@ -348,30 +338,45 @@ class ReshardingExecutor(Flying):
         reshard still in flight (say, an exception in compute between test() calls) is first
         finished, for up to `timeout_s`, since the peers are waiting for this rank's part; if it
         cannot finish it is abandoned, so `close()` in a `finally:` block always returns. After an
-        abandoned reshard, sends still in flight may go on reading the source shard handed to
-        start(): do not overwrite it until the peers are done.
+        abandoned reshard, sends still in flight may go on reading the source shards handed to
+        start(): do not overwrite them until the peers are done.
         """
         interrupted = self.flight.close()
         comm, self.comm = self.comm, None
-        if self.shared_comm is None:  # a shared communicator is its owner's to release
-            self.world.release(comm)
+        self.world.release(comm)
         if interrupted is not None:
             raise interrupted
 
-    def _adopt(self, local_shard):
-        """The source shard as the backend's array type, checked against the plan (None when this rank sends nothing)."""
-        p = self.program
-        if p.src_block is None:
-            if local_shard is not None:
-                raise PlanMismatchError(f"run(): device {p.device} (rank {self.world.rank}) is not in the source mesh, "
-                                        "so it has no source shard; pass None (check the rank-to-device mapping in docs/executor.md)")
-            return None
-        if local_shard is None:
-            raise PlanMismatchError(f"run(): device {p.device} is in the source mesh; pass its source shard of shape {p.src_shape}")
-        engine = self.flight.engine
-        array = engine.adopt(local_shard)
-        engine.check(array, self.src_shape, self.plan.problem.dtype, p.device, self.plan.problem.src.spec)
-        return engine.contiguous(array)
+
+class ReshardingExecutor(Executor):
+    """The one-tensor face of `Executor`: replays one plan on this rank, a shard in and out; see the module
+    docstring for the calling pattern. Staging is the largest run's in device order and the sum of every staged
+    box posted; a plan compiled with `--max-staging-mb` states its peaks, and an order that would need more is
+    refused in prepare()."""
+
+    def __init__(self, plan: Plan, comm=None, backend: str | None = None, timeout_s: float = 60.0,
+                 poll_s: tuple[float, float] = DEFAULT_POLL_S, gpu: int | None = None, order: str = "device",
+                 transport: TransportOptions | None = None):
+        if not isinstance(plan, Plan):
+            raise TypeError(f"plan is a {type(plan).__name__}; pass a schemas.Plan, e.g. schemas.read_plan_file('x.plan.json')")
+        if is_multi(plan):
+            raise TypeError(f"plan moves {len(plan.problem.tensors)} tensors; run it with executor.TransferExecutor "
+                            "(a name -> shard mapping in and out)")
+        super().__init__(plan, comm, backend, timeout_s, poll_s, gpu, order, transport)
+
+    def run(self, local_shard=None):
+        """Reshard once: this rank's source shard in (None if it has none), its destination shard out (or None)."""
+        self.start(local_shard)
+        return self.wait()
+
+    def start(self, local_shard=None) -> None:
+        """Begin a reshard and return at once; do not modify `local_shard` until `wait()` returns."""
+        self._startable()
+        self.flight.start(self._adopt(0, local_shard))
+
+    def wait(self):
+        """Finish the reshard begun by start(); returns the destination shard (None on ranks outside the destination mesh)."""
+        return self.flight.wait()
 
 
 def _list(ranks: list[int]) -> str:

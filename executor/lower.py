@@ -1,16 +1,20 @@
 """Lower a plan to the steps one device runs: local copies, packs, unpacks, sends and receives.
 
-Every rank lowers the same plan the same way, so both ends of a message agree on its peer, tag and
-size without talking. Steps are plain records with the indices of the steps they wait for; the
+One program per device for the whole plan, every tensor of it: a step's boxes and bytes name their
+tensor, so buffers are keyed by (tensor, side), and one staging area serves every tensor. Only the
+operations the device takes part in are walked (`plan_index`). Every rank lowers the same plan the
+same way, so both ends of a message agree on its peer, tag and size without talking. Steps are plain records with the indices of the steps they wait for; the
 backends only walk them. A box that is one contiguous run of its shard is sent from, or received
 into, the shard itself; any other box goes through a staging area (packed before a send, unpacked
 after it arrives; chunk by chunk when it is sent in chunks). Staging is laid out one operation after another (`stage_bytes` is the
-sum: every operation may be in flight at once); `in_device_order` lets each run of operations reuse it.
+sum: every operation may be in flight at once); `in_device_order` (a pass, like those in `executor.passes`)
+lets each run of operations reuse it.
 
 What each operation kind sends is its route in `schemas.op_kinds` (a chain for send and broadcast,
 a ring for all-gather); this module lowers each route pattern, and tests check the steps against the route.
 Tags: every operation owns a block of tags (`op_kinds.tags_used`: one per chunk of a broadcast, one
-per ring step of an all-gather) numbered in plan order, so two messages between the same pair never share a tag.
+per ring step of an all-gather), tensor by tensor and in plan order within a tensor (`plan_index`), so two
+messages between the same pair never share a tag.
 """
 
 from __future__ import annotations
@@ -27,9 +31,10 @@ from xmesh_plan.schemas.geometry import Region, intersect, local_slices, region_
 from xmesh_plan.schemas.plan import format_region
 from xmesh_plan.schemas.op_kinds import bundle_runs, chunk_bounds, nccl_group, rule_of, supported, tags_used
 from xmesh_plan.schemas.plan_check import TOLERANCE_S, PlanError, check_plan, describe, uncovered
-from xmesh_plan.schemas.staging import ORDERS, contiguous_span, device_layout
+from xmesh_plan.schemas.staging import ORDERS, contiguous_span, device_layout, staging_align
 
 from .errors import PlanMismatchError
+from .plan_index import plan_index
 
 class Action(StrEnum):
     """What a step does: a local copy between shards, a pack into or unpack out of staging, or one end of a message."""
@@ -66,15 +71,18 @@ class Box:
     shape: tuple[int, ...]
     nbytes: int
     span: tuple[int, int] | None
+    tensor: int = 0  # which tensor's shard (an index into the plan's tensors; 0 for a single-tensor plan)
 
 
 @dataclass(frozen=True, slots=True)
 class Bytes:
-    """A byte range of the source shard, the destination shard, or the staging area."""
+    """A byte range of a buffer: tensor `tensor`'s source or destination shard (buffers are keyed by (tensor,
+    side)), or the one staging area every tensor of the program shares."""
 
-    buffer: Literal["src", "dst", "stage", "receipt"]  # receipt: the torch engine's 1-byte receipts (torch_engine._add_receipts)
+    buffer: Literal["src", "dst", "stage", "receipt"]  # receipt: 1-byte receipts (`passes.with_receipts`)
     start: int
     stop: int
+    tensor: int = 0  # for "src" and "dst": whose shard
 
     @property
     def nbytes(self) -> int:
@@ -97,6 +105,8 @@ class Step:
     box: Box | None = None
     target: Box | None = None
     piece: str = ""
+    tensor: int = 0  # the tensor whose operation this step belongs to
+    acks: tuple[int, ...] = ()  # a receipt (`passes.with_receipts`): the messages whose arrival it reports
 
     @property
     def reads_src(self) -> bool:
@@ -128,6 +138,7 @@ class Collective:
     box: Box
     chunks: tuple[tuple[int, int], ...] = ()
     target: Box | None = None
+    tensor: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -147,9 +158,10 @@ class StagedCall:
     group: tuple[int, ...] = ()
     root: int = -1
     crossing: bool = False  # the bundle's cross-host message (a shared message sends its bundles' at once)
+    tensor: int = 0
 
 
-def _staged_calls(steps: list[Step], first: int, device: int) -> list[StagedCall]:
+def _staged_calls(steps: list[Step], first: int, device: int, tensor: int) -> list[StagedCall]:
     """A bundle's steps from index `first` on (this device's, in lowering order) as `StagedCall`s."""
     mine = steps[first:]
     base = min((s.data.start for s in mine if s.data is not None), default=0)
@@ -157,30 +169,23 @@ def _staged_calls(steps: list[Step], first: int, device: int) -> list[StagedCall
     for s in mine:
         lo, hi = s.data.start - base, s.data.stop - base
         if s.action in (Action.PACK, Action.UNPACK):
-            out.append(StagedCall(s.op, s.task, s.kind, s.action, lo, hi, box=s.box))
+            out.append(StagedCall(s.op, s.task, s.kind, s.action, lo, hi, box=s.box, tensor=s.box.tensor))
         elif s.action.is_message:
             root = device if s.action is Action.SEND else s.peer
             out.append(StagedCall(s.op, s.task, s.kind, "bcast", lo, hi, group=tuple(sorted((device, s.peer))), root=root,
-                                  crossing=s.piece == "bundle"))
+                                  crossing=s.piece == "bundle", tensor=tensor))
     return out
 
 
 @dataclass(frozen=True, slots=True)
-class RankProgram:
-    """Everything one device does for a plan, with the shard shapes it expects and staging it needs.
+class TensorShards:
+    """One tensor's shards on a device: the box it holds before (`src_block`) and after (`dst_block`) the
+    reshard (None outside that mesh), its element size and its dtype name (`schemas.dtypes`)."""
 
-    `steps` are point-to-point (MPI, torch.distributed); `collectives` are the same operations as
-    group calls in plan order (NCCL through CuPy): one lowering feeds every engine.
-    """
-
-    device: int
-    steps: tuple[Step, ...]
-    stage_bytes: int
     src_block: Region | None
     dst_block: Region | None
     itemsize: int
-    collectives: tuple[Collective | StagedCall, ...] = ()
-    order: str = "posted"  # "device" after in_device_order: engines then also make a send finish only once received
+    dtype: str
 
     @property
     def src_shape(self) -> tuple[int, ...] | None:
@@ -190,14 +195,58 @@ class RankProgram:
     def dst_shape(self) -> tuple[int, ...] | None:
         return None if self.dst_block is None else region_shape(self.dst_block)
 
+
+@dataclass(frozen=True, slots=True)
+class RankProgram:
+    """Everything one device does for a plan, every tensor of it: the steps, each tensor's shards
+    (`tensors`, indexed as the plan's tensors; a step's boxes and bytes name theirs) and the staging
+    area they share.
+
+    `steps` are point-to-point (MPI, torch.distributed); `collectives` are the same operations as
+    group calls in plan order (NCCL through CuPy): one lowering feeds every engine. The passes
+    (`executor.passes`, `in_device_order`) map a program to a program; `carriers` and `align` are
+    what `passes.share_messages` leaves for engines that merge a shared message's calls themselves.
+    """
+
+    device: int
+    steps: tuple[Step, ...]
+    stage_bytes: int
+    tensors: tuple[TensorShards, ...]
+    collectives: tuple[Collective | StagedCall, ...] = ()
+    order: str = "posted"  # "device" after in_device_order: engines then also make a send finish only once received
+    carriers: tuple[tuple[int, int], ...] = ()  # (bundle, the operation whose message carries it), `passes.share_messages`
+    align: int = 1  # where each operation's staging starts (a multiple of the largest element size)
+
+    # the one-tensor face: tensor 0's shards (a single-tensor plan's only tensor)
+    @property
+    def src_block(self) -> Region | None:
+        return self.tensors[0].src_block
+
+    @property
+    def dst_block(self) -> Region | None:
+        return self.tensors[0].dst_block
+
+    @property
+    def itemsize(self) -> int:
+        return self.tensors[0].itemsize
+
+    @property
+    def src_shape(self) -> tuple[int, ...] | None:
+        return self.tensors[0].src_shape
+
+    @property
+    def dst_shape(self) -> tuple[int, ...] | None:
+        return self.tensors[0].dst_shape
+
     def messages(self) -> int:
         return sum(s.action.is_message for s in self.steps)
 
 
-def make_box(side: Side, region: Region, block: Region, itemsize: int) -> Box:
-    """`region` (inside `block`) as it sits in the C-ordered shard holding `block`."""
+def make_box(side: Side, region: Region, block: Region, itemsize: int, tensor: int = 0) -> Box:
+    """`region` (inside `block`) as it sits in the C-ordered shard of tensor `tensor` holding `block`."""
     shape = region_shape(region)
-    return Box(side, region, local_slices(region, block), shape, math.prod(shape) * itemsize, contiguous_span(region, block, itemsize))
+    return Box(side, region, local_slices(region, block), shape, math.prod(shape) * itemsize,
+               contiguous_span(region, block, itemsize), tensor)
 
 
 def chunk_ranges(nbytes: int, chunks: int, itemsize: int) -> list[tuple[int, int]]:
@@ -278,29 +327,45 @@ class _Writes:
 
 
 @dataclass
-class _Builder:
-    """Accumulates one device's steps while walking the plan in order."""
+class _Tensor:
+    """One tensor as one device lowers it: its shards, and the boxes of its destination shard received so far."""
 
-    plan: Plan
-    device: int
-    src_blocks: dict[int, Region]
-    dst_blocks: dict[int, Region]
-    itemsize: int
-    steps: list[Step] = field(default_factory=list)
-    collectives: list[Collective | StagedCall] = field(default_factory=list)
+    index: int
+    shards: TensorShards
+    ndim: int
     writes: _Writes = field(init=False)
     received: list[tuple[Operation, Region]] = field(default_factory=list)
-    stage_bytes: int = 0
 
     def __post_init__(self) -> None:
-        self.writes = _Writes(len(self.plan.problem.shape))
+        self.writes = _Writes(self.ndim)
+
+
+@dataclass
+class _Builder:
+    """Accumulates one device's steps while walking its operations in plan order; `tensor` is the one the
+    operation being lowered moves (`enter`)."""
+
+    device: int
+    tensors: list[_Tensor]
+    steps: list[Step] = field(default_factory=list)
+    collectives: list[Collective | StagedCall] = field(default_factory=list)
+    stage_bytes: int = 0
+    tensor: _Tensor = field(init=False)
+    itemsize: int = 0
+    writes: _Writes = field(init=False)
+
+    def enter(self, tensor: int) -> None:
+        """The next operations move tensor `tensor`: its shards, element size and writes."""
+        self.tensor = self.tensors[tensor]
+        self.itemsize, self.writes = self.tensor.shards.itemsize, self.tensor.writes
 
     def add(self, action: Action, op: Operation, **fields) -> int:
-        self.steps.append(Step(index=len(self.steps), action=action, op=op.id, task=op.task, kind=op.kind, **fields))
+        self.steps.append(Step(index=len(self.steps), action=action, op=op.id, task=op.task, kind=op.kind, tensor=self.tensor.index,
+                               **fields))
         return len(self.steps) - 1
 
     def collective(self, op: Operation, root: int, box: Box, chunks=(), target: Box | None = None) -> None:
-        self.collectives.append(Collective(op.id, op.task, op.kind, nccl_group(op), root, box, tuple(chunks), target))
+        self.collectives.append(Collective(op.id, op.task, op.kind, nccl_group(op), root, box, tuple(chunks), target, box.tensor))
 
     def stage(self, nbytes: int) -> int:
         start, self.stage_bytes = self.stage_bytes, self.stage_bytes + nbytes
@@ -310,24 +375,25 @@ class _Builder:
         raise PlanMismatchError(refusal_advice(f"{describe(op)}: {message}"))
 
     def box(self, side: Side, region: Region) -> Box:
-        """`region` inside this device's shard (check_plan has proved it lies there)."""
-        block = (self.src_blocks if side == "src" else self.dst_blocks)[self.device]
-        return make_box(side, region, block, self.itemsize)
+        """`region` inside this device's shard of the current tensor (check_plan has proved it lies there)."""
+        shards = self.tensor.shards
+        block = shards.src_block if side == "src" else shards.dst_block
+        return make_box(side, region, block, self.itemsize, self.tensor.index)
 
     def record(self, op: Operation, region: Region, steps: list[int]) -> None:
         """This device receives `region` (written by `steps`); `lower` checks at the end that nothing arrived twice."""
-        self.received.append((op, region))
+        self.tensor.received.append((op, region))
         for step in steps:
             self.writes.add(region, step, op.end_s)
 
-    def check_received_once(self) -> None:
+    def check_received_once(self, tensor: _Tensor) -> None:
         """Every received box lies in the shard (check_plan), so more elements received than the shard has
         means some arrived twice; only then look for the first repeat, to name it."""
-        block = self.dst_blocks.get(self.device)
-        if block is None or sum(region_size(r) for _, r in self.received) <= region_size(block):
+        block = tensor.shards.dst_block
+        if block is None or sum(region_size(r) for _, r in tensor.received) <= region_size(block):
             return
-        seen = _Writes(len(self.plan.problem.shape))
-        for op, region in self.received:
+        seen = _Writes(tensor.ndim)
+        for op, region in tensor.received:
             earlier = seen.overlapping(region)
             if earlier:
                 self.fail(op, f"device {self.device} receives {format_region(earlier[0][0])} a second time")
@@ -343,7 +409,7 @@ class _Builder:
         """`outgoing` for a box sent in chunks (byte ranges of it): a staged box is packed chunk by chunk,
         so its first chunk leaves after one chunk's pack, not the whole box's; what each chunk's send waits for."""
         if box.span is not None:
-            return Bytes(box.side, *box.span), [deps] * len(ranges)
+            return Bytes(box.side, *box.span, box.tensor), [deps] * len(ranges)
         start = self.stage(box.nbytes)
         data = Bytes("stage", start, start + box.nbytes)
         return data, [tuple(self.add(Action.PACK, op, deps=deps, data=d, box=piece, piece=name)
@@ -363,7 +429,7 @@ class _Builder:
     def landing(self, box: Box) -> Bytes:
         """Where the bytes of `box` arrive: the destination shard itself, or staging."""
         if box.span is not None:
-            return Bytes("dst", *box.span)
+            return Bytes("dst", *box.span, box.tensor)
         start = self.stage(box.nbytes)
         return Bytes("stage", start, start + box.nbytes)
 
@@ -373,7 +439,7 @@ class _Builder:
         land = self.landing(box)
         done = []
         for tag, (lo, hi), piece in zip(tags, ranges, pieces):
-            chunk = Bytes(land.buffer, land.start + lo, land.start + hi)
+            chunk = Bytes(land.buffer, land.start + lo, land.start + hi, land.tensor)
             recv = self.add(Action.RECV, op, peer=peer, tag=tag, data=chunk, piece=piece)
             if forward_to is not None:
                 self.add(Action.SEND, op, deps=(recv,), peer=forward_to, tag=tag, data=chunk, piece=piece)
@@ -404,7 +470,8 @@ def _lower_chain(b: _Builder, op: Operation, base: int) -> None:
     if b.device == op.src:
         data, waits = b.outgoing_chunks(op, own, (), ranges, pieces)
         for tag, (lo, hi), piece, deps in zip(tags, ranges, pieces, waits):
-            b.add(Action.SEND, op, deps=deps, peer=chain[0], tag=tag, data=Bytes(data.buffer, data.start + lo, data.start + hi), piece=piece)
+            b.add(Action.SEND, op, deps=deps, peer=chain[0], tag=tag, data=Bytes(data.buffer, data.start + lo, data.start + hi, data.tensor),
+                  piece=piece)
         return
     i = chain.index(b.device)
     prev = op.src if i == 0 else chain[i - 1]
@@ -498,45 +565,55 @@ def _lower_bundle(b: _Builder, op: Operation, base: int) -> None:
 _LOWER = supported("executor.lower", {"local": _lower_copy, "chain": _lower_chain, "ring": _lower_ring, "bundle": _lower_bundle})
 
 
-def lower(plan: Plan, device: int, tag_limit: int | None = None, first_tag: int = 0) -> RankProgram:
-    """The steps `device` runs for `plan`; raises PlanMismatchError naming the op when the plan is inconsistent.
-
-    Tags are numbered from `first_tag`, so programs of several plans sharing one communicator (the
-    tensors of a multi-tensor plan) never reuse a tag."""
+def lower(plan: Plan, device: int, tag_limit: int | None = None) -> RankProgram:
+    """The steps `device` runs for the whole `plan`, every tensor of it, posted (every operation at once, each
+    operation's staging after the one before, `RankProgram.stage_bytes` their sum); raises PlanMismatchError
+    naming the op when the plan is inconsistent. Only the operations the device takes part in are walked
+    (`plan_index`). Tags: `plan_index` (tensor by tensor, in plan order); `tag_limit`: the largest tag the
+    transport allows (MPI's TAG_UB), None for none."""
     try:  # the same structural rules and messages as `xmesh-plan verify`
         check_plan(plan)
     except PlanError as err:
         raise PlanMismatchError(refusal_advice(str(err))) from None
-    problem = plan.problem
-    if problem.dst_dtype is not None:  # messages are sized in converted bytes, but no engine casts yet (executor/convert.py)
-        raise PlanMismatchError(f"the plan converts {problem.dtype} to {problem.dst_dtype} at the sender, which this executor "
+    index = plan_index(plan)
+    problems = plan.problem.tensor_problems()
+    converting = next((p for p in problems if p.dst_dtype is not None), None)
+    if converting is not None:  # messages are sized in converted bytes, but no engine casts yet (executor/convert.py)
+        raise PlanMismatchError(f"the plan converts {converting.dtype} to {converting.dst_dtype} at the sender, which this executor "
                                 "does not run yet; compile the plan without dst_dtype and cast after the transfer",
                                 same_on_every_rank=True)
-    b = _Builder(plan, device, problem.blocks("src"), problem.blocks("dst"), problem.itemsize)
-    base = first_tag
-    for op in plan.operations:
+    tensors = [_Tensor(t, TensorShards(src.get(device), dst.get(device), p.itemsize, p.dtype), len(p.shape))
+               for t, (p, (src, dst)) in enumerate(zip(problems, index.blocks))]
+    b = _Builder(device, tensors)
+    operations = plan.operations
+    for k in index.by_device.get(device, ()):
+        op = operations[k]
+        b.enter(op.tensor or 0)
         first = len(b.steps)
-        _LOWER[rule_of(op).pattern](b, op, base)
-        if rule_of(op).pattern == "bundle":  # collective engines replay its messages as broadcasts in groups of two
-            b.collectives += _staged_calls(b.steps, first, device)
-        base += tags_used(op)
-    if tag_limit is not None and base > tag_limit + 1:  # every message has its own tag; reusing one could match the wrong message
-        raise PlanMismatchError(f"the plan needs {base} message tags but this MPI allows tags up to {tag_limit} (its TAG_UB); "
-                                f"run it with an MPI whose TAG_UB is at least {base - 1} (MPICH's is 2**29 - 1)")
-    b.check_received_once()
-    dst_block = b.dst_blocks.get(device)
-    if dst_block is not None:
-        missing = uncovered(dst_block, b.writes.regions)
-        if missing is not None:
-            raise PlanMismatchError(refusal_advice(f"destination device {device} never receives {format_region(missing)} "
-                                            f"of its shard {format_region(dst_block)}"))
-    return RankProgram(device, tuple(b.steps), b.stage_bytes, b.src_blocks.get(device), dst_block, b.itemsize, tuple(b.collectives))
+        pattern = rule_of(op).pattern
+        _LOWER[pattern](b, op, index.first_tag[k])
+        if pattern == "bundle":  # collective engines replay its messages as broadcasts in groups of two
+            b.collectives += _staged_calls(b.steps, first, device, b.tensor.index)
+    if tag_limit is not None and index.tags > tag_limit + 1:  # every message has its own tag; reusing one could match the wrong message
+        raise PlanMismatchError(f"the plan needs {index.tags} message tags but this MPI allows tags up to {tag_limit} (its TAG_UB); "
+                                f"run it with an MPI whose TAG_UB is at least {index.tags - 1} (MPICH's is 2**29 - 1)")
+    for tensor in tensors:
+        b.check_received_once(tensor)
+        dst_block = tensor.shards.dst_block
+        if dst_block is not None:
+            missing = uncovered(dst_block, tensor.writes.regions)
+            if missing is not None:
+                named = f"tensor {tensor.index}: " if len(tensors) > 1 else ""
+                raise PlanMismatchError(refusal_advice(f"{named}destination device {device} never receives {format_region(missing)} "
+                                                       f"of its shard {format_region(dst_block)}"))
+    return RankProgram(device, tuple(b.steps), b.stage_bytes, tuple(t.shards for t in tensors), tuple(b.collectives),
+                       align=staging_align(plan))
 
 
 def stage_ranges(steps: Sequence[Step], keys: Sequence[Hashable]) -> dict[Hashable, tuple[int, int]]:
     """Key -> (start, stop) of the staging bytes of the steps with that key (`keys[i]` is step i's), equal when
     none, in the order keys first appear. The lowering stages one operation after another, so an operation's
-    staging is one range; `in_device_order` keys steps by operation, `executor.joint` by (tensor, operation)."""
+    staging is one range; `in_device_order` and `executor.passes` key steps by operation."""
     spans: dict[Hashable, tuple[int | None, int]] = {}
     for s, k in zip(steps, keys):
         lo, hi = spans.get(k, (None, 0))
@@ -548,7 +625,7 @@ def stage_ranges(steps: Sequence[Step], keys: Sequence[Hashable]) -> dict[Hashab
 
 def _staging_spans(program: RankProgram, key: Mapping[int, int]) -> dict[int, tuple[frozenset[int], int, int]]:
     """Op (or the group `key` puts it in) -> (its peers, the start and stop of its staging bytes), in plan order
-    (`executor.joint` lays a shared message's bundles out one after another, so a group's staging is one range too)."""
+    (`passes.share_messages` lays a shared message's bundles out one after another, so a group's staging is one range too)."""
     keys = [key.get(s.op, s.op) for s in program.steps]
     peers: dict[int, frozenset[int]] = {}
     for s, k in zip(program.steps, keys):
@@ -565,8 +642,8 @@ def in_device_order(program: RankProgram, stage_budget: int | None = None, align
     the same links in order anyway, and waiting between them would only add a round trip each; with a
     `stage_budget` (the plan's `--max-staging-mb`) a run also ends before it would stage more than that
     (`schemas.staging.device_layout`). Every run starts its staging at byte 0, its operations one after
-    another, each at a multiple of `align` (default: the program's element size; `executor.joint` passes
-    the largest among a plan's tensors): the runs before it have finished, so `stage_bytes` becomes the
+    another, each at a multiple of `align` (default: the program's, the largest element size among the
+    plan's tensors): the runs before it have finished, so `stage_bytes` becomes the
     largest run's staging (`schemas.staging.staging_peaks`).
     Deadlock-free: every rank walks the plan in one order, so the earliest unfinished operation never
     waits on a later one. `key` (op -> op) makes several operations one here: the bundles of one shared
@@ -574,7 +651,7 @@ def in_device_order(program: RankProgram, stage_budget: int | None = None, align
     """
     key = key or {}
     spans = _staging_spans(program, key)
-    layout = device_layout([(peers, hi - lo) for peers, lo, hi in spans.values()], stage_budget, align or program.itemsize)
+    layout = device_layout([(peers, hi - lo) for peers, lo, hi in spans.values()], stage_budget, align or program.align)
     run_of = {op: run for op, (run, _) in zip(spans, layout)}
     shift = {op: lo - start for (op, (_, lo, _)), (_, start) in zip(spans.items(), layout)}  # posted byte - shift = byte in its run
     peak = max((start + hi - lo for (_, lo, hi), (_, start) in zip(spans.values(), layout) if hi > lo), default=0)

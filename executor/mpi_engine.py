@@ -29,7 +29,7 @@ import numpy as np
 
 from xmesh_plan.schemas.staging import SYNC_SEND_BYTES  # device order: sends this large are synchronous (docs/executor.md)
 
-from .arrays import as_host_array, check_shard
+from .arrays import as_host_array, check_shard, storage_dtype
 from .errors import ExecutorError, PeerTimeoutError
 from .lower import Action, RankProgram
 from .replay import PROCESS, Dependencies, abandoned, backoff_wait, failure, refuse_broken
@@ -49,43 +49,48 @@ def _thread_token() -> object:
 
 
 class MpiEngine:
-    """Replays a RankProgram over an mpi4py communicator (one the executor owns); an `executor.engines.Engine`."""
+    """Replays a RankProgram over an mpi4py communicator (one the executor owns); an `executor.engines.Engine`.
+
+    Buffers are keyed by (tensor, side): `dsts[t]` is tensor t's destination shard (`dst`: tensor 0's, the
+    one-tensor face), and `start()` takes a one-tensor program's source shard, or one per tensor."""
 
     test_progresses = True  # test() progresses the requests itself (`replay.backoff_wait`)
 
-    def __init__(self, program: RankProgram, comm, rank_of: dict[int, int], dtype: np.dtype,
-                 timeout_s: float, poll_s: tuple[float, float]):
-        self.program, self.comm, self.rank_of, self.dtype = program, comm, rank_of, dtype
+    def __init__(self, program: RankProgram, comm, rank_of: dict[int, int], timeout_s: float, poll_s: tuple[float, float]):
+        self.program, self.comm, self.rank_of = program, comm, rank_of
         self.timeout_s, self.poll_s = timeout_s, poll_s
         self.steps = program.steps
+        self.dtypes = [storage_dtype(t.dtype) for t in program.tensors]
+        self.dtype = self.dtypes[0]
+        self.single = len(program.tensors) == 1
         self.dst: np.ndarray | None = None
+        self.dsts: list[np.ndarray | None] = []
         self.src = None
         self.broken: str | None = None
         self.failure: ExecutorError | None = None  # the error that broke it, raised again by test()
         self.owner: object | None = None  # the token of the thread that last started or waited for a reshard
         self.lock = threading.Lock()  # held while a thread progresses this engine's requests
 
-    def setup(self, mpi=None, stage: np.ndarray | None = None) -> None:
-        """Allocate the destination shard and staging, and make every request and view that does not read the source shard.
-
-        `mpi` stands in for the `mpi4py.MPI` module (tests pass an in-process fake). `stage`: a staging
-        area to use instead of allocating one (a uint8 array of at least `program.stage_bytes`): the one
-        area every tensor of a multi-tensor plan shares in device order (`executor.joint`).
-        """
+    def setup(self, mpi=None) -> None:
+        """Allocate the destination shards and staging, and make every request and view that does not read a source
+        shard. `mpi` stands in for the `mpi4py.MPI` module (tests pass an in-process fake)."""
         if mpi is None:
             from mpi4py import MPI as mpi
         self._mpi = mpi
         p, n = self.program, len(self.steps)
-        self.dst = np.empty(p.dst_shape, self.dtype) if p.dst_shape is not None else None
-        self.stage = np.empty(p.stage_bytes, np.uint8) if stage is None else _shared_stage(stage, p.stage_bytes)
-        self.flat = {"dst": self.dst.reshape(-1).view(np.uint8) if self.dst is not None else None, "stage": self.stage}
+        self.dsts = [np.empty(t.dst_shape, dtype) if t.dst_shape is not None else None for t, dtype in zip(p.tensors, self.dtypes)]
+        self.dst = self.dsts[0]
+        self.stage = np.empty(p.stage_bytes, np.uint8)
+        self.flat = {"dst": [d.reshape(-1).view(np.uint8) if d is not None else None for d in self.dsts], "stage": self.stage}
         self.peer_rank = [self.rank_of.get(s.peer, -1) for s in self.steps]
         self.requests: list = [None] * n
         self.pairs: list = [None] * n
         weakref.finalize(self, _free_requests, self.requests, mpi)
-        self.reads_src = [s.index for s in self.steps if s.reads_src]  # made in _bind()
+        self.reads_src: list[list[int]] = [[] for _ in p.tensors]  # per tensor, the steps made in _bind()
         for s in self.steps:
-            if not s.reads_src:
+            if s.reads_src:
+                self.reads_src[s.tensor].append(s.index)
+            else:
                 self._make(s.index, self.flat)
         self._schedule()
 
@@ -98,45 +103,60 @@ class MpiEngine:
         self.first += [s.index for s in self.steps if not s.deps and s.action is not Action.RECV]
         self.live = [-1] * self.program.messages()
         self.head = self.tail = self.holes = self.pending = 0
-        self.bound_address, self.bound_ref = None, None
+        count = len(self.program.tensors)
+        self.bound_address: list[int | None] = [None] * count
+        self.bound_ref: list[weakref.ref | None] = [None] * count
 
     def _make(self, i: int, flat: dict) -> None:
-        """The persistent request (message) or (target, source) views (local copy) of step i, reading `flat` buffers."""
+        """The persistent request (message) or (target, source) views (local copy) of step i, reading `flat` buffers
+        ("stage": the staging area; "src", "src_typed", "dst": tensor -> that tensor's shard, raw or typed)."""
         s, mpi = self.steps[i], self._mpi
         if s.action.is_message:
-            buf = [flat[s.data.buffer][s.data.start:s.data.stop], mpi.BYTE]
+            data = s.data
+            whole = flat["stage"] if data.buffer == "stage" else flat[data.buffer][data.tensor]
+            buf = [whole[data.start:data.stop], mpi.BYTE]
             if s.action is Action.RECV:
                 self.requests[i] = self.comm.Recv_init(buf, source=self.peer_rank[i], tag=s.tag)
             else:
                 # in device order a large send must not finish while its bytes sit in a socket buffer, or the
                 # device would start its next operation early: a synchronous send ends once it is being received.
                 # Small ones stay buffered: a round trip each would cost more than the order saves (many-box plans)
-                sync = self.program.order == "device" and s.data.nbytes >= SYNC_SEND_BYTES
+                sync = self.program.order == "device" and data.nbytes >= SYNC_SEND_BYTES
                 send_init = self.comm.Ssend_init if sync else self.comm.Send_init
                 self.requests[i] = send_init(buf, dest=self.peer_rank[i], tag=s.tag)
         elif s.action is Action.COPY:
-            self.pairs[i] = (self.dst[s.target.index], flat["src_typed"][s.box.index])
+            self.pairs[i] = (self.dsts[s.target.tensor][s.target.index], flat["src_typed"][s.box.tensor][s.box.index])
         else:
-            staged = self.stage[s.data.start:s.data.stop].view(self.dtype).reshape(s.box.shape)
-            shard = self.dst if s.box.side == "dst" else flat.get("src_typed")
+            t = s.box.tensor
+            staged = self.stage[s.data.start:s.data.stop].view(self.dtypes[t]).reshape(s.box.shape)
+            shard = self.dsts[t] if s.box.side == "dst" else flat["src_typed"][t]
             boxed = shard[s.box.index] if shard is not None else None
             self.pairs[i] = (boxed, staged) if s.action is Action.UNPACK else (staged, boxed)
 
-    def _bind(self, src: np.ndarray | None) -> None:
-        """Point the steps that read the source shard at `src`; remade only when its address changed since the last call."""
-        if src is None or not self.reads_src or (self.bound_ref is not None and self.bound_ref() is src):
+    def _bind(self, src) -> None:
+        """Point the steps that read a source shard at it: one per tensor (None where this device has none)."""
+        for t, shard in enumerate(src):
+            self._bind_tensor(t, shard)
+
+    def _bind_tensor(self, t: int, src: np.ndarray | None) -> None:
+        """Point the steps that read tensor t's source shard at `src`; remade only when its address changed since the last call."""
+        reads = self.reads_src[t]
+        if src is None or not reads:
+            return
+        ref = self.bound_ref[t]
+        if ref is not None and ref() is src:
             return
         address = src.__array_interface__["data"][0]
-        if address != self.bound_address:
-            self.bound_address = None
+        if address != self.bound_address[t]:
+            self.bound_address[t] = None
             # A view of the raw memory, not of `src`: the requests must not keep the caller's array alive.
             raw = np.frombuffer((ctypes.c_ubyte * src.nbytes).from_address(address), np.uint8) if src.nbytes else np.empty(0, np.uint8)
-            flat = {"src": raw, "src_typed": raw.view(self.dtype).reshape(self.program.src_shape)}
-            _free_requests([self.requests[i] for i in self.reads_src], self._mpi)
-            for i in self.reads_src:
+            flat = {"src": {t: raw}, "src_typed": {t: raw.view(self.dtypes[t]).reshape(self.program.tensors[t].src_shape)}}
+            _free_requests([self.requests[i] for i in reads], self._mpi)
+            for i in reads:
                 self._make(i, flat)
-            self.bound_address = address
-        self.bound_ref = weakref.ref(src)
+            self.bound_address[t] = address
+        self.bound_ref[t] = weakref.ref(src)
 
     def adopt(self, array) -> np.ndarray:
         return as_host_array(array, self.program.device)
@@ -147,20 +167,26 @@ class MpiEngine:
         return array if array.flags.c_contiguous else np.ascontiguousarray(array)
 
     def poison(self) -> None:
-        """Overwrite the destination shard with 0xA5 bytes, so a check proves the next run wrote all of it."""
-        self.dst.reshape(-1).view(np.uint8).fill(0xA5)
+        """Overwrite the destination shards with 0xA5 bytes, so a check proves the next run wrote all of them."""
+        for flat in self.flat["dst"]:
+            if flat is not None:
+                flat.fill(0xA5)
 
     def host_copy(self, array: np.ndarray) -> np.ndarray:
         return array
 
-    def start(self, src: np.ndarray | None) -> None:
-        """Start every step that waits for nothing (receives first); `src` is the C-contiguous source shard."""
+    def start(self, src) -> None:
+        """Start every step that waits for nothing (receives first); `src`: the C-contiguous source shard (a
+        one-tensor program) or a sequence of them, one per tensor (None where this device has none)."""
         refuse_broken(self.broken)
         self.owner = _thread_token()
         if not self.lock.acquire(True, LOCK_WAIT_S):  # another thread's wait() drives it for a moment at most
             raise ExecutorError("start(): this executor is held by a call that was interrupted; close() it and make a new one")
         try:
-            self._bind(src)
+            if self.single:  # one call on the per-run path, as many as for one tensor
+                self._bind_tensor(0, src)
+            else:
+                self._bind(src)
             self.src = src  # keeps a temporary contiguous copy alive until wait()
             self.pending = len(self.steps)
             self.head = self.tail = self.holes = 0
@@ -318,47 +344,6 @@ class MpiEngine:
                                error=error)
         self.abandon(why)
         raise self.failure
-
-
-class JointMpiEngine(MpiEngine):
-    """Replays a `joint.JointProgram`: this device's steps of every tensor as one program, so that device order
-    spans tensors. The buffers and requests are each tensor's own engine's (set up first, never started)."""
-
-    def __init__(self, program, parts: list[MpiEngine]):
-        first = parts[0]
-        super().__init__(program, first.comm, first.rank_of, first.dtype, first.timeout_s, first.poll_s)
-        self.parts = parts
-
-    def setup(self, mpi=None) -> None:
-        """Take every step's request or views from its tensor's engine; `mpi` as in `MpiEngine.setup`."""
-        self._mpi = mpi or self.parts[0]._mpi
-        where, parts = self.program.where, self.parts
-        self.peer_rank = [parts[t].peer_rank[j] for t, j in where]
-        self.requests = [parts[t].requests[j] for t, j in where]
-        self.pairs = [parts[t].pairs[j] for t, j in where]
-        self.reads_src = [(i, t, j) for i, (t, j) in enumerate(where) if self.steps[i].reads_src]
-        self._schedule()
-
-    def _bind(self, srcs: list) -> None:
-        """Bind each tensor's engine to its source shard (None: it has none), then take up what they remade."""
-        for part, src in zip(self.parts, srcs):
-            part._bind(src)
-        parts, requests, pairs = self.parts, self.requests, self.pairs
-        for i, t, j in self.reads_src:
-            requests[i], pairs[i] = parts[t].requests[j], parts[t].pairs[j]
-
-    def close(self) -> None:
-        """Refuse to run again; the requests belong to the tensors' engines, which free them when closed."""
-        self.broken = self.broken or "closed"
-
-
-def _shared_stage(stage: np.ndarray, nbytes: int) -> np.ndarray:
-    """`stage` when it is a uint8 array of at least `nbytes`; ValueError naming what to pass otherwise."""
-    if not isinstance(stage, np.ndarray) or stage.dtype != np.uint8 or stage.ndim != 1 or stage.size < nbytes:
-        raise ValueError(f"setup(stage=...) needs a 1-D uint8 numpy array of at least {nbytes} B (the program's stage_bytes); "
-                         f"got {getattr(stage, 'dtype', type(stage).__name__)} of {getattr(stage, 'size', '?')} elements")
-    return stage
-
 
 
 def _free_requests(requests: list, mpi) -> None:

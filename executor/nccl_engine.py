@@ -19,10 +19,10 @@ import time
 
 import numpy as np
 
-from .arrays import check_shard, import_dlpack, is_device_array
+from .arrays import check_shard, import_dlpack, is_device_array, storage_dtype
 from .errors import BackendUnavailableError, PeerTimeoutError, PlanMismatchError
 from .lower import RankProgram, StagedCall
-from .nccl_plan import Bcast, Copy, joint_nccl_program, nccl_program
+from .nccl_plan import Bcast, Copy, nccl_program
 from .replay import backoff_wait, refuse_broken
 
 UNIQUE_ID_BYTES = 128
@@ -68,27 +68,28 @@ def gpu_count(cupy) -> int:
 
 
 class NcclEngine:
-    """Replays the NCCL calls of one device's lowered program; an `executor.engines.Engine`."""
+    """Replays the NCCL calls of one device's lowered program (`nccl_plan.nccl_program`: every tensor on one stream,
+    one communicator per group, one staging area); an `executor.engines.Engine`. `dsts[t]` is tensor t's destination
+    shard (`dst`: tensor 0's, the one-tensor face)."""
 
     test_progresses = False  # progress happens elsewhere; test() only looks (`replay.backoff_wait`)
 
-    def __init__(self, program: RankProgram, comm, rank_of: dict[int, int], dtype: np.dtype, timeout_s: float,
-                 poll_s: tuple[float, float], gpu: int | None = None, devices_per_host: int = 1, joined: bool = False):
-        """`joined`: one tensor of a multi-tensor plan that a `JointNcclEngine` replays; setup() then only
-        picks the GPU and allocates the destination shard (the joint engine makes the rest, once)."""
-        self.program, self.comm, self.rank_of, self.dtype = program, comm, rank_of, dtype
+    def __init__(self, program: RankProgram, comm, rank_of: dict[int, int], timeout_s: float,
+                 poll_s: tuple[float, float], gpu: int | None = None, devices_per_host: int = 1):
+        self.program, self.comm, self.rank_of = program, comm, rank_of
+        self.dtypes = [storage_dtype(t.dtype) for t in program.tensors]
+        self.dtype = self.dtypes[0]
+        self.single = len(program.tensors) == 1
         self.timeout_s, self.poll_s = timeout_s, poll_s
         self.gpu = program.device % devices_per_host if gpu is None else gpu
-        self.joined = joined
         self.dst = self.stage = None
+        self.dsts: list = []
         self.communicators: dict = {}
         self.broken: str | None = None
 
-    def setup(self, stage=None, stage_bytes: int | None = None) -> None:
+    def setup(self) -> None:
         """Pick the GPU, create the communicators (every rank in the same order) and allocate the destination
-        shard and staging. `stage`: a uint8 CuPy array to use for staging instead of allocating one, of at
-        least this program's staging; `stage_bytes`: allocate this many bytes instead (at least its own), so
-        that the tensors of a multi-tensor plan, which run one after another, share one area."""
+        shards and staging."""
         cupy, nccl = import_cupy()
         self.cupy, self.nccl = cupy, nccl
         count = gpu_count(cupy)
@@ -97,27 +98,25 @@ class NcclEngine:
                                     "pass gpu= (python -m xmesh_plan.executor.run --gpu) or place fewer devices per host")
         cupy.cuda.Device(self.gpu).use()
         p = self.program
-        self.dst = cupy.empty(p.dst_shape, self.dtype) if p.dst_shape is not None else None
-        if self.joined:
-            return
-        self._connect(nccl_program(p))
-        need = self.calls.stage_bytes
-        if stage is None:
-            self.stage = cupy.empty(max(need, stage_bytes or 0, 1), cupy.uint8)
-        elif stage.dtype != cupy.uint8 or stage.ndim != 1 or stage.nbytes < need:
-            raise ValueError(f"setup(stage=...) needs a 1-D uint8 CuPy array of at least {need} B (this device's largest "
-                             f"staged call); got {stage.dtype} of shape {stage.shape}")
-        else:
-            self.stage = stage
+        self.dsts = [cupy.empty(t.dst_shape, dtype) if t.dst_shape is not None else None for t, dtype in zip(p.tensors, self.dtypes)]
+        self.dst = self.dsts[0]
+        self.calls = nccl_program(p)
+        self.stage = cupy.empty(max(self.calls.stage_bytes, 1), cupy.uint8)
+        self._connect()
 
-    def _connect(self, calls) -> None:
-        """Take `calls` (an `NcclProgram` or `JointNcclProgram`): their communicators, a stream, an event per call."""
+    @property
+    def stage_bytes(self) -> int:
+        """Bytes of staging this engine allocated (the largest staged call, or shared message), None before setup()."""
+        return getattr(getattr(self, "calls", None), "stage_bytes", None)
+
+    def _connect(self) -> None:
+        """The calls' communicators, a stream, an event per call."""
         cupy, nccl = self.cupy, self.nccl
-        self.calls = calls
         self.communicators = self._communicators()
         self.stream = cupy.cuda.Stream(non_blocking=True)
         self.input_ready = cupy.cuda.Event(disable_timing=True)
         self.done = [cupy.cuda.Event(disable_timing=True) for _ in self.calls.actions]
+        self.call_tensors = [_tensor_of(call) for call in self.calls.actions]
         self.uint8 = getattr(nccl, "NCCL_UINT8", nccl.NCCL_CHAR)
         self.pending = False
 
@@ -181,22 +180,27 @@ class NcclEngine:
         return array if array.flags.c_contiguous else self.cupy.ascontiguousarray(array)
 
     def poison(self) -> None:
-        self.dst.reshape(-1).view(self.cupy.uint8).fill(0xA5)
+        for dst in self.dsts:
+            if dst is not None:
+                dst.reshape(-1).view(self.cupy.uint8).fill(0xA5)
 
     def host_copy(self, array) -> np.ndarray:
         return self.cupy.asnumpy(array)
 
     def start(self, src) -> None:
-        """Enqueue every call on the executor's stream, after the work already queued on the caller's stream."""
+        """Enqueue every call on the executor's stream, after the work already queued on the caller's stream; `src`: the
+        source shard (a one-tensor program) or a sequence of them, one per tensor (None where this device has none)."""
         refuse_broken(self.broken)
         cupy = self.cupy
-        if src is not None and src.dtype != self.dtype:  # bfloat16/float8 handed in as another int of the same size
-            src = src.view(self.dtype)
+        srcs = [src] if self.single else list(src)
+        for t, (shard, dtype) in enumerate(zip(srcs, self.dtypes)):
+            if shard is not None and shard.dtype != dtype:  # bfloat16/float8 handed in as another int of the same size
+                srcs[t] = shard.view(dtype)
         self.input_ready.record(cupy.cuda.get_current_stream())
         self.stream.wait_event(self.input_ready)
         with self.stream:
-            for call, event in zip(self.calls.actions, self.done):
-                self._call(call, src, self.dst, self.dtype)
+            for call, t, event in zip(self.calls.actions, self.call_tensors, self.done):
+                self._call(call, srcs[t], self.dsts[t], self.dtypes[t])
                 event.record(self.stream)
         self.pending = bool(self.done)
         self.started = time.monotonic()
@@ -282,45 +286,6 @@ class NcclEngine:
                                "(the communicators were aborted)")
 
 
-class JointNcclEngine(NcclEngine):
-    """Replays every tensor of a multi-tensor plan on one stream in the joint plan's order
-    (`nccl_plan.joint_nccl_program`): one communicator per group and one staging area for all tensors, the
-    bundles of a shared message in one cross-host message; each tensor's shards are its own engine's
-    (`parts`, set up `joined`). An `executor.engines.Engine` over a list of source shards, one per tensor."""
-
-    def __init__(self, joint, parts: list[NcclEngine]):
-        first = parts[0]
-        self.joint, self.parts = joint, parts
-        self.program, self.comm, self.rank_of, self.dtype = first.program, first.comm, first.rank_of, first.dtype
-        self.timeout_s, self.poll_s, self.gpu = first.timeout_s, first.poll_s, first.gpu
-        self.dst = None
-        self.communicators = {}
-        self.broken = None
-
-    def setup(self) -> None:
-        """The joint calls, their communicators (every rank in the same order) and one staging area."""
-        first = self.parts[0]
-        self.cupy, self.nccl = first.cupy, first.nccl
-        j = self.joint
-        self._connect(joint_nccl_program([p.program for p in self.parts], j.operations, dict(j.carriers), j.align))
-        self.stage = self.cupy.empty(max(self.calls.stage_bytes, 1), self.cupy.uint8)
-
-    @property
-    def stage_bytes(self) -> int:
-        """Bytes of staging this engine allocated (the largest operation's or shared message's)."""
-        return self.calls.stage_bytes
-
-    def start(self, srcs: list) -> None:
-        """Enqueue every tensor's calls on this engine's stream, after the work queued on the caller's stream."""
-        refuse_broken(self.broken)
-        cupy = self.cupy
-        srcs = [s.view(p.dtype) if s is not None and s.dtype != p.dtype else s for s, p in zip(srcs, self.parts)]
-        self.input_ready.record(cupy.cuda.get_current_stream())
-        self.stream.wait_event(self.input_ready)
-        with self.stream:
-            for call, t, event in zip(self.calls.actions, self.calls.tensors, self.done):
-                part = self.parts[t]
-                self._call(call, srcs[t], part.dst, part.dtype)
-                event.record(self.stream)
-        self.pending = bool(self.done)
-        self.started = time.monotonic()
+def _tensor_of(call) -> int:
+    """The tensor whose shards an NCCL call reads and writes."""
+    return call.source.tensor if isinstance(call, Copy) else call.box.tensor if isinstance(call, Bcast) else call.tensor

@@ -12,7 +12,6 @@ cycle. NCCL picks its own ring inside a group, so the plan's chain order is not 
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Mapping, Sequence
 
 from xmesh_plan.schemas.staging import aligned
 
@@ -94,16 +93,41 @@ def split_calls(ranges, itemsize: int, limit: int | None = None) -> list[tuple[i
 
 
 def nccl_program(program: RankProgram) -> NcclProgram:
-    """The calls `program.device` makes, in plan order, from the lowered program's collectives. One CUDA
-    stream runs them one after another (pack, broadcast, unpack), so staging is the largest staged box,
-    never more than the program's own staging in either order."""
-    actions, stage = nccl_actions(program.collectives, program.device, program.itemsize)
-    return NcclProgram(program.device, tuple(actions), communicator_groups(program.collectives), stage)
+    """The calls `program.device` makes for every tensor, in the program's order of operations, from its
+    collectives. One CUDA stream runs them one after another (pack, broadcast, unpack), so staging is the largest
+    staged box or shared message. The bundles of one shared message (`program.carriers`, left by
+    `passes.share_messages`; listed one after another in the plan) become one unit: their staging one after
+    another, each at a multiple of `program.align`, so the cross-host messages form one byte range; every
+    bundle's gathers, then that range in one message (its carrier's group), then every bundle's scatters. Every
+    device walks units in plan order, and a unit's calls in that one order, so no two devices wait on each other
+    in a cycle: a group's holders are all on the sending relay's host and its needers on the receiving relay's,
+    another host (`plan_check`), so no device both gathers and is scattered to in one unit."""
+    carrier_of = dict(program.carriers)
+    blocks: list[list] = []  # each operation's collectives on this device, in order
+    for call in program.collectives:
+        if blocks and blocks[-1][-1].op == call.op:
+            blocks[-1].append(call)
+        else:
+            blocks.append([call])
+    actions: list[Copy | Bcast | StagedCall] = []
+    stage, k = 0, 0
+    while k < len(blocks):
+        unit = carrier_of.get(blocks[k][0].op, blocks[k][0].op)
+        end = k + 1
+        while end < len(blocks) and carrier_of.get(blocks[end][0].op, blocks[end][0].op) == unit:
+            end += 1
+        if end - k == 1:
+            mine, need = nccl_actions(blocks[k], program)
+        else:
+            mine, need = _shared_message(blocks[k:end], program.align)
+        actions += mine
+        stage, k = max(stage, need), end
+    return NcclProgram(program.device, tuple(actions), communicator_groups(actions), stage)
 
 
-def nccl_actions(collectives, device: int, itemsize: int) -> tuple[list[Copy | Bcast | StagedCall], int]:
-    """The NCCL calls of lowered collectives (`RankProgram.collectives`, or a run of them) and the staging
-    they need: the largest staged box, or a bundle's staging on this device (one call after another)."""
+def nccl_actions(collectives, program: RankProgram) -> tuple[list[Copy | Bcast | StagedCall], int]:
+    """The NCCL calls of lowered collectives (a run of `program.collectives`) and the staging they need: the
+    largest staged box, or a bundle's staging on this device (one call after another)."""
     actions: list[Copy | Bcast | StagedCall] = []
     stage = 0
     for call in collectives:
@@ -117,88 +141,35 @@ def nccl_actions(collectives, device: int, itemsize: int) -> tuple[list[Copy | B
         at = None
         if call.box.span is None:
             at, stage = 0, max(stage, call.box.nbytes)
-        ranges = tuple(split_calls(call.chunks, itemsize))
-        actions.append(Bcast(call.op, call.task, call.kind, device, call.group, call.root, call.box, ranges, at))
+        ranges = tuple(split_calls(call.chunks, program.tensors[call.tensor].itemsize))
+        actions.append(Bcast(call.op, call.task, call.kind, program.device, call.group, call.root, call.box, ranges, at))
     return actions, stage
 
 
-@dataclass(frozen=True, slots=True)
-class JointNcclProgram:
-    """One device's NCCL calls for every tensor of a multi-tensor plan, in the joint plan's operation order
-    on one stream; `tensors[i]` is the tensor whose shards call `actions[i]` reads and writes. One
-    communicator per group for all tensors; staging is the largest operation's, or shared message's."""
-
-    device: int
-    actions: tuple[Copy | Bcast | StagedCall, ...]
-    tensors: tuple[int, ...]
-    groups: tuple[Group, ...]
-    stage_bytes: int
-
-
-def joint_nccl_program(programs: Sequence[RankProgram], operations: Sequence[int], carrier_of: Mapping[int, int],
-                       align: int) -> JointNcclProgram:
-    """Merge one device's per-tensor programs (`programs[t]`, tensor t's collectives) in the joint plan's
-    operation order (`operations`: its operation ids in order). The bundles of one shared message
-    (`carrier_of`: op -> its carrier, `schemas.carriers`; listed one after another in the plan) become one
-    unit: their staging one after another, each at a multiple of `align`, so the cross-host messages
-    form one byte range; every bundle's gathers, then that range in one message (its carrier's group),
-    then every bundle's scatters. Every device walks units in plan order, and a unit's calls in that one
-    order, so no two devices wait on each other in a cycle: a group's holders are all on the sending
-    relay's host and its needers on the receiving relay's, another host (`plan_check`), so no device
-    both gathers and is scattered to in one unit."""
-    position = {op: k for k, op in enumerate(operations)}
-    blocks: list[tuple[int, int, list]] = []  # (position of the operation, tensor, its collectives on this device)
-    for t, program in enumerate(programs):
-        for call in program.collectives:
-            if blocks and blocks[-1][1] == t and blocks[-1][2][-1].op == call.op:
-                blocks[-1][2].append(call)
-            else:
-                blocks.append((position[call.op], t, [call]))
-    blocks.sort(key=lambda block: block[0])
-    actions: list[tuple[int, Copy | Bcast | StagedCall]] = []
-    stage, k = 0, 0
-    while k < len(blocks):
-        unit = carrier_of.get(blocks[k][2][0].op, blocks[k][2][0].op)
-        end = k + 1
-        while end < len(blocks) and carrier_of.get(blocks[end][2][0].op, blocks[end][2][0].op) == unit:
-            end += 1
-        if end - k == 1:
-            t, calls = blocks[k][1], blocks[k][2]
-            mine, need = nccl_actions(calls, programs[t].device, programs[t].itemsize)
-            actions += [(t, a) for a in mine]
-        else:
-            mine, need = _shared_message([(t, calls) for _, t, calls in blocks[k:end]], align)
-            actions += mine
-        stage, k = max(stage, need), end
-    calls = tuple(a for _, a in actions)
-    return JointNcclProgram(programs[0].device, calls, tuple(t for t, _ in actions), communicator_groups(calls), stage)
-
-
-def _shared_message(bundles: list[tuple[int, list[StagedCall]]], align: int) -> tuple[list[tuple[int, StagedCall]], int]:
-    """(tensor, call) for the bundles of one shared message on this device, and their staging (see
-    `joint_nccl_program`); PlanMismatchError where their cross-host messages are not one byte range."""
+def _shared_message(bundles: list[list[StagedCall]], align: int) -> tuple[list[StagedCall], int]:
+    """The calls of the bundles of one shared message on this device, and their staging (see `nccl_program`);
+    PlanMismatchError where their cross-host messages are not one byte range."""
     gathers, crossings, scatters = [], [], []
     at = 0
-    for t, calls in bundles:
+    for calls in bundles:
         start = aligned(at, align)
         moved = [replace(c, start=c.start + start, stop=c.stop + start) for c in calls]
         cross = next((i for i, c in enumerate(moved) if c.crossing), None)
         if cross is None:
-            gathers += [(t, c) for c in moved]
+            gathers += moved
         else:
-            gathers += [(t, c) for c in moved[:cross]]
-            crossings.append((t, moved[cross]))
-            scatters += [(t, c) for c in moved[cross + 1:]]
+            gathers += moved[:cross]
+            crossings.append(moved[cross])
+            scatters += moved[cross + 1:]
         at = start + max((c.stop - start for c in moved), default=0)
-    for (_, a), (_, b) in zip(crossings, crossings[1:]):
+    for a, b in zip(crossings, crossings[1:]):
         if a.stop != b.start:
             raise PlanMismatchError(f"op {a.op}: the bundles of a shared message are not one byte range in staging (ends "
                                     f"at {a.stop}, the next starts at {b.start}); recompile the plan and check it with `xmesh-plan verify`")
     one = []
     if crossings:  # one message over every bundle's range, in the first bundle's group (the relays are the same)
-        t, first = crossings[0]
-        one = [(t, piece) for piece in _split(replace(first, stop=crossings[-1][1].stop))]
-    out = [(t, piece) for t, c in gathers for piece in _split(c)] + one + [(t, piece) for t, c in scatters for piece in _split(c)]
+        one = _split(replace(crossings[0], stop=crossings[-1].stop))
+    out = [piece for c in gathers for piece in _split(c)] + one + [piece for c in scatters for piece in _split(c)]
     return out, at
 
 

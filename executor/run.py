@@ -141,10 +141,10 @@ def demo(plan: Plan, comm, args: SimpleNamespace) -> tuple[str, bool]:
     rank = comm.Get_rank()
 
     def source(t: Tensor):
-        return t.engine.adopt(fill(t.program.src_block, t.plan.problem.shape, t.engine.dtype, t.salt))  # on the GPU for nccl
+        return t.engine.adopt(fill(t.src_block, t.problem.shape, t.dtype, t.salt))  # on the GPU for nccl
 
     def wrong(t: Tensor, shard) -> tuple[int, str]:
-        count, first = mismatches(t.engine.host_copy(shard), t.program.dst_block, t.plan.problem.shape, t.salt)
+        count, first = mismatches(t.engine.host_copy(shard), t.dst_block, t.problem.shape, t.salt)
         return count, f", first at global index {first}"
 
     def report(line: str) -> None:

@@ -20,7 +20,7 @@ In device order on gloo, an operation's messages of 256 KiB or more (`TransportO
 engine sends synchronously) from one device to another get a receipt: once the last of them has arrived the receiver
 sends 1 byte back, and the sender's next steps wait for that instead of the sends. Gloo ends a send once the kernel's
 socket buffer holds the rest (megabytes), so without it a device would begin its next operation while the last is still
-on the wire (`_add_receipts`). A receipt sits in both ends' queues after every message of its operation between the
+on the wire (`passes.with_receipts` adds them to the program; this engine replays them). A receipt sits in both ends' queues after every message of its operation between the
 two, and it waits only for a receive of that operation, while what waits for it belongs to later operations, so the
 order above still has the first unfinished message posted at both ends. The receipt size must be the same on every
 rank: a rank that expects a receipt the other never sends waits until its timeout.
@@ -46,7 +46,7 @@ import time
 
 import numpy as np
 
-from .arrays import RAW_KINDS
+from .arrays import RAW_KINDS, storage_dtype
 from .engines import EngineContext
 from .errors import BackendUnavailableError, ExecutorError, PeerTimeoutError, PlanMismatchError
 from .lower import Action, Bytes, RankProgram, Step
@@ -61,7 +61,8 @@ def torch_dtype(torch, name: str):
 
 
 class TorchEngine:
-    """Replays a RankProgram over a torch.distributed process group; an `executor.engines.Engine`."""
+    """Replays a RankProgram over a torch.distributed process group; an `executor.engines.Engine`. Buffers are
+    keyed by (tensor, side): `dsts[t]` is tensor t's destination shard (`dst`: tensor 0's, the one-tensor face)."""
 
     test_progresses = False  # progress happens elsewhere; test() only looks (`replay.backoff_wait`)
 
@@ -69,17 +70,14 @@ class TorchEngine:
         self.program, self.context, self.group = program, context, context.comm
         self.timeout_s, self.poll_s = context.timeout_s, context.poll_s
         self.steps = program.steps
+        self.single = len(program.tensors) == 1
         self.dst = None
+        self.dsts: list = []
         self.broken: str | None = None
         self.failure: ExecutorError | None = None
 
-    def setup(self, stage=None, stage_bytes: int | None = None) -> None:
-        """Allocate the destination shard and staging on the group's device and make every view that does not read the source.
-
-        `stage`: a staging area to use instead of allocating one (a 1-D uint8 tensor on the group's device of
-        at least `program.stage_bytes`): the one area every tensor of a multi-tensor plan shares in device
-        order (`executor.joint`), or posted, one tensor after another; `stage_bytes`: allocate this many bytes
-        instead (at least the program's), the area the tensors that run one after another share."""
+    def setup(self) -> None:
+        """Allocate the destination shards and staging on the group's device and make every view that does not read a source."""
         import torch
         import torch.distributed as dist
 
@@ -90,69 +88,48 @@ class TorchEngine:
                                           f"{backend}; make the group with backend='gloo' or 'nccl'")
         self.cuda = backend == "nccl"
         self.device = torch.device("cuda", torch.cuda.current_device()) if self.cuda else torch.device("cpu")
-        self.dtype = torch_dtype(torch, self.context.dtype_name)
         p = self.program
-        self.dst = torch.empty(p.dst_shape, dtype=self.dtype, device=self.device) if p.dst_shape is not None else None
-        if stage is None:
-            self.stage = torch.empty(max(p.stage_bytes, stage_bytes or 0), dtype=torch.uint8, device=self.device)
-        else:
-            self.stage = stage
-        if stage is not None and (stage.dtype != torch.uint8 or stage.dim() != 1 or stage.numel() < p.stage_bytes
-                                  or stage.device != self.device):
-            raise ValueError(f"setup(stage=...) needs a 1-D uint8 tensor on {self.device} of at least {p.stage_bytes} B "
-                             f"(the program's stage_bytes); got {stage.dtype} of {stage.numel()} elements on {stage.device}")
-        self.flat = {"dst": _bytes_of(self.dst), "stage": self.stage, "dst_typed": self.dst}
+        self.dtypes = [torch_dtype(torch, t.dtype) for t in p.tensors]
+        self.dtype = self.dtypes[0]
+        self.dsts = [torch.empty(t.dst_shape, dtype=dtype, device=self.device) if t.dst_shape is not None else None
+                     for t, dtype in zip(p.tensors, self.dtypes)]
+        self.dst = self.dsts[0]
+        self.stage = torch.empty(p.stage_bytes, dtype=torch.uint8, device=self.device)
+        receipts = max((s.data.stop for s in self.steps if s.data is not None and s.data.buffer == "receipt"), default=0)
+        self.flat = {"dst": [_bytes_of(d) for d in self.dsts], "stage": self.stage, "dst_typed": self.dsts,
+                     "receipt": torch.zeros(receipts, dtype=torch.uint8, device=self.device)}
         self.rank = group_rank(dist, self.group)
         self.peer_rank = [self.context.rank_of.get(s.peer, -1) for s in self.steps]
         self.buffers: list = [None] * len(self.steps)  # [uint8 view] per message, (target, source) per local copy
         self.works: list = [None] * len(self.steps)
+        self.reads_src: list[list[int]] = [[] for _ in p.tensors]  # per tensor, the steps made in _bind()
         for s in self.steps:
-            if not s.reads_src:
+            if s.reads_src:
+                self.reads_src[s.tensor].append(s.index)
+            else:
                 self._make(s.index, self.flat)
-        self.reads_src = [s.index for s in self.steps if s.reads_src]
-        self._schedule(receipts=not self.context.joined)
+        self._schedule()
 
     def _message_key(self, i: int) -> tuple:
-        """Where message `i` stands in the plan's message order, which both ends of every pair share."""
-        return self.steps[i].tag, i
+        """Where message `i` stands in the plan's message order, which both ends of every pair share: its operation
+        counted in step order (the program's order of operations, across tensors), then its tag."""
+        return self.ordinal[i], self.steps[i].tag, i
 
-    def _add_receipts(self, enabled: bool = True) -> None:
-        """In device order on gloo, give each operation's messages of `TransportOptions.receipt_bytes` or more from one device to another
-        a receipt: a 1-byte message back from the receiver once the last of them has arrived, which the sender's next
-        steps wait for instead of those sends (a pair's messages arrive in the order they were sent).
-
-        Gloo ends a send once the kernel's socket buffer holds what is left (megabytes), so without it a device
-        would start its next operation while the last one is still on the wire, and device order would not be the
-        plan's; the MPI engine sends these messages synchronously for the same reason (docs/executor.md, "Order").
-        One receipt per operation and pair, after all of that operation's messages between the two, keeps a broadcast's
-        chunks pipelined: a receipt per chunk, posted before the next chunk's receive, held each hop to one chunk."""
-        self.acknowledges: dict[int, list[int]] = {}  # receipt step -> the messages it says arrived
+    def _receipts(self) -> None:
+        """Where each receipt (`passes.with_receipts`: a 1-byte message a receiver sends back once an operation's large
+        messages from its peer have arrived) stands among the messages, and what each acknowledges. A receipt goes
+        after every message of its operation between the two devices, which both ends place alike."""
+        self.acknowledges: dict[int, tuple[int, ...]] = {s.index: s.acks for s in self.steps if s.acks}
         self.receipt_key: dict[int, tuple] = {}
-        threshold = self.context.transport.receipt_bytes
-        if not enabled or self.cuda or threshold is None or self.program.order != "device":
+        if not self.acknowledges:
             return
-        groups: dict[tuple[int, int, str], list[int]] = {}  # (operation, peer, send or recv) -> its large messages
         pair_keys: dict[tuple[int, int], list[tuple]] = {}  # (operation, peer) -> the keys of all its messages, both ways
         for s in self.steps:
-            if s.action.is_message:
+            if s.action.is_message and s.index not in self.acknowledges:
                 pair_keys.setdefault((s.op, s.peer), []).append(self._message_key(s.index)[:-1])
-                if s.data.nbytes >= threshold:
-                    groups.setdefault((s.op, s.peer, s.action), []).append(s.index)
-        if not groups:
-            return
-        marks = self.torch.zeros(len(groups), dtype=self.torch.uint8)
-        steps = list(self.steps)
-        for k, ((op, peer, action), members) in enumerate(sorted(groups.items())):
-            last = steps[max(members, key=self._message_key)]
-            back = Action.RECV if action is Action.SEND else Action.SEND  # the receiver sends it once `last` is in, the sender waits for it
-            steps.append(Step(len(steps), back, op, last.task, f"receipt of {last.kind}", () if back is Action.RECV else (last.index,),
-                              peer, last.tag, Bytes("receipt", k, k + 1), piece=last.piece))
-            self.acknowledges[len(steps) - 1] = members
-            self.receipt_key[len(steps) - 1] = (*max(pair_keys[(op, peer)]), math.inf, last.index)
-            self.buffers.append([marks[k:k + 1]])
-            self.works.append(None)
-            self.peer_rank.append(self.peer_rank[last.index])
-        self.steps = steps
+        for i, members in self.acknowledges.items():
+            s = self.steps[i]
+            self.receipt_key[i] = (*max(pair_keys[(s.op, s.peer)]), math.inf, max(members, key=self._message_key))
 
     def _key(self, i: int) -> tuple:
         """`_message_key`; a receipt goes after every message of its operation between the two devices, which both ends
@@ -160,10 +137,15 @@ class TorchEngine:
         its way at both ends; and after the last chunk, so the chunks before it flow as they would without it)."""
         return self.receipt_key[i] if i in self.receipt_key else self._message_key(i)
 
-    def _schedule(self, receipts: bool = True) -> None:
-        """The per-peer message queues and dependency counts; the progress thread starts with the first reshard.
-        `receipts`: add them (`_add_receipts`); not for a joint program's per-tensor engines, which never run."""
-        self._add_receipts(receipts)
+    def _schedule(self) -> None:
+        """Receipts (`_receipts`), the per-peer message queues and dependency counts; the progress thread starts
+        with the first reshard."""
+        self.ordinal, count, last = [], -1, None  # each step's operation counted in step order (ids need not be)
+        for s in self.steps:
+            count += s.op != last
+            self.ordinal.append(count)
+            last = s.op
+        self._receipts()
         deps = Dependencies(self.steps)
         self.dependents, self.initial, self.remaining, self.local = deps.dependents, deps.initial, deps.remaining, deps.local
         for receipt, members in self.acknowledges.items():  # what waited for those sends now waits for their receipt
@@ -183,35 +165,47 @@ class TorchEngine:
         self.tags = [s.tag if by_tag else 0 for s in self.steps]
         self.posted_recvs: list[int] = []  # a heap of the positions of receives (and sends a step waits for) posted, not finished
         self.ready = None
-        self.bound = self.src = None
+        self.bound: list = [None] * len(self.program.tensors)
+        self.src = None
         self.current = -1  # the step the progress thread waits on
         self.launching = -1  # the step being posted, when posting itself fails
         self.thread_error: tuple[int, BaseException] | None = None
         self.go, self.done, self.stopping = threading.Event(), threading.Event(), False
         self.done.set()
-        self.thread = None  # made by the first start(): an engine never started (a joint program's tensors') has none
+        self.thread = None  # made by the first start()
 
     def _make(self, i: int, flat: dict) -> None:
+        """Step i's [uint8 view] (message) or (target, source) views (local copy), over `flat` buffers ("stage": the
+        staging area; "src", "src_typed", "dst", "dst_typed": tensor -> that tensor's shard, raw or typed)."""
         s = self.steps[i]
         if s.action.is_message:
-            self.buffers[i] = [flat[s.data.buffer][s.data.start:s.data.stop]]
+            data = s.data
+            whole = flat[data.buffer] if data.buffer in ("stage", "receipt") else flat[data.buffer][data.tensor]
+            self.buffers[i] = [whole[data.start:data.stop]]
         elif s.action is Action.COPY:
-            self.buffers[i] = (self.dst[s.target.index], flat["src_typed"][s.box.index])
+            self.buffers[i] = (self.dsts[s.target.tensor][s.target.index], flat["src_typed"][s.box.tensor][s.box.index])
         else:
-            staged = self.stage[s.data.start:s.data.stop].view(self.dtype).view(s.box.shape)
-            shard = flat["dst_typed"] if s.box.side == "dst" else flat.get("src_typed")
+            t = s.box.tensor
+            staged = self.stage[s.data.start:s.data.stop].view(self.dtypes[t]).view(s.box.shape)
+            shard = flat["dst_typed"][t] if s.box.side == "dst" else flat["src_typed"][t]
             boxed = shard[s.box.index] if shard is not None else None
             self.buffers[i] = (boxed, staged) if s.action is Action.UNPACK else (staged, boxed)
 
     def _bind(self, src) -> None:
-        """Point the steps that read the source shard at `src`; remade only when another tensor arrives."""
-        if src is None or src is self.bound or not self.reads_src:
+        """Point the steps that read a source shard at it: one per tensor (None where this device has none)."""
+        for t, shard in enumerate(src):
+            self._bind_tensor(t, shard)
+
+    def _bind_tensor(self, t: int, src) -> None:
+        """Point the steps that read tensor t's source shard at `src`; remade only when another tensor arrives."""
+        if src is None or src is self.bound[t] or not self.reads_src[t]:
             return
-        typed = src if src.dtype == self.dtype else src.view(self.dtype)  # a raw same-size view of bfloat16/float8
-        flat = {"src": _bytes_of(typed), "src_typed": typed, "dst_typed": self.dst}
-        for i in self.reads_src:
+        dtype = self.dtypes[t]
+        typed = src if src.dtype == dtype else src.view(dtype)  # a raw same-size view of bfloat16/float8
+        flat = {"src": {t: _bytes_of(typed)}, "src_typed": {t: typed}, "dst_typed": self.dsts}
+        for i in self.reads_src[t]:
             self._make(i, flat)
-        self.bound = src
+        self.bound[t] = src
 
     def adopt(self, array):
         """`array` as a torch tensor on this engine's device (numpy is wrapped without a copy)."""
@@ -229,30 +223,33 @@ class TorchEngine:
         if tuple(array.shape) != shape:
             raise PlanMismatchError(f"run(): device {device}'s source shard has shape {tuple(array.shape)} but the source "
                                     f"spec {str(spec)!r} gives it {shape}; pass this rank's shard under the source spec")
-        raw_ok = dtype_name.startswith(RAW_KINDS) and not array.dtype.is_floating_point and array.element_size() == self.dst_itemsize
-        if array.dtype != self.dtype and not raw_ok:
+        want = torch_dtype(self.torch, dtype_name)
+        raw_ok = dtype_name.startswith(RAW_KINDS) and not array.dtype.is_floating_point and array.element_size() == want.itemsize
+        if array.dtype != want and not raw_ok:
             raise PlanMismatchError(f"run(): device {device}'s source shard is {array.dtype} but the plan moves {dtype_name}; "
-                                    f"pass a {self.dtype} tensor (or recompile the plan with that dtype)")
-
-    @property
-    def dst_itemsize(self) -> int:
-        return self.program.itemsize
+                                    f"pass a {want} tensor (or recompile the plan with that dtype)")
 
     def contiguous(self, array):
         return array if array.is_contiguous() else array.contiguous()
 
     def poison(self) -> None:
-        self.flat["dst"].fill_(0xA5)
+        for flat in self.flat["dst"]:
+            if flat is not None:
+                flat.fill_(0xA5)
 
     def host_copy(self, array) -> np.ndarray:
         """`array`'s bits as a numpy array of the plan's storage dtype (uint16 for bfloat16, uint8 for float8)."""
         raw = _bytes_of(array.contiguous()).cpu().numpy()
-        return raw.view(self.context.storage).reshape(tuple(array.shape))
+        return raw.view(storage_dtype(str(array.dtype).removeprefix("torch."))).reshape(tuple(array.shape))
 
     def start(self, src) -> None:
-        """Hand one reshard to the progress thread and return; `src` is the contiguous source shard."""
+        """Hand one reshard to the progress thread and return; `src`: the contiguous source shard (a one-tensor
+        program) or a sequence of them, one per tensor (None where this device has none)."""
         refuse_broken(self.broken)
-        self._bind(src)
+        if self.single:  # one call on the per-run path, as many as for one tensor
+            self._bind_tensor(0, src)
+        else:
+            self._bind(src)
         self.src = src
         if self.cuda:  # the progress thread's stream waits for what the caller's stream wrote so far
             self.ready = self.torch.cuda.Event()
@@ -400,9 +397,11 @@ class TorchEngine:
         start() makes them again). Only between reshards: the progress thread may still read them."""
         if not self.done.is_set():
             raise ExecutorError("unbind() while a reshard is in flight; call wait() first")
-        for i in self.reads_src:
-            self.buffers[i] = None
-        self.bound = self.src = None
+        for reads in self.reads_src:
+            for i in reads:
+                self.buffers[i] = None
+        self.bound = [None] * len(self.bound)
+        self.src = None
 
     def close(self) -> None:
         """Stop the progress thread (when idle) and drop the views; the engine cannot run again."""
@@ -413,7 +412,8 @@ class TorchEngine:
             if self.thread is not None:
                 self.thread.join(self.timeout_s)
             self.buffers = [None] * len(self.steps)
-            self.bound = self.src = None
+            self.bound = [None] * len(self.program.tensors)
+            self.src = None
 
     def abandon(self, why: str) -> None:
         """Refuse to run again; the progress thread may stay blocked in gloo (it cannot cancel a receive),
@@ -427,51 +427,6 @@ class TorchEngine:
         self.failure = failure(self.program.device, self.rank, why, [at], more=others)
         self.abandon(why)
         raise self.failure
-
-
-class JointTorchEngine(TorchEngine):
-    """Replays a `joint.JointProgram`: this device's steps of every tensor as one program on one progress
-    thread, so that device order spans tensors. The views are each tensor's own engine's (set up first,
-    never started). Each pair's messages go in the joint plan's operation order, then tag order."""
-
-    def __init__(self, program, parts: list[TorchEngine]):
-        super().__init__(program, parts[0].context)
-        self.parts = parts
-
-    def setup(self) -> None:
-        """Take every step's views from its tensor's engine and number this device's operations in plan order."""
-        first, where, parts = self.parts[0], self.program.where, self.parts
-        self.torch, self.cuda, self.device, self.dtype, self.rank = first.torch, first.cuda, first.device, first.dtype, first.rank
-        self.peer_rank = [parts[t].peer_rank[j] for t, j in where]
-        self.buffers = [parts[t].buffers[j] for t, j in where]
-        self.works = [None] * len(self.steps)
-        self.reads_src = [(i, t, j) for i, (t, j) in enumerate(where) if self.steps[i].reads_src]
-        self.ordinal, count, last = [], -1, None  # each step's operation counted in plan order (ids need not be)
-        for s in self.steps:
-            count += s.op != last
-            self.ordinal.append(count)
-            last = s.op
-        self._schedule()
-
-    def _message_key(self, i: int) -> tuple:
-        return self.ordinal[i], self.steps[i].tag, i
-
-    def _bind(self, srcs: list) -> None:
-        """Bind each tensor's engine to its source shard (None: it has none), then take up the views they remade."""
-        for part, src in zip(self.parts, srcs):
-            part._bind(src)
-        for i, t, j in self.reads_src:
-            self.buffers[i] = self.parts[t].buffers[j]
-
-    def unbind(self) -> None:
-        """As `TorchEngine.unbind`, for every tensor."""
-        if not self.done.is_set():
-            raise ExecutorError("unbind() while a reshard is in flight; call wait() first")
-        for part in self.parts:
-            part.unbind()
-        for i, _, _ in self.reads_src:
-            self.buffers[i] = None
-        self.src = None
 
 
 def _bytes_of(tensor):

@@ -38,20 +38,20 @@ from .pattern import fill
 from .scale import factors_for, factors_per_tensor, scale_plan, scale_tensors
 
 
-def source_tensor(plan: Plan, block, device, salt: int = 0):
-    """The pattern's values for `block` as a torch tensor of the plan's dtype on `device` (None without a block)."""
+def source_tensor(problem, block, device, salt: int = 0):
+    """The pattern's values for `block` as a torch tensor of the (single-tensor) problem's dtype on `device` (None without a block)."""
     import torch
 
     if block is None:
         return None
-    raw = fill(block, plan.problem.shape, storage_dtype(plan.problem.dtype), salt)
-    return torch.from_numpy(raw).view(getattr(torch, plan.problem.dtype)).to(device)
+    raw = fill(block, problem.shape, storage_dtype(problem.dtype), salt)
+    return torch.from_numpy(raw).view(getattr(torch, problem.dtype)).to(device)
 
 
-def expected_shard(plan: Plan, block, salt: int = 0) -> np.ndarray:
-    """The destination shard by plain numpy slicing of the whole pattern tensor (independent of the plan)."""
-    shape = plan.problem.shape
-    whole = fill(tuple((0, n) for n in shape), shape, storage_dtype(plan.problem.dtype), salt)
+def expected_shard(problem, block, salt: int = 0) -> np.ndarray:
+    """The destination shard by plain numpy slicing of the whole pattern tensor of a single-tensor problem (independent of the plan)."""
+    shape = problem.shape
+    whole = fill(tuple((0, n) for n in shape), shape, storage_dtype(problem.dtype), salt)
     return whole[local_slices(block, tuple((0, n) for n in shape))]
 
 
@@ -109,12 +109,12 @@ def run_plan(plan: Plan, args: SimpleNamespace) -> tuple[str, int]:
     device = _tensor_device()
 
     def wrong(t: Tensor, shard) -> tuple[int, str]:
-        got, want = t.engine.host_copy(shard), expected_shard(t.plan, t.program.dst_block, t.salt)
+        got, want = t.engine.host_copy(shard), expected_shard(t.problem, t.dst_block, t.salt)
         return int((got.view(f"V{got.itemsize}") != want.view(f"V{want.itemsize}")).sum()), ""
 
     options = {"backend": "torch", "timeout_s": args.timeout, "order": args.order, "transport": args.transport}
     done = run_plan_on(plan, None, TorchCollectives(device), options, args.iters, args.warmup, args.check,
-                       lambda t: source_tensor(t.plan, t.program.src_block, t.engine.device, t.salt), wrong, lambda line: None)
+                       lambda t: source_tensor(t.problem, t.src_block, t.engine.device, t.salt), wrong, lambda line: None)
     per_iter, problem = done.seconds * 1e3, plan.problem
     if is_multi(plan):
         what, ways, ok = f"{len(problem.tensors)} tensors", f" ({WAYS[done.order]})", "every destination shard of every tensor bit-exact"

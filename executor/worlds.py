@@ -39,6 +39,7 @@ class MpiWorld:
     """The ranks of an mpi4py communicator."""
 
     kind, label, launch = "mpi", "MPI world", "mpiexec -n"
+    buffered_sends = False  # the MPI engine sends a device-order message synchronously itself (no receipts)
 
     def __init__(self, comm):
         self.comm = comm
@@ -98,6 +99,12 @@ class TorchWorld:
     @property
     def backend(self) -> str:
         return group_backend(self.dist, self.group)
+
+    @property
+    def buffered_sends(self) -> bool:
+        """Whether a send ends once the transport buffered it, before the peer has it (gloo's sockets: receipts keep
+        device order, `passes.with_receipts`); NCCL's sends end when received."""
+        return self.backend != "nccl"
 
     def tensor_device(self):
         """Where this group's tensors live: the current CUDA device for NCCL, else the CPU."""

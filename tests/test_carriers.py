@@ -92,7 +92,7 @@ def test_one_message_crosses_hosts_per_group_bit_exact_on_a_fake_mpi(shared, sep
     crossed = {}
     for name, plan in (("shared", shared), ("separate", separate)):
         executors = fake_executors(plan, order=order)
-        world = executors[0].parts[0].engine.comm.world
+        world = executors[0].engine.comm.world
         for it in range(2):
             start = len(world.log)
             full = full_tensors(plan, 10 + it)

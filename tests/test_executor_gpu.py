@@ -333,29 +333,28 @@ def test_every_tensor_of_the_small_weight_sync_runs_on_fake_nccl(monkeypatch):
 # ---------------------------------------------------------------------------------------------
 
 def fake_nccl_transfer(plan, gpu, monkeypatch, order: str | None = None) -> list:
-    """One `TransferExecutor(backend='nccl')` per rank in this process, lowered here and then set up by `prepare()`'s
-    own `_allocate` (staging layout, the check against the stated staging, the engines), every rank's engines before
-    the next rank's: the lowest device of a group sends its unique id; the unique ids travel over `FakeMpiComm`,
-    the rank agreement is this rank's alone."""
+    """One `TransferExecutor(backend='nccl')` per rank in this process, set up by its own `prepare()` (lowering and
+    passes, the check against the stated staging, the engine), every rank's engine before the next rank's: the lowest
+    device of a group sends its unique id; the unique ids travel over `FakeMpiComm`, the rank agreement is this rank's
+    alone."""
     from tests.support.fake_mpi import FakeWorld, WorldComm
     from xmesh_plan.executor import TransferExecutor
-    from xmesh_plan.executor.executor import ReshardingExecutor
+    from xmesh_plan.executor.executor import Executor
 
     def agree_alone(self, error):
         if error is not None:
             raise error
 
-    monkeypatch.setattr(ReshardingExecutor, "_agree", agree_alone)
+    monkeypatch.setattr(Executor, "_agree", agree_alone)
     world, mail, devices = FakeWorld(), defaultdict(deque), plan_devices(plan)
     out = []
     for rank, device in enumerate(devices):
         gpu.process = device
         ex = TransferExecutor(plan, WorldComm(world, rank, len(devices)), backend="nccl", order=order)
-        for part in ex.parts:
-            part.program = lower(part.plan, device, tag_limit=2**62)
-            part.shared_comm = FakeMpiComm(mail, rank)
-        ex._allocate()
-        assert ex.stage_bytes == ex._planned_staging()
+        ex.world.engine_comm = lambda timeout_s, poll_s, rank=rank: FakeMpiComm(mail, rank)
+        ex.world.release = lambda comm: None
+        ex.prepare()
+        assert ex.stage_bytes == ex.entry.stage_need(ex.program)
         out.append(ex)
     assert not any(mail.values()), "unique ids sent that nobody received"
     gpu.check_init_order()
@@ -371,16 +370,15 @@ def run_transfer_on_fake(executors, gpu, runs: int = 3) -> None:
         salts = {name: tensor_salt(k) + 101 * run for k, name in enumerate(executors[0].names)}
         for ex in executors:
             gpu.process = ex.device
-            shards = {name: part.engine.adopt(fill(part.program.src_block, part.plan.problem.shape, part.engine.dtype, salts[name]))
-                      for name, part in zip(ex.names, ex.parts) if part.program.src_block is not None}
-            for part in ex.parts:
-                if part.engine.dst is not None:
-                    part.engine.poison()
+            shards = {name: ex.engine.adopt(fill(t.src_block, problem.shape, dtype, salts[name]))
+                      for name, t, problem, dtype in zip(ex.names, ex.program.tensors, ex.problems, ex.engine.dtypes)
+                      if t.src_block is not None}
+            ex.engine.poison()
             ex.start(shards)
         for _ in range(10_000):
             done = []
             for ex in executors:
-                gpu.process = ex.device  # the next tensor starts on this rank's GPU
+                gpu.process = ex.device
                 done.append(ex.test())
             if all(done):
                 break
@@ -389,10 +387,10 @@ def run_transfer_on_fake(executors, gpu, runs: int = 3) -> None:
         for ex in executors:
             gpu.process = ex.device
             out = ex.wait()
-            for name, part in zip(ex.names, ex.parts):
-                assert (name in out) == (part.program.dst_block is not None)
+            for name, t, problem in zip(ex.names, ex.program.tensors, ex.problems):
+                assert (name in out) == (t.dst_block is not None)
                 if name in out:
-                    bad, first = mismatches(gpu.cupy.asnumpy(out[name]), part.program.dst_block, part.plan.problem.shape, salts[name])
+                    bad, first = mismatches(gpu.cupy.asnumpy(out[name]), t.dst_block, problem.shape, salts[name])
                     assert bad == 0, f"run {run}: device {ex.device}: {name}: {bad} elements differ, first at {first}"
     for ex in executors:
         gpu.process = ex.device
@@ -418,11 +416,14 @@ def test_a_limited_weight_sync_runs_posted_on_fake_nccl_in_one_staging_area(limi
     plan = limited_sync
     gpu = FakeGpu(api=14).install(monkeypatch)
     executors = fake_nccl_transfer(plan, gpu, monkeypatch, order="posted")
+    from xmesh_plan.executor.nccl_plan import nccl_program
+    from xmesh_plan.schemas.plan_tensors import tensor_plans
+
     sums = []
+    singles = tensor_plans(plan)
     for ex in executors:
-        stage = ex.parts[0].engine.stage
-        assert all(part.engine.stage is stage for part in ex.parts), "one staging buffer per rank, not one per tensor"
-        needs = [part.engine.calls.stage_bytes for part in ex.parts]
+        stage = ex.engine.stage  # one staging buffer per rank, not one per tensor
+        needs = [nccl_program(lower(single, ex.device)).stage_bytes for single in singles]
         assert ex.stage_bytes == stage.nbytes == max(needs) <= plan.staging.peak_bytes[ex.device]
         sums.append(sum(needs))
     assert max(sums) > 2 * max(plan.staging.peak_bytes.values())  # one area per tensor would pass the limit
@@ -433,7 +434,7 @@ def crossing_messages(executors) -> int:
     """Cross-host bundle messages the source relays send (each counted once however NCCL calls cut it)."""
     count = 0
     for ex in executors:
-        calls = ex.engine.calls.actions if ex.engine is not None else [c for p in ex.parts for c in p.engine.calls.actions]
+        calls = ex.engine.calls.actions
         count += len({(c.op, c.group) for c in calls if getattr(c, "crossing", False) and c.root == ex.device})
     return count
 
@@ -452,10 +453,9 @@ def test_the_weight_sync_runs_on_fake_nccl_in_device_order_with_shared_messages(
     plan = limited_sync if limited else compile_plan(load_any_problem(ROOT / "plans" / "weight_sync_small.problem.toml"))
     gpu = FakeGpu(api=13).install(monkeypatch)
     executors = fake_nccl_transfer(plan, gpu, monkeypatch)
-    assert all(ex.order == "device" and ex.joined for ex in executors)
+    assert all(ex.order == "device" and ex.program.order == "device" for ex in executors)
     peaks = staging_peaks(plan, "device")
     for ex in executors:
-        assert all(part.engine.stage is None and not part.engine.communicators for part in ex.parts)
         assert ex.stage_bytes == ex.engine.stage.nbytes or ex.stage_bytes == 0
         assert ex.stage_bytes <= peaks.get(ex.device, 0), ex.device
         assert len(ex.engine.communicators) == len(ex.engine.calls.groups) == len(set(ex.engine.calls.groups))

@@ -84,7 +84,7 @@ def test_a_tag_mismatch_stalls_instead_of_corrupting():
         if device == max(rank_of):
             steps = tuple(replace(s, tag=s.tag + 1) if s.action == "recv" else s for s in program.steps)
             program = replace(program, steps=steps)
-        engine = MpiEngine(program, FakeComm(world, rank), rank_of, dtype, 1.0, (1e-5, 1e-4))
+        engine = MpiEngine(program, FakeComm(world, rank), rank_of, 1.0, (1e-5, 1e-4))
         engine.setup(mpi=FakeMPI)
         engine.start(fill(program.src_block, plan.problem.shape, dtype) if program.src_block else None)
         engines.append(engine)
@@ -106,8 +106,7 @@ def test_an_mpi_error_is_reported_as_such_not_as_a_timeout():
     """Exit code 3 and 'raise timeout_s' advice belong to timeouts; an error MPI reports is an ExecutorError."""
     plan = compiled(random_problem(3), "send_recv")
     device = next(op.dsts[0] for op in plan.operations if op.kind in ("send", "broadcast"))
-    engine = MpiEngine(lower(plan, device, tag_limit=2**20), FakeComm(FakeWorld(), 0), rank_of_devices(plan),
-                       storage_dtype(plan.problem.dtype), 1.0, (1e-5, 1e-4))
+    engine = MpiEngine(lower(plan, device, tag_limit=2**20), FakeComm(FakeWorld(), 0), rank_of_devices(plan), 1.0, (1e-5, 1e-4))
     engine.setup(mpi=_FailingMPI)
     receive = next(r for r in engine.requests if isinstance(r, PersistentRecv))
     receive.Test = lambda: (_ for _ in ()).throw(_MpiError("truncated"))
@@ -124,8 +123,7 @@ def test_an_error_in_a_reshard_driven_by_another_wait_is_kept_for_its_own_execut
     receivers = [op.dsts[0] for op in plan.operations if op.kind in ("send", "broadcast")]
     engines = []
     for device, timeout_s in ((receivers[0], 0.2), (receivers[-1], 5.0)):
-        engine = MpiEngine(lower(plan, device, tag_limit=2**20), FakeComm(FakeWorld(), 0), rank_of_devices(plan),
-                           storage_dtype(plan.problem.dtype), timeout_s, (1e-5, 1e-4))
+        engine = MpiEngine(lower(plan, device, tag_limit=2**20), FakeComm(FakeWorld(), 0), rank_of_devices(plan), timeout_s, (1e-5, 1e-4))
         engine.setup(mpi=_FailingMPI)
         src = engine.program.src_block
         engine.start(None if src is None else fill(src, plan.problem.shape, engine.dtype))
@@ -148,9 +146,7 @@ def _executor_on(world: FakeWorld, plan, device: int, timeout_s: float):
     rank = rank_of_devices(plan)[device]
     ex = ReshardingExecutor(plan, WorldComm(world, rank))
     ex.program = lower(plan, device, tag_limit=2**20)
-    ex.src_shape = ex.program.src_shape
-    ex.engine = MpiEngine(ex.program, FakeComm(world, rank), rank_of_devices(plan), storage_dtype(plan.problem.dtype),
-                          timeout_s, (1e-5, 1e-4))
+    ex.engine = MpiEngine(ex.program, FakeComm(world, rank), rank_of_devices(plan), timeout_s, (1e-5, 1e-4))
     ex.engine.setup(mpi=FakeMPI)
     return ex
 
@@ -189,8 +185,7 @@ def test_a_thread_never_progresses_an_engine_another_thread_holds_and_then_sees_
 
     plan = compiled(random_problem(3), "send_recv")
     device = next(op.dsts[0] for op in plan.operations if op.kind in ("send", "broadcast"))
-    engine = MpiEngine(lower(plan, device, tag_limit=2**20), FakeComm(FakeWorld(), 0), rank_of_devices(plan),
-                       storage_dtype(plan.problem.dtype), 5.0, (1e-5, 1e-4))
+    engine = MpiEngine(lower(plan, device, tag_limit=2**20), FakeComm(FakeWorld(), 0), rank_of_devices(plan), 5.0, (1e-5, 1e-4))
     engine.setup(mpi=_FailingMPI)
     src = engine.program.src_block
     engine.start(None if src is None else fill(src, plan.problem.shape, engine.dtype))
@@ -260,7 +255,7 @@ def test_a_send_goes_as_soon_as_its_chunk_is_packed_not_after_every_ready_pack()
             super()._launch(i)
 
     world, rank_of = FakeWorld(), rank_of_devices(plan)
-    engine = Recording(program, FakeComm(world, rank_of[sender]), rank_of, np.dtype(np.int32), 1.0, (1e-5, 1e-4))
+    engine = Recording(program, FakeComm(world, rank_of[sender]), rank_of, 1.0, (1e-5, 1e-4))
     engine.setup(mpi=FakeMPI)
     engine.start(fill(program.src_block, problem.shape, np.dtype(np.int32)))
     for _ in range(100):

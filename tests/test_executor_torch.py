@@ -238,9 +238,12 @@ def _one_reshard_in_process(monkeypatch, group, engine_class, transport=None):
 
     monkeypatch.setattr(dist, "get_backend", lambda group: "gloo")
     monkeypatch.setattr(dist, "get_rank", lambda group: 0)
+    from xmesh_plan.executor.passes import with_receipts
+
     problem, plan, _, program = two_chunked_broadcasts_from_one_device()
-    engine = engine_class(program, EngineContext(group, rank_of_devices(plan), "int32", np.dtype(np.int32), 5.0, (1e-4, 1e-3),
-                                                 transport=transport or TransportOptions()))
+    transport = transport or TransportOptions()
+    replayed = program if transport.receipt_bytes is None else with_receipts(program, transport.receipt_bytes)  # as on gloo
+    engine = engine_class(replayed, EngineContext(group, rank_of_devices(plan), 5.0, (1e-4, 1e-3), transport=transport))
     engine.setup()
     try:
         engine.start(torch.from_numpy(np.ascontiguousarray(fill(program.src_block, problem.shape, np.dtype(np.int32)))))

@@ -206,8 +206,8 @@ def test_a_shard_handed_to_a_rank_outside_the_source_mesh_is_refused():
     ex = ReshardingExecutor(plan, _Comm())
     ex.program = lower(plan, 5)
     with pytest.raises(PlanMismatchError, match=r"device 5 \(rank 0\) is not in the source mesh, so it has no source shard; pass None"):
-        ex._adopt(np.zeros((2, 3, 4), np.int32))
-    assert ex._adopt(None) is None
+        ex._adopt(0, np.zeros((2, 3, 4), np.int32))
+    assert ex._adopt(0, None) is None
 
 
 def test_executor_with_good_arguments_is_made_without_mpi_calls():
@@ -385,7 +385,7 @@ def test_nccl_backend_without_cupy_says_what_to_install():
     except ImportError:
         pass
     plan = _plan()
-    engine = NcclEngine(lower(plan, 0), None, {}, np.dtype("int32"), 1.0, (1e-5, 1e-4))
+    engine = NcclEngine(lower(plan, 0), None, {}, 1.0, (1e-5, 1e-4))
     with pytest.raises(BackendUnavailableError, match="pip install cupy-cuda12x"):
         engine.setup()
 

@@ -197,22 +197,17 @@ def _mutate_multi(rng: random.Random, plan: dict) -> str:
 def _executor_refuses(plan: Plan) -> str | None:
     """What `TransferExecutor` refuses from the plan alone, on every rank, before a byte moves (MPI, its default
     order): the shared checker in its constructor, the staging its order needs against what the plan states, each
-    tensor lowered for every device, and the tensors' programs joined where it runs them as one."""
-    from xmesh_plan.executor.joint import join_programs
+    plan lowered for every device and passed through the passes its order takes (`passes.rank_program`)."""
+    from xmesh_plan.executor.passes import rank_program
     from xmesh_plan.executor.transfer_executor import check_transfer_staging, default_order
-    from xmesh_plan.schemas.carriers import has_carriers
     from xmesh_plan.schemas.plan_check import check_plan
-    from xmesh_plan.schemas.plan_tensors import is_multi, tensor_plans
 
     try:
         check_plan(plan)
         order = default_order(plan, "mpi")
         check_transfer_staging(plan, order, "mpi")
-        singles = tensor_plans(plan)
         for device in plan_devices(plan):
-            programs = [lower(single, device) for single in singles]
-            if is_multi(plan) and (order == "device" or has_carriers(plan.operations)):
-                join_programs(programs, plan, order)
+            rank_program(plan, device, order, concurrent=True)
     except (PlanError, PlanMismatchError) as err:
         return str(err)
     return None

@@ -16,7 +16,7 @@ from click.testing import CliRunner
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 from xmesh_plan.executor import PlanMismatchError, TransferExecutor
-from xmesh_plan.executor.joint import join_programs
+from xmesh_plan.executor.passes import rank_program
 from xmesh_plan.executor.lower import lower
 from xmesh_plan.executor.ranks import plan_devices
 from xmesh_plan.executor.scale import factors_for, scale_tensors
@@ -63,15 +63,8 @@ def two_plan() -> Plan:
 
 
 def joint_programs(plan: Plan) -> dict[int, object]:
-    """Every device's joint program in device order, as `TransferExecutor.prepare` lays it out."""
-    out = {}
-    for device in plan_devices(plan):
-        programs, first = [], 0
-        for single in tensor_plans(plan):
-            programs.append(lower(single, device, tag_limit=2**29, first_tag=first))
-            first += 10**6
-        out[device] = join_programs(programs, plan)
-    return out
+    """Every device's program of every tensor in device order, as `TransferExecutor.prepare` lays it out."""
+    return {device: rank_program(plan, device, "device", concurrent=True, tag_limit=2**29) for device in plan_devices(plan)}
 
 
 # --- compile ------------------------------------------------------------------------------------------------
@@ -145,8 +138,7 @@ def test_every_tensor_shares_one_staging_area_and_runs_bit_exact_in_process(two_
             full = full_tensors(plan, seed)
             assert_every_shard(plan, run_everywhere(plan, executors, full), full)
         for ex in executors:
-            stage = ex.parts[0].engine.stage
-            assert all(part.engine.stage is stage for part in ex.parts)  # one buffer, not one per tensor
+            stage = ex.engine.stage  # one buffer for every tensor: the one engine's
             assert ex.stage_bytes == stage.nbytes == plan.staging.peak_bytes.get(ex.device, 0) <= plan.staging.limit_bytes
     posted = sum(staging_peaks(small_plan, "posted").values())
     assert posted > sum(small_plan.staging.peak_bytes.values())

@@ -15,6 +15,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 
 from xmesh_plan.executor import ExecutorError, PlanMismatchError, ReshardingExecutor, TransferExecutor
 from xmesh_plan.executor.lower import in_device_order, lower
+from xmesh_plan.executor.passes import rank_program
 from xmesh_plan.executor.mpi_engine import MpiEngine
 from xmesh_plan.executor.ranks import plan_devices
 from xmesh_plan.planner.cli import main
@@ -163,13 +164,17 @@ def test_compare_prices_every_solver_and_alpa_on_all_tensors_together(tmp_path):
 # --- executor -----------------------------------------------------------------------------------------------
 
 def test_tensors_sharing_a_communicator_get_disjoint_tags(plan):
-    ex = fake_executors(plan)[0]
-    offsets = [p.tag_offset for p in ex.parts]
-    counts = [sum(map(tags_used, p.plan.operations)) for p in ex.parts]
-    assert offsets == [sum(counts[:k]) for k in range(len(counts))] and all(counts)
-    tags = [{s.tag for s in p.program.steps if s.action in ("send", "recv")} for p in ex.parts]
-    for k, mine in enumerate(tags):
-        assert all(offsets[k] <= t < offsets[k] + counts[k] for t in mine), k
+    """Every tensor's messages take tags from its own block, the blocks one after another in tensor order."""
+    counts = [sum(tags_used(op) for op in plan.operations if op.tensor == k) for k in range(len(plan.problem.tensors))]
+    offsets = [sum(counts[:k]) for k in range(len(counts))]
+    assert all(counts)
+    seen = set()
+    for ex in fake_executors(plan):
+        for s in ex.program.steps:
+            if s.action in ("send", "recv"):
+                assert offsets[s.tensor] <= s.tag < offsets[s.tensor] + counts[s.tensor], (ex.device, s.tensor, s.tag)
+                seen.add(s.tensor)
+    assert seen == set(range(len(counts)))
 
 
 def test_the_executor_delivers_every_tensor_bit_exact_against_numpy_slicing(plan):
@@ -201,7 +206,7 @@ def test_the_executor_catches_a_shard_handed_in_under_the_wrong_name():
 
 def test_the_executor_refuses_missing_and_unknown_names(plan):
     executors = fake_executors(plan)
-    source = next(ex for ex in executors if ex.parts[0].program.src_block is not None)
+    source = next(ex for ex in executors if ex.program.src_block is not None)
     with pytest.raises(PlanMismatchError, match=r"'nope' is not a tensor of this plan"):
         source.start({"nope": np.zeros(1)})
     with pytest.raises(PlanMismatchError, match=r"in the source mesh; pass its shard of 'w' \(and 2 more\)"):
@@ -217,8 +222,8 @@ def test_a_wrong_later_input_is_refused_before_any_tensor_starts_and_the_executo
     (nothing moved), so the same executor runs the corrected call and every peer's reshard completes bit-exact."""
     executors = fake_executors(plan, concurrent=concurrent, order=order)
     full = full_tensors(plan, 6)
-    source = next(ex for ex in executors if all(part.program.src_block is not None for part in ex.parts))
-    shards = {name: slice_box(full[name], part.program.src_block) for name, part in zip(source.names, source.parts)}
+    source = next(ex for ex in executors if all(t.src_block is not None for t in ex.program.tensors))
+    shards = {name: slice_box(full[name], t.src_block) for name, t in zip(source.names, source.program.tensors)}
     last = source.names[-1]
     with pytest.raises(PlanMismatchError, match=f"{last}|dtype|element type|float64"):
         source.start({**shards, last: shards[last].astype(np.float64)})
@@ -247,14 +252,24 @@ def test_a_multi_tensor_plan_is_refused_by_the_single_tensor_executor(plan):
         ReshardingExecutor(plan, WorldComm(FakeWorld(), 0, 6))
 
 
-def test_the_nccl_engine_joins_the_tensors_in_device_order_by_default_and_runs_them_one_after_another_posted(plan):
-    """Device order (the default on NCCL) replays every tensor through one joint engine (`JointNcclEngine`);
-    posted runs them one after another (tests/test_executor_gpu.py runs both on the fake CuPy)."""
+def test_the_nccl_engine_runs_the_tensors_in_device_order_by_default_and_one_after_another_posted(plan):
+    """Device order (the default on NCCL) replays every tensor's operations in the plan's order across tensors;
+    posted runs them one after another, NCCL not being concurrent (tests/test_executor_gpu.py runs both on the fake CuPy)."""
     for order in ("device", None):
         ex = TransferExecutor(plan, WorldComm(FakeWorld(), 0, 6), backend="nccl", order=order)
-        assert ex.joined and ex.order == "device" and ex.entry.join is not None
+        assert ex.order == "device" and not ex.entry.concurrent
     ex = TransferExecutor(plan, WorldComm(FakeWorld(), 0, 6), backend="nccl", order="posted")
-    assert not ex.joined and ex.order == "posted"
+    assert ex.order == "posted"
+    position = {op.id: k for k, op in enumerate(plan.operations)}
+    spans = 0
+    for device in plan_devices(plan):
+        joint = rank_program(plan, device, "device", concurrent=False)
+        assert joint.order == "device" and [position[s.op] for s in joint.steps] == sorted(position[s.op] for s in joint.steps)
+        spans += len({s.tensor for s in joint.steps}) > 1 and [s.tensor for s in joint.steps] != sorted(s.tensor for s in joint.steps)
+        posted = rank_program(plan, device, "posted", concurrent=False)
+        assert [s.tensor for s in posted.steps] == sorted(s.tensor for s in posted.steps)
+        assert [c.tensor for c in posted.collectives] == sorted(c.tensor for c in posted.collectives)
+    assert spans  # device order interleaves tensors somewhere; one after another never does
 
 
 def test_the_default_order_is_posted_for_a_multi_tensor_plan_on_mpi_device_otherwise(plan):
@@ -420,31 +435,37 @@ def test_each_tensor_of_a_multi_tensor_plan_runs_bit_exact_on_the_fake_nccl(plan
 
 # --- device order across tensors -----------------------------------------------------------------------------
 
-def test_joining_keeps_every_step_and_dependency_and_puts_them_in_the_joint_plans_order(plan):
-    from xmesh_plan.executor.joint import join_programs
-
+def test_the_whole_plan_lowering_is_each_tensors_lowering_in_the_plans_order(plan):
+    """`lower(plan, device)` keeps every step and dependency each tensor's own plan lowers to, puts them in the
+    plan's operation order, and numbers each tensor's tags after the tensors before it; device order gates the same
+    steps and re-bases their staging."""
     position = {op.id: k for k, op in enumerate(plan.operations)}
+    counts = [sum(tags_used(op) for op in plan.operations if op.tensor == k) for k in range(len(plan.problem.tensors))]
     for device in plan_devices(plan):
-        programs = [lower(single, device) for single in tensor_plans(plan)]
-        joint = join_programs(programs, plan, order="posted")
-        assert sorted(joint.where) == sorted((t, s.index) for t, p in enumerate(programs) for s in p.steps)
-        assert [position[s.op] for s in joint.steps] == sorted(position[s.op] for s in joint.steps)
-        for s, (t, j) in zip(joint.steps, joint.where):
-            mine = programs[t].steps[j]
-            assert replace(s, index=j, deps=mine.deps) == mine
-            assert sorted(joint.where[d] for d in s.deps) == [(t, d) for d in sorted(mine.deps)]
-            assert all(d < s.index for d in s.deps)
-        gated = join_programs(programs, plan)  # the same steps, gated and re-based into one staging area
+        whole = lower(plan, device)
+        assert [position[s.op] for s in whole.steps] == sorted(position[s.op] for s in whole.steps)
+        for t, single in enumerate(tensor_plans(plan)):
+            mine = lower(single, device).steps
+            theirs = [s for s in whole.steps if s.tensor == t]
+            assert len(theirs) == len(mine)
+            local = {s.index: j for j, s in enumerate(theirs)}
+            for s, own in zip(theirs, mine):
+                assert all(d < s.index for d in s.deps)
+                moved = replace(s, index=local[s.index], deps=tuple(sorted(local[d] for d in s.deps)), tag=s.tag - sum(counts[:t]) if s.action.is_message else s.tag,
+                                tensor=0, data=None, box=s.box and replace(s.box, tensor=0), target=s.target and replace(s.target, tensor=0))
+                assert moved == replace(own, data=None)
+                assert (s.data is None) == (own.data is None) and (s.data is None or s.data.nbytes == own.data.nbytes)
+        gated = in_device_order(whole)
         assert gated.order == "device" and [replace(s, deps=(), data=None) for s in gated.steps] == \
-            [replace(s, deps=(), data=None) for s in joint.steps]
-        assert [s.data.nbytes for s in gated.steps if s.data] == [s.data.nbytes for s in joint.steps if s.data]
+            [replace(s, deps=(), data=None) for s in whole.steps]
+        assert [s.data.nbytes for s in gated.steps if s.data] == [s.data.nbytes for s in whole.steps if s.data]
 
 
 def test_device_order_refuses_calls_out_of_turn_after_an_error_and_after_close(plan):
     from xmesh_plan.executor import PeerTimeoutError
 
     executors = fake_executors(plan)
-    receiver = next(ex for ex in executors if ex.parts[0].program.src_block is None)
+    receiver = next(ex for ex in executors if ex.program.src_block is None)
     with pytest.raises(ExecutorError, match=r"wait\(\) called without start\(\)"):
         receiver.wait()
     assert receiver.test()  # nothing in flight
@@ -472,8 +493,8 @@ def _violations(plan: Plan, order: str, executors: list[TransferExecutor] | None
     """Run once on the fake MPI in `order`; messages that moved ahead of an earlier operation with other peers."""
     executors = executors or fake_executors(plan, order=order)
     run_everywhere(plan, executors, full_tensors(plan, 8))
-    steps = {ex.device: ex.joint.steps if ex.joint is not None else [s for p in ex.parts for s in p.program.steps] for ex in executors}
-    world = executors[0].parts[0].engine.comm.world
+    steps = {ex.device: ex.engine.program.steps for ex in executors}
+    world = executors[0].engine.comm.world
     return out_of_device_order(plan, world, steps_of=steps.get)
 
 
@@ -493,11 +514,28 @@ def test_posted_order_and_per_tensor_device_order_send_ahead_of_earlier_operatio
     plan = _order_plans()[2]
     executors = fake_executors(plan, order="posted")
     for ex in executors:  # each tensor in device order on its own, all tensors at once
-        for part in ex.parts:
-            part.engine = MpiEngine(in_device_order(part.program), part.engine.comm, part.engine.rank_of, part.engine.dtype,
-                                    5.0, (1e-5, 1e-4))
-            part.engine.setup(mpi=FakeMPI)
+        ex.engine = MpiEngine(_each_tensor_in_device_order(ex.program), ex.engine.comm, ex.engine.rank_of, 5.0, (1e-5, 1e-4))
+        ex.engine.setup(mpi=FakeMPI)
     assert _violations(plan, "posted", executors)
+
+
+def _each_tensor_in_device_order(program):
+    """`in_device_order` applied to each tensor's steps alone (gates within a tensor only), every tensor posted at
+    once, each in its own part of staging."""
+    steps, base = [], 0
+    for t in range(len(program.tensors)):
+        mine = [s for s in program.steps if s.tensor == t]
+        local = {s.index: j for j, s in enumerate(mine)}
+        alone = in_device_order(replace(program, steps=tuple(replace(s, index=local[s.index], deps=tuple(local[d] for d in s.deps))
+                                                            for s in mine)))
+        first = len(steps)
+        for s in alone.steps:
+            data = s.data
+            if data is not None and data.buffer == "stage":
+                data = replace(data, start=data.start + base, stop=data.stop + base)
+            steps.append(replace(s, index=s.index + first, deps=tuple(d + first for d in s.deps), data=data))
+        base += alone.stage_bytes
+    return replace(program, steps=tuple(steps), stage_bytes=base, order="device")
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -514,3 +552,19 @@ def test_random_multi_tensor_plans_are_bit_exact_in_both_orders(seed, strategy, 
         assert_every_shard(plan, run_everywhere(plan, executors, full), full)
     if order == "device" and len(plan.problem.tensors) > 1:
         assert _violations(plan, "device") == []
+
+
+def test_lowering_walks_only_the_operations_its_device_takes_part_in(plan, monkeypatch):
+    """`lower(plan, device)` reads the plan's per-device index, so its cost grows with the device's share of the plan:
+    every lowering call it makes is for an operation the device is a member of, each once, in plan order."""
+    from xmesh_plan.executor import lower as lowering
+    from xmesh_plan.schemas.op_kinds import members
+
+    seen = []
+    for pattern, handler in dict(lowering._LOWER).items():
+        monkeypatch.setitem(lowering._LOWER, pattern, lambda b, op, base, handler=handler: (seen.append(op.id), handler(b, op, base))[1])
+    for device in plan_devices(plan):
+        seen.clear()
+        lowering.lower(plan, device)
+        assert seen == [op.id for op in plan.operations if device in members(op)], device
+        assert len(seen) < len(plan.operations)

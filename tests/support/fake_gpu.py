@@ -506,7 +506,7 @@ def nccl_engines(plan, gpu, timeout_s: float = 5.0):
     engines = []
     for rank, device in enumerate(plan_devices(plan)):
         gpu.process = device
-        engine = NcclEngine(lower(plan, device), FakeMpiComm(mail, rank), rank_of, dtype, timeout_s, (1e-4, 1e-3),
+        engine = NcclEngine(lower(plan, device), FakeMpiComm(mail, rank), rank_of, timeout_s, (1e-4, 1e-3),
                             devices_per_host=plan.problem.cluster.devices_per_host)
         engine.setup()
         engines.append(engine)

@@ -105,7 +105,7 @@ def simulate(plan, iterations: int = 4, order: str = "posted", world: FakeWorld 
     for rank, device in enumerate(plan_devices(plan)):
         program = lower(plan, device, tag_limit=2**20)
         program = in_device_order(program, stage_budget(plan)) if order == "device" else program
-        engine = MpiEngine(program, FakeComm(world, rank), rank_of, dtype, 1.0, (1e-5, 1e-4))
+        engine = MpiEngine(program, FakeComm(world, rank), rank_of, 1.0, (1e-5, 1e-4))
         engine.setup(mpi=FakeMPI)
         engines.append(engine)
     shards = [None] * len(engines)

@@ -8,8 +8,8 @@ import pytest
 
 from xmesh_plan.executor import TransferExecutor
 from xmesh_plan.executor.arrays import storage_dtype
-from xmesh_plan.executor.lower import in_device_order, lower
 from xmesh_plan.executor.mpi_engine import MpiEngine
+from xmesh_plan.executor.passes import rank_program
 from xmesh_plan.executor.ranks import plan_devices, rank_of_devices
 from xmesh_plan.planner.transfer_io import build_transfer
 from xmesh_plan.schemas import Plan
@@ -42,40 +42,26 @@ def slice_box(array: np.ndarray, box) -> np.ndarray:
 
 
 def fake_executors(plan: Plan, concurrent: bool = True, order: str = "device") -> list[TransferExecutor]:
-    """One TransferExecutor per rank over one fake MPI communicator shared by every tensor (tags offset per
-    tensor as prepare() does, so a collision would deliver bytes to the wrong tensor), each tensor's engine
-    set up as prepare() would, and in device order the joint engine over them. `concurrent=False` (posted):
-    one tensor after another, every tensor's tags from 0 (as on a torch process group)."""
+    """One TransferExecutor per rank over one fake MPI world, each set up as prepare() sets it up (without the
+    ranks' agreement round): its device's program (`passes.rank_program`, tags unique across tensors on the one
+    communicator, so a collision would deliver bytes to the wrong tensor) replayed by one MpiEngine for every
+    tensor. `concurrent=False` (posted): one tensor after another, as on an engine that runs one reshard at a time."""
     devices, rank_of = plan_devices(plan), rank_of_devices(plan)
     world = FakeWorld()
     out = []
     for rank, device in enumerate(devices):
         ex = TransferExecutor(plan, WorldComm(world, rank, len(devices)), order=order)
-        ex.concurrent = concurrent
-        for part in ex.parts:
-            offset = part.tag_offset if concurrent or ex.joined else 0
-            part.program = lower(part.plan, device, tag_limit=2**20, first_tag=offset)
-            if order == "device" and not ex.joined:
-                part.program = in_device_order(part.program)
-        if ex.joined:
-            ex._join()  # one staging area for every tensor: the first engine allocates it, the others share it
-        stage = None
-        for part in ex.parts:
-            part.src_shape = part.program.src_shape
-            part.engine = MpiEngine(part.program, FakeComm(world, rank), rank_of, storage_dtype(part.plan.problem.dtype), 5.0, (1e-5, 1e-4))
-            part.engine.setup(mpi=FakeMPI, stage=stage)
-            stage = part.engine.stage if ex.joined else None
-        if ex.joined:
-            ex.engine = ex.entry.make_joint(ex.joint, [part.engine for part in ex.parts])
-            ex.engine.setup(mpi=FakeMPI)
+        ex.program = rank_program(plan, device, order, concurrent, tag_limit=2**20)
+        ex.engine = MpiEngine(ex.program, FakeComm(world, rank), rank_of, 5.0, (1e-5, 1e-4))
+        ex.engine.setup(mpi=FakeMPI)
         out.append(ex)
     return out
 
 
 def run_everywhere(plan: Plan, executors: list[TransferExecutor], full: dict[str, np.ndarray]) -> dict[int, dict[str, np.ndarray]]:
     for ex in executors:
-        shards = {name: slice_box(full[name], part.program.src_block)
-                  for name, part in zip(ex.names, ex.parts) if part.program.src_block is not None}
+        shards = {name: slice_box(full[name], shards.src_block)
+                  for name, shards in zip(ex.names, ex.program.tensors) if shards.src_block is not None}
         ex.start(shards or None)
     for _ in range(10_000):
         if all([ex.test() for ex in executors]):

@@ -18,8 +18,7 @@ import sys
 
 def allocated(ex) -> int:
     """Bytes of the distinct staging buffers this rank's engines hold (a buffer shared by tensors counted once)."""
-    buffers = {id(part.engine.stage): part.engine.stage.nbytes for part in ex.parts}
-    return sum(buffers.values())
+    return ex.engine.stage.nbytes  # one engine, one area for every tensor
 
 
 def check(comm, path: str) -> None:
@@ -37,16 +36,14 @@ def check(comm, path: str) -> None:
     assert stated is None or mine <= stated, f"device {ex.device}: {mine} B of staging allocated, the plan states {stated} B"
     for run in range(3):
         salts = {name: tensor_salt(k) + 101 * run for k, name in enumerate(ex.names)}
-        shards = {name: fill(part.program.src_block, part.plan.problem.shape, part.engine.dtype, salts[name])
-                  for name, part in zip(ex.names, ex.parts) if part.program.src_block is not None}
-        for part in ex.parts:
-            if part.engine.dst is not None:
-                part.engine.poison()
+        shards = {name: fill(t.src_block, problem.shape, dtype, salts[name])
+                  for name, t, problem, dtype in zip(ex.names, ex.program.tensors, ex.problems, ex.engine.dtypes) if t.src_block is not None}
+        ex.engine.poison()
         out = ex.run(shards)
-        for name, part in zip(ex.names, ex.parts):
-            assert (name in out) == (part.program.dst_block is not None), (name, part.program.device)
+        for name, t, problem in zip(ex.names, ex.program.tensors, ex.problems):
+            assert (name in out) == (t.dst_block is not None), (name, ex.device)
             if name in out:
-                bad, first = mismatches(out[name], part.program.dst_block, part.plan.problem.shape, salts[name])
+                bad, first = mismatches(out[name], t.dst_block, problem.shape, salts[name])
                 assert not bad, f"run {run}: device {ex.device}: tensor {name}: {bad} elements differ, first at {first}"
     order = ex.order
     ex.close()

@@ -31,6 +31,7 @@ import torch.distributed as dist
 from xmesh_plan.executor import ExecutorError, PlanMismatchError, ReshardingExecutor, TransferExecutor, TransportOptions
 from xmesh_plan.executor.arrays import storage_dtype
 from xmesh_plan.executor.pattern import fill
+from xmesh_plan.schemas.plan_tensors import tensor_plans
 from xmesh_plan.schemas import Plan, read_plan_file
 from xmesh_plan.schemas.geometry import local_slices
 
@@ -132,27 +133,27 @@ def check_transfer(paths: list[str]) -> None:
         plan = read_plan_file(path)
         ex = TransferExecutor(plan, backend="gloo", timeout_s=TIMEOUT_S, order=ORDER, transport=TRANSPORT).prepare()
         if plan.staging is not None or ORDER == "posted":  # the staging this rank allocated: distinct buffers of its engines
-            stages = {part.engine.stage.data_ptr(): part.engine.stage.numel() for part in ex.parts}
-            shared = "shared" if all(part.engine.stage is ex.parts[0].engine.stage for part in ex.parts) else f"{len(stages)} areas"
+            stages = {ex.engine.stage.data_ptr(): ex.engine.stage.numel()}  # one engine, one area for every tensor
+            shared = "shared"
             stated = plan.staging.peak_bytes.get(ex.device, 0) if plan.staging is not None else None
             print(f"rank {rank}: {Path(path).name}: device {ex.device} staging {sum(stages.values())} B, stated {stated} B, "
                   f"{shared}", flush=True)
         bad = 0
+        singles = tensor_plans(plan)  # each tensor's own plan: its problem's shape and dtype
         for salt in (0, 7, 200):
-            wholes = [pattern(part.plan, salt + k) for k, part in enumerate(ex.parts)]
+            wholes = [pattern(single, salt + k) for k, single in enumerate(singles)]
             shards = {}
-            for name, part, whole in zip(ex.names, ex.parts, wholes):
-                if part.program.src_block is not None:
-                    src = shard_of(whole, part.program.src_block, part.plan)
+            for name, single, mine, whole in zip(ex.names, singles, ex.program.tensors, wholes):
+                if mine.src_block is not None:
+                    src = shard_of(whole, mine.src_block, single)
                     shards[name] = src.transpose(0, -1).contiguous().transpose(0, -1) if salt == 200 and src.dim() > 1 else src
-                if part.engine.dst is not None:
-                    part.engine.poison()
+            ex.engine.poison()
             out = _reshard(ex, shards, salt)
-            for name, part, whole in zip(ex.names, ex.parts, wholes):
-                assert (name in out) == (part.program.dst_block is not None), (path, name)
+            for name, single, mine, whole in zip(ex.names, singles, ex.program.tensors, wholes):
+                assert (name in out) == (mine.dst_block is not None), (path, name)
                 if name in out:
-                    full = tuple((0, n) for n in part.plan.problem.shape)
-                    got, want = part.engine.host_copy(out[name]), whole[local_slices(part.program.dst_block, full)]
+                    full = tuple((0, n) for n in single.problem.shape)
+                    got, want = ex.engine.host_copy(out[name]), whole[local_slices(mine.dst_block, full)]
                     bad += int((got.view(f"V{got.itemsize}") != want.view(f"V{want.itemsize}")).sum())
         ex.close()
         total = torch.tensor([bad])
