@@ -4,7 +4,8 @@ A plan of a `TransferProblem` schedules every tensor's unit tasks together; each
 names its tensor (`tensor`, an index into `problem.tensors`). `tensor_plans` splits such a plan into
 one single-tensor plan per tensor: the tensor's own tasks and operations, with their ids, times and
 order kept, the host order cut down to its tasks. Tensors never share bytes, so a joint plan is
-correct exactly when each of these is; the verifier replays them, and the executor lowers them. A
+correct exactly when each of these is; the verifier replays them and the staging peaks are counted on them
+(the executor lowers the whole plan at once, `executor.lower`). A
 bundle riding in another tensor's bundle's message (`schemas.carriers`) is a whole bundle of its own
 tensor there (its `carrier` dropped): sharing the message changes what crosses, not what arrives.
 A single-tensor plan splits into itself.
