@@ -433,8 +433,10 @@ Columns: **run() ms**, one `ReshardingExecutor.run()` (median of 40); **bare mpi
 `Isend`/`Irecv` of the same rows into the same buffers finished by `Waitall` (the data movement alone);
 **overhead us / task** = (run() - bare) / T; **run() us / task**; **peak B**, the largest rise of traced Python
 memory during one call (tracemalloc, worst rank); **net B**, what stays allocated after all calls; and the same
-run() timed with the engine of git revision `{rev}` (`--compare`, loaded from git and interleaved with the current
-one), with **now / {rev}**, the ratio that must not grow when the executor changes.
+run() timed with the executor of git revision `{rev}` (`--compare`: its whole package, run from a copy of that
+revision, alternating with the current one plan by plan), with **now / {rev}**, the ratio that must not grow when
+the executor changes. On this shared machine one run's ratios scatter with the other jobs' load;
+read them together, and the allocation columns, which do not depend on load.
 
 {table(rows, ["plan", "ranks", "unit tasks", "run() ms", "bare mpi4py ms", "overhead us / task", "run() us / task", "peak B", "net B",
               f"{rev} run() ms", f"now / {rev}"], "lrrrrrrrrrr")}
