@@ -25,7 +25,7 @@ from typing import Sequence
 
 from xmesh_plan.schemas import Operation, Plan
 from xmesh_plan.schemas.geometry import Region
-from xmesh_plan.schemas.op_kinds import members, tags_used
+from xmesh_plan.schemas.op_kinds import first_tags, members
 
 
 @dataclass(frozen=True)
@@ -51,17 +51,8 @@ def devices_of(operations: Sequence[Operation]) -> dict[int, tuple[int, ...]]:
 
 def build_index(plan: Plan) -> PlanIndex:
     problems = plan.problem.tensor_problems()
-    used = [0] * len(problems)
-    counts = [tags_used(op) for op in plan.operations]
-    for op, n in zip(plan.operations, counts):
-        used[op.tensor or 0] += n
-    start = [sum(used[:t]) for t in range(len(problems))]  # tensor t's block of tags follows those before it
-    first = []
-    for op, n in zip(plan.operations, counts):
-        t = op.tensor or 0
-        first.append(start[t])
-        start[t] += n
-    return PlanIndex(devices_of(plan.operations), tuple(first), sum(used),
+    first, tags = first_tags(plan.operations)
+    return PlanIndex(devices_of(plan.operations), tuple(first), tags,
                      tuple((p.blocks("src"), p.blocks("dst")) for p in problems))
 
 

@@ -275,6 +275,24 @@ def tags_used(op: OpLike) -> int:
     return _facts(op).tags(op)
 
 
+def first_tags(operations) -> tuple[list[int], int]:
+    """(each operation's first message tag, the plan's number of tags). Tags are numbered tensor by tensor: tensor
+    k's operations own the tags after those of tensors 0..k-1, each operation a block of `tags_used` in plan order,
+    so a tensor's messages, taken alone, come in tag order. The executor's lowering and the compact plan's index
+    both number by this one function, so a rank reading only its part numbers its messages as its peers do."""
+    counts = [tags_used(op) for op in operations]
+    tensors = [op.tensor or 0 for op in operations]
+    used = [0] * (max(tensors, default=0) + 1)
+    for t, n in zip(tensors, counts):
+        used[t] += n
+    start = [sum(used[:t]) for t in range(len(used))]
+    first = []
+    for t, n in zip(tensors, counts):
+        first.append(start[t])
+        start[t] += n
+    return first, sum(used)
+
+
 def pair_bytes(op: OpLike, itemsize: int) -> dict[tuple[int, int], int]:
     """Bytes an operation moves between each pair of distinct devices (exact; local copies left out)."""
     return hops_pair_bytes(route(op), itemsize)

@@ -15,15 +15,14 @@ Members:
   strings as indices into `<table>.<field>.names` (UTF-8 JSON list), lists of integers and boxes as offsets +
   flat values (CSR), an optional integer as values + a `.none` mask (left out when nothing is None).
 - `index.devices`, `index.offsets`, `index.rows`: for each device (sorted), the rows of the operations it takes
-  part in (src, dsts, holders or needers), in execution order; `index.first_tags`: per row, the message tags of
-  the operations before it (`op_kinds.tags_used`, summed), and the plan's total last, so a rank numbers its
-  messages as a lowering of the whole plan would.
+  part in (src, dsts, holders or needers), in execution order; `index.first_tags`: per row, its operation's first
+  message tag (`op_kinds.first_tags`: numbered tensor by tensor, as the executor's lowering numbers them), and the
+  plan's total last, so a rank numbers its messages as its peers lowering the whole plan do.
 """
 
 from __future__ import annotations
 
 import io
-import itertools
 import json
 import os
 import zipfile
@@ -33,7 +32,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from .op_kinds import tags_used
+from .op_kinds import first_tags
 
 FORMAT = "xmesh-plan-compact"
 FORMAT_VERSION = 1
@@ -175,7 +174,8 @@ def compact_arrays(plan) -> dict[str, np.ndarray]:
         for (field, kind), values in zip(kinds.items(), columns):
             _ENCODERS[kind](f"{table}.{field}", list(values), out)
     out.update(_device_index(out, len(plan.operations)))
-    out["index.first_tags"] = _ints([0, *itertools.accumulate(map(tags_used, plan.operations))], "message tags")
+    first, tags = first_tags(plan.operations)  # the lowering's numbering (tensor by tensor), and the plan's total
+    out["index.first_tags"] = _ints([*first, tags], "message tags")
     return out
 
 
@@ -385,7 +385,7 @@ def read_compact_data(path: str | os.PathLike, records: dict[str, Callable[[dict
 class DeviceOps:
     """What one device needs of a plan to run its part: the plan's problem and schema version, the operations it
     takes part in (execution order), their rows in the plan's operation list, the message tag each one's first
-    message gets when the whole plan is numbered from 0 (`op_kinds.tags_used` of the operations before it), and
+    message gets when the whole plan is numbered (`op_kinds.first_tags`, as the executor's lowering does), and
     the tags the whole plan uses."""
 
     schema_version: int

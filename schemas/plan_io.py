@@ -8,7 +8,6 @@ file's first bytes; writers pick by the output's name (`*.npz` is compact) unles
 
 from __future__ import annotations
 
-import itertools
 import os
 import stat
 from typing import Any, Callable
@@ -18,7 +17,7 @@ from pydantic import TypeAdapter, ValidationError
 from . import files
 from .files import DataFileError, _existing_or_example, parse_data, read_text_file, write_atomic
 from .limits import quoted
-from .op_kinds import tags_used
+from .op_kinds import first_tags as number_tags
 from .plan import SCHEMA_VERSIONS, AnyProblem, HostOrder, Operation, Plan, UnitTask, PlanFileError, plan_from_data, read_plan_file
 from .plan_compact import CompactPlanError, DeviceOps, _op_devices, compact_bytes, is_compact, read_compact_data, read_device_data
 from .validation import describe_validation_error
@@ -108,9 +107,9 @@ def read_plan_ops(path: str | os.PathLike, device: int) -> DeviceOps:
     if not is_compact(_head(path)):
         plan = read_plan_file(path)
         rows = tuple(i for i, op in enumerate(plan.operations) if device in _op_devices(op))
-        first = [0, *itertools.accumulate(map(tags_used, plan.operations))]
+        first, tags = number_tags(plan.operations)
         return DeviceOps(plan.schema_version, plan.problem, tuple(plan.operations[i] for i in rows), rows,
-                         tuple(first[i] for i in rows), first[-1])
+                         tuple(first[i] for i in rows), tags)
     fields, ops, rows, first_tags, tags = _compact(path, read_device_data, device)
     version = fields.get("schema_version")
     if version not in SCHEMA_VERSIONS:
