@@ -114,6 +114,8 @@ class TransferExecutor(Executor):
         constructor; an engine that lays staging out its own way (NCCL) is checked here, once lowered."""
         if self.plan.staging is None:
             return
+        if not is_multi(self.plan) and not self.entry.own_staging:  # one tensor: the one-tensor face's check and advice
+            return super()._check_staging(program)
         need = self.entry.stage_need(program)
         stated = self.plan.staging.peak_bytes.get(program.device, 0)
         if need > stated:

@@ -283,3 +283,25 @@ def test_torch_gloo_posted_runs_the_tensors_one_after_another_in_one_staging_are
         assert shared == "shared" and allocated == max(own), (device, allocated, own)
         summed = max(summed, sum(own) - max(own))
     assert summed > 0  # some device would have held more with one area per tensor
+
+
+def test_a_one_tensor_plan_over_its_staging_gets_the_same_advice_from_both_faces():
+    """A one-tensor plan compiled with a staging limit for device order, run posted: TransferExecutor said the plan
+    was damaged ("recompile it and check it with verify") where ReshardingExecutor says to run it in device order."""
+    from xmesh_plan.executor import ReshardingExecutor, TransferExecutor, PlanMismatchError
+    from xmesh_plan.executor.passes import rank_program
+    from xmesh_plan.executor.ranks import plan_devices
+    from xmesh_plan.planner.compile import compile_plan
+    from tests.support.cases import random_problem
+    from tests.support.fake_mpi import FakeWorld, WorldComm
+    plan = compile_plan(random_problem(0, max_devices=6), solver="greedy", max_staging_bytes=64)
+    devices = plan_devices(plan)
+    over = [d for d in devices if rank_program(plan, d, "posted", True, 2**20).stage_bytes > plan.staging.peak_bytes.get(d, 0)]
+    assert over, "the case needs a device whose posted staging is above the stated peak"
+    program = rank_program(plan, over[0], "posted", True, 2**20)
+    messages = []
+    for face in (ReshardingExecutor, TransferExecutor):
+        with pytest.raises(PlanMismatchError) as err:
+            face(plan, WorldComm(FakeWorld(), 0, len(devices)), order="posted")._check_staging(program)
+        messages.append(str(err.value))
+    assert messages[0] == messages[1] and "run it with order='device'" in messages[1]
