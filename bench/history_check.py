@@ -7,7 +7,7 @@ tracks (or the paths given), except the archived results (`bench/results/archive
 measured) and this checker, and reports each line that matches one of `PATTERNS`: a numbered work period,
 a result file named by one, what code did at an earlier time, or a commit used as a point in time. It
 also reports every tracked file, archived results included, whose own name carries a work-period suffix
-(`NAME_SUFFIX`, `-s7.json`): a results file is named by what it holds (engine, order, rate, size, cases).
+(`NAME_SUFFIX`: a dash, the letter s and a number before the extension): a results file is named by what it holds (engine, order, rate, size, cases).
 `tests/test_docs_history.py` runs it as part of `make test`.
 """
 
@@ -36,7 +36,7 @@ PATTERNS = {
     "before and now": r"(?-i:\bBefore: |(?<=\. )Now (the|a|an|it|every|each)\b)",
 }
 COMPILED = {name: re.compile(pattern, re.IGNORECASE) for name, pattern in PATTERNS.items()}
-NAME_SUFFIX = re.compile(r"(?<=[a-z0-9])-s\d+(?=[.-])", re.IGNORECASE)  # on a file's own name: `x-s7.json`, `x-s12-cases1-3.json`
+NAME_SUFFIX = re.compile(r"(?<=[a-z0-9])-s\d+(?=[.-])", re.IGNORECASE)  # on a file's own name, before its extension or next part
 
 
 def tracked_names(root: Path = ROOT) -> list[Path]:
