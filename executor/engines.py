@@ -86,7 +86,8 @@ class Engine(Protocol):
 
     def start(self, src: Any) -> None:
         """Begin one reshard and return at once: `src` is a one-tensor program's source shard, or a sequence of one per
-        tensor (None where the device has none)."""
+        tensor (None where the device has none). An engine with `EngineEntry.receives_into` also takes `into`: the
+        caller's destination tensors in the same form, written in place (`executor.destinations`)."""
 
     def test(self) -> bool:
         """Drive progress without blocking; True when finished."""
@@ -130,6 +131,9 @@ class EngineEntry:
     # replays receipts (`passes.with_receipts`): in device order, on a world whose sends end once buffered
     # (`worlds.TorchWorld.buffered_sends`: gloo), large sends end when the receiver's receipt arrives
     receipts: bool = False
+    # writes the caller's destination tensors in place (`run(..., into=...)`, `executor.destinations`); an engine that
+    # binds persistent requests or communicator calls to its own shards once, in setup(), refuses them instead
+    receives_into: bool = False
 
     def make(self, program: RankProgram, context: EngineContext) -> Engine:
         """Import the engine's module (only now: CuPy and torch are optional) and build the engine."""
@@ -150,7 +154,8 @@ ENGINES: dict[str, EngineEntry] = {e.name: e for e in (
                 "NCCL broadcasts through CuPy on GPUs, ids exchanged over MPI", tagged=False, own_staging=True,
                 need=lambda m, p: m.nccl_program(p).stage_bytes),
     EngineEntry("torch", "torch", "xmesh_plan.executor.torch_engine", lambda m, p, c: m.TorchEngine(p, c),
-                "torch.distributed isend/irecv over any process group (gloo on CPU, NCCL on CUDA)", receipts=True),
+                "torch.distributed isend/irecv over any process group (gloo on CPU, NCCL on CUDA)", receipts=True,
+                receives_into=True),
 )}
 
 TORCH_BACKENDS = ("gloo", "nccl")

@@ -21,7 +21,7 @@ from collections import Counter
 import numpy as np
 
 from xmesh_plan.schemas import Plan
-from xmesh_plan.schemas.plan_tensors import is_multi
+from xmesh_plan.schemas.plan_tensors import is_multi, tensor_names
 
 from .engines import BACKENDS, TORCH_BACKENDS, EngineContext, TransportOptions, engine_entry, world_of_backend
 from .errors import ExecutorError, PlanMismatchError
@@ -112,13 +112,17 @@ class Flight:
     def usable(self, call: str) -> None:
         check_usable(call, self.closed, self.engine, self.in_flight)
 
-    def start(self, source) -> None:
-        """Start the engine on `source` (the caller checked `usable` and adopted the source shard)."""
+    def start(self, source, into=None) -> None:
+        """Start the engine on `source` (the caller checked `usable` and adopted the source shard), writing the caller's
+        destination tensors `into` in place where given (`Executor._into`)."""
         if self.in_flight:
             raise ExecutorError("start() called while a reshard is in flight; call wait() first")
         try:
             self.in_flight = True
-            self.engine.start(source)
+            if into is None:
+                self.engine.start(source)
+            else:
+                self.engine.start(source, into)
         except BaseException as err:
             self.abandon(err, "start()")
             raise
@@ -323,6 +327,29 @@ class Executor(Flying):
         engine.check(array, shape, problem.dtype, p.device, problem.src.spec)
         return engine.contiguous(array)
 
+    def _into(self, t: int, array, call: str):
+        """The caller's destination tensor for tensor t (None: none given), checked against the plan: this device
+        holds a destination shard of it, and the engine writes tensors in place (`engines.EngineEntry.receives_into`)."""
+        if array is None:
+            return None
+        p = self._program
+        shape = p.tensors[t].dst_shape
+        if not self.entry.receives_into:
+            raise PlanMismatchError(f"{call}: backend {self.entry.name!r} binds its requests to its own destination shards once, "
+                                    "in prepare(), so it cannot write yours in place; copy from the shards run() returns, or run "
+                                    "over a torch process group (backend='torch'), which receives into the tensors you pass")
+        if shape is None:
+            raise PlanMismatchError(f"{call}: device {p.device} (rank {self.world.rank}) holds no destination shard of tensor "
+                                    f"{self._name(t)!r}; pass `into` only for the tensors whose destination mesh has this device")
+        engine = self.flight.engine
+        array = engine.adopt(array)
+        problem = self.problems[t]
+        engine.check_into(array, shape, problem.dst_dtype or problem.dtype, p.device, self._name(t))
+        return array
+
+    def _name(self, t: int) -> str:
+        return tensor_names(self.plan)[t]
+
     def test(self) -> bool:
         """Drive communication without blocking (call it now and then between start() and wait()).
 
@@ -363,20 +390,29 @@ class ReshardingExecutor(Executor):
             raise TypeError(f"plan moves {len(plan.problem.tensors)} tensors; run it with executor.TransferExecutor "
                             "(a name -> shard mapping in and out)")
         super().__init__(plan, comm, backend, timeout_s, poll_s, gpu, order, transport)
+        self.target = None  # the caller's destination tensor of the reshard in flight (start()'s `into`)
 
-    def run(self, local_shard=None):
-        """Reshard once: this rank's source shard in (None if it has none), its destination shard out (or None)."""
-        self.start(local_shard)
+    def run(self, local_shard=None, into=None):
+        """Reshard once: this rank's source shard in (None if it has none), its destination shard out (or None);
+        `into`: the tensor to write it in (`start`)."""
+        self.start(local_shard, into)
         return self.wait()
 
-    def start(self, local_shard=None) -> None:
-        """Begin a reshard and return at once; do not modify `local_shard` until `wait()` returns."""
+    def start(self, local_shard=None, into=None) -> None:
+        """Begin a reshard and return at once; do not modify `local_shard` until `wait()` returns. `into`: a tensor of
+        this rank's destination shard's shape and dtype (a view into a larger tensor is fine) that the reshard writes in
+        place, kept only until `wait()` returns (None: the engine's own buffer)."""
         self._startable()
-        self.flight.start(self._adopt(0, local_shard))
+        target = self._into(0, into, "start()")
+        self.flight.start(self._adopt(0, local_shard), target)
+        self.target = target
 
     def wait(self):
-        """Finish the reshard begun by start(); returns the destination shard (None on ranks outside the destination mesh)."""
-        return self.flight.wait()
+        """Finish the reshard begun by start(); returns the destination shard (None on ranks outside the destination
+        mesh): the tensor passed as `into`, else the engine's own buffer, reused by the next call."""
+        target, self.target = self.target, None
+        shard = self.flight.wait()
+        return shard if target is None else target
 
 
 def _list(ranks: list[int]) -> str:

@@ -47,6 +47,7 @@ import time
 import numpy as np
 
 from .arrays import RAW_KINDS, storage_dtype
+from .destinations import Destinations, _bytes_of
 from .engines import EngineContext
 from .errors import BackendUnavailableError, ExecutorError, PeerTimeoutError, PlanMismatchError
 from .lower import Action, Bytes, RankProgram, Step
@@ -77,7 +78,8 @@ class TorchEngine:
         self.failure: ExecutorError | None = None
 
     def setup(self) -> None:
-        """Allocate the destination shards and staging on the group's device and make every view that does not read a source."""
+        """Make staging on the group's device and every view that reads neither a source nor a destination shard;
+        destination shards are bound per call (`_bind_dst`)."""
         import torch
         import torch.distributed as dist
 
@@ -89,25 +91,30 @@ class TorchEngine:
         self.cuda = backend == "nccl"
         self.device = torch.device("cuda", torch.cuda.current_device()) if self.cuda else torch.device("cpu")
         p = self.program
+        n = len(p.tensors)
         self.dtypes = [torch_dtype(torch, t.dtype) for t in p.tensors]
         self.dtype = self.dtypes[0]
-        self.dsts = [torch.empty(t.dst_shape, dtype=dtype, device=self.device) if t.dst_shape is not None else None
-                     for t, dtype in zip(p.tensors, self.dtypes)]
-        self.dst = self.dsts[0]
+        self.dsts = [None] * n  # the engine's own destination shards, made by the first call that passes none (`_own`)
         self.stage = torch.empty(p.stage_bytes, dtype=torch.uint8, device=self.device)
         receipts = max((s.data.stop for s in self.steps if s.data is not None and s.data.buffer == "receipt"), default=0)
-        self.flat = {"dst": [_bytes_of(d) for d in self.dsts], "stage": self.stage, "dst_typed": self.dsts,
-                     "receipt": torch.zeros(receipts, dtype=torch.uint8, device=self.device)}
+        self.flat = {"stage": self.stage, "receipt": torch.zeros(receipts, dtype=torch.uint8, device=self.device)}
         self.rank = group_rank(dist, self.group)
         self.peer_rank = [self.context.rank_of.get(s.peer, -1) for s in self.steps]
         self.buffers: list = [None] * len(self.steps)  # [uint8 view] per message, (target, source) per local copy
         self.works: list = [None] * len(self.steps)
+        self.src_typed: list = [None] * n  # per tensor, the source shard bound (`_bind_tensor`), and its bytes
+        self.src_flat: list = [None] * n
+        self.into = Destinations(n)  # per tensor, the destination shard bound (`_bind_dst`)
         self.reads_src: list[list[int]] = [[] for _ in p.tensors]  # per tensor, the steps made in _bind()
+        self.uses_dst: list[list[int]] = [[] for _ in p.tensors]  # per tensor, the steps made in _bind_dst()
         for s in self.steps:
+            touches = _dst_tensor(s)
             if s.reads_src:
-                self.reads_src[s.tensor].append(s.index)
-            else:
-                self._make(s.index, self.flat)
+                self.reads_src[s.tensor if s.action is Action.SEND else s.box.tensor].append(s.index)
+            if touches is not None:
+                self.uses_dst[touches].append(s.index)
+            if not s.reads_src and touches is None:
+                self._make(s.index)
         self._schedule()
 
     def _message_key(self, i: int) -> tuple:
@@ -174,20 +181,29 @@ class TorchEngine:
         self.done.set()
         self.thread = None  # made by the first start()
 
-    def _make(self, i: int, flat: dict) -> None:
-        """Step i's [uint8 view] (message) or (target, source) views (local copy), over `flat` buffers ("stage": the
-        staging area; "src", "src_typed", "dst", "dst_typed": tensor -> that tensor's shard, raw or typed)."""
+    def _make(self, i: int) -> None:
+        """Step i's [uint8 view] (message) or (target, source) views (local copy), over the staging area and the shards
+        bound now (`src_typed`, `into`); None while a shard it needs is not bound. A message into or out of a destination
+        byte range that is not one run of the caller's tensor goes through a shadow buffer (`Destinations.span`)."""
         s = self.steps[i]
+        into = self.into
         if s.action.is_message:
             data = s.data
-            whole = flat[data.buffer] if data.buffer in ("stage", "receipt") else flat[data.buffer][data.tensor]
-            self.buffers[i] = [whole[data.start:data.stop]]
+            if data.buffer == "dst":
+                view = into.span(self, i)
+            elif data.buffer == "src":
+                whole = self.src_flat[data.tensor]
+                view = None if whole is None else whole[data.start:data.stop]
+            else:
+                view = self.flat[data.buffer][data.start:data.stop]
+            self.buffers[i] = None if view is None else [view]
         elif s.action is Action.COPY:
-            self.buffers[i] = (self.dsts[s.target.tensor][s.target.index], flat["src_typed"][s.box.tensor][s.box.index])
+            target, source = into.typed[s.target.tensor], self.src_typed[s.box.tensor]
+            self.buffers[i] = None if target is None or source is None else (target[s.target.index], source[s.box.index])
         else:
             t = s.box.tensor
             staged = self.stage[s.data.start:s.data.stop].view(self.dtypes[t]).view(s.box.shape)
-            shard = flat["dst_typed"][t] if s.box.side == "dst" else flat["src_typed"][t]
+            shard = into.typed[t] if s.box.side == "dst" else self.src_typed[t]
             boxed = shard[s.box.index] if shard is not None else None
             self.buffers[i] = (boxed, staged) if s.action is Action.UNPACK else (staged, boxed)
 
@@ -202,10 +218,57 @@ class TorchEngine:
             return
         dtype = self.dtypes[t]
         typed = src if src.dtype == dtype else src.view(dtype)  # a raw same-size view of bfloat16/float8
-        flat = {"src": {t: _bytes_of(typed)}, "src_typed": {t: typed}, "dst_typed": self.dsts}
+        self.src_typed[t], self.src_flat[t] = typed, _bytes_of(typed)
         for i in self.reads_src[t]:
-            self._make(i, flat)
+            self._make(i)
         self.bound[t] = src
+
+    def _bind_dsts(self, into) -> None:
+        """Point every tensor's destination steps at the caller's tensor in `into` (a sequence, one per tensor, None
+        where not given; None: none given) or at the engine's own shard."""
+        if into is None:
+            if self.into.own_bound:
+                return
+            into = (None,) * len(self.dsts)
+        for t, target in enumerate(into):
+            if self.uses_dst[t]:
+                self._bind_dst(t, target)
+            elif target is None:  # nothing arrives (an empty shard): the engine's own, still handed back
+                self._own(t)
+        self.into.own_bound = all(target is None for target in into)
+
+    def _bind_dst(self, t: int, target) -> None:
+        """Point tensor t's destination steps at `target` (the caller's tensor, written in place until the reshard ends)
+        or, for None, at the engine's own shard (made now if this is the first call that passes none)."""
+        if target is None:
+            target = self._own(t)
+        if target is self.into.typed[t]:
+            return
+        dtype = self.dtypes[t]
+        self.into.bind(t, target if target.dtype == dtype else target.view(dtype), target is not self.dsts[t])
+        for i in self.uses_dst[t]:
+            self._make(i)
+
+    def _own(self, t: int):
+        """Tensor t's own destination shard, made on first use: a call that passes the caller's tensor allocates none."""
+        if self.dsts[t] is None:
+            shape = self.program.tensors[t].dst_shape
+            if shape is None:
+                return None
+            self.dsts[t] = self.torch.empty(shape, dtype=self.dtypes[t], device=self.device)
+            self.dst = self.dsts[0]
+        return self.dsts[t]
+
+    def _release(self) -> None:
+        """Drop every view of the caller's destination tensors (once a reshard has ended): the engine keeps no
+        reference to them, and the next call binds what it is given."""
+        for t in self.into.callers:
+            self.into.unbind(t)
+            for i in self.uses_dst[t]:
+                self.buffers[i] = None
+                self.into.drop(i)
+        self.into.callers.clear()
+        self.into.own_bound = False
 
     def adopt(self, array):
         """`array` as a torch tensor on this engine's device (numpy is wrapped without a copy)."""
@@ -229,27 +292,43 @@ class TorchEngine:
             raise PlanMismatchError(f"run(): device {device}'s source shard is {array.dtype} but the plan moves {dtype_name}; "
                                     f"pass a {want} tensor (or recompile the plan with that dtype)")
 
+    def check_into(self, array, shape: tuple[int, ...], dtype_name: str, device: int, name: str) -> None:
+        """Refuse (PlanMismatchError) a caller's destination tensor of another shape or element type than its shard."""
+        if tuple(array.shape) != shape:
+            raise PlanMismatchError(f"run(): into[{name!r}] on device {device} has shape {tuple(array.shape)} but the plan gives "
+                                    f"this device's destination shard {shape}; pass a tensor (or a view) of that shape")
+        want = torch_dtype(self.torch, dtype_name)
+        if array.dtype != want:
+            raise PlanMismatchError(f"run(): into[{name!r}] on device {device} is {array.dtype} but the plan delivers {dtype_name}; "
+                                    f"pass a {want} tensor")
+
     def contiguous(self, array):
         return array if array.is_contiguous() else array.contiguous()
 
     def poison(self) -> None:
-        for flat in self.flat["dst"]:
-            if flat is not None:
-                flat.fill_(0xA5)
+        """Fill the engine's own destination shards (made now if no call made them yet) with 0xA5 bytes."""
+        for t in range(len(self.dsts)):
+            own = self._own(t)
+            if own is not None:
+                _bytes_of(own).fill_(0xA5)
 
     def host_copy(self, array) -> np.ndarray:
         """`array`'s bits as a numpy array of the plan's storage dtype (uint16 for bfloat16, uint8 for float8)."""
         raw = _bytes_of(array.contiguous()).cpu().numpy()
         return raw.view(storage_dtype(str(array.dtype).removeprefix("torch."))).reshape(tuple(array.shape))
 
-    def start(self, src) -> None:
+    def start(self, src, into=None) -> None:
         """Hand one reshard to the progress thread and return; `src`: the contiguous source shard (a one-tensor
-        program) or a sequence of them, one per tensor (None where this device has none)."""
+        program) or a sequence of them, one per tensor (None where this device has none). `into`: the caller's
+        destination tensors, written in place (`executor.destinations`): the tensor (a one-tensor program) or a
+        sequence, one per tensor, None where the engine's own shard is to be written; None: the engine's own."""
         refuse_broken(self.broken)
         if self.single:  # one call on the per-run path, as many as for one tensor
             self._bind_tensor(0, src)
+            self._bind_dsts(None if into is None else (into,))
         else:
             self._bind(src)
+            self._bind_dsts(into)
         self.src = src
         if self.cuda:  # the progress thread's stream waits for what the caller's stream wrote so far
             self.ready = self.torch.cuda.Event()
@@ -303,7 +382,7 @@ class TorchEngine:
     def _advance(self, q: int) -> None:
         """Post the messages at the front of peer queue `q` while they are ready (a receive always is; a send once
         every step it waits for has finished)."""
-        queue, steps, remaining = self.queues[q], self.steps, self.remaining
+        queue, steps, remaining, before = self.queues[q], self.steps, self.remaining, self.into.before
         head = self.heads[q]
         while head < len(queue):
             i = queue[head]
@@ -311,6 +390,10 @@ class TorchEngine:
                 break
             remaining[i] = self.initial[i]
             self.launching = i  # a dead peer can make posting raise too: name this step, not the one waited on
+            pack = before.get(i)  # a send out of a caller's strided destination: its bytes into the shadow first
+            if pack is not None:
+                for target, source in pack:
+                    target.copy_(source)
             if steps[i].action is Action.RECV:
                 self.works[i] = self.group.recv(self.buffers[i], self.peer_rank[i], self.tags[i])
                 heapq.heappush(self.posted_recvs, self.position[i])
@@ -342,6 +425,10 @@ class TorchEngine:
 
     def _received(self, i: int) -> None:
         self._complete(i)
+        unpack = self.into.after.get(i)  # arrived in a shadow: into the caller's strided destination
+        if unpack is not None:
+            for target, source in unpack:
+                target.copy_(source)
         for m in self.acknowledges.get(i, ()):  # a receipt: the sends it acknowledges are done (their waits return at once)
             if self.works[m] is not None:
                 self._complete(m)
@@ -379,6 +466,8 @@ class TorchEngine:
             step, err = self.thread_error
             self._fail(f"torch.distributed reported an error ({str(err).strip().splitlines()[0][:300]})", step)
         self.src = None
+        if self.into.callers:
+            self._release()
         return True
 
     def wait(self) -> None:
@@ -413,6 +502,7 @@ class TorchEngine:
                 self.thread.join(self.timeout_s)
             self.buffers = [None] * len(self.steps)
             self.bound = [None] * len(self.program.tensors)
+            self.into = Destinations(len(self.program.tensors))
             self.src = None
 
     def abandon(self, why: str) -> None:
@@ -429,11 +519,12 @@ class TorchEngine:
         raise self.failure
 
 
-def _bytes_of(tensor):
-    """A flat uint8 view of a contiguous tensor (None for None)."""
-    if tensor is None:
-        return None
-    import torch
 
-    flat = tensor.reshape(-1)
-    return flat if flat.dtype == torch.uint8 else flat.view(torch.uint8)
+def _dst_tensor(s: Step) -> int | None:
+    """The tensor whose destination shard step `s` reads or writes (None: none): a message from or into it, a local
+    copy into it, a pack or unpack of one of its boxes."""
+    if s.action.is_message:
+        return s.data.tensor if s.data.buffer == "dst" else None
+    if s.action is Action.COPY:
+        return s.target.tensor
+    return s.box.tensor if s.box.side == "dst" else None

@@ -107,6 +107,7 @@ class TransferExecutor(Executor):
         super().__init__(plan, comm, backend, timeout_s, poll_s, gpu, order, transport)
         self.names = tensor_names(plan)
         self.one = len(self.names) == 1  # the engine takes and gives one shard, not a list of them
+        self.targets: dict[str, Any] = {}  # the caller's destination tensors of the reshard in flight (start()'s `into`)
 
     def _check_staging(self, program) -> None:
         """Refuse where this rank would allocate more staging than the plan states for its device (a plan compiled
@@ -124,29 +125,58 @@ class TransferExecutor(Executor):
                                     f"with a staging limit of {self.plan.staging.limit_bytes} B, --max-staging-mb), less than its "
                                     "largest operation; recompile the plan and check it with `xmesh-plan verify`")
 
-    def run(self, shards: Mapping[str, Any] | None = None) -> dict[str, Any]:
-        """Reshard every tensor once: this rank's source shards by name in, its destination shards by name out."""
-        self.start(shards)
+    def run(self, shards: Mapping[str, Any] | None = None, into: Mapping[str, Any] | None = None) -> dict[str, Any]:
+        """Reshard every tensor once: this rank's source shards by name in, its destination shards by name out
+        (`into`: the tensors to write them in, `start`)."""
+        self.start(shards, into)
         return self.wait()
 
-    def start(self, shards: Mapping[str, Any] | None = None) -> None:
+    def start(self, shards: Mapping[str, Any] | None = None, into: Mapping[str, Any] | None = None) -> None:
         """Start every tensor's reshard and return at once; do not modify the shards until `wait()` returns. Every
-        input is checked first, so a wrong one is refused before any tensor moves."""
+        input is checked first, so a wrong one is refused before any tensor moves. `into`: name -> a tensor of this
+        rank's destination shard's shape and dtype (a view into a larger tensor is fine, a slice of a fused parameter)
+        that the reshard writes in place (`executor.destinations`), kept only until `wait()` returns; the tensors not
+        named land in the engine's own buffers."""
         given = self._sources(shards)
         self._startable()
+        targets = self._targets(into)
         if self.one:
             source = self._adopt(0, given.get(self.names[0]))
         else:
             source = [self._adopt(t, given.get(name)) for t, name in enumerate(self.names)]
-        self.flight.start(source)
+        if not targets:
+            self.flight.start(source)
+            return
+        dsts = [targets.get(name) for name in self.names]
+        self.flight.start(source, dsts[0] if self.one else dsts)
+        self.targets = targets
 
     def wait(self) -> dict[str, Any]:
-        """Finish every tensor's reshard; name -> destination shard (the engine's own buffers, reused next time)."""
+        """Finish every tensor's reshard; name -> destination shard: the tensor passed in `into`, else the engine's own
+        buffer, reused next time."""
+        targets, self.targets = self.targets, {}
         self.flight.wait()
         engine = self.flight.engine
         if self.one:
-            return {} if engine.dst is None else {self.names[0]: engine.dst}
-        return {name: shard for name, shard in zip(self.names, engine.dsts) if shard is not None}
+            out = {} if engine.dst is None else {self.names[0]: engine.dst}
+        else:
+            out = {name: shard for name, shard in zip(self.names, engine.dsts) if shard is not None}
+        out.update(targets)
+        return out
+
+    def _targets(self, into: Mapping[str, Any] | None) -> dict[str, Any]:
+        """The caller's destination tensors by name, each checked (`Executor._into`); unknown names refused."""
+        if into is None:
+            return {}
+        if not isinstance(into, Mapping):
+            raise PlanMismatchError(f"run(): into is a {type(into).__name__}; pass a mapping of tensor name to the tensor its "
+                                    f"destination shard is written in, e.g. {{{self.names[0]!r}: tensor}}")
+        index = {name: t for t, name in enumerate(self.names)}
+        unknown = sorted(set(into) - set(index))
+        if unknown:
+            raise PlanMismatchError(f"run(): into names {unknown[0]!r}, not a tensor of this plan; name tensors as in the "
+                                    f"problem ({', '.join(self.names[:3])}{', ...' if len(self.names) > 3 else ''})")
+        return {name: self._into(index[name], array, "run()") for name, array in into.items() if array is not None}
 
     def _sources(self, shards: Mapping[str, Any] | None) -> dict[str, Any]:
         """The shards by name, refusing unknown names and, on a source rank, missing ones."""
