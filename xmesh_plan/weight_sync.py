@@ -17,16 +17,19 @@ global shapes, dtypes, layouts, local shapes; `weight_sync_layouts.describe`) as
 all-gather, and every rank checks every row (`weight_sync_layouts.agree`). A mismatch (a dtype, a shape,
 a tensor a rank does not pass, another mesh) raises the same `WeightSyncError` on every rank, naming the
 tensor, the rank and the cause, as soon as the rows are in (no timeout). The agreed problem's fingerprint
-(SHA-256 of its JSON) keys a cache of plans (`PLAN_CACHE_SIZE` most recently used); on a miss the lowest
+(SHA-256 of its JSON) keys a cache of plans (the `PLAN_CACHE_SIZE` most recently used, 8 unless
+`set_plan_cache_size(n)`); on a miss the lowest
 rank compiles the plan once and broadcasts its JSON bytes (a uint8 tensor, never pickle), since compiling
 costs seconds of CPU on big models that the other ranks need not spend, and one compile is one answer
 whatever each rank runs; every rank then checks that the plan's problem is the one it agreed on, and
 `TransferExecutor.prepare()` compares the plan's fingerprint on every rank before allocating.
 
 Each `run()` first checks this rank's tensors against the plan (a trainer may pass a new state dict) in
-one small all-gather, so a wrong shard fails every rank with its cause, then moves the bytes and copies
-each destination shard from the executor's buffer into the caller's tensor (the executor owns its
-receive buffers today; receiving straight into the engine's tensors needs an executor change).
+one small all-gather, so a wrong shard fails every rank with its cause, then moves the bytes straight into
+the caller's tensors: each destination shard is written in place (`TransferExecutor.run(..., into=...)`,
+`executor.destinations`), a fused one through the view of each part's rows (`schemas.fused.fused_views`);
+only a tensor that is two parts of one fused shard (two ranges) lands in the executor's buffer and is
+copied into place. The executor keeps no reference to the caller's tensors between calls.
 
 Plan devices are ranks of the transfer group. By default that is torch's default group, and a mesh's
 ranks are its ranks. For separate launches (trainer and inference started apart), pass
@@ -51,15 +54,35 @@ from xmesh_plan.executor.executor import DEFAULT_POLL_S
 from xmesh_plan.executor.worlds import TorchWorld, poll_until
 from xmesh_plan.planner.compile import compile_plan
 from xmesh_plan.schemas import Cluster, Plan
-from xmesh_plan.schemas.fused import assemble_fused
+from xmesh_plan.schemas.fused import fused_pieces, fused_views
 
 from .engine_layouts import COLUMN, EXPERT, REPLICATED, ROW, VOCAB
 from .weight_sync_layouts import Fused, Target, WeightSyncError, agree, describe
 
-__all__ = ["WeightSync", "Target", "Fused", "WeightSyncError", "COLUMN", "ROW", "VOCAB", "REPLICATED", "EXPERT", "PLAN_CACHE_SIZE"]
+__all__ = ["WeightSync", "Target", "Fused", "WeightSyncError", "COLUMN", "ROW", "VOCAB", "REPLICATED", "EXPERT", "PLAN_CACHE_SIZE",
+           "set_plan_cache_size"]
 
-PLAN_CACHE_SIZE = 8  # plans kept by fingerprint, least recently used dropped first
+PLAN_CACHE_SIZE = 8  # plans kept by fingerprint, least recently used dropped first; set_plan_cache_size
 _PLANS: OrderedDict[str, Plan] = OrderedDict()
+
+
+def set_plan_cache_size(size: int) -> None:
+    """Keep the `size` most recently used plans (8 by default); call it on every rank, before building `WeightSync`s.
+
+    A layout whose plan the cache holds on every rank is never compiled again (`WeightSync(...).compiled` is False):
+    a job that syncs 12 layouts in turn (several models, or a model's shards by stage) compiles each once with
+    `set_plan_cache_size(12)`. Each plan is held as parsed (its operations: megabytes for a large model). A smaller
+    size drops the least recently used plans at once."""
+    global PLAN_CACHE_SIZE
+    if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+        raise WeightSyncError(f"set_plan_cache_size: size={size!r}; give a whole number of plans to keep, at least 1 (8 by default)")
+    PLAN_CACHE_SIZE = size
+    _trim()
+
+
+def _trim() -> None:
+    while len(_PLANS) > PLAN_CACHE_SIZE:
+        _PLANS.popitem(last=False)
 
 
 class WeightSync:
@@ -90,6 +113,7 @@ class WeightSync:
         self.fingerprint = hashlib.sha256(self.problem.model_dump_json().encode()).hexdigest()
         self.plan, self.compiled = self._shared_plan()
         self.targets = {name: _target(value) for name, value in self.inference.items()}
+        self.into, self.copied = self._destinations()
         self.executor = TransferExecutor(self.plan, self.group, backend="torch", timeout_s=self.timeout_s).prepare()
 
     def run(self, trainer: Mapping[str, Any] | None = None) -> None:
@@ -104,17 +128,34 @@ class WeightSync:
             self.trainer = dict(trainer)
         self._agree_step(self._local_problem())
         in_src = self.rank in self.problem.src_mesh.devices
-        self.executor.start({name: self.trainer[source].to_local() for name, source in self.sources.items()} if in_src else None)
+        self.executor.start({name: self.trainer[source].to_local() for name, source in self.sources.items()} if in_src else None,
+                            into=self.into)
 
     def wait(self) -> None:
         """Finish the move begun by `start()`; every destination tensor of this rank holds the trainer's values."""
         results = self.executor.wait()
+        for name, where, out, inside in self.copied:  # a tensor that is two parts of a fused shard, from where it landed
+            out[where] = results[name][inside]
+
+    def _destinations(self) -> tuple[dict[str, Any], list]:
+        """Where each plan tensor's destination shard on this rank is written: name -> the caller's tensor, or the view
+        of a fused tensor that is exactly that shard (`fused_views`); and the pieces of fused tensors that no such view
+        covers (a tensor that is two parts of one fused shard), to copy after each move from where that tensor landed."""
         fused = {f.name: j for j, f in enumerate(self.problem.fused)}
+        into = {name: target.tensor for name, target in self.targets.items() if name not in fused}
+        copied = []
         for name, target in self.targets.items():
-            if name in fused:  # its parts' shards, each placed where it lies in the fused tensor
-                assemble_fused(self.problem, fused[name], self.rank, results, target.tensor)
-            else:
-                target.tensor.copy_(results[name].reshape(target.tensor.shape))
+            if name not in fused:
+                continue
+            views = fused_views(self.problem, fused[name], self.rank, target.tensor)
+            for part, piece, where in fused_pieces(self.problem, fused[name], self.rank):
+                view = views.get(part)
+                if view is not None and part not in into and tuple(view.shape) == _extent(self._box(part, "dst")):
+                    into[part] = view
+                else:
+                    inside = tuple(slice(a - o, b - o) for (a, b), (o, _) in zip(piece, self._box(part, "dst")))
+                    copied.append((part, where, target.tensor, inside))
+        return into, copied
 
     def close(self) -> None:
         """Release the executor's buffers and thread (every rank); the object cannot run again."""
@@ -184,8 +225,7 @@ class WeightSync:
             raise WeightSyncError(f"rank 0 sent a plan of another problem than rank {self.rank} agreed on; run one "
                                   "xmesh-plan version on every rank")
         _PLANS[self.fingerprint] = plan
-        while len(_PLANS) > PLAN_CACHE_SIZE:
-            _PLANS.popitem(last=False)
+        _trim()
         return plan, True
 
     def _allgather_bytes(self, data: bytes, what: str) -> list[bytes]:
@@ -230,9 +270,13 @@ def _target(value: object) -> Target:
     return value if isinstance(value, Target) else Target(*value)
 
 
+def _extent(box) -> tuple[int, ...]:
+    return tuple(stop - start for start, stop in box)
+
+
 def _mismatch(tensor, transfer, box) -> str | None:
     """How `tensor` differs from `box` of the plan's tensor `transfer` (shape or dtype), or None."""
-    want = tuple(stop - start for start, stop in box)
+    want = _extent(box)
     if tuple(tensor.shape) != want:
         return f"has shape {tuple(tensor.shape)}, not {want} as agreed"
     dtype = str(tensor.dtype).removeprefix("torch.")
