@@ -70,10 +70,33 @@ def test_a_mismatch_fails_every_rank_with_its_cause_before_the_deadline(joint, c
     assert joint[case] == [message] * 8
 
 
-def test_separate_launches_joined_by_a_tcp_rendezvous_sync_bit_exact():
+def test_the_weights_land_in_the_engines_own_tensors_with_no_buffer_or_view_kept_by_the_executor(joint):
+    assert joint["in place"] == ["sent"] * 4 + ["ok"] * 4
+    assert joint["fused in place"] == ["sent"] * 4 + ["ok"] * 4
+
+
+@pytest.fixture(scope="module")
+def separate() -> dict[str, list[str]]:
+    """Two launches of 4 ranks (trainer, inference) joined by `transfer_group`; lines in transfer rank order."""
     env = {"TRANSFER_PORT": str(free_port())}
     procs = start_ranks(4, WORKER, "trainer", env=env) + start_ranks(4, WORKER, "inference", env=env)
-    lines = lines_of(finish_ranks(procs, LAUNCH_TIMEOUT_S))
-    assert lines["transfer rank"] == [str(r) for r in range(8)]
-    assert lines["step 0"] == ["sent"] * 4 + ["ok"] * 4
-    assert lines["step 1"] == ["sent"] * 4 + ["ok, changed True"] * 4
+    return lines_of(finish_ranks(procs, LAUNCH_TIMEOUT_S))
+
+
+def test_separate_launches_joined_by_a_tcp_rendezvous_sync_bit_exact(separate):
+    assert separate["transfer rank"] == [str(r) for r in range(8)]
+    assert separate["step 0"] == ["sent"] * 4 + ["ok"] * 4
+    assert separate["step 1"] == ["sent"] * 4 + ["ok, changed True"] * 4
+    assert separate["in place"] == ["sent"] * 4 + ["ok"] * 4
+
+
+@pytest.mark.parametrize("case, message", [
+    ("separate dtype", f"WeightSyncError: inference tensor '{Q}' on ranks 4,5,6,7 is float16 but the trainer's '{Q}' is float32; "
+                       "give the destination the trainer's dtype"),
+    ("separate shape", f"WeightSyncError: inference tensor '{DOWN}' on rank 6 has shape (12, 18) but R S1 of the global (12, 18) "
+                       "gives that rank (12, 9); give it the shape of its part"),
+    ("separate trainer shard dtype at run()", "WeightSyncError: trainer tensor 'model.norm.weight' on rank 2 is float64, not "
+                                              "float32 as agreed; nothing was moved"),
+])
+def test_a_mismatch_across_separate_launches_fails_every_rank_of_both_with_its_cause_before_the_deadline(separate, case, message):
+    assert separate[case] == [message] * 8

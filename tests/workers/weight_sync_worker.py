@@ -6,7 +6,10 @@
   bit against the trainer's `full_tensor()`; a second WeightSync of the same layouts (the plan cache); ranks 0-3 as
   trainer and engine at once (colocated); qkv and gate_up fused on the engine; then mismatches, each of which must fail every rank with the same line within WeightSync's 5 s deadline.
 - `trainer` / `inference`: the same sync as two launches of 4 ranks each, joined by `transfer_group` at
-  127.0.0.1:$TRANSFER_PORT (trainer ranks are transfer ranks 0-3, inference ranks 4-7).
+  127.0.0.1:$TRANSFER_PORT (trainer ranks are transfer ranks 0-3, inference ranks 4-7); then mismatches across the
+  two launches, each of which must fail every rank of both with the same line within WeightSync's 5 s deadline.
+After each sync the inference ranks check where the weights landed: in their own tensors (a fused one through its
+parts' views), with no destination buffer of the executor's own and no view of them kept once `run()` returns.
 Each rank prints `rank R: <what>: <result>` lines for the test to compare.
 """
 
@@ -41,6 +44,7 @@ def joint() -> None:
     sync, model, optimizer, kwargs, mesh = sync_model()
     say("compiled", sync.compiled)
     steps(sync, model, optimizer, kwargs.get("inference", {}), mesh, dist.group.WORLD)
+    say("in place", in_place(sync, kwargs.get("inference", {})))
     say("same layouts again, compiled", WeightSync(**kwargs).compiled)
     colocated(model)
     fused(model)
@@ -58,6 +62,7 @@ def fused(model) -> None:
     given = {"trainer": model.state_dict()} if model is not None else {"inference": targets, "inference_mesh": ENGINE}
     with WeightSync(**given) as sync:
         sync.run()
+        say("fused in place", in_place(sync, {n: (t.tensor, t.layout) for n, t in targets.items()}))
     refs = references(model, dist.group.WORLD)
     if model is not None:
         say("fused", "sent")
@@ -66,6 +71,24 @@ def fused(model) -> None:
     ok = all(torch.equal(t.tensor.view(torch.int32), torch.cat([refs[p].chunk(2)[tp] for p in groups[n]]).view(torch.int32))
              for n, t in targets.items())
     say("fused", "ok" if ok else "differs")
+
+
+def storage_uses(tensor) -> int:
+    """How many tensors (views included) use `tensor`'s memory, as torch counts them."""
+    return torch._C._storage_Use_Count(tensor.untyped_storage()._cdata)
+
+
+def in_place(sync: WeightSync, targets) -> str:
+    """One more sync (every rank); on an inference rank, 'ok' when it wrote the caller's tensors themselves: no
+    destination buffer of the executor's own, nothing copied after, each tensor at its address and no more views of
+    its memory than before the call (a view the executor kept would count)."""
+    before = {name: (tensor.data_ptr(), storage_uses(tensor)) for name, (tensor, _) in targets.items()}
+    sync.run()
+    if not targets:
+        return "sent"
+    own = [name for name, shard in zip(sync.executor.names, sync.executor.engine.dsts) if shard is not None]
+    moved = [name for name, (tensor, _) in targets.items() if (tensor.data_ptr(), storage_uses(tensor)) != before[name]]
+    return "ok" if not own and not moved and not sync.copied else f"own buffers {own}, copied {len(sync.copied)}, kept {moved}"
 
 
 def colocated(model) -> None:
@@ -130,7 +153,41 @@ def separate(side: str) -> None:
     sync = WeightSync(**kwargs, group=group, ranks=ranks)
     say("transfer rank", group.rank())
     steps(sync, model, optimizer, targets, mesh, group)
+    say("in place", in_place(sync, targets))
     sync.close()
+    separate_mismatches(group.rank(), group, model, {**kwargs, "group": group, "ranks": ranks})
+
+
+def separate_mismatches(rank: int, group, model, kwargs) -> None:
+    """Mismatches between the two launches (transfer ranks 0-3 train, 4-7 infer): each after a barrier of both launches
+    over the transfer group, then within WeightSync's 5 s deadline every rank of both must fail naming the cause."""
+    q, down = "model.layers.0.self_attn.q_proj.weight", "model.layers.1.mlp.down_proj.weight"
+
+    def changed(name: str, on, make) -> dict:
+        if rank not in on:
+            return kwargs
+        inference = kwargs["inference"]
+        return {**kwargs, "inference": {**inference, name: (make(inference[name][0]), inference[name][1])}}
+
+    cases = {  # the inference launch passes q_proj as float16 on all its ranks, or down_proj of the wrong shape on one
+        "separate dtype": lambda: changed(q, range(4, 8), lambda t: torch.zeros(t.shape, dtype=torch.float16)),
+        "separate shape": lambda: changed(down, (6,), lambda t: torch.zeros(TINY.hidden, TINY.mlp)),
+    }
+    for name, given in cases.items():
+        barrier(group)
+        attempt(name, lambda: WeightSync(**given(), timeout_s=5))
+    barrier(group)
+    sync = WeightSync(**kwargs, timeout_s=5)
+    wrong = {k: (v.to(torch.float64) if k == "model.norm.weight" else v) for k, v in model.state_dict().items()} if rank == 2 else None
+    attempt("separate trainer shard dtype at run()", lambda: _Run(sync, wrong))
+    sync.close()
+
+
+def barrier(group) -> None:
+    """Every rank of the transfer group reaches this point (a group from `transfer_group` is not one torch.distributed's
+    barrier() knows): an all-gather of one number."""
+    mine = torch.zeros(1)
+    group.allgather([[torch.empty(1) for _ in range(group.size())]], [mine]).wait()
 
 
 def main() -> int:
