@@ -2,11 +2,13 @@
 
 The demo's Llama-like model at the size of `planner/weight_sync.py`'s TOY (vocabulary 4096, hidden 256, 2
 layers; float32, 15.5 MiB) under FSDP2 `fully_shard` on ranks 0-3, into two TP=2 replicas on ranks 4-7
-(`xmesh_plan.weight_sync_demo`). Each iteration times both ways of syncing, taking turns, between barriers:
-**WeightSync** (`sync.run()`: one plan, the weights copied into the engine's tensors) and **full_tensor +
-broadcast + slice** (each tensor gathered on the trainer ranks by `full_tensor()`, broadcast from rank 0 to
-every rank, and each inference rank's part copied into its tensor), as the issue's user synced. Both are
-checked bit for bit against `full_tensor()` once. 2 CPU cores and 8 ranks: ratios, not speed figures.
+(`xmesh_plan.weight_sync_demo`). Each iteration times three ways of syncing, taking turns, between barriers:
+**WeightSync** (`sync.run()`: one plan, received straight into the engine's tensors), **the same plan into the
+executor's buffers, then copied** (`TransferExecutor.run()` without `into`, each shard then copied into its
+tensor: what receiving in place saves) and **full_tensor + broadcast + slice** (each tensor gathered on the
+trainer ranks by `full_tensor()`, broadcast from rank 0 to every rank, and each inference rank's part copied
+into its tensor), as the issue's user synced. Each is checked bit for bit against `full_tensor()` once.
+2 CPU cores and 8 ranks: ratios, not speed figures.
 
     .venv/bin/python -m bench.bench_weight_sync_torch [--iters 10]
 """
@@ -54,9 +56,18 @@ def rank_main(iters: int) -> None:
             if name in targets:
                 targets[name][0].copy_(full[parts[name]])
 
-    ways = {"weight_sync_ms": sync.run, "full_tensor_broadcast_slice_ms": baseline}
+    def copied() -> None:  # the plan's own check and move, into the executor's buffers, then one copy per tensor
+        sync._agree_step(sync._local_problem())
+        got = sync.executor.run({name: sync.trainer[source].to_local() for name, source in sync.sources.items()}
+                                if state is not None else None)
+        for name, (tensor, _) in targets.items():
+            tensor.copy_(got[name])
+
+    ways = {"weight_sync_ms": sync.run, "executor_buffers_then_copy_ms": copied, "full_tensor_broadcast_slice_ms": baseline}
     verdicts = []
     for run in ways.values():
+        for tensor, _ in targets.values():  # each way must write every element itself
+            tensor.fill_(float("nan"))
         run()
         refs = references(model, dist.group.WORLD, config)  # a collective: every rank takes part
         verdicts.append(check(targets, mesh, refs) if targets else "ok")
@@ -95,9 +106,10 @@ def main(iters: int, as_rank: bool) -> None:
     if not row["checked"]:
         sys.exit("a destination element differs from full_tensor(); nothing written")
     write_json("weight_sync_torch.json", {"command": f"{COMMAND} --iters {iters}", "iters": iters, "ranks": 8, **row})
-    print(f"{row['tensors']} tensors, {row['mib']:.1f} MiB: WeightSync {row['weight_sync_ms']:.2f} ms, full_tensor + broadcast "
-          f"+ slice {row['full_tensor_broadcast_slice_ms']:.2f} ms per sync "
-          f"({row['full_tensor_broadcast_slice_ms'] / row['weight_sync_ms']:.2f}x)")
+    print(f"{row['tensors']} tensors, {row['mib']:.1f} MiB: WeightSync {row['weight_sync_ms']:.2f} ms, into the executor's "
+          f"buffers then copied {row['executor_buffers_then_copy_ms']:.2f} ms "
+          f"({row['executor_buffers_then_copy_ms'] / row['weight_sync_ms']:.2f}x), full_tensor + broadcast + slice "
+          f"{row['full_tensor_broadcast_slice_ms']:.2f} ms ({row['full_tensor_broadcast_slice_ms'] / row['weight_sync_ms']:.2f}x) per sync")
     update_benchmarks_doc()
 
 

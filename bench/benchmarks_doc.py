@@ -282,13 +282,16 @@ machine. "Operations" counts a shared message's bundles once.
 **From a trainer's state dict, with `WeightSync`.** The demo's Llama-like model at the small example's size
 ({sync["tensors"]} float32 tensors, {sync["mib"]:.1f} MiB) under FSDP2 `fully_shard` on 4 gloo ranks, into two TP=2
 replicas on 4 more (`xmesh_plan.weight_sync_demo`), one torchrun launch of {sync["ranks"]} ranks: `WeightSync.run()`
-against each tensor's `full_tensor()` on the trainer ranks, broadcast from rank 0 to every rank and sliced
-into the engine's tensors, taking turns; medians of {sync["iters"]} syncs each, both checked bit for bit once.
-Same machine: compare the ratio.
+(received straight into the engine's tensors) against the same plan received into the executor's own buffers and
+copied into the tensors after, and against each tensor's `full_tensor()` on the trainer ranks, broadcast from rank 0
+to every rank and sliced into the engine's tensors, taking turns; medians of {sync["iters"]} syncs each, each checked
+bit for bit once. Same machine: compare the ratios.
 
 {command(sync["command"])}
 
-{table([["WeightSync (one plan, copied into the engine's tensors)", f"{sync['weight_sync_ms']:.2f}", x(1.0)],
+{table([["WeightSync (one plan, received into the engine's tensors)", f"{sync['weight_sync_ms']:.2f}", x(1.0)],
+        ["the same plan into the executor's buffers, then copied", f"{sync['executor_buffers_then_copy_ms']:.2f}",
+         x(sync["executor_buffers_then_copy_ms"] / sync["weight_sync_ms"])],
         ["full_tensor() + broadcast + slice", f"{sync['full_tensor_broadcast_slice_ms']:.2f}",
          x(sync["full_tensor_broadcast_slice_ms"] / sync["weight_sync_ms"])]], ["per sync", "ms", "/ WeightSync"], "lrr")}
 """

@@ -9,7 +9,7 @@
 
 Every rank of the transfer group builds one `WeightSync` together (a collective) and then calls `run()`
 (or `start()` then `wait()`) together each step. A fused destination (qkv, gate_up) names its parts with
-`Fused`; the plan moves each part and `wait()` places it in the fused tensor. A rank that is both trainer
+`Fused`; the plan moves each part into its rows of the fused tensor. A rank that is both trainer
 and inference (colocated) passes both mappings; its part moves by local copies.
 
 On construction the ranks agree before any byte moves: each sends one row describing its tensors (names,
