@@ -109,8 +109,12 @@ def _merge_crossings(steps: tuple[Step, ...], key: Mapping[int, int]) -> tuple[S
     kept = [i for i in range(len(steps)) if i not in instead]
     index = {old: new for new, old in enumerate(kept)}
     index |= {old: index[to] for old, to in instead.items()}
-    return tuple(replace(merged.get(i, steps[i]), index=index[i], deps=tuple(sorted({index[d] for d in merged.get(i, steps[i]).deps})))
-                 for i in kept)
+    out = []
+    for i in kept:
+        s = merged.get(i, steps[i])
+        deps = tuple(sorted({index[d] for d in s.deps}))
+        out.append(s if index[i] == i and deps == s.deps else replace(s, index=index[i], deps=deps))  # steps before the first dropped one stay
+    return tuple(out)
 
 
 def one_tensor_at_a_time(program: RankProgram) -> RankProgram:
