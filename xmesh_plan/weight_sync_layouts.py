@@ -34,7 +34,7 @@ from xmesh_plan.schemas.spec import ShardingSpec
 from xmesh_plan.schemas.transfer import TensorTransfer, TransferProblem
 from xmesh_plan.schemas.validation import describe_validation_error
 
-from .engine_layouts import layout_spec
+from .engine_layouts import layout_row, rule_of_row
 from .sides import FrontendError, dtype_name
 
 
@@ -135,7 +135,7 @@ def _inference_side(inference: Mapping[str, Any], mesh: object, ranks: Mapping[i
             source = {"parts": list(source.parts), "dim": source.dim}
         elif not isinstance(source, str):
             raise FrontendError(f"{field}.source: {source!r}; give the trainer tensor's name as text, or Fused((names...))")
-        spec = layout_spec(target.layout, target.tensor.dim(), grid.ndim, name)
+        spec = layout_row(target.layout, target.tensor.dim(), grid.ndim, name)
         tensors.append([name, source, spec, dtype_name(target.tensor.dtype, f"{field}.dtype"), list(target.tensor.shape)])
     return {"mesh": [list(grid.shape), devices], "tensors": tensors}
 
@@ -185,12 +185,15 @@ def agree(rows: list[dict[str, Any]], group_size: int | None) -> tuple[TransferP
         for part in source["parts"] if isinstance(source, dict) else [source]:
             _check_source(name, part, dtype, trained, dst_rows)
         if isinstance(source, dict):
+            if isinstance(spec, dict):
+                raise WeightSyncError(f"inference tensor {name!r} is fused (Fused(...)) and laid out by {rule_of_row(spec)}, which "
+                                      "fused tensors do not take; give it a spec rule (COLUMN, EXPERT, ...) or sync its parts apart")
             fused.append(_fused(name, source, spec, trained, dst_mesh))
             for part in source["parts"]:
                 tensors.append(_transfer(part, trained[part], None))
                 sources[part] = part
             continue
-        tensors.append(_transfer(name, trained[source], spec))
+        tensors.append(_transfer(name, trained[source], spec, dst_mesh))
         sources[name] = source
     cluster = Cluster.model_validate(next((r["cluster"] for r in rows if "cluster" in r), {}))
     try:
@@ -216,11 +219,18 @@ def _check_source(name: str, source: str, dtype: str, trained: dict[str, tuple],
                               f"is {dtype} but the trainer's {source!r} is {src_dtype}; give the destination the trainer's dtype")
 
 
-def _transfer(name: str, trained: tuple, dst_spec: str | None) -> TensorTransfer:
-    """Trainer tensor `trained` (shape, dtype, layout, ...) as the plan's tensor `name`, to `dst_spec` (None: a fused part)."""
+def _transfer(name: str, trained: tuple, dst_spec: str | dict | None, dst_mesh: DeviceMesh | None = None) -> TensorTransfer:
+    """Trainer tensor `trained` (shape, dtype, layout, ...) as the plan's tensor `name`, to `dst_spec` (None: a fused part;
+    a dict: a box rule of `engine_layouts`, lowered to each device's box of the trainer's shape on `dst_mesh`)."""
     shape, dtype, layout = trained[:3]
     given = {"src": layout} if isinstance(layout, str) else {"src_boxes": _boxes(layout)}
-    if dst_spec is not None:
+    if isinstance(dst_spec, dict):
+        rule = rule_of_row(dst_spec)
+        try:
+            given["dst_boxes"] = rule.boxes(tuple(shape), tuple(dst_mesh.shape))
+        except ValueError as err:
+            raise WeightSyncError(f"inference tensor {name!r} ({rule}) of the trainer's shape {tuple(shape)}: {err}") from None
+    elif dst_spec is not None:
         given["dst"] = dst_spec
     return TensorTransfer(name=name, shape=tuple(shape), dtype=dtype, **given)
 
@@ -276,6 +286,8 @@ def _side_of(rows: list[dict], key: str, label: str) -> tuple[DeviceMesh, dict[s
 
 def _value(field: str, value: object) -> str:
     """A field of a tensor as an error shows it: a shape as a tuple, a source name quoted, a dtype or spec as is."""
+    if isinstance(value, dict) and "rule" in value:
+        return str(rule_of_row(value))
     return str(tuple(value)) if field == "shape" else repr(value) if field == "source" else str(value)
 
 
@@ -314,9 +326,12 @@ def _check_shards(problem: TransferProblem, sources: dict[str, str], src_rows: l
                 for target in targets:
                     box = problem.tensor_problem(index[target]).blocks(side)[row["rank"]]
                     want = [stop - start for start, stop in box]
+                    tensor = problem.tensors[index[target]]
+                    rule = rule_of_row(fields[1]) if side == "dst" and isinstance(fields[1], dict) else None
+                    if rule is not None:  # the engine's tensor, padding rows included
+                        want = list(rule.local_shape(tuple(tensor.shape), tuple(problem.dst_mesh.shape)))
                     if list(fields[-1]) != want:
-                        tensor = problem.tensors[index[target]]
-                        spec = (tensor.src or "its boxes") if side == "src" else tensor.dst
+                        spec = (tensor.src or "its boxes") if side == "src" else rule or tensor.dst
                         raise WeightSyncError(
                             f"{label} tensor {name!r} on rank {row['rank']} has shape {tuple(fields[-1])} but {spec} of the "
                             f"global {tuple(problem.tensors[index[target]].shape)} gives that rank {tuple(want)}; "
@@ -334,3 +349,16 @@ def _check_group(problem: TransferProblem, group_size: int | None) -> None:
                               f"inference ranks only" if spare else
                               f"the meshes name ranks {sorted(used - set(range(group_size)))[:3]} beyond the transfer group's "
                               f"{group_size}; fix ranks=")
+
+
+def engine_targets(problem: TransferProblem, targets: Mapping[str, Target], rank: int) -> dict[str, Target]:
+    """`targets` with each tensor replaced by the part of it the plan writes on `rank` (`engine_view`); fused ones whole."""
+    fused = {f.name for f in problem.fused}
+    return {name: target if name in fused else Target(engine_view(target.tensor, problem.tensor_problem(
+        problem.index_of(name)).blocks("dst")[rank]), target.layout, target.source) for name, target in targets.items()}
+
+
+def engine_view(tensor, box):
+    """The part of an engine's tensor the plan writes for `box` (its box of the trainer's tensor): its first rows, the
+    whole tensor unless the layout pads it (`engine_layouts.PADDED_VOCAB`); the padding is left as it is."""
+    return tensor[tuple(slice(0, stop - start) for start, stop in box)]

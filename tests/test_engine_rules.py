@@ -1,0 +1,144 @@
+"""The box rules of `xmesh_plan.engine_layouts` (padded vocabularies, KV heads replicated beyond their count) against
+vLLM's own rules, written here from vLLM's code (vocab_parallel_embedding.py, linear.py's QKVParallelLinear) by slicing
+the full tensor, independently of our layout code; through `agree` as every rank runs it, in one process."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from xmesh_plan.engine_layouts import PADDED_VOCAB, kv_heads, padded_vocab
+from xmesh_plan.schemas import Cluster
+from xmesh_plan.sides import FrontendError
+from xmesh_plan.weight_sync_layouts import Fused, Target, WeightSyncError, agree, describe, engine_targets
+
+NAN = float("nan")
+
+
+def vllm_vocab_shard(full: torch.Tensor, tp_rank: int, tp_size: int, pad_to: int) -> torch.Tensor:
+    """VocabParallelEmbedding's parameter on one TP rank after its weight_loader: pad_vocab_size, then
+    vocab_range_from_global_vocab_size (divide, rank * per_partition), clipped to the real vocabulary; the loaded
+    rows at the top, the rest padding (NaN here: what the engine had before)."""
+    vocab = full.shape[0]
+    padded = ((vocab + pad_to - 1) // pad_to) * pad_to
+    assert padded % tp_size == 0
+    per_partition = padded // tp_size
+    start, end = min(tp_rank * per_partition, vocab), min(tp_rank * per_partition + per_partition, vocab)
+    param = torch.full((per_partition, *full.shape[1:]), NAN)
+    loaded = full.narrow(0, start, end - start)
+    param[:loaded.shape[0]] = loaded
+    return param
+
+
+def vllm_kv_shard(full: torch.Tensor, tp_rank: int, tp_size: int, total_kv_heads: int) -> torch.Tensor:
+    """QKVParallelLinear's k (or v) on one TP rank: num_kv_heads / num_kv_head_replicas from tp_size, then
+    shard_id = tp_rank // num_kv_head_replicas, shard_size = num_kv_heads * head_size."""
+    if tp_size >= total_kv_heads:
+        num_kv_heads, replicas = 1, tp_size // total_kv_heads
+    else:
+        num_kv_heads, replicas = total_kv_heads // tp_size, 1
+    shard_size = num_kv_heads * (full.shape[0] // total_kv_heads)
+    return full.narrow(0, (tp_rank // replicas) * shard_size, shard_size)
+
+
+def synced(full: torch.Tensor, rule, mesh: list[list[int]], local_shape) -> dict[int, torch.Tensor]:
+    """Each inference rank's tensor (NaN before) after its plan box of `full` is written where WeightSync writes it:
+    the rows come from `agree` on the ranks' rows (one trainer rank holding `full`, the engine ranks of `mesh`)."""
+    ranks = [r for row in mesh for r in row]
+    trainer = {"rank": 0, "src": {"mesh": [[1], [0]], "tensors": [["w", list(full.shape), "float32", " ".join("R" * full.dim()),
+                                                                   list(full.shape)]]}}
+    engine = {r: torch.full(local_shape, NAN) for r in ranks}
+    rows = [trainer] + [describe(r, None, {"w": (engine[r], rule)}, mesh, {r: r for r in ranks}, Cluster()) for r in ranks]
+    problem, _ = agree(rows, len(ranks) + 1)
+    for r in ranks:
+        box = problem.tensor_problem(0).blocks("dst")[r]
+        engine_targets(problem, {"w": Target(engine[r], rule)}, r)["w"].tensor.copy_(full[tuple(slice(a, b) for a, b in box)])
+    return engine
+
+
+def same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.shape == b.shape and torch.equal(a.view(torch.int32), b.view(torch.int32))
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_padded_vocab_writes_each_ranks_real_rows_at_the_top_and_leaves_the_padding(seed):
+    rng = random.Random(seed)
+    pad_to, replicas = rng.choice([8, 16, 64]), rng.randint(1, 2)
+    tp = rng.choice([t for t in (1, 2, 4, 8) if pad_to % t == 0])
+    vocab, hidden = rng.randint(1, 3 * pad_to), rng.randint(1, 4)
+    full = torch.randn(vocab, hidden)
+    mesh = [[1 + r * tp + t for t in range(tp)] for r in range(replicas)]
+    rule = padded_vocab(pad_to)
+    local = rule.local_shape((vocab, hidden), (replicas, tp))
+    for rank, tensor in synced(full, rule, mesh, local).items():
+        assert same(tensor, vllm_vocab_shard(full, (rank - 1) % tp, tp, pad_to)), (rank, vocab, pad_to, tp)
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_kv_heads_give_each_tp_rank_vllms_heads_replicated_when_tp_exceeds_them(seed):
+    rng = random.Random(seed)
+    heads, head_dim, hidden, replicas = rng.choice([1, 2, 4, 8]), rng.randint(1, 4), rng.randint(1, 3), rng.randint(1, 2)
+    tp = rng.choice([t for t in (1, 2, 4, 8, 16) if t % heads == 0 or heads % t == 0])
+    full = torch.randn(heads * head_dim, hidden) if seed % 4 else torch.randn(heads * head_dim)  # a bias too
+    mesh = [[1 + r * tp + t for t in range(tp)] for r in range(replicas)]
+    rule = kv_heads(heads)
+    local = rule.local_shape(tuple(full.shape), (replicas, tp))
+    for rank, tensor in synced(full, rule, mesh, local).items():
+        assert same(tensor, vllm_kv_shard(full, (rank - 1) % tp, tp, heads)), (rank, heads, tp)
+
+
+def test_a_padded_vocab_rank_with_no_real_rows_keeps_only_padding():
+    full = torch.randn(10, 2)  # 10 rows padded to 64, 16 per rank of 4: ranks 2-4 hold padding only
+    engine = synced(full, PADDED_VOCAB, [[1, 2, 3, 4]], (16, 2))
+    assert same(engine[1][:10], full) and all(torch.isnan(engine[r]).all() for r in (2, 3, 4))
+
+
+def rows_with(rule, local, full_shape=(51, 4), mesh=((4, 5),), parts=None) -> list[dict]:
+    ranks = [r for row in mesh for r in row]
+    trainer = [{"rank": r, "src": {"mesh": [[4], [0, 1, 2, 3]], "tensors": [[name, list(full_shape), "float32", "R R",
+                                                                            list(full_shape)] for name in parts or ["w"]]}}
+               for r in range(4)]
+    given = Target(torch.zeros(local), rule, source=Fused(tuple(parts))) if parts else (torch.zeros(local), rule)
+    return trainer + [describe(r, None, {"w": given}, [list(row) for row in mesh], {r: r for r in ranks}, Cluster()) for r in ranks]
+
+
+@pytest.mark.parametrize("rule, local, full_shape, mesh, parts, message", [
+    (PADDED_VOCAB, (26, 4), (51, 4), ((4, 5),), None,
+     "inference tensor 'w' on rank 4 has shape (26, 4) but PADDED_VOCAB of the global (51, 4) gives that rank (32, 4)"),
+    (PADDED_VOCAB, (22, 4), (51, 4), ((4, 5, 6),), None,
+     "inference tensor 'w' (PADDED_VOCAB) of the trainer's shape (51, 4): the vocabulary of 51 rows padded to a multiple of 64 "
+     "is 64 rows, which 3 TP ranks cannot share equally (vLLM refuses it too)"),
+    (kv_heads(2), (4, 4), (8, 4), ((4, 5, 6),), None,
+     "inference tensor 'w' (kv_heads(2)) of the trainer's shape (8, 4): 3 TP ranks neither divide 2 KV heads nor are a multiple"),
+    (kv_heads(3), (4, 4), (8, 4), ((4, 5),), None, "8 rows are not 3 KV heads of equal size"),
+    (kv_heads(2), (8, 4), (8, 4), ((4, 5),), ["a", "b"],
+     "inference tensor 'w' is fused (Fused(...)) and laid out by kv_heads(2), which fused tensors do not take"),
+])
+def test_a_box_rule_that_does_not_fit_fails_naming_the_tensor_and_cause(rule, local, full_shape, mesh, parts, message):
+    rows = rows_with(rule, local, full_shape, mesh, parts)
+    with pytest.raises(WeightSyncError) as err:
+        agree(rows, 4 + len(mesh[0]))
+    assert message in str(err.value) and "\n" not in str(err.value)
+
+
+def test_two_ranks_with_different_rules_for_one_tensor_are_named():
+    rows = rows_with(PADDED_VOCAB, (32, 4))
+    rows[5] = describe(5, None, {"w": (torch.zeros(32, 4), padded_vocab(32))}, [[4, 5]], {4: 4, 5: 5}, Cluster())
+    with pytest.raises(WeightSyncError, match="inference tensor 'w': rank 5 has layout padded_vocab\\(32\\) but rank 4 has PADDED_VOCAB"):
+        agree(rows, 6)
+
+
+@pytest.mark.parametrize("make, message", [
+    (lambda: padded_vocab(0), "padded_vocab: pad_to is 0; give a positive integer"),
+    (lambda: kv_heads(True), "kv_heads: heads is True; give the model's number of KV heads"),
+    (lambda: describe(4, None, {"w": (torch.zeros(2, 2, 2), kv_heads(2))}, [[4]], {4: 4}, Cluster())["error"],
+     "inference['w']: kv_heads(2) lays out tensors of 1 or 2 dims, not 3"),
+])
+def test_bad_rule_arguments_are_one_line(make, message):
+    try:
+        text = make()
+    except FrontendError as err:
+        text = str(err)
+    assert message in text
