@@ -1,6 +1,7 @@
 """The box rules of `xmesh_plan.engine_layouts` (padded vocabularies, KV heads replicated beyond their count) against
 vLLM's own rules, written here from vLLM's code (vocab_parallel_embedding.py, linear.py's QKVParallelLinear) by slicing
-the full tensor, independently of our layout code; through `agree` as every rank runs it, in one process."""
+the full tensor, independently of our layout code (`vllm_vocab_shard`, `vllm_kv_shard` in the gloo worker that checks a
+synced model with them); through `agree` as every rank runs it, in one process."""
 
 from __future__ import annotations
 
@@ -14,33 +15,9 @@ from xmesh_plan.schemas import Cluster
 from xmesh_plan.sides import FrontendError
 from xmesh_plan.weight_sync_layouts import Fused, Target, WeightSyncError, agree, describe, engine_targets
 
+from tests.workers.weight_sync_models_worker import vllm_kv_shard, vllm_vocab_shard
+
 NAN = float("nan")
-
-
-def vllm_vocab_shard(full: torch.Tensor, tp_rank: int, tp_size: int, pad_to: int) -> torch.Tensor:
-    """VocabParallelEmbedding's parameter on one TP rank after its weight_loader: pad_vocab_size, then
-    vocab_range_from_global_vocab_size (divide, rank * per_partition), clipped to the real vocabulary; the loaded
-    rows at the top, the rest padding (NaN here: what the engine had before)."""
-    vocab = full.shape[0]
-    padded = ((vocab + pad_to - 1) // pad_to) * pad_to
-    assert padded % tp_size == 0
-    per_partition = padded // tp_size
-    start, end = min(tp_rank * per_partition, vocab), min(tp_rank * per_partition + per_partition, vocab)
-    param = torch.full((per_partition, *full.shape[1:]), NAN)
-    loaded = full.narrow(0, start, end - start)
-    param[:loaded.shape[0]] = loaded
-    return param
-
-
-def vllm_kv_shard(full: torch.Tensor, tp_rank: int, tp_size: int, total_kv_heads: int) -> torch.Tensor:
-    """QKVParallelLinear's k (or v) on one TP rank: num_kv_heads / num_kv_head_replicas from tp_size, then
-    shard_id = tp_rank // num_kv_head_replicas, shard_size = num_kv_heads * head_size."""
-    if tp_size >= total_kv_heads:
-        num_kv_heads, replicas = 1, tp_size // total_kv_heads
-    else:
-        num_kv_heads, replicas = total_kv_heads // tp_size, 1
-    shard_size = num_kv_heads * (full.shape[0] // total_kv_heads)
-    return full.narrow(0, (tp_rank // replicas) * shard_size, shard_size)
 
 
 def synced(full: torch.Tensor, rule, mesh: list[list[int]], local_shape) -> dict[int, torch.Tensor]:
