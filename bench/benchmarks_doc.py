@@ -290,8 +290,18 @@ Same machine: compare the ratio.
 
 {table([["WeightSync (one plan, copied into the engine's tensors)", f"{sync['weight_sync_ms']:.2f}", x(1.0)],
         ["full_tensor() + broadcast + slice", f"{sync['full_tensor_broadcast_slice_ms']:.2f}",
-         x(sync["full_tensor_broadcast_slice_ms"] / sync["weight_sync_ms"])]], ["per sync", "ms", "/ WeightSync"], "lrr")}
+         x(sync["full_tensor_broadcast_slice_ms"] / sync["weight_sync_ms"])]]
+       + [[label, f"{sync[key]:.2f}", x(sync[key] / sync["weight_sync_ms"])] for key, label in FUSED_ROWS if key in sync],
+       ["per sync", "ms", "/ WeightSync"], "lrr")}
+
+The fused WeightSync row and the redistribute row sync into an engine whose q, k, v and gate, up are fused
+(qkv_proj, gate_up_proj): WeightSync with the fusion in its plan, into float32 tensors (the plan has no
+conversion at the sender yet), and each tensor `redistribute`d to its TP layout, then concatenated and cast into
+float16 tensors (`fused_ways` in the bench).
 """
+
+FUSED_ROWS = (("weight_sync_fused_ms", "WeightSync, qkv / gate_up fused in the plan (float32, no cast)"),
+              ("redistribute_cat_cast_ms", "redistribute per tensor + cat + cast to float16"))
 
 
 # ---- 3. scale ----------------------------------------------------------------------------------------------------
