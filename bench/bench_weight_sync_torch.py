@@ -171,7 +171,9 @@ def main(iters: int, as_rank: bool) -> None:
     write_json("weight_sync_torch.json", {"command": f"{COMMAND} --iters {iters}", "iters": iters, "ranks": 8, **row})
     print(f"{row['tensors']} tensors, {row['mib']:.1f} MiB: WeightSync {row['weight_sync_ms']:.2f} ms, full_tensor + broadcast "
           f"+ slice {row['full_tensor_broadcast_slice_ms']:.2f} ms per sync "
-          f"({row['full_tensor_broadcast_slice_ms'] / row['weight_sync_ms']:.2f}x)")
+          f"({row['full_tensor_broadcast_slice_ms'] / row['weight_sync_ms']:.2f}x); fused: WeightSync {row['weight_sync_fused_ms']:.2f} "
+          f"ms, redistribute + cat + cast {row['redistribute_cat_cast_ms']:.2f} ms "
+          f"({row['redistribute_cat_cast_ms'] / row['weight_sync_fused_ms']:.2f}x)")
     update_benchmarks_doc()
 
 

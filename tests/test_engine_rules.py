@@ -11,10 +11,12 @@ import pytest
 import torch
 
 from xmesh_plan.engine_layouts import PADDED_VOCAB, kv_heads, padded_vocab
+from xmesh_plan.planner.compile import compile_plan
 from xmesh_plan.schemas import Cluster
 from xmesh_plan.sides import FrontendError
 from xmesh_plan.weight_sync_layouts import Fused, Target, WeightSyncError, agree, describe, engine_targets
 
+from tests.support.transfer import fake_executors, run_everywhere
 from tests.workers.weight_sync_models_worker import vllm_kv_shard, vllm_vocab_shard
 
 NAN = float("nan")
@@ -119,3 +121,23 @@ def test_bad_rule_arguments_are_one_line(make, message):
     except FrontendError as err:
         text = str(err)
     assert message in text
+
+
+def test_a_plan_of_box_rules_runs_bit_exact_through_the_executor_even_to_ranks_with_only_padding():
+    """10 vocabulary rows padded to 64 over TP 4 (ranks 2-4 hold padding only) and 2 KV heads over TP 4, compiled and
+    run through the fake executors; each rank's result written where WeightSync writes it (engine_targets)."""
+    full = {"lm": torch.randn(10, 3), "k": torch.randn(4, 3)}
+    trainer = {"rank": 0, "src": {"mesh": [[1], [0]], "tensors": [[n, list(t.shape), "float32", "R R", list(t.shape)]
+                                                                    for n, t in full.items()]}}
+    rules = {"lm": PADDED_VOCAB, "k": kv_heads(2)}
+    engine = {r: {"lm": torch.full((16, 3), NAN), "k": torch.full((2, 3), NAN)} for r in (1, 2, 3, 4)}
+    rows = [trainer] + [describe(r, None, {n: (engine[r][n], rules[n]) for n in full}, [[1, 2, 3, 4]], {r: r for r in range(5)},
+                                 Cluster()) for r in (1, 2, 3, 4)]
+    problem, _ = agree(rows, 5)
+    plan = compile_plan(problem)
+    out = run_everywhere(plan, fake_executors(plan), {n: t.numpy() for n, t in full.items()})
+    for r in (1, 2, 3, 4):
+        for name, target in engine_targets(problem, {n: Target(engine[r][n], rules[n]) for n in full}, r).items():
+            target.tensor.copy_(torch.from_numpy(out[r][name]).reshape(target.tensor.shape))
+        assert same(engine[r]["lm"], vllm_vocab_shard(full["lm"], r - 1, 4, 64)), r
+        assert same(engine[r]["k"], vllm_kv_shard(full["k"], r - 1, 4, 2)), r
