@@ -7,11 +7,14 @@ from __future__ import annotations
 
 import random
 
+import numpy as np
 import pytest
 import torch
 
 from xmesh_plan.engine_layouts import PADDED_VOCAB, kv_heads, padded_vocab
 from xmesh_plan.planner.compile import compile_plan
+from xmesh_plan.planner.verify import verify_plan
+from xmesh_plan.schemas.fused import assemble_fused
 from xmesh_plan.schemas import Cluster
 from xmesh_plan.sides import FrontendError
 from xmesh_plan.weight_sync_layouts import Fused, Target, WeightSyncError, agree, describe, engine_targets
@@ -141,3 +144,45 @@ def test_a_plan_of_box_rules_runs_bit_exact_through_the_executor_even_to_ranks_w
             target.tensor.copy_(torch.from_numpy(out[r][name]).reshape(target.tensor.shape))
         assert same(engine[r]["lm"], vllm_vocab_shard(full["lm"], r - 1, 4, 64)), r
         assert same(engine[r]["k"], vllm_kv_shard(full["k"], r - 1, 4, 2)), r
+
+
+@pytest.mark.parametrize("kv, tp", [(1, 2), (2, 4), (2, 8), (4, 2), (2, 2)])
+def test_a_fused_qkv_with_kv_heads_replicated_verifies_and_runs_bit_exact_as_vllm_holds_it(kv, tp):
+    """vLLM's QKVParallelLinear on TP rank t: cat(q's t-th share, k and v of head t // (T / kv) when T > kv), as
+    `Fused((q, k, v), rules=(None, kv_heads(kv), kv_heads(kv)))` says; verified element by element, run through the
+    fake executors and assembled as WeightSync's wait() assembles it."""
+    head_dim, hidden = 2, 3
+    full = {"q": torch.randn(8 * head_dim, hidden), "k": torch.randn(kv * head_dim, hidden), "v": torch.randn(kv * head_dim, hidden)}
+    trainer = {"rank": 0, "src": {"mesh": [[1], [0]], "tensors": [[n, list(t.shape), "float32", "R R", list(t.shape)]
+                                                                    for n, t in full.items()]}}
+    ranks = list(range(1, tp + 1))
+    local = (8 * head_dim // tp + 2 * vllm_kv_shard(full["k"], 0, tp, kv).shape[0], hidden)
+    fused = Fused(("q", "k", "v"), rules=(None, kv_heads(kv), kv_heads(kv)))
+    rows = [trainer] + [describe(r, None, {"qkv": Target(torch.zeros(local), "S1 R", source=fused)}, [ranks],
+                                 {r: r for r in range(tp + 1)}, Cluster()) for r in ranks]
+    problem, _ = agree(rows, tp + 1)
+    plan = compile_plan(problem)
+    assert verify_plan(plan).fused == 1
+    out = run_everywhere(plan, fake_executors(plan), {n: t.numpy() for n, t in full.items()})
+    for r in ranks:
+        got = assemble_fused(problem, 0, r, out[r], np.full(local, np.nan, np.float32))
+        want = torch.cat([full["q"].chunk(tp)[r - 1]] + [vllm_kv_shard(full[p], r - 1, tp, kv) for p in "kv"])
+        assert same(torch.from_numpy(got), want), (r, kv, tp)
+
+
+@pytest.mark.parametrize("fused, local, message", [
+    (Fused(("a", "b"), rules=(None,)), (4, 4), "rank 4: inference['w'].source.rules: (None,); give one rule per part"),
+    (Fused(("a", "b"), rules=(None, PADDED_VOCAB)), (4, 4), "rules[1]: PADDED_VOCAB; a part takes None (its equal share) or kv_heads(n)"),
+    (Fused(("a", "b"), dim=1, rules=(None, kv_heads(2))), (4, 4),
+     "inference tensor 'w': part 'b' takes kv_heads(2), which splits dim 0 over the TP ranks; fuse along dim 0"),
+    (Fused(("a", "b"), rules=(None, kv_heads(3))), (4, 4),
+     "inference tensor 'w': part 'b' (kv_heads(3)) of the trainer's shape (4, 4): 4 rows are not 3 KV heads of equal size"),
+])
+def test_part_rules_that_do_not_fit_a_fused_tensor_are_refused(fused, local, message):
+    rows = rows_with("S1 R", (4, 4), (4, 4), ((4, 5),), ["a", "b"])
+    layout = "R S1" if fused.dim == 1 else "S1 R"
+    rows[4:] = [describe(r, None, {"w": Target(torch.zeros(local), layout, source=fused)}, [[4, 5]], {4: 4, 5: 5}, Cluster())
+                for r in (4, 5)]
+    with pytest.raises(WeightSyncError) as err:
+        agree(rows, 6)
+    assert message in str(err.value) and "\n" not in str(err.value)

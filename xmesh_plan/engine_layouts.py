@@ -23,6 +23,7 @@ is known (`boxes`), each a `BoxRule`:
 | `PADDED_VOCAB`        | `VocabParallelEmbedding` / `ParallelLMHead`: the vocabulary (dim 0) padded to a multiple of 64 (`padded_vocab(n)` for another), then split in equal shares over the TP ranks; rank t's tensor has `padded / T` rows, its real rows `[min(t*s, V), min((t+1)*s, V))` at the top, the padding rows below them (the sync leaves those alone) |
 | `kv_heads(n)`         | `QKVParallelLinear`'s k and v of `n` KV heads (dim 0, `n * head_dim` rows): with T <= n each TP rank holds n / T heads; with T > n each head is replicated on T / n consecutive ranks, rank t holding head t // (T / n) |
 
+In a fused qkv, `kv_heads(n)` is a part's rule: `Fused((q, k, v), rules=(None, kv_heads(n), kv_heads(n)))`.
 A rule whose tensor has more rows than the plan writes (padding) says so by `local_shape`; the plan's box lies
 at the start of the engine's tensor, so the sync writes `tensor[:rows]` (`weight_sync_layouts.engine_view`).
 

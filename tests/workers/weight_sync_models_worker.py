@@ -4,7 +4,8 @@
 - `moe`: a tiny MoE model (attention, a router, stacked experts w1 / w3 [E, I, H] and w2 [E, H, I]) under FSDP2
   `fully_shard` on ranks 0-3; ranks 4-7 one engine of TP = EP = 4 ([[4, 5, 6, 7]]): experts split over the ranks
   (EXPERT), w13 = cat(w1, w3) on dim 1 fused, q / o tensor-parallel, k / v of 2 KV heads replicated on 2 ranks each
-  (`kv_heads(2)`), the vocabulary padded to 64 rows (`PADDED_VOCAB`). Two syncs with a training step between.
+  (`kv_heads(2)`; layer 0 fused as qkv_proj, layer 1 apart), the vocabulary padded to 64 rows (`PADDED_VOCAB`).
+  Two syncs with a training step between.
 - `fsdp_tp`: the tiny Llama-like model of `xmesh_plan.weight_sync_demo` on a 2x2 mesh of ranks 0-3 (dp, tp),
   `parallelize_module` over tp then `fully_shard` over dp (DTensor's strided shards), into two TP=2 replicas.
 Every destination element is compared bit for bit with what vLLM's rules take from the trainer's `full_tensor()`
@@ -126,6 +127,10 @@ def fused_w13(name: str) -> str:
     return name.replace(".experts.w1", ".experts.w13_weight")
 
 
+FUSED_QKV = "model.layers.0.self_attn.qkv_proj.weight"
+QKV_PARTS = tuple(f"model.layers.0.self_attn.{p}_proj.weight" for p in "qkv")
+
+
 def moe_rule(name: str):
     """The engine's rule of trainer tensor `name` (w1 stands for the fused w13, w3 has none of its own)."""
     for suffix, rule in (("embed_tokens.weight", PADDED_VOCAB), ("lm_head.weight", PADDED_VOCAB), ("q_proj.weight", COLUMN),
@@ -138,6 +143,8 @@ def moe_rule(name: str):
 
 def vllm_shard(name: str, full: dict[str, torch.Tensor], tp: int, size: int) -> torch.Tensor:
     """What the engine's TP rank `tp` of `size` holds of trainer tensor `name` by vLLM's rules, sliced from `full`."""
+    if name == FUSED_QKV:  # QKVParallelLinear: this rank's q share, then its KV head's k and v
+        return torch.cat([vllm_shard(part, full, tp, size) for part in QKV_PARTS])
     value = full[name]
     if name.endswith(("embed_tokens.weight", "lm_head.weight")):
         return vllm_vocab_shard(value, tp, size, 64)
@@ -157,15 +164,20 @@ def vllm_shard(name: str, full: dict[str, torch.Tensor], tp: int, size: int) -> 
 def moe_engine(mesh: DeviceMesh) -> dict[str, Target]:
     """This engine rank's tensors (NaN: nothing synced yet), the padded ones with their padding rows."""
     size, out = mesh.size(1), {}
-    for name, shape in moe_shapes().items():
-        if name.endswith("experts.w3"):
+    shapes, tp = moe_shapes(), mesh.get_coordinate()[1]
+    for name, shape in shapes.items():
+        if name.endswith("experts.w3") or name in QKV_PARTS[1:]:
             continue
         rule = moe_rule(name)
-        if name.endswith("experts.w1"):
+        if name == QKV_PARTS[0]:
+            local = vllm_shard(FUSED_QKV, {p: torch.zeros(shapes[p]) for p in QKV_PARTS}, tp, size).shape
+            out[FUSED_QKV] = Target(torch.full(local, NAN), COLUMN,
+                                    source=Fused(QKV_PARTS, rules=(None, kv_heads(MOE.kv_heads), kv_heads(MOE.kv_heads))))
+        elif name.endswith("experts.w1"):
             out[fused_w13(name)] = Target(torch.full((EXPERTS // size, 2 * MOE.mlp, MOE.hidden), NAN), EXPERT,
                                           source=Fused((name, name.replace("w1", "w3")), dim=1))
         else:
-            local = vllm_shard(name, {name: torch.zeros(shape)}, mesh.get_coordinate()[1], size).shape
+            local = vllm_shard(name, {name: torch.zeros(shape)}, tp, size).shape
             out[name] = Target(torch.full(local, NAN), rule)
     return out
 
@@ -173,8 +185,7 @@ def moe_engine(mesh: DeviceMesh) -> dict[str, Target]:
 def moe_check(targets: dict[str, Target], mesh: DeviceMesh, full: dict[str, torch.Tensor]) -> str:
     tp, size = mesh.get_coordinate()[1], mesh.size(1)
     for name, target in targets.items():
-        source = name.replace("w13_weight", "w1")
-        want = vllm_shard(source, full, tp, size)
+        want = vllm_shard(name.replace("w13_weight", "w1"), full, tp, size)
         if target.tensor.shape != want.shape or not torch.equal(target.tensor.view(torch.int32), want.contiguous().view(torch.int32)):
             return f"{name} differs"
     return "ok"
