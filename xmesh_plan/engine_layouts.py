@@ -39,9 +39,9 @@ at the start of the engine's tensor, so the sync writes `tensor[:rows]` (`weight
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from itertools import product
-from typing import Any
+from typing import Any, ClassVar
 
 from xmesh_plan.schemas.geometry import Region
 from xmesh_plan.schemas.spec import ShardingSpec
@@ -76,20 +76,28 @@ EXPERT = Layout("EXPERT", 0, (2, 3))
 
 
 @dataclass(frozen=True, slots=True)
-class PaddedVocab:
+class BoxRule:
+    """A rule no spec says: one box per mesh position (`boxes`) of dim 0 over the TP ranks, for 1- or 2-d tensors; its
+    fields travel in the rank's row (`row`, read back by `rule_of_row`)."""
+
+    name: ClassVar[str]
+
+    def row(self) -> dict[str, Any]:
+        return {"rule": self.name, **{f.name: getattr(self, f.name) for f in fields(self)}}
+
+    def check(self, ndim: int) -> None:
+        if ndim not in (1, 2):
+            raise ValueError(f"{self} lays out tensors of 1 or 2 dims, not {ndim}")
+
+
+@dataclass(frozen=True, slots=True)
+class PaddedVocab(BoxRule):
     """vLLM's vocab-parallel rule: dim 0 (the vocabulary, V rows) padded to a multiple of `pad_to`, split in equal
     shares of `s` rows over the T TP ranks (vLLM refuses a padded length T does not divide); rank t's real rows are
     [min(t*s, V), min((t+1)*s, V)), the first rows of its tensor of `s` rows."""
 
     pad_to: int = 64
-    name = "PADDED_VOCAB"
-
-    def row(self) -> dict[str, Any]:
-        return {"rule": self.name, "pad_to": self.pad_to}
-
-    def check(self, ndim: int) -> None:
-        if ndim not in (1, 2):
-            raise ValueError(f"{self} lays out tensors of 1 or 2 dims, not {ndim}")
+    name: ClassVar[str] = "PADDED_VOCAB"
 
     def share(self, shape: tuple[int, ...], mesh_shape: tuple[int, ...]) -> int:
         """Rows per TP rank: the padded vocabulary over the TP ranks."""
@@ -113,20 +121,13 @@ class PaddedVocab:
 
 
 @dataclass(frozen=True, slots=True)
-class KvHeads:
+class KvHeads(BoxRule):
     """vLLM's k and v of `heads` KV heads (dim 0 of `heads * head_dim` rows) over T TP ranks: T <= heads, each rank
     holds heads / T of them in order; T > heads, rank t holds head t // (T / heads) (`num_kv_head_replicas`). vLLM
     refuses a T that neither divides nor is a multiple of `heads`."""
 
     heads: int
-    name = "KV_HEADS"
-
-    def row(self) -> dict[str, Any]:
-        return {"rule": self.name, "heads": self.heads}
-
-    def check(self, ndim: int) -> None:
-        if ndim not in (1, 2):
-            raise ValueError(f"{self} lays out tensors of 1 or 2 dims, not {ndim}")
+    name: ClassVar[str] = "KV_HEADS"
 
     def boxes(self, shape: tuple[int, ...], mesh_shape: tuple[int, ...]) -> tuple[Region, ...]:
         self.check(len(shape))
@@ -167,7 +168,6 @@ def _coords(mesh_shape: tuple[int, ...]):
 
 
 PADDED_VOCAB = PaddedVocab()
-BoxRule = PaddedVocab | KvHeads
 BOX_RULES = {"PADDED_VOCAB": lambda row: padded_vocab(row["pad_to"]), "KV_HEADS": lambda row: kv_heads(row["heads"])}
 CATALOGUE = {layout.name: layout for layout in (COLUMN, ROW, VOCAB, REPLICATED, EXPERT, PADDED_VOCAB)}
 
@@ -180,7 +180,7 @@ def rule_of_row(row: dict[str, Any]) -> BoxRule:
 def layout_row(layout: object, ndim: int, mesh_ndim: int, name: str) -> str | dict[str, Any]:
     """What a rank says of tensor `name`'s layout: spec text (`layout_spec`), or a box rule's row (lowered to boxes by
     every rank once the trainer's shape is known); one FrontendError line naming the tensor otherwise."""
-    if isinstance(layout, (PaddedVocab, KvHeads)):
+    if isinstance(layout, BoxRule):
         try:
             layout.check(ndim)
         except ValueError as err:

@@ -25,7 +25,7 @@ from torch.distributed.fsdp import fully_shard
 
 from xmesh_plan.engine_layouts import PADDED_VOCAB, kv_heads
 from xmesh_plan.weight_sync import COLUMN, EXPERT, REPLICATED, ROW, Fused, Target, WeightSync
-from xmesh_plan.weight_sync_demo import ENGINE, Attention, Config, TinyLlama, check, engine_tensors, references, say
+from xmesh_plan.weight_sync_demo import ENGINE, Config, TinyLlama, check, engine_tensors, references, say
 
 NAN = float("nan")
 
@@ -84,38 +84,13 @@ class MoeMlp(nn.Module):
         return (torch.einsum("btei,ehi->bteh", h, e.w2) * dense[..., None]).sum(-2)
 
 
-class MoeLayer(nn.Module):
-    def __init__(self, c: Config):
-        super().__init__()
-        self.input_layernorm, self.self_attn = nn.RMSNorm(c.hidden), Attention(c)
-        self.post_attention_layernorm, self.mlp = nn.RMSNorm(c.hidden), MoeMlp(c)
-
-    def forward(self, x):
-        x = x + self.self_attn(self.input_layernorm(x))
-        return x + self.mlp(self.post_attention_layernorm(x))
-
-
-class MoeModel(nn.Module):
-    def __init__(self, c: Config):
-        super().__init__()
-        self.embed_tokens = nn.Embedding(c.vocab, c.hidden)
-        self.layers = nn.ModuleList(MoeLayer(c) for _ in range(c.layers))
-        self.norm = nn.RMSNorm(c.hidden)
-
-
-class TinyMoe(nn.Module):
-    """A Mixtral-like decoder with Hugging Face-like names (model.layers.{i}.mlp.experts.w1, ...)."""
+class TinyMoe(TinyLlama):
+    """The demo's Llama-like decoder with an MoE MLP in every layer (model.layers.{i}.mlp.gate.weight, .experts.w1, ...)."""
 
     def __init__(self, c: Config = MOE):
-        super().__init__()
-        self.config = c
-        self.model, self.lm_head = MoeModel(c), nn.Linear(c.hidden, c.vocab, bias=False)
-
-    def forward(self, ids):
-        x = self.model.embed_tokens(ids)
+        super().__init__(c)
         for layer in self.model.layers:
-            x = layer(x)
-        return self.lm_head(self.model.norm(x))
+            layer.mlp = MoeMlp(c)
 
 
 def moe_shapes() -> dict[str, torch.Size]:
