@@ -1,4 +1,4 @@
-"""How inference engines lay out their parameters: a small catalogue of rules, each a sharding spec.
+"""How inference engines lay out their parameters: a small catalogue of rules, each a sharding spec or per-device boxes.
 
 An inference engine of `R` replicas of tensor parallelism `T` is a mesh of `R x T` ranks (rows: replicas,
 the last axis: the TP ranks; one replica is a 1-d mesh of `T`). Its parameters follow a few rules, each
@@ -20,7 +20,7 @@ is known (`boxes`), each a `BoxRule`:
 
 | rule                  | what it is (vLLM's rule)                                                                 |
 |-----------------------|------------------------------------------------------------------------------------------|
-| `PADDED_VOCAB`        | `VocabParallelEmbedding` / `ParallelLMHead`: the vocabulary (dim 0) padded to a multiple of 64 (`padded_vocab(n)` for another), then split in equal shares over the TP ranks; rank t's tensor has `padded / T` rows, its real rows `[min(t*s, V), min((t+1)*s, V))` at the top, the padding rows below them (the sync leaves those alone) |
+| `PADDED_VOCAB`        | `VocabParallelEmbedding` / `ParallelLMHead`: the vocabulary (dim 0) padded to a multiple of 64 (`padded_vocab(n)` for another), then split in equal shares over the TP ranks; rank t's tensor has s = padded / T rows, its real rows `[min(t*s, V), min((t+1)*s, V))` at the top, the padding rows below them (the sync leaves those alone) |
 | `kv_heads(n)`         | `QKVParallelLinear`'s k and v of `n` KV heads (dim 0, `n * head_dim` rows): with T <= n each TP rank holds n / T heads; with T > n each head is replicated on T / n consecutive ranks, rank t holding head t // (T / n) |
 
 In a fused qkv, `kv_heads(n)` is a part's rule: `Fused((q, k, v), rules=(None, kv_heads(n), kv_heads(n)))`.
