@@ -1,5 +1,5 @@
-"""The frontier weight-sync problems of `planner/weight_sync.py`: the Kimi-K2-like 1T MoE into FP8 and the shrunk
-DeepSeek-V3-like MoE the 48-rank MPI run moves."""
+"""The frontier weight-sync problems of `planner/weight_sync.py`: the Kimi-K2-like 1T MoE into FP8, the DeepSeek-V3-like
+MoE on 48 GPUs that `bench.bench_moe_mpi` runs, and the same structure run bit-exact on 12 MPI ranks."""
 
 from __future__ import annotations
 
@@ -7,7 +7,14 @@ import dataclasses
 import tomllib
 
 from xmesh_plan.planner.transfer_io import build_transfer
-from xmesh_plan.planner.weight_sync import DEEPSEEK_V3, KIMI_K2, MOE_TOY, WEIGHT_SYNC, parameter_count, tensor_count, weight_sync_toml
+import pytest
+
+from xmesh_plan.planner.compile import compile_plan
+from xmesh_plan.planner.weight_sync import (DEEPSEEK_V3, KIMI_K2, WEIGHT_SYNC, Layout, MoeModel, parameter_count, tensor_count,
+                                            weight_sync_toml)
+from xmesh_plan.schemas.plan import write_atomic
+
+from tests.support.launch import MPIEXEC, run_demo
 
 
 def cut(name: str, layers: int):
@@ -38,8 +45,27 @@ def test_the_deepseek_problem_file_keeps_its_3d_experts():
     assert "shape = [256, 2048, 7168]" in text and "dst_dtype" not in text and not DEEPSEEK_V3.fp8
 
 
-def test_the_shrunk_moe_has_the_deepseek_structure_on_48_ranks():
-    p = build_transfer(tomllib.loads(weight_sync_toml(*WEIGHT_SYNC["weight_sync_moe_small"])))
+def test_the_48_gpu_problem_has_the_deepseek_structure():
+    p = build_transfer(tomllib.loads(weight_sync_toml(*WEIGHT_SYNC["weight_sync_deepseek_v3_48"])))
     assert len(set(p.src_mesh.devices) | set(p.dst_mesh.devices)) == 48 and p.dst_mesh.shape == (2, 2, 8)
     experts = p.tensors[p.index_of("model.layers.1.mlp.experts.up_proj.weight")]
-    assert (str(experts.src), str(experts.dst)) == ("S0 S1 R", "S12 R R") and tuple(experts.shape) == (MOE_TOY.experts, 64, 128)
+    assert (str(experts.src), str(experts.dst)) == ("S0 S1 R", "S12 R R") and tuple(experts.shape) == (256, 2048, 7168)
+    assert p.tensors[p.index_of("model.layers.0.mlp.down_proj.weight")].dst is not None  # the dense first layer
+
+
+TINY_MOE = MoeModel(vocab=512, hidden=128, layers=3, dense_layers=1, heads=4, q_lora_rank=64, kv_lora_rank=32, qk_nope_dim=16,
+                    qk_rope_dim=8, v_head_dim=16, mlp=256, experts=8, expert_mlp=64)
+
+
+@pytest.mark.mpi
+@pytest.mark.skipif(not MPIEXEC.exists(), reason=f"no mpiexec at {MPIEXEC} (install the mpich wheel)")
+def test_the_moe_structure_runs_bit_exact_on_mpi(tmp_path):
+    """FSDP + EP over 2 hosts of 2 -> 2 instances of 2 hosts of 2 (experts split over an instance, TP inside a host):
+    12 ranks, every destination shard of every tensor checked."""
+    layout = Layout("tiny MoE", "2x2", "2x2x2", devices_per_host=2, nic_gbps=400.0, intra_host_gbps=2400.0, nics=2)
+    plan = compile_plan(build_transfer(tomllib.loads(weight_sync_toml("tiny_moe", TINY_MOE, layout))))
+    path = tmp_path / "tiny_moe.plan.json"
+    write_atomic(path, plan.to_json())
+    result = run_demo(12, path, "--check", "--iters", "1", "--warmup", "0")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert f"check ok: {len(plan.problem.tensors)} tensors x 8 destination shards bit-exact" in result.stdout + result.stderr
