@@ -377,7 +377,8 @@ Llama-3-70B-like dense model (80 layers) from an 8x8 FSDP mesh to 2 replicas of 
 (671B; 61 layers of MLA attention, 58 of them with 256 experts stacked as [256, 2048, 7168] tensors) from 32x8
 FSDP + EP to 4 inference instances of 4 hosts of 8 GPUs (experts split over an instance's 32 GPUs, attention TP=8
 inside a host); bfloat16, 8 x 400 Gbit/s NICs per host (`plans/weight_sync_llama3_70b.problem.toml`,
-`plans/weight_sync_deepseek_v3.problem.toml`). Each row is one fresh process running what `xmesh-plan compile -o`
+`plans/weight_sync_deepseek_v3.problem.toml`); and a Kimi-K2-like MoE (1T; 61 layers, 384 experts, the first layer
+dense) on the same meshes with FP8 destinations (`plans/weight_sync_kimi_k2.problem.toml`, below). Each row is one fresh process running what `xmesh-plan compile -o`
 and `verify` do, with default flags. Environment: {DEV_MACHINE}; wall-clock seconds there depend on the other
 jobs, CPU seconds much less.
 
