@@ -432,7 +432,8 @@ def _ours(point: dict, ours: list[dict]) -> tuple[float, str] | None:
         return None
     if row["executor_over_bound"] is not None:
         return row["executor_over_bound"] * row["bound_s"], f"simulated, {row['executor_order']}"
-    return row["predicted_over_bound"] * row["bound_s"], row["timed_by"].split(" (")[0]
+    how = row["timed_by"].split(" (")[0]
+    return row["predicted_over_bound"] * row["bound_s"], "schedule's timetable" if how == "schedule" else how
 
 
 def _seconds(value: float, bound: float) -> str:
