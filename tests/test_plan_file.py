@@ -21,6 +21,7 @@ from xmesh_plan.schemas.files import write_atomic
 from xmesh_plan.schemas.plan_compact import compact_bytes
 from xmesh_plan.schemas.plan_io import read_plan_ops
 from tests.support.fake_mpi import FakeComm, FakeMPI, FakeWorld, WorldComm
+from tests.support.launch import MPIEXEC, mpiexec
 from tests.support.transfer import assert_every_shard, full_tensors, random_transfer, run_everywhere, three_tensors
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -146,3 +147,15 @@ def test_a_plan_the_check_refuses_is_refused_on_every_call(monkeypatch):
             lower(bad, plan_devices(bad)[0])
         messages.add(str(err.value))
     assert len(messages) == 1 and "recompile the plan" in messages.pop() and len(calls) == 1
+
+
+@pytest.mark.mpi
+@pytest.mark.skipif(not MPIEXEC.exists(), reason=f"no mpiexec at {MPIEXEC} (install the mpich wheel)")
+def test_a_compact_plan_file_runs_bit_exact_on_mpi_each_rank_reading_its_part(tmp_path):
+    """8 MPI ranks, each `TransferExecutor.from_file(...).prepare()` on the small weight sync's compact file (the ranks
+    agree on the file's fingerprint in prepare()), three reshards checked bit for bit (tests/workers/staging_transfer_worker.py)."""
+    plan = read_plan_file(ROOT / "plans" / "weight_sync_small.plan.json")
+    path = _compact(plan, tmp_path, "weight_sync_small.plan.npz")
+    result = mpiexec(8, str(ROOT / "tests" / "workers" / "staging_transfer_worker.py"), str(path))
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "ok weight_sync_small order posted" in result.stdout, result.stdout
