@@ -289,12 +289,22 @@ bit for bit once. Same machine: compare the ratios.
 
 {command(sync["command"])}
 
-{table([["WeightSync (one plan, received into the engine's tensors)", f"{sync['weight_sync_ms']:.2f}", x(1.0)],
-        ["the same plan into the executor's buffers, then copied", f"{sync['executor_buffers_then_copy_ms']:.2f}",
-         x(sync["executor_buffers_then_copy_ms"] / sync["weight_sync_ms"])],
-        ["full_tensor() + broadcast + slice", f"{sync['full_tensor_broadcast_slice_ms']:.2f}",
-         x(sync["full_tensor_broadcast_slice_ms"] / sync["weight_sync_ms"])]], ["per sync", "ms", "/ WeightSync"], "lrr")}
+{table([["WeightSync (one plan, received into the engine's tensors)", f"{sync['weight_sync_ms']:.2f}", x(1.0)]]
+       + [[label, f"{sync[key]:.2f}", x(sync[key] / sync["weight_sync_ms"])] for key, label in COPIED_ROWS if key in sync]
+       + [["full_tensor() + broadcast + slice", f"{sync['full_tensor_broadcast_slice_ms']:.2f}",
+         x(sync["full_tensor_broadcast_slice_ms"] / sync["weight_sync_ms"])]]
+       + [[label, f"{sync[key]:.2f}", x(sync[key] / sync["weight_sync_ms"])] for key, label in FUSED_ROWS if key in sync],
+       ["per sync", "ms", "/ WeightSync"], "lrr")}
+
+The fused WeightSync row and the redistribute row sync into an engine whose q, k, v and gate, up are fused
+(qkv_proj, gate_up_proj): WeightSync with the fusion in its plan, into float32 tensors (the plan has no
+conversion at the sender yet), and each tensor `redistribute`d to its TP layout, then concatenated and cast into
+float16 tensors (`fused_ways` in the bench).
 """
+
+COPIED_ROWS = (("executor_buffers_then_copy_ms", "the same plan into the executor's buffers, then copied"),)
+FUSED_ROWS = (("weight_sync_fused_ms", "WeightSync, qkv / gate_up fused in the plan (float32, no cast)"),
+              ("redistribute_cat_cast_ms", "redistribute per tensor + cat + cast to float16"))
 
 
 # ---- 3. scale ----------------------------------------------------------------------------------------------------
@@ -351,7 +361,9 @@ error: {limit["refusal"]["message"]}
 
 
 FRONTIER_TITLES = {"weight_sync_llama3_70b": "Llama-3-70B-like, 8x8 -> 2 x TP=8",
-                   "weight_sync_deepseek_v3": "DeepSeek-V3-like MoE, 32x8 -> 4 x 4x8"}
+                   "weight_sync_deepseek_v3": "DeepSeek-V3-like MoE, 32x8 -> 4 x 4x8",
+                   "weight_sync_kimi_k2": "Kimi-K2-like MoE into FP8, 32x8 -> 4 x 4x8"}
+PERPLEXITY_KIMI_S = 1.3  # Perplexity's reported Kimi-K2 (1T) weight sync, 256 -> 128 GPUs, FP8 (issue 29's benchmark)
 
 
 def _frontier_row(r: dict) -> list:
@@ -378,7 +390,8 @@ Llama-3-70B-like dense model (80 layers) from an 8x8 FSDP mesh to 2 replicas of 
 (671B; 61 layers of MLA attention, 58 of them with 256 experts stacked as [256, 2048, 7168] tensors) from 32x8
 FSDP + EP to 4 inference instances of 4 hosts of 8 GPUs (experts split over an instance's 32 GPUs, attention TP=8
 inside a host); bfloat16, 8 x 400 Gbit/s NICs per host (`plans/weight_sync_llama3_70b.problem.toml`,
-`plans/weight_sync_deepseek_v3.problem.toml`). Each row is one fresh process running what `xmesh-plan compile -o`
+`plans/weight_sync_deepseek_v3.problem.toml`); and a Kimi-K2-like MoE (1T; 61 layers, 384 experts, the first layer
+dense) on the same meshes with FP8 destinations (`plans/weight_sync_kimi_k2.problem.toml`, below). Each row is one fresh process running what `xmesh-plan compile -o`
 and `verify` do, with default flags. Environment: {DEV_MACHINE}; wall-clock seconds there depend on the other
 jobs, CPU seconds much less.
 
@@ -395,6 +408,117 @@ split by receiving host before the small ones ride in bundles, several times the
 
 {table(rows, ["problem", "GiB", "unit tasks", "operations", "compile s", "compile CPU s", "peak RSS MiB", "plan MiB",
               "verify s", "/ bound", "executor / bound", "timed by"], "lrrrrrrrrrrl")}
+{frontier_baselines([r for data in runs for r in data["points"]])}{moe_mpi()}"""
+
+
+def moe_mpi() -> str:
+    """The DeepSeek-V3-like plan on 48 MPI ranks (bench/bench_moe_mpi.py)."""
+    if not (RESULTS / "moe_mpi.json").exists():
+        return ""
+    r = load("moe_mpi.json")
+    verdict = "bit-exact" if r["check_ok"] else f"FAILED (exit {r['returncode']})"
+    return f"""
+### The MoE plan on {r['ranks']} MPI ranks
+
+The executor runs the DeepSeek-V3-like structure on {r['ranks']} MPI ranks, the largest world launched here (about
+115 MiB per rank; the machine's memory is shared) (`plans/weight_sync_deepseek_v3_48.problem.toml`): its real tensor shapes for 3 layers (the dense first one, 2 MoE
+ones with 256 stacked experts; {r['tensors']} tensors, {r['gib']:.1f} GiB), sources FSDP + EP over 2 hosts of 8
+GPUs, destinations 2 inference instances of 2 hosts of 8 GPUs (experts split over an instance's 16 GPUs, attention
+TP=8 inside a host). The plan is compiled with default flags ({r['compile_s']:.0f} s wall; {r['operations']:,}
+operations: {', '.join(r['kinds'])}); `executor.run` shrinks every tensor to at most {r['max_mb']:g} MiB, dims in
+proportion, so every operation stays with a smaller box, and checks every destination shard: **{verdict}**. The
+launch took {r['launch_wall_s']:.0f} s wall on {DEV_MACHINE} (all {r['ranks']} ranks on its cores, so times per
+iteration say nothing about a cluster). Rank 0's report:
+
+{command(r['command'])}
+
+```
+{r['report']}
+```
+"""
+
+
+def _ours(point: dict, ours: list[dict]) -> tuple[float, str] | None:
+    """Our plan's time on a baseline point's problem and cut (executor order where the plan states it), and how it was timed."""
+    row = next((r for r in ours if (r["problem"], r.get("layers")) == (point["problem"], point["layers"]) and r["finished"]), None)
+    if row is None:
+        return None
+    if row["executor_over_bound"] is not None:
+        return row["executor_over_bound"] * row["bound_s"], f"simulated, {row['executor_order']}"
+    how = row["timed_by"].split(" (")[0]
+    return row["predicted_over_bound"] * row["bound_s"], "schedule's timetable" if how == "schedule" else how
+
+
+def _seconds(value: float, bound: float) -> str:
+    return f"{value:.3f} ({x(value / bound)})"
+
+
+def _baseline_row(p: dict, ours: list[dict]) -> list:
+    mine = _ours(p, ours)
+    cells = [FRONTIER_TITLES.get(p["problem"], p["problem"]) + (f" ({p['layers']} layers)" if p["layers"] else ""),
+             f"{p['wire_gib']:.0f}", f"{p['bound_s']:.3f}", "-" if mine is None else f"{_seconds(mine[0], p['bound_s'])}, {mine[1]}"]
+    for name in ("checkpoint-engine-broadcast", "rank0-gather-broadcast"):
+        b = p["baselines"][name]
+        simulated = f"; simulated {_seconds(b['simulated_s'], p['bound_s'])}" if "simulated_s" in b else ""
+        cells.append(f">= {_seconds(b['estimate_s'], p['bound_s'])} ({b['busiest']}){simulated}")
+    cells.append(_seconds(p["per_tensor"]["seconds"], p["bound_s"]) + f", {len(p['per_tensor']['kinds'])} kinds" if "per_tensor" in p else "-")
+    return cells
+
+
+def _kimi_ours(ours: list[dict]) -> str:
+    """What our plan of the Kimi-K2-like problem is known to take: the full problem's row, else a cut's, not scaled."""
+    rows = [r for r in ours if r["problem"] == "weight_sync_kimi_k2" and r["finished"]]
+    full = next((r for r in rows if not r.get("layers")), None)
+    if full is not None:
+        mine = _ours({"problem": full["problem"], "layers": None}, ours)
+        return f"Our plan of it: {mine[0]:.3f} s ({x(mine[0] / full['bound_s'])} its bound; {mine[1]})."
+    if not rows:
+        return "Our plan of it is not compiled here."
+    cut = max(rows, key=lambda r: r["layers"])
+    llama = {r.get("layers") or 80: x(r["predicted_over_bound"]) for r in ours if r["problem"] == "weight_sync_llama3_70b" and r["finished"]}
+    drift = ", ".join(f"{ratio} at {layers} layers" for layers, ratio in sorted(llama.items()))
+    return (f"The full problem is not compiled here (the DeepSeek-V3-like one did not finish, above). A {cut['layers']}-layer "
+            f"cut compiles ({cut['compile_s']:.0f} s wall, {cut['peak_rss_mib']:,.0f} MiB): {cut['predicted_over_bound'] * cut['bound_s']:.4f} s, "
+            f"{x(cut['predicted_over_bound'])} its own bound, timed by the {cut['timed_by']}. That ratio is not carried to 61 "
+            f"layers: it is not constant in the number of layers (the Llama-3-70B-like plan: {drift}, above), so no "
+            f"full-size prediction is given.\n")
+
+
+def frontier_baselines(ours: list[dict]) -> str:
+    """The baselines beside ours on the frontier problems (bench/bench_frontier_baselines.py)."""
+    if not (RESULTS / "frontier-baselines.json").exists():
+        return ""
+    points = load("frontier-baselines.json")["points"]
+    made = "\n\n".join(command(text) for text in dict.fromkeys(p["command"] for p in points))
+    kimi = next((p for p in points if p["problem"] == "weight_sync_kimi_k2" and not p["layers"]), None)
+    perplexity = "" if kimi is None else f"""
+The Kimi-K2-like problem (1T parameters, 61 layers, 384 experts; `plans/weight_sync_kimi_k2.problem.toml`) moves
+{kimi['wire_gib']:.0f} GiB once its destinations are FP8 (routed experts with 128x128 block scales, the other layer
+projections with per-tensor scales; embeddings, LM head, norms and router stay bfloat16, {kimi['gib']:.0f} GiB at the
+source). Its byte bound on this network is {kimi['bound_s']:.3f} s ({kimi['bound_reason']}); Perplexity reports
+{PERPLEXITY_KIMI_S} s for the same move (256 -> 128 GPUs, FP8; their network may differ), {PERPLEXITY_KIMI_S / kimi['bound_s']:.2f}x this bound.
+{_kimi_ours(ours)}"""
+    rows = [_baseline_row(p, ours) for p in points]
+    return f"""
+### Beside ours: the RL frameworks' weight syncs
+
+The same problems in the same network model (8 x 400 Gbit/s NICs per host, 2400 Gbit/s between the GPUs of a
+host): checkpoint-engine's broadcast (every source rank broadcasts the blocks it holds to every inference rank,
+which keeps its part), rank-0 gather then broadcast (verl / NeMo-RL style), and one plan per tensor back to back
+(our planner on each tensor alone, one after another). Simulating the two broadcasts at full size means millions of
+chunk messages, so each is given as its least time in the model (`planner/baseline_bounds.py`): the busiest NIC
+side, GPU port or GPU (a GPU takes part in one operation at a time, in device order) from its bytes, with no
+latency, per-message overhead or pipeline fill; the simulator gives the same operations at least that (`>=`), and
+on a cut (`--simulate`) the table shows both. One plan per tensor: tensors of one kind (shape, dtypes, layouts) have
+the same plan, so one plan per kind is compiled with default flags, simulated in device order and multiplied by the
+kind's count. **ours**: the plan's time from the frontier table above (same problem and cut), in the executor's
+order where the plan states it, else as timed there; '-' where no plan compiled here. Seconds, with each over the
+byte bound; the busiest link or device of each estimate in parentheses.
+{perplexity}
+{made}
+
+{table(rows, ["problem", "GiB crossing", "bound s", "ours s", "checkpoint-engine broadcast s", "rank-0 gather + broadcast s",
+              "one plan per tensor s"], "lrrllll")}
 """
 
 
@@ -408,8 +532,9 @@ def executor_overhead() -> str:
         cur, before, base = r["current"], r["before"], r["baseline_s"]
         rows.append([r["kind"], r["ranks"], r["tasks"], f"{cur['executor_s'] * 1e3:.3f}", f"{base * 1e3:.3f}" if base else "-",
                      f"{(cur['executor_s'] - base) * 1e6 / r['tasks']:.1f}" if base else "-", f"{cur['executor_s'] * 1e6 / r['tasks']:.1f}",
-                     cur["alloc_peak_bytes_max_rank"], cur["alloc_net_bytes_max_rank"], f"{before['executor_s'] * 1e3:.3f}",
-                     f"{cur['executor_s'] / before['executor_s']:.2f}"])
+                     cur["alloc_peak_bytes_max_rank"], cur["alloc_net_bytes_max_rank"], cur["python_calls_per_run_max_rank"],
+                     before["python_calls_per_run_max_rank"], before["alloc_peak_bytes_max_rank"],
+                     f"{before['executor_s'] * 1e3:.3f}", f"{cur['executor_s'] / before['executor_s']:.2f}"])
     torch_rows = [[r["kind"], r["ranks"], r["tasks"], f"{r['engine_s'] * 1e3:.3f}", f"{r['bare_s'] * 1e3:.3f}" if r.get("bare_s") else "-",
                    f"{r['time_ratio']:.2f}" if r.get("time_ratio") else "-", r["engine_peak_bytes"],
                    r.get("bare_peak_bytes") or "-", f"{r['alloc_ratio']:.2f}" if r.get("alloc_ratio") else "-",
@@ -417,6 +542,10 @@ def executor_overhead() -> str:
     lowering = load("lowering.json")
     low = [[r["plan"], r["operations"], r["device"], r["steps"], f"{r['lower_s']:.3f}", f"{r['before_s']:.3f}", f"{r['lower_s'] / r['before_s']:.2f}"]
            for r in lowering["rows"]]
+    loads = load("rank_load.json")
+    rank_rows = [[r["device"], "whole plan" if r["whole"] else "its part (index)", f"{r['operations']:,}", f"{r['steps']:,}", r["order"],
+                  f"{r['seconds']:.2f}", f"{r['cpu_s']:.2f}", f"{r['peak_rss_mib']:,.0f}", f"{r['peak_rss_mib'] - r['imports_rss_mib']:,.0f}"]
+                 for r in loads["rows"]]
     redistribute = [[r["move"], r["ranks"], "x".join(map(str, r["shape"])) + f" ({r['mib']:.1f} MiB)", f"{r['redistribute_s'] * 1e3:.2f}",
                      f"{r['baseline_s'] * 1e3:.2f}", f"{r['baseline_over_ours']:.2f}"] for r in load("redistribute.json")]
     return f"""\
@@ -435,14 +564,20 @@ Plans of T unit tasks of one 64 B box each: `send`, device 0 -> device 1, rows (
 Columns: **run() ms**, one `ReshardingExecutor.run()` (median of 40); **bare mpi4py ms**, plain
 `Isend`/`Irecv` of the same rows into the same buffers finished by `Waitall` (the data movement alone);
 **overhead us / task** = (run() - bare) / T; **run() us / task**; **peak B**, the largest rise of traced Python
-memory during one call (tracemalloc, worst rank); **net B**, what stays allocated after all calls; and the same
-run() timed with the executor of git revision `{rev}` (`--compare`: its whole package, run from a copy of that
-revision, alternating with the current one plan by plan), with **now / {rev}**, the ratio that must not grow when
-the executor changes. On this shared machine one run's ratios scatter with the other jobs' load;
-read them together, and the allocation columns, which do not depend on load.
+memory during one call (tracemalloc, worst rank); **net B**, what stays allocated after all calls; **calls**, the
+Python function calls one run() makes (a profile hook counting them; the fewest over the 40 calls, worst rank): a
+count of the work a call does, which load barely changes (polls while waiting for a peer mostly drop out with the
+fewest; at 256 and more tasks a few remain, which is why the revisions differ there by up to 2% either way); and the
+same measures with the executor of git revision `{rev}` (`--compare`: its whole package, run from a copy of that
+revision by the same script, alternating with the current one plan by plan), with **now / {rev}**, the time
+ratio. "No worse than {rev}" reads off the calls and peak columns, which do not depend on the timing: equal calls
+are the same work per run(). The time ratios scatter on this shared machine (4 ranks on 2 cores for `broadcast`), and
+a peak differs by 24 B (one float object) now and then in either revision: with the same script and 64 tasks,
+199 of 200 calls peak at 96 B in both revisions and the odd one at 120 or 128 B, so the worst of 40 calls
+catches it or not by chance.
 
 {table(rows, ["plan", "ranks", "unit tasks", "run() ms", "bare mpi4py ms", "overhead us / task", "run() us / task", "peak B", "net B",
-              f"{rev} run() ms", f"now / {rev}"], "lrrrrrrrrrr")}
+              "calls", f"{rev} calls", f"{rev} peak B", f"{rev} run() ms", f"now / {rev}"], "lrrrrrrrrrrrrr")}
 
 Every message is a persistent request made in `prepare()` and restarted each call, polled one at a time;
 every copy, pack and unpack is a pair of views made in `prepare()`, so a call allocates a fixed handful of
@@ -461,6 +596,20 @@ the lowering of git revision `{lowering["compared_with"]}` (best of 5). Made by
 `.venv/bin/python -m bench.bench_lowering --compare {lowering["compared_with"]} --repeat 5`.
 
 {table(low, ["plan", "operations", "busiest device", "its steps", "lower() s", f"{lowering['compared_with']} s", "ratio"], "lrrrrrr")}
+
+**One rank's load and lowering** of a large plan, before any byte moves: the Llama-3-70B-like weight sync
+({loads['operations']:,} operations, {loads['tensors']} tensors, a {loads['file_bytes'] / 2**20:.0f} MiB compact file written by
+`xmesh-plan compile plans/weight_sync_llama3_70b.problem.toml -o /tmp/70b.plan.npz`). Each row is one fresh process
+doing what `TransferExecutor.from_file(path, comm).prepare()` does for one device: read the file's header, read the
+device's operations through the file's index, check them, lower them and run the passes of the executor's default
+order on MPI (`passes.rank_program`); the last row does the same through the whole plan (`read_plan_file`, then the
+plan object, checked whole). Made by `{loads["command"]}`. Columns: **device** (the source and the destination
+device with the most operations); what it **read**; its **operations** and lowered **steps**; the **order** its
+program runs in; **s** wall clock and **CPU s** from the start of the load to the program (wall clock depends on
+the other jobs on this machine, CPU seconds much less); **peak RSS MiB** of the process, and the part **above
+imports** (what it held once Python, numpy and the package were imported).
+
+{table(rank_rows, ["device", "read", "operations", "steps", "order", "s", "CPU s", "peak RSS MiB", "above imports"], "rlrrlrrrr")}
 
 **`redistribute` against `full_tensor()` + broadcast + slice**, what a DTensor user writes to cross meshes
 without this package: every source rank gathers the tensor, the source mesh's first rank broadcasts it, each
