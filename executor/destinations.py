@@ -33,7 +33,7 @@ class Destinations:
     def bind(self, t: int, typed, caller: bool) -> None:
         """Tensor t's steps write `typed` (the caller's tensor when `caller`, else the engine's own shard)."""
         self.typed[t] = typed
-        self.flat[t] = _bytes_of(typed) if typed.is_contiguous() else None
+        self.flat[t] = bytes_of(typed) if typed.is_contiguous() else None
         if caller:
             self.callers.add(t)
         else:
@@ -63,7 +63,7 @@ class Destinations:
         pieces = [typed[tuple(slice(a, b) for a, b in piece)]
                   for piece in flat_pieces(tuple(typed.shape), data.start // size, data.stop // size)]
         if len(pieces) == 1 and pieces[0].is_contiguous():
-            return _bytes_of(pieces[0])
+            return bytes_of(pieces[0])
         key = (data.tensor, data.start, data.stop)
         shadow = self.shadows.get(key)
         if shadow is None:
@@ -80,7 +80,7 @@ class Destinations:
         return shadow
 
 
-def _bytes_of(tensor):
+def bytes_of(tensor):
     """A flat uint8 view of a contiguous tensor (None for None), whatever the strides of its dims of length 1."""
     if tensor is None:
         return None

@@ -2,9 +2,10 @@
 
 Every message moves raw bytes (a uint8 view of the shard or of staging), so every dtype the planner
 knows travels bit for bit, bfloat16 and float8 included, although gloo has no such types. Local
-copies, packs and unpacks are `Tensor.copy_` between views made once in `setup()`: no numpy, no
-host round trip. Messages are posted straight on the ProcessGroup (`group.send([buf], peer, tag)`,
-what `dist.isend` does after its checks) with the one-tensor lists made in `setup()`.
+copies, packs and unpacks are `Tensor.copy_` between views made in `setup()` (staging) and when a call hands in
+another shard (source shards; destination shards: the engine's own or the caller's tensors, written in place,
+`executor.destinations`): no numpy, no host round trip. Messages are posted straight on the ProcessGroup
+(`group.send([buf], peer, tag)`, what `dist.isend` does after its checks) with one-tensor lists made alike.
 
 One discipline serves both backends. NCCL ignores tags and runs a pair's messages in the order they
 were posted, one after another on that pair's stream, so both ends must post them in the same order,
@@ -47,7 +48,7 @@ import time
 import numpy as np
 
 from .arrays import RAW_KINDS, storage_dtype
-from .destinations import Destinations, _bytes_of
+from .destinations import Destinations, bytes_of
 from .engines import EngineContext
 from .errors import BackendUnavailableError, ExecutorError, PeerTimeoutError, PlanMismatchError
 from .lower import Action, Bytes, RankProgram, Step
@@ -63,7 +64,8 @@ def torch_dtype(torch, name: str):
 
 class TorchEngine:
     """Replays a RankProgram over a torch.distributed process group; an `executor.engines.Engine`. Buffers are
-    keyed by (tensor, side): `dsts[t]` is tensor t's destination shard (`dst`: tensor 0's, the one-tensor face)."""
+    keyed by (tensor, side): `dsts[t]` is tensor t's own destination shard, made by the first call that passes no tensor
+    of the caller's for it (`dst`: tensor 0's, the one-tensor face); `into` holds what each call writes."""
 
     test_progresses = False  # progress happens elsewhere; test() only looks (`replay.backoff_wait`)
 
@@ -218,7 +220,7 @@ class TorchEngine:
             return
         dtype = self.dtypes[t]
         typed = src if src.dtype == dtype else src.view(dtype)  # a raw same-size view of bfloat16/float8
-        self.src_typed[t], self.src_flat[t] = typed, _bytes_of(typed)
+        self.src_typed[t], self.src_flat[t] = typed, bytes_of(typed)
         for i in self.reads_src[t]:
             self._make(i)
         self.bound[t] = src
@@ -310,11 +312,11 @@ class TorchEngine:
         for t in range(len(self.dsts)):
             own = self._own(t)
             if own is not None:
-                _bytes_of(own).fill_(0xA5)
+                bytes_of(own).fill_(0xA5)
 
     def host_copy(self, array) -> np.ndarray:
         """`array`'s bits as a numpy array of the plan's storage dtype (uint16 for bfloat16, uint8 for float8)."""
-        raw = _bytes_of(array.contiguous()).cpu().numpy()
+        raw = bytes_of(array.contiguous()).cpu().numpy()
         return raw.view(storage_dtype(str(array.dtype).removeprefix("torch."))).reshape(tuple(array.shape))
 
     def start(self, src, into=None) -> None:
@@ -517,7 +519,6 @@ class TorchEngine:
         self.failure = failure(self.program.device, self.rank, why, [at], more=others)
         self.abandon(why)
         raise self.failure
-
 
 
 def _dst_tensor(s: Step) -> int | None:
