@@ -68,7 +68,8 @@ class Engine(Protocol):
     """Replays one RankProgram (every tensor of a plan) every iteration; made by the registry, then `setup()` once."""
 
     program: RankProgram
-    dsts: list  # per tensor, this rank's destination shard (the engine's own buffer, reused), None outside that mesh
+    dsts: list  # per tensor, this rank's destination shard (the engine's own buffer, reused), None outside that mesh (and, on an
+    # engine that `receives_into`, until a call passes no tensor of the caller's for it)
     dst: Any  # dsts[0]: the one-tensor face
     broken: str | None  # why the engine refuses to run again, None while usable
 
