@@ -160,7 +160,7 @@ class TransferExecutor(Executor):
                                     f"problem ({', '.join(self.names[:3])}{', ...' if len(self.names) > 3 else ''})")
         if self.flight.engine is not None:
             tensors = self.program.tensors
-            missing = [n for n, t in zip(self.names, tensors) if n not in shards and t.src_block is not None]
+            missing = [n for n, t in zip(self.names, tensors) if n not in shards and t.given_shape is not None]
             if missing:
                 raise PlanMismatchError(f"run(): device {self.device} is in the source mesh; pass its shard of "
                                         f"{missing[0]!r}{f' (and {len(missing) - 1} more)' if len(missing) > 1 else ''}")
