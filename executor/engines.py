@@ -24,6 +24,7 @@ from typing import Any, Callable, Protocol
 
 import numpy as np
 
+from xmesh_plan.schemas.convert import FP8_MAX
 from xmesh_plan.schemas.staging import SYNC_SEND_BYTES
 
 from .errors import PlanMismatchError
@@ -139,6 +140,12 @@ class EngineEntry:
         """Import the engine's module (only now: CuPy and torch are optional) and build the engine; PlanMismatchError,
         the same on every rank, for a converting plan on an engine that does not convert."""
         converting = next((t for t in program.tensors if t.convert is not None), None)
+        unscaled = next((t for t in program.tensors if t.convert is not None and t.convert.dst_dtype in FP8_MAX
+                         and t.convert.scale is None), None)
+        if unscaled is not None:
+            raise PlanMismatchError(f"the plan converts {unscaled.dtype} to {unscaled.dst_dtype} without scales; give the tensor "
+                                    "scale = \"tensor\" or \"block\" in a multi-tensor problem, which carries them in its .scale "
+                                    "tensor", same_on_every_rank=True)
         if converting is not None and not self.converts:
             can = ", ".join(e.name for e in ENGINES.values() if e.converts)
             raise PlanMismatchError(f"the plan converts {converting.dtype} to {converting.dst_dtype} at the sender, which the "

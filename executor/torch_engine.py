@@ -25,6 +25,11 @@ two, and it waits only for a receive of that operation, while what waits for it 
 order above still has the first unfinished message posted at both ends. The receipt size must be the same on every
 rank: a rank that expects a receipt the other never sends waits until its timeout.
 
+A plan that converts at the sender (`executor.conversions`; the registry's `converts`) has every buffer but the caller's
+source shards in the destination dtype: before posting anything, each run, the progress thread computes the FP8 scales
+(per-tensor ones after swapping amax with the tensor's other senders) and casts each source shard once into a buffer
+that the steps reading the source were bound to in `setup()` (docs/executor.md, "Conversion at the sender").
+
 Gloo's point-to-point work cannot be polled: `is_completed()` stays False until `wait()` is called
 (checked with torch 2.13), and `wait(timeout)` closes the connection when it expires. So each engine
 has one progress thread (started by its first reshard) that posts the messages and waits for them.
@@ -137,9 +142,6 @@ class TorchEngine:
             self.reads_src[t] = []  # read from `buffer`, never from the caller's shard
             conversion = p.tensors[t].convert
             if conversion is not None:
-                if conversion.dst_dtype in convert.FP8_MAX and conversion.scale is None:
-                    raise PlanMismatchError(f"tensor {t} converts to {conversion.dst_dtype} without scales; give it scale = "
-                                            "\"tensor\" or \"block\" (a multi-tensor problem carries them in its .scale tensor)")
                 self.converting.append((t, conversion, buffer if read else None))  # None: this device sends none of it
         self.scale_shards = {c.scales: made.get(c.scales) for _, c, _ in self.converting if c.scales is not None}
         peers: dict[int, list[int]] = {}

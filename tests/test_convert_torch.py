@@ -67,3 +67,17 @@ def test_an_engine_that_does_not_convert_refuses_the_plan_naming_one_that_does(e
                                "it on the torch engine (backend='gloo' or 'nccl' with a torch process group) or compile the plan "
                                "without dst_dtype")
     assert info.value.same_on_every_rank
+
+
+def test_an_fp8_conversion_without_scales_is_refused_on_every_rank_alike():
+    """A one-tensor problem made by hand (problem files refuse it) converting to FP8 has no scale tensor to carry scales."""
+    from xmesh_plan.schemas import DeviceMesh, Placement, ReshardingProblem
+
+    mesh = DeviceMesh(shape=(2,), devices=(0, 1))
+    problem = ReshardingProblem(shape=(8, 4), dtype="float32", dst_dtype="float8_e4m3fn", src=Placement(mesh=mesh, spec="S0 R"),
+                                dst=Placement(mesh=mesh, spec="R S0"))
+    program = lower(compile_plan(problem, solver="greedy"), 1)
+    with pytest.raises(PlanMismatchError, match=r"^the plan converts float32 to float8_e4m3fn without scales; give the tensor "
+                                                r"scale = \"tensor\" or \"block\" in a multi-tensor problem") as info:
+        ENGINES["torch"].make(program, EngineContext(None, {}, 1.0, (1e-3, 1e-2)))
+    assert info.value.same_on_every_rank
