@@ -65,6 +65,21 @@ def rank_main(iters: int) -> None:
         run()
         refs = references(model, dist.group.WORLD, config)  # a collective: every rank takes part
         verdicts.append(check(targets, mesh, refs) if targets else "ok")
+    times = take_turns(ways, iters)
+    bad = torch.tensor([sum(v != "ok" for v in verdicts)])
+    dist.all_reduce(bad)
+    sync.close()
+    converted = converted_ways(iters)
+    if dist.get_rank() == 0:
+        print(json.dumps({"tensors": len(sync.problem.tensors), "mib": sync.problem.nbytes / 2**20, "checked": not bad.item(),
+                          **times, "converted": converted}), flush=True)
+    dist.destroy_process_group()
+
+
+def take_turns(ways: dict, iters: int) -> dict[str, float]:
+    """Each way's median time in ms over `iters` rounds, the ways taking turns, each run between barriers."""
+    import torch.distributed as dist
+
     times: dict[str, list[float]] = {name: [] for name in ways}
     for _ in range(iters):
         for name, run in ways.items():
@@ -73,14 +88,7 @@ def rank_main(iters: int) -> None:
             run()
             dist.barrier()
             times[name].append((time.perf_counter() - start) * 1e3)
-    bad = torch.tensor([sum(v != "ok" for v in verdicts)])
-    dist.all_reduce(bad)
-    sync.close()
-    converted = converted_ways(iters)
-    if dist.get_rank() == 0:
-        print(json.dumps({"tensors": len(sync.problem.tensors), "mib": sync.problem.nbytes / 2**20, "checked": not bad.item(),
-                          **{name: statistics.median(t) for name, t in times.items()}, "converted": converted}), flush=True)
-    dist.destroy_process_group()
+    return {name: statistics.median(t) for name, t in times.items()}
 
 
 def converted_ways(iters: int) -> dict:
@@ -145,18 +153,10 @@ def converted_ways(iters: int) -> dict:
         run()
         refs = references(model, dist.group.WORLD, config)
         verdicts.append(check_converted(targets, sync.scales if name == "weight_sync_ms" else scales, mesh, refs) if targets else "ok")
-    times: dict[str, list[float]] = {name: [] for name in ways}
-    for _ in range(iters):
-        for name, run in ways.items():
-            dist.barrier()
-            start = time.perf_counter()
-            run()
-            dist.barrier()
-            times[name].append((time.perf_counter() - start) * 1e3)
+    times = take_turns(ways, iters)
     bad = torch.tensor([sum(v != "ok" for v in verdicts)])
     dist.all_reduce(bad)
-    out = {"tensors": len(sync.problem.tensors), "mib": sync.problem.nbytes / 2**20, "checked": not bad.item(),
-           **{name: statistics.median(t) for name, t in times.items()}}
+    out = {"tensors": len(sync.problem.tensors), "mib": sync.problem.nbytes / 2**20, "checked": not bad.item(), **times}
     sync.close()
     return out
 

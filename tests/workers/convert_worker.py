@@ -1,7 +1,8 @@
 """One rank of the senders' conversion on the torch engine over gloo, started by tests/test_convert_torch.py with env://
 variables: a plan converting at the sender (fp16, bf16, FP8 with block and per-tensor scales), run twice with new
 values, every destination element and every delivered scale compared bit for bit with a reference made here from
-the whole tensor by torch's own ops (scales block by block, the cast by `.to()`), not by `executor.convert`.
+the whole tensor by torch's own ops (`weight_sync_demo.cast_reference`: scales block by block, the cast by
+`.to()`), not by `executor.convert`.
 
     python tests/workers/convert_worker.py hooks       4 ranks: sends, broadcasts, bundle gathers and local copies, in
                                                        device order (gloo's tags, then every tag 0) and posted; a one-tensor cast
@@ -24,10 +25,7 @@ from xmesh_plan.executor import ReshardingExecutor, TransferExecutor, TransportO
 from xmesh_plan.planner.compile import compile_plan
 from xmesh_plan.planner.problem_io import build_problem
 from xmesh_plan.planner.transfer_io import build_transfer
-from xmesh_plan.schemas.convert import FP8_MAX
-
-BLOCK = 128
-FLOOR = 1e-12  # the smallest amax a scale is made of (an all-zero block)
+from xmesh_plan.weight_sync_demo import BLOCK, cast_reference
 
 HOOKS = {"src_mesh": {"shape": [2], "devices": [0, 1]}, "dst_mesh": {"shape": [2, 2], "devices": [0, 1, 2, 3]},
          "cluster": {"devices_per_host": 2}, "dtype": "float32",
@@ -58,24 +56,7 @@ def whole(name: str, shape, dtype: str, step: int) -> torch.Tensor:
 
 def reference(tensor, full: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The destination values (and scales) of a whole tensor, by torch's own ops, block by block."""
-    if tensor.dst_dtype is None:
-        return full, None
-    target = getattr(torch, tensor.dst_dtype)
-    if tensor.dst_dtype not in FP8_MAX:
-        return full.to(target), None
-    top = FP8_MAX[tensor.dst_dtype]
-    if tensor.scale == "tensor":
-        scale = torch.tensor([max(full.float().abs().max().item(), FLOOR) / top], dtype=torch.float32)
-        return (full.float() / scale).clamp(-top, top).to(target), scale
-    rows, cols = full.shape
-    scales = torch.empty((-(-rows // BLOCK), -(-cols // BLOCK)), dtype=torch.float32)
-    out = torch.empty(full.shape, dtype=target)
-    for i in range(scales.shape[0]):
-        for j in range(scales.shape[1]):
-            block = full[i * BLOCK:(i + 1) * BLOCK, j * BLOCK:(j + 1) * BLOCK].float()
-            scales[i, j] = torch.clamp(block.abs().max(), min=FLOOR) / top
-            out[i * BLOCK:(i + 1) * BLOCK, j * BLOCK:(j + 1) * BLOCK] = (block / scales[i, j]).clamp(-top, top).to(target)
-    return out, scales
+    return (full, None) if tensor.dst_dtype is None else cast_reference(full, tensor.dst_dtype, tensor.scale)
 
 
 def box_of(problem, name: str, side: str, rank: int):
