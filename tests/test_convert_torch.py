@@ -81,3 +81,14 @@ def test_an_fp8_conversion_without_scales_is_refused_on_every_rank_alike():
                                                 r"scale = \"tensor\" or \"block\" in a multi-tensor problem") as info:
         ENGINES["torch"].make(program, EngineContext(None, {}, 1.0, (1e-3, 1e-2)))
     assert info.value.same_on_every_rank
+
+
+def test_the_torch_demo_refuses_a_converting_plan_instead_of_checking_it_against_the_source_dtype():
+    """`executor.torch_run` fills source patterns and compares destinations with them in the source dtype: a converting
+    plan would report every element as differing, so it is refused in one line (every rank reads the same plan)."""
+    from xmesh_plan.executor.torch_run import _scaled
+
+    with pytest.raises(PlanMismatchError, match=r"^the plan converts float32 to float16 at the sender, and this command fills "
+                                                r"and checks shards of the source dtype; run it with TransferExecutor") as info:
+        _scaled(compile_plan(build_transfer(HOOKS)), 16.0)
+    assert info.value.same_on_every_rank
