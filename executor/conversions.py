@@ -11,9 +11,9 @@ sends anything, and every step that reads the source shard reads that one instea
 >>> from xmesh_plan.planner.transfer_io import build_transfer
 >>> plan = compile_plan(build_transfer({"src_mesh": {"shape": [2], "devices": [0, 1]}, "dst_mesh": {"shape": [1], "devices": [2]},
 ...     "tensors": [{"name": "w", "shape": [4, 4], "src": "S0 R", "dst": "R R", "dst_dtype": "fp8", "scale": "tensor"}]}))
->>> conversions(plan, 0)
+>>> conversions(plan.problem, 0)
 [Conversion(dst_dtype='float8_e4m3fn', scale='tensor', scales=1, peers=(1,)), None]
->>> scale_owners(plan)
+>>> scale_owners(plan.problem)
 [None, 0]
 """
 
@@ -21,10 +21,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from xmesh_plan.schemas import Plan
 from xmesh_plan.schemas.convert import scale_name
-
-from .plan_index import plan_index
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,29 +41,29 @@ def _nonempty(region) -> bool:
     return all(b > a for a, b in region)
 
 
-def conversions(plan: Plan, device: int) -> list[Conversion | None]:
-    """Per tensor of the plan, how `device` converts it at the sender (None: no conversion)."""
-    problem = plan.problem
+def conversions(problem, device: int) -> list[Conversion | None]:
+    """Per tensor of a plan's `problem`, how `device` converts it at the sender (None: no conversion)."""
     tensors = getattr(problem, "tensors", None)
     if tensors is None:  # a one-tensor problem: plain casts only (its files refuse FP8, which needs scale tensors)
         return [None if problem.dst_dtype is None else Conversion(problem.dst_dtype)]
-    blocks = plan_index(plan).blocks
     out: list[Conversion | None] = []
     for t, tensor in enumerate(tensors):
         if tensor.dst_dtype is None:
             out.append(None)
             continue
         scales = problem.index_of(scale_name(tensor.name)) if tensor.scale is not None else None
-        src = blocks[t][0]
-        mine = device in src and _nonempty(src[device])
-        peers = tuple(d for d, box in src.items() if d != device and _nonempty(box)) if tensor.scale == "tensor" and mine else ()
+        peers: tuple[int, ...] = ()
+        if tensor.scale == "tensor":  # the senders that swap their amax with this one, when it holds a part
+            src = problem.tensor_problem(t).blocks("src")
+            if device in src and _nonempty(src[device]):
+                peers = tuple(d for d, box in src.items() if d != device and _nonempty(box))
         out.append(Conversion(tensor.dst_dtype, tensor.scale, scales, peers))
     return out
 
 
-def scale_owners(plan: Plan) -> list[int | None]:
-    """Per tensor of the plan, the tensor whose scales it carries (its senders compute its source shards), or None."""
-    tensors = getattr(plan.problem, "tensors", None)
+def scale_owners(problem) -> list[int | None]:
+    """Per tensor of a plan's `problem`, the tensor whose scales it carries (its senders compute its source shards), or None."""
+    tensors = getattr(problem, "tensors", None)
     if tensors is None:
         return [None]
-    return [None if t.scale_of is None else plan.problem.index_of(t.scale_of) for t in tensors]
+    return [None if t.scale_of is None else problem.index_of(t.scale_of) for t in tensors]
