@@ -174,7 +174,10 @@ def compact_arrays(plan) -> dict[str, np.ndarray]:
         for (field, kind), values in zip(kinds.items(), columns):
             _ENCODERS[kind](f"{table}.{field}", list(values), out)
     out.update(_device_index(out, len(plan.operations)))
-    first, tags = first_tags(plan.operations)  # the lowering's numbering (tensor by tensor), and the plan's total
+    try:
+        first, tags = first_tags(plan.operations)  # the lowering's numbering (tensor by tensor), and the plan's total
+    except (IndexError, ValueError) as err:  # an operation without the devices its kind's messages need
+        raise CompactPlanError(f"its operations cannot be numbered into messages ({err}); `xmesh-plan verify` names the fault") from None
     out["index.first_tags"] = _ints([*first, tags], "message tags")
     return out
 
@@ -379,6 +382,91 @@ def read_compact_data(path: str | os.PathLike, records: dict[str, Callable[[dict
             rows = _rows(m, table, np.arange(start, min(start + CHUNK_ROWS, count), dtype=np.int64))
             data[table].extend(rows if make is None else map(make, rows))
     return data
+
+
+# ---------------------------------------------------------------- columns, for proofs over whole tables
+
+
+def _flat(array: np.ndarray, what: str) -> np.ndarray:
+    """An integer member as int64 (what the record reader's `tolist` gives); refused where that could differ."""
+    if array.dtype.kind not in "iu" or (array.dtype.kind == "u" and array.dtype.itemsize == 8):
+        raise CompactPlanError(f"member {what}.npy holds {array.dtype}, not integers")
+    return np.asarray(array, dtype=np.int64)
+
+
+def _csr(m: _Members, name: str, rows: int) -> np.ndarray:
+    """Offsets of `rows` CSR rows: from 0, never backwards."""
+    offsets = _flat(m.get(name), name)
+    if offsets.shape != (rows + 1,) or offsets[0] != 0 or (np.diff(offsets) < 0).any():
+        raise CompactPlanError(f"member {name}.npy is not {rows + 1} offsets rising from 0")
+    return offsets
+
+
+def _values(m: _Members, name: str, offsets: np.ndarray, pairs: bool = False) -> np.ndarray:
+    values = _flat(m.get(name), name)
+    if values.shape != ((int(offsets[-1]), 2) if pairs else (int(offsets[-1]),)):
+        raise CompactPlanError(f"member {name}.npy has {values.shape} values, its offsets {int(offsets[-1])}")
+    return values
+
+
+def _column(m: _Members, name: str, kind: str, count: int) -> dict[str, Any]:
+    """One field's column as flat arrays: `values` (int64, float64 or string codes), with `none` (int?), `names`
+    (str), `offsets` (lists, boxes: per row), `inner` (intss: per list) or `dims` (boxes: per box)."""
+    if kind == "float":
+        values = m.get(name)
+        if values.dtype.kind not in "biuf" or values.shape != (count,):
+            raise CompactPlanError(f"member {name}.npy is not {count} numbers")
+        return {"values": np.asarray(values, dtype=np.float64)}
+    if kind in ("int", "int?", "str"):
+        values = _flat(m.get(name), name)
+        if values.shape != (count,):
+            raise CompactPlanError(f"member {name}.npy is not {count} integers")
+        out: dict[str, Any] = {"values": values}
+        if kind == "int?":
+            out["none"] = np.asarray(m.get(f"{name}.none"), dtype=bool) if f"{name}.none" in m else np.zeros(count, dtype=bool)
+            if out["none"].shape != (count,):
+                raise CompactPlanError(f"member {name}.none.npy is not {count} flags")
+        if kind == "str":
+            out["names"] = m.text(f"{name}.names")
+            if not isinstance(out["names"], list) or not all(isinstance(n, str) for n in out["names"]) \
+                    or (count and not 0 <= values.min() <= values.max() < len(out["names"])):
+                raise CompactPlanError(f"member {name}.npy names a string its table lacks")
+        return out
+    offsets = _csr(m, f"{name}.offsets", count)
+    if kind == "ints":
+        return {"offsets": offsets, "values": _values(m, f"{name}.values", offsets)}
+    if kind == "box":
+        return {"offsets": offsets, "values": _values(m, f"{name}.values", offsets, pairs=True)}
+    inner = _csr(m, f"{name}.{'dims' if kind == 'boxes' else 'inner'}", int(offsets[-1]))
+    return {"offsets": offsets, "dims" if kind == "boxes" else "inner": inner,
+            "values": _values(m, f"{name}.values", inner, pairs=kind == "boxes")}
+
+
+@dataclass(frozen=True)
+class CompactColumns:
+    """A compact plan as whole columns, for a proof over every row at once (`planner.verify_columns`): the plan's
+    fields less its tables (`fields`), the row counts, each table's columns (`_column`), and the file, whose
+    `host_order` a caller reads as records (`host_order_rows`)."""
+
+    fields: dict
+    counts: dict[str, int]
+    tables: dict[str, dict[str, dict[str, Any]]]
+    members: _Members
+
+    def host_order_rows(self) -> list[dict]:
+        return _rows(self.members, "host_order", np.arange(self.counts["host_order"], dtype=np.int64))
+
+
+def read_compact_columns(path: str | os.PathLike) -> CompactColumns:
+    """The columns of the tasks and operations of the compact plan in `path`, mapped, checked to be what the record
+    reader reads as integers, numbers, known strings and whole rows; CompactPlanError otherwise."""
+    m = _Members(path)
+    header = _header(m)
+    counts = header["counts"]
+    if not all(isinstance(counts.get(t), int) and counts[t] >= 0 for t in TABLES):
+        raise CompactPlanError("its header gives no row count for a table")
+    tables = {t: {f: _column(m, f"{t}.{f}", kind, counts[t]) for f, kind in COLUMN_KINDS[t].items()} for t in ("tasks", "operations")}
+    return CompactColumns(header["plan"], {t: counts[t] for t in TABLES}, tables, m)
 
 
 @dataclass(frozen=True)
