@@ -11,11 +11,13 @@ Members:
 - `header.npy`: UTF-8 JSON (a uint8 array) with `format`, `format_version`, and `plan`: the plan's JSON object
   less its `tasks`, `operations` and `host_order` (problem, solver, predictions, staging), with its schema_version.
 - `<table>.<field>...npy` for the tables `tasks`, `operations`, `host_order`, one column kind per field
-  (`COLUMN_KINDS`): integers in the narrowest of int8/16/32/64 that holds them, floats as float64 (exact),
-  strings as indices into `<table>.<field>.names` (UTF-8 JSON list), lists of integers and boxes as offsets +
-  flat values (CSR), an optional integer as values + a `.none` mask (left out when nothing is None).
+  (`COLUMN_KINDS`): integers in the narrowest of int8/16/32/64 that holds them, strings as indices into
+  `<table>.<field>.names` (UTF-8 JSON list), lists of integers as `.lengths` + flat `.values`, boxes as indices into
+  the shared box table (`boxes.dims`, `boxes.values`: each distinct box once), an optional integer as values + a
+  `.none` mask (left out when nothing is None), times as `.at` indices into the shared `floats` table where that is
+  smaller than float64 columns (exact: distinct by bit pattern), else as float64.
 - `index.devices`, `index.offsets`, `index.rows`: for each device (sorted), the rows of the operations it takes
-  part in (src, dsts, holders or needers), in execution order; `index.first_tags`: per row, its operation's first
+  part in (src, dsts, holders or needers), in execution order, as the first row then the steps between rows; `index.first_tags`: per row, its operation's first
   message tag (`op_kinds.first_tags`: numbered tensor by tensor, as the executor's lowering numbers them), and the
   plan's total last, so a rank numbers its messages as its peers lowering the whole plan do.
 """
@@ -35,7 +37,7 @@ import numpy as np
 from .op_kinds import first_tags
 
 FORMAT = "xmesh-plan-compact"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 ZIP_MAGIC = b"PK\x03\x04"
 _DATE = (1980, 1, 1, 0, 0, 0)  # every member's timestamp: the same plan gives the same bytes
 TABLES = ("tasks", "operations", "host_order")
@@ -72,60 +74,80 @@ def _ints(values: list[int], what: str) -> np.ndarray:
     raise CompactPlanError(f"{what} holds {lo if lo < np.iinfo(np.int64).min else hi}, outside 64-bit integers")
 
 
-def _offsets(lengths: list[int], what: str) -> np.ndarray:
-    return _ints([0, *np.cumsum(lengths, dtype=np.int64).tolist()], f"{what} offsets")
+class _Shared:
+    """What several columns index into: every distinct box (`boxes.dims`, `boxes.values`, in order of first use) and
+    every time value (`floats`, distinct bit patterns, sorted), the latter kept only where it makes the file smaller."""
+
+    def __init__(self):
+        self.boxes: dict[tuple, int] = {}
+        self.floats: dict[str, list] = {}
+
+    def box(self, box) -> int:
+        return self.boxes.setdefault(tuple(map(tuple, box)), len(self.boxes))
+
+    def members(self) -> dict[str, np.ndarray]:
+        out = {"boxes.dims": _ints([len(b) for b in self.boxes], "box dims"),
+               "boxes.values": _ints([x for box in self.boxes for pair in box for x in pair], "boxes").reshape(-1, 2)}
+        names, columns = list(self.floats), [np.array(v, dtype=np.float64) for v in self.floats.values()]
+        bits = np.concatenate(columns).view(np.int64) if columns else np.zeros(0, np.int64)
+        table, at = np.unique(bits, return_inverse=True)
+        index = _ints(at.tolist(), "time index")
+        if table.size * 8 + index.nbytes < bits.size * 8:
+            out["floats"] = table.view(np.float64)
+            for name, part in zip(names, np.split(index, np.cumsum([len(c) for c in columns])[:-1])):
+                out[f"{name}.at"] = part.astype(index.dtype)
+        else:
+            out.update(zip(names, columns))
+        return out
 
 
-def _encode_int(name: str, values: list, out: dict) -> None:
+def _encode_int(name: str, values: list, out: dict, shared: _Shared) -> None:
     out[name] = _ints(values, name)
 
 
-def _encode_optional_int(name: str, values: list, out: dict) -> None:
+def _encode_optional_int(name: str, values: list, out: dict, shared: _Shared) -> None:
     none = [v is None for v in values]
     out[name] = _ints([0 if v is None else v for v in values], name)
     if any(none):
         out[f"{name}.none"] = np.array(none, dtype=np.bool_)
 
 
-def _encode_float(name: str, values: list, out: dict) -> None:
-    out[name] = np.array(values, dtype=np.float64)
+def _encode_float(name: str, values: list, out: dict, shared: _Shared) -> None:
+    shared.floats[name] = values  # written with the shared tables (`_Shared.members`)
 
 
-def _encode_str(name: str, values: list, out: dict) -> None:
+def _encode_str(name: str, values: list, out: dict, shared: _Shared) -> None:
     names = sorted(set(values))
     code = {n: i for i, n in enumerate(names)}
     out[name] = _ints([code[v] for v in values], name)
     out[f"{name}.names"] = _text(json.dumps(names))
 
 
-def _encode_ints(name: str, values: list, out: dict) -> None:
-    out[f"{name}.offsets"] = _offsets([len(v) for v in values], name)
+def _encode_ints(name: str, values: list, out: dict, shared: _Shared) -> None:
+    out[f"{name}.lengths"] = _ints([len(v) for v in values], name)
     out[f"{name}.values"] = _ints([x for v in values for x in v], name)
 
 
-def _encode_box(name: str, values: list, out: dict) -> None:
-    """A box as its dims' (start, stop) pairs, flat: offsets count dims."""
-    out[f"{name}.offsets"] = _offsets([len(v) for v in values], name)
-    out[f"{name}.values"] = _ints([x for box in values for pair in box for x in pair], name).reshape(-1, 2)
+def _encode_box(name: str, values: list, out: dict, shared: _Shared) -> None:
+    """A box as its index in the shared box table."""
+    out[name] = _ints([shared.box(b) for b in values], name)
 
 
-def _encode_boxes(name: str, values: list, out: dict) -> None:
-    """A list of boxes: offsets count boxes per row, `.dims` offsets count dims per box."""
-    boxes = [box for row in values for box in row]
-    out[f"{name}.offsets"] = _offsets([len(v) for v in values], name)
-    out[f"{name}.dims"] = _offsets([len(b) for b in boxes], name)
-    out[f"{name}.values"] = _ints([x for box in boxes for pair in box for x in pair], name).reshape(-1, 2)
+def _encode_boxes(name: str, values: list, out: dict, shared: _Shared) -> None:
+    """A list of boxes: lengths count boxes per row, values are indices in the shared box table."""
+    out[f"{name}.lengths"] = _ints([len(v) for v in values], name)
+    out[f"{name}.values"] = _ints([shared.box(b) for row in values for b in row], name)
 
 
-def _encode_intss(name: str, values: list, out: dict) -> None:
-    """A list of lists of integers: offsets count lists per row, `.inner` offsets count integers per list."""
+def _encode_intss(name: str, values: list, out: dict, shared: _Shared) -> None:
+    """A list of lists of integers: lengths count lists per row, `.inner` integers per list."""
     inner = [lst for row in values for lst in row]
-    out[f"{name}.offsets"] = _offsets([len(v) for v in values], name)
-    out[f"{name}.inner"] = _offsets([len(v) for v in inner], name)
+    out[f"{name}.lengths"] = _ints([len(v) for v in values], name)
+    out[f"{name}.inner"] = _ints([len(v) for v in inner], name)
     out[f"{name}.values"] = _ints([x for lst in inner for x in lst], name)
 
 
-_ENCODERS: dict[str, Callable[[str, list, dict], None]] = {
+_ENCODERS: dict[str, Callable[[str, list, dict, _Shared], None]] = {
     "int": _encode_int, "int?": _encode_optional_int, "float": _encode_float, "str": _encode_str,
     "ints": _encode_ints, "box": _encode_box, "boxes": _encode_boxes, "intss": _encode_intss,
 }
@@ -136,7 +158,8 @@ def _text(text: str) -> np.ndarray:
 
 
 def _device_index(out: dict[str, np.ndarray], count: int) -> dict[str, np.ndarray]:
-    """For each device, the rows of the operations it takes part in, ascending; from the encoded device columns."""
+    """For each device, the rows of the operations it takes part in, ascending (stored as the first row, then the
+    steps between rows); from the encoded device columns."""
     rows, devices = [], []
     for field, kind in ((f, COLUMN_KINDS["operations"][f]) for f in DEVICE_FIELDS):
         name = f"operations.{field}"
@@ -144,15 +167,17 @@ def _device_index(out: dict[str, np.ndarray], count: int) -> dict[str, np.ndarra
             has = ~out[f"{name}.none"] if f"{name}.none" in out else np.ones(count, dtype=bool)
             rows.append(np.flatnonzero(has)), devices.append(out[name][has].astype(np.int64))
             continue
-        owner = np.repeat(np.arange(count), np.diff(out[f"{name}.offsets"].astype(np.int64)))
+        owner = np.repeat(np.arange(count), out[f"{name}.lengths"].astype(np.int64))
         if kind == "intss":  # rows own inner lists, which own the values
-            owner = np.repeat(owner, np.diff(out[f"{name}.inner"].astype(np.int64)))
+            owner = np.repeat(owner, out[f"{name}.inner"].astype(np.int64))
         rows.append(owner), devices.append(out[f"{name}.values"].astype(np.int64))
     pairs = np.unique(np.stack([np.concatenate(devices), np.concatenate(rows)], axis=1), axis=0) if count else np.zeros((0, 2), np.int64)
     found, starts = np.unique(pairs[:, 0], return_index=True)
+    steps = pairs[:, 1].copy()
+    steps[1:] -= np.where(pairs[1:, 0] == pairs[:-1, 0], pairs[:-1, 1], 0)
     return {"index.devices": _ints(found.tolist(), "index devices"),
-            "index.offsets": _offsets(np.diff(np.append(starts, len(pairs))).tolist(), "index"),
-            "index.rows": _ints(pairs[:, 1].tolist(), "index rows")}
+            "index.offsets": _ints([*starts.tolist(), len(pairs)], "index offsets"),
+            "index.rows": _ints(steps.tolist(), "index rows")}
 
 
 def _op_devices(op) -> set[int]:
@@ -168,11 +193,13 @@ def compact_arrays(plan) -> dict[str, np.ndarray]:
     header = {"format": FORMAT, "format_version": FORMAT_VERSION, "plan": rest,
               "counts": {t: len(getattr(plan, t)) for t in TABLES}}
     out: dict[str, np.ndarray] = {"header": _text(json.dumps(header))}
+    shared = _Shared()
     for table, kinds in COLUMN_KINDS.items():
         rows = getattr(plan, table)
         columns = list(zip(*map(attrgetter(*kinds), rows))) if rows else [() for _ in kinds]
         for (field, kind), values in zip(kinds.items(), columns):
-            _ENCODERS[kind](f"{table}.{field}", list(values), out)
+            _ENCODERS[kind](f"{table}.{field}", list(values), out, shared)
+    out.update(shared.members())
     out.update(_device_index(out, len(plan.operations)))
     try:
         first, tags = first_tags(plan.operations)  # the lowering's numbering (tensor by tensor), and the plan's total
@@ -212,6 +239,7 @@ class _Members:
 
     def __init__(self, path: str | os.PathLike):
         self.path = path
+        self.memo: dict[str, Any] = {}
         try:
             with zipfile.ZipFile(path) as archive:
                 infos = archive.infolist()
@@ -251,6 +279,12 @@ class _Members:
     def __contains__(self, name: str) -> bool:
         return name in self.where
 
+    def once(self, key: str, make: Callable[[], Any]) -> Any:
+        """`make()`, computed once per open file (offsets from lengths, the shared tables)."""
+        if key not in self.memo:
+            self.memo[key] = make()
+        return self.memo[key]
+
     def get(self, name: str) -> np.ndarray:
         """The member, mapped read-only (an empty array where it has no rows)."""
         if name not in self.where:
@@ -271,10 +305,18 @@ def _ranges(offsets: np.ndarray, rows: np.ndarray) -> tuple[np.ndarray, np.ndarr
     """(lengths, flat positions) of the CSR rows `rows`: every position from offsets[r] to offsets[r+1], row by row."""
     starts = np.asarray(offsets[rows], dtype=np.int64)
     lengths = np.asarray(offsets[rows + 1], dtype=np.int64) - starts
-    if (lengths < 0).any():
-        raise CompactPlanError("offsets go backwards")
     firsts = np.cumsum(lengths) - lengths
     return lengths, np.repeat(starts - firsts, lengths) + np.arange(int(lengths.sum()), dtype=np.int64)
+
+
+def _offsets(m: _Members, name: str) -> np.ndarray:
+    """The running offsets (from 0) of a lengths member, computed once per file."""
+    def make() -> np.ndarray:
+        lengths = np.asarray(m.get(name), dtype=np.int64)
+        if (lengths < 0).any():
+            raise CompactPlanError(f"member {name}.npy holds a negative length")
+        return np.concatenate(([0], np.cumsum(lengths)))
+    return m.once(name, make)
 
 
 def _split(values: list, lengths: np.ndarray) -> list[list]:
@@ -289,6 +331,33 @@ def _pairs(values: np.ndarray) -> list[list[int]]:
     return values.reshape(-1, 2).tolist() if values.size else []
 
 
+def _indices(m: _Members, name: str, rows, size: int) -> np.ndarray:
+    """Entries `rows` of an index member, each checked to be below `size` (a shared table's length)."""
+    at = np.asarray(m.get(name)[rows], dtype=np.int64)
+    if at.size and not 0 <= at.min() <= at.max() < size:
+        raise CompactPlanError(f"member {name}.npy points outside its shared table")
+    return at
+
+
+def _box_table(m: _Members) -> tuple[np.ndarray, np.ndarray]:
+    """(offsets of each shared box's pairs, the pairs as an (n, 2) int64 array)."""
+    def make():
+        offsets = _offsets(m, "boxes.dims")
+        pairs = np.asarray(m.get("boxes.values"), dtype=np.int64).reshape(-1, 2)
+        if len(pairs) < offsets[-1]:
+            raise CompactPlanError("member boxes.values.npy is shorter than boxes.dims says")
+        return offsets, pairs
+    return m.once("boxes", make)
+
+
+def _box_list(m: _Members) -> list:
+    """Every shared box as a list of [start, stop] pairs."""
+    def make():
+        offsets, pairs = _box_table(m)
+        return _split(pairs[:offsets[-1]].tolist(), np.diff(offsets))
+    return m.once("boxes.list", make)
+
+
 def _decode_int(m: _Members, name: str, rows: np.ndarray) -> list:
     return np.asarray(m.get(name)[rows]).tolist()
 
@@ -301,8 +370,16 @@ def _decode_optional_int(m: _Members, name: str, rows: np.ndarray) -> list:
     return [None if n else v for v, n in zip(values, none)]
 
 
+def _floats(m: _Members, name: str, rows) -> np.ndarray:
+    """A time column's entries `rows`: through the shared `floats` table where the file has one for it."""
+    if f"{name}.at" not in m:
+        return np.asarray(m.get(name)[rows], dtype=np.float64)
+    table = m.get("floats")
+    return np.asarray(table, dtype=np.float64)[_indices(m, f"{name}.at", rows, len(table))]
+
+
 def _decode_float(m: _Members, name: str, rows: np.ndarray) -> list:
-    return np.asarray(m.get(name)[rows], dtype=np.float64).tolist()
+    return _floats(m, name, rows).tolist()
 
 
 def _decode_str(m: _Members, name: str, rows: np.ndarray) -> list:
@@ -314,24 +391,24 @@ def _decode_str(m: _Members, name: str, rows: np.ndarray) -> list:
 
 
 def _decode_ints(m: _Members, name: str, rows: np.ndarray) -> list:
-    lengths, flat = _ranges(m.get(f"{name}.offsets"), rows)
+    lengths, flat = _ranges(_offsets(m, f"{name}.lengths"), rows)
     return _split(np.asarray(m.get(f"{name}.values")[flat]).tolist(), lengths)
 
 
 def _decode_box(m: _Members, name: str, rows: np.ndarray) -> list:
-    lengths, flat = _ranges(m.get(f"{name}.offsets"), rows)
-    return _split(_pairs(np.asarray(m.get(f"{name}.values")[flat])), lengths)
+    boxes = _box_list(m)
+    return [boxes[i] for i in _indices(m, name, rows, len(boxes)).tolist()]
 
 
 def _decode_boxes(m: _Members, name: str, rows: np.ndarray) -> list:
-    lengths, boxes = _ranges(m.get(f"{name}.offsets"), rows)
-    dims, flat = _ranges(m.get(f"{name}.dims"), boxes)
-    return _split(_split(_pairs(np.asarray(m.get(f"{name}.values")[flat])), dims), lengths)
+    boxes = _box_list(m)
+    lengths, flat = _ranges(_offsets(m, f"{name}.lengths"), rows)
+    return _split([boxes[i] for i in _indices(m, f"{name}.values", flat, len(boxes)).tolist()], lengths)
 
 
 def _decode_intss(m: _Members, name: str, rows: np.ndarray) -> list:
-    lengths, lists = _ranges(m.get(f"{name}.offsets"), rows)
-    inner, flat = _ranges(m.get(f"{name}.inner"), lists)
+    lengths, lists = _ranges(_offsets(m, f"{name}.lengths"), rows)
+    inner, flat = _ranges(_offsets(m, f"{name}.inner"), lists)
     return _split(_split(np.asarray(m.get(f"{name}.values")[flat]).tolist(), inner), lengths)
 
 
@@ -394,29 +471,32 @@ def _flat(array: np.ndarray, what: str) -> np.ndarray:
     return np.asarray(array, dtype=np.int64)
 
 
-def _csr(m: _Members, name: str, rows: int) -> np.ndarray:
-    """Offsets of `rows` CSR rows: from 0, never backwards."""
-    offsets = _flat(m.get(name), name)
-    if offsets.shape != (rows + 1,) or offsets[0] != 0 or (np.diff(offsets) < 0).any():
-        raise CompactPlanError(f"member {name}.npy is not {rows + 1} offsets rising from 0")
-    return offsets
+def _lengths(m: _Members, name: str, rows: int) -> np.ndarray:
+    """Running offsets of the `rows` lengths of a lengths member."""
+    _flat(m.get(name), name)
+    if m.get(name).shape != (rows,):
+        raise CompactPlanError(f"member {name}.npy is not {rows} lengths")
+    return _offsets(m, name)
 
 
-def _values(m: _Members, name: str, offsets: np.ndarray, pairs: bool = False) -> np.ndarray:
+def _values(m: _Members, name: str, offsets: np.ndarray) -> np.ndarray:
     values = _flat(m.get(name), name)
-    if values.shape != ((int(offsets[-1]), 2) if pairs else (int(offsets[-1]),)):
-        raise CompactPlanError(f"member {name}.npy has {values.shape} values, its offsets {int(offsets[-1])}")
+    if values.shape != (int(offsets[-1]),):
+        raise CompactPlanError(f"member {name}.npy has {values.shape} values, its lengths {int(offsets[-1])}")
     return values
 
 
 def _column(m: _Members, name: str, kind: str, count: int) -> dict[str, Any]:
     """One field's column as flat arrays: `values` (int64, float64 or string codes), with `none` (int?), `names`
-    (str), `offsets` (lists, boxes: per row), `inner` (intss: per list) or `dims` (boxes: per box)."""
+    (str), `offsets` (running, per row: ints, box, and the rows of boxes and intss), box values as (start, stop)
+    pairs."""
     if kind == "float":
-        values = m.get(name)
-        if values.dtype.kind not in "biuf" or values.shape != (count,):
+        if f"{name}.at" in m:
+            _flat(m.get(f"{name}.at"), f"{name}.at")
+        values = _floats(m, name, slice(None))
+        if values.shape != (count,):
             raise CompactPlanError(f"member {name}.npy is not {count} numbers")
-        return {"values": np.asarray(values, dtype=np.float64)}
+        return {"values": values}
     if kind in ("int", "int?", "str"):
         values = _flat(m.get(name), name)
         if values.shape != (count,):
@@ -432,14 +512,20 @@ def _column(m: _Members, name: str, kind: str, count: int) -> dict[str, Any]:
                     or (count and not 0 <= values.min() <= values.max() < len(out["names"])):
                 raise CompactPlanError(f"member {name}.npy names a string its table lacks")
         return out
-    offsets = _csr(m, f"{name}.offsets", count)
-    if kind == "ints":
-        return {"offsets": offsets, "values": _values(m, f"{name}.values", offsets)}
     if kind == "box":
-        return {"offsets": offsets, "values": _values(m, f"{name}.values", offsets, pairs=True)}
-    inner = _csr(m, f"{name}.{'dims' if kind == 'boxes' else 'inner'}", int(offsets[-1]))
-    return {"offsets": offsets, "dims" if kind == "boxes" else "inner": inner,
-            "values": _values(m, f"{name}.values", inner, pairs=kind == "boxes")}
+        table, pairs = _box_table(m)
+        at = _flat(m.get(name), name)
+        if at.shape != (count,):
+            raise CompactPlanError(f"member {name}.npy is not {count} box indices")
+        at = _indices(m, name, slice(None), len(table) - 1)
+        dims = np.diff(table)[at]
+        offsets = np.concatenate(([0], np.cumsum(dims)))
+        _, flat = _ranges(table, at)
+        return {"offsets": offsets, "values": pairs[flat]}
+    offsets = _lengths(m, f"{name}.lengths", count)
+    if kind != "ints":  # parts and needers: their rows only (what they hold is read as records)
+        return {"offsets": offsets}
+    return {"offsets": offsets, "values": _values(m, f"{name}.values", offsets)}
 
 
 @dataclass(frozen=True)
@@ -491,7 +577,7 @@ def device_rows(m: _Members, device: int) -> np.ndarray:
     if at >= len(devices) or int(devices[at]) != device:
         return np.zeros(0, dtype=np.int64)
     offsets = m.get("index.offsets")
-    return np.asarray(m.get("index.rows")[int(offsets[at]):int(offsets[at + 1])], dtype=np.int64)
+    return np.cumsum(np.asarray(m.get("index.rows")[int(offsets[at]):int(offsets[at + 1])], dtype=np.int64))  # stored as steps
 
 
 def read_device_data(path: str | os.PathLike, device: int) -> tuple[dict, list[dict], np.ndarray, list[int], int]:
