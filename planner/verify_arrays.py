@@ -25,6 +25,7 @@ import numpy as np
 from xmesh_plan.schemas import Plan
 from xmesh_plan.schemas.op_kinds import reads, writes
 from xmesh_plan.schemas.plan_check import TOLERANCE_S
+from xmesh_plan.schemas.plan_check_arrays import sorted_unique
 
 
 def _boxes(boxes: list, ndim: int) -> np.ndarray:
@@ -36,7 +37,7 @@ def _cuts(problem, ndim: int, boxes: np.ndarray) -> list[np.ndarray]:
     """Every box boundary of the problem and the plan per dim (the operation-by-operation replay's grid)."""
     blocks = list(problem.blocks("src").values()) + list(problem.blocks("dst").values())
     fixed = _boxes(blocks, ndim) if blocks else np.zeros((0, ndim, 2), dtype=np.int64)
-    return [np.unique(np.concatenate(([0, n], fixed[:, d, :].ravel(), boxes[:, d, :].ravel()))) for d, n in enumerate(problem.shape)]
+    return [sorted_unique(np.concatenate(([0, n], fixed[:, d, :].ravel(), boxes[:, d, :].ravel()))) for d, n in enumerate(problem.shape)]
 
 
 def _paint(grid: tuple[int, ...], lo: np.ndarray, hi: np.ndarray, weights: np.ndarray) -> np.ndarray:
@@ -92,7 +93,7 @@ def painted_summary(problem, cut_boxes: np.ndarray, written: Writes, dst_reads: 
     cuts = _cuts(problem, ndim, cut_boxes)
     blocks = problem.blocks("dst")
     device, boxes, weight, writer = written.device, written.box, written.weight, written.writer
-    if not set(np.unique(device).tolist()) <= set(blocks):
+    if not set(sorted_unique(device).tolist()) <= set(blocks):
         return None
     writers: dict[int, tuple[list[np.ndarray], np.ndarray]] = {}
     cells = 0

@@ -27,7 +27,7 @@ from xmesh_plan.schemas.op_kinds import OP_KINDS
 from xmesh_plan.schemas.plan import SCHEMA_VERSIONS, Plan, StrategyName
 from xmesh_plan.schemas.plan_check import (MAX_CHUNKS, MAX_TAGS, TOLERANCE_S, _check_host_order, _check_numbers,
                                            _check_schema_version, PlanError)
-from xmesh_plan.schemas.plan_check_arrays import OpColumns, proven_rows
+from xmesh_plan.schemas.plan_check_arrays import OpColumns, member_of, proven_rows, sorted_unique
 from xmesh_plan.schemas.plan_compact import CompactColumns, CompactPlanError, is_compact, read_compact_columns
 from xmesh_plan.schemas.plan_io import _head
 from xmesh_plan.schemas.plan_tensors import is_multi
@@ -70,8 +70,8 @@ def _ids_order_numbers(head: Plan, ops: dict, tasks: dict, op_columns: OpColumns
     task = ops["task"]["values"]
     taskless = np.array([OP_KINDS[k].taskless for k in op_columns.kinds] or [False])[op_columns.kind]
     t_start, t_end = tasks["start_s"]["values"], tasks["end_s"]["values"]
-    ok = len(np.unique(task_ids)) == len(task_ids) and len(np.unique(op_ids)) == len(op_ids)
-    ok = ok and bool((np.isin(task, task_ids) | ((task == -1) & taskless)).all())
+    ok = len(sorted_unique(task_ids)) == len(task_ids) and len(sorted_unique(op_ids)) == len(op_ids)
+    ok = ok and bool((member_of(task, task_ids) | ((task == -1) & taskless)).all())
     ok = ok and bool((np.isfinite(start) & np.isfinite(end) & (end + TOLERANCE_S >= start) & (start >= 0)).all())
     ok = ok and not ((start[1:] < start[:-1]) | ((start[1:] == start[:-1]) & (op_ids[1:] < op_ids[:-1]))).any()
     ok = ok and bool((np.isfinite(t_start) & np.isfinite(t_end) & (t_start >= 0) & (t_end >= 0) & (t_end + TOLERANCE_S >= t_start)).all())
@@ -107,8 +107,8 @@ def _nic_listing_and_tags(head: Plan, ops: dict, op_columns: OpColumns) -> bool:
     host_of = head.problem.cluster.host_of
     owner = np.repeat(np.arange(len(op_columns.kind)), np.diff(op_columns.dst_offsets))
     crosses = np.bincount(owner[host_of(op_columns.dsts) != host_of(op_columns.src[owner])], minlength=len(op_columns.kind)) > 0
-    listed = np.unique(np.concatenate([np.array(o.tasks, dtype=np.int64) for o in head.host_order] or [np.zeros(0, np.int64)]))
-    if not np.isin(ops["task"]["values"][crosses], listed).all():
+    listed = np.concatenate([np.array(o.tasks, dtype=np.int64) for o in head.host_order] or [np.zeros(0, np.int64)])
+    if not member_of(ops["task"]["values"][crosses], listed).all():
         return False
     local = np.array([OP_KINDS[k].pattern == "local" for k in op_columns.kinds] or [False])[op_columns.kind]
     return int(op_columns.chunks[~local].sum()) <= MAX_TAGS

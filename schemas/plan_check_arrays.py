@@ -20,6 +20,32 @@ from .problem import ReshardingProblem
 _SIMPLE = {kind for kind, rule in OP_KINDS.items() if rule.pattern in ("local", "chain") and not rule.has_parts}
 
 
+def sorted_unique(values: np.ndarray) -> np.ndarray:
+    """`np.unique` of integers, by counting where their range is at most a few times their number (a plan's ids
+    and box bounds), several times faster than the sort `np.unique` makes."""
+    values = np.asarray(values, dtype=np.int64)
+    if not values.size:
+        return values
+    lo, hi = int(values.min()), int(values.max())
+    if hi - lo > 4 * values.size + 1024:
+        return np.unique(values)
+    return np.flatnonzero(np.bincount(values - lo, minlength=hi - lo + 1)) + lo
+
+
+def member_of(values: np.ndarray, table: np.ndarray) -> np.ndarray:
+    """`np.isin(values, table)` for integers, through a mask over the table's range where that is small."""
+    values, table = np.asarray(values, dtype=np.int64), np.asarray(table, dtype=np.int64)
+    if not table.size or not values.size:
+        return np.zeros(values.shape, dtype=bool)
+    lo, hi = int(table.min()), int(table.max())
+    if hi - lo > 4 * (values.size + table.size) + 1024:
+        return np.isin(values, table)
+    mask = np.zeros(hi - lo + 1, dtype=bool)
+    mask[table - lo] = True
+    inside = (values >= lo) & (values <= hi)
+    return inside & mask[np.where(inside, values - lo, 0)]
+
+
 def _block_table(blocks: dict[int, tuple], ndim: int) -> tuple[np.ndarray, np.ndarray]:
     """(sorted device ids, their blocks as an (n, ndim, 2) array)."""
     devices = np.array(sorted(blocks), dtype=np.int64)
@@ -110,7 +136,7 @@ def proven_rows(ops: OpColumns, problems: list[ReshardingProblem], max_chunks: i
     ok = simple & ~ops.src_none & ops.bare & members_ok & (chunked | (ops.chunks == 1))
     dims = np.diff(ops.region_offsets)
     proven = np.zeros(n, dtype=bool)
-    for tensor in np.unique(np.where(ops.tensor_none, -1, ops.tensor)[ok]).tolist():
+    for tensor in sorted_unique(np.where(ops.tensor_none, -1, ops.tensor)[ok]).tolist():
         if tensor != -1 and not 0 <= tensor < len(problems):
             continue
         problem = problems[max(tensor, 0)]

@@ -16,10 +16,11 @@ Members:
   the shared box table (`boxes.dims`, `boxes.values`: each distinct box once), an optional integer as values + a
   `.none` mask (left out when nothing is None), times as `.at` indices into the shared `floats` table where that is
   smaller than float64 columns (exact: distinct by bit pattern), else as float64.
-- `index.devices`, `index.offsets`, `index.rows`: for each device (sorted), the rows of the operations it takes
-  part in (src, dsts, holders or needers), in execution order, as the first row then the steps between rows; `index.first_tags`: per row, its operation's first
-  message tag (`op_kinds.first_tags`: numbered tensor by tensor, as the executor's lowering numbers them), and the
-  plan's total last, so a rank numbers its messages as its peers lowering the whole plan do.
+- `index.devices`, `index.offsets`, `index.first`, `index.rows`: for each device (sorted), the rows of the
+  operations it takes part in (src, dsts, holders or needers), in execution order: its first row, then the steps
+  between rows; `index.first_tags`: per row, its operation's first message tag (`op_kinds.first_tags`: numbered
+  tensor by tensor, as the executor's lowering numbers them), and the plan's total last, so a rank numbers its
+  messages as its peers lowering the whole plan do.
 """
 
 from __future__ import annotations
@@ -173,10 +174,11 @@ def _device_index(out: dict[str, np.ndarray], count: int) -> dict[str, np.ndarra
         rows.append(owner), devices.append(out[f"{name}.values"].astype(np.int64))
     pairs = np.unique(np.stack([np.concatenate(devices), np.concatenate(rows)], axis=1), axis=0) if count else np.zeros((0, 2), np.int64)
     found, starts = np.unique(pairs[:, 0], return_index=True)
-    steps = pairs[:, 1].copy()
-    steps[1:] -= np.where(pairs[1:, 0] == pairs[:-1, 0], pairs[:-1, 1], 0)
+    steps = np.diff(pairs[:, 1], prepend=0)
+    steps[starts] = 0  # each device's first row is in index.first
     return {"index.devices": _ints(found.tolist(), "index devices"),
             "index.offsets": _ints([*starts.tolist(), len(pairs)], "index offsets"),
+            "index.first": _ints(pairs[starts, 1].tolist(), "index first rows"),
             "index.rows": _ints(steps.tolist(), "index rows")}
 
 
@@ -577,7 +579,8 @@ def device_rows(m: _Members, device: int) -> np.ndarray:
     if at >= len(devices) or int(devices[at]) != device:
         return np.zeros(0, dtype=np.int64)
     offsets = m.get("index.offsets")
-    return np.cumsum(np.asarray(m.get("index.rows")[int(offsets[at]):int(offsets[at + 1])], dtype=np.int64))  # stored as steps
+    steps = np.asarray(m.get("index.rows")[int(offsets[at]):int(offsets[at + 1])], dtype=np.int64)
+    return int(m.get("index.first")[at]) + np.cumsum(steps)  # stored as steps from the device's first row
 
 
 def read_device_data(path: str | os.PathLike, device: int) -> tuple[dict, list[dict], np.ndarray, list[int], int]:
