@@ -545,15 +545,22 @@ class CompactColumns:
         return _rows(self.members, "host_order", np.arange(self.counts["host_order"], dtype=np.int64))
 
 
-def read_compact_columns(path: str | os.PathLike) -> CompactColumns:
-    """The columns of the tasks and operations of the compact plan in `path`, mapped, checked to be what the record
-    reader reads as integers, numbers, known strings and whole rows; CompactPlanError otherwise."""
+def read_compact_columns(path: str | os.PathLike, keep: dict[str, set[str]]) -> CompactColumns:
+    """The columns of the tasks and operations of the compact plan in `path`, every one checked to be what the record
+    reader reads as integers, numbers, known strings and whole rows (CompactPlanError otherwise); those named in
+    `keep` (table -> fields) are returned, the others dropped once checked."""
     m = _Members(path)
     header = _header(m)
     counts = header["counts"]
     if not all(isinstance(counts.get(t), int) and counts[t] >= 0 for t in TABLES):
         raise CompactPlanError("its header gives no row count for a table")
-    tables = {t: {f: _column(m, f"{t}.{f}", kind, counts[t]) for f, kind in COLUMN_KINDS[t].items()} for t in ("tasks", "operations")}
+    tables: dict[str, dict[str, dict[str, Any]]] = {}
+    for table in ("tasks", "operations"):
+        tables[table] = {}
+        for field, kind in COLUMN_KINDS[table].items():
+            column = _column(m, f"{table}.{field}", kind, counts[table])
+            if field in keep.get(table, ()):
+                tables[table][field] = column
     return CompactColumns(header["plan"], {t: counts[t] for t in TABLES}, tables, m)
 
 
