@@ -87,6 +87,15 @@ def test_odd_values_round_trip(tmp_path):
     assert done >= 30
 
 
+def test_a_bundle_plan_takes_under_100_bytes_per_operation():
+    """Every member but the header (the problem's JSON), over the operations, of a plan of bundles only (84 of them,
+    with their tasks, host order and index): the issue's budget is about 100 bytes per operation."""
+    plan = read_plan_file(ROOT / "plans" / "weight_sync_small.plan.json")
+    assert {op.kind for op in plan.operations} == {"bundle"}
+    arrays = compact_arrays(plan)
+    assert sum(a.nbytes for name, a in arrays.items() if name != "header") <= 100 * len(plan.operations)
+
+
 def test_shared_tables_keep_every_time_bit_and_box(tmp_path):
     """Boxes are written once (`boxes.*`) and indexed; times go through the shared `floats` table only where that is
     smaller, and keep their exact bits either way (-0.0 stays -0.0)."""
