@@ -1,15 +1,17 @@
 """`xmesh-plan verify` of a compact plan (`*.plan.npz`) proved from its columns, without a record per operation.
 
 Reading a plan of 10^6 operations as records (`schemas.plan.Operation`, validated one by one) costs most of what
-verify spends on it. Where every operation is a copy, send or broadcast, sharing no message (`carrier`), and the
-plan states no staging, the whole proof is made on the file's columns (`plan_compact.read_compact_columns`): the
-records' field rules (integers, known kinds and strategies, chunks >= 1, tensors >= 0), `schemas.plan_check`'s
-rules as whole-array tests (ids, order, times, tensors, host order, each operation's devices and boxes with
-`plan_check_arrays.proven_rows`, tags), and the replay as difference arrays (`verify_arrays.painted_summary`).
+verify spends on it. Here the proof is made on the file's columns (`plan_compact.read_compact_columns`): the records'
+field rules (integers, known kinds and strategies, chunks >= 1, tensors and carriers >= 0), `schemas.plan_check`'s
+rules as whole-array tests (ids, order, times, tensors, host order, tags; each copy, send and broadcast's devices
+and boxes with `plan_check_arrays.proven_rows`), and the replay as difference arrays (`verify_arrays.painted_summary`).
+Only the operations the arrays do not prove (all-gathers, bundles, bundles sharing a message) are read as records,
+checked one by one by `plan_check`'s own functions and replayed from their records' writes and reads.
 
-Only a plan all of that proves gets its report here; for anything else `verify_compact` answers None and the
-caller reads the plan as records and verifies it as any plan (`verify.verify_plan`), so every verdict and every
-message is the record path's, and a plan this module passes is one that path passes with the same report.
+Only a plan all of that proves gets its report here; for anything else (a plan that states staging, or any doubt)
+`verify_compact` answers None and the caller reads the plan as records and verifies it as any plan
+(`verify.verify_plan`), so every verdict and every message is the record path's, and a plan this module passes is
+one that path passes with the same report.
 """
 
 from __future__ import annotations
@@ -23,10 +25,12 @@ from pydantic import ValidationError
 
 from xmesh_plan.schemas import files
 from xmesh_plan.schemas.files import _existing_or_example
-from xmesh_plan.schemas.op_kinds import OP_KINDS
-from xmesh_plan.schemas.plan import SCHEMA_VERSIONS, Plan, StrategyName
-from xmesh_plan.schemas.plan_check import (MAX_CHUNKS, MAX_TAGS, TOLERANCE_S, _check_host_order, _check_numbers,
-                                           _check_schema_version, PlanError)
+from xmesh_plan.schemas.carriers import carrier_fault
+from xmesh_plan.schemas.op_kinds import OP_KINDS, reads, tags_used, writes
+from xmesh_plan.schemas.plan import SCHEMA_VERSIONS, Operation, Plan, StrategyName
+from xmesh_plan.schemas.plan_check import (MAX_CHUNKS, MAX_TAGS, TOLERANCE_S, _check_host_order, _check_nic_listing,
+                                           _check_numbers, _check_operation, _check_schema_version, _check_shared_sides,
+                                           _Shards, PlanError)
 from xmesh_plan.schemas.plan_check_arrays import OpColumns, member_of, proven_rows, sorted_unique
 from xmesh_plan.schemas.plan_compact import COLUMN_KINDS, CompactColumns, CompactPlanError, is_compact, read_compact_columns
 from xmesh_plan.schemas.plan_io import _head
@@ -51,18 +55,18 @@ def _plan_head(columns: CompactColumns) -> Plan | None:
 
 def _records_valid(ops: dict, tasks: dict) -> bool:
     """What validating each row as a record checks beyond integers and numbers: known kinds and strategies, chunks
-    >= 1, tensor indices >= 0; and, for this proof, no shared messages and no all-gathers or bundles."""
+    >= 1, tensor indices and carriers >= 0."""
     kinds, strategies = ops["kind"]["names"], tasks["strategy"]["names"]
     return (set(kinds) <= set(OP_KINDS) and set(strategies) <= set(get_args(StrategyName))
-            and (ops["chunks"]["values"] >= 1).all() and ops["carrier"]["none"].all()
-            and all((t["tensor"]["values"][~t["tensor"]["none"]] >= 0).all() for t in (ops, tasks))
-            and all(int(ops[f]["offsets"][-1]) == 0 for f in ("parts", "holders", "needers")))
+            and bool((ops["chunks"]["values"] >= 1).all()) and bool((ops["carrier"]["values"][~ops["carrier"]["none"]] >= 0).all())
+            and all((t["tensor"]["values"][~t["tensor"]["none"]] >= 0).all() for t in (ops, tasks)))
 
 
 def _op_columns(ops: dict) -> OpColumns:
+    bare = np.logical_and.reduce([np.diff(ops[f]["offsets"]) == 0 for f in ("parts", "holders", "needers")])
     return OpColumns(ops["kind"]["values"], ops["kind"]["names"], ops["src"]["values"], ops["src"]["none"], ops["dsts"]["offsets"],
                      ops["dsts"]["values"], ops["region"]["offsets"], ops["region"]["values"], ops["chunks"]["values"],
-                     ops["tensor"]["values"], ops["tensor"]["none"], np.ones(len(ops["kind"]["values"]), dtype=bool))
+                     ops["tensor"]["values"], ops["tensor"]["none"], bare)
 
 
 def _ids_order_numbers(head: Plan, ops: dict, tasks: dict, op_columns: OpColumns) -> bool:
@@ -104,21 +108,55 @@ def _tensors(head: Plan, ops: dict, tasks: dict) -> bool:
     return bool((~known | (tasks["tensor"]["values"][order][at] == ops["tensor"]["values"])).all())
 
 
-def _nic_listing_and_tags(head: Plan, ops: dict, op_columns: OpColumns) -> bool:
-    """`_check_nic_listing` (an operation between hosts has its task in host_order) and the plan's message tags."""
+def _records(columns: CompactColumns, rows: np.ndarray) -> list[Operation] | None:
+    """The operations at `rows` as validated records (None where one is not)."""
+    try:
+        return [Operation.model_validate(op) for op in columns.operation_rows(rows)]
+    except (ValidationError, CompactPlanError):
+        return None
+
+
+def _records_check(head: Plan, records: list[Operation], rows: np.ndarray, carried: np.ndarray) -> bool:
+    """`check_plan`'s one-by-one checks of the operations the arrays did not prove (`rows`, as `records`), and of the
+    shared messages (`carried`: the rows with a carrier). `carrier_fault` looks at a bundle with a carrier, the
+    operation listed before it and its carrier: all of them must be among the records, so the records' order
+    says what the plan's does (a carrier that is not a record is refused by it as by the whole plan)."""
+    problems = head.problem.tensor_problems()
+    shards: dict = {}
+    if not np.isin(np.concatenate((carried, carried - 1)), rows).all():
+        return False
+    part = head.model_copy(update={"operations": tuple(records)})  # the records alone, in plan order
+    try:
+        for op in records:
+            if op.tensor not in shards:
+                shards[op.tensor] = _Shards(problems[op.tensor or 0])
+            _check_operation(op, shards[op.tensor])
+        if carrier_fault(records, [p.itemsize for p in problems], max(p.itemsize for p in problems)) is not None:
+            return False
+        _check_shared_sides(part)
+        _check_nic_listing(part)
+    except PlanError:
+        return False
+    return True
+
+
+def _nic_listing_and_tags(head: Plan, ops: dict, op_columns: OpColumns, proven: np.ndarray, record_tags: int) -> bool:
+    """`_check_nic_listing` for the proven rows (an operation between hosts has its task in host_order) and the
+    plan's message tags (`record_tags` those of the other rows)."""
     host_of = head.problem.cluster.host_of
     owner = np.repeat(np.arange(len(op_columns.kind)), np.diff(op_columns.dst_offsets))
     crosses = np.bincount(owner[host_of(op_columns.dsts) != host_of(op_columns.src[owner])], minlength=len(op_columns.kind)) > 0
     listed = np.concatenate([np.array(o.tasks, dtype=np.int64) for o in head.host_order] or [np.zeros(0, np.int64)])
-    if not member_of(ops["task"]["values"][crosses], listed).all():
+    if not member_of(ops["task"]["values"][crosses & proven], listed).all():
         return False
     local = np.array([OP_KINDS[k].pattern == "local" for k in op_columns.kinds] or [False])[op_columns.kind]
-    return int(op_columns.chunks[~local].sum()) <= MAX_TAGS
+    return int(op_columns.chunks[~local & proven].sum()) + record_tags <= MAX_TAGS
 
 
-def _replay(head: Plan, op_columns: OpColumns, on_count: Callable[[int, int], None]) -> tuple[int, set[int]] | None:
-    """Each tensor's writes painted on its destination cells (`painted_summary`); no copy, send or broadcast reads a
-    destination shard, so nothing is read before it lands."""
+def _replay(head: Plan, op_columns: OpColumns, times: tuple[np.ndarray, np.ndarray], records: dict[int, Operation],
+            on_count: Callable[[int, int], None]) -> tuple[int, set[int]] | None:
+    """Each tensor's writes painted on its destination cells (`painted_summary`): a proven copy, send or broadcast's
+    from the columns (it reads no destination shard), the others' from their records (`records`, by row)."""
     problems = head.problem.tensor_problems()
     tensor = np.where(op_columns.tensor_none, 0, op_columns.tensor)
     count = np.diff(op_columns.dst_offsets)
@@ -128,12 +166,23 @@ def _replay(head: Plan, op_columns: OpColumns, on_count: Callable[[int, int], No
         rows = np.flatnonzero(tensor == index)
         ndim = len(problem.shape)
         region = op_columns.region[op_columns.region_offsets[rows][:, None] + np.arange(ndim)] if len(rows) else np.zeros((0, ndim, 2), np.int64)
-        n = count[rows]
+        simple = np.array([r not in records for r in rows.tolist()], dtype=bool) if records else np.ones(len(rows), dtype=bool)
+        n = np.where(simple, count[rows], 0)
         at = op_columns.dst_offsets[rows]
         flat = np.repeat(at - (np.cumsum(n) - n), n) + np.arange(int(n.sum()))
         position = np.repeat(np.arange(len(rows)), n)
-        written = Writes(op_columns.dsts[flat], region[position], np.ones(len(flat), dtype=np.int64), position)
-        summary = painted_summary(problem, region, written, [], np.zeros(len(rows)), np.zeros(len(rows)))
+        device, box, weight, writer, cut, dst_reads = [op_columns.dsts[flat]], [region[position]], [np.ones(len(flat), np.int64)], [position], [region], []
+        for k in np.flatnonzero(~simple).tolist():
+            op = records[int(rows[k])]
+            cut.append(np.array(op.parts, dtype=np.int64).reshape(-1, ndim, 2))
+            for d, written, own in writes(op):
+                pieces = [(written, 1)] + ([(own, -1)] if own is not None and all(a < b for a, b in own) else [])
+                for piece, sign in pieces:
+                    device.append(np.array([d])), box.append(np.array([piece], dtype=np.int64)), weight.append(np.array([sign])), writer.append(np.array([k]))
+            dst_reads.extend((k, d, read) for d, shard, read in reads(op) if shard == "dst" and all(a < b for a, b in read))
+        written = Writes(np.concatenate(device).astype(np.int64), np.concatenate(box).reshape(-1, ndim, 2),
+                         np.concatenate(weight).astype(np.int64), np.concatenate(writer).astype(np.int64))
+        summary = painted_summary(problem, np.concatenate(cut).reshape(-1, ndim, 2), written, dst_reads, times[0][rows], times[1][rows])
         if summary is None:
             return None
         cells += summary[0]
@@ -170,11 +219,17 @@ def verify_compact(path: str | os.PathLike, on_stage: Callable[[str], None],
     on_stage(f"checking {len(op_columns.kind):,} operations")
     if not (_ids_order_numbers(head, ops, tasks, op_columns) and _tensors(head, ops, tasks)):
         return None
-    if not (proven_rows(op_columns, head.problem.tensor_problems(), MAX_CHUNKS).all() and _nic_listing_and_tags(head, ops, op_columns)):
+    proven = proven_rows(op_columns, head.problem.tensor_problems(), MAX_CHUNKS)
+    others = np.flatnonzero(~proven)
+    records = _records(columns, others)
+    carried = np.flatnonzero(~ops["carrier"]["none"])
+    if records is None or not _records_check(head, records, others, carried):
+        return None
+    if not _nic_listing_and_tags(head, ops, op_columns, proven, sum(map(tags_used, records))):
         return None
     names = head.problem.tensor_problems()
     on_stage(f"replaying {len(names):,} tensor{'s' if len(names) != 1 else ''}")
-    summary = _replay(head, op_columns, on_count)
+    summary = _replay(head, op_columns, (ops["start_s"]["values"], ops["end_s"]["values"]), dict(zip(others.tolist(), records)), on_count)
     if summary is None:
         return None
     return head, len(op_columns.kind), summary[0], summary[1]

@@ -525,7 +525,12 @@ def _column(m: _Members, name: str, kind: str, count: int) -> dict[str, Any]:
         _, flat = _ranges(table, at)
         return {"offsets": offsets, "values": pairs[flat]}
     offsets = _lengths(m, f"{name}.lengths", count)
-    if kind != "ints":  # parts and needers: their rows only (what they hold is read as records)
+    if kind == "boxes":  # parts: box indices, checked; the boxes themselves are read with their records
+        _indices(m, f"{name}.values", slice(None), len(_box_list(m)))
+        _values(m, f"{name}.values", offsets)
+        return {"offsets": offsets}
+    if kind == "intss":  # needers: lists per row, integers per list, checked; read with their records
+        _values(m, f"{name}.values", _lengths(m, f"{name}.inner", int(offsets[-1])))
         return {"offsets": offsets}
     return {"offsets": offsets, "values": _values(m, f"{name}.values", offsets)}
 
@@ -534,7 +539,7 @@ def _column(m: _Members, name: str, kind: str, count: int) -> dict[str, Any]:
 class CompactColumns:
     """A compact plan as whole columns, for a proof over every row at once (`planner.verify_columns`): the plan's
     fields less its tables (`fields`), the row counts, each table's columns (`_column`), and the file, whose
-    `host_order` a caller reads as records (`host_order_rows`)."""
+    `host_order` and chosen operations a caller reads as records (`host_order_rows`, `operation_rows`)."""
 
     fields: dict
     counts: dict[str, int]
@@ -543,6 +548,10 @@ class CompactColumns:
 
     def host_order_rows(self) -> list[dict]:
         return _rows(self.members, "host_order", np.arange(self.counts["host_order"], dtype=np.int64))
+
+    def operation_rows(self, rows: np.ndarray) -> list[dict]:
+        """The operations at `rows` as plain dicts (what `read_compact_data` gives for them)."""
+        return _rows(self.members, "operations", rows)
 
 
 def read_compact_columns(path: str | os.PathLike, keep: dict[str, set[str]]) -> CompactColumns:
