@@ -110,6 +110,8 @@ def _tensors(head: Plan, ops: dict, tasks: dict) -> bool:
 
 def _records(columns: CompactColumns, rows: np.ndarray) -> list[Operation] | None:
     """The operations at `rows` as validated records (None where one is not)."""
+    if not len(rows):
+        return []
     try:
         return [Operation.model_validate(op) for op in columns.operation_rows(rows)]
     except (ValidationError, CompactPlanError):

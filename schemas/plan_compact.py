@@ -352,12 +352,11 @@ def _box_table(m: _Members) -> tuple[np.ndarray, np.ndarray]:
     return m.once("boxes", make)
 
 
-def _box_list(m: _Members) -> list:
-    """Every shared box as a list of [start, stop] pairs."""
-    def make():
-        offsets, pairs = _box_table(m)
-        return _split(pairs[:offsets[-1]].tolist(), np.diff(offsets))
-    return m.once("boxes.list", make)
+def _boxes_at(m: _Members, name: str, rows) -> list:
+    """The shared boxes that entries `rows` of index member `name` point at, each a list of [start, stop] pairs."""
+    offsets, pairs = _box_table(m)
+    dims, flat = _ranges(offsets, _indices(m, name, rows, len(offsets) - 1))
+    return _split(pairs[flat].tolist(), dims)
 
 
 def _decode_int(m: _Members, name: str, rows: np.ndarray) -> list:
@@ -398,14 +397,12 @@ def _decode_ints(m: _Members, name: str, rows: np.ndarray) -> list:
 
 
 def _decode_box(m: _Members, name: str, rows: np.ndarray) -> list:
-    boxes = _box_list(m)
-    return [boxes[i] for i in _indices(m, name, rows, len(boxes)).tolist()]
+    return _boxes_at(m, name, rows)
 
 
 def _decode_boxes(m: _Members, name: str, rows: np.ndarray) -> list:
-    boxes = _box_list(m)
     lengths, flat = _ranges(_offsets(m, f"{name}.lengths"), rows)
-    return _split([boxes[i] for i in _indices(m, f"{name}.values", flat, len(boxes)).tolist()], lengths)
+    return _split(_boxes_at(m, f"{name}.values", flat), lengths)
 
 
 def _decode_intss(m: _Members, name: str, rows: np.ndarray) -> list:
@@ -526,7 +523,7 @@ def _column(m: _Members, name: str, kind: str, count: int) -> dict[str, Any]:
         return {"offsets": offsets, "values": pairs[flat]}
     offsets = _lengths(m, f"{name}.lengths", count)
     if kind == "boxes":  # parts: box indices, checked; the boxes themselves are read with their records
-        _indices(m, f"{name}.values", slice(None), len(_box_list(m)))
+        _indices(m, f"{name}.values", slice(None), len(_box_table(m)[0]) - 1)
         _values(m, f"{name}.values", offsets)
         return {"offsets": offsets}
     if kind == "intss":  # needers: lists per row, integers per list, checked; read with their records
