@@ -9,7 +9,10 @@
 
 Every rank of the transfer group builds one `WeightSync` together (a collective) and then calls `run()`
 (or `start()` then `wait()`) together each step. A fused destination (qkv, gate_up) names its parts with
-`Fused`; the plan moves each part into its rows of the fused tensor. A rank that is both trainer
+`Fused`; the plan moves each part into its rows of the fused tensor. A destination of another dtype
+says it with `Target(..., dtype=, scale=)` (float16, bfloat16, float32, FP8 with "block" or "tensor" scales): the
+trainer ranks convert before sending, and an FP8 destination's scales land in `sync.scales[name]` (or the
+`Target`'s `scales` tensor), this rank's part of them, float32. A rank that is both trainer
 and inference (colocated) passes both mappings; its part moves by local copies.
 
 On construction the ranks agree before any byte moves: each sends one row describing its tensors (names,
@@ -54,6 +57,7 @@ from xmesh_plan.executor.executor import DEFAULT_POLL_S
 from xmesh_plan.executor.worlds import TorchWorld, poll_until
 from xmesh_plan.planner.compile import compile_plan
 from xmesh_plan.schemas import Cluster, Plan
+from xmesh_plan.schemas.convert import scale_name
 from xmesh_plan.schemas.fused import fused_pieces, fused_views
 
 from .engine_layouts import COLUMN, EXPERT, REPLICATED, ROW, VOCAB
@@ -113,6 +117,7 @@ class WeightSync:
         self.fingerprint = hashlib.sha256(self.problem.model_dump_json().encode()).hexdigest()
         self.plan, self.compiled = self._shared_plan()
         self.targets = engine_targets(self.problem, {name: _target(value) for name, value in self.inference.items()}, self.rank)
+        self.scales = {name: self._scales_of(name, target) for name, target in self.targets.items() if target.scale is not None}
         self.into, self.copied = self._destinations()
         self.executor = TransferExecutor(self.plan, self.group, backend="torch", timeout_s=self.timeout_s).prepare()
 
@@ -138,24 +143,35 @@ class WeightSync:
             out[where] = results[name][inside]
 
     def _destinations(self) -> tuple[dict[str, Any], list]:
-        """Where each plan tensor's destination shard on this rank is written: name -> the caller's tensor, or the view
-        of a fused tensor that is exactly that shard (`fused_views`); and the pieces of fused tensors that no such view
+        """Where each plan tensor's destination shard on this rank is written (scales included): name -> the caller's
+        tensor, or the view of a fused tensor that is exactly that shard (`fused_views`); and the pieces of fused tensors that no such view
         covers (a tensor that is two parts of one fused shard), to copy after each move from where that tensor landed."""
         fused = {f.name: j for j, f in enumerate(self.problem.fused)}
-        into = {name: target.tensor for name, target in self.targets.items() if name not in fused}
+        outputs = {name: target.tensor for name, target in self.targets.items()}
+        outputs |= {scale_name(name): out for name, out in self.scales.items()}  # an FP8 destination's scales, fused as it is
+        into = {name: tensor for name, tensor in outputs.items() if name not in fused}
         copied = []
-        for name, target in self.targets.items():
+        for name, tensor in outputs.items():
             if name not in fused:
                 continue
-            views = fused_views(self.problem, fused[name], self.rank, target.tensor)
+            views = fused_views(self.problem, fused[name], self.rank, tensor)
             for part, piece, where in fused_pieces(self.problem, fused[name], self.rank):
                 view = views.get(part)
                 if view is not None and part not in into and tuple(view.shape) == _extent(self._box(part, "dst")):
                     into[part] = view
                 else:
                     inside = tuple(slice(a - o, b - o) for (a, b), (o, _) in zip(piece, self._box(part, "dst")))
-                    copied.append((part, where, target.tensor, inside))
+                    copied.append((part, where, tensor, inside))
         return into, copied
+
+    def _scales_of(self, name: str, target: Target):
+        """The tensor that receives this rank's part of destination `name`'s FP8 scales: the Target's, else a new one."""
+        if target.scales is not None:
+            return target.scales
+        scale = scale_name(name)
+        fused = {f.name: j for j, f in enumerate(self.problem.fused)}
+        box = self.problem.fused_blocks(fused[scale])[self.rank] if scale in fused else self._box(scale, "dst")
+        return torch.zeros(tuple(b - a for a, b in box), dtype=torch.float32)
 
     def close(self) -> None:
         """Release the executor's buffers and thread (every rank); the object cannot run again."""
@@ -182,9 +198,9 @@ class WeightSync:
         for name, target in self.targets.items():
             if name in fused:  # the fused box, the parts' dtype
                 part = self.problem.fused[fused[name]].refs()[0][0]
-                why = _mismatch(target.tensor, index[part], self.problem.fused_blocks(fused[name])[self.rank])
+                why = _mismatch(target.tensor, index[part], self.problem.fused_blocks(fused[name])[self.rank], "dst")
             else:
-                why = _mismatch(target.tensor, index[name], self._box(name, "dst"))
+                why = _mismatch(target.tensor, index[name], self._box(name, "dst"), "dst")
             if why:
                 return f"inference tensor {name!r} on rank {self.rank} {why}"
         return None
@@ -274,12 +290,13 @@ def _extent(box) -> tuple[int, ...]:
     return tuple(stop - start for start, stop in box)
 
 
-def _mismatch(tensor, transfer, box) -> str | None:
-    """How `tensor` differs from `box` of the plan's tensor `transfer` (shape or dtype), or None."""
+def _mismatch(tensor, transfer, box, side: str = "src") -> str | None:
+    """How `tensor` differs from `box` of the plan's tensor `transfer` on `side` (shape or dtype), or None."""
     want = _extent(box)
     if tuple(tensor.shape) != want:
         return f"has shape {tuple(tensor.shape)}, not {want} as agreed"
     dtype = str(tensor.dtype).removeprefix("torch.")
-    if dtype != transfer.dtype:
-        return f"is {dtype}, not {transfer.dtype} as agreed"
+    agreed = transfer.dst_dtype or transfer.dtype if side == "dst" else transfer.dtype
+    if dtype != agreed:
+        return f"is {dtype}, not {agreed} as agreed"
     return None
