@@ -115,6 +115,7 @@ class TorchEngine:
         self.src_typed: list = [None] * n  # per tensor, the source shard bound (`_bind_tensor`), and its bytes
         self.src_flat: list = [None] * n
         self.into = Destinations(n)  # per tensor, the destination shard bound (`_bind_dst`)
+        self.staged: dict[int, object] = {}  # pack or unpack step -> its typed view of staging
         self.reads_src: list[list[int]] = [[] for _ in p.tensors]  # per tensor, the steps made in _bind()
         self.uses_dst: list[list[int]] = [[] for _ in p.tensors]  # per tensor, the steps made in _bind_dst()
         for s in self.steps:
@@ -245,7 +246,9 @@ class TorchEngine:
             self.buffers[i] = None if target is None or source is None else (target[s.target.index], source[s.box.index])
         else:
             t = s.box.tensor
-            staged = self.stage[s.data.start:s.data.stop].view(self.dtypes[t]).view(s.box.shape)
+            staged = self.staged.get(i)  # made once: rebinding a destination each call remakes only its own side
+            if staged is None:
+                staged = self.staged[i] = self.stage[s.data.start:s.data.stop].view(self.dtypes[t]).view(s.box.shape)
             shard = into.typed[t] if s.box.side == "dst" else self.src_typed[t]
             boxed = shard[s.box.index] if shard is not None else None
             self.buffers[i] = (boxed, staged) if s.action is Action.UNPACK else (staged, boxed)
