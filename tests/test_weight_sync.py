@@ -101,7 +101,7 @@ def test_separate_launches_joined_by_a_tcp_rendezvous_sync_bit_exact(separate):
 
 @pytest.mark.parametrize("case, message", [
     ("separate dtype", f"WeightSyncError: inference tensor '{Q}' on ranks 4,5,6,7 is float16 but the trainer's '{Q}' is float32; "
-                       "give the destination the trainer's dtype"),
+                       "give the destination the trainer's dtype, or convert at the sender with Target(..., dtype='float16')"),
     ("separate shape", f"WeightSyncError: inference tensor '{DOWN}' on rank 6 has shape (12, 18) but R S1 of the global (12, 18) "
                        "gives that rank (12, 9); give it the shape of its part"),
     ("separate trainer shard dtype at run()", "WeightSyncError: trainer tensor 'model.norm.weight' on rank 2 is float64, not "
