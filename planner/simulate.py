@@ -94,7 +94,7 @@ class Flow:
 @dataclass(frozen=True, slots=True)
 class SimResult:
     """When each operation started and ended, and when the last one ended; `work` is what the run cost
-    (moving flows summed over every time their rates were shared out), a machine-independent measure."""
+    (the flows whose rates were shared out again, summed over every event), a machine-independent measure."""
 
     makespan_s: float
     op_start_s: dict[int, float]
@@ -157,8 +157,9 @@ def max_min_rates(active: list[Flow], capacity: dict[str, float]) -> dict[int, f
 def run_flows(flows: list[Flow], capacity: dict[str, float], max_work: int | None = None,
               cost: list[int] | None = None, share: ShareRule | None = None) -> dict[int, tuple[float, float]]:
     """Event-driven fluid simulation; (start, arrival) per flow id. A flow with no bytes or links
-    takes only its latency. Raises TooCostly once more than `max_work` moving flows have had their
-    rates shared out (summed over the run); `cost`, when given, gets that sum appended. `share` gives
+    takes only its latency. Raises TooCostly once more than `max_work` flows have had their rates shared
+    out (the moving flows linked to one that started or ended, summed over the run's events: what the run
+    costs); `cost`, when given, gets that sum appended. `share` gives
     the moving flows that share links with a flow that started or ended their rates (None: max-min fair).
 
     Work per event follows the flows it touches, not all that move: a flow keeps its remaining work as of
@@ -236,7 +237,7 @@ def run_flows(flows: list[Flow], capacity: dict[str, float], max_work: int | Non
                 moving.set_rates({alone: min(capacity[link] for link in by_id[alone].links)}, clock)
             else:
                 moving.set_rates(share([by_id[i] for i in sorted(affected, key=moving.seq.__getitem__)], capacity), clock)
-            work += len(moving.seq)
+            work += len(affected)
             if max_work is not None and work > max_work:
                 raise TooCostly(f"the simulation took more than its budget of {max_work} flow rate updates")
         step = moving.next_time()
