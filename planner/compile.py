@@ -27,7 +27,7 @@ from .unit_tasks import Cell, check_kinds_task_count, check_scheduled_task_count
 DIGITS = 12  # times are rounded to picoseconds so plans print and compare stably
 NIC_SIDES = ("send", "recv")  # the resources a plan's host order lists; device ports are not queued
 MAX_SIMULATED_OPERATIONS = 2_000_000  # 10^6 operations simulate in about a minute and 2.5 GiB (bench/bench_simulate.py); beyond this the schedule's own timetable stands in
-MAX_SIMULATION_WORK = 10_000_000  # flow-rate updates one simulation of a listing may take (`simulate.run_flows`): tens of seconds here; beyond, the schedule's timetable stands in
+MAX_SIMULATION_WORK = 25_000_000  # flow-rate updates one simulation of a listing may take (`simulate.run_flows`; about 20 us each here: a 4-layer DeepSeek-V3-like cut takes 1.36 M, in proportion to its layers); beyond, the schedule's timetable stands in
 MAX_RELISTINGS = 8  # re-simulations until the listing is the order of its own predicted starts
 
 
