@@ -1,7 +1,8 @@
-"""Frontier scale: compile, write and verify the Llama-3-70B-like and DeepSeek-V3-like weight syncs with default flags.
+"""Frontier scale: compile, write and verify the Llama-3-70B-like, DeepSeek-V3-like and Kimi-K2-like weight syncs with default flags.
 
 The problems are the ones `make plans` writes (`plans/weight_sync_llama3_70b.problem.toml`,
-`plans/weight_sync_deepseek_v3.problem.toml`; `planner/weight_sync.py`), or a shrunk variant of each with fewer
+`plans/weight_sync_deepseek_v3.problem.toml`, `plans/weight_sync_kimi_k2.problem.toml`: FP8 destinations;
+`planner/weight_sync.py`), or a shrunk variant of each with fewer
 layers (`--layers N`: the same layer types, N layers, the MoE keeping about its share of dense layers). Each point
 runs in a fresh process through what `xmesh-plan compile -o` and `xmesh-plan verify` do, and records: compile wall
 and CPU seconds (CPU seconds hold on a loaded machine, wall seconds do not) and the process's peak RSS when the
@@ -12,7 +13,7 @@ A point past `--timeout` seconds is recorded as not finished, with the phase it 
 limit to the compile (recorded with the point and its command): the DeepSeek-V3-like problem splits into 7,099,392
 boxes by receiving host before its small ones are bundled, which the default refuses.
 
-    .venv/bin/python -m bench.bench_frontier                              # both problems, full size
+    .venv/bin/python -m bench.bench_frontier                              # every problem, full size
     .venv/bin/python -m bench.bench_frontier --layers 4 --out frontier-shrunk.json
     .venv/bin/python -m bench.bench_frontier --problems weight_sync_deepseek_v3 --max-tasks 7099392
 
@@ -36,7 +37,7 @@ import click
 
 from bench.report import ROOT, update_benchmarks_doc, write_json
 
-PROBLEMS = ("weight_sync_llama3_70b", "weight_sync_deepseek_v3")
+PROBLEMS = ("weight_sync_llama3_70b", "weight_sync_deepseek_v3", "weight_sync_kimi_k2")
 COMMAND = ".venv/bin/python -m bench.bench_frontier"
 
 

@@ -14,8 +14,8 @@ host order agrees to rounding; device order can differ from 10^4 operations on (
 engine does from itself with every link's capacity changed by 1e-15: messages ready at one instant take a connection
 in the order rounding puts them.
 
-    .venv/bin/python bench/bench_simulate.py --plans sends                           # 10^4 .. 10^6, reference up to 10^5
-    .venv/bin/python bench/bench_simulate.py --plans broadcasts --sizes 10000,100000
+    .venv/bin/python -m bench.bench_simulate --plans sends                           # 10^4 .. 10^6, reference up to 10^5
+    .venv/bin/python -m bench.bench_simulate --plans broadcasts --sizes 10000,100000
 
 Adds each point to bench/results/simulate.json as it is measured (a point measured again replaces its row).
 """
@@ -32,16 +32,14 @@ from pathlib import Path
 
 import click
 
-sys.path[:0] = [str(Path(__file__).resolve().parent.parent), str(Path(__file__).resolve().parent)]
-
-from report import RESULTS, write_json  # noqa: E402
-from xmesh_plan.schemas import Cluster, DeviceMesh, Nic, Operation, Placement, ReshardingProblem  # noqa: E402
+from bench.report import RESULTS, ROOT, write_json
+from xmesh_plan.schemas import Cluster, DeviceMesh, Nic, Operation, Placement, ReshardingProblem
 
 HOSTS, PER_HOST, NICS = 32, 8, 8
 SIZES = (10_000, 100_000, 1_000_000)
 PLANS = ("sends", "broadcasts")
 DISCIPLINES = ("host-order", "device-order")
-COMMAND = ".venv/bin/python bench/bench_simulate.py"
+COMMAND = ".venv/bin/python -m bench.bench_simulate"
 
 
 def cluster_problem() -> ReshardingProblem:
@@ -85,7 +83,7 @@ def one(kind: str, n: int, discipline: str, engine: str) -> dict:
 
 
 def measure(kind: str, n: int, discipline: str, engine: str) -> dict:
-    child = subprocess.run([sys.executable, __file__, "--one", kind, str(n), discipline, engine],
+    child = subprocess.run([sys.executable, "-m", "bench.bench_simulate", "--one", kind, str(n), discipline, engine], cwd=ROOT,
                            capture_output=True, text=True, check=True)
     return json.loads(child.stdout.splitlines()[-1])
 

@@ -5,8 +5,13 @@ layers; float32, 15.5 MiB) under FSDP2 `fully_shard` on ranks 0-3, into two TP=2
 (`xmesh_plan.weight_sync_demo`). Each iteration times both ways of syncing, taking turns, between barriers:
 **WeightSync** (`sync.run()`: one plan, the weights copied into the engine's tensors) and **full_tensor +
 broadcast + slice** (each tensor gathered on the trainer ranks by `full_tensor()`, broadcast from rank 0 to
-every rank, and each inference rank's part copied into its tensor), as the issue's user synced. Both are
-checked bit for bit against `full_tensor()` once. 2 CPU cores and 8 ranks: ratios, not speed figures.
+every rank, and each inference rank's part copied into its tensor), as the issue's user synced. Two more
+take turns with them (`fused_ways`), into an engine whose q, k, v and gate, up are fused (`qkv_proj`,
+`gate_up_proj`): **WeightSync, fused in the plan** (float32 destinations: the plan has no conversion at
+the sender yet) and **redistribute per tensor + cat + cast** (`xmesh_plan.redistribute` of each trainer
+tensor to its TP layout, then each fused parameter concatenated and every parameter cast into the engine's
+float16 tensors). Each is checked bit for bit against `full_tensor()` (cast by torch) once. 2 CPU cores
+and 8 ranks: ratios, not speed figures.
 
     .venv/bin/python -m bench.bench_weight_sync_torch [--iters 10]
 """
@@ -60,6 +65,11 @@ def rank_main(iters: int) -> None:
         run()
         refs = references(model, dist.group.WORLD, config)  # a collective: every rank takes part
         verdicts.append(check(targets, mesh, refs) if targets else "ok")
+    more, checked, fused_sync = fused_ways(model, mesh, sizes)
+    for run in more.values():
+        run()
+    verdicts.append(checked(references(model, dist.group.WORLD, config)))
+    ways |= more
     times: dict[str, list[float]] = {name: [] for name in ways}
     for _ in range(iters):
         for name, run in ways.items():
@@ -74,7 +84,71 @@ def rank_main(iters: int) -> None:
         print(json.dumps({"tensors": len(sync.problem.tensors), "mib": sync.problem.nbytes / 2**20, "checked": not bad.item(),
                           **{name: statistics.median(t) for name, t in times.items()}}), flush=True)
     sync.close()
+    fused_sync.close()
     dist.destroy_process_group()
+
+
+CAST = "float16"  # the engine's dtype in the redistribute + cat + cast baseline
+
+
+def fused_ways(model, mesh, sizes: dict) -> tuple[dict, object, object]:
+    """The issue's second baseline and WeightSync into the same fused engine (every rank calls it): ({"weight_sync_fused_ms":
+    run, "redistribute_cat_cast_ms": run}, a check of both engines' tensors against `references()` giving "ok" or what
+    differs, the fused WeightSync to close). qkv_proj = cat(q, k, v) and gate_up_proj = cat(gate, up) per layer, column-
+    parallel: TP rank t holds cat of the parts' t-th halves."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import DTensor, Shard
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    from xmesh_plan.redistribute import redistribute, set_cache_size
+    from xmesh_plan.weight_sync import COLUMN, Fused, Target, WeightSync
+    from xmesh_plan.weight_sync_demo import ENGINE, PLACEMENTS, TRAINER, rule
+
+    train_mesh = DeviceMesh("cpu", TRAINER)  # every rank makes it: ranks outside it pass an empty shard
+    state, engine = model.state_dict() if model is not None else None, mesh.get_coordinate() is not None
+    groups = {}  # fused engine parameter -> its trainer parts
+    for name in sizes:
+        for module, fused, parts in (("self_attn", "qkv", ("q", "k", "v")), ("mlp", "gate_up", ("gate", "up"))):
+            first = f".{module}.{parts[0]}_proj.weight"
+            if name.endswith(first):
+                stem = name[:-len(first)] + f".{module}."
+                groups[f"{stem}{fused}_proj.weight"] = [f"{stem}{p}_proj.weight" for p in parts]
+    parted = {p for parts in groups.values() for p in parts}
+    local = {name: compute_local_shape_and_global_offset(shape, mesh, PLACEMENTS[rule(name)]) for name, shape in sizes.items()}
+    shapes = {name: local[name][0] for name in sizes if name not in parted}
+    shapes |= {name: (sum(local[p][0][0] for p in parts), *local[parts[0]][0][1:]) for name, parts in groups.items()}
+    synced = {name: torch.full(shape, float("nan")) for name, shape in shapes.items()} if engine else {}
+    cast = {name: torch.full(shape, float("nan"), dtype=getattr(torch, CAST)) for name, shape in shapes.items()} if engine else {}
+    given = {"trainer": state} if state is not None else {"inference": {
+        name: Target(tensor, COLUMN, source=Fused(tuple(groups[name]))) if name in groups else (tensor, rule(name))
+        for name, tensor in synced.items()}, "inference_mesh": ENGINE}
+    sync = WeightSync(**given)
+    set_cache_size(len(sizes))  # one layout per tensor at most: none recompiled
+    sources = {name: state[name] if state is not None else
+               DTensor.from_local(torch.empty(0), train_mesh, [Shard(0)], shape=shape, stride=torch.empty(shape).stride())
+               for name, shape in sizes.items()}
+
+    def redistribute_cat_cast() -> None:
+        moved = {name: redistribute(x, mesh, PLACEMENTS[rule(name)]).to_local() for name, x in sources.items()}
+        for name, tensor in cast.items():
+            tensor.copy_(torch.cat([moved[p] for p in groups[name]]) if name in groups else moved[name])
+
+    def checked(refs: dict) -> str:
+        if not engine:
+            return "ok"
+        tp = mesh.get_coordinate()[1]
+        for name, tensor in synced.items():
+            part = [] if name in groups else [slice(o, o + n) for o, n in zip(local[name][1], local[name][0])]
+            want = torch.cat([refs[p].chunk(2)[tp] for p in groups[name]]) if name in groups else refs[name][tuple(part)]
+            if not torch.equal(tensor.view(torch.int32), want.contiguous().view(torch.int32)):
+                return f"{name} differs (WeightSync, fused)"
+            if not torch.equal(cast[name].view(torch.int16), want.to(getattr(torch, CAST)).view(torch.int16)):
+                return f"{name} differs (redistribute + cat + cast)"
+        return "ok"
+
+    return {"weight_sync_fused_ms": sync.run, "redistribute_cat_cast_ms": redistribute_cat_cast}, checked, sync
 
 
 @click.command(help=__doc__.splitlines()[0])
@@ -97,7 +171,9 @@ def main(iters: int, as_rank: bool) -> None:
     write_json("weight_sync_torch.json", {"command": f"{COMMAND} --iters {iters}", "iters": iters, "ranks": 8, **row})
     print(f"{row['tensors']} tensors, {row['mib']:.1f} MiB: WeightSync {row['weight_sync_ms']:.2f} ms, full_tensor + broadcast "
           f"+ slice {row['full_tensor_broadcast_slice_ms']:.2f} ms per sync "
-          f"({row['full_tensor_broadcast_slice_ms'] / row['weight_sync_ms']:.2f}x)")
+          f"({row['full_tensor_broadcast_slice_ms'] / row['weight_sync_ms']:.2f}x); fused: WeightSync {row['weight_sync_fused_ms']:.2f} "
+          f"ms, redistribute + cat + cast {row['redistribute_cat_cast_ms']:.2f} ms "
+          f"({row['redistribute_cat_cast_ms'] / row['weight_sync_fused_ms']:.2f}x)")
     update_benchmarks_doc()
 
 

@@ -290,8 +290,18 @@ Same machine: compare the ratio.
 
 {table([["WeightSync (one plan, copied into the engine's tensors)", f"{sync['weight_sync_ms']:.2f}", x(1.0)],
         ["full_tensor() + broadcast + slice", f"{sync['full_tensor_broadcast_slice_ms']:.2f}",
-         x(sync["full_tensor_broadcast_slice_ms"] / sync["weight_sync_ms"])]], ["per sync", "ms", "/ WeightSync"], "lrr")}
+         x(sync["full_tensor_broadcast_slice_ms"] / sync["weight_sync_ms"])]]
+       + [[label, f"{sync[key]:.2f}", x(sync[key] / sync["weight_sync_ms"])] for key, label in FUSED_ROWS if key in sync],
+       ["per sync", "ms", "/ WeightSync"], "lrr")}
+
+The fused WeightSync row and the redistribute row sync into an engine whose q, k, v and gate, up are fused
+(qkv_proj, gate_up_proj): WeightSync with the fusion in its plan, into float32 tensors (the plan has no
+conversion at the sender yet), and each tensor `redistribute`d to its TP layout, then concatenated and cast into
+float16 tensors (`fused_ways` in the bench).
 """
+
+FUSED_ROWS = (("weight_sync_fused_ms", "WeightSync, qkv / gate_up fused in the plan (float32, no cast)"),
+              ("redistribute_cat_cast_ms", "redistribute per tensor + cat + cast to float16"))
 
 
 # ---- 3. scale ----------------------------------------------------------------------------------------------------
@@ -348,7 +358,9 @@ error: {limit["refusal"]["message"]}
 
 
 FRONTIER_TITLES = {"weight_sync_llama3_70b": "Llama-3-70B-like, 8x8 -> 2 x TP=8",
-                   "weight_sync_deepseek_v3": "DeepSeek-V3-like MoE, 32x8 -> 4 x 4x8"}
+                   "weight_sync_deepseek_v3": "DeepSeek-V3-like MoE, 32x8 -> 4 x 4x8",
+                   "weight_sync_kimi_k2": "Kimi-K2-like MoE into FP8, 32x8 -> 4 x 4x8"}
+PERPLEXITY_KIMI_S = 1.3  # Perplexity's reported Kimi-K2 (1T) weight sync, 256 -> 128 GPUs, FP8 (issue 29's benchmark)
 
 
 def _frontier_row(r: dict) -> list:
@@ -375,7 +387,8 @@ Llama-3-70B-like dense model (80 layers) from an 8x8 FSDP mesh to 2 replicas of 
 (671B; 61 layers of MLA attention, 58 of them with 256 experts stacked as [256, 2048, 7168] tensors) from 32x8
 FSDP + EP to 4 inference instances of 4 hosts of 8 GPUs (experts split over an instance's 32 GPUs, attention TP=8
 inside a host); bfloat16, 8 x 400 Gbit/s NICs per host (`plans/weight_sync_llama3_70b.problem.toml`,
-`plans/weight_sync_deepseek_v3.problem.toml`). Each row is one fresh process running what `xmesh-plan compile -o`
+`plans/weight_sync_deepseek_v3.problem.toml`); and a Kimi-K2-like MoE (1T; 61 layers, 384 experts, the first layer
+dense) on the same meshes with FP8 destinations (`plans/weight_sync_kimi_k2.problem.toml`, below). Each row is one fresh process running what `xmesh-plan compile -o`
 and `verify` do, with default flags. Environment: {DEV_MACHINE}; wall-clock seconds there depend on the other
 jobs, CPU seconds much less.
 
@@ -392,6 +405,117 @@ split by receiving host before the small ones ride in bundles, several times the
 
 {table(rows, ["problem", "GiB", "unit tasks", "operations", "compile s", "compile CPU s", "peak RSS MiB", "plan MiB",
               "verify s", "/ bound", "executor / bound", "timed by"], "lrrrrrrrrrrl")}
+{frontier_baselines([r for data in runs for r in data["points"]])}{moe_mpi()}"""
+
+
+def moe_mpi() -> str:
+    """The DeepSeek-V3-like plan on 48 MPI ranks (bench/bench_moe_mpi.py)."""
+    if not (RESULTS / "moe_mpi.json").exists():
+        return ""
+    r = load("moe_mpi.json")
+    verdict = "bit-exact" if r["check_ok"] else f"FAILED (exit {r['returncode']})"
+    return f"""
+### The MoE plan on {r['ranks']} MPI ranks
+
+The executor runs the DeepSeek-V3-like structure on {r['ranks']} MPI ranks, the largest world launched here (about
+115 MiB per rank; the machine's memory is shared) (`plans/weight_sync_deepseek_v3_48.problem.toml`): its real tensor shapes for 3 layers (the dense first one, 2 MoE
+ones with 256 stacked experts; {r['tensors']} tensors, {r['gib']:.1f} GiB), sources FSDP + EP over 2 hosts of 8
+GPUs, destinations 2 inference instances of 2 hosts of 8 GPUs (experts split over an instance's 16 GPUs, attention
+TP=8 inside a host). The plan is compiled with default flags ({r['compile_s']:.0f} s wall; {r['operations']:,}
+operations: {', '.join(r['kinds'])}); `executor.run` shrinks every tensor to at most {r['max_mb']:g} MiB, dims in
+proportion, so every operation stays with a smaller box, and checks every destination shard: **{verdict}**. The
+launch took {r['launch_wall_s']:.0f} s wall on {DEV_MACHINE} (all {r['ranks']} ranks on its cores, so times per
+iteration say nothing about a cluster). Rank 0's report:
+
+{command(r['command'])}
+
+```
+{r['report']}
+```
+"""
+
+
+def _ours(point: dict, ours: list[dict]) -> tuple[float, str] | None:
+    """Our plan's time on a baseline point's problem and cut (executor order where the plan states it), and how it was timed."""
+    row = next((r for r in ours if (r["problem"], r.get("layers")) == (point["problem"], point["layers"]) and r["finished"]), None)
+    if row is None:
+        return None
+    if row["executor_over_bound"] is not None:
+        return row["executor_over_bound"] * row["bound_s"], f"simulated, {row['executor_order']}"
+    how = row["timed_by"].split(" (")[0]
+    return row["predicted_over_bound"] * row["bound_s"], "schedule's timetable" if how == "schedule" else how
+
+
+def _seconds(value: float, bound: float) -> str:
+    return f"{value:.3f} ({x(value / bound)})"
+
+
+def _baseline_row(p: dict, ours: list[dict]) -> list:
+    mine = _ours(p, ours)
+    cells = [FRONTIER_TITLES.get(p["problem"], p["problem"]) + (f" ({p['layers']} layers)" if p["layers"] else ""),
+             f"{p['wire_gib']:.0f}", f"{p['bound_s']:.3f}", "-" if mine is None else f"{_seconds(mine[0], p['bound_s'])}, {mine[1]}"]
+    for name in ("checkpoint-engine-broadcast", "rank0-gather-broadcast"):
+        b = p["baselines"][name]
+        simulated = f"; simulated {_seconds(b['simulated_s'], p['bound_s'])}" if "simulated_s" in b else ""
+        cells.append(f">= {_seconds(b['estimate_s'], p['bound_s'])} ({b['busiest']}){simulated}")
+    cells.append(_seconds(p["per_tensor"]["seconds"], p["bound_s"]) + f", {len(p['per_tensor']['kinds'])} kinds" if "per_tensor" in p else "-")
+    return cells
+
+
+def _kimi_ours(ours: list[dict]) -> str:
+    """What our plan of the Kimi-K2-like problem is known to take: the full problem's row, else a cut's, not scaled."""
+    rows = [r for r in ours if r["problem"] == "weight_sync_kimi_k2" and r["finished"]]
+    full = next((r for r in rows if not r.get("layers")), None)
+    if full is not None:
+        mine = _ours({"problem": full["problem"], "layers": None}, ours)
+        return f"Our plan of it: {mine[0]:.3f} s ({x(mine[0] / full['bound_s'])} its bound; {mine[1]})."
+    if not rows:
+        return "Our plan of it is not compiled here."
+    cut = max(rows, key=lambda r: r["layers"])
+    llama = {r.get("layers") or 80: x(r["predicted_over_bound"]) for r in ours if r["problem"] == "weight_sync_llama3_70b" and r["finished"]}
+    drift = ", ".join(f"{ratio} at {layers} layers" for layers, ratio in sorted(llama.items()))
+    return (f"The full problem is not compiled here (the DeepSeek-V3-like one did not finish, above). A {cut['layers']}-layer "
+            f"cut compiles ({cut['compile_s']:.0f} s wall, {cut['peak_rss_mib']:,.0f} MiB): {cut['predicted_over_bound'] * cut['bound_s']:.4f} s, "
+            f"{x(cut['predicted_over_bound'])} its own bound, timed by the {cut['timed_by']}. That ratio is not carried to 61 "
+            f"layers: it is not constant in the number of layers (the Llama-3-70B-like plan: {drift}, above), so no "
+            f"full-size prediction is given.\n")
+
+
+def frontier_baselines(ours: list[dict]) -> str:
+    """The baselines beside ours on the frontier problems (bench/bench_frontier_baselines.py)."""
+    if not (RESULTS / "frontier-baselines.json").exists():
+        return ""
+    points = load("frontier-baselines.json")["points"]
+    made = "\n\n".join(command(text) for text in dict.fromkeys(p["command"] for p in points))
+    kimi = next((p for p in points if p["problem"] == "weight_sync_kimi_k2" and not p["layers"]), None)
+    perplexity = "" if kimi is None else f"""
+The Kimi-K2-like problem (1T parameters, 61 layers, 384 experts; `plans/weight_sync_kimi_k2.problem.toml`) moves
+{kimi['wire_gib']:.0f} GiB once its destinations are FP8 (routed experts with 128x128 block scales, the other layer
+projections with per-tensor scales; embeddings, LM head, norms and router stay bfloat16, {kimi['gib']:.0f} GiB at the
+source). Its byte bound on this network is {kimi['bound_s']:.3f} s ({kimi['bound_reason']}); Perplexity reports
+{PERPLEXITY_KIMI_S} s for the same move (256 -> 128 GPUs, FP8; their network may differ), {PERPLEXITY_KIMI_S / kimi['bound_s']:.2f}x this bound.
+{_kimi_ours(ours)}"""
+    rows = [_baseline_row(p, ours) for p in points]
+    return f"""
+### Beside ours: the RL frameworks' weight syncs
+
+The same problems in the same network model (8 x 400 Gbit/s NICs per host, 2400 Gbit/s between the GPUs of a
+host): checkpoint-engine's broadcast (every source rank broadcasts the blocks it holds to every inference rank,
+which keeps its part), rank-0 gather then broadcast (verl / NeMo-RL style), and one plan per tensor back to back
+(our planner on each tensor alone, one after another). Simulating the two broadcasts at full size means millions of
+chunk messages, so each is given as its least time in the model (`planner/baseline_bounds.py`): the busiest NIC
+side, GPU port or GPU (a GPU takes part in one operation at a time, in device order) from its bytes, with no
+latency, per-message overhead or pipeline fill; the simulator gives the same operations at least that (`>=`), and
+on a cut (`--simulate`) the table shows both. One plan per tensor: tensors of one kind (shape, dtypes, layouts) have
+the same plan, so one plan per kind is compiled with default flags, simulated in device order and multiplied by the
+kind's count. **ours**: the plan's time from the frontier table above (same problem and cut), in the executor's
+order where the plan states it, else as timed there; '-' where no plan compiled here. Seconds, with each over the
+byte bound; the busiest link or device of each estimate in parentheses.
+{perplexity}
+{made}
+
+{table(rows, ["problem", "GiB crossing", "bound s", "ours s", "checkpoint-engine broadcast s", "rank-0 gather + broadcast s",
+              "one plan per tensor s"], "lrrllll")}
 """
 
 

@@ -1,5 +1,5 @@
-"""Four baselines as operation lists, so the simulator prices them like our plans: Alpa's two
-send/recv approaches and two that RL frameworks use to sync weights from trainer to inference ranks.
+"""Five baselines as operation lists, so the simulator prices them like our plans: Alpa's two
+send/recv approaches and three that RL frameworks use to sync weights from trainer to inference ranks.
 
 - `alpa-send-recv`: every destination device receives each slice it needs by one send/recv from a
   source device holding it; the sender is the least-loaded holder so far (Alpa's `normal` load
@@ -14,15 +14,19 @@ send/recv approaches and two that RL frameworks use to sync weights from trainer
   them; then it broadcasts the whole tensor down every destination device, host by host (a chunked
   chain, as NCCL pipelines a broadcast), and each destination device keeps its own slice (a local
   step, not priced). A destination device that is the root copies its shard locally.
+- `checkpoint-engine-broadcast` (checkpoint-engine's broadcast mode): every source rank packs the blocks it holds
+  (the first replica) into buckets and broadcasts each down a chunked chain of every destination device, host by
+  host; each destination device keeps its part. Buckets change how many messages go, not the bytes on any link, so
+  a block is one broadcast here. Every destination device receives the whole model.
 - `per-rank-broadcast`: every source rank broadcasts each block it holds (the first replica, when
   blocks are replicated) down a chunked chain of the destination devices that need any part of it,
   host by host; all ranks at once, each needer taking the broadcasts it is in one after another.
   A rank that is also a destination device copies its own part locally.
 Broadcast chains put the sender's own host first, then hosts by id, devices by id; their chunk count
 is the one our `broadcast` strategy picks for the same chain alone, so they pipeline as well as ours.
-Every destination device of the last two receives whole blocks, more than its shard, so their lists
+Every destination device of the last three receives whole blocks, more than its shard, so their lists
 are for the simulator only (the plan format rejects writes outside a destination shard).
-All four run in `device-order` in the simulator: each device does its own operations in turn, and
+All five run in `device-order` in the simulator: each device does its own operations in turn, and
 operations of different devices share a NIC; a multi-tensor problem runs tensor after tensor, as
 frameworks loop over parameters. Alpa asserts even shards; we price uneven ones anyway.
 """
@@ -146,14 +150,15 @@ def rank0_gather_broadcast(problem: ReshardingProblem) -> list[Operation]:
     return ops + _own_copy(len(ops), root, own if own and region_size(own) else None)
 
 
-def per_rank_broadcast(problem: ReshardingProblem) -> list[Operation]:
-    """Every source block broadcast by its first holder down the destination devices needing any of it (module docstring)."""
+def per_rank_broadcast(problem: ReshardingProblem, everyone: bool = False) -> list[Operation]:
+    """Every source block broadcast by its first holder down the destination devices needing any of it, or down
+    every destination device (`everyone`: checkpoint-engine's broadcast) (module docstring)."""
     wanted = problem.blocks("dst")
     ops: list[Operation] = []
     copies: list[tuple[int, Region | None]] = []
     for task, (block, holders) in enumerate(_source_blocks(problem)):
         sender = holders[0]
-        needers = [d for d, box in wanted.items() if d != sender and intersect(block, box)]
+        needers = [d for d, box in wanted.items() if d != sender and (everyone or intersect(block, box))]
         if needers:
             ops.append(_chain_broadcast(problem, len(ops), task, sender, needers, block))
         if sender in wanted:
@@ -167,6 +172,7 @@ BASELINES["alpa-send-recv"] = alpa_send_recv
 BASELINES["alpa-allgather"] = alpa_allgather
 BASELINES["rank0-gather-broadcast"] = rank0_gather_broadcast
 BASELINES["per-rank-broadcast"] = per_rank_broadcast
+BASELINES["checkpoint-engine-broadcast"] = lambda problem: per_rank_broadcast(problem, everyone=True)
 
 
 def baseline_operations(problem, name: str) -> list[Operation]:

@@ -20,7 +20,9 @@ head vocab-parallel, norms replicated.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
+from fnmatch import fnmatchcase
 
 from xmesh_plan.schemas.dtypes import DTYPE_SIZES
 
@@ -46,6 +48,11 @@ class Model:
         """The file's tensor entries: embeddings, one repeated layer, final norm, LM head."""
         return [Tensor("model.embed_tokens.weight", [self.vocab, self.hidden]), Repeat(self.layers, layer_group(self)),
                 Tensor("model.norm.weight", [self.hidden]), Tensor("lm_head.weight", [self.vocab, self.hidden])]
+
+    def conversion(self, name: str) -> str:
+        """The conversion fields of tensor `name` in the file (none: destinations keep the source dtype)."""
+        del name
+        return ""
 
     def describe(self) -> list[str]:
         """Comment lines saying how the specs place the parameters."""
@@ -150,10 +157,13 @@ def weight_sync_toml(name: str, m: Model | MoeModel, layout: Layout) -> str:
         lines += ["", "[[rules]]", f'match = "{pattern}"', f'src = "{src}"', f'dst = "{dst}"']
     for entry in m.entries():
         if isinstance(entry, Tensor):
+            converted = m.conversion(entry.name)
             lines += ["", "[[tensors]]", f'name = "{entry.name}"', f"shape = [{', '.join(map(str, entry.shape))}]"]
+            lines += converted.replace(", ", "\n").splitlines()
             continue
         lines += ["", "[[tensors]]", f"repeat = {entry.count}"] + ([f"first = {entry.first}"] if entry.first else []) + ["group = ["]
-        lines += [f'  {{ name = "{n}", shape = [{", ".join(map(str, shape))}] }},' for n, shape in entry.group]
+        lines += [f'  {{ name = "{n}", shape = [{", ".join(map(str, shape))}]{", " if m.conversion(n) else ""}{m.conversion(n)} }},'
+                  for n, shape in entry.group]
         lines += ["]"]
     return "\n".join(lines) + "\n"
 
@@ -173,11 +183,21 @@ MOE_RULES = [  # (pattern, source spec, destination spec) on a 2-axis source and
 ]
 
 
+FP8_EXPERT_RULES = [  # with FP8 destinations the stacked experts are 2-d ([experts x rows, cols]) so 128x128 block scales apply
+    ("*.mlp.experts.*", "S01 R", "S12 R"),  # each source host holds its experts (EP), each device a run of their rows (FSDP)
+    *MOE_RULES[1:],
+]
+FP8 = "float8_e4m3fn"
+
+
 @dataclass(frozen=True)
 class MoeModel:
     """The dimensions of a DeepSeek-V3-style decoder: MLA attention in every layer, a dense MLP in the first
     `dense_layers`, then a router, shared experts and `experts` routed experts stacked as one [experts, ...] tensor
-    per projection."""
+    per projection. With `fp8`, destinations keep the layers' projections in FP8 e4m3 (`conversion`): the routed
+    experts, stacked as 2-d [experts x rows, cols] tensors, with 128x128 block scales (each source device holds whole
+    blocks); the other projections with one scale per tensor (an FSDP shard of them is not on 128-row bounds, so no
+    sender holds a whole block); embeddings, LM head, norms and router stay in the source dtype."""
 
     vocab: int
     hidden: int
@@ -194,10 +214,17 @@ class MoeModel:
     expert_mlp: int
     shared_experts: int = 1
     dtype: str = "bfloat16"
+    fp8: bool = False
 
     @property
     def rules(self) -> list[tuple[str, str, str]]:
-        return MOE_RULES
+        return FP8_EXPERT_RULES if self.fp8 else MOE_RULES
+
+    def conversion(self, name: str) -> str:
+        """The conversion fields of tensor `name` in the file (class docstring)."""
+        if not self.fp8 or not any(fnmatchcase(name, p) for p in ("model.layers.*_proj.weight", "model.layers.*_proj_with_mqa.weight")):
+            return ""
+        return f'dst_dtype = "{FP8}", scale = "{"block" if fnmatchcase(name, "*.mlp.experts.*") else "tensor"}"'
 
     def attention(self) -> list[tuple[str, list[int]]]:
         """(name with {i}, shape) of one layer's norms and MLA attention, as Hugging Face lists them."""
@@ -217,15 +244,16 @@ class MoeModel:
     def moe(self) -> list[tuple[str, list[int]]]:
         """(name with {i}, shape) of one MoE layer's MLP: router, shared experts, stacked routed experts."""
         shared = self.shared_experts * self.expert_mlp
+        stacked = (lambda rows, cols: [self.experts * rows, cols]) if self.fp8 else (lambda rows, cols: [self.experts, rows, cols])
         return [
             ("model.layers.{i}.mlp.gate.weight", [self.experts, self.hidden]),
             ("model.layers.{i}.mlp.gate.e_score_correction_bias", [self.experts]),
             ("model.layers.{i}.mlp.shared_experts.gate_proj.weight", [shared, self.hidden]),
             ("model.layers.{i}.mlp.shared_experts.up_proj.weight", [shared, self.hidden]),
             ("model.layers.{i}.mlp.shared_experts.down_proj.weight", [self.hidden, shared]),
-            ("model.layers.{i}.mlp.experts.gate_proj.weight", [self.experts, self.expert_mlp, self.hidden]),
-            ("model.layers.{i}.mlp.experts.up_proj.weight", [self.experts, self.expert_mlp, self.hidden]),
-            ("model.layers.{i}.mlp.experts.down_proj.weight", [self.experts, self.hidden, self.expert_mlp]),
+            ("model.layers.{i}.mlp.experts.gate_proj.weight", stacked(self.expert_mlp, self.hidden)),
+            ("model.layers.{i}.mlp.experts.up_proj.weight", stacked(self.expert_mlp, self.hidden)),
+            ("model.layers.{i}.mlp.experts.down_proj.weight", stacked(self.hidden, self.expert_mlp)),
         ]
 
     def entries(self) -> list[Entry]:
@@ -240,17 +268,27 @@ class MoeModel:
                 Tensor("model.norm.weight", [self.hidden]), Tensor("lm_head.weight", [self.vocab, self.hidden])]
 
     def describe(self) -> list[str]:
-        return ["# Source: FSDP, every parameter sharded on dim 0 over all source devices, except the stacked experts: EP",
-                "# over hosts (dim 0), FSDP inside a host (dim 1). Destination mesh (instance, host, GPU): every instance",
-                "# holds the model; experts split over its GPUs (dim 0 over axes 1, 2); attention, dense and shared-expert",
-                "# MLPs tensor-parallel inside a host (axis 2); router, MLA down-projections and norms replicated.",
-                "# Generated by planner/weight_sync.py (`make plans`)."]
+        made = "# Generated by planner/weight_sync.py (`make plans`)."
+        if not self.fp8:
+            return ["# Source: FSDP, every parameter sharded on dim 0 over all source devices, except the stacked experts: EP",
+                    "# over hosts (dim 0), FSDP inside a host (dim 1). Destination mesh (instance, host, GPU): every instance",
+                    "# holds the model; experts split over its GPUs (dim 0 over axes 1, 2); attention, dense and shared-expert",
+                    "# MLPs tensor-parallel inside a host (axis 2); router, MLA down-projections and norms replicated.", made]
+        return ["# Source: FSDP, every parameter sharded on dim 0 over all source devices; the stacked experts, 2-d",
+                "# [experts x rows, cols], so each source host holds its experts (EP) and each device a run of their rows.",
+                "# Destination mesh (instance, host, GPU): every instance holds the model; experts split over its GPUs",
+                "# (dim 0 over axes 1, 2); attention, dense and shared-expert MLPs tensor-parallel inside a host (axis 2);",
+                "# router, MLA down-projections and norms replicated. Destinations in FP8 e4m3, converted by the senders:",
+                "# routed experts with 128x128 block scales, the other projections of the layers with one scale per tensor",
+                "# (an FSDP shard of them is not on 128-row bounds); embeddings, LM head, norms and router in bfloat16.", made]
 
 
 LLAMA3_8B = Model(vocab=128256, hidden=4096, layers=32, heads=32, kv_heads=8, head_dim=128, mlp=14336)
 LLAMA3_70B = Model(vocab=128256, hidden=8192, layers=80, heads=64, kv_heads=8, head_dim=128, mlp=28672)
 DEEPSEEK_V3 = MoeModel(vocab=129280, hidden=7168, layers=61, dense_layers=3, heads=128, q_lora_rank=1536, kv_lora_rank=512,
                        qk_nope_dim=128, qk_rope_dim=64, v_head_dim=128, mlp=18432, experts=256, expert_mlp=2048)
+KIMI_K2 = MoeModel(vocab=163840, hidden=7168, layers=61, dense_layers=1, heads=64, q_lora_rank=1536, kv_lora_rank=512,
+                   qk_nope_dim=128, qk_rope_dim=64, v_head_dim=128, mlp=18432, experts=384, expert_mlp=2048, fp8=True)
 TOY = Model(vocab=4096, hidden=256, layers=2, heads=4, kv_heads=2, head_dim=64, mlp=1024)
 
 WEIGHT_SYNC = {  # name -> (name, model, layout); the small one is compiled into plans/ and run by the tests
@@ -269,4 +307,13 @@ WEIGHT_SYNC = {  # name -> (name, model, layout); the small one is compiled into
         "Weight sync of a DeepSeek-V3-like MoE (671B): 32x8 FSDP + EP mesh -> 4x4x8 mesh (4 inference instances of 4 "
         "hosts of 8 GPUs), 8 x 400 Gbit/s NICs per host.", "32x8", "4x4x8", devices_per_host=8, nic_gbps=400.0,
         intra_host_gbps=2400.0, latency_us=10.0, nics=8)),
+    "weight_sync_kimi_k2": ("weight_sync_kimi_k2", KIMI_K2, Layout(
+        "Weight sync of a Kimi-K2-like MoE (1T) into FP8: 32x8 FSDP + EP mesh -> 4x4x8 mesh (4 inference instances of 4 "
+        "hosts of 8 GPUs), 8 x 400 Gbit/s NICs per host.", "32x8", "4x4x8", devices_per_host=8, nic_gbps=400.0,
+        intra_host_gbps=2400.0, latency_us=10.0, nics=8)),
+    "weight_sync_deepseek_v3_48": ("weight_sync_deepseek_v3_48", dataclasses.replace(DEEPSEEK_V3, layers=3, dense_layers=1), Layout(
+        "The DeepSeek-V3-like sync on 48 GPUs: 3 of its layers (1 dense, 2 MoE), 2x8 FSDP + EP mesh -> 2x2x8 mesh (2 "
+        "inference instances of 2 hosts of 8 GPUs), 8 x 400 Gbit/s NICs per host.", "2x8", "2x2x8", devices_per_host=8,
+        nic_gbps=400.0, intra_host_gbps=2400.0, latency_us=10.0, nics=8,
+        run="python -m bench.bench_moe_mpi  # compiles it, shrinks its tensors and runs it bit-exact on 48 MPI ranks")),
 }

@@ -5,7 +5,8 @@ An inference engine keeps `qkv_proj` = cat(q, k, v) on dim 0, `gate_up_proj` = c
 tensors of the problem, in order, each whole or as a range `name[start:stop]` of the fused dim), the dim and its
 own layout on the destination mesh (a spec over the fused shape, or each device's box). Ranges say the layouts
 tensor-parallel engines keep: with TP = 2 each rank holds cat(q_r, k_r, v_r), which is the fused tensor
-[q[0:8], k[0:2], v[0:2], q[8:16], k[2:4], v[2:4]] split in two.
+[q[0:8], k[0:2], v[0:2], q[8:16], k[2:4], v[2:4]] split in two. A range may be listed more than once: with
+one KV head and TP = 2 both ranks hold all of k and v, [q[0:8], k, v, q[8:16], k, v] split in two.
 
 Part k occupies [offset_k, offset_k + length_k) of the fused dim, so a device whose fused box is B receives
 from part k the box B cut to that segment, shifted back by offset_k (and on by the range's start): a box of
@@ -55,8 +56,6 @@ class FusedTensor(BaseModel):
     def _one_layout(self) -> "FusedTensor":
         if (self.dst is None) == (self.dst_boxes is None):
             raise ValueError("give dst (a spec of the fused tensor, e.g. \"S0 R\") or dst_boxes, not both or neither")
-        if len(set(self.parts)) != len(self.parts):
-            raise ValueError(f"parts {list(self.parts)} lists one part twice; list each once")
         for k, (_, span) in enumerate(self.refs()):
             if span is not None and span[0] >= span[1]:
                 raise ValueError(f"parts[{k}]: {self.parts[k]!r} is an empty range; give name[start:stop] with start < stop")

@@ -32,7 +32,8 @@ def test_compare_lists_every_solver_and_baseline(tmp_path):
     problem = write(tmp_path, "p.json", case3().model_dump_json())
     result = CliRunner().invoke(main, ["compare", problem, "--time-limit", "0.5"])
     assert result.exit_code == 0, result.output
-    for name in list(SOLVERS) + ["alpa-send-recv", "alpa-allgather", "rank0-gather-broadcast", "per-rank-broadcast"]:
+    for name in list(SOLVERS) + ["alpa-send-recv", "alpa-allgather", "rank0-gather-broadcast", "per-rank-broadcast",
+                                 "checkpoint-engine-broadcast"]:
         assert name in result.output
     naive = next(line for line in result.output.splitlines() if "+ naive " in line)
     auto = next(line for line in result.output.splitlines() if "+ auto " in line)

@@ -333,7 +333,8 @@ def test_unknown_names_list_the_valid_ones():
         baseline_seconds(case("S0 R R", "S0 R R"), "nccl")
     with pytest.raises(ValueError, match="host-order"):
         simulate([], case("S0 R R", "S0 R R"), "random-order")
-    assert set(BASELINES) == {"alpa-send-recv", "alpa-allgather", "rank0-gather-broadcast", "per-rank-broadcast"}
+    assert set(BASELINES) == {"alpa-send-recv", "alpa-allgather", "rank0-gather-broadcast", "per-rank-broadcast",
+                              "checkpoint-engine-broadcast"}
 
 
 def test_two_nics_stripe_a_message_and_halve_its_time():

@@ -54,7 +54,7 @@ from xmesh_plan.schemas import Cluster, Plan
 from xmesh_plan.schemas.fused import assemble_fused
 
 from .engine_layouts import COLUMN, EXPERT, REPLICATED, ROW, VOCAB
-from .weight_sync_layouts import Fused, Target, WeightSyncError, agree, describe
+from .weight_sync_layouts import Fused, Target, WeightSyncError, agree, describe, engine_targets
 
 __all__ = ["WeightSync", "Target", "Fused", "WeightSyncError", "COLUMN", "ROW", "VOCAB", "REPLICATED", "EXPERT", "PLAN_CACHE_SIZE"]
 
@@ -89,7 +89,7 @@ class WeightSync:
         self.problem, self.sources = agree(rows, size)
         self.fingerprint = hashlib.sha256(self.problem.model_dump_json().encode()).hexdigest()
         self.plan, self.compiled = self._shared_plan()
-        self.targets = {name: _target(value) for name, value in self.inference.items()}
+        self.targets = engine_targets(self.problem, {name: _target(value) for name, value in self.inference.items()}, self.rank)
         self.executor = TransferExecutor(self.plan, self.group, backend="torch", timeout_s=self.timeout_s).prepare()
 
     def run(self, trainer: Mapping[str, Any] | None = None) -> None:

@@ -3,7 +3,8 @@
 Each rank describes what it holds as a plain JSON row (`describe`): on a trainer rank each DTensor's name,
 global shape, dtype, mesh (as transfer ranks) and spec (or each rank's box, where DTensor's layout is one
 no spec says: strided shards of FSDP over TP, uneven splits over several mesh dims), and its local shard's shape; on an inference rank
-each destination tensor's name, the trainer tensor it takes, its spec on the inference mesh, its dtype and
+each destination tensor's name, the trainer tensor it takes, its spec on the inference mesh (or its box rule, e.g.
+`PADDED_VOCAB`, lowered to boxes once the trainer's shape is known), its dtype and
 its shape. A rank that cannot describe its tensors sends its error instead. Every rank then reads every
 row (`agree`) and either builds the same `TransferProblem` or raises the same `WeightSyncError`, naming
 the tensor, the rank and the cause, before any byte moves. Plan device ids are ranks of the transfer group.
@@ -34,7 +35,7 @@ from xmesh_plan.schemas.spec import ShardingSpec
 from xmesh_plan.schemas.transfer import TensorTransfer, TransferProblem
 from xmesh_plan.schemas.validation import describe_validation_error
 
-from .engine_layouts import layout_spec
+from .engine_layouts import KvHeads, layout_row, rule_of_row
 from .sides import FrontendError, dtype_name
 
 
@@ -56,10 +57,14 @@ class Target:
 class Fused:
     """A destination that concatenates trainer tensors along `dim` (vLLM's `qkv_proj` = cat(q, k, v), `gate_up_proj` =
     cat(gate, up)). Where the layout splits `dim` over T ranks, rank t holds cat(q_t, k_t, v_t), each part's t-th of T
-    equal shares (`QKVParallelLinear`, `MergedColumnParallelLinear`); where it does not, the whole concatenation."""
+    equal shares (`QKVParallelLinear`, `MergedColumnParallelLinear`); where it does not, the whole concatenation.
+    `rules`: None, or one per part: None (that equal share) or a box rule splitting dim 0 (`engine_layouts.kv_heads(n)`),
+    whose box on TP rank t is that part's share there, e.g. `Fused((q, k, v), rules=(None, kv_heads(2), kv_heads(2)))`
+    for KV heads replicated when TP exceeds their count."""
 
     parts: tuple[str, ...]
     dim: int = 0
+    rules: tuple | None = None
 
 
 def describe(rank: int, trainer: Mapping[str, Any] | None, inference: Mapping[str, Any] | None,
@@ -132,12 +137,27 @@ def _inference_side(inference: Mapping[str, Any], mesh: object, ranks: Mapping[i
         if isinstance(source, Fused):
             if not source.parts or not all(isinstance(p, str) for p in source.parts) or not 0 <= source.dim < target.tensor.dim():
                 raise FrontendError(f"{field}.source: {source!r}; give Fused((trainer names...), dim) with a dim of the tensor")
-            source = {"parts": list(source.parts), "dim": source.dim}
+            source = {"parts": list(source.parts), "dim": source.dim, "rules": _part_rules(source, field)}
         elif not isinstance(source, str):
             raise FrontendError(f"{field}.source: {source!r}; give the trainer tensor's name as text, or Fused((names...))")
-        spec = layout_spec(target.layout, target.tensor.dim(), grid.ndim, name)
+        spec = layout_row(target.layout, target.tensor.dim(), grid.ndim, name)
         tensors.append([name, source, spec, dtype_name(target.tensor.dtype, f"{field}.dtype"), list(target.tensor.shape)])
     return {"mesh": [list(grid.shape), devices], "tensors": tensors}
+
+
+def _part_rules(fused: Fused, field: str) -> list | None:
+    """Each part's rule as the row says it (None: the fused layout's equal share; a box rule's row), or None."""
+    if fused.rules is None:
+        return None
+    if not isinstance(fused.rules, (tuple, list)) or len(fused.rules) != len(fused.parts):
+        raise FrontendError(f"{field}.source.rules: {fused.rules!r}; give one rule per part (None for an equal share), "
+                            f"{len(fused.parts)} in all")
+    rows = []
+    for k, rule in enumerate(fused.rules):
+        if rule is not None and not isinstance(rule, KvHeads):
+            raise FrontendError(f"{field}.source.rules[{k}]: {rule}; a part takes None (its equal share) or kv_heads(n)")
+        rows.append(None if rule is None else rule.row())
+    return rows
 
 
 def _target(name: str, value: object) -> Target:
@@ -185,12 +205,16 @@ def agree(rows: list[dict[str, Any]], group_size: int | None) -> tuple[TransferP
         for part in source["parts"] if isinstance(source, dict) else [source]:
             _check_source(name, part, dtype, trained, dst_rows)
         if isinstance(source, dict):
+            if isinstance(spec, dict):
+                raise WeightSyncError(f"inference tensor {name!r} is fused (Fused(...)) and laid out by {rule_of_row(spec)}, which "
+                                      "fused tensors do not take; give it a spec rule (COLUMN, EXPERT, ...) and a part's own rule in "
+                                      "Fused(parts, rules=(None, kv_heads(n), ...))")
             fused.append(_fused(name, source, spec, trained, dst_mesh))
             for part in source["parts"]:
                 tensors.append(_transfer(part, trained[part], None))
                 sources[part] = part
             continue
-        tensors.append(_transfer(name, trained[source], spec))
+        tensors.append(_transfer(name, trained[source], spec, dst_mesh))
         sources[name] = source
     cluster = Cluster.model_validate(next((r["cluster"] for r in rows if "cluster" in r), {}))
     try:
@@ -216,11 +240,18 @@ def _check_source(name: str, source: str, dtype: str, trained: dict[str, tuple],
                               f"is {dtype} but the trainer's {source!r} is {src_dtype}; give the destination the trainer's dtype")
 
 
-def _transfer(name: str, trained: tuple, dst_spec: str | None) -> TensorTransfer:
-    """Trainer tensor `trained` (shape, dtype, layout, ...) as the plan's tensor `name`, to `dst_spec` (None: a fused part)."""
+def _transfer(name: str, trained: tuple, dst_spec: str | dict | None, dst_mesh: DeviceMesh | None = None) -> TensorTransfer:
+    """Trainer tensor `trained` (shape, dtype, layout, ...) as the plan's tensor `name`, to `dst_spec` (None: a fused part;
+    a dict: a box rule of `engine_layouts`, lowered to each device's box of the trainer's shape on `dst_mesh`)."""
     shape, dtype, layout = trained[:3]
     given = {"src": layout} if isinstance(layout, str) else {"src_boxes": _boxes(layout)}
-    if dst_spec is not None:
+    if isinstance(dst_spec, dict):
+        rule = rule_of_row(dst_spec)
+        try:
+            given["dst_boxes"] = rule.boxes(tuple(shape), tuple(dst_mesh.shape))
+        except ValueError as err:
+            raise WeightSyncError(f"inference tensor {name!r} ({rule}) of the trainer's shape {tuple(shape)}: {err}") from None
+    elif dst_spec is not None:
         given["dst"] = dst_spec
     return TensorTransfer(name=name, shape=tuple(shape), dtype=dtype, **given)
 
@@ -230,16 +261,33 @@ def _fused(name: str, source: dict, spec: str, trained: dict[str, tuple], mesh: 
     t of every part in turn (rank t's concatenation), else the parts whole."""
     dim = source["dim"]
     shares = ShardingSpec.parse(spec).shard_counts(tuple(mesh.shape))[dim]
+    rules = source.get("rules") or [None] * len(source["parts"])
     ranges = []
     for t in range(shares):
-        for part in source["parts"]:
+        for part, rule in zip(source["parts"], rules):
             length = trained[part][0][dim]
+            if rule is not None:  # rank t's box of the part by its rule (its TP position t, the first replica's)
+                lo, hi = _rule_range(name, part, rule_of_row(rule), tuple(trained[part][0]), dim, shares, mesh)[t]
+                ranges.append(f"{part}[{lo}:{hi}]")
+                continue
             if length % shares:
                 raise WeightSyncError(f"inference tensor {name!r}: part {part!r} has length {length} along dim {dim}, not a "
                                       f"multiple of the {shares} ranks that split it; each rank holds an equal share of every part")
             step = length // shares
             ranges.append(part if shares == 1 else f"{part}[{t * step}:{(t + 1) * step}]")
     return FusedTensor(name=name, parts=tuple(ranges), dim=dim, dst=spec)
+
+
+def _rule_range(name: str, part: str, rule, shape: tuple[int, ...], dim: int, shares: int, mesh: DeviceMesh) -> list[tuple[int, int]]:
+    """Each TP rank's range of `part` along the fused dim by a box rule of that part (which splits dim 0)."""
+    if dim != 0 or shares != mesh.shape[-1]:
+        raise WeightSyncError(f"inference tensor {name!r}: part {part!r} takes {rule}, which splits dim 0 over the TP ranks; fuse "
+                              "along dim 0 with a layout that splits it over the TP ranks (COLUMN)")
+    try:
+        boxes = rule.boxes(shape, (shares,))
+    except ValueError as err:
+        raise WeightSyncError(f"inference tensor {name!r}: part {part!r} ({rule}) of the trainer's shape {shape}: {err}") from None
+    return [box[0] for box in boxes]
 
 
 def _boxes(layout: list) -> tuple:
@@ -276,6 +324,8 @@ def _side_of(rows: list[dict], key: str, label: str) -> tuple[DeviceMesh, dict[s
 
 def _value(field: str, value: object) -> str:
     """A field of a tensor as an error shows it: a shape as a tuple, a source name quoted, a dtype or spec as is."""
+    if isinstance(value, dict) and "rule" in value:
+        return str(rule_of_row(value))
     return str(tuple(value)) if field == "shape" else repr(value) if field == "source" else str(value)
 
 
@@ -314,9 +364,12 @@ def _check_shards(problem: TransferProblem, sources: dict[str, str], src_rows: l
                 for target in targets:
                     box = problem.tensor_problem(index[target]).blocks(side)[row["rank"]]
                     want = [stop - start for start, stop in box]
+                    tensor = problem.tensors[index[target]]
+                    rule = rule_of_row(fields[1]) if side == "dst" and isinstance(fields[1], dict) else None
+                    if rule is not None:  # the engine's tensor, padding rows included
+                        want = list(rule.local_shape(tuple(tensor.shape), tuple(problem.dst_mesh.shape)))
                     if list(fields[-1]) != want:
-                        tensor = problem.tensors[index[target]]
-                        spec = (tensor.src or "its boxes") if side == "src" else tensor.dst
+                        spec = (tensor.src or "its boxes") if side == "src" else rule or tensor.dst
                         raise WeightSyncError(
                             f"{label} tensor {name!r} on rank {row['rank']} has shape {tuple(fields[-1])} but {spec} of the "
                             f"global {tuple(problem.tensors[index[target]].shape)} gives that rank {tuple(want)}; "
@@ -334,3 +387,16 @@ def _check_group(problem: TransferProblem, group_size: int | None) -> None:
                               f"inference ranks only" if spare else
                               f"the meshes name ranks {sorted(used - set(range(group_size)))[:3]} beyond the transfer group's "
                               f"{group_size}; fix ranks=")
+
+
+def engine_targets(problem: TransferProblem, targets: Mapping[str, Target], rank: int) -> dict[str, Target]:
+    """`targets` with each tensor replaced by the part of it the plan writes on `rank` (`engine_view`); fused ones whole."""
+    fused = {f.name for f in problem.fused}
+    return {name: target if name in fused else Target(engine_view(target.tensor, problem.tensor_problem(
+        problem.index_of(name)).blocks("dst")[rank]), target.layout, target.source) for name, target in targets.items()}
+
+
+def engine_view(tensor, box):
+    """The part of an engine's tensor the plan writes for `box` (its box of the trainer's tensor): its first rows, the
+    whole tensor unless the layout pads it (`engine_layouts.PADDED_VOCAB`); the padding is left as it is."""
+    return tensor[tuple(slice(0, stop - start) for start, stop in box)]
