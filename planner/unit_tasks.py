@@ -110,13 +110,9 @@ def count_tasks(problem: ReshardingProblem, split_hosts: bool = False, merge: bo
     return TaskCount(task_count_bound(problem), split_task_count(problem, merge) if split_hosts else None)
 
 
-def check_joint_task_count(problems: list[ReshardingProblem], max_tasks: int | None, split_hosts: bool = False,
-                           merge: bool = True) -> TaskCount:
-    """`check_task_count` for the tensors of one transfer together (one plan holds all their tasks), counting what
-    splitting by receiving host makes when `split_hosts`; tensors of one shape and specs are counted once (a model's
-    layers repeat)."""
-    if len(problems) == 1 and not split_hosts:
-        return TaskCount(check_task_count(problems[0], max_tasks))
+def _counts_by_kind(problems: list[ReshardingProblem], split_hosts: bool, merge: bool
+                    ) -> tuple[dict[tuple, TaskCount], list[TaskCount]]:
+    """(shape and specs -> its count, each problem's count): tensors of one shape and specs are counted once."""
     known: dict[tuple, TaskCount] = {}
     counts = []
     for p in problems:
@@ -124,6 +120,17 @@ def check_joint_task_count(problems: list[ReshardingProblem], max_tasks: int | N
         if key not in known:
             known[key] = count_tasks(p, split_hosts, merge)
         counts.append(known[key])
+    return known, counts
+
+
+def check_joint_task_count(problems: list[ReshardingProblem], max_tasks: int | None, split_hosts: bool = False,
+                           merge: bool = True) -> TaskCount:
+    """`check_task_count` for the tensors of one transfer together (one plan holds all their tasks), counting what
+    splitting by receiving host makes when `split_hosts`; tensors of one shape and specs are counted once (a model's
+    layers repeat)."""
+    if len(problems) == 1 and not split_hosts:
+        return TaskCount(check_task_count(problems[0], max_tasks))
+    known, counts = _counts_by_kind(problems, split_hosts, merge)
     largest = max(range(len(counts)), key=lambda i: counts[i].needed)
     total = sum(counts[1:], counts[0])
     if len(problems) == 1 and total.needed == total.cells:
@@ -141,13 +148,7 @@ def check_kinds_task_count(problems: list[ReshardingProblem], max_tasks: int | N
     single tensor unsplit is `check_task_count` (its message names the intervals per dim)."""
     if len(problems) == 1 and not split_hosts:
         return check_task_count(problems[0], max_tasks)
-    known: dict[tuple, TaskCount] = {}
-    counts = []
-    for p in problems:
-        key = (p.shape, p.src.layout_key(), p.dst.layout_key())
-        if key not in known:
-            known[key] = count_tasks(p, split_hosts, merge)
-        counts.append(known[key])
+    known, counts = _counts_by_kind(problems, split_hosts, merge)
     total, cut = sum(counts[1:], counts[0]), sum(c.needed for c in known.values())
     check_kinds_total(len(known), cut, len(counts), total, max_tasks)
     return cut
