@@ -11,8 +11,11 @@ core): the data movement alone. Overhead per task =
 (executor - baseline) / T, from the same run. Python allocation: tracemalloc over `--iters` calls
 of `run()` after warm-up, the largest peak above the level before a call (short-lived objects) and
 the net growth over all calls (a leak), per rank, divided by the rank's messages for the per-message
-figure. `--compare REV` also times git revision REV's executor (its whole package, run from a copy of that
-revision) on the same plans, each kind alternating with this one (before/after).
+figure. Python calls per `run()`: a profile hook counts the Python function calls one call of `run()` makes,
+and the fewest over the `--iters` calls is kept (the work of a call that never waits for a peer; polls while
+waiting vary with load), the most over ranks: the same count means the same work, whatever the timing.
+`--compare REV` also measures git revision REV's executor (its whole package, run from a copy of that
+revision, by this script) on the same plans, each kind alternating with this one (before/after).
 Results: bench/results/executor.json.
 """
 
@@ -109,6 +112,26 @@ def allocation(run_once, iters: int) -> tuple[int, int]:
     return worst, net
 
 
+def fewest_calls(comm, run_once, iters: int) -> int:
+    """The fewest Python function calls one `run_once()` makes over `iters` calls (each after a barrier)."""
+    calls = 0
+
+    def count(frame, event, arg) -> None:
+        nonlocal calls
+        if event == "call":
+            calls += 1
+
+    fewest = None
+    for _ in range(iters):
+        comm.Barrier()
+        calls = 0
+        sys.setprofile(count)
+        run_once()
+        sys.setprofile(None)
+        fewest = calls if fewest is None else min(fewest, calls)
+    return fewest
+
+
 def measure(comm, plan, iters: int) -> dict:
     """Median time of `run()` and its allocation (max over ranks)."""
     from xmesh_plan.executor import ReshardingExecutor
@@ -120,12 +143,14 @@ def measure(comm, plan, iters: int) -> dict:
         ex.run(shard)
     seconds = _timed(comm, iters, lambda: ex.run(shard))
     peak, net = allocation(lambda: ex.run(shard), iters)
-    mine = np.array([peak, net, peak // max(ex.program.messages(), 1)], np.int64)
-    every = np.zeros((comm.Get_size(), 3), np.int64)
+    calls = fewest_calls(comm, lambda: ex.run(shard), iters)
+    mine = np.array([peak, net, peak // max(ex.program.messages(), 1), calls], np.int64)
+    every = np.zeros((comm.Get_size(), 4), np.int64)
     comm.Allgather(mine, every)
     getattr(ex, "close", lambda: None)()
     return {"executor_s": seconds, "alloc_peak_bytes_max_rank": int(every[:, 0].max()),
-            "alloc_net_bytes_max_rank": int(every[:, 1].max()), "alloc_peak_bytes_per_message": int(every[:, 2].max())}
+            "alloc_net_bytes_max_rank": int(every[:, 1].max()), "alloc_peak_bytes_per_message": int(every[:, 2].max()),
+            "python_calls_per_run_max_rank": int(every[:, 3].max())}
 
 
 def worker(kind: str, task_counts: list[int], iters: int) -> None:
@@ -198,8 +223,8 @@ def table(rows: list[dict]) -> str:
     """The Markdown table for BENCHMARKS.md; `before` columns only when --compare was given."""
     compare = "before" in rows[0]
     head = ["plan", "ranks", "unit tasks", "run() per iteration", "bare mpi4py", "overhead per task", "run() per task",
-            "peak alloc per run()", "per message", "net after all runs"]
-    head += ["before: run()", "before: peak alloc", "before: per message", "time after/before"] if compare else []
+            "peak alloc per run()", "per message", "net after all runs", "Python calls per run()"]
+    head += ["before: run()", "before: peak alloc", "before: per message", "before: Python calls", "time after/before"] if compare else []
     lines = ["| " + " | ".join(head) + " |", "|---|" + "---:|" * (len(head) - 1)]
     for r in rows:
         base = r["baseline_s"]
@@ -207,11 +232,11 @@ def table(rows: list[dict]) -> str:
                  f"{base * 1e3:.3f} ms" if base is not None else "-",
                  f"{(r['executor_s'] - base) / r['tasks'] * 1e6:.1f} us" if base is not None else "-",
                  f"{r['executor_s'] / r['tasks'] * 1e6:.1f} us", f"{r['alloc_peak_bytes_max_rank']} B",
-                 f"{r['alloc_peak_bytes_per_message']} B", f"{r['alloc_net_bytes_max_rank']} B"]
+                 f"{r['alloc_peak_bytes_per_message']} B", f"{r['alloc_net_bytes_max_rank']} B", r["python_calls_per_run_max_rank"]]
         if compare:
             b = r["before"]
             cells += [f"{b['executor_s'] * 1e3:.3f} ms", f"{b['alloc_peak_bytes_max_rank']} B",
-                      f"{b['alloc_peak_bytes_per_message']} B", f"{r['executor_s'] / b['executor_s']:.2f}"]
+                      f"{b['alloc_peak_bytes_per_message']} B", b["python_calls_per_run_max_rank"], f"{r['executor_s'] / b['executor_s']:.2f}"]
         lines.append("| " + " | ".join(map(str, cells)) + " |")
     return "\n".join(lines)
 
@@ -248,7 +273,7 @@ def main(**options) -> None:
 
         mine = measured(Path(__file__), {})
         if before is not None:
-            theirs = measured(before / "src" / "bench" / "bench_executor.py", {"PYTHONPATH": str(before / "pkg")})
+            theirs = measured(Path(__file__), {"PYTHONPATH": str(before / "pkg")})  # this script, that revision's package
             for row, old in zip(mine, theirs):
                 row["before"] = old["current"]
         rows += mine

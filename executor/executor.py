@@ -27,6 +27,7 @@ from .engines import BACKENDS, TORCH_BACKENDS, EngineContext, TransportOptions, 
 from .errors import ExecutorError, PlanMismatchError
 from .lower import ORDERS, RankProgram
 from .passes import rank_program
+from .plan_file import PlanFile, open_plan
 from .ranks import device_of_rank, rank_of_devices
 from .replay import stopped
 from .worlds import MpiWorld, TorchWorld, is_mpi_comm, is_torch_group, poll_until
@@ -35,9 +36,10 @@ from .timeouts import MAX_TIMEOUT_S, check_timeout, is_number
 DEFAULT_POLL_S = (2e-5, 1e-3)
 
 
-def plan_fingerprint(plan: Plan) -> np.ndarray:
-    """First 16 bytes of the SHA-256 of the plan's JSON, as two int64 (ranks compare these)."""
-    return np.frombuffer(hashlib.sha256(plan.to_json().encode()).digest()[:16], dtype=np.int64).copy()
+def plan_fingerprint(plan: Plan | PlanFile) -> np.ndarray:
+    """First 16 bytes of the SHA-256 of the plan's JSON (of a plan file's bytes), as two int64 (ranks compare these)."""
+    digest = plan.digest() if isinstance(plan, PlanFile) else hashlib.sha256(plan.to_json().encode()).digest()
+    return np.frombuffer(digest[:16], dtype=np.int64).copy()
 
 
 def poll(request, timeout_s: float, poll_s: tuple[float, float], what: str) -> None:
@@ -199,7 +201,7 @@ class Executor(Flying):
     or `posted` (every message posted at once; see `lower.in_device_order`). `transport`: how messages are matched
     and acknowledged (`engines.TransportOptions`), the same on every rank."""
 
-    def __init__(self, plan: Plan, comm=None, backend: str | None = None, timeout_s: float = 60.0,
+    def __init__(self, plan: Plan | PlanFile, comm=None, backend: str | None = None, timeout_s: float = 60.0,
                  poll_s: tuple[float, float] = DEFAULT_POLL_S, gpu: int | None = None, order: str = "device",
                  transport: TransportOptions | None = None):
         if backend is not None and backend not in BACKENDS:
@@ -221,6 +223,13 @@ class Executor(Flying):
         self.program: RankProgram | None = None
         self.flight = Flight()  # the engine (once prepared) and the calls into it
         self.comm = None
+
+    @classmethod
+    def from_file(cls, path, comm=None, **options):
+        """The executor of the plan file `path` (the same options as the constructor): of a compact file
+        (`*.plan.npz`) each rank reads only the operations its device takes part in (`plan_file`); a JSON
+        file is read whole."""
+        return cls(open_plan(path), comm, **options)
 
     @property
     def device(self) -> int:
@@ -354,10 +363,10 @@ class ReshardingExecutor(Executor):
     box posted; a plan compiled with `--max-staging-mb` states its peaks, and an order that would need more is
     refused in prepare()."""
 
-    def __init__(self, plan: Plan, comm=None, backend: str | None = None, timeout_s: float = 60.0,
+    def __init__(self, plan: Plan | PlanFile, comm=None, backend: str | None = None, timeout_s: float = 60.0,
                  poll_s: tuple[float, float] = DEFAULT_POLL_S, gpu: int | None = None, order: str = "device",
                  transport: TransportOptions | None = None):
-        if not isinstance(plan, Plan):
+        if not isinstance(plan, (Plan, PlanFile)):
             raise TypeError(f"plan is a {type(plan).__name__}; pass a schemas.Plan, e.g. schemas.read_plan_file('x.plan.json')")
         if is_multi(plan):
             raise TypeError(f"plan moves {len(plan.problem.tensors)} tensors; run it with executor.TransferExecutor "

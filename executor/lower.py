@@ -30,11 +30,12 @@ from xmesh_plan.schemas import Operation, Plan
 from xmesh_plan.schemas.geometry import Region, intersect, local_slices, region_shape, region_size
 from xmesh_plan.schemas.plan import format_region
 from xmesh_plan.schemas.op_kinds import bundle_runs, chunk_bounds, nccl_group, rule_of, supported, tags_used
-from xmesh_plan.schemas.plan_check import TOLERANCE_S, PlanError, check_plan, describe, uncovered
+from xmesh_plan.schemas.plan_check import TOLERANCE_S, PlanError, check_device_ops, describe, uncovered
+from xmesh_plan.schemas.plan_compact import DeviceOps
 from xmesh_plan.schemas.staging import ORDERS, contiguous_span, device_layout, staging_align
 
 from .errors import PlanMismatchError
-from .plan_index import plan_index
+from .plan_index import device_ops, plan_index, refusal_advice
 
 class Action(StrEnum):
     """What a step does: a local copy between shards, a pack into or unpack out of staging, or one end of a message."""
@@ -568,35 +569,49 @@ _LOWER = supported("executor.lower", {"local": _lower_copy, "chain": _lower_chai
 def lower(plan: Plan, device: int, tag_limit: int | None = None) -> RankProgram:
     """The steps `device` runs for the whole `plan`, every tensor of it, posted (every operation at once, each
     operation's staging after the one before, `RankProgram.stage_bytes` their sum); raises PlanMismatchError
-    naming the op when the plan is inconsistent. Only the operations the device takes part in are walked
-    (`plan_index`). Tags: `plan_index` (tensor by tensor, in plan order); `tag_limit`: the largest tag the
-    transport allows (MPI's TAG_UB), None for none."""
-    try:  # the same structural rules and messages as `xmesh-plan verify`
-        check_plan(plan)
+    naming the op when the plan is inconsistent. The plan is checked (`check_plan`) and indexed once per plan
+    object (`plan_index`); only the operations the device takes part in are walked (`plan_index.device_ops`).
+    Tags: `plan_index` (tensor by tensor, in plan order); `tag_limit`: the largest tag the transport allows
+    (MPI's TAG_UB), None for none."""
+    index = plan_index(plan)
+    return _lower(device_ops(plan, device), device, tag_limit, [(src.get(device), dst.get(device)) for src, dst in index.blocks])
+
+
+def lower_device_ops(ops: DeviceOps, device: int, tag_limit: int | None = None) -> RankProgram:
+    """`lower` for a device's part of a plan read on its own (`schemas.plan_io.read_plan_ops`, `plan_index.device_ops`):
+    the same program as lowering the whole plan. Its operations are checked on their own first
+    (`plan_check.check_device_ops`); what needs the whole plan is `xmesh-plan verify`'s, and the ranks' plan
+    fingerprints (`Executor.prepare`) make sure every rank read the same file."""
+    try:
+        check_device_ops(ops)
     except PlanError as err:
         raise PlanMismatchError(refusal_advice(str(err))) from None
-    index = plan_index(plan)
+    return _lower(ops, device, tag_limit, [(p.blocks("src").get(device), p.blocks("dst").get(device))
+                                           for p in ops.problem.tensor_problems()])
+
+
+def _lower(ops: DeviceOps, device: int, tag_limit: int | None, blocks: list[tuple[Region | None, Region | None]]) -> RankProgram:
+    """The program of a checked part (`blocks`: each tensor's source and destination box on `device`)."""
+    plan = ops  # what the lowering reads of the plan: its problem (the operations and tags are the part's)
     problems = plan.problem.tensor_problems()
     converting = next((p for p in problems if p.dst_dtype is not None), None)
     if converting is not None:  # messages are sized in converted bytes, but no engine casts yet (executor/convert.py)
         raise PlanMismatchError(f"the plan converts {converting.dtype} to {converting.dst_dtype} at the sender, which this executor "
                                 "does not run yet; compile the plan without dst_dtype and cast after the transfer",
                                 same_on_every_rank=True)
-    tensors = [_Tensor(t, TensorShards(src.get(device), dst.get(device), p.itemsize, p.dtype), len(p.shape))
-               for t, (p, (src, dst)) in enumerate(zip(problems, index.blocks))]
+    tensors = [_Tensor(t, TensorShards(src, dst, p.itemsize, p.dtype), len(p.shape))
+               for t, (p, (src, dst)) in enumerate(zip(problems, blocks))]
     b = _Builder(device, tensors)
-    operations = plan.operations
-    for k in index.by_device.get(device, ()):
-        op = operations[k]
+    for op, first_tag in zip(ops.operations, ops.first_tags):
         b.enter(op.tensor or 0)
         first = len(b.steps)
         pattern = rule_of(op).pattern
-        _LOWER[pattern](b, op, index.first_tag[k])
+        _LOWER[pattern](b, op, first_tag)
         if pattern == "bundle":  # collective engines replay its messages as broadcasts in groups of two
             b.collectives += _staged_calls(b.steps, first, device, b.tensor.index)
-    if tag_limit is not None and index.tags > tag_limit + 1:  # every message has its own tag; reusing one could match the wrong message
-        raise PlanMismatchError(f"the plan needs {index.tags} message tags but this MPI allows tags up to {tag_limit} (its TAG_UB); "
-                                f"run it with an MPI whose TAG_UB is at least {index.tags - 1} (MPICH's is 2**29 - 1)")
+    if tag_limit is not None and ops.tags > tag_limit + 1:  # every message has its own tag; reusing one could match the wrong message
+        raise PlanMismatchError(f"the plan needs {ops.tags} message tags but this MPI allows tags up to {tag_limit} (its TAG_UB); "
+                                f"run it with an MPI whose TAG_UB is at least {ops.tags - 1} (MPICH's is 2**29 - 1)")
     for tensor in tensors:
         b.check_received_once(tensor)
         dst_block = tensor.shards.dst_block
@@ -674,9 +689,3 @@ def in_device_order(program: RankProgram, stage_budget: int | None = None, align
         steps.append(s)
         run.append(s.index)
     return replace(program, steps=tuple(steps), stage_bytes=peak, order="device")
-
-
-def refusal_advice(message: str) -> str:
-    """The checker's or the lowering's one-line refusal with what to do, said once (the checker's may end in part of it)."""
-    message = message.removesuffix("; recompile the plan").removesuffix(" (recompile the plan)")
-    return f"{message}; recompile the plan and check it with `xmesh-plan verify`"

@@ -32,23 +32,21 @@ from xmesh_plan.schemas.plan_tensors import is_multi
 from xmesh_plan.schemas.staging import aligned, stage_budget
 
 from .errors import PlanMismatchError
-from .lower import Action, Bytes, RankProgram, Step, in_device_order, lower, stage_ranges
-from .plan_index import plan_index
+from .lower import Action, Bytes, RankProgram, Step, in_device_order, stage_ranges
+from .plan_file import PlanFile, lower_part
 
 
-def rank_program(plan: Plan, device: int, order: str, concurrent: bool, tag_limit: int | None = None,
+def rank_program(plan: Plan | PlanFile, device: int, order: str, concurrent: bool, tag_limit: int | None = None,
                  receipt_bytes: int | None = None) -> RankProgram:
     """What `device` replays of `plan` in `order` on an engine that can (`concurrent`) or cannot run several
     reshards in flight (`engines.EngineEntry.concurrent`): the lowering, then the passes (module docstring).
     Posted on an engine that is not concurrent, a multi-tensor plan runs one tensor after another, each
     bundle with its own message; otherwise the bundles sharing a message send it once. `receipt_bytes`: in
     device order, messages this large get receipts (`with_receipts`); None: none."""
-    program = lower(plan, device, tag_limit)
+    ops, program = lower_part(plan, device, tag_limit)
     if is_multi(plan) and order == "posted" and not concurrent:
         return one_tensor_at_a_time(program)
-    operations = plan.operations
-    carriers = {operations[k].id: group_key(operations[k]) for k in plan_index(plan).by_device.get(device, ())
-                if operations[k].carrier is not None}
+    carriers = {op.id: group_key(op) for op in ops.operations if op.carrier is not None}
     if carriers:
         program = share_messages(program, carriers)
     if order == "device":
@@ -111,8 +109,12 @@ def _merge_crossings(steps: tuple[Step, ...], key: Mapping[int, int]) -> tuple[S
     kept = [i for i in range(len(steps)) if i not in instead]
     index = {old: new for new, old in enumerate(kept)}
     index |= {old: index[to] for old, to in instead.items()}
-    return tuple(replace(merged.get(i, steps[i]), index=index[i], deps=tuple(sorted({index[d] for d in merged.get(i, steps[i]).deps})))
-                 for i in kept)
+    out = []
+    for i in kept:
+        s = merged.get(i, steps[i])
+        deps = tuple(sorted({index[d] for d in s.deps}))
+        out.append(s if index[i] == i and deps == s.deps else replace(s, index=index[i], deps=deps))  # steps before the first dropped one stay
+    return tuple(out)
 
 
 def one_tensor_at_a_time(program: RankProgram) -> RankProgram:

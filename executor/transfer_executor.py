@@ -35,14 +35,15 @@ from __future__ import annotations
 from typing import Any, Mapping
 
 from xmesh_plan.schemas import Plan
-from xmesh_plan.schemas.plan_check import PlanError, check_plan
 from xmesh_plan.schemas.plan_tensors import is_multi, mpi_transfer_order, tensor_names, tensor_plans
 from xmesh_plan.schemas.staging import staging_peaks
 
 from .errors import PlanMismatchError
 from .engines import ENGINES, TransportOptions, engine_entry
 from .executor import DEFAULT_POLL_S, Executor
-from .lower import ORDERS, refusal_advice
+from .lower import ORDERS
+from .plan_file import PlanFile
+from .plan_index import plan_index
 from .worlds import is_mpi_comm
 
 
@@ -89,21 +90,22 @@ class TransferExecutor(Executor):
     """The multi-tensor face of `Executor`: replays every tensor of a plan on this rank, a name -> shard mapping in
     and out; see the module docstring for the calling pattern."""
 
-    def __init__(self, plan: Plan, comm=None, backend: str | None = None, timeout_s: float = 60.0,
+    def __init__(self, plan: Plan | PlanFile, comm=None, backend: str | None = None, timeout_s: float = 60.0,
                  poll_s: tuple[float, float] = DEFAULT_POLL_S, gpu: int | None = None, order: str | None = None,
                  transport: TransportOptions | None = None):
-        if not isinstance(plan, Plan):
-            raise TypeError(f"plan is a {type(plan).__name__}; pass a schemas.Plan, e.g. schemas.read_plan_file('x.plan.json')")
+        if not isinstance(plan, (Plan, PlanFile)):
+            raise TypeError(f"plan is a {type(plan).__name__}; pass a schemas.Plan, e.g. schemas.read_plan_file('x.plan.json'), "
+                            "or use TransferExecutor.from_file(path, comm)")
         entry = engine_entry(backend, "mpi" if is_mpi_comm(comm) else "torch")
         order = order or default_order(plan, entry.name)
         if order not in ORDERS:
             raise ValueError(f"order {order!r} is unknown; use one of: {', '.join(ORDERS)}")
-        try:
-            check_plan(plan)  # tensor indices in range before anything reads them
-        except PlanError as err:
-            raise PlanMismatchError(refusal_advice(str(err)),
-                                    same_on_every_rank=True) from None  # every rank reads the same plan
-        check_transfer_staging(plan, order, entry.name)
+        if isinstance(plan, Plan):  # a plan file's part is checked when each rank reads it, in prepare() (`plan_file`)
+            try:
+                plan_index(plan)  # checked once per plan object (tensor indices in range before anything reads them)
+            except PlanMismatchError as err:
+                raise PlanMismatchError(str(err), same_on_every_rank=True) from None  # every rank reads the same plan
+            check_transfer_staging(plan, order, entry.name)
         super().__init__(plan, comm, backend, timeout_s, poll_s, gpu, order, transport)
         self.names = tensor_names(plan)
         self.one = len(self.names) == 1  # the engine takes and gives one shard, not a list of them

@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import math
 import re
+from typing import Sequence
+
 import numpy as np
 
 from .carriers import carrier_fault
@@ -22,12 +24,13 @@ from .geometry import Region, region_size
 from .op_kinds import OP_KINDS, OpKindRule, members, reads, rule_of, tags_used, writes
 from .plan import Operation, Plan, format_region, plan_schema_version
 from .plan_check_arrays import proven_operations
+from .plan_compact import DeviceOps
 from .plan_tensors import mpi_transfer_order
 from .problem import ReshardingProblem
 from .staging import stated_staging_fault
 from .transfer import TransferProblem
 
-__all__ = ["MAX_CHUNKS", "MAX_TAGS", "PlanError", "TOLERANCE_S", "check_plan", "describe", "overlapping_pair", "tags_used", "uncovered"]
+__all__ = ["MAX_CHUNKS", "MAX_TAGS", "PlanError", "TOLERANCE_S", "check_device_ops", "check_plan", "describe", "overlapping_pair", "tags_used", "uncovered"]
 
 MAX_CHUNKS = 1024  # the most pipelined pieces a broadcast may have (the planner never picks more)
 TOLERANCE_S = 1e-9  # slack for comparing times rounded to picoseconds
@@ -99,12 +102,19 @@ def _check_ids_and_order(plan: Plan) -> None:
         if task.id in task_ids:
             raise PlanError(f"task id {task.id} appears twice; every unit task needs its own id")
         task_ids.add(task.id)
+    _check_operation_order(plan.operations, task_ids)
+    _check_host_order(plan, task_ids)
+
+
+def _check_operation_order(operations, task_ids: set[int] | None, positions: Sequence[int] | None = None) -> None:
+    """Unique operation ids, naming tasks in `task_ids` (None: not known here, not checked), finite times, listed by
+    (start time, id); `positions`: each operation's position in the plan (default: its place in `operations`)."""
     seen, before = set(), None
-    for index, op in enumerate(plan.operations):
+    for index, op in zip(positions or range(len(operations)), operations):
         if op.id in seen:
             raise PlanError(f"operation at position {index} reuses id {op.id}; every operation needs its own id")
         seen.add(op.id)
-        if op.task not in task_ids and not (op.task == -1 and rule_of(op).taskless):
+        if task_ids is not None and op.task not in task_ids and not (op.task == -1 and rule_of(op).taskless):
             raise PlanError(f"{describe(op)} names task {op.task}, which the plan does not have")
         if not (math.isfinite(op.start_s) and math.isfinite(op.end_s)):
             raise PlanError(f"{describe(op)} runs @{op.start_s}-{op.end_s}s; times must be finite numbers of seconds")
@@ -118,7 +128,6 @@ def _check_ids_and_order(plan: Plan) -> None:
                    f"starts at {op.start_s}s, before operation {before.id} listed ahead of it ({before.start_s}s)")
             raise PlanError(f"{describe(op)} at position {index} {why}; list operations in execution order (start time, then id)")
         before = op
-    _check_host_order(plan, task_ids)
 
 
 def _check_shared_sides(plan: Plan) -> None:
@@ -180,18 +189,28 @@ def meshes(problem: ReshardingProblem | TransferProblem) -> tuple:
     return problem.src.mesh, problem.dst.mesh
 
 
+def _tensor_count(problem) -> int | None:
+    """How many tensors a multi-tensor problem moves; None for a single-tensor one."""
+    return len(problem.tensors) if isinstance(problem, TransferProblem) else None
+
+
+def _check_tensor_index(what: str, item, count: int | None) -> None:
+    """A task or operation names a tensor of a multi-tensor problem (`count` of them), and none of a single-tensor one."""
+    if count is None and item.tensor is not None:
+        raise PlanError(f"{what} {item.id} names tensor {item.tensor}, but the problem has one tensor; drop the field")
+    if count is not None and (item.tensor is None or item.tensor >= count):
+        raise PlanError(f"{what} {item.id} names tensor {item.tensor}; a multi-tensor plan gives every {what} "
+                        f"a tensor index in 0..{count - 1}")
+
+
 def _check_tensor_indices(plan: Plan) -> None:
     """A multi-tensor plan names a tensor of its problem on every task and operation (its task's tensor);
     a single-tensor plan names none."""
-    count = len(plan.problem.tensors) if isinstance(plan.problem, TransferProblem) else None
+    count = _tensor_count(plan.problem)
     tensor_of = {t.id: t.tensor for t in plan.tasks}
     for what, items in (("task", plan.tasks), ("operation", plan.operations)):
         for item in items:
-            if count is None and item.tensor is not None:
-                raise PlanError(f"{what} {item.id} names tensor {item.tensor}, but the problem has one tensor; drop the field")
-            if count is not None and (item.tensor is None or item.tensor >= count):
-                raise PlanError(f"{what} {item.id} names tensor {item.tensor}; a multi-tensor plan gives every {what} "
-                                f"a tensor index in 0..{count - 1}")
+            _check_tensor_index(what, item, count)
             if what == "operation" and item.task in tensor_of and tensor_of[item.task] != item.tensor:
                 raise PlanError(f"{describe(item)} belongs to task {item.task} of tensor {tensor_of[item.task]}; "
                                 "an operation moves its own task's tensor")
@@ -338,6 +357,18 @@ def _check_operation(op: Operation, shards: _Shards) -> None:
     _check_parts(op, rule, shards)
 
 
+def _check_operations(operations, problems: list[ReshardingProblem]) -> None:
+    """Each operation's structure (`_check_operation`), sends, broadcasts and copies proven all at once first."""
+    shards: dict[int | None, _Shards] = {}
+    proven = proven_operations(operations, problems, MAX_CHUNKS)
+    for op, done in zip(operations, proven.tolist()):
+        if done:
+            continue
+        if op.tensor not in shards:
+            shards[op.tensor] = _Shards(problems[op.tensor or 0])
+        _check_operation(op, shards[op.tensor])
+
+
 def check_plan(plan: Plan) -> None:
     """Raise PlanError naming the first structural fault of `plan` (see the module docstring)."""
     _check_schema_version(plan)
@@ -345,14 +376,7 @@ def check_plan(plan: Plan) -> None:
     _check_numbers(plan)
     _check_tensor_indices(plan)
     problems = plan.problem.tensor_problems()
-    shards: dict[int | None, _Shards] = {}
-    proven = proven_operations(plan.operations, problems, MAX_CHUNKS)  # sends, broadcasts, copies all at once
-    for op, done in zip(plan.operations, proven.tolist()):
-        if done:
-            continue
-        if op.tensor not in shards:
-            shards[op.tensor] = _Shards(problems[op.tensor or 0])
-        _check_operation(op, shards[op.tensor])
+    _check_operations(plan.operations, problems)
     fault = carrier_fault(plan.operations, [p.itemsize for p in problems], max(p.itemsize for p in problems))
     if fault is not None:
         raise PlanError(fault)
@@ -361,13 +385,32 @@ def check_plan(plan: Plan) -> None:
     fault = stated_staging_fault(plan)
     if fault is not None:
         raise PlanError(fault)
-    tags = sum(map(tags_used, plan.operations))
+    _check_tag_count(sum(map(tags_used, plan.operations)))
+
+
+def _check_tag_count(tags: int) -> None:
     if tags > MAX_TAGS:  # every message has its own tag; reusing one could match the wrong message
         raise PlanError(f"the plan needs {tags} message tags, more than the {MAX_TAGS} a plan may use; "
                         "split the tensor into smaller transfers")
 
 
-def _check_schema_version(plan: Plan) -> None:
+def check_device_ops(ops: DeviceOps) -> None:
+    """Raise PlanError naming the first fault `check_plan` finds in one device's operations on their own (a rank
+    that read only its part of a plan file, `schemas.plan_io.read_plan_ops`): the schema version, tensor indices,
+    ids and execution order among them, each operation's structure (members, chunks, parts, bundles, boxes inside
+    the tensor and the shards that hold or receive them) and the plan's tag count. What needs the whole plan (tasks
+    and host order, times against the prediction, shared messages, the staging a plan states) is left to
+    `xmesh-plan verify` of the file; what needs a replay of the device's part is the lowering's."""
+    _check_schema_version(ops)
+    count = _tensor_count(ops.problem)
+    for op in ops.operations:
+        _check_tensor_index("operation", op, count)
+    _check_operation_order(ops.operations, None, ops.rows)
+    _check_operations(ops.operations, ops.problem.tensor_problems())
+    _check_tag_count(ops.tags)
+
+
+def _check_schema_version(plan: Plan | DeviceOps) -> None:
     """A plan states at least the schema its problem needs (boxes, fused destinations and conversions are schema 2)."""
     needed = plan_schema_version(plan.problem)
     if plan.schema_version < needed:

@@ -385,8 +385,8 @@ def read_compact_data(path: str | os.PathLike, records: dict[str, Callable[[dict
 class DeviceOps:
     """What one device needs of a plan to run its part: the plan's problem and schema version, the operations it
     takes part in (execution order), their rows in the plan's operation list, the message tag each one's first
-    message gets when the whole plan is numbered (`op_kinds.first_tags`, as the executor's lowering does), and
-    the tags the whole plan uses."""
+    message gets when the whole plan is numbered (`op_kinds.first_tags`, as the executor's lowering does), the
+    tags the whole plan uses, and the staging the plan states (`Plan.staging`, None when it states none)."""
 
     schema_version: int
     problem: Any
@@ -394,10 +394,13 @@ class DeviceOps:
     rows: tuple[int, ...]
     first_tags: tuple[int, ...]
     tags: int
+    staging: Any = None
 
 
-def device_rows(m: _Members, device: int) -> np.ndarray:
-    """The rows of the operations `device` takes part in, read through the index."""
+def device_rows(m: _Members, device: int | None) -> np.ndarray:
+    """The rows of the operations `device` takes part in, read through the index (none for None)."""
+    if device is None:
+        return np.zeros(0, dtype=np.int64)
     devices = m.get("index.devices")
     at = int(np.searchsorted(devices, device))
     if at >= len(devices) or int(devices[at]) != device:
@@ -406,7 +409,7 @@ def device_rows(m: _Members, device: int) -> np.ndarray:
     return np.asarray(m.get("index.rows")[int(offsets[at]):int(offsets[at + 1])], dtype=np.int64)
 
 
-def read_device_data(path: str | os.PathLike, device: int) -> tuple[dict, list[dict], np.ndarray, list[int], int]:
+def read_device_data(path: str | os.PathLike, device: int | None) -> tuple[dict, list[dict], np.ndarray, list[int], int]:
     """(the plan's fields less its tables, the operations `device` takes part in as plain dicts, their rows, their
     first message tags, the plan's tags)."""
     m = _Members(path)

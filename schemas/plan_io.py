@@ -18,11 +18,12 @@ from . import files
 from .files import DataFileError, _existing_or_example, parse_data, read_text_file, write_atomic
 from .limits import quoted
 from .op_kinds import first_tags as number_tags
-from .plan import SCHEMA_VERSIONS, AnyProblem, HostOrder, Operation, Plan, UnitTask, PlanFileError, plan_from_data, read_plan_file
+from .plan import SCHEMA_VERSIONS, AnyProblem, HostOrder, Operation, Plan, Staging, UnitTask, PlanFileError, plan_from_data, read_plan_file
 from .plan_compact import CompactPlanError, DeviceOps, _op_devices, compact_bytes, is_compact, read_compact_data, read_device_data
 from .validation import describe_validation_error
 
-__all__ = ["FORMATS", "DeviceOps", "format_for", "plan_file_bytes", "read_plan_data", "read_plan_ops", "write_plan_file"]
+__all__ = ["FORMATS", "DeviceOps", "file_format", "format_for", "plan_file_bytes", "read_plan_data", "read_plan_head", "read_plan_ops",
+           "write_plan_file"]
 
 FORMATS: dict[str, tuple[Callable[[Plan], bytes], str]] = {
     "json": (lambda plan: plan.to_json().encode(), "MAX_FILE_BYTES"),
@@ -99,7 +100,18 @@ _PROBLEM = TypeAdapter(AnyProblem)
 _RECORDS = {"operations": Operation.model_validate, "tasks": UnitTask.model_validate, "host_order": HostOrder.model_validate}
 
 
-def read_plan_ops(path: str | os.PathLike, device: int) -> DeviceOps:
+def file_format(path: str | os.PathLike) -> str:
+    """`compact` or `json`: the format a plan file is in, by its first bytes (`read_plan_data` reads either)."""
+    return "compact" if is_compact(_head(path)) else "json"
+
+
+def read_plan_head(path: str | os.PathLike) -> DeviceOps:
+    """`read_plan_ops` with no operations: the plan's schema version, problem, tag count and staging (of a compact
+    file, its header and the tag count are read, nothing of its tables)."""
+    return read_plan_ops(path, None)
+
+
+def read_plan_ops(path: str | os.PathLike, device: int | None) -> DeviceOps:
     """The problem and the operations `device` takes part in (execution order, with their rows in the plan and their
     first message tags, `DeviceOps`), read from a compact file through its index (only those operations' rows are read), or from a JSON plan (all of it
     parsed, then filtered). PlanFileError naming the file and the fix otherwise. Unlike `read_plan_file`, the
@@ -109,15 +121,16 @@ def read_plan_ops(path: str | os.PathLike, device: int) -> DeviceOps:
         rows = tuple(i for i, op in enumerate(plan.operations) if device in _op_devices(op))
         first, tags = number_tags(plan.operations)
         return DeviceOps(plan.schema_version, plan.problem, tuple(plan.operations[i] for i in rows), rows,
-                         tuple(first[i] for i in rows), tags)
+                         tuple(first[i] for i in rows), tags, plan.staging)
     fields, ops, rows, first_tags, tags = _compact(path, read_device_data, device)
     version = fields.get("schema_version")
     if version not in SCHEMA_VERSIONS:
         plan_from_data(fields, path)  # the one-line message a whole-plan read gives
     try:
         problem = _PROBLEM.validate_python(fields.get("problem"))
+        staging = None if fields.get("staging") is None else Staging.model_validate(fields["staging"])
         operations = tuple(Operation.model_validate(op) for op in ops)
     except ValidationError as err:
         raise PlanFileError(f"{quoted(path)}: {describe_validation_error(err)}") from None
-    return DeviceOps(version, problem, operations, tuple(rows.tolist()), tuple(first_tags), tags)
+    return DeviceOps(version, problem, operations, tuple(rows.tolist()), tuple(first_tags), tags, staging)
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from functools import lru_cache
 from itertools import product
 from typing import Annotated
 
@@ -231,12 +232,17 @@ class ReshardingProblem(BaseModel):
         return self.layout(side).cut_points()
 
     def blocks(self, side: str) -> dict[int, Region]:
-        """Device id -> the box it holds on that side."""
-        placement: Placement = getattr(self, side)
-        if placement.boxes is not None:
-            return dict(zip(placement.mesh.devices, placement.boxes))
-        layout = self.layout(side)
-        return {d: layout.block(c) for d, c in zip(placement.mesh.devices, placement.mesh.coords())}
+        """Device id -> the box it holds on that side (computed once per distinct shape and placement: the
+        tensors of a model repeat a few layouts many times, and every rank's lowering asks for each)."""
+        return dict(_blocks(tuple(self.shape), getattr(self, side)))
+
+
+@lru_cache(maxsize=1024)
+def _blocks(shape: tuple[int, ...], placement: Placement) -> dict[int, Region]:
+    if placement.boxes is not None:
+        return dict(zip(placement.mesh.devices, placement.boxes))
+    layout = Layout(shape, tuple(placement.mesh.shape), placement.spec)
+    return {d: layout.block(c) for d, c in zip(placement.mesh.devices, placement.mesh.coords())}
 
 
 def _check_side_boxes(placement: Placement, shape: tuple[int, ...], side: str) -> None:

@@ -2,6 +2,8 @@
 
     mpiexec -n 8 python tests/workers/staging_transfer_worker.py PLAN...   # TransferExecutor in its default order
 
+A `*.npz` plan is run through `TransferExecutor.from_file` (each rank reads its part of the compact file).
+
 Per plan, three reshards with other bits each time, every destination shard of every tensor checked bit
 for bit against its tensor's pattern (`executor.pattern`); and the staging this rank allocated (the
 distinct staging buffers of its tensors' engines) must equal `TransferExecutor.stage_bytes` and be at
@@ -28,8 +30,12 @@ def check(comm, path: str) -> None:
     from xmesh_plan.executor.pattern import fill, mismatches, tensor_salt
     from xmesh_plan.schemas import load_plan
 
-    plan = load_plan(path)
-    ex = TransferExecutor(plan, comm, timeout_s=60).prepare()
+    if path.endswith(".npz"):  # a compact plan: each rank reads only its part (`TransferExecutor.from_file`)
+        ex = TransferExecutor.from_file(path, comm, timeout_s=60).prepare()
+        plan = ex.plan
+    else:
+        plan = load_plan(path)
+        ex = TransferExecutor(plan, comm, timeout_s=60).prepare()
     stated = plan.staging.peak_bytes.get(ex.device, 0) if plan.staging is not None else None
     mine = allocated(ex)
     assert mine == ex.stage_bytes, f"device {ex.device}: engines hold {mine} B of staging, stage_bytes says {ex.stage_bytes}"

@@ -1,0 +1,106 @@
+"""One rank's load and lowering of a large plan: what `TransferExecutor.from_file(...).prepare()` does before any
+byte moves, in seconds and memory, for one device, in a fresh process.
+
+    .venv/bin/xmesh-plan compile plans/weight_sync_llama3_70b.problem.toml -o /tmp/70b.plan.npz   # once, minutes
+    .venv/bin/python -m bench.bench_rank_load --plan /tmp/70b.plan.npz
+
+For each device measured (by default the source and the destination device with the most operations), a fresh
+process reads the compact file's header (`PlanFile.read`), then the device's operations through the file's index,
+checks them and lowers them with the passes of the executor's default order for MPI (`passes.rank_program`), and
+reports wall and CPU seconds and its peak resident memory above what the imports alone take. `--whole` adds the
+same device through the whole plan (`read_plan_file`, then `rank_program` of the plan object, which checks it
+whole): what a rank pays without the index. Results: bench/results/rank_load.json.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import click
+
+from xmesh_plan.schemas.files import write_atomic
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "bench" / "results" / "rank_load.json"
+
+
+def _rss_mib() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def measure(path: str, device: int, whole: bool) -> dict:
+    """Load and lower `device`'s part of the plan at `path` in this process (its part alone, or the whole plan)."""
+    from xmesh_plan.executor.passes import rank_program
+    from xmesh_plan.executor.plan_file import PlanFile
+    from xmesh_plan.executor.transfer_executor import default_order
+    from xmesh_plan.schemas import read_plan_file
+
+    base = _rss_mib()
+    wall, cpu = time.perf_counter(), time.process_time()
+    plan = read_plan_file(path) if whole else PlanFile.read(path)
+    order = default_order(plan, "mpi")
+    loaded_s = time.perf_counter() - wall
+    program = rank_program(plan, device, order, True, tag_limit=2**29 - 1)
+    return {"device": device, "whole": whole, "order": order, "operations": len({s.op for s in program.steps}),
+            "steps": len(program.steps), "messages": program.messages(),
+            "header_s" if not whole else "read_s": loaded_s, "seconds": time.perf_counter() - wall,
+            "cpu_s": time.process_time() - cpu, "peak_rss_mib": _rss_mib(), "imports_rss_mib": base}
+
+
+def busiest(path: str) -> list[int]:
+    """The source device and the destination device with the most operations (read from the file's index)."""
+    from xmesh_plan.executor.plan_file import PlanFile
+    from xmesh_plan.schemas.plan_compact import _Members
+    from xmesh_plan.schemas.plan_check import meshes
+
+    members = _Members(path)
+    devices = members.get("index.devices").tolist()
+    counts = dict(zip(devices, members.get("index.offsets")[1:] - members.get("index.offsets")[:-1]))
+    src, dst = meshes(PlanFile.read(path).problem)
+    pick = [max(mesh.devices, key=lambda d: counts.get(d, 0)) for mesh in (src, dst)]
+    return list(dict.fromkeys(pick))
+
+
+def _fresh(path: str, device: int, whole: bool) -> dict:
+    """`measure` in a fresh Python process (so the peak memory is this rank's alone)."""
+    out = subprocess.run([sys.executable, "-m", "bench.bench_rank_load", "--plan", path, "--one", str(device)]
+                         + (["--whole"] if whole else ["--no-whole"]), cwd=ROOT, capture_output=True, text=True, check=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+@click.command(help=__doc__.splitlines()[0])
+@click.option("--plan", "path", required=True, type=click.Path(exists=True, dir_okay=False), help="a compact plan file (*.plan.npz)")
+@click.option("--devices", default="", help="comma-separated devices (default: the busiest source and destination device)")
+@click.option("--whole/--no-whole", default=True, show_default=True, help="also load the whole plan for the first device")
+@click.option("--one", type=int, default=None, hidden=True, help="measure this device in this process and print JSON")
+@click.option("--out", type=click.Path(dir_okay=False, path_type=Path), default=RESULTS, show_default=True, help="results JSON")
+def main(path: str, devices: str, whole: bool, one: int | None, out: Path) -> None:
+    if one is not None:
+        print(json.dumps(measure(path, one, whole)))
+        return
+    picked = [int(d) for d in devices.split(",") if d] or busiest(path)
+    rows = [_fresh(path, d, False) for d in picked] + ([_fresh(path, picked[0], True)] if whole else [])
+    for r in rows:
+        print(f"device {r['device']} ({'whole plan' if r['whole'] else 'its part'}): {r['steps']} steps, {r['seconds']:.2f} s "
+              f"({r['cpu_s']:.2f} CPU s), peak RSS {r['peak_rss_mib']:.0f} MiB ({r['peak_rss_mib'] - r['imports_rss_mib']:.0f} above imports)")
+    from xmesh_plan.executor.plan_file import PlanFile
+
+    from xmesh_plan.schemas.plan_compact import _Members
+
+    head = PlanFile.read(path)
+    meta = {"plan": head.problem.name, "tensors": len(head.problem.tensor_problems()),
+            "operations": _Members(path).text("header")["counts"]["operations"],
+            "file_bytes": os.path.getsize(path), "command": f".venv/bin/python -m bench.bench_rank_load --plan {path}"
+            + (f" --devices {devices}" if devices else "") + ("" if whole else " --no-whole")}
+    write_atomic(out, json.dumps({**meta, "rows": rows}, indent=1) + "\n")
+    print(f"written to {out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,76 @@
+"""A plan file as one rank of the executor reads it: only the operations its device takes part in.
+
+    ex = TransferExecutor.from_file("sync.plan.npz", MPI.COMM_WORLD).prepare()
+
+A compact plan (`*.plan.npz`, `schemas.plan_compact`) has a per-device index, so a rank reads the plan's
+header (problem, staging) when the executor is made, and in `prepare()` the rows of its own operations
+(`schemas.plan_io.read_plan_ops`); loading and lowering then cost the device's share of the plan, not
+the plan's size. What is checked where:
+
+- the rank's own operations, on their own (`plan_check.check_device_ops`: schema version, tensor
+  indices, ids and order among them, each operation's devices, boxes, chunks, parts and bundles), and
+  its part's replay in the lowering (nothing received twice, every destination shard complete);
+- every rank read the same file: the ranks compare the SHA-256 of the file's bytes before anything
+  moves (`Executor.prepare`), as they compare a plan object's fingerprint;
+- the rest needs the whole plan (tasks and host order, times against the prediction, shared messages,
+  the staging peaks a plan states): `xmesh-plan verify` of the file, once, where it is written.
+
+A JSON plan file has no index: `open_plan` reads it whole into a `Plan`, which is checked whole once
+(`plan_index`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from dataclasses import dataclass
+from typing import Any
+
+from xmesh_plan.schemas import Plan
+from xmesh_plan.schemas.plan import read_plan_file
+from xmesh_plan.schemas.plan_io import DeviceOps, file_format, read_plan_head, read_plan_ops
+
+from .lower import RankProgram, lower, lower_device_ops
+from .plan_index import device_ops
+
+
+@dataclass(frozen=True)
+class PlanFile:
+    """A compact plan file's header, read once (`read`): what every rank needs before it knows its device; its
+    operations are read per device (`device_ops`)."""
+
+    path: str
+    schema_version: int
+    problem: Any
+    staging: Any
+    tags: int
+
+    @classmethod
+    def read(cls, path: str | os.PathLike) -> "PlanFile":
+        """The file's header; PlanFileError naming the file and the fix when it is not a readable plan."""
+        head = read_plan_head(path)
+        return cls(os.fspath(path), head.schema_version, head.problem, head.staging, head.tags)
+
+    def device_ops(self, device: int) -> DeviceOps:
+        """The operations `device` takes part in, read through the file's index."""
+        return read_plan_ops(self.path, device)
+
+    def digest(self) -> bytes:
+        """SHA-256 of the file's bytes (read a block at a time): the ranks compare it to agree on the plan."""
+        with open(self.path, "rb") as handle:
+            return hashlib.file_digest(handle, "sha256").digest()
+
+
+def open_plan(path: str | os.PathLike) -> Plan | PlanFile:
+    """What the executor runs from a plan file: a compact file's header (`PlanFile`; each rank reads its part in
+    `prepare()`), or a JSON file's whole plan."""
+    return PlanFile.read(path) if file_format(path) == "compact" else read_plan_file(path)
+
+
+def lower_part(plan: Plan | PlanFile, device: int, tag_limit: int | None = None) -> tuple[DeviceOps, RankProgram]:
+    """(the operations `device` takes part in, its posted program) of a plan object (checked whole, once per
+    object) or a plan file (its part read and checked on its own: `lower.lower_device_ops`)."""
+    if isinstance(plan, PlanFile):
+        ops = plan.device_ops(device)
+        return ops, lower_device_ops(ops, device, tag_limit)
+    return device_ops(plan, device), lower(plan, device, tag_limit)
