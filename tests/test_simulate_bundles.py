@@ -1,11 +1,11 @@
-"""Host order queues a bundle's messages inside its hosts: its gathers behind its NIC turn (one bundle ahead of the
-NIC, not every bundle's at once), its scatters one at a time between two devices. A weight sync's MoE layer has tens
+"""Host order queues a bundle's messages inside its hosts: its gathers behind a NIC turn (`GATHER_AHEAD` bundles ahead
+of the NIC, not every bundle's at once), its scatters one at a time between two devices. A weight sync's MoE layer has tens
 of thousands of bundle messages, which moving all at once made too costly to simulate."""
 
 from __future__ import annotations
 
 from xmesh_plan.planner.compile import compile_plan
-from xmesh_plan.planner.simulate import lower, nic_assignment, run_flows, simulate
+from xmesh_plan.planner.simulate import GATHER_AHEAD, lower, nic_assignment, run_flows, simulate
 from xmesh_plan.planner.transfer_io import build_transfer
 from xmesh_plan.schemas.op_kinds import rule_of
 
@@ -32,18 +32,23 @@ def test_a_bundles_gathers_wait_for_the_turn_of_the_operation_before_it_on_its_n
     lowering, spans = flow_spans(plan)
     ops = {op.id: op for op in plan.operations}
     bundles = [op for op in plan.operations if rule_of(op).pattern == "bundle" and op.carrier is None]
-    assert len(bundles) >= 6
+    assert len(bundles) >= GATHER_AHEAD + 4
     cross = {f.op: f for f in lowering.flows if any(link.startswith("h0.send") for link in f.links)}
     gathers = {}
     for f in lowering.flows:
         if ops[f.op].kind == "bundle" and f.links and all(link.startswith("d") for link in f.links) and f"d{ops[f.op].src}.in" in f.links:
             gathers.setdefault(f.op, []).append(f.id)
     on_nic = [op.id for op in sorted(bundles, key=lambda op: spans[cross[op.id].id][0])]
-    assert all(gathers.get(i) for i in on_nic[2:])
-    for before, op in zip(on_nic, on_nic[2:]):  # the one before it has its turn once the one before that has left
+    ahead = GATHER_AHEAD + 1
+    assert all(gathers.get(i) for i in on_nic[ahead:])
+    for before, op in zip(on_nic, on_nic[ahead:]):  # the one GATHER_AHEAD before has its turn once the one before it has left
         left = spans[cross[before].id][1] - cross[before].latency_s
         assert left > 0
         assert min(spans[g][0] for g in gathers[op]) >= left * (1 - 1e-12)
+    times = simulate(plan.operations, plan.problem, "host-order", nic_assignment(plan.host_order))
+    for op in bundles:  # a bundle starts with its message across hosts, its gathers before
+        assert times.op_start_s[op.id] == spans[cross[op.id].id][0]
+        assert min(spans[g][0] for g in gathers.get(op.id, [cross[op.id].id])) <= times.op_start_s[op.id]
 
 
 def test_a_relay_scatters_to_one_needer_one_message_at_a_time():
