@@ -295,13 +295,29 @@ Same machine: compare the ratio.
        ["per sync", "ms", "/ WeightSync"], "lrr")}
 
 The fused WeightSync row and the redistribute row sync into an engine whose q, k, v and gate, up are fused
-(qkv_proj, gate_up_proj): WeightSync with the fusion in its plan, into float32 tensors (the plan has no
-conversion at the sender yet), and each tensor `redistribute`d to its TP layout, then concatenated and cast into
-float16 tensors (`fused_ways` in the bench).
+(qkv_proj, gate_up_proj): WeightSync with the fusion in its plan, into float32 tensors, and each tensor
+`redistribute`d to its TP layout, then concatenated and cast into float16 tensors (`fused_ways` in the bench).
+{converted_sync(sync["converted"])}
 """
 
 FUSED_ROWS = (("weight_sync_fused_ms", "WeightSync, qkv / gate_up fused in the plan (float32, no cast)"),
               ("redistribute_cat_cast_ms", "redistribute per tensor + cat + cast to float16"))
+
+
+def converted_sync(run: dict) -> str:
+    """The fused and converting engine's rows of `bench_weight_sync_torch` (the same launch)."""
+    return f"""
+**Fused and converted destinations.** In the same launch, an engine that fuses qkv and gate_up and holds them in
+FP8 e4m3 with 128x128 block scales, o and down in FP8 with per-tensor scales and the rest in float16/bfloat16
+(`weight_sync_demo.converted_targets`; {run["tensors"]} tensors with the scale tensors, {run["mib"]:.1f} MiB at the trainer, on a
+model whose FSDP shards lie on 128-row blocks): `WeightSync` with the fusion and the conversion in the plan (the
+trainer ranks cast, converted bytes cross) against `full_tensor()` + broadcast + each inference rank slicing its
+shares, concatenating the fused ones and casting with the scales it computes; both checked bit for bit against
+torch's own cast once.
+
+{table([["WeightSync (fused and converted in the plan)", f"{run['weight_sync_ms']:.2f}", x(1.0)],
+        ["full_tensor() + broadcast + slice + cat + cast", f"{run['full_tensor_broadcast_slice_cat_cast_ms']:.2f}",
+         x(run["full_tensor_broadcast_slice_cat_cast_ms"] / run["weight_sync_ms"])]], ["per sync", "ms", "/ WeightSync"], "lrr")}"""
 
 
 # ---- 3. scale ----------------------------------------------------------------------------------------------------
@@ -516,6 +532,27 @@ byte bound; the busiest link or device of each estimate in parentheses.
 
 {table(rows, ["problem", "GiB crossing", "bound s", "ours s", "checkpoint-engine broadcast s", "rank-0 gather + broadcast s",
               "one plan per tensor s"], "lrrllll")}
+"""
+
+
+def verify_scale() -> str:
+    data = load("verify_scale.json")
+    rows = [[label, r["commit"], f"{r['plan_bytes'] / 2**20:,.0f}", f"{r['cpu_s']:.1f}", f"{r['wall_s']:.1f}", f"{r['peak_rss_mib']:,.0f}"]
+            for label, r in sorted(data["points"].items(), key=lambda item: item[1]["cpu_s"], reverse=True)]
+    return f"""\
+### Verify at scale
+
+How long does `xmesh-plan verify` take on a compact plan of 10^6 operations? `bench/bench_verify_scale.py` builds a
+synthetic plan of 10^6 broadcasts (one row of a float32 [10^6, 64] tensor each, 8 -> 4x2 devices, with their 10^6
+unit tasks), writes it compact, and times `xmesh-plan verify` on it in a fresh process: CPU seconds (user + system),
+wall seconds and peak RSS of that process. Each row is one commit of the code on the same machine ({DEV_MACHINE};
+the wall clock there depends on the other jobs, CPU seconds much less); the plan file is the one that commit writes.
+`records` reads every operation as a record and verifies those; `columns` proves the plan from the file's
+columns (`planner/verify_columns.py`), reading as records only what the arrays do not prove (none here).
+
+{command(data["command"])}
+
+{table(rows, ["code", "commit", "plan MiB", "CPU s", "wall s", "peak RSS MiB"], "llrrrr")}
 """
 
 
@@ -771,7 +808,7 @@ nothing can hide, so the share of the signal bound falls with the stage count.
 """
 
 
-SECTIONS = (paper_cases, weight_sync, scale, frontier, executor_overhead, emulated, pipelines)
+SECTIONS = (paper_cases, weight_sync, scale, frontier, verify_scale, executor_overhead, emulated, pipelines)
 
 
 def render() -> str:
