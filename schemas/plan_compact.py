@@ -204,10 +204,26 @@ def is_compact(head: bytes) -> bool:
 # ---------------------------------------------------------------- reading
 
 
-class _Members:
-    """The `.npy` members of an open compact file, each mapped (not read) until indexed."""
+def _size(source) -> int:
+    """The bytes of a file named by its path or open (a binary file object)."""
+    return os.fstat(source.fileno()).st_size if hasattr(source, "fileno") else os.path.getsize(source)
 
-    def __init__(self, path: str | os.PathLike):
+
+def _read_at(source, offset: int, count: int) -> bytes:
+    """`count` bytes at `offset` of a file named by its path or open (its position left as it is)."""
+    if hasattr(source, "fileno"):
+        return os.pread(source.fileno(), count, offset)
+    with open(source, "rb") as handle:
+        handle.seek(offset)
+        return handle.read(count)
+
+
+class _Members:
+    """The `.npy` members of an open compact file, each mapped (not read) until indexed. `path` is the file's path,
+    or the file itself open for binary reading: every member is then read from that file, even once another is
+    renamed over its path."""
+
+    def __init__(self, path):
         self.path = path
         try:
             with zipfile.ZipFile(path) as archive:
@@ -234,14 +250,12 @@ class _Members:
             skip = member.tell()
         if fortran or dtype.hasobject or dtype.kind not in "biuf":
             raise CompactPlanError(f"member {info.filename} holds {dtype}{' in Fortran order' if fortran else ''}, not plain numbers")
-        with open(self.path, "rb") as handle:
-            handle.seek(info.header_offset)
-            local = handle.read(30)
-            if len(local) < 30 or not local.startswith(ZIP_MAGIC):
-                raise CompactPlanError(f"member {info.filename} has no local header (truncated)")
-            start = info.header_offset + 30 + int.from_bytes(local[26:28], "little") + int.from_bytes(local[28:30], "little")
+        local = _read_at(self.path, info.header_offset, 30)
+        if len(local) < 30 or not local.startswith(ZIP_MAGIC):
+            raise CompactPlanError(f"member {info.filename} has no local header (truncated)")
+        start = info.header_offset + 30 + int.from_bytes(local[26:28], "little") + int.from_bytes(local[28:30], "little")
         size = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
-        if start + skip + size > os.path.getsize(self.path) or skip + size > info.file_size:
+        if start + skip + size > _size(self.path) or skip + size > info.file_size:
             raise CompactPlanError(f"member {info.filename} is cut short (truncated file)")
         return dtype, tuple(shape), start + skip
 
@@ -409,9 +423,9 @@ def device_rows(m: _Members, device: int | None) -> np.ndarray:
     return np.asarray(m.get("index.rows")[int(offsets[at]):int(offsets[at + 1])], dtype=np.int64)
 
 
-def read_device_data(path: str | os.PathLike, device: int | None) -> tuple[dict, list[dict], np.ndarray, list[int], int]:
+def read_device_data(path, device: int | None) -> tuple[dict, list[dict], np.ndarray, list[int], int]:
     """(the plan's fields less its tables, the operations `device` takes part in as plain dicts, their rows, their
-    first message tags, the plan's tags)."""
+    first message tags, the plan's tags) of the file at `path` or open as `path` (`_Members`)."""
     m = _Members(path)
     header = _header(m)
     rows = device_rows(m, device)
