@@ -15,7 +15,10 @@ the plan's size. What is checked where:
   the digest are all read through the one handle `PlanFile.read` opened, so a file renamed over the path in
   between (a recompile between syncs) is not mixed in: the rank runs the file it read the header of;
 - the rest needs the whole plan (tasks and host order, times against the prediction, shared messages,
-  the staging peaks a plan states): `xmesh-plan verify` of the file, once, where it is written.
+  the staging peaks a plan states, and the index itself: the whole-file read rebuilds it from the operations
+  table and refuses a file whose stored index differs): `xmesh-plan verify` of the file, once, where it is
+  written. So a compact file must pass `verify` before ranks run it (`compile` verifies what it writes):
+  what a rank does not check of the file, `verify` does.
 
 A JSON plan file has no index: `open_plan` reads it whole into a `Plan`, which is checked whole once
 (`plan_index`).

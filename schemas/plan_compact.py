@@ -377,9 +377,28 @@ def _header(m: _Members) -> dict:
 CHUNK_ROWS = 65_536  # rows decoded at a time: a chunk's plain dicts are dropped once its records are made
 
 
+def _check_index(m: _Members, operations: list) -> None:
+    """Refuse (CompactPlanError naming the member) a stored index other than the one the operations table gives: a
+    rank reads its part through the index alone, so the index must be the one that `verify` checked."""
+    columns = {name: m.get(name) for name in m.where if name.split(".")[:2] in (["operations", f] for f in DEVICE_FIELDS)}
+    try:
+        want = _device_index(columns, len(operations))
+    except (KeyError, ValueError, IndexError):
+        raise CompactPlanError("its operations' device columns are damaged") from None
+    first, tags = first_tags(operations)
+    want["index.first_tags"] = np.array([*first, tags], dtype=np.int64)
+    for name in ("index.devices", "index.rows", "index.offsets", "index.first_tags"):
+        if not np.array_equal(m.get(name), want[name]):
+            raise CompactPlanError(f"member {name}.npy is not the index its operations table gives (tampered or damaged), "
+                                   "so a rank would run other operations than the plan's; recompile the plan, or write it "
+                                   "again from its JSON plan with `xmesh-plan export`")
+
+
 def read_compact_data(path: str | os.PathLike, records: dict[str, Callable[[dict], Any]] | None = None) -> dict:
     """The plan in `path` as the data its JSON states (validated by the caller), each table's rows made into records by
-    `records[table]` a chunk at a time where given (plain dicts otherwise); CompactPlanError otherwise."""
+    `records[table]` a chunk at a time where given (plain dicts otherwise); CompactPlanError otherwise. With records
+    of the operations, the file's per-device index is rebuilt from them (`compact_arrays` writes it so) and a file
+    whose stored index differs is refused: what the whole plan's checks pass is what each rank reads of it."""
     m = _Members(path)
     header = _header(m)
     data = dict(header["plan"])
@@ -392,6 +411,8 @@ def read_compact_data(path: str | os.PathLike, records: dict[str, Callable[[dict
         for start in range(0, count, CHUNK_ROWS):
             rows = _rows(m, table, np.arange(start, min(start + CHUNK_ROWS, count), dtype=np.int64))
             data[table].extend(rows if make is None else map(make, rows))
+    if (records or {}).get("operations") is not None:
+        _check_index(m, data["operations"])
     return data
 
 
