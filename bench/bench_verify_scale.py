@@ -6,13 +6,22 @@ devices that need it (the destination mesh is 4 x 2, rows sharded over its first
 other part), so the figures are verify's and the file's alone.
 
     .venv/bin/python -m bench.bench_verify_scale [--ops 1000000] [--out plan.npz]
+    .venv/bin/python -m bench.bench_verify_scale --cli plan.npz [--record after]
+
+With `--cli FILE` it times `xmesh-plan verify FILE` in a fresh process instead (what a user runs: read + verify):
+CPU seconds (user + system), wall seconds and peak RSS of that process; `--record LABEL` keeps the figures under
+LABEL, with the commit, in bench/results/verify_scale.json (BENCHMARKS.md's verify table).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import resource
+import subprocess
+import sys
 import time
+from pathlib import Path
 
 from xmesh_plan.planner.problem_io import build_problem
 from xmesh_plan.planner.verify import verify_plan
@@ -20,6 +29,7 @@ from xmesh_plan.schemas.plan import HostOrder, Operation, Plan, SolverInfo, Unit
 from xmesh_plan.schemas.plan_compact import compact_bytes
 
 STEP_S = 1e-6
+RESULTS = Path(__file__).resolve().parent / "results" / "verify_scale.json"
 
 
 def synthetic_plan(ops: int) -> Plan:
@@ -52,11 +62,42 @@ def synthetic_plan(ops: int) -> Plan:
                 tasks=tuple(tasks), operations=tuple(operations), host_order=tuple(order), predicted_seconds=end, lower_bound_seconds=0.0)
 
 
+def cli_verify(path: str) -> dict:
+    """`xmesh-plan verify path` in a fresh process: its verdict line, CPU s, wall s, peak RSS (MiB)."""
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    t = time.perf_counter()
+    done = subprocess.run([sys.executable, "-m", "xmesh_plan.planner.cli", "verify", path], capture_output=True, text=True)
+    wall = time.perf_counter() - t
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    if done.returncode:
+        raise SystemExit(f"verify failed ({done.returncode}): {done.stdout}{done.stderr}")
+    cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+    return {"verdict": done.stdout.strip().split(": ", 1)[1], "cpu_s": round(cpu, 2), "wall_s": round(wall, 2),
+            "peak_rss_mib": round(after.ru_maxrss / 1024, 1)}
+
+
+def record(label: str, path: str, point: dict) -> None:
+    """Keep `point` under `label` in the results file, with the commit and the file's size."""
+    data = json.loads(RESULTS.read_text()) if RESULTS.exists() else {"points": {}}
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    data["command"] = "python -m bench.bench_verify_scale --ops 1000000 --out plan.npz && python -m bench.bench_verify_scale --cli plan.npz --record LABEL"
+    data["points"][label] = {**point, "commit": commit, "plan_bytes": Path(path).stat().st_size}
+    RESULTS.write_text(json.dumps(data, indent=1, sort_keys=True) + "\n")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--ops", type=int, default=1_000_000)
     parser.add_argument("--out", help="also write the compact plan here")
+    parser.add_argument("--cli", metavar="FILE", help="time `xmesh-plan verify FILE` in a fresh process instead")
+    parser.add_argument("--record", metavar="LABEL", help="with --cli: keep the figures under LABEL in bench/results/verify_scale.json")
     args = parser.parse_args()
+    if args.cli:
+        point = cli_verify(args.cli)
+        print(json.dumps(point))
+        if args.record:
+            record(args.record, args.cli, point)
+        return
     t = time.perf_counter()
     plan = synthetic_plan(args.ops)
     print(f"built {len(plan.operations):,} operations in {time.perf_counter() - t:.1f} s", flush=True)

@@ -519,6 +519,27 @@ byte bound; the busiest link or device of each estimate in parentheses.
 """
 
 
+def verify_scale() -> str:
+    data = load("verify_scale.json")
+    rows = [[label, r["commit"], f"{r['plan_bytes'] / 2**20:,.0f}", f"{r['cpu_s']:.1f}", f"{r['wall_s']:.1f}", f"{r['peak_rss_mib']:,.0f}"]
+            for label, r in sorted(data["points"].items(), key=lambda item: item[1]["cpu_s"], reverse=True)]
+    return f"""\
+### Verify at scale
+
+How long does `xmesh-plan verify` take on a compact plan of 10^6 operations? `bench/bench_verify_scale.py` builds a
+synthetic plan of 10^6 broadcasts (one row of a float32 [10^6, 64] tensor each, 8 -> 4x2 devices, with their 10^6
+unit tasks), writes it compact, and times `xmesh-plan verify` on it in a fresh process: CPU seconds (user + system),
+wall seconds and peak RSS of that process. Each row is one commit of the code on the same machine ({DEV_MACHINE};
+the wall clock there depends on the other jobs, CPU seconds much less); the plan file is the one that commit writes.
+`records` reads every operation as a record and verifies those; `columns` proves the plan from the file's
+columns (`planner/verify_columns.py`), reading as records only what the arrays do not prove (none here).
+
+{command(data["command"])}
+
+{table(rows, ["code", "commit", "plan MiB", "CPU s", "wall s", "peak RSS MiB"], "llrrrr")}
+"""
+
+
 # ---- 4. executor overhead ----------------------------------------------------------------------------------------
 
 def executor_overhead() -> str:
@@ -771,7 +792,7 @@ nothing can hide, so the share of the signal bound falls with the stage count.
 """
 
 
-SECTIONS = (paper_cases, weight_sync, scale, frontier, executor_overhead, emulated, pipelines)
+SECTIONS = (paper_cases, weight_sync, scale, frontier, verify_scale, executor_overhead, emulated, pipelines)
 
 
 def render() -> str:

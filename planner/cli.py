@@ -30,7 +30,7 @@ from .problem_io import InputError, build_problem, user_error_message
 from .transfer_io import load_any_problem
 from .solvers import SOLVERS
 from .strategies import STRATEGIES
-from .verify import PlanError, verify_plan
+from .verify import PlanError, verify_plan, verify_plan_file
 
 
 class UserError(click.ClickException):
@@ -236,10 +236,9 @@ def verify_command(plan_files):
     """
     failed = 0
     for path in plan_files:
-        plan = read_plan_file(path)
         try:
             with progress(f"verifying {path}", done_below_s=QUIET_S) as timing:
-                report = verify_plan(plan, on_stage=timing["stage"], on_count=timing["count"])
+                report = verify_plan_file(path, on_stage=timing["stage"], on_count=timing["count"])
         except PlanError as err:
             failed += 1
             click.echo(f"{quoted(path)}: FAILED: {err}")

@@ -12,12 +12,13 @@ what `schemas.staging` computes. Numpy index arithmetic, no element loops; a pla
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
 
-from xmesh_plan.schemas import Plan
+from xmesh_plan.schemas import Plan, read_plan_file
 from xmesh_plan.schemas.fused import fused_pieces
 from xmesh_plan.schemas.geometry import Region, region_shape
 from xmesh_plan.schemas.op_kinds import reads, writes
@@ -26,8 +27,9 @@ from xmesh_plan.schemas.plan_check import TOLERANCE_S, PlanError, check_plan, de
 from xmesh_plan.schemas.plan_tensors import is_multi, tensor_names, tensor_plans
 
 from .verify_arrays import replay_summary
+from .verify_columns import verify_compact
 
-__all__ = ["PlanError", "VerifyReport", "fused_provenance", "verify_plan"]
+__all__ = ["PlanError", "VerifyReport", "fused_provenance", "verify_plan", "verify_plan_file"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -168,6 +170,13 @@ def verify_plan(plan: Plan, on_stage: Callable[[str], None] = _quiet,
         cells += summary[0]
         devices |= summary[1]
     on_count(len(names), len(names))
+    return _report(plan, len(plan.operations), cells, devices)
+
+
+def _report(plan: Plan, operations: int, cells: int, devices: set[int]) -> VerifyReport:
+    """The report on a plan whose tensors replayed (`cells` destination cells on `devices`): its fused destinations
+    traced element by element (`fused_provenance`, PlanError otherwise), its stated staging peak and conversions.
+    Reads only the plan's problem and staging, so a plan read without its tables (`verify_columns`) gets it too."""
     fused = plan.problem.fused if is_multi(plan) else ()
     for j in range(len(fused)):
         for device in plan.problem.dst_mesh.devices:
@@ -175,7 +184,18 @@ def verify_plan(plan: Plan, on_stage: Callable[[str], None] = _quiet,
     peak = None if plan.staging is None else max(plan.staging.peak_bytes.values(), default=0)
     conversions = tuple(f"{k}: {v}" for k, v in plan.problem.conversions().items()) if is_multi(plan) else \
         ((f"{plan.problem.name or 'tensor'}: {plan.problem.dtype} -> {plan.problem.dst_dtype}",) if plan.problem.dst_dtype else ())
-    return VerifyReport(len(plan.operations), len(devices), cells, len(tensor_names(plan)), peak, len(fused), conversions)
+    return VerifyReport(operations, len(devices), cells, len(tensor_names(plan)), peak, len(fused), conversions)
+
+
+def verify_plan_file(path: str | os.PathLike, on_stage: Callable[[str], None] = _quiet,
+                     on_count: Callable[[int, int], None] = _uncounted) -> VerifyReport:
+    """`verify_plan` of the plan in `path` (PlanFileError where it cannot be read): a compact plan its columns prove
+    (`verify_columns`) without reading a record per operation, any other read as records and verified."""
+    proved = verify_compact(path, on_stage, on_count)
+    if proved is not None:
+        return _report(*proved)
+    on_stage("reading")
+    return verify_plan(read_plan_file(path), on_stage, on_count)
 
 
 def _converted(conversions: tuple[str, ...]) -> str:

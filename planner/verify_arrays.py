@@ -18,12 +18,14 @@ the operation-by-operation replay's.
 from __future__ import annotations
 
 import itertools
+from dataclasses import dataclass
 
 import numpy as np
 
 from xmesh_plan.schemas import Plan
 from xmesh_plan.schemas.op_kinds import reads, writes
 from xmesh_plan.schemas.plan_check import TOLERANCE_S
+from xmesh_plan.schemas.plan_check_arrays import sorted_unique
 
 
 def _boxes(boxes: list, ndim: int) -> np.ndarray:
@@ -31,12 +33,11 @@ def _boxes(boxes: list, ndim: int) -> np.ndarray:
     return np.array(boxes, dtype=np.int64).reshape(len(boxes), ndim, 2)
 
 
-def _cuts(plan: Plan, ndim: int, boxes: np.ndarray) -> list[np.ndarray]:
+def _cuts(problem, ndim: int, boxes: np.ndarray) -> list[np.ndarray]:
     """Every box boundary of the problem and the plan per dim (the operation-by-operation replay's grid)."""
-    blocks = list(plan.problem.blocks("src").values()) + list(plan.problem.blocks("dst").values())
+    blocks = list(problem.blocks("src").values()) + list(problem.blocks("dst").values())
     fixed = _boxes(blocks, ndim) if blocks else np.zeros((0, ndim, 2), dtype=np.int64)
-    shape = plan.problem.shape
-    return [np.unique(np.concatenate(([0, n], fixed[:, d, :].ravel(), boxes[:, d, :].ravel()))) for d, n in enumerate(shape)]
+    return [sorted_unique(np.concatenate(([0, n], fixed[:, d, :].ravel(), boxes[:, d, :].ravel()))) for d, n in enumerate(problem.shape)]
 
 
 def _paint(grid: tuple[int, ...], lo: np.ndarray, hi: np.ndarray, weights: np.ndarray) -> np.ndarray:
@@ -67,11 +68,33 @@ def replay_summary(plan: Plan) -> tuple[int, set[int]] | None:
             if own is not None and all(a < b for a, b in own):
                 device.append(d), box.append(own), weight.append(-1), writer.append(i)
         dst_reads.extend((i, d, read) for d, shard, read in reads(op) if shard == "dst" and all(a < b for a, b in read))
-    cuts = _cuts(plan, ndim, _boxes(cut_boxes, ndim))
-    blocks = plan.problem.blocks("dst")
-    if not set(device) <= set(blocks):
+    times = np.array([(op.start_s, op.end_s) for op in plan.operations], dtype=np.float64).reshape(-1, 2)
+    return painted_summary(plan.problem, _boxes(cut_boxes, ndim), Writes(np.array(device, dtype=np.int64), _boxes(box, ndim),
+                                                                          np.array(weight, dtype=np.int64), np.array(writer, dtype=np.int64)),
+                           dst_reads, times[:, 0], times[:, 1])
+
+
+@dataclass(frozen=True)
+class Writes:
+    """What lands in destination shards, one row per (receiver, box): weight 1, or -1 for the part an all-gather
+    member already holds, and the position (in the tensor's operation list) of the operation that writes it."""
+
+    device: np.ndarray
+    box: np.ndarray  # (rows, ndim, 2)
+    weight: np.ndarray
+    writer: np.ndarray
+
+
+def painted_summary(problem, cut_boxes: np.ndarray, written: Writes, dst_reads: list, starts: np.ndarray,
+                    ends: np.ndarray) -> tuple[int, set[int]] | None:
+    """`replay_summary` for one tensor's `problem` from arrays: every box of its operations (`cut_boxes`, for the
+    grid), what they write, what they read from destination shards ((position, device, box)) and their times."""
+    ndim = len(problem.shape)
+    cuts = _cuts(problem, ndim, cut_boxes)
+    blocks = problem.blocks("dst")
+    device, boxes, weight, writer = written.device, written.box, written.weight, written.writer
+    if not set(sorted_unique(device).tolist()) <= set(blocks):
         return None
-    boxes, device, weight, writer = _boxes(box, ndim), np.array(device, dtype=np.int64), np.array(weight), np.array(writer)
     writers: dict[int, tuple[list[np.ndarray], np.ndarray]] = {}
     cells = 0
     for d, block in blocks.items():
@@ -87,9 +110,8 @@ def replay_summary(plan: Plan) -> tuple[int, set[int]] | None:
         hi = np.stack([np.searchsorted(local[k], boxes[mine, k, 1]) for k in range(ndim)], axis=1) if len(mine) else np.zeros((0, ndim), np.int64)
         if not (_paint(grid, lo, hi, weight[mine].astype(np.float64)) == 1).all():
             return None
-        writers[d] = (local, _paint(grid, lo, hi, (weight[mine] * (writer[mine] + 1)).astype(np.float64)) - 1)
-    starts = np.array([op.start_s for op in plan.operations], dtype=np.float64)
-    ends = np.array([op.end_s for op in plan.operations], dtype=np.float64)
+        if dst_reads:
+            writers[d] = (local, _paint(grid, lo, hi, (weight[mine] * (writer[mine] + 1)).astype(np.float64)) - 1)
     for i, d, read in dst_reads:
         local, who = writers.get(d, (None, None))
         if who is None:

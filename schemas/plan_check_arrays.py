@@ -10,12 +10,40 @@ prove) one by one, in list order, so the first fault and its message stay the on
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 
 from .op_kinds import OP_KINDS
 from .problem import ReshardingProblem
 
 _SIMPLE = {kind for kind, rule in OP_KINDS.items() if rule.pattern in ("local", "chain") and not rule.has_parts}
+
+
+def sorted_unique(values: np.ndarray) -> np.ndarray:
+    """`np.unique` of integers, by counting where their range is at most a few times their number (a plan's ids
+    and box bounds), several times faster than the sort `np.unique` makes."""
+    values = np.asarray(values, dtype=np.int64)
+    if not values.size:
+        return values
+    lo, hi = int(values.min()), int(values.max())
+    if hi - lo > 4 * values.size + 1024:
+        return np.unique(values)
+    return np.flatnonzero(np.bincount(values - lo, minlength=hi - lo + 1)) + lo
+
+
+def member_of(values: np.ndarray, table: np.ndarray) -> np.ndarray:
+    """`np.isin(values, table)` for integers, through a mask over the table's range where that is small."""
+    values, table = np.asarray(values, dtype=np.int64), np.asarray(table, dtype=np.int64)
+    if not table.size or not values.size:
+        return np.zeros(values.shape, dtype=bool)
+    lo, hi = int(table.min()), int(table.max())
+    if hi - lo > 4 * (values.size + table.size) + 1024:
+        return np.isin(values, table)
+    mask = np.zeros(hi - lo + 1, dtype=bool)
+    mask[table - lo] = True
+    inside = (values >= lo) & (values <= hi)
+    return inside & mask[np.where(inside, values - lo, 0)]
 
 
 def _block_table(blocks: dict[int, tuple], ndim: int) -> tuple[np.ndarray, np.ndarray]:
@@ -37,39 +65,98 @@ def _inside_blocks(devices: np.ndarray, boxes: np.ndarray, table: tuple[np.ndarr
     return known & inside
 
 
+@dataclass(frozen=True)
+class OpColumns:
+    """Operations as flat columns (one row each, list order): what `proven_rows` reads. Lists are CSR: `dst_offsets`
+    into `dsts`, `region_offsets` into `region` ((start, stop) pairs, one per dim)."""
+
+    kind: np.ndarray  # code into `kinds`
+    kinds: list[str]
+    src: np.ndarray
+    src_none: np.ndarray
+    dst_offsets: np.ndarray
+    dsts: np.ndarray
+    region_offsets: np.ndarray
+    region: np.ndarray
+    chunks: np.ndarray
+    tensor: np.ndarray
+    tensor_none: np.ndarray
+    bare: np.ndarray  # no parts, holders or needers
+
+    @classmethod
+    def of(cls, operations) -> "OpColumns":
+        """The columns of plan records (`schemas.plan.Operation`)."""
+        kinds = sorted({op.kind for op in operations})
+        code = {k: i for i, k in enumerate(kinds)}
+
+        def ints(values) -> np.ndarray:
+            return np.array(list(values), dtype=np.int64)
+
+        def offsets(lengths) -> np.ndarray:
+            return np.concatenate(([0], np.cumsum(ints(lengths)))).astype(np.int64)
+
+        return cls(ints(code[op.kind] for op in operations), kinds, ints(op.src or 0 for op in operations),
+                   np.array([op.src is None for op in operations], dtype=bool), offsets(len(op.dsts) for op in operations),
+                   ints(d for op in operations for d in op.dsts), offsets(len(op.region) for op in operations),
+                   ints(x for op in operations for pair in op.region for x in pair).reshape(-1, 2),
+                   ints(op.chunks for op in operations), ints(op.tensor or 0 for op in operations),
+                   np.array([op.tensor is None for op in operations], dtype=bool),
+                   np.array([not (op.parts or op.holders or op.needers) for op in operations], dtype=bool))
+
+
 def proven_operations(operations, problems: list[ReshardingProblem], max_chunks: int) -> np.ndarray:
     """Per operation (list order): True where it is a copy, send or broadcast that `_check_operation` passes."""
-    proven = np.zeros(len(operations), dtype=bool)
-    rows: dict[int | None, list[int]] = {}
-    for i, op in enumerate(operations):
-        if op.kind in _SIMPLE and op.src is not None and not (op.parts or op.holders or op.needers):
-            rule = OP_KINDS[op.kind]
-            count = len(op.dsts)
-            members_ok = rule.min_dsts <= count and (rule.max_dsts is None or count <= rule.max_dsts) and len(set(op.dsts)) == count
-            members_ok = members_ok and ((op.dsts == (op.src,)) if rule.pattern == "local" else (op.src not in op.dsts))
-            if members_ok and (rule.chunked or op.chunks == 1):
-                rows.setdefault(op.tensor, []).append(i)
-    for tensor, picked in rows.items():
-        if tensor is not None and not 0 <= tensor < len(problems):
+    return proven_rows(OpColumns.of(operations), problems, max_chunks)
+
+
+def _rule_table(kinds: list[str], fact: str, default) -> np.ndarray:
+    return np.array([getattr(OP_KINDS[k], fact) if k in OP_KINDS else default for k in kinds] or [default])
+
+
+def proven_rows(ops: OpColumns, problems: list[ReshardingProblem], max_chunks: int) -> np.ndarray:
+    """Per row of `ops`: True where it is a copy, send or broadcast that `_check_operation` passes."""
+    n = len(ops.kind)
+    if not n:
+        return np.zeros(0, dtype=bool)
+    simple = np.array([k in _SIMPLE for k in ops.kinds] or [False])[ops.kind]
+    count = np.diff(ops.dst_offsets)
+    lo_count, hi_count = _rule_table(ops.kinds, "min_dsts", 0)[ops.kind], _rule_table(ops.kinds, "max_dsts", None)[ops.kind]
+    unlimited = np.array([h is None for h in hi_count.tolist()], dtype=bool)
+    hi = np.where(unlimited, np.iinfo(np.int64).max, np.where(unlimited, 0, hi_count).astype(np.int64))
+    owner = np.repeat(np.arange(n), count)
+    order = np.lexsort((ops.dsts, owner))
+    twice = (owner[order][1:] == owner[order][:-1]) & (ops.dsts[order][1:] == ops.dsts[order][:-1])
+    distinct = np.bincount(owner[order][1:][twice], minlength=n) == 0
+    src_in_dsts = np.bincount(owner[ops.dsts == ops.src[owner]], minlength=n) > 0
+    first = ops.dsts[np.minimum(ops.dst_offsets[:-1], max(len(ops.dsts) - 1, 0))] if len(ops.dsts) else np.zeros(n, np.int64)
+    local = _rule_table(ops.kinds, "pattern", "")[ops.kind] == "local"
+    members_ok = (lo_count <= count) & (count <= hi) & distinct
+    members_ok &= np.where(local, (count == 1) & (first == ops.src), ~src_in_dsts)
+    chunked = _rule_table(ops.kinds, "chunked", False)[ops.kind].astype(bool)
+    ok = simple & ~ops.src_none & ops.bare & members_ok & (chunked | (ops.chunks == 1))
+    dims = np.diff(ops.region_offsets)
+    proven = np.zeros(n, dtype=bool)
+    for tensor in sorted_unique(np.where(ops.tensor_none, -1, ops.tensor)[ok]).tolist():
+        if tensor != -1 and not 0 <= tensor < len(problems):
             continue
-        problem = problems[tensor or 0]
+        problem = problems[max(tensor, 0)]
         ndim = len(problem.shape)
-        picked = [i for i in picked if len(operations[i].region) == ndim]
-        if not picked:
+        mine = ok & (np.where(ops.tensor_none, -1, ops.tensor) == tensor) & (dims == ndim)
+        picked = np.flatnonzero(mine)
+        if not len(picked):
             continue
-        region = np.array([operations[i].region for i in picked], dtype=np.int64).reshape(len(picked), ndim, 2)
+        region = ops.region[ops.region_offsets[picked][:, None] + np.arange(ndim)]
         shape = np.array(problem.shape, dtype=np.int64)
         lo, hi = region[:, :, 0], region[:, :, 1]
-        ok = ((0 <= lo) & (lo < hi) & (hi <= shape)).all(axis=1)
-        elements = np.prod(np.where(ok[:, None], hi - lo, 1), axis=1, dtype=np.int64)
-        chunks = np.array([operations[i].chunks for i in picked], dtype=np.int64)
-        ok &= chunks <= np.minimum(max_chunks, elements)
-        src = np.array([operations[i].src for i in picked], dtype=np.int64)
-        ok &= _inside_blocks(src, region, _block_table(problem.blocks("src"), ndim))
-        counts = np.array([len(operations[i].dsts) for i in picked], dtype=np.int64)
-        dsts = np.array([d for i in picked for d in operations[i].dsts], dtype=np.int64)
-        owner = np.repeat(np.arange(len(picked)), counts)
-        room = _inside_blocks(dsts, region[owner], _block_table(problem.blocks("dst"), ndim))
-        ok &= np.bincount(owner, weights=~room, minlength=len(picked)) == 0
-        proven[np.array(picked)[ok]] = True
+        good = ((0 <= lo) & (lo < hi) & (hi <= shape)).all(axis=1)
+        elements = np.prod(np.where(good[:, None], hi - lo, 1), axis=1, dtype=np.int64)
+        good &= ops.chunks[picked] <= np.minimum(max_chunks, elements)
+        good &= _inside_blocks(ops.src[picked], region, _block_table(problem.blocks("src"), ndim))
+        counts = count[picked]
+        at = ops.dst_offsets[picked]
+        dsts = ops.dsts[np.repeat(at - (np.cumsum(counts) - counts), counts) + np.arange(int(counts.sum()))]
+        rows = np.repeat(np.arange(len(picked)), counts)
+        room = _inside_blocks(dsts, region[rows], _block_table(problem.blocks("dst"), ndim))
+        good &= np.bincount(rows, weights=~room, minlength=len(picked)) == 0
+        proven[picked[good]] = True
     return proven

@@ -11,13 +11,16 @@ Members:
 - `header.npy`: UTF-8 JSON (a uint8 array) with `format`, `format_version`, and `plan`: the plan's JSON object
   less its `tasks`, `operations` and `host_order` (problem, solver, predictions, staging), with its schema_version.
 - `<table>.<field>...npy` for the tables `tasks`, `operations`, `host_order`, one column kind per field
-  (`COLUMN_KINDS`): integers in the narrowest of int8/16/32/64 that holds them, floats as float64 (exact),
-  strings as indices into `<table>.<field>.names` (UTF-8 JSON list), lists of integers and boxes as offsets +
-  flat values (CSR), an optional integer as values + a `.none` mask (left out when nothing is None).
-- `index.devices`, `index.offsets`, `index.rows`: for each device (sorted), the rows of the operations it takes
-  part in (src, dsts, holders or needers), in execution order; `index.first_tags`: per row, its operation's first
-  message tag (`op_kinds.first_tags`: numbered tensor by tensor, as the executor's lowering numbers them), and the
-  plan's total last, so a rank numbers its messages as its peers lowering the whole plan do.
+  (`COLUMN_KINDS`): integers in the narrowest of int8/16/32/64 that holds them, strings as indices into
+  `<table>.<field>.names` (UTF-8 JSON list), lists of integers as `.lengths` + flat `.values`, boxes as indices into
+  the shared box table (`boxes.dims`, `boxes.values`: each distinct box once), an optional integer as values + a
+  `.none` mask (left out when nothing is None), times as `.at` indices into the shared `floats` table where that is
+  smaller than float64 columns (exact: distinct by bit pattern), else as float64.
+- `index.devices`, `index.offsets`, `index.first`, `index.rows`: for each device (sorted), the rows of the
+  operations it takes part in (src, dsts, holders or needers), in execution order: its first row, then the steps
+  between rows; `index.first_tags`: per row, its operation's first message tag (`op_kinds.first_tags`: numbered
+  tensor by tensor, as the executor's lowering numbers them), and the plan's total last, so a rank numbers its
+  messages as its peers lowering the whole plan do.
 """
 
 from __future__ import annotations
@@ -35,7 +38,7 @@ import numpy as np
 from .op_kinds import first_tags
 
 FORMAT = "xmesh-plan-compact"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 ZIP_MAGIC = b"PK\x03\x04"
 _DATE = (1980, 1, 1, 0, 0, 0)  # every member's timestamp: the same plan gives the same bytes
 TABLES = ("tasks", "operations", "host_order")
@@ -72,60 +75,80 @@ def _ints(values: list[int], what: str) -> np.ndarray:
     raise CompactPlanError(f"{what} holds {lo if lo < np.iinfo(np.int64).min else hi}, outside 64-bit integers")
 
 
-def _offsets(lengths: list[int], what: str) -> np.ndarray:
-    return _ints([0, *np.cumsum(lengths, dtype=np.int64).tolist()], f"{what} offsets")
+class _Shared:
+    """What several columns index into: every distinct box (`boxes.dims`, `boxes.values`, in order of first use) and
+    every time value (`floats`, distinct bit patterns, sorted), the latter kept only where it makes the file smaller."""
+
+    def __init__(self):
+        self.boxes: dict[tuple, int] = {}
+        self.floats: dict[str, list] = {}
+
+    def box(self, box) -> int:
+        return self.boxes.setdefault(tuple(map(tuple, box)), len(self.boxes))
+
+    def members(self) -> dict[str, np.ndarray]:
+        out = {"boxes.dims": _ints([len(b) for b in self.boxes], "box dims"),
+               "boxes.values": _ints([x for box in self.boxes for pair in box for x in pair], "boxes").reshape(-1, 2)}
+        names, columns = list(self.floats), [np.array(v, dtype=np.float64) for v in self.floats.values()]
+        bits = np.concatenate(columns).view(np.int64) if columns else np.zeros(0, np.int64)
+        table, at = np.unique(bits, return_inverse=True)
+        index = _ints(at.tolist(), "time index")
+        if table.size * 8 + index.nbytes < bits.size * 8:
+            out["floats"] = table.view(np.float64)
+            for name, part in zip(names, np.split(index, np.cumsum([len(c) for c in columns])[:-1])):
+                out[f"{name}.at"] = part.astype(index.dtype)
+        else:
+            out.update(zip(names, columns))
+        return out
 
 
-def _encode_int(name: str, values: list, out: dict) -> None:
+def _encode_int(name: str, values: list, out: dict, shared: _Shared) -> None:
     out[name] = _ints(values, name)
 
 
-def _encode_optional_int(name: str, values: list, out: dict) -> None:
+def _encode_optional_int(name: str, values: list, out: dict, shared: _Shared) -> None:
     none = [v is None for v in values]
     out[name] = _ints([0 if v is None else v for v in values], name)
     if any(none):
         out[f"{name}.none"] = np.array(none, dtype=np.bool_)
 
 
-def _encode_float(name: str, values: list, out: dict) -> None:
-    out[name] = np.array(values, dtype=np.float64)
+def _encode_float(name: str, values: list, out: dict, shared: _Shared) -> None:
+    shared.floats[name] = values  # written with the shared tables (`_Shared.members`)
 
 
-def _encode_str(name: str, values: list, out: dict) -> None:
+def _encode_str(name: str, values: list, out: dict, shared: _Shared) -> None:
     names = sorted(set(values))
     code = {n: i for i, n in enumerate(names)}
     out[name] = _ints([code[v] for v in values], name)
     out[f"{name}.names"] = _text(json.dumps(names))
 
 
-def _encode_ints(name: str, values: list, out: dict) -> None:
-    out[f"{name}.offsets"] = _offsets([len(v) for v in values], name)
+def _encode_ints(name: str, values: list, out: dict, shared: _Shared) -> None:
+    out[f"{name}.lengths"] = _ints([len(v) for v in values], name)
     out[f"{name}.values"] = _ints([x for v in values for x in v], name)
 
 
-def _encode_box(name: str, values: list, out: dict) -> None:
-    """A box as its dims' (start, stop) pairs, flat: offsets count dims."""
-    out[f"{name}.offsets"] = _offsets([len(v) for v in values], name)
-    out[f"{name}.values"] = _ints([x for box in values for pair in box for x in pair], name).reshape(-1, 2)
+def _encode_box(name: str, values: list, out: dict, shared: _Shared) -> None:
+    """A box as its index in the shared box table."""
+    out[name] = _ints([shared.box(b) for b in values], name)
 
 
-def _encode_boxes(name: str, values: list, out: dict) -> None:
-    """A list of boxes: offsets count boxes per row, `.dims` offsets count dims per box."""
-    boxes = [box for row in values for box in row]
-    out[f"{name}.offsets"] = _offsets([len(v) for v in values], name)
-    out[f"{name}.dims"] = _offsets([len(b) for b in boxes], name)
-    out[f"{name}.values"] = _ints([x for box in boxes for pair in box for x in pair], name).reshape(-1, 2)
+def _encode_boxes(name: str, values: list, out: dict, shared: _Shared) -> None:
+    """A list of boxes: lengths count boxes per row, values are indices in the shared box table."""
+    out[f"{name}.lengths"] = _ints([len(v) for v in values], name)
+    out[f"{name}.values"] = _ints([shared.box(b) for row in values for b in row], name)
 
 
-def _encode_intss(name: str, values: list, out: dict) -> None:
-    """A list of lists of integers: offsets count lists per row, `.inner` offsets count integers per list."""
+def _encode_intss(name: str, values: list, out: dict, shared: _Shared) -> None:
+    """A list of lists of integers: lengths count lists per row, `.inner` integers per list."""
     inner = [lst for row in values for lst in row]
-    out[f"{name}.offsets"] = _offsets([len(v) for v in values], name)
-    out[f"{name}.inner"] = _offsets([len(v) for v in inner], name)
+    out[f"{name}.lengths"] = _ints([len(v) for v in values], name)
+    out[f"{name}.inner"] = _ints([len(v) for v in inner], name)
     out[f"{name}.values"] = _ints([x for lst in inner for x in lst], name)
 
 
-_ENCODERS: dict[str, Callable[[str, list, dict], None]] = {
+_ENCODERS: dict[str, Callable[[str, list, dict, _Shared], None]] = {
     "int": _encode_int, "int?": _encode_optional_int, "float": _encode_float, "str": _encode_str,
     "ints": _encode_ints, "box": _encode_box, "boxes": _encode_boxes, "intss": _encode_intss,
 }
@@ -136,7 +159,8 @@ def _text(text: str) -> np.ndarray:
 
 
 def _device_index(out: dict[str, np.ndarray], count: int) -> dict[str, np.ndarray]:
-    """For each device, the rows of the operations it takes part in, ascending; from the encoded device columns."""
+    """For each device, the rows of the operations it takes part in, ascending (stored as the first row, then the
+    steps between rows); from the encoded device columns."""
     rows, devices = [], []
     for field, kind in ((f, COLUMN_KINDS["operations"][f]) for f in DEVICE_FIELDS):
         name = f"operations.{field}"
@@ -144,15 +168,18 @@ def _device_index(out: dict[str, np.ndarray], count: int) -> dict[str, np.ndarra
             has = ~out[f"{name}.none"] if f"{name}.none" in out else np.ones(count, dtype=bool)
             rows.append(np.flatnonzero(has)), devices.append(out[name][has].astype(np.int64))
             continue
-        owner = np.repeat(np.arange(count), np.diff(out[f"{name}.offsets"].astype(np.int64)))
+        owner = np.repeat(np.arange(count), out[f"{name}.lengths"].astype(np.int64))
         if kind == "intss":  # rows own inner lists, which own the values
-            owner = np.repeat(owner, np.diff(out[f"{name}.inner"].astype(np.int64)))
+            owner = np.repeat(owner, out[f"{name}.inner"].astype(np.int64))
         rows.append(owner), devices.append(out[f"{name}.values"].astype(np.int64))
     pairs = np.unique(np.stack([np.concatenate(devices), np.concatenate(rows)], axis=1), axis=0) if count else np.zeros((0, 2), np.int64)
     found, starts = np.unique(pairs[:, 0], return_index=True)
+    steps = np.diff(pairs[:, 1], prepend=0)
+    steps[starts] = 0  # each device's first row is in index.first
     return {"index.devices": _ints(found.tolist(), "index devices"),
-            "index.offsets": _offsets(np.diff(np.append(starts, len(pairs))).tolist(), "index"),
-            "index.rows": _ints(pairs[:, 1].tolist(), "index rows")}
+            "index.offsets": _ints([*starts.tolist(), len(pairs)], "index offsets"),
+            "index.first": _ints(pairs[starts, 1].tolist(), "index first rows"),
+            "index.rows": _ints(steps.tolist(), "index rows")}
 
 
 def _op_devices(op) -> set[int]:
@@ -168,13 +195,18 @@ def compact_arrays(plan) -> dict[str, np.ndarray]:
     header = {"format": FORMAT, "format_version": FORMAT_VERSION, "plan": rest,
               "counts": {t: len(getattr(plan, t)) for t in TABLES}}
     out: dict[str, np.ndarray] = {"header": _text(json.dumps(header))}
+    shared = _Shared()
     for table, kinds in COLUMN_KINDS.items():
         rows = getattr(plan, table)
         columns = list(zip(*map(attrgetter(*kinds), rows))) if rows else [() for _ in kinds]
         for (field, kind), values in zip(kinds.items(), columns):
-            _ENCODERS[kind](f"{table}.{field}", list(values), out)
+            _ENCODERS[kind](f"{table}.{field}", list(values), out, shared)
+    out.update(shared.members())
     out.update(_device_index(out, len(plan.operations)))
-    first, tags = first_tags(plan.operations)  # the lowering's numbering (tensor by tensor), and the plan's total
+    try:
+        first, tags = first_tags(plan.operations)  # the lowering's numbering (tensor by tensor), and the plan's total
+    except (IndexError, ValueError) as err:  # an operation without the devices its kind's messages need
+        raise CompactPlanError(f"its operations cannot be numbered into messages ({err}); `xmesh-plan verify` names the fault") from None
     out["index.first_tags"] = _ints([*first, tags], "message tags")
     return out
 
@@ -225,6 +257,7 @@ class _Members:
 
     def __init__(self, path):
         self.path = path
+        self.memo: dict[str, Any] = {}
         try:
             with zipfile.ZipFile(path) as archive:
                 infos = archive.infolist()
@@ -262,6 +295,12 @@ class _Members:
     def __contains__(self, name: str) -> bool:
         return name in self.where
 
+    def once(self, key: str, make: Callable[[], Any]) -> Any:
+        """`make()`, computed once per open file (offsets from lengths, the shared tables)."""
+        if key not in self.memo:
+            self.memo[key] = make()
+        return self.memo[key]
+
     def get(self, name: str) -> np.ndarray:
         """The member, mapped read-only (an empty array where it has no rows)."""
         if name not in self.where:
@@ -282,10 +321,18 @@ def _ranges(offsets: np.ndarray, rows: np.ndarray) -> tuple[np.ndarray, np.ndarr
     """(lengths, flat positions) of the CSR rows `rows`: every position from offsets[r] to offsets[r+1], row by row."""
     starts = np.asarray(offsets[rows], dtype=np.int64)
     lengths = np.asarray(offsets[rows + 1], dtype=np.int64) - starts
-    if (lengths < 0).any():
-        raise CompactPlanError("offsets go backwards")
     firsts = np.cumsum(lengths) - lengths
     return lengths, np.repeat(starts - firsts, lengths) + np.arange(int(lengths.sum()), dtype=np.int64)
+
+
+def _offsets(m: _Members, name: str) -> np.ndarray:
+    """The running offsets (from 0) of a lengths member, computed once per file."""
+    def make() -> np.ndarray:
+        lengths = np.asarray(m.get(name), dtype=np.int64)
+        if (lengths < 0).any():
+            raise CompactPlanError(f"member {name}.npy holds a negative length")
+        return np.concatenate(([0], np.cumsum(lengths)))
+    return m.once(name, make)
 
 
 def _split(values: list, lengths: np.ndarray) -> list[list]:
@@ -300,6 +347,32 @@ def _pairs(values: np.ndarray) -> list[list[int]]:
     return values.reshape(-1, 2).tolist() if values.size else []
 
 
+def _indices(m: _Members, name: str, rows, size: int) -> np.ndarray:
+    """Entries `rows` of an index member, each checked to be below `size` (a shared table's length)."""
+    at = np.asarray(m.get(name)[rows], dtype=np.int64)
+    if at.size and not 0 <= at.min() <= at.max() < size:
+        raise CompactPlanError(f"member {name}.npy points outside its shared table")
+    return at
+
+
+def _box_table(m: _Members) -> tuple[np.ndarray, np.ndarray]:
+    """(offsets of each shared box's pairs, the pairs as an (n, 2) int64 array)."""
+    def make():
+        offsets = _offsets(m, "boxes.dims")
+        pairs = np.asarray(m.get("boxes.values"), dtype=np.int64).reshape(-1, 2)
+        if len(pairs) < offsets[-1]:
+            raise CompactPlanError("member boxes.values.npy is shorter than boxes.dims says")
+        return offsets, pairs
+    return m.once("boxes", make)
+
+
+def _boxes_at(m: _Members, name: str, rows) -> list:
+    """The shared boxes that entries `rows` of index member `name` point at, each a list of [start, stop] pairs."""
+    offsets, pairs = _box_table(m)
+    dims, flat = _ranges(offsets, _indices(m, name, rows, len(offsets) - 1))
+    return _split(pairs[flat].tolist(), dims)
+
+
 def _decode_int(m: _Members, name: str, rows: np.ndarray) -> list:
     return np.asarray(m.get(name)[rows]).tolist()
 
@@ -312,8 +385,16 @@ def _decode_optional_int(m: _Members, name: str, rows: np.ndarray) -> list:
     return [None if n else v for v, n in zip(values, none)]
 
 
+def _floats(m: _Members, name: str, rows) -> np.ndarray:
+    """A time column's entries `rows`: through the shared `floats` table where the file has one for it."""
+    if f"{name}.at" not in m:
+        return np.asarray(m.get(name)[rows], dtype=np.float64)
+    table = m.get("floats")
+    return np.asarray(table, dtype=np.float64)[_indices(m, f"{name}.at", rows, len(table))]
+
+
 def _decode_float(m: _Members, name: str, rows: np.ndarray) -> list:
-    return np.asarray(m.get(name)[rows], dtype=np.float64).tolist()
+    return _floats(m, name, rows).tolist()
 
 
 def _decode_str(m: _Members, name: str, rows: np.ndarray) -> list:
@@ -325,24 +406,22 @@ def _decode_str(m: _Members, name: str, rows: np.ndarray) -> list:
 
 
 def _decode_ints(m: _Members, name: str, rows: np.ndarray) -> list:
-    lengths, flat = _ranges(m.get(f"{name}.offsets"), rows)
+    lengths, flat = _ranges(_offsets(m, f"{name}.lengths"), rows)
     return _split(np.asarray(m.get(f"{name}.values")[flat]).tolist(), lengths)
 
 
 def _decode_box(m: _Members, name: str, rows: np.ndarray) -> list:
-    lengths, flat = _ranges(m.get(f"{name}.offsets"), rows)
-    return _split(_pairs(np.asarray(m.get(f"{name}.values")[flat])), lengths)
+    return _boxes_at(m, name, rows)
 
 
 def _decode_boxes(m: _Members, name: str, rows: np.ndarray) -> list:
-    lengths, boxes = _ranges(m.get(f"{name}.offsets"), rows)
-    dims, flat = _ranges(m.get(f"{name}.dims"), boxes)
-    return _split(_split(_pairs(np.asarray(m.get(f"{name}.values")[flat])), dims), lengths)
+    lengths, flat = _ranges(_offsets(m, f"{name}.lengths"), rows)
+    return _split(_boxes_at(m, f"{name}.values", flat), lengths)
 
 
 def _decode_intss(m: _Members, name: str, rows: np.ndarray) -> list:
-    lengths, lists = _ranges(m.get(f"{name}.offsets"), rows)
-    inner, flat = _ranges(m.get(f"{name}.inner"), lists)
+    lengths, lists = _ranges(_offsets(m, f"{name}.lengths"), rows)
+    inner, flat = _ranges(_offsets(m, f"{name}.inner"), lists)
     return _split(_split(np.asarray(m.get(f"{name}.values")[flat]).tolist(), inner), lengths)
 
 
@@ -416,6 +495,116 @@ def read_compact_data(path: str | os.PathLike, records: dict[str, Callable[[dict
     return data
 
 
+# ---------------------------------------------------------------- columns, for proofs over whole tables
+
+
+def _flat(array: np.ndarray, what: str) -> np.ndarray:
+    """An integer member as int64 (what the record reader's `tolist` gives); refused where that could differ."""
+    if array.dtype.kind not in "iu" or (array.dtype.kind == "u" and array.dtype.itemsize == 8):
+        raise CompactPlanError(f"member {what}.npy holds {array.dtype}, not integers")
+    return np.asarray(array, dtype=np.int64)
+
+
+def _lengths(m: _Members, name: str, rows: int) -> np.ndarray:
+    """Running offsets of the `rows` lengths of a lengths member."""
+    _flat(m.get(name), name)
+    if m.get(name).shape != (rows,):
+        raise CompactPlanError(f"member {name}.npy is not {rows} lengths")
+    return _offsets(m, name)
+
+
+def _values(m: _Members, name: str, offsets: np.ndarray) -> np.ndarray:
+    values = _flat(m.get(name), name)
+    if values.shape != (int(offsets[-1]),):
+        raise CompactPlanError(f"member {name}.npy has {values.shape} values, its lengths {int(offsets[-1])}")
+    return values
+
+
+def _column(m: _Members, name: str, kind: str, count: int) -> dict[str, Any]:
+    """One field's column as flat arrays: `values` (int64, float64 or string codes), with `none` (int?), `names`
+    (str), `offsets` (running, per row: ints, box, and the rows of boxes and intss), box values as (start, stop)
+    pairs."""
+    if kind == "float":
+        if f"{name}.at" in m:
+            _flat(m.get(f"{name}.at"), f"{name}.at")
+        values = _floats(m, name, slice(None))
+        if values.shape != (count,):
+            raise CompactPlanError(f"member {name}.npy is not {count} numbers")
+        return {"values": values}
+    if kind in ("int", "int?", "str"):
+        values = _flat(m.get(name), name)
+        if values.shape != (count,):
+            raise CompactPlanError(f"member {name}.npy is not {count} integers")
+        out: dict[str, Any] = {"values": values}
+        if kind == "int?":
+            out["none"] = np.asarray(m.get(f"{name}.none"), dtype=bool) if f"{name}.none" in m else np.zeros(count, dtype=bool)
+            if out["none"].shape != (count,):
+                raise CompactPlanError(f"member {name}.none.npy is not {count} flags")
+        if kind == "str":
+            out["names"] = m.text(f"{name}.names")
+            if not isinstance(out["names"], list) or not all(isinstance(n, str) for n in out["names"]) \
+                    or (count and not 0 <= values.min() <= values.max() < len(out["names"])):
+                raise CompactPlanError(f"member {name}.npy names a string its table lacks")
+        return out
+    if kind == "box":
+        table, pairs = _box_table(m)
+        at = _flat(m.get(name), name)
+        if at.shape != (count,):
+            raise CompactPlanError(f"member {name}.npy is not {count} box indices")
+        at = _indices(m, name, slice(None), len(table) - 1)
+        dims = np.diff(table)[at]
+        offsets = np.concatenate(([0], np.cumsum(dims)))
+        _, flat = _ranges(table, at)
+        return {"offsets": offsets, "values": pairs[flat]}
+    offsets = _lengths(m, f"{name}.lengths", count)
+    if kind == "boxes":  # parts: box indices, checked; the boxes themselves are read with their records
+        _indices(m, f"{name}.values", slice(None), len(_box_table(m)[0]) - 1)
+        _values(m, f"{name}.values", offsets)
+        return {"offsets": offsets}
+    if kind == "intss":  # needers: lists per row, integers per list, checked; read with their records
+        _values(m, f"{name}.values", _lengths(m, f"{name}.inner", int(offsets[-1])))
+        return {"offsets": offsets}
+    return {"offsets": offsets, "values": _values(m, f"{name}.values", offsets)}
+
+
+@dataclass(frozen=True)
+class CompactColumns:
+    """A compact plan as whole columns, for a proof over every row at once (`planner.verify_columns`): the plan's
+    fields less its tables (`fields`), the row counts, each table's columns (`_column`), and the file, whose
+    `host_order` and chosen operations a caller reads as records (`host_order_rows`, `operation_rows`)."""
+
+    fields: dict
+    counts: dict[str, int]
+    tables: dict[str, dict[str, dict[str, Any]]]
+    members: _Members
+
+    def host_order_rows(self) -> list[dict]:
+        return _rows(self.members, "host_order", np.arange(self.counts["host_order"], dtype=np.int64))
+
+    def operation_rows(self, rows: np.ndarray) -> list[dict]:
+        """The operations at `rows` as plain dicts (what `read_compact_data` gives for them)."""
+        return _rows(self.members, "operations", rows)
+
+
+def read_compact_columns(path: str | os.PathLike, keep: dict[str, set[str]]) -> CompactColumns:
+    """The columns of the tasks and operations of the compact plan in `path`, every one checked to be what the record
+    reader reads as integers, numbers, known strings and whole rows (CompactPlanError otherwise); those named in
+    `keep` (table -> fields) are returned, the others dropped once checked."""
+    m = _Members(path)
+    header = _header(m)
+    counts = header["counts"]
+    if not all(isinstance(counts.get(t), int) and counts[t] >= 0 for t in TABLES):
+        raise CompactPlanError("its header gives no row count for a table")
+    tables: dict[str, dict[str, dict[str, Any]]] = {}
+    for table in ("tasks", "operations"):
+        tables[table] = {}
+        for field, kind in COLUMN_KINDS[table].items():
+            column = _column(m, f"{table}.{field}", kind, counts[table])
+            if field in keep.get(table, ()):
+                tables[table][field] = column
+    return CompactColumns(header["plan"], {t: counts[t] for t in TABLES}, tables, m)
+
+
 @dataclass(frozen=True)
 class DeviceOps:
     """What one device needs of a plan to run its part: the plan's problem and schema version, the operations it
@@ -441,7 +630,8 @@ def device_rows(m: _Members, device: int | None) -> np.ndarray:
     if at >= len(devices) or int(devices[at]) != device:
         return np.zeros(0, dtype=np.int64)
     offsets = m.get("index.offsets")
-    return np.asarray(m.get("index.rows")[int(offsets[at]):int(offsets[at + 1])], dtype=np.int64)
+    steps = np.asarray(m.get("index.rows")[int(offsets[at]):int(offsets[at + 1])], dtype=np.int64)
+    return int(m.get("index.first")[at]) + np.cumsum(steps)  # stored as steps from the device's first row
 
 
 def read_device_data(path, device: int | None) -> tuple[dict, list[dict], np.ndarray, list[int], int]:

@@ -89,6 +89,35 @@ def test_odd_values_round_trip(tmp_path):
     assert done >= 30
 
 
+def test_a_bundle_plan_takes_under_100_bytes_per_operation():
+    """Every member but the header (the problem's JSON), over the operations, of a plan of bundles only (84 of them,
+    with their tasks, host order and index): the issue's budget is about 100 bytes per operation."""
+    plan = read_plan_file(ROOT / "plans" / "weight_sync_small.plan.json")
+    assert {op.kind for op in plan.operations} == {"bundle"}
+    arrays = compact_arrays(plan)
+    assert sum(a.nbytes for name, a in arrays.items() if name != "header") <= 100 * len(plan.operations)
+
+
+def test_shared_tables_keep_every_time_bit_and_box(tmp_path):
+    """Boxes are written once (`boxes.*`) and indexed; times go through the shared `floats` table only where that is
+    smaller, and keep their exact bits either way (-0.0 stays -0.0)."""
+    plan = read_plan_file(ROOT / "plans" / "weight_sync_small.plan.json")
+    arrays = compact_arrays(plan)
+    distinct = {op.region for op in plan.operations} | {t.region for t in plan.tasks} | {b for op in plan.operations for b in op.parts}
+    assert len(arrays["boxes.dims"]) == len(distinct) < len(plan.operations) + len(plan.tasks)
+    assert "floats" in arrays and "operations.start_s" not in arrays  # 84 operations share few distinct times
+    assert 8 * len(arrays["floats"]) + sum(arrays[f"{t}.{f}.at"].nbytes for t in ("operations", "tasks") for f in ("start_s", "end_s")) \
+        < 8 * 2 * (len(plan.operations) + len(plan.tasks))
+    ops = tuple(op.model_copy(update={"start_s": float(k) * 1e-7 + 1e-9 * (k % 3), "end_s": -0.0 if k == 0 else float(k) * 2e-7})
+                for k, op in enumerate(plan.operations))
+    tasks = tuple(t.model_copy(update={"start_s": k * 1e-7 + 5e-10, "end_s": k * 3e-7 + 7e-10}) for k, t in enumerate(plan.tasks))
+    unique = plan.model_copy(update={"operations": ops, "tasks": tasks})  # every time distinct: direct columns are smaller
+    arrays = compact_arrays(unique)
+    assert "floats" not in arrays and arrays["operations.start_s"].dtype == np.float64
+    back = _round_trip(unique, tmp_path)
+    assert str(back.operations[0].end_s) == "-0.0"
+
+
 def test_big_integers_pick_wider_columns(tmp_path):
     plan = read_plan_file(ROOT / "plans" / "case1.plan.json")
     op = plan.operations[0].model_copy(update={"id": 2**40, "task": -(2**35), "chunks": 70000})
