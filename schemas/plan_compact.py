@@ -35,7 +35,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from .op_kinds import first_tags
+from .op_kinds import first_tags, number_tags, tags_used
 
 FORMAT = "xmesh-plan-compact"
 FORMAT_VERSION = 2
@@ -456,21 +456,31 @@ def _header(m: _Members) -> dict:
 CHUNK_ROWS = 65_536  # rows decoded at a time: a chunk's plain dicts are dropped once its records are made
 
 
-def _check_index(m: _Members, operations: list) -> None:
-    """Refuse (CompactPlanError naming the member) a stored index other than the one the operations table gives: a
-    rank reads its part through the index alone, so the index must be the one that `verify` checked."""
+INDEX_MEMBERS = ("index.devices", "index.first", "index.rows", "index.offsets", "index.first_tags")
+
+
+def index_fault(m: _Members, count: int, counts: list[int], tensors: list[int]) -> str | None:
+    """The first `index.*` member that is not what `compact_arrays` writes for the operations table (their device
+    columns, and `counts` tags owned by each of the `count` operations, of tensors `tensors`: `op_kinds.number_tags`);
+    None when the stored index is that one. A rank reads its part through the index alone, so it must be the one the
+    table that `verify` checks gives."""
     columns = {name: m.get(name) for name in m.where if name.split(".")[:2] in (["operations", f] for f in DEVICE_FIELDS)}
     try:
-        want = _device_index(columns, len(operations))
+        want = _device_index(columns, count)
     except (KeyError, ValueError, IndexError):
-        raise CompactPlanError("its operations' device columns are damaged") from None
-    first, tags = first_tags(operations)
+        return "index.rows"
+    first, tags = number_tags(counts, tensors)
     want["index.first_tags"] = np.array([*first, tags], dtype=np.int64)
-    for name in ("index.devices", "index.rows", "index.offsets", "index.first_tags"):
-        if not np.array_equal(m.get(name), want[name]):
-            raise CompactPlanError(f"member {name}.npy is not the index its operations table gives (tampered or damaged), "
-                                   "so a rank would run other operations than the plan's; recompile the plan, or write it "
-                                   "again from its JSON plan with `xmesh-plan export`")
+    return next((name for name in INDEX_MEMBERS if name not in m or not np.array_equal(m.get(name), want[name])), None)
+
+
+def _check_index(m: _Members, operations: list) -> None:
+    """Refuse (CompactPlanError naming the member) a stored index other than the one the operations table gives."""
+    name = index_fault(m, len(operations), [tags_used(op) for op in operations], [op.tensor or 0 for op in operations])
+    if name is not None:
+        raise CompactPlanError(f"member {name}.npy is not the index its operations table gives (tampered or damaged), "
+                               "so a rank would run other operations than the plan's; recompile the plan, or write it "
+                               "again from its JSON plan with `xmesh-plan export`")
 
 
 def read_compact_data(path: str | os.PathLike, records: dict[str, Callable[[dict], Any]] | None = None) -> dict:

@@ -16,6 +16,7 @@ from xmesh_plan.schemas import Plan, PlanFileError, read_plan_file
 from xmesh_plan.schemas.files import write_atomic
 from xmesh_plan.executor.plan_index import plan_index
 from xmesh_plan.planner.compile import compile_plan
+from xmesh_plan.planner.verify_columns import verify_compact
 from xmesh_plan.schemas.plan import HostOrder, Operation, UnitTask
 from xmesh_plan.schemas.plan_compact import COLUMN_KINDS, archive_bytes, compact_arrays, compact_bytes
 from xmesh_plan.schemas.plan_io import plan_file_bytes, read_plan_ops
@@ -193,12 +194,11 @@ def _tampered_indexes(plan: Plan, tmp_path: Path) -> dict[str, Path]:
     and every operation's first message tag 0."""
     k, op = next((i, o) for i, o in enumerate(plan.operations) if o.kind in ("send", "broadcast") and o.src not in o.dsts)
     arrays = compact_arrays(plan)
-    devices, offsets = arrays["index.devices"].tolist(), arrays["index.offsets"].astype(np.int64)
-    at = devices.index(op.src)
-    rows = arrays["index.rows"]
-    drop = int(offsets[at]) + rows[offsets[at]:offsets[at + 1]].tolist().index(k)
-    dropped = dict(arrays, **{"index.rows": np.delete(rows, drop),
-                              "index.offsets": np.where(np.arange(len(offsets)) > at, offsets - 1, offsets).astype(offsets.dtype)})
+    offsets, first, steps = (arrays[f"index.{m}"].astype(np.int64) for m in ("offsets", "first", "rows"))
+    lists = [(first[i] + np.cumsum(steps[offsets[i]:offsets[i + 1]])).tolist() for i in range(len(first))]
+    lists[arrays["index.devices"].tolist().index(op.src)].remove(k)
+    dropped = dict(arrays, **{"index.offsets": np.cumsum([0, *map(len, lists)]).astype(arrays["index.offsets"].dtype),
+                              "index.rows": np.concatenate([np.diff(rows, prepend=rows[0]) for rows in lists]).astype(steps.dtype)})
     tags = arrays["index.first_tags"].copy()
     tags[:-1] = 0
     out = {"index.rows": dropped, "index.first_tags": dict(arrays, **{"index.first_tags": tags})}
@@ -210,7 +210,12 @@ def _tampered_indexes(plan: Plan, tmp_path: Path) -> dict[str, Path]:
 
 def test_a_tampered_index_is_refused_by_the_whole_file_read_and_verify(tmp_path):
     plan = compile_plan(three_tensors(), strategy="auto", seed=0)
+    quiet = lambda *_: None
+    written = tmp_path / "as_written.plan.npz"
+    write_atomic(written, compact_bytes(plan))
+    assert verify_compact(written, quiet, quiet) is not None  # the columns prove the file as written
     for member, path in _tampered_indexes(plan, tmp_path).items():
+        assert verify_compact(path, quiet, quiet) is None  # left to the record path, which refuses it
         with pytest.raises(PlanFileError) as err:
             read_plan_file(path)
         message = str(err.value)
