@@ -295,13 +295,29 @@ Same machine: compare the ratio.
        ["per sync", "ms", "/ WeightSync"], "lrr")}
 
 The fused WeightSync row and the redistribute row sync into an engine whose q, k, v and gate, up are fused
-(qkv_proj, gate_up_proj): WeightSync with the fusion in its plan, into float32 tensors (the plan has no
-conversion at the sender yet), and each tensor `redistribute`d to its TP layout, then concatenated and cast into
-float16 tensors (`fused_ways` in the bench).
+(qkv_proj, gate_up_proj): WeightSync with the fusion in its plan, into float32 tensors, and each tensor
+`redistribute`d to its TP layout, then concatenated and cast into float16 tensors (`fused_ways` in the bench).
+{converted_sync(sync["converted"])}
 """
 
 FUSED_ROWS = (("weight_sync_fused_ms", "WeightSync, qkv / gate_up fused in the plan (float32, no cast)"),
               ("redistribute_cat_cast_ms", "redistribute per tensor + cat + cast to float16"))
+
+
+def converted_sync(run: dict) -> str:
+    """The fused and converting engine's rows of `bench_weight_sync_torch` (the same launch)."""
+    return f"""
+**Fused and converted destinations.** In the same launch, an engine that fuses qkv and gate_up and holds them in
+FP8 e4m3 with 128x128 block scales, o and down in FP8 with per-tensor scales and the rest in float16/bfloat16
+(`weight_sync_demo.converted_targets`; {run["tensors"]} tensors with the scale tensors, {run["mib"]:.1f} MiB at the trainer, on a
+model whose FSDP shards lie on 128-row blocks): `WeightSync` with the fusion and the conversion in the plan (the
+trainer ranks cast, converted bytes cross) against `full_tensor()` + broadcast + each inference rank slicing its
+shares, concatenating the fused ones and casting with the scales it computes; both checked bit for bit against
+torch's own cast once.
+
+{table([["WeightSync (fused and converted in the plan)", f"{run['weight_sync_ms']:.2f}", x(1.0)],
+        ["full_tensor() + broadcast + slice + cat + cast", f"{run['full_tensor_broadcast_slice_cat_cast_ms']:.2f}",
+         x(run["full_tensor_broadcast_slice_cat_cast_ms"] / run["weight_sync_ms"])]], ["per sync", "ms", "/ WeightSync"], "lrr")}"""
 
 
 # ---- 3. scale ----------------------------------------------------------------------------------------------------

@@ -1,19 +1,15 @@
-"""The sender's conversion (`schemas.convert`) as array functions: scales from a source shard, and a box cast to the
-destination dtype with them, on torch tensors (numpy has no FP8).
+"""The sender's conversion (`schemas.convert`) as array functions: scales from a source shard, and a shard or box cast
+to the destination dtype with them, on torch tensors (numpy has no FP8), on whatever device the shard is.
 
-A sender converting tensor t (`dst_dtype`, `scale`) does, for each box it sends or copies locally out of its source
-shard: `convert(box_values, dst_dtype, expand_scales(scales, box, origin))`, with `scales` from `block_scales` of
-its whole source shard (per block: the shard lies on block bounds, so its blocks are whole) or `tensor_scale` of
-the max over every source device's `amax` (per tensor). The scales themselves travel as the plan's tensor
-`<t>.scale`, whose source shard on that device is exactly these scales.
-
-The engines do not call these yet, so `executor.lower` refuses a plan with conversions (`problem.dst_dtype`, schema 2):
-the lowering already sizes messages and staging in converted bytes (`ReshardingProblem.itemsize`) while the
-engines move source bytes. Running one takes, in the executor: destination shards allocated as
-`storage_dtype(problem.dst_dtype or problem.dtype)`; each box a sender reads out of its source shard (a send's,
-a broadcast's first hop, a bundle's gather, a local copy) passed through `convert` before it is packed (what is
-forwarded out of destination shards is converted already); and, before `start()`, each source rank's
-`<t>.scale` shard computed as above (a max over the source ranks' `amax` for per-tensor scales).
+An engine that converts (`engines.EngineEntry.converts`: the torch engine) does, once per run and before it sends
+anything, for each tensor t it holds a source shard of (`conversions.Conversion`): `block_scales` of its shard
+(per block: the shard lies on block bounds, so its blocks are whole), or `tensor_scale` of the max of `amax` over
+every source device of t (per tensor: the senders swap their amax, so each computes the same scale); then
+`convert_shard` casts the whole shard into a buffer of the destination dtype, which every step that reads the
+source shard (a send, a broadcast's first hop, a bundle's gather, a local copy) reads instead. What is forwarded
+out of destination shards is converted already. The scales themselves travel as the plan's tensor `<t>.scale`,
+whose source shard on that device is exactly these scales. Converting the whole shard once is one pass over it
+whatever the number of boxes it is cut into (a device of a replicated source also converts elements it does not send).
 
 >>> import torch
 >>> x = torch.tensor([[1.0, -448.0], [2.0, 896.0]])
@@ -50,7 +46,7 @@ def block_scales(shard: torch.Tensor, fp8: str) -> torch.Tensor:
     short, as the tensor's are): amax(|block|) over the FP8 type's largest value."""
     rows, cols = shard.shape
     br, bc = -(-rows // BLOCK), -(-cols // BLOCK)
-    padded = torch.zeros((br * BLOCK, bc * BLOCK), dtype=torch.float32)
+    padded = torch.zeros((br * BLOCK, bc * BLOCK), dtype=torch.float32, device=shard.device)
     padded[:rows, :cols] = shard.float().abs()
     blocks = padded.reshape(br, BLOCK, bc, BLOCK).amax(dim=(1, 3))
     return blocks.clamp(min=MIN_AMAX) / FP8_MAX[fp8]
@@ -59,7 +55,7 @@ def block_scales(shard: torch.Tensor, fp8: str) -> torch.Tensor:
 def expand_scales(scales: torch.Tensor, box: Region, origin: tuple[int, ...] = (0, 0)) -> torch.Tensor:
     """Each element of `box` (global coordinates) with its block's scale; `scales` holds the blocks from block
     `origin` on (a source shard's own scales start at its first block)."""
-    rows, cols = (torch.arange(a, b) // BLOCK - o for (a, b), o in zip(box, origin))
+    rows, cols = (torch.arange(a, b, device=scales.device) // BLOCK - o for (a, b), o in zip(box, origin))
     return scales[rows[:, None], cols[None, :]]
 
 
@@ -71,3 +67,19 @@ def convert(values: torch.Tensor, dst_dtype: str, scales: torch.Tensor | None = 
         return values.to(target)
     limit = FP8_MAX[dst_dtype]
     return (values.float() / scales).clamp(-limit, limit).to(target)
+
+
+def shard_block_scales(scales: torch.Tensor, shape: tuple[int, int]) -> torch.Tensor:
+    """Each element of a shard of `shape` lying on block bounds with its block's scale (`scales`: the shard's own)."""
+    return scales.repeat_interleave(BLOCK, 0)[:shape[0]].repeat_interleave(BLOCK, 1)[:, :shape[1]]
+
+
+def convert_shard(out: torch.Tensor, shard: torch.Tensor, dst_dtype: str, scale: str | None, scales: torch.Tensor | None) -> None:
+    """Write `shard` converted to `out` (of `dst_dtype`, the shard's shape): `convert` with the scales of `scale`
+    kind ("block": the shard's own `block_scales`; "tensor": one), elementwise the same values."""
+    if dst_dtype not in FP8_MAX:
+        out.copy_(shard)  # the cast `.to()` makes
+        return
+    each = shard_block_scales(scales, tuple(shard.shape)) if scale == "block" else scales
+    limit = FP8_MAX[dst_dtype]
+    out.copy_((shard.float() / each).clamp_(-limit, limit))

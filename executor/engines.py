@@ -24,8 +24,10 @@ from typing import Any, Callable, Protocol
 
 import numpy as np
 
+from xmesh_plan.schemas.convert import FP8_MAX
 from xmesh_plan.schemas.staging import SYNC_SEND_BYTES
 
+from .errors import PlanMismatchError
 from .lower import RankProgram
 
 
@@ -130,9 +132,25 @@ class EngineEntry:
     # replays receipts (`passes.with_receipts`): in device order, on a world whose sends end once buffered
     # (`worlds.TorchWorld.buffered_sends`: gloo), large sends end when the receiver's receipt arrives
     receipts: bool = False
+    # converts at the sender (`executor.conversions`): casts each source shard to its destination dtype and computes
+    # FP8 scales before sending; an engine that cannot refuses a converting plan in `make`
+    converts: bool = False
 
     def make(self, program: RankProgram, context: EngineContext) -> Engine:
-        """Import the engine's module (only now: CuPy and torch are optional) and build the engine."""
+        """Import the engine's module (only now: CuPy and torch are optional) and build the engine; PlanMismatchError,
+        the same on every rank, for a converting plan on an engine that does not convert."""
+        converting = next((t for t in program.tensors if t.convert is not None), None)
+        unscaled = next((t for t in program.tensors if t.convert is not None and t.convert.dst_dtype in FP8_MAX
+                         and t.convert.scale is None), None)
+        if unscaled is not None:
+            raise PlanMismatchError(f"the plan converts {unscaled.dtype} to {unscaled.dst_dtype} without scales; give the tensor "
+                                    "scale = \"tensor\" or \"block\" in a multi-tensor problem, which carries them in its .scale "
+                                    "tensor", same_on_every_rank=True)
+        if converting is not None and not self.converts:
+            can = ", ".join(e.name for e in ENGINES.values() if e.converts)
+            raise PlanMismatchError(f"the plan converts {converting.dtype} to {converting.dst_dtype} at the sender, which the "
+                                    f"{self.name} engine does not run; run it on the {can} engine (backend='gloo' or 'nccl' "
+                                    "with a torch process group) or compile the plan without dst_dtype", same_on_every_rank=True)
         return self.build(importlib.import_module(self.module), program, context)
 
     def stage_need(self, program: RankProgram) -> int:
@@ -150,7 +168,8 @@ ENGINES: dict[str, EngineEntry] = {e.name: e for e in (
                 "NCCL broadcasts through CuPy on GPUs, ids exchanged over MPI", tagged=False, own_staging=True,
                 need=lambda m, p: m.nccl_program(p).stage_bytes),
     EngineEntry("torch", "torch", "xmesh_plan.executor.torch_engine", lambda m, p, c: m.TorchEngine(p, c),
-                "torch.distributed isend/irecv over any process group (gloo on CPU, NCCL on CUDA)", receipts=True),
+                "torch.distributed isend/irecv over any process group (gloo on CPU, NCCL on CUDA)", receipts=True,
+                converts=True),
 )}
 
 TORCH_BACKENDS = ("gloo", "nccl")

@@ -252,7 +252,7 @@ class Executor(Flying):
     @program.setter
     def program(self, program: RankProgram | None) -> None:
         self._program = program
-        self.src_shapes = None if program is None else [t.src_shape for t in program.tensors]  # made once: run() checks against them
+        self.src_shapes = None if program is None else [t.given_shape for t in program.tensors]  # made once: run() checks against them
 
     @property
     def stage_bytes(self) -> int:

@@ -34,6 +34,7 @@ from xmesh_plan.schemas.plan_check import TOLERANCE_S, PlanError, check_device_o
 from xmesh_plan.schemas.plan_compact import DeviceOps
 from xmesh_plan.schemas.staging import ORDERS, contiguous_span, device_layout, staging_align
 
+from .conversions import Conversion, conversions, scale_owners
 from .errors import PlanMismatchError
 from .plan_index import device_ops, plan_index, refusal_advice
 
@@ -181,12 +182,27 @@ def _staged_calls(steps: list[Step], first: int, device: int, tensor: int) -> li
 @dataclass(frozen=True, slots=True)
 class TensorShards:
     """One tensor's shards on a device: the box it holds before (`src_block`) and after (`dst_block`) the
-    reshard (None outside that mesh), its element size and its dtype name (`schemas.dtypes`)."""
+    reshard (None outside that mesh), its element size as it crosses and its dtype name (`schemas.dtypes`).
+    `convert`: how a sender converts it (`conversions.Conversion`; then `itemsize` and every buffer but the
+    caller's source shard are in `dst_dtype`); `scale_of`: it carries that tensor's FP8 scales, which the
+    senders compute, so the caller passes no source shard of it (`given_shape` is None)."""
 
     src_block: Region | None
     dst_block: Region | None
     itemsize: int
     dtype: str
+    convert: Conversion | None = None
+    scale_of: int | None = None
+
+    @property
+    def dst_dtype(self) -> str:
+        """The dtype of the destination shard, of staging and of every message."""
+        return self.dtype if self.convert is None else self.convert.dst_dtype
+
+    @property
+    def given_shape(self) -> tuple[int, ...] | None:
+        """The shape of the source shard the caller passes (None: none, outside the source mesh or computed by the senders)."""
+        return None if self.scale_of is not None else self.src_shape
 
     @property
     def src_shape(self) -> tuple[int, ...] | None:
@@ -594,12 +610,8 @@ def _lower(ops: DeviceOps, device: int, tag_limit: int | None, blocks: list[tupl
     """The program of a checked part (`blocks`: each tensor's source and destination box on `device`)."""
     plan = ops  # what the lowering reads of the plan: its problem (the operations and tags are the part's)
     problems = plan.problem.tensor_problems()
-    converting = next((p for p in problems if p.dst_dtype is not None), None)
-    if converting is not None:  # messages are sized in converted bytes, but no engine casts yet (executor/convert.py)
-        raise PlanMismatchError(f"the plan converts {converting.dtype} to {converting.dst_dtype} at the sender, which this executor "
-                                "does not run yet; compile the plan without dst_dtype and cast after the transfer",
-                                same_on_every_rank=True)
-    tensors = [_Tensor(t, TensorShards(src, dst, p.itemsize, p.dtype), len(p.shape))
+    converts, owners = conversions(plan.problem, device), scale_owners(plan.problem)  # in converted bytes (`executor.conversions`)
+    tensors = [_Tensor(t, TensorShards(src, dst, p.itemsize, p.dtype, converts[t], owners[t]), len(p.shape))
                for t, (p, (src, dst)) in enumerate(zip(problems, blocks))]
     b = _Builder(device, tensors)
     for op, first_tag in zip(ops.operations, ops.first_tags):

@@ -25,6 +25,11 @@ two, and it waits only for a receive of that operation, while what waits for it 
 order above still has the first unfinished message posted at both ends. The receipt size must be the same on every
 rank: a rank that expects a receipt the other never sends waits until its timeout.
 
+A plan that converts at the sender (`executor.conversions`; the registry's `converts`) has every buffer but the caller's
+source shards in the destination dtype: before posting anything, each run, the progress thread computes the FP8 scales
+(per-tensor ones after swapping amax with the tensor's other senders) and casts each source shard once into a buffer
+that the steps reading the source were bound to in `setup()` (docs/executor.md, "Conversion at the sender").
+
 Gloo's point-to-point work cannot be polled: `is_completed()` stays False until `wait()` is called
 (checked with torch 2.13), and `wait(timeout)` closes the connection when it expires. So each engine
 has one progress thread (started by its first reshard) that posts the messages and waits for them.
@@ -52,6 +57,9 @@ from .errors import BackendUnavailableError, ExecutorError, PeerTimeoutError, Pl
 from .lower import Action, Bytes, RankProgram, Step
 from .replay import PROCESS, Dependencies, abandoned, backoff_wait, failure, refuse_broken
 from .worlds import group_backend, group_rank
+
+
+AMAX_TAG = 2**31 - 1  # the senders' amax swap (per-tensor FP8 scales); a plan's own tags count from 0 and stay far below
 
 
 def torch_dtype(torch, name: str):
@@ -89,7 +97,7 @@ class TorchEngine:
         self.cuda = backend == "nccl"
         self.device = torch.device("cuda", torch.cuda.current_device()) if self.cuda else torch.device("cpu")
         p = self.program
-        self.dtypes = [torch_dtype(torch, t.dtype) for t in p.tensors]
+        self.dtypes = [torch_dtype(torch, t.dst_dtype) for t in p.tensors]  # of every buffer but the caller's source shards
         self.dtype = self.dtypes[0]
         self.dsts = [torch.empty(t.dst_shape, dtype=dtype, device=self.device) if t.dst_shape is not None else None
                      for t, dtype in zip(p.tensors, self.dtypes)]
@@ -108,7 +116,40 @@ class TorchEngine:
                 self.reads_src[s.tensor].append(s.index)
             else:
                 self._make(s.index, self.flat)
+        self.converting: list = []  # (tensor, conversion, its converted shard or None), where this device converts
+        if any(t.convert is not None for t in p.tensors):
+            self._setup_conversion()
         self._schedule()
+
+    def _setup_conversion(self) -> None:
+        """Buffers for the senders' conversion (`executor.conversions`): each converted source shard and each scale
+        tensor's source shard, with the steps that read them bound once; the amax each per-tensor scale swaps with
+        the other source devices, one message each way per peer."""
+        from . import convert  # torch itself, imported with the engine's first setup
+
+        self.convert = convert
+        torch, p = self.torch, self.program
+        made: dict[int, object] = {}
+        for t, shards in enumerate(p.tensors):
+            own = shards.convert is not None or shards.scale_of is not None
+            if own and shards.src_block is not None and all(b > a for a, b in shards.src_block):
+                made[t] = torch.empty(shards.src_shape, dtype=self.dtypes[t], device=self.device)
+        for t, buffer in made.items():
+            flat = {"src": {t: _bytes_of(buffer)}, "src_typed": {t: buffer}, "dst_typed": self.dsts}
+            read = bool(self.reads_src[t])
+            for i in self.reads_src[t]:
+                self._make(i, flat)
+            self.reads_src[t] = []  # read from `buffer`, never from the caller's shard
+            conversion = p.tensors[t].convert
+            if conversion is not None:
+                self.converting.append((t, conversion, buffer if read else None))  # None: this device sends none of it
+        self.scale_shards = {c.scales: made.get(c.scales) for _, c, _ in self.converting if c.scales is not None}
+        peers: dict[int, list[int]] = {}
+        for t, c, _ in self.converting:
+            for peer in c.peers:
+                peers.setdefault(peer, []).append(t)
+        self.amax_swaps = [(peer, ts, torch.empty(len(ts), device=self.device), torch.empty(len(ts), device=self.device))
+                           for peer, ts in sorted(peers.items())]
 
     def _message_key(self, i: int) -> tuple:
         """Where message `i` stands in the plan's message order, which both ends of every pair share: its operation
@@ -285,6 +326,8 @@ class TorchEngine:
         for q in range(len(heads)):
             heads[q] = 0
         posted.clear()
+        if self.converting:
+            self._convert()
         for i in self.local_first:
             self._run_local(i)
         for q in range(len(heads)):
@@ -299,6 +342,51 @@ class TorchEngine:
         if self.cuda:
             self._complete(-1)
         self.current = -1
+
+    def _convert(self) -> None:
+        """Before any message: each converted source shard and its scales (`executor.convert`); per-tensor scales take
+        the max of every source device's amax, swapped with each peer first (the lower device sends first, so both ends
+        of a pair post alike, as NCCL needs; with every tag 0 they come before the plan's messages at both ends)."""
+        convert, sources = self.convert, [self.src] if self.single else self.src
+        shards = {t: self._source_view(t, sources[t]) for t, _, _ in self.converting}
+        amaxes = {t: convert.amax(shards[t]) for t, c, _ in self.converting if c.scale == "tensor"}
+        if self.amax_swaps:
+            self._swap_amax(amaxes)
+        for t, conversion, buffer in self.converting:
+            scales = None
+            if conversion.scale == "block":
+                scales = convert.block_scales(shards[t], conversion.dst_dtype)
+            elif conversion.scale == "tensor":
+                scales = convert.tensor_scale(amaxes[t], conversion.dst_dtype)
+            shard = self.scale_shards.get(conversion.scales)
+            if shard is not None:
+                shard.copy_(scales.reshape(shard.shape))
+            if buffer is not None:
+                convert.convert_shard(buffer, shards[t], conversion.dst_dtype, conversion.scale, scales)
+        self.last_progress = time.monotonic()
+
+    def _swap_amax(self, amaxes: dict) -> None:
+        """Each per-tensor scale's amax becomes the max over the tensor's source devices: one message each way per
+        peer holding a source box of the same tensors (the lower device sends first, the other receives first)."""
+        tag = AMAX_TAG if self.context.transport.match_by_tag else 0
+        works = []
+        for peer, ts, mine, theirs in self.amax_swaps:
+            mine.copy_(self.torch.stack([amaxes[t] for t in ts]))
+            rank = self.context.rank_of[peer]
+            if self.program.device < peer:
+                works += [self.group.send([mine], rank, tag), self.group.recv([theirs], rank, tag)]
+            else:
+                works += [self.group.recv([theirs], rank, tag), self.group.send([mine], rank, tag)]
+        for work in works:
+            work.wait()
+        for _, ts, _, theirs in self.amax_swaps:
+            for k, t in enumerate(ts):
+                amaxes[t] = self.torch.maximum(amaxes[t], theirs[k])
+
+    def _source_view(self, t: int, src):
+        """The caller's source shard of tensor t in its source dtype (a same-size integer view is accepted)."""
+        dtype = torch_dtype(self.torch, self.program.tensors[t].dtype)
+        return src if src.dtype == dtype else src.view(dtype)
 
     def _advance(self, q: int) -> None:
         """Post the messages at the front of peer queue `q` while they are ready (a receive always is; a send once

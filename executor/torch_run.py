@@ -211,6 +211,13 @@ def _tensor_device():
 
 
 def _scaled(plan: Plan, max_mb: float) -> Plan:
+    """The plan shrunk to at most `max_mb` per tensor; PlanMismatchError for a plan that converts at the sender, whose
+    destinations this command's pattern and check (of the source dtype) do not describe."""
+    converting = next((p for p in plan.problem.tensor_problems() if p.dst_dtype is not None), None)
+    if converting is not None:
+        raise PlanMismatchError(f"the plan converts {converting.dtype} to {converting.dst_dtype} at the sender, and this command "
+                                "fills and checks shards of the source dtype; run it with TransferExecutor or WeightSync "
+                                "(docs/executor.md, \"Conversion at the sender\")", same_on_every_rank=True)
     if is_multi(plan):
         return scale_tensors(plan, factors_per_tensor(plan, int(max_mb * 2**20)))
     return scale_plan(plan, factors_for(plan, int(max_mb * 2**20)))

@@ -160,9 +160,8 @@ class TransferExecutor(Executor):
         if unknown:
             raise PlanMismatchError(f"run(): {unknown[0]!r} is not a tensor of this plan; pass shards named as in the "
                                     f"problem ({', '.join(self.names[:3])}{', ...' if len(self.names) > 3 else ''})")
-        if self.flight.engine is not None:
-            tensors = self.program.tensors
-            missing = [n for n, t in zip(self.names, tensors) if n not in shards and t.src_block is not None]
+        if self.flight.engine is not None:  # src_shapes: the shards the caller passes (none of a plan's FP8 scales)
+            missing = [n for n, shape in zip(self.names, self.src_shapes) if n not in shards and shape is not None]
             if missing:
                 raise PlanMismatchError(f"run(): device {self.device} is in the source mesh; pass its shard of "
                                         f"{missing[0]!r}{f' (and {len(missing) - 1} more)' if len(missing) > 1 else ''}")

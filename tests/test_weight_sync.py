@@ -48,6 +48,15 @@ def test_fused_qkv_and_gate_up_land_as_each_tp_rank_concatenates_its_shares(join
     assert joint["fused"] == ["sent"] * 4 + ["ok"] * 4
 
 
+def test_fp8_and_fp16_destinations_converted_by_the_senders_land_bit_exact_with_their_scales(joint):
+    """qkv and gate_up fused in FP8 e4m3 with block scales, o and down in FP8 with per-tensor scales, embeddings and LM
+    head in float16, norms in bfloat16: every element and every scale (`sync.scales`) equal bit for bit to torch's own
+    cast of `full_tensor()` with scales computed block by block (`weight_sync_demo.cast_reference`), twice with a
+    training step between."""
+    assert joint["fp8 step 0"] == ["sent"] * 4 + ["ok"] * 4
+    assert joint["fp8 step 1"] == ["sent"] * 4 + ["ok"] * 4
+
+
 def test_the_plan_is_compiled_once_and_found_by_fingerprint_after(joint):
     assert joint["compiled"] == ["True"] * 8
     assert joint["same layouts again, compiled"] == ["False"] * 8

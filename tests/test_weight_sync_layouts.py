@@ -152,3 +152,52 @@ def test_a_fused_destination_split_over_tp_ranks_takes_each_parts_share_in_turn(
 def test_a_fused_part_the_tp_ranks_cannot_share_equally_is_refused():
     with pytest.raises(WeightSyncError, match="inference tensor 'qk': part 'k' has length 5 along dim 0, not a multiple of the 2 ranks"):
         agree(fused_rows(5), 4)
+
+
+def converting_rows(convert: dict) -> list[dict]:
+    """`rows()` with the engine's 'w' of 256 x 4 (two 128-row FSDP shards) converted as `convert` says on both engine ranks."""
+    data = rows()
+    for row in data[:2]:
+        row["src"]["tensors"][0][1:] = [[256, 4], "float32", "S0 R", [128, 4]]
+    for row in data[2:]:
+        row["dst"]["tensors"][0][3:] = [convert["w"][0], [256, 2]]
+        row["dst"]["convert"] = convert
+    return data
+
+
+def test_a_target_that_converts_makes_a_plan_that_carries_its_scales():
+    problem, _ = agree(converting_rows({"w": ["float8_e4m3fn", "block"]}), 4)
+    assert problem.names == ("w", "w.scale", "n")
+    assert (problem.tensors[0].dst_dtype, problem.tensors[0].scale, problem.tensors[1].scale_of) == ("float8_e4m3fn", "block", "w")
+    problem, _ = agree(converting_rows({"w": ["float16", None]}), 4)
+    assert problem.names == ("w", "n") and problem.tensors[0].dst_dtype == "float16"
+
+
+def test_a_conversion_the_engine_ranks_disagree_on_or_cannot_make_is_refused_in_one_line():
+    data = converting_rows({"w": ["float8_e4m3fn", "block"]})
+    data[3]["dst"]["convert"] = {"w": ["float8_e4m3fn", "tensor"]}
+    with pytest.raises(WeightSyncError, match=r"^inference tensor 'w': rank 3 converts to float8_e4m3fn with tensor scales but rank 2 "
+                                              r"converts to float8_e4m3fn with block scales; give it the same Target\(dtype=, scale=\)"):
+        agree(data, 4)
+    data = converting_rows({"w": ["float8_e4m3fn", "block"]})
+    for row in data[:2]:  # FSDP shards of 100 rows: not on 128-row blocks
+        row["src"]["tensors"][0][1:] = [[200, 4], "float32", "S0 R", [100, 4]]
+    for row in data[2:]:
+        row["dst"]["tensors"][0][4] = [200, 2]
+    with pytest.raises(WeightSyncError, match=r"not whole 128x128 blocks; block scales need every source box on block bounds"):
+        agree(data, 4)
+
+
+def test_a_target_whose_tensor_is_not_of_its_dtype_sends_its_error_in_its_row():
+    import torch
+
+    from xmesh_plan.schemas import Cluster
+    from xmesh_plan.weight_sync_layouts import Target
+
+    row = describe(2, None, {"w": Target(torch.zeros(2, 2), COLUMN, dtype="float16")}, [[2, 3]], {2: 2, 3: 3}, Cluster())
+    assert row["error"] == ("inference['w']: the tensor is float32 but dtype='float16'; pass the engine's tensor of the destination "
+                            "dtype (the senders convert to it)")
+    row = describe(2, None, {"w": Target(torch.zeros(2, 2, dtype=torch.float16), COLUMN, scale="block")}, [[2, 3]], {2: 2, 3: 3}, Cluster())
+    assert row["error"].startswith("inference['w'].scale: 'block' without dtype")
+    row = describe(2, None, {"w": Target(torch.zeros(2, 2, dtype=torch.float16), COLUMN, dtype="fp16")}, [[2, 3]], {2: 2, 3: 3}, Cluster())
+    assert row["dst"]["convert"] == {"w": ["float16", None]}

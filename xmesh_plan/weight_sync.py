@@ -9,7 +9,10 @@
 
 Every rank of the transfer group builds one `WeightSync` together (a collective) and then calls `run()`
 (or `start()` then `wait()`) together each step. A fused destination (qkv, gate_up) names its parts with
-`Fused`; the plan moves each part and `wait()` places it in the fused tensor. A rank that is both trainer
+`Fused`; the plan moves each part and `wait()` places it in the fused tensor. A destination of another dtype
+says it with `Target(..., dtype=, scale=)` (float16, bfloat16, float32, FP8 with "block" or "tensor" scales): the
+trainer ranks convert before sending, and an FP8 destination's scales land in `sync.scales[name]` (or the
+`Target`'s `scales` tensor), this rank's part of them, float32. A rank that is both trainer
 and inference (colocated) passes both mappings; its part moves by local copies.
 
 On construction the ranks agree before any byte moves: each sends one row describing its tensors (names,
@@ -51,6 +54,7 @@ from xmesh_plan.executor.executor import DEFAULT_POLL_S
 from xmesh_plan.executor.worlds import TorchWorld, poll_until
 from xmesh_plan.planner.compile import compile_plan
 from xmesh_plan.schemas import Cluster, Plan
+from xmesh_plan.schemas.convert import scale_name
 from xmesh_plan.schemas.fused import assemble_fused
 
 from .engine_layouts import COLUMN, EXPERT, REPLICATED, ROW, VOCAB
@@ -90,6 +94,7 @@ class WeightSync:
         self.fingerprint = hashlib.sha256(self.problem.model_dump_json().encode()).hexdigest()
         self.plan, self.compiled = self._shared_plan()
         self.targets = engine_targets(self.problem, {name: _target(value) for name, value in self.inference.items()}, self.rank)
+        self.scales = {name: self._scales_of(name, target) for name, target in self.targets.items() if target.scale is not None}
         self.executor = TransferExecutor(self.plan, self.group, backend="torch", timeout_s=self.timeout_s).prepare()
 
     def run(self, trainer: Mapping[str, Any] | None = None) -> None:
@@ -115,6 +120,25 @@ class WeightSync:
                 assemble_fused(self.problem, fused[name], self.rank, results, target.tensor)
             else:
                 target.tensor.copy_(results[name].reshape(target.tensor.shape))
+        self._deliver_scales(results, fused)
+
+    def _scales_of(self, name: str, target: Target):
+        """The tensor that receives this rank's part of destination `name`'s FP8 scales: the Target's, else a new one."""
+        if target.scales is not None:
+            return target.scales
+        scale = scale_name(name)
+        fused = {f.name: j for j, f in enumerate(self.problem.fused)}
+        box = self.problem.fused_blocks(fused[scale])[self.rank] if scale in fused else self._box(scale, "dst")
+        return torch.zeros(tuple(b - a for a, b in box), dtype=torch.float32)
+
+    def _deliver_scales(self, results: dict, fused: dict[str, int]) -> None:
+        """Each FP8 destination's scales (the plan's `<name>.scale`, fused as its tensor is) into `self.scales[name]`."""
+        for name, out in self.scales.items():
+            scale = scale_name(name)
+            if scale in fused:
+                assemble_fused(self.problem, fused[scale], self.rank, results, out)
+            else:
+                out.copy_(results[scale].reshape(out.shape))
 
     def close(self) -> None:
         """Release the executor's buffers and thread (every rank); the object cannot run again."""
@@ -141,9 +165,9 @@ class WeightSync:
         for name, target in self.targets.items():
             if name in fused:  # the fused box, the parts' dtype
                 part = self.problem.fused[fused[name]].refs()[0][0]
-                why = _mismatch(target.tensor, index[part], self.problem.fused_blocks(fused[name])[self.rank])
+                why = _mismatch(target.tensor, index[part], self.problem.fused_blocks(fused[name])[self.rank], "dst")
             else:
-                why = _mismatch(target.tensor, index[name], self._box(name, "dst"))
+                why = _mismatch(target.tensor, index[name], self._box(name, "dst"), "dst")
             if why:
                 return f"inference tensor {name!r} on rank {self.rank} {why}"
         return None
@@ -230,12 +254,13 @@ def _target(value: object) -> Target:
     return value if isinstance(value, Target) else Target(*value)
 
 
-def _mismatch(tensor, transfer, box) -> str | None:
-    """How `tensor` differs from `box` of the plan's tensor `transfer` (shape or dtype), or None."""
+def _mismatch(tensor, transfer, box, side: str = "src") -> str | None:
+    """How `tensor` differs from `box` of the plan's tensor `transfer` on `side` (shape or dtype), or None."""
     want = tuple(stop - start for start, stop in box)
     if tuple(tensor.shape) != want:
         return f"has shape {tuple(tensor.shape)}, not {want} as agreed"
     dtype = str(tensor.dtype).removeprefix("torch.")
-    if dtype != transfer.dtype:
-        return f"is {dtype}, not {transfer.dtype} as agreed"
+    agreed = transfer.dst_dtype or transfer.dtype if side == "dst" else transfer.dtype
+    if dtype != agreed:
+        return f"is {dtype}, not {agreed} as agreed"
     return None

@@ -5,7 +5,11 @@ A tiny Llama-like model (torch.nn, random weights, sizes that split unevenly) tr
 parameter tensors, laid out by the engine's rules (column-, row-, vocab-parallel, replicated). One
 `WeightSync` moves every parameter into those tensors; it runs twice with a training step between, and each
 time every destination element is compared bit for bit with the trainer's `full_tensor()` (broadcast from
-rank 0). Rank 0 prints the result; exit status 1 if any element differs.
+rank 0). Then the same for an engine that fuses and converts (`converted_sync`, a model sized for 128x128
+blocks): qkv and gate_up fused in FP8 e4m3 with block scales, o and down in FP8 with per-tensor scales,
+embeddings and LM head in float16, norms in bfloat16, all converted by the senders; every element and every
+scale compared bit for bit with torch's own cast of `full_tensor()` (scales computed here, block by block).
+Rank 0 prints the results; exit status 1 if any element differs.
 """
 
 from __future__ import annotations
@@ -21,7 +25,7 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-from xmesh_plan.weight_sync import COLUMN, REPLICATED, ROW, VOCAB, WeightSync
+from xmesh_plan.weight_sync import COLUMN, REPLICATED, ROW, VOCAB, Fused, Target, WeightSync
 
 TRAINER, ENGINE = [0, 1, 2, 3], [[4, 5], [6, 7]]
 RULES = [("norm.weight", REPLICATED), ("o_proj.weight", ROW), ("down_proj.weight", ROW), ("_proj.weight", COLUMN),
@@ -44,6 +48,13 @@ class Config:
 
 
 TINY = Config()
+BLOCKED = Config(hidden=64, heads=4, kv_heads=4, head_dim=128, mlp=512)  # FSDP shards of q, k, v, gate, up: 128 rows
+FP8 = "float8_e4m3fn"
+FUSED = {"self_attn.qkv_proj.weight": ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight"),
+         "mlp.gate_up_proj.weight": ("mlp.gate_proj.weight", "mlp.up_proj.weight")}
+CASTS = [("norm.weight", "bfloat16", None), ("o_proj.weight", FP8, "tensor"), ("down_proj.weight", FP8, "tensor"),
+         ("_proj.weight", FP8, "block"), ("embed_tokens.weight", "float16", None), ("lm_head.weight", "float16", None)]
+BLOCK, FLOOR = 128, 1e-12  # scales: amax (at least FLOOR) of each 128x128 block, or of the tensor, over the FP8 largest
 
 
 class Attention(nn.Module):
@@ -183,6 +194,101 @@ def steps(sync: WeightSync, model, optimizer, targets, mesh, group) -> list[str]
     return results
 
 
+def cast_of(name: str) -> tuple[str, str | None]:
+    """The destination dtype and scale kind of parameter `name` in the converting engine."""
+    return next((dtype, scale) for suffix, dtype, scale in CASTS if name.endswith(suffix))
+
+
+def cast_reference(full: torch.Tensor, dtype: str, scale: str | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """`full` as the destination dtype by torch's own `.to()`, with its FP8 scales (per tensor, or per 128x128 block
+    computed block by block) and the values divided by them and clamped to the FP8 range first."""
+    target = getattr(torch, dtype)
+    if scale is None:
+        return full.to(target), None
+    top = torch.finfo(target).max
+    if scale == "tensor":
+        scales = torch.tensor([max(full.float().abs().max().item(), FLOOR) / top], dtype=torch.float32)
+        return (full.float() / scales).clamp(-top, top).to(target), scales
+    rows, cols = full.shape
+    scales = torch.empty((-(-rows // BLOCK), -(-cols // BLOCK)), dtype=torch.float32)
+    out = torch.empty(full.shape, dtype=target)
+    for i in range(scales.shape[0]):
+        for j in range(scales.shape[1]):
+            block = full[i * BLOCK:(i + 1) * BLOCK, j * BLOCK:(j + 1) * BLOCK].float()
+            scales[i, j] = torch.clamp(block.abs().max(), min=FLOOR) / top
+            out[i * BLOCK:(i + 1) * BLOCK, j * BLOCK:(j + 1) * BLOCK] = (block / scales[i, j]).clamp(-top, top).to(target)
+    return out, scales
+
+
+def converted_targets(mesh: DeviceMesh, c: Config = BLOCKED) -> dict[str, Target]:
+    """This inference rank's part of every engine tensor (qkv and gate_up fused) in its destination dtype, zeros until
+    synced: `Target`s that name the dtype and FP8 scale kind."""
+    sizes, out = shapes(c), {}
+    tp = mesh.size(1)
+    for i in range(c.layers):
+        fused = {f"model.layers.{i}.{k}": [f"model.layers.{i}.{p}" for p in parts] for k, parts in FUSED.items()}
+        for name, parts in fused.items():
+            rows = sum(sizes[p][0] for p in parts) // tp
+            dtype, scale = cast_of(parts[0])
+            out[name] = Target(torch.zeros(rows, c.hidden, dtype=getattr(torch, dtype)), COLUMN, source=Fused(tuple(parts)),
+                               dtype=dtype, scale=scale)
+    taken = {p for t in out.values() for p in t.source.parts}
+    for name, shape in sizes.items():
+        if name in taken:
+            continue
+        local, _ = compute_local_shape_and_global_offset(shape, mesh, PLACEMENTS[rule(name)])
+        dtype, scale = cast_of(name)
+        out[name] = Target(torch.zeros(local, dtype=getattr(torch, dtype)), rule(name), dtype=dtype, scale=scale)
+    return out
+
+
+def check_converted(targets: dict[str, Target], scales: dict, mesh: DeviceMesh, refs: dict[str, torch.Tensor]) -> str:
+    """'ok' when every element and scale of every converted destination is bit for bit `cast_reference`'s of the
+    trainer's full tensor (a fused one: each part's TP share in turn), else the first that is not."""
+    tp = mesh.get_coordinate()[1]
+    for name, target in targets.items():
+        if isinstance(target.source, Fused):
+            cast = [cast_reference(refs[p], target.dtype, target.scale) for p in target.source.parts]
+            want = torch.cat([v.chunk(mesh.size(1))[tp] for v, _ in cast])
+            want_scales = torch.cat([s.chunk(mesh.size(1))[tp] for _, s in cast]) if target.scale else None
+        else:
+            values, whole_scales = cast_reference(refs[name], target.dtype, target.scale)
+            local, offset = compute_local_shape_and_global_offset(refs[name].shape, mesh, PLACEMENTS[target.layout])
+            want = values[tuple(slice(o, o + n) for o, n in zip(offset, local))]
+            want_scales = whole_scales if target.scale == "tensor" else None
+            if target.scale == "block":
+                want_scales = whole_scales[tuple(slice(o // BLOCK, -(-(o + n) // BLOCK)) for o, n in zip(offset, local))]
+        if target.tensor.dtype != want.dtype or not torch.equal(_bits(target.tensor), _bits(want)):
+            return f"{name} differs"
+        if want_scales is not None and not torch.equal(_bits(scales[name]), _bits(want_scales)):
+            return f"{name}'s scales differ"
+    return "ok"
+
+
+def _bits(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.contiguous().view(torch.uint8)
+
+
+def converted_sync(c: Config = BLOCKED) -> list[str]:
+    """The fused and converting engine's sync (`converted_targets`) of a model of sizes `c` on 8 ranks, twice with a
+    training step between, each checked by `check_converted` and printed ('fp8 step k'); this rank's results."""
+    rank = dist.get_rank()
+    mesh = DeviceMesh("cpu", ENGINE)
+    model, optimizer = trainer_model(DeviceMesh("cpu", TRAINER), c) if rank in TRAINER else (None, None)
+    targets = converted_targets(mesh, c) if rank not in TRAINER else {}
+    given = {"trainer": model.state_dict()} if model else {"inference": targets, "inference_mesh": ENGINE}
+    results = []
+    with WeightSync(**given) as sync:
+        for step in range(2):
+            sync.run()
+            refs = references(model, dist.group.WORLD, c)
+            results.append(check_converted(targets, sync.scales, mesh, refs) if targets else "sent")
+            say(f"fp8 step {step}", results[-1])
+            if model is not None:
+                train_step(model, optimizer)
+    return results
+
+
 def say(what: str, result: object) -> None:
     print(f"rank {dist.get_rank()}: {what}: {result}", flush=True)
 
@@ -206,12 +312,16 @@ def main() -> int:
         return 2
     sync, model, optimizer, given, mesh = sync_model()
     results = steps(sync, model, optimizer, given.get("inference", {}), mesh, dist.group.WORLD)
-    wrong = torch.tensor([sum(r not in ("ok", "sent", "ok, changed True") for r in results)])
+    tensors = len(sync.problem.tensors)
+    sync.close()
+    converted = converted_sync()
+    wrong = torch.tensor([sum(r not in ("ok", "sent", "ok, changed True") for r in results + converted)])
     dist.all_reduce(wrong)
     if dist.get_rank() == 0:
-        print(f"{len(sync.problem.tensors)} tensors synced twice (a training step between), every element bit-exact against "
-              "full_tensor()" if not wrong.item() else f"FAILED on {wrong.item()} checks", flush=True)
-    sync.close()
+        print(f"{tensors} tensors synced twice (a training step between), every element bit-exact against full_tensor()\n"
+              "fused qkv/gate_up in FP8 with block scales, o/down in FP8 with per-tensor scales, fp16/bf16 the rest: every "
+              "element and scale bit-exact against torch's own cast" if not wrong.item() else f"FAILED on {wrong.item()} checks",
+              flush=True)
     dist.destroy_process_group()
     return 1 if wrong.item() else 0
 

@@ -18,21 +18,23 @@ the tensor, the rank and the cause, before any byte moves. Plan device ids are r
 >>> agree(rows, None)
 Traceback (most recent call last):
 ...
-xmesh_plan.weight_sync_layouts.WeightSyncError: inference tensor 'w' on rank 1 is float16 but the trainer's 'w' is float32; give the destination the trainer's dtype
+xmesh_plan.weight_sync_layouts.WeightSyncError: inference tensor 'w' on rank 1 is float16 but the trainer's 'w' is float32; give the destination the trainer's dtype, or convert at the sender with Target(..., dtype='float16')
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from pydantic import ValidationError
 
 from xmesh_plan.schemas import Cluster, DeviceMesh
+from xmesh_plan.schemas.convert import fused_block_scales
+from xmesh_plan.schemas.dtypes import canonical_dtype
 from xmesh_plan.schemas.fused import FusedTensor
 from xmesh_plan.schemas.spec import ShardingSpec
-from xmesh_plan.schemas.transfer import TensorTransfer, TransferProblem
+from xmesh_plan.schemas.transfer import TensorTransfer, TransferProblem, scale_tensor, single_problem
 from xmesh_plan.schemas.validation import describe_validation_error
 
 from .engine_layouts import KvHeads, layout_row, rule_of_row
@@ -46,11 +48,18 @@ class WeightSyncError(FrontendError):
 @dataclass(frozen=True)
 class Target:
     """One destination tensor of an inference rank: the engine's own tensor (this rank's part of it), its layout
-    (a rule of `xmesh_plan.engine_layouts` or spec text) and the trainer tensor it takes (default: its own name)."""
+    (a rule of `xmesh_plan.engine_layouts` or spec text) and the trainer tensor it takes (default: its own name).
+    `dtype`: the destination's element type where it is not the trainer's ("float16", "bfloat16", "float32",
+    "float8_e4m3fn", "float8_e5m2"; the tensor must be of it), converted by the senders (`schemas.convert`);
+    `scale`: an FP8 destination's scales, "block" (128x128) or "tensor"; `scales`: the engine's tensor that
+    receives this rank's part of them (float32; WeightSync allocates one where none is given)."""
 
     tensor: Any
     layout: object
     source: str | None = None
+    dtype: str | None = None
+    scale: str | None = None
+    scales: Any = None
 
 
 @dataclass(frozen=True)
@@ -125,7 +134,7 @@ def _inference_side(inference: Mapping[str, Any], mesh: object, ranks: Mapping[i
                             "and columns the TP ranks, e.g. [[4, 5], [6, 7]]")
     grid = _mesh_ranks(mesh, "inference_mesh")
     devices = transfer_ranks([int(r) for r in grid.flat], ranks, "inference_mesh")
-    tensors = []
+    tensors, converts = [], {}
     for name, value in inference.items():
         target = value if isinstance(value, Target) else _target(name, value)
         field = f"inference[{name!r}]"
@@ -141,8 +150,23 @@ def _inference_side(inference: Mapping[str, Any], mesh: object, ranks: Mapping[i
         elif not isinstance(source, str):
             raise FrontendError(f"{field}.source: {source!r}; give the trainer tensor's name as text, or Fused((names...))")
         spec = layout_row(target.layout, target.tensor.dim(), grid.ndim, name)
-        tensors.append([name, source, spec, dtype_name(target.tensor.dtype, f"{field}.dtype"), list(target.tensor.shape)])
-    return {"mesh": [list(grid.shape), devices], "tensors": tensors}
+        dtype = dtype_name(target.tensor.dtype, f"{field}.dtype")
+        if target.dtype is not None or target.scale is not None:
+            converts[name] = _conversion(target, dtype, field)
+        tensors.append([name, source, spec, dtype, list(target.tensor.shape)])
+    return {"mesh": [list(grid.shape), devices], "tensors": tensors} | ({"convert": converts} if converts else {})
+
+
+def _conversion(target: Target, dtype: str, field: str) -> list:
+    """A Target's conversion at the sender as row data [dst_dtype, scale]; FrontendError unless its tensor is of that dtype."""
+    if target.dtype is None:
+        raise FrontendError(f"{field}.scale: {target.scale!r} without dtype; scales belong to an FP8 destination "
+                            "(Target(..., dtype=\"float8_e4m3fn\", scale=\"block\"))")
+    want = canonical_dtype(str(target.dtype))
+    if want != dtype:
+        raise FrontendError(f"{field}: the tensor is {dtype} but dtype={target.dtype!r}; pass the engine's tensor of the "
+                            "destination dtype (the senders convert to it)")
+    return [want, target.scale]
 
 
 def _part_rules(fused: Fused, field: str) -> list | None:
@@ -199,11 +223,13 @@ def agree(rows: list[dict[str, Any]], group_size: int | None) -> tuple[TransferP
     dst_mesh, wanted = _side_of(dst_rows, "dst", "inference")
     _check_members(src_rows, src_mesh, trained, "trainer", "src")
     _check_members(dst_rows, dst_mesh, wanted, "inference", "dst")
+    converts = _conversions(dst_rows, wanted)
     tensors, sources = [], {}
     fused = []
     for name, (source, spec, dtype, _) in wanted.items():
+        convert = converts.get(name)
         for part in source["parts"] if isinstance(source, dict) else [source]:
-            _check_source(name, part, dtype, trained, dst_rows)
+            _check_source(name, part, dtype if convert is None else None, trained, dst_rows)
         if isinstance(source, dict):
             if isinstance(spec, dict):
                 raise WeightSyncError(f"inference tensor {name!r} is fused (Fused(...)) and laid out by {rule_of_row(spec)}, which "
@@ -211,38 +237,86 @@ def agree(rows: list[dict[str, Any]], group_size: int | None) -> tuple[TransferP
                                       "Fused(parts, rules=(None, kv_heads(n), ...))")
             fused.append(_fused(name, source, spec, trained, dst_mesh))
             for part in source["parts"]:
-                tensors.append(_transfer(part, trained[part], None))
+                tensors.append(_transfer(part, trained[part], None, convert=convert))
                 sources[part] = part
             continue
-        tensors.append(_transfer(name, trained[source], spec, dst_mesh))
+        tensors.append(_transfer(name, trained[source], spec, dst_mesh, convert))
         sources[name] = source
     cluster = Cluster.model_validate(next((r["cluster"] for r in rows if "cluster" in r), {}))
     try:
+        tensors, fused = _with_scales(tensors, fused, src_mesh, dst_mesh, cluster)
         problem = TransferProblem(name="weight_sync", src_mesh=src_mesh, dst_mesh=dst_mesh, cluster=cluster, tensors=tuple(tensors),
                                   fused=tuple(fused))
     except ValidationError as err:
         raise WeightSyncError(f"the agreed layouts do not make a plan: {describe_validation_error(err)}") from None
+    except ValueError as err:
+        raise WeightSyncError(f"the agreed layouts do not make a plan: {err}") from None
     _check_shards(problem, sources, src_rows, dst_rows)
     _check_group(problem, group_size)
     return problem, sources
 
 
-def _check_source(name: str, source: str, dtype: str, trained: dict[str, tuple], dst_rows: list[dict]) -> None:
-    """Destination `name` may take trainer tensor `source`: some trainer rank passes it, of the destination's dtype."""
+def _conversions(dst_rows: list[dict], wanted: dict[str, tuple]) -> dict[str, tuple[str, str | None]]:
+    """Destination name -> (dst_dtype, scale) the senders convert it to, the same on every inference rank that passes it."""
+    out: dict[str, tuple] = {}
+    said: dict[str, int] = {}
+    for row in dst_rows:
+        given = row["dst"].get("convert", {})
+        for name, *_ in row["dst"]["tensors"]:
+            mine = tuple(given[name]) if name in given else None
+            if name in said and out.get(name) != mine:
+                raise WeightSyncError(f"inference tensor {name!r}: rank {row['rank']} {_converts(mine)} but rank {said[name]} "
+                                      f"{_converts(out.get(name))}; give it the same Target(dtype=, scale=) on every rank")
+            said.setdefault(name, row["rank"])
+            if mine is not None:
+                out[name] = mine
+    return out
+
+
+def _converts(convert: tuple | None) -> str:
+    if convert is None:
+        return "takes the trainer's dtype"
+    return f"converts to {convert[0]}" + (f" with {convert[1]} scales" if convert[1] else "")
+
+
+def _with_scales(tensors: list[TensorTransfer], fused: list[FusedTensor], src_mesh: DeviceMesh, dst_mesh: DeviceMesh,
+                 cluster: Cluster) -> tuple[list[TensorTransfer], list[FusedTensor]]:
+    """The tensors with each FP8 tensor's scale tensor after it, and each FP8 fused tensor's fused scales
+    (`schemas.transfer.scale_tensor`, `schemas.convert.fused_block_scales`), as problem files get them."""
+    parts = {name for f in fused for name, _ in f.refs()}
+    out = []
+    for tensor in tensors:
+        out.append(tensor)
+        if tensor.scale is not None:
+            part = tensor.name in parts
+            laid = tensor.model_copy(update={"dst": " ".join("R" * len(tensor.shape))}) if part else tensor
+            out.append(scale_tensor(tensor, single_problem(laid, src_mesh, dst_mesh, cluster), fused_part=part))
+    shapes = {t.name: tuple(t.shape) for t in tensors}
+    scaled = {t.name for t in tensors if t.scale is not None}
+    extra = [fused_block_scales(f, shapes, dst_mesh) for f in fused if any(name in scaled for name, _ in f.refs())]
+    return out, fused + extra
+
+
+def _check_source(name: str, source: str, dtype: str | None, trained: dict[str, tuple], dst_rows: list[dict]) -> None:
+    """Destination `name` may take trainer tensor `source`: some trainer rank passes it, of the destination's dtype
+    (None: any, the senders convert it)."""
     if source not in trained:
         shown = ", ".join(list(trained)[:3]) + (", ..." if len(trained) > 3 else "")
         raise WeightSyncError(f"inference tensor {name!r} takes trainer tensor {source!r}, which no trainer rank passes "
                               f"(the trainer passes {shown}); fix the name or its Target(source=...)")
     src_dtype = trained[source][1]
-    if dtype != src_dtype:
+    if dtype is not None and dtype != src_dtype:
         holders = [str(r["rank"]) for r in dst_rows if any(t[0] == name for t in r["dst"]["tensors"])]
         raise WeightSyncError(f"inference tensor {name!r} on rank{'s' if len(holders) > 1 else ''} {','.join(holders)} "
-                              f"is {dtype} but the trainer's {source!r} is {src_dtype}; give the destination the trainer's dtype")
+                              f"is {dtype} but the trainer's {source!r} is {src_dtype}; give the destination the trainer's dtype, "
+                              f"or convert at the sender with Target(..., dtype={dtype!r})")
 
 
-def _transfer(name: str, trained: tuple, dst_spec: str | dict | None, dst_mesh: DeviceMesh | None = None) -> TensorTransfer:
+def _transfer(name: str, trained: tuple, dst_spec: str | dict | None, dst_mesh: DeviceMesh | None = None,
+              convert: tuple | None = None) -> TensorTransfer:
     """Trainer tensor `trained` (shape, dtype, layout, ...) as the plan's tensor `name`, to `dst_spec` (None: a fused part;
-    a dict: a box rule of `engine_layouts`, lowered to each device's box of the trainer's shape on `dst_mesh`)."""
+    a dict: a box rule of `engine_layouts`, lowered to each device's box of the trainer's shape on `dst_mesh`), converted
+    by the senders to `convert` (dst_dtype, scale) where given."""
     shape, dtype, layout = trained[:3]
     given = {"src": layout} if isinstance(layout, str) else {"src_boxes": _boxes(layout)}
     if isinstance(dst_spec, dict):
@@ -253,6 +327,8 @@ def _transfer(name: str, trained: tuple, dst_spec: str | dict | None, dst_mesh: 
             raise WeightSyncError(f"inference tensor {name!r} ({rule}) of the trainer's shape {tuple(shape)}: {err}") from None
     elif dst_spec is not None:
         given["dst"] = dst_spec
+    if convert is not None:
+        given["dst_dtype"], given["scale"] = convert
     return TensorTransfer(name=name, shape=tuple(shape), dtype=dtype, **given)
 
 
@@ -392,8 +468,8 @@ def _check_group(problem: TransferProblem, group_size: int | None) -> None:
 def engine_targets(problem: TransferProblem, targets: Mapping[str, Target], rank: int) -> dict[str, Target]:
     """`targets` with each tensor replaced by the part of it the plan writes on `rank` (`engine_view`); fused ones whole."""
     fused = {f.name for f in problem.fused}
-    return {name: target if name in fused else Target(engine_view(target.tensor, problem.tensor_problem(
-        problem.index_of(name)).blocks("dst")[rank]), target.layout, target.source) for name, target in targets.items()}
+    return {name: target if name in fused else replace(target, tensor=engine_view(target.tensor, problem.tensor_problem(
+        problem.index_of(name)).blocks("dst")[rank])) for name, target in targets.items()}
 
 
 def engine_view(tensor, box):

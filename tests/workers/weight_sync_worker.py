@@ -4,7 +4,8 @@
 - `joint`: 8 ranks of one world; ranks 0-3 train (FSDP2 `fully_shard` on a mesh of 4), ranks 4-7 are two TP=2
   replicas ([[4, 5], [6, 7]]). Two syncs with a training step between, each destination element checked bit for
   bit against the trainer's `full_tensor()`; a second WeightSync of the same layouts (the plan cache); ranks 0-3 as
-  trainer and engine at once (colocated); qkv and gate_up fused on the engine; then mismatches, each of which must fail every rank with the same line within WeightSync's 5 s deadline.
+  trainer and engine at once (colocated); qkv and gate_up fused on the engine; the demo's fused and converting engine
+  (`weight_sync_demo.converted_sync`: FP8 with block and per-tensor scales, float16, bfloat16); then mismatches, each of which must fail every rank with the same line within WeightSync's 5 s deadline.
 - `trainer` / `inference`: the same sync as two launches of 4 ranks each, joined by `transfer_group` at
   127.0.0.1:$TRANSFER_PORT (trainer ranks are transfer ranks 0-3, inference ranks 4-7).
 Each rank prints `rank R: <what>: <result>` lines for the test to compare.
@@ -21,8 +22,8 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from xmesh_plan.transfer_group import transfer_group
 from xmesh_plan.weight_sync import COLUMN, Fused, Target, WeightSync, WeightSyncError
-from xmesh_plan.weight_sync_demo import (ENGINE, TINY, check, engine_tensors, references, say, shapes, steps, sync_model,
-                                         trainer_model)
+from xmesh_plan.weight_sync_demo import (ENGINE, TINY, check, converted_sync, engine_tensors, references, say, shapes, steps,
+                                         sync_model, trainer_model)
 
 
 def attempt(what: str, make) -> None:
@@ -44,6 +45,7 @@ def joint() -> None:
     say("same layouts again, compiled", WeightSync(**kwargs).compiled)
     colocated(model)
     fused(model)
+    converted_sync()
     mismatches(dist.get_rank(), model, kwargs)
 
 

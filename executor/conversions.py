@@ -1,0 +1,69 @@
+"""Which tensors of a plan a device converts at the sender, and how (`schemas.convert`): plain data for the lowering,
+read by the engines that convert (`engines.EngineEntry.converts`); the arithmetic is `executor.convert`'s.
+
+A converting tensor's messages, staging and destination shards are in its destination dtype (the lowering sizes
+them with `ReshardingProblem.itemsize`); only the caller's source shard is in the source dtype. An engine that
+converts casts each source shard once per run into a shard of the destination dtype (`Conversion`) before it
+sends anything, and every step that reads the source shard reads that one instead. A plan's scale tensor
+`<t>.scale` has no caller's shard: its source shard on each sender is the scales that sender computed for t.
+
+>>> from xmesh_plan.planner.compile import compile_plan
+>>> from xmesh_plan.planner.transfer_io import build_transfer
+>>> plan = compile_plan(build_transfer({"src_mesh": {"shape": [2], "devices": [0, 1]}, "dst_mesh": {"shape": [1], "devices": [2]},
+...     "tensors": [{"name": "w", "shape": [4, 4], "src": "S0 R", "dst": "R R", "dst_dtype": "fp8", "scale": "tensor"}]}))
+>>> conversions(plan.problem, 0)
+[Conversion(dst_dtype='float8_e4m3fn', scale='tensor', scales=1, peers=(1,)), None]
+>>> scale_owners(plan.problem)
+[None, 0]
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from xmesh_plan.schemas.convert import scale_name
+
+
+@dataclass(frozen=True, slots=True)
+class Conversion:
+    """What a sender does to its source shard of one tensor: cast it to `dst_dtype`, for FP8 divided by its `scale`s
+    ("tensor": one, the max over every source device's amax; "block": one per 128x128 block, its own), which are
+    the source shard of the plan's tensor `scales` on this device; `peers`: the other source devices holding part
+    of the tensor, whose amax a per-tensor scale takes (empty otherwise)."""
+
+    dst_dtype: str
+    scale: str | None = None
+    scales: int | None = None
+    peers: tuple[int, ...] = ()
+
+
+def _nonempty(region) -> bool:
+    return all(b > a for a, b in region)
+
+
+def conversions(problem, device: int) -> list[Conversion | None]:
+    """Per tensor of a plan's `problem`, how `device` converts it at the sender (None: no conversion)."""
+    tensors = getattr(problem, "tensors", None)
+    if tensors is None:  # a one-tensor problem: plain casts only (its files refuse FP8, which needs scale tensors)
+        return [None if problem.dst_dtype is None else Conversion(problem.dst_dtype)]
+    out: list[Conversion | None] = []
+    for t, tensor in enumerate(tensors):
+        if tensor.dst_dtype is None:
+            out.append(None)
+            continue
+        scales = problem.index_of(scale_name(tensor.name)) if tensor.scale is not None else None
+        peers: tuple[int, ...] = ()
+        if tensor.scale == "tensor":  # the senders that swap their amax with this one, when it holds a part
+            src = problem.tensor_problem(t).blocks("src")
+            if device in src and _nonempty(src[device]):
+                peers = tuple(d for d, box in src.items() if d != device and _nonempty(box))
+        out.append(Conversion(tensor.dst_dtype, tensor.scale, scales, peers))
+    return out
+
+
+def scale_owners(problem) -> list[int | None]:
+    """Per tensor of a plan's `problem`, the tensor whose scales it carries (its senders compute its source shards), or None."""
+    tensors = getattr(problem, "tensors", None)
+    if tensors is None:
+        return [None]
+    return [None if t.scale_of is None else problem.index_of(t.scale_of) for t in tensors]
