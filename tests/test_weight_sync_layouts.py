@@ -222,3 +222,14 @@ def test_a_conversion_the_senders_cannot_make_is_one_line_naming_the_target():
         row["dst"]["convert"] = {"qk": ["float8_e4m3fn", None]}
     with pytest.raises(WeightSyncError, match=r"^inference tensor 'qk' \(Target\(dtype='float8_e4m3fn', scale=None\) .*needs scales"):
         agree(data, 4)
+
+
+def test_a_fused_fp8_target_with_per_tensor_scales_is_refused_by_the_fused_scales_rule():
+    data = fused_rows(4)
+    for row in data[2:]:
+        row["dst"]["tensors"][0][3] = "float8_e4m3fn"
+        row["dst"]["convert"] = {"qk": ["float8_e4m3fn", "tensor"]}
+    with pytest.raises(WeightSyncError, match=r"^inference tensor 'qk' is fused \(Fused\(\.\.\.\)\) with scale='tensor'; a fused FP8 "
+                                              r"tensor takes block scales .*give Target\(\.\.\., scale=\"block\"\)") as info:
+        agree(data, 4)
+    assert "\n" not in str(info.value)

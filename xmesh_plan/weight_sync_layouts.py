@@ -235,6 +235,10 @@ def agree(rows: list[dict[str, Any]], group_size: int | None) -> tuple[TransferP
                 raise WeightSyncError(f"inference tensor {name!r} is fused (Fused(...)) and laid out by {rule_of_row(spec)}, which "
                                       "fused tensors do not take; give it a spec rule (COLUMN, EXPERT, ...) and a part's own rule in "
                                       "Fused(parts, rules=(None, kv_heads(n), ...))")
+            if convert is not None and convert[1] not in (None, "block"):
+                raise WeightSyncError(f"inference tensor {name!r} is fused (Fused(...)) with scale={convert[1]!r}; a fused FP8 tensor "
+                                      "takes block scales (each part on 128x128 blocks): give Target(..., scale=\"block\"), or "
+                                      "convert to float16/bfloat16")
             fused.append(_fused(name, source, spec, trained, dst_mesh))
             for part in source["parts"]:
                 tensors.append(_transfer(part, trained[part], None, convert=convert, dest=name))
