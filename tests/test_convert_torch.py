@@ -120,3 +120,19 @@ def test_a_timeout_in_the_amax_swap_names_the_swap_and_its_peer():
     with pytest.raises(PeerTimeoutError, match=r"^device 0 \(rank 0\): nothing completed for 1 s; waiting on the amax swap of "
                                                r"per-tensor FP8 scales with device 1 \(rank 3\);"):
         engine.timed_out()
+
+
+def test_a_dst_dtype_of_the_source_dtype_is_no_conversion_for_any_engine():
+    """float32 -> float32, bfloat16 -> bf16: no tensor of the lowered program converts, so the torch engine copies no
+    shard before sending, the engines that do not convert (`EngineEntry.make`) run the plan, and so does the torch demo."""
+    single = compile_plan(build_problem({"shape": [8, 4], "dtype": "float32", "dst_dtype": "float32", "src": {"mesh": "1x2", "spec": "S0 R"},
+                                         "dst": {"mesh": "1x2", "spec": "R S0"}}), solver="greedy")
+    multi = compile_plan(build_transfer({"src_mesh": {"shape": [2], "devices": [0, 1]}, "dst_mesh": {"shape": [1], "devices": [2]},
+                                         "tensors": [{"name": "w", "shape": [4, 4], "dtype": "bfloat16", "src": "S0 R", "dst": "R R",
+                                                      "dst_dtype": "bf16"}]}))
+    for plan in (single, multi):
+        program = lower(plan, 0)
+        assert [t.convert for t in program.tensors] == [None] and program.tensors[0].dst_dtype == program.tensors[0].dtype
+    from xmesh_plan.executor.torch_run import _scaled
+
+    assert _scaled(single, 1.0).problem == single.problem  # the torch demo fills and checks it as any plan of float32
