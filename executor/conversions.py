@@ -42,13 +42,14 @@ def _nonempty(region) -> bool:
 
 
 def conversions(problem, device: int) -> list[Conversion | None]:
-    """Per tensor of a plan's `problem`, how `device` converts it at the sender (None: no conversion)."""
+    """Per tensor of a plan's `problem`, how `device` converts it at the sender (None: no conversion, also where
+    `dst_dtype` is the source's own dtype: the bytes move as they are)."""
     tensors = getattr(problem, "tensors", None)
     if tensors is None:  # a one-tensor problem: plain casts only (its files refuse FP8, which needs scale tensors)
-        return [None if problem.dst_dtype is None else Conversion(problem.dst_dtype)]
+        return [None if problem.dst_dtype in (None, problem.dtype) else Conversion(problem.dst_dtype)]
     out: list[Conversion | None] = []
     for t, tensor in enumerate(tensors):
-        if tensor.dst_dtype is None:
+        if tensor.dst_dtype in (None, tensor.dtype) and tensor.scale is None:
             out.append(None)
             continue
         scales = problem.index_of(scale_name(tensor.name)) if tensor.scale is not None else None

@@ -227,13 +227,22 @@ class Executor(Flying):
         self.program: RankProgram | None = None
         self.flight = Flight()  # the engine (once prepared) and the calls into it
         self.comm = None
+        self.own_file: PlanFile | None = None  # a file from_file() opened: closed once prepare() read it, or by close()
 
     @classmethod
     def from_file(cls, path, comm=None, **options):
         """The executor of the plan file `path` (the same options as the constructor): of a compact file
-        (`*.plan.npz`) each rank reads only the operations its device takes part in (`plan_file`); a JSON
-        file is read whole."""
-        return cls(open_plan(path), comm, **options)
+        (`*.plan.npz`) each rank reads only the operations its device takes part in (`plan_file`), in
+        prepare(), from the file it opened here; a JSON file is read whole."""
+        plan = open_plan(path)
+        try:
+            executor = cls(plan, comm, **options)
+        except BaseException:
+            if isinstance(plan, PlanFile):
+                plan.close()
+            raise
+        executor.own_file = plan if isinstance(plan, PlanFile) else None
+        return executor
 
     @property
     def device(self) -> int:
@@ -273,10 +282,18 @@ class Executor(Flying):
             self._check_staging(program)
         except PlanMismatchError as err:
             error = err
-        self._agree(error)
+        try:
+            self._agree(error)
+        finally:
+            self._close_file()
         self.program = program
         self._setup_engine()
         return self
+
+    def _close_file(self) -> None:
+        """Close the plan file from_file() opened (its header stays: all that the executor uses after prepare())."""
+        if self.own_file is not None:
+            self.own_file.close()
 
     def _check_staging(self, program: RankProgram) -> None:
         """Refuse (PlanMismatchError) a program whose staging is above the peak the plan states for its device."""
@@ -378,6 +395,7 @@ class Executor(Flying):
         start(): do not overwrite them until the peers are done.
         """
         interrupted = self.flight.close()
+        self._close_file()
         comm, self.comm = self.comm, None
         self.world.release(comm)
         if interrupted is not None:

@@ -11,9 +11,14 @@ the plan's size. What is checked where:
   indices, ids and order among them, each operation's devices, boxes, chunks, parts and bundles), and
   its part's replay in the lowering (nothing received twice, every destination shard complete);
 - every rank read the same file: the ranks compare the SHA-256 of the file's bytes before anything
-  moves (`Executor.prepare`), as they compare a plan object's fingerprint;
+  moves (`Executor.prepare`), as they compare a plan object's fingerprint. The header, the rank's part and
+  the digest are all read through the one handle `PlanFile.read` opened, so a file renamed over the path in
+  between (a recompile between syncs) is not mixed in: the rank runs the file it read the header of;
 - the rest needs the whole plan (tasks and host order, times against the prediction, shared messages,
-  the staging peaks a plan states): `xmesh-plan verify` of the file, once, where it is written.
+  the staging peaks a plan states, and the index itself: the whole-file read rebuilds it from the operations
+  table and refuses a file whose stored index differs): `xmesh-plan verify` of the file, once, where it is
+  written. So a compact file must pass `verify` before ranks run it (`compile` verifies what it writes):
+  what a rank does not check of the file, `verify` does.
 
 A JSON plan file has no index: `open_plan` reads it whole into a `Plan`, which is checked whole once
 (`plan_index`).
@@ -23,8 +28,8 @@ from __future__ import annotations
 
 import hashlib
 import os
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, BinaryIO
 
 from xmesh_plan.schemas import Plan
 from xmesh_plan.schemas.plan import read_plan_file
@@ -37,28 +42,50 @@ from .plan_index import device_ops
 @dataclass(frozen=True)
 class PlanFile:
     """A compact plan file's header, read once (`read`): what every rank needs before it knows its device; its
-    operations are read per device (`device_ops`)."""
+    operations are read per device (`device_ops`). Everything is read through one handle, open from `read` to
+    `close`: the file read, whatever is renamed over its path meanwhile."""
 
     path: str
     schema_version: int
     problem: Any
     staging: Any
     tags: int
+    handle: BinaryIO | None = field(default=None, compare=False, repr=False)
 
     @classmethod
     def read(cls, path: str | os.PathLike) -> "PlanFile":
         """The file's header; PlanFileError naming the file and the fix when it is not a readable plan."""
-        head = read_plan_head(path)
-        return cls(os.fspath(path), head.schema_version, head.problem, head.staging, head.tags)
+        try:
+            handle = open(path, "rb")
+        except OSError:
+            read_plan_head(path)  # the one-line PlanFileError naming the file and the fix
+            raise
+        try:
+            head = read_plan_head(path, handle)
+        except BaseException:
+            handle.close()
+            raise
+        return cls(os.fspath(path), head.schema_version, head.problem, head.staging, head.tags, handle)
+
+    def _open(self) -> BinaryIO:
+        if self.handle is None or self.handle.closed:
+            raise ValueError(f"plan file {self.path!r} was closed; read it again (PlanFile.read) to use it")
+        return self.handle
 
     def device_ops(self, device: int) -> DeviceOps:
         """The operations `device` takes part in, read through the file's index."""
-        return read_plan_ops(self.path, device)
+        return read_plan_ops(self.path, device, self._open())
 
     def digest(self) -> bytes:
         """SHA-256 of the file's bytes (read a block at a time): the ranks compare it to agree on the plan."""
-        with open(self.path, "rb") as handle:
-            return hashlib.file_digest(handle, "sha256").digest()
+        handle = self._open()
+        handle.seek(0)
+        return hashlib.file_digest(handle, "sha256").digest()
+
+    def close(self) -> None:
+        """Close the file (again: nothing); its header stays, its parts and digest can no longer be read."""
+        if self.handle is not None:
+            self.handle.close()
 
 
 def open_plan(path: str | os.PathLike) -> Plan | PlanFile:

@@ -220,6 +220,7 @@ class TorchEngine:
         self.src = None
         self.current = -1  # the step the progress thread waits on
         self.launching = -1  # the step being posted, when posting itself fails
+        self.amax_peer: int | None = None  # the peer device of the amax swap being posted or waited on, else None
         self.thread_error: tuple[int, BaseException] | None = None
         self.go, self.done, self.stopping = threading.Event(), threading.Event(), False
         self.done.set()
@@ -455,14 +456,17 @@ class TorchEngine:
         tag = AMAX_TAG if self.context.transport.match_by_tag else 0
         works = []
         for peer, ts, mine, theirs in self.amax_swaps:
+            self.amax_peer = peer  # a timeout or a dead peer names this swap
             mine.copy_(self.torch.stack([amaxes[t] for t in ts]))
             rank = self.context.rank_of[peer]
             if self.program.device < peer:
-                works += [self.group.send([mine], rank, tag), self.group.recv([theirs], rank, tag)]
+                works += [(peer, self.group.send([mine], rank, tag)), (peer, self.group.recv([theirs], rank, tag))]
             else:
-                works += [self.group.recv([theirs], rank, tag), self.group.send([mine], rank, tag)]
-        for work in works:
+                works += [(peer, self.group.recv([theirs], rank, tag)), (peer, self.group.send([mine], rank, tag))]
+        for peer, work in works:
+            self.amax_peer = peer
             work.wait()
+        self.amax_peer = None
         for _, ts, _, theirs in self.amax_swaps:
             for k, t in enumerate(ts):
                 amaxes[t] = self.torch.maximum(amaxes[t], theirs[k])
@@ -605,7 +609,12 @@ class TorchEngine:
         PROCESS.keep((self.works, self.src, self.buffers))
 
     def _fail(self, why: str, step: int) -> None:
-        at = f"{self.steps[step].describe()} (rank {self.peer_rank[step]})" if step >= 0 else "local steps"
+        if step >= 0:
+            at = f"{self.steps[step].describe()} (rank {self.peer_rank[step]})"
+        elif self.amax_peer is not None:
+            at = f"the amax swap of per-tensor FP8 scales with device {self.amax_peer} (rank {self.context.rank_of.get(self.amax_peer, -1)})"
+        else:
+            at = "local steps"
         others = sum(w is not None for w in self.works) - (step >= 0 and self.works[step] is not None)
         self.failure = failure(self.program.device, self.rank, why, [at], more=others)
         self.abandon(why)

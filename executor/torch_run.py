@@ -213,7 +213,7 @@ def _tensor_device():
 def _scaled(plan: Plan, max_mb: float) -> Plan:
     """The plan shrunk to at most `max_mb` per tensor; PlanMismatchError for a plan that converts at the sender, whose
     destinations this command's pattern and check (of the source dtype) do not describe."""
-    converting = next((p for p in plan.problem.tensor_problems() if p.dst_dtype is not None), None)
+    converting = next((p for p in plan.problem.tensor_problems() if p.dst_dtype not in (None, p.dtype)), None)
     if converting is not None:
         raise PlanMismatchError(f"the plan converts {converting.dtype} to {converting.dst_dtype} at the sender, and this command "
                                 "fills and checks shards of the source dtype; run it with TransferExecutor or WeightSync "

@@ -22,12 +22,12 @@ from .simulate import TooCostly, nic_assignment, renumbered_only, simulated, sta
 from .solvers import solve
 from .staging_limit import limit_staging
 from .strategies import STRATEGIES, PlannedOp, StrategyResult, TaskContext, get_strategy
-from .unit_tasks import Cell, check_joint_task_count, decompose, split_by_receiver_host
+from .unit_tasks import Cell, check_kinds_task_count, check_scheduled_task_count, decompose, split_by_receiver_host
 
 DIGITS = 12  # times are rounded to picoseconds so plans print and compare stably
 NIC_SIDES = ("send", "recv")  # the resources a plan's host order lists; device ports are not queued
 MAX_SIMULATED_OPERATIONS = 2_000_000  # 10^6 operations simulate in about a minute and 2.5 GiB (bench/bench_simulate.py); beyond this the schedule's own timetable stands in
-MAX_SIMULATION_WORK = 10_000_000  # flow-rate updates one simulation of a listing may take (`simulate.run_flows`): tens of seconds here; beyond, the schedule's timetable stands in
+MAX_SIMULATION_WORK = 25_000_000  # flow-rate updates one simulation of a listing may take (`simulate.run_flows`; about 20 us each here: a 4-layer DeepSeek-V3-like cut takes 1.36 M, in proportion to its layers); beyond, the schedule's timetable stands in
 MAX_RELISTINGS = 8  # re-simulations until the listing is the order of its own predicted starts
 
 
@@ -298,8 +298,10 @@ def compile_plan(problem: ReshardingProblem | TransferProblem, options: CompileO
     place (`CompileOptions.resolved`: split by host and coalesced, bundles of several tensors sharing messages,
     for a `TransferProblem`; none of it for a single tensor).
 
-    A problem that could cut into more than `max_tasks` unit tasks (all tensors together, and as many per box as it
-    has receiving hosts when split by host) is refused up front (TooManyTasksError). A `TransferProblem`'s tensors
+    A problem whose distinct kinds of tensor cut into more than `max_tasks` boxes (as many per box as it has receiving
+    hosts when split by host) is refused before anything is cut, one that would schedule more than `max_tasks` unit
+    tasks (all tensors together, small boxes as their bundles) once they are cut, before anything is costed
+    (TooManyTasksError; `unit_tasks` says why these counts). A `TransferProblem`'s tensors
     are cut one by one and scheduled together. `split_hosts`: one unit task per receiving host
     (`unit_tasks.split_by_receiver_host`; recorded in `solver.details`). `coalesce`: small cells between two hosts
     travel in bundles of at most `bucket_bytes` (`planner/coalesce.py`; a bundle holds boxes of one tensor).
@@ -320,7 +322,7 @@ def compile_plan(problem: ReshardingProblem | TransferProblem, options: CompileO
     singles = problem.tensor_problems()
     if coalesce and max_staging_bytes is not None and max_staging_bytes < max(s.itemsize for s in singles):
         coalesce = False  # a limit below one element: limit_staging refuses it, naming the smallest limit that works
-    check_joint_task_count(singles, max_tasks, split_hosts, options.merge)
+    kinds_cut = check_kinds_task_count(singles, max_tasks, split_hosts, options.merge)
     indices = range(len(singles)) if multi else [None]
     kinds = _kinds(singles)  # tensors of one kind cut, split, coalesce and cost alike: each kind is planned once
     planned: dict[tuple, list[Cell]] = {}
@@ -334,6 +336,8 @@ def compile_plan(problem: ReshardingProblem | TransferProblem, options: CompileO
         if kind not in cut:
             tasks_of = split_by_receiver_host(planned[kind], problem.cluster) if split_hosts else planned[kind]
             cut[kind] = coalesce_cells(tasks_of, single, bucket_bytes) if coalesce else (tasks_of, [])
+    scheduled = {kind: sum(1 for c in cut[kind][0] if c.receivers) + len(cut[kind][1]) for kind in cut}
+    check_scheduled_task_count(sum(scheduled[kind] for kind in kinds), kinds_cut, len(singles), max_tasks, split_hosts, coalesce)
     load = receiving_load([cut[kind][0] for kind in kinds], problem.cluster)
     costed: dict[tuple, list[TaskOptions]] = {}  # kind -> its tasks' options, numbered from 0
     works, first = [], 0

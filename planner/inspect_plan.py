@@ -15,7 +15,9 @@ from xmesh_plan.schemas.staging import staging_peaks
 
 from .executor_order import executor_order
 from .bounds import over_bound
-from .simulate import simulate_plan
+from .simulate import lower, nic_assignment, run_flows, simulate_plan
+
+MAX_TRACED_OPERATIONS = 60_000  # `nic_trace` simulates the plan again: about 25 CPU s at 55,000 bundle-heavy operations here
 
 
 @dataclass
@@ -135,6 +137,71 @@ def gap_line(plan: Plan, loads: PlanLoads) -> str:
     return (f"gap to the bound on host {gap.host} {gap.side} ({gap.need:.4f} s of bytes): {gap.before:.4f} s before its first "
             f"operation, {gap.idle:.4f} s idle between them, {gap.beyond:.4f} s held beyond their bytes' time (overhead, "
             f"latency, shared rates), {gap.after:.4f} s after its last")
+
+
+@dataclass(frozen=True, slots=True)
+class NicTrace:
+    """The bound's NIC side flow by flow, as the simulator moves it in host order (`side_gap` reads operation spans,
+    which for a bundle also cover its gathers and scatters inside hosts): before its first message, its bytes' time,
+    the per-message overhead, the rest of the time a message is on it (latency, rates shared), idle between messages
+    while the next one waits for its data (a bundle's gathers, an earlier hop) or for its sender's side, after its last.
+    The parts add up to the predicted time."""
+
+    host: int
+    side: str
+    before: float
+    need: float
+    overhead: float
+    shared: float
+    waiting_data: float
+    waiting_sender: float
+    after: float
+
+
+def nic_trace(plan: Plan, loads: PlanLoads) -> NicTrace | None:
+    """`NicTrace` of the side `side_gap` takes; None where nothing crosses hosts or the plan's times are the schedule's."""
+    gap = side_gap(plan, loads)
+    if gap is None or not plan.solver.details.get("timed_by", "simulator").startswith("simulator"):
+        return None
+    lowering, _ = lower(plan.operations, plan.problem, "host-order", nic_assignment(plan.host_order))
+    spans = run_flows(lowering.flows, lowering.capacity)
+    link = f"h{gap.host}.{gap.side}"
+    mine = [f for f in lowering.flows if any(x == link or x.startswith(link + ":") for x in f.links)]
+    if not mine:
+        return None
+    left = {f.id: spans[f.id][1] - f.latency_s for f in lowering.flows}
+    side_rate = sum(v for k, v in lowering.capacity.items() if k == link or k.startswith(link + ":"))  # stripes: all NICs
+    need = sum(f.nbytes for f in mine) / side_rate
+    overhead = sum(f.overhead for f in mine) / side_rate
+    busy, reach, data, sender = 0.0, None, 0.0, 0.0
+    for start, end, f in sorted((spans[f.id][0], left[f.id], f) for f in mine):
+        if reach is not None and start > reach:  # idle: what the next message waited for last
+            waits = [(spans[i][1], False) for i in f.after]  # its data arrived; or a message left a sender's NIC side:
+            waits += [(left[i], any(".send" in x for x in lowering.flows[i].links)) for i in f.after_sent]
+            if waits and max(waits)[1]:
+                sender += start - reach
+            else:
+                data += start - reach
+        if reach is None or start > reach:
+            busy, reach = busy + end - start, end
+        elif end > reach:
+            busy, reach = busy + end - reach, end
+    first = min(spans[f.id][0] for f in mine)
+    return NicTrace(gap.host, gap.side, first, need, overhead, max(0.0, busy - need - overhead), data, sender,
+                    max(0.0, plan.predicted_seconds - reach))
+
+
+def nic_trace_line(plan: Plan, loads: PlanLoads) -> str:
+    """`nic_trace` as one line of `inspect` (plans of at most MAX_TRACED_OPERATIONS operations)."""
+    if len(plan.operations) > MAX_TRACED_OPERATIONS:
+        return f"flows on the bound's side: not traced (more than {MAX_TRACED_OPERATIONS:,} operations)"
+    trace = nic_trace(plan, loads)
+    if trace is None:
+        return "flows on the bound's side: not traced (nothing crosses hosts, or the schedule's timetable times the plan)"
+    return (f"flows on host {trace.host} {trace.side}: {trace.before:.4f} s before the first, {trace.need:.4f} s of bytes, "
+            f"{trace.overhead:.4f} s per-message overhead, {trace.shared:.4f} s more on it (latency, shared rates), idle "
+            f"{trace.waiting_data:.4f} s waiting for the next one's data (a bundle's gathers) and {trace.waiting_sender:.4f} s "
+            f"for its sender's side, {trace.after:.4f} s after the last")
 
 
 def _gib(nbytes: float) -> str:
@@ -307,6 +374,7 @@ def summarize(plan: Plan, show_tasks: bool = False, show_ops: bool = False, show
     lines += executor_line(plan)
     lines.append(message_cost_line(plan, loads))
     lines.append(gap_line(plan, loads))
+    lines.append(nic_trace_line(plan, loads))
     lines += staging_lines(plan)
     if show_orders:
         lines += order_lines(plan)

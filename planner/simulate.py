@@ -19,7 +19,13 @@ Model (stated, so every plan and baseline is judged by the same rules):
   no link is ever oversubscribed.
 - Order. How operations queue is the executing system's choice, so it is a parameter:
   `host-order` (ours): operations that use a NIC side run one after another in plan order, as the
-  planner's per-host order says; `device-order` (Alpa's, and the executor's `order="device"`,
+  planner's per-host order says, and a bundle's gathers inside its sending host start once the operation
+  `GATHER_AHEAD` before it on each of its NIC sides has its turn there (its data is there and the one before
+  it has left): they overlap the messages before it, a few bundles ahead, not every bundle's gathers at once
+  (a weight sync's MoE layer has tens of thousands); a bundle starts with its message across hosts (its
+  gathers come before), so it starts no earlier than those before it on its sides; the receiving
+  relay sends each needer its runs one at a time (one connection per pair of devices, across bundles in
+  plan order); `device-order` (Alpa's, and the executor's `order="device"`,
   `executor.lower.in_device_order`): every device works through its own operations in plan order,
   consecutive ones with the same peers as one run, and an operation starts when all its devices are
   free: what each received in its run before has arrived and what it sent has left (its own part,
@@ -52,12 +58,15 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 
 from xmesh_plan.schemas import Operation, Plan, ReshardingProblem
-from xmesh_plan.schemas.op_kinds import members, reads, route
+from xmesh_plan.schemas.op_kinds import members, reads, route, rule_of
 from xmesh_plan.schemas.carriers import fused, message_groups
 from xmesh_plan.schemas.staging import SYNC_SEND_BYTES, device_runs, footprints, stage_budget, staging_align
 from xmesh_plan.schemas.transfer import TransferProblem
 
 DISCIPLINES = ("host-order", "device-order", "posted")
+GATHER_AHEAD = 4  # host order: a bundle gathers while the operation this many before it on its NIC sides has its turn
+# (a 2-layer DeepSeek-V3-like cut, whose relays gather at a device port's 2400 Gbit/s behind 8 x 400 Gbit/s NICs: 1.219x the
+# bound gathering 1 ahead, 1.144x 2 ahead, 1.119x 4 ahead)
 REL_EPS = 1e-12
 
 
@@ -89,7 +98,7 @@ class Flow:
 @dataclass(frozen=True, slots=True)
 class SimResult:
     """When each operation started and ended, and when the last one ended; `work` is what the run cost
-    (moving flows summed over every time their rates were shared out), a machine-independent measure."""
+    (the flows whose rates were shared out again, summed over every event), a machine-independent measure."""
 
     makespan_s: float
     op_start_s: dict[int, float]
@@ -152,8 +161,9 @@ def max_min_rates(active: list[Flow], capacity: dict[str, float]) -> dict[int, f
 def run_flows(flows: list[Flow], capacity: dict[str, float], max_work: int | None = None,
               cost: list[int] | None = None, share: ShareRule | None = None) -> dict[int, tuple[float, float]]:
     """Event-driven fluid simulation; (start, arrival) per flow id. A flow with no bytes or links
-    takes only its latency. Raises TooCostly once more than `max_work` moving flows have had their
-    rates shared out (summed over the run); `cost`, when given, gets that sum appended. `share` gives
+    takes only its latency. Raises TooCostly once more than `max_work` flows have had their rates shared
+    out (the moving flows linked to one that started or ended, summed over the run's events: what the run
+    costs); `cost`, when given, gets that sum appended. `share` gives
     the moving flows that share links with a flow that started or ended their rates (None: max-min fair).
 
     Work per event follows the flows it touches, not all that move: a flow keeps its remaining work as of
@@ -231,7 +241,7 @@ def run_flows(flows: list[Flow], capacity: dict[str, float], max_work: int | Non
                 moving.set_rates({alone: min(capacity[link] for link in by_id[alone].links)}, clock)
             else:
                 moving.set_rates(share([by_id[i] for i in sorted(affected, key=moving.seq.__getitem__)], capacity), clock)
-            work += len(moving.seq)
+            work += len(affected)
             if max_work is not None and work > max_work:
                 raise TooCostly(f"the simulation took more than its budget of {max_work} flow rate updates")
         step = moving.next_time()
@@ -388,6 +398,12 @@ class _Lowering:
         self.capacity: dict[str, float] = {}
         self.delivered: dict[tuple[int, int], list[int]] = {}  # (task, device) -> flows that brought it data
         self.last_on: dict[str, list[int]] = {}  # host order: NIC side -> terminal flows of the previous operation there
+        self.turn: dict[str, deque] = {}  # host order: NIC side -> what each of the last GATHER_AHEAD operations there waits
+        # for to have it: (its data to have arrived, the one before it there to have left); `bundle_turn`
+        self.waited: dict[str, list[int]] = {}  # host order, while an operation is added: NIC side -> what it waits for to have left there
+        self.scattered: dict[tuple[int, int], list[int]] = {}  # host order: (relay, needer) -> the last bundle scatter between them
+        self.gathers: set[int] = set()  # flows of bundles' gathers: before the bundle's start (`op_times`)
+        self.connections: dict[int, list[tuple[int, int]]] = {}  # host order: operation -> the (relay, needer) pairs its scatters queue on
         self.ready: dict[int, list[int]] = {}  # operation -> the flows that bring the data it sends from destination shards
         self.runs: dict[int, tuple] = {}  # device order: device -> (peers, arrivals and sends it waits for, its run's last flows per pair)
         self.run_numbers = run_numbers  # device order with a staging budget: device -> the run of each of its operations (`staging_runs`)
@@ -480,12 +496,13 @@ class _Lowering:
             self.add_in_device_order(op)
             return
         first = len(self.flows)
-        self.gated = set()
+        self.gated, self.waited = set(), {}
         terminal, _ = self.emit(op, ready)
         self.gated = None
         mine = range(first, len(self.flows))
         for key in sorted({link for i in mine for link in self.flows[i].links if link.startswith("h")}):
             self.last_on[key] = [i for i in terminal if key in self.flows[i].links] or terminal
+            self.turn.setdefault(key, deque(maxlen=GATHER_AHEAD)).append((ready, self.waited.get(key, [])))
 
     def add_in_device_order(self, op: Operation) -> None:
         """As the executor's device order (`executor.lower.in_device_order`): a device's operations with
@@ -541,7 +558,20 @@ class _Lowering:
             if link.startswith("h") and link not in self.gated:
                 self.gated.add(link)
                 extra += self.last_on.get(link, [])
+                self.waited[link] = self.last_on.get(link, [])
         return [*after_sent, *extra] if extra else after_sent
+
+    def bundle_turn(self, op: Operation) -> tuple[list[int], list[int]] | None:
+        """Host order: what a bundle's gathers wait for, (to have arrived, to have left): the turn of the operation
+        `GATHER_AHEAD` before it on each NIC side its message takes (`turn`; nothing while fewer went there); None for
+        other operations and other orders."""
+        if self.gated is None or rule_of(op).pattern != "bundle":
+            return None
+        a, b = op.src, op.dsts[0]
+        ha, hb = a // self.per_host, b // self.per_host
+        sides = sorted({link for links, _, _ in self.lanes(op, a, b, ha, hb) for link in links if link.startswith("h")})
+        turns = [self.turn[link][0] for link in sides if len(self.turn.get(link, ())) == GATHER_AHEAD]
+        return [i for arrived, _ in turns for i in arrived], [i for _, left in turns for i in left]
 
     def data_ready(self, op: Operation) -> list[int]:
         """What an operation that sends out of destination shards waits for: what earlier operations of its task delivered there."""
@@ -563,9 +593,16 @@ class _Lowering:
         last: dict[tuple[int, int], list[int]] = {}
         itemsize = 1 if op.id in self.bytewise else self.itemsizes[op.tensor or 0]
         own_data = self.data_by_device(op) if self.discipline != "host-order" else {}
+        turn = self.bundle_turn(op)
         for hop in route(op):
             after = [i for k in hop.after for i in flows[k]]
             queued = [i for k in hop.queued_after for i in flows[k]]
+            if turn and hop.dst == op.src != hop.src:  # a bundle's gather: behind its NIC turn (host order)
+                after += turn[0]
+                queued += turn[1]
+            scatter = turn is not None and hop.src == op.dsts[0] != hop.dst and hop.after
+            if scatter:  # a bundle's scatter: after the one before between the same two devices (host order)
+                queued += self.scattered.get((hop.src, hop.dst), [])
             if hop.gated:
                 after += waits
                 if not hop.after:
@@ -578,6 +615,11 @@ class _Lowering:
                 if d == hop.src:
                     posting = (posting[0] + list(arrived), list(left))
             flows.append(self.hop(op, hop.src, hop.dst, hop.nbytes(itemsize), after, queued))
+            if turn is not None and hop.dst == op.src != hop.src:
+                self.gathers.update(flows[-1])
+            if scatter:
+                self.scattered[(hop.src, hop.dst)] = flows[-1]
+                self.connections.setdefault(op.id, []).append((hop.src, hop.dst))
             if barrier is not None and self.send_buffer is None and hop.src != hop.dst and hop.nbytes(itemsize) < SYNC_SEND_BYTES:
                 for i in flows[-1]:  # buffered: the send ends once posted, and its device goes on (executor.mpi_engine)
                     self.posted_when[i] = posting
@@ -629,9 +671,10 @@ def renumbered_only(before: list[Operation] | tuple[Operation, ...], after: list
                     lowering: _Lowering) -> bool:
     """Whether listing `after` (the same operations as `before`, whose host-order flows are `lowering`) lowers to the
     same flows, only numbered differently: the same shared messages, every NIC side taking its operations in the same
-    order (each waits for the one before there) and every task too (an operation waits for what its task's earlier ones
-    delivered). Then host order times `after` exactly as `before`, bit for bit: a flow's number decides only in which
-    order things that happen at one instant are taken, and progressive filling gives the same rates whatever order the
+    order (each waits for the one before there; a bundle's gathers for its turn), every pair of devices bundles scatter
+    between too, and every task (an operation waits for what its task's earlier ones delivered). Then host order times
+    `after` exactly as `before`, bit for bit: a flow's number decides only in which order things that happen at one
+    instant are taken, and progressive filling gives the same rates whatever order the
     flows come in (each round subtracts one share, the same, from every link it touches; links are taken by share and
     name). With the default sharing rule and no connection queues only, which host order is."""
     if lowering.discipline != "host-order":
@@ -643,6 +686,8 @@ def renumbered_only(before: list[Operation] | tuple[Operation, ...], after: list
     keys: dict[int, list] = {group[0]: [("task", task[group[0]])] for group in groups}  # a message's head (its flows'
     for f in lowering.flows:  # `op`) -> the task and NIC sides it queues on (an operation without flows waits on its task)
         keys[f.op].extend(link for link in f.links if link.startswith("h") and link not in keys[f.op])
+    for head, pairs in lowering.connections.items():
+        keys[head].extend(dict.fromkeys(pairs))
 
     def queues(listing) -> dict:
         out: dict = {}
@@ -687,9 +732,10 @@ def op_times(operations: list[Operation] | tuple[Operation, ...], lowering: _Low
     """Each operation's start and end from its flows' (`simulate`'s second half)."""
     start: dict[int, float] = {}
     end: dict[int, float] = {}
-    for f in lowering.flows:
+    for f in lowering.flows:  # a bundle starts with its message across hosts: its gathers come before (host order)
         s, e = spans[f.id]
-        start[f.op] = min(start.get(f.op, s), s)
+        if f.id not in lowering.gathers:
+            start[f.op] = min(start.get(f.op, s), s)
         end[f.op] = max(end.get(f.op, e), e)
     for op_id, ready in lowering.ready.items():  # it starts once all its data is there (as the verifier checks),
         start[op_id] = max(start.get(op_id, 0.0), max(spans[i][1] for i in ready))  # though a member may send earlier

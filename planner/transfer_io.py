@@ -36,7 +36,7 @@ from xmesh_plan.schemas.validation import describe_validation_error
 
 from .compile_defaults import defaults_for_kind
 from .problem_io import InputError, build_problem, hosts_used, parse_cluster, parse_mesh, parse_shape, read_data_file
-from .unit_tasks import TaskCount, check_task_total, count_tasks
+from .unit_tasks import TaskCount, check_kinds_total, count_tasks
 
 TOP_KEYS = ("name", "dtype", "src_mesh", "dst_mesh", "cluster", "rules", "tensors")
 TENSOR_KEYS = ("name", "shape", "dtype", "src", "dst", "src_boxes", "dst_boxes", "dst_dtype", "scale")
@@ -124,7 +124,7 @@ class _TaskCount:
     """The unit tasks tensor entries could cut into, counted as written: a repeated group's tensor that gives both
     specs itself counts once for all its copies, one whose specs come from the rules is matched name by name (one
     regular expression each); each distinct (shape, dtype, specs) is counted from its cut points once (`count_tasks`:
-    split by receiving host when `split_hosts`). Anything malformed,
+    split by receiving host when `split_hosts`), and refused as `unit_tasks.check_kinds_task_count` refuses. Anything malformed,
     or more tensors than a problem may hold, stops the count (`of_entries` then refuses nothing): reading the entries
     in full names the fault."""
 
@@ -133,14 +133,14 @@ class _TaskCount:
         self.split_hosts, self.merge = split_hosts, merge
         self.known: dict[tuple, TaskCount | None] = {}
         self.total = TaskCount(0, 0 if split_hosts else None)
-        self.tensors = self.largest = self.written = 0
-        self.largest_name, self.largest_at = "", ()
+        self.tensors = self.written = 0
+        self.used: dict[tuple, TaskCount] = {}  # (shape, specs) -> its count, for the tensors counted so far
 
     def of_entries(self, entries: Any, max_tasks: int) -> None:
         """TooManyTasksError where the entries (a problem's `tensors`) could cut into more than `max_tasks` unit tasks."""
         if not isinstance(entries, list):
             return
-        for e, entry in enumerate(entries):
+        for entry in entries:
             if not isinstance(entry, dict):
                 return
             repeat, group = (entry.get("repeat"), entry.get("group")) if "repeat" in entry or "group" in entry else (None, [entry])
@@ -154,24 +154,22 @@ class _TaskCount:
             first = entry.get("first", 0)
             if not isinstance(first, int) or isinstance(first, bool):
                 return
-            for g, tensor in enumerate(group):
-                if not self._add_copies(tensor, repeat, (e, g), first):
+            for tensor in group:
+                if not self._add_copies(tensor, repeat, first):
                     return
-        if self.tensors:
-            check_task_total(self.tensors, self.total, self.largest_name, self.largest, max_tasks)
+        if self.tensors:  # as `unit_tasks.check_kinds_task_count`: each kind (shape and specs) is cut once
+            check_kinds_total(len(self.used), sum(c.needed for c in self.used.values()), self.tensors, self.total, max_tasks)
 
-    def _add_copies(self, tensor: dict, repeat: int | None, at: tuple[int, int], first: int = 0) -> bool:
-        """Count `tensor` (`repeat` copies named by {i} from `first`, or itself when None), entry and group index `at`;
-        False where something is malformed."""
-        (e, g) = at
+    def _add_copies(self, tensor: dict, repeat: int | None, first: int = 0) -> bool:
+        """Count `tensor` (`repeat` copies named by {i} from `first`, or itself when None); False where something is
+        malformed."""
         if repeat is None or ("src" in tensor and "dst" in tensor):
             return self._add(tensor["name"].replace("{i}", str(first)) if repeat else tensor["name"], tensor,
-                             1 if repeat is None else repeat, (e, 0, g))
-        return all(self._add(tensor["name"].replace("{i}", str(i)), tensor, 1, (e, i, g)) for i in range(first, first + repeat))
+                             1 if repeat is None else repeat)
+        return all(self._add(tensor["name"].replace("{i}", str(i)), tensor, 1) for i in range(first, first + repeat))
 
-    def _add(self, name: str, tensor: dict, copies: int, at: tuple[int, int, int]) -> bool:
-        """Count `copies` of `tensor`, the first called `name` at `at` (entry, copy, group index: the order the file
-        unrolls in), so the largest is named as `check_joint_task_count` names it: the first of the most tasks."""
+    def _add(self, name: str, tensor: dict, copies: int) -> bool:
+        """Count `copies` of `tensor`, the first called `name`."""
         shape = tensor.get("shape")
         try:
             layouts = [_layout(tensor, side, lambda: self.rules.spec(name, side)) for side in ("src", "dst")]
@@ -192,8 +190,7 @@ class _TaskCount:
             return count is not None
         self.tensors += copies
         self.total += count.times(copies)
-        if count.needed > self.largest or (count.needed == self.largest and at < self.largest_at):
-            self.largest, self.largest_name, self.largest_at = count.needed, name, at
+        self.used[(key[0], *key[2:])] = count
         return True
 
 

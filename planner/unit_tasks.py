@@ -6,6 +6,13 @@ hold it only copy locally. Adjacent cells with identical device sets are merged 
 The cell count, and what splitting by receiving host makes of the cells, are known from the cut points
 alone, so a problem too large to compile is refused before anything is cut (`max_tasks`, the CLI's
 `--max-tasks`).
+
+What `--max-tasks` counts is what a compile holds: the unit tasks it schedules (every tensor's boxes, one per
+receiving host with `--split-hosts`, small ones counted as the bundles `--coalesce` packs them into,
+`check_scheduled_task_count`) and, before that, the boxes it cuts (tensors of one kind, shape and specs alike, are
+cut once: `check_kinds_task_count`). The DeepSeek-V3-like weight sync's 1,025 tensors split by host into 7,099,392
+boxes, yet its compile cuts 17 kinds into 148,480 boxes and schedules 667,520 tasks: memory follows those. A refusal
+before cutting names a limit every later check passes too (what all tensors split into; bundling only lowers it).
 """
 
 from __future__ import annotations
@@ -103,13 +110,9 @@ def count_tasks(problem: ReshardingProblem, split_hosts: bool = False, merge: bo
     return TaskCount(task_count_bound(problem), split_task_count(problem, merge) if split_hosts else None)
 
 
-def check_joint_task_count(problems: list[ReshardingProblem], max_tasks: int | None, split_hosts: bool = False,
-                           merge: bool = True) -> TaskCount:
-    """`check_task_count` for the tensors of one transfer together (one plan holds all their tasks), counting what
-    splitting by receiving host makes when `split_hosts`; tensors of one shape and specs are counted once (a model's
-    layers repeat)."""
-    if len(problems) == 1 and not split_hosts:
-        return TaskCount(check_task_count(problems[0], max_tasks))
+def _counts_by_kind(problems: list[ReshardingProblem], split_hosts: bool, merge: bool
+                    ) -> tuple[dict[tuple, TaskCount], list[TaskCount]]:
+    """(shape and specs -> its count, each problem's count): tensors of one shape and specs are counted once."""
     known: dict[tuple, TaskCount] = {}
     counts = []
     for p in problems:
@@ -117,12 +120,68 @@ def check_joint_task_count(problems: list[ReshardingProblem], max_tasks: int | N
         if key not in known:
             known[key] = count_tasks(p, split_hosts, merge)
         counts.append(known[key])
+    return known, counts
+
+
+def check_joint_task_count(problems: list[ReshardingProblem], max_tasks: int | None, split_hosts: bool = False,
+                           merge: bool = True) -> TaskCount:
+    """`check_task_count` for the tensors of one transfer together (one plan holds all their tasks), counting what
+    splitting by receiving host makes when `split_hosts`; tensors of one shape and specs are counted once (a model's
+    layers repeat)."""
+    if len(problems) == 1 and not split_hosts:
+        return TaskCount(check_task_count(problems[0], max_tasks))
+    known, counts = _counts_by_kind(problems, split_hosts, merge)
     largest = max(range(len(counts)), key=lambda i: counts[i].needed)
     total = sum(counts[1:], counts[0])
     if len(problems) == 1 and total.needed == total.cells:
         check_task_count(problems[0], max_tasks)  # the cells bind: named per dim
     check_task_total(len(counts), total, problems[largest].name, counts[largest].needed, max_tasks)
     return total
+
+
+def check_kinds_task_count(problems: list[ReshardingProblem], max_tasks: int | None, split_hosts: bool = False,
+                           merge: bool = True) -> int:
+    """TooManyTasksError before anything is cut where the boxes of the problems' distinct kinds of tensor (shape and
+    specs: each kind is cut once and shared by its tensors, `compile._kinds`) number more than `max_tasks`, counted from
+    the cut points (split by receiving host when `split_hosts`); the message names what all the tensors together cut
+    into, a limit the scheduled count (`check_scheduled_task_count`) passes as well. Returns the kinds' count. A
+    single tensor unsplit is `check_task_count` (its message names the intervals per dim)."""
+    if len(problems) == 1 and not split_hosts:
+        return check_task_count(problems[0], max_tasks)
+    known, counts = _counts_by_kind(problems, split_hosts, merge)
+    total, cut = sum(counts[1:], counts[0]), sum(c.needed for c in known.values())
+    check_kinds_total(len(known), cut, len(counts), total, max_tasks)
+    return cut
+
+
+def check_kinds_total(kinds: int, cut: int, tensors: int, total: TaskCount, max_tasks: int | None) -> None:
+    """TooManyTasksError where the boxes of `kinds` kinds of tensor (`cut` of them) are more than `max_tasks`; the
+    message names the limit that lets `tensors` tensors (`total`) through every check (`check_kinds_task_count`)."""
+    if max_tasks is None or cut <= max_tasks:
+        return
+    split = total.split is not None
+    what = "split by receiving host (--split-hosts), " if split else ""
+    needed = max(cut, total.needed)
+    raise TooManyTasksError(
+        f"problem: {what}the {kinds} kinds of tensor it cuts (shape and specs) give {cut:,} unit tasks, above the limit of "
+        f"{max_tasks:,}; pass --max-tasks {needed} (max_tasks= in Python; what its {tensors} tensors give together) if this "
+        f"machine has the memory (at most about {_memory(needed * BYTES_PER_TASK)}), or "
+        f"{'compile with --no-split-hosts' if split else 'use coarser meshes or specs'}")
+
+
+def check_scheduled_task_count(scheduled: int, cut: int, tensors: int, max_tasks: int | None, split_hosts: bool,
+                               coalesce: bool) -> None:
+    """TooManyTasksError where a compile would schedule more than `max_tasks` unit tasks (`scheduled`, all `tensors`
+    tensors), counted once each kind is cut (`cut` boxes), split and bundled, before anything is costed or scheduled;
+    the message names the limit that passes both counts."""
+    if max_tasks is None or scheduled <= max_tasks:
+        return
+    how = ", ".join(w for w, on in (("split by receiving host", split_hosts), ("small boxes bundled", coalesce)) if on)
+    needed = max(scheduled, cut)
+    raise TooManyTasksError(
+        f"problem: its {tensors} tensors schedule {scheduled:,} unit tasks{f' ({how})' if how else ''}, above the limit of "
+        f"{max_tasks:,}; pass --max-tasks {needed} (max_tasks= in Python) if this machine has the memory (about "
+        f"{_memory(needed * BYTES_PER_TASK)}), or {'compile with --no-split-hosts' if split_hosts else 'use coarser meshes or specs'}")
 
 
 def check_task_total(tensors: int, total: TaskCount, largest_name: str, largest: int, max_tasks: int | None) -> None:

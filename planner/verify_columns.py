@@ -32,7 +32,7 @@ from xmesh_plan.schemas.plan_check import (MAX_CHUNKS, MAX_TAGS, TOLERANCE_S, _c
                                            _check_numbers, _check_operation, _check_schema_version, _check_shared_sides,
                                            _Shards, PlanError)
 from xmesh_plan.schemas.plan_check_arrays import OpColumns, member_of, proven_rows, sorted_unique
-from xmesh_plan.schemas.plan_compact import COLUMN_KINDS, CompactColumns, CompactPlanError, is_compact, read_compact_columns
+from xmesh_plan.schemas.plan_compact import COLUMN_KINDS, CompactColumns, CompactPlanError, index_fault, is_compact, read_compact_columns
 from xmesh_plan.schemas.plan_io import _head
 from xmesh_plan.schemas.plan_tensors import is_multi
 
@@ -155,6 +155,16 @@ def _nic_listing_and_tags(head: Plan, ops: dict, op_columns: OpColumns, proven: 
     return int(op_columns.chunks[~local & proven].sum()) + record_tags <= MAX_TAGS
 
 
+def _index_holds(columns: CompactColumns, op_columns: OpColumns, proven: np.ndarray, others: np.ndarray, records: list) -> bool:
+    """The file's per-device index and first tags are what its operations table gives (`plan_compact.index_fault`):
+    a file where they differ goes to the record path, which refuses it naming the member."""
+    local = np.array([OP_KINDS[k].pattern == "local" for k in op_columns.kinds] or [False])[op_columns.kind]
+    counts = np.where(~local & proven, op_columns.chunks, 0).astype(np.int64)
+    counts[others] = [tags_used(op) for op in records]
+    tensors = np.where(op_columns.tensor_none, 0, op_columns.tensor)
+    return index_fault(columns.members, len(counts), counts.tolist(), tensors.tolist()) is None
+
+
 def _replay(head: Plan, op_columns: OpColumns, times: tuple[np.ndarray, np.ndarray], records: dict[int, Operation],
             on_count: Callable[[int, int], None]) -> tuple[int, set[int]] | None:
     """Each tensor's writes painted on its destination cells (`painted_summary`): a proven copy, send or broadcast's
@@ -228,6 +238,8 @@ def verify_compact(path: str | os.PathLike, on_stage: Callable[[str], None],
     if records is None or not _records_check(head, records, others, carried):
         return None
     if not _nic_listing_and_tags(head, ops, op_columns, proven, sum(map(tags_used, records))):
+        return None
+    if not _index_holds(columns, op_columns, proven, others, records):
         return None
     names = head.problem.tensor_problems()
     on_stage(f"replaying {len(names):,} tensor{'s' if len(names) != 1 else ''}")

@@ -69,6 +69,22 @@ class FusedTensor(BaseModel):
         """How long each part is along the fused dim (a range's length, or its tensor's); `shapes`: tensor name -> shape."""
         return [shapes[name][self.dim] if span is None else span[1] - span[0] for name, span in self.refs()]
 
+    def gaps(self, shapes: dict[str, tuple[int, ...]]) -> dict[str, list[tuple[int, int]]]:
+        """Each source tensor's ranges along dim that no part lists, where it has any: the parts of one tensor must
+        cover it together (a range may repeat: replicated KV heads list k once per TP rank)."""
+        out = {}
+        for name in dict.fromkeys(name for name, _ in self.refs()):
+            length, at, missing = shapes[name][self.dim], 0, []
+            for start, stop in sorted((0, length) if span is None else span for part, span in self.refs() if part == name):
+                if start > at:
+                    missing.append((at, start))
+                at = max(at, stop)
+            if at < length:
+                missing.append((at, length))
+            if missing:
+                out[name] = missing
+        return out
+
     def shape(self, shapes: dict[str, tuple[int, ...]]) -> tuple[int, ...]:
         """The fused shape: the parts' off the fused dim, their lengths summed on it."""
         first = tuple(shapes[self.refs()[0][0]])

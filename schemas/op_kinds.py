@@ -280,8 +280,11 @@ def first_tags(operations) -> tuple[list[int], int]:
     k's operations own the tags after those of tensors 0..k-1, each operation a block of `tags_used` in plan order,
     so a tensor's messages, taken alone, come in tag order. The executor's lowering and the compact plan's index
     both number by this one function, so a rank reading only its part numbers its messages as its peers do."""
-    counts = [tags_used(op) for op in operations]
-    tensors = [op.tensor or 0 for op in operations]
+    return number_tags([tags_used(op) for op in operations], [op.tensor or 0 for op in operations])
+
+
+def number_tags(counts: list[int], tensors: list[int]) -> tuple[list[int], int]:
+    """`first_tags` of operations that own `counts` tags each, of tensors `tensors` (0 for none), in plan order."""
     used = [0] * (max(tensors, default=0) + 1)
     for t, n in zip(tensors, counts):
         used[t] += n

@@ -35,7 +35,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from .op_kinds import first_tags
+from .op_kinds import first_tags, number_tags, tags_used
 
 FORMAT = "xmesh-plan-compact"
 FORMAT_VERSION = 2
@@ -236,10 +236,26 @@ def is_compact(head: bytes) -> bool:
 # ---------------------------------------------------------------- reading
 
 
-class _Members:
-    """The `.npy` members of an open compact file, each mapped (not read) until indexed."""
+def _size(source) -> int:
+    """The bytes of a file named by its path or open (a binary file object)."""
+    return os.fstat(source.fileno()).st_size if hasattr(source, "fileno") else os.path.getsize(source)
 
-    def __init__(self, path: str | os.PathLike):
+
+def _read_at(source, offset: int, count: int) -> bytes:
+    """`count` bytes at `offset` of a file named by its path or open (its position left as it is)."""
+    if hasattr(source, "fileno"):
+        return os.pread(source.fileno(), count, offset)
+    with open(source, "rb") as handle:
+        handle.seek(offset)
+        return handle.read(count)
+
+
+class _Members:
+    """The `.npy` members of an open compact file, each mapped (not read) until indexed. `path` is the file's path,
+    or the file itself open for binary reading: every member is then read from that file, even once another is
+    renamed over its path."""
+
+    def __init__(self, path):
         self.path = path
         self.memo: dict[str, Any] = {}
         try:
@@ -267,14 +283,12 @@ class _Members:
             skip = member.tell()
         if fortran or dtype.hasobject or dtype.kind not in "biuf":
             raise CompactPlanError(f"member {info.filename} holds {dtype}{' in Fortran order' if fortran else ''}, not plain numbers")
-        with open(self.path, "rb") as handle:
-            handle.seek(info.header_offset)
-            local = handle.read(30)
-            if len(local) < 30 or not local.startswith(ZIP_MAGIC):
-                raise CompactPlanError(f"member {info.filename} has no local header (truncated)")
-            start = info.header_offset + 30 + int.from_bytes(local[26:28], "little") + int.from_bytes(local[28:30], "little")
+        local = _read_at(self.path, info.header_offset, 30)
+        if len(local) < 30 or not local.startswith(ZIP_MAGIC):
+            raise CompactPlanError(f"member {info.filename} has no local header (truncated)")
+        start = info.header_offset + 30 + int.from_bytes(local[26:28], "little") + int.from_bytes(local[28:30], "little")
         size = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
-        if start + skip + size > os.path.getsize(self.path) or skip + size > info.file_size:
+        if start + skip + size > _size(self.path) or skip + size > info.file_size:
             raise CompactPlanError(f"member {info.filename} is cut short (truncated file)")
         return dtype, tuple(shape), start + skip
 
@@ -442,9 +456,38 @@ def _header(m: _Members) -> dict:
 CHUNK_ROWS = 65_536  # rows decoded at a time: a chunk's plain dicts are dropped once its records are made
 
 
+INDEX_MEMBERS = ("index.devices", "index.first", "index.rows", "index.offsets", "index.first_tags")
+
+
+def index_fault(m: _Members, count: int, counts: list[int], tensors: list[int]) -> str | None:
+    """The first `index.*` member that is not what `compact_arrays` writes for the operations table (their device
+    columns, and `counts` tags owned by each of the `count` operations, of tensors `tensors`: `op_kinds.number_tags`);
+    None when the stored index is that one. A rank reads its part through the index alone, so it must be the one the
+    table that `verify` checks gives."""
+    columns = {name: m.get(name) for name in m.where if name.split(".")[:2] in (["operations", f] for f in DEVICE_FIELDS)}
+    try:
+        want = _device_index(columns, count)
+    except (KeyError, ValueError, IndexError):
+        return "index.rows"
+    first, tags = number_tags(counts, tensors)
+    want["index.first_tags"] = np.array([*first, tags], dtype=np.int64)
+    return next((name for name in INDEX_MEMBERS if name not in m or not np.array_equal(m.get(name), want[name])), None)
+
+
+def _check_index(m: _Members, operations: list) -> None:
+    """Refuse (CompactPlanError naming the member) a stored index other than the one the operations table gives."""
+    name = index_fault(m, len(operations), [tags_used(op) for op in operations], [op.tensor or 0 for op in operations])
+    if name is not None:
+        raise CompactPlanError(f"member {name}.npy is not the index its operations table gives (tampered or damaged), "
+                               "so a rank would run other operations than the plan's; recompile the plan, or write it "
+                               "again from its JSON plan with `xmesh-plan export`")
+
+
 def read_compact_data(path: str | os.PathLike, records: dict[str, Callable[[dict], Any]] | None = None) -> dict:
     """The plan in `path` as the data its JSON states (validated by the caller), each table's rows made into records by
-    `records[table]` a chunk at a time where given (plain dicts otherwise); CompactPlanError otherwise."""
+    `records[table]` a chunk at a time where given (plain dicts otherwise); CompactPlanError otherwise. With records
+    of the operations, the file's per-device index is rebuilt from them (`compact_arrays` writes it so) and a file
+    whose stored index differs is refused: what the whole plan's checks pass is what each rank reads of it."""
     m = _Members(path)
     header = _header(m)
     data = dict(header["plan"])
@@ -457,6 +500,8 @@ def read_compact_data(path: str | os.PathLike, records: dict[str, Callable[[dict
         for start in range(0, count, CHUNK_ROWS):
             rows = _rows(m, table, np.arange(start, min(start + CHUNK_ROWS, count), dtype=np.int64))
             data[table].extend(rows if make is None else map(make, rows))
+    if (records or {}).get("operations") is not None:
+        _check_index(m, data["operations"])
     return data
 
 
@@ -599,9 +644,9 @@ def device_rows(m: _Members, device: int | None) -> np.ndarray:
     return int(m.get("index.first")[at]) + np.cumsum(steps)  # stored as steps from the device's first row
 
 
-def read_device_data(path: str | os.PathLike, device: int | None) -> tuple[dict, list[dict], np.ndarray, list[int], int]:
+def read_device_data(path, device: int | None) -> tuple[dict, list[dict], np.ndarray, list[int], int]:
     """(the plan's fields less its tables, the operations `device` takes part in as plain dicts, their rows, their
-    first message tags, the plan's tags)."""
+    first message tags, the plan's tags) of the file at `path` or open as `path` (`_Members`)."""
     m = _Members(path)
     header = _header(m)
     rows = device_rows(m, device)

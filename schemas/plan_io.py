@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 import stat
-from typing import Any, Callable
+from typing import Any, BinaryIO, Callable
 
 from pydantic import TypeAdapter, ValidationError
 
@@ -83,15 +83,16 @@ def read_plan_data(path: str | os.PathLike) -> Any:
         raise PlanFileError(f"{err}; pass a plan written by `xmesh-plan compile`") from None
 
 
-def _compact(path: str | os.PathLike, read: Callable, *args: Any) -> Any:
-    """`read(path, *args)` on a compact file within the size limit; every failure a one-line PlanFileError."""
-    path = _existing_or_example(path)
-    size = os.path.getsize(path)
+def _compact(path: str | os.PathLike, read: Callable, *args: Any, handle: BinaryIO | None = None) -> Any:
+    """`read(path, *args)` on a compact file within the size limit (`read(handle, *args)` on the file `handle`, open
+    from `path`, where given); every failure a one-line PlanFileError."""
+    path = path if handle is not None else _existing_or_example(path)
+    size = os.fstat(handle.fileno()).st_size if handle is not None else os.path.getsize(path)
     if size > files.MAX_COMPACT_FILE_BYTES:
         raise PlanFileError(f"{quoted(path)}: more than {files.MAX_COMPACT_FILE_BYTES // 2**20:,} MiB, the most a compact plan may be; "
                             "split the problem into smaller transfers")
     try:
-        return read(path, *args)
+        return read(path if handle is None else handle, *args)
     except (CompactPlanError, OSError) as err:
         raise PlanFileError(f"{quoted(path)}: not a readable compact plan ({err}); {_FIX}") from None
 
@@ -105,24 +106,26 @@ def file_format(path: str | os.PathLike) -> str:
     return "compact" if is_compact(_head(path)) else "json"
 
 
-def read_plan_head(path: str | os.PathLike) -> DeviceOps:
+def read_plan_head(path: str | os.PathLike, handle: BinaryIO | None = None) -> DeviceOps:
     """`read_plan_ops` with no operations: the plan's schema version, problem, tag count and staging (of a compact
     file, its header and the tag count are read, nothing of its tables)."""
-    return read_plan_ops(path, None)
+    return read_plan_ops(path, None, handle)
 
 
-def read_plan_ops(path: str | os.PathLike, device: int | None) -> DeviceOps:
+def read_plan_ops(path: str | os.PathLike, device: int | None, handle: BinaryIO | None = None) -> DeviceOps:
     """The problem and the operations `device` takes part in (execution order, with their rows in the plan and their
     first message tags, `DeviceOps`), read from a compact file through its index (only those operations' rows are read), or from a JSON plan (all of it
     parsed, then filtered). PlanFileError naming the file and the fix otherwise. Unlike `read_plan_file`, the
-    operations are validated one by one but not checked against each other (`schemas.plan_check` needs them all)."""
-    if not is_compact(_head(path)):
+    operations are validated one by one but not checked against each other (`schemas.plan_check` needs them all).
+    `handle`: the compact file `path` names, open for binary reading; it is read instead of the path (another file
+    renamed over the path since it was opened is not read)."""
+    if handle is None and not is_compact(_head(path)):
         plan = read_plan_file(path)
         rows = tuple(i for i, op in enumerate(plan.operations) if device in _op_devices(op))
         first, tags = number_tags(plan.operations)
         return DeviceOps(plan.schema_version, plan.problem, tuple(plan.operations[i] for i in rows), rows,
                          tuple(first[i] for i in rows), tags, plan.staging)
-    fields, ops, rows, first_tags, tags = _compact(path, read_device_data, device)
+    fields, ops, rows, first_tags, tags = _compact(path, read_device_data, device, handle=handle)
     version = fields.get("schema_version")
     if version not in SCHEMA_VERSIONS:
         plan_from_data(fields, path)  # the one-line message a whole-plan read gives

@@ -148,8 +148,9 @@ class TransferProblem(BaseModel):
         return {t.name: conversion_text(t) for t in self.tensors if t.dst_dtype is not None or t.scale_of is not None}
 
     def _check_fused(self, index: dict[str, int]) -> None:
-        """Each fused tensor's parts: tensors of the problem (ranges inside them), in no other fused tensor, with no
-        destination layout of their own, of one dtype and one shape off the fused dim; its layout fits the fused shape."""
+        """Each fused tensor's parts: tensors of the problem (ranges inside them, together covering each tensor), in no
+        other fused tensor, with no destination layout of their own, of one dtype and one shape off the fused dim; its
+        layout fits the fused shape."""
         group: dict[str, int] = {}
         for j, fused in enumerate(self.fused):
             where = f"fused[{j}] ({quoted(fused.name)})"
@@ -186,6 +187,10 @@ class TransferProblem(BaseModel):
                     self._part_boxes(j, part)
             except ValueError as err:
                 raise ValueError(f"{where}: {_first_line(err)}") from None
+            for part, missing in fused.gaps(self._shapes()).items():
+                rows = ", ".join(f"{a}:{b}" for a, b in missing)
+                raise ValueError(f"{where}.parts: no part covers rows {rows} of {part!r} along dim {fused.dim}, so they reach no "
+                                 f"device; list every range of {part!r} (a range may repeat, as replicated KV heads do)")
 
     def _shapes(self) -> dict[str, tuple[int, ...]]:
         return {t.name: tuple(t.shape) for t in self.tensors}

@@ -92,3 +92,47 @@ def test_the_torch_demo_refuses_a_converting_plan_instead_of_checking_it_against
                                                 r"and checks shards of the source dtype; run it with TransferExecutor") as info:
         _scaled(compile_plan(build_transfer(HOOKS)), 16.0)
     assert info.value.same_on_every_rank
+
+
+def test_a_timeout_in_the_amax_swap_names_the_swap_and_its_peer():
+    """The progress thread stuck in the senders' amax swap (per-tensor scales) with device 1: the timeout names that swap,
+    not the plan's steps. The engine is built bare around a group whose receive never arrives (its wait raises, as gloo's
+    does at its own deadline)."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from xmesh_plan.executor.errors import PeerTimeoutError
+    from xmesh_plan.executor.torch_engine import TorchEngine
+
+    class Work:
+        def wait(self):
+            raise RuntimeError("Timed out waiting 1000ms for recv operation to complete")
+
+    group = SimpleNamespace(send=lambda *args: Work(), recv=lambda *args: Work())
+    engine = TorchEngine.__new__(TorchEngine)
+    engine.__dict__.update(torch=torch, group=group, program=SimpleNamespace(device=0), steps=[], peer_rank=[], works=[], rank=0,
+                           context=SimpleNamespace(transport=SimpleNamespace(match_by_tag=True), rank_of={0: 0, 1: 3}),
+                           amax_swaps=[(1, [0], torch.zeros(1), torch.zeros(1))], amax_peer=None, current=-1, timeout_s=1.0,
+                           failure=None, broken=None, src=None, buffers=[])
+    with pytest.raises(RuntimeError, match="Timed out"):
+        engine._swap_amax({0: torch.tensor(2.0)})
+    with pytest.raises(PeerTimeoutError, match=r"^device 0 \(rank 0\): nothing completed for 1 s; waiting on the amax swap of "
+                                               r"per-tensor FP8 scales with device 1 \(rank 3\);"):
+        engine.timed_out()
+
+
+def test_a_dst_dtype_of_the_source_dtype_is_no_conversion_for_any_engine():
+    """float32 -> float32, bfloat16 -> bf16: no tensor of the lowered program converts, so the torch engine copies no
+    shard before sending, the engines that do not convert (`EngineEntry.make`) run the plan, and so does the torch demo."""
+    single = compile_plan(build_problem({"shape": [8, 4], "dtype": "float32", "dst_dtype": "float32", "src": {"mesh": "1x2", "spec": "S0 R"},
+                                         "dst": {"mesh": "1x2", "spec": "R S0"}}), solver="greedy")
+    multi = compile_plan(build_transfer({"src_mesh": {"shape": [2], "devices": [0, 1]}, "dst_mesh": {"shape": [1], "devices": [2]},
+                                         "tensors": [{"name": "w", "shape": [4, 4], "dtype": "bfloat16", "src": "S0 R", "dst": "R R",
+                                                      "dst_dtype": "bf16"}]}))
+    for plan in (single, multi):
+        program = lower(plan, 0)
+        assert [t.convert for t in program.tensors] == [None] and program.tensors[0].dst_dtype == program.tensors[0].dtype
+    from xmesh_plan.executor.torch_run import _scaled
+
+    assert _scaled(single, 1.0).problem == single.problem  # the torch demo fills and checks it as any plan of float32

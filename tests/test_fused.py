@@ -121,6 +121,10 @@ def _edited(edit) -> dict:
     (lambda r: _tensor(r, "qkv").update(fuse=["q[8:8]", "k", "v"]), r"'q\[8:8\]' is an empty range"),
     (lambda r: _tensor(r, "qkv").update(fuse=["q[0:4]", "k", "q[8:16]", "v"], dst="R R"),
      r"device 4 needs \[0:4, 0:6\] and \[8:16, 0:6\] of 'q', two separate boxes; .*split the tensor in two"),
+    (lambda r: _tensor(r, "qkv").update(fuse=["q[0:8]", "k[0:2]", "v[0:2]", "q[0:8]", "k[2:4]", "v[2:4]"]),
+     r"fused\[0\] \(qkv\).parts: no part covers rows 8:16 of 'q' along dim 0, so they reach no device; list every range of 'q'"),
+    (lambda r: _tensor(r, "qkv").update(fuse=["q[0:8]", "k[0:2]", "v", "q[8:16]", "k[0:2]", "v"]),
+     r"fused\[0\] \(qkv\).parts: no part covers rows 2:4 of 'k' along dim 0"),
     (lambda r: _tensor(r, "qkv").update(name="o"), r"fused\[0\] \(o\).name: 'o' is also another tensor's name"),
     (lambda r: _tensor(r, "qkv").update(dst_boxes=[[[0, 1], [0, 6]]] * 4), r"tensors\[6\].dst_boxes \(qkv\): give dst or dst_boxes, not both"),
     (lambda r: _tensor(r, "qkv").update(dst="S0 S1 R"), r"fused\[0\] \(qkv\): dst 'S0 S1 R' has 3 entries but the tensor has 2 dims"),
@@ -133,6 +137,12 @@ def test_bad_fused_tensors_get_one_line_naming_the_field_and_the_fix(edit, messa
     with pytest.raises(InputError) as info:
         build_transfer(_edited(edit))
     assert re.search(message, str(info.value)) and "\n" not in str(info.value), str(info.value)
+
+
+def test_a_fused_tensor_may_list_a_range_once_per_rank():
+    """Replicated KV heads: each TP rank's rows of the fused tensor hold all of k and v, so they are listed twice."""
+    problem = build_transfer(_edited(lambda r: _tensor(r, "qkv").update(fuse=["q[0:8]", "k", "v", "q[8:16]", "k", "v"])))
+    assert problem.fused_lengths(0) == [8, 4, 4, 8, 4, 4]
 
 
 FUSED_TOML = '''

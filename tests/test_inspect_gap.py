@@ -18,3 +18,24 @@ def test_inspect_splits_the_time_over_the_bound_on_the_busiest_side_into_parts_t
         total = gap.need + gap.before + gap.idle + gap.beyond + gap.after
         assert abs(total - plan.predicted_seconds) <= 1e-9 + 1e-9 * plan.predicted_seconds, name
         assert min(gap.before, gap.idle, gap.after) >= 0.0
+
+
+def test_inspect_traces_the_bounds_side_flow_by_flow_in_parts_that_add_up():
+    """`inspect`'s flow line: before the first message on the bound's side, its bytes' time (the bound), per-message
+    overhead, the rest a message is on it, idle waiting for the next one's data or its sender, after the last."""
+    from pathlib import Path
+
+    from xmesh_plan.planner.compile import compile_plan
+    from xmesh_plan.planner.inspect_plan import nic_trace, plan_loads, summarize
+    from xmesh_plan.schemas import read_plan_file
+    from tests.test_simulate_bundles import many_bundles
+
+    plans = Path(__file__).resolve().parents[1] / "plans"
+    bundled = compile_plan(many_bundles(), bucket_bytes=4096)
+    for plan in [read_plan_file(plans / f"{name}.plan.json") for name in ("case3", "case6", "weight_sync_small")] + [bundled]:
+        trace = nic_trace(plan, plan_loads(plan))
+        assert abs(trace.need - plan.lower_bound_seconds) <= 1e-9 * plan.lower_bound_seconds
+        parts = (trace.before, trace.need, trace.overhead, trace.shared, trace.waiting_data, trace.waiting_sender, trace.after)
+        assert abs(sum(parts) - plan.predicted_seconds) <= 1e-9 + 1e-9 * plan.predicted_seconds
+        assert min(parts) >= -1e-12 and trace.overhead > 0
+    assert f"flows on host {trace.host} {trace.side}:" in summarize(bundled)

@@ -15,6 +15,8 @@ from pydantic import ValidationError
 from xmesh_plan.schemas import Plan, PlanFileError, read_plan_file
 from xmesh_plan.schemas.files import write_atomic
 from xmesh_plan.executor.plan_index import plan_index
+from xmesh_plan.planner.compile import compile_plan
+from xmesh_plan.planner.verify_columns import verify_compact
 from xmesh_plan.schemas.plan import HostOrder, Operation, UnitTask
 from xmesh_plan.schemas.plan_compact import COLUMN_KINDS, archive_bytes, compact_arrays, compact_bytes
 from xmesh_plan.schemas.plan_io import plan_file_bytes, read_plan_ops
@@ -22,6 +24,7 @@ from tests.support.cases import compiled
 from tests.support.cli import assert_user_error, run_cli
 from tests.support.mutations import as_lists, mutate
 from tests.support.strategies import SETTINGS, problems
+from tests.support.transfer import three_tensors
 
 ROOT = Path(__file__).resolve().parents[1]
 REFERENCE = sorted((ROOT / "plans").glob("*.plan.json"))
@@ -184,6 +187,41 @@ def test_damaged_and_foreign_files_get_one_line(tmp_path):
             read_plan_ops(path, 0)
         for command in ("verify", "inspect", "check"):
             assert_user_error(run_cli(command, path), str(path.name))
+
+
+def _tampered_indexes(plan: Plan, tmp_path: Path) -> dict[str, Path]:
+    """Files whose tables are the plan's but whose per-device index is not: a send dropped from its sender's rows,
+    and every operation's first message tag 0."""
+    k, op = next((i, o) for i, o in enumerate(plan.operations) if o.kind in ("send", "broadcast") and o.src not in o.dsts)
+    arrays = compact_arrays(plan)
+    offsets, first, steps = (arrays[f"index.{m}"].astype(np.int64) for m in ("offsets", "first", "rows"))
+    lists = [(first[i] + np.cumsum(steps[offsets[i]:offsets[i + 1]])).tolist() for i in range(len(first))]
+    lists[arrays["index.devices"].tolist().index(op.src)].remove(k)
+    dropped = dict(arrays, **{"index.offsets": np.cumsum([0, *map(len, lists)]).astype(arrays["index.offsets"].dtype),
+                              "index.rows": np.concatenate([np.diff(rows, prepend=rows[0]) for rows in lists]).astype(steps.dtype)})
+    tags = arrays["index.first_tags"].copy()
+    tags[:-1] = 0
+    out = {"index.rows": dropped, "index.first_tags": dict(arrays, **{"index.first_tags": tags})}
+    for member, members in out.items():
+        out[member] = tmp_path / f"{member}.plan.npz"
+        out[member].write_bytes(archive_bytes(members))
+    return out
+
+
+def test_a_tampered_index_is_refused_by_the_whole_file_read_and_verify(tmp_path):
+    plan = compile_plan(three_tensors(), strategy="auto", seed=0)
+    quiet = lambda *_: None
+    written = tmp_path / "as_written.plan.npz"
+    write_atomic(written, compact_bytes(plan))
+    assert verify_compact(written, quiet, quiet) is not None  # the columns prove the file as written
+    for member, path in _tampered_indexes(plan, tmp_path).items():
+        assert verify_compact(path, quiet, quiet) is None  # left to the record path, which refuses it
+        with pytest.raises(PlanFileError) as err:
+            read_plan_file(path)
+        message = str(err.value)
+        assert "\n" not in message and f"{member}.npy" in message and "xmesh-plan export" in message, message
+        for command in ("verify", "inspect", "check"):
+            assert_user_error(run_cli(command, path), path.name, f"{member}.npy", "recompile")
 
 
 def test_compile_writes_compact_and_export_round_trips(tmp_path):

@@ -55,15 +55,18 @@ def test_a_rank_lowers_the_same_program_from_its_part_of_a_random_multi_tensor_p
     _same_programs_from_the_file(plan, _compact(plan, tmp_path))
 
 
-def _file_executors(path: Path, order: str) -> list[TransferExecutor]:
+def _file_executors(path: Path, order: str, then=lambda: None) -> list[TransferExecutor]:
     """One TransferExecutor per rank from the file entry over one fake MPI world, each with the program prepare()
-    makes (its own part of the file, `passes.rank_program` on `ex.plan`) replayed by an MpiEngine."""
+    makes (its own part of the file, `passes.rank_program` on `ex.plan`) replayed by an MpiEngine; `then()` runs
+    after every rank made its executor, before any reads its part."""
     head = PlanFile.read(path)
     devices, rank_of = plan_devices(head), rank_of_devices(head)
+    head.close()
     world = FakeWorld()
+    executors = [TransferExecutor.from_file(path, WorldComm(world, rank, len(devices)), order=order) for rank in range(len(devices))]
+    then()
     out = []
-    for rank in range(len(devices)):
-        ex = TransferExecutor.from_file(path, WorldComm(world, rank, len(devices)), order=order)
+    for rank, ex in enumerate(executors):
         assert isinstance(ex.plan, PlanFile)
         ex.program = rank_program(ex.plan, ex.device, order, True, tag_limit=2**20)
         ex.engine = MpiEngine(ex.program, FakeComm(world, rank), rank_of, 5.0, (1e-5, 1e-4))
@@ -80,6 +83,23 @@ def test_executors_from_a_compact_file_run_bit_exact_on_fake_mpi(seed, order, tm
     for it in range(2):
         full = full_tensors(plan, seed=it)
         assert_every_shard(plan, run_everywhere(plan, executors, full), full)
+
+
+def test_a_file_replaced_after_the_executors_were_made_is_run_as_the_file_they_read(tmp_path):
+    """A recompile renames a new file over the path between from_file() and prepare(): every rank still reads its
+    operations and the fingerprint from the file it read the header of (its open handle), not the new one."""
+    plan = compile_plan(three_tensors(), strategy="auto", seed=0)
+    moved = compile_plan(three_tensors(dst_devices=(3, 5, 4)), strategy="auto", seed=0)  # the same devices, other boxes
+    path = _compact(plan, tmp_path)
+    executors = _file_executors(path, "device", then=lambda: write_atomic(path, compact_bytes(moved)))
+    first = PlanFile.read(_compact(plan, tmp_path, "first.plan.npz"))  # a copy of the file the executors were made on
+    assert {plan_fingerprint(ex.plan).tobytes() for ex in executors} == {plan_fingerprint(first).tobytes()}
+    first.close()
+    full = full_tensors(plan, seed=0)
+    assert_every_shard(plan, run_everywhere(plan, executors, full), full)
+    for ex in executors:
+        ex.close()
+        assert ex.plan.handle.closed  # close() closes the file from_file() opened
 
 
 def test_every_rank_of_one_file_agrees_on_its_fingerprint_and_another_file_differs(tmp_path):

@@ -106,3 +106,16 @@ def test_a_share_rule_is_asked_as_the_reference_engine_asks_it(seed):
         asked[name] = (engine(plan.operations, plan.problem, "device-order", share=share), calls)
     same_result(asked["new"][0], asked["old"][0])
     assert asked["new"][1] == asked["old"][1]
+
+
+def test_work_counts_the_flows_an_event_re_rates_not_every_moving_one():
+    """A long flow on its own link moves through ten short ones that follow each other on another: their events
+    share out only their own link's rates, so the long one adds its own start to the work and nothing more."""
+    short = [Flow(i, i, 1.0, 0.0, ("b",), (i - 1,) if i > 1 else ()) for i in range(1, 11)]
+    long = Flow(0, 0, 1000.0, 0.0, ("a",))
+    capacity = {"a": 1.0, "b": 1.0}
+    for engine in (run_flows, reference_flows.run_flows):
+        alone, together = [], []
+        engine(short, capacity, cost=alone)
+        engine([long, *short], capacity, cost=together)
+        assert together[0] == alone[0] + 1 == 11

@@ -16,6 +16,7 @@ from xmesh_plan.planner.baselines import baseline_seconds
 from xmesh_plan.planner.cli import main
 from xmesh_plan.planner.compile import compile_plan
 from xmesh_plan.planner.problem_io import build_problem
+from xmesh_plan.planner.transfer_io import load_any_problem
 from xmesh_plan.planner.unit_tasks import (DEFAULT_MAX_TASKS, TooManyTasksError, decompose, split_by_receiver_host,
                                           split_task_count, task_count_bound)
 from tests.support.builders import FAST_SOLVER
@@ -141,28 +142,49 @@ LLAMA = ROOT / "plans" / "weight_sync_llama3_8b.problem.toml"
 
 
 def test_the_first_refusal_names_the_limit_the_next_compile_passes(tmp_path):
-    """The issue's repro: --max-tasks 10 named 100 (the cells before splitting), and 100 was then refused naming 200."""
+    """The issue's repro: --max-tasks 10 named 100 (the cells before splitting), and 100 was then refused naming 200.
+    Before cutting, the 7 kinds of tensor split into 72 boxes: the refusal names what all 21 tensors split into (200),
+    which the scheduled count (84, small boxes bundled) passes too."""
     out = tmp_path / "ws.plan.json"
     refused = CliRunner().invoke(main, ["compile", str(SMALL), "--solver", FAST_SOLVER, "--max-tasks", "10", "-o", str(out)])
     assert refused.exit_code == 2 and len(refused.stderr.strip().splitlines()) == 1, refused.output
-    assert "its 21 tensors give 200 unit tasks" in refused.stderr and "--max-tasks 200 " in refused.stderr, refused.stderr
+    assert "the 7 kinds of tensor it cuts (shape and specs) give 72 unit tasks" in refused.stderr, refused.stderr
+    assert "--max-tasks 200 " in refused.stderr and "what its 21 tensors give together" in refused.stderr, refused.stderr
     assert "--no-split-hosts" in refused.stderr
     passed = CliRunner().invoke(main, ["compile", str(SMALL), "--solver", FAST_SOLVER, "--max-tasks", "200", "-o", str(out)])
     assert passed.exit_code == 0, passed.output
-    unsplit = CliRunner().invoke(main, ["compile", str(SMALL), "--no-split-hosts", "--max-tasks", "99"])
-    assert unsplit.exit_code == 2 and "--max-tasks 100 " in unsplit.stderr, unsplit.output
+    unsplit = CliRunner().invoke(main, ["compile", str(SMALL), "--no-split-hosts", "--max-tasks", "1"])
+    named = int(unsplit.stderr.split("--max-tasks ")[1].split()[0])
+    assert unsplit.exit_code == 2 and 1 < named, unsplit.output
+    assert CliRunner().invoke(main, ["compile", str(SMALL), "--solver", FAST_SOLVER, "--no-split-hosts", "--max-tasks", str(named),
+                                     "-o", str(out)]).exit_code == 0
+
+
+def test_max_tasks_counts_the_tasks_a_compile_schedules(tmp_path):
+    """The kinds' 72 boxes pass a limit of 80; the 84 tasks the 21 tensors schedule (small boxes bundled) do not, and
+    the refusal comes before anything is costed, naming 84, which then passes."""
+    from xmesh_plan.planner import compile as compile_module
+
+    problem = load_any_problem(SMALL)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(compile_module, "task_options", lambda *a, **k: pytest.fail("costed before the scheduled count"))
+        with pytest.raises(TooManyTasksError, match=r"its 21 tensors schedule 84 unit tasks \(split by receiving host, small "
+                                                    r"boxes bundled\), above the limit of 80; pass --max-tasks 84 "):
+            compile_plan(problem, solver=FAST_SOLVER, max_tasks=80)
+    assert len(compile_plan(problem, solver=FAST_SOLVER, max_tasks=84).tasks) == 84
 
 
 def test_compile_plan_counts_split_tasks_before_cutting_anything(monkeypatch):
-    """compile_plan's own check (the library path, no reader in front) names the split count before any tensor is cut."""
+    """compile_plan's own check (the library path, no reader in front) counts each kind's boxes before any tensor is
+    cut, and names what all the tensors split into."""
     from xmesh_plan.planner import compile as compile_module
-    from xmesh_plan.planner.transfer_io import load_any_problem
 
     problem = load_any_problem(LLAMA)
     monkeypatch.setattr(compile_module, "decompose", lambda *a, **k: pytest.fail("a tensor was cut before the count"))
-    with pytest.raises(TooManyTasksError, match="its 291 tensors give 47,296 unit tasks.*--max-tasks 47296 "):
-        compile_plan(problem, max_tasks=23_648)
-    with pytest.raises(TooManyTasksError, match="its 291 tensors gives up to 23,648 unit tasks.*--max-tasks 23648 "):
+    with pytest.raises(TooManyTasksError, match="kinds of tensor it cuts .* give .* unit tasks.*--max-tasks 47296 .*what its 291 "
+                                                "tensors give together"):
+        compile_plan(problem, max_tasks=10)
+    with pytest.raises(TooManyTasksError, match="--max-tasks 23648 .*what its 291 tensors give together"):
         compile_plan(problem, max_tasks=10, split_hosts=False)
 
 
@@ -182,9 +204,9 @@ def test_the_reader_and_compile_name_the_same_limit():
             assert str(read.value) == str(compiled.value)
 
 
-def test_the_reader_and_compile_name_the_same_largest_tensor_on_a_tie():
-    """Compile names the first tensor of the most tasks in the order the file unrolls (layer by layer); the reader
-    counted a repeated group tensor by tensor, so on a tie it named l1.a where compile named l0.b."""
+def test_the_reader_and_compile_count_the_same_kinds():
+    """l1.a takes l0.b's specs from a rule, so the four tensors are two kinds: the reader (from the entries, name by
+    name) and compile (from the built problem) count them alike."""
     from xmesh_plan.planner.transfer_io import build_transfer
 
     raw = {"src_mesh": "1x4", "dst_mesh": "1x2", "rules": [{"match": "l1.a", "src": "S1 R", "dst": "R S1"},
@@ -195,7 +217,7 @@ def test_the_reader_and_compile_name_the_same_largest_tensor_on_a_tie():
         build_transfer(json.loads(json.dumps(raw)), max_tasks=1)
     with pytest.raises(TooManyTasksError) as compiled:
         compile_plan(build_transfer(json.loads(json.dumps(raw))), max_tasks=1)
-    assert "from 'l0.b'" in str(compiled.value) and str(read.value) == str(compiled.value)
+    assert "the 2 kinds of tensor" in str(compiled.value) and str(read.value) == str(compiled.value)
 
 
 REPEATED = {"src_mesh": "2x4", "dst_mesh": "2x4", "rules": [{"match": "*", "src": "S0 R", "dst": "R S1"}],
@@ -214,9 +236,10 @@ def test_a_repeated_file_is_refused_from_its_counts_before_the_problem_is_built(
 
     monkeypatch.setattr(transfer_io, "TransferProblem", not_built)
     monkeypatch.setattr(transfer_io, "_tensor", lambda *a: pytest.fail("a repeated group was unrolled before counting"))
-    # each tensor cuts into 8 cells, each received on the 2 destination hosts: 16 tasks once split (the default)
-    with pytest.raises(TooManyTasksError, match="its 100000 tensors give 1,600,000 unit tasks.*--max-tasks 1600000 "):
-        transfer_io.build_transfer(json.loads(json.dumps(REPEATED)), max_tasks=DEFAULT_MAX_TASKS)
+    # each tensor cuts into 8 cells, each received on the 2 destination hosts: 16 tasks once split (the default); the
+    # one kind's 16 pass a limit of 16, and above it the refusal names what the 100,000 tensors split into
+    with pytest.raises(TooManyTasksError, match="the 1 kinds of tensor it cuts .* give 16 unit tasks.*--max-tasks 1600000 "):
+        transfer_io.build_transfer(json.loads(json.dumps(REPEATED)), max_tasks=15)
     assert len(counted) == 1  # 100,000 tensors of one shape and specs: one count
 
 
@@ -226,10 +249,10 @@ def test_the_cli_refuses_a_repeated_file_above_max_tasks(tmp_path, monkeypatch):
     monkeypatch.setattr(transfer_io.TransferProblem, "__init__", lambda *a, **k: pytest.fail("built before counting"))
     path = tmp_path / "p.json"
     path.write_text(json.dumps(REPEATED))
-    refused = CliRunner().invoke(main, ["compile", str(path)])
-    assert refused.exit_code == 2 and "1,600,000 unit tasks" in refused.stderr, refused.output
-    unsplit = CliRunner().invoke(main, ["compile", str(path), "--no-split-hosts", "--max-tasks", "500000"])
-    assert unsplit.exit_code == 2 and "800,000 unit tasks" in unsplit.stderr, unsplit.output
+    refused = CliRunner().invoke(main, ["compile", str(path), "--max-tasks", "15"])
+    assert refused.exit_code == 2 and "--max-tasks 1600000 " in refused.stderr, refused.output
+    unsplit = CliRunner().invoke(main, ["compile", str(path), "--no-split-hosts", "--max-tasks", "7"])
+    assert unsplit.exit_code == 2 and "--max-tasks 800000 " in unsplit.stderr, unsplit.output
 
 
 def test_a_repeated_group_with_rules_is_counted_name_by_name_before_unrolling(monkeypatch):
@@ -238,12 +261,12 @@ def test_a_repeated_group_with_rules_is_counted_name_by_name_before_unrolling(mo
     monkeypatch.setattr(transfer_io, "_tensor", lambda *a: pytest.fail("a repeated group was unrolled before counting"))
     raw = {**REPEATED, "rules": [{"match": "l1?.w", "src": "R R", "dst": "R R"}, {"match": "*", "src": "S0 R", "dst": "R S1"}],
            "tensors": [{"repeat": 20, "group": [{"name": "l{i}.w", "shape": [64, 64]}]}]}
-    # l10.w .. l19.w take the first rule (nothing to cut: 1 task each), the other ten 8 tasks each
-    with pytest.raises(TooManyTasksError, match="20 tensors gives up to 90 unit tasks"):
-        transfer_io.build_transfer(raw, max_tasks=89, split_hosts=False)
-    # split by host, each of those cells is received on the 2 destination hosts: 10 x 2 + 10 x 16
-    with pytest.raises(TooManyTasksError, match="20 tensors give 180 unit tasks"):
-        transfer_io.build_transfer(raw, max_tasks=179)
+    # l10.w .. l19.w take the first rule (nothing to cut: 1 task each), the other ten 8 tasks each: two kinds, 1 + 8
+    with pytest.raises(TooManyTasksError, match="the 2 kinds of tensor it cuts .* give 9 unit tasks.*--max-tasks 90 "):
+        transfer_io.build_transfer(raw, max_tasks=8, split_hosts=False)
+    # split by host, each of those cells is received on the 2 destination hosts: 2 + 16, and 10 x 2 + 10 x 16 together
+    with pytest.raises(TooManyTasksError, match="give 18 unit tasks.*--max-tasks 180 "):
+        transfer_io.build_transfer(raw, max_tasks=17)
 
 
 @pytest.mark.parametrize("groups,size", [(1, 50), (30, 1)])
@@ -292,3 +315,16 @@ def test_the_first_fitting_rule_gives_each_side_and_unused_patterns_are_named():
     raw["rules"][2]["match"] = "c.w"
     with pytest.raises(InputError, match=r"rules\[2\] \(match 'c.w'\) fits no tensor"):
         build_transfer(raw)
+
+
+def test_the_deepseek_v3_like_weight_sync_passes_the_default_limit():
+    """Its 1,025 tensors split into 7,099,392 boxes, which the default refused; its 17 kinds are cut once each (148,480 boxes)
+    and it schedules 667,520 tasks (small boxes bundled), within the default: refused below that, before anything is costed."""
+    from xmesh_plan.planner import compile as compile_module
+
+    problem = load_any_problem(ROOT / "plans" / "weight_sync_deepseek_v3.problem.toml", DEFAULT_MAX_TASKS)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(compile_module, "task_options", lambda *a, **k: pytest.fail("costed before the scheduled count"))
+        with pytest.raises(TooManyTasksError, match="its 1025 tensors schedule 667,520 unit tasks .*--max-tasks 667520 "):
+            compile_plan(problem, max_tasks=667_519)
+    assert 667_520 <= DEFAULT_MAX_TASKS

@@ -201,3 +201,35 @@ def test_a_target_whose_tensor_is_not_of_its_dtype_sends_its_error_in_its_row():
     assert row["error"].startswith("inference['w'].scale: 'block' without dtype")
     row = describe(2, None, {"w": Target(torch.zeros(2, 2, dtype=torch.float16), COLUMN, dtype="fp16")}, [[2, 3]], {2: 2, 3: 3}, Cluster())
     assert row["dst"]["convert"] == {"w": ["float16", None]}
+
+
+def test_a_conversion_the_senders_cannot_make_is_one_line_naming_the_target():
+    with pytest.raises(WeightSyncError, match=r"^inference tensor 'w' \(Target\(dtype='float8_e4m3fn', scale=None\) of the trainer's "
+                                              r"float32\): scale: an FP8 destination \(float8_e4m3fn\) needs scales; give scale = "
+                                              r"\"tensor\" or \"block\"") as info:
+        agree(converting_rows({"w": ["float8_e4m3fn", None]}), 4)
+    assert "\n" not in str(info.value)
+    data = converting_rows({"w": ["float16", None]})
+    for row in data[:2]:
+        row["src"]["tensors"][0][2] = "int32"
+    with pytest.raises(WeightSyncError, match=r"^inference tensor 'w' \(Target\(dtype='float16', scale=None\) of the trainer's int32\): "
+                                              r"dst_dtype: int32 -> float16 is not a conversion made at the sender") as info:
+        agree(data, 4)
+    assert "\n" not in str(info.value)
+    data = fused_rows(4)
+    for row in data[2:]:
+        row["dst"]["tensors"][0][3] = "float8_e4m3fn"
+        row["dst"]["convert"] = {"qk": ["float8_e4m3fn", None]}
+    with pytest.raises(WeightSyncError, match=r"^inference tensor 'qk' \(Target\(dtype='float8_e4m3fn', scale=None\) .*needs scales"):
+        agree(data, 4)
+
+
+def test_a_fused_fp8_target_with_per_tensor_scales_is_refused_by_the_fused_scales_rule():
+    data = fused_rows(4)
+    for row in data[2:]:
+        row["dst"]["tensors"][0][3] = "float8_e4m3fn"
+        row["dst"]["convert"] = {"qk": ["float8_e4m3fn", "tensor"]}
+    with pytest.raises(WeightSyncError, match=r"^inference tensor 'qk' is fused \(Fused\(\.\.\.\)\) with scale='tensor'; a fused FP8 "
+                                              r"tensor takes block scales .*give Target\(\.\.\., scale=\"block\"\)") as info:
+        agree(data, 4)
+    assert "\n" not in str(info.value)

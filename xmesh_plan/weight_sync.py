@@ -117,6 +117,7 @@ class WeightSync:
         self.fingerprint = hashlib.sha256(self.problem.model_dump_json().encode()).hexdigest()
         self.plan, self.compiled = self._shared_plan()
         self.targets = engine_targets(self.problem, {name: _target(value) for name, value in self.inference.items()}, self.rank)
+        self._agree_step(self._scales_problem())
         self.scales = {name: self._scales_of(name, target) for name, target in self.targets.items() if target.scale is not None}
         self.into, self.copied = self._destinations()
         self.executor = TransferExecutor(self.plan, self.group, backend="torch", timeout_s=self.timeout_s).prepare()
@@ -168,10 +169,29 @@ class WeightSync:
         """The tensor that receives this rank's part of destination `name`'s FP8 scales: the Target's, else a new one."""
         if target.scales is not None:
             return target.scales
+        return torch.zeros(self._scales_shape(name), dtype=torch.float32)
+
+    def _scales_shape(self, name: str) -> tuple[int, ...]:
+        """The shape of this rank's part of destination `name`'s scales (the plan's `<name>.scale`, fused as its tensor is)."""
         scale = scale_name(name)
         fused = {f.name: j for j, f in enumerate(self.problem.fused)}
         box = self.problem.fused_blocks(fused[scale])[self.rank] if scale in fused else self._box(scale, "dst")
-        return torch.zeros(tuple(b - a for a, b in box), dtype=torch.float32)
+        return tuple(b - a for a, b in box)
+
+    def _scales_problem(self) -> str | None:
+        """Why a `Target.scales` tensor of this rank cannot receive its scales (None when every one can): float32 of
+        this rank's part's shape, so no scale is rounded and none fails to land after the bytes moved."""
+        for name, target in self.targets.items():
+            given = target.scales
+            if target.scale is None or given is None:
+                continue
+            want = self._scales_shape(name)
+            if not isinstance(given, torch.Tensor):
+                return f"inference[{name!r}].scales on rank {self.rank} is a {type(given).__name__}; pass a float32 torch tensor of shape {want}"
+            if given.dtype != torch.float32 or tuple(given.shape) != want:
+                return (f"inference[{name!r}].scales on rank {self.rank} is {str(given.dtype).removeprefix('torch.')} of shape "
+                        f"{tuple(given.shape)}; pass float32 of shape {want} (this rank's part of the scales), or leave it out")
+        return None
 
     def close(self) -> None:
         """Release the executor's buffers and thread (every rank); the object cannot run again."""

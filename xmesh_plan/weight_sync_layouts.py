@@ -235,9 +235,13 @@ def agree(rows: list[dict[str, Any]], group_size: int | None) -> tuple[TransferP
                 raise WeightSyncError(f"inference tensor {name!r} is fused (Fused(...)) and laid out by {rule_of_row(spec)}, which "
                                       "fused tensors do not take; give it a spec rule (COLUMN, EXPERT, ...) and a part's own rule in "
                                       "Fused(parts, rules=(None, kv_heads(n), ...))")
+            if convert is not None and convert[1] not in (None, "block"):
+                raise WeightSyncError(f"inference tensor {name!r} is fused (Fused(...)) with scale={convert[1]!r}; a fused FP8 tensor "
+                                      "takes block scales (each part on 128x128 blocks): give Target(..., scale=\"block\"), or "
+                                      "convert to float16/bfloat16")
             fused.append(_fused(name, source, spec, trained, dst_mesh))
             for part in source["parts"]:
-                tensors.append(_transfer(part, trained[part], None, convert=convert))
+                tensors.append(_transfer(part, trained[part], None, convert=convert, dest=name))
                 sources[part] = part
             continue
         tensors.append(_transfer(name, trained[source], spec, dst_mesh, convert))
@@ -313,10 +317,11 @@ def _check_source(name: str, source: str, dtype: str | None, trained: dict[str, 
 
 
 def _transfer(name: str, trained: tuple, dst_spec: str | dict | None, dst_mesh: DeviceMesh | None = None,
-              convert: tuple | None = None) -> TensorTransfer:
+              convert: tuple | None = None, dest: str | None = None) -> TensorTransfer:
     """Trainer tensor `trained` (shape, dtype, layout, ...) as the plan's tensor `name`, to `dst_spec` (None: a fused part;
     a dict: a box rule of `engine_layouts`, lowered to each device's box of the trainer's shape on `dst_mesh`), converted
-    by the senders to `convert` (dst_dtype, scale) where given."""
+    by the senders to `convert` (dst_dtype, scale) where given; WeightSyncError naming destination `dest` (default: `name`)
+    and its Target where the conversion is not one the senders make."""
     shape, dtype, layout = trained[:3]
     given = {"src": layout} if isinstance(layout, str) else {"src_boxes": _boxes(layout)}
     if isinstance(dst_spec, dict):
@@ -327,9 +332,14 @@ def _transfer(name: str, trained: tuple, dst_spec: str | dict | None, dst_mesh: 
             raise WeightSyncError(f"inference tensor {name!r} ({rule}) of the trainer's shape {tuple(shape)}: {err}") from None
     elif dst_spec is not None:
         given["dst"] = dst_spec
-    if convert is not None:
-        given["dst_dtype"], given["scale"] = convert
-    return TensorTransfer(name=name, shape=tuple(shape), dtype=dtype, **given)
+    if convert is None:
+        return TensorTransfer(name=name, shape=tuple(shape), dtype=dtype, **given)
+    given["dst_dtype"], given["scale"] = convert
+    try:
+        return TensorTransfer(name=name, shape=tuple(shape), dtype=dtype, **given)
+    except ValidationError as err:
+        raise WeightSyncError(f"inference tensor {dest or name!r} (Target(dtype={convert[0]!r}, scale={convert[1]!r}) of the "
+                              f"trainer's {dtype}): {describe_validation_error(err)}") from None
 
 
 def _fused(name: str, source: dict, spec: str, trained: dict[str, tuple], mesh: DeviceMesh) -> FusedTensor:

@@ -16,10 +16,10 @@ from xmesh_plan.schemas import Plan
 from tests.support.fake_mpi import FakeComm, FakeMPI, FakeWorld, WorldComm
 
 
-def three_tensors():
+def three_tensors(dst_devices=(3, 4, 5)):
     """Three tensors of three dtypes on overlapping meshes (device 3 is in both), so copies, sends and broadcasts all occur."""
     return build_transfer({
-        "name": "three", "src_mesh": {"shape": [2, 2], "devices": [0, 1, 2, 3]}, "dst_mesh": {"shape": [3], "devices": [3, 4, 5]},
+        "name": "three", "src_mesh": {"shape": [2, 2], "devices": [0, 1, 2, 3]}, "dst_mesh": {"shape": [3], "devices": list(dst_devices)},
         "cluster": {"devices_per_host": 2},
         "tensors": [{"name": "w", "shape": [12, 6], "src": "S0 R", "dst": "R S0"},
                     {"name": "bias", "shape": [9], "dtype": "int16", "src": "S01", "dst": "R"},
