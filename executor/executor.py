@@ -220,6 +220,8 @@ class Executor(Flying):
             raise ValueError(f"poll_s={poll_s!r} must be (shortest, longest) sleep in seconds with 0 < shortest <= longest")
         self.plan, self.world, self.backend = plan, world, backend or self.entry.name
         self.problems = plan.problem.tensor_problems()  # each tensor's own problem (its shape, dtype and specs)
+        self.names = tensor_names(plan)  # the tensors' names, in plan order; `index`: name -> position
+        self.index = {name: t for t, name in enumerate(self.names)}
         self.timeout_s, self.poll_s, self.gpu, self.order = float(timeout_s), (float(poll_s[0]), float(poll_s[1])), gpu, order
         if transport is not None and not isinstance(transport, TransportOptions):
             raise TypeError(f"transport is a {type(transport).__name__}; pass an executor.TransportOptions or None")
@@ -374,7 +376,7 @@ class Executor(Flying):
         return array
 
     def _name(self, t: int) -> str:
-        return tensor_names(self.plan)[t]
+        return self.names[t]
 
     def test(self) -> bool:
         """Drive communication without blocking (call it now and then between start() and wait()).

@@ -35,7 +35,7 @@ from __future__ import annotations
 from typing import Any, Mapping
 
 from xmesh_plan.schemas import Plan
-from xmesh_plan.schemas.plan_tensors import is_multi, mpi_transfer_order, tensor_names, tensor_plans
+from xmesh_plan.schemas.plan_tensors import is_multi, mpi_transfer_order, tensor_plans
 from xmesh_plan.schemas.staging import staging_peaks
 
 from .errors import PlanMismatchError
@@ -107,7 +107,6 @@ class TransferExecutor(Executor):
                 raise PlanMismatchError(str(err), same_on_every_rank=True) from None  # every rank reads the same plan
             check_transfer_staging(plan, order, entry.name)
         super().__init__(plan, comm, backend, timeout_s, poll_s, gpu, order, transport)
-        self.names = tensor_names(plan)
         self.one = len(self.names) == 1  # the engine takes and gives one shard, not a list of them
         self.targets: dict[str, Any] = {}  # the caller's destination tensors of the reshard in flight (start()'s `into`)
 
@@ -173,20 +172,19 @@ class TransferExecutor(Executor):
         if not isinstance(into, Mapping):
             raise PlanMismatchError(f"run(): into is a {type(into).__name__}; pass a mapping of tensor name to the tensor its "
                                     f"destination shard is written in, e.g. {{{self.names[0]!r}: tensor}}")
-        index = {name: t for t, name in enumerate(self.names)}
-        unknown = sorted(set(into) - set(index))
+        unknown = sorted(into.keys() - self.index.keys())
         if unknown:
             raise PlanMismatchError(f"run(): into names {unknown[0]!r}, not a tensor of this plan; name tensors as in the "
                                     f"problem ({', '.join(self.names[:3])}{', ...' if len(self.names) > 3 else ''})")
-        return {name: self._into(index[name], array, "run()") for name, array in into.items() if array is not None}
+        return {name: self._into(self.index[name], array, "run()") for name, array in into.items() if array is not None}
 
     def _sources(self, shards: Mapping[str, Any] | None) -> dict[str, Any]:
         """The shards by name, refusing unknown names and, on a source rank, missing ones."""
         if shards is not None and not isinstance(shards, Mapping):
             raise PlanMismatchError(f"run(): shards is a {type(shards).__name__}; pass a mapping of tensor name to this rank's "
                                     f"source shard, e.g. {{{self.names[0]!r}: shard}} (None or {{}} on a rank with no source shard)")
-        shards = dict(shards or {})
-        unknown = sorted(set(shards) - set(self.names))
+        shards = shards or {}
+        unknown = sorted(shards.keys() - self.index.keys())
         if unknown:
             raise PlanMismatchError(f"run(): {unknown[0]!r} is not a tensor of this plan; pass shards named as in the "
                                     f"problem ({', '.join(self.names[:3])}{', ...' if len(self.names) > 3 else ''})")
