@@ -191,7 +191,9 @@ def test_into_is_refused_in_one_line_where_it_does_not_fit():
         ex.close()
         return errors
 
-    for rank, errors in enumerate(run_threads(len(plan_devices(plan)), work)):
+    results = run_threads(len(plan_devices(plan)), work)
+    assert {case for errors in results for case, _ in errors} == {"unknown", "shape", "dtype", "outside"}  # every case ran somewhere
+    for rank, errors in enumerate(results):
         for case, text in errors:
             assert text != "accepted" and "\n" not in text, (rank, case, text)
             assert {"unknown": "not a tensor of this plan", "shape": "has shape", "dtype": "is torch.float64",
