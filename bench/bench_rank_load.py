@@ -26,8 +26,9 @@ import click
 
 from xmesh_plan.schemas.files import write_atomic
 
-ROOT = Path(__file__).resolve().parents[1]
-RESULTS = ROOT / "bench" / "results" / "rank_load.json"
+from bench.report import RESULTS as RESULTS_DIR, ROOT, update_benchmarks_doc
+
+RESULTS = RESULTS_DIR / "rank_load.json"
 
 
 def _rss_mib() -> float:
@@ -100,6 +101,8 @@ def main(path: str, devices: str, whole: bool, one: int | None, out: Path) -> No
             + (f" --devices {devices}" if devices else "") + ("" if whole else " --no-whole")}
     write_atomic(out, json.dumps({**meta, "rows": rows}, indent=1) + "\n")
     print(f"written to {out}")
+    if Path(out).resolve() == RESULTS.resolve():
+        update_benchmarks_doc()
 
 
 if __name__ == "__main__":

@@ -28,8 +28,10 @@ from xmesh_plan.planner.verify import verify_plan
 from xmesh_plan.schemas.plan import HostOrder, Operation, Plan, SolverInfo, UnitTask
 from xmesh_plan.schemas.plan_compact import compact_bytes
 
+from bench.report import RESULTS as RESULTS_DIR, update_benchmarks_doc, write_json
+
 STEP_S = 1e-6
-RESULTS = Path(__file__).resolve().parent / "results" / "verify_scale.json"
+RESULTS = RESULTS_DIR / "verify_scale.json"
 
 
 def synthetic_plan(ops: int) -> Plan:
@@ -82,7 +84,8 @@ def record(label: str, path: str, point: dict) -> None:
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     data["command"] = "python -m bench.bench_verify_scale --ops 1000000 --out plan.npz && python -m bench.bench_verify_scale --cli plan.npz --record LABEL"
     data["points"][label] = {**point, "commit": commit, "plan_bytes": Path(path).stat().st_size}
-    RESULTS.write_text(json.dumps(data, indent=1, sort_keys=True) + "\n")
+    write_json(RESULTS.name, data)
+    update_benchmarks_doc()
 
 
 def main() -> None:

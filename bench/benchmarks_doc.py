@@ -550,7 +550,7 @@ How long does `xmesh-plan verify` take on a compact plan of 10^6 operations? `be
 synthetic plan of 10^6 broadcasts (one row of a float32 [10^6, 64] tensor each, 8 -> 4x2 devices, with their 10^6
 unit tasks), writes it compact, and times `xmesh-plan verify` on it in a fresh process: CPU seconds (user + system),
 wall seconds and peak RSS of that process. Each row is one commit of the code on the same machine ({DEV_MACHINE};
-the wall clock there depends on the other jobs, CPU seconds much less); the plan file is the one that commit writes.
+the wall clock there depends on the other jobs, CPU seconds much less); the plan file is the one that commit writes, and a row is remade by running the command below in a checkout of its commit.
 `records` reads every operation as a record and verifies those; `columns` proves the plan from the file's
 columns (`planner/verify_columns.py`), reading as records only what the arrays do not prove (none here).
 
