@@ -11,23 +11,10 @@ from __future__ import annotations
 
 import pytest
 
-from tests.support.launch import ROOT, finish_ranks, free_port, run_ranks, start_ranks
+from tests.support.launch import ROOT, TORCH_LAUNCH_TIMEOUT_S as LAUNCH_TIMEOUT_S, finish_ranks, free_port, lines_of, run_ranks, start_ranks
 
 WORKER = ROOT / "tests" / "workers" / "weight_sync_worker.py"
-LAUNCH_TIMEOUT_S = 400  # a hang only: 8 ranks importing torch on a loaded 2-core machine take minutes
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(3 * LAUNCH_TIMEOUT_S)]
-
-
-def lines_of(runs: list[tuple[int, str, str]]) -> dict[str, list[str]]:
-    """What -> every rank's result, in rank order, from `rank R: what: result` lines; every rank must have succeeded."""
-    assert not [(code, err[-3000:]) for code, _, err in runs if code], [(code, err[-3000:]) for code, _, err in runs]
-    out: dict[str, list[str]] = {}
-    for _, text, _ in runs:
-        for line in text.splitlines():
-            if line.startswith("rank "):
-                what, result = line.split(": ", 1)[1].split(": ", 1)
-                out.setdefault(what, []).append(result)
-    return out
 
 
 @pytest.fixture(scope="module")

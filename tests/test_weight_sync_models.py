@@ -13,8 +13,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.support.launch import ROOT, run_ranks
-from tests.test_weight_sync import LAUNCH_TIMEOUT_S, lines_of
+from tests.support.launch import ROOT, TORCH_LAUNCH_TIMEOUT_S as LAUNCH_TIMEOUT_S, lines_of, run_ranks
 
 WORKER = ROOT / "tests" / "workers" / "weight_sync_models_worker.py"
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(3 * LAUNCH_TIMEOUT_S)]

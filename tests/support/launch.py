@@ -99,3 +99,15 @@ def launch(n: int, *args: str, worker: Path = TORCH_WORKER) -> list[str]:
     failed = [(code, err[-2000:]) for code, _, err in runs if code]
     assert not failed, failed
     return [line for _, out, _ in runs for line in out.splitlines() if line.startswith("rank ")]
+
+
+def lines_of(runs: list[tuple[int, str, str]]) -> dict[str, list[str]]:
+    """What -> every rank's result, in rank order, from `rank R: what: result` lines; every rank must have succeeded."""
+    assert not [(code, err[-3000:]) for code, _, err in runs if code], [(code, err[-3000:]) for code, _, err in runs]
+    out: dict[str, list[str]] = {}
+    for _, text, _ in runs:
+        for line in text.splitlines():
+            if line.startswith("rank "):
+                what, result = line.split(": ", 1)[1].split(": ", 1)
+                out.setdefault(what, []).append(result)
+    return out
