@@ -110,6 +110,12 @@ class Step:
     tensor: int = 0  # the tensor whose operation this step belongs to
     acks: tuple[int, ...] = ()  # a receipt (`passes.with_receipts`): the messages whose arrival it reports
 
+    def moved(self, index: int, deps: tuple[int, ...]) -> "Step":
+        """The same step at `index`, waiting for `deps` (what passes that renumber steps make; `dataclasses.replace`
+        costs several times more, and they renumber tens of thousands of steps)."""
+        return Step(index, self.action, self.op, self.task, self.kind, deps, self.peer, self.tag, self.data, self.box,
+                    self.target, self.piece, self.tensor, self.acks)
+
     @property
     def reads_src(self) -> bool:
         """Whether the step reads the caller's source shard (engines remake its request or views per shard)."""

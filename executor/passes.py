@@ -74,9 +74,13 @@ def _one_area(steps: tuple[Step, ...], align: int) -> tuple[tuple[Step, ...], in
     for op, (lo, hi) in spans.items():  # dicts keep the order of first appearance: step order
         if hi > lo:
             start = aligned(at, align)
-            shift[op], at = lo - start, start + hi - lo
+            if lo != start:  # most operations already start where the area puts them: their steps stay as they are
+                shift[op] = lo - start
+            at = start + hi - lo
+    if not shift:
+        return steps, at
     moved = tuple(replace(s, data=Bytes("stage", s.data.start - shift[s.op], s.data.stop - shift[s.op]))
-                  if s.data is not None and s.data.buffer == "stage" and s.op in shift else s for s in steps)
+                  if s.op in shift and s.data is not None and s.data.buffer == "stage" else s for s in steps)
     return moved, at
 
 
@@ -113,7 +117,7 @@ def _merge_crossings(steps: tuple[Step, ...], key: Mapping[int, int]) -> tuple[S
     for i in kept:
         s = merged.get(i, steps[i])
         deps = tuple(sorted({index[d] for d in s.deps}))
-        out.append(s if index[i] == i and deps == s.deps else replace(s, index=index[i], deps=deps))  # steps before the first dropped one stay
+        out.append(s if index[i] == i and deps == s.deps else s.moved(index[i], deps))  # steps before the first dropped one stay
     return tuple(out)
 
 

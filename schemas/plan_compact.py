@@ -335,16 +335,13 @@ def _offsets(m: _Members, name: str) -> np.ndarray:
     return m.once(name, make)
 
 
-def _split(values: list, lengths: np.ndarray) -> list[list]:
-    out, at = [], 0
+def _split(values, lengths: np.ndarray) -> list[tuple]:
+    """`values` cut into consecutive tuples of `lengths` (what a record's tuple fields hold)."""
+    values, out, at = tuple(values), [], 0
     for n in lengths.tolist():
         out.append(values[at:at + n])
         at += n
     return out
-
-
-def _pairs(values: np.ndarray) -> list[list[int]]:
-    return values.reshape(-1, 2).tolist() if values.size else []
 
 
 def _indices(m: _Members, name: str, rows, size: int) -> np.ndarray:
@@ -367,10 +364,13 @@ def _box_table(m: _Members) -> tuple[np.ndarray, np.ndarray]:
 
 
 def _boxes_at(m: _Members, name: str, rows) -> list:
-    """The shared boxes that entries `rows` of index member `name` point at, each a list of [start, stop] pairs."""
+    """The shared boxes that entries `rows` of index member `name` point at, each a tuple of (start, stop) pairs:
+    each distinct box made once, and shared by the rows that name it."""
     offsets, pairs = _box_table(m)
-    dims, flat = _ranges(offsets, _indices(m, name, rows, len(offsets) - 1))
-    return _split(pairs[flat].tolist(), dims)
+    distinct, at = np.unique(_indices(m, name, rows, len(offsets) - 1), return_inverse=True)
+    dims, flat = _ranges(offsets, distinct)
+    boxes = _split(map(tuple, pairs[flat].tolist()), dims)
+    return [boxes[k] for k in at.reshape(-1).tolist()]
 
 
 def _decode_int(m: _Members, name: str, rows: np.ndarray) -> list:
@@ -644,9 +644,20 @@ def device_rows(m: _Members, device: int | None) -> np.ndarray:
     return int(m.get("index.first")[at]) + np.cumsum(steps)  # stored as steps from the device's first row
 
 
-def read_device_data(path, device: int | None) -> tuple[dict, list[dict], np.ndarray, list[int], int]:
+def stores_integers(m: _Members, table: str) -> bool:
+    """Whether every integer column of `table` (and the shared box table) is stored as integers, so that every value
+    read of it is a Python int (what a record's strict integer fields take; a float or bool array reads otherwise)."""
+    def integral(name: str) -> bool:
+        field, _, part = name.removeprefix(f"{table}.").partition(".")
+        return COLUMN_KINDS[table].get(field) == "float" or part in ("none", "names") or m.where[name][0].kind in "iu"
+    return all(integral(name) for name in m.where if name.startswith(f"{table}.")) \
+        and all(m.where[name][0].kind in "iu" for name in ("boxes.dims", "boxes.values") if name in m)
+
+
+def read_device_data(path, device: int | None) -> tuple[dict, list[dict], np.ndarray, list[int], int, bool]:
     """(the plan's fields less its tables, the operations `device` takes part in as plain dicts, their rows, their
-    first message tags, the plan's tags) of the file at `path` or open as `path` (`_Members`)."""
+    first message tags, the plan's tags, whether the file stores its operations' integers as integers:
+    `stores_integers`) of the file at `path` or open as `path` (`_Members`)."""
     m = _Members(path)
     header = _header(m)
     rows = device_rows(m, device)
@@ -654,4 +665,5 @@ def read_device_data(path, device: int | None) -> tuple[dict, list[dict], np.nda
     count = header["counts"].get("operations")
     if not isinstance(count, int) or len(tags) != count + 1:
         raise CompactPlanError("index.first_tags does not match the operations' count (damaged)")
-    return header["plan"], _rows(m, "operations", rows), rows, np.asarray(tags[rows]).tolist(), int(tags[-1])
+    return (header["plan"], _rows(m, "operations", rows), rows, np.asarray(tags[rows]).tolist(), int(tags[-1]),
+            stores_integers(m, "operations"))
