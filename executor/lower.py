@@ -22,6 +22,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field, replace
 from enum import StrEnum
+from functools import lru_cache
 from typing import Hashable, Literal, Mapping, Sequence
 
 import numpy as np
@@ -267,9 +268,15 @@ class RankProgram:
 
 def make_box(side: Side, region: Region, block: Region, itemsize: int, tensor: int = 0) -> Box:
     """`region` (inside `block`) as it sits in the C-ordered shard of tensor `tensor` holding `block`."""
+    return Box(side, region, *_placed(region, block, itemsize), tensor)
+
+
+@lru_cache(maxsize=1 << 16)
+def _placed(region: Region, block: Region, itemsize: int) -> tuple[tuple[slice, ...], tuple[int, ...], int, tuple[int, int] | None]:
+    """(index, shape, bytes, byte span when contiguous) of `region` in a shard holding `block`: computed once per
+    distinct box and shard, which a model's layers repeat."""
     shape = region_shape(region)
-    return Box(side, region, local_slices(region, block), shape, math.prod(shape) * itemsize,
-               contiguous_span(region, block, itemsize), tensor)
+    return local_slices(region, block), shape, math.prod(shape) * itemsize, contiguous_span(region, block, itemsize)
 
 
 def chunk_ranges(nbytes: int, chunks: int, itemsize: int) -> list[tuple[int, int]]:
@@ -324,16 +331,13 @@ class _Writes:
     ones overlapping a box with one vectorised test instead of a Python loop over all of them."""
 
     def __init__(self, ndim: int):
+        self.ndim = ndim
         self.regions: list[Region] = []
         self.steps: list[int] = []
         self.ends: list[float] = []  # predicted end of the operation that writes region k
-        self.bounds = np.empty((16, 2, ndim), np.int64)  # [k, 0] = starts, [k, 1] = stops of region k
+        self.bounds = np.empty((0, 2, ndim), np.int64)  # [k, 0] = starts, [k, 1] = stops of region k, made when asked
 
     def add(self, region: Region, step: int, end_s: float) -> None:
-        k = len(self.regions)
-        if k == len(self.bounds):
-            self.bounds = np.concatenate([self.bounds, np.empty_like(self.bounds)])
-        self.bounds[k] = np.array(region, np.int64).T.reshape(2, -1)
         self.regions.append(region)
         self.steps.append(step)
         self.ends.append(end_s)
@@ -343,8 +347,11 @@ class _Writes:
         n = len(self.regions)
         if not n:
             return []
+        if len(self.bounds) < n:  # the boxes added since the last call, as arrays
+            added = np.array(self.regions[len(self.bounds):], np.int64).reshape(-1, self.ndim, 2).transpose(0, 2, 1)
+            self.bounds = np.concatenate([self.bounds, added])
         lo, hi = np.array(region, np.int64).T
-        b = self.bounds[:n]
+        b = self.bounds
         hit = np.flatnonzero(((b[:, 0] < hi) & (b[:, 1] > lo) & (b[:, 0] < b[:, 1]) & (lo < hi)).all(axis=1))
         return [(intersect(self.regions[k], region), self.steps[k], self.ends[k]) for k in hit.tolist()]
 
@@ -538,17 +545,23 @@ def _lower_ring(b: _Builder, op: Operation, base: int) -> None:
         b.record(op, box.region, done)
 
 
+@lru_cache(maxsize=1 << 12)
+def _part_offsets(parts: tuple[Region, ...], itemsize: int) -> tuple[int, ...]:
+    """Each part's byte offset in a bundle's cross-host message, and its end: once per distinct bundle."""
+    offsets = [0]
+    for part in parts:
+        offsets.append(offsets[-1] + math.prod(region_shape(part)) * itemsize)
+    return tuple(offsets)
+
+
 def _lower_bundle(b: _Builder, op: Operation, base: int) -> None:
     """The bundle of `op_kinds.route`: always through staging. The cross-host message is the parts in
     index order; a holder packs each run it sends, src packs its own parts and receives the other runs
     into their places, dsts[0] unpacks the parts it needs and sends each run on from where it landed,
     and every other needer receives its runs and unpacks them. Tags: the route's, one per message."""
     gathers, scatters = bundle_runs(op)
+    offsets = _part_offsets(op.parts, b.itemsize)
     relay = op.dsts[0]
-    sizes = [math.prod(region_shape(p)) * b.itemsize for p in op.parts]
-    offsets = [0]
-    for size in sizes:
-        offsets.append(offsets[-1] + size)
     cross = base + len(gathers)
 
     def span(start: int, run: tuple[int, ...]) -> Bytes:

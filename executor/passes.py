@@ -23,6 +23,8 @@ operation at once, each operation's staging after the one before. The passes the
 
 from __future__ import annotations
 
+import gc
+from contextlib import contextmanager
 from dataclasses import replace
 from typing import Mapping
 
@@ -43,6 +45,26 @@ def rank_program(plan: Plan | PlanFile, device: int, order: str, concurrent: boo
     Posted on an engine that is not concurrent, a multi-tensor plan runs one tensor after another, each
     bundle with its own message; otherwise the bundles sharing a message send it once. `receipt_bytes`: in
     device order, messages this large get receipts (`with_receipts`); None: none."""
+    with collector_paused():
+        return _rank_program(plan, device, order, concurrent, tag_limit, receipt_bytes)
+
+
+@contextmanager
+def collector_paused():
+    """Python's cyclic garbage collector off for the block (back on after it, if it was on): a rank's load and lowering
+    make some 10^5 small objects that form no cycles, and the collector's passes over them cost about a third of the
+    time."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+
+
+def _rank_program(plan: Plan | PlanFile, device: int, order: str, concurrent: bool, tag_limit: int | None,
+                  receipt_bytes: int | None) -> RankProgram:
     ops, program = lower_part(plan, device, tag_limit)
     if is_multi(plan) and order == "posted" and not concurrent:
         return one_tensor_at_a_time(program)

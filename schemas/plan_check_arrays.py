@@ -136,12 +136,16 @@ def proven_rows(ops: OpColumns, problems: list[ReshardingProblem], max_chunks: i
     ok = simple & ~ops.src_none & ops.bare & members_ok & (chunked | (ops.chunks == 1))
     dims = np.diff(ops.region_offsets)
     proven = np.zeros(n, dtype=bool)
-    for tensor in sorted_unique(np.where(ops.tensor_none, -1, ops.tensor)[ok]).tolist():
-        if tensor != -1 and not 0 <= tensor < len(problems):
-            continue
-        problem = problems[max(tensor, 0)]
+    tensor_of = np.where(ops.tensor_none, -1, ops.tensor)
+    layouts: dict[tuple, list[int]] = {}  # tensors of one shape and placements: their rows are proven together
+    for tensor in sorted_unique(tensor_of[ok]).tolist():
+        if tensor == -1 or 0 <= tensor < len(problems):
+            problem = problems[max(tensor, 0)]
+            layouts.setdefault((tuple(problem.shape), problem.src, problem.dst), []).append(tensor)
+    for tensors in layouts.values():
+        problem = problems[max(tensors[0], 0)]
         ndim = len(problem.shape)
-        mine = ok & (np.where(ops.tensor_none, -1, ops.tensor) == tensor) & (dims == ndim)
+        mine = ok & member_of(tensor_of, np.array(tensors, dtype=np.int64)) & (dims == ndim)
         picked = np.flatnonzero(mine)
         if not len(picked):
             continue

@@ -143,13 +143,15 @@ def read_plan_head(path: str | os.PathLike, handle: BinaryIO | None = None) -> D
     return read_plan_ops(path, None, handle)
 
 
-def read_plan_ops(path: str | os.PathLike, device: int | None, handle: BinaryIO | None = None) -> DeviceOps:
+def read_plan_ops(path: str | os.PathLike, device: int | None, handle: BinaryIO | None = None,
+                  head: DeviceOps | None = None) -> DeviceOps:
     """The problem and the operations `device` takes part in (execution order, with their rows in the plan and their
     first message tags, `DeviceOps`), read from a compact file through its index (only those operations' rows are read), or from a JSON plan (all of it
     parsed, then filtered). PlanFileError naming the file and the fix otherwise. Unlike `read_plan_file`, the
     operations are validated one by one but not checked against each other (`schemas.plan_check` needs them all).
     `handle`: the compact file `path` names, open for binary reading; it is read instead of the path (another file
-    renamed over the path since it was opened is not read)."""
+    renamed over the path since it was opened is not read). `head`: what `read_plan_head` read of that same `handle`;
+    its problem and staging are taken instead of being validated again."""
     if handle is None and not is_compact(_head(path)):
         plan = read_plan_file(path)
         rows = tuple(i for i, op in enumerate(plan.operations) if device in _op_devices(op))
@@ -161,8 +163,11 @@ def read_plan_ops(path: str | os.PathLike, device: int | None, handle: BinaryIO 
     if version not in SCHEMA_VERSIONS:
         plan_from_data(fields, path)  # the one-line message a whole-plan read gives
     try:
-        problem = _PROBLEM.validate_python(fields.get("problem"))
-        staging = None if fields.get("staging") is None else Staging.model_validate(fields["staging"])
+        if head is not None and handle is not None:
+            problem, staging = head.problem, head.staging
+        else:
+            problem = _PROBLEM.validate_python(fields.get("problem"))
+            staging = None if fields.get("staging") is None else Staging.model_validate(fields["staging"])
         operations = _operations(ops, integral)
     except ValidationError as err:
         raise PlanFileError(f"{quoted(path)}: {describe_validation_error(err)}") from None
