@@ -317,7 +317,7 @@ class _Members:
             raise CompactPlanError(f"member {name}.npy is not JSON text ({str(err)[:80]})") from None
 
 
-def _ranges(offsets: np.ndarray, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def row_ranges(offsets: np.ndarray, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """(lengths, flat positions) of the CSR rows `rows`: every position from offsets[r] to offsets[r+1], row by row."""
     starts = np.asarray(offsets[rows], dtype=np.int64)
     lengths = np.asarray(offsets[rows + 1], dtype=np.int64) - starts
@@ -368,7 +368,7 @@ def _boxes_at(m: _Members, name: str, rows) -> list:
     each distinct box made once, and shared by the rows that name it."""
     offsets, pairs = _box_table(m)
     distinct, at = np.unique(_indices(m, name, rows, len(offsets) - 1), return_inverse=True)
-    dims, flat = _ranges(offsets, distinct)
+    dims, flat = row_ranges(offsets, distinct)
     boxes = _split(map(tuple, pairs[flat].tolist()), dims)
     return [boxes[k] for k in at.reshape(-1).tolist()]
 
@@ -406,7 +406,7 @@ def _decode_str(m: _Members, name: str, rows: np.ndarray) -> list:
 
 
 def _decode_ints(m: _Members, name: str, rows: np.ndarray) -> list:
-    lengths, flat = _ranges(_offsets(m, f"{name}.lengths"), rows)
+    lengths, flat = row_ranges(_offsets(m, f"{name}.lengths"), rows)
     return _split(np.asarray(m.get(f"{name}.values")[flat]).tolist(), lengths)
 
 
@@ -415,13 +415,13 @@ def _decode_box(m: _Members, name: str, rows: np.ndarray) -> list:
 
 
 def _decode_boxes(m: _Members, name: str, rows: np.ndarray) -> list:
-    lengths, flat = _ranges(_offsets(m, f"{name}.lengths"), rows)
+    lengths, flat = row_ranges(_offsets(m, f"{name}.lengths"), rows)
     return _split(_boxes_at(m, f"{name}.values", flat), lengths)
 
 
 def _decode_intss(m: _Members, name: str, rows: np.ndarray) -> list:
-    lengths, lists = _ranges(_offsets(m, f"{name}.lengths"), rows)
-    inner, flat = _ranges(_offsets(m, f"{name}.inner"), lists)
+    lengths, lists = row_ranges(_offsets(m, f"{name}.lengths"), rows)
+    inner, flat = row_ranges(_offsets(m, f"{name}.inner"), lists)
     return _split(_split(np.asarray(m.get(f"{name}.values")[flat]).tolist(), inner), lengths)
 
 
@@ -564,7 +564,7 @@ def _column(m: _Members, name: str, kind: str, count: int) -> dict[str, Any]:
         at = _indices(m, name, slice(None), len(table) - 1)
         dims = np.diff(table)[at]
         offsets = np.concatenate(([0], np.cumsum(dims)))
-        _, flat = _ranges(table, at)
+        _, flat = row_ranges(table, at)
         return {"offsets": offsets, "values": pairs[flat]}
     offsets = _lengths(m, f"{name}.lengths", count)
     if kind == "boxes":  # parts: box indices, checked; the boxes themselves are read with their records
@@ -594,6 +594,12 @@ class CompactColumns:
     def operation_rows(self, rows: np.ndarray) -> list[dict]:
         """The operations at `rows` as plain dicts (what `read_compact_data` gives for them)."""
         return _rows(self.members, "operations", rows)
+
+
+def read_compact_fields(path: str | os.PathLike) -> dict:
+    """The plan's fields less its tables (problem, solver, predictions, staging), from the header of the compact plan
+    in `path` alone; CompactPlanError otherwise."""
+    return _header(_Members(path))["plan"]
 
 
 def read_compact_columns(path: str | os.PathLike, keep: dict[str, set[str]]) -> CompactColumns:
