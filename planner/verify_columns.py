@@ -34,7 +34,7 @@ from xmesh_plan.schemas.plan_check import (MAX_CHUNKS, MAX_TAGS, TOLERANCE_S, _c
                                            _Shards, PlanError)
 from xmesh_plan.schemas.plan_check_arrays import OpColumns, member_of, proven_rows, sorted_unique
 from xmesh_plan.schemas.plan_compact import (COLUMN_KINDS, CompactColumns, CompactPlanError, index_fault, is_compact, read_compact_columns,
-                                             read_compact_fields, row_ranges)
+                                             row_ranges)
 from xmesh_plan.schemas.plan_io import _head
 from xmesh_plan.schemas.plan_tensors import is_multi
 
@@ -208,17 +208,18 @@ def verify_compact(path: str | os.PathLike, on_stage: Callable[[str], None],
     try:
         if os.path.getsize(path) > files.MAX_COMPACT_FILE_BYTES:
             return None
-        if read_compact_fields(path).get("staging") is not None:  # the record path checks the staging a plan states
-            return None
-        on_stage("reading columns")
-        columns = read_compact_columns(path, {"operations": set(COLUMN_KINDS["operations"]), "tasks": _TASK_FIELDS})
+        on_stage("reading columns")  # none of a plan that states staging: the record path checks what it states
+        columns = read_compact_columns(path, {"operations": set(COLUMN_KINDS["operations"]), "tasks": _TASK_FIELDS},
+                                       lambda fields: fields.get("staging") is None)
     except (CompactPlanError, OSError):
+        return None
+    if columns is None:
         return None
     ops, tasks = columns.tables["operations"], columns.tables["tasks"]
     if not _records_valid(ops, tasks):
         return None
     head = _plan_head(columns)
-    if head is None or head.staging is not None:  # replaced since its fields were read
+    if head is None:
         return None
     try:
         _check_schema_version(head)
