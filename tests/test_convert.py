@@ -86,6 +86,8 @@ def test_a_converting_plan_file_compiles_checks_and_verifies(tmp_path):
     (dict(h={"dst_dtype": None, "scale": "block"}), r"scale: 'block' without dst_dtype"),
     (dict(e={"scale": "block", "shape": [300], "src": "R", "dst": "R"}), r"block scales are for tensors of 2 dims or more"),
     (dict(e={"scale": "block", "src": "S0 R"}), r"tensors\[1\] \(e\).scale: source device 0 holds \[0:75, 0:64\], not whole 128x128 blocks; .*use scale = \"tensor\""),
+    (dict(e={"scale": "block", "shape": [2, 300, 64], "src": "R S0 R", "dst": "R R S1"}),
+     r"source device 0 holds \[0:2, 0:75, 0:64\], not whole 128x128 blocks"),  # stacked: blocks of the last two dims
     (dict(h={"dst_dtype": "float8_e9"}), r"unknown dtype 'float8_e9'"),
 ])
 def test_bad_conversions_get_one_line_naming_the_field_and_the_fix(edits, message):
@@ -275,6 +277,10 @@ def test_stacked_experts_take_128x128_block_scales_per_expert():
                                                       (((0, 4), (0, 2), (0, 2)), ((4, 8), (0, 2), (0, 2))))
     assert problem.fused[1].parts == ("w1.scale", "w3.scale") and problem.fused_shape(1) == (8, 4, 2)
     verify_plan(compile_plan(problem, solver="greedy"))
+    raw = stacked_raw()
+    raw["tensors"][3] |= {"shape": [8, 512, 256], "src": "R S0 R"}  # every expert's rows split on 128-row bounds
+    split = build_transfer(raw)
+    assert split.tensors[split.index_of("w2.scale")].src_boxes == tuple(((0, 8), (k, k + 1), (0, 2)) for k in range(4))
     x = random_weight((3 * 300, 400), seed=6).reshape(3, 300, 400)
     scales = block_scales(x, "float8_e4m3fn")
     assert scales.shape == (3, 3, 4)
