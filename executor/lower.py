@@ -177,8 +177,8 @@ def _staged_calls(steps: list[Step], first: int, device: int, tensor: int) -> li
     out = []
     for s in mine:
         lo, hi = s.data.start - base, s.data.stop - base
-        if s.action in (Action.PACK, Action.UNPACK):
-            out.append(StagedCall(s.op, s.task, s.kind, s.action, lo, hi, box=s.box, tensor=s.box.tensor))
+        if s.action is Action.PACK or s.action is Action.UNPACK:
+            out.append(StagedCall(s.op, s.task, s.kind, s.action, lo, hi, s.box, tensor=s.box.tensor))
         elif s.action.is_message:
             root = device if s.action is Action.SEND else s.peer
             out.append(StagedCall(s.op, s.task, s.kind, "bcast", lo, hi, group=tuple(sorted((device, s.peer))), root=root,
@@ -662,10 +662,12 @@ def stage_ranges(steps: Sequence[Step], keys: Sequence[Hashable]) -> dict[Hashab
     staging is one range; `in_device_order` and `executor.passes` key steps by operation."""
     spans: dict[Hashable, tuple[int | None, int]] = {}
     for s, k in zip(steps, keys):
-        lo, hi = spans.get(k, (None, 0))
-        if s.data is not None and s.data.buffer == "stage":
-            lo, hi = min(s.data.start, s.data.start if lo is None else lo), max(s.data.stop, hi)
-        spans[k] = (lo, hi)
+        data = s.data
+        if data is not None and data.buffer == "stage":
+            lo, hi = spans.get(k, (None, 0))
+            spans[k] = (data.start if lo is None or data.start < lo else lo, data.stop if data.stop > hi else hi)
+        elif k not in spans:
+            spans[k] = (None, 0)
     return {k: (lo or 0, hi) for k, (lo, hi) in spans.items()}
 
 
