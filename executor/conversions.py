@@ -3,8 +3,8 @@ read by the engines that convert (`engines.EngineEntry.converts`); the arithmeti
 
 A converting tensor's messages, staging and destination shards are in its destination dtype (the lowering sizes
 them with `ReshardingProblem.itemsize`); only the caller's source shard is in the source dtype. An engine that
-converts casts each source shard once per run into a shard of the destination dtype (`Conversion`) before it
-sends anything, and every step that reads the source shard reads that one instead. A plan's scale tensor
+converts casts each source shard once per run into a shard of the destination dtype (`Conversion`) before any
+step reads it, and every step that reads the source shard reads that one instead. A plan's scale tensor
 `<t>.scale` has no caller's shard: its source shard on each sender is the scales that sender computed for t.
 
 >>> from xmesh_plan.planner.compile import compile_plan

@@ -1,8 +1,8 @@
 """The sender's conversion (`schemas.convert`) as array functions: scales from a source shard, and a shard or box cast
 to the destination dtype with them, on torch tensors (numpy has no FP8), on whatever device the shard is.
 
-An engine that converts (`engines.EngineEntry.converts`: the torch engine) does, once per run and before it sends
-anything, for each tensor t it holds a source shard of (`conversions.Conversion`): `block_scales` of its shard
+The torch engine (`engines.EngineEntry.converts`; the MPI engine does the same on numpy, `executor.convert_host`) does,
+once per run, before any step reads the cast, for each tensor t it holds a source shard of (`conversions.Conversion`): `block_scales` of its shard
 (per block: the shard lies on block bounds, so its blocks are whole), or `tensor_scale` of the max of `amax` over
 every source device of t (per tensor: the senders swap their amax, so each computes the same scale); then
 `convert_shard` casts the whole shard into a buffer of the destination dtype, which every step that reads the
