@@ -74,6 +74,11 @@ def shard_block_scales(scales: torch.Tensor, shape: tuple[int, int]) -> torch.Te
     return scales.repeat_interleave(BLOCK, 0)[:shape[0]].repeat_interleave(BLOCK, 1)[:, :shape[1]]
 
 
+def put(target: torch.Tensor, values: torch.Tensor) -> None:
+    """Write `values` (as many elements) into `target` in its shape: scales into a scale tensor's source shard."""
+    target.copy_(values.reshape(target.shape))
+
+
 def convert_shard(out: torch.Tensor, shard: torch.Tensor, dst_dtype: str, scale: str | None, scales: torch.Tensor | None) -> None:
     """Write `shard` converted to `out` (of `dst_dtype`, the shard's shape): `convert` with the scales of `scale`
     kind ("block": the shard's own `block_scales`; "tensor": one), elementwise the same values."""

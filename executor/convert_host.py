@@ -104,6 +104,11 @@ def block_scales(shard: np.ndarray, fp8: str) -> np.ndarray:
     return np.maximum(blocks, MIN_AMAX) / np.float32(FP8_MAX[fp8])
 
 
+def put(target: np.ndarray, values: np.ndarray) -> None:
+    """Write `values` (as many elements) into `target` in its shape: scales into a scale tensor's source shard."""
+    target[...] = values.reshape(target.shape)
+
+
 def convert_shard(out: np.ndarray, shard: np.ndarray, dst_dtype: str, scale: str | None, scales: np.ndarray | None) -> None:
     """Write `shard` (typed) converted into `out` (its shape, raw or of `dst_dtype`): a plain cast, or for FP8 x / its
     scale (`scale`: "block", the shard's own `block_scales`; "tensor", one) clamped to the FP8 range, then cast."""

@@ -40,8 +40,9 @@ import numpy as np
 from xmesh_plan.schemas.staging import SYNC_SEND_BYTES  # device order: sends this large are synchronous (docs/executor.md)
 
 from .arrays import as_host_array, check_into, check_shard, storage_dtype
+from .conversions import cast_shard, cast_tensors, swap_peers
 from .errors import ExecutorError, PeerTimeoutError, PlanMismatchError
-from .lower import Action, RankProgram, Step, flat_pieces
+from .lower import Action, RankProgram, flat_pieces
 from .replay import PROCESS, Dependencies, abandoned, backoff_wait, failure, refuse_broken
 
 WINDOW = 16
@@ -105,16 +106,9 @@ class MpiEngine:
         self.pairs: list = [None] * n
         self.types: list = [None] * n  # derived datatypes of messages into or out of a strided array of the caller's
         weakref.finalize(self, _free_requests, self.requests, mpi, self.types)
-        self.reads_src: list[list[int]] = [[] for _ in p.tensors]  # per tensor, the steps made in _bind_tensor()
-        self.uses_dst: list[list[int]] = [[] for _ in p.tensors]  # per tensor, the steps made in _bind_dst()
-        for s in self.steps:
-            touches = _dst_tensor(s)
-            if s.reads_src:
-                self.reads_src[s.tensor if s.action is Action.SEND else s.box.tensor].append(s.index)
-            if touches is not None:
-                self.uses_dst[touches].append(s.index)
-            if not s.reads_src and touches is None:
-                self._make(s.index)
+        self.reads_src, self.uses_dst, neither = p.shard_steps()  # per tensor, the steps made in _bind_tensor() and _bind_dst()
+        for i in neither:
+            self._make(i)
         self.converting: list = []  # (tensor, conversion, its converted shard or None), where this device converts
         self.swaps: list = []  # (peer, tensors, my amaxes, theirs): the amax swaps of per-tensor scales
         self.gated: list[int] = []  # the steps that wait for the swaps
@@ -131,11 +125,7 @@ class MpiEngine:
 
         self.convert = convert_host
         p, mpi = self.program, self._mpi
-        made: dict[int, np.ndarray] = {}
-        for t, shards in enumerate(p.tensors):
-            own = shards.convert is not None or shards.scale_of is not None
-            if own and shards.src_block is not None and all(b > a for a, b in shards.src_block):
-                made[t] = np.empty(shards.src_shape, self.dtypes[t])
+        made = {t: np.empty(p.tensors[t].src_shape, self.dtypes[t]) for t in cast_tensors(p)}
         self.source_types = {t: convert_host.host_dtype(shards.dtype) for t, shards in enumerate(p.tensors) if shards.convert}
         swapped = {t for t, shards in enumerate(p.tensors) if shards.convert is not None and shards.convert.peers}
         for t, buffer in made.items():
@@ -150,18 +140,15 @@ class MpiEngine:
             if conversion is not None:
                 self.converting.append((t, conversion, buffer if read else None))  # None: this device sends none of it
         self.scale_shards = {c.scales: made.get(c.scales) for _, c, _ in self.converting if c.scales is not None}
-        peers: dict[int, list[int]] = {}
-        for t, c, _ in self.converting:
-            for peer in c.peers:
-                peers.setdefault(peer, []).append(t)
+        peers = swap_peers(self.converting)
         if not peers:
             return
         tag = self.comm.Get_attr(mpi.TAG_UB)
-        clash = next((s for s in self.steps if s.action.is_message and s.peer in peers and s.tag == tag), None)
+        clash = next((s for s in self.steps if s.action.is_message and s.peer in dict(peers) and s.tag == tag), None)
         if clash is not None:
             raise PlanMismatchError(f"the plan gives tag {tag} (this MPI's TAG_UB) to {clash.describe()}, the tag of the amax "
                                     "swap of per-tensor FP8 scales; run it with an MPI whose TAG_UB is larger")
-        for peer, ts in sorted(peers.items()):
+        for peer, ts in peers:
             mine, theirs, rank = np.empty(len(ts), np.float32), np.empty(len(ts), np.float32), self.rank_of[peer]
             self.swaps.append((peer, ts, mine, theirs))
             self.requests += [self.comm.Recv_init([theirs, mpi.BYTE], source=rank, tag=tag),
@@ -385,16 +372,7 @@ class MpiEngine:
                 self._convert_one(t, conversion, buffer)
 
     def _convert_one(self, t: int, conversion, buffer: np.ndarray | None) -> None:
-        convert, scales = self.convert, None
-        if conversion.scale == "block":
-            scales = convert.block_scales(self.shards[t], conversion.dst_dtype)
-        elif conversion.scale == "tensor":
-            scales = convert.tensor_scale(self.amaxes[t], conversion.dst_dtype)
-        shard = self.scale_shards.get(conversion.scales)
-        if shard is not None:
-            shard[...] = scales.reshape(shard.shape)
-        if buffer is not None:
-            convert.convert_shard(buffer, self.shards[t], conversion.dst_dtype, conversion.scale, scales)
+        cast_shard(self.convert, conversion, self.shards[t], self.amaxes.get(t), self.scale_shards.get(conversion.scales), buffer)
 
     def _launch(self, i: int) -> None:
         request = self.requests[i]
@@ -581,15 +559,6 @@ def _free_requests(requests: list, mpi, types: list | None = None) -> None:
         if datatype is not None:
             types[k] = None
 
-
-def _dst_tensor(s: Step) -> int | None:
-    """The tensor whose destination shard step `s` reads or writes (None: none): a message from or into it, a local
-    copy into it, a pack or unpack of one of its boxes."""
-    if s.action.is_message:
-        return s.data.tensor if s.data.buffer == "dst" else None
-    if s.action is Action.COPY:
-        return s.target.tensor
-    return s.box.tensor if s.box.side == "dst" else None
 
 
 def _caller_view(array: np.ndarray, dtype: np.dtype) -> np.ndarray:

@@ -55,10 +55,11 @@ import time
 import numpy as np
 
 from .arrays import RAW_KINDS, storage_dtype
+from .conversions import cast_shard, cast_tensors, swap_peers
 from .destinations import Destinations, bytes_of
 from .engines import EngineContext
 from .errors import BackendUnavailableError, ExecutorError, PeerTimeoutError, PlanMismatchError
-from .lower import Action, Bytes, RankProgram, Step
+from .lower import Action, Bytes, RankProgram
 from .replay import PROCESS, Dependencies, abandoned, backoff_wait, failure, refuse_broken
 from .worlds import group_backend, group_rank
 
@@ -119,16 +120,9 @@ class TorchEngine:
         self.src_flat: list = [None] * n
         self.into = Destinations(n)  # per tensor, the destination shard bound (`_bind_dst`)
         self.staged: dict[int, object] = {}  # pack or unpack step -> its typed view of staging
-        self.reads_src: list[list[int]] = [[] for _ in p.tensors]  # per tensor, the steps made in _bind()
-        self.uses_dst: list[list[int]] = [[] for _ in p.tensors]  # per tensor, the steps made in _bind_dst()
-        for s in self.steps:
-            touches = _dst_tensor(s)
-            if s.reads_src:
-                self.reads_src[s.tensor if s.action is Action.SEND else s.box.tensor].append(s.index)
-            if touches is not None:
-                self.uses_dst[touches].append(s.index)
-            if not s.reads_src and touches is None:
-                self._make(s.index)
+        self.reads_src, self.uses_dst, neither = p.shard_steps()  # per tensor, the steps made in _bind_tensor() and _bind_dst()
+        for i in neither:
+            self._make(i)
         self.converting: list = []  # (tensor, conversion, its converted shard or None), where this device converts
         self.casts_before: list = [None] * len(self.steps)  # per step, the converting tensors (indices) to cast before it runs
         if any(t.convert is not None for t in p.tensors):
@@ -143,11 +137,7 @@ class TorchEngine:
 
         self.convert = convert
         torch, p = self.torch, self.program
-        made: dict[int, object] = {}
-        for t, shards in enumerate(p.tensors):
-            own = shards.convert is not None or shards.scale_of is not None
-            if own and shards.src_block is not None and all(b > a for a, b in shards.src_block):
-                made[t] = torch.empty(shards.src_shape, dtype=self.dtypes[t], device=self.device)
+        made = {t: torch.empty(p.tensors[t].src_shape, dtype=self.dtypes[t], device=self.device) for t in cast_tensors(p)}
         readers = {t: self.reads_src[t] for t in made}
         for t, buffer in made.items():
             self.src_typed[t], self.src_flat[t] = buffer, bytes_of(buffer)
@@ -165,12 +155,8 @@ class TorchEngine:
         self.cast_run = [-1] * len(self.converting)  # the run that last cast each converting tensor
         self.shards = None  # the converting tensors' typed source shards, during a run (`_prepare_casts`)
         self.run_count = 0
-        peers: dict[int, list[int]] = {}
-        for t, c, _ in self.converting:
-            for peer in c.peers:
-                peers.setdefault(peer, []).append(t)
         self.amax_swaps = [(peer, ts, torch.empty(len(ts), device=self.device), torch.empty(len(ts), device=self.device))
-                           for peer, ts in sorted(peers.items())]
+                           for peer, ts in swap_peers(self.converting)]
 
     def _message_key(self, i: int) -> tuple:
         """Where message `i` stands in the plan's message order, which both ends of every pair share: its operation
@@ -466,16 +452,7 @@ class TorchEngine:
                 continue
             self.cast_run[k] = run
             t, conversion, buffer = self.converting[k]
-            scales = None
-            if conversion.scale == "block":
-                scales = convert.block_scales(self.shards[t], conversion.dst_dtype)
-            elif conversion.scale == "tensor":
-                scales = convert.tensor_scale(self.amaxes[t], conversion.dst_dtype)
-            shard = self.scale_shards.get(conversion.scales)
-            if shard is not None:
-                shard.copy_(scales.reshape(shard.shape))
-            if buffer is not None:
-                convert.convert_shard(buffer, self.shards[t], conversion.dst_dtype, conversion.scale, scales)
+            cast_shard(convert, conversion, self.shards[t], self.amaxes.get(t), self.scale_shards.get(conversion.scales), buffer)
         self.last_progress = time.monotonic()
 
     def _swap_amax(self, amaxes: dict) -> None:
@@ -654,12 +631,3 @@ class TorchEngine:
         self.abandon(why)
         raise self.failure
 
-
-def _dst_tensor(s: Step) -> int | None:
-    """The tensor whose destination shard step `s` reads or writes (None: none): a message from or into it, a local
-    copy into it, a pack or unpack of one of its boxes."""
-    if s.action.is_message:
-        return s.data.tensor if s.data.buffer == "dst" else None
-    if s.action is Action.COPY:
-        return s.target.tensor
-    return s.box.tensor if s.box.side == "dst" else None
