@@ -25,6 +25,7 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
+from xmesh_plan.schemas.convert import block_box
 from xmesh_plan.weight_sync import COLUMN, REPLICATED, ROW, VOCAB, Fused, Target, WeightSync
 
 TRAINER, ENGINE = [0, 1, 2, 3], [[4, 5], [6, 7]]
@@ -201,7 +202,8 @@ def cast_of(name: str) -> tuple[str, str | None]:
 
 def cast_reference(full: torch.Tensor, dtype: str, scale: str | None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """`full` as the destination dtype by torch's own `.to()`, with its FP8 scales (per tensor, or per 128x128 block
-    computed block by block) and the values divided by them and clamped to the FP8 range first."""
+    computed block by block, of each index of the leading dims of a tensor of more than 2) and the values divided by
+    them and clamped to the FP8 range first."""
     target = getattr(torch, dtype)
     if scale is None:
         return full.to(target), None
@@ -209,6 +211,9 @@ def cast_reference(full: torch.Tensor, dtype: str, scale: str | None) -> tuple[t
     if scale == "tensor":
         scales = torch.tensor([max(full.float().abs().max().item(), FLOOR) / top], dtype=torch.float32)
         return (full.float() / scales).clamp(-top, top).to(target), scales
+    if full.dim() > 2:  # stacked experts [E, I, H]: each expert's own 128x128 blocks
+        casts = [cast_reference(one, dtype, scale) for one in full]
+        return torch.stack([values for values, _ in casts]), torch.stack([scales for _, scales in casts])
     rows, cols = full.shape
     scales = torch.empty((-(-rows // BLOCK), -(-cols // BLOCK)), dtype=torch.float32)
     out = torch.empty(full.shape, dtype=target)
@@ -220,12 +225,13 @@ def cast_reference(full: torch.Tensor, dtype: str, scale: str | None) -> tuple[t
     return out, scales
 
 
-def converted_targets(mesh: DeviceMesh, c: Config = BLOCKED) -> dict[str, Target]:
-    """This inference rank's part of every engine tensor (qkv and gate_up fused) in its destination dtype, zeros until
-    synced: `Target`s that name the dtype and FP8 scale kind."""
+def converted_targets(mesh: DeviceMesh, c: Config = BLOCKED, unfused: tuple[int, ...] = ()) -> dict[str, Target]:
+    """This inference rank's part of every engine tensor (qkv and gate_up fused, except in the layers `unfused`, whose
+    q, k, v, gate and up are destinations of their own, FP8 with block scales all the same) in its destination dtype,
+    zeros until synced: `Target`s that name the dtype and FP8 scale kind."""
     sizes, out = shapes(c), {}
     tp = mesh.size(1)
-    for i in range(c.layers):
+    for i in (i for i in range(c.layers) if i not in unfused):
         fused = {f"model.layers.{i}.{k}": [f"model.layers.{i}.{p}" for p in parts] for k, parts in FUSED.items()}
         for name, parts in fused.items():
             rows = sum(sizes[p][0] for p in parts) // tp
@@ -244,25 +250,31 @@ def converted_targets(mesh: DeviceMesh, c: Config = BLOCKED) -> dict[str, Target
 
 def check_converted(targets: dict[str, Target], scales: dict, mesh: DeviceMesh, refs: dict[str, torch.Tensor]) -> str:
     """'ok' when every element and scale of every converted destination is bit for bit `cast_reference`'s of the
-    trainer's full tensor (a fused one: each part's TP share in turn), else the first that is not."""
-    tp = mesh.get_coordinate()[1]
+    trainer's full tensor (a fused one: each part's share on this rank, concatenated along `Fused.dim`), else the
+    first that is not."""
     for name, target in targets.items():
-        if isinstance(target.source, Fused):
-            cast = [cast_reference(refs[p], target.dtype, target.scale) for p in target.source.parts]
-            want = torch.cat([v.chunk(mesh.size(1))[tp] for v, _ in cast])
-            want_scales = torch.cat([s.chunk(mesh.size(1))[tp] for _, s in cast]) if target.scale else None
-        else:
-            values, whole_scales = cast_reference(refs[name], target.dtype, target.scale)
-            local, offset = compute_local_shape_and_global_offset(refs[name].shape, mesh, PLACEMENTS[target.layout])
-            want = values[tuple(slice(o, o + n) for o, n in zip(offset, local))]
-            want_scales = whole_scales if target.scale == "tensor" else None
-            if target.scale == "block":
-                want_scales = whole_scales[tuple(slice(o // BLOCK, -(-(o + n) // BLOCK)) for o, n in zip(offset, local))]
+        fused = isinstance(target.source, Fused)
+        shares = [_share(refs[p], target, mesh) for p in (target.source.parts if fused else (name,))]
+        dim = target.source.dim if fused else 0
+        want = torch.cat([values for values, _ in shares], dim)
+        want_scales = None if target.scale is None else shares[0][1] if target.scale == "tensor" else \
+            torch.cat([s for _, s in shares], dim)
         if target.tensor.dtype != want.dtype or not torch.equal(_bits(target.tensor), _bits(want)):
             return f"{name} differs"
         if want_scales is not None and not torch.equal(_bits(scales[name]), _bits(want_scales)):
             return f"{name}'s scales differ"
     return "ok"
+
+
+def _share(full: torch.Tensor, target: Target, mesh: DeviceMesh) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """This rank's box of `full` laid out by `target.layout`, cast by `cast_reference`, with its scales: per tensor
+    the one, per block those of the blocks the box touches (`block_box`: 1 per index of a leading dim)."""
+    values, scales = cast_reference(full, target.dtype, target.scale)
+    local, offset = compute_local_shape_and_global_offset(full.shape, mesh, PLACEMENTS[target.layout])
+    box = tuple((o, o + n) for o, n in zip(offset, local))
+    if target.scale == "block":
+        scales = scales[tuple(slice(a, b) for a, b in block_box(box))]
+    return values[tuple(slice(a, b) for a, b in box)], scales
 
 
 def _bits(tensor: torch.Tensor) -> torch.Tensor:
@@ -277,15 +289,22 @@ def converted_sync(c: Config = BLOCKED) -> list[str]:
     model, optimizer = trainer_model(DeviceMesh("cpu", TRAINER), c) if rank in TRAINER else (None, None)
     targets = converted_targets(mesh, c) if rank not in TRAINER else {}
     given = {"trainer": model.state_dict()} if model else {"inference": targets, "inference_mesh": ENGINE}
-    results = []
     with WeightSync(**given) as sync:
-        for step in range(2):
-            sync.run()
-            refs = references(model, dist.group.WORLD, c)
-            results.append(check_converted(targets, sync.scales, mesh, refs) if targets else "sent")
-            say(f"fp8 step {step}", results[-1])
-            if model is not None:
-                train_step(model, optimizer)
+        return converted_steps(sync, model, optimizer, targets, mesh, dist.group.WORLD, c)
+
+
+def converted_steps(sync: WeightSync, model, optimizer, targets: dict[str, Target], mesh: DeviceMesh, group, c: Config = BLOCKED,
+                    label: str = "fp8") -> list[str]:
+    """Two runs of a converting `sync` with a training step between, each checked by `check_converted` against the
+    trainer's `full_tensor()` (broadcast over `group` from its rank 0) and printed ('<label> step k'); this rank's results."""
+    results = []
+    for step in range(2):
+        sync.run()
+        refs = references(model, group, c)
+        results.append(check_converted(targets, sync.scales, mesh, refs) if targets else "sent")
+        say(f"{label} step {step}", results[-1])
+        if model is not None:
+            train_step(model, optimizer)
     return results
 
 
