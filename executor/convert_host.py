@@ -94,13 +94,14 @@ def tensor_scale(amax_over_sources: np.ndarray, fp8: str) -> np.ndarray:
 
 
 def block_scales(shard: np.ndarray, fp8: str) -> np.ndarray:
-    """One float32 scale per 128x128 block of a 2-d source shard lying on block bounds (its last blocks may be short):
-    amax(|block|) over the FP8 type's largest value."""
-    rows, cols = shard.shape
+    """One float32 scale per 128x128 block of a source shard lying on block bounds (its last blocks may be short):
+    amax(|block|) over the FP8 type's largest value. Blocks are of the last two dims, one set for each index of the
+    others (stacked experts [E, I, H]: scales [E, ceil(I/128), ceil(H/128)])."""
+    *lead, rows, cols = shard.shape
     br, bc = -(-rows // BLOCK), -(-cols // BLOCK)
-    padded = np.zeros((br * BLOCK, bc * BLOCK), np.float32)
-    padded[:rows, :cols] = np.abs(shard.astype(np.float32, copy=False))
-    blocks = padded.reshape(br, BLOCK, bc, BLOCK).max(axis=(1, 3))
+    padded = np.zeros((*lead, br * BLOCK, bc * BLOCK), np.float32)
+    padded[..., :rows, :cols] = np.abs(shard.astype(np.float32, copy=False))
+    blocks = padded.reshape(*lead, br, BLOCK, bc, BLOCK).max(axis=(-3, -1))
     return np.maximum(blocks, MIN_AMAX) / np.float32(FP8_MAX[fp8])
 
 
@@ -116,8 +117,8 @@ def convert_shard(out: np.ndarray, shard: np.ndarray, dst_dtype: str, scale: str
         cast(out, shard, dst_dtype)
         return
     each = scales
-    if scale == "block":
-        each = np.repeat(np.repeat(scales, BLOCK, 0)[:shard.shape[0]], BLOCK, 1)[:, :shard.shape[1]]
+    if scale == "block":  # each element with its block's scale
+        each = np.repeat(np.repeat(scales, BLOCK, -2)[..., :shard.shape[-2], :], BLOCK, -1)[..., :shard.shape[-1]]
     limit = np.float32(FP8_MAX[dst_dtype])
     with np.errstate(invalid="ignore", divide="ignore", over="ignore"):
         values = shard.astype(np.float32) / each

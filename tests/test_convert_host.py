@@ -111,3 +111,18 @@ def test_per_tensor_amax_and_scale_equal_the_torch_engines(src):
     with_nan = xs.copy()
     with_nan[7] = np.nan
     assert np.isnan(host.amax(with_nan)) and np.isnan(host.tensor_scale(host.amax(with_nan), "float8_e4m3fn")[0])
+
+
+@pytest.mark.parametrize("src", ["float32", "bfloat16"])
+def test_block_scales_of_stacked_experts_have_torchs_bits(src):
+    """A 3-d shard [E, I, H] has 128x128 blocks of its last two dims per expert: scales and values as the torch engine's."""
+    x = source(src, 3 * 200 * 130, 5)[:3 * 200 * 130].reshape(3, 200, 130).clone()
+    x[~torch.isfinite(x.double())] = -2.5
+    x[1, :128, :128] = 0
+    xs = as_numpy(x)
+    scales, torch_scales = host.block_scales(xs, "float8_e4m3fn"), convert.block_scales(x, "float8_e4m3fn")
+    assert scales.shape == (3, 2, 2) and np.array_equal(bits(scales), bits(torch_scales))
+    out, want = np.empty(x.shape, np.uint8), torch.empty(x.shape, dtype=torch.float8_e4m3fn)
+    host.convert_shard(out, xs, "float8_e4m3fn", "block", scales)
+    convert.convert_shard(want, x, "float8_e4m3fn", "block", torch_scales)
+    assert np.array_equal(out, bits(want))
