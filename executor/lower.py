@@ -124,6 +124,21 @@ class Step:
             return self.data.buffer == "src"
         return (self.action is Action.COPY or self.action is Action.PACK) and self.box.side == "src"
 
+    @property
+    def src_tensor(self) -> int:
+        """The tensor whose source shard a step that `reads_src` reads."""
+        return self.tensor if self.action is Action.SEND else self.box.tensor
+
+    @property
+    def dst_tensor(self) -> int | None:
+        """The tensor whose destination shard the step reads or writes (None: none): a message from or into it, a local
+        copy into it, a pack or unpack of one of its boxes."""
+        if self.action.is_message:
+            return self.data.tensor if self.data.buffer == "dst" else None
+        if self.action is Action.COPY:
+            return self.target.tensor
+        return self.box.tensor if self.box.side == "dst" else None
+
     def describe(self) -> str:
         """`op 7 (task 3, broadcast chunk 2/4): receive 4096 B from device 5`, for error messages."""
         what = f"op {self.op} (task {self.task}, {self.kind}{' ' + self.piece if self.piece else ''})"
@@ -264,6 +279,22 @@ class RankProgram:
 
     def messages(self) -> int:
         return sum(s.action.is_message for s in self.steps)
+
+    def shard_steps(self) -> tuple[list[list[int]], list[list[int]], list[int]]:
+        """Per tensor, the steps that read its source shard and those that read or write its destination shard (an
+        engine binds them to the shards of each call), and the steps that touch neither (made once)."""
+        reads: list[list[int]] = [[] for _ in self.tensors]
+        uses: list[list[int]] = [[] for _ in self.tensors]
+        neither = []
+        for s in self.steps:
+            touches = s.dst_tensor
+            if s.reads_src:
+                reads[s.src_tensor].append(s.index)
+            if touches is not None:
+                uses[touches].append(s.index)
+            if not s.reads_src and touches is None:
+                neither.append(s.index)
+        return reads, uses, neither
 
 
 def make_box(side: Side, region: Region, block: Region, itemsize: int, tensor: int = 0) -> Box:
