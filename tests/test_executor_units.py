@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from xmesh_plan.executor import BackendUnavailableError, PlanMismatchError, ReshardingExecutor
-from xmesh_plan.executor.arrays import as_host_array, check_shard, storage_dtype
+from xmesh_plan.executor.arrays import as_host_array, check_into, check_shard, storage_dtype
 from xmesh_plan.executor.lower import chunk_ranges, contiguous_span, flat_pieces, lower, tags_used
 from xmesh_plan.executor.nccl_plan import Bcast, Copy, communicator_groups, nccl_program
 from xmesh_plan.executor.pattern import fill, mismatches
@@ -261,6 +261,23 @@ def test_shard_checks_name_the_expected_shape_and_dtype():
     assert storage_dtype("float8_e4m3fn") == np.uint8
     with pytest.raises(PlanMismatchError, match=r"non-native byte order; pass a native-order array"):
         check_shard(np.zeros((4, 4), ">f4"), (4, 4), "float32", 2, "S0 R")
+
+
+@pytest.mark.parametrize("plan_dtype, other", [("bfloat16", np.float16), ("float8_e4m3fn", np.bool_),
+                                               ("float8_e4m3fn", "float8_e5m2"), ("bfloat16", "float8_e5m2")])
+def test_raw_kinds_take_their_own_type_or_a_same_size_integer_only(plan_dtype, other):
+    """A float16 array for a bfloat16 shard (or another FP8 kind, or bool) has the item size but other bits: refused,
+    as the torch engine refuses it, for sources and for into= destinations alike."""
+    ml_dtypes = pytest.importorskip("ml_dtypes")
+    other = np.dtype(getattr(ml_dtypes, other) if isinstance(other, str) else other)
+    size = np.dtype(getattr(ml_dtypes, plan_dtype)).itemsize
+    for ok in (getattr(ml_dtypes, plan_dtype), f"u{size}", f"i{size}"):
+        check_shard(np.zeros((2, 2), ok), (2, 2), plan_dtype, 1, "S0 R")
+        check_into(np.zeros((2, 2), ok), (2, 2), plan_dtype, 1, "w")
+    with pytest.raises(PlanMismatchError, match=rf"source shard is {other} but the plan moves {plan_dtype}; pass a {plan_dtype}"):
+        check_shard(np.zeros((2, 2), other), (2, 2), plan_dtype, 1, "S0 R")
+    with pytest.raises(PlanMismatchError, match=rf"into\['w'\] on device 1 is {other} but the plan delivers {plan_dtype}; pass a {plan_dtype}"):
+        check_into(np.zeros((2, 2), other), (2, 2), plan_dtype, 1, "w")
 
 
 class _Tensor:
