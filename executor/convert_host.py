@@ -71,7 +71,7 @@ def cast(out: np.ndarray, values: np.ndarray, dst_dtype: str) -> None:
         if values.dtype == np.float64 and target != values.dtype:
             values = values.astype(np.float32)
         out.view(target)[...] = values
-    nans = np.isnan(values)
+        nans = np.isnan(values)  # a signalling NaN makes numpy warn here too
     if dst_dtype in NAN_BITS and nans.any():
         raw = out.view(_bits(target))
         if half and dst_dtype == "bfloat16":
