@@ -461,3 +461,20 @@ def test_a_staged_box_sent_in_chunks_is_packed_and_unpacked_chunk_by_chunk():
         assert len(recvs) == 3 and all(len(u.deps) == 1 and steps[u.deps[0]].action == "recv" for u in unpacks)
         for recv in recvs:
             assert sum(u.data.nbytes for u in unpacks if u.deps == (recv.index,)) == recv.data.nbytes
+
+
+def test_caller_views_need_no_numpy_2_module(monkeypatch):
+    """into= arrays are remade over their raw bytes from their own shape and strides (any view: negative strides,
+    transposed, sliced), also on NumPy 1.26, which has no numpy.lib.array_utils."""
+    import sys
+
+    from xmesh_plan.executor.mpi_engine import _caller_view
+
+    monkeypatch.setitem(sys.modules, "numpy.lib.array_utils", None)  # importing it now fails, as on NumPy < 2
+    whole = np.arange(7 * 9 * 4, dtype=np.int32).reshape(7, 9, 4)
+    for view in (whole, whole[::-2, 1:8:3, ::-1], whole.transpose(2, 0, 1)[1:3], whole[2:2], whole[3, 4, 1:2]):
+        remade = _caller_view(view, np.dtype(np.uint32))
+        assert remade.shape == view.shape and remade.base is not view and np.array_equal(remade, view.view(np.uint32))
+        remade[...] = 7
+        assert (view == 7).all()
+        whole[...] = np.arange(whole.size, dtype=np.int32).reshape(whole.shape)
