@@ -418,7 +418,7 @@ Columns: **GiB** moved once; **unit tasks** and **operations** of the plan; **co
 **verify s**; the plan's predicted time over the byte bound (**/ bound**) and its time in the executor's order
 (**executor / bound**, where the plan states it), and what timed the plan (`solver.details.timed_by`): the
 simulator in host order, or the schedule's own timetable where one simulation would take more than
-`compile.MAX_SIMULATION_WORK` flow-rate updates. A row with `--max-tasks` ran with that limit. `--max-tasks` counts
+`compile.MAX_SIMULATION_WORK` units of work (flow-rate updates in rows made before it counted groups). A row with `--max-tasks` ran with that limit. `--max-tasks` counts
 what a compile holds (each kind of tensor's boxes, then the tasks it schedules; docs/format.md), so the full
 DeepSeek-V3-like problem (667,520 tasks) passes the default, but its compile does not finish on this machine: the
 row with `--max-tasks` stopped at its timeout while timing and assembling the plan.

@@ -111,7 +111,7 @@ ShareRule = Callable[[list[Flow], dict[str, float]], dict[int, float]]  # moving
 
 
 class TooCostly(RuntimeError):
-    """A simulation stopped at its work budget (`run_flows(max_work=...)`): counted in flows, not seconds,
+    """A simulation stopped at its work budget (`run_flows(max_work=...)`): counted in groups and flows, not seconds,
     so whether a plan gets timed does not change with machine load."""
 
 

@@ -107,7 +107,7 @@ def run_flows(flows: list[Flow], capacity: dict[str, float], max_work: int | Non
             work += len({by_id[i].links for i in affected}) + sum(1 for i, r in shared.items() if rates.get(i) != r)
             rates.update(shared)
             if max_work is not None and work > max_work:
-                raise TooCostly(f"the simulation took more than its budget of {max_work} flow rate updates")
+                raise TooCostly(f"the simulation took more than its budget of {max_work} units of work (groups shared out and flows re-rated)")
         next_move = min(((left / rates[i], i) for i, left in moving.items()), default=(float("inf"), -1))
         if buffered:
             next_move = min(next_move, min((((left - by_id[i].sent_below) / rates[i], i) for i, left in moving.items()
