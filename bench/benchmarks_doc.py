@@ -421,7 +421,10 @@ simulator in host order, or the schedule's own timetable where one simulation wo
 `compile.MAX_SIMULATION_WORK` units of work (flow-rate updates in rows made before it counted groups). A row with `--max-tasks` ran with that limit. `--max-tasks` counts
 what a compile holds (each kind of tensor's boxes, then the tasks it schedules; docs/format.md), so the full
 DeepSeek-V3-like problem (667,520 tasks) passes the default, but its compile does not finish on this machine: the
-row with `--max-tasks` stopped at its timeout while timing and assembling the plan.
+row with `--max-tasks` stopped at its timeout while timing and assembling the plan. On these hosts every message
+is striped over the 8 NICs and each NIC pays its per-message overhead (`inspect` says so), so the default bundle
+bucket is 32 MiB, what the NICs move in 80 us (`coalesce.default_bucket_bytes`; 4 MiB on one 400 Gbit/s NIC):
+boxes up to 4 MiB travel in bundles, fewer and larger messages.
 
 {table(rows, ["problem", "GiB", "unit tasks", "operations", "compile s", "compile CPU s", "peak RSS MiB", "plan MiB",
               "verify s", "/ bound", "executor / bound", "timed by"], "lrrrrrrrrrrl")}
