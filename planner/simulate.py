@@ -116,46 +116,13 @@ class TooCostly(RuntimeError):
 
 
 def max_min_rates(active: list[Flow], capacity: dict[str, float]) -> dict[int, float]:
-    """Max-min fair rates by progressive filling: the tightest link's fair share is fixed first.
-
-    A heap of (fair share, link) with stale entries skipped keeps each round logarithmic; users are
-    insertion-ordered dicts so shares are subtracted in the same order every run (byte-identical plans).
-    A link whose share changes gets one heap entry for its share after the round, not one per flow
-    the round took off it (the ones in between would be stale when popped).
-    """
-    links_of = {f.id: f.links for f in active}
-    left: dict[str, float] = {}
-    users: dict[str, dict[int, None]] = {}
+    """Max-min fair rates by progressive filling: the tightest link's fair share is fixed first. Flows on the same
+    links get one rate, so they are filled as groups (`group_rates`, the same arithmetic as flow by flow)."""
+    members: dict[tuple[str, ...], dict[int, None]] = {}
     for f in active:
-        for link in f.links:
-            left[link] = capacity[link]
-            users.setdefault(link, {})[f.id] = None
-    heap = [(left[link] / len(u), link) for link, u in users.items()]
-    heapq.heapify(heap)
-    pop, push = heapq.heappop, heapq.heappush
-    rates: dict[int, float] = {}
-    while heap:
-        share, link = pop(heap)
-        members = users.get(link)
-        if not members or share != left[link] / len(members):
-            continue  # stale entry: the link was finished or its share changed since it was pushed
-        del users[link]
-        touched: dict[str, None] = {}
-        for fid in members:
-            rates[fid] = share
-            for other in links_of[fid]:
-                sharing = users.get(other)
-                if sharing is not None:
-                    left[other] -= share
-                    del sharing[fid]
-                    if sharing:
-                        touched[other] = None
-                    else:
-                        del users[other]
-                        touched.pop(other, None)
-        for other in touched:
-            push(heap, (left[other] / len(users[other]), other))
-    return rates
+        members.setdefault(f.links, {})[f.id] = None
+    rates = group_rates(list(members), members, capacity)
+    return {f.id: rates[f.links] for f in active if f.links in rates}
 
 
 def group_rates(groups: list[tuple[str, ...]], members: dict[tuple[str, ...], dict[int, None]],
@@ -163,7 +130,12 @@ def group_rates(groups: list[tuple[str, ...]], members: dict[tuple[str, ...], di
     """`max_min_rates` over groups of flows on the same links (a group's flows all get one rate), bit for bit: a
     link's share is what is left of it over the flows still on it, and a group's flows are taken off its other
     links one at a time, each subtracting the share (the same arithmetic as flow by flow, in the same order: every
-    subtraction of a round is the same number). Costs the groups, and one subtraction per flow, not a dict per flow."""
+    subtraction of a round is the same number). Costs the groups, and one subtraction per flow, not a dict per flow.
+
+    A heap of (fair share, link) with stale entries skipped keeps each round logarithmic; users are
+    insertion-ordered dicts so shares are subtracted in the same order every run (byte-identical plans).
+    A link whose share changes gets one heap entry for its share after the round, not one per group
+    the round took off it (the ones in between would be stale when popped)."""
     left: dict[str, float] = {}
     count: dict[str, int] = {}
     users: dict[str, dict[tuple[str, ...], None]] = {}

@@ -13,7 +13,7 @@ import random
 import pytest
 
 from xmesh_plan.planner.compile import compile_plan
-from xmesh_plan.planner.simulate import DISCIPLINES, Flow, nic_assignment, run_flows, simulate, staging_runs
+from xmesh_plan.planner.simulate import DISCIPLINES, Flow, max_min_rates, nic_assignment, run_flows, simulate, staging_runs
 from xmesh_plan.schemas import Cpu
 
 from tests.support import reference_flows
@@ -134,3 +134,19 @@ def test_flows_on_the_same_links_cost_as_one_group_while_their_rate_holds():
         assert spans[0][1] == pytest.approx(100_000.0)  # the hundred share side a throughout
         # start: 2 groups + 101 new rates; 9 short ones: 2 groups + 1 rate each; the last one's end: 1 group, no new rate
         assert cost == [103 + 9 * 3 + 1]
+
+
+@pytest.mark.parametrize("seed", range(100))
+def test_rates_shared_out_by_groups_are_max_min_fair_flow_by_flow(seed):
+    """`max_min_rates` fills groups of flows on the same links (`group_rates`); plain water-filling flow by flow gives
+    every flow the same rate, on random flows where many share their links."""
+    rng = random.Random(seed)
+    links = [f"l{k}" for k in range(rng.randint(1, 6))]
+    capacity = {link: rng.choice([1.0, 2.0, 0.5, 3.0, rng.uniform(0.1, 9.0)]) for link in links}
+    flows = [Flow(i, i, 1.0, 0.0, tuple(sorted(rng.sample(links, rng.randint(1, min(3, len(links)))))))
+             for i in range(rng.randint(1, 80))]
+    fair = max_min_rates(flows, capacity)
+    plain = reference_flows.water_filling(flows, capacity)
+    assert fair.keys() == plain.keys() == {f.id for f in flows}
+    for fid, rate in plain.items():
+        assert fair[fid] == pytest.approx(rate, rel=1e-12), fid

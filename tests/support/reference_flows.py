@@ -166,3 +166,21 @@ def reference_simulate(operations, problem, discipline: str = "host-order", nic_
     cost: list[int] = []
     spans = run_flows(lowering.flows, lowering.capacity, max_work, cost, share)
     return op_times(operations, lowering, riders, spans, cost[0])
+
+
+def water_filling(active: list[Flow], capacity: dict[str, float]) -> dict[int, float]:
+    """Max-min fair rates the plain way, flow by flow, without heaps or groups: while flows are left, the link whose
+    capacity left over its unfixed flows is least fixes them all at that share (`simulate.max_min_rates`' rule)."""
+    left = {link: capacity[link] for f in active for link in f.links}
+    unfixed = {f.id: f.links for f in active if f.links}
+    rates: dict[int, float] = {}
+    while unfixed:
+        def share(link: str) -> float:
+            return left[link] / sum(1 for links in unfixed.values() if link in links)
+        tightest = min((link for links in unfixed.values() for link in links), key=lambda link: (share(link), link))
+        rate = share(tightest)
+        for fid in [i for i, links in unfixed.items() if tightest in links]:
+            rates[fid] = rate
+            for link in unfixed.pop(fid):
+                left[link] -= rate
+    return rates
