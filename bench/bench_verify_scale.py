@@ -15,13 +15,14 @@ LABEL, with the commit, in bench/results/verify_scale.json (BENCHMARKS.md's veri
 
 from __future__ import annotations
 
-import argparse
 import json
 import resource
 import subprocess
 import sys
 import time
 from pathlib import Path
+
+import click
 
 from xmesh_plan.planner.problem_io import build_problem
 from xmesh_plan.planner.verify import verify_plan
@@ -88,21 +89,21 @@ def record(label: str, path: str, point: dict) -> None:
     update_benchmarks_doc()
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--ops", type=int, default=1_000_000)
-    parser.add_argument("--out", help="also write the compact plan here")
-    parser.add_argument("--cli", metavar="FILE", help="time `xmesh-plan verify FILE` in a fresh process instead")
-    parser.add_argument("--record", metavar="LABEL", help="with --cli: keep the figures under LABEL in bench/results/verify_scale.json")
-    args = parser.parse_args()
-    if args.cli:
-        point = cli_verify(args.cli)
+@click.command(help=__doc__.splitlines()[0])
+@click.option("--ops", type=click.IntRange(1), default=1_000_000, show_default=True, help="operations in the synthetic plan")
+@click.option("--out", type=click.Path(dir_okay=False), help="also write the compact plan here")
+@click.option("--cli", "cli_file", metavar="FILE", type=click.Path(exists=True, dir_okay=False),
+              help="time `xmesh-plan verify FILE` in a fresh process instead")
+@click.option("--record", "record_as", metavar="LABEL", help="with --cli: keep the figures under LABEL in bench/results/verify_scale.json")
+def main(ops: int, out: str | None, cli_file: str | None, record_as: str | None) -> None:
+    if cli_file:
+        point = cli_verify(cli_file)
         print(json.dumps(point))
-        if args.record:
-            record(args.record, args.cli, point)
+        if record_as:
+            record(record_as, cli_file, point)
         return
     t = time.perf_counter()
-    plan = synthetic_plan(args.ops)
+    plan = synthetic_plan(ops)
     print(f"built {len(plan.operations):,} operations in {time.perf_counter() - t:.1f} s", flush=True)
     t = time.perf_counter()
     report = verify_plan(plan)
@@ -111,8 +112,8 @@ def main() -> None:
     data = compact_bytes(plan)
     print(f"compact: {len(data):,} bytes, {len(data) / len(plan.operations):.0f} per operation (with its task), "
           f"written in {time.perf_counter() - t:.1f} s", flush=True)
-    if args.out:
-        with open(args.out, "wb") as handle:
+    if out:
+        with open(out, "wb") as handle:
             handle.write(data)
     print(f"peak memory {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20:.2f} GiB")
 

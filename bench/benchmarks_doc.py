@@ -642,7 +642,7 @@ the lowering of git revision `{lowering["compared_with"]}` (best of 5). Made by
 
 **One rank's load and lowering** of a large plan, before any byte moves: the Llama-3-70B-like weight sync
 ({loads['operations']:,} operations, {loads['tensors']} tensors, a {loads['file_bytes'] / 2**20:.0f} MiB compact file written by
-`xmesh-plan compile plans/weight_sync_llama3_70b.problem.toml -o /tmp/70b.plan.npz`). Each row is one fresh process
+`xmesh-plan compile plans/weight_sync_llama3_70b.problem.toml -o {loads["command"].split("--plan ")[1].split()[0]}`). Each row is one fresh process
 doing what `TransferExecutor.from_file(path, comm).prepare()` does for one device: read the file's header, read the
 device's operations through the file's index, check them, lower them and run the passes of the executor's default
 order on MPI (`passes.rank_program`); the last row does the same through the whole plan (`read_plan_file`, then the

@@ -70,6 +70,19 @@ def import_dlpack(importer, array: object, library: str, device: int):
                                 f"DLPack ({err}); pass a {library} array or a tensor {library} can import") from None
 
 
+def check_into(array: np.ndarray, shape: tuple[int, ...], dtype_name: str, device: int, name: str) -> None:
+    """Refuse (PlanMismatchError) a caller's destination array of another shape or element type than its shard."""
+    if array.shape != shape:
+        raise PlanMismatchError(f"run(): into[{name!r}] on device {device} has shape {tuple(array.shape)} but the plan gives "
+                                f"this device's destination shard {shape}; pass an array (or a view) of that shape")
+    got, want = np.dtype(array.dtype), storage_dtype(dtype_name)
+    if got != want and not (dtype_name.startswith(RAW_KINDS) and got.itemsize == want.itemsize):
+        raise PlanMismatchError(f"run(): into[{name!r}] on device {device} is {got} but the plan delivers {dtype_name}; "
+                                f"pass a {want} array{' (or any of its item size)' if dtype_name.startswith(RAW_KINDS) else ''}")
+    if not array.flags.writeable:
+        raise PlanMismatchError(f"run(): into[{name!r}] on device {device} is read-only; pass a writeable array")
+
+
 def check_shard(array: np.ndarray, shape: tuple[int, ...], dtype_name: str, device: int, spec: object) -> None:
     """Refuse a source shard of the wrong shape or element type, naming what the plan expects.
 

@@ -3,8 +3,8 @@ read by the engines that convert (`engines.EngineEntry.converts`); the arithmeti
 
 A converting tensor's messages, staging and destination shards are in its destination dtype (the lowering sizes
 them with `ReshardingProblem.itemsize`); only the caller's source shard is in the source dtype. An engine that
-converts casts each source shard once per run into a shard of the destination dtype (`Conversion`) before it
-sends anything, and every step that reads the source shard reads that one instead. A plan's scale tensor
+converts casts each source shard once per run into a shard of the destination dtype (`Conversion`) before any
+step reads it, and every step that reads the source shard reads that one instead. A plan's scale tensor
 `<t>.scale` has no caller's shard: its source shard on each sender is the scales that sender computed for t.
 
 >>> from xmesh_plan.planner.compile import compile_plan
@@ -15,6 +15,9 @@ sends anything, and every step that reads the source shard reads that one instea
 [Conversion(dst_dtype='float8_e4m3fn', scale='tensor', scales=1, peers=(1,)), None]
 >>> scale_owners(plan.problem)
 [None, 0]
+>>> from xmesh_plan.executor.lower import lower
+>>> cast_tensors(lower(plan, 1)), cast_tensors(lower(plan, 2))
+([0, 1], [])
 """
 
 from __future__ import annotations
@@ -68,3 +71,37 @@ def scale_owners(problem) -> list[int | None]:
     if tensors is None:
         return [None]
     return [None if t.scale_of is None else problem.index_of(t.scale_of) for t in tensors]
+
+
+def cast_tensors(program) -> list[int]:
+    """The tensors of a `RankProgram` whose source shard on its device the engine makes itself: each converting tensor
+    (the cast shard) and each scale tensor (the scales it computes) of which the device holds a nonempty box."""
+    return [t for t, shards in enumerate(program.tensors)
+            if (shards.convert is not None or shards.scale_of is not None) and shards.src_block is not None
+            and _nonempty(shards.src_block)]
+
+
+def swap_peers(converting) -> list[tuple[int, list[int]]]:
+    """Per peer device, ascending, the tensors whose per-tensor amax this device swaps with it, in tensor order;
+    `converting`: (tensor, `Conversion`, ...) rows."""
+    peers: dict[int, list[int]] = {}
+    for t, conversion, *_ in converting:
+        for peer in conversion.peers:
+            peers.setdefault(peer, []).append(t)
+    return sorted(peers.items())
+
+
+def cast_shard(convert, conversion: Conversion, shard, amax, scale_shard, buffer) -> None:
+    """One sender's conversion of one tensor with `convert` (`executor.convert` on torch, `executor.convert_host` on
+    numpy): its scales (block scales of `shard`, or the per-tensor scale of `amax`, the max over its senders) into
+    `scale_shard` (its scale tensor's source shard here, or None), and `shard` cast into `buffer` (None: this device
+    sends none of it)."""
+    scales = None
+    if conversion.scale == "block":
+        scales = convert.block_scales(shard, conversion.dst_dtype)
+    elif conversion.scale == "tensor":
+        scales = convert.tensor_scale(amax, conversion.dst_dtype)
+    if scale_shard is not None:
+        convert.put(scale_shard, scales)
+    if buffer is not None:
+        convert.convert_shard(buffer, shard, conversion.dst_dtype, conversion.scale, scales)

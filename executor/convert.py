@@ -1,8 +1,8 @@
 """The sender's conversion (`schemas.convert`) as array functions: scales from a source shard, and a shard or box cast
 to the destination dtype with them, on torch tensors (numpy has no FP8), on whatever device the shard is.
 
-An engine that converts (`engines.EngineEntry.converts`: the torch engine) does, once per run and before it sends
-anything, for each tensor t it holds a source shard of (`conversions.Conversion`): `block_scales` of its shard
+The torch engine (`engines.EngineEntry.converts`; the MPI engine does the same on numpy, `executor.convert_host`) does,
+once per run, before any step reads the cast, for each tensor t it holds a source shard of (`conversions.Conversion`): `block_scales` of its shard
 (per block: the shard lies on block bounds, so its blocks are whole), or `tensor_scale` of the max of `amax` over
 every source device of t (per tensor: the senders swap their amax, so each computes the same scale); then
 `convert_shard` casts the whole shard into a buffer of the destination dtype, which every step that reads the
@@ -74,6 +74,11 @@ def convert(values: torch.Tensor, dst_dtype: str, scales: torch.Tensor | None = 
 def shard_block_scales(scales: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
     """Each element of a shard of `shape` lying on block bounds with its block's scale (`scales`: the shard's own)."""
     return scales.repeat_interleave(BLOCK, -2)[..., :shape[-2], :].repeat_interleave(BLOCK, -1)[..., :shape[-1]]
+
+
+def put(target: torch.Tensor, values: torch.Tensor) -> None:
+    """Write `values` (as many elements) into `target` in its shape: scales into a scale tensor's source shard."""
+    target.copy_(values.reshape(target.shape))
 
 
 def convert_shard(out: torch.Tensor, shard: torch.Tensor, dst_dtype: str, scale: str | None, scales: torch.Tensor | None) -> None:

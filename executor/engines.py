@@ -152,10 +152,11 @@ class EngineEntry:
                                     "scale = \"tensor\" or \"block\" in a multi-tensor problem, which carries them in its .scale "
                                     "tensor", same_on_every_rank=True)
         if converting is not None and not self.converts:
-            can = ", ".join(e.name for e in ENGINES.values() if e.converts)
+            can = " or ".join(e.name for e in ENGINES.values() if e.converts)
             raise PlanMismatchError(f"the plan converts {converting.dtype} to {converting.dst_dtype} at the sender, which the "
-                                    f"{self.name} engine does not run; run it on the {can} engine (backend='gloo' or 'nccl' "
-                                    "with a torch process group) or compile the plan without dst_dtype", same_on_every_rank=True)
+                                    f"{self.name} engine does not run; run it on the {can} engine (backend='mpi' with an "
+                                    "mpi4py communicator, or 'gloo' or 'nccl' with a torch process group) or compile the plan "
+                                    "without dst_dtype", same_on_every_rank=True)
         return self.build(importlib.import_module(self.module), program, context)
 
     def stage_need(self, program: RankProgram) -> int:
@@ -166,7 +167,7 @@ class EngineEntry:
 ENGINES: dict[str, EngineEntry] = {e.name: e for e in (
     EngineEntry("mpi", "mpi", "xmesh_plan.executor.mpi_engine",
                 lambda m, p, c: m.MpiEngine(p, c.comm, c.rank_of, c.timeout_s, c.poll_s),
-                "MPI point-to-point on host memory (numpy)", concurrent=True),
+                "MPI point-to-point on host memory (numpy)", concurrent=True, receives_into=True, converts=True),
     EngineEntry("nccl", "mpi", "xmesh_plan.executor.nccl_engine",
                 lambda m, p, c: m.NcclEngine(p, c.comm, c.rank_of, c.timeout_s, c.poll_s, gpu=c.gpu,
                                              devices_per_host=c.devices_per_host),

@@ -47,29 +47,44 @@ def poll(request, timeout_s: float, poll_s: tuple[float, float], what: str) -> N
     poll_until(request.Test, timeout_s, poll_s, what)
 
 
-def make_world(comm, backend: str | None):
-    """The world `comm` names: an mpi4py communicator, a torch process group, or None (torch's default group)."""
+def world_kind(comm, backend: str | None) -> str:
+    """The kind of world `comm` names, read without joining it: `torch` for a torch process group (or None, torch's
+    default group, with a torch backend), `mpi` for an mpi4py communicator; TypeError naming what to pass otherwise."""
     if is_torch_group(comm) or (comm is None and world_of_backend(backend) == "torch"):
-        return TorchWorld(comm)
+        return "torch"
     if not is_mpi_comm(comm):
         raise TypeError(f"comm is a {type(comm).__name__}; pass an mpi4py communicator, e.g. MPI.COMM_WORLD, "
                         "or a torch.distributed process group (None: the default group, with backend='torch')")
-    return MpiWorld(comm)
+    return "mpi"
 
 
 def check_staging(plan: Plan, program: RankProgram, order: str) -> RankProgram:
     """`program` when its staging fits the peak the plan states for its device (a plan compiled with
-    `--max-staging-mb`); else PlanMismatchError naming the order, the bytes and the fix."""
-    if plan.staging is None:
-        return program
-    stated = plan.staging.peak_bytes.get(program.device, 0)
-    if program.stage_bytes > stated:
-        limit = plan.staging.limit_bytes
-        raise PlanMismatchError(f"order={order!r} needs {program.stage_bytes} B of staging on device {program.device}, but the plan "
-                                f"states {stated} B there (compiled with a staging limit of {limit} B, --max-staging-mb, for "
-                                f"order={plan.staging.order!r}); run it with order={plan.staging.order!r}, or recompile it "
-                                "without --max-staging-mb to run it in this order")
+    `--max-staging-mb`); else PlanMismatchError naming the order, the bytes and the fix (`check_stage_need`)."""
+    check_stage_need(plan, order, program.device, program.stage_bytes)
     return program
+
+
+def check_stage_need(plan: Plan | PlanFile, order: str, device: int, need: int, how: str = "", backend: str | None = None,
+                     same_on_every_rank: bool = False) -> None:
+    """The one staging refusal: PlanMismatchError where `device` needs `need` bytes of staging in `order` (`how`: what
+    is staged at once), more than the plan states for it (a plan compiled with `--max-staging-mb`; none stated: no
+    limit). The fix is another order or a recompile without the limit; where `backend` lays staging out its own way
+    (NCCL) and needs more than the plan's largest operation, the plan itself is wrong: recompile and verify it."""
+    if plan.staging is None:
+        return
+    stated, limit = plan.staging.peak_bytes.get(device, 0), plan.staging.limit_bytes
+    if need <= stated:
+        return
+    who = f"order={order!r}" if backend is None else f"backend {backend!r} in order={order!r}"
+    head = f"{who} needs {need} B of staging on device {device}{f' ({how})' if how else ''}, but the plan states {stated} B there"
+    if backend is None:
+        fix = (f"(compiled with a staging limit of {limit} B, --max-staging-mb, for order={plan.staging.order!r}); run it with "
+               f"order={plan.staging.order!r}, or recompile it without --max-staging-mb to run it in this order")
+    else:
+        fix = (f"(staging.peak_bytes; compiled with a staging limit of {limit} B, --max-staging-mb), less than its largest "
+               "operation; recompile the plan and check it with `xmesh-plan verify`")
+    raise PlanMismatchError(f"{head} {fix}", same_on_every_rank=same_on_every_rank)
 
 
 def check_usable(call: str, closed: bool, engine, in_flight: bool) -> None:
@@ -210,10 +225,12 @@ class Executor(Flying):
                  transport: TransportOptions | None = None):
         if backend is not None and backend not in BACKENDS:
             raise ValueError(f"backend {backend!r} is unknown; use one of: {', '.join(BACKENDS)}")
+        self.entry = engine_entry(backend, world_kind(comm, backend))
+        order = self._order(plan, order)
         if order not in ORDERS:
             raise ValueError(f"order {order!r} is unknown; use one of: {', '.join(ORDERS)}")
-        world = make_world(comm, backend)
-        self.entry = engine_entry(backend, world.kind)
+        self._check_plan(plan, order)
+        world = TorchWorld(comm) if self.entry.world == "torch" else MpiWorld(comm)
         timeout_s = check_timeout(timeout_s)
         if not (isinstance(poll_s, (tuple, list)) and len(poll_s) == 2 and all(map(is_number, poll_s))
                 and 0 < poll_s[0] <= poll_s[1] <= MAX_TIMEOUT_S):
@@ -230,6 +247,13 @@ class Executor(Flying):
         self.flight = Flight()  # the engine (once prepared) and the calls into it
         self.comm = None
         self.own_file: PlanFile | None = None  # a file from_file() opened: closed once prepare() read it, or by close()
+
+    def _order(self, plan: Plan | PlanFile, order: str | None) -> str | None:
+        """The order to run in, `order` as given (a face may pick one where it is None, from the plan and `self.entry`)."""
+        return order
+
+    def _check_plan(self, plan: Plan | PlanFile, order: str) -> None:
+        """What a face refuses from the plan alone, on every rank alike, before the world is joined (nothing here)."""
 
     @classmethod
     def from_file(cls, path, comm=None, **options):

@@ -22,6 +22,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field, replace
 from enum import StrEnum
+from functools import lru_cache
 from typing import Hashable, Literal, Mapping, Sequence
 
 import numpy as np
@@ -110,12 +111,33 @@ class Step:
     tensor: int = 0  # the tensor whose operation this step belongs to
     acks: tuple[int, ...] = ()  # a receipt (`passes.with_receipts`): the messages whose arrival it reports
 
+    def moved(self, index: int, deps: tuple[int, ...]) -> "Step":
+        """The same step at `index`, waiting for `deps` (what passes that renumber steps make; `dataclasses.replace`
+        costs several times more, and they renumber tens of thousands of steps)."""
+        return Step(index, self.action, self.op, self.task, self.kind, deps, self.peer, self.tag, self.data, self.box,
+                    self.target, self.piece, self.tensor, self.acks)
+
     @property
     def reads_src(self) -> bool:
         """Whether the step reads the caller's source shard (engines remake its request or views per shard)."""
         if self.action is Action.SEND:
             return self.data.buffer == "src"
         return (self.action is Action.COPY or self.action is Action.PACK) and self.box.side == "src"
+
+    @property
+    def src_tensor(self) -> int:
+        """The tensor whose source shard a step that `reads_src` reads."""
+        return self.tensor if self.action is Action.SEND else self.box.tensor
+
+    @property
+    def dst_tensor(self) -> int | None:
+        """The tensor whose destination shard the step reads or writes (None: none): a message from or into it, a local
+        copy into it, a pack or unpack of one of its boxes."""
+        if self.action.is_message:
+            return self.data.tensor if self.data.buffer == "dst" else None
+        if self.action is Action.COPY:
+            return self.target.tensor
+        return self.box.tensor if self.box.side == "dst" else None
 
     def describe(self) -> str:
         """`op 7 (task 3, broadcast chunk 2/4): receive 4096 B from device 5`, for error messages."""
@@ -170,8 +192,8 @@ def _staged_calls(steps: list[Step], first: int, device: int, tensor: int) -> li
     out = []
     for s in mine:
         lo, hi = s.data.start - base, s.data.stop - base
-        if s.action in (Action.PACK, Action.UNPACK):
-            out.append(StagedCall(s.op, s.task, s.kind, s.action, lo, hi, box=s.box, tensor=s.box.tensor))
+        if s.action is Action.PACK or s.action is Action.UNPACK:
+            out.append(StagedCall(s.op, s.task, s.kind, s.action, lo, hi, s.box, tensor=s.box.tensor))
         elif s.action.is_message:
             root = device if s.action is Action.SEND else s.peer
             out.append(StagedCall(s.op, s.task, s.kind, "bcast", lo, hi, group=tuple(sorted((device, s.peer))), root=root,
@@ -258,12 +280,34 @@ class RankProgram:
     def messages(self) -> int:
         return sum(s.action.is_message for s in self.steps)
 
+    def shard_steps(self) -> tuple[list[list[int]], list[list[int]], list[int]]:
+        """Per tensor, the steps that read its source shard and those that read or write its destination shard (an
+        engine binds them to the shards of each call), and the steps that touch neither (made once)."""
+        reads: list[list[int]] = [[] for _ in self.tensors]
+        uses: list[list[int]] = [[] for _ in self.tensors]
+        neither = []
+        for s in self.steps:
+            touches = s.dst_tensor
+            if s.reads_src:
+                reads[s.src_tensor].append(s.index)
+            if touches is not None:
+                uses[touches].append(s.index)
+            if not s.reads_src and touches is None:
+                neither.append(s.index)
+        return reads, uses, neither
+
 
 def make_box(side: Side, region: Region, block: Region, itemsize: int, tensor: int = 0) -> Box:
     """`region` (inside `block`) as it sits in the C-ordered shard of tensor `tensor` holding `block`."""
+    return Box(side, region, *_placed(region, block, itemsize), tensor)
+
+
+@lru_cache(maxsize=1 << 16)
+def _placed(region: Region, block: Region, itemsize: int) -> tuple[tuple[slice, ...], tuple[int, ...], int, tuple[int, int] | None]:
+    """(index, shape, bytes, byte span when contiguous) of `region` in a shard holding `block`: computed once per
+    distinct box and shard, which a model's layers repeat."""
     shape = region_shape(region)
-    return Box(side, region, local_slices(region, block), shape, math.prod(shape) * itemsize,
-               contiguous_span(region, block, itemsize), tensor)
+    return local_slices(region, block), shape, math.prod(shape) * itemsize, contiguous_span(region, block, itemsize)
 
 
 def chunk_ranges(nbytes: int, chunks: int, itemsize: int) -> list[tuple[int, int]]:
@@ -318,16 +362,13 @@ class _Writes:
     ones overlapping a box with one vectorised test instead of a Python loop over all of them."""
 
     def __init__(self, ndim: int):
+        self.ndim = ndim
         self.regions: list[Region] = []
         self.steps: list[int] = []
         self.ends: list[float] = []  # predicted end of the operation that writes region k
-        self.bounds = np.empty((16, 2, ndim), np.int64)  # [k, 0] = starts, [k, 1] = stops of region k
+        self.bounds = np.empty((0, 2, ndim), np.int64)  # [k, 0] = starts, [k, 1] = stops of region k, made when asked
 
     def add(self, region: Region, step: int, end_s: float) -> None:
-        k = len(self.regions)
-        if k == len(self.bounds):
-            self.bounds = np.concatenate([self.bounds, np.empty_like(self.bounds)])
-        self.bounds[k] = np.array(region, np.int64).T.reshape(2, -1)
         self.regions.append(region)
         self.steps.append(step)
         self.ends.append(end_s)
@@ -337,8 +378,11 @@ class _Writes:
         n = len(self.regions)
         if not n:
             return []
+        if len(self.bounds) < n:  # the boxes added since the last call, as arrays
+            added = np.array(self.regions[len(self.bounds):], np.int64).reshape(-1, self.ndim, 2).transpose(0, 2, 1)
+            self.bounds = np.concatenate([self.bounds, added])
         lo, hi = np.array(region, np.int64).T
-        b = self.bounds[:n]
+        b = self.bounds
         hit = np.flatnonzero(((b[:, 0] < hi) & (b[:, 1] > lo) & (b[:, 0] < b[:, 1]) & (lo < hi)).all(axis=1))
         return [(intersect(self.regions[k], region), self.steps[k], self.ends[k]) for k in hit.tolist()]
 
@@ -532,17 +576,23 @@ def _lower_ring(b: _Builder, op: Operation, base: int) -> None:
         b.record(op, box.region, done)
 
 
+@lru_cache(maxsize=1 << 12)
+def _part_offsets(parts: tuple[Region, ...], itemsize: int) -> tuple[int, ...]:
+    """Each part's byte offset in a bundle's cross-host message, and its end: once per distinct bundle."""
+    offsets = [0]
+    for part in parts:
+        offsets.append(offsets[-1] + math.prod(region_shape(part)) * itemsize)
+    return tuple(offsets)
+
+
 def _lower_bundle(b: _Builder, op: Operation, base: int) -> None:
     """The bundle of `op_kinds.route`: always through staging. The cross-host message is the parts in
     index order; a holder packs each run it sends, src packs its own parts and receives the other runs
     into their places, dsts[0] unpacks the parts it needs and sends each run on from where it landed,
     and every other needer receives its runs and unpacks them. Tags: the route's, one per message."""
     gathers, scatters = bundle_runs(op)
+    offsets = _part_offsets(op.parts, b.itemsize)
     relay = op.dsts[0]
-    sizes = [math.prod(region_shape(p)) * b.itemsize for p in op.parts]
-    offsets = [0]
-    for size in sizes:
-        offsets.append(offsets[-1] + size)
     cross = base + len(gathers)
 
     def span(start: int, run: tuple[int, ...]) -> Bytes:
@@ -643,10 +693,12 @@ def stage_ranges(steps: Sequence[Step], keys: Sequence[Hashable]) -> dict[Hashab
     staging is one range; `in_device_order` and `executor.passes` key steps by operation."""
     spans: dict[Hashable, tuple[int | None, int]] = {}
     for s, k in zip(steps, keys):
-        lo, hi = spans.get(k, (None, 0))
-        if s.data is not None and s.data.buffer == "stage":
-            lo, hi = min(s.data.start, s.data.start if lo is None else lo), max(s.data.stop, hi)
-        spans[k] = (lo, hi)
+        data = s.data
+        if data is not None and data.buffer == "stage":
+            lo, hi = spans.get(k, (None, 0))
+            spans[k] = (data.start if lo is None or data.start < lo else lo, data.stop if data.stop > hi else hi)
+        elif k not in spans:
+            spans[k] = (None, 0)
     return {k: (lo or 0, hi) for k, (lo, hi) in spans.items()}
 
 

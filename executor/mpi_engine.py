@@ -15,7 +15,17 @@ taken skips the engine this time round.
 
 Sends and copies that read the caller's source shard are bound to its address: they are remade
 only when a shard arrives at another address, and hold no reference to it (the executor keeps the
-shard only between `start()` and `wait()`).
+shard only between `start()` and `wait()`). Destination steps are bound alike, per tensor, to the engine's own shard
+or to the caller's array (`run(..., into=...)`, written in place), remade only when another array
+(address and strides) arrives: a message whose bytes are one run of that array's memory is received straight into
+it, one that is not (a strided view) through an MPI derived datatype that scatters it into the view, so this engine
+copies no byte either way.
+
+A plan that converts at the sender (`executor.conversions`) has every buffer but the caller's source shards in the
+destination dtype: `start()` casts each source shard once (`executor.convert_host`, torch's bits) into a buffer the
+steps reading it were bound to in `setup()`, with its FP8 block scales. A per-tensor scale takes the max of every
+sender's amax: each pair of senders swaps theirs with one persistent request each way (tag TAG_UB), and the steps
+reading those tensors (or their scales) wait for that swap like for any other step, so `start()` never blocks.
 """
 
 from __future__ import annotations
@@ -29,9 +39,10 @@ import numpy as np
 
 from xmesh_plan.schemas.staging import SYNC_SEND_BYTES  # device order: sends this large are synchronous (docs/executor.md)
 
-from .arrays import as_host_array, check_shard, storage_dtype
-from .errors import ExecutorError, PeerTimeoutError
-from .lower import Action, RankProgram
+from .arrays import as_host_array, check_into, check_shard, storage_dtype
+from .conversions import cast_shard, cast_tensors, swap_peers
+from .errors import ExecutorError, PeerTimeoutError, PlanMismatchError
+from .lower import Action, RankProgram, flat_pieces
 from .replay import PROCESS, Dependencies, abandoned, backoff_wait, failure, refuse_broken
 
 WINDOW = 16
@@ -51,8 +62,9 @@ def _thread_token() -> object:
 class MpiEngine:
     """Replays a RankProgram over an mpi4py communicator (one the executor owns); an `executor.engines.Engine`.
 
-    Buffers are keyed by (tensor, side): `dsts[t]` is tensor t's destination shard (`dst`: tensor 0's, the
-    one-tensor face), and `start()` takes a one-tensor program's source shard, or one per tensor."""
+    Buffers are keyed by (tensor, side): `dsts[t]` is tensor t's own destination shard (`dst`: tensor 0's, the
+    one-tensor face); `start()` takes a one-tensor program's source shard, or one per tensor, and where given the
+    caller's arrays to write instead (`into`)."""
 
     test_progresses = True  # test() progresses the requests itself (`replay.backoff_wait`)
 
@@ -60,62 +72,132 @@ class MpiEngine:
         self.program, self.comm, self.rank_of = program, comm, rank_of
         self.timeout_s, self.poll_s = timeout_s, poll_s
         self.steps = program.steps
-        self.dtypes = [storage_dtype(t.dtype) for t in program.tensors]
+        self.dtypes = [storage_dtype(t.dst_dtype) for t in program.tensors]  # of every buffer but the caller's source shards
         self.dtype = self.dtypes[0]
         self.single = len(program.tensors) == 1
         self.dst: np.ndarray | None = None
         self.dsts: list[np.ndarray | None] = []
         self.src = None
+        self.into = None  # the caller's destination arrays of the reshard in flight (only until wait() returns)
+        self.shards = None  # the converted tensors' source shards, typed, of the reshard in flight (`_convert`)
         self.broken: str | None = None
         self.failure: ExecutorError | None = None  # the error that broke it, raised again by test()
         self.owner: object | None = None  # the token of the thread that last started or waited for a reshard
         self.lock = threading.Lock()  # held while a thread progresses this engine's requests
 
     def setup(self, mpi=None) -> None:
-        """Allocate the destination shards and staging, and make every request and view that does not read a source
-        shard. `mpi` stands in for the `mpi4py.MPI` module (tests pass an in-process fake)."""
+        """Allocate the own destination shards and staging, and make every request and view that does not read a source
+        shard (those, and the destination steps of a call that passes the caller's arrays, are bound per call:
+        `_bind_tensor`, `_bind_dst`). `mpi` stands in for the `mpi4py.MPI` module (tests pass an in-process fake)."""
         if mpi is None:
             from mpi4py import MPI as mpi
         self._mpi = mpi
         p, n = self.program, len(self.steps)
-        self.dsts = [np.empty(t.dst_shape, dtype) if t.dst_shape is not None else None for t, dtype in zip(p.tensors, self.dtypes)]
-        self.dst = self.dsts[0]
+        count = len(p.tensors)
+        self.dsts = [None] * count  # the engine's own destination shards (`_own`)
         self.stage = np.empty(p.stage_bytes, np.uint8)
-        self.flat = {"dst": [d.reshape(-1).view(np.uint8) if d is not None else None for d in self.dsts], "stage": self.stage}
+        self.src_raw: list = [None] * count  # per tensor, the bytes and the typed view its source steps read
+        self.src_typed: list = [None] * count
+        self.dst_typed: list = [None] * count  # per tensor, the typed view its destination steps write
+        self.bound_dst: list = [None] * count  # what they write: "own", or the caller's array as (address, strides)
+        self.own_bound = False  # every tensor's destination steps write the engine's own shard
         self.peer_rank = [self.rank_of.get(s.peer, -1) for s in self.steps]
         self.requests: list = [None] * n
         self.pairs: list = [None] * n
-        weakref.finalize(self, _free_requests, self.requests, mpi)
-        self.reads_src: list[list[int]] = [[] for _ in p.tensors]  # per tensor, the steps made in _bind()
-        for s in self.steps:
-            if s.reads_src:
-                self.reads_src[s.tensor].append(s.index)
-            else:
-                self._make(s.index, self.flat)
+        self.types: list = [None] * n  # derived datatypes of messages into or out of a strided array of the caller's
+        weakref.finalize(self, _free_requests, self.requests, mpi, self.types)
+        self.reads_src, self.uses_dst, neither = p.shard_steps()  # per tensor, the steps made in _bind_tensor() and _bind_dst()
+        for i in neither:
+            self._make(i)
+        self.converting: list = []  # (tensor, conversion, its converted shard or None), where this device converts
+        self.swaps: list = []  # (peer, tensors, my amaxes, theirs): the amax swaps of per-tensor scales
+        self.gated: list[int] = []  # the steps that wait for the swaps
+        if any(t.convert is not None for t in p.tensors):
+            self._setup_conversion()
+        self._bind_dsts(None)  # the own shards, as a call passing none of the caller's writes them
         self._schedule()
 
+    def _setup_conversion(self) -> None:
+        """Buffers for the senders' conversion (`executor.conversions`): each converted source shard and each scale
+        tensor's source shard, with the steps that read them bound once; the persistent requests of the amax swaps
+        (one each way per peer), after the steps', then a local step for the conversion that waits for them."""
+        from . import convert_host
+
+        self.convert = convert_host
+        p, mpi = self.program, self._mpi
+        made = {t: np.empty(p.tensors[t].src_shape, self.dtypes[t]) for t in cast_tensors(p)}
+        self.source_types = {t: convert_host.host_dtype(shards.dtype) for t, shards in enumerate(p.tensors) if shards.convert}
+        swapped = {t for t, shards in enumerate(p.tensors) if shards.convert is not None and shards.convert.peers}
+        for t, buffer in made.items():
+            self.src_typed[t], self.src_raw[t] = buffer, buffer.reshape(-1).view(np.uint8)
+            read = bool(self.reads_src[t])
+            for i in self.reads_src[t]:
+                self._make(i)
+            if t in swapped or p.tensors[t].scale_of in swapped:
+                self.gated += self.reads_src[t]
+            self.reads_src[t] = []  # read from `buffer`, never from the caller's shard
+            conversion = p.tensors[t].convert
+            if conversion is not None:
+                self.converting.append((t, conversion, buffer if read else None))  # None: this device sends none of it
+        self.scale_shards = {c.scales: made.get(c.scales) for _, c, _ in self.converting if c.scales is not None}
+        peers = swap_peers(self.converting)
+        if not peers:
+            return
+        tag = self.comm.Get_attr(mpi.TAG_UB)
+        clash = next((s for s in self.steps if s.action.is_message and s.peer in dict(peers) and s.tag == tag), None)
+        if clash is not None:
+            raise PlanMismatchError(f"the plan gives tag {tag} (this MPI's TAG_UB) to {clash.describe()}, the tag of the amax "
+                                    "swap of per-tensor FP8 scales; run it with an MPI whose TAG_UB is larger")
+        for peer, ts in peers:
+            mine, theirs, rank = np.empty(len(ts), np.float32), np.empty(len(ts), np.float32), self.rank_of[peer]
+            self.swaps.append((peer, ts, mine, theirs))
+            self.requests += [self.comm.Recv_init([theirs, mpi.BYTE], source=rank, tag=tag),
+                              self.comm.Send_init([mine, mpi.BYTE], dest=rank, tag=tag)]
+            self.peer_rank += [rank, rank]
+        self.requests.append(None)  # the conversion waiting for the swaps (`_convert_swapped`): a local step
+        self.pairs += [None] * (len(self.requests) - len(self.pairs))
+        self.types += [None] * (len(self.requests) - len(self.types))
+
     def _schedule(self) -> None:
-        """The per-iteration bookkeeping of the steps' dependencies (after the requests and views exist)."""
+        """The per-iteration bookkeeping of the steps' dependencies (after the requests and views exist); the amax swaps'
+        requests and the conversion waiting for them follow the steps, and the steps reading what it converts wait for it."""
         PROCESS.register(self)  # a waiting engine drives the others this thread started
         deps = Dependencies(self.steps)
         self.dependents, self.initial, self.remaining, self.local = deps.dependents, deps.initial, deps.remaining, deps.local
         self.first = [s.index for s in self.steps if not s.deps and s.action is Action.RECV]
         self.first += [s.index for s in self.steps if not s.deps and s.action is not Action.RECV]
-        self.live = [-1] * self.program.messages()
+        self.count = len(self.requests)  # the steps, then any swaps' requests and their conversion
+        if self.swaps:
+            n, converted = len(self.steps), self.count - 1
+            swap = list(range(n, converted))  # a receive, then a send, per peer
+            self.dependents += [[converted] if (i - n) % 2 == 0 else [] for i in swap] + [list(self.gated)]
+            self.initial += [0] * len(swap) + [len(self.swaps)]
+            self.local += [False] * len(swap) + [True]
+            for i in self.gated:
+                self.initial[i] += 1
+            self.remaining = list(self.initial)
+            gated = set(self.gated)
+            self.first = swap + [i for i in self.first if i not in gated]
+        self.live = [-1] * (self.program.messages() + 2 * len(self.swaps))
         self.head = self.tail = self.holes = self.pending = 0
         count = len(self.program.tensors)
         self.bound_address: list[int | None] = [None] * count
         self.bound_ref: list[weakref.ref | None] = [None] * count
 
-    def _make(self, i: int, flat: dict) -> None:
-        """The persistent request (message) or (target, source) views (local copy) of step i, reading `flat` buffers
-        ("stage": the staging area; "src", "src_typed", "dst": tensor -> that tensor's shard, raw or typed)."""
+    def _make(self, i: int) -> None:
+        """The persistent request (message) or (target, source) views (local copy) of step i, over the staging area and
+        the shards bound now (`src_raw`, `src_typed`, `dst_typed`); None while a shard it needs is not bound."""
         s, mpi = self.steps[i], self._mpi
         if s.action.is_message:
             data = s.data
-            whole = flat["stage"] if data.buffer == "stage" else flat[data.buffer][data.tensor]
-            buf = [whole[data.start:data.stop], mpi.BYTE]
-            if s.action is Action.RECV:
+            if data.buffer == "dst":
+                buf = self._dst_message(i)
+            else:
+                whole = self.stage if data.buffer == "stage" else self.src_raw[data.tensor]
+                buf = None if whole is None else [whole[data.start:data.stop], mpi.BYTE]
+            if buf is None:
+                self.requests[i] = None
+            elif s.action is Action.RECV:
                 self.requests[i] = self.comm.Recv_init(buf, source=self.peer_rank[i], tag=s.tag)
             else:
                 # in device order a large send must not finish while its bytes sit in a socket buffer, or the
@@ -125,13 +207,38 @@ class MpiEngine:
                 send_init = self.comm.Ssend_init if sync else self.comm.Send_init
                 self.requests[i] = send_init(buf, dest=self.peer_rank[i], tag=s.tag)
         elif s.action is Action.COPY:
-            self.pairs[i] = (self.dsts[s.target.tensor][s.target.index], flat["src_typed"][s.box.tensor][s.box.index])
+            target, source = self.dst_typed[s.target.tensor], self.src_typed[s.box.tensor]
+            self.pairs[i] = None if target is None or source is None else (target[s.target.index], source[s.box.index])
         else:
             t = s.box.tensor
             staged = self.stage[s.data.start:s.data.stop].view(self.dtypes[t]).reshape(s.box.shape)
-            shard = self.dsts[t] if s.box.side == "dst" else flat["src_typed"][t]
-            boxed = shard[s.box.index] if shard is not None else None
-            self.pairs[i] = (boxed, staged) if s.action is Action.UNPACK else (staged, boxed)
+            shard = self.dst_typed[t] if s.box.side == "dst" else self.src_typed[t]
+            boxed = None if shard is None else shard[s.box.index]
+            self.pairs[i] = None if boxed is None else (boxed, staged) if s.action is Action.UNPACK else (staged, boxed)
+
+    def _dst_message(self, i: int) -> list | None:
+        """What message step i moves its destination bytes through: a byte range of the bound shard when they are one
+        run of its memory, else the shard's memory with a derived datatype picking them out (None: unbound)."""
+        data, mpi = self.steps[i].data, self._mpi
+        typed = self.dst_typed[data.tensor]
+        if typed is None:
+            return None
+        if typed.flags.c_contiguous:
+            return [typed.reshape(-1).view(np.uint8)[data.start:data.stop], mpi.BYTE]
+        size = typed.itemsize
+        pieces = [typed[tuple(slice(a, b) for a, b in piece)] for piece in flat_pieces(typed.shape, data.start // size, data.stop // size)]
+        if len(pieces) == 1 and pieces[0].flags.c_contiguous:
+            return [pieces[0].reshape(-1).view(np.uint8), mpi.BYTE]
+        base = typed.base  # the raw bytes the caller's view was remade over (`_caller_view`)
+        self.types[i] = _scatter_type(mpi, pieces, base.__array_interface__["data"][0])
+        return [base, 1, self.types[i]]
+
+    def _remake(self, steps: list[int]) -> None:
+        """Free the requests and datatypes of `steps` (inactive between reshards), then make them over what is bound now."""
+        _free_requests([self.requests[i] for i in steps], self._mpi, [self.types[i] for i in steps])
+        for i in steps:
+            self.types[i] = None
+            self._make(i)
 
     def _bind(self, src) -> None:
         """Point the steps that read a source shard at it: one per tensor (None where this device has none)."""
@@ -151,33 +258,71 @@ class MpiEngine:
             self.bound_address[t] = None
             # A view of the raw memory, not of `src`: the requests must not keep the caller's array alive.
             raw = np.frombuffer((ctypes.c_ubyte * src.nbytes).from_address(address), np.uint8) if src.nbytes else np.empty(0, np.uint8)
-            flat = {"src": {t: raw}, "src_typed": {t: raw.view(self.dtypes[t]).reshape(self.program.tensors[t].src_shape)}}
-            _free_requests([self.requests[i] for i in reads], self._mpi)
-            for i in reads:
-                self._make(i, flat)
+            self.src_raw[t], self.src_typed[t] = raw, raw.view(self.dtypes[t]).reshape(self.program.tensors[t].src_shape)
+            self._remake(reads)
             self.bound_address[t] = address
         self.bound_ref[t] = weakref.ref(src)
+
+    def _bind_dsts(self, into) -> None:
+        """Point every tensor's destination steps at the caller's array in `into` (a sequence, one per tensor, None where
+        not given; None: none given) or at the engine's own shard."""
+        if into is None:
+            if self.own_bound:
+                return
+            into = (None,) * len(self.dsts)
+        for t, target in enumerate(into):
+            self._bind_dst(t, target)
+        self.own_bound = all(target is None for target in into)
+
+    def _bind_dst(self, t: int, target: np.ndarray | None) -> None:
+        """Point tensor t's destination steps at `target` (the caller's array, written in place) or, for None, at the
+        engine's own shard; remade only when another array (address, strides) or the own shard takes its place."""
+        if target is None:
+            own = self._own(t)
+            if self.bound_dst[t] == "own" or own is None:
+                return
+            self.bound_dst[t], self.dst_typed[t] = "own", own
+        else:
+            key = (target.__array_interface__["data"][0], target.strides)
+            if key == self.bound_dst[t]:
+                return
+            self.bound_dst[t], self.dst_typed[t] = key, _caller_view(target, self.dtypes[t])
+        self._remake(self.uses_dst[t])
+
+    def _own(self, t: int) -> np.ndarray | None:
+        """Tensor t's own destination shard (None outside the destination mesh), made on first use."""
+        if self.dsts[t] is None:
+            shape = self.program.tensors[t].dst_shape
+            if shape is None:
+                return None
+            self.dsts[t] = np.empty(shape, self.dtypes[t])
+            self.dst = self.dsts[0]
+        return self.dsts[t]
 
     def adopt(self, array) -> np.ndarray:
         return as_host_array(array, self.program.device)
 
     check = staticmethod(check_shard)
+    check_into = staticmethod(check_into)
 
     def contiguous(self, array: np.ndarray) -> np.ndarray:
         return array if array.flags.c_contiguous else np.ascontiguousarray(array)
 
     def poison(self) -> None:
-        """Overwrite the destination shards with 0xA5 bytes, so a check proves the next run wrote all of them."""
-        for flat in self.flat["dst"]:
-            if flat is not None:
-                flat.fill(0xA5)
+        """Overwrite the own destination shards with 0xA5 bytes, so a check proves the next run wrote all of them."""
+        for t in range(len(self.dsts)):
+            own = self._own(t)
+            if own is not None:
+                own.reshape(-1).view(np.uint8).fill(0xA5)
 
     def host_copy(self, array: np.ndarray) -> np.ndarray:
         return array
 
-    def start(self, src) -> None:
+    def start(self, src, into=None) -> None:
         """Start every step that waits for nothing (receives first); `src`: the C-contiguous source shard (a
-        one-tensor program) or a sequence of them, one per tensor (None where this device has none)."""
+        one-tensor program) or a sequence of them, one per tensor (None where this device has none). `into`: the
+        caller's destination arrays in the same form (None where the engine's own shard is to be written), written in
+        place; None: the engine's own. A converting plan's casts run here, before anything is sent (`_convert`)."""
         refuse_broken(self.broken)
         self.owner = _thread_token()
         if not self.lock.acquire(True, LOCK_WAIT_S):  # another thread's wait() drives it for a moment at most
@@ -185,16 +330,49 @@ class MpiEngine:
         try:
             if self.single:  # one call on the per-run path, as many as for one tensor
                 self._bind_tensor(0, src)
+                if into is not None or not self.own_bound:
+                    self._bind_dsts(None if into is None else (into,))
             else:
                 self._bind(src)
+                if into is not None or not self.own_bound:
+                    self._bind_dsts(into)
             self.src = src  # keeps a temporary contiguous copy alive until wait()
-            self.pending = len(self.steps)
+            self.into = into
+            if self.converting:
+                self._convert()
+            self.pending = self.count
             self.head = self.tail = self.holes = 0
             self.last_progress = time.monotonic()
             for i in self.first:
                 self._launch(i)
         finally:
             self.lock.release()
+
+    def _convert(self) -> None:
+        """Cast each source shard this device converts and write its scales (`executor.convert_host`), except the
+        per-tensor scaled ones whose amax other senders share: their amax goes into the swaps' send buffers, and they
+        are converted once the swaps have arrived (`_convert_swapped`)."""
+        convert, sources = self.convert, [self.src] if self.single else self.src
+        self.shards = {t: sources[t].view(self.source_types[t]) for t, _, _ in self.converting}
+        self.amaxes = {t: convert.amax(self.shards[t]) for t, c, _ in self.converting if c.scale == "tensor"}
+        for _, ts, mine, _ in self.swaps:
+            for k, t in enumerate(ts):
+                mine[k] = self.amaxes[t]
+        for t, conversion, buffer in self.converting:
+            if not conversion.peers:
+                self._convert_one(t, conversion, buffer)
+
+    def _convert_swapped(self) -> None:
+        """Once every swap has arrived: each per-tensor amax is the max over its senders; convert those tensors."""
+        for _, ts, _, theirs in self.swaps:
+            for k, t in enumerate(ts):
+                self.amaxes[t] = np.maximum(self.amaxes[t], theirs[k])
+        for t, conversion, buffer in self.converting:
+            if conversion.peers:
+                self._convert_one(t, conversion, buffer)
+
+    def _convert_one(self, t: int, conversion, buffer: np.ndarray | None) -> None:
+        cast_shard(self.convert, conversion, self.shards[t], self.amaxes.get(t), self.scale_shards.get(conversion.scales), buffer)
 
     def _launch(self, i: int) -> None:
         request = self.requests[i]
@@ -203,8 +381,11 @@ class MpiEngine:
             self.live[self.tail] = i
             self.tail += 1
         else:
-            target, source = self.pairs[i]
-            np.copyto(target, source)
+            pair = self.pairs[i]
+            if pair is None:  # the conversion that waited for the amax swaps
+                self._convert_swapped()
+            else:
+                np.copyto(pair[0], pair[1])
             self._finish(i)
 
     def _finish(self, i: int) -> None:
@@ -309,7 +490,7 @@ class MpiEngine:
         self.owner = _thread_token()
         self.last_progress = time.monotonic()
         backoff_wait(self)
-        self.src = None
+        self.src = self.into = self.shards = None
 
     def idle(self, nap: float) -> None:
         """Between polls of wait(): drive the other reshards this thread started, then sleep `nap` seconds."""
@@ -327,27 +508,34 @@ class MpiEngine:
         self.broken = self.broken or "closed"
         if held:
             try:
-                _free_requests(self.requests, self._mpi)
+                _free_requests(self.requests, self._mpi, self.types)
             finally:
                 self.lock.release()
 
     def abandon(self, why: str) -> None:
         """Refuse to run again after a reshard that did not finish; requests may still be active."""
         self.broken = why
-        PROCESS.keep(self.src)  # active sends may still read it (they point at its memory, not the array)
+        PROCESS.keep((self.src, self.into))  # active requests may still use them (they point at their memory, not the arrays)
+
+    def _describe(self, i: int) -> str:
+        if i < len(self.steps):
+            return self.steps[i].describe()
+        peer = self.swaps[(i - len(self.steps)) // 2][0]
+        return f"the amax swap of per-tensor FP8 scales with device {peer}"
 
     def _fail(self, why: str, error: type = PeerTimeoutError) -> None:
         """Raise with the pending transfers named; the engine refuses further runs."""
         waiting = [i for i in self.live[self.head:self.tail] if i >= 0]
-        described = [f"{self.steps[i].describe()} (rank {self.peer_rank[i]})" for i in waiting]
+        described = [f"{self._describe(i)} (rank {self.peer_rank[i]})" for i in waiting]
         self.failure = failure(self.program.device, self.comm.Get_rank(), why, described, blocked=self.pending - len(waiting),
                                error=error)
         self.abandon(why)
         raise self.failure
 
 
-def _free_requests(requests: list, mpi) -> None:
-    """Free the persistent requests in place; skipped once MPI is finalized.
+def _free_requests(requests: list, mpi, types: list | None = None) -> None:
+    """Free the persistent requests in place, and `types[k]`, the derived datatype of `requests[k]` where it has one;
+    skipped once MPI is finalized.
 
     A request still active after a failure is not freed or cancelled (cancelling a persistent send
     crashes MPICH 4 at exit) but kept (`replay.PROCESS`), so it is never deallocated while MPI may use it.
@@ -357,11 +545,45 @@ def _free_requests(requests: list, mpi) -> None:
     for k, request in enumerate(requests):
         if request is None:
             continue
+        datatype = None if types is None else types[k]
         try:
             if request.Test():
                 request.Free()
+                if datatype is not None:
+                    datatype.Free()
             else:
-                PROCESS.keep(request)
+                PROCESS.keep((request, datatype))
         except mpi.Exception:
-            PROCESS.keep(request)
+            PROCESS.keep((request, datatype))
         requests[k] = None
+        if datatype is not None:
+            types[k] = None
+
+
+
+def _caller_view(array: np.ndarray, dtype: np.dtype) -> np.ndarray:
+    """`array`'s elements (any strides) as a view of `dtype` over its raw memory, not of `array`: the requests and views
+    made over it must not keep the caller's array alive. Its `base` is those raw bytes, from the lowest one it touches."""
+    from numpy.lib.array_utils import byte_bounds
+
+    low, high = byte_bounds(array)
+    raw = np.frombuffer((ctypes.c_ubyte * (high - low)).from_address(low), np.uint8) if high > low else np.empty(0, np.uint8)
+    return np.ndarray(array.shape, dtype, buffer=raw, offset=array.__array_interface__["data"][0] - low, strides=array.strides)
+
+
+def _scatter_type(mpi, pieces: list[np.ndarray], origin: int):
+    """A committed MPI datatype of the elements of `pieces` (strided views over one buffer starting at address `origin`),
+    each in C order, one piece after another: what a message whose bytes are those pieces in turn is received into (or
+    sent from) with count 1 over that buffer."""
+    made, parts = [], []
+    for piece in pieces:
+        kind = mpi.BYTE.Create_contiguous(piece.itemsize)
+        made.append(kind)
+        for n, stride in zip(reversed(piece.shape), reversed(piece.strides)):
+            kind = kind.Create_hvector(n, 1, stride)
+            made.append(kind)
+        parts.append((piece.__array_interface__["data"][0] - origin, kind))
+    whole = mpi.Datatype.Create_struct([1] * len(parts), [at for at, _ in parts], [kind for _, kind in parts]).Commit()
+    for kind in made:
+        kind.Free()
+    return whole

@@ -74,7 +74,7 @@ class PlanFile:
 
     def device_ops(self, device: int) -> DeviceOps:
         """The operations `device` takes part in, read through the file's index."""
-        return read_plan_ops(self.path, device, self._open())
+        return read_plan_ops(self.path, device, self._open(), DeviceOps(self.schema_version, self.problem, (), (), (), self.tags, self.staging))
 
     def digest(self) -> bytes:
         """SHA-256 of the file's bytes (read a block at a time): the ranks compare it to agree on the plan."""

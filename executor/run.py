@@ -33,7 +33,7 @@ from .engines import ENGINES
 from .executor import DEFAULT_POLL_S, poll
 from .flags import MPI_RANK, UsageError, command, launcher_rank, parse
 from .pattern import fill, mismatches
-from .scale import factors_for, factors_per_tensor, scale_plan, scale_tensors
+from .scale import factors_for, factors_per_tensor, refuse_conversion, scale_plan, scale_tensors
 
 __all__ = ["bytes_moved", "console_main", "demo", "main"]
 
@@ -208,6 +208,7 @@ def _leave_together(comm, status: int, timeout_s: float) -> int:
 
 def _scaled(plan: Plan, args: SimpleNamespace) -> tuple[Plan, str]:
     """The plan shrunk as the flags say, and the note saying how (empty when not shrunk)."""
+    refuse_conversion(plan)
     if is_multi(plan):
         if args.scale:
             raise PlanMismatchError("--scale gives one tensor's factors; a multi-tensor plan is shrunk with --max-mb")

@@ -22,6 +22,17 @@ from xmesh_plan.schemas.staging import with_stated_staging
 from .errors import PlanMismatchError
 
 
+def refuse_conversion(plan: Plan) -> None:
+    """PlanMismatchError, the same on every rank, for a plan that converts at the sender: the demos fill shards of the
+    source dtype and check destinations against that pattern, which a conversion does not keep."""
+    converting = next((p for p in plan.problem.tensor_problems() if p.dst_dtype not in (None, p.dtype)), None) if is_multi(plan) \
+        else plan.problem if plan.problem.dst_dtype not in (None, plan.problem.dtype) else None
+    if converting is not None:
+        raise PlanMismatchError(f"the plan converts {converting.dtype} to {converting.dst_dtype} at the sender, and this command "
+                                "fills and checks shards of the source dtype; run it with TransferExecutor or WeightSync "
+                                "(docs/executor.md, \"Conversion at the sender\")", same_on_every_rank=True)
+
+
 def smallest_prime_factor(n: int) -> int:
     return next((p for p in range(2, math.isqrt(n) + 1) if n % p == 0), n)
 

@@ -27,9 +27,11 @@ order above still has the first unfinished message posted at both ends. The rece
 rank: a rank that expects a receipt the other never sends waits until its timeout.
 
 A plan that converts at the sender (`executor.conversions`; the registry's `converts`) has every buffer but the caller's
-source shards in the destination dtype: before posting anything, each run, the progress thread computes the FP8 scales
-(per-tensor ones after swapping amax with the tensor's other senders) and casts each source shard once into a buffer
-that the steps reading the source were bound to in `setup()` (docs/executor.md, "Conversion at the sender").
+source shards in the destination dtype: each run the progress thread first swaps the amax of per-tensor FP8 scales with
+the tensor's other senders, then casts each source shard once, whole, with its scales, into a buffer that the steps
+reading the source were bound to in `setup()`, just before the first of those steps (or of those reading its scales) is
+posted or run, so casting one tensor overlaps the messages posted before it (docs/executor.md, "Conversion at the
+sender").
 
 Gloo's point-to-point work cannot be polled: `is_completed()` stays False until `wait()` is called
 (checked with torch 2.13), and `wait(timeout)` closes the connection when it expires. So each engine
@@ -53,10 +55,11 @@ import time
 import numpy as np
 
 from .arrays import RAW_KINDS, storage_dtype
+from .conversions import cast_shard, cast_tensors, swap_peers
 from .destinations import Destinations, bytes_of
 from .engines import EngineContext
 from .errors import BackendUnavailableError, ExecutorError, PeerTimeoutError, PlanMismatchError
-from .lower import Action, Bytes, RankProgram, Step
+from .lower import Action, Bytes, RankProgram
 from .replay import PROCESS, Dependencies, abandoned, backoff_wait, failure, refuse_broken
 from .worlds import group_backend, group_rank
 
@@ -103,6 +106,7 @@ class TorchEngine:
         p = self.program
         n = len(p.tensors)
         self.dtypes = [torch_dtype(torch, t.dst_dtype) for t in p.tensors]  # of every buffer but the caller's source shards
+        self.dtype_of = {name: torch_dtype(torch, name) for t in p.tensors for name in (t.dtype, t.dst_dtype)}  # for check()
         self.dtype = self.dtypes[0]
         self.dsts = [None] * n  # the engine's own destination shards, made by the first call that passes none (`_own`)
         self.stage = torch.empty(p.stage_bytes, dtype=torch.uint8, device=self.device)
@@ -116,17 +120,11 @@ class TorchEngine:
         self.src_flat: list = [None] * n
         self.into = Destinations(n)  # per tensor, the destination shard bound (`_bind_dst`)
         self.staged: dict[int, object] = {}  # pack or unpack step -> its typed view of staging
-        self.reads_src: list[list[int]] = [[] for _ in p.tensors]  # per tensor, the steps made in _bind()
-        self.uses_dst: list[list[int]] = [[] for _ in p.tensors]  # per tensor, the steps made in _bind_dst()
-        for s in self.steps:
-            touches = _dst_tensor(s)
-            if s.reads_src:
-                self.reads_src[s.tensor if s.action is Action.SEND else s.box.tensor].append(s.index)
-            if touches is not None:
-                self.uses_dst[touches].append(s.index)
-            if not s.reads_src and touches is None:
-                self._make(s.index)
+        self.reads_src, self.uses_dst, neither = p.shard_steps()  # per tensor, the steps made in _bind_tensor() and _bind_dst()
+        for i in neither:
+            self._make(i)
         self.converting: list = []  # (tensor, conversion, its converted shard or None), where this device converts
+        self.casts_before: list = [None] * len(self.steps)  # per step, the converting tensors (indices) to cast before it runs
         if any(t.convert is not None for t in p.tensors):
             self._setup_conversion()
         self._schedule()
@@ -139,11 +137,8 @@ class TorchEngine:
 
         self.convert = convert
         torch, p = self.torch, self.program
-        made: dict[int, object] = {}
-        for t, shards in enumerate(p.tensors):
-            own = shards.convert is not None or shards.scale_of is not None
-            if own and shards.src_block is not None and all(b > a for a, b in shards.src_block):
-                made[t] = torch.empty(shards.src_shape, dtype=self.dtypes[t], device=self.device)
+        made = {t: torch.empty(p.tensors[t].src_shape, dtype=self.dtypes[t], device=self.device) for t in cast_tensors(p)}
+        readers = {t: self.reads_src[t] for t in made}
         for t, buffer in made.items():
             self.src_typed[t], self.src_flat[t] = buffer, bytes_of(buffer)
             read = bool(self.reads_src[t])
@@ -154,12 +149,14 @@ class TorchEngine:
             if conversion is not None:
                 self.converting.append((t, conversion, buffer if read else None))  # None: this device sends none of it
         self.scale_shards = {c.scales: made.get(c.scales) for _, c, _ in self.converting if c.scales is not None}
-        peers: dict[int, list[int]] = {}
-        for t, c, _ in self.converting:
-            for peer in c.peers:
-                peers.setdefault(peer, []).append(t)
+        for k, (t, c, _) in enumerate(self.converting):  # what reads the cast shard or its scales casts it first
+            for i in readers.get(t, []) + readers.get(c.scales, []):
+                self.casts_before[i] = (self.casts_before[i] or ()) + (k,)
+        self.cast_run = [-1] * len(self.converting)  # the run that last cast each converting tensor
+        self.shards = None  # the converting tensors' typed source shards, during a run (`_prepare_casts`)
+        self.run_count = 0
         self.amax_swaps = [(peer, ts, torch.empty(len(ts), device=self.device), torch.empty(len(ts), device=self.device))
-                           for peer, ts in sorted(peers.items())]
+                           for peer, ts in swap_peers(self.converting)]
 
     def _message_key(self, i: int) -> tuple:
         """Where message `i` stands in the plan's message order, which both ends of every pair share: its operation
@@ -330,21 +327,24 @@ class TorchEngine:
         return array
 
     def check(self, array, shape: tuple[int, ...], dtype_name: str, device: int, spec: object) -> None:
-        if tuple(array.shape) != shape:
+        """Refuse (PlanMismatchError) a source shard of another shape or element type (bfloat16 and float8 also as any
+        integer tensor of that item size); on every run(), so it looks the dtype up (`dtype_of`) and calls nothing
+        unless the shard differs."""
+        if array.shape != shape:
             raise PlanMismatchError(f"run(): device {device}'s source shard has shape {tuple(array.shape)} but the source "
                                     f"spec {str(spec)!r} gives it {shape}; pass this rank's shard under the source spec")
-        want = torch_dtype(self.torch, dtype_name)
-        raw_ok = dtype_name.startswith(RAW_KINDS) and not array.dtype.is_floating_point and array.element_size() == want.itemsize
-        if array.dtype != want and not raw_ok:
+        want = self.dtype_of[dtype_name]
+        if array.dtype != want and not (dtype_name.startswith(RAW_KINDS) and not array.dtype.is_floating_point
+                                        and array.element_size() == want.itemsize):
             raise PlanMismatchError(f"run(): device {device}'s source shard is {array.dtype} but the plan moves {dtype_name}; "
                                     f"pass a {want} tensor (or recompile the plan with that dtype)")
 
     def check_into(self, array, shape: tuple[int, ...], dtype_name: str, device: int, name: str) -> None:
         """Refuse (PlanMismatchError) a caller's destination tensor of another shape or element type than its shard."""
-        if tuple(array.shape) != shape:
+        if array.shape != shape:
             raise PlanMismatchError(f"run(): into[{name!r}] on device {device} has shape {tuple(array.shape)} but the plan gives "
                                     f"this device's destination shard {shape}; pass a tensor (or a view) of that shape")
-        want = torch_dtype(self.torch, dtype_name)
+        want = self.dtype_of[dtype_name]
         if array.dtype != want:
             raise PlanMismatchError(f"run(): into[{name!r}] on device {device} is {array.dtype} but the plan delivers {dtype_name}; "
                                     f"pass a {want} tensor")
@@ -412,7 +412,7 @@ class TorchEngine:
             heads[q] = 0
         posted.clear()
         if self.converting:
-            self._convert()
+            self._prepare_casts()
         for i in self.local_first:
             self._run_local(i)
         for q in range(len(heads)):
@@ -428,26 +428,31 @@ class TorchEngine:
             self._complete(-1)
         self.current = -1
 
-    def _convert(self) -> None:
-        """Before any message: each converted source shard and its scales (`executor.convert`); per-tensor scales take
-        the max of every source device's amax, swapped with each peer first (the lower device sends first, so both ends
-        of a pair post alike, as NCCL needs; with every tag 0 they come before the plan's messages at both ends)."""
+    def _prepare_casts(self) -> None:
+        """Before any message: the typed source shard of each tensor this device converts and, for per-tensor scales,
+        the max of every source device's amax, swapped with each peer first (the lower device sends first, so both
+        ends of a pair post alike, as NCCL needs; with every tag 0 they come before the plan's messages at both ends).
+        The casts themselves wait for the first step that reads each cast shard or its scales (`_cast`)."""
         convert, sources = self.convert, [self.src] if self.single else self.src
-        shards = {t: self._source_view(t, sources[t]) for t, _, _ in self.converting}
-        amaxes = {t: convert.amax(shards[t]) for t, c, _ in self.converting if c.scale == "tensor"}
+        self.shards = {t: self._source_view(t, sources[t]) for t, _, _ in self.converting}
+        self.amaxes = {t: convert.amax(self.shards[t]) for t, c, _ in self.converting if c.scale == "tensor"}
         if self.amax_swaps:
-            self._swap_amax(amaxes)
-        for t, conversion, buffer in self.converting:
-            scales = None
-            if conversion.scale == "block":
-                scales = convert.block_scales(shards[t], conversion.dst_dtype)
-            elif conversion.scale == "tensor":
-                scales = convert.tensor_scale(amaxes[t], conversion.dst_dtype)
-            shard = self.scale_shards.get(conversion.scales)
-            if shard is not None:
-                shard.copy_(scales.reshape(shard.shape))
-            if buffer is not None:
-                convert.convert_shard(buffer, shards[t], conversion.dst_dtype, conversion.scale, scales)
+            self._swap_amax(self.amaxes)
+        self.run_count += 1
+        self.last_progress = time.monotonic()
+
+    def _cast(self, ks: tuple[int, ...]) -> None:
+        """Cast the converting tensors `ks` (indices into `converting`) not cast yet this run, and write their scales
+        (`executor.convert`): run just before the first step reading either is posted or run, so the cast of one tensor
+        overlaps the messages of those posted before it; each tensor is still cast once, whole, so its bytes and scales
+        are those of casting every tensor first."""
+        convert, run = self.convert, self.run_count
+        for k in ks:
+            if self.cast_run[k] == run:
+                continue
+            self.cast_run[k] = run
+            t, conversion, buffer = self.converting[k]
+            cast_shard(convert, conversion, self.shards[t], self.amaxes.get(t), self.scale_shards.get(conversion.scales), buffer)
         self.last_progress = time.monotonic()
 
     def _swap_amax(self, amaxes: dict) -> None:
@@ -473,7 +478,7 @@ class TorchEngine:
 
     def _source_view(self, t: int, src):
         """The caller's source shard of tensor t in its source dtype (a same-size integer view is accepted)."""
-        dtype = torch_dtype(self.torch, self.program.tensors[t].dtype)
+        dtype = self.dtype_of[self.program.tensors[t].dtype]
         return src if src.dtype == dtype else src.view(dtype)
 
     def _advance(self, q: int) -> None:
@@ -487,6 +492,9 @@ class TorchEngine:
                 break
             remaining[i] = self.initial[i]
             self.launching = i  # a dead peer can make posting raise too: name this step, not the one waited on
+            casts = self.casts_before[i]
+            if casts is not None:
+                self._cast(casts)
             pack = before.get(i)  # a send out of a caller's strided destination: its bytes into the shadow first
             if pack is not None:
                 for target, source in pack:
@@ -533,6 +541,9 @@ class TorchEngine:
         self._finish(i)
 
     def _run_local(self, i: int) -> None:
+        casts = self.casts_before[i]
+        if casts is not None:
+            self._cast(casts)
         target, source = self.buffers[i]
         target.copy_(source)
         self._finish(i)
@@ -562,7 +573,7 @@ class TorchEngine:
         if self.thread_error is not None:
             step, err = self.thread_error
             self._fail(f"torch.distributed reported an error ({str(err).strip().splitlines()[0][:300]})", step)
-        self.src = None
+        self.src = self.shards = None
         if self.into.callers:
             self._release()
         return True
@@ -620,12 +631,3 @@ class TorchEngine:
         self.abandon(why)
         raise self.failure
 
-
-def _dst_tensor(s: Step) -> int | None:
-    """The tensor whose destination shard step `s` reads or writes (None: none): a message from or into it, a local
-    copy into it, a pack or unpack of one of its boxes."""
-    if s.action.is_message:
-        return s.data.tensor if s.data.buffer == "dst" else None
-    if s.action is Action.COPY:
-        return s.target.tensor
-    return s.box.tensor if s.box.side == "dst" else None

@@ -35,7 +35,7 @@ from .engines import TransportOptions
 from .errors import ExecutorError, PeerTimeoutError, PlanMismatchError
 from .flags import TORCH_RANK, UsageError, check_torchrun, command, launcher_rank, parse
 from .pattern import fill
-from .scale import factors_for, factors_per_tensor, scale_plan, scale_tensors
+from .scale import factors_for, factors_per_tensor, refuse_conversion, scale_plan, scale_tensors
 
 
 def source_tensor(problem, block, device, salt: int = 0):
@@ -213,11 +213,7 @@ def _tensor_device():
 def _scaled(plan: Plan, max_mb: float) -> Plan:
     """The plan shrunk to at most `max_mb` per tensor; PlanMismatchError for a plan that converts at the sender, whose
     destinations this command's pattern and check (of the source dtype) do not describe."""
-    converting = next((p for p in plan.problem.tensor_problems() if p.dst_dtype not in (None, p.dtype)), None)
-    if converting is not None:
-        raise PlanMismatchError(f"the plan converts {converting.dtype} to {converting.dst_dtype} at the sender, and this command "
-                                "fills and checks shards of the source dtype; run it with TransferExecutor or WeightSync "
-                                "(docs/executor.md, \"Conversion at the sender\")", same_on_every_rank=True)
+    refuse_conversion(plan)
     if is_multi(plan):
         return scale_tensors(plan, factors_per_tensor(plan, int(max_mb * 2**20)))
     return scale_plan(plan, factors_for(plan, int(max_mb * 2**20)))

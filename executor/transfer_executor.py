@@ -39,12 +39,10 @@ from xmesh_plan.schemas.plan_tensors import is_multi, mpi_transfer_order, tensor
 from xmesh_plan.schemas.staging import staging_peaks
 
 from .errors import PlanMismatchError
-from .engines import ENGINES, TransportOptions, engine_entry
-from .executor import DEFAULT_POLL_S, Executor
-from .lower import ORDERS
+from .engines import ENGINES, TransportOptions
+from .executor import DEFAULT_POLL_S, Executor, check_stage_need
 from .plan_file import PlanFile
 from .plan_index import plan_index
-from .worlds import is_mpi_comm
 
 
 def default_order(plan: Plan, engine: str) -> str:
@@ -68,7 +66,6 @@ def check_transfer_staging(plan: Plan, order: str, engine: str) -> None:
     entry = ENGINES[engine]
     if not is_multi(plan) or plan.staging is None or entry.own_staging:
         return
-    stated = plan.staging.peak_bytes
     if order == "posted" and not entry.concurrent:  # one tensor after another, in one shared area
         need: dict[int, int] = {}
         for single in tensor_plans(plan):
@@ -79,11 +76,7 @@ def check_transfer_staging(plan: Plan, order: str, engine: str) -> None:
         need = staging_peaks(plan, order)
         how = "every tensor's staged boxes at once" if order == "posted" else "one area shared by every tensor"
     for device, nbytes in need.items():
-        if nbytes > stated.get(device, 0):
-            raise PlanMismatchError(f"order={order!r} needs {nbytes} B of staging on device {device} ({how}), but the plan states "
-                                    f"{stated.get(device, 0)} B there (compiled with a staging limit of {plan.staging.limit_bytes} B, "
-                                    f"--max-staging-mb, for order={plan.staging.order!r}); run it with order={plan.staging.order!r}, "
-                                    "or recompile it without --max-staging-mb to run it in this order", same_on_every_rank=True)
+        check_stage_need(plan, order, device, nbytes, how, same_on_every_rank=True)
 
 
 class TransferExecutor(Executor):
@@ -96,19 +89,24 @@ class TransferExecutor(Executor):
         if not isinstance(plan, (Plan, PlanFile)):
             raise TypeError(f"plan is a {type(plan).__name__}; pass a schemas.Plan, e.g. schemas.read_plan_file('x.plan.json'), "
                             "or use TransferExecutor.from_file(path, comm)")
-        entry = engine_entry(backend, "mpi" if is_mpi_comm(comm) else "torch")
-        order = order or default_order(plan, entry.name)
-        if order not in ORDERS:
-            raise ValueError(f"order {order!r} is unknown; use one of: {', '.join(ORDERS)}")
-        if isinstance(plan, Plan):  # a plan file's part is checked when each rank reads it, in prepare() (`plan_file`)
-            try:
-                plan_index(plan)  # checked once per plan object (tensor indices in range before anything reads them)
-            except PlanMismatchError as err:
-                raise PlanMismatchError(str(err), same_on_every_rank=True) from None  # every rank reads the same plan
-            check_transfer_staging(plan, order, entry.name)
         super().__init__(plan, comm, backend, timeout_s, poll_s, gpu, order, transport)
         self.one = len(self.names) == 1  # the engine takes and gives one shard, not a list of them
         self.targets: dict[str, Any] = {}  # the caller's destination tensors of the reshard in flight (start()'s `into`)
+
+    def _order(self, plan: Plan | PlanFile, order: str | None) -> str:
+        """`order`, else the engine's `default_order` for this plan."""
+        return order or default_order(plan, self.entry.name)
+
+    def _check_plan(self, plan: Plan | PlanFile, order: str) -> None:
+        """A plan object's check (once per object, `plan_index`) and its staging limit in `order`
+        (`check_transfer_staging`); a plan file's part is checked when each rank reads it, in prepare() (`plan_file`)."""
+        if not isinstance(plan, Plan):
+            return
+        try:
+            plan_index(plan)  # tensor indices in range before anything reads them
+        except PlanMismatchError as err:
+            raise PlanMismatchError(str(err), same_on_every_rank=True) from None  # every rank reads the same plan
+        check_transfer_staging(plan, order, self.entry.name)
 
     def _check_staging(self, program) -> None:
         """Refuse where this rank would allocate more staging than the plan states for its device (a plan compiled
@@ -118,13 +116,7 @@ class TransferExecutor(Executor):
             return
         if not is_multi(self.plan) and not self.entry.own_staging:  # one tensor: the one-tensor face's check and advice
             return super()._check_staging(program)
-        need = self.entry.stage_need(program)
-        stated = self.plan.staging.peak_bytes.get(program.device, 0)
-        if need > stated:
-            raise PlanMismatchError(f"backend {self.entry.name!r} in order={self.order!r} needs {need} B of staging on "
-                                    f"device {program.device}, but the plan states {stated} B there (staging.peak_bytes; compiled "
-                                    f"with a staging limit of {self.plan.staging.limit_bytes} B, --max-staging-mb), less than its "
-                                    "largest operation; recompile the plan and check it with `xmesh-plan verify`")
+        check_stage_need(self.plan, self.order, program.device, self.entry.stage_need(program), backend=self.entry.name)
 
     def run(self, shards: Mapping[str, Any] | None = None, into: Mapping[str, Any] | None = None) -> dict[str, Any]:
         """Reshard every tensor once: this rank's source shards by name in, its destination shards by name out

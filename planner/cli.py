@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import sys
-from pathlib import Path
 
 import click
 
@@ -160,12 +159,8 @@ def compile_command(problem_file, output, fmt, shape, dtype, src_mesh, src_spec,
         plan = compile_plan(problem, options, on_stage=timing["stage"])
     with progress("verifying", done_below_s=QUIET_S) as checking:
         report = verify_plan(plan, on_stage=checking["stage"], on_count=checking["count"])
-    if output:
-        data = _plan_output(plan, output, fmt)
-        if output == "-":
-            sys.stdout.buffer.write(data)
-            return
-        write_output(output, data, "--output")
+    if output and _write_plan(plan, output, fmt) is None:
+        return
     click.echo(f"{output or 'plan (not written: pass -o FILE to save it)'}: {len(plan.tasks)} unit tasks, {len(plan.operations)} operations"
                f"{shared_summary(plan)}, "
                f"predicted {plan.predicted_seconds:.4f} s{executor_summary(plan)}, lower bound {plan.lower_bound_seconds:.4f} s, "
@@ -173,12 +168,19 @@ def compile_command(problem_file, output, fmt, shape, dtype, src_mesh, src_spec,
                f"{solver_summary(plan, timing['seconds'])}{staging_summary(plan)}")
 
 
-def _plan_output(plan: Plan, output: str, fmt: str | None) -> bytes:
-    """The bytes `-o output` gets: `fmt`, else what the name says (`-` for stdout: JSON); one line where too large."""
+def _write_plan(plan: Plan, output: str, fmt: str | None) -> bytes | None:
+    """Write `plan` where `-o output` says, as `fmt` or what the name says (`-`: stdout, JSON unless `fmt`), a file
+    through a temporary one (`write_output`); the bytes written to a file, None for stdout (no summary line goes
+    there). A plan too large for its format is one line."""
     try:
-        return plan_file_bytes(plan, fmt or ("json" if output == "-" else format_for(output)))
+        data = plan_file_bytes(plan, fmt or ("json" if output == "-" else format_for(output)))
     except DataFileError as err:
         raise InputError(f"--output: {err} ({len(plan.tasks):,} unit tasks, {len(plan.operations):,} operations)") from None
+    if output == "-":
+        sys.stdout.buffer.write(data)
+        return None
+    write_output(output, data, "--output")
+    return data
 
 
 @main.command("export")
@@ -196,12 +198,9 @@ def export_command(plan_file, output, fmt):
       xmesh-plan export plans/case3.plan.json -o case3.plan.npz
     """
     plan = read_plan_file(plan_file)
-    data = _plan_output(plan, output, fmt)
-    if output == "-":
-        sys.stdout.buffer.write(data)
-        return
-    write_output(output, data, "--output")
-    click.echo(f"{output}: {len(plan.operations)} operations, {len(data):,} bytes ({fmt or format_for(output)})")
+    data = _write_plan(plan, output, fmt)
+    if data is not None:
+        click.echo(f"{output}: {len(plan.operations)} operations, {len(data):,} bytes ({fmt or format_for(output)})")
 
 
 @main.command("inspect")

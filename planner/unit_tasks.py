@@ -21,6 +21,7 @@ import math
 from collections import Counter
 from dataclasses import dataclass
 from itertools import product
+from typing import NoReturn
 
 import numpy as np
 
@@ -161,12 +162,8 @@ def check_kinds_total(kinds: int, cut: int, tensors: int, total: TaskCount, max_
         return
     split = total.split is not None
     what = "split by receiving host (--split-hosts), " if split else ""
-    needed = max(cut, total.needed)
-    raise TooManyTasksError(
-        f"problem: {what}the {kinds} kinds of tensor it cuts (shape and specs) give {cut:,} unit tasks, above the limit of "
-        f"{max_tasks:,}; pass --max-tasks {needed} (max_tasks= in Python; what its {tensors} tensors give together) if this "
-        f"machine has the memory (at most about {_memory(needed * BYTES_PER_TASK)}), or "
-        f"{'compile with --no-split-hosts' if split else 'use coarser meshes or specs'}")
+    _refuse(f"{what}the {kinds} kinds of tensor it cuts (shape and specs) give {cut:,} unit tasks", max(cut, total.needed),
+            max_tasks, split, f"; what its {tensors} tensors give together", "at most ")
 
 
 def check_scheduled_task_count(scheduled: int, cut: int, tensors: int, max_tasks: int | None, split_hosts: bool,
@@ -177,11 +174,8 @@ def check_scheduled_task_count(scheduled: int, cut: int, tensors: int, max_tasks
     if max_tasks is None or scheduled <= max_tasks:
         return
     how = ", ".join(w for w, on in (("split by receiving host", split_hosts), ("small boxes bundled", coalesce)) if on)
-    needed = max(scheduled, cut)
-    raise TooManyTasksError(
-        f"problem: its {tensors} tensors schedule {scheduled:,} unit tasks{f' ({how})' if how else ''}, above the limit of "
-        f"{max_tasks:,}; pass --max-tasks {needed} (max_tasks= in Python) if this machine has the memory (about "
-        f"{_memory(needed * BYTES_PER_TASK)}), or {'compile with --no-split-hosts' if split_hosts else 'use coarser meshes or specs'}")
+    _refuse(f"its {tensors} tensors schedule {scheduled:,} unit tasks{f' ({how})' if how else ''}", max(scheduled, cut),
+            max_tasks, split_hosts)
 
 
 def check_task_total(tensors: int, total: TaskCount, largest_name: str, largest: int, max_tasks: int | None) -> None:
@@ -190,16 +184,24 @@ def check_task_total(tensors: int, total: TaskCount, largest_name: str, largest:
     if max_tasks is None or total.needed <= max_tasks:
         return
     most = "" if tensors == 1 else f" (the most, {largest:,}, from {largest_name!r})"
-    if total.needed == total.cells:
+    split = total.needed != total.cells
+    if not split:
         whose = "it gives" if tensors == 1 else f"its {tensors} tensors gives"
-        what, other = f"cutting {whose} up to {total.cells:,} unit tasks{most}", "use coarser meshes or specs"
+        what = f"cutting {whose} up to {total.cells:,} unit tasks{most}"
     else:
         whose = "it gives" if tensors == 1 else f"its {tensors} tensors give"
         what = f"split by receiving host (--split-hosts) {whose} {total.split:,} unit tasks{most}"
-        other = "compile with --no-split-hosts"
+    _refuse(what, total.needed, max_tasks, split)
+
+
+def _refuse(what: str, needed: int, max_tasks: int, split: bool, whose: str = "", bound: str = "") -> NoReturn:
+    """The one refusal of every task count: `problem: <what>, above the limit`, the --max-tasks `needed` that passes
+    (`whose` count it is), the memory that takes (`bound`: `at most ` where the compile holds fewer) and the other way
+    out (`--no-split-hosts` where tasks are `split` by receiving host, coarser meshes or specs otherwise)."""
+    other = "compile with --no-split-hosts" if split else "use coarser meshes or specs"
     raise TooManyTasksError(
-        f"problem: {what}, above the limit of {max_tasks:,}; pass --max-tasks {total.needed} (max_tasks= in Python) if "
-        f"this machine has the memory (about {_memory(total.needed * BYTES_PER_TASK)}), or {other}")
+        f"problem: {what}, above the limit of {max_tasks:,}; pass --max-tasks {needed} (max_tasks= in Python{whose}) if this "
+        f"machine has the memory ({bound}about {_memory(needed * BYTES_PER_TASK)}), or {other}")
 
 
 def _memory(nbytes: int) -> str:

@@ -8,7 +8,8 @@ and boxes with `plan_check_arrays.proven_rows`), and the replay as difference ar
 Only the operations the arrays do not prove (all-gathers, bundles, bundles sharing a message) are read as records,
 checked one by one by `plan_check`'s own functions and replayed from their records' writes and reads.
 
-Only a plan all of that proves gets its report here; for anything else (a plan that states staging, or any doubt)
+Only a plan all of that proves gets its report here; for anything else (a plan that states staging, seen in its header
+before any column is read, or any doubt)
 `verify_compact` answers None and the caller reads the plan as records and verifies it as any plan
 (`verify.verify_plan`), so every verdict and every message is the record path's, and a plan this module passes is
 one that path passes with the same report.
@@ -32,7 +33,8 @@ from xmesh_plan.schemas.plan_check import (MAX_CHUNKS, MAX_TAGS, TOLERANCE_S, _c
                                            _check_numbers, _check_operation, _check_schema_version, _check_shared_sides,
                                            _Shards, PlanError)
 from xmesh_plan.schemas.plan_check_arrays import OpColumns, member_of, proven_rows, sorted_unique
-from xmesh_plan.schemas.plan_compact import COLUMN_KINDS, CompactColumns, CompactPlanError, index_fault, is_compact, read_compact_columns
+from xmesh_plan.schemas.plan_compact import (COLUMN_KINDS, CompactColumns, CompactPlanError, index_fault, is_compact, read_compact_columns,
+                                             row_ranges)
 from xmesh_plan.schemas.plan_io import _head
 from xmesh_plan.schemas.plan_tensors import is_multi
 
@@ -74,7 +76,7 @@ def _ids_order_numbers(head: Plan, ops: dict, tasks: dict, op_columns: OpColumns
     task_ids, op_ids = tasks["id"]["values"], ops["id"]["values"]
     start, end = ops["start_s"]["values"], ops["end_s"]["values"]
     task = ops["task"]["values"]
-    taskless = np.array([OP_KINDS[k].taskless for k in op_columns.kinds] or [False])[op_columns.kind]
+    taskless = op_columns.rule("taskless", False)
     t_start, t_end = tasks["start_s"]["values"], tasks["end_s"]["values"]
     ok = len(sorted_unique(task_ids)) == len(task_ids) and len(sorted_unique(op_ids)) == len(op_ids)
     ok = ok and bool((member_of(task, task_ids) | ((task == -1) & taskless)).all())
@@ -142,27 +144,23 @@ def _records_check(head: Plan, records: list[Operation], rows: np.ndarray, carri
     return True
 
 
-def _nic_listing_and_tags(head: Plan, ops: dict, op_columns: OpColumns, proven: np.ndarray, record_tags: int) -> bool:
+def _nic_listing_and_tags(head: Plan, ops: dict, op_columns: OpColumns, proven: np.ndarray, tags: np.ndarray) -> bool:
     """`_check_nic_listing` for the proven rows (an operation between hosts has its task in host_order) and the
-    plan's message tags (`record_tags` those of the other rows)."""
+    plan's message tags (`tags`: each row's)."""
     host_of = head.problem.cluster.host_of
-    owner = np.repeat(np.arange(len(op_columns.kind)), np.diff(op_columns.dst_offsets))
+    owner = op_columns.dst_owner
     crosses = np.bincount(owner[host_of(op_columns.dsts) != host_of(op_columns.src[owner])], minlength=len(op_columns.kind)) > 0
     listed = np.concatenate([np.array(o.tasks, dtype=np.int64) for o in head.host_order] or [np.zeros(0, np.int64)])
     if not member_of(ops["task"]["values"][crosses & proven], listed).all():
         return False
-    local = np.array([OP_KINDS[k].pattern == "local" for k in op_columns.kinds] or [False])[op_columns.kind]
-    return int(op_columns.chunks[~local & proven].sum()) + record_tags <= MAX_TAGS
+    return int(tags.sum()) <= MAX_TAGS
 
 
-def _index_holds(columns: CompactColumns, op_columns: OpColumns, proven: np.ndarray, others: np.ndarray, records: list) -> bool:
-    """The file's per-device index and first tags are what its operations table gives (`plan_compact.index_fault`):
-    a file where they differ goes to the record path, which refuses it naming the member."""
-    local = np.array([OP_KINDS[k].pattern == "local" for k in op_columns.kinds] or [False])[op_columns.kind]
-    counts = np.where(~local & proven, op_columns.chunks, 0).astype(np.int64)
-    counts[others] = [tags_used(op) for op in records]
+def _index_holds(columns: CompactColumns, op_columns: OpColumns, tags: np.ndarray) -> bool:
+    """The file's per-device index and first tags are what its operations table gives (`plan_compact.index_fault`;
+    `tags`: each row's): a file where they differ goes to the record path, which refuses it naming the member."""
     tensors = np.where(op_columns.tensor_none, 0, op_columns.tensor)
-    return index_fault(columns.members, len(counts), counts.tolist(), tensors.tolist()) is None
+    return index_fault(columns.members, len(tags), tags.tolist(), tensors.tolist()) is None
 
 
 def _replay(head: Plan, op_columns: OpColumns, times: tuple[np.ndarray, np.ndarray], records: dict[int, Operation],
@@ -171,7 +169,6 @@ def _replay(head: Plan, op_columns: OpColumns, times: tuple[np.ndarray, np.ndarr
     from the columns (it reads no destination shard), the others' from their records (`records`, by row)."""
     problems = head.problem.tensor_problems()
     tensor = np.where(op_columns.tensor_none, 0, op_columns.tensor)
-    count = np.diff(op_columns.dst_offsets)
     cells, devices = 0, set()
     for index, problem in enumerate(problems):
         on_count(index, len(problems))
@@ -179,10 +176,8 @@ def _replay(head: Plan, op_columns: OpColumns, times: tuple[np.ndarray, np.ndarr
         ndim = len(problem.shape)
         region = op_columns.region[op_columns.region_offsets[rows][:, None] + np.arange(ndim)] if len(rows) else np.zeros((0, ndim, 2), np.int64)
         simple = np.array([r not in records for r in rows.tolist()], dtype=bool) if records else np.ones(len(rows), dtype=bool)
-        n = np.where(simple, count[rows], 0)
-        at = op_columns.dst_offsets[rows]
-        flat = np.repeat(at - (np.cumsum(n) - n), n) + np.arange(int(n.sum()))
-        position = np.repeat(np.arange(len(rows)), n)
+        lengths, flat = row_ranges(op_columns.dst_offsets, rows[simple])
+        position = np.repeat(np.flatnonzero(simple), lengths)
         device, box, weight, writer, cut, dst_reads = [op_columns.dsts[flat]], [region[position]], [np.ones(len(flat), np.int64)], [position], [region], []
         for k in np.flatnonzero(~simple).tolist():
             op = records[int(rows[k])]
@@ -213,15 +208,18 @@ def verify_compact(path: str | os.PathLike, on_stage: Callable[[str], None],
     try:
         if os.path.getsize(path) > files.MAX_COMPACT_FILE_BYTES:
             return None
-        on_stage("reading columns")
-        columns = read_compact_columns(path, {"operations": set(COLUMN_KINDS["operations"]), "tasks": _TASK_FIELDS})
+        on_stage("reading columns")  # none of a plan that states staging: the record path checks what it states
+        columns = read_compact_columns(path, {"operations": set(COLUMN_KINDS["operations"]), "tasks": _TASK_FIELDS},
+                                       lambda fields: fields.get("staging") is None)
     except (CompactPlanError, OSError):
+        return None
+    if columns is None:
         return None
     ops, tasks = columns.tables["operations"], columns.tables["tasks"]
     if not _records_valid(ops, tasks):
         return None
     head = _plan_head(columns)
-    if head is None or head.staging is not None:
+    if head is None:
         return None
     try:
         _check_schema_version(head)
@@ -237,9 +235,11 @@ def verify_compact(path: str | os.PathLike, on_stage: Callable[[str], None],
     carried = np.flatnonzero(~ops["carrier"]["none"])
     if records is None or not _records_check(head, records, others, carried):
         return None
-    if not _nic_listing_and_tags(head, ops, op_columns, proven, sum(map(tags_used, records))):
+    tags = op_columns.tag_counts(proven)
+    tags[others] = [tags_used(op) for op in records]
+    if not _nic_listing_and_tags(head, ops, op_columns, proven, tags):
         return None
-    if not _index_holds(columns, op_columns, proven, others, records):
+    if not _index_holds(columns, op_columns, tags):
         return None
     names = head.problem.tensor_problems()
     on_stage(f"replaying {len(names):,} tensor{'s' if len(names) != 1 else ''}")

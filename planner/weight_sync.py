@@ -183,7 +183,7 @@ MOE_RULES = [  # (pattern, source spec, destination spec) on a 2-axis source and
 ]
 
 
-FP8_EXPERT_RULES = [  # with FP8 destinations the stacked experts are 2-d ([experts x rows, cols]) so 128x128 block scales apply
+FP8_EXPERT_RULES = [  # with FP8 destinations the stacked experts are 2-d ([experts x rows, cols]), see MoeModel
     ("*.mlp.experts.*", "S01 R", "S12 R"),  # each source host holds its experts (EP), each device a run of their rows (FSDP)
     *MOE_RULES[1:],
 ]
@@ -195,9 +195,11 @@ class MoeModel:
     """The dimensions of a DeepSeek-V3-style decoder: MLA attention in every layer, a dense MLP in the first
     `dense_layers`, then a router, shared experts and `experts` routed experts stacked as one [experts, ...] tensor
     per projection. With `fp8`, destinations keep the layers' projections in FP8 e4m3 (`conversion`): the routed
-    experts, stacked as 2-d [experts x rows, cols] tensors, with 128x128 block scales (each source device holds whole
-    blocks); the other projections with one scale per tensor (an FSDP shard of them is not on 128-row bounds, so no
-    sender holds a whole block); embeddings, LM head, norms and router stay in the source dtype."""
+    experts with 128x128 block scales (each source device holds whole blocks), stacked as 2-d [experts x rows, cols]
+    tensors (a 3-d [experts, rows, cols] one takes block scales too, 128x128 blocks of its last two dims per expert;
+    the 2-d form keeps the generated Kimi-K2 problem file in plans/ byte-identical); the other projections with one
+    scale per tensor (an FSDP shard of them is not on 128-row bounds, so no sender holds a whole block); embeddings,
+    LM head, norms and router stay in the source dtype."""
 
     vocab: int
     hidden: int

@@ -21,6 +21,7 @@ which fails at import, naming the consumer, when one is missing.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 from fractions import Fraction
 from typing import Callable, Literal, Mapping, Protocol, TypeVar
 
@@ -179,19 +180,25 @@ def bundle_runs(op: OpLike) -> tuple[tuple[Run, ...], tuple[Run, ...]]:
     >>> bundle_runs(op)
     (((1, (1, 2)),), ((5, (0, 1)), (5, (3,)), (6, (2,))))
     """
+    return _bundle_runs(op.src, op.dsts[0], tuple(op.holders), tuple(map(tuple, op.needers)))
+
+
+@lru_cache(maxsize=1 << 12)
+def _bundle_runs(src: int, relay: int, holders: tuple[int, ...], needs: tuple[tuple[int, ...], ...]) -> tuple[tuple[Run, ...], tuple[Run, ...]]:
+    """`bundle_runs` of a bundle's relays, holders and needers: once per distinct bundle (a model's layers repeat them,
+    and the lowering, the staging model and the simulator each ask)."""
     gathers: list[Run] = []
-    for i, h in enumerate(op.holders):
-        if h == op.src:
+    for i, h in enumerate(holders):
+        if h == src:
             continue
         if gathers and gathers[-1][0] == h and gathers[-1][1][-1] == i - 1:
             gathers[-1] = (h, gathers[-1][1] + (i,))
         else:
             gathers.append((h, (i,)))
-    relay = op.dsts[0]
-    order = list(dict.fromkeys(d for needers in op.needers for d in needers if d != relay))
+    order = list(dict.fromkeys(d for needers in needs for d in needers if d != relay))
     scatters: list[Run] = []
     for d in order:
-        for i, needers in enumerate(op.needers):
+        for i, needers in enumerate(needs):
             if d not in needers:
                 continue
             if scatters and scatters[-1][0] == d and scatters[-1][1][-1] == i - 1:

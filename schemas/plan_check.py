@@ -13,6 +13,7 @@ by the verifier and, per device, by the lowering, on top of this.
 
 from __future__ import annotations
 
+import itertools
 import math
 import re
 from typing import Sequence
@@ -358,15 +359,25 @@ def _check_operation(op: Operation, shards: _Shards) -> None:
 
 
 def _check_operations(operations, problems: list[ReshardingProblem]) -> None:
-    """Each operation's structure (`_check_operation`), sends, broadcasts and copies proven all at once first."""
-    shards: dict[int | None, _Shards] = {}
+    """Each operation's structure (`_check_operation`), sends, broadcasts and copies proven all at once first. An
+    operation whose devices, boxes and counts are those of one already passed, on a tensor of the same shape and
+    layouts, passes too (what `_check_operation` reads is the same): a model's layers repeat their operations."""
+    shards: dict[int | None, tuple[_Shards, int]] = {}
+    layouts: dict[tuple, int] = {}  # (shape, source and destination placement, cluster) -> a number for it
+    passed: set[tuple] = set()
     proven = proven_operations(operations, problems, MAX_CHUNKS)
     for op, done in zip(operations, proven.tolist()):
         if done:
             continue
         if op.tensor not in shards:
-            shards[op.tensor] = _Shards(problems[op.tensor or 0])
-        _check_operation(op, shards[op.tensor])
+            problem = problems[op.tensor or 0]
+            layout = layouts.setdefault((tuple(problem.shape), problem.src, problem.dst, problem.cluster), len(layouts))
+            shards[op.tensor] = (_Shards(problem), layout)
+        checker, layout = shards[op.tensor]
+        key = (layout, op.kind, op.src, op.dsts, op.region, op.parts, op.chunks, op.holders, op.needers)
+        if key not in passed:
+            _check_operation(op, checker)
+            passed.add(key)
 
 
 def check_plan(plan: Plan) -> None:
@@ -428,13 +439,19 @@ def uncovered(block: Region, written: list[Region]) -> Region | None:
     """
     if not region_size(block):
         return None
-    cuts = [sorted({lo, hi} | {c for r in written for c in r[d] if lo <= c <= hi}) for d, (lo, hi) in enumerate(block)]
-    covered = np.zeros([len(c) - 1 for c in cuts], dtype=bool)
-    for r in written:  # clipped to the block
-        index = [(c.index(min(max(a, lo), hi)), c.index(min(max(b, lo), hi))) for c, (a, b), (lo, hi) in zip(cuts, r, block)]
-        if all(i < j for i, j in index):
-            covered[tuple(slice(i, j) for i, j in index)] = True
-    if covered.all():
+    ndim = len(block)
+    edges = np.array(block, dtype=np.int64)
+    boxes = np.clip(np.array(written, dtype=np.int64).reshape(-1, ndim, 2), edges[:, :1], edges[:, 1:])  # clipped to the block
+    cuts = [np.unique(np.concatenate((edges[d], boxes[:, d].ravel()))) for d in range(ndim)]  # the cells: between cuts
+    boxes = boxes[(boxes[:, :, 0] < boxes[:, :, 1]).all(axis=1)]
+    first = [np.searchsorted(cuts[d], boxes[:, d, 0]) for d in range(ndim)]
+    last = [np.searchsorted(cuts[d], boxes[:, d, 1]) for d in range(ndim)]
+    count = np.zeros([len(c) for c in cuts], dtype=np.int64)  # boxes over each cell, as corner differences summed up
+    for corner in itertools.product((0, 1), repeat=ndim):
+        np.add.at(count, tuple(last[d] if up else first[d] for d, up in enumerate(corner)), (-1) ** sum(corner))
+    for axis in range(ndim):
+        count = np.cumsum(count, axis=axis)
+    missing = np.argwhere(count[(slice(-1),) * ndim] == 0)
+    if not len(missing):
         return None
-    first = np.argwhere(~covered)[0]
-    return tuple((cuts[d][k], cuts[d][k + 1]) for d, k in enumerate(first))
+    return tuple((int(cuts[d][k]), int(cuts[d][k + 1])) for d, k in enumerate(missing[0]))

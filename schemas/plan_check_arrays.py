@@ -11,10 +11,12 @@ prove) one by one, in list order, so the first fault and its message stay the on
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import numpy as np
 
 from .op_kinds import OP_KINDS
+from .plan_compact import row_ranges
 from .problem import ReshardingProblem
 
 _SIMPLE = {kind for kind, rule in OP_KINDS.items() if rule.pattern in ("local", "chain") and not rule.has_parts}
@@ -83,6 +85,19 @@ class OpColumns:
     tensor_none: np.ndarray
     bare: np.ndarray  # no parts, holders or needers
 
+    @cached_property
+    def dst_owner(self) -> np.ndarray:
+        """The row each entry of `dsts` belongs to."""
+        return np.repeat(np.arange(len(self.kind)), np.diff(self.dst_offsets))
+
+    def rule(self, fact: str, default) -> np.ndarray:
+        """Per row: its kind's `OpKindRule.<fact>` (`default` for a kind the table lacks)."""
+        return np.array([getattr(OP_KINDS[k], fact) if k in OP_KINDS else default for k in self.kinds] or [default])[self.kind]
+
+    def tag_counts(self, proven: np.ndarray) -> np.ndarray:
+        """Per row: the message tags a `proven` row owns (`op_kinds.tags_used`: its chunks, none for a local copy), 0 for the others."""
+        return np.where(proven & (self.rule("pattern", "") != "local"), self.chunks, 0).astype(np.int64)
+
     @classmethod
     def of(cls, operations) -> "OpColumns":
         """The columns of plan records (`schemas.plan.Operation`)."""
@@ -109,10 +124,6 @@ def proven_operations(operations, problems: list[ReshardingProblem], max_chunks:
     return proven_rows(OpColumns.of(operations), problems, max_chunks)
 
 
-def _rule_table(kinds: list[str], fact: str, default) -> np.ndarray:
-    return np.array([getattr(OP_KINDS[k], fact) if k in OP_KINDS else default for k in kinds] or [default])
-
-
 def proven_rows(ops: OpColumns, problems: list[ReshardingProblem], max_chunks: int) -> np.ndarray:
     """Per row of `ops`: True where it is a copy, send or broadcast that `_check_operation` passes."""
     n = len(ops.kind)
@@ -120,28 +131,32 @@ def proven_rows(ops: OpColumns, problems: list[ReshardingProblem], max_chunks: i
         return np.zeros(0, dtype=bool)
     simple = np.array([k in _SIMPLE for k in ops.kinds] or [False])[ops.kind]
     count = np.diff(ops.dst_offsets)
-    lo_count, hi_count = _rule_table(ops.kinds, "min_dsts", 0)[ops.kind], _rule_table(ops.kinds, "max_dsts", None)[ops.kind]
+    lo_count, hi_count = ops.rule("min_dsts", 0), ops.rule("max_dsts", None)
     unlimited = np.array([h is None for h in hi_count.tolist()], dtype=bool)
     hi = np.where(unlimited, np.iinfo(np.int64).max, np.where(unlimited, 0, hi_count).astype(np.int64))
-    owner = np.repeat(np.arange(n), count)
+    owner = ops.dst_owner
     order = np.lexsort((ops.dsts, owner))
     twice = (owner[order][1:] == owner[order][:-1]) & (ops.dsts[order][1:] == ops.dsts[order][:-1])
     distinct = np.bincount(owner[order][1:][twice], minlength=n) == 0
     src_in_dsts = np.bincount(owner[ops.dsts == ops.src[owner]], minlength=n) > 0
     first = ops.dsts[np.minimum(ops.dst_offsets[:-1], max(len(ops.dsts) - 1, 0))] if len(ops.dsts) else np.zeros(n, np.int64)
-    local = _rule_table(ops.kinds, "pattern", "")[ops.kind] == "local"
+    local = ops.rule("pattern", "") == "local"
     members_ok = (lo_count <= count) & (count <= hi) & distinct
     members_ok &= np.where(local, (count == 1) & (first == ops.src), ~src_in_dsts)
-    chunked = _rule_table(ops.kinds, "chunked", False)[ops.kind].astype(bool)
+    chunked = ops.rule("chunked", False).astype(bool)
     ok = simple & ~ops.src_none & ops.bare & members_ok & (chunked | (ops.chunks == 1))
     dims = np.diff(ops.region_offsets)
     proven = np.zeros(n, dtype=bool)
-    for tensor in sorted_unique(np.where(ops.tensor_none, -1, ops.tensor)[ok]).tolist():
-        if tensor != -1 and not 0 <= tensor < len(problems):
-            continue
-        problem = problems[max(tensor, 0)]
+    tensor_of = np.where(ops.tensor_none, -1, ops.tensor)
+    layouts: dict[tuple, list[int]] = {}  # tensors of one shape and placements: their rows are proven together
+    for tensor in sorted_unique(tensor_of[ok]).tolist():
+        if tensor == -1 or 0 <= tensor < len(problems):
+            problem = problems[max(tensor, 0)]
+            layouts.setdefault((tuple(problem.shape), problem.src, problem.dst), []).append(tensor)
+    for tensors in layouts.values():
+        problem = problems[max(tensors[0], 0)]
         ndim = len(problem.shape)
-        mine = ok & (np.where(ops.tensor_none, -1, ops.tensor) == tensor) & (dims == ndim)
+        mine = ok & member_of(tensor_of, np.array(tensors, dtype=np.int64)) & (dims == ndim)
         picked = np.flatnonzero(mine)
         if not len(picked):
             continue
@@ -152,9 +167,8 @@ def proven_rows(ops: OpColumns, problems: list[ReshardingProblem], max_chunks: i
         elements = np.prod(np.where(good[:, None], hi - lo, 1), axis=1, dtype=np.int64)
         good &= ops.chunks[picked] <= np.minimum(max_chunks, elements)
         good &= _inside_blocks(ops.src[picked], region, _block_table(problem.blocks("src"), ndim))
-        counts = count[picked]
-        at = ops.dst_offsets[picked]
-        dsts = ops.dsts[np.repeat(at - (np.cumsum(counts) - counts), counts) + np.arange(int(counts.sum()))]
+        counts, flat = row_ranges(ops.dst_offsets, picked)
+        dsts = ops.dsts[flat]
         rows = np.repeat(np.arange(len(picked)), counts)
         room = _inside_blocks(dsts, region[rows], _block_table(problem.blocks("dst"), ndim))
         good &= np.bincount(rows, weights=~room, minlength=len(picked)) == 0

@@ -14,11 +14,12 @@ Members:
   (`COLUMN_KINDS`): integers in the narrowest of int8/16/32/64 that holds them, strings as indices into
   `<table>.<field>.names` (UTF-8 JSON list), lists of integers as `.lengths` + flat `.values`, boxes as indices into
   the shared box table (`boxes.dims`, `boxes.values`: each distinct box once), an optional integer as values + a
-  `.none` mask (left out when nothing is None), times as `.at` indices into the shared `floats` table where that is
+  `.none` mask (left out when nothing is None; values only for the rows that have one), times as `.at` indices into the shared `floats` table where that is
   smaller than float64 columns (exact: distinct by bit pattern), else as float64.
 - `index.devices`, `index.offsets`, `index.first`, `index.rows`: for each device (sorted), the rows of the
   operations it takes part in (src, dsts, holders or needers), in execution order: its first row, then the steps
-  between rows; `index.first_tags`: per row, its operation's first message tag (`op_kinds.first_tags`: numbered
+  between rows (uint8; a step of `WIDE_STEP` or more is `WIDE_STEP` there and its value the next entry of
+  `index.rows.wide`); `index.first_tags`: per row, its operation's first message tag (`op_kinds.first_tags`: numbered
   tensor by tensor, as the executor's lowering numbers them), and the plan's total last, so a rank numbers its
   messages as its peers lowering the whole plan do.
 """
@@ -38,7 +39,7 @@ import numpy as np
 from .op_kinds import first_tags, number_tags, tags_used
 
 FORMAT = "xmesh-plan-compact"
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3
 ZIP_MAGIC = b"PK\x03\x04"
 _DATE = (1980, 1, 1, 0, 0, 0)  # every member's timestamp: the same plan gives the same bytes
 TABLES = ("tasks", "operations", "host_order")
@@ -54,6 +55,7 @@ COLUMN_KINDS: dict[str, dict[str, str]] = {
     "host_order": {"host": "int", "side": "str", "tasks": "ints"},
 }
 DEVICE_FIELDS = ("src", "dsts", "holders", "needers")  # an operation's devices: who takes part in it
+WIDE_STEP = 255  # an `index.rows` entry (uint8) meaning: this step is the next entry of `index.rows.wide`
 
 
 class CompactPlanError(ValueError):
@@ -107,8 +109,9 @@ def _encode_int(name: str, values: list, out: dict, shared: _Shared) -> None:
 
 
 def _encode_optional_int(name: str, values: list, out: dict, shared: _Shared) -> None:
+    """The values of the rows that have one, and where some row has none, a `.none` flag per row."""
     none = [v is None for v in values]
-    out[name] = _ints([0 if v is None else v for v in values], name)
+    out[name] = _ints([v for v in values if v is not None], name)
     if any(none):
         out[f"{name}.none"] = np.array(none, dtype=np.bool_)
 
@@ -164,9 +167,9 @@ def _device_index(out: dict[str, np.ndarray], count: int) -> dict[str, np.ndarra
     rows, devices = [], []
     for field, kind in ((f, COLUMN_KINDS["operations"][f]) for f in DEVICE_FIELDS):
         name = f"operations.{field}"
-        if kind == "int?":
-            has = ~out[f"{name}.none"] if f"{name}.none" in out else np.ones(count, dtype=bool)
-            rows.append(np.flatnonzero(has)), devices.append(out[name][has].astype(np.int64))
+        if kind == "int?":  # values only for the rows that have one
+            has = ~np.asarray(out[f"{name}.none"], dtype=bool) if f"{name}.none" in out else np.ones(count, dtype=bool)
+            rows.append(np.flatnonzero(has)), devices.append(np.asarray(out[name], dtype=np.int64))
             continue
         owner = np.repeat(np.arange(count), out[f"{name}.lengths"].astype(np.int64))
         if kind == "intss":  # rows own inner lists, which own the values
@@ -176,10 +179,12 @@ def _device_index(out: dict[str, np.ndarray], count: int) -> dict[str, np.ndarra
     found, starts = np.unique(pairs[:, 0], return_index=True)
     steps = np.diff(pairs[:, 1], prepend=0)
     steps[starts] = 0  # each device's first row is in index.first
+    wide = steps >= WIDE_STEP  # few: a device's operations are seldom that far apart
     return {"index.devices": _ints(found.tolist(), "index devices"),
             "index.offsets": _ints([*starts.tolist(), len(pairs)], "index offsets"),
             "index.first": _ints(pairs[starts, 1].tolist(), "index first rows"),
-            "index.rows": _ints(steps.tolist(), "index rows")}
+            "index.rows": np.where(wide, WIDE_STEP, steps).astype(np.uint8),
+            "index.rows.wide": _ints(steps[wide].tolist(), "index steps")}
 
 
 def _op_devices(op) -> set[int]:
@@ -317,7 +322,7 @@ class _Members:
             raise CompactPlanError(f"member {name}.npy is not JSON text ({str(err)[:80]})") from None
 
 
-def _ranges(offsets: np.ndarray, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def row_ranges(offsets: np.ndarray, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """(lengths, flat positions) of the CSR rows `rows`: every position from offsets[r] to offsets[r+1], row by row."""
     starts = np.asarray(offsets[rows], dtype=np.int64)
     lengths = np.asarray(offsets[rows + 1], dtype=np.int64) - starts
@@ -335,16 +340,13 @@ def _offsets(m: _Members, name: str) -> np.ndarray:
     return m.once(name, make)
 
 
-def _split(values: list, lengths: np.ndarray) -> list[list]:
-    out, at = [], 0
+def _split(values, lengths: np.ndarray) -> list[tuple]:
+    """`values` cut into consecutive tuples of `lengths` (what a record's tuple fields hold)."""
+    values, out, at = tuple(values), [], 0
     for n in lengths.tolist():
         out.append(values[at:at + n])
         at += n
     return out
-
-
-def _pairs(values: np.ndarray) -> list[list[int]]:
-    return values.reshape(-1, 2).tolist() if values.size else []
 
 
 def _indices(m: _Members, name: str, rows, size: int) -> np.ndarray:
@@ -367,10 +369,13 @@ def _box_table(m: _Members) -> tuple[np.ndarray, np.ndarray]:
 
 
 def _boxes_at(m: _Members, name: str, rows) -> list:
-    """The shared boxes that entries `rows` of index member `name` point at, each a list of [start, stop] pairs."""
+    """The shared boxes that entries `rows` of index member `name` point at, each a tuple of (start, stop) pairs:
+    each distinct box made once, and shared by the rows that name it."""
     offsets, pairs = _box_table(m)
-    dims, flat = _ranges(offsets, _indices(m, name, rows, len(offsets) - 1))
-    return _split(pairs[flat].tolist(), dims)
+    distinct, at = np.unique(_indices(m, name, rows, len(offsets) - 1), return_inverse=True)
+    dims, flat = row_ranges(offsets, distinct)
+    boxes = _split(map(tuple, pairs[flat].tolist()), dims)
+    return [boxes[k] for k in at.reshape(-1).tolist()]
 
 
 def _decode_int(m: _Members, name: str, rows: np.ndarray) -> list:
@@ -378,11 +383,16 @@ def _decode_int(m: _Members, name: str, rows: np.ndarray) -> list:
 
 
 def _decode_optional_int(m: _Members, name: str, rows: np.ndarray) -> list:
-    values = _decode_int(m, name, rows)
     if f"{name}.none" not in m:
-        return values
-    none = np.asarray(m.get(f"{name}.none")[rows]).tolist()
-    return [None if n else v for v, n in zip(values, none)]
+        return _decode_int(m, name, rows)
+    none = np.asarray(m.get(f"{name}.none")[rows], dtype=bool)
+    values = iter(_decode_int(m, name, _present(m, name)[rows[~none]]))  # stored for the rows that have one only
+    return [None if n else next(values) for n in none.tolist()]
+
+
+def _present(m: _Members, name: str) -> np.ndarray:
+    """Per row of an optional integer column, its position among the stored values (computed once per file)."""
+    return m.once(f"{name}.present", lambda: np.cumsum(~np.asarray(m.get(f"{name}.none"), dtype=bool)) - 1)
 
 
 def _floats(m: _Members, name: str, rows) -> np.ndarray:
@@ -406,7 +416,7 @@ def _decode_str(m: _Members, name: str, rows: np.ndarray) -> list:
 
 
 def _decode_ints(m: _Members, name: str, rows: np.ndarray) -> list:
-    lengths, flat = _ranges(_offsets(m, f"{name}.lengths"), rows)
+    lengths, flat = row_ranges(_offsets(m, f"{name}.lengths"), rows)
     return _split(np.asarray(m.get(f"{name}.values")[flat]).tolist(), lengths)
 
 
@@ -415,13 +425,13 @@ def _decode_box(m: _Members, name: str, rows: np.ndarray) -> list:
 
 
 def _decode_boxes(m: _Members, name: str, rows: np.ndarray) -> list:
-    lengths, flat = _ranges(_offsets(m, f"{name}.lengths"), rows)
+    lengths, flat = row_ranges(_offsets(m, f"{name}.lengths"), rows)
     return _split(_boxes_at(m, f"{name}.values", flat), lengths)
 
 
 def _decode_intss(m: _Members, name: str, rows: np.ndarray) -> list:
-    lengths, lists = _ranges(_offsets(m, f"{name}.lengths"), rows)
-    inner, flat = _ranges(_offsets(m, f"{name}.inner"), lists)
+    lengths, lists = row_ranges(_offsets(m, f"{name}.lengths"), rows)
+    inner, flat = row_ranges(_offsets(m, f"{name}.inner"), lists)
     return _split(_split(np.asarray(m.get(f"{name}.values")[flat]).tolist(), inner), lengths)
 
 
@@ -456,7 +466,7 @@ def _header(m: _Members) -> dict:
 CHUNK_ROWS = 65_536  # rows decoded at a time: a chunk's plain dicts are dropped once its records are made
 
 
-INDEX_MEMBERS = ("index.devices", "index.first", "index.rows", "index.offsets", "index.first_tags")
+INDEX_MEMBERS = ("index.devices", "index.first", "index.rows", "index.rows.wide", "index.offsets", "index.first_tags")
 
 
 def index_fault(m: _Members, count: int, counts: list[int], tensors: list[int]) -> str | None:
@@ -543,13 +553,17 @@ def _column(m: _Members, name: str, kind: str, count: int) -> dict[str, Any]:
         return {"values": values}
     if kind in ("int", "int?", "str"):
         values = _flat(m.get(name), name)
-        if values.shape != (count,):
-            raise CompactPlanError(f"member {name}.npy is not {count} integers")
-        out: dict[str, Any] = {"values": values}
-        if kind == "int?":
-            out["none"] = np.asarray(m.get(f"{name}.none"), dtype=bool) if f"{name}.none" in m else np.zeros(count, dtype=bool)
-            if out["none"].shape != (count,):
+        none = np.zeros(count, dtype=bool)
+        if kind == "int?" and f"{name}.none" in m:
+            none = np.asarray(m.get(f"{name}.none"), dtype=bool)
+            if none.shape != (count,):
                 raise CompactPlanError(f"member {name}.none.npy is not {count} flags")
+        if values.shape != (count - int(none.sum()),):
+            raise CompactPlanError(f"member {name}.npy is not {count - int(none.sum())} integers")
+        out: dict[str, Any] = {"values": values}
+        if kind == "int?":  # as a full column: 0 where a row has none
+            out["values"], out["none"] = np.zeros(count, dtype=np.int64), none
+            out["values"][~none] = values
         if kind == "str":
             out["names"] = m.text(f"{name}.names")
             if not isinstance(out["names"], list) or not all(isinstance(n, str) for n in out["names"]) \
@@ -564,7 +578,7 @@ def _column(m: _Members, name: str, kind: str, count: int) -> dict[str, Any]:
         at = _indices(m, name, slice(None), len(table) - 1)
         dims = np.diff(table)[at]
         offsets = np.concatenate(([0], np.cumsum(dims)))
-        _, flat = _ranges(table, at)
+        _, flat = row_ranges(table, at)
         return {"offsets": offsets, "values": pairs[flat]}
     offsets = _lengths(m, f"{name}.lengths", count)
     if kind == "boxes":  # parts: box indices, checked; the boxes themselves are read with their records
@@ -596,12 +610,16 @@ class CompactColumns:
         return _rows(self.members, "operations", rows)
 
 
-def read_compact_columns(path: str | os.PathLike, keep: dict[str, set[str]]) -> CompactColumns:
+def read_compact_columns(path: str | os.PathLike, keep: dict[str, set[str]],
+                         wanted: Callable[[dict], bool] = lambda fields: True) -> CompactColumns | None:
     """The columns of the tasks and operations of the compact plan in `path`, every one checked to be what the record
     reader reads as integers, numbers, known strings and whole rows (CompactPlanError otherwise); those named in
-    `keep` (table -> fields) are returned, the others dropped once checked."""
+    `keep` (table -> fields) are returned, the others dropped once checked. None, with no column read, where
+    `wanted` of the plan's fields less its tables (its header's) is false."""
     m = _Members(path)
     header = _header(m)
+    if not wanted(header["plan"]):
+        return None
     counts = header["counts"]
     if not all(isinstance(counts.get(t), int) and counts[t] >= 0 for t in TABLES):
         raise CompactPlanError("its header gives no row count for a table")
@@ -639,14 +657,33 @@ def device_rows(m: _Members, device: int | None) -> np.ndarray:
     at = int(np.searchsorted(devices, device))
     if at >= len(devices) or int(devices[at]) != device:
         return np.zeros(0, dtype=np.int64)
-    offsets = m.get("index.offsets")
-    steps = np.asarray(m.get("index.rows")[int(offsets[at]):int(offsets[at + 1])], dtype=np.int64)
+    start, stop = (int(k) for k in m.get("index.offsets")[at:at + 2])
+    stored = m.get("index.rows")
+    steps = np.asarray(stored[start:stop], dtype=np.int64)
+    wide = np.flatnonzero(steps == WIDE_STEP)
+    if len(wide):  # the next entries of index.rows.wide, after those of the devices before
+        before = int(np.count_nonzero(np.asarray(stored[:start]) == WIDE_STEP))
+        values = np.asarray(m.get("index.rows.wide")[before:before + len(wide)], dtype=np.int64)
+        if len(values) != len(wide):
+            raise CompactPlanError("member index.rows.wide.npy is shorter than index.rows says (damaged)")
+        steps[wide] = values
     return int(m.get("index.first")[at]) + np.cumsum(steps)  # stored as steps from the device's first row
 
 
-def read_device_data(path, device: int | None) -> tuple[dict, list[dict], np.ndarray, list[int], int]:
+def stores_integers(m: _Members, table: str) -> bool:
+    """Whether every integer column of `table` (and the shared box table) is stored as integers, so that every value
+    read of it is a Python int (what a record's strict integer fields take; a float or bool array reads otherwise)."""
+    def integral(name: str) -> bool:
+        field, _, part = name.removeprefix(f"{table}.").partition(".")
+        return COLUMN_KINDS[table].get(field) == "float" or part in ("none", "names") or m.where[name][0].kind in "iu"
+    return all(integral(name) for name in m.where if name.startswith(f"{table}.")) \
+        and all(m.where[name][0].kind in "iu" for name in ("boxes.dims", "boxes.values") if name in m)
+
+
+def read_device_data(path, device: int | None) -> tuple[dict, list[dict], np.ndarray, list[int], int, bool]:
     """(the plan's fields less its tables, the operations `device` takes part in as plain dicts, their rows, their
-    first message tags, the plan's tags) of the file at `path` or open as `path` (`_Members`)."""
+    first message tags, the plan's tags, whether the file stores its operations' integers as integers:
+    `stores_integers`) of the file at `path` or open as `path` (`_Members`)."""
     m = _Members(path)
     header = _header(m)
     rows = device_rows(m, device)
@@ -654,4 +691,5 @@ def read_device_data(path, device: int | None) -> tuple[dict, list[dict], np.nda
     count = header["counts"].get("operations")
     if not isinstance(count, int) or len(tags) != count + 1:
         raise CompactPlanError("index.first_tags does not match the operations' count (damaged)")
-    return header["plan"], _rows(m, "operations", rows), rows, np.asarray(tags[rows]).tolist(), int(tags[-1])
+    return (header["plan"], _rows(m, "operations", rows), rows, np.asarray(tags[rows]).tolist(), int(tags[-1]),
+            stores_integers(m, "operations"))

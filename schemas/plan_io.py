@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 import stat
-from typing import Any, BinaryIO, Callable
+from typing import Any, BinaryIO, Callable, get_args
 
 from pydantic import TypeAdapter, ValidationError
 
@@ -101,6 +101,37 @@ _PROBLEM = TypeAdapter(AnyProblem)
 _RECORDS = {"operations": Operation.model_validate, "tasks": UnitTask.model_validate, "host_order": HostOrder.model_validate}
 
 
+_OP_KINDS = frozenset(get_args(Operation.model_fields["kind"].annotation))
+_OP_MINIMA = tuple((name, g.ge) for name, f in Operation.model_fields.items() for g in f.metadata if hasattr(g, "ge"))
+_OP_FIELDS = frozenset(Operation.model_fields)
+
+
+def _valid_as_read(op: dict) -> bool:
+    """What validating an operation read from a compact file whose integers are integers (`stores_integers`) checks:
+    its kind is known and its bounded fields (`ge`) are within bounds where given."""
+    return op["kind"] in _OP_KINDS and all(op[name] is None or op[name] >= least for name, least in _OP_MINIMA)
+
+
+def _trusted_operation(op: dict) -> Operation:
+    """The record `Operation.model_validate(op)` makes, for `op` a row of a compact file `_valid_as_read` passes (its
+    values already the record's types: ints, floats, tuples): what `BaseModel.model_construct` sets, without its loop
+    over the fields (a rank reads tens of thousands of operations)."""
+    record = Operation.__new__(Operation)
+    object.__setattr__(record, "__dict__", op)
+    object.__setattr__(record, "__pydantic_fields_set__", set(_OP_FIELDS))
+    object.__setattr__(record, "__pydantic_extra__", None)
+    object.__setattr__(record, "__pydantic_private__", None)
+    return record
+
+
+def _operations(ops: list[dict], integral: bool) -> tuple[Operation, ...]:
+    """The rows `ops` of a compact file as records: checked all at once where the file stores integers as integers
+    (`integral`) and every row passes `_valid_as_read`, else validated one by one (whose first error is the message)."""
+    if integral and all(map(_valid_as_read, ops)):
+        return tuple(map(_trusted_operation, ops))
+    return tuple(Operation.model_validate(op) for op in ops)
+
+
 def file_format(path: str | os.PathLike) -> str:
     """`compact` or `json`: the format a plan file is in, by its first bytes (`read_plan_data` reads either)."""
     return "compact" if is_compact(_head(path)) else "json"
@@ -112,27 +143,32 @@ def read_plan_head(path: str | os.PathLike, handle: BinaryIO | None = None) -> D
     return read_plan_ops(path, None, handle)
 
 
-def read_plan_ops(path: str | os.PathLike, device: int | None, handle: BinaryIO | None = None) -> DeviceOps:
+def read_plan_ops(path: str | os.PathLike, device: int | None, handle: BinaryIO | None = None,
+                  head: DeviceOps | None = None) -> DeviceOps:
     """The problem and the operations `device` takes part in (execution order, with their rows in the plan and their
     first message tags, `DeviceOps`), read from a compact file through its index (only those operations' rows are read), or from a JSON plan (all of it
     parsed, then filtered). PlanFileError naming the file and the fix otherwise. Unlike `read_plan_file`, the
     operations are validated one by one but not checked against each other (`schemas.plan_check` needs them all).
     `handle`: the compact file `path` names, open for binary reading; it is read instead of the path (another file
-    renamed over the path since it was opened is not read)."""
+    renamed over the path since it was opened is not read). `head`: what `read_plan_head` read of that same `handle`;
+    its problem and staging are taken instead of being validated again."""
     if handle is None and not is_compact(_head(path)):
         plan = read_plan_file(path)
         rows = tuple(i for i, op in enumerate(plan.operations) if device in _op_devices(op))
         first, tags = number_tags(plan.operations)
         return DeviceOps(plan.schema_version, plan.problem, tuple(plan.operations[i] for i in rows), rows,
                          tuple(first[i] for i in rows), tags, plan.staging)
-    fields, ops, rows, first_tags, tags = _compact(path, read_device_data, device, handle=handle)
+    fields, ops, rows, first_tags, tags, integral = _compact(path, read_device_data, device, handle=handle)
     version = fields.get("schema_version")
     if version not in SCHEMA_VERSIONS:
         plan_from_data(fields, path)  # the one-line message a whole-plan read gives
     try:
-        problem = _PROBLEM.validate_python(fields.get("problem"))
-        staging = None if fields.get("staging") is None else Staging.model_validate(fields["staging"])
-        operations = tuple(Operation.model_validate(op) for op in ops)
+        if head is not None and handle is not None:
+            problem, staging = head.problem, head.staging
+        else:
+            problem = _PROBLEM.validate_python(fields.get("problem"))
+            staging = None if fields.get("staging") is None else Staging.model_validate(fields["staging"])
+        operations = _operations(ops, integral)
     except ValidationError as err:
         raise PlanFileError(f"{quoted(path)}: {describe_validation_error(err)}") from None
     return DeviceOps(version, problem, operations, tuple(rows.tolist()), tuple(first_tags), tags, staging)

@@ -42,6 +42,12 @@ def compile_quick():
     return compile_fast
 
 
+def pytest_addoption(parser) -> None:
+    parser.addoption("--all-mutants", action="store_true",
+                     help="mutation tests that sample fewer mutants in `make test` run their full count (e.g. "
+                          "tests/test_verify_columns.py: 400 instead of 200)")
+
+
 def pytest_terminal_summary(terminalreporter) -> None:
     """Print what summary-keeping tests recorded (e.g. the plan-mutation counts), so CI's log shows it."""
     from tests.support.mutations import SUMMARY

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib.util
+import json
 import re
 import subprocess
 import sys
@@ -42,31 +43,65 @@ def test_reference_plans_scaled_check_bit_exact(ranks):
     assert len(lines) == len(paths), result.stdout
 
 
-def test_planner_cases_every_strategy_uneven_and_overlapping(tmp_path):
-    """Fixed cases x 4 strategies (+ chunked broadcasts) and seeded random cases, via run(), start/wait and DLPack."""
-    plans = all_fixed_plans() + [compiled(random_problem(seed), "auto") for seed in range(6)]
-    paths = write_plans(tmp_path, plans)
-    result = mpiexec(DEVICES, str(WORKER), "check", *paths)
+def _checked_plans():
+    return all_fixed_plans() + [compiled(random_problem(seed), "auto") for seed in range(6)]
+
+
+def _iterated_plans():
+    return all_fixed_plans() + [compiled(random_problem(seed), "auto") for seed in range(10, 14)]
+
+
+def _relayed_plan():
+    return with_chunks(compiled(fixed_problems()[3], "broadcast"), 3)  # to_fully_replicated: chains through devices 2..7
+
+
+def _reversed(plan):
+    return plan.model_copy(update={"operations": tuple(
+        op.model_copy(update={"dsts": op.dsts[::-1]}) if op.kind == "broadcast" else op for op in plan.operations)})
+
+
+@pytest.fixture(scope="module")
+def shared(tmp_path_factory):
+    """The checks below that run on 8 ranks with nothing failing, in one launch (`batch`: each job in turn, a barrier
+    between): job name -> the `ok` lines it printed (its name taken out). 8 ranks importing the project (and torch)
+    take longer than most of these checks on a 2-core machine."""
+    folder = tmp_path_factory.mktemp("shared")
+    relayed = _relayed_plan()
+    jobs = [("check", "check", _checked_plans()), ("iterations", "iterations", _iterated_plans()),
+            ("cross-wait", "cross-wait", [relayed, _reversed(relayed)]), ("threads", "threads", [relayed])]
+    if importlib.util.find_spec("torch") is not None:
+        jobs.append(("torch", "torch", _checked_plans()))
+    spec = []
+    for name, mode, plans in jobs:
+        (folder / name).mkdir()
+        spec.append({"name": name, "mode": mode, "plans": write_plans(folder / name, plans)})
+    (folder / "jobs.json").write_text(json.dumps(spec))
+    result = mpiexec(DEVICES, str(WORKER), "batch", str(folder / "jobs.json"))
     assert result.returncode == 0, result.stderr[-3000:]
-    assert result.stdout.count("ok ") == len(plans), result.stdout
+    out: dict[str, str] = {name: "" for name, _, _ in jobs}
+    for line in result.stdout.splitlines():
+        name, _, rest = line.partition(": ")
+        if name in out:
+            out[name] += rest + "\n"
+    return out
+
+
+def test_planner_cases_every_strategy_uneven_and_overlapping(shared):
+    """Fixed cases x 4 strategies (+ chunked broadcasts) and seeded random cases, via run(), start/wait and DLPack."""
+    assert shared["check"].count("ok ") == len(_checked_plans()), shared["check"]
 
 
 @pytest.mark.skipif(importlib.util.find_spec("torch") is None, reason="torch is not installed (pip install torch==2.13.0 to run it)")
-def test_cpu_torch_tensors_bfloat16_included(tmp_path):
+def test_cpu_torch_tensors_bfloat16_included(shared):
     """Real torch tensors in, through DLPack without a copy; bfloat16 ones through a same-size integer view."""
-    plans = all_fixed_plans() + [compiled(random_problem(seed), "auto") for seed in range(6)]
+    plans = _checked_plans()
     assert any(p.problem.dtype == "bfloat16" for p in plans)
-    result = mpiexec(DEVICES, str(WORKER), "torch", *write_plans(tmp_path, plans))
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert result.stdout.count("ok ") == len(plans), result.stdout
+    assert shared["torch"].count("ok ") == len(plans), shared["torch"]
 
 
-def test_every_iteration_delivers_that_iterations_data(tmp_path):
+def test_every_iteration_delivers_that_iterations_data(shared):
     """Persistent requests reuse buffers: 7 iterations of different data (new, re-viewed and rewritten source shards), each checked."""
-    plans = all_fixed_plans() + [compiled(random_problem(seed), "auto") for seed in range(10, 14)]
-    result = mpiexec(DEVICES, str(WORKER), "iterations", *write_plans(tmp_path, plans))
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert result.stdout.count("ok ") == len(plans), result.stdout
+    assert shared["iterations"].count("ok ") == len(_iterated_plans()), shared["iterations"]
 
 
 @pytest.fixture(scope="module")
@@ -125,24 +160,16 @@ def test_an_exception_escaping_wait_leaves_a_refusing_executor_that_closes(fixed
     assert "ok interrupt" in result.stdout
 
 
-def test_two_reshards_waited_in_different_orders_on_different_ranks_finish(tmp_path):
+def test_two_reshards_waited_in_different_orders_on_different_ranks_finish(shared):
     """Chunked broadcasts down a chain of ranks 2..7 and, in the other reshard, down the reversed chain. Even ranks
     wait for the first reshard first, odd ranks for the second: rank 3 waits for a chunk rank 4 forwards in the
     second, while rank 4 waits for one rank 3 forwards in the first."""
-    plan = with_chunks(compiled(fixed_problems()[3], "broadcast"), 3)  # to_fully_replicated: chains through devices 2..7
-    assert any(op.kind == "broadcast" and len(op.dsts) > 2 for op in plan.operations)
-    reverse = plan.model_copy(update={"operations": tuple(
-        op.model_copy(update={"dsts": op.dsts[::-1]}) if op.kind == "broadcast" else op for op in plan.operations)})
-    result = mpiexec(DEVICES, str(WORKER), "cross-wait", *write_plans(tmp_path, [plan, reverse]))
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert "ok cross-wait" in result.stdout
+    assert any(op.kind == "broadcast" and len(op.dsts) > 2 for op in _relayed_plan().operations)
+    assert "ok cross-wait" in shared["cross-wait"]
 
 
-def test_two_executors_each_run_by_its_own_thread(tmp_path):
-    plan = with_chunks(compiled(fixed_problems()[3], "broadcast"), 3)  # relays: chunks forwarded down chains
-    result = mpiexec(DEVICES, str(WORKER), "threads", *write_plans(tmp_path, [plan]))
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert "ok threads" in result.stdout
+def test_two_executors_each_run_by_its_own_thread(shared):
+    assert "ok threads" in shared["threads"]  # relays: chunks forwarded down chains
 
 
 def test_a_plan_for_another_world_size_is_refused(fixed_plan_path):

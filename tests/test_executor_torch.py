@@ -7,6 +7,7 @@ torchrun command itself.
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -30,92 +31,138 @@ def small(plans, max_bytes: int = 64 * 1024):
     return [scale_plan(p, factors_for(p, max_bytes)) for p in plans]
 
 
-def test_fixed_and_random_plans_are_bit_exact_on_8_gloo_ranks(tmp_path):
+# The checks below share one launch of 16 gloo ranks (`batch`): each runs its mode on its plans with the first
+# `ranks` ranks as a process group of their own, as its own launch did (16 processes importing torch take about as long
+# as the check itself on a 2-core machine; the dead-rank and torchrun tests keep launches of their own).
+REFERENCE = {12: ["case7", "case8"], 16: ["case1", "case2", "case3", "case4", "case5", "case9"]}
+
+
+def _by_order_plans():
+    return all_fixed_plans() + [compiled(random_problem(seed), "auto") for seed in range(6)]
+
+
+def _receipt_plans():
+    return [p for p in all_fixed_plans() if p.strategy in ("global_allgather", "broadcast")]
+
+
+def _multi_tensor_plans():
+    from xmesh_plan.planner.compile import compile_plan
+    from tests.support.transfer import random_transfer, three_tensors
+
+    chained = {"split_hosts": False, "coalesce": False}  # every strategy's own operations, no bundles
+    plans = [compile_plan(three_tensors(), strategy=s, solver="greedy", **chained) for s in ("broadcast", "send_recv", "local_allgather")]
+    return plans + [compile_plan(random_transfer(seed, 6, exact=True), strategy="auto", solver="greedy", **chained) for seed in range(4)]
+
+
+def _float8_plans():
+    from tests.support.cases import problem
+
+    return [compiled(problem(f"f8_{dtype}", (6, 10), (2,), (0, 1), "S0 R", (2, 2), range(4), "R S01", dtype=dtype), strategy)
+            for dtype in ("float8_e4m3fn", "float8_e5m2") for strategy in ("send_recv", "global_allgather")]
+
+
+def _jobs():
+    """(name, mode, ranks, plans) of every check the shared launch runs (the reference plans' where compiled)."""
+    reference = [(f"reference{n}", "check", n, small([load_plan(PLANS / f"{name}.plan.json") for name in names]))
+                 for n, names in REFERENCE.items() if all((PLANS / f"{name}.plan.json").exists() for name in names)]
+    return reference + [
+        ("by_order", "check_by_order", DEVICES, _by_order_plans()),
+        ("device_order", "check_in_device_order", DEVICES, all_fixed_plans()),
+        ("device_order_mixed", "check_in_device_order_mixed_receipts", DEVICES, all_fixed_plans()),
+        ("receipts", "check_in_device_order_with_receipts", DEVICES, _receipt_plans()),
+        ("multi_tensor", "check_transfer_by_order", 6, _multi_tensor_plans()),
+        ("float8", "check", 4, _float8_plans()),
+        ("disagree", "disagree", DEVICES, [compiled(fixed_problems()[0], s) for s in ("send_recv", "broadcast")])]
+
+
+@pytest.fixture(scope="module")
+def shared(tmp_path_factory):
+    """Job name -> (its plan files, the `rank R: ...` lines its ranks printed, the job's name taken out); every rank
+    of the one launch succeeded."""
+    folder = tmp_path_factory.mktemp("shared")
+    jobs = []
+    for name, mode, ranks, plans in _jobs():
+        (folder / name).mkdir()
+        jobs.append({"name": name, "mode": mode, "ranks": ranks, "plans": write_plans(folder / name, plans)})
+    (folder / "jobs.json").write_text(json.dumps(jobs))
+    out = {job["name"]: (job["plans"], []) for job in jobs}
+    for line in launch(16, "batch", str(folder / "jobs.json")):
+        rank, name, rest = line.split(": ", 2)
+        out[name][1].append(f"{rank}: {rest}")
+    return out
+
+
+def test_fixed_and_random_plans_are_bit_exact_on_8_gloo_ranks(shared):
     """Every strategy on disjoint, overlapping, uneven problems (bfloat16, float16, complex128, int8 ...),
     chunked broadcasts and seeded random problems: 3 iterations each, every shard bit-exact. Every message
     has tag 0, so gloo matches each pair's messages in posting order, as NCCL does: the engine's posting
     order (the one it uses on NCCL) must agree at both ends of every pair."""
-    plans = all_fixed_plans() + [compiled(random_problem(seed), "auto") for seed in range(6)]
+    plans = _by_order_plans()
     assert {"bfloat16", "float16", "complex128", "int8"} <= {p.problem.dtype for p in plans}
     assert {"copy", "send", "broadcast", "allgather"} <= {op.kind for p in plans for op in p.operations}
     assert any(op.chunks > 1 for p in plans for op in p.operations)
     overlapping = [p for p in plans if set(p.problem.src.mesh.devices) & set(p.problem.dst.mesh.devices)]
     assert overlapping
-    paths = write_plans(tmp_path, plans)
-    lines = launch(DEVICES, "check_by_order", *paths)
+    paths, lines = shared["by_order"]
     ours = [line for line in lines if line.startswith("rank 0:")]
     assert len(ours) == len(paths) and all(line.endswith((": ok", ": ok (our boxes)")) for line in ours), lines
     by_dtensor = [line for line in ours if line.endswith(": ok")]  # shards compared with DTensor's own boxes
     assert len(by_dtensor) >= len(ours) * 3 // 4, ours
 
 
-@pytest.mark.parametrize("mode", ["check_in_device_order", "check_in_device_order_mixed_receipts"])
-def test_device_order_on_gloo_matching_by_order_is_bit_exact(tmp_path, mode):
+@pytest.mark.parametrize("mode", ["device_order", "device_order_mixed"])
+def test_device_order_on_gloo_matching_by_order_is_bit_exact(shared, mode):
     """order="device" makes steps wait for sends of earlier operations; the engine must finish those sends
     in message order too (it deadlocked before), with every tag 0 as on NCCL. Again with receipts on the messages of
     16 B or more (these plans' are 2-192 B), so a plan's operations end both ways and both ends must place every
     receipt alike among the messages."""
-    plans = all_fixed_plans()
-    lines = launch(DEVICES, mode, *write_plans(tmp_path, plans))
+    paths, lines = shared[mode]
     ours = [line for line in lines if line.startswith("rank 0:")]
-    assert len(ours) == len(plans) and all(line.endswith((": ok", ": ok (our boxes)")) for line in ours), lines
+    assert len(ours) == len(paths) == len(all_fixed_plans()) and all(line.endswith((": ok", ": ok (our boxes)")) for line in ours), lines
 
 
-def test_receipts_in_device_order_on_gloo_with_its_tags_are_bit_exact(tmp_path):
+def test_receipts_in_device_order_on_gloo_with_its_tags_are_bit_exact(shared):
     """Receipts on every operation's messages between two devices, whatever their size (the engine's threshold is
     256 KiB), gloo matching by tag: a two-device ring step sends each way with one tag, so a receipt shares its tag
     with the data going its way, and both ends must post it after that data."""
-    plans = [p for p in all_fixed_plans() if p.strategy in ("global_allgather", "broadcast")]
+    plans = _receipt_plans()
     assert any(op.kind == "allgather" and len(op.dsts) == 2 for p in plans for op in p.operations)
-    lines = launch(DEVICES, "check_in_device_order_with_receipts", *write_plans(tmp_path, plans))
+    paths, lines = shared["receipts"]
     ours = [line for line in lines if line.startswith("rank 0:")]
-    assert len(ours) == len(plans) and all(line.endswith((": ok", ": ok (our boxes)")) for line in ours), lines
+    assert len(ours) == len(plans) == len(paths) and all(line.endswith((": ok", ": ok (our boxes)")) for line in ours), lines
 
 
-def test_multi_tensor_plans_in_device_order_on_gloo_matching_by_order_are_bit_exact(tmp_path):
+def test_multi_tensor_plans_in_device_order_on_gloo_matching_by_order_are_bit_exact(shared):
     """TransferExecutor's joint engine posts each pair's messages in the joint plan's operation order, across
     tensors; with every tag 0 (gloo matching by order, as NCCL) both ends must agree on that order, or bytes
-    land in the wrong tensor. Three tensors of three dtypes, every strategy, and random multi-tensor plans."""
-    from xmesh_plan.planner.compile import compile_plan
-    from tests.support.transfer import random_transfer, three_tensors
-
-    chained = {"split_hosts": False, "coalesce": False}  # every strategy's own operations, no bundles
-    plans = [compile_plan(three_tensors(), strategy=s, solver="greedy", **chained) for s in ("broadcast", "send_recv", "local_allgather")]
-    plans += [compile_plan(random_transfer(seed, 6, exact=True), strategy="auto", solver="greedy", **chained) for seed in range(4)]
+    land in the wrong tensor. Three tensors of three dtypes, every strategy, and random multi-tensor plans; 6 ranks."""
+    plans = _multi_tensor_plans()
     assert all(len({op.tensor for op in p.operations}) > 1 for p in plans[:3])
     assert {"copy", "send", "broadcast", "allgather"} <= {op.kind for p in plans for op in p.operations}
-    paths = write_plans(tmp_path, plans)
-    lines = launch(6, "check_transfer_by_order", *paths)
+    paths, lines = shared["multi_tensor"]
     ours = [line for line in lines if line.startswith("rank 0:")]
     assert ours == [f"rank 0: {Path(p).name}: ok" for p in paths], lines
+    assert len({line.split(":")[0] for line in lines}) == 6  # run by the plans' own number of ranks
 
 
-def test_float8_plans_are_bit_exact(tmp_path):
-    from tests.support.cases import problem
-
-    plans = [compiled(problem(f"f8_{dtype}", (6, 10), (2,), (0, 1), "S0 R", (2, 2), range(4), "R S01", dtype=dtype), strategy)
-             for dtype in ("float8_e4m3fn", "float8_e5m2") for strategy in ("send_recv", "global_allgather")]
-    lines = launch(4, "check", *write_plans(tmp_path, plans))  # R S01 over 2x2 of 10: DTensor splits 3,2,3,2, we 3,3,3,1
+def test_float8_plans_are_bit_exact(shared):
+    paths, lines = shared["float8"]  # R S01 over 2x2 of 10: DTensor splits 3,2,3,2, we 3,3,3,1
     assert sorted(line for line in lines if line.startswith("rank 0:")) == sorted(
-        f"rank 0: {Path(p).name}: ok (our boxes)" for p in write_plans(tmp_path, plans))
+        f"rank 0: {Path(p).name}: ok (our boxes)" for p in paths)
 
 
 @pytest.mark.parametrize("ranks", [12, 16])
-def test_reference_plans_scaled_down_are_bit_exact(tmp_path, ranks):
-    names = {12: ["case7", "case8"], 16: ["case1", "case2", "case3", "case4", "case5", "case9"]}[ranks]
-    paths = [PLANS / f"{name}.plan.json" for name in names]
-    if not all(p.exists() for p in paths):
+def test_reference_plans_scaled_down_are_bit_exact(shared, ranks):
+    if f"reference{ranks}" not in shared:
         pytest.skip("reference plans not compiled yet; run `make plans`")
-    plans = small([load_plan(p) for p in paths])
-    lines = launch(ranks, "check", *write_plans(tmp_path, plans))
+    paths, lines = shared[f"reference{ranks}"]
     ours = [line for line in lines if line.startswith("rank 0:")]
-    assert len(ours) == len(names) and all(line.endswith(": ok") for line in ours), lines  # every box DTensor's
+    assert len(ours) == len(REFERENCE[ranks]) == len(paths) and all(line.endswith(": ok") for line in ours), lines  # every box DTensor's
+    assert len({line.split(":")[0] for line in lines}) == ranks  # run by the plans' own number of ranks
 
 
-def test_plan_disagreement_fails_on_every_rank_before_anything_moves(tmp_path):
-    first, other = [compiled(fixed_problems()[0], s) for s in ("send_recv", "broadcast")]
-    paths = write_plans(tmp_path, [first, other])
-    lines = launch(DEVICES, "disagree", *paths)
+def test_plan_disagreement_fails_on_every_rank_before_anything_moves(shared):
+    _, lines = shared["disagree"]
     assert len(lines) == DEVICES and all("refused: rank 1 loaded a different plan than the other 7 ranks" in line for line in lines), lines
 
 

@@ -28,7 +28,7 @@ def test_inspect_traces_the_bounds_side_flow_by_flow_in_parts_that_add_up():
     from xmesh_plan.planner.compile import compile_plan
     from xmesh_plan.planner.inspect_plan import nic_trace, plan_loads, summarize
     from xmesh_plan.schemas import read_plan_file
-    from tests.test_simulate_bundles import many_bundles
+    from tests.support.transfer import many_bundles
 
     plans = Path(__file__).resolve().parents[1] / "plans"
     bundled = compile_plan(many_bundles(), bucket_bytes=4096)

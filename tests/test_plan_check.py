@@ -217,3 +217,32 @@ def test_check_re_times_a_plan_that_claims_the_schedule_timed_it(tmp_path, case3
                                       "solver": case3.solver.model_copy(update={"details": details})})
     result = check(tmp_path, forged)
     assert result.exit_code == 1 and "but the simulator times it" in result.output, result.output
+
+
+def test_an_operation_repeated_on_a_tensor_of_another_layout_is_checked_again():
+    """The check passes an operation whose structure already passed on a tensor of the same shape and layouts without
+    a second look (a model's layers repeat their operations); on a tensor of another layout it is checked again, and
+    refused there as on its own."""
+    from pathlib import Path
+
+    from xmesh_plan.schemas import read_plan_file
+    from xmesh_plan.schemas.plan_check import check_device_ops
+    from xmesh_plan.schemas.plan_compact import DeviceOps
+
+    plan = read_plan_file(Path(__file__).resolve().parents[1] / "plans" / "weight_sync_small.plan.json")
+    problems = plan.problem.tensor_problems()
+    op = next(o for o in plan.operations if o.kind == "bundle")
+    layout = lambda t: (tuple(problems[t].shape), problems[t].src, problems[t].dst)
+    other = next(t for t in range(len(problems)) if layout(t) != layout(op.tensor) and len(problems[t].shape) == len(problems[op.tensor].shape))
+    moved = op.model_copy(update={"tensor": other, "id": op.id + 10**6})
+
+    def check(*operations):
+        check_device_ops(DeviceOps(plan.schema_version, plan.problem, operations, tuple(range(len(operations))),
+                                   (0,) * len(operations), 1, None))
+
+    check(op)
+    with pytest.raises(PlanError) as alone:
+        check(moved)
+    with pytest.raises(PlanError) as after:
+        check(op, moved)
+    assert str(after.value) == str(alone.value)

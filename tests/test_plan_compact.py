@@ -292,3 +292,92 @@ def test_a_plan_through_a_pipe_is_read_once(tmp_path):
         assert read_plan_file(fifo) == read_plan_file(source)
     finally:
         writer.join(timeout=30)
+
+
+def test_a_rank_s_operations_are_the_records_validation_makes(tmp_path):
+    """`read_plan_ops` makes a compact file's rows into records without validating each one (`plan_io._trusted_operation`)
+    where the columns are integers and every row's kind and bounds hold: the records are the validated ones, field for
+    field, with the same fields set, and the only constraints `Operation` states are the ones checked that way."""
+    plan = read_plan_file(ROOT / "plans" / "weight_sync_small.plan.json")
+    path = tmp_path / "x.plan.npz"
+    write_atomic(path, compact_bytes(plan))
+    part = read_plan_ops(path, plan.operations[0].src)
+    assert part.operations and all(type(op) is Operation for op in part.operations)
+    for op in part.operations:
+        again = Operation.model_validate({field: getattr(op, field) for field in Operation.model_fields})  # every field, as a row has
+        assert op == again and op.model_fields_set == again.model_fields_set and op.model_dump_json() == again.model_dump_json()
+    constraints = {type(c).__name__ for field in Operation.model_fields.values() for c in field.metadata}
+    assert constraints == {"Strict", "Ge"}  # what `plan_io._valid_as_read` checks besides the kind
+
+
+@pytest.mark.parametrize("column, value", [("operations.chunks", 0), ("operations.kind.names", '["teleport"]'),
+                                           ("operations.id", 1.5), ("operations.tensor", -1)])
+def test_a_rank_refuses_a_row_its_record_would_refuse(tmp_path, column, value):
+    """A column no record takes (a kind outside the table, chunks 0, a float id, tensor -1) is refused by a rank's
+    read in one line naming the field, as validating each row refuses it."""
+    plan = read_plan_file(ROOT / "plans" / "weight_sync_small.plan.json")  # every operation names its tensor
+    arrays = compact_arrays(plan)
+    if isinstance(value, str):
+        arrays[column] = np.frombuffer(value.encode(), dtype=np.uint8)
+    else:
+        arrays[column] = np.full(arrays[column].shape, value, dtype=np.float64 if isinstance(value, float) else np.int64)
+    path = tmp_path / "bad.plan.npz"
+    path.write_bytes(archive_bytes(arrays))
+    field = column.split(".")[1]
+    with pytest.raises(PlanFileError) as err:
+        read_plan_ops(path, plan.operations[0].src)
+    assert "\n" not in str(err.value) and field in str(err.value), str(err.value)
+
+
+def test_index_steps_of_255_rows_or_more_come_back_through_the_wide_member(tmp_path):
+    """`index.rows` is uint8: a device whose operations lie 255 or more rows apart has those steps in
+    `index.rows.wide`, and reads its rows back exactly (device 7 at rows 0, 300 and 999 of 1,000)."""
+    from xmesh_plan.schemas.plan_compact import WIDE_STEP, _device_index, _Members, device_rows
+
+    count = 1000
+    src = np.where(np.isin(np.arange(count), [0, 300, 999]), 7, 1)
+    dsts = np.where(np.arange(count) == 600, 8, 2)
+    none = np.zeros(0, dtype=np.int8)
+    columns = {"operations.src": src, "operations.dsts.lengths": np.ones(count, np.int8), "operations.dsts.values": dsts,
+               "operations.holders.lengths": np.zeros(count, np.int8), "operations.holders.values": none,
+               "operations.needers.lengths": np.zeros(count, np.int8), "operations.needers.inner": none,
+               "operations.needers.values": none}
+    index = _device_index(columns, count)
+    assert index["index.rows"].dtype == np.uint8 and index["index.rows.wide"].tolist() == [300, 699]
+    assert (index["index.rows"] == WIDE_STEP).sum() == 2
+    path = tmp_path / "index.npz"
+    path.write_bytes(archive_bytes({"header": np.frombuffer(b"{}", np.uint8), **index}))
+    members = _Members(path)
+    assert device_rows(members, 7).tolist() == [0, 300, 999]
+    assert device_rows(members, 8).tolist() == [600]
+    assert device_rows(members, 1).tolist() == [r for r in range(count) if r not in (0, 300, 999)]
+    assert device_rows(members, 2).tolist() == [r for r in range(count) if r != 600]
+
+
+def test_optional_integers_store_only_the_rows_that_have_one(tmp_path):
+    """`carrier` is None on most operations: the column holds the others' values, the `.none` mask says which."""
+    plan = read_plan_file(ROOT / "plans" / "weight_sync_small.plan.json")
+    carriers = [op.carrier for op in plan.operations]
+    assert None in carriers and any(c is not None for c in carriers)
+    arrays = compact_arrays(plan)
+    assert arrays["operations.carrier"].tolist() == [c for c in carriers if c is not None]
+    assert arrays["operations.carrier.none"].tolist() == [c is None for c in carriers]
+    _round_trip(plan, tmp_path)
+
+
+def test_another_format_version_is_refused_naming_both(tmp_path):
+    import json
+
+    from xmesh_plan.schemas.plan_compact import FORMAT_VERSION
+
+    arrays = compact_arrays(read_plan_file(ROOT / "plans" / "case3.plan.json"))
+    header = json.loads(bytes(arrays["header"]).decode())
+    header["format_version"] = FORMAT_VERSION - 1
+    arrays["header"] = np.frombuffer(json.dumps(header).encode(), dtype=np.uint8)
+    path = tmp_path / "old.plan.npz"
+    path.write_bytes(archive_bytes(arrays))
+    for read in (read_plan_file, lambda p: read_plan_ops(p, 0)):
+        with pytest.raises(PlanFileError) as err:
+            read(path)
+        message = str(err.value)
+        assert "\n" not in message and f"compact format version {FORMAT_VERSION - 1}; this reads version {FORMAT_VERSION}" in message

@@ -10,6 +10,7 @@ sides must agree, and neither may fail in any other way than its own one-line er
 
 from __future__ import annotations
 
+import functools
 import math
 import random
 from pathlib import Path
@@ -23,7 +24,7 @@ from xmesh_plan.executor.ranks import plan_devices
 from xmesh_plan.planner.verify import PlanError, verify_plan
 from xmesh_plan.schemas import Plan
 from tests.support.cases import STRATEGIES, compiled, random_problem
-from tests.support.mutations import SUMMARY, as_lists, mutate
+from tests.support.mutations import SUMMARY, as_lists, mutate, mutate_multi
 
 MIN_MUTANTS = 1000  # schema-valid mutants per run (the issue asks for at least 1,000)
 
@@ -114,9 +115,11 @@ def test_a_bad_operation_time_gets_the_same_message_on_both_sides(field, value):
 MIN_MULTI_MUTANTS = 600
 
 
-def _multi_bases() -> list[Plan]:
+@functools.cache
+def _multi_bases() -> tuple[Plan, ...]:
     """Multi-tensor plans with every feature a mutation can break: bundles, bundles of several tensors sharing one
-    message (`carrier`), a stated staging limit and peaks (with and without shared messages), copies, broadcasts."""
+    message (`carrier`), a stated staging limit and peaks (with and without shared messages), copies, broadcasts.
+    Compiled once for the module's tests (plans are frozen; each test mutates its own copies)."""
     from xmesh_plan.planner.compile import compile_plan
     from xmesh_plan.planner.transfer_io import load_any_problem
     from tests.support.transfer import three_tensors
@@ -129,69 +132,7 @@ def _multi_bases() -> list[Plan]:
              compile_plan(load_any_problem(small), solver="greedy")]  # 84 bundles, 80 of them riding in another's message
     assert any(op.carrier is not None for op in bases[0].operations)
     assert all(b.staging is not None for b in bases[1:3]) and any(op.kind == "bundle" for op in bases[1].operations)
-    return bases
-
-
-def _mutate_multi(rng: random.Random, plan: dict) -> str:
-    """One mutation of what only multi-tensor plans have (else a generic one, `mutate`); returns its name."""
-    ops = plan["operations"]
-    bundles = [op for op in ops if op["kind"] == "bundle"]
-    kind = rng.choice(["carrier", "carrier", "staging", "staging", "bundle", "bundle", "tensor", "host-order-empty", "generic",
-                       "generic", "generic"])
-    if kind == "carrier" and bundles:
-        op = rng.choice(bundles)
-        later = [o["id"] for o in ops[ops.index(op) + 1:]] or [op["id"]]
-        op["carrier"] = rng.choice([rng.choice(later), op["id"], rng.choice(ops)["id"], None, max(o["id"] for o in ops) + 5,
-                                    ops[max(0, ops.index(op) - 1)]["id"], ops[0]["id"], ops[-1]["id"]])
-    elif kind == "staging" and plan.get("staging"):
-        staging = plan["staging"]
-        peaks = staging["peak_bytes"]
-        what = rng.choice(["limit", "limit", "peak", "drop-device", "add-device", "drop"])
-        if what == "limit":
-            values = list(peaks.values()) or [1]
-            staging["limit_bytes"] = rng.choice([1, max(1, min(values) - 1), max(1, max(values) - 1), max(values), staging["limit_bytes"] * 2])
-        elif what == "peak" and peaks:
-            device = rng.choice(list(peaks))
-            peaks[device] = max(0, peaks[device] + rng.choice([-8, -1, 1, 8]))
-        elif what == "drop-device" and peaks:
-            peaks.pop(rng.choice(list(peaks)))
-        elif what == "add-device":
-            peaks[rng.choice([0, 1, 2, 3, 4, 5, 99])] = rng.choice([0, 8, 64])
-        else:
-            plan.pop("staging")
-    elif kind == "bundle" and bundles:
-        op = rng.choice(bundles)
-        what = rng.choice(["src-null", "dsts-empty", "holder", "needers", "needers-twice", "part-dropped", "relay"])
-        if what == "src-null":
-            op["src"] = None
-        elif what == "dsts-empty":
-            op["dsts"] = []
-        elif what == "holder":
-            op["holders"][rng.randrange(len(op["holders"]))] = rng.choice([0, 1, 2, 3, 4, 5, -1, 64])
-        elif what == "needers":
-            op["needers"][rng.randrange(len(op["needers"]))] = rng.choice([[], [0], [5], [99]])
-        elif what == "needers-twice":
-            needers = op["needers"][rng.randrange(len(op["needers"]))]
-            needers.append(needers[0])
-        elif what == "part-dropped":
-            k = rng.randrange(len(op["parts"]))
-            for field in rng.choice([("parts",), ("parts", "holders", "needers")]):
-                op[field].pop(k)
-        else:
-            op["dsts"] = [rng.choice([0, 1, 2, 3, 4, 5])]
-    elif kind == "tensor":
-        op = rng.choice(ops)
-        op["tensor"] = rng.choice([0, 1, 2, len(plan["problem"]["tensors"]), op["tensor"] + 1])
-    elif kind == "host-order-empty":
-        plan["host_order"] = []
-    else:
-        try:
-            return mutate(rng, plan)
-        except KeyError:  # the single-tensor "shape" mutation: change one tensor's shape instead
-            tensor = rng.choice(plan["problem"]["tensors"])
-            tensor["shape"][0] = max(0, tensor["shape"][0] + rng.choice([-1, 1, 7]))
-            return "shape"
-    return kind
+    return tuple(bases)
 
 
 def _executor_refuses(plan: Plan) -> str | None:
@@ -216,7 +157,7 @@ def _executor_refuses(plan: Plan) -> str | None:
 def test_verify_and_the_executor_agree_on_random_multi_tensor_mutants():
     bases = [as_lists(p.model_dump()) for p in _multi_bases()]
     weighted = [bases[k] for k in (0, 0, 1, 1, 2, 2, 3, 4)]  # the 84-bundle plan is slow to lower on every device
-    kinds = _agreement(random.Random(20261126), weighted, _mutate_multi, _executor_refuses, MIN_MULTI_MUTANTS,
+    kinds = _agreement(random.Random(20261126), weighted, mutate_multi, _executor_refuses, MIN_MULTI_MUTANTS,
                        "multi-tensor plan mutants")
     assert min(kinds.get("carrier", 0), kinds.get("staging", 0), kinds.get("bundle", 0)) >= 40  # the new mutations ran
 

@@ -32,6 +32,22 @@ def test_redistribute_across_meshes_matches_dtensor_on_every_rank():
     assert sum(int(r["async"]) for r in randoms.values()) > 0
 
 
+def test_into_writes_the_callers_views_matching_dtensor_and_bad_ones_fail_every_rank():
+    lines = launch(4, "into", worker=Path(__file__).parent / "workers" / "redistribute_worker.py")
+    moves = [line for line in lines if ": into case " in line]
+    # 5 cases x 2 dtypes x 3 runs (sync rows, async columns, sync columns) on every rank
+    assert len(moves) == 4 * 5 * 2 * 3 and all(line.endswith(": ok") for line in moves), [m for m in moves if not m.endswith(": ok")]
+    refused = {line.split(": ", 2)[1]: [] for line in lines if ": into refused" in line}
+    for line in lines:
+        if ": into refused" in line:
+            refused[line.split(": ", 2)[1]].append(line.split(": ", 2)[2])
+    assert sorted(refused) == ["into refused, gradient", "into refused, wrong shape"]
+    assert all(len(said) == 4 and len(set(said)) == 1 for said in refused.values()), refused  # every rank, the same line
+    assert refused["into refused, wrong shape"][0].startswith("redistribute: into= on rank 1 is not a tensor of its destination "
+                                                              "shard's shape, dtype and device"), refused
+    assert "into= is written outside autograd" in refused["into refused, gradient"][0], refused
+
+
 def test_a_plain_tensor_is_refused_in_one_line():
     from xmesh_plan.redistribute import redistribute
     from xmesh_plan.sides import FrontendError

@@ -6,19 +6,10 @@ from __future__ import annotations
 
 from xmesh_plan.planner.compile import compile_plan
 from xmesh_plan.planner.simulate import GATHER_AHEAD, lower, nic_assignment, run_flows, simulate
-from xmesh_plan.planner.transfer_io import build_transfer
 from xmesh_plan.schemas.op_kinds import rule_of
 
 from tests.support.reference_flows import reference_simulate
-
-
-def many_bundles():
-    """Twelve small tensors from host 0's four devices to host 1's: every box is bundled, a bundle gathers from
-    three holders and scatters to three needers."""
-    return build_transfer({
-        "name": "bundles", "src_mesh": {"shape": [4], "devices": [0, 1, 2, 3]}, "dst_mesh": {"shape": [4], "devices": [4, 5, 6, 7]},
-        "cluster": {"devices_per_host": 4},
-        "tensors": [{"name": f"t{i}", "shape": [64, 16], "dtype": "float32", "src": "S0 R", "dst": "R S0"} for i in range(12)]})
+from tests.support.transfer import many_bundles
 
 
 def flow_spans(plan):

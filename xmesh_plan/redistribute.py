@@ -2,6 +2,7 @@
 
     y = redistribute(x, dst_mesh, [Shard(1)])                  # every rank calls it, as with any DTensor op
     y = redistribute(x, dst_mesh, [Shard(1)], async_op=True)   # returns at once; waits when y's data is first used
+    y = redistribute(x, dst_mesh, [Shard(1)], into=param)      # this rank's shard written into `param`, in place
     clear_cache()                                              # every rank: drop cached plans, executors, groups
     set_cache_size(32)                                         # every rank: keep the 32 most recently used layouts
 
@@ -16,8 +17,14 @@ d // LOCAL_WORLD_SIZE, as torchrun numbers ranks; pass `cluster` to describe oth
 Arguments are checked on every rank before any process group or collective, so a bad one raises
 the same line everywhere. Then, before any byte moves, the ranks of both meshes compare one small
 row each (`_agree`, one small all-reduce per call): the layout they were called with, their local
-shard's shape, whether they will run the backward, whether their executor is prepared. A
-disagreement fails on every rank of both meshes.
+shard's shape, whether they will run the backward, whether their executor is prepared, whether the
+tensor passed as `into` fits. A disagreement fails on every rank of both meshes.
+
+`into`: on a rank of the destination mesh, a tensor of its local shard's shape, dtype and device (a view
+into a larger one is fine, a slice of a fused parameter) that the move writes in place
+(`TransferExecutor`'s `into`, docs/executor.md): the result's local tensor is that tensor, and no
+buffer of the cached executor is handed out or copied. It is written outside autograd, so it is refused
+when the move would run a backward.
 
 It is differentiable: the gradient goes back through the reverse plan (destination -> source), which
 is DTensor's own rule for replicated gradients (each replica's gradient is taken to be the same).
@@ -197,29 +204,36 @@ class _Move:
         box = self.problem.blocks("src")[rank]
         return tuple(stop - start for start, stop in box) if self.shape else ()
 
-    def run(self, local: torch.Tensor | None, *, async_op: bool = False, wants_grad: bool = False) -> DTensor:
-        """This rank's part of the move: the destination DTensor (its local shard waited for lazily with `async_op`)."""
+    def run(self, local: torch.Tensor | None, *, async_op: bool = False, wants_grad: bool = False,
+            into: torch.Tensor | None = None) -> DTensor:
+        """This rank's part of the move: the destination DTensor (its local shard waited for lazily with `async_op`),
+        written into `into` where given."""
         _STATE.same_world()
         group = _STATE.group(self.ranks)
         if dist.get_rank() not in self.ranks:
+            if into is not None:
+                raise FrontendError(f"redistribute: into= on rank {dist.get_rank()}, which is in neither mesh and gets no "
+                                    "destination shard; pass into=None there")
             return self._wrap(None, wants_grad)
         _STATE.finish_pending(self.ranks)
-        executor = _agree(self, group, local, wants_grad)
+        executor = _agree(self, group, local, wants_grad, into)
         local = None if local is None else local.detach()  # the engines write views of it outside autograd (grad is ours)
         src = None if local is None else local.reshape(1) if local.dim() == 0 else local.contiguous()
+        target = None if into is None else into.reshape(1) if into.dim() == 0 else into  # a view: written in place
         if not async_op:
             try:
-                out = executor.run(src)
-                out = None if out is None else out.clone()  # run() returns a buffer reused next call
+                out = executor.run(src, into=target)
+                if target is None and out is not None:
+                    out = out.clone()  # run() returns a buffer reused next call
             finally:
                 if not executor.engine.broken:
                     executor.engine.unbind()  # the cache must not keep the caller's shard alive
-            return self._wrap(None if out is None else self._to_user(out), wants_grad)
-        executor.start(src)
+            return self._wrap(into if into is not None else None if out is None else self._to_user(out), wants_grad)
+        executor.start(src, into=target)
         shape = executor.program.dst_shape
-        out = self._placeholder() if shape is None else torch.empty(self._user_shape(shape), dtype=self.dtype,
-                                                                   device=self.device)
-        _register_work(out, PythonCallbackWork(_Finisher(executor, out, shape is not None)))
+        out = into if into is not None else self._placeholder() if shape is None else \
+            torch.empty(self._user_shape(shape), dtype=self.dtype, device=self.device)
+        _register_work(out, PythonCallbackWork(_Finisher(executor, out, shape is not None and into is None)))
         _STATE.pending[self.ranks] = executor, lambda: wait_tensor(out)  # a rank that only sends may never touch its result
         return self._wrap(AsyncCollectiveTensor(out), wants_grad)
 
@@ -244,11 +258,12 @@ class _Move:
         return DTensor(local, DTensorSpec(self.dst, self.dst_placements, tensor_meta=meta), requires_grad=requires_grad)
 
 
-def _agree(move: _Move, group, local: torch.Tensor | None, wants_grad: bool) -> ReshardingExecutor:
+def _agree(move: _Move, group, local: torch.Tensor | None, wants_grad: bool, into=None) -> ReshardingExecutor:
     """The prepared executor, once every rank of the move agrees to run it; else the same error on every rank.
 
     Each rank has a row: the hash of the layout it was called with, whether it will run the backward, whether
-    its local shard fits the plan, whether its executor is prepared, whether that one broke. A 2-number
+    its local shard fits the plan, whether its executor is prepared, whether that one broke, what is wrong with
+    the tensor it passed as `into` (`_INTO_TROUBLE`; 0: nothing, or none passed). A 2-number
     all-reduce tells every rank whether all rows agree and are fine (the usual case: run); if not, all
     ranks all-gather the rows to name the ranks in one error, or, when only some ranks lack the executor
     (a rank may have dropped it), all prepare it again."""
@@ -256,7 +271,8 @@ def _agree(move: _Move, group, local: torch.Tensor | None, wants_grad: bool) -> 
     executor = _STATE.executors.get(move.fingerprint)
     fits = local is None or (tuple(local.shape) == move.local_shape(rank) and local.dtype == move.dtype)
     broken = executor is not None and bool(executor.engine.broken)
-    row = np.array([*move.fingerprint, wants_grad, fits, executor is not None, broken], dtype=np.int64)
+    row = np.array([*move.fingerprint, wants_grad, fits, executor is not None, broken, _into_trouble(move, rank, into, wants_grad)],
+                   dtype=np.int64)
     if _all_fine(group, row):
         return _STATE.used(move.fingerprint)
     every = TorchWorld(group).allgather(row, AGREE_TIMEOUT_S, DEFAULT_POLL_S, "redistribute() on every rank of both meshes")
@@ -281,7 +297,7 @@ def _all_fine(group, row: np.ndarray) -> bool:
     Each rank sends x << 3 | trouble and (2**31 - 1 - x) << 3 | trouble: the maxima give max(x) and min(x),
     equal only when every x is, and a nonzero low part when any rank has trouble."""
     same = (int(row[0]) & (2**30 - 1)) << 1 | int(row[2])
-    trouble = int(not row[3]) | int(not row[4]) << 1 | int(row[5]) << 2
+    trouble = int(not row[3] or row[6] != 0) | int(not row[4]) << 1 | int(row[5]) << 2
     both = torch.tensor([same << 3 | trouble, (2**31 - 1 - same) << 3 | trouble], dtype=torch.int64,
                         device=TorchWorld(group).tensor_device())
     work = dist.all_reduce(both, op=dist.ReduceOp.MAX, group=group, async_op=True)
@@ -289,6 +305,28 @@ def _all_fine(group, row: np.ndarray) -> bool:
     work.wait()
     high, low = (int(v) for v in both.tolist())
     return high >> 3 == 2**31 - 1 - (low >> 3) and not (high | low) & 7
+
+
+_INTO_TROUBLE = {  # what a rank's `into` row entry says, and the fix
+    1: "is not a tensor of its destination shard's shape, dtype and device; pass one that is (a view is fine)",
+    2: "is given on a rank outside the destination mesh, which gets no destination shard; pass into=None there",
+    3: "is given for a move that runs a backward (the tensor requires grad), and into= is written outside autograd; "
+       "call it under torch.no_grad() or on a tensor that does not require grad",
+}
+
+
+def _into_trouble(move: _Move, rank: int, into, wants_grad: bool) -> int:
+    """What is wrong with the tensor a rank passed as `into` (an `_INTO_TROUBLE` key), or 0."""
+    if into is None:
+        return 0
+    box = move.problem.blocks("dst").get(rank)
+    if box is None:
+        return 2
+    if wants_grad:
+        return 3
+    shape = tuple(b - a for a, b in box) if move.shape else ()
+    fits = isinstance(into, torch.Tensor) and tuple(into.shape) == shape and into.dtype == move.dtype and into.device == move.device
+    return 0 if fits else 1
 
 
 def _check_rows(move: _Move, ranks: np.ndarray, every: np.ndarray) -> None:
@@ -306,6 +344,12 @@ def _check_rows(move: _Move, ranks: np.ndarray, every: np.ndarray) -> None:
             f"redistribute: the local shard of {_list(unfit)} does not match the DTensor's spec (rank {wrong} must hold "
             f"shape {move.local_shape(wrong)} {str(move.dtype).removeprefix('torch.')} of the global {tuple(move.shape)} under "
             f"{list(move.src_placements)}); make it with distribute_tensor, or DTensor.from_local with the right shape= and stride=")
+    for code, why in _INTO_TROUBLE.items():
+        wrong = ranks[every[:, 6] == code]
+        if len(wrong):
+            shapes = "; ".join(f"rank {int(r)} holds {tuple(b - a for a, b in move.problem.blocks('dst')[int(r)])}"
+                               for r in wrong[:4] if int(r) in move.problem.blocks("dst"))
+            raise FrontendError(f"redistribute: into= on {_list(wrong)} {why}{f' ({shapes})' if code == 1 and shapes else ''}")
     grads = every[:, 2]
     if grads.any() and not grads.all():
         raise FrontendError(
@@ -385,16 +429,16 @@ def _local(tensor: DTensor) -> torch.Tensor | None:
 
 class _Redistribute(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, tensor: DTensor, move: _Move, async_op: bool, wants_grad: bool):
+    def forward(ctx, tensor: DTensor, move: _Move, async_op: bool, wants_grad: bool, into):
         ctx.move = move
-        return move.run(_local(tensor), async_op=async_op, wants_grad=wants_grad)
+        return move.run(_local(tensor), async_op=async_op, wants_grad=wants_grad, into=into)
 
     @staticmethod
     def backward(ctx, grad: DTensor):
         move = ctx.move
         if tuple(grad.placements) != move.dst_placements:
             grad = grad.redistribute(move.dst, move.dst_placements)
-        return move.reverse().run(_local(grad)), None, None, None
+        return move.reverse().run(_local(grad)), None, None, None, None
 
 
 def _check_args(tensor, dst_mesh, dst_placements, cluster, async_op) -> None:
@@ -423,16 +467,20 @@ def _check_args(tensor, dst_mesh, dst_placements, cluster, async_op) -> None:
 
 
 def redistribute(tensor: DTensor, dst_mesh: DeviceMesh, dst_placements: Sequence[object], *,
-                 cluster: Cluster | None = None, async_op: bool = False) -> DTensor:
+                 cluster: Cluster | None = None, async_op: bool = False, into: torch.Tensor | None = None) -> DTensor:
     """`tensor` laid out on `dst_mesh` with `dst_placements`; every rank of the default group calls it.
 
     With `async_op=True` it returns once this rank's messages are posted; the local shard is an
     `AsyncCollectiveTensor` that waits when first used or `.wait()`ed (as DTensor's own `async_op`), or
     when the next move over the same ranks starts. On every rank, even one that only sends, do not
     modify the source shard until then. A failure raises on every use of the result.
+
+    `into`: this rank's destination shard is written in place into that tensor (of the local shard's shape,
+    dtype and device; a view is fine), which becomes the result's local tensor; None on a rank outside the
+    destination mesh. A tensor that does not fit, or `into` with a move that runs a backward, fails every rank.
     """
     _check_args(tensor, dst_mesh, dst_placements, cluster, async_op)
     move = _Move(tensor.shape, tensor.dtype, tensor.device_mesh, tuple(tensor.placements), dst_mesh, tuple(dst_placements),
                  cluster or default_cluster(), tensor.to_local().device)
     wants_grad = torch.is_grad_enabled() and tensor.requires_grad
-    return _Redistribute.apply(tensor, move, async_op, wants_grad)
+    return _Redistribute.apply(tensor, move, async_op, wants_grad, into)

@@ -31,9 +31,7 @@ def transfer_group(host: str, port: int, rank: int, world_size: int, *, backend:
 
     Rank 0 listens on `port` (of `host`, an address of its own machine); every other rank must reach it within
     `timeout_s`, which also bounds each of the group's collectives. Bad arguments are one FrontendError line."""
-    import torch
     import torch.distributed as dist
-    from torch.distributed import _dist2
 
     rank, world_size, port = _whole(rank, "rank"), _whole(world_size, "world_size"), _whole(port, "port")
     if not isinstance(host, str) or not host:
@@ -49,6 +47,17 @@ def transfer_group(host: str, port: int, rank: int, world_size: int, *, backend:
         raise FrontendError(f"transfer_group: timeout_s={timeout_s!r}; give a positive number of seconds")
     timeout = timedelta(seconds=float(timeout_s))
     store = dist.TCPStore(host, port, world_size, rank == 0, timeout=timeout, wait_for_workers=False)
+    return group_on_store(store, rank, world_size, timeout, backend)
+
+
+def group_on_store(store, rank: int, world_size: int, timeout: timedelta, backend: str = "gloo"):
+    """The process group `transfer_group` makes, from any `torch.distributed.Store` the ranks share (a `TCPStore`
+    there; a `HashStore` for ranks that are threads of one process): made from the store alone, not torch's default
+    group and not registered with it; `timeout` bounds each collective."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed import _dist2
+
     device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" else torch.device("cpu")
     return _dist2._BACKENDS[backend](dist.PrefixStore("xmesh-transfer/", store), rank, world_size, timeout, device)
 

@@ -25,6 +25,7 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
+from xmesh_plan.schemas.convert import block_box
 from xmesh_plan.weight_sync import COLUMN, REPLICATED, ROW, VOCAB, Fused, Target, WeightSync
 
 TRAINER, ENGINE = [0, 1, 2, 3], [[4, 5], [6, 7]]
@@ -249,25 +250,31 @@ def converted_targets(mesh: DeviceMesh, c: Config = BLOCKED, unfused: tuple[int,
 
 def check_converted(targets: dict[str, Target], scales: dict, mesh: DeviceMesh, refs: dict[str, torch.Tensor]) -> str:
     """'ok' when every element and scale of every converted destination is bit for bit `cast_reference`'s of the
-    trainer's full tensor (a fused one: each part's TP share in turn), else the first that is not."""
-    tp = mesh.get_coordinate()[1]
+    trainer's full tensor (a fused one: each part's share on this rank, concatenated along `Fused.dim`), else the
+    first that is not."""
     for name, target in targets.items():
-        if isinstance(target.source, Fused):
-            cast = [cast_reference(refs[p], target.dtype, target.scale) for p in target.source.parts]
-            want = torch.cat([v.chunk(mesh.size(1))[tp] for v, _ in cast])
-            want_scales = torch.cat([s.chunk(mesh.size(1))[tp] for _, s in cast]) if target.scale else None
-        else:
-            values, whole_scales = cast_reference(refs[name], target.dtype, target.scale)
-            local, offset = compute_local_shape_and_global_offset(refs[name].shape, mesh, PLACEMENTS[target.layout])
-            want = values[tuple(slice(o, o + n) for o, n in zip(offset, local))]
-            want_scales = whole_scales if target.scale == "tensor" else None
-            if target.scale == "block":
-                want_scales = whole_scales[tuple(slice(o // BLOCK, -(-(o + n) // BLOCK)) for o, n in zip(offset, local))]
+        fused = isinstance(target.source, Fused)
+        shares = [_share(refs[p], target, mesh) for p in (target.source.parts if fused else (name,))]
+        dim = target.source.dim if fused else 0
+        want = torch.cat([values for values, _ in shares], dim)
+        want_scales = None if target.scale is None else shares[0][1] if target.scale == "tensor" else \
+            torch.cat([s for _, s in shares], dim)
         if target.tensor.dtype != want.dtype or not torch.equal(_bits(target.tensor), _bits(want)):
             return f"{name} differs"
         if want_scales is not None and not torch.equal(_bits(scales[name]), _bits(want_scales)):
             return f"{name}'s scales differ"
     return "ok"
+
+
+def _share(full: torch.Tensor, target: Target, mesh: DeviceMesh) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """This rank's box of `full` laid out by `target.layout`, cast by `cast_reference`, with its scales: per tensor
+    the one, per block those of the blocks the box touches (`block_box`: 1 per index of a leading dim)."""
+    values, scales = cast_reference(full, target.dtype, target.scale)
+    local, offset = compute_local_shape_and_global_offset(full.shape, mesh, PLACEMENTS[target.layout])
+    box = tuple((o, o + n) for o, n in zip(offset, local))
+    if target.scale == "block":
+        scales = scales[tuple(slice(a, b) for a, b in block_box(box))]
+    return values[tuple(slice(a, b) for a, b in box)], scales
 
 
 def _bits(tensor: torch.Tensor) -> torch.Tensor:

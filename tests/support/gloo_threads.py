@@ -1,6 +1,6 @@
 """Real gloo ranks as threads of the test process: one process group per thread, made from one in-memory store.
 
-Each rank's group is made as `xmesh_plan.transfer_group` makes its own (not torch's default group, not registered),
+Each rank's group is the one `xmesh_plan.transfer_group` makes (`group_on_store`: not torch's default group, not registered),
 so a test runs the torch engine over real gloo sockets without launching processes. A rank that raises fails the
 call, naming every failed rank and its error; the join's deadline only bounds a hang.
 """
@@ -18,9 +18,9 @@ HANG_S = 120.0  # bounds a hang only: 8 ranks sharing a loaded 2-core machine
 def run_threads(n: int, work: Callable[[int, Any], Any], timeout_s: float = 30.0) -> list[Any]:
     """`work(rank, group)` on `n` threads, each with its rank's gloo group (collectives time out after `timeout_s`);
     every rank's result, in rank order."""
-    import torch
     import torch.distributed as dist
-    from torch.distributed import _dist2
+
+    from xmesh_plan.transfer_group import group_on_store
 
     store = dist.HashStore()
     results: list[Any] = [None] * n
@@ -28,8 +28,7 @@ def run_threads(n: int, work: Callable[[int, Any], Any], timeout_s: float = 30.0
 
     def rank(r: int) -> None:
         try:
-            group = _dist2._BACKENDS["gloo"](dist.PrefixStore("threads/", store), r, n, timedelta(seconds=timeout_s),
-                                             torch.device("cpu"))
+            group = group_on_store(store, r, n, timedelta(seconds=timeout_s))
             results[r] = work(r, group)
         except BaseException as err:  # reported by the caller's thread
             errors.append((r, err))

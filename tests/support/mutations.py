@@ -80,6 +80,68 @@ def mutate(rng: random.Random, plan: dict) -> str:
     return kind
 
 
+def mutate_multi(rng: random.Random, plan: dict) -> str:
+    """One mutation of what only multi-tensor plans have (else a generic one, `mutate`); returns its name."""
+    ops = plan["operations"]
+    bundles = [op for op in ops if op["kind"] == "bundle"]
+    kind = rng.choice(["carrier", "carrier", "staging", "staging", "bundle", "bundle", "tensor", "host-order-empty", "generic",
+                       "generic", "generic"])
+    if kind == "carrier" and bundles:
+        op = rng.choice(bundles)
+        later = [o["id"] for o in ops[ops.index(op) + 1:]] or [op["id"]]
+        op["carrier"] = rng.choice([rng.choice(later), op["id"], rng.choice(ops)["id"], None, max(o["id"] for o in ops) + 5,
+                                    ops[max(0, ops.index(op) - 1)]["id"], ops[0]["id"], ops[-1]["id"]])
+    elif kind == "staging" and plan.get("staging"):
+        staging = plan["staging"]
+        peaks = staging["peak_bytes"]
+        what = rng.choice(["limit", "limit", "peak", "drop-device", "add-device", "drop"])
+        if what == "limit":
+            values = list(peaks.values()) or [1]
+            staging["limit_bytes"] = rng.choice([1, max(1, min(values) - 1), max(1, max(values) - 1), max(values), staging["limit_bytes"] * 2])
+        elif what == "peak" and peaks:
+            device = rng.choice(list(peaks))
+            peaks[device] = max(0, peaks[device] + rng.choice([-8, -1, 1, 8]))
+        elif what == "drop-device" and peaks:
+            peaks.pop(rng.choice(list(peaks)))
+        elif what == "add-device":
+            peaks[rng.choice([0, 1, 2, 3, 4, 5, 99])] = rng.choice([0, 8, 64])
+        else:
+            plan.pop("staging")
+    elif kind == "bundle" and bundles:
+        op = rng.choice(bundles)
+        what = rng.choice(["src-null", "dsts-empty", "holder", "needers", "needers-twice", "part-dropped", "relay"])
+        if what == "src-null":
+            op["src"] = None
+        elif what == "dsts-empty":
+            op["dsts"] = []
+        elif what == "holder":
+            op["holders"][rng.randrange(len(op["holders"]))] = rng.choice([0, 1, 2, 3, 4, 5, -1, 64])
+        elif what == "needers":
+            op["needers"][rng.randrange(len(op["needers"]))] = rng.choice([[], [0], [5], [99]])
+        elif what == "needers-twice":
+            needers = op["needers"][rng.randrange(len(op["needers"]))]
+            needers.append(needers[0])
+        elif what == "part-dropped":
+            k = rng.randrange(len(op["parts"]))
+            for field in rng.choice([("parts",), ("parts", "holders", "needers")]):
+                op[field].pop(k)
+        else:
+            op["dsts"] = [rng.choice([0, 1, 2, 3, 4, 5])]
+    elif kind == "tensor":
+        op = rng.choice(ops)
+        op["tensor"] = rng.choice([0, 1, 2, len(plan["problem"]["tensors"]), op["tensor"] + 1])
+    elif kind == "host-order-empty":
+        plan["host_order"] = []
+    else:
+        try:
+            return mutate(rng, plan)
+        except KeyError:  # the single-tensor "shape" mutation: change one tensor's shape instead
+            tensor = rng.choice(plan["problem"]["tensors"])
+            tensor["shape"][0] = max(0, tensor["shape"][0] + rng.choice([-1, 1, 7]))
+            return "shape"
+    return kind
+
+
 def as_lists(value):
     """model_dump gives tuples; mutations need lists (the JSON a user edits has lists too)."""
     if isinstance(value, (list, tuple)):

@@ -1,12 +1,14 @@
 """One rank of the senders' conversion on the torch engine over gloo, started by tests/test_convert_torch.py with env://
-variables: a plan converting at the sender (fp16, bf16, FP8 with block and per-tensor scales), run twice with new
-values, every destination element and every delivered scale compared bit for bit with a reference made here from
-the whole tensor by torch's own ops (`weight_sync_demo.cast_reference`: scales block by block, the cast by
-`.to()`), not by `executor.convert`.
+variables, or on the MPI engine under mpiexec (tests/test_convert_mpi.py): a plan converting at the sender (fp16,
+bf16, FP8 with block and per-tensor scales), run twice with new values, every destination element and every delivered
+scale compared bit for bit with a reference made here from the whole tensor by torch's own ops
+(`weight_sync_demo.cast_reference`: scales block by block, the cast by `.to()`), not by `executor.convert`.
 
     python tests/workers/convert_worker.py hooks       4 ranks: sends, broadcasts, bundle gathers and local copies, in
                                                        device order (gloo's tags, then every tag 0) and posted; a one-tensor cast
     python tests/workers/convert_worker.py replicated  3 ranks: per-tensor scales over replicated and uneven sources
+    mpiexec -n 4 python tests/workers/convert_worker.py mpi   the same two plans on 4 MPI ranks (the second with a
+                                                       fourth, receiving rank), in device order and posted; a one-tensor cast
 
 Each rank prints `rank R: what: result` lines; the test reads them.
 """
@@ -44,6 +46,9 @@ REPLICATED = {"src_mesh": {"shape": [3], "devices": [0, 1, 2]}, "dst_mesh": {"sh
                           {"name": "h", "shape": [5, 3], "src": "S0 R", "dst": "R R", "dst_dtype": "float16"}]}
 
 
+REPLICATED4 = {**REPLICATED, "dst_mesh": {"shape": [2], "devices": [2, 3]}}  # a receiver outside the source mesh too
+
+
 def whole(name: str, shape, dtype: str, step: int) -> torch.Tensor:
     """Tensor `name`'s values at `step`, the same on every rank: magnitudes spread over blocks, one block all zero."""
     g = torch.Generator().manual_seed(zlib.crc32(f"{name} {step}".encode()))
@@ -68,14 +73,28 @@ def cut(array: torch.Tensor, box) -> torch.Tensor:
 
 
 def bits(t: torch.Tensor) -> torch.Tensor:
-    return t.contiguous().view(torch.uint8)
+    return t.new_empty(t.shape).copy_(t).view(torch.uint8)  # standard strides, also where a dim is empty
 
 
-def check(raw: dict, label: str, **executor_kw) -> None:
-    rank = dist.get_rank()
+def say(line: str) -> None:
+    """Print one line with one write (atomic on a pipe), so the lines of ranks sharing mpiexec's stdout never interleave."""
+    os.write(sys.stdout.fileno(), (line + "\n").encode())
+
+
+def as_torch(got, dtype: str) -> torch.Tensor:
+    """A destination shard as torch holds it: the torch engine's as it is, the MPI engine's numpy (raw storage for
+    bfloat16 and FP8) viewed as the plan's dtype."""
+    if isinstance(got, torch.Tensor):
+        return got
+    return torch.from_numpy(got).view(getattr(torch, dtype))
+
+
+def check(raw: dict, label: str, comm=None, rank: int | None = None, **executor_kw) -> None:
+    rank = dist.get_rank() if rank is None else rank
     plan = compile_plan(build_transfer(raw))
     problem = plan.problem
-    ex = TransferExecutor(plan, None, backend="gloo", timeout_s=60.0, **executor_kw).prepare()
+    backend = "gloo" if comm is None else "mpi"
+    ex = TransferExecutor(plan, comm, backend=backend, timeout_s=60.0, **executor_kw).prepare()
     try:
         for step in range(2):
             fulls = {t.name: whole(t.name, t.shape, t.dtype, step) for t in problem.tensors if t.scale_of is None}
@@ -91,32 +110,45 @@ def check(raw: dict, label: str, **executor_kw) -> None:
                     box = box_of(problem, name, "dst", rank) if want is not None else None
                     if box is None:
                         continue
-                    got = out[name]
+                    got = as_torch(out[name], str(want.dtype).removeprefix("torch."))
                     if got.dtype != want.dtype or not torch.equal(bits(got), bits(cut(want, box))):
                         wrong.append(f"{name} ({got.dtype})")
-            print(f"rank {rank}: {label} step {step}: {'ok' if not wrong else 'wrong ' + ', '.join(wrong)}", flush=True)
+            say(f"rank {rank}: {label} step {step}: {'ok' if not wrong else 'wrong ' + ', '.join(wrong)}")
     finally:
         ex.close()
 
 
-def check_single() -> None:
+def check_single(comm=None, rank: int | None = None) -> None:
     """A one-tensor plan casting float32 to bfloat16, through `ReshardingExecutor` (a shard in and out)."""
-    rank = dist.get_rank()
+    rank = dist.get_rank() if rank is None else rank
     mesh = {"shape": [4], "devices": [0, 1, 2, 3]}
     problem = build_problem({"shape": [8, 6], "dtype": "float32", "dst_dtype": "bf16", "src": {"mesh": mesh, "spec": "S0 R"},
                              "dst": {"mesh": mesh, "spec": "R S0"}})
-    ex = ReshardingExecutor(compile_plan(problem), None, backend="gloo", timeout_s=60.0).prepare()
+    ex = ReshardingExecutor(compile_plan(problem), comm, backend="gloo" if comm is None else "mpi", timeout_s=60.0).prepare()
     try:
         full = whole("single", problem.shape, "float32", 0)
-        got = ex.run(cut(full, problem.blocks("src")[rank]).contiguous())
+        got = as_torch(ex.run(cut(full, problem.blocks("src")[rank]).contiguous()), "bfloat16")
         want = cut(full.to(torch.bfloat16), problem.blocks("dst")[rank])
-        print(f"rank {rank}: one tensor: {'ok' if got.dtype == want.dtype and torch.equal(bits(got), bits(want)) else 'wrong'}",
-              flush=True)
+        say(f"rank {rank}: one tensor: {'ok' if got.dtype == want.dtype and torch.equal(bits(got), bits(want)) else 'wrong'}")
     finally:
         ex.close()
 
 
+def main_mpi() -> int:
+    """The MPI engine under mpiexec on 4 ranks; sources handed in as CPU torch tensors (bfloat16 ones too)."""
+    from mpi4py import MPI
+
+    comm, rank = MPI.COMM_WORLD, MPI.COMM_WORLD.Get_rank()
+    check(HOOKS, "mpi device order", comm, rank)
+    check(HOOKS, "mpi posted", comm, rank, order="posted")
+    check(REPLICATED4, "mpi replicated", comm, rank)
+    check_single(comm, rank)
+    return 0
+
+
 def main() -> int:
+    if sys.argv[1] == "mpi":
+        return main_mpi()
     dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))
     try:
         if sys.argv[1] == "hooks":

@@ -11,15 +11,21 @@
     mpiexec -n 8 python tests/workers/executor_worker.py cross-wait A B   # two reshards in flight, waited in rank-dependent order
     mpiexec -n 8 python tests/workers/executor_worker.py threads PLAN     # two executors, each run in a loop by its own thread
     mpiexec -n 2 python tests/workers/executor_worker.py other-plan A B [R]  # rank R (default 1) loads plan B, the others A
+    mpiexec -n 8 python tests/workers/executor_worker.py batch JOBS.json  # several of check, torch, iterations, cross-wait,
+                                                    # threads in one launch: a JSON list of {"name", "mode", "plans"}
 
-Prints `ok <plan name>` on rank 0 per checked plan; errors go to stderr as `rank R: <type>: <message>`.
+Prints `ok <plan name>` on rank 0 per checked plan (`<job name>: ok ...` in a batch); errors go to stderr as
+`rank R: <type>: <message>`.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 import time
+
+PREFIX = ""  # put before each `ok` line: a batch job's `name: `
 
 
 class DLPackOnly:
@@ -80,7 +86,7 @@ def check(comm, paths: list[str], modes: tuple[str, ...] = ("run", "overlap", "d
                 raise AssertionError(f"{plan.problem.name} ({mode}): device {p.device}: {bad} elements differ, first at {first}")
         comm.Barrier()
         if comm.Get_rank() == 0:
-            print(f"ok {plan.problem.name} {plan.strategy}", flush=True)
+            print(f"{PREFIX}ok {plan.problem.name} {plan.strategy}", flush=True)
 
 
 def next_source(shard, data, iteration: int):
@@ -123,7 +129,7 @@ def iterations(comm, paths: list[str], count: int = 7) -> None:
         ex.close()
         comm.Barrier()
         if comm.Get_rank() == 0:
-            print(f"ok {plan.problem.name} {plan.strategy}", flush=True)
+            print(f"{PREFIX}ok {plan.problem.name} {plan.strategy}", flush=True)
 
 
 def die(comm, path: str) -> None:
@@ -261,7 +267,7 @@ def cross_wait(comm, paths: list[str]) -> None:
         ex.close()
     comm.Barrier()
     if comm.Get_rank() == 0:
-        print("ok cross-wait", flush=True)
+        print(f"{PREFIX}ok cross-wait", flush=True)
 
 
 def threads(comm, path: str, iterations: int = 100) -> None:
@@ -304,7 +310,7 @@ def threads(comm, path: str, iterations: int = 100) -> None:
         ex.close()
     comm.Barrier()
     if comm.Get_rank() == 0:
-        print("ok threads", flush=True)
+        print(f"{PREFIX}ok threads", flush=True)
 
 
 def other_plan(comm, paths: list[str]) -> None:
@@ -314,6 +320,22 @@ def other_plan(comm, paths: list[str]) -> None:
     odd = int(paths[2]) if len(paths) > 2 else 1
     plan = load_plan(paths[1] if comm.Get_rank() == odd else paths[0])
     ReshardingExecutor(plan, comm, timeout_s=10).prepare()
+
+
+def batch(comm, jobs_file: str) -> None:
+    """Each job of the JSON list in turn on every rank: its mode (`RUNNERS`) on its plans, its lines `name: ok ...`."""
+    global PREFIX
+    for job in json.loads(open(jobs_file).read()):
+        PREFIX = f"{job['name']}: "
+        RUNNERS[job["mode"]](comm, job["plans"])
+        comm.Barrier()
+    PREFIX = ""
+
+
+RUNNERS = {"check": check, "torch": lambda comm, paths: check(comm, paths, ("torch",)), "iterations": iterations,
+           "die": lambda comm, paths: die(comm, paths[0]), "interrupt": lambda comm, paths: interrupt(comm, paths[0]),
+           "cross-wait": cross_wait, "threads": lambda comm, paths: threads(comm, paths[0]), "other-plan": other_plan,
+           "batch": lambda comm, paths: batch(comm, paths[0])}
 
 
 def main() -> int:
@@ -330,10 +352,7 @@ def main() -> int:
     if mode == "demo-bug":
         return demo_failing(paths[0], "run", 3, ZeroDivisionError("injected bug in run()"))
     try:
-        {"check": lambda: check(comm, paths), "torch": lambda: check(comm, paths, ("torch",)), "iterations": lambda: iterations(comm, paths), "die": lambda: die(comm, paths[0]),
-         "interrupt": lambda: interrupt(comm, paths[0]), "cross-wait": lambda: cross_wait(comm, paths),
-         "threads": lambda: threads(comm, paths[0]),
-         "other-plan": lambda: other_plan(comm, paths)}[mode]()
+        RUNNERS[mode](comm, paths)
     except (ExecutorError, AssertionError) as err:
         print(f"rank {comm.Get_rank()}: {type(err).__name__}: {err}", file=sys.stderr, flush=True)
         os._exit(3)

@@ -36,10 +36,86 @@ CASES = [  # shape, source ranks, placements, destination ranks, placements (4 r
 ]
 
 
+SAME_MESH = ((7, 6), [[0, 1], [2, 3]], [Shard(0), Shard(1)], [Replicate(), Shard(0)])  # DTensor's own redistribute can do it
+SENTINEL = -7
+
+
+def _parent_view(shape: tuple[int, ...], dtype: torch.dtype, columns: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(a parent full of SENTINEL, a view into it of `shape`): rows two down in a taller parent, or columns one right in
+    a wider one (each row one run of memory), as an inference engine's parameter or a slice of a fused one."""
+    if not shape:
+        parent = torch.full((3,), SENTINEL, dtype=dtype, device=DEVICE)
+        return parent, parent[1]
+    if columns and len(shape) > 1:
+        parent = torch.full(tuple(shape[:-1]) + (shape[-1] + 2,), SENTINEL, dtype=dtype, device=DEVICE)
+        return parent, parent[..., 1:1 + shape[-1]]
+    parent = torch.full((shape[0] + 3,) + tuple(shape[1:]), SENTINEL, dtype=dtype, device=DEVICE)
+    return parent, parent[2:2 + shape[0]]
+
+
+def _into(rank: int) -> None:
+    """`into=`: each destination rank's shard lands in a view of its parent (the result's local tensor is that view),
+    the parent's other elements untouched, equal to DTensor's own redistribute (same mesh) or distribute_tensor
+    (across meshes, which DTensor refuses), and `full_tensor()` of the result equal to the whole tensor where the
+    destination mesh holds every rank; synchronous and async_op. Then a tensor of the wrong shape on one rank, and
+    into= with a gradient, fail every rank in one line."""
+    cases = [(shape, src, sp, dst, dp) for shape, src, sp, dst, dp in CASES] + [(*SAME_MESH[:3], SAME_MESH[1], SAME_MESH[3])]
+    for dtype in (torch.float32, torch.bfloat16):
+        for k, (shape, src, src_placements, dst, dst_placements) in enumerate(cases):
+            full = (torch.arange(torch.Size(shape).numel()).reshape(shape) * 7 % 101 - 50).to(DEVICE, dtype)
+            src_mesh = DeviceMesh(DEVICE, src)
+            dst_mesh = src_mesh if dst is src else DeviceMesh(DEVICE, dst)
+            x = distribute_tensor(full, src_mesh, src_placements)
+            own = x.redistribute(dst_mesh, dst_placements) if dst_mesh is src_mesh else distribute_tensor(full, dst_mesh, dst_placements)
+            for async_op, columns in ((False, False), (True, True), (False, True)):
+                holds = dst_mesh.get_coordinate() is not None
+                parent, view = _parent_view(tuple(own.to_local().shape), dtype, columns) if holds else (None, None)
+                y = redistribute(x, dst_mesh, dst_placements, async_op=async_op, into=view)
+                wrong = []
+                if holds:
+                    local = y.to_local()
+                    if async_op:  # waits here: the view is written by then
+                        assert isinstance(local, AsyncCollectiveTensor)
+                        local = local.wait()
+                    if local.data_ptr() != view.data_ptr() or local.shape != view.shape:
+                        wrong.append("the result's local tensor is not the view passed")
+                    if not torch.equal(view, own.to_local()):
+                        wrong.append("values differ from DTensor's")
+                    rest = parent.clone()
+                    rest[(slice(1, 2),) if not shape else (..., slice(1, 1 + shape[-1])) if columns and len(shape) > 1
+                         else (slice(2, 2 + view.shape[0]),)] = SENTINEL
+                    if not (rest == SENTINEL).all():
+                        wrong.append("elements outside the view written")
+                if dst_mesh.mesh.numel() == WORLD and not torch.equal(y.full_tensor(), full):
+                    wrong.append("full_tensor() differs")
+                if dst_mesh is src_mesh and holds and not torch.equal(y.to_local(), x.redistribute(dst_mesh, dst_placements).to_local()):
+                    wrong.append("differs from DTensor's own redistribute")
+                print(f"rank {rank}: into case {k} {str(dtype).removeprefix('torch.')} "
+                      f"{'async' if async_op else 'sync'} {'columns' if columns else 'rows'}: {'ok' if not wrong else '; '.join(wrong)}",
+                      flush=True)
+    shape, src, src_placements, dst, dst_placements = CASES[2]  # every rank in both meshes
+    full = torch.arange(9, dtype=torch.float32, device=DEVICE)
+    x = distribute_tensor(full, DeviceMesh(DEVICE, src), src_placements)
+    dst_mesh = DeviceMesh(DEVICE, dst)
+    mine = tuple(distribute_tensor(full, dst_mesh, dst_placements).to_local().shape)
+    for label, into, grad in (("wrong shape", torch.zeros((mine[0] + 1,) if rank == 1 else mine), False),
+                              ("gradient", torch.zeros(mine), True)):
+        try:
+            redistribute(x.detach().requires_grad_(grad), dst_mesh, dst_placements, into=into)
+            said = "accepted"
+        except FrontendError as err:
+            said = str(err)
+        print(f"rank {rank}: into refused, {label}: {said}", flush=True)
+
+
 def main() -> int:
     if DEVICE == "cuda":
         torch.cuda.set_device(0)
     dist.init_process_group("nccl" if DEVICE == "cuda" else "gloo")
+    if sys.argv[1:] == ["into"]:
+        _into(dist.get_rank())
+        dist.destroy_process_group()
+        return 0
     seed = int(sys.argv[1]) if len(sys.argv) > 1 else 0
     rank, checked = dist.get_rank(), 0
     for dtype in (torch.float32, torch.bfloat16, torch.int32):

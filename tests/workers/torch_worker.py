@@ -12,6 +12,10 @@
                                                     tag 0, order="device", receipts from 16 B (check_transfer_posted_by_order: "posted")
     python tests/workers/torch_worker.py disagree A B       rank 1 loads B, the others A: prepare() must fail on every rank
     python tests/workers/torch_worker.py die PLAN           the last rank exits after prepare(): the others must fail in time
+    python tests/workers/torch_worker.py batch JOBS.json    several of the modes above (not die) in one launch: a JSON list of
+                                                    {"mode", "plans", "ranks", "name"}, each run by the first `ranks`
+                                                    ranks (a process group of its own; the world where absent), its
+                                                    lines `rank R: name: ...` (the mode where no name)
 
 Each rank prints result lines starting with `rank R:`; the test reads them.
 """
@@ -19,6 +23,7 @@ Each rank prints result lines starting with `rank R:`; the test reads them.
 from __future__ import annotations
 
 import datetime
+import json
 import os
 import sys
 import time
@@ -36,6 +41,7 @@ from xmesh_plan.schemas import Plan, read_plan_file
 from xmesh_plan.schemas.geometry import local_slices
 
 TIMEOUT_S = 20.0
+BATCH_TIMEOUT_S = 300  # a batch's ranks outside a job wait at a barrier while the others run it
 
 
 def pattern(plan: Plan, salt: int) -> np.ndarray:
@@ -82,6 +88,8 @@ def dtensor_box(plan: Plan) -> tuple | str:
 
 ORDER = "posted"  # the executor's order; check_in_device_order sets "device"
 TRANSPORT = TransportOptions()  # how messages match and are acknowledged; main() sets it per mode
+GROUP = None  # the process group the plans run on (None: the default group); a batch job's own group
+PREFIX = ""  # put before each result line's plan name: a batch job's `mode: `
 
 
 def check(paths: list[str]) -> None:
@@ -89,7 +97,7 @@ def check(paths: list[str]) -> None:
     rank = dist.get_rank()
     for path in paths:
         plan = read_plan_file(path)
-        ex = ReshardingExecutor(plan, backend="gloo", timeout_s=TIMEOUT_S, order=ORDER, transport=TRANSPORT).prepare()
+        ex = ReshardingExecutor(plan, GROUP, backend="gloo", timeout_s=TIMEOUT_S, order=ORDER, transport=TRANSPORT).prepare()
         p, bad = ex.program, 0
         full = tuple((0, n) for n in plan.problem.shape)
         theirs = dtensor_box(plan)
@@ -110,9 +118,9 @@ def check(paths: list[str]) -> None:
                 bad += int((got.view(f"V{got.itemsize}") != want.view(f"V{want.itemsize}")).sum())
         ex.close()
         total = torch.tensor([bad, theirs == "inexpressible"])
-        dist.all_reduce(total)
+        dist.all_reduce(total, group=GROUP)
         how = " (our boxes)" if total[1].item() else ""
-        print(f"rank {rank}: {Path(path).name}: {'ok' if total[0].item() == 0 else f'{total[0].item()} wrong elements'}{how}", flush=True)
+        print(f"rank {rank}: {PREFIX}{Path(path).name}: {'ok' if total[0].item() == 0 else f'{total[0].item()} wrong elements'}{how}", flush=True)
 
 
 def _reshard(ex, src, salt: int):
@@ -131,12 +139,12 @@ def check_transfer(paths: list[str]) -> None:
     rank = dist.get_rank()
     for path in paths:
         plan = read_plan_file(path)
-        ex = TransferExecutor(plan, backend="gloo", timeout_s=TIMEOUT_S, order=ORDER, transport=TRANSPORT).prepare()
+        ex = TransferExecutor(plan, GROUP, backend="gloo", timeout_s=TIMEOUT_S, order=ORDER, transport=TRANSPORT).prepare()
         if plan.staging is not None or ORDER == "posted":  # the staging this rank allocated: distinct buffers of its engines
             stages = {ex.engine.stage.data_ptr(): ex.engine.stage.numel()}  # one engine, one area for every tensor
             shared = "shared"
             stated = plan.staging.peak_bytes.get(ex.device, 0) if plan.staging is not None else None
-            print(f"rank {rank}: {Path(path).name}: device {ex.device} staging {sum(stages.values())} B, stated {stated} B, "
+            print(f"rank {rank}: {PREFIX}{Path(path).name}: device {ex.device} staging {sum(stages.values())} B, stated {stated} B, "
                   f"{shared}", flush=True)
         bad = 0
         singles = tensor_plans(plan)  # each tensor's own plan: its problem's shape and dtype
@@ -157,18 +165,18 @@ def check_transfer(paths: list[str]) -> None:
                     bad += int((got.view(f"V{got.itemsize}") != want.view(f"V{want.itemsize}")).sum())
         ex.close()
         total = torch.tensor([bad])
-        dist.all_reduce(total)
-        print(f"rank {rank}: {Path(path).name}: {'ok' if total[0].item() == 0 else f'{total[0].item()} wrong elements'}", flush=True)
+        dist.all_reduce(total, group=GROUP)
+        print(f"rank {rank}: {PREFIX}{Path(path).name}: {'ok' if total[0].item() == 0 else f'{total[0].item()} wrong elements'}", flush=True)
 
 
 def disagree(first: str, second: str) -> None:
     rank = dist.get_rank()
     plan = read_plan_file(second if rank == 1 else first)
     try:
-        ReshardingExecutor(plan, backend="torch", timeout_s=TIMEOUT_S).prepare()
-        print(f"rank {rank}: prepared", flush=True)
+        ReshardingExecutor(plan, GROUP, backend="torch", timeout_s=TIMEOUT_S).prepare()
+        print(f"rank {rank}: {PREFIX}prepared", flush=True)
     except PlanMismatchError as err:
-        print(f"rank {rank}: refused: {err}", flush=True)
+        print(f"rank {rank}: {PREFIX}refused: {err}", flush=True)
 
 
 def die(path: str) -> None:
@@ -188,11 +196,10 @@ def die(path: str) -> None:
     os._exit(0)  # a receive from the dead rank may still be posted: skip the process group's shutdown
 
 
-def main(argv: list[str]) -> None:
+def setup(mode: str) -> str:
+    """Set ORDER and TRANSPORT for `mode`; the runner (`RUNNERS`) it takes."""
     global ORDER, TRANSPORT
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
-    mode, args = argv[0], argv[1:]
+    ORDER, TRANSPORT = "posted", TransportOptions()
     if mode == "check_in_device_order_with_receipts":  # gloo's own tags, every message with a receipt
         ORDER, TRANSPORT, mode = "device", TransportOptions(receipt_bytes=1), "check"
     if mode in ("check_by_order", "check_in_device_order", "check_in_device_order_mixed_receipts", "check_transfer_by_order",
@@ -202,8 +209,36 @@ def main(argv: list[str]) -> None:
         receipts = 16 if mode in ("check_in_device_order_mixed_receipts", "check_transfer_by_order") else TRANSPORT.receipt_bytes
         TRANSPORT = TransportOptions(match_by_tag=False, receipt_bytes=receipts)
         mode = "check_transfer" if "transfer" in mode else "check"
-    {"check": lambda: check(args), "check_transfer": lambda: check_transfer(args), "disagree": lambda: disagree(*args),
-     "die": lambda: die(*args)}[mode]()
+    return mode
+
+
+RUNNERS = {"check": check, "check_transfer": check_transfer, "disagree": lambda args: disagree(*args), "die": lambda args: die(*args)}
+
+
+def batch(jobs_file: str) -> None:
+    """Each job of the JSON list in turn: its mode on its plans, run by the first `ranks` ranks in a process group of
+    their own (every group made first, by every rank, as torch asks). Every rank waits at a barrier after each job,
+    so a job starts only once the one before it has ended on every rank."""
+    global GROUP, PREFIX
+    jobs, world = json.loads(Path(jobs_file).read_text()), dist.get_world_size()
+    groups = {n: dist.new_group(list(range(n))) for n in sorted({job.get("ranks", world) for job in jobs}) if n < world}
+    for job in jobs:
+        ranks = job.get("ranks", world)
+        if dist.get_rank() < ranks:
+            GROUP, PREFIX = groups.get(ranks), f"{job.get('name', job['mode'])}: "
+            RUNNERS[setup(job["mode"])](job["plans"])
+        dist.barrier()  # the ranks outside the job wait here (up to BATCH_TIMEOUT_S)
+    GROUP, PREFIX = None, ""
+
+
+def main(argv: list[str]) -> None:
+    torch.set_num_threads(1)
+    mode, args = argv[0], argv[1:]
+    dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=BATCH_TIMEOUT_S if mode == "batch" else 60))
+    if mode == "batch":
+        batch(*args)
+    else:
+        RUNNERS[setup(mode)](args)
     dist.destroy_process_group()
 
 
