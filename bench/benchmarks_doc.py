@@ -418,10 +418,15 @@ Columns: **GiB** moved once; **unit tasks** and **operations** of the plan; **co
 **verify s**; the plan's predicted time over the byte bound (**/ bound**) and its time in the executor's order
 (**executor / bound**, where the plan states it), and what timed the plan (`solver.details.timed_by`): the
 simulator in host order, or the schedule's own timetable where one simulation would take more than
-`compile.MAX_SIMULATION_WORK` flow-rate updates. A row with `--max-tasks` ran with that limit. `--max-tasks` counts
+`compile.MAX_SIMULATION_WORK` units of work (flow-rate updates in rows made before it counted groups). A row with `--max-tasks` ran with that limit. `--max-tasks` counts
 what a compile holds (each kind of tensor's boxes, then the tasks it schedules; docs/format.md), so the full
 DeepSeek-V3-like problem (667,520 tasks) passes the default, but its compile does not finish on this machine: the
-row with `--max-tasks` stopped at its timeout while timing and assembling the plan.
+row with `--max-tasks` stopped at its timeout while timing and assembling the plan. On these hosts every message
+is striped over the 8 NICs and each NIC pays its per-message overhead (`inspect` says so), so the default bundle
+bucket is 32 MiB, what the NICs move in 80 us (`coalesce.default_bucket_bytes`; 4 MiB on one 400 Gbit/s NIC):
+boxes up to 4 MiB travel in bundles, fewer and larger messages. Bundles are staged, and posted order stages all
+of them at once: on a 16-layer Llama-3-70B-like cut (`xmesh-plan inspect`) the busiest device stages 3.65 GiB posted
+with 32 MiB against 0.75 GiB with `--bucket-mb 4`, and 31.5 MiB against 64 MiB in device order.
 
 {table(rows, ["problem", "GiB", "unit tasks", "operations", "compile s", "compile CPU s", "peak RSS MiB", "plan MiB",
               "verify s", "/ bound", "executor / bound", "timed by"], "lrrrrrrrrrrl")}

@@ -225,11 +225,13 @@ class Executor(Flying):
                  transport: TransportOptions | None = None):
         if backend is not None and backend not in BACKENDS:
             raise ValueError(f"backend {backend!r} is unknown; use one of: {', '.join(BACKENDS)}")
-        self.entry = engine_entry(backend, world_kind(comm, backend))
+        # the plan is checked before `comm` (every rank refuses a bad plan alike); world_kind agrees with this guess or raises
+        self.entry = engine_entry(backend, "mpi" if is_mpi_comm(comm) else "torch")
         order = self._order(plan, order)
         if order not in ORDERS:
             raise ValueError(f"order {order!r} is unknown; use one of: {', '.join(ORDERS)}")
         self._check_plan(plan, order)
+        world_kind(comm, backend)
         world = TorchWorld(comm) if self.entry.world == "torch" else MpiWorld(comm)
         timeout_s = check_timeout(timeout_s)
         if not (isinstance(poll_s, (tuple, list)) and len(poll_s) == 2 and all(map(is_number, poll_s))

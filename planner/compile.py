@@ -27,7 +27,7 @@ from .unit_tasks import Cell, check_kinds_task_count, check_scheduled_task_count
 DIGITS = 12  # times are rounded to picoseconds so plans print and compare stably
 NIC_SIDES = ("send", "recv")  # the resources a plan's host order lists; device ports are not queued
 MAX_SIMULATED_OPERATIONS = 2_000_000  # 10^6 operations simulate in about a minute and 2.5 GiB (bench/bench_simulate.py); beyond this the schedule's own timetable stands in
-MAX_SIMULATION_WORK = 25_000_000  # flow-rate updates one simulation of a listing may take (`simulate.run_flows`; about 20 us each here: a 4-layer DeepSeek-V3-like cut takes 1.36 M, in proportion to its layers); beyond, the schedule's timetable stands in
+MAX_SIMULATION_WORK = 25_000_000  # work one simulation of a listing may take (`simulate.run_flows`: groups shared out and flows re-rated; a 2-layer DeepSeek-V3-like cut takes 0.99 M, in proportion to its layers); beyond, the schedule's timetable stands in
 MAX_RELISTINGS = 8  # re-simulations until the listing is the order of its own predicted starts
 
 
@@ -197,7 +197,7 @@ def settle_listing(operations: tuple[Operation, ...], problem: ReshardingProblem
     is re-simulated until it stops changing (at most MAX_RELISTINGS times; 1-3 on random problems). A new listing
     that keeps every NIC side's and every task's order lowers to the same flows renumbered, which time the same
     (`simulate.renumbered_only`): it has settled on the times just simulated, without simulating it again.
-    TooCostly where one simulation takes more than `max_work` flow-rate updates."""
+    TooCostly where one simulation takes more than `max_work` units of work (`simulate.run_flows`)."""
     listing = operations
     for rounds in range(1, MAX_RELISTINGS + 1):
         result, lowering = simulated(listing, problem, "host-order", nic_of_task, max_work)
@@ -220,8 +220,8 @@ def _simulated(operations: tuple[Operation, ...], problem: ReshardingProblem | T
         return operations, "schedule (too many operations to simulate)", None
     try:
         settled = settle_listing(operations, problem, nic_of_task, MAX_SIMULATION_WORK)
-    except TooCostly:  # deterministic: counted in flows, not seconds, so `check` decides the same
-        return operations, f"schedule (a simulation takes more than {MAX_SIMULATION_WORK:,} flow-rate updates)", None
+    except TooCostly:  # deterministic: counted in groups and flows, not seconds, so `check` decides the same
+        return operations, f"schedule (a simulation takes more than {MAX_SIMULATION_WORK:,} units of work)", None
     if settled is None:
         return operations, "schedule (the simulated listing did not settle)", None
     listing, result = settled

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 from xmesh_plan.schemas import ReshardingProblem
 from xmesh_plan.schemas.transfer import TransferProblem
 
-from .coalesce import DEFAULT_BUCKET_BYTES
+from .coalesce import default_bucket_bytes
 from .problem_io import InputError
 from .staging_limit import MIB
 from .unit_tasks import DEFAULT_MAX_TASKS
@@ -88,11 +88,12 @@ class CompileOptions:
     max_staging_bytes: int | None = None
     cross_tensor: bool | None = None
 
-    def resolved(self, multi_tensor: bool) -> "CompileOptions":
-        """These options with nothing left to the kind: the switches (`resolve`), the bucket (as given, else 4 MiB or the
-        staging limit when less) and shared messages (on where a multi-tensor problem is coalesced). InputError for a
+    def resolved(self, multi_tensor: bool, message_bytes_per_s: float | None = None) -> "CompileOptions":
+        """These options with nothing left to the kind: the switches (`resolve`), the bucket (as given, else the default
+        for hosts whose messages move at `message_bytes_per_s`, `coalesce.default_bucket_bytes`, or the staging limit when
+        less) and shared messages (on where a multi-tensor problem is coalesced). InputError for a
         bucket above the staging limit (a bundle is staged whole on both relays) or shared messages that cannot be."""
-        bucket = _bucket(self.bucket_bytes, self.max_staging_bytes)
+        bucket = _bucket(self.bucket_bytes, self.max_staging_bytes, default_bucket_bytes(message_bytes_per_s))
         chosen = resolve(self.split_hosts, self.coalesce, multi_tensor)
         cross = chosen.coalesce and multi_tensor if self.cross_tensor is None else self.cross_tensor
         if cross and not multi_tensor:
@@ -105,16 +106,16 @@ class CompileOptions:
                                    bucket_bytes=bucket)
 
     def for_problem(self, problem: ReshardingProblem | TransferProblem) -> "CompileOptions":
-        """`resolved` for the problem's kind: a `TransferProblem` is multi-tensor."""
-        return self.resolved(isinstance(problem, TransferProblem))
+        """`resolved` for the problem's kind (a `TransferProblem` is multi-tensor) and its cluster's NICs."""
+        return self.resolved(isinstance(problem, TransferProblem), problem.cluster.message_bytes_per_s)
 
 
-def _bucket(bucket_bytes: int | None, max_staging_bytes: int | None) -> int:
-    """The bundle bucket: as given, else 4 MiB or the staging limit when less; refused above the limit."""
+def _bucket(bucket_bytes: int | None, max_staging_bytes: int | None, default: int) -> int:
+    """The bundle bucket: as given, else `default` or the staging limit when less; refused above the limit."""
     if max_staging_bytes is None:
-        return DEFAULT_BUCKET_BYTES if bucket_bytes is None else bucket_bytes
+        return default if bucket_bytes is None else bucket_bytes
     if bucket_bytes is None:
-        return min(DEFAULT_BUCKET_BYTES, max_staging_bytes)
+        return min(default, max_staging_bytes)
     if bucket_bytes > max_staging_bytes:
         raise InputError(f"--bucket-mb {bucket_bytes / MIB:.4g} is above --max-staging-mb {max_staging_bytes / MIB:.4g}: a bundle is "
                          "staged whole on both relays; leave out --bucket-mb (bundles then take the staging limit), give "

@@ -77,7 +77,17 @@ def message_cost_line(plan: Plan, loads: PlanLoads) -> str:
     cost, gap = count * overhead, plan.predicted_seconds - plan.lower_bound_seconds
     share = f"{cost / gap:.0%} of the {gap:.4f} s gap to the bound" if gap > 0 else "no gap to the bound"
     return (f"per-message cost: host {host} {side} carries {count} messages x {overhead * 1e6:g} us overhead = {cost:.4f} s "
-            f"({share})")
+            f"({share}){_striping(plan, cost)}")
+
+
+def _striping(plan: Plan, cost: float) -> str:
+    """Where every message is striped over a host's NICs (no task pinned to one: `simulate.nic_assignment`), each NIC
+    is busy with every message's overhead: one NIC per message, balanced, would leave each 1/n of it."""
+    n = len(plan.problem.cluster.nics)
+    if n < 2 or cost <= 0 or any(":" in entry.side for entry in plan.host_order):
+        return ""
+    return (f"; striped over {n} NICs, each NIC pays every message's overhead: one NIC per message, balanced, would pay "
+            f"{cost / n:.4f} s")
 
 
 @dataclass(frozen=True)

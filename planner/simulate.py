@@ -66,7 +66,7 @@ from xmesh_plan.schemas.transfer import TransferProblem
 DISCIPLINES = ("host-order", "device-order", "posted")
 GATHER_AHEAD = 4  # host order: a bundle gathers while the operation this many before it on its NIC sides has its turn
 # (a 2-layer DeepSeek-V3-like cut, whose relays gather at a device port's 2400 Gbit/s behind 8 x 400 Gbit/s NICs: 1.219x the
-# bound gathering 1 ahead, 1.144x 2 ahead, 1.119x 4 ahead)
+# bound gathering 1 ahead, 1.144x 2 ahead, 1.119x 4 ahead, with 4 MiB bundles)
 REL_EPS = 1e-12
 
 
@@ -111,64 +111,87 @@ ShareRule = Callable[[list[Flow], dict[str, float]], dict[int, float]]  # moving
 
 
 class TooCostly(RuntimeError):
-    """A simulation stopped at its work budget (`run_flows(max_work=...)`): counted in flows, not seconds,
+    """A simulation stopped at its work budget (`run_flows(max_work=...)`): counted in groups and flows, not seconds,
     so whether a plan gets timed does not change with machine load."""
 
 
 def max_min_rates(active: list[Flow], capacity: dict[str, float]) -> dict[int, float]:
-    """Max-min fair rates by progressive filling: the tightest link's fair share is fixed first.
+    """Max-min fair rates by progressive filling: the tightest link's fair share is fixed first. Flows on the same
+    links get one rate, so they are filled as groups (`group_rates`, the same arithmetic as flow by flow)."""
+    members: dict[tuple[str, ...], dict[int, None]] = {}
+    for f in active:
+        members.setdefault(f.links, {})[f.id] = None
+    rates = group_rates(list(members), members, capacity)
+    return {f.id: rates[f.links] for f in active if f.links in rates}
+
+
+def group_rates(groups: list[tuple[str, ...]], members: dict[tuple[str, ...], dict[int, None]],
+                capacity: dict[str, float]) -> dict[tuple[str, ...], float]:
+    """`max_min_rates` over groups of flows on the same links (a group's flows all get one rate), bit for bit: a
+    link's share is what is left of it over the flows still on it, and a group's flows are taken off its other
+    links one at a time, each subtracting the share (the same arithmetic as flow by flow, in the same order: every
+    subtraction of a round is the same number). Costs the groups, and one subtraction per flow, not a dict per flow.
 
     A heap of (fair share, link) with stale entries skipped keeps each round logarithmic; users are
     insertion-ordered dicts so shares are subtracted in the same order every run (byte-identical plans).
-    A link whose share changes gets one heap entry for its share after the round, not one per flow
-    the round took off it (the ones in between would be stale when popped).
-    """
-    links_of = {f.id: f.links for f in active}
+    A link whose share changes gets one heap entry for its share after the round, not one per group
+    the round took off it (the ones in between would be stale when popped)."""
     left: dict[str, float] = {}
-    users: dict[str, dict[int, None]] = {}
-    for f in active:
-        for link in f.links:
+    count: dict[str, int] = {}
+    users: dict[str, dict[tuple[str, ...], None]] = {}
+    for group in groups:
+        n = len(members[group])
+        for link in group:
             left[link] = capacity[link]
-            users.setdefault(link, {})[f.id] = None
-    heap = [(left[link] / len(u), link) for link, u in users.items()]
+            count[link] = count.get(link, 0) + n
+            users.setdefault(link, {})[group] = None
+    heap = [(left[link] / count[link], link) for link in users]
     heapq.heapify(heap)
     pop, push = heapq.heappop, heapq.heappush
-    rates: dict[int, float] = {}
+    rates: dict[tuple[str, ...], float] = {}
     while heap:
         share, link = pop(heap)
-        members = users.get(link)
-        if not members or share != left[link] / len(members):
+        on = users.get(link)
+        if not on or share != left[link] / count[link]:
             continue  # stale entry: the link was finished or its share changed since it was pushed
         del users[link]
         touched: dict[str, None] = {}
-        for fid in members:
-            rates[fid] = share
-            for other in links_of[fid]:
+        for group in on:
+            rates[group] = share
+            n = len(members[group])
+            for other in group:
                 sharing = users.get(other)
                 if sharing is not None:
-                    left[other] -= share
-                    del sharing[fid]
+                    rest = left[other]
+                    for _ in range(n):  # flow by flow, as `max_min_rates` rounds
+                        rest -= share
+                    left[other] = rest
+                    count[other] -= n
+                    del sharing[group]
                     if sharing:
                         touched[other] = None
                     else:
                         del users[other]
                         touched.pop(other, None)
         for other in touched:
-            push(heap, (left[other] / len(users[other]), other))
+            push(heap, (left[other] / count[other], other))
     return rates
 
 
 def run_flows(flows: list[Flow], capacity: dict[str, float], max_work: int | None = None,
               cost: list[int] | None = None, share: ShareRule | None = None) -> dict[int, tuple[float, float]]:
     """Event-driven fluid simulation; (start, arrival) per flow id. A flow with no bytes or links
-    takes only its latency. Raises TooCostly once more than `max_work` flows have had their rates shared
-    out (the moving flows linked to one that started or ended, summed over the run's events: what the run
-    costs); `cost`, when given, gets that sum appended. `share` gives
-    the moving flows that share links with a flow that started or ended their rates (None: max-min fair).
+    takes only its latency. Raises TooCostly once the run's work passes `max_work`: per event that starts or ends
+    a flow, the groups of moving flows it shares rates out over (flows on the same links: `_sharing_groups`)
+    and the flows whose rates change, summed over the run (what it costs, counted so that whether a plan is
+    timed does not change with machine load); `cost`, when given, gets that sum appended. `share` gives the moving
+    flows that share links with a flow that started or ended their rates (None: max-min fair).
 
-    Work per event follows the flows it touches, not all that move: a flow keeps its remaining work as of
+    Work per event follows the flows whose rates change, not all that move: flows on the same links move as one
+    group (max-min gives them one rate: `group_rates` fills groups, not flows); a flow keeps its remaining work as of
     the last time its rate changed (`_Moving`), its finish in a heap (stale entries skipped), and an event
-    shares rates out again only over the links connected to a flow that started or ended (`_sharing_links`).
+    shares rates out again only over the groups linked to a flow that started or ended. When every message of a
+    weight sync is posted at once, thousands of flows cross between two hosts' NICs: a few hundred groups.
     """
     fair, share = share is None, share or max_min_rates
     waiting = {f.id: len(f.after) + len(f.after_sent) for f in flows}
@@ -234,16 +257,17 @@ def run_flows(flows: list[Flow], capacity: dict[str, float], max_work: int | Non
     work = 0
     while events or moving.seq:
         if moving.touched:  # an arrival that starts nothing leaves the moving flows, and so their rates, as they were
-            affected = _sharing_links(moving.touched, by_id, moving.on_link)
+            groups = _sharing_groups(moving.touched, moving.groups_on)
             moving.touched.clear()
-            if len(affected) == 1 and fair:  # one flow alone on its links: progressive filling gives it the slowest one
-                (alone,) = affected
-                moving.set_rates({alone: min(capacity[link] for link in by_id[alone].links)}, clock)
+            if fair:
+                work += len(groups) + moving.set_group_rates(group_rates(groups, moving.members, capacity), clock)
             else:
-                moving.set_rates(share([by_id[i] for i in sorted(affected, key=moving.seq.__getitem__)], capacity), clock)
-            work += len(affected)
+                affected = sorted((i for g in groups for i in moving.members[g]), key=moving.seq.__getitem__)
+                moving.fresh.clear()
+                work += len(groups) + moving.set_rates(share([by_id[i] for i in affected], capacity), clock)
             if max_work is not None and work > max_work:
-                raise TooCostly(f"the simulation took more than its budget of {max_work} flow rate updates")
+                raise TooCostly(f"the simulation took more than its budget of {max_work} units of work (groups shared out "
+                                "and flows re-rated)")
         step = moving.next_time()
         if events and events[0][0] < step:
             step = events[0][0]
@@ -268,16 +292,20 @@ def run_flows(flows: list[Flow], capacity: dict[str, float], max_work: int | Non
 
 
 class _Moving:
-    """The flows moving bytes: each one's rate, and its work left as of `since` (settled only when its rate
-    changes, so an event costs the flows it re-rates, not all that move); finish times in heaps with stale
-    entries skipped. A flow has moved its work once at most `REL_EPS` of it (at least that many bytes) is left,
-    so flows that finish together by the arithmetic finish in one event, in the order they started."""
+    """The flows moving bytes, in groups on the same links (`members`; max-min gives a group one rate): each one's
+    rate, and its work left as of `since` (settled only when its rate changes, so an event costs the flows it
+    re-rates, not all that move); finish times in heaps with stale entries skipped. A flow has moved its work once
+    at most `REL_EPS` of it (at least that many bytes) is left, so flows that finish together by the arithmetic
+    finish in one event, in the order they started."""
 
     def __init__(self, by_id: dict[int, Flow], buffered: set[int], early: set[int]):
         self.by_id, self.buffered, self.early = by_id, buffered, early
         self.seq: dict[int, int] = {}  # moving flow -> when it started, as a count (rates are shared out in this order)
         self.count = 0
-        self.on_link: dict[str, dict[int, None]] = {}  # link -> the moving flows on it
+        self.members: dict[tuple[str, ...], dict[int, None]] = {}  # links -> the moving flows on exactly them, first started first
+        self.groups_on: dict[str, dict[tuple[str, ...], None]] = {}  # link -> the groups on it
+        self.group_rate: dict[tuple[str, ...], float] = {}  # max-min: a group's rate as last shared out
+        self.fresh: dict[tuple[str, ...], list[int]] = {}  # group -> its flows started since rates were last shared out
         self.touched: dict[str, None] = {}  # links of flows that started or stopped since rates were last shared out
         self.left: dict[int, float] = {}
         self.since: dict[int, float] = {}
@@ -287,33 +315,63 @@ class _Moving:
         self.done: list[tuple[float, int, int, int, bool]] = []  # the same, at the time within REL_EPS of it
 
     def start(self, fid: int, clock: float) -> None:
-        f = self.by_id[fid]
+        links = self.by_id[fid].links
         self.seq[fid] = self.count
         self.count += 1
-        self.left[fid], self.since[fid] = f.work, clock
+        self.left[fid], self.since[fid] = self.by_id[fid].work, clock
         self.version[fid] = 0
-        for link in f.links:
-            self.on_link.setdefault(link, {})[fid] = None
+        group = self.members.get(links)
+        if group is None:
+            group = self.members[links] = {}
+            for link in links:
+                self.groups_on.setdefault(link, {})[links] = None
+        group[fid] = None
+        self.fresh.setdefault(links, []).append(fid)
+        for link in links:
             self.touched[link] = None
 
     def stop(self, fid: int) -> None:
         del self.seq[fid], self.left[fid], self.since[fid], self.rate[fid], self.version[fid]
-        for link in self.by_id[fid].links:
-            del self.on_link[link][fid]
+        links = self.by_id[fid].links
+        group = self.members[links]
+        del group[fid]
+        if not group:
+            del self.members[links]
+            self.group_rate.pop(links, None)
+            for link in links:
+                del self.groups_on[link][links]
+        for link in links:
             self.touched[link] = None
 
-    def set_rates(self, rates: dict[int, float], clock: float) -> None:
-        """New rates from `clock` on: a flow whose rate changed has its work left settled and new finish times."""
+    def set_group_rates(self, rates: dict[tuple[str, ...], float], clock: float) -> int:
+        """Max-min rates by group from `clock` on: every flow of a group whose rate changed, and the flows that
+        started since, get it (`set_rates`); how many flows that re-rated."""
+        changed, fresh = 0, self.fresh
+        for group, r in rates.items():
+            if self.group_rate.get(group) != r:
+                self.group_rate[group] = r
+                changed += self.set_rates(dict.fromkeys(self.members[group], r), clock)
+            elif group in fresh:
+                changed += self.set_rates(dict.fromkeys(fresh[group], r), clock)
+        fresh.clear()
+        return changed
+
+    def set_rates(self, rates: dict[int, float], clock: float) -> int:
+        """New rates from `clock` on: a flow whose rate changed has its work left settled and new finish times;
+        how many changed."""
+        changed = 0
         for fid, r in rates.items():
             old = self.rate.get(fid)
             if old == r:
                 continue
+            changed += 1
             if old is not None:
                 self.left[fid] -= old * (clock - self.since[fid])
                 self.since[fid] = clock
             self.rate[fid] = r
             self.version[fid] += 1
             self._push(fid)
+        return changed
 
     def _push(self, fid: int) -> None:
         f, left, since, r = self.by_id[fid], self.left[fid], self.since[fid], self.rate[fid]
@@ -352,12 +410,12 @@ class _Moving:
                 sorted((i for i, whole in hits.items() if whole), key=seq))
 
 
-def _sharing_links(touched: dict[str, None], by_id: dict[int, Flow], on_link: dict[str, dict[int, None]]) -> set[int]:
-    """The moving flows linked, through links they share, to a link in `touched` (of a flow that started or
-    ended): the only ones whose max-min rates can differ from before. Flows of other groups keep theirs:
-    progressive filling on a group that shares no link with the rest does the same arithmetic in the same
-    order alone as with them, so reusing their rates changes no bit."""
-    affected: set[int] = set()
+def _sharing_groups(touched: dict[str, None], groups_on: dict[str, dict[tuple[str, ...], None]]) -> list[tuple[str, ...]]:
+    """The groups of moving flows linked, through links they share, to a link in `touched` (of a flow that started
+    or ended): the only ones whose max-min rates can differ from before. Groups apart keep theirs: progressive
+    filling on groups that share no link with the rest does the same arithmetic in the same order alone as with
+    them, so reusing their rates changes no bit."""
+    affected: dict[tuple[str, ...], None] = {}
     seen: set[str] = set()
     stack = list(touched)
     while stack:
@@ -365,11 +423,11 @@ def _sharing_links(touched: dict[str, None], by_id: dict[int, Flow], on_link: di
         if link in seen:
             continue
         seen.add(link)
-        for fid in on_link.get(link, ()):
-            if fid not in affected:
-                affected.add(fid)
-                stack.extend(by_id[fid].links)
-    return affected
+        for group in groups_on.get(link, ()):
+            if group not in affected:
+                affected[group] = None
+                stack.extend(group)
+    return list(affected)
 
 
 def pooled_nics(cluster) -> bool:

@@ -178,6 +178,24 @@ def test_compile_options_are_frozen_and_resolve_each_kind_in_one_place():
     assert (multi.split_hosts, multi.coalesce, multi.cross_tensor, multi.bucket_bytes) == (True, True, True, 4 * 2**20)
     assert (single.split_hosts, single.coalesce, single.cross_tensor) == (False, False, False)
     assert CompileOptions(max_staging_bytes=1000).resolved(True).bucket_bytes == 1000
+
+
+def test_the_default_bucket_grows_with_the_hosts_nics():
+    """Every message is striped over all of a host's NICs, each paying its overhead: on 8 x 400 Gbit/s hosts the default
+    bundle is 32 MiB (what they move in 80 us), on one 400 Gbit/s NIC or slower 4 MiB; a staging limit or a given bucket wins."""
+    from xmesh_plan.planner.compile_defaults import CompileOptions
+    from xmesh_plan.planner.weight_sync import WEIGHT_SYNC, weight_sync_toml
+    from xmesh_plan.planner.transfer_io import build_transfer
+    import tomllib
+
+    def bucket(name, **options):
+        problem = build_transfer(tomllib.loads(weight_sync_toml(*WEIGHT_SYNC[name])))
+        return CompileOptions(**options).for_problem(problem).bucket_bytes
+
+    assert bucket("weight_sync_llama3_70b") == 32 * 2**20
+    assert bucket("weight_sync_llama3_8b") == bucket("weight_sync_small") == 4 * 2**20
+    assert bucket("weight_sync_llama3_70b", max_staging_bytes=2**20) == 2**20
+    assert bucket("weight_sync_llama3_70b", bucket_bytes=2**22) == 2**22
     assert CompileOptions(split_hosts=False, cross_tensor=False).resolved(True).split_hosts is False
 
 

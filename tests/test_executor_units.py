@@ -478,3 +478,24 @@ def test_caller_views_need_no_numpy_2_module(monkeypatch):
         remade[...] = 7
         assert (view == 7).all()
         whole[...] = np.arange(whole.size, dtype=np.int32).reshape(whole.shape)
+
+
+def test_a_bad_order_or_plan_is_named_before_a_bad_comm():
+    """The constructor refuses what every rank refuses alike (an unknown order, a plan naming a tensor it lacks)
+    before it looks at `comm`, so the message names the first thing to fix rather than the communicator."""
+    from xmesh_plan.executor import TransferExecutor
+    from xmesh_plan.schemas import read_plan_file
+
+    one = read_plan_file("plans/case1.plan.json")
+    many = read_plan_file("plans/weight_sync_small.plan.json")
+    for make in (lambda: ReshardingExecutor(one, object(), order="bogus"),
+                 lambda: TransferExecutor(many, object(), order="bogus")):
+        with pytest.raises(ValueError, match="order 'bogus' is unknown"):
+            make()
+    ops = list(many.operations)
+    ops[0] = ops[0].model_copy(update={"tensor": len(many.problem.tensors) + 6})
+    bad = many.model_copy(update={"operations": tuple(ops)})
+    with pytest.raises(PlanMismatchError, match=f"names tensor {len(many.problem.tensors) + 6}"):
+        TransferExecutor(bad, object())
+    with pytest.raises(TypeError, match="comm is a object"):
+        TransferExecutor(many, object())

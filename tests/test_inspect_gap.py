@@ -39,3 +39,21 @@ def test_inspect_traces_the_bounds_side_flow_by_flow_in_parts_that_add_up():
         assert abs(sum(parts) - plan.predicted_seconds) <= 1e-9 + 1e-9 * plan.predicted_seconds
         assert min(parts) >= -1e-12 and trace.overhead > 0
     assert f"flows on host {trace.host} {trace.side}:" in summarize(bundled)
+
+
+def test_the_per_message_line_says_what_striping_over_several_nics_costs():
+    """A plan on hosts of 4 NICs stripes every message over all of them, so each NIC pays every message's overhead:
+    the line says so and what one NIC per message would pay (a quarter); on hosts of one NIC it says nothing of it."""
+    from pathlib import Path
+
+    from xmesh_plan.planner.inspect_plan import message_cost_line, plan_loads
+    from xmesh_plan.schemas import Nic, read_plan_file
+
+    plan = read_plan_file(Path(__file__).resolve().parents[1] / "plans" / "weight_sync_small.plan.json")
+    assert "striped" not in message_cost_line(plan, plan_loads(plan))
+    cluster = plan.problem.cluster.model_copy(update={"nics": (Nic(send_gbps=2.5, recv_gbps=2.5),) * 4})
+    four = plan.model_copy(update={"problem": plan.problem.model_copy(update={"cluster": cluster})})
+    loads = plan_loads(four)
+    cost = loads.busiest_messages()[2] * cluster.overhead_s
+    line = message_cost_line(four, loads)
+    assert f"striped over 4 NICs, each NIC pays every message's overhead: one NIC per message, balanced, would pay {cost / 4:.4f} s" in line, line

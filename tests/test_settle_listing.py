@@ -78,7 +78,7 @@ def test_a_listing_that_swaps_two_operations_on_one_nic_side_is_not_a_renumberin
 
 
 def test_a_plan_whose_simulation_passes_the_work_budget_keeps_the_schedules_times_and_check_agrees(monkeypatch):
-    """Past `MAX_SIMULATION_WORK` flow-rate updates compile keeps the schedule's timetable and says so; `check`
+    """Past `MAX_SIMULATION_WORK` units of work compile keeps the schedule's timetable and says so; `check`
     (`audit_plan`) stops at the same count, so it believes those times instead of calling them wrong."""
     from pathlib import Path
 
@@ -91,7 +91,7 @@ def test_a_plan_whose_simulation_passes_the_work_budget_keeps_the_schedules_time
     monkeypatch.setattr(compile_module, "MAX_SIMULATION_WORK", 10)
     monkeypatch.setattr(audit_module, "MAX_SIMULATION_WORK", 10)
     plan = compile_plan(problem)
-    assert plan.solver.details["timed_by"] == "schedule (a simulation takes more than 10 flow-rate updates)"
+    assert plan.solver.details["timed_by"] == "schedule (a simulation takes more than 10 units of work)"
     assert plan.executor_prediction is None and plan.predicted_seconds != simulated.predicted_seconds
     audit = audit_module.audit_plan(plan)
     assert not audit.retimed and audit.mismatch is None

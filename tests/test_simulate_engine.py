@@ -13,7 +13,7 @@ import random
 import pytest
 
 from xmesh_plan.planner.compile import compile_plan
-from xmesh_plan.planner.simulate import DISCIPLINES, Flow, nic_assignment, run_flows, simulate, staging_runs
+from xmesh_plan.planner.simulate import DISCIPLINES, Flow, max_min_rates, nic_assignment, run_flows, simulate, staging_runs
 from xmesh_plan.schemas import Cpu
 
 from tests.support import reference_flows
@@ -110,7 +110,7 @@ def test_a_share_rule_is_asked_as_the_reference_engine_asks_it(seed):
 
 def test_work_counts_the_flows_an_event_re_rates_not_every_moving_one():
     """A long flow on its own link moves through ten short ones that follow each other on another: their events
-    share out only their own link's rates, so the long one adds its own start to the work and nothing more."""
+    share out only their own link's rates, so the long one adds its own start (its group and its rate) and nothing more."""
     short = [Flow(i, i, 1.0, 0.0, ("b",), (i - 1,) if i > 1 else ()) for i in range(1, 11)]
     long = Flow(0, 0, 1000.0, 0.0, ("a",))
     capacity = {"a": 1.0, "b": 1.0}
@@ -118,4 +118,35 @@ def test_work_counts_the_flows_an_event_re_rates_not_every_moving_one():
         alone, together = [], []
         engine(short, capacity, cost=alone)
         engine([long, *short], capacity, cost=together)
-        assert together[0] == alone[0] + 1 == 11
+        assert together[0] == alone[0] + 2 == 22
+
+
+def test_flows_on_the_same_links_cost_as_one_group_while_their_rate_holds():
+    """A hundred flows between the same two NIC sides (as a posted weight sync has) held by side a, while ten short
+    ones follow each other on side b: each short one's events share rates out over two groups and re-rate one flow,
+    not the hundred (1,111 flows re-shared counted flow by flow)."""
+    many = [Flow(i, 0, 1000.0, 0.0, ("a", "b")) for i in range(100)]
+    short = [Flow(100 + i, 1 + i, 1.0, 0.0, ("b",), (99 + i,) if i else ()) for i in range(10)]
+    capacity = {"a": 1.0, "b": 100.0}
+    for engine in (run_flows, reference_flows.run_flows):
+        cost = []
+        spans = engine([*many, *short], capacity, cost=cost)
+        assert spans[0][1] == pytest.approx(100_000.0)  # the hundred share side a throughout
+        # start: 2 groups + 101 new rates; 9 short ones: 2 groups + 1 rate each; the last one's end: 1 group, no new rate
+        assert cost == [103 + 9 * 3 + 1]
+
+
+@pytest.mark.parametrize("seed", range(100))
+def test_rates_shared_out_by_groups_are_max_min_fair_flow_by_flow(seed):
+    """`max_min_rates` fills groups of flows on the same links (`group_rates`); plain water-filling flow by flow gives
+    every flow the same rate, on random flows where many share their links."""
+    rng = random.Random(seed)
+    links = [f"l{k}" for k in range(rng.randint(1, 6))]
+    capacity = {link: rng.choice([1.0, 2.0, 0.5, 3.0, rng.uniform(0.1, 9.0)]) for link in links}
+    flows = [Flow(i, i, 1.0, 0.0, tuple(sorted(rng.sample(links, rng.randint(1, min(3, len(links)))))))
+             for i in range(rng.randint(1, 80))]
+    fair = max_min_rates(flows, capacity)
+    plain = reference_flows.water_filling(flows, capacity)
+    assert fair.keys() == plain.keys() == {f.id for f in flows}
+    for fid, rate in plain.items():
+        assert fair[fid] == pytest.approx(rate, rel=1e-12), fid

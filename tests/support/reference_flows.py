@@ -17,9 +17,9 @@ from xmesh_plan.planner.simulate import REL_EPS, Flow, ShareRule, TooCostly, low
 def run_flows(flows: list[Flow], capacity: dict[str, float], max_work: int | None = None,
               cost: list[int] | None = None, share: ShareRule | None = None) -> dict[int, tuple[float, float]]:
     """Event-driven fluid simulation; (start, arrival) per flow id. A flow with no bytes or links
-    takes only its latency. Raises TooCostly once more than `max_work` flows have had their rates shared
-    out (the moving flows linked to one that started or ended, summed over the run); `cost`, when given, gets
-    that sum appended. `share` gives
+    takes only its latency. Raises TooCostly once the run's work passes `max_work`: per event, the link sets of
+    the moving flows linked to one that started or ended, and how many of them got a new rate, summed over the
+    run; `cost`, when given, gets that sum appended. `share` gives
     the moving flows that share links with a flow that started or ended their rates (None: max-min fair)."""
     share = share or max_min_rates
     waiting = {f.id: len(f.after) + len(f.after_sent) for f in flows}
@@ -102,11 +102,12 @@ def run_flows(flows: list[Flow], capacity: dict[str, float], max_work: int | Non
     while events or moving:
         if changed:  # an arrival that starts nothing leaves the moving flows, and so their rates, as they were
             affected = _sharing_links(changed, by_id, on_link)
-            rates.update(share([by_id[i] for i in moving if i in affected], capacity))
+            shared = share([by_id[i] for i in moving if i in affected], capacity)
             changed.clear()
-            work += len(affected)
+            work += len({by_id[i].links for i in affected}) + sum(1 for i, r in shared.items() if rates.get(i) != r)
+            rates.update(shared)
             if max_work is not None and work > max_work:
-                raise TooCostly(f"the simulation took more than its budget of {max_work} flow rate updates")
+                raise TooCostly(f"the simulation took more than its budget of {max_work} units of work (groups shared out and flows re-rated)")
         next_move = min(((left / rates[i], i) for i, left in moving.items()), default=(float("inf"), -1))
         if buffered:
             next_move = min(next_move, min((((left - by_id[i].sent_below) / rates[i], i) for i, left in moving.items()
@@ -165,3 +166,21 @@ def reference_simulate(operations, problem, discipline: str = "host-order", nic_
     cost: list[int] = []
     spans = run_flows(lowering.flows, lowering.capacity, max_work, cost, share)
     return op_times(operations, lowering, riders, spans, cost[0])
+
+
+def water_filling(active: list[Flow], capacity: dict[str, float]) -> dict[int, float]:
+    """Max-min fair rates the plain way, flow by flow, without heaps or groups: while flows are left, the link whose
+    capacity left over its unfixed flows is least fixes them all at that share (`simulate.max_min_rates`' rule)."""
+    left = {link: capacity[link] for f in active for link in f.links}
+    unfixed = {f.id: f.links for f in active if f.links}
+    rates: dict[int, float] = {}
+    while unfixed:
+        def share(link: str) -> float:
+            return left[link] / sum(1 for links in unfixed.values() if link in links)
+        tightest = min((link for links in unfixed.values() for link in links), key=lambda link: (share(link), link))
+        rate = share(tightest)
+        for fid in [i for i, links in unfixed.items() if tightest in links]:
+            rates[fid] = rate
+            for link in unfixed.pop(fid):
+                left[link] -= rate
+    return rates
