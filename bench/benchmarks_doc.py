@@ -382,6 +382,11 @@ FRONTIER_TITLES = {"weight_sync_llama3_70b": "Llama-3-70B-like, 8x8 -> 2 x TP=8"
 PERPLEXITY_KIMI_S = 1.3  # Perplexity's reported Kimi-K2 (1T) weight sync, 256 -> 128 GPUs, FP8 (issue 29's benchmark)
 
 
+def _plan_mib(r: dict) -> str:
+    """The plan file's MiB and its format (`compact`: a point measured writing `*.plan.npz`; older points wrote JSON)."""
+    return f"{r['plan_bytes'] / 2**20:,.1f} ({'npz' if r.get('plan_format') == 'compact' else 'json'})"
+
+
 def _frontier_row(r: dict) -> list:
     title = FRONTIER_TITLES.get(r["problem"], r["problem"]) + (f" ({r['layers']} layers)" if r.get("layers") else "") \
         + (f", --max-tasks {r['max_tasks']:,}" if r.get("max_tasks") else "")
@@ -389,7 +394,7 @@ def _frontier_row(r: dict) -> list:
         return [title] + ["-"] * 10 + [f"did not finish in {r['timeout_s']:.0f} s ({r['last_phase']})"]
     executed = "-" if r["executor_over_bound"] is None else x(r["executor_over_bound"], 3)
     return [title, f"{r['gib']:.0f}", f"{r['tasks']:,}", f"{r['operations']:,}", f"{r['compile_s']:.1f}", f"{r['compile_cpu_s']:.1f}",
-            f"{r['peak_rss_mib']:,.0f}", f"{r['plan_bytes'] / 2**20:,.0f}", f"{r['verify_s']:.1f}", x(r["predicted_over_bound"], 3),
+            f"{r['peak_rss_mib']:,.0f}", _plan_mib(r), f"{r['verify_s']:.1f}", x(r["predicted_over_bound"], 3),
             executed, r["timed_by"]]
 
 
@@ -414,7 +419,9 @@ jobs, CPU seconds much less.
 {commands}
 
 Columns: **GiB** moved once; **unit tasks** and **operations** of the plan; **compile s** wall clock and
-**compile CPU s**; **peak RSS MiB** of the process when the compile returned; **plan MiB**, the JSON file;
+**compile CPU s**; **peak RSS MiB** of the process when the compile returned; **plan MiB**, the file in the format
+the point wrote (npz: compact, written from the compile's rows and verified from its columns, as `compile -o
+NAME.plan.npz` does; json: points measured before the compile wrote its plan from rows);
 **verify s**; the plan's predicted time over the byte bound (**/ bound**) and its time in the executor's order
 (**executor / bound**, where the plan states it), and what timed the plan (`solver.details.timed_by`): the
 simulator in host order, or the schedule's own timetable where one simulation would take more than

@@ -29,8 +29,12 @@ DIGITS = 12  # times are rounded to picoseconds so plans print and compare stabl
 NIC_SIDES = ("send", "recv")  # the resources a plan's host order lists; device ports are not queued
 MAX_SIMULATED_OPERATIONS = 2_000_000  # 10^6 operations simulate in about a minute and 2.5 GiB (bench/bench_simulate.py); beyond this the schedule's own timetable stands in
 MAX_SIMULATION_WORK = 25_000_000  # flow-rate updates one simulation of a listing may take (`simulate.run_flows`; about 20 us each here: a 4-layer DeepSeek-V3-like cut takes 1.36 M, in proportion to its layers); beyond, the schedule's timetable stands in
-RECORDS_NOTICE = 100_000  # operations from which making the plan's records is a phase of its own (`on_stage`)
+DETAILED_STAGES = 10_000  # operations from which a compile names the steps of timing and assembling (`on_stage`)
 MAX_RELISTINGS = 8  # re-simulations until the listing is the order of its own predicted starts
+
+
+def _quiet(stage: str) -> None:
+    del stage
 
 
 @dataclass(frozen=True, slots=True)
@@ -129,13 +133,14 @@ def assemble_joint(problem: ReshardingProblem | TransferProblem, works: list[Ten
 
 def assemble_rows(problem: ReshardingProblem | TransferProblem, works: list[TensorWork], schedule: Schedule,
                   strategy: str, seed: int, max_staging_bytes: int | None = None, max_operations: int | None = None,
-                  share_bytes: int | None = None) -> PlanRows:
+                  share_bytes: int | None = None, on_stage: Callable[[str], None] = _quiet) -> PlanRows:
     """`assemble` for every tensor of a problem at once: tasks of all tensors share the NICs and one timeline; the plan
     as rows (`plan_rows`: its tasks and operations as named tuples, not records).
     `max_staging_bytes`: operations that would stage more on a device are cut (`staging_limit.limit_staging`,
     each in its own tensor's elements, at most `max_operations` in all) and the plan states each device's
     peak in device order (across tensors: one staging area per device). `share_bytes`: bundles between the same
-    two hosts share cross-host messages of at most that many bytes (`coalesce.share_messages`)."""
+    two hosts share cross-host messages of at most that many bytes (`coalesce.share_messages`). `on_stage` hears
+    each step of a plan of at least DETAILED_STAGES operations."""
     tasks, timed_ops, per_resource = [], [], {}
     cluster = problem.cluster
     for work in works:
@@ -179,7 +184,10 @@ def assemble_rows(problem: ReshardingProblem | TransferProblem, works: list[Tens
         tasks = [t._replace(sender=riders[t.id][1]) if t.id in riders else t for t in tasks]
         per_resource = {key: [(riders[t][0] if t in riders else at, t) for at, t in v] for key, v in per_resource.items()}
     host_order = tuple(HostOrder(host=h, side=s, tasks=tuple(t for _, t in sorted(v))) for (h, s), v in sorted(per_resource.items()))
+    stage = on_stage if len(operations) >= DETAILED_STAGES else _quiet
+    stage(f"simulating {len(operations):,} operations in host order")
     operations, timed_by, work = _simulated(operations, problem, nic_assignment(host_order))
+    stage("bounding")
     tasks = _retimed_tasks(tasks, operations)
     bound = joint_lower_bound([(w.cells, w.problem.itemsize) for w in works], cluster)
     predicted = max((op.end_s for op in operations), default=0.0)
@@ -194,6 +202,8 @@ def assemble_rows(problem: ReshardingProblem | TransferProblem, works: list[Tens
     if limited:  # device order then runs as the budget cuts it (`simulate.staging_runs`), and is timed so
         stated = with_stated_staging(rows.to_plan(), max_staging_bytes)
         rows = rows.with_fields(staging=stated.staging)
+    if work is not None and isinstance(problem, TransferProblem):
+        stage(f"simulating in the executor's order ({executor_order(limited)})")
     executed = None if work is None else executor_order_seconds(operations, problem, host_order, posted_budget(work), limited,
                                                                 staging_runs(stated))
     return rows if executed is None else rows.with_fields(executor_prediction=ExecutorPrediction(
@@ -280,10 +290,6 @@ def _bundle_options(bundles: list[BundleCell], problem: ReshardingProblem, first
     return out
 
 
-def _quiet(stage: str) -> None:
-    del stage
-
-
 def _without_cyclic_gc(fn):
     """Run `fn` with Python's cyclic garbage collector paused (it runs again afterwards): a compile
     allocates hundreds of thousands of small objects and few cycles, and the collector's passes over
@@ -304,7 +310,7 @@ def compile_plan(problem: ReshardingProblem | TransferProblem, options: CompileO
                  on_stage: Callable[[str], None] = _quiet, **settings) -> Plan:
     """`compile_rows` as the plan's records (`PlanRows.to_plan`)."""
     rows = compile_rows(problem, options, on_stage=on_stage, **settings)
-    if len(rows.operations) >= RECORDS_NOTICE:
+    if len(rows.operations) >= DETAILED_STAGES:
         on_stage(f"making records of {len(rows.tasks):,} tasks and {len(rows.operations):,} operations")
     return _without_cyclic_gc(rows.to_plan)()
 
@@ -380,4 +386,4 @@ def compile_rows(problem: ReshardingProblem | TransferProblem, options: CompileO
     if cross_tensor:
         schedule = dataclasses.replace(schedule, details={**schedule.details, "cross_tensor": f"bundles share messages of at most {bucket_bytes} B"})
     return assemble_rows(problem, works, schedule, strategy, seed, max_staging_bytes, max_tasks,
-                         share_bytes=bucket_bytes if cross_tensor else None)
+                         share_bytes=bucket_bytes if cross_tensor else None, on_stage=on_stage)
