@@ -1,73 +1,42 @@
 """A compiled plan as light rows: what a compile assembles, before (or instead of) the plan's pydantic records.
 
 A DeepSeek-V3-like weight sync has about 670,000 unit tasks and as many operations; as `UnitTask` and `Operation`
-records they take about 2 KB and 3 KB each (5 GB together, and seconds of validation), as the named tuples here
-a tenth of that, sharing their boxes and device tuples with the planner's cells and strategies. Every reader of
+records they take about 1.9 KB and 3.2 KB each (3.4 GB together, and seconds of validation), as the named tuples
+here a tenth of that, sharing their boxes and device tuples with the planner's cells and strategies. Every reader of
 operations in the planner (`schemas.op_kinds`, the simulator, `schemas.carriers`, the compact writer) reads them by
 attribute, so rows and records go through the same code and give the same numbers. `PlanRows.to_plan()` makes the
-plan's records (what `compile_plan` returns, byte for byte the plan before rows existed); `PlanRows` is written
+plan's records (what `compile_plan` returns: the same plan, byte for byte, in either file format); `PlanRows` is written
 compact straight from its rows (`schemas.plan_compact.compact_arrays` reads it as it reads a `Plan`).
 """
 
 from __future__ import annotations
 
+from collections import namedtuple
 from dataclasses import dataclass
-from typing import Any, NamedTuple
+from typing import Any
 
 from xmesh_plan.schemas import HostOrder, Operation, Plan, UnitTask
+from xmesh_plan.schemas.plan_compact import TABLES
 
-TABLES = ("tasks", "operations", "host_order")
 
+def _rows_of(record: type) -> type:
+    """A named tuple type with `record`'s fields in its order, made from it (so the two cannot drift apart), whose
+    `model_copy(update=...)` gives the row with those fields changed (as the record's does: `schemas.carriers.fused`
+    calls it) and `record()` the validated record."""
+    base = namedtuple(f"{record.__name__}Row", tuple(record.model_fields))
 
-class OperationRow(NamedTuple):
-    """An `Operation`'s fields, in its order (`test_plan_rows` checks they stay so)."""
-
-    id: int
-    task: int
-    tensor: int | None
-    kind: str
-    src: int | None
-    dsts: tuple[int, ...]
-    region: tuple
-    parts: tuple = ()
-    chunks: int = 1
-    holders: tuple[int, ...] = ()
-    needers: tuple[tuple[int, ...], ...] = ()
-    carrier: int | None = None
-    start_s: float = 0.0
-    end_s: float = 0.0
-
-    def model_copy(self, *, update: dict[str, Any]) -> "OperationRow":
-        """The row with `update`'s fields changed (as `Operation.model_copy` does: `schemas.carriers.fused` calls it)."""
+    def model_copy(self, *, update: dict[str, Any]):
         return self._replace(**update)
 
-    def record(self) -> Operation:
-        return Operation(**self._asdict())
+    def as_record(self):
+        return record(**self._asdict())
+
+    return type(base.__name__, (base,), {"__slots__": (), "model_copy": model_copy, "record": as_record,
+                                         "__doc__": f"A `{record.__name__}`'s fields, in its order, as a named tuple."})
 
 
-class TaskRow(NamedTuple):
-    """A `UnitTask`'s fields, in its order."""
-
-    id: int
-    tensor: int | None
-    region: tuple
-    nbytes: int
-    senders: tuple[int, ...]
-    receivers: tuple[int, ...]
-    merged_cells: int
-    sender: int
-    sender_host: int
-    receiver_hosts: tuple[int, ...]
-    strategy: str
-    chunks: int = 1
-    start_s: float = 0.0
-    end_s: float = 0.0
-
-    def model_copy(self, *, update: dict[str, Any]) -> "TaskRow":
-        return self._replace(**update)
-
-    def record(self) -> UnitTask:
-        return UnitTask(**self._asdict())
+OperationRow = _rows_of(Operation)
+TaskRow = _rows_of(UnitTask)
 
 
 @dataclass(frozen=True)

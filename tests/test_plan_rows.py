@@ -22,9 +22,12 @@ def _small(**layout):
     return build_transfer(tomllib.loads(weight_sync_toml(name, model, Layout(**{**base.__dict__, **layout}))))
 
 
-def test_rows_have_the_records_fields_in_their_order():
+def test_rows_have_the_records_fields_in_their_order_and_make_the_records():
     assert OperationRow._fields == tuple(Operation.model_fields)
     assert TaskRow._fields == tuple(UnitTask.model_fields)
+    op = OperationRow(3, 1, 0, "send", 0, (4,), ((0, 2),), (), 1, (), (), None, 0.5, 1.0)
+    assert op.record() == Operation(id=3, task=1, tensor=0, kind="send", src=0, dsts=(4,), region=((0, 2),), start_s=0.5, end_s=1.0)
+    assert op.model_copy(update={"id": 4}) == op._replace(id=4) and op.model_copy(update={"id": 4}).record().id == 4
 
 
 def test_rows_state_the_plan_the_records_state_in_both_formats():
