@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import torch
 
-from xmesh_plan.schemas.convert import BLOCK, FP8_MAX
+from xmesh_plan.schemas.convert import BLOCK, FP8_MAX, block_sizes
 from xmesh_plan.schemas.geometry import Region
 
 MIN_AMAX = 1e-12  # an all-zero block still gets a finite, non-zero scale
@@ -42,21 +42,23 @@ def tensor_scale(amax_over_sources: torch.Tensor, fp8: str) -> torch.Tensor:
 
 
 def block_scales(shard: torch.Tensor, fp8: str) -> torch.Tensor:
-    """One float32 scale per 128x128 block of a 2-d source shard that lies on block bounds (its last blocks may be
-    short, as the tensor's are): amax(|block|) over the FP8 type's largest value."""
-    rows, cols = shard.shape
+    """One float32 scale per 128x128 block of a source shard that lies on block bounds (its last blocks may be short,
+    as the tensor's are): amax(|block|) over the FP8 type's largest value. Blocks are of the last two dims, one set
+    for each index of the others (stacked experts [E, I, H]: scales [E, ceil(I/128), ceil(H/128)])."""
+    *lead, rows, cols = shard.shape
     br, bc = -(-rows // BLOCK), -(-cols // BLOCK)
-    padded = torch.zeros((br * BLOCK, bc * BLOCK), dtype=torch.float32, device=shard.device)
-    padded[:rows, :cols] = shard.float().abs()
-    blocks = padded.reshape(br, BLOCK, bc, BLOCK).amax(dim=(1, 3))
+    padded = torch.zeros((*lead, br * BLOCK, bc * BLOCK), dtype=torch.float32, device=shard.device)
+    padded[..., :rows, :cols] = shard.float().abs()
+    blocks = padded.reshape(*lead, br, BLOCK, bc, BLOCK).amax(dim=(-3, -1))
     return blocks.clamp(min=MIN_AMAX) / FP8_MAX[fp8]
 
 
-def expand_scales(scales: torch.Tensor, box: Region, origin: tuple[int, ...] = (0, 0)) -> torch.Tensor:
+def expand_scales(scales: torch.Tensor, box: Region, origin: tuple[int, ...] | None = None) -> torch.Tensor:
     """Each element of `box` (global coordinates) with its block's scale; `scales` holds the blocks from block
-    `origin` on (a source shard's own scales start at its first block)."""
-    rows, cols = (torch.arange(a, b, device=scales.device) // BLOCK - o for (a, b), o in zip(box, origin))
-    return scales[rows[:, None], cols[None, :]]
+    `origin` on (a source shard's own scales start at its first block; default: block 0 in every dim)."""
+    sizes = block_sizes(len(box))
+    index = [torch.arange(a, b, device=scales.device) // size - o for (a, b), size, o in zip(box, sizes, origin or (0,) * len(box))]
+    return scales[torch.meshgrid(*index, indexing="ij")]
 
 
 def convert(values: torch.Tensor, dst_dtype: str, scales: torch.Tensor | None = None) -> torch.Tensor:
@@ -69,9 +71,9 @@ def convert(values: torch.Tensor, dst_dtype: str, scales: torch.Tensor | None = 
     return (values.float() / scales).clamp(-limit, limit).to(target)
 
 
-def shard_block_scales(scales: torch.Tensor, shape: tuple[int, int]) -> torch.Tensor:
+def shard_block_scales(scales: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
     """Each element of a shard of `shape` lying on block bounds with its block's scale (`scales`: the shard's own)."""
-    return scales.repeat_interleave(BLOCK, 0)[:shape[0]].repeat_interleave(BLOCK, 1)[:, :shape[1]]
+    return scales.repeat_interleave(BLOCK, -2)[..., :shape[-2], :].repeat_interleave(BLOCK, -1)[..., :shape[-1]]
 
 
 def convert_shard(out: torch.Tensor, shard: torch.Tensor, dst_dtype: str, scale: str | None, scales: torch.Tensor | None) -> None:

@@ -6,7 +6,9 @@ bytes, and the plan's bound and prediction count those. An FP8 destination needs
 - `tensor`: one float32 scale, amax(|tensor|) / FP8 max, which the source devices agree on (a max over their
   shards) before they send;
 - `block`: one float32 scale per 128x128 block of a 2-d tensor, amax(|block|) / FP8 max, which the source
-  device holding the block computes alone: every source box must lie on block bounds.
+  device holding the block computes alone: every source box must lie on block bounds. A tensor of more dims
+  (stacked experts [E, I, H]) has 128x128 blocks of its last two dims for each index of the others, so its
+  scales are [E, ceil(I/128), ceil(H/128)] (DeepSeek-V3's and vLLM's `weight_scale_inv` of stacked experts).
 The scales are delivered as a tensor of the plan of their own, `<name>.scale` (`scale_of` names the tensor),
 float32, each source device holding the scales it computes, each destination device the scales of every
 block its box touches (`scale_tensor` makes it; the problem checks that a scale tensor is exactly that).
@@ -15,10 +17,10 @@ into `<fused>.scale` (`fused_block_scales`), which needs its parts on block boun
 The element conversion: x -> float(x) / scale, clamped to +-FP8 max, rounded to the nearest FP8 value
 (`executor.convert`); other conversions round to the nearest value of the destination type.
 
->>> scale_shape((300, 128), "block"), scale_shape((300, 128), "tensor")
-((3, 1), (1,))
->>> block_box(((128, 300), (0, 128)))
-((1, 3), (0, 1))
+>>> scale_shape((300, 128), "block"), scale_shape((300, 128), "tensor"), scale_shape((8, 300, 128), "block")
+((3, 1), (1,), (8, 3, 1))
+>>> block_box(((128, 300), (0, 128))), block_box(((2, 4), (128, 300), (0, 128)))
+(((1, 3), (0, 1)), ((2, 4), (1, 3), (0, 1)))
 """
 
 from __future__ import annotations
@@ -51,25 +53,32 @@ def check_conversion(dtype: str, dst_dtype: str | None, scale: str | None, ndim:
         raise ValueError(f"scale: an FP8 destination ({dst_dtype}) needs scales; give scale = \"tensor\" or \"block\" (128x128)")
     if dst_dtype not in FP8_MAX and scale is not None:
         raise ValueError(f"scale: {dst_dtype} takes no scales; drop scale (it is for FP8 destinations)")
-    if scale == "block" and ndim != 2:
-        raise ValueError(f"scale: block scales are for 2-d tensors (128x128 blocks), this one has {ndim} dims; use scale = \"tensor\"")
+    if scale == "block" and ndim < 2:
+        raise ValueError(f"scale: block scales are for tensors of 2 dims or more (128x128 blocks of the last two), this one "
+                         f"has {ndim}; use scale = \"tensor\"")
+
+
+def block_sizes(ndim: int) -> tuple[int, ...]:
+    """The extent of a scale block in each dim of a tensor of `ndim` dims: 128 in the last two, 1 in the others."""
+    return (1,) * (ndim - 2) + (BLOCK, BLOCK)
 
 
 def scale_shape(shape: tuple[int, ...], scale: str) -> tuple[int, ...]:
     """The shape of a tensor's scales: (1,) per tensor, one per 128x128 block (ceil) per block."""
-    return (1,) if scale == "tensor" else tuple(-(-n // BLOCK) for n in shape)
+    return (1,) if scale == "tensor" else tuple(-(-n // b) for n, b in zip(shape, block_sizes(len(shape))))
 
 
 def block_box(box: Region) -> Region:
     """The blocks a box touches, as a box of the scale tensor (empty for an empty box)."""
     if any(b <= a for a, b in box):
         return tuple((0, 0) for _ in box)
-    return tuple((a // BLOCK, -(-b // BLOCK)) for a, b in box)
+    return tuple((a // size, -(-b // size)) for (a, b), size in zip(box, block_sizes(len(box))))
 
 
 def on_block_bounds(box: Region, shape: tuple[int, ...]) -> bool:
     """Whether a box starts on a block bound in every dim and ends on one or at the tensor's end (or is empty)."""
-    return any(b <= a for a, b in box) or all(a % BLOCK == 0 and (b % BLOCK == 0 or b == n) for (a, b), n in zip(box, shape))
+    return any(b <= a for a, b in box) or all(a % size == 0 and (b % size == 0 or b == n)
+                                              for (a, b), n, size in zip(box, shape, block_sizes(len(shape))))
 
 
 def scale_boxes(shape: tuple[int, ...], scale: str, blocks: dict[int, Region], devices: tuple[int, ...], side: str) -> tuple[Region, ...]:
@@ -106,13 +115,13 @@ def fused_block_scales(fused, shapes: dict[str, tuple[int, ...]], mesh):
     lengths = fused.lengths(shapes)
     parts = []
     for k, ((name, span), length) in enumerate(zip(fused.refs(), lengths)):
-        full = shapes[name][fused.dim]
+        full, size = shapes[name][fused.dim], block_sizes(len(shapes[name]))[fused.dim]  # size 1: stacked experts' dim
         start, stop = span or (0, full)
-        if start % BLOCK or (stop % BLOCK and stop != full) or (k < len(lengths) - 1 and length % BLOCK):
+        if start % size or (stop % size and stop != full) or (k < len(lengths) - 1 and length % size):
             raise ValueError(f"parts[{k}]: {fused.parts[k]!r} is not whole 128-blocks of {name!r} along dim {fused.dim}, so "
                              "block scales of the fused tensor would mix parts; give parts on multiples of 128 (the last may "
                              "end with its tensor), or convert to float16/bfloat16")
-        parts.append(scale_name(name) if span is None else f"{scale_name(name)}[{start // BLOCK}:{-(-stop // BLOCK)}]")
+        parts.append(scale_name(name) if span is None else f"{scale_name(name)}[{start // size}:{-(-stop // size)}]")
     blocks = fused.blocks(shapes, mesh)
     return FusedTensor(name=scale_name(fused.name), parts=tuple(parts), dim=fused.dim,
                        dst_boxes=tuple(block_box(blocks[d]) for d in mesh.devices))

@@ -84,8 +84,10 @@ def test_a_converting_plan_file_compiles_checks_and_verifies(tmp_path):
     (dict(h={"scale": "tensor"}), r"scale: float16|scale: bfloat16 takes no scales; drop scale"),
     (dict(h={"dtype": "int32"}), r"dst_dtype: int32 -> bfloat16 is not a conversion made at the sender"),
     (dict(h={"dst_dtype": None, "scale": "block"}), r"scale: 'block' without dst_dtype"),
-    (dict(e={"scale": "block", "shape": [300, 64, 2], "src": "R S0 R"}), r"block scales are for 2-d tensors"),
+    (dict(e={"scale": "block", "shape": [300], "src": "R", "dst": "R"}), r"block scales are for tensors of 2 dims or more"),
     (dict(e={"scale": "block", "src": "S0 R"}), r"tensors\[1\] \(e\).scale: source device 0 holds \[0:75, 0:64\], not whole 128x128 blocks; .*use scale = \"tensor\""),
+    (dict(e={"scale": "block", "shape": [2, 300, 64], "src": "R S0 R", "dst": "R R S1"}),
+     r"source device 0 holds \[0:2, 0:75, 0:64\], not whole 128x128 blocks"),  # stacked: blocks of the last two dims
     (dict(h={"dst_dtype": "float8_e9"}), r"unknown dtype 'float8_e9'"),
 ])
 def test_bad_conversions_get_one_line_naming_the_field_and_the_fix(edits, message):
@@ -253,3 +255,41 @@ def test_bad_fused_fp8_destinations_are_refused_naming_the_fix(edit, message):
     with pytest.raises(InputError) as info:
         build_transfer(raw)
     assert re.search(message, str(info.value)), str(info.value)
+
+
+def stacked_raw() -> dict:
+    """Stacked experts [E, I, H] (FSDP shards of 2 experts on 4 ranks) into EP = 2 ranks, FP8 with block scales, w13 =
+    cat(w1, w3) on dim 1 fused as FusedMoE keeps it; w2 on its own."""
+    return {"src_mesh": {"shape": [4], "devices": [0, 1, 2, 3]}, "dst_mesh": {"shape": [2], "devices": [4, 5]},
+            "cluster": {"devices_per_host": 2}, "dtype": "bfloat16", "rules": [{"match": "*", "src": "S0 R R", "dst": "S0 R R"}],
+            "tensors": [{"name": "w1", "shape": [8, 256, 200]}, {"name": "w3", "shape": [8, 256, 200]},
+                        {"name": "w13", "fuse": ["w1", "w3"], "dim": 1, "dst": "S0 R R", "dst_dtype": "float8_e4m3fn", "scale": "block"},
+                        {"name": "w2", "shape": [8, 200, 256], "dst_dtype": "float8_e4m3fn", "scale": "block"}]}
+
+
+def test_stacked_experts_take_128x128_block_scales_per_expert():
+    """An FP8 tensor of more than 2 dims has one scale per 128x128 block of its last two dims for each index of the
+    others (DeepSeek-V3's `weight_scale_inv` of stacked experts [E, ceil(I/128), ceil(H/128)]), so a source shard of
+    whole experts lies on block bounds; the fused w13's scales are w1's then w3's along dim 1."""
+    problem = build_transfer(stacked_raw())
+    w2 = problem.tensors[problem.index_of("w2.scale")]
+    assert (w2.shape, w2.src_boxes, w2.dst_boxes) == ((8, 2, 2), tuple(((2 * k, 2 * k + 2), (0, 2), (0, 2)) for k in range(4)),
+                                                      (((0, 4), (0, 2), (0, 2)), ((4, 8), (0, 2), (0, 2))))
+    assert problem.fused[1].parts == ("w1.scale", "w3.scale") and problem.fused_shape(1) == (8, 4, 2)
+    verify_plan(compile_plan(problem, solver="greedy"))
+    raw = stacked_raw()
+    raw["tensors"][3] |= {"shape": [8, 512, 256], "src": "R S0 R"}  # every expert's rows split on 128-row bounds
+    split = build_transfer(raw)
+    assert split.tensors[split.index_of("w2.scale")].src_boxes == tuple(((0, 8), (k, k + 1), (0, 2)) for k in range(4))
+    x = random_weight((3 * 300, 400), seed=6).reshape(3, 300, 400)
+    scales = block_scales(x, "float8_e4m3fn")
+    assert scales.shape == (3, 3, 4)
+    for e in range(3):  # each expert's blocks as a 2-d tensor's, and its values cast with them as torch casts
+        assert torch.equal(scales[e], block_scales(x[e], "float8_e4m3fn"))
+        want = reference_fp8(x[e], scales[e])
+        box = ((e, e + 1), (5, 290), (100, 333))
+        got = convert(x[e:e + 1, 5:290, 100:333], "float8_e4m3fn", expand_scales(scales, box))
+        assert torch.equal(got[0].view(torch.uint8), want[5:290, 100:333].view(torch.uint8))
+    out = torch.empty(x.shape, dtype=torch.float8_e4m3fn)
+    executor_convert.convert_shard(out, x, "float8_e4m3fn", "block", scales)
+    assert torch.equal(out[1].view(torch.uint8), reference_fp8(x[1], scales[1]).view(torch.uint8))

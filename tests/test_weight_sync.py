@@ -1,7 +1,8 @@
 """`xmesh_plan.weight_sync.WeightSync` on gloo: a tiny Llama-like model, FSDP2 `fully_shard` on 4 trainer ranks, into two
 TP=2 inference replicas, every destination element checked bit for bit against the trainer's `full_tensor()`.
 
-One launch of 8 ranks (one world) and one pair of launches of 4 (separate worlds joined by `transfer_group`);
+One launch of 8 ranks (one world) and one pair of launches of 4 (separate worlds joined by `transfer_group`), each
+with plain, fused and converted (FP8 with block or per-tensor scales, float16, bfloat16) destinations;
 tests/workers/weight_sync_worker.py does the work and prints what the tests compare. Each mismatch case runs
 with WeightSync's deadline at 5 s after a barrier, so a mismatch noticed late would surface as a timeout,
 not as the cause the tests expect.
@@ -84,6 +85,17 @@ def test_separate_launches_joined_by_a_tcp_rendezvous_sync_bit_exact(separate):
     assert separate["step 0"] == ["sent"] * 4 + ["ok"] * 4
     assert separate["step 1"] == ["sent"] * 4 + ["ok, changed True"] * 4
     assert separate["in place"] == ["sent"] * 4 + ["ok"] * 4
+
+
+def test_fused_and_converted_destinations_across_separate_launches_land_bit_exact_with_their_scales(separate):
+    """The converting engine across the two launches: layer 0's qkv and gate_up fused in FP8 e4m3 with block scales,
+    layer 1's q, k, v, gate and up each its own FP8 destination with block scales, o and down FP8 per tensor,
+    embeddings and LM head float16, norms bfloat16: every element and scale bit for bit torch's own cast of
+    `full_tensor()` (`weight_sync_demo.cast_reference`), twice with a training step between."""
+    assert separate["separate fp8 kinds"] == ["sent"] * 4 + [
+        "bfloat16 5, float16 2, float8_e4m3fn block 5, float8_e4m3fn tensor 4, fused float8_e4m3fn block 2"] * 4
+    assert separate["separate fp8 step 0"] == ["sent"] * 4 + ["ok"] * 4
+    assert separate["separate fp8 step 1"] == ["sent"] * 4 + ["ok"] * 4
 
 
 @pytest.mark.parametrize("case, message", [

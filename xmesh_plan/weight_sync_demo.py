@@ -201,7 +201,8 @@ def cast_of(name: str) -> tuple[str, str | None]:
 
 def cast_reference(full: torch.Tensor, dtype: str, scale: str | None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """`full` as the destination dtype by torch's own `.to()`, with its FP8 scales (per tensor, or per 128x128 block
-    computed block by block) and the values divided by them and clamped to the FP8 range first."""
+    computed block by block, of each index of the leading dims of a tensor of more than 2) and the values divided by
+    them and clamped to the FP8 range first."""
     target = getattr(torch, dtype)
     if scale is None:
         return full.to(target), None
@@ -209,6 +210,9 @@ def cast_reference(full: torch.Tensor, dtype: str, scale: str | None) -> tuple[t
     if scale == "tensor":
         scales = torch.tensor([max(full.float().abs().max().item(), FLOOR) / top], dtype=torch.float32)
         return (full.float() / scales).clamp(-top, top).to(target), scales
+    if full.dim() > 2:  # stacked experts [E, I, H]: each expert's own 128x128 blocks
+        casts = [cast_reference(one, dtype, scale) for one in full]
+        return torch.stack([values for values, _ in casts]), torch.stack([scales for _, scales in casts])
     rows, cols = full.shape
     scales = torch.empty((-(-rows // BLOCK), -(-cols // BLOCK)), dtype=torch.float32)
     out = torch.empty(full.shape, dtype=target)
@@ -220,12 +224,13 @@ def cast_reference(full: torch.Tensor, dtype: str, scale: str | None) -> tuple[t
     return out, scales
 
 
-def converted_targets(mesh: DeviceMesh, c: Config = BLOCKED) -> dict[str, Target]:
-    """This inference rank's part of every engine tensor (qkv and gate_up fused) in its destination dtype, zeros until
-    synced: `Target`s that name the dtype and FP8 scale kind."""
+def converted_targets(mesh: DeviceMesh, c: Config = BLOCKED, unfused: tuple[int, ...] = ()) -> dict[str, Target]:
+    """This inference rank's part of every engine tensor (qkv and gate_up fused, except in the layers `unfused`, whose
+    q, k, v, gate and up are destinations of their own, FP8 with block scales all the same) in its destination dtype,
+    zeros until synced: `Target`s that name the dtype and FP8 scale kind."""
     sizes, out = shapes(c), {}
     tp = mesh.size(1)
-    for i in range(c.layers):
+    for i in (i for i in range(c.layers) if i not in unfused):
         fused = {f"model.layers.{i}.{k}": [f"model.layers.{i}.{p}" for p in parts] for k, parts in FUSED.items()}
         for name, parts in fused.items():
             rows = sum(sizes[p][0] for p in parts) // tp
@@ -277,15 +282,22 @@ def converted_sync(c: Config = BLOCKED) -> list[str]:
     model, optimizer = trainer_model(DeviceMesh("cpu", TRAINER), c) if rank in TRAINER else (None, None)
     targets = converted_targets(mesh, c) if rank not in TRAINER else {}
     given = {"trainer": model.state_dict()} if model else {"inference": targets, "inference_mesh": ENGINE}
-    results = []
     with WeightSync(**given) as sync:
-        for step in range(2):
-            sync.run()
-            refs = references(model, dist.group.WORLD, c)
-            results.append(check_converted(targets, sync.scales, mesh, refs) if targets else "sent")
-            say(f"fp8 step {step}", results[-1])
-            if model is not None:
-                train_step(model, optimizer)
+        return converted_steps(sync, model, optimizer, targets, mesh, dist.group.WORLD, c)
+
+
+def converted_steps(sync: WeightSync, model, optimizer, targets: dict[str, Target], mesh: DeviceMesh, group, c: Config = BLOCKED,
+                    label: str = "fp8") -> list[str]:
+    """Two runs of a converting `sync` with a training step between, each checked by `check_converted` against the
+    trainer's `full_tensor()` (broadcast over `group` from its rank 0) and printed ('<label> step k'); this rank's results."""
+    results = []
+    for step in range(2):
+        sync.run()
+        refs = references(model, group, c)
+        results.append(check_converted(targets, sync.scales, mesh, refs) if targets else "sent")
+        say(f"{label} step {step}", results[-1])
+        if model is not None:
+            train_step(model, optimizer)
     return results
 
 

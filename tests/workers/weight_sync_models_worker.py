@@ -5,7 +5,9 @@
   `fully_shard` on ranks 0-3; ranks 4-7 one engine of TP = EP = 4 ([[4, 5, 6, 7]]): experts split over the ranks
   (EXPERT), w13 = cat(w1, w3) on dim 1 fused, q / o tensor-parallel, k / v of 2 KV heads replicated on 2 ranks each
   (`kv_heads(2)`; layer 0 fused as qkv_proj, layer 1 apart), the vocabulary padded to 64 rows (`PADDED_VOCAB`).
-  Two syncs with a training step between.
+  Two syncs with a training step between, into that engine's tensors in the trainer's dtype and into a converting
+  engine of the same layouts: w13 (fused) and w2 in FP8 e4m3 with 128x128 block scales per expert, embeddings and LM
+  head float16, the rest bfloat16, every element and scale checked against torch's own cast (`cast_reference`).
 - `fsdp_tp`: the tiny Llama-like model of `xmesh_plan.weight_sync_demo` on a 2x2 mesh of ranks 0-3 (dp, tp),
   `parallelize_module` over tp then `fully_shard` over dp (DTensor's strided shards), into two TP=2 replicas.
 Every destination element is compared bit for bit with what vLLM's rules take from the trainer's `full_tensor()`
@@ -25,7 +27,7 @@ from torch.distributed.fsdp import fully_shard
 
 from xmesh_plan.engine_layouts import PADDED_VOCAB, kv_heads
 from xmesh_plan.weight_sync import COLUMN, EXPERT, REPLICATED, ROW, Fused, Target, WeightSync
-from xmesh_plan.weight_sync_demo import ENGINE, Config, TinyLlama, check, engine_tensors, references, say
+from xmesh_plan.weight_sync_demo import ENGINE, FP8, Config, TinyLlama, cast_reference, check, engine_tensors, references, say
 
 NAN = float("nan")
 
@@ -39,7 +41,7 @@ def vllm_vocab_shard(full: torch.Tensor, tp_rank: int, tp_size: int, pad_to: int
     assert padded % tp_size == 0
     per_partition = padded // tp_size
     start, end = min(tp_rank * per_partition, vocab), min(tp_rank * per_partition + per_partition, vocab)
-    param = torch.full((per_partition, *full.shape[1:]), NAN)
+    param = torch.full((per_partition, *full.shape[1:]), NAN, dtype=full.dtype)
     loaded = full.narrow(0, start, end - start)
     param[:loaded.shape[0]] = loaded
     return param
@@ -56,7 +58,7 @@ def vllm_kv_shard(full: torch.Tensor, tp_rank: int, tp_size: int, total_kv_heads
     return full.narrow(0, (tp_rank // replicas) * shard_size, shard_size)
 
 
-MOE = Config(vocab=51, hidden=8, heads=4, kv_heads=2, head_dim=2, mlp=6, layers=2)
+MOE = Config(vocab=51, hidden=8, heads=4, kv_heads=2, head_dim=2, mlp=128, layers=2)  # w1 / w3: one 128-row block per expert
 EXPERTS, TOP_K, MOE_TRAINER, MOE_ENGINE = 8, 2, [0, 1, 2, 3], [[4, 5, 6, 7]]
 
 
@@ -136,34 +138,62 @@ def vllm_shard(name: str, full: dict[str, torch.Tensor], tp: int, size: int) -> 
     return value
 
 
-def moe_engine(mesh: DeviceMesh) -> dict[str, Target]:
-    """This engine rank's tensors (NaN: nothing synced yet), the padded ones with their padding rows."""
+def moe_cast(name: str) -> tuple[str | None, str | None]:
+    """The converting engine's dtype and scale kind of trainer tensor `name`: the stacked experts in FP8 with 128x128
+    block scales per expert, embeddings and LM head float16, the rest (attention, norms, router) bfloat16."""
+    if name.endswith(("experts.w1", "experts.w2", "experts.w3")):
+        return FP8, "block"
+    return ("float16", None) if name.endswith(("embed_tokens.weight", "lm_head.weight")) else ("bfloat16", None)
+
+
+def moe_engine(mesh: DeviceMesh, converted: bool = False) -> dict[str, Target]:
+    """This engine rank's tensors (NaN: nothing synced yet), the padded ones with their padding rows; `converted`:
+    each in the dtype `moe_cast` gives it (plain: the trainer's)."""
     size, out = mesh.size(1), {}
     shapes, tp = moe_shapes(), mesh.get_coordinate()[1]
+
+    def target(local, layout, name: str, **source) -> Target:
+        dtype, scale = moe_cast(name) if converted else (None, None)
+        tensor = torch.full(local, NAN).to(getattr(torch, dtype or "float32"))
+        return Target(tensor, layout, dtype=dtype, scale=scale, **source)
+
     for name, shape in shapes.items():
         if name.endswith("experts.w3") or name in QKV_PARTS[1:]:
             continue
-        rule = moe_rule(name)
         if name == QKV_PARTS[0]:
             local = vllm_shard(FUSED_QKV, {p: torch.zeros(shapes[p]) for p in QKV_PARTS}, tp, size).shape
-            out[FUSED_QKV] = Target(torch.full(local, NAN), COLUMN,
+            out[FUSED_QKV] = target(local, COLUMN, name,
                                     source=Fused(QKV_PARTS, rules=(None, kv_heads(MOE.kv_heads), kv_heads(MOE.kv_heads))))
         elif name.endswith("experts.w1"):
-            out[fused_w13(name)] = Target(torch.full((EXPERTS // size, 2 * MOE.mlp, MOE.hidden), NAN), EXPERT,
+            out[fused_w13(name)] = target((EXPERTS // size, 2 * MOE.mlp, MOE.hidden), EXPERT, name,
                                           source=Fused((name, name.replace("w1", "w3")), dim=1))
         else:
             local = vllm_shard(name, {name: torch.zeros(shape)}, tp, size).shape
-            out[name] = Target(torch.full(local, NAN), rule)
+            out[name] = target(local, moe_rule(name), name)
     return out
 
 
-def moe_check(targets: dict[str, Target], mesh: DeviceMesh, full: dict[str, torch.Tensor]) -> str:
+def moe_check(targets: dict[str, Target], mesh: DeviceMesh, full: dict[str, torch.Tensor], scales: dict | None = None) -> str:
+    """'ok' when every element of every engine tensor is what vLLM's rule takes from the trainer's full tensors, cast
+    first where the engine converts (`cast_reference`: torch's own cast, FP8 scales computed block by block of each
+    expert), and every FP8 scale (`scales`: WeightSync's) is vLLM's rule applied to those scales; else the first that is not."""
     tp, size = mesh.get_coordinate()[1], mesh.size(1)
+    converted = {n: cast_reference(v, *moe_cast(n)) for n, v in full.items()} if scales is not None else {}
+    values = {n: v for n, (v, _) in converted.items()} or full
     for name, target in targets.items():
-        want = vllm_shard(name.replace("w13_weight", "w1"), full, tp, size)
-        if target.tensor.shape != want.shape or not torch.equal(target.tensor.view(torch.int32), want.contiguous().view(torch.int32)):
+        source = name.replace("w13_weight", "w1")
+        want = vllm_shard(source, values, tp, size)
+        if target.tensor.dtype != want.dtype or target.tensor.shape != want.shape or not torch.equal(bits(target.tensor), bits(want)):
             return f"{name} differs"
+        if target.scale is not None:
+            want_scales = vllm_shard(source, {n: s for n, (_, s) in converted.items() if s is not None}, tp, size)
+            if not torch.equal(bits(scales[name]), bits(want_scales)):
+                return f"{name}'s scales differ"
     return "ok"
+
+
+def bits(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.contiguous().view(torch.uint8)
 
 
 def full_values(model, shapes: dict[str, torch.Size]) -> dict[str, torch.Tensor]:
@@ -177,6 +207,9 @@ def full_values(model, shapes: dict[str, torch.Size]) -> dict[str, torch.Tensor]
 
 
 def moe() -> None:
+    """The MoE model synced into two engines of the same layouts, each twice with a training step between: one in the
+    trainer's dtype, one converting (`moe_cast`: the stacked experts FP8 with block scales, the rest float16 or
+    bfloat16)."""
     rank = dist.get_rank()
     trainer_mesh, engine_mesh = DeviceMesh("cpu", MOE_TRAINER), DeviceMesh("cpu", MOE_ENGINE)
     model = optimizer = None
@@ -190,11 +223,14 @@ def moe() -> None:
         say("moe experts", f"{type(model.state_dict()['model.layers.0.mlp.experts.w1']).__name__} "
                            f"{tuple(model.state_dict()['model.layers.0.mlp.experts.w1'].to_local().shape)}")
     targets = moe_engine(engine_mesh) if rank not in MOE_TRAINER else {}
+    converting = moe_engine(engine_mesh, converted=True) if rank not in MOE_TRAINER else {}
     given = {"trainer": model.state_dict()} if model is not None else {"inference": targets, "inference_mesh": MOE_ENGINE}
-    with WeightSync(**given) as sync:
+    converted = {"trainer": model.state_dict()} if model is not None else {"inference": converting, "inference_mesh": MOE_ENGINE}
+    with WeightSync(**given) as sync, WeightSync(**converted) as fp8:
         before = {}
         for step in range(2):
             sync.run()
+            fp8.run()
             full = full_values(model, moe_shapes())
             if targets:
                 result = moe_check(targets, engine_mesh, full)
@@ -202,8 +238,10 @@ def moe() -> None:
                     result += f", changed {any(not torch.equal(before[n], t.tensor) for n, t in targets.items() if n in before)}"
                 before = {n: t.tensor.clone() for n, t in targets.items() if not n.endswith(("embed_tokens.weight", "lm_head.weight"))}
                 say(f"moe step {step}", result)
+                say(f"moe fp8 step {step}", moe_check(converting, engine_mesh, full, fp8.scales))
             else:
                 say(f"moe step {step}", "sent")
+                say(f"moe fp8 step {step}", "sent")
             if model is not None:
                 torch.manual_seed(1)
                 ids = torch.randint(0, MOE.vocab, (2, 5))

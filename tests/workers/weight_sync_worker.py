@@ -7,8 +7,9 @@
   trainer and engine at once (colocated); qkv and gate_up fused on the engine; the demo's fused and converting engine
   (`weight_sync_demo.converted_sync`: FP8 with block and per-tensor scales, float16, bfloat16); then mismatches, each of which must fail every rank with the same line within WeightSync's 5 s deadline.
 - `trainer` / `inference`: the same sync as two launches of 4 ranks each, joined by `transfer_group` at
-  127.0.0.1:$TRANSFER_PORT (trainer ranks are transfer ranks 0-3, inference ranks 4-7); then mismatches across the
-  two launches, each of which must fail every rank of both with the same line within WeightSync's 5 s deadline.
+  127.0.0.1:$TRANSFER_PORT (trainer ranks are transfer ranks 0-3, inference ranks 4-7); then the converting engine
+  across the two launches (`separate_converted`: fused and unfused FP8 with block scales, FP8 per tensor, float16,
+  bfloat16); then mismatches across the two launches, each of which must fail every rank of both with the same line within WeightSync's 5 s deadline.
 After each sync the inference ranks check where the weights landed: in their own tensors (a fused one through its
 parts' views), with no destination buffer of the executor's own and no view of them kept once `run()` returns.
 Each rank prints `rank R: <what>: <result>` lines for the test to compare.
@@ -25,8 +26,8 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from xmesh_plan.transfer_group import transfer_group
 from xmesh_plan.weight_sync import COLUMN, Fused, Target, WeightSync, WeightSyncError
-from xmesh_plan.weight_sync_demo import (ENGINE, TINY, check, converted_sync, engine_tensors, references, say, shapes, steps,
-                                         sync_model, trainer_model)
+from xmesh_plan.weight_sync_demo import (BLOCKED, ENGINE, TINY, check, converted_steps, converted_sync, converted_targets,
+                                         engine_tensors, references, say, shapes, steps, sync_model, trainer_model)
 
 
 def attempt(what: str, make) -> None:
@@ -145,19 +146,46 @@ def separate(side: str) -> None:
     offset = 0 if side == "trainer" else 4
     group = transfer_group("127.0.0.1", int(os.environ["TRANSFER_PORT"]), offset + rank, 8)
     ranks = {r: offset + r for r in range(4)}
-    if side == "trainer":
-        model, optimizer = trainer_model(DeviceMesh("cpu", [0, 1, 2, 3]))
-        targets, mesh, kwargs = {}, None, {"trainer": model.state_dict()}
-    else:
-        model, optimizer, mesh = None, None, DeviceMesh("cpu", [[0, 1], [2, 3]])
-        targets = engine_tensors(mesh)
-        kwargs = {"inference": targets, "inference_mesh": [[0, 1], [2, 3]]}
+    model, optimizer, targets, mesh, kwargs = one_side(side, TINY, engine_tensors)
     sync = WeightSync(**kwargs, group=group, ranks=ranks)
     say("transfer rank", group.rank())
     steps(sync, model, optimizer, targets, mesh, group)
     say("in place", in_place(sync, targets))
     sync.close()
+    separate_converted(side, group, ranks)
     separate_mismatches(group.rank(), group, model, {**kwargs, "group": group, "ranks": ranks})
+
+
+def one_side(side: str, c, make_targets) -> tuple:
+    """This launch's part of a two-launch sync of the demo's model of sizes `c`: (model, optimizer, targets, engine
+    mesh, WeightSync arguments but the group); the trainer trains FSDP2 on its 4 ranks, the engine is two TP=2
+    replicas of its 4 ranks holding `make_targets(mesh, c)`."""
+    if side == "trainer":
+        model, optimizer = trainer_model(DeviceMesh("cpu", [0, 1, 2, 3]), c)
+        return model, optimizer, {}, None, {"trainer": model.state_dict()}
+    mesh = DeviceMesh("cpu", [[0, 1], [2, 3]])
+    targets = make_targets(mesh, c)
+    return None, None, targets, mesh, {"inference": targets, "inference_mesh": [[0, 1], [2, 3]]}
+
+
+def separate_converted(side: str, group, ranks) -> None:
+    """The converting engine across the two launches (`weight_sync_demo.converted_targets`, sizes on 128x128 blocks):
+    layer 0's qkv and gate_up fused in FP8 with block scales, layer 1's q, k, v, gate, up each its own FP8 destination
+    with block scales, o and down FP8 per tensor, embeddings and LM head float16, norms bfloat16; two syncs with a
+    training step between, every element and scale checked against torch's own cast of `full_tensor()`."""
+    model, optimizer, targets, mesh, kwargs = one_side(side, BLOCKED, lambda m, c: converted_targets(m, c, unfused=(1,)))
+    with WeightSync(**kwargs, group=group, ranks=ranks) as sync:
+        say("separate fp8 kinds", kinds(targets) if targets else "sent")
+        converted_steps(sync, model, optimizer, targets, mesh, group, BLOCKED, label="separate fp8")
+
+
+def kinds(targets) -> str:
+    """How the engine's destinations are converted, counted by kind: `fused float8_e4m3fn block 4, ...`, sorted."""
+    counts: dict[str, int] = {}
+    for target in targets.values():
+        kind = " ".join(filter(None, ["fused" if isinstance(target.source, Fused) else "", target.dtype, target.scale]))
+        counts[kind] = counts.get(kind, 0) + 1
+    return ", ".join(f"{kind} {n}" for kind, n in sorted(counts.items()))
 
 
 def separate_mismatches(rank: int, group, model, kwargs) -> None:
