@@ -398,6 +398,21 @@ def _frontier_row(r: dict) -> list:
             executed, r["timed_by"]]
 
 
+def frontier_phases(points: list[dict]) -> str:
+    """Each phase of the full-size points that recorded them: where the time and the memory go."""
+    out = []
+    for r in (r for r in points if r.get("finished") and r.get("phases") and not r.get("layers")):
+        marks = r["phases"]
+        rows = [[a[0], f"{b[1] - a[1]:.1f}", f"{b[2] - a[2]:.1f}", f"{b[3]:,.0f}"] for a, b in zip(marks, marks[1:])]
+        out.append(f"""
+Phases of the {FRONTIER_TITLES.get(r['problem'], r['problem'])} point (each from its start to the next's; peak RSS
+of the process at its end):
+
+{table(rows, ["phase", "wall s", "CPU s", "peak RSS MiB"], "lrrr")}
+""")
+    return "".join(out)
+
+
 def frontier() -> str:
     runs = [load(name) for name in ("frontier.json", "frontier-shrunk.json") if (RESULTS / name).exists()]
     rows = [_frontier_row(r) for data in runs for r in data["points"]]
@@ -427,12 +442,13 @@ NAME.plan.npz` does; json: points measured before the compile wrote its plan fro
 simulator in host order, or the schedule's own timetable where one simulation would take more than
 `compile.MAX_SIMULATION_WORK` flow-rate updates. A row with `--max-tasks` ran with that limit. `--max-tasks` counts
 what a compile holds (each kind of tensor's boxes, then the tasks it schedules; docs/format.md), so the full
-DeepSeek-V3-like problem (667,520 tasks) passes the default, but its compile does not finish on this machine: the
-row with `--max-tasks` stopped at its timeout while timing and assembling the plan.
+DeepSeek-V3-like problem (667,520 tasks) passes the default. Its compile keeps the plan as rows, not records
+(`planner/plan_rows.py`), writes the compact file from them and verifies that file; a point that ran out of time
+names the phase it was in, and a finished full-size point lists its phases below the table.
 
 {table(rows, ["problem", "GiB", "unit tasks", "operations", "compile s", "compile CPU s", "peak RSS MiB", "plan MiB",
               "verify s", "/ bound", "executor / bound", "timed by"], "lrrrrrrrrrrl")}
-{frontier_baselines([r for data in runs for r in data["points"]])}{moe_mpi()}"""
+{frontier_phases([r for data in runs for r in data["points"]])}{frontier_baselines([r for data in runs for r in data["points"]])}{moe_mpi()}"""
 
 
 def moe_mpi() -> str:
