@@ -7,8 +7,8 @@ slower so (the chained Llama-3-8B weight-sync plan: 1.08x its bound in host orde
 also times the plan posted and records it (`Plan.executor_prediction`); `check` recomputes it.
 Single-tensor plans run in device order, which their host order is scheduled for: nothing is added.
 
-Posted simulation can cost far more than host order's (every message in flight at once: the chained
-Llama-3-8B plan took 82 s posted against 6 s in host order), so it is run only where cheap: within
+Posted simulation can cost far more than host order's (every message in flight at once, each re-rated
+as others start and finish), so it is run only where cheap: within
 POSTED_WORK_FACTOR times the host-order simulation's work, or MIN_POSTED_WORK (`SimResult.work`, counted in groups and flows, not
 seconds, so whether a plan states the time does not change with machine load).
 """

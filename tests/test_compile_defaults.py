@@ -178,6 +178,7 @@ def test_compile_options_are_frozen_and_resolve_each_kind_in_one_place():
     assert (multi.split_hosts, multi.coalesce, multi.cross_tensor, multi.bucket_bytes) == (True, True, True, 4 * 2**20)
     assert (single.split_hosts, single.coalesce, single.cross_tensor) == (False, False, False)
     assert CompileOptions(max_staging_bytes=1000).resolved(True).bucket_bytes == 1000
+    assert CompileOptions(split_hosts=False, cross_tensor=False).resolved(True).split_hosts is False
 
 
 def test_the_default_bucket_grows_with_the_hosts_nics():
@@ -196,7 +197,6 @@ def test_the_default_bucket_grows_with_the_hosts_nics():
     assert bucket("weight_sync_llama3_8b") == bucket("weight_sync_small") == 4 * 2**20
     assert bucket("weight_sync_llama3_70b", max_staging_bytes=2**20) == 2**20
     assert bucket("weight_sync_llama3_70b", bucket_bytes=2**22) == 2**22
-    assert CompileOptions(split_hosts=False, cross_tensor=False).resolved(True).split_hosts is False
 
 
 def test_compile_plan_takes_the_options_object_or_its_fields_as_keywords(small):
