@@ -407,8 +407,18 @@ def _decode_float(m: _Members, name: str, rows: np.ndarray) -> list:
     return _floats(m, name, rows).tolist()
 
 
+def _names(m: _Members, name: str) -> list[str]:
+    """The string table of a string column, checked to be a list of strings (once per file)."""
+    def make() -> list[str]:
+        names = m.text(f"{name}.names")
+        if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
+            raise CompactPlanError(f"member {name}.names.npy is not a list of strings")
+        return names
+    return m.once(f"{name}.names", make)
+
+
 def _decode_str(m: _Members, name: str, rows: np.ndarray) -> list:
-    names = m.text(f"{name}.names")
+    names = _names(m, name)
     try:
         return [names[i] for i in _decode_int(m, name, rows)]
     except (IndexError, TypeError):
@@ -565,9 +575,8 @@ def _column(m: _Members, name: str, kind: str, count: int) -> dict[str, Any]:
             out["values"], out["none"] = np.zeros(count, dtype=np.int64), none
             out["values"][~none] = values
         if kind == "str":
-            out["names"] = m.text(f"{name}.names")
-            if not isinstance(out["names"], list) or not all(isinstance(n, str) for n in out["names"]) \
-                    or (count and not 0 <= values.min() <= values.max() < len(out["names"])):
+            out["names"] = _names(m, name)
+            if count and not 0 <= values.min() <= values.max() < len(out["names"]):
                 raise CompactPlanError(f"member {name}.npy names a string its table lacks")
         return out
     if kind == "box":

@@ -381,3 +381,28 @@ def test_another_format_version_is_refused_naming_both(tmp_path):
             read(path)
         message = str(err.value)
         assert "\n" not in message and f"compact format version {FORMAT_VERSION - 1}; this reads version {FORMAT_VERSION}" in message
+
+
+def _rank_reads_each_device(arrays: dict, tmp_path: Path) -> list[str]:
+    """What each device's read of a compact file of `arrays` raises (PlanFileError), one message per device."""
+    path = tmp_path / "bad.plan.npz"
+    path.write_bytes(archive_bytes(arrays))
+    messages = []
+    for device in sorted({d for op in read_plan_file(ROOT / "plans" / "weight_sync_small.plan.json").operations
+                          for d in _devices(op)}):
+        with pytest.raises(PlanFileError) as err:
+            read_plan_ops(path, device)
+        messages.append(str(err.value))
+    return messages
+
+
+def test_a_rank_refuses_a_string_table_of_other_than_strings(tmp_path):
+    """`operations.kind.names` holding lists, not strings: a rank's read refuses it in one line naming the member, as
+    `verify` does (the kind is then no string a record takes)."""
+    import json
+
+    arrays = compact_arrays(read_plan_file(ROOT / "plans" / "weight_sync_small.plan.json"))
+    names = json.loads(bytes(arrays["operations.kind.names"]).decode())
+    arrays["operations.kind.names"] = np.frombuffer(json.dumps([[n] for n in names]).encode(), dtype=np.uint8)
+    for message in _rank_reads_each_device(arrays, tmp_path):
+        assert "\n" not in message and "operations.kind.names" in message, message
