@@ -390,9 +390,23 @@ def _decode_optional_int(m: _Members, name: str, rows: np.ndarray) -> list:
     return [None if n else next(values) for n in none.tolist()]
 
 
+def _stored_count(m: _Members, name: str, none: np.ndarray) -> int:
+    """How many values an optional integer column with flags `none` stores: one per row that has one; refused
+    (naming the column) where the member holds another count, so that no row reads another row's value."""
+    present = len(none) - int(np.count_nonzero(none))
+    if m.get(name).shape != (present,):
+        flags = f", one per row its {name}.none.npy says has one (damaged)" if f"{name}.none" in m else ""
+        raise CompactPlanError(f"member {name}.npy is not {present} integers{flags}")
+    return present
+
+
 def _present(m: _Members, name: str) -> np.ndarray:
     """Per row of an optional integer column, its position among the stored values (computed once per file)."""
-    return m.once(f"{name}.present", lambda: np.cumsum(~np.asarray(m.get(f"{name}.none"), dtype=bool)) - 1)
+    def make() -> np.ndarray:
+        none = np.asarray(m.get(f"{name}.none"), dtype=bool)
+        _stored_count(m, name, none)
+        return np.cumsum(~none) - 1
+    return m.once(f"{name}.present", make)
 
 
 def _floats(m: _Members, name: str, rows) -> np.ndarray:
@@ -568,8 +582,7 @@ def _column(m: _Members, name: str, kind: str, count: int) -> dict[str, Any]:
             none = np.asarray(m.get(f"{name}.none"), dtype=bool)
             if none.shape != (count,):
                 raise CompactPlanError(f"member {name}.none.npy is not {count} flags")
-        if values.shape != (count - int(none.sum()),):
-            raise CompactPlanError(f"member {name}.npy is not {count - int(none.sum())} integers")
+        _stored_count(m, name, none)
         out: dict[str, Any] = {"values": values}
         if kind == "int?":  # as a full column: 0 where a row has none
             out["values"], out["none"] = np.zeros(count, dtype=np.int64), none

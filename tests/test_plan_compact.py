@@ -406,3 +406,14 @@ def test_a_rank_refuses_a_string_table_of_other_than_strings(tmp_path):
     arrays["operations.kind.names"] = np.frombuffer(json.dumps([[n] for n in names]).encode(), dtype=np.uint8)
     for message in _rank_reads_each_device(arrays, tmp_path):
         assert "\n" not in message and "operations.kind.names" in message, message
+
+
+def test_an_optional_column_whose_mask_disagrees_with_its_values_is_refused_by_every_rank(tmp_path):
+    """One `operations.carrier.none` flag flipped (one row more claims a carrier than are stored): every device refuses
+    the file in one line naming the column, where some read every later carrier shifted by one row."""
+    arrays = compact_arrays(read_plan_file(ROOT / "plans" / "weight_sync_small.plan.json"))
+    none = arrays["operations.carrier.none"].copy()
+    none[int(np.flatnonzero(none)[0])] = False
+    arrays["operations.carrier.none"] = none
+    for message in _rank_reads_each_device(arrays, tmp_path):
+        assert "\n" not in message and "operations.carrier" in message, message
