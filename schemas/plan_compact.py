@@ -288,6 +288,8 @@ class _Members:
             skip = member.tell()
         if fortran or dtype.hasobject or dtype.kind not in "biuf":
             raise CompactPlanError(f"member {info.filename} holds {dtype}{' in Fortran order' if fortran else ''}, not plain numbers")
+        if dtype.kind == "u" and dtype.itemsize == 8:  # what `_ints` writes is signed; uint64 may not fit int64
+            raise CompactPlanError(f"member {info.filename} holds uint64, integers a 64-bit signed integer may not hold")
         local = _read_at(self.path, info.header_offset, 30)
         if len(local) < 30 or not local.startswith(ZIP_MAGIC):
             raise CompactPlanError(f"member {info.filename} has no local header (truncated)")
@@ -544,7 +546,7 @@ def read_compact_data(path: str | os.PathLike, records: dict[str, Callable[[dict
 
 def _flat(array: np.ndarray, what: str) -> np.ndarray:
     """An integer member as int64 (what the record reader's `tolist` gives); refused where that could differ."""
-    if array.dtype.kind not in "iu" or (array.dtype.kind == "u" and array.dtype.itemsize == 8):
+    if array.dtype.kind not in "iu":  # uint64 members are refused on opening (`_Members._locate`)
         raise CompactPlanError(f"member {what}.npy holds {array.dtype}, not integers")
     return np.asarray(array, dtype=np.int64)
 

@@ -417,3 +417,14 @@ def test_an_optional_column_whose_mask_disagrees_with_its_values_is_refused_by_e
     arrays["operations.carrier.none"] = none
     for message in _rank_reads_each_device(arrays, tmp_path):
         assert "\n" not in message and "operations.carrier" in message, message
+
+
+@pytest.mark.parametrize("column", ["operations.src", "operations.dsts.values", "operations.chunks"])
+def test_integers_beyond_int64_are_refused_naming_the_member(tmp_path, column):
+    """An integer column stored as uint64 with values of 2**63 or more (no 64-bit signed integer holds them): a rank's
+    read and `verify` refuse it in one line naming the member, where both crashed with OverflowError."""
+    arrays = compact_arrays(read_plan_file(ROOT / "plans" / "weight_sync_small.plan.json"))
+    arrays[column] = np.full(arrays[column].shape, 2**63 + 1, dtype=np.uint64)
+    for message in _rank_reads_each_device(arrays, tmp_path):
+        assert "\n" not in message and f"{column}.npy" in message, message
+    assert_user_error(run_cli("verify", tmp_path / "bad.plan.npz"), f"{column}.npy")
