@@ -684,14 +684,27 @@ def device_rows(m: _Members, device: int | None) -> np.ndarray:
     start, stop = (int(k) for k in m.get("index.offsets")[at:at + 2])
     stored = m.get("index.rows")
     steps = np.asarray(stored[start:stop], dtype=np.int64)
+    every = _wide_steps(m)
     wide = np.flatnonzero(steps == WIDE_STEP)
     if len(wide):  # the next entries of index.rows.wide, after those of the devices before
         before = int(np.count_nonzero(np.asarray(stored[:start]) == WIDE_STEP))
-        values = np.asarray(m.get("index.rows.wide")[before:before + len(wide)], dtype=np.int64)
-        if len(values) != len(wide):
-            raise CompactPlanError("member index.rows.wide.npy is shorter than index.rows says (damaged)")
-        steps[wide] = values
+        steps[wide] = every[before:before + len(wide)]
     return int(m.get("index.first")[at]) + np.cumsum(steps)  # stored as steps from the device's first row
+
+
+def _wide_steps(m: _Members) -> np.ndarray:
+    """`index.rows.wide` as int64, checked to be what `_device_index` writes: integers, each 255 or more, one per
+    255 marker of `index.rows` (once per file; a rank reads its steps through it)."""
+    def make() -> np.ndarray:
+        markers = int(np.count_nonzero(np.asarray(m.get("index.rows")) == WIDE_STEP))
+        if "index.rows.wide" not in m and not markers:
+            return np.zeros(0, dtype=np.int64)
+        stored = m.get("index.rows.wide")
+        if stored.dtype.kind not in "iu" or stored.shape != (markers,) or (markers and int(stored.min()) < WIDE_STEP):
+            raise CompactPlanError(f"member index.rows.wide.npy is not {markers} integer steps of {WIDE_STEP} or more, "
+                                   f"one per {WIDE_STEP} in index.rows (damaged)")
+        return np.asarray(stored, dtype=np.int64)
+    return m.once("index.rows.wide", make)
 
 
 def stores_integers(m: _Members, table: str) -> bool:

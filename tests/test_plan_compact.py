@@ -428,3 +428,29 @@ def test_integers_beyond_int64_are_refused_naming_the_member(tmp_path, column):
     for message in _rank_reads_each_device(arrays, tmp_path):
         assert "\n" not in message and f"{column}.npy" in message, message
     assert_user_error(run_cli("verify", tmp_path / "bad.plan.npz"), f"{column}.npy")
+
+
+def _wide_float(arrays: dict) -> None:
+    arrays["index.rows"][3] = 255
+    arrays["index.rows.wide"] = np.array([7.5])
+
+
+def _wide_extra(arrays: dict) -> None:
+    arrays["index.rows.wide"] = np.array([7, 9], dtype=np.int64)
+
+
+def _wide_narrow(arrays: dict) -> None:
+    arrays["index.rows.wide"] = np.array([int(arrays["index.rows"][3])], dtype=np.int64)
+    arrays["index.rows"][3] = 255
+
+
+@pytest.mark.parametrize("change", [_wide_float, _wide_extra, _wide_narrow])
+def test_a_wide_index_member_other_than_the_writer_s_is_refused(tmp_path, change):
+    """`index.rows.wide` holding a float (7.5 read as 7), more entries than `index.rows` has 255 markers, or a step
+    under 255: every device refuses the file in one line naming the member."""
+    arrays = compact_arrays(read_plan_file(ROOT / "plans" / "weight_sync_small.plan.json"))
+    arrays["index.rows"] = arrays["index.rows"].copy()
+    assert not (arrays["index.rows"] == 255).any() and len(arrays["index.rows.wide"]) == 0
+    change(arrays)
+    for message in _rank_reads_each_device(arrays, tmp_path):
+        assert "\n" not in message and "index.rows.wide" in message, message
