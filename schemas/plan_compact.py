@@ -352,8 +352,12 @@ def _split(values, lengths: np.ndarray) -> list[tuple]:
 
 
 def _indices(m: _Members, name: str, rows, size: int) -> np.ndarray:
-    """Entries `rows` of an index member, each checked to be below `size` (a shared table's length)."""
-    at = np.asarray(m.get(name)[rows], dtype=np.int64)
+    """Entries `rows` of an index member, each checked to be an integer from 0 to below `size` (a shared table's
+    length)."""
+    stored = m.get(name)
+    if stored.dtype.kind not in "iu":  # a float would be cut to another entry
+        raise CompactPlanError(f"member {name}.npy holds {stored.dtype}, not integers")
+    at = np.asarray(stored[rows], dtype=np.int64)
     if at.size and not 0 <= at.min() <= at.max() < size:
         raise CompactPlanError(f"member {name}.npy points outside its shared table")
     return at
@@ -435,10 +439,7 @@ def _names(m: _Members, name: str) -> list[str]:
 
 def _decode_str(m: _Members, name: str, rows: np.ndarray) -> list:
     names = _names(m, name)
-    try:
-        return [names[i] for i in _decode_int(m, name, rows)]
-    except (IndexError, TypeError):
-        raise CompactPlanError(f"member {name}.npy names a string its table lacks") from None
+    return [names[i] for i in _indices(m, name, rows, len(names)).tolist()]
 
 
 def _decode_ints(m: _Members, name: str, rows: np.ndarray) -> list:

@@ -311,10 +311,11 @@ def test_a_rank_s_operations_are_the_records_validation_makes(tmp_path):
 
 
 @pytest.mark.parametrize("column, value", [("operations.chunks", 0), ("operations.kind.names", '["teleport"]'),
-                                           ("operations.id", 1.5), ("operations.tensor", -1)])
+                                           ("operations.id", 1.5), ("operations.tensor", -1), ("operations.kind", -1),
+                                           ("operations.kind", 0.0), ("operations.region", 0.0)])
 def test_a_rank_refuses_a_row_its_record_would_refuse(tmp_path, column, value):
-    """A column no record takes (a kind outside the table, chunks 0, a float id, tensor -1) is refused by a rank's
-    read in one line naming the field, as validating each row refuses it."""
+    """A column no record takes (a kind outside the table or at string -1 or 0.0, chunks 0, a float id or box
+    index, tensor -1) is refused by a rank's read in one line naming the field, as validating each row refuses it."""
     plan = read_plan_file(ROOT / "plans" / "weight_sync_small.plan.json")  # every operation names its tensor
     arrays = compact_arrays(plan)
     if isinstance(value, str):
