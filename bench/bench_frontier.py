@@ -4,9 +4,10 @@ The problems are the ones `make plans` writes (`plans/weight_sync_llama3_70b.pro
 `plans/weight_sync_deepseek_v3.problem.toml`, `plans/weight_sync_kimi_k2.problem.toml`: FP8 destinations;
 `planner/weight_sync.py`), or a shrunk variant of each with fewer
 layers (`--layers N`: the same layer types, N layers, the MoE keeping about its share of dense layers). Each point
-runs in a fresh process through what `xmesh-plan compile -o` and `xmesh-plan verify` do, and records: compile wall
-and CPU seconds (CPU seconds hold on a loaded machine, wall seconds do not) and the process's peak RSS when the
-compile returned; unit tasks, operations, the plan file's bytes and the seconds to write it; verify seconds;
+runs in a fresh process through what `xmesh-plan compile -o NAME.plan.npz` and `xmesh-plan verify` do, and records:
+compile wall and CPU seconds (CPU seconds hold on a loaded machine, wall seconds do not) and the process's peak RSS
+when the compile returned and at the end (and each phase's start: wall and CPU seconds, peak RSS); unit tasks, operations, the compact plan file's bytes and the seconds to
+write it; verify seconds;
 the byte bound, the plan's predicted time over it and what timed it (`solver.details.timed_by`: the simulator in
 host order, or the schedule's own timetable), and the executor's order over the bound where the plan states it.
 A point past `--timeout` seconds is recorded as not finished, with the phase it was in. `--max-tasks` passes a
@@ -56,38 +57,48 @@ def problem_text(name: str, layers: int) -> str:
 
 
 def one(name: str, layers: int, max_tasks: int | None) -> dict:
-    """Compile (default flags), write and verify one problem in this process; the figures, and each phase as it
-    starts on stderr (the parent names the last one when the point runs out of time)."""
-    from xmesh_plan.planner.compile import compile_plan
+    """Compile (default flags), write compact and verify that file, in this process, as `xmesh-plan compile -o
+    NAME.plan.npz` does: the plan as rows, its file made from them (`planner.plan_rows`), the file proved from its
+    columns (`verify_plan_file`); the figures, and each phase as it starts on stderr (the parent names the last one
+    when the point runs out of time)."""
+    from xmesh_plan.planner.compile import compile_rows
     from xmesh_plan.planner.transfer_io import build_transfer
-    from xmesh_plan.planner.verify import verify_plan
+    from xmesh_plan.planner.verify import verify_plan_file
     from xmesh_plan.schemas.plan import write_atomic
+    from xmesh_plan.schemas.plan_io import plan_file_bytes
 
     problem = build_transfer(tomllib.loads(problem_text(name, layers)))
-    phase = lambda stage: print(f"phase: {stage}", file=sys.stderr, flush=True)  # noqa: E731
     wall, cpu = time.perf_counter(), time.process_time()
-    plan = compile_plan(problem, on_stage=phase, **({} if max_tasks is None else {"max_tasks": max_tasks}))
+    phases: list[list] = []  # [stage, wall s, CPU s, peak RSS MiB] as each begins
+
+    def phase(stage: str) -> None:
+        print(f"phase: {stage}", file=sys.stderr, flush=True)
+        phases.append([stage, time.perf_counter() - wall, time.process_time() - cpu, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024])
+
+    plan = compile_rows(problem, on_stage=phase, **({} if max_tasks is None else {"max_tasks": max_tasks}))
     compile_s, compile_cpu_s = time.perf_counter() - wall, time.process_time() - cpu
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     phase("writing the plan")
     with tempfile.TemporaryDirectory() as folder:
-        path = Path(folder) / f"{name}.plan.json"
+        path = Path(folder) / f"{name}.plan.npz"
         begin = time.perf_counter()
-        write_atomic(path, plan.to_json())
+        write_atomic(path, plan_file_bytes(plan, "compact"))
         write_s, plan_bytes = time.perf_counter() - begin, path.stat().st_size
-    phase("verifying")
-    begin = time.perf_counter()
-    verify_plan(plan)
-    verify_s = time.perf_counter() - begin
+        phase("verifying")
+        begin = time.perf_counter()
+        verify_plan_file(path)
+        verify_s = time.perf_counter() - begin
+    phase("done")
     bound = plan.lower_bound_seconds
     executed = plan.executor_prediction
     return {"problem": name, "layers": layers or None, "max_tasks": max_tasks, "tensors": len(problem.tensors), "gib": problem.nbytes / 2**30,
             "tasks": len(plan.tasks), "operations": len(plan.operations), "compile_s": compile_s, "compile_cpu_s": compile_cpu_s,
-            "peak_rss_mib": peak, "plan_bytes": plan_bytes, "write_s": write_s, "verify_s": verify_s, "bound_s": bound,
+            "peak_rss_mib": peak, "peak_rss_all_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+            "plan_format": "compact", "plan_bytes": plan_bytes, "write_s": write_s, "verify_s": verify_s, "bound_s": bound,
             "predicted_over_bound": plan.predicted_seconds / bound, "timed_by": plan.solver.details.get("timed_by", ""),
             "gap_to_proven_bound": plan.solver.details.get("gap_to_proven_bound"),
             "executor_order": executed.order if executed else None,
-            "executor_over_bound": executed.predicted_seconds / bound if executed else None}
+            "executor_over_bound": executed.predicted_seconds / bound if executed else None, "phases": phases}
 
 
 def measure(name: str, layers: int, timeout_s: float, max_tasks: int | None) -> dict:

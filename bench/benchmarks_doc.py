@@ -382,6 +382,11 @@ FRONTIER_TITLES = {"weight_sync_llama3_70b": "Llama-3-70B-like, 8x8 -> 2 x TP=8"
 PERPLEXITY_KIMI_S = 1.3  # Perplexity's reported Kimi-K2 (1T) weight sync, 256 -> 128 GPUs, FP8 (issue 29's benchmark)
 
 
+def _plan_mib(r: dict) -> str:
+    """The plan file's MiB and its format (`compact`: a point measured writing `*.plan.npz`; older points wrote JSON)."""
+    return f"{r['plan_bytes'] / 2**20:,.1f} ({'npz' if r.get('plan_format') == 'compact' else 'json'})"
+
+
 def _frontier_row(r: dict) -> list:
     title = FRONTIER_TITLES.get(r["problem"], r["problem"]) + (f" ({r['layers']} layers)" if r.get("layers") else "") \
         + (f", --max-tasks {r['max_tasks']:,}" if r.get("max_tasks") else "")
@@ -389,8 +394,23 @@ def _frontier_row(r: dict) -> list:
         return [title] + ["-"] * 10 + [f"did not finish in {r['timeout_s']:.0f} s ({r['last_phase']})"]
     executed = "-" if r["executor_over_bound"] is None else x(r["executor_over_bound"], 3)
     return [title, f"{r['gib']:.0f}", f"{r['tasks']:,}", f"{r['operations']:,}", f"{r['compile_s']:.1f}", f"{r['compile_cpu_s']:.1f}",
-            f"{r['peak_rss_mib']:,.0f}", f"{r['plan_bytes'] / 2**20:,.0f}", f"{r['verify_s']:.1f}", x(r["predicted_over_bound"], 3),
+            f"{r['peak_rss_mib']:,.0f}", _plan_mib(r), f"{r['verify_s']:.1f}", x(r["predicted_over_bound"], 3),
             executed, r["timed_by"]]
+
+
+def frontier_phases(points: list[dict]) -> str:
+    """Each phase of the full-size points that recorded them: where the time and the memory go."""
+    out = []
+    for r in (r for r in points if r.get("finished") and r.get("phases") and not r.get("layers")):
+        marks = r["phases"]
+        rows = [[a[0], f"{b[1] - a[1]:.1f}", f"{b[2] - a[2]:.1f}", f"{b[3]:,.0f}"] for a, b in zip(marks, marks[1:])]
+        out.append(f"""
+Phases of the {FRONTIER_TITLES.get(r['problem'], r['problem'])} point (each from its start to the next's; peak RSS
+of the process at its end):
+
+{table(rows, ["phase", "wall s", "CPU s", "peak RSS MiB"], "lrrr")}
+""")
+    return "".join(out)
 
 
 def frontier() -> str:
@@ -414,14 +434,19 @@ jobs, CPU seconds much less.
 {commands}
 
 Columns: **GiB** moved once; **unit tasks** and **operations** of the plan; **compile s** wall clock and
-**compile CPU s**; **peak RSS MiB** of the process when the compile returned; **plan MiB**, the JSON file;
+**compile CPU s**; **peak RSS MiB** of the process when the compile returned; **plan MiB**, the file in the format
+the point wrote (npz: compact, written from the compile's rows and verified from its columns, as `compile -o
+NAME.plan.npz` does; json: points measured before the compile wrote its plan from rows);
 **verify s**; the plan's predicted time over the byte bound (**/ bound**) and its time in the executor's order
 (**executor / bound**, where the plan states it), and what timed the plan (`solver.details.timed_by`): the
 simulator in host order, or the schedule's own timetable where one simulation would take more than
 `compile.MAX_SIMULATION_WORK` units of work (flow-rate updates in rows made before it counted groups). A row with `--max-tasks` ran with that limit. `--max-tasks` counts
 what a compile holds (each kind of tensor's boxes, then the tasks it schedules; docs/format.md), so the full
-DeepSeek-V3-like problem (667,520 tasks) passes the default, but its compile does not finish on this machine: the
-row with `--max-tasks` stopped at its timeout while timing and assembling the plan. On these hosts every message
+DeepSeek-V3-like problem (667,520 tasks) passes the default. Its compile keeps the plan as rows, not records
+(`planner/plan_rows.py`), writes the compact file from them and verifies that file; a point that ran out of time
+names the phase it was in, and a finished full-size point lists its phases below the table. The full DeepSeek-V3-like
+row is measured at commit d8332d4, whose default bundle bucket is 4 MiB on these hosts; the other rows use the 32 MiB
+default below. On these hosts every message
 is striped over the 8 NICs and each NIC pays its per-message overhead (`inspect` says so), so the default bundle
 bucket is 32 MiB, what the NICs move in 80 us (`coalesce.default_bucket_bytes`; 4 MiB on one 400 Gbit/s NIC):
 boxes up to 4 MiB travel in bundles, fewer and larger messages. Bundles are staged, and posted order stages all
@@ -430,7 +455,7 @@ with 32 MiB against 0.75 GiB with `--bucket-mb 4`, and 31.5 MiB against 64 MiB i
 
 {table(rows, ["problem", "GiB", "unit tasks", "operations", "compile s", "compile CPU s", "peak RSS MiB", "plan MiB",
               "verify s", "/ bound", "executor / bound", "timed by"], "lrrrrrrrrrrl")}
-{frontier_baselines([r for data in runs for r in data["points"]])}{moe_mpi()}"""
+{frontier_phases([r for data in runs for r in data["points"]])}{frontier_baselines([r for data in runs for r in data["points"]])}{moe_mpi()}"""
 
 
 def moe_mpi() -> str:
@@ -499,7 +524,7 @@ def _kimi_ours(ours: list[dict]) -> str:
     cut = max(rows, key=lambda r: r["layers"])
     llama = {r.get("layers") or 80: x(r["predicted_over_bound"]) for r in ours if r["problem"] == "weight_sync_llama3_70b" and r["finished"]}
     drift = ", ".join(f"{ratio} at {layers} layers" for layers, ratio in sorted(llama.items()))
-    return (f"The full problem is not compiled here (the DeepSeek-V3-like one did not finish, above). A {cut['layers']}-layer "
+    return (f"The full problem is not compiled here (the DeepSeek-V3-like one takes minutes of CPU and GiBs, above). A {cut['layers']}-layer "
             f"cut compiles ({cut['compile_s']:.0f} s wall, {cut['peak_rss_mib']:,.0f} MiB): {cut['predicted_over_bound'] * cut['bound_s']:.4f} s, "
             f"{x(cut['predicted_over_bound'])} its own bound, timed by the {cut['timed_by']}. That ratio is not carried to 61 "
             f"layers: it is not constant in the number of layers (the Llama-3-70B-like plan: {drift}, above), so no "

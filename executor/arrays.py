@@ -1,7 +1,8 @@
 """Check and adapt the arrays handed to `run()`: numpy as is, anything with DLPack without a copy.
 
-The plan's dtype names the element kind; numpy lacks bfloat16 and float8, so for those any array
-whose items have the right size is accepted and moved as raw bytes.
+The plan's dtype names the element kind; numpy lacks bfloat16 and float8, so for those an array of the
+`ml_dtypes` type or of a same-size integer (the bits) is accepted and moved as raw bytes; another float
+kind of that size (float16 for bfloat16, one FP8 kind for another) has other bits and is refused.
 """
 
 from __future__ import annotations
@@ -70,15 +71,31 @@ def import_dlpack(importer, array: object, library: str, device: int):
                                 f"DLPack ({err}); pass a {library} array or a tensor {library} can import") from None
 
 
+def _kind_ok(got: np.dtype, want: np.dtype, dtype_name: str) -> bool:
+    """`got` holds `dtype_name`'s elements: its storage dtype, or for bfloat16/float8 the `ml_dtypes` type of that
+    name or an integer of its item size (as the torch engine takes them)."""
+    if got == want:
+        return True
+    if not dtype_name.startswith(RAW_KINDS):
+        return False
+    return got.name == dtype_name or (got.kind in "iu" and got.itemsize == want.itemsize)
+
+
+def _what_to_pass(want: np.dtype, dtype_name: str) -> str:
+    if not dtype_name.startswith(RAW_KINDS):
+        return f"a {want} array"
+    return f"a {dtype_name} array (ml_dtypes) or its bits as {want} or int{8 * want.itemsize}"
+
+
 def check_into(array: np.ndarray, shape: tuple[int, ...], dtype_name: str, device: int, name: str) -> None:
     """Refuse (PlanMismatchError) a caller's destination array of another shape or element type than its shard."""
     if array.shape != shape:
         raise PlanMismatchError(f"run(): into[{name!r}] on device {device} has shape {tuple(array.shape)} but the plan gives "
                                 f"this device's destination shard {shape}; pass an array (or a view) of that shape")
     got, want = np.dtype(array.dtype), storage_dtype(dtype_name)
-    if got != want and not (dtype_name.startswith(RAW_KINDS) and got.itemsize == want.itemsize):
+    if not _kind_ok(got, want, dtype_name):
         raise PlanMismatchError(f"run(): into[{name!r}] on device {device} is {got} but the plan delivers {dtype_name}; "
-                                f"pass a {want} array{' (or any of its item size)' if dtype_name.startswith(RAW_KINDS) else ''}")
+                                f"pass {_what_to_pass(want, dtype_name)}")
     if not array.flags.writeable:
         raise PlanMismatchError(f"run(): into[{name!r}] on device {device} is read-only; pass a writeable array")
 
@@ -92,10 +109,9 @@ def check_shard(array: np.ndarray, shape: tuple[int, ...], dtype_name: str, devi
         raise PlanMismatchError(f"run(): device {device}'s source shard has shape {tuple(array.shape)} but the source "
                                 f"spec {str(spec)!r} gives it {shape}; pass this rank's shard under the source spec")
     got, want = np.dtype(array.dtype), storage_dtype(dtype_name)
-    raw_ok = dtype_name.startswith(RAW_KINDS) and got.itemsize == want.itemsize
-    if got != want and not raw_ok:
+    if not _kind_ok(got, want, dtype_name):
         if got.newbyteorder("=") == want:
             raise PlanMismatchError(f"run(): device {device}'s source shard is {got} in non-native byte order; "
                                     "pass a native-order array, e.g. a.astype(a.dtype.newbyteorder('='))")
         raise PlanMismatchError(f"run(): device {device}'s source shard is {got} but the plan moves {dtype_name}; "
-                                f"pass a {want} array (or recompile the plan with dtype {got})")
+                                f"pass {_what_to_pass(want, dtype_name)} (or recompile the plan with dtype {got})")

@@ -4,9 +4,11 @@ bits as `executor.convert` makes with torch, FP8 and bfloat16 through `ml_dtypes
 The arithmetic is `executor.convert`'s step for step in float32: scales are amax(|x|) (at least `MIN_AMAX`) over the
 FP8 type's largest value, per 128x128 block or per tensor; a value is x / scale clamped to the FP8 range, then rounded
 to the nearest FP8 value; other conversions round to the nearest value of the destination type. IEEE float32
-division, clamping and rounding give the same bits on either library; what differs is the NaN each library writes,
-so a NaN is written as torch writes it (`NAN_BITS`): tests/test_convert_host.py compares every bit with torch on
-random values, random bit patterns, subnormals, infinities, NaNs and negative zeros.
+division, clamping and rounding give the same bits on either library: every element that is not a NaN has the bits of
+torch's `.to()`, and a NaN arrives as a NaN, quiet, of unspecified sign and payload (torch's own NaN bits differ
+between its vectorised loop and its tail; `NAN_BITS` writes quiet NaNs, most as torch's vectorised loop does).
+tests/test_convert_host.py compares with torch on random values, random bit patterns, subnormals, infinities, NaNs
+and negative zeros.
 
 >>> import numpy as np
 >>> x = np.array([[1.0, -448.0], [2.0, 896.0]], np.float32)
@@ -47,13 +49,15 @@ def _sign16(bits32: np.ndarray) -> np.ndarray:
 
 
 NAN_BITS: dict[str, Callable[[np.ndarray], np.ndarray]] = {
-    # torch's CPU casts of a float32 NaN (its bits in, the destination's bits out): FP8 keeps the sign with every other
-    # bit set; bfloat16 is all ones whatever the sign (from float16 it is 0x7FC0: `HALF_TO_BF16_NAN`); float16 keeps
-    # the sign and the top payload bits, quieted
+    # the NaN written for a float32 NaN (its bits in, the destination's bits out), always quiet: FP8 keeps the sign with
+    # every other bit set and bfloat16 is all ones whatever the sign (from float16 it is 0x7FC0: `HALF_TO_BF16_NAN`),
+    # as torch's vectorised CPU casts write them; float16 and float32 keep the sign and the top payload bits, quieted
+    # (numpy and ml_dtypes alone would widen a float16 or bfloat16 signalling NaN to a signalling float32 one)
     "float8_e4m3fn": lambda b: ((b >> 24).astype(np.uint8) & np.uint8(0x80)) | np.uint8(0x7F),
     "float8_e5m2": lambda b: ((b >> 24).astype(np.uint8) & np.uint8(0x80)) | np.uint8(0x7F),
     "bfloat16": lambda b: np.full(b.shape, 0xFFFF, np.uint16),
     "float16": lambda b: _sign16(b) | np.uint16(0x7E00) | ((b & np.uint32(0x7FFFFF)) >> 13).astype(np.uint16),
+    "float32": lambda b: b | np.uint32(0x400000),
 }
 HALF_TO_BF16_NAN = 0x7FC0  # torch casts float16 to bfloat16 element by element, not through its float32 kernel
 
@@ -64,14 +68,14 @@ def _bits(dtype: np.dtype) -> np.dtype:
 
 def cast(out: np.ndarray, values: np.ndarray, dst_dtype: str) -> None:
     """Write `values` (typed) rounded to `dst_dtype` into `out` (raw or typed, of `values`' shape), as torch's `.to()`
-    rounds: float64 through float32 first (torch rounds twice too), every NaN with torch's bits."""
+    rounds: float64 through float32 first (torch rounds twice too), every NaN quiet (`NAN_BITS`)."""
     target = host_dtype(dst_dtype)
     half = values.dtype == np.float16
     with np.errstate(over="ignore", invalid="ignore"):
         if values.dtype == np.float64 and target != values.dtype:
             values = values.astype(np.float32)
         out.view(target)[...] = values
-    nans = np.isnan(values)
+        nans = np.isnan(values)  # a signalling NaN makes numpy warn here too
     if dst_dtype in NAN_BITS and nans.any():
         raw = out.view(_bits(target))
         if half and dst_dtype == "bfloat16":

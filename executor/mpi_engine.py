@@ -561,12 +561,24 @@ def _free_requests(requests: list, mpi, types: list | None = None) -> None:
 
 
 
+def _byte_bounds(array: np.ndarray) -> tuple[int, int]:
+    """The addresses of the first byte `array` touches and one past its last, from its shape and strides (what NumPy 2's
+    `numpy.lib.array_utils.byte_bounds` gives; NumPy 1.26, which the project supports, has no such module)."""
+    low = high = array.__array_interface__["data"][0]
+    if not array.size:
+        return low, high
+    for n, stride in zip(array.shape, array.strides):
+        if stride < 0:
+            low += (n - 1) * stride
+        else:
+            high += (n - 1) * stride
+    return low, high + array.itemsize
+
+
 def _caller_view(array: np.ndarray, dtype: np.dtype) -> np.ndarray:
     """`array`'s elements (any strides) as a view of `dtype` over its raw memory, not of `array`: the requests and views
     made over it must not keep the caller's array alive. Its `base` is those raw bytes, from the lowest one it touches."""
-    from numpy.lib.array_utils import byte_bounds
-
-    low, high = byte_bounds(array)
+    low, high = _byte_bounds(array)
     raw = np.frombuffer((ctypes.c_ubyte * (high - low)).from_address(low), np.uint8) if high > low else np.empty(0, np.uint8)
     return np.ndarray(array.shape, dtype, buffer=raw, offset=array.__array_interface__["data"][0] - low, strides=array.strides)
 

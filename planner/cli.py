@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import json
 import sys
+import tempfile
+from pathlib import Path
 
 import click
 
@@ -23,7 +25,7 @@ from .cli_types import BUCKET_MB, SEED, STAGING_MB, TIME_LIMIT, max_tasks_option
 from .cli_solvers import solver_summary
 from .progress import QUIET_S, progress
 from .compile_defaults import CompileOptions
-from .compile import compile_plan
+from .compile import compile_rows
 from .inspect_plan import executor_summary, shared_summary, staging_summary, summarize
 from .problem_io import InputError, build_problem, user_error_message
 from .transfer_io import load_any_problem
@@ -156,11 +158,18 @@ def compile_command(problem_file, output, fmt, shape, dtype, src_mesh, src_spec,
         raise InputError("--bucket-mb sizes coalesced bundles, and this compile does not coalesce (a single tensor "
                          "coalesces only with --coalesce; --no-coalesce turns it off); add --coalesce or drop --bucket-mb")
     with progress("compiling") as timing:
-        plan = compile_plan(problem, options, on_stage=timing["stage"])
-    with progress("verifying", done_below_s=QUIET_S) as checking:
-        report = verify_plan(plan, on_stage=checking["stage"], on_count=checking["count"])
-    if output and _write_plan(plan, output, fmt) is None:
-        return
+        plan = compile_rows(problem, options, on_stage=timing["stage"])
+    fmt = fmt or ("json" if output in (None, "-") else format_for(output))
+    if output and output != "-" and fmt == "compact":  # written from its rows, and the file is what is verified
+        data = _plan_output(plan, output, fmt)
+        report = _verified_bytes(data)
+        write_output(output, data, "--output")
+    else:
+        plan = plan.to_plan()
+        with progress("verifying", done_below_s=QUIET_S) as checking:
+            report = verify_plan(plan, on_stage=checking["stage"], on_count=checking["count"])
+        if output and _write_plan(plan, output, fmt) is None:
+            return
     click.echo(f"{output or 'plan (not written: pass -o FILE to save it)'}: {len(plan.tasks)} unit tasks, {len(plan.operations)} operations"
                f"{shared_summary(plan)}, "
                f"predicted {plan.predicted_seconds:.4f} s{executor_summary(plan)}, lower bound {plan.lower_bound_seconds:.4f} s, "
@@ -168,14 +177,29 @@ def compile_command(problem_file, output, fmt, shape, dtype, src_mesh, src_spec,
                f"{solver_summary(plan, timing['seconds'])}{staging_summary(plan)}")
 
 
+def _verified_bytes(data: bytes):
+    """`verify_plan_file`'s report on a compact plan file's bytes, proved from a private copy before they are written
+    (a plan that fails is not written): its columns, not a record per operation (`planner.verify_columns`)."""
+    with tempfile.TemporaryDirectory() as folder:
+        path = Path(folder) / "plan.npz"
+        path.write_bytes(data)
+        with progress("verifying", done_below_s=QUIET_S) as checking:
+            return verify_plan_file(path, on_stage=checking["stage"], on_count=checking["count"])
+
+
+def _plan_output(plan: Plan, output: str, fmt: str | None) -> bytes:
+    """The bytes `-o output` gets: `fmt`, else what the name says (`-` for stdout: JSON); one line where too large."""
+    try:
+        return plan_file_bytes(plan, fmt or ("json" if output == "-" else format_for(output)))
+    except DataFileError as err:
+        raise InputError(f"--output: {err} ({len(plan.tasks):,} unit tasks, {len(plan.operations):,} operations)") from None
+
+
 def _write_plan(plan: Plan, output: str, fmt: str | None) -> bytes | None:
     """Write `plan` where `-o output` says, as `fmt` or what the name says (`-`: stdout, JSON unless `fmt`), a file
     through a temporary one (`write_output`); the bytes written to a file, None for stdout (no summary line goes
-    there). A plan too large for its format is one line."""
-    try:
-        data = plan_file_bytes(plan, fmt or ("json" if output == "-" else format_for(output)))
-    except DataFileError as err:
-        raise InputError(f"--output: {err} ({len(plan.tasks):,} unit tasks, {len(plan.operations):,} operations)") from None
+    there). A plan too large for its format is one line (`_plan_output`)."""
+    data = _plan_output(plan, output, fmt)
     if output == "-":
         sys.stdout.buffer.write(data)
         return None

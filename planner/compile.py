@@ -8,7 +8,7 @@ import gc
 from dataclasses import dataclass
 from typing import Callable
 
-from xmesh_plan.schemas import ExecutorPrediction, HostOrder, Operation, Plan, ReshardingProblem, SolverInfo, UnitTask
+from xmesh_plan.schemas import ExecutorPrediction, HostOrder, Plan, ReshardingProblem, SolverInfo
 from xmesh_plan.schemas.staging import with_stated_staging
 from xmesh_plan.schemas.transfer import TransferProblem
 
@@ -16,6 +16,7 @@ from . import __version__
 from .bounds import joint_lower_bound
 from .coalesce import BundleCell, bundle_task, coalesce_cells, share_messages
 from .compile_defaults import CompileOptions
+from .plan_rows import OperationRow, PlanRows, TaskRow, plan_rows
 from .executor_order import executor_order, executor_order_seconds, posted_budget
 from .scheduling import Option, Schedule, SchedulingTask
 from .simulate import TooCostly, nic_assignment, renumbered_only, simulated, staging_runs
@@ -28,7 +29,12 @@ DIGITS = 12  # times are rounded to picoseconds so plans print and compare stabl
 NIC_SIDES = ("send", "recv")  # the resources a plan's host order lists; device ports are not queued
 MAX_SIMULATED_OPERATIONS = 2_000_000  # 10^6 operations simulate in about a minute and 2.5 GiB (bench/bench_simulate.py); beyond this the schedule's own timetable stands in
 MAX_SIMULATION_WORK = 25_000_000  # work one simulation of a listing may take (`simulate.run_flows`: groups shared out and flows re-rated; a 2-layer DeepSeek-V3-like cut takes 0.99 M, in proportion to its layers); beyond, the schedule's timetable stands in
+DETAILED_STAGES = 10_000  # operations from which a compile names the steps of timing and assembling (`on_stage`)
 MAX_RELISTINGS = 8  # re-simulations until the listing is the order of its own predicted starts
+
+
+def _quiet(stage: str) -> None:
+    del stage
 
 
 @dataclass(frozen=True, slots=True)
@@ -121,11 +127,20 @@ def assemble(problem: ReshardingProblem, cells: list[Cell], options: list[TaskOp
 def assemble_joint(problem: ReshardingProblem | TransferProblem, works: list[TensorWork], schedule: Schedule,
                    strategy: str, seed: int, max_staging_bytes: int | None = None, max_operations: int | None = None,
                    share_bytes: int | None = None) -> Plan:
-    """`assemble` for every tensor of a problem at once: tasks of all tensors share the NICs and one timeline.
+    """`assemble_rows` as the plan's records."""
+    return assemble_rows(problem, works, schedule, strategy, seed, max_staging_bytes, max_operations, share_bytes).to_plan()
+
+
+def assemble_rows(problem: ReshardingProblem | TransferProblem, works: list[TensorWork], schedule: Schedule,
+                  strategy: str, seed: int, max_staging_bytes: int | None = None, max_operations: int | None = None,
+                  share_bytes: int | None = None, on_stage: Callable[[str], None] = _quiet) -> PlanRows:
+    """`assemble` for every tensor of a problem at once: tasks of all tensors share the NICs and one timeline; the plan
+    as rows (`plan_rows`: its tasks and operations as named tuples, not records).
     `max_staging_bytes`: operations that would stage more on a device are cut (`staging_limit.limit_staging`,
     each in its own tensor's elements, at most `max_operations` in all) and the plan states each device's
     peak in device order (across tensors: one staging area per device). `share_bytes`: bundles between the same
-    two hosts share cross-host messages of at most that many bytes (`coalesce.share_messages`)."""
+    two hosts share cross-host messages of at most that many bytes (`coalesce.share_messages`). `on_stage` hears
+    each step of a plan of at least DETAILED_STAGES operations."""
     tasks, timed_ops, per_resource = [], [], {}
     cluster = problem.cluster
     for work in works:
@@ -135,14 +150,13 @@ def assemble_joint(problem: ReshardingProblem | TransferProblem, works: list[Ten
             option = t.options[schedule.choice[t.id]]
             name, result = item.results[schedule.choice[t.id]]
             start = schedule.start_s[t.id]
-            tasks.append(UnitTask(
-                id=t.id, tensor=work.index, region=item.cell.region, nbytes=item.cell.nbytes(single.itemsize),
-                senders=item.cell.senders, receivers=item.cell.receivers, merged_cells=item.cell.merged_cells,
-                sender=option.sender, sender_host=option.sender_host,
-                receiver_hosts=tuple(sorted({cluster.host_of(d) for d in item.cell.receivers})),
-                strategy=name, chunks=result.chunks, start_s=round(start, DIGITS), end_s=round(start + option.duration_s, DIGITS)))
+            cell = item.cell
+            tasks.append(TaskRow(
+                t.id, work.index, cell.region, cell.nbytes(single.itemsize), cell.senders, cell.receivers, cell.merged_cells,
+                option.sender, option.sender_host, tuple(sorted({cluster.host_of(d) for d in cell.receivers})),
+                name, result.chunks, round(start, DIGITS), round(start + option.duration_s, DIGITS)))
             timed_ops += [(start + op.offset_s, t.id, work.index, op) for op in result.ops]
-            timed_ops += [(at, t.id, work.index, op) for at, op in _copy_ops(item.cell, single)]
+            timed_ops += [(at, t.id, work.index, op) for at, op in _copy_ops(cell, single)]
             for host, side in option.resources:
                 if side.partition(":")[0] in NIC_SIDES:
                     per_resource.setdefault((host, side), []).append((start, t.id))
@@ -154,41 +168,49 @@ def assemble_joint(problem: ReshardingProblem | TransferProblem, works: list[Ten
                                      item[3].src or 0, item[3].dsts))
     groups = share_messages(timed_ops, [w.problem.itemsize for w in works], share_bytes, cluster.host_of) \
         if share_bytes is not None else [[item] for item in timed_ops]
+    del timed_ops
     operations, riders = [], {}  # riders: task of a bundle in another's message -> (its group's start, relay)
     for group in groups:
         head = len(operations)
         for k, (at, task, tensor, op) in enumerate(group):
-            operations.append(Operation(
-                id=len(operations), task=task, tensor=tensor, kind=op.kind, src=op.src, dsts=op.dsts, region=op.region,
-                parts=op.parts, chunks=op.chunks, holders=op.holders, needers=op.needers, carrier=head if k else None,
-                start_s=round(at, DIGITS), end_s=round(at + op.duration_s, DIGITS)))
+            operations.append(OperationRow(
+                len(operations), task, tensor, op.kind, op.src, op.dsts, op.region, op.parts, op.chunks, op.holders,
+                op.needers, head if k else None, round(at, DIGITS), round(at + op.duration_s, DIGITS)))
             if k:
                 riders[task] = (at, op.src)
+    del groups
     operations = tuple(operations)
     if riders:  # a bundle in a shared message goes when its group goes, from the group's relay
-        tasks = [t.model_copy(update={"sender": riders[t.id][1]}) if t.id in riders else t for t in tasks]
+        tasks = [t._replace(sender=riders[t.id][1]) if t.id in riders else t for t in tasks]
         per_resource = {key: [(riders[t][0] if t in riders else at, t) for at, t in v] for key, v in per_resource.items()}
     host_order = tuple(HostOrder(host=h, side=s, tasks=tuple(t for _, t in sorted(v))) for (h, s), v in sorted(per_resource.items()))
+    stage = on_stage if len(operations) >= DETAILED_STAGES else _quiet
+    stage(f"simulating {len(operations):,} operations in host order")
     operations, timed_by, work = _simulated(operations, problem, nic_assignment(host_order))
+    stage("bounding")
     tasks = _retimed_tasks(tasks, operations)
     bound = joint_lower_bound([(w.cells, w.problem.itemsize) for w in works], cluster)
     predicted = max((op.end_s for op in operations), default=0.0)
     details = dict(sorted(schedule.details.items())) | {"lower_bound_reason": bound.reason, "timed_by": timed_by}
-    plan = Plan(
-        generator=f"xmesh-plan {__version__}", problem=problem, strategy=strategy,
+    rows = plan_rows(
+        tasks, operations, host_order, generator=f"xmesh-plan {__version__}", problem=problem, strategy=strategy,
         solver=SolverInfo(name=schedule.solver, seed=seed, proven_bound_seconds=schedule.proven_bound_s, details=details),
-        merged_slices=any(c.merged_cells > 1 for w in works for c in w.cells), tasks=tuple(tasks), operations=operations,
-        host_order=host_order, predicted_seconds=round(predicted, DIGITS), lower_bound_seconds=round(bound.seconds, DIGITS))
+        merged_slices=any(c.merged_cells > 1 for w in works for c in w.cells),
+        predicted_seconds=round(predicted, DIGITS), lower_bound_seconds=round(bound.seconds, DIGITS))
     limited = max_staging_bytes is not None
+    stated = rows
     if limited:  # device order then runs as the budget cuts it (`simulate.staging_runs`), and is timed so
-        plan = with_stated_staging(plan, max_staging_bytes)
+        stated = with_stated_staging(rows.to_plan(), max_staging_bytes)
+        rows = rows.with_fields(staging=stated.staging)
+    if work is not None and isinstance(problem, TransferProblem):
+        stage(f"simulating in the executor's order ({executor_order(limited)})")
     executed = None if work is None else executor_order_seconds(operations, problem, host_order, posted_budget(work), limited,
-                                                                staging_runs(plan))
-    return plan if executed is None else plan.model_copy(update={"executor_prediction": ExecutorPrediction(
-        order=executor_order(limited), predicted_seconds=round(executed, DIGITS))})
+                                                                staging_runs(stated))
+    return rows if executed is None else rows.with_fields(executor_prediction=ExecutorPrediction(
+        order=executor_order(limited), predicted_seconds=round(executed, DIGITS)))
 
 
-def settle_listing(operations: tuple[Operation, ...], problem: ReshardingProblem | TransferProblem, nic_of_task: dict[int, int],
+def settle_listing(operations: tuple[OperationRow, ...], problem: ReshardingProblem | TransferProblem, nic_of_task: dict[int, int],
                    max_work: int | None = None):
     """(listing, simulated times) where the listing is the order of its own predicted starts, or None.
 
@@ -211,8 +233,8 @@ def settle_listing(operations: tuple[Operation, ...], problem: ReshardingProblem
     return None
 
 
-def _simulated(operations: tuple[Operation, ...], problem: ReshardingProblem | TransferProblem,
-               nic_of_task: dict[int, int]) -> tuple[tuple[Operation, ...], str, int | None]:
+def _simulated(operations: tuple[OperationRow, ...], problem: ReshardingProblem | TransferProblem,
+               nic_of_task: dict[int, int]) -> tuple[tuple[OperationRow, ...], str, int | None]:
     """Operation times from the network simulator (host order), listed and numbered by predicted start,
     so what is stored is what `check` recomputes; the schedule's own times when that cannot be had.
     Also the simulation's work (`SimResult.work`; None when not simulated)."""
@@ -226,20 +248,19 @@ def _simulated(operations: tuple[Operation, ...], problem: ReshardingProblem | T
         return operations, "schedule (the simulated listing did not settle)", None
     listing, result = settled
     renumbered = {op.id: i for i, op in enumerate(listing)}
-    retimed = tuple(op.model_copy(update={"id": i, "start_s": round(result.op_start_s[op.id], DIGITS),
-                                          "end_s": round(result.op_end_s[op.id], DIGITS),
-                                          "carrier": None if op.carrier is None else renumbered[op.carrier]})
+    retimed = tuple(op._replace(id=i, start_s=round(result.op_start_s[op.id], DIGITS), end_s=round(result.op_end_s[op.id], DIGITS),
+                                carrier=None if op.carrier is None else renumbered[op.carrier])
                     for i, op in enumerate(listing))
     return retimed, "simulator (host-order)", result.work
 
 
-def _retimed_tasks(tasks: list[UnitTask], operations: tuple[Operation, ...]) -> list[UnitTask]:
+def _retimed_tasks(tasks: list[TaskRow], operations: tuple[OperationRow, ...]) -> list[TaskRow]:
     """A task spans its operations."""
     spans: dict[int, tuple[float, float]] = {}
     for op in operations:
         s, e = spans.get(op.task, (op.start_s, op.end_s))
         spans[op.task] = (min(s, op.start_s), max(e, op.end_s))
-    return [t.model_copy(update=dict(zip(("start_s", "end_s"), spans[t.id]))) if t.id in spans else t for t in tasks]
+    return [t._replace(start_s=spans[t.id][0], end_s=spans[t.id][1]) if t.id in spans else t for t in tasks]
 
 
 def _kinds(singles: list[ReshardingProblem]) -> list[tuple]:
@@ -269,10 +290,6 @@ def _bundle_options(bundles: list[BundleCell], problem: ReshardingProblem, first
     return out
 
 
-def _quiet(stage: str) -> None:
-    del stage
-
-
 def _without_cyclic_gc(fn):
     """Run `fn` with Python's cyclic garbage collector paused (it runs again afterwards): a compile
     allocates hundreds of thousands of small objects and few cycles, and the collector's passes over
@@ -289,10 +306,20 @@ def _without_cyclic_gc(fn):
     return run
 
 
-@_without_cyclic_gc
 def compile_plan(problem: ReshardingProblem | TransferProblem, options: CompileOptions | None = None, *,
                  on_stage: Callable[[str], None] = _quiet, **settings) -> Plan:
-    """Compile a plan; same inputs give a byte-identical plan. `options` (`compile_defaults.CompileOptions`), or
+    """`compile_rows` as the plan's records (`PlanRows.to_plan`)."""
+    rows = compile_rows(problem, options, on_stage=on_stage, **settings)
+    if len(rows.operations) >= DETAILED_STAGES:
+        on_stage(f"making records of {len(rows.tasks):,} tasks and {len(rows.operations):,} operations")
+    return _without_cyclic_gc(rows.to_plan)()
+
+
+@_without_cyclic_gc
+def compile_rows(problem: ReshardingProblem | TransferProblem, options: CompileOptions | None = None, *,
+                 on_stage: Callable[[str], None] = _quiet, **settings) -> PlanRows:
+    """Compile a plan, as rows (`plan_rows.PlanRows`: `to_plan()` makes its records, and it is written compact as it
+    is); same inputs give a byte-identical plan. `options` (`compile_defaults.CompileOptions`), or
     its fields as keywords (`compile_plan(p, solver="greedy")`, on top of `options` when both are given), say how;
     `on_stage` hears each step's name (for progress). Settings left None take the problem's kind's default in one
     place (`CompileOptions.resolved`: split by host and coalesced, bundles of several tensors sharing messages,
@@ -358,5 +385,5 @@ def compile_plan(problem: ReshardingProblem | TransferProblem, options: CompileO
         schedule = dataclasses.replace(schedule, details={**schedule.details, "coalesce": f"bundles of at most {bucket_bytes} B"})
     if cross_tensor:
         schedule = dataclasses.replace(schedule, details={**schedule.details, "cross_tensor": f"bundles share messages of at most {bucket_bytes} B"})
-    return assemble_joint(problem, works, schedule, strategy, seed, max_staging_bytes, max_tasks,
-                          share_bytes=bucket_bytes if cross_tensor else None)
+    return assemble_rows(problem, works, schedule, strategy, seed, max_staging_bytes, max_tasks,
+                         share_bytes=bucket_bytes if cross_tensor else None, on_stage=on_stage)

@@ -178,18 +178,22 @@ def _replay(head: Plan, op_columns: OpColumns, times: tuple[np.ndarray, np.ndarr
         simple = np.array([r not in records for r in rows.tolist()], dtype=bool) if records else np.ones(len(rows), dtype=bool)
         lengths, flat = row_ranges(op_columns.dst_offsets, rows[simple])
         position = np.repeat(np.flatnonzero(simple), lengths)
-        device, box, weight, writer, cut, dst_reads = [op_columns.dsts[flat]], [region[position]], [np.ones(len(flat), np.int64)], [position], [region], []
+        parts, device, box, weight, writer, dst_reads = [], [], [], [], [], []  # the records', as lists: one array each below
         for k in np.flatnonzero(~simple).tolist():
             op = records[int(rows[k])]
-            cut.append(np.array(op.parts, dtype=np.int64).reshape(-1, ndim, 2))
+            parts.extend(op.parts)
             for d, written, own in writes(op):
                 pieces = [(written, 1)] + ([(own, -1)] if own is not None and all(a < b for a, b in own) else [])
                 for piece, sign in pieces:
-                    device.append(np.array([d])), box.append(np.array([piece], dtype=np.int64)), weight.append(np.array([sign])), writer.append(np.array([k]))
+                    device.append(d), box.append(piece), weight.append(sign), writer.append(k)
             dst_reads.extend((k, d, read) for d, shard, read in reads(op) if shard == "dst" and all(a < b for a, b in read))
-        written = Writes(np.concatenate(device).astype(np.int64), np.concatenate(box).reshape(-1, ndim, 2),
-                         np.concatenate(weight).astype(np.int64), np.concatenate(writer).astype(np.int64))
-        summary = painted_summary(problem, np.concatenate(cut).reshape(-1, ndim, 2), written, dst_reads, times[0][rows], times[1][rows])
+
+        def joined(simple_rows: np.ndarray, listed: list) -> np.ndarray:
+            return np.concatenate((simple_rows.astype(np.int64).reshape(-1, *simple_rows.shape[1:]),
+                                   np.array(listed, dtype=np.int64).reshape(-1, *simple_rows.shape[1:])))
+        written = Writes(joined(op_columns.dsts[flat], device), joined(region[position], box),
+                         joined(np.ones(len(flat), np.int64), weight), joined(position, writer))
+        summary = painted_summary(problem, joined(region, parts), written, dst_reads, times[0][rows], times[1][rows])
         if summary is None:
             return None
         cells += summary[0]

@@ -246,7 +246,7 @@ _PATTERNS: dict[str, _PatternFacts] = {
     "local": _PatternFacts(_local_route, lambda op: (), lambda op: 0),
     "chain": _PatternFacts(_chain_route, _chain_pairs, lambda op: op.chunks),
     "ring": _PatternFacts(_ring_route, _ring_pairs, lambda op: len(op.dsts) - 1),
-    "bundle": _PatternFacts(_bundle_route, _bundle_pairs, lambda op: len(_bundle_route(op))),
+    "bundle": _PatternFacts(_bundle_route, _bundle_pairs, lambda op: 1 + sum(map(len, bundle_runs(op)))),  # its route's messages, counted
 }
 
 

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from xmesh_plan.executor import BackendUnavailableError, PlanMismatchError, ReshardingExecutor
-from xmesh_plan.executor.arrays import as_host_array, check_shard, storage_dtype
+from xmesh_plan.executor.arrays import as_host_array, check_into, check_shard, storage_dtype
 from xmesh_plan.executor.lower import chunk_ranges, contiguous_span, flat_pieces, lower, tags_used
 from xmesh_plan.executor.nccl_plan import Bcast, Copy, communicator_groups, nccl_program
 from xmesh_plan.executor.pattern import fill, mismatches
@@ -263,6 +263,23 @@ def test_shard_checks_name_the_expected_shape_and_dtype():
         check_shard(np.zeros((4, 4), ">f4"), (4, 4), "float32", 2, "S0 R")
 
 
+@pytest.mark.parametrize("plan_dtype, other", [("bfloat16", np.float16), ("float8_e4m3fn", np.bool_),
+                                               ("float8_e4m3fn", "float8_e5m2"), ("bfloat16", "float8_e5m2")])
+def test_raw_kinds_take_their_own_type_or_a_same_size_integer_only(plan_dtype, other):
+    """A float16 array for a bfloat16 shard (or another FP8 kind, or bool) has the item size but other bits: refused,
+    as the torch engine refuses it, for sources and for into= destinations alike."""
+    ml_dtypes = pytest.importorskip("ml_dtypes")
+    other = np.dtype(getattr(ml_dtypes, other) if isinstance(other, str) else other)
+    size = np.dtype(getattr(ml_dtypes, plan_dtype)).itemsize
+    for ok in (getattr(ml_dtypes, plan_dtype), f"u{size}", f"i{size}"):
+        check_shard(np.zeros((2, 2), ok), (2, 2), plan_dtype, 1, "S0 R")
+        check_into(np.zeros((2, 2), ok), (2, 2), plan_dtype, 1, "w")
+    with pytest.raises(PlanMismatchError, match=rf"source shard is {other} but the plan moves {plan_dtype}; pass a {plan_dtype}"):
+        check_shard(np.zeros((2, 2), other), (2, 2), plan_dtype, 1, "S0 R")
+    with pytest.raises(PlanMismatchError, match=rf"into\['w'\] on device 1 is {other} but the plan delivers {plan_dtype}; pass a {plan_dtype}"):
+        check_into(np.zeros((2, 2), other), (2, 2), plan_dtype, 1, "w")
+
+
 class _Tensor:
     """Something with DLPack only; `device` picks the DLPack device type (1 = CPU, 2 = CUDA)."""
 
@@ -444,6 +461,23 @@ def test_a_staged_box_sent_in_chunks_is_packed_and_unpacked_chunk_by_chunk():
         assert len(recvs) == 3 and all(len(u.deps) == 1 and steps[u.deps[0]].action == "recv" for u in unpacks)
         for recv in recvs:
             assert sum(u.data.nbytes for u in unpacks if u.deps == (recv.index,)) == recv.data.nbytes
+
+
+def test_caller_views_need_no_numpy_2_module(monkeypatch):
+    """into= arrays are remade over their raw bytes from their own shape and strides (any view: negative strides,
+    transposed, sliced), also on NumPy 1.26, which has no numpy.lib.array_utils."""
+    import sys
+
+    from xmesh_plan.executor.mpi_engine import _caller_view
+
+    monkeypatch.setitem(sys.modules, "numpy.lib.array_utils", None)  # importing it now fails, as on NumPy < 2
+    whole = np.arange(7 * 9 * 4, dtype=np.int32).reshape(7, 9, 4)
+    for view in (whole, whole[::-2, 1:8:3, ::-1], whole.transpose(2, 0, 1)[1:3], whole[2:2], whole[3, 4, 1:2]):
+        remade = _caller_view(view, np.dtype(np.uint32))
+        assert remade.shape == view.shape and remade.base is not view and np.array_equal(remade, view.view(np.uint32))
+        remade[...] = 7
+        assert (view == 7).all()
+        whole[...] = np.arange(whole.size, dtype=np.int32).reshape(whole.shape)
 
 
 def test_a_bad_order_or_plan_is_named_before_a_bad_comm():

@@ -273,3 +273,15 @@ def test_checker_and_verifier_accept_exactly_what_the_table_allows(problem, stra
             if not allowed:
                 with pytest.raises(PlanError):
                     check_plan(changed)  # refused by the structural rules, not only by the replay
+
+
+@settings(max_examples=30, **SETTINGS)
+@given(problems(), st.sampled_from([64, 512, 4096]))
+def test_an_operation_owns_a_tag_per_message_of_its_route(problem, bucket):
+    """`tags_used` counts a bundle's messages from its runs, without building the route: one per message, as for
+    every kind that sends (a copy sends none)."""
+    plan = compile_plan(problem, solver=FAST_SOLVER, seed=0, coalesce=True, bucket_bytes=bucket)
+    for op in plan.operations:
+        sent = [hop for hop in route(op) if hop.src != hop.dst] if rule_of(op).pattern == "local" else route(op)
+        want = len(sent) if rule_of(op).pattern in ("bundle", "local") else len({hop.tag for hop in route(op)})
+        assert tags_used(op) == want
