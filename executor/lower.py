@@ -113,7 +113,8 @@ class Step:
 
     def moved(self, index: int, deps: tuple[int, ...]) -> "Step":
         """The same step at `index`, waiting for `deps` (what passes that renumber steps make; `dataclasses.replace`
-        costs several times more, and they renumber tens of thousands of steps)."""
+        costs several times more, and they renumber tens of thousands of steps); it names every field, which
+        `test_a_moved_step_keeps_every_field_but_its_index_and_deps` checks."""
         return Step(index, self.action, self.op, self.task, self.kind, deps, self.peer, self.tag, self.data, self.box,
                     self.target, self.piece, self.tensor, self.acks)
 

@@ -288,6 +288,8 @@ class _Members:
             skip = member.tell()
         if fortran or dtype.hasobject or dtype.kind not in "biuf":
             raise CompactPlanError(f"member {info.filename} holds {dtype}{' in Fortran order' if fortran else ''}, not plain numbers")
+        if dtype.kind == "u" and dtype.itemsize == 8:  # what `_ints` writes is signed; uint64 may not fit int64
+            raise CompactPlanError(f"member {info.filename} holds uint64, integers a 64-bit signed integer may not hold")
         local = _read_at(self.path, info.header_offset, 30)
         if len(local) < 30 or not local.startswith(ZIP_MAGIC):
             raise CompactPlanError(f"member {info.filename} has no local header (truncated)")
@@ -350,8 +352,12 @@ def _split(values, lengths: np.ndarray) -> list[tuple]:
 
 
 def _indices(m: _Members, name: str, rows, size: int) -> np.ndarray:
-    """Entries `rows` of an index member, each checked to be below `size` (a shared table's length)."""
-    at = np.asarray(m.get(name)[rows], dtype=np.int64)
+    """Entries `rows` of an index member, each checked to be an integer from 0 to below `size` (a shared table's
+    length)."""
+    stored = m.get(name)
+    if stored.dtype.kind not in "iu":  # a float would be cut to another entry
+        raise CompactPlanError(f"member {name}.npy holds {stored.dtype}, not integers")
+    at = np.asarray(stored[rows], dtype=np.int64)
     if at.size and not 0 <= at.min() <= at.max() < size:
         raise CompactPlanError(f"member {name}.npy points outside its shared table")
     return at
@@ -390,9 +396,23 @@ def _decode_optional_int(m: _Members, name: str, rows: np.ndarray) -> list:
     return [None if n else next(values) for n in none.tolist()]
 
 
+def _stored_count(m: _Members, name: str, none: np.ndarray) -> int:
+    """How many values an optional integer column with flags `none` stores: one per row that has one; refused
+    (naming the column) where the member holds another count, so that no row reads another row's value."""
+    present = len(none) - int(np.count_nonzero(none))
+    if m.get(name).shape != (present,):
+        flags = f", one per row its {name}.none.npy says has one (damaged)" if f"{name}.none" in m else ""
+        raise CompactPlanError(f"member {name}.npy is not {present} integers{flags}")
+    return present
+
+
 def _present(m: _Members, name: str) -> np.ndarray:
     """Per row of an optional integer column, its position among the stored values (computed once per file)."""
-    return m.once(f"{name}.present", lambda: np.cumsum(~np.asarray(m.get(f"{name}.none"), dtype=bool)) - 1)
+    def make() -> np.ndarray:
+        none = np.asarray(m.get(f"{name}.none"), dtype=bool)
+        _stored_count(m, name, none)
+        return np.cumsum(~none) - 1
+    return m.once(f"{name}.present", make)
 
 
 def _floats(m: _Members, name: str, rows) -> np.ndarray:
@@ -407,12 +427,19 @@ def _decode_float(m: _Members, name: str, rows: np.ndarray) -> list:
     return _floats(m, name, rows).tolist()
 
 
+def _names(m: _Members, name: str) -> list[str]:
+    """The string table of a string column, checked to be a list of strings (once per file)."""
+    def make() -> list[str]:
+        names = m.text(f"{name}.names")
+        if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
+            raise CompactPlanError(f"member {name}.names.npy is not a list of strings")
+        return names
+    return m.once(f"{name}.names", make)
+
+
 def _decode_str(m: _Members, name: str, rows: np.ndarray) -> list:
-    names = m.text(f"{name}.names")
-    try:
-        return [names[i] for i in _decode_int(m, name, rows)]
-    except (IndexError, TypeError):
-        raise CompactPlanError(f"member {name}.npy names a string its table lacks") from None
+    names = _names(m, name)
+    return [names[i] for i in _indices(m, name, rows, len(names)).tolist()]
 
 
 def _decode_ints(m: _Members, name: str, rows: np.ndarray) -> list:
@@ -520,7 +547,7 @@ def read_compact_data(path: str | os.PathLike, records: dict[str, Callable[[dict
 
 def _flat(array: np.ndarray, what: str) -> np.ndarray:
     """An integer member as int64 (what the record reader's `tolist` gives); refused where that could differ."""
-    if array.dtype.kind not in "iu" or (array.dtype.kind == "u" and array.dtype.itemsize == 8):
+    if array.dtype.kind not in "iu":  # uint64 members are refused on opening (`_Members._locate`)
         raise CompactPlanError(f"member {what}.npy holds {array.dtype}, not integers")
     return np.asarray(array, dtype=np.int64)
 
@@ -558,16 +585,14 @@ def _column(m: _Members, name: str, kind: str, count: int) -> dict[str, Any]:
             none = np.asarray(m.get(f"{name}.none"), dtype=bool)
             if none.shape != (count,):
                 raise CompactPlanError(f"member {name}.none.npy is not {count} flags")
-        if values.shape != (count - int(none.sum()),):
-            raise CompactPlanError(f"member {name}.npy is not {count - int(none.sum())} integers")
+        _stored_count(m, name, none)
         out: dict[str, Any] = {"values": values}
         if kind == "int?":  # as a full column: 0 where a row has none
             out["values"], out["none"] = np.zeros(count, dtype=np.int64), none
             out["values"][~none] = values
         if kind == "str":
-            out["names"] = m.text(f"{name}.names")
-            if not isinstance(out["names"], list) or not all(isinstance(n, str) for n in out["names"]) \
-                    or (count and not 0 <= values.min() <= values.max() < len(out["names"])):
+            out["names"] = _names(m, name)
+            if count and not 0 <= values.min() <= values.max() < len(out["names"]):
                 raise CompactPlanError(f"member {name}.npy names a string its table lacks")
         return out
     if kind == "box":
@@ -660,14 +685,27 @@ def device_rows(m: _Members, device: int | None) -> np.ndarray:
     start, stop = (int(k) for k in m.get("index.offsets")[at:at + 2])
     stored = m.get("index.rows")
     steps = np.asarray(stored[start:stop], dtype=np.int64)
+    every = _wide_steps(m)
     wide = np.flatnonzero(steps == WIDE_STEP)
     if len(wide):  # the next entries of index.rows.wide, after those of the devices before
         before = int(np.count_nonzero(np.asarray(stored[:start]) == WIDE_STEP))
-        values = np.asarray(m.get("index.rows.wide")[before:before + len(wide)], dtype=np.int64)
-        if len(values) != len(wide):
-            raise CompactPlanError("member index.rows.wide.npy is shorter than index.rows says (damaged)")
-        steps[wide] = values
+        steps[wide] = every[before:before + len(wide)]
     return int(m.get("index.first")[at]) + np.cumsum(steps)  # stored as steps from the device's first row
+
+
+def _wide_steps(m: _Members) -> np.ndarray:
+    """`index.rows.wide` as int64, checked to be what `_device_index` writes: integers, each 255 or more, one per
+    255 marker of `index.rows` (once per file; a rank reads its steps through it)."""
+    def make() -> np.ndarray:
+        markers = int(np.count_nonzero(np.asarray(m.get("index.rows")) == WIDE_STEP))
+        if "index.rows.wide" not in m and not markers:
+            return np.zeros(0, dtype=np.int64)
+        stored = m.get("index.rows.wide")
+        if stored.dtype.kind not in "iu" or stored.shape != (markers,) or (markers and int(stored.min()) < WIDE_STEP):
+            raise CompactPlanError(f"member index.rows.wide.npy is not {markers} integer steps of {WIDE_STEP} or more, "
+                                   f"one per {WIDE_STEP} in index.rows (damaged)")
+        return np.asarray(stored, dtype=np.int64)
+    return m.once("index.rows.wide", make)
 
 
 def stores_integers(m: _Members, table: str) -> bool:

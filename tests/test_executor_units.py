@@ -499,3 +499,18 @@ def test_a_bad_order_or_plan_is_named_before_a_bad_comm():
         TransferExecutor(bad, object())
     with pytest.raises(TypeError, match="comm is a object"):
         TransferExecutor(many, object())
+
+
+def test_a_moved_step_keeps_every_field_but_its_index_and_deps():
+    """`Step.moved` lists `Step`'s fields by hand (`dataclasses.replace` costs several times more): every field, one
+    added later included, keeps its value; only `index` and `deps` change."""
+    import dataclasses
+
+    from xmesh_plan.executor.lower import Step
+
+    names = [f.name for f in dataclasses.fields(Step)]
+    step = Step(**{name: ("value of", name) for name in names})  # a distinct value each, none a default
+    moved = step.moved(7, (1, 2))
+    assert (moved.index, moved.deps) == (7, (1, 2))
+    assert {name: getattr(moved, name) for name in names if name not in ("index", "deps")} \
+        == {name: ("value of", name) for name in names if name not in ("index", "deps")}

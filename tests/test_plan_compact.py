@@ -311,10 +311,11 @@ def test_a_rank_s_operations_are_the_records_validation_makes(tmp_path):
 
 
 @pytest.mark.parametrize("column, value", [("operations.chunks", 0), ("operations.kind.names", '["teleport"]'),
-                                           ("operations.id", 1.5), ("operations.tensor", -1)])
+                                           ("operations.id", 1.5), ("operations.tensor", -1), ("operations.kind", -1),
+                                           ("operations.kind", 0.0), ("operations.region", 0.0)])
 def test_a_rank_refuses_a_row_its_record_would_refuse(tmp_path, column, value):
-    """A column no record takes (a kind outside the table, chunks 0, a float id, tensor -1) is refused by a rank's
-    read in one line naming the field, as validating each row refuses it."""
+    """A column no record takes (a kind outside the table or at string -1 or 0.0, chunks 0, a float id or box
+    index, tensor -1) is refused by a rank's read in one line naming the field, as validating each row refuses it."""
     plan = read_plan_file(ROOT / "plans" / "weight_sync_small.plan.json")  # every operation names its tensor
     arrays = compact_arrays(plan)
     if isinstance(value, str):
@@ -381,3 +382,76 @@ def test_another_format_version_is_refused_naming_both(tmp_path):
             read(path)
         message = str(err.value)
         assert "\n" not in message and f"compact format version {FORMAT_VERSION - 1}; this reads version {FORMAT_VERSION}" in message
+
+
+def _rank_reads_each_device(arrays: dict, tmp_path: Path) -> list[str]:
+    """What each device's read of a compact file of `arrays` raises (PlanFileError), one message per device."""
+    path = tmp_path / "bad.plan.npz"
+    path.write_bytes(archive_bytes(arrays))
+    messages = []
+    for device in sorted({d for op in read_plan_file(ROOT / "plans" / "weight_sync_small.plan.json").operations
+                          for d in _devices(op)}):
+        with pytest.raises(PlanFileError) as err:
+            read_plan_ops(path, device)
+        messages.append(str(err.value))
+    return messages
+
+
+def test_a_rank_refuses_a_string_table_of_other_than_strings(tmp_path):
+    """`operations.kind.names` holding lists, not strings: a rank's read refuses it in one line naming the member, as
+    `verify` does (the kind is then no string a record takes)."""
+    import json
+
+    arrays = compact_arrays(read_plan_file(ROOT / "plans" / "weight_sync_small.plan.json"))
+    names = json.loads(bytes(arrays["operations.kind.names"]).decode())
+    arrays["operations.kind.names"] = np.frombuffer(json.dumps([[n] for n in names]).encode(), dtype=np.uint8)
+    for message in _rank_reads_each_device(arrays, tmp_path):
+        assert "\n" not in message and "operations.kind.names" in message, message
+
+
+def test_an_optional_column_whose_mask_disagrees_with_its_values_is_refused_by_every_rank(tmp_path):
+    """One `operations.carrier.none` flag flipped (one row more claims a carrier than are stored): every device refuses
+    the file in one line naming the column, where some read every later carrier shifted by one row."""
+    arrays = compact_arrays(read_plan_file(ROOT / "plans" / "weight_sync_small.plan.json"))
+    none = arrays["operations.carrier.none"].copy()
+    none[int(np.flatnonzero(none)[0])] = False
+    arrays["operations.carrier.none"] = none
+    for message in _rank_reads_each_device(arrays, tmp_path):
+        assert "\n" not in message and "operations.carrier" in message, message
+
+
+@pytest.mark.parametrize("column", ["operations.src", "operations.dsts.values", "operations.chunks"])
+def test_integers_beyond_int64_are_refused_naming_the_member(tmp_path, column):
+    """An integer column stored as uint64 with values of 2**63 or more (no 64-bit signed integer holds them): a rank's
+    read and `verify` refuse it in one line naming the member, where both crashed with OverflowError."""
+    arrays = compact_arrays(read_plan_file(ROOT / "plans" / "weight_sync_small.plan.json"))
+    arrays[column] = np.full(arrays[column].shape, 2**63 + 1, dtype=np.uint64)
+    for message in _rank_reads_each_device(arrays, tmp_path):
+        assert "\n" not in message and f"{column}.npy" in message, message
+    assert_user_error(run_cli("verify", tmp_path / "bad.plan.npz"), f"{column}.npy")
+
+
+def _wide_float(arrays: dict) -> None:
+    arrays["index.rows"][3] = 255
+    arrays["index.rows.wide"] = np.array([7.5])
+
+
+def _wide_extra(arrays: dict) -> None:
+    arrays["index.rows.wide"] = np.array([7, 9], dtype=np.int64)
+
+
+def _wide_narrow(arrays: dict) -> None:
+    arrays["index.rows.wide"] = np.array([int(arrays["index.rows"][3])], dtype=np.int64)
+    arrays["index.rows"][3] = 255
+
+
+@pytest.mark.parametrize("change", [_wide_float, _wide_extra, _wide_narrow])
+def test_a_wide_index_member_other_than_the_writer_s_is_refused(tmp_path, change):
+    """`index.rows.wide` holding a float (7.5 read as 7), more entries than `index.rows` has 255 markers, or a step
+    under 255: every device refuses the file in one line naming the member."""
+    arrays = compact_arrays(read_plan_file(ROOT / "plans" / "weight_sync_small.plan.json"))
+    arrays["index.rows"] = arrays["index.rows"].copy()
+    assert not (arrays["index.rows"] == 255).any() and len(arrays["index.rows.wide"]) == 0
+    change(arrays)
+    for message in _rank_reads_each_device(arrays, tmp_path):
+        assert "\n" not in message and "index.rows.wide" in message, message
