@@ -37,13 +37,16 @@ def _rows_of(record: type) -> type:
 
 OperationRow = _rows_of(Operation)
 TaskRow = _rows_of(UnitTask)
+# pydantic's older names for model_dump / model_dump_json / model_copy: on the shell they would state no tables.
+_READS_TABLES = frozenset({"dict", "json", "copy"})
 
 
 @dataclass(frozen=True)
 class PlanRows:
     """A plan as its fields less the tables (`shell`: the `Plan` with no tasks, operations or host order) and the
     tables as rows. Reads like the plan it stands for: `rows.predicted_seconds`, `rows.solver`, ... are the shell's,
-    `model_dump` (what the compact writer takes the header from) is the shell's with the tables left out."""
+    `model_dump` (what the compact writer takes the header from) is the shell's with the tables left out; the shell's other
+    `model_*` names (`model_copy`, `model_dump_json`, ...) are refused, as the shell would answer them with no tables."""
 
     shell: Plan
     tasks: tuple[TaskRow, ...]
@@ -53,6 +56,9 @@ class PlanRows:
     def __getattr__(self, name: str) -> Any:  # only for names that are not fields of this class
         if name.startswith("__"):
             raise AttributeError(name)
+        if name.startswith("model_") or name in _READS_TABLES:  # the shell's answer would leave the rows out
+            raise AttributeError(f"PlanRows.{name} would read a plan with no tasks or operations: call .to_plan() first "
+                                 f"and use the plan's {name}")
         return getattr(self.shell, name)
 
     def model_dump(self, **kwargs) -> dict:

@@ -69,3 +69,17 @@ def test_compile_to_npz_writes_the_plan_from_its_rows_verified(tmp_path):
     plan = compile_plan(build_transfer(tomllib.loads(problem_file.read_text())))
     assert out.read_bytes() == compact_bytes(plan)
     assert read_plan_file(out) == plan
+
+
+def test_rows_refuse_the_shells_names_that_would_drop_their_tables():
+    rows = compile_rows(_small())
+    for name in ("model_copy", "model_dump_json", "model_fields_set", "json", "dict", "copy"):
+        try:
+            getattr(rows, name)
+        except AttributeError as err:
+            assert f"PlanRows.{name}" in str(err) and "call .to_plan() first" in str(err)
+        else:
+            raise AssertionError(f"rows.{name} was handed to the plan with no tasks or operations")
+    assert rows.to_plan().model_copy(update={"strategy": rows.strategy}).operations == rows.to_plan().operations
+    assert (rows.solver, rows.predicted_seconds, rows.efficiency) == (rows.shell.solver, rows.shell.predicted_seconds,
+                                                                      rows.shell.efficiency)
