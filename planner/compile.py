@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from xmesh_plan.schemas import ExecutorPrediction, HostOrder, Plan, ReshardingProblem, SolverInfo
-from xmesh_plan.schemas.staging import with_stated_staging
+from xmesh_plan.schemas.staging import stated_staging
 from xmesh_plan.schemas.transfer import TransferProblem
 
 from . import __version__
@@ -198,14 +198,12 @@ def assemble_rows(problem: ReshardingProblem | TransferProblem, works: list[Tens
         merged_slices=any(c.merged_cells > 1 for w in works for c in w.cells),
         predicted_seconds=round(predicted, DIGITS), lower_bound_seconds=round(bound.seconds, DIGITS))
     limited = max_staging_bytes is not None
-    stated = rows
     if limited:  # device order then runs as the budget cuts it (`simulate.staging_runs`), and is timed so
-        stated = with_stated_staging(rows.to_plan(), max_staging_bytes)
-        rows = rows.with_fields(staging=stated.staging)
+        rows = rows.with_fields(staging=stated_staging(rows, max_staging_bytes))
     if work is not None and isinstance(problem, TransferProblem):
         stage(f"simulating in the executor's order ({executor_order(limited)})")
     executed = None if work is None else executor_order_seconds(operations, problem, host_order, posted_budget(work), limited,
-                                                                staging_runs(stated))
+                                                                staging_runs(rows))
     return rows if executed is None else rows.with_fields(executor_prediction=ExecutorPrediction(
         order=executor_order(limited), predicted_seconds=round(executed, DIGITS)))
 

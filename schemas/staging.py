@@ -36,7 +36,7 @@ from .geometry import Region, region_shape, region_size
 from .op_kinds import OpLike, bundle_runs, members, rule_of, supported
 
 if TYPE_CHECKING:
-    from .plan import Plan
+    from .plan import Plan, Staging
 
 ORDERS = ("posted", "device")  # the executor's orders (`executor.lower.ORDERS` is this tuple)
 SYNC_SEND_BYTES = 256 * 1024
@@ -258,17 +258,28 @@ def staging_peaks(plan: "Plan", order: str = "device") -> dict[int, int]:
             for device, nbytes in staging_peaks(single, "posted").items():
                 total[device] = total.get(device, 0) + nbytes
         return dict(sorted(total.items()))
-    peak: Callable[[list[Footprint]], int] = (lambda f: sum(n for _, n in f)) if order == "posted" else \
-        (lambda f: run_peak(f, budget, align))
-    return {device: value for device, f in sorted(footprints(plan).items()) if (value := peak(f))}
+    if order == "device":
+        return _device_peaks(plan, budget, align)
+    return {device: value for device, f in sorted(footprints(plan).items()) if (value := sum(n for _, n in f))}
+
+
+def _device_peaks(plan: "Plan", budget: int | None, align: int) -> dict[int, int]:
+    """Device -> its staging in device order under `budget` (devices that stage nothing left out)."""
+    return {device: value for device, f in sorted(footprints(plan).items()) if (value := run_peak(f, budget, align))}
+
+
+def stated_staging(plan: "Plan", limit_bytes: int) -> "Staging":
+    """The staging `plan` states when made for `limit_bytes`: the limit and each device's peak in device order under
+    it. Reads `plan` by attribute only (its problem and operations), so a compile states it from its rows
+    (`planner.plan_rows`) without making their records."""
+    from .plan import Staging
+
+    return Staging(limit_bytes=limit_bytes, peak_bytes=_device_peaks(plan, limit_bytes, staging_align(plan)))
 
 
 def with_stated_staging(plan: "Plan", limit_bytes: int) -> "Plan":
     """`plan` stating the staging limit it was made for and each device's peak in device order under it."""
-    from .plan import Staging
-
-    limited = plan.model_copy(update={"staging": Staging(limit_bytes=limit_bytes, peak_bytes={})})
-    return plan.model_copy(update={"staging": Staging(limit_bytes=limit_bytes, peak_bytes=staging_peaks(limited, "device"))})
+    return plan.model_copy(update={"staging": stated_staging(plan, limit_bytes)})
 
 
 def stated_staging_fault(plan: "Plan") -> str | None:

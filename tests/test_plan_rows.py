@@ -83,3 +83,12 @@ def test_rows_refuse_the_shells_names_that_would_drop_their_tables():
     assert rows.to_plan().model_copy(update={"strategy": rows.strategy}).operations == rows.to_plan().operations
     assert (rows.solver, rows.predicted_seconds, rows.efficiency) == (rows.shell.solver, rows.shell.predicted_seconds,
                                                                       rows.shell.efficiency)
+
+
+def test_a_staging_limit_is_stated_from_the_rows_without_their_records(monkeypatch):
+    def refused(self):
+        raise AssertionError("compile_rows made the plan's records")
+    stated = compile_rows(_small(), max_staging_bytes=2**14).staging
+    monkeypatch.setattr(PlanRows, "to_plan", refused)
+    rows = compile_rows(_small(), max_staging_bytes=2**14)
+    assert rows.staging == stated and rows.staging.limit_bytes == 2**14 and rows.staging.peak_bytes
