@@ -92,3 +92,14 @@ def test_a_staging_limit_is_stated_from_the_rows_without_their_records(monkeypat
     monkeypatch.setattr(PlanRows, "to_plan", refused)
     rows = compile_rows(_small(), max_staging_bytes=2**14)
     assert rows.staging == stated and rows.staging.limit_bytes == 2**14 and rows.staging.peak_bytes
+
+
+
+def test_rows_of_a_reference_case_make_its_committed_plan():
+    """Against files `make plans` wrote and checked in (an independent source: a row field out of place changes the
+    bytes, which comparing rows with records made from the same rows cannot see)."""
+    from pathlib import Path
+
+    for name in ("case3", "weight_sync_small"):
+        path = Path(__file__).resolve().parent.parent / "plans" / f"{name}.plan.json"
+        assert compile_rows(read_plan_file(path).problem).to_json() == path.read_text()
