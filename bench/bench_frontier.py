@@ -12,7 +12,7 @@ the byte bound, the plan's predicted time over it and what timed it (`solver.det
 host order, or the schedule's own timetable), and the executor's order over the bound where the plan states it.
 A point past `--timeout` seconds is recorded as not finished, with the phase it was in. `--max-tasks` passes a
 limit to the compile (recorded with the point and its command); the limit counts what a compile holds (the boxes
-of each kind of tensor, then the tasks scheduled), which for the DeepSeek-V3-like problem is 667,520 tasks, under
+of each kind of tensor, then the tasks scheduled), which for the DeepSeek-V3-like problem is 613,248 tasks, under
 the default.
 
     .venv/bin/python -m bench.bench_frontier                              # every problem, full size

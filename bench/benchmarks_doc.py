@@ -442,7 +442,7 @@ NAME.plan.npz` does; json: points measured before the compile wrote its plan fro
 simulator in host order, or the schedule's own timetable where one simulation would take more than
 `compile.MAX_SIMULATION_WORK` units of work (the full DeepSeek-V3-like row, measured at d8332d4, counts flow-rate updates only). A row with `--max-tasks` ran with that limit. `--max-tasks` counts
 what a compile holds (each kind of tensor's boxes, then the tasks it schedules; docs/format.md), so the full
-DeepSeek-V3-like problem (667,520 tasks) passes the default. Its compile keeps the plan as rows, not records
+DeepSeek-V3-like problem (613,248 tasks with the 32 MiB bucket; 667,520 with 4 MiB) passes the default. Its compile keeps the plan as rows, not records
 (`planner/plan_rows.py`), writes the compact file from them and verifies that file; a point that ran out of time
 names the phase it was in, and a finished full-size point lists its phases below the table. The full DeepSeek-V3-like
 row is measured at commit d8332d4, whose default bundle bucket is 4 MiB on these hosts; the other rows use the 32 MiB

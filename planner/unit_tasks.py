@@ -11,7 +11,7 @@ What `--max-tasks` counts is what a compile holds: the unit tasks it schedules (
 receiving host with `--split-hosts`, small ones counted as the bundles `--coalesce` packs them into,
 `check_scheduled_task_count`) and, before that, the boxes it cuts (tensors of one kind, shape and specs alike, are
 cut once: `check_kinds_task_count`). The DeepSeek-V3-like weight sync's 1,025 tensors split by host into 7,099,392
-boxes, yet its compile cuts 17 kinds into 148,480 boxes and schedules 667,520 tasks: memory follows those. A refusal
+boxes, yet its compile cuts 17 kinds into 148,480 boxes and schedules 613,248 tasks (32 MiB bundles): memory follows those. A refusal
 before cutting names a limit every later check passes too (what all tensors split into; bundling only lowers it).
 """
 

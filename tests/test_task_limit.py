@@ -319,12 +319,12 @@ def test_the_first_fitting_rule_gives_each_side_and_unused_patterns_are_named():
 
 def test_the_deepseek_v3_like_weight_sync_passes_the_default_limit():
     """Its 1,025 tensors split into 7,099,392 boxes, which the default refused; its 17 kinds are cut once each (148,480 boxes)
-    and it schedules 667,520 tasks (small boxes bundled), within the default: refused below that, before anything is costed."""
+    and it schedules 613,248 tasks (boxes up to 4 MiB bundled into 32 MiB bundles), within the default: refused below that, before anything is costed."""
     from xmesh_plan.planner import compile as compile_module
 
     problem = load_any_problem(ROOT / "plans" / "weight_sync_deepseek_v3.problem.toml", DEFAULT_MAX_TASKS)
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(compile_module, "task_options", lambda *a, **k: pytest.fail("costed before the scheduled count"))
-        with pytest.raises(TooManyTasksError, match="its 1025 tensors schedule 667,520 unit tasks .*--max-tasks 667520 "):
-            compile_plan(problem, max_tasks=667_519)
-    assert 667_520 <= DEFAULT_MAX_TASKS
+        with pytest.raises(TooManyTasksError, match="its 1025 tensors schedule 613,248 unit tasks .*--max-tasks 613248 "):
+            compile_plan(problem, max_tasks=613_247)
+    assert 613_248 <= DEFAULT_MAX_TASKS
