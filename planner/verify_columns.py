@@ -163,6 +163,12 @@ def _index_holds(columns: CompactColumns, op_columns: OpColumns, tags: np.ndarra
     return index_fault(columns.members, len(tags), tags.tolist(), tensors.tolist()) is None
 
 
+def _joined(simple_rows: np.ndarray, listed: list) -> np.ndarray:
+    """The column rows, then the records' values (`listed`) in the same shape: one int64 array."""
+    return np.concatenate((simple_rows.astype(np.int64).reshape(-1, *simple_rows.shape[1:]),
+                           np.array(listed, dtype=np.int64).reshape(-1, *simple_rows.shape[1:])))
+
+
 def _replay(head: Plan, op_columns: OpColumns, times: tuple[np.ndarray, np.ndarray], records: dict[int, Operation],
             on_count: Callable[[int, int], None]) -> tuple[int, set[int]] | None:
     """Each tensor's writes painted on its destination cells (`painted_summary`): a proven copy, send or broadcast's
@@ -187,13 +193,9 @@ def _replay(head: Plan, op_columns: OpColumns, times: tuple[np.ndarray, np.ndarr
                 for piece, sign in pieces:
                     device.append(d), box.append(piece), weight.append(sign), writer.append(k)
             dst_reads.extend((k, d, read) for d, shard, read in reads(op) if shard == "dst" and all(a < b for a, b in read))
-
-        def joined(simple_rows: np.ndarray, listed: list) -> np.ndarray:
-            return np.concatenate((simple_rows.astype(np.int64).reshape(-1, *simple_rows.shape[1:]),
-                                   np.array(listed, dtype=np.int64).reshape(-1, *simple_rows.shape[1:])))
-        written = Writes(joined(op_columns.dsts[flat], device), joined(region[position], box),
-                         joined(np.ones(len(flat), np.int64), weight), joined(position, writer))
-        summary = painted_summary(problem, joined(region, parts), written, dst_reads, times[0][rows], times[1][rows])
+        written = Writes(_joined(op_columns.dsts[flat], device), _joined(region[position], box),
+                         _joined(np.ones(len(flat), np.int64), weight), _joined(position, writer))
+        summary = painted_summary(problem, _joined(region, parts), written, dst_reads, times[0][rows], times[1][rows])
         if summary is None:
             return None
         cells += summary[0]
