@@ -5,12 +5,13 @@ columns: its sender a device and one receiving relay, on another host, one chunk
 the tensor; one holder and one needers list per part, at least one part; every part a non-empty box inside the region,
 held by a device on the sending relay's host whose source shard holds it, needed by distinct devices on the receiving
 relay's host (at least one), each with room for it in its destination shard; the sending relay a source device and the
-receiving relay a destination device. It also counts each bundle's elements (for `carriers_hold`) and message tags
+receiving relay a destination device. It also counts each bundle's elements (for `carrier_rows`) and message tags
 (`op_kinds.tags_used`: the cross-host message, one gather per run of consecutive parts a holder other than the sending
 relay holds, one scatter per run of consecutive parts a needer other than the receiving relay needs).
 
-`carriers_hold` is `carriers.carrier_fault` and `plan_check._check_shared_sides` on columns. A row these do not prove
-is left to the caller, which reads it as a record or declines the plan (the record path then says what is wrong).
+`carrier_rows` is `carriers.carrier_fault` on columns, `same_sides` (of `task_sides`) `plan_check._check_shared_sides`.
+A row these do not prove is left to the caller, which reads it as a record or declines the plan (the record path then
+says what is wrong).
 """
 
 from __future__ import annotations
@@ -190,26 +191,26 @@ def bundle_writes(columns: BundleColumns, rows: np.ndarray, rank: int) -> tuple[
     return rows[owner], lo, hi, part_of, needer
 
 
-def carriers_hold(ops: OpColumns, ids: np.ndarray, carrier: np.ndarray, carrier_none: np.ndarray, facts: BundleFacts,
-                  itemsizes: list[int]) -> bool:
-    """`carriers.carrier_fault` finds nothing: every bundle with a carrier is a proved bundle listed after its
-    carrier, a proved bundle with no carrier of its own, right after a bundle of the same message, with its carrier's
-    relays; the bundle before it carries a multiple of the largest element size. `ids` are unique."""
+def carrier_rows(ops: OpColumns, ids: np.ndarray, carrier: np.ndarray, carrier_none: np.ndarray, facts: BundleFacts,
+                 itemsizes: list[int]) -> np.ndarray | None:
+    """The row of the carrier of each row with one, where `carriers.carrier_fault` finds nothing (None otherwise):
+    every bundle with a carrier is a proved bundle listed after its carrier, a proved bundle with no carrier of its
+    own, right after a bundle of the same message, with its carrier's relays; the bundle before it carries a multiple
+    of the largest element size. `ids` are unique."""
     carried = np.flatnonzero(~carrier_none)
-    if not len(carried):
-        return True
     if not facts.proven[carried].all():
-        return False
+        return None
     wanted, order = carrier[carried], np.argsort(ids, kind="stable")
     at = order[np.clip(np.searchsorted(ids[order], wanted), 0, len(ids) - 1)]
     if not ((ids[at] == wanted) & (at < carried) & facts.proven[at] & carrier_none[at]).all():
-        return False
+        return None
     before = carried - 1
     relay = ops.dsts[ops.dst_offsets[:-1][np.concatenate((carried, at))]]  # proved bundles: one receiving relay each
     tensor = np.where(ops.tensor_none, 0, ops.tensor)[before]
-    return bool((np.where(carrier_none[before], ids[before], carrier[before]) == wanted).all()
-                and (ops.src[carried] == ops.src[at]).all() and (relay[:len(carried)] == relay[len(carried):]).all()
-                and (facts.elements[before] * np.array(itemsizes, dtype=np.int64)[tensor] % max(itemsizes) == 0).all())
+    holds = ((np.where(carrier_none[before], ids[before], carrier[before]) == wanted).all()
+             and (ops.src[carried] == ops.src[at]).all() and (relay[:len(carried)] == relay[len(carried):]).all()
+             and (facts.elements[before] * np.array(itemsizes, dtype=np.int64)[tensor] % max(itemsizes) == 0).all())
+    return at if holds else None
 
 
 def task_sides(entries: list[tuple[int, ...]]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

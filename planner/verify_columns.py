@@ -38,7 +38,7 @@ from xmesh_plan.schemas.plan_io import _head
 from xmesh_plan.schemas.plan_tensors import is_multi
 
 from .verify_arrays import Boxes, Writes, painted_summary
-from .verify_bundles import BundleColumns, BundleFacts, bundle_facts, bundle_writes, carriers_hold, same_sides, task_sides
+from .verify_bundles import BundleColumns, BundleFacts, bundle_facts, bundle_writes, carrier_rows, same_sides, task_sides
 
 __all__ = ["verify_compact"]
 
@@ -122,7 +122,7 @@ def _records(columns: CompactColumns, rows: np.ndarray) -> list[Operation] | Non
 
 def _records_check(head: Plan, records: list[Operation]) -> bool:
     """`check_plan`'s one-by-one checks of the operations the arrays did not prove (`records`, none of them carried:
-    `carriers_hold` proves every carried bundle from the columns)."""
+    `carrier_rows` proves every carried bundle from the columns)."""
     problems = head.problem.tensor_problems()
     shards: dict = {}
     try:
@@ -139,16 +139,11 @@ def _records_check(head: Plan, records: list[Operation]) -> bool:
 def _shared_messages(head: Plan, ops: dict, op_columns: OpColumns, facts: BundleFacts) -> bool:
     """`carrier_fault` and `_check_shared_sides` on the columns: each carried bundle's task is listed on its carrier's
     task's NIC sides."""
-    ids, carrier = ops["id"]["values"], ops["carrier"]["values"]
     none = ops["carrier"]["none"]
-    if not carriers_hold(op_columns, ids, carrier, none, facts, [p.itemsize for p in head.problem.tensor_problems()]):
-        return False
-    carried = np.flatnonzero(~none)
-    if not len(carried):
-        return True
+    heads = carrier_rows(op_columns, ops["id"]["values"], ops["carrier"]["values"], none, facts,
+                         [p.itemsize for p in head.problem.tensor_problems()])
     task = ops["task"]["values"]
-    heads = np.argsort(ids, kind="stable")[np.searchsorted(np.sort(ids), carrier[carried])]
-    return same_sides(task_sides([o.tasks for o in head.host_order]), task[carried], task[heads])
+    return heads is not None and same_sides(task_sides([o.tasks for o in head.host_order]), task[~none], task[heads])
 
 
 def _nic_listing_and_tags(head: Plan, ops: dict, op_columns: OpColumns, proven: np.ndarray, tags: np.ndarray) -> bool:
