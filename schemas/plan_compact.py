@@ -176,32 +176,41 @@ def _device_index(out: dict[str, np.ndarray], count: int) -> dict[str, np.ndarra
             "index.rows.wide": _ints(steps[wide].tolist(), "index steps")}
 
 
+INDEX_CHUNK = 1 << 22  # device entries keyed and sorted at a time while the index is built
+
+
 def _device_rows(out: dict[str, np.ndarray], count: int) -> tuple[np.ndarray, np.ndarray]:
     """Every distinct (device, row) of an operation and a device taking part in it, sorted, as (devices, rows); through
     one int64 key per pair where the devices' range allows (a 1-D sort, many times faster than sorting pairs or
-    numpy 2's hashing `np.unique` on 10^7 pairs)."""
-    fields = []
+    numpy 2's hashing `np.unique` on 10^7 pairs), `INDEX_CHUNK` entries at a time."""
+    fields = []  # (devices, where each row's devices begin) per field
     for field, kind in ((f, COLUMN_KINDS["operations"][f]) for f in DEVICE_FIELDS):
         name = f"operations.{field}"
         if kind == "int?":  # values only for the rows that have one
             has = ~np.asarray(out[f"{name}.none"], dtype=bool) if f"{name}.none" in out else np.ones(count, dtype=bool)
-            fields.append((np.asarray(out[name], dtype=np.int64), lambda has=has: np.flatnonzero(has)))
+            fields.append((out[name], np.concatenate(([0], np.cumsum(has)))))
             continue
-        def owner(name=name, kind=kind) -> np.ndarray:  # lists: the rows own them, and in intss the inner lists own the values
-            rows = np.repeat(np.arange(count), out[f"{name}.lengths"].astype(np.int64))
-            return np.repeat(rows, out[f"{name}.inner"].astype(np.int64)) if kind == "intss" else rows
-        fields.append((np.asarray(out[f"{name}.values"], dtype=np.int64), owner))
+        starts = np.concatenate(([0], np.cumsum(out[f"{name}.lengths"], dtype=np.int64)))  # lists: the rows own them
+        if kind == "intss":  # and the inner lists own the values
+            starts = np.concatenate(([0], np.cumsum(out[f"{name}.inner"], dtype=np.int64)))[starts]
+        fields.append((out[f"{name}.values"], starts))
     low = min((int(v.min()) for v, _ in fields if v.size), default=0)
     span = max((int(v.max()) for v, _ in fields if v.size), default=0) - low + 1
     if span * count >= 2**62:
-        pairs = np.unique(np.stack([np.concatenate([v for v, _ in fields]), np.concatenate([o() for _, o in fields])], axis=1), axis=0)
+        rows = [np.searchsorted(starts, np.arange(len(v)), side="right") - 1 for v, starts in fields]
+        pairs = np.unique(np.stack([np.concatenate([v for v, _ in fields]).astype(np.int64), np.concatenate(rows)], axis=1), axis=0)
         return pairs[:, 0], pairs[:, 1]
-    keys = _distinct(np.concatenate([_distinct((value - low) * count + owner()) for value, owner in fields]))
+    keys = []
+    for values, starts in fields:
+        for at in range(0, len(values), INDEX_CHUNK):
+            rows = np.searchsorted(starts, np.arange(at, min(at + INDEX_CHUNK, len(values))), side="right") - 1
+            keys.append(_distinct((np.asarray(values[at:at + INDEX_CHUNK], dtype=np.int64) - low) * count + rows))
+    keys = _distinct(np.concatenate(keys)) if keys else np.zeros(0, np.int64)
     return keys // max(count, 1) + low, keys % max(count, 1)
 
 
 def _distinct(keys: np.ndarray) -> np.ndarray:
-    """Sorted distinct integers (a needer is named in many parts of one bundle: each field's pairs are made distinct
+    """Sorted distinct integers (a needer is named in many parts of one bundle: each chunk's pairs are made distinct
     before all are joined)."""
     keys = np.sort(keys)
     return keys[np.concatenate(([True], keys[1:] != keys[:-1]))] if len(keys) else keys
