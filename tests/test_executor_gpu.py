@@ -9,7 +9,6 @@ CuPy version refuses fails here, without a GPU. What it cannot tell is listed in
 from __future__ import annotations
 
 import subprocess
-from collections import defaultdict, deque
 from pathlib import Path
 
 import numpy as np
@@ -18,10 +17,9 @@ import pytest
 from xmesh_plan.executor import ExecutorError, PeerTimeoutError, PlanMismatchError
 from xmesh_plan.executor.lower import lower
 from xmesh_plan.executor.pattern import fill, mismatches
-from xmesh_plan.executor.ranks import plan_devices
 from tests.support.cases import STRATEGIES, all_fixed_plans, compiled, problem, random_problem, write_plans
 from tests.support.launch import mpiexec
-from tests.support.fake_gpu import FakeGpu, FakeMpiComm, nccl_engines, run_on_fake
+from tests.support.fake_gpu import FakeGpu, FakeMpiComm, fake_nccl_transfer, nccl_engines, run_on_fake
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -331,35 +329,6 @@ def test_every_tensor_of_the_small_weight_sync_runs_on_fake_nccl(monkeypatch):
 # ---------------------------------------------------------------------------------------------
 # A multi-tensor plan with a staging limit through TransferExecutor on the fake NCCL
 # ---------------------------------------------------------------------------------------------
-
-def fake_nccl_transfer(plan, gpu, monkeypatch, order: str | None = None) -> list:
-    """One `TransferExecutor(backend='nccl')` per rank in this process, set up by its own `prepare()` (lowering and
-    passes, the check against the stated staging, the engine), every rank's engine before the next rank's: the lowest
-    device of a group sends its unique id; the unique ids travel over `FakeMpiComm`, the rank agreement is this rank's
-    alone."""
-    from tests.support.fake_mpi import FakeWorld, WorldComm
-    from xmesh_plan.executor import TransferExecutor
-    from xmesh_plan.executor.executor import Executor
-
-    def agree_alone(self, error):
-        if error is not None:
-            raise error
-
-    monkeypatch.setattr(Executor, "_agree", agree_alone)
-    world, mail, devices = FakeWorld(), defaultdict(deque), plan_devices(plan)
-    out = []
-    for rank, device in enumerate(devices):
-        gpu.process = device
-        ex = TransferExecutor(plan, WorldComm(world, rank, len(devices)), backend="nccl", order=order)
-        ex.world.engine_comm = lambda timeout_s, poll_s, rank=rank: FakeMpiComm(mail, rank)
-        ex.world.release = lambda comm: None
-        ex.prepare()
-        assert ex.stage_bytes == ex.entry.stage_need(ex.program)
-        out.append(ex)
-    assert not any(mail.values()), "unique ids sent that nobody received"
-    gpu.check_init_order()
-    return out
-
 
 def run_transfer_on_fake(executors, gpu, runs: int = 3) -> None:
     """Three reshards through every rank's TransferExecutor, other bits each time; every destination shard of
