@@ -10,17 +10,14 @@
 #   .venv/bin/python -m pip download --no-deps $P -d .whl pydantic pydantic_core typing-inspection annotated-types \
 #     mpich mpi4py ortools immutabledict protobuf      # the versions .venv has; the image lacks these
 #   PYTHONPATH=$PWD .venv/bin/python bench/gpu/make_plans.py .whl/plans
-# Then run `bash bench/gpu/check.sh` there with `.whl` carried; the log is $OUT/gpu.log.
+# Then run `bash bench/gpu/check.sh` there with `.whl` carried; the log is $OUT/gpu.log. Its last part,
+# bench/gpu/convert_check.sh (the nccl engine converting at the sender and receiving into the caller's tensors),
+# also runs on its own the same way.
 set -u
 cd "$(dirname "$0")/../.."
 exec > >(tee "${OUT:-/tmp}/gpu.log") 2>&1
-# from the repo root the repo's xmesh_plan/ (front ends only) comes first on sys.path: make it the whole package
-for d in planner executor schemas; do ln -sfn ../$d xmesh_plan/$d; done
-mkdir -p xmesh_plan/examples_data && ln -sfn ../../plans xmesh_plan/examples_data/plans && ln -sfn ../../bench/pipelines xmesh_plan/examples_data/pipelines
-python3 -m pip install -q --no-index --no-deps --no-cache-dir .whl/*.whl 2>&1 | grep -v "dependency conflicts\|requires\|^$" | tail -3
-export PYTHONPATH=$PWD
+source bench/gpu/setup.sh
 nvidia-smi -L
-BIN=$(dirname "$(python3 -c 'import sys; print(sys.executable)')")
 ranks() { python3 -c "import sys; from xmesh_plan.schemas.plan import read_plan_file; from xmesh_plan.executor.ranks import plan_devices; print(len(plan_devices(read_plan_file(sys.argv[1]))))" "$1"; }
 fake_host() { echo "NCCL_HOSTID=xmesh-rank-$1 NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1 NCCL_NET=Socket"; }
 
@@ -54,3 +51,4 @@ for seed in 0 1; do
   echo "--- seed $seed, 4 ranks"
   launch 4 $((29700 + seed)) env XMESH_WORKER_DEVICE=cuda python3 tests/workers/redistribute_worker.py "$seed"
 done
+bash bench/gpu/convert_check.sh
