@@ -196,6 +196,9 @@ INTO_PLANS = {
                                                   split_hosts=False, coalesce=False),
     "three bundles": lambda: compile_plan(build_transfer(THREE), strategy="auto", solver="greedy"),
     "converting": lambda: compile_plan(build_transfer(HOOKS)),
+    "one tensor": lambda: compile_plan(build_problem({"shape": [8, 6], "dtype": "float32", "dst_dtype": "bf16",
+                                                      "src": {"mesh": {"shape": [2], "devices": [0, 1]}, "spec": "S0 R"},
+                                                      "dst": {"mesh": {"shape": [3], "devices": [1, 2, 3]}, "spec": "R S0"}})),
 }
 
 
@@ -295,3 +298,74 @@ def test_into_is_refused_in_one_line_naming_the_tensor_and_the_fix(monkeypatch):
         assert "\n" not in text and "into['w']" in text and expected in text, text
         assert not ex.in_flight
     assert isinstance(elsewhere, FakeArray)
+
+
+# ---------------------------------------------------------------------------------------------
+# bench/gpu/convert_check.py, the check run on a real GPU, on the fake
+# ---------------------------------------------------------------------------------------------
+
+def gpu_check_module():
+    import importlib.util
+
+    from tests.support.launch import ROOT
+
+    spec = importlib.util.spec_from_file_location("convert_check", ROOT / "bench" / "gpu" / "convert_check.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_gpu_convert_check_passes_on_fake_nccl_and_sees_a_wrong_byte(monkeypatch):
+    """What bench/gpu/convert_check.sh runs on each of its 4 ranks (their runs joined here by `sync`, CUDA tensors
+    replaced by the fake's memory): every check ok, 13 per rank (the count the script expects); a byte changed in a
+    destination, or values of another step, are reported."""
+    cc = gpu_check_module()
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    monkeypatch.setattr(cc, "to_gpu", host_bits)
+    ok, caught = 0, set()
+    for label, order, into in cc.CHECKS:
+        with monkeypatch.context() as m:
+            gpu = FakeGpu(api=14).install(m)
+
+            def fake_view(t, layout, gpu=gpu):
+                raw, index, view = parent_and_view(gpu, t.dst_shape, storage_dtype(t.dst_dtype), layout)
+                return torch.from_numpy(np.asarray(raw)), index, view
+
+            m.setattr(cc, "cuda_view", fake_view)
+            executors = fake_nccl_transfer(cc.PLANS[label](), gpu, m, order=order)
+            for step in range(2):
+                made = {}
+                for ex in executors:
+                    gpu.process = ex.device
+                    made[ex.device] = cc.given(ex, step)
+                outs = sync(executors, gpu, lambda ex: made[ex.device][1])
+                for ex, out in zip(executors, outs):
+                    ok += cc.wrong_values(ex, gpu.cupy, out, made[ex.device][2]) == []
+                    if step == 1 and any(t.dst_shape and 0 not in t.dst_shape for t in ex.program.tensors):  # not step 0's values
+                        caught.add(("values", label, bool(cc.wrong_values(ex, gpu.cupy, out, cc.given(ex, 0)[2]))))
+            if not into:
+                continue
+            shards = {}
+            for ex in executors:
+                gpu.process = ex.device
+                shards[ex.device] = cc.given(ex, 7)[1]
+            own = sync(executors, gpu, lambda ex: shards[ex.device])
+            want = {ex.device: {name: cc.host_bytes(gpu.cupy, got) for name, got in out.items()} for ex, out in zip(executors, own)}
+            wrong = {ex.device: [] for ex in executors}
+            for layout in cc.LAYOUTS:
+                held = {}
+                for ex in executors:
+                    gpu.process = ex.device
+                    held[ex.device] = cc.parents(ex, layout)
+                sync(executors, gpu, lambda ex: shards[ex.device],
+                     lambda ex: {name: view for name, (_, _, view) in held[ex.device].items()} or None)
+                for ex in executors:
+                    wrong[ex.device] += cc.wrong_into(gpu.cupy, layout, held[ex.device], want[ex.device])
+                    flipped = {name: b.copy() for name, b in want[ex.device].items() if b.size}
+                    for b in flipped.values():
+                        b[:1] ^= 1
+                    if flipped:
+                        caught.add(("into", label, bool(cc.wrong_into(gpu.cupy, layout, {n: held[ex.device][n] for n in flipped}, flipped))))
+            ok += sum(not w for w in wrong.values())
+    assert ok == 4 * 13 and {hit for _, _, hit in caught} == {True}, sorted(caught)
+

@@ -19,7 +19,6 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from mpi4py import MPI
 
 from xmesh_plan.executor import TransferExecutor
 from xmesh_plan.executor.run import fake_hosts
@@ -39,16 +38,18 @@ CHECKS = [("hooks", "device", True), ("hooks", "posted", False), ("replicated", 
           ("three bundles", "device", True)]
 
 
+PLANS = {"hooks": lambda: compile_plan(build_transfer(HOOKS)), "replicated": lambda: compile_plan(build_transfer(REPLICATED4)),
+         "single": lambda: compile_plan(build_problem(SINGLE)), "three bundles": lambda: compile_plan(build_transfer(THREE))}
+
+
 def plans(comm, folder: Path) -> dict:
     """The plans, compiled once by rank 0 (a solver may not give every rank the same plan) and read by every rank."""
-    made = {"hooks": lambda: compile_plan(build_transfer(HOOKS)), "replicated": lambda: compile_plan(build_transfer(REPLICATED4)),
-            "single": lambda: compile_plan(build_problem(SINGLE)), "three bundles": lambda: compile_plan(build_transfer(THREE))}
     if comm.Get_rank() == 0:
         folder.mkdir(parents=True, exist_ok=True)
-        for name, make in made.items():
+        for name, make in PLANS.items():
             write_plan_file(folder / f"{name.replace(' ', '_')}.plan.json", make())
     comm.Barrier()
-    return {name: read_plan_file(folder / f"{name.replace(' ', '_')}.plan.json") for name in made}
+    return {name: read_plan_file(folder / f"{name.replace(' ', '_')}.plan.json") for name in PLANS}
 
 
 def host_bytes(cupy, array) -> np.ndarray:
@@ -130,6 +131,8 @@ def check(ex, cupy, rank: int, label: str, into: bool) -> None:
 
 
 def main() -> int:
+    from mpi4py import MPI
+
     comm = MPI.COMM_WORLD
     rank = comm.Get_rank()
     fake_hosts(rank)  # before the first NCCL call
