@@ -172,10 +172,11 @@ class NcclEngine:
         """Buffers for the senders' conversion (`executor.conversions`): each cast source shard and each scale tensor's
         source shard, which the calls read instead of the caller's; the amax buffers of per-tensor scales (one per
         all-reduce, `nccl_plan.AmaxMax`, or per tensor of one sender); where each cast goes on the stream."""
+        self.on_stream = torch_on_stream(self.stream, self.gpu)  # first: it names what to install when torch is missing
         from . import convert  # torch's casts, imported only for a converting plan
 
         cupy, p, actions = self.cupy, self.program, self.calls.actions
-        self.convert, self.on_stream = convert, torch_on_stream(self.stream, self.gpu)
+        self.convert = convert
         self.made = {t: cupy.empty(p.tensors[t].src_shape, self.dtypes[t]) for t in cast_tensors(p)}
         reads = {t for call, t in zip(actions, self.call_tensors) if _reads_src(call)}
         for t in self.made:

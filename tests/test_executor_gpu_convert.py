@@ -369,3 +369,15 @@ def test_the_gpu_convert_check_passes_on_fake_nccl_and_sees_a_wrong_byte(monkeyp
             ok += sum(not w for w in wrong.values())
     assert ok == 4 * 13 and {hit for _, _, hit in caught} == {True}, sorted(caught)
 
+
+
+def test_conversion_without_torch_names_what_to_install(monkeypatch):
+    import sys
+    import types
+
+    from xmesh_plan.executor.errors import BackendUnavailableError
+    from xmesh_plan.executor.nccl_engine import TorchOnStream
+
+    monkeypatch.setitem(sys.modules, "torch", None)  # import torch raises ImportError
+    with pytest.raises(BackendUnavailableError, match=r"torch's own casts .* pip install torch, or compile the plan without dst_dtype"):
+        TorchOnStream(types.SimpleNamespace(ptr=1), 0)
