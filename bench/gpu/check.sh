@@ -10,7 +10,7 @@
 #   .venv/bin/python -m pip download --no-deps $P -d .whl pydantic pydantic_core typing-inspection annotated-types \
 #     mpich mpi4py ortools immutabledict protobuf      # the versions .venv has; the image lacks these
 #   PYTHONPATH=$PWD .venv/bin/python bench/gpu/make_plans.py .whl/plans
-# Then run `bash bench/gpu/check.sh [SECTION ...]` there with `.whl` carried (sections: demo dtensor torch cupy pytest,
+# Then run `bash bench/gpu/check.sh [SECTION ...]` there with `.whl` carried (sections: demo separate dtensor torch cupy pytest,
 # all by default); the log is $OUT/gpu.log.
 set -u
 cd "$(dirname "$0")/../.."
@@ -41,6 +41,23 @@ section_demo() {
   launch 8 29800 python3 -m xmesh_plan.weight_sync_demo --device cuda
   grep -h "step\|synced\|FAILED\|Error" /tmp/rank-*.log | sort | uniq -c | sort -rn | head -20
 }
+section_separate() {
+  echo "=== WeightSync across two launches of 4 ranks (trainer, inference) joined by transfer_group over NCCL (at ${SECONDS} s)"
+  local pids=() rc=0 side r t
+  rm -f /tmp/rank-*.log
+  for side in trainer inference; do
+    for r in 0 1 2 3; do
+      t=$r; [ "$side" = inference ] && t=$((r + 4))
+      env $(fake_host "$t") XMESH_WORKER_DEVICE=cuda TRANSFER_PORT=29900 RANK=$r WORLD_SIZE=4 LOCAL_RANK=0 \
+        MASTER_ADDR=127.0.0.1 MASTER_PORT=$((29901 + t / 4)) timeout 200 python3 tests/workers/weight_sync_worker.py "$side" \
+        > "/tmp/rank-$t.log" 2>&1 &
+      pids+=($!)
+    done
+  done
+  for pid in "${pids[@]}"; do wait "$pid" || rc=$?; done
+  if [ "$rc" = 0 ]; then grep -h "^rank [0-9]*: \(step\|in place\|separate fp8\)" /tmp/rank-[4-7].log; else tail -n 6 /tmp/rank-*.log; fi
+  echo "rc=$rc"
+}
 section_dtensor() {
   echo "=== DTensor front end (redistribute) on CUDA tensors over NCCL (at ${SECONDS} s)"
   for seed in 0 1; do
@@ -69,6 +86,6 @@ section_pytest() {
   timeout 300 python3 -m pytest -p no:cacheprovider -m gpu tests/test_executor_gpu.py tests/test_convert_torch.py -rA 2>&1 | tail -8
 }
 # the sections named on the command line, else all of them, the newest paths first (a run cut short by its time limit
-# still says the most): demo dtensor torch cupy pytest
-for section in ${@:-demo dtensor torch cupy pytest}; do "section_$section"; done
+# still says the most): demo separate dtensor torch cupy pytest
+for section in ${@:-demo separate dtensor torch cupy pytest}; do "section_$section"; done
 echo "=== done in ${SECONDS} s"
