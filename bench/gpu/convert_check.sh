@@ -4,7 +4,7 @@
 # and receiving into views of the caller's CUDA tensors (rows, columns, every other element), every element bit for
 # bit against torch's own casts (bench/gpu/convert_check.py). Prints `convert_check: bit-exact ok (52 checks on 4
 # ranks)` or `convert_check: FAILED ...` with the failing lines. Needs what check.sh carries (.whl, its header) and
-# takes well under 3 minutes; bash bench/gpu/check.sh runs it last. The log is $OUT/convert.log.
+# takes well under 3 minutes; bash bench/gpu/check.sh runs it as its section `convert`. The log is $OUT/convert.log.
 set -u
 cd "$(dirname "$0")/../.."
 exec > >(tee "${OUT:-/tmp}/convert.log") 2>&1
