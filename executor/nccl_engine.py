@@ -255,32 +255,33 @@ class NcclEngine:
 
     def adopt(self, array):
         """A CuPy view of `array` (CuPy, or a CUDA tensor through DLPack); numpy input is copied to the GPU."""
-        if isinstance(array, self.cupy.ndarray):
-            out = array
-        elif is_device_array(array):
-            out = import_dlpack(self.cupy.from_dlpack, array, "cupy", self.program.device)
-        else:
-            return self.cupy.asarray(np.asarray(array))
-        where = getattr(getattr(out, "device", None), "id", self.gpu)
-        if where != self.gpu:
-            raise PlanMismatchError(f"run(): device {self.program.device}'s source shard is on GPU {where} but this rank "
-                                    f"runs on GPU {self.gpu}; pass a shard on GPU {self.gpu} (or set gpu=)")
-        return out
+        out = self._on_gpu(array, f"device {self.program.device}'s source shard")
+        return self.cupy.asarray(np.asarray(array)) if out is None else out
 
     check = staticmethod(check_shard)
 
     def adopt_into(self, array, name: str):
         """The caller's destination array for tensor `name` as a CuPy view of its memory (a CUDA tensor through DLPack),
         written in place; host memory, and memory of another GPU, refused."""
-        device = self.program.device
-        if not (isinstance(array, self.cupy.ndarray) or is_device_array(array)):
-            raise PlanMismatchError(f"run(): into[{name!r}] on device {device} is a {type(array).__name__} in host memory, which "
-                                    f"the nccl backend cannot write in place; pass a CuPy array or a CUDA tensor on GPU {self.gpu}")
-        out = array if isinstance(array, self.cupy.ndarray) else import_dlpack(self.cupy.from_dlpack, array, "cupy", device)
+        what = f"into[{name!r}] on device {self.program.device}"
+        out = self._on_gpu(array, what)
+        if out is None:
+            raise PlanMismatchError(f"run(): {what} is a {type(array).__name__} in host memory, which the nccl backend cannot "
+                                    f"write in place; pass a CuPy array or a CUDA tensor on GPU {self.gpu}")
+        return out
+
+    def _on_gpu(self, array, what: str):
+        """`array` (CuPy, or a CUDA tensor through DLPack) as a CuPy view on this rank's GPU; None for host memory."""
+        if isinstance(array, self.cupy.ndarray):
+            out = array
+        elif is_device_array(array):
+            out = import_dlpack(self.cupy.from_dlpack, array, "cupy", self.program.device)
+        else:
+            return None
         where = getattr(getattr(out, "device", None), "id", self.gpu)
         if where != self.gpu:
-            raise PlanMismatchError(f"run(): into[{name!r}] on device {device} is on GPU {where} but this rank runs on GPU "
-                                    f"{self.gpu}; pass an array on GPU {self.gpu} (or set gpu=)")
+            raise PlanMismatchError(f"run(): {what} is on GPU {where} but this rank runs on GPU {self.gpu}; pass one on GPU "
+                                    f"{self.gpu} (or set gpu=)")
         return out
 
     check_into = staticmethod(check_into)

@@ -19,7 +19,7 @@ from xmesh_plan.executor.lower import lower
 from xmesh_plan.executor.pattern import fill, mismatches
 from tests.support.cases import STRATEGIES, all_fixed_plans, compiled, problem, random_problem, write_plans
 from tests.support.launch import mpiexec
-from tests.support.fake_gpu import FakeGpu, FakeMpiComm, fake_nccl_transfer, nccl_engines, run_on_fake
+from tests.support.fake_gpu import FakeGpu, FakeMpiComm, drive, fake_nccl_transfer, nccl_engines, run_on_fake
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -344,15 +344,7 @@ def run_transfer_on_fake(executors, gpu, runs: int = 3) -> None:
                       if t.src_block is not None}
             ex.engine.poison()
             ex.start(shards)
-        for _ in range(10_000):
-            done = []
-            for ex in executors:
-                gpu.process = ex.device
-                done.append(ex.test())
-            if all(done):
-                break
-        else:
-            pytest.fail(f"stalled: {gpu.stuck()}")
+        drive(executors, gpu)
         for ex in executors:
             gpu.process = ex.device
             out = ex.wait()

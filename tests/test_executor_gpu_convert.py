@@ -19,7 +19,7 @@ import weakref
 import numpy as np
 import pytest
 
-from tests.support.fake_gpu import FakeArray, FakeGpu, fake_nccl_transfer
+from tests.support.fake_gpu import FakeArray, FakeGpu, drive, fake_nccl_transfer
 from xmesh_plan.executor import PlanMismatchError
 from xmesh_plan.executor.arrays import storage_dtype
 from xmesh_plan.executor.nccl_engine import NcclEngine
@@ -50,15 +50,7 @@ def sync(executors, gpu, shards, into=None) -> list[dict]:
     for ex in executors:
         gpu.process = ex.device
         ex.start(shards(ex), into=None if into is None else into(ex))
-    for _ in range(10_000):
-        done = []
-        for ex in executors:
-            gpu.process = ex.device
-            done.append(ex.test())
-        if all(done):
-            break
-    else:
-        pytest.fail(f"stalled: {gpu.stuck()}")
+    drive(executors, gpu)
     out = []
     for ex in executors:
         gpu.process = ex.device

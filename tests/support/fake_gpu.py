@@ -626,3 +626,17 @@ def fake_nccl_transfer(plan, gpu, monkeypatch, order: str | None = None) -> list
     assert not any(mail.values()), "unique ids sent that nobody received"
     gpu.check_init_order()
     return out
+
+
+def drive(executors, gpu) -> None:
+    """Call every rank's `test()` (as its process) until all have finished; fail naming the stuck streams."""
+    import pytest
+
+    for _ in range(10_000):
+        done = []
+        for ex in executors:
+            gpu.process = ex.device
+            done.append(ex.test())
+        if all(done):
+            return
+    pytest.fail(f"stalled: {gpu.stuck()}")
