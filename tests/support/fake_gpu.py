@@ -577,7 +577,7 @@ def run_on_fake(plan, gpu, iterations: int = 3, mutate=None) -> list:
             if e.program.src_block is not None:
                 host = fill(e.program.src_block, shape, dtype, salt=37 * it)
                 shard = e.adopt(host.view(RAW_VIEW.get(dtype, dtype)) if plan.problem.dtype.startswith(("bfloat16", "float8")) else host)
-            if e.dst is not None:
+            if e.program.dst_block is not None:  # poison() makes the own shard, which the first start() would make
                 e.poison()
             shards.append(shard)
         for e, shard in zip(engines, shards):
@@ -586,6 +586,7 @@ def run_on_fake(plan, gpu, iterations: int = 3, mutate=None) -> list:
         gpu.drain()
         for e in engines:
             e.wait()
+            assert (e.dst is None) == (e.program.dst_block is None)
             if e.dst is not None:
                 bad, first = mismatches(gpu.cupy.asnumpy(e.dst), e.program.dst_block, shape, salt=37 * it)
                 assert bad == 0, f"iteration {it}: device {e.program.device}: {bad} elements differ, first at {first}"
