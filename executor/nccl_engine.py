@@ -34,7 +34,7 @@ import time
 
 import numpy as np
 
-from .arrays import check_into, check_shard, import_dlpack, is_device_array, storage_dtype
+from .arrays import check_into, check_shard, import_dlpack, is_device_array, raw_torch_view, storage_dtype
 from .conversions import cast_shard, cast_tensors
 from .errors import BackendUnavailableError, PeerTimeoutError, PlanMismatchError
 from .lower import RankProgram, StagedCall, flat_pieces
@@ -274,8 +274,9 @@ class NcclEngine:
         """`array` (CuPy, or a CUDA tensor through DLPack) as a CuPy view on this rank's GPU; None for host memory."""
         if isinstance(array, self.cupy.ndarray):
             out = array
-        elif is_device_array(array):
-            out = import_dlpack(self.cupy.from_dlpack, array, "cupy", self.program.device)
+        elif is_device_array(array):  # a bfloat16/float8 torch tensor as its bits: whether CuPy imports those kinds varies
+            raw = raw_torch_view(array)
+            out = import_dlpack(self.cupy.from_dlpack, array if raw is None else raw, "cupy", self.program.device)
         else:
             return None
         where = getattr(getattr(out, "device", None), "id", self.gpu)

@@ -32,6 +32,7 @@ from xmesh_plan.planner.transfer_io import build_transfer
 torch = pytest.importorskip("torch")
 from tests.workers.convert_worker import HOOKS, REPLICATED4, bits, box_of, cut, reference, whole  # noqa: E402
 from tests.workers.into_mpi_worker import THREE  # noqa: E402
+from tests.test_receive_into import parent_and_view as parent_and_view_torch  # noqa: E402
 
 SENTINEL = 0x5A
 LAYOUTS = ("rows", "columns", "every_other")
@@ -373,3 +374,36 @@ def test_conversion_without_torch_names_what_to_install(monkeypatch):
     monkeypatch.setitem(sys.modules, "torch", None)  # import torch raises ImportError
     with pytest.raises(BackendUnavailableError, match=r"torch's own casts .* pip install torch, or compile the plan without dst_dtype"):
         TorchOnStream(types.SimpleNamespace(ptr=1), 0)
+
+
+def test_torch_tensors_in_and_out_go_through_dlpack_as_their_bits(monkeypatch):
+    """Sources and `into` views handed in as torch tensors (bfloat16 among them, which CuPy may not import) reach the
+    engine as CuPy views of their bits without a copy (here: torch CPU tensors taken for CUDA ones, imported by the
+    fake's `from_dlpack`): the views receive the bytes a run from numpy sources into the own buffers gives."""
+    import xmesh_plan.executor.nccl_engine as nccl_engine
+
+    plan = INTO_PLANS["three broadcast"]()
+    gpu = FakeGpu(api=14).install(monkeypatch)
+    monkeypatch.setattr(nccl_engine, "is_device_array", lambda array: isinstance(array, torch.Tensor))
+    executors = fake_nccl_transfer(plan, gpu, monkeypatch)
+    sources = {ex.device: random_sources(ex, 5) for ex in executors}
+    own = sync(executors, gpu, lambda ex: sources[ex.device])
+    want = [{name: np.ascontiguousarray(np.asarray(got)).view(np.uint8).reshape(-1) for name, got in out.items()} for out in own]
+
+    def as_torch(ex):
+        return {name: torch.from_numpy(shard).view(getattr(torch, ex.problems[ex.names.index(name)].dtype))
+                for name, shard in sources[ex.device].items()}
+
+    for layout in ("rows", "every_other"):
+        parents = {}
+        for ex in executors:
+            parents[ex.device] = {}
+            for name, t in zip(ex.names, ex.program.tensors):
+                if t.dst_shape is not None:
+                    raw, index, view = parent_and_view_torch(t.dst_shape, getattr(torch, t.dst_dtype), layout)
+                    parents[ex.device][name] = (raw, index, view)
+        assert any(view.dtype == torch.bfloat16 for mine in parents.values() for _, _, view in mine.values())
+        sync(executors, gpu, as_torch, lambda ex: {name: view for name, (_, _, view) in parents[ex.device].items()} or None)
+        for ex, wanted in zip(executors, want):
+            for name, (raw, index, _) in parents[ex.device].items():
+                assert np.array_equal(raw[index].contiguous().numpy().reshape(-1), wanted[name]), (layout, ex.device, name)
