@@ -137,6 +137,12 @@ def test_fake_refuses_what_the_real_api_refuses(monkeypatch):
         c.bcast(b.data.ptr, 64, nccl.NCCL_INT32, 0, s.ptr)  # a count in bytes with a 4-byte datatype
     with pytest.raises(AssertionError, match="another rank"):
         c.bcast(bufs[1].data.ptr, 16, nccl.NCCL_INT32, 0, s.ptr)
+    with pytest.raises(ValueError, match="no ncclRedOp_t"):
+        c.allReduce(b.data.ptr, b.data.ptr, 16, nccl.NCCL_FLOAT32, 9, s.ptr)
+    with pytest.raises(AssertionError, match="not inside one allocation"):
+        c.allReduce(b.data.ptr, b.data.ptr, 64, nccl.NCCL_FLOAT32, nccl.NCCL_MAX, s.ptr)  # a count in bytes
+    with pytest.raises(TypeError, match="plain int"):
+        c.allReduce(b.data.ptr, b.data.ptr, 16, nccl.NCCL_FLOAT32, nccl.NCCL_MAX, s)  # the Stream, not s.ptr
     with pytest.raises(TypeError, match="Cannot cast"):
         with s:
             cupy.copyto(cupy.empty(4, np.uint16), cupy.empty(4, np.int16))
@@ -166,6 +172,11 @@ def test_fake_completes_grouped_exchange_and_catches_mismatched_collectives(monk
         nccl.groupEnd()
     gpu.drain()
     assert list(bufs[0][8:]) == list(range(100, 108)) and list(bufs[1][8:]) == list(range(8))
+    for rank in range(2):  # the max of both ranks' values, in place on each
+        gpu.process = rank
+        comms[rank].allReduce(bufs[rank].data.ptr, bufs[rank].data.ptr, 4, nccl.NCCL_INT32, nccl.NCCL_MAX, streams[rank].ptr)
+    gpu.drain()
+    assert list(bufs[0][:4]) == list(bufs[1][:4]) == [100, 101, 102, 103]
     comms[0].bcast(bufs[0].data.ptr, 4, nccl.NCCL_INT32, 0, streams[0].ptr)
     comms[1].bcast(bufs[1].data.ptr, 4, nccl.NCCL_INT32, 1, streams[1].ptr)  # another root
     with pytest.raises(AssertionError, match="different collectives"):
