@@ -154,7 +154,7 @@ def main() -> int:
                     ex.close()
                 except Exception as err:  # noqa: BLE001
                     say(f"rank {rank}: {label} {order}: close failed: {type(err).__name__}")
-    comm.Barrier()  # every rank's checks end within their timeouts, so all get here
+        comm.Barrier()  # the next check starts together on every rank, also after one failed somewhere
     return 0
 
 
