@@ -19,13 +19,8 @@ one that is not goes through a shadow buffer the size of the largest such box, u
 root's part packed from it first), kept across calls; the engine holds the caller's arrays only until `wait()`.
 
 A plan converting at the sender (`executor.conversions`) has every buffer but the caller's source shards in the
-destination dtype. The casts are torch's own (`executor.convert`: `.to()`, and for FP8 x / scale clamped first),
-run on this engine's stream (`torch.cuda.ExternalStream` over its pointer) on CuPy memory seen through DLPack, so
-every element has the bits of torch's `.to()`, the reference every engine is tested against: CuPy has float16 but
-no bfloat16 or FP8 type, and ml_dtypes' types are host-only. Each tensor is cast once, whole, into a buffer of
-the destination dtype just before the first call of it (or of its scales) on the stream. A per-tensor FP8
-scale's amax is the max over the tensor's senders: one all-reduce (max) per set of senders, before any call of
-the plan (`nccl_plan.AmaxMax`), on the stream like the rest, so `start()` never waits for a peer.
+destination dtype: torch's own casts run on this engine's stream before each tensor's first call, and a per-tensor
+FP8 scale's amax is all-reduced first (`nccl_convert`).
 """
 
 from __future__ import annotations
@@ -35,9 +30,9 @@ import time
 import numpy as np
 
 from .arrays import check_into, check_shard, import_dlpack, is_device_array, raw_torch_view, storage_dtype
-from .conversions import cast_shard, cast_tensors
 from .errors import BackendUnavailableError, PeerTimeoutError, PlanMismatchError
 from .lower import RankProgram, StagedCall, flat_pieces
+from .nccl_convert import StreamCasts
 from .nccl_plan import AmaxMax, Bcast, Copy, nccl_program
 from .replay import PROCESS, backoff_wait, refuse_broken
 
@@ -76,40 +71,6 @@ def unique_id_forms(raw: np.ndarray) -> tuple:
     return (raw.tobytes(), tuple(int(x) for x in raw.view(np.int8)), tuple(int(x) for x in raw))
 
 
-DLPACK_VIEW = {np.dtype(np.uint16): np.dtype(np.int16)}
-"""Storage dtypes handed to torch as another of the same size (bfloat16 bits as int16: torch imports int16 from
-DLPack in every version, uint16 only in recent ones)."""
-
-
-class TorchOnStream:
-    """torch's ops on the engine's CuPy stream: `run(fn)` calls `fn` with that stream current in torch (its kernels
-    queue behind the calls enqueued before, ahead of those after), and `tensor()` is a CuPy array as a torch tensor
-    of a plan dtype, through DLPack, without a copy."""
-
-    def __init__(self, stream, gpu: int):
-        try:
-            import torch
-        except ImportError:
-            raise BackendUnavailableError("the plan converts at the sender, which the nccl backend does with torch's own casts "
-                                          "(bit for bit as the other engines); pip install torch, or compile the plan without "
-                                          "dst_dtype") from None
-        self.torch = torch
-        self.stream = torch.cuda.ExternalStream(stream.ptr, device=torch.device("cuda", gpu))
-
-    def tensor(self, array, dtype_name: str):
-        raw = self.torch.from_dlpack(array.view(DLPACK_VIEW.get(array.dtype, array.dtype)))
-        return raw.view(getattr(self.torch, dtype_name))
-
-    def run(self, fn) -> None:
-        with self.torch.cuda.stream(self.stream):
-            fn()
-
-
-def torch_on_stream(stream, gpu: int) -> TorchOnStream:
-    """How the engine runs torch on its stream (tests put a fake CuPy's in its place)."""
-    return TorchOnStream(stream, gpu)
-
-
 def gpu_count(cupy) -> int:
     try:
         return cupy.cuda.runtime.getDeviceCount()
@@ -138,6 +99,7 @@ class NcclEngine:
         self.communicators: dict = {}
         self.broken: str | None = None
         self.held = None  # the caller's arrays of the reshard in flight, until wait()
+        self.casts = None  # a converting plan's casts on the stream (`nccl_convert.StreamCasts`), made in setup()
 
     @property
     def dst(self):
@@ -162,39 +124,8 @@ class NcclEngine:
         for i, (call, t) in enumerate(zip(self.calls.actions, self.call_tensors)):
             if isinstance(call, Bcast) and call.stage is None and call.box.side == "dst":
                 self.dst_bcasts[t].append(i)
-        self.converting: list = []  # (tensor, conversion, its cast shard or None), where this device converts
-        self.made: dict = {}  # tensor -> the source shard the engine makes: cast shards, scales
-        self.casts_before: list = [()] * len(self.calls.actions)
         if any(t.convert is not None for t in self.program.tensors):
-            self._setup_conversion()
-
-    def _setup_conversion(self) -> None:
-        """Buffers for the senders' conversion (`executor.conversions`): each cast source shard and each scale tensor's
-        source shard, which the calls read instead of the caller's; the amax buffers of per-tensor scales (one per
-        all-reduce, `nccl_plan.AmaxMax`, or per tensor of one sender); where each cast goes on the stream."""
-        self.on_stream = torch_on_stream(self.stream, self.gpu)  # first: it names what to install when torch is missing
-        from . import convert  # torch's casts, imported only for a converting plan
-
-        cupy, p, actions = self.cupy, self.program, self.calls.actions
-        self.convert = convert
-        self.made = {t: cupy.empty(p.tensors[t].src_shape, self.dtypes[t]) for t in cast_tensors(p)}
-        reads = {t for call, t in zip(actions, self.call_tensors) if _reads_src(call)}
-        for t in self.made:
-            if p.tensors[t].convert is not None:
-                self.converting.append((t, p.tensors[t].convert, self.made[t] if t in reads else None))
-        self.scale_shards = {c.scales: self.made.get(c.scales) for _, c, _ in self.converting if c.scales is not None}
-        self.amax_at: dict[int, tuple] = {}  # tensor -> (amax buffer, index in it)
-        for call in actions:
-            if isinstance(call, AmaxMax):
-                buffer = cupy.empty(len(call.tensors), np.float32)
-                self.amax_at.update({t: (buffer, k) for k, t in enumerate(call.tensors)})
-        for t, c, _ in self.converting:
-            if c.scale == "tensor" and t not in self.amax_at:
-                self.amax_at[t] = (cupy.empty(1, np.float32), 0)
-        for k, (t, c, _) in enumerate(self.converting):  # before the first call of the tensor or of its scales
-            first = next((i for i, u in enumerate(self.call_tensors) if u in (t, c.scales)), None)
-            if first is not None:
-                self.casts_before[first] += (k,)
+            self.casts = StreamCasts(self.program, self.calls.actions, self.call_tensors, cupy, self.stream, self.gpu)
 
     @property
     def stage_bytes(self) -> int:
@@ -318,19 +249,18 @@ class NcclEngine:
             if shard is not None and shard.dtype != dtype:  # bfloat16/float8 handed in as another int of the same size
                 srcs[t] = shard.view(dtype)
         dsts = self._targets(into)
-        sources = srcs
-        if self.made:  # the calls read the cast shards and the scales instead of the caller's shards
-            sources = [self.made.get(t, shard) for t, shard in enumerate(srcs)]
+        casts, sources = self.casts, srcs
+        if casts is not None:  # the calls read the cast shards and the scales instead of the caller's shards
+            sources = [casts.made.get(t, shard) for t, shard in enumerate(srcs)]
         self.held = (srcs, dsts)
         self.input_ready.record(cupy.cuda.get_current_stream())
         self.stream.wait_event(self.input_ready)
         with self.stream:
-            if self.converting:
-                self._amaxes(srcs)
-            casts = self.casts_before
+            if casts is not None:
+                casts.amaxes(srcs)
             for i, (call, t, event) in enumerate(zip(self.calls.actions, self.call_tensors, self.done)):
-                if casts[i]:
-                    self._cast(casts[i], srcs)
+                if casts is not None and casts.before[i]:
+                    casts.cast(casts.before[i], srcs)
                 self._call(i, call, sources[t], dsts[t], self.dtypes[t])
                 event.record(self.stream)
         self.pending = bool(self.done)
@@ -369,37 +299,6 @@ class NcclEngine:
                 self.shadow = self.cupy.empty(box.nbytes, self.cupy.uint8)
         self.layouts[t] = (key, at)
 
-    def _amaxes(self, srcs) -> None:
-        """Enqueue each per-tensor scaled tensor's amax into its buffer (`executor.convert.amax`, torch on the stream);
-        the all-reduces (`_reduce`) follow as the program's first calls."""
-        convert, on, tensors = self.convert, self.on_stream, self.program.tensors
-        scaled = [(t, srcs[t]) for t, c, _ in self.converting if c.scale == "tensor"]
-
-        def write() -> None:
-            for t, shard in scaled:
-                buffer, k = self.amax_at[t]
-                on.tensor(buffer, "float32")[k].copy_(convert.amax(on.tensor(shard, tensors[t].dtype)))
-        if scaled:
-            on.run(write)
-
-    def _cast(self, ks: tuple[int, ...], srcs) -> None:
-        """Enqueue the conversion of the converting tensors `ks` (indices into `converting`): their scales into the scale
-        tensors' source shards and each shard cast whole into its buffer (`conversions.cast_shard`, torch's casts)."""
-        convert, on, tensors = self.convert, self.on_stream, self.program.tensors
-        jobs = [(self.converting[k], srcs[self.converting[k][0]]) for k in ks]
-
-        def cast() -> None:
-            for (t, conversion, buffer), shard in jobs:
-                amax = None
-                if t in self.amax_at:
-                    amax_buffer, k = self.amax_at[t]
-                    amax = on.tensor(amax_buffer, "float32")[k]
-                scale_shard = self.scale_shards.get(conversion.scales)
-                cast_shard(convert, conversion, on.tensor(shard, tensors[t].dtype), amax,
-                           None if scale_shard is None else on.tensor(scale_shard, "float32"),
-                           None if buffer is None else on.tensor(buffer, conversion.dst_dtype))
-        on.run(cast)
-
     def _call(self, i: int, call, src, dst, dtype) -> None:
         """Enqueue call i on the current stream, over the shards `src` and `dst` of element type `dtype`."""
         if isinstance(call, Copy):
@@ -413,7 +312,7 @@ class NcclEngine:
 
     def _reduce(self, call: AmaxMax) -> None:
         """The max of the per-tensor amaxes over their senders, in place (`nccl_plan.AmaxMax`)."""
-        buffer = self.amax_at[call.tensors[0]][0]
+        buffer = self.casts.amax_at[call.tensors[0]][0]
         self.communicators[call.group].allReduce(buffer.data.ptr, buffer.data.ptr, len(call.tensors), self.float32, self.max,
                                                  self.stream.ptr)
 
@@ -506,12 +405,3 @@ def _tensor_of(call) -> int:
         return -1
     return call.source.tensor if isinstance(call, Copy) else call.box.tensor if isinstance(call, Bcast) else call.tensor
 
-
-def _reads_src(call) -> bool:
-    """Whether an NCCL call reads its tensor's source shard: a local copy, a broadcast from its root's source shard, a
-    bundle's pack of a source box."""
-    if isinstance(call, Copy):
-        return True
-    if isinstance(call, Bcast):
-        return call.is_root and call.box.side == "src"
-    return isinstance(call, StagedCall) and call.action == "pack" and call.box.side == "src"

@@ -369,7 +369,7 @@ def test_conversion_without_torch_names_what_to_install(monkeypatch):
     import types
 
     from xmesh_plan.executor.errors import BackendUnavailableError
-    from xmesh_plan.executor.nccl_engine import TorchOnStream
+    from xmesh_plan.executor.nccl_convert import TorchOnStream
 
     monkeypatch.setitem(sys.modules, "torch", None)  # import torch raises ImportError
     with pytest.raises(BackendUnavailableError, match=r"torch's own casts .* pip install torch, or compile the plan without dst_dtype"):

@@ -480,12 +480,12 @@ class FakeGpu:
     def install(self, monkeypatch) -> "FakeGpu":
         for name, module in self.modules.items():
             monkeypatch.setitem(sys.modules, name, module)
-        monkeypatch.setattr("xmesh_plan.executor.nccl_engine.torch_on_stream", lambda stream, gpu: FakeTorchOnStream(self, stream))
+        monkeypatch.setattr("xmesh_plan.executor.nccl_convert.torch_on_stream", lambda stream, gpu: FakeTorchOnStream(self, stream))
         return self
 
 
 class FakeTorchOnStream:
-    """`nccl_engine.TorchOnStream` on the fake: torch (on CPU) over the fake's memory, its work queued on the engine's
+    """`nccl_convert.TorchOnStream` on the fake: torch (on CPU) over the fake's memory, its work queued on the engine's
     stream as a kernel, so it runs after the calls enqueued before it and before those after (a cast run at once, or
     on another stream, reads sources not yet arrived or is overwritten)."""
 
@@ -496,7 +496,7 @@ class FakeTorchOnStream:
         self.gpu, self.stream, self.torch = gpu, stream, torch
 
     def tensor(self, array, dtype_name: str):
-        from xmesh_plan.executor.nccl_engine import DLPACK_VIEW
+        from xmesh_plan.executor.nccl_convert import DLPACK_VIEW
 
         assert isinstance(array, FakeArray), f"fake: torch is handed a {type(array).__name__}, not GPU memory"
         lo = array.__array_interface__["data"][0]
