@@ -20,6 +20,7 @@ import numpy as np
 import pytest
 
 from tests.support.fake_gpu import FakeArray, FakeGpu, drive, fake_nccl_transfer
+from tests.test_executor_gpu import GPU_REASON
 from xmesh_plan.executor import PlanMismatchError
 from xmesh_plan.executor.arrays import storage_dtype
 from xmesh_plan.executor.nccl_engine import NcclEngine
@@ -407,3 +408,16 @@ def test_torch_tensors_in_and_out_go_through_dlpack_as_their_bits(monkeypatch):
         for ex, wanted in zip(executors, want):
             for name, (raw, index, _) in parents[ex.device].items():
                 assert np.array_equal(raw[index].contiguous().numpy().reshape(-1), wanted[name]), (layout, ex.device, name)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(GPU_REASON is not None, reason=GPU_REASON or "")
+def test_the_nccl_engine_converts_and_receives_into_bit_exact_on_one_gpu(tmp_path):
+    """bench/gpu/convert_check.py itself on a real GPU, 4 ranks on GPU 0 (each its own NCCL host): every check ok."""
+    from tests.support.launch import mpiexec
+
+    expected = 4 * sum(2 + into for _, _, into in gpu_check_module().CHECKS)
+    result = mpiexec(4, "-m", "bench.gpu.convert_check", str(tmp_path), timeout=300)
+    lines = [line for line in result.stdout.splitlines() if line.startswith("rank ")]
+    assert result.returncode == 0 and len(lines) == expected and all(line.endswith(": ok") for line in lines), \
+        "\n".join(lines) + result.stderr[-3000:]
