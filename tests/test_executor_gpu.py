@@ -19,7 +19,7 @@ from xmesh_plan.executor.lower import lower
 from xmesh_plan.executor.pattern import fill, mismatches
 from tests.support.cases import STRATEGIES, all_fixed_plans, compiled, problem, random_problem, write_plans
 from tests.support.launch import mpiexec
-from tests.support.fake_gpu import FakeGpu, FakeMpiComm, drive, fake_nccl_transfer, nccl_engines, run_on_fake
+from tests.support.fake_gpu import FakeGpu, drive, fake_nccl_transfer, nccl_engines, run_on_fake
 
 ROOT = Path(__file__).resolve().parents[1]
 
