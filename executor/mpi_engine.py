@@ -46,7 +46,7 @@ from xmesh_plan.schemas.staging import SYNC_SEND_BYTES  # device order: sends th
 
 from .apart import byte_bounds, refuse_overlapping_into, refuse_shared
 from .arrays import as_host_array, check_into, check_shard, storage_dtype
-from .conversions import cast_shard, cast_tensors, swap_peers
+from .conversions import cast_once, cast_tensors, swap_peers
 from .errors import ExecutorError, PeerTimeoutError, PlanMismatchError
 from .lower import Action, RankProgram, flat_pieces
 from .replay import PROCESS, Dependencies, abandoned, backoff_wait, failure, refuse_broken
@@ -397,19 +397,11 @@ class MpiEngine:
                 self.amaxes[t] = np.maximum(self.amaxes[t], theirs[k])
 
     def _cast(self, ks: tuple[int, ...]) -> None:
-        """Cast the converting tensors `ks` (indices into `converting`) not cast yet this run and write their scales (a
-        per-tensor scale of this sender alone takes its amax now): run just before the first step reading either starts,
-        so a tensor's cast follows the messages started before it; each is still cast once, whole, so its bytes and
-        scales are those of casting every tensor first."""
-        convert, run = self.convert, self.run_count
-        for k in ks:
-            if self.cast_run[k] == run:
-                continue
-            self.cast_run[k] = run
-            t, conversion, buffer = self.converting[k]
-            shard = self.shards[t]
-            amax = self.amaxes.get(t) if conversion.peers else convert.amax(shard) if conversion.scale == "tensor" else None
-            cast_shard(convert, conversion, shard, amax, self.scale_shards.get(conversion.scales), buffer)
+        """Cast the converting tensors `ks` (indices into `converting`) not cast yet this run, with their scales
+        (`conversions.cast_once`; a per-tensor scale of this sender alone takes its amax now), just before a step
+        reading them starts; each is still cast once, whole, so its bytes and scales are those of casting every tensor
+        first."""
+        cast_once(self, ks)
         self.last_progress = time.monotonic()
 
     def _launch(self, i: int) -> None:
