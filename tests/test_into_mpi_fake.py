@@ -64,7 +64,8 @@ def test_into_only_calls_write_the_callers_arrays_and_allocate_no_destination_bu
         owns = now
 
 
-def _refused(ex, into: dict, match: str, shards: dict | None = None) -> None:
+def _refused(ex, into, match: str, shards=None) -> None:
+    """`ex.start(shards, into)` refused in one line, before anything started: the executor stays usable."""
     with pytest.raises(PlanMismatchError, match=match) as err:
         ex.start(shards, into)
     assert "\n" not in str(err.value) and not ex.in_flight and not ex.engine.broken
@@ -128,3 +129,40 @@ def test_overlap_checks_agree_with_every_elements_offset():
         refuse_shared({"a": wide[:, :5]}, {"b": wide[:, 4:]}, 0)
     with pytest.raises(PlanMismatchError, match=r"into\['b'\] on device 0 shares memory with the source shard of 'a'"):
         refuse_shared({"b": wide[4:]}, {"a": wide}, 0)
+
+
+def test_the_one_tensor_face_refuses_a_destination_inside_its_source_shard_and_runs_after():
+    """`ReshardingExecutor.run(shard, into=...)` with `into` over the source shard's own memory: refused in one line,
+    naming the tensor; the same executor then runs into a separate array, which it returns, bit for bit."""
+    from xmesh_plan.executor import ReshardingExecutor
+    from xmesh_plan.executor.mpi_engine import MpiEngine
+    from xmesh_plan.executor.passes import rank_program
+    from xmesh_plan.executor.ranks import rank_of_devices
+    from xmesh_plan.planner.problem_io import build_problem
+    from tests.support.fake_mpi import FakeComm, FakeMPI, FakeWorld, WorldComm
+
+    mesh = {"shape": [2], "devices": [0, 1]}
+    plan = compile_plan(build_problem({"shape": [8, 6], "dtype": "float32", "src": {"mesh": mesh, "spec": "S0 R"},
+                                       "dst": {"mesh": mesh, "spec": "R S0"}}), solver="greedy")
+    world, executors = FakeWorld(), []
+    for rank in (0, 1):
+        ex = ReshardingExecutor(plan, WorldComm(world, rank, 2))
+        ex.program = rank_program(plan, rank, "device", True, tag_limit=2**20)
+        ex.engine = MpiEngine(ex.program, FakeComm(world, rank), rank_of_devices(plan), 5.0, (1e-5, 1e-4))
+        ex.engine.setup(mpi=FakeMPI)
+        executors.append(ex)
+    full = np.arange(48, dtype=np.float32).reshape(8, 6)
+    shards = [slice_box(full, ex.program.src_block).copy() for ex in executors]
+    name = executors[0].names[0]
+    _refused(executors[0], shards[0].reshape(-1).reshape(8, 3), rf"into\[{name!r}\] on device 0 shares memory with the source "
+             rf"shard of {name!r}", shards[0])
+    targets = [np.empty(ex.program.dst_shape, np.float32) for ex in executors]
+    for ex, shard, target in zip(executors, shards, targets):
+        ex.start(shard, into=target)
+    for _ in range(1000):
+        if all([ex.test() for ex in executors]):
+            break
+    assert all(ex.wait() is target for ex, target in zip(executors, targets))
+    for ex, target in zip(executors, targets):
+        assert np.array_equal(target, slice_box(full, ex.program.dst_block)) and ex.engine.dst is None
+
