@@ -10,8 +10,8 @@ three variants taking turns in one launch (each first in a round in turn), `--ro
 - `cast per tensor`: the engine as it is (each tensor cast just before its first reader), own buffers + the copy;
 - `cast per tensor, into`: the same, received straight into the caller's arrays (`run(shards, into=...)`).
 
-Each sync's wall time is the slowest rank's (a barrier before each); CPU seconds are summed over the ranks; start() is
-the slowest rank's time in `start()`. The figure
+Each sync's wall time is the slowest rank's (a barrier before each); CPU seconds are summed over the ranks (and over the
+sending and the receiving ranks apart); start() is the slowest rank's time in `start()`. The figure
 per variant is the median over its syncs; ratios are against `cast first`. 8 ranks on a 2-core machine: the ratios,
 not the times, mean anything, and only where they exceed the spread between rounds (printed).
 
@@ -114,18 +114,21 @@ def worker(plan_path: str, iters: int, rounds: int) -> None:
                 comm.Barrier()
                 wall = time.perf_counter() - wall
                 times[variant].append((r, wall, cpu, started))
-    gathered = comm.gather(times, root=0)
+    gathered = comm.gather((bool(shards), times), root=0)
     for ex in executors.values():
         ex.close()
     if rank == 0:
-        out = {}
+        out, senders = {}, [g for sends, g in gathered if sends]
+        gathered = [g for _, g in gathered]
         for variant in VARIANTS:
             walls = [max(g[variant][i][1] for g in gathered) for i in range(len(times[variant]))]
             cpus = [sum(g[variant][i][2] for g in gathered) for i in range(len(times[variant]))]
+            sending = [sum(g[variant][i][2] for g in senders) for i in range(len(times[variant]))]
             starts = [max(g[variant][i][3] for g in gathered) for i in range(len(times[variant]))]
             per_round = [statistics.median(w for (r, *_), w in zip(times[variant], walls) if r == k) for k in range(rounds)]
             out[variant] = {"wall_s": statistics.median(walls), "cpu_s": statistics.median(cpus), "round_wall_s": per_round,
-                            "start_s": statistics.median(starts)}
+                            "start_s": statistics.median(starts), "sender_cpu_s": statistics.median(sending),
+                            "receiver_cpu_s": statistics.median(c - s for c, s in zip(cpus, sending))}
         print("RESULT " + json.dumps(out), flush=True)
 
 
@@ -159,7 +162,9 @@ def main(layers: int, iters: int, rounds: int, worker_plan: str | None) -> None:
     print(f"{len(plan.problem.tensors)} tensors ({mb:.1f} MiB float32 at the source), 8 ranks, {rounds} rounds x {iters} syncs per variant")
     for variant, row in out.items():
         print(f"{variant:24s} wall {row['wall_s'] * 1e3:8.1f} ms ({row['wall_s'] / base['wall_s']:.3f}x)  "
-              f"cpu {row['cpu_s']:.3f} s summed over ranks ({row['cpu_s'] / base['cpu_s']:.3f}x)  "
+              f"cpu {row['cpu_s']:.3f} s summed over ranks ({row['cpu_s'] / base['cpu_s']:.3f}x; senders {row['sender_cpu_s']:.3f} s "
+              f"{row['sender_cpu_s'] / base['sender_cpu_s']:.3f}x, receivers {row['receiver_cpu_s']:.3f} s "
+              f"{row['receiver_cpu_s'] / base['receiver_cpu_s']:.3f}x)  "
               f"start() {row['start_s'] * 1e3:.1f} ms  "
               f"rounds {', '.join(f'{w * 1e3:.0f}' for w in row['round_wall_s'])} ms")
 
