@@ -21,7 +21,7 @@ def address(array: np.ndarray) -> int:
     return array.__array_interface__["data"][0]
 
 
-def own_arrays(ex) -> dict[str, np.ndarray]:
+def callers_arrays(ex) -> dict[str, np.ndarray]:
     """A fresh C-contiguous array per destination shard of this rank (scales included), of the engine's storage dtype."""
     return {name: np.empty(t.dst_shape, ex.engine.dtypes[k]) for k, (name, t) in enumerate(zip(ex.names, ex.program.tensors))
             if t.dst_shape is not None}
@@ -34,11 +34,12 @@ def test_into_only_calls_write_the_callers_arrays_and_allocate_no_destination_bu
     again for the same arrays, new ones for new arrays) and the engine has no destination shard of its own; then calls
     passing none make the own shards once and reuse them."""
     plan, _, executors = fake_ranks(HOOKS, order)
-    given = [own_arrays(ex) for ex in executors]
-    bound = None
+    given = [callers_arrays(ex) for ex in executors]
+    bound, kept = None, []
     for step in range(3):
-        if step == 2:
-            given = [own_arrays(ex) for ex in executors]
+        if step == 2:  # new arrays, the old ones kept alive so that none can come back at an old address
+            kept.append(given)
+            given = [callers_arrays(ex) for ex in executors]
         outs, fulls = run_fake(plan, executors, step, into=given)
         assert wrong_elements(plan, outs, fulls) == []
         for ex, out, arrays in zip(executors, outs, given):
