@@ -396,7 +396,8 @@ class Executor(Flying):
             raise PlanMismatchError(f"{call}: device {p.device} (rank {self.world.rank}) holds no destination shard of tensor "
                                     f"{self._name(t)!r}; pass `into` only for the tensors whose destination mesh has this device")
         engine = self.flight.engine
-        array = engine.adopt(array)
+        adopt_into = getattr(engine, "adopt_into", None)  # an engine that checks where the memory is, naming the tensor
+        array = engine.adopt(array) if adopt_into is None else adopt_into(array, self._name(t))
         problem = self.problems[t]
         engine.check_into(array, shape, problem.dst_dtype or problem.dtype, p.device, self._name(t))
         return array
