@@ -167,3 +167,12 @@ def test_the_one_tensor_face_refuses_a_destination_inside_its_source_shard_and_r
     for ex, target in zip(executors, targets):
         assert np.array_equal(target, slice_box(full, ex.program.dst_block)) and ex.engine.dst is None
 
+
+
+def test_the_overlap_modules_examples_hold():
+    import doctest
+
+    from xmesh_plan.executor import apart
+
+    result = doctest.testmod(apart, report=False)
+    assert result.attempted > 0 and result.failed == 0
