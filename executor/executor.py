@@ -405,6 +405,13 @@ class Executor(Flying):
     def _name(self, t: int) -> str:
         return self.names[t]
 
+    def _apart(self, targets: dict, sources: list) -> None:
+        """Refuse the caller's destination tensors of one call that share memory with each other or with its source
+        shards (`sources`, per tensor), on an engine that receives into them in place and checks it (`check_apart`)."""
+        check = getattr(self.flight.engine, "check_apart", None)
+        if check is not None:
+            check(targets, dict(zip(self.names, sources)), self._program.device)
+
     def test(self) -> bool:
         """Drive communication without blocking (call it now and then between start() and wait()).
 
@@ -460,7 +467,10 @@ class ReshardingExecutor(Executor):
         place, kept only until `wait()` returns (None: the engine's own buffer)."""
         self._startable()
         target = None if into is None else self._into(0, into, "start()")  # no call on the common path: run() is timed per call
-        self.flight.start(self._adopt(0, local_shard), target)
+        source = self._adopt(0, local_shard)
+        if target is not None:
+            self._apart({self.names[0]: target}, [source])
+        self.flight.start(source, target)
         self.target = target
 
     def wait(self):

@@ -51,7 +51,9 @@ section_separate() {
     done
   done
   for pid in "${pids[@]}"; do wait "$pid" || rc=$?; done
-  if [ "$rc" = 0 ]; then grep -h "^rank [0-9]*: \(step\|in place\|separate fp8\)" /tmp/rank-[4-7].log; else tail -n 6 /tmp/rank-*.log; fi
+  for t in 0 1 2 3 4 5 6 7; do  # transfer rank t's results (its launch's rank first), and the cause of any failure
+    grep -h "^rank [0-9]*: \|Error\|what()" "/tmp/rank-$t.log" | grep -v "^frame\|Warning" | sed "s/^/transfer rank $t: /"
+  done
   echo "rc=$rc"
 }
 section_dtensor() {
