@@ -130,11 +130,10 @@ def _cuts(problems: list, boxes: Boxes, rank: int) -> list[np.ndarray] | None:
     return [_unique(keys + coordinates[:, d]) for d in range(rank)]
 
 
-def _at(cuts: list[np.ndarray], tensor: np.ndarray, points: np.ndarray) -> np.ndarray:
-    """The position of each point (per dim, a cut of its tensor) in its tensor's cuts, counted from the first tensor's."""
+def _at(cuts: list[np.ndarray], tensor: np.ndarray, points: np.ndarray) -> list[np.ndarray]:
+    """Per dim, the position of each point (a cut of its tensor) in its tensor's cuts, counted from the first tensor's."""
     keyed = tensor << _SHIFT
-    return np.stack([np.searchsorted(c, keyed + points[:, d]) for d, c in enumerate(cuts)], axis=1) if len(cuts) else \
-        np.zeros((len(tensor), 0), np.int64)
+    return [np.searchsorted(c, keyed + points[:, d]) for d, c in enumerate(cuts)]
 
 
 def _unique(values: np.ndarray) -> np.ndarray:
@@ -143,25 +142,30 @@ def _unique(values: np.ndarray) -> np.ndarray:
     return ordered[np.concatenate(([True], ordered[1:] != ordered[:-1]))] if len(ordered) else ordered
 
 
-def _cells(first: np.ndarray, lo: np.ndarray, hi: np.ndarray, strides: np.ndarray, limit: int) -> np.ndarray | None:
-    """The flat cells of box k ([lo[k], hi[k]) in its grid's cell indices; its grid's cells from `first[k]` on, row
-    major with `strides[k]`), box after box; None where they are more than `limit` in all."""
-    extent = np.maximum(hi - lo, 0)
-    sizes = np.prod(extent, axis=1, dtype=np.int64)
+def _cells(grid: "_Grids", pair: np.ndarray, lo: list[np.ndarray], hi: list[np.ndarray], limit: int) -> tuple[np.ndarray, np.ndarray] | None:
+    """(the cells of each box in the flat array of every grid, box after box; how many each box has) of the boxes
+    [lo, hi) (per dim, positions in their tensor's cuts) on the grids `pair`; None where a box is empty, leaves its
+    grid, or the cells are more than `limit` in all. Dim by dim on 1-D arrays (gathers of rows are slower)."""
+    corner, sizes, extents = grid.origin[pair].copy(), np.ones(len(pair), np.int64), []
+    for d in range(len(lo)):
+        if not ((grid.first[d][pair] <= lo[d]) & (lo[d] < hi[d]) & (hi[d] <= grid.last[d][pair])).all():
+            return None
+        extents.append(hi[d] - lo[d])
+        sizes *= extents[-1]
+        corner += lo[d] * grid.strides[d][pair]
     total = int(sizes.sum())
     if total > limit:
         return None
-    corner = first + (lo * strides).sum(axis=1)
-    if total == len(sizes) and (sizes == 1).all():  # one cell each: a bundle's parts, mostly
-        return corner
+    if total == len(sizes):  # one cell each: a bundle's parts, mostly
+        return corner, sizes
     box = np.repeat(np.arange(len(sizes)), sizes)
     step = np.arange(total, dtype=np.int64) - np.repeat(np.cumsum(sizes) - sizes, sizes)  # the cell's place in its box
     cell = corner[box]
-    for d in range(lo.shape[1] - 1, -1, -1):  # the last dim varies fastest
-        size = np.maximum(extent[box, d], 1)
-        cell += step % size * strides[box, d]
+    for d in range(len(lo) - 1, -1, -1):  # the last dim varies fastest
+        size = extents[d][box]
+        cell += step % size * grid.strides[d][pair][box]
         step //= size
-    return cell
+    return cell, sizes
 
 
 def painted_summary(problems: list, boxes: Boxes, written: Writes, dst_reads: list, starts: np.ndarray,
@@ -174,50 +178,51 @@ def painted_summary(problems: list, boxes: Boxes, written: Writes, dst_reads: li
     if cuts is None:
         return None
     tensor, device, lo, hi = _block_rows(problems, "dst", rank)
-    first, grids = _at(cuts, tensor, lo), _at(cuts, tensor, hi) - _at(cuts, tensor, lo)  # each (tensor, device)'s grid
-    sizes = np.prod(grids, axis=1, dtype=np.int64)
-    cells = int(sizes.sum())
-    strides = np.ones_like(grids)
-    for d in range(rank - 2, -1, -1):
-        strides[:, d] = strides[:, d + 1] * grids[:, d + 1]
-    grid = _Grids(tensor, device, first, grids, np.cumsum(sizes) - sizes, strides)  # grid after grid in one flat array
+    grid = _Grids.of(tensor, device, _at(cuts, tensor, lo), _at(cuts, tensor, hi))
     pair = grid.pair(boxes.tensor[written.box], written.device)
     if pair is None:
         return None
-    at_lo, at_hi = _at(cuts, boxes.tensor, boxes.lo), _at(cuts, boxes.tensor, boxes.hi)  # each box's cells, in its tensor's
-    w_lo, w_hi = at_lo[written.box] - first[pair], at_hi[written.box] - first[pair]
-    if not ((0 <= w_lo) & (w_lo < w_hi) & (w_hi <= grids[pair])).all():
-        return None
-    counts = _box_sizes(w_lo, w_hi)
-    taken = written.weight < 0
-    landed = _cells(grid.base[pair], w_lo, w_hi, strides[pair], cells + 2 * int(counts[taken].sum()))  # more: a cell twice
+    at = [c[written.box] for c in _at(cuts, boxes.tensor, boxes.lo)], [c[written.box] for c in _at(cuts, boxes.tensor, boxes.hi)]
+    taken = written.weight < 0  # cells taken back (all-gather members' own parts): as many more may be written
+    landed = _cells(grid, pair, *at, grid.cells + 2 * grid.cells * int(taken.any()))
     if landed is None:
         return None
-    painted = np.bincount(landed, weights=np.repeat(written.weight, counts) if taken.any() else None, minlength=cells)
+    cells, counts = landed
+    if taken.any() and int(counts.sum()) > grid.cells + 2 * int(counts[taken].sum()):  # more: some cell is written twice
+        return None
+    painted = np.bincount(cells, weights=np.repeat(written.weight, counts) if taken.any() else None, minlength=grid.cells)
     if not (painted == 1).all():
         return None
     if dst_reads:
-        who = np.rint(np.bincount(landed, weights=np.repeat(written.weight * (written.writer + 1), counts), minlength=cells)).astype(np.int64) - 1
-        if not _reads_hold(dst_reads, boxes, (at_lo, at_hi), grid, who, starts, ends):
+        who = np.rint(np.bincount(cells, weights=np.repeat(written.weight * (written.writer + 1), counts), minlength=grid.cells)).astype(np.int64) - 1
+        if not _reads_hold(dst_reads, boxes, cuts, grid, who, starts, ends):
             return None
-    return cells, set(device.tolist())
-
-
-def _box_sizes(lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
-    return np.prod(np.maximum(hi - lo, 0), axis=1, dtype=np.int64)
+    return grid.cells, set(device.tolist())
 
 
 @dataclass(frozen=True)
 class _Grids:
-    """Each (tensor, destination device)'s grid, sorted by tensor, then device: its first cut in each dim (a position
-    in the tensor's cuts), its cells per dim, where its cells begin in the flat array of all, its strides there."""
+    """Each (tensor, destination device)'s grid, sorted by tensor, then device; per dim its first and last cut (positions
+    in the tensor's cuts) and its stride in the flat array of every grid's cells, grid after grid, row major; where
+    its cell 0 would be, counted from its first cuts (`origin`); the cells of all."""
 
     tensor: np.ndarray
     device: np.ndarray
-    first: np.ndarray
-    shape: np.ndarray
-    base: np.ndarray
-    strides: np.ndarray
+    first: list[np.ndarray]
+    last: list[np.ndarray]
+    strides: list[np.ndarray]
+    origin: np.ndarray
+    cells: int
+
+    @classmethod
+    def of(cls, tensor: np.ndarray, device: np.ndarray, first: list[np.ndarray], last: list[np.ndarray]) -> "_Grids":
+        shape = [b - a for a, b in zip(first, last)]
+        sizes = np.prod(np.stack(shape, axis=1), axis=1, dtype=np.int64) if shape else np.ones(len(tensor), np.int64)
+        strides = [np.ones(len(tensor), np.int64) for _ in shape]
+        for d in range(len(shape) - 2, -1, -1):
+            strides[d] = strides[d + 1] * shape[d + 1]
+        origin = np.cumsum(sizes) - sizes - sum((f * s for f, s in zip(first, strides)), np.zeros(len(tensor), np.int64))
+        return cls(tensor, device, first, last, strides, origin, int(sizes.sum()))
 
     def pair(self, tensor: np.ndarray, device: np.ndarray) -> np.ndarray | None:
         """The grid of each (tensor, device); None where a device is no destination of its tensor."""
@@ -233,7 +238,7 @@ class _Grids:
         return at if (at >= 0).all() else None
 
 
-def _reads_hold(dst_reads: list, boxes: Boxes, at: tuple[np.ndarray, np.ndarray], grid: _Grids, who: np.ndarray,
+def _reads_hold(dst_reads: list, boxes: Boxes, cuts: list[np.ndarray], grid: _Grids, who: np.ndarray,
                 starts: np.ndarray, ends: np.ndarray) -> bool:
     """Every read (position, device, box) finds each of its cells written (`who`: the writer of each cell) by an
     earlier operation that ended by its start."""
@@ -242,9 +247,8 @@ def _reads_hold(dst_reads: list, boxes: Boxes, at: tuple[np.ndarray, np.ndarray]
     pair = grid.pair(boxes.tensor[rows], np.array([d for _, d, _ in dst_reads], dtype=np.int64))
     if pair is None:
         return False
-    lo, hi = at[0][rows] - grid.first[pair], at[1][rows] - grid.first[pair]
-    if not ((0 <= lo) & (lo < hi) & (hi <= grid.shape[pair])).all():
+    read = _cells(grid, pair, _at(cuts, boxes.tensor[rows], boxes.lo[rows]), _at(cuts, boxes.tensor[rows], boxes.hi[rows]), len(who) * len(rows))
+    if read is None:
         return False
-    held = who[_cells(grid.base[pair], lo, hi, grid.strides[pair], len(who) * len(rows))]
-    i = np.repeat(reader, _box_sizes(lo, hi))
+    held, i = who[read[0]], np.repeat(reader, read[1])
     return bool(((held >= 0) & (held < i)).all() and (ends[np.maximum(held, 0)] <= starts[i] + TOLERANCE_S).all())
