@@ -3,11 +3,13 @@
 `planner.verify` replays a single-tensor plan operation by operation, a few numpy calls each, and stops at the first
 fault with its message. Here the same proof is made with whole-array interval arithmetic, for every tensor of a plan
 at once. Each tensor's grid is cut at every box boundary of its problem and its operations (the operation-by-operation
-replay's grid); a destination device's cells are those of the grid inside its block. Each write (a receiver gets a
-box, less the part an all-gather member already holds) is painted onto its (tensor, device) cells through a
-difference array (+1 at one corner of the box, -1 at the next, ..., then a running sum along every axis), once as a
-count and, where some operation reads a destination shard, once as the position of the operation that wrote it. The
-(tensor, device) grids of one shape are painted together as one array. The replay passes exactly when
+replay's grid); a destination device's cells are those of the grid inside its block, and every (tensor, device)'s
+cells are laid out one grid after another in one flat array. Each write (a receiver gets a box, less the part an
+all-gather member already holds) is turned into the flat cells it covers (its boxes' cut positions found by one
+sorted search per dim, keyed by tensor), and the cells are counted (`np.bincount`), once as writes (-1 for a part
+taken back) and, where some operation reads a destination shard, once as the position of the operation that wrote
+them. The cells enumerated are bounded by the grid's: a plan that writes more is refused before they are made.
+The replay passes exactly when
 
 - every destination cell is written exactly once (no cell twice, none missing: the count is 1 everywhere), and
 - every cell an operation reads from a destination shard (an all-gather member's own part) was written by an

@@ -5,7 +5,7 @@ verify spends on it. Here the proof is made on the file's columns (`plan_compact
 field rules (integers, known kinds and strategies, chunks >= 1, tensors and carriers >= 0), `schemas.plan_check`'s
 rules as whole-array tests (ids, order, times, tensors, host order, tags; each copy, send and broadcast's devices
 and boxes with `plan_check_arrays.proven_rows`; each bundle's relays, parts, holders and needers, and the shared
-messages, with `verify_bundles`), and the replay of every tensor at once as difference arrays
+messages, with `verify_bundles`), and the replay of every tensor at once as cell counts
 (`verify_arrays.painted_summary`). Only the operations the arrays do not prove (all-gathers) are read as records,
 checked one by one by `plan_check`'s own functions and replayed from their records' writes and reads.
 
