@@ -87,19 +87,23 @@ class _Blocks:
         devices = np.array(sorted(blocks), dtype=np.int64)
         size = int(devices.max()) + 1 if len(devices) and devices.min() >= 0 else 0
         self.has = np.zeros(size + 1, dtype=bool)
-        self.lo, self.hi = np.zeros((size + 1, rank), np.int64), np.zeros((size + 1, rank), np.int64)
+        lo, hi = np.zeros((size + 1, rank), np.int64), np.zeros((size + 1, rank), np.int64)
         for d in devices.tolist() if size else ():
             self.has[d] = True
-            self.lo[d], self.hi[d] = [a for a, _ in blocks[d]], [b for _, b in blocks[d]]
+            lo[d], hi[d] = [a for a, _ in blocks[d]], [b for _, b in blocks[d]]
+        self.lo, self.hi = [lo[:, k].copy() for k in range(rank)], [hi[:, k].copy() for k in range(rank)]  # per dim
 
     def known(self, devices: np.ndarray) -> np.ndarray:
         """Per entry: the device has a block."""
         return self.has[np.where((devices >= 0) & (devices < len(self.has)), devices, len(self.has) - 1)]
 
-    def holds(self, devices: np.ndarray, lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
-        """Per entry: `devices[k]` has a block and [lo[k], hi[k]) lies inside it."""
+    def holds(self, devices: np.ndarray, lo: list[np.ndarray], hi: list[np.ndarray]) -> np.ndarray:
+        """Per entry: `devices[k]` has a block and the box [lo[k], hi[k]) (given dim by dim) lies inside it."""
         at = np.where((devices >= 0) & (devices < len(self.has)), devices, len(self.has) - 1)
-        return self.has[at] & (self.lo[at] <= lo).all(axis=1) & (hi <= self.hi[at]).all(axis=1)
+        inside = self.has[at]
+        for block_lo, block_hi, a, b in zip(self.lo, self.hi, lo, hi):  # 1-D gathers: faster than gathering rows
+            inside &= (block_lo[at] <= a) & (b <= block_hi[at])
+        return inside
 
 
 CHUNK_PARTS = 1 << 18  # parts checked at a time: the arrays of a chunk stay a few tens of MiB
@@ -162,13 +166,14 @@ def _check_rows(ops: OpColumns, columns: BundleColumns, problem, blocks: tuple["
     lengths, flat, owner, lo, hi = _parts(columns, rows, rank)
     part_ok = ((0 <= lo) & (lo < hi) & (hi <= shape) & (r_lo[owner] <= lo) & (hi <= r_hi[owner])).all(axis=1)
     holder, sender, receiver = columns.holder[row_ranges(columns.holder_offsets, rows)[1]], ops.src[rows][owner], relay[rows][owner]
-    part_ok &= (host_of(holder) == host_of(sender)) & blocks[0].holds(holder, lo, hi)
+    lo_dims, hi_dims = [lo[:, d].copy() for d in range(rank)], [hi[:, d].copy() for d in range(rank)]
+    part_ok &= (host_of(holder) == host_of(sender)) & blocks[0].holds(holder, lo_dims, hi_dims)
     needs, part_of, needer = _needers(columns, rows, len(flat))
     on_host = host_of(needer) == host_of(receiver[part_of])
     # each needer's place on the receiving relay's host, counted per part: distinct needers count 1 each
     key = part_of * per_host + np.where(on_host, needer - host_of(receiver[part_of]) * per_host, 0)
     seen = np.bincount(key[on_host], minlength=len(flat) * per_host)
-    need_ok = on_host & (seen[key] == 1) & blocks[1].holds(needer, lo[part_of], hi[part_of])
+    need_ok = on_host & (seen[key] == 1) & blocks[1].holds(needer, [c[part_of] for c in lo_dims], [c[part_of] for c in hi_dims])
     part_ok &= (needs >= 1) & (np.bincount(part_of, weights=~need_ok, minlength=len(flat)) == 0)
     good &= np.bincount(owner, weights=~part_ok, minlength=len(rows)) == 0
     facts.proven[rows[good]] = True
