@@ -19,6 +19,8 @@ from .compile_defaults import CompileOptions
 from .plan_rows import OperationRow, PlanRows, TaskRow, plan_rows
 from .executor_order import executor_order, executor_order_seconds, posted_budget
 from .scheduling import Option, Schedule, SchedulingTask
+from xmesh_plan.schemas.op_kinds import tags_used
+
 from .simulate import TooCostly, nic_assignment, renumbered_only, simulated, staging_runs
 from .solvers import solve
 from .staging_limit import limit_staging
@@ -27,7 +29,9 @@ from .unit_tasks import Cell, check_kinds_task_count, check_scheduled_task_count
 
 DIGITS = 12  # times are rounded to picoseconds so plans print and compare stably
 NIC_SIDES = ("send", "recv")  # the resources a plan's host order lists; device ports are not queued
-MAX_SIMULATED_OPERATIONS = 2_000_000  # 10^6 operations simulate in about a minute and 2.5 GiB (bench/bench_simulate.py); beyond this the schedule's own timetable stands in
+MAX_SIMULATED_MESSAGES = 2_000_000  # messages (`simulated_messages`) a plan may have to be simulated: the simulator makes a flow of each, and
+# holds them all (10^6 one-message operations simulate in about a minute and 2.5 GiB, bench/bench_simulate.py); beyond, the schedule's
+# own timetable stands in, decided before any flow is made (the full DeepSeek-V3-like plan, 5.6 M messages, would pass MAX_SIMULATION_WORK)
 MAX_SIMULATION_WORK = 25_000_000  # work one simulation of a listing may take (`simulate.run_flows`: groups shared out and flows re-rated; a 2-layer DeepSeek-V3-like cut takes 0.99 M, in proportion to its layers); beyond, the schedule's timetable stands in
 DETAILED_STAGES = 10_000  # operations from which a compile names the steps of timing and assembling (`on_stage`)
 MAX_RELISTINGS = 8  # re-simulations until the listing is the order of its own predicted starts
@@ -231,13 +235,28 @@ def settle_listing(operations: tuple[OperationRow, ...], problem: ReshardingProb
     return None
 
 
+def simulated_messages(operations) -> int:
+    """How many messages a listing's operations make for the simulator, counted without making them: each operation's
+    message tags (`op_kinds.tags_used`: a bundle's gathers, its message across hosts and its scatters; a broadcast's
+    chunks; an all-gather's ring steps), a local copy as one, a message bundles share once per bundle: about what the
+    simulator's flows number (one per message, one per NIC a message is striped over where NICs are not pooled) and so
+    its memory, known before it makes any."""
+    return sum(tags_used(op) or 1 for op in operations)
+
+
+def too_large_to_simulate(operations) -> bool:
+    """Whether `compile` (and `check`, alike) leave a listing's times to the schedule without simulating it: more than
+    MAX_SIMULATED_MESSAGES messages (`simulated_messages`)."""
+    return simulated_messages(operations) > MAX_SIMULATED_MESSAGES
+
+
 def _simulated(operations: tuple[OperationRow, ...], problem: ReshardingProblem | TransferProblem,
                nic_of_task: dict[int, int]) -> tuple[tuple[OperationRow, ...], str, int | None]:
     """Operation times from the network simulator (host order), listed and numbered by predicted start,
     so what is stored is what `check` recomputes; the schedule's own times when that cannot be had.
     Also the simulation's work (`SimResult.work`; None when not simulated)."""
-    if len(operations) > MAX_SIMULATED_OPERATIONS:
-        return operations, "schedule (too many operations to simulate)", None
+    if too_large_to_simulate(operations):
+        return operations, f"schedule (more than {MAX_SIMULATED_MESSAGES:,} messages to simulate)", None
     try:
         settled = settle_listing(operations, problem, nic_of_task, MAX_SIMULATION_WORK)
     except TooCostly:  # deterministic: counted in groups and flows, not seconds, so `check` decides the same
