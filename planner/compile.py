@@ -147,7 +147,8 @@ def assemble_rows(problem: ReshardingProblem | TransferProblem, works: list[Tens
     each step of a plan of at least DETAILED_STAGES operations."""
     tasks, timed_ops, per_resource = [], [], {}
     cluster = problem.cluster
-    for work in works:
+    facts: dict[tuple[int, int], tuple[int, tuple[int, ...]]] = {}  # (id of a cell, itemsize) -> its bytes and receiving
+    for work in works:  # hosts: tensors of one kind share their cells (`renumbered`)
         single = work.problem
         for item in work.options:
             t = item.scheduling
@@ -155,10 +156,14 @@ def assemble_rows(problem: ReshardingProblem | TransferProblem, works: list[Tens
             name, result = item.results[schedule.choice[t.id]]
             start = schedule.start_s[t.id]
             cell = item.cell
+            known = facts.get((id(cell), single.itemsize))
+            if known is None:
+                known = facts[(id(cell), single.itemsize)] = (cell.nbytes(single.itemsize),
+                                                              tuple(sorted({cluster.host_of(d) for d in cell.receivers})))
             tasks.append(TaskRow(
-                t.id, work.index, cell.region, cell.nbytes(single.itemsize), cell.senders, cell.receivers, cell.merged_cells,
-                option.sender, option.sender_host, tuple(sorted({cluster.host_of(d) for d in cell.receivers})),
-                name, result.chunks, round(start, DIGITS), round(start + option.duration_s, DIGITS)))
+                t.id, work.index, cell.region, known[0], cell.senders, cell.receivers, cell.merged_cells,
+                option.sender, option.sender_host, known[1], name, result.chunks, round(start, DIGITS),
+                round(start + option.duration_s, DIGITS)))
             timed_ops += [(start + op.offset_s, t.id, work.index, op) for op in result.ops]
             timed_ops += [(at, t.id, work.index, op) for at, op in _copy_ops(cell, single)]
             for host, side in option.resources:
