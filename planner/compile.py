@@ -32,7 +32,10 @@ NIC_SIDES = ("send", "recv")  # the resources a plan's host order lists; device 
 MAX_SIMULATED_MESSAGES = 2_000_000  # messages (`simulated_messages`) a plan may have to be simulated: the simulator makes a flow of each, and
 # holds them all (10^6 one-message operations simulate in about a minute and 2.5 GiB, bench/bench_simulate.py); beyond, the schedule's
 # own timetable stands in, decided before any flow is made (the full DeepSeek-V3-like plan, 5.6 M messages, would pass MAX_SIMULATION_WORK)
-MAX_SIMULATION_WORK = 25_000_000  # work one simulation of a listing may take (`simulate.run_flows`: groups shared out and flows re-rated; a 2-layer DeepSeek-V3-like cut takes 0.99 M, in proportion to its layers); beyond, the schedule's timetable stands in
+MAX_SIMULATION_WORK = 25_000_000  # work one simulation of a listing may take (`simulate.run_flows`: groups shared out and flows re-rated,
+# counted, so every machine decides alike); beyond, the schedule's timetable stands in. A backstop for listings under MAX_SIMULATED_MESSAGES,
+# which pass it only at more than 12.5 units a message: a 2-layer DeepSeek-V3-like cut (225,424 messages) takes 1.14 M in host order
+# (5.0 a message), 0.67 M posted (3.0)
 DETAILED_STAGES = 10_000  # operations from which a compile names the steps of timing and assembling (`on_stage`)
 MAX_RELISTINGS = 8  # re-simulations until the listing is the order of its own predicted starts
 
