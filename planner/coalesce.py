@@ -169,6 +169,7 @@ def share_messages(timed_ops: list[TimedOp], itemsizes: list[int], bucket_bytes:
     groups: list[list[TimedOp]] = []
     open_group: dict[tuple[int, int], tuple[int, int]] = {}  # host pair -> (index in groups, bytes so far)
     sizes: dict[tuple[int, int], int] = {}  # (id of a bundle, its itemsize) -> its bytes: tensors of one kind share their bundles
+    relayed: dict[tuple[int, int | None, tuple[int, ...]], PlannedOp] = {}  # (id of a bundle, a group's relays) -> the bundle sent from them, made once
     for item in timed_ops:
         at, task, tensor, op = item
         if op.kind != "bundle":
@@ -184,7 +185,10 @@ def share_messages(timed_ops: list[TimedOp], itemsizes: list[int], bucket_bytes:
         # padding too, so no device of the group stages more than the bucket (the staging limit, when one is set)
         if index >= 0 and total + nbytes + len(groups[index]) * (align - 1) <= bucket_bytes:
             head = groups[index][0]
-            groups[index].append((head[0], task, tensor, replace(op, src=head[3].src, dsts=head[3].dsts)))
+            key = (id(op), head[3].src, head[3].dsts)
+            if key not in relayed:
+                relayed[key] = replace(op, src=head[3].src, dsts=head[3].dsts)
+            groups[index].append((head[0], task, tensor, relayed[key]))
             total += nbytes
         else:
             groups.append([item])
