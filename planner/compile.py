@@ -31,7 +31,7 @@ DIGITS = 12  # times are rounded to picoseconds so plans print and compare stabl
 NIC_SIDES = ("send", "recv")  # the resources a plan's host order lists; device ports are not queued
 MAX_SIMULATED_MESSAGES = 2_000_000  # messages (`simulated_messages`) a plan may have to be simulated: the simulator makes a flow of each, and
 # holds them all (10^6 one-message operations simulate in about a minute and 2.5 GiB, bench/bench_simulate.py); beyond, the schedule's
-# own timetable stands in, decided before any flow is made (the full DeepSeek-V3-like plan, 5.6 M messages, would pass MAX_SIMULATION_WORK)
+# own timetable stands in, decided before any flow is made (the full DeepSeek-V3-like plan: 8.8 M messages, whose simulation passes MAX_SIMULATION_WORK)
 MAX_SIMULATION_WORK = 25_000_000  # work one simulation of a listing may take (`simulate.run_flows`: groups shared out and flows re-rated,
 # counted, so every machine decides alike); beyond, the schedule's timetable stands in. A backstop for listings under MAX_SIMULATED_MESSAGES,
 # which pass it only at more than 12.5 units a message: a 2-layer DeepSeek-V3-like cut (225,424 messages) takes 1.14 M in host order
