@@ -285,7 +285,11 @@ def _retimed_tasks(tasks: list[TaskRow], operations: tuple[OperationRow, ...]) -
     for op in operations:
         s, e = spans.get(op.task, (op.start_s, op.end_s))
         spans[op.task] = (min(s, op.start_s), max(e, op.end_s))
-    return [t._replace(start_s=spans[t.id][0], end_s=spans[t.id][1]) if t.id in spans else t for t in tasks]
+    out = []
+    for t in tasks:
+        span = spans.get(t.id)
+        out.append(t if span is None or span == (t.start_s, t.end_s) else t._replace(start_s=span[0], end_s=span[1]))
+    return out
 
 
 def _kinds(singles: list[ReshardingProblem]) -> list[tuple]:
