@@ -197,8 +197,10 @@ def assemble_rows(problem: ReshardingProblem | TransferProblem, works: list[Tens
         per_resource = {key: [(riders[t][0] if t in riders else at, t) for at, t in v] for key, v in per_resource.items()}
     host_order = tuple(HostOrder(host=h, side=s, tasks=tuple(t for _, t in sorted(v))) for (h, s), v in sorted(per_resource.items()))
     stage = on_stage if len(operations) >= DETAILED_STAGES else _quiet
-    stage(f"simulating {len(operations):,} operations in host order")
-    operations, timed_by, work = _simulated(operations, problem, nic_assignment(host_order))
+    messages = simulated_messages(operations)
+    stage(f"simulating {len(operations):,} operations in host order" if messages <= MAX_SIMULATED_MESSAGES else
+          f"timing {len(operations):,} operations by the schedule ({messages:,} messages: too many to simulate)")
+    operations, timed_by, work = _simulated(operations, problem, nic_assignment(host_order), messages)
     stage("bounding")
     tasks = _retimed_tasks(tasks, operations)
     bound = joint_lower_bound([(w.cells, w.problem.itemsize) for w in works], cluster)
@@ -259,11 +261,11 @@ def too_large_to_simulate(operations) -> bool:
 
 
 def _simulated(operations: tuple[OperationRow, ...], problem: ReshardingProblem | TransferProblem,
-               nic_of_task: dict[int, int]) -> tuple[tuple[OperationRow, ...], str, int | None]:
+               nic_of_task: dict[int, int], messages: int) -> tuple[tuple[OperationRow, ...], str, int | None]:
     """Operation times from the network simulator (host order), listed and numbered by predicted start,
-    so what is stored is what `check` recomputes; the schedule's own times when that cannot be had.
-    Also the simulation's work (`SimResult.work`; None when not simulated)."""
-    if too_large_to_simulate(operations):
+    so what is stored is what `check` recomputes; the schedule's own times when that cannot be had (among them
+    more than MAX_SIMULATED_MESSAGES `messages`). Also the simulation's work (`SimResult.work`; None when not simulated)."""
+    if messages > MAX_SIMULATED_MESSAGES:
         return operations, f"schedule (more than {MAX_SIMULATED_MESSAGES:,} messages to simulate)", None
     try:
         settled = settle_listing(operations, problem, nic_of_task, MAX_SIMULATION_WORK)

@@ -117,8 +117,12 @@ def test_a_plan_of_more_messages_than_the_limit_is_timed_by_the_schedule_without
         raise AssertionError("a plan over the message limit was lowered to flows")
 
     monkeypatch.setattr(simulate_module, "lower", no_lowering)
-    plan = compile_plan(problem)
+    monkeypatch.setattr(compile_module, "DETAILED_STAGES", 0)
+    heard: list[str] = []
+    plan = compile_plan(problem, on_stage=heard.append)
     assert plan.solver.details["timed_by"] == f"schedule (more than {messages - 1:,} messages to simulate)"
+    assert f"timing {len(plan.operations):,} operations by the schedule ({messages:,} messages: too many to simulate)" in heard
+    assert not any(stage.startswith("simulating") for stage in heard)
     assert plan.executor_prediction is None and plan.predicted_seconds != simulated.predicted_seconds
     audit = audit_module.audit_plan(plan)
     assert not audit.retimed and audit.mismatch is None
