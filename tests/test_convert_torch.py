@@ -57,17 +57,20 @@ def test_per_tensor_scales_agree_over_replicated_and_uneven_sources_on_3_gloo_ra
     assert sorted(lines) == sorted(f"rank {r}: replicated step {k}: ok" for r in range(3) for k in (0, 1)), lines
 
 
-@pytest.mark.parametrize("engine", ["nccl"])
-def test_an_engine_that_does_not_convert_refuses_the_plan_naming_one_that_does(engine):
+def test_an_engine_that_does_not_convert_refuses_the_plan_naming_one_that_does():
+    """Every registered engine converts; an entry without `converts` (here the nccl one with it cleared) refuses."""
+    from dataclasses import replace
+
     plan = compile_plan(build_problem({"shape": [8, 4], "dtype": "float32", "dst_dtype": "fp16", "src": {"mesh": "1x2", "spec": "S0 R"},
                                        "dst": {"mesh": "1x2", "spec": "R S0"}}), solver="greedy")
     program = lower(plan, 0)
     assert program.tensors[0].dst_dtype == "float16" and program.tensors[0].itemsize == 2
+    assert all(entry.converts for entry in ENGINES.values())
     with pytest.raises(PlanMismatchError) as info:
-        ENGINES[engine].make(program, EngineContext(None, {}, 1.0, (1e-3, 1e-2)))
-    assert str(info.value) == (f"the plan converts float32 to float16 at the sender, which the {engine} engine does not run; run "
-                               "it on the mpi or torch engine (backend='mpi' with an mpi4py communicator, or 'gloo' or 'nccl' with "
-                               "a torch process group) or compile the plan without dst_dtype")
+        replace(ENGINES["nccl"], converts=False).make(program, EngineContext(None, {}, 1.0, (1e-3, 1e-2)))
+    assert str(info.value) == ("the plan converts float32 to float16 at the sender, which the nccl engine does not run; run "
+                               "it on the mpi or nccl or torch engine (backend='mpi' with an mpi4py communicator, or 'gloo' or "
+                               "'nccl' with a torch process group) or compile the plan without dst_dtype")
     assert info.value.same_on_every_rank
 
 

@@ -10,18 +10,14 @@
 #   .venv/bin/python -m pip download --no-deps $P -d .whl pydantic pydantic_core typing-inspection annotated-types \
 #     mpich mpi4py ortools immutabledict protobuf      # the versions .venv has; the image lacks these
 #   PYTHONPATH=$PWD .venv/bin/python bench/gpu/make_plans.py .whl/plans
-# Then run `bash bench/gpu/check.sh [SECTION ...]` there with `.whl` carried (sections: demo separate dtensor torch cupy pytest,
-# all by default); the log is $OUT/gpu.log.
+# Then run `bash bench/gpu/check.sh [SECTION ...]` there with `.whl` carried (sections: convert demo separate dtensor torch
+# cupy pytest, all by default); the log is $OUT/gpu.log. `convert` is bench/gpu/convert_check.sh (the MPI + CuPy nccl
+# engine converting at the sender and receiving into views of CUDA tensors), which also runs on its own.
 set -u
 cd "$(dirname "$0")/../.."
 exec > >(tee "${OUT:-/tmp}/gpu.log") 2>&1
-# from the repo root the repo's xmesh_plan/ (front ends only) comes first on sys.path: make it the whole package
-for d in planner executor schemas; do ln -sfn ../$d xmesh_plan/$d; done
-mkdir -p xmesh_plan/examples_data && ln -sfn ../../plans xmesh_plan/examples_data/plans && ln -sfn ../../bench/pipelines xmesh_plan/examples_data/pipelines
-python3 -m pip install -q --no-index --no-deps --no-cache-dir .whl/*.whl 2>&1 | grep -v "dependency conflicts\|requires\|^$" | tail -3
-export PYTHONPATH=$PWD
+source bench/gpu/setup.sh  # the repo's xmesh_plan/ made the whole package, the wheels, PYTHONPATH, BIN
 nvidia-smi -L
-BIN=$(dirname "$(python3 -c 'import sys; print(sys.executable)')")
 ranks() { python3 -c "import sys; from xmesh_plan.schemas.plan import read_plan_file; from xmesh_plan.executor.ranks import plan_devices; print(len(plan_devices(read_plan_file(sys.argv[1]))))" "$1"; }
 fake_host() { echo "NCCL_HOSTID=xmesh-rank-$1 NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1 NCCL_NET=Socket"; }
 
@@ -55,7 +51,9 @@ section_separate() {
     done
   done
   for pid in "${pids[@]}"; do wait "$pid" || rc=$?; done
-  if [ "$rc" = 0 ]; then grep -h "^rank [0-9]*: \(step\|in place\|separate fp8\)" /tmp/rank-[4-7].log; else tail -n 6 /tmp/rank-*.log; fi
+  for t in 0 1 2 3 4 5 6 7; do  # transfer rank t's results (its launch's rank first), and the cause of any failure
+    grep -h "^rank [0-9]*: \|Error\|what()" "/tmp/rank-$t.log" | grep -v "^frame\|Warning" | sed "s/^/transfer rank $t: /"
+  done
   echo "rc=$rc"
 }
 section_dtensor() {
@@ -81,11 +79,15 @@ section_cupy() {
       --check --gpu 0 --fake-hosts --max-mb 4 --iters 3 2>&1 | tail -3
   done
 }
+section_convert() {
+  echo "=== bench/gpu/convert_check.sh (at ${SECONDS} s)"
+  bash bench/gpu/convert_check.sh
+}
 section_pytest() {
   echo "=== pytest -m gpu tests/test_executor_gpu.py tests/test_convert_torch.py (at ${SECONDS} s)"
   timeout 300 python3 -m pytest -p no:cacheprovider -m gpu tests/test_executor_gpu.py tests/test_convert_torch.py -rA 2>&1 | tail -8
 }
 # the sections named on the command line, else all of them, the newest paths first (a run cut short by its time limit
-# still says the most): demo separate dtensor torch cupy pytest
-for section in ${@:-demo separate dtensor torch cupy pytest}; do "section_$section"; done
+# still says the most): convert demo separate dtensor torch cupy pytest
+for section in ${@:-convert demo separate dtensor torch cupy pytest}; do "section_$section"; done
 echo "=== done in ${SECONDS} s"

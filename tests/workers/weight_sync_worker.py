@@ -159,6 +159,11 @@ def separate(side: str) -> None:
     separate_converted(side, group, ranks)
     if DEVICE == "cpu":  # each mismatch fails collectives mid-way: checked on gloo only
         separate_mismatches(group.rank(), group, model, {**kwargs, "group": group, "ranks": ranks})
+    else:  # every rank of both launches is done with the transfer group before its communicators go, none exits first
+        barrier(group)
+        torch.cuda.synchronize()
+        group.shutdown()
+        say("transfer group", "closed")
 
 
 def one_side(side: str, c, make_targets) -> tuple:
