@@ -406,8 +406,10 @@ class Executor(Flying):
         return self.names[t]
 
     def _apart(self, targets: dict, sources: list) -> None:
-        """Refuse the caller's destination tensors of one call that share memory with each other or with its source
-        shards (`sources`, per tensor), on an engine that receives into them in place and checks it (`check_apart`)."""
+        """Refuse, on every call, arrays of it sharing memory with one it writes: the caller's destination tensors
+        (`targets`, by name) with each other or with its source shards (`sources`, per tensor), and, on an engine keeping
+        its own destination shards, those shards with the caller's arrays, on an engine that receives in place and
+        checks it (`check_apart`)."""
         check = getattr(self.flight.engine, "check_apart", None)
         if check is not None:
             check(targets, dict(zip(self.names, sources)), self._program.device)
@@ -468,8 +470,7 @@ class ReshardingExecutor(Executor):
         self._startable()
         target = None if into is None else self._into(0, into, "start()")  # no call on the common path: run() is timed per call
         source = self._adopt(0, local_shard)
-        if target is not None:
-            self._apart({self.names[0]: target}, [source])
+        self._apart({} if target is None else {self.names[0]: target}, [source])
         self.flight.start(source, target)
         self.target = target
 

@@ -35,6 +35,7 @@ reading those tensors (or their scales) wait for the swaps like for any other st
 
 from __future__ import annotations
 
+import bisect
 import ctypes
 import threading
 import time
@@ -83,6 +84,7 @@ class MpiEngine:
         self.single = len(program.tensors) == 1
         self.dst: np.ndarray | None = None
         self.dsts: list[np.ndarray | None] = []
+        self.own_spans: tuple | None = None  # the own shards' byte ranges by address (`check_apart`; None: not sorted yet)
         self.src = None
         self.into = None  # the caller's destination arrays of the reshard in flight (only until wait() returns)
         self.shards = None  # the converted tensors' source shards, typed, of the reshard in flight (`_prepare_casts`)
@@ -316,6 +318,7 @@ class MpiEngine:
                 return None
             self.dsts[t] = np.empty(shape, self.dtypes[t])
             self.dst = self.dsts[0]
+            self.own_spans = None  # `check_apart` sorts them again
         return self.dsts[t]
 
     def adopt(self, array) -> np.ndarray:
@@ -330,7 +333,32 @@ class MpiEngine:
         check_into(array, shape, dtype_name, device, name)
         refuse_overlapping_into(array, device, name)
 
-    check_apart = staticmethod(refuse_shared)  # the caller's arrays of one call: no destination shares memory with another array
+    def check_apart(self, targets: dict, sources: dict, device: int) -> None:
+        """Refuse, before a call starts, an array of it sharing memory with one this call writes: the caller's destination
+        arrays (`targets`, by name; `apart.refuse_shared`), and the engine's own destination shards of the tensors
+        `targets` leaves out, against every source shard (`sources`, by name in tensor order) and caller's array. The
+        own shards are separate allocations, sorted by address once; each array costs one `byte_bounds` and a bisection,
+        `numpy.shares_memory` only where byte ranges meet."""
+        if targets:
+            refuse_shared(targets, sources, device)
+        spans = self.own_spans
+        if spans is None:
+            if not any(own is not None for own in self.dsts):
+                return
+            spans = self.own_spans = _spans(self.dsts)
+        lows, highs, owners = spans
+        names = list(sources)
+        for written, arrays in ((False, sources), (True, targets)):
+            for name, array in arrays.items():
+                if array is None or not array.size:
+                    continue
+                low, high = byte_bounds(array)
+                k = bisect.bisect_right(highs, low)
+                while k < len(lows) and lows[k] < high:
+                    t = owners[k]
+                    if names[t] not in targets and np.shares_memory(array, self.dsts[t]):
+                        raise PlanMismatchError(_own_refusal(written, name, names[t], device))
+                    k += 1
 
     def contiguous(self, array: np.ndarray) -> np.ndarray:
         return array if array.flags.c_contiguous else np.ascontiguousarray(array)
@@ -592,6 +620,21 @@ def _free_requests(requests: list, mpi, types: list | None = None) -> None:
         if datatype is not None:
             types[k] = None
 
+
+
+def _spans(shards: list) -> tuple[list[int], list[int], list[int]]:
+    """The byte ranges of the nonempty `shards` (None where absent) sorted by address: their starts, their ends, their
+    indices."""
+    spans = sorted((*byte_bounds(shard), t) for t, shard in enumerate(shards) if shard is not None and shard.size)
+    return [low for low, _, _ in spans], [high for _, high, _ in spans], [t for _, _, t in spans]
+
+
+def _own_refusal(written: bool, name: str, owner: str, device: int) -> str:
+    """The one-line refusal of a caller's array (a destination array when `written`, else a source shard) of tensor
+    `name` sharing memory with the engine's own destination shard of tensor `owner`, which the same call writes."""
+    what = f"into[{name!r}]" if written else f"the source shard of {name!r}"
+    return (f"run(): {what} on device {device} shares memory with the engine's own destination shard of {owner!r} (what an "
+            f"earlier run returned for it; this call writes it): pass a copy, or pass into={{{owner!r}: ...}} for it")
 
 
 def _caller_view(array: np.ndarray, dtype: np.dtype) -> np.ndarray:

@@ -137,11 +137,11 @@ class TransferExecutor(Executor):
             source = self._adopt(0, given.get(self.names[0]))
         else:
             source = [self._adopt(t, given.get(name)) for t, name in enumerate(self.names)]
+        self._apart(targets, [source] if self.one else source)
         if not targets:
             self.flight.start(source)
             return
         dsts = [targets.get(name) for name in self.names]
-        self._apart(targets, [source] if self.one else source)
         self.flight.start(source, dsts[0] if self.one else dsts)
         self.targets = targets
 

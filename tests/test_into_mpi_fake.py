@@ -105,6 +105,49 @@ def test_arrays_that_cannot_be_written_in_place_are_refused_in_one_line_and_the_
     assert_every_shard(plan, out, full)
 
 
+@pytest.mark.parametrize("order", ["device", "posted"])
+def test_the_engines_own_destination_shard_passed_back_is_refused_and_runs_after(order):
+    """What a run returned (the engine's own destination shard) passed back as a source shard of the next call, or as
+    its `into` for another tensor whose own shard the call writes: refused in one line on every rank, naming both
+    tensors, before anything starts (unchecked, S0 R -> S1 R wrote a wrong result); passing `into` for the tensor the
+    own shard belongs to (so the call does not write it) runs, bit for bit, and so does every rank after."""
+    from xmesh_plan.planner.transfer_io import build_transfer
+
+    mesh = {"shape": [2, 2], "devices": [0, 1, 2, 3]}
+    plan = compile_plan(build_transfer({"src_mesh": mesh, "dst_mesh": mesh, "tensors": [
+        {"name": "w", "shape": [8, 8], "src": "S0 R", "dst": "S1 R"}, {"name": "b", "shape": [8, 8], "src": "S0 R", "dst": "S1 R"}]}),
+        solver="greedy")
+    executors = fake_executors(plan, order=order)
+    full = full_tensors(plan, 2)
+    run_everywhere(plan, executors, full)  # makes the own shards
+    for ex in executors:
+        copies = {name: slice_box(full[name], t.src_block).copy() for name, t in zip(ex.names, ex.program.tensors)}
+        own = dict(zip(ex.names, ex.engine.dsts))
+        d = ex.device
+        _refused(ex, None, rf"the source shard of 'w' on device {d} shares memory with the engine's own destination shard of "
+                 r"'w' \(what an earlier run returned for it; this call writes it\): pass a copy, or pass into=\{'w': \.\.\.\}",
+                 {**copies, "w": own["w"]})
+        _refused(ex, {"w": own["b"]}, rf"into\['w'\] on device {d} shares memory with the engine's own destination shard of 'b'",
+                 copies)
+        _refused(ex, {"w": np.empty_like(own["w"])}, rf"the source shard of 'b' on device {d} shares memory with the engine's "
+                 r"own destination shard of 'b'", {**copies, "b": own["b"]})
+    targets, sources = [], []
+    for ex in executors:  # a call passing into for w does not write w's own shard: passed as its source, it runs
+        own = dict(zip(ex.names, ex.engine.dsts))
+        np.copyto(own["w"], slice_box(full["w"], ex.program.tensors[ex.names.index("w")].src_block))
+        sources.append({"w": own["w"], "b": slice_box(full["b"], ex.program.tensors[ex.names.index("b")].src_block).copy()})
+        targets.append({"w": np.empty_like(own["w"])})
+    for ex, shards, into in zip(executors, sources, targets):
+        ex.start(shards, into)
+    for _ in range(10_000):
+        if all([ex.test() for ex in executors]):
+            break
+    out = {ex.device: {k: v.copy() for k, v in ex.wait().items()} for ex in executors}
+    assert all(out[ex.device]["w"] is not None for ex in executors)
+    assert_every_shard(plan, out, full)
+    assert_every_shard(plan, run_everywhere(plan, executors, full), full)
+
+
 def test_overlap_checks_agree_with_every_elements_offset():
     """`overlaps_itself` against a brute-force count of distinct element offsets, on random shapes and strides
     (interleaved, negative, zero); `refuse_shared` passes interleaved columns that share no element and refuses
