@@ -175,6 +175,28 @@ def test_overlap_checks_agree_with_every_elements_offset():
         refuse_shared({"b": wide[4:]}, {"a": wide}, 0)
 
 
+def test_a_huge_zero_stride_destination_is_refused_in_one_line_without_listing_its_offsets():
+    """A 4e7-element destination whose elements are one float (a zero stride, as `numpy.broadcast_to` makes): refused
+    in one line while allocating under 1 MiB (listing every element's offset first took 305 MiB); interleaved strides
+    over more elements than `apart.OFFSETS_CHECKED` count as overlapping without listing them either."""
+    import tracemalloc
+
+    from xmesh_plan.executor.apart import refuse_overlapping_into
+
+    huge = np.lib.stride_tricks.as_strided(np.zeros(1, np.float32), (40_000_000,), (0,))
+    tracemalloc.start()
+    try:
+        with pytest.raises(PlanMismatchError, match=r"^run\(\): into\['w'\] on device 3 has elements sharing memory") as err:
+            refuse_overlapping_into(huge, 3, "w")
+        interleaved = np.lib.stride_tricks.as_strided(np.zeros(16_000, np.float32), (4096, 2048), (8, 12))  # past OFFSETS_CHECKED
+        assert overlaps_itself(interleaved)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert "\n" not in str(err.value) and peak < 1 << 20, peak
+    assert overlaps_itself(np.lib.stride_tricks.as_strided(np.zeros(8, np.float32), (4, 1 << 20, 3), (4, 0, 4)))
+
+
 def test_the_one_tensor_face_refuses_a_destination_inside_its_source_shard_and_runs_after():
     """`ReshardingExecutor.run(shard, into=...)` with `into` over the source shard's own memory: refused in one line,
     naming the tensor; the same executor then runs into a separate array, which it returns, bit for bit."""
