@@ -460,17 +460,24 @@ class ReshardingExecutor(Executor):
     def run(self, local_shard=None, into=None):
         """Reshard once: this rank's source shard in (None if it has none), its destination shard out (or None);
         `into`: the tensor to write it in (`start`)."""
-        self.start(local_shard, into)
+        self._start(local_shard, into, "run()")
         return self.wait()
 
     def start(self, local_shard=None, into=None) -> None:
         """Begin a reshard and return at once; do not modify `local_shard` until `wait()` returns. `into`: a tensor of
         this rank's destination shard's shape and dtype (a view into a larger tensor is fine) that the reshard writes in
         place, kept only until `wait()` returns (None: the engine's own buffer)."""
+        self._start(local_shard, into, "start()")
+
+    def _start(self, local_shard, into, call: str) -> None:
+        """start() for `call`, the call that was made (its name in a refusal)."""
         self._startable()
-        target = None if into is None else self._into(0, into, "start()")  # no call on the common path: run() is timed per call
-        source = self._adopt(0, local_shard)
-        self._apart({} if target is None else {self.names[0]: target}, [source])
+        try:
+            target = None if into is None else self._into(0, into, call)  # no call on the common path: run() is timed per call
+            source = self._adopt(0, local_shard, call)
+            self._apart({} if target is None else {self.names[0]: target}, [source])
+        except PlanMismatchError as err:
+            raise named_call(err, call) from None
         self.flight.start(source, target)
         self.target = target
 
@@ -480,6 +487,15 @@ class ReshardingExecutor(Executor):
         target, self.target = self.target, None
         shard = self.flight.wait()
         return shard if target is None else target
+
+
+def named_call(err: PlanMismatchError, call: str) -> PlanMismatchError:
+    """`err`, a refusal of a call's arrays by a check that run() and start() share (its text begins `run(): `), naming
+    `call`, the call that was made."""
+    text = str(err)
+    if call == "run()" or not text.startswith("run(): "):
+        return err
+    return PlanMismatchError(call + text[len("run()"):], err.same_on_every_rank)
 
 
 def _list(ranks: list[int]) -> str:

@@ -66,10 +66,13 @@ def test_into_only_calls_write_the_callers_arrays_and_allocate_no_destination_bu
 
 
 def _refused(ex, into, match: str, shards=None) -> None:
-    """`ex.start(shards, into)` refused in one line, before anything started: the executor stays usable."""
-    with pytest.raises(PlanMismatchError, match=match) as err:
-        ex.start(shards, into)
-    assert "\n" not in str(err.value) and not ex.in_flight and not ex.engine.broken
+    """`ex.start(shards, into)` refused in one line naming start(), before anything started: the executor stays usable;
+    `ex.run` refused alike, naming run()."""
+    for call in ("start", "run"):
+        with pytest.raises(PlanMismatchError, match=match) as err:
+            getattr(ex, call)(shards, into)
+        assert str(err.value).startswith(f"{call}(): "), err.value
+        assert "\n" not in str(err.value) and not ex.in_flight and not ex.engine.broken
 
 
 def test_arrays_that_cannot_be_written_in_place_are_refused_in_one_line_and_the_executor_runs_after():
