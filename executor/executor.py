@@ -406,13 +406,19 @@ class Executor(Flying):
         return self.names[t]
 
     def _apart(self, targets: dict, sources: list) -> None:
-        """Refuse, on every call, arrays of it sharing memory with one it writes: the caller's destination tensors
-        (`targets`, by name) with each other or with its source shards (`sources`, per tensor), and, on an engine keeping
-        its own destination shards, those shards with the caller's arrays, on an engine that receives in place and
-        checks it (`check_apart`)."""
-        check = getattr(self.flight.engine, "check_apart", None)
-        if check is not None:
-            check(targets, dict(zip(self.names, sources)), self._program.device)
+        """Refuse arrays of one call sharing memory with one it writes, on an engine that checks it: the caller's
+        destination tensors (`targets`, by name) with each other or with its source shards (`sources`, per tensor;
+        `check_apart`), and on every call the engine's own destination shards that it writes with the caller's arrays
+        (`check_own`)."""
+        engine = self.flight.engine
+        check, own = getattr(engine, "check_apart", None), getattr(engine, "check_own", None)
+        if (check is None or not targets) and own is None:
+            return
+        named = dict(zip(self.names, sources))
+        if check is not None and targets:
+            check(targets, named, self._program.device)
+        if own is not None:
+            own(targets, named, self._program.device)
 
     def test(self) -> bool:
         """Drive communication without blocking (call it now and then between start() and wait()).

@@ -84,7 +84,7 @@ class MpiEngine:
         self.single = len(program.tensors) == 1
         self.dst: np.ndarray | None = None
         self.dsts: list[np.ndarray | None] = []
-        self.own_spans: tuple | None = None  # the own shards' byte ranges by address (`check_apart`; None: not sorted yet)
+        self.own_spans: tuple | None = None  # the own shards' byte ranges by address (`check_own`; None: not sorted yet)
         self.src = None
         self.into = None  # the caller's destination arrays of the reshard in flight (only until wait() returns)
         self.shards = None  # the converted tensors' source shards, typed, of the reshard in flight (`_prepare_casts`)
@@ -318,7 +318,7 @@ class MpiEngine:
                 return None
             self.dsts[t] = np.empty(shape, self.dtypes[t])
             self.dst = self.dsts[0]
-            self.own_spans = None  # `check_apart` sorts them again
+            self.own_spans = None  # `check_own` sorts them again
         return self.dsts[t]
 
     def adopt(self, array) -> np.ndarray:
@@ -333,14 +333,14 @@ class MpiEngine:
         check_into(array, shape, dtype_name, device, name)
         refuse_overlapping_into(array, device, name)
 
-    def check_apart(self, targets: dict, sources: dict, device: int) -> None:
-        """Refuse, before a call starts, an array of it sharing memory with one this call writes: the caller's destination
-        arrays (`targets`, by name; `apart.refuse_shared`), and the engine's own destination shards of the tensors
-        `targets` leaves out, against every source shard (`sources`, by name in tensor order) and caller's array. The
-        own shards are separate allocations, sorted by address once; each array costs one `byte_bounds` and a bisection,
-        `numpy.shares_memory` only where byte ranges meet."""
-        if targets:
-            refuse_shared(targets, sources, device)
+    check_apart = staticmethod(refuse_shared)  # the caller's arrays of one call: no destination shares memory with another array
+
+    def check_own(self, targets: dict, sources: dict, device: int) -> None:
+        """Refuse, before any call starts, a source shard (`sources`, by name in tensor order) or caller's destination
+        array (`targets`, by name) sharing memory with an own destination shard that the call writes (of a tensor
+        `targets` leaves out): what an earlier run returned, passed back. The own shards are separate allocations,
+        sorted by address once; each array costs one `byte_bounds` and a bisection, `numpy.shares_memory` only where
+        byte ranges meet; nothing while the engine has none."""
         spans = self.own_spans
         if spans is None:
             if not any(own is not None for own in self.dsts):
