@@ -22,7 +22,8 @@ it, one that is not (a strided view) through an MPI derived datatype that scatte
 copies no byte either way.
 
 The engine's own destination shards are made by the first call that passes none of the caller's for them (`_own`), once:
-a caller who always passes `into` gets no destination buffer of the engine's.
+a caller who always passes `into` gets no destination buffer of the engine's. A call whose source shard or `into` array
+shares memory with an own shard that it writes (what an earlier run returned, passed back) is refused (`check_own`).
 
 A plan that converts at the sender (`executor.conversions`) has every buffer but the caller's source shards in the
 destination dtype: each source shard is cast once per run (`executor.convert_host`, torch's bits), with its FP8 scales,
