@@ -34,11 +34,18 @@ def byte_bounds(array: np.ndarray) -> tuple[int, int]:
     return low, high + array.itemsize
 
 
+OFFSETS_CHECKED = 1 << 22  # elements whose offsets `overlaps_itself` sorts at most (32 MiB of them)
+
+
 def overlaps_itself(array: np.ndarray) -> bool:
-    """Whether two elements of `array` share a byte (a zero stride, or strides that interleave too tightly)."""
+    """Whether two elements of `array` share a byte (a zero stride, or strides that interleave too tightly). Strides
+    that interleave over more than OFFSETS_CHECKED elements are not checked element by element: True, conservatively
+    (such a view is refused even where its elements happen to be distinct)."""
     if array.size <= 1:
         return False
     dims = sorted((abs(stride), n) for n, stride in zip(array.shape, array.strides) if n > 1)
+    if dims[0][0] == 0:  # a zero stride over two or more elements
+        return True
     reach = array.itemsize
     for stride, n in dims:
         if stride < reach:
@@ -46,6 +53,8 @@ def overlaps_itself(array: np.ndarray) -> bool:
         reach += stride * (n - 1)
     else:
         return False
+    if array.size > OFFSETS_CHECKED:
+        return True
     offsets = np.zeros(1, np.int64)  # strides that interleave (rare): every element's offset, sorted, checked for gaps
     for stride, n in dims:
         offsets = (offsets[:, None] + np.arange(n, dtype=np.int64) * stride).reshape(-1)
