@@ -230,14 +230,17 @@ class _Grids:
         """The grid of each (tensor, device); None where a device is no destination of its tensor."""
         if not len(tensor):
             return np.zeros(0, np.int64)
-        if not len(self.tensor) or device.min() < 0 or device.max() > self.device.max():
+        if not len(self.tensor) or tensor.min() < 0 or tensor.max() > self.tensor.max():
             return None
-        table = np.full((int(self.tensor.max()) + 1, int(self.device.max()) + 1), -1, np.int64)
-        table[self.tensor, self.device] = np.arange(len(self.tensor))
-        if tensor.min() < 0 or tensor.max() >= len(table):
+        # keys (tensor, the device's rank among all devices), ascending as the grids are: sized by the grids, not the ids
+        ids = np.unique(self.device)
+        rank = np.searchsorted(ids, device)
+        if not (ids[np.minimum(rank, len(ids) - 1)] == device).all():
             return None
-        at = table[tensor, device]
-        return at if (at >= 0).all() else None
+        keys = self.tensor * len(ids) + np.searchsorted(ids, self.device)
+        wanted = tensor * len(ids) + rank
+        at = np.minimum(np.searchsorted(keys, wanted), len(keys) - 1)
+        return at if (keys[at] == wanted).all() else None
 
 
 def _reads_hold(dst_reads: list, boxes: Boxes, cuts: list[np.ndarray], grid: _Grids, who: np.ndarray,

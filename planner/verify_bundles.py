@@ -81,25 +81,31 @@ def box_bounds(table: tuple[np.ndarray, np.ndarray], boxes: np.ndarray, rank: in
 
 
 class _Blocks:
-    """One side's blocks of a tensor layout as dense arrays over device ids: who has one, and its box."""
+    """One side's blocks of a tensor layout as arrays over its devices, ascending (sized by the devices, not their
+    ids): who has one, and its box; a last row for devices without one."""
 
     def __init__(self, blocks: dict, rank: int):
-        devices = np.array(sorted(blocks), dtype=np.int64)
-        size = int(devices.max()) + 1 if len(devices) and devices.min() >= 0 else 0
-        self.has = np.zeros(size + 1, dtype=bool)
-        lo, hi = np.zeros((size + 1, rank), np.int64), np.zeros((size + 1, rank), np.int64)
-        for d in devices.tolist() if size else ():
-            self.has[d] = True
-            lo[d], hi[d] = [a for a, _ in blocks[d]], [b for _, b in blocks[d]]
+        self.devices = np.array(sorted(blocks), dtype=np.int64)
+        self.has = np.append(np.ones(len(self.devices), dtype=bool), False)
+        lo, hi = np.zeros((len(self.devices) + 1, rank), np.int64), np.zeros((len(self.devices) + 1, rank), np.int64)
+        for k, d in enumerate(self.devices.tolist()):
+            lo[k], hi[k] = [a for a, _ in blocks[d]], [b for _, b in blocks[d]]
         self.lo, self.hi = [lo[:, k].copy() for k in range(rank)], [hi[:, k].copy() for k in range(rank)]  # per dim
+
+    def _rows(self, devices: np.ndarray) -> np.ndarray:
+        """Each device's row (the last row where it has no block)."""
+        if not len(self.devices):
+            return np.zeros(len(devices), np.int64)
+        at = np.searchsorted(self.devices, devices)
+        return np.where(self.devices[np.minimum(at, len(self.devices) - 1)] == devices, at, len(self.devices))
 
     def known(self, devices: np.ndarray) -> np.ndarray:
         """Per entry: the device has a block."""
-        return self.has[np.where((devices >= 0) & (devices < len(self.has)), devices, len(self.has) - 1)]
+        return self.has[self._rows(devices)]
 
     def holds(self, devices: np.ndarray, lo: list[np.ndarray], hi: list[np.ndarray]) -> np.ndarray:
         """Per entry: `devices[k]` has a block and the box [lo[k], hi[k]) (given dim by dim) lies inside it."""
-        at = np.where((devices >= 0) & (devices < len(self.has)), devices, len(self.has) - 1)
+        at = self._rows(devices)
         inside = self.has[at]
         for block_lo, block_hi, a, b in zip(self.lo, self.hi, lo, hi):  # 1-D gathers: faster than gathering rows
             inside &= (block_lo[at] <= a) & (b <= block_hi[at])
@@ -149,8 +155,7 @@ def bundle_facts(ops: OpColumns, columns: BundleColumns, problems: list, cluster
     for members in layouts.values():
         problem = problems[members[0]]
         blocks = (_Blocks(problem.blocks("src"), len(problem.shape)), _Blocks(problem.blocks("dst"), len(problem.shape)))
-        size = max(1024, CHUNK_PARTS * 8 // cluster.devices_per_host)  # a chunk's table of needers per part stays small
-        for rows in _chunks(np.flatnonzero(ok & np.isin(tensor, members) & (dims == len(problem.shape))), parts, size):
+        for rows in _chunks(np.flatnonzero(ok & np.isin(tensor, members) & (dims == len(problem.shape))), parts, CHUNK_PARTS):
             _check_rows(ops, columns, problem, blocks, cluster, relay, rows, facts)
     return facts
 
@@ -170,10 +175,10 @@ def _check_rows(ops: OpColumns, columns: BundleColumns, problem, blocks: tuple["
     part_ok &= (host_of(holder) == host_of(sender)) & blocks[0].holds(holder, lo_dims, hi_dims)
     needs, part_of, needer = _needers(columns, rows, len(flat))
     on_host = host_of(needer) == host_of(receiver[part_of])
-    # each needer's place on the receiving relay's host, counted per part: distinct needers count 1 each
+    # each needer's place on the receiving relay's host, per part, found among all of them sorted: distinct needers once
     key = part_of * per_host + np.where(on_host, needer - host_of(receiver[part_of]) * per_host, 0)
-    seen = np.bincount(key[on_host], minlength=len(flat) * per_host)
-    need_ok = on_host & (seen[key] == 1) & blocks[1].holds(needer, [c[part_of] for c in lo_dims], [c[part_of] for c in hi_dims])
+    keys = np.sort(key[on_host])
+    need_ok = on_host & (_count(keys, key) == 1) & blocks[1].holds(needer, [c[part_of] for c in lo_dims], [c[part_of] for c in hi_dims])
     part_ok &= (needs >= 1) & (np.bincount(part_of, weights=~need_ok, minlength=len(flat)) == 0)
     good &= np.bincount(owner, weights=~part_ok, minlength=len(rows)) == 0
     facts.proven[rows[good]] = True
@@ -182,10 +187,15 @@ def _check_rows(ops: OpColumns, columns: BundleColumns, problem, blocks: tuple["
     first = np.ones(len(flat), bool)  # the first part of its row
     first[1:] = owner[1:] != owner[:-1]
     gathers = (holder != sender) & (first | (np.roll(holder, 1) != holder))  # a run of parts one holder sends
-    after = ~first[part_of] & on_host & (seen[np.maximum(key - per_host, 0)] > 0)  # the part before goes to it too
+    after = ~first[part_of] & on_host & (_count(keys, key - per_host) > 0)  # the part before goes to it too
     scatters = (needer != receiver[part_of]) & ~after  # a run of parts the receiving relay sends one needer
     facts.tags[rows] = 1 + np.bincount(owner, weights=gathers, minlength=len(rows)).astype(np.int64) \
         + np.bincount(owner[part_of], weights=scatters, minlength=len(rows)).astype(np.int64)
+
+
+def _count(keys: np.ndarray, values: np.ndarray) -> np.ndarray:
+    """How often each of `values` occurs in the sorted `keys`."""
+    return np.searchsorted(keys, values, "right") - np.searchsorted(keys, values)
 
 
 def bundle_writes(columns: BundleColumns, rows: np.ndarray, rank: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:

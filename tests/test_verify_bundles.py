@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import functools
 import random
+import tracemalloc
 from pathlib import Path
 
 import numpy as np
@@ -59,6 +60,22 @@ def test_bundle_plans_are_proved_with_no_record(tmp_path, monkeypatch):
         proved = verify_compact(_file(plan, tmp_path, f"p{k}"), _quiet, _quiet)
         assert proved is not None and read == []
         assert str(verify_plan_file(tmp_path / f"p{k}.plan.npz")) == str(verify_plan(plan))
+
+
+@pytest.mark.parametrize("tensors, first, per_host", [(2, 2**22, 4), (8, 2**18, 2**18)])
+def test_far_device_ids_and_large_hosts_verify_in_little_memory(tmp_path, tensors, first, per_host):
+    """The checks' arrays are sized by the plan's devices and parts, not by the largest device id (allowed up to
+    2**31-1) or the devices per host (up to 2**20)."""
+    plan = compile_plan(many_bundles(tensors, first, per_host), bucket_bytes=4096)
+    path = _file(plan, tmp_path)
+    tracemalloc.start()
+    try:
+        proved, report = verify_compact(path, _quiet, _quiet), verify_plan(plan)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert proved is not None and report.operations == len(plan.operations)
+    assert peak < 4 * 2**20, f"{peak / 2**20:.0f} MiB"
 
 
 def _shuffled_bundles(rng: random.Random, plan: Plan) -> Plan:

@@ -26,13 +26,14 @@ def three_tensors(dst_devices=(3, 4, 5)):
                     {"name": "emb", "shape": [6, 4, 3], "dtype": "bfloat16", "src": "R S1 R", "dst": "S0 R R"}]})
 
 
-def many_bundles():
-    """Twelve small tensors from host 0's four devices to host 1's: every box is bundled, a bundle gathers from
-    three holders and scatters to three needers."""
+def many_bundles(tensors: int = 12, first: int = 4, per_host: int = 4):
+    """`tensors` small tensors from host 0's four devices to devices first..first+3 (one other host: `first` a
+    multiple of `per_host`, devices per host): every box is bundled, a bundle gathers from three holders and scatters
+    to three needers."""
     return build_transfer({
-        "name": "bundles", "src_mesh": {"shape": [4], "devices": [0, 1, 2, 3]}, "dst_mesh": {"shape": [4], "devices": [4, 5, 6, 7]},
-        "cluster": {"devices_per_host": 4},
-        "tensors": [{"name": f"t{i}", "shape": [64, 16], "dtype": "float32", "src": "S0 R", "dst": "R S0"} for i in range(12)]})
+        "name": "bundles", "src_mesh": {"shape": [4], "devices": [0, 1, 2, 3]},
+        "dst_mesh": {"shape": [4], "devices": list(range(first, first + 4))}, "cluster": {"devices_per_host": per_host},
+        "tensors": [{"name": f"t{i}", "shape": [64, 16], "dtype": "float32", "src": "S0 R", "dst": "R S0"} for i in range(tensors)]})
 
 
 def full_tensors(plan: Plan, seed: int) -> dict[str, np.ndarray]:
