@@ -175,10 +175,11 @@ def _check_rows(ops: OpColumns, columns: BundleColumns, problem, blocks: tuple["
     part_ok &= (host_of(holder) == host_of(sender)) & blocks[0].holds(holder, lo_dims, hi_dims)
     needs, part_of, needer = _needers(columns, rows, len(flat))
     on_host = host_of(needer) == host_of(receiver[part_of])
-    # each needer's place on the receiving relay's host, per part, found among all of them sorted: distinct needers once
+    # each needer's place on the receiving relay's host, per part; distinct needers are once among all of them sorted
     key = part_of * per_host + np.where(on_host, needer - host_of(receiver[part_of]) * per_host, 0)
-    keys = np.sort(key[on_host])
-    need_ok = on_host & (_count(keys, key) == 1) & blocks[1].holds(needer, [c[part_of] for c in lo_dims], [c[part_of] for c in hi_dims])
+    once, after = np.zeros(len(key), bool), np.zeros(len(key), bool)
+    once[on_host], after[on_host] = _once_and_before(key[on_host], per_host)
+    need_ok = on_host & once & blocks[1].holds(needer, [c[part_of] for c in lo_dims], [c[part_of] for c in hi_dims])
     part_ok &= (needs >= 1) & (np.bincount(part_of, weights=~need_ok, minlength=len(flat)) == 0)
     good &= np.bincount(owner, weights=~part_ok, minlength=len(rows)) == 0
     facts.proven[rows[good]] = True
@@ -187,15 +188,24 @@ def _check_rows(ops: OpColumns, columns: BundleColumns, problem, blocks: tuple["
     first = np.ones(len(flat), bool)  # the first part of its row
     first[1:] = owner[1:] != owner[:-1]
     gathers = (holder != sender) & (first | (np.roll(holder, 1) != holder))  # a run of parts one holder sends
-    after = ~first[part_of] & on_host & (_count(keys, key - per_host) > 0)  # the part before goes to it too
+    after &= ~first[part_of]  # the part before goes to it too
     scatters = (needer != receiver[part_of]) & ~after  # a run of parts the receiving relay sends one needer
     facts.tags[rows] = 1 + np.bincount(owner, weights=gathers, minlength=len(rows)).astype(np.int64) \
         + np.bincount(owner[part_of], weights=scatters, minlength=len(rows)).astype(np.int64)
 
 
-def _count(keys: np.ndarray, values: np.ndarray) -> np.ndarray:
-    """How often each of `values` occurs in the sorted `keys`."""
-    return np.searchsorted(keys, values, "right") - np.searchsorted(keys, values)
+def _once_and_before(key: np.ndarray, step: int) -> tuple[np.ndarray, np.ndarray]:
+    """Per key: it occurs once in `key`; `key - step` occurs in `key`. By one sort (keys come nearly sorted: part by
+    part) and a search of sorted values, so nothing is sized by the keys' range."""
+    order = np.argsort(key, kind="stable")
+    ranked = key[order]
+    single = np.ones(len(key), bool)
+    single[1:] &= ranked[1:] != ranked[:-1]
+    single[:-1] &= ranked[1:] != ranked[:-1]
+    at = np.minimum(np.searchsorted(ranked, ranked - step), max(len(key) - 1, 0))
+    once, before = np.empty(len(key), bool), np.empty(len(key), bool)
+    once[order], before[order] = single, ranked[at] == ranked - step if len(key) else single
+    return once, before
 
 
 def bundle_writes(columns: BundleColumns, rows: np.ndarray, rank: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
