@@ -455,3 +455,54 @@ def test_a_wide_index_member_other_than_the_writer_s_is_refused(tmp_path, change
     change(arrays)
     for message in _rank_reads_each_device(arrays, tmp_path):
         assert "\n" not in message and "index.rows.wide" in message, message
+
+
+def test_compile_verifies_the_one_file_it_writes_in_the_output_s_folder(tmp_path, monkeypatch):
+    """`compile -o x.plan.npz` writes the bytes once: `verify` proves the temporary file in the output's folder that
+    is then renamed over the output (no private copy elsewhere); a plan that fails leaves the old file and no
+    temporary file."""
+    from xmesh_plan.planner import cli
+
+    verified = []
+    real = cli.verify_plan_file
+
+    def spy(path, **kwargs):
+        verified.append((Path(path).parent, Path(path).read_bytes()))
+        return real(path, **kwargs)
+
+    monkeypatch.setattr(cli, "verify_plan_file", spy)
+    target = tmp_path / "ws.plan.npz"
+    assert run_cli("compile", ROOT / "plans" / "weight_sync_small.problem.toml", "-o", target).exit_code == 0
+    assert verified == [(tmp_path, target.read_bytes())]
+    assert [p.name for p in tmp_path.iterdir()] == ["ws.plan.npz"]
+
+    def refuse(path, **kwargs):
+        raise cli.PlanError("operation 3 receives [0:4] twice")
+
+    monkeypatch.setattr(cli, "verify_plan_file", refuse)
+    target.write_bytes(b"old plan")
+    assert isinstance(run_cli("compile", ROOT / "plans" / "weight_sync_small.problem.toml", "-o", target).exception, cli.PlanError)
+    assert [p.name for p in tmp_path.iterdir()] == ["ws.plan.npz"] and target.read_bytes() == b"old plan"
+
+
+def test_a_full_disk_while_writing_a_compact_plan_names_the_output(tmp_path, monkeypatch):
+    """A write that fails for want of space (an OSError naming no file, as a descriptor's write raises) is the
+    last-resort handler's one line naming the output, not "standard output" (what the failure of the private copy
+    `compile` verified said), and leaves no file."""
+    import errno
+    import pathlib
+
+    from xmesh_plan.schemas import files
+    from xmesh_plan.schemas.last_resort import environment_error_line
+
+    def full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(pathlib.Path, "write_bytes", full)
+    monkeypatch.setattr(files, "_write_closed", full, raising=False)
+    target = tmp_path / "ws.plan.npz"
+    result = run_cli("compile", ROOT / "plans" / "weight_sync_small.problem.toml", "-o", target)
+    assert isinstance(result.exception, OSError) and result.exception.errno == errno.ENOSPC, result.output
+    line = environment_error_line(result.exception)
+    assert str(target) in line and "standard output" not in line, line
+    assert list(tmp_path.iterdir()) == []
