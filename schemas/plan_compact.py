@@ -3,19 +3,25 @@
 operations it takes part in (`read_plan_ops`).
 
 The container is a zip of `.npy` arrays (what `numpy.savez` writes, readable by `numpy.load(allow_pickle=False)`),
-every member stored uncompressed with a fixed timestamp: the same plan gives the same bytes, and a member is a
-contiguous byte range a reader maps (`numpy.memmap`) and indexes row by row. Nothing is pickled: every member is a
-plain integer, float or byte array.
+with a fixed timestamp: the same plan gives the same bytes. The members a rank reads are stored uncompressed, each a
+contiguous byte range a reader maps (`numpy.memmap`) and indexes row by row; those no rank reads (`DEFLATED`: tasks
+and host order) are deflated and read whole. Nothing is pickled: every member is a plain integer, float or byte array.
+
+A model is a few layer types repeated: the operations of one layer type's layers differ in their tensor, ids and
+times, not in their kind, devices, boxes or bundles. So each table's `LAYOUTS` fields are stored once per distinct
+combination (the table's layouts, in order of first use) and each row names its layout (`<table>.layout`): a
+layer's operations are a template, each later layer's its layout indices plus its own ids, tensor and times.
 
 Members:
 - `header.npy`: UTF-8 JSON (a uint8 array) with `format`, `format_version`, and `plan`: the plan's JSON object
   less its `tasks`, `operations` and `host_order` (problem, solver, predictions, staging), with its schema_version.
 - `<table>.<field>...npy` for the tables `tasks`, `operations`, `host_order`, one column kind per field
-  (`COLUMN_KINDS`): integers in the narrowest of int8/16/32/64 that holds them, strings as indices into
+  (`COLUMN_KINDS`), a row per layout for the `LAYOUTS` fields and per row for the others: integers in the narrowest of int8/16/32/64 that holds them, strings as indices into
   `<table>.<field>.names` (UTF-8 JSON list), lists of integers as `.lengths` + flat `.values`, boxes as indices into
   the shared box table (`boxes.dims`, `boxes.values`: each distinct box once), an optional integer as values + a
   `.none` mask (left out when nothing is None; values only for the rows that have one), times as `.at` indices into the shared `floats` table where that is
-  smaller than float64 columns (exact: distinct by bit pattern), else as float64.
+  smaller than float64 columns (exact: distinct by bit pattern), else as float64. `<table>.layout`: each row's
+  layout (tasks and operations; left out where every row is its own layout, in order).
 - `index.devices`, `index.offsets`, `index.first`, `index.rows`: for each device (sorted), the rows of the
   operations it takes part in (src, dsts, holders or needers), in execution order: its first row, then the steps
   between rows (uint8; a step of `WIDE_STEP` or more is `WIDE_STEP` there and its value the next entry of
@@ -197,8 +203,8 @@ def _text(text: str) -> np.ndarray:
 def _device_pairs(columns: dict[str, np.ndarray], count: int) -> tuple[np.ndarray, np.ndarray]:
     """(devices, rows): every (device, operation row) pair of the device columns (`DEVICE_FIELDS`) of the encoded
     operations table, the columns of the operations' layouts expanded to the rows that use them."""
-    layout = np.asarray(columns["operations.layout"], dtype=np.int64)
     layouts = len(columns["operations.kind"])
+    layout = np.asarray(columns.get("operations.layout", np.arange(layouts)), dtype=np.int64)
     rows, devices = [], []
     for field in DEVICE_FIELDS:
         name = f"operations.{field}"
@@ -262,7 +268,8 @@ def _table_columns(rows, table: str, out: dict[str, np.ndarray]) -> dict[str, li
             layout, distinct = _first_use(keys, len(keys))
         except TypeError:  # a list among the values (a plan made of plain data): as tuples
             layout, distinct = _first_use(map(_frozen, keys), len(keys))
-        out[f"{table}.layout"] = _narrow(layout, f"{table}.layout")
+        if len(distinct) < len(keys):  # else every row is its own layout, in order: the member is left out
+            out[f"{table}.layout"] = _narrow(layout, f"{table}.layout")
         columns.update(zip(fields, map(list, zip(*distinct))) if distinct else ((f, []) for f in fields))
     return columns
 
@@ -281,7 +288,7 @@ def compact_arrays(plan) -> dict[str, np.ndarray]:
     out.update(shared.members())
     count = len(plan.operations)
     out.update(_device_index(out, count))
-    layout = np.asarray(out["operations.layout"], dtype=np.int64)
+    layout = np.asarray(out.get("operations.layout", np.arange(count)), dtype=np.int64)
     firsts = np.unique(layout, return_index=True)[1]  # the first operation of each layout (layouts are numbered so)
     try:  # the tags an operation owns depend on its layout's fields alone
         tags = np.array([tags_used(plan.operations[k]) for k in firsts.tolist()], dtype=np.int64)
@@ -570,6 +577,17 @@ def layout_count(m: _Members, table: str) -> int:
     return m.where[name][1][0] if m.where[name][1] else 0
 
 
+def _layout_at(m: _Members, table: str, rows) -> np.ndarray:
+    """The layouts of `rows` of `table`: its `<table>.layout` entries, checked, or where the writer left that out
+    (every row its own layout), the rows themselves."""
+    layouts = layout_count(m, table)
+    if f"{table}.layout" in m:
+        return _indices(m, f"{table}.layout", rows, layouts)
+    if layouts != _header(m)["counts"].get(table):  # else a row would read another row's layout
+        raise CompactPlanError(f"member {table}.layout.npy is missing, and the {layouts:,} layouts are not one per row")
+    return np.arange(layouts, dtype=np.int64)[rows]
+
+
 def _rows(m: _Members, table: str, rows: np.ndarray) -> list[dict]:
     """The records at `rows` of `table` as plain dicts, the fields a plan's JSON states: each distinct layout's fields
     decoded once, and shared by the rows of that layout."""
@@ -577,7 +595,7 @@ def _rows(m: _Members, table: str, rows: np.ndarray) -> list[dict]:
     try:
         columns = {field: _DECODERS[kind](m, f"{table}.{field}", rows) for field, kind in kinds.items() if field not in fields}
         if fields:
-            layouts, at = np.unique(_indices(m, f"{table}.layout", rows, layout_count(m, table)), return_inverse=True)
+            layouts, at = np.unique(_layout_at(m, table, rows), return_inverse=True)
             pick = at.reshape(-1).tolist()
             for field in fields:
                 values = _DECODERS[kinds[field]](m, f"{table}.{field}", layouts)
@@ -592,6 +610,11 @@ def _rows(m: _Members, table: str, rows: np.ndarray) -> list[dict]:
 
 
 def _header(m: _Members) -> dict:
+    """The file's header, checked (once per open file)."""
+    return m.once("header", lambda: _read_header(m))
+
+
+def _read_header(m: _Members) -> dict:
     header = m.text("header")
     if not isinstance(header, dict) or header.get("format") != FORMAT:
         raise CompactPlanError(f"its header names format {header.get('format') if isinstance(header, dict) else None!r}, not {FORMAT!r}")
@@ -780,9 +803,10 @@ def read_compact_columns(path: str | os.PathLike, keep: dict[str, set[str]],
     for table in ("tasks", "operations"):
         tables[table] = {}
         layouts = layout_count(m, table)
-        layout = _indices(m, f"{table}.layout", slice(None), layouts)
+        layout = _layout_at(m, table, slice(None))
         if layout.shape != (counts[table],):
-            raise CompactPlanError(f"member {table}.layout.npy is not {counts[table]} layout indices")
+            stated = "is missing" if f"{table}.layout" not in m else f"is not {counts[table]} layout indices"
+            raise CompactPlanError(f"member {table}.layout.npy {stated}")
         for field, kind in COLUMN_KINDS[table].items():
             if field in LAYOUTS[table]:  # checked over the layouts, then stated per row
                 column = _column(m, f"{table}.{field}", kind, layouts)

@@ -506,3 +506,104 @@ def test_a_full_disk_while_writing_a_compact_plan_names_the_output(tmp_path, mon
     line = environment_error_line(result.exception)
     assert str(target) in line and "standard output" not in line, line
     assert list(tmp_path.iterdir()) == []
+
+
+def test_repeated_layers_store_each_layout_once():
+    """The Llama-3-8B-like weight sync (its 32 layers alike): each distinct (kind, devices, boxes, bundle) of the
+    operations and (box, devices, strategy, ...) of the tasks is stored once, every row naming its layout; a plan
+    with no repeated layout leaves `<table>.layout` out."""
+    from xmesh_plan.schemas.plan_compact import LAYOUTS
+
+    plan = read_plan_file(ROOT / "plans" / "weight_sync_small.plan.json")
+    arrays = compact_arrays(plan)
+    for table in ("operations", "tasks"):
+        rows = getattr(plan, table)
+        distinct = {tuple(getattr(r, f) for f in LAYOUTS[table]) for r in rows}
+        assert len(arrays[f"{table}.layout"]) == len(rows) > len(distinct) == len(arrays[f"{table}.{LAYOUTS[table][0]}"])
+    assert len(arrays["operations.id"]) == len(plan.operations)  # ids, tensors, times: per row
+    single = compact_arrays(read_plan_file(ROOT / "plans" / "case1.plan.json"))
+    assert "operations.layout" not in single and "tasks.layout" not in single
+
+
+def test_only_members_no_rank_reads_are_deflated(tmp_path, monkeypatch):
+    """Tasks and host order are deflated (read whole by `verify`, never by a rank); a rank's read inflates nothing."""
+    from xmesh_plan.schemas.plan_compact import _Members
+
+    plan = read_plan_file(ROOT / "plans" / "weight_sync_small.plan.json")
+    path = tmp_path / "x.plan.npz"
+    path.write_bytes(compact_bytes(plan))
+    with zipfile.ZipFile(path) as archive:
+        deflated = {i.filename for i in archive.infolist() if i.compress_type == zipfile.ZIP_DEFLATED}
+    assert deflated and all(name.startswith(("tasks.", "host_order.")) for name in deflated)
+    assert "tasks.id.npy" in deflated and "operations.id.npy" not in deflated
+    monkeypatch.setattr(_Members, "_inflate", lambda self, name: pytest.fail(f"a rank inflated {name}"))
+    for device in sorted({d for op in plan.operations for d in _devices(op)}):
+        assert read_plan_ops(path, device).operations == tuple(op for op in plan.operations if device in _devices(op))
+
+
+def _damaged_deflate(path: Path, member: str) -> None:
+    """Flip a byte in the middle of `member`'s deflated data."""
+    with zipfile.ZipFile(path) as archive:
+        info = archive.getinfo(member)
+    data = bytearray(path.read_bytes())
+    local = info.header_offset
+    start = local + 30 + int.from_bytes(data[local + 26:local + 28], "little") + int.from_bytes(data[local + 28:local + 30], "little")
+    data[start + info.compress_size // 2] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+def test_a_damaged_deflated_member_is_refused_naming_it(tmp_path):
+    """A bit flipped in the deflated tasks: the whole-file read and `verify` refuse it in one line naming the member."""
+    plan = read_plan_file(ROOT / "plans" / "weight_sync_small.plan.json")
+    path = tmp_path / "bad.plan.npz"
+    path.write_bytes(compact_bytes(plan))
+    _damaged_deflate(path, "tasks.senders.values.npy")
+    with pytest.raises(PlanFileError) as err:
+        read_plan_file(path)
+    assert "\n" not in str(err.value) and "tasks.senders.values.npy" in str(err.value), str(err.value)
+    assert_user_error(run_cli("verify", path), "tasks.senders.values.npy")
+
+
+def test_a_member_compressed_another_way_is_refused_naming_it(tmp_path):
+    arrays = compact_arrays(read_plan_file(ROOT / "plans" / "case3.plan.json"))
+    path = tmp_path / "bz.plan.npz"
+    with zipfile.ZipFile(path, "w", compression=zipfile.ZIP_BZIP2) as archive:
+        for name, array in arrays.items():
+            with archive.open(f"{name}.npy", "w") as member:
+                np.lib.format.write_array(member, array, allow_pickle=False)
+    for read in (read_plan_file, lambda p: read_plan_ops(p, 0)):
+        with pytest.raises(PlanFileError) as err:
+            read(path)
+        assert "\n" not in str(err.value) and "header.npy is compressed by method 12" in str(err.value), str(err.value)
+
+
+def _layout_out_of_range(arrays: dict) -> None:
+    layout = arrays["operations.layout"].copy()
+    layout[5] = len(arrays["operations.kind"])
+    arrays["operations.layout"] = layout
+
+
+def _layout_as_floats(arrays: dict) -> None:
+    arrays["operations.layout"] = arrays["operations.layout"].astype(np.float64)
+
+
+def _layout_missing(arrays: dict) -> None:
+    del arrays["operations.layout"]
+
+
+@pytest.mark.parametrize("change", [_layout_out_of_range, _layout_as_floats, _layout_missing])
+def test_an_odd_layout_member_is_refused_naming_it(tmp_path, change):
+    """`operations.layout` naming a layout the columns lack (at row 5), holding floats, or left out where the layouts
+    are fewer than the rows: each device reading a row it spoils, the whole-file read and `verify` refuse the file in
+    one line naming the member."""
+    plan = read_plan_file(ROOT / "plans" / "weight_sync_small.plan.json")
+    arrays = compact_arrays(plan)
+    change(arrays)
+    path = tmp_path / "bad.plan.npz"
+    path.write_bytes(archive_bytes(arrays))
+    readers = _devices(plan.operations[5]) if change is _layout_out_of_range else {d for op in plan.operations for d in _devices(op)}
+    for read in [read_plan_file, *(lambda p, d=d: read_plan_ops(p, d) for d in sorted(readers))]:
+        with pytest.raises(PlanFileError) as err:
+            read(path)
+        assert "\n" not in str(err.value) and "operations.layout" in str(err.value), str(err.value)
+    assert_user_error(run_cli("verify", path), "operations.layout")
