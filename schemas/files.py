@@ -23,9 +23,9 @@ from .limits import quoted
 MAX_FILE_BYTES = 256 * 2**20  # far above any problem, pipeline or schedule; stops /dev/zero. Writers refuse plans above it (`check_writable_size`)
 MAX_COMPACT_FILE_BYTES = 2 * 2**30
 """The most a compact plan file (`schemas.plan_compact`) may be. A plan of the largest problem compile accepts by
-default (`planner.unit_tasks.DEFAULT_MAX_TASKS`, 500,000 unit tasks) has at most a few operations per task; at
-about 100 bytes per operation and per task (docs/format.md, 'Compact plans') that is well under 1 GiB: the limit
-leaves twice that and still stops a runaway file."""
+default (`planner.unit_tasks.DEFAULT_MAX_TASKS`, 1,000,000 unit tasks) has at most a few operations per task; at
+under 100 bytes per operation with its task where no layout repeats (docs/format.md, 'Compact plans') that is
+under 1 GiB: the limit leaves twice that and still stops a runaway file."""
 
 
 class DataFileError(ValueError):
