@@ -96,7 +96,7 @@ def check_into(array: np.ndarray, shape: tuple[int, ...], dtype_name: str, devic
     if not _kind_ok(got, want, dtype_name):
         raise PlanMismatchError(f"run(): into[{name!r}] on device {device} is {got} but the plan delivers {dtype_name}; "
                                 f"pass {_what_to_pass(want, dtype_name)}")
-    if not array.flags.writeable:
+    if not getattr(array.flags, "writeable", True):  # CuPy arrays have no such flag
         raise PlanMismatchError(f"run(): into[{name!r}] on device {device} is read-only; pass a writeable array")
 
 

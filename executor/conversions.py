@@ -91,6 +91,24 @@ def swap_peers(converting) -> list[tuple[int, list[int]]]:
     return sorted(peers.items())
 
 
+def cast_once(engine, ks) -> None:
+    """Cast the converting tensors `ks` (indices into `engine.converting`) that `engine` has not cast yet in its run
+    `engine.run_count` (marked in `engine.cast_run`), and write their scales: an engine calls it just before the first
+    step reading a tensor's cast shard or its scales starts, so each is cast once per run, whole, after the messages
+    started before it. A per-tensor scale takes `engine.amaxes[t]` (the max over its senders) or, where the engine
+    holds none, this sender's own amax, taken now."""
+    convert, run, cast_run = engine.convert, engine.run_count, engine.cast_run
+    for k in ks:
+        if cast_run[k] == run:
+            continue
+        cast_run[k] = run
+        t, conversion, buffer = engine.converting[k]
+        shard, amax = engine.shards[t], engine.amaxes.get(t)
+        if amax is None and conversion.scale == "tensor":
+            amax = convert.amax(shard)
+        cast_shard(convert, conversion, shard, amax, engine.scale_shards.get(conversion.scales), buffer)
+
+
 def cast_shard(convert, conversion: Conversion, shard, amax, scale_shard, buffer) -> None:
     """One sender's conversion of one tensor with `convert` (`executor.convert` on torch, `executor.convert_host` on
     numpy): its scales (block scales of `shard`, or the per-tensor scale of `amax`, the max over its senders) into

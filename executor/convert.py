@@ -38,7 +38,7 @@ def amax(shard: torch.Tensor) -> torch.Tensor:
 
 def tensor_scale(amax_over_sources: torch.Tensor, fp8: str) -> torch.Tensor:
     """The per-tensor scale, shape (1,): the tensor's largest magnitude over the FP8 type's largest value."""
-    return (amax_over_sources.float().clamp(min=MIN_AMAX) / FP8_MAX[fp8]).reshape(1)
+    return over_fp8_max(amax_over_sources.float().clamp(min=MIN_AMAX), fp8).reshape(1)
 
 
 def block_scales(shard: torch.Tensor, fp8: str) -> torch.Tensor:
@@ -50,7 +50,14 @@ def block_scales(shard: torch.Tensor, fp8: str) -> torch.Tensor:
     padded = torch.zeros((*lead, br * BLOCK, bc * BLOCK), dtype=torch.float32, device=shard.device)
     padded[..., :rows, :cols] = shard.float().abs()
     blocks = padded.reshape(*lead, br, BLOCK, bc, BLOCK).amax(dim=(-3, -1))
-    return blocks.clamp(min=MIN_AMAX) / FP8_MAX[fp8]
+    return over_fp8_max(blocks.clamp(min=MIN_AMAX), fp8)
+
+
+def over_fp8_max(amaxes: torch.Tensor, fp8: str) -> torch.Tensor:
+    """`amaxes` / the FP8 type's largest value, correctly rounded on every device: the divisor is a tensor on their
+    device, since CUDA divides by a Python number as a multiply by its reciprocal, which is not always the float32
+    quotient (one unit off in the last place for some amaxes), and every engine's scales must be bit for bit alike."""
+    return amaxes / torch.tensor(FP8_MAX[fp8], dtype=torch.float32, device=amaxes.device)
 
 
 def expand_scales(scales: torch.Tensor, box: Region, origin: tuple[int, ...] | None = None) -> torch.Tensor:

@@ -172,7 +172,7 @@ ENGINES: dict[str, EngineEntry] = {e.name: e for e in (
                 lambda m, p, c: m.NcclEngine(p, c.comm, c.rank_of, c.timeout_s, c.poll_s, gpu=c.gpu,
                                              devices_per_host=c.devices_per_host),
                 "NCCL broadcasts through CuPy on GPUs, ids exchanged over MPI", tagged=False, own_staging=True,
-                need=lambda m, p: m.nccl_program(p).stage_bytes),
+                need=lambda m, p: m.nccl_program(p).stage_bytes, receives_into=True, converts=True),
     EngineEntry("torch", "torch", "xmesh_plan.executor.torch_engine", lambda m, p, c: m.TorchEngine(p, c),
                 "torch.distributed isend/irecv over any process group (gloo on CPU, NCCL on CUDA)", receipts=True,
                 receives_into=True, converts=True),

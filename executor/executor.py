@@ -396,13 +396,21 @@ class Executor(Flying):
             raise PlanMismatchError(f"{call}: device {p.device} (rank {self.world.rank}) holds no destination shard of tensor "
                                     f"{self._name(t)!r}; pass `into` only for the tensors whose destination mesh has this device")
         engine = self.flight.engine
-        array = engine.adopt(array)
+        adopt_into = getattr(engine, "adopt_into", None)  # an engine that checks where the memory is, naming the tensor
+        array = engine.adopt(array) if adopt_into is None else adopt_into(array, self._name(t))
         problem = self.problems[t]
         engine.check_into(array, shape, problem.dst_dtype or problem.dtype, p.device, self._name(t))
         return array
 
     def _name(self, t: int) -> str:
         return self.names[t]
+
+    def _apart(self, targets: dict, sources: list) -> None:
+        """Refuse the caller's destination tensors of one call that share memory with each other or with its source
+        shards (`sources`, per tensor), on an engine that receives into them in place and checks it (`check_apart`)."""
+        check = getattr(self.flight.engine, "check_apart", None)
+        if check is not None:
+            check(targets, dict(zip(self.names, sources)), self._program.device)
 
     def test(self) -> bool:
         """Drive communication without blocking (call it now and then between start() and wait()).
@@ -459,7 +467,10 @@ class ReshardingExecutor(Executor):
         place, kept only until `wait()` returns (None: the engine's own buffer)."""
         self._startable()
         target = None if into is None else self._into(0, into, "start()")  # no call on the common path: run() is timed per call
-        self.flight.start(self._adopt(0, local_shard), target)
+        source = self._adopt(0, local_shard)
+        if target is not None:
+            self._apart({self.names[0]: target}, [source])
+        self.flight.start(source, target)
         self.target = target
 
     def wait(self):

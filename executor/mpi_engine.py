@@ -21,11 +21,16 @@ or to the caller's array (`run(..., into=...)`, written in place), remade only w
 it, one that is not (a strided view) through an MPI derived datatype that scatters it into the view, so this engine
 copies no byte either way.
 
+The engine's own destination shards are made by the first call that passes none of the caller's for them (`_own`), once:
+a caller who always passes `into` gets no destination buffer of the engine's.
+
 A plan that converts at the sender (`executor.conversions`) has every buffer but the caller's source shards in the
-destination dtype: `start()` casts each source shard once (`executor.convert_host`, torch's bits) into a buffer the
-steps reading it were bound to in `setup()`, with its FP8 block scales. A per-tensor scale takes the max of every
-sender's amax: each pair of senders swaps theirs with one persistent request each way (tag TAG_UB), and the steps
-reading those tensors (or their scales) wait for that swap like for any other step, so `start()` never blocks.
+destination dtype: each source shard is cast once per run (`executor.convert_host`, torch's bits), with its FP8 scales,
+into a buffer the steps reading it were bound to in `setup()`, just before the first of those steps (or of those reading
+its scales) is started or run (`_cast`): the cast of one tensor follows the messages of those started before it. A
+per-tensor scale takes the max of every sender's amax: `start()` computes the amax of each tensor it swaps, and each pair
+of senders swaps theirs with one persistent request each way (tag TAG_UB), started before any other step; the steps
+reading those tensors (or their scales) wait for the swaps like for any other step, so `start()` never blocks.
 """
 
 from __future__ import annotations
@@ -39,8 +44,9 @@ import numpy as np
 
 from xmesh_plan.schemas.staging import SYNC_SEND_BYTES  # device order: sends this large are synchronous (docs/executor.md)
 
+from .apart import byte_bounds, refuse_overlapping_into, refuse_shared
 from .arrays import as_host_array, check_into, check_shard, storage_dtype
-from .conversions import cast_shard, cast_tensors, swap_peers
+from .conversions import cast_once, cast_tensors, swap_peers
 from .errors import ExecutorError, PeerTimeoutError, PlanMismatchError
 from .lower import Action, RankProgram, flat_pieces
 from .replay import PROCESS, Dependencies, abandoned, backoff_wait, failure, refuse_broken
@@ -79,16 +85,17 @@ class MpiEngine:
         self.dsts: list[np.ndarray | None] = []
         self.src = None
         self.into = None  # the caller's destination arrays of the reshard in flight (only until wait() returns)
-        self.shards = None  # the converted tensors' source shards, typed, of the reshard in flight (`_convert`)
+        self.shards = None  # the converted tensors' source shards, typed, of the reshard in flight (`_prepare_casts`)
         self.broken: str | None = None
         self.failure: ExecutorError | None = None  # the error that broke it, raised again by test()
         self.owner: object | None = None  # the token of the thread that last started or waited for a reshard
         self.lock = threading.Lock()  # held while a thread progresses this engine's requests
 
     def setup(self, mpi=None) -> None:
-        """Allocate the own destination shards and staging, and make every request and view that does not read a source
-        shard (those, and the destination steps of a call that passes the caller's arrays, are bound per call:
-        `_bind_tensor`, `_bind_dst`). `mpi` stands in for the `mpi4py.MPI` module (tests pass an in-process fake)."""
+        """Allocate staging and make every request and view that touches no shard of the caller's or the engine's own
+        (those are bound by the calls: `_bind_tensor`, `_bind_dst`; the own destination shards are made by the first call
+        that passes none of the caller's, `_own`). `mpi` stands in for the `mpi4py.MPI` module (tests pass an in-process
+        fake)."""
         if mpi is None:
             from mpi4py import MPI as mpi
         self._mpi = mpi
@@ -110,17 +117,19 @@ class MpiEngine:
         for i in neither:
             self._make(i)
         self.converting: list = []  # (tensor, conversion, its converted shard or None), where this device converts
+        self.casts_before: list = [None] * n  # per step, the converting tensors (indices into `converting`) to cast before it
         self.swaps: list = []  # (peer, tensors, my amaxes, theirs): the amax swaps of per-tensor scales
         self.gated: list[int] = []  # the steps that wait for the swaps
+        self.merge = -1  # the local step merging the swapped amaxes (`_merge_amaxes`), after the swaps' requests
         if any(t.convert is not None for t in p.tensors):
             self._setup_conversion()
-        self._bind_dsts(None)  # the own shards, as a call passing none of the caller's writes them
         self._schedule()
 
     def _setup_conversion(self) -> None:
         """Buffers for the senders' conversion (`executor.conversions`): each converted source shard and each scale
-        tensor's source shard, with the steps that read them bound once; the persistent requests of the amax swaps
-        (one each way per peer), after the steps', then a local step for the conversion that waits for them."""
+        tensor's source shard, with the steps that read them bound once, each of which casts what it reads first
+        (`casts_before`); the persistent requests of the amax swaps (one each way per peer), after the steps', then a
+        local step merging the amaxes that waits for them."""
         from . import convert_host
 
         self.convert = convert_host
@@ -128,6 +137,7 @@ class MpiEngine:
         made = {t: np.empty(p.tensors[t].src_shape, self.dtypes[t]) for t in cast_tensors(p)}
         self.source_types = {t: convert_host.host_dtype(shards.dtype) for t, shards in enumerate(p.tensors) if shards.convert}
         swapped = {t for t, shards in enumerate(p.tensors) if shards.convert is not None and shards.convert.peers}
+        readers = {t: self.reads_src[t] for t in made}
         for t, buffer in made.items():
             self.src_typed[t], self.src_raw[t] = buffer, buffer.reshape(-1).view(np.uint8)
             read = bool(self.reads_src[t])
@@ -140,6 +150,12 @@ class MpiEngine:
             if conversion is not None:
                 self.converting.append((t, conversion, buffer if read else None))  # None: this device sends none of it
         self.scale_shards = {c.scales: made.get(c.scales) for _, c, _ in self.converting if c.scales is not None}
+        for k, (t, c, _) in enumerate(self.converting):  # what reads the cast shard or its scales casts it first
+            for i in readers.get(t, []) + readers.get(c.scales, []):
+                self.casts_before[i] = (self.casts_before[i] or ()) + (k,)
+        self.cast_run = [-1] * len(self.converting)  # the run that last cast each converting tensor
+        self.run_count = 0
+        self.amaxes: dict = {}  # per converting tensor with a per-tensor scale, its amax over every sender, this run
         peers = swap_peers(self.converting)
         if not peers:
             return
@@ -154,23 +170,26 @@ class MpiEngine:
             self.requests += [self.comm.Recv_init([theirs, mpi.BYTE], source=rank, tag=tag),
                               self.comm.Send_init([mine, mpi.BYTE], dest=rank, tag=tag)]
             self.peer_rank += [rank, rank]
-        self.requests.append(None)  # the conversion waiting for the swaps (`_convert_swapped`): a local step
+        self.merge = len(self.requests)
+        self.requests.append(None)  # the merge of the swapped amaxes (`_merge_amaxes`): a local step
         self.pairs += [None] * (len(self.requests) - len(self.pairs))
         self.types += [None] * (len(self.requests) - len(self.types))
+        self.casts_before += [None] * (len(self.requests) - len(self.casts_before))
 
     def _schedule(self) -> None:
         """The per-iteration bookkeeping of the steps' dependencies (after the requests and views exist); the amax swaps'
-        requests and the conversion waiting for them follow the steps, and the steps reading what it converts wait for it."""
+        requests and the merge of the amaxes waiting for them follow the steps, and the steps reading the tensors whose
+        amaxes it merges (or their scales) wait for it."""
         PROCESS.register(self)  # a waiting engine drives the others this thread started
         deps = Dependencies(self.steps)
         self.dependents, self.initial, self.remaining, self.local = deps.dependents, deps.initial, deps.remaining, deps.local
         self.first = [s.index for s in self.steps if not s.deps and s.action is Action.RECV]
         self.first += [s.index for s in self.steps if not s.deps and s.action is not Action.RECV]
-        self.count = len(self.requests)  # the steps, then any swaps' requests and their conversion
+        self.count = len(self.requests)  # the steps, then any swaps' requests and their merge
         if self.swaps:
-            n, converted = len(self.steps), self.count - 1
-            swap = list(range(n, converted))  # a receive, then a send, per peer
-            self.dependents += [[converted] if (i - n) % 2 == 0 else [] for i in swap] + [list(self.gated)]
+            n, merge = len(self.steps), self.merge
+            swap = list(range(n, merge))  # a receive, then a send, per peer
+            self.dependents += [[merge] if (i - n) % 2 == 0 else [] for i in swap] + [list(self.gated)]
             self.initial += [0] * len(swap) + [len(self.swaps)]
             self.local += [False] * len(swap) + [True]
             for i in self.gated:
@@ -303,7 +322,15 @@ class MpiEngine:
         return as_host_array(array, self.program.device)
 
     check = staticmethod(check_shard)
-    check_into = staticmethod(check_into)
+
+    @staticmethod
+    def check_into(array: np.ndarray, shape: tuple[int, ...], dtype_name: str, device: int, name: str) -> None:
+        """Refuse a caller's destination array of another shape or element type than its shard, read-only, or whose
+        elements share memory (`executor.apart`)."""
+        check_into(array, shape, dtype_name, device, name)
+        refuse_overlapping_into(array, device, name)
+
+    check_apart = staticmethod(refuse_shared)  # the caller's arrays of one call: no destination shares memory with another array
 
     def contiguous(self, array: np.ndarray) -> np.ndarray:
         return array if array.flags.c_contiguous else np.ascontiguousarray(array)
@@ -322,7 +349,8 @@ class MpiEngine:
         """Start every step that waits for nothing (receives first); `src`: the C-contiguous source shard (a
         one-tensor program) or a sequence of them, one per tensor (None where this device has none). `into`: the
         caller's destination arrays in the same form (None where the engine's own shard is to be written), written in
-        place; None: the engine's own. A converting plan's casts run here, before anything is sent (`_convert`)."""
+        place; None: the engine's own. A converting plan's casts run as the steps reading them start (`_cast`); only the
+        amaxes its senders swap are computed here, before anything is sent (`_prepare_casts`)."""
         refuse_broken(self.broken)
         self.owner = _thread_token()
         if not self.lock.acquire(True, LOCK_WAIT_S):  # another thread's wait() drives it for a moment at most
@@ -339,7 +367,7 @@ class MpiEngine:
             self.src = src  # keeps a temporary contiguous copy alive until wait()
             self.into = into
             if self.converting:
-                self._convert()
+                self._prepare_casts()
             self.pending = self.count
             self.head = self.tail = self.holes = 0
             self.last_progress = time.monotonic()
@@ -348,43 +376,48 @@ class MpiEngine:
         finally:
             self.lock.release()
 
-    def _convert(self) -> None:
-        """Cast each source shard this device converts and write its scales (`executor.convert_host`), except the
-        per-tensor scaled ones whose amax other senders share: their amax goes into the swaps' send buffers, and they
-        are converted once the swaps have arrived (`_convert_swapped`)."""
+    def _prepare_casts(self) -> None:
+        """The typed source shard of each tensor this device converts, and the amax of each whose per-tensor scale other
+        senders share, into the swaps' send buffers; the casts wait for the steps reading them (`_cast`)."""
         convert, sources = self.convert, [self.src] if self.single else self.src
         self.shards = {t: sources[t].view(self.source_types[t]) for t, _, _ in self.converting}
-        self.amaxes = {t: convert.amax(self.shards[t]) for t, c, _ in self.converting if c.scale == "tensor"}
+        amaxes = self.amaxes
+        amaxes.clear()
         for _, ts, mine, _ in self.swaps:
             for k, t in enumerate(ts):
-                mine[k] = self.amaxes[t]
-        for t, conversion, buffer in self.converting:
-            if not conversion.peers:
-                self._convert_one(t, conversion, buffer)
+                if t not in amaxes:
+                    amaxes[t] = convert.amax(self.shards[t])
+                mine[k] = amaxes[t]
+        self.run_count += 1
 
-    def _convert_swapped(self) -> None:
-        """Once every swap has arrived: each per-tensor amax is the max over its senders; convert those tensors."""
+    def _merge_amaxes(self) -> None:
+        """Once every swap has arrived: each swapped per-tensor amax becomes the max over its senders."""
         for _, ts, _, theirs in self.swaps:
             for k, t in enumerate(ts):
                 self.amaxes[t] = np.maximum(self.amaxes[t], theirs[k])
-        for t, conversion, buffer in self.converting:
-            if conversion.peers:
-                self._convert_one(t, conversion, buffer)
 
-    def _convert_one(self, t: int, conversion, buffer: np.ndarray | None) -> None:
-        cast_shard(self.convert, conversion, self.shards[t], self.amaxes.get(t), self.scale_shards.get(conversion.scales), buffer)
+    def _cast(self, ks: tuple[int, ...]) -> None:
+        """Cast the converting tensors `ks` (indices into `converting`) not cast yet this run, with their scales
+        (`conversions.cast_once`; a per-tensor scale of this sender alone takes its amax now), just before a step
+        reading them starts; each is still cast once, whole, so its bytes and scales are those of casting every tensor
+        first."""
+        cast_once(self, ks)
+        self.last_progress = time.monotonic()
 
     def _launch(self, i: int) -> None:
+        casts = self.casts_before[i]
+        if casts is not None:  # it reads a source shard converted at the sender, or its scales: cast them first
+            self._cast(casts)
         request = self.requests[i]
         if request is not None:
             request.Start()
             self.live[self.tail] = i
             self.tail += 1
         else:
-            pair = self.pairs[i]
-            if pair is None:  # the conversion that waited for the amax swaps
-                self._convert_swapped()
+            if i == self.merge:  # the merge of the amaxes, once the swaps have arrived
+                self._merge_amaxes()
             else:
+                pair = self.pairs[i]
                 np.copyto(pair[0], pair[1])
             self._finish(i)
 
@@ -561,24 +594,10 @@ def _free_requests(requests: list, mpi, types: list | None = None) -> None:
 
 
 
-def _byte_bounds(array: np.ndarray) -> tuple[int, int]:
-    """The addresses of the first byte `array` touches and one past its last, from its shape and strides (what NumPy 2's
-    `numpy.lib.array_utils.byte_bounds` gives; NumPy 1.26, which the project supports, has no such module)."""
-    low = high = array.__array_interface__["data"][0]
-    if not array.size:
-        return low, high
-    for n, stride in zip(array.shape, array.strides):
-        if stride < 0:
-            low += (n - 1) * stride
-        else:
-            high += (n - 1) * stride
-    return low, high + array.itemsize
-
-
 def _caller_view(array: np.ndarray, dtype: np.dtype) -> np.ndarray:
     """`array`'s elements (any strides) as a view of `dtype` over its raw memory, not of `array`: the requests and views
     made over it must not keep the caller's array alive. Its `base` is those raw bytes, from the lowest one it touches."""
-    low, high = _byte_bounds(array)
+    low, high = byte_bounds(array)
     raw = np.frombuffer((ctypes.c_ubyte * (high - low)).from_address(low), np.uint8) if high > low else np.empty(0, np.uint8)
     return np.ndarray(array.shape, dtype, buffer=raw, offset=array.__array_interface__["data"][0] - low, strides=array.strides)
 

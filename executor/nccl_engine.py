@@ -10,7 +10,17 @@ CuPy API this relies on (checked against CuPy's `cupy_backends/cuda/libs/nccl.py
 docs/executor.md): `get_unique_id()` returns a tuple of 128 C `char` ints up to v13 and `bytes` from
 v14, and `NcclCommunicator(ndev, commId, rank)` takes the same type back; `bcast(buff, count,
 datatype, root, stream)` takes a raw device pointer, a count in elements of `datatype` and a raw
-stream pointer, all plain ints.
+stream pointer, all plain ints; `allReduce(sendbuf, recvbuf, count, datatype, op, stream)` likewise.
+
+Destinations are the engine's own shards (made by the first call that passes none of the caller's for a tensor) or
+the caller's CuPy arrays (`run(..., into=...)`, a CUDA tensor through DLPack), written in place on every call: a
+broadcast whose bytes are one run of the caller's array (a contiguous one, or a run of a strided view) lands there;
+one that is not goes through a shadow buffer the size of the largest such box, unpacked on the same stream (and a
+root's part packed from it first), kept across calls; the engine holds the caller's arrays only until `wait()`.
+
+A plan converting at the sender (`executor.conversions`) has every buffer but the caller's source shards in the
+destination dtype: torch's own casts run on this engine's stream before each tensor's first call, and a per-tensor
+FP8 scale's amax is all-reduced first (`nccl_convert`).
 """
 
 from __future__ import annotations
@@ -19,11 +29,12 @@ import time
 
 import numpy as np
 
-from .arrays import check_shard, import_dlpack, is_device_array, storage_dtype
+from .arrays import check_into, check_shard, import_dlpack, is_device_array, raw_torch_view, storage_dtype
 from .errors import BackendUnavailableError, PeerTimeoutError, PlanMismatchError
-from .lower import RankProgram, StagedCall
-from .nccl_plan import Bcast, Copy, nccl_program
-from .replay import backoff_wait, refuse_broken
+from .lower import RankProgram, StagedCall, flat_pieces
+from .nccl_convert import StreamCasts
+from .nccl_plan import AmaxMax, Bcast, Copy, nccl_program
+from .replay import PROCESS, backoff_wait, refuse_broken
 
 UNIQUE_ID_BYTES = 128
 
@@ -69,27 +80,34 @@ def gpu_count(cupy) -> int:
 
 class NcclEngine:
     """Replays the NCCL calls of one device's lowered program (`nccl_plan.nccl_program`: every tensor on one stream,
-    one communicator per group, one staging area); an `executor.engines.Engine`. `dsts[t]` is tensor t's destination
-    shard (`dst`: tensor 0's, the one-tensor face)."""
+    one communicator per group, one staging area); an `executor.engines.Engine`. `dsts[t]` is tensor t's own destination
+    shard, made by the first call that passes no array of the caller's for it (`dst`: tensor 0's, the one-tensor face)."""
 
     test_progresses = False  # progress happens elsewhere; test() only looks (`replay.backoff_wait`)
 
     def __init__(self, program: RankProgram, comm, rank_of: dict[int, int], timeout_s: float,
                  poll_s: tuple[float, float], gpu: int | None = None, devices_per_host: int = 1):
         self.program, self.comm, self.rank_of = program, comm, rank_of
-        self.dtypes = [storage_dtype(t.dtype) for t in program.tensors]
+        self.dtypes = [storage_dtype(t.dst_dtype) for t in program.tensors]  # of every buffer but the caller's source shards
+        self.src_dtypes = [storage_dtype(t.dtype) for t in program.tensors]
         self.dtype = self.dtypes[0]
         self.single = len(program.tensors) == 1
         self.timeout_s, self.poll_s = timeout_s, poll_s
         self.gpu = program.device % devices_per_host if gpu is None else gpu
-        self.dst = self.stage = None
-        self.dsts: list = []
+        self.stage = None
+        self.dsts: list = [None] * len(program.tensors)
         self.communicators: dict = {}
         self.broken: str | None = None
+        self.held = None  # the caller's arrays of the reshard in flight, until wait()
+        self.casts = None  # a converting plan's casts on the stream (`nccl_convert.StreamCasts`), made in setup()
+
+    @property
+    def dst(self):
+        return self.dsts[0]
 
     def setup(self) -> None:
-        """Pick the GPU, create the communicators (every rank in the same order) and allocate the destination
-        shards and staging."""
+        """Pick the GPU, create the communicators (every rank in the same order), allocate staging and, for a converting
+        plan, the cast shards and scales."""
         cupy, nccl = import_cupy()
         self.cupy, self.nccl = cupy, nccl
         count = gpu_count(cupy)
@@ -97,12 +115,17 @@ class NcclEngine:
             raise PlanMismatchError(f"device {self.program.device} maps to GPU {self.gpu} but this host has {count}; "
                                     "pass gpu= (python -m xmesh_plan.executor.run --gpu) or place fewer devices per host")
         cupy.cuda.Device(self.gpu).use()
-        p = self.program
-        self.dsts = [cupy.empty(t.dst_shape, dtype) if t.dst_shape is not None else None for t, dtype in zip(p.tensors, self.dtypes)]
-        self.dst = self.dsts[0]
-        self.calls = nccl_program(p)
+        self.calls = nccl_program(self.program)
         self.stage = cupy.empty(max(self.calls.stage_bytes, 1), cupy.uint8)
+        self.shadow = cupy.empty(0, cupy.uint8)  # a strided destination's boxes that are not one run of it (`_layout`)
+        self.layouts: dict[int, tuple] = {}
         self._connect()
+        self.dst_bcasts = [[] for _ in self.program.tensors]  # per tensor, its unstaged broadcasts over its destination shard
+        for i, (call, t) in enumerate(zip(self.calls.actions, self.call_tensors)):
+            if isinstance(call, Bcast) and call.stage is None and call.box.side == "dst":
+                self.dst_bcasts[t].append(i)
+        if any(t.convert is not None for t in self.program.tensors):
+            self.casts = StreamCasts(self.program, self.calls.actions, self.call_tensors, cupy, self.stream, self.gpu)
 
     @property
     def stage_bytes(self) -> int:
@@ -118,6 +141,7 @@ class NcclEngine:
         self.done = [cupy.cuda.Event(disable_timing=True) for _ in self.calls.actions]
         self.call_tensors = [_tensor_of(call) for call in self.calls.actions]
         self.uint8 = getattr(nccl, "NCCL_UINT8", nccl.NCCL_CHAR)
+        self.float32, self.max = nccl.NCCL_FLOAT32, nccl.NCCL_MAX
         self.pending = False
 
     def _communicators(self) -> dict:
@@ -162,72 +186,159 @@ class NcclEngine:
 
     def adopt(self, array):
         """A CuPy view of `array` (CuPy, or a CUDA tensor through DLPack); numpy input is copied to the GPU."""
-        if isinstance(array, self.cupy.ndarray):
-            out = array
-        elif is_device_array(array):
-            out = import_dlpack(self.cupy.from_dlpack, array, "cupy", self.program.device)
-        else:
-            return self.cupy.asarray(np.asarray(array))
-        where = getattr(getattr(out, "device", None), "id", self.gpu)
-        if where != self.gpu:
-            raise PlanMismatchError(f"run(): device {self.program.device}'s source shard is on GPU {where} but this rank "
-                                    f"runs on GPU {self.gpu}; pass a shard on GPU {self.gpu} (or set gpu=)")
-        return out
+        out = self._on_gpu(array, f"device {self.program.device}'s source shard")
+        return self.cupy.asarray(np.asarray(array)) if out is None else out
 
     check = staticmethod(check_shard)
+
+    def adopt_into(self, array, name: str):
+        """The caller's destination array for tensor `name` as a CuPy view of its memory (a CUDA tensor through DLPack),
+        written in place; host memory, and memory of another GPU, refused."""
+        what = f"into[{name!r}] on device {self.program.device}"
+        out = self._on_gpu(array, what)
+        if out is None:
+            raise PlanMismatchError(f"run(): {what} is a {type(array).__name__} in host memory, which the nccl backend cannot "
+                                    f"write in place; pass a CuPy array or a CUDA tensor on GPU {self.gpu}")
+        return out
+
+    def _on_gpu(self, array, what: str):
+        """`array` (CuPy, or a CUDA tensor through DLPack) as a CuPy view on this rank's GPU; None for host memory."""
+        if isinstance(array, self.cupy.ndarray):
+            out = array
+        elif is_device_array(array):  # a bfloat16/float8 torch tensor as its bits: whether CuPy imports those kinds varies
+            raw = raw_torch_view(array)
+            out = import_dlpack(self.cupy.from_dlpack, array if raw is None else raw, "cupy", self.program.device)
+        else:
+            return None
+        where = getattr(getattr(out, "device", None), "id", self.gpu)
+        if where != self.gpu:
+            raise PlanMismatchError(f"run(): {what} is on GPU {where} but this rank runs on GPU {self.gpu}; pass one on GPU "
+                                    f"{self.gpu} (or set gpu=)")
+        return out
+
+    check_into = staticmethod(check_into)
 
     def contiguous(self, array):
         return array if array.flags.c_contiguous else self.cupy.ascontiguousarray(array)
 
+    def _own(self, t: int):
+        """Tensor t's own destination shard (None outside the destination mesh), made on first use."""
+        if self.dsts[t] is None and self.program.tensors[t].dst_shape is not None:
+            self.dsts[t] = self.cupy.empty(self.program.tensors[t].dst_shape, self.dtypes[t])
+        return self.dsts[t]
+
     def poison(self) -> None:
-        for dst in self.dsts:
-            if dst is not None:
-                dst.reshape(-1).view(self.cupy.uint8).fill(0xA5)
+        """Fill the own destination shards (made now if no call made them yet) with 0xA5 bytes."""
+        for t in range(len(self.dsts)):
+            own = self._own(t)
+            if own is not None:
+                own.reshape(-1).view(self.cupy.uint8).fill(0xA5)
 
     def host_copy(self, array) -> np.ndarray:
         return self.cupy.asnumpy(array)
 
-    def start(self, src) -> None:
+    def start(self, src, into=None) -> None:
         """Enqueue every call on the executor's stream, after the work already queued on the caller's stream; `src`: the
-        source shard (a one-tensor program) or a sequence of them, one per tensor (None where this device has none)."""
+        source shard (a one-tensor program) or a sequence of them, one per tensor (None where this device has none).
+        `into`: the caller's destination arrays in the same form (None where the engine's own shard is to be written),
+        written in place; None: the engine's own. A converting plan's amaxes and casts are enqueued too."""
         refuse_broken(self.broken)
         cupy = self.cupy
         srcs = [src] if self.single else list(src)
-        for t, (shard, dtype) in enumerate(zip(srcs, self.dtypes)):
+        for t, (shard, dtype) in enumerate(zip(srcs, self.src_dtypes)):
             if shard is not None and shard.dtype != dtype:  # bfloat16/float8 handed in as another int of the same size
                 srcs[t] = shard.view(dtype)
+        dsts = self._targets(into)
+        casts, sources = self.casts, srcs
+        if casts is not None:  # the calls read the cast shards and the scales instead of the caller's shards
+            sources = [casts.made.get(t, shard) for t, shard in enumerate(srcs)]
+        self.held = (srcs, dsts)
         self.input_ready.record(cupy.cuda.get_current_stream())
         self.stream.wait_event(self.input_ready)
         with self.stream:
-            for call, t, event in zip(self.calls.actions, self.call_tensors, self.done):
-                self._call(call, srcs[t], self.dsts[t], self.dtypes[t])
+            if casts is not None:
+                casts.amaxes(srcs)
+            for i, (call, t, event) in enumerate(zip(self.calls.actions, self.call_tensors, self.done)):
+                if casts is not None and casts.before[i]:
+                    casts.cast(casts.before[i], srcs)
+                self._call(i, call, sources[t], dsts[t], self.dtypes[t])
                 event.record(self.stream)
         self.pending = bool(self.done)
         self.started = time.monotonic()
 
-    def _call(self, call, src, dst, dtype) -> None:
-        """Enqueue one call on the current stream, over the shards `src` and `dst` of element type `dtype`."""
+    def _targets(self, into) -> list:
+        """Per tensor, the destination shard this call writes: the caller's array (typed as the plan's storage dtype)
+        where `into` gives one, else the engine's own."""
+        given = (None,) * len(self.dsts) if into is None else (into,) if self.single else into
+        out = []
+        for t, target in enumerate(given):
+            if target is None:
+                out.append(self._own(t))
+                continue
+            if target.dtype != self.dtypes[t]:  # bfloat16/float8 handed in as another int of the same size
+                target = target.view(self.dtypes[t])
+            if not target.flags.c_contiguous:
+                self._layout(t, target)
+            out.append(target)
+        return out
+
+    def _layout(self, t: int, target) -> None:
+        """For a strided destination of tensor t: where each unstaged broadcast over it lies in its memory (a byte
+        offset from its first element where its bytes are one run there, else None: through the shadow, grown to the
+        largest such box now, before any call is enqueued). Kept per tensor for the last strides seen."""
+        key = (target.shape, target.strides)
+        if self.layouts.get(t, (None,))[0] == key:
+            return
+        at, size = {}, target.itemsize
+        for i in self.dst_bcasts[t]:
+            box = self.calls.actions[i].box
+            pieces = flat_pieces(target.shape, box.span[0] // size, box.span[1] // size)
+            view = target[tuple(slice(a, b) for a, b in pieces[0])] if len(pieces) == 1 else None
+            at[i] = view.data.ptr - target.data.ptr if view is not None and view.flags.c_contiguous else None
+            if at[i] is None and box.nbytes > self.shadow.nbytes:
+                self.shadow = self.cupy.empty(box.nbytes, self.cupy.uint8)
+        self.layouts[t] = (key, at)
+
+    def _call(self, i: int, call, src, dst, dtype) -> None:
+        """Enqueue call i on the current stream, over the shards `src` and `dst` of element type `dtype`."""
         if isinstance(call, Copy):
             self.cupy.copyto(dst[call.target.index], src[call.source.index])
         elif isinstance(call, StagedCall):
             self._staged(call, src, dst, dtype)
+        elif isinstance(call, Bcast):
+            self._bcast(i, call, src, dst, dtype)
         else:
-            self._bcast(call, src, dst, dtype)
+            self._reduce(call)
 
-    def _bcast(self, call: Bcast, src, dst, dtype) -> None:
+    def _reduce(self, call: AmaxMax) -> None:
+        """The max of the per-tensor amaxes over their senders, in place (`nccl_plan.AmaxMax`)."""
+        buffer = self.casts.amax_at[call.tensors[0]][0]
+        self.communicators[call.group].allReduce(buffer.data.ptr, buffer.data.ptr, len(call.tensors), self.float32, self.max,
+                                                 self.stream.ptr)
+
+    def _bcast(self, i: int, call: Bcast, src, dst, dtype) -> None:
         box, cupy = call.box, self.cupy
         shard = src if box.side == "src" else dst
-        if call.stage is None:
+        staged = None
+        if call.stage is not None:
+            staged = self.stage[call.stage:call.stage + box.nbytes]
+        elif shard.flags.c_contiguous:
             base = shard.data.ptr + box.span[0]
-        else:
-            staged = self.stage[call.stage:call.stage + box.nbytes].view(dtype).reshape(box.shape)
+        else:  # a strided destination of the caller's (`_layout`)
+            at = self.layouts[box.tensor][1][i]
+            if at is None:
+                staged = self.shadow[:box.nbytes]
+            else:
+                base = shard.data.ptr + at
+        if staged is not None:
+            staged = staged.view(dtype).reshape(box.shape)
             base = staged.data.ptr
             if call.is_root:
                 cupy.copyto(staged, shard[box.index])
         comm, root = self.communicators[call.group], call.group.index(call.root)
         for lo, hi in call.chunks:
             comm.bcast(base + lo, hi - lo, self.uint8, root, self.stream.ptr)
-        if call.stage is not None and not call.is_root:
+        if staged is not None and not call.is_root:
             cupy.copyto(dst[box.index], staged)
 
     def _staged(self, call: StagedCall, src, dst, dtype) -> None:
@@ -253,6 +364,7 @@ class NcclEngine:
         """Poll the last call's event (`replay.backoff_wait`); past `timeout_s` from here, abort and raise."""
         self.last_progress = time.monotonic()  # the stream reports no progress before its last event: one deadline
         backoff_wait(self)
+        self.held = None
 
     def idle(self, nap: float) -> None:
         time.sleep(nap)
@@ -275,10 +387,11 @@ class NcclEngine:
         for comm in self.communicators.values():
             comm.abort()
         self.broken = why
+        PROCESS.keep(self.held)  # the aborted stream may still use their memory
 
     def _fail(self) -> None:
         first = next((c for c, e in zip(self.calls.actions, self.done) if not e.done), self.calls.actions[-1])
-        what = first.describe() if isinstance(first, Bcast) else f"op {first.op}: local copy" if isinstance(first, Copy) else \
+        what = first.describe() if isinstance(first, (Bcast, AmaxMax)) else f"op {first.op}: local copy" if isinstance(first, Copy) else \
             f"op {first.op} (task {first.task}, bundle): {first.action} of staging bytes {first.start}-{first.stop}"
         self.abandon(f"timed out in {what}")
         raise PeerTimeoutError(f"device {self.calls.device} (GPU {self.gpu}): {what} did not finish within "
@@ -287,5 +400,8 @@ class NcclEngine:
 
 
 def _tensor_of(call) -> int:
-    """The tensor whose shards an NCCL call reads and writes."""
+    """The tensor whose shards an NCCL call reads and writes (-1: none, an amax all-reduce)."""
+    if isinstance(call, AmaxMax):
+        return -1
     return call.source.tensor if isinstance(call, Copy) else call.box.tensor if isinstance(call, Bcast) else call.tensor
+

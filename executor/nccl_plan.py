@@ -7,6 +7,10 @@ A bundle is its route's messages, each a broadcast in a group of two over stagin
 the gathers, the cross-host message, the scatters), with packs and unpacks around them.
 Because every rank issues its calls in the same global order, no two ranks wait on each other in a
 cycle. NCCL picks its own ring inside a group, so the plan's chain order is not enforced here.
+
+A plan converting with per-tensor FP8 scales (`executor.conversions`) first takes each such tensor's amax over its
+senders: one all-reduce (max) per set of senders, before any call of the plan, the sets in order of their first
+tensor on every device (`AmaxMax`), so these calls too come in one global order.
 """
 
 from __future__ import annotations
@@ -63,9 +67,23 @@ class Bcast:
 
 
 @dataclass(frozen=True, slots=True)
+class AmaxMax:
+    """The max over `group` (the senders of `tensors`) of each tensor's amax: one all-reduce of float32, element k the
+    amax of `tensors[k]`, for its per-tensor FP8 scale. `op` is -1 - its first tensor, the same on every member (its
+    communicator's id travels with that tag, `NcclEngine._communicators`), negative: it comes before every operation."""
+
+    op: int
+    group: Group
+    tensors: tuple[int, ...]
+
+    def describe(self) -> str:
+        return f"the amax all-reduce of per-tensor FP8 scales (tensors {list(self.tensors)}) in group {list(self.group)}"
+
+
+@dataclass(frozen=True, slots=True)
 class NcclProgram:
     device: int
-    actions: tuple[Copy | Bcast | StagedCall, ...]
+    actions: tuple[AmaxMax | Copy | Bcast | StagedCall, ...]
     groups: tuple[Group, ...]
     stage_bytes: int
 
@@ -109,7 +127,7 @@ def nccl_program(program: RankProgram) -> NcclProgram:
             blocks[-1].append(call)
         else:
             blocks.append([call])
-    actions: list[Copy | Bcast | StagedCall] = []
+    actions: list[AmaxMax | Copy | Bcast | StagedCall] = list(amax_reductions(program))
     stage, k = 0, 0
     while k < len(blocks):
         unit = carrier_of.get(blocks[k][0].op, blocks[k][0].op)
@@ -123,6 +141,18 @@ def nccl_program(program: RankProgram) -> NcclProgram:
         actions += mine
         stage, k = max(stage, need), end
     return NcclProgram(program.device, tuple(actions), communicator_groups(actions), stage)
+
+
+def amax_reductions(program: RankProgram) -> list[AmaxMax]:
+    """The all-reduces of the per-tensor FP8 amaxes this device takes part in: one per set of senders (this device and
+    a tensor's `Conversion.peers`, the same set on each of them), its tensors in tensor order, the sets in order of
+    their first tensor, which every member sees alike."""
+    groups: dict[Group, list[int]] = {}
+    for t, shards in enumerate(program.tensors):
+        conversion = shards.convert
+        if conversion is not None and conversion.peers:
+            groups.setdefault(tuple(sorted((program.device, *conversion.peers))), []).append(t)
+    return [AmaxMax(-1 - ts[0], group, tuple(ts)) for group, ts in groups.items()]  # op: the same on every member
 
 
 def nccl_actions(collectives, program: RankProgram) -> tuple[list[Copy | Bcast | StagedCall], int]:

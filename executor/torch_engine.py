@@ -55,7 +55,7 @@ import time
 import numpy as np
 
 from .arrays import RAW_KINDS, storage_dtype
-from .conversions import cast_shard, cast_tensors, swap_peers
+from .conversions import cast_once, cast_tensors, swap_peers
 from .destinations import Destinations, bytes_of
 from .engines import EngineContext
 from .errors import BackendUnavailableError, ExecutorError, PeerTimeoutError, PlanMismatchError
@@ -445,14 +445,8 @@ class TorchEngine:
         """Cast the converting tensors `ks` (indices into `converting`) not cast yet this run, and write their scales
         (`executor.convert`): run just before the first step reading either is posted or run, so the cast of one tensor
         overlaps the messages of those posted before it; each tensor is still cast once, whole, so its bytes and scales
-        are those of casting every tensor first."""
-        convert, run = self.convert, self.run_count
-        for k in ks:
-            if self.cast_run[k] == run:
-                continue
-            self.cast_run[k] = run
-            t, conversion, buffer = self.converting[k]
-            cast_shard(convert, conversion, self.shards[t], self.amaxes.get(t), self.scale_shards.get(conversion.scales), buffer)
+        are those of casting every tensor first (`conversions.cast_once`)."""
+        cast_once(self, ks)
         self.last_progress = time.monotonic()
 
     def _swap_amax(self, amaxes: dict) -> None:

@@ -141,6 +141,7 @@ class TransferExecutor(Executor):
             self.flight.start(source)
             return
         dsts = [targets.get(name) for name in self.names]
+        self._apart(targets, [source] if self.one else source)
         self.flight.start(source, dsts[0] if self.one else dsts)
         self.targets = targets
 

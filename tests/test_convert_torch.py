@@ -6,7 +6,9 @@ an engine that does not convert refuses the plan in one line naming one that doe
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
+import torch
 
 from xmesh_plan.executor.engines import ENGINES, EngineContext
 from xmesh_plan.executor.errors import PlanMismatchError
@@ -55,17 +57,20 @@ def test_per_tensor_scales_agree_over_replicated_and_uneven_sources_on_3_gloo_ra
     assert sorted(lines) == sorted(f"rank {r}: replicated step {k}: ok" for r in range(3) for k in (0, 1)), lines
 
 
-@pytest.mark.parametrize("engine", ["nccl"])
-def test_an_engine_that_does_not_convert_refuses_the_plan_naming_one_that_does(engine):
+def test_an_engine_that_does_not_convert_refuses_the_plan_naming_one_that_does():
+    """Every registered engine converts; an entry without `converts` (here the nccl one with it cleared) refuses."""
+    from dataclasses import replace
+
     plan = compile_plan(build_problem({"shape": [8, 4], "dtype": "float32", "dst_dtype": "fp16", "src": {"mesh": "1x2", "spec": "S0 R"},
                                        "dst": {"mesh": "1x2", "spec": "R S0"}}), solver="greedy")
     program = lower(plan, 0)
     assert program.tensors[0].dst_dtype == "float16" and program.tensors[0].itemsize == 2
+    assert all(entry.converts for entry in ENGINES.values())
     with pytest.raises(PlanMismatchError) as info:
-        ENGINES[engine].make(program, EngineContext(None, {}, 1.0, (1e-3, 1e-2)))
-    assert str(info.value) == (f"the plan converts float32 to float16 at the sender, which the {engine} engine does not run; run "
-                               "it on the mpi or torch engine (backend='mpi' with an mpi4py communicator, or 'gloo' or 'nccl' with "
-                               "a torch process group) or compile the plan without dst_dtype")
+        replace(ENGINES["nccl"], converts=False).make(program, EngineContext(None, {}, 1.0, (1e-3, 1e-2)))
+    assert str(info.value) == ("the plan converts float32 to float16 at the sender, which the nccl engine does not run; run "
+                               "it on the mpi or nccl or torch engine (backend='mpi' with an mpi4py communicator, or 'gloo' or "
+                               "'nccl' with a torch process group) or compile the plan without dst_dtype")
     assert info.value.same_on_every_rank
 
 
@@ -136,3 +141,26 @@ def test_a_dst_dtype_of_the_source_dtype_is_no_conversion_for_any_engine():
     from xmesh_plan.executor.torch_run import _scaled
 
     assert _scaled(single, 1.0).problem == single.problem  # the torch demo fills and checks it as any plan of float32
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_scales_and_casts_on_cuda_are_bit_for_bit_those_on_cpu():
+    """Per-tensor and block scales, and the casts with them, on a CUDA device equal the CPU's and numpy's float32
+    quotients bit for bit (CUDA divides by a Python number as a multiply by its reciprocal, one unit off for some)."""
+    from xmesh_plan.executor.convert import block_scales, convert, expand_scales, over_fp8_max, tensor_scale
+    from xmesh_plan.schemas.convert import FP8_MAX
+
+    g = torch.Generator().manual_seed(0)
+    amaxes = torch.rand(1 << 20, generator=g) * torch.float_power(10.0, torch.randint(-6, 6, (1 << 20,), generator=g)).float()
+    shard = torch.randn(3, 300, 260, generator=g) * 7
+    for fp8 in ("float8_e4m3fn", "float8_e5m2"):
+        want = amaxes.numpy() / np.float32(FP8_MAX[fp8])
+        assert np.array_equal(over_fp8_max(amaxes.cuda(), fp8).cpu().numpy().view(np.uint32), want.view(np.uint32))
+        assert torch.equal(tensor_scale(amaxes[:1].cuda(), fp8).cpu().view(torch.int32), tensor_scale(amaxes[:1], fp8).view(torch.int32))
+        on_cpu, on_gpu = block_scales(shard, fp8), block_scales(shard.cuda(), fp8).cpu()
+        assert torch.equal(on_gpu.view(torch.int32), on_cpu.view(torch.int32))
+        box = tuple((0, n) for n in shard.shape)
+        cast_cpu = convert(shard, fp8, expand_scales(on_cpu, box))
+        cast_gpu = convert(shard.cuda(), fp8, expand_scales(on_cpu.cuda(), box)).cpu()
+        assert torch.equal(cast_gpu.view(torch.uint8), cast_cpu.view(torch.uint8))

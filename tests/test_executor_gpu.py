@@ -9,7 +9,6 @@ CuPy version refuses fails here, without a GPU. What it cannot tell is listed in
 from __future__ import annotations
 
 import subprocess
-from collections import defaultdict, deque
 from pathlib import Path
 
 import numpy as np
@@ -18,10 +17,9 @@ import pytest
 from xmesh_plan.executor import ExecutorError, PeerTimeoutError, PlanMismatchError
 from xmesh_plan.executor.lower import lower
 from xmesh_plan.executor.pattern import fill, mismatches
-from xmesh_plan.executor.ranks import plan_devices
 from tests.support.cases import STRATEGIES, all_fixed_plans, compiled, problem, random_problem, write_plans
 from tests.support.launch import mpiexec
-from tests.support.fake_gpu import FakeGpu, FakeMpiComm, nccl_engines, run_on_fake
+from tests.support.fake_gpu import FakeGpu, drive, fake_nccl_transfer, nccl_engines, run_on_fake
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -139,6 +137,12 @@ def test_fake_refuses_what_the_real_api_refuses(monkeypatch):
         c.bcast(b.data.ptr, 64, nccl.NCCL_INT32, 0, s.ptr)  # a count in bytes with a 4-byte datatype
     with pytest.raises(AssertionError, match="another rank"):
         c.bcast(bufs[1].data.ptr, 16, nccl.NCCL_INT32, 0, s.ptr)
+    with pytest.raises(ValueError, match="no ncclRedOp_t"):
+        c.allReduce(b.data.ptr, b.data.ptr, 16, nccl.NCCL_FLOAT32, 9, s.ptr)
+    with pytest.raises(AssertionError, match="not inside one allocation"):
+        c.allReduce(b.data.ptr, b.data.ptr, 64, nccl.NCCL_FLOAT32, nccl.NCCL_MAX, s.ptr)  # a count in bytes
+    with pytest.raises(TypeError, match="plain int"):
+        c.allReduce(b.data.ptr, b.data.ptr, 16, nccl.NCCL_FLOAT32, nccl.NCCL_MAX, s)  # the Stream, not s.ptr
     with pytest.raises(TypeError, match="Cannot cast"):
         with s:
             cupy.copyto(cupy.empty(4, np.uint16), cupy.empty(4, np.int16))
@@ -168,6 +172,11 @@ def test_fake_completes_grouped_exchange_and_catches_mismatched_collectives(monk
         nccl.groupEnd()
     gpu.drain()
     assert list(bufs[0][8:]) == list(range(100, 108)) and list(bufs[1][8:]) == list(range(8))
+    for rank in range(2):  # the max of both ranks' values, in place on each
+        gpu.process = rank
+        comms[rank].allReduce(bufs[rank].data.ptr, bufs[rank].data.ptr, 4, nccl.NCCL_INT32, nccl.NCCL_MAX, streams[rank].ptr)
+    gpu.drain()
+    assert list(bufs[0][:4]) == list(bufs[1][:4]) == [100, 101, 102, 103]
     comms[0].bcast(bufs[0].data.ptr, 4, nccl.NCCL_INT32, 0, streams[0].ptr)
     comms[1].bcast(bufs[1].data.ptr, 4, nccl.NCCL_INT32, 1, streams[1].ptr)  # another root
     with pytest.raises(AssertionError, match="different collectives"):
@@ -332,35 +341,6 @@ def test_every_tensor_of_the_small_weight_sync_runs_on_fake_nccl(monkeypatch):
 # A multi-tensor plan with a staging limit through TransferExecutor on the fake NCCL
 # ---------------------------------------------------------------------------------------------
 
-def fake_nccl_transfer(plan, gpu, monkeypatch, order: str | None = None) -> list:
-    """One `TransferExecutor(backend='nccl')` per rank in this process, set up by its own `prepare()` (lowering and
-    passes, the check against the stated staging, the engine), every rank's engine before the next rank's: the lowest
-    device of a group sends its unique id; the unique ids travel over `FakeMpiComm`, the rank agreement is this rank's
-    alone."""
-    from tests.support.fake_mpi import FakeWorld, WorldComm
-    from xmesh_plan.executor import TransferExecutor
-    from xmesh_plan.executor.executor import Executor
-
-    def agree_alone(self, error):
-        if error is not None:
-            raise error
-
-    monkeypatch.setattr(Executor, "_agree", agree_alone)
-    world, mail, devices = FakeWorld(), defaultdict(deque), plan_devices(plan)
-    out = []
-    for rank, device in enumerate(devices):
-        gpu.process = device
-        ex = TransferExecutor(plan, WorldComm(world, rank, len(devices)), backend="nccl", order=order)
-        ex.world.engine_comm = lambda timeout_s, poll_s, rank=rank: FakeMpiComm(mail, rank)
-        ex.world.release = lambda comm: None
-        ex.prepare()
-        assert ex.stage_bytes == ex.entry.stage_need(ex.program)
-        out.append(ex)
-    assert not any(mail.values()), "unique ids sent that nobody received"
-    gpu.check_init_order()
-    return out
-
-
 def run_transfer_on_fake(executors, gpu, runs: int = 3) -> None:
     """Three reshards through every rank's TransferExecutor, other bits each time; every destination shard of
     every tensor checked bit for bit against its pattern; then close()."""
@@ -375,15 +355,7 @@ def run_transfer_on_fake(executors, gpu, runs: int = 3) -> None:
                       if t.src_block is not None}
             ex.engine.poison()
             ex.start(shards)
-        for _ in range(10_000):
-            done = []
-            for ex in executors:
-                gpu.process = ex.device
-                done.append(ex.test())
-            if all(done):
-                break
-        else:
-            pytest.fail(f"stalled: {gpu.stuck()}")
+        drive(executors, gpu)
         for ex in executors:
             gpu.process = ex.device
             out = ex.wait()

@@ -201,13 +201,15 @@ def test_into_is_refused_in_one_line_where_it_does_not_fit():
 
 
 def test_an_engine_that_does_not_receive_into_refuses_into_saying_why():
-    """The CuPy NCCL engine binds its calls to its own shards (`EngineEntry.receives_into` False): `into` is refused
-    before anything starts (here on a fake MPI executor given that engine's entry)."""
+    """An engine whose entry has `receives_into` False: `into` is refused before anything starts (here on a fake MPI
+    executor given the nccl entry with it cleared; every registered engine receives into the caller's arrays)."""
+    from dataclasses import replace
+
     from xmesh_plan.executor.engines import ENGINES
 
     plan = compile_plan(three_tensors(), strategy="broadcast", solver="greedy")
     ex = next(e for e in fake_executors(plan) if all(t.src_block is None for t in e.program.tensors))
-    ex.entry = ENGINES["nccl"]
+    ex.entry = replace(ENGINES["nccl"], receives_into=False)
     name, shards = next((n, t) for n, t in zip(ex.names, ex.program.tensors) if t.dst_block is not None)
     with pytest.raises(PlanMismatchError, match="backend 'nccl' binds its requests to its own destination shards once"):
         ex.start(None, into={name: np.zeros(shards.dst_shape)})

@@ -9,11 +9,14 @@ rank 0). Then the same for an engine that fuses and converts (`converted_sync`, 
 blocks): qkv and gate_up fused in FP8 e4m3 with block scales, o and down in FP8 with per-tensor scales,
 embeddings and LM head in float16, norms in bfloat16, all converted by the senders; every element and every
 scale compared bit for bit with torch's own cast of `full_tensor()` (scales computed here, block by block).
-Rank 0 prints the results; exit status 1 if any element differs.
+Rank 0 prints the results; exit status 1 if any element differs. `--device cuda` runs the same on CUDA tensors over
+NCCL (each rank on GPU LOCAL_RANK modulo the GPUs it sees), the engine's tensors received in place.
 """
 
 from __future__ import annotations
 
+import argparse
+import os
 import sys
 from dataclasses import dataclass
 
@@ -220,7 +223,7 @@ def cast_reference(full: torch.Tensor, dtype: str, scale: str | None) -> tuple[t
     for i in range(scales.shape[0]):
         for j in range(scales.shape[1]):
             block = full[i * BLOCK:(i + 1) * BLOCK, j * BLOCK:(j + 1) * BLOCK].float()
-            scales[i, j] = torch.clamp(block.abs().max(), min=FLOOR) / top
+            scales[i, j] = max(block.abs().max().item(), FLOOR) / top  # in Python floats: the same on every device
             out[i * BLOCK:(i + 1) * BLOCK, j * BLOCK:(j + 1) * BLOCK] = (block / scales[i, j]).clamp(-top, top).to(target)
     return out, scales
 
@@ -285,8 +288,8 @@ def converted_sync(c: Config = BLOCKED) -> list[str]:
     """The fused and converting engine's sync (`converted_targets`) of a model of sizes `c` on 8 ranks, twice with a
     training step between, each checked by `check_converted` and printed ('fp8 step k'); this rank's results."""
     rank = dist.get_rank()
-    mesh = DeviceMesh("cpu", ENGINE)
-    model, optimizer = trainer_model(DeviceMesh("cpu", TRAINER), c) if rank in TRAINER else (None, None)
+    mesh = DeviceMesh(_device_type(), ENGINE)
+    model, optimizer = trainer_model(DeviceMesh(_device_type(), TRAINER), c) if rank in TRAINER else (None, None)
     targets = converted_targets(mesh, c) if rank not in TRAINER else {}
     given = {"trainer": model.state_dict()} if model else {"inference": targets, "inference_mesh": ENGINE}
     with WeightSync(**given) as sync:
@@ -316,14 +319,29 @@ def sync_model(c: Config = TINY, **options) -> tuple[WeightSync, TinyLlama | Non
     """The sync of the demo on 8 ranks of the default group: (WeightSync, the trainer's model and optimizer or None,
     this rank's WeightSync arguments, the engine's mesh); `options` go to WeightSync. Every rank calls it."""
     rank = dist.get_rank()
-    train_mesh, engine_mesh = DeviceMesh("cpu", TRAINER), DeviceMesh("cpu", ENGINE)
+    train_mesh, engine_mesh = DeviceMesh(_device_type(), TRAINER), DeviceMesh(_device_type(), ENGINE)
     model, optimizer = trainer_model(train_mesh, c) if rank in TRAINER else (None, None)
     given = {"trainer": model.state_dict()} if model else {"inference": engine_tensors(engine_mesh, c), "inference_mesh": ENGINE}
     return WeightSync(**given, **options), model, optimizer, given, engine_mesh
 
 
-def main() -> int:
-    dist.init_process_group("gloo")
+def _device_type() -> str:
+    """Where the demo's tensors live: torch's default device ("cuda" after `--device cuda`, else "cpu")."""
+    return torch.get_default_device().type
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m xmesh_plan.weight_sync_demo", description=__doc__.splitlines()[0])
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                        help="cpu: gloo (default); cuda: NCCL, every tensor on GPU LOCAL_RANK %% the GPUs this process sees")
+    args = parser.parse_args(argv)
+    if args.device == "cuda":
+        if not torch.cuda.is_available():
+            print("error: --device cuda: torch sees no GPU here; run with --device cpu", file=sys.stderr)
+            return 2
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
+        torch.set_default_device("cuda")
+    dist.init_process_group("nccl" if args.device == "cuda" else "gloo")
     if dist.get_world_size() != 8:
         if dist.get_rank() == 0:
             print("error: this demo needs 8 ranks; run it with torchrun --standalone --nproc-per-node 8", file=sys.stderr)

@@ -30,6 +30,8 @@ from xmesh_plan.executor.ranks import plan_devices, rank_of_devices
 # ---------------------------------------------------------------------------------------------
 
 NCCL_SIZES = {0: 1, 1: 1, 2: 4, 3: 4, 4: 8, 5: 8, 6: 2, 7: 4, 8: 8, 9: 2}  # ncclDataType_t -> bytes (nccl.h)
+NCCL_NUMPY = {0: np.int8, 1: np.uint8, 2: np.int32, 3: np.uint32, 4: np.int64, 5: np.uint64, 6: np.float16, 7: np.float32, 8: np.float64}
+REDUCTIONS = {0: np.add, 1: np.multiply, 2: np.maximum, 3: np.minimum}  # ncclRedOp_t (nccl.h); ncclAvg (4) is unused here
 
 
 def _plain_int(name: str, value, lo: int | None = None, hi: int | None = None) -> int:
@@ -196,6 +198,15 @@ class FakeCommunicator:
                                                   ("recvbuf", _plain_int("recvbuf", recvbuf), count * size * self.ndev)])
         self._collective(owner, ("allgather", None, datatype, count, sendbuf, recvbuf))
 
+    def allReduce(self, sendbuf, recvbuf, count, datatype, op, stream):
+        self.gpu.log.append(("allReduce",) + tuple(type(a).__name__ for a in (sendbuf, recvbuf, count, datatype, op, stream)))
+        size, count = self._datatype(datatype), self._count(count)
+        if _plain_int("op", op) not in REDUCTIONS:
+            raise ValueError(f"fake: {op} is no ncclRedOp_t")
+        owner = self._check("allReduce", stream, [("sendbuf", _plain_int("sendbuf", sendbuf), count * size),
+                                                  ("recvbuf", _plain_int("recvbuf", recvbuf), count * size)])
+        self._collective(owner, ("allreduce", op, datatype, count, sendbuf, recvbuf))
+
     def send(self, sendbuf, count, datatype, peer, stream):
         size, count = self._datatype(datatype), self._count(count)
         _plain_int("peer", peer, 0, self.ndev)
@@ -330,6 +341,14 @@ class FakeGpu:
                     ctypes.memmove(c[5], calls[root][4], nbytes)
             if calls[root][5] != calls[root][4]:
                 ctypes.memmove(calls[root][5], calls[root][4], nbytes)
+        elif kind == "allreduce":  # `root` holds the ncclRedOp_t
+            def values(ptr):
+                return np.frombuffer((ctypes.c_ubyte * nbytes).from_address(ptr), NCCL_NUMPY[datatype])
+            result = values(calls[0][4]).copy()
+            for rank in range(1, len(calls)):
+                result = REDUCTIONS[root](result, values(calls[rank][4]))
+            for c in calls.values():
+                values(c[5])[:] = result
         else:
             for rank, c in calls.items():
                 for other, o in calls.items():
@@ -431,7 +450,8 @@ class FakeGpu:
         runtime.CUDARuntimeError = CUDARuntimeError
         runtime.getDeviceCount = lambda: gpu.devices
         nccl.available = True
-        for name, value in dict(NCCL_INT8=0, NCCL_CHAR=0, NCCL_UINT8=1, NCCL_INT32=2, NCCL_INT=2, NCCL_UINT32=3, NCCL_INT64=4,
+        for name, value in dict(NCCL_SUM=0, NCCL_PROD=1, NCCL_MAX=2, NCCL_MIN=3,
+                                NCCL_INT8=0, NCCL_CHAR=0, NCCL_UINT8=1, NCCL_INT32=2, NCCL_INT=2, NCCL_UINT32=3, NCCL_INT64=4,
                                 NCCL_UINT64=5, NCCL_FLOAT16=6, NCCL_HALF=6, NCCL_FLOAT32=7, NCCL_FLOAT=7, NCCL_FLOAT64=8,
                                 NCCL_DOUBLE=8, NCCL_BFLOAT16=9).items():
             setattr(nccl, name, value)
@@ -461,7 +481,34 @@ class FakeGpu:
     def install(self, monkeypatch) -> "FakeGpu":
         for name, module in self.modules.items():
             monkeypatch.setitem(sys.modules, name, module)
+        monkeypatch.setattr("xmesh_plan.executor.nccl_convert.torch_on_stream", lambda stream, gpu: FakeTorchOnStream(self, stream))
         return self
+
+
+class FakeTorchOnStream:
+    """`nccl_convert.TorchOnStream` on the fake: torch (on CPU) over the fake's memory, its work queued on the engine's
+    stream as a kernel, so it runs after the calls enqueued before it and before those after (a cast run at once, or
+    on another stream, reads sources not yet arrived or is overwritten)."""
+
+    def __init__(self, gpu: FakeGpu, stream: FakeStream):
+        import torch
+
+        assert isinstance(stream, FakeStream) and not stream.null, "fake: torch must run on the engine's own stream"
+        self.gpu, self.stream, self.torch = gpu, stream, torch
+
+    def tensor(self, array, dtype_name: str):
+        from xmesh_plan.executor.nccl_convert import DLPACK_VIEW
+
+        assert isinstance(array, FakeArray), f"fake: torch is handed a {type(array).__name__}, not GPU memory"
+        lo = array.__array_interface__["data"][0]
+        self.gpu.check_range("torch", "tensor", lo, array.nbytes, self.stream.process, self.gpu.current_device[self.stream.process])
+        raw = np.asarray(array.view(DLPACK_VIEW.get(array.dtype, array.dtype)))
+        return self.torch.from_numpy(raw).view(getattr(self.torch, dtype_name))
+
+    def run(self, fn) -> None:
+        current = self.gpu.current_stream()
+        assert current is self.stream, "fake: torch work enqueued outside `with stream:` of the engine's stream"
+        current.enqueue(("host", fn))
 
 
 class FakeMpiComm:
@@ -531,7 +578,7 @@ def run_on_fake(plan, gpu, iterations: int = 3, mutate=None) -> list:
             if e.program.src_block is not None:
                 host = fill(e.program.src_block, shape, dtype, salt=37 * it)
                 shard = e.adopt(host.view(RAW_VIEW.get(dtype, dtype)) if plan.problem.dtype.startswith(("bfloat16", "float8")) else host)
-            if e.dst is not None:
+            if e.program.dst_block is not None:  # poison() makes the own shard, which the first start() would make
                 e.poison()
             shards.append(shard)
         for e, shard in zip(engines, shards):
@@ -540,6 +587,7 @@ def run_on_fake(plan, gpu, iterations: int = 3, mutate=None) -> list:
         gpu.drain()
         for e in engines:
             e.wait()
+            assert (e.dst is None) == (e.program.dst_block is None)
             if e.dst is not None:
                 bad, first = mismatches(gpu.cupy.asnumpy(e.dst), e.program.dst_block, shape, salt=37 * it)
                 assert bad == 0, f"iteration {it}: device {e.program.device}: {bad} elements differ, first at {first}"
@@ -551,3 +599,46 @@ def run_on_fake(plan, gpu, iterations: int = 3, mutate=None) -> list:
     for p, order in gpu.init_order.items():
         assert [c for q, c in gpu.destroyed if q == p] == [id(gpu.cliques[raw]) for raw in order], "destroyed out of creation order"
     return engines
+
+
+def fake_nccl_transfer(plan, gpu, monkeypatch, order: str | None = None) -> list:
+    """One `TransferExecutor(backend='nccl')` per rank in this process, set up by its own `prepare()` (lowering and
+    passes, the check against the stated staging, the engine), every rank's engine before the next rank's: the lowest
+    device of a group sends its unique id; the unique ids travel over `FakeMpiComm`, the rank agreement is this rank's
+    alone."""
+    from tests.support.fake_mpi import FakeWorld, WorldComm
+    from xmesh_plan.executor import TransferExecutor
+    from xmesh_plan.executor.executor import Executor
+
+    def agree_alone(self, error):
+        if error is not None:
+            raise error
+
+    monkeypatch.setattr(Executor, "_agree", agree_alone)
+    world, mail, devices = FakeWorld(), defaultdict(deque), plan_devices(plan)
+    out = []
+    for rank, device in enumerate(devices):
+        gpu.process = device
+        ex = TransferExecutor(plan, WorldComm(world, rank, len(devices)), backend="nccl", order=order)
+        ex.world.engine_comm = lambda timeout_s, poll_s, rank=rank: FakeMpiComm(mail, rank)
+        ex.world.release = lambda comm: None
+        ex.prepare()
+        assert ex.stage_bytes == ex.entry.stage_need(ex.program)
+        out.append(ex)
+    assert not any(mail.values()), "unique ids sent that nobody received"
+    gpu.check_init_order()
+    return out
+
+
+def drive(executors, gpu) -> None:
+    """Call every rank's `test()` (as its process) until all have finished; fail naming the stuck streams."""
+    import pytest
+
+    for _ in range(10_000):
+        done = []
+        for ex in executors:
+            gpu.process = ex.device
+            done.append(ex.test())
+        if all(done):
+            return
+    pytest.fail(f"stalled: {gpu.stuck()}")

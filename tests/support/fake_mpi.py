@@ -113,7 +113,7 @@ def simulate(plan, iterations: int = 4, order: str = "posted", world: FakeWorld 
         for k, e in enumerate(engines):
             if e.program.src_block is not None:
                 shards[k] = next_source(shards[k], fill(e.program.src_block, shape, dtype, salt=37 * it), it)
-            if e.dst is not None:
+            if e.program.dst_block is not None:  # poison() makes the own shard the first run would make
                 e.poison()
         for e, shard in zip(engines, shards):
             e.start(shard)

@@ -10,7 +10,9 @@ numpy parent filled with a sentinel, laid out as rows of a taller parent (contig
 wider one (each row one run of memory) or every other element (no two adjacent), twice with the same parent and
 once with a new one. Each time: the view's bytes (read from the parent) equal the own run's, the parent's other
 bytes are untouched, the engine's own buffer (poisoned before) is not written, and once the call has returned and
-the caller drops the parent, nothing keeps it alive. Each rank prints `rank R: <plan> <order>: ok` or what was wrong.
+the caller drops the parent, nothing keeps it alive. Then a new executor of the same plan is only ever handed views
+(each layout once): the same bytes, and it makes no destination buffer of its own. Each rank prints
+`rank R: <plan> <order>: ok` and `rank R: <plan> <order> into only: ok`, or what was wrong.
 """
 
 from __future__ import annotations
@@ -67,12 +69,17 @@ def sources(ex, rng: np.random.Generator) -> dict[str, np.ndarray]:
     return out
 
 
-def check(label: str, ex, one: bool) -> None:
-    rank = MPI.COMM_WORLD.Get_rank()
-    rng = np.random.default_rng(rank)
-    shards = sources(ex, rng)
-    run = (lambda into: {ex.names[0]: ex.run(shards.get(ex.names[0]), into=into and into[ex.names[0]])}) if one else \
+def runner(ex, one: bool):
+    """A function running `ex` once on this rank's random source shards (the same each time), into the views given."""
+    shards = sources(ex, np.random.default_rng(MPI.COMM_WORLD.Get_rank()))
+    return (lambda into: {ex.names[0]: ex.run(shards.get(ex.names[0]), into=into and into[ex.names[0]])}) if one else \
         (lambda into: ex.run(shards, into=into))
+
+
+def check(label: str, ex, one: bool) -> dict[str, np.ndarray]:
+    """The checks above on `ex`; the bytes of its own run, per tensor."""
+    rank = MPI.COMM_WORLD.Get_rank()
+    run = runner(ex, one)
     want = {name: np.array(got, copy=True).view(np.uint8) for name, got in run(None).items() if got is not None}
     wrong = []
     for layout in LAYOUTS:
@@ -103,6 +110,22 @@ def check(label: str, ex, one: bool) -> None:
                 if any(ref() is not None for ref in refs):
                     wrong.append(f"{layout}: the engine keeps the caller's array alive")
     say(f"rank {rank}: {label}: {'ok' if not wrong else 'wrong: ' + '; '.join(wrong[:4])}")
+    return want
+
+
+def check_into_only(label: str, ex, one: bool, want: dict[str, np.ndarray]) -> None:
+    """`ex`, new, run only into views (each layout once): the bytes of `want`, and no destination buffer of its own."""
+    run, wrong = runner(ex, one), []
+    for layout in LAYOUTS:
+        parents = {name: parent_and_view(t.dst_shape, ex.engine.dtypes[k], layout)
+                   for k, (name, t) in enumerate(zip(ex.names, ex.program.tensors)) if t.dst_shape is not None}
+        got = run({name: view for name, (_, _, view) in parents.items()} or None)
+        for name, (raw, index, view) in parents.items():
+            if got[name] is not view or not np.array_equal(np.ascontiguousarray(raw[index]).reshape(-1), want[name].reshape(-1)):
+                wrong.append(f"{layout} {name}: not the own run's bytes in the view")
+        if any(own is not None for own in ex.engine.dsts):
+            wrong.append(f"{layout}: the engine made destination buffers of its own")
+    say(f"rank {MPI.COMM_WORLD.Get_rank()}: {label} into only: {'ok' if not wrong else 'wrong: ' + '; '.join(wrong[:4])}")
 
 
 def main() -> int:
@@ -117,14 +140,25 @@ def main() -> int:
         for order in ("device", "posted"):
             ex = TransferExecutor(plan, comm, timeout_s=60.0, order=order).prepare()
             try:
-                check(f"{label} {order}", ex, one=False)
+                want = check(f"{label} {order}", ex, one=False)
+            finally:
+                ex.close()
+            ex = TransferExecutor(plan, comm, timeout_s=60.0, order=order).prepare()
+            try:
+                check_into_only(f"{label} {order}", ex, False, want)
             finally:
                 ex.close()
     mesh = {"shape": [4], "devices": [0, 1, 2, 3]}
     problem = build_problem({"shape": [8, 6], "dtype": "float32", "src": {"mesh": mesh, "spec": "S0 R"}, "dst": {"mesh": mesh, "spec": "R S0"}})
-    ex = ReshardingExecutor(compile_plan(problem), comm, timeout_s=60.0).prepare()
+    plan = compile_plan(problem)
+    ex = ReshardingExecutor(plan, comm, timeout_s=60.0).prepare()
     try:
-        check("one tensor", ex, one=True)
+        want = check("one tensor", ex, one=True)
+    finally:
+        ex.close()
+    ex = ReshardingExecutor(plan, comm, timeout_s=60.0).prepare()
+    try:
+        check_into_only("one tensor", ex, True, want)
     finally:
         ex.close()
     return 0

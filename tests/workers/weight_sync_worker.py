@@ -10,7 +10,8 @@
   127.0.0.1:$TRANSFER_PORT (trainer ranks are transfer ranks 0-3, inference ranks 4-7); then the converting engine
   across the two launches (`separate_converted`: fused and unfused FP8 with block scales, FP8 per tensor, float16,
   bfloat16); then mismatches across the two launches, each of which must fail every rank of both with the same line within WeightSync's 5 s deadline.
-After each sync the inference ranks check where the weights landed: in their own tensors (a fused one through its
+`XMESH_WORKER_DEVICE=cuda` runs the two-launch syncs (not the mismatches, not `joint`) on CUDA tensors over NCCL, every
+rank on GPU LOCAL_RANK modulo the GPUs it sees (bench/gpu/check.sh). After each sync the inference ranks check where the weights landed: in their own tensors (a fused one through its
 parts' views), with no destination buffer of the executor's own and no view of them kept once `run()` returns.
 Each rank prints `rank R: <what>: <result>` lines for the test to compare.
 """
@@ -28,6 +29,8 @@ from xmesh_plan.transfer_group import transfer_group
 from xmesh_plan.weight_sync import COLUMN, Fused, Target, WeightSync, WeightSyncError
 from xmesh_plan.weight_sync_demo import (BLOCKED, ENGINE, TINY, check, converted_steps, converted_sync, converted_targets,
                                          engine_tensors, references, say, shapes, steps, sync_model, trainer_model)
+
+DEVICE = os.environ.get("XMESH_WORKER_DEVICE", "cpu")
 
 
 def attempt(what: str, make) -> None:
@@ -144,7 +147,8 @@ def separate(side: str) -> None:
     """One side of the two-launch sync: this launch's own world, plus the transfer group both launches join."""
     rank = dist.get_rank()
     offset = 0 if side == "trainer" else 4
-    group = transfer_group("127.0.0.1", int(os.environ["TRANSFER_PORT"]), offset + rank, 8)
+    group = transfer_group("127.0.0.1", int(os.environ["TRANSFER_PORT"]), offset + rank, 8,
+                           backend="nccl" if DEVICE == "cuda" else "gloo")
     ranks = {r: offset + r for r in range(4)}
     model, optimizer, targets, mesh, kwargs = one_side(side, TINY, engine_tensors)
     sync = WeightSync(**kwargs, group=group, ranks=ranks)
@@ -153,7 +157,13 @@ def separate(side: str) -> None:
     say("in place", in_place(sync, targets))
     sync.close()
     separate_converted(side, group, ranks)
-    separate_mismatches(group.rank(), group, model, {**kwargs, "group": group, "ranks": ranks})
+    if DEVICE == "cpu":  # each mismatch fails collectives mid-way: checked on gloo only
+        separate_mismatches(group.rank(), group, model, {**kwargs, "group": group, "ranks": ranks})
+    else:  # every rank of both launches is done with the transfer group before its communicators go, none exits first
+        barrier(group)
+        torch.cuda.synchronize()
+        group.shutdown()
+        say("transfer group", "closed")
 
 
 def one_side(side: str, c, make_targets) -> tuple:
@@ -161,9 +171,9 @@ def one_side(side: str, c, make_targets) -> tuple:
     mesh, WeightSync arguments but the group); the trainer trains FSDP2 on its 4 ranks, the engine is two TP=2
     replicas of its 4 ranks holding `make_targets(mesh, c)`."""
     if side == "trainer":
-        model, optimizer = trainer_model(DeviceMesh("cpu", [0, 1, 2, 3]), c)
+        model, optimizer = trainer_model(DeviceMesh(DEVICE, [0, 1, 2, 3]), c)
         return model, optimizer, {}, None, {"trainer": model.state_dict()}
-    mesh = DeviceMesh("cpu", [[0, 1], [2, 3]])
+    mesh = DeviceMesh(DEVICE, [[0, 1], [2, 3]])
     targets = make_targets(mesh, c)
     return None, None, targets, mesh, {"inference": targets, "inference_mesh": [[0, 1], [2, 3]]}
 
@@ -221,8 +231,13 @@ def barrier(group) -> None:
 
 
 def main() -> int:
-    dist.init_process_group("gloo")
     mode = sys.argv[1]
+    if DEVICE == "cuda":
+        if mode == "joint":
+            raise SystemExit("XMESH_WORKER_DEVICE=cuda runs the two launches (trainer, inference), not joint")
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")) % torch.cuda.device_count())
+        torch.set_default_device("cuda")
+    dist.init_process_group("nccl" if DEVICE == "cuda" else "gloo")
     joint() if mode == "joint" else separate(mode)
     dist.barrier()
     dist.destroy_process_group()
