@@ -16,12 +16,13 @@ Members:
 - `header.npy`: UTF-8 JSON (a uint8 array) with `format`, `format_version`, and `plan`: the plan's JSON object
   less its `tasks`, `operations` and `host_order` (problem, solver, predictions, staging), with its schema_version.
 - `<table>.<field>...npy` for the tables `tasks`, `operations`, `host_order`, one column kind per field
-  (`COLUMN_KINDS`), a row per layout for the `LAYOUTS` fields and per row for the others: integers in the narrowest of int8/16/32/64 that holds them, strings as indices into
-  `<table>.<field>.names` (UTF-8 JSON list), lists of integers as `.lengths` + flat `.values`, boxes as indices into
-  the shared box table (`boxes.dims`, `boxes.values`: each distinct box once), an optional integer as values + a
-  `.none` mask (left out when nothing is None; values only for the rows that have one), times as `.at` indices into the shared `floats` table where that is
-  smaller than float64 columns (exact: distinct by bit pattern), else as float64. `<table>.layout`: each row's
-  layout (tasks and operations; left out where every row is its own layout, in order).
+  (`COLUMN_KINDS`), a row per layout for the `LAYOUTS` fields and per row for the others: integers in the narrowest
+  of int8/16/32/64 that holds them, strings as indices into `<table>.<field>.names` (UTF-8 JSON list), lists of
+  integers as `.lengths` + flat `.values`, boxes as indices into the shared box table (`boxes.dims`, `boxes.values`:
+  each distinct box once), an optional integer as values + a `.none` mask (left out when nothing is None; values
+  only for the rows that have one), times as `.at` indices into the shared `floats` table where that is smaller
+  than float64 columns (exact: distinct by bit pattern), else as float64. `<table>.layout`: each row's layout
+  (tasks and operations; left out where every row is its own layout, in order).
 - `index.devices`, `index.offsets`, `index.first`, `index.rows`: for each device (sorted), the rows of the
   operations it takes part in (src, dsts, holders or needers), in execution order: its first row, then the steps
   between rows (uint8; a step of `WIDE_STEP` or more is `WIDE_STEP` there and its value the next entry of
@@ -82,7 +83,7 @@ class CompactPlanError(ValueError):
 # ---------------------------------------------------------------- writing
 
 
-def _narrow(array: np.ndarray, what: str) -> np.ndarray:
+def _narrow(array: np.ndarray) -> np.ndarray:
     """Integers `array` in the narrowest of int8/16/32/64 that holds them exactly."""
     if array.size == 0:
         return np.zeros(0, dtype=np.int8)
@@ -95,14 +96,15 @@ def _ints(values, what: str) -> np.ndarray:
     """The narrowest signed integer array that holds `values` (a list of ints, or an iterable of them) exactly."""
     values = values if isinstance(values, list) else list(values)
     try:
-        return _narrow(np.fromiter(values, dtype=np.int64, count=len(values)), what)
+        return _narrow(np.fromiter(values, dtype=np.int64, count=len(values)))
     except OverflowError:  # some value outside 64-bit integers: name it
         lo, hi = min(values), max(values)
         raise CompactPlanError(f"{what} holds {lo if lo < np.iinfo(np.int64).min else hi}, outside 64-bit integers") from None
 
 
-def _lengths_of(rows, what: str) -> np.ndarray:
-    return _narrow(np.fromiter(map(len, rows), dtype=np.int64, count=len(rows)), what)
+def _lengths_of(rows) -> np.ndarray:
+    """The lengths of `rows` (lists), narrowed."""
+    return _narrow(np.fromiter(map(len, rows), dtype=np.int64, count=len(rows)))
 
 
 def _first_use(keys, count: int) -> tuple[np.ndarray, dict]:
@@ -128,12 +130,12 @@ class _Shared:
 
     def members(self) -> dict[str, np.ndarray]:
         boxes = list(self.boxes)
-        out = {"boxes.dims": _lengths_of(boxes, "box dims"),
+        out = {"boxes.dims": _lengths_of(boxes),
                "boxes.values": _ints(chain.from_iterable(chain.from_iterable(boxes)), "boxes").reshape(-1, 2)}
         names, columns = list(self.floats), list(self.floats.values())
         bits = np.concatenate(columns).view(np.int64) if columns else np.zeros(0, np.int64)
         table, at = np.unique(bits, return_inverse=True)
-        index = _narrow(at.reshape(-1), "time index")
+        index = _narrow(at.reshape(-1))
         if table.size * 8 + index.nbytes < bits.size * 8:
             out["floats"] = table.view(np.float64)
             for name, part in zip(names, np.split(index, np.cumsum([len(c) for c in columns])[:-1])):
@@ -167,26 +169,26 @@ def _encode_str(name: str, values: list, out: dict, shared: _Shared) -> None:
 
 
 def _encode_ints(name: str, values: list, out: dict, shared: _Shared) -> None:
-    out[f"{name}.lengths"] = _lengths_of(values, name)
+    out[f"{name}.lengths"] = _lengths_of(values)
     out[f"{name}.values"] = _ints(chain.from_iterable(values), name)
 
 
 def _encode_box(name: str, values: list, out: dict, shared: _Shared) -> None:
     """A box as its index in the shared box table."""
-    out[name] = _narrow(shared.box_indices(values), name)
+    out[name] = _narrow(shared.box_indices(values))
 
 
 def _encode_boxes(name: str, values: list, out: dict, shared: _Shared) -> None:
     """A list of boxes: lengths count boxes per row, values are indices in the shared box table."""
-    out[f"{name}.lengths"] = _lengths_of(values, name)
-    out[f"{name}.values"] = _narrow(shared.box_indices(list(chain.from_iterable(values))), name)
+    out[f"{name}.lengths"] = _lengths_of(values)
+    out[f"{name}.values"] = _narrow(shared.box_indices(list(chain.from_iterable(values))))
 
 
 def _encode_intss(name: str, values: list, out: dict, shared: _Shared) -> None:
     """A list of lists of integers: lengths count lists per row, `.inner` integers per list."""
     inner = list(chain.from_iterable(values))
-    out[f"{name}.lengths"] = _lengths_of(values, name)
-    out[f"{name}.inner"] = _lengths_of(inner, name)
+    out[f"{name}.lengths"] = _lengths_of(values)
+    out[f"{name}.inner"] = _lengths_of(inner)
     out[f"{name}.values"] = _ints(chain.from_iterable(inner), name)
 
 
@@ -209,7 +211,8 @@ def _device_pairs(columns: dict[str, np.ndarray], count: int) -> tuple[np.ndarra
     for field in DEVICE_FIELDS:
         name = f"operations.{field}"
         if COLUMN_KINDS["operations"][field] == "int?":  # values only for the layouts that have one
-            has = ~np.asarray(columns[f"{name}.none"], dtype=bool) if f"{name}.none" in columns else np.ones(layouts, dtype=bool)
+            none = columns.get(f"{name}.none", np.zeros(layouts, dtype=bool))
+            has = ~np.asarray(none, dtype=bool)
             rows.append(np.flatnonzero(has)), devices.append(np.asarray(columns[name], dtype=np.int64))
             continue
         owner = np.repeat(np.arange(layouts), np.asarray(columns[f"{name}.lengths"], dtype=np.int64))
@@ -237,11 +240,11 @@ def _device_index(columns: dict[str, np.ndarray], count: int) -> dict[str, np.nd
     steps = np.diff(rows, prepend=0)
     steps[starts] = 0  # each device's first row is in index.first
     wide = steps >= WIDE_STEP  # few: a device's operations are seldom that far apart
-    return {"index.devices": _narrow(found, "index devices"),
-            "index.offsets": _narrow(np.append(starts, len(rows)), "index offsets"),
-            "index.first": _narrow(rows[starts], "index first rows"),
+    return {"index.devices": _narrow(found),
+            "index.offsets": _narrow(np.append(starts, len(rows))),
+            "index.first": _narrow(rows[starts]),
             "index.rows": np.where(wide, WIDE_STEP, steps).astype(np.uint8),
-            "index.rows.wide": _narrow(steps[wide], "index steps")}
+            "index.rows.wide": _narrow(steps[wide])}
 
 
 def _op_devices(op) -> set[int]:
@@ -269,7 +272,7 @@ def _table_columns(rows, table: str, out: dict[str, np.ndarray]) -> dict[str, li
         except TypeError:  # a list among the values (a plan made of plain data): as tuples
             layout, distinct = _first_use(map(_frozen, keys), len(keys))
         if len(distinct) < len(keys):  # else every row is its own layout, in order: the member is left out
-            out[f"{table}.layout"] = _narrow(layout, f"{table}.layout")
+            out[f"{table}.layout"] = _narrow(layout)
         columns.update(zip(fields, map(list, zip(*distinct))) if distinct else ((f, []) for f in fields))
     return columns
 
