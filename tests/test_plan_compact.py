@@ -607,3 +607,21 @@ def test_an_odd_layout_member_is_refused_naming_it(tmp_path, change):
             read(path)
         assert "\n" not in str(err.value) and "operations.layout" in str(err.value), str(err.value)
     assert_user_error(run_cli("verify", path), "operations.layout")
+
+
+def test_compile_to_a_device_verifies_a_private_copy_of_the_bytes_it_writes(monkeypatch):
+    """`-o /dev/null --format compact`: no temporary file can sit beside a device, so `verify` proves a private copy
+    of the very bytes written through."""
+    from xmesh_plan.planner import cli
+
+    verified = []
+    real = cli.verify_plan_file
+
+    def spy(path, **kwargs):
+        verified.append(Path(path).read_bytes())
+        return real(path, **kwargs)
+
+    monkeypatch.setattr(cli, "verify_plan_file", spy)
+    result = run_cli("compile", ROOT / "plans" / "weight_sync_small.problem.toml", "--format", "compact", "-o", "/dev/null")
+    assert result.exit_code == 0, result.output
+    assert len(verified) == 1 and verified[0] == compact_bytes(read_plan_file(ROOT / "plans" / "weight_sync_small.plan.json"))
