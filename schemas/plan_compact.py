@@ -205,7 +205,7 @@ def _text(text: str) -> np.ndarray:
 def _device_pairs(columns: dict[str, np.ndarray], count: int) -> tuple[np.ndarray, np.ndarray]:
     """(devices, rows): every (device, operation row) pair of the device columns (`DEVICE_FIELDS`) of the encoded
     operations table, the columns of the operations' layouts expanded to the rows that use them."""
-    layouts = len(columns["operations.kind"])
+    layouts = len(columns["operations.dsts.lengths"])  # a row per layout, as every layout field
     layout = np.asarray(columns.get("operations.layout", np.arange(layouts)), dtype=np.int64)
     rows, devices = [], []
     for field in DEVICE_FIELDS:
@@ -234,17 +234,30 @@ def _device_index(columns: dict[str, np.ndarray], count: int) -> dict[str, np.nd
     """For each device, the rows of the operations it takes part in, ascending (stored as the first row, then the
     steps between rows); from the encoded device columns."""
     devices, rows = _device_pairs(columns, count) if count else (np.zeros(0, np.int64), np.zeros(0, np.int64))
-    order = np.lexsort((rows, devices))  # a row appears once per device: the layout's devices are distinct
-    devices, rows = devices[order], rows[order]
-    found, starts = np.unique(devices, return_index=True)
+    devices, rows = _sorted_pairs(devices, rows, count)
+    starts = np.flatnonzero(np.concatenate(([True], devices[1:] != devices[:-1]))) if len(devices) else np.zeros(0, np.int64)
     steps = np.diff(rows, prepend=0)
     steps[starts] = 0  # each device's first row is in index.first
     wide = steps >= WIDE_STEP  # few: a device's operations are seldom that far apart
-    return {"index.devices": _narrow(found),
+    return {"index.devices": _narrow(devices[starts]),
             "index.offsets": _narrow(np.append(starts, len(rows))),
             "index.first": _narrow(rows[starts]),
             "index.rows": np.where(wide, WIDE_STEP, steps).astype(np.uint8),
             "index.rows.wide": _narrow(steps[wide])}
+
+
+def _sorted_pairs(devices: np.ndarray, rows: np.ndarray, count: int) -> tuple[np.ndarray, np.ndarray]:
+    """The (device, row) pairs (each once) sorted by device, then row: through one int64 key per pair where the
+    devices' range allows (a 1-D sort, faster than sorting pairs; numpy 2's `np.unique` hashes, 70x slower on 10^7
+    pairs), else by both columns."""
+    if not len(devices):
+        return devices, rows
+    low = int(devices.min())
+    if (int(devices.max()) - low + 1) * count >= 2**62:  # ids too far apart for one key
+        order = np.lexsort((rows, devices))
+        return devices[order], rows[order]
+    keys = np.sort((devices - low) * count + rows)
+    return keys // count + low, keys % count
 
 
 def _op_devices(op) -> set[int]:
@@ -639,7 +652,7 @@ def index_fault(m: _Members, count: int, counts: list[int], tensors: list[int]) 
     columns, and `counts` tags owned by each of the `count` operations, of tensors `tensors`: `op_kinds.number_tags`);
     None when the stored index is that one. A rank reads its part through the index alone, so it must be the one the
     table that `verify` checks gives."""
-    fields = (*DEVICE_FIELDS, "layout", "kind")  # the layouts' devices, each row's layout, the layouts' count
+    fields = (*DEVICE_FIELDS, "layout")  # the layouts' devices, and each row's layout
     columns = {name: m.get(name) for name in m.where if name.split(".")[:2] in (["operations", f] for f in fields)}
     try:
         want = _device_index(columns, count)
@@ -709,7 +722,7 @@ def _values(m: _Members, name: str, offsets: np.ndarray) -> np.ndarray:
 def _column(m: _Members, name: str, kind: str, count: int) -> dict[str, Any]:
     """One field's column as flat arrays: `values` (int64, float64 or string codes), with `none` (int?), `names`
     (str), `offsets` (running, per row: ints, box, and the rows of boxes and intss), box values as (start, stop)
-    pairs."""
+    pairs, `boxes` (box, boxes: indices into the shared box table), `inner` (intss: running offsets per list)."""
     if kind == "float":
         if f"{name}.at" in m:
             _flat(m.get(f"{name}.at"), f"{name}.at")
@@ -743,30 +756,37 @@ def _column(m: _Members, name: str, kind: str, count: int) -> dict[str, Any]:
         dims = np.diff(table)[at]
         offsets = np.concatenate(([0], np.cumsum(dims)))
         _, flat = row_ranges(table, at)
-        return {"offsets": offsets, "values": pairs[flat]}
+        return {"offsets": offsets, "values": pairs[flat], "boxes": at}
     offsets = _lengths(m, f"{name}.lengths", count)
-    if kind == "boxes":  # parts: box indices, checked; the boxes themselves are read with their records
-        _indices(m, f"{name}.values", slice(None), len(_box_table(m)[0]) - 1)
+    if kind == "boxes":  # parts: indices into the shared box table (`box_table`), checked
+        boxes = _indices(m, f"{name}.values", slice(None), len(_box_table(m)[0]) - 1)
         _values(m, f"{name}.values", offsets)
-        return {"offsets": offsets}
-    if kind == "intss":  # needers: lists per row, integers per list, checked; read with their records
-        _values(m, f"{name}.values", _lengths(m, f"{name}.inner", int(offsets[-1])))
-        return {"offsets": offsets}
+        return {"offsets": offsets, "boxes": boxes}
+    if kind == "intss":  # needers: lists per row (`offsets`), integers per list (`inner`), checked
+        inner = _lengths(m, f"{name}.inner", int(offsets[-1]))
+        return {"offsets": offsets, "inner": inner, "values": _values(m, f"{name}.values", inner)}
     return {"offsets": offsets, "values": _values(m, f"{name}.values", offsets)}
 
 
-def _per_row(column: dict[str, Any], layout: np.ndarray) -> dict[str, Any]:
-    """A column of the layouts (`_column`) as the column of the rows whose layouts are `layout`."""
+def _per_row(column: dict[str, Any], kind: str, layout: np.ndarray) -> dict[str, Any]:
+    """A column of kind `kind` of the layouts (`_column`) as the column of the rows whose layouts are `layout`."""
     out = dict(column)
-    if "offsets" in column:
-        lengths, flat = row_ranges(column["offsets"], layout)
-        out["offsets"] = np.concatenate(([0], np.cumsum(lengths)))
-        if "values" in column:
-            out["values"] = column["values"][flat]
+    if "offsets" not in column:  # one value per row: int, int?, str, float
+        out["values"] = column["values"][layout]
+        if "none" in column:
+            out["none"] = column["none"][layout]
         return out
-    out["values"] = column["values"][layout]
-    if "none" in column:
-        out["none"] = column["none"][layout]
+    lengths, flat = row_ranges(column["offsets"], layout)  # a row's entries: box pairs, boxes, integers or lists
+    out["offsets"] = np.concatenate(([0], np.cumsum(lengths)))
+    if kind == "box":  # the pairs of each row's box, and its index in the shared table
+        out["values"], out["boxes"] = column["values"][flat], column["boxes"][layout]
+    elif kind == "boxes":
+        out["boxes"] = column["boxes"][flat]
+    elif kind == "intss":  # each row's lists, each list's integers
+        inner, values = row_ranges(column["inner"], flat)
+        out["inner"], out["values"] = np.concatenate(([0], np.cumsum(inner))), column["values"][values]
+    else:
+        out["values"] = column["values"][flat]
     return out
 
 
@@ -787,6 +807,10 @@ class CompactColumns:
     def operation_rows(self, rows: np.ndarray) -> list[dict]:
         """The operations at `rows` as plain dicts (what `read_compact_data` gives for them)."""
         return _rows(self.members, "operations", rows)
+
+    def box_table(self) -> tuple[np.ndarray, np.ndarray]:
+        """The shared box table: (offsets of each box's (start, stop) pairs, the pairs as an (n, 2) int64 array)."""
+        return _box_table(self.members)
 
 
 def read_compact_columns(path: str | os.PathLike, keep: dict[str, set[str]],
@@ -813,7 +837,7 @@ def read_compact_columns(path: str | os.PathLike, keep: dict[str, set[str]],
         for field, kind in COLUMN_KINDS[table].items():
             if field in LAYOUTS[table]:  # checked over the layouts, then stated per row
                 column = _column(m, f"{table}.{field}", kind, layouts)
-                column = _per_row(column, layout) if field in keep.get(table, ()) else column
+                column = _per_row(column, kind, layout) if field in keep.get(table, ()) else column
             else:
                 column = _column(m, f"{table}.{field}", kind, counts[table])
             if field in keep.get(table, ()):

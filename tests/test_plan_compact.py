@@ -342,7 +342,7 @@ def test_index_steps_of_255_rows_or_more_come_back_through_the_wide_member(tmp_p
     columns = {"operations.src": src, "operations.dsts.lengths": np.ones(count, np.int8), "operations.dsts.values": dsts,
                "operations.holders.lengths": np.zeros(count, np.int8), "operations.holders.values": none,
                "operations.needers.lengths": np.zeros(count, np.int8), "operations.needers.inner": none,
-               "operations.needers.values": none, "operations.layout": np.arange(count), "operations.kind": np.zeros(count, np.int8)}
+               "operations.needers.values": none, "operations.layout": np.arange(count)}
     index = _device_index(columns, count)  # every row its own layout
     assert index["index.rows"].dtype == np.uint8 and index["index.rows.wide"].tolist() == [300, 699]
     assert (index["index.rows"] == WIDE_STEP).sum() == 2
