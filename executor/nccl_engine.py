@@ -141,7 +141,7 @@ class NcclEngine:
         self.done = [cupy.cuda.Event(disable_timing=True) for _ in self.calls.actions]
         self.call_tensors = [_tensor_of(call) for call in self.calls.actions]
         self.uint8 = getattr(nccl, "NCCL_UINT8", nccl.NCCL_CHAR)
-        self.float32, self.max = nccl.NCCL_FLOAT32, nccl.NCCL_MAX
+        self.amax_bits, self.max_op = nccl.NCCL_UINT32, nccl.NCCL_MAX  # see `_reduce`
         self.pending = False
 
     def _communicators(self) -> dict:
@@ -311,10 +311,12 @@ class NcclEngine:
             self._reduce(call)
 
     def _reduce(self, call: AmaxMax) -> None:
-        """The max of the per-tensor amaxes over their senders, in place (`nccl_plan.AmaxMax`)."""
+        """The max of the per-tensor amaxes over their senders, in place (`nccl_plan.AmaxMax`), over their float32 bits as
+        uint32: NCCL's float max is fmaxf, which drops a NaN, where the torch and MPI engines' maximum keeps it. Amaxes
+        are magnitudes (>= 0), whose bits sort as their values, and any NaN's bits sort above +inf's."""
         buffer = self.casts.amax_at[call.tensors[0]][0]
-        self.communicators[call.group].allReduce(buffer.data.ptr, buffer.data.ptr, len(call.tensors), self.float32, self.max,
-                                                 self.stream.ptr)
+        self.communicators[call.group].allReduce(buffer.data.ptr, buffer.data.ptr, len(call.tensors), self.amax_bits,
+                                                 self.max_op, self.stream.ptr)
 
     def _bcast(self, i: int, call: Bcast, src, dst, dtype) -> None:
         box, cupy = call.box, self.cupy

@@ -118,6 +118,28 @@ def test_without_the_amax_all_reduce_per_tensor_scales_differ(monkeypatch):
     assert "device 2: u" in wrong and "device 2: u.scale" in wrong, wrong
 
 
+TWO_SENDERS = {"src_mesh": {"shape": [2], "devices": [0, 1]}, "dst_mesh": {"shape": [1], "devices": [2]},
+               "tensors": [{"name": "w", "shape": [4, 4], "src": "S0 R", "dst": "R R", "dst_dtype": "fp8", "scale": "tensor"}]}
+
+
+def test_a_nan_in_one_senders_shard_gives_a_nan_scale_as_torchs_amax_does(monkeypatch):
+    """NCCL's float max drops a NaN (fmaxf; the fake's does too): the engine all-reduces the amaxes' bits, so a NaN in
+    one sender's shard reaches the per-tensor scale as it does torch's amax of the whole tensor (the torch and MPI
+    engines' maximum)."""
+    from xmesh_plan.executor import convert
+
+    plan = compile_plan(build_transfer(TWO_SENDERS))
+    gpu = FakeGpu(api=14).install(monkeypatch)
+    executors = fake_nccl_transfer(plan, gpu, monkeypatch)
+    full = np.arange(16, dtype=np.float32).reshape(4, 4) + 1
+    full[0, 0] = np.nan  # device 0's shard only
+    blocks = plan.problem.tensor_problem(0).blocks("src")
+    outs = sync(executors, gpu, lambda ex: {"w": np.ascontiguousarray(full[slice(*blocks[ex.device][0])])}
+                if ex.device in blocks else None)
+    want = convert.tensor_scale(convert.amax(torch.from_numpy(full)), "float8_e4m3fn")
+    assert want.isnan().all() and np.isnan(np.asarray(outs[2]["w.scale"])).all(), outs[2]["w.scale"]
+
+
 def test_a_one_tensor_cast_is_bit_exact_on_fake_nccl(monkeypatch):
     mesh = {"shape": [4], "devices": [0, 1, 2, 3]}
     plan = compile_plan(build_problem({"shape": [8, 6], "dtype": "float32", "dst_dtype": "bf16", "src": {"mesh": mesh, "spec": "S0 R"},
