@@ -29,6 +29,7 @@ import time
 
 import numpy as np
 
+from .apart import refuse_overlapping_into, refuse_shared
 from .arrays import check_into, check_shard, import_dlpack, is_device_array, raw_torch_view, storage_dtype
 from .errors import BackendUnavailableError, PeerTimeoutError, PlanMismatchError
 from .lower import RankProgram, StagedCall, flat_pieces
@@ -216,7 +217,14 @@ class NcclEngine:
                                     f"{self.gpu} (or set gpu=)")
         return out
 
-    check_into = staticmethod(check_into)
+    @staticmethod
+    def check_into(array, shape: tuple[int, ...], dtype_name: str, device: int, name: str) -> None:
+        """Refuse a caller's destination array of another shape or element type than its shard, or whose elements share
+        memory (`executor.apart`)."""
+        check_into(array, shape, dtype_name, device, name)
+        refuse_overlapping_into(array, device, name)
+
+    check_apart = staticmethod(refuse_shared)  # the caller's arrays of one call: no destination shares memory with another array
 
     def contiguous(self, array):
         return array if array.flags.c_contiguous else self.cupy.ascontiguousarray(array)

@@ -54,6 +54,7 @@ import time
 
 import numpy as np
 
+from .apart import refuse_overlapping_into, refuse_shared
 from .arrays import RAW_KINDS, storage_dtype
 from .conversions import cast_once, cast_tensors, swap_peers
 from .destinations import Destinations, bytes_of
@@ -340,7 +341,8 @@ class TorchEngine:
                                     f"pass a {want} tensor (or recompile the plan with that dtype)")
 
     def check_into(self, array, shape: tuple[int, ...], dtype_name: str, device: int, name: str) -> None:
-        """Refuse (PlanMismatchError) a caller's destination tensor of another shape or element type than its shard."""
+        """Refuse (PlanMismatchError) a caller's destination tensor of another shape or element type than its shard, or
+        whose elements share memory (`executor.apart`)."""
         if array.shape != shape:
             raise PlanMismatchError(f"run(): into[{name!r}] on device {device} has shape {tuple(array.shape)} but the plan gives "
                                     f"this device's destination shard {shape}; pass a tensor (or a view) of that shape")
@@ -348,6 +350,9 @@ class TorchEngine:
         if array.dtype != want:
             raise PlanMismatchError(f"run(): into[{name!r}] on device {device} is {array.dtype} but the plan delivers {dtype_name}; "
                                     f"pass a {want} tensor")
+        refuse_overlapping_into(array, device, name)
+
+    check_apart = staticmethod(refuse_shared)  # the caller's tensors of one call: no destination shares memory with another
 
     def contiguous(self, array):
         return array if array.is_contiguous() else array.contiguous()

@@ -316,6 +316,51 @@ def test_into_is_refused_in_one_line_naming_the_tensor_and_the_fix(monkeypatch):
     assert isinstance(elsewhere, FakeArray)
 
 
+SWAP = {"shape": [8], "dtype": "float32", "src": {"mesh": {"shape": [2], "devices": [0, 1]}, "spec": "S0"},
+        "dst": {"mesh": {"shape": [2], "devices": [1, 0]}, "spec": "S0"}}
+
+
+def test_into_sharing_memory_is_refused_as_on_mpi(monkeypatch):
+    """Each device sends its source and receives the other's: an into that is its own source (a broadcast would land
+    in it before the other broadcast reads it), one sharing a row with another tensor's into, and one whose elements
+    share memory (a zero stride) are refused naming the tensor, as the MPI engine refuses them (`executor.apart`)."""
+    plan = compile_plan(build_problem(SWAP))
+    gpu = FakeGpu(api=14).install(monkeypatch)
+    executors = fake_nccl_transfer(plan, gpu, monkeypatch)
+    ex = executors[1]
+    gpu.process = ex.device
+    name = ex.names[0]
+    source = gpu.cupy.asarray(np.arange(4, dtype=np.float32))
+    row = gpu.cupy.empty((1, 4), np.float32)
+    for expected, into in {"shares memory with the source shard of": source[::-1],
+                           "has elements sharing memory": np.lib.stride_tricks.as_strided(row, (4,), (0,), subok=True)}.items():
+        with pytest.raises(PlanMismatchError, match=expected) as refused:
+            ex.start({name: source}, into={name: into})
+        assert f"into[{name!r}] on device 1" in str(refused.value) and not ex.in_flight
+    two = compile_plan(build_transfer({"src_mesh": SWAP["src"]["mesh"], "dst_mesh": SWAP["dst"]["mesh"], "dtype": "float32",
+                                       "tensors": [{"name": n, "shape": [8], "src": "S0", "dst": "S0"} for n in "ab"]}))
+    gpu = FakeGpu(api=14).install(monkeypatch)
+    ex = fake_nccl_transfer(two, gpu, monkeypatch)[0]
+    gpu.process = ex.device
+    both = gpu.cupy.empty(6, np.float32)
+    with pytest.raises(PlanMismatchError, match=r"into\['b'\] on device 0 shares memory with into\['a'\]"):
+        ex.start({"a": np.zeros(4, np.float32), "b": np.zeros(4, np.float32)}, into={"a": both[:4], "b": both[2:]})
+
+
+def test_torch_tensors_sharing_memory_are_refused_as_numpy_arrays_are():
+    """`executor.apart` reads a torch tensor's layout (data_ptr, strides in elements), as the torch engine's
+    `check_into` and `check_apart` hand it: interleaved halves share nothing, overlapping ones are refused."""
+    from xmesh_plan.executor.apart import overlaps_itself, refuse_shared
+    from xmesh_plan.executor.torch_engine import TorchEngine
+
+    wide = torch.zeros(8, 9, dtype=torch.bfloat16)
+    TorchEngine.check_apart({"a": wide[:, :4], "b": wide[:, 4:]}, {"c": None}, 0)
+    TorchEngine.check_apart({"a": wide[::2]}, {"b": wide[1::2]}, 0)
+    with pytest.raises(PlanMismatchError, match=r"into\['a'\] on device 0 shares memory with the source shard of 'b'"):
+        refuse_shared({"a": wide[:, :5]}, {"b": wide[:, 4:]}, 0)
+    assert not overlaps_itself(wide.t()[::3]) and overlaps_itself(torch.zeros(3).expand(2, 3))
+
+
 # ---------------------------------------------------------------------------------------------
 # bench/gpu/convert_check.py, the check run on a real GPU, on the fake
 # ---------------------------------------------------------------------------------------------

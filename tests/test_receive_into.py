@@ -180,6 +180,7 @@ def test_into_is_refused_in_one_line_where_it_does_not_fit():
             shape, dtype = mine[holder].dst_shape, ex.engine.dtypes[ex.names.index(holder)]
             cases["shape"] = {holder: torch.zeros(tuple(n + 1 for n in shape), dtype=dtype)}
             cases["dtype"] = {holder: torch.zeros(shape, dtype=torch.float64)}
+            cases["overlap"] = {holder: torch.zeros(1, dtype=dtype).expand(shape)}  # every element the same memory
         if outsider is not None:
             cases["outside"] = {outsider: torch.zeros(1)}
         for case, into in cases.items():
@@ -192,12 +193,12 @@ def test_into_is_refused_in_one_line_where_it_does_not_fit():
         return errors
 
     results = run_threads(len(plan_devices(plan)), work)
-    assert {case for errors in results for case, _ in errors} == {"unknown", "shape", "dtype", "outside"}  # every case ran somewhere
+    assert {case for errors in results for case, _ in errors} == {"unknown", "shape", "dtype", "overlap", "outside"}  # every case ran somewhere
     for rank, errors in enumerate(results):
         for case, text in errors:
             assert text != "accepted" and "\n" not in text, (rank, case, text)
             assert {"unknown": "not a tensor of this plan", "shape": "has shape", "dtype": "is torch.float64",
-                    "outside": "holds no destination shard"}[case] in text, (rank, case, text)
+                    "overlap": "has elements sharing memory", "outside": "holds no destination shard"}[case] in text, (rank, case, text)
 
 
 def test_an_engine_that_does_not_receive_into_refuses_into_saying_why():
