@@ -24,7 +24,7 @@ from xmesh_plan.schemas import Plan
 from xmesh_plan.schemas.plan_tensors import is_multi, tensor_names
 
 from .engines import BACKENDS, TORCH_BACKENDS, EngineContext, TransportOptions, engine_entry, world_of_backend
-from .errors import ExecutorError, PlanMismatchError
+from .errors import BackendUnavailableError, ExecutorError, PlanMismatchError
 from .lower import ORDERS, RankProgram
 from .passes import rank_program
 from .plan_file import PlanFile, open_plan
@@ -308,7 +308,8 @@ class Executor(Flying):
             receipts = self.transport.receipt_bytes if self.entry.receipts and self.world.buffered_sends else None
             program = rank_program(self.plan, self.device, self.order, self.entry.concurrent, tag_limit, receipts)
             self._check_staging(program)
-        except PlanMismatchError as err:
+            self.entry.check_requires(program)
+        except (PlanMismatchError, BackendUnavailableError) as err:
             error = err
         try:
             self._agree(error)
@@ -338,7 +339,7 @@ class Executor(Flying):
                                 "pass backend='torch' (any group) or a group of that backend")
         engine.setup()
 
-    def _agree(self, error: PlanMismatchError | None) -> None:
+    def _agree(self, error: PlanMismatchError | BackendUnavailableError | None) -> None:
         """All ranks learn whether any rank refused the plan or loaded a different one."""
         mine = np.concatenate([[0 if error is None else 1], plan_fingerprint(self.plan)]).astype(np.int64)
         every = self.world.allgather(mine, self.timeout_s, self.poll_s, "prepare() on every rank")

@@ -9,7 +9,7 @@ so its kernels queue between the NCCL calls like CuPy's copy kernels and nothing
 tensor is cast once, whole, into a buffer of the destination dtype just before the stream's first call of it or of
 its scales; its scales go into the scale tensor's source shard. A per-tensor scale's amax is the max over the
 tensor's senders: each writes its amax into a float32 buffer that the program's first calls all-reduce
-(`nccl_plan.AmaxMax`). Torch is imported only for a converting plan.
+(`nccl_plan.AmaxMax`). Torch is imported only on a device that casts (`requires`).
 """
 
 from __future__ import annotations
@@ -27,19 +27,32 @@ DLPACK_VIEW = {np.dtype(np.uint16): np.dtype(np.int16)}
 DLPack in every version, uint16 only in recent ones)."""
 
 
+def import_torch():
+    """torch, or BackendUnavailableError saying what to install (a device that casts needs it)."""
+    try:
+        import torch
+    except ImportError:
+        raise BackendUnavailableError("the plan converts at the sender, which the nccl backend does with torch's own casts "
+                                      "(bit for bit as the other engines); pip install torch, or compile the plan without "
+                                      "dst_dtype") from None
+    return torch
+
+
+def requires(program: RankProgram) -> None:
+    """BackendUnavailableError where this device's part of `program` casts (`conversions.cast_tensors`) and torch is
+    missing; checked in `prepare()` before the ranks agree, so every rank learns of it before any communicator is
+    made. A device that casts nothing (it only receives converted bytes) needs no torch."""
+    if cast_tensors(program):
+        import_torch()
+
+
 class TorchOnStream:
     """torch's ops on the engine's CuPy stream: `run(fn)` calls `fn` with that stream current in torch (its kernels
     queue behind the calls enqueued before, ahead of those after), and `tensor()` is a CuPy array as a torch tensor
     of a plan dtype, through DLPack, without a copy."""
 
     def __init__(self, stream, gpu: int):
-        try:
-            import torch
-        except ImportError:
-            raise BackendUnavailableError("the plan converts at the sender, which the nccl backend does with torch's own casts "
-                                          "(bit for bit as the other engines); pip install torch, or compile the plan without "
-                                          "dst_dtype") from None
-        self.torch = torch
+        self.torch = torch = import_torch()
         self.stream = torch.cuda.ExternalStream(stream.ptr, device=torch.device("cuda", gpu))
 
     def tensor(self, array, dtype_name: str):

@@ -33,7 +33,8 @@ from .apart import refuse_overlapping_into, refuse_shared
 from .arrays import check_into, check_shard, import_dlpack, is_device_array, raw_torch_view, storage_dtype
 from .errors import BackendUnavailableError, PeerTimeoutError, PlanMismatchError
 from .lower import RankProgram, StagedCall, flat_pieces
-from .nccl_convert import StreamCasts
+from .conversions import cast_tensors
+from .nccl_convert import StreamCasts, requires  # noqa: F401 (requires: the registry's `EngineEntry.requires`)
 from .nccl_plan import AmaxMax, Bcast, Copy, nccl_program
 from .replay import PROCESS, backoff_wait, refuse_broken
 
@@ -125,7 +126,7 @@ class NcclEngine:
         for i, (call, t) in enumerate(zip(self.calls.actions, self.call_tensors)):
             if isinstance(call, Bcast) and call.stage is None and call.box.side == "dst":
                 self.dst_bcasts[t].append(i)
-        if any(t.convert is not None for t in self.program.tensors):
+        if cast_tensors(self.program):  # a device that only receives converted bytes casts nothing (and needs no torch)
             self.casts = StreamCasts(self.program, self.calls.actions, self.call_tensors, cupy, self.stream, self.gpu)
 
     @property

@@ -444,6 +444,29 @@ def test_conversion_without_torch_names_what_to_install(monkeypatch):
         TorchOnStream(types.SimpleNamespace(ptr=1), 0)
 
 
+def test_a_device_that_casts_nothing_needs_no_torch_and_one_that_casts_learns_before_any_communicator(monkeypatch):
+    """Device 3 of REPLICATED4 only receives converted bytes: it makes no casts (torch is imported only for them) and
+    `prepare()` needs no torch there; on a sender, torch missing is refused in prepare() before the ranks agree, so no
+    communicator is made (its peers learn of it from the agreement, instead of waiting for its unique ids)."""
+    import sys
+
+    from xmesh_plan.executor.errors import BackendUnavailableError
+    from xmesh_plan.executor.nccl_convert import requires
+
+    plan = compile_plan(build_transfer(REPLICATED4))
+    gpu = FakeGpu(api=14).install(monkeypatch)
+    executors = fake_nccl_transfer(plan, gpu, monkeypatch)
+    assert [ex.engine.casts is None for ex in executors] == [False, False, False, True]
+    monkeypatch.setitem(sys.modules, "torch", None)  # import torch raises ImportError
+    requires(lower(plan, 3))
+    with pytest.raises(BackendUnavailableError, match="pip install torch"):
+        requires(lower(plan, 0))
+    gpu = FakeGpu(api=14).install(monkeypatch)
+    with pytest.raises(BackendUnavailableError, match="pip install torch"):
+        fake_nccl_transfer(plan, gpu, monkeypatch)
+    assert not any(entry[0] == "NcclCommunicator" for entry in gpu.log) and not gpu.streams
+
+
 def test_torch_tensors_in_and_out_go_through_dlpack_as_their_bits(monkeypatch):
     """Sources and `into` views handed in as torch tensors (bfloat16 among them, which CuPy may not import) reach the
     engine as CuPy views of their bits without a copy (here: torch CPU tensors taken for CUDA ones, imported by the
