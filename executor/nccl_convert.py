@@ -74,7 +74,7 @@ class StreamCasts:
     caller's source shards (`made`: cast shards and scales), the amax buffers of per-tensor scales (`amax_at`: one
     per all-reduce, or per tensor of a single sender), and the casts to enqueue before each call (`before`)."""
 
-    def __init__(self, program: RankProgram, actions, call_tensors: list[int], cupy, stream, gpu: int):
+    def __init__(self, program: RankProgram, actions, call_tensors: list[int | None], cupy, stream, gpu: int):
         self.on_stream = torch_on_stream(stream, gpu)  # first: it names what to install when torch is missing
         from . import convert  # torch's casts, imported only for a converting plan
 
@@ -95,7 +95,7 @@ class StreamCasts:
                 self.amax_at[t] = (cupy.empty(1, np.float32), 0)
         self.before: list[tuple[int, ...]] = [()] * len(actions)
         for k, (t, c, _) in enumerate(self.converting):  # before the first call of the tensor or of its scales
-            first = next((i for i, u in enumerate(call_tensors) if u in (t, c.scales)), None)
+            first = next((i for i, u in enumerate(call_tensors) if u is not None and u in (t, c.scales)), None)
             if first is not None:
                 self.before[first] += (k,)
 

@@ -270,7 +270,10 @@ class NcclEngine:
             for i, (call, t, event) in enumerate(zip(self.calls.actions, self.call_tensors, self.done)):
                 if casts is not None and casts.before[i]:
                     casts.cast(casts.before[i], srcs)
-                self._call(i, call, sources[t], dsts[t], self.dtypes[t])
+                if t is None:  # an amax all-reduce: no tensor's shards
+                    self._reduce(call)
+                else:
+                    self._call(i, call, sources[t], dsts[t], self.dtypes[t])
                 event.record(self.stream)
         self.pending = bool(self.done)
         self.started = time.monotonic()
@@ -309,15 +312,14 @@ class NcclEngine:
         self.layouts[t] = (key, at)
 
     def _call(self, i: int, call, src, dst, dtype) -> None:
-        """Enqueue call i on the current stream, over the shards `src` and `dst` of element type `dtype`."""
+        """Enqueue call i (a copy, bundle step or broadcast of one tensor) on the current stream, over the shards `src`
+        and `dst` of element type `dtype`."""
         if isinstance(call, Copy):
             self.cupy.copyto(dst[call.target.index], src[call.source.index])
         elif isinstance(call, StagedCall):
             self._staged(call, src, dst, dtype)
-        elif isinstance(call, Bcast):
-            self._bcast(i, call, src, dst, dtype)
         else:
-            self._reduce(call)
+            self._bcast(i, call, src, dst, dtype)
 
     def _reduce(self, call: AmaxMax) -> None:
         """The max of the per-tensor amaxes over their senders, in place (`nccl_plan.AmaxMax`), over their float32 bits as
@@ -410,9 +412,9 @@ class NcclEngine:
                                "(the communicators were aborted)")
 
 
-def _tensor_of(call) -> int:
-    """The tensor whose shards an NCCL call reads and writes (-1: none, an amax all-reduce)."""
+def _tensor_of(call) -> int | None:
+    """The tensor whose shards an NCCL call reads and writes (None: none, an amax all-reduce)."""
     if isinstance(call, AmaxMax):
-        return -1
+        return None
     return call.source.tensor if isinstance(call, Copy) else call.box.tensor if isinstance(call, Bcast) else call.tensor
 

@@ -140,6 +140,20 @@ def test_a_nan_in_one_senders_shard_gives_a_nan_scale_as_torchs_amax_does(monkey
     assert want.isnan().all() and np.isnan(np.asarray(outs[2]["w.scale"])).all(), outs[2]["w.scale"]
 
 
+def test_an_amax_all_reduce_is_given_no_tensors_shards(monkeypatch):
+    """The all-reduces of the amaxes belong to no tensor: each goes to `_reduce` alone, never through `_call` with some
+    tensor's source, destination and dtype; every other call goes through `_call` with its own tensor's."""
+    plan = compile_plan(build_transfer(REPLICATED4))
+    gpu = FakeGpu(api=14).install(monkeypatch)
+    executors = fake_nccl_transfer(plan, gpu, monkeypatch)
+    seen = []
+    call = NcclEngine._call
+    monkeypatch.setattr(NcclEngine, "_call", lambda self, i, c, *rest: seen.append(type(c).__name__) or call(self, i, c, *rest))
+    assert converted_wrong(plan, executors, gpu, 0) == []
+    reduces = sum(isinstance(c, AmaxMax) for ex in executors for c in ex.engine.calls.actions)
+    assert reduces and "AmaxMax" not in seen and len(seen) == sum(len(ex.engine.calls.actions) for ex in executors) - reduces
+
+
 def test_a_one_tensor_cast_is_bit_exact_on_fake_nccl(monkeypatch):
     mesh = {"shape": [4], "devices": [0, 1, 2, 3]}
     plan = compile_plan(build_problem({"shape": [8, 6], "dtype": "float32", "dst_dtype": "bf16", "src": {"mesh": mesh, "spec": "S0 R"},
