@@ -188,7 +188,7 @@ class NcclEngine:
 
     def adopt(self, array):
         """A CuPy view of `array` (CuPy, or a CUDA tensor through DLPack); numpy input is copied to the GPU."""
-        out = self._on_gpu(array, f"device {self.program.device}'s source shard")
+        out = self._on_gpu(array, f"device {self.program.device}'s source shard", written=False)
         return self.cupy.asarray(np.asarray(array)) if out is None else out
 
     check = staticmethod(check_shard)
@@ -197,17 +197,24 @@ class NcclEngine:
         """The caller's destination array for tensor `name` as a CuPy view of its memory (a CUDA tensor through DLPack),
         written in place; host memory, and memory of another GPU, refused."""
         what = f"into[{name!r}] on device {self.program.device}"
-        out = self._on_gpu(array, what)
+        out = self._on_gpu(array, what, written=True)
         if out is None:
             raise PlanMismatchError(f"run(): {what} is a {type(array).__name__} in host memory, which the nccl backend cannot "
                                     f"write in place; pass a CuPy array or a CUDA tensor on GPU {self.gpu}")
         return out
 
-    def _on_gpu(self, array, what: str):
-        """`array` (CuPy, or a CUDA tensor through DLPack) as a CuPy view on this rank's GPU; None for host memory."""
+    def _on_gpu(self, array, what: str, written: bool):
+        """`array` (CuPy, or a CUDA tensor through DLPack) as a CuPy view on this rank's GPU; None for host memory. A
+        tensor requiring grad (a Parameter) is read through `detach()`, the same memory, and refused where `written`:
+        the reshard would change it behind autograd's back."""
         if isinstance(array, self.cupy.ndarray):
             out = array
         elif is_device_array(array):  # a bfloat16/float8 torch tensor as its bits: whether CuPy imports those kinds varies
+            if getattr(array, "requires_grad", False):
+                if written:
+                    raise PlanMismatchError(f"run(): {what} is a tensor that requires grad, which the reshard would write "
+                                            "behind autograd's back; pass tensor.detach() (or a Parameter's .data), the same memory")
+                array = array.detach()
             raw = raw_torch_view(array)
             out = import_dlpack(self.cupy.from_dlpack, array if raw is None else raw, "cupy", self.program.device)
         else:

@@ -514,6 +514,28 @@ def test_torch_tensors_in_and_out_go_through_dlpack_as_their_bits(monkeypatch):
                 assert np.array_equal(raw[index].contiguous().numpy().reshape(-1), wanted[name]), (layout, ex.device, name)
 
 
+def test_a_tensor_requiring_grad_is_read_as_a_source_and_refused_as_into_naming_detach(monkeypatch):
+    """A Parameter (requires grad) of any float kind: as a source shard the engine reads its memory (a view, no copy);
+    as `into` it is refused naming the tensor and the fix, float32 (which DLPack refuses to export) and bfloat16
+    (which goes through an integer view) alike."""
+    import xmesh_plan.executor.nccl_engine as nccl_engine
+
+    plan = INTO_PLANS["three broadcast"]()
+    gpu = FakeGpu(api=14).install(monkeypatch)
+    monkeypatch.setattr(nccl_engine, "is_device_array", lambda array: isinstance(array, torch.Tensor))
+    executors = fake_nccl_transfer(plan, gpu, monkeypatch)
+    ex = next(e for e in executors if e.program.tensors[0].dst_shape is not None)
+    gpu.process = ex.device
+    for dtype in (torch.float32, torch.bfloat16):
+        param = torch.nn.Parameter(torch.zeros(4, dtype=dtype))
+        assert ex.engine.adopt(param).data.ptr == param.data_ptr()
+        with pytest.raises(PlanMismatchError) as refused:
+            ex.start(random_sources(ex, 0) or None, into={"w": param})
+        text = str(refused.value)
+        assert "into['w'] on device" in text and "requires grad" in text and "detach()" in text and "\n" not in text, text
+        assert not ex.in_flight
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(GPU_REASON is not None, reason=GPU_REASON or "")
 def test_the_nccl_engine_converts_and_receives_into_bit_exact_on_one_gpu(tmp_path):
