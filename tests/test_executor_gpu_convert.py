@@ -169,6 +169,44 @@ def test_a_one_tensor_cast_is_bit_exact_on_fake_nccl(monkeypatch):
                                                          bits(cut(want, problem.blocks("dst")[ex.device])).numpy().reshape(-1))
 
 
+def late_sources_wrong(monkeypatch) -> list[int]:
+    """A one-tensor bf16 cast whose source shards are written by a kernel still queued on the caller's stream when
+    start() is called: the devices whose destination differs from torch's cast of the whole tensor."""
+    mesh = {"shape": [4], "devices": [0, 1, 2, 3]}
+    plan = compile_plan(build_problem({"shape": [8, 6], "dtype": "float32", "dst_dtype": "bf16", "src": {"mesh": mesh, "spec": "S0 R"},
+                                       "dst": {"mesh": mesh, "spec": "R S0"}}))
+    gpu = FakeGpu(api=14).install(monkeypatch)
+    executors = fake_nccl_transfer(plan, gpu, monkeypatch)
+    problem, full = plan.problem, whole("single", plan.problem.shape, "float32", 0)
+    for ex in executors:
+        gpu.process = ex.device
+        box = problem.blocks("src")[ex.device]
+        src = gpu.cupy.empty(tuple(b - a for a, b in box), np.float32)
+        src[...] = 0
+        producer = gpu.cupy.cuda.Stream(non_blocking=True)
+        with producer:  # the caller's kernel writing the shard, still queued when start() is called
+            producer.enqueue(("host", lambda src=src, values=cut(full, box).numpy(): src.__setitem__(..., values)))
+            ex.start({ex.names[0]: src})
+    drive(executors, gpu)
+    want, wrong = full.to(torch.bfloat16), []
+    for ex in executors:
+        gpu.process = ex.device
+        got = np.asarray(ex.wait()[ex.names[0]]).view(np.uint8).reshape(-1)
+        if not np.array_equal(got, bits(cut(want, problem.blocks("dst")[ex.device])).numpy().reshape(-1)):
+            wrong.append(ex.device)
+    return wrong
+
+
+def test_casts_wait_for_the_sources_written_on_the_callers_stream(monkeypatch):
+    """Torch's casts queue behind the work on the caller's stream at start() (`input_ready`), as the calls do; the same
+    with each cast run at once, off the stream, reads the stale shards and fails."""
+    import tests.support.fake_gpu as fake_gpu
+
+    assert late_sources_wrong(monkeypatch) == []
+    monkeypatch.setattr(fake_gpu.FakeTorchOnStream, "run", lambda self, fn: fn())
+    assert late_sources_wrong(monkeypatch) != []
+
+
 def test_amax_all_reduces_come_first_alike_on_every_sender():
     """One all-reduce per set of senders, before every call of the plan, with the same op on each member (its
     communicator's unique id travels with that tag)."""
