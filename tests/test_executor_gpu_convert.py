@@ -14,13 +14,14 @@ host, wrong-GPU, wrong-shape and wrong-dtype arrays refused in one line naming t
 from __future__ import annotations
 
 import gc
+import os
 import weakref
 
 import numpy as np
 import pytest
 
 from tests.support.fake_gpu import FakeArray, FakeGpu, drive, fake_nccl_transfer
-from tests.test_executor_gpu import GPU_REASON
+from tests.support.real_gpu import GPU_REASON
 from xmesh_plan.executor import PlanMismatchError
 from xmesh_plan.executor.arrays import storage_dtype
 from xmesh_plan.executor.nccl_engine import NcclEngine
@@ -33,7 +34,7 @@ from xmesh_plan.planner.transfer_io import build_transfer
 torch = pytest.importorskip("torch")
 from tests.workers.convert_worker import HOOKS, REPLICATED4, bits, box_of, cut, reference, whole  # noqa: E402
 from tests.workers.into_mpi_worker import THREE  # noqa: E402
-from tests.test_receive_into import parent_and_view as parent_and_view_torch  # noqa: E402
+from tests.support.torch_views import parent_and_view as parent_and_view_torch  # noqa: E402
 
 SENTINEL = 0x5A
 LAYOUTS = ("rows", "columns", "every_other")
@@ -481,6 +482,14 @@ def test_the_gpu_convert_check_passes_on_fake_nccl_and_sees_a_wrong_byte(monkeyp
                         caught.add(("into", label, bool(cc.wrong_into(gpu.cupy, layout, {n: held[ex.device][n] for n in flipped}, flipped))))
             ok += sum(not w for w in wrong.values())
     assert ok == 4 * 13 and {hit for _, _, hit in caught} == {True}, sorted(caught)
+    import subprocess
+    import sys
+
+    from tests.support.launch import ROOT
+
+    told = subprocess.run([sys.executable, str(ROOT / "bench" / "gpu" / "convert_check.py"), "--expected", "4"],
+                          capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=120)
+    assert told.stdout.strip() == str(ok) == str(cc.expected_oks(4)), told.stderr[-2000:]  # what convert_check.sh expects
 
 
 
@@ -580,7 +589,7 @@ def test_the_nccl_engine_converts_and_receives_into_bit_exact_on_one_gpu(tmp_pat
     """bench/gpu/convert_check.py itself on a real GPU, 4 ranks on GPU 0 (each its own NCCL host): every check ok."""
     from tests.support.launch import mpiexec
 
-    expected = 4 * sum(2 + into for _, _, into in gpu_check_module().CHECKS)
+    expected = gpu_check_module().expected_oks(4)
     result = mpiexec(4, "-m", "bench.gpu.convert_check", str(tmp_path), timeout=300)
     lines = [line for line in result.stdout.splitlines() if line.startswith("rank ")]
     assert result.returncode == 0 and len(lines) == expected and all(line.endswith(": ok") for line in lines), \
