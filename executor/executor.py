@@ -397,8 +397,7 @@ class Executor(Flying):
             raise PlanMismatchError(f"{call}: device {p.device} (rank {self.world.rank}) holds no destination shard of tensor "
                                     f"{self._name(t)!r}; pass `into` only for the tensors whose destination mesh has this device")
         engine = self.flight.engine
-        adopt_into = getattr(engine, "adopt_into", None)  # an engine that checks where the memory is, naming the tensor
-        array = engine.adopt(array) if adopt_into is None else adopt_into(array, self._name(t))
+        array = engine.adopt_into(array, self._name(t)) if self.entry.adopts_into else engine.adopt(array)
         problem = self.problems[t]
         engine.check_into(array, shape, problem.dst_dtype or problem.dtype, p.device, self._name(t))
         return array
