@@ -17,7 +17,7 @@ from __future__ import annotations
 import numpy as np
 
 from .arrays import storage_dtype
-from .conversions import cast_shard, cast_tensors
+from .conversions import cast_shard, cast_tensors, sender_buffers
 from .errors import BackendUnavailableError
 from .lower import RankProgram, StagedCall
 from .nccl_plan import AmaxMax, Bcast, Copy
@@ -79,12 +79,10 @@ class StreamCasts:
         from . import convert  # torch's casts, imported only for a converting plan
 
         self.convert, self.tensors = convert, program.tensors
-        self.made = {t: cupy.empty(program.tensors[t].src_shape, storage_dtype(program.tensors[t].dst_dtype))
-                     for t in cast_tensors(program)}
         reads = {t for call, t in zip(actions, call_tensors) if _reads_src(call)}
-        self.converting = [(t, program.tensors[t].convert, self.made[t] if t in reads else None)  # None: sends none of it
-                           for t in self.made if program.tensors[t].convert is not None]
-        self.scale_shards = {c.scales: self.made.get(c.scales) for _, c, _ in self.converting if c.scales is not None}
+        self.made, self.converting, self.scale_shards = sender_buffers(
+            program, lambda t: cupy.empty(program.tensors[t].src_shape, storage_dtype(program.tensors[t].dst_dtype)),
+            reads.__contains__)
         self.amax_at: dict[int, tuple] = {}  # tensor -> (amax buffer, index in it)
         for call in actions:
             if isinstance(call, AmaxMax):

@@ -56,7 +56,7 @@ import numpy as np
 
 from .apart import refuse_overlapping_into, refuse_shared
 from .arrays import RAW_KINDS, storage_dtype
-from .conversions import cast_once, cast_tensors, swap_peers
+from .conversions import cast_once, sender_buffers, swap_peers
 from .destinations import Destinations, bytes_of
 from .engines import EngineContext
 from .errors import BackendUnavailableError, ExecutorError, PeerTimeoutError, PlanMismatchError
@@ -138,18 +138,15 @@ class TorchEngine:
 
         self.convert = convert
         torch, p = self.torch, self.program
-        made = {t: torch.empty(p.tensors[t].src_shape, dtype=self.dtypes[t], device=self.device) for t in cast_tensors(p)}
+        made, self.converting, self.scale_shards = sender_buffers(
+            p, lambda t: torch.empty(p.tensors[t].src_shape, dtype=self.dtypes[t], device=self.device),
+            lambda t: bool(self.reads_src[t]))
         readers = {t: self.reads_src[t] for t in made}
         for t, buffer in made.items():
             self.src_typed[t], self.src_flat[t] = buffer, bytes_of(buffer)
-            read = bool(self.reads_src[t])
             for i in self.reads_src[t]:
                 self._make(i)
             self.reads_src[t] = []  # read from `buffer`, never from the caller's shard
-            conversion = p.tensors[t].convert
-            if conversion is not None:
-                self.converting.append((t, conversion, buffer if read else None))  # None: this device sends none of it
-        self.scale_shards = {c.scales: made.get(c.scales) for _, c, _ in self.converting if c.scales is not None}
         for k, (t, c, _) in enumerate(self.converting):  # what reads the cast shard or its scales casts it first
             for i in readers.get(t, []) + readers.get(c.scales, []):
                 self.casts_before[i] = (self.casts_before[i] or ()) + (k,)
