@@ -155,13 +155,18 @@ def test_an_amax_all_reduce_is_given_no_tensors_shards(monkeypatch):
     assert reduces and "AmaxMax" not in seen and len(seen) == sum(len(ex.engine.calls.actions) for ex in executors) - reduces
 
 
-def test_a_one_tensor_cast_is_bit_exact_on_fake_nccl(monkeypatch):
+def one_tensor_cast(monkeypatch, api: int):
+    """A one-tensor float32 -> bf16 reshard on 4 devices, run by fake CuPy `api`: (plan's problem, its whole values,
+    the fake GPU, every rank's executor)."""
     mesh = {"shape": [4], "devices": [0, 1, 2, 3]}
     plan = compile_plan(build_problem({"shape": [8, 6], "dtype": "float32", "dst_dtype": "bf16", "src": {"mesh": mesh, "spec": "S0 R"},
                                        "dst": {"mesh": mesh, "spec": "R S0"}}))
-    gpu = FakeGpu(api=13).install(monkeypatch)
-    executors = fake_nccl_transfer(plan, gpu, monkeypatch)
-    problem, full = plan.problem, whole("single", plan.problem.shape, "float32", 0)
+    gpu = FakeGpu(api=api).install(monkeypatch)
+    return plan.problem, whole("single", plan.problem.shape, "float32", 0), gpu, fake_nccl_transfer(plan, gpu, monkeypatch)
+
+
+def test_a_one_tensor_cast_is_bit_exact_on_fake_nccl(monkeypatch):
+    problem, full, gpu, executors = one_tensor_cast(monkeypatch, 13)
     outs = sync(executors, gpu, lambda ex: {ex.names[0]: host_bits(cut(full, problem.blocks("src")[ex.device]))})
     want = full.to(torch.bfloat16)
     for ex, out in zip(executors, outs):
@@ -173,12 +178,7 @@ def test_a_one_tensor_cast_is_bit_exact_on_fake_nccl(monkeypatch):
 def late_sources_wrong(monkeypatch) -> list[int]:
     """A one-tensor bf16 cast whose source shards are written by a kernel still queued on the caller's stream when
     start() is called: the devices whose destination differs from torch's cast of the whole tensor."""
-    mesh = {"shape": [4], "devices": [0, 1, 2, 3]}
-    plan = compile_plan(build_problem({"shape": [8, 6], "dtype": "float32", "dst_dtype": "bf16", "src": {"mesh": mesh, "spec": "S0 R"},
-                                       "dst": {"mesh": mesh, "spec": "R S0"}}))
-    gpu = FakeGpu(api=14).install(monkeypatch)
-    executors = fake_nccl_transfer(plan, gpu, monkeypatch)
-    problem, full = plan.problem, whole("single", plan.problem.shape, "float32", 0)
+    problem, full, gpu, executors = one_tensor_cast(monkeypatch, 14)
     for ex in executors:
         gpu.process = ex.device
         box = problem.blocks("src")[ex.device]
