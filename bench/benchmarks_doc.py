@@ -439,8 +439,9 @@ the point wrote (npz: compact, written from the compile's rows and verified from
 NAME.plan.npz` does; json: points measured before the compile wrote its plan from rows);
 **verify s**; the plan's predicted time over the byte bound (**/ bound**) and its time in the executor's order
 (**executor / bound**, where the plan states it), and what timed the plan (`solver.details.timed_by`): the
-simulator in host order, or the schedule's own timetable where one simulation would take more than
-`compile.MAX_SIMULATION_WORK` units of work (the full DeepSeek-V3-like row, measured at d8332d4, counts flow-rate updates only). A row with `--max-tasks` ran with that limit. `--max-tasks` counts
+simulator in host order, or the schedule's own timetable for a plan of more than `compile.MAX_SIMULATED_MESSAGES`
+messages (counted from its operations before any flow is made; the full DeepSeek-V3-like plan has 8.8 M) or one whose simulation would take more than `compile.MAX_SIMULATION_WORK` units of work (the full
+DeepSeek-V3-like row, measured at d8332d4, before the message limit, passed that budget, counted in flow-rate updates only). A row with `--max-tasks` ran with that limit. `--max-tasks` counts
 what a compile holds (each kind of tensor's boxes, then the tasks it schedules; docs/format.md), so the full
 DeepSeek-V3-like problem (613,248 tasks with the 32 MiB bucket; 667,520 with 4 MiB) passes the default. Its compile keeps the plan as rows, not records
 (`planner/plan_rows.py`), writes the compact file from them and verifies that file; a point that ran out of time

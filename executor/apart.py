@@ -59,12 +59,19 @@ def byte_bounds(array) -> tuple[int, int]:
     return low, high + at.itemsize
 
 
+OFFSETS_CHECKED = 1 << 22  # elements whose offsets `overlaps_itself` sorts at most (32 MiB of them)
+
+
 def overlaps_itself(array) -> bool:
-    """Whether two elements of `array` share a byte (a zero stride, or strides that interleave too tightly)."""
+    """Whether two elements of `array` share a byte (a zero stride, or strides that interleave too tightly). Strides
+    that interleave over more than OFFSETS_CHECKED elements are not checked element by element: True, conservatively
+    (such a view is refused even where its elements happen to be distinct)."""
     at = layout(array)
     if at.size <= 1:
         return False
     dims = sorted((abs(stride), n) for n, stride in zip(at.shape, at.strides) if n > 1)
+    if dims[0][0] == 0:  # a zero stride over two or more elements
+        return True
     reach = at.itemsize
     for stride, n in dims:
         if stride < reach:
@@ -72,6 +79,8 @@ def overlaps_itself(array) -> bool:
         reach += stride * (n - 1)
     else:
         return False
+    if at.size > OFFSETS_CHECKED:
+        return True
     offsets = np.zeros(1, np.int64)  # strides that interleave (rare): every element's offset, sorted, checked for gaps
     for stride, n in dims:
         offsets = (offsets[:, None] + np.arange(n, dtype=np.int64) * stride).reshape(-1)

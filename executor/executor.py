@@ -406,11 +406,19 @@ class Executor(Flying):
         return self.names[t]
 
     def _apart(self, targets: dict, sources: list) -> None:
-        """Refuse the caller's destination tensors of one call that share memory with each other or with its source
-        shards (`sources`, per tensor), on an engine that receives into them in place and checks it (`check_apart`)."""
-        check = getattr(self.flight.engine, "check_apart", None)
-        if check is not None:
-            check(targets, dict(zip(self.names, sources)), self._program.device)
+        """Refuse arrays of one call sharing memory with one it writes, on an engine that checks it: the caller's
+        destination tensors (`targets`, by name) with each other or with its source shards (`sources`, per tensor;
+        `check_apart`), and on every call the engine's own destination shards that it writes with the caller's arrays
+        (`check_own`)."""
+        engine = self.flight.engine
+        check, own = getattr(engine, "check_apart", None), getattr(engine, "check_own", None)
+        if (check is None or not targets) and own is None:
+            return
+        named = dict(zip(self.names, sources))
+        if check is not None and targets:
+            check(targets, named, self._program.device)
+        if own is not None:
+            own(targets, named, self._program.device)
 
     def test(self) -> bool:
         """Drive communication without blocking (call it now and then between start() and wait()).
@@ -458,18 +466,24 @@ class ReshardingExecutor(Executor):
     def run(self, local_shard=None, into=None):
         """Reshard once: this rank's source shard in (None if it has none), its destination shard out (or None);
         `into`: the tensor to write it in (`start`)."""
-        self.start(local_shard, into)
+        self._start(local_shard, into, "run()")
         return self.wait()
 
     def start(self, local_shard=None, into=None) -> None:
         """Begin a reshard and return at once; do not modify `local_shard` until `wait()` returns. `into`: a tensor of
         this rank's destination shard's shape and dtype (a view into a larger tensor is fine) that the reshard writes in
         place, kept only until `wait()` returns (None: the engine's own buffer)."""
+        self._start(local_shard, into, "start()")
+
+    def _start(self, local_shard, into, call: str) -> None:
+        """start() for `call`, the call that was made (its name in a refusal)."""
         self._startable()
-        target = None if into is None else self._into(0, into, "start()")  # no call on the common path: run() is timed per call
-        source = self._adopt(0, local_shard)
-        if target is not None:
-            self._apart({self.names[0]: target}, [source])
+        try:
+            target = None if into is None else self._into(0, into, call)  # no call on the common path: run() is timed per call
+            source = self._adopt(0, local_shard, call)
+            self._apart({} if target is None else {self.names[0]: target}, [source])
+        except PlanMismatchError as err:
+            raise named_call(err, call) from None
         self.flight.start(source, target)
         self.target = target
 
@@ -479,6 +493,15 @@ class ReshardingExecutor(Executor):
         target, self.target = self.target, None
         shard = self.flight.wait()
         return shard if target is None else target
+
+
+def named_call(err: PlanMismatchError, call: str) -> PlanMismatchError:
+    """`err`, a refusal of a call's arrays by a check that run() and start() share (its text begins `run(): `), naming
+    `call`, the call that was made."""
+    text = str(err)
+    if call == "run()" or not text.startswith("run(): "):
+        return err
+    return PlanMismatchError(call + text[len("run()"):], err.same_on_every_rank)
 
 
 def _list(ranks: list[int]) -> str:

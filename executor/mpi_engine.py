@@ -22,7 +22,8 @@ it, one that is not (a strided view) through an MPI derived datatype that scatte
 copies no byte either way.
 
 The engine's own destination shards are made by the first call that passes none of the caller's for them (`_own`), once:
-a caller who always passes `into` gets no destination buffer of the engine's.
+a caller who always passes `into` gets no destination buffer of the engine's. A call whose source shard or `into` array
+shares memory with an own shard that it writes (what an earlier run returned, passed back) is refused (`check_own`).
 
 A plan that converts at the sender (`executor.conversions`) has every buffer but the caller's source shards in the
 destination dtype: each source shard is cast once per run (`executor.convert_host`, torch's bits), with its FP8 scales,
@@ -35,6 +36,7 @@ reading those tensors (or their scales) wait for the swaps like for any other st
 
 from __future__ import annotations
 
+import bisect
 import ctypes
 import threading
 import time
@@ -83,6 +85,7 @@ class MpiEngine:
         self.single = len(program.tensors) == 1
         self.dst: np.ndarray | None = None
         self.dsts: list[np.ndarray | None] = []
+        self.own_spans: tuple | None = None  # the own shards' byte ranges by address (`check_own`; None: not sorted yet)
         self.src = None
         self.into = None  # the caller's destination arrays of the reshard in flight (only until wait() returns)
         self.shards = None  # the converted tensors' source shards, typed, of the reshard in flight (`_prepare_casts`)
@@ -312,6 +315,7 @@ class MpiEngine:
                 return None
             self.dsts[t] = np.empty(shape, self.dtypes[t])
             self.dst = self.dsts[0]
+            self.own_spans = None  # `check_own` sorts them again
         return self.dsts[t]
 
     def adopt(self, array) -> np.ndarray:
@@ -327,6 +331,31 @@ class MpiEngine:
         refuse_overlapping_into(array, device, name)
 
     check_apart = staticmethod(refuse_shared)  # the caller's arrays of one call: no destination shares memory with another array
+
+    def check_own(self, targets: dict, sources: dict, device: int) -> None:
+        """Refuse, before any call starts, a source shard (`sources`, by name in tensor order) or caller's destination
+        array (`targets`, by name) sharing memory with an own destination shard that the call writes (of a tensor
+        `targets` leaves out): what an earlier run returned, passed back. The own shards are separate allocations,
+        sorted by address once; each array costs one `byte_bounds` and a bisection, `numpy.shares_memory` only where
+        byte ranges meet; nothing while the engine has none."""
+        spans = self.own_spans
+        if spans is None:
+            if not any(own is not None for own in self.dsts):
+                return
+            spans = self.own_spans = _spans(self.dsts)
+        lows, highs, owners = spans
+        names = list(sources)
+        for written, arrays in ((False, sources), (True, targets)):
+            for name, array in arrays.items():
+                if array is None or not array.size:
+                    continue
+                low, high = byte_bounds(array)
+                k = bisect.bisect_right(highs, low)
+                while k < len(lows) and lows[k] < high:
+                    t = owners[k]
+                    if names[t] not in targets and np.shares_memory(array, self.dsts[t]):
+                        raise PlanMismatchError(_own_refusal(written, name, names[t], device))
+                    k += 1
 
     def contiguous(self, array: np.ndarray) -> np.ndarray:
         return array if array.flags.c_contiguous else np.ascontiguousarray(array)
@@ -588,6 +617,21 @@ def _free_requests(requests: list, mpi, types: list | None = None) -> None:
         if datatype is not None:
             types[k] = None
 
+
+
+def _spans(shards: list) -> tuple[list[int], list[int], list[int]]:
+    """The byte ranges of the nonempty `shards` (None where absent) sorted by address: their starts, their ends, their
+    indices."""
+    spans = sorted((*byte_bounds(shard), t) for t, shard in enumerate(shards) if shard is not None and shard.size)
+    return [low for low, _, _ in spans], [high for _, high, _ in spans], [t for _, _, t in spans]
+
+
+def _own_refusal(written: bool, name: str, owner: str, device: int) -> str:
+    """The one-line refusal of a caller's array (a destination array when `written`, else a source shard) of tensor
+    `name` sharing memory with the engine's own destination shard of tensor `owner`, which the same call writes."""
+    what = f"into[{name!r}]" if written else f"the source shard of {name!r}"
+    return (f"run(): {what} on device {device} shares memory with the engine's own destination shard of {owner!r} (what an "
+            f"earlier run returned for it; this call writes it): pass a copy, or pass into={{{owner!r}: ...}} for it")
 
 
 def _caller_view(array: np.ndarray, dtype: np.dtype) -> np.ndarray:

@@ -40,7 +40,7 @@ from xmesh_plan.schemas.staging import staging_peaks
 
 from .errors import PlanMismatchError
 from .engines import ENGINES, TransportOptions
-from .executor import DEFAULT_POLL_S, Executor, check_stage_need
+from .executor import DEFAULT_POLL_S, Executor, check_stage_need, named_call
 from .plan_file import PlanFile
 from .plan_index import plan_index
 
@@ -121,7 +121,7 @@ class TransferExecutor(Executor):
     def run(self, shards: Mapping[str, Any] | None = None, into: Mapping[str, Any] | None = None) -> dict[str, Any]:
         """Reshard every tensor once: this rank's source shards by name in, its destination shards by name out
         (`into`: the tensors to write them in, `start`)."""
-        self.start(shards, into)
+        self._start(shards, into, "run()")
         return self.wait()
 
     def start(self, shards: Mapping[str, Any] | None = None, into: Mapping[str, Any] | None = None) -> None:
@@ -130,18 +130,25 @@ class TransferExecutor(Executor):
         rank's destination shard's shape and dtype (a view into a larger tensor is fine, a slice of a fused parameter)
         that the reshard writes in place (`executor.destinations`), kept only until `wait()` returns; the tensors not
         named land in the engine's own buffers."""
-        given = self._sources(shards)
-        self._startable()
-        targets = self._targets(into)
-        if self.one:
-            source = self._adopt(0, given.get(self.names[0]))
-        else:
-            source = [self._adopt(t, given.get(name)) for t, name in enumerate(self.names)]
+        self._start(shards, into, "start()")
+
+    def _start(self, shards, into, call: str) -> None:
+        """start() for `call`, the call that was made (its name in a refusal)."""
+        try:
+            given = self._sources(shards)
+            self._startable()
+            targets = self._targets(into, call)
+            if self.one:
+                source = self._adopt(0, given.get(self.names[0]), call)
+            else:
+                source = [self._adopt(t, given.get(name), call) for t, name in enumerate(self.names)]
+            self._apart(targets, [source] if self.one else source)
+        except PlanMismatchError as err:
+            raise named_call(err, call) from None
         if not targets:
             self.flight.start(source)
             return
         dsts = [targets.get(name) for name in self.names]
-        self._apart(targets, [source] if self.one else source)
         self.flight.start(source, dsts[0] if self.one else dsts)
         self.targets = targets
 
@@ -158,7 +165,7 @@ class TransferExecutor(Executor):
         out.update(targets)
         return out
 
-    def _targets(self, into: Mapping[str, Any] | None) -> dict[str, Any]:
+    def _targets(self, into: Mapping[str, Any] | None, call: str) -> dict[str, Any]:
         """The caller's destination tensors by name, each checked (`Executor._into`); unknown names refused."""
         if into is None:
             return {}
@@ -169,7 +176,7 @@ class TransferExecutor(Executor):
         if unknown:
             raise PlanMismatchError(f"run(): into names {unknown[0]!r}, not a tensor of this plan; name tensors as in the "
                                     f"problem ({', '.join(self.names[:3])}{', ...' if len(self.names) > 3 else ''})")
-        return {name: self._into(self.index[name], array, "run()") for name, array in into.items() if array is not None}
+        return {name: self._into(self.index[name], array, call) for name, array in into.items() if array is not None}
 
     def _sources(self, shards: Mapping[str, Any] | None) -> dict[str, Any]:
         """The shards by name, refusing unknown names and, on a source rank, missing ones."""

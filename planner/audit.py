@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from xmesh_plan.schemas import Plan
 
 from .bounds import joint_lower_bound
-from .compile import DIGITS, MAX_SIMULATED_OPERATIONS, MAX_SIMULATION_WORK, settle_listing
+from .compile import DIGITS, MAX_SIMULATION_WORK, settle_listing, too_large_to_simulate
 from .executor_order import executor_order_seconds, posted_budget
 from .simulate import TooCostly, nic_assignment, simulate, staging_runs
 from .unit_tasks import decompose
@@ -47,7 +47,7 @@ def audit_plan(plan: Plan) -> Audit:
     mismatch = None
     if _differ(plan.lower_bound_seconds, round(bound, DIGITS)):
         mismatch = f"stored lower bound {plan.lower_bound_seconds} s disagrees with {bound:.12g} s recomputed from the problem"
-    if len(plan.operations) > MAX_SIMULATED_OPERATIONS:
+    if too_large_to_simulate(plan.operations):
         return Audit(bound, plan.predicted_seconds, False, mismatch)
     nics = nic_assignment(plan.host_order)
     try:  # past compile's work budget compile kept the schedule's times, and so does this

@@ -33,25 +33,31 @@ def lower_bound(cells: list[Cell], cluster: Cluster, itemsize: int) -> LowerBoun
 
 
 def joint_lower_bound(tensors: list[tuple[list[Cell], int]], cluster: Cluster) -> LowerBound:
-    """The bound of several tensors moved together: (cells, itemsize) per tensor, every byte summed per NIC side."""
+    """The bound of several tensors moved together: (cells, itemsize) per tensor, every byte summed per NIC side.
+    Tensors given the same list of cells (a compile's tensors of one kind) are summed once and counted as many times:
+    the sums are integers, so the bound is the same to the bit."""
+    times: dict[tuple[int, int], list] = {}
+    for cells, itemsize in tensors:
+        times.setdefault((id(cells), itemsize), [cells, itemsize, 0])[2] += 1
     recv: dict[int, int] = {}
     device_in: dict[int, int] = {}
     sole_send: dict[int, int] = {}
     total_send, source_hosts = 0, set()
-    for cell, itemsize in ((c, size) for cells, size in tensors for c in cells):
-        nbytes = cell.nbytes(itemsize)
-        for device in cell.receivers:
-            device_in[device] = device_in.get(device, 0) + nbytes
-        sender_hosts = {cluster.host_of(d) for d in cell.senders}
-        source_hosts |= sender_hosts
-        needy = {cluster.host_of(d) for d in cell.receivers} - sender_hosts
-        for host in needy:
-            recv[host] = recv.get(host, 0) + nbytes
-        if needy:
-            total_send += nbytes
-            if len(sender_hosts) == 1:
-                (only,) = sender_hosts
-                sole_send[only] = sole_send.get(only, 0) + nbytes
+    for cells, itemsize, count in times.values():
+        for cell in cells:
+            nbytes = cell.nbytes(itemsize) * count
+            for device in cell.receivers:
+                device_in[device] = device_in.get(device, 0) + nbytes
+            sender_hosts = {cluster.host_of(d) for d in cell.senders}
+            source_hosts |= sender_hosts
+            needy = {cluster.host_of(d) for d in cell.receivers} - sender_hosts
+            for host in needy:
+                recv[host] = recv.get(host, 0) + nbytes
+            if needy:
+                total_send += nbytes
+                if len(sender_hosts) == 1:
+                    (only,) = sender_hosts
+                    sole_send[only] = sole_send.get(only, 0) + nbytes
     candidates = [LowerBound(0.0, "nothing crosses hosts")]
     candidates += [LowerBound(b / cluster.recv_bytes_per_s, f"host {h} receive") for h, b in recv.items()]
     candidates += [LowerBound(b / cluster.send_bytes_per_s, f"host {h} send") for h, b in sole_send.items()]

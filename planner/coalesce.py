@@ -168,19 +168,27 @@ def share_messages(timed_ops: list[TimedOp], itemsizes: list[int], bucket_bytes:
     align = max(itemsizes)
     groups: list[list[TimedOp]] = []
     open_group: dict[tuple[int, int], tuple[int, int]] = {}  # host pair -> (index in groups, bytes so far)
+    sizes: dict[tuple[int, int], int] = {}  # (id of a bundle, its itemsize) -> its bytes: tensors of one kind share their bundles
+    relayed: dict[tuple[int, int | None, tuple[int, ...]], PlannedOp] = {}  # (id of a bundle, a group's relays) -> the bundle sent from them, made once
     for item in timed_ops:
         at, task, tensor, op = item
         if op.kind != "bundle":
             groups.append([item])
             continue
-        nbytes = bundle_bytes(op, itemsizes[tensor or 0])
+        itemsize = itemsizes[tensor or 0]
+        nbytes = sizes.get((id(op), itemsize))
+        if nbytes is None:
+            nbytes = sizes[(id(op), itemsize)] = bundle_bytes(op, itemsize)
         pair = (host_of(op.src), host_of(op.dsts[0]))
         index, total = open_group.get(pair, (-1, 0))
         # a holder stages its parts of each bundle at a multiple of `align` (schemas.staging.chained): count that
         # padding too, so no device of the group stages more than the bucket (the staging limit, when one is set)
         if index >= 0 and total + nbytes + len(groups[index]) * (align - 1) <= bucket_bytes:
             head = groups[index][0]
-            groups[index].append((head[0], task, tensor, replace(op, src=head[3].src, dsts=head[3].dsts)))
+            key = (id(op), head[3].src, head[3].dsts)
+            if key not in relayed:
+                relayed[key] = replace(op, src=head[3].src, dsts=head[3].dsts)
+            groups[index].append((head[0], task, tensor, relayed[key]))
             total += nbytes
         else:
             groups.append([item])

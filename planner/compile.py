@@ -19,6 +19,8 @@ from .compile_defaults import CompileOptions
 from .plan_rows import OperationRow, PlanRows, TaskRow, plan_rows
 from .executor_order import executor_order, executor_order_seconds, posted_budget
 from .scheduling import Option, Schedule, SchedulingTask
+from xmesh_plan.schemas.op_kinds import tags_used
+
 from .simulate import TooCostly, nic_assignment, renumbered_only, simulated, staging_runs
 from .solvers import solve
 from .staging_limit import limit_staging
@@ -27,8 +29,13 @@ from .unit_tasks import Cell, check_kinds_task_count, check_scheduled_task_count
 
 DIGITS = 12  # times are rounded to picoseconds so plans print and compare stably
 NIC_SIDES = ("send", "recv")  # the resources a plan's host order lists; device ports are not queued
-MAX_SIMULATED_OPERATIONS = 2_000_000  # 10^6 operations simulate in about a minute and 2.5 GiB (bench/bench_simulate.py); beyond this the schedule's own timetable stands in
-MAX_SIMULATION_WORK = 25_000_000  # work one simulation of a listing may take (`simulate.run_flows`: groups shared out and flows re-rated; a 2-layer DeepSeek-V3-like cut takes 0.99 M, in proportion to its layers); beyond, the schedule's timetable stands in
+MAX_SIMULATED_MESSAGES = 2_000_000  # messages (`simulated_messages`) a plan may have to be simulated: the simulator makes a flow of each, and
+# holds them all (10^6 one-message operations simulate in about a minute and 2.5 GiB, bench/bench_simulate.py); beyond, the schedule's
+# own timetable stands in, decided before any flow is made (the full DeepSeek-V3-like plan: 8.8 M messages, whose simulation passes MAX_SIMULATION_WORK)
+MAX_SIMULATION_WORK = 25_000_000  # work one simulation of a listing may take (`simulate.run_flows`: groups shared out and flows re-rated,
+# counted, so every machine decides alike); beyond, the schedule's timetable stands in. A backstop for listings under MAX_SIMULATED_MESSAGES,
+# which pass it only at more than 12.5 units a message: a 2-layer DeepSeek-V3-like cut (225,424 messages) takes 1.14 M in host order
+# (5.0 a message), 0.67 M posted (3.0)
 DETAILED_STAGES = 10_000  # operations from which a compile names the steps of timing and assembling (`on_stage`)
 MAX_RELISTINGS = 8  # re-simulations until the listing is the order of its own predicted starts
 
@@ -143,7 +150,8 @@ def assemble_rows(problem: ReshardingProblem | TransferProblem, works: list[Tens
     each step of a plan of at least DETAILED_STAGES operations."""
     tasks, timed_ops, per_resource = [], [], {}
     cluster = problem.cluster
-    for work in works:
+    facts: dict[tuple[int, int], tuple[int, tuple[int, ...]]] = {}  # (id of a cell, itemsize) -> its bytes and receiving
+    for work in works:  # hosts: tensors of one kind share their cells (`renumbered`)
         single = work.problem
         for item in work.options:
             t = item.scheduling
@@ -151,10 +159,14 @@ def assemble_rows(problem: ReshardingProblem | TransferProblem, works: list[Tens
             name, result = item.results[schedule.choice[t.id]]
             start = schedule.start_s[t.id]
             cell = item.cell
+            known = facts.get((id(cell), single.itemsize))
+            if known is None:
+                known = facts[(id(cell), single.itemsize)] = (cell.nbytes(single.itemsize),
+                                                              tuple(sorted({cluster.host_of(d) for d in cell.receivers})))
             tasks.append(TaskRow(
-                t.id, work.index, cell.region, cell.nbytes(single.itemsize), cell.senders, cell.receivers, cell.merged_cells,
-                option.sender, option.sender_host, tuple(sorted({cluster.host_of(d) for d in cell.receivers})),
-                name, result.chunks, round(start, DIGITS), round(start + option.duration_s, DIGITS)))
+                t.id, work.index, cell.region, known[0], cell.senders, cell.receivers, cell.merged_cells,
+                option.sender, option.sender_host, known[1], name, result.chunks, round(start, DIGITS),
+                round(start + option.duration_s, DIGITS)))
             timed_ops += [(start + op.offset_s, t.id, work.index, op) for op in result.ops]
             timed_ops += [(at, t.id, work.index, op) for at, op in _copy_ops(cell, single)]
             for host, side in option.resources:
@@ -185,8 +197,10 @@ def assemble_rows(problem: ReshardingProblem | TransferProblem, works: list[Tens
         per_resource = {key: [(riders[t][0] if t in riders else at, t) for at, t in v] for key, v in per_resource.items()}
     host_order = tuple(HostOrder(host=h, side=s, tasks=tuple(t for _, t in sorted(v))) for (h, s), v in sorted(per_resource.items()))
     stage = on_stage if len(operations) >= DETAILED_STAGES else _quiet
-    stage(f"simulating {len(operations):,} operations in host order")
-    operations, timed_by, work = _simulated(operations, problem, nic_assignment(host_order))
+    messages = simulated_messages(operations)
+    stage(f"simulating {len(operations):,} operations in host order" if messages <= MAX_SIMULATED_MESSAGES else
+          f"timing {len(operations):,} operations by the schedule ({messages:,} messages: too many to simulate)")
+    operations, timed_by, work = _simulated(operations, problem, nic_assignment(host_order), messages)
     stage("bounding")
     tasks = _retimed_tasks(tasks, operations)
     bound = joint_lower_bound([(w.cells, w.problem.itemsize) for w in works], cluster)
@@ -231,13 +245,28 @@ def settle_listing(operations: tuple[OperationRow, ...], problem: ReshardingProb
     return None
 
 
+def simulated_messages(operations) -> int:
+    """How many messages a listing's operations make for the simulator, counted without making them: each operation's
+    message tags (`op_kinds.tags_used`: a bundle's gathers, its message across hosts and its scatters; a broadcast's
+    chunks; an all-gather's ring steps), a local copy as one, a message bundles share once per bundle: about what the
+    simulator's flows number (one per message, one per NIC a message is striped over where NICs are not pooled) and so
+    its memory, known before it makes any."""
+    return sum(tags_used(op) or 1 for op in operations)
+
+
+def too_large_to_simulate(operations) -> bool:
+    """Whether `compile` (and `check`, alike) leave a listing's times to the schedule without simulating it: more than
+    MAX_SIMULATED_MESSAGES messages (`simulated_messages`)."""
+    return simulated_messages(operations) > MAX_SIMULATED_MESSAGES
+
+
 def _simulated(operations: tuple[OperationRow, ...], problem: ReshardingProblem | TransferProblem,
-               nic_of_task: dict[int, int]) -> tuple[tuple[OperationRow, ...], str, int | None]:
+               nic_of_task: dict[int, int], messages: int) -> tuple[tuple[OperationRow, ...], str, int | None]:
     """Operation times from the network simulator (host order), listed and numbered by predicted start,
-    so what is stored is what `check` recomputes; the schedule's own times when that cannot be had.
-    Also the simulation's work (`SimResult.work`; None when not simulated)."""
-    if len(operations) > MAX_SIMULATED_OPERATIONS:
-        return operations, "schedule (too many operations to simulate)", None
+    so what is stored is what `check` recomputes; the schedule's own times when that cannot be had (among them
+    more than MAX_SIMULATED_MESSAGES `messages`). Also the simulation's work (`SimResult.work`; None when not simulated)."""
+    if messages > MAX_SIMULATED_MESSAGES:
+        return operations, f"schedule (more than {MAX_SIMULATED_MESSAGES:,} messages to simulate)", None
     try:
         settled = settle_listing(operations, problem, nic_of_task, MAX_SIMULATION_WORK)
     except TooCostly:  # deterministic: counted in groups and flows, not seconds, so `check` decides the same
@@ -258,7 +287,11 @@ def _retimed_tasks(tasks: list[TaskRow], operations: tuple[OperationRow, ...]) -
     for op in operations:
         s, e = spans.get(op.task, (op.start_s, op.end_s))
         spans[op.task] = (min(s, op.start_s), max(e, op.end_s))
-    return [t._replace(start_s=spans[t.id][0], end_s=spans[t.id][1]) if t.id in spans else t for t in tasks]
+    out = []
+    for t in tasks:
+        span = spans.get(t.id)
+        out.append(t if span is None or span == (t.start_s, t.end_s) else t._replace(start_s=span[0], end_s=span[1]))
+    return out
 
 
 def _kinds(singles: list[ReshardingProblem]) -> list[tuple]:

@@ -55,7 +55,7 @@ import heapq
 from collections import deque
 from collections.abc import Callable
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from xmesh_plan.schemas import Operation, Plan, ReshardingProblem
 from xmesh_plan.schemas.op_kinds import members, reads, route, rule_of
@@ -180,7 +180,8 @@ def group_rates(groups: list[tuple[str, ...]], members: dict[tuple[str, ...], di
 
 def run_flows(flows: list[Flow], capacity: dict[str, float], max_work: int | None = None,
               cost: list[int] | None = None, share: ShareRule | None = None) -> dict[int, tuple[float, float]]:
-    """Event-driven fluid simulation; (start, arrival) per flow id. A flow with no bytes or links
+    """Event-driven fluid simulation; (start, arrival) per flow id. Flows numbered 0, 1, 2, ... in list order (as `lower`
+    makes them) keep their state in lists, not dicts; others are renumbered so first (`_renumbered_run`). A flow with no bytes or links
     takes only its latency. Raises TooCostly once the run's work passes `max_work`: per event that starts or ends
     a flow, the groups of moving flows it shares rates out over (flows on the same links: `_sharing_groups`)
     and the flows whose rates change, summed over the run (what it costs, counted so that whether a plan is
@@ -193,18 +194,24 @@ def run_flows(flows: list[Flow], capacity: dict[str, float], max_work: int | Non
     shares rates out again only over the groups linked to a flow that started or ended. When every message of a
     weight sync is posted at once, thousands of flows cross between two hosts' NICs: a few hundred groups.
     """
+    if not _numbered_in_order(flows):
+        return _renumbered_run(flows, capacity, max_work, cost, share)
     fair, share = share is None, share or max_min_rates
-    waiting = {f.id: len(f.after) + len(f.after_sent) for f in flows}
-    on_arrival: dict[int, list[int]] = {}
-    on_sent: dict[int, list[int]] = {}
+    waiting = [len(f.after) + len(f.after_sent) for f in flows]  # by flow id, as `by_id`: lists, not dicts (memory per flow)
+    on_arrival: list[list[int] | None] = [None] * len(flows)  # flow -> the flows waiting for it to arrive (None: none)
+    on_sent: list[list[int] | None] = [None] * len(flows)  # ... for it to have left
     early: set[int] = set()  # flows that counted as left before their last byte did (`Flow.sent_below`)
     for f in flows:
         for parent in f.after:
-            on_arrival.setdefault(parent, []).append(f.id)
+            if on_arrival[parent] is None:
+                on_arrival[parent] = []
+            on_arrival[parent].append(f.id)
         for parent in f.after_sent:
-            on_sent.setdefault(parent, []).append(f.id)
-    by_id = {f.id: f for f in flows}
-    buffered = {f.id for f in flows if f.sent_below > 0 and f.id in on_sent}  # flows that may count as left early
+            if on_sent[parent] is None:
+                on_sent[parent] = []
+            on_sent[parent].append(f.id)
+    by_id = flows
+    buffered = {f.id for f in flows if f.sent_below > 0 and on_sent[f.id] is not None}  # flows that may count as left early
     clock, events, span = 0.0, [], {}  # events: (time, flow) of arrivals: a flow's last byte left `latency_s` earlier
     moving = _Moving(by_id, buffered, early)
     busy: dict[str, int] = {}  # queue -> the flow moving on it
@@ -235,12 +242,12 @@ def run_flows(flows: list[Flow], capacity: dict[str, float], max_work: int | Non
     def left_early(fid: int) -> list[int]:
         """At most `sent_below` of it is left: what waits for it to have left may go (not what queues behind it)."""
         early.add(fid)
-        return list(on_sent.get(fid, ()))
+        return list(on_sent[fid] or ())
 
     def sent(fid: int) -> list[int]:
         """Its last byte left: it arrives a latency later; flows queued behind it may go."""
         heapq.heappush(events, (clock + by_id[fid].latency_s, fid))
-        out = [] if fid in early else list(on_sent.get(fid, ()))
+        out = [] if fid in early else list(on_sent[fid] or ())
         queue = by_id[fid].queue
         if queue and busy.get(queue) == fid:
             del busy[queue]
@@ -283,12 +290,37 @@ def run_flows(flows: list[Flow], capacity: dict[str, float], max_work: int | Non
         while events and events[0][0] <= clock + REL_EPS * max(1.0, clock):
             _, i = heapq.heappop(events)
             span[i] = (span[i][0], clock)
-            release(list(on_arrival.get(i, ())))
-    if any(v for v in waiting.values()):
+            release(list(on_arrival[i] or ()))
+    if any(waiting):
         raise ValueError("flow dependencies form a cycle; some flows never start")
     if cost is not None:
         cost.append(work)
-    return {i: (s, e) for i, (s, e) in span.items()}
+    return span
+
+
+def _numbered_in_order(flows: list[Flow]) -> bool:
+    """Whether flows are numbered 0, 1, 2, ... in list order and wait only for flows of the list."""
+    n = len(flows)
+    for i, f in enumerate(flows):
+        if f.id != i or any(not 0 <= p < n for p in f.after) or any(not 0 <= p < n for p in f.after_sent):
+            return False
+    return True
+
+
+def _renumbered_run(flows: list[Flow], capacity: dict[str, float], max_work: int | None, cost: list[int] | None,
+                    share: ShareRule | None) -> dict[int, tuple[float, float]]:
+    """`run_flows` of flows numbered otherwise than 0, 1, 2, ... in list order: renumbered so, run, and answered by
+    their own ids (a dependency on a flow not in the list is refused, as it could never start)."""
+    number = {f.id: i for i, f in enumerate(flows)}
+    if len(number) < len(flows):
+        raise ValueError("two flows have one id; give each flow its own")
+    missing = next((p for f in flows for p in (*f.after, *f.after_sent) if p not in number), None)
+    if missing is not None:
+        raise ValueError(f"a flow waits for flow {missing}, which is not in the list; some flows never start")
+    inner = [replace(f, id=i, after=tuple(number[p] for p in f.after), after_sent=tuple(number[p] for p in f.after_sent))
+             for i, f in enumerate(flows)]
+    spans = run_flows(inner, capacity, max_work, cost, share)
+    return {f.id: spans[i] for i, f in enumerate(flows)}
 
 
 class _Moving:
@@ -298,7 +330,7 @@ class _Moving:
     at most `REL_EPS` of it (at least that many bytes) is left, so flows that finish together by the arithmetic
     finish in one event, in the order they started."""
 
-    def __init__(self, by_id: dict[int, Flow], buffered: set[int], early: set[int]):
+    def __init__(self, by_id: list[Flow], buffered: set[int], early: set[int]):
         self.by_id, self.buffered, self.early = by_id, buffered, early
         self.seq: dict[int, int] = {}  # moving flow -> when it started, as a count (rates are shared out in this order)
         self.count = 0

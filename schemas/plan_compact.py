@@ -164,27 +164,56 @@ def _text(text: str) -> np.ndarray:
 def _device_index(out: dict[str, np.ndarray], count: int) -> dict[str, np.ndarray]:
     """For each device, the rows of the operations it takes part in, ascending (stored as the first row, then the
     steps between rows); from the encoded device columns."""
-    rows, devices = [], []
+    devices, rows = _device_rows(out, count)
+    starts = np.flatnonzero(np.concatenate(([True], devices[1:] != devices[:-1]))) if len(devices) else np.zeros(0, np.int64)
+    steps = np.diff(rows, prepend=0)
+    steps[starts] = 0  # each device's first row is in index.first
+    wide = steps >= WIDE_STEP  # few: a device's operations are seldom that far apart
+    return {"index.devices": _ints(devices[starts].tolist(), "index devices"),
+            "index.offsets": _ints([*starts.tolist(), len(rows)], "index offsets"),
+            "index.first": _ints(rows[starts].tolist(), "index first rows"),
+            "index.rows": np.where(wide, WIDE_STEP, steps).astype(np.uint8),
+            "index.rows.wide": _ints(steps[wide].tolist(), "index steps")}
+
+
+INDEX_CHUNK = 1 << 22  # device entries keyed and sorted at a time while the index is built
+
+
+def _device_rows(out: dict[str, np.ndarray], count: int) -> tuple[np.ndarray, np.ndarray]:
+    """Every distinct (device, row) of an operation and a device taking part in it, sorted, as (devices, rows); through
+    one int64 key per pair where the devices' range allows (a 1-D sort, many times faster than sorting pairs or
+    numpy 2's hashing `np.unique` on 10^7 pairs), `INDEX_CHUNK` entries at a time."""
+    fields = []  # (devices, where each row's devices begin) per field
     for field, kind in ((f, COLUMN_KINDS["operations"][f]) for f in DEVICE_FIELDS):
         name = f"operations.{field}"
         if kind == "int?":  # values only for the rows that have one
             has = ~np.asarray(out[f"{name}.none"], dtype=bool) if f"{name}.none" in out else np.ones(count, dtype=bool)
-            rows.append(np.flatnonzero(has)), devices.append(np.asarray(out[name], dtype=np.int64))
+            fields.append((out[name], np.concatenate(([0], np.cumsum(has)))))
             continue
-        owner = np.repeat(np.arange(count), out[f"{name}.lengths"].astype(np.int64))
-        if kind == "intss":  # rows own inner lists, which own the values
-            owner = np.repeat(owner, out[f"{name}.inner"].astype(np.int64))
-        rows.append(owner), devices.append(out[f"{name}.values"].astype(np.int64))
-    pairs = np.unique(np.stack([np.concatenate(devices), np.concatenate(rows)], axis=1), axis=0) if count else np.zeros((0, 2), np.int64)
-    found, starts = np.unique(pairs[:, 0], return_index=True)
-    steps = np.diff(pairs[:, 1], prepend=0)
-    steps[starts] = 0  # each device's first row is in index.first
-    wide = steps >= WIDE_STEP  # few: a device's operations are seldom that far apart
-    return {"index.devices": _ints(found.tolist(), "index devices"),
-            "index.offsets": _ints([*starts.tolist(), len(pairs)], "index offsets"),
-            "index.first": _ints(pairs[starts, 1].tolist(), "index first rows"),
-            "index.rows": np.where(wide, WIDE_STEP, steps).astype(np.uint8),
-            "index.rows.wide": _ints(steps[wide].tolist(), "index steps")}
+        starts = np.concatenate(([0], np.cumsum(out[f"{name}.lengths"], dtype=np.int64)))  # lists: the rows own them
+        if kind == "intss":  # and the inner lists own the values
+            starts = np.concatenate(([0], np.cumsum(out[f"{name}.inner"], dtype=np.int64)))[starts]
+        fields.append((out[f"{name}.values"], starts))
+    low = min((int(v.min()) for v, _ in fields if v.size), default=0)
+    span = max((int(v.max()) for v, _ in fields if v.size), default=0) - low + 1
+    if span * count >= 2**62:
+        rows = [np.searchsorted(starts, np.arange(len(v)), side="right") - 1 for v, starts in fields]
+        pairs = np.unique(np.stack([np.concatenate([v for v, _ in fields]).astype(np.int64), np.concatenate(rows)], axis=1), axis=0)
+        return pairs[:, 0], pairs[:, 1]
+    keys = []
+    for values, starts in fields:
+        for at in range(0, len(values), INDEX_CHUNK):
+            rows = np.searchsorted(starts, np.arange(at, min(at + INDEX_CHUNK, len(values))), side="right") - 1
+            keys.append(_distinct((np.asarray(values[at:at + INDEX_CHUNK], dtype=np.int64) - low) * count + rows))
+    keys = _distinct(np.concatenate(keys)) if keys else np.zeros(0, np.int64)
+    return keys // max(count, 1) + low, keys % max(count, 1)
+
+
+def _distinct(keys: np.ndarray) -> np.ndarray:
+    """Sorted distinct integers (a needer is named in many parts of one bundle: each chunk's pairs are made distinct
+    before all are joined)."""
+    keys = np.sort(keys)
+    return keys[np.concatenate(([True], keys[1:] != keys[:-1]))] if len(keys) else keys
 
 
 def _op_devices(op) -> set[int]:
@@ -570,7 +599,7 @@ def _values(m: _Members, name: str, offsets: np.ndarray) -> np.ndarray:
 def _column(m: _Members, name: str, kind: str, count: int) -> dict[str, Any]:
     """One field's column as flat arrays: `values` (int64, float64 or string codes), with `none` (int?), `names`
     (str), `offsets` (running, per row: ints, box, and the rows of boxes and intss), box values as (start, stop)
-    pairs."""
+    pairs, `boxes` (box, boxes: indices into the shared box table), `inner` (intss: running offsets per list)."""
     if kind == "float":
         if f"{name}.at" in m:
             _flat(m.get(f"{name}.at"), f"{name}.at")
@@ -604,15 +633,15 @@ def _column(m: _Members, name: str, kind: str, count: int) -> dict[str, Any]:
         dims = np.diff(table)[at]
         offsets = np.concatenate(([0], np.cumsum(dims)))
         _, flat = row_ranges(table, at)
-        return {"offsets": offsets, "values": pairs[flat]}
+        return {"offsets": offsets, "values": pairs[flat], "boxes": at}
     offsets = _lengths(m, f"{name}.lengths", count)
-    if kind == "boxes":  # parts: box indices, checked; the boxes themselves are read with their records
-        _indices(m, f"{name}.values", slice(None), len(_box_table(m)[0]) - 1)
+    if kind == "boxes":  # parts: indices into the shared box table (`box_table`), checked
+        boxes = _indices(m, f"{name}.values", slice(None), len(_box_table(m)[0]) - 1)
         _values(m, f"{name}.values", offsets)
-        return {"offsets": offsets}
-    if kind == "intss":  # needers: lists per row, integers per list, checked; read with their records
-        _values(m, f"{name}.values", _lengths(m, f"{name}.inner", int(offsets[-1])))
-        return {"offsets": offsets}
+        return {"offsets": offsets, "boxes": boxes}
+    if kind == "intss":  # needers: lists per row (`offsets`), integers per list (`inner`), checked
+        inner = _lengths(m, f"{name}.inner", int(offsets[-1]))
+        return {"offsets": offsets, "inner": inner, "values": _values(m, f"{name}.values", inner)}
     return {"offsets": offsets, "values": _values(m, f"{name}.values", offsets)}
 
 
@@ -633,6 +662,10 @@ class CompactColumns:
     def operation_rows(self, rows: np.ndarray) -> list[dict]:
         """The operations at `rows` as plain dicts (what `read_compact_data` gives for them)."""
         return _rows(self.members, "operations", rows)
+
+    def box_table(self) -> tuple[np.ndarray, np.ndarray]:
+        """The shared box table: (offsets of each box's (start, stop) pairs, the pairs as an (n, 2) int64 array)."""
+        return _box_table(self.members)
 
 
 def read_compact_columns(path: str | os.PathLike, keep: dict[str, set[str]],

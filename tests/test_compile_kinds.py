@@ -32,3 +32,18 @@ def test_kinds_tell_apart_what_changes_the_cut():
     kinds = compiler._kinds(p.tensor_problems())
     assert kinds[0] == kinds[1] and len(set(kinds)) == 4
 
+
+
+def test_the_bound_sums_a_kinds_cells_once_and_counts_them_as_often_as_the_kind_repeats():
+    """`joint_lower_bound` given one list of cells for several tensors (a compile's tensors of one kind) is the bound of
+    as many copies of it, to the bit and with the same reason."""
+    from xmesh_plan.planner.bounds import joint_lower_bound
+    from xmesh_plan.planner.unit_tasks import decompose
+
+    problem = _small(nics=2, devices_per_host=2)
+    singles = problem.tensor_problems()
+    cells = [decompose(s, max_tasks=None) for s in singles]
+    shared = [(cells[0], singles[0].itemsize)] * 3 + [(c, s.itemsize) for c, s in zip(cells[1:], singles[1:])]
+    copies = [(list(cells[0]), singles[0].itemsize) for _ in range(3)] + [(list(c), s.itemsize) for c, s in zip(cells[1:], singles[1:])]
+    assert joint_lower_bound(shared, problem.cluster) == joint_lower_bound(copies, problem.cluster)
+    assert joint_lower_bound(shared, problem.cluster) != joint_lower_bound(shared[2:], problem.cluster)

@@ -166,19 +166,29 @@ def _carried(engine, step) -> frozenset:
     return frozenset(p.box.tensor for p in packs if p.action == "pack" and p.box.side == "src")
 
 
+SINGLE = {"src_mesh": {"shape": [1], "devices": [0]}, "dst_mesh": {"shape": [2], "devices": [1, 2]}, "dtype": "float32",
+          "tensors": [{"name": "s", "shape": [40, 6], "src": "R R", "dst": "S0 R", "dst_dtype": "fp8", "scale": "tensor"},
+                      {"name": "h", "shape": [8, 3], "src": "R R", "dst": "R R", "dst_dtype": "float16"}]}
+SPLIT = {"src_mesh": {"shape": [2], "devices": [0, 1]}, "dst_mesh": {"shape": [1], "devices": [2]}, "dtype": "float32",
+         "tensors": [{"name": "t", "shape": [1, 6], "src": "S0 R", "dst": "R R", "dst_dtype": "fp8", "scale": "tensor"}]}
+
+
 def _plans():
+    """The convert worker's plans, and two whose per-tensor scale has a single sender, which swaps no amax and takes its
+    own at cast time (`conversions.cast_once`): a one-device source mesh, and a split whose other sender's box is empty."""
     from tests.workers.convert_worker import HOOKS, REPLICATED4
 
-    return {"hooks": HOOKS, "replicated": REPLICATED4}
+    return {"hooks": HOOKS, "replicated": REPLICATED4, "single": SINGLE, "split": SPLIT}
 
 
 @pytest.mark.parametrize("order", ["device", "posted"])
-@pytest.mark.parametrize("name", ["hooks", "replicated"])
+@pytest.mark.parametrize("name", ["hooks", "replicated", "single", "split"])
 def test_each_tensor_is_cast_just_before_its_first_reader_after_earlier_tensors_sends(name, order):
     """Bit for bit against torch's `.to()` twice, and per rank: each tensor it sends is cast once, before any send of
     it; on the hooks plan, some tensor that no amax swap holds back is cast after a send of another tensor was started
     (a rank casting those in start(), before its first message, fails this; tensors whose per-tensor scale waits for
-    the swap were cast after other sends either way). The swapped per-tensor scales (replicated, uneven senders) too."""
+    the swap were cast after other sends either way). The swapped per-tensor scales (replicated, uneven senders) too,
+    and a per-tensor scale of a single sender, whose amax is taken at cast time (single, split)."""
     plan, world, executors = fake_ranks(_plans()[name], order)
     for step in range(2):
         del world.log[:]

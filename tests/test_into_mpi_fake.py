@@ -66,10 +66,13 @@ def test_into_only_calls_write_the_callers_arrays_and_allocate_no_destination_bu
 
 
 def _refused(ex, into, match: str, shards=None) -> None:
-    """`ex.start(shards, into)` refused in one line, before anything started: the executor stays usable."""
-    with pytest.raises(PlanMismatchError, match=match) as err:
-        ex.start(shards, into)
-    assert "\n" not in str(err.value) and not ex.in_flight and not ex.engine.broken
+    """`ex.start(shards, into)` refused in one line naming start(), before anything started: the executor stays usable;
+    `ex.run` refused alike, naming run()."""
+    for call in ("start", "run"):
+        with pytest.raises(PlanMismatchError, match=match) as err:
+            getattr(ex, call)(shards, into)
+        assert str(err.value).startswith(f"{call}(): "), err.value
+        assert "\n" not in str(err.value) and not ex.in_flight and not ex.engine.broken
 
 
 def test_arrays_that_cannot_be_written_in_place_are_refused_in_one_line_and_the_executor_runs_after():
@@ -105,6 +108,49 @@ def test_arrays_that_cannot_be_written_in_place_are_refused_in_one_line_and_the_
     assert_every_shard(plan, out, full)
 
 
+@pytest.mark.parametrize("order", ["device", "posted"])
+def test_the_engines_own_destination_shard_passed_back_is_refused_and_runs_after(order):
+    """What a run returned (the engine's own destination shard) passed back as a source shard of the next call, or as
+    its `into` for another tensor whose own shard the call writes: refused in one line on every rank, naming both
+    tensors, before anything starts (unchecked, S0 R -> S1 R wrote a wrong result); passing `into` for the tensor the
+    own shard belongs to (so the call does not write it) runs, bit for bit, and so does every rank after."""
+    from xmesh_plan.planner.transfer_io import build_transfer
+
+    mesh = {"shape": [2, 2], "devices": [0, 1, 2, 3]}
+    plan = compile_plan(build_transfer({"src_mesh": mesh, "dst_mesh": mesh, "tensors": [
+        {"name": "w", "shape": [8, 8], "src": "S0 R", "dst": "S1 R"}, {"name": "b", "shape": [8, 8], "src": "S0 R", "dst": "S1 R"}]}),
+        solver="greedy")
+    executors = fake_executors(plan, order=order)
+    full = full_tensors(plan, 2)
+    run_everywhere(plan, executors, full)  # makes the own shards
+    for ex in executors:
+        copies = {name: slice_box(full[name], t.src_block).copy() for name, t in zip(ex.names, ex.program.tensors)}
+        own = dict(zip(ex.names, ex.engine.dsts))
+        d = ex.device
+        _refused(ex, None, rf"the source shard of 'w' on device {d} shares memory with the engine's own destination shard of "
+                 r"'w' \(what an earlier run returned for it; this call writes it\): pass a copy, or pass into=\{'w': \.\.\.\}",
+                 {**copies, "w": own["w"]})
+        _refused(ex, {"w": own["b"]}, rf"into\['w'\] on device {d} shares memory with the engine's own destination shard of 'b'",
+                 copies)
+        _refused(ex, {"w": np.empty_like(own["w"])}, rf"the source shard of 'b' on device {d} shares memory with the engine's "
+                 r"own destination shard of 'b'", {**copies, "b": own["b"]})
+    targets, sources = [], []
+    for ex in executors:  # a call passing into for w does not write w's own shard: passed as its source, it runs
+        own = dict(zip(ex.names, ex.engine.dsts))
+        np.copyto(own["w"], slice_box(full["w"], ex.program.tensors[ex.names.index("w")].src_block))
+        sources.append({"w": own["w"], "b": slice_box(full["b"], ex.program.tensors[ex.names.index("b")].src_block).copy()})
+        targets.append({"w": np.empty_like(own["w"])})
+    for ex, shards, into in zip(executors, sources, targets):
+        ex.start(shards, into)
+    for _ in range(10_000):
+        if all([ex.test() for ex in executors]):
+            break
+    out = {ex.device: {k: v.copy() for k, v in ex.wait().items()} for ex in executors}
+    assert all(out[ex.device]["w"] is not None for ex in executors)
+    assert_every_shard(plan, out, full)
+    assert_every_shard(plan, run_everywhere(plan, executors, full), full)
+
+
 def test_overlap_checks_agree_with_every_elements_offset():
     """`overlaps_itself` against a brute-force count of distinct element offsets, on random shapes and strides
     (interleaved, negative, zero); `refuse_shared` passes interleaved columns that share no element and refuses
@@ -130,6 +176,28 @@ def test_overlap_checks_agree_with_every_elements_offset():
         refuse_shared({"a": wide[:, :5]}, {"b": wide[:, 4:]}, 0)
     with pytest.raises(PlanMismatchError, match=r"into\['b'\] on device 0 shares memory with the source shard of 'a'"):
         refuse_shared({"b": wide[4:]}, {"a": wide}, 0)
+
+
+def test_a_huge_zero_stride_destination_is_refused_in_one_line_without_listing_its_offsets():
+    """A 4e7-element destination whose elements are one float (a zero stride, as `numpy.broadcast_to` makes): refused
+    in one line while allocating under 1 MiB (listing every element's offset first took 305 MiB); interleaved strides
+    over more elements than `apart.OFFSETS_CHECKED` count as overlapping without listing them either."""
+    import tracemalloc
+
+    from xmesh_plan.executor.apart import refuse_overlapping_into
+
+    huge = np.lib.stride_tricks.as_strided(np.zeros(1, np.float32), (40_000_000,), (0,))
+    tracemalloc.start()
+    try:
+        with pytest.raises(PlanMismatchError, match=r"^run\(\): into\['w'\] on device 3 has elements sharing memory") as err:
+            refuse_overlapping_into(huge, 3, "w")
+        interleaved = np.lib.stride_tricks.as_strided(np.zeros(16_000, np.float32), (4096, 2048), (8, 12))  # past OFFSETS_CHECKED
+        assert overlaps_itself(interleaved)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert "\n" not in str(err.value) and peak < 1 << 20, peak
+    assert overlaps_itself(np.lib.stride_tricks.as_strided(np.zeros(8, np.float32), (4, 1 << 20, 3), (4, 0, 4)))
 
 
 def test_the_one_tensor_face_refuses_a_destination_inside_its_source_shard_and_runs_after():

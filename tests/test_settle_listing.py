@@ -95,3 +95,34 @@ def test_a_plan_whose_simulation_passes_the_work_budget_keeps_the_schedules_time
     assert plan.executor_prediction is None and plan.predicted_seconds != simulated.predicted_seconds
     audit = audit_module.audit_plan(plan)
     assert not audit.retimed and audit.mismatch is None
+
+
+def test_a_plan_of_more_messages_than_the_limit_is_timed_by_the_schedule_without_making_a_flow(monkeypatch):
+    """Past `MAX_SIMULATED_MESSAGES` messages (counted from the operations, not from flows) compile keeps the
+    schedule's timetable before it lowers anything to flows, and says so; `check` (`audit_plan`) decides alike."""
+    from pathlib import Path
+
+    from xmesh_plan.planner import audit as audit_module
+    from xmesh_plan.planner import simulate as simulate_module
+    from xmesh_plan.planner.transfer_io import load_any_problem
+
+    problem = load_any_problem(Path(__file__).resolve().parents[1] / "plans" / "weight_sync_small.problem.toml")
+    simulated = compile_plan(problem)
+    messages = compile_module.simulated_messages(simulated.operations)
+    lowered = len(lower(simulated.operations, problem, "host-order", nic_assignment(simulated.host_order))[0].flows)
+    assert len(simulated.operations) < messages and lowered <= messages  # a bundle is several messages; bundles share some
+    monkeypatch.setattr(compile_module, "MAX_SIMULATED_MESSAGES", messages - 1)
+
+    def no_lowering(*args, **kwargs):
+        raise AssertionError("a plan over the message limit was lowered to flows")
+
+    monkeypatch.setattr(simulate_module, "lower", no_lowering)
+    monkeypatch.setattr(compile_module, "DETAILED_STAGES", 0)
+    heard: list[str] = []
+    plan = compile_plan(problem, on_stage=heard.append)
+    assert plan.solver.details["timed_by"] == f"schedule (more than {messages - 1:,} messages to simulate)"
+    assert f"timing {len(plan.operations):,} operations by the schedule ({messages:,} messages: too many to simulate)" in heard
+    assert not any(stage.startswith("simulating") for stage in heard)
+    assert plan.executor_prediction is None and plan.predicted_seconds != simulated.predicted_seconds
+    audit = audit_module.audit_plan(plan)
+    assert not audit.retimed and audit.mismatch is None

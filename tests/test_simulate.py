@@ -385,3 +385,21 @@ def test_an_allgather_starts_once_every_member_holds_its_part(discipline):
     result = simulate(ops, p, discipline)
     assert result.op_start_s[2] >= result.op_end_s[1] > result.op_end_s[0]
     assert result.op_end_s[2] > result.op_start_s[2]
+
+
+def test_flows_numbered_otherwise_than_their_list_order_time_as_renumbered():
+    """Per-flow state is kept in lists indexed by flow id; flows numbered otherwise are renumbered and answered by
+    their own ids, timed alike. A flow waiting for one not in the list is refused (it could never start)."""
+    listed = [Flow(0, 0, 2.0, 0.5, ("x",)), Flow(1, 1, 1.0, 0.0, ("y",), after=(0,)), Flow(2, 2, 1.0, 0.25, ("x",), after_sent=(0,))]
+    spans = run_flows(listed, {"x": 1.0, "y": 1.0})
+    ids = {0: 7, 1: 3, 2: 5}
+    own = [Flow(ids[f.id], f.op, f.nbytes, f.latency_s, f.links, tuple(ids[p] for p in f.after),
+                tuple(ids[p] for p in f.after_sent)) for f in listed]
+    assert run_flows(own, {"x": 1.0, "y": 1.0}) == {ids[i]: span for i, span in spans.items()}
+    with pytest.raises(ValueError, match="not in the list"):
+        run_flows([Flow(1, 0, 1.0, 0.0, ("x",), after=(0,))], {"x": 1.0})
+
+
+def test_a_flow_waiting_for_a_negative_id_is_refused_not_read_from_the_end():
+    with pytest.raises(ValueError, match="not in the list"):
+        run_flows([Flow(0, 0, 1.0, 0.0, ("x",)), Flow(1, 1, 1.0, 0.0, ("x",), after=(-1,))], {"x": 1.0})

@@ -24,15 +24,16 @@ class Calendar:
     def earliest_start(self, resources: frozenset[Resource], duration: float, not_before: float = 0.0) -> float:
         """The earliest t >= not_before with [t, t + duration) free on every resource."""
         t = not_before
+        ends_of, starts_of = self._ends, self._starts
         moved = True
         while moved:
             moved = False
             for r in resources:
-                ends = self._ends.get(r)
+                ends = ends_of.get(r)
                 if not ends:
                     continue
                 i = bisect_right(ends, t + EPS)  # first interval ending after t
-                if i < len(ends) and self._starts[r][i] < t + duration - EPS:
+                if i < len(ends) and starts_of[r][i] < t + duration - EPS:
                     t, moved = ends[i], True
         return t
 

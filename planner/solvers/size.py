@@ -16,17 +16,25 @@ def _send_sides(resources: frozenset[Resource], sender_host: int) -> list[Resour
 
 
 def balance_senders(tasks: list[SchedulingTask]) -> dict[int, int]:
-    """Option index per task: longest first to the least-loaded send side, ties to the lower index."""
+    """Option index per task: longest first to the least-loaded send side, ties to the lower index. Each option's send
+    sides and each task's longest option are found once per distinct option (tasks of one kind of tensor share them)."""
     load: dict[Resource, float] = {}
     choice: dict[int, int] = {}
-    for task in sorted(tasks, key=lambda t: (-max(o.duration_s for o in t.options), t.id)):
+    longest: dict[int, float] = {}
+    sides: dict[int, list[Resource]] = {}
+    for task in tasks:
+        if id(task.options) not in longest:
+            longest[id(task.options)] = max(o.duration_s for o in task.options)
+            for o in task.options:
+                sides[id(o)] = _send_sides(o.resources, o.sender_host)
+    for task in sorted(tasks, key=lambda t: (-longest[id(t.options)], t.id)):
         def cost(i: int) -> tuple[float, int]:
             option = task.options[i]
-            return max(load.get(r, 0.0) for r in _send_sides(option.resources, option.sender_host)) + option.duration_s, i
+            return max(load.get(r, 0.0) for r in sides[id(option)]) + option.duration_s, i
         best = min(range(len(task.options)), key=cost)
         choice[task.id] = best
         option = task.options[best]
-        for r in _send_sides(option.resources, option.sender_host):
+        for r in sides[id(option)]:
             load[r] = load.get(r, 0.0) + option.duration_s
     return choice
 
