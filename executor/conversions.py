@@ -81,6 +81,17 @@ def cast_tensors(program) -> list[int]:
             and _nonempty(shards.src_block)]
 
 
+def sender_buffers(program, allocate, reads) -> tuple[dict, list, dict]:
+    """What every converting engine makes for a `RankProgram`: `made`, per tensor of `cast_tensors`, a buffer from
+    `allocate(t)` (its cast shard, or a scale tensor's scales); `converting`, (tensor, `Conversion`, its cast shard, or
+    None where `reads(t)` says this device sends none of it) per converting tensor; and `scale_shards`, per scale tensor
+    of a converting one, its buffer (None where this device holds no box of it)."""
+    made = {t: allocate(t) for t in cast_tensors(program)}
+    converting = [(t, program.tensors[t].convert, made[t] if reads(t) else None)
+                  for t in made if program.tensors[t].convert is not None]
+    return made, converting, {c.scales: made.get(c.scales) for _, c, _ in converting if c.scales is not None}
+
+
 def swap_peers(converting) -> list[tuple[int, list[int]]]:
     """Per peer device, ascending, the tensors whose per-tensor amax this device swaps with it, in tensor order;
     `converting`: (tensor, `Conversion`, ...) rows."""

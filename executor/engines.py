@@ -137,9 +137,20 @@ class EngineEntry:
     # writes the caller's destination tensors in place (`run(..., into=...)`, `executor.destinations`); an engine that
     # binds persistent requests or communicator calls to its own shards once, in setup(), refuses them instead
     receives_into: bool = False
+    # takes the caller's destination tensors through its own `adopt_into(array, name)`, which checks where their memory
+    # is and names the tensor when it refuses (else through `adopt`, as source shards)
+    adopts_into: bool = False
     # converts at the sender (`executor.conversions`): casts each source shard to its destination dtype and computes
     # FP8 scales before sending; an engine that cannot refuses a converting plan in `make`
     converts: bool = False
+    # raises BackendUnavailableError where a library the engine imports in setup() for this device's program is missing;
+    # `prepare()` calls it before the ranks agree, so every rank learns of it before any communicator is made
+    requires: Callable[[Any, RankProgram], None] | None = None
+
+    def check_requires(self, program: RankProgram) -> None:
+        """BackendUnavailableError where this device's part of `program` needs a library that is missing (`requires`)."""
+        if self.requires is not None:
+            self.requires(importlib.import_module(self.module), program)
 
     def make(self, program: RankProgram, context: EngineContext) -> Engine:
         """Import the engine's module (only now: CuPy and torch are optional) and build the engine; PlanMismatchError,
@@ -172,7 +183,8 @@ ENGINES: dict[str, EngineEntry] = {e.name: e for e in (
                 lambda m, p, c: m.NcclEngine(p, c.comm, c.rank_of, c.timeout_s, c.poll_s, gpu=c.gpu,
                                              devices_per_host=c.devices_per_host),
                 "NCCL broadcasts through CuPy on GPUs, ids exchanged over MPI", tagged=False, own_staging=True,
-                need=lambda m, p: m.nccl_program(p).stage_bytes, receives_into=True, converts=True),
+                need=lambda m, p: m.nccl_program(p).stage_bytes, receives_into=True, adopts_into=True, converts=True,
+                requires=lambda m, p: m.requires(p)),
     EngineEntry("torch", "torch", "xmesh_plan.executor.torch_engine", lambda m, p, c: m.TorchEngine(p, c),
                 "torch.distributed isend/irecv over any process group (gloo on CPU, NCCL on CUDA)", receipts=True,
                 receives_into=True, converts=True),

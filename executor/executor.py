@@ -24,7 +24,7 @@ from xmesh_plan.schemas import Plan
 from xmesh_plan.schemas.plan_tensors import is_multi, tensor_names
 
 from .engines import BACKENDS, TORCH_BACKENDS, EngineContext, TransportOptions, engine_entry, world_of_backend
-from .errors import ExecutorError, PlanMismatchError
+from .errors import BackendUnavailableError, ExecutorError, PlanMismatchError
 from .lower import ORDERS, RankProgram
 from .passes import rank_program
 from .plan_file import PlanFile, open_plan
@@ -308,7 +308,8 @@ class Executor(Flying):
             receipts = self.transport.receipt_bytes if self.entry.receipts and self.world.buffered_sends else None
             program = rank_program(self.plan, self.device, self.order, self.entry.concurrent, tag_limit, receipts)
             self._check_staging(program)
-        except PlanMismatchError as err:
+            self.entry.check_requires(program)
+        except (PlanMismatchError, BackendUnavailableError) as err:
             error = err
         try:
             self._agree(error)
@@ -338,7 +339,7 @@ class Executor(Flying):
                                 "pass backend='torch' (any group) or a group of that backend")
         engine.setup()
 
-    def _agree(self, error: PlanMismatchError | None) -> None:
+    def _agree(self, error: PlanMismatchError | BackendUnavailableError | None) -> None:
         """All ranks learn whether any rank refused the plan or loaded a different one."""
         mine = np.concatenate([[0 if error is None else 1], plan_fingerprint(self.plan)]).astype(np.int64)
         every = self.world.allgather(mine, self.timeout_s, self.poll_s, "prepare() on every rank")
@@ -396,8 +397,7 @@ class Executor(Flying):
             raise PlanMismatchError(f"{call}: device {p.device} (rank {self.world.rank}) holds no destination shard of tensor "
                                     f"{self._name(t)!r}; pass `into` only for the tensors whose destination mesh has this device")
         engine = self.flight.engine
-        adopt_into = getattr(engine, "adopt_into", None)  # an engine that checks where the memory is, naming the tensor
-        array = engine.adopt(array) if adopt_into is None else adopt_into(array, self._name(t))
+        array = engine.adopt_into(array, self._name(t)) if self.entry.adopts_into else engine.adopt(array)
         problem = self.problems[t]
         engine.check_into(array, shape, problem.dst_dtype or problem.dtype, p.device, self._name(t))
         return array

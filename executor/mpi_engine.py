@@ -48,7 +48,7 @@ from xmesh_plan.schemas.staging import SYNC_SEND_BYTES  # device order: sends th
 
 from .apart import byte_bounds, refuse_overlapping_into, refuse_shared
 from .arrays import as_host_array, check_into, check_shard, storage_dtype
-from .conversions import cast_once, cast_tensors, swap_peers
+from .conversions import cast_once, sender_buffers, swap_peers
 from .errors import ExecutorError, PeerTimeoutError, PlanMismatchError
 from .lower import Action, RankProgram, flat_pieces
 from .replay import PROCESS, Dependencies, abandoned, backoff_wait, failure, refuse_broken
@@ -137,22 +137,18 @@ class MpiEngine:
 
         self.convert = convert_host
         p, mpi = self.program, self._mpi
-        made = {t: np.empty(p.tensors[t].src_shape, self.dtypes[t]) for t in cast_tensors(p)}
+        made, self.converting, self.scale_shards = sender_buffers(p, lambda t: np.empty(p.tensors[t].src_shape, self.dtypes[t]),
+                                                                 lambda t: bool(self.reads_src[t]))
         self.source_types = {t: convert_host.host_dtype(shards.dtype) for t, shards in enumerate(p.tensors) if shards.convert}
         swapped = {t for t, shards in enumerate(p.tensors) if shards.convert is not None and shards.convert.peers}
         readers = {t: self.reads_src[t] for t in made}
         for t, buffer in made.items():
             self.src_typed[t], self.src_raw[t] = buffer, buffer.reshape(-1).view(np.uint8)
-            read = bool(self.reads_src[t])
             for i in self.reads_src[t]:
                 self._make(i)
             if t in swapped or p.tensors[t].scale_of in swapped:
                 self.gated += self.reads_src[t]
             self.reads_src[t] = []  # read from `buffer`, never from the caller's shard
-            conversion = p.tensors[t].convert
-            if conversion is not None:
-                self.converting.append((t, conversion, buffer if read else None))  # None: this device sends none of it
-        self.scale_shards = {c.scales: made.get(c.scales) for _, c, _ in self.converting if c.scales is not None}
         for k, (t, c, _) in enumerate(self.converting):  # what reads the cast shard or its scales casts it first
             for i in readers.get(t, []) + readers.get(c.scales, []):
                 self.casts_before[i] = (self.casts_before[i] or ()) + (k,)

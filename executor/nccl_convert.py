@@ -9,7 +9,7 @@ so its kernels queue between the NCCL calls like CuPy's copy kernels and nothing
 tensor is cast once, whole, into a buffer of the destination dtype just before the stream's first call of it or of
 its scales; its scales go into the scale tensor's source shard. A per-tensor scale's amax is the max over the
 tensor's senders: each writes its amax into a float32 buffer that the program's first calls all-reduce
-(`nccl_plan.AmaxMax`). Torch is imported only for a converting plan.
+(`nccl_plan.AmaxMax`). Torch is imported only on a device that casts (`requires`).
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from __future__ import annotations
 import numpy as np
 
 from .arrays import storage_dtype
-from .conversions import cast_shard, cast_tensors
+from .conversions import cast_shard, cast_tensors, sender_buffers
 from .errors import BackendUnavailableError
 from .lower import RankProgram, StagedCall
 from .nccl_plan import AmaxMax, Bcast, Copy
@@ -27,19 +27,32 @@ DLPACK_VIEW = {np.dtype(np.uint16): np.dtype(np.int16)}
 DLPack in every version, uint16 only in recent ones)."""
 
 
+def import_torch():
+    """torch, or BackendUnavailableError saying what to install (a device that casts needs it)."""
+    try:
+        import torch
+    except ImportError:
+        raise BackendUnavailableError("the plan converts at the sender, which the nccl backend does with torch's own casts "
+                                      "(bit for bit as the other engines); pip install torch, or compile the plan without "
+                                      "dst_dtype") from None
+    return torch
+
+
+def requires(program: RankProgram) -> None:
+    """BackendUnavailableError where this device's part of `program` casts (`conversions.cast_tensors`) and torch is
+    missing; checked in `prepare()` before the ranks agree, so every rank learns of it before any communicator is
+    made. A device that casts nothing (it only receives converted bytes) needs no torch."""
+    if cast_tensors(program):
+        import_torch()
+
+
 class TorchOnStream:
     """torch's ops on the engine's CuPy stream: `run(fn)` calls `fn` with that stream current in torch (its kernels
     queue behind the calls enqueued before, ahead of those after), and `tensor()` is a CuPy array as a torch tensor
     of a plan dtype, through DLPack, without a copy."""
 
     def __init__(self, stream, gpu: int):
-        try:
-            import torch
-        except ImportError:
-            raise BackendUnavailableError("the plan converts at the sender, which the nccl backend does with torch's own casts "
-                                          "(bit for bit as the other engines); pip install torch, or compile the plan without "
-                                          "dst_dtype") from None
-        self.torch = torch
+        self.torch = torch = import_torch()
         self.stream = torch.cuda.ExternalStream(stream.ptr, device=torch.device("cuda", gpu))
 
     def tensor(self, array, dtype_name: str):
@@ -61,17 +74,15 @@ class StreamCasts:
     caller's source shards (`made`: cast shards and scales), the amax buffers of per-tensor scales (`amax_at`: one
     per all-reduce, or per tensor of a single sender), and the casts to enqueue before each call (`before`)."""
 
-    def __init__(self, program: RankProgram, actions, call_tensors: list[int], cupy, stream, gpu: int):
+    def __init__(self, program: RankProgram, actions, call_tensors: list[int | None], cupy, stream, gpu: int):
         self.on_stream = torch_on_stream(stream, gpu)  # first: it names what to install when torch is missing
         from . import convert  # torch's casts, imported only for a converting plan
 
         self.convert, self.tensors = convert, program.tensors
-        self.made = {t: cupy.empty(program.tensors[t].src_shape, storage_dtype(program.tensors[t].dst_dtype))
-                     for t in cast_tensors(program)}
         reads = {t for call, t in zip(actions, call_tensors) if _reads_src(call)}
-        self.converting = [(t, program.tensors[t].convert, self.made[t] if t in reads else None)  # None: sends none of it
-                           for t in self.made if program.tensors[t].convert is not None]
-        self.scale_shards = {c.scales: self.made.get(c.scales) for _, c, _ in self.converting if c.scales is not None}
+        self.made, self.converting, self.scale_shards = sender_buffers(
+            program, lambda t: cupy.empty(program.tensors[t].src_shape, storage_dtype(program.tensors[t].dst_dtype)),
+            reads.__contains__)
         self.amax_at: dict[int, tuple] = {}  # tensor -> (amax buffer, index in it)
         for call in actions:
             if isinstance(call, AmaxMax):
@@ -82,7 +93,7 @@ class StreamCasts:
                 self.amax_at[t] = (cupy.empty(1, np.float32), 0)
         self.before: list[tuple[int, ...]] = [()] * len(actions)
         for k, (t, c, _) in enumerate(self.converting):  # before the first call of the tensor or of its scales
-            first = next((i for i, u in enumerate(call_tensors) if u in (t, c.scales)), None)
+            first = next((i for i, u in enumerate(call_tensors) if u is not None and u in (t, c.scales)), None)
             if first is not None:
                 self.before[first] += (k,)
 

@@ -29,10 +29,12 @@ import time
 
 import numpy as np
 
+from .apart import refuse_overlapping_into, refuse_shared
 from .arrays import check_into, check_shard, import_dlpack, is_device_array, raw_torch_view, storage_dtype
 from .errors import BackendUnavailableError, PeerTimeoutError, PlanMismatchError
 from .lower import RankProgram, StagedCall, flat_pieces
-from .nccl_convert import StreamCasts
+from .conversions import cast_tensors
+from .nccl_convert import StreamCasts, requires  # noqa: F401 (requires: the registry's `EngineEntry.requires`)
 from .nccl_plan import AmaxMax, Bcast, Copy, nccl_program
 from .replay import PROCESS, backoff_wait, refuse_broken
 
@@ -124,7 +126,7 @@ class NcclEngine:
         for i, (call, t) in enumerate(zip(self.calls.actions, self.call_tensors)):
             if isinstance(call, Bcast) and call.stage is None and call.box.side == "dst":
                 self.dst_bcasts[t].append(i)
-        if any(t.convert is not None for t in self.program.tensors):
+        if cast_tensors(self.program):  # a device that only receives converted bytes casts nothing (and needs no torch)
             self.casts = StreamCasts(self.program, self.calls.actions, self.call_tensors, cupy, self.stream, self.gpu)
 
     @property
@@ -141,7 +143,7 @@ class NcclEngine:
         self.done = [cupy.cuda.Event(disable_timing=True) for _ in self.calls.actions]
         self.call_tensors = [_tensor_of(call) for call in self.calls.actions]
         self.uint8 = getattr(nccl, "NCCL_UINT8", nccl.NCCL_CHAR)
-        self.float32, self.max = nccl.NCCL_FLOAT32, nccl.NCCL_MAX
+        self.amax_bits, self.max_op = nccl.NCCL_UINT32, nccl.NCCL_MAX  # see `_reduce`
         self.pending = False
 
     def _communicators(self) -> dict:
@@ -186,7 +188,7 @@ class NcclEngine:
 
     def adopt(self, array):
         """A CuPy view of `array` (CuPy, or a CUDA tensor through DLPack); numpy input is copied to the GPU."""
-        out = self._on_gpu(array, f"device {self.program.device}'s source shard")
+        out = self._on_gpu(array, f"device {self.program.device}'s source shard", written=False)
         return self.cupy.asarray(np.asarray(array)) if out is None else out
 
     check = staticmethod(check_shard)
@@ -195,17 +197,24 @@ class NcclEngine:
         """The caller's destination array for tensor `name` as a CuPy view of its memory (a CUDA tensor through DLPack),
         written in place; host memory, and memory of another GPU, refused."""
         what = f"into[{name!r}] on device {self.program.device}"
-        out = self._on_gpu(array, what)
+        out = self._on_gpu(array, what, written=True)
         if out is None:
             raise PlanMismatchError(f"run(): {what} is a {type(array).__name__} in host memory, which the nccl backend cannot "
                                     f"write in place; pass a CuPy array or a CUDA tensor on GPU {self.gpu}")
         return out
 
-    def _on_gpu(self, array, what: str):
-        """`array` (CuPy, or a CUDA tensor through DLPack) as a CuPy view on this rank's GPU; None for host memory."""
+    def _on_gpu(self, array, what: str, written: bool):
+        """`array` (CuPy, or a CUDA tensor through DLPack) as a CuPy view on this rank's GPU; None for host memory. A
+        tensor requiring grad (a Parameter) is read through `detach()`, the same memory, and refused where `written`:
+        the reshard would change it behind autograd's back."""
         if isinstance(array, self.cupy.ndarray):
             out = array
         elif is_device_array(array):  # a bfloat16/float8 torch tensor as its bits: whether CuPy imports those kinds varies
+            if getattr(array, "requires_grad", False):
+                if written:
+                    raise PlanMismatchError(f"run(): {what} is a tensor that requires grad, which the reshard would write "
+                                            "behind autograd's back; pass tensor.detach() (or a Parameter's .data), the same memory")
+                array = array.detach()
             raw = raw_torch_view(array)
             out = import_dlpack(self.cupy.from_dlpack, array if raw is None else raw, "cupy", self.program.device)
         else:
@@ -216,7 +225,14 @@ class NcclEngine:
                                     f"{self.gpu} (or set gpu=)")
         return out
 
-    check_into = staticmethod(check_into)
+    @staticmethod
+    def check_into(array, shape: tuple[int, ...], dtype_name: str, device: int, name: str) -> None:
+        """Refuse a caller's destination array of another shape or element type than its shard, or whose elements share
+        memory (`executor.apart`)."""
+        check_into(array, shape, dtype_name, device, name)
+        refuse_overlapping_into(array, device, name)
+
+    check_apart = staticmethod(refuse_shared)  # the caller's arrays of one call: no destination shares memory with another array
 
     def contiguous(self, array):
         return array if array.flags.c_contiguous else self.cupy.ascontiguousarray(array)
@@ -261,7 +277,10 @@ class NcclEngine:
             for i, (call, t, event) in enumerate(zip(self.calls.actions, self.call_tensors, self.done)):
                 if casts is not None and casts.before[i]:
                     casts.cast(casts.before[i], srcs)
-                self._call(i, call, sources[t], dsts[t], self.dtypes[t])
+                if t is None:  # an amax all-reduce: no tensor's shards
+                    self._reduce(call)
+                else:
+                    self._call(i, call, sources[t], dsts[t], self.dtypes[t])
                 event.record(self.stream)
         self.pending = bool(self.done)
         self.started = time.monotonic()
@@ -300,21 +319,22 @@ class NcclEngine:
         self.layouts[t] = (key, at)
 
     def _call(self, i: int, call, src, dst, dtype) -> None:
-        """Enqueue call i on the current stream, over the shards `src` and `dst` of element type `dtype`."""
+        """Enqueue call i (a copy, bundle step or broadcast of one tensor) on the current stream, over the shards `src`
+        and `dst` of element type `dtype`."""
         if isinstance(call, Copy):
             self.cupy.copyto(dst[call.target.index], src[call.source.index])
         elif isinstance(call, StagedCall):
             self._staged(call, src, dst, dtype)
-        elif isinstance(call, Bcast):
-            self._bcast(i, call, src, dst, dtype)
         else:
-            self._reduce(call)
+            self._bcast(i, call, src, dst, dtype)
 
     def _reduce(self, call: AmaxMax) -> None:
-        """The max of the per-tensor amaxes over their senders, in place (`nccl_plan.AmaxMax`)."""
+        """The max of the per-tensor amaxes over their senders, in place (`nccl_plan.AmaxMax`), over their float32 bits as
+        uint32: NCCL's float max is fmaxf, which drops a NaN, where the torch and MPI engines' maximum keeps it. Amaxes
+        are magnitudes (>= 0), whose bits sort as their values, and any NaN's bits sort above +inf's."""
         buffer = self.casts.amax_at[call.tensors[0]][0]
-        self.communicators[call.group].allReduce(buffer.data.ptr, buffer.data.ptr, len(call.tensors), self.float32, self.max,
-                                                 self.stream.ptr)
+        self.communicators[call.group].allReduce(buffer.data.ptr, buffer.data.ptr, len(call.tensors), self.amax_bits,
+                                                 self.max_op, self.stream.ptr)
 
     def _bcast(self, i: int, call: Bcast, src, dst, dtype) -> None:
         box, cupy = call.box, self.cupy
@@ -399,9 +419,9 @@ class NcclEngine:
                                "(the communicators were aborted)")
 
 
-def _tensor_of(call) -> int:
-    """The tensor whose shards an NCCL call reads and writes (-1: none, an amax all-reduce)."""
+def _tensor_of(call) -> int | None:
+    """The tensor whose shards an NCCL call reads and writes (None: none, an amax all-reduce)."""
     if isinstance(call, AmaxMax):
-        return -1
+        return None
     return call.source.tensor if isinstance(call, Copy) else call.box.tensor if isinstance(call, Bcast) else call.tensor
 

@@ -54,8 +54,9 @@ import time
 
 import numpy as np
 
+from .apart import refuse_overlapping_into, refuse_shared
 from .arrays import RAW_KINDS, storage_dtype
-from .conversions import cast_once, cast_tensors, swap_peers
+from .conversions import cast_once, sender_buffers, swap_peers
 from .destinations import Destinations, bytes_of
 from .engines import EngineContext
 from .errors import BackendUnavailableError, ExecutorError, PeerTimeoutError, PlanMismatchError
@@ -137,18 +138,15 @@ class TorchEngine:
 
         self.convert = convert
         torch, p = self.torch, self.program
-        made = {t: torch.empty(p.tensors[t].src_shape, dtype=self.dtypes[t], device=self.device) for t in cast_tensors(p)}
+        made, self.converting, self.scale_shards = sender_buffers(
+            p, lambda t: torch.empty(p.tensors[t].src_shape, dtype=self.dtypes[t], device=self.device),
+            lambda t: bool(self.reads_src[t]))
         readers = {t: self.reads_src[t] for t in made}
         for t, buffer in made.items():
             self.src_typed[t], self.src_flat[t] = buffer, bytes_of(buffer)
-            read = bool(self.reads_src[t])
             for i in self.reads_src[t]:
                 self._make(i)
             self.reads_src[t] = []  # read from `buffer`, never from the caller's shard
-            conversion = p.tensors[t].convert
-            if conversion is not None:
-                self.converting.append((t, conversion, buffer if read else None))  # None: this device sends none of it
-        self.scale_shards = {c.scales: made.get(c.scales) for _, c, _ in self.converting if c.scales is not None}
         for k, (t, c, _) in enumerate(self.converting):  # what reads the cast shard or its scales casts it first
             for i in readers.get(t, []) + readers.get(c.scales, []):
                 self.casts_before[i] = (self.casts_before[i] or ()) + (k,)
@@ -340,7 +338,8 @@ class TorchEngine:
                                     f"pass a {want} tensor (or recompile the plan with that dtype)")
 
     def check_into(self, array, shape: tuple[int, ...], dtype_name: str, device: int, name: str) -> None:
-        """Refuse (PlanMismatchError) a caller's destination tensor of another shape or element type than its shard."""
+        """Refuse (PlanMismatchError) a caller's destination tensor of another shape or element type than its shard, or
+        whose elements share memory (`executor.apart`)."""
         if array.shape != shape:
             raise PlanMismatchError(f"run(): into[{name!r}] on device {device} has shape {tuple(array.shape)} but the plan gives "
                                     f"this device's destination shard {shape}; pass a tensor (or a view) of that shape")
@@ -348,6 +347,9 @@ class TorchEngine:
         if array.dtype != want:
             raise PlanMismatchError(f"run(): into[{name!r}] on device {device} is {array.dtype} but the plan delivers {dtype_name}; "
                                     f"pass a {want} tensor")
+        refuse_overlapping_into(array, device, name)
+
+    check_apart = staticmethod(refuse_shared)  # the caller's tensors of one call: no destination shares memory with another
 
     def contiguous(self, array):
         return array if array.is_contiguous() else array.contiguous()

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import sys
-import tempfile
 from pathlib import Path
 
 import click
@@ -161,9 +160,7 @@ def compile_command(problem_file, output, fmt, shape, dtype, src_mesh, src_spec,
         plan = compile_rows(problem, options, on_stage=timing["stage"])
     fmt = fmt or ("json" if output in (None, "-") else format_for(output))
     if output and output != "-" and fmt == "compact":  # written from its rows, and the file is what is verified
-        data = _plan_output(plan, output, fmt)
-        report = _verified_bytes(data)
-        write_output(output, data, "--output")
+        report = _write_verified(_plan_output(plan, output, fmt), output)
     else:
         plan = plan.to_plan()
         with progress("verifying", done_below_s=QUIET_S) as checking:
@@ -177,14 +174,18 @@ def compile_command(problem_file, output, fmt, shape, dtype, src_mesh, src_spec,
                f"{solver_summary(plan, timing['seconds'])}{staging_summary(plan)}")
 
 
-def _verified_bytes(data: bytes):
-    """`verify_plan_file`'s report on a compact plan file's bytes, proved from a private copy before they are written
-    (a plan that fails is not written): its columns, not a record per operation (`planner.verify_columns`)."""
-    with tempfile.TemporaryDirectory() as folder:
-        path = Path(folder) / "plan.npz"
-        path.write_bytes(data)
+def _write_verified(data: bytes, output: str):
+    """Write a compact plan file's bytes to `output` once, and return `verify_plan_file`'s report on them: proved from
+    the temporary file that is then renamed over `output` (`write_output`), so a plan that fails is not written. Its
+    columns are proved, not a record per operation (`planner.verify_columns`)."""
+    reports = []
+
+    def check(path: Path) -> None:
         with progress("verifying", done_below_s=QUIET_S) as checking:
-            return verify_plan_file(path, on_stage=checking["stage"], on_count=checking["count"])
+            reports.append(verify_plan_file(path, on_stage=checking["stage"], on_count=checking["count"]))
+
+    write_output(output, data, "--output", check=check)
+    return reports[0]
 
 
 def _plan_output(plan: Plan, output: str, fmt: str | None) -> bytes:

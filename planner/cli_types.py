@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import errno
 import math
+from pathlib import Path
+from typing import Any, Callable
 
 import click
 
@@ -97,9 +99,10 @@ def output_error(err: OSError, path: str, flag: str) -> Exception:
     return InputError(f"{flag}: cannot write {quoted(path)} ({err.strerror or err}); {fix}")
 
 
-def write_output(path: str, data: str | bytes, flag: str) -> None:
-    """Write the output file `flag` names (`schemas.files.write_atomic`: never replaces what the path points to)."""
+def write_output(path: str, data: str | bytes, flag: str, check: Callable[[Path], Any] | None = None) -> None:
+    """Write the output file `flag` names (`schemas.files.write_atomic`: never replaces what the path points to;
+    `check` is called with the written temporary file before it replaces anything)."""
     try:
-        write_atomic(path, data)
+        write_atomic(path, data, check)
     except OSError as err:
         raise output_error(err, path, flag) from None

@@ -19,7 +19,7 @@ from .compile_defaults import CompileOptions
 from .plan_rows import OperationRow, PlanRows, TaskRow, plan_rows
 from .executor_order import executor_order, executor_order_seconds, posted_budget
 from .scheduling import Option, Schedule, SchedulingTask
-from xmesh_plan.schemas.op_kinds import tags_used
+from xmesh_plan.schemas.op_kinds import rule_of, tags_used, wire_pairs
 
 from .simulate import TooCostly, nic_assignment, renumbered_only, simulated, staging_runs
 from .solvers import solve
@@ -246,12 +246,19 @@ def settle_listing(operations: tuple[OperationRow, ...], problem: ReshardingProb
 
 
 def simulated_messages(operations) -> int:
-    """How many messages a listing's operations make for the simulator, counted without making them: each operation's
-    message tags (`op_kinds.tags_used`: a bundle's gathers, its message across hosts and its scatters; a broadcast's
-    chunks; an all-gather's ring steps), a local copy as one, a message bundles share once per bundle: about what the
-    simulator's flows number (one per message, one per NIC a message is striped over where NICs are not pooled) and so
-    its memory, known before it makes any."""
-    return sum(tags_used(op) or 1 for op in operations)
+    """How many messages a listing's operations make for the simulator, counted without making them: a bundle's
+    gathers, its message across hosts and its scatters (`op_kinds.tags_used`); each chunk of a broadcast on every hop
+    of its chain, each ring step of an all-gather on every pair of its ring (tags times wire pairs); a local copy as
+    one; a message bundles share once per bundle: about what the simulator's flows number (one per message, one per
+    NIC a message is striped over where NICs are not pooled) and so its memory, known before it makes any."""
+    return sum(_messages_of(op) for op in operations)
+
+
+def _messages_of(op) -> int:
+    tags = tags_used(op)
+    if not tags:
+        return 1
+    return tags if rule_of(op).pattern == "bundle" else tags * len(wire_pairs(op))
 
 
 def too_large_to_simulate(operations) -> bool:

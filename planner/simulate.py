@@ -197,7 +197,10 @@ def run_flows(flows: list[Flow], capacity: dict[str, float], max_work: int | Non
     if not _numbered_in_order(flows):
         return _renumbered_run(flows, capacity, max_work, cost, share)
     fair, share = share is None, share or max_min_rates
-    waiting = [len(f.after) + len(f.after_sent) for f in flows]  # by flow id, as `by_id`: lists, not dicts (memory per flow)
+    by_id: list[Flow] = [None] * len(flows)  # ids are 0 .. n-1 in any list order
+    for f in flows:
+        by_id[f.id] = f
+    waiting = [len(f.after) + len(f.after_sent) for f in by_id]  # by flow id, as `by_id`: lists, not dicts (memory per flow)
     on_arrival: list[list[int] | None] = [None] * len(flows)  # flow -> the flows waiting for it to arrive (None: none)
     on_sent: list[list[int] | None] = [None] * len(flows)  # ... for it to have left
     early: set[int] = set()  # flows that counted as left before their last byte did (`Flow.sent_below`)
@@ -210,7 +213,6 @@ def run_flows(flows: list[Flow], capacity: dict[str, float], max_work: int | Non
             if on_sent[parent] is None:
                 on_sent[parent] = []
             on_sent[parent].append(f.id)
-    by_id = flows
     buffered = {f.id for f in flows if f.sent_below > 0 and on_sent[f.id] is not None}  # flows that may count as left early
     clock, events, span = 0.0, [], {}  # events: (time, flow) of arrivals: a flow's last byte left `latency_s` earlier
     moving = _Moving(by_id, buffered, early)
@@ -301,9 +303,11 @@ def run_flows(flows: list[Flow], capacity: dict[str, float], max_work: int | Non
 def _numbered_in_order(flows: list[Flow]) -> bool:
     """Whether flows are numbered 0, 1, 2, ... in list order and wait only for flows of the list."""
     n = len(flows)
-    for i, f in enumerate(flows):
-        if f.id != i or any(not 0 <= p < n for p in f.after) or any(not 0 <= p < n for p in f.after_sent):
+    seen = [False] * n
+    for f in flows:
+        if not 0 <= f.id < n or seen[f.id] or any(not 0 <= p < n for p in f.after) or any(not 0 <= p < n for p in f.after_sent):
             return False
+        seen[f.id] = True
     return True
 
 
@@ -311,16 +315,16 @@ def _renumbered_run(flows: list[Flow], capacity: dict[str, float], max_work: int
                     share: ShareRule | None) -> dict[int, tuple[float, float]]:
     """`run_flows` of flows numbered otherwise than 0, 1, 2, ... in list order: renumbered so, run, and answered by
     their own ids (a dependency on a flow not in the list is refused, as it could never start)."""
-    number = {f.id: i for i, f in enumerate(flows)}
+    number = {fid: i for i, fid in enumerate(sorted({f.id for f in flows}))}  # by rank: ties still break by id
     if len(number) < len(flows):
         raise ValueError("two flows have one id; give each flow its own")
     missing = next((p for f in flows for p in (*f.after, *f.after_sent) if p not in number), None)
     if missing is not None:
         raise ValueError(f"a flow waits for flow {missing}, which is not in the list; some flows never start")
-    inner = [replace(f, id=i, after=tuple(number[p] for p in f.after), after_sent=tuple(number[p] for p in f.after_sent))
-             for i, f in enumerate(flows)]
+    inner = [replace(f, id=number[f.id], after=tuple(number[p] for p in f.after),
+                     after_sent=tuple(number[p] for p in f.after_sent)) for f in flows]  # list order kept
     spans = run_flows(inner, capacity, max_work, cost, share)
-    return {f.id: spans[i] for i, f in enumerate(flows)}
+    return {f.id: spans[number[f.id]] for f in flows}
 
 
 class _Moving:

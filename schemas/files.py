@@ -16,16 +16,16 @@ import stat
 import tempfile
 import tomllib
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from .limits import quoted
 
 MAX_FILE_BYTES = 256 * 2**20  # far above any problem, pipeline or schedule; stops /dev/zero. Writers refuse plans above it (`check_writable_size`)
 MAX_COMPACT_FILE_BYTES = 2 * 2**30
 """The most a compact plan file (`schemas.plan_compact`) may be. A plan of the largest problem compile accepts by
-default (`planner.unit_tasks.DEFAULT_MAX_TASKS`, 500,000 unit tasks) has at most a few operations per task; at
-about 100 bytes per operation and per task (docs/format.md, 'Compact plans') that is well under 1 GiB: the limit
-leaves twice that and still stops a runaway file."""
+default (`planner.unit_tasks.DEFAULT_MAX_TASKS`, 1,000,000 unit tasks) has at most a few operations per task; at
+under 100 bytes per operation with its task where no layout repeats (docs/format.md, 'Compact plans') that is
+under 1 GiB: the limit leaves twice that and still stops a runaway file."""
 
 
 class DataFileError(ValueError):
@@ -107,7 +107,7 @@ def _read_umask() -> int:
 _UMASK = _read_umask()  # read once at import: os.umask is process-wide, so reading it later races other threads
 
 
-def write_atomic(path: str | os.PathLike, data: str | bytes) -> None:
+def write_atomic(path: str | os.PathLike, data: str | bytes, check: Callable[[Path], Any] | None = None) -> None:
     """Write text or bytes to `path` without ever replacing what the path points to.
 
     A regular file (or a path that does not exist yet) gets a temporary file in the same folder renamed
@@ -119,7 +119,9 @@ def write_atomic(path: str | os.PathLike, data: str | bytes) -> None:
     the bytes are written into the file itself (not atomic: readers may see it half written, and a write
     that fails there leaves it so). A device, FIFO or socket is written through in place, as `>` does (a
     FIFO nobody reads is an OSError, not a hang); a folder is an IsADirectoryError. Never unlinks anything
-    but its own temporary file."""
+    but its own temporary file. `check`, where given, is called with the temporary file once it holds the bytes
+    (for a device or FIFO, a private copy), before anything is replaced: what it raises leaves the target as it
+    was."""
     target = Path(os.path.realpath(path))  # through symbolic links: the link stays, its target gets the data
     try:
         found = os.stat(target)
@@ -130,12 +132,18 @@ def write_atomic(path: str | os.PathLike, data: str | bytes) -> None:
         raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR), str(path))
     raw = data.encode() if isinstance(data, str) else data
     if mode is not None and not stat.S_ISREG(mode):
+        if check is not None:
+            with tempfile.TemporaryDirectory() as folder:
+                copy = Path(folder) / target.name
+                _named_error(target, copy.write_bytes, raw)
+                check(copy)
         _write_through(target, raw)
         return
     fd, tmp = _named_error(target, tempfile.mkstemp, prefix=f".{_short(target.name)}.", suffix=".tmp", dir=target.parent)
     try:
-        with os.fdopen(fd, "wb") as handle:
-            _named_error(target, handle.write, raw)  # a write on a descriptor names no file: name the output
+        _named_error(target, _write_closed, fd, raw)  # a write on a descriptor names no file: name the output
+        if check is not None:
+            check(Path(tmp))
         if found is not None and found.st_nlink > 1:  # a rename would part this name from the file's other names
             Path(tmp).unlink()
             _write_into(target, raw)
@@ -145,6 +153,12 @@ def write_atomic(path: str | os.PathLike, data: str | bytes) -> None:
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+def _write_closed(fd: int, data: bytes) -> None:
+    """Write `data` to the open descriptor `fd` and close it (its last bytes flushed: a full disk is found here)."""
+    with os.fdopen(fd, "wb") as handle:
+        handle.write(data)
 
 
 def _short(name: str, most: int = 200) -> str:

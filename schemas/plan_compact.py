@@ -3,19 +3,26 @@
 operations it takes part in (`read_plan_ops`).
 
 The container is a zip of `.npy` arrays (what `numpy.savez` writes, readable by `numpy.load(allow_pickle=False)`),
-every member stored uncompressed with a fixed timestamp: the same plan gives the same bytes, and a member is a
-contiguous byte range a reader maps (`numpy.memmap`) and indexes row by row. Nothing is pickled: every member is a
-plain integer, float or byte array.
+with a fixed timestamp: the same plan gives the same bytes. The members a rank reads are stored uncompressed, each a
+contiguous byte range a reader maps (`numpy.memmap`) and indexes row by row; those no rank reads (`DEFLATED`: tasks
+and host order) are deflated and read whole. Nothing is pickled: every member is a plain integer, float or byte array.
+
+A model is a few layer types repeated: the operations of one layer type's layers differ in their tensor, ids and
+times, not in their kind, devices, boxes or bundles. So each table's `LAYOUTS` fields are stored once per distinct
+combination (the table's layouts, in order of first use) and each row names its layout (`<table>.layout`): a
+layer's operations are a template, each later layer's its layout indices plus its own ids, tensor and times.
 
 Members:
 - `header.npy`: UTF-8 JSON (a uint8 array) with `format`, `format_version`, and `plan`: the plan's JSON object
   less its `tasks`, `operations` and `host_order` (problem, solver, predictions, staging), with its schema_version.
 - `<table>.<field>...npy` for the tables `tasks`, `operations`, `host_order`, one column kind per field
-  (`COLUMN_KINDS`): integers in the narrowest of int8/16/32/64 that holds them, strings as indices into
-  `<table>.<field>.names` (UTF-8 JSON list), lists of integers as `.lengths` + flat `.values`, boxes as indices into
-  the shared box table (`boxes.dims`, `boxes.values`: each distinct box once), an optional integer as values + a
-  `.none` mask (left out when nothing is None; values only for the rows that have one), times as `.at` indices into the shared `floats` table where that is
-  smaller than float64 columns (exact: distinct by bit pattern), else as float64.
+  (`COLUMN_KINDS`), a row per layout for the `LAYOUTS` fields and per row for the others: integers in the narrowest
+  of int8/16/32/64 that holds them, strings as indices into `<table>.<field>.names` (UTF-8 JSON list), lists of
+  integers as `.lengths` + flat `.values`, boxes as indices into the shared box table (`boxes.dims`, `boxes.values`:
+  each distinct box once), an optional integer as values + a `.none` mask (left out when nothing is None; values
+  only for the rows that have one), times as `.at` indices into the shared `floats` table where that is smaller
+  than float64 columns (exact: distinct by bit pattern), else as float64. `<table>.layout`: each row's layout
+  (tasks and operations; left out where every row is its own layout, in order).
 - `index.devices`, `index.offsets`, `index.first`, `index.rows`: for each device (sorted), the rows of the
   operations it takes part in (src, dsts, holders or needers), in execution order: its first row, then the steps
   between rows (uint8; a step of `WIDE_STEP` or more is `WIDE_STEP` there and its value the next entry of
@@ -30,7 +37,9 @@ import io
 import json
 import os
 import zipfile
+import zlib
 from dataclasses import dataclass
+from itertools import chain
 from operator import attrgetter
 from typing import Any, Callable
 
@@ -39,7 +48,7 @@ import numpy as np
 from .op_kinds import first_tags, number_tags, tags_used
 
 FORMAT = "xmesh-plan-compact"
-FORMAT_VERSION = 3
+FORMAT_VERSION = 4
 ZIP_MAGIC = b"PK\x03\x04"
 _DATE = (1980, 1, 1, 0, 0, 0)  # every member's timestamp: the same plan gives the same bytes
 TABLES = ("tasks", "operations", "host_order")
@@ -54,7 +63,16 @@ COLUMN_KINDS: dict[str, dict[str, str]] = {
               "chunks": "int", "start_s": "float", "end_s": "float"},
     "host_order": {"host": "int", "side": "str", "tasks": "ints"},
 }
+# table -> the fields stored once per distinct combination (its layouts, in order of first use), each row naming its
+# layout in `<table>.layout`: a model's layers of one type repeat these, up to the tensor index, ids and times.
+LAYOUTS: dict[str, tuple[str, ...]] = {
+    "operations": ("kind", "src", "dsts", "region", "parts", "chunks", "holders", "needers"),
+    "tasks": ("region", "nbytes", "senders", "receivers", "merged_cells", "sender", "sender_host", "receiver_hosts",
+              "strategy", "chunks"),
+}
+DEFLATED = ("tasks.", "host_order.")  # members no rank reads (`read_device_data`), stored compressed
 DEVICE_FIELDS = ("src", "dsts", "holders", "needers")  # an operation's devices: who takes part in it
+MAX_MEMBER_BYTES = 2**31  # what a member may state it inflates to (a compact file itself may be 2 GiB)
 WIDE_STEP = 255  # an `index.rows` entry (uint8) meaning: this step is the next entry of `index.rows.wide`
 
 
@@ -65,16 +83,36 @@ class CompactPlanError(ValueError):
 # ---------------------------------------------------------------- writing
 
 
-def _ints(values: list[int], what: str) -> np.ndarray:
-    """The narrowest signed integer array that holds `values` exactly."""
-    if not values:
+def _narrow(array: np.ndarray) -> np.ndarray:
+    """Integers `array` in the narrowest of int8/16/32/64 that holds them exactly."""
+    if array.size == 0:
         return np.zeros(0, dtype=np.int8)
-    lo, hi = min(values), max(values)
-    for dtype in (np.int8, np.int16, np.int32, np.int64):
-        info = np.iinfo(dtype)
-        if info.min <= lo and hi <= info.max:
-            return np.array(values, dtype=dtype)
-    raise CompactPlanError(f"{what} holds {lo if lo < np.iinfo(np.int64).min else hi}, outside 64-bit integers")
+    lo, hi = int(array.min()), int(array.max())
+    return array.astype(next(t for t in (np.int8, np.int16, np.int32, np.int64)
+                             if np.iinfo(t).min <= lo and hi <= np.iinfo(t).max), copy=False)
+
+
+def _ints(values, what: str) -> np.ndarray:
+    """The narrowest signed integer array that holds `values` (a list of ints, or an iterable of them) exactly."""
+    values = values if isinstance(values, list) else list(values)
+    try:
+        return _narrow(np.fromiter(values, dtype=np.int64, count=len(values)))
+    except OverflowError:  # some value outside 64-bit integers: name it
+        lo, hi = min(values), max(values)
+        raise CompactPlanError(f"{what} holds {lo if lo < np.iinfo(np.int64).min else hi}, outside 64-bit integers") from None
+
+
+def _lengths_of(rows) -> np.ndarray:
+    """The lengths of `rows` (lists), narrowed."""
+    return _narrow(np.fromiter(map(len, rows), dtype=np.int64, count=len(rows)))
+
+
+def _first_use(keys, count: int) -> tuple[np.ndarray, dict]:
+    """(per key, the index of its first occurrence among the distinct keys, in order of first use; the distinct keys
+    -> their index)."""
+    seen: dict = {}
+    add = seen.setdefault
+    return np.fromiter((add(k, len(seen)) for k in keys), dtype=np.int64, count=count), seen
 
 
 class _Shared:
@@ -83,22 +121,25 @@ class _Shared:
 
     def __init__(self):
         self.boxes: dict[tuple, int] = {}
-        self.floats: dict[str, list] = {}
+        self.floats: dict[str, np.ndarray] = {}
 
-    def box(self, box) -> int:
-        return self.boxes.setdefault(tuple(map(tuple, box)), len(self.boxes))
+    def box_indices(self, boxes: list) -> np.ndarray:
+        """The shared table's index of each box (a tuple of (start, stop) pairs), each new one added."""
+        add, table = self.boxes.setdefault, self.boxes
+        return np.fromiter((add(b, len(table)) for b in boxes), dtype=np.int64, count=len(boxes))
 
     def members(self) -> dict[str, np.ndarray]:
-        out = {"boxes.dims": _ints([len(b) for b in self.boxes], "box dims"),
-               "boxes.values": _ints([x for box in self.boxes for pair in box for x in pair], "boxes").reshape(-1, 2)}
-        names, columns = list(self.floats), [np.array(v, dtype=np.float64) for v in self.floats.values()]
+        boxes = list(self.boxes)
+        out = {"boxes.dims": _lengths_of(boxes),
+               "boxes.values": _ints(chain.from_iterable(chain.from_iterable(boxes)), "boxes").reshape(-1, 2)}
+        names, columns = list(self.floats), list(self.floats.values())
         bits = np.concatenate(columns).view(np.int64) if columns else np.zeros(0, np.int64)
         table, at = np.unique(bits, return_inverse=True)
-        index = _ints(at.tolist(), "time index")
+        index = _narrow(at.reshape(-1))
         if table.size * 8 + index.nbytes < bits.size * 8:
             out["floats"] = table.view(np.float64)
             for name, part in zip(names, np.split(index, np.cumsum([len(c) for c in columns])[:-1])):
-                out[f"{name}.at"] = part.astype(index.dtype)
+                out[f"{name}.at"] = part
         else:
             out.update(zip(names, columns))
         return out
@@ -110,45 +151,45 @@ def _encode_int(name: str, values: list, out: dict, shared: _Shared) -> None:
 
 def _encode_optional_int(name: str, values: list, out: dict, shared: _Shared) -> None:
     """The values of the rows that have one, and where some row has none, a `.none` flag per row."""
-    none = [v is None for v in values]
-    out[name] = _ints([v for v in values if v is not None], name)
-    if any(none):
-        out[f"{name}.none"] = np.array(none, dtype=np.bool_)
+    none = np.fromiter((v is None for v in values), dtype=np.bool_, count=len(values))
+    out[name] = _ints([v for v in values if v is not None] if none.any() else values, name)
+    if none.any():
+        out[f"{name}.none"] = none
 
 
 def _encode_float(name: str, values: list, out: dict, shared: _Shared) -> None:
-    shared.floats[name] = values  # written with the shared tables (`_Shared.members`)
+    shared.floats[name] = np.array(values, dtype=np.float64).reshape(-1)  # written with the shared tables
 
 
 def _encode_str(name: str, values: list, out: dict, shared: _Shared) -> None:
     names = sorted(set(values))
     code = {n: i for i, n in enumerate(names)}
-    out[name] = _ints([code[v] for v in values], name)
+    out[name] = _ints(map(code.__getitem__, values), name)
     out[f"{name}.names"] = _text(json.dumps(names))
 
 
 def _encode_ints(name: str, values: list, out: dict, shared: _Shared) -> None:
-    out[f"{name}.lengths"] = _ints([len(v) for v in values], name)
-    out[f"{name}.values"] = _ints([x for v in values for x in v], name)
+    out[f"{name}.lengths"] = _lengths_of(values)
+    out[f"{name}.values"] = _ints(chain.from_iterable(values), name)
 
 
 def _encode_box(name: str, values: list, out: dict, shared: _Shared) -> None:
     """A box as its index in the shared box table."""
-    out[name] = _ints([shared.box(b) for b in values], name)
+    out[name] = _narrow(shared.box_indices(values))
 
 
 def _encode_boxes(name: str, values: list, out: dict, shared: _Shared) -> None:
     """A list of boxes: lengths count boxes per row, values are indices in the shared box table."""
-    out[f"{name}.lengths"] = _ints([len(v) for v in values], name)
-    out[f"{name}.values"] = _ints([shared.box(b) for row in values for b in row], name)
+    out[f"{name}.lengths"] = _lengths_of(values)
+    out[f"{name}.values"] = _narrow(shared.box_indices(list(chain.from_iterable(values))))
 
 
 def _encode_intss(name: str, values: list, out: dict, shared: _Shared) -> None:
     """A list of lists of integers: lengths count lists per row, `.inner` integers per list."""
-    inner = [lst for row in values for lst in row]
-    out[f"{name}.lengths"] = _ints([len(v) for v in values], name)
-    out[f"{name}.inner"] = _ints([len(v) for v in inner], name)
-    out[f"{name}.values"] = _ints([x for lst in inner for x in lst], name)
+    inner = list(chain.from_iterable(values))
+    out[f"{name}.lengths"] = _lengths_of(values)
+    out[f"{name}.inner"] = _lengths_of(inner)
+    out[f"{name}.values"] = _ints(chain.from_iterable(inner), name)
 
 
 _ENCODERS: dict[str, Callable[[str, list, dict, _Shared], None]] = {
@@ -161,59 +202,62 @@ def _text(text: str) -> np.ndarray:
     return np.frombuffer(text.encode(), dtype=np.uint8)
 
 
-def _device_index(out: dict[str, np.ndarray], count: int) -> dict[str, np.ndarray]:
+def _device_pairs(columns: dict[str, np.ndarray], count: int) -> tuple[np.ndarray, np.ndarray]:
+    """(devices, rows): every (device, operation row) pair of the device columns (`DEVICE_FIELDS`) of the encoded
+    operations table, the columns of the operations' layouts expanded to the rows that use them."""
+    layouts = len(columns["operations.dsts.lengths"])  # a row per layout, as every layout field
+    layout = np.asarray(columns.get("operations.layout", np.arange(layouts)), dtype=np.int64)
+    rows, devices = [], []
+    for field in DEVICE_FIELDS:
+        name = f"operations.{field}"
+        if COLUMN_KINDS["operations"][field] == "int?":  # values only for the layouts that have one
+            none = columns.get(f"{name}.none", np.zeros(layouts, dtype=bool))
+            has = ~np.asarray(none, dtype=bool)
+            rows.append(np.flatnonzero(has)), devices.append(np.asarray(columns[name], dtype=np.int64))
+            continue
+        owner = np.repeat(np.arange(layouts), np.asarray(columns[f"{name}.lengths"], dtype=np.int64))
+        if COLUMN_KINDS["operations"][field] == "intss":  # layouts own inner lists, which own the values
+            owner = np.repeat(owner, np.asarray(columns[f"{name}.inner"], dtype=np.int64))
+        rows.append(owner), devices.append(np.asarray(columns[f"{name}.values"], dtype=np.int64))
+    owner, device = np.concatenate(rows), np.concatenate(devices)
+    order = np.lexsort((device, owner))  # by layout, then device: one layout's devices contiguous, each once
+    owner, device = owner[order], device[order]
+    keep = np.ones(len(owner), dtype=bool)
+    keep[1:] = (owner[1:] != owner[:-1]) | (device[1:] != device[:-1])
+    owner, device = owner[keep], device[keep]
+    offsets = np.searchsorted(owner, np.arange(layouts + 1))
+    lengths, flat = row_ranges(offsets, layout)
+    return device[flat], np.repeat(np.arange(count), lengths)
+
+
+def _device_index(columns: dict[str, np.ndarray], count: int) -> dict[str, np.ndarray]:
     """For each device, the rows of the operations it takes part in, ascending (stored as the first row, then the
     steps between rows); from the encoded device columns."""
-    devices, rows = _device_rows(out, count)
+    devices, rows = _device_pairs(columns, count) if count else (np.zeros(0, np.int64), np.zeros(0, np.int64))
+    devices, rows = _sorted_pairs(devices, rows, count)
     starts = np.flatnonzero(np.concatenate(([True], devices[1:] != devices[:-1]))) if len(devices) else np.zeros(0, np.int64)
     steps = np.diff(rows, prepend=0)
     steps[starts] = 0  # each device's first row is in index.first
     wide = steps >= WIDE_STEP  # few: a device's operations are seldom that far apart
-    return {"index.devices": _ints(devices[starts].tolist(), "index devices"),
-            "index.offsets": _ints([*starts.tolist(), len(rows)], "index offsets"),
-            "index.first": _ints(rows[starts].tolist(), "index first rows"),
+    return {"index.devices": _narrow(devices[starts]),
+            "index.offsets": _narrow(np.append(starts, len(rows))),
+            "index.first": _narrow(rows[starts]),
             "index.rows": np.where(wide, WIDE_STEP, steps).astype(np.uint8),
-            "index.rows.wide": _ints(steps[wide].tolist(), "index steps")}
+            "index.rows.wide": _narrow(steps[wide])}
 
 
-INDEX_CHUNK = 1 << 22  # device entries keyed and sorted at a time while the index is built
-
-
-def _device_rows(out: dict[str, np.ndarray], count: int) -> tuple[np.ndarray, np.ndarray]:
-    """Every distinct (device, row) of an operation and a device taking part in it, sorted, as (devices, rows); through
-    one int64 key per pair where the devices' range allows (a 1-D sort, many times faster than sorting pairs or
-    numpy 2's hashing `np.unique` on 10^7 pairs), `INDEX_CHUNK` entries at a time."""
-    fields = []  # (devices, where each row's devices begin) per field
-    for field, kind in ((f, COLUMN_KINDS["operations"][f]) for f in DEVICE_FIELDS):
-        name = f"operations.{field}"
-        if kind == "int?":  # values only for the rows that have one
-            has = ~np.asarray(out[f"{name}.none"], dtype=bool) if f"{name}.none" in out else np.ones(count, dtype=bool)
-            fields.append((out[name], np.concatenate(([0], np.cumsum(has)))))
-            continue
-        starts = np.concatenate(([0], np.cumsum(out[f"{name}.lengths"], dtype=np.int64)))  # lists: the rows own them
-        if kind == "intss":  # and the inner lists own the values
-            starts = np.concatenate(([0], np.cumsum(out[f"{name}.inner"], dtype=np.int64)))[starts]
-        fields.append((out[f"{name}.values"], starts))
-    low = min((int(v.min()) for v, _ in fields if v.size), default=0)
-    span = max((int(v.max()) for v, _ in fields if v.size), default=0) - low + 1
-    if span * count >= 2**62:
-        rows = [np.searchsorted(starts, np.arange(len(v)), side="right") - 1 for v, starts in fields]
-        pairs = np.unique(np.stack([np.concatenate([v for v, _ in fields]).astype(np.int64), np.concatenate(rows)], axis=1), axis=0)
-        return pairs[:, 0], pairs[:, 1]
-    keys = []
-    for values, starts in fields:
-        for at in range(0, len(values), INDEX_CHUNK):
-            rows = np.searchsorted(starts, np.arange(at, min(at + INDEX_CHUNK, len(values))), side="right") - 1
-            keys.append(_distinct((np.asarray(values[at:at + INDEX_CHUNK], dtype=np.int64) - low) * count + rows))
-    keys = _distinct(np.concatenate(keys)) if keys else np.zeros(0, np.int64)
-    return keys // max(count, 1) + low, keys % max(count, 1)
-
-
-def _distinct(keys: np.ndarray) -> np.ndarray:
-    """Sorted distinct integers (a needer is named in many parts of one bundle: each chunk's pairs are made distinct
-    before all are joined)."""
-    keys = np.sort(keys)
-    return keys[np.concatenate(([True], keys[1:] != keys[:-1]))] if len(keys) else keys
+def _sorted_pairs(devices: np.ndarray, rows: np.ndarray, count: int) -> tuple[np.ndarray, np.ndarray]:
+    """The (device, row) pairs (each once) sorted by device, then row: through one int64 key per pair where the
+    devices' range allows (a 1-D sort, faster than sorting pairs; numpy 2's `np.unique` hashes, 70x slower on 10^7
+    pairs), else by both columns."""
+    if not len(devices):
+        return devices, rows
+    low = int(devices.min())
+    if (int(devices.max()) - low + 1) * count >= 2**62:  # ids too far apart for one key
+        order = np.lexsort((rows, devices))
+        return devices[order], rows[order]
+    keys = np.sort((devices - low) * count + rows)
+    return keys // count + low, keys % count
 
 
 def _op_devices(op) -> set[int]:
@@ -221,6 +265,29 @@ def _op_devices(op) -> set[int]:
     if op.src is not None:
         found.add(op.src)
     return found
+
+
+def _frozen(value):
+    """A field's value as a hashable key (lists as tuples), for a layout's key."""
+    return tuple(map(_frozen, value)) if isinstance(value, (list, tuple)) else value
+
+
+def _table_columns(rows, table: str, out: dict[str, np.ndarray]) -> dict[str, list]:
+    """The columns of `table`'s rows, field -> values, its layout fields (`LAYOUTS`) over its distinct layouts, in
+    order of first use, with `<table>.layout` (each row's) put in `out`."""
+    kinds = COLUMN_KINDS[table]
+    columns = dict(zip(kinds, map(list, zip(*map(attrgetter(*kinds), rows))))) if rows else {f: [] for f in kinds}
+    fields = LAYOUTS.get(table)
+    if fields:
+        keys = list(zip(*(columns[f] for f in fields)))
+        try:
+            layout, distinct = _first_use(keys, len(keys))
+        except TypeError:  # a list among the values (a plan made of plain data): as tuples
+            layout, distinct = _first_use(map(_frozen, keys), len(keys))
+        if len(distinct) < len(keys):  # else every row is its own layout, in order: the member is left out
+            out[f"{table}.layout"] = _narrow(layout)
+        columns.update(zip(fields, map(list, zip(*distinct))) if distinct else ((f, []) for f in fields))
+    return columns
 
 
 def compact_arrays(plan) -> dict[str, np.ndarray]:
@@ -231,17 +298,21 @@ def compact_arrays(plan) -> dict[str, np.ndarray]:
     out: dict[str, np.ndarray] = {"header": _text(json.dumps(header))}
     shared = _Shared()
     for table, kinds in COLUMN_KINDS.items():
-        rows = getattr(plan, table)
-        columns = list(zip(*map(attrgetter(*kinds), rows))) if rows else [() for _ in kinds]
-        for (field, kind), values in zip(kinds.items(), columns):
-            _ENCODERS[kind](f"{table}.{field}", list(values), out, shared)
+        columns = _table_columns(getattr(plan, table), table, out)
+        for field, kind in kinds.items():
+            _ENCODERS[kind](f"{table}.{field}", columns[field], out, shared)
     out.update(shared.members())
-    out.update(_device_index(out, len(plan.operations)))
-    try:
-        first, tags = first_tags(plan.operations)  # the lowering's numbering (tensor by tensor), and the plan's total
+    count = len(plan.operations)
+    out.update(_device_index(out, count))
+    layout = np.asarray(out.get("operations.layout", np.arange(count)), dtype=np.int64)
+    firsts = np.unique(layout, return_index=True)[1]  # the first operation of each layout (layouts are numbered so)
+    try:  # the tags an operation owns depend on its layout's fields alone
+        tags = np.array([tags_used(plan.operations[k]) for k in firsts.tolist()], dtype=np.int64)
     except (IndexError, ValueError) as err:  # an operation without the devices its kind's messages need
         raise CompactPlanError(f"its operations cannot be numbered into messages ({err}); `xmesh-plan verify` names the fault") from None
-    out["index.first_tags"] = _ints([*first, tags], "message tags")
+    tensors = [t or 0 for t in map(attrgetter("tensor"), plan.operations)]
+    first, total = number_tags(tags[layout].tolist() if count else [], tensors)  # the lowering's numbering
+    out["index.first_tags"] = _ints([*first, total], "message tags")
     return out
 
 
@@ -251,12 +322,14 @@ def compact_bytes(plan) -> bytes:
 
 
 def archive_bytes(arrays: dict[str, np.ndarray]) -> bytes:
-    """A zip of `arrays` as `<name>.npy` members, stored, with a fixed timestamp."""
+    """A zip of `arrays` as `<name>.npy` members with a fixed timestamp: stored, but deflated where no rank reads
+    the member (`DEFLATED`)."""
     buffer = io.BytesIO()
-    with zipfile.ZipFile(buffer, "w", compression=zipfile.ZIP_STORED, allowZip64=True) as archive:
+    with zipfile.ZipFile(buffer, "w", allowZip64=True) as archive:
         for name, array in arrays.items():
             info = zipfile.ZipInfo(f"{name}.npy", date_time=_DATE)
             info.external_attr = 0o644 << 16
+            info.compress_type = zipfile.ZIP_DEFLATED if name.startswith(DEFLATED) else zipfile.ZIP_STORED
             with archive.open(info, "w", force_zip64=True) as member:
                 np.lib.format.write_array(member, np.ascontiguousarray(array), allow_pickle=False)
     return buffer.getvalue()
@@ -305,9 +378,12 @@ class _Members:
             raise CompactPlanError(f"a damaged or truncated zip ({err})") from None
 
     def _locate(self, archive: zipfile.ZipFile, info: zipfile.ZipInfo) -> tuple[np.dtype, tuple[int, ...], int]:
-        """(dtype, shape, byte offset of the data) of a stored `.npy` member."""
-        if info.compress_type != zipfile.ZIP_STORED:
-            raise CompactPlanError(f"member {info.filename} is compressed; compact plans store members as written by `xmesh-plan`")
+        """(dtype, shape, byte offset of the data) of a stored `.npy` member; the offset None for a deflated one."""
+        if info.compress_type not in (zipfile.ZIP_STORED, zipfile.ZIP_DEFLATED):
+            raise CompactPlanError(f"member {info.filename} is compressed by method {info.compress_type}; compact plans "
+                                   "store members or deflate them, as `xmesh-plan` writes them")
+        if info.file_size > MAX_MEMBER_BYTES:
+            raise CompactPlanError(f"member {info.filename} states {info.file_size:,} bytes, more than a plan's member may hold")
         with archive.open(info) as member:
             version = np.lib.format.read_magic(member)
             reader = {(1, 0): np.lib.format.read_array_header_1_0, (2, 0): np.lib.format.read_array_header_2_0}.get(version)
@@ -324,9 +400,10 @@ class _Members:
             raise CompactPlanError(f"member {info.filename} has no local header (truncated)")
         start = info.header_offset + 30 + int.from_bytes(local[26:28], "little") + int.from_bytes(local[28:30], "little")
         size = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
-        if start + skip + size > _size(self.path) or skip + size > info.file_size:
+        stored = info.compress_type == zipfile.ZIP_STORED
+        if start + (skip + size if stored else info.compress_size) > _size(self.path) or skip + size > info.file_size:
             raise CompactPlanError(f"member {info.filename} is cut short (truncated file)")
-        return dtype, tuple(shape), start + skip
+        return dtype, tuple(shape), start + skip if stored else None
 
     def __contains__(self, name: str) -> bool:
         return name in self.where
@@ -344,7 +421,18 @@ class _Members:
         dtype, shape, offset = self.where[name]
         if int(np.prod(shape, dtype=np.int64)) == 0:
             return np.zeros(shape, dtype=dtype)
+        if offset is None:  # deflated: read whole, once
+            return self.once(f"{name}.npy", lambda: self._inflate(name))
         return np.memmap(self.path, dtype=dtype, mode="r", offset=offset, shape=shape)
+
+    def _inflate(self, name: str) -> np.ndarray:
+        try:
+            with zipfile.ZipFile(self.path) as archive, archive.open(f"{name}.npy") as member:
+                array = np.lib.format.read_array(member, allow_pickle=False)
+        except (zipfile.BadZipFile, zlib.error, EOFError, ValueError, OSError) as err:
+            raise CompactPlanError(f"member {name}.npy does not inflate ({err}; damaged)") from None
+        array.flags.writeable = False
+        return array
 
     def text(self, name: str) -> Any:
         try:
@@ -497,18 +585,52 @@ _DECODERS: dict[str, Callable[[_Members, str, np.ndarray], list]] = {
 }
 
 
+def layout_count(m: _Members, table: str) -> int:
+    """How many layouts `table` states: the rows of its layout columns (its first layout field's member)."""
+    name = f"{table}.{LAYOUTS[table][0]}"
+    if name not in m:
+        raise CompactPlanError(f"member {name}.npy is missing")
+    return m.where[name][1][0] if m.where[name][1] else 0
+
+
+def _layout_at(m: _Members, table: str, rows) -> np.ndarray:
+    """The layouts of `rows` of `table`: its `<table>.layout` entries, checked, or where the writer left that out
+    (every row its own layout), the rows themselves."""
+    layouts = layout_count(m, table)
+    if f"{table}.layout" in m:
+        return _indices(m, f"{table}.layout", rows, layouts)
+    if layouts != _header(m)["counts"].get(table):  # else a row would read another row's layout
+        raise CompactPlanError(f"member {table}.layout.npy is missing, and the {layouts:,} layouts are not one per row")
+    return np.arange(layouts, dtype=np.int64)[rows]
+
+
 def _rows(m: _Members, table: str, rows: np.ndarray) -> list[dict]:
-    """The records at `rows` of `table` as plain dicts, the fields a plan's JSON states."""
+    """The records at `rows` of `table` as plain dicts, the fields a plan's JSON states: each distinct layout's fields
+    decoded once, and shared by the rows of that layout."""
+    kinds, fields = COLUMN_KINDS[table], LAYOUTS.get(table, ())
     try:
-        columns = {field: _DECODERS[kind](m, f"{table}.{field}", rows) for field, kind in COLUMN_KINDS[table].items()}
+        columns = {field: _DECODERS[kind](m, f"{table}.{field}", rows) for field, kind in kinds.items() if field not in fields}
+        if fields:
+            layouts, at = np.unique(_layout_at(m, table, rows), return_inverse=True)
+            pick = at.reshape(-1).tolist()
+            for field in fields:
+                values = _DECODERS[kinds[field]](m, f"{table}.{field}", layouts)
+                if len(values) != len(layouts):
+                    raise CompactPlanError(f"the {table} layout columns disagree on their length (damaged)")
+                columns[field] = [values[k] for k in pick]
     except IndexError:
         raise CompactPlanError(f"the {table} columns are shorter than the header's count (truncated or damaged)") from None
     if any(len(c) != len(rows) for c in columns.values()):
         raise CompactPlanError(f"the {table} columns disagree on their length (damaged)")
-    return [dict(zip(columns, values)) for values in zip(*columns.values())]
+    return [dict(zip(kinds, values)) for values in zip(*(columns[f] for f in kinds))]
 
 
 def _header(m: _Members) -> dict:
+    """The file's header, checked (once per open file)."""
+    return m.once("header", lambda: _read_header(m))
+
+
+def _read_header(m: _Members) -> dict:
     header = m.text("header")
     if not isinstance(header, dict) or header.get("format") != FORMAT:
         raise CompactPlanError(f"its header names format {header.get('format') if isinstance(header, dict) else None!r}, not {FORMAT!r}")
@@ -530,7 +652,8 @@ def index_fault(m: _Members, count: int, counts: list[int], tensors: list[int]) 
     columns, and `counts` tags owned by each of the `count` operations, of tensors `tensors`: `op_kinds.number_tags`);
     None when the stored index is that one. A rank reads its part through the index alone, so it must be the one the
     table that `verify` checks gives."""
-    columns = {name: m.get(name) for name in m.where if name.split(".")[:2] in (["operations", f] for f in DEVICE_FIELDS)}
+    fields = (*DEVICE_FIELDS, "layout")  # the layouts' devices, and each row's layout
+    columns = {name: m.get(name) for name in m.where if name.split(".")[:2] in (["operations", f] for f in fields)}
     try:
         want = _device_index(columns, count)
     except (KeyError, ValueError, IndexError):
@@ -645,6 +768,28 @@ def _column(m: _Members, name: str, kind: str, count: int) -> dict[str, Any]:
     return {"offsets": offsets, "values": _values(m, f"{name}.values", offsets)}
 
 
+def _per_row(column: dict[str, Any], kind: str, layout: np.ndarray) -> dict[str, Any]:
+    """A column of kind `kind` of the layouts (`_column`) as the column of the rows whose layouts are `layout`."""
+    out = dict(column)
+    if "offsets" not in column:  # one value per row: int, int?, str, float
+        out["values"] = column["values"][layout]
+        if "none" in column:
+            out["none"] = column["none"][layout]
+        return out
+    lengths, flat = row_ranges(column["offsets"], layout)  # a row's entries: box pairs, boxes, integers or lists
+    out["offsets"] = np.concatenate(([0], np.cumsum(lengths)))
+    if kind == "box":  # the pairs of each row's box, and its index in the shared table
+        out["values"], out["boxes"] = column["values"][flat], column["boxes"][layout]
+    elif kind == "boxes":
+        out["boxes"] = column["boxes"][flat]
+    elif kind == "intss":  # each row's lists, each list's integers
+        inner, values = row_ranges(column["inner"], flat)
+        out["inner"], out["values"] = np.concatenate(([0], np.cumsum(inner))), column["values"][values]
+    else:
+        out["values"] = column["values"][flat]
+    return out
+
+
 @dataclass(frozen=True)
 class CompactColumns:
     """A compact plan as whole columns, for a proof over every row at once (`planner.verify_columns`): the plan's
@@ -684,8 +829,17 @@ def read_compact_columns(path: str | os.PathLike, keep: dict[str, set[str]],
     tables: dict[str, dict[str, dict[str, Any]]] = {}
     for table in ("tasks", "operations"):
         tables[table] = {}
+        layouts = layout_count(m, table)
+        layout = _layout_at(m, table, slice(None))
+        if layout.shape != (counts[table],):
+            stated = "is missing" if f"{table}.layout" not in m else f"is not {counts[table]} layout indices"
+            raise CompactPlanError(f"member {table}.layout.npy {stated}")
         for field, kind in COLUMN_KINDS[table].items():
-            column = _column(m, f"{table}.{field}", kind, counts[table])
+            if field in LAYOUTS[table]:  # checked over the layouts, then stated per row
+                column = _column(m, f"{table}.{field}", kind, layouts)
+                column = _per_row(column, kind, layout) if field in keep.get(table, ()) else column
+            else:
+                column = _column(m, f"{table}.{field}", kind, counts[table])
             if field in keep.get(table, ()):
                 tables[table][field] = column
     return CompactColumns(header["plan"], {t: counts[t] for t in TABLES}, tables, m)

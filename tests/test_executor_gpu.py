@@ -20,23 +20,11 @@ from xmesh_plan.executor.pattern import fill, mismatches
 from tests.support.cases import STRATEGIES, all_fixed_plans, compiled, problem, random_problem, write_plans
 from tests.support.launch import mpiexec
 from tests.support.fake_gpu import FakeGpu, drive, fake_nccl_transfer, nccl_engines, run_on_fake
+from tests.support.real_gpu import GPU_REASON
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _gpu_reason() -> str | None:
-    try:
-        import cupy
-    except ImportError:
-        return "cupy is not installed (pip install cupy-cuda12x to run the NCCL backend tests)"
-    try:
-        count = cupy.cuda.runtime.getDeviceCount()
-    except cupy.cuda.runtime.CUDARuntimeError as err:
-        return f"CuPy finds no CUDA device ({err})"
-    return None if count else "CuPy finds no CUDA device"
-
-
-GPU_REASON = _gpu_reason()
 needs_gpu = [pytest.mark.gpu, pytest.mark.skipif(GPU_REASON is not None, reason=GPU_REASON or "")]
 
 

@@ -14,13 +14,14 @@ host, wrong-GPU, wrong-shape and wrong-dtype arrays refused in one line naming t
 from __future__ import annotations
 
 import gc
+import os
 import weakref
 
 import numpy as np
 import pytest
 
 from tests.support.fake_gpu import FakeArray, FakeGpu, drive, fake_nccl_transfer
-from tests.test_executor_gpu import GPU_REASON
+from tests.support.real_gpu import GPU_REASON
 from xmesh_plan.executor import PlanMismatchError
 from xmesh_plan.executor.arrays import storage_dtype
 from xmesh_plan.executor.nccl_engine import NcclEngine
@@ -33,7 +34,7 @@ from xmesh_plan.planner.transfer_io import build_transfer
 torch = pytest.importorskip("torch")
 from tests.workers.convert_worker import HOOKS, REPLICATED4, bits, box_of, cut, reference, whole  # noqa: E402
 from tests.workers.into_mpi_worker import THREE  # noqa: E402
-from tests.test_receive_into import parent_and_view as parent_and_view_torch  # noqa: E402
+from tests.support.torch_views import parent_and_view as parent_and_view_torch  # noqa: E402
 
 SENTINEL = 0x5A
 LAYOUTS = ("rows", "columns", "every_other")
@@ -118,19 +119,93 @@ def test_without_the_amax_all_reduce_per_tensor_scales_differ(monkeypatch):
     assert "device 2: u" in wrong and "device 2: u.scale" in wrong, wrong
 
 
-def test_a_one_tensor_cast_is_bit_exact_on_fake_nccl(monkeypatch):
+TWO_SENDERS = {"src_mesh": {"shape": [2], "devices": [0, 1]}, "dst_mesh": {"shape": [1], "devices": [2]},
+               "tensors": [{"name": "w", "shape": [4, 4], "src": "S0 R", "dst": "R R", "dst_dtype": "fp8", "scale": "tensor"}]}
+
+
+def test_a_nan_in_one_senders_shard_gives_a_nan_scale_as_torchs_amax_does(monkeypatch):
+    """NCCL's float max drops a NaN (fmaxf; the fake's does too): the engine all-reduces the amaxes' bits, so a NaN in
+    one sender's shard reaches the per-tensor scale as it does torch's amax of the whole tensor (the torch and MPI
+    engines' maximum)."""
+    from xmesh_plan.executor import convert
+
+    plan = compile_plan(build_transfer(TWO_SENDERS))
+    gpu = FakeGpu(api=14).install(monkeypatch)
+    executors = fake_nccl_transfer(plan, gpu, monkeypatch)
+    full = np.arange(16, dtype=np.float32).reshape(4, 4) + 1
+    full[0, 0] = np.nan  # device 0's shard only
+    blocks = plan.problem.tensor_problem(0).blocks("src")
+    outs = sync(executors, gpu, lambda ex: {"w": np.ascontiguousarray(full[slice(*blocks[ex.device][0])])}
+                if ex.device in blocks else None)
+    want = convert.tensor_scale(convert.amax(torch.from_numpy(full)), "float8_e4m3fn")
+    assert want.isnan().all() and np.isnan(np.asarray(outs[2]["w.scale"])).all(), outs[2]["w.scale"]
+
+
+def test_an_amax_all_reduce_is_given_no_tensors_shards(monkeypatch):
+    """The all-reduces of the amaxes belong to no tensor: each goes to `_reduce` alone, never through `_call` with some
+    tensor's source, destination and dtype; every other call goes through `_call` with its own tensor's."""
+    plan = compile_plan(build_transfer(REPLICATED4))
+    gpu = FakeGpu(api=14).install(monkeypatch)
+    executors = fake_nccl_transfer(plan, gpu, monkeypatch)
+    seen = []
+    call = NcclEngine._call
+    monkeypatch.setattr(NcclEngine, "_call", lambda self, i, c, *rest: seen.append(type(c).__name__) or call(self, i, c, *rest))
+    assert converted_wrong(plan, executors, gpu, 0) == []
+    reduces = sum(isinstance(c, AmaxMax) for ex in executors for c in ex.engine.calls.actions)
+    assert reduces and "AmaxMax" not in seen and len(seen) == sum(len(ex.engine.calls.actions) for ex in executors) - reduces
+
+
+def one_tensor_cast(monkeypatch, api: int):
+    """A one-tensor float32 -> bf16 reshard on 4 devices, run by fake CuPy `api`: (plan's problem, its whole values,
+    the fake GPU, every rank's executor)."""
     mesh = {"shape": [4], "devices": [0, 1, 2, 3]}
     plan = compile_plan(build_problem({"shape": [8, 6], "dtype": "float32", "dst_dtype": "bf16", "src": {"mesh": mesh, "spec": "S0 R"},
                                        "dst": {"mesh": mesh, "spec": "R S0"}}))
-    gpu = FakeGpu(api=13).install(monkeypatch)
-    executors = fake_nccl_transfer(plan, gpu, monkeypatch)
-    problem, full = plan.problem, whole("single", plan.problem.shape, "float32", 0)
+    gpu = FakeGpu(api=api).install(monkeypatch)
+    return plan.problem, whole("single", plan.problem.shape, "float32", 0), gpu, fake_nccl_transfer(plan, gpu, monkeypatch)
+
+
+def test_a_one_tensor_cast_is_bit_exact_on_fake_nccl(monkeypatch):
+    problem, full, gpu, executors = one_tensor_cast(monkeypatch, 13)
     outs = sync(executors, gpu, lambda ex: {ex.names[0]: host_bits(cut(full, problem.blocks("src")[ex.device]))})
     want = full.to(torch.bfloat16)
     for ex, out in zip(executors, outs):
         got = np.asarray(out[ex.names[0]])
         assert got.dtype == np.uint16 and np.array_equal(got.view(np.uint8).reshape(-1),
                                                          bits(cut(want, problem.blocks("dst")[ex.device])).numpy().reshape(-1))
+
+
+def late_sources_wrong(monkeypatch) -> list[int]:
+    """A one-tensor bf16 cast whose source shards are written by a kernel still queued on the caller's stream when
+    start() is called: the devices whose destination differs from torch's cast of the whole tensor."""
+    problem, full, gpu, executors = one_tensor_cast(monkeypatch, 14)
+    for ex in executors:
+        gpu.process = ex.device
+        box = problem.blocks("src")[ex.device]
+        src = gpu.cupy.empty(tuple(b - a for a, b in box), np.float32)
+        src[...] = 0
+        producer = gpu.cupy.cuda.Stream(non_blocking=True)
+        with producer:  # the caller's kernel writing the shard, still queued when start() is called
+            producer.enqueue(("host", lambda src=src, values=cut(full, box).numpy(): src.__setitem__(..., values)))
+            ex.start({ex.names[0]: src})
+    drive(executors, gpu)
+    want, wrong = full.to(torch.bfloat16), []
+    for ex in executors:
+        gpu.process = ex.device
+        got = np.asarray(ex.wait()[ex.names[0]]).view(np.uint8).reshape(-1)
+        if not np.array_equal(got, bits(cut(want, problem.blocks("dst")[ex.device])).numpy().reshape(-1)):
+            wrong.append(ex.device)
+    return wrong
+
+
+def test_casts_wait_for_the_sources_written_on_the_callers_stream(monkeypatch):
+    """Torch's casts queue behind the work on the caller's stream at start() (`input_ready`), as the calls do; the same
+    with each cast run at once, off the stream, reads the stale shards and fails."""
+    import tests.support.fake_gpu as fake_gpu
+
+    assert late_sources_wrong(monkeypatch) == []
+    monkeypatch.setattr(fake_gpu.FakeTorchOnStream, "run", lambda self, fn: fn())
+    assert late_sources_wrong(monkeypatch) != []
 
 
 def test_amax_all_reduces_come_first_alike_on_every_sender():
@@ -294,6 +369,51 @@ def test_into_is_refused_in_one_line_naming_the_tensor_and_the_fix(monkeypatch):
     assert isinstance(elsewhere, FakeArray)
 
 
+SWAP = {"shape": [8], "dtype": "float32", "src": {"mesh": {"shape": [2], "devices": [0, 1]}, "spec": "S0"},
+        "dst": {"mesh": {"shape": [2], "devices": [1, 0]}, "spec": "S0"}}
+
+
+def test_into_sharing_memory_is_refused_as_on_mpi(monkeypatch):
+    """Each device sends its source and receives the other's: an into that is its own source (a broadcast would land
+    in it before the other broadcast reads it), one sharing a row with another tensor's into, and one whose elements
+    share memory (a zero stride) are refused naming the tensor, as the MPI engine refuses them (`executor.apart`)."""
+    plan = compile_plan(build_problem(SWAP))
+    gpu = FakeGpu(api=14).install(monkeypatch)
+    executors = fake_nccl_transfer(plan, gpu, monkeypatch)
+    ex = executors[1]
+    gpu.process = ex.device
+    name = ex.names[0]
+    source = gpu.cupy.asarray(np.arange(4, dtype=np.float32))
+    row = gpu.cupy.empty((1, 4), np.float32)
+    for expected, into in {"shares memory with the source shard of": source[::-1],
+                           "has elements sharing memory": np.lib.stride_tricks.as_strided(row, (4,), (0,), subok=True)}.items():
+        with pytest.raises(PlanMismatchError, match=expected) as refused:
+            ex.start({name: source}, into={name: into})
+        assert f"into[{name!r}] on device 1" in str(refused.value) and not ex.in_flight
+    two = compile_plan(build_transfer({"src_mesh": SWAP["src"]["mesh"], "dst_mesh": SWAP["dst"]["mesh"], "dtype": "float32",
+                                       "tensors": [{"name": n, "shape": [8], "src": "S0", "dst": "S0"} for n in "ab"]}))
+    gpu = FakeGpu(api=14).install(monkeypatch)
+    ex = fake_nccl_transfer(two, gpu, monkeypatch)[0]
+    gpu.process = ex.device
+    both = gpu.cupy.empty(6, np.float32)
+    with pytest.raises(PlanMismatchError, match=r"into\['b'\] on device 0 shares memory with into\['a'\]"):
+        ex.start({"a": np.zeros(4, np.float32), "b": np.zeros(4, np.float32)}, into={"a": both[:4], "b": both[2:]})
+
+
+def test_torch_tensors_sharing_memory_are_refused_as_numpy_arrays_are():
+    """`executor.apart` reads a torch tensor's layout (data_ptr, strides in elements), as the torch engine's
+    `check_into` and `check_apart` hand it: interleaved halves share nothing, overlapping ones are refused."""
+    from xmesh_plan.executor.apart import overlaps_itself, refuse_shared
+    from xmesh_plan.executor.torch_engine import TorchEngine
+
+    wide = torch.zeros(8, 9, dtype=torch.bfloat16)
+    TorchEngine.check_apart({"a": wide[:, :4], "b": wide[:, 4:]}, {"c": None}, 0)
+    TorchEngine.check_apart({"a": wide[::2]}, {"b": wide[1::2]}, 0)
+    with pytest.raises(PlanMismatchError, match=r"into\['a'\] on device 0 shares memory with the source shard of 'b'"):
+        refuse_shared({"a": wide[:, :5]}, {"b": wide[:, 4:]}, 0)
+    assert not overlaps_itself(wide.t()[::3]) and overlaps_itself(torch.zeros(3).expand(2, 3))
+
+
 # ---------------------------------------------------------------------------------------------
 # bench/gpu/convert_check.py, the check run on a real GPU, on the fake
 # ---------------------------------------------------------------------------------------------
@@ -362,6 +482,14 @@ def test_the_gpu_convert_check_passes_on_fake_nccl_and_sees_a_wrong_byte(monkeyp
                         caught.add(("into", label, bool(cc.wrong_into(gpu.cupy, layout, {n: held[ex.device][n] for n in flipped}, flipped))))
             ok += sum(not w for w in wrong.values())
     assert ok == 4 * 13 and {hit for _, _, hit in caught} == {True}, sorted(caught)
+    import subprocess
+    import sys
+
+    from tests.support.launch import ROOT
+
+    told = subprocess.run([sys.executable, str(ROOT / "bench" / "gpu" / "convert_check.py"), "--expected", "4"],
+                          capture_output=True, text=True, env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=120)
+    assert told.stdout.strip() == str(ok) == str(cc.expected_oks(4)), told.stderr[-2000:]  # what convert_check.sh expects
 
 
 
@@ -375,6 +503,29 @@ def test_conversion_without_torch_names_what_to_install(monkeypatch):
     monkeypatch.setitem(sys.modules, "torch", None)  # import torch raises ImportError
     with pytest.raises(BackendUnavailableError, match=r"torch's own casts .* pip install torch, or compile the plan without dst_dtype"):
         TorchOnStream(types.SimpleNamespace(ptr=1), 0)
+
+
+def test_a_device_that_casts_nothing_needs_no_torch_and_one_that_casts_learns_before_any_communicator(monkeypatch):
+    """Device 3 of REPLICATED4 only receives converted bytes: it makes no casts (torch is imported only for them) and
+    `prepare()` needs no torch there; on a sender, torch missing is refused in prepare() before the ranks agree, so no
+    communicator is made (its peers learn of it from the agreement, instead of waiting for its unique ids)."""
+    import sys
+
+    from xmesh_plan.executor.errors import BackendUnavailableError
+    from xmesh_plan.executor.nccl_convert import requires
+
+    plan = compile_plan(build_transfer(REPLICATED4))
+    gpu = FakeGpu(api=14).install(monkeypatch)
+    executors = fake_nccl_transfer(plan, gpu, monkeypatch)
+    assert [ex.engine.casts is None for ex in executors] == [False, False, False, True]
+    monkeypatch.setitem(sys.modules, "torch", None)  # import torch raises ImportError
+    requires(lower(plan, 3))
+    with pytest.raises(BackendUnavailableError, match="pip install torch"):
+        requires(lower(plan, 0))
+    gpu = FakeGpu(api=14).install(monkeypatch)
+    with pytest.raises(BackendUnavailableError, match="pip install torch"):
+        fake_nccl_transfer(plan, gpu, monkeypatch)
+    assert not any(entry[0] == "NcclCommunicator" for entry in gpu.log) and not gpu.streams
 
 
 def test_torch_tensors_in_and_out_go_through_dlpack_as_their_bits(monkeypatch):
@@ -410,13 +561,35 @@ def test_torch_tensors_in_and_out_go_through_dlpack_as_their_bits(monkeypatch):
                 assert np.array_equal(raw[index].contiguous().numpy().reshape(-1), wanted[name]), (layout, ex.device, name)
 
 
+def test_a_tensor_requiring_grad_is_read_as_a_source_and_refused_as_into_naming_detach(monkeypatch):
+    """A Parameter (requires grad) of any float kind: as a source shard the engine reads its memory (a view, no copy);
+    as `into` it is refused naming the tensor and the fix, float32 (which DLPack refuses to export) and bfloat16
+    (which goes through an integer view) alike."""
+    import xmesh_plan.executor.nccl_engine as nccl_engine
+
+    plan = INTO_PLANS["three broadcast"]()
+    gpu = FakeGpu(api=14).install(monkeypatch)
+    monkeypatch.setattr(nccl_engine, "is_device_array", lambda array: isinstance(array, torch.Tensor))
+    executors = fake_nccl_transfer(plan, gpu, monkeypatch)
+    ex = next(e for e in executors if e.program.tensors[0].dst_shape is not None)
+    gpu.process = ex.device
+    for dtype in (torch.float32, torch.bfloat16):
+        param = torch.nn.Parameter(torch.zeros(4, dtype=dtype))
+        assert ex.engine.adopt(param).data.ptr == param.data_ptr()
+        with pytest.raises(PlanMismatchError) as refused:
+            ex.start(random_sources(ex, 0) or None, into={"w": param})
+        text = str(refused.value)
+        assert "into['w'] on device" in text and "requires grad" in text and "detach()" in text and "\n" not in text, text
+        assert not ex.in_flight
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(GPU_REASON is not None, reason=GPU_REASON or "")
 def test_the_nccl_engine_converts_and_receives_into_bit_exact_on_one_gpu(tmp_path):
     """bench/gpu/convert_check.py itself on a real GPU, 4 ranks on GPU 0 (each its own NCCL host): every check ok."""
     from tests.support.launch import mpiexec
 
-    expected = 4 * sum(2 + into for _, _, into in gpu_check_module().CHECKS)
+    expected = gpu_check_module().expected_oks(4)
     result = mpiexec(4, "-m", "bench.gpu.convert_check", str(tmp_path), timeout=300)
     lines = [line for line in result.stdout.splitlines() if line.startswith("rank ")]
     assert result.returncode == 0 and len(lines) == expected and all(line.endswith(": ok") for line in lines), \

@@ -342,8 +342,8 @@ def test_index_steps_of_255_rows_or_more_come_back_through_the_wide_member(tmp_p
     columns = {"operations.src": src, "operations.dsts.lengths": np.ones(count, np.int8), "operations.dsts.values": dsts,
                "operations.holders.lengths": np.zeros(count, np.int8), "operations.holders.values": none,
                "operations.needers.lengths": np.zeros(count, np.int8), "operations.needers.inner": none,
-               "operations.needers.values": none}
-    index = _device_index(columns, count)
+               "operations.needers.values": none, "operations.layout": np.arange(count)}
+    index = _device_index(columns, count)  # every row its own layout
     assert index["index.rows"].dtype == np.uint8 and index["index.rows.wide"].tolist() == [300, 699]
     assert (index["index.rows"] == WIDE_STEP).sum() == 2
     path = tmp_path / "index.npz"
@@ -455,3 +455,173 @@ def test_a_wide_index_member_other_than_the_writer_s_is_refused(tmp_path, change
     change(arrays)
     for message in _rank_reads_each_device(arrays, tmp_path):
         assert "\n" not in message and "index.rows.wide" in message, message
+
+
+def test_compile_verifies_the_one_file_it_writes_in_the_output_s_folder(tmp_path, monkeypatch):
+    """`compile -o x.plan.npz` writes the bytes once: `verify` proves the temporary file in the output's folder that
+    is then renamed over the output (no private copy elsewhere); a plan that fails leaves the old file and no
+    temporary file."""
+    from xmesh_plan.planner import cli
+
+    verified = []
+    real = cli.verify_plan_file
+
+    def spy(path, **kwargs):
+        verified.append((Path(path).parent, Path(path).read_bytes()))
+        return real(path, **kwargs)
+
+    monkeypatch.setattr(cli, "verify_plan_file", spy)
+    target = tmp_path / "ws.plan.npz"
+    assert run_cli("compile", ROOT / "plans" / "weight_sync_small.problem.toml", "-o", target).exit_code == 0
+    assert verified == [(tmp_path, target.read_bytes())]
+    assert [p.name for p in tmp_path.iterdir()] == ["ws.plan.npz"]
+
+    def refuse(path, **kwargs):
+        raise cli.PlanError("operation 3 receives [0:4] twice")
+
+    monkeypatch.setattr(cli, "verify_plan_file", refuse)
+    target.write_bytes(b"old plan")
+    assert isinstance(run_cli("compile", ROOT / "plans" / "weight_sync_small.problem.toml", "-o", target).exception, cli.PlanError)
+    assert [p.name for p in tmp_path.iterdir()] == ["ws.plan.npz"] and target.read_bytes() == b"old plan"
+
+
+def test_a_full_disk_while_writing_a_compact_plan_names_the_output(tmp_path, monkeypatch):
+    """A write that fails for want of space (an OSError naming no file, as a descriptor's write raises) is the
+    last-resort handler's one line naming the output, not "standard output" (what the failure of the private copy
+    `compile` verified said), and leaves no file."""
+    import errno
+    import pathlib
+
+    from xmesh_plan.schemas import files
+    from xmesh_plan.schemas.last_resort import environment_error_line
+
+    def full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(pathlib.Path, "write_bytes", full)
+    monkeypatch.setattr(files, "_write_closed", full, raising=False)
+    target = tmp_path / "ws.plan.npz"
+    result = run_cli("compile", ROOT / "plans" / "weight_sync_small.problem.toml", "-o", target)
+    assert isinstance(result.exception, OSError) and result.exception.errno == errno.ENOSPC, result.output
+    line = environment_error_line(result.exception)
+    assert str(target) in line and "standard output" not in line, line
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_repeated_layers_store_each_layout_once():
+    """The Llama-3-8B-like weight sync (its 32 layers alike): each distinct (kind, devices, boxes, bundle) of the
+    operations and (box, devices, strategy, ...) of the tasks is stored once, every row naming its layout; a plan
+    with no repeated layout leaves `<table>.layout` out."""
+    from xmesh_plan.schemas.plan_compact import LAYOUTS
+
+    plan = read_plan_file(ROOT / "plans" / "weight_sync_small.plan.json")
+    arrays = compact_arrays(plan)
+    for table in ("operations", "tasks"):
+        rows = getattr(plan, table)
+        distinct = {tuple(getattr(r, f) for f in LAYOUTS[table]) for r in rows}
+        assert len(arrays[f"{table}.layout"]) == len(rows) > len(distinct) == len(arrays[f"{table}.{LAYOUTS[table][0]}"])
+    assert len(arrays["operations.id"]) == len(plan.operations)  # ids, tensors, times: per row
+    single = compact_arrays(read_plan_file(ROOT / "plans" / "case1.plan.json"))
+    assert "operations.layout" not in single and "tasks.layout" not in single
+
+
+def test_only_members_no_rank_reads_are_deflated(tmp_path, monkeypatch):
+    """Tasks and host order are deflated (read whole by `verify`, never by a rank); a rank's read inflates nothing."""
+    from xmesh_plan.schemas.plan_compact import _Members
+
+    plan = read_plan_file(ROOT / "plans" / "weight_sync_small.plan.json")
+    path = tmp_path / "x.plan.npz"
+    path.write_bytes(compact_bytes(plan))
+    with zipfile.ZipFile(path) as archive:
+        deflated = {i.filename for i in archive.infolist() if i.compress_type == zipfile.ZIP_DEFLATED}
+    assert deflated and all(name.startswith(("tasks.", "host_order.")) for name in deflated)
+    assert "tasks.id.npy" in deflated and "operations.id.npy" not in deflated
+    monkeypatch.setattr(_Members, "_inflate", lambda self, name: pytest.fail(f"a rank inflated {name}"))
+    for device in sorted({d for op in plan.operations for d in _devices(op)}):
+        assert read_plan_ops(path, device).operations == tuple(op for op in plan.operations if device in _devices(op))
+
+
+def _damaged_deflate(path: Path, member: str) -> None:
+    """Flip a byte in the middle of `member`'s deflated data."""
+    with zipfile.ZipFile(path) as archive:
+        info = archive.getinfo(member)
+    data = bytearray(path.read_bytes())
+    local = info.header_offset
+    start = local + 30 + int.from_bytes(data[local + 26:local + 28], "little") + int.from_bytes(data[local + 28:local + 30], "little")
+    data[start + info.compress_size // 2] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+def test_a_damaged_deflated_member_is_refused_naming_it(tmp_path):
+    """A bit flipped in the deflated tasks: the whole-file read and `verify` refuse it in one line naming the member."""
+    plan = read_plan_file(ROOT / "plans" / "weight_sync_small.plan.json")
+    path = tmp_path / "bad.plan.npz"
+    path.write_bytes(compact_bytes(plan))
+    _damaged_deflate(path, "tasks.senders.values.npy")
+    with pytest.raises(PlanFileError) as err:
+        read_plan_file(path)
+    assert "\n" not in str(err.value) and "tasks.senders.values.npy" in str(err.value), str(err.value)
+    assert_user_error(run_cli("verify", path), "tasks.senders.values.npy")
+
+
+def test_a_member_compressed_another_way_is_refused_naming_it(tmp_path):
+    arrays = compact_arrays(read_plan_file(ROOT / "plans" / "case3.plan.json"))
+    path = tmp_path / "bz.plan.npz"
+    with zipfile.ZipFile(path, "w", compression=zipfile.ZIP_BZIP2) as archive:
+        for name, array in arrays.items():
+            with archive.open(f"{name}.npy", "w") as member:
+                np.lib.format.write_array(member, array, allow_pickle=False)
+    for read in (read_plan_file, lambda p: read_plan_ops(p, 0)):
+        with pytest.raises(PlanFileError) as err:
+            read(path)
+        assert "\n" not in str(err.value) and "header.npy is compressed by method 12" in str(err.value), str(err.value)
+
+
+def _layout_out_of_range(arrays: dict) -> None:
+    layout = arrays["operations.layout"].copy()
+    layout[5] = len(arrays["operations.kind"])
+    arrays["operations.layout"] = layout
+
+
+def _layout_as_floats(arrays: dict) -> None:
+    arrays["operations.layout"] = arrays["operations.layout"].astype(np.float64)
+
+
+def _layout_missing(arrays: dict) -> None:
+    del arrays["operations.layout"]
+
+
+@pytest.mark.parametrize("change", [_layout_out_of_range, _layout_as_floats, _layout_missing])
+def test_an_odd_layout_member_is_refused_naming_it(tmp_path, change):
+    """`operations.layout` naming a layout the columns lack (at row 5), holding floats, or left out where the layouts
+    are fewer than the rows: each device reading a row it spoils, the whole-file read and `verify` refuse the file in
+    one line naming the member."""
+    plan = read_plan_file(ROOT / "plans" / "weight_sync_small.plan.json")
+    arrays = compact_arrays(plan)
+    change(arrays)
+    path = tmp_path / "bad.plan.npz"
+    path.write_bytes(archive_bytes(arrays))
+    readers = _devices(plan.operations[5]) if change is _layout_out_of_range else {d for op in plan.operations for d in _devices(op)}
+    for read in [read_plan_file, *(lambda p, d=d: read_plan_ops(p, d) for d in sorted(readers))]:
+        with pytest.raises(PlanFileError) as err:
+            read(path)
+        assert "\n" not in str(err.value) and "operations.layout" in str(err.value), str(err.value)
+    assert_user_error(run_cli("verify", path), "operations.layout")
+
+
+def test_compile_to_a_device_verifies_a_private_copy_of_the_bytes_it_writes(monkeypatch):
+    """`-o /dev/null --format compact`: no temporary file can sit beside a device, so `verify` proves a private copy
+    of the very bytes written through."""
+    from xmesh_plan.planner import cli
+
+    verified = []
+    real = cli.verify_plan_file
+
+    def spy(path, **kwargs):
+        verified.append(Path(path).read_bytes())
+        return real(path, **kwargs)
+
+    monkeypatch.setattr(cli, "verify_plan_file", spy)
+    result = run_cli("compile", ROOT / "plans" / "weight_sync_small.problem.toml", "--format", "compact", "-o", "/dev/null")
+    assert result.exit_code == 0, result.output
+    assert len(verified) == 1 and verified[0] == compact_bytes(read_plan_file(ROOT / "plans" / "weight_sync_small.plan.json"))

@@ -27,26 +27,9 @@ from xmesh_plan.planner.compile import compile_plan
 from xmesh_plan.schemas.plan_tensors import tensor_plans
 
 torch = pytest.importorskip("torch")
+from tests.support.torch_views import SENTINEL, parent_and_view  # noqa: E402
 pytestmark = pytest.mark.timeout(600)
-SENTINEL = 0x5A
 LAYOUTS = ("rows", "columns", "every_other")
-
-
-def parent_and_view(shape: tuple[int, ...], dtype, layout: str):
-    """(raw uint8 parent, the index of the view's bytes in it, the typed view of `shape`) for `layout`."""
-    size = torch.empty((), dtype=dtype).element_size()
-    if 0 in shape:  # an empty shard (an uneven split): nothing to lay out
-        return torch.empty(0, dtype=torch.uint8), (slice(0, 0),), torch.empty(shape, dtype=dtype)
-    if layout == "rows":  # two rows before, one after: a contiguous view at an offset, as a slice of a fused parameter
-        rows = (shape[0] + 3,) + tuple(shape[1:])
-        raw = torch.full(rows[:-1] + (rows[-1] * size,), SENTINEL, dtype=torch.uint8)
-        index = (slice(2, 2 + shape[0]),) if len(shape) > 1 else (slice(2 * size, (2 + shape[0]) * size),)
-        return raw, index, raw.view(dtype)[2:2 + shape[0]]
-    if layout == "columns":  # one column before, one after: each row one run of memory
-        raw = torch.full(tuple(shape[:-1]) + ((shape[-1] + 2) * size,), SENTINEL, dtype=torch.uint8)
-        return raw, (..., slice(size, (1 + shape[-1]) * size)), raw.view(dtype)[..., 1:1 + shape[-1]]
-    raw = torch.full(tuple(shape) + (2 * size,), SENTINEL, dtype=torch.uint8)  # every other element
-    return raw, (..., slice(size, 2 * size)), raw.view(dtype)[..., 1]
 
 
 def expected(plan, salt: int) -> list[tuple[str, np.ndarray]]:
@@ -180,6 +163,7 @@ def test_into_is_refused_in_one_line_where_it_does_not_fit():
             shape, dtype = mine[holder].dst_shape, ex.engine.dtypes[ex.names.index(holder)]
             cases["shape"] = {holder: torch.zeros(tuple(n + 1 for n in shape), dtype=dtype)}
             cases["dtype"] = {holder: torch.zeros(shape, dtype=torch.float64)}
+            cases["overlap"] = {holder: torch.zeros(1, dtype=dtype).expand(shape)}  # every element the same memory
         if outsider is not None:
             cases["outside"] = {outsider: torch.zeros(1)}
         for case, into in cases.items():
@@ -192,12 +176,12 @@ def test_into_is_refused_in_one_line_where_it_does_not_fit():
         return errors
 
     results = run_threads(len(plan_devices(plan)), work)
-    assert {case for errors in results for case, _ in errors} == {"unknown", "shape", "dtype", "outside"}  # every case ran somewhere
+    assert {case for errors in results for case, _ in errors} == {"unknown", "shape", "dtype", "overlap", "outside"}  # every case ran somewhere
     for rank, errors in enumerate(results):
         for case, text in errors:
             assert text != "accepted" and "\n" not in text, (rank, case, text)
             assert {"unknown": "not a tensor of this plan", "shape": "has shape", "dtype": "is torch.float64",
-                    "outside": "holds no destination shard"}[case] in text, (rank, case, text)
+                    "overlap": "has elements sharing memory", "outside": "holds no destination shard"}[case] in text, (rank, case, text)
 
 
 def test_an_engine_that_does_not_receive_into_refuses_into_saying_why():

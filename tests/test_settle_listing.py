@@ -126,3 +126,17 @@ def test_a_plan_of_more_messages_than_the_limit_is_timed_by_the_schedule_without
     assert plan.executor_prediction is None and plan.predicted_seconds != simulated.predicted_seconds
     audit = audit_module.audit_plan(plan)
     assert not audit.retimed and audit.mismatch is None
+
+
+@pytest.mark.parametrize("name", ["case7", "case8", "weight_sync_small"])
+def test_the_message_count_behind_the_limit_is_the_routes_message_count(name):
+    """`simulated_messages` (closed form: a broadcast's chunks on every hop, an all-gather's steps on every ring pair,
+    a bundle's tags) equals the messages its operations' routes put on the wire (`op_kinds.messages`, made hop by hop),
+    local copies counted once."""
+    from pathlib import Path
+
+    from xmesh_plan.schemas.op_kinds import messages
+    from xmesh_plan.schemas.plan import read_plan_file
+
+    plan = read_plan_file(Path(__file__).resolve().parents[1] / "plans" / f"{name}.plan.json")
+    assert compile_module.simulated_messages(plan.operations) == sum(messages(op) or 1 for op in plan.operations)

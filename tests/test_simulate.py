@@ -403,3 +403,14 @@ def test_flows_numbered_otherwise_than_their_list_order_time_as_renumbered():
 def test_a_flow_waiting_for_a_negative_id_is_refused_not_read_from_the_end():
     with pytest.raises(ValueError, match="not in the list"):
         run_flows([Flow(0, 0, 1.0, 0.0, ("x",)), Flow(1, 1, 1.0, 0.0, ("x",), after=(-1,))], {"x": 1.0})
+
+
+def test_flows_given_out_of_id_order_time_as_in_id_order():
+    """Ties between flows finishing together break by flow id, whatever the list's order: two flows ending at once
+    release their dependants (sharing one queue) in id order, given in either order."""
+    cap = {"a": 1.0, "b": 1.0, "c": 1.0}
+    flows = [Flow(1, 0, 1.0, 0.0, ("a",)), Flow(0, 0, 1.0, 0.0, ("b",)),
+             Flow(2, 0, 1.0, 0.0, ("c",), after=(1,), queue="q"), Flow(3, 0, 2.0, 0.0, ("c",), after=(0,), queue="q")]
+    in_order = run_flows(sorted(flows, key=lambda f: f.id), cap)
+    assert run_flows(flows, cap) == in_order
+    assert in_order[3] == (1.0, 3.0) and in_order[2] == (3.0, 4.0)  # flow 0 ends first by id: its dependant 3 goes first

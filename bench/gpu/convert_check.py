@@ -2,6 +2,7 @@
 GPU, every rank on GPU 0 (`executor.run.fake_hosts`); run by bench/gpu/convert_check.sh under mpiexec on 4 ranks.
 
     mpiexec -n 4 python3 bench/gpu/convert_check.py FOLDER
+    python3 bench/gpu/convert_check.py --expected 4   # the `ok` lines a passing run on 4 ranks prints
 
 Rank 0 compiles the plans of tests/test_executor_gpu_convert.py into FOLDER (the converting plans of
 tests/workers/convert_worker.py: fp16, bf16, FP8 with block and per-tensor scales; a one-tensor bf16 cast; three
@@ -27,7 +28,7 @@ from xmesh_plan.planner.problem_io import build_problem
 from xmesh_plan.planner.transfer_io import build_transfer
 from xmesh_plan.schemas.plan_io import read_plan_file, write_plan_file
 from xmesh_plan.weight_sync_demo import cast_reference
-from tests.test_receive_into import SENTINEL, parent_and_view
+from tests.support.torch_views import SENTINEL, parent_and_view
 from tests.workers.convert_worker import HOOKS, REPLICATED4, bits, cut, say, whole
 from tests.workers.into_mpi_worker import THREE
 
@@ -36,6 +37,12 @@ SINGLE = {"shape": [8, 6], "dtype": "float32", "dst_dtype": "bf16", "src": {"mes
           "dst": {"mesh": {"shape": [4], "devices": [0, 1, 2, 3]}, "spec": "R S0"}}
 CHECKS = [("hooks", "device", True), ("hooks", "posted", False), ("replicated", "device", False), ("single", "device", True),
           ("three bundles", "device", True)]
+
+
+
+def expected_oks(ranks: int) -> int:
+    """The `ok` lines a passing run prints: per rank, two runs of each check and an into run after those with `into`."""
+    return ranks * sum(2 + into for _, _, into in CHECKS)
 
 
 PLANS = {"hooks": lambda: compile_plan(build_transfer(HOOKS)), "replicated": lambda: compile_plan(build_transfer(REPLICATED4)),
@@ -133,6 +140,9 @@ def check(ex, cupy, rank: int, label: str, into: bool) -> None:
 
 
 def main() -> int:
+    if sys.argv[1] == "--expected":  # convert_check.sh: how many `ok` lines a passing run on that many ranks prints
+        print(expected_oks(int(sys.argv[2])))
+        return 0
     from mpi4py import MPI
 
     comm = MPI.COMM_WORLD

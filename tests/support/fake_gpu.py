@@ -31,7 +31,8 @@ from xmesh_plan.executor.ranks import plan_devices, rank_of_devices
 
 NCCL_SIZES = {0: 1, 1: 1, 2: 4, 3: 4, 4: 8, 5: 8, 6: 2, 7: 4, 8: 8, 9: 2}  # ncclDataType_t -> bytes (nccl.h)
 NCCL_NUMPY = {0: np.int8, 1: np.uint8, 2: np.int32, 3: np.uint32, 4: np.int64, 5: np.uint64, 6: np.float16, 7: np.float32, 8: np.float64}
-REDUCTIONS = {0: np.add, 1: np.multiply, 2: np.maximum, 3: np.minimum}  # ncclRedOp_t (nccl.h); ncclAvg (4) is unused here
+REDUCTIONS = {0: np.add, 1: np.multiply, 2: np.fmax, 3: np.fmin}  # ncclRedOp_t (nccl.h); ncclAvg (4) is unused here
+"""NCCL's float max and min are fmaxf and fminf (src/device/reduce_kernel.h), which drop a NaN; on integers the same."""
 
 
 def _plain_int(name: str, value, lo: int | None = None, hi: int | None = None) -> int:
