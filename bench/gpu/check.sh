@@ -1,7 +1,8 @@
 #!/bin/bash
 # The executor's GPU paths on ONE GPU, every rank on GPU 0 (NCCL over sockets, NCCL_HOSTID per rank): the real-GPU
 # tests, the MPI + CuPy nccl engine and the torch engine over NCCL on four plans (--check), the DTensor front end
-# on CUDA tensors, and the WeightSync demo (plain and converting) over NCCL. It passes on one H200 (docs/executor.md, "GPU"); its timings mean nothing (eight ranks share one
+# on CUDA tensors, and WeightSync over NCCL (the demo, plain and converting, and two launches joined by
+# transfer_group). It passes on one H200 (docs/executor.md, "GPU"); its timings mean nothing (eight ranks share one
 # GPU over sockets), so none are kept.
 #
 # Prepare here (pip works here, not there), in the repo root:
