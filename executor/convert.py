@@ -19,6 +19,8 @@ whatever the number of boxes it is cut into (a device of a replicated source als
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from xmesh_plan.schemas.convert import BLOCK, FP8_MAX, block_sizes
@@ -57,7 +59,13 @@ def over_fp8_max(amaxes: torch.Tensor, fp8: str) -> torch.Tensor:
     """`amaxes` / the FP8 type's largest value, correctly rounded on every device: the divisor is a tensor on their
     device, since CUDA divides by a Python number as a multiply by its reciprocal, which is not always the float32
     quotient (one unit off in the last place for some amaxes), and every engine's scales must be bit for bit alike."""
-    return amaxes / torch.tensor(FP8_MAX[fp8], dtype=torch.float32, device=amaxes.device)
+    return amaxes / _fp8_max_on(fp8, amaxes.device)
+
+
+@functools.lru_cache(maxsize=None)
+def _fp8_max_on(fp8: str, device: torch.device) -> torch.Tensor:
+    """The FP8 type's largest value as a float32 tensor on `device`, made once per device (not a copy per run)."""
+    return torch.tensor(FP8_MAX[fp8], dtype=torch.float32, device=device)
 
 
 def expand_scales(scales: torch.Tensor, box: Region, origin: tuple[int, ...] | None = None) -> torch.Tensor:
