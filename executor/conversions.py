@@ -92,6 +92,14 @@ def sender_buffers(program, allocate, reads) -> tuple[dict, list, dict]:
     return made, converting, {c.scales: made.get(c.scales) for _, c, _ in converting if c.scales is not None}
 
 
+def mark_casts(casts_before: list, converting, readers: dict) -> None:
+    """Per step, the converting tensors (indices into `converting`) to cast before it: every step in `readers` of a
+    converting tensor's cast shard or of its scales casts it first (`casts_before[i]` a tuple, or None)."""
+    for k, (t, c, _) in enumerate(converting):
+        for i in readers.get(t, []) + readers.get(c.scales, []):
+            casts_before[i] = (casts_before[i] or ()) + (k,)
+
+
 def swap_peers(converting) -> list[tuple[int, list[int]]]:
     """Per peer device, ascending, the tensors whose per-tensor amax this device swaps with it, in tensor order;
     `converting`: (tensor, `Conversion`, ...) rows."""

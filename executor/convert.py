@@ -23,10 +23,9 @@ import functools
 
 import torch
 
-from xmesh_plan.schemas.convert import BLOCK, FP8_MAX, block_sizes
+from xmesh_plan.schemas.convert import BLOCK, FP8_MAX, MIN_AMAX, block_sizes
 from xmesh_plan.schemas.geometry import Region
 
-MIN_AMAX = 1e-12  # an all-zero block still gets a finite, non-zero scale
 
 
 def torch_dtype(name: str) -> torch.dtype:

@@ -24,11 +24,12 @@ from typing import Callable
 
 import numpy as np
 
+from xmesh_plan.schemas import convert as schemas_convert
 from xmesh_plan.schemas.convert import BLOCK, FP8_MAX
 
 from .errors import BackendUnavailableError
 
-MIN_AMAX = np.float32(1e-12)  # `executor.convert.MIN_AMAX`: an all-zero block still gets a finite, non-zero scale
+MIN_AMAX = np.float32(schemas_convert.MIN_AMAX)  # as float32, the arithmetic's type
 _ML_DTYPES = ("bfloat16", *FP8_MAX)
 
 

@@ -48,7 +48,7 @@ from xmesh_plan.schemas.staging import SYNC_SEND_BYTES  # device order: sends th
 
 from .apart import byte_bounds, refuse_overlapping_into, refuse_shared
 from .arrays import as_host_array, check_into, check_shard, storage_dtype
-from .conversions import cast_once, sender_buffers, swap_peers
+from .conversions import cast_once, mark_casts, sender_buffers, swap_peers
 from .errors import ExecutorError, PeerTimeoutError, PlanMismatchError
 from .lower import Action, RankProgram, flat_pieces
 from .replay import PROCESS, Dependencies, abandoned, backoff_wait, failure, refuse_broken
@@ -149,9 +149,7 @@ class MpiEngine:
             if t in swapped or p.tensors[t].scale_of in swapped:
                 self.gated += self.reads_src[t]
             self.reads_src[t] = []  # read from `buffer`, never from the caller's shard
-        for k, (t, c, _) in enumerate(self.converting):  # what reads the cast shard or its scales casts it first
-            for i in readers.get(t, []) + readers.get(c.scales, []):
-                self.casts_before[i] = (self.casts_before[i] or ()) + (k,)
+        mark_casts(self.casts_before, self.converting, readers)  # what reads the cast shard or its scales casts it first
         self.cast_run = [-1] * len(self.converting)  # the run that last cast each converting tensor
         self.run_count = 0
         self.amaxes: dict = {}  # per converting tensor with a per-tensor scale, its amax over every sender, this run

@@ -56,7 +56,7 @@ import numpy as np
 
 from .apart import refuse_overlapping_into, refuse_shared
 from .arrays import RAW_KINDS, storage_dtype
-from .conversions import cast_once, sender_buffers, swap_peers
+from .conversions import cast_once, mark_casts, sender_buffers, swap_peers
 from .destinations import Destinations, bytes_of
 from .engines import EngineContext
 from .errors import BackendUnavailableError, ExecutorError, PeerTimeoutError, PlanMismatchError
@@ -147,9 +147,7 @@ class TorchEngine:
             for i in self.reads_src[t]:
                 self._make(i)
             self.reads_src[t] = []  # read from `buffer`, never from the caller's shard
-        for k, (t, c, _) in enumerate(self.converting):  # what reads the cast shard or its scales casts it first
-            for i in readers.get(t, []) + readers.get(c.scales, []):
-                self.casts_before[i] = (self.casts_before[i] or ()) + (k,)
+        mark_casts(self.casts_before, self.converting, readers)  # what reads the cast shard or its scales casts it first
         self.cast_run = [-1] * len(self.converting)  # the run that last cast each converting tensor
         self.shards = None  # the converting tensors' typed source shards, during a run (`_prepare_casts`)
         self.run_count = 0

@@ -29,6 +29,7 @@ from .geometry import Region
 
 BLOCK = 128
 FP8_MAX = {"float8_e4m3fn": 448.0, "float8_e5m2": 57344.0}
+MIN_AMAX = 1e-12  # an all-zero block still gets a finite, non-zero scale (every engine alike)
 FLOATS = ("float16", "bfloat16", "float32", "float64")
 CONVERTIBLE_TO = ("float16", "bfloat16", "float32", *FP8_MAX)
 SCALE_KINDS = ("tensor", "block")
