@@ -29,6 +29,7 @@ import numpy as np
 from xmesh_plan.schemas import Plan
 from xmesh_plan.schemas.op_kinds import reads, writes
 from xmesh_plan.schemas.plan_check import TOLERANCE_S
+from xmesh_plan.schemas.plan_check_arrays import sorted_unique
 
 _SHIFT = 32  # a cut is keyed (tensor << 32) + coordinate: one sorted array per dim holds every tensor's cuts
 
@@ -129,19 +130,13 @@ def _cuts(problems: list, boxes: Boxes, rank: int) -> list[np.ndarray] | None:
     if coordinates.size and (coordinates.min() < 0 or coordinates.max() >= 2**_SHIFT):
         return None
     keys = np.concatenate(tensors) << _SHIFT
-    return [_unique(keys + coordinates[:, d]) for d in range(rank)]
+    return [sorted_unique(keys + coordinates[:, d]) for d in range(rank)]
 
 
 def _at(cuts: list[np.ndarray], tensor: np.ndarray, points: np.ndarray) -> list[np.ndarray]:
     """Per dim, the position of each point (a cut of its tensor) in its tensor's cuts, counted from the first tensor's."""
     keyed = tensor << _SHIFT
     return [np.searchsorted(c, keyed + points[:, d]) for d, c in enumerate(cuts)]
-
-
-def _unique(values: np.ndarray) -> np.ndarray:
-    """Sorted distinct integers (a sort and a mask: numpy 2's `np.unique` hashes, ten times slower on 10^6 of them)."""
-    ordered = np.sort(values)
-    return ordered[np.concatenate(([True], ordered[1:] != ordered[:-1]))] if len(ordered) else ordered
 
 
 def _cells(grid: "_Grids", pair: np.ndarray, lo: list[np.ndarray], hi: list[np.ndarray], limit: int) -> tuple[np.ndarray, np.ndarray] | None:
