@@ -436,18 +436,15 @@ jobs, CPU seconds much less.
 Columns: **GiB** moved once; **unit tasks** and **operations** of the plan; **compile s** wall clock and
 **compile CPU s**; **peak RSS MiB** of the process when the compile returned; **plan MiB**, the file in the format
 the point wrote (npz: compact, written from the compile's rows and verified from its columns, as `compile -o
-NAME.plan.npz` does; json: points measured before the compile wrote its plan from rows);
+NAME.plan.npz` does; json: the shrunk rows of `frontier-shrunk.json`, whose points wrote JSON plans);
 **verify s**; the plan's predicted time over the byte bound (**/ bound**) and its time in the executor's order
 (**executor / bound**, where the plan states it), and what timed the plan (`solver.details.timed_by`): the
 simulator in host order, or the schedule's own timetable for a plan of more than `compile.MAX_SIMULATED_MESSAGES`
-messages (counted from its operations before any flow is made; the full DeepSeek-V3-like plan has 8.8 M) or one whose simulation would take more than `compile.MAX_SIMULATION_WORK` units of work (the full
-DeepSeek-V3-like row, measured at d8332d4, before the message limit, passed that budget, counted in flow-rate updates only). A row with `--max-tasks` ran with that limit. `--max-tasks` counts
+messages (counted from its operations before any flow is made; the full DeepSeek-V3-like plan has 8.8 M) or one whose simulation would take more than `compile.MAX_SIMULATION_WORK` units of work. A row with `--max-tasks` ran with that limit. `--max-tasks` counts
 what a compile holds (each kind of tensor's boxes, then the tasks it schedules; docs/format.md), so the full
 DeepSeek-V3-like problem (613,248 tasks with the 32 MiB bucket; 667,520 with 4 MiB) passes the default. Its compile keeps the plan as rows, not records
 (`planner/plan_rows.py`), writes the compact file from them and verifies that file; a point that ran out of time
-names the phase it was in, and a finished full-size point lists its phases below the table. The full DeepSeek-V3-like
-row is measured at commit d8332d4, whose default bundle bucket is 4 MiB on these hosts; the other rows use the 32 MiB
-default below. On these hosts every message
+names the phase it was in, and a finished full-size point lists its phases below the table. Every row uses the 32 MiB default bucket below. On these hosts every message
 is striped over the 8 NICs and each NIC pays its per-message overhead (`inspect` says so), so the default bundle
 bucket is 32 MiB, what the NICs move in 80 us (`coalesce.default_bucket_bytes`; 4 MiB on one 400 Gbit/s NIC):
 boxes up to 4 MiB travel in bundles, fewer and larger messages. Bundles are staged, and posted order stages all

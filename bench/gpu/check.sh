@@ -2,7 +2,7 @@
 # The executor's GPU paths on ONE GPU, every rank on GPU 0 (NCCL over sockets, NCCL_HOSTID per rank): the real-GPU
 # tests, the MPI + CuPy nccl engine and the torch engine over NCCL on four plans (--check), the DTensor front end
 # on CUDA tensors, and WeightSync over NCCL (the demo, plain and converting, and two launches joined by
-# transfer_group). It passes on one H200 (docs/executor.md, "GPU"); its timings mean nothing (eight ranks share one
+# transfer_group). It passed on one H200 (docs/executor.md, "GPU", names the commits); its timings mean nothing (eight ranks share one
 # GPU over sockets), so none are kept.
 #
 # Prepare here (pip works here, not there), in the repo root:
@@ -85,8 +85,8 @@ section_convert() {
   bash bench/gpu/convert_check.sh
 }
 section_pytest() {
-  echo "=== pytest -m gpu tests/test_executor_gpu.py tests/test_convert_torch.py (at ${SECONDS} s)"
-  timeout 300 python3 -m pytest -p no:cacheprovider -m gpu tests/test_executor_gpu.py tests/test_convert_torch.py -rA 2>&1 | tail -8
+  echo "=== pytest -m gpu tests/test_executor_gpu.py tests/test_executor_gpu_convert.py tests/test_convert_torch.py (at ${SECONDS} s)"
+  timeout 300 python3 -m pytest -p no:cacheprovider -m gpu tests/test_executor_gpu.py tests/test_executor_gpu_convert.py tests/test_convert_torch.py -rA 2>&1 | tail -8
 }
 # the sections named on the command line, else all of them, the newest paths first (a run cut short by its time limit
 # still says the most): convert demo separate dtensor torch cupy pytest
