@@ -613,6 +613,12 @@ def _piece(word: str, k: int) -> str:
 
 
 @lru_cache(maxsize=1 << 12)
+def _needed(needers: tuple[tuple[int, ...], ...], device: int) -> tuple[int, ...]:
+    """The parts of a bundle that `device` needs (`needers[i]`: the devices that need part i): once per distinct bundle."""
+    return tuple(i for i, group in enumerate(needers) if device in group)
+
+
+@lru_cache(maxsize=1 << 12)
 def _part_offsets(parts: tuple[Region, ...], itemsize: int) -> tuple[int, ...]:
     """Each part's byte offset in a bundle's cross-host message, and its end: once per distinct bundle."""
     offsets = [0]
@@ -649,21 +655,20 @@ def _lower_bundle(b: _Builder, op: Operation, base: int) -> None:
             b.add(Action.SEND, op, deps=packs, peer=op.src, tag=base + k, data=span(at, run), piece=_piece("gather", k))
     if b.device == relay:
         at = b.stage(offsets[-1])
-        recv = b.add(Action.RECV, op, peer=op.src, tag=cross, data=new_bytes("stage", at, at + offsets[-1], 0), piece="bundle")
-        for i, (part, needers) in enumerate(zip(op.parts, op.needers)):
-            if relay in needers:
-                box = b.box("dst", part)
-                b.record(op, box, [b.add(Action.UNPACK, op, deps=(recv,), data=span(at, (i,)), box=box, piece=_piece("part", i))])
+        arrived = (b.add(Action.RECV, op, peer=op.src, tag=cross, data=new_bytes("stage", at, at + offsets[-1], 0), piece="bundle"),)
+        for i in _needed(op.needers, relay):  # `arrived`: one tuple for every step that waits for the message
+            box = b.box("dst", op.parts[i])
+            b.record(op, box, [b.add(Action.UNPACK, op, arrived, data=span(at, (i,)), box=box, piece=_piece("part", i))])
         for j, (d, run) in enumerate(scatters):
-            b.add(Action.SEND, op, deps=(recv,), peer=d, tag=cross + 1 + j, data=span(at, run), piece=_piece("scatter", j))
+            b.add(Action.SEND, op, arrived, peer=d, tag=cross + 1 + j, data=span(at, run), piece=_piece("scatter", j))
         return
     for j, (d, run) in enumerate(scatters):
         if d == b.device:
             at = b.stage(offsets[run[-1] + 1] - offsets[run[0]]) - offsets[run[0]]
-            recv = b.add(Action.RECV, op, peer=relay, tag=cross + 1 + j, data=span(at, run), piece=_piece("scatter", j))
+            arrived = (b.add(Action.RECV, op, peer=relay, tag=cross + 1 + j, data=span(at, run), piece=_piece("scatter", j)),)
             for i in run:
                 box = b.box("dst", op.parts[i])
-                b.record(op, box, [b.add(Action.UNPACK, op, deps=(recv,), data=span(at, (i,)), box=box, piece=_piece("part", i))])
+                b.record(op, box, [b.add(Action.UNPACK, op, arrived, data=span(at, (i,)), box=box, piece=_piece("part", i))])
 
 
 _LOWER = supported("executor.lower", {"local": _lower_copy, "chain": _lower_chain, "ring": _lower_ring, "bundle": _lower_bundle})

@@ -144,13 +144,12 @@ def _merge_crossings(steps: tuple[Step, ...], key: Mapping[int, int]) -> tuple[S
     for old, to in instead.items():
         index[old] = index[to]
     out = []
+    remade: dict[tuple[int, ...], tuple[int, ...]] = {}  # deps -> renumbered: one tuple for the steps that wait alike
     for i in kept:
         s = merged.get(i, steps[i])
-        deps = s.deps
-        if len(deps) == 1:  # most steps wait for one step or none
-            deps = (index[deps[0]],)
-        elif deps:
-            deps = tuple(sorted({index[d] for d in deps}))
+        deps = remade.get(s.deps)
+        if deps is None:
+            deps = remade[s.deps] = tuple(sorted({index[d] for d in s.deps}))
         out.append(s if index[i] == i and deps == s.deps else s.moved(index[i], deps))  # steps before the first dropped one stay
     return tuple(out)
 
