@@ -448,7 +448,8 @@ class _Builder:
     def add(self, action: Action, op: Operation, deps: tuple[int, ...] = (), peer: int = -1, tag: int = 0,
             data: Bytes | None = None, box: Box | None = None, target: Box | None = None, piece: str = "") -> int:
         index = len(self.steps)
-        self.steps.append(new_step(index, action, op.id, op.task, op.kind, deps, peer, tag, data, box, target, piece, self.tensor.index, ()))
+        self.steps.append(new_step(index, action, op.id, op.task, op.kind, deps, peer, tag, data, box, target, piece,
+                                   self.tensor.index, ()))
         return index
 
     def collective(self, op: Operation, root: int, box: Box, chunks=(), target: Box | None = None) -> None:
