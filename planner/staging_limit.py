@@ -31,7 +31,7 @@ from xmesh_plan.schemas import ReshardingProblem
 from xmesh_plan.schemas.geometry import Region, region_shape, region_size
 from xmesh_plan.schemas.op_kinds import chunk_bounds, members, rule_of
 from xmesh_plan.schemas.plan_check import MAX_CHUNKS
-from xmesh_plan.schemas.staging import staged_bytes
+from xmesh_plan.schemas.staging import aligned, staged_bytes
 
 from .problem_io import InputError
 from .strategies import PlannedOp
@@ -108,6 +108,28 @@ def op_staging(op: PlannedOp, problem: ReshardingProblem) -> int:
     """The most bytes `op` stages on any one of its devices."""
     src, dst = problem.blocks("src"), problem.blocks("dst")
     return max((staged_bytes(op, d, src.get(d), dst.get(d), problem.itemsize) for d in members(op)), default=0)
+
+
+def posted_staging(timed_ops: list[TimedOp], problems: Sequence[ReshardingProblem]) -> dict[int, int]:
+    """Device -> the bytes it stages with every operation in flight at once (posted), each operation's bytes rounded up
+    to the largest element size among `problems`: at least what the executor's posted order allocates there
+    (`schemas.staging.staging_peaks`, which lays shared messages' boxes out one after another at that alignment)."""
+    align = max(p.itemsize for p in problems)
+    shards = [(p.blocks("src"), p.blocks("dst"), p.itemsize) for p in problems]
+    total: dict[int, int] = {}
+    for _, _, tensor, op in timed_ops:
+        src, dst, itemsize = shards[tensor or 0]
+        for d in members(op):
+            nbytes = staged_bytes(op, d, src.get(d), dst.get(d), itemsize)
+            if nbytes:
+                total[d] = total.get(d, 0) + aligned(nbytes, align)
+    return total
+
+
+def default_limit(timed_ops: list[TimedOp], problems: Sequence[ReshardingProblem], posted_bytes: int) -> int | None:
+    """The staging limit a compile applies when none is given (`CompileOptions.posted_staging_bytes`): `posted_bytes`
+    where posted order would stage more on some device (`posted_staging`), else None (the plan runs posted)."""
+    return posted_bytes if max(posted_staging(timed_ops, problems).values(), default=0) > posted_bytes else None
 
 
 def _count(staging: Iterable[tuple[int, int, PlannedOp]], limit: int) -> int:
