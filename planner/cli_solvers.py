@@ -113,7 +113,8 @@ def _over_best(seconds: float, best: float) -> float | None:
 @click.argument("plan_files", nargs=-1, required=True, type=click.Path(dir_okay=False))
 @click.option("--max-ratio", default=1.1, show_default=True, type=POSITIVE,
               help="fail when predicted time exceeds this times the lower bound (or the reference's predicted time); a "
-                   "multi-tensor plan's time posted, the executor's default order for it, counts too")
+                   "multi-tensor plan's time in the executor's default order for it (posted, or device order under a "
+                   "staging limit) counts too")
 @click.option("--reference", type=click.Path(dir_okay=False), help="a reference plan to compare predicted times with")
 @click.option("--tensors", "per_tensor", is_flag=True, help="multi-tensor plans: also a row per tensor (when it is done, its own bound)")
 @click.option("--simulate", "simulate_anyway", is_flag=True,
@@ -124,8 +125,8 @@ def _over_best(seconds: float, best: float) -> float | None:
 def check_command(plan_files, max_ratio, reference, per_tensor, simulate_anyway):
     """Exit 1 when a plan fails verification, when its stored times or bound disagree with what they
     recompute to, or when it is more than --max-ratio over its lower bound or a reference plan (for CI).
-    A multi-tensor plan is also timed posted, as the executor runs it by default, and that time is gated too.
-    A plan is re-simulated where compile would simulate it (the same message count and work budget);
+    A multi-tensor plan is also timed in the order the executor runs it by default (posted, or device order
+    where it states a staging limit), and that time is gated too. A plan is re-simulated where compile would simulate it (the same message count and work budget);
     otherwise its stored times are reported unchecked, and the line says why (--simulate simulates it anyway).
 
     \b

@@ -377,7 +377,9 @@ def compile_rows(problem: ReshardingProblem | TransferProblem, options: CompileO
     `cross_tensor`: bundles of several tensors between two hosts share one message up to the bucket
     (`coalesce.share_messages`, `schemas.carriers`). `max_staging_bytes`: no device stages more in device order
     (`planner/staging_limit.py`; a transfer's tensors share one staging area per device); the plan states the limit
-    and each device's peak (`Plan.staging`), and more than `max_tasks` operations are refused. A multi-tensor plan
+    and each device's peak (`Plan.staging`), and more than `max_tasks` operations are refused. Given none, a
+    `TransferProblem` whose posted order would stage more than `posted_staging_bytes` on a device gets that limit
+    (`CompileOptions.resolved`); 0: no limit. A multi-tensor plan
     also states its time run in the executor's default order for it (`executor_order`)."""
     if options is not None and not isinstance(options, CompileOptions):
         raise TypeError(f"options is a {type(options).__name__}; pass a CompileOptions, or settings by keyword "
