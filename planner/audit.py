@@ -60,10 +60,10 @@ def audit_plan(plan: Plan, any_size: bool = False) -> Audit:
     Whether it is re-simulated is decided as compile decides (`compile.too_many_messages` on the same message count,
     then the same work budget), whatever `solver.details.timed_by` claims (a plan simulated when compiled under other
     limits included); `unsimulated` says why not. One that claims the schedule's times is believed only when its
-    listing does not settle (see `compile.settle_listing`), as in compile. `any_size` (`check --simulate`): a multi-tensor plan is also timed in
-    the executor's default order whatever it costs, where compile's limits would leave it untimed (a plan of more
-    than `compile.MAX_SIMULATED_MESSAGES` messages, or a posted simulation past `posted_budget`); its host-order
-    times are checked as without it."""
+    listing does not settle (see `compile.settle_listing`), as in compile. `any_size` (`check --simulate`): a
+    multi-tensor plan is also timed in the executor's default order whatever it costs, where compile's limits would
+    leave it untimed (a plan of more than `compile.MAX_SIMULATED_MESSAGES` messages, or a posted simulation past
+    `posted_budget`); its host-order times are checked as without it."""
     problem = plan.problem
     tensors = [(decompose(p, max_tasks=None), p.itemsize) for p in problem.tensor_problems()]  # the plan holds these tasks already
     bound = joint_lower_bound(tensors, problem.cluster).seconds
