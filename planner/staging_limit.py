@@ -29,9 +29,9 @@ from typing import Iterable, Sequence
 
 from xmesh_plan.schemas import ReshardingProblem
 from xmesh_plan.schemas.geometry import Region, region_shape, region_size
-from xmesh_plan.schemas.op_kinds import chunk_bounds, members, rule_of
+from xmesh_plan.schemas.op_kinds import chunk_bounds, rule_of
 from xmesh_plan.schemas.plan_check import MAX_CHUNKS
-from xmesh_plan.schemas.staging import aligned, staged_bytes
+from xmesh_plan.schemas.staging import aligned, staged_on_members
 
 from .problem_io import InputError
 from .strategies import PlannedOp
@@ -104,10 +104,17 @@ def split_op(op: PlannedOp, pieces: Sequence[Region]) -> list[PlannedOp]:
     return out
 
 
-def op_staging(op: PlannedOp, problem: ReshardingProblem) -> int:
+Shards = tuple[dict[int, Region], dict[int, Region], int]  # a tensor's source and destination boxes by device, and its element size
+
+
+def shards_of(problems: Sequence[ReshardingProblem]) -> list[Shards]:
+    """Each tensor's `Shards`, read once for all its operations."""
+    return [(p.blocks("src"), p.blocks("dst"), p.itemsize) for p in problems]
+
+
+def op_staging(op: PlannedOp, shards: Shards) -> int:
     """The most bytes `op` stages on any one of its devices."""
-    src, dst = problem.blocks("src"), problem.blocks("dst")
-    return max((staged_bytes(op, d, src.get(d), dst.get(d), problem.itemsize) for d in members(op)), default=0)
+    return max((n for _, n in staged_on_members(op, *shards)), default=0)
 
 
 def posted_staging(timed_ops: list[TimedOp], problems: Sequence[ReshardingProblem]) -> dict[int, int]:
@@ -115,12 +122,10 @@ def posted_staging(timed_ops: list[TimedOp], problems: Sequence[ReshardingProble
     to the largest element size among `problems`: at least what the executor's posted order allocates there
     (`schemas.staging.staging_peaks`, which lays shared messages' boxes out one after another at that alignment)."""
     align = max(p.itemsize for p in problems)
-    shards = [(p.blocks("src"), p.blocks("dst"), p.itemsize) for p in problems]
+    shards = shards_of(problems)
     total: dict[int, int] = {}
     for _, _, tensor, op in timed_ops:
-        src, dst, itemsize = shards[tensor or 0]
-        for d in members(op):
-            nbytes = staged_bytes(op, d, src.get(d), dst.get(d), itemsize)
+        for d, nbytes in staged_on_members(op, *shards[tensor or 0]):
             if nbytes:
                 total[d] = total.get(d, 0) + aligned(nbytes, align)
     return total
@@ -157,7 +162,8 @@ def limit_staging(timed_ops: list[TimedOp], problems: Sequence[ReshardingProblem
     """Every operation that would stage more than `limit_bytes` on a device, cut into operations that stage
     at most that (see the module docstring); StagingLimitError when the limit cannot be met. `problems[t]`
     is tensor t's problem (the one problem of a single-tensor plan, whose operations have tensor None)."""
-    staging = [(op_staging(op, problems[tensor or 0]), problems[tensor or 0].itemsize, op) for _, _, tensor, op in timed_ops]
+    shards = shards_of(problems)
+    staging = [(op_staging(op, shards[tensor or 0]), shards[tensor or 0][2], op) for _, _, tensor, op in timed_ops]
     if any(op.kind == "bundle" and nbytes > limit_bytes for nbytes, _, op in staging):
         raise ValueError("a bundle stages more than the staging limit; cap the bucket by it (compile_plan does)")
     widest = max(problems, key=lambda p: p.itemsize)  # the first tensor with the largest elements

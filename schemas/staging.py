@@ -105,6 +105,22 @@ def staged_bytes(op: OpLike, device: int, src_block: Region | None, dst_block: R
     return _PATTERNS[rule_of(op).pattern].staged(op, device, src_block, dst_block, itemsize)
 
 
+def staged_on_members(op: OpLike, src_blocks: dict[int, Region], dst_blocks: dict[int, Region], itemsize: int) -> list[tuple[int, int]]:
+    """(device, `staged_bytes` there) for each of `op`'s members in order, the shards given as device -> box per side.
+    A bundle's part sizes are counted once for all its devices, not once per device (a MoE plan's bundles carry many
+    parts to many devices, and every staging figure of a plan asks this of every operation)."""
+    if rule_of(op).pattern != "bundle":
+        return [(d, staged_bytes(op, d, src_blocks.get(d), dst_blocks.get(d), itemsize)) for d in members(op)]
+    sizes = [region_size(p) for p in op.parts]
+    relays = (op.src, op.dsts[0])
+    gathers, scatters = bundle_runs(op)
+    runs: dict[int, int] = {}
+    for d, run in gathers + scatters:
+        runs[d] = runs.get(d, 0) + sum(sizes[i] for i in run)
+    whole = sum(sizes)
+    return [(d, itemsize * (whole if d in relays else runs.get(d, 0))) for d in members(op)]
+
+
 def peers(op: OpLike, device: int) -> frozenset[int]:
     """The devices `device` sends to or receives from in `op` (the non-empty messages of `op_kinds.route`)."""
     return _PATTERNS[rule_of(op).pattern].peers(op, device)
@@ -229,10 +245,10 @@ def footprints(plan: "Plan") -> dict[int, list[Footprint]]:
         mine: dict[int, tuple[set[int], list[int]]] = {}
         for op in group:
             src, dst, itemsize = shards[op.tensor or 0]
-            for device in members(op):
+            for device, nbytes in staged_on_members(op, src, dst, itemsize):
                 talks, sizes = mine.setdefault(device, (set(), []))
                 talks |= peers(op, device)
-                sizes.append(staged_bytes(op, device, src.get(device), dst.get(device), itemsize))
+                sizes.append(nbytes)
         for device, (talks, sizes) in mine.items():
             out.setdefault(device, []).append((frozenset(talks), chained(sizes, align)))
     return out
