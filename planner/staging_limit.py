@@ -112,9 +112,24 @@ def shards_of(problems: Sequence[ReshardingProblem]) -> list[Shards]:
     return [(p.blocks("src"), p.blocks("dst"), p.itemsize) for p in problems]
 
 
-def op_staging(op: PlannedOp, shards: Shards) -> int:
-    """The most bytes `op` stages on any one of its devices."""
-    return max((n for _, n in staged_on_members(op, *shards)), default=0)
+class StagedOps:
+    """`staged_on_members` of a compile's operations by tensor index, each distinct (operation, kind of tensor) counted
+    once: tensors with the same shards and element size share their operation objects (`compile.renumbered`), so a
+    model's repeated layers are counted once, not once a layer."""
+
+    def __init__(self, problems: Sequence[ReshardingProblem]):
+        self.shards = shards_of(problems)
+        kinds: dict[tuple, int] = {}
+        self.kind = [kinds.setdefault((size, tuple(src.items()), tuple(dst.items())), len(kinds)) for src, dst, size in self.shards]
+        self.memo: dict[tuple[int, int], tuple[PlannedOp, list[tuple[int, int]]]] = {}  # holds each op, so its id stays its own
+
+    def __call__(self, op: PlannedOp, tensor: int | None) -> list[tuple[int, int]]:
+        t = tensor or 0
+        key = (id(op), self.kind[t])
+        known = self.memo.get(key)
+        if known is None:
+            known = self.memo[key] = (op, staged_on_members(op, *self.shards[t]))
+        return known[1]
 
 
 def posted_staging(timed_ops: list[TimedOp], problems: Sequence[ReshardingProblem]) -> dict[int, int]:
@@ -122,10 +137,10 @@ def posted_staging(timed_ops: list[TimedOp], problems: Sequence[ReshardingProble
     to the largest element size among `problems`: at least what the executor's posted order allocates there
     (`schemas.staging.staging_peaks`, which lays shared messages' boxes out one after another at that alignment)."""
     align = max(p.itemsize for p in problems)
-    shards = shards_of(problems)
+    staged = StagedOps(problems)
     total: dict[int, int] = {}
     for _, _, tensor, op in timed_ops:
-        for d, nbytes in staged_on_members(op, *shards[tensor or 0]):
+        for d, nbytes in staged(op, tensor):
             if nbytes:
                 total[d] = total.get(d, 0) + aligned(nbytes, align)
     return total
@@ -162,8 +177,9 @@ def limit_staging(timed_ops: list[TimedOp], problems: Sequence[ReshardingProblem
     """Every operation that would stage more than `limit_bytes` on a device, cut into operations that stage
     at most that (see the module docstring); StagingLimitError when the limit cannot be met. `problems[t]`
     is tensor t's problem (the one problem of a single-tensor plan, whose operations have tensor None)."""
-    shards = shards_of(problems)
-    staging = [(op_staging(op, shards[tensor or 0]), shards[tensor or 0][2], op) for _, _, tensor, op in timed_ops]
+    staged = StagedOps(problems)
+    staging = [(max((n for _, n in staged(op, tensor)), default=0), problems[tensor or 0].itemsize, op)
+               for _, _, tensor, op in timed_ops]
     if any(op.kind == "bundle" and nbytes > limit_bytes for nbytes, _, op in staging):
         raise ValueError("a bundle stages more than the staging limit; cap the bucket by it (compile_plan does)")
     widest = max(problems, key=lambda p: p.itemsize)  # the first tensor with the largest elements
