@@ -31,7 +31,7 @@ from xmesh_plan.schemas import ReshardingProblem
 from xmesh_plan.schemas.geometry import Region, region_shape, region_size
 from xmesh_plan.schemas.op_kinds import chunk_bounds, rule_of
 from xmesh_plan.schemas.plan_check import MAX_CHUNKS
-from xmesh_plan.schemas.staging import aligned, staged_on_members
+from xmesh_plan.schemas.staging import aligned, shard_kinds, staged_on_members
 
 from .problem_io import InputError
 from .strategies import PlannedOp
@@ -119,8 +119,7 @@ class StagedOps:
 
     def __init__(self, problems: Sequence[ReshardingProblem]):
         self.shards = shards_of(problems)
-        kinds: dict[tuple, int] = {}
-        self.kind = [kinds.setdefault((size, tuple(src.items()), tuple(dst.items())), len(kinds)) for src, dst, size in self.shards]
+        self.kind = shard_kinds(self.shards)
         self.memo: dict[tuple[int, int], tuple[PlannedOp, list[tuple[int, int]]]] = {}  # holds each op, so its id stays its own
 
     def __call__(self, op: PlannedOp, tensor: int | None) -> list[tuple[int, int]]:

@@ -121,6 +121,13 @@ def staged_on_members(op: OpLike, src_blocks: dict[int, Region], dst_blocks: dic
     return [(d, itemsize * (whole if d in relays else runs.get(d, 0))) for d in members(op)]
 
 
+def shard_kinds(shards: Sequence[tuple[dict[int, Region], dict[int, Region], int]]) -> list[int]:
+    """For each tensor's (source boxes, destination boxes, element size) by device, the index of the first tensor with
+    the same: tensors of one kind stage alike."""
+    kinds: dict[tuple, int] = {}
+    return [kinds.setdefault((size, tuple(src.items()), tuple(dst.items())), len(kinds)) for src, dst, size in shards]
+
+
 def peers(op: OpLike, device: int) -> frozenset[int]:
     """The devices `device` sends to or receives from in `op` (the non-empty messages of `op_kinds.route`)."""
     return _PATTERNS[rule_of(op).pattern].peers(op, device)
@@ -239,15 +246,22 @@ def footprints(plan: "Plan") -> dict[int, list[Footprint]]:
     from .carriers import message_groups
 
     shards = [(p.blocks("src"), p.blocks("dst"), p.itemsize) for p in plan.problem.tensor_problems()]
+    kind = shard_kinds(shards)
+    memo: dict[tuple, tuple] = {}  # operations made of the same box objects (a compile's repeated layers) on one kind of shards: once
     align = staging_align(plan)
     out: dict[int, list[Footprint]] = {}
     for group in message_groups(plan.operations):
         mine: dict[int, tuple[set[int], list[int]]] = {}
         for op in group:
-            src, dst, itemsize = shards[op.tensor or 0]
-            for device, nbytes in staged_on_members(op, src, dst, itemsize):
+            t = op.tensor or 0
+            key = (op.kind, op.src, op.dsts, id(op.region), id(op.parts), id(op.holders), id(op.needers), kind[t])
+            known = memo.get(key)
+            if known is None:  # holds the boxes, so their ids stay theirs
+                known = memo[key] = ((op.region, op.parts, op.holders, op.needers),
+                                     [(d, n, peers(op, d)) for d, n in staged_on_members(op, *shards[t])])
+            for device, nbytes, near in known[1]:
                 talks, sizes = mine.setdefault(device, (set(), []))
-                talks |= peers(op, device)
+                talks |= near
                 sizes.append(nbytes)
         for device, (talks, sizes) in mine.items():
             out.setdefault(device, []).append((frozenset(talks), chained(sizes, align)))
