@@ -250,16 +250,24 @@ def footprints(plan: "Plan") -> dict[int, list[Footprint]]:
     memo: dict[tuple, tuple] = {}  # operations made of the same box objects (a compile's repeated layers) on one kind of shards: once
     align = staging_align(plan)
     out: dict[int, list[Footprint]] = {}
+
+    def each(op) -> list[tuple[int, Footprint]]:
+        t = op.tensor or 0
+        key = (op.kind, op.src, op.dsts, id(op.region), id(op.parts), id(op.holders), id(op.needers), kind[t])
+        known = memo.get(key)
+        if known is None:  # holds the boxes, so their ids stay theirs
+            known = memo[key] = ((op.region, op.parts, op.holders, op.needers),
+                                 [(d, (peers(op, d), n)) for d, n in staged_on_members(op, *shards[t])])
+        return known[1]
+
     for group in message_groups(plan.operations):
+        if len(group) == 1:  # one operation: its footprints as they are (shared with the same operation elsewhere)
+            for device, footprint in each(group[0]):
+                out.setdefault(device, []).append(footprint)
+            continue
         mine: dict[int, tuple[set[int], list[int]]] = {}
         for op in group:
-            t = op.tensor or 0
-            key = (op.kind, op.src, op.dsts, id(op.region), id(op.parts), id(op.holders), id(op.needers), kind[t])
-            known = memo.get(key)
-            if known is None:  # holds the boxes, so their ids stay theirs
-                known = memo[key] = ((op.region, op.parts, op.holders, op.needers),
-                                     [(d, n, peers(op, d)) for d, n in staged_on_members(op, *shards[t])])
-            for device, nbytes, near in known[1]:
+            for device, (near, nbytes) in each(op):
                 talks, sizes = mine.setdefault(device, (set(), []))
                 talks |= near
                 sizes.append(nbytes)
