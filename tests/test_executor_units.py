@@ -570,3 +570,69 @@ def test_what_a_paused_collector_block_made_is_in_the_oldest_generation_after_it
         gc.set_threshold(*thresholds)
     assert not any(id(o) in young for o in made)
     assert {id(o) for o in made} <= oldest
+
+
+def test_maker_refuses_a_class_with_post_init():
+    """`lower.maker` sets the fields and skips `__post_init__`: a class that checks its values there is refused."""
+    import dataclasses
+
+    from xmesh_plan.executor.lower import maker
+
+    @dataclasses.dataclass(frozen=True, slots=True)
+    class Checked:
+        start: int
+        stop: int
+
+        def __post_init__(self):
+            if self.stop < self.start:
+                raise ValueError("stop < start")
+
+    with pytest.raises(TypeError, match="Checked.*__post_init__"):
+        maker(Checked)
+
+
+def test_a_paused_collector_block_keeps_what_the_caller_froze():
+    """`passes.collector_paused` leaves `gc.freeze`'s permanent generation as the caller left it (the pre-fork
+    copy-on-write idiom freezes everything before forking workers)."""
+    import gc
+
+    from xmesh_plan.executor.passes import collector_paused
+
+    kept = [[k] for k in range(100)]
+    gc.freeze()
+    try:
+        frozen = gc.get_freeze_count()
+        assert frozen >= len(kept)
+        with collector_paused():
+            made = [[k] for k in range(100)]
+        assert gc.get_freeze_count() == frozen
+    finally:
+        gc.unfreeze()
+    assert made and kept
+
+
+def test_garbage_made_before_a_paused_collector_block_goes_in_a_young_collection_after_it():
+    """`passes.collector_paused` does not promote the caller's young cyclic garbage to the oldest generation, where
+    only a full collection (which may not come for a long time) would free it."""
+    import gc
+    import weakref
+
+    from xmesh_plan.executor.passes import collector_paused
+
+    class Node:
+        def __init__(self):
+            self.me = self
+
+    gc.collect()
+    thresholds = gc.get_threshold()
+    gc.set_threshold(10**9)  # no automatic collection moves the cycle while the test looks
+    try:
+        node = Node()
+        alive = weakref.ref(node)
+        del node
+        with collector_paused():
+            pass
+        gc.collect(1)
+    finally:
+        gc.set_threshold(*thresholds)
+    assert alive() is None
