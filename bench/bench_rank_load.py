@@ -13,7 +13,8 @@ MPI engine asks for it: without the group calls only NCCL replays), and reports 
 resident memory above what the imports alone take. `--whole` adds the same device through the whole plan
 (`read_plan_file`, then `rank_program` of the plan object, which checks it whole): what a rank pays without the
 index. Results: bench/results/rank_load.json, one entry per plan (by its problem's name; a run replaces its plan's),
-each with the command that measured it and `--made-by`, the command that wrote the plan file.
+each with the command that measured it, the revision it ran at, and `--made-by`, the command that wrote the plan
+file (not recorded when not given).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from __future__ import annotations
 import json
 import os
 import resource
+import shlex
 import subprocess
 import sys
 import time
@@ -81,13 +83,28 @@ def _fresh(path: str, device: int, whole: bool) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+def plan_entry(path: str, devices: str, whole: bool, made_by: str, rows: list[dict]) -> dict:
+    """The results entry of one run: the plan's size, the command that wrote the file (`made_by`; None when not
+    given: it is not guessed), the command that measured it (shell-quoted, so `shlex.split` gives its arguments
+    back), the revision that measured it (`git rev-parse --short HEAD`), and the rows."""
+    from xmesh_plan.executor.plan_file import PlanFile
+    from xmesh_plan.schemas.plan_compact import _Members
+
+    head = PlanFile.read(path)
+    args = [".venv/bin/python", "-m", "bench.bench_rank_load", "--plan", path] + (["--devices", devices] if devices else []) \
+        + ([] if whole else ["--no-whole"]) + (["--made-by", made_by] if made_by else [])
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True, check=True)
+    return {"plan": head.problem.name, "tensors": len(head.problem.tensor_problems()),
+            "operations": _Members(path).text("header")["counts"]["operations"], "file_bytes": os.path.getsize(path),
+            "made_by": made_by or None, "command": shlex.join(args), "commit": commit.stdout.strip(), "rows": rows}
+
+
 @click.command(help=__doc__.splitlines()[0])
 @click.option("--plan", "path", required=True, type=click.Path(exists=True, dir_okay=False), help="a compact plan file (*.plan.npz)")
 @click.option("--devices", default="", help="comma-separated devices (default: the busiest source and destination device)")
 @click.option("--whole/--no-whole", default=True, show_default=True, help="also load the whole plan for the first device")
 @click.option("--one", type=int, default=None, hidden=True, help="measure this device in this process and print JSON")
-@click.option("--made-by", default="", help="the command that wrote the plan file (default: `xmesh-plan compile` of its problem in "
-              "plans/ with default flags, -o the file)")
+@click.option("--made-by", default="", help="the command that wrote the plan file, as you ran it (default: not recorded)")
 @click.option("--out", type=click.Path(dir_okay=False, path_type=Path), default=RESULTS, show_default=True, help="results JSON")
 def main(path: str, devices: str, whole: bool, one: int | None, made_by: str, out: Path) -> None:
     if one is not None:
@@ -98,17 +115,8 @@ def main(path: str, devices: str, whole: bool, one: int | None, made_by: str, ou
     for r in rows:
         print(f"device {r['device']} ({'whole plan' if r['whole'] else 'its part'}): {r['steps']} steps, {r['seconds']:.2f} s "
               f"({r['cpu_s']:.2f} CPU s), peak RSS {r['peak_rss_mib']:.0f} MiB ({r['peak_rss_mib'] - r['imports_rss_mib']:.0f} above imports)")
-    from xmesh_plan.executor.plan_file import PlanFile
-
-    from xmesh_plan.schemas.plan_compact import _Members
-
-    head = PlanFile.read(path)
-    name = head.problem.name
-    entry = {"plan": name, "tensors": len(head.problem.tensor_problems()),
-             "operations": _Members(path).text("header")["counts"]["operations"], "file_bytes": os.path.getsize(path),
-             "made_by": made_by or f".venv/bin/xmesh-plan compile plans/{name}.problem.toml -o {path}",
-             "command": f".venv/bin/python -m bench.bench_rank_load --plan {path}" + (f" --devices {devices}" if devices else "")
-             + ("" if whole else " --no-whole") + (f" --made-by '{made_by}'" if made_by else ""), "rows": rows}
+    entry = plan_entry(path, devices, whole, made_by, rows)
+    name = entry["plan"]
     plans = json.loads(out.read_text())["plans"] if out.exists() else []
     plans = [entry if p["plan"] == name else p for p in plans] + ([] if any(p["plan"] == name for p in plans) else [entry])
     write_atomic(out, json.dumps({"plans": plans}, indent=1) + "\n")

@@ -642,6 +642,20 @@ columns (`planner/verify_columns.py`), reading as records only what the arrays d
 
 # ---- 4. executor overhead ----------------------------------------------------------------------------------------
 
+def made_by(command: str | None) -> str:
+    """The command that wrote a rank-load plan file, as recorded (`bench_rank_load --made-by`), or that it was not."""
+    return f"`{command}`" if command else "a command not recorded"
+
+
+def rank_load_over_target(loads: list[dict]) -> str:
+    """The rank-load rows that miss the target (1 CPU s, 256 MiB peak RSS), named, or that none does."""
+    over = [f"`{p['plan']}` device {r['device']} ({'whole plan' if r['whole'] else 'its part'}: {r['cpu_s']:.2f} CPU s, "
+            f"{r['peak_rss_mib']:,.0f} MiB)" for p in loads for r in p["rows"] if r["cpu_s"] >= 1 or r["peak_rss_mib"] >= 256]
+    if not over:
+        return "Every row is within the target (under 1 CPU s and 256 MiB peak RSS)."
+    return "Rows that miss the target (1 CPU s or more, or 256 MiB peak RSS or more): " + "; ".join(over) + "."
+
+
 def executor_overhead() -> str:
     data = load("executor.json")
     rev = data["compared_with"]
@@ -661,11 +675,12 @@ def executor_overhead() -> str:
     low = [[r["plan"], r["operations"], r["device"], r["steps"], f"{r['lower_s']:.3f}", f"{r['before_s']:.3f}", f"{r['lower_s'] / r['before_s']:.2f}"]
            for r in lowering["rows"]]
     loads = load("rank_load.json")["plans"]
-    rank_rows = [[p["plan"], r["device"], "whole plan" if r["whole"] else "its part (index)", f"{r['operations']:,}", f"{r['steps']:,}",
-                  r["order"], f"{r['seconds']:.2f}", f"{r['cpu_s']:.2f}", f"{r['peak_rss_mib']:,.0f}",
-                  f"{r['peak_rss_mib'] - r['imports_rss_mib']:,.0f}"] for p in loads for r in p["rows"]]
+    rank_rows = [[p["plan"], p.get("commit") or "not recorded", r["device"], "whole plan" if r["whole"] else "its part (index)",
+                  f"{r['operations']:,}", f"{r['steps']:,}", r["order"], f"{r['seconds']:.2f}", f"{r['cpu_s']:.2f}",
+                  f"{r['peak_rss_mib']:,.0f}", f"{r['peak_rss_mib'] - r['imports_rss_mib']:,.0f}"] for p in loads for r in p["rows"]]
     rank_plans = "\n".join(f"- `{p['plan']}`: {p['operations']:,} operations, {p['tensors']} tensors, a {p['file_bytes'] / 2**20:.1f} MiB "
-                            f"compact file written by `{p['made_by']}`; measured by `{p['command']}`." for p in loads)
+                            f"compact file written by {made_by(p.get('made_by'))}; measured by `{p['command']}`." for p in loads)
+    rank_over = rank_load_over_target(loads)
     redistribute = [[r["move"], r["ranks"], "x".join(map(str, r["shape"])) + f" ({r['mib']:.1f} MiB)", f"{r['redistribute_s'] * 1e3:.2f}",
                      f"{r['baseline_s'] * 1e3:.2f}", f"{r['baseline_over_ours']:.2f}"] for r in load("redistribute.json")]
     return f"""\
@@ -724,13 +739,17 @@ the lowering of git revision `{lowering["compared_with"]}` (best of 5). Made by
 Each row is one fresh process doing what `TransferExecutor.from_file(path, comm).prepare()` does for one device on
 the MPI engine: read the file's header, read the device's operations through the file's index, check them, lower
 them and run the passes of the executor's default order (`passes.rank_program`); a `whole plan` row does the same
-through the whole plan (`read_plan_file`, then the plan object, checked whole). Columns: **plan**; **device** (the
-source and the destination device with the most operations); what it **read**; its **operations** and lowered
-**steps**; the **order** its program runs in; **s** wall clock and **CPU s** from the start of the load to the
-program (wall clock depends on the other jobs on this machine, CPU seconds much less); **peak RSS MiB** of the
-process, and the part **above imports** (what it held once Python, numpy and the package were imported).
+through the whole plan (`read_plan_file`, then the plan object, checked whole). Columns: **plan**; **commit**, the
+revision the row was measured at; **device** (the source and the destination device with the most operations);
+what it **read**; its **operations** and lowered **steps**; the **order** its program runs in; **s** wall clock and
+**CPU s** from the start of the load to the program (wall clock depends on the other jobs on this machine, CPU
+seconds much less); **peak RSS MiB** of the process, and the part **above imports** (what it held once Python, numpy
+and the package were imported).
 
-{table(rank_rows, ["plan", "device", "read", "operations", "steps", "order", "s", "CPU s", "peak RSS MiB", "above imports"], "lrlrrlrrrr")}
+{table(rank_rows, ["plan", "commit", "device", "read", "operations", "steps", "order", "s", "CPU s", "peak RSS MiB", "above imports"],
+        "llrlrrlrrrr")}
+
+{rank_over}
 
 **`redistribute` against `full_tensor()` + broadcast + slice**, what a DTensor user writes to cross meshes
 without this package: every source rank gathers the tensor, the source mesh's first rank broadcasts it, each

@@ -61,9 +61,10 @@ class Action(StrEnum):
 
 def maker(cls: type) -> type:
     """A class whose call `maker(cls)(*values)` returns the `cls` that `cls(*values)` makes, every field given in field
-    order, for `cls` a frozen dataclass with slots and no `__post_init__`: an unfrozen class with the same slots sets each field with a plain
-    attribute store, then the instance becomes a `cls`. A frozen dataclass's own `__init__` sets each field through
-    `object.__setattr__`, about ten times slower, and a rank of a large plan makes 10^5-10^6 steps and byte ranges."""
+    order, for `cls` a frozen dataclass with slots and no `__post_init__`: an unfrozen class with the same slots sets
+    each field with a plain attribute store, then the instance becomes a `cls`. A frozen dataclass's own `__init__`
+    sets each field through `object.__setattr__`, about ten times slower, and a rank of a large plan makes 10^5-10^6
+    steps and byte ranges."""
     names = tuple(f.name for f in fields(cls))
     if names != getattr(cls, "__slots__", None):
         raise TypeError(f"{cls.__name__}: maker() needs a dataclass with slots=True, its slots its fields")
