@@ -31,24 +31,39 @@ class Audit:
     executor_seconds: float | None = None
 
 
+def _executor_seconds(plan: Plan, max_work: int | None) -> float | None:
+    """The plan's time in the executor's default order (`executor_order_seconds`), rounded as compile states it."""
+    executed = executor_order_seconds(plan.operations, plan.problem, plan.host_order, max_work, plan.staging is not None,
+                                      staging_runs(plan))
+    return None if executed is None else round(executed, DIGITS)
+
+
 def _differ(stored: float, derived: float) -> bool:
     return not math.isclose(stored, derived, rel_tol=REL_TOLERANCE, abs_tol=1e-12)
 
 
-def audit_plan(plan: Plan) -> Audit:
+def audit_plan(plan: Plan, any_size: bool = False) -> Audit:
     """Recompute the bound and every operation's times as `compile` did; call it on a verified plan.
 
     Every plan small enough to simulate is re-timed, whatever `solver.details.timed_by` claims; one
     that claims the schedule's times is believed only when its listing does not settle (see
-    `compile.settle_listing`), as in compile."""
+    `compile.settle_listing`), as in compile. `any_size` (`check --simulate`): a multi-tensor plan is also timed in
+    the executor's default order whatever it costs, where compile's limits would leave it untimed (a plan of more
+    than `compile.MAX_SIMULATED_MESSAGES` messages, or a posted simulation past `posted_budget`); its host-order
+    times are checked as without it."""
     problem = plan.problem
     tensors = [(decompose(p, max_tasks=None), p.itemsize) for p in problem.tensor_problems()]  # the plan holds these tasks already
     bound = joint_lower_bound(tensors, problem.cluster).seconds
     mismatch = None
     if _differ(plan.lower_bound_seconds, round(bound, DIGITS)):
         mismatch = f"stored lower bound {plan.lower_bound_seconds} s disagrees with {bound:.12g} s recomputed from the problem"
+
+    def kept() -> Audit:
+        """The schedule's times believed, as compile kept them (timed in the executor's order with `any_size`)."""
+        return Audit(bound, plan.predicted_seconds, False, mismatch, _executor_seconds(plan, None) if any_size else None)
+
     if too_large_to_simulate(plan.operations):
-        return Audit(bound, plan.predicted_seconds, False, mismatch)
+        return kept()
     nics = nic_assignment(plan.host_order)
     try:  # past compile's work budget compile kept the schedule's times, and so does this
         result = simulate(plan.operations, problem, "host-order", nics, max_work=MAX_SIMULATION_WORK)
@@ -56,9 +71,9 @@ def audit_plan(plan: Plan) -> Audit:
                      or _differ(op.end_s, round(result.op_end_s[op.id], DIGITS))), None)
         if late is not None and plan.solver.details.get("timed_by", "").startswith("schedule") \
                 and settle_listing(plan.operations, problem, nics, MAX_SIMULATION_WORK) is None:
-            return Audit(bound, plan.predicted_seconds, False, mismatch)
+            return kept()
     except TooCostly:
-        return Audit(bound, plan.predicted_seconds, False, mismatch)
+        return kept()
     if mismatch is None and late is not None:
         start, end = round(result.op_start_s[late.id], DIGITS), round(result.op_end_s[late.id], DIGITS)
         mismatch = (f"operation {late.id} is stored @{late.start_s}-{late.end_s}s but the simulator times it "
@@ -67,9 +82,7 @@ def audit_plan(plan: Plan) -> Audit:
     if mismatch is None and _differ(plan.predicted_seconds, predicted):
         mismatch = f"stored predicted time {plan.predicted_seconds} s disagrees with {predicted:.12g} s from the simulator"
     stated = plan.executor_prediction  # a stated time is re-derived whatever it costs; otherwise only where compile would time it
-    executed = executor_order_seconds(plan.operations, problem, plan.host_order, None if stated else posted_budget(result.work),
-                                      plan.staging is not None, staging_runs(plan))
-    executed = None if executed is None else round(executed, DIGITS)
+    executed = _executor_seconds(plan, None if stated or any_size else posted_budget(result.work))
     if mismatch is None and stated is not None and (executed is None or _differ(stated.predicted_seconds, executed)):
         mismatch = (f"stored executor_prediction ({stated.order}) {stated.predicted_seconds} s disagrees with "
                     f"{'no time' if executed is None else f'{executed:.12g} s'} from the simulator")

@@ -116,7 +116,10 @@ def _over_best(seconds: float, best: float) -> float | None:
                    "multi-tensor plan's time posted, the executor's default order for it, counts too")
 @click.option("--reference", type=click.Path(dir_okay=False), help="a reference plan to compare predicted times with")
 @click.option("--tensors", "per_tensor", is_flag=True, help="multi-tensor plans: also a row per tensor (when it is done, its own bound)")
-def check_command(plan_files, max_ratio, reference, per_tensor):
+@click.option("--simulate", "any_size", is_flag=True,
+              help="multi-tensor plans: time the executor's default order by the simulator whatever the plan's size, and gate "
+                   "on it (a plan over compile's simulation limits otherwise is not: a full frontier plan takes minutes and GiBs)")
+def check_command(plan_files, max_ratio, reference, per_tensor, any_size):
     """Exit 1 when a plan fails verification, when its stored times or bound disagree with what they
     recompute to, or when it is more than --max-ratio over its lower bound or a reference plan (for CI).
     A multi-tensor plan is also timed posted, as the executor runs it by default, and that time is gated too.
@@ -125,13 +128,13 @@ def check_command(plan_files, max_ratio, reference, per_tensor):
     Example:
       xmesh-plan check plans/*.plan.json --max-ratio 1.05
     """
-    ref = _audited(reference, read_plan_file(reference)) if reference else None
+    ref = _audited(reference, read_plan_file(reference), any_size) if reference else None
     if isinstance(ref, str):
         raise click.UsageError(f"--reference: {ref}")
     failed = 0
     for path in plan_files:
         plan = read_plan_file(path)
-        audit = _audited(path, plan)
+        audit = _audited(path, plan, any_size)
         if isinstance(audit, str):
             click.echo(f"{quoted(path)}: FAIL {audit}")
             failed += 1
@@ -152,8 +155,8 @@ def check_command(plan_files, max_ratio, reference, per_tensor):
         if not audit.retimed:
             status += " (operation times not re-checked: this plan was timed by the schedule model)"
         posted = f", {order} (executor default) {executed:.4f} s ({over_executed:.4f}x)" if executed is not None else \
-            (f", {order} (executor default) not timed: too costly to simulate here, not gated; `xmesh-plan inspect --orders` "
-             "times it" if isinstance(plan.problem, TransferProblem) else "")
+            (f", {order} (executor default) not timed: too costly to simulate here, not gated; `xmesh-plan check "
+             "--simulate` times it" if isinstance(plan.problem, TransferProblem) else "")
         click.echo(f"{quoted(path)}: predicted {predicted:.4f} s, bound {bound:.4f} s ({over:.4f}x){posted} {status}")
         if per_tensor:
             click.echo("\n".join(tensor_check_rows(plan)))
@@ -180,11 +183,11 @@ def tensor_check_rows(plan) -> list[str]:
     return rows
 
 
-def _audited(path: str, plan):
-    """The plan's recomputed figures, or a one-line reason it cannot be trusted."""
+def _audited(path: str, plan, any_size: bool = False):
+    """The plan's recomputed figures, or a one-line reason it cannot be trusted (`any_size`: `audit_plan`'s)."""
     try:
         verify_plan(plan)
     except PlanError as err:
         return f"does not verify: {err}"
-    audit = audit_plan(plan)
+    audit = audit_plan(plan, any_size)
     return f"{audit.mismatch}; recompile the plan" if audit.mismatch else audit

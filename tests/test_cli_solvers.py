@@ -127,3 +127,30 @@ def test_check_against_a_reference_of_zero_seconds_names_the_times(tmp_path):
     result = CliRunner().invoke(main, ["check", plan, "--reference", reference])
     assert result.exit_code == 1 and "inf" not in result.output, result.output
     assert "where the reference" in result.output and "takes 0 s" in result.output
+
+
+def test_check_simulate_times_a_plan_over_the_message_limit_in_the_executors_order_and_gates_on_it(tmp_path, monkeypatch):
+    """A multi-tensor plan over `MAX_SIMULATED_MESSAGES` states no executor-order time (its times are believed as
+    stored); `check` leaves that order untimed and says `--simulate` times it; `check --simulate` simulates it whatever
+    its size (the time `executor_order_seconds` gives unlimited) and gates on it with --max-ratio."""
+    from pathlib import Path
+
+    from xmesh_plan.planner import compile as compile_module
+    from xmesh_plan.planner.executor_order import executor_order_seconds
+    from xmesh_plan.planner.transfer_io import load_any_problem
+
+    problem = load_any_problem(Path(__file__).resolve().parents[1] / "plans" / "weight_sync_small.problem.toml")
+    plan = compile_plan(problem)
+    seconds = executor_order_seconds(plan.operations, problem, plan.host_order)
+    assert plan.executor_prediction.predicted_seconds == round(seconds, compile_module.DIGITS)
+    path = write(tmp_path, "big.json", plan.model_copy(update={"executor_prediction": None}).to_json())
+    monkeypatch.setattr(compile_module, "MAX_SIMULATED_MESSAGES", 10)  # as if compiled over the limit
+    plain = CliRunner().invoke(main, ["check", path, "--max-ratio", "100"])
+    assert plain.exit_code == 0, plain.output
+    assert "not timed: too costly to simulate here, not gated; `xmesh-plan check --simulate` times it" in plain.output
+    over = seconds / plan.lower_bound_seconds
+    timed = CliRunner().invoke(main, ["check", path, "--simulate", "--max-ratio", "100"])
+    assert timed.exit_code == 0, timed.output
+    assert f"posted (executor default) {seconds:.4f} s ({over:.4f}x)" in timed.output and "not timed" not in timed.output
+    gated = CliRunner().invoke(main, ["check", path, "--simulate", "--max-ratio", f"{over * 0.999:.6f}"])
+    assert gated.exit_code == 1 and f"{over:.4f}x its lower bound posted (the executor's default order)" in gated.output
