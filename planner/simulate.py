@@ -645,6 +645,12 @@ class _Lowering:
             self.last_on[key] = [i for i in terminal if key in self.flows[i].links] or terminal
             self.turn.setdefault(key, deque(maxlen=GATHER_AHEAD)).append((ready, self.waited.get(key, [])))
 
+    def finish(self) -> None:
+        """Drop what only adding operations needs (what each task delivered where, each NIC side's last operations,
+        device runs, ...): a run needs the flows, and `op_times` and `renumbered_only` what they read."""
+        for state in (self.delivered, self.last_on, self.turn, self.scattered, self.runs, self.posted_when, self.lane_cache):
+            state.clear()
+
     def add_in_device_order(self, op: Operation) -> None:
         """As the executor's device order (`executor.lower.in_device_order`): a device's operations with
         the same peers as the one before run together (a local copy joins the run it is in); the first of a new run, and every operation in
@@ -867,6 +873,7 @@ def lower(operations: list[Operation] | tuple[Operation, ...], problem: Reshardi
             lowering.bytewise.add(group[0].id)
             riders |= {op.id: group[0].id for op in group[1:]}
         lowering.add(fused(group, lowering.itemsizes))
+    lowering.finish()
     return lowering, riders
 
 
