@@ -303,7 +303,7 @@ def _run(flows: list[Flow], capacity: dict[str, float], max_work: int | None = N
             step = events[0][0]
         if step > clock:
             clock += step - clock
-        if (moving.next and moving.next[0][0] <= clock) or (moving.done and moving.done[0][0] <= clock):
+        if moving.done and moving.done[0][0] <= clock:
             emptied, finished = moving.due(clock)
             for i in emptied:
                 release(left_early(i))
@@ -370,8 +370,8 @@ class _Moving:
         self.since: list[float] = [0.0] * n
         self.rate: list[float | None] = [None] * n  # None: not yet rated, or stopped
         self.version: list[int] = [-1] * n  # bumped at each new rate; -1 once stopped (its heap entries are stale)
-        self.next: list[tuple[float, int, int, int, bool]] = []  # (when it has moved all / down to its buffer, seq, flow, version, buffer?)
-        self.done: list[tuple[float, int, int, int, bool]] = []  # the same, at the time within REL_EPS of it
+        self.done: list[tuple[float, int, int, int, bool, float]] = []  # (when it is within REL_EPS of having moved all / down to its
+        # buffer, seq, flow, version, buffer?, when it has moved all / down to its buffer): one heap for both times (`next_time`)
 
     def start(self, fid: int, clock: float) -> None:
         f = self.by_id[fid]
@@ -433,7 +433,7 @@ class _Moving:
         times; how many changed."""
         changed = 0
         rate, left, since, version, seq = self.rate, self.left, self.since, self.version, self.seq
-        by_id, buffered, early, nxt, done = self.by_id, self.buffered, self.early, self.next, self.done
+        by_id, buffered, early, done = self.by_id, self.buffered, self.early, self.done
         push = heapq.heappush
         for fid in fids:
             old = rate[fid]
@@ -447,33 +447,46 @@ class _Moving:
             v = version[fid] = version[fid] + 1
             f, rest, at, s = by_id[fid], left[fid], since[fid], seq[fid]
             tol = REL_EPS * max(1.0, f.nbytes + f.overhead)
-            push(nxt, (at + rest / r, s, fid, v, False))
-            push(done, (at + (rest - tol) / r, s, fid, v, False))
+            push(done, (at + (rest - tol) / r, s, fid, v, False, at + rest / r))
             if fid in buffered and fid not in early:
-                push(nxt, (at + (rest - f.sent_below) / r, s, fid, v, True))
-                push(done, (at + (rest - f.sent_below - tol) / r, s, fid, v, True))
+                push(done, (at + (rest - f.sent_below - tol) / r, s, fid, v, True, at + (rest - f.sent_below) / r))
         return changed
 
     def next_time(self) -> float:
-        """When the next moving flow has moved all its work (or down to its buffer)."""
-        heap, version, early = self.next, self.version, self.early
+        """When the next moving flow has moved all its work (or down to its buffer): the least such time of a live heap
+        entry. Entries are ordered by the time within REL_EPS of it, never later than it (the same arithmetic on less
+        work, rounded alike), so only entries whose earlier time is below the best found so far can hold a smaller one:
+        the heap's tree is searched down from its (live) top, pruned at the first entry not below it."""
+        heap, version, early = self.done, self.version, self.early
         while heap:
-            _, _, fid, v, buffer = heap[0]
+            _, _, fid, v, buffer, _ = heap[0]
             if version[fid] == v and not (buffer and fid in early):
-                return heap[0][0]
+                break
             heapq.heappop(heap)  # stale: its rate changed, it ended, or it is already down to its buffer
-        return float("inf")
+        else:
+            return float("inf")
+        best, n, stack = heap[0][5], len(heap), [1, 2]
+        while stack:
+            i = stack.pop()
+            if i >= n:
+                continue
+            soon, _, fid, v, buffer, at = heap[i]
+            if soon >= best:
+                continue  # neither it nor any entry below it finishes before `best`
+            if at < best and version[fid] == v and not (buffer and fid in early):
+                best = at
+            stack += (2 * i + 1, 2 * i + 2)
+        return best
 
     def due(self, clock: float) -> tuple[list[int], list[int]]:
         """(flows down to their buffer, flows that have moved all) at `clock`, each in the order they started:
-        those whose time is up, and those within REL_EPS of their work of it."""
+        those within REL_EPS of their work of it (among them those whose time is up)."""
         hits: dict[int, bool] = {}
-        version, early, pop = self.version, self.early, heapq.heappop
-        for heap in (self.next, self.done):
-            while heap and heap[0][0] <= clock:
-                _, _, fid, v, buffer = pop(heap)
-                if version[fid] == v and not (buffer and fid in early):
-                    hits[fid] = hits.get(fid, False) or not buffer
+        heap, version, early, pop = self.done, self.version, self.early, heapq.heappop
+        while heap and heap[0][0] <= clock:
+            _, _, fid, v, buffer, _ = pop(heap)
+            if version[fid] == v and not (buffer and fid in early):
+                hits[fid] = hits.get(fid, False) or not buffer
         if len(hits) == 1:
             ((fid, whole),) = hits.items()
             return ([], [fid]) if whole else ([fid], [])
