@@ -261,15 +261,17 @@ def _run(flows: list[Flow], capacity: dict[str, float], max_work: int | None = N
                 ready.extend(sent(fid))
 
     def left_early(fid: int) -> list[int]:
-        """At most `sent_below` of it is left: what waits for it to have left may go (not what queues behind it)."""
+        """At most `sent_below` of it is left: what waits for it to have left may go (not what queues behind it).
+        Its waiters are handed over, not copied: a flow leaves once (`sent` then hands over nothing)."""
         early.add(fid)
-        return list(on_sent[fid] or ())
+        out, on_sent[fid] = on_sent[fid] or [], None
+        return out
 
     def sent(fid: int) -> list[int]:
         """Its last byte left: it arrives a latency later; flows queued behind it may go."""
         f = by_id[fid]
         push(events, (clock + f.latency_s, fid))
-        out = [] if fid in early else list(on_sent[fid] or ())
+        out, on_sent[fid] = on_sent[fid] or [], None  # empty for a flow that left early (`left_early` took them)
         queue = f.queue
         if queue and busy.get(queue) == fid:
             del busy[queue]
@@ -313,7 +315,9 @@ def _run(flows: list[Flow], capacity: dict[str, float], max_work: int | None = N
         while events and events[0][0] <= clock + REL_EPS * max(1.0, clock):
             _, i = pop(events)
             arrival[i] = clock
-            release(list(on_arrival[i] or ()))
+            waiters, on_arrival[i] = on_arrival[i], None  # a flow arrives once: its waiters are handed over, not copied
+            if waiters:
+                release(waiters)
     if any(waiting):
         raise ValueError("flow dependencies form a cycle; some flows never start")
     if cost is not None:
