@@ -3,13 +3,17 @@ byte moves, in seconds and memory, for one device, in a fresh process.
 
     .venv/bin/xmesh-plan compile plans/weight_sync_llama3_70b.problem.toml -o /tmp/70b.plan.npz   # once, minutes
     .venv/bin/python -m bench.bench_rank_load --plan /tmp/70b.plan.npz
+    .venv/bin/xmesh-plan compile plans/weight_sync_deepseek_v3.problem.toml -o /tmp/ds.plan.npz   # 5+ GiB, minutes
+    .venv/bin/python -m bench.bench_rank_load --plan /tmp/ds.plan.npz --no-whole
 
 For each device measured (by default the source and the destination device with the most operations), a fresh
 process reads the compact file's header (`PlanFile.read`), then the device's operations through the file's index,
-checks them and lowers them with the passes of the executor's default order for MPI (`passes.rank_program`), and
-reports wall and CPU seconds and its peak resident memory above what the imports alone take. `--whole` adds the
-same device through the whole plan (`read_plan_file`, then `rank_program` of the plan object, which checks it
-whole): what a rank pays without the index. Results: bench/results/rank_load.json.
+checks them and lowers them with the passes of the executor's default order for MPI (`passes.rank_program`, as the
+MPI engine asks for it: without the group calls only NCCL replays), and reports wall and CPU seconds and its peak
+resident memory above what the imports alone take. `--whole` adds the same device through the whole plan
+(`read_plan_file`, then `rank_program` of the plan object, which checks it whole): what a rank pays without the
+index. Results: bench/results/rank_load.json, one entry per plan (by its problem's name; a run replaces its plan's),
+each with the command that measured it and `--made-by`, the command that wrote the plan file.
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ def _rss_mib() -> float:
 
 def measure(path: str, device: int, whole: bool) -> dict:
     """Load and lower `device`'s part of the plan at `path` in this process (its part alone, or the whole plan)."""
+    from xmesh_plan.executor.engines import ENGINES
     from xmesh_plan.executor.passes import rank_program
     from xmesh_plan.executor.plan_file import PlanFile
     from xmesh_plan.executor.transfer_executor import default_order
@@ -47,7 +52,8 @@ def measure(path: str, device: int, whole: bool) -> dict:
     plan = read_plan_file(path) if whole else PlanFile.read(path)
     order = default_order(plan, "mpi")
     loaded_s = time.perf_counter() - wall
-    program = rank_program(plan, device, order, True, tag_limit=2**29 - 1)
+    mpi = ENGINES["mpi"]  # what the MPI engine's prepare() asks for
+    program = rank_program(plan, device, order, mpi.concurrent, tag_limit=2**29 - 1, collectives=mpi.collectives)
     return {"device": device, "whole": whole, "order": order, "operations": len({s.op for s in program.steps}),
             "steps": len(program.steps), "messages": program.messages(),
             "header_s" if not whole else "read_s": loaded_s, "seconds": time.perf_counter() - wall,
@@ -80,8 +86,10 @@ def _fresh(path: str, device: int, whole: bool) -> dict:
 @click.option("--devices", default="", help="comma-separated devices (default: the busiest source and destination device)")
 @click.option("--whole/--no-whole", default=True, show_default=True, help="also load the whole plan for the first device")
 @click.option("--one", type=int, default=None, hidden=True, help="measure this device in this process and print JSON")
+@click.option("--made-by", default="", help="the command that wrote the plan file (default: `xmesh-plan compile` of its problem in "
+              "plans/ with default flags, -o the file)")
 @click.option("--out", type=click.Path(dir_okay=False, path_type=Path), default=RESULTS, show_default=True, help="results JSON")
-def main(path: str, devices: str, whole: bool, one: int | None, out: Path) -> None:
+def main(path: str, devices: str, whole: bool, one: int | None, made_by: str, out: Path) -> None:
     if one is not None:
         print(json.dumps(measure(path, one, whole)))
         return
@@ -95,11 +103,15 @@ def main(path: str, devices: str, whole: bool, one: int | None, out: Path) -> No
     from xmesh_plan.schemas.plan_compact import _Members
 
     head = PlanFile.read(path)
-    meta = {"plan": head.problem.name, "tensors": len(head.problem.tensor_problems()),
-            "operations": _Members(path).text("header")["counts"]["operations"],
-            "file_bytes": os.path.getsize(path), "command": f".venv/bin/python -m bench.bench_rank_load --plan {path}"
-            + (f" --devices {devices}" if devices else "") + ("" if whole else " --no-whole")}
-    write_atomic(out, json.dumps({**meta, "rows": rows}, indent=1) + "\n")
+    name = head.problem.name
+    entry = {"plan": name, "tensors": len(head.problem.tensor_problems()),
+             "operations": _Members(path).text("header")["counts"]["operations"], "file_bytes": os.path.getsize(path),
+             "made_by": made_by or f".venv/bin/xmesh-plan compile plans/{name}.problem.toml -o {path}",
+             "command": f".venv/bin/python -m bench.bench_rank_load --plan {path}" + (f" --devices {devices}" if devices else "")
+             + ("" if whole else " --no-whole") + (f" --made-by '{made_by}'" if made_by else ""), "rows": rows}
+    plans = json.loads(out.read_text())["plans"] if out.exists() else []
+    plans = [entry if p["plan"] == name else p for p in plans] + ([] if any(p["plan"] == name for p in plans) else [entry])
+    write_atomic(out, json.dumps({"plans": plans}, indent=1) + "\n")
     print(f"written to {out}")
     if Path(out).resolve() == RESULTS.resolve():
         update_benchmarks_doc()

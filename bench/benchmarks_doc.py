@@ -413,6 +413,58 @@ of the process at its end):
     return "".join(out)
 
 
+def staging_default_mib() -> str:
+    return f"{load('staging_default.json')['default_mib']:g}"
+
+
+def _staging_row(title: str, flags: str, r: dict) -> list:
+    bound = "-" if r["predicted_over_bound"] is None else x(r["predicted_over_bound"], 3)
+    executed = "-" if r["executor_over_bound"] is None else x(r["executor_over_bound"], 3)
+    return [title, flags, f"{r['operations']:,}", f"{r['compile_cpu_s']:.1f}", "-" if r["limit_mib"] is None else f"{r['limit_mib']:g}",
+            bound, r["executor_order"], executed, f"{r['staging_mib']:,.1f}"]
+
+
+def staging_default() -> str:
+    """Each cut and reference problem with default flags and with `--max-staging-mb 0` (bench/bench_staging_default.py)."""
+    data = load("staging_default.json")
+    rows = []
+    for r in data["cuts"]:
+        title = f"{FRONTIER_TITLES.get(r['problem'], r['problem'])} ({r['layers']} layers)"
+        rows += [_staging_row(title, "default", r["default"]), _staging_row(title, "--max-staging-mb 0", r["no_limit"])]
+    changed = [r["problem"] for r in data["references"] if r["default"]["limit_mib"] is not None]
+    multi = [r for r in data["references"] if r["default"]["executor_order"] == "posted"]
+    posted = ", ".join(f"{r['problem']} {r['default']['staging_mib']:.1f} MiB" for r in multi)
+    return f"""
+### Staging default
+
+A plan given no `--max-staging-mb` runs posted, the executor's default order for a multi-tensor plan, only where no
+device stages more than {data['default_mib']:g} MiB so (`compile_defaults.DEFAULT_POSTED_STAGING_BYTES`); past it compile
+applies that limit and the plan runs in device order within it. Each problem below compiled with default flags and
+with `--max-staging-mb 0` (posted, no limit) in one process. Made by:
+
+{command(data["command"])}
+
+Columns: **operations**; **compile CPU s** (with the simulations in host order and in the executor's order); the
+staging **limit MiB** the plan states; its host-order prediction over the byte bound
+(**/ bound**); the **executor order** and its time there over the bound; and the busiest device's **staging MiB** in
+that order. Device order costs time on these plans (a device takes part in one run of operations with the same
+peers at a time); the default trades it for staging memory.
+
+{table(rows, ["problem", "flags", "operations", "compile CPU s", "limit MiB", "/ bound", "executor order", "executor / bound",
+              "staging MiB"], "llrrrrlrr")}
+
+On the reference plans (`make plans`) the default changes {", ".join(changed) if changed else "nothing"}: single-tensor
+plans run in device order and get no default, and the multi-tensor ones stage within it posted ({posted}). The shrunk
+rows of the table above (`frontier-shrunk.json`, JSON plans) state no staging limit and their executor column is
+posted; compiled with default flags, those whose posted order stages more than {data['default_mib']:g} MiB on a device run in
+device order, as the 4-layer DeepSeek-V3-like cut here does. The full DeepSeek-V3-like and Kimi-K2-like rows state no
+staging limit either: with default flags their posted order stages more than {data['default_mib']:g} MiB, so their plans
+state the limit, and a plan that states staging is verified from its records, not its columns (`verify_columns` does
+not prove stated staging; on the 16-layer Llama-3-70B-like cut 1.7 CPU s against 0.1), which `compile -o` and
+`verify` of those plans pay at full size; they are not measured so here.
+"""
+
+
 def frontier() -> str:
     runs = [load(name) for name in ("frontier.json", "frontier-shrunk.json") if (RESULTS / name).exists()]
     rows = [_frontier_row(r) for data in runs for r in data["points"]]
@@ -452,12 +504,12 @@ names the phase it was in, and a finished full-size point lists its phases below
 is striped over the 8 NICs and each NIC pays its per-message overhead (`inspect` says so), so the default bundle
 bucket is 32 MiB, what the NICs move in 80 us (`coalesce.default_bucket_bytes`; 4 MiB on one 400 Gbit/s NIC):
 boxes up to 4 MiB travel in bundles, fewer and larger messages. Bundles are staged, and posted order stages all
-of them at once: on a 16-layer Llama-3-70B-like cut (`xmesh-plan inspect`) the busiest device stages 3.65 GiB posted
-with 32 MiB against 0.75 GiB with `--bucket-mb 4`, and 31.5 MiB against 64 MiB in device order.
+of them at once, so a plan given no staging limit runs posted only where no device stages more than
+{staging_default_mib()} MiB so, else with that limit in device order (the staging default, below).
 
 {table(rows, ["problem", "GiB", "unit tasks", "operations", "compile s", "compile CPU s", "peak RSS MiB", "plan MiB",
               "verify s", "/ bound", "executor / bound", "timed by"], "lrrrrrrrrrrl")}
-{frontier_phases([r for data in runs for r in data["points"]])}{frontier_baselines([r for data in runs for r in data["points"]])}{moe_mpi()}"""
+{staging_default()}{frontier_phases([r for data in runs for r in data["points"]])}{frontier_baselines([r for data in runs for r in data["points"]])}{moe_mpi()}"""
 
 
 def moe_mpi() -> str:
@@ -612,10 +664,12 @@ def executor_overhead() -> str:
     lowering = load("lowering.json")
     low = [[r["plan"], r["operations"], r["device"], r["steps"], f"{r['lower_s']:.3f}", f"{r['before_s']:.3f}", f"{r['lower_s'] / r['before_s']:.2f}"]
            for r in lowering["rows"]]
-    loads = load("rank_load.json")
-    rank_rows = [[r["device"], "whole plan" if r["whole"] else "its part (index)", f"{r['operations']:,}", f"{r['steps']:,}", r["order"],
-                  f"{r['seconds']:.2f}", f"{r['cpu_s']:.2f}", f"{r['peak_rss_mib']:,.0f}", f"{r['peak_rss_mib'] - r['imports_rss_mib']:,.0f}"]
-                 for r in loads["rows"]]
+    loads = load("rank_load.json")["plans"]
+    rank_rows = [[p["plan"], r["device"], "whole plan" if r["whole"] else "its part (index)", f"{r['operations']:,}", f"{r['steps']:,}",
+                  r["order"], f"{r['seconds']:.2f}", f"{r['cpu_s']:.2f}", f"{r['peak_rss_mib']:,.0f}",
+                  f"{r['peak_rss_mib'] - r['imports_rss_mib']:,.0f}"] for p in loads for r in p["rows"]]
+    rank_plans = "\n".join(f"- `{p['plan']}`: {p['operations']:,} operations, {p['tensors']} tensors, a {p['file_bytes'] / 2**20:.1f} MiB "
+                            f"compact file written by `{p['made_by']}`; measured by `{p['command']}`." for p in loads)
     redistribute = [[r["move"], r["ranks"], "x".join(map(str, r["shape"])) + f" ({r['mib']:.1f} MiB)", f"{r['redistribute_s'] * 1e3:.2f}",
                      f"{r['baseline_s'] * 1e3:.2f}", f"{r['baseline_over_ours']:.2f}"] for r in load("redistribute.json")]
     return f"""\
@@ -667,19 +721,20 @@ the lowering of git revision `{lowering["compared_with"]}` (best of 5). Made by
 
 {table(low, ["plan", "operations", "busiest device", "its steps", "lower() s", f"{lowering['compared_with']} s", "ratio"], "lrrrrrr")}
 
-**One rank's load and lowering** of a large plan, before any byte moves: the Llama-3-70B-like weight sync
-({loads['operations']:,} operations, {loads['tensors']} tensors, a {loads['file_bytes'] / 2**20:.0f} MiB compact file written by
-`xmesh-plan compile plans/weight_sync_llama3_70b.problem.toml -o {loads["command"].split("--plan ")[1].split()[0]}`). Each row is one fresh process
-doing what `TransferExecutor.from_file(path, comm).prepare()` does for one device: read the file's header, read the
-device's operations through the file's index, check them, lower them and run the passes of the executor's default
-order on MPI (`passes.rank_program`); the last row does the same through the whole plan (`read_plan_file`, then the
-plan object, checked whole). Made by `{loads["command"]}`. Columns: **device** (the source and the destination
-device with the most operations); what it **read**; its **operations** and lowered **steps**; the **order** its
-program runs in; **s** wall clock and **CPU s** from the start of the load to the program (wall clock depends on
-the other jobs on this machine, CPU seconds much less); **peak RSS MiB** of the process, and the part **above
-imports** (what it held once Python, numpy and the package were imported).
+**One rank's load and lowering** of a large plan, before any byte moves (target: under 1 s and 256 MiB). The plans:
 
-{table(rank_rows, ["device", "read", "operations", "steps", "order", "s", "CPU s", "peak RSS MiB", "above imports"], "rlrrlrrrr")}
+{rank_plans}
+
+Each row is one fresh process doing what `TransferExecutor.from_file(path, comm).prepare()` does for one device on
+the MPI engine: read the file's header, read the device's operations through the file's index, check them, lower
+them and run the passes of the executor's default order (`passes.rank_program`); a `whole plan` row does the same
+through the whole plan (`read_plan_file`, then the plan object, checked whole). Columns: **plan**; **device** (the
+source and the destination device with the most operations); what it **read**; its **operations** and lowered
+**steps**; the **order** its program runs in; **s** wall clock and **CPU s** from the start of the load to the
+program (wall clock depends on the other jobs on this machine, CPU seconds much less); **peak RSS MiB** of the
+process, and the part **above imports** (what it held once Python, numpy and the package were imported).
+
+{table(rank_rows, ["plan", "device", "read", "operations", "steps", "order", "s", "CPU s", "peak RSS MiB", "above imports"], "lrlrrlrrrr")}
 
 **`redistribute` against `full_tensor()` + broadcast + slice**, what a DTensor user writes to cross meshes
 without this package: every source rank gathers the tensor, the source mesh's first rank broadcasts it, each

@@ -143,6 +143,9 @@ class EngineEntry:
     # converts at the sender (`executor.conversions`): casts each source shard to its destination dtype and computes
     # FP8 scales before sending; an engine that cannot refuses a converting plan in `make`
     converts: bool = False
+    # replays the program's group calls (`RankProgram.collectives`) rather than its steps: the lowering makes them only
+    # for such an engine (a rank of a large plan makes half the objects without them)
+    collectives: bool = False
     # raises BackendUnavailableError where a library the engine imports in setup() for this device's program is missing;
     # `prepare()` calls it before the ranks agree, so every rank learns of it before any communicator is made
     requires: Callable[[Any, RankProgram], None] | None = None
@@ -182,7 +185,7 @@ ENGINES: dict[str, EngineEntry] = {e.name: e for e in (
     EngineEntry("nccl", "mpi", "xmesh_plan.executor.nccl_engine",
                 lambda m, p, c: m.NcclEngine(p, c.comm, c.rank_of, c.timeout_s, c.poll_s, gpu=c.gpu,
                                              devices_per_host=c.devices_per_host),
-                "NCCL broadcasts through CuPy on GPUs, ids exchanged over MPI", tagged=False, own_staging=True,
+                "NCCL broadcasts through CuPy on GPUs, ids exchanged over MPI", tagged=False, own_staging=True, collectives=True,
                 need=lambda m, p: m.nccl_program(p).stage_bytes, receives_into=True, adopts_into=True, converts=True,
                 requires=lambda m, p: m.requires(p)),
     EngineEntry("torch", "torch", "xmesh_plan.executor.torch_engine", lambda m, p, c: m.TorchEngine(p, c),

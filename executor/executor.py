@@ -306,7 +306,8 @@ class Executor(Flying):
         error = program = None
         try:  # a refusal here (the world size too) is shared with every rank before anyone raises
             receipts = self.transport.receipt_bytes if self.entry.receipts and self.world.buffered_sends else None
-            program = rank_program(self.plan, self.device, self.order, self.entry.concurrent, tag_limit, receipts)
+            program = rank_program(self.plan, self.device, self.order, self.entry.concurrent, tag_limit, receipts,
+                                   self.entry.collectives)
             self._check_staging(program)
             self.entry.check_requires(program)
         except (PlanMismatchError, BackendUnavailableError) as err:

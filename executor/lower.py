@@ -20,7 +20,7 @@ messages between the same pair never share a tag.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 from enum import StrEnum
 from functools import lru_cache
 from typing import Hashable, Literal, Mapping, Sequence
@@ -57,6 +57,20 @@ class Action(StrEnum):
     def reads_staging_first(self) -> bool:
         """A step that device order gates behind the operations before it (messages, and packs into staging)."""
         return self in _GATED
+
+
+def maker(cls: type) -> type:
+    """A class whose call `maker(cls)(*values)` returns the `cls` that `cls(*values)` makes, every field given in field
+    order, for `cls` a frozen dataclass with slots: an unfrozen class with the same slots sets each field with a plain
+    attribute store, then the instance becomes a `cls`. A frozen dataclass's own `__init__` sets each field through
+    `object.__setattr__`, about ten times slower, and a rank of a large plan makes 10^5-10^6 steps and byte ranges."""
+    names = tuple(f.name for f in fields(cls))
+    if names != getattr(cls, "__slots__", None):
+        raise TypeError(f"{cls.__name__}: maker() needs a dataclass with slots=True, its slots its fields")
+    body = "".join(f"    self.{name} = {name}\n" for name in names)
+    space = {"cls": cls}
+    exec(f"def __init__(self, {', '.join(names)}):\n{body}    self.__class__ = cls\n", space)
+    return type(f"_{cls.__name__}Maker", (), {"__slots__": names, "__init__": space["__init__"]})
 
 
 _MESSAGES = frozenset({Action.SEND, Action.RECV})
@@ -112,11 +126,15 @@ class Step:
     acks: tuple[int, ...] = ()  # a receipt (`passes.with_receipts`): the messages whose arrival it reports
 
     def moved(self, index: int, deps: tuple[int, ...]) -> "Step":
-        """The same step at `index`, waiting for `deps` (what passes that renumber steps make; `dataclasses.replace`
-        costs several times more, and they renumber tens of thousands of steps); it names every field, which
-        `test_a_moved_step_keeps_every_field_but_its_index_and_deps` checks."""
-        return Step(index, self.action, self.op, self.task, self.kind, deps, self.peer, self.tag, self.data, self.box,
-                    self.target, self.piece, self.tensor, self.acks)
+        """The same step at `index`, waiting for `deps` (what passes that renumber steps make)."""
+        return self.at(index, deps, self.data)
+
+    def at(self, index: int, deps: tuple[int, ...], data: "Bytes | None") -> "Step":
+        """The same step at `index`, waiting for `deps`, on bytes `data` (passes that renumber steps or move their
+        staging; `dataclasses.replace` costs ten times more, and they remake up to 10^6 steps); it names every field,
+        which `test_a_moved_step_keeps_every_field_but_its_index_deps_and_data` checks."""
+        return new_step(index, self.action, self.op, self.task, self.kind, deps, self.peer, self.tag, data, self.box,
+                        self.target, self.piece, self.tensor, self.acks)
 
     @property
     def reads_src(self) -> bool:
@@ -148,6 +166,9 @@ class Step:
         if self.action is Action.RECV:
             return f"{what}: receive {self.data.nbytes} B from device {self.peer}"
         return f"{what}: {self.action}"
+
+
+new_box, new_bytes, new_step = maker(Box), maker(Bytes), maker(Step)  # what the lowering and the passes make by the 10^5
 
 
 @dataclass(frozen=True, slots=True)
@@ -243,7 +264,8 @@ class RankProgram:
     area they share.
 
     `steps` are point-to-point (MPI, torch.distributed); `collectives` are the same operations as
-    group calls in plan order (NCCL through CuPy): one lowering feeds every engine. The passes
+    group calls in plan order (NCCL through CuPy): one lowering feeds every engine (it leaves the collectives out
+    where asked: an engine that replays steps does not read them, `engines.EngineEntry.collectives`). The passes
     (`executor.passes`, `in_device_order`) map a program to a program; `carriers` and `align` are
     what `passes.share_messages` leaves for engines that merge a shared message's calls themselves.
     """
@@ -300,7 +322,7 @@ class RankProgram:
 
 def make_box(side: Side, region: Region, block: Region, itemsize: int, tensor: int = 0) -> Box:
     """`region` (inside `block`) as it sits in the C-ordered shard of tensor `tensor` holding `block`."""
-    return Box(side, region, *_placed(region, block, itemsize), tensor)
+    return new_box(side, region, *_placed(region, block, itemsize), tensor)
 
 
 @lru_cache(maxsize=1 << 16)
@@ -397,6 +419,7 @@ class _Tensor:
     ndim: int
     writes: _Writes = field(init=False)
     received: list[tuple[Operation, Region]] = field(default_factory=list)
+    received_elements: int = 0  # the elements of the boxes in `received`, counted as they arrive
 
     def __post_init__(self) -> None:
         self.writes = _Writes(self.ndim)
@@ -409,6 +432,7 @@ class _Builder:
 
     device: int
     tensors: list[_Tensor]
+    collect: bool = True  # make `collectives` (only engines built on collectives replay them)
     steps: list[Step] = field(default_factory=list)
     collectives: list[Collective | StagedCall] = field(default_factory=list)
     stage_bytes: int = 0
@@ -421,13 +445,16 @@ class _Builder:
         self.tensor = self.tensors[tensor]
         self.itemsize, self.writes = self.tensor.shards.itemsize, self.tensor.writes
 
-    def add(self, action: Action, op: Operation, **fields) -> int:
-        self.steps.append(Step(index=len(self.steps), action=action, op=op.id, task=op.task, kind=op.kind, tensor=self.tensor.index,
-                               **fields))
-        return len(self.steps) - 1
+    def add(self, action: Action, op: Operation, deps: tuple[int, ...] = (), peer: int = -1, tag: int = 0,
+            data: Bytes | None = None, box: Box | None = None, target: Box | None = None, piece: str = "") -> int:
+        index = len(self.steps)
+        self.steps.append(new_step(index, action, op.id, op.task, op.kind, deps, peer, tag, data, box, target, piece,
+                                   self.tensor.index, ()))
+        return index
 
     def collective(self, op: Operation, root: int, box: Box, chunks=(), target: Box | None = None) -> None:
-        self.collectives.append(Collective(op.id, op.task, op.kind, nccl_group(op), root, box, tuple(chunks), target, box.tensor))
+        if self.collect:
+            self.collectives.append(Collective(op.id, op.task, op.kind, nccl_group(op), root, box, tuple(chunks), target, box.tensor))
 
     def stage(self, nbytes: int) -> int:
         start, self.stage_bytes = self.stage_bytes, self.stage_bytes + nbytes
@@ -442,9 +469,12 @@ class _Builder:
         block = shards.src_block if side == "src" else shards.dst_block
         return make_box(side, region, block, self.itemsize, self.tensor.index)
 
-    def record(self, op: Operation, region: Region, steps: list[int]) -> None:
-        """This device receives `region` (written by `steps`); `lower` checks at the end that nothing arrived twice."""
-        self.tensor.received.append((op, region))
+    def record(self, op: Operation, box: Box, steps: list[int]) -> None:
+        """This device receives `box` of its destination shard (written by `steps`); `lower` checks at the end that
+        nothing arrived twice."""
+        region, tensor = box.region, self.tensor
+        tensor.received.append((op, region))
+        tensor.received_elements += box.nbytes // self.itemsize
         for step in steps:
             self.writes.add(region, step, op.end_s)
 
@@ -452,7 +482,7 @@ class _Builder:
         """Every received box lies in the shard (check_plan), so more elements received than the shard has
         means some arrived twice; only then look for the first repeat, to name it."""
         block = tensor.shards.dst_block
-        if block is None or sum(region_size(r) for _, r in tensor.received) <= region_size(block):
+        if block is None or tensor.received_elements <= region_size(block):
             return
         seen = _Writes(tensor.ndim)
         for op, region in tensor.received:
@@ -471,9 +501,9 @@ class _Builder:
         """`outgoing` for a box sent in chunks (byte ranges of it): a staged box is packed chunk by chunk,
         so its first chunk leaves after one chunk's pack, not the whole box's; what each chunk's send waits for."""
         if box.span is not None:
-            return Bytes(box.side, *box.span, box.tensor), [deps] * len(ranges)
+            return new_bytes(box.side, *box.span, box.tensor), [deps] * len(ranges)
         start = self.stage(box.nbytes)
-        data = Bytes("stage", start, start + box.nbytes)
+        data = new_bytes("stage", start, start + box.nbytes, 0)
         return data, [tuple(self.add(Action.PACK, op, deps=deps, data=d, box=piece, piece=name)
                             for d, piece in self.pieces(box, data, lo, hi)) for (lo, hi), name in zip(ranges, names)]
 
@@ -484,16 +514,16 @@ class _Builder:
         out, at = [], staged.start + lo
         for rel in flat_pieces(box.shape, lo // self.itemsize, hi // self.itemsize):
             piece = self.box(box.side, tuple((r0 + a, r0 + b) for (r0, _), (a, b) in zip(box.region, rel)))
-            out.append((Bytes("stage", at, at + piece.nbytes), piece))
+            out.append((new_bytes("stage", at, at + piece.nbytes, 0), piece))
             at += piece.nbytes
         return out
 
     def landing(self, box: Box) -> Bytes:
         """Where the bytes of `box` arrive: the destination shard itself, or staging."""
         if box.span is not None:
-            return Bytes("dst", *box.span, box.tensor)
+            return new_bytes("dst", *box.span, box.tensor)
         start = self.stage(box.nbytes)
-        return Bytes("stage", start, start + box.nbytes)
+        return new_bytes("stage", start, start + box.nbytes, 0)
 
     def receive(self, op: Operation, box: Box, peer: int, tags: list[int], ranges, pieces: list[str],
                 forward_to: int | None = None) -> None:
@@ -501,7 +531,7 @@ class _Builder:
         land = self.landing(box)
         done = []
         for tag, (lo, hi), piece in zip(tags, ranges, pieces):
-            chunk = Bytes(land.buffer, land.start + lo, land.start + hi, land.tensor)
+            chunk = new_bytes(land.buffer, land.start + lo, land.start + hi, land.tensor)
             recv = self.add(Action.RECV, op, peer=peer, tag=tag, data=chunk, piece=piece)
             if forward_to is not None:
                 self.add(Action.SEND, op, deps=(recv,), peer=forward_to, tag=tag, data=chunk, piece=piece)
@@ -509,13 +539,13 @@ class _Builder:
                 done.append(recv)
             else:  # unpacked chunk by chunk, while the next chunks arrive
                 done += [self.add(Action.UNPACK, op, deps=(recv,), data=d, box=sub, piece=piece) for d, sub in self.pieces(box, land, lo, hi)]
-        self.record(op, box.region, done)
+        self.record(op, box, done)
 
 
 def _lower_copy(b: _Builder, op: Operation, base: int) -> None:
     if op.src == b.device:
         source, target = b.box("src", op.region), b.box("dst", op.region)
-        b.record(op, op.region, [b.add(Action.COPY, op, box=source, target=target)])
+        b.record(op, target, [b.add(Action.COPY, op, box=source, target=target)])
         b.collective(op, b.device, source, target=target)
 
 
@@ -532,7 +562,7 @@ def _lower_chain(b: _Builder, op: Operation, base: int) -> None:
     if b.device == op.src:
         data, waits = b.outgoing_chunks(op, own, (), ranges, pieces)
         for tag, (lo, hi), piece, deps in zip(tags, ranges, pieces, waits):
-            b.add(Action.SEND, op, deps=deps, peer=chain[0], tag=tag, data=Bytes(data.buffer, data.start + lo, data.start + hi, data.tensor),
+            b.add(Action.SEND, op, deps=deps, peer=chain[0], tag=tag, data=new_bytes(data.buffer, data.start + lo, data.start + hi, data.tensor),
                   piece=piece)
         return
     i = chain.index(b.device)
@@ -551,7 +581,7 @@ def _lower_ring(b: _Builder, op: Operation, base: int) -> None:
         return
     i = ring.index(b.device)
     left, right = ring[i - 1], ring[(i + 1) % n]
-    for peer, part in zip(ring, op.parts):  # as NCCL calls: one broadcast per non-empty part
+    for peer, part in zip(ring, op.parts) if b.collect else ():  # as NCCL calls: one broadcast per non-empty part
         if not is_empty(part):
             box = b.box("dst", part)
             b.collective(op, peer, box, [(0, box.nbytes)])
@@ -563,18 +593,30 @@ def _lower_ring(b: _Builder, op: Operation, base: int) -> None:
         if missing is not None or late:
             b.fail(op, f"device {b.device} sends {format_region(missing or late[0])} which it does not hold at {op.start_s:.9g}s")
         data, deps = b.outgoing(op, b.box("dst", mine), tuple(step for _, step, _ in held))
-        b.add(Action.SEND, op, deps=deps, peer=right, tag=base, data=data, piece=f"part {i}")
+        b.add(Action.SEND, op, deps=deps, peer=right, tag=base, data=data, piece=_piece("part", i))
     for step in range(n - 1):  # receive at `step` what member i-1 sends, and pass it on at step + 1
         j = (i - 1 - step) % n
         if is_empty(op.parts[j]):
             continue
         box = b.box("dst", op.parts[j])
         land = b.landing(box)
-        recv = b.add(Action.RECV, op, peer=left, tag=base + step, data=land, piece=f"part {j}")
+        recv = b.add(Action.RECV, op, peer=left, tag=base + step, data=land, piece=_piece("part", j))
         if step < n - 2:
-            b.add(Action.SEND, op, deps=(recv,), peer=right, tag=base + step + 1, data=land, piece=f"part {j}")
+            b.add(Action.SEND, op, deps=(recv,), peer=right, tag=base + step + 1, data=land, piece=_piece("part", j))
         done = [recv] if land.buffer != "stage" else [b.add(Action.UNPACK, op, deps=(recv,), data=land, box=box)]
-        b.record(op, box.region, done)
+        b.record(op, box, done)
+
+
+@lru_cache(maxsize=None)
+def _piece(word: str, k: int) -> str:
+    """`part 3`, `gather 0`, `scatter 1`: a step's piece name, made once and shared by every step that bears it."""
+    return f"{word} {k}"
+
+
+@lru_cache(maxsize=1 << 12)
+def _needed(needers: tuple[tuple[int, ...], ...], device: int) -> tuple[int, ...]:
+    """The parts of a bundle that `device` needs (`needers[i]`: the devices that need part i): once per distinct bundle."""
+    return tuple(i for i, group in enumerate(needers) if device in group)
 
 
 @lru_cache(maxsize=1 << 12)
@@ -597,54 +639,56 @@ def _lower_bundle(b: _Builder, op: Operation, base: int) -> None:
     cross = base + len(gathers)
 
     def span(start: int, run: tuple[int, ...]) -> Bytes:
-        return Bytes("stage", start + offsets[run[0]], start + offsets[run[-1] + 1])
+        return new_bytes("stage", start + offsets[run[0]], start + offsets[run[-1] + 1], 0)
 
     if b.device == op.src:
         at = b.stage(offsets[-1])
-        ready = [b.add(Action.PACK, op, data=span(at, (i,)), box=b.box("src", part), piece=f"part {i}")
+        ready = [b.add(Action.PACK, op, data=span(at, (i,)), box=b.box("src", part), piece=_piece("part", i))
                  for i, (part, holder) in enumerate(zip(op.parts, op.holders)) if holder == b.device]
-        ready += [b.add(Action.RECV, op, peer=h, tag=base + k, data=span(at, run), piece=f"gather {k}")
+        ready += [b.add(Action.RECV, op, peer=h, tag=base + k, data=span(at, run), piece=_piece("gather", k))
                   for k, (h, run) in enumerate(gathers)]
-        b.add(Action.SEND, op, deps=tuple(ready), peer=relay, tag=cross, data=Bytes("stage", at, at + offsets[-1]), piece="bundle")
+        b.add(Action.SEND, op, deps=tuple(ready), peer=relay, tag=cross, data=new_bytes("stage", at, at + offsets[-1], 0), piece="bundle")
         return
     for k, (h, run) in enumerate(gathers):
         if h == b.device:
             at = b.stage(offsets[run[-1] + 1] - offsets[run[0]]) - offsets[run[0]]
-            packs = tuple(b.add(Action.PACK, op, data=span(at, (i,)), box=b.box("src", op.parts[i]), piece=f"part {i}") for i in run)
-            b.add(Action.SEND, op, deps=packs, peer=op.src, tag=base + k, data=span(at, run), piece=f"gather {k}")
+            packs = tuple(b.add(Action.PACK, op, data=span(at, (i,)), box=b.box("src", op.parts[i]), piece=_piece("part", i)) for i in run)
+            b.add(Action.SEND, op, deps=packs, peer=op.src, tag=base + k, data=span(at, run), piece=_piece("gather", k))
     if b.device == relay:
         at = b.stage(offsets[-1])
-        recv = b.add(Action.RECV, op, peer=op.src, tag=cross, data=Bytes("stage", at, at + offsets[-1]), piece="bundle")
-        for i, (part, needers) in enumerate(zip(op.parts, op.needers)):
-            if relay in needers:
-                b.record(op, part, [b.add(Action.UNPACK, op, deps=(recv,), data=span(at, (i,)), box=b.box("dst", part), piece=f"part {i}")])
+        arrived = (b.add(Action.RECV, op, peer=op.src, tag=cross, data=new_bytes("stage", at, at + offsets[-1], 0), piece="bundle"),)
+        for i in _needed(op.needers, relay):  # `arrived`: one tuple for every step that waits for the message
+            box = b.box("dst", op.parts[i])
+            b.record(op, box, [b.add(Action.UNPACK, op, arrived, data=span(at, (i,)), box=box, piece=_piece("part", i))])
         for j, (d, run) in enumerate(scatters):
-            b.add(Action.SEND, op, deps=(recv,), peer=d, tag=cross + 1 + j, data=span(at, run), piece=f"scatter {j}")
+            b.add(Action.SEND, op, arrived, peer=d, tag=cross + 1 + j, data=span(at, run), piece=_piece("scatter", j))
         return
     for j, (d, run) in enumerate(scatters):
         if d == b.device:
             at = b.stage(offsets[run[-1] + 1] - offsets[run[0]]) - offsets[run[0]]
-            recv = b.add(Action.RECV, op, peer=relay, tag=cross + 1 + j, data=span(at, run), piece=f"scatter {j}")
+            arrived = (b.add(Action.RECV, op, peer=relay, tag=cross + 1 + j, data=span(at, run), piece=_piece("scatter", j)),)
             for i in run:
                 box = b.box("dst", op.parts[i])
-                b.record(op, op.parts[i], [b.add(Action.UNPACK, op, deps=(recv,), data=span(at, (i,)), box=box, piece=f"part {i}")])
+                b.record(op, box, [b.add(Action.UNPACK, op, arrived, data=span(at, (i,)), box=box, piece=_piece("part", i))])
 
 
 _LOWER = supported("executor.lower", {"local": _lower_copy, "chain": _lower_chain, "ring": _lower_ring, "bundle": _lower_bundle})
 
 
-def lower(plan: Plan, device: int, tag_limit: int | None = None) -> RankProgram:
+def lower(plan: Plan, device: int, tag_limit: int | None = None, collectives: bool = True) -> RankProgram:
     """The steps `device` runs for the whole `plan`, every tensor of it, posted (every operation at once, each
     operation's staging after the one before, `RankProgram.stage_bytes` their sum); raises PlanMismatchError
     naming the op when the plan is inconsistent. The plan is checked (`check_plan`) and indexed once per plan
     object (`plan_index`); only the operations the device takes part in are walked (`plan_index.device_ops`).
     Tags: `plan_index` (tensor by tensor, in plan order); `tag_limit`: the largest tag the transport allows
-    (MPI's TAG_UB), None for none."""
+    (MPI's TAG_UB), None for none. `collectives`: also make `RankProgram.collectives` (what engines built on group
+    calls replay; the others leave them out, `engines.EngineEntry.collectives`)."""
     index = plan_index(plan)
-    return _lower(device_ops(plan, device), device, tag_limit, [(src.get(device), dst.get(device)) for src, dst in index.blocks])
+    return _lower(device_ops(plan, device), device, tag_limit, [(src.get(device), dst.get(device)) for src, dst in index.blocks],
+                  collectives)
 
 
-def lower_device_ops(ops: DeviceOps, device: int, tag_limit: int | None = None) -> RankProgram:
+def lower_device_ops(ops: DeviceOps, device: int, tag_limit: int | None = None, collectives: bool = True) -> RankProgram:
     """`lower` for a device's part of a plan read on its own (`schemas.plan_io.read_plan_ops`, `plan_index.device_ops`):
     the same program as lowering the whole plan. Its operations are checked on their own first
     (`plan_check.check_device_ops`); what needs the whole plan is `xmesh-plan verify`'s, and the ranks' plan
@@ -654,23 +698,25 @@ def lower_device_ops(ops: DeviceOps, device: int, tag_limit: int | None = None) 
     except PlanError as err:
         raise PlanMismatchError(refusal_advice(str(err))) from None
     return _lower(ops, device, tag_limit, [(p.blocks("src").get(device), p.blocks("dst").get(device))
-                                           for p in ops.problem.tensor_problems()])
+                                           for p in ops.problem.tensor_problems()], collectives)
 
 
-def _lower(ops: DeviceOps, device: int, tag_limit: int | None, blocks: list[tuple[Region | None, Region | None]]) -> RankProgram:
-    """The program of a checked part (`blocks`: each tensor's source and destination box on `device`)."""
+def _lower(ops: DeviceOps, device: int, tag_limit: int | None, blocks: list[tuple[Region | None, Region | None]],
+           collectives: bool = True) -> RankProgram:
+    """The program of a checked part (`blocks`: each tensor's source and destination box on `device`), with its
+    collectives where asked."""
     plan = ops  # what the lowering reads of the plan: its problem (the operations and tags are the part's)
     problems = plan.problem.tensor_problems()
     converts, owners = conversions(plan.problem, device), scale_owners(plan.problem)  # in converted bytes (`executor.conversions`)
     tensors = [_Tensor(t, TensorShards(src, dst, p.itemsize, p.dtype, converts[t], owners[t]), len(p.shape))
                for t, (p, (src, dst)) in enumerate(zip(problems, blocks))]
-    b = _Builder(device, tensors)
+    b = _Builder(device, tensors, collectives)
     for op, first_tag in zip(ops.operations, ops.first_tags):
         b.enter(op.tensor or 0)
         first = len(b.steps)
         pattern = rule_of(op).pattern
         _LOWER[pattern](b, op, first_tag)
-        if pattern == "bundle":  # collective engines replay its messages as broadcasts in groups of two
+        if pattern == "bundle" and collectives:  # collective engines replay its messages as broadcasts in groups of two
             b.collectives += _staged_calls(b.steps, first, device, b.tensor.index)
     if tag_limit is not None and ops.tags > tag_limit + 1:  # every message has its own tag; reusing one could match the wrong message
         raise PlanMismatchError(f"the plan needs {ops.tags} message tags but this MPI allows tags up to {tag_limit} (its TAG_UB); "
@@ -746,11 +792,12 @@ def in_device_order(program: RankProgram, stage_budget: int | None = None, align
             if run:
                 barrier = tuple(run) if gated else tuple(sorted(set(barrier) | set(run)))
             run, current, gated = [], run_of[k], False
+        deps, data = s.deps, s.data
         if barrier and s.action.reads_staging_first:
-            s, gated = replace(s, deps=tuple(sorted(set(s.deps) | set(barrier)))), True
-        if s.data is not None and s.data.buffer == "stage":
+            deps, gated = tuple(sorted(set(deps) | set(barrier))), True
+        if data is not None and data.buffer == "stage":
             moved = shift[k]
-            s = replace(s, data=Bytes("stage", s.data.start - moved, s.data.stop - moved))
-        steps.append(s)
+            data = new_bytes("stage", data.start - moved, data.stop - moved, 0)
+        steps.append(s if deps is s.deps and data is s.data else s.at(s.index, deps, data))
         run.append(s.index)
     return replace(program, steps=tuple(steps), stage_bytes=peak, order="device")

@@ -34,38 +34,43 @@ from xmesh_plan.schemas.plan_tensors import is_multi
 from xmesh_plan.schemas.staging import aligned, stage_budget
 
 from .errors import PlanMismatchError
-from .lower import Action, Bytes, RankProgram, Step, in_device_order, stage_ranges
+from .lower import Action, Bytes, RankProgram, Step, in_device_order, new_bytes, stage_ranges
 from .plan_file import PlanFile, lower_part
 
 
 def rank_program(plan: Plan | PlanFile, device: int, order: str, concurrent: bool, tag_limit: int | None = None,
-                 receipt_bytes: int | None = None) -> RankProgram:
+                 receipt_bytes: int | None = None, collectives: bool = True) -> RankProgram:
     """What `device` replays of `plan` in `order` on an engine that can (`concurrent`) or cannot run several
     reshards in flight (`engines.EngineEntry.concurrent`): the lowering, then the passes (module docstring).
     Posted on an engine that is not concurrent, a multi-tensor plan runs one tensor after another, each
     bundle with its own message; otherwise the bundles sharing a message send it once. `receipt_bytes`: in
-    device order, messages this large get receipts (`with_receipts`); None: none."""
+    device order, messages this large get receipts (`with_receipts`); None: none. `collectives`: with the
+    program's group calls (`RankProgram.collectives`), which only engines built on them replay
+    (`engines.EngineEntry.collectives`); without, a rank makes half the objects."""
     with collector_paused():
-        return _rank_program(plan, device, order, concurrent, tag_limit, receipt_bytes)
+        return _rank_program(plan, device, order, concurrent, tag_limit, receipt_bytes, collectives)
 
 
 @contextmanager
 def collector_paused():
     """Python's cyclic garbage collector off for the block (back on after it, if it was on): a rank's load and lowering
-    make some 10^5 small objects that form no cycles, and the collector's passes over them cost about a third of the
-    time."""
+    make 10^5-10^6 small objects that form no cycles, and the collector's passes over them cost about a third of the
+    time. What the block made then goes to the oldest generation at once (`gc.freeze`, then `gc.unfreeze`: two list
+    moves), so the first young collection after it does not walk them all (a third of a second for 10^6 objects)."""
     enabled = gc.isenabled()
     gc.disable()
     try:
         yield
     finally:
         if enabled:
+            gc.freeze()
+            gc.unfreeze()
             gc.enable()
 
 
 def _rank_program(plan: Plan | PlanFile, device: int, order: str, concurrent: bool, tag_limit: int | None,
-                  receipt_bytes: int | None) -> RankProgram:
-    ops, program = lower_part(plan, device, tag_limit)
+                  receipt_bytes: int | None, collectives: bool) -> RankProgram:
+    ops, program = lower_part(plan, device, tag_limit, collectives)
     if is_multi(plan) and order == "posted" and not concurrent:
         return one_tensor_at_a_time(program)
     carriers = {op.id: group_key(op) for op in ops.operations if op.carrier is not None}
@@ -101,7 +106,7 @@ def _one_area(steps: tuple[Step, ...], align: int) -> tuple[tuple[Step, ...], in
             at = start + hi - lo
     if not shift:
         return steps, at
-    moved = tuple(replace(s, data=Bytes("stage", s.data.start - shift[s.op], s.data.stop - shift[s.op]))
+    moved = tuple(s.at(s.index, s.deps, new_bytes("stage", s.data.start - shift[s.op], s.data.stop - shift[s.op], 0))
                   if s.op in shift and s.data is not None and s.data.buffer == "stage" else s for s in steps)
     return moved, at
 
@@ -133,12 +138,18 @@ def _merge_crossings(steps: tuple[Step, ...], key: Mapping[int, int]) -> tuple[S
     if not instead:
         return steps
     kept = [i for i in range(len(steps)) if i not in instead]
-    index = {old: new for new, old in enumerate(kept)}
-    index |= {old: index[to] for old, to in instead.items()}
+    index = [0] * len(steps)  # old step -> its new index (a dropped one: its carrier's)
+    for new, old in enumerate(kept):
+        index[old] = new
+    for old, to in instead.items():
+        index[old] = index[to]
     out = []
+    remade: dict[tuple[int, ...], tuple[int, ...]] = {}  # deps -> renumbered: one tuple for the steps that wait alike
     for i in kept:
         s = merged.get(i, steps[i])
-        deps = tuple(sorted({index[d] for d in s.deps}))
+        deps = remade.get(s.deps)
+        if deps is None:
+            deps = remade[s.deps] = tuple(sorted({index[d] for d in s.deps}))
         out.append(s if index[i] == i and deps == s.deps else s.moved(index[i], deps))  # steps before the first dropped one stay
     return tuple(out)
 
@@ -173,8 +184,8 @@ def one_tensor_at_a_time(program: RankProgram) -> RankProgram:
             deps, gated = tuple(sorted(set(deps) | set(barrier))), True
         data = s.data
         if data is not None and data.buffer == "stage":
-            data = Bytes("stage", data.start - shift[s.op], data.stop - shift[s.op])
-        steps.append(replace(s, index=len(steps), deps=deps, data=data))
+            data = new_bytes("stage", data.start - shift[s.op], data.stop - shift[s.op], 0)
+        steps.append(s.at(len(steps), deps, data))
         run.append(len(steps) - 1)
     collectives = tuple(sorted(program.collectives, key=lambda c: c.tensor))
     return replace(program, steps=tuple(steps), stage_bytes=max(used.values(), default=0), collectives=collectives)

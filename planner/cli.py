@@ -23,7 +23,7 @@ from xmesh_plan.schemas.transfer import TransferProblem
 from .cli_types import BUCKET_MB, SEED, STAGING_MB, TIME_LIMIT, max_tasks_option, write_output
 from .cli_solvers import solver_summary
 from .progress import QUIET_S, progress
-from .compile_defaults import CompileOptions
+from .compile_defaults import DEFAULT_POSTED_STAGING_BYTES, CompileOptions
 from .compile import compile_rows
 from .inspect_plan import executor_summary, shared_summary, staging_summary, summarize
 from .problem_io import InputError, build_problem, user_error_message
@@ -130,7 +130,9 @@ def problem_from_flags(problem_file, shape, dtype, src_mesh, src_spec, dst_mesh,
                    "up to --bucket-mb  [default: on when a multi-tensor problem is coalesced]")
 @click.option("--max-staging-mb", type=STAGING_MB,
               help="the most MiB of staging any device needs in the executor's device order: larger staged boxes are cut, "
-                   "and the plan states each device's peak")
+                   "and the plan states each device's peak; 0: no limit  [default: a multi-tensor plan runs posted (every "
+                   f"box staged at once) where no device stages more than {DEFAULT_POSTED_STAGING_BYTES // 2**20} MiB so, "
+                   "else with this limit (device order); none for one tensor]")
 @max_tasks_option
 def compile_command(problem_file, output, fmt, shape, dtype, src_mesh, src_spec, dst_mesh, dst_spec, strategy, solver, seed, time_limit, no_merge,
                     split_hosts, coalesce, bucket_mb, cross_tensor, max_staging_mb, max_tasks):
@@ -171,7 +173,15 @@ def compile_command(problem_file, output, fmt, shape, dtype, src_mesh, src_spec,
                f"{shared_summary(plan)}, "
                f"predicted {plan.predicted_seconds:.4f} s{executor_summary(plan)}, lower bound {plan.lower_bound_seconds:.4f} s, "
                f"efficiency {plan.efficiency:.1%}; verified ({report.operations} operations replayed); "
-               f"{solver_summary(plan, timing['seconds'])}{staging_summary(plan)}")
+               f"{solver_summary(plan, timing['seconds'])}{staging_summary(plan)}{_default_staging_note(plan, max_staging_mb)}")
+
+
+def _default_staging_note(plan, max_staging_mb: float | None) -> str:
+    """What compile's line adds where the default staging limit applied (`CompileOptions.resolved`), else empty."""
+    if max_staging_mb is not None or plan.staging is None:
+        return ""
+    return (f" by default: posted, every staged box at once, would stage more than {plan.staging.limit_bytes / 2**20:g} MiB on "
+            "a device, so it runs in device order within that (--max-staging-mb 0: posted, no limit)")
 
 
 def _write_verified(data: bytes, output: str):

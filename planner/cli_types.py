@@ -54,10 +54,27 @@ class Seed(click.ParamType):
         return int(text)
 
 
+class StagingMB(PositiveFloat):
+    """`--max-staging-mb`: a positive number of MiB up to `most`, or 0: no limit (and no default limit)."""
+
+    name = "MiB>=0"
+
+    def convert(self, value, param, ctx):
+        try:
+            if float(value) == 0:
+                return 0.0
+        except (TypeError, ValueError, OverflowError):
+            pass
+        try:
+            return super().convert(value, param, ctx)
+        except click.BadParameter as err:
+            self.fail(f"{err.message}; or 0 for no limit", param, ctx)
+
+
 POSITIVE = PositiveFloat()
 TIME_LIMIT = PositiveFloat(MAX_TIME_LIMIT_S)
 BUCKET_MB = PositiveFloat(4096, least=0.001)  # --bucket-mb
-STAGING_MB = PositiveFloat(2**20)  # --max-staging-mb
+STAGING_MB = StagingMB(2**20)  # --max-staging-mb
 SEED = Seed()
 
 

@@ -29,9 +29,9 @@ from typing import Iterable, Sequence
 
 from xmesh_plan.schemas import ReshardingProblem
 from xmesh_plan.schemas.geometry import Region, region_shape, region_size
-from xmesh_plan.schemas.op_kinds import chunk_bounds, members, rule_of
+from xmesh_plan.schemas.op_kinds import chunk_bounds, rule_of
 from xmesh_plan.schemas.plan_check import MAX_CHUNKS
-from xmesh_plan.schemas.staging import staged_bytes
+from xmesh_plan.schemas.staging import aligned, shard_kinds, staged_on_members
 
 from .problem_io import InputError
 from .strategies import PlannedOp
@@ -104,10 +104,51 @@ def split_op(op: PlannedOp, pieces: Sequence[Region]) -> list[PlannedOp]:
     return out
 
 
-def op_staging(op: PlannedOp, problem: ReshardingProblem) -> int:
-    """The most bytes `op` stages on any one of its devices."""
-    src, dst = problem.blocks("src"), problem.blocks("dst")
-    return max((staged_bytes(op, d, src.get(d), dst.get(d), problem.itemsize) for d in members(op)), default=0)
+Shards = tuple[dict[int, Region], dict[int, Region], int]  # a tensor's source and destination boxes by device, and its element size
+
+
+def shards_of(problems: Sequence[ReshardingProblem]) -> list[Shards]:
+    """Each tensor's `Shards`, read once for all its operations."""
+    return [(p.blocks("src"), p.blocks("dst"), p.itemsize) for p in problems]
+
+
+class StagedOps:
+    """`staged_on_members` of a compile's operations by tensor index, each distinct (operation, kind of tensor) counted
+    once: tensors with the same shards and element size share their operation objects (`compile.renumbered`), so a
+    model's repeated layers are counted once, not once a layer."""
+
+    def __init__(self, problems: Sequence[ReshardingProblem]):
+        self.shards = shards_of(problems)
+        self.kind = shard_kinds(self.shards)
+        self.memo: dict[tuple[int, int], tuple[PlannedOp, list[tuple[int, int]]]] = {}  # holds each op, so its id stays its own
+
+    def __call__(self, op: PlannedOp, tensor: int | None) -> list[tuple[int, int]]:
+        t = tensor or 0
+        key = (id(op), self.kind[t])
+        known = self.memo.get(key)
+        if known is None:
+            known = self.memo[key] = (op, staged_on_members(op, *self.shards[t]))
+        return known[1]
+
+
+def posted_staging(timed_ops: list[TimedOp], problems: Sequence[ReshardingProblem]) -> dict[int, int]:
+    """Device -> the bytes it stages with every operation in flight at once (posted), each operation's bytes rounded up
+    to the largest element size among `problems`: at least what the executor's posted order allocates there
+    (`schemas.staging.staging_peaks`, which lays shared messages' boxes out one after another at that alignment)."""
+    align = max(p.itemsize for p in problems)
+    staged = StagedOps(problems)
+    total: dict[int, int] = {}
+    for _, _, tensor, op in timed_ops:
+        for d, nbytes in staged(op, tensor):
+            if nbytes:
+                total[d] = total.get(d, 0) + aligned(nbytes, align)
+    return total
+
+
+def default_limit(timed_ops: list[TimedOp], problems: Sequence[ReshardingProblem], posted_bytes: int) -> int | None:
+    """The staging limit a compile applies when none is given (`CompileOptions.posted_staging_bytes`): `posted_bytes`
+    where posted order would stage more on some device (`posted_staging`), else None (the plan runs posted)."""
+    return posted_bytes if max(posted_staging(timed_ops, problems).values(), default=0) > posted_bytes else None
 
 
 def _count(staging: Iterable[tuple[int, int, PlannedOp]], limit: int) -> int:
@@ -135,7 +176,9 @@ def limit_staging(timed_ops: list[TimedOp], problems: Sequence[ReshardingProblem
     """Every operation that would stage more than `limit_bytes` on a device, cut into operations that stage
     at most that (see the module docstring); StagingLimitError when the limit cannot be met. `problems[t]`
     is tensor t's problem (the one problem of a single-tensor plan, whose operations have tensor None)."""
-    staging = [(op_staging(op, problems[tensor or 0]), problems[tensor or 0].itemsize, op) for _, _, tensor, op in timed_ops]
+    staged = StagedOps(problems)
+    staging = [(max((n for _, n in staged(op, tensor)), default=0), problems[tensor or 0].itemsize, op)
+               for _, _, tensor, op in timed_ops]
     if any(op.kind == "bundle" and nbytes > limit_bytes for nbytes, _, op in staging):
         raise ValueError("a bundle stages more than the staging limit; cap the bucket by it (compile_plan does)")
     widest = max(problems, key=lambda p: p.itemsize)  # the first tensor with the largest elements

@@ -362,21 +362,24 @@ def _check_operations(operations, problems: list[ReshardingProblem]) -> None:
     """Each operation's structure (`_check_operation`), sends, broadcasts and copies proven all at once first. An
     operation whose devices, boxes and counts are those of one already passed, on a tensor of the same shape and
     layouts, passes too (what `_check_operation` reads is the same): a model's layers repeat their operations."""
-    shards: dict[int | None, tuple[_Shards, int]] = {}
     layouts: dict[tuple, int] = {}  # (shape, source and destination placement, cluster) -> a number for it
+    layout_of: dict[int | None, int] = {}  # tensor -> its layout's number
+    shards: dict[int, _Shards] = {}  # layout -> its shards (what `_Shards` reads is the layout's), made on first use
     passed: set[tuple] = set()
     proven = proven_operations(operations, problems, MAX_CHUNKS)
     for op, done in zip(operations, proven.tolist()):
         if done:
             continue
-        if op.tensor not in shards:
+        layout = layout_of.get(op.tensor)
+        if layout is None:
             problem = problems[op.tensor or 0]
-            layout = layouts.setdefault((tuple(problem.shape), problem.src, problem.dst, problem.cluster), len(layouts))
-            shards[op.tensor] = (_Shards(problem), layout)
-        checker, layout = shards[op.tensor]
+            layout = layout_of[op.tensor] = layouts.setdefault((tuple(problem.shape), problem.src, problem.dst, problem.cluster),
+                                                                len(layouts))
         key = (layout, op.kind, op.src, op.dsts, op.region, op.parts, op.chunks, op.holders, op.needers)
         if key not in passed:
-            _check_operation(op, checker)
+            if layout not in shards:
+                shards[layout] = _Shards(problems[op.tensor or 0])
+            _check_operation(op, shards[layout])
             passed.add(key)
 
 

@@ -105,6 +105,29 @@ def staged_bytes(op: OpLike, device: int, src_block: Region | None, dst_block: R
     return _PATTERNS[rule_of(op).pattern].staged(op, device, src_block, dst_block, itemsize)
 
 
+def staged_on_members(op: OpLike, src_blocks: dict[int, Region], dst_blocks: dict[int, Region], itemsize: int) -> list[tuple[int, int]]:
+    """(device, `staged_bytes` there) for each of `op`'s members in order, the shards given as device -> box per side.
+    A bundle's part sizes are counted once for all its devices, not once per device (a MoE plan's bundles carry many
+    parts to many devices, and every staging figure of a plan asks this of every operation)."""
+    if rule_of(op).pattern != "bundle":
+        return [(d, staged_bytes(op, d, src_blocks.get(d), dst_blocks.get(d), itemsize)) for d in members(op)]
+    sizes = [region_size(p) for p in op.parts]
+    relays = (op.src, op.dsts[0])
+    gathers, scatters = bundle_runs(op)
+    runs: dict[int, int] = {}
+    for d, run in gathers + scatters:
+        runs[d] = runs.get(d, 0) + sum(sizes[i] for i in run)
+    whole = sum(sizes)
+    return [(d, itemsize * (whole if d in relays else runs.get(d, 0))) for d in members(op)]
+
+
+def shard_kinds(shards: Sequence[tuple[dict[int, Region], dict[int, Region], int]]) -> list[int]:
+    """For each tensor's (source boxes, destination boxes, element size) by device, the index of the first tensor with
+    the same: tensors of one kind stage alike."""
+    kinds: dict[tuple, int] = {}
+    return [kinds.setdefault((size, tuple(src.items()), tuple(dst.items())), len(kinds)) for src, dst, size in shards]
+
+
 def peers(op: OpLike, device: int) -> frozenset[int]:
     """The devices `device` sends to or receives from in `op` (the non-empty messages of `op_kinds.route`)."""
     return _PATTERNS[rule_of(op).pattern].peers(op, device)
@@ -223,16 +246,31 @@ def footprints(plan: "Plan") -> dict[int, list[Footprint]]:
     from .carriers import message_groups
 
     shards = [(p.blocks("src"), p.blocks("dst"), p.itemsize) for p in plan.problem.tensor_problems()]
+    kind = shard_kinds(shards)
+    memo: dict[tuple, tuple] = {}  # operations made of the same box objects (a compile's repeated layers) on one kind of shards: once
     align = staging_align(plan)
     out: dict[int, list[Footprint]] = {}
+
+    def each(op) -> list[tuple[int, Footprint]]:
+        t = op.tensor or 0
+        key = (op.kind, op.src, op.dsts, id(op.region), id(op.parts), id(op.holders), id(op.needers), kind[t])
+        known = memo.get(key)
+        if known is None:  # holds the boxes, so their ids stay theirs
+            known = memo[key] = ((op.region, op.parts, op.holders, op.needers),
+                                 [(d, (peers(op, d), n)) for d, n in staged_on_members(op, *shards[t])])
+        return known[1]
+
     for group in message_groups(plan.operations):
+        if len(group) == 1:  # one operation: its footprints as they are (shared with the same operation elsewhere)
+            for device, footprint in each(group[0]):
+                out.setdefault(device, []).append(footprint)
+            continue
         mine: dict[int, tuple[set[int], list[int]]] = {}
         for op in group:
-            src, dst, itemsize = shards[op.tensor or 0]
-            for device in members(op):
+            for device, (near, nbytes) in each(op):
                 talks, sizes = mine.setdefault(device, (set(), []))
-                talks |= peers(op, device)
-                sizes.append(staged_bytes(op, device, src.get(device), dst.get(device), itemsize))
+                talks |= near
+                sizes.append(nbytes)
         for device, (talks, sizes) in mine.items():
             out.setdefault(device, []).append((frozenset(talks), chained(sizes, align)))
     return out

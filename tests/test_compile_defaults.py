@@ -221,3 +221,77 @@ def test_impossible_options_are_refused_when_resolved(options, words):
 
     with pytest.raises(InputError, match=words):
         CompileOptions(**options).resolved(multi_tensor=True)
+
+
+# --- the default staging limit: posted only where no device stages more than DEFAULT_POSTED_STAGING_BYTES -----
+
+def _posted_peak(plan) -> int:
+    from xmesh_plan.schemas.staging import staging_peaks
+
+    return max(staging_peaks(plan, "posted").values(), default=0)
+
+
+def test_a_transfer_that_would_stage_more_posted_than_the_default_gets_it_as_its_limit(small, default_plan, monkeypatch):
+    """With no limit given, a multi-tensor plan whose posted order would stage more than the default on some device is
+    compiled with the default as its staging limit (the plan states it, runs in device order within it) exactly as
+    `max_staging_bytes` would make it; at its posted peak it stays posted, byte for byte the committed plan."""
+    from xmesh_plan.planner import compile_defaults
+
+    peak = _posted_peak(default_plan)
+    assert default_plan.staging is None and default_plan.executor_prediction.order == "posted"
+    monkeypatch.setattr(compile_defaults, "DEFAULT_POSTED_STAGING_BYTES", peak)
+    assert compile_plan(small).to_json() == (ROOT / "plans" / "weight_sync_small.plan.json").read_text()
+    cap = peak - 1
+    monkeypatch.setattr(compile_defaults, "DEFAULT_POSTED_STAGING_BYTES", cap)
+    limited = compile_plan(small)
+    verify_plan(limited)
+    assert limited.staging.limit_bytes == cap and max(limited.staging.peak_bytes.values()) <= cap
+    assert limited.executor_prediction.order == default_order(limited, "mpi") == "device"
+    assert limited.to_json() == compile_plan(small, max_staging_bytes=cap).to_json()
+
+
+def test_no_limit_opts_out_and_a_single_tensor_gets_no_default(small, default_plan, case, monkeypatch):
+    """`max_staging_bytes=0` (`--max-staging-mb 0`): posted whatever it stages; a single tensor (device order already)
+    is compiled as before whatever the default."""
+    from xmesh_plan.planner import compile_defaults
+    from xmesh_plan.planner.compile_defaults import NO_STAGING_LIMIT
+
+    monkeypatch.setattr(compile_defaults, "DEFAULT_POSTED_STAGING_BYTES", 4 * 2**20)
+    assert compile_plan(small, max_staging_bytes=NO_STAGING_LIMIT).to_json() == default_plan.to_json()
+    assert compile_plan(small).staging is not None
+    assert compile_plan(case("case3")).to_json() == (ROOT / "plans" / "case3.plan.json").read_text()
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_the_posted_staging_the_default_reads_is_at_least_what_posted_allocates(seed):
+    """`staging_limit.posted_staging` (counted before operations are listed, each rounded up to the largest element
+    size) is at least `schemas.staging.staging_peaks(plan, "posted")` on every device, so a plan left posted by the
+    default never stages more than it posted."""
+    from xmesh_plan.planner.staging_limit import posted_staging
+    from xmesh_plan.schemas.staging import staging_peaks
+    from tests.support.transfer import random_transfer
+
+    problem = random_transfer(seed, max_devices=8)
+    plan = compile_plan(problem, max_staging_bytes=0)
+    timed = [(op.start_s, op.task, op.tensor, op) for op in plan.operations]
+    counted = posted_staging(timed, problem.tensor_problems())
+    for device, nbytes in staging_peaks(plan, "posted").items():
+        assert counted.get(device, 0) >= nbytes
+
+
+def test_the_cli_takes_zero_for_no_limit_and_says_when_the_default_applied(tmp_path, monkeypatch):
+    from xmesh_plan.planner import compile_defaults
+
+    monkeypatch.setattr(compile_defaults, "DEFAULT_POSTED_STAGING_BYTES", 4 * 2**20)
+    out = tmp_path / "p.plan.json"
+    limited = CliRunner().invoke(main, ["compile", str(SMALL), "-o", str(out)])
+    assert limited.exit_code == 0, limited.output
+    assert "by default: posted, every staged box at once, would stage more than 4 MiB" in limited.output
+    assert read_plan_file(out).staging.limit_bytes == 4 * 2**20
+    posted = CliRunner().invoke(main, ["compile", str(SMALL), "-o", str(out), "--max-staging-mb", "0"])
+    assert posted.exit_code == 0 and "by default" not in posted.output, posted.output
+    assert read_plan_file(out).to_json() == (ROOT / "plans" / "weight_sync_small.plan.json").read_text()
+    given = CliRunner().invoke(main, ["compile", str(SMALL), "-o", str(out), "--max-staging-mb", "4"])
+    assert given.exit_code == 0 and "by default" not in given.output, given.output
+    refused = CliRunner().invoke(main, ["compile", str(SMALL), "--max-staging-mb", "-1"])
+    assert refused.exit_code == 2 and "--max-staging-mb" in refused.output and "Traceback" not in refused.output

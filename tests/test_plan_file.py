@@ -3,6 +3,7 @@ compact plan file reads, checks and lowers only the operations its device takes 
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -39,8 +40,11 @@ def _same_programs_from_the_file(plan: Plan, path: Path) -> None:
     source = PlanFile.read(path)
     for device in plan_devices(plan):
         assert lower_device_ops(read_plan_ops(path, device), device, 2**20) == lower(plan, device, 2**20), device
-        for order, concurrent in (("device", True), ("posted", False)):
-            assert rank_program(source, device, order, concurrent, 2**20) == rank_program(plan, device, order, concurrent, 2**20)
+        for order, concurrent in (("device", True), ("posted", False), ("posted", True)):
+            whole = rank_program(plan, device, order, concurrent, 2**20)
+            assert rank_program(source, device, order, concurrent, 2**20) == whole
+            # an engine that replays steps gets the same program, less the group calls only NCCL's replays
+            assert rank_program(source, device, order, concurrent, 2**20, collectives=False) == replace(whole, collectives=())
 
 
 @pytest.mark.parametrize("path", REFERENCE, ids=lambda p: p.name)
@@ -68,7 +72,8 @@ def _file_executors(path: Path, order: str, then=lambda: None) -> list[TransferE
     out = []
     for rank, ex in enumerate(executors):
         assert isinstance(ex.plan, PlanFile)
-        ex.program = rank_program(ex.plan, ex.device, order, True, tag_limit=2**20)
+        ex.program = rank_program(ex.plan, ex.device, order, True, tag_limit=2**20, collectives=ex.entry.collectives)
+        assert not ex.program.collectives  # the MPI engine replays the steps: the lowering leaves the group calls out
         ex.engine = MpiEngine(ex.program, FakeComm(world, rank), rank_of, 5.0, (1e-5, 1e-4))
         ex.engine.setup(mpi=FakeMPI)
         out.append(ex)

@@ -305,3 +305,25 @@ def test_a_one_tensor_plan_over_its_staging_gets_the_same_advice_from_both_faces
             face(plan, WorldComm(FakeWorld(), 0, len(devices)), order="posted")._check_staging(program)
         messages.append(str(err.value))
     assert messages[0] == messages[1] and "run it with order='device'" in messages[1]
+
+
+def test_staging_on_every_member_at_once_is_staged_bytes_on_each():
+    """`staged_on_members` (a bundle's part sizes counted once for all its devices) gives `staged_bytes` on every
+    member of every operation of random coalesced transfers, bundles among them."""
+    from xmesh_plan.schemas.op_kinds import members
+    from xmesh_plan.schemas.staging import staged_bytes, staged_on_members
+
+    from tests.support.transfer import random_transfer
+
+    kinds = set()
+    for seed in range(8):
+        problem = random_transfer(seed, max_devices=8)
+        plan = compile_plan(problem, coalesce=True, max_staging_bytes=0)
+        singles = problem.tensor_problems()
+        for op in plan.operations:
+            kinds.add(op.kind)
+            p = singles[op.tensor or 0]
+            src, dst = p.blocks("src"), p.blocks("dst")
+            want = [(d, staged_bytes(op, d, src.get(d), dst.get(d), p.itemsize)) for d in members(op)]
+            assert staged_on_members(op, src, dst, p.itemsize) == want
+    assert "bundle" in kinds

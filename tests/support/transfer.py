@@ -61,7 +61,7 @@ def fake_executors(plan: Plan, concurrent: bool = True, order: str = "device") -
     out = []
     for rank, device in enumerate(devices):
         ex = TransferExecutor(plan, WorldComm(world, rank, len(devices)), order=order)
-        ex.program = rank_program(plan, device, order, concurrent, tag_limit=2**20)
+        ex.program = rank_program(plan, device, order, concurrent, tag_limit=2**20, collectives=ex.entry.collectives)
         ex.engine = MpiEngine(ex.program, FakeComm(world, rank), rank_of, 5.0, (1e-5, 1e-4))
         ex.engine.setup(mpi=FakeMPI)
         out.append(ex)
