@@ -29,13 +29,16 @@ from .unit_tasks import Cell, check_kinds_task_count, check_scheduled_task_count
 
 DIGITS = 12  # times are rounded to picoseconds so plans print and compare stably
 NIC_SIDES = ("send", "recv")  # the resources a plan's host order lists; device ports are not queued
-MAX_SIMULATED_MESSAGES = 2_000_000  # messages (`simulated_messages`) a plan may have to be simulated: the simulator makes a flow of each, and
-# holds them all (10^6 one-message operations simulate in about a minute and 2.5 GiB, bench/bench_simulate.py); beyond, the schedule's
-# own timetable stands in, decided before any flow is made (the full DeepSeek-V3-like plan: 8.8 M messages, whose simulation passes MAX_SIMULATION_WORK)
+MAX_SIMULATED_MESSAGES = 2_000_000  # messages (`simulated_messages`) a plan may have to be simulated: the simulator makes a flow of each and
+# holds them all; beyond, the schedule's own timetable stands in, decided before any flow is made. What a compile here affords: a
+# DeepSeek-V3-like 4-layer cut (577,728 messages) simulates in host order in 24 CPU s and 284 MiB more, posted in 27 CPU s and 237 MiB
+# (about 90 us and 0.5 KiB a message for both), so 2 M messages already cost a compile about 3 CPU minutes and 1 GiB, past the frontier
+# targets (60 s, 2 GiB); the full DeepSeek-V3-like plan (8.8 M messages) would take about 13 CPU minutes. `xmesh-plan check --simulate`
+# times such a plan in the executor's order on demand (BENCHMARKS.md)
 MAX_SIMULATION_WORK = 25_000_000  # work one simulation of a listing may take (`simulate.run_flows`: groups shared out and flows re-rated,
 # counted, so every machine decides alike); beyond, the schedule's timetable stands in. A backstop for listings under MAX_SIMULATED_MESSAGES,
-# which pass it only at more than 12.5 units a message: a 2-layer DeepSeek-V3-like cut (225,424 messages) takes 1.14 M in host order
-# (5.0 a message), 0.67 M posted (3.0)
+# which pass it only at more than 12.5 units a message: a 2-layer DeepSeek-V3-like cut (289,152 messages, 225,424 flows) takes 1.14 M in
+# host order (3.9 a message), 0.67 M posted (2.3)
 DETAILED_STAGES = 10_000  # operations from which a compile names the steps of timing and assembling (`on_stage`)
 MAX_RELISTINGS = 8  # re-simulations until the listing is the order of its own predicted starts
 

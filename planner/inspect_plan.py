@@ -308,7 +308,7 @@ def executor_line(plan: Plan) -> list[str]:
     stated = plan.executor_prediction
     if stated is None:
         return [f"predicted {executor_order(plan.staging is not None)} (the executor's default order for this plan): not stated; "
-                "`inspect --orders` times it"]
+                "`xmesh-plan check --simulate` times it (`inspect --orders`: under every order)"]
     return [f"predicted {stated.order} (the executor's default order for this plan): {stated.predicted_seconds:.4f} s, "
             f"{_over(stated.predicted_seconds, plan.lower_bound_seconds)} the bound"]
 

@@ -181,7 +181,7 @@ def group_rates(groups: list[tuple[str, ...]], members: dict[tuple[str, ...], di
 def run_flows(flows: list[Flow], capacity: dict[str, float], max_work: int | None = None,
               cost: list[int] | None = None, share: ShareRule | None = None) -> dict[int, tuple[float, float]]:
     """Event-driven fluid simulation; (start, arrival) per flow id. Flows numbered 0, 1, 2, ... in list order (as `lower`
-    makes them) keep their state in lists, not dicts; others are renumbered so first (`_renumbered_run`). A flow with no bytes or links
+    makes them) run as they are (`_run`); others are renumbered so first (`_renumbered_run`). A flow with no bytes or links
     takes only its latency. Raises TooCostly once the run's work passes `max_work`: per event that starts or ends
     a flow, the groups of moving flows it shares rates out over (flows on the same links: `_sharing_groups`)
     and the flows whose rates change, summed over the run (what it costs, counted so that whether a plan is
@@ -196,28 +196,45 @@ def run_flows(flows: list[Flow], capacity: dict[str, float], max_work: int | Non
     """
     if not _numbered_in_order(flows):
         return _renumbered_run(flows, capacity, max_work, cost, share)
+    start, arrival = _run(flows, capacity, max_work, cost, share)
+    return {f.id: (start[f.id], arrival[f.id]) for f in flows}
+
+
+def _run(flows: list[Flow], capacity: dict[str, float], max_work: int | None = None, cost: list[int] | None = None,
+         share: ShareRule | None = None) -> tuple[list[float], list[float]]:
+    """`run_flows` of flows numbered 0, 1, 2, ... (in any list order), as (start, arrival) lists by flow id: every
+    per-flow state here is a list by flow id, not a dict (memory and time per flow at 10^6-10^7 flows)."""
     fair, share = share is None, share or max_min_rates
-    by_id: list[Flow] = [None] * len(flows)  # ids are 0 .. n-1 in any list order
+    n = len(flows)
+    by_id: list[Flow] = [None] * n  # ids are 0 .. n-1 in any list order
     for f in flows:
         by_id[f.id] = f
-    waiting = [len(f.after) + len(f.after_sent) for f in by_id]  # by flow id, as `by_id`: lists, not dicts (memory per flow)
-    on_arrival: list[list[int] | None] = [None] * len(flows)  # flow -> the flows waiting for it to arrive (None: none)
-    on_sent: list[list[int] | None] = [None] * len(flows)  # ... for it to have left
+    waiting = [len(f.after) + len(f.after_sent) for f in by_id]
+    on_arrival: list[list[int] | None] = [None] * n  # flow -> the flows waiting for it to arrive (None: none)
+    on_sent: list[list[int] | None] = [None] * n  # ... for it to have left
     early: set[int] = set()  # flows that counted as left before their last byte did (`Flow.sent_below`)
     for f in flows:
+        fid = f.id
         for parent in f.after:
-            if on_arrival[parent] is None:
-                on_arrival[parent] = []
-            on_arrival[parent].append(f.id)
+            children = on_arrival[parent]
+            if children is None:
+                on_arrival[parent] = [fid]
+            else:
+                children.append(fid)
         for parent in f.after_sent:
-            if on_sent[parent] is None:
-                on_sent[parent] = []
-            on_sent[parent].append(f.id)
+            children = on_sent[parent]
+            if children is None:
+                on_sent[parent] = [fid]
+            else:
+                children.append(fid)
     buffered = {f.id for f in flows if f.sent_below > 0 and on_sent[f.id] is not None}  # flows that may count as left early
-    clock, events, span = 0.0, [], {}  # events: (time, flow) of arrivals: a flow's last byte left `latency_s` earlier
+    clock, events = 0.0, []  # events: (time, flow) of arrivals: a flow's last byte left `latency_s` earlier
+    start: list[float | None] = [None] * n
+    arrival: list[float | None] = [None] * n
     moving = _Moving(by_id, buffered, early)
     busy: dict[str, int] = {}  # queue -> the flow moving on it
     queued: dict[str, deque[int]] = {}  # queue -> ready flows behind it, first ready first
+    push = heapq.heappush
 
     def release(ready: list[int]) -> None:
         """Start every flow in `ready` whose last dependency just ended; a flow with nothing to move has
@@ -227,30 +244,35 @@ def run_flows(flows: list[Flow], capacity: dict[str, float], max_work: int | Non
             waiting[fid] -= 1
             if waiting[fid]:
                 continue
-            queue = by_id[fid].queue
+            f = by_id[fid]
+            queue = f.queue
             if queue:
                 if queue in busy:
                     queued.setdefault(queue, deque()).append(fid)
                     continue
                 busy[queue] = fid
-            span[fid] = (clock, None)
-            if by_id[fid].work > 0 and by_id[fid].links:
+            start[fid] = clock
+            work = f.nbytes + f.overhead  # `Flow.work`
+            if work > 0 and f.links:
                 moving.start(fid, clock)
-                if fid in buffered and by_id[fid].sent_below >= by_id[fid].work:  # the buffer takes it all at once
+                if fid in buffered and f.sent_below >= work:  # the buffer takes it all at once
                     ready.extend(left_early(fid))
             else:
                 ready.extend(sent(fid))
 
     def left_early(fid: int) -> list[int]:
-        """At most `sent_below` of it is left: what waits for it to have left may go (not what queues behind it)."""
+        """At most `sent_below` of it is left: what waits for it to have left may go (not what queues behind it).
+        Its waiters are handed over, not copied: a flow leaves once (`sent` then hands over nothing)."""
         early.add(fid)
-        return list(on_sent[fid] or ())
+        out, on_sent[fid] = on_sent[fid] or [], None
+        return out
 
     def sent(fid: int) -> list[int]:
         """Its last byte left: it arrives a latency later; flows queued behind it may go."""
-        heapq.heappush(events, (clock + by_id[fid].latency_s, fid))
-        out = [] if fid in early else list(on_sent[fid] or ())
-        queue = by_id[fid].queue
+        f = by_id[fid]
+        push(events, (clock + f.latency_s, fid))
+        out, on_sent[fid] = on_sent[fid] or [], None  # empty for a flow that left early (`left_early` took them)
+        queue = f.queue
         if queue and busy.get(queue) == fid:
             del busy[queue]
             if queued.get(queue):  # the next on the connection goes first (release pops from the end)
@@ -264,7 +286,8 @@ def run_flows(flows: list[Flow], capacity: dict[str, float], max_work: int | Non
         waiting[fid] = 1  # released below like a flow whose last dependency just ended
     release(free)
     work = 0
-    while events or moving.seq:
+    pop = heapq.heappop
+    while events or moving.active:
         if moving.touched:  # an arrival that starts nothing leaves the moving flows, and so their rates, as they were
             groups = _sharing_groups(moving.touched, moving.groups_on)
             moving.touched.clear()
@@ -282,7 +305,7 @@ def run_flows(flows: list[Flow], capacity: dict[str, float], max_work: int | Non
             step = events[0][0]
         if step > clock:
             clock += step - clock
-        if (moving.next and moving.next[0][0] <= clock) or (moving.done and moving.done[0][0] <= clock):
+        if moving.done and moving.done[0][0] <= clock:
             emptied, finished = moving.due(clock)
             for i in emptied:
                 release(left_early(i))
@@ -290,14 +313,16 @@ def run_flows(flows: list[Flow], capacity: dict[str, float], max_work: int | Non
                 moving.stop(i)
                 release(sent(i))
         while events and events[0][0] <= clock + REL_EPS * max(1.0, clock):
-            _, i = heapq.heappop(events)
-            span[i] = (span[i][0], clock)
-            release(list(on_arrival[i] or ()))
+            _, i = pop(events)
+            arrival[i] = clock
+            waiters, on_arrival[i] = on_arrival[i], None  # a flow arrives once: its waiters are handed over, not copied
+            if waiters:
+                release(waiters)
     if any(waiting):
         raise ValueError("flow dependencies form a cycle; some flows never start")
     if cost is not None:
         cost.append(work)
-    return span
+    return start, arrival
 
 
 def _numbered_in_order(flows: list[Flow]) -> bool:
@@ -332,29 +357,33 @@ class _Moving:
     rate, and its work left as of `since` (settled only when its rate changes, so an event costs the flows it
     re-rates, not all that move); finish times in heaps with stale entries skipped. A flow has moved its work once
     at most `REL_EPS` of it (at least that many bytes) is left, so flows that finish together by the arithmetic
-    finish in one event, in the order they started."""
+    finish in one event, in the order they started. Per-flow state is in lists by flow id (a flow starts once)."""
 
     def __init__(self, by_id: list[Flow], buffered: set[int], early: set[int]):
         self.by_id, self.buffered, self.early = by_id, buffered, early
-        self.seq: dict[int, int] = {}  # moving flow -> when it started, as a count (rates are shared out in this order)
+        n = len(by_id)
+        self.active = 0  # how many flows move
+        self.seq: list[int] = [0] * n  # flow -> when it started, as a count (rates are shared out in this order)
         self.count = 0
         self.members: dict[tuple[str, ...], dict[int, None]] = {}  # links -> the moving flows on exactly them, first started first
         self.groups_on: dict[str, dict[tuple[str, ...], None]] = {}  # link -> the groups on it
         self.group_rate: dict[tuple[str, ...], float] = {}  # max-min: a group's rate as last shared out
         self.fresh: dict[tuple[str, ...], list[int]] = {}  # group -> its flows started since rates were last shared out
         self.touched: dict[str, None] = {}  # links of flows that started or stopped since rates were last shared out
-        self.left: dict[int, float] = {}
-        self.since: dict[int, float] = {}
-        self.rate: dict[int, float] = {}
-        self.version: dict[int, int] = {}
-        self.next: list[tuple[float, int, int, int, bool]] = []  # (when it has moved all / down to its buffer, seq, flow, version, buffer?)
-        self.done: list[tuple[float, int, int, int, bool]] = []  # the same, at the time within REL_EPS of it
+        self.left: list[float] = [0.0] * n  # work left as of `since`, while it moves
+        self.since: list[float] = [0.0] * n
+        self.rate: list[float | None] = [None] * n  # None: not yet rated, or stopped
+        self.version: list[int] = [-1] * n  # bumped at each new rate; -1 once stopped (its heap entries are stale)
+        self.done: list[tuple[float, int, int, int, bool, float]] = []  # (when it is within REL_EPS of having moved all / down to its
+        # buffer, seq, flow, version, buffer?, when it has moved all / down to its buffer): one heap for both times (`next_time`)
 
     def start(self, fid: int, clock: float) -> None:
-        links = self.by_id[fid].links
+        f = self.by_id[fid]
+        links = f.links
         self.seq[fid] = self.count
         self.count += 1
-        self.left[fid], self.since[fid] = self.by_id[fid].work, clock
+        self.active += 1
+        self.left[fid], self.since[fid] = f.nbytes + f.overhead, clock  # `Flow.work`
         self.version[fid] = 0
         group = self.members.get(links)
         if group is None:
@@ -362,12 +391,18 @@ class _Moving:
             for link in links:
                 self.groups_on.setdefault(link, {})[links] = None
         group[fid] = None
-        self.fresh.setdefault(links, []).append(fid)
+        fresh = self.fresh.get(links)
+        if fresh is None:
+            self.fresh[links] = [fid]
+        else:
+            fresh.append(fid)
+        touched = self.touched
         for link in links:
-            self.touched[link] = None
+            touched[link] = None
 
     def stop(self, fid: int) -> None:
-        del self.seq[fid], self.left[fid], self.since[fid], self.rate[fid], self.version[fid]
+        self.active -= 1
+        self.rate[fid], self.version[fid], self.left[fid], self.since[fid] = None, -1, 0.0, 0.0
         links = self.by_id[fid].links
         group = self.members[links]
         del group[fid]
@@ -376,68 +411,86 @@ class _Moving:
             self.group_rate.pop(links, None)
             for link in links:
                 del self.groups_on[link][links]
+        touched = self.touched
         for link in links:
-            self.touched[link] = None
+            touched[link] = None
 
     def set_group_rates(self, rates: dict[tuple[str, ...], float], clock: float) -> int:
         """Max-min rates by group from `clock` on: every flow of a group whose rate changed, and the flows that
-        started since, get it (`set_rates`); how many flows that re-rated."""
-        changed, fresh = 0, self.fresh
+        started since, get it (`rerate`); how many flows that re-rated."""
+        changed, fresh, group_rate, members = 0, self.fresh, self.group_rate, self.members
         for group, r in rates.items():
-            if self.group_rate.get(group) != r:
-                self.group_rate[group] = r
-                changed += self.set_rates(dict.fromkeys(self.members[group], r), clock)
+            if group_rate.get(group) != r:
+                group_rate[group] = r
+                changed += self.rerate(members[group], r, clock)
             elif group in fresh:
-                changed += self.set_rates(dict.fromkeys(fresh[group], r), clock)
+                changed += self.rerate(fresh[group], r, clock)
         fresh.clear()
         return changed
 
     def set_rates(self, rates: dict[int, float], clock: float) -> int:
-        """New rates from `clock` on: a flow whose rate changed has its work left settled and new finish times;
-        how many changed."""
+        """New rates by flow from `clock` on (`rerate`); how many changed."""
+        return sum(self.rerate((fid,), r, clock) for fid, r in rates.items())
+
+    def rerate(self, fids, r: float, clock: float) -> int:
+        """Rate `r` from `clock` on for `fids`: a flow whose rate changed has its work left settled and new finish
+        times; how many changed."""
         changed = 0
-        for fid, r in rates.items():
-            old = self.rate.get(fid)
+        rate, left, since, version, seq = self.rate, self.left, self.since, self.version, self.seq
+        by_id, buffered, early, done = self.by_id, self.buffered, self.early, self.done
+        push = heapq.heappush
+        for fid in fids:
+            old = rate[fid]
             if old == r:
                 continue
             changed += 1
             if old is not None:
-                self.left[fid] -= old * (clock - self.since[fid])
-                self.since[fid] = clock
-            self.rate[fid] = r
-            self.version[fid] += 1
-            self._push(fid)
+                left[fid] -= old * (clock - since[fid])
+                since[fid] = clock
+            rate[fid] = r
+            v = version[fid] = version[fid] + 1
+            f, rest, at, s = by_id[fid], left[fid], since[fid], seq[fid]
+            tol = REL_EPS * max(1.0, f.nbytes + f.overhead)
+            push(done, (at + (rest - tol) / r, s, fid, v, False, at + rest / r))
+            if fid in buffered and fid not in early:
+                push(done, (at + (rest - f.sent_below - tol) / r, s, fid, v, True, at + (rest - f.sent_below) / r))
         return changed
 
-    def _push(self, fid: int) -> None:
-        f, left, since, r = self.by_id[fid], self.left[fid], self.since[fid], self.rate[fid]
-        seq, version, tol = self.seq[fid], self.version[fid], REL_EPS * max(1.0, f.work)
-        heapq.heappush(self.next, (since + left / r, seq, fid, version, False))
-        heapq.heappush(self.done, (since + (left - tol) / r, seq, fid, version, False))
-        if fid in self.buffered and fid not in self.early:
-            heapq.heappush(self.next, (since + (left - f.sent_below) / r, seq, fid, version, True))
-            heapq.heappush(self.done, (since + (left - f.sent_below - tol) / r, seq, fid, version, True))
-
     def next_time(self) -> float:
-        """When the next moving flow has moved all its work (or down to its buffer)."""
-        heap, version, early = self.next, self.version, self.early
+        """When the next moving flow has moved all its work (or down to its buffer): the least such time of a live heap
+        entry. Entries are ordered by the time within REL_EPS of it, never later than it (the same arithmetic on less
+        work, rounded alike), so only entries whose earlier time is below the best found so far can hold a smaller one:
+        the heap's tree is searched down from its (live) top, pruned at the first entry not below it."""
+        heap, version, early = self.done, self.version, self.early
         while heap:
-            _, _, fid, v, buffer = heap[0]
-            if version.get(fid) == v and not (buffer and fid in early):
-                return heap[0][0]
+            _, _, fid, v, buffer, _ = heap[0]
+            if version[fid] == v and not (buffer and fid in early):
+                break
             heapq.heappop(heap)  # stale: its rate changed, it ended, or it is already down to its buffer
-        return float("inf")
+        else:
+            return float("inf")
+        best, n, stack = heap[0][5], len(heap), [1, 2]
+        while stack:
+            i = stack.pop()
+            if i >= n:
+                continue
+            soon, _, fid, v, buffer, at = heap[i]
+            if soon >= best:
+                continue  # neither it nor any entry below it finishes before `best`
+            if at < best and version[fid] == v and not (buffer and fid in early):
+                best = at
+            stack += (2 * i + 1, 2 * i + 2)
+        return best
 
     def due(self, clock: float) -> tuple[list[int], list[int]]:
         """(flows down to their buffer, flows that have moved all) at `clock`, each in the order they started:
-        those whose time is up, and those within REL_EPS of their work of it."""
+        those within REL_EPS of their work of it (among them those whose time is up)."""
         hits: dict[int, bool] = {}
-        version, early, pop = self.version, self.early, heapq.heappop
-        for heap in (self.next, self.done):
-            while heap and heap[0][0] <= clock:
-                _, _, fid, v, buffer = pop(heap)
-                if version.get(fid) == v and not (buffer and fid in early):
-                    hits[fid] = hits.get(fid, False) or not buffer
+        heap, version, early, pop = self.done, self.version, self.early, heapq.heappop
+        while heap and heap[0][0] <= clock:
+            _, _, fid, v, buffer, _ = pop(heap)
+            if version[fid] == v and not (buffer and fid in early):
+                hits[fid] = hits.get(fid, False) or not buffer
         if len(hits) == 1:
             ((fid, whole),) = hits.items()
             return ([], [fid]) if whole else ([fid], [])
@@ -506,32 +559,41 @@ class _Lowering:
         self.bytewise: set[int] = set()  # operations whose boxes count bytes, not elements: shared messages (`schemas.carriers.fused`)
         self.send_buffer = send_buffer_bytes if discipline == "device-order" else None  # `simulate(send_buffer_bytes=)`
         self.gated: set[str] | None = None  # host order, while an operation is added: the NIC sides its flows were gated on (`gate`)
-        self.lane_cache: dict[tuple[int, int, int | None], list[tuple[tuple[str, ...], float, float]]] = {}  # `lanes`
+        self.lane_cache: dict[tuple[int, int, int | None], list[tuple[tuple[str, ...], float, float, float]]] = {}  # `lanes`
         self.pooled = pooled_nics(self.cluster) and not self.nic_of_task  # `lanes`: one lane for every NIC of a host
+        self.last_ids: dict[int, tuple[int, ...]] = {}  # `same`: the last dependencies of each length a flow was given
 
     def hop(self, op: Operation, a: int, b: int, nbytes: float, after: list[int], after_sent: list[int] = ()) -> list[int]:
         """One message from device a to device b; returns its flow ids (one per NIC it is striped over).
-        Each stripe also carries the per-message overhead, as bytes at its slower side's speed."""
+        Each stripe also carries the per-message overhead, as bytes at its slower side's speed (`lanes`)."""
         ha, hb = a // self.per_host, b // self.per_host  # `Cluster.host_of`
         if ha == hb and self.cpu is not None:
             return self.cpu_hop(op, a, b, nbytes, after, after_sent)
-        latency, overhead = (0.0, 0.0) if a == b else (self.latency_s, self.overhead_s)
+        latency = 0.0 if a == b else self.latency_s
         queue = f"{a}>{b}" if a != b and self.discipline != "host-order" else ""  # executor orders: one connection per pair
-        after, waits = _ids(after), _ids(after_sent)
+        after, waits = self.same(_ids(after)), _ids(after_sent)
         flows, out = self.flows, []
-        for k, (links, weight, slowest) in enumerate(self.lanes(op, a, b, ha, hb)):
-            share = nbytes * weight
+        for k, (links, weight, _, overhead) in enumerate(self.lanes(op, a, b, ha, hb)):
+            share = nbytes if weight == 1.0 else nbytes * weight  # x * 1.0 is x: one float fewer per flow
             buffer = self.send_buffer * share / nbytes if self.send_buffer and a != b and nbytes > 0 else 0.0
-            after_sent = waits if self.gated is None else _ids(self.gate(links, waits))
+            after_sent = self.same(waits if self.gated is None else _ids(self.gate(links, waits)))
             out.append(len(flows))
             flows.append(Flow(len(flows), op.id, share, latency, links, after, after_sent,
-                              overhead * slowest if nbytes > 0 else 0.0, f"{queue}:{k}" if queue else "", buffer))
+                              overhead if nbytes > 0 else 0.0, f"{queue}:{k}" if queue else "", buffer))
         return out
 
-    def lanes(self, op: Operation, a: int, b: int, ha: int, hb: int) -> list[tuple[tuple[str, ...], float, float]]:
+    def same(self, ids: tuple[int, ...]) -> tuple[int, ...]:
+        """`ids`, as the last flow's dependencies when equal (one tuple for the many flows of a bundle waiting alike)."""
+        last = self.last_ids
+        if ids == last.get(len(ids)):
+            return last[len(ids)]
+        last[len(ids)] = ids
+        return ids
+
+    def lanes(self, op: Operation, a: int, b: int, ha: int, hb: int) -> list[tuple[tuple[str, ...], float, float, float]]:
         """The lanes a message from a to b takes: (its links, sorted; its share of the message; its slower side's
-        bandwidth), one per NIC it is striped over; made once per pair of ends (and NIC), which also enters their
-        links' capacities."""
+        bandwidth; the per-message overhead as the bytes that side moves meanwhile), one per NIC it is striped over;
+        made once per pair of ends (and NIC), which also enters their links' capacities."""
         nic = self.nic_of_task.get(op.task) if ha != hb else None
         key = (a, b, nic) if ha == hb else (-1 - ha, -1 - hb, nic)  # cross-host: the hosts decide, not the devices
         known = self.lane_cache.get(key)
@@ -550,7 +612,9 @@ class _Lowering:
                       f"h{hb}.recv:{n}": self.cluster.nics[n].recv_gbps * 1e9 / 8} for n in nics]
         for links in lanes:
             self.capacity |= links
-        known = self.lane_cache[key] = [(tuple(sorted(links)), self._weight(links, lanes), min(links.values())) for links in lanes]
+        overhead = 0.0 if a == b else self.overhead_s
+        known = self.lane_cache[key] = [(tuple(sorted(links)), self._weight(links, lanes), min(links.values()),
+                                         overhead * min(links.values())) for links in lanes]
         return known
 
     def cpu_hop(self, op: Operation, a: int, b: int, nbytes: float, after: list[int], after_sent: list[int] = ()) -> list[int]:
@@ -597,6 +661,12 @@ class _Lowering:
         for key in sorted({link for i in mine for link in self.flows[i].links if link.startswith("h")}):
             self.last_on[key] = [i for i in terminal if key in self.flows[i].links] or terminal
             self.turn.setdefault(key, deque(maxlen=GATHER_AHEAD)).append((ready, self.waited.get(key, [])))
+
+    def finish(self) -> None:
+        """Drop what only adding operations needs (what each task delivered where, each NIC side's last operations,
+        device runs, ...): a run needs the flows, and `op_times` and `renumbered_only` what they read."""
+        for state in (self.delivered, self.last_on, self.turn, self.scattered, self.runs, self.posted_when, self.lane_cache):
+            state.clear()
 
     def add_in_device_order(self, op: Operation) -> None:
         """As the executor's device order (`executor.lower.in_device_order`): a device's operations with
@@ -663,7 +733,7 @@ class _Lowering:
             return None
         a, b = op.src, op.dsts[0]
         ha, hb = a // self.per_host, b // self.per_host
-        sides = sorted({link for links, _, _ in self.lanes(op, a, b, ha, hb) for link in links if link.startswith("h")})
+        sides = sorted({link for links, *_ in self.lanes(op, a, b, ha, hb) for link in links if link.startswith("h")})
         turns = [self.turn[link][0] for link in sides if len(self.turn.get(link, ())) == GATHER_AHEAD]
         return [i for arrived, _ in turns for i in arrived], [i for _, left in turns for i in left]
 
@@ -701,20 +771,22 @@ class _Lowering:
                 after += waits
                 if not hop.after:
                     after += own_data.get(hop.src, [])
-            posting = (list(after), [])  # what the sender waits for to post this message (its data and its own barrier)
+            posting = (list(after), []) if barrier is not None else None  # device order: what the sender waits for to post
+            # this message (its data and its own barrier)
             for d in (hop.src, hop.dst) if barrier and hop.src != hop.dst else ():  # a local copy waits for no barrier
                 arrived, left = barrier.get(d, ((), ()))
                 after += arrived
                 queued += left
                 if d == hop.src:
                     posting = (posting[0] + list(arrived), list(left))
-            flows.append(self.hop(op, hop.src, hop.dst, hop.nbytes(itemsize), after, queued))
+            nbytes = hop.nbytes(itemsize)
+            flows.append(self.hop(op, hop.src, hop.dst, nbytes, after, queued))
             if turn is not None and hop.dst == op.src != hop.src:
                 self.gathers.update(flows[-1])
             if scatter:
                 self.scattered[(hop.src, hop.dst)] = flows[-1]
                 self.connections.setdefault(op.id, []).append((hop.src, hop.dst))
-            if barrier is not None and self.send_buffer is None and hop.src != hop.dst and hop.nbytes(itemsize) < SYNC_SEND_BYTES:
+            if barrier is not None and self.send_buffer is None and hop.src != hop.dst and nbytes < SYNC_SEND_BYTES:
                 for i in flows[-1]:  # buffered: the send ends once posted, and its device goes on (executor.mpi_engine)
                     self.posted_when[i] = posting
             last[(hop.src, hop.dst)] = flows[-1]
@@ -757,8 +829,8 @@ def simulated(operations: list[Operation] | tuple[Operation, ...], problem: Resh
     with _no_cycle_collection():
         lowering, riders = lower(operations, problem, discipline, nic_of_task, run_numbers, send_buffer_bytes)
         cost: list[int] = []
-        spans = run_flows(lowering.flows, lowering.capacity, max_work, cost, share)
-        return op_times(operations, lowering, riders, spans, cost[0]), lowering
+        started, arrived = _run(lowering.flows, lowering.capacity, max_work, cost, share)  # `lower` numbers flows in order
+        return op_times(operations, lowering, riders, started, arrived, cost[0]), lowering
 
 
 def renumbered_only(before: list[Operation] | tuple[Operation, ...], after: list[Operation] | tuple[Operation, ...],
@@ -818,21 +890,24 @@ def lower(operations: list[Operation] | tuple[Operation, ...], problem: Reshardi
             lowering.bytewise.add(group[0].id)
             riders |= {op.id: group[0].id for op in group[1:]}
         lowering.add(fused(group, lowering.itemsizes))
+    lowering.finish()
     return lowering, riders
 
 
 def op_times(operations: list[Operation] | tuple[Operation, ...], lowering: _Lowering, riders: dict[int, int],
-             spans: dict[int, tuple[float, float]], work: int) -> SimResult:
-    """Each operation's start and end from its flows' (`simulate`'s second half)."""
+             started: list[float], arrived: list[float], work: int) -> SimResult:
+    """Each operation's start and end from its flows' (`simulate`'s second half; flows' start and arrival by id)."""
     start: dict[int, float] = {}
     end: dict[int, float] = {}
+    gathers = lowering.gathers
     for f in lowering.flows:  # a bundle starts with its message across hosts: its gathers come before (host order)
-        s, e = spans[f.id]
-        if f.id not in lowering.gathers:
-            start[f.op] = min(start.get(f.op, s), s)
-        end[f.op] = max(end.get(f.op, e), e)
+        fid, op = f.id, f.op
+        s, e = started[fid], arrived[fid]
+        if fid not in gathers:
+            start[op] = min(start.get(op, s), s)
+        end[op] = max(end.get(op, e), e)
     for op_id, ready in lowering.ready.items():  # it starts once all its data is there (as the verifier checks),
-        start[op_id] = max(start.get(op_id, 0.0), max(spans[i][1] for i in ready))  # though a member may send earlier
+        start[op_id] = max(start.get(op_id, 0.0), max(arrived[i] for i in ready))  # though a member may send earlier
     for rider, carrier in riders.items():
         start[rider], end[rider] = start[carrier], end[carrier]
     for op in operations:  # an operation without flows (an empty box) takes no time

@@ -165,7 +165,8 @@ def reference_simulate(operations, problem, discipline: str = "host-order", nic_
     lowering, riders = lower(operations, problem, discipline, nic_of_task, run_numbers, send_buffer_bytes)
     cost: list[int] = []
     spans = run_flows(lowering.flows, lowering.capacity, max_work, cost, share)
-    return op_times(operations, lowering, riders, spans, cost[0])
+    started, arrived = ([spans[i][k] for i in range(len(lowering.flows))] for k in (0, 1))  # by flow id, as `lower` numbers them
+    return op_times(operations, lowering, riders, started, arrived, cost[0])
 
 
 def water_filling(active: list[Flow], capacity: dict[str, float]) -> dict[int, float]:
