@@ -23,7 +23,7 @@ from xmesh_plan.schemas.transfer import TransferProblem
 from .cli_types import BUCKET_MB, SEED, STAGING_MB, TIME_LIMIT, max_tasks_option, write_output
 from .cli_solvers import solver_summary
 from .progress import QUIET_S, progress
-from .compile_defaults import DEFAULT_POSTED_STAGING_BYTES, CompileOptions
+from .compile_defaults import POSTED_STAGING_WARN_BYTES, CompileOptions
 from .compile import compile_rows
 from .inspect_plan import executor_summary, shared_summary, staging_summary, summarize
 from .problem_io import InputError, build_problem, user_error_message
@@ -130,9 +130,9 @@ def problem_from_flags(problem_file, shape, dtype, src_mesh, src_spec, dst_mesh,
                    "up to --bucket-mb  [default: on when a multi-tensor problem is coalesced]")
 @click.option("--max-staging-mb", type=STAGING_MB,
               help="the most MiB of staging any device needs in the executor's device order: larger staged boxes are cut, "
-                   "and the plan states each device's peak; 0: no limit  [default: a multi-tensor plan runs posted (every "
-                   f"box staged at once) where no device stages more than {DEFAULT_POSTED_STAGING_BYTES // 2**20} MiB so, "
-                   "else with this limit (device order); none for one tensor]")
+                   "and the plan states each device's peak; 0: no limit  [default: no limit; a multi-tensor plan runs posted, "
+                   f"every box staged at once, and compile says so where a device stages more than "
+                   f"{POSTED_STAGING_WARN_BYTES // 2**20} MiB]")
 @max_tasks_option
 def compile_command(problem_file, output, fmt, shape, dtype, src_mesh, src_spec, dst_mesh, dst_spec, strategy, solver, seed, time_limit, no_merge,
                     split_hosts, coalesce, bucket_mb, cross_tensor, max_staging_mb, max_tasks):
@@ -158,8 +158,11 @@ def compile_command(problem_file, output, fmt, shape, dtype, src_mesh, src_spec,
     if bucket_mb is not None and not options.for_problem(problem).coalesce:
         raise InputError("--bucket-mb sizes coalesced bundles, and this compile does not coalesce (a single tensor "
                          "coalesces only with --coalesce; --no-coalesce turns it off); add --coalesce or drop --bucket-mb")
+    busiest: list[tuple[int, int]] = []
     with progress("compiling") as timing:
-        plan = compile_rows(problem, options, on_stage=timing["stage"])
+        plan = compile_rows(problem, options, on_stage=timing["stage"], on_posted_staging=lambda *d: busiest.append(d))
+    if busiest and busiest[0][1] > POSTED_STAGING_WARN_BYTES:
+        click.echo(_posted_staging_note(*busiest[0]), err=True)
     fmt = fmt or ("json" if output in (None, "-") else format_for(output))
     if output and output != "-" and fmt == "compact":  # written from its rows, and the file is what is verified
         report = _write_verified(_plan_output(plan, output, fmt), output)
@@ -173,15 +176,15 @@ def compile_command(problem_file, output, fmt, shape, dtype, src_mesh, src_spec,
                f"{shared_summary(plan)}, "
                f"predicted {plan.predicted_seconds:.4f} s{executor_summary(plan)}, lower bound {plan.lower_bound_seconds:.4f} s, "
                f"efficiency {plan.efficiency:.1%}; verified ({report.operations} operations replayed); "
-               f"{solver_summary(plan, timing['seconds'])}{staging_summary(plan)}{_default_staging_note(plan, max_staging_mb)}")
+               f"{solver_summary(plan, timing['seconds'])}{staging_summary(plan)}")
 
 
-def _default_staging_note(plan, max_staging_mb: float | None) -> str:
-    """What compile's line adds where the default staging limit applied (`CompileOptions.resolved`), else empty."""
-    if max_staging_mb is not None or plan.staging is None:
-        return ""
-    return (f" by default: posted, every staged box at once, would stage more than {plan.staging.limit_bytes / 2**20:g} MiB on "
-            "a device, so it runs in device order within that (--max-staging-mb 0: posted, no limit)")
+def _posted_staging_note(device: int, nbytes: int) -> str:
+    """compile's line (stderr) for a plan given no staging limit whose posted order stages more than
+    POSTED_STAGING_WARN_BYTES on a device: the busiest one, and how to bound it."""
+    return (f"note: posted (the executor's default order for this plan), device {device} stages {nbytes / 2**30:.2f} GiB "
+            f"at once; --max-staging-mb N bounds every device's staging to N MiB (the plan then runs in device order: "
+            f"1.3x slower on the measured cuts, BENCHMARKS.md 'Staging default'), or a smaller --bucket-mb stages less")
 
 
 def _write_verified(data: bytes, output: str):

@@ -55,7 +55,7 @@ class Seed(click.ParamType):
 
 
 class StagingMB(PositiveFloat):
-    """`--max-staging-mb`: a positive number of MiB up to `most`, or 0: no limit (and no default limit)."""
+    """`--max-staging-mb`: a positive number of MiB up to `most`, or 0: no limit (as when none is given)."""
 
     name = "MiB>=0"
 

@@ -23,7 +23,7 @@ from xmesh_plan.schemas.op_kinds import rule_of, tags_used, wire_pairs
 
 from .simulate import TooCostly, nic_assignment, renumbered_only, simulated, staging_runs
 from .solvers import solve
-from .staging_limit import default_limit, limit_staging
+from .staging_limit import busiest_posted, limit_staging
 from .strategies import STRATEGIES, PlannedOp, StrategyResult, TaskContext, get_strategy
 from .unit_tasks import Cell, check_kinds_task_count, check_scheduled_task_count, decompose, split_by_receiver_host
 
@@ -144,15 +144,15 @@ def assemble_joint(problem: ReshardingProblem | TransferProblem, works: list[Ten
 def assemble_rows(problem: ReshardingProblem | TransferProblem, works: list[TensorWork], schedule: Schedule,
                   strategy: str, seed: int, max_staging_bytes: int | None = None, max_operations: int | None = None,
                   share_bytes: int | None = None, on_stage: Callable[[str], None] = _quiet,
-                  posted_staging_bytes: int | None = None) -> PlanRows:
+                  on_posted_staging: Callable[[int, int], None] | None = None) -> PlanRows:
     """`assemble` for every tensor of a problem at once: tasks of all tensors share the NICs and one timeline; the plan
     as rows (`plan_rows`: its tasks and operations as named tuples, not records).
     `max_staging_bytes`: operations that would stage more on a device are cut (`staging_limit.limit_staging`,
     each in its own tensor's elements, at most `max_operations` in all) and the plan states each device's
     peak in device order (across tensors: one staging area per device). `share_bytes`: bundles between the same
     two hosts share cross-host messages of at most that many bytes (`coalesce.share_messages`). `on_stage` hears
-    each step of a plan of at least DETAILED_STAGES operations. `posted_staging_bytes`, with no `max_staging_bytes`:
-    the limit applied where posted order would stage more on a device (`staging_limit.default_limit`)."""
+    each step of a plan of at least DETAILED_STAGES operations. `on_posted_staging`, with no `max_staging_bytes`, hears
+    the device that stages most posted and its bytes (`staging_limit.busiest_posted`), where anything is staged."""
     tasks, timed_ops, per_resource = [], [], {}
     cluster = problem.cluster
     facts: dict[tuple[int, int], tuple[int, tuple[int, ...]]] = {}  # (id of a cell, itemsize) -> its bytes and receiving
@@ -179,8 +179,10 @@ def assemble_rows(problem: ReshardingProblem | TransferProblem, works: list[Tens
                     per_resource.setdefault((host, side), []).append((start, t.id))
         for cell in (c for c in work.cells if not c.receivers and c.local_copies):
             timed_ops += [(at, -1, work.index, op) for at, op in _copy_ops(cell, single)]
-    if max_staging_bytes is None and posted_staging_bytes is not None:
-        max_staging_bytes = default_limit(timed_ops, [w.problem for w in works], posted_staging_bytes)
+    if max_staging_bytes is None and on_posted_staging is not None:
+        busiest = busiest_posted(timed_ops, [w.problem for w in works])
+        if busiest is not None:
+            on_posted_staging(*busiest)
     if max_staging_bytes is not None:
         timed_ops = limit_staging(timed_ops, [w.problem for w in works], max_staging_bytes, max_operations)
     timed_ops.sort(key=lambda item: (item[0], item[1] if item[1] >= 0 else len(tasks), item[2] or 0, item[3].kind,
@@ -362,7 +364,8 @@ def compile_plan(problem: ReshardingProblem | TransferProblem, options: CompileO
 
 @_without_cyclic_gc
 def compile_rows(problem: ReshardingProblem | TransferProblem, options: CompileOptions | None = None, *,
-                 on_stage: Callable[[str], None] = _quiet, **settings) -> PlanRows:
+                 on_stage: Callable[[str], None] = _quiet, on_posted_staging: Callable[[int, int], None] | None = None,
+                 **settings) -> PlanRows:
     """Compile a plan, as rows (`plan_rows.PlanRows`: `to_plan()` makes its records, and it is written compact as it
     is); same inputs give a byte-identical plan. `options` (`compile_defaults.CompileOptions`), or
     its fields as keywords (`compile_plan(p, solver="greedy")`, on top of `options` when both are given), say how;
@@ -380,9 +383,8 @@ def compile_rows(problem: ReshardingProblem | TransferProblem, options: CompileO
     `cross_tensor`: bundles of several tensors between two hosts share one message up to the bucket
     (`coalesce.share_messages`, `schemas.carriers`). `max_staging_bytes`: no device stages more in device order
     (`planner/staging_limit.py`; a transfer's tensors share one staging area per device); the plan states the limit
-    and each device's peak (`Plan.staging`), and more than `max_tasks` operations are refused. Given none, a
-    `TransferProblem` whose posted order would stage more than `posted_staging_bytes` on a device gets that limit
-    (`CompileOptions.resolved`); 0: no limit. A multi-tensor plan
+    and each device's peak (`Plan.staging`), and more than `max_tasks` operations are refused; none or 0: no limit
+    (`on_posted_staging` then hears the device that stages most posted, `assemble_rows`). A multi-tensor plan
     also states its time run in the executor's default order for it (`executor_order`)."""
     if options is not None and not isinstance(options, CompileOptions):
         raise TypeError(f"options is a {type(options).__name__}; pass a CompileOptions, or settings by keyword "
@@ -434,4 +436,4 @@ def compile_rows(problem: ReshardingProblem | TransferProblem, options: CompileO
         schedule = dataclasses.replace(schedule, details={**schedule.details, "cross_tensor": f"bundles share messages of at most {bucket_bytes} B"})
     return assemble_rows(problem, works, schedule, strategy, seed, max_staging_bytes, max_tasks,
                          share_bytes=bucket_bytes if cross_tensor else None, on_stage=on_stage,
-                         posted_staging_bytes=options.posted_staging_bytes)
+                         on_posted_staging=on_posted_staging)

@@ -16,27 +16,24 @@ CompileDefaults(split_hosts=True, coalesce=True)
 CompileDefaults(split_hosts=False, coalesce=True)
 
 Every other compile setting travels with these in one frozen `CompileOptions`; `CompileOptions.resolved`
-fills in everything left to the problem's kind (the two switches, the bundle bucket, shared messages,
-the staging default) in this one place, and refuses combinations that cannot work:
+fills in everything left to the problem's kind (the two switches, the bundle bucket, shared messages)
+in this one place, and refuses combinations that cannot work:
 
 >>> o = CompileOptions(max_staging_bytes=2**20).resolved(multi_tensor=True)
->>> o.split_hosts, o.coalesce, o.bucket_bytes, o.cross_tensor, o.posted_staging_bytes
-(True, True, 1048576, True, None)
+>>> o.split_hosts, o.coalesce, o.bucket_bytes, o.cross_tensor, o.max_staging_bytes
+(True, True, 1048576, True, 1048576)
 
 Staging: the executor runs a multi-tensor plan posted (every message at once), which stages every staged box
 at once: a busiest device of a 16-layer Llama-3-70B-like cut stages 3.65 GiB so, the full model and the MoE
-ones tens of GiB. So with no `max_staging_bytes` given, a multi-tensor plan runs posted only where no device
-stages more than DEFAULT_POSTED_STAGING_BYTES so; past it compile applies that as its staging limit (the plan
-states it, and the executor runs it in device order, within it on every rank; `planner/staging_limit.py`).
-Device order is slower on those plans (the 16-layer 70B cut: 1.298x the byte bound against 1.040x posted;
-BENCHMARKS.md, "Staging default"): `max_staging_bytes=0` (`--max-staging-mb 0`) opts out, posted whatever it
-stages. A single tensor runs in device order already and gets no default.
+ones tens of GiB. A compile given no `max_staging_bytes` applies no limit: the plan runs posted, the fastest order
+(the 16-layer 70B cut: 1.040x the byte bound posted against 1.298x in device order under a 1024 MiB limit;
+BENCHMARKS.md, "Staging default"). Where posted order stages more than POSTED_STAGING_WARN_BYTES on a device,
+`xmesh-plan compile` says so and names `--max-staging-mb` (`planner/staging_limit.py`: the plan states the limit
+and runs in device order within it). `max_staging_bytes=0` (`--max-staging-mb 0`) is the same as none.
 
->>> CompileOptions().resolved(multi_tensor=True).posted_staging_bytes == DEFAULT_POSTED_STAGING_BYTES
-True
->>> o = CompileOptions(max_staging_bytes=NO_STAGING_LIMIT).resolved(multi_tensor=True)
->>> o.max_staging_bytes, o.posted_staging_bytes, o.resolved(multi_tensor=True) == o
-(0, None, True)
+>>> o = CompileOptions().resolved(multi_tensor=True)
+>>> o.max_staging_bytes is None, CompileOptions(max_staging_bytes=NO_STAGING_LIMIT).resolved(multi_tensor=True).bucket_bytes == o.bucket_bytes
+(True, True)
 """
 
 from __future__ import annotations
@@ -52,8 +49,8 @@ from .problem_io import InputError
 from .staging_limit import MIB
 from .unit_tasks import DEFAULT_MAX_TASKS
 
-DEFAULT_POSTED_STAGING_BYTES = 1024 * MIB  # the most staging per device a multi-tensor plan runs posted with by default
-NO_STAGING_LIMIT = 0  # `max_staging_bytes` (`--max-staging-mb`) that opts out of the default: posted, whatever it stages
+POSTED_STAGING_WARN_BYTES = 1024 * MIB  # posted staging on one device above which `xmesh-plan compile` names --max-staging-mb
+NO_STAGING_LIMIT = 0  # `max_staging_bytes` (`--max-staging-mb`) that states no limit, as none given: posted, whatever it stages
 
 
 @dataclass(frozen=True, slots=True)
@@ -92,9 +89,8 @@ class CompileOptions:
     randomized solvers; `time_limit_s`: solver budget in deterministic seconds; `merge`: adjacent identical cells as one
     box; `max_tasks`: refuse a problem that could cut into more unit tasks; `split_hosts`: one unit task per receiving
     host; `coalesce`: small boxes between two hosts in bundles of at most `bucket_bytes`; `cross_tensor`: bundles of
-    several tensors share one message; `max_staging_bytes`: no device stages more in device order (None: the kind's
-    default; NO_STAGING_LIMIT, 0: none, and no default); `posted_staging_bytes`: a plan that would stage more on a device posted gets it as
-    its staging limit (`resolved` sets it: DEFAULT_POSTED_STAGING_BYTES for a multi-tensor problem given no limit)."""
+    several tensors share one message; `max_staging_bytes`: no device stages more in device order (None or
+    NO_STAGING_LIMIT, 0: no limit)."""
 
     strategy: str = "broadcast"
     solver: str = "auto"
@@ -107,19 +103,13 @@ class CompileOptions:
     bucket_bytes: int | None = None
     max_staging_bytes: int | None = None
     cross_tensor: bool | None = None
-    posted_staging_bytes: int | None = None
 
     def resolved(self, multi_tensor: bool, message_bytes_per_s: float | None = None) -> "CompileOptions":
         """These options with nothing left to the kind: the switches (`resolve`), the bucket (as given, else the default
         for hosts whose messages move at `message_bytes_per_s`, `coalesce.default_bucket_bytes`, or the staging limit when
-        less), shared messages (on where a multi-tensor problem is coalesced) and the staging default (see the module
-        docstring; at least the bucket, which a bundle stages whole). InputError for a
+        less) and shared messages (on where a multi-tensor problem is coalesced). InputError for a
         bucket above the staging limit (a bundle is staged whole on both relays) or shared messages that cannot be."""
         bucket = _bucket(self.bucket_bytes, self.max_staging_bytes or None, default_bucket_bytes(message_bytes_per_s))
-        posted = self.posted_staging_bytes
-        if posted is None and self.max_staging_bytes is None and multi_tensor:
-            posted = DEFAULT_POSTED_STAGING_BYTES
-        posted = None if posted is None else max(posted, bucket)
         chosen = resolve(self.split_hosts, self.coalesce, multi_tensor)
         cross = chosen.coalesce and multi_tensor if self.cross_tensor is None else self.cross_tensor
         if cross and not multi_tensor:
@@ -129,7 +119,7 @@ class CompileOptions:
             raise InputError("--cross-tensor shares the messages of coalesced bundles, and this compile does not coalesce; "
                              "add --coalesce or leave out --cross-tensor")
         return dataclasses.replace(self, split_hosts=chosen.split_hosts, coalesce=chosen.coalesce, cross_tensor=cross,
-                                   bucket_bytes=bucket, posted_staging_bytes=posted)
+                                   bucket_bytes=bucket)
 
     def for_problem(self, problem: ReshardingProblem | TransferProblem) -> "CompileOptions":
         """`resolved` for the problem's kind (a `TransferProblem` is multi-tensor) and its cluster's NICs."""

@@ -145,10 +145,11 @@ def posted_staging(timed_ops: list[TimedOp], problems: Sequence[ReshardingProble
     return total
 
 
-def default_limit(timed_ops: list[TimedOp], problems: Sequence[ReshardingProblem], posted_bytes: int) -> int | None:
-    """The staging limit a compile applies when none is given (`CompileOptions.posted_staging_bytes`): `posted_bytes`
-    where posted order would stage more on some device (`posted_staging`), else None (the plan runs posted)."""
-    return posted_bytes if max(posted_staging(timed_ops, problems).values(), default=0) > posted_bytes else None
+def busiest_posted(timed_ops: list[TimedOp], problems: Sequence[ReshardingProblem]) -> tuple[int, int] | None:
+    """(device, bytes) of the device that stages most posted (`posted_staging`; the lowest id among equals), None where
+    nothing is staged: what `xmesh-plan compile` reports of a plan given no limit."""
+    total = posted_staging(timed_ops, problems)
+    return max(sorted(total.items()), key=lambda item: item[1], default=None)
 
 
 def _count(staging: Iterable[tuple[int, int, PlannedOp]], limit: int) -> int:
