@@ -7,7 +7,8 @@ host, receiving host), in cell order, into bundles of at most `bucket_bytes`. A 
 operation (`schemas.op_kinds`, kind `bundle`): its holders send their parts to a relay over the
 intra-host links, the relay sends all of them across in one message, and the receiving relay scatters
 them; so a host pair exchanges a few large messages instead of thousands of small ones. Each bundle
-is one scheduling task holding the two NIC sides for its cross-host message. Other cells are planned as before.
+is one scheduling task holding the two NIC sides while its cross-host message keeps them busy. Other cells are
+planned as before.
 """
 
 from __future__ import annotations
@@ -135,7 +136,8 @@ def relays(bundle: BundleCell, index: int) -> tuple[int, int]:
 
 
 def bundle_result(bundle: BundleCell, index: int, problem: ReshardingProblem) -> tuple[StrategyResult, Option]:
-    """The bundle's one operation and its scheduling option: the NIC sides for the cross-host message's time."""
+    """The bundle's one operation and its scheduling option: the NIC sides busy for the cross-host message's overhead
+    and bytes; its latency delays the bundle's end, not the NICs (`simulate`: they carry the next message meanwhile)."""
     cluster = problem.cluster
     src, dst = relays(bundle, index)
     nbytes = bundle.nbytes(problem.itemsize)
@@ -144,7 +146,7 @@ def bundle_result(bundle: BundleCell, index: int, problem: ReshardingProblem) ->
                    needers=bundle.needers, duration_s=nic_s)
     sh, rh = cluster.host_of(src), cluster.host_of(dst)
     resources = frozenset({(sh, "send"), (rh, "recv")})
-    return StrategyResult((op,), nic_s, resources), Option(sh, src, nic_s, resources)
+    return StrategyResult((op,), nic_s, resources, tail_s=cluster.latency_s), Option(sh, src, nic_s, resources, cluster.latency_s)
 
 
 def bundle_task(bundle: BundleCell, index: int, problem: ReshardingProblem, task_id: int) -> tuple[StrategyResult, SchedulingTask]:

@@ -101,7 +101,7 @@ def task_options(problem: ReshardingProblem, cells: list[Cell], strategy: str, f
             ctx = TaskContext(cell.region, cell.nbytes(problem.itemsize), device, cell.receivers, problem.cluster, problem.itemsize, sharing)
             name, result = _best_strategy(ctx, strategy)
             results.append((name, result))
-            options.append(Option(host, device, result.duration_s, result.resources))
+            options.append(Option(host, device, result.duration_s, result.resources, result.tail_s))
         out.append(TaskOptions(cell, tuple(results), SchedulingTask(first_id + len(out), tuple(options))))
     return out
 

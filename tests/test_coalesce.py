@@ -294,3 +294,19 @@ def test_bundles_hold_every_small_cross_host_cell_once_and_stay_within_the_bucke
     assert all(b.nbytes(prob.itemsize) <= bucket for b in bundles)
     assert len(bundles) == 12 * math.ceil(16 / cells_per_bundle)  # 12 host pairs of 16 cells each
     assert coalesce_cells(cells, prob, 7 * CELL_BYTES)[1] == []  # cells above 1/8 of the bucket go on their own
+
+
+def test_a_bundle_holds_its_nic_sides_for_its_overhead_and_bytes_not_its_latency():
+    """The bundle's message keeps the two NIC sides busy for the overhead and its bytes; its latency delays the
+    bundle's end, not the NICs (the simulator's flows: a link carries the next message while one is in flight), so
+    the schedule can start the next message on a side when this one's last byte has left."""
+    from xmesh_plan.planner.coalesce import bundle_result, coalesce_cells
+    from xmesh_plan.planner.unit_tasks import decompose
+    prob = all_to_all()
+    cluster = prob.cluster
+    _, bundles = coalesce_cells(decompose(prob), prob, BUCKET)
+    result, option = bundle_result(bundles[0], 0, prob)
+    nbytes = bundles[0].nbytes(prob.itemsize)
+    assert option.tail_s == result.tail_s == cluster.latency_s > 0
+    assert option.busy_s == pytest.approx(cluster.overhead_s + nbytes / cluster.message_bytes_per_s, rel=1e-12)
+    assert option.duration_s == result.duration_s == result.ops[0].duration_s == pytest.approx(option.busy_s + cluster.latency_s)
