@@ -159,14 +159,16 @@ TimedOp = tuple[float, int, int | None, PlannedOp]
 """(start, task, tensor, operation): an operation as `compile.assemble_joint` lists it before numbering."""
 
 
-def share_messages(timed_ops: list[TimedOp], itemsizes: list[int], bucket_bytes: int, host_of) -> list[list[TimedOp]]:
+def share_messages(timed_ops: list[TimedOp], itemsizes: list[int], bucket_bytes: int, host_of,
+                   per_message_s: float = 0.0) -> list[list[TimedOp]]:
     """The operations in order, bundles of any tensors between the same two hosts grouped into shared
     messages of at most `bucket_bytes` (`schemas.carriers`): each bundle, in list order, joins the open
     group of its host pair when the total, with the most alignment padding a holder could add, stays within
     the bucket and the group's last bundle so far
     carries a multiple of the largest element size; it takes the group's relays and start. Every other
     operation is a group of one. A weight sync's many small tensors then cross each host pair in a few
-    messages instead of one or more per tensor."""
+    messages instead of one or more per tensor. Every bundle of a shared message lasts as long as the message:
+    its bundles' durations less the `per_message_s` (latency and overhead) that all but one of them no longer pay."""
     align = max(itemsizes)
     groups: list[list[TimedOp]] = []
     open_group: dict[tuple[int, int], tuple[int, int]] = {}  # host pair -> (index in groups, bytes so far)
@@ -196,4 +198,53 @@ def share_messages(timed_ops: list[TimedOp], itemsizes: list[int], bucket_bytes:
             groups.append([item])
             index, total = len(groups) - 1, nbytes
         open_group[pair] = (index, total) if nbytes % align == 0 else (-1, 0)  # a ragged bundle ends its group
-    return groups
+    return [_lasting_as_one(group, per_message_s) if len(group) > 1 else group for group in groups]
+
+
+def _lasting_as_one(group: list[TimedOp], per_message_s: float) -> list[TimedOp]:
+    """A shared message's bundles, each lasting the whole message: one latency and overhead, every bundle's bytes."""
+    seconds = sum(op.duration_s for _, _, _, op in group) - (len(group) - 1) * per_message_s
+    return [(at, task, tensor, replace(op, duration_s=seconds)) for at, task, tensor, op in group]
+
+
+TaskTiming = tuple[float, float, float, frozenset]
+"""A scheduled task's (start, busy seconds, tail seconds, NIC sides it holds): what `retimed_on_nics` replays."""
+
+
+def retimed_on_nics(groups: list[list[TimedOp]], timing: dict[int, TaskTiming], host_of) -> tuple[list[list[TimedOp]], dict[int, float]]:
+    """The shared messages' listing (`share_messages`) timed as the NIC sides take it, and each task's new start.
+
+    The schedule placed every bundle on its own; a shared message carries its group's bundles at once, from its
+    head's start, so the schedule's times overlap on the NIC sides where the riders' bytes went ahead. Replayed in
+    list order (the simulator's host order: each side takes its operations one after another), every message
+    starts once its NIC sides are free and keeps them busy for its overhead and bytes (a shared message: all of
+    its bundles', one overhead); its latency delays its end only. A task's other operations move with it; local
+    copies (no NIC) keep their times. Listed again by start, each message's bundles together."""
+    free: dict[tuple, float] = {}
+    moved: dict[int, float] = {}  # task -> its start as replayed
+    out: list[tuple[float, int, list[TimedOp]]] = []
+    for k, group in enumerate(groups):
+        at, task, tensor, op = group[0]
+        known = timing.get(task)
+        if op.kind == "copy" or known is None or not known[3]:
+            out.append((at, k, group))
+            continue
+        start, busy, tail, sides = known
+        if op.kind == "bundle":
+            sides = frozenset({(host_of(op.src), "send"), (host_of(op.dsts[0]), "recv")})
+            busy = op.duration_s - tail  # the whole shared message's (`_lasting_as_one`)
+            begin = max((free.get(s, 0.0) for s in sides), default=0.0)
+            for s in sides:
+                free[s] = begin + busy
+            for _, rider, _, _ in group:
+                moved[rider] = begin
+            out.append((begin, k, [(begin, t, n, o) for _, t, n, o in group]))
+            continue
+        if task not in moved:
+            moved[task] = max((free.get(s, 0.0) for s in sides), default=0.0)
+            for s in sides:
+                free[s] = moved[task] + busy
+        shift = moved[task] - start
+        out.append((at + shift, k, [(at + shift, task, tensor, op)]))
+    out.sort(key=lambda item: (item[0], item[1]))
+    return [group for _, _, group in out], moved
