@@ -135,18 +135,28 @@ def relays(bundle: BundleCell, index: int) -> tuple[int, int]:
     return bundle.senders[index % len(bundle.senders)], bundle.receivers[index % len(bundle.receivers)]
 
 
+def scatter_seconds(bundle: BundleCell, relay: int, problem: ReshardingProblem) -> float:
+    """How long the receiving relay's port takes to send the bundle's parts on to their needers (every needer but
+    itself), at the intra-host rate: after the message has arrived, with the NICs free."""
+    share = sum(math.prod(b - a for a, b in part) * sum(1 for d in needers if d != relay)
+                for part, needers in zip(bundle.parts, bundle.needers))
+    return share * problem.itemsize / problem.cluster.intra_bytes_per_s
+
+
 def bundle_result(bundle: BundleCell, index: int, problem: ReshardingProblem) -> tuple[StrategyResult, Option]:
     """The bundle's one operation and its scheduling option: the NIC sides busy for the cross-host message's overhead
-    and bytes; its latency delays the bundle's end, not the NICs (`simulate`: they carry the next message meanwhile)."""
+    and bytes; its latency and then the receiving relay's scatter (`scatter_seconds`) delay the bundle's end, not the
+    NICs (`simulate`: they carry the next message meanwhile)."""
     cluster = problem.cluster
     src, dst = relays(bundle, index)
     nbytes = bundle.nbytes(problem.itemsize)
-    nic_s = cluster.latency_s + cluster.overhead_s + nbytes / cluster.message_bytes_per_s
+    tail = cluster.latency_s + scatter_seconds(bundle, dst, problem)
+    seconds = cluster.overhead_s + nbytes / cluster.message_bytes_per_s + tail
     op = PlannedOp("bundle", src, (dst,), bundle.region, parts=bundle.parts, holders=bundle.holders,
-                   needers=bundle.needers, duration_s=nic_s)
+                   needers=bundle.needers, duration_s=seconds, tail_s=tail)
     sh, rh = cluster.host_of(src), cluster.host_of(dst)
     resources = frozenset({(sh, "send"), (rh, "recv")})
-    return StrategyResult((op,), nic_s, resources, tail_s=cluster.latency_s), Option(sh, src, nic_s, resources, cluster.latency_s)
+    return StrategyResult((op,), seconds, resources, tail_s=tail), Option(sh, src, seconds, resources, tail)
 
 
 def bundle_task(bundle: BundleCell, index: int, problem: ReshardingProblem, task_id: int) -> tuple[StrategyResult, SchedulingTask]:
@@ -160,7 +170,7 @@ TimedOp = tuple[float, int, int | None, PlannedOp]
 
 
 def share_messages(timed_ops: list[TimedOp], itemsizes: list[int], bucket_bytes: int, host_of,
-                   per_message_s: float = 0.0) -> list[list[TimedOp]]:
+                   latency_s: float = 0.0, overhead_s: float = 0.0) -> list[list[TimedOp]]:
     """The operations in order, bundles of any tensors between the same two hosts grouped into shared
     messages of at most `bucket_bytes` (`schemas.carriers`): each bundle, in list order, joins the open
     group of its host pair when the total, with the most alignment padding a holder could add, stays within
@@ -168,7 +178,7 @@ def share_messages(timed_ops: list[TimedOp], itemsizes: list[int], bucket_bytes:
     carries a multiple of the largest element size; it takes the group's relays and start. Every other
     operation is a group of one. A weight sync's many small tensors then cross each host pair in a few
     messages instead of one or more per tensor. Every bundle of a shared message lasts as long as the message:
-    its bundles' durations less the `per_message_s` (latency and overhead) that all but one of them no longer pay."""
+    its bundles' durations less the latency and overhead that all but one of them no longer pay."""
     align = max(itemsizes)
     groups: list[list[TimedOp]] = []
     open_group: dict[tuple[int, int], tuple[int, int]] = {}  # host pair -> (index in groups, bytes so far)
@@ -198,13 +208,16 @@ def share_messages(timed_ops: list[TimedOp], itemsizes: list[int], bucket_bytes:
             groups.append([item])
             index, total = len(groups) - 1, nbytes
         open_group[pair] = (index, total) if nbytes % align == 0 else (-1, 0)  # a ragged bundle ends its group
-    return [_lasting_as_one(group, per_message_s) if len(group) > 1 else group for group in groups]
+    return [_lasting_as_one(group, latency_s, overhead_s) if len(group) > 1 else group for group in groups]
 
 
-def _lasting_as_one(group: list[TimedOp], per_message_s: float) -> list[TimedOp]:
-    """A shared message's bundles, each lasting the whole message: one latency and overhead, every bundle's bytes."""
-    seconds = sum(op.duration_s for _, _, _, op in group) - (len(group) - 1) * per_message_s
-    return [(at, task, tensor, replace(op, duration_s=seconds)) for at, task, tensor, op in group]
+def _lasting_as_one(group: list[TimedOp], latency_s: float, overhead_s: float) -> list[TimedOp]:
+    """A shared message's bundles, each lasting the whole message: one latency and overhead, every bundle's bytes and
+    scatter (the receiving relay scatters them all)."""
+    fewer = len(group) - 1
+    seconds = sum(op.duration_s for _, _, _, op in group) - fewer * (latency_s + overhead_s)
+    tail = sum(op.tail_s for _, _, _, op in group) - fewer * latency_s
+    return [(at, task, tensor, replace(op, duration_s=seconds, tail_s=tail)) for at, task, tensor, op in group]
 
 
 TaskTiming = tuple[float, float, float, frozenset]
@@ -232,7 +245,7 @@ def retimed_on_nics(groups: list[list[TimedOp]], timing: dict[int, TaskTiming], 
         start, busy, tail, sides = known
         if op.kind == "bundle":
             sides = frozenset({(host_of(op.src), "send"), (host_of(op.dsts[0]), "recv")})
-            busy = op.duration_s - tail  # the whole shared message's (`_lasting_as_one`)
+            busy = op.duration_s - op.tail_s  # the whole shared message's (`_lasting_as_one`)
             begin = max((free.get(s, 0.0) for s in sides), default=0.0)
             for s in sides:
                 free[s] = begin + busy

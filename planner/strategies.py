@@ -44,6 +44,7 @@ class PlannedOp:
     holders: tuple[int, ...] = ()  # a bundle's (planner/coalesce.py)
     needers: tuple[tuple[int, ...], ...] = ()
     duration_s: float = 0.0
+    tail_s: float = 0.0  # a bundle's: how much of its duration comes after its NIC sides are free (`coalesce.bundle_result`)
 
 
 @dataclass(frozen=True, slots=True)

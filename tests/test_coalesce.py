@@ -296,20 +296,28 @@ def test_bundles_hold_every_small_cross_host_cell_once_and_stay_within_the_bucke
     assert coalesce_cells(cells, prob, 7 * CELL_BYTES)[1] == []  # cells above 1/8 of the bucket go on their own
 
 
-def test_a_bundle_holds_its_nic_sides_for_its_overhead_and_bytes_not_its_latency():
-    """The bundle's message keeps the two NIC sides busy for the overhead and its bytes; its latency delays the
-    bundle's end, not the NICs (the simulator's flows: a link carries the next message while one is in flight), so
-    the schedule can start the next message on a side when this one's last byte has left."""
-    from xmesh_plan.planner.coalesce import bundle_result, coalesce_cells
+def test_a_bundle_holds_its_nic_sides_for_its_overhead_and_bytes_not_its_latency_or_scatter():
+    """The bundle's message keeps the two NIC sides busy for the overhead and its bytes; its latency and then the
+    receiving relay's scatter to the other needers delay the bundle's end, not the NICs (the simulator's flows: a link
+    carries the next message while one is in flight), so the schedule can start the next message on a side when this
+    one's last byte has left."""
+    from xmesh_plan.planner.coalesce import bundle_result, coalesce_cells, relays
     from xmesh_plan.planner.unit_tasks import decompose
+    from xmesh_plan.schemas.geometry import region_size
     prob = all_to_all()
     cluster = prob.cluster
     _, bundles = coalesce_cells(decompose(prob), prob, BUCKET)
-    result, option = bundle_result(bundles[0], 0, prob)
-    nbytes = bundles[0].nbytes(prob.itemsize)
-    assert option.tail_s == result.tail_s == cluster.latency_s > 0
-    assert option.busy_s == pytest.approx(cluster.overhead_s + nbytes / cluster.message_bytes_per_s, rel=1e-12)
-    assert option.duration_s == result.duration_s == result.ops[0].duration_s == pytest.approx(option.busy_s + cluster.latency_s)
+    for index, bundle in enumerate(bundles[:4]):
+        result, option = bundle_result(bundle, index, prob)
+        relay = relays(bundle, index)[1]
+        scattered = sum(region_size(part) * prob.itemsize for part, needers in zip(bundle.parts, bundle.needers)
+                        for d in needers if d != relay)
+        assert scattered > 0
+        tail = cluster.latency_s + scattered / cluster.intra_bytes_per_s
+        assert option.tail_s == result.tail_s == result.ops[0].tail_s == pytest.approx(tail, rel=1e-12)
+        assert option.busy_s == pytest.approx(cluster.overhead_s + bundle.nbytes(prob.itemsize) / cluster.message_bytes_per_s,
+                                              rel=1e-9)
+        assert option.duration_s == result.duration_s == result.ops[0].duration_s == pytest.approx(option.busy_s + tail)
 
 
 def _nic_work_s(plan) -> float:
