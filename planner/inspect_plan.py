@@ -190,6 +190,18 @@ def relay_load(plan: Plan) -> RelayLoad | None:
     return RelayLoad(bundles, messages, cross, gathered, scattered, top(port_in), top(port_out))
 
 
+def timed_by_line(plan: Plan) -> list[str]:
+    """For a plan its schedule times (too many messages to simulate), what that timetable counts and what it does not:
+    each NIC side busy with a message's overhead and bytes, a shared message once, latencies and a relay's scatter
+    after it as delays; not the relays' gathers inside the sending host, nor rates shared between messages."""
+    timed_by = plan.solver.details.get("timed_by", "simulator")
+    if timed_by.startswith("simulator"):
+        return []
+    return [f"timed by the {timed_by}: each NIC side busy for its messages' overhead and bytes (a shared message once), "
+            "latencies and relays' scatters as delays after them; not timed: relays' gathers inside the sending host, "
+            "rates shared between messages"]
+
+
 def relay_line(plan: Plan) -> list[str]:
     """`relay_load` as a line of `inspect`: a bundle crosses hosts at the host's NICs together but is gathered into
     and scattered from one device each side, through that device's port, so where the port is slower than the NICs
@@ -440,6 +452,7 @@ def summarize(plan: Plan, show_tasks: bool = False, show_ops: bool = False, show
     lines.append(f"predicted: {plan.predicted_seconds:.4f} s   lower bound: {plan.lower_bound_seconds:.4f} s"
                  f"{f' ({reason})' if reason else ''}   efficiency (bound/predicted): {plan.efficiency:.1%}")
     lines += executor_line(plan)
+    lines += timed_by_line(plan)
     lines.append(message_cost_line(plan, loads))
     lines.append(gap_line(plan, loads))
     lines.append(nic_trace_line(plan, loads))

@@ -87,3 +87,20 @@ def test_inspect_says_what_bundle_relays_move_inside_hosts_and_how_fast_their_po
     assert load.bundles == sum(op.kind == "bundle" for op in plan.operations) > load.messages > 0
     assert relay_line(plan)[0] in summarize(plan)
     assert relay_load(read_plan_file(Path(__file__).resolve().parents[1] / "plans" / "case3.plan.json")) is None
+
+
+def test_inspect_says_what_a_schedule_timed_plan_counts_and_what_it_does_not(monkeypatch):
+    """A plan with too many messages to simulate is timed by its schedule: inspect says so and names what that
+    timetable leaves out (a relay's gathers), which a simulated plan's flow line measures instead."""
+    import xmesh_plan.planner.compile as compile_module
+    from xmesh_plan.planner.compile import compile_plan
+    from xmesh_plan.planner.inspect_plan import summarize, timed_by_line
+    from tests.support.transfer import many_bundles
+
+    simulated = compile_plan(many_bundles(), bucket_bytes=16384)
+    assert timed_by_line(simulated) == []
+    monkeypatch.setattr(compile_module, "MAX_SIMULATED_MESSAGES", 0)
+    timed = compile_plan(many_bundles(), bucket_bytes=16384)
+    (line,) = timed_by_line(timed)
+    assert line.startswith("timed by the schedule (more than 0 messages to simulate)") and "gathers" in line
+    assert line in summarize(timed)
