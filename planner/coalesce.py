@@ -208,7 +208,46 @@ def share_messages(timed_ops: list[TimedOp], itemsizes: list[int], bucket_bytes:
             groups.append([item])
             index, total = len(groups) - 1, nbytes
         open_group[pair] = (index, total) if nbytes % align == 0 else (-1, 0)  # a ragged bundle ends its group
+    groups = _balanced_relays(groups, itemsizes)
     return [_lasting_as_one(group, latency_s, overhead_s) if len(group) > 1 else group for group in groups]
+
+
+def _balanced_relays(groups: list[list[TimedOp]], itemsizes: list[int]) -> list[list[TimedOp]]:
+    """Each cross-host message of bundles (shared or not) from the relays that least load a device port, in list
+    order: the sending relay is the holder whose in-port, with what it has gathered so far, takes in the least (all
+    of the message's parts but its own), the receiving relay the needer whose out-port scatters the least likewise.
+    A relay moves its message's parts through one device port, slower than the host's NICs together (8 x 400 Gbit/s
+    against 2400 Gbit/s), so messages that follow one another on a host must not pile onto one relay: a bundle's own
+    relays rotate within its tensor only, and a shared message would take its first bundle's (on a 2-layer
+    DeepSeek-V3-like cut one device scattered 5.6 times the mean; a 4-layer cut: 1.0567x -> 1.0497x the bound in
+    host order, 1.0492x -> 1.0439x posted)."""
+    port_in: dict[int, int] = {}
+    port_out: dict[int, int] = {}
+    out = []
+    for group in groups:
+        op = group[0][3]
+        if op.kind != "bundle":
+            out.append(group)
+            continue
+        held: dict[int, int] = {}
+        wanted: dict[int, int] = {}
+        total = 0
+        for _, _, tensor, o in group:
+            size = itemsizes[tensor or 0]
+            for part, holder, needers in zip(o.parts, o.holders, o.needers):
+                nbytes = math.prod(b - a for a, b in part) * size
+                total += nbytes
+                held[holder] = held.get(holder, 0) + nbytes
+                for d in needers:
+                    wanted[d] = wanted.get(d, 0) + nbytes
+        needed = sum(wanted.values())
+        src = min(held, key=lambda d: (port_in.get(d, 0) + total - held[d], d))
+        dst = min(wanted, key=lambda d: (port_out.get(d, 0) + needed - wanted[d], d))
+        port_in[src] = port_in.get(src, 0) + total - held[src]
+        port_out[dst] = port_out.get(dst, 0) + needed - wanted[dst]
+        out.append([(at, task, tensor, o if (o.src, o.dsts) == (src, (dst,)) else replace(o, src=src, dsts=(dst,)))
+                    for at, task, tensor, o in group])
+    return out
 
 
 def _lasting_as_one(group: list[TimedOp], latency_s: float, overhead_s: float) -> list[TimedOp]:

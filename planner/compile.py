@@ -187,18 +187,18 @@ def assemble_rows(problem: ReshardingProblem | TransferProblem, works: list[Tens
                                         timing, cluster.host_of)
         per_resource = {key: [(moved.get(t, at), t) for at, t in v] for key, v in per_resource.items()}
     del timed_ops, timing
-    operations, riders = [], {}  # riders: task of a bundle in another's message -> (its group's start, relay)
+    operations, riders = [], {}  # riders: task of a bundle -> (its message's start, relay) (`coalesce.share_messages`)
     for group in groups:
         head = len(operations)
         for k, (at, task, tensor, op) in enumerate(group):
             operations.append(OperationRow(
                 len(operations), task, tensor, op.kind, op.src, op.dsts, op.region, op.parts, op.chunks, op.holders,
                 op.needers, head if k else None, round(at, DIGITS), round(at + op.duration_s, DIGITS)))
-            if k:
+            if op.kind == "bundle" and share_bytes is not None:
                 riders[task] = (at, op.src)
     del groups
     operations = tuple(operations)
-    if riders:  # a bundle in a shared message goes when its group goes, from the group's relay
+    if riders:  # a bundle goes when its message goes, from the message's relay
         tasks = [t._replace(sender=riders[t.id][1]) if t.id in riders else t for t in tasks]
         per_resource = {key: [(riders[t][0] if t in riders else at, t) for at, t in v] for key, v in per_resource.items()}
     host_order = tuple(HostOrder(host=h, side=s, tasks=tuple(t for _, t in sorted(v))) for (h, s), v in sorted(per_resource.items()))

@@ -351,3 +351,19 @@ def test_a_plan_timed_by_its_schedule_keeps_every_nic_side_busy_no_shorter_than_
     assert any(op.carrier is not None for op in plan.operations)
     assert plan.predicted_seconds >= _nic_work_s(plan) + prob.cluster.latency_s - 1e-12
     verify_plan(plan)
+
+
+def test_a_transfers_bundle_messages_spread_their_relays_over_the_hosts_devices():
+    """A relay gathers or scatters its message's parts through one device port, slower than the host's NICs together,
+    so the cross-host messages into a host must not all scatter from one device (`coalesce._balanced_relays`). On a
+    2-layer DeepSeek-V3-like cut, with each message from its first bundle's relays, device 256 scattered 5.6 times
+    the mean of the destination devices; spread, the busiest scatters at most a quarter more than the mean, and the
+    busiest sending relay gathers at most that much more too."""
+    import tomllib
+    from bench.bench_frontier import problem_text
+    from xmesh_plan.planner.inspect_plan import relay_load
+    from xmesh_plan.planner.transfer_io import build_transfer
+    prob = build_transfer(tomllib.loads(problem_text("weight_sync_deepseek_v3", 2)))
+    load = relay_load(compile_plan(prob))
+    assert load.busiest_out[1] <= 1.25 * load.scattered / len(prob.dst_mesh.devices)
+    assert load.busiest_in[1] <= 1.25 * load.gathered / len(prob.src_mesh.devices)
