@@ -18,7 +18,7 @@ from .audit import audit_plan
 from .progress import progress
 from .cli_types import POSITIVE, SEED, TIME_LIMIT, max_tasks_option
 from .baselines import BASELINES, baseline_seconds
-from .compile import compile_plan
+from .compile import MAX_SIMULATED_MESSAGES, compile_plan
 from .executor_order import executor_order
 from .inspect_plan import indented
 from .transfer_io import load_any_problem
@@ -116,22 +116,29 @@ def _over_best(seconds: float, best: float) -> float | None:
                    "multi-tensor plan's time posted, the executor's default order for it, counts too")
 @click.option("--reference", type=click.Path(dir_okay=False), help="a reference plan to compare predicted times with")
 @click.option("--tensors", "per_tensor", is_flag=True, help="multi-tensor plans: also a row per tensor (when it is done, its own bound)")
-def check_command(plan_files, max_ratio, reference, per_tensor):
+@click.option("--simulate", "simulate_anyway", is_flag=True,
+              help="simulate every plan, also one compile leaves to the schedule's timetable (more than "
+                   f"{MAX_SIMULATED_MESSAGES:,} messages, or past the simulation's work budget): memory grows with the "
+                   "messages, about 2.5 GiB a million; a plan timed by the schedule then gets its simulated times beside its "
+                   "own, gated too")
+def check_command(plan_files, max_ratio, reference, per_tensor, simulate_anyway):
     """Exit 1 when a plan fails verification, when its stored times or bound disagree with what they
     recompute to, or when it is more than --max-ratio over its lower bound or a reference plan (for CI).
     A multi-tensor plan is also timed posted, as the executor runs it by default, and that time is gated too.
+    A plan is re-simulated where compile would simulate it (the same message count and work budget);
+    otherwise its stored times are reported unchecked, and the line says why (--simulate simulates it anyway).
 
     \b
     Example:
       xmesh-plan check plans/*.plan.json --max-ratio 1.05
     """
-    ref = _audited(reference, read_plan_file(reference)) if reference else None
+    ref = _audited(reference, read_plan_file(reference), simulate_anyway) if reference else None
     if isinstance(ref, str):
         raise click.UsageError(f"--reference: {ref}")
     failed = 0
     for path in plan_files:
         plan = read_plan_file(path)
-        audit = _audited(path, plan)
+        audit = _audited(path, plan, simulate_anyway)
         if isinstance(audit, str):
             click.echo(f"{quoted(path)}: FAIL {audit}")
             failed += 1
@@ -148,13 +155,19 @@ def check_command(plan_files, max_ratio, reference, per_tensor):
             ratio = _over_best(predicted, ref.predicted_seconds)
             problems.append(f"{ratio:.4f}x the reference {reference}" if ratio is not None else
                             f"{predicted:.4g} s where the reference {reference} takes 0 s")
+        simulated = audit.simulated_seconds
+        if simulated is not None and over_bound(simulated, bound) > max_ratio:
+            problems.append(f"{over_bound(simulated, bound):.4f}x its lower bound simulated in host order")
         status = "FAIL " + "; ".join(problems) if problems else "ok"
-        if not audit.retimed:
-            status += " (operation times not re-checked: this plan was timed by the schedule model)"
+        status += _unchecked_note(plan, audit)
+        stated = plan.executor_prediction
         posted = f", {order} (executor default) {executed:.4f} s ({over_executed:.4f}x)" if executed is not None else \
-            (f", {order} (executor default) not timed: too costly to simulate here, not gated; `xmesh-plan inspect --orders` "
+            (f", {order} (executor default) {stated.predicted_seconds:.4f} s as stored, not re-simulated, not gated"
+             if audit.unsimulated and stated is not None else
+             f", {order} (executor default) not timed: too costly to simulate here, not gated; `xmesh-plan inspect --orders` "
              "times it" if isinstance(plan.problem, TransferProblem) else "")
-        click.echo(f"{quoted(path)}: predicted {predicted:.4f} s, bound {bound:.4f} s ({over:.4f}x){posted} {status}")
+        simulated_text = "" if simulated is None else f", simulated (--simulate) {simulated:.4f} s ({over_bound(simulated, bound):.4f}x)"
+        click.echo(f"{quoted(path)}: predicted {predicted:.4f} s, bound {bound:.4f} s ({over:.4f}x){simulated_text}{posted} {status}")
         if per_tensor:
             click.echo("\n".join(tensor_check_rows(plan)))
         failed += bool(problems)
@@ -180,11 +193,22 @@ def tensor_check_rows(plan) -> list[str]:
     return rows
 
 
-def _audited(path: str, plan):
+def _unchecked_note(plan, audit) -> str:
+    """What `check` did not re-simulate and why, naming what timed the plan when compiled: empty for a re-simulated plan."""
+    timed_by = plan.solver.details.get("timed_by", "not stated")
+    if audit.simulated_seconds is not None:
+        return f" (operation times are the schedule's (timed_by: {timed_by}); simulated beside them as --simulate asks)"
+    if audit.retimed:
+        return ""
+    anyway = "" if audit.unsimulated.startswith("its listing") else "; --simulate simulates it anyway"
+    return f" (stored times not re-simulated: {audit.unsimulated}; compiled timed by {timed_by}{anyway})"
+
+
+def _audited(path: str, plan, simulate_anyway: bool = False):
     """The plan's recomputed figures, or a one-line reason it cannot be trusted."""
     try:
         verify_plan(plan)
     except PlanError as err:
         return f"does not verify: {err}"
-    audit = audit_plan(plan)
+    audit = audit_plan(plan, simulate_anyway)
     return f"{audit.mismatch}; recompile the plan" if audit.mismatch else audit

@@ -204,7 +204,7 @@ def assemble_rows(problem: ReshardingProblem | TransferProblem, works: list[Tens
     host_order = tuple(HostOrder(host=h, side=s, tasks=tuple(t for _, t in sorted(v))) for (h, s), v in sorted(per_resource.items()))
     stage = on_stage if len(operations) >= DETAILED_STAGES else _quiet
     messages = simulated_messages(operations)
-    stage(f"simulating {len(operations):,} operations in host order" if messages <= MAX_SIMULATED_MESSAGES else
+    stage(f"simulating {len(operations):,} operations in host order" if not too_many_messages(messages) else
           f"timing {len(operations):,} operations by the schedule ({messages:,} messages: too many to simulate)")
     operations, timed_by, work = _simulated(operations, problem, nic_assignment(host_order), messages)
     stage("bounding")
@@ -267,10 +267,10 @@ def _messages_of(op) -> int:
     return tags if rule_of(op).pattern == "bundle" else tags * len(wire_pairs(op))
 
 
-def too_large_to_simulate(operations) -> bool:
-    """Whether `compile` (and `check`, alike) leave a listing's times to the schedule without simulating it: more than
-    MAX_SIMULATED_MESSAGES messages (`simulated_messages`)."""
-    return simulated_messages(operations) > MAX_SIMULATED_MESSAGES
+def too_many_messages(messages: int) -> str | None:
+    """Why `compile` (and `check`, deciding alike) leave a listing of `messages` messages (`simulated_messages`) to the
+    schedule's timetable without making a flow; None when it is simulated."""
+    return f"more than {MAX_SIMULATED_MESSAGES:,} messages to simulate" if messages > MAX_SIMULATED_MESSAGES else None
 
 
 def _simulated(operations: tuple[OperationRow, ...], problem: ReshardingProblem | TransferProblem,
@@ -278,8 +278,8 @@ def _simulated(operations: tuple[OperationRow, ...], problem: ReshardingProblem 
     """Operation times from the network simulator (host order), listed and numbered by predicted start,
     so what is stored is what `check` recomputes; the schedule's own times when that cannot be had (among them
     more than MAX_SIMULATED_MESSAGES `messages`). Also the simulation's work (`SimResult.work`; None when not simulated)."""
-    if messages > MAX_SIMULATED_MESSAGES:
-        return operations, f"schedule (more than {MAX_SIMULATED_MESSAGES:,} messages to simulate)", None
+    if too_many_messages(messages):
+        return operations, f"schedule ({too_many_messages(messages)})", None
     try:
         settled = settle_listing(operations, problem, nic_of_task, MAX_SIMULATION_WORK)
     except TooCostly:  # deterministic: counted in groups and flows, not seconds, so `check` decides the same

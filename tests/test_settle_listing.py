@@ -140,3 +140,64 @@ def test_the_message_count_behind_the_limit_is_the_routes_message_count(name):
 
     plan = read_plan_file(Path(__file__).resolve().parents[1] / "plans" / f"{name}.plan.json")
     assert compile_module.simulated_messages(plan.operations) == sum(messages(op) or 1 for op in plan.operations)
+
+
+def test_check_of_a_simulated_plan_past_the_message_limit_says_why_and_simulates_it_when_asked(monkeypatch, tmp_path):
+    """A plan compile simulated (timed_by simulator) with more messages than the limit now allows (as under the older
+    operation limit): `check` decides as compile does (`compile.too_many_messages`), says it did not re-simulate, why
+    and what timed the plan, not that the schedule timed it; `--simulate` re-simulates it, and then catches a stored
+    time that is wrong."""
+    from pathlib import Path
+
+    from click.testing import CliRunner
+
+    from xmesh_plan.planner.cli import main
+    from xmesh_plan.schemas.plan import read_plan_file
+
+    path = Path(__file__).resolve().parents[1] / "plans" / "weight_sync_small.plan.json"
+    plan = read_plan_file(path)
+    assert plan.solver.details["timed_by"] == "simulator (host-order)"
+    messages = compile_module.simulated_messages(plan.operations)
+    monkeypatch.setattr(compile_module, "MAX_SIMULATED_MESSAGES", messages - 1)
+    run = CliRunner().invoke(main, ["check", str(path)])
+    assert run.exit_code == 0, run.output
+    assert f"stored times not re-simulated: {messages:,} messages, more than {messages - 1:,} messages to simulate" in run.output
+    assert "compiled timed by simulator (host-order); --simulate simulates it anyway" in run.output
+    assert "timed by the schedule model" not in run.output and "too costly" not in run.output
+    assert f"posted (executor default) {plan.executor_prediction.predicted_seconds:.4f} s as stored, not re-simulated" in run.output
+    forced = CliRunner().invoke(main, ["check", str(path), "--simulate"])
+    assert forced.exit_code == 0 and "not re-simulated" not in forced.output and forced.output.rstrip().endswith(" ok"), forced.output
+    wrong = tmp_path / "wrong.plan.json"
+    stated = plan.executor_prediction
+    wrong.write_text(plan.model_copy(update={"executor_prediction": stated.model_copy(update={"predicted_seconds": stated.predicted_seconds * 1.5})}).to_json())
+    assert CliRunner().invoke(main, ["check", str(wrong)]).exit_code == 0  # unchecked: the stored time stands
+    caught = CliRunner().invoke(main, ["check", str(wrong), "--simulate"])
+    assert caught.exit_code == 1 and "disagrees with" in caught.output, caught.output
+
+
+def test_check_simulate_times_a_plan_compile_left_to_the_schedule_beside_its_own_times(monkeypatch, tmp_path):
+    """`check --simulate` of a plan timed by the schedule (past the message limit) simulates it and reports that
+    time beside the stored one, gated by --max-ratio, instead of failing its schedule times as wrong."""
+    from pathlib import Path
+
+    from click.testing import CliRunner
+
+    from xmesh_plan.planner.cli import main
+    from xmesh_plan.planner.transfer_io import load_any_problem
+
+    problem = load_any_problem(Path(__file__).resolve().parents[1] / "plans" / "case3.problem.json")
+    simulated = compile_plan(problem)
+    monkeypatch.setattr(compile_module, "MAX_SIMULATED_MESSAGES", compile_module.simulated_messages(simulated.operations) - 1)
+    plan = compile_plan(problem)
+    assert plan.solver.details["timed_by"].startswith("schedule (more than")
+    assert f"{plan.predicted_seconds:.4f}" != f"{simulated.predicted_seconds:.4f}"
+    path = tmp_path / "schedule.plan.json"
+    path.write_text(plan.to_json())
+    plain = CliRunner().invoke(main, ["check", str(path)])
+    assert plain.exit_code == 0 and "stored times not re-simulated" in plain.output, plain.output
+    forced = CliRunner().invoke(main, ["check", str(path), "--simulate"])
+    assert forced.exit_code == 0, forced.output
+    assert f"simulated (--simulate) {simulated.predicted_seconds:.4f} s" in forced.output
+    assert "operation times are the schedule's" in forced.output and "not re-simulated" not in forced.output
+    tight = CliRunner().invoke(main, ["check", str(path), "--simulate", "--max-ratio", "1.0003"])
+    assert tight.exit_code == 1 and "its lower bound simulated in host order" in tight.output, tight.output
