@@ -14,7 +14,7 @@ from xmesh_plan.schemas.transfer import TransferProblem
 
 from . import __version__
 from .bounds import joint_lower_bound
-from .coalesce import BundleCell, bundle_task, coalesce_cells, share_messages
+from .coalesce import BundleCell, bundle_task, coalesce_cells, retimed_on_nics, share_messages
 from .compile_defaults import CompileOptions
 from .plan_rows import OperationRow, PlanRows, TaskRow, plan_rows
 from .executor_order import executor_order, executor_order_seconds, posted_budget
@@ -104,7 +104,7 @@ def task_options(problem: ReshardingProblem, cells: list[Cell], strategy: str, f
             ctx = TaskContext(cell.region, cell.nbytes(problem.itemsize), device, cell.receivers, problem.cluster, problem.itemsize, sharing)
             name, result = _best_strategy(ctx, strategy)
             results.append((name, result))
-            options.append(Option(host, device, result.duration_s, result.resources))
+            options.append(Option(host, device, result.duration_s, result.resources, result.tail_s))
         out.append(TaskOptions(cell, tuple(results), SchedulingTask(first_id + len(out), tuple(options))))
     return out
 
@@ -153,7 +153,7 @@ def assemble_rows(problem: ReshardingProblem | TransferProblem, works: list[Tens
     two hosts share cross-host messages of at most that many bytes (`coalesce.share_messages`). `on_stage` hears
     each step of a plan of at least DETAILED_STAGES operations. `on_posted_staging`, with no `max_staging_bytes`, hears
     the device that stages most posted and its bytes (`staging_limit.busiest_posted`), where anything is staged."""
-    tasks, timed_ops, per_resource = [], [], {}
+    tasks, timed_ops, per_resource, timing = [], [], {}, {}
     cluster = problem.cluster
     facts: dict[tuple[int, int], tuple[int, tuple[int, ...]]] = {}  # (id of a cell, itemsize) -> its bytes and receiving
     for work in works:  # hosts: tensors of one kind share their cells (`renumbered`)
@@ -174,9 +174,10 @@ def assemble_rows(problem: ReshardingProblem | TransferProblem, works: list[Tens
                 round(start + option.duration_s, DIGITS)))
             timed_ops += [(start + op.offset_s, t.id, work.index, op) for op in result.ops]
             timed_ops += [(at, t.id, work.index, op) for at, op in _copy_ops(cell, single)]
-            for host, side in option.resources:
-                if side.partition(":")[0] in NIC_SIDES:
-                    per_resource.setdefault((host, side), []).append((start, t.id))
+            sides = frozenset(r for r in option.resources if r[1].partition(":")[0] in NIC_SIDES)
+            timing[t.id] = (start, option.busy_s, option.tail_s, sides)
+            for host, side in sides:
+                per_resource.setdefault((host, side), []).append((start, t.id))
         for cell in (c for c in work.cells if not c.receivers and c.local_copies):
             timed_ops += [(at, -1, work.index, op) for at, op in _copy_ops(cell, single)]
     if max_staging_bytes is None and on_posted_staging is not None:
@@ -187,21 +188,26 @@ def assemble_rows(problem: ReshardingProblem | TransferProblem, works: list[Tens
         timed_ops = limit_staging(timed_ops, [w.problem for w in works], max_staging_bytes, max_operations)
     timed_ops.sort(key=lambda item: (item[0], item[1] if item[1] >= 0 else len(tasks), item[2] or 0, item[3].kind,
                                      item[3].src or 0, item[3].dsts))
-    groups = share_messages(timed_ops, [w.problem.itemsize for w in works], share_bytes, cluster.host_of) \
-        if share_bytes is not None else [[item] for item in timed_ops]
-    del timed_ops
-    operations, riders = [], {}  # riders: task of a bundle in another's message -> (its group's start, relay)
+    if share_bytes is None:
+        groups = [[item] for item in timed_ops]
+    else:  # shared messages timed as their NIC sides take them (`coalesce.retimed_on_nics`)
+        groups, moved = retimed_on_nics(share_messages(timed_ops, [w.problem.itemsize for w in works], share_bytes,
+                                                       cluster.host_of, cluster.latency_s, cluster.overhead_s),
+                                        timing, cluster.host_of)
+        per_resource = {key: [(moved.get(t, at), t) for at, t in v] for key, v in per_resource.items()}
+    del timed_ops, timing
+    operations, riders = [], {}  # riders: task of a bundle -> (its message's start, relay) (`coalesce.share_messages`)
     for group in groups:
         head = len(operations)
         for k, (at, task, tensor, op) in enumerate(group):
             operations.append(OperationRow(
                 len(operations), task, tensor, op.kind, op.src, op.dsts, op.region, op.parts, op.chunks, op.holders,
                 op.needers, head if k else None, round(at, DIGITS), round(at + op.duration_s, DIGITS)))
-            if k:
+            if op.kind == "bundle" and share_bytes is not None:
                 riders[task] = (at, op.src)
     del groups
     operations = tuple(operations)
-    if riders:  # a bundle in a shared message goes when its group goes, from the group's relay
+    if riders:  # a bundle goes when its message goes, from the message's relay
         tasks = [t._replace(sender=riders[t.id][1]) if t.id in riders else t for t in tasks]
         per_resource = {key: [(riders[t][0] if t in riders else at, t) for at, t in v] for key, v in per_resource.items()}
     host_order = tuple(HostOrder(host=h, side=s, tasks=tuple(t for _, t in sorted(v))) for (h, s), v in sorted(per_resource.items()))

@@ -150,6 +150,76 @@ def gap_line(plan: Plan, loads: PlanLoads) -> str:
 
 
 @dataclass(frozen=True, slots=True)
+class RelayLoad:
+    """A plan's bundles (`compile --coalesce`) and what their relays move inside hosts: bundles and the cross-host
+    messages they share, their bytes across hosts, the bytes gathered into sending relays and scattered from receiving
+    relays over the devices' ports, and the busiest relay port each way (device, bytes)."""
+
+    bundles: int
+    messages: int
+    cross_bytes: int
+    gathered: int
+    scattered: int
+    busiest_in: tuple[int, int]
+    busiest_out: tuple[int, int]
+
+
+def relay_load(plan: Plan) -> RelayLoad | None:
+    """`RelayLoad` from the plan's own operations; None where it has no bundle."""
+    itemsizes, host = [p.itemsize for p in plan.problem.tensor_problems()], plan.problem.cluster.host_of
+    bundles = messages = cross = gathered = scattered = 0
+    port_in: dict[int, int] = {}
+    port_out: dict[int, int] = {}
+    for group in message_groups(plan.operations):
+        if group[0].kind != "bundle":
+            continue
+        op = fused(group, itemsizes)
+        bundles, messages = bundles + len(group), messages + 1
+        for (a, b), nbytes in hops_pair_bytes(route(op), 1 if len(group) > 1 else itemsizes[op.tensor or 0]).items():
+            if host(a) != host(b):
+                cross += nbytes
+            elif b == op.src:  # a holder's runs into the sending relay
+                gathered += nbytes
+                port_in[b] = port_in.get(b, 0) + nbytes
+            else:  # the receiving relay's runs out to its needers
+                scattered += nbytes
+                port_out[a] = port_out.get(a, 0) + nbytes
+    if not bundles:
+        return None
+    top = lambda ports: max(ports.items(), key=lambda item: (item[1], -item[0]), default=(-1, 0))  # noqa: E731
+    return RelayLoad(bundles, messages, cross, gathered, scattered, top(port_in), top(port_out))
+
+
+def timed_by_line(plan: Plan) -> list[str]:
+    """For a plan its schedule times (too many messages to simulate), what that timetable counts and what it does not:
+    each NIC side busy with a message's overhead and bytes, a shared message once, latencies and a relay's scatter
+    after it as delays; not the relays' gathers inside the sending host, nor rates shared between messages."""
+    timed_by = plan.solver.details.get("timed_by", "simulator")
+    if timed_by.startswith("simulator"):
+        return []
+    return [f"timed by the {timed_by}: each NIC side busy for its messages' overhead and bytes (a shared message once), "
+            "latencies and relays' scatters as delays after them; not timed: relays' gathers inside the sending host, "
+            "rates shared between messages"]
+
+
+def relay_line(plan: Plan) -> list[str]:
+    """`relay_load` as a line of `inspect`: a bundle crosses hosts at the host's NICs together but is gathered into
+    and scattered from one device each side, through that device's port, so where the port is slower than the NICs
+    a relay's gathers take longer than its message, and bundles back to back leave the NIC side waiting for them."""
+    load = relay_load(plan)
+    if load is None:
+        return []
+    cluster = plan.problem.cluster
+    port, nics = cluster.intra_bytes_per_s, cluster.message_bytes_per_s
+    (d_in, b_in), (d_out, b_out) = load.busiest_in, load.busiest_out
+    return [f"bundles: {load.bundles} in {load.messages} cross-host messages, {_bytes(load.cross_bytes)} across hosts; their relays "
+            f"gather {_bytes(load.gathered)} and scatter {_bytes(load.scattered)} inside hosts through one device port "
+            f"each ({cluster.intra_host_gbps:g} Gbit/s, {port / nics:.2f}x the host's NICs together: a message's gathers take "
+            f"{nics / port:.2f}x its time across); busiest relay ports: device {d_in} takes in {_bytes(b_in)} "
+            f"({b_in / port:.4f} s), device {d_out} sends out {_bytes(b_out)} ({b_out / port:.4f} s)"]
+
+
+@dataclass(frozen=True, slots=True)
 class NicTrace:
     """The bound's NIC side flow by flow, as the simulator moves it in host order (`side_gap` reads operation spans,
     which for a bundle also cover its gathers and scatters inside hosts): before its first message, its bytes' time,
@@ -382,9 +452,11 @@ def summarize(plan: Plan, show_tasks: bool = False, show_ops: bool = False, show
     lines.append(f"predicted: {plan.predicted_seconds:.4f} s   lower bound: {plan.lower_bound_seconds:.4f} s"
                  f"{f' ({reason})' if reason else ''}   efficiency (bound/predicted): {plan.efficiency:.1%}")
     lines += executor_line(plan)
+    lines += timed_by_line(plan)
     lines.append(message_cost_line(plan, loads))
     lines.append(gap_line(plan, loads))
     lines.append(nic_trace_line(plan, loads))
+    lines += relay_line(plan)
     lines += staging_lines(plan)
     if show_orders:
         lines += order_lines(plan)

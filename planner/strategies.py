@@ -6,6 +6,8 @@ and a broadcast's chunks also wait for a relay's two copies on its one core and 
 shares, but not for other tasks' copies, which the simulator, and so the plan's predicted time, counts): a
 message of b bytes over a link keeps it busy `overhead + b / bandwidth` and arrives one `latency`
 later; cross-host links use the NIC bandwidth, links inside a host the intra-host bandwidth. A
+task's resources are busy until its last message has left; that message's latency (`StrategyResult.tail_s`)
+delays the task's end but keeps no link busy, so the schedule books the links as the simulator uses them. A
 pipelined broadcast of K chunks down a chain of A hops with per-chunk times c_h (overhead plus the
 chunk's bytes) takes `A * latency + sum(c_h) + (K - 1) * max(c_h)`: the paper's `t + A*t/K` shape
 with a per-message overhead that every chunk pays, so K has an optimum.
@@ -42,16 +44,19 @@ class PlannedOp:
     holders: tuple[int, ...] = ()  # a bundle's (planner/coalesce.py)
     needers: tuple[tuple[int, ...], ...] = ()
     duration_s: float = 0.0
+    tail_s: float = 0.0  # a bundle's: how much of its duration comes after its NIC sides are free (`coalesce.bundle_result`)
 
 
 @dataclass(frozen=True, slots=True)
 class StrategyResult:
-    """What a strategy does for one task from one sender: its operations, duration, resources held."""
+    """What a strategy does for one task from one sender: its operations, duration, resources held, and how much
+    of the duration is its last message's latency (`tail_s`: the resources are free by then)."""
 
     ops: tuple[PlannedOp, ...]
     duration_s: float
     resources: frozenset[Resource]
     chunks: int = 1
+    tail_s: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -181,7 +186,8 @@ def broadcast(ctx: TaskContext) -> StrategyResult:
     seconds, chunks = pipelined_seconds(ctx.nbytes, hop_cross, ctx)
     op = PlannedOp("broadcast", ctx.sender, tuple(chain), ctx.region, chunks=chunks, duration_s=seconds)
     hops = list(zip([ctx.sender] + chain, chain))
-    return StrategyResult((op,), seconds, hop_resources(hops, ctx.host), chunks)
+    tail = hop_cost(ctx.cluster, hop_cross[-1])[0] if hop_cross else 0.0  # the last chunk on the last hop, in flight
+    return StrategyResult((op,), seconds, hop_resources(hops, ctx.host), chunks, tail)
 
 
 def send_recv(ctx: TaskContext) -> StrategyResult:
@@ -194,7 +200,8 @@ def send_recv(ctx: TaskContext) -> StrategyResult:
             ops.append(PlannedOp("send", ctx.sender, (d,), ctx.region, offset_s=clock, duration_s=ctx.message_s(ctx.nbytes, cross)))
             clock += ctx.busy_s(ctx.nbytes, cross)
             end = max(end, ops[-1].offset_s + ops[-1].duration_s)
-    return StrategyResult(tuple(ops), end, hop_resources([(ctx.sender, op.dsts[0]) for op in ops], ctx.host))
+    return StrategyResult(tuple(ops), end, hop_resources([(ctx.sender, op.dsts[0]) for op in ops], ctx.host),
+                          tail_s=end - clock)
 
 
 def _scatter_then_gather(ctx: TaskContext, groups: list[tuple[int, ...]]) -> StrategyResult:
@@ -212,14 +219,16 @@ def _scatter_then_gather(ctx: TaskContext, groups: list[tuple[int, ...]]) -> Str
                 end = max(end, ops[-1].offset_s + ops[-1].duration_s)
         if len(members) > 1:
             gathers.append((members, parts))
-    scattered = end
+    scattered, busy = end, clock
     for members, parts in gathers:
         largest = max(_size(p) for p in parts) * ctx.itemsize
-        seconds = (len(members) - 1) * ctx.message_s(largest, len({ctx.host(d) for d in members}) > 1)
+        cross = len({ctx.host(d) for d in members}) > 1
+        seconds = (len(members) - 1) * ctx.message_s(largest, cross)
         ops.append(PlannedOp("allgather", None, members, ctx.region, parts=parts, offset_s=scattered, duration_s=seconds))
         end = max(end, scattered + seconds)
+        busy = max(busy, scattered + seconds - hop_cost(ctx.cluster, cross)[0])  # its last step's latency keeps no link busy
     hops = [(ctx.sender, op.dsts[0]) for op in ops if op.kind == "send"] + [h for g in groups for h in _ring_hops(g)]
-    return StrategyResult(tuple(ops), end, hop_resources(hops, ctx.host))
+    return StrategyResult(tuple(ops), end, hop_resources(hops, ctx.host), tail_s=end - busy)
 
 
 def _pad_parts(parts: tuple[Region, ...], members: tuple[int, ...], region: Region) -> tuple[Region, ...]:

@@ -57,3 +57,50 @@ def test_the_per_message_line_says_what_striping_over_several_nics_costs():
     cost = loads.busiest_messages()[2] * cluster.overhead_s
     line = message_cost_line(four, loads)
     assert f"striped over 4 NICs, each NIC pays every message's overhead: one NIC per message, balanced, would pay {cost / 4:.4f} s" in line, line
+
+
+def test_inspect_says_what_bundle_relays_move_inside_hosts_and_how_fast_their_ports_are():
+    """`inspect`'s bundle line, checked against the bundles' own fields: every part crosses hosts once in its message,
+    is gathered into the sending relay unless that relay holds it, and scattered from the receiving relay to each of
+    its needers but the relay itself; a plan without bundles has no such line."""
+    from pathlib import Path
+
+    from xmesh_plan.planner.compile import compile_plan
+    from xmesh_plan.planner.inspect_plan import relay_line, relay_load, summarize
+    from xmesh_plan.schemas import read_plan_file
+    from xmesh_plan.schemas.geometry import region_size
+    from tests.support.transfer import many_bundles
+
+    plan = compile_plan(many_bundles(), bucket_bytes=16384)  # 12 bundles, 8 of them riding in others' messages
+    itemsizes = [p.itemsize for p in plan.problem.tensor_problems()]
+    cross = gathered = scattered = 0
+    for op in (op for op in plan.operations if op.kind == "bundle"):
+        src = op.src if op.carrier is None else plan.operations[op.carrier].src
+        relay = op.dsts[0] if op.carrier is None else plan.operations[op.carrier].dsts[0]
+        for part, holder, needers in zip(op.parts, op.holders, op.needers):
+            nbytes = region_size(part) * itemsizes[op.tensor or 0]
+            cross += nbytes
+            gathered += nbytes if holder != src else 0
+            scattered += nbytes * sum(1 for d in needers if d != relay)
+    load = relay_load(plan)
+    assert (load.cross_bytes, load.gathered, load.scattered) == (cross, gathered, scattered)
+    assert load.bundles == sum(op.kind == "bundle" for op in plan.operations) > load.messages > 0
+    assert relay_line(plan)[0] in summarize(plan)
+    assert relay_load(read_plan_file(Path(__file__).resolve().parents[1] / "plans" / "case3.plan.json")) is None
+
+
+def test_inspect_says_what_a_schedule_timed_plan_counts_and_what_it_does_not(monkeypatch):
+    """A plan with too many messages to simulate is timed by its schedule: inspect says so and names what that
+    timetable leaves out (a relay's gathers), which a simulated plan's flow line measures instead."""
+    import xmesh_plan.planner.compile as compile_module
+    from xmesh_plan.planner.compile import compile_plan
+    from xmesh_plan.planner.inspect_plan import summarize, timed_by_line
+    from tests.support.transfer import many_bundles
+
+    simulated = compile_plan(many_bundles(), bucket_bytes=16384)
+    assert timed_by_line(simulated) == []
+    monkeypatch.setattr(compile_module, "MAX_SIMULATED_MESSAGES", 0)
+    timed = compile_plan(many_bundles(), bucket_bytes=16384)
+    (line,) = timed_by_line(timed)
+    assert line.startswith("timed by the schedule (more than 0 messages to simulate)") and "gathers" in line
+    assert line in summarize(timed)

@@ -122,6 +122,22 @@ def test_send_recv_time_is_linear_in_receivers(count):
     assert [op.offset_s for op in result.ops] == pytest.approx([i * busy for i in range(count)], rel=1e-12)
 
 
+def test_a_task_keeps_its_links_busy_until_its_last_message_left():
+    """The last message's latency delays a task's end but keeps no link busy (`StrategyResult.tail_s`): a broadcast
+    across hosts frees its links one latency before it ends, send_recv once its last send has left, an all-gather
+    once its last ring step has left."""
+    cross = broadcast(ctx(0, [4, 8]))
+    assert cross.tail_s == pytest.approx(LAT, rel=1e-12) and cross.duration_s - cross.tail_s == pytest.approx(
+        chain_seconds(NBYTES, [NIC, NIC], cross.chunks) - LAT, rel=1e-12)
+    sends = send_recv(ctx(0, [4, 8, 12]))
+    assert sends.tail_s == pytest.approx(LAT, rel=1e-9)
+    assert sends.duration_s - sends.tail_s == pytest.approx(3 * (OVERHEAD + NBYTES / NIC), rel=1e-12)
+    for strategy in (local_allgather, global_allgather):
+        gathered = strategy(ctx(0, [4, 5, 8, 9]))
+        assert gathered.tail_s == pytest.approx(LAT, rel=1e-9)
+        assert 0 < gathered.duration_s - gathered.tail_s < gathered.duration_s
+
+
 def test_send_recv_grows_linearly_with_gpus_on_one_host_unlike_broadcast():
     times = [send_recv(ctx(0, range(4, 4 + n))).duration_s for n in (1, 2, 3, 4)]
     steps = [b - a for a, b in zip(times, times[1:])]

@@ -1,7 +1,8 @@
 """`cpsat`: the exact model, solved by OR-Tools CP-SAT within a deterministic time limit.
 
 One interval per task, one optional interval per candidate sender with a presence literal (exactly
-one present), one `NoOverlap` per resource over the intervals that hold it, minimise the makespan.
+one present) as long as the option keeps its resources busy, one `NoOverlap` per resource over the intervals
+that hold it, minimise the makespan (each task's end: its start plus its whole duration, tail included).
 Durations become integer ticks rounded down, so the solver's bound is a true bound on the real
 problem; the answer is then re-timed with exact durations in the solver's start order, so it is
 feasible as given. Determinism: a fixed worker count, a fixed random seed, and
@@ -42,9 +43,9 @@ def _build(tasks: list[SchedulingTask], tick: float, horizon: int):
         start[t.id] = model.new_int_var(0, horizon, f"start[{t.id}]")
         literals = []
         for i, option in enumerate(t.options):
-            length = int(option.duration_s / tick)
+            busy, length = int(option.busy_s / tick), int(option.duration_s / tick)
             lit = model.new_bool_var(f"use[{t.id},{i}]") if len(t.options) > 1 else model.new_constant(1)
-            interval = model.new_optional_fixed_size_interval_var(start[t.id], length, lit, f"run[{t.id},{i}]")
+            interval = model.new_optional_fixed_size_interval_var(start[t.id], busy, lit, f"run[{t.id},{i}]")
             for r in sorted(option.resources):  # a frozenset's order follows string hashing, which differs per process
                 per_resource.setdefault(r, []).append(interval)
             model.add(end_all >= start[t.id] + length).only_enforce_if(lit)

@@ -4,7 +4,7 @@ A node is a partial dispatch order: every placed task started as soon as its res
 (append-only). Children extend it by one (task, sender) pair, earliest finish first; tasks with the
 same options are interchangeable, so only the first of each kind is branched on. A branch is cut
 when its bound reaches the best makespan found: the later of the current makespan and, per
-resource, its free time plus the mandatory load still to come (Alpa's DFS cut on a greedy
+resource, its free time plus the mandatory busy time still to come (Alpa's DFS cut on a greedy
 estimate, which is not a bound, and failed when time ran out). The search starts from the
 `list-backfill` schedule and stops after a node budget set by `time_limit_s`, so it always returns.
 """
@@ -12,7 +12,7 @@ estimate, which is not a bound, and failed when time ran out). The search starts
 from __future__ import annotations
 
 from ..scheduling import Resource, Schedule, SchedulingTask
-from .bound import mandatory_resources, schedule_lower_bound, shortest
+from .bound import least_busy, mandatory_resources, schedule_lower_bound, shortest
 from .list_backfill import solve_list_backfill
 
 NODES_PER_SECOND = 40_000  # search nodes per second of time limit (deterministic budget)
@@ -27,7 +27,7 @@ class _Search:
         self.left: dict[Resource, float] = {}
         for t in self.tasks:
             for r in self.mandatory[t.id]:
-                self.left[r] = self.left.get(r, 0.0) + shortest(t)
+                self.left[r] = self.left.get(r, 0.0) + least_busy(t)
         self.free: dict[Resource, float] = {}
         self.budget, self.nodes = budget, 0
         self.best, self.best_plan = incumbent.makespan(tasks), None
@@ -52,14 +52,14 @@ class _Search:
             option = task.options[i]
             saved = {r: self.free.get(r, 0.0) for r in option.resources}
             for r in option.resources:
-                self.free[r] = end
+                self.free[r] = begin + option.busy_s
             for r in self.mandatory[task.id]:
-                self.left[r] -= shortest(task)
+                self.left[r] -= least_busy(task)
             self.path.append((task.id, i, begin))
             self.run(remaining[:index] + remaining[index + 1:], max(makespan, end))
             self.path.pop()
             for r in self.mandatory[task.id]:
-                self.left[r] += shortest(task)
+                self.left[r] += least_busy(task)
             self.free.update(saved)
 
     def _children(self, remaining: list[SchedulingTask]) -> list[tuple[float, int, int, float]]:

@@ -25,5 +25,5 @@ def greedy_least_loaded(tasks: list[SchedulingTask], *, seed: int = 0, time_limi
         _, index, begin = best
         choice[task.id], start[task.id] = index, begin
         for r in task.options[index].resources:
-            free[r] = begin + task.options[index].duration_s
+            free[r] = begin + task.options[index].busy_s
     return Schedule(choice, start, solver="greedy")

@@ -1,7 +1,7 @@
 """`list-backfill`: list scheduling that places each task in the earliest gap that fits it.
 
 Tasks are taken in a priority order; each goes to the candidate sender that lets it finish first,
-at the earliest time all its resources are free for its whole duration, even before tasks placed
+at the earliest time all its resources are free for as long as it keeps them busy, even before tasks placed
 earlier (backfilling). Unlike an append-only greedy, a short task no longer waits behind a long one
 that happens to be placed first. Two priority orders are tried and the shorter schedule kept:
 longest first, and most constrained (fewest senders, most resources) first.
@@ -35,13 +35,13 @@ def backfill(tasks: list[SchedulingTask], priority: Priority = longest_first, pr
         best = None
         for i in indices:
             option = task.options[i]
-            begin = calendar.earliest_start(option.resources, option.duration_s)
+            begin = calendar.earliest_start(option.resources, option.busy_s)
             key = (begin + option.duration_s, i)
             if best is None or key < best[0]:
                 best = (key, i, begin)
         _, i, begin = best
         choice[task.id], start[task.id] = i, begin
-        calendar.book(task.options[i].resources, begin, task.options[i].duration_s)
+        calendar.book(task.options[i].resources, begin, task.options[i].busy_s)
     return Schedule(choice, start, solver="list-backfill")
 
 

@@ -52,7 +52,7 @@ def solve_randomized_greedy(tasks: list[SchedulingTask], *, seed: int = 0, time_
             choice[task_id] = i
             order.append(task_id)
             host = by_id[task_id].options[i].sender_host
-            load[host] = load.get(host, 0.0) + by_id[task_id].options[i].duration_s
+            load[host] = load.get(host, 0.0) + by_id[task_id].options[i].busy_s
         taken = {task_id for task_id, _ in best[2]}
         remaining = [i for i in remaining if i not in taken]
     return Schedule(choice, timetable(tasks, choice, order), solver="randomized-greedy",

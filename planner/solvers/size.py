@@ -1,7 +1,7 @@
 """`size`: balance bytes over sender hosts, ignore order (the paper's "load balance only").
 
 Longest task first, each to the candidate sender whose send side carries the least load so far,
-charging the task's own duration (Alpa's `loadbalance_size` charged the whole tile's size instead of
+charging the time the task keeps it busy (Alpa's `loadbalance_size` charged the whole tile's size instead of
 the slice's, which misjudges load when slices differ). Tasks are then dispatched in task-id order,
 like `naive`, so the two differ only in the sender choice.
 """
@@ -35,7 +35,7 @@ def balance_senders(tasks: list[SchedulingTask]) -> dict[int, int]:
         choice[task.id] = best
         option = task.options[best]
         for r in sides[id(option)]:
-            load[r] = load.get(r, 0.0) + option.duration_s
+            load[r] = load.get(r, 0.0) + option.busy_s
     return choice
 
 
