@@ -154,14 +154,14 @@ def compile_command(problem_file, output, fmt, shape, dtype, src_mesh, src_spec,
     options = CompileOptions(strategy=strategy, solver=solver, seed=seed, time_limit_s=time_limit, merge=not no_merge,
                              max_tasks=max_tasks, split_hosts=split_hosts, coalesce=coalesce, cross_tensor=cross_tensor,
                              bucket_bytes=None if bucket_mb is None else int(bucket_mb * 2**20),
-                             max_staging_bytes=None if max_staging_mb is None else int(max_staging_mb * 2**20))
+                             max_staging_bytes=_staging_bytes(max_staging_mb))
     if bucket_mb is not None and not options.for_problem(problem).coalesce:
         raise InputError("--bucket-mb sizes coalesced bundles, and this compile does not coalesce (a single tensor "
                          "coalesces only with --coalesce; --no-coalesce turns it off); add --coalesce or drop --bucket-mb")
     busiest: list[tuple[int, int]] = []
     with progress("compiling") as timing:
         plan = compile_rows(problem, options, on_stage=timing["stage"], on_posted_staging=lambda *d: busiest.append(d))
-    if busiest and busiest[0][1] > POSTED_STAGING_WARN_BYTES:
+    if busiest and busiest[0][1] > POSTED_STAGING_WARN_BYTES and isinstance(problem, TransferProblem):
         click.echo(_posted_staging_note(*busiest[0]), err=True)
     fmt = fmt or ("json" if output in (None, "-") else format_for(output))
     if output and output != "-" and fmt == "compact":  # written from its rows, and the file is what is verified
@@ -179,10 +179,18 @@ def compile_command(problem_file, output, fmt, shape, dtype, src_mesh, src_spec,
                f"{solver_summary(plan, timing['seconds'])}{staging_summary(plan)}")
 
 
+def _staging_bytes(mb: float | None) -> int | None:
+    """`--max-staging-mb` in bytes: None when not given, 0 (no limit) only for 0 itself; any other value at least
+    one byte, so a positive limit too small for one element is refused (`staging_limit`), never read as none."""
+    if mb is None or mb == 0:
+        return None if mb is None else 0
+    return max(1, int(mb * 2**20))
+
+
 def _posted_staging_note(device: int, nbytes: int) -> str:
     """compile's line (stderr) for a plan given no staging limit whose posted order stages more than
     POSTED_STAGING_WARN_BYTES on a device: the busiest one, and how to bound it."""
-    return (f"note: posted (the executor's default order for this plan), device {device} stages {nbytes / 2**30:.2f} GiB "
+    return (f"note: posted (the MPI engine's default order for this multi-tensor plan), device {device} stages {nbytes / 2**30:.2f} GiB "
             f"at once; --max-staging-mb N bounds every device's staging to N MiB (the plan then runs in device order: "
             f"1.3x slower on the measured cuts, BENCHMARKS.md 'Staging default'), or a smaller --bucket-mb stages less")
 

@@ -304,3 +304,22 @@ def test_the_cli_notes_posted_staging_over_the_threshold_and_takes_zero_for_no_l
     assert read_plan_file(out).staging.limit_bytes == 4 * 2**20
     refused = CliRunner().invoke(main, ["compile", str(SMALL), "--max-staging-mb", "-1"])
     assert refused.exit_code == 2 and "--max-staging-mb" in refused.output and "Traceback" not in refused.output
+
+
+def test_a_positive_staging_limit_too_small_for_one_element_is_refused_not_read_as_none(tmp_path):
+    """Only 0 means no limit: a positive --max-staging-mb below one byte is a limit too small for any element, refused
+    in one line (exit 2), never rounded down to 0 and compiled without a limit."""
+    out = tmp_path / "p.plan.json"
+    tiny = CliRunner().invoke(main, ["compile", str(SMALL), "-o", str(out), "--max-staging-mb", "0.0000001"])
+    assert tiny.exit_code == 2 and "--max-staging-mb" in tiny.output and "Traceback" not in tiny.output, tiny.output
+    assert not out.exists()
+
+
+def test_the_posted_staging_note_is_for_multi_tensor_plans_only(tmp_path, monkeypatch):
+    """A single tensor runs in device order by default, so posted staging is not what it needs: no note."""
+    from xmesh_plan.planner import cli
+
+    monkeypatch.setattr(cli, "POSTED_STAGING_WARN_BYTES", 1)
+    one = CliRunner().invoke(main, ["compile", "--shape", "64,64", "--src-mesh", "2x2", "--src-spec", "S0 R",
+                                    "--dst-mesh", "2x2", "--dst-spec", "R S0", "-o", str(tmp_path / "one.plan.json")])
+    assert one.exit_code == 0 and "note: posted" not in one.stderr, one.output
