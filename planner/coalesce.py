@@ -170,7 +170,7 @@ TimedOp = tuple[float, int, int | None, PlannedOp]
 
 
 def share_messages(timed_ops: list[TimedOp], itemsizes: list[int], bucket_bytes: int, host_of,
-                   latency_s: float = 0.0, overhead_s: float = 0.0) -> list[list[TimedOp]]:
+                   latency_s: float = 0.0, overhead_s: float = 0.0, intra_bytes_per_s: float | None = None) -> list[list[TimedOp]]:
     """The operations in order, bundles of any tensors between the same two hosts grouped into shared
     messages of at most `bucket_bytes` (`schemas.carriers`): each bundle, in list order, joins the open
     group of its host pair when the total, with the most alignment padding a holder could add, stays within
@@ -208,11 +208,11 @@ def share_messages(timed_ops: list[TimedOp], itemsizes: list[int], bucket_bytes:
             groups.append([item])
             index, total = len(groups) - 1, nbytes
         open_group[pair] = (index, total) if nbytes % align == 0 else (-1, 0)  # a ragged bundle ends its group
-    groups = _balanced_relays(groups, itemsizes)
+    groups = _balanced_relays(groups, itemsizes, None if intra_bytes_per_s is None else (latency_s, intra_bytes_per_s))
     return [_lasting_as_one(group, latency_s, overhead_s) if len(group) > 1 else group for group in groups]
 
 
-def _balanced_relays(groups: list[list[TimedOp]], itemsizes: list[int]) -> list[list[TimedOp]]:
+def _balanced_relays(groups: list[list[TimedOp]], itemsizes: list[int], timing: tuple[float, float] | None = None) -> list[list[TimedOp]]:
     """Each cross-host message of bundles (shared or not) from the relays that least load a device port, in list
     order: the sending relay is the holder whose in-port, with what it has gathered so far, takes in the least (all
     of the message's parts but its own), the receiving relay the needer whose out-port scatters the least likewise.
@@ -220,9 +220,11 @@ def _balanced_relays(groups: list[list[TimedOp]], itemsizes: list[int]) -> list[
     against 2400 Gbit/s), so messages that follow one another on a host must not pile onto one relay: a bundle's own
     relays rotate within its tensor only, and a shared message would take its first bundle's (on a 2-layer
     DeepSeek-V3-like cut one device scattered 5.6 times the mean; a 4-layer cut: 1.0567x -> 1.0497x the bound in
-    host order, 1.0492x -> 1.0439x posted)."""
+    host order, 1.0492x -> 1.0439x posted). Given `timing` (latency, intra-host bytes/s), every bundle's tail is its
+    message's receiving relay's (`_relayed`), made once per bundle object and relays (a model's layers share them)."""
     port_in: dict[int, int] = {}
     port_out: dict[int, int] = {}
+    made: dict[tuple[int, int, int, int], PlannedOp] = {}  # (id of a bundle, itemsize, relays) -> it sent between them
     out = []
     for group in groups:
         op = group[0][3]
@@ -245,9 +247,28 @@ def _balanced_relays(groups: list[list[TimedOp]], itemsizes: list[int]) -> list[
         dst = min(wanted, key=lambda d: (port_out.get(d, 0) + needed - wanted[d], d))
         port_in[src] = port_in.get(src, 0) + total - held[src]
         port_out[dst] = port_out.get(dst, 0) + needed - wanted[dst]
-        out.append([(at, task, tensor, o if (o.src, o.dsts) == (src, (dst,)) else replace(o, src=src, dsts=(dst,)))
-                    for at, task, tensor, o in group])
+        sent = []
+        for at, task, tensor, o in group:
+            key = (id(o), itemsizes[tensor or 0], src, dst)
+            if key not in made:
+                made[key] = _relayed(o, src, dst, key[1], timing)
+            sent.append((at, task, tensor, made[key]))
+        out.append(sent)
     return out
+
+
+def _relayed(op: PlannedOp, src: int, dst: int, itemsize: int, timing: tuple[float, float] | None) -> PlannedOp:
+    """A bundle sent between the relays `src` and `dst`; given (latency, intra-host bytes/s), its tail is the latency
+    and then `dst`'s scatter (`scatter_seconds`), as `bundle_result` states it for the bundle's own relays."""
+    if timing is None:
+        return op if (op.src, op.dsts) == (src, (dst,)) else replace(op, src=src, dsts=(dst,))
+    latency_s, intra_bytes_per_s = timing
+    share = sum(math.prod(b - a for a, b in part) * sum(1 for d in needers if d != dst)
+                for part, needers in zip(op.parts, op.needers))
+    tail = latency_s + share * itemsize / intra_bytes_per_s
+    if (op.src, op.dsts, op.tail_s) == (src, (dst,), tail):
+        return op
+    return replace(op, src=src, dsts=(dst,), duration_s=op.duration_s - op.tail_s + tail, tail_s=tail)
 
 
 def _lasting_as_one(group: list[TimedOp], latency_s: float, overhead_s: float) -> list[TimedOp]:

@@ -246,3 +246,14 @@ def test_cpsat_plans_do_not_depend_on_the_process_string_hashing(tmp_path):
         assert result.returncode == 0, result.stderr[-2000:]
         plans.add(result.stdout)
     assert len(plans) == 1
+
+
+def test_dfs_returns_its_starting_schedule_above_the_tasks_it_can_search():
+    """The search recurses once per placed task: on more tasks than MAX_SEARCH_TASKS it returns the list-backfill
+    schedule it starts from, valid and not claimed complete, instead of exhausting Python's recursion limit."""
+    from xmesh_plan.planner.solvers.dfs import MAX_SEARCH_TASKS
+
+    tasks = random_tasks(MAX_SEARCH_TASKS * 2 + 200, 3, src_hosts=2, dst_hosts=5)
+    schedule = solve(tasks, "dfs", time_limit_s=0.5)
+    check_schedule(tasks, schedule)
+    assert schedule.details["complete"] == "false" and schedule.makespan(tasks) >= schedule.proven_bound_s

@@ -6,7 +6,8 @@ same options are interchangeable, so only the first of each kind is branched on.
 when its bound reaches the best makespan found: the later of the current makespan and, per
 resource, its free time plus the mandatory busy time still to come (Alpa's DFS cut on a greedy
 estimate, which is not a bound, and failed when time ran out). The search starts from the
-`list-backfill` schedule and stops after a node budget set by `time_limit_s`, so it always returns.
+`list-backfill` schedule and stops after a node budget set by `time_limit_s`, so it always returns; above
+MAX_SEARCH_TASKS tasks it returns that schedule unsearched.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from .bound import least_busy, mandatory_resources, schedule_lower_bound, shorte
 from .list_backfill import solve_list_backfill
 
 NODES_PER_SECOND = 40_000  # search nodes per second of time limit (deterministic budget)
+MAX_SEARCH_TASKS = 500  # the search goes one call deeper per placed task: above this, Python's recursion limit is near
 EPS = 1e-12
 
 
@@ -77,6 +79,10 @@ class _Search:
 def solve_dfs(tasks: list[SchedulingTask], *, seed: int = 0, time_limit_s: float = 1.0) -> Schedule:
     del seed
     incumbent = solve_list_backfill(tasks)
+    if len(tasks) > MAX_SEARCH_TASKS:
+        return Schedule(incumbent.choice, incumbent.start_s, solver="dfs", proven_bound_s=schedule_lower_bound(tasks),
+                        details={"nodes": "0", "complete": "false", "found_by": "list-backfill",
+                                 "skipped": f"more than {MAX_SEARCH_TASKS} tasks"})
     search = _Search(tasks, max(1, int(NODES_PER_SECOND * time_limit_s)), incumbent)
     search.run(list(search.tasks), 0.0)
     complete = search.nodes < search.budget  # the search ran out of branches, so the best is optimal
