@@ -215,8 +215,15 @@ def relay_line(plan: Plan) -> list[str]:
     return [f"bundles: {load.bundles} in {load.messages} cross-host messages, {_bytes(load.cross_bytes)} across hosts; their relays "
             f"gather {_bytes(load.gathered)} and scatter {_bytes(load.scattered)} inside hosts through one device port "
             f"each ({cluster.intra_host_gbps:g} Gbit/s, {port / nics:.2f}x the host's NICs together: a message's gathers take "
-            f"{nics / port:.2f}x its time across); busiest relay ports: device {d_in} takes in {_bytes(b_in)} "
-            f"({b_in / port:.4f} s), device {d_out} sends out {_bytes(b_out)} ({b_out / port:.4f} s)"]
+            f"{nics / port:.2f}x its time across)" + _busiest_ports(d_in, b_in, d_out, b_out, port)]
+
+
+def _busiest_ports(d_in: int, b_in: int, d_out: int, b_out: int, port: float) -> str:
+    """The relay ports that take in and send out most, each where one moves anything (a relay that holds and needs
+    every part of its bundles moves nothing inside its host)."""
+    ports = ([f"device {d_in} takes in {_bytes(b_in)} ({b_in / port:.4f} s)"] if b_in else []) + \
+        ([f"device {d_out} sends out {_bytes(b_out)} ({b_out / port:.4f} s)"] if b_out else [])
+    return f"; busiest relay ports: {', '.join(ports)}" if ports else ""
 
 
 @dataclass(frozen=True, slots=True)

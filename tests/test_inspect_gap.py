@@ -104,3 +104,15 @@ def test_inspect_says_what_a_schedule_timed_plan_counts_and_what_it_does_not(mon
     (line,) = timed_by_line(timed)
     assert line.startswith("timed by the schedule (more than 0 messages to simulate)") and "gathers" in line
     assert line in summarize(timed)
+
+
+def test_the_relay_line_names_only_ports_that_move_something():
+    """A plan whose sending relays hold every part of their bundles gathers nothing: the line names no port for it
+    (never a device -1 taking in 0 B)."""
+    from tests.support.transfer import random_transfer
+    from xmesh_plan.planner.compile import compile_rows
+    from xmesh_plan.planner.inspect_plan import relay_line
+
+    plan = compile_rows(random_transfer(3, 9)).to_plan()
+    [line] = relay_line(plan)
+    assert "gather 0 B" in line and "device -1" not in line and "takes in" not in line and "sends out" in line, line
