@@ -491,11 +491,10 @@ NAME.plan.npz` does; json: the shrunk rows of `frontier-shrunk.json`, whose poin
 **verify s**; the plan's predicted time over the byte bound (**/ bound**) and its time in the executor's order
 (**executor / bound**, where the plan states it), and what timed the plan (`solver.details.timed_by`): the
 simulator in host order, or the schedule's own timetable for a plan of more than `compile.MAX_SIMULATED_MESSAGES`
-messages (counted from its operations before any flow is made; the full DeepSeek-V3-like plan has 8.8 M) or one whose simulation would take more than `compile.MAX_SIMULATION_WORK` units of work. `xmesh-plan check --simulate` simulates such a plan anyway: the full DeepSeek-V3-like plan
-(`xmesh-plan compile plans/weight_sync_deepseek_v3.problem.toml -o ds.plan.npz`, 8,778,944 messages) runs posted, the executor's
-default order for it, in 0.9251 s, 1.025x its 0.9030 s bound, where the schedule's timetable says 1.335x; `check` timing it so
-(0cda6b3, verify included) took 508 CPU s and 9.1 GB peak RSS; with the simulator's per-flow state in lists (382dc98), 530 CPU s
-(a loaded machine) and 8.4 GB. A row with `--max-tasks` ran with that limit. `--max-tasks` counts
+messages (counted from its operations before any flow is made; the full DeepSeek-V3-like plan has 8.8 M) or one whose simulation would take more than `compile.MAX_SIMULATION_WORK` units of work. `xmesh-plan check --simulate` simulates such a plan anyway, in host order and in the executor's default order: the full DeepSeek-V3-like plan
+(`xmesh-plan compile plans/weight_sync_deepseek_v3.problem.toml -o ds.plan.npz` at 2903a84, 8,786,416 messages) runs posted, the executor's
+default order for it, in 0.9220 s, 1.021x its 0.9030 s bound (host order 0.9584 s, 1.061x; the schedule's timetable 1.030x); `check --simulate` took
+1,176 CPU s and 9.6 GiB peak RSS (verify included) on this machine. A row with `--max-tasks` ran with that limit. `--max-tasks` counts
 what a compile holds (each kind of tensor's boxes, then the tasks it schedules; docs/format.md), so the full
 DeepSeek-V3-like problem (613,248 tasks with the 32 MiB bucket; 667,520 with 4 MiB) passes the default. Its compile keeps the plan as rows, not records
 (`planner/plan_rows.py`), writes the compact file from them and verifies that file; a point that ran out of time
