@@ -138,9 +138,13 @@ def relays(bundle: BundleCell, index: int) -> tuple[int, int]:
 def scatter_seconds(bundle: BundleCell, relay: int, problem: ReshardingProblem) -> float:
     """How long the receiving relay's port takes to send the bundle's parts on to their needers (every needer but
     itself), at the intra-host rate: after the message has arrived, with the NICs free."""
-    share = sum(math.prod(b - a for a, b in part) * sum(1 for d in needers if d != relay)
-                for part, needers in zip(bundle.parts, bundle.needers))
-    return share * problem.itemsize / problem.cluster.intra_bytes_per_s
+    return scattered_elements(bundle, relay) * problem.itemsize / problem.cluster.intra_bytes_per_s
+
+
+def scattered_elements(bundle: "BundleCell | PlannedOp", relay: int) -> int:
+    """Elements the receiving relay sends on inside its host: each part once per needer other than itself."""
+    return sum(math.prod(b - a for a, b in part) * sum(1 for d in needers if d != relay)
+               for part, needers in zip(bundle.parts, bundle.needers))
 
 
 def bundle_result(bundle: BundleCell, index: int, problem: ReshardingProblem) -> tuple[StrategyResult, Option]:
@@ -263,9 +267,7 @@ def _relayed(op: PlannedOp, src: int, dst: int, itemsize: int, timing: tuple[flo
     if timing is None:
         return op if (op.src, op.dsts) == (src, (dst,)) else replace(op, src=src, dsts=(dst,))
     latency_s, intra_bytes_per_s = timing
-    share = sum(math.prod(b - a for a, b in part) * sum(1 for d in needers if d != dst)
-                for part, needers in zip(op.parts, op.needers))
-    tail = latency_s + share * itemsize / intra_bytes_per_s
+    tail = latency_s + scattered_elements(op, dst) * itemsize / intra_bytes_per_s
     if (op.src, op.dsts, op.tail_s) == (src, (dst,), tail):
         return op
     return replace(op, src=src, dsts=(dst,), duration_s=op.duration_s - op.tail_s + tail, tail_s=tail)
