@@ -11,8 +11,9 @@
 #   .venv/bin/python -m pip download --no-deps $P -d .whl pydantic pydantic_core typing-inspection annotated-types \
 #     mpich mpi4py ortools immutabledict protobuf      # the versions .venv has; the image lacks these
 #   PYTHONPATH=$PWD .venv/bin/python bench/gpu/make_plans.py .whl/plans
+#   mkdir -p .whl/moe && .venv/bin/xmesh-plan compile plans/weight_sync_deepseek_v3_48.problem.toml -o .whl/moe/moe48.plan.json
 # Then run `bash bench/gpu/check.sh [SECTION ...]` there with `.whl` carried (sections: convert demo separate dtensor torch
-# cupy pytest, all by default); the log is $OUT/gpu.log. `convert` is bench/gpu/convert_check.sh (the MPI + CuPy nccl
+# cupy pytest moe, all by default); the log is $OUT/gpu.log. `convert` is bench/gpu/convert_check.sh (the MPI + CuPy nccl
 # engine converting at the sender and receiving into views of CUDA tensors), which also runs on its own.
 set -u
 cd "$(dirname "$0")/../.."
@@ -80,6 +81,14 @@ section_cupy() {
       --check --gpu 0 --fake-hosts --max-mb 4 --iters 3 2>&1 | tail -3
   done
 }
+section_moe() {
+  echo "=== the 48-device MoE plan (plans/weight_sync_deepseek_v3_48) on the MPI + CuPy nccl engine, 48 ranks on GPU 0 (at ${SECONDS} s)"
+  MPIR_CVAR_ENABLE_HEAVY_YIELD=1 timeout 240 "$BIN/mpiexec" -n 48 python3 -m xmesh_plan.executor.run .whl/moe/moe48.plan.json \
+    --backend nccl --check --gpu 0 --fake-hosts --max-mb 4 --iters 3 --timeout 120 2>&1 | tail -4
+  echo "rc=${PIPESTATUS[0]}"
+  echo "--- the same plan on the torch engine over NCCL, 48 ranks (at ${SECONDS} s)"
+  launch 48 29850 python3 -m xmesh_plan.executor.torch_run .whl/moe/moe48.plan.json --nccl --check --max-mb 4 --iters 3 --timeout 60
+}
 section_convert() {
   echo "=== bench/gpu/convert_check.sh (at ${SECONDS} s)"
   bash bench/gpu/convert_check.sh
@@ -89,6 +98,6 @@ section_pytest() {
   timeout 300 python3 -m pytest -p no:cacheprovider -m gpu tests/test_executor_gpu.py tests/test_executor_gpu_convert.py tests/test_convert_torch.py -rA 2>&1 | tail -8
 }
 # the sections named on the command line, else all of them, the newest paths first (a run cut short by its time limit
-# still says the most): convert demo separate dtensor torch cupy pytest
-for section in ${@:-convert demo separate dtensor torch cupy pytest}; do "section_$section"; done
+# still says the most): moe convert demo separate dtensor torch cupy pytest
+for section in ${@:-moe convert demo separate dtensor torch cupy pytest}; do "section_$section"; done
 echo "=== done in ${SECONDS} s"
