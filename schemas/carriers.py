@@ -50,6 +50,40 @@ def message_groups(operations: Sequence[Operation]) -> list[list[Operation]]:
     return out
 
 
+Piece = tuple[int, int]
+"""(member, part): part `part` of the group's `member`-th bundle."""
+DeviceRun = tuple[int, tuple[Piece, ...]]
+"""(device, pieces): one intra-host message of a shared message, the pieces in group order."""
+
+
+def group_runs(group: Sequence[Operation | OpLike]) -> tuple[tuple[DeviceRun, ...], tuple[DeviceRun, ...]]:
+    """(gathers, scatters) of a shared message of two or more bundles, one intra-host message per pair of devices:
+    each holder other than the sending relay sends every part it holds, member after member and in part order,
+    in one message (holders in order of first part); the receiving relay sends each other needer every part it
+    needs in one message (needers in order of first need). A device's pieces are in general not one run of the
+    cross-host message, so the relays stage them apart (the executor moves them in or out of the message inside
+    staging). The messages a group of many small bundles needs fall from one per bundle and device to one per device.
+
+    >>> from xmesh_plan.schemas.plan import Operation
+    >>> a = Operation(id=0, task=0, tensor=0, kind="bundle", src=0, dsts=(4,), region=((0, 2),), parts=(((0, 1),), ((1, 2),)), holders=(1, 2), needers=((5,), (4, 6)))
+    >>> b = Operation(id=1, task=1, tensor=1, kind="bundle", src=0, dsts=(4,), region=((0, 3),), parts=(((0, 3),),), holders=(1,), needers=((5, 6),), carrier=0)
+    >>> group_runs([a, b])
+    (((1, ((0, 0), (1, 0))), (2, ((0, 1),))), ((5, ((0, 0), (1, 0))), (6, ((0, 1), (1, 0)))))
+    """
+    src, relay = group[0].src, group[0].dsts[0]
+    gathers: dict[int, list[Piece]] = {}
+    scatters: dict[int, list[Piece]] = {}
+    for m, op in enumerate(group):
+        for i, (holder, need) in enumerate(zip(op.holders, op.needers)):
+            if holder != src:
+                gathers.setdefault(holder, []).append((m, i))
+            for d in need:
+                if d != relay:
+                    scatters.setdefault(d, []).append((m, i))
+    return (tuple((h, tuple(pieces)) for h, pieces in gathers.items()),
+            tuple((d, tuple(pieces)) for d, pieces in scatters.items()))
+
+
 def bundle_bytes(op: "Operation | OpLike", itemsize: int) -> int:
     """The bytes a bundle's cross-host message carries for it: all of its parts."""
     return sum(map(region_size, op.parts)) * itemsize
