@@ -26,6 +26,7 @@ from __future__ import annotations
 from typing import Sequence
 
 from .geometry import region_size
+from .staging import aligned, chained
 from .op_kinds import OpLike
 from .plan import Operation
 
@@ -82,6 +83,43 @@ def group_runs(group: Sequence[Operation | OpLike]) -> tuple[tuple[DeviceRun, ..
                     scatters.setdefault(d, []).append((m, i))
     return (tuple((h, tuple(pieces)) for h, pieces in gathers.items()),
             tuple((d, tuple(pieces)) for d, pieces in scatters.items()))
+
+
+def piece_layout(pieces: Sequence[Piece], sizes: Sequence[Sequence[int]], align: int) -> tuple[tuple[int, ...], int]:
+    """(each piece's first byte, the bytes in all) of a staging area holding `pieces` (given member by member, in part
+    order within a member, as `group_runs` lists them): each member's chunk starts at a multiple of `align`, its parts
+    one after another (`sizes[m][i]`: the bytes of part i of member m). A relay's message area is every piece of the
+    group (each member's bytes a multiple of `align` but the last, `carrier_fault`, so the members lie one after
+    another); a holder's or needer's area, and the relays' side areas, are that device's pieces.
+
+    >>> piece_layout(((0, 0), (0, 2), (1, 0)), ((6, 2, 4), (8,)), 8)
+    ((0, 6, 16), 24)
+    """
+    offsets, at, member = [], 0, -1
+    for m, i in pieces:
+        if m != member:
+            at, member = aligned(at, align), m
+        offsets.append(at)
+        at += sizes[m][i]
+    return tuple(offsets), at
+
+
+def group_staging(group: Sequence[Operation | OpLike], sizes: Sequence[Sequence[int]], align: int) -> dict[int, int]:
+    """Device -> the bytes a shared message of two or more bundles stages on it, as the executor lays them out
+    (`executor.lower`): each holder and needer its pieces' area (`piece_layout`); the sending relay the message, then
+    a side area per holder (what it receives before moving the pieces into the message); the receiving relay the
+    message, then a side area per needer (what it moves the pieces into before sending them). Each area starts at a
+    multiple of `align`. `sizes[m][i]`: the bytes of part i of member m."""
+    gathers, scatters = group_runs(group)
+    every = tuple((m, i) for m, op in enumerate(group) for i in range(len(op.parts)))
+    message = piece_layout(every, sizes, align)[1]
+    out: dict[int, int] = {}
+    for relay, runs in ((group[0].src, gathers), (group[0].dsts[0], scatters)):
+        areas = [piece_layout(pieces, sizes, align)[1] for _, pieces in runs]
+        out[relay] = chained([message, *areas], align)
+        for (device, _), nbytes in zip(runs, areas):
+            out[device] = out.get(device, 0) + nbytes
+    return out
 
 
 def bundle_bytes(op: "Operation | OpLike", itemsize: int) -> int:
