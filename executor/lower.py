@@ -210,26 +210,28 @@ class Collective:
 
 @dataclass(frozen=True, slots=True)
 class StagedCall:
-    """One step of a bundle for engines built on collectives (NCCL), in the order this device takes it: `pack`
-    `box` (its source shard) into staging bytes [start, stop), `unpack` them into `box` (its destination shard),
-    or `bcast` them from `root` to the other device of `group` (a send as a broadcast in a group of two). The
-    bytes count from the start of the operation's own staging: a stream runs one operation after another."""
+    """One step of a bundle (or of a shared message's bundles, lowered together) for engines built on collectives
+    (NCCL), in the order this device takes it: `pack` `box` (its source shard) into staging bytes [start, stop),
+    `unpack` them into `box` (its destination shard), `move` the staging bytes at `source` into them, or `bcast`
+    them from `root` to the other device of `group` (a send as a broadcast in a group of two). The bytes count from
+    the start of the operation's (the shared message's) own staging: a stream runs one operation after another."""
 
     op: int
     task: int
     kind: str
-    action: Literal["pack", "unpack", "bcast"]
+    action: Literal["pack", "unpack", "move", "bcast"]
     start: int
     stop: int
     box: Box | None = None
     group: tuple[int, ...] = ()
     root: int = -1
-    crossing: bool = False  # the bundle's cross-host message (a shared message sends its bundles' at once)
+    crossing: bool = False  # the cross-host message
     tensor: int = 0
+    source: int = 0  # a move: where the bytes it copies start
 
 
 def _staged_calls(steps: list[Step], first: int, device: int, tensor: int) -> list[StagedCall]:
-    """A bundle's steps from index `first` on (this device's, in lowering order) as `StagedCall`s."""
+    """A bundle's (or a shared message's) steps from index `first` on (this device's, in lowering order) as `StagedCall`s."""
     mine = steps[first:]
     base = min((s.data.start for s in mine if s.data is not None), default=0)
     out = []
@@ -237,6 +239,8 @@ def _staged_calls(steps: list[Step], first: int, device: int, tensor: int) -> li
         lo, hi = s.data.start - base, s.data.stop - base
         if s.action is Action.PACK or s.action is Action.UNPACK:
             out.append(StagedCall(s.op, s.task, s.kind, s.action, lo, hi, s.box, tensor=s.box.tensor))
+        elif s.action is Action.MOVE:
+            out.append(StagedCall(s.op, s.task, s.kind, "move", lo, hi, tensor=s.tensor, source=s.origin.start - base))
         elif s.action.is_message:
             root = device if s.action is Action.SEND else s.peer
             out.append(StagedCall(s.op, s.task, s.kind, "bcast", lo, hi, group=tuple(sorted((device, s.peer))), root=root,
@@ -875,9 +879,10 @@ def _lower(ops: DeviceOps, device: int, tag_limit: int | None, blocks: list[tupl
             key, end = group_key(op), k + 1
             while end < len(operations) and operations[end].id in shared and group_key(operations[end]) == key:
                 end += 1
+            first = len(b.steps)
             _lower_group(b, operations[k:end], tags[k:end], align)
-            if collectives:  # collective engines replay each bundle's own messages (`nccl_plan`)
-                _bundle_calls(b, operations[k:end], tags[k:end])
+            if collectives:  # collective engines replay its messages as broadcasts in groups of two, its moves as copies
+                b.collectives += _staged_calls(b.steps, first, device, b.tensor.index)
             k = end
             continue
         b.enter(op.tensor or 0)
@@ -901,18 +906,6 @@ def _lower(ops: DeviceOps, device: int, tag_limit: int | None, blocks: list[tupl
                                                        f"of its shard {format_region(dst_block)}"))
     return RankProgram(device, tuple(b.steps), b.stage_bytes, tuple(t.shards for t in tensors), tuple(b.collectives),
                        align=align)
-
-
-def _bundle_calls(b: _Builder, group: Sequence[Operation], tags: Sequence[int]) -> None:
-    """Each bundle of a shared message as its own route's calls (`StagedCall`s, as `_lower_bundle` lowers it alone),
-    for the engines built on collectives (`nccl_plan` joins their cross-host messages), from a scratch lowering that
-    leaves `b`'s steps and received boxes as they are."""
-    scratch = _Builder(b.device, [_Tensor(t.index, t.shards, t.ndim) for t in b.tensors], False)
-    for op, tag in zip(group, tags):
-        scratch.enter(op.tensor or 0)
-        first = len(scratch.steps)
-        _lower_bundle(scratch, op, tag)
-        b.collectives += _staged_calls(scratch.steps, first, b.device, scratch.tensor.index)
 
 
 def stage_ranges(steps: Sequence[Step], keys: Sequence[Hashable]) -> dict[Hashable, tuple[int, int]]:
