@@ -319,11 +319,13 @@ def test_mpiexec_runs_shared_messages_bit_exact(tmp_path, shared, order):
 
 @pytest.mark.slow
 @pytest.mark.timeout(800)
-def test_torchrun_runs_shared_messages_on_gloo_bit_exact(tmp_path, shared):
-    """The torch engine's device order replays the joint program, so it sends each group as one message."""
+@pytest.mark.parametrize("order", ["device", "posted"])
+def test_torchrun_runs_shared_messages_on_gloo_bit_exact(tmp_path, shared, order):
+    """The torch engine's device order replays the joint program, so it sends each group one message per pair of
+    devices (with receipts on gloo); posted, it runs one tensor after another, each bundle with its own messages."""
     pytest.importorskip("torch")
     path = _write(tmp_path, shared)
-    result = torchrun(8, "xmesh_plan.executor.torch_run", str(path), "--check", "--iters", "2", timeout=700)
+    result = torchrun(8, "xmesh_plan.executor.torch_run", str(path), "--check", "--iters", "2", "--order", order, timeout=700)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "check ok: every destination shard of every tensor bit-exact" in result.stdout, result.stdout
 
