@@ -646,6 +646,19 @@ def _needed(needers: tuple[tuple[int, ...], ...], device: int) -> tuple[int, ...
 
 
 @lru_cache(maxsize=1 << 12)
+def _held(holders: tuple[int, ...], device: int) -> tuple[int, ...]:
+    """The parts of a bundle that `device` holds: once per distinct bundle."""
+    return tuple(i for i, h in enumerate(holders) if h == device)
+
+
+@lru_cache(maxsize=1 << 12)
+def _part_sizes(parts: tuple[Region, ...], itemsize: int) -> tuple[int, ...]:
+    """Each part's bytes: once per distinct bundle."""
+    offsets = _part_offsets(parts, itemsize)
+    return tuple(hi - lo for lo, hi in zip(offsets, offsets[1:]))
+
+
+@lru_cache(maxsize=1 << 12)
 def _part_offsets(parts: tuple[Region, ...], itemsize: int) -> tuple[int, ...]:
     """Each part's byte offset in a bundle's cross-host message, and its end: once per distinct bundle."""
     offsets = [0]
@@ -738,13 +751,14 @@ def _lower_group(b: _Builder, group: Sequence[Operation], bases: Sequence[int], 
         if (op.src, op.dsts[:1]) != (src, (relay,)) or group_key(op) != key:
             b.fail(op, f"it shares operation {key}'s message but its relays are not d{src} -> d{relay}")
     named = _Named(key, head.task, head.kind)
-    sizes, offsets = [], []
-    for op in group:
-        off = _part_offsets(op.parts, b.tensors[op.tensor or 0].shards.itemsize)
-        offsets.append(off)
-        sizes.append([hi - lo for lo, hi in zip(off, off[1:])])
-    gathers, scatters = group_runs(group)
+    sizes = [_part_sizes(op.parts, b.tensors[op.tensor or 0].shards.itemsize) for op in group]
     device = b.device
+    if device == src or device == relay:
+        gathers, scatters = group_runs(group)
+    else:  # this device's own pieces only (`group_runs` of every device costs a relay's walk of every needer)
+        held = tuple((m, i) for m, op in enumerate(group) for i in _held(op.holders, device))
+        needed = tuple((m, i) for m, op in enumerate(group) for i in _needed(op.needers, device))
+        gathers, scatters = ((device, held),) if held else (), ((device, needed),) if needed else ()
     b.enter(head.tensor or 0)
 
     def tag_of(d: int, member: int, gathering: bool) -> int:
@@ -754,8 +768,10 @@ def _lower_group(b: _Builder, group: Sequence[Operation], bases: Sequence[int], 
         return bases[member] + len(runs[0]) + 1 + next(j for j, (n, _) in enumerate(runs[1]) if n == d)
 
     def piece_box(side: Side, m: int, i: int) -> Box:
-        b.enter(group[m].tensor or 0)
-        return b.box(side, group[m].parts[i])
+        op = group[m]
+        if b.tensor.index != (op.tensor or 0):
+            b.enter(op.tensor or 0)
+        return b.box(side, op.parts[i])
 
     if device == src or device == relay:
         every = tuple((m, i) for m, op in enumerate(group) for i in range(len(op.parts)))
