@@ -5,9 +5,10 @@ tensors between the same two relays can ride in the same message: each names the
 bundle as its `carrier`, the group's bundles are listed one after another right after it, and every
 one of them has the carrier's relays (`src`, `dsts`). Each bundle stays a whole bundle of its own
 tensor (its holders gather to the sending relay, the receiving relay scatters), so the verifier and
-the executor's per-tensor lowering see it as before; only the one cross-host message is shared:
-the executor's joint program (`executor.joint`) lays the group's staging out one bundle after
-another and sends it as one message, and the simulator times the group as one bundle (`fused`).
+the executor's per-tensor lowering see it as before; the message is shared, and so are the
+messages inside each host: the executor lowers the group together (`executor.lower._lower_group`), one
+message per pair of devices (`group_runs`), the relays staging the message and a side area per peer
+(`group_staging`), and the simulator times the group as one bundle (`fused`).
 Every bundle of a group but the last carries a multiple of `align` bytes (the plan's largest element
 size), so each one's staging starts where the executor's views need it with no padding in between.
 
