@@ -33,7 +33,7 @@ from xmesh_plan.schemas.plan import format_region
 from xmesh_plan.schemas.op_kinds import bundle_runs, chunk_bounds, nccl_group, rule_of, supported, tags_used
 from xmesh_plan.schemas.plan_check import TOLERANCE_S, PlanError, check_device_ops, describe, uncovered
 from xmesh_plan.schemas.plan_compact import DeviceOps
-from xmesh_plan.schemas.carriers import group_key, group_runs, piece_layout
+from xmesh_plan.schemas.carriers import group_key, group_runs, piece_layout, relay_areas
 from xmesh_plan.schemas.staging import ORDERS, aligned, chained, contiguous_span, device_layout, staging_align
 
 from .conversions import Conversion, conversions, scale_owners
@@ -742,7 +742,8 @@ def _lower_group(b: _Builder, group: Sequence[Operation], bases: Sequence[int], 
     the sending relay packs its own parts into the message (the members one after another), receives each holder's
     area into a side area and moves each run of pieces into its place, and sends the message; the receiving relay
     receives it, unpacks its own parts, moves each needer's pieces out into a side area and sends it in one message;
-    a needer receives its area and unpacks it. Tags: the carrier's cross-host tag, and for the message of holder
+    a needer receives its area and unpacks it. A peer whose area is one range of the message laid out alike
+    (`carriers.relay_areas`) is received into or sent from the message itself, with no side area and no move. Tags: the carrier's cross-host tag, and for the message of holder
     (needer) d the tag its first run of the first member it takes part in has in that member's block (`_lower_bundle`),
     so each message's tag is one no other message of the plan has, and both ends pick it alike."""
     head, key = group[0], group_key(group[0])
@@ -775,16 +776,18 @@ def _lower_group(b: _Builder, group: Sequence[Operation], bases: Sequence[int], 
 
     if device == src or device == relay:
         every = tuple((m, i) for m, op in enumerate(group) for i in range(len(op.parts)))
-        where, message = piece_layout(every, sizes, align)
-        place = dict(zip(every, where))
+        place = dict(zip(every, piece_layout(every, sizes, align)[0]))
         runs = gathers if device == src else scatters
-        areas = [piece_layout(pieces, sizes, align) for _, pieces in runs]
-        at = b.stage(chained([message] + [n for _, n in areas], align))
+        (message, staged), areas = relay_areas(runs, sizes, align)
+        at = b.stage(staged)
         whole = new_bytes("stage", at, at + message, 0)
         cross = bases[0] + len(bundle_runs(head)[0])
         side = aligned(message, align)
-        moves_of = []  # per peer: (area start, [(move source, move target)])
-        for (_, pieces), (local, nbytes) in zip(runs, areas):
+        moves_of = []  # per peer: (its area's start, [(move source, move target)]); none for an area inside the message
+        for (_, pieces), (local, nbytes, inside) in zip(runs, areas):
+            if inside is not None:
+                moves_of.append((inside, []))
+                continue
             start = aligned(side, align) if nbytes else side
             moves = []
             for k0, k1, lo in _runs_of(pieces, local):
@@ -801,11 +804,11 @@ def _lower_group(b: _Builder, group: Sequence[Operation], bases: Sequence[int], 
                         ready.append(b.add(Action.PACK, op, data=new_bytes("stage", at + place[m, i], at + place[m, i] + sizes[m][i], 0),
                                            box=box, piece=_piece("part", i)))
             b.enter(head.tensor or 0)
-            for k, ((h, pieces), (_, nbytes), (start, moves)) in enumerate(zip(runs, areas, moves_of)):
+            for k, ((h, pieces), (_, nbytes, _), (start, moves)) in enumerate(zip(runs, areas, moves_of)):
                 recv = b.add(Action.RECV, named, peer=h, tag=tag_of(h, pieces[0][0], True),
                              data=new_bytes("stage", at + start, at + start + nbytes, 0), piece=_piece("gather", k))
                 ready += [b.add(Action.MOVE, named, (recv,), data=new_bytes("stage", at + lo, at + lo + n.nbytes, 0), origin=n,
-                                piece=_piece("gather", k)) for n, lo in moves]
+                                piece=_piece("gather", k)) for n, lo in moves] or [recv]
             b.add(Action.SEND, named, deps=tuple(ready), peer=relay, tag=cross, data=whole, piece="bundle")
             return
         arrived = (b.add(Action.RECV, named, peer=src, tag=cross, data=whole, piece="bundle"),)
@@ -815,10 +818,10 @@ def _lower_group(b: _Builder, group: Sequence[Operation], bases: Sequence[int], 
                 b.record(op, box, [b.add(Action.UNPACK, op, arrived, data=new_bytes("stage", at + place[m, i], at + place[m, i] + sizes[m][i], 0),
                                          box=box, piece=_piece("part", i))])
         b.enter(head.tensor or 0)
-        for j, ((d, pieces), (_, nbytes), (start, moves)) in enumerate(zip(runs, areas, moves_of)):
+        for j, ((d, pieces), (_, nbytes, _), (start, moves)) in enumerate(zip(runs, areas, moves_of)):
             moved = tuple(b.add(Action.MOVE, named, arrived, data=n, origin=new_bytes("stage", at + lo, at + lo + n.nbytes, 0),
                                 piece=_piece("scatter", j)) for n, lo in moves)
-            b.add(Action.SEND, named, moved, peer=d, tag=tag_of(d, pieces[0][0], False),
+            b.add(Action.SEND, named, moved or arrived, peer=d, tag=tag_of(d, pieces[0][0], False),
                   data=new_bytes("stage", at + start, at + start + nbytes, 0), piece=_piece("scatter", j))
         return
     for gathering, runs in ((True, gathers), (False, scatters)):

@@ -105,20 +105,48 @@ def piece_layout(pieces: Sequence[Piece], sizes: Sequence[Sequence[int]], align:
     return tuple(offsets), at
 
 
+def in_message(pieces: Sequence[Piece], local: Sequence[int], place: dict[Piece, int], order: dict[Piece, int]) -> int | None:
+    """The message byte where a peer's area lies when it is one range of the message with the same layout, else None:
+    its pieces (`local`: their bytes in its own area, `piece_layout`) are consecutive pieces of the message (`order`:
+    each piece's index in the message; nothing of another device in between) at the same distances (`place`: each
+    piece's byte in the message). A relay then sends or receives that peer's message straight from or into the
+    message, with no side area and no move: a needer needing every piece (destinations replicated over a host), a
+    holder of every part but the sending relay's, a peer of one member's consecutive parts."""
+    first, start = order[pieces[0]], place[pieces[0]]
+    if all(order[p] == first + k and place[p] - start == lo for k, (p, lo) in enumerate(zip(pieces, local))):
+        return start
+    return None
+
+
+def relay_areas(runs: Sequence[DeviceRun], sizes: Sequence[Sequence[int]], align: int
+                ) -> tuple[tuple[int, int], tuple[tuple[tuple[int, ...], int, int | None], ...]]:
+    """A relay's staging for a shared message: ((the message's bytes, all it stages), per peer of `runs` (its
+    holders on the sending relay, its needers on the receiving one): (the pieces' bytes in the peer's area, the area's
+    bytes, where it lies in the message when `in_message`, else None)). The message comes first, then a side area
+    per peer not in the message (each from a multiple of `align`, `schemas.staging.chained`), what the relay receives
+    a holder's pieces into before moving them into the message, or moves a needer's pieces into before sending them.
+    `sizes[m][i]`: the bytes of part i of member m."""
+    every = tuple((m, i) for m, part_sizes in enumerate(sizes) for i in range(len(part_sizes)))
+    where, message = piece_layout(every, sizes, align)
+    place, order = dict(zip(every, where)), {p: k for k, p in enumerate(every)}
+    areas = []
+    for _, pieces in runs:
+        local, nbytes = piece_layout(pieces, sizes, align)
+        areas.append((local, nbytes, in_message(pieces, local, place, order)))
+    return (message, chained([message, *(n for _, n, inside in areas if inside is None)], align)), tuple(areas)
+
+
 def group_staging(group: Sequence[Operation | OpLike], sizes: Sequence[Sequence[int]], align: int) -> dict[int, int]:
     """Device -> the bytes a shared message of two or more bundles stages on it, as the executor lays them out
-    (`executor.lower`): each holder and needer its pieces' area (`piece_layout`); the sending relay the message, then
-    a side area per holder (what it receives before moving the pieces into the message); the receiving relay the
-    message, then a side area per needer (what it moves the pieces into before sending them). Each area starts at a
-    multiple of `align`. `sizes[m][i]`: the bytes of part i of member m."""
+    (`executor.lower`): each holder and needer its pieces' area (`piece_layout`); each relay the message and its side
+    areas (`relay_areas`: one per peer whose pieces are not one range of the message laid out alike). Each area
+    starts at a multiple of `align`. `sizes[m][i]`: the bytes of part i of member m."""
     gathers, scatters = group_runs(group)
-    every = tuple((m, i) for m, op in enumerate(group) for i in range(len(op.parts)))
-    message = piece_layout(every, sizes, align)[1]
     out: dict[int, int] = {}
     for relay, runs in ((group[0].src, gathers), (group[0].dsts[0], scatters)):
-        areas = [piece_layout(pieces, sizes, align)[1] for _, pieces in runs]
-        out[relay] = chained([message, *areas], align)
-        for (device, _), nbytes in zip(runs, areas):
+        (_, staged), areas = relay_areas(runs, sizes, align)
+        out[relay] = staged
+        for (device, _), (_, nbytes, _) in zip(runs, areas):
             out[device] = out.get(device, 0) + nbytes
     return out
 

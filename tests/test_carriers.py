@@ -193,6 +193,38 @@ def test_shrunk_plans_keep_shared_messages_valid():
     assert cut >= 3
 
 
+def _replicated(dst: str) -> Plan:
+    """16 small tensors from host 0 (sharded over its 8 devices) to host 1, `dst` there: one shared message."""
+    return compile_plan(build_transfer(
+        {"name": "rep", "src_mesh": {"shape": [8], "devices": list(range(8))}, "dst_mesh": {"shape": [8], "devices": list(range(8, 16))},
+         "cluster": {"devices_per_host": 8},
+         "tensors": [{"name": f"t{i}", "shape": [64, 64], "dtype": "float32", "src": "S0 R", "dst": dst} for i in range(16)]}), solver="greedy")
+
+
+@pytest.mark.parametrize("order", ["posted", "device"])
+def test_a_peer_whose_pieces_are_one_range_of_the_message_is_sent_from_and_received_into_it(order):
+    """Destinations replicated over the receiving host: every needer needs every piece, laid out as the message, so
+    the receiving relay sends the message itself to each (no side area, no move: it stages the message once); each
+    holder of the sending host holds one row range of every tensor, one piece per member, so the sending relay keeps
+    a side area per holder and moves. Bit-exact, and each rank's staging is the plan's."""
+    plan = _replicated("R R")
+    groups = [g for g in _groups(plan) if len(g) > 1]
+    assert len(groups) == 1 and len(groups[0]) == 16
+    group = groups[0]
+    message = sum(_bytes(op, plan) for op in group)
+    src, relay = group[0].src, group[0].dsts[0]
+    executors = fake_executors(plan, order=order)
+    full = full_tensors(plan, 3)
+    assert_every_shard(plan, run_everywhere(plan, executors, full), full)
+    assert {ex.device: ex.stage_bytes for ex in executors if ex.stage_bytes} == staging_peaks(plan, order)
+    programs = {d: rank_program(plan, d, order, True, 2**20) for d in (src, relay)}
+    moves = {d: sum(s.action is Action.MOVE for s in p.steps) for d, p in programs.items()}
+    assert moves[relay] == 0 and moves[src] > 0
+    assert programs[relay].stage_bytes == message < programs[src].stage_bytes
+    sent = [s for s in programs[relay].steps if s.action is Action.SEND]
+    assert len(sent) == 7 and all(s.data.nbytes == message for s in sent)
+
+
 def _two_tiny_tensors(overhead_us: float):
     return build_transfer({"name": "tiny", "src_mesh": {"shape": [1], "devices": [0]}, "dst_mesh": {"shape": [1], "devices": [1]},
                            "cluster": {"devices_per_host": 1, "overhead_us": overhead_us, "latency_us": 10.0},

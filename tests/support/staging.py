@@ -83,28 +83,37 @@ def _shared_staging(group, problems, align: int) -> dict[int, int]:
     """Device -> bytes one shared message of two or more bundles stages there, from its definition: each device's
     pieces in one area, member by member, each member's bytes from a multiple of `align`; the sending relay the
     whole message, then one area per other holder; the receiving relay the message, then one area per other needer;
-    every area from a multiple of `align`."""
+    every area from a multiple of `align`; no area for a device whose pieces are consecutive pieces of the message at
+    the same distances (the relay sends or receives it in the message itself)."""
     def up(n: int) -> int:
         return -(-n // align) * align
 
     src, relay = group[0].src, group[0].dsts[0]
     area: dict[tuple[str, int], int] = {}  # (gathers or scatters, device) -> its area's bytes
-    message = 0
+    seen: dict[tuple[str, int], list[tuple[int, int, int]]] = {}  # -> (piece index, byte in the message, byte in the area)
+    message = index = 0
     for op in group:
         size = problems[op.tensor or 0].itemsize
         counted = set()
         for part, holder, need in zip(op.parts, op.holders, op.needers):
             n = region_size(part) * size
-            message += n
             for key in [("g", holder)] * (holder != src) + [("s", d) for d in need if d != relay]:
                 start = area.get(key, 0) if key in counted else up(area.get(key, 0))  # a new member starts aligned
+                seen.setdefault(key, []).append((index, message, start))
                 area[key] = start + n
                 counted.add(key)
+            message += n
+            index += 1
+
+    def in_message(key) -> bool:  # consecutive pieces of the message at the same distances: no side area
+        (i0, m0, a0), *_ = seen[key]
+        return all(i == i0 + k and m - m0 == a - a0 for k, (i, m, a) in enumerate(seen[key]))
+
     out = {d: n for (_, d), n in area.items()}
     for relay_device, side in ((src, "g"), (relay, "s")):
         at = message
-        for (which, _), n in area.items():
-            if which == side and n:
+        for key, n in area.items():
+            if key[0] == side and n and not in_message(key):
                 at = up(at) + n
         out[relay_device] = at
     return out
