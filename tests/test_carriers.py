@@ -225,6 +225,18 @@ def test_a_peer_whose_pieces_are_one_range_of_the_message_is_sent_from_and_recei
     assert len(sent) == 7 and all(s.data.nbytes == message for s in sent)
 
 
+def test_a_limited_plan_stating_less_staging_than_the_relays_need_is_refused_naming_an_older_compile(shared):
+    """A plan compiled with --max-staging-mb by an xmesh-plan whose staging model left out a shared message's side
+    areas states less on a relay than it needs now: refused, saying such a plan must be recompiled."""
+    limited = compile_plan(load_any_problem(SMALL), solver="greedy", max_staging_bytes=2**22)
+    relay = next(g[0].dsts[0] for g in _groups(limited) if len(g) > 1)
+    peaks = limited.staging.peak_bytes
+    older = limited.model_copy(update={"staging": limited.staging.model_copy(update={"peak_bytes": {**peaks, relay: peaks[relay] - 8}})})
+    with pytest.raises(PlanError, match=rf"states {peaks[relay] - 8} B for device {relay}, .*recompile the plan .*--max-staging-mb by "
+                                        "an older xmesh-plan"):
+        check_plan(older)
+
+
 def _two_tiny_tensors(overhead_us: float):
     return build_transfer({"name": "tiny", "src_mesh": {"shape": [1], "devices": [0]}, "dst_mesh": {"shape": [1], "devices": [1]},
                            "cluster": {"devices_per_host": 1, "overhead_us": overhead_us, "latency_us": 10.0},
