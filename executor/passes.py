@@ -9,8 +9,8 @@ operation at once, each operation's staging after the one before. The passes the
   the relays moving pieces between the message and per-peer side areas), get every operation's staging
   laid out one after another (each at a multiple of the largest element size), a shared message's as one
   range. The program remembers the groups (`RankProgram.carriers`) for engines that replay the
-  collectives instead of the steps (NCCL, `nccl_plan.nccl_program`, which keeps each bundle's own
-  gathers and scatters and joins only the cross-host message).
+  collectives instead of the steps (NCCL, `nccl_plan.nccl_program`, which replays a shared message as its
+  group lowering: each message a broadcast in a group of two, each move a copy inside staging).
 - `lower.in_device_order`: each operation's messages wait for the device's earlier operations, and
   staging is re-used run after run.
 - `one_tensor_at_a_time`: every tensor's steps after the previous tensor's, each tensor's staging from
