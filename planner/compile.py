@@ -9,12 +9,13 @@ from dataclasses import dataclass
 from typing import Callable
 
 from xmesh_plan.schemas import ExecutorPrediction, HostOrder, Plan, ReshardingProblem, SolverInfo
+from xmesh_plan.schemas.carriers import group_runs, message_groups
 from xmesh_plan.schemas.staging import stated_staging
 from xmesh_plan.schemas.transfer import TransferProblem
 
 from . import __version__
 from .bounds import joint_lower_bound
-from .coalesce import BundleCell, bundle_task, coalesce_cells, retimed_on_nics, share_messages
+from .coalesce import BundleCell, bundle_task, coalesce_cells, retimed_on_nics, share_messages, shared_bound
 from .compile_defaults import CompileOptions
 from .plan_rows import OperationRow, PlanRows, TaskRow, plan_rows
 from .executor_order import executor_order, executor_order_seconds, posted_budget
@@ -188,6 +189,7 @@ def assemble_rows(problem: ReshardingProblem | TransferProblem, works: list[Tens
         timed_ops = limit_staging(timed_ops, [w.problem for w in works], max_staging_bytes, max_operations)
     timed_ops.sort(key=lambda item: (item[0], item[1] if item[1] >= 0 else len(tasks), item[2] or 0, item[3].kind,
                                      item[3].src or 0, item[3].dsts))
+    proven = schedule.proven_bound_s
     if share_bytes is None:
         groups = [[item] for item in timed_ops]
     else:  # shared messages timed as their NIC sides take them (`coalesce.retimed_on_nics`)
@@ -195,6 +197,7 @@ def assemble_rows(problem: ReshardingProblem | TransferProblem, works: list[Tens
                                                        cluster.host_of, cluster.latency_s, cluster.overhead_s,
                                                        cluster.intra_bytes_per_s),
                                         timing, cluster.host_of)
+        proven = shared_bound(proven, groups, [o.scheduling for w in works for o in w.options], cluster.host_of)
         per_resource = {key: [(moved.get(t, at), t) for at, t in v] for key, v in per_resource.items()}
     del timed_ops, timing
     operations, riders = [], {}  # riders: task of a bundle -> (its message's start, relay) (`coalesce.share_messages`)
@@ -224,7 +227,7 @@ def assemble_rows(problem: ReshardingProblem | TransferProblem, works: list[Tens
     details = dict(sorted(schedule.details.items())) | {"lower_bound_reason": bound.reason, "timed_by": timed_by}
     rows = plan_rows(
         tasks, operations, host_order, generator=f"xmesh-plan {__version__}", problem=problem, strategy=strategy,
-        solver=SolverInfo(name=schedule.solver, seed=seed, proven_bound_seconds=schedule.proven_bound_s, details=details),
+        solver=SolverInfo(name=schedule.solver, seed=seed, proven_bound_seconds=proven, details=details),
         merged_slices=any(c.merged_cells > 1 for w in works for c in w.cells),
         predicted_seconds=round(predicted, DIGITS), lower_bound_seconds=round(bound.seconds, DIGITS))
     limited = max_staging_bytes is not None
@@ -265,9 +268,11 @@ def simulated_messages(operations) -> int:
     """How many messages a listing's operations make for the simulator, counted without making them: a bundle's
     gathers, its message across hosts and its scatters (`op_kinds.tags_used`); each chunk of a broadcast on every hop
     of its chain, each ring step of an all-gather on every pair of its ring (tags times wire pairs); a local copy as
-    one; a message bundles share once per bundle: about what the simulator's flows number (one per message, one per
+    one; a message bundles share once, with one message per holder and per needer inside the hosts
+    (`carriers.group_runs`): about what the simulator's flows number (one per message, one per
     NIC a message is striped over where NICs are not pooled) and so its memory, known before it makes any."""
-    return sum(_messages_of(op) for op in operations)
+    return sum(_messages_of(group[0]) if len(group) == 1 else 1 + sum(map(len, group_runs(group)))
+               for group in message_groups(operations))
 
 
 def _messages_of(op) -> int:

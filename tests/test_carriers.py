@@ -304,3 +304,19 @@ def test_inspect_orders_prints_one_ratio_where_the_bound_is_zero(tmp_path):
     result = CliRunner().invoke(main, ["inspect", "--orders", str(path)])
     assert result.exit_code == 0, result.output
     assert "inf" not in result.output and result.output.count("1.000x") >= 3
+
+
+@pytest.mark.parametrize("timed_by", ["simulator", "schedule"])
+def test_a_plan_of_shared_messages_states_a_proven_bound_within_its_time(timed_by, monkeypatch):
+    """The solver's bound counts one overhead per bundle; the shared message pays one: the plan's proven bound is a
+    bound of what it sends, so never above its own predicted time (the schedule's timetable, or the simulator's)."""
+    import xmesh_plan.planner.compile as compile_module
+
+    if timed_by == "schedule":
+        monkeypatch.setattr(compile_module, "MAX_SIMULATED_MESSAGES", 0)
+    overhead = 2000e-6
+    plan = compile_plan(_two_tiny_tensors(overhead * 1e6))
+    assert [len(g) for g in _groups(plan)] == [2]
+    assert plan.solver.details["timed_by"].startswith(timed_by)
+    assert 0 < plan.solver.proven_bound_seconds <= plan.predicted_seconds
+    assert plan.solver.proven_bound_seconds >= overhead  # still a bound of one message's overhead, not dropped to nothing
