@@ -15,9 +15,10 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, replace
+from itertools import chain
 
 from xmesh_plan.schemas import ReshardingProblem
-from xmesh_plan.schemas.carriers import bundle_bytes, group_runs
+from xmesh_plan.schemas.carriers import bundle_bytes
 from xmesh_plan.schemas.geometry import Region
 from xmesh_plan.schemas.op_kinds import bundle_runs
 
@@ -295,12 +296,23 @@ def _lasting_as_one(group: list[TimedOp], latency_s: float, overhead_s: float) -
     fewer = len(group) - 1
     ops = [op for _, _, _, op in group]
     alone = [len(bundle_runs(op)[1]) for op in ops]
-    shared = len(group_runs(ops)[1])
+    shared = shared_messages_inside(ops)[1]
     seconds = sum(op.duration_s for op in ops) - fewer * (latency_s + overhead_s)
     tail = sum(op.tail_s for op in ops) - fewer * latency_s
     saved = (sum(alone) - shared) * overhead_s + (sum(1 for n in alone if n) - (1 if shared else 0)) * latency_s
     seconds, tail = seconds - saved, tail - saved
     return [(at, task, tensor, replace(op, duration_s=seconds, tail_s=tail)) for at, task, tensor, op in group]
+
+
+def shared_messages_inside(group) -> tuple[int, int]:
+    """(gathers, scatters): how many intra-host messages a shared message of two or more bundles sends, one per holder
+    other than the sending relay and one per needer other than the receiving relay: the lengths of
+    `carriers.group_runs`, counted without listing its pieces (a compile counts every group's, a model's MoE layers
+    have bundles of hundreds of parts)."""
+    src, relay = group[0].src, group[0].dsts[0]
+    holders = set(chain.from_iterable(op.holders for op in group))
+    needers = set(chain.from_iterable(chain.from_iterable(op.needers for op in group)))
+    return len(holders) - (src in holders), len(needers) - (relay in needers)
 
 
 def shared_bound(proven_s: float | None, groups: list[list[TimedOp]], tasks: list[SchedulingTask], host_of) -> float | None:

@@ -9,13 +9,14 @@ from dataclasses import dataclass
 from typing import Callable
 
 from xmesh_plan.schemas import ExecutorPrediction, HostOrder, Plan, ReshardingProblem, SolverInfo
-from xmesh_plan.schemas.carriers import group_runs, message_groups
+from xmesh_plan.schemas.carriers import message_groups
 from xmesh_plan.schemas.staging import stated_staging
 from xmesh_plan.schemas.transfer import TransferProblem
 
 from . import __version__
 from .bounds import joint_lower_bound
-from .coalesce import BundleCell, bundle_task, coalesce_cells, retimed_on_nics, share_messages, shared_bound
+from .coalesce import (BundleCell, bundle_task, coalesce_cells, retimed_on_nics, share_messages, shared_bound,
+                       shared_messages_inside)
 from .compile_defaults import CompileOptions
 from .plan_rows import OperationRow, PlanRows, TaskRow, plan_rows
 from .executor_order import executor_order, executor_order_seconds, posted_budget
@@ -269,9 +270,9 @@ def simulated_messages(operations) -> int:
     gathers, its message across hosts and its scatters (`op_kinds.tags_used`); each chunk of a broadcast on every hop
     of its chain, each ring step of an all-gather on every pair of its ring (tags times wire pairs); a local copy as
     one; a message bundles share once, with one message per holder and per needer inside the hosts
-    (`carriers.group_runs`): about what the simulator's flows number (one per message, one per
+    (`coalesce.shared_messages_inside`): about what the simulator's flows number (one per message, one per
     NIC a message is striped over where NICs are not pooled) and so its memory, known before it makes any."""
-    return sum(_messages_of(group[0]) if len(group) == 1 else 1 + sum(map(len, group_runs(group)))
+    return sum(_messages_of(group[0]) if len(group) == 1 else 1 + sum(shared_messages_inside(group))
                for group in message_groups(operations))
 
 

@@ -122,3 +122,12 @@ def test_compile_counts_the_messages_the_simulator_makes_of_shared_messages():
     assert len(plan.problem.cluster.nics) == 1 and any(op.carrier is not None for op in plan.operations)
     lowering, _ = lower(plan.operations, plan.problem, "posted", nic_assignment(plan.host_order))
     assert simulated_messages(plan.operations) == len(lowering.flows)
+
+
+def test_a_shared_messages_intra_host_messages_are_counted_as_group_runs_lists_them():
+    """`coalesce.shared_messages_inside` counts what `carriers.group_runs` lists, on every shared message of a plan."""
+    from xmesh_plan.planner.coalesce import shared_messages_inside
+
+    plan = compile_plan(many_bundles(), bucket_bytes=16384)
+    groups = [g for g in message_groups(plan.operations) if len(g) > 1]
+    assert groups and all(shared_messages_inside(g) == tuple(map(len, group_runs(g))) for g in groups)
