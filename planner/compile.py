@@ -31,16 +31,18 @@ from .unit_tasks import Cell, check_kinds_task_count, check_scheduled_task_count
 
 DIGITS = 12  # times are rounded to picoseconds so plans print and compare stably
 NIC_SIDES = ("send", "recv")  # the resources a plan's host order lists; device ports are not queued
-MAX_SIMULATED_MESSAGES = 2_000_000  # messages (`simulated_messages`) a plan may have to be simulated: the simulator makes a flow of each and
-# holds them all; beyond, the schedule's own timetable stands in, decided before any flow is made. What a compile here affords: a
-# DeepSeek-V3-like 4-layer cut (577,728 messages) simulates in host order in 24 CPU s and 284 MiB more, posted in 27 CPU s and 237 MiB
-# (about 90 us and 0.5 KiB a message for both), so 2 M messages already cost a compile about 3 CPU minutes and 1 GiB, past the frontier
-# targets (60 s, 2 GiB); the full DeepSeek-V3-like plan (8.8 M messages) would take about 13 CPU minutes. `xmesh-plan check --simulate`
-# times such a plan in the executor's order on demand (BENCHMARKS.md)
+MAX_SIMULATED_MESSAGES = 250_000  # messages (`simulated_messages`) a plan may have to be simulated: the simulator makes a flow of each and
+# holds them all; beyond, the schedule's own timetable stands in, decided before any flow is made. A compile simulates at least twice (the
+# host-order listing, then the executor's order), at about 35-110 CPU us a message a run here: the Llama-3-70B-like plan (197,600
+# messages) 6.9 + 6.2 s, a 16-layer DeepSeek-V3-like cut (112,640) 11.2 + 9.2 s, the full DeepSeek-V3-like plan (390,400) 43.1 + 42.3 s
+# and 0.3 GiB each. So at most about 55 CPU s of simulation, within the frontier compile target (60 s) for plans whose other work is
+# small (the 70B: 15 CPU s in all); the full DeepSeek-V3-like and Kimi-K2-like plans (390,400 and 315,632 messages) would add about
+# 85 and 70 s to compiles of 62 and 72 s, so they keep the schedule's timetable, and `xmesh-plan check --simulate` times them in the
+# executor's order on demand (about 45 CPU s an order)
 MAX_SIMULATION_WORK = 25_000_000  # work one simulation of a listing may take (`simulate.run_flows`: groups shared out and flows re-rated,
 # counted, so every machine decides alike); beyond, the schedule's timetable stands in. A backstop for listings under MAX_SIMULATED_MESSAGES,
-# which pass it only at more than 12.5 units a message: a 2-layer DeepSeek-V3-like cut (289,152 messages, 225,424 flows) takes 1.14 M in
-# host order (3.9 a message), 0.67 M posted (2.3)
+# which pass it only at more than 100 units a message: the full DeepSeek-V3-like plan (390,400 messages) takes 1.21 M in host order
+# (3.1 a message), 2.05 M posted (5.3)
 DETAILED_STAGES = 10_000  # operations from which a compile names the steps of timing and assembling (`on_stage`)
 MAX_RELISTINGS = 8  # re-simulations until the listing is the order of its own predicted starts
 
