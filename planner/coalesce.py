@@ -240,7 +240,8 @@ def share_messages(timed_ops: list[TimedOp], itemsizes: list[int], bucket_bytes:
             relay_bound[pair] = relays
         open_group[pair] = (index, total) if nbytes % align == 0 else (-1, 0)  # a ragged bundle ends its group
     groups = _balanced_relays(groups, itemsizes, None if intra_bytes_per_s is None else (latency_s, overhead_s, intra_bytes_per_s))
-    return [_lasting_as_one(group, latency_s, overhead_s) if len(group) > 1 else group for group in groups]
+    scatters: dict[int, int] = {}  # id of a bundle (as sent from its message's relays: a model's layers share them) -> its scatters
+    return [_lasting_as_one(group, latency_s, overhead_s, scatters) if len(group) > 1 else group for group in groups]
 
 
 def _balanced_relays(groups: list[list[TimedOp]], itemsizes: list[int], timing: tuple[float, float, float] | None = None) -> list[list[TimedOp]]:
@@ -300,14 +301,18 @@ def _relayed(op: PlannedOp, src: int, dst: int, itemsize: int, timing: tuple[flo
     return replace(moved, duration_s=op.duration_s - op.tail_s + tail, tail_s=tail)
 
 
-def _lasting_as_one(group: list[TimedOp], latency_s: float, overhead_s: float) -> list[TimedOp]:
+def _lasting_as_one(group: list[TimedOp], latency_s: float, overhead_s: float, scatters: dict[int, int]) -> list[TimedOp]:
     """A shared message's bundles, each lasting the whole message: one latency and overhead across hosts, every
     bundle's bytes and scatter (the receiving relay scatters them all), the scatter's messages as the executor sends
     them: one per needer (`carriers.group_runs`) where each bundle alone sent one per run (`op_kinds.bundle_runs`),
-    and one latency after the last of them."""
+    and one latency after the last of them. `scatters`: the scatter messages of each bundle alone, by id, filled as
+    they are counted (the caller keeps the bundles alive)."""
     fewer = len(group) - 1
     ops = [op for _, _, _, op in group]
-    alone = [len(bundle_runs(op)[1]) for op in ops]
+    for op in ops:
+        if id(op) not in scatters:
+            scatters[id(op)] = len(bundle_runs(op)[1])
+    alone = [scatters[id(op)] for op in ops]
     shared = shared_messages_inside(ops)[1]
     seconds = sum(op.duration_s for op in ops) - fewer * (latency_s + overhead_s)
     tail = sum(op.tail_s for op in ops) - fewer * latency_s
