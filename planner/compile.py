@@ -37,8 +37,8 @@ MAX_SIMULATED_MESSAGES = 250_000  # messages (`simulated_messages`) a plan may h
 # messages) 6.9 + 6.2 s, a 16-layer DeepSeek-V3-like cut (112,640) 11.2 + 9.2 s, the full DeepSeek-V3-like plan (390,400) 43.1 + 42.3 s
 # and 0.3 GiB each. So at most about 55 CPU s of simulation, within the frontier compile target (60 s) for plans whose other work is
 # small (the 70B: 15 CPU s in all); the full DeepSeek-V3-like and Kimi-K2-like plans (390,400 and 315,632 messages) would add about
-# 85 and 88 s (43.1 + 42.3, 40.3 + 47.7) to compiles of 48 and 72 s, so they keep the schedule's timetable, and `xmesh-plan check --simulate` times them in the
-# executor's order on demand (about 45 CPU s an order)
+# 85 and 88 s (43.1 + 42.3, 40.3 + 47.7) to compiles of 48 and 72 s, so they keep the schedule's timetable, and
+# `xmesh-plan check --simulate` times them in the executor's order on demand (about 45 CPU s an order)
 MAX_SIMULATION_WORK = 25_000_000  # work one simulation of a listing may take (`simulate.run_flows`: groups shared out and flows re-rated,
 # counted, so every machine decides alike); beyond, the schedule's timetable stands in. A backstop for listings under MAX_SIMULATED_MESSAGES,
 # which pass it only at more than 100 units a message: the full DeepSeek-V3-like plan (390,400 messages) takes 1.21 M in host order
