@@ -331,8 +331,8 @@ def stated_staging_fault(plan: "Plan") -> str | None:
         want, said = peaks.get(device, 0), stated.peak_bytes.get(device, 0)
         if want != said:  # a plan compiled before the lowering it states staging for (shared messages' relays)
             return (f"staging.peak_bytes states {said} B for device {device}, but the plan needs {want} B there in "
-                    f"{stated.order} order; recompile the plan (a plan compiled with --max-staging-mb by an older "
-                    "xmesh-plan states the staging of its own executor's lowering)")
+                    f"{stated.order} order (a plan compiled with --max-staging-mb by an older xmesh-plan states the "
+                    "staging of its own executor's lowering); recompile the plan")
         if want > stated.limit_bytes:
             return (f"device {device} needs {want} B of staging in {stated.order} order, above the plan's limit "
                     f"staging.limit_bytes {stated.limit_bytes} B; recompile the plan with `xmesh-plan compile --max-staging-mb`")
