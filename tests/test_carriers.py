@@ -225,6 +225,21 @@ def test_a_peer_whose_pieces_are_one_range_of_the_message_is_sent_from_and_recei
     assert len(sent) == 7 and all(s.data.nbytes == message for s in sent)
 
 
+def test_the_relays_stage_no_side_area_for_a_peer_whose_pieces_are_one_range_of_the_message():
+    """Float32 bundles a (parts of 4 and 4 B) and b (12 B), relays d0 -> d4: the message is 20 B. Holder d1 holds a's
+    first part and b (not consecutive in the message: a 16 B side area on d0, b from byte 4 of it); holder d2 only
+    a's second part (one piece: received into the message). Needer d5 needs a's first part and b (a side area on d4);
+    d6 a's second part and b, consecutive in the message at the same distances (sent from it)."""
+    from xmesh_plan.schemas.carriers import group_staging
+    from xmesh_plan.schemas.plan import Operation
+
+    a = Operation(id=0, task=0, tensor=0, kind="bundle", src=0, dsts=(4,), region=((0, 2),), parts=(((0, 1),), ((1, 2),)),
+                  holders=(1, 2), needers=((5,), (4, 6)))
+    b = Operation(id=1, task=1, tensor=1, kind="bundle", src=0, dsts=(4,), region=((0, 3),), parts=(((0, 3),),),
+                  holders=(1,), needers=((5, 6),), carrier=0)
+    assert group_staging([a, b], [[4, 4], [12]], 4) == {0: 20 + 16, 1: 16, 2: 4, 4: 20 + 16, 5: 16, 6: 16}
+
+
 def test_a_limited_plan_stating_less_staging_than_the_relays_need_is_refused_naming_an_older_compile(shared):
     """A plan compiled with --max-staging-mb by an xmesh-plan whose staging model left out a shared message's side
     areas states less on a relay than it needs now: refused, saying such a plan must be recompiled."""
