@@ -14,7 +14,7 @@ planned as before.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 from xmesh_plan.schemas import ReshardingProblem
 from xmesh_plan.schemas.carriers import bundle_bytes
@@ -205,7 +205,7 @@ def share_messages(timed_ops: list[TimedOp], itemsizes: list[int], bucket_bytes:
             head = groups[index][0]
             key = (id(op), head[3].src, head[3].dsts)
             if key not in relayed:
-                relayed[key] = replace(op, src=head[3].src, dsts=head[3].dsts)
+                relayed[key] = op.sent(head[3].src, head[3].dsts, op.duration_s, op.tail_s)
             groups[index].append((head[0], task, tensor, relayed[key]))
             total += nbytes
         else:
@@ -213,7 +213,8 @@ def share_messages(timed_ops: list[TimedOp], itemsizes: list[int], bucket_bytes:
             index, total = len(groups) - 1, nbytes
         open_group[pair] = (index, total) if nbytes % align == 0 else (-1, 0)  # a ragged bundle ends its group
     groups = _balanced_relays(groups, itemsizes, None if intra_bytes_per_s is None else (latency_s, intra_bytes_per_s))
-    return [_lasting_as_one(group, latency_s, overhead_s) if len(group) > 1 else group for group in groups]
+    lasting: dict[tuple[int, ...], list[PlannedOp]] = {}  # ids of a message's bundles -> them lasting as one (layers repeat messages)
+    return [_lasting_as_one(group, latency_s, overhead_s, lasting) if len(group) > 1 else group for group in groups]
 
 
 def _balanced_relays(groups: list[list[TimedOp]], itemsizes: list[int], timing: tuple[float, float] | None = None) -> list[list[TimedOp]]:
@@ -229,10 +230,10 @@ def _balanced_relays(groups: list[list[TimedOp]], itemsizes: list[int], timing: 
     port_in: dict[int, int] = {}
     port_out: dict[int, int] = {}
     made: dict[tuple[int, int, int, int], PlannedOp] = {}  # (id of a bundle, itemsize, relays) -> it sent between them
+    loads: dict[tuple[int, int], tuple[int, dict[int, int], dict[int, int]]] = {}  # (id of a bundle, itemsize) -> `_port_loads`
     out = []
     for group in groups:
-        op = group[0][3]
-        if op.kind != "bundle":
+        if group[0][3].kind != "bundle":
             out.append(group)
             continue
         held: dict[int, int] = {}
@@ -240,12 +241,14 @@ def _balanced_relays(groups: list[list[TimedOp]], itemsizes: list[int], timing: 
         total = 0
         for _, _, tensor, o in group:
             size = itemsizes[tensor or 0]
-            for part, holder, needers in zip(o.parts, o.holders, o.needers):
-                nbytes = math.prod(b - a for a, b in part) * size
-                total += nbytes
-                held[holder] = held.get(holder, 0) + nbytes
-                for d in needers:
-                    wanted[d] = wanted.get(d, 0) + nbytes
+            known = loads.get((id(o), size))
+            if known is None:
+                known = loads[(id(o), size)] = _port_loads(o, size)
+            total += known[0]
+            for d, nbytes in known[1].items():
+                held[d] = held.get(d, 0) + nbytes
+            for d, nbytes in known[2].items():
+                wanted[d] = wanted.get(d, 0) + nbytes
         needed = sum(wanted.values())
         src = min(held, key=lambda d: (port_in.get(d, 0) + total - held[d], d))
         dst = min(wanted, key=lambda d: (port_out.get(d, 0) + needed - wanted[d], d))
@@ -261,25 +264,45 @@ def _balanced_relays(groups: list[list[TimedOp]], itemsizes: list[int], timing: 
     return out
 
 
+def _port_loads(op: PlannedOp, itemsize: int) -> tuple[int, dict[int, int], dict[int, int]]:
+    """A bundle's bytes, and per device the bytes it holds and the bytes it needs: what `_balanced_relays` weighs,
+    found once per bundle object and element size (a model's layers share their bundles)."""
+    held: dict[int, int] = {}
+    wanted: dict[int, int] = {}
+    total = 0
+    for part, holder, needers in zip(op.parts, op.holders, op.needers):
+        nbytes = math.prod(b - a for a, b in part) * itemsize
+        total += nbytes
+        held[holder] = held.get(holder, 0) + nbytes
+        for d in needers:
+            wanted[d] = wanted.get(d, 0) + nbytes
+    return total, held, wanted
+
+
 def _relayed(op: PlannedOp, src: int, dst: int, itemsize: int, timing: tuple[float, float] | None) -> PlannedOp:
     """A bundle sent between the relays `src` and `dst`; given (latency, intra-host bytes/s), its tail is the latency
     and then `dst`'s scatter (`scatter_seconds`), as `bundle_result` states it for the bundle's own relays."""
     if timing is None:
-        return op if (op.src, op.dsts) == (src, (dst,)) else replace(op, src=src, dsts=(dst,))
+        return op if (op.src, op.dsts) == (src, (dst,)) else op.sent(src, (dst,), op.duration_s, op.tail_s)
     latency_s, intra_bytes_per_s = timing
     tail = latency_s + scattered_elements(op, dst) * itemsize / intra_bytes_per_s
     if (op.src, op.dsts, op.tail_s) == (src, (dst,), tail):
         return op
-    return replace(op, src=src, dsts=(dst,), duration_s=op.duration_s - op.tail_s + tail, tail_s=tail)
+    return op.sent(src, (dst,), op.duration_s - op.tail_s + tail, tail)
 
 
-def _lasting_as_one(group: list[TimedOp], latency_s: float, overhead_s: float) -> list[TimedOp]:
+def _lasting_as_one(group: list[TimedOp], latency_s: float, overhead_s: float,
+                    known: dict[tuple[int, ...], list[PlannedOp]]) -> list[TimedOp]:
     """A shared message's bundles, each lasting the whole message: one latency and overhead, every bundle's bytes and
-    scatter (the receiving relay scatters them all)."""
-    fewer = len(group) - 1
-    seconds = sum(op.duration_s for _, _, _, op in group) - fewer * (latency_s + overhead_s)
-    tail = sum(op.tail_s for _, _, _, op in group) - fewer * latency_s
-    return [(at, task, tensor, replace(op, duration_s=seconds, tail_s=tail)) for at, task, tensor, op in group]
+    scatter (the receiving relay scatters them all). `known` keeps them per group of bundle objects, made once."""
+    key = tuple(id(op) for _, _, _, op in group)
+    ops = known.get(key)
+    if ops is None:
+        fewer = len(group) - 1
+        seconds = sum(op.duration_s for _, _, _, op in group) - fewer * (latency_s + overhead_s)
+        tail = sum(op.tail_s for _, _, _, op in group) - fewer * latency_s
+        ops = known[key] = [op.sent(op.src, op.dsts, seconds, tail) for _, _, _, op in group]
+    return [(at, task, tensor, op) for (at, task, tensor, _), op in zip(group, ops)]
 
 
 TaskTiming = tuple[float, float, float, frozenset]

@@ -293,14 +293,18 @@ def _ask_every_resource_each_round(self, resources, duration, not_before=0.0):
 @pytest.mark.parametrize("seed", range(4))
 def test_backfill_by_classes_places_tasks_as_asking_every_resource(seed):
     """One calendar per class of resources booked together gives every task the choice and start that asking each of
-    its resources gives (broadcasts holding a chain of ports inside the receiving host, bundles its NIC side only)."""
+    its resources gives (broadcasts holding a chain of ports inside the receiving host, bundles its NIC side only;
+    tasks repeat as a model's layers do)."""
     from xmesh_plan.planner.solvers import list_backfill
     from xmesh_plan.planner.solvers.calendar import Calendar, booked_together
     from xmesh_plan.planner.solvers.list_backfill import backfill, longest_first, most_constrained_first
 
     rng = random.Random(seed)
     tasks = []
-    for i in range(120):
+    for i in range(160):
+        if i >= 80:  # the first 80 again, as a model's next layers
+            tasks.append(SchedulingTask(i, tasks[i - 80].options))
+            continue
         dst = rng.choice([3, 4])
         ports = {(dst, f"out:{4 * dst + k}") for k in range(3)} | {(dst, f"in:{4 * dst + k + 1}") for k in range(3)}
         senders = sorted(rng.sample(range(3), rng.choice([1, 2, 3])))
