@@ -155,6 +155,7 @@ def assemble_rows(problem: ReshardingProblem | TransferProblem, works: list[Tens
     the device that stages most posted and its bytes (`staging_limit.busiest_posted`), where anything is staged."""
     tasks, timed_ops, per_resource, timing = [], [], {}, {}
     cluster = problem.cluster
+    nic_sides: dict[int, frozenset] = {}  # id of an option -> the NIC sides it holds: tensors of one kind share their options
     facts: dict[tuple[int, int], tuple[int, tuple[int, ...]]] = {}  # (id of a cell, itemsize) -> its bytes and receiving
     for work in works:  # hosts: tensors of one kind share their cells (`renumbered`)
         single = work.problem
@@ -174,7 +175,9 @@ def assemble_rows(problem: ReshardingProblem | TransferProblem, works: list[Tens
                 round(start + option.duration_s, DIGITS)))
             timed_ops += [(start + op.offset_s, t.id, work.index, op) for op in result.ops]
             timed_ops += [(at, t.id, work.index, op) for at, op in _copy_ops(cell, single)]
-            sides = frozenset(r for r in option.resources if r[1].partition(":")[0] in NIC_SIDES)
+            sides = nic_sides.get(id(option))
+            if sides is None:
+                sides = nic_sides[id(option)] = frozenset(r for r in option.resources if r[1].partition(":")[0] in NIC_SIDES)
             timing[t.id] = (start, option.busy_s, option.tail_s, sides)
             for host, side in sides:
                 per_resource.setdefault((host, side), []).append((start, t.id))
@@ -198,9 +201,14 @@ def assemble_rows(problem: ReshardingProblem | TransferProblem, works: list[Tens
         per_resource = {key: [(moved.get(t, at), t) for at, t in v] for key, v in per_resource.items()}
     del timed_ops, timing
     operations, riders = [], {}  # riders: task of a bundle -> (its message's start, relay) (`coalesce.share_messages`)
+    messages, counted = 0, {}  # `simulated_messages` of the operations, each distinct planned operation counted once (id -> count)
     for group in groups:
         head = len(operations)
         for k, (at, task, tensor, op) in enumerate(group):
+            count = counted.get(id(op))
+            if count is None:
+                count = counted[id(op)] = _messages_of(op)
+            messages += count
             operations.append(OperationRow(
                 len(operations), task, tensor, op.kind, op.src, op.dsts, op.region, op.parts, op.chunks, op.holders,
                 op.needers, head if k else None, round(at, DIGITS), round(at + op.duration_s, DIGITS)))
@@ -213,7 +221,6 @@ def assemble_rows(problem: ReshardingProblem | TransferProblem, works: list[Tens
         per_resource = {key: [(riders[t][0] if t in riders else at, t) for at, t in v] for key, v in per_resource.items()}
     host_order = tuple(HostOrder(host=h, side=s, tasks=tuple(t for _, t in sorted(v))) for (h, s), v in sorted(per_resource.items()))
     stage = on_stage if len(operations) >= DETAILED_STAGES else _quiet
-    messages = simulated_messages(operations)
     stage(f"simulating {len(operations):,} operations in host order" if not too_many_messages(messages) else
           f"timing {len(operations):,} operations by the schedule ({messages:,} messages: too many to simulate)")
     operations, timed_by, work = _simulated(operations, problem, nic_assignment(host_order), messages)
