@@ -33,18 +33,21 @@ from xmesh_plan.schemas.plan import format_region
 from xmesh_plan.schemas.op_kinds import bundle_runs, chunk_bounds, nccl_group, rule_of, supported, tags_used
 from xmesh_plan.schemas.plan_check import TOLERANCE_S, PlanError, check_device_ops, describe, uncovered
 from xmesh_plan.schemas.plan_compact import DeviceOps
-from xmesh_plan.schemas.staging import ORDERS, contiguous_span, device_layout, staging_align
+from xmesh_plan.schemas.carriers import group_key, group_runs, piece_layout
+from xmesh_plan.schemas.staging import ORDERS, aligned, chained, contiguous_span, device_layout, staging_align
 
 from .conversions import Conversion, conversions, scale_owners
 from .errors import PlanMismatchError
 from .plan_index import device_ops, plan_index, refusal_advice
 
 class Action(StrEnum):
-    """What a step does: a local copy between shards, a pack into or unpack out of staging, or one end of a message."""
+    """What a step does: a local copy between shards, a pack into or unpack out of staging, a move from staging to
+    staging (a shared message's pieces into or out of the message, `_lower_group`), or one end of a message."""
 
     COPY = "copy"
     PACK = "pack"
     UNPACK = "unpack"
+    MOVE = "move"
     SEND = "send"
     RECV = "recv"
 
@@ -128,6 +131,7 @@ class Step:
     piece: str = ""
     tensor: int = 0  # the tensor whose operation this step belongs to
     acks: tuple[int, ...] = ()  # a receipt (`passes.with_receipts`): the messages whose arrival it reports
+    origin: Bytes | None = None  # a move: the staging bytes it copies into `data`
 
     def moved(self, index: int, deps: tuple[int, ...]) -> "Step":
         """The same step at `index`, waiting for `deps` (what passes that renumber steps make)."""
@@ -138,7 +142,18 @@ class Step:
         staging; `dataclasses.replace` costs ten times more, and they remake up to 10^6 steps); it names every field,
         which `test_a_moved_step_keeps_every_field_but_its_index_deps_and_data` checks."""
         return new_step(index, self.action, self.op, self.task, self.kind, deps, self.peer, self.tag, data, self.box,
-                        self.target, self.piece, self.tensor, self.acks)
+                        self.target, self.piece, self.tensor, self.acks, self.origin)
+
+    def shifted(self, index: int, deps: tuple[int, ...], by: int) -> "Step":
+        """The same step at `index`, waiting for `deps`, its staging bytes (`data`, and a move's `origin`) `by` bytes
+        lower: what passes that lay staging out again make."""
+        data, origin = self.data, self.origin
+        if data is not None and data.buffer == "stage":
+            data = new_bytes("stage", data.start - by, data.stop - by, 0)
+        if origin is not None:
+            origin = new_bytes("stage", origin.start - by, origin.stop - by, 0)
+        return new_step(index, self.action, self.op, self.task, self.kind, deps, self.peer, self.tag, data, self.box,
+                        self.target, self.piece, self.tensor, self.acks, origin)
 
     @property
     def reads_src(self) -> bool:
@@ -160,6 +175,8 @@ class Step:
             return self.data.tensor if self.data.buffer == "dst" else None
         if self.action is Action.COPY:
             return self.target.tensor
+        if self.action is Action.MOVE:
+            return None
         return self.box.tensor if self.box.side == "dst" else None
 
     def describe(self) -> str:
@@ -193,26 +210,28 @@ class Collective:
 
 @dataclass(frozen=True, slots=True)
 class StagedCall:
-    """One step of a bundle for engines built on collectives (NCCL), in the order this device takes it: `pack`
-    `box` (its source shard) into staging bytes [start, stop), `unpack` them into `box` (its destination shard),
-    or `bcast` them from `root` to the other device of `group` (a send as a broadcast in a group of two). The
-    bytes count from the start of the operation's own staging: a stream runs one operation after another."""
+    """One step of a bundle (or of a shared message's bundles, lowered together) for engines built on collectives
+    (NCCL), in the order this device takes it: `pack` `box` (its source shard) into staging bytes [start, stop),
+    `unpack` them into `box` (its destination shard), `move` the staging bytes at `source` into them, or `bcast`
+    them from `root` to the other device of `group` (a send as a broadcast in a group of two). The bytes count from
+    the start of the operation's (the shared message's) own staging: a stream runs one operation after another."""
 
     op: int
     task: int
     kind: str
-    action: Literal["pack", "unpack", "bcast"]
+    action: Literal["pack", "unpack", "move", "bcast"]
     start: int
     stop: int
     box: Box | None = None
     group: tuple[int, ...] = ()
     root: int = -1
-    crossing: bool = False  # the bundle's cross-host message (a shared message sends its bundles' at once)
+    crossing: bool = False  # the cross-host message
     tensor: int = 0
+    source: int = 0  # a move: where the bytes it copies start
 
 
 def _staged_calls(steps: list[Step], first: int, device: int, tensor: int) -> list[StagedCall]:
-    """A bundle's steps from index `first` on (this device's, in lowering order) as `StagedCall`s."""
+    """A bundle's (or a shared message's) steps from index `first` on (this device's, in lowering order) as `StagedCall`s."""
     mine = steps[first:]
     base = min((s.data.start for s in mine if s.data is not None), default=0)
     out = []
@@ -220,6 +239,8 @@ def _staged_calls(steps: list[Step], first: int, device: int, tensor: int) -> li
         lo, hi = s.data.start - base, s.data.stop - base
         if s.action is Action.PACK or s.action is Action.UNPACK:
             out.append(StagedCall(s.op, s.task, s.kind, s.action, lo, hi, s.box, tensor=s.box.tensor))
+        elif s.action is Action.MOVE:
+            out.append(StagedCall(s.op, s.task, s.kind, "move", lo, hi, tensor=s.tensor, source=s.origin.start - base))
         elif s.action.is_message:
             root = device if s.action is Action.SEND else s.peer
             out.append(StagedCall(s.op, s.task, s.kind, "bcast", lo, hi, group=tuple(sorted((device, s.peer))), root=root,
@@ -450,10 +471,11 @@ class _Builder:
         self.itemsize, self.writes = self.tensor.shards.itemsize, self.tensor.writes
 
     def add(self, action: Action, op: Operation, deps: tuple[int, ...] = (), peer: int = -1, tag: int = 0,
-            data: Bytes | None = None, box: Box | None = None, target: Box | None = None, piece: str = "") -> int:
+            data: Bytes | None = None, box: Box | None = None, target: Box | None = None, piece: str = "",
+            origin: Bytes | None = None) -> int:
         index = len(self.steps)
         self.steps.append(new_step(index, action, op.id, op.task, op.kind, deps, peer, tag, data, box, target, piece,
-                                   self.tensor.index, ()))
+                                   self.tensor.index, (), origin))
         return index
 
     def collective(self, op: Operation, root: int, box: Box, chunks=(), target: Box | None = None) -> None:
@@ -624,6 +646,19 @@ def _needed(needers: tuple[tuple[int, ...], ...], device: int) -> tuple[int, ...
 
 
 @lru_cache(maxsize=1 << 12)
+def _held(holders: tuple[int, ...], device: int) -> tuple[int, ...]:
+    """The parts of a bundle that `device` holds: once per distinct bundle."""
+    return tuple(i for i, h in enumerate(holders) if h == device)
+
+
+@lru_cache(maxsize=1 << 12)
+def _part_sizes(parts: tuple[Region, ...], itemsize: int) -> tuple[int, ...]:
+    """Each part's bytes: once per distinct bundle."""
+    offsets = _part_offsets(parts, itemsize)
+    return tuple(hi - lo for lo, hi in zip(offsets, offsets[1:]))
+
+
+@lru_cache(maxsize=1 << 12)
 def _part_offsets(parts: tuple[Region, ...], itemsize: int) -> tuple[int, ...]:
     """Each part's byte offset in a bundle's cross-host message, and its end: once per distinct bundle."""
     offsets = [0]
@@ -676,23 +711,158 @@ def _lower_bundle(b: _Builder, op: Operation, base: int) -> None:
                 b.record(op, box, [b.add(Action.UNPACK, op, arrived, data=span(at, (i,)), box=box, piece=_piece("part", i))])
 
 
+@dataclass(frozen=True, slots=True)
+class _Named:
+    """What a step names of the operation it belongs to: a shared message's messages and moves name the group's
+    carrier (its id, `carriers.group_key`, which every device of the group knows) with the task and kind of the first
+    member this device lowers."""
+
+    id: int
+    task: int
+    kind: str
+
+
+def _runs_of(pieces: Sequence[tuple[int, int]], offsets: Sequence[int]) -> list[tuple[int, int, int]]:
+    """(first piece, last piece + 1) index pairs of `pieces` cut where the member changes or a part is skipped, with
+    the first piece's byte in the area `offsets` lays out: each run is one range both in its device's area and in the
+    message, so one move copies it."""
+    out = []
+    for k, (m, i) in enumerate(pieces):
+        if out and pieces[k - 1] == (m, i - 1):
+            out[-1] = (out[-1][0], k + 1, out[-1][2])
+        else:
+            out.append((k, k + 1, offsets[k]))
+    return out
+
+
+def _lower_group(b: _Builder, group: Sequence[Operation], bases: Sequence[int], align: int) -> None:
+    """The bundles of one shared message of two or more (`schemas.carriers`; `group`: those this device takes part
+    in, all of them on the relays; `bases`: their first tags), one message per pair of devices (`carriers.group_runs`).
+    A holder packs its pieces into one area (`carriers.piece_layout`) and sends it to the sending relay in one message;
+    the sending relay packs its own parts into the message (the members one after another), receives each holder's
+    area into a side area and moves each run of pieces into its place, and sends the message; the receiving relay
+    receives it, unpacks its own parts, moves each needer's pieces out into a side area and sends it in one message;
+    a needer receives its area and unpacks it. Tags: the carrier's cross-host tag, and for the message of holder
+    (needer) d the tag its first run of the first member it takes part in has in that member's block (`_lower_bundle`),
+    so each message's tag is one no other message of the plan has, and both ends pick it alike."""
+    head, key = group[0], group_key(group[0])
+    src, relay = head.src, head.dsts[0]
+    for op in group:
+        if (op.src, op.dsts[:1]) != (src, (relay,)) or group_key(op) != key:
+            b.fail(op, f"it shares operation {key}'s message but its relays are not d{src} -> d{relay}")
+    named = _Named(key, head.task, head.kind)
+    sizes = [_part_sizes(op.parts, b.tensors[op.tensor or 0].shards.itemsize) for op in group]
+    device = b.device
+    if device == src or device == relay:
+        gathers, scatters = group_runs(group)
+    else:  # this device's own pieces only (`group_runs` of every device costs a relay's walk of every needer)
+        held = tuple((m, i) for m, op in enumerate(group) for i in _held(op.holders, device))
+        needed = tuple((m, i) for m, op in enumerate(group) for i in _needed(op.needers, device))
+        gathers, scatters = ((device, held),) if held else (), ((device, needed),) if needed else ()
+    b.enter(head.tensor or 0)
+
+    def tag_of(d: int, member: int, gathering: bool) -> int:
+        runs = bundle_runs(group[member])
+        if gathering:
+            return bases[member] + next(k for k, (h, _) in enumerate(runs[0]) if h == d)
+        return bases[member] + len(runs[0]) + 1 + next(j for j, (n, _) in enumerate(runs[1]) if n == d)
+
+    def piece_box(side: Side, m: int, i: int) -> Box:
+        op = group[m]
+        if b.tensor.index != (op.tensor or 0):
+            b.enter(op.tensor or 0)
+        return b.box(side, op.parts[i])
+
+    if device == src or device == relay:
+        every = tuple((m, i) for m, op in enumerate(group) for i in range(len(op.parts)))
+        where, message = piece_layout(every, sizes, align)
+        place = dict(zip(every, where))
+        runs = gathers if device == src else scatters
+        areas = [piece_layout(pieces, sizes, align) for _, pieces in runs]
+        at = b.stage(chained([message] + [n for _, n in areas], align))
+        whole = new_bytes("stage", at, at + message, 0)
+        cross = bases[0] + len(bundle_runs(head)[0])
+        side = aligned(message, align)
+        moves_of = []  # per peer: (area start, [(move source, move target)])
+        for (_, pieces), (local, nbytes) in zip(runs, areas):
+            start = aligned(side, align) if nbytes else side
+            moves = []
+            for k0, k1, lo in _runs_of(pieces, local):
+                n = sum(sizes[m][i] for m, i in pieces[k0:k1])
+                moves.append((new_bytes("stage", at + start + lo, at + start + lo + n, 0), place[pieces[k0]]))
+            moves_of.append((start, moves))
+            side = start + nbytes
+        if device == src:
+            ready = []
+            for m, op in enumerate(group):
+                for i, holder in enumerate(op.holders):
+                    if holder == src:
+                        box = piece_box("src", m, i)
+                        ready.append(b.add(Action.PACK, op, data=new_bytes("stage", at + place[m, i], at + place[m, i] + sizes[m][i], 0),
+                                           box=box, piece=_piece("part", i)))
+            b.enter(head.tensor or 0)
+            for k, ((h, pieces), (_, nbytes), (start, moves)) in enumerate(zip(runs, areas, moves_of)):
+                recv = b.add(Action.RECV, named, peer=h, tag=tag_of(h, pieces[0][0], True),
+                             data=new_bytes("stage", at + start, at + start + nbytes, 0), piece=_piece("gather", k))
+                ready += [b.add(Action.MOVE, named, (recv,), data=new_bytes("stage", at + lo, at + lo + n.nbytes, 0), origin=n,
+                                piece=_piece("gather", k)) for n, lo in moves]
+            b.add(Action.SEND, named, deps=tuple(ready), peer=relay, tag=cross, data=whole, piece="bundle")
+            return
+        arrived = (b.add(Action.RECV, named, peer=src, tag=cross, data=whole, piece="bundle"),)
+        for m, op in enumerate(group):
+            for i in _needed(op.needers, relay):
+                box = piece_box("dst", m, i)
+                b.record(op, box, [b.add(Action.UNPACK, op, arrived, data=new_bytes("stage", at + place[m, i], at + place[m, i] + sizes[m][i], 0),
+                                         box=box, piece=_piece("part", i))])
+        b.enter(head.tensor or 0)
+        for j, ((d, pieces), (_, nbytes), (start, moves)) in enumerate(zip(runs, areas, moves_of)):
+            moved = tuple(b.add(Action.MOVE, named, arrived, data=n, origin=new_bytes("stage", at + lo, at + lo + n.nbytes, 0),
+                                piece=_piece("scatter", j)) for n, lo in moves)
+            b.add(Action.SEND, named, moved, peer=d, tag=tag_of(d, pieces[0][0], False),
+                  data=new_bytes("stage", at + start, at + start + nbytes, 0), piece=_piece("scatter", j))
+        return
+    for gathering, runs in ((True, gathers), (False, scatters)):
+        for k, (d, pieces) in enumerate(runs):
+            if d != device:
+                continue
+            where, nbytes = piece_layout(pieces, sizes, align)
+            at = b.stage(nbytes)
+            spans = [new_bytes("stage", at + lo, at + lo + sizes[m][i], 0) for (m, i), lo in zip(pieces, where)]
+            area = new_bytes("stage", at, at + nbytes, 0)
+            tag = tag_of(d, pieces[0][0], gathering)
+            if gathering:
+                packs = tuple(b.add(Action.PACK, group[m], data=span, box=piece_box("src", m, i), piece=_piece("part", i))
+                              for (m, i), span in zip(pieces, spans))
+                b.enter(head.tensor or 0)
+                b.add(Action.SEND, named, packs, peer=src, tag=tag, data=area, piece=_piece("gather", k))
+            else:
+                b.enter(head.tensor or 0)
+                arrived = (b.add(Action.RECV, named, peer=relay, tag=tag, data=area, piece=_piece("scatter", k)),)
+                for (m, i), span in zip(pieces, spans):
+                    box = piece_box("dst", m, i)
+                    b.record(group[m], box, [b.add(Action.UNPACK, group[m], arrived, data=span, box=box, piece=_piece("part", i))])
+
+
 _LOWER = supported("executor.lower", {"local": _lower_copy, "chain": _lower_chain, "ring": _lower_ring, "bundle": _lower_bundle})
 
 
-def lower(plan: Plan, device: int, tag_limit: int | None = None, collectives: bool = True) -> RankProgram:
+def lower(plan: Plan, device: int, tag_limit: int | None = None, collectives: bool = True, share: bool = False) -> RankProgram:
     """The steps `device` runs for the whole `plan`, every tensor of it, posted (every operation at once, each
     operation's staging after the one before, `RankProgram.stage_bytes` their sum); raises PlanMismatchError
     naming the op when the plan is inconsistent. The plan is checked (`check_plan`) and indexed once per plan
     object (`plan_index`); only the operations the device takes part in are walked (`plan_index.device_ops`).
     Tags: `plan_index` (tensor by tensor, in plan order); `tag_limit`: the largest tag the transport allows
     (MPI's TAG_UB), None for none. `collectives`: also make `RankProgram.collectives` (what engines built on group
-    calls replay; the others leave them out, `engines.EngineEntry.collectives`)."""
+    calls replay; the others leave them out, `engines.EngineEntry.collectives`). `share`: the bundles of each shared
+    message (`schemas.carriers`) lowered together, one message per pair of devices (`_lower_group`; the steps
+    `passes.share_messages` lays out); else each bundle with its own messages, as on its own."""
     index = plan_index(plan)
     return _lower(device_ops(plan, device), device, tag_limit, [(src.get(device), dst.get(device)) for src, dst in index.blocks],
-                  collectives)
+                  collectives, share)
 
 
-def lower_device_ops(ops: DeviceOps, device: int, tag_limit: int | None = None, collectives: bool = True) -> RankProgram:
+def lower_device_ops(ops: DeviceOps, device: int, tag_limit: int | None = None, collectives: bool = True,
+                     share: bool = False) -> RankProgram:
     """`lower` for a device's part of a plan read on its own (`schemas.plan_io.read_plan_ops`, `plan_index.device_ops`):
     the same program as lowering the whole plan. Its operations are checked on their own first
     (`plan_check.check_device_ops`); what needs the whole plan is `xmesh-plan verify`'s, and the ranks' plan
@@ -702,26 +872,42 @@ def lower_device_ops(ops: DeviceOps, device: int, tag_limit: int | None = None, 
     except PlanError as err:
         raise PlanMismatchError(refusal_advice(str(err))) from None
     return _lower(ops, device, tag_limit, [(p.blocks("src").get(device), p.blocks("dst").get(device))
-                                           for p in ops.problem.tensor_problems()], collectives)
+                                           for p in ops.problem.tensor_problems()], collectives, share)
 
 
 def _lower(ops: DeviceOps, device: int, tag_limit: int | None, blocks: list[tuple[Region | None, Region | None]],
-           collectives: bool = True) -> RankProgram:
+           collectives: bool = True, share: bool = False) -> RankProgram:
     """The program of a checked part (`blocks`: each tensor's source and destination box on `device`), with its
-    collectives where asked."""
+    collectives where asked; `share`: the bundles of a shared message lowered together (`_lower_group`)."""
     plan = ops  # what the lowering reads of the plan: its problem (the operations and tags are the part's)
     problems = plan.problem.tensor_problems()
     converts, owners = conversions(plan.problem, device), scale_owners(plan.problem)  # in converted bytes (`executor.conversions`)
     tensors = [_Tensor(t, TensorShards(src, dst, p.itemsize, p.dtype, converts[t], owners[t]), len(p.shape))
                for t, (p, (src, dst)) in enumerate(zip(problems, blocks))]
     b = _Builder(device, tensors, collectives)
-    for op, first_tag in zip(ops.operations, ops.first_tags):
+    align = staging_align(plan)
+    operations, tags = ops.operations, ops.first_tags
+    shared = ops.shared if share else frozenset()
+    k = 0
+    while k < len(operations):
+        op = operations[k]
+        if op.id in shared:  # a shared message: one message per pair of devices for all its bundles
+            key, end = group_key(op), k + 1
+            while end < len(operations) and operations[end].id in shared and group_key(operations[end]) == key:
+                end += 1
+            first = len(b.steps)
+            _lower_group(b, operations[k:end], tags[k:end], align)
+            if collectives:  # collective engines replay its messages as broadcasts in groups of two, its moves as copies
+                b.collectives += _staged_calls(b.steps, first, device, b.tensor.index)
+            k = end
+            continue
         b.enter(op.tensor or 0)
         first = len(b.steps)
         pattern = rule_of(op).pattern
-        _LOWER[pattern](b, op, first_tag)
+        _LOWER[pattern](b, op, tags[k])
         if pattern == "bundle" and collectives:  # collective engines replay its messages as broadcasts in groups of two
             b.collectives += _staged_calls(b.steps, first, device, b.tensor.index)
+        k += 1
     if tag_limit is not None and ops.tags > tag_limit + 1:  # every message has its own tag; reusing one could match the wrong message
         raise PlanMismatchError(f"the plan needs {ops.tags} message tags but this MPI allows tags up to {tag_limit} (its TAG_UB); "
                                 f"run it with an MPI whose TAG_UB is at least {ops.tags - 1} (MPICH's is 2**29 - 1)")
@@ -735,7 +921,7 @@ def _lower(ops: DeviceOps, device: int, tag_limit: int | None, blocks: list[tupl
                 raise PlanMismatchError(refusal_advice(f"{named}destination device {device} never receives {format_region(missing)} "
                                                        f"of its shard {format_region(dst_block)}"))
     return RankProgram(device, tuple(b.steps), b.stage_bytes, tuple(t.shards for t in tensors), tuple(b.collectives),
-                       align=staging_align(plan))
+                       align=align)
 
 
 def stage_ranges(steps: Sequence[Step], keys: Sequence[Hashable]) -> dict[Hashable, tuple[int, int]]:
@@ -799,9 +985,9 @@ def in_device_order(program: RankProgram, stage_budget: int | None = None, align
         deps, data = s.deps, s.data
         if barrier and s.action.reads_staging_first:
             deps, gated = tuple(sorted(set(deps) | set(barrier))), True
-        if data is not None and data.buffer == "stage":
-            moved = shift[k]
-            data = new_bytes("stage", data.start - moved, data.stop - moved, 0)
-        steps.append(s if deps is s.deps and data is s.data else s.at(s.index, deps, data))
+        if data is not None and data.buffer == "stage" and shift[k]:
+            steps.append(s.shifted(s.index, deps, shift[k]))
+        else:
+            steps.append(s if deps is s.deps else s.at(s.index, deps, data))
         run.append(s.index)
     return replace(program, steps=tuple(steps), stage_bytes=peak, order="device")

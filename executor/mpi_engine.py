@@ -225,6 +225,8 @@ class MpiEngine:
         elif s.action is Action.COPY:
             target, source = self.dst_typed[s.target.tensor], self.src_typed[s.box.tensor]
             self.pairs[i] = None if target is None or source is None else (target[s.target.index], source[s.box.index])
+        elif s.action is Action.MOVE:  # staging bytes to staging bytes (a shared message's pieces)
+            self.pairs[i] = (self.stage[s.data.start:s.data.stop], self.stage[s.origin.start:s.origin.stop])
         else:
             t = s.box.tensor
             staged = self.stage[s.data.start:s.data.stop].view(self.dtypes[t]).reshape(s.box.shape)

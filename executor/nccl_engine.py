@@ -368,6 +368,9 @@ class NcclEngine:
             comm.bcast(self.stage.data.ptr + call.start, call.stop - call.start, self.uint8,
                        call.group.index(call.root), self.stream.ptr)
             return
+        if call.action == "move":  # a shared message's pieces between the message and a side area
+            self.cupy.copyto(self.stage[call.start:call.stop], self.stage[call.source:call.source + call.stop - call.start])
+            return
         box = call.box
         staged = self.stage[call.start:call.stop].view(dtype).reshape(box.shape)
         if call.action == "pack":

@@ -4,7 +4,8 @@ NCCL runs every call of a rank on one CUDA stream in plan order, so each operati
 one communicator per distinct member set: a send is a broadcast in a group of two, a broadcast is
 one call per planned chunk, an all-gather is one broadcast per non-empty part (uneven parts work).
 A bundle is its route's messages, each a broadcast in a group of two over staging (`lower.StagedCall`:
-the gathers, the cross-host message, the scatters), with packs and unpacks around them.
+the gathers, the cross-host message, the scatters), with packs and unpacks around them; a shared message's
+bundles are one such unit, one message per pair of devices, the relays moving pieces inside staging.
 Because every rank issues its calls in the same global order, no two ranks wait on each other in a
 cycle. NCCL picks its own ring inside a group, so the plan's chain order is not enforced here.
 
@@ -17,9 +18,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from xmesh_plan.schemas.staging import aligned
-
-from .errors import PlanMismatchError
 from .lower import Box, RankProgram, StagedCall
 
 MAX_CALL_BYTES = 1 << 30
@@ -114,12 +112,12 @@ def nccl_program(program: RankProgram) -> NcclProgram:
     """The calls `program.device` makes for every tensor, in the program's order of operations, from its
     collectives. One CUDA stream runs them one after another (pack, broadcast, unpack), so staging is the largest
     staged box or shared message. The bundles of one shared message (`program.carriers`, left by
-    `passes.share_messages`; listed one after another in the plan) become one unit: their staging one after
-    another, each at a multiple of `program.align`, so the cross-host messages form one byte range; every
-    bundle's gathers, then that range in one message (its carrier's group), then every bundle's scatters. Every
-    device walks units in plan order, and a unit's calls in that one order, so no two devices wait on each other
-    in a cycle: a group's holders are all on the sending relay's host and its needers on the receiving relay's,
-    another host (`plan_check`), so no device both gathers and is scattered to in one unit."""
+    `passes.share_messages`; listed one after another in the plan) are one unit, lowered together
+    (`lower._lower_group`): one broadcast in a group of two per holder and per needer, the cross-host message, and
+    the relays' moves between the message and their side areas (copies inside staging on the stream), in the
+    steps' order. Every device walks units in plan order, and a unit's calls in that one order, so no two devices
+    wait on each other in a cycle: a group's holders are all on the sending relay's host and its needers on the
+    receiving relay's, another host (`plan_check`), so no device both gathers and is scattered to in one unit."""
     carrier_of = dict(program.carriers)
     blocks: list[list] = []  # each operation's collectives on this device, in order
     for call in program.collectives:
@@ -134,10 +132,7 @@ def nccl_program(program: RankProgram) -> NcclProgram:
         end = k + 1
         while end < len(blocks) and carrier_of.get(blocks[end][0].op, blocks[end][0].op) == unit:
             end += 1
-        if end - k == 1:
-            mine, need = nccl_actions(blocks[k], program)
-        else:
-            mine, need = _shared_message(blocks[k:end], program.align)
+        mine, need = nccl_actions([call for block in blocks[k:end] for call in block], program)
         actions += mine
         stage, k = max(stage, need), end
     return NcclProgram(program.device, tuple(actions), communicator_groups(actions), stage)
@@ -174,33 +169,6 @@ def nccl_actions(collectives, program: RankProgram) -> tuple[list[Copy | Bcast |
         ranges = tuple(split_calls(call.chunks, program.tensors[call.tensor].itemsize))
         actions.append(Bcast(call.op, call.task, call.kind, program.device, call.group, call.root, call.box, ranges, at))
     return actions, stage
-
-
-def _shared_message(bundles: list[list[StagedCall]], align: int) -> tuple[list[StagedCall], int]:
-    """The calls of the bundles of one shared message on this device, and their staging (see `nccl_program`);
-    PlanMismatchError where their cross-host messages are not one byte range."""
-    gathers, crossings, scatters = [], [], []
-    at = 0
-    for calls in bundles:
-        start = aligned(at, align)
-        moved = [replace(c, start=c.start + start, stop=c.stop + start) for c in calls]
-        cross = next((i for i, c in enumerate(moved) if c.crossing), None)
-        if cross is None:
-            gathers += moved
-        else:
-            gathers += moved[:cross]
-            crossings.append(moved[cross])
-            scatters += moved[cross + 1:]
-        at = start + max((c.stop - start for c in moved), default=0)
-    for a, b in zip(crossings, crossings[1:]):
-        if a.stop != b.start:
-            raise PlanMismatchError(f"op {a.op}: the bundles of a shared message are not one byte range in staging (ends "
-                                    f"at {a.stop}, the next starts at {b.start}); recompile the plan and check it with `xmesh-plan verify`")
-    one = []
-    if crossings:  # one message over every bundle's range, in the first bundle's group (the relays are the same)
-        one = _split(replace(crossings[0], stop=crossings[-1].stop))
-    out = [piece for c in gathers for piece in _split(c)] + one + [piece for c in scatters for piece in _split(c)]
-    return out, at
 
 
 def _split(call: StagedCall) -> list[StagedCall]:

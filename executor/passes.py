@@ -5,10 +5,12 @@ that turns a plan into what an engine replays.
 operation at once, each operation's staging after the one before. The passes then shape it:
 
 - `share_messages`: the bundles of several tensors that share one cross-host message
-  (`schemas.carriers`) send and receive it once: every operation's staging laid out one after another
-  (each at a multiple of the largest element size), so a shared message's bundles are one byte range,
-  sent with the carrier's tag. The program remembers the groups (`RankProgram.carriers`) for engines
-  that replay the collectives instead of the steps (NCCL, `nccl_plan.nccl_program`).
+  (`schemas.carriers`), lowered together (`lower.lower(..., share=True)`: one message per pair of devices,
+  the relays moving pieces between the message and per-peer side areas), get every operation's staging
+  laid out one after another (each at a multiple of the largest element size), a shared message's as one
+  range. The program remembers the groups (`RankProgram.carriers`) for engines that replay the
+  collectives instead of the steps (NCCL, `nccl_plan.nccl_program`, which keeps each bundle's own
+  gathers and scatters and joins only the cross-host message).
 - `lower.in_device_order`: each operation's messages wait for the device's earlier operations, and
   staging is re-used run after run.
 - `one_tensor_at_a_time`: every tensor's steps after the previous tensor's, each tensor's staging from
@@ -33,8 +35,7 @@ from xmesh_plan.schemas.carriers import group_key
 from xmesh_plan.schemas.plan_tensors import is_multi
 from xmesh_plan.schemas.staging import aligned, stage_budget
 
-from .errors import PlanMismatchError
-from .lower import Action, Bytes, RankProgram, Step, in_device_order, new_bytes, stage_ranges
+from .lower import Action, Bytes, RankProgram, Step, in_device_order, stage_ranges
 from .plan_file import PlanFile, lower_part
 
 
@@ -77,8 +78,9 @@ def collector_paused():
 
 def _rank_program(plan: Plan | PlanFile, device: int, order: str, concurrent: bool, tag_limit: int | None,
                   receipt_bytes: int | None, collectives: bool) -> RankProgram:
-    ops, program = lower_part(plan, device, tag_limit, collectives)
-    if is_multi(plan) and order == "posted" and not concurrent:
+    alone = is_multi(plan) and order == "posted" and not concurrent
+    ops, program = lower_part(plan, device, tag_limit, collectives, share=not alone)
+    if alone:
         return one_tensor_at_a_time(program)
     carriers = {op.id: group_key(op) for op in ops.operations if op.carrier is not None}
     if carriers:
@@ -91,19 +93,22 @@ def _rank_program(plan: Plan | PlanFile, device: int, order: str, concurrent: bo
 
 
 def share_messages(program: RankProgram, carriers: Mapping[int, int]) -> RankProgram:
-    """The program with every operation's staging in one area, one after another in step order, each at a
-    multiple of `program.align`, and one cross-host send (and receive) per shared message over the bytes of
-    every bundle in it, with the carrier's tag (`carriers`: bundle -> the operation whose message carries it,
-    for this device's bundles that ride in another's message)."""
-    steps, stage_bytes = _one_area(program.steps, program.align)
-    steps = _merge_crossings(steps, carriers)
+    """A program lowered with its shared messages together (`lower.lower(..., share=True)`: one message per pair of
+    devices and one cross-host message per shared message) with every operation's staging in one area, one after
+    another in step order, each at a multiple of `program.align`, a shared message's staging one range
+    (`carriers`: bundle -> the operation whose message carries it, for this device's bundles that ride in another's
+    message). The program remembers the groups for engines that replay the collectives instead (NCCL,
+    `nccl_plan.nccl_program`)."""
+    steps, stage_bytes = _one_area(program.steps, program.align, carriers)
     return replace(program, steps=steps, stage_bytes=stage_bytes, carriers=tuple(sorted(carriers.items())))
 
 
-def _one_area(steps: tuple[Step, ...], align: int) -> tuple[tuple[Step, ...], int]:
-    """The steps with every operation's staging moved into one area, one after another in step order, each
-    starting at a multiple of `align` (`schemas.staging.chained`); and the area's size."""
-    spans = stage_ranges(steps, [s.op for s in steps])
+def _one_area(steps: tuple[Step, ...], align: int, key: Mapping[int, int]) -> tuple[tuple[Step, ...], int]:
+    """The steps with every operation's staging (a shared message's, keyed by its carrier: `key`) moved into one area,
+    one after another in step order, each starting at a multiple of `align` (`schemas.staging.chained`); and the
+    area's size."""
+    keys = [key.get(s.op, s.op) for s in steps]
+    spans = stage_ranges(steps, keys)
     shift, at = {}, 0
     for op, (lo, hi) in spans.items():  # dicts keep the order of first appearance: step order
         if hi > lo:
@@ -113,52 +118,9 @@ def _one_area(steps: tuple[Step, ...], align: int) -> tuple[tuple[Step, ...], in
             at = start + hi - lo
     if not shift:
         return steps, at
-    moved = tuple(s.at(s.index, s.deps, new_bytes("stage", s.data.start - shift[s.op], s.data.stop - shift[s.op], 0))
-                  if s.op in shift and s.data is not None and s.data.buffer == "stage" else s for s in steps)
+    moved = tuple(s.shifted(s.index, s.deps, shift[k]) if k in shift and s.data is not None and s.data.buffer == "stage" else s
+                  for s, k in zip(steps, keys))
     return moved, at
-
-
-def _merge_crossings(steps: tuple[Step, ...], key: Mapping[int, int]) -> tuple[Step, ...]:
-    """One cross-host send (and receive) per shared message, over the bytes of every bundle in it (laid out one
-    after another by `_one_area`), with the carrier's tag: the receive where the first bundle's was (what waited
-    for a dropped one waits for it), the send where the last bundle's was (after every gather it waits for), so
-    every dependency still points backwards. The others are dropped."""
-    crossing: dict[tuple[str, int], list[int]] = {}
-    carriers = set(key.values())
-    for i, s in enumerate(steps):
-        if s.piece == "bundle" and (s.op in key or s.op in carriers):
-            crossing.setdefault((s.action, key.get(s.op, s.op)), []).append(i)
-    instead: dict[int, int] = {}  # dropped step -> the step that carries its bytes
-    merged: dict[int, Step] = {}
-    for (action, group), indices in crossing.items():
-        if len(indices) < 2:
-            continue
-        first, last = steps[indices[0]], steps[indices[-1]]
-        for a, b in zip(indices, indices[1:]):
-            if steps[a].data.stop != steps[b].data.start:
-                raise PlanMismatchError(f"{first.describe()}: the bundles of operation {group}'s message are not laid out "
-                                        "one after another in staging; recompile the plan and check it with `xmesh-plan verify`")
-        deps = sorted({d for i in indices for d in steps[i].deps} - set(indices))
-        keep = indices[-1] if action is Action.SEND else indices[0]
-        merged[keep] = replace(steps[keep], data=Bytes("stage", first.data.start, last.data.stop), deps=tuple(deps), tag=first.tag)
-        instead |= {i: keep for i in indices if i != keep}
-    if not instead:
-        return steps
-    kept = [i for i in range(len(steps)) if i not in instead]
-    index = [0] * len(steps)  # old step -> its new index (a dropped one: its carrier's)
-    for new, old in enumerate(kept):
-        index[old] = new
-    for old, to in instead.items():
-        index[old] = index[to]
-    out = []
-    remade: dict[tuple[int, ...], tuple[int, ...]] = {}  # deps -> renumbered: one tuple for the steps that wait alike
-    for i in kept:
-        s = merged.get(i, steps[i])
-        deps = remade.get(s.deps)
-        if deps is None:
-            deps = remade[s.deps] = tuple(sorted({index[d] for d in s.deps}))
-        out.append(s if index[i] == i and deps == s.deps else s.moved(index[i], deps))  # steps before the first dropped one stay
-    return tuple(out)
 
 
 def one_tensor_at_a_time(program: RankProgram) -> RankProgram:
@@ -189,10 +151,7 @@ def one_tensor_at_a_time(program: RankProgram) -> RankProgram:
         deps = tuple(new_index[d] for d in s.deps)
         if barrier and s.action.reads_staging_first:
             deps, gated = tuple(sorted(set(deps) | set(barrier))), True
-        data = s.data
-        if data is not None and data.buffer == "stage":
-            data = new_bytes("stage", data.start - shift[s.op], data.stop - shift[s.op], 0)
-        steps.append(s.at(len(steps), deps, data))
+        steps.append(s.shifted(len(steps), deps, shift[s.op]))
         run.append(len(steps) - 1)
     collectives = tuple(sorted(program.collectives, key=lambda c: c.tensor))
     return replace(program, steps=tuple(steps), stage_bytes=max(used.values(), default=0), collectives=collectives)

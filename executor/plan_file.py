@@ -95,10 +95,11 @@ def open_plan(path: str | os.PathLike) -> Plan | PlanFile:
 
 
 def lower_part(plan: Plan | PlanFile, device: int, tag_limit: int | None = None,
-               collectives: bool = True) -> tuple[DeviceOps, RankProgram]:
-    """(the operations `device` takes part in, its posted program, with its collectives where asked) of a plan object
-    (checked whole, once per object) or a plan file (its part read and checked on its own: `lower.lower_device_ops`)."""
+               collectives: bool = True, share: bool = False) -> tuple[DeviceOps, RankProgram]:
+    """(the operations `device` takes part in, its posted program, with its collectives where asked, each shared message
+    lowered together where `share`) of a plan object (checked whole, once per object) or a plan file (its part read and
+    checked on its own: `lower.lower_device_ops`)."""
     if isinstance(plan, PlanFile):
         ops = plan.device_ops(device)
-        return ops, lower_device_ops(ops, device, tag_limit, collectives)
-    return device_ops(plan, device), lower(plan, device, tag_limit, collectives)
+        return ops, lower_device_ops(ops, device, tag_limit, collectives, share)
+    return device_ops(plan, device), lower(plan, device, tag_limit, collectives, share)

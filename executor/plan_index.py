@@ -28,7 +28,7 @@ from xmesh_plan.schemas import Operation, Plan
 from xmesh_plan.schemas.geometry import Region
 from xmesh_plan.schemas.op_kinds import first_tags, members
 from xmesh_plan.schemas.plan_check import PlanError, check_plan
-from xmesh_plan.schemas.plan_compact import DeviceOps
+from xmesh_plan.schemas.plan_compact import DeviceOps, shared_ids
 
 from .errors import PlanMismatchError
 
@@ -90,8 +90,9 @@ def device_ops(plan: Plan, device: int) -> DeviceOps:
     index = plan_index(plan)
     rows = index.by_device.get(device, ())
     operations, first = plan.operations, index.first_tag
-    return DeviceOps(plan.schema_version, plan.problem, tuple(operations[k] for k in rows), rows,
-                     tuple(first[k] for k in rows), index.tags, plan.staging)
+    mine = tuple(operations[k] for k in rows)
+    shared = shared_ids(mine, rows, lambda after: [operations[r].carrier if r < len(operations) else None for r in after])
+    return DeviceOps(plan.schema_version, plan.problem, mine, rows, tuple(first[k] for k in rows), index.tags, plan.staging, shared)
 
 
 def refusal_advice(message: str) -> str:

@@ -238,6 +238,8 @@ class TorchEngine:
         elif s.action is Action.COPY:
             target, source = into.typed[s.target.tensor], self.src_typed[s.box.tensor]
             self.buffers[i] = None if target is None or source is None else (target[s.target.index], source[s.box.index])
+        elif s.action is Action.MOVE:  # staging bytes to staging bytes (a shared message's pieces)
+            self.buffers[i] = (self.stage[s.data.start:s.data.stop], self.stage[s.origin.start:s.origin.stop])
         else:
             t = s.box.tensor
             staged = self.staged.get(i)  # made once: rebinding a destination each call remakes only its own side

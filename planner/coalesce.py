@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 from xmesh_plan.schemas import ReshardingProblem
 from xmesh_plan.schemas.carriers import bundle_bytes
-from xmesh_plan.schemas.geometry import Region
+from xmesh_plan.schemas.geometry import Region, region_size
 
 from .scheduling import Option, SchedulingTask
 from .strategies import PlannedOp, StrategyResult
@@ -174,7 +174,8 @@ TimedOp = tuple[float, int, int | None, PlannedOp]
 
 
 def share_messages(timed_ops: list[TimedOp], itemsizes: list[int], bucket_bytes: int, host_of,
-                   latency_s: float = 0.0, overhead_s: float = 0.0, intra_bytes_per_s: float | None = None) -> list[list[TimedOp]]:
+                   latency_s: float = 0.0, overhead_s: float = 0.0, intra_bytes_per_s: float | None = None,
+                   limit_bytes: int | None = None) -> list[list[TimedOp]]:
     """The operations in order, bundles of any tensors between the same two hosts grouped into shared
     messages of at most `bucket_bytes` (`schemas.carriers`): each bundle, in list order, joins the open
     group of its host pair when the total, with the most alignment padding a holder could add, stays within
@@ -182,8 +183,11 @@ def share_messages(timed_ops: list[TimedOp], itemsizes: list[int], bucket_bytes:
     carries a multiple of the largest element size; it takes the group's relays and start. Every other
     operation is a group of one. A weight sync's many small tensors then cross each host pair in a few
     messages instead of one or more per tensor. Every bundle of a shared message lasts as long as the message:
-    its bundles' durations less the latency and overhead that all but one of them no longer pay."""
+    its bundles' durations less the latency and overhead that all but one of them no longer pay. With a staging
+    limit (`limit_bytes`) a group also stays within what its relays could stage, whichever devices become its relays
+    (`carriers.group_staging`: the message, and side areas holding at most every part once per needer)."""
     align = max(itemsizes)
+    relay_bound: dict[tuple[int, int], int] = {}  # host pair -> the open group's bound on its relays' staging
     groups: list[list[TimedOp]] = []
     open_group: dict[tuple[int, int], tuple[int, int]] = {}  # host pair -> (index in groups, bytes so far)
     sizes: dict[tuple[int, int], int] = {}  # (id of a bundle, its itemsize) -> its bytes: tensors of one kind share their bundles
@@ -201,16 +205,23 @@ def share_messages(timed_ops: list[TimedOp], itemsizes: list[int], bucket_bytes:
         index, total = open_group.get(pair, (-1, 0))
         # a holder stages its parts of each bundle at a multiple of `align` (schemas.staging.chained): count that
         # padding too, so no device of the group stages more than the bucket (the staging limit, when one is set)
-        if index >= 0 and total + nbytes + len(groups[index]) * (align - 1) <= bucket_bytes:
+        relays = 0
+        if limit_bytes is not None:  # side areas: each part once per needer at most, each piece padded to `align` at most
+            part_bytes = [region_size(p) * itemsize for p in op.parts]
+            relays = sum(n * len(need) + 2 * (align - 1) * (1 + len(need)) for n, need in zip(part_bytes, op.needers))
+        within = index < 0 or limit_bytes is None or total + nbytes + relay_bound[pair] + relays <= limit_bytes
+        if index >= 0 and within and total + nbytes + len(groups[index]) * (align - 1) <= bucket_bytes:
             head = groups[index][0]
             key = (id(op), head[3].src, head[3].dsts)
             if key not in relayed:
                 relayed[key] = op.sent(head[3].src, head[3].dsts, op.duration_s, op.tail_s)
             groups[index].append((head[0], task, tensor, relayed[key]))
             total += nbytes
+            relay_bound[pair] = relay_bound.get(pair, 0) + relays
         else:
             groups.append([item])
             index, total = len(groups) - 1, nbytes
+            relay_bound[pair] = relays
         open_group[pair] = (index, total) if nbytes % align == 0 else (-1, 0)  # a ragged bundle ends its group
     groups = _balanced_relays(groups, itemsizes, None if intra_bytes_per_s is None else (latency_s, intra_bytes_per_s))
     lasting: dict[tuple[int, ...], list[PlannedOp]] = {}  # ids of a message's bundles -> them lasting as one (layers repeat messages)

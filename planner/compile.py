@@ -196,7 +196,7 @@ def assemble_rows(problem: ReshardingProblem | TransferProblem, works: list[Tens
     else:  # shared messages timed as their NIC sides take them (`coalesce.retimed_on_nics`)
         groups, moved = retimed_on_nics(share_messages(timed_ops, [w.problem.itemsize for w in works], share_bytes,
                                                        cluster.host_of, cluster.latency_s, cluster.overhead_s,
-                                                       cluster.intra_bytes_per_s),
+                                                       cluster.intra_bytes_per_s, max_staging_bytes),
                                         timing, cluster.host_of)
         per_resource = {key: [(moved.get(t, at), t) for at, t in v] for key, v in per_resource.items()}
     del timed_ops, timing

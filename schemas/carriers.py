@@ -5,9 +5,10 @@ tensors between the same two relays can ride in the same message: each names the
 bundle as its `carrier`, the group's bundles are listed one after another right after it, and every
 one of them has the carrier's relays (`src`, `dsts`). Each bundle stays a whole bundle of its own
 tensor (its holders gather to the sending relay, the receiving relay scatters), so the verifier and
-the executor's per-tensor lowering see it as before; only the one cross-host message is shared:
-the executor's joint program (`executor.joint`) lays the group's staging out one bundle after
-another and sends it as one message, and the simulator times the group as one bundle (`fused`).
+the executor's per-tensor lowering see it as before; the message is shared, and so are the
+messages inside each host: the executor lowers the group together (`executor.lower._lower_group`), one
+message per pair of devices (`group_runs`), the relays staging the message and a side area per peer
+(`group_staging`), and the simulator times the group as one bundle (`fused`).
 Every bundle of a group but the last carries a multiple of `align` bytes (the plan's largest element
 size), so each one's staging starts where the executor's views need it with no padding in between.
 
@@ -26,6 +27,7 @@ from __future__ import annotations
 from typing import Sequence
 
 from .geometry import region_size
+from .staging import aligned, chained
 from .op_kinds import OpLike
 from .plan import Operation
 
@@ -47,6 +49,77 @@ def message_groups(operations: Sequence[Operation]) -> list[list[Operation]]:
             out[-1].append(op)
         else:
             out.append([op])
+    return out
+
+
+Piece = tuple[int, int]
+"""(member, part): part `part` of the group's `member`-th bundle."""
+DeviceRun = tuple[int, tuple[Piece, ...]]
+"""(device, pieces): one intra-host message of a shared message, the pieces in group order."""
+
+
+def group_runs(group: Sequence[Operation | OpLike]) -> tuple[tuple[DeviceRun, ...], tuple[DeviceRun, ...]]:
+    """(gathers, scatters) of a shared message of two or more bundles, one intra-host message per pair of devices:
+    each holder other than the sending relay sends every part it holds, member after member and in part order,
+    in one message (holders in order of first part); the receiving relay sends each other needer every part it
+    needs in one message (needers in order of first need). A device's pieces are in general not one run of the
+    cross-host message, so the relays stage them apart (the executor moves them in or out of the message inside
+    staging). The messages a group of many small bundles needs fall from one per bundle and device to one per device.
+
+    >>> from xmesh_plan.schemas.plan import Operation
+    >>> a = Operation(id=0, task=0, tensor=0, kind="bundle", src=0, dsts=(4,), region=((0, 2),), parts=(((0, 1),), ((1, 2),)), holders=(1, 2), needers=((5,), (4, 6)))
+    >>> b = Operation(id=1, task=1, tensor=1, kind="bundle", src=0, dsts=(4,), region=((0, 3),), parts=(((0, 3),),), holders=(1,), needers=((5, 6),), carrier=0)
+    >>> group_runs([a, b])
+    (((1, ((0, 0), (1, 0))), (2, ((0, 1),))), ((5, ((0, 0), (1, 0))), (6, ((0, 1), (1, 0)))))
+    """
+    src, relay = group[0].src, group[0].dsts[0]
+    gathers: dict[int, list[Piece]] = {}
+    scatters: dict[int, list[Piece]] = {}
+    for m, op in enumerate(group):
+        for i, (holder, need) in enumerate(zip(op.holders, op.needers)):
+            if holder != src:
+                gathers.setdefault(holder, []).append((m, i))
+            for d in need:
+                if d != relay:
+                    scatters.setdefault(d, []).append((m, i))
+    return (tuple((h, tuple(pieces)) for h, pieces in gathers.items()),
+            tuple((d, tuple(pieces)) for d, pieces in scatters.items()))
+
+
+def piece_layout(pieces: Sequence[Piece], sizes: Sequence[Sequence[int]], align: int) -> tuple[tuple[int, ...], int]:
+    """(each piece's first byte, the bytes in all) of a staging area holding `pieces` (given member by member, in part
+    order within a member, as `group_runs` lists them): each member's chunk starts at a multiple of `align`, its parts
+    one after another (`sizes[m][i]`: the bytes of part i of member m). A relay's message area is every piece of the
+    group (each member's bytes a multiple of `align` but the last, `carrier_fault`, so the members lie one after
+    another); a holder's or needer's area, and the relays' side areas, are that device's pieces.
+
+    >>> piece_layout(((0, 0), (0, 2), (1, 0)), ((6, 2, 4), (8,)), 8)
+    ((0, 6, 16), 24)
+    """
+    offsets, at, member = [], 0, -1
+    for m, i in pieces:
+        if m != member:
+            at, member = aligned(at, align), m
+        offsets.append(at)
+        at += sizes[m][i]
+    return tuple(offsets), at
+
+
+def group_staging(group: Sequence[Operation | OpLike], sizes: Sequence[Sequence[int]], align: int) -> dict[int, int]:
+    """Device -> the bytes a shared message of two or more bundles stages on it, as the executor lays them out
+    (`executor.lower`): each holder and needer its pieces' area (`piece_layout`); the sending relay the message, then
+    a side area per holder (what it receives before moving the pieces into the message); the receiving relay the
+    message, then a side area per needer (what it moves the pieces into before sending them). Each area starts at a
+    multiple of `align`. `sizes[m][i]`: the bytes of part i of member m."""
+    gathers, scatters = group_runs(group)
+    every = tuple((m, i) for m, op in enumerate(group) for i in range(len(op.parts)))
+    message = piece_layout(every, sizes, align)[1]
+    out: dict[int, int] = {}
+    for relay, runs in ((group[0].src, gathers), (group[0].dsts[0], scatters)):
+        areas = [piece_layout(pieces, sizes, align)[1] for _, pieces in runs]
+        out[relay] = chained([message, *areas], align)
+        for (device, _), nbytes in zip(runs, areas):
+            out[device] = out.get(device, 0) + nbytes
     return out
 
 

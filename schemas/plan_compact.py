@@ -859,6 +859,18 @@ class DeviceOps:
     first_tags: tuple[int, ...]
     tags: int
     staging: Any = None
+    shared: frozenset[int] = frozenset()  # ids of these operations whose bundle shares its message with another (`shared_ids`)
+
+
+def shared_ids(operations, rows, carrier_after) -> frozenset[int]:
+    """The ids of `operations` (at plan rows `rows`) that ride in a shared message of two or more bundles
+    (`schemas.carriers`): those with a carrier, and those the next plan row names as its carrier (`carrier_after(rows)`:
+    the carrier of the row after each of `rows`, None past the end), which a device holding or needing only the first
+    bundle of a group cannot tell from its own operations."""
+    heads = [k for k, op in enumerate(operations) if op.carrier is None and op.kind == "bundle"]
+    after = carrier_after([rows[k] + 1 for k in heads]) if heads else []
+    return frozenset([op.id for op in operations if op.carrier is not None]
+                     + [operations[k].id for k, nxt in zip(heads, after) if nxt == operations[k].id])
 
 
 def device_rows(m: _Members, device: int | None) -> np.ndarray:
@@ -905,10 +917,11 @@ def stores_integers(m: _Members, table: str) -> bool:
         and all(m.where[name][0].kind in "iu" for name in ("boxes.dims", "boxes.values") if name in m)
 
 
-def read_device_data(path, device: int | None) -> tuple[dict, list[dict], np.ndarray, list[int], int, bool]:
+def read_device_data(path, device: int | None) -> tuple[dict, list[dict], np.ndarray, list[int], int, bool, Callable]:
     """(the plan's fields less its tables, the operations `device` takes part in as plain dicts, their rows, their
     first message tags, the plan's tags, whether the file stores its operations' integers as integers:
-    `stores_integers`) of the file at `path` or open as `path` (`_Members`)."""
+    `stores_integers`, and a function giving the carrier of given rows, for `shared_ids`) of the file at `path` or
+    open as `path` (`_Members`)."""
     m = _Members(path)
     header = _header(m)
     rows = device_rows(m, device)
@@ -916,5 +929,10 @@ def read_device_data(path, device: int | None) -> tuple[dict, list[dict], np.nda
     count = header["counts"].get("operations")
     if not isinstance(count, int) or len(tags) != count + 1:
         raise CompactPlanError("index.first_tags does not match the operations' count (damaged)")
+    def carrier_after(after: list[int]) -> list:
+        inside = np.asarray([r for r in after if r < count], dtype=np.int64)
+        found = iter(_decode_optional_int(m, "operations.carrier", inside) if len(inside) else [])
+        return [next(found) if r < count else None for r in after]
+
     return (header["plan"], _rows(m, "operations", rows), rows, np.asarray(tags[rows]).tolist(), int(tags[-1]),
-            stores_integers(m, "operations"))
+            stores_integers(m, "operations"), carrier_after)

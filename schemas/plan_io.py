@@ -19,7 +19,8 @@ from .files import DataFileError, _existing_or_example, parse_data, read_text_fi
 from .limits import quoted
 from .op_kinds import first_tags as number_tags
 from .plan import SCHEMA_VERSIONS, AnyProblem, HostOrder, Operation, Plan, Staging, UnitTask, PlanFileError, plan_from_data, read_plan_file
-from .plan_compact import CompactPlanError, DeviceOps, _op_devices, compact_bytes, is_compact, read_compact_data, read_device_data
+from .plan_compact import (CompactPlanError, DeviceOps, _op_devices, compact_bytes, is_compact, read_compact_data, read_device_data,
+                           shared_ids)
 from .validation import describe_validation_error
 
 __all__ = ["FORMATS", "DeviceOps", "file_format", "format_for", "plan_file_bytes", "read_plan_data", "read_plan_head", "read_plan_ops",
@@ -156,9 +157,12 @@ def read_plan_ops(path: str | os.PathLike, device: int | None, handle: BinaryIO 
         plan = read_plan_file(path)
         rows = tuple(i for i, op in enumerate(plan.operations) if device in _op_devices(op))
         first, tags = number_tags(plan.operations)
-        return DeviceOps(plan.schema_version, plan.problem, tuple(plan.operations[i] for i in rows), rows,
-                         tuple(first[i] for i in rows), tags, plan.staging)
-    fields, ops, rows, first_tags, tags, integral = _compact(path, read_device_data, device, handle=handle)
+        operations = tuple(plan.operations[i] for i in rows)
+        every = plan.operations
+        shared = shared_ids(operations, rows, lambda after: [every[r].carrier if r < len(every) else None for r in after])
+        return DeviceOps(plan.schema_version, plan.problem, operations, rows, tuple(first[i] for i in rows), tags, plan.staging,
+                         shared)
+    fields, ops, rows, first_tags, tags, integral, carrier_after = _compact(path, read_device_data, device, handle=handle)
     version = fields.get("schema_version")
     if version not in SCHEMA_VERSIONS:
         plan_from_data(fields, path)  # the one-line message a whole-plan read gives
@@ -169,7 +173,12 @@ def read_plan_ops(path: str | os.PathLike, device: int | None, handle: BinaryIO 
             problem = _PROBLEM.validate_python(fields.get("problem"))
             staging = None if fields.get("staging") is None else Staging.model_validate(fields["staging"])
         operations = _operations(ops, integral)
+        rows = tuple(rows.tolist())
+        try:
+            shared = shared_ids(operations, rows, carrier_after)
+        except (CompactPlanError, OSError) as err:
+            raise PlanFileError(f"{quoted(path)}: not a readable compact plan ({err}); {_FIX}") from None
     except ValidationError as err:
         raise PlanFileError(f"{quoted(path)}: {describe_validation_error(err)}") from None
-    return DeviceOps(version, problem, operations, tuple(rows.tolist()), tuple(first_tags), tags, staging)
+    return DeviceOps(version, problem, operations, rows, tuple(first_tags), tags, staging, shared)
 

@@ -242,8 +242,9 @@ def chained(sizes: Sequence[int], align: int) -> int:
 def footprints(plan: "Plan") -> dict[int, list[Footprint]]:
     """Device -> (peers, staged bytes) of each operation it takes part in, in plan order, across tensors
     (each operation staged in its own tensor's shards); the bundles of one shared message
-    (`schemas.carriers`) count as one operation, their staging one after another (`chained`)."""
-    from .carriers import message_groups
+    (`schemas.carriers`) count as one operation, staging what the executor lays out for it (`carriers.group_staging`:
+    each holder's and needer's pieces, the relays' message and side areas)."""
+    from .carriers import group_staging, message_groups
 
     shards = [(p.blocks("src"), p.blocks("dst"), p.itemsize) for p in plan.problem.tensor_problems()]
     kind = shard_kinds(shards)
@@ -265,14 +266,13 @@ def footprints(plan: "Plan") -> dict[int, list[Footprint]]:
             for device, footprint in each(group[0]):
                 out.setdefault(device, []).append(footprint)
             continue
-        mine: dict[int, tuple[set[int], list[int]]] = {}
+        mine: dict[int, set[int]] = {}
         for op in group:
-            for device, (near, nbytes) in each(op):
-                talks, sizes = mine.setdefault(device, (set(), []))
-                talks |= near
-                sizes.append(nbytes)
-        for device, (talks, sizes) in mine.items():
-            out.setdefault(device, []).append((frozenset(talks), chained(sizes, align)))
+            for device, (near, _) in each(op):
+                mine.setdefault(device, set()).update(near)
+        staged = group_staging(group, [[region_size(p) * shards[op.tensor or 0][2] for p in op.parts] for op in group], align)
+        for device, talks in mine.items():
+            out.setdefault(device, []).append((frozenset(talks), staged.get(device, 0)))
     return out
 
 

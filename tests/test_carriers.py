@@ -9,12 +9,16 @@ simulator's time against a hand formula, and the plan check against malformed gr
 from __future__ import annotations
 
 import math
+from collections import Counter
 from pathlib import Path
 
 import numpy as np
 import pytest
 from click.testing import CliRunner
 
+from xmesh_plan.executor.lower import Action
+from xmesh_plan.executor.passes import rank_program
+from xmesh_plan.executor.plan_file import PlanFile
 from xmesh_plan.executor.ranks import plan_devices
 from xmesh_plan.executor.scale import factors_per_tensor, scale_tensors
 from xmesh_plan.planner.cli import main
@@ -23,7 +27,9 @@ from xmesh_plan.planner.inspect_plan import plan_loads
 from xmesh_plan.planner.transfer_io import build_transfer, load_any_problem
 from xmesh_plan.planner.verify import verify_plan
 from xmesh_plan.schemas import Plan
+from xmesh_plan.schemas.files import write_atomic
 from xmesh_plan.schemas.geometry import region_size
+from xmesh_plan.schemas.plan_compact import compact_bytes
 from xmesh_plan.schemas.plan_check import PlanError, check_plan
 from xmesh_plan.schemas.staging import staging_peaks
 from tests.support.launch import MPIEXEC, run_demo, torchrun
@@ -102,6 +108,51 @@ def test_one_message_crosses_hosts_per_group_bit_exact_on_a_fake_mpi(shared, sep
         assert {ex.device: ex.stage_bytes for ex in executors if ex.stage_bytes} == peaks
     groups = _groups(shared)
     assert crossed["shared"] == len(groups) < len(separate.operations) == crossed["separate"]
+
+
+def _pairs_by_definition(group) -> dict[int, Counter]:
+    """Device -> Counter of (send or recv, peer) of one shared message of two or more bundles, from the definition
+    written out here: each holder other than the sending relay sends it one message, which sends one across, and
+    the receiving relay sends one to each needer other than itself."""
+    src, relay = group[0].src, group[0].dsts[0]
+    holders = {h for op in group for h in op.holders if h != src}
+    needers = {d for op in group for need in op.needers for d in need if d != relay}
+    out: dict[int, Counter] = {src: Counter({("send", relay): 1}), relay: Counter({("recv", src): 1})}
+    for h in holders:
+        out[h] = Counter({("send", src): 1})
+        out[src][("recv", h)] += 1
+    for d in needers:
+        out[d] = Counter({("recv", relay): 1})
+        out[relay][("send", d)] += 1
+    return out
+
+
+@pytest.mark.parametrize("order", ["posted", "device"])
+def test_a_shared_message_is_one_message_per_pair_of_devices(shared, tmp_path, order):
+    """Each device's program (read from a compact file, as a rank reads its part) sends and receives exactly one
+    message per pair of devices of each shared message, under the carrier's id; every send has one receive with the
+    same peers, tag and size, no two messages between a pair share a tag, and every tag is one the plan owns."""
+    path = tmp_path / "shared.plan.npz"
+    write_atomic(path, compact_bytes(shared))
+    source = PlanFile.read(path)
+    groups = [g for g in _groups(shared) if len(g) > 1]
+    want: dict[int, Counter] = {}
+    for group in groups:
+        for device, pairs in _pairs_by_definition(group).items():
+            want.setdefault(device, Counter()).update({(group[0].id, action, peer): n for (action, peer), n in pairs.items()})
+    members = {op.id for g in groups for op in g}
+    sends, recvs = Counter(), Counter()
+    for device in plan_devices(shared):
+        program = rank_program(source, device, order, True, 2**20)
+        messages = [s for s in program.steps if s.action.is_message and s.data.buffer != "receipt"]
+        got = Counter((s.op, str(s.action), s.peer) for s in messages if s.op in members)
+        assert got == want.get(device, Counter()), device
+        for s in messages:
+            (sends if s.action is Action.SEND else recvs)[(device, s.peer, s.tag) if s.action is Action.SEND
+                                                           else (s.peer, device, s.tag), s.data.nbytes] += 1
+    assert sends == recvs and max(sends.values()) == 1
+    assert len({key for key, _ in sends}) == len(sends)  # a pair's messages never share a tag
+    assert max(tag for (_, _, tag), _ in sends) < source.tags
 
 
 def test_random_multi_tensor_plans_with_shared_messages_are_bit_exact():
@@ -268,11 +319,13 @@ def test_mpiexec_runs_shared_messages_bit_exact(tmp_path, shared, order):
 
 @pytest.mark.slow
 @pytest.mark.timeout(800)
-def test_torchrun_runs_shared_messages_on_gloo_bit_exact(tmp_path, shared):
-    """The torch engine's device order replays the joint program, so it sends each group as one message."""
+@pytest.mark.parametrize("order", ["device", "posted"])
+def test_torchrun_runs_shared_messages_on_gloo_bit_exact(tmp_path, shared, order):
+    """The torch engine's device order replays the joint program, so it sends each group one message per pair of
+    devices (with receipts on gloo); posted, it runs one tensor after another, each bundle with its own messages."""
     pytest.importorskip("torch")
     path = _write(tmp_path, shared)
-    result = torchrun(8, "xmesh_plan.executor.torch_run", str(path), "--check", "--iters", "2", timeout=700)
+    result = torchrun(8, "xmesh_plan.executor.torch_run", str(path), "--check", "--iters", "2", "--order", order, timeout=700)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "check ok: every destination shard of every tensor bit-exact" in result.stdout, result.stdout
 

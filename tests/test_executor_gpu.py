@@ -423,6 +423,14 @@ def test_the_weight_sync_runs_on_fake_nccl_in_device_order_with_shared_messages(
     groups = [g for g in message_groups(plan.operations) if g[0].kind == "bundle"]
     assert len(groups) < len(bundles)
     assert crossing_messages(executors) == len(groups)
+    # one broadcast per pair of devices of each shared message (its carrier's): each other holder's, the crossing, each other needer's
+    shared = [g for g in groups if len(g) > 1]
+    want = sum(1 + len({h for op in g for h in op.holders if h != g[0].src})
+               + len({d for op in g for need in op.needers for d in need if d != g[0].dsts[0]}) for g in shared)
+    heads = {g[0].id for g in shared}
+    sent = sum(1 for ex in executors for c in ex.engine.calls.actions
+               if getattr(c, "action", None) == "bcast" and c.root == ex.device and c.op in heads)
+    assert shared and sent == want
     run_transfer_on_fake(executors, gpu)
 
 

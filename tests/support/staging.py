@@ -44,19 +44,26 @@ def brute_force_peaks(plan: Plan, order: str = "device") -> dict[int, int]:
     staged unless numpy finds them one run of its shard of that tensor, each at a multiple of the largest
     element. Posted order holds them all at once; device order cuts runs of the same peers (from the route's
     messages) before they pass the plan's limit. Bundles sharing one message (`carrier`: listed after the
-    bundle named) count as one operation on a device: their peers together, their boxes one after another."""
+    bundle named) count as one operation on a device: their peers together, and what `_shared_staging` says."""
     problems = plan.problem.tensor_problems()
     align = max(p.itemsize for p in problems)
     per_device: dict[int, list[tuple[frozenset, int, int]]] = {}
+    groups: list[list] = []
     for op in plan.operations:
-        for d in members(op):
-            talks, n = brute_footprint(op, d, problems[op.tensor or 0])  # a single-tensor plan names no tensor
-            items = per_device.setdefault(d, [])
-            if op.carrier is not None and items and items[-1][2] == op.carrier:  # the same message as the one before
-                before, used, _ = items[-1]
-                items[-1] = (before | talks, (-(-used // align) * align if n else used) + n, op.carrier)
-            else:
-                items.append((talks, n, op.id if op.carrier is None else op.carrier))
+        if op.carrier is not None and groups and groups[-1][0].id == op.carrier:
+            groups[-1].append(op)
+        else:
+            groups.append([op])
+    for group in groups:
+        staged = _shared_staging(group, problems, align) if len(group) > 1 else None
+        for op in group:
+            for d in members(op):
+                talks, n = brute_footprint(op, d, problems[op.tensor or 0])  # a single-tensor plan names no tensor
+                items = per_device.setdefault(d, [])
+                if staged is not None and op is not group[0] and items and items[-1][2] == group[0].id:
+                    items[-1] = (items[-1][0] | talks, staged.get(d, 0), group[0].id)
+                else:
+                    items.append((talks, n if staged is None else staged.get(d, 0), group[0].id))
     budget, out = stage_budget(plan), {}
     for d, items in per_device.items():
         peak, peers, used = 0, frozenset(), 0
@@ -69,6 +76,37 @@ def brute_force_peaks(plan: Plan, order: str = "device") -> dict[int, int]:
             peak = max(peak, used)
         if peak:
             out[d] = peak
+    return out
+
+
+def _shared_staging(group, problems, align: int) -> dict[int, int]:
+    """Device -> bytes one shared message of two or more bundles stages there, from its definition: each device's
+    pieces in one area, member by member, each member's bytes from a multiple of `align`; the sending relay the
+    whole message, then one area per other holder; the receiving relay the message, then one area per other needer;
+    every area from a multiple of `align`."""
+    def up(n: int) -> int:
+        return -(-n // align) * align
+
+    src, relay = group[0].src, group[0].dsts[0]
+    area: dict[tuple[str, int], int] = {}  # (gathers or scatters, device) -> its area's bytes
+    message = 0
+    for op in group:
+        size = problems[op.tensor or 0].itemsize
+        counted = set()
+        for part, holder, need in zip(op.parts, op.holders, op.needers):
+            n = region_size(part) * size
+            message += n
+            for key in [("g", holder)] * (holder != src) + [("s", d) for d in need if d != relay]:
+                start = area.get(key, 0) if key in counted else up(area.get(key, 0))  # a new member starts aligned
+                area[key] = start + n
+                counted.add(key)
+    out = {d: n for (_, d), n in area.items()}
+    for relay_device, side in ((src, "g"), (relay, "s")):
+        at = message
+        for (which, _), n in area.items():
+            if which == side and n:
+                at = up(at) + n
+        out[relay_device] = at
     return out
 
 
