@@ -491,7 +491,7 @@ NAME.plan.npz` does; json: the shrunk rows of `frontier-shrunk.json`, whose poin
 **verify s**; the plan's predicted time over the byte bound (**/ bound**) and its time in the executor's order
 (**executor / bound**, where the plan states it), and what timed the plan (`solver.details.timed_by`): the
 simulator in host order, or the schedule's own timetable for a plan of more than `compile.MAX_SIMULATED_MESSAGES`
-messages (counted from its operations before any flow is made; the full DeepSeek-V3-like plan has 8.8 M) or one whose simulation would take more than `compile.MAX_SIMULATION_WORK` units of work. `xmesh-plan check --simulate` simulates such a plan anyway, in host order and in the executor's default order: the full DeepSeek-V3-like plan
+messages (counted from its operations before any flow is made; the full DeepSeek-V3-like plan has 390,400, a shared message's intra-host messages one per pair of devices; 8.8 M before that) or one whose simulation would take more than `compile.MAX_SIMULATION_WORK` units of work. `xmesh-plan check --simulate` simulates such a plan anyway, in host order and in the executor's default order: the full DeepSeek-V3-like plan
 (`xmesh-plan compile plans/weight_sync_deepseek_v3.problem.toml -o ds.plan.npz` at 2903a84, 8,786,416 messages) runs posted, the executor's
 default order for it, in 0.9220 s, 1.021x its 0.9030 s bound (host order 0.9584 s, 1.061x; the schedule's timetable 1.030x); `check --simulate` took
 1,176 CPU s and 9.6 GiB peak RSS (verify included) on this machine. The full Kimi-K2-like plan (the same way, 8,849,676 messages)

@@ -15,12 +15,15 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from itertools import chain
 
 from xmesh_plan.schemas import ReshardingProblem
 from xmesh_plan.schemas.carriers import bundle_bytes
 from xmesh_plan.schemas.geometry import Region, region_size
+from xmesh_plan.schemas.op_kinds import bundle_runs
 
 from .scheduling import Option, SchedulingTask
+from .solvers.bound import schedule_lower_bound
 from .strategies import PlannedOp, StrategyResult
 from .unit_tasks import Cell, split_by_receiver_host
 
@@ -135,10 +138,22 @@ def relays(bundle: BundleCell, index: int) -> tuple[int, int]:
     return bundle.senders[index % len(bundle.senders)], bundle.receivers[index % len(bundle.receivers)]
 
 
-def scatter_seconds(bundle: BundleCell, relay: int, problem: ReshardingProblem) -> float:
-    """How long the receiving relay's port takes to send the bundle's parts on to their needers (every needer but
-    itself), at the intra-host rate: after the message has arrived, with the NICs free."""
-    return scattered_elements(bundle, relay) * problem.itemsize / problem.cluster.intra_bytes_per_s
+def scatter_seconds(scattered_bytes: float, messages: int, latency_s: float, overhead_s: float,
+                    intra_bytes_per_s: float) -> float:
+    """How long the receiving relay's scatter takes once the message has arrived, with the NICs free: its port sends
+    `scattered_bytes` (`scattered_elements`) to the needers in `messages` messages at the intra-host rate, each paying
+    the per-message overhead, and the last arrives one latency later (as the simulator times it uncontended); none
+    without a message. A shared message sends each needer one message (`carriers.group_runs`), a bundle alone one per
+    run of consecutive parts (`op_kinds.bundle_runs`)."""
+    if not messages:
+        return 0.0
+    return messages * overhead_s + scattered_bytes / intra_bytes_per_s + latency_s
+
+
+def bundle_tail(op: PlannedOp, itemsize: int, latency_s: float, overhead_s: float, intra_bytes_per_s: float) -> float:
+    """A bundle's tail: its cross-host message's latency, then its receiving relay's scatter (`scatter_seconds`)."""
+    return latency_s + scatter_seconds(scattered_elements(op, op.dsts[0]) * itemsize, len(bundle_runs(op)[1]), latency_s,
+                                       overhead_s, intra_bytes_per_s)
 
 
 def scattered_elements(bundle: "BundleCell | PlannedOp", relay: int) -> int:
@@ -149,15 +164,15 @@ def scattered_elements(bundle: "BundleCell | PlannedOp", relay: int) -> int:
 
 def bundle_result(bundle: BundleCell, index: int, problem: ReshardingProblem) -> tuple[StrategyResult, Option]:
     """The bundle's one operation and its scheduling option: the NIC sides busy for the cross-host message's overhead
-    and bytes; its latency and then the receiving relay's scatter (`scatter_seconds`) delay the bundle's end, not the
+    and bytes; its latency and then the receiving relay's scatter (`bundle_tail`) delay the bundle's end, not the
     NICs (`simulate`: they carry the next message meanwhile)."""
     cluster = problem.cluster
     src, dst = relays(bundle, index)
     nbytes = bundle.nbytes(problem.itemsize)
-    tail = cluster.latency_s + scatter_seconds(bundle, dst, problem)
+    op = PlannedOp("bundle", src, (dst,), bundle.region, parts=bundle.parts, holders=bundle.holders, needers=bundle.needers)
+    tail = bundle_tail(op, problem.itemsize, cluster.latency_s, cluster.overhead_s, cluster.intra_bytes_per_s)
     seconds = cluster.overhead_s + nbytes / cluster.message_bytes_per_s + tail
-    op = PlannedOp("bundle", src, (dst,), bundle.region, parts=bundle.parts, holders=bundle.holders,
-                   needers=bundle.needers, duration_s=seconds, tail_s=tail)
+    op = op.sent(op.src, op.dsts, seconds, tail)
     sh, rh = cluster.host_of(src), cluster.host_of(dst)
     resources = frozenset({(sh, "send"), (rh, "recv")})
     return StrategyResult((op,), seconds, resources, tail_s=tail), Option(sh, src, seconds, resources, tail)
@@ -183,7 +198,8 @@ def share_messages(timed_ops: list[TimedOp], itemsizes: list[int], bucket_bytes:
     carries a multiple of the largest element size; it takes the group's relays and start. Every other
     operation is a group of one. A weight sync's many small tensors then cross each host pair in a few
     messages instead of one or more per tensor. Every bundle of a shared message lasts as long as the message:
-    its bundles' durations less the latency and overhead that all but one of them no longer pay. With a staging
+    its bundles' durations less the latency and overhead that all but one of them no longer pay, across hosts and in
+    the receiving relay's scatter (`_lasting_as_one`: one message per needer). With a staging
     limit (`limit_bytes`) a group also stays within what its relays could stage, whichever devices become its relays
     (`carriers.group_staging`: the message, and side areas holding at most every part once per needer)."""
     align = max(itemsizes)
@@ -223,12 +239,12 @@ def share_messages(timed_ops: list[TimedOp], itemsizes: list[int], bucket_bytes:
             index, total = len(groups) - 1, nbytes
             relay_bound[pair] = relays
         open_group[pair] = (index, total) if nbytes % align == 0 else (-1, 0)  # a ragged bundle ends its group
-    groups = _balanced_relays(groups, itemsizes, None if intra_bytes_per_s is None else (latency_s, intra_bytes_per_s))
-    lasting: dict[tuple[int, ...], list[PlannedOp]] = {}  # ids of a message's bundles -> them lasting as one (layers repeat messages)
-    return [_lasting_as_one(group, latency_s, overhead_s, lasting) if len(group) > 1 else group for group in groups]
+    groups = _balanced_relays(groups, itemsizes, None if intra_bytes_per_s is None else (latency_s, overhead_s, intra_bytes_per_s))
+    scatters: dict[int, int] = {}  # id of a bundle (as sent from its message's relays: a model's layers share them) -> its scatters
+    return [_lasting_as_one(group, latency_s, overhead_s, scatters) if len(group) > 1 else group for group in groups]
 
 
-def _balanced_relays(groups: list[list[TimedOp]], itemsizes: list[int], timing: tuple[float, float] | None = None) -> list[list[TimedOp]]:
+def _balanced_relays(groups: list[list[TimedOp]], itemsizes: list[int], timing: tuple[float, float, float] | None = None) -> list[list[TimedOp]]:
     """Each cross-host message of bundles (shared or not) from the relays that least load a device port, in list
     order: the sending relay is the holder whose in-port, with what it has gathered so far, takes in the least (all
     of the message's parts but its own), the receiving relay the needer whose out-port scatters the least likewise.
@@ -236,7 +252,7 @@ def _balanced_relays(groups: list[list[TimedOp]], itemsizes: list[int], timing: 
     against 2400 Gbit/s), so messages that follow one another on a host must not pile onto one relay: a bundle's own
     relays rotate within its tensor only, and a shared message would take its first bundle's (on a 2-layer
     DeepSeek-V3-like cut one device scattered 5.6 times the mean; a 4-layer cut: 1.0567x -> 1.0497x the bound in
-    host order, 1.0492x -> 1.0439x posted). Given `timing` (latency, intra-host bytes/s), every bundle's tail is its
+    host order, 1.0492x -> 1.0439x posted). Given `timing` (latency, overhead, intra-host bytes/s), every bundle's tail is its
     message's receiving relay's (`_relayed`), made once per bundle object and relays (a model's layers share them)."""
     port_in: dict[int, int] = {}
     port_out: dict[int, int] = {}
@@ -290,30 +306,70 @@ def _port_loads(op: PlannedOp, itemsize: int) -> tuple[int, dict[int, int], dict
     return total, held, wanted
 
 
-def _relayed(op: PlannedOp, src: int, dst: int, itemsize: int, timing: tuple[float, float] | None) -> PlannedOp:
-    """A bundle sent between the relays `src` and `dst`; given (latency, intra-host bytes/s), its tail is the latency
-    and then `dst`'s scatter (`scatter_seconds`), as `bundle_result` states it for the bundle's own relays."""
+def _relayed(op: PlannedOp, src: int, dst: int, itemsize: int, timing: tuple[float, float, float] | None) -> PlannedOp:
+    """A bundle sent between the relays `src` and `dst`; given (latency, overhead, intra-host bytes/s), its tail is
+    the latency and then `dst`'s scatter (`bundle_tail`), as `bundle_result` states it for the bundle's own relays."""
+    moved = op if (op.src, op.dsts) == (src, (dst,)) else op.sent(src, (dst,), op.duration_s, op.tail_s)
     if timing is None:
-        return op if (op.src, op.dsts) == (src, (dst,)) else op.sent(src, (dst,), op.duration_s, op.tail_s)
-    latency_s, intra_bytes_per_s = timing
-    tail = latency_s + scattered_elements(op, dst) * itemsize / intra_bytes_per_s
-    if (op.src, op.dsts, op.tail_s) == (src, (dst,), tail):
-        return op
-    return op.sent(src, (dst,), op.duration_s - op.tail_s + tail, tail)
+        return moved
+    tail = bundle_tail(moved, itemsize, *timing)
+    if moved.tail_s == tail:
+        return moved
+    return moved.sent(moved.src, moved.dsts, op.duration_s - op.tail_s + tail, tail)
 
 
-def _lasting_as_one(group: list[TimedOp], latency_s: float, overhead_s: float,
-                    known: dict[tuple[int, ...], list[PlannedOp]]) -> list[TimedOp]:
-    """A shared message's bundles, each lasting the whole message: one latency and overhead, every bundle's bytes and
-    scatter (the receiving relay scatters them all). `known` keeps them per group of bundle objects, made once."""
-    key = tuple(id(op) for _, _, _, op in group)
-    ops = known.get(key)
-    if ops is None:
-        fewer = len(group) - 1
-        seconds = sum(op.duration_s for _, _, _, op in group) - fewer * (latency_s + overhead_s)
-        tail = sum(op.tail_s for _, _, _, op in group) - fewer * latency_s
-        ops = known[key] = [op.sent(op.src, op.dsts, seconds, tail) for _, _, _, op in group]
-    return [(at, task, tensor, op) for (at, task, tensor, _), op in zip(group, ops)]
+def _lasting_as_one(group: list[TimedOp], latency_s: float, overhead_s: float, scatters: dict[int, int]) -> list[TimedOp]:
+    """A shared message's bundles, each lasting the whole message: one latency and overhead across hosts, every
+    bundle's bytes and scatter (the receiving relay scatters them all), the scatter's messages as the executor sends
+    them: one per needer (`carriers.group_runs`) where each bundle alone sent one per run (`op_kinds.bundle_runs`),
+    and one latency after the last of them. `scatters`: the scatter messages of each bundle alone, by id, filled as
+    they are counted (the caller keeps the bundles alive)."""
+    fewer = len(group) - 1
+    ops = [op for _, _, _, op in group]
+    for op in ops:
+        if id(op) not in scatters:
+            scatters[id(op)] = len(bundle_runs(op)[1])
+    alone = [scatters[id(op)] for op in ops]
+    shared = shared_messages_inside(ops)[1]
+    seconds = sum(op.duration_s for op in ops) - fewer * (latency_s + overhead_s)
+    tail = sum(op.tail_s for op in ops) - fewer * latency_s
+    saved = (sum(alone) - shared) * overhead_s + (sum(1 for n in alone if n) - (1 if shared else 0)) * latency_s
+    seconds, tail = seconds - saved, tail - saved
+    return [(at, task, tensor, op.sent(op.src, op.dsts, seconds, tail)) for at, task, tensor, op in group]
+
+
+def shared_messages_inside(group) -> tuple[int, int]:
+    """(gathers, scatters): how many intra-host messages a shared message of two or more bundles sends, one per holder
+    other than the sending relay and one per needer other than the receiving relay: the lengths of
+    `carriers.group_runs`, counted without listing its pieces (a compile counts every group's, a model's MoE layers
+    have bundles of hundreds of parts)."""
+    src, relay = group[0].src, group[0].dsts[0]
+    holders = set(chain.from_iterable(op.holders for op in group))
+    needers = set(chain.from_iterable(chain.from_iterable(op.needers for op in group)))
+    return len(holders) - (src in holders), len(needers) - (relay in needers)
+
+
+def shared_bound(proven_s: float | None, groups: list[list[TimedOp]], tasks: list[SchedulingTask], host_of) -> float | None:
+    """The proven bound a plan of shared messages (`share_messages`) states: the solver's `proven_s`, which counts
+    one overhead (and one scatter) per bundle, or where less, the bound (`solvers.bound.schedule_lower_bound`) of
+    the tasks as the messages pay them: every task that is no bundle as scheduled, every cross-host message of
+    bundles one task (its NIC sides, busy for its one overhead and all of its bundles' bytes, its tail as
+    `_lasting_as_one` states it). A shared message pays less than its bundles did, so the solver's bound alone could
+    lie above the plan's own time; the lesser of two is a bound of what the plan sends."""
+    if proven_s is None:
+        return None
+    bundled: set[int] = set()
+    messages: list[SchedulingTask] = []
+    for group in groups:
+        _, task, _, op = group[0]
+        if op.kind != "bundle":
+            continue
+        bundled.update(t for _, t, _, _ in group)
+        sides = frozenset({(host_of(op.src), "send"), (host_of(op.dsts[0]), "recv")})
+        messages.append(SchedulingTask(task, (Option(host_of(op.src), op.src, op.duration_s, sides, op.tail_s),)))
+    if not messages:
+        return proven_s
+    return min(proven_s, schedule_lower_bound([t for t in tasks if t.id not in bundled] + messages))
 
 
 TaskTiming = tuple[float, float, float, frozenset]

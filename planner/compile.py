@@ -9,12 +9,14 @@ from dataclasses import dataclass
 from typing import Callable
 
 from xmesh_plan.schemas import ExecutorPrediction, HostOrder, Plan, ReshardingProblem, SolverInfo
+from xmesh_plan.schemas.carriers import message_groups
 from xmesh_plan.schemas.staging import stated_staging
 from xmesh_plan.schemas.transfer import TransferProblem
 
 from . import __version__
 from .bounds import joint_lower_bound
-from .coalesce import BundleCell, bundle_task, coalesce_cells, retimed_on_nics, share_messages
+from .coalesce import (BundleCell, bundle_task, coalesce_cells, retimed_on_nics, share_messages, shared_bound,
+                       shared_messages_inside)
 from .compile_defaults import CompileOptions
 from .plan_rows import OperationRow, PlanRows, TaskRow, plan_rows
 from .executor_order import executor_order, executor_order_seconds, posted_budget
@@ -29,16 +31,18 @@ from .unit_tasks import Cell, check_kinds_task_count, check_scheduled_task_count
 
 DIGITS = 12  # times are rounded to picoseconds so plans print and compare stably
 NIC_SIDES = ("send", "recv")  # the resources a plan's host order lists; device ports are not queued
-MAX_SIMULATED_MESSAGES = 2_000_000  # messages (`simulated_messages`) a plan may have to be simulated: the simulator makes a flow of each and
-# holds them all; beyond, the schedule's own timetable stands in, decided before any flow is made. What a compile here affords: a
-# DeepSeek-V3-like 4-layer cut (577,728 messages) simulates in host order in 24 CPU s and 284 MiB more, posted in 27 CPU s and 237 MiB
-# (about 90 us and 0.5 KiB a message for both), so 2 M messages already cost a compile about 3 CPU minutes and 1 GiB, past the frontier
-# targets (60 s, 2 GiB); the full DeepSeek-V3-like plan (8.8 M messages) would take about 13 CPU minutes. `xmesh-plan check --simulate`
-# times such a plan in the executor's order on demand (BENCHMARKS.md)
+MAX_SIMULATED_MESSAGES = 250_000  # messages (`simulated_messages`) a plan may have to be simulated: the simulator makes a flow of each and
+# holds them all; beyond, the schedule's own timetable stands in, decided before any flow is made. A compile simulates at least twice (the
+# host-order listing, then the executor's order), at about 35-110 CPU us a message a run here: the Llama-3-70B-like plan (197,600
+# messages) 6.9 + 6.2 s, a 16-layer DeepSeek-V3-like cut (112,640) 11.2 + 9.2 s, the full DeepSeek-V3-like plan (390,400) 43.1 + 42.3 s
+# and 0.3 GiB each. So at most about 55 CPU s of simulation, within the frontier compile target (60 s) for plans whose other work is
+# small (the 70B: 15 CPU s in all); the full DeepSeek-V3-like and Kimi-K2-like plans (390,400 and 315,632 messages) would add about
+# 85 and 88 s (43.1 + 42.3, 40.3 + 47.7) to compiles of 48 and 72 s, so they keep the schedule's timetable, and
+# `xmesh-plan check --simulate` times them in the executor's order on demand (about 45 CPU s an order)
 MAX_SIMULATION_WORK = 25_000_000  # work one simulation of a listing may take (`simulate.run_flows`: groups shared out and flows re-rated,
 # counted, so every machine decides alike); beyond, the schedule's timetable stands in. A backstop for listings under MAX_SIMULATED_MESSAGES,
-# which pass it only at more than 12.5 units a message: a 2-layer DeepSeek-V3-like cut (289,152 messages, 225,424 flows) takes 1.14 M in
-# host order (3.9 a message), 0.67 M posted (2.3)
+# which pass it only at more than 100 units a message: the full DeepSeek-V3-like plan (390,400 messages) takes 1.21 M in host order
+# (3.1 a message), 2.05 M posted (5.3)
 DETAILED_STAGES = 10_000  # operations from which a compile names the steps of timing and assembling (`on_stage`)
 MAX_RELISTINGS = 8  # re-simulations until the listing is the order of its own predicted starts
 
@@ -191,6 +195,7 @@ def assemble_rows(problem: ReshardingProblem | TransferProblem, works: list[Tens
         timed_ops = limit_staging(timed_ops, [w.problem for w in works], max_staging_bytes, max_operations)
     timed_ops.sort(key=lambda item: (item[0], item[1] if item[1] >= 0 else len(tasks), item[2] or 0, item[3].kind,
                                      item[3].src or 0, item[3].dsts))
+    proven = schedule.proven_bound_s
     if share_bytes is None:
         groups = [[item] for item in timed_ops]
     else:  # shared messages timed as their NIC sides take them (`coalesce.retimed_on_nics`)
@@ -198,17 +203,13 @@ def assemble_rows(problem: ReshardingProblem | TransferProblem, works: list[Tens
                                                        cluster.host_of, cluster.latency_s, cluster.overhead_s,
                                                        cluster.intra_bytes_per_s, max_staging_bytes),
                                         timing, cluster.host_of)
+        proven = shared_bound(proven, groups, [o.scheduling for w in works for o in w.options], cluster.host_of)
         per_resource = {key: [(moved.get(t, at), t) for at, t in v] for key, v in per_resource.items()}
     del timed_ops, timing
     operations, riders = [], {}  # riders: task of a bundle -> (its message's start, relay) (`coalesce.share_messages`)
-    messages, counted = 0, {}  # `simulated_messages` of the operations, each distinct planned operation counted once (id -> count)
     for group in groups:
         head = len(operations)
         for k, (at, task, tensor, op) in enumerate(group):
-            count = counted.get(id(op))
-            if count is None:
-                count = counted[id(op)] = _messages_of(op)
-            messages += count
             operations.append(OperationRow(
                 len(operations), task, tensor, op.kind, op.src, op.dsts, op.region, op.parts, op.chunks, op.holders,
                 op.needers, head if k else None, round(at, DIGITS), round(at + op.duration_s, DIGITS)))
@@ -221,6 +222,7 @@ def assemble_rows(problem: ReshardingProblem | TransferProblem, works: list[Tens
         per_resource = {key: [(riders[t][0] if t in riders else at, t) for at, t in v] for key, v in per_resource.items()}
     host_order = tuple(HostOrder(host=h, side=s, tasks=tuple(t for _, t in sorted(v))) for (h, s), v in sorted(per_resource.items()))
     stage = on_stage if len(operations) >= DETAILED_STAGES else _quiet
+    messages = simulated_messages(operations)
     stage(f"simulating {len(operations):,} operations in host order" if not too_many_messages(messages) else
           f"timing {len(operations):,} operations by the schedule ({messages:,} messages: too many to simulate)")
     operations, timed_by, work = _simulated(operations, problem, nic_assignment(host_order), messages)
@@ -231,7 +233,7 @@ def assemble_rows(problem: ReshardingProblem | TransferProblem, works: list[Tens
     details = dict(sorted(schedule.details.items())) | {"lower_bound_reason": bound.reason, "timed_by": timed_by}
     rows = plan_rows(
         tasks, operations, host_order, generator=f"xmesh-plan {__version__}", problem=problem, strategy=strategy,
-        solver=SolverInfo(name=schedule.solver, seed=seed, proven_bound_seconds=schedule.proven_bound_s, details=details),
+        solver=SolverInfo(name=schedule.solver, seed=seed, proven_bound_seconds=proven, details=details),
         merged_slices=any(c.merged_cells > 1 for w in works for c in w.cells),
         predicted_seconds=round(predicted, DIGITS), lower_bound_seconds=round(bound.seconds, DIGITS))
     limited = max_staging_bytes is not None
@@ -272,9 +274,11 @@ def simulated_messages(operations) -> int:
     """How many messages a listing's operations make for the simulator, counted without making them: a bundle's
     gathers, its message across hosts and its scatters (`op_kinds.tags_used`); each chunk of a broadcast on every hop
     of its chain, each ring step of an all-gather on every pair of its ring (tags times wire pairs); a local copy as
-    one; a message bundles share once per bundle: about what the simulator's flows number (one per message, one per
+    one; a message bundles share once, with one message per holder and per needer inside the hosts
+    (`coalesce.shared_messages_inside`): about what the simulator's flows number (one per message, one per
     NIC a message is striped over where NICs are not pooled) and so its memory, known before it makes any."""
-    return sum(_messages_of(op) for op in operations)
+    return sum(_messages_of(group[0]) if len(group) == 1 else 1 + sum(shared_messages_inside(group))
+               for group in message_groups(operations))
 
 
 def _messages_of(op) -> int:

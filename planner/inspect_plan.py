@@ -9,7 +9,7 @@ from tabulate import tabulate
 
 from xmesh_plan.schemas import Plan
 from xmesh_plan.schemas.carriers import fused, message_groups
-from xmesh_plan.schemas.op_kinds import hops_pair_bytes, pair_bytes, route
+from xmesh_plan.schemas.op_kinds import hops_pair_bytes, merged_route, pair_bytes, route
 from xmesh_plan.schemas.plan_tensors import is_multi
 from xmesh_plan.schemas.staging import staging_peaks
 
@@ -52,14 +52,21 @@ class PlanLoads:
         return sum(h.recv_bytes for h in self.hosts.values())
 
 
+def wire_route(group: list, itemsizes: list[int]) -> tuple:
+    """(the operation a group of `message_groups` is on the wire, its messages): a shared message (`schemas.carriers`)
+    as the one bundle it is, its intra-host messages one per pair of devices (`op_kinds.merged_route`, as the executor
+    and the simulator send them); any other operation as it is (`op_kinds.route`)."""
+    op = fused(group, itemsizes)
+    return op, merged_route(op) if len(group) > 1 else route(op)
+
+
 def plan_loads(plan: Plan) -> PlanLoads:
     """Cross-host bytes per host: every message of every operation (`schemas.op_kinds.pair_bytes`), in its tensor's
     itemsize; the bundles of one shared message (`schemas.carriers`) as the one bundle they are on the wire."""
     itemsizes, host = [p.itemsize for p in plan.problem.tensor_problems()], plan.problem.cluster.host_of
     loads = PlanLoads()
     for group in message_groups(plan.operations):
-        op = fused(group, itemsizes)
-        hops = route(op)
+        op, hops = wire_route(group, itemsizes)
         for (a, b), nbytes in hops_pair_bytes(hops, 1 if len(group) > 1 else itemsizes[op.tensor or 0]).items():
             loads.add(host(a), host(b), nbytes)
         for hop in hops:
@@ -162,20 +169,29 @@ class RelayLoad:
     scattered: int
     busiest_in: tuple[int, int]
     busiest_out: tuple[int, int]
+    gathers: int = 0  # intra-host messages into sending relays (a shared message: one per holder, `carriers.group_runs`)
+    scatters: int = 0  # ... out of receiving relays (a shared message: one per needer)
+    busiest_messages: tuple[int, int] = (-1, 0)  # (device, messages) of the relay whose port moves the most messages inside its host
 
 
 def relay_load(plan: Plan) -> RelayLoad | None:
     """`RelayLoad` from the plan's own operations; None where it has no bundle."""
     itemsizes, host = [p.itemsize for p in plan.problem.tensor_problems()], plan.problem.cluster.host_of
-    bundles = messages = cross = gathered = scattered = 0
+    bundles = messages = cross = gathered = scattered = gathers = scatters = 0
     port_in: dict[int, int] = {}
     port_out: dict[int, int] = {}
+    port_messages: dict[int, int] = {}
     for group in message_groups(plan.operations):
         if group[0].kind != "bundle":
             continue
-        op = fused(group, itemsizes)
+        op, hops = wire_route(group, itemsizes)
         bundles, messages = bundles + len(group), messages + 1
-        for (a, b), nbytes in hops_pair_bytes(route(op), 1 if len(group) > 1 else itemsizes[op.tensor or 0]).items():
+        for hop in hops:
+            if hop.elements and host(hop.src) == host(hop.dst):
+                relay = hop.dst if hop.dst == op.src else hop.src
+                port_messages[relay] = port_messages.get(relay, 0) + 1
+                gathers, scatters = (gathers + 1, scatters) if hop.dst == op.src else (gathers, scatters + 1)
+        for (a, b), nbytes in hops_pair_bytes(hops, 1 if len(group) > 1 else itemsizes[op.tensor or 0]).items():
             if host(a) != host(b):
                 cross += nbytes
             elif b == op.src:  # a holder's runs into the sending relay
@@ -187,7 +203,8 @@ def relay_load(plan: Plan) -> RelayLoad | None:
     if not bundles:
         return None
     top = lambda ports: max(ports.items(), key=lambda item: (item[1], -item[0]), default=(-1, 0))  # noqa: E731
-    return RelayLoad(bundles, messages, cross, gathered, scattered, top(port_in), top(port_out))
+    return RelayLoad(bundles, messages, cross, gathered, scattered, top(port_in), top(port_out), gathers, scatters,
+                     top(port_messages))
 
 
 def timed_by_line(plan: Plan) -> list[str]:
@@ -212,10 +229,14 @@ def relay_line(plan: Plan) -> list[str]:
     cluster = plan.problem.cluster
     port, nics = cluster.intra_bytes_per_s, cluster.message_bytes_per_s
     (d_in, b_in), (d_out, b_out) = load.busiest_in, load.busiest_out
+    device, count = load.busiest_messages
+    most = (f"; most messages at one relay port: device {device}, {count} x "
+            f"{cluster.overhead_s * 1e6:g} us overhead = {count * cluster.overhead_s:.4f} s") if count else ""
     return [f"bundles: {load.bundles} in {load.messages} cross-host messages, {_bytes(load.cross_bytes)} across hosts; their relays "
-            f"gather {_bytes(load.gathered)} and scatter {_bytes(load.scattered)} inside hosts through one device port "
+            f"gather {_bytes(load.gathered)} in {load.gathers} messages and scatter {_bytes(load.scattered)} in {load.scatters} "
+            f"(a shared message: one per holder and per needer) inside hosts through one device port "
             f"each ({cluster.intra_host_gbps:g} Gbit/s, {port / nics:.2f}x the host's NICs together: a message's gathers take "
-            f"{nics / port:.2f}x its time across)" + _busiest_ports(d_in, b_in, d_out, b_out, port)]
+            f"{nics / port:.2f}x its time across)" + _busiest_ports(d_in, b_in, d_out, b_out, port) + most]
 
 
 def _busiest_ports(d_in: int, b_in: int, d_out: int, b_out: int, port: float) -> str:

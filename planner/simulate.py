@@ -9,7 +9,13 @@ Model (stated, so every plan and baseline is judged by the same rules):
 - Flows. Every message of an operation's route (`schemas.op_kinds.route`) becomes a flow: a send is
   one flow; a broadcast of K chunks down a chain is K x hops flows, chunk k on hop h starting once
   chunk k has crossed hop h-1 and chunk k-1 has crossed hop h; a ring all-gather is (n-1) x n flows,
-  each member forwarding what it received the step before. A flow moves its bytes (plus the
+  each member forwarding what it received the step before; a bundle is its gathers, its one message
+  across hosts and its scatters (`op_kinds.bundle_runs`). A shared message of several bundles
+  (`schemas.carriers`) is timed as the one bundle it is on the wire, its intra-host messages one per
+  pair of devices as the executor sends them (`carriers.group_runs`, `op_kinds.merged_route`): one
+  flow per holder to the sending relay and per needer from the receiving relay, each carrying all of
+  that device's pieces of the group. The relays' moves of pieces into and out of the message inside
+  their staging are local copies at memory speed and are not flows. A flow moves its bytes (plus the
   cluster's per-message overhead, time its links are busy with the message itself), then its
   data arrives one per-message latency later. The latency is a delay, not work: a link carries
   the next message while the last one is still in flight (LogGP's L against its o), so messages
@@ -58,7 +64,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, replace
 
 from xmesh_plan.schemas import Operation, Plan, ReshardingProblem
-from xmesh_plan.schemas.op_kinds import members, reads, route, rule_of
+from xmesh_plan.schemas.op_kinds import merged_route, members, reads, route, rule_of
 from xmesh_plan.schemas.carriers import fused, message_groups
 from xmesh_plan.schemas.staging import SYNC_SEND_BYTES, device_runs, footprints, stage_budget, staging_align
 from xmesh_plan.schemas.transfer import TransferProblem
@@ -708,11 +714,16 @@ class _Lowering:
     def peers_of(self, op: Operation) -> dict[int, frozenset[int]]:
         """Device -> the devices it exchanges messages with in `op` (what decides a run in device order)."""
         out: dict[int, set[int]] = {}
-        for hop in route(op):
+        for hop in self.route(op):
             if hop.src != hop.dst and hop.elements:
                 out.setdefault(hop.src, set()).add(hop.dst)
                 out.setdefault(hop.dst, set()).add(hop.src)
         return {d: frozenset(p) for d, p in out.items()}
+
+    def route(self, op: Operation) -> tuple:
+        """An operation's messages (`op_kinds.route`); a shared message's (`bytewise`) one per pair of devices inside
+        each host (`op_kinds.merged_route`, as `schemas.carriers.group_runs` sends them)."""
+        return merged_route(op) if op.id in self.bytewise else route(op)
 
     def gate(self, links: tuple[str, ...], after_sent: list[int] | tuple[int, ...]) -> list[int] | tuple[int, ...]:
         """Host order: the operation's first flow on each NIC side also waits for the previous operation's
@@ -758,7 +769,7 @@ class _Lowering:
         itemsize = 1 if op.id in self.bytewise else self.itemsizes[op.tensor or 0]
         own_data = self.data_by_device(op) if self.discipline != "host-order" else {}
         turn = self.bundle_turn(op)
-        for hop in route(op):
+        for hop in self.route(op):
             after = [i for k in hop.after for i in flows[k]]
             queued = [i for k in hop.queued_after for i in flows[k]]
             if turn and hop.dst == op.src != hop.src:  # a bundle's gather: behind its NIC turn (host order)

@@ -133,16 +133,40 @@ class StagedOps:
 
 def posted_staging(timed_ops: list[TimedOp], problems: Sequence[ReshardingProblem]) -> dict[int, int]:
     """Device -> the bytes it stages with every operation in flight at once (posted), each operation's bytes rounded up
-    to the largest element size among `problems`: at least what the executor's posted order allocates there
-    (`schemas.staging.staging_peaks`, which lays shared messages' boxes out one after another at that alignment)."""
+    to the largest element size among `problems`, with the side areas a bundle's relays stage when it shares a message
+    (`_side_areas`): at least what the executor's posted order allocates there (`schemas.staging.staging_peaks`, which
+    lays shared messages' boxes out one after another at that alignment)."""
     align = max(p.itemsize for p in problems)
     staged = StagedOps(problems)
+    sides: dict[tuple[int, int], list[tuple[int, int]]] = {}  # (id of a bundle, itemsize) -> its relays' side areas
     total: dict[int, int] = {}
     for _, _, tensor, op in timed_ops:
         for d, nbytes in staged(op, tensor):
             if nbytes:
                 total[d] = total.get(d, 0) + aligned(nbytes, align)
+        if op.kind == "bundle":
+            itemsize = problems[tensor or 0].itemsize
+            key = (id(op), itemsize)
+            if key not in sides:
+                sides[key] = _side_areas(op, itemsize, align)
+            for d, nbytes in sides[key]:
+                total[d] = total.get(d, 0) + nbytes
     return total
+
+
+def _side_areas(op: PlannedOp, itemsize: int, align: int) -> list[tuple[int, int]]:
+    """(relay, bytes) of the side areas a bundle's relays stage when it shares a message (`carriers.group_staging`):
+    the sending relay each other holder's parts, the receiving relay each other needer's, each area aligned."""
+    held: dict[int, int] = {}
+    needed: dict[int, int] = {}
+    for part, holder, needers in zip(op.parts, op.holders, op.needers):
+        nbytes = region_size(part) * itemsize
+        if holder != op.src:
+            held[holder] = held.get(holder, 0) + nbytes
+        for d in needers:
+            if d != op.dsts[0]:
+                needed[d] = needed.get(d, 0) + nbytes
+    return [(op.src, sum(aligned(n, align) for n in held.values())), (op.dsts[0], sum(aligned(n, align) for n in needed.values()))]
 
 
 def busiest_posted(timed_ops: list[TimedOp], problems: Sequence[ReshardingProblem]) -> tuple[int, int] | None:

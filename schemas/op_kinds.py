@@ -208,10 +208,47 @@ def _bundle_runs(src: int, relay: int, holders: tuple[int, ...], needs: tuple[tu
     return tuple(gathers), tuple(scatters)
 
 
+def merged_runs(op: OpLike) -> tuple[tuple[Run, ...], tuple[Run, ...]]:
+    """(gathers, scatters) of a bundle whose intra-host messages go one per pair of devices: each holder other than
+    src sends every part it holds in one message (holders in order of first part); dsts[0] sends each needer other
+    than itself every part it needs in one message (needers in order of first need). What a shared message of several
+    bundles sends (`schemas.carriers.group_runs`), read off the one bundle it is on the wire (`carriers.fused`).
+
+    >>> from xmesh_plan.schemas.plan import Operation
+    >>> op = Operation(id=0, task=0, kind="bundle", src=0, dsts=(4,), region=((0, 4),), parts=(((0, 1),), ((1, 2),), ((2, 3),), ((3, 4),)),
+    ...                holders=(0, 1, 2, 1), needers=((5,), (6,), (4, 6), (5,)))
+    >>> merged_runs(op)
+    (((1, (1, 3)), (2, (2,))), ((5, (0, 3)), (6, (1, 2))))
+    """
+    return _merged_runs(op.src, op.dsts[0], tuple(op.holders), tuple(map(tuple, op.needers)))
+
+
+@lru_cache(maxsize=1 << 12)
+def _merged_runs(src: int, relay: int, holders: tuple[int, ...], needs: tuple[tuple[int, ...], ...]) -> tuple[tuple[Run, ...], tuple[Run, ...]]:
+    gathers: dict[int, list[int]] = {}
+    scatters: dict[int, list[int]] = {}
+    for i, (h, needers) in enumerate(zip(holders, needs)):
+        if h != src:
+            gathers.setdefault(h, []).append(i)
+        for d in needers:
+            if d != relay:
+                scatters.setdefault(d, []).append(i)
+    return tuple((h, tuple(run)) for h, run in gathers.items()), tuple((d, tuple(run)) for d, run in scatters.items())
+
+
+def merged_route(op: OpLike) -> tuple[Hop, ...]:
+    """`route` of a bundle whose intra-host messages go one per pair of devices (`merged_runs`): a shared message."""
+    return _runs_route(op, *merged_runs(op))
+
+
 def _bundle_route(op: OpLike) -> tuple[Hop, ...]:
     """Gathers (no waiting inside the operation), the cross-host message after all of them, then the
     scatters after it; every message has its own tag (a needer may get several runs from one relay)."""
-    gathers, scatters = bundle_runs(op)
+    return _runs_route(op, *bundle_runs(op))
+
+
+def _runs_route(op: OpLike, gathers: tuple[Run, ...], scatters: tuple[Run, ...]) -> tuple[Hop, ...]:
+    """A bundle's route with the given gather and scatter runs (`bundle_runs` or `merged_runs`)."""
     sizes = [region_size(p) for p in op.parts]
     out = [Hop(h, op.src, k, k, sum(sizes[i] for i in run), 1, (), True) for k, (h, run) in enumerate(gathers)]
     cross = len(out)

@@ -357,3 +357,44 @@ def test_inspect_orders_prints_one_ratio_where_the_bound_is_zero(tmp_path):
     result = CliRunner().invoke(main, ["inspect", "--orders", str(path)])
     assert result.exit_code == 0, result.output
     assert "inf" not in result.output and result.output.count("1.000x") >= 3
+
+
+@pytest.mark.parametrize("timed_by", ["simulator", "schedule"])
+def test_a_plan_of_shared_messages_states_a_proven_bound_within_its_time(timed_by, monkeypatch):
+    """The solver's bound counts one overhead per bundle; the shared message pays one: the plan's proven bound is a
+    bound of what it sends, so never above its own predicted time (the schedule's timetable, or the simulator's)."""
+    import xmesh_plan.planner.compile as compile_module
+
+    if timed_by == "schedule":
+        monkeypatch.setattr(compile_module, "MAX_SIMULATED_MESSAGES", 0)
+    overhead = 2000e-6
+    plan = compile_plan(_two_tiny_tensors(overhead * 1e6))
+    assert [len(g) for g in _groups(plan)] == [2]
+    assert plan.solver.details["timed_by"].startswith(timed_by)
+    assert 0 < plan.solver.proven_bound_seconds <= plan.predicted_seconds
+    assert plan.solver.proven_bound_seconds >= overhead  # still a bound of one message's overhead, not dropped to nothing
+
+
+@pytest.mark.parametrize("discipline", ["host-order", "posted", "device-order"])
+def test_the_simulator_times_the_intra_host_messages_the_executor_sends_for_shared_messages(shared, tmp_path, discipline):
+    """The simulator's flows inside hosts for the shared messages (`simulate.lower`) are the executor's messages (each
+    rank's program read from a compact file): the same (message, from, to, bytes), once each."""
+    from xmesh_plan.planner.simulate import lower as lower_flows, nic_assignment
+
+    path = tmp_path / "shared.plan.npz"
+    write_atomic(path, compact_bytes(shared))
+    source = PlanFile.read(path)
+    host = shared.problem.cluster.host_of
+    heads = {g[0].id for g in _groups(shared) if len(g) > 1}
+    sent = Counter()
+    for device in plan_devices(shared):
+        program = rank_program(source, device, "posted", True, 2**20)
+        sent.update((s.op, device, s.peer, s.data.nbytes) for s in program.steps
+                    if s.action is Action.SEND and s.data.buffer != "receipt" and s.op in heads and host(s.peer) == host(device))
+    lowering, _ = lower_flows(shared.operations, shared.problem, discipline, nic_assignment(shared.host_order))
+    flows = Counter()
+    for f in lowering.flows:
+        if f.op in heads and all(link.startswith("d") for link in f.links):
+            ports = {side: int(d) for d, side in (link[1:].split(".") for link in f.links)}
+            flows[(f.op, ports["out"], ports["in"], int(f.nbytes))] += 1
+    assert sent and flows == sent

@@ -298,7 +298,7 @@ def test_bundles_hold_every_small_cross_host_cell_once_and_stay_within_the_bucke
 
 def test_a_bundle_holds_its_nic_sides_for_its_overhead_and_bytes_not_its_latency_or_scatter():
     """The bundle's message keeps the two NIC sides busy for the overhead and its bytes; its latency and then the
-    receiving relay's scatter to the other needers delay the bundle's end, not the NICs (the simulator's flows: a link
+    receiving relay's scatter to the other needers (its messages as the simulator times them) delay the bundle's end, not the NICs (the simulator's flows: a link
     carries the next message while one is in flight), so the schedule can start the next message on a side when this
     one's last byte has left."""
     from xmesh_plan.planner.coalesce import bundle_result, coalesce_cells, relays
@@ -313,7 +313,10 @@ def test_a_bundle_holds_its_nic_sides_for_its_overhead_and_bytes_not_its_latency
         scattered = sum(region_size(part) * prob.itemsize for part, needers in zip(bundle.parts, bundle.needers)
                         for d in needers if d != relay)
         assert scattered > 0
-        tail = cluster.latency_s + scattered / cluster.intra_bytes_per_s
+        needed = [[i for i, needers in enumerate(bundle.needers) if d in needers] for d in bundle.receivers if d != relay]
+        messages = sum(1 + sum(b != a + 1 for a, b in zip(mine, mine[1:])) for mine in needed)  # runs of consecutive parts
+        # the message's latency, then the relay's port scatters (one overhead per message), the last arriving a latency later
+        tail = cluster.latency_s + messages * cluster.overhead_s + scattered / cluster.intra_bytes_per_s + cluster.latency_s
         assert option.tail_s == result.tail_s == result.ops[0].tail_s == pytest.approx(tail, rel=1e-12)
         assert option.busy_s == pytest.approx(cluster.overhead_s + bundle.nbytes(prob.itemsize) / cluster.message_bytes_per_s,
                                               rel=1e-9)
@@ -371,7 +374,8 @@ def test_a_transfers_bundle_messages_spread_their_relays_over_the_hosts_devices(
 
 def test_a_bundle_sent_between_balanced_relays_has_its_receiving_relays_scatter_as_its_tail(monkeypatch):
     """`_balanced_relays` may give a shared message another receiving relay than its bundles' own: each bundle's tail
-    is then the latency and that relay's scatter, as `bundle_result` states it for its own (a 2-layer
+    is then the latency and that relay's scatter (one overhead per message it sends, one latency after the last), as
+    `bundle_result` states it for its own (a 2-layer
     Llama-3-70B-like cut: 32 of 128 messages kept their first relay's tail, up to 3.7% off)."""
     import math
     import tomllib
@@ -393,8 +397,15 @@ def test_a_bundle_sent_between_balanced_relays_has_its_receiving_relays_scatter_
             relay = group[0][3].dsts[0]
             share = sum(math.prod(b - a for a, b in part) * sum(1 for d in needers if d != relay) * itemsizes[tensor or 0]
                         for _, _, tensor, op in group for part, needers in zip(op.parts, op.needers))
-            seen.append(math.isclose(group[0][3].tail_s, cluster.latency_s + share / cluster.intra_bytes_per_s,
-                                     rel_tol=1e-12, abs_tol=1e-15))
+            needs = [needers for _, _, _, op in group for needers in op.needers]
+            others = list(dict.fromkeys(d for needers in needs for d in needers if d != relay))
+            if len(group) > 1:  # a shared message scatters one message per needer
+                messages = len(others)
+            else:  # a bundle alone one per run of consecutive parts
+                mine = [[i for i, needers in enumerate(needs) if d in needers] for d in others]
+                messages = sum(1 + sum(b != a + 1 for a, b in zip(m, m[1:])) for m in mine)
+            scatter = messages * cluster.overhead_s + share / cluster.intra_bytes_per_s + cluster.latency_s if messages else 0.0
+            seen.append(math.isclose(group[0][3].tail_s, cluster.latency_s + scatter, rel_tol=1e-9, abs_tol=1e-15))
         return replay(groups, timing, host_of)
 
     monkeypatch.setattr(compile_module, "retimed_on_nics", checked)

@@ -69,6 +69,7 @@ def test_inspect_says_what_bundle_relays_move_inside_hosts_and_how_fast_their_po
     from xmesh_plan.planner.inspect_plan import relay_line, relay_load, summarize
     from xmesh_plan.schemas import read_plan_file
     from xmesh_plan.schemas.geometry import region_size
+    from xmesh_plan.schemas.op_kinds import bundle_runs
     from tests.support.transfer import many_bundles
 
     plan = compile_plan(many_bundles(), bucket_bytes=16384)  # 12 bundles, 8 of them riding in others' messages
@@ -84,6 +85,19 @@ def test_inspect_says_what_bundle_relays_move_inside_hosts_and_how_fast_their_po
             scattered += nbytes * sum(1 for d in needers if d != relay)
     load = relay_load(plan)
     assert (load.cross_bytes, load.gathered, load.scattered) == (cross, gathered, scattered)
+    # intra-host messages as the executor sends them: a shared message one per holder and per needer other than its
+    # relays, written out from the group's bundles; a bundle alone one per run of consecutive parts
+    gathers = scatters = 0
+    for group in _message_groups(plan.operations):
+        src, relay = group[0].src, group[0].dsts[0]
+        if len(group) > 1:
+            gathers += len({h for op in group for h in op.holders if h != src})
+            scatters += len({d for op in group for n in op.needers for d in n if d != relay})
+        else:
+            gathers += len(bundle_runs(group[0])[0])
+            scatters += len(bundle_runs(group[0])[1])
+    assert (load.gathers, load.scatters) == (gathers, scatters)
+    assert f"in {gathers} messages and scatter" in relay_line(plan)[0]
     assert load.bundles == sum(op.kind == "bundle" for op in plan.operations) > load.messages > 0
     assert relay_line(plan)[0] in summarize(plan)
     assert relay_load(read_plan_file(Path(__file__).resolve().parents[1] / "plans" / "case3.plan.json")) is None
@@ -116,3 +130,14 @@ def test_the_relay_line_names_only_ports_that_move_something():
     plan = compile_rows(random_transfer(3, 9)).to_plan()
     [line] = relay_line(plan)
     assert "gather 0 B" in line and "device -1" not in line and "takes in" not in line and "sends out" in line, line
+
+
+def _message_groups(operations) -> list[list]:
+    """The plan's shared messages from their definition: a bundle with a carrier joins the group of the one before it."""
+    out: list[list] = []
+    for op in operations:
+        if op.carrier is not None:
+            out[-1].append(op)
+        else:
+            out.append([op])
+    return [g for g in out if g[0].kind == "bundle"]

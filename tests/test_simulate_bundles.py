@@ -4,8 +4,12 @@ of thousands of bundle messages, which moving all at once made too costly to sim
 
 from __future__ import annotations
 
-from xmesh_plan.planner.compile import compile_plan
-from xmesh_plan.planner.simulate import GATHER_AHEAD, lower, nic_assignment, run_flows, simulate
+import pytest
+
+from xmesh_plan.planner.compile import compile_plan, simulated_messages
+from xmesh_plan.planner.simulate import DISCIPLINES, GATHER_AHEAD, lower, nic_assignment, run_flows, simulate
+from xmesh_plan.schemas.carriers import group_runs, message_groups
+from xmesh_plan.schemas.geometry import region_size
 from xmesh_plan.schemas.op_kinds import rule_of
 
 from tests.support.reference_flows import reference_simulate
@@ -68,3 +72,62 @@ def test_bundle_plans_time_as_the_reference_engine():
         assert abs(new.op_start_s[i] - old.op_start_s[i]) <= 1e-11 * max(1.0, old.op_start_s[i])
         assert abs(new.op_end_s[i] - old.op_end_s[i]) <= 1e-11 * max(1.0, old.op_end_s[i])
     assert plan.solver.details["timed_by"] == "simulator (host-order)"
+
+
+def _intra_host_flows(lowering, head, src: int, relay: int) -> tuple[dict[int, float], dict[int, float]]:
+    """(holder -> bytes it sends the sending relay, needer -> bytes the receiving relay sends it) in the flows of the
+    message `head`, each flow counted once by device, with how many flows each device had."""
+    gathers: dict[int, list[float]] = {}
+    scatters: dict[int, list[float]] = {}
+    for f in lowering.flows:
+        if f.op != head or not all(link.startswith("d") for link in f.links):
+            continue
+        ports = dict(link[1:].split(".") for link in f.links)  # device -> "in" / "out"
+        sender = next(int(d) for d, side in ports.items() if side == "out")
+        receiver = next(int(d) for d, side in ports.items() if side == "in")
+        if receiver == src:
+            gathers.setdefault(sender, []).append(f.nbytes)
+        if sender == relay:
+            scatters.setdefault(receiver, []).append(f.nbytes)
+    return gathers, scatters
+
+
+@pytest.mark.parametrize("discipline", DISCIPLINES)
+def test_a_shared_message_sends_one_intra_host_message_per_pair_of_devices(discipline):
+    """The flows of a shared message inside its hosts, against `carriers.group_runs` (the executor's messages): one
+    flow from each holder to the sending relay and one from the receiving relay to each needer, each with the bytes
+    of all that device's pieces of the group; a bundle per tensor would send each holder's parts of every bundle apart."""
+    plan = compile_plan(many_bundles(), bucket_bytes=16384)  # shared messages of three bundles
+    groups = [g for g in message_groups(plan.operations) if len(g) > 1]
+    assert groups
+    itemsizes = [p.itemsize for p in plan.problem.tensor_problems()]
+    lowering, _ = lower(plan.operations, plan.problem, discipline, nic_assignment(plan.host_order))
+    several = 0
+    for group in groups:
+        head = group[0]
+        gathers, scatters = _intra_host_flows(lowering, head.id, head.src, head.dsts[0])
+        want_gathers, want_scatters = group_runs(group)
+        several += sum(len({m for m, _ in pieces}) > 1 for _, pieces in want_gathers)
+        piece_bytes = {(m, i): region_size(group[m].parts[i]) * itemsizes[group[m].tensor] for m in range(len(group))
+                       for i in range(len(group[m].parts))}
+        assert gathers == {h: [sum(piece_bytes[p] for p in pieces)] for h, pieces in want_gathers}
+        assert scatters == {d: [sum(piece_bytes[p] for p in pieces)] for d, pieces in want_scatters}
+    assert several  # some holder has parts of several bundles of one message: one message where bundles would send more
+
+
+def test_compile_counts_the_messages_the_simulator_makes_of_shared_messages():
+    """`compile.simulated_messages` (what decides whether a plan is simulated) counts a shared message's intra-host
+    messages as the simulator makes them: one flow per message on hosts of one NIC."""
+    plan = compile_plan(many_bundles(), bucket_bytes=16384)
+    assert len(plan.problem.cluster.nics) == 1 and any(op.carrier is not None for op in plan.operations)
+    lowering, _ = lower(plan.operations, plan.problem, "posted", nic_assignment(plan.host_order))
+    assert simulated_messages(plan.operations) == len(lowering.flows)
+
+
+def test_a_shared_messages_intra_host_messages_are_counted_as_group_runs_lists_them():
+    """`coalesce.shared_messages_inside` counts what `carriers.group_runs` lists, on every shared message of a plan."""
+    from xmesh_plan.planner.coalesce import shared_messages_inside
+
+    plan = compile_plan(many_bundles(), bucket_bytes=16384)
+    groups = [g for g in message_groups(plan.operations) if len(g) > 1]
+    assert groups and all(shared_messages_inside(g) == tuple(map(len, group_runs(g))) for g in groups)
