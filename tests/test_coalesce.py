@@ -412,3 +412,17 @@ def test_a_bundle_sent_between_balanced_relays_has_its_receiving_relays_scatter_
     monkeypatch.setattr(compile_module, "MAX_SIMULATED_MESSAGES", 0)
     compile_module.compile_rows(problem)
     assert seen and all(seen), f"{seen.count(False)} of {len(seen)} messages with another relay's scatter as their tail"
+
+
+def test_planned_op_sent_is_replace_with_every_other_field_kept():
+    """`PlannedOp.sent` changes the route and times and keeps every other field (a field added to PlannedOp and not
+    carried fails here)."""
+    import dataclasses
+
+    from xmesh_plan.planner.strategies import PlannedOp
+
+    values = {"kind": "bundle", "src": 1, "dsts": (2,), "region": ((0, 4), (0, 2)), "parts": (((0, 1), (0, 2)),),
+              "chunks": 3, "offset_s": 0.5, "holders": (7,), "needers": ((8, 9),), "duration_s": 1.25, "tail_s": 0.25}
+    assert set(values) == {f.name for f in dataclasses.fields(PlannedOp)}
+    op = PlannedOp(**values)
+    assert op.sent(5, (6, 7), 2.5, 0.75) == dataclasses.replace(op, src=5, dsts=(6, 7), duration_s=2.5, tail_s=0.75)
