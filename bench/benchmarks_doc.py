@@ -487,7 +487,7 @@ jobs, CPU seconds much less.
 Columns: **GiB** moved once; **unit tasks** and **operations** of the plan; **compile s** wall clock and
 **compile CPU s**; **peak RSS MiB** of the process when the compile returned; **plan MiB**, the file in the format
 the point wrote (npz: compact, written from the compile's rows and verified from its columns, as `compile -o
-NAME.plan.npz` does; json: the shrunk rows of `frontier-shrunk.json`, whose points wrote JSON plans);
+NAME.plan.npz` does; json: a point that wrote a JSON plan);
 **verify s**; the plan's predicted time over the byte bound (**/ bound**) and its time in the executor's order
 (**executor / bound**, where the plan states it), and what timed the plan (`solver.details.timed_by`): the
 simulator in host order, or the schedule's own timetable for a plan of more than `compile.MAX_SIMULATED_MESSAGES`
