@@ -179,7 +179,7 @@ def assemble_rows(problem: ReshardingProblem | TransferProblem, works: list[Tens
             timed_ops += [(start + op.offset_s, t.id, work.index, op) for op in result.ops]
             timed_ops += [(at, t.id, work.index, op) for at, op in _copy_ops(cell, single)]
             sides = frozenset(r for r in option.resources if r[1].partition(":")[0] in NIC_SIDES)
-            timing[t.id] = (start, option.busy_s, option.tail_s, sides)
+            timing[t.id] = (start, option.busy_s, option.tail_s, sides, option.resources)
             for host, side in sides:
                 per_resource.setdefault((host, side), []).append((start, t.id))
         for cell in (c for c in work.cells if not c.receivers and c.local_copies):
