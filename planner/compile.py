@@ -200,7 +200,11 @@ def assemble_rows(problem: ReshardingProblem | TransferProblem, works: list[Tens
                                                        cluster.host_of, cluster.latency_s, cluster.overhead_s,
                                                        cluster.intra_bytes_per_s, max_staging_bytes),
                                         timing, cluster.host_of)
-        proven = shared_bound(proven, groups, [o.scheduling for w in works for o in w.options], cluster.host_of)
+        scheduled = [o.scheduling for w in works for o in w.options]
+        proven = shared_bound(proven, groups, scheduled, cluster.host_of)
+        if proven != schedule.proven_bound_s and "gap_to_proven_bound" in schedule.details:  # the gap to the bound stated
+            gap = schedule.makespan(scheduled) / proven - 1 if proven > 0 else 0.0
+            schedule = dataclasses.replace(schedule, details={**schedule.details, "gap_to_proven_bound": f"{gap:.6f}"})
         per_resource = {key: [(moved.get(t, at), t) for at, t in v] for key, v in per_resource.items()}
     del timed_ops, timing
     operations, riders = [], {}  # riders: task of a bundle -> (its message's start, relay) (`coalesce.share_messages`)
