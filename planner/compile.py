@@ -184,10 +184,6 @@ def assemble_rows(problem: ReshardingProblem | TransferProblem, works: list[Tens
                 per_resource.setdefault((host, side), []).append((start, t.id))
         for cell in (c for c in work.cells if not c.receivers and c.local_copies):
             timed_ops += [(at, -1, work.index, op) for at, op in _copy_ops(cell, single)]
-    if max_staging_bytes is None and on_posted_staging is not None:
-        busiest = busiest_posted(timed_ops, [w.problem for w in works])
-        if busiest is not None:
-            on_posted_staging(*busiest)
     if max_staging_bytes is not None:
         timed_ops = limit_staging(timed_ops, [w.problem for w in works], max_staging_bytes, max_operations)
     timed_ops.sort(key=lambda item: (item[0], item[1] if item[1] >= 0 else len(tasks), item[2] or 0, item[3].kind,
@@ -207,6 +203,10 @@ def assemble_rows(problem: ReshardingProblem | TransferProblem, works: list[Tens
             schedule = dataclasses.replace(schedule, details={**schedule.details, "gap_to_proven_bound": f"{gap:.6f}"})
         per_resource = {key: [(moved.get(t, at), t) for at, t in v] for key, v in per_resource.items()}
     del timed_ops, timing
+    if max_staging_bytes is None and on_posted_staging is not None:  # counted on the relays the messages go from
+        busiest = busiest_posted([item for group in groups for item in group], [w.problem for w in works])
+        if busiest is not None:
+            on_posted_staging(*busiest)
     operations, riders = [], {}  # riders: task of a bundle -> (its message's start, relay) (`coalesce.share_messages`)
     for group in groups:
         head = len(operations)
