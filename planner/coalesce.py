@@ -14,7 +14,7 @@ planned as before.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from itertools import chain
 
 from xmesh_plan.schemas import ReshardingProblem
@@ -172,7 +172,7 @@ def bundle_result(bundle: BundleCell, index: int, problem: ReshardingProblem) ->
     op = PlannedOp("bundle", src, (dst,), bundle.region, parts=bundle.parts, holders=bundle.holders, needers=bundle.needers)
     tail = bundle_tail(op, problem.itemsize, cluster.latency_s, cluster.overhead_s, cluster.intra_bytes_per_s)
     seconds = cluster.overhead_s + nbytes / cluster.message_bytes_per_s + tail
-    op = replace(op, duration_s=seconds, tail_s=tail)
+    op = op.sent(op.src, op.dsts, seconds, tail)
     sh, rh = cluster.host_of(src), cluster.host_of(dst)
     resources = frozenset({(sh, "send"), (rh, "recv")})
     return StrategyResult((op,), seconds, resources, tail_s=tail), Option(sh, src, seconds, resources, tail)
@@ -230,7 +230,7 @@ def share_messages(timed_ops: list[TimedOp], itemsizes: list[int], bucket_bytes:
             head = groups[index][0]
             key = (id(op), head[3].src, head[3].dsts)
             if key not in relayed:
-                relayed[key] = replace(op, src=head[3].src, dsts=head[3].dsts)
+                relayed[key] = op.sent(head[3].src, head[3].dsts, op.duration_s, op.tail_s)
             groups[index].append((head[0], task, tensor, relayed[key]))
             total += nbytes
             relay_bound[pair] = relay_bound.get(pair, 0) + relays
@@ -257,10 +257,10 @@ def _balanced_relays(groups: list[list[TimedOp]], itemsizes: list[int], timing: 
     port_in: dict[int, int] = {}
     port_out: dict[int, int] = {}
     made: dict[tuple[int, int, int, int], PlannedOp] = {}  # (id of a bundle, itemsize, relays) -> it sent between them
+    loads: dict[tuple[int, int], tuple[int, dict[int, int], dict[int, int]]] = {}  # (id of a bundle, itemsize) -> `_port_loads`
     out = []
     for group in groups:
-        op = group[0][3]
-        if op.kind != "bundle":
+        if group[0][3].kind != "bundle":
             out.append(group)
             continue
         held: dict[int, int] = {}
@@ -268,12 +268,14 @@ def _balanced_relays(groups: list[list[TimedOp]], itemsizes: list[int], timing: 
         total = 0
         for _, _, tensor, o in group:
             size = itemsizes[tensor or 0]
-            for part, holder, needers in zip(o.parts, o.holders, o.needers):
-                nbytes = math.prod(b - a for a, b in part) * size
-                total += nbytes
-                held[holder] = held.get(holder, 0) + nbytes
-                for d in needers:
-                    wanted[d] = wanted.get(d, 0) + nbytes
+            known = loads.get((id(o), size))
+            if known is None:
+                known = loads[(id(o), size)] = _port_loads(o, size)
+            total += known[0]
+            for d, nbytes in known[1].items():
+                held[d] = held.get(d, 0) + nbytes
+            for d, nbytes in known[2].items():
+                wanted[d] = wanted.get(d, 0) + nbytes
         needed = sum(wanted.values())
         src = min(held, key=lambda d: (port_in.get(d, 0) + total - held[d], d))
         dst = min(wanted, key=lambda d: (port_out.get(d, 0) + needed - wanted[d], d))
@@ -289,16 +291,31 @@ def _balanced_relays(groups: list[list[TimedOp]], itemsizes: list[int], timing: 
     return out
 
 
+def _port_loads(op: PlannedOp, itemsize: int) -> tuple[int, dict[int, int], dict[int, int]]:
+    """A bundle's bytes, and per device the bytes it holds and the bytes it needs: what `_balanced_relays` weighs,
+    found once per bundle object and element size (a model's layers share their bundles)."""
+    held: dict[int, int] = {}
+    wanted: dict[int, int] = {}
+    total = 0
+    for part, holder, needers in zip(op.parts, op.holders, op.needers):
+        nbytes = math.prod(b - a for a, b in part) * itemsize
+        total += nbytes
+        held[holder] = held.get(holder, 0) + nbytes
+        for d in needers:
+            wanted[d] = wanted.get(d, 0) + nbytes
+    return total, held, wanted
+
+
 def _relayed(op: PlannedOp, src: int, dst: int, itemsize: int, timing: tuple[float, float, float] | None) -> PlannedOp:
     """A bundle sent between the relays `src` and `dst`; given (latency, overhead, intra-host bytes/s), its tail is
     the latency and then `dst`'s scatter (`bundle_tail`), as `bundle_result` states it for the bundle's own relays."""
-    moved = op if (op.src, op.dsts) == (src, (dst,)) else replace(op, src=src, dsts=(dst,))
+    moved = op if (op.src, op.dsts) == (src, (dst,)) else op.sent(src, (dst,), op.duration_s, op.tail_s)
     if timing is None:
         return moved
     tail = bundle_tail(moved, itemsize, *timing)
     if moved.tail_s == tail:
         return moved
-    return replace(moved, duration_s=op.duration_s - op.tail_s + tail, tail_s=tail)
+    return moved.sent(moved.src, moved.dsts, op.duration_s - op.tail_s + tail, tail)
 
 
 def _lasting_as_one(group: list[TimedOp], latency_s: float, overhead_s: float, scatters: dict[int, int]) -> list[TimedOp]:
@@ -318,7 +335,7 @@ def _lasting_as_one(group: list[TimedOp], latency_s: float, overhead_s: float, s
     tail = sum(op.tail_s for op in ops) - fewer * latency_s
     saved = (sum(alone) - shared) * overhead_s + (sum(1 for n in alone if n) - (1 if shared else 0)) * latency_s
     seconds, tail = seconds - saved, tail - saved
-    return [(at, task, tensor, replace(op, duration_s=seconds, tail_s=tail)) for at, task, tensor, op in group]
+    return [(at, task, tensor, op.sent(op.src, op.dsts, seconds, tail)) for at, task, tensor, op in group]
 
 
 def shared_messages_inside(group) -> tuple[int, int]:

@@ -159,6 +159,7 @@ def assemble_rows(problem: ReshardingProblem | TransferProblem, works: list[Tens
     the device that stages most posted and its bytes (`staging_limit.busiest_posted`), where anything is staged."""
     tasks, timed_ops, per_resource, timing = [], [], {}, {}
     cluster = problem.cluster
+    nic_sides: dict[int, frozenset] = {}  # id of an option -> the NIC sides it holds: tensors of one kind share their options
     facts: dict[tuple[int, int], tuple[int, tuple[int, ...]]] = {}  # (id of a cell, itemsize) -> its bytes and receiving
     for work in works:  # hosts: tensors of one kind share their cells (`renumbered`)
         single = work.problem
@@ -178,7 +179,9 @@ def assemble_rows(problem: ReshardingProblem | TransferProblem, works: list[Tens
                 round(start + option.duration_s, DIGITS)))
             timed_ops += [(start + op.offset_s, t.id, work.index, op) for op in result.ops]
             timed_ops += [(at, t.id, work.index, op) for at, op in _copy_ops(cell, single)]
-            sides = frozenset(r for r in option.resources if r[1].partition(":")[0] in NIC_SIDES)
+            sides = nic_sides.get(id(option))
+            if sides is None:
+                sides = nic_sides[id(option)] = frozenset(r for r in option.resources if r[1].partition(":")[0] in NIC_SIDES)
             timing[t.id] = (start, option.busy_s, option.tail_s, sides, option.resources)
             for host, side in sides:
                 per_resource.setdefault((host, side), []).append((start, t.id))
@@ -219,7 +222,7 @@ def assemble_rows(problem: ReshardingProblem | TransferProblem, works: list[Tens
     del groups
     operations = tuple(operations)
     if riders:  # a bundle goes when its message goes, from the message's relay
-        tasks = [t._replace(sender=riders[t.id][1]) if t.id in riders else t for t in tasks]
+        tasks = [t._replace(sender=riders[t.id][1]) if t.id in riders and riders[t.id][1] != t.sender else t for t in tasks]
         per_resource = {key: [(riders[t][0] if t in riders else at, t) for at, t in v] for key, v in per_resource.items()}
     host_order = tuple(HostOrder(host=h, side=s, tasks=tuple(t for _, t in sorted(v))) for (h, s), v in sorted(per_resource.items()))
     stage = on_stage if len(operations) >= DETAILED_STAGES else _quiet
@@ -318,14 +321,20 @@ def _simulated(operations: tuple[OperationRow, ...], problem: ReshardingProblem 
 
 def _retimed_tasks(tasks: list[TaskRow], operations: tuple[OperationRow, ...]) -> list[TaskRow]:
     """A task spans its operations."""
-    spans: dict[int, tuple[float, float]] = {}
+    spans: dict[int, list[float]] = {}
     for op in operations:
-        s, e = spans.get(op.task, (op.start_s, op.end_s))
-        spans[op.task] = (min(s, op.start_s), max(e, op.end_s))
+        span = spans.get(op.task)
+        if span is None:
+            spans[op.task] = [op.start_s, op.end_s]
+        else:
+            if op.start_s < span[0]:
+                span[0] = op.start_s
+            if op.end_s > span[1]:
+                span[1] = op.end_s
     out = []
     for t in tasks:
         span = spans.get(t.id)
-        out.append(t if span is None or span == (t.start_s, t.end_s) else t._replace(start_s=span[0], end_s=span[1]))
+        out.append(t if span is None or (span[0] == t.start_s and span[1] == t.end_s) else t._replace(start_s=span[0], end_s=span[1]))
     return out
 
 

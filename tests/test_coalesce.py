@@ -439,3 +439,17 @@ def test_the_gap_to_the_proven_bound_is_measured_against_the_bound_the_plan_stat
     makespan = float(dict(c.split("=") for c in details["candidates"].split())[details["winner"]])
     assert float(details["gap_to_proven_bound"]) == pytest.approx(makespan / plan.solver.proven_bound_seconds - 1, abs=1e-4)
     assert float(details["gap_to_proven_bound"]) > 0.01
+
+
+def test_planned_op_sent_is_replace_with_every_other_field_kept():
+    """`PlannedOp.sent` changes the route and times and keeps every other field (a field added to PlannedOp and not
+    carried fails here)."""
+    import dataclasses
+
+    from xmesh_plan.planner.strategies import PlannedOp
+
+    values = {"kind": "bundle", "src": 1, "dsts": (2,), "region": ((0, 4), (0, 2)), "parts": (((0, 1), (0, 2)),),
+              "chunks": 3, "offset_s": 0.5, "holders": (7,), "needers": ((8, 9),), "duration_s": 1.25, "tail_s": 0.25}
+    assert set(values) == {f.name for f in dataclasses.fields(PlannedOp)}
+    op = PlannedOp(**values)
+    assert op.sent(5, (6, 7), 2.5, 0.75) == dataclasses.replace(op, src=5, dsts=(6, 7), duration_s=2.5, tail_s=0.75)

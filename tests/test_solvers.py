@@ -257,3 +257,70 @@ def test_dfs_returns_its_starting_schedule_above_the_tasks_it_can_search():
     schedule = solve(tasks, "dfs", time_limit_s=0.5)
     check_schedule(tasks, schedule)
     assert schedule.details["complete"] == "false" and schedule.makespan(tasks) >= schedule.proven_bound_s
+
+
+def test_booked_together_keeps_one_resource_per_class():
+    """Resources named by exactly the same sets are one class, answered by its first resource; a resource named by
+    other sets too stays its own class."""
+    from xmesh_plan.planner.solvers.calendar import booked_together
+
+    a = frozenset({(0, "send"), (1, "recv"), (1, "out:4"), (1, "in:5")})
+    b = frozenset({(2, "send"), (1, "recv"), (1, "out:4"), (1, "in:5")})
+    c = frozenset({(0, "send"), (1, "recv")})
+    classes = booked_together([a, b, c, a])
+    assert classes == {a: ((0, "send"), (1, "in:5"), (1, "recv")), b: ((1, "in:5"), (1, "recv"), (2, "send")),
+                       c: ((0, "send"), (1, "recv"))}
+
+
+def _ask_every_resource_each_round(self, resources, duration, not_before=0.0):
+    """`Calendar.earliest_start` as a plain fixed point: every resource asked in every round until a round moves nothing."""
+    from bisect import bisect_right
+
+    from xmesh_plan.planner.solvers.calendar import EPS
+
+    t, moved = not_before, True
+    while moved:
+        moved = False
+        for r in resources:
+            ends = self._ends.get(r)
+            if ends:
+                i = bisect_right(ends, t + EPS)
+                if i < len(ends) and self._starts[r][i] < t + duration - EPS:
+                    t, moved = ends[i], True
+    return t
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_backfill_by_classes_places_tasks_as_asking_every_resource(seed):
+    """One calendar per class of resources booked together gives every task the choice and start that asking each of
+    its resources gives (broadcasts holding a chain of ports inside the receiving host, bundles its NIC side only;
+    tasks repeat as a model's layers do). Durations come from a continuum, as a model's do: where intervals of two
+    resources end within EPS of each other, the order the resources are asked in picks one of the two ends, for a
+    calendar per resource asked in hash order as well."""
+    from xmesh_plan.planner.solvers import list_backfill
+    from xmesh_plan.planner.solvers.calendar import Calendar, booked_together
+    from xmesh_plan.planner.solvers.list_backfill import backfill, longest_first, most_constrained_first
+
+    rng = random.Random(seed)
+    tasks = []
+    for i in range(160):
+        if i >= 80:  # the first 80 again, as a model's next layers
+            tasks.append(SchedulingTask(i, tasks[i - 80].options))
+            continue
+        dst = rng.choice([3, 4])
+        ports = {(dst, f"out:{4 * dst + k}") for k in range(3)} | {(dst, f"in:{4 * dst + k + 1}") for k in range(3)}
+        senders = sorted(rng.sample(range(3), rng.choice([1, 2, 3])))
+        duration = rng.uniform(0.1, 0.5)
+        held = ports if rng.random() < 0.5 else set()
+        tasks.append(SchedulingTask(i, tuple(Option(h, 4 * h, duration + 0.05, frozenset({(h, "send"), (dst, "recv")} | held), 0.05)
+                                             for h in senders)))
+    for priority in (longest_first, most_constrained_first):
+        schedule = backfill(tasks, priority)
+        check_schedule(tasks, schedule)
+        with pytest.MonkeyPatch.context() as patch:  # the reference: a calendar per resource, every one asked each round
+            patch.setattr(list_backfill, "booked_together", lambda sets: {s: tuple(sorted(s)) for s in sets})
+            patch.setattr(Calendar, "earliest_start", _ask_every_resource_each_round)
+            reference = backfill(tasks, priority)
+        assert (schedule.choice, schedule.start_s) == (reference.choice, reference.start_s)
+    classes = booked_together(o.resources for t in tasks for o in t.options)
+    assert max(map(len, classes)) == 8 and max(map(len, classes.values())) == 3  # send side, receive side, the six ports

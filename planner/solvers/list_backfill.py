@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import Callable
 
 from ..scheduling import Schedule, SchedulingTask
-from .calendar import Calendar
+from .calendar import Calendar, booked_together
 
 Priority = Callable[[SchedulingTask], tuple]
 
@@ -28,6 +28,7 @@ def most_constrained_first(task: SchedulingTask) -> tuple:
 def backfill(tasks: list[SchedulingTask], priority: Priority = longest_first, preset: dict[int, int] | None = None) -> Schedule:
     """Place tasks in `priority` order into the earliest gaps; `preset` fixes some tasks' sender choice."""
     calendar = Calendar()
+    classes = booked_together(o.resources for t in tasks for o in t.options)
     choice: dict[int, int] = {}
     start: dict[int, float] = {}
     for task in sorted(tasks, key=priority):
@@ -35,13 +36,13 @@ def backfill(tasks: list[SchedulingTask], priority: Priority = longest_first, pr
         best = None
         for i in indices:
             option = task.options[i]
-            begin = calendar.earliest_start(option.resources, option.busy_s)
+            begin = calendar.earliest_start(classes[option.resources], option.busy_s)
             key = (begin + option.duration_s, i)
             if best is None or key < best[0]:
                 best = (key, i, begin)
         _, i, begin = best
         choice[task.id], start[task.id] = i, begin
-        calendar.book(task.options[i].resources, begin, task.options[i].busy_s)
+        calendar.book(classes[task.options[i].resources], begin, task.options[i].busy_s)
     return Schedule(choice, start, solver="list-backfill")
 
 

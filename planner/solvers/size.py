@@ -31,7 +31,7 @@ def balance_senders(tasks: list[SchedulingTask]) -> dict[int, int]:
         def cost(i: int) -> tuple[float, int]:
             option = task.options[i]
             return max(load.get(r, 0.0) for r in sides[id(option)]) + option.duration_s, i
-        best = min(range(len(task.options)), key=cost)
+        best = min(range(len(task.options)), key=cost) if len(task.options) > 1 else 0  # a sole option needs no costing
         choice[task.id] = best
         option = task.options[best]
         for r in sides[id(option)]:
