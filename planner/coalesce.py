@@ -372,8 +372,9 @@ def shared_bound(proven_s: float | None, groups: list[list[TimedOp]], tasks: lis
     return min(proven_s, schedule_lower_bound([t for t in tasks if t.id not in bundled] + messages))
 
 
-TaskTiming = tuple[float, float, float, frozenset]
-"""A scheduled task's (start, busy seconds, tail seconds, NIC sides it holds): what `retimed_on_nics` replays."""
+TaskTiming = tuple[float, float, float, frozenset, frozenset]
+"""A scheduled task's (start, busy seconds, tail seconds, NIC sides it holds, every resource it holds: NIC sides and
+device ports): what `retimed_on_nics` replays."""
 
 
 def retimed_on_nics(groups: list[list[TimedOp]], timing: dict[int, TaskTiming], host_of) -> tuple[list[list[TimedOp]], dict[int, float]]:
@@ -383,18 +384,20 @@ def retimed_on_nics(groups: list[list[TimedOp]], timing: dict[int, TaskTiming], 
     head's start, so the schedule's times overlap on the NIC sides where the riders' bytes went ahead. Replayed in
     list order (the simulator's host order: each side takes its operations one after another), every message
     starts once its NIC sides are free and keeps them busy for its overhead and bytes (a shared message: all of
-    its bundles', one overhead); its latency delays its end only. A task's other operations move with it; local
-    copies (no NIC) keep their times. Listed again by start, each message's bundles together."""
+    its bundles', one overhead); its latency delays its end only. A task that is no bundle waits for, and holds,
+    its device ports as well (a task inside one host: its device ports only), as the schedule's model (and so
+    `shared_bound`) counts them: the timetable is one of that model's, never earlier than its bound. A task's other
+    operations move with it; local copies keep their times. Listed again by start, each message's bundles together."""
     free: dict[tuple, float] = {}
     moved: dict[int, float] = {}  # task -> its start as replayed
     out: list[tuple[float, int, list[TimedOp]]] = []
     for k, group in enumerate(groups):
         at, task, tensor, op = group[0]
         known = timing.get(task)
-        if op.kind == "copy" or known is None or not known[3]:
+        if op.kind == "copy" or known is None or not known[4]:
             out.append((at, k, group))
             continue
-        start, busy, tail, sides = known
+        start, busy, tail, sides, held = known
         if op.kind == "bundle":
             sides = frozenset({(host_of(op.src), "send"), (host_of(op.dsts[0]), "recv")})
             busy = op.duration_s - op.tail_s  # the whole shared message's (`_lasting_as_one`)
@@ -406,9 +409,9 @@ def retimed_on_nics(groups: list[list[TimedOp]], timing: dict[int, TaskTiming], 
             out.append((begin, k, [(begin, t, n, o) for _, t, n, o in group]))
             continue
         if task not in moved:
-            moved[task] = max((free.get(s, 0.0) for s in sides), default=0.0)
-            for s in sides:
-                free[s] = moved[task] + busy
+            moved[task] = max((free.get(r, 0.0) for r in held), default=0.0)
+            for r in held:
+                free[r] = moved[task] + busy
         shift = moved[task] - start
         out.append((at + shift, k, [(at + shift, task, tensor, op)]))
     out.sort(key=lambda item: (item[0], item[1]))

@@ -182,15 +182,11 @@ def assemble_rows(problem: ReshardingProblem | TransferProblem, works: list[Tens
             sides = nic_sides.get(id(option))
             if sides is None:
                 sides = nic_sides[id(option)] = frozenset(r for r in option.resources if r[1].partition(":")[0] in NIC_SIDES)
-            timing[t.id] = (start, option.busy_s, option.tail_s, sides)
+            timing[t.id] = (start, option.busy_s, option.tail_s, sides, option.resources)
             for host, side in sides:
                 per_resource.setdefault((host, side), []).append((start, t.id))
         for cell in (c for c in work.cells if not c.receivers and c.local_copies):
             timed_ops += [(at, -1, work.index, op) for at, op in _copy_ops(cell, single)]
-    if max_staging_bytes is None and on_posted_staging is not None:
-        busiest = busiest_posted(timed_ops, [w.problem for w in works])
-        if busiest is not None:
-            on_posted_staging(*busiest)
     if max_staging_bytes is not None:
         timed_ops = limit_staging(timed_ops, [w.problem for w in works], max_staging_bytes, max_operations)
     timed_ops.sort(key=lambda item: (item[0], item[1] if item[1] >= 0 else len(tasks), item[2] or 0, item[3].kind,
@@ -203,9 +199,17 @@ def assemble_rows(problem: ReshardingProblem | TransferProblem, works: list[Tens
                                                        cluster.host_of, cluster.latency_s, cluster.overhead_s,
                                                        cluster.intra_bytes_per_s, max_staging_bytes),
                                         timing, cluster.host_of)
-        proven = shared_bound(proven, groups, [o.scheduling for w in works for o in w.options], cluster.host_of)
+        scheduled = [o.scheduling for w in works for o in w.options]
+        proven = shared_bound(proven, groups, scheduled, cluster.host_of)
+        if proven != schedule.proven_bound_s and "gap_to_proven_bound" in schedule.details:  # the gap to the bound stated
+            gap = schedule.makespan(scheduled) / proven - 1 if proven > 0 else 0.0
+            schedule = dataclasses.replace(schedule, details={**schedule.details, "gap_to_proven_bound": f"{gap:.6f}"})
         per_resource = {key: [(moved.get(t, at), t) for at, t in v] for key, v in per_resource.items()}
     del timed_ops, timing
+    if max_staging_bytes is None and on_posted_staging is not None:  # counted on the relays the messages go from
+        busiest = busiest_posted([item for group in groups for item in group], [w.problem for w in works])
+        if busiest is not None:
+            on_posted_staging(*busiest)
     operations, riders = [], {}  # riders: task of a bundle -> (its message's start, relay) (`coalesce.share_messages`)
     for group in groups:
         head = len(operations)

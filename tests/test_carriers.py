@@ -421,7 +421,8 @@ def test_inspect_orders_prints_one_ratio_where_the_bound_is_zero(tmp_path):
 @pytest.mark.parametrize("timed_by", ["simulator", "schedule"])
 def test_a_plan_of_shared_messages_states_a_proven_bound_within_its_time(timed_by, monkeypatch):
     """The solver's bound counts one overhead per bundle; the shared message pays one: the plan's proven bound is a
-    bound of what it sends, so never above its own predicted time (the schedule's timetable, or the simulator's)."""
+    bound of what it sends in the schedule's model, so never above the schedule's timetable. The simulator is another
+    model (it can finish before that bound, docs/format.md); on this plan of one message it times it no earlier."""
     import xmesh_plan.planner.compile as compile_module
 
     if timed_by == "schedule":

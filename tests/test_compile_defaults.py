@@ -280,6 +280,21 @@ def test_the_posted_staging_compile_notes_is_at_least_what_posted_allocates(seed
         assert counted.get(device, 0) >= nbytes
 
 
+@pytest.mark.parametrize("seed", [2, 17])
+def test_compiles_posted_staging_note_is_at_least_the_busiest_device_of_the_compiled_plan(seed):
+    """compile's note counts the shared messages from the relays they go from (`coalesce.share_messages` re-picks
+    them after the schedule): the bytes it hears are at least what posted order allocates on the compiled plan's busiest
+    device (seed 2: 132 B, not the 92 B counted on the schedule's relays)."""
+    from xmesh_plan.planner.compile import compile_rows
+    from xmesh_plan.schemas.staging import staging_peaks
+    from tests.support.transfer import random_transfer
+
+    heard = []
+    plan = compile_rows(random_transfer(seed, 16), on_posted_staging=lambda *d: heard.append(d)).to_plan()
+    [(_, nbytes)] = heard
+    assert nbytes >= max(staging_peaks(plan, "posted").values())
+
+
 def test_the_cli_notes_posted_staging_over_the_threshold_and_takes_zero_for_no_limit(tmp_path, monkeypatch):
     """compile's note (one line on stderr): the busiest device, its GiB and the fix, only when posted order stages more
     than the threshold and no limit is given; the plan is the committed one either way."""
