@@ -491,12 +491,11 @@ NAME.plan.npz` does; json: a point that wrote a JSON plan);
 **verify s**; the plan's predicted time over the byte bound (**/ bound**) and its time in the executor's order
 (**executor / bound**, where the plan states it), and what timed the plan (`solver.details.timed_by`): the
 simulator in host order, or the schedule's own timetable for a plan of more than `compile.MAX_SIMULATED_MESSAGES`
-messages (counted from its operations before any flow is made; the full DeepSeek-V3-like plan has 390,400, a shared message's intra-host messages one per pair of devices; 8.8 M before that) or one whose simulation would take more than `compile.MAX_SIMULATION_WORK` units of work. `xmesh-plan check --simulate` simulates such a plan anyway, in host order and in the executor's default order: the full DeepSeek-V3-like plan
-(`xmesh-plan compile plans/weight_sync_deepseek_v3.problem.toml -o ds.plan.npz` at 2903a84, 8,786,416 messages) runs posted, the executor's
-default order for it, in 0.9220 s, 1.021x its 0.9030 s bound (host order 0.9584 s, 1.061x; the schedule's timetable 1.030x); `check --simulate` took
-1,176 CPU s and 9.6 GiB peak RSS (verify included) on this machine. The full Kimi-K2-like plan (the same way, 8,849,676 messages)
-runs posted in 0.6929 s, 1.034x its 0.6699 s bound (host order 0.7348 s, 1.097x; the schedule's timetable 1.084x), in 1,457 CPU s
-and 10.3 GiB. A row with `--max-tasks` ran with that limit. `--max-tasks` counts
+messages (counted from its operations before any flow is made; the full DeepSeek-V3-like plan has 390,400, a shared message's intra-host messages one per pair of devices) or one whose simulation would take more than `compile.MAX_SIMULATION_WORK` units of work. `xmesh-plan check --simulate` simulates such a plan anyway in the executor's default order (its stored host-order times stay unchecked): the full DeepSeek-V3-like plan
+(`xmesh-plan compile plans/weight_sync_deepseek_v3.problem.toml -o ds.plan.npz` at 788d848) runs posted, the executor's
+default order for it, in 0.9193 s, 1.018x its 0.9030 s bound (the schedule's timetable 1.031x); `check --simulate` took
+204 CPU s and 5.6 GiB peak RSS (verify, and reading the plan as records, included) on this machine. The full Kimi-K2-like plan (the same way, 315,632 messages)
+runs posted in 0.6851 s, 1.023x its 0.6699 s bound (the schedule's timetable 1.084x), in 252 CPU s and 5.9 GiB. A row with `--max-tasks` ran with that limit. `--max-tasks` counts
 what a compile holds (each kind of tensor's boxes, then the tasks it schedules; docs/format.md), so the full
 DeepSeek-V3-like problem (613,248 tasks with the 32 MiB bucket; 667,520 with 4 MiB) passes the default. Its compile keeps the plan as rows, not records
 (`planner/plan_rows.py`), writes the compact file from them and verifies that file; a point that ran out of time
