@@ -171,7 +171,9 @@ class RelayLoad:
     busiest_out: tuple[int, int]
     gathers: int = 0  # intra-host messages into sending relays (a shared message: one per holder, `carriers.group_runs`)
     scatters: int = 0  # ... out of receiving relays (a shared message: one per needer)
-    busiest_messages: tuple[int, int] = (-1, 0)  # (device, messages) of the relay whose port moves the most messages inside its host
+    busiest_messages: tuple[int, str, int] = (-1, "", 0)  # (device, "in" or "out", messages) of the relay port with the most
+    # messages inside its host: a sending relay's port in (its gathers), a receiving relay's out (its scatters)
+    shared: bool = False  # some bundles share one cross-host message
 
 
 def relay_load(plan: Plan) -> RelayLoad | None:
@@ -180,16 +182,17 @@ def relay_load(plan: Plan) -> RelayLoad | None:
     bundles = messages = cross = gathered = scattered = gathers = scatters = 0
     port_in: dict[int, int] = {}
     port_out: dict[int, int] = {}
-    port_messages: dict[int, int] = {}
+    port_messages: dict[tuple[int, str], int] = {}
+    shared = False
     for group in message_groups(plan.operations):
         if group[0].kind != "bundle":
             continue
         op, hops = wire_route(group, itemsizes)
-        bundles, messages = bundles + len(group), messages + 1
+        bundles, messages, shared = bundles + len(group), messages + 1, shared or len(group) > 1
         for hop in hops:
             if hop.elements and host(hop.src) == host(hop.dst):
-                relay = hop.dst if hop.dst == op.src else hop.src
-                port_messages[relay] = port_messages.get(relay, 0) + 1
+                port = (hop.dst, "in") if hop.dst == op.src else (hop.src, "out")
+                port_messages[port] = port_messages.get(port, 0) + 1
                 gathers, scatters = (gathers + 1, scatters) if hop.dst == op.src else (gathers, scatters + 1)
         for (a, b), nbytes in hops_pair_bytes(hops, 1 if len(group) > 1 else itemsizes[op.tensor or 0]).items():
             if host(a) != host(b):
@@ -203,8 +206,9 @@ def relay_load(plan: Plan) -> RelayLoad | None:
     if not bundles:
         return None
     top = lambda ports: max(ports.items(), key=lambda item: (item[1], -item[0]), default=(-1, 0))  # noqa: E731
+    busiest = max(port_messages.items(), key=lambda item: (item[1], -item[0][0], item[0][1]), default=None)
     return RelayLoad(bundles, messages, cross, gathered, scattered, top(port_in), top(port_out), gathers, scatters,
-                     top(port_messages))
+                     (*busiest[0], busiest[1]) if busiest else (-1, "", 0), shared)
 
 
 def timed_by_line(plan: Plan) -> list[str]:
@@ -229,12 +233,12 @@ def relay_line(plan: Plan) -> list[str]:
     cluster = plan.problem.cluster
     port, nics = cluster.intra_bytes_per_s, cluster.message_bytes_per_s
     (d_in, b_in), (d_out, b_out) = load.busiest_in, load.busiest_out
-    device, count = load.busiest_messages
-    most = (f"; most messages at one relay port: device {device}, {count} x "
+    device, side, count = load.busiest_messages
+    most = (f"; most messages at one relay port: device {device} {'takes in' if side == 'in' else 'sends out'} {count}, {count} x "
             f"{cluster.overhead_s * 1e6:g} us overhead = {count * cluster.overhead_s:.4f} s") if count else ""
     return [f"bundles: {load.bundles} in {load.messages} cross-host messages, {_bytes(load.cross_bytes)} across hosts; their relays "
-            f"gather {_bytes(load.gathered)} in {load.gathers} messages and scatter {_bytes(load.scattered)} in {load.scatters} "
-            f"(a shared message: one per holder and per needer) inside hosts through one device port "
+            f"gather {_bytes(load.gathered)} in {load.gathers} messages and scatter {_bytes(load.scattered)} in {load.scatters}"
+            + (" (a shared message: one per holder and per needer)" if load.shared else "") + " inside hosts through one device port "
             f"each ({cluster.intra_host_gbps:g} Gbit/s, {port / nics:.2f}x the host's NICs together: a message's gathers take "
             f"{nics / port:.2f}x its time across)" + _busiest_ports(d_in, b_in, d_out, b_out, port) + most]
 

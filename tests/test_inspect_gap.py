@@ -132,6 +132,39 @@ def test_the_relay_line_names_only_ports_that_move_something():
     assert "gather 0 B" in line and "device -1" not in line and "takes in" not in line and "sends out" in line, line
 
 
+def test_the_relay_line_counts_messages_per_port_and_names_shared_messages_only_where_there_are_some():
+    """The relay port with the most intra-host messages is one port, in or out, counted from the plan's own bundles
+    (a relay's gathers in, its scatters out, never the two added); the note on shared messages shows only where bundles
+    share a message."""
+    from xmesh_plan.planner.compile import compile_plan
+    from xmesh_plan.planner.inspect_plan import relay_line, relay_load
+    from xmesh_plan.schemas.op_kinds import bundle_runs
+    from tests.support.transfer import many_bundles
+
+    for bucket, shared in ((16384, True), (None, False)):
+        plan = compile_plan(many_bundles(), bucket_bytes=bucket) if bucket else compile_plan(many_bundles())
+        groups = _message_groups(plan.operations)
+        if not shared:
+            plan = plan.model_copy(update={"operations": tuple(op.model_copy(update={"carrier": None}) for op in plan.operations)})
+            groups = [[op] for op in plan.operations]
+        ports: dict = {}
+        for group in (g for g in groups if g[0].kind == "bundle"):
+            src, relay = group[0].src, group[0].dsts[0]
+            if len(group) > 1:  # one message per holder into the sending relay, one per needer out of the receiving one
+                gathers = len({h for op in group for h in op.holders if h != src})
+                scatters = len({d for op in group for n in op.needers for d in n if d != relay})
+            else:  # a bundle alone: one per run of consecutive parts
+                gathers, scatters = map(len, bundle_runs(group[0]))
+            ports[(src, "in")] = ports.get((src, "in"), 0) + gathers
+            ports[(relay, "out")] = ports.get((relay, "out"), 0) + scatters
+        load = relay_load(plan)
+        assert load.busiest_messages[2] == max(ports.values()) and ports[load.busiest_messages[:2]] == max(ports.values())
+        [line] = relay_line(plan)
+        side = "takes in" if load.busiest_messages[1] == "in" else "sends out"
+        assert f"device {load.busiest_messages[0]} {side} {load.busiest_messages[2]}," in line, line
+        assert ("(a shared message: one per holder and per needer)" in line) is shared, line
+
+
 def _message_groups(operations) -> list[list]:
     """The plan's shared messages from their definition: a bundle with a carrier joins the group of the one before it."""
     out: list[list] = []
