@@ -28,7 +28,7 @@ from typing import Sequence
 
 from .geometry import region_size
 from .staging import aligned, chained
-from .op_kinds import OpLike
+from .op_kinds import OpLike, runs_by_device
 from .plan import Operation
 
 
@@ -72,18 +72,11 @@ def group_runs(group: Sequence[Operation | OpLike]) -> tuple[tuple[DeviceRun, ..
     >>> group_runs([a, b])
     (((1, ((0, 0), (1, 0))), (2, ((0, 1),))), ((5, ((0, 0), (1, 0))), (6, ((0, 1), (1, 0)))))
     """
-    src, relay = group[0].src, group[0].dsts[0]
-    gathers: dict[int, list[Piece]] = {}
-    scatters: dict[int, list[Piece]] = {}
-    for m, op in enumerate(group):
-        for i, (holder, need) in enumerate(zip(op.holders, op.needers)):
-            if holder != src:
-                gathers.setdefault(holder, []).append((m, i))
-            for d in need:
-                if d != relay:
-                    scatters.setdefault(d, []).append((m, i))
-    return (tuple((h, tuple(pieces)) for h, pieces in gathers.items()),
-            tuple((d, tuple(pieces)) for d, pieces in scatters.items()))
+    pieces = [(m, i) for m, op in enumerate(group) for i in range(len(op.parts))]
+    gathers, scatters = runs_by_device(group[0].src, group[0].dsts[0], tuple(h for op in group for h in op.holders),
+                                       tuple(tuple(n) for op in group for n in op.needers))
+    return (tuple((h, tuple(pieces[k] for k in run)) for h, run in gathers),
+            tuple((d, tuple(pieces[k] for k in run)) for d, run in scatters))
 
 
 def piece_layout(pieces: Sequence[Piece], sizes: Sequence[Sequence[int]], align: int) -> tuple[tuple[int, ...], int]:

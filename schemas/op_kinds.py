@@ -220,11 +220,13 @@ def merged_runs(op: OpLike) -> tuple[tuple[Run, ...], tuple[Run, ...]]:
     >>> merged_runs(op)
     (((1, (1, 3)), (2, (2,))), ((5, (0, 3)), (6, (1, 2))))
     """
-    return _merged_runs(op.src, op.dsts[0], tuple(op.holders), tuple(map(tuple, op.needers)))
+    return runs_by_device(op.src, op.dsts[0], tuple(op.holders), tuple(map(tuple, op.needers)))
 
 
 @lru_cache(maxsize=1 << 12)
-def _merged_runs(src: int, relay: int, holders: tuple[int, ...], needs: tuple[tuple[int, ...], ...]) -> tuple[tuple[Run, ...], tuple[Run, ...]]:
+def runs_by_device(src: int, relay: int, holders: tuple[int, ...], needs: tuple[tuple[int, ...], ...]) -> tuple[tuple[Run, ...], tuple[Run, ...]]:
+    """`merged_runs` from the parts' holders and needers: every part of one device in one run, devices in order of
+    first part (first need); also what `schemas.carriers.group_runs` reads a shared message's pieces off."""
     gathers: dict[int, list[int]] = {}
     scatters: dict[int, list[int]] = {}
     for i, (h, needers) in enumerate(zip(holders, needs)):
