@@ -23,7 +23,7 @@ import math
 from dataclasses import dataclass, field, fields, replace
 from enum import StrEnum
 from functools import lru_cache
-from typing import Hashable, Literal, Mapping, Sequence
+from typing import Any, Callable, Hashable, Literal, Mapping, Sequence
 
 import numpy as np
 
@@ -464,6 +464,7 @@ class _Builder:
     tensor: _Tensor = field(init=False)
     itemsize: int = 0
     writes: _Writes = field(init=False)
+    _memo: dict = field(default_factory=dict)  # `memo`
 
     def enter(self, tensor: int) -> None:
         """The next operations move tensor `tensor`: its shards, element size and writes."""
@@ -485,6 +486,32 @@ class _Builder:
     def stage(self, nbytes: int) -> int:
         start, self.stage_bytes = self.stage_bytes, self.stage_bytes + nbytes
         return start
+
+    def memo(self, key: Hashable, make: Callable[[], Any]) -> Any:
+        """`make()`, once per `key` for this lowering: what a model's repeated layers would work out again. Keys may
+        name objects by `id`: the operations being lowered keep them alive while the builder is."""
+        try:
+            return self._memo[key]
+        except KeyError:
+            value = self._memo[key] = make()
+            return value
+
+    def part_sizes(self, op: Operation) -> tuple[int, ...]:
+        """Each part's bytes of bundle `op` (in its tensor's element size)."""
+        itemsize = self.tensors[op.tensor or 0].shards.itemsize
+        return self.memo(("sizes", id(op.parts), itemsize), lambda: tuple(region_size(p) * itemsize for p in op.parts))
+
+    def held(self, op: Operation) -> tuple[int, ...]:
+        """The parts of bundle `op` this device holds."""
+        return self.memo(("held", id(op.holders)), lambda: tuple(i for i, h in enumerate(op.holders) if h == self.device))
+
+    def needed(self, op: Operation) -> tuple[int, ...]:
+        """The parts of bundle `op` this device needs."""
+        return self.memo(("needed", id(op.needers)), lambda: tuple(i for i, group in enumerate(op.needers) if self.device in group))
+
+    def placements(self, parts: tuple[Region, ...], block: Region, itemsize: int) -> list:
+        """Per part of `parts`, `_placed` in a shard holding `block`, filled in as the parts are first placed (`_staged_parts`)."""
+        return self.memo(("placed", id(parts), block, itemsize), lambda: [None] * len(parts))
 
     def fail(self, op: Operation, message: str) -> None:
         raise PlanMismatchError(refusal_advice(f"{describe(op)}: {message}"))
@@ -646,19 +673,6 @@ def _needed(needers: tuple[tuple[int, ...], ...], device: int) -> tuple[int, ...
 
 
 @lru_cache(maxsize=1 << 12)
-def _held(holders: tuple[int, ...], device: int) -> tuple[int, ...]:
-    """The parts of a bundle that `device` holds: once per distinct bundle."""
-    return tuple(i for i, h in enumerate(holders) if h == device)
-
-
-@lru_cache(maxsize=1 << 12)
-def _part_sizes(parts: tuple[Region, ...], itemsize: int) -> tuple[int, ...]:
-    """Each part's bytes: once per distinct bundle."""
-    offsets = _part_offsets(parts, itemsize)
-    return tuple(hi - lo for lo, hi in zip(offsets, offsets[1:]))
-
-
-@lru_cache(maxsize=1 << 12)
 def _part_offsets(parts: tuple[Region, ...], itemsize: int) -> tuple[int, ...]:
     """Each part's byte offset in a bundle's cross-host message, and its end: once per distinct bundle."""
     offsets = [0]
@@ -745,105 +759,180 @@ def _lower_group(b: _Builder, group: Sequence[Operation], bases: Sequence[int], 
     a needer receives its area and unpacks it. A peer whose area is one range of the message laid out alike
     (`carriers.relay_areas`) is received into or sent from the message itself, with no side area and no move. Tags: the carrier's cross-host tag, and for the message of holder
     (needer) d the tag its first run of the first member it takes part in has in that member's block (`_lower_bundle`),
-    so each message's tag is one no other message of the plan has, and both ends pick it alike."""
+    so each message's tag is one no other message of the plan has, and both ends pick it alike.
+
+    The layout of a group (`_relay_layout`, `_peer_layout`) depends on its members' parts, holders and needers only, which
+    a model's layers repeat: it is worked out once per distinct group (`_Builder.memo`) and placed at each group's staging."""
     head, key = group[0], group_key(group[0])
     src, relay = head.src, head.dsts[0]
     for op in group:
         if (op.src, op.dsts[:1]) != (src, (relay,)) or group_key(op) != key:
             b.fail(op, f"it shares operation {key}'s message but its relays are not d{src} -> d{relay}")
     named = _Named(key, head.task, head.kind)
-    sizes = [_part_sizes(op.parts, b.tensors[op.tensor or 0].shards.itemsize) for op in group]
-    device = b.device
-    if device == src or device == relay:
-        gathers, scatters = group_runs(group)
-    else:  # this device's own pieces only (`group_runs` of every device costs a relay's walk of every needer)
-        held = tuple((m, i) for m, op in enumerate(group) for i in _held(op.holders, device))
-        needed = tuple((m, i) for m, op in enumerate(group) for i in _needed(op.needers, device))
-        gathers, scatters = ((device, held),) if held else (), ((device, needed),) if needed else ()
     b.enter(head.tensor or 0)
+    if b.device == src or b.device == relay:
+        _lower_relay(b, group, bases, align, named)
+    else:
+        _lower_peer(b, group, bases, align, named)
 
-    def tag_of(d: int, member: int, gathering: bool) -> int:
-        runs = bundle_runs(group[member])
-        if gathering:
-            return bases[member] + next(k for k, (h, _) in enumerate(runs[0]) if h == d)
-        return bases[member] + len(runs[0]) + 1 + next(j for j, (n, _) in enumerate(runs[1]) if n == d)
 
-    def piece_box(side: Side, m: int, i: int) -> Box:
-        op = group[m]
-        if b.tensor.index != (op.tensor or 0):
-            b.enter(op.tensor or 0)
-        return b.box(side, op.parts[i])
+def _signature(b: _Builder, group: Sequence[Operation]) -> tuple:
+    """What a group's layout on this device depends on: its relays and each member's parts, holders, needers and
+    element size (the objects themselves, by identity: a file's reader shares them between the operations of one
+    layout, so the layers of a model give one signature)."""
+    return (group[0].src, group[0].dsts[0], b.device,
+            tuple((id(op.parts), id(op.holders), id(op.needers), b.tensors[op.tensor or 0].shards.itemsize) for op in group))
 
-    if device == src or device == relay:
-        every = tuple((m, i) for m, op in enumerate(group) for i in range(len(op.parts)))
-        place = dict(zip(every, piece_layout(every, sizes, align)[0]))
-        runs = gathers if device == src else scatters
-        (message, staged), areas = relay_areas(runs, sizes, align)
-        at = b.stage(staged)
-        whole = new_bytes("stage", at, at + message, 0)
-        cross = bases[0] + len(bundle_runs(head)[0])
-        side = aligned(message, align)
-        moves_of = []  # per peer: (its area's start, [(move source, move target)]); none for an area inside the message
-        for (_, pieces), (local, nbytes, inside) in zip(runs, areas):
-            if inside is not None:
-                moves_of.append((inside, []))
-                continue
-            start = aligned(side, align) if nbytes else side
-            moves = []
-            for k0, k1, lo in _runs_of(pieces, local):
-                n = sum(sizes[m][i] for m, i in pieces[k0:k1])
-                moves.append((new_bytes("stage", at + start + lo, at + start + lo + n, 0), place[pieces[k0]]))
-            moves_of.append((start, moves))
-            side = start + nbytes
-        if device == src:
-            ready = []
-            for m, op in enumerate(group):
-                for i, holder in enumerate(op.holders):
-                    if holder == src:
-                        box = piece_box("src", m, i)
-                        ready.append(b.add(Action.PACK, op, data=new_bytes("stage", at + place[m, i], at + place[m, i] + sizes[m][i], 0),
-                                           box=box, piece=_piece("part", i)))
-            b.enter(head.tensor or 0)
-            for k, ((h, pieces), (_, nbytes, _), (start, moves)) in enumerate(zip(runs, areas, moves_of)):
-                recv = b.add(Action.RECV, named, peer=h, tag=tag_of(h, pieces[0][0], True),
-                             data=new_bytes("stage", at + start, at + start + nbytes, 0), piece=_piece("gather", k))
-                ready += [b.add(Action.MOVE, named, (recv,), data=new_bytes("stage", at + lo, at + lo + n.nbytes, 0), origin=n,
-                                piece=_piece("gather", k)) for n, lo in moves] or [recv]
-            b.add(Action.SEND, named, deps=tuple(ready), peer=relay, tag=cross, data=whole, piece="bundle")
-            return
-        arrived = (b.add(Action.RECV, named, peer=src, tag=cross, data=whole, piece="bundle"),)
+
+def _tag_offset(op: Operation, d: int, gathering: bool) -> int:
+    """Where the message of holder (needer) `d` of bundle `op` sits in its tag block (`_lower_bundle`): its first run's."""
+    gathers, scatters = bundle_runs(op)
+    if gathering:
+        return next(k for k, (h, _) in enumerate(gathers) if h == d)
+    return len(gathers) + 1 + next(j for j, (n, _) in enumerate(scatters) if n == d)
+
+
+def _relay_layout(group: Sequence[Operation], sizes: list[tuple[int, ...]], align: int, sending: bool) -> tuple:
+    """A relay's layout of a shared message, relative to its staging's first byte: (each member's parts' bytes in the
+    message, the message's bytes, all it stages, the cross-host tag's offset in the first member's block, and per peer
+    (the device, (member, tag offset) of its message, its area's start, its bytes, its moves as (side byte, bytes,
+    message byte))). `sending`: the sending relay (its peers are the holders), else the receiving one (the needers)."""
+    gathers, scatters = group_runs(group)
+    every = tuple((m, i) for m, op in enumerate(group) for i in range(len(op.parts)))
+    where = piece_layout(every, sizes, align)[0]
+    place = dict(zip(every, where))
+    runs = gathers if sending else scatters
+    (message, staged), areas = relay_areas(runs, sizes, align)
+    side = aligned(message, align)
+    peers = []
+    for (d, pieces), (local, nbytes, inside) in zip(runs, areas):
+        tag = (pieces[0][0], _tag_offset(group[pieces[0][0]], d, sending))
+        if inside is not None:
+            peers.append((d, tag, inside, nbytes, ()))
+            continue
+        start = aligned(side, align) if nbytes else side
+        moves = tuple((start + lo, sum(sizes[m][i] for m, i in pieces[k0:k1]), place[pieces[k0]]) for k0, k1, lo in _runs_of(pieces, local))
+        peers.append((d, tag, start, nbytes, moves))
+        side = start + nbytes
+    members, k = [], 0
+    for op in group:
+        members.append(tuple(where[k:k + len(op.parts)]))
+        k += len(op.parts)
+    return tuple(members), message, staged, len(bundle_runs(group[0])[0]), tuple(peers)
+
+
+def _lower_relay(b: _Builder, group: Sequence[Operation], bases: Sequence[int], align: int, named: _Named) -> None:
+    """`_lower_group` on the sending or the receiving relay."""
+    head, device = group[0], b.device
+    sending = device == head.src
+    sizes = [b.part_sizes(op) for op in group]
+    places, message, staged, cross, peers = b.memo(("relay",) + _signature(b, group), lambda: _relay_layout(group, sizes, align, sending))
+    at = b.stage(staged)
+    whole = new_bytes("stage", at, at + message, 0)
+    cross += bases[0]
+    if sending:
+        ready = []
         for m, op in enumerate(group):
-            for i in _needed(op.needers, relay):
-                box = piece_box("dst", m, i)
-                b.record(op, box, [b.add(Action.UNPACK, op, arrived, data=new_bytes("stage", at + place[m, i], at + place[m, i] + sizes[m][i], 0),
-                                         box=box, piece=_piece("part", i))])
+            held = b.held(op)
+            ready += _staged_parts(b, op, held, [places[m][i] for i in held], at, Action.PACK, ())
         b.enter(head.tensor or 0)
-        for j, ((d, pieces), (_, nbytes, _), (start, moves)) in enumerate(zip(runs, areas, moves_of)):
-            moved = tuple(b.add(Action.MOVE, named, arrived, data=n, origin=new_bytes("stage", at + lo, at + lo + n.nbytes, 0),
-                                piece=_piece("scatter", j)) for n, lo in moves)
-            b.add(Action.SEND, named, moved or arrived, peer=d, tag=tag_of(d, pieces[0][0], False),
-                  data=new_bytes("stage", at + start, at + start + nbytes, 0), piece=_piece("scatter", j))
+        for k, (h, (m, offset), start, nbytes, moves) in enumerate(peers):
+            name = _piece("gather", k)
+            recv = b.add(Action.RECV, named, peer=h, tag=bases[m] + offset, data=new_bytes("stage", at + start, at + start + nbytes, 0), piece=name)
+            ready += [b.add(Action.MOVE, named, (recv,), data=new_bytes("stage", at + lo, at + lo + n, 0),
+                            origin=new_bytes("stage", at + s, at + s + n, 0), piece=name) for s, n, lo in moves] or [recv]
+        b.add(Action.SEND, named, deps=tuple(ready), peer=head.dsts[0], tag=cross, data=whole, piece="bundle")
         return
-    for gathering, runs in ((True, gathers), (False, scatters)):
-        for k, (d, pieces) in enumerate(runs):
-            if d != device:
-                continue
-            where, nbytes = piece_layout(pieces, sizes, align)
-            at = b.stage(nbytes)
-            spans = [new_bytes("stage", at + lo, at + lo + sizes[m][i], 0) for (m, i), lo in zip(pieces, where)]
-            area = new_bytes("stage", at, at + nbytes, 0)
-            tag = tag_of(d, pieces[0][0], gathering)
-            if gathering:
-                packs = tuple(b.add(Action.PACK, group[m], data=span, box=piece_box("src", m, i), piece=_piece("part", i))
-                              for (m, i), span in zip(pieces, spans))
-                b.enter(head.tensor or 0)
-                b.add(Action.SEND, named, packs, peer=src, tag=tag, data=area, piece=_piece("gather", k))
-            else:
-                b.enter(head.tensor or 0)
-                arrived = (b.add(Action.RECV, named, peer=relay, tag=tag, data=area, piece=_piece("scatter", k)),)
-                for (m, i), span in zip(pieces, spans):
-                    box = piece_box("dst", m, i)
-                    b.record(group[m], box, [b.add(Action.UNPACK, group[m], arrived, data=span, box=box, piece=_piece("part", i))])
+    arrived = (b.add(Action.RECV, named, peer=head.src, tag=cross, data=whole, piece="bundle"),)
+    for m, op in enumerate(group):
+        needed = b.needed(op)
+        _staged_parts(b, op, needed, [places[m][i] for i in needed], at, Action.UNPACK, arrived)
+    b.enter(head.tensor or 0)
+    for j, (d, (m, offset), start, nbytes, moves) in enumerate(peers):
+        name = _piece("scatter", j)
+        moved = tuple(b.add(Action.MOVE, named, arrived, data=new_bytes("stage", at + s, at + s + n, 0),
+                            origin=new_bytes("stage", at + lo, at + lo + n, 0), piece=name) for s, n, lo in moves)
+        b.add(Action.SEND, named, moved or arrived, peer=d, tag=bases[m] + offset, data=new_bytes("stage", at + start, at + start + nbytes, 0),
+              piece=name)
+
+
+def _peer_layout(group: Sequence[Operation], sizes: list[tuple[int, ...]], pieces: list[tuple[int, ...]], align: int, device: int,
+                 gathering: bool) -> tuple:
+    """A holder's (`gathering`) or needer's area of a shared message: (each member's pieces' bytes in it, its bytes,
+    (member, tag offset) of its message); None when it has no piece (`pieces[m]`: the parts of member m it holds or needs)."""
+    flat = tuple((m, i) for m, parts in enumerate(pieces) for i in parts)
+    if not flat:
+        return None
+    where, nbytes = piece_layout(flat, sizes, align)
+    members, k = [], 0
+    for parts in pieces:
+        members.append(tuple(where[k:k + len(parts)]))
+        k += len(parts)
+    return tuple(members), nbytes, (flat[0][0], _tag_offset(group[flat[0][0]], device, gathering))
+
+
+def _lower_peer(b: _Builder, group: Sequence[Operation], bases: Sequence[int], align: int, named: _Named) -> None:
+    """`_lower_group` on a holder or needer that is neither relay: one message of all its pieces each way."""
+    head = group[0]
+    sizes = [b.part_sizes(op) for op in group]
+    for gathering in (True, False):
+        pieces = [b.held(op) if gathering else b.needed(op) for op in group]
+        layout = b.memo(("peer", gathering) + _signature(b, group),
+                        lambda: _peer_layout(group, sizes, pieces, align, b.device, gathering))
+        if layout is None:
+            continue
+        places, nbytes, (m, offset) = layout
+        at = b.stage(nbytes)
+        area = new_bytes("stage", at, at + nbytes, 0)
+        if gathering:
+            packs = []
+            for m_, op in enumerate(group):
+                packs += _staged_parts(b, op, pieces[m_], places[m_], at, Action.PACK, ())
+            b.enter(head.tensor or 0)
+            b.add(Action.SEND, named, tuple(packs), peer=head.src, tag=bases[m] + offset, data=area, piece=_piece("gather", 0))
+        else:
+            b.enter(head.tensor or 0)
+            arrived = (b.add(Action.RECV, named, peer=head.dsts[0], tag=bases[m] + offset, data=area, piece=_piece("scatter", 0)),)
+            for m_, op in enumerate(group):
+                _staged_parts(b, op, pieces[m_], places[m_], at, Action.UNPACK, arrived)
+
+
+def _staged_parts(b: _Builder, op: Operation, parts: tuple[int, ...], places: Sequence[int], at: int, action: Action,
+                  deps: tuple[int, ...]) -> list[int]:
+    """Pack (`Action.PACK`, from the source shard) or unpack (`Action.UNPACK`, into the destination shard, recorded as
+    received) parts `parts` of bundle `op` at staging bytes `at + places[i]` (`places`: a byte per part of `parts`), each
+    step waiting for `deps`; the steps' indices. The loop a relay, holder or needer of a shared message runs once per
+    part: 10^5 of them on a busy device."""
+    if not parts:
+        return []
+    t = op.tensor or 0
+    b.enter(t)
+    tensor, itemsize = b.tensor, b.itemsize
+    unpack = action is Action.UNPACK
+    side = "dst" if unpack else "src"
+    block = tensor.shards.dst_block if unpack else tensor.shards.src_block
+    placed = b.placements(op.parts, block, itemsize)
+    regions, steps, append = op.parts, b.steps, b.steps.append
+    op_id, task, kind, end_s = op.id, op.task, op.kind, op.end_s
+    writes, received = tensor.writes, tensor.received
+    made, elements = [], 0
+    for i, lo in zip(parts, places):
+        region = regions[i]
+        where = placed[i]
+        if where is None:
+            where = placed[i] = _placed(region, block, itemsize)
+        index, nbytes = len(steps), where[2]
+        append(new_step(index, action, op_id, task, kind, deps, -1, 0, new_bytes("stage", at + lo, at + lo + nbytes, 0),
+                        new_box(side, region, where[0], where[1], nbytes, where[3], t), None, _piece("part", i), t, (), None))
+        made.append(index)
+        if unpack:
+            received.append((op, region))
+            elements += nbytes
+            writes.regions.append(region)
+            writes.steps.append(index)
+            writes.ends.append(end_s)
+    tensor.received_elements += elements // itemsize
+    return made
 
 
 _LOWER = supported("executor.lower", {"local": _lower_copy, "chain": _lower_chain, "ring": _lower_ring, "bundle": _lower_bundle})
