@@ -20,6 +20,7 @@ messages between the same pair never share a tag.
 from __future__ import annotations
 
 import math
+from itertools import repeat
 from dataclasses import dataclass, field, fields, replace
 from enum import StrEnum
 from functools import lru_cache
@@ -31,7 +32,7 @@ from xmesh_plan.schemas import Operation, Plan
 from xmesh_plan.schemas.geometry import Region, intersect, local_slices, region_shape, region_size
 from xmesh_plan.schemas.plan import format_region
 from xmesh_plan.schemas.op_kinds import bundle_runs, chunk_bounds, nccl_group, rule_of, supported, tags_used
-from xmesh_plan.schemas.plan_check import TOLERANCE_S, PlanError, check_device_ops, describe, uncovered
+from xmesh_plan.schemas.plan_check import TOLERANCE_S, PlanError, check_device_ops, describe, uncovered, uncovered_each
 from xmesh_plan.schemas.plan_compact import DeviceOps
 from xmesh_plan.schemas.carriers import group_key, group_runs, piece_layout, relay_areas
 from xmesh_plan.schemas.staging import ORDERS, aligned, chained, contiguous_span, device_layout, staging_align
@@ -660,6 +661,16 @@ def _lower_ring(b: _Builder, op: Operation, base: int) -> None:
         b.record(op, box, done)
 
 
+_PART_NAMES: list[str] = []
+
+
+def _part_names(count: int) -> list[str]:
+    """`part 0`, `part 1`, ...: at least `count` of them (`_piece("part", k)`, in a list a loop indexes)."""
+    while len(_PART_NAMES) < count:
+        _PART_NAMES.append(_piece("part", len(_PART_NAMES)))
+    return _PART_NAMES
+
+
 @lru_cache(maxsize=None)
 def _piece(word: str, k: int) -> str:
     """`part 3`, `gather 0`, `scatter 1`: a step's piece name, made once and shared by every step that bears it."""
@@ -912,27 +923,27 @@ def _staged_parts(b: _Builder, op: Operation, parts: tuple[int, ...], places: Se
     side = "dst" if unpack else "src"
     block = tensor.shards.dst_block if unpack else tensor.shards.src_block
     placed = b.placements(op.parts, block, itemsize)
-    regions, steps, append = op.parts, b.steps, b.steps.append
-    op_id, task, kind, end_s = op.id, op.task, op.kind, op.end_s
-    writes, received = tensor.writes, tensor.received
-    made, elements = [], 0
-    for i, lo in zip(parts, places):
-        region = regions[i]
+    regions, steps = op.parts, b.steps
+    names = _part_names(max(parts) + 1)
+    op_id, task, kind = op.id, op.task, op.kind
+    first, elements = len(steps), 0
+    for index, (i, lo) in enumerate(zip(parts, places), first):
         where = placed[i]
         if where is None:
-            where = placed[i] = _placed(region, block, itemsize)
-        index, nbytes = len(steps), where[2]
-        append(new_step(index, action, op_id, task, kind, deps, -1, 0, new_bytes("stage", at + lo, at + lo + nbytes, 0),
-                        new_box(side, region, where[0], where[1], nbytes, where[3], t), None, _piece("part", i), t, (), None))
-        made.append(index)
-        if unpack:
-            received.append((op, region))
-            elements += nbytes
-            writes.regions.append(region)
-            writes.steps.append(index)
-            writes.ends.append(end_s)
-    tensor.received_elements += elements // itemsize
-    return made
+            where = placed[i] = _placed(regions[i], block, itemsize)
+        nbytes = where[2]
+        elements += nbytes
+        steps.append(new_step(index, action, op_id, task, kind, deps, -1, 0, new_bytes("stage", at + lo, at + lo + nbytes, 0),
+                              new_box(side, regions[i], where[0], where[1], nbytes, where[3], t), None, names[i], t, (), None))
+    made = range(first, len(steps))
+    if unpack:  # recorded as `_Builder.record` does, a list at a time
+        mine = [regions[i] for i in parts]
+        tensor.received += zip(repeat(op), mine)
+        tensor.writes.regions += mine
+        tensor.writes.steps += made
+        tensor.writes.ends += repeat(op.end_s, len(mine))
+        tensor.received_elements += elements // itemsize
+    return list(made)
 
 
 _LOWER = supported("executor.lower", {"local": _lower_copy, "chain": _lower_chain, "ring": _lower_ring, "bundle": _lower_bundle})
@@ -1003,11 +1014,13 @@ def _lower(ops: DeviceOps, device: int, tag_limit: int | None, blocks: list[tupl
     if tag_limit is not None and ops.tags > tag_limit + 1:  # every message has its own tag; reusing one could match the wrong message
         raise PlanMismatchError(f"the plan needs {ops.tags} message tags but this MPI allows tags up to {tag_limit} (its TAG_UB); "
                                 f"run it with an MPI whose TAG_UB is at least {ops.tags - 1} (MPICH's is 2**29 - 1)")
+    received = [t for t in tensors if t.shards.dst_block is not None]
+    holes = dict(zip((t.index for t in received), uncovered_each([t.shards.dst_block for t in received], [t.writes.regions for t in received])))
     for tensor in tensors:
         b.check_received_once(tensor)
         dst_block = tensor.shards.dst_block
         if dst_block is not None:
-            missing = uncovered(dst_block, tensor.writes.regions)
+            missing = holes[tensor.index]
             if missing is not None:
                 named = f"tensor {tensor.index}: " if len(tensors) > 1 else ""
                 raise PlanMismatchError(refusal_advice(f"{named}destination device {device} never receives {format_region(missing)} "

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import itertools
 import math
+from itertools import chain
 import re
 from typing import Sequence
 
@@ -24,14 +25,14 @@ from .carriers import carrier_fault
 from .geometry import Region, region_size
 from .op_kinds import OP_KINDS, OpKindRule, members, reads, rule_of, tags_used, writes
 from .plan import Operation, Plan, format_region, plan_schema_version
-from .plan_check_arrays import proven_operations
+from .plan_check_arrays import proven_operations, sorted_unique
 from .plan_compact import DeviceOps
 from .plan_tensors import mpi_transfer_order
 from .problem import ReshardingProblem
 from .staging import stated_staging_fault
 from .transfer import TransferProblem
 
-__all__ = ["MAX_CHUNKS", "MAX_TAGS", "PlanError", "TOLERANCE_S", "check_device_ops", "check_plan", "describe", "overlapping_pair", "tags_used", "uncovered"]
+__all__ = ["MAX_CHUNKS", "MAX_TAGS", "PlanError", "TOLERANCE_S", "check_device_ops", "check_plan", "describe", "overlapping_pair", "tags_used", "uncovered", "uncovered_each"]
 
 MAX_CHUNKS = 1024  # the most pipelined pieces a broadcast may have (the planner never picks more)
 TOLERANCE_S = 1e-9  # slack for comparing times rounded to picoseconds
@@ -110,6 +111,8 @@ def _check_ids_and_order(plan: Plan) -> None:
 def _check_operation_order(operations, task_ids: set[int] | None, positions: Sequence[int] | None = None) -> None:
     """Unique operation ids, naming tasks in `task_ids` (None: not known here, not checked), finite times, listed by
     (start time, id); `positions`: each operation's position in the plan (default: its place in `operations`)."""
+    if task_ids is None and _in_order(operations):
+        return
     seen, before = set(), None
     for index, op in zip(positions or range(len(operations)), operations):
         if op.id in seen:
@@ -129,6 +132,22 @@ def _check_operation_order(operations, task_ids: set[int] | None, positions: Seq
                    f"starts at {op.start_s}s, before operation {before.id} listed ahead of it ({before.start_s}s)")
             raise PlanError(f"{describe(op)} at position {index} {why}; list operations in execution order (start time, then id)")
         before = op
+
+
+def _in_order(operations) -> bool:
+    """Whether `_check_operation_order` (tasks not checked) passes `operations`, tested on arrays; False sends the
+    caller to the one-by-one loop, which names the first fault."""
+    if not operations:
+        return True
+    ids = np.fromiter((op.id for op in operations), dtype=np.int64, count=len(operations))
+    start = np.fromiter((op.start_s for op in operations), dtype=np.float64, count=len(operations))
+    end = np.fromiter((op.end_s for op in operations), dtype=np.float64, count=len(operations))
+    if len(sorted_unique(ids)) != len(ids) or not (np.isfinite(start).all() and np.isfinite(end).all()):
+        return False
+    if (end + TOLERANCE_S < start).any() or (start < 0).any():
+        return False
+    later = (start[1:] > start[:-1]) | ((start[1:] == start[:-1]) & (ids[1:] >= ids[:-1]))
+    return bool(later.all())
 
 
 def _check_shared_sides(plan: Plan) -> None:
@@ -366,6 +385,7 @@ def _check_operations(operations, problems: list[ReshardingProblem]) -> None:
     layout_of: dict[int | None, int] = {}  # tensor -> its layout's number
     shards: dict[int, _Shards] = {}  # layout -> its shards (what `_Shards` reads is the layout's), made on first use
     passed: set[tuple] = set()
+    passed_objects: set[tuple] = set()  # `passed` by the identity of the fields' objects, which `operations` keeps alive
     proven = proven_operations(operations, problems, MAX_CHUNKS)
     for op, done in zip(operations, proven.tolist()):
         if done:
@@ -375,6 +395,10 @@ def _check_operations(operations, problems: list[ReshardingProblem]) -> None:
             problem = problems[op.tensor or 0]
             layout = layout_of[op.tensor] = layouts.setdefault((tuple(problem.shape), problem.src, problem.dst, problem.cluster),
                                                                 len(layouts))
+        same = (layout, op.kind, op.src, id(op.dsts), id(op.region), id(op.parts), op.chunks, id(op.holders), id(op.needers))
+        if same in passed_objects:  # the very objects of an operation already passed (a file's reader shares a layout's)
+            continue
+        passed_objects.add(same)
         key = (layout, op.kind, op.src, op.dsts, op.region, op.parts, op.chunks, op.holders, op.needers)
         if key not in passed:
             if layout not in shards:
@@ -430,6 +454,79 @@ def _check_schema_version(plan: Plan | DeviceOps) -> None:
     if plan.schema_version < needed:
         raise PlanError(f"schema_version {plan.schema_version}, but the problem lists boxes, fused destinations or conversions, which "
                         f"need schema {needed}; write schema_version {needed}")
+
+
+BATCH_CELLS = 1 << 22  # grid cells `uncovered_each` counts at once (int64s: 32 MiB); more blocks are taken in parts
+
+
+def uncovered_each(blocks: Sequence[Region], written: Sequence[Sequence[Region]]) -> list[Region | None]:
+    """`uncovered(blocks[k], written[k])` for every k, the blocks of one number of dims counted together: each block on
+    its own grid (cut where its edges and its boxes' bounds are, as `uncovered` cuts it), the grids padded to one shape,
+    so a rank checks its thousand destination shards with a few array operations instead of a few each. The same
+    box as `uncovered` names (the first uncovered cell in C order).
+
+    >>> uncovered_each([((0, 4),), ((0, 4), (0, 2))], [[((0, 2),), ((2, 4),)], [((0, 4), (0, 1))]])
+    [None, ((0, 4), (1, 2))]
+    """
+    out: list[Region | None] = [None] * len(blocks)
+    by_dims: dict[int, list[int]] = {}
+    for k, block in enumerate(blocks):
+        if region_size(block):
+            by_dims.setdefault(len(block), []).append(k)
+    for ks in by_dims.values():
+        _uncovered_batch(blocks, written, ks, out)
+    return out
+
+
+def _uncovered_batch(blocks: Sequence[Region], written: Sequence[Sequence[Region]], ks: list[int], out: list) -> None:
+    """`uncovered_each` of the non-empty blocks `ks` (one number of dims), into `out[k]`."""
+    ndim, count = len(blocks[ks[0]]), len(ks)
+    edges = np.array([blocks[k] for k in ks], dtype=np.int64).reshape(count, ndim, 2)
+    sizes = [len(written[k]) for k in ks]
+    owner = np.repeat(np.arange(count), sizes)
+    flat = chain.from_iterable(chain.from_iterable(chain.from_iterable(written[k] for k in ks)))  # faster than np.array of tuples
+    boxes = np.fromiter(flat, dtype=np.int64, count=sum(sizes) * ndim * 2).reshape(-1, ndim, 2)
+    boxes = np.clip(boxes, edges[owner][:, :, :1], edges[owner][:, :, 1:])  # clipped to the block
+    ar = np.arange(count)
+    cuts, firsts, ncuts, first_index, last_index = [], [], [], [], []
+    low = min(int(edges.min()), int(boxes.min(initial=0)))
+    span = max(int(edges.max()), int(boxes.max(initial=0))) - low + 1
+    for d in range(ndim):  # each block's cuts in dim d: its edges and its boxes' bounds, sorted, each once
+        values = np.concatenate((edges[:, d, 0], edges[:, d, 1], boxes[:, d, 0], boxes[:, d, 1])) - low
+        keys = sorted_unique(np.concatenate((ar, ar, owner, owner)) * span + values)
+        first = np.searchsorted(keys // span, ar)
+        cuts.append(keys)
+        firsts.append(first)
+        ncuts.append(np.diff(np.append(first, len(keys))))
+        first_index.append(np.searchsorted(keys, owner * span + boxes[:, d, 0] - low) - first[owner])
+        last_index.append(np.searchsorted(keys, owner * span + boxes[:, d, 1] - low) - first[owner])
+    shape = tuple(int(n.max()) for n in ncuts)
+    if count > 1 and count * math.prod(shape) > BATCH_CELLS:
+        half = count // 2
+        _uncovered_batch(blocks, written, ks[:half], out)
+        _uncovered_batch(blocks, written, ks[half:], out)
+        return
+    keep = (boxes[:, :, 0] < boxes[:, :, 1]).all(axis=1)
+    where, weights = [], []
+    for corner in itertools.product((0, 1), repeat=ndim):  # boxes over each cell, as corner differences summed up
+        index = (owner[keep],) + tuple((last_index if up else first_index)[d][keep] for d, up in enumerate(corner))
+        where.append(np.ravel_multi_index(index, (count,) + shape))
+        weights.append(np.full(int(keep.sum()), (-1) ** sum(corner), dtype=np.int64))
+    total = count * math.prod(shape)
+    grid = np.bincount(np.concatenate(where), np.concatenate(weights), minlength=total) if where[0].size else np.zeros(total)
+    grid = grid.reshape((count,) + shape)
+    for axis in range(1, ndim + 1):
+        grid = np.cumsum(grid, axis=axis)
+    cells = np.ones(grid.shape, dtype=bool)  # a block's cells: below its last cut in every dim
+    for d in range(ndim):
+        cells &= (np.arange(shape[d]) < (ncuts[d] - 1)[:, None]).reshape((count,) + (1,) * d + (shape[d],) + (1,) * (ndim - d - 1))
+    missing = np.argwhere((grid == 0) & cells)
+    if not len(missing):
+        return
+    blocks_missing, at = np.unique(missing[:, 0], return_index=True)
+    for b, row in zip(blocks_missing.tolist(), missing[at].tolist()):
+        out[ks[b]] = tuple((int(cuts[d][firsts[d][b] + j]) - b * span + low, int(cuts[d][firsts[d][b] + j + 1]) - b * span + low)
+                           for d, j in enumerate(row[1:]))
 
 
 def uncovered(block: Region, written: list[Region]) -> Region | None:

@@ -121,8 +121,13 @@ class OpColumns:
 
 
 def proven_operations(operations, problems: list[ReshardingProblem], max_chunks: int) -> np.ndarray:
-    """Per operation (list order): True where it is a copy, send or broadcast that `_check_operation` passes."""
-    return proven_rows(OpColumns.of(operations), problems, max_chunks)
+    """Per operation (list order): True where it is a copy, send or broadcast that `_check_operation` passes (the
+    columns are made of those kinds' operations only: no other is proven here)."""
+    picked = [k for k, op in enumerate(operations) if op.kind in _SIMPLE]
+    proven = np.zeros(len(operations), dtype=bool)
+    if picked:
+        proven[picked] = proven_rows(OpColumns.of([operations[k] for k in picked]), problems, max_chunks)
+    return proven
 
 
 def proven_rows(ops: OpColumns, problems: list[ReshardingProblem], max_chunks: int) -> np.ndarray:

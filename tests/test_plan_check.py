@@ -246,3 +246,25 @@ def test_an_operation_repeated_on_a_tensor_of_another_layout_is_checked_again():
     with pytest.raises(PlanError) as after:
         check(op, moved)
     assert str(after.value) == str(alone.value)
+
+
+@pytest.mark.parametrize("batch_cells", [1 << 22, 40])
+def test_uncovered_each_names_what_uncovered_names_block_by_block(batch_cells, monkeypatch):
+    """The rank's batched coverage check (every destination shard on one padded grid, `uncovered_each`) against the
+    one-block check (`uncovered`) on random blocks and boxes of 1-3 dims: boxes outside, overlapping, empty, none at
+    all, and whole blocks; also taken in parts (a small `BATCH_CELLS`)."""
+    import random
+
+    from xmesh_plan.schemas import plan_check
+    monkeypatch.setattr(plan_check, "BATCH_CELLS", batch_cells)
+    rng = random.Random(7)
+    for _ in range(200):
+        blocks, written = [], []
+        for _ in range(rng.randint(1, 12)):
+            dims = rng.randint(1, 3)
+            block = tuple((a, a + rng.randint(0, 5)) for a in (rng.randint(0, 4) for _ in range(dims)))
+            boxes = [tuple((x, x + rng.randint(0, 4)) for x in (rng.randint(0, 8) for _ in range(dims))) for _ in range(rng.randint(0, 8))]
+            blocks.append(block)
+            written.append(boxes + [block] * (rng.random() < 0.3))
+        want = [plan_check.uncovered(block, boxes) for block, boxes in zip(blocks, written)]
+        assert plan_check.uncovered_each(blocks, written) == want
