@@ -16,19 +16,40 @@ True
 
 from __future__ import annotations
 
+from functools import lru_cache
 from typing import Annotated, Any
 
 import numpy as np
-from pydantic import BeforeValidator, WithJsonSchema
+from pydantic import BeforeValidator, ValidatorFunctionWrapHandler, WithJsonSchema, WrapValidator
 
 from .geometry import Region
 from .limits import shown
 
+_PAIRS = (list, tuple)
 MAX_BOX_CELLS = 2**24  # cells of the grid a box layout's coverage check cuts (a compile refuses far fewer unit tasks)
+
+
+def _plain_boxes(values: Any) -> tuple[Region, ...] | None:
+    """`values` as boxes when each is a list or tuple of [start, stop] lists or tuples of plain ints (what `box_field`
+    takes it as), else None: the common case, in one loop with no generator per pair (a problem lists 10^5-10^6 boxes)."""
+    out = []
+    for value in values:
+        if type(value) not in _PAIRS:
+            return None
+        box = []
+        for pair in value:
+            if type(pair) not in _PAIRS or len(pair) != 2 or type(pair[0]) is not int or type(pair[1]) is not int:
+                return None
+            box.append((pair[0], pair[1]))
+        out.append(tuple(box))
+    return tuple(out)
 
 
 def box_field(value: Any) -> Region:
     """A box as given (`[[start, stop], ...]` or `{"offset": [...], "size": [...]}`) as a tuple of (start, stop) pairs."""
+    plain = _plain_boxes((value,))
+    if plain is not None:
+        return plain[0]
     if isinstance(value, dict):
         if set(value) != {"offset", "size"}:
             raise ValueError(f"{shown(value)} is not a box; write [[start, stop], ...] per dim or {{offset = [...], size = [...]}}")
@@ -48,7 +69,16 @@ def _ints(values: Any) -> bool:
 Box = Annotated[Region, BeforeValidator(box_field), WithJsonSchema({
     "type": "array", "items": {"type": "array", "items": {"type": "integer"}, "minItems": 2, "maxItems": 2},
     "description": "one [start, stop) per tensor dim (input also takes {offset, size})"})]
-Boxes = tuple[Box, ...]
+
+
+def _boxes(value: Any, handler: ValidatorFunctionWrapHandler) -> tuple[Region, ...]:
+    """A list of boxes: each box as `box_field` gives it, in one call where every box is a plain one (`_plain_boxes`);
+    otherwise each validated on its own (`handler`), whose errors name the box."""
+    plain = _plain_boxes(value) if type(value) in _PAIRS else None
+    return handler(value) if plain is None else plain
+
+
+Boxes = Annotated[tuple[Box, ...], WrapValidator(_boxes)]
 
 
 def is_empty(box: Region) -> bool:
@@ -66,8 +96,10 @@ def box_index(cuts: list[np.ndarray], box: Region) -> tuple[slice, ...]:
     return tuple(slice(int(np.searchsorted(c, lo)), int(np.searchsorted(c, hi))) for c, (lo, hi) in zip(cuts, box))
 
 
+@lru_cache(maxsize=256)
 def check_boxes(boxes: Boxes, shape: tuple[int, ...], devices: int, field: str) -> None:
-    """Raise ValueError naming `field` unless there is one box per device, each inside the tensor."""
+    """Raise ValueError naming `field` unless there is one box per device, each inside the tensor (once per distinct
+    layout: a model's layers, and their scale tensors, repeat theirs)."""
     if len(boxes) != devices:
         raise ValueError(f"{field}: {len(boxes)} boxes for a mesh of {devices} devices; give one box per device, in the order of the mesh's devices")
     for i, box in enumerate(boxes):
@@ -78,8 +110,10 @@ def check_boxes(boxes: Boxes, shape: tuple[int, ...], devices: int, field: str) 
                 raise ValueError(f"{field}[{i}]: dim {d} is [{lo}, {hi}), not inside [0, {n}); give 0 <= start <= stop <= {n}")
 
 
+@lru_cache(maxsize=256)
 def uncovered(shape: tuple[int, ...], boxes: Boxes) -> Region | None:
-    """The first cell of the tensor (on the grid the boxes cut) that no box covers, or None when they cover it all."""
+    """The first cell of the tensor (on the grid the boxes cut) that no box covers, or None when they cover it all
+    (once per distinct layout: a model's layers, and their scale tensors, repeat theirs)."""
     if 0 in shape:
         return None
     cuts = [np.asarray(c) for c in box_cut_points(shape, boxes)]
