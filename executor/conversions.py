@@ -51,18 +51,33 @@ def conversions(problem, device: int) -> list[Conversion | None]:
     if tensors is None:  # a one-tensor problem: plain casts only (its files refuse FP8, which needs scale tensors)
         return [None if problem.dst_dtype in (None, problem.dtype) else Conversion(problem.dst_dtype)]
     out: list[Conversion | None] = []
+    index = _index(problem)
+    peers_of: dict[tuple, tuple[int, ...]] = {}  # (shape, source spec) -> peers: the same for tensors laid out alike
     for t, tensor in enumerate(tensors):
         if tensor.dst_dtype in (None, tensor.dtype) and tensor.scale is None:
             out.append(None)
             continue
-        scales = problem.index_of(scale_name(tensor.name)) if tensor.scale is not None else None
+        scales = index(scale_name(tensor.name)) if tensor.scale is not None else None
         peers: tuple[int, ...] = ()
         if tensor.scale == "tensor":  # the senders that swap their amax with this one, when it holds a part
-            src = problem.tensor_problem(t).blocks("src")
-            if device in src and _nonempty(src[device]):
-                peers = tuple(d for d, box in src.items() if d != device and _nonempty(box))
+            key = (tuple(tensor.shape), tensor.src) if tensor.src_boxes is None else None
+            if key is None or key not in peers_of:
+                src = problem.tensor_problem(t).blocks("src")
+                if device in src and _nonempty(src[device]):
+                    peers = tuple(d for d, box in src.items() if d != device and _nonempty(box))
+                if key is not None:
+                    peers_of[key] = peers
+            peers = peers_of.get(key, peers)
         out.append(Conversion(tensor.dst_dtype, tensor.scale, scales, peers))
     return out
+
+
+def _index(problem):
+    """`problem.index_of`, through a dict of the tensors' names (made once: a model has thousands of tensors)."""
+    where: dict[str, int] = {}
+    for i, tensor in enumerate(problem.tensors):
+        where.setdefault(tensor.name, i)
+    return lambda name: where[name] if name in where else problem.index_of(name)
 
 
 def scale_owners(problem) -> list[int | None]:
@@ -70,7 +85,8 @@ def scale_owners(problem) -> list[int | None]:
     tensors = getattr(problem, "tensors", None)
     if tensors is None:
         return [None]
-    return [None if t.scale_of is None else problem.index_of(t.scale_of) for t in tensors]
+    index = _index(problem)
+    return [None if t.scale_of is None else index(t.scale_of) for t in tensors]
 
 
 def cast_tensors(program) -> list[int]:

@@ -498,16 +498,16 @@ class _Builder:
             return value
 
     def part_sizes(self, op: Operation) -> tuple[int, ...]:
-        """Each part's bytes of bundle `op` (in its tensor's element size)."""
+        """Each part's bytes of bundle `op`, in its tensor's element size (once per parts list and element size)."""
         itemsize = self.tensors[op.tensor or 0].shards.itemsize
         return self.memo(("sizes", id(op.parts), itemsize), lambda: tuple(region_size(p) * itemsize for p in op.parts))
 
     def held(self, op: Operation) -> tuple[int, ...]:
-        """The parts of bundle `op` this device holds."""
+        """The parts of bundle `op` this device holds (once per holders list: a model's layers share theirs)."""
         return self.memo(("held", id(op.holders)), lambda: tuple(i for i, h in enumerate(op.holders) if h == self.device))
 
     def needed(self, op: Operation) -> tuple[int, ...]:
-        """The parts of bundle `op` this device needs."""
+        """The parts of bundle `op` this device needs (once per needers list)."""
         return self.memo(("needed", id(op.needers)), lambda: tuple(i for i, group in enumerate(op.needers) if self.device in group))
 
     def placements(self, parts: tuple[Region, ...], block: Region, itemsize: int) -> list:
@@ -803,11 +803,23 @@ def _tag_offset(op: Operation, d: int, gathering: bool) -> int:
     return len(gathers) + 1 + next(j for j, (n, _) in enumerate(scatters) if n == d)
 
 
-def _relay_layout(group: Sequence[Operation], sizes: list[tuple[int, ...]], align: int, sending: bool) -> tuple:
-    """A relay's layout of a shared message, relative to its staging's first byte: (each member's parts' bytes in the
-    message, the message's bytes, all it stages, the cross-host tag's offset in the first member's block, and per peer
-    (the device, (member, tag offset) of its message, its area's start, its bytes, its moves as (side byte, bytes,
-    message byte))). `sending`: the sending relay (its peers are the holders), else the receiving one (the needers)."""
+def _own(b: _Builder, group: Sequence[Operation], places: Sequence[Sequence[int]] | None, holding: bool) -> tuple:
+    """Per member: (the parts this device holds (`holding`) or needs, their bytes in its area: `places[m][i]` of every
+    part i of member m, or where None, one after another as `_peer_layout` lays them out, filled in there)."""
+    out = []
+    for m, op in enumerate(group):
+        parts = b.held(op) if holding else b.needed(op)
+        out.append((parts, None if places is None else tuple(places[m][i] for i in parts)))
+    return tuple(out)
+
+
+def _relay_layout(b: _Builder, group: Sequence[Operation], align: int, sending: bool) -> tuple:
+    """A relay's layout of a shared message, relative to its staging's first byte: (per member, the parts it packs
+    (`sending`) or unpacks itself and their bytes in the message (`_own`), the message's bytes, all it stages, the
+    cross-host tag's offset in the first member's block, and per peer (the device, (member, tag offset) of its message,
+    its area's start, its bytes, its moves as (side byte, bytes, message byte))). `sending`: the sending relay (its
+    peers are the holders), else the receiving one (the needers)."""
+    sizes = [b.part_sizes(op) for op in group]
     gathers, scatters = group_runs(group)
     every = tuple((m, i) for m, op in enumerate(group) for i in range(len(op.parts)))
     where = piece_layout(every, sizes, align)[0]
@@ -827,25 +839,23 @@ def _relay_layout(group: Sequence[Operation], sizes: list[tuple[int, ...]], alig
         side = start + nbytes
     members, k = [], 0
     for op in group:
-        members.append(tuple(where[k:k + len(op.parts)]))
+        members.append(where[k:k + len(op.parts)])
         k += len(op.parts)
-    return tuple(members), message, staged, len(bundle_runs(group[0])[0]), tuple(peers)
+    return _own(b, group, members, sending), message, staged, len(bundle_runs(group[0])[0]), tuple(peers)
 
 
 def _lower_relay(b: _Builder, group: Sequence[Operation], bases: Sequence[int], align: int, named: _Named) -> None:
     """`_lower_group` on the sending or the receiving relay."""
     head, device = group[0], b.device
     sending = device == head.src
-    sizes = [b.part_sizes(op) for op in group]
-    places, message, staged, cross, peers = b.memo(("relay",) + _signature(b, group), lambda: _relay_layout(group, sizes, align, sending))
+    own, message, staged, cross, peers = b.memo(("relay",) + _signature(b, group), lambda: _relay_layout(b, group, align, sending))
     at = b.stage(staged)
     whole = new_bytes("stage", at, at + message, 0)
     cross += bases[0]
     if sending:
         ready = []
-        for m, op in enumerate(group):
-            held = b.held(op)
-            ready += _staged_parts(b, op, held, [places[m][i] for i in held], at, Action.PACK, ())
+        for op, (parts, places) in zip(group, own):
+            ready += _staged_parts(b, op, parts, places, at, Action.PACK, ())
         b.enter(head.tensor or 0)
         for k, (h, (m, offset), start, nbytes, moves) in enumerate(peers):
             name = _piece("gather", k)
@@ -855,9 +865,8 @@ def _lower_relay(b: _Builder, group: Sequence[Operation], bases: Sequence[int], 
         b.add(Action.SEND, named, deps=tuple(ready), peer=head.dsts[0], tag=cross, data=whole, piece="bundle")
         return
     arrived = (b.add(Action.RECV, named, peer=head.src, tag=cross, data=whole, piece="bundle"),)
-    for m, op in enumerate(group):
-        needed = b.needed(op)
-        _staged_parts(b, op, needed, [places[m][i] for i in needed], at, Action.UNPACK, arrived)
+    for op, (parts, places) in zip(group, own):
+        _staged_parts(b, op, parts, places, at, Action.UNPACK, arrived)
     b.enter(head.tensor or 0)
     for j, (d, (m, offset), start, nbytes, moves) in enumerate(peers):
         name = _piece("scatter", j)
@@ -867,45 +876,46 @@ def _lower_relay(b: _Builder, group: Sequence[Operation], bases: Sequence[int], 
               piece=name)
 
 
-def _peer_layout(group: Sequence[Operation], sizes: list[tuple[int, ...]], pieces: list[tuple[int, ...]], align: int, device: int,
-                 gathering: bool) -> tuple:
-    """A holder's (`gathering`) or needer's area of a shared message: (each member's pieces' bytes in it, its bytes,
-    (member, tag offset) of its message); None when it has no piece (`pieces[m]`: the parts of member m it holds or needs)."""
-    flat = tuple((m, i) for m, parts in enumerate(pieces) for i in parts)
-    if not flat:
-        return None
-    where, nbytes = piece_layout(flat, sizes, align)
-    members, k = [], 0
-    for parts in pieces:
-        members.append(tuple(where[k:k + len(parts)]))
-        k += len(parts)
-    return tuple(members), nbytes, (flat[0][0], _tag_offset(group[flat[0][0]], device, gathering))
+def _peer_layout(b: _Builder, group: Sequence[Operation], align: int) -> tuple:
+    """A holder's and a needer's area of a shared message on a device that is neither relay: for each (gathering, then
+    scattering), None when it has no piece, else (per member, the parts it holds (needs) and their bytes in its area
+    (`_own`), the area's bytes, (member, tag offset) of its message)."""
+    sizes, out = [b.part_sizes(op) for op in group], []
+    for gathering in (True, False):
+        own = _own(b, group, None, gathering)
+        flat = tuple((m, i) for m, (parts, _) in enumerate(own) for i in parts)
+        if not flat:
+            out.append(None)
+            continue
+        where, nbytes = piece_layout(flat, sizes, align)
+        members, k = [], 0
+        for parts, _ in own:
+            members.append((parts, where[k:k + len(parts)]))
+            k += len(parts)
+        out.append((tuple(members), nbytes, (flat[0][0], _tag_offset(group[flat[0][0]], b.device, gathering))))
+    return tuple(out)
 
 
 def _lower_peer(b: _Builder, group: Sequence[Operation], bases: Sequence[int], align: int, named: _Named) -> None:
     """`_lower_group` on a holder or needer that is neither relay: one message of all its pieces each way."""
     head = group[0]
-    sizes = [b.part_sizes(op) for op in group]
-    for gathering in (True, False):
-        pieces = [b.held(op) if gathering else b.needed(op) for op in group]
-        layout = b.memo(("peer", gathering) + _signature(b, group),
-                        lambda: _peer_layout(group, sizes, pieces, align, b.device, gathering))
+    for gathering, layout in zip((True, False), b.memo(("peer",) + _signature(b, group), lambda: _peer_layout(b, group, align))):
         if layout is None:
             continue
-        places, nbytes, (m, offset) = layout
+        own, nbytes, (m, offset) = layout
         at = b.stage(nbytes)
         area = new_bytes("stage", at, at + nbytes, 0)
         if gathering:
             packs = []
-            for m_, op in enumerate(group):
-                packs += _staged_parts(b, op, pieces[m_], places[m_], at, Action.PACK, ())
+            for op, (parts, places) in zip(group, own):
+                packs += _staged_parts(b, op, parts, places, at, Action.PACK, ())
             b.enter(head.tensor or 0)
             b.add(Action.SEND, named, tuple(packs), peer=head.src, tag=bases[m] + offset, data=area, piece=_piece("gather", 0))
         else:
             b.enter(head.tensor or 0)
             arrived = (b.add(Action.RECV, named, peer=head.dsts[0], tag=bases[m] + offset, data=area, piece=_piece("scatter", 0)),)
-            for m_, op in enumerate(group):
-                _staged_parts(b, op, pieces[m_], places[m_], at, Action.UNPACK, arrived)
+            for op, (parts, places) in zip(group, own):
+                _staged_parts(b, op, parts, places, at, Action.UNPACK, arrived)
 
 
 def _staged_parts(b: _Builder, op: Operation, parts: tuple[int, ...], places: Sequence[int], at: int, action: Action,

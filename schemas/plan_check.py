@@ -25,7 +25,7 @@ from .carriers import carrier_fault
 from .geometry import Region, region_size
 from .op_kinds import OP_KINDS, OpKindRule, members, reads, rule_of, tags_used, writes
 from .plan import Operation, Plan, format_region, plan_schema_version
-from .plan_check_arrays import proven_operations, sorted_unique
+from .plan_check_arrays import proven_bundles, proven_operations, sorted_unique
 from .plan_compact import DeviceOps
 from .plan_tensors import mpi_transfer_order
 from .problem import ReshardingProblem
@@ -380,12 +380,15 @@ def _check_operation(op: Operation, shards: _Shards) -> None:
 def _check_operations(operations, problems: list[ReshardingProblem]) -> None:
     """Each operation's structure (`_check_operation`), sends, broadcasts and copies proven all at once first. An
     operation whose devices, boxes and counts are those of one already passed, on a tensor of the same shape and
-    layouts, passes too (what `_check_operation` reads is the same): a model's layers repeat their operations."""
+    layouts, passes too (what `_check_operation` reads is the same): a model's layers repeat their operations. Of the
+    distinct others, the bundles are proven with arrays over their parts (`plan_check_arrays.proven_bundles`); the
+    rest are checked one by one in list order, so the first fault and its message stay the one-by-one checker's."""
     layouts: dict[tuple, int] = {}  # (shape, source and destination placement, cluster) -> a number for it
     layout_of: dict[int | None, int] = {}  # tensor -> its layout's number
     shards: dict[int, _Shards] = {}  # layout -> its shards (what `_Shards` reads is the layout's), made on first use
     passed: set[tuple] = set()
     passed_objects: set[tuple] = set()  # `passed` by the identity of the fields' objects, which `operations` keeps alive
+    distinct: list[tuple[Operation, int]] = []  # each distinct operation not proven, with its layout, in list order
     proven = proven_operations(operations, problems, MAX_CHUNKS)
     for op, done in zip(operations, proven.tolist()):
         if done:
@@ -401,10 +404,14 @@ def _check_operations(operations, problems: list[ReshardingProblem]) -> None:
         passed_objects.add(same)
         key = (layout, op.kind, op.src, op.dsts, op.region, op.parts, op.chunks, op.holders, op.needers)
         if key not in passed:
+            passed.add(key)
+            distinct.append((op, layout))
+    bundles = proven_bundles([op for op, _ in distinct], [layout for _, layout in distinct], problems, MAX_CHUNKS)
+    for (op, layout), done in zip(distinct, bundles.tolist()):
+        if not done:
             if layout not in shards:
                 shards[layout] = _Shards(problems[op.tensor or 0])
             _check_operation(op, shards[layout])
-            passed.add(key)
 
 
 def check_plan(plan: Plan) -> None:
@@ -456,7 +463,7 @@ def _check_schema_version(plan: Plan | DeviceOps) -> None:
                         f"need schema {needed}; write schema_version {needed}")
 
 
-BATCH_CELLS = 1 << 22  # grid cells `uncovered_each` counts at once (int64s: 32 MiB); more blocks are taken in parts
+BATCH_CELLS = 1 << 20  # grid cells `uncovered_each` counts at once (int64s: 8 MiB); more blocks are taken in parts
 
 
 def uncovered_each(blocks: Sequence[Region], written: Sequence[Sequence[Region]]) -> list[Region | None]:

@@ -10,8 +10,10 @@ prove) one by one, in list order, so the first fault and its message stay the on
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from functools import cached_property
+from itertools import chain
 
 import numpy as np
 
@@ -180,3 +182,97 @@ def proven_rows(ops: OpColumns, problems: list[ReshardingProblem], max_chunks: i
         good &= np.bincount(rows, weights=~room, minlength=len(picked)) == 0
         proven[picked[good]] = True
     return proven
+
+
+def proven_bundles(operations, layouts_of: list[int], problems: list[ReshardingProblem], max_chunks: int) -> np.ndarray:
+    """Per operation: True where it is a bundle that `_check_operation` passes, tested with arrays over every part at
+    once (its box inside the tensor and not empty, one chunk, one receiving relay other than the sender on another
+    host, the relays a source and a destination device; each part inside the box and not empty, its holder on the
+    sending relay's host holding it in its source shard, its needers distinct, at least one, on the receiving relay's
+    host with room for it in their destination shards). The others (and any bundle this does not prove) are left to
+    the one-by-one check, which names the first fault. `layouts_of[k]`: a number for operation k's tensor's shape,
+    placements and cluster (`plan_check._check_operations`'), the same for tensors whose shards are the same."""
+    rule = OP_KINDS["bundle"]
+    out = np.zeros(len(operations), dtype=bool)
+    layouts: dict[int, tuple] = {}  # layout -> (shape, devices per host, source blocks, destination blocks, layout)
+    by_dims: dict[int, list[int]] = {}  # candidates (positions in `operations`) by their tensor's number of dims
+    for k, op in enumerate(operations):
+        if op.kind != "bundle" or op.src is None or not op.parts or not len(op.holders) == len(op.needers) == len(op.parts):
+            continue
+        if not rule.min_dsts <= len(op.dsts) <= (rule.max_dsts or len(op.dsts)) or len(set(op.dsts)) != len(op.dsts) \
+                or op.src in op.dsts or (op.chunks != 1 and not rule.chunked):
+            continue
+        tensor, layout = op.tensor or 0, layouts_of[k]
+        if layout not in layouts:
+            if not 0 <= tensor < len(problems):
+                continue
+            problem = problems[tensor]
+            layouts[layout] = (tuple(problem.shape), problem.cluster.devices_per_host, problem.blocks("src"), problem.blocks("dst"), layout)
+        shape, per_host, src_blocks, dst_blocks, _ = layouts[layout]
+        relay = op.dsts[0]
+        if len(op.region) != len(shape) or not all(0 <= a < b <= n for (a, b), n in zip(op.region, shape)):
+            continue
+        if op.chunks > min(max_chunks, math.prod(b - a for a, b in op.region)) or op.src // per_host == relay // per_host:
+            continue
+        if op.src in src_blocks and relay in dst_blocks and set(map(len, op.parts)) == {len(shape)}:
+            by_dims.setdefault(len(shape), []).append(k)
+    for ndim, picked in by_dims.items():
+        out[picked] = _parts_hold([operations[k] for k in picked], [layouts[layouts_of[k]] for k in picked], ndim)
+    return out
+
+
+def _parts_hold(ops: list, layouts: list[tuple], ndim: int) -> np.ndarray:
+    """`proven_bundles`' tests of each part of `ops` (bundles of tensors of `ndim` dims, already through its per-bundle
+    tests; `layouts[k]`: op k's tensor's (shape, devices per host, source and destination blocks, layout number)), all
+    parts at once; per bundle, whether every part passes."""
+    counts = np.fromiter((len(op.parts) for op in ops), dtype=np.int64, count=len(ops))
+    total = int(counts.sum())
+    row = np.repeat(np.arange(len(ops)), counts)  # each part's bundle
+    try:
+        parts = np.fromiter(chain.from_iterable(chain.from_iterable(chain.from_iterable(op.parts for op in ops))), dtype=np.int64,
+                            count=total * ndim * 2).reshape(total, ndim, 2)
+    except (ValueError, TypeError):
+        return np.zeros(len(ops), dtype=bool)
+    region = np.array([op.region for op in ops], dtype=np.int64).reshape(len(ops), ndim, 2)[row]
+    lo, hi = parts[:, :, 0], parts[:, :, 1]
+    good = ((region[:, :, 0] <= lo) & (lo < hi) & (hi <= region[:, :, 1])).all(axis=1)  # inside the box (so the tensor), not empty
+    per_host = np.array([layout[1] for layout in layouts], dtype=np.int64)[row]
+    src = np.array([op.src for op in ops], dtype=np.int64)[row]
+    relay = np.array([op.dsts[0] for op in ops], dtype=np.int64)[row]
+    holders = np.fromiter(chain.from_iterable(op.holders for op in ops), dtype=np.int64, count=total)
+    sizes = np.fromiter(chain.from_iterable(map(len, op.needers) for op in ops), dtype=np.int64, count=total)
+    needers = np.fromiter(chain.from_iterable(chain.from_iterable(op.needers for op in ops)), dtype=np.int64, count=int(sizes.sum()))
+    good &= holders >= 0  # a negative number is no device (and would read another layout's table below)
+    holders = np.maximum(holders, 0)
+    named = needers >= 0
+    needers = np.maximum(needers, 0)
+    devices = max(int(holders.max(initial=0)), int(needers.max(initial=0)))
+    src_table, src_of = _block_tables(layouts, 2, ndim, devices)
+    dst_table, dst_of = _block_tables(layouts, 3, ndim, devices)
+    good &= holders // per_host == src // per_host
+    good &= _inside_blocks(src_of[row] * src_table[2] + holders, parts, src_table[:2])
+    good &= sizes > 0
+    owner = np.repeat(np.arange(total), sizes)  # each needer's part
+    order = np.lexsort((needers, owner))
+    twice = (owner[order][1:] == owner[order][:-1]) & (needers[order][1:] == needers[order][:-1])
+    fine = named & (needers // per_host[owner] == relay[owner] // per_host[owner]) \
+        & _inside_blocks(dst_of[row][owner] * dst_table[2] + needers, parts[owner], dst_table[:2])
+    good &= np.bincount(owner, weights=~fine, minlength=total) == 0
+    good &= np.bincount(owner[order][1:][twice], minlength=total) == 0
+    return np.bincount(row, weights=~good, minlength=len(ops)) == 0
+
+
+def _block_tables(layouts: list[tuple], side: int, ndim: int, devices: int) -> tuple[tuple[np.ndarray, np.ndarray, int], np.ndarray]:
+    """((keys, their blocks, span), per entry of `layouts` the number of its layout) for looking up (layout, device)
+    pairs, devices 0..`devices` (and those of the layouts' blocks), with `_inside_blocks` at key number * span + device:
+    each layout's blocks (`layouts[k][side]`: device -> block) once."""
+    numbers: dict[int, int] = {}
+    distinct = []
+    for layout in layouts:
+        if layout[4] not in numbers:
+            numbers[layout[4]] = len(distinct)
+            distinct.append(layout[side])
+    span = max(devices, max((max(b, default=0) for b in distinct), default=0)) + 1
+    keys = np.array([n * span + d for n, b in enumerate(distinct) for d in sorted(b)], dtype=np.int64)
+    table = np.array([b[d] for b in distinct for d in sorted(b)], dtype=np.int64).reshape(len(keys), ndim, 2)
+    return (keys, table, span), np.array([numbers[layout[4]] for layout in layouts], dtype=np.int64)
