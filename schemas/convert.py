@@ -85,13 +85,15 @@ def on_block_bounds(box: Region, shape: tuple[int, ...]) -> bool:
 def scale_boxes(shape: tuple[int, ...], scale: str, blocks: dict[int, Region], devices: tuple[int, ...], side: str) -> tuple[Region, ...]:
     """Each device's box of the scale tensor on `side`: per tensor, the one scale wherever the device holds part of
     the tensor; per block, the blocks its box touches (a source box must lie on block bounds: ValueError naming it)."""
+    if scale == "tensor":  # each distinct box once: a mesh's devices repeat a few boxes
+        seen: dict[Region, Region] = {}
+        for box in map(blocks.__getitem__, devices):
+            if box not in seen:
+                seen[box] = ((0, 0),) if any(b <= a for a, b in box) else ((0, 1),)
+        return tuple(seen[blocks[device]] for device in devices)
     out = []
     for device in devices:
         box = blocks[device]
-        empty = any(b <= a for a, b in box)
-        if scale == "tensor":
-            out.append(((0, 0),) if empty else ((0, 1),))
-            continue
         if side == "src" and not on_block_bounds(box, shape):
             from .plan import format_region  # plan imports this module's users
 

@@ -464,6 +464,7 @@ def _check_schema_version(plan: Plan | DeviceOps) -> None:
 
 
 BATCH_CELLS = 1 << 20  # grid cells `uncovered_each` counts at once (int64s: 8 MiB); more blocks are taken in parts
+BATCH_BOXES = 1 << 15  # boxes `uncovered_each` takes at once (its arrays of them: a few MiB); more are taken in parts
 
 
 def uncovered_each(blocks: Sequence[Region], written: Sequence[Sequence[Region]]) -> list[Region | None]:
@@ -488,8 +489,13 @@ def uncovered_each(blocks: Sequence[Region], written: Sequence[Sequence[Region]]
 def _uncovered_batch(blocks: Sequence[Region], written: Sequence[Sequence[Region]], ks: list[int], out: list) -> None:
     """`uncovered_each` of the non-empty blocks `ks` (one number of dims), into `out[k]`."""
     ndim, count = len(blocks[ks[0]]), len(ks)
-    edges = np.array([blocks[k] for k in ks], dtype=np.int64).reshape(count, ndim, 2)
     sizes = [len(written[k]) for k in ks]
+    if count > 1 and sum(sizes) > BATCH_BOXES:
+        half = count // 2
+        _uncovered_batch(blocks, written, ks[:half], out)
+        _uncovered_batch(blocks, written, ks[half:], out)
+        return
+    edges = np.array([blocks[k] for k in ks], dtype=np.int64).reshape(count, ndim, 2)
     owner = np.repeat(np.arange(count), sizes)
     flat = chain.from_iterable(chain.from_iterable(chain.from_iterable(written[k] for k in ks)))  # faster than np.array of tuples
     boxes = np.fromiter(flat, dtype=np.int64, count=sum(sizes) * ndim * 2).reshape(-1, ndim, 2)

@@ -249,15 +249,16 @@ def test_an_operation_repeated_on_a_tensor_of_another_layout_is_checked_again():
     assert str(after.value) == str(alone.value)
 
 
-@pytest.mark.parametrize("batch_cells", [1 << 22, 40])
-def test_uncovered_each_names_what_uncovered_names_block_by_block(batch_cells, monkeypatch):
+@pytest.mark.parametrize("batch_cells, batch_boxes", [(1 << 20, 1 << 15), (40, 5)])
+def test_uncovered_each_names_what_uncovered_names_block_by_block(batch_cells, batch_boxes, monkeypatch):
     """The rank's batched coverage check (every destination shard on one padded grid, `uncovered_each`) against the
     one-block check (`uncovered`) on random blocks and boxes of 1-3 dims: boxes outside, overlapping, empty, none at
-    all, and whole blocks; also taken in parts (a small `BATCH_CELLS`)."""
+    all, and whole blocks; also taken in parts (a small `BATCH_CELLS` and `BATCH_BOXES`)."""
     import random
 
     from xmesh_plan.schemas import plan_check
     monkeypatch.setattr(plan_check, "BATCH_CELLS", batch_cells)
+    monkeypatch.setattr(plan_check, "BATCH_BOXES", batch_boxes)
     rng = random.Random(7)
     for _ in range(200):
         blocks, written = [], []
