@@ -38,6 +38,15 @@ RESULTS = RESULTS_DIR / "rank_load.json"
 
 
 def _rss_mib() -> float:
+    """This process's peak resident memory so far, in MiB: Linux's VmHWM (of this program alone; `ru_maxrss` also
+    counts what the parent held when it forked this process), else `ru_maxrss`."""
+    try:
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) / 1024
+    except OSError:
+        pass
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 

@@ -4,6 +4,8 @@ script makes of the committed results, so no table shows a figure its results fi
 import runpy
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -82,3 +84,26 @@ def test_the_rank_load_text_names_the_rows_that_miss_the_target():
         {"device": 3, "whole": True, "cpu_s": 0.5, "peak_rss_mib": 300.0}]}]
     text = rank_load_over_target(loads)
     assert "device 2" in text and "device 3" in text and "device 1 " not in text
+
+
+def test_a_rank_load_counts_its_own_memory_not_its_parent_s(tmp_path):
+    """A measuring process started by a parent holding 300 MiB reports the memory it holds after its imports, not the
+    parent's (`ru_maxrss` of a forked and exec'd child starts at what the parent held; Linux's VmHWM does not)."""
+    import json
+    import subprocess
+    import sys
+
+    from xmesh_plan.schemas import read_plan_file
+    from xmesh_plan.schemas.files import write_atomic
+    from xmesh_plan.schemas.plan_compact import compact_bytes
+
+    if not Path("/proc/self/status").exists():
+        pytest.skip("no /proc: the peak is ru_maxrss there")
+    path = tmp_path / "small.plan.npz"
+    write_atomic(path, compact_bytes(read_plan_file(ROOT / "plans" / "weight_sync_small.plan.json")))
+    parent = ("import subprocess, sys; held = bytearray(300 * 2**20); "
+              f"print(subprocess.run([sys.executable, '-m', 'bench.bench_rank_load', '--plan', {str(path)!r}, '--one', '0', '--no-whole'], "
+              "capture_output=True, text=True, check=True).stdout)")
+    out = subprocess.run([sys.executable, "-c", parent], cwd=ROOT, capture_output=True, text=True, check=True)
+    row = json.loads(out.stdout.strip().splitlines()[-1])
+    assert row["imports_rss_mib"] < 250 and row["peak_rss_mib"] < 250, row
