@@ -33,6 +33,7 @@ def _plain_boxes(values: Any) -> tuple[Region, ...] | None:
     """`values` as boxes when each is a list or tuple of [start, stop] lists or tuples of plain ints (what `box_field`
     takes it as), else None: the common case, in one loop with no generator per pair (a problem lists 10^5-10^6 boxes)."""
     out = []
+    known: dict[Region, Region] = {}  # each distinct box made once: a mesh's devices repeat a few (memory, not time)
     for value in values:
         if type(value) not in _PAIRS:
             return None
@@ -41,7 +42,8 @@ def _plain_boxes(values: Any) -> tuple[Region, ...] | None:
             if type(pair) not in _PAIRS or len(pair) != 2 or type(pair[0]) is not int or type(pair[1]) is not int:
                 return None
             box.append((pair[0], pair[1]))
-        out.append(tuple(box))
+        box = tuple(box)
+        out.append(known.setdefault(box, box))
     return tuple(out)
 
 
