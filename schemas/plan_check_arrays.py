@@ -4,7 +4,10 @@ A copy, send or broadcast (the kinds whose pattern is `local` or `chain`, no par
 exactly when its box lies inside the tensor and is not empty, its chunk count fits its kind and its box, its
 devices are as the kind needs, the sender holds the box in its source shard and every receiver has room for it in
 its destination shard. `proven_operations` tests all of that with whole-array interval arithmetic and marks the
-operations it proves; `check_plan` checks the others (all-gathers, bundles, and any operation the arrays do not
+operations it proves. A bundle passes exactly when its box and counts are as its kind needs and each part lies in
+the box, with its holder on the sending relay's host holding it and its needers distinct, on the receiving relay's
+host, with room for it: `proven_bundles` tests the distinct bundles that are left, every part of them at once (a rank
+of a large MoE plan has 10^5 parts). `check_plan` checks the others (all-gathers, and any operation the arrays do not
 prove) one by one, in list order, so the first fault and its message stay the one-by-one checker's.
 """
 
