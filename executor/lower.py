@@ -936,8 +936,8 @@ def _staged_parts(b: _Builder, op: Operation, parts: tuple[int, ...], places: Se
     regions, steps = op.parts, b.steps
     names = _part_names(max(parts) + 1)
     op_id, task, kind = op.id, op.task, op.kind
-    first, elements = len(steps), 0
-    for index, (i, lo) in enumerate(zip(parts, places), first):
+    made, elements = [], 0  # the steps' own index objects (not new ints: the writes below keep 10^5 of them)
+    for index, (i, lo) in enumerate(zip(parts, places), len(steps)):
         where = placed[i]
         if where is None:
             where = placed[i] = _placed(regions[i], block, itemsize)
@@ -945,7 +945,7 @@ def _staged_parts(b: _Builder, op: Operation, parts: tuple[int, ...], places: Se
         elements += nbytes
         steps.append(new_step(index, action, op_id, task, kind, deps, -1, 0, new_bytes("stage", at + lo, at + lo + nbytes, 0),
                               new_box(side, regions[i], where[0], where[1], nbytes, where[3], t), None, names[i], t, (), None))
-    made = range(first, len(steps))
+        made.append(index)
     if unpack:  # recorded as `_Builder.record` does, a list at a time
         mine = [regions[i] for i in parts]
         tensor.received += zip(repeat(op), mine)
@@ -953,7 +953,7 @@ def _staged_parts(b: _Builder, op: Operation, parts: tuple[int, ...], places: Se
         tensor.writes.steps += made
         tensor.writes.ends += repeat(op.end_s, len(mine))
         tensor.received_elements += elements // itemsize
-    return list(made)
+    return made
 
 
 _LOWER = supported("executor.lower", {"local": _lower_copy, "chain": _lower_chain, "ring": _lower_ring, "bundle": _lower_bundle})
