@@ -73,11 +73,23 @@ Box = Annotated[Region, BeforeValidator(box_field), WithJsonSchema({
     "description": "one [start, stop) per tensor dim (input also takes {offset, size})"})]
 
 
+_MADE: dict[int, tuple[Region, ...]] = {}  # id -> a list of boxes `_boxes` made (kept alive here, so the id is its own)
+_MADE_MOST = 4096
+
+
 def _boxes(value: Any, handler: ValidatorFunctionWrapHandler) -> tuple[Region, ...]:
     """A list of boxes: each box as `box_field` gives it, in one call where every box is a plain one (`_plain_boxes`);
-    otherwise each validated on its own (`handler`), whose errors name the box."""
+    otherwise each validated on its own (`handler`), whose errors name the box. A tuple this made before (a problem's
+    tensor's boxes, passed on to its single-tensor problem's placement) is its own result: it is not walked again."""
+    if _MADE.get(id(value)) is value:
+        return value
     plain = _plain_boxes(value) if type(value) in _PAIRS else None
-    return handler(value) if plain is None else plain
+    if plain is None:
+        return handler(value)
+    if len(_MADE) >= _MADE_MOST:
+        _MADE.clear()
+    _MADE[id(plain)] = plain
+    return plain
 
 
 Boxes = Annotated[tuple[Box, ...], WrapValidator(_boxes)]
