@@ -107,3 +107,30 @@ def test_a_rank_load_counts_its_own_memory_not_its_parent_s(tmp_path):
     out = subprocess.run([sys.executable, "-c", parent], cwd=ROOT, capture_output=True, text=True, check=True)
     row = json.loads(out.stdout.strip().splitlines()[-1])
     assert row["imports_rss_mib"] < 250 and row["peak_rss_mib"] < 250, row
+
+
+def test_a_rank_load_row_is_the_least_cpu_time_of_its_repeats(tmp_path, monkeypatch):
+    """With --repeat 3 each device is measured in three processes and the row with the least CPU time is kept; the
+    recorded command says --repeat 3."""
+    import json
+    import shlex
+
+    from click.testing import CliRunner
+
+    from bench import bench_rank_load
+    from xmesh_plan.schemas import read_plan_file
+    from xmesh_plan.schemas.files import write_atomic
+    from xmesh_plan.schemas.plan_compact import compact_bytes
+
+    path = tmp_path / "small.plan.npz"
+    write_atomic(path, compact_bytes(read_plan_file(ROOT / "plans" / "weight_sync_small.plan.json")))
+    times = iter([0.9, 0.4, 0.7])
+    monkeypatch.setattr(bench_rank_load, "_fresh", lambda plan, device, whole: {
+        "device": device, "whole": whole, "steps": 1, "seconds": 1.0, "cpu_s": next(times), "peak_rss_mib": 60.0, "imports_rss_mib": 50.0})
+    out = tmp_path / "rank_load.json"
+    result = CliRunner().invoke(bench_rank_load.main, ["--plan", str(path), "--devices", "0", "--no-whole", "--repeat", "3", "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    [entry] = json.loads(out.read_text())["plans"]
+    assert [row["cpu_s"] for row in entry["rows"]] == [0.4]
+    args = shlex.split(entry["command"])
+    assert args[args.index("--repeat") + 1] == "3"
