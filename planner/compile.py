@@ -16,7 +16,7 @@ from xmesh_plan.schemas.transfer import TransferProblem
 from . import __version__
 from .bounds import joint_lower_bound
 from .coalesce import (BundleCell, bundle_task, coalesce_cells, retimed_on_nics, share_messages, shared_bound,
-                       shared_messages_inside)
+                       shared_messages_inside, splits_small)
 from .compile_defaults import CompileOptions
 from .plan_rows import OperationRow, PlanRows, TaskRow, plan_rows
 from .executor_order import executor_order, executor_order_seconds, posted_budget
@@ -27,6 +27,7 @@ from .simulate import TooCostly, nic_assignment, renumbered_only, simulated, sta
 from .solvers import solve
 from .staging_limit import busiest_posted, limit_staging
 from .strategies import STRATEGIES, PlannedOp, StrategyResult, TaskContext, get_strategy
+from .host_split import chained_kinds, rotations, source_send
 from .unit_tasks import Cell, check_kinds_task_count, check_scheduled_task_count, decompose, split_by_receiver_host
 
 DIGITS = 12  # times are rounded to picoseconds so plans print and compare stably
@@ -89,15 +90,16 @@ def receiving_load(cells_of: list[list[Cell]], cluster) -> dict[int, int]:
 
 
 def task_options(problem: ReshardingProblem, cells: list[Cell], strategy: str, first_id: int = 0,
-                 load: dict[int, int] | None = None) -> list[TaskOptions]:
+                 load: dict[int, int] | None = None, rotations: list[int | None] | None = None) -> list[TaskOptions]:
     """Every cell that crosses devices, with one scheduling option per candidate sender host; scheduling
     tasks are numbered from `first_id` (each tensor of a transfer after the ones before it). `load`
-    (`receiving_load`, all tensors together; these cells' own when None) sets each task's `sharing`."""
+    (`receiving_load`, all tensors together; these cells' own when None) sets each task's `sharing`; `rotations`
+    (one per cell, `host_split.rotations`) make the cells chains forwarded between destination hosts."""
     if strategy != "auto":
         get_strategy(strategy)
     load = receiving_load([cells], problem.cluster) if load is None else load
     out = []
-    for cell in cells:
+    for cell, rotation in zip(cells, rotations or [None] * len(cells)):
         if not cell.receivers:
             continue
         if not cell.senders:
@@ -105,7 +107,8 @@ def task_options(problem: ReshardingProblem, cells: list[Cell], strategy: str, f
         results, options = [], []
         for host, device in sorted(_sender_per_host(cell, problem).items()):
             sharing = max((load.get(problem.cluster.host_of(d), 1) for d in cell.receivers), default=1)
-            ctx = TaskContext(cell.region, cell.nbytes(problem.itemsize), device, cell.receivers, problem.cluster, problem.itemsize, sharing)
+            ctx = TaskContext(cell.region, cell.nbytes(problem.itemsize), device, cell.receivers, problem.cluster, problem.itemsize, sharing,
+                              rotation)
             name, result = _best_strategy(ctx, strategy)
             results.append((name, result))
             options.append(Option(host, device, result.duration_s, result.resources, result.tail_s))
@@ -351,6 +354,22 @@ def _kinds(singles: list[ReshardingProblem]) -> list[tuple]:
              key(s.cluster)) for s in singles]
 
 
+def _chained(singles: list[ReshardingProblem], kinds: list[tuple], planned: dict[tuple, list[Cell]],
+             problem: ReshardingProblem | TransferProblem, coalesce: bool, bucket_bytes: int) -> set[tuple]:
+    """The kinds whose boxes are not split by receiving host (`host_split.chained_kinds`): each kind's source sends
+    split and chained (small cells `coalesce` splits counted split), against the byte bound of every tensor's cells."""
+    cluster = problem.cluster
+    bound = joint_lower_bound([(planned[kind], s.itemsize) for s, kind in zip(singles, kinds)], cluster)
+    sends = {}
+    for single, kind in zip(singles, kinds):
+        if kind not in sends:
+            cells, size = planned[kind], single.itemsize
+            small = (lambda cell: splits_small(cell, single, bucket_bytes)) if coalesce else (lambda cell: False)
+            sends[kind] = (source_send(cells, lambda cell: cell.nbytes(size), cluster, lambda cell: True),
+                           source_send(cells, lambda cell: cell.nbytes(size), cluster, small))
+    return chained_kinds(kinds, sends, bound.seconds * cluster.send_bytes_per_s)
+
+
 def renumbered(options: list[TaskOptions], first_id: int) -> list[TaskOptions]:
     """`options` (numbered from 0) as another tensor of the same kind's, numbered from `first_id`."""
     return [TaskOptions(o.cell, o.results, SchedulingTask(first_id + o.scheduling.id, o.scheduling.options)) for o in options]
@@ -435,10 +454,11 @@ def compile_rows(problem: ReshardingProblem | TransferProblem, options: CompileO
             planned[kind] = decompose(single, merge=options.merge, max_tasks=None)
     cells = [planned[kind] for kind in kinds]
     on_stage(f"costing {sum(map(len, cells))} cells ({len(planned)} kinds of tensor)")
+    chained = _chained(singles, kinds, planned, problem, coalesce, bucket_bytes) if split_hosts else set()
     cut: dict[tuple, tuple[list[Cell], list[BundleCell]]] = {}
     for single, kind in zip(singles, kinds):  # the bound and copies come from the cells as cut
         if kind not in cut:
-            tasks_of = split_by_receiver_host(planned[kind], problem.cluster) if split_hosts else planned[kind]
+            tasks_of = split_by_receiver_host(planned[kind], problem.cluster) if split_hosts and kind not in chained else planned[kind]
             cut[kind] = coalesce_cells(tasks_of, single, bucket_bytes) if coalesce else (tasks_of, [])
     scheduled = {kind: sum(1 for c in cut[kind][0] if c.receivers) + len(cut[kind][1]) for kind in cut}
     check_scheduled_task_count(sum(scheduled[kind] for kind in kinds), kinds_cut, len(singles), max_tasks, split_hosts, coalesce)
@@ -448,7 +468,8 @@ def compile_rows(problem: ReshardingProblem | TransferProblem, options: CompileO
     for index, single, kind in zip(indices, singles, kinds):
         mine, (tasks_of, bundles) = planned[kind], cut[kind]
         if kind not in costed:
-            costed[kind] = task_options(single, tasks_of, strategy, load=load)
+            turns = rotations(tasks_of, problem.cluster) if kind in chained else None
+            costed[kind] = task_options(single, tasks_of, strategy, load=load, rotations=turns)
             costed[kind] += _bundle_options(bundles, single, len(costed[kind]))
         works.append(TensorWork(index, single, mine, renumbered(costed[kind], first)))
         first += len(costed[kind])

@@ -1,0 +1,59 @@
+"""Split by receiving host only where the source hosts can afford it (`planner/host_split.py`): where splitting would
+make a source host send more than the byte bound, boxes go down one chain through their destination hosts, rotated
+and chunked, and the plan gets near the bound; where the sources can afford it, the plan is split as before."""
+
+from __future__ import annotations
+
+import math
+
+from xmesh_plan.planner import host_split
+from xmesh_plan.planner.compile import compile_plan
+from xmesh_plan.planner.transfer_io import build_transfer
+from xmesh_plan.planner.verify import verify_plan
+from xmesh_plan.schemas.plan_check import MAX_CHUNKS
+
+NICS = [{"send_gbps": 100.0, "recv_gbps": 100.0}] * 4
+
+
+def _sync(src_mesh: str, src_spec: str) -> object:
+    """Two tensors of 64 MiB (float32) to 2 hosts of 4 that each need all of them (sharded inside the host)."""
+    tensors = [{"name": f"w{k}", "shape": [4096, 4096], "src": src_spec, "dst": "R S1"} for k in range(2)]
+    return build_transfer({"name": "fan_out", "dtype": "float32", "src_mesh": src_mesh, "dst_mesh": "2x4",
+                           "cluster": {"devices_per_host": 4, "nics": NICS, "intra_host_gbps": 800.0, "latency_us": 10.0},
+                           "tensors": tensors})
+
+
+def _hosts(plan, devices) -> list[int]:
+    return [plan.problem.cluster.host_of(d) for d in devices]
+
+
+def test_a_source_host_that_would_send_twice_the_bound_sends_each_box_once_and_the_destinations_forward():
+    """One source host, two destination hosts that each need everything: split by host, the source sends every box
+    twice, 2x the bound (its receive); chained, once, and each destination host forwards about half of the boxes."""
+    plan = compile_plan(_sync("1x4", "S1 R"))
+    verify_plan(plan)
+    bound = plan.lower_bound_seconds
+    assert plan.predicted_seconds / bound < 1.3
+    assert plan.executor_prediction.predicted_seconds / bound < 1.3
+    chains = [op for op in plan.operations if op.kind == "broadcast" and len(set(_hosts(plan, op.dsts))) == 2]
+    assert chains and all(len(set(_hosts(plan, op.dsts))) == 2 for op in plan.operations if op.kind == "broadcast")
+    first = [_hosts(plan, op.dsts)[0] for op in chains]
+    assert sorted(set(first)) == [1, 2] and abs(first.count(1) - first.count(2)) <= 1  # both forward, half each
+    nbytes = {op.id: math.prod(b - a for a, b in op.region) * 4 for op in chains}
+    assert all(op.chunks == min(MAX_CHUNKS, max(1, round(nbytes[op.id] / (16 * 2**20)))) for op in chains)
+
+
+def test_where_the_sources_can_afford_the_split_every_box_is_split_by_host():
+    """Two source hosts each send their half to both destination hosts: their send is the bound, so nothing changes."""
+    plan = compile_plan(_sync("2x4", "S01 R"))
+    verify_plan(plan)
+    assert all(len(set(_hosts(plan, op.dsts))) == 1 for op in plan.operations if op.kind == "broadcast")
+
+
+def test_kinds_are_chained_by_the_bytes_they_save_until_the_sources_fit_within_headroom():
+    sends = {"big": ({0: 100.0}, {0: 50.0}), "mid": ({0: 40.0}, {0: 20.0}), "other": ({1: 80.0}, {1: 40.0})}
+    kinds = ["big", "mid", "other"]
+    assert host_split.chained_kinds(kinds, sends, 140.0) == set()  # host 0 sends 140 split: affordable
+    assert host_split.chained_kinds(kinds, sends, 130.0) == {"big"}  # 140 -> 90, within 0.9 x 130
+    assert host_split.chained_kinds(kinds, sends, 90.0) == {"big", "mid"}  # 90 -> 70; host 1 (80) was within 0.9 x 90
+    assert host_split.chained_kinds(["big", "mid", "mid", "mid", "other"], sends, 190.0) == {"mid"}  # saves 60 > 50
