@@ -425,7 +425,9 @@ def compile_rows(problem: ReshardingProblem | TransferProblem, options: CompileO
     tasks (all tensors together, small boxes as their bundles) once they are cut, before anything is costed
     (TooManyTasksError; `unit_tasks` says why these counts). A `TransferProblem`'s tensors
     are cut one by one and scheduled together. `split_hosts`: one unit task per receiving host
-    (`unit_tasks.split_by_receiver_host`; recorded in `solver.details`). `coalesce`: small cells between two hosts
+    (`unit_tasks.split_by_receiver_host`; recorded in `solver.details`), except for the kinds whose split would make a
+    source host send more than the byte bound: their boxes go down one chain through their receiving hosts
+    (`host_split`). `coalesce`: small cells between two hosts
     travel in bundles of at most `bucket_bytes` (`planner/coalesce.py`; a bundle holds boxes of one tensor).
     `cross_tensor`: bundles of several tensors between two hosts share one message up to the bucket
     (`coalesce.share_messages`, `schemas.carriers`). `max_staging_bytes`: no device stages more in device order
@@ -478,7 +480,9 @@ def compile_rows(problem: ReshardingProblem | TransferProblem, options: CompileO
     schedule = solve(tasks, solver, seed=seed, time_limit_s=options.time_limit_s)
     on_stage("timing operations and assembling the plan")
     if split_hosts:  # recorded only when on, so plans compiled without it are unchanged
-        schedule = dataclasses.replace(schedule, details={**schedule.details, "split_hosts": "one unit task per receiving host"})
+        split = "one unit task per receiving host" + (f"; {len(chained)} of {len(planned)} kinds of tensor chained through their "
+                                                      "receiving hosts instead (host_split)" if chained else "")
+        schedule = dataclasses.replace(schedule, details={**schedule.details, "split_hosts": split})
     if coalesce:
         schedule = dataclasses.replace(schedule, details={**schedule.details, "coalesce": f"bundles of at most {bucket_bytes} B"})
     if cross_tensor:

@@ -14,8 +14,10 @@ source host would send more than the bound, every kind is split. Otherwise kinds
 most source bytes (over all its tensors) first, until no source host sends more than HEADROOM of the bound (or
 nothing is left to chain); a kind is chained only where it lowers a source host that is still above that. A source
 at the bound leaves the chains no slack to fill and drain: the 48-GPU MoE sync, chained until within the bound (4
-kinds of 17), runs 1.105x the bound in host order and 1.084x posted, until within 0.9 of it (every kind) 1.101x and
-1.077x. Small boxes that `coalesce` splits to ride a host pair's bundle are counted split either way.
+kinds of 17), runs 1.105x the bound in host order and 1.084x posted, chained until within 0.9 of it 1.101x and
+1.077x (5 kinds; its sources still send 0.969x the bound, as the other kinds' boxes are small). Small boxes that
+`coalesce` splits to ride a host pair's bundle are counted split either way, so chaining a kind of only those saves
+nothing.
 
 A chained box goes down one pipelined chain in chunks of about `strategies.CHAIN_CHUNK_BYTES` (`chain_chunks`), so
 a host forwards while it receives. Its chain's host order is rotated (`rotations`): boxes with one set of receiving
