@@ -20,6 +20,7 @@ from .coalesce import (BundleCell, bundle_task, coalesce_cells, retimed_on_nics,
 from .compile_defaults import CompileOptions
 from .plan_rows import OperationRow, PlanRows, TaskRow, plan_rows
 from .executor_order import executor_order, executor_order_seconds, posted_budget
+from .host_split import chained_kinds, rotations, source_send
 from .scheduling import Option, Schedule, SchedulingTask
 from xmesh_plan.schemas.op_kinds import rule_of, tags_used, wire_pairs
 
@@ -27,7 +28,6 @@ from .simulate import TooCostly, nic_assignment, renumbered_only, simulated, sta
 from .solvers import solve
 from .staging_limit import busiest_posted, limit_staging
 from .strategies import STRATEGIES, PlannedOp, StrategyResult, TaskContext, get_strategy
-from .host_split import chained_kinds, rotations, source_send
 from .unit_tasks import Cell, check_kinds_task_count, check_scheduled_task_count, decompose, split_by_receiver_host
 
 DIGITS = 12  # times are rounded to picoseconds so plans print and compare stably
@@ -90,16 +90,16 @@ def receiving_load(cells_of: list[list[Cell]], cluster) -> dict[int, int]:
 
 
 def task_options(problem: ReshardingProblem, cells: list[Cell], strategy: str, first_id: int = 0,
-                 load: dict[int, int] | None = None, rotations: list[int | None] | None = None) -> list[TaskOptions]:
+                 load: dict[int, int] | None = None, turns: list[int | None] | None = None) -> list[TaskOptions]:
     """Every cell that crosses devices, with one scheduling option per candidate sender host; scheduling
     tasks are numbered from `first_id` (each tensor of a transfer after the ones before it). `load`
-    (`receiving_load`, all tensors together; these cells' own when None) sets each task's `sharing`; `rotations`
+    (`receiving_load`, all tensors together; these cells' own when None) sets each task's `sharing`; `turns`
     (one per cell, `host_split.rotations`) make the cells chains forwarded between destination hosts."""
     if strategy != "auto":
         get_strategy(strategy)
     load = receiving_load([cells], problem.cluster) if load is None else load
     out = []
-    for cell, rotation in zip(cells, rotations or [None] * len(cells)):
+    for cell, rotation in zip(cells, turns or [None] * len(cells)):
         if not cell.receivers:
             continue
         if not cell.senders:
@@ -359,15 +359,18 @@ def _chained(singles: list[ReshardingProblem], kinds: list[tuple], planned: dict
     """The kinds whose boxes are not split by receiving host (`host_split.chained_kinds`): each kind's source sends
     split and chained (small cells `coalesce` splits counted split), against the byte bound of every tensor's cells."""
     cluster = problem.cluster
+    single_of = {kind: single for single, kind in zip(singles, kinds)}
+
+    def sends(kind: tuple, split) -> dict[int, float]:
+        single = single_of[kind]
+        return source_send(planned[kind], lambda cell: cell.nbytes(single.itemsize), cluster, split)
+
+    def chained_send(kind: tuple) -> dict[int, float]:
+        return sends(kind, (lambda cell: splits_small(cell, single_of[kind], bucket_bytes)) if coalesce else (lambda cell: False))
+
     bound = joint_lower_bound([(planned[kind], s.itemsize) for s, kind in zip(singles, kinds)], cluster)
-    sends = {}
-    for single, kind in zip(singles, kinds):
-        if kind not in sends:
-            cells, size = planned[kind], single.itemsize
-            small = (lambda cell: splits_small(cell, single, bucket_bytes)) if coalesce else (lambda cell: False)
-            sends[kind] = (source_send(cells, lambda cell: cell.nbytes(size), cluster, lambda cell: True),
-                           source_send(cells, lambda cell: cell.nbytes(size), cluster, small))
-    return chained_kinds(kinds, sends, bound.seconds * cluster.send_bytes_per_s)
+    split = {kind: sends(kind, lambda cell: True) for kind in single_of}
+    return chained_kinds(kinds, split, chained_send, bound.seconds * cluster.send_bytes_per_s)
 
 
 def renumbered(options: list[TaskOptions], first_id: int) -> list[TaskOptions]:
@@ -471,7 +474,7 @@ def compile_rows(problem: ReshardingProblem | TransferProblem, options: CompileO
         mine, (tasks_of, bundles) = planned[kind], cut[kind]
         if kind not in costed:
             turns = rotations(tasks_of, problem.cluster) if kind in chained else None
-            costed[kind] = task_options(single, tasks_of, strategy, load=load, rotations=turns)
+            costed[kind] = task_options(single, tasks_of, strategy, load=load, turns=turns)
             costed[kind] += _bundle_options(bundles, single, len(costed[kind]))
         works.append(TensorWork(index, single, mine, renumbered(costed[kind], first)))
         first += len(costed[kind])

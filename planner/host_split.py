@@ -60,38 +60,40 @@ def source_send(cells: Sequence[Cell], nbytes: Callable[[Cell], int], cluster: C
     return out
 
 
-def chained_kinds(kinds: Sequence[Hashable], sends: dict[Hashable, tuple[dict[int, float], dict[int, float]]],
-                  budget_bytes: float) -> set[Hashable]:
+def chained_kinds(kinds: Sequence[Hashable], split: dict[Hashable, dict[int, float]],
+                  chained_send: Callable[[Hashable], dict[int, float]], budget_bytes: float) -> set[Hashable]:
     """The kinds of tensor whose boxes go down one chain through their receiving hosts instead of being split by host.
-    `kinds` names each tensor's kind (repeated per tensor); `sends[kind]`: one tensor's source sends (`source_send`)
-    split and chained; `budget_bytes`: what a source host may send (the byte bound times its send rate). None where no
-    source host's send, every kind split, is above the budget; otherwise kinds in order of the source bytes chaining
-    them saves (all tensors of the kind; ties: the first seen), each one that lowers a source host still above
-    HEADROOM of the budget, until none is.
+    `kinds` names each tensor's kind (repeated per tensor); `split[kind]`: one tensor's source sends split
+    (`source_send`), `chained_send(kind)` chained (asked only when some kind is to be chained); `budget_bytes`: what a
+    source host may send (the byte bound times its send rate). None where no source host's send, every kind split, is
+    above the budget; otherwise kinds in order of the source bytes chaining them saves (all tensors of the kind; ties:
+    the first seen), each one that lowers a source host still above HEADROOM of the budget, until none is.
 
-    >>> sends = {"experts": ({0: 400.0}, {0: 200.0}), "norm": ({0: 20.0}, {0: 10.0}), "attn": ({1: 60.0}, {1: 30.0})}
-    >>> sorted(chained_kinds(["experts", "norm", "attn"], sends, 500.0))  # host 0 sends 420 split: within 500
+    >>> split = {"experts": {0: 400.0}, "norm": {0: 20.0}, "attn": {1: 60.0}}
+    >>> once = {"experts": {0: 200.0}, "norm": {0: 10.0}, "attn": {1: 30.0}}.get
+    >>> sorted(chained_kinds(["experts", "norm", "attn"], split, once, 500.0))  # host 0 sends 420 split: within 500
     []
-    >>> sorted(chained_kinds(["experts", "experts", "norm", "attn"], sends, 500.0))  # 820: the experts bring it to 420
+    >>> sorted(chained_kinds(["experts", "experts", "norm", "attn"], split, once, 500.0))  # 820: the experts bring it to 420
     ['experts']
-    >>> sorted(chained_kinds(["experts", "experts", "norm", "attn"], sends, 400.0))  # 420: the norm too; host 1 is within
+    >>> sorted(chained_kinds(["experts", "experts", "norm", "attn"], split, once, 400.0))  # 420: the norm too; host 1 is within
     ['experts', 'norm']
     """
     count: dict[Hashable, int] = {}
     for kind in kinds:
         count[kind] = count.get(kind, 0) + 1
     total: dict[int, float] = {}
-    saving: dict[Hashable, dict[int, float]] = {}
     for kind in count:
-        split, once = sends[kind]
-        saving[kind] = {h: (b - once.get(h, 0.0)) * count[kind] for h, b in split.items()}
-        for h, b in split.items():
+        for h, b in split[kind].items():
             total[h] = total.get(h, 0.0) + b * count[kind]
     limit = budget_bytes * (1 + EPS)
     chained: set[Hashable] = set()
     if max(total.values(), default=0.0) <= limit:
         return chained
     limit *= HEADROOM
+    saving: dict[Hashable, dict[int, float]] = {}
+    for kind in count:
+        once = chained_send(kind)
+        saving[kind] = {h: (b - once.get(h, 0.0)) * count[kind] for h, b in split[kind].items()}
     for kind in sorted(count, key=lambda k: -sum(saving[k].values())):  # stable: ties keep the first seen
         over = {h for h, b in total.items() if b > limit}
         if not over:

@@ -6,11 +6,16 @@ from __future__ import annotations
 
 import math
 
+import pytest
+
 from xmesh_plan.planner import host_split
 from xmesh_plan.planner.compile import compile_plan
 from xmesh_plan.planner.transfer_io import build_transfer
 from xmesh_plan.planner.verify import verify_plan
+from xmesh_plan.schemas.plan import write_atomic
 from xmesh_plan.schemas.plan_check import MAX_CHUNKS
+
+from tests.support.launch import MPIEXEC, run_demo
 
 NICS = [{"send_gbps": 100.0, "recv_gbps": 100.0}] * 4
 
@@ -43,6 +48,19 @@ def test_a_source_host_that_would_send_twice_the_bound_sends_each_box_once_and_t
     assert all(op.chunks == min(MAX_CHUNKS, max(1, round(nbytes[op.id] / (16 * 2**20)))) for op in chains)
 
 
+@pytest.mark.mpi
+@pytest.mark.skipif(not MPIEXEC.exists(), reason=f"no mpiexec at {MPIEXEC} (install the mpich wheel)")
+def test_the_chained_plan_runs_bit_exact_on_mpi(tmp_path):
+    """The chains forwarded between destination hosts, rotated and chunked, on 12 ranks: every shard checked."""
+    plan = compile_plan(_sync("1x4", "S1 R"))
+    assert "kinds of tensor chained" in plan.solver.details["split_hosts"]
+    path = tmp_path / "fan_out.plan.json"
+    write_atomic(path, plan.to_json())
+    result = run_demo(12, path, "--check", "--max-mb", "1", "--iters", "1", "--warmup", "0")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "check ok: 2 tensors x 8 destination shards bit-exact" in result.stdout + result.stderr
+
+
 def test_where_the_sources_can_afford_the_split_every_box_is_split_by_host():
     """Two source hosts each send their half to both destination hosts: their send is the bound, so nothing changes."""
     plan = compile_plan(_sync("2x4", "S01 R"))
@@ -51,9 +69,16 @@ def test_where_the_sources_can_afford_the_split_every_box_is_split_by_host():
 
 
 def test_kinds_are_chained_by_the_bytes_they_save_until_the_sources_fit_within_headroom():
-    sends = {"big": ({0: 100.0}, {0: 50.0}), "mid": ({0: 40.0}, {0: 20.0}), "other": ({1: 80.0}, {1: 40.0})}
+    split = {"big": {0: 100.0}, "mid": {0: 40.0}, "other": {1: 80.0}}
+    once = {"big": {0: 50.0}, "mid": {0: 20.0}, "other": {1: 40.0}}
+    asked = []
+
+    def chained_send(kind):
+        asked.append(kind)
+        return once[kind]
+
     kinds = ["big", "mid", "other"]
-    assert host_split.chained_kinds(kinds, sends, 140.0) == set()  # host 0 sends 140 split: affordable
-    assert host_split.chained_kinds(kinds, sends, 130.0) == {"big"}  # 140 -> 90, within 0.9 x 130
-    assert host_split.chained_kinds(kinds, sends, 90.0) == {"big", "mid"}  # 90 -> 70; host 1 (80) was within 0.9 x 90
-    assert host_split.chained_kinds(["big", "mid", "mid", "mid", "other"], sends, 190.0) == {"mid"}  # saves 60 > 50
+    assert host_split.chained_kinds(kinds, split, chained_send, 140.0) == set() and not asked  # host 0 sends 140 split
+    assert host_split.chained_kinds(kinds, split, chained_send, 130.0) == {"big"}  # 140 -> 90, within 0.9 x 130
+    assert host_split.chained_kinds(kinds, split, chained_send, 90.0) == {"big", "mid"}  # 90 -> 70; host 1 (80) was within
+    assert host_split.chained_kinds(["big", "mid", "mid", "mid", "other"], split, chained_send, 190.0) == {"mid"}  # saves 60
