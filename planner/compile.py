@@ -428,9 +428,9 @@ def compile_rows(problem: ReshardingProblem | TransferProblem, options: CompileO
     tasks (all tensors together, small boxes as their bundles) once they are cut, before anything is costed
     (TooManyTasksError; `unit_tasks` says why these counts). A `TransferProblem`'s tensors
     are cut one by one and scheduled together. `split_hosts`: one unit task per receiving host
-    (`unit_tasks.split_by_receiver_host`; recorded in `solver.details`), except for the kinds whose split would make a
-    source host send more than the byte bound: their boxes go down one chain through their receiving hosts
-    (`host_split`). `coalesce`: small cells between two hosts
+    (`unit_tasks.split_by_receiver_host`; recorded in `solver.details`), except, in a multi-tensor problem, for the kinds
+    whose split would make a source host send more than the byte bound: their boxes go down one chain through their
+    receiving hosts (`host_split`). `coalesce`: small cells between two hosts
     travel in bundles of at most `bucket_bytes` (`planner/coalesce.py`; a bundle holds boxes of one tensor).
     `cross_tensor`: bundles of several tensors between two hosts share one message up to the bucket
     (`coalesce.share_messages`, `schemas.carriers`). `max_staging_bytes`: no device stages more in device order
@@ -459,7 +459,7 @@ def compile_rows(problem: ReshardingProblem | TransferProblem, options: CompileO
             planned[kind] = decompose(single, merge=options.merge, max_tasks=None)
     cells = [planned[kind] for kind in kinds]
     on_stage(f"costing {sum(map(len, cells))} cells ({len(planned)} kinds of tensor)")
-    chained = _chained(singles, kinds, planned, problem, coalesce, bucket_bytes) if split_hosts else set()
+    chained = _chained(singles, kinds, planned, problem, coalesce, bucket_bytes) if split_hosts and multi else set()
     cut: dict[tuple, tuple[list[Cell], list[BundleCell]]] = {}
     for single, kind in zip(singles, kinds):  # the bound and copies come from the cells as cut
         if kind not in cut:

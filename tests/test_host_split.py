@@ -5,6 +5,8 @@ and chunked, and the plan gets near the bound; where the sources can afford it, 
 from __future__ import annotations
 
 import math
+import tomllib
+from pathlib import Path
 
 import pytest
 
@@ -17,6 +19,7 @@ from xmesh_plan.schemas.plan_check import MAX_CHUNKS
 
 from tests.support.launch import MPIEXEC, run_demo
 
+ROOT = Path(__file__).resolve().parent.parent
 NICS = [{"send_gbps": 100.0, "recv_gbps": 100.0}] * 4
 
 
@@ -37,6 +40,7 @@ def test_a_source_host_that_would_send_twice_the_bound_sends_each_box_once_and_t
     twice, 2x the bound (its receive); chained, once, and each destination host forwards about half of the boxes."""
     plan = compile_plan(_sync("1x4", "S1 R"))
     verify_plan(plan)
+    assert compile_plan(_sync("1x4", "S1 R")).to_json() == plan.to_json()  # same input, same bytes
     bound = plan.lower_bound_seconds
     assert plan.predicted_seconds / bound < 1.5  # split: 2.03
     assert plan.executor_prediction.predicted_seconds / bound < 1.5
@@ -46,6 +50,17 @@ def test_a_source_host_that_would_send_twice_the_bound_sends_each_box_once_and_t
     assert sorted(set(first)) == [1, 2] and abs(first.count(1) - first.count(2)) <= 1  # both forward, half each
     nbytes = {op.id: math.prod(b - a for a, b in op.region) * 4 for op in chains}
     assert all(op.chunks == min(MAX_CHUNKS, max(1, round(nbytes[op.id] / (16 * 2**20)))) for op in chains)
+
+
+def test_the_48_gpu_moe_sync_gets_near_its_bound_and_verifies():
+    """2 source hosts -> 2 inference instances of 2 hosts (`plans/weight_sync_deepseek_v3_48`): split by host, every
+    expert box left its source host twice, 2.02x the bound in both orders; chained, about 1.10x and 1.08x."""
+    problem = build_transfer(tomllib.loads((ROOT / "plans" / "weight_sync_deepseek_v3_48.problem.toml").read_text()))
+    plan = compile_plan(problem)
+    verify_plan(plan)
+    bound = plan.lower_bound_seconds
+    assert plan.predicted_seconds / bound < 1.2 and plan.executor_prediction.predicted_seconds / bound < 1.2
+    assert "5 of 17 kinds of tensor chained" in plan.solver.details["split_hosts"]
 
 
 @pytest.mark.mpi
