@@ -4,10 +4,10 @@ Split by receiving host (`unit_tasks.split_by_receiver_host`), a box needed on n
 times; a chain (one broadcast through the receiving hosts, `strategies.broadcast`) sends it once and the
 destination hosts forward it. Splitting lets each host's share be scheduled on its own, and is the default for a
 multi-tensor problem, where destinations are mostly sharded (a host needs its own part) and the byte bound is a
-destination host's receive. This module decides, for a multi-tensor problem compiled split (`compile.compile_rows`;
-a single tensor compiled with `split_hosts` is split throughout, as asked), which kinds of tensor stay whole. Where the sources are fewer than the destinations and each box is needed on several of
+destination host's receive. Where the sources are fewer than the destinations and each box is needed on several of
 them (a 48-GPU MoE sync: 2 source hosts, 2 inference instances of 2 hosts), the split makes a source host send
-about twice the bound.
+about twice the bound. This module decides, for a multi-tensor problem compiled split (`compile.compile_rows`; a
+single tensor compiled with `split_hosts` is split throughout, as asked), which kinds of tensor stay whole.
 
 The criterion (`chained_kinds`), from the per-host loads the planner has before it costs anything: each source
 host's send if every kind is split (`source_send`) against the byte bound (`bounds.joint_lower_bound`). Where no
