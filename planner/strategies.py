@@ -181,11 +181,8 @@ def chain_chunks(nbytes: int) -> int:
 @lru_cache(maxsize=4096)
 def _chunked_seconds(nbytes: int, hop_cross: tuple[bool, ...], cluster: Cluster, chunks: int) -> tuple[float, int]:
     """(time, `chunks`) of a broadcast of `chunks` chunks down the hops, as `_pipelined_seconds` prices any K."""
-    latency, overhead, bw = np.array([hop_cost(cluster, c) for c in hop_cross]).T
-    per_chunk = overhead[None, :] + (nbytes / chunks) / bw[None, :]
-    widest = np.maximum(per_chunk.max(axis=1), _cpu_per_chunk(per_chunk, hop_cross, cluster))
-    fill = np.maximum(per_chunk.sum(axis=1) - widest, 0.0)
-    return float(latency.sum() + fill[0] + chunks * widest[0]), chunks
+    latency, fill, widest = _chunk_costs(nbytes, hop_cross, cluster, np.array([chunks], dtype=np.float64))
+    return float(latency + fill[0] + chunks * widest[0]), chunks
 
 
 @lru_cache(maxsize=4096)
@@ -199,12 +196,21 @@ def _pipelined_seconds(nbytes: int, hop_cross: tuple[bool, ...], cluster: Cluste
         return 0.0, 1
     k_max = int(max(1, min(MAX_CHUNKS, nbytes // MIN_CHUNK_BYTES)))
     ks = np.arange(1, k_max + 1, dtype=np.float64)
+    latency, fill, widest = _chunk_costs(nbytes, hop_cross, cluster, ks)
+    best = int(np.argmin(fill / sharing + ks * widest))
+    return float(latency + fill[best] + ks[best] * widest[best]), int(ks[best])
+
+
+def _chunk_costs(nbytes: int, hop_cross: tuple[bool, ...], cluster: Cluster, ks: np.ndarray
+                 ) -> tuple[np.floating, np.ndarray, np.ndarray]:
+    """(the hops' latencies, fill per K, slowest stage per chunk per K) of a broadcast of `nbytes` in each of `ks` chunks
+    down the hops: a chunk's time on a hop is its overhead plus its bytes, the slowest stage the widest hop or the CPU's
+    copies (`_cpu_per_chunk`), and the fill the rest of one chunk's way (K chunks take at least K times the slowest)."""
     latency, overhead, bw = np.array([hop_cost(cluster, c) for c in hop_cross]).T
     per_chunk = overhead[None, :] + (nbytes / ks)[:, None] / bw[None, :]
     widest = np.maximum(per_chunk.max(axis=1), _cpu_per_chunk(per_chunk, hop_cross, cluster))
-    fill = np.maximum(per_chunk.sum(axis=1) - widest, 0.0)  # K chunks take at least K times the slowest stage
-    best = int(np.argmin(fill / sharing + ks * widest))
-    return float(latency.sum() + fill[best] + ks[best] * widest[best]), int(ks[best])
+    fill = np.maximum(per_chunk.sum(axis=1) - widest, 0.0)
+    return latency.sum(), fill, widest
 
 
 def _cpu_per_chunk(per_chunk: np.ndarray, hop_cross: tuple[bool, ...], cluster: Cluster) -> np.ndarray:
