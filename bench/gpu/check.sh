@@ -12,8 +12,8 @@
 #     mpich mpi4py ortools immutabledict protobuf      # the versions .venv has; the image lacks these
 #   PYTHONPATH=$PWD .venv/bin/python bench/gpu/make_plans.py .whl/plans
 #   mkdir -p .whl/moe && .venv/bin/xmesh-plan compile plans/weight_sync_deepseek_v3_48.problem.toml -o .whl/moe/moe48.plan.json
-# Then run `bash bench/gpu/check.sh [SECTION ...]` there with `.whl` carried (sections: convert demo separate dtensor torch
-# cupy pytest moe, all by default); the log is $OUT/gpu.log. `convert` is bench/gpu/convert_check.sh (the MPI + CuPy nccl
+# Then run `bash bench/gpu/check.sh [SECTION ...]` there with `.whl` carried (sections: moe (with moe_torch) convert demo separate dtensor torch
+# cupy pytest, all by default); the log is $OUT/gpu.log. `convert` is bench/gpu/convert_check.sh (the MPI + CuPy nccl
 # engine converting at the sender and receiving into views of CUDA tensors), which also runs on its own.
 set -u
 cd "$(dirname "$0")/../.."
@@ -27,7 +27,7 @@ launch() {  # launch N ranks of a python command line on cuda:0, each its own NC
   local n=$1 port=$2; shift 2; local pids=() rc=0
   rm -f /tmp/rank-*.log
   for r in $(seq 0 $((n - 1))); do
-    env $(fake_host "$r") RANK=$r WORLD_SIZE=$n LOCAL_RANK=0 MASTER_ADDR=127.0.0.1 MASTER_PORT=$port timeout 200 "$@" > "/tmp/rank-$r.log" 2>&1 &
+    env $(fake_host "$r") RANK=$r WORLD_SIZE=$n LOCAL_RANK=0 MASTER_ADDR=127.0.0.1 MASTER_PORT=$port timeout "${RANK_TIMEOUT:-200}" "$@" > "/tmp/rank-$r.log" 2>&1 &
     pids+=($!)
   done
   for pid in "${pids[@]}"; do wait "$pid" || rc=$?; done
@@ -86,8 +86,11 @@ section_moe() {
   MPIR_CVAR_ENABLE_HEAVY_YIELD=1 timeout 240 "$BIN/mpiexec" -n 48 python3 -m xmesh_plan.executor.run .whl/moe/moe48.plan.json \
     --backend nccl --check --gpu 0 --fake-hosts --max-mb 4 --iters 3 --timeout 120 2>&1 | tail -4
   echo "rc=${PIPESTATUS[0]}"
-  echo "--- the same plan on the torch engine over NCCL, 48 ranks (at ${SECONDS} s)"
-  launch 48 29850 python3 -m xmesh_plan.executor.torch_run .whl/moe/moe48.plan.json --nccl --check --max-mb 4 --iters 3 --timeout 60
+  section_moe_torch
+}
+section_moe_torch() {  # 48 ranks' sockets on one GPU: about 30 s an iteration, so each rank gets 420 s
+  echo "--- the 48-device MoE plan on the torch engine over NCCL, 48 ranks (at ${SECONDS} s)"
+  RANK_TIMEOUT=420 launch 48 29850 python3 -m xmesh_plan.executor.torch_run .whl/moe/moe48.plan.json --nccl --check --max-mb 4 --iters 3 --timeout 60
 }
 section_convert() {
   echo "=== bench/gpu/convert_check.sh (at ${SECONDS} s)"
