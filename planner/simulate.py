@@ -64,8 +64,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass, replace
 
 from xmesh_plan.schemas import Operation, Plan, ReshardingProblem
-from xmesh_plan.schemas.op_kinds import merged_route, members, reads, route, rule_of
-from xmesh_plan.schemas.carriers import fused, message_groups
+from xmesh_plan.schemas.op_kinds import Hop, members, reads, route, rule_of
+from xmesh_plan.schemas.carriers import message_groups
 from xmesh_plan.schemas.staging import SYNC_SEND_BYTES, device_runs, footprints, stage_budget, staging_align
 from xmesh_plan.schemas.transfer import TransferProblem
 
@@ -74,6 +74,8 @@ GATHER_AHEAD = 4  # host order: a bundle gathers while the operation this many b
 # (a 2-layer DeepSeek-V3-like cut, whose relays gather at a device port's 2400 Gbit/s behind 8 x 400 Gbit/s NICs: 1.219x the
 # bound gathering 1 ahead, 1.144x 2 ahead, 1.119x 4 ahead, with 4 MiB bundles)
 REL_EPS = 1e-12
+MAX_KEPT_SUMS = 1 << 16  # `shared_message`: bundles whose sums are kept at once (a compile's full DeepSeek-V3-like plan has 8,748
+# distinct ones among its 426,880 shared bundles)
 
 
 @dataclass(frozen=True, slots=True)
@@ -535,6 +537,79 @@ def pooled_nics(cluster) -> bool:
     return n > 1 and n & (n - 1) == 0 and len(set(cluster.nics)) == 1
 
 
+@dataclass(frozen=True, slots=True)
+class SharedMessage:
+    """A shared message of several bundles (`schemas.carriers`) as the simulator lowers it: its carrier's id, task
+    and relays, its messages (`hops`: `op_kinds.merged_route` of the one bundle it is on the wire, in bytes) and the
+    devices it involves (`op_kinds.members` of that bundle)."""
+
+    id: int
+    task: int
+    src: int
+    dsts: tuple[int, ...]
+    hops: tuple[Hop, ...]
+    devices: tuple[int, ...]
+    kind = "bundle"  # what `op_kinds.rule_of` reads
+
+
+def shared_message(group, itemsizes, sums: dict[tuple, tuple] | None = None) -> SharedMessage:
+    """A group of bundles sharing one message as the simulator times it: the route `op_kinds.merged_route` gives the
+    group fused into one bundle of bytes (`schemas.carriers.fused`), hop for hop, made without fusing it: each holder
+    but the sending relay sends all its parts' bytes in one message (holders in order of first part), the message
+    carries all, the receiving relay sends each other needer all its parts' bytes (needers in order of first need).
+
+    Each bundle's bytes per holder and per needer are summed once per bundle; `sums` keeps them (up to MAX_KEPT_SUMS)
+    by the identity of the bundle's parts, holders and needers (the objects are kept with them, so an id is not reused
+    while kept): a compile's bundles of tensors of one kind share those tuples, and so a model's layers share the sums."""
+    first = group[0]
+    src, relay = first.src, first.dsts[0]
+    gathers: dict[int, int] = {}
+    scatters: dict[int, int] = {}
+    total = 0
+    for op in group:
+        size = itemsizes[op.tensor or 0]
+        key = (id(op.parts), id(op.holders), id(op.needers), src, relay, size)
+        known = None if sums is None else sums.get(key)
+        if known is None or known[0] is not op.parts or known[1] is not op.holders or known[2] is not op.needers:
+            known = (op.parts, op.holders, op.needers, *_bundle_sums(op.parts, op.holders, op.needers, src, relay, size))
+            if sums is not None:
+                if len(sums) >= MAX_KEPT_SUMS:  # bundles that share no tuples (a plan read from a file) are not kept
+                    sums.clear()
+                sums[key] = known
+        _, _, _, own_gathers, own_scatters, nbytes = known
+        for h, n in own_gathers:
+            gathers[h] = gathers.get(h, 0) + n
+        for d, n in own_scatters:
+            scatters[d] = scatters.get(d, 0) + n
+        total += nbytes
+    hops = [Hop(h, src, k, k, n, 1, (), True) for k, (h, n) in enumerate(gathers.items())]
+    cross = len(hops)
+    hops.append(Hop(src, relay, 0, cross, total, 1, tuple(range(cross)), True))
+    hops += [Hop(relay, d, j, cross + 1 + j, n, 1, (cross,), False) for j, (d, n) in enumerate(scatters.items())]
+    devices = tuple(dict.fromkeys((src, *gathers, relay, *scatters)))
+    return SharedMessage(first.id, first.task, src, first.dsts, tuple(hops), devices)
+
+
+def _bundle_sums(parts, holders, needers, src: int, relay: int, size: int
+                 ) -> tuple[tuple[tuple[int, int], ...], tuple[tuple[int, int], ...], int]:
+    """A bundle's bytes per holder but `src` (in order of first part), per needer but `relay` (in order of first need),
+    and in all, with `size` bytes an element."""
+    gathers: dict[int, int] = {}
+    scatters: dict[int, int] = {}
+    total = 0
+    for part, h, need in zip(parts, holders, needers):
+        n = size
+        for lo, hi in part:
+            n *= hi - lo
+        total += n
+        if h != src:
+            gathers[h] = gathers.get(h, 0) + n
+        for d in need:
+            if d != relay:
+                scatters[d] = scatters.get(d, 0) + n
+    return tuple(gathers.items()), tuple(scatters.items()), total
+
+
 class _Lowering:
     """Turns operations into flows, with data dependencies and the discipline's queueing."""
 
@@ -562,7 +637,7 @@ class _Lowering:
         self.run_numbers = run_numbers  # device order with a staging budget: device -> the run of each of its operations (`staging_runs`)
         self.taken: dict[int, int] = {}  # ... and how many of them were added so far
         self.posted_when: dict[int, tuple[list[int], list[int]]] = {}  # device order: buffered send -> what its sender waited for to post it
-        self.bytewise: set[int] = set()  # operations whose boxes count bytes, not elements: shared messages (`schemas.carriers.fused`)
+        self.sums: dict[tuple, tuple] = {}  # `shared_message`'s per-bundle sums, by the ids of the bundle's boxes and devices
         self.send_buffer = send_buffer_bytes if discipline == "device-order" else None  # `simulate(send_buffer_bytes=)`
         self.gated: set[str] | None = None  # host order, while an operation is added: the NIC sides its flows were gated on (`gate`)
         self.lane_cache: dict[tuple[int, int, int | None], list[tuple[tuple[str, ...], float, float, float]]] = {}  # `lanes`
@@ -671,7 +746,8 @@ class _Lowering:
     def finish(self) -> None:
         """Drop what only adding operations needs (what each task delivered where, each NIC side's last operations,
         device runs, ...): a run needs the flows, and `op_times` and `renumbered_only` what they read."""
-        for state in (self.delivered, self.last_on, self.turn, self.scattered, self.runs, self.posted_when, self.lane_cache):
+        for state in (self.delivered, self.last_on, self.turn, self.scattered, self.runs, self.posted_when, self.lane_cache,
+                      self.sums):
             state.clear()
 
     def add_in_device_order(self, op: Operation) -> None:
@@ -682,7 +758,7 @@ class _Lowering:
         have left its links (a send completes once the transport holds its bytes, not when they arrive)."""
         peers = self.peers_of(op)
         barrier: dict[int, tuple[list[int], list[int]]] = {}
-        for d in sorted(members(op)):
+        for d in sorted(op.devices if isinstance(op, SharedMessage) else members(op)):
             mine = peers.get(d, frozenset())
             run = self.runs.get(d)
             if self.run_numbers is not None:  # the executor's runs, which a staging budget also ends (`schemas.staging.device_layout`)
@@ -720,10 +796,9 @@ class _Lowering:
                 out.setdefault(hop.dst, set()).add(hop.src)
         return {d: frozenset(p) for d, p in out.items()}
 
-    def route(self, op: Operation) -> tuple:
-        """An operation's messages (`op_kinds.route`); a shared message's (`bytewise`) one per pair of devices inside
-        each host (`op_kinds.merged_route`, as `schemas.carriers.group_runs` sends them)."""
-        return merged_route(op) if op.id in self.bytewise else route(op)
+    def route(self, op: Operation | SharedMessage) -> tuple[Hop, ...]:
+        """An operation's messages (`op_kinds.route`); a shared message's as `shared_message` made them."""
+        return op.hops if isinstance(op, SharedMessage) else route(op)
 
     def gate(self, links: tuple[str, ...], after_sent: list[int] | tuple[int, ...]) -> list[int] | tuple[int, ...]:
         """Host order: the operation's first flow on each NIC side also waits for the previous operation's
@@ -753,7 +828,10 @@ class _Lowering:
         return [i for ids in self.data_by_device(op).values() for i in ids]
 
     def data_by_device(self, op: Operation) -> dict[int, list[int]]:
-        """`data_ready` by the device whose destination shard the operation sends from (an all-gather's members)."""
+        """`data_ready` by the device whose destination shard the operation sends from (an all-gather's members); a
+        shared message's bundles read source shards only."""
+        if isinstance(op, SharedMessage):
+            return {}
         return {d: self.delivered.get((op.task, d), []) for d, shard, _ in reads(op) if shard == "dst"}
 
     def emit(self, op: Operation, waits: list[int], barrier: dict[int, tuple[list[int], list[int]]] | None = None
@@ -766,7 +844,7 @@ class _Lowering:
         device waits for its `barrier`: device -> (messages to have arrived, to have left)."""
         flows: list[list[int]] = []
         last: dict[tuple[int, int], list[int]] = {}
-        itemsize = 1 if op.id in self.bytewise else self.itemsizes[op.tensor or 0]
+        itemsize = 1 if isinstance(op, SharedMessage) else self.itemsizes[op.tensor or 0]
         own_data = self.data_by_device(op) if self.discipline != "host-order" else {}
         turn = self.bundle_turn(op)
         for hop in self.route(op):
@@ -898,9 +976,10 @@ def lower(operations: list[Operation] | tuple[Operation, ...], problem: Reshardi
     riders: dict[int, int] = {}  # a bundle riding in another's message -> its carrier (timed as the carrier)
     for group in message_groups(operations):
         if len(group) > 1:
-            lowering.bytewise.add(group[0].id)
             riders |= {op.id: group[0].id for op in group[1:]}
-        lowering.add(fused(group, lowering.itemsizes))
+            lowering.add(shared_message(group, lowering.itemsizes, lowering.sums))
+        else:
+            lowering.add(group[0])
     lowering.finish()
     return lowering, riders
 
