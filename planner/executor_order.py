@@ -26,11 +26,25 @@ POSTED_WORK_FACTOR = 2.0  # posted is timed when it costs at most this many time
 # 2-layer cut: 1.64 M posted against 0.99 M in host order, 20 against 13 CPU s; a 4-layer one in proportion)
 MIN_POSTED_WORK = 2_000_000  # ... or this much work (`simulate.run_flows`: groups shared out and flows re-rated; a few seconds),
 # whichever is more
+MAX_EXECUTOR_MESSAGES = 400_000  # a listing whose host order is left to the schedule's timetable (`compile.too_many_messages`) is
+# still simulated once in the executor's order up to this many messages (`compile.simulated_messages`): the full DeepSeek-V3-like
+# plan (390,400 messages) and the Kimi-K2-like one (315,632) fit. One posted simulation of the full DeepSeek-V3-like plan costs
+# about 2.05 M units of work, 0.4 GiB and 30-45 CPU s here (lowering included): with the rest of its compile, one simulation
+# where host order's listing settle would take two or more
+EXECUTOR_WORK = 3_000_000  # ... and this much work (`SimResult.work`) at most; past it the plan states no executor-order time.
+# The full DeepSeek-V3-like plan takes 2.05 M posted, the Kimi-K2-like one 2.27 M
 
 
 def posted_budget(host_order_work: int) -> int:
     """The most work (`SimResult.work`) the posted simulation may take, given the host-order simulation's."""
     return max(int(POSTED_WORK_FACTOR * host_order_work), MIN_POSTED_WORK)
+
+
+def unsimulated_budget(messages: int) -> int | None:
+    """The most work the simulation in the executor's order may take for a listing of `messages` messages
+    (`compile.simulated_messages`) too long to simulate in host order (`compile.too_many_messages`): EXECUTOR_WORK up to
+    MAX_EXECUTOR_MESSAGES, else None (not simulated: decided before any flow is made). `compile` and `check` decide by it alike."""
+    return EXECUTOR_WORK if messages <= MAX_EXECUTOR_MESSAGES else None
 
 
 executor_order = mpi_transfer_order  # the order `TransferExecutor` runs a multi-tensor plan in on MPI by default
