@@ -31,14 +31,13 @@ from .unit_tasks import Cell, check_kinds_task_count, check_scheduled_task_count
 
 DIGITS = 12  # times are rounded to picoseconds so plans print and compare stably
 NIC_SIDES = ("send", "recv")  # the resources a plan's host order lists; device ports are not queued
-MAX_SIMULATED_MESSAGES = 250_000  # messages (`simulated_messages`) a plan may have to be simulated: the simulator makes a flow of each and
-# holds them all; beyond, the schedule's own timetable stands in, decided before any flow is made. A compile simulates at least twice (the
-# host-order listing, then the executor's order), at about 35-110 CPU us a message a run here: the Llama-3-70B-like plan (197,600
-# messages) 6.9 + 6.2 s, a 16-layer DeepSeek-V3-like cut (112,640) 11.2 + 9.2 s, the full DeepSeek-V3-like plan (390,400) 43.1 + 42.3 s
-# and 0.3 GiB each. So at most about 55 CPU s of simulation, within the frontier compile target (60 s) for plans whose other work is
-# small (the 70B: 15 CPU s in all); the full DeepSeek-V3-like and Kimi-K2-like plans (390,400 and 315,632 messages) would add about
-# 85 and 88 s (43.1 + 42.3, 40.3 + 47.7) to compiles of 48 and 72 s, so they keep the schedule's timetable, and
-# `xmesh-plan check --simulate` times them in the executor's order on demand (about 45 CPU s an order)
+MAX_SIMULATED_MESSAGES = 250_000  # messages (`simulated_messages`) a listing may have to be simulated in host order: beyond, the
+# schedule's own timetable times its operations, decided before any flow is made. A compile simulates host order at least once (the
+# listing settle, `settle_listing`), then the executor's order, at about 35-110 CPU us a message a run here: the Llama-3-70B-like
+# plan (197,600 messages) 6.9 + 6.2 s, a 16-layer DeepSeek-V3-like cut (112,640) 11.2 + 9.2 s, the full DeepSeek-V3-like plan (390,400)
+# 43.1 + 42.3 s. So at most about 55 CPU s of simulation for plans whose other work is small (the 70B: 15 CPU s in all); the full
+# DeepSeek-V3-like and Kimi-K2-like plans (390,400 and 315,632 messages) keep the schedule's times for their operations and are
+# simulated once, in the executor's order alone (`executor_budget`, `executor_order.MAX_EXECUTOR_MESSAGES`)
 MAX_SIMULATION_WORK = 25_000_000  # work one simulation of a listing may take (`simulate.run_flows`: groups shared out and flows re-rated,
 # counted, so every machine decides alike); beyond, the schedule's timetable stands in. A backstop for listings under MAX_SIMULATED_MESSAGES,
 # which pass it only at more than 100 units a message: the full DeepSeek-V3-like plan (390,400 messages) takes 1.21 M in host order

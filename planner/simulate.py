@@ -75,7 +75,7 @@ GATHER_AHEAD = 4  # host order: a bundle gathers while the operation this many b
 # bound gathering 1 ahead, 1.144x 2 ahead, 1.119x 4 ahead, with 4 MiB bundles)
 REL_EPS = 1e-12
 MAX_KEPT_SUMS = 1 << 16  # `shared_message`: bundles whose sums are kept at once (a compile's full DeepSeek-V3-like plan has 8,748
-# distinct ones among its 426,880 shared bundles)
+# distinct ones among its 426,880 shared bundles); also the sends' and broadcasts' routes kept at once (`_Lowering.route`)
 
 
 @dataclass(frozen=True, slots=True)
@@ -146,13 +146,17 @@ def group_rates(groups: list[tuple[str, ...]], members: dict[tuple[str, ...], di
     the round took off it (the ones in between would be stale when popped)."""
     left: dict[str, float] = {}
     count: dict[str, int] = {}
-    users: dict[str, dict[tuple[str, ...], None]] = {}
+    users: dict[str, dict[tuple[str, ...], int]] = {}  # link -> its groups still unrated, each with its number of flows
     for group in groups:
         n = len(members[group])
         for link in group:
-            left[link] = capacity[link]
-            count[link] = count.get(link, 0) + n
-            users.setdefault(link, {})[group] = None
+            on = users.get(link)
+            if on is None:
+                users[link] = {group: n}
+                left[link], count[link] = capacity[link], n
+            else:
+                on[group] = n
+                count[link] += n
     heap = [(left[link] / count[link], link) for link in users]
     heapq.heapify(heap)
     pop, push = heapq.heappop, heapq.heappush
@@ -163,24 +167,26 @@ def group_rates(groups: list[tuple[str, ...]], members: dict[tuple[str, ...], di
         if not on or share != left[link] / count[link]:
             continue  # stale entry: the link was finished or its share changed since it was pushed
         del users[link]
-        touched: dict[str, None] = {}
-        for group in on:
+        touched: set[str] = set()  # the heap orders (share, link) entries alone: the order they are pushed in does not matter
+        for group, n in on.items():
             rates[group] = share
-            n = len(members[group])
             for other in group:
                 sharing = users.get(other)
                 if sharing is not None:
                     rest = left[other]
-                    for _ in range(n):  # flow by flow, as `max_min_rates` rounds
+                    if n == 1:
                         rest -= share
+                    else:
+                        for _ in range(n):  # flow by flow, as `max_min_rates` rounds
+                            rest -= share
                     left[other] = rest
                     count[other] -= n
                     del sharing[group]
                     if sharing:
-                        touched[other] = None
+                        touched.add(other)
                     else:
                         del users[other]
-                        touched.pop(other, None)
+                        touched.discard(other)
         for other in touched:
             push(heap, (left[other] / count[other], other))
     return rates
@@ -380,6 +386,7 @@ class _Moving:
         self.touched: dict[str, None] = {}  # links of flows that started or stopped since rates were last shared out
         self.left: list[float] = [0.0] * n  # work left as of `since`, while it moves
         self.since: list[float] = [0.0] * n
+        self.tol: list[float] = [0.0] * n  # what may be left of its work when it counts as moved (REL_EPS of it, at least that many bytes)
         self.rate: list[float | None] = [None] * n  # None: not yet rated, or stopped
         self.version: list[int] = [-1] * n  # bumped at each new rate; -1 once stopped (its heap entries are stale)
         self.done: list[tuple[float, int, int, int, bool, float]] = []  # (when it is within REL_EPS of having moved all / down to its
@@ -391,7 +398,8 @@ class _Moving:
         self.seq[fid] = self.count
         self.count += 1
         self.active += 1
-        self.left[fid], self.since[fid] = f.nbytes + f.overhead, clock  # `Flow.work`
+        work = self.left[fid] = f.nbytes + f.overhead  # `Flow.work`
+        self.since[fid], self.tol[fid] = clock, REL_EPS * max(1.0, work)
         self.version[fid] = 0
         group = self.members.get(links)
         if group is None:
@@ -444,7 +452,7 @@ class _Moving:
         """Rate `r` from `clock` on for `fids`: a flow whose rate changed has its work left settled and new finish
         times; how many changed."""
         changed = 0
-        rate, left, since, version, seq = self.rate, self.left, self.since, self.version, self.seq
+        rate, left, since, version, seq, tols = self.rate, self.left, self.since, self.version, self.seq, self.tol
         by_id, buffered, early, done = self.by_id, self.buffered, self.early, self.done
         push = heapq.heappush
         for fid in fids:
@@ -457,11 +465,11 @@ class _Moving:
                 since[fid] = clock
             rate[fid] = r
             v = version[fid] = version[fid] + 1
-            f, rest, at, s = by_id[fid], left[fid], since[fid], seq[fid]
-            tol = REL_EPS * max(1.0, f.nbytes + f.overhead)
+            rest, at, s, tol = left[fid], since[fid], seq[fid], tols[fid]
             push(done, (at + (rest - tol) / r, s, fid, v, False, at + rest / r))
-            if fid in buffered and fid not in early:
-                push(done, (at + (rest - f.sent_below - tol) / r, s, fid, v, True, at + (rest - f.sent_below) / r))
+            if buffered and fid in buffered and fid not in early:
+                below = by_id[fid].sent_below
+                push(done, (at + (rest - below - tol) / r, s, fid, v, True, at + (rest - below) / r))
         return changed
 
     def next_time(self) -> float:
@@ -638,6 +646,8 @@ class _Lowering:
         self.taken: dict[int, int] = {}  # ... and how many of them were added so far
         self.posted_when: dict[int, tuple[list[int], list[int]]] = {}  # device order: buffered send -> what its sender waited for to post it
         self.sums: dict[tuple, tuple] = {}  # `shared_message`'s per-bundle sums, by the ids of the bundle's boxes and devices
+        self.queues: dict[tuple[int, int, int], str] = {}  # `queue`: (from, to, stripe) -> its connection's name
+        self.chains: dict[tuple, tuple[Hop, ...]] = {}  # `route`: a send's or broadcast's messages by its kind, chain, box and chunks
         self.send_buffer = send_buffer_bytes if discipline == "device-order" else None  # `simulate(send_buffer_bytes=)`
         self.gated: set[str] | None = None  # host order, while an operation is added: the NIC sides its flows were gated on (`gate`)
         self.lane_cache: dict[tuple[int, int, int | None], list[tuple[tuple[str, ...], float, float, float]]] = {}  # `lanes`
@@ -651,7 +661,7 @@ class _Lowering:
         if ha == hb and self.cpu is not None:
             return self.cpu_hop(op, a, b, nbytes, after, after_sent)
         latency = 0.0 if a == b else self.latency_s
-        queue = f"{a}>{b}" if a != b and self.discipline != "host-order" else ""  # executor orders: one connection per pair
+        queued = a != b and self.discipline != "host-order"  # executor orders: one connection per pair
         after, waits = self.same(_ids(after)), _ids(after_sent)
         flows, out = self.flows, []
         for k, (links, weight, _, overhead) in enumerate(self.lanes(op, a, b, ha, hb)):
@@ -660,8 +670,16 @@ class _Lowering:
             after_sent = self.same(waits if self.gated is None else _ids(self.gate(links, waits)))
             out.append(len(flows))
             flows.append(Flow(len(flows), op.id, share, latency, links, after, after_sent,
-                              overhead if nbytes > 0 else 0.0, f"{queue}:{k}" if queue else "", buffer))
+                              overhead if nbytes > 0 else 0.0, self.queue(a, b, k) if queued else "", buffer))
         return out
+
+    def queue(self, a: int, b: int, k: int) -> str:
+        """The connection from device a to b (stripe k) as a flow's `queue`: one string per connection, shared by its flows."""
+        key = (a, b, k)
+        name = self.queues.get(key)
+        if name is None:
+            name = self.queues[key] = f"{a}>{b}:{k}"
+        return name
 
     def same(self, ids: tuple[int, ...]) -> tuple[int, ...]:
         """`ids`, as the last flow's dependencies when equal (one tuple for the many flows of a bundle waiting alike)."""
@@ -747,7 +765,7 @@ class _Lowering:
         """Drop what only adding operations needs (what each task delivered where, each NIC side's last operations,
         device runs, ...): a run needs the flows, and `op_times` and `renumbered_only` what they read."""
         for state in (self.delivered, self.last_on, self.turn, self.scattered, self.runs, self.posted_when, self.lane_cache,
-                      self.sums):
+                      self.sums, self.chains, self.queues):
             state.clear()
 
     def add_in_device_order(self, op: Operation) -> None:
@@ -797,8 +815,19 @@ class _Lowering:
         return {d: frozenset(p) for d, p in out.items()}
 
     def route(self, op: Operation | SharedMessage) -> tuple[Hop, ...]:
-        """An operation's messages (`op_kinds.route`); a shared message's as `shared_message` made them."""
-        return op.hops if isinstance(op, SharedMessage) else route(op)
+        """An operation's messages (`op_kinds.route`); a shared message's as `shared_message` made them. A send's or
+        broadcast's are made once per (kind, chain, box, chunks) and shared (the layers of a model repeat them)."""
+        if isinstance(op, SharedMessage):
+            return op.hops
+        if rule_of(op).pattern != "chain":
+            return route(op)
+        key = (op.kind, op.src, op.dsts, op.region, op.chunks)
+        hops = self.chains.get(key)
+        if hops is None:
+            if len(self.chains) >= MAX_KEPT_SUMS:
+                self.chains.clear()
+            hops = self.chains[key] = route(op)
+        return hops
 
     def gate(self, links: tuple[str, ...], after_sent: list[int] | tuple[int, ...]) -> list[int] | tuple[int, ...]:
         """Host order: the operation's first flow on each NIC side also waits for the previous operation's
@@ -830,7 +859,7 @@ class _Lowering:
     def data_by_device(self, op: Operation) -> dict[int, list[int]]:
         """`data_ready` by the device whose destination shard the operation sends from (an all-gather's members); a
         shared message's bundles read source shards only."""
-        if isinstance(op, SharedMessage):
+        if isinstance(op, SharedMessage) or not rule_of(op).has_parts:  # only an all-gather's members read destination shards
             return {}
         return {d: self.delivered.get((op.task, d), []) for d, shard, _ in reads(op) if shard == "dst"}
 
