@@ -567,8 +567,9 @@ def shared_message(group, itemsizes, sums: dict[tuple, tuple] | None = None) -> 
     carries all, the receiving relay sends each other needer all its parts' bytes (needers in order of first need).
 
     Each bundle's bytes per holder and per needer are summed once per bundle; `sums` keeps them (up to MAX_KEPT_SUMS)
-    by the identity of the bundle's parts, holders and needers (the objects are kept with them, so an id is not reused
-    while kept): a compile's bundles of tensors of one kind share those tuples, and so a model's layers share the sums."""
+    by the identity of the bundle's parts, holders and needers, from the second bundle with those tuples on (the objects
+    are kept with them, so an id is not reused while kept): a compile's bundles of tensors of one kind share those
+    tuples, and so a model's layers share the sums."""
     first = group[0]
     src, relay = first.src, first.dsts[0]
     gathers: dict[int, int] = {}
@@ -581,9 +582,10 @@ def shared_message(group, itemsizes, sums: dict[tuple, tuple] | None = None) -> 
         if known is None or known[0] is not op.parts or known[1] is not op.holders or known[2] is not op.needers:
             known = (op.parts, op.holders, op.needers, *_bundle_sums(op.parts, op.holders, op.needers, src, relay, size))
             if sums is not None:
-                if len(sums) >= MAX_KEPT_SUMS:  # bundles that share no tuples (a plan read from a file) are not kept
+                if len(sums) >= MAX_KEPT_SUMS:
                     sums.clear()
-                sums[key] = known
+                sums[key] = known if key in sums else None  # kept from the second bundle with these tuples on: a plan read
+                # from a file shares none, and keeps no sums
         _, _, _, own_gathers, own_scatters, nbytes = known
         for h, n in own_gathers:
             gathers[h] = gathers.get(h, 0) + n
