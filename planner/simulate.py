@@ -306,7 +306,7 @@ def _run(flows: list[Flow], capacity: dict[str, float], max_work: int | None = N
             groups = _sharing_groups(moving.touched, moving.groups_on)
             moving.touched.clear()
             if fair:
-                work += len(groups) + moving.set_group_rates(group_rates(groups, moving.members, capacity), clock)
+                work += len(groups) + moving.set_group_rates(moving.rates_of(groups, capacity), clock)
             else:
                 affected = sorted((i for g in groups for i in moving.members[g]), key=moving.seq.__getitem__)
                 moving.fresh.clear()
@@ -382,6 +382,8 @@ class _Moving:
         self.members: dict[tuple[str, ...], dict[int, None]] = {}  # links -> the moving flows on exactly them, first started first
         self.groups_on: dict[str, dict[tuple[str, ...], None]] = {}  # link -> the groups on it
         self.group_rate: dict[tuple[str, ...], float] = {}  # max-min: a group's rate as last shared out
+        self.kept: dict[tuple[str, ...], tuple[dict, dict]] = {}  # group -> (flows per group, rates) of the groups it was last
+        # shared out with (`rates_of`)
         self.fresh: dict[tuple[str, ...], list[int]] = {}  # group -> its flows started since rates were last shared out
         self.touched: dict[str, None] = {}  # links of flows that started or stopped since rates were last shared out
         self.left: list[float] = [0.0] * n  # work left as of `since`, while it moves
@@ -430,6 +432,23 @@ class _Moving:
         touched = self.touched
         for link in links:
             touched[link] = None
+
+    def rates_of(self, groups: list[tuple[str, ...]], capacity: dict[str, float]) -> dict[tuple[str, ...], float]:
+        """`group_rates` of `groups` (what `_sharing_groups` found linked to the flows that started or ended). Where the
+        same groups, with the same numbers of flows each, were last shared out together, the rates then are its answer
+        bit for bit (it reads nothing else but the capacities, and their order does not change it: every subtraction
+        of a round is the same number), so they are taken again: a flow that leaves a connection as the next one on it
+        starts, between the same hosts, leaves every count as it was. Counted as work all the same (`run_flows`)."""
+        members, kept = self.members, self.kept
+        last = kept.get(groups[0]) if groups else None
+        if last is not None and len(last[0]) == len(groups) and all(kept.get(g) is last for g in groups) \
+                and all(len(members[g]) == last[0][g] for g in groups):
+            return last[1]
+        rates = group_rates(groups, members, capacity)
+        state = ({g: len(members[g]) for g in groups}, rates)
+        for g in groups:
+            kept[g] = state
+        return rates
 
     def set_group_rates(self, rates: dict[tuple[str, ...], float], clock: float) -> int:
         """Max-min rates by group from `clock` on: every flow of a group whose rate changed, and the flows that
