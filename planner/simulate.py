@@ -205,7 +205,8 @@ def run_flows(flows: list[Flow], capacity: dict[str, float], max_work: int | Non
     Work per event follows the flows whose rates change, not all that move: flows on the same links move as one
     group (max-min gives them one rate: `group_rates` fills groups, not flows); a flow keeps its remaining work as of
     the last time its rate changed (`_Moving`), its finish in a heap (stale entries skipped), and an event
-    shares rates out again only over the groups linked to a flow that started or ended. When every message of a
+    shares rates out again only over the groups linked to a flow that started or ended, and not at all where those
+    groups and their flows per group are as when last shared out (`_Moving.rates_of`). When every message of a
     weight sync is posted at once, thousands of flows cross between two hosts' NICs: a few hundred groups.
     """
     if not _numbered_in_order(flows):
