@@ -117,7 +117,9 @@ def problem_from_flags(problem_file, shape, dtype, src_mesh, src_spec, dst_mesh,
               help="solver budget in deterministic seconds (CP-SAT's deterministic time; no wall clock, so plans are reproducible)")
 @click.option("--no-merge", is_flag=True, help="keep every cut-point cell as its own unit task")
 @click.option("--split-hosts/--no-split-hosts", default=None,
-              help="one unit task per receiving host, each sent from a holder on its own (weight sync: FSDP -> TP replicas)  "
+              help="one unit task per receiving host, each sent from a holder on its own (weight sync: FSDP -> TP replicas), "
+                   "except, for a multi-tensor problem, where that makes a source host send more than the byte bound (then one "
+                   "chain through the hosts)  "
                    "[default: on for a multi-tensor problem, off for one tensor]")
 @click.option("--coalesce/--no-coalesce", default=None,
               help="send small boxes between two hosts in bundles: gathered on one device, one cross-host message, scattered "

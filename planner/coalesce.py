@@ -87,10 +87,14 @@ def _split_small(cells: list[Cell], problem: ReshardingProblem, bucket_bytes: in
     not a chain), many fewer messages cross the NICs (a weight sync's norms and small shards)."""
     out = []
     for cell in cells:
-        small = cell.receivers and cell.senders and not cell.local_copies and len(_hosts(cell.senders, problem)) == 1 \
-            and cell.nbytes(problem.itemsize) * SMALL_FRACTION <= bucket_bytes
-        out += split_by_receiver_host([cell], problem.cluster) if small else [cell]
+        out += split_by_receiver_host([cell], problem.cluster) if splits_small(cell, problem, bucket_bytes) else [cell]
     return out
+
+
+def splits_small(cell: Cell, problem: ReshardingProblem, bucket_bytes: int) -> bool:
+    """Whether `_split_small` cuts the cell by receiving host: small, held on one host, needed, copied locally nowhere."""
+    return bool(cell.receivers and cell.senders and not cell.local_copies and len(_hosts(cell.senders, problem)) == 1
+                and cell.nbytes(problem.itemsize) * SMALL_FRACTION <= bucket_bytes)
 
 
 def coalesce_cells(cells: list[Cell], problem: ReshardingProblem, bucket_bytes: int) -> tuple[list[Cell], list[BundleCell]]:

@@ -16,10 +16,11 @@ from xmesh_plan.schemas.transfer import TransferProblem
 from . import __version__
 from .bounds import joint_lower_bound
 from .coalesce import (BundleCell, bundle_task, coalesce_cells, retimed_on_nics, share_messages, shared_bound,
-                       shared_messages_inside)
+                       shared_messages_inside, splits_small)
 from .compile_defaults import CompileOptions
 from .plan_rows import OperationRow, PlanRows, TaskRow, plan_rows
 from .executor_order import executor_order, executor_order_seconds, posted_budget, unsimulated_budget
+from .host_split import chained_kinds, rotations, source_send
 from .scheduling import Option, Schedule, SchedulingTask
 from xmesh_plan.schemas.op_kinds import rule_of, tags_used, wire_pairs
 
@@ -88,15 +89,16 @@ def receiving_load(cells_of: list[list[Cell]], cluster) -> dict[int, int]:
 
 
 def task_options(problem: ReshardingProblem, cells: list[Cell], strategy: str, first_id: int = 0,
-                 load: dict[int, int] | None = None) -> list[TaskOptions]:
+                 load: dict[int, int] | None = None, turns: list[int | None] | None = None) -> list[TaskOptions]:
     """Every cell that crosses devices, with one scheduling option per candidate sender host; scheduling
     tasks are numbered from `first_id` (each tensor of a transfer after the ones before it). `load`
-    (`receiving_load`, all tensors together; these cells' own when None) sets each task's `sharing`."""
+    (`receiving_load`, all tensors together; these cells' own when None) sets each task's `sharing`; `turns`
+    (one per cell, `host_split.rotations`) make the cells chains forwarded between destination hosts."""
     if strategy != "auto":
         get_strategy(strategy)
     load = receiving_load([cells], problem.cluster) if load is None else load
     out = []
-    for cell in cells:
+    for cell, rotation in zip(cells, turns or [None] * len(cells)):
         if not cell.receivers:
             continue
         if not cell.senders:
@@ -104,7 +106,8 @@ def task_options(problem: ReshardingProblem, cells: list[Cell], strategy: str, f
         results, options = [], []
         for host, device in sorted(_sender_per_host(cell, problem).items()):
             sharing = max((load.get(problem.cluster.host_of(d), 1) for d in cell.receivers), default=1)
-            ctx = TaskContext(cell.region, cell.nbytes(problem.itemsize), device, cell.receivers, problem.cluster, problem.itemsize, sharing)
+            ctx = TaskContext(cell.region, cell.nbytes(problem.itemsize), device, cell.receivers, problem.cluster, problem.itemsize, sharing,
+                              rotation)
             name, result = _best_strategy(ctx, strategy)
             results.append((name, result))
             options.append(Option(host, device, result.duration_s, result.resources, result.tail_s))
@@ -368,6 +371,25 @@ def _kinds(singles: list[ReshardingProblem]) -> list[tuple]:
              key(s.cluster)) for s in singles]
 
 
+def _chained(singles: list[ReshardingProblem], kinds: list[tuple], planned: dict[tuple, list[Cell]],
+             problem: ReshardingProblem | TransferProblem, coalesce: bool, bucket_bytes: int) -> set[tuple]:
+    """The kinds whose boxes are not split by receiving host (`host_split.chained_kinds`): each kind's source sends
+    split and chained (small cells `coalesce` splits counted split), against the byte bound of every tensor's cells."""
+    cluster = problem.cluster
+    single_of = {kind: single for single, kind in zip(singles, kinds)}
+
+    def sends(kind: tuple, split) -> dict[int, float]:
+        single = single_of[kind]
+        return source_send(planned[kind], lambda cell: cell.nbytes(single.itemsize), cluster, split)
+
+    def chained_send(kind: tuple) -> dict[int, float]:
+        return sends(kind, (lambda cell: splits_small(cell, single_of[kind], bucket_bytes)) if coalesce else (lambda cell: False))
+
+    bound = joint_lower_bound([(planned[kind], s.itemsize) for s, kind in zip(singles, kinds)], cluster)
+    split = {kind: sends(kind, lambda cell: True) for kind in single_of}
+    return chained_kinds(kinds, split, chained_send, bound.seconds * cluster.send_bytes_per_s)
+
+
 def renumbered(options: list[TaskOptions], first_id: int) -> list[TaskOptions]:
     """`options` (numbered from 0) as another tensor of the same kind's, numbered from `first_id`."""
     return [TaskOptions(o.cell, o.results, SchedulingTask(first_id + o.scheduling.id, o.scheduling.options)) for o in options]
@@ -423,7 +445,9 @@ def compile_rows(problem: ReshardingProblem | TransferProblem, options: CompileO
     tasks (all tensors together, small boxes as their bundles) once they are cut, before anything is costed
     (TooManyTasksError; `unit_tasks` says why these counts). A `TransferProblem`'s tensors
     are cut one by one and scheduled together. `split_hosts`: one unit task per receiving host
-    (`unit_tasks.split_by_receiver_host`; recorded in `solver.details`). `coalesce`: small cells between two hosts
+    (`unit_tasks.split_by_receiver_host`; recorded in `solver.details`), except, in a multi-tensor problem, for the kinds
+    whose split would make a source host send more than the byte bound: their boxes go down one chain through their
+    receiving hosts (`host_split`). `coalesce`: small cells between two hosts
     travel in bundles of at most `bucket_bytes` (`planner/coalesce.py`; a bundle holds boxes of one tensor).
     `cross_tensor`: bundles of several tensors between two hosts share one message up to the bucket
     (`coalesce.share_messages`, `schemas.carriers`). `max_staging_bytes`: no device stages more in device order
@@ -452,10 +476,11 @@ def compile_rows(problem: ReshardingProblem | TransferProblem, options: CompileO
             planned[kind] = decompose(single, merge=options.merge, max_tasks=None)
     cells = [planned[kind] for kind in kinds]
     on_stage(f"costing {sum(map(len, cells))} cells ({len(planned)} kinds of tensor)")
+    chained = _chained(singles, kinds, planned, problem, coalesce, bucket_bytes) if split_hosts and multi else set()
     cut: dict[tuple, tuple[list[Cell], list[BundleCell]]] = {}
     for single, kind in zip(singles, kinds):  # the bound and copies come from the cells as cut
         if kind not in cut:
-            tasks_of = split_by_receiver_host(planned[kind], problem.cluster) if split_hosts else planned[kind]
+            tasks_of = split_by_receiver_host(planned[kind], problem.cluster) if split_hosts and kind not in chained else planned[kind]
             cut[kind] = coalesce_cells(tasks_of, single, bucket_bytes) if coalesce else (tasks_of, [])
     scheduled = {kind: sum(1 for c in cut[kind][0] if c.receivers) + len(cut[kind][1]) for kind in cut}
     check_scheduled_task_count(sum(scheduled[kind] for kind in kinds), kinds_cut, len(singles), max_tasks, split_hosts, coalesce)
@@ -465,7 +490,8 @@ def compile_rows(problem: ReshardingProblem | TransferProblem, options: CompileO
     for index, single, kind in zip(indices, singles, kinds):
         mine, (tasks_of, bundles) = planned[kind], cut[kind]
         if kind not in costed:
-            costed[kind] = task_options(single, tasks_of, strategy, load=load)
+            turns = rotations(tasks_of, problem.cluster) if kind in chained else None
+            costed[kind] = task_options(single, tasks_of, strategy, load=load, turns=turns)
             costed[kind] += _bundle_options(bundles, single, len(costed[kind]))
         works.append(TensorWork(index, single, mine, renumbered(costed[kind], first)))
         first += len(costed[kind])
@@ -474,7 +500,9 @@ def compile_rows(problem: ReshardingProblem | TransferProblem, options: CompileO
     schedule = solve(tasks, solver, seed=seed, time_limit_s=options.time_limit_s)
     on_stage("timing operations and assembling the plan")
     if split_hosts:  # recorded only when on, so plans compiled without it are unchanged
-        schedule = dataclasses.replace(schedule, details={**schedule.details, "split_hosts": "one unit task per receiving host"})
+        split = "one unit task per receiving host" + (f"; {len(chained)} of {len(planned)} kinds of tensor chained through their "
+                                                      "receiving hosts instead (host_split)" if chained else "")
+        schedule = dataclasses.replace(schedule, details={**schedule.details, "split_hosts": split})
     if coalesce:
         schedule = dataclasses.replace(schedule, details={**schedule.details, "coalesce": f"bundles of at most {bucket_bytes} B"})
     if cross_tensor:

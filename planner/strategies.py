@@ -28,6 +28,7 @@ from xmesh_plan.schemas.plan_check import MAX_CHUNKS  # the plan format's limit,
 from .scheduling import Resource
 
 MIN_CHUNK_BYTES = 4096
+CHAIN_CHUNK_BYTES = 16 * 2**20  # a chain forwarded between destination hosts goes in chunks of about this (`chain_chunks`)
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,16 +77,30 @@ class TaskContext:
     cluster: Cluster
     itemsize: int = field(default=1)
     sharing: int = 1  # unit tasks queued on this task's busiest receiving NIC side (`chunks_for` weighs its tail by it)
+    rotation: int | None = None  # a chain forwarded between destination hosts (`host_split`): where its host order starts
 
     def host(self, device: int) -> int:
         return self.cluster.host_of(device)
 
     def receivers_by_host(self) -> dict[int, tuple[int, ...]]:
-        """Receiver devices grouped by host; the sender's own host first, then by host id."""
+        """Receiver devices grouped by host; the sender's own host first, then the others by host id, or with a
+        `rotation` r in cyclic order from the r-th of them (mod their number): chains of one set of hosts rotated
+        alike take turns at receiving first-hand and forwarding (`host_split.rotations`).
+
+        >>> from dataclasses import replace
+        >>> ctx = TaskContext(((0, 4),), 8, 0, (9, 16, 17, 25), Cluster(devices_per_host=8), 2)
+        >>> list(ctx.receivers_by_host()), list(replace(ctx, rotation=1).receivers_by_host())
+        ([1, 2, 3], [2, 3, 1])
+        """
         groups: dict[int, list[int]] = {}
         for d in sorted(self.receivers):
             groups.setdefault(self.host(d), []).append(d)
-        order = sorted(groups, key=lambda h: (h != self.host(self.sender), h))
+        own = self.host(self.sender)
+        others = sorted(h for h in groups if h != own)
+        if self.rotation is not None and others:
+            r = self.rotation % len(others)
+            others = others[r:] + others[:r]
+        order = ([own] if own in groups else []) + others
         return {h: tuple(groups[h]) for h in order}
 
     def busy_s(self, nbytes: float, cross_host: bool) -> float:
@@ -143,8 +158,31 @@ def _ring_hops(members: tuple[int, ...]) -> list[Hop]:
 
 
 def pipelined_seconds(nbytes: int, hop_cross: list[bool], ctx: TaskContext) -> tuple[float, int]:
-    """(time, K) for a chunked broadcast down hops (True = cross-host), K chosen from 1..MAX_CHUNKS."""
+    """(time, K) for a chunked broadcast down hops (True = cross-host), K chosen from 1..MAX_CHUNKS; a chain forwarded
+    between destination hosts (`TaskContext.rotation` set, two or more hops across hosts) in chunks of about
+    CHAIN_CHUNK_BYTES (`chain_chunks`)."""
+    if ctx.rotation is not None and sum(hop_cross) >= 2:
+        return _chunked_seconds(nbytes, tuple(hop_cross), ctx.cluster, chain_chunks(nbytes))
     return _pipelined_seconds(nbytes, tuple(hop_cross), ctx.cluster, max(1, ctx.sharing))
+
+
+def chain_chunks(nbytes: int) -> int:
+    """The chunks of a chain forwarded between destination hosts: about CHAIN_CHUNK_BYTES each (at least
+    MIN_CHUNK_BYTES, at most MAX_CHUNKS of them). Fixed, not `_pipelined_seconds`' optimum, which trades a crowded
+    task's fill for fewer overheads and picks one chunk: a host then forwards a box only once it has all of it, and
+    a chain rotated against its neighbours waits a whole box at each hop (`host_split`).
+
+    >>> chain_chunks(2**20), chain_chunks(100 * 2**20), chain_chunks(2**40)
+    (1, 6, 1024)
+    """
+    return int(max(1, min(round(nbytes / CHAIN_CHUNK_BYTES), MAX_CHUNKS, nbytes // MIN_CHUNK_BYTES)))
+
+
+@lru_cache(maxsize=4096)
+def _chunked_seconds(nbytes: int, hop_cross: tuple[bool, ...], cluster: Cluster, chunks: int) -> tuple[float, int]:
+    """(time, `chunks`) of a broadcast of `chunks` chunks down the hops, as `_pipelined_seconds` prices any K."""
+    latency, fill, widest = _chunk_costs(nbytes, hop_cross, cluster, np.array([chunks], dtype=np.float64))
+    return float(latency + fill[0] + chunks * widest[0]), chunks
 
 
 @lru_cache(maxsize=4096)
@@ -158,12 +196,21 @@ def _pipelined_seconds(nbytes: int, hop_cross: tuple[bool, ...], cluster: Cluste
         return 0.0, 1
     k_max = int(max(1, min(MAX_CHUNKS, nbytes // MIN_CHUNK_BYTES)))
     ks = np.arange(1, k_max + 1, dtype=np.float64)
+    latency, fill, widest = _chunk_costs(nbytes, hop_cross, cluster, ks)
+    best = int(np.argmin(fill / sharing + ks * widest))
+    return float(latency + fill[best] + ks[best] * widest[best]), int(ks[best])
+
+
+def _chunk_costs(nbytes: int, hop_cross: tuple[bool, ...], cluster: Cluster, ks: np.ndarray
+                 ) -> tuple[np.floating, np.ndarray, np.ndarray]:
+    """(the hops' latencies, fill per K, slowest stage per chunk per K) of a broadcast of `nbytes` in each of `ks` chunks
+    down the hops: a chunk's time on a hop is its overhead plus its bytes, the slowest stage the widest hop or the CPU's
+    copies (`_cpu_per_chunk`), and the fill the rest of one chunk's way (K chunks take at least K times the slowest)."""
     latency, overhead, bw = np.array([hop_cost(cluster, c) for c in hop_cross]).T
     per_chunk = overhead[None, :] + (nbytes / ks)[:, None] / bw[None, :]
     widest = np.maximum(per_chunk.max(axis=1), _cpu_per_chunk(per_chunk, hop_cross, cluster))
-    fill = np.maximum(per_chunk.sum(axis=1) - widest, 0.0)  # K chunks take at least K times the slowest stage
-    best = int(np.argmin(fill / sharing + ks * widest))
-    return float(latency.sum() + fill[best] + ks[best] * widest[best]), int(ks[best])
+    fill = np.maximum(per_chunk.sum(axis=1) - widest, 0.0)
+    return latency.sum(), fill, widest
 
 
 def _cpu_per_chunk(per_chunk: np.ndarray, hop_cross: tuple[bool, ...], cluster: Cluster) -> np.ndarray:

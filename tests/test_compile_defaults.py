@@ -280,7 +280,7 @@ def test_the_posted_staging_compile_notes_is_at_least_what_posted_allocates(seed
         assert counted.get(device, 0) >= nbytes
 
 
-@pytest.mark.parametrize("seed", [2, 17])
+@pytest.mark.parametrize("seed", [2, 63])
 def test_compiles_posted_staging_note_is_at_least_the_busiest_device_of_the_compiled_plan(seed):
     """compile's note counts the shared messages from the relays they go from (`coalesce.share_messages` re-picks
     them after the schedule): the bytes it hears are at least what posted order allocates on the compiled plan's busiest
