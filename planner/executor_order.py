@@ -32,8 +32,9 @@ MIN_POSTED_WORK = 2_000_000  # ... or this much work (`simulate.run_flows`: grou
 MAX_EXECUTOR_MESSAGES = 400_000  # a listing too long to simulate in host order (`compile.too_many_messages`) is still simulated
 # once, in the executor's order, up to this many messages (`compile.simulated_messages`), so the time a plan states for the executor
 # comes from the simulator: the full DeepSeek-V3-like plan (390,400 messages) and the Kimi-K2-like one (315,632) fit. One posted
-# simulation of either costs about 0.1 ms a message here (lowering and run), 35-50 CPU s, within the compile's peak memory (the flows
-# take less than the compile's rows): one simulation, where host order's listing settle would take at least two
+# simulation in their compiles here (bench_frontier --one, 4eb1f01 and 4fd4f6e): 25.9 CPU s and +80 MiB over the 995 MiB the compile
+# held before it (DeepSeek-V3-like), 29.7 CPU s and +80 MiB over 1,111 MiB (Kimi-K2-like): 66-94 us a message, where host order's
+# listing settle would take at least two simulations more
 EXECUTOR_WORK = 6_000_000  # ... taking at most this much work (`SimResult.work`); past it the plan states no executor-order time.
 # Posted, the full DeepSeek-V3-like plan takes 2.05 M (5.3 a message), the Kimi-K2-like one 4.69 M (14.9 a message)
 
