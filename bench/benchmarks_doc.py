@@ -491,11 +491,11 @@ NAME.plan.npz` does; json: a point that wrote a JSON plan);
 **verify s**; the plan's predicted time over the byte bound (**/ bound**) and its time in the executor's order
 (**executor / bound**, where the plan states it), and what timed the plan (`solver.details.timed_by`): the
 simulator in host order, or the schedule's own timetable for a plan of more than `compile.MAX_SIMULATED_MESSAGES`
-messages (counted from its operations before any flow is made; the full DeepSeek-V3-like plan has 390,400, a shared message's intra-host messages one per pair of devices) or one whose simulation would take more than `compile.MAX_SIMULATION_WORK` units of work. `xmesh-plan check --simulate` simulates such a plan anyway in the executor's default order (its stored host-order times stay unchecked): the full DeepSeek-V3-like plan
-(`xmesh-plan compile plans/weight_sync_deepseek_v3.problem.toml -o ds.plan.npz` at 788d848) runs posted, the executor's
-default order for it, in 0.9193 s, 1.018x its 0.9030 s bound (the schedule's timetable 1.031x); `check --simulate` took
-204 CPU s and 5.6 GiB peak RSS (verify, and reading the plan as records, included) on this machine. The full Kimi-K2-like plan (the same way, 315,632 messages)
-runs posted in 0.6851 s, 1.023x its 0.6699 s bound (the schedule's timetable 1.084x), in 252 CPU s and 5.9 GiB. A row with `--max-tasks` ran with that limit. `--max-tasks` counts
+messages (counted from its operations before any flow is made; the full DeepSeek-V3-like plan has 390,400, a shared message's intra-host messages one per pair of devices) or one whose simulation would take more than `compile.MAX_SIMULATION_WORK` units of work. A multi-tensor plan over `compile.MAX_SIMULATED_MESSAGES` is still simulated once, in the executor's default order alone (up to `executor_order.MAX_EXECUTOR_MESSAGES` messages and `EXECUTOR_WORK` units of work), so the time compile states for the executor is the simulator's: the full DeepSeek-V3-like plan
+(`xmesh-plan compile plans/weight_sync_deepseek_v3.problem.toml -o ds.plan.npz`) runs posted, the executor's
+default order for it, in 0.9193 s, 1.018x its 0.9030 s bound (the schedule's timetable 1.031x); `check --simulate` at 788d848 took
+204 CPU s and 5.6 GiB peak RSS (both orders, verify, and reading the plan as records, included) on this machine. The full Kimi-K2-like plan (the same way, 315,632 messages)
+runs posted in 0.6851 s, 1.023x its 0.6699 s bound (the schedule's timetable 1.084x); `check --simulate` 252 CPU s and 5.9 GiB. A row with `--max-tasks` ran with that limit. `--max-tasks` counts
 what a compile holds (each kind of tensor's boxes, then the tasks it schedules; docs/format.md), so the full
 DeepSeek-V3-like problem (613,248 tasks with the 32 MiB bucket; 667,520 with 4 MiB) passes the default. Its compile keeps the plan as rows, not records
 (`planner/plan_rows.py`), writes the compact file from them and verifies that file; a point that ran out of time

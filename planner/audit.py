@@ -11,8 +11,8 @@ from dataclasses import dataclass
 from xmesh_plan.schemas import Plan
 
 from .bounds import joint_lower_bound
-from .compile import DIGITS, MAX_SIMULATION_WORK, settle_listing, simulated_messages, too_many_messages
-from .executor_order import executor_order_seconds, posted_budget
+from .compile import DIGITS, MAX_SIMULATION_WORK, executor_budget, settle_listing, simulated_messages, too_many_messages
+from .executor_order import executor_order_seconds
 from .simulate import TooCostly, nic_assignment, simulate, staging_runs
 from .unit_tasks import decompose
 
@@ -60,10 +60,12 @@ def audit_plan(plan: Plan, any_size: bool = False) -> Audit:
     Whether it is re-simulated is decided as compile decides (`compile.too_many_messages` on the same message count,
     then the same work budget), whatever `solver.details.timed_by` claims (a plan simulated when compiled under other
     limits included); `unsimulated` says why not. One that claims the schedule's times is believed only when its
-    listing does not settle (see `compile.settle_listing`), as in compile. `any_size` (`check --simulate`): a
-    multi-tensor plan is also timed in the executor's default order whatever it costs, where compile's limits would
-    leave it untimed (a plan of more than `compile.MAX_SIMULATED_MESSAGES` messages, or a posted simulation past
-    `posted_budget`); its host-order times are checked as without it."""
+    listing does not settle (see `compile.settle_listing`), as in compile. A multi-tensor plan's time in the executor's
+    default order is re-derived where compile times it (`compile.executor_budget`: after its host-order simulation, or
+    once alone for a listing too long to simulate in host order, up to `executor_order.MAX_EXECUTOR_MESSAGES`) and,
+    whatever it costs, where the plan states one. `any_size` (`check --simulate`): also whatever it costs where compile's
+    limits would leave it untimed (more than `executor_order.MAX_EXECUTOR_MESSAGES` messages, a simulation past its work
+    budget); its host-order times are checked as without it."""
     problem = plan.problem
     tensors = [(decompose(p, max_tasks=None), p.itemsize) for p in problem.tensor_problems()]  # the plan holds these tasks already
     bound = joint_lower_bound(tensors, problem.cluster).seconds
@@ -71,14 +73,18 @@ def audit_plan(plan: Plan, any_size: bool = False) -> Audit:
     if _differ(plan.lower_bound_seconds, round(bound, DIGITS)):
         mismatch = f"stored lower bound {plan.lower_bound_seconds} s disagrees with {bound:.12g} s recomputed from the problem"
 
+    stated = plan.executor_prediction  # a stated time is re-derived whatever it costs; otherwise only where compile would time it
+    messages = simulated_messages(plan.operations)
+
     def kept(why: str) -> Audit:
-        """The stored times believed, as compile kept them (timed in the executor's order with `any_size`, and held to a
-        time the plan states)."""
-        executed = _executor_seconds(plan, None) if any_size else None
+        """The stored times believed, as compile kept them; timed in the executor's order where compile times it
+        (`compile.executor_budget`: a listing too long to simulate in host order; a stated time whatever it costs) or
+        with `any_size`, and held to a time the plan states."""
+        timed = any_size or executor_budget(problem, None, messages) is not None
+        executed = _executor_seconds(plan, None if stated or any_size else executor_budget(problem, None, messages)) if timed else None
         wrong = mismatch or (None if executed is None else _stated_mismatch(plan, executed))
         return Audit(bound, plan.predicted_seconds, False, wrong, executed, why)
 
-    messages = simulated_messages(plan.operations)
     if too_many_messages(messages):
         return kept(f"{messages:,} messages, {too_many_messages(messages)} (compile.MAX_SIMULATED_MESSAGES)")
     nics = nic_assignment(plan.host_order)
@@ -98,8 +104,7 @@ def audit_plan(plan: Plan, any_size: bool = False) -> Audit:
     predicted = round(result.makespan_s, DIGITS)
     if mismatch is None and _differ(plan.predicted_seconds, predicted):
         mismatch = f"stored predicted time {plan.predicted_seconds} s disagrees with {predicted:.12g} s from the simulator"
-    stated = plan.executor_prediction  # a stated time is re-derived whatever it costs; otherwise only where compile would time it
-    executed = _executor_seconds(plan, None if stated or any_size else posted_budget(result.work))
+    executed = _executor_seconds(plan, None if stated or any_size else executor_budget(problem, result.work, messages))
     mismatch = mismatch or _stated_mismatch(plan, executed)
     if mismatch is not None and "overhead_us" not in problem.cluster.model_fields_set:
         mismatch += ("; the plan has no cluster.overhead_us, so it was compiled before the network model charged latency "

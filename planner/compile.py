@@ -19,7 +19,7 @@ from .coalesce import (BundleCell, bundle_task, coalesce_cells, retimed_on_nics,
                        shared_messages_inside, splits_small)
 from .compile_defaults import CompileOptions
 from .plan_rows import OperationRow, PlanRows, TaskRow, plan_rows
-from .executor_order import executor_order, executor_order_seconds, posted_budget
+from .executor_order import executor_order, executor_order_seconds, posted_budget, unsimulated_budget
 from .host_split import chained_kinds, rotations, source_send
 from .scheduling import Option, Schedule, SchedulingTask
 from xmesh_plan.schemas.op_kinds import rule_of, tags_used, wire_pairs
@@ -32,14 +32,13 @@ from .unit_tasks import Cell, check_kinds_task_count, check_scheduled_task_count
 
 DIGITS = 12  # times are rounded to picoseconds so plans print and compare stably
 NIC_SIDES = ("send", "recv")  # the resources a plan's host order lists; device ports are not queued
-MAX_SIMULATED_MESSAGES = 250_000  # messages (`simulated_messages`) a plan may have to be simulated: the simulator makes a flow of each and
-# holds them all; beyond, the schedule's own timetable stands in, decided before any flow is made. A compile simulates at least twice (the
-# host-order listing, then the executor's order), at about 35-110 CPU us a message a run here: the Llama-3-70B-like plan (197,600
-# messages) 6.9 + 6.2 s, a 16-layer DeepSeek-V3-like cut (112,640) 11.2 + 9.2 s, the full DeepSeek-V3-like plan (390,400) 43.1 + 42.3 s
-# and 0.3 GiB each. So at most about 55 CPU s of simulation, within the frontier compile target (60 s) for plans whose other work is
-# small (the 70B: 15 CPU s in all); the full DeepSeek-V3-like and Kimi-K2-like plans (390,400 and 315,632 messages) would add about
-# 85 and 88 s (43.1 + 42.3, 40.3 + 47.7) to compiles of 48 and 72 s, so they keep the schedule's timetable, and
-# `xmesh-plan check --simulate` times them in the executor's order on demand (about 45 CPU s an order)
+MAX_SIMULATED_MESSAGES = 250_000  # messages (`simulated_messages`) a listing may have to be simulated in host order: beyond, the
+# schedule's own timetable times its operations, decided before any flow is made. A compile simulates host order at least once (the
+# listing settle, `settle_listing`), then the executor's order, at about 35-110 CPU us a message a run here: the Llama-3-70B-like
+# plan (197,600 messages) 6.9 + 6.2 s, a 16-layer DeepSeek-V3-like cut (112,640) 11.2 + 9.2 s, the full DeepSeek-V3-like plan (390,400)
+# 43.1 + 42.3 s. So at most about 55 CPU s of simulation for plans whose other work is small (the 70B: 15 CPU s in all); the full
+# DeepSeek-V3-like and Kimi-K2-like plans (390,400 and 315,632 messages) keep the schedule's times for their operations and are
+# simulated once, in the executor's order alone (`executor_budget`, `executor_order.MAX_EXECUTOR_MESSAGES`)
 MAX_SIMULATION_WORK = 25_000_000  # work one simulation of a listing may take (`simulate.run_flows`: groups shared out and flows re-rated,
 # counted, so every machine decides alike); beyond, the schedule's timetable stands in. A backstop for listings under MAX_SIMULATED_MESSAGES,
 # which pass it only at more than 100 units a message: the full DeepSeek-V3-like plan (390,400 messages) takes 1.21 M in host order
@@ -231,8 +230,10 @@ def assemble_rows(problem: ReshardingProblem | TransferProblem, works: list[Tens
     stage = on_stage if len(operations) >= DETAILED_STAGES else _quiet
     messages = simulated_messages(operations)
     stage(f"simulating {len(operations):,} operations in host order" if not too_many_messages(messages) else
-          f"timing {len(operations):,} operations by the schedule ({messages:,} messages: too many to simulate)")
+          f"timing {len(operations):,} operations by the schedule ({messages:,} messages: too many to simulate in host order)")
     operations, timed_by, work = _simulated(operations, problem, nic_assignment(host_order), messages)
+    limited = max_staging_bytes is not None
+    budget = executor_budget(problem, work, messages)
     stage("bounding")
     tasks = _retimed_tasks(tasks, operations)
     bound = joint_lower_bound([(w.cells, w.problem.itemsize) for w in works], cluster)
@@ -243,15 +244,31 @@ def assemble_rows(problem: ReshardingProblem | TransferProblem, works: list[Tens
         solver=SolverInfo(name=schedule.solver, seed=seed, proven_bound_seconds=proven, details=details),
         merged_slices=any(c.merged_cells > 1 for w in works for c in w.cells),
         predicted_seconds=round(predicted, DIGITS), lower_bound_seconds=round(bound.seconds, DIGITS))
-    limited = max_staging_bytes is not None
     if limited:  # device order then runs as the budget cuts it (`simulate.staging_runs`), and is timed so
         rows = rows.with_fields(staging=stated_staging(rows, max_staging_bytes))
-    if work is not None and isinstance(problem, TransferProblem):
-        stage(f"simulating in the executor's order ({executor_order(limited)})")
-    executed = None if work is None else executor_order_seconds(operations, problem, host_order, posted_budget(work), limited,
-                                                                staging_runs(rows))
+    if budget is not None:
+        stage(f"simulating {messages:,} messages in the executor's order ({executor_order(limited)})")
+    executed = None if budget is None else executor_order_seconds(operations, problem, host_order, budget, limited,
+                                                                  staging_runs(rows))
+    if work is None and executed is not None:  # the schedule's times, and the executor's prediction from the simulator
+        details = rows.solver.details | {"timed_by": f"{timed_by}; {executor_order(limited)}, the executor's order, by the simulator"}
+        rows = rows.with_fields(solver=rows.solver.model_copy(update={"details": details}))
     return rows if executed is None else rows.with_fields(executor_prediction=ExecutorPrediction(
         order=executor_order(limited), predicted_seconds=round(executed, DIGITS)))
+
+
+def executor_budget(problem: ReshardingProblem | TransferProblem, work: int | None, messages: int) -> int | None:
+    """The most work the simulation of a listing of `messages` messages (`simulated_messages`) in the executor's order
+    may take, given its host-order simulation's `work` (None: not simulated), or None where compile states no time in
+    that order: a single-tensor plan; a listing simulated in host order: `executor_order.posted_budget` of its work; one
+    too long to simulate in host order (`too_many_messages`): `executor_order.unsimulated_budget`, so the executor's
+    prediction still comes from the simulator, one simulation; one whose host-order simulation passed its work budget
+    or did not settle: none (the executor's order costs as much)."""
+    if not isinstance(problem, TransferProblem):
+        return None
+    if work is not None:
+        return posted_budget(work)
+    return unsimulated_budget(messages) if too_many_messages(messages) else None
 
 
 def settle_listing(operations: tuple[OperationRow, ...], problem: ReshardingProblem | TransferProblem, nic_of_task: dict[int, int],

@@ -10,7 +10,10 @@ Single-tensor plans run in device order, which their host order is scheduled for
 Posted simulation can cost far more than host order's (every message in flight at once, each re-rated
 as others start and finish), so it is run only where cheap: within
 POSTED_WORK_FACTOR times the host-order simulation's work, or MIN_POSTED_WORK (`SimResult.work`, counted in groups and flows, not
-seconds, so whether a plan states the time does not change with machine load).
+seconds, so whether a plan states the time does not change with machine load). A listing too long to simulate in host order
+(`compile.MAX_SIMULATED_MESSAGES`) keeps the schedule's times for its operations, and is simulated once in the executor's order
+alone, up to MAX_EXECUTOR_MESSAGES messages and EXECUTOR_WORK units of work (`unsimulated_budget`): the time a plan states for the
+executor always comes from the simulator.
 """
 
 from __future__ import annotations
@@ -26,11 +29,26 @@ POSTED_WORK_FACTOR = 2.0  # posted is timed when it costs at most this many time
 # 2-layer cut: 1.64 M posted against 0.99 M in host order, 20 against 13 CPU s; a 4-layer one in proportion)
 MIN_POSTED_WORK = 2_000_000  # ... or this much work (`simulate.run_flows`: groups shared out and flows re-rated; a few seconds),
 # whichever is more
+MAX_EXECUTOR_MESSAGES = 400_000  # a listing too long to simulate in host order (`compile.too_many_messages`) is still simulated
+# once, in the executor's order, up to this many messages (`compile.simulated_messages`), so the time a plan states for the executor
+# comes from the simulator: the full DeepSeek-V3-like plan (390,400 messages) and the Kimi-K2-like one (315,632) fit. One posted
+# simulation in their compiles here (bench_frontier --one, 4eb1f01 and 4fd4f6e): 25.9 CPU s and +80 MiB over the 995 MiB the compile
+# held before it (DeepSeek-V3-like), 29.7 CPU s and +80 MiB over 1,111 MiB (Kimi-K2-like): 66-94 us a message, where host order's
+# listing settle would take at least two simulations more
+EXECUTOR_WORK = 6_000_000  # ... taking at most this much work (`SimResult.work`); past it the plan states no executor-order time.
+# Posted, the full DeepSeek-V3-like plan takes 2.05 M (5.3 a message), the Kimi-K2-like one 4.69 M (14.9 a message)
 
 
 def posted_budget(host_order_work: int) -> int:
     """The most work (`SimResult.work`) the posted simulation may take, given the host-order simulation's."""
     return max(int(POSTED_WORK_FACTOR * host_order_work), MIN_POSTED_WORK)
+
+
+def unsimulated_budget(messages: int) -> int | None:
+    """The most work the simulation in the executor's order may take for a listing of `messages` messages
+    (`compile.simulated_messages`) too long to simulate in host order (`compile.too_many_messages`): EXECUTOR_WORK up to
+    MAX_EXECUTOR_MESSAGES, else None (not simulated: decided before any flow is made). `compile` and `check` decide by it alike."""
+    return EXECUTOR_WORK if messages <= MAX_EXECUTOR_MESSAGES else None
 
 
 executor_order = mpi_transfer_order  # the order `TransferExecutor` runs a multi-tensor plan in on MPI by default

@@ -212,15 +212,18 @@ def relay_load(plan: Plan) -> RelayLoad | None:
 
 
 def timed_by_line(plan: Plan) -> list[str]:
-    """For a plan its schedule times (too many messages to simulate), what that timetable counts and what it does not:
-    each NIC side busy with a message's overhead and bytes, a shared message once, latencies and a relay's scatter
-    after it as delays; not the relays' gathers inside the sending host, nor rates shared between messages."""
+    """For a plan its schedule times (too many messages to simulate in host order), what that timetable counts and what
+    it does not: each NIC side busy with a message's overhead and bytes, a shared message once, latencies and a relay's
+    scatter after it as delays; not the relays' gathers inside the sending host, nor rates shared between messages; and
+    where the simulator timed the executor's order all the same (`compile.executor_budget`), that it did."""
     timed_by = plan.solver.details.get("timed_by", "simulator")
     if timed_by.startswith("simulator"):
         return []
-    return [f"timed by the {timed_by}: each NIC side busy for its messages' overhead and bytes (a shared message once), "
+    schedule, _, executor = timed_by.partition("; ")
+    also = f"; {executor} (the executor's prediction above)" if executor else ""
+    return [f"timed by the {schedule}: each NIC side busy for its messages' overhead and bytes (a shared message once), "
             "latencies and relays' scatters as delays after them; not timed: relays' gathers inside the sending host, "
-            "rates shared between messages"]
+            f"rates shared between messages{also}"]
 
 
 def relay_line(plan: Plan) -> list[str]:
@@ -417,11 +420,13 @@ def executor_line(plan: Plan) -> list[str]:
 
 def executor_summary(plan: Plan) -> str:
     """` in host order, 0.3262 s posted (the executor's default order, 1.016x the bound)` for a plan that states
-    its time in the executor's order, else empty: what `compile` prints after the predicted time."""
+    its time in the executor's order, else empty: what `compile` prints after the predicted time (host order named as
+    the schedule's timetable where that timed the operations)."""
     stated = plan.executor_prediction
     if stated is None:
         return ""
-    return (f" in host order, {stated.predicted_seconds:.4f} s {stated.order} (the executor's default order, "
+    timetable = " (the schedule's timetable)" if plan.solver.details.get("timed_by", "").startswith("schedule") else ""
+    return (f" in host order{timetable}, {stated.predicted_seconds:.4f} s {stated.order} (the executor's default order, "
             f"{_over(stated.predicted_seconds, plan.lower_bound_seconds)} the bound)")
 
 

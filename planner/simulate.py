@@ -64,8 +64,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass, replace
 
 from xmesh_plan.schemas import Operation, Plan, ReshardingProblem
-from xmesh_plan.schemas.op_kinds import merged_route, members, reads, route, rule_of
-from xmesh_plan.schemas.carriers import fused, message_groups
+from xmesh_plan.schemas.op_kinds import Hop, members, reads, route, rule_of
+from xmesh_plan.schemas.carriers import message_groups
 from xmesh_plan.schemas.staging import SYNC_SEND_BYTES, device_runs, footprints, stage_budget, staging_align
 from xmesh_plan.schemas.transfer import TransferProblem
 
@@ -74,6 +74,8 @@ GATHER_AHEAD = 4  # host order: a bundle gathers while the operation this many b
 # (a 2-layer DeepSeek-V3-like cut, whose relays gather at a device port's 2400 Gbit/s behind 8 x 400 Gbit/s NICs: 1.219x the
 # bound gathering 1 ahead, 1.144x 2 ahead, 1.119x 4 ahead, with 4 MiB bundles)
 REL_EPS = 1e-12
+MAX_KEPT_SUMS = 1 << 16  # `shared_message`: bundles whose sums are kept at once (a compile's full DeepSeek-V3-like plan has 8,748
+# distinct ones among its 426,880 shared bundles); also the sends' and broadcasts' routes kept at once (`_Lowering.route`)
 
 
 @dataclass(frozen=True, slots=True)
@@ -144,13 +146,17 @@ def group_rates(groups: list[tuple[str, ...]], members: dict[tuple[str, ...], di
     the round took off it (the ones in between would be stale when popped)."""
     left: dict[str, float] = {}
     count: dict[str, int] = {}
-    users: dict[str, dict[tuple[str, ...], None]] = {}
+    users: dict[str, dict[tuple[str, ...], int]] = {}  # link -> its groups still unrated, each with its number of flows
     for group in groups:
         n = len(members[group])
         for link in group:
-            left[link] = capacity[link]
-            count[link] = count.get(link, 0) + n
-            users.setdefault(link, {})[group] = None
+            on = users.get(link)
+            if on is None:
+                users[link] = {group: n}
+                left[link], count[link] = capacity[link], n
+            else:
+                on[group] = n
+                count[link] += n
     heap = [(left[link] / count[link], link) for link in users]
     heapq.heapify(heap)
     pop, push = heapq.heappop, heapq.heappush
@@ -161,24 +167,26 @@ def group_rates(groups: list[tuple[str, ...]], members: dict[tuple[str, ...], di
         if not on or share != left[link] / count[link]:
             continue  # stale entry: the link was finished or its share changed since it was pushed
         del users[link]
-        touched: dict[str, None] = {}
-        for group in on:
+        touched: set[str] = set()  # the heap orders (share, link) entries alone: the order they are pushed in does not matter
+        for group, n in on.items():
             rates[group] = share
-            n = len(members[group])
             for other in group:
                 sharing = users.get(other)
                 if sharing is not None:
                     rest = left[other]
-                    for _ in range(n):  # flow by flow, as `max_min_rates` rounds
+                    if n == 1:
                         rest -= share
+                    else:
+                        for _ in range(n):  # flow by flow, as `max_min_rates` rounds
+                            rest -= share
                     left[other] = rest
                     count[other] -= n
                     del sharing[group]
                     if sharing:
-                        touched[other] = None
+                        touched.add(other)
                     else:
                         del users[other]
-                        touched.pop(other, None)
+                        touched.discard(other)
         for other in touched:
             push(heap, (left[other] / count[other], other))
     return rates
@@ -197,7 +205,8 @@ def run_flows(flows: list[Flow], capacity: dict[str, float], max_work: int | Non
     Work per event follows the flows whose rates change, not all that move: flows on the same links move as one
     group (max-min gives them one rate: `group_rates` fills groups, not flows); a flow keeps its remaining work as of
     the last time its rate changed (`_Moving`), its finish in a heap (stale entries skipped), and an event
-    shares rates out again only over the groups linked to a flow that started or ended. When every message of a
+    shares rates out again only over the groups linked to a flow that started or ended, and not at all where those
+    groups and their flows per group are as when last shared out (`_Moving.rates_of`). When every message of a
     weight sync is posted at once, thousands of flows cross between two hosts' NICs: a few hundred groups.
     """
     if not _numbered_in_order(flows):
@@ -298,7 +307,7 @@ def _run(flows: list[Flow], capacity: dict[str, float], max_work: int | None = N
             groups = _sharing_groups(moving.touched, moving.groups_on)
             moving.touched.clear()
             if fair:
-                work += len(groups) + moving.set_group_rates(group_rates(groups, moving.members, capacity), clock)
+                work += len(groups) + moving.set_group_rates(moving.rates_of(groups, capacity), clock)
             else:
                 affected = sorted((i for g in groups for i in moving.members[g]), key=moving.seq.__getitem__)
                 moving.fresh.clear()
@@ -374,10 +383,13 @@ class _Moving:
         self.members: dict[tuple[str, ...], dict[int, None]] = {}  # links -> the moving flows on exactly them, first started first
         self.groups_on: dict[str, dict[tuple[str, ...], None]] = {}  # link -> the groups on it
         self.group_rate: dict[tuple[str, ...], float] = {}  # max-min: a group's rate as last shared out
+        self.kept: dict[tuple[str, ...], tuple[dict, dict]] = {}  # group -> (flows per group, rates) of the groups it was last
+        # shared out with (`rates_of`)
         self.fresh: dict[tuple[str, ...], list[int]] = {}  # group -> its flows started since rates were last shared out
         self.touched: dict[str, None] = {}  # links of flows that started or stopped since rates were last shared out
         self.left: list[float] = [0.0] * n  # work left as of `since`, while it moves
         self.since: list[float] = [0.0] * n
+        self.tol: list[float] = [0.0] * n  # what may be left of its work when it counts as moved (REL_EPS of it, at least that many bytes)
         self.rate: list[float | None] = [None] * n  # None: not yet rated, or stopped
         self.version: list[int] = [-1] * n  # bumped at each new rate; -1 once stopped (its heap entries are stale)
         self.done: list[tuple[float, int, int, int, bool, float]] = []  # (when it is within REL_EPS of having moved all / down to its
@@ -389,7 +401,8 @@ class _Moving:
         self.seq[fid] = self.count
         self.count += 1
         self.active += 1
-        self.left[fid], self.since[fid] = f.nbytes + f.overhead, clock  # `Flow.work`
+        work = self.left[fid] = f.nbytes + f.overhead  # `Flow.work`
+        self.since[fid], self.tol[fid] = clock, REL_EPS * max(1.0, work)
         self.version[fid] = 0
         group = self.members.get(links)
         if group is None:
@@ -421,6 +434,23 @@ class _Moving:
         for link in links:
             touched[link] = None
 
+    def rates_of(self, groups: list[tuple[str, ...]], capacity: dict[str, float]) -> dict[tuple[str, ...], float]:
+        """`group_rates` of `groups` (what `_sharing_groups` found linked to the flows that started or ended). Where the
+        same groups, with the same numbers of flows each, were last shared out together, the rates then are its answer
+        bit for bit (it reads nothing else but the capacities, and their order does not change it: every subtraction
+        of a round is the same number), so they are taken again: a flow that leaves a connection as the next one on it
+        starts, between the same hosts, leaves every count as it was. Counted as work all the same (`run_flows`)."""
+        members, kept = self.members, self.kept
+        last = kept.get(groups[0]) if groups else None
+        if last is not None and len(last[0]) == len(groups) and all(kept.get(g) is last for g in groups) \
+                and all(len(members[g]) == last[0][g] for g in groups):
+            return last[1]
+        rates = group_rates(groups, members, capacity)
+        state = ({g: len(members[g]) for g in groups}, rates)
+        for g in groups:
+            kept[g] = state
+        return rates
+
     def set_group_rates(self, rates: dict[tuple[str, ...], float], clock: float) -> int:
         """Max-min rates by group from `clock` on: every flow of a group whose rate changed, and the flows that
         started since, get it (`rerate`); how many flows that re-rated."""
@@ -442,7 +472,7 @@ class _Moving:
         """Rate `r` from `clock` on for `fids`: a flow whose rate changed has its work left settled and new finish
         times; how many changed."""
         changed = 0
-        rate, left, since, version, seq = self.rate, self.left, self.since, self.version, self.seq
+        rate, left, since, version, seq, tols = self.rate, self.left, self.since, self.version, self.seq, self.tol
         by_id, buffered, early, done = self.by_id, self.buffered, self.early, self.done
         push = heapq.heappush
         for fid in fids:
@@ -455,11 +485,11 @@ class _Moving:
                 since[fid] = clock
             rate[fid] = r
             v = version[fid] = version[fid] + 1
-            f, rest, at, s = by_id[fid], left[fid], since[fid], seq[fid]
-            tol = REL_EPS * max(1.0, f.nbytes + f.overhead)
+            rest, at, s, tol = left[fid], since[fid], seq[fid], tols[fid]
             push(done, (at + (rest - tol) / r, s, fid, v, False, at + rest / r))
-            if fid in buffered and fid not in early:
-                push(done, (at + (rest - f.sent_below - tol) / r, s, fid, v, True, at + (rest - f.sent_below) / r))
+            if buffered and fid in buffered and fid not in early:
+                below = by_id[fid].sent_below
+                push(done, (at + (rest - below - tol) / r, s, fid, v, True, at + (rest - below) / r))
         return changed
 
     def next_time(self) -> float:
@@ -535,6 +565,81 @@ def pooled_nics(cluster) -> bool:
     return n > 1 and n & (n - 1) == 0 and len(set(cluster.nics)) == 1
 
 
+@dataclass(frozen=True, slots=True)
+class SharedMessage:
+    """A shared message of several bundles (`schemas.carriers`) as the simulator lowers it: its carrier's id, task
+    and relays, its messages (`hops`: `op_kinds.merged_route` of the one bundle it is on the wire, in bytes) and the
+    devices it involves (`op_kinds.members` of that bundle)."""
+
+    id: int
+    task: int
+    src: int
+    dsts: tuple[int, ...]
+    hops: tuple[Hop, ...]
+    devices: tuple[int, ...]
+    kind = "bundle"  # what `op_kinds.rule_of` reads
+
+
+def shared_message(group, itemsizes, sums: dict[tuple, tuple] | None = None) -> SharedMessage:
+    """A group of bundles sharing one message as the simulator times it: the route `op_kinds.merged_route` gives the
+    group fused into one bundle of bytes (`schemas.carriers.fused`), hop for hop, made without fusing it: each holder
+    but the sending relay sends all its parts' bytes in one message (holders in order of first part), the message
+    carries all, the receiving relay sends each other needer all its parts' bytes (needers in order of first need).
+
+    Each bundle's bytes per holder and per needer are summed once per bundle; `sums` keeps them (up to MAX_KEPT_SUMS)
+    by the identity of the bundle's parts, holders and needers, from the second bundle with those tuples on (the objects
+    are kept with them, so an id is not reused while kept): a compile's bundles of tensors of one kind share those
+    tuples, and so a model's layers share the sums."""
+    first = group[0]
+    src, relay = first.src, first.dsts[0]
+    gathers: dict[int, int] = {}
+    scatters: dict[int, int] = {}
+    total = 0
+    for op in group:
+        size = itemsizes[op.tensor or 0]
+        key = (id(op.parts), id(op.holders), id(op.needers), src, relay, size)
+        known = None if sums is None else sums.get(key)
+        if known is None or known[0] is not op.parts or known[1] is not op.holders or known[2] is not op.needers:
+            known = (op.parts, op.holders, op.needers, *_bundle_sums(op.parts, op.holders, op.needers, src, relay, size))
+            if sums is not None:
+                if len(sums) >= MAX_KEPT_SUMS:
+                    sums.clear()
+                sums[key] = known if key in sums else None  # kept from the second bundle with these tuples on: a plan read
+                # from a file shares none, and keeps no sums
+        _, _, _, own_gathers, own_scatters, nbytes = known
+        for h, n in own_gathers:
+            gathers[h] = gathers.get(h, 0) + n
+        for d, n in own_scatters:
+            scatters[d] = scatters.get(d, 0) + n
+        total += nbytes
+    hops = [Hop(h, src, k, k, n, 1, (), True) for k, (h, n) in enumerate(gathers.items())]
+    cross = len(hops)
+    hops.append(Hop(src, relay, 0, cross, total, 1, tuple(range(cross)), True))
+    hops += [Hop(relay, d, j, cross + 1 + j, n, 1, (cross,), False) for j, (d, n) in enumerate(scatters.items())]
+    devices = tuple(dict.fromkeys((src, *gathers, relay, *scatters)))
+    return SharedMessage(first.id, first.task, src, first.dsts, tuple(hops), devices)
+
+
+def _bundle_sums(parts, holders, needers, src: int, relay: int, size: int
+                 ) -> tuple[tuple[tuple[int, int], ...], tuple[tuple[int, int], ...], int]:
+    """A bundle's bytes per holder but `src` (in order of first part), per needer but `relay` (in order of first need),
+    and in all, with `size` bytes an element."""
+    gathers: dict[int, int] = {}
+    scatters: dict[int, int] = {}
+    total = 0
+    for part, h, need in zip(parts, holders, needers):
+        n = size
+        for lo, hi in part:
+            n *= hi - lo
+        total += n
+        if h != src:
+            gathers[h] = gathers.get(h, 0) + n
+        for d in need:
+            if d != relay:
+                scatters[d] = scatters.get(d, 0) + n
+    return tuple(gathers.items()), tuple(scatters.items()), total
+
+
 class _Lowering:
     """Turns operations into flows, with data dependencies and the discipline's queueing."""
 
@@ -562,7 +667,9 @@ class _Lowering:
         self.run_numbers = run_numbers  # device order with a staging budget: device -> the run of each of its operations (`staging_runs`)
         self.taken: dict[int, int] = {}  # ... and how many of them were added so far
         self.posted_when: dict[int, tuple[list[int], list[int]]] = {}  # device order: buffered send -> what its sender waited for to post it
-        self.bytewise: set[int] = set()  # operations whose boxes count bytes, not elements: shared messages (`schemas.carriers.fused`)
+        self.sums: dict[tuple, tuple] = {}  # `shared_message`'s per-bundle sums, by the ids of the bundle's boxes and devices
+        self.queues: dict[tuple[int, int, int], str] = {}  # `queue`: (from, to, stripe) -> its connection's name
+        self.chains: dict[tuple, tuple[Hop, ...]] = {}  # `route`: a send's or broadcast's messages by its kind, chain, box and chunks
         self.send_buffer = send_buffer_bytes if discipline == "device-order" else None  # `simulate(send_buffer_bytes=)`
         self.gated: set[str] | None = None  # host order, while an operation is added: the NIC sides its flows were gated on (`gate`)
         self.lane_cache: dict[tuple[int, int, int | None], list[tuple[tuple[str, ...], float, float, float]]] = {}  # `lanes`
@@ -576,7 +683,7 @@ class _Lowering:
         if ha == hb and self.cpu is not None:
             return self.cpu_hop(op, a, b, nbytes, after, after_sent)
         latency = 0.0 if a == b else self.latency_s
-        queue = f"{a}>{b}" if a != b and self.discipline != "host-order" else ""  # executor orders: one connection per pair
+        queued = a != b and self.discipline != "host-order"  # executor orders: one connection per pair
         after, waits = self.same(_ids(after)), _ids(after_sent)
         flows, out = self.flows, []
         for k, (links, weight, _, overhead) in enumerate(self.lanes(op, a, b, ha, hb)):
@@ -585,8 +692,16 @@ class _Lowering:
             after_sent = self.same(waits if self.gated is None else _ids(self.gate(links, waits)))
             out.append(len(flows))
             flows.append(Flow(len(flows), op.id, share, latency, links, after, after_sent,
-                              overhead if nbytes > 0 else 0.0, f"{queue}:{k}" if queue else "", buffer))
+                              overhead if nbytes > 0 else 0.0, self.queue(a, b, k) if queued else "", buffer))
         return out
+
+    def queue(self, a: int, b: int, k: int) -> str:
+        """The connection from device a to b (stripe k) as a flow's `queue`: one string per connection, shared by its flows."""
+        key = (a, b, k)
+        name = self.queues.get(key)
+        if name is None:
+            name = self.queues[key] = f"{a}>{b}:{k}"
+        return name
 
     def same(self, ids: tuple[int, ...]) -> tuple[int, ...]:
         """`ids`, as the last flow's dependencies when equal (one tuple for the many flows of a bundle waiting alike)."""
@@ -671,7 +786,8 @@ class _Lowering:
     def finish(self) -> None:
         """Drop what only adding operations needs (what each task delivered where, each NIC side's last operations,
         device runs, ...): a run needs the flows, and `op_times` and `renumbered_only` what they read."""
-        for state in (self.delivered, self.last_on, self.turn, self.scattered, self.runs, self.posted_when, self.lane_cache):
+        for state in (self.delivered, self.last_on, self.turn, self.scattered, self.runs, self.posted_when, self.lane_cache,
+                      self.sums, self.chains, self.queues):
             state.clear()
 
     def add_in_device_order(self, op: Operation) -> None:
@@ -682,7 +798,7 @@ class _Lowering:
         have left its links (a send completes once the transport holds its bytes, not when they arrive)."""
         peers = self.peers_of(op)
         barrier: dict[int, tuple[list[int], list[int]]] = {}
-        for d in sorted(members(op)):
+        for d in sorted(op.devices if isinstance(op, SharedMessage) else members(op)):
             mine = peers.get(d, frozenset())
             run = self.runs.get(d)
             if self.run_numbers is not None:  # the executor's runs, which a staging budget also ends (`schemas.staging.device_layout`)
@@ -720,10 +836,20 @@ class _Lowering:
                 out.setdefault(hop.dst, set()).add(hop.src)
         return {d: frozenset(p) for d, p in out.items()}
 
-    def route(self, op: Operation) -> tuple:
-        """An operation's messages (`op_kinds.route`); a shared message's (`bytewise`) one per pair of devices inside
-        each host (`op_kinds.merged_route`, as `schemas.carriers.group_runs` sends them)."""
-        return merged_route(op) if op.id in self.bytewise else route(op)
+    def route(self, op: Operation | SharedMessage) -> tuple[Hop, ...]:
+        """An operation's messages (`op_kinds.route`); a shared message's as `shared_message` made them. A send's or
+        broadcast's are made once per (kind, chain, box, chunks) and shared (the layers of a model repeat them)."""
+        if isinstance(op, SharedMessage):
+            return op.hops
+        if rule_of(op).pattern != "chain":
+            return route(op)
+        key = (op.kind, op.src, op.dsts, op.region, op.chunks)
+        hops = self.chains.get(key)
+        if hops is None:
+            if len(self.chains) >= MAX_KEPT_SUMS:
+                self.chains.clear()
+            hops = self.chains[key] = route(op)
+        return hops
 
     def gate(self, links: tuple[str, ...], after_sent: list[int] | tuple[int, ...]) -> list[int] | tuple[int, ...]:
         """Host order: the operation's first flow on each NIC side also waits for the previous operation's
@@ -753,7 +879,10 @@ class _Lowering:
         return [i for ids in self.data_by_device(op).values() for i in ids]
 
     def data_by_device(self, op: Operation) -> dict[int, list[int]]:
-        """`data_ready` by the device whose destination shard the operation sends from (an all-gather's members)."""
+        """`data_ready` by the device whose destination shard the operation sends from (an all-gather's members); a
+        shared message's bundles read source shards only."""
+        if isinstance(op, SharedMessage) or not rule_of(op).has_parts:  # only an all-gather's members read destination shards
+            return {}
         return {d: self.delivered.get((op.task, d), []) for d, shard, _ in reads(op) if shard == "dst"}
 
     def emit(self, op: Operation, waits: list[int], barrier: dict[int, tuple[list[int], list[int]]] | None = None
@@ -766,7 +895,7 @@ class _Lowering:
         device waits for its `barrier`: device -> (messages to have arrived, to have left)."""
         flows: list[list[int]] = []
         last: dict[tuple[int, int], list[int]] = {}
-        itemsize = 1 if op.id in self.bytewise else self.itemsizes[op.tensor or 0]
+        itemsize = 1 if isinstance(op, SharedMessage) else self.itemsizes[op.tensor or 0]
         own_data = self.data_by_device(op) if self.discipline != "host-order" else {}
         turn = self.bundle_turn(op)
         for hop in self.route(op):
@@ -898,9 +1027,10 @@ def lower(operations: list[Operation] | tuple[Operation, ...], problem: Reshardi
     riders: dict[int, int] = {}  # a bundle riding in another's message -> its carrier (timed as the carrier)
     for group in message_groups(operations):
         if len(group) > 1:
-            lowering.bytewise.add(group[0].id)
             riders |= {op.id: group[0].id for op in group[1:]}
-        lowering.add(fused(group, lowering.itemsizes))
+            lowering.add(shared_message(group, lowering.itemsizes, lowering.sums))
+        else:
+            lowering.add(group[0])
     lowering.finish()
     return lowering, riders
 

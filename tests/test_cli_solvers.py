@@ -130,7 +130,7 @@ def test_check_against_a_reference_of_zero_seconds_names_the_times(tmp_path):
 
 
 def test_check_simulate_times_a_plan_over_the_message_limit_in_the_executors_order_and_gates_on_it(tmp_path, monkeypatch):
-    """A multi-tensor plan over `MAX_SIMULATED_MESSAGES` states no executor-order time (its times are believed as
+    """A multi-tensor plan over `MAX_SIMULATED_MESSAGES` and `executor_order.MAX_EXECUTOR_MESSAGES` states no executor-order time (its times are believed as
     stored); `check` leaves that order untimed and says `--simulate` times it; `check --simulate` simulates it whatever
     its size (the time `executor_order_seconds` gives unlimited) and gates on it with --max-ratio."""
     from pathlib import Path
@@ -144,7 +144,10 @@ def test_check_simulate_times_a_plan_over_the_message_limit_in_the_executors_ord
     seconds = executor_order_seconds(plan.operations, problem, plan.host_order)
     assert plan.executor_prediction.predicted_seconds == round(seconds, compile_module.DIGITS)
     path = write(tmp_path, "big.json", plan.model_copy(update={"executor_prediction": None}).to_json())
-    monkeypatch.setattr(compile_module, "MAX_SIMULATED_MESSAGES", 10)  # as if compiled over the limit
+    from xmesh_plan.planner import executor_order as executor_order_module
+
+    monkeypatch.setattr(compile_module, "MAX_SIMULATED_MESSAGES", 10)  # as if compiled over the limits
+    monkeypatch.setattr(executor_order_module, "MAX_EXECUTOR_MESSAGES", 10)
     plain = CliRunner().invoke(main, ["check", path, "--max-ratio", "100"])
     assert plain.exit_code == 0, plain.output
     assert "not timed: too costly to simulate here, not gated; `xmesh-plan check --simulate` times it" in plain.output

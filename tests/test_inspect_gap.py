@@ -104,8 +104,9 @@ def test_inspect_says_what_bundle_relays_move_inside_hosts_and_how_fast_their_po
 
 
 def test_inspect_says_what_a_schedule_timed_plan_counts_and_what_it_does_not(monkeypatch):
-    """A plan with too many messages to simulate is timed by its schedule: inspect says so and names what that
-    timetable leaves out (a relay's gathers), which a simulated plan's flow line measures instead."""
+    """A plan with too many messages to simulate in host order is timed by its schedule: inspect says so and names what
+    that timetable leaves out (a relay's gathers), which a simulated plan's flow line measures instead, and that the
+    simulator timed its executor's order, whose time it prints."""
     import xmesh_plan.planner.compile as compile_module
     from xmesh_plan.planner.compile import compile_plan
     from xmesh_plan.planner.inspect_plan import summarize, timed_by_line
@@ -116,8 +117,15 @@ def test_inspect_says_what_a_schedule_timed_plan_counts_and_what_it_does_not(mon
     monkeypatch.setattr(compile_module, "MAX_SIMULATED_MESSAGES", 0)
     timed = compile_plan(many_bundles(), bucket_bytes=16384)
     (line,) = timed_by_line(timed)
-    assert line.startswith("timed by the schedule (more than 0 messages to simulate)") and "gathers" in line
+    assert line.startswith("timed by the schedule (more than 0 messages to simulate): ") and "gathers" in line
+    assert line.endswith("; posted, the executor's order, by the simulator (the executor's prediction above)")
     assert line in summarize(timed)
+    from xmesh_plan.planner.inspect_plan import executor_summary
+
+    stated = timed.executor_prediction
+    assert executor_summary(timed).startswith(f" in host order (the schedule's timetable), {stated.predicted_seconds:.4f} s posted")
+    assert executor_summary(simulated).startswith(" in host order, ")
+    assert f"predicted posted (the executor's default order for this plan): {stated.predicted_seconds:.4f} s" in summarize(timed)
 
 
 def test_the_relay_line_names_only_ports_that_move_something():

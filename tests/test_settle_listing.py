@@ -97,12 +97,14 @@ def test_a_plan_whose_simulation_passes_the_work_budget_keeps_the_schedules_time
     assert not audit.retimed and audit.mismatch is None
 
 
-def test_a_plan_of_more_messages_than_the_limit_is_timed_by_the_schedule_without_making_a_flow(monkeypatch):
-    """Past `MAX_SIMULATED_MESSAGES` messages (counted from the operations, not from flows) compile keeps the
-    schedule's timetable before it lowers anything to flows, and says so; `check` (`audit_plan`) decides alike."""
+def test_a_plan_of_more_messages_than_the_limits_is_timed_by_the_schedule_without_making_a_flow(monkeypatch):
+    """Past `MAX_SIMULATED_MESSAGES` messages (counted from the operations, not from flows) and past
+    `executor_order.MAX_EXECUTOR_MESSAGES`, compile keeps the schedule's timetable and states no time in the executor's
+    order, before it lowers anything to flows, and says so; `check` (`audit_plan`) decides alike."""
     from pathlib import Path
 
     from xmesh_plan.planner import audit as audit_module
+    from xmesh_plan.planner import executor_order as executor_order_module
     from xmesh_plan.planner import simulate as simulate_module
     from xmesh_plan.planner.transfer_io import load_any_problem
 
@@ -112,6 +114,7 @@ def test_a_plan_of_more_messages_than_the_limit_is_timed_by_the_schedule_without
     lowered = len(lower(simulated.operations, problem, "host-order", nic_assignment(simulated.host_order))[0].flows)
     assert 0 < lowered <= messages  # one flow a message, or one a NIC a message is striped over
     monkeypatch.setattr(compile_module, "MAX_SIMULATED_MESSAGES", messages - 1)
+    monkeypatch.setattr(executor_order_module, "MAX_EXECUTOR_MESSAGES", messages - 1)
 
     def no_lowering(*args, **kwargs):
         raise AssertionError("a plan over the message limit was lowered to flows")
@@ -121,11 +124,60 @@ def test_a_plan_of_more_messages_than_the_limit_is_timed_by_the_schedule_without
     heard: list[str] = []
     plan = compile_plan(problem, on_stage=heard.append)
     assert plan.solver.details["timed_by"] == f"schedule (more than {messages - 1:,} messages to simulate)"
-    assert f"timing {len(plan.operations):,} operations by the schedule ({messages:,} messages: too many to simulate)" in heard
+    assert f"timing {len(plan.operations):,} operations by the schedule ({messages:,} messages: too many to simulate in host order)" in heard
     assert not any(stage.startswith("simulating") for stage in heard)
     assert plan.executor_prediction is None and plan.predicted_seconds != simulated.predicted_seconds
     audit = audit_module.audit_plan(plan)
     assert not audit.retimed and audit.mismatch is None
+
+
+def test_a_plan_over_the_host_order_limit_states_its_time_in_the_executors_order_from_one_simulation(monkeypatch):
+    """Past `MAX_SIMULATED_MESSAGES` messages but within `executor_order.MAX_EXECUTOR_MESSAGES`, compile keeps the
+    schedule's times for the operations and states the plan's time in the executor's order (posted) from one posted
+    simulation of its listing, no host-order one, and says so in `timed_by`; `check` (`audit_plan`) re-derives that time
+    and catches a wrong one. Past `executor_order.EXECUTOR_WORK` units of that simulation's work it states none, and
+    `check` agrees."""
+    from pathlib import Path
+
+    from xmesh_plan.planner import audit as audit_module
+    from xmesh_plan.planner import executor_order as executor_order_module
+    from xmesh_plan.planner import simulate as simulate_module
+    from xmesh_plan.planner.executor_order import executor_order_seconds
+    from xmesh_plan.planner.transfer_io import load_any_problem
+    from xmesh_plan.schemas import ExecutorPrediction
+
+    problem = load_any_problem(Path(__file__).resolve().parents[1] / "plans" / "weight_sync_small.problem.toml")
+    simulated = compile_plan(problem)
+    messages = compile_module.simulated_messages(simulated.operations)
+    monkeypatch.setattr(compile_module, "MAX_SIMULATED_MESSAGES", messages - 1)
+    monkeypatch.setattr(executor_order_module, "MAX_EXECUTOR_MESSAGES", messages)
+    lowered: list[str] = []
+    real_lower = simulate_module.lower
+
+    def counted(operations, problem, discipline="host-order", *args, **kwargs):
+        lowered.append(discipline)
+        return real_lower(operations, problem, discipline, *args, **kwargs)
+
+    monkeypatch.setattr(simulate_module, "lower", counted)
+    monkeypatch.setattr(compile_module, "DETAILED_STAGES", 0)
+    heard: list[str] = []
+    plan = compile_plan(problem, on_stage=heard.append)
+    assert lowered == ["posted"]
+    assert f"simulating {messages:,} messages in the executor's order (posted)" in heard
+    assert plan.solver.details["timed_by"] == (f"schedule (more than {messages - 1:,} messages to simulate); "
+                                               "posted, the executor's order, by the simulator")
+    seconds = executor_order_seconds(plan.operations, problem, plan.host_order)
+    assert plan.executor_prediction == ExecutorPrediction(order="posted", predicted_seconds=round(seconds, DIGITS))
+    assert plan.predicted_seconds != simulated.predicted_seconds  # the schedule's times for the operations
+    audit = audit_module.audit_plan(plan)
+    assert not audit.retimed and audit.mismatch is None and audit.executor_seconds == plan.executor_prediction.predicted_seconds
+    wrong = plan.model_copy(update={"executor_prediction": ExecutorPrediction(order="posted", predicted_seconds=seconds * 1.01)})
+    assert "stored executor_prediction (posted)" in audit_module.audit_plan(wrong).mismatch
+    monkeypatch.setattr(executor_order_module, "EXECUTOR_WORK", 10)
+    costly = compile_plan(problem)
+    assert costly.executor_prediction is None and costly.solver.details["timed_by"] == f"schedule (more than {messages - 1:,} messages to simulate)"
+    audit = audit_module.audit_plan(costly)
+    assert audit.mismatch is None and audit.executor_seconds is None
 
 
 @pytest.mark.parametrize("name", ["case7", "case8", "weight_sync_small"])
@@ -149,14 +201,15 @@ def test_the_message_count_behind_the_limit_is_the_routes_message_count(name):
 
 
 def test_check_of_a_simulated_plan_past_the_message_limit_says_why_and_what_timed_it(monkeypatch, tmp_path):
-    """A plan compile simulated (timed_by simulator) with more messages than the limit now allows (as under the older
-    operation limit): `check` decides as compile does (`compile.too_many_messages`) and says it did not re-simulate the
-    stored times, why and what timed the plan, not that the schedule timed it; its stated executor-order time is shown
-    as stored; `--simulate` times that order and holds the stated time to it."""
+    """A plan compile simulated (timed_by simulator) with more messages than the limits now allow (as under the older
+    operation limit): `check` decides as compile does (`compile.too_many_messages`, `executor_order.MAX_EXECUTOR_MESSAGES`)
+    and says it did not re-simulate the stored times, why and what timed the plan, not that the schedule timed it; its
+    stated executor-order time is shown as stored; `--simulate` times that order and holds the stated time to it."""
     from pathlib import Path
 
     from click.testing import CliRunner
 
+    from xmesh_plan.planner import executor_order as executor_order_module
     from xmesh_plan.planner.cli import main
     from xmesh_plan.schemas.plan import read_plan_file
 
@@ -165,6 +218,7 @@ def test_check_of_a_simulated_plan_past_the_message_limit_says_why_and_what_time
     assert plan.solver.details["timed_by"] == "simulator (host-order)"
     messages = compile_module.simulated_messages(plan.operations)
     monkeypatch.setattr(compile_module, "MAX_SIMULATED_MESSAGES", messages - 1)
+    monkeypatch.setattr(executor_order_module, "MAX_EXECUTOR_MESSAGES", messages - 1)
     run = CliRunner().invoke(main, ["check", str(path)])
     assert run.exit_code == 0, run.output
     assert (f"stored host-order times not re-simulated: {messages:,} messages, more than {messages - 1:,} messages to "

@@ -131,3 +131,32 @@ def test_a_shared_messages_intra_host_messages_are_counted_as_group_runs_lists_t
     plan = compile_plan(many_bundles(), bucket_bytes=16384)
     groups = [g for g in message_groups(plan.operations) if len(g) > 1]
     assert groups and all(shared_messages_inside(g) == tuple(map(len, group_runs(g))) for g in groups)
+
+
+def test_a_shared_message_lowers_to_the_route_and_devices_of_its_group_fused_into_one_bundle():
+    """`simulate.shared_message` (made without fusing the group) gives hop for hop the route `op_kinds.merged_route`
+    gives the group fused into one bundle of bytes (`carriers.fused`), and that bundle's devices (`op_kinds.members`),
+    also when its bundles' sums are kept from another group that shares their tuples, and when the kept sums are
+    dropped at MAX_KEPT_SUMS."""
+    from xmesh_plan.planner import simulate as sim
+    from xmesh_plan.schemas.carriers import fused
+    from xmesh_plan.schemas.op_kinds import members, merged_route
+
+    plan = compile_plan(many_bundles(), bucket_bytes=16384)
+    itemsizes = [p.itemsize for p in plan.problem.tensor_problems()]
+    groups = [g for g in message_groups(plan.operations) if len(g) > 1]
+    assert groups
+    sums: dict = {}
+    for group in groups + groups:  # the second time from the kept sums
+        want = fused(group, itemsizes)
+        got = sim.shared_message(group, itemsizes, sums)
+        assert (got.id, got.task, got.src, got.dsts) == (want.id, want.task, want.src, want.dsts)
+        assert got.hops == merged_route(want) and got.devices == members(want)
+    assert 0 < len(sums) <= sum(map(len, groups))
+    kept = sim.MAX_KEPT_SUMS
+    try:
+        sim.MAX_KEPT_SUMS, sums = 1, {}
+        assert [sim.shared_message(g, itemsizes, sums).hops for g in groups] == [merged_route(fused(g, itemsizes)) for g in groups]
+        assert len(sums) == 1
+    finally:
+        sim.MAX_KEPT_SUMS = kept

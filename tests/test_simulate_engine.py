@@ -150,3 +150,26 @@ def test_rates_shared_out_by_groups_are_max_min_fair_flow_by_flow(seed):
     assert fair.keys() == plain.keys() == {f.id for f in flows}
     for fid, rate in plain.items():
         assert fair[fid] == rate, fid  # the same subtractions in the same order: equal, not close
+
+
+def test_rates_of_takes_the_last_rates_again_only_for_the_same_groups_with_the_same_flows():
+    """`_Moving.rates_of`: where the groups linked to an event are those last shared out together, with as many flows
+    each (a flow left a group as another joined it), it answers the rates then, which are `group_rates`' answer; a
+    group with another number of flows, or another set of groups, is shared out again."""
+    from xmesh_plan.planner.simulate import _Moving, group_rates
+
+    capacity = {"a": 3.0, "b": 5.0, "c": 7.0}
+    flows = [Flow(i, 0, 1.0, 0.0, links) for i, links in enumerate([("a", "b"), ("a", "b"), ("b", "c"), ("a", "b"), ("b", "c")])]
+    moving = _Moving(flows, set(), set())
+    for i in (0, 1, 2):
+        moving.start(i, 0.0)
+    groups = [("a", "b"), ("b", "c")]
+    first = moving.rates_of(groups, capacity)
+    assert first == group_rates(groups, moving.members, capacity)
+    moving.stop(0)
+    moving.start(3, 0.0)  # one flow out of ("a", "b"), one in: the same counts
+    assert moving.rates_of(list(reversed(groups)), capacity) is first
+    moving.start(4, 0.0)  # ("b", "c") has two flows now
+    again = moving.rates_of(groups, capacity)
+    assert again is not first and again == group_rates(groups, moving.members, capacity) != first
+    assert moving.rates_of([("a", "b")], capacity) == group_rates([("a", "b")], moving.members, capacity)
