@@ -20,7 +20,7 @@ from .coalesce import (BundleCell, bundle_task, coalesce_cells, retimed_on_nics,
 from .compile_defaults import CompileOptions
 from .plan_rows import OperationRow, PlanRows, TaskRow, plan_rows
 from .executor_order import executor_order, executor_order_seconds, posted_budget, unsimulated_budget
-from .host_split import chained_kinds, rotations, source_send
+from .host_split import chained_kinds, rotations, source_send, sources_receive
 from .scheduling import Option, Schedule, SchedulingTask
 from xmesh_plan.schemas.op_kinds import rule_of, tags_used, wire_pairs
 
@@ -476,7 +476,8 @@ def compile_rows(problem: ReshardingProblem | TransferProblem, options: CompileO
             planned[kind] = decompose(single, merge=options.merge, max_tasks=None)
     cells = [planned[kind] for kind in kinds]
     on_stage(f"costing {sum(map(len, cells))} cells ({len(planned)} kinds of tensor)")
-    chained = _chained(singles, kinds, planned, problem, coalesce, bucket_bytes) if split_hosts and multi else set()
+    may_chain = split_hosts and multi and not sources_receive(planned.values(), problem.cluster)
+    chained = _chained(singles, kinds, planned, problem, coalesce, bucket_bytes) if may_chain else set()
     cut: dict[tuple, tuple[list[Cell], list[BundleCell]]] = {}
     for single, kind in zip(singles, kinds):  # the bound and copies come from the cells as cut
         if kind not in cut:

@@ -97,3 +97,27 @@ def test_kinds_are_chained_by_the_bytes_they_save_until_the_sources_fit_within_h
     assert host_split.chained_kinds(kinds, split, chained_send, 130.0) == {"big"}  # 140 -> 90, within 0.9 x 130
     assert host_split.chained_kinds(kinds, split, chained_send, 90.0) == {"big", "mid"}  # 90 -> 70; host 1 (80) was within
     assert host_split.chained_kinds(["big", "mid", "mid", "mid", "other"], split, chained_send, 190.0) == {"mid"}  # saves 60
+
+
+def _overlapping() -> object:
+    """Two tensors of 64 MiB from hosts 0-1 to four replicas on hosts 0-3 (sources also receive)."""
+    tensors = [{"name": f"w{k}", "shape": [4096, 4096], "src": "S01 R", "dst": "R S1"} for k in range(2)]
+    return build_transfer({"name": "overlap", "dtype": "float32", "src_mesh": "2x4", "dst_mesh": {"shape": [4, 4], "first_host": 0},
+                           "cluster": {"devices_per_host": 4, "nics": NICS, "intra_host_gbps": 800.0, "latency_us": 10.0},
+                           "tensors": tensors})
+
+
+def _chained_hosts(plan) -> int:
+    """How many broadcasts go through more than one destination host (a chained box's)."""
+    return sum(1 for op in plan.operations if op.kind == "broadcast" and len(set(_hosts(plan, op.dsts))) > 1)
+
+
+def test_where_a_source_host_also_receives_every_box_is_split_by_host():
+    """Overlapping meshes: a source host that also forwards chains sends more than the criterion counts (chained
+    1.71x the bound in host order, split 1.54x), so nothing is chained there."""
+    problem = _overlapping()
+    plan = compile_plan(problem)
+    verify_plan(plan)
+    assert _chained_hosts(plan) == 0 and "chained" not in plan.solver.details.get("split_hosts", "")
+    assert plan.predicted_seconds / plan.lower_bound_seconds < 1.6
+
