@@ -231,10 +231,13 @@ def _parts_hold(ops: list, layouts: list[tuple], ndim: int) -> np.ndarray:
     counts = np.fromiter((len(op.parts) for op in ops), dtype=np.int64, count=len(ops))
     total = int(counts.sum())
     row = np.repeat(np.arange(len(ops)), counts)  # each part's bundle
-    try:
+    try:  # a number past int64 leaves the whole batch to the one-by-one check, which names it
         parts = np.fromiter(chain.from_iterable(chain.from_iterable(chain.from_iterable(op.parts for op in ops))), dtype=np.int64,
                             count=total * ndim * 2).reshape(total, ndim, 2)
-    except (ValueError, TypeError):
+        holders = np.fromiter(chain.from_iterable(op.holders for op in ops), dtype=np.int64, count=total)
+        sizes = np.fromiter(chain.from_iterable(map(len, op.needers) for op in ops), dtype=np.int64, count=total)
+        needers = np.fromiter(chain.from_iterable(chain.from_iterable(op.needers for op in ops)), dtype=np.int64, count=int(sizes.sum()))
+    except (ValueError, TypeError, OverflowError):
         return np.zeros(len(ops), dtype=bool)
     region = np.array([op.region for op in ops], dtype=np.int64).reshape(len(ops), ndim, 2)[row]
     lo, hi = parts[:, :, 0], parts[:, :, 1]
@@ -242,14 +245,12 @@ def _parts_hold(ops: list, layouts: list[tuple], ndim: int) -> np.ndarray:
     per_host = np.array([layout[1] for layout in layouts], dtype=np.int64)[row]
     src = np.array([op.src for op in ops], dtype=np.int64)[row]
     relay = np.array([op.dsts[0] for op in ops], dtype=np.int64)[row]
-    holders = np.fromiter(chain.from_iterable(op.holders for op in ops), dtype=np.int64, count=total)
-    sizes = np.fromiter(chain.from_iterable(map(len, op.needers) for op in ops), dtype=np.int64, count=total)
-    needers = np.fromiter(chain.from_iterable(chain.from_iterable(op.needers for op in ops)), dtype=np.int64, count=int(sizes.sum()))
-    good &= holders >= 0  # a negative number is no device (and would read another layout's table below)
-    holders = np.maximum(holders, 0)
-    named = needers >= 0
-    needers = np.maximum(needers, 0)
-    devices = max(int(holders.max(initial=0)), int(needers.max(initial=0)))
+    devices = max((max(blocks, default=0) for layout in layouts for blocks in (layout[2], layout[3])), default=0)
+    known = (holders >= 0) & (holders <= devices)  # a number outside every block is no device of the layouts (and
+    good &= known  # would read another layout's table below, or overflow its key)
+    holders = np.where(known, holders, 0)
+    named = (needers >= 0) & (needers <= devices)
+    needers = np.where(named, needers, 0)
     src_table, src_of = _block_tables(layouts, 2, ndim, devices)
     dst_table, dst_of = _block_tables(layouts, 3, ndim, devices)
     good &= holders // per_host == src // per_host

@@ -290,7 +290,7 @@ def _bundle_faults(op, rng) -> list:
     return [with_part(((a, a),) + rest), with_part(((a, b + 1),) + rest), with_part(((a - 1, b),) + rest), with_part(((b, a),) + rest),
             with_part(part + ((0, 1),)), with_needers(()), with_needers(op.needers[k] * 2), with_needers(op.needers[k] + (op.src,)),
             with_needers(op.needers[k] + (op.dsts[0] + 100,)), with_needers((-1,)), with_holder(op.dsts[0]), with_holder(op.src + 1),
-            with_holder(-op.src - 1), with_holder(op.src + 100),
+            with_holder(-op.src - 1), with_holder(op.src + 100), with_holder(2**62), with_needers((2**62,)),
             op.model_copy(update={"chunks": 2}), op.model_copy(update={"dsts": op.dsts + (op.dsts[0] + 1,)}),
             op.model_copy(update={"dsts": (op.src + 1,)}), op.model_copy(update={"dsts": (op.src,)}),
             op.model_copy(update={"region": ((a, b),) + op.region[1:]}), op.model_copy(update={"holders": op.holders[1:]}),
@@ -322,3 +322,21 @@ def test_bundles_proven_with_arrays_are_those_the_one_by_one_check_passes():
             passes.append(False)
     assert proven == passes
     assert 0 < sum(proven) < len(proven)
+
+
+def test_a_bundle_number_past_int64_leaves_its_batch_to_the_one_by_one_check():
+    """A part bound past int64 (a damaged file) cannot go into the arrays: no bundle of the batch is proven there,
+    and the one-by-one check names the part."""
+    from xmesh_plan.schemas import read_plan_file
+    from xmesh_plan.schemas.plan_check import _check_operation, _Shards
+    from xmesh_plan.schemas.plan_check_arrays import proven_bundles
+
+    plan = read_plan_file(Path(__file__).resolve().parents[1] / "plans" / "weight_sync_small.plan.json")
+    problems = plan.problem.tensor_problems()
+    ops = [op for op in plan.operations if op.kind == "bundle" and len(op.region) == 2]  # one batch: tensors of 2 dims
+    (a, _), rest = ops[0].parts[0][0], ops[0].parts[0][1:]
+    bad = ops[0].model_copy(update={"parts": (((a, 2**70),) + rest,) + ops[0].parts[1:]})
+    assert proven_bundles(ops, [op.tensor for op in ops], problems, MAX_CHUNKS).all()
+    assert not proven_bundles([bad] + ops[1:], [op.tensor for op in [bad] + ops[1:]], problems, MAX_CHUNKS).any()
+    with pytest.raises(PlanError, match="not a box"):
+        _check_operation(bad, _Shards(problems[bad.tensor]))
