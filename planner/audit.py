@@ -62,10 +62,10 @@ def audit_plan(plan: Plan, any_size: bool = False) -> Audit:
     limits included); `unsimulated` says why not. One that claims the schedule's times is believed only when its
     listing does not settle (see `compile.settle_listing`), as in compile. A multi-tensor plan's time in the executor's
     default order is re-derived where compile times it (`compile.executor_budget`: after its host-order simulation, or
-    once alone for a listing too long to simulate in host order, up to `executor_order.MAX_EXECUTOR_MESSAGES`) and,
-    whatever it costs, where the plan states one. `any_size` (`check --simulate`): also whatever it costs where compile's
-    limits would leave it untimed (more than `executor_order.MAX_EXECUTOR_MESSAGES` messages, a simulation past its work
-    budget); its host-order times are checked as without it."""
+    once alone for a listing too long to simulate in host order, up to `executor_order.MAX_EXECUTOR_MESSAGES`); past
+    compile's limits a time the plan states is shown as stored, not checked. `any_size` (`check --simulate`): re-derived
+    whatever it costs there too (more than `executor_order.MAX_EXECUTOR_MESSAGES` messages, a simulation past its work
+    budget) and held to the stated time; its host-order times are checked as without it."""
     problem = plan.problem
     tensors = [(decompose(p, max_tasks=None), p.itemsize) for p in problem.tensor_problems()]  # the plan holds these tasks already
     bound = joint_lower_bound(tensors, problem.cluster).seconds
@@ -73,13 +73,13 @@ def audit_plan(plan: Plan, any_size: bool = False) -> Audit:
     if _differ(plan.lower_bound_seconds, round(bound, DIGITS)):
         mismatch = f"stored lower bound {plan.lower_bound_seconds} s disagrees with {bound:.12g} s recomputed from the problem"
 
-    stated = plan.executor_prediction  # a stated time is re-derived whatever it costs; otherwise only where compile would time it
+    stated = plan.executor_prediction  # re-derived where compile would time it (whatever it costs with `any_size`)
     messages = simulated_messages(plan.operations)
 
     def kept(why: str) -> Audit:
         """The stored times believed, as compile kept them; timed in the executor's order where compile times it
-        (`compile.executor_budget`: a listing too long to simulate in host order; a stated time whatever it costs) or
-        with `any_size`, and held to a time the plan states."""
+        (`compile.executor_budget`: a listing too long to simulate in host order, within its limits) or with `any_size`
+        (whatever it costs), and held to a time the plan states."""
         timed = any_size or executor_budget(problem, None, messages) is not None
         executed = _executor_seconds(plan, None if stated or any_size else executor_budget(problem, None, messages)) if timed else None
         wrong = mismatch or (None if executed is None else _stated_mismatch(plan, executed))

@@ -129,6 +129,12 @@ def test_a_plan_of_more_messages_than_the_limits_is_timed_by_the_schedule_withou
     assert plan.executor_prediction is None and plan.predicted_seconds != simulated.predicted_seconds
     audit = audit_module.audit_plan(plan)
     assert not audit.retimed and audit.mismatch is None
+    from xmesh_plan.schemas import ExecutorPrediction
+
+    monkeypatch.setattr(simulate_module, "lower", lower)  # a time the plan states past the limits: as stored, unless any_size
+    forged = plan.model_copy(update={"executor_prediction": ExecutorPrediction(order="posted", predicted_seconds=123.0)})
+    assert audit_module.audit_plan(forged).mismatch is None and audit_module.audit_plan(forged).executor_seconds is None
+    assert "stored executor_prediction (posted) 123.0 s disagrees" in audit_module.audit_plan(forged, any_size=True).mismatch
 
 
 def test_a_plan_over_the_host_order_limit_states_its_time_in_the_executors_order_from_one_simulation(monkeypatch):
