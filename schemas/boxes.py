@@ -74,7 +74,9 @@ Box = Annotated[Region, BeforeValidator(box_field), WithJsonSchema({
 
 
 _MADE: dict[int, tuple[Region, ...]] = {}  # id -> a list of boxes `_boxes` made (kept alive here, so the id is its own)
-_MADE_MOST = 4096
+_MADE_MOST = 4096  # lists held at most, and boxes in them at most (about 50 MiB), before the lot is let go
+_MADE_MOST_BOXES = 1 << 20
+_made_boxes = 0
 
 
 def _boxes(value: Any, handler: ValidatorFunctionWrapHandler) -> tuple[Region, ...]:
@@ -86,9 +88,12 @@ def _boxes(value: Any, handler: ValidatorFunctionWrapHandler) -> tuple[Region, .
     plain = _plain_boxes(value) if type(value) in _PAIRS else None
     if plain is None:
         return handler(value)
-    if len(_MADE) >= _MADE_MOST:
+    global _made_boxes
+    if len(_MADE) >= _MADE_MOST or _made_boxes + len(plain) > _MADE_MOST_BOXES:
         _MADE.clear()
+        _made_boxes = 0
     _MADE[id(plain)] = plain
+    _made_boxes += len(plain)
     return plain
 
 

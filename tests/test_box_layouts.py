@@ -212,3 +212,19 @@ def test_a_tensor_giving_a_spec_and_boxes_for_one_side_is_refused():
     with pytest.raises(InputError, match=r"tensors\[0\] \(w\): src.boxes: no source device holds \[2:4\]"):
         build_transfer({"src_mesh": "1x2", "dst_mesh": "1x1",
                         "tensors": [{"name": "w", "shape": [4], "src_boxes": [[[0, 2]], [[0, 1]]], "dst": "R"}]})
+
+
+def test_the_validated_box_lists_kept_for_reuse_are_bounded_by_their_boxes(monkeypatch):
+    """`boxes._MADE` keeps the box lists it made so a list passed on is not walked again; it lets them all go before
+    it would hold more than `_MADE_MOST_BOXES` boxes."""
+    from pydantic import TypeAdapter
+
+    from xmesh_plan.schemas import boxes
+
+    monkeypatch.setattr(boxes, "_MADE_MOST_BOXES", 10)
+    monkeypatch.setattr(boxes, "_MADE", {})
+    monkeypatch.setattr(boxes, "_made_boxes", 0)
+    adapter = TypeAdapter(boxes.Boxes)
+    made = [adapter.validate_python([[[k, k + 1]]] * 4) for k in range(5)]
+    assert made[-1] == (((4, 5),),) * 4 and adapter.validate_python(made[-1]) is made[-1]
+    assert sum(map(len, boxes._MADE.values())) <= 10 and boxes._made_boxes <= 10
