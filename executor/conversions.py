@@ -52,7 +52,7 @@ def conversions(problem, device: int) -> list[Conversion | None]:
         return [None if problem.dst_dtype in (None, problem.dtype) else Conversion(problem.dst_dtype)]
     out: list[Conversion | None] = []
     index = _index(problem)
-    peers_of: dict[tuple, tuple[int, ...]] = {}  # (shape, source spec) -> peers: the same for tensors laid out alike
+    peers_of: dict[tuple | int, tuple[int, ...]] = {}  # (shape, source spec) -> peers: the same for tensors laid out alike
     for t, tensor in enumerate(tensors):
         if tensor.dst_dtype in (None, tensor.dtype) and tensor.scale is None:
             out.append(None)
@@ -60,14 +60,12 @@ def conversions(problem, device: int) -> list[Conversion | None]:
         scales = index(scale_name(tensor.name)) if tensor.scale is not None else None
         peers: tuple[int, ...] = ()
         if tensor.scale == "tensor":  # the senders that swap their amax with this one, when it holds a part
-            key = (tuple(tensor.shape), tensor.src) if tensor.src_boxes is None else None
-            if key is None or key not in peers_of:
+            key = (tuple(tensor.shape), tensor.src) if tensor.src_boxes is None else t  # boxes given: its own
+            if key not in peers_of:
                 src = problem.tensor_problem(t).blocks("src")
-                if device in src and _nonempty(src[device]):
-                    peers = tuple(d for d, box in src.items() if d != device and _nonempty(box))
-                if key is not None:
-                    peers_of[key] = peers
-            peers = peers_of.get(key, peers)
+                held = device in src and _nonempty(src[device])
+                peers_of[key] = tuple(d for d, box in src.items() if d != device and _nonempty(box)) if held else ()
+            peers = peers_of[key]
         out.append(Conversion(tensor.dst_dtype, tensor.scale, scales, peers))
     return out
 

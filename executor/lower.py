@@ -678,12 +678,6 @@ def _piece(word: str, k: int) -> str:
 
 
 @lru_cache(maxsize=1 << 12)
-def _needed(needers: tuple[tuple[int, ...], ...], device: int) -> tuple[int, ...]:
-    """The parts of a bundle that `device` needs (`needers[i]`: the devices that need part i): once per distinct bundle."""
-    return tuple(i for i, group in enumerate(needers) if device in group)
-
-
-@lru_cache(maxsize=1 << 12)
 def _part_offsets(parts: tuple[Region, ...], itemsize: int) -> tuple[int, ...]:
     """Each part's byte offset in a bundle's cross-host message, and its end: once per distinct bundle."""
     offsets = [0]
@@ -721,7 +715,7 @@ def _lower_bundle(b: _Builder, op: Operation, base: int) -> None:
     if b.device == relay:
         at = b.stage(offsets[-1])
         arrived = (b.add(Action.RECV, op, peer=op.src, tag=cross, data=new_bytes("stage", at, at + offsets[-1], 0), piece="bundle"),)
-        for i in _needed(op.needers, relay):  # `arrived`: one tuple for every step that waits for the message
+        for i in b.needed(op):  # `arrived`: one tuple for every step that waits for the message
             box = b.box("dst", op.parts[i])
             b.record(op, box, [b.add(Action.UNPACK, op, arrived, data=span(at, (i,)), box=box, piece=_piece("part", i))])
         for j, (d, run) in enumerate(scatters):
