@@ -124,11 +124,19 @@ class StagedOps:
 
     def __call__(self, op: PlannedOp, tensor: int | None) -> list[tuple[int, int]]:
         t = tensor or 0
-        key = (id(op), self.kind[t])
+        key = self.key(op, t)
         known = self.memo.get(key)
         if known is None:
             known = self.memo[key] = (op, staged_on_members(op, *self.shards[t]))
         return known[1]
+
+    def key(self, op: PlannedOp, tensor: int) -> tuple:
+        """What `op`'s staging depends on, for the memo: a bundle's relays and its parts, holders and needers by
+        identity (`PlannedOp.sent` keeps them, so a message's bundles remade with new times or relays still share
+        them), any other operation by identity; with the kind of `tensor`."""
+        if op.kind == "bundle":
+            return (id(op.parts), id(op.holders), id(op.needers), op.src, op.dsts[0], self.kind[tensor])
+        return (id(op), self.kind[tensor])
 
 
 def posted_staging(timed_ops: list[TimedOp], problems: Sequence[ReshardingProblem]) -> dict[int, int]:
@@ -138,19 +146,24 @@ def posted_staging(timed_ops: list[TimedOp], problems: Sequence[ReshardingProble
     lays shared messages' boxes out one after another at that alignment)."""
     align = max(p.itemsize for p in problems)
     staged = StagedOps(problems)
-    sides: dict[tuple[int, int], list[tuple[int, int]]] = {}  # (id of a bundle, itemsize) -> its relays' side areas
-    total: dict[int, int] = {}
+    counts: dict[tuple, int] = {}  # `StagedOps.key` -> how many operations stage so (a model's layers repeat them)
+    first: dict[tuple, tuple[PlannedOp, int]] = {}  # ... and one of them with its tensor
     for _, _, tensor, op in timed_ops:
-        for d, nbytes in staged(op, tensor):
+        t = tensor or 0
+        key = staged.key(op, t)
+        if key in counts:
+            counts[key] += 1
+        else:
+            counts[key], first[key] = 1, (op, t)
+    total: dict[int, int] = {}
+    for key, count in counts.items():
+        op, t = first[key]
+        for d, nbytes in staged(op, t):
             if nbytes:
-                total[d] = total.get(d, 0) + aligned(nbytes, align)
-        if op.kind == "bundle":
-            itemsize = problems[tensor or 0].itemsize
-            key = (id(op), itemsize)
-            if key not in sides:
-                sides[key] = _side_areas(op, itemsize, align)
-            for d, nbytes in sides[key]:
-                total[d] = total.get(d, 0) + nbytes
+                total[d] = total.get(d, 0) + count * aligned(nbytes, align)
+        if op.kind == "bundle":  # the bundle's relays and parts are in its key, and tensors of one kind share an itemsize
+            for d, nbytes in _side_areas(op, problems[t].itemsize, align):
+                total[d] = total.get(d, 0) + count * nbytes
     return total
 
 
