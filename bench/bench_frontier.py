@@ -75,7 +75,9 @@ def one(name: str, layers: int, max_tasks: int | None) -> dict:
         print(f"phase: {stage}", file=sys.stderr, flush=True)
         phases.append([stage, time.perf_counter() - wall, time.process_time() - cpu, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024])
 
-    plan = compile_rows(problem, on_stage=phase, **({} if max_tasks is None else {"max_tasks": max_tasks}))
+    busiest: list[tuple[int, int]] = []  # the CLI's posted-staging note, counted as the CLI counts it
+    plan = compile_rows(problem, on_stage=phase, on_posted_staging=lambda *d: busiest.append(d),
+                        **({} if max_tasks is None else {"max_tasks": max_tasks}))
     compile_s, compile_cpu_s = time.perf_counter() - wall, time.process_time() - cpu
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     phase("writing the plan")
@@ -98,7 +100,8 @@ def one(name: str, layers: int, max_tasks: int | None) -> dict:
             "predicted_over_bound": plan.predicted_seconds / bound, "timed_by": plan.solver.details.get("timed_by", ""),
             "gap_to_proven_bound": plan.solver.details.get("gap_to_proven_bound"),
             "executor_order": executed.order if executed else None,
-            "executor_over_bound": executed.predicted_seconds / bound if executed else None, "phases": phases}
+            "executor_over_bound": executed.predicted_seconds / bound if executed else None,
+            "posted_staging_busiest": list(busiest[0]) if busiest else None, "phases": phases}
 
 
 def measure(name: str, layers: int, timeout_s: float, max_tasks: int | None) -> dict:
