@@ -11,7 +11,7 @@ from xmesh_plan.schemas import Plan
 from xmesh_plan.schemas.carriers import fused, message_groups
 from xmesh_plan.schemas.op_kinds import hops_pair_bytes, merged_route, pair_bytes, route
 from xmesh_plan.schemas.plan_tensors import is_multi
-from xmesh_plan.schemas.staging import staging_peaks
+from xmesh_plan.schemas.staging import footprints, staging_peaks
 
 from .executor_order import executor_order
 from .bounds import over_bound
@@ -60,18 +60,51 @@ def wire_route(group: list, itemsizes: list[int]) -> tuple:
     return op, merged_route(op) if len(group) > 1 else route(op)
 
 
+def _layout(op) -> tuple:
+    """What an operation's messages depend on, its boxes by identity: a compact file's reader gives the operations of
+    a model's repeated layers the same box objects (`schemas.plan_compact`), so their routes are computed once."""
+    return op.kind, op.src, op.dsts, id(op.region), id(op.parts), op.chunks, id(op.holders), id(op.needers)
+
+
+class _Wire:
+    """`wire_route` and its bytes per pair of devices (`op_kinds.hops_pair_bytes`) of a plan's message groups, each
+    distinct group once. Lives while the plan does (its keys are the ids of the plan's boxes)."""
+
+    def __init__(self, plan: Plan):
+        self.itemsizes = [p.itemsize for p in plan.problem.tensor_problems()]
+        self.routes: dict[tuple, tuple] = {}
+        self.pairs: dict[tuple, dict] = {}
+
+    def key(self, group: list) -> tuple:
+        if len(group) == 1:
+            return _layout(group[0]), self.itemsizes[group[0].tensor or 0]
+        return tuple((_layout(op), self.itemsizes[op.tensor or 0]) for op in group)
+
+    def route(self, group: list) -> tuple:
+        """(the group on the wire, its hops, its bytes per pair of devices): `wire_route`, the operation itself for a group of one."""
+        key = self.key(group)
+        known = self.routes.get(key)
+        if known is None:
+            op, hops = wire_route(group, self.itemsizes)
+            known = self.routes[key] = (op, hops, hops_pair_bytes(hops, 1 if len(group) > 1 else self.itemsizes[op.tensor or 0]))
+        return (group[0] if len(group) == 1 else known[0]), known[1], known[2]
+
+
 def plan_loads(plan: Plan) -> PlanLoads:
     """Cross-host bytes per host: every message of every operation (`schemas.op_kinds.pair_bytes`), in its tensor's
     itemsize; the bundles of one shared message (`schemas.carriers`) as the one bundle they are on the wire."""
-    itemsizes, host = [p.itemsize for p in plan.problem.tensor_problems()], plan.problem.cluster.host_of
+    host, wire = plan.problem.cluster.host_of, _Wire(plan)
     loads = PlanLoads()
+    adds: dict[tuple, list] = {}  # a distinct group's calls of `loads.add`, in order
     for group in message_groups(plan.operations):
-        op, hops = wire_route(group, itemsizes)
-        for (a, b), nbytes in hops_pair_bytes(hops, 1 if len(group) > 1 else itemsizes[op.tensor or 0]).items():
-            loads.add(host(a), host(b), nbytes)
-        for hop in hops:
-            if hop.elements:
-                loads.add(host(hop.src), host(hop.dst), 0, 1)
+        key = wire.key(group)
+        calls = adds.get(key)
+        if calls is None:
+            _, hops, pairs = wire.route(group)
+            calls = adds[key] = [(host(a), host(b), nbytes, 0) for (a, b), nbytes in pairs.items()] + \
+                [(host(hop.src), host(hop.dst), 0, 1) for hop in hops if hop.elements]
+        for call in calls:
+            loads.add(*call)
     return loads
 
 
@@ -127,13 +160,15 @@ def side_gap(plan: Plan, loads: PlanLoads) -> SideGap | None:
         mine = int(named.group(1)), "send" if named.group(2) == "send" else "recv"
         need, host, side = next((item for item in sides if item[1:] == mine and item[0] >= need * (1 - 1e-12)), (need, host, side))
     spans = []
+    crosses: dict[tuple, bool] = {}  # per distinct operation (`_layout`): whether a message of it crosses the side
     for group in message_groups(plan.operations):
         op = group[0]
-        for hop in route(op):
-            a, b = host_of(hop.src), host_of(hop.dst)
-            if hop.elements and a != b and host == (a if side == "send" else b):
-                spans.append((op.start_s, op.end_s))
-                break
+        key = _layout(op)
+        if key not in crosses:
+            crosses[key] = any(hop.elements and (a := host_of(hop.src)) != (b := host_of(hop.dst)) and host == (a if side == "send" else b)
+                               for hop in route(op))
+        if crosses[key]:
+            spans.append((op.start_s, op.end_s))
     spans.sort()
     busy, reach = 0.0, None
     for begin, end in spans:
@@ -178,7 +213,7 @@ class RelayLoad:
 
 def relay_load(plan: Plan) -> RelayLoad | None:
     """`RelayLoad` from the plan's own operations; None where it has no bundle."""
-    itemsizes, host = [p.itemsize for p in plan.problem.tensor_problems()], plan.problem.cluster.host_of
+    host, wire = plan.problem.cluster.host_of, _Wire(plan)
     bundles = messages = cross = gathered = scattered = gathers = scatters = 0
     port_in: dict[int, int] = {}
     port_out: dict[int, int] = {}
@@ -187,14 +222,14 @@ def relay_load(plan: Plan) -> RelayLoad | None:
     for group in message_groups(plan.operations):
         if group[0].kind != "bundle":
             continue
-        op, hops = wire_route(group, itemsizes)
+        op, hops, pairs = wire.route(group)
         bundles, messages, shared = bundles + len(group), messages + 1, shared or len(group) > 1
         for hop in hops:
             if hop.elements and host(hop.src) == host(hop.dst):
                 port = (hop.dst, "in") if hop.dst == op.src else (hop.src, "out")
                 port_messages[port] = port_messages.get(port, 0) + 1
                 gathers, scatters = (gathers + 1, scatters) if hop.dst == op.src else (gathers, scatters + 1)
-        for (a, b), nbytes in hops_pair_bytes(hops, 1 if len(group) > 1 else itemsizes[op.tensor or 0]).items():
+        for (a, b), nbytes in pairs.items():
             if host(a) != host(b):
                 cross += nbytes
             elif b == op.src:  # a holder's runs into the sending relay
@@ -360,8 +395,12 @@ def tensor_rows(plan: Plan) -> list[str]:
         done[op.tensor] = max(done[op.tensor], op.end_s)
     crossing = [0] * len(p.tensors)
     host, itemsizes = p.cluster.host_of, [t.itemsize for t in p.tensor_problems()]
+    across: dict[tuple, int] = {}  # per distinct operation (`_layout`) and element size: its bytes between hosts
     for op in plan.operations:
-        crossing[op.tensor] += sum(n for (a, b), n in pair_bytes(op, itemsizes[op.tensor]).items() if host(a) != host(b))
+        key = _layout(op), itemsizes[op.tensor]
+        if key not in across:
+            across[key] = sum(n for (a, b), n in pair_bytes(op, itemsizes[op.tensor]).items() if host(a) != host(b))
+        crossing[op.tensor] += across[key]
     table = [(t.name, "x".join(map(str, t.shape)), t.dtype + (f" -> {t.dst_dtype}" if t.dst_dtype else ""),
               f"{t.src or 'boxes'} -> {_dst_label(p, t)}", tasks[i], ops[i], _bytes(crossing[i]),
               f"{done[i]:.4f}s") for i, t in enumerate(p.tensors)]
@@ -448,7 +487,8 @@ def _peak(peaks: dict[int, int]) -> str:
 
 def staging_lines(plan: Plan) -> list[str]:
     """The largest staging area on one device in each executor order (`schemas.staging`), and the plan's stated limit."""
-    shown = "; ".join(f"{order} order {_peak(staging_peaks(plan, order))}" for order in ("device", "posted"))
+    prints = footprints(plan)  # both orders read them
+    shown = "; ".join(f"{order} order {_peak(staging_peaks(plan, order, prints))}" for order in ("device", "posted"))
     lines = [f"staging per device (boxes that are not one run of a shard): {shown}"]
     if plan.staging is not None:
         stated = plan.staging

@@ -617,6 +617,8 @@ def _rows(m: _Members, table: str, rows: np.ndarray) -> list[dict]:
                 values = _DECODERS[kinds[field]](m, f"{table}.{field}", layouts)
                 if len(values) != len(layouts):
                     raise CompactPlanError(f"the {table} layout columns disagree on their length (damaged)")
+                shared = m.once(f"{table}.{field}.shared", dict)  # each distinct value one object across chunks
+                values = [shared.setdefault(v, v) for v in values]
                 columns[field] = [values[k] for k in pick]
     except IndexError:
         raise CompactPlanError(f"the {table} columns are shorter than the header's count (truncated or damaged)") from None
@@ -672,9 +674,10 @@ def _check_index(m: _Members, operations: list) -> None:
                                "again from its JSON plan with `xmesh-plan export`")
 
 
-def read_compact_data(path: str | os.PathLike, records: dict[str, Callable[[dict], Any]] | None = None) -> dict:
+def read_compact_data(path: str | os.PathLike, records: dict[str, Callable[[list[dict], bool], Any]] | None = None) -> dict:
     """The plan in `path` as the data its JSON states (validated by the caller), each table's rows made into records by
-    `records[table]` a chunk at a time where given (plain dicts otherwise); CompactPlanError otherwise. With records
+    `records[table](rows, integral)` a chunk at a time where given (plain dicts otherwise; `integral`: the table's
+    integers are stored as integers, `stores_integers`); CompactPlanError otherwise. With records
     of the operations, the file's per-device index is rebuilt from them (`compact_arrays` writes it so) and a file
     whose stored index differs is refused: what the whole plan's checks pass is what each rank reads of it."""
     m = _Members(path)
@@ -685,10 +688,11 @@ def read_compact_data(path: str | os.PathLike, records: dict[str, Callable[[dict
         if not isinstance(count, int) or count < 0:
             raise CompactPlanError(f"its header gives no row count for {table}")
         make = (records or {}).get(table)
+        integral = make is not None and stores_integers(m, table)
         data[table] = []
         for start in range(0, count, CHUNK_ROWS):
             rows = _rows(m, table, np.arange(start, min(start + CHUNK_ROWS, count), dtype=np.int64))
-            data[table].extend(rows if make is None else map(make, rows))
+            data[table].extend(rows if make is None else make(rows, integral))
     if (records or {}).get("operations") is not None:
         _check_index(m, data["operations"])
     return data

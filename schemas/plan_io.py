@@ -99,7 +99,11 @@ def _compact(path: str | os.PathLike, read: Callable, *args: Any, handle: Binary
 
 
 _PROBLEM = TypeAdapter(AnyProblem)
-_RECORDS = {"operations": Operation.model_validate, "tasks": UnitTask.model_validate, "host_order": HostOrder.model_validate}
+_RECORDS = {"operations": lambda rows, integral: _operations(rows, integral),
+            "tasks": lambda rows, integral: map(UnitTask.model_validate, rows),
+            "host_order": lambda rows, integral: map(HostOrder.model_validate, rows)}
+"""table -> the records of a chunk of a compact file's rows (`read_compact_data`): operations as they are read, so that
+the boxes and devices a model's repeated layers share stay one object each (`_operations`)."""
 
 
 _OP_KINDS = frozenset(get_args(Operation.model_fields["kind"].annotation))

@@ -252,36 +252,43 @@ def footprints(plan: "Plan") -> dict[int, list[Footprint]]:
     align = staging_align(plan)
     out: dict[int, list[Footprint]] = {}
 
-    def each(op) -> list[tuple[int, Footprint]]:
-        t = op.tensor or 0
-        key = (op.kind, op.src, op.dsts, id(op.region), id(op.parts), id(op.holders), id(op.needers), kind[t])
+    def key_of(op) -> tuple:
+        return (op.kind, op.src, op.dsts, id(op.region), id(op.parts), id(op.holders), id(op.needers), kind[op.tensor or 0])
+
+    def each(op, key: tuple) -> list[tuple[int, Footprint]]:
         known = memo.get(key)
         if known is None:  # holds the boxes, so their ids stay theirs
             known = memo[key] = ((op.region, op.parts, op.holders, op.needers),
-                                 [(d, (peers(op, d), n)) for d, n in staged_on_members(op, *shards[t])])
+                                 [(d, (peers(op, d), n)) for d, n in staged_on_members(op, *shards[op.tensor or 0])])
         return known[1]
 
+    groups: dict[tuple, list[tuple[int, Footprint]]] = {}  # a shared message made of the same bundles (a repeated layer's): once
     for group in message_groups(plan.operations):
         if len(group) == 1:  # one operation: its footprints as they are (shared with the same operation elsewhere)
-            for device, footprint in each(group[0]):
+            for device, footprint in each(group[0], key_of(group[0])):
                 out.setdefault(device, []).append(footprint)
             continue
-        mine: dict[int, set[int]] = {}
-        for op in group:
-            for device, (near, _) in each(op):
-                mine.setdefault(device, set()).update(near)
-        staged = group_staging(group, [[region_size(p) * shards[op.tensor or 0][2] for p in op.parts] for op in group], align)
-        for device, talks in mine.items():
-            out.setdefault(device, []).append((frozenset(talks), staged.get(device, 0)))
+        keys = tuple(map(key_of, group))
+        known = groups.get(keys)
+        if known is None:
+            mine: dict[int, set[int]] = {}
+            for op, key in zip(group, keys):
+                for device, (near, _) in each(op, key):
+                    mine.setdefault(device, set()).update(near)
+            staged = group_staging(group, [[region_size(p) * shards[op.tensor or 0][2] for p in op.parts] for op in group], align)
+            known = groups[keys] = [(device, (frozenset(talks), staged.get(device, 0))) for device, talks in mine.items()]
+        for device, footprint in known:
+            out.setdefault(device, []).append(footprint)
     return out
 
 
-def staging_peaks(plan: "Plan", order: str = "device") -> dict[int, int]:
+def staging_peaks(plan: "Plan", order: str = "device", prints: dict[int, list[Footprint]] | None = None) -> dict[int, int]:
     """Device -> the bytes of staging the executor allocates on it for `plan` in `order` (devices that
     stage nothing left out). Device order uses the plan's own budget (`stage_budget`) and, across the
     tensors of a multi-tensor plan, one area per device (`staging_align`). Posted, each tensor of a
     multi-tensor plan has its own staging area: the peak is the sum over tensors; where bundles share
-    messages (`schemas.carriers`) one area holds every operation's staging, one after another (`chained`)."""
+    messages (`schemas.carriers`) one area holds every operation's staging, one after another (`chained`).
+    `prints`: the plan's `footprints`, where the caller has them (both orders read them)."""
     if order not in ORDERS:
         raise ValueError(f"order {order!r} is unknown; use one of: {', '.join(ORDERS)}")
     from .carriers import has_carriers
@@ -289,7 +296,7 @@ def staging_peaks(plan: "Plan", order: str = "device") -> dict[int, int]:
 
     budget, align = stage_budget(plan), staging_align(plan)
     if is_multi(plan) and order == "posted" and has_carriers(plan.operations):
-        return {device: value for device, f in sorted(footprints(plan).items()) if (value := chained([n for _, n in f], align))}
+        return {device: value for device, f in sorted((prints or footprints(plan)).items()) if (value := chained([n for _, n in f], align))}
     if is_multi(plan) and order == "posted":
         total: dict[int, int] = {}
         for single in tensor_plans(plan):
@@ -297,13 +304,13 @@ def staging_peaks(plan: "Plan", order: str = "device") -> dict[int, int]:
                 total[device] = total.get(device, 0) + nbytes
         return dict(sorted(total.items()))
     if order == "device":
-        return _device_peaks(plan, budget, align)
-    return {device: value for device, f in sorted(footprints(plan).items()) if (value := sum(n for _, n in f))}
+        return _device_peaks(plan, budget, align, prints)
+    return {device: value for device, f in sorted((prints or footprints(plan)).items()) if (value := sum(n for _, n in f))}
 
 
-def _device_peaks(plan: "Plan", budget: int | None, align: int) -> dict[int, int]:
+def _device_peaks(plan: "Plan", budget: int | None, align: int, prints: dict[int, list[Footprint]] | None = None) -> dict[int, int]:
     """Device -> its staging in device order under `budget` (devices that stage nothing left out)."""
-    return {device: value for device, f in sorted(footprints(plan).items()) if (value := run_peak(f, budget, align))}
+    return {device: value for device, f in sorted((prints or footprints(plan)).items()) if (value := run_peak(f, budget, align))}
 
 
 def stated_staging(plan: "Plan", limit_bytes: int) -> "Staging":
