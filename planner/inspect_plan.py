@@ -90,10 +90,11 @@ class _Wire:
         return (group[0] if len(group) == 1 else known[0]), known[1], known[2]
 
 
-def plan_loads(plan: Plan) -> PlanLoads:
+def plan_loads(plan: Plan, wire: _Wire | None = None) -> PlanLoads:
     """Cross-host bytes per host: every message of every operation (`schemas.op_kinds.pair_bytes`), in its tensor's
-    itemsize; the bundles of one shared message (`schemas.carriers`) as the one bundle they are on the wire."""
-    host, wire = plan.problem.cluster.host_of, _Wire(plan)
+    itemsize; the bundles of one shared message (`schemas.carriers`) as the one bundle they are on the wire. `wire`:
+    the plan's routes, where the caller shares them (`_Wire`)."""
+    host, wire = plan.problem.cluster.host_of, wire or _Wire(plan)
     loads = PlanLoads()
     adds: dict[tuple, list] = {}  # a distinct group's calls of `loads.add`, in order
     for group in message_groups(plan.operations):
@@ -211,9 +212,9 @@ class RelayLoad:
     shared: bool = False  # some bundles share one cross-host message
 
 
-def relay_load(plan: Plan) -> RelayLoad | None:
-    """`RelayLoad` from the plan's own operations; None where it has no bundle."""
-    host, wire = plan.problem.cluster.host_of, _Wire(plan)
+def relay_load(plan: Plan, wire: _Wire | None = None) -> RelayLoad | None:
+    """`RelayLoad` from the plan's own operations; None where it has no bundle. `wire`: as for `plan_loads`."""
+    host, wire = plan.problem.cluster.host_of, wire or _Wire(plan)
     bundles = messages = cross = gathered = scattered = gathers = scatters = 0
     port_in: dict[int, int] = {}
     port_out: dict[int, int] = {}
@@ -261,11 +262,11 @@ def timed_by_line(plan: Plan) -> list[str]:
             f"rates shared between messages{also}"]
 
 
-def relay_line(plan: Plan) -> list[str]:
+def relay_line(plan: Plan, wire: _Wire | None = None) -> list[str]:
     """`relay_load` as a line of `inspect`: a bundle crosses hosts at the host's NICs together but is gathered into
     and scattered from one device each side, through that device's port, so where the port is slower than the NICs
     a relay's gathers take longer than its message, and bundles back to back leave the NIC side waiting for them."""
-    load = relay_load(plan)
+    load = relay_load(plan, wire)
     if load is None:
         return []
     cluster = plan.problem.cluster
@@ -507,7 +508,8 @@ def staging_summary(plan: Plan) -> str:
 
 def summarize(plan: Plan, show_tasks: bool = False, show_ops: bool = False, show_orders: bool = False) -> str:
     p = plan.problem
-    loads = plan_loads(plan)
+    wire = _Wire(plan)  # routes computed once for the loads and the relays
+    loads = plan_loads(plan, wire)
     cluster = p.cluster
     lines = [
         f"plan {p.name or '(unnamed)'}: schema {plan.schema_version}, {plan.generator}",
@@ -533,7 +535,7 @@ def summarize(plan: Plan, show_tasks: bool = False, show_ops: bool = False, show
     lines.append(message_cost_line(plan, loads))
     lines.append(gap_line(plan, loads))
     lines.append(nic_trace_line(plan, loads))
-    lines += relay_line(plan)
+    lines += relay_line(plan, wire)
     lines += staging_lines(plan)
     if show_orders:
         lines += order_lines(plan)

@@ -11,7 +11,6 @@ A dim of length n split into d shards uses chunk c = ceil(n / d); shard k covers
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -38,7 +37,12 @@ def region_shape(region: Region) -> tuple[int, ...]:
 
 
 def region_size(region: Region) -> int:
-    return math.prod(region_shape(region))
+    """Elements in a box (1 for a box of no dims): a loop, not `math.prod(region_shape(...))`, as every staging figure
+    and route asks it of every part."""
+    n = 1
+    for start, stop in region:
+        n *= stop - start
+    return n
 
 
 def intersect(a: Region, b: Region) -> Region | None:

@@ -625,3 +625,17 @@ def test_compile_to_a_device_verifies_a_private_copy_of_the_bytes_it_writes(monk
     result = run_cli("compile", ROOT / "plans" / "weight_sync_small.problem.toml", "--format", "compact", "-o", "/dev/null")
     assert result.exit_code == 0, result.output
     assert len(verified) == 1 and verified[0] == compact_bytes(read_plan_file(ROOT / "plans" / "weight_sync_small.plan.json"))
+
+
+def test_repeated_layouts_read_back_as_one_object_each(tmp_path, monkeypatch):
+    """A whole compact plan read back gives the operations of a model's repeated layers the same box and device
+    objects (one per distinct value, also across the chunks the reader decodes at a time), so that what `inspect`
+    and the staging model compute per distinct operation is computed once; the plan is the one written."""
+    from xmesh_plan.schemas import plan_compact
+
+    plan = read_plan_file(ROOT / "plans" / "weight_sync_small.plan.json")
+    monkeypatch.setattr(plan_compact, "CHUNK_ROWS", 7)  # many chunks
+    back = _round_trip(plan, tmp_path)
+    for field in ("dsts", "region", "parts", "holders", "needers"):
+        values = [getattr(op, field) for op in back.operations]
+        assert len({id(v) for v in values}) == len(set(values)) < len(values), field
