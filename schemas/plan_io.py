@@ -100,7 +100,7 @@ def _compact(path: str | os.PathLike, read: Callable, *args: Any, handle: Binary
 
 _PROBLEM = TypeAdapter(AnyProblem)
 _RECORDS = {"operations": lambda rows, integral: _operations(rows, integral),
-            "tasks": lambda rows, integral: map(UnitTask.model_validate, rows),
+            "tasks": lambda rows, integral: _tasks(rows, integral),
             "host_order": lambda rows, integral: map(HostOrder.model_validate, rows)}
 """table -> the records of a chunk of a compact file's rows (`read_compact_data`): operations as they are read, so that
 the boxes and devices a model's repeated layers share stay one object each (`_operations`)."""
@@ -135,6 +135,29 @@ def _operations(ops: list[dict], integral: bool) -> tuple[Operation, ...]:
     if integral and all(map(_valid_as_read, ops)):
         return tuple(map(_trusted_operation, ops))
     return tuple(Operation.model_validate(op) for op in ops)
+
+
+_TASK_STRATEGIES = frozenset(get_args(UnitTask.model_fields["strategy"].annotation))
+_TASK_MINIMA = tuple((name, g.ge) for name, f in UnitTask.model_fields.items() for g in f.metadata if hasattr(g, "ge"))
+_TASK_FIELDS = frozenset(UnitTask.model_fields)
+
+
+def _tasks(rows: list[dict], integral: bool) -> list[UnitTask]:
+    """The rows of a compact file's task table as records, as `_operations` makes operations: as read (their boxes and
+    devices shared between a model's repeated layers) where the file stores integers as integers and every row's
+    strategy is known and its bounded fields within bounds, else validated one by one."""
+    if integral and all(row["strategy"] in _TASK_STRATEGIES and all(row[name] is None or row[name] >= least
+                                                                   for name, least in _TASK_MINIMA) for row in rows):
+        out = []
+        for row in rows:
+            record = UnitTask.__new__(UnitTask)
+            object.__setattr__(record, "__dict__", row)
+            object.__setattr__(record, "__pydantic_fields_set__", set(_TASK_FIELDS))
+            object.__setattr__(record, "__pydantic_extra__", None)
+            object.__setattr__(record, "__pydantic_private__", None)
+            out.append(record)
+        return out
+    return [UnitTask.model_validate(row) for row in rows]
 
 
 def file_format(path: str | os.PathLike) -> str:

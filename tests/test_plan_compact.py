@@ -636,6 +636,25 @@ def test_repeated_layouts_read_back_as_one_object_each(tmp_path, monkeypatch):
     plan = read_plan_file(ROOT / "plans" / "weight_sync_small.plan.json")
     monkeypatch.setattr(plan_compact, "CHUNK_ROWS", 7)  # many chunks
     back = _round_trip(plan, tmp_path)
-    for field in ("dsts", "region", "parts", "holders", "needers"):
-        values = [getattr(op, field) for op in back.operations]
-        assert len({id(v) for v in values}) == len(set(values)) < len(values), field
+    for table, fields in (("operations", ("dsts", "region", "parts", "holders", "needers")),
+                          ("tasks", ("region", "senders", "receivers", "receiver_hosts"))):
+        for field in fields:
+            values = [getattr(row, field) for row in getattr(back, table)]
+            assert len({id(v) for v in values}) == len(set(values)) < len(values), (table, field)
+    for task in back.tasks:  # records as validation makes them, with the same fields set
+        again = UnitTask.model_validate({field: getattr(task, field) for field in UnitTask.model_fields})
+        assert task == again and task.model_fields_set == again.model_fields_set
+    constraints = {type(c).__name__ for field in UnitTask.model_fields.values() for c in field.metadata}
+    assert constraints == {"Strict", "Ge"}  # what `plan_io._tasks` checks besides the strategy
+
+
+def test_a_task_of_an_unknown_strategy_is_refused_naming_it(tmp_path):
+    """A task table whose strategy names no strategy is refused by the whole plan's read, naming the field."""
+    plan = read_plan_file(ROOT / "plans" / "weight_sync_small.plan.json")
+    arrays = compact_arrays(plan)
+    arrays["tasks.strategy.names"] = np.frombuffer(b'["teleport"]', dtype=np.uint8)
+    path = tmp_path / "bad.plan.npz"
+    path.write_bytes(archive_bytes(arrays))
+    with pytest.raises(PlanFileError) as err:
+        read_plan_file(path)
+    assert "\n" not in str(err.value) and "strategy" in str(err.value), str(err.value)
