@@ -550,11 +550,11 @@ def test_maker_refuses_a_class_whose_slots_are_not_its_fields():
 
 
 def test_what_a_paused_collector_block_made_is_in_the_oldest_generation_after_it():
-    """`passes.collector_paused`: the collector is off in the block and back on after it, and the objects the block
+    """`plan_file.collector_paused`: the collector is off in the block and back on after it, and the objects the block
     made are moved to the oldest generation, so the next young collection does not walk a rank's 10^6 steps."""
     import gc
 
-    from xmesh_plan.executor.passes import collector_paused
+    from xmesh_plan.executor.plan_file import collector_paused
 
     assert gc.isenabled()
     thresholds = gc.get_threshold()
@@ -592,11 +592,11 @@ def test_maker_refuses_a_class_with_post_init():
 
 
 def test_a_paused_collector_block_keeps_what_the_caller_froze():
-    """`passes.collector_paused` leaves `gc.freeze`'s permanent generation as the caller left it (the pre-fork
+    """`plan_file.collector_paused` leaves `gc.freeze`'s permanent generation as the caller left it (the pre-fork
     copy-on-write idiom freezes everything before forking workers)."""
     import gc
 
-    from xmesh_plan.executor.passes import collector_paused
+    from xmesh_plan.executor.plan_file import collector_paused
 
     kept = [[k] for k in range(100)]
     gc.freeze()
@@ -612,12 +612,12 @@ def test_a_paused_collector_block_keeps_what_the_caller_froze():
 
 
 def test_garbage_made_before_a_paused_collector_block_goes_in_a_young_collection_after_it():
-    """`passes.collector_paused` does not promote the caller's young cyclic garbage to the oldest generation, where
+    """`plan_file.collector_paused` does not promote the caller's young cyclic garbage to the oldest generation, where
     only a full collection (which may not come for a long time) would free it."""
     import gc
     import weakref
 
-    from xmesh_plan.executor.passes import collector_paused
+    from xmesh_plan.executor.plan_file import collector_paused
 
     class Node:
         def __init__(self):
