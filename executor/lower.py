@@ -978,7 +978,7 @@ def lower_device_ops(ops: DeviceOps, device: int, tag_limit: int | None = None, 
         check_device_ops(ops)
     except PlanError as err:
         raise PlanMismatchError(refusal_advice(str(err))) from None
-    return _lower(ops, device, tag_limit, [(p.blocks("src").get(device), p.blocks("dst").get(device))
+    return _lower(ops, device, tag_limit, [(p.block_of("src", device), p.block_of("dst", device))
                                            for p in ops.problem.tensor_problems()], collectives, share)
 
 

@@ -162,12 +162,13 @@ def read_plan_ops(path: str | os.PathLike, device: int | None, handle: BinaryIO 
         shared = shared_ids(operations, rows, lambda after: [every[r].carrier if r < len(every) else None for r in after])
         return DeviceOps(plan.schema_version, plan.problem, operations, rows, tuple(first[i] for i in rows), tags, plan.staging,
                          shared)
-    fields, ops, rows, first_tags, tags, integral, carrier_after = _compact(path, read_device_data, device, handle=handle)
+    given = head is not None and handle is not None  # the problem and staging `head` read of `handle`
+    fields, ops, rows, first_tags, tags, integral, carrier_after = _compact(path, read_device_data, device, not given, handle=handle)
     version = fields.get("schema_version")
     if version not in SCHEMA_VERSIONS:
         plan_from_data(fields, path)  # the one-line message a whole-plan read gives
     try:
-        if head is not None and handle is not None:
+        if given:
             problem, staging = head.problem, head.staging
         else:
             problem = _PROBLEM.validate_python(fields.get("problem"))
