@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import stat
+from operator import itemgetter
 from typing import Any, BinaryIO, Callable, get_args
 
 from pydantic import TypeAdapter, ValidationError
@@ -107,10 +108,16 @@ _OP_MINIMA = tuple((name, g.ge) for name, f in Operation.model_fields.items() fo
 _OP_FIELDS = frozenset(Operation.model_fields)
 
 
-def _valid_as_read(op: dict) -> bool:
-    """What validating an operation read from a compact file whose integers are integers (`stores_integers`) checks:
-    its kind is known and its bounded fields (`ge`) are within bounds where given."""
-    return op["kind"] in _OP_KINDS and all(op[name] is None or op[name] >= least for name, least in _OP_MINIMA)
+def _valid_as_read(ops: list[dict]) -> bool:
+    """What validating each operation of `ops`, read from a compact file whose integers are integers (`stores_integers`),
+    checks: its kind is known and its bounded fields (`ge`) are within bounds where given; a field at a time."""
+    if not set(map(itemgetter("kind"), ops)) <= _OP_KINDS:
+        return False
+    for name, least in _OP_MINIMA:
+        given = [value for value in map(itemgetter(name), ops) if value is not None]
+        if given and min(given) < least:
+            return False
+    return True
 
 
 def _trusted_operation(op: dict) -> Operation:
@@ -128,7 +135,7 @@ def _trusted_operation(op: dict) -> Operation:
 def _operations(ops: list[dict], integral: bool) -> tuple[Operation, ...]:
     """The rows `ops` of a compact file as records: checked all at once where the file stores integers as integers
     (`integral`) and every row passes `_valid_as_read`, else validated one by one (whose first error is the message)."""
-    if integral and all(map(_valid_as_read, ops)):
+    if integral and _valid_as_read(ops):
         return tuple(map(_trusted_operation, ops))
     return tuple(Operation.model_validate(op) for op in ops)
 
