@@ -444,7 +444,7 @@ class _Tensor:
     shards: TensorShards
     ndim: int
     writes: _Writes = field(init=False)
-    received: list[tuple[Operation, Region]] = field(default_factory=list)
+    received: list[tuple[Operation, Sequence[Region]]] = field(default_factory=list)  # (operation, the boxes it brought)
     received_elements: int = 0  # the elements of the boxes in `received`, counted as they arrive
 
     def __post_init__(self) -> None:
@@ -527,7 +527,7 @@ class _Builder:
         """This device receives `box` of its destination shard (written by `steps`); `lower` checks at the end that
         nothing arrived twice."""
         region, tensor = box.region, self.tensor
-        tensor.received.append((op, region))
+        tensor.received.append((op, (region,)))
         tensor.received_elements += box.nbytes // self.itemsize
         for step in steps:
             self.writes.add(region, step, op.end_s)
@@ -539,11 +539,12 @@ class _Builder:
         if block is None or tensor.received_elements <= region_size(block):
             return
         seen = _Writes(tensor.ndim)
-        for op, region in tensor.received:
-            earlier = seen.overlapping(region)
-            if earlier:
-                self.fail(op, f"device {self.device} receives {format_region(earlier[0][0])} a second time")
-            seen.add(region, 0, 0.0)
+        for op, regions in tensor.received:
+            for region in regions:
+                earlier = seen.overlapping(region)
+                if earlier:
+                    self.fail(op, f"device {self.device} receives {format_region(earlier[0][0])} a second time")
+                seen.add(region, 0, 0.0)
 
     def outgoing(self, op: Operation, box: Box, deps: tuple[int, ...]) -> tuple[Bytes, tuple[int, ...]]:
         """Where the bytes of `box` are sent from: the shard itself, or staging after a pack step."""
@@ -942,7 +943,7 @@ def _staged_parts(b: _Builder, op: Operation, parts: tuple[int, ...], places: Se
         made.append(index)
     if unpack:  # recorded as `_Builder.record` does, a list at a time
         mine = [regions[i] for i in parts]
-        tensor.received += zip(repeat(op), mine)
+        tensor.received.append((op, mine))
         tensor.writes.regions += mine
         tensor.writes.steps += made
         tensor.writes.ends += repeat(op.end_s, len(mine))
