@@ -40,11 +40,14 @@ def _plain_boxes(values: Any) -> tuple[Region, ...] | None:
     if not (set(map(type, pairs)) <= _PAIR_TYPES and set(map(len, pairs)) <= _TWO and set(map(type, chain.from_iterable(pairs))) <= _INT):
         return None
     boxes = list(map(tuple, map(map, repeat(tuple), values)))  # each box a tuple of (start, stop) tuples
-    known: dict[Region, Region] = {}  # each distinct box kept once: a mesh's devices repeat a few (memory, not time)
-    return tuple(map(known.setdefault, boxes, boxes))
+    if len(_KNOWN) > _KNOWN_MOST:
+        _KNOWN.clear()
+    return tuple(map(_KNOWN.setdefault, boxes, boxes))
 
 
 _PAIR_TYPES, _TWO, _INT = frozenset(_PAIRS), frozenset({2}), frozenset({int})
+_KNOWN: dict[Region, Region] = {}  # each distinct box made so far, kept once: a mesh's devices and a model's layers repeat a
+_KNOWN_MOST = 1 << 16  # few (a large problem's header holds 10^5 boxes as tens of MiB of tuples otherwise); let go past this
 
 
 def box_field(value: Any) -> Region:
