@@ -33,21 +33,37 @@ MAX_BOX_CELLS = 2**24  # cells of the grid a box layout's coverage check cuts (a
 def _plain_boxes(values: Any) -> tuple[Region, ...] | None:
     """`values` as boxes when each is a list or tuple of [start, stop] lists or tuples of plain ints (what `box_field`
     takes it as), else None: the common case, its types and lengths checked a level at a time by C loops (`map`,
-    `set`) and each box made by one (a problem lists 10^5-10^6 boxes)."""
+    `set`) and each box made by one (a problem lists 10^5-10^6 boxes); a list equal to one made before, int for int
+    (a model's layers' scale tensors repeat a few), is that one's boxes."""
+    global _listed_ints
     if not set(map(type, values)) <= _PAIR_TYPES:
         return None
     pairs = list(chain.from_iterable(values))
-    if not (set(map(type, pairs)) <= _PAIR_TYPES and set(map(len, pairs)) <= _TWO and set(map(type, chain.from_iterable(pairs))) <= _INT):
+    if not (set(map(type, pairs)) <= _PAIR_TYPES and set(map(len, pairs)) <= _TWO):
         return None
+    flat = tuple(chain.from_iterable(pairs))
+    if not set(map(type, flat)) <= _INT:
+        return None
+    key = (tuple(map(len, values)), flat)
+    made = _LISTS.get(key)
+    if made is not None:
+        return made
     boxes = list(map(tuple, map(map, repeat(tuple), values)))  # each box a tuple of (start, stop) tuples
-    if len(_KNOWN) > _KNOWN_MOST:
+    if len(_KNOWN) > _KNOWN_MOST or _listed_ints + len(flat) > _LISTED_MOST:
         _KNOWN.clear()
-    return tuple(map(_KNOWN.setdefault, boxes, boxes))
+        _LISTS.clear()
+        _listed_ints = 0
+    made = _LISTS[key] = tuple(map(_KNOWN.setdefault, boxes, boxes))
+    _listed_ints += len(flat)
+    return made
 
 
 _PAIR_TYPES, _TWO, _INT = frozenset(_PAIRS), frozenset({2}), frozenset({int})
 _KNOWN: dict[Region, Region] = {}  # each distinct box made so far, kept once: a mesh's devices and a model's layers repeat a
 _KNOWN_MOST = 1 << 16  # few (a large problem's header holds 10^5 boxes as tens of MiB of tuples otherwise); let go past this
+_LISTS: dict[tuple, tuple[Region, ...]] = {}  # (each box's dims, its ints in order) -> the boxes made of a list
+_LISTED_MOST = 1 << 20  # ints `_LISTS` keys hold at most (8 MiB of references) before it is let go
+_listed_ints = 0
 
 
 def box_field(value: Any) -> Region:

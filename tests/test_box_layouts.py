@@ -250,3 +250,19 @@ def test_a_box_list_mixing_pairs_and_offset_size_boxes_gives_each_box_as_pairs()
     boxes = TypeAdapter(Boxes).validate_python([[[0, 4], [0, 8]], {"offset": [4, 0], "size": [4, 8]}, ((0, 4), (0, 8))])
     assert boxes == (((0, 4), (0, 8)), ((4, 8), (0, 8)), ((0, 4), (0, 8)))
     assert all(type(pair) is tuple for box in boxes for pair in box)
+
+
+def test_a_box_list_equal_by_value_to_one_taken_before_but_not_of_ints_is_still_refused():
+    """A box list equal to one validated before gives that one's boxes (`boxes._LISTS`, a model's scale tensors repeat
+    a few lists), but only where its values are plain ints as well: 4.0 and True equal 4 and 1, and are refused."""
+    from pydantic import TypeAdapter
+
+    from xmesh_plan.schemas.boxes import Boxes
+
+    boxes = TypeAdapter(Boxes)
+    first = boxes.validate_python([[[0, 4], [0, 1]], [[4, 8], [0, 1]]])
+    assert boxes.validate_python([[[0, 4], [0, 1]], [[4, 8], [0, 1]]]) is first
+    for bad in ([[[0, 4.0], [0, 1]], [[4, 8], [0, 1]]], [[[0, 4], [0, True]], [[4, 8], [0, 1]]]):
+        with pytest.raises(ValidationError, match="is not a box"):
+            boxes.validate_python(bad)
+    assert boxes.validate_python([[[0, 4]], [[0, 1]], [[4, 8]], [[0, 1]]]) == (((0, 4),), ((0, 1),), ((4, 8),), ((0, 1),))
