@@ -817,10 +817,11 @@ def _relay_layout(b: _Builder, group: Sequence[Operation], align: int, sending: 
     sizes = [b.part_sizes(op) for op in group]
     gathers, scatters = group_runs(group)
     every = tuple((m, i) for m, op in enumerate(group) for i in range(len(op.parts)))
-    where = piece_layout(every, sizes, align)[0]
+    layout = piece_layout(every, sizes, align)
+    where = layout[0]
     place = dict(zip(every, where))
     runs = gathers if sending else scatters
-    (message, staged), areas = relay_areas(runs, sizes, align)
+    (message, staged), areas = relay_areas(runs, sizes, align, every, layout)
     side = aligned(message, align)
     peers = []
     for (d, pieces), (local, nbytes, inside) in zip(runs, areas):
@@ -829,7 +830,9 @@ def _relay_layout(b: _Builder, group: Sequence[Operation], align: int, sending: 
             peers.append((d, tag, inside, nbytes, ()))
             continue
         start = aligned(side, align) if nbytes else side
-        moves = tuple((start + lo, sum(sizes[m][i] for m, i in pieces[k0:k1]), place[pieces[k0]]) for k0, k1, lo in _runs_of(pieces, local))
+        # a run is consecutive parts of one member, one after another in the side area: its bytes end where its last part does
+        moves = tuple((start + lo, local[k1 - 1] + sizes[pieces[k1 - 1][0]][pieces[k1 - 1][1]] - lo, place[pieces[k0]])
+                      for k0, k1, lo in _runs_of(pieces, local))
         peers.append((d, tag, start, nbytes, moves))
         side = start + nbytes
     members, k = [], 0
