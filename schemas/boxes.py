@@ -59,8 +59,8 @@ def _plain_boxes(values: Any) -> tuple[Region, ...] | None:
 
 
 _PAIR_TYPES, _TWO, _INT = frozenset(_PAIRS), frozenset({2}), frozenset({int})
-_KNOWN: dict[Region, Region] = {}  # each distinct box made so far, kept once: a mesh's devices and a model's layers repeat a
-_KNOWN_MOST = 1 << 16  # few (a large problem's header holds 10^5 boxes as tens of MiB of tuples otherwise); let go past this
+_KNOWN: dict[Region, Region] = {}  # each distinct box made so far, kept once (a mesh's devices and a model's layers repeat a few)
+_KNOWN_MOST = 1 << 16  # distinct boxes `_KNOWN` holds at most before it is let go
 _LISTS: dict[tuple, tuple[Region, ...]] = {}  # (each box's dims, its ints in order) -> the boxes made of a list
 _LISTED_MOST = 1 << 20  # ints `_LISTS` keys hold at most (8 MiB of references) before it is let go
 _listed_ints = 0
