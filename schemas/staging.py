@@ -208,6 +208,53 @@ def device_runs(footprints: Sequence[Footprint], budget: int | None, align: int 
     return [run for run, _ in device_layout(footprints, budget, align)]
 
 
+def window_layout(sizes: Sequence[int], budget: int, align: int = 1) -> list[tuple[int, tuple[int, ...]]]:
+    """(first staging byte, the earlier operations it waits for) of each of a device's operations (their staged bytes
+    `sizes`, in plan order) posted within a staging window of `budget` bytes: staging is a ring of `budget` bytes, each
+    operation's range after the one before (at a multiple of `align`), back at byte 0 when it would run past the end;
+    an operation waits for the earlier ones whose ranges it overlaps (and, at a wrap, those past its end) to finish on
+    this device, so no two unfinished operations share a byte. An operation larger than the budget starts at 0 once
+    everything before it has finished, alone. One that stages nothing waits for nothing (indices into `sizes`).
+
+    Deadlock-free: an operation waits only for earlier ones of the device (and for its data, from earlier ones), and
+    every device takes the plan's one order, so the earliest unfinished operation of the plan waits for nothing.
+
+    >>> window_layout([4, 4, 0, 4, 8], budget=8)
+    [(0, ()), (4, ()), (0, ()), (0, (0,)), (0, (1, 3))]
+    """
+    out: list[tuple[int, tuple[int, ...]]] = []
+    live: list[tuple[int, int, int]] = []  # (first byte, end, operation) of those not yet overlapped, oldest first
+    head, at = 0, 0  # live[head:] are live; the next range starts at `at`
+    for k, nbytes in enumerate(sizes):
+        if not nbytes:
+            out.append((0, ()))
+            continue
+        start = aligned(at, align)
+        waits: list[int] = []
+        if start and start + nbytes > budget:  # back to byte 0: what lies past here goes first
+            while head < len(live) and live[head][0] >= at:
+                waits.append(live[head][2])
+                head += 1
+            start = 0
+        end = start + nbytes
+        while head < len(live) and live[head][0] < end and live[head][1] > start:
+            waits.append(live[head][2])
+            head += 1
+        live.append((start, end, k))
+        if head > 1024 and 2 * head > len(live):
+            del live[:head]
+            head = 0
+        out.append((start, tuple(sorted(waits))))
+        at = end
+    return out
+
+
+def window_peak(sizes: Sequence[int], budget: int, align: int = 1) -> int:
+    """The staging a device needs posted within a window of `budget` bytes (`window_layout`): at most the larger of the
+    budget and its largest operation's staging."""
+    return max((start + n for (start, _), n in zip(window_layout(sizes, budget, align), sizes) if n), default=0)
+
+
 def run_peak(footprints: Sequence[Footprint], budget: int | None, align: int = 1) -> int:
     """The largest staging of one run, padding included: what a device needs in device order."""
     return max((start + nbytes for (_, start), (_, nbytes) in zip(device_layout(footprints, budget, align), footprints)
