@@ -412,10 +412,15 @@ def executor_line(plan: Plan) -> list[str]:
         return []
     stated = plan.executor_prediction
     if stated is None:
-        return [f"predicted {executor_order(plan.staging is not None)} (the executor's default order for this plan): not stated; "
+        return [f"predicted {_order_name(plan, executor_order())} (the executor's default order for this plan): not stated; "
                 "`xmesh-plan check --simulate` times it (`inspect --orders`: under every order)"]
-    return [f"predicted {stated.order} (the executor's default order for this plan): {stated.predicted_seconds:.4f} s, "
+    return [f"predicted {_order_name(plan, stated.order)} (the executor's default order for this plan): {stated.predicted_seconds:.4f} s, "
             f"{_over(stated.predicted_seconds, plan.lower_bound_seconds)} the bound"]
+
+
+def _order_name(plan: Plan, order: str) -> str:
+    """`order`, saying so where posted keeps within the plan's staging limit (`executor.window`)."""
+    return f"{order} within the staging limit" if order == "posted" and plan.staging is not None else order
 
 
 def executor_summary(plan: Plan) -> str:
@@ -426,7 +431,7 @@ def executor_summary(plan: Plan) -> str:
     if stated is None:
         return ""
     timetable = " (the schedule's timetable)" if plan.solver.details.get("timed_by", "").startswith("schedule") else ""
-    return (f" in host order{timetable}, {stated.predicted_seconds:.4f} s {stated.order} (the executor's default order, "
+    return (f" in host order{timetable}, {stated.predicted_seconds:.4f} s {_order_name(plan, stated.order)} (the executor's default order, "
             f"{_over(stated.predicted_seconds, plan.lower_bound_seconds)} the bound)")
 
 

@@ -684,7 +684,7 @@ class _Lowering:
         self.last_ids: dict[int, tuple[int, ...]] = {}  # `same`: the last dependencies of each length a flow was given
         self.window = window  # window: group head -> device -> the earlier heads it waits for there (`window_waits`)
         self.window_done: dict[tuple[int, int], tuple[list[int], list[int]]] = {}  # window: (head, device) -> its flows
-        # into the device and out of it, kept until the operation that waits for them is added
+        # into the device and out of it, where it stages (later operations wait for them)
 
     def hop(self, op: Operation, a: int, b: int, nbytes: float, after: list[int], after_sent: list[int] = ()) -> list[int]:
         """One message from device a to device b; returns its flow ids (one per NIC it is striped over).
@@ -800,7 +800,7 @@ class _Lowering:
         """Drop what only adding operations needs (what each task delivered where, each NIC side's last operations,
         device runs, ...): a run needs the flows, and `op_times` and `renumbered_only` what they read."""
         for state in (self.delivered, self.last_on, self.turn, self.scattered, self.runs, self.posted_when, self.lane_cache,
-                      self.sums, self.chains, self.queues):
+                      self.sums, self.chains, self.queues, self.window_done):
             state.clear()
 
     def add_in_device_order(self, op: Operation) -> None:
@@ -850,7 +850,7 @@ class _Lowering:
         for d, earlier in waits.items():
             arrived, left = [], []
             for j in earlier:
-                into, out = done.pop((j, d))
+                into, out = done[(j, d)]
                 arrived += into
                 left += out
             if arrived or left:
