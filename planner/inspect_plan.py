@@ -420,7 +420,7 @@ def executor_line(plan: Plan) -> list[str]:
 
 def _order_name(plan: Plan, order: str) -> str:
     """`order`, saying so where posted keeps within the plan's staging limit (`executor.window`)."""
-    return f"{order} within the staging limit" if order == "posted" and plan.staging is not None else order
+    return f"{order} within the staging limit" if order == "posted" and plan.staging is not None else order  # `executor.window`
 
 
 def executor_summary(plan: Plan) -> str:
@@ -452,8 +452,11 @@ def _peak(peaks: dict[int, int]) -> str:
 
 
 def staging_lines(plan: Plan) -> list[str]:
-    """The largest staging area on one device in each executor order (`schemas.staging`), and the plan's stated limit."""
-    shown = "; ".join(f"{order} order {_peak(staging_peaks(plan, order))}" for order in ("device", "posted"))
+    """The largest staging area on one device in each executor order (`schemas.staging`; posted within a stated limit's
+    window), and the plan's stated limit."""
+    within = " within the limit" if plan.staging is not None else ""
+    shown = "; ".join(f"{order} order{within if order == 'posted' else ''} {_peak(staging_peaks(plan, order))}"
+                      for order in ("device", "posted"))
     lines = [f"staging per device (boxes that are not one run of a shard): {shown}"]
     if plan.staging is not None:
         stated = plan.staging

@@ -222,7 +222,7 @@ def test_compile_verify_and_inspect_state_the_limit(tmp_path):
     assert re.search(r"staging at most [\d.]+ KiB per device \(device order, limit 16.0 KiB\)", result.output), result.output
     assert "stated staging right" in runner.invoke(main, ["verify", str(out)]).output
     text = runner.invoke(main, ["inspect", str(out)]).output
-    assert re.search(r"device order [\d.]+ KiB \(device \d+; \d+ devices? stage\); posted order", text), text
+    assert re.search(r"device order [\d.]+ KiB \(device \d+; \d+ devices? stage\); posted order within the limit [\d.]+ KiB", text), text
     assert "stated staging: limit 16.0 KiB per device (--max-staging-mb 0.015625)" in text, text
     assert read_plan_file(out).to_json() == compile_plan(load_any_problem(SMALL), solver="greedy", max_staging_bytes=SMALL_LIMIT).to_json()
 
