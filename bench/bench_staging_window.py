@@ -5,7 +5,7 @@ W bytes per device (`planner.simulate.window_waits`), over the byte bound, with 
     .venv/bin/python -m bench.bench_staging_window
     .venv/bin/python -m bench.bench_staging_window --cut weight_sync_deepseek_v3:4 --window-mb 1024
 
-Writes bench/results/staging_window.json (a point measured again replaces its row).
+Writes bench/results/staging_window.json (a point measured again replaces its row), then remakes BENCHMARKS.md.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import tomllib
 import click
 
 from bench.bench_frontier import problem_text
-from bench.report import RESULTS, write_json
+from bench.report import RESULTS, update_benchmarks_doc, write_json
 from xmesh_plan.planner.compile import compile_plan
 from xmesh_plan.planner.simulate import nic_assignment, simulate, staging_runs
 from xmesh_plan.planner.transfer_io import build_transfer
@@ -69,6 +69,7 @@ def main(cuts: tuple[str, ...], windows: tuple[int, ...]) -> None:
             print(json.dumps(row), flush=True)
             rows = [r for r in rows if (r["problem"], r["layers"], r["window_mib"]) != (name, int(layers), w)] + [row]
             write_json("staging_window.json", {"command": COMMAND, "points": rows})
+    update_benchmarks_doc()
 
 
 if __name__ == "__main__":
