@@ -470,7 +470,8 @@ def staging_summary(plan: Plan) -> str:
     if plan.staging is None:
         return ""
     top = max(plan.staging.peak_bytes.values(), default=0)
-    return f"; staging at most {_bytes(top)} per device ({plan.staging.order} order, limit {_bytes(plan.staging.limit_bytes)})"
+    posted = ", the limit posted (the MPI engine's default order)" if is_multi(plan) else ""  # `executor.window`
+    return f"; staging at most {_bytes(top)} per device ({plan.staging.order} order, limit {_bytes(plan.staging.limit_bytes)}){posted}"
 
 
 def summarize(plan: Plan, show_tasks: bool = False, show_ops: bool = False, show_orders: bool = False) -> str:
