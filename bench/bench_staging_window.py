@@ -50,7 +50,7 @@ def point(name: str, layers: int, window_mib: int) -> dict:
     return {"problem": name, "layers": layers, "window_mib": window_mib, "operations": len(plan.operations),
             "compile_cpu_s": round(compile_s, 1), "predicted_over_bound": plan.predicted_seconds / plan.lower_bound_seconds,
             "posted_over_bound": posted, "device_over_bound": device, "window_over_bound": window,
-            "posted_mib": max(staging_peaks(plan, "posted").values(), default=0) / 2**20,
+            "posted_mib": max(staging_peaks(plan.model_copy(update={"staging": None}), "posted").values(), default=0) / 2**20,
             "device_mib": max(staging_peaks(plan, "device").values(), default=0) / 2**20,
             "window_mib_peak": peak / 2**20,
             "simulate_cpu_s": {"posted": round(posted_s, 1), "device": round(device_s, 1), "window": round(window_s, 1)}}
