@@ -13,6 +13,8 @@ operation at once, each operation's staging after the one before. The passes the
   group lowering: each message a broadcast in a group of two, each move a copy inside staging).
 - `lower.in_device_order`: each operation's messages wait for the device's earlier operations, and
   staging is re-used run after run.
+- `window.in_window`: posted, where the plan states a staging limit: each operation's staging is a range of a
+  ring of the limit's bytes, and its messages wait for the earlier operations it overlaps there.
 - `one_tensor_at_a_time`: every tensor's steps after the previous tensor's, each tensor's staging from
   byte 0 (for engines that do not run several reshards in flight, posted).
 
@@ -35,6 +37,7 @@ from xmesh_plan.schemas.staging import aligned, stage_budget
 
 from .lower import Action, Bytes, RankProgram, Step, in_device_order, stage_ranges
 from .plan_file import PlanFile, collector_paused, lower_part
+from .window import in_window
 
 
 def rank_program(plan: Plan | PlanFile, device: int, order: str, concurrent: bool, tag_limit: int | None = None,
@@ -63,6 +66,8 @@ def _rank_program(plan: Plan | PlanFile, device: int, order: str, concurrent: bo
         program = in_device_order(program, stage_budget(plan), program.align, carriers)
         if receipt_bytes is not None:
             program = with_receipts(program, receipt_bytes)
+    elif stage_budget(plan) is not None:  # posted within the plan's staging limit
+        program = in_window(program, stage_budget(plan), program.align, carriers)
     return program
 
 
