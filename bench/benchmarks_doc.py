@@ -420,8 +420,31 @@ def staging_default_mib() -> str:
 def _staging_row(title: str, flags: str, r: dict) -> list:
     bound = "-" if r["predicted_over_bound"] is None else x(r["predicted_over_bound"], 3)
     executed = "-" if r["executor_over_bound"] is None else x(r["executor_over_bound"], 3)
+    device = "-" if r.get("device_over_bound") is None else x(r["device_over_bound"], 3)
+    order = r["executor_order"] + (" within the limit" if r["limit_mib"] is not None and r["executor_order"] == "posted" else "")
     return [title, flags, f"{r['operations']:,}", f"{r['compile_cpu_s']:.1f}", "-" if r["limit_mib"] is None else f"{r['limit_mib']:g}",
-            bound, r["executor_order"], executed, f"{r['staging_mib']:,.1f}"]
+            bound, order, executed, f"{r['staging_mib']:,.1f}", device]
+
+
+def staging_window() -> str:
+    """Each cut under a window of 1024 and 256 MiB: posted, posted within the window and device order (bench/bench_staging_window.py)."""
+    if not (RESULTS / "staging_window.json").exists():
+        return ""
+    data = load("staging_window.json")
+    rows = [[f"{FRONTIER_TITLES.get(r['problem'], r['problem'])} ({r['layers']} layers)", f"{r['window_mib']:g}", f"{r['operations']:,}",
+             x(r["posted_over_bound"], 3), f"{r['posted_mib']:,.1f}", x(r["window_over_bound"], 3), f"{r['window_mib_peak']:,.1f}",
+             x(r["device_over_bound"], 3), f"{r['device_mib']:,.1f}"] for r in data["points"]]
+    return f"""
+Posted within a window against posted and device order, each cut compiled with `--max-staging-mb W` and timed by the
+simulator in the three orders (**posted**: every staged box at once; **window**: posted within W MiB per device, the
+MPI engine's order for a plan that states a limit; **device**: one run at a time, the torch and NCCL engines'), over
+the byte bound and with the busiest device's staging in MiB. Made by:
+
+{command(data["command"])}
+
+{table(rows, ["problem", "W MiB", "operations", "posted / bound", "posted MiB", "window / bound", "window MiB", "device / bound",
+              "device MiB"], "lrrrrrrrr")}
+"""
 
 
 def staging_default() -> str:
@@ -442,20 +465,22 @@ def staging_default() -> str:
 A plan given no `--max-staging-mb` states no staging limit and runs posted, the executor's default order for a
 multi-tensor plan, every staged box at once. Where that stages more than {data['limit_mib']:g} MiB on a device
 (`compile_defaults.POSTED_STAGING_WARN_BYTES`), `xmesh-plan compile` prints one line naming the busiest device, its
-GiB, and `--max-staging-mb N` (the plan then runs in device order within N MiB) or a smaller `--bucket-mb`. Each
-problem below compiled with default flags and with `{limit}` in one process. Made by:
+GiB, and `--max-staging-mb N` or a smaller `--bucket-mb`. A plan that states a limit runs posted within it on MPI
+(`executor/window.py`): each device's staged operations take ranges of a ring of N MiB in plan order, and an
+operation goes once the earlier ones it overlaps there have finished. Each problem below compiled with default flags
+and with `{limit}` in one process. Made by:
 
 {command(data["command"])}
 
 Columns: **operations**; **compile CPU s** (with the simulations in host order and in the executor's order); the
 staging **limit MiB** the plan states; its host-order prediction over the byte bound
-(**/ bound**); the **executor order** and its time there over the bound; and the busiest device's **staging MiB** in
-that order. Device order costs time on these plans (a device takes part in one run of operations with the same
-peers at a time); a staging limit trades it for staging memory.
+(**/ bound**); the **executor order** and its time there over the bound; the busiest device's **staging MiB** in
+that order; and with a limit, the time in **device order** over the bound (how the torch and NCCL engines run it:
+a device takes part in one run of operations with the same peers at a time, which costs time on these plans).
 
 {table(rows, ["problem", "flags", "operations", "compile CPU s", "limit MiB", "/ bound", "executor order", "executor / bound",
-              "staging MiB"], "llrrrrlrr")}
-
+              "staging MiB", "device order / bound"], "llrrrrlrrr")}
+{staging_window()}
 Compile prints its note (posted staging over {data['limit_mib']:g} MiB on a device) for
 {", ".join(r["problem"] + (f" ({r['layers']} layers)" if "layers" in r else "") for r in over) if over else "none of these"};
 on the reference plans (`make plans`) single-tensor plans run in device order, and the multi-tensor ones stage

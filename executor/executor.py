@@ -69,11 +69,12 @@ def check_stage_need(plan: Plan | PlanFile, order: str, device: int, need: int, 
                      same_on_every_rank: bool = False) -> None:
     """The one staging refusal: PlanMismatchError where `device` needs `need` bytes of staging in `order` (`how`: what
     is staged at once), more than the plan states for it (a plan compiled with `--max-staging-mb`; none stated: no
-    limit). The fix is another order or a recompile without the limit; where `backend` lays staging out its own way
+    limit; posted, the limit itself). The fix is another order or a recompile without the limit; where `backend` lays staging out its own way
     (NCCL) and needs more than the plan's largest operation, the plan itself is wrong: recompile and verify it."""
     if plan.staging is None:
         return
-    stated, limit = plan.staging.peak_bytes.get(device, 0), plan.staging.limit_bytes
+    limit = plan.staging.limit_bytes  # posted keeps within the limit (`executor.window`), device order within its stated peaks
+    stated = limit if order == "posted" else plan.staging.peak_bytes.get(device, 0)
     if need <= stated:
         return
     who = f"order={order!r}" if backend is None else f"backend {backend!r} in order={order!r}"

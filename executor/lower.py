@@ -444,7 +444,7 @@ class _Tensor:
     shards: TensorShards
     ndim: int
     writes: _Writes = field(init=False)
-    received: list[tuple[Operation, Region]] = field(default_factory=list)
+    received: list[tuple[Operation, Sequence[Region]]] = field(default_factory=list)  # (operation, the boxes it brought)
     received_elements: int = 0  # the elements of the boxes in `received`, counted as they arrive
 
     def __post_init__(self) -> None:
@@ -527,7 +527,7 @@ class _Builder:
         """This device receives `box` of its destination shard (written by `steps`); `lower` checks at the end that
         nothing arrived twice."""
         region, tensor = box.region, self.tensor
-        tensor.received.append((op, region))
+        tensor.received.append((op, (region,)))
         tensor.received_elements += box.nbytes // self.itemsize
         for step in steps:
             self.writes.add(region, step, op.end_s)
@@ -539,11 +539,12 @@ class _Builder:
         if block is None or tensor.received_elements <= region_size(block):
             return
         seen = _Writes(tensor.ndim)
-        for op, region in tensor.received:
-            earlier = seen.overlapping(region)
-            if earlier:
-                self.fail(op, f"device {self.device} receives {format_region(earlier[0][0])} a second time")
-            seen.add(region, 0, 0.0)
+        for op, regions in tensor.received:
+            for region in regions:
+                earlier = seen.overlapping(region)
+                if earlier:
+                    self.fail(op, f"device {self.device} receives {format_region(earlier[0][0])} a second time")
+                seen.add(region, 0, 0.0)
 
     def outgoing(self, op: Operation, box: Box, deps: tuple[int, ...]) -> tuple[Bytes, tuple[int, ...]]:
         """Where the bytes of `box` are sent from: the shard itself, or staging after a pack step."""
@@ -816,10 +817,11 @@ def _relay_layout(b: _Builder, group: Sequence[Operation], align: int, sending: 
     sizes = [b.part_sizes(op) for op in group]
     gathers, scatters = group_runs(group)
     every = tuple((m, i) for m, op in enumerate(group) for i in range(len(op.parts)))
-    where = piece_layout(every, sizes, align)[0]
+    layout = piece_layout(every, sizes, align)
+    where = layout[0]
     place = dict(zip(every, where))
     runs = gathers if sending else scatters
-    (message, staged), areas = relay_areas(runs, sizes, align)
+    (message, staged), areas = relay_areas(runs, sizes, align, every, layout)
     side = aligned(message, align)
     peers = []
     for (d, pieces), (local, nbytes, inside) in zip(runs, areas):
@@ -828,7 +830,9 @@ def _relay_layout(b: _Builder, group: Sequence[Operation], align: int, sending: 
             peers.append((d, tag, inside, nbytes, ()))
             continue
         start = aligned(side, align) if nbytes else side
-        moves = tuple((start + lo, sum(sizes[m][i] for m, i in pieces[k0:k1]), place[pieces[k0]]) for k0, k1, lo in _runs_of(pieces, local))
+        # a run is consecutive parts of one member, one after another in the side area: its bytes end where its last part does
+        moves = tuple((start + lo, local[k1 - 1] + sizes[pieces[k1 - 1][0]][pieces[k1 - 1][1]] - lo, place[pieces[k0]])
+                      for k0, k1, lo in _runs_of(pieces, local))
         peers.append((d, tag, start, nbytes, moves))
         side = start + nbytes
     members, k = [], 0
@@ -942,7 +946,7 @@ def _staged_parts(b: _Builder, op: Operation, parts: tuple[int, ...], places: Se
         made.append(index)
     if unpack:  # recorded as `_Builder.record` does, a list at a time
         mine = [regions[i] for i in parts]
-        tensor.received += zip(repeat(op), mine)
+        tensor.received.append((op, mine))
         tensor.writes.regions += mine
         tensor.writes.steps += made
         tensor.writes.ends += repeat(op.end_s, len(mine))
@@ -978,7 +982,7 @@ def lower_device_ops(ops: DeviceOps, device: int, tag_limit: int | None = None, 
         check_device_ops(ops)
     except PlanError as err:
         raise PlanMismatchError(refusal_advice(str(err))) from None
-    return _lower(ops, device, tag_limit, [(p.blocks("src").get(device), p.blocks("dst").get(device))
+    return _lower(ops, device, tag_limit, [(p.block_of("src", device), p.block_of("dst", device))
                                            for p in ops.problem.tensor_problems()], collectives, share)
 
 

@@ -13,6 +13,8 @@ operation at once, each operation's staging after the one before. The passes the
   group lowering: each message a broadcast in a group of two, each move a copy inside staging).
 - `lower.in_device_order`: each operation's messages wait for the device's earlier operations, and
   staging is re-used run after run.
+- `window.in_window`: posted, where the plan states a staging limit: each operation's staging is a range of a
+  ring of the limit's bytes, and its messages wait for the earlier operations it overlaps there.
 - `one_tensor_at_a_time`: every tensor's steps after the previous tensor's, each tensor's staging from
   byte 0 (for engines that do not run several reshards in flight, posted).
 
@@ -25,8 +27,6 @@ operation at once, each operation's staging after the one before. The passes the
 
 from __future__ import annotations
 
-import gc
-from contextlib import contextmanager
 from dataclasses import replace
 from typing import Mapping
 
@@ -36,7 +36,8 @@ from xmesh_plan.schemas.plan_tensors import is_multi
 from xmesh_plan.schemas.staging import aligned, stage_budget
 
 from .lower import Action, Bytes, RankProgram, Step, in_device_order, stage_ranges
-from .plan_file import PlanFile, lower_part
+from .plan_file import PlanFile, collector_paused, lower_part
+from .window import in_window
 
 
 def rank_program(plan: Plan | PlanFile, device: int, order: str, concurrent: bool, tag_limit: int | None = None,
@@ -52,30 +53,6 @@ def rank_program(plan: Plan | PlanFile, device: int, order: str, concurrent: boo
         return _rank_program(plan, device, order, concurrent, tag_limit, receipt_bytes, collectives)
 
 
-@contextmanager
-def collector_paused():
-    """Python's cyclic garbage collector off for the block (back on after it, if it was on): a rank's load and lowering
-    make 10^5-10^6 small objects that form no cycles, and the collector's passes over them cost about a third of the
-    time. What the block made then goes to the oldest generation at once (`gc.freeze`, then `gc.unfreeze`: two list
-    moves), so the first young collection after it does not walk them all (a third of a second for 10^6 objects).
-    The caller's young garbage is collected on entry (`gc.collect(1)`: the young generations only, cheap), so the move
-    does not promote it to where only a full collection frees it; and when the caller has frozen objects
-    (`gc.get_freeze_count()`, the pre-fork copy-on-write idiom) there is no move, since `gc.unfreeze` would thaw them."""
-    enabled = gc.isenabled()
-    if enabled:
-        gc.collect(1)
-    frozen_before = gc.get_freeze_count()
-    gc.disable()
-    try:
-        yield
-    finally:
-        if enabled:
-            if frozen_before == 0:
-                gc.freeze()
-                gc.unfreeze()
-            gc.enable()
-
-
 def _rank_program(plan: Plan | PlanFile, device: int, order: str, concurrent: bool, tag_limit: int | None,
                   receipt_bytes: int | None, collectives: bool) -> RankProgram:
     alone = is_multi(plan) and order == "posted" and not concurrent
@@ -89,6 +66,8 @@ def _rank_program(plan: Plan | PlanFile, device: int, order: str, concurrent: bo
         program = in_device_order(program, stage_budget(plan), program.align, carriers)
         if receipt_bytes is not None:
             program = with_receipts(program, receipt_bytes)
+    elif stage_budget(plan) is not None:  # posted within the plan's staging limit
+        program = in_window(program, stage_budget(plan), program.align, carriers)
     return program
 
 

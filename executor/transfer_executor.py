@@ -11,8 +11,8 @@ mesh it gets {}. A single-tensor plan works too, its one tensor named by the pro
 tensors run:
 
 - `order=None` (the default): `default_order`: `posted` for a multi-tensor plan on an engine that posts
-  concurrently (`mpi`; measured faster) unless the plan states a staging limit (`compile --max-staging-mb`),
-  `device` otherwise.
+  concurrently (`mpi`; measured faster), within the staging limit where the plan states one
+  (`compile --max-staging-mb`), `device` otherwise.
 - `order="device"`: each device takes part in one operation at a time in the plan's order, across
   tensors (`lower.in_device_order`), with one staging area shared by every tensor, re-used run after
   run (`stage_bytes`; what `schemas.staging.staging_peaks` computes and a limited plan states). The
@@ -20,8 +20,9 @@ tensors run:
   plan's order, one communicator per group for every tensor, staging the largest operation's (a shared
   message's bundles together, sent as one message), `stage_bytes` what its engine allocated.
 - `order="posted"`: on `mpi` every message of every tensor is posted at once; staging is every staged
-  box at once (the sum over tensors), so a plan compiled with `--max-staging-mb` is refused posted
-  there where that sum is above the peak it states. The torch and NCCL engines do not run several
+  box at once (the sum over tensors). A plan compiled with `--max-staging-mb` runs posted within a
+  window of the limit's bytes per device (`window.in_window`): an operation goes once its staging there is
+  free, so staging stays within the limit. The torch and NCCL engines do not run several
   reshards in flight (`engines.EngineEntry.concurrent`), so their program runs the tensors one after
   another in tensor order (`passes.one_tensor_at_a_time`), in one area the size of the largest need.
 
@@ -51,11 +52,11 @@ def default_order(plan: Plan, engine: str) -> str:
     plan on `mpi`, which posts every tensor's messages at once and measured faster so (the small weight
     sync on 8 MPI ranks: 2.76x; BENCHMARKS.md, "Weight sync on the executor"). The torch and NCCL engines'
     posted order runs the tensors one after another (on NCCL with a communicator per group per tensor,
-    and no shared messages), so they keep device order; and a plan that states a staging limit
-    (`--max-staging-mb`) keeps it on `mpi` too, since posted order stages every box at once."""
+    and no shared messages), so they keep device order. A plan that states a staging limit (`--max-staging-mb`)
+    runs posted on `mpi` within it (`executor.window`: each operation goes once its staging fits in the limit)."""
     if not is_multi(plan) or not ENGINES[engine].concurrent:
         return "device"
-    return mpi_transfer_order(plan.staging is not None)
+    return mpi_transfer_order()
 
 
 def check_transfer_staging(plan: Plan, order: str, engine: str) -> None:
@@ -74,7 +75,7 @@ def check_transfer_staging(plan: Plan, order: str, engine: str) -> None:
         how = "the largest tensor's staged boxes at once"
     else:
         need = staging_peaks(plan, order)
-        how = "every tensor's staged boxes at once" if order == "posted" else "one area shared by every tensor"
+        how = "posted within a window of its limit" if order == "posted" else "one area shared by every tensor"
     for device, nbytes in need.items():
         check_stage_need(plan, order, device, nbytes, how, same_on_every_rank=True)
 

@@ -9,11 +9,12 @@ import math
 from dataclasses import dataclass
 
 from xmesh_plan.schemas import Plan
+from xmesh_plan.schemas.staging import stage_budget
 
 from .bounds import joint_lower_bound
 from .compile import DIGITS, MAX_SIMULATION_WORK, executor_budget, settle_listing, simulated_messages, too_many_messages
 from .executor_order import executor_order_seconds
-from .simulate import TooCostly, nic_assignment, simulate, staging_runs
+from .simulate import TooCostly, nic_assignment, simulate
 from .unit_tasks import decompose
 
 REL_TOLERANCE = 1e-9
@@ -35,8 +36,7 @@ class Audit:
 
 def _executor_seconds(plan: Plan, max_work: int | None) -> float | None:
     """The plan's time in the executor's default order (`executor_order_seconds`), rounded as compile states it."""
-    executed = executor_order_seconds(plan.operations, plan.problem, plan.host_order, max_work, plan.staging is not None,
-                                      staging_runs(plan))
+    executed = executor_order_seconds(plan.operations, plan.problem, plan.host_order, max_work, stage_budget(plan))
     return None if executed is None else round(executed, DIGITS)
 
 

@@ -131,8 +131,9 @@ def problem_from_flags(problem_file, shape, dtype, src_mesh, src_spec, dst_mesh,
               help="when coalescing: bundles of several tensors between the same two hosts share one cross-host message, "
                    "up to --bucket-mb  [default: on when a multi-tensor problem is coalesced]")
 @click.option("--max-staging-mb", type=STAGING_MB,
-              help="the most MiB of staging any device needs in the executor's device order: larger staged boxes are cut, "
-                   "and the plan states each device's peak; 0: no limit  [default: no limit; a multi-tensor plan runs posted, "
+              help="the most MiB of staging any device needs: larger staged boxes are cut, the plan states each device's "
+                   "peak in device order, and on MPI runs posted within a window of N MiB per device; 0: no limit  "
+                   "[default: no limit; a multi-tensor plan runs posted, "
                    f"every box staged at once, and compile says so where a device stages more than "
                    f"{POSTED_STAGING_WARN_BYTES // 2**20} MiB]")
 @max_tasks_option
@@ -193,8 +194,8 @@ def _posted_staging_note(device: int, nbytes: int) -> str:
     """compile's line (stderr) for a plan given no staging limit whose posted order stages more than
     POSTED_STAGING_WARN_BYTES on a device: the busiest one, and how to bound it."""
     return (f"note: posted (the MPI engine's default order for this multi-tensor plan), device {device} stages {nbytes / 2**30:.2f} GiB "
-            f"at once; --max-staging-mb N bounds every device's staging to N MiB (the plan then runs in device order: "
-            f"1.3x slower on the measured cuts, BENCHMARKS.md 'Staging default'), or a smaller --bucket-mb stages less")
+            f"at once; --max-staging-mb N bounds every device's staging to N MiB (the plan then runs posted within a window of "
+            f"N MiB per device, BENCHMARKS.md 'Staging default'), or a smaller --bucket-mb stages less")
 
 
 def _write_verified(data: bytes, output: str):

@@ -149,7 +149,7 @@ def check_command(plan_files, max_ratio, reference, per_tensor, any_size):
         problems = [f"{over:.4f}x its lower bound"] if over > max_ratio else []
         executed = audit.executor_seconds
         over_executed = over_bound(executed, bound) if executed is not None else None
-        order = executor_order(plan.staging is not None)
+        order = executor_order() + (" within the staging limit" if plan.staging is not None else "")
         if over_executed is not None and over_executed > max_ratio:
             problems.append(f"{over_executed:.4f}x its lower bound {order} (the executor's default order)")
         if ref is not None and predicted > max_ratio * ref.predicted_seconds:

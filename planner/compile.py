@@ -24,7 +24,7 @@ from .host_split import chained_kinds, rotations, source_send, sources_receive
 from .scheduling import Option, Schedule, SchedulingTask
 from xmesh_plan.schemas.op_kinds import rule_of, tags_used, wire_pairs
 
-from .simulate import TooCostly, nic_assignment, renumbered_only, simulated, staging_runs
+from .simulate import TooCostly, nic_assignment, renumbered_only, simulated
 from .solvers import solve
 from .staging_limit import busiest_posted, limit_staging
 from .strategies import STRATEGIES, PlannedOp, StrategyResult, TaskContext, get_strategy
@@ -244,17 +244,17 @@ def assemble_rows(problem: ReshardingProblem | TransferProblem, works: list[Tens
         solver=SolverInfo(name=schedule.solver, seed=seed, proven_bound_seconds=proven, details=details),
         merged_slices=any(c.merged_cells > 1 for w in works for c in w.cells),
         predicted_seconds=round(predicted, DIGITS), lower_bound_seconds=round(bound.seconds, DIGITS))
-    if limited:  # device order then runs as the budget cuts it (`simulate.staging_runs`), and is timed so
+    order = executor_order() + (" within the staging limit" if limited else "")
+    if limited:  # the peaks in device order; posted, the executor keeps within the limit (`executor.window`), timed so
         rows = rows.with_fields(staging=stated_staging(rows, max_staging_bytes))
     if budget is not None:
-        stage(f"simulating {messages:,} messages in the executor's order ({executor_order(limited)})")
-    executed = None if budget is None else executor_order_seconds(operations, problem, host_order, budget, limited,
-                                                                  staging_runs(rows))
+        stage(f"simulating {messages:,} messages in the executor's order ({order})")
+    executed = None if budget is None else executor_order_seconds(operations, problem, host_order, budget, max_staging_bytes)
     if work is None and executed is not None:  # the schedule's times, and the executor's prediction from the simulator
-        details = rows.solver.details | {"timed_by": f"{timed_by}; {executor_order(limited)}, the executor's order, by the simulator"}
+        details = rows.solver.details | {"timed_by": f"{timed_by}; {order}, the executor's order, by the simulator"}
         rows = rows.with_fields(solver=rows.solver.model_copy(update={"details": details}))
     return rows if executed is None else rows.with_fields(executor_prediction=ExecutorPrediction(
-        order=executor_order(limited), predicted_seconds=round(executed, DIGITS)))
+        order=executor_order(), predicted_seconds=round(executed, DIGITS)))
 
 
 def executor_budget(problem: ReshardingProblem | TransferProblem, work: int | None, messages: int) -> int | None:

@@ -24,7 +24,8 @@ from xmesh_plan.schemas.transfer import TransferProblem
 
 from .simulate import TooCostly, nic_assignment, simulate
 
-SIMULATED_AS = {"posted": "posted", "device": "device-order"}  # executor order -> the simulator's discipline
+SIMULATED_AS = {"posted": "posted", "device": "device-order"}  # executor order -> the simulator's discipline (posted within a
+# plan's staging limit: "window")
 POSTED_WORK_FACTOR = 2.0  # posted is timed when it costs at most this many times the host-order simulation (a DeepSeek-V3-like
 # 2-layer cut: 1.64 M posted against 0.99 M in host order, 20 against 13 CPU s; a 4-layer one in proportion)
 MIN_POSTED_WORK = 2_000_000  # ... or this much work (`simulate.run_flows`: groups shared out and flows re-rated; a few seconds),
@@ -55,16 +56,19 @@ executor_order = mpi_transfer_order  # the order `TransferExecutor` runs a multi
 
 
 def executor_order_seconds(operations: tuple[Operation, ...], problem: ReshardingProblem | TransferProblem,
-                           host_order: tuple[HostOrder, ...], max_work: int | None = None, limited: bool = False,
-                           run_numbers: dict[int, list[int]] | None = None) -> float | None:
-    """The simulator's time for `operations`, in their listed order, run in `executor_order(limited)`; None
-    for a single-tensor problem (nothing to state) or when the simulation would take more than `max_work`
-    (see `posted_budget`). `run_numbers`: a limited plan's device-order runs (`simulate.staging_runs`)."""
+                           host_order: tuple[HostOrder, ...], max_work: int | None = None,
+                           limit_bytes: int | None = None) -> float | None:
+    """The simulator's time for `operations`, in their listed order, run in `executor_order()`, within a staging
+    window of `limit_bytes` per device where the plan states that limit (the `window` discipline, as
+    `executor.window` runs it); None for a single-tensor problem (nothing to state) or when the simulation would
+    take more than `max_work` (see `posted_budget`)."""
     if not isinstance(problem, TransferProblem):
         return None
     try:
-        discipline = SIMULATED_AS[executor_order(limited)]
-        return simulate(operations, problem, discipline, nic_assignment(host_order), max_work=max_work,
-                        run_numbers=run_numbers if limited else None).makespan_s
+        if limit_bytes is not None:
+            return simulate(operations, problem, "window", nic_assignment(host_order), max_work=max_work,
+                            window_bytes=limit_bytes).makespan_s
+        return simulate(operations, problem, SIMULATED_AS[executor_order()], nic_assignment(host_order),
+                        max_work=max_work).makespan_s
     except TooCostly:
         return None

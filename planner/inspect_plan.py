@@ -452,10 +452,15 @@ def executor_line(plan: Plan) -> list[str]:
         return []
     stated = plan.executor_prediction
     if stated is None:
-        return [f"predicted {executor_order(plan.staging is not None)} (the executor's default order for this plan): not stated; "
+        return [f"predicted {_order_name(plan, executor_order())} (the executor's default order for this plan): not stated; "
                 "`xmesh-plan check --simulate` times it (`inspect --orders`: under every order)"]
-    return [f"predicted {stated.order} (the executor's default order for this plan): {stated.predicted_seconds:.4f} s, "
+    return [f"predicted {_order_name(plan, stated.order)} (the executor's default order for this plan): {stated.predicted_seconds:.4f} s, "
             f"{_over(stated.predicted_seconds, plan.lower_bound_seconds)} the bound"]
+
+
+def _order_name(plan: Plan, order: str) -> str:
+    """`order`, saying so where posted keeps within the plan's staging limit (`executor.window`)."""
+    return f"{order} within the staging limit" if order == "posted" and plan.staging is not None else order  # `executor.window`
 
 
 def executor_summary(plan: Plan) -> str:
@@ -466,7 +471,7 @@ def executor_summary(plan: Plan) -> str:
     if stated is None:
         return ""
     timetable = " (the schedule's timetable)" if plan.solver.details.get("timed_by", "").startswith("schedule") else ""
-    return (f" in host order{timetable}, {stated.predicted_seconds:.4f} s {stated.order} (the executor's default order, "
+    return (f" in host order{timetable}, {stated.predicted_seconds:.4f} s {_order_name(plan, stated.order)} (the executor's default order, "
             f"{_over(stated.predicted_seconds, plan.lower_bound_seconds)} the bound)")
 
 
@@ -487,9 +492,12 @@ def _peak(peaks: dict[int, int]) -> str:
 
 
 def staging_lines(plan: Plan) -> list[str]:
-    """The largest staging area on one device in each executor order (`schemas.staging`), and the plan's stated limit."""
+    """The largest staging area on one device in each executor order (`schemas.staging`; posted within a stated limit's
+    window), and the plan's stated limit."""
+    within = " within the limit" if plan.staging is not None else ""
     prints = footprints(plan)  # both orders read them
-    shown = "; ".join(f"{order} order {_peak(staging_peaks(plan, order, prints))}" for order in ("device", "posted"))
+    shown = "; ".join(f"{order} order{within if order == 'posted' else ''} {_peak(staging_peaks(plan, order, prints))}"
+                      for order in ("device", "posted"))
     lines = [f"staging per device (boxes that are not one run of a shard): {shown}"]
     if plan.staging is not None:
         stated = plan.staging
@@ -503,7 +511,8 @@ def staging_summary(plan: Plan) -> str:
     if plan.staging is None:
         return ""
     top = max(plan.staging.peak_bytes.values(), default=0)
-    return f"; staging at most {_bytes(top)} per device ({plan.staging.order} order, limit {_bytes(plan.staging.limit_bytes)})"
+    posted = ", the limit posted (the MPI engine's default order)" if is_multi(plan) else ""  # `executor.window`
+    return f"; staging at most {_bytes(top)} per device ({plan.staging.order} order, limit {_bytes(plan.staging.limit_bytes)}){posted}"
 
 
 def summarize(plan: Plan, show_tasks: bool = False, show_ops: bool = False, show_orders: bool = False) -> str:

@@ -41,7 +41,11 @@ Model (stated, so every plan and baseline is judged by the same rules):
   operations of different devices share a NIC concurrently;
   `posted`: every operation starts as soon as its data is there and all running transfers share
   the links: the executor with `order="posted"` (every send and receive of a reshard posted at once,
-  TCP sharing the links; measured on the emulated cluster, docs/netlab.md). The executor's default,
+  TCP sharing the links; measured on the emulated cluster, docs/netlab.md).
+  `window`: posted within a staging window per device (`window_waits`: each device's staged operations
+  take ranges of a ring of the window's bytes in plan order, and an operation's messages to or from a
+  device wait for the earlier operations whose ranges it overlaps there to have finished on that device:
+  what it received arrived, what it sent left). The executor's default,
   `order="device"`, is `device-order`. In both executor orders a device starts its part of an
   operation once its own data is there (an all-gather member does not wait for the others' parts),
   and the messages between two devices go one at a time (one connection), in the order they are ready.
@@ -66,10 +70,10 @@ from dataclasses import dataclass, replace
 from xmesh_plan.schemas import Operation, Plan, ReshardingProblem
 from xmesh_plan.schemas.op_kinds import Hop, members, reads, route, rule_of
 from xmesh_plan.schemas.carriers import message_groups
-from xmesh_plan.schemas.staging import SYNC_SEND_BYTES, device_runs, footprints, stage_budget, staging_align
+from xmesh_plan.schemas.staging import SYNC_SEND_BYTES, device_runs, footprints, stage_budget, staging_align, window_layout
 from xmesh_plan.schemas.transfer import TransferProblem
 
-DISCIPLINES = ("host-order", "device-order", "posted")
+DISCIPLINES = ("host-order", "device-order", "posted", "window")
 GATHER_AHEAD = 4  # host order: a bundle gathers while the operation this many before it on its NIC sides has its turn
 # (a 2-layer DeepSeek-V3-like cut, whose relays gather at a device port's 2400 Gbit/s behind 8 x 400 Gbit/s NICs: 1.219x the
 # bound gathering 1 ahead, 1.144x 2 ahead, 1.119x 4 ahead, with 4 MiB bundles)
@@ -644,9 +648,12 @@ class _Lowering:
     """Turns operations into flows, with data dependencies and the discipline's queueing."""
 
     def __init__(self, problem: ReshardingProblem | TransferProblem, discipline: str, nic_of_task: dict[int, int] | None,
-                 run_numbers: dict[int, list[int]] | None = None, send_buffer_bytes: float | None = None):
+                 run_numbers: dict[int, list[int]] | None = None, send_buffer_bytes: float | None = None,
+                 window: dict[int, dict[int, tuple[int, ...]]] | None = None):
         if discipline not in DISCIPLINES:
             raise ValueError(f"unknown discipline {discipline!r}; choose one of: {', '.join(DISCIPLINES)}")
+        if (discipline == "window") != (window is not None):
+            raise ValueError("the window discipline takes `window` (`window_waits`), and only it does")
         self.cluster, self.discipline = problem.cluster, discipline
         self.per_host, self.cpu = self.cluster.devices_per_host, self.cluster.cpu
         self.latency_s, self.overhead_s = self.cluster.latency_s, self.cluster.overhead_s
@@ -675,6 +682,9 @@ class _Lowering:
         self.lane_cache: dict[tuple[int, int, int | None], list[tuple[tuple[str, ...], float, float, float]]] = {}  # `lanes`
         self.pooled = pooled_nics(self.cluster) and not self.nic_of_task  # `lanes`: one lane for every NIC of a host
         self.last_ids: dict[int, tuple[int, ...]] = {}  # `same`: the last dependencies of each length a flow was given
+        self.window = window  # window: group head -> device -> the earlier heads it waits for there (`window_waits`)
+        self.window_done: dict[tuple[int, int], tuple[list[int], list[int]]] = {}  # window: (head, device) -> its flows
+        # into the device and out of it, where it stages (later operations wait for them)
 
     def hop(self, op: Operation, a: int, b: int, nbytes: float, after: list[int], after_sent: list[int] = ()) -> list[int]:
         """One message from device a to device b; returns its flow ids (one per NIC it is striped over).
@@ -774,6 +784,9 @@ class _Lowering:
         if self.discipline == "device-order":
             self.add_in_device_order(op)
             return
+        if self.discipline == "window":
+            self.add_in_window(op)
+            return
         first = len(self.flows)
         self.gated, self.waited = set(), {}
         terminal, _ = self.emit(op, ready)
@@ -787,7 +800,7 @@ class _Lowering:
         """Drop what only adding operations needs (what each task delivered where, each NIC side's last operations,
         device runs, ...): a run needs the flows, and `op_times` and `renumbered_only` what they read."""
         for state in (self.delivered, self.last_on, self.turn, self.scattered, self.runs, self.posted_when, self.lane_cache,
-                      self.sums, self.chains, self.queues):
+                      self.sums, self.chains, self.queues, self.window_done):
             state.clear()
 
     def add_in_device_order(self, op: Operation) -> None:
@@ -826,6 +839,26 @@ class _Lowering:
         for (a, b), ids in last.items():  # the run's latest messages per pair of devices (its barrier when it ends)
             for d in {a, b}:
                 self.runs[d][3][(a, b)] = ids
+
+    def add_in_window(self, op: Operation) -> None:
+        """Posted within each device's staging window (`window_waits`): the operation's messages to or from a device
+        wait for the earlier operations it waits for there, each to have finished on that device (what it received
+        there arrived, what it sent from there left)."""
+        waits = self.window.get(op.id, {})
+        done = self.window_done
+        barrier: dict[int, tuple[list[int], list[int]]] = {}
+        for d, earlier in waits.items():
+            arrived, left = [], []
+            for j in earlier:
+                into, out = done[(j, d)]
+                arrived += into
+                left += out
+            if arrived or left:
+                barrier[d] = (arrived, left)
+        _, last = self.emit(op, [], barrier)
+        for d in waits:
+            done[(op.id, d)] = ([i for (a, b), ids in last.items() if b == d and a != d for i in ids],
+                                [i for (a, b), ids in last.items() if a == d and b != d for i in ids])
 
     def peers_of(self, op: Operation) -> dict[int, frozenset[int]]:
         """Device -> the devices it exchanges messages with in `op` (what decides a run in device order)."""
@@ -926,7 +959,7 @@ class _Lowering:
             if scatter:
                 self.scattered[(hop.src, hop.dst)] = flows[-1]
                 self.connections.setdefault(op.id, []).append((hop.src, hop.dst))
-            if barrier is not None and self.send_buffer is None and hop.src != hop.dst and nbytes < SYNC_SEND_BYTES:
+            if self.discipline == "device-order" and self.send_buffer is None and hop.src != hop.dst and nbytes < SYNC_SEND_BYTES:
                 for i in flows[-1]:  # buffered: the send ends once posted, and its device goes on (executor.mpi_engine)
                     self.posted_when[i] = posting
             last[(hop.src, hop.dst)] = flows[-1]
@@ -946,7 +979,7 @@ def _ids(flows: list[int] | tuple[int, ...]) -> tuple[int, ...]:
 def simulate(operations: list[Operation] | tuple[Operation, ...], problem: ReshardingProblem | TransferProblem,
              discipline: str = "host-order", nic_of_task: dict[int, int] | None = None, max_work: int | None = None,
              run_numbers: dict[int, list[int]] | None = None, share: ShareRule | None = None,
-             send_buffer_bytes: float | None = None) -> SimResult:
+             send_buffer_bytes: float | None = None, window_bytes: int | None = None) -> SimResult:
     """Time `operations` (taken in list order) on the problem's cluster under the queueing `discipline`;
     TooCostly past `max_work` (see `run_flows`). `run_numbers` (device order, a plan with a staging budget:
     `staging_runs`): each device's run of each of its operations, where the budget ends runs the peers alone would not.
@@ -955,19 +988,24 @@ def simulate(operations: list[Operation] | tuple[Operation, ...], problem: Resha
     torch engine, with its receipts), a message under `SYNC_SEND_BYTES` once posted, a larger one once its last byte has
     left; a number: once it moves (gloo's send waits until the receiver has posted its receive) with at most that many
     of its bytes left to go, as bare gloo ends a send when the socket's buffer has taken the rest. One buffer per message: a send queued behind another
-    on its connection starts to count down only when that one's last byte has left."""
+    on its connection starts to count down only when that one's last byte has left. `window_bytes`: the `window`
+    discipline's staging window per device (`window_waits`), which it needs."""
     if send_buffer_bytes is not None and not 0 < send_buffer_bytes < float("inf"):
         raise ValueError(f"send_buffer_bytes={send_buffer_bytes!r}: give a positive number of bytes, or None for the MPI engine's sends")
-    return simulated(operations, problem, discipline, nic_of_task, max_work, run_numbers, share, send_buffer_bytes)[0]
+    if (discipline == "window") != (window_bytes is not None):
+        raise ValueError("window_bytes: give the staging window in bytes with discipline='window', and only with it")
+    window = window_waits(operations, problem, window_bytes) if window_bytes is not None else None
+    return simulated(operations, problem, discipline, nic_of_task, max_work, run_numbers, share, send_buffer_bytes, window)[0]
 
 
 def simulated(operations: list[Operation] | tuple[Operation, ...], problem: ReshardingProblem | TransferProblem,
               discipline: str = "host-order", nic_of_task: dict[int, int] | None = None, max_work: int | None = None,
               run_numbers: dict[int, list[int]] | None = None, share: ShareRule | None = None,
-              send_buffer_bytes: float | None = None) -> tuple[SimResult, _Lowering]:
-    """`simulate`, and the flows it timed (for `renumbered_only`)."""
+              send_buffer_bytes: float | None = None, window: dict[int, dict[int, tuple[int, ...]]] | None = None
+              ) -> tuple[SimResult, _Lowering]:
+    """`simulate`, and the flows it timed (for `renumbered_only`); `window`: `window_waits`."""
     with _no_cycle_collection():
-        lowering, riders = lower(operations, problem, discipline, nic_of_task, run_numbers, send_buffer_bytes)
+        lowering, riders = lower(operations, problem, discipline, nic_of_task, run_numbers, send_buffer_bytes, window)
         cost: list[int] = []
         started, arrived = _run(lowering.flows, lowering.capacity, max_work, cost, share)  # `lower` numbers flows in order
         return op_times(operations, lowering, riders, started, arrived, cost[0]), lowering
@@ -1020,10 +1058,10 @@ def _no_cycle_collection():
 
 def lower(operations: list[Operation] | tuple[Operation, ...], problem: ReshardingProblem | TransferProblem,
           discipline: str = "host-order", nic_of_task: dict[int, int] | None = None,
-          run_numbers: dict[int, list[int]] | None = None, send_buffer_bytes: float | None = None
-          ) -> tuple[_Lowering, dict[int, int]]:
+          run_numbers: dict[int, list[int]] | None = None, send_buffer_bytes: float | None = None,
+          window: dict[int, dict[int, tuple[int, ...]]] | None = None) -> tuple[_Lowering, dict[int, int]]:
     """`operations` as flows (`simulate`'s first half), and each bundle riding in another's message -> its carrier."""
-    lowering = _Lowering(problem, discipline, nic_of_task, run_numbers, send_buffer_bytes)
+    lowering = _Lowering(problem, discipline, nic_of_task, run_numbers, send_buffer_bytes, window)
     riders: dict[int, int] = {}  # a bundle riding in another's message -> its carrier (timed as the carrier)
     for group in message_groups(operations):
         if len(group) > 1:
@@ -1070,6 +1108,37 @@ def staging_runs(plan: Plan) -> dict[int, list[int]] | None:
         return None
     budget, align = stage_budget(plan), staging_align(plan)
     return {device: device_runs(f, budget, align) for device, f in footprints(plan).items()}
+
+
+def window_waits(operations: list[Operation] | tuple[Operation, ...], problem: ReshardingProblem | TransferProblem,
+                 window_bytes: int) -> dict[int, dict[int, tuple[int, ...]]]:
+    """Posted within a staging window of `window_bytes` per device: for each operation (a shared message's bundles as
+    their first, `schemas.carriers`), device -> the earlier operations it waits for there (`schemas.staging.window_layout`
+    of the device's staged bytes, `footprints`, in the executor's lowering, one area shared by every tensor); a device
+    that stages something in it has an entry, with no operations where it waits for none."""
+    from types import SimpleNamespace
+
+    from xmesh_plan.schemas.op_kinds import members as members_of
+
+    if window_bytes <= 0:
+        raise ValueError(f"window_bytes={window_bytes!r}: give the staging window in bytes, above 0")
+    view = SimpleNamespace(problem=problem, operations=tuple(operations))
+    feet, align = footprints(view), staging_align(view)
+    heads: dict[int, list[int]] = {}  # device -> the operations (group heads) of its footprints, in order
+    for group in message_groups(view.operations):
+        devices = dict.fromkeys(d for op in group for d in members_of(op)) if len(group) > 1 else members_of(group[0])
+        for d in devices:
+            heads.setdefault(d, []).append(group[0].id)
+    out: dict[int, dict[int, tuple[int, ...]]] = {}
+    for d, f in feet.items():
+        mine = heads[d]
+        if len(mine) != len(f):
+            raise AssertionError(f"device {d}: {len(f)} footprints for {len(mine)} operations")
+        sizes = [n for _, n in f]
+        for head, n, (_, waits) in zip(mine, sizes, window_layout(sizes, window_bytes, align)):
+            if n:
+                out.setdefault(head, {})[d] = tuple(mine[j] for j in waits)
+    return out
 
 
 def simulate_plan(plan: Plan, discipline: str = "host-order") -> SimResult:

@@ -1,4 +1,5 @@
-"""`compile --max-staging-mb`: no device needs more staging than a limit, in the executor's device order.
+"""`compile --max-staging-mb`: no device needs more staging than a limit, in the executor's device order and posted
+within a window of the limit (`executor/window.py`, where every operation staging at most the limit is what bounds it).
 
 An operation stages on a device every box that is not one contiguous run of that device's shard
 (`schemas.staging`). Where an operation would stage more than the limit on some device, it is cut

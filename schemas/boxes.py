@@ -17,6 +17,7 @@ True
 from __future__ import annotations
 
 from functools import lru_cache
+from itertools import chain, repeat
 from typing import Annotated, Any
 
 import numpy as np
@@ -31,20 +32,38 @@ MAX_BOX_CELLS = 2**24  # cells of the grid a box layout's coverage check cuts (a
 
 def _plain_boxes(values: Any) -> tuple[Region, ...] | None:
     """`values` as boxes when each is a list or tuple of [start, stop] lists or tuples of plain ints (what `box_field`
-    takes it as), else None: the common case, in one loop with no generator per pair (a problem lists 10^5-10^6 boxes)."""
-    out = []
-    known: dict[Region, Region] = {}  # each distinct box made once: a mesh's devices repeat a few (memory, not time)
-    for value in values:
-        if type(value) not in _PAIRS:
-            return None
-        box = []
-        for pair in value:
-            if type(pair) not in _PAIRS or len(pair) != 2 or type(pair[0]) is not int or type(pair[1]) is not int:
-                return None
-            box.append((pair[0], pair[1]))
-        box = tuple(box)
-        out.append(known.setdefault(box, box))
-    return tuple(out)
+    takes it as), else None: the common case, its types and lengths checked a level at a time by C loops (`map`,
+    `set`) and each box made by one (a problem lists 10^5-10^6 boxes); a list equal to one made before, int for int
+    (a model's layers' scale tensors repeat a few), is that one's boxes."""
+    global _listed_ints
+    if not set(map(type, values)) <= _PAIR_TYPES:
+        return None
+    pairs = list(chain.from_iterable(values))
+    if not (set(map(type, pairs)) <= _PAIR_TYPES and set(map(len, pairs)) <= _TWO):
+        return None
+    flat = tuple(chain.from_iterable(pairs))
+    if not set(map(type, flat)) <= _INT:
+        return None
+    key = (tuple(map(len, values)), flat)
+    made = _LISTS.get(key)
+    if made is not None:
+        return made
+    boxes = list(map(tuple, map(map, repeat(tuple), values)))  # each box a tuple of (start, stop) tuples
+    if len(_KNOWN) > _KNOWN_MOST or _listed_ints + len(flat) > _LISTED_MOST:
+        _KNOWN.clear()
+        _LISTS.clear()
+        _listed_ints = 0
+    made = _LISTS[key] = tuple(map(_KNOWN.setdefault, boxes, boxes))
+    _listed_ints += len(flat)
+    return made
+
+
+_PAIR_TYPES, _TWO, _INT = frozenset(_PAIRS), frozenset({2}), frozenset({int})
+_KNOWN: dict[Region, Region] = {}  # each distinct box made so far, kept once (a mesh's devices and a model's layers repeat a few)
+_KNOWN_MOST = 1 << 16  # distinct boxes `_KNOWN` holds at most before it is let go
+_LISTS: dict[tuple, tuple[Region, ...]] = {}  # (each box's dims, its ints in order) -> the boxes made of a list
+_LISTED_MOST = 1 << 20  # ints `_LISTS` keys hold at most (8 MiB of references) before it is let go
+_listed_ints = 0
 
 
 def box_field(value: Any) -> Region:
@@ -88,13 +107,20 @@ def _boxes(value: Any, handler: ValidatorFunctionWrapHandler) -> tuple[Region, .
     plain = _plain_boxes(value) if type(value) in _PAIRS else None
     if plain is None:
         return handler(value)
+    return made_boxes(plain)
+
+
+def made_boxes(boxes: tuple[Region, ...]) -> tuple[Region, ...]:
+    """`boxes`, a tuple of boxes that are tuples of (int, int) pairs (what `_plain_boxes` makes, or code of this package
+    computes), kept so that validating it as `Boxes` returns it without walking it (`_boxes`): a problem's scale
+    tensors' boxes are computed, then checked as a model's fields."""
     global _made_boxes
-    if len(_MADE) >= _MADE_MOST or _made_boxes + len(plain) > _MADE_MOST_BOXES:
+    if len(_MADE) >= _MADE_MOST or _made_boxes + len(boxes) > _MADE_MOST_BOXES:
         _MADE.clear()
         _made_boxes = 0
-    _MADE[id(plain)] = plain
-    _made_boxes += len(plain)
-    return plain
+    _MADE[id(boxes)] = boxes
+    _made_boxes += len(boxes)
+    return boxes
 
 
 Boxes = Annotated[tuple[Box, ...], WrapValidator(_boxes)]

@@ -24,6 +24,7 @@ size), so each one's staging starts where the executor's views need it with no p
 
 from __future__ import annotations
 
+from itertools import chain
 from typing import Sequence
 
 from .geometry import region_size
@@ -73,10 +74,10 @@ def group_runs(group: Sequence[Operation | OpLike]) -> tuple[tuple[DeviceRun, ..
     (((1, ((0, 0), (1, 0))), (2, ((0, 1),))), ((5, ((0, 0), (1, 0))), (6, ((0, 1), (1, 0)))))
     """
     pieces = [(m, i) for m, op in enumerate(group) for i in range(len(op.parts))]
-    gathers, scatters = runs_by_device(group[0].src, group[0].dsts[0], tuple(h for op in group for h in op.holders),
-                                       tuple(tuple(n) for op in group for n in op.needers))
-    return (tuple((h, tuple(pieces[k] for k in run)) for h, run in gathers),
-            tuple((d, tuple(pieces[k] for k in run)) for d, run in scatters))
+    gathers, scatters = runs_by_device(group[0].src, group[0].dsts[0], tuple(chain.from_iterable(op.holders for op in group)),
+                                       tuple(map(tuple, chain.from_iterable(op.needers for op in group))))
+    at = pieces.__getitem__
+    return (tuple((h, tuple(map(at, run))) for h, run in gathers), tuple((d, tuple(map(at, run))) for d, run in scatters))
 
 
 def piece_layout(pieces: Sequence[Piece], sizes: Sequence[Sequence[int]], align: int) -> tuple[tuple[int, ...], int]:
@@ -111,16 +112,20 @@ def in_message(pieces: Sequence[Piece], local: Sequence[int], place: dict[Piece,
     return None
 
 
-def relay_areas(runs: Sequence[DeviceRun], sizes: Sequence[Sequence[int]], align: int
+def relay_areas(runs: Sequence[DeviceRun], sizes: Sequence[Sequence[int]], align: int, every: Sequence[Piece] | None = None,
+                message_layout: tuple[tuple[int, ...], int] | None = None
                 ) -> tuple[tuple[int, int], tuple[tuple[tuple[int, ...], int, int | None], ...]]:
     """A relay's staging for a shared message: ((the message's bytes, all it stages), per peer of `runs` (its
     holders on the sending relay, its needers on the receiving one): (the pieces' bytes in the peer's area, the area's
     bytes, where it lies in the message when `in_message`, else None)). The message comes first, then a side area
     per peer not in the message (each from a multiple of `align`, `schemas.staging.chained`), what the relay receives
     a holder's pieces into before moving them into the message, or moves a needer's pieces into before sending them.
-    `sizes[m][i]`: the bytes of part i of member m."""
-    every = tuple((m, i) for m, part_sizes in enumerate(sizes) for i in range(len(part_sizes)))
-    where, message = piece_layout(every, sizes, align)
+    `sizes[m][i]`: the bytes of part i of member m. `every` and `message_layout`: every piece of the group and its
+    `piece_layout`, where the caller has them."""
+    if every is None or message_layout is None:
+        every = tuple((m, i) for m, part_sizes in enumerate(sizes) for i in range(len(part_sizes)))
+        message_layout = piece_layout(every, sizes, align)
+    where, message = message_layout
     place, order = dict(zip(every, where)), {p: k for k, p in enumerate(every)}
     areas = []
     for _, pieces in runs:

@@ -25,6 +25,7 @@ The element conversion: x -> float(x) / scale, clamped to +-FP8 max, rounded to 
 
 from __future__ import annotations
 
+from .boxes import made_boxes
 from .geometry import Region
 
 BLOCK = 128
@@ -84,23 +85,27 @@ def on_block_bounds(box: Region, shape: tuple[int, ...]) -> bool:
 
 def scale_boxes(shape: tuple[int, ...], scale: str, blocks: dict[int, Region], devices: tuple[int, ...], side: str) -> tuple[Region, ...]:
     """Each device's box of the scale tensor on `side`: per tensor, the one scale wherever the device holds part of
-    the tensor; per block, the blocks its box touches (a source box must lie on block bounds: ValueError naming it)."""
+    the tensor; per block, the blocks its box touches (a source box must lie on block bounds: ValueError naming it). Kept
+    as made (`boxes.made_boxes`): the scale tensor made of them does not validate them box by box again."""
     if scale == "tensor":  # each distinct box once: a mesh's devices repeat a few boxes
         seen: dict[Region, Region] = {}
         for box in map(blocks.__getitem__, devices):
             if box not in seen:
                 seen[box] = ((0, 0),) if any(b <= a for a, b in box) else ((0, 1),)
-        return tuple(seen[blocks[device]] for device in devices)
-    out = []
+        return made_boxes(tuple(seen[blocks[device]] for device in devices))
+    out, seen = [], {}
     for device in devices:
         box = blocks[device]
-        if side == "src" and not on_block_bounds(box, shape):
-            from .plan import format_region  # plan imports this module's users
+        scaled = seen.get(box)
+        if scaled is None:  # each distinct box once, its first device named when it is off the block bounds
+            if side == "src" and not on_block_bounds(box, shape):
+                from .plan import format_region  # plan imports this module's users
 
-            raise ValueError(f"source device {device} holds {format_region(box)}, not whole 128x128 blocks; block scales need "
-                             "every source box on block bounds: use scale = \"tensor\" or a source layout on multiples of 128")
-        out.append(block_box(box))
-    return tuple(out)
+                raise ValueError(f"source device {device} holds {format_region(box)}, not whole 128x128 blocks; block scales need "
+                                 "every source box on block bounds: use scale = \"tensor\" or a source layout on multiples of 128")
+            scaled = seen[box] = block_box(box)
+        out.append(scaled)
+    return made_boxes(tuple(out))
 
 
 def scale_name(name: str) -> str:

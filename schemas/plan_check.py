@@ -85,10 +85,11 @@ def _check_executor_prediction(plan: Plan) -> None:
     if not isinstance(plan.problem, TransferProblem):
         raise PlanError("executor_prediction is only for multi-tensor plans (a single-tensor plan runs in device order, its "
                         "predicted_seconds' own); remove the field or recompile the plan")
-    expected = mpi_transfer_order(plan.staging is not None)
+    expected = mpi_transfer_order()
     if stated.order != expected:
         raise PlanError(f"executor_prediction.order is {stated.order!r}, but the executor runs this plan {expected!r} by default "
-                        f"({'it states' if plan.staging is not None else 'it states no'} staging limit); recompile the plan")
+                        f"({'within its staging limit' if plan.staging is not None else 'it states no staging limit'}); "
+                        "recompile the plan")
     if not _is_time(stated.predicted_seconds):
         raise PlanError(f"executor_prediction.predicted_seconds is {stated.predicted_seconds}; it must be a finite number of "
                         "seconds >= 0 (recompile the plan)")

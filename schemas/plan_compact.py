@@ -36,6 +36,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import weakref
 import zipfile
 import zlib
 from dataclasses import dataclass
@@ -921,13 +922,23 @@ def stores_integers(m: _Members, table: str) -> bool:
         and all(m.where[name][0].kind in "iu" for name in ("boxes.dims", "boxes.values") if name in m)
 
 
-def read_device_data(path, device: int | None) -> tuple[dict, list[dict], np.ndarray, list[int], int, bool, Callable]:
+_HEADERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # open file -> its checked header, less the problem
+
+
+def read_device_data(path, device: int | None, problem: bool = True) -> tuple[dict, list[dict], np.ndarray, list[int], int, bool, Callable]:
     """(the plan's fields less its tables, the operations `device` takes part in as plain dicts, their rows, their
     first message tags, the plan's tags, whether the file stores its operations' integers as integers:
     `stores_integers`, and a function giving the carrier of given rows, for `shared_ids`) of the file at `path` or
-    open as `path` (`_Members`)."""
+    open as `path` (`_Members`). `problem=False`: the fields may leave the problem out; of a file open as `path` whose
+    header was read before, the header is not parsed again (a large problem's is megabytes of JSON)."""
     m = _Members(path)
+    opened = hasattr(path, "fileno")
+    kept = None if problem or not opened else _HEADERS.get(path)
+    if kept is not None:
+        m.memo["header"] = kept
     header = _header(m)
+    if opened and kept is None:
+        _HEADERS[path] = {**header, "plan": {k: v for k, v in header["plan"].items() if k != "problem"}}
     rows = device_rows(m, device)
     tags = m.get("index.first_tags")
     count = header["counts"].get("operations")

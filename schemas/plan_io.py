@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import stat
+from operator import itemgetter
 from typing import Any, BinaryIO, Callable, get_args
 
 from pydantic import TypeAdapter, ValidationError
@@ -111,10 +112,16 @@ _OP_MINIMA = tuple((name, g.ge) for name, f in Operation.model_fields.items() fo
 _OP_FIELDS = frozenset(Operation.model_fields)
 
 
-def _valid_as_read(op: dict) -> bool:
-    """What validating an operation read from a compact file whose integers are integers (`stores_integers`) checks:
-    its kind is known and its bounded fields (`ge`) are within bounds where given."""
-    return op["kind"] in _OP_KINDS and all(op[name] is None or op[name] >= least for name, least in _OP_MINIMA)
+def _valid_as_read(ops: list[dict]) -> bool:
+    """What validating each operation of `ops`, read from a compact file whose integers are integers (`stores_integers`),
+    checks: its kind is known and its bounded fields (`ge`) are within bounds where given; a field at a time."""
+    if not set(map(itemgetter("kind"), ops)) <= _OP_KINDS:
+        return False
+    for name, least in _OP_MINIMA:
+        given = [value for value in map(itemgetter(name), ops) if value is not None]
+        if given and min(given) < least:
+            return False
+    return True
 
 
 def _trusted_operation(op: dict) -> Operation:
@@ -132,7 +139,7 @@ def _trusted_operation(op: dict) -> Operation:
 def _operations(ops: list[dict], integral: bool) -> tuple[Operation, ...]:
     """The rows `ops` of a compact file as records: checked all at once where the file stores integers as integers
     (`integral`) and every row passes `_valid_as_read`, else validated one by one (whose first error is the message)."""
-    if integral and all(map(_valid_as_read, ops)):
+    if integral and _valid_as_read(ops):
         return tuple(map(_trusted_operation, ops))
     return tuple(Operation.model_validate(op) for op in ops)
 
@@ -189,12 +196,13 @@ def read_plan_ops(path: str | os.PathLike, device: int | None, handle: BinaryIO 
         shared = shared_ids(operations, rows, lambda after: [every[r].carrier if r < len(every) else None for r in after])
         return DeviceOps(plan.schema_version, plan.problem, operations, rows, tuple(first[i] for i in rows), tags, plan.staging,
                          shared)
-    fields, ops, rows, first_tags, tags, integral, carrier_after = _compact(path, read_device_data, device, handle=handle)
+    given = head is not None and handle is not None  # the problem and staging `head` read of `handle`
+    fields, ops, rows, first_tags, tags, integral, carrier_after = _compact(path, read_device_data, device, not given, handle=handle)
     version = fields.get("schema_version")
     if version not in SCHEMA_VERSIONS:
         plan_from_data(fields, path)  # the one-line message a whole-plan read gives
     try:
-        if head is not None and handle is not None:
+        if given:
             problem, staging = head.problem, head.staging
         else:
             problem = _PROBLEM.validate_python(fields.get("problem"))

@@ -22,11 +22,11 @@ def is_multi(plan: Plan) -> bool:
     return isinstance(plan.problem, TransferProblem)
 
 
-def mpi_transfer_order(limited: bool) -> str:
-    """The order the MPI executor runs a multi-tensor plan in by default: every message posted at once,
-    or device order where the plan states a staging limit (posted would stage every box at once). The
-    executor's `default_order`, the planner's stated time and the plan check all read it from here."""
-    return "device" if limited else "posted"
+def mpi_transfer_order() -> str:
+    """The order the MPI executor runs a multi-tensor plan in by default: posted, every message at once, or, where the
+    plan states a staging limit, as soon as its staging fits in a window of the limit's bytes per device
+    (`executor.window`). The executor's `default_order`, the planner's stated time and the plan check all read it from here."""
+    return "posted"
 
 
 def tensor_names(plan: Plan) -> tuple[str, ...]:

@@ -236,6 +236,10 @@ class ReshardingProblem(BaseModel):
         tensors of a model repeat a few layouts many times, and every rank's lowering asks for each)."""
         return dict(_blocks(tuple(self.shape), getattr(self, side)))
 
+    def block_of(self, side: str, device: int) -> Region | None:
+        """`blocks(side).get(device)` without copying the table (a rank asks once per tensor, of thousands)."""
+        return _blocks(tuple(self.shape), getattr(self, side)).get(device)
+
 
 @lru_cache(maxsize=1024)
 def _blocks(shape: tuple[int, ...], placement: Placement) -> dict[int, Region]:

@@ -7,6 +7,8 @@ much one operation stages on one device, and `staging_peaks` how large each devi
 must be, which is what the executor's lowering allocates (`executor.lower`; tests check they agree):
 
 - `posted`: every operation is in flight at once, so a device needs the sum over its operations.
+- `posted` within a plan's budget (`--max-staging-mb`): an operation goes once its staging fits in a ring of the
+  budget's bytes (`window_layout`), so a device needs at most the budget.
 - `device`: a device takes part in one run of operations at a time, in plan order (`device_runs`:
   consecutive operations with the same peers run together, and with a budget a run also ends before
   it would stage more than the budget), so a run's staging is free again once the run is done and
@@ -28,6 +30,7 @@ must be, which is what the executor's lowering allocates (`executor.lower`; test
 
 from __future__ import annotations
 
+import bisect
 import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Sequence
@@ -208,6 +211,58 @@ def device_runs(footprints: Sequence[Footprint], budget: int | None, align: int 
     return [run for run, _ in device_layout(footprints, budget, align)]
 
 
+def window_layout(sizes: Sequence[int], budget: int, align: int = 1) -> list[tuple[int, tuple[int, ...]]]:
+    """(first staging byte, the earlier operations it waits for) of each of a device's operations (their staged bytes
+    `sizes`, in plan order) posted within a staging window of `budget` bytes: staging is a ring of `budget` bytes, each
+    operation's range after the one before (at a multiple of `align`), back at byte 0 when it would run past the end.
+    An operation waits for the last earlier operation to stage in each of its bytes to finish on this device; that one
+    waited for the one before it there, so no two operations that may be unfinished at once share a byte. An
+    operation larger than the budget starts at 0 and waits for every byte's last user: it runs alone. One that stages
+    nothing waits for nothing (waits are indices into `sizes`).
+
+    Deadlock-free: an operation waits only for earlier ones of the device (and for its data, from earlier ones), and
+    every device takes the plan's one order, so the earliest unfinished operation of the plan waits for nothing.
+
+    >>> window_layout([4, 4, 0, 4, 2, 8], budget=8)
+    [(0, ()), (4, ()), (0, ()), (0, (0,)), (4, (1,)), (0, (1, 3, 4))]
+    """
+    out: list[tuple[int, tuple[int, ...]]] = []
+    starts: list[int] = []  # the ring's owned ranges, by first byte: each byte's last operation to stage there
+    owners: list[tuple[int, int]] = []  # (end, operation) of each range in `starts`
+    at = 0  # where the next range starts
+    for k, nbytes in enumerate(sizes):
+        if not nbytes:
+            out.append((0, ()))
+            continue
+        start = aligned(at, align)
+        if start and start + nbytes > budget:
+            start = 0
+        end = start + nbytes
+        i = max(bisect.bisect_right(starts, start) - 1, 0)
+        if i < len(starts) and owners[i][0] <= start:
+            i += 1  # the range before ends before this one starts
+        j = i
+        while j < len(starts) and starts[j] < end:
+            j += 1
+        waits = tuple(sorted({owners[m][1] for m in range(i, j)}))
+        ranges = [(start, end, k)]
+        if i < j and starts[i] < start:  # what is left of a range this one starts inside
+            ranges.insert(0, (starts[i], start, owners[i][1]))
+        if i < j and owners[j - 1][0] > end:  # ... and of one it ends inside
+            ranges.append((end, owners[j - 1][0], owners[j - 1][1]))
+        starts[i:j] = [lo for lo, _, _ in ranges]
+        owners[i:j] = [(hi, op) for _, hi, op in ranges]
+        out.append((start, waits))
+        at = end
+    return out
+
+
+def window_peak(sizes: Sequence[int], budget: int, align: int = 1) -> int:
+    """The staging a device needs posted within a window of `budget` bytes (`window_layout`): at most the larger of the
+    budget and its largest operation's staging."""
+    return max((start + n for (start, _), n in zip(window_layout(sizes, budget, align), sizes) if n), default=0)
+
+
 def run_peak(footprints: Sequence[Footprint], budget: int | None, align: int = 1) -> int:
     """The largest staging of one run, padding included: what a device needs in device order."""
     return max((start + nbytes for (_, start), (_, nbytes) in zip(device_layout(footprints, budget, align), footprints)
@@ -285,7 +340,8 @@ def footprints(plan: "Plan") -> dict[int, list[Footprint]]:
 def staging_peaks(plan: "Plan", order: str = "device", prints: dict[int, list[Footprint]] | None = None) -> dict[int, int]:
     """Device -> the bytes of staging the executor allocates on it for `plan` in `order` (devices that
     stage nothing left out). Device order uses the plan's own budget (`stage_budget`) and, across the
-    tensors of a multi-tensor plan, one area per device (`staging_align`). Posted, each tensor of a
+    tensors of a multi-tensor plan, one area per device (`staging_align`); so does posted where the plan states a
+    budget, within a window of it (`window_peak`). Otherwise posted, each tensor of a
     multi-tensor plan has its own staging area: the peak is the sum over tensors; where bundles share
     messages (`schemas.carriers`) one area holds every operation's staging, one after another (`chained`).
     `prints`: the plan's `footprints`, where the caller has them (both orders read them)."""
@@ -295,6 +351,9 @@ def staging_peaks(plan: "Plan", order: str = "device", prints: dict[int, list[Fo
     from .plan_tensors import is_multi, tensor_plans
 
     budget, align = stage_budget(plan), staging_align(plan)
+    if order == "posted" and budget is not None:  # within a window of the limit (`executor.window`), one area for every tensor
+        return {device: value for device, f in sorted((prints or footprints(plan)).items())
+                if (value := window_peak([n for _, n in f], budget, align))}
     if is_multi(plan) and order == "posted" and has_carriers(plan.operations):
         return {device: value for device, f in sorted((prints or footprints(plan)).items()) if (value := chained([n for _, n in f], align))}
     if is_multi(plan) and order == "posted":

@@ -14,6 +14,7 @@ are shared, so all the tensors' unit tasks compete for the same NICs and are sch
 from __future__ import annotations
 
 import math
+from functools import lru_cache
 
 from typing import Literal
 
@@ -26,7 +27,7 @@ from .geometry import Layout, Region
 from .spec import SpecError
 from .dtypes import DTYPE_SIZES, canonical_dtype, check_dtype
 from .limits import MAX_TENSOR_RANK, Length, check_int64_product, quoted
-from .problem import Cluster, DeviceMesh, OptionalSpec, Placement, ReshardingProblem
+from .problem import Cluster, DeviceMesh, OptionalSpec, Placement, ReshardingProblem, _blocks
 from .validation import describe_validation_error
 
 MAX_TENSORS = 100_000
@@ -283,9 +284,16 @@ def scale_tensor(tensor: TensorTransfer, single: ReshardingProblem, fused_part: 
     e.g. `single_problem`); add it to the problem's tensors (problem files add it themselves). A fused tensor's part's
     has no destination layout of its own: it is a part of the fused scales (`convert.fused_block_scales`)."""
     shape = scale_shape(tuple(tensor.shape), tensor.scale)
-    sides = {f"{side}_boxes": scale_boxes(tuple(tensor.shape), tensor.scale, single.blocks(side),
-                                          getattr(single, side).mesh.devices, side) for side in ("src", "dst")[:1 if fused_part else 2]}
+    sides = {f"{side}_boxes": _scale_boxes(tuple(tensor.shape), tensor.scale, getattr(single, side), side)
+             for side in ("src", "dst")[:1 if fused_part else 2]}
     return TensorTransfer(name=scale_name(tensor.name), shape=shape, dtype="float32", scale_of=tensor.name, **sides)
+
+
+@lru_cache(maxsize=1024)
+def _scale_boxes(shape: tuple[int, ...], scale: str, placement: Placement, side: str) -> tuple[Region, ...]:
+    """`convert.scale_boxes` of a tensor of `shape` laid out as `placement` on `side`: once per distinct layout (a model's
+    layers repeat a few, and a problem checks every scale tensor against the one its tensor needs)."""
+    return scale_boxes(shape, scale, _blocks(shape, placement), placement.mesh.devices, side)
 
 
 def single_problem(tensor: TensorTransfer, src_mesh: DeviceMesh, dst_mesh: DeviceMesh, cluster: Cluster) -> ReshardingProblem:

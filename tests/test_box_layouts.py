@@ -228,3 +228,41 @@ def test_the_validated_box_lists_kept_for_reuse_are_bounded_by_their_boxes(monke
     made = [adapter.validate_python([[[k, k + 1]]] * 4) for k in range(5)]
     assert made[-1] == (((4, 5),),) * 4 and adapter.validate_python(made[-1]) is made[-1]
     assert sum(map(len, boxes._MADE.values())) <= 10 and boxes._made_boxes <= 10
+
+
+@pytest.mark.parametrize("bad", [[[0, 4.0], [0, 8]], [[0, True], [0, 8]], [[0, 4, 5], [0, 8]], [(0, 4), "ab"], 7])
+def test_a_box_list_with_one_box_not_of_integer_pairs_is_refused_naming_that_box(bad):
+    """`Boxes` takes a list of plain boxes at once (`boxes._plain_boxes`) only where every pair is two plain ints (not
+    floats or bools): one box that is not sends the list to the box-by-box validation, whose error names it."""
+    from pydantic import TypeAdapter
+
+    from xmesh_plan.schemas.boxes import Boxes
+
+    with pytest.raises(ValidationError, match=re.escape(f"{bad!r} is not a box")):
+        TypeAdapter(Boxes).validate_python([[[0, 4], [0, 8]], bad, [[4, 8], [0, 8]]])
+
+
+def test_a_box_list_mixing_pairs_and_offset_size_boxes_gives_each_box_as_pairs():
+    from pydantic import TypeAdapter
+
+    from xmesh_plan.schemas.boxes import Boxes
+
+    boxes = TypeAdapter(Boxes).validate_python([[[0, 4], [0, 8]], {"offset": [4, 0], "size": [4, 8]}, ((0, 4), (0, 8))])
+    assert boxes == (((0, 4), (0, 8)), ((4, 8), (0, 8)), ((0, 4), (0, 8)))
+    assert all(type(pair) is tuple for box in boxes for pair in box)
+
+
+def test_a_box_list_equal_by_value_to_one_taken_before_but_not_of_ints_is_still_refused():
+    """A box list equal to one validated before gives that one's boxes (`boxes._LISTS`, a model's scale tensors repeat
+    a few lists), but only where its values are plain ints as well: 4.0 and True equal 4 and 1, and are refused."""
+    from pydantic import TypeAdapter
+
+    from xmesh_plan.schemas.boxes import Boxes
+
+    boxes = TypeAdapter(Boxes)
+    first = boxes.validate_python([[[0, 4], [0, 1]], [[4, 8], [0, 1]]])
+    assert boxes.validate_python([[[0, 4], [0, 1]], [[4, 8], [0, 1]]]) is first
+    for bad in ([[[0, 4.0], [0, 1]], [[4, 8], [0, 1]]], [[[0, 4], [0, True]], [[4, 8], [0, 1]]]):
+        with pytest.raises(ValidationError, match="is not a box"):
+            boxes.validate_python(bad)
+    assert boxes.validate_python([[[0, 4]], [[0, 1]], [[4, 8]], [[0, 1]]]) == (((0, 4),), ((0, 1),), ((4, 8),), ((0, 1),))

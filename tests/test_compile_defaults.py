@@ -86,12 +86,12 @@ def test_the_stated_posted_time_is_what_the_simulator_gives_on_its_own(small, de
         assert plan.executor_prediction.predicted_seconds >= plan.lower_bound_seconds
 
 
-def test_a_plan_with_a_staging_limit_states_its_device_order_time(small):
-    """The executor runs a multi-tensor plan that states a staging limit in device order on MPI, so the
-    plan states that order's time (posted would stage every box at once), and `check` re-derives it."""
+def test_a_plan_with_a_staging_limit_states_its_time_posted_within_the_limit(small):
+    """The executor runs a multi-tensor plan that states a staging limit posted on MPI within a window of the limit
+    (`executor.window`), so the plan states that time (the simulator's `window`), and `check` re-derives it."""
     plan = compile_plan(small, max_staging_bytes=16 * 2**10)
-    device = simulate(plan.operations, plan.problem, "device-order", nic_assignment(plan.host_order)).makespan_s
-    assert plan.executor_prediction == ExecutorPrediction(order="device", predicted_seconds=round(device, DIGITS))
+    window = simulate(plan.operations, plan.problem, "window", nic_assignment(plan.host_order), window_bytes=16 * 2**10).makespan_s
+    assert plan.executor_prediction == ExecutorPrediction(order="posted", predicted_seconds=round(window, DIGITS))
     assert plan.executor_prediction.order == default_order(plan, "mpi")
     check_plan(plan)
 
@@ -153,15 +153,15 @@ def test_check_and_inspect_report_the_posted_time_and_check_gates_on_it(small, d
 
 
 def test_check_names_the_order_it_gates_and_refuses_a_wrong_stated_order(small, tmp_path):
-    """A plan with a staging limit runs in device order by default: `check` says so (not "posted"), and a
-    plan whose stated order is not the executor's default for it is refused."""
+    """A plan with a staging limit runs posted within it by default: `check` says so, and a plan whose stated order is
+    not the executor's default for it is refused."""
     limited = compile_plan(small, max_staging_bytes=16 * 2**10)
     path = tmp_path / "limited.plan.json"
     path.write_text(limited.to_json())
     result = CliRunner().invoke(main, ["check", str(path), "--max-ratio", "2"])
-    assert result.exit_code == 0 and "device (executor default)" in result.output and "posted" not in result.output, result.output
-    wrong = limited.model_copy(update={"executor_prediction": limited.executor_prediction.model_copy(update={"order": "posted"})})
-    with pytest.raises(PlanError, match="executor_prediction.order is 'posted', but the executor runs this plan 'device'"):
+    assert result.exit_code == 0 and "posted within the staging limit (executor default)" in result.output, result.output
+    wrong = limited.model_copy(update={"executor_prediction": limited.executor_prediction.model_copy(update={"order": "device"})})
+    with pytest.raises(PlanError, match="executor_prediction.order is 'device', but the executor runs this plan 'posted'"):
         check_plan(wrong)
 
 

@@ -7,6 +7,7 @@ import doctest
 import importlib
 import importlib.util
 import math
+import re
 from pathlib import Path
 
 import numpy as np
@@ -550,11 +551,11 @@ def test_maker_refuses_a_class_whose_slots_are_not_its_fields():
 
 
 def test_what_a_paused_collector_block_made_is_in_the_oldest_generation_after_it():
-    """`passes.collector_paused`: the collector is off in the block and back on after it, and the objects the block
+    """`plan_file.collector_paused`: the collector is off in the block and back on after it, and the objects the block
     made are moved to the oldest generation, so the next young collection does not walk a rank's 10^6 steps."""
     import gc
 
-    from xmesh_plan.executor.passes import collector_paused
+    from xmesh_plan.executor.plan_file import collector_paused
 
     assert gc.isenabled()
     thresholds = gc.get_threshold()
@@ -592,11 +593,11 @@ def test_maker_refuses_a_class_with_post_init():
 
 
 def test_a_paused_collector_block_keeps_what_the_caller_froze():
-    """`passes.collector_paused` leaves `gc.freeze`'s permanent generation as the caller left it (the pre-fork
+    """`plan_file.collector_paused` leaves `gc.freeze`'s permanent generation as the caller left it (the pre-fork
     copy-on-write idiom freezes everything before forking workers)."""
     import gc
 
-    from xmesh_plan.executor.passes import collector_paused
+    from xmesh_plan.executor.plan_file import collector_paused
 
     kept = [[k] for k in range(100)]
     gc.freeze()
@@ -612,12 +613,12 @@ def test_a_paused_collector_block_keeps_what_the_caller_froze():
 
 
 def test_garbage_made_before_a_paused_collector_block_goes_in_a_young_collection_after_it():
-    """`passes.collector_paused` does not promote the caller's young cyclic garbage to the oldest generation, where
+    """`plan_file.collector_paused` does not promote the caller's young cyclic garbage to the oldest generation, where
     only a full collection (which may not come for a long time) would free it."""
     import gc
     import weakref
 
-    from xmesh_plan.executor.passes import collector_paused
+    from xmesh_plan.executor.plan_file import collector_paused
 
     class Node:
         def __init__(self):
@@ -636,3 +637,26 @@ def test_garbage_made_before_a_paused_collector_block_goes_in_a_young_collection
     finally:
         gc.set_threshold(*thresholds)
     assert alive() is None
+
+
+def test_a_shared_message_s_parts_received_twice_are_refused_naming_the_operation_and_the_box():
+    """The lowering's own replay (`_Builder.check_received_once`) of a part whose shared messages bring a device its
+    pieces again (their bundles listed a second time, under new ids) names the first operation that repeats a box."""
+    from dataclasses import replace
+
+    from xmesh_plan.executor.lower import _lower
+    from xmesh_plan.executor.plan_index import device_ops
+    from tests.support.transfer import random_transfer
+
+    plan = compile_plan(random_transfer(0, max_devices=8), strategy="auto", seed=0)
+    ops = device_ops(plan, 7)
+    shared = [k for k, op in enumerate(ops.operations) if op.id in ops.shared]
+    assert shared  # device 7 needs pieces of a shared message
+    top = max(op.id for op in plan.operations) + 1
+    again = tuple(ops.operations[k].model_copy(update={"id": top + j}) for j, k in enumerate(shared))
+    twice = replace(ops, operations=ops.operations + again, rows=ops.rows + tuple(range(len(again))),
+                    first_tags=ops.first_tags + tuple(ops.first_tags[k] for k in shared), shared=ops.shared | {op.id for op in again})
+    blocks = [(p.blocks("src").get(7), p.blocks("dst").get(7)) for p in plan.problem.tensor_problems()]
+    _lower(ops, 7, None, blocks, False, True)  # once: every box once
+    with pytest.raises(PlanMismatchError, match=re.escape(f"operation {again[1].id} (tensor 0, task 0, bundle): device 7 receives [3:6, 0:9] a second time")):
+        _lower(twice, 7, None, blocks, False, True)

@@ -53,6 +53,38 @@ def test_a_rank_lowers_the_same_program_from_its_part_of_a_reference_plan(path, 
     _same_programs_from_the_file(plan, _compact(plan, tmp_path))
 
 
+def test_a_plan_file_s_header_is_read_with_the_collector_paused(tmp_path, monkeypatch):
+    """`PlanFile.read` parses a large problem's header (10^6 lists and tuples) with the cyclic collector off, whose passes
+    over them would cost more than the parse, and on again after it."""
+    import gc
+
+    from xmesh_plan.executor import plan_file
+
+    plan = compile_plan(three_tensors(), strategy="auto", seed=0)
+    path = _compact(plan, tmp_path)
+    seen, read = [], plan_file.read_plan_head
+    monkeypatch.setattr(plan_file, "read_plan_head", lambda *args: seen.append(gc.isenabled()) or read(*args))
+    assert gc.isenabled()
+    PlanFile.read(path).close()
+    assert seen == [False] and gc.isenabled()
+
+
+def test_a_plan_file_s_header_is_parsed_once_for_the_header_and_every_part_read(tmp_path, monkeypatch):
+    """The parts read through `PlanFile.device_ops` take the header `PlanFile.read` checked (less the problem, which the
+    `PlanFile` holds), not a second parse of its JSON (megabytes for a large problem's boxes)."""
+    from xmesh_plan.schemas import plan_compact
+
+    plan = compile_plan(three_tensors(), strategy="auto", seed=0)
+    path = _compact(plan, tmp_path)
+    parsed, read = [], plan_compact._read_header
+    monkeypatch.setattr(plan_compact, "_read_header", lambda m: parsed.append(1) or read(m))
+    source = PlanFile.read(path)
+    parts = [source.device_ops(device) for device in plan_devices(plan)]
+    source.close()
+    assert len(parsed) == 1
+    assert [p.operations for p in parts] == [read_plan_ops(path, device).operations for device in plan_devices(plan)]
+
+
 @pytest.mark.parametrize("seed", range(12))
 def test_a_rank_lowers_the_same_program_from_its_part_of_a_random_multi_tensor_plan(seed, tmp_path):
     plan = compile_plan(random_transfer(seed, max_devices=8), strategy="auto", seed=0)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from xmesh_plan.planner.compile import compile_plan, simulated_messages
-from xmesh_plan.planner.simulate import DISCIPLINES, GATHER_AHEAD, lower, nic_assignment, run_flows, simulate
+from xmesh_plan.planner.simulate import DISCIPLINES, GATHER_AHEAD, lower, nic_assignment, run_flows, simulate, window_waits
 from xmesh_plan.schemas.carriers import group_runs, message_groups
 from xmesh_plan.schemas.geometry import region_size
 from xmesh_plan.schemas.op_kinds import rule_of
@@ -101,7 +101,8 @@ def test_a_shared_message_sends_one_intra_host_message_per_pair_of_devices(disci
     groups = [g for g in message_groups(plan.operations) if len(g) > 1]
     assert groups
     itemsizes = [p.itemsize for p in plan.problem.tensor_problems()]
-    lowering, _ = lower(plan.operations, plan.problem, discipline, nic_assignment(plan.host_order))
+    window = window_waits(plan.operations, plan.problem, 2**12) if discipline == "window" else None
+    lowering, _ = lower(plan.operations, plan.problem, discipline, nic_assignment(plan.host_order), window=window)
     several = 0
     for group in groups:
         head = group[0]

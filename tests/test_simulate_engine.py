@@ -22,6 +22,7 @@ from tests.support.reference_flows import reference_simulate
 from tests.support.transfer import random_transfer
 
 REL = 1e-11  # the engines add each flow's progress in different steps: times agree to rounding, not bit for bit
+WINDOW = 256  # bytes of staging per device in the `window` discipline: small enough that operations wait on these plans
 
 
 def random_flows(seed: int) -> tuple[list[Flow], dict[str, float]]:
@@ -74,7 +75,9 @@ def test_compiled_plans_time_as_the_reference_engine(seed, discipline):
         plan = compile_plan(problem, solver="greedy")
         args = (plan.operations, plan.problem, discipline, nic_assignment(plan.host_order))
         runs = staging_runs(plan) if discipline == "device-order" else None
-        same_result(simulate(*args, run_numbers=runs), reference_simulate(*args, run_numbers=runs))
+        window = WINDOW if discipline == "window" else None
+        same_result(simulate(*args, run_numbers=runs, window_bytes=window),
+                    reference_simulate(*args, run_numbers=runs, window_bytes=window))
 
 
 @pytest.mark.parametrize("seed", range(6))
@@ -83,7 +86,9 @@ def test_the_cpu_model_and_a_send_buffer_time_as_the_reference_engine(seed):
     problem = problem.model_copy(update={"cluster": problem.cluster.model_copy(update={"cpu": Cpu(cores=2, copy_gbps=8)})})
     plan = compile_plan(problem, solver="greedy")
     for discipline in DISCIPLINES:
-        same_result(simulate(plan.operations, problem, discipline), reference_simulate(plan.operations, problem, discipline))
+        window = WINDOW if discipline == "window" else None
+        same_result(simulate(plan.operations, problem, discipline, window_bytes=window),
+                    reference_simulate(plan.operations, problem, discipline, window_bytes=window))
     buffer = problem.nbytes / 7
     same_result(simulate(plan.operations, problem, "device-order", send_buffer_bytes=buffer),
                 reference_simulate(plan.operations, problem, "device-order", send_buffer_bytes=buffer))

@@ -5,6 +5,7 @@ that on MPI (in process and under mpiexec) and on torch/gloo, every destination 
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import json
 import math
@@ -127,6 +128,13 @@ def test_random_limited_transfers_agree_with_the_brute_force_and_run_bit_exact(s
     assert_every_shard(plan, run_everywhere(plan, executors, full), full)
     for ex in executors:
         assert ex.stage_bytes == plan.staging.peak_bytes.get(ex.device, 0)
+    windowed = staging_peaks(plan, "posted")  # posted within the limit (`executor.window`), the MPI engine's default
+    assert windowed == brute_force_peaks(plan, "posted") and all(n <= limit for n in windowed.values())
+    posted = fake_executors(plan, order="posted")
+    assert_every_shard(plan, run_everywhere(plan, posted, full), full)
+    for ex in posted:
+        assert ex.stage_bytes == ex.engine.stage.nbytes == windowed.get(ex.device, 0)
+        assert unsafe_reuse(ex.program) == []
 
 
 # --- the executor -------------------------------------------------------------------------------------------
@@ -144,14 +152,11 @@ def test_every_tensor_shares_one_staging_area_and_runs_bit_exact_in_process(two_
     assert posted > sum(small_plan.staging.peak_bytes.values())
 
 
-def test_a_limited_plan_runs_in_device_order_by_default_and_posted_is_refused(small_plan):
-    assert default_order(small_plan, "mpi") == "device" and default_order(small_plan, "torch") == "device"
+def test_a_limited_plan_runs_posted_within_its_limit_on_mpi_and_in_device_order_on_torch(small_plan):
+    assert default_order(small_plan, "mpi") == "posted" and default_order(small_plan, "torch") == "device"
     comm = WorldComm(FakeWorld(), 0, 8)
-    assert TransferExecutor(small_plan, comm).order == "device"
-    with pytest.raises(PlanMismatchError, match=r"order='posted' needs \d+ B of staging on device \d+ \(every tensor's staged boxes "
-                                                r"at once\), but the plan states \d+ B there .* run it with order='device'") as err:
-        TransferExecutor(small_plan, comm, order="posted")
-    assert err.value.same_on_every_rank and "\n" not in str(err.value)
+    assert TransferExecutor(small_plan, comm).order == "posted"
+    assert TransferExecutor(small_plan, comm, order="device").order == "device"
     # torch posted runs the tensors one after another in one area: the largest tensor's staged boxes at once
     with pytest.raises(PlanMismatchError, match=r"order='posted' needs 262144 B of staging on device 0 \(the largest tensor's "
                                                 r"staged boxes at once\)"):
@@ -217,7 +222,7 @@ def test_compile_verify_and_inspect_state_the_limit(tmp_path):
     assert re.search(r"staging at most [\d.]+ KiB per device \(device order, limit 16.0 KiB\)", result.output), result.output
     assert "stated staging right" in runner.invoke(main, ["verify", str(out)]).output
     text = runner.invoke(main, ["inspect", str(out)]).output
-    assert re.search(r"device order [\d.]+ KiB \(device \d+; \d+ devices? stage\); posted order", text), text
+    assert re.search(r"device order [\d.]+ KiB \(device \d+; \d+ devices? stage\); posted order within the limit [\d.]+ KiB", text), text
     assert "stated staging: limit 16.0 KiB per device (--max-staging-mb 0.015625)" in text, text
     assert read_plan_file(out).to_json() == compile_plan(load_any_problem(SMALL), solver="greedy", max_staging_bytes=SMALL_LIMIT).to_json()
 
@@ -228,20 +233,20 @@ def test_compile_verify_and_inspect_state_the_limit(tmp_path):
 @pytest.mark.skipif(not MPIEXEC.exists(), reason=f"no mpiexec at {MPIEXEC}")
 @pytest.mark.timeout(900)
 def test_mpiexec_runs_limited_transfers_bit_exact_within_the_stated_staging(tmp_path, small_plan, two_plan):
-    """Real MPI, the executor's default order (device, for a plan that states a limit): 3 reshards each, every
-    shard checked, each rank's allocated staging (its engines' distinct buffers) at most its stated peak."""
+    """Real MPI, the executor's default order (posted within the limit the plan states, `executor.window`): 3 reshards
+    each, every shard checked, each rank's allocated staging (its engine's buffer) within the limit; and device order,
+    within the peak the plan states."""
     for plan, ranks in ((small_plan, 8), (two_plan, 6)):
         path = tmp_path / f"{plan.problem.name}.plan.json"
         path.write_text(plan.to_json())
-        result = mpiexec(ranks, str(WORKER), str(path))
-        assert result.returncode == 0, result.stderr[-3000:]
-        found = re.search(r"ok (\S+) order (\w+) staging (\d+) stated (\d+) limit (\d+)", result.stdout)
-        assert found, result.stdout
-        name, order, allocated, stated, limit = found.groups()
-        assert (name, order) == (plan.problem.name, "device")
-        assert 0 < int(allocated) <= int(stated) <= int(limit) == plan.staging.limit_bytes
-    refused = mpiexec(8, "-m", "xmesh_plan.executor.run", str(tmp_path / "weight_sync_small.plan.json"), "--order", "posted", "--check")
-    assert refused.returncode != 0 and "run it with order='device'" in refused.stdout + refused.stderr
+        for order in ("", "device"):
+            result = mpiexec(ranks, str(WORKER), *(["--order", order] if order else []), str(path))
+            assert result.returncode == 0, result.stderr[-3000:]
+            found = re.search(r"ok (\S+) order (\w+) staging (\d+) stated (\d+) limit (\d+)", result.stdout)
+            assert found, result.stdout
+            name, ran, allocated, stated, limit = found.groups()
+            assert (name, ran) == (plan.problem.name, order or "posted")
+            assert 0 < int(allocated) <= (int(stated) if order else int(limit)) and int(stated) <= int(limit) == plan.staging.limit_bytes
 
 
 @pytest.mark.slow
@@ -286,19 +291,19 @@ def test_torch_gloo_posted_runs_the_tensors_one_after_another_in_one_staging_are
 
 
 def test_a_one_tensor_plan_over_its_staging_gets_the_same_advice_from_both_faces():
-    """A one-tensor plan compiled with a staging limit for device order, run posted: TransferExecutor said the plan
+    """A one-tensor plan compiled with a staging limit, given a posted program staging every box at once (over the
+    limit: what the executor's posted order stages without its window, `executor.window`): TransferExecutor said the plan
     was damaged ("recompile it and check it with verify") where ReshardingExecutor says to run it in device order."""
     from xmesh_plan.executor import ReshardingExecutor, TransferExecutor, PlanMismatchError
-    from xmesh_plan.executor.passes import rank_program
+    from xmesh_plan.executor.lower import lower
     from xmesh_plan.executor.ranks import plan_devices
     from xmesh_plan.planner.compile import compile_plan
     from tests.support.cases import random_problem
     from tests.support.fake_mpi import FakeWorld, WorldComm
     plan = compile_plan(random_problem(0, max_devices=6), solver="greedy", max_staging_bytes=64)
     devices = plan_devices(plan)
-    over = [d for d in devices if rank_program(plan, d, "posted", True, 2**20).stage_bytes > plan.staging.peak_bytes.get(d, 0)]
-    assert over, "the case needs a device whose posted staging is above the stated peak"
-    program = rank_program(plan, over[0], "posted", True, 2**20)
+    program = lower(plan, devices[0], 2**20)
+    program = dataclasses.replace(program, stage_bytes=plan.staging.limit_bytes + 1)
     messages = []
     for face in (ReshardingExecutor, TransferExecutor):
         with pytest.raises(PlanMismatchError) as err:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import heapq
 from collections import deque
 
-from xmesh_plan.planner.simulate import REL_EPS, Flow, ShareRule, TooCostly, lower, max_min_rates, op_times
+from xmesh_plan.planner.simulate import REL_EPS, Flow, ShareRule, TooCostly, lower, max_min_rates, op_times, window_waits
 
 
 def run_flows(flows: list[Flow], capacity: dict[str, float], max_work: int | None = None,
@@ -160,9 +160,10 @@ def _sharing_links(changed: set[int], by_id: dict[int, Flow], on_link: dict[str,
 
 
 def reference_simulate(operations, problem, discipline: str = "host-order", nic_of_task=None, max_work=None,
-                       run_numbers=None, share: ShareRule | None = None, send_buffer_bytes=None):
+                       run_numbers=None, share: ShareRule | None = None, send_buffer_bytes=None, window_bytes=None):
     """`planner.simulate.simulate` with this module's `run_flows`: the same lowering and times, the reference engine."""
-    lowering, riders = lower(operations, problem, discipline, nic_of_task, run_numbers, send_buffer_bytes)
+    window = window_waits(operations, problem, window_bytes) if window_bytes is not None else None
+    lowering, riders = lower(operations, problem, discipline, nic_of_task, run_numbers, send_buffer_bytes, window)
     cost: list[int] = []
     spans = run_flows(lowering.flows, lowering.capacity, max_work, cost, share)
     started, arrived = ([spans[i][k] for i in range(len(lowering.flows))] for k in (0, 1))  # by flow id, as `lower` numbers them

@@ -43,7 +43,8 @@ def brute_force_peaks(plan: Plan, order: str = "device") -> dict[int, int]:
     chain, every part of a ring, a bundle's whole message on its relays and its own parts elsewhere),
     staged unless numpy finds them one run of its shard of that tensor, each at a multiple of the largest
     element. Posted order holds them all at once; device order cuts runs of the same peers (from the route's
-    messages) before they pass the plan's limit. Bundles sharing one message (`carrier`: listed after the
+    messages) before they pass the plan's limit. Posted with a limit, they go round a ring of the limit's bytes, back
+    to byte 0 where the next would pass its end. Bundles sharing one message (`carrier`: listed after the
     bundle named) count as one operation on a device: their peers together, and what `_shared_staging` says."""
     problems = plan.problem.tensor_problems()
     align = max(p.itemsize for p in problems)
@@ -69,6 +70,8 @@ def brute_force_peaks(plan: Plan, order: str = "device") -> dict[int, int]:
         peak, peers, used = 0, frozenset(), 0
         for talks, n, _ in items:
             start = -(-used // align) * align if n else used
+            if order == "posted" and budget is not None and n and start and start + n > budget:  # a ring of the budget
+                start = 0
             if order == "device" and ((talks and peers and talks != peers) or (budget is not None and used and start + n > budget)):
                 peers, used, start = talks, 0, 0
             peers = peers or talks
