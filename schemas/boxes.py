@@ -49,12 +49,13 @@ def _plain_boxes(values: Any) -> tuple[Region, ...] | None:
     if made is not None:
         return made
     boxes = list(map(tuple, map(map, repeat(tuple), values)))  # each box a tuple of (start, stop) tuples
-    if len(_KNOWN) > _KNOWN_MOST or _listed_ints + len(flat) > _LISTED_MOST:
+    held = 1 + len(values) + len(flat)  # the list, its boxes and their ints: boxes of no dims hold no ints, yet each counts
+    if len(_KNOWN) > _KNOWN_MOST or _listed_ints + held > _LISTED_MOST:
         _KNOWN.clear()
         _LISTS.clear()
         _listed_ints = 0
     made = _LISTS[key] = tuple(map(_KNOWN.setdefault, boxes, boxes))
-    _listed_ints += len(flat)
+    _listed_ints += held
     return made
 
 
@@ -62,7 +63,7 @@ _PAIR_TYPES, _TWO, _INT = frozenset(_PAIRS), frozenset({2}), frozenset({int})
 _KNOWN: dict[Region, Region] = {}  # each distinct box made so far, kept once (a mesh's devices and a model's layers repeat a few)
 _KNOWN_MOST = 1 << 16  # distinct boxes `_KNOWN` holds at most before it is let go
 _LISTS: dict[tuple, tuple[Region, ...]] = {}  # (each box's dims, its ints in order) -> the boxes made of a list
-_LISTED_MOST = 1 << 20  # ints `_LISTS` keys hold at most (8 MiB of references) before it is let go
+_LISTED_MOST = 1 << 20  # lists, boxes and ints `_LISTS` holds at most (its keys' and values' references, tens of MiB) before it is let go
 _listed_ints = 0
 
 
@@ -118,8 +119,9 @@ def made_boxes(boxes: tuple[Region, ...]) -> tuple[Region, ...]:
     if len(_MADE) >= _MADE_MOST or _made_boxes + len(boxes) > _MADE_MOST_BOXES:
         _MADE.clear()
         _made_boxes = 0
-    _MADE[id(boxes)] = boxes
-    _made_boxes += len(boxes)
+    if _MADE.get(id(boxes)) is not boxes:  # a list held already is not counted again
+        _MADE[id(boxes)] = boxes
+        _made_boxes += len(boxes)
     return boxes
 
 

@@ -266,3 +266,20 @@ def test_a_box_list_equal_by_value_to_one_taken_before_but_not_of_ints_is_still_
         with pytest.raises(ValidationError, match="is not a box"):
             boxes.validate_python(bad)
     assert boxes.validate_python([[[0, 4]], [[0, 1]], [[4, 8]], [[0, 1]]]) == (((0, 4),), ((0, 1),), ((4, 8),), ((0, 1),))
+
+
+def test_the_kept_box_lists_stay_bounded_also_for_boxes_of_no_dims(monkeypatch):
+    """`boxes._LISTS` is let go past `_LISTED_MOST` lists, boxes and ints together: lists of boxes of no dims hold no
+    ints, so counting ints alone kept every one of them (a reader fed many such files grew without bound)."""
+    from pydantic import TypeAdapter
+
+    from xmesh_plan.schemas import boxes as box_module
+
+    monkeypatch.setattr(box_module, "_LISTED_MOST", 1000)
+    monkeypatch.setattr(box_module, "_LISTS", {})
+    monkeypatch.setattr(box_module, "_listed_ints", 0)
+    adapter = TypeAdapter(box_module.Boxes)
+    for k in range(1, 200):
+        assert adapter.validate_python([[]] * k) == ((),) * k
+        held = sum(1 + len(boxes) for boxes in box_module._LISTS.values())
+        assert held <= 1000

@@ -660,3 +660,30 @@ def test_a_shared_message_s_parts_received_twice_are_refused_naming_the_operatio
     _lower(ops, 7, None, blocks, False, True)  # once: every box once
     with pytest.raises(PlanMismatchError, match=re.escape(f"operation {again[1].id} (tensor 0, task 0, bundle): device 7 receives [3:6, 0:9] a second time")):
         _lower(twice, 7, None, blocks, False, True)
+
+
+def test_a_box_received_twice_is_named_wherever_it_lies_in_an_operations_list():
+    """`_Builder.check_received_once` walks every box each operation received, not only its first: a repeat in the
+    second box of a later operation, or inside one operation's list, is refused and named; distinct boxes pass."""
+    from types import SimpleNamespace
+
+    from xmesh_plan.executor.lower import _Builder
+
+    class Refused(Exception):
+        pass
+
+    def fail(op, message):
+        raise Refused(f"{op}: {message}")
+
+    builder = SimpleNamespace(device=7, fail=fail)
+
+    def check(received):
+        tensor = SimpleNamespace(shards=SimpleNamespace(dst_block=((0, 4), (0, 4))), ndim=2, received=received,
+                                 received_elements=999)
+        _Builder.check_received_once(builder, tensor)
+
+    with pytest.raises(Refused, match=r"op2: device 7 receives .* a second time"):
+        check([("op1", (((0, 2), (0, 4)),)), ("op2", [((2, 4), (0, 4)), ((0, 1), (0, 4))])])
+    with pytest.raises(Refused, match=r"op1: device 7 receives .* a second time"):
+        check([("op1", [((0, 2), (0, 4)), ((1, 3), (0, 4))])])
+    check([("op1", [((0, 2), (0, 4))]), ("op2", (((2, 4), (0, 4)),))])
