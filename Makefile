@@ -29,10 +29,11 @@ check-plans: $(STAMP)
 	$(VENV)/bin/xmesh-plan verify plans/*.plan.json
 	rm -rf .plans-check
 
-## Plans first, then the suite, so pytest's summary is the last line printed.
+## Plans first, then the suite, so pytest's summary is the last line printed. Two pytest-xdist workers, each test
+## file on one worker (its module-scoped launches run once): one runs in-process tests while the other's ranks run.
 test: $(STAMP)
 	$(MAKE) --no-print-directory check-plans
-	$(PY) -m pytest
+	$(PY) -m pytest -n 2 --dist loadfile
 
 ## Benchmarks: every bench/bench_*.py in turn, as a module of the bench package; results go to bench/results/,
 ## then BENCHMARKS.md is made from them.

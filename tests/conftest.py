@@ -48,6 +48,30 @@ def pytest_addoption(parser) -> None:
                           "tests/test_verify_columns.py: 400 instead of 200)")
 
 
+def pytest_collection_modifyitems(config, items) -> None:
+    """Under pytest-xdist, the files with `slow` or `mpi` tests first (otherwise in order): each worker takes whole
+    files, so a long file handed out last would leave the other worker idle until it ends."""
+    if hasattr(config, "workerinput"):
+        long = {item.path for item in items if item.get_closest_marker("slow") or item.get_closest_marker("mpi")}
+        items.sort(key=lambda item: item.path not in long)
+
+
+def pytest_sessionfinish(session) -> None:
+    """Under pytest-xdist, hand this worker's summary lines to the controller, which prints them."""
+    from tests.support.mutations import SUMMARY
+
+    if hasattr(session.config, "workeroutput"):
+        session.config.workeroutput["summary"] = list(SUMMARY)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node, error) -> None:
+    """pytest-xdist's controller: keep the summary lines of a worker that finished."""
+    from tests.support.mutations import SUMMARY
+
+    SUMMARY.extend(getattr(node, "workeroutput", {}).get("summary", []))
+
+
 def pytest_terminal_summary(terminalreporter) -> None:
     """Print what summary-keeping tests recorded (e.g. the plan-mutation counts), so CI's log shows it."""
     from tests.support.mutations import SUMMARY

@@ -594,7 +594,9 @@ def test_maker_refuses_a_class_with_post_init():
 
 def test_a_paused_collector_block_keeps_what_the_caller_froze():
     """`plan_file.collector_paused` leaves `gc.freeze`'s permanent generation as the caller left it (the pre-fork
-    copy-on-write idiom freezes everything before forking workers)."""
+    copy-on-write idiom freezes everything before forking workers). The caller's frozen objects must stay out of the
+    collector's generations (`gc.get_objects()` lists those, not the permanent one); the frozen count alone would also
+    move when another thread (pytest-xdist's) frees a frozen object."""
     import gc
 
     from xmesh_plan.executor.plan_file import collector_paused
@@ -602,11 +604,11 @@ def test_a_paused_collector_block_keeps_what_the_caller_froze():
     kept = [[k] for k in range(100)]
     gc.freeze()
     try:
-        frozen = gc.get_freeze_count()
-        assert frozen >= len(kept)
+        assert gc.get_freeze_count() >= len(kept)
         with collector_paused():
             made = [[k] for k in range(100)]
-        assert gc.get_freeze_count() == frozen
+        collected = {id(o) for o in gc.get_objects()}
+        assert not ({id(kept)} | {id(k) for k in kept}) & collected
     finally:
         gc.unfreeze()
     assert made and kept

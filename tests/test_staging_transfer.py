@@ -249,16 +249,31 @@ def test_mpiexec_runs_limited_transfers_bit_exact_within_the_stated_staging(tmp_
             assert 0 < int(allocated) <= (int(stated) if order else int(limit)) and int(stated) <= int(limit) == plan.staging.limit_bytes
 
 
+@pytest.fixture(scope="module")
+def gloo_lines(tmp_path_factory, two_plan) -> dict[str, list[str]]:
+    """One launch of 6 torch/gloo ranks (the worker's `batch`: each job in turn, a barrier between) for the two tests
+    below: job name -> its `rank R: ...` lines, as the job's mode alone prints them (the job's name taken out)."""
+    from tests.support.launch import launch
+
+    folder = tmp_path_factory.mktemp("gloo")
+    (folder / "two.plan.json").write_text(two_plan.to_json())
+    (folder / "two_posted.plan.json").write_text(compile_plan(two_tensors(), solver="greedy").to_json())
+    jobs = [{"name": "device", "mode": "check_transfer_by_order", "plans": [str(folder / "two.plan.json")]},
+            {"name": "posted", "mode": "check_transfer_posted_by_order", "plans": [str(folder / "two_posted.plan.json")]}]
+    (folder / "jobs.json").write_text(json.dumps(jobs))
+    out: dict[str, list[str]] = {"device": [], "posted": []}
+    for line in launch(6, "batch", str(folder / "jobs.json")):
+        rank, name, rest = line.split(": ", 2)
+        out[name].append(f"{rank}: {rest}")
+    return out
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 @pytest.mark.skipif(importlib.util.find_spec("torch") is None, reason="torch is not installed")
-def test_torch_gloo_runs_a_limited_transfer_bit_exact_within_the_stated_staging(tmp_path, two_plan):
+def test_torch_gloo_runs_a_limited_transfer_bit_exact_within_the_stated_staging(gloo_lines, two_plan):
     """The torch engine in device order: one staging tensor every tensor shares, each shard bit for bit (tags 0: gloo matches by order, as NCCL)."""
-    from tests.support.launch import launch
-
-    path = tmp_path / "two.plan.json"
-    path.write_text(two_plan.to_json())
-    lines = launch(6, "check_transfer_by_order", str(path))
+    lines = gloo_lines["device"]
     assert [line for line in lines if line.startswith("rank 0:") and "ok" in line] == ["rank 0: two.plan.json: ok"], lines
     staged = [line for line in lines if "staging" in line]
     assert len(staged) == 6 and all(re.search(r"staging (\d+) B, stated (\d+) B, shared", line) for line in staged), lines
@@ -268,15 +283,11 @@ def test_torch_gloo_runs_a_limited_transfer_bit_exact_within_the_stated_staging(
 
 
 @pytest.mark.skipif(importlib.util.find_spec("torch") is None, reason="torch is not installed")
-def test_torch_gloo_posted_runs_the_tensors_one_after_another_in_one_staging_area(tmp_path):
+def test_torch_gloo_posted_runs_the_tensors_one_after_another_in_one_staging_area(gloo_lines):
     """The torch engine posted runs a multi-tensor plan's tensors one after another, so they share one staging
     tensor, the largest any tensor's posted program needs on that device (not the sum); bit for bit on gloo."""
-    from tests.support.launch import launch
-
     plan = compile_plan(two_tensors(), solver="greedy")
-    path = tmp_path / "two_posted.plan.json"
-    path.write_text(plan.to_json())
-    lines = launch(6, "check_transfer_posted_by_order", str(path))
+    lines = gloo_lines["posted"]
     assert [line for line in lines if line.startswith("rank 0:") and "ok" in line] == ["rank 0: two_posted.plan.json: ok"], lines
     staged = {int(m.group(1)): (int(m.group(2)), m.group(3)) for line in lines
               if (m := re.search(r"device (\d+) staging (\d+) B, stated None B, (.*)$", line))}
