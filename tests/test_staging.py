@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 from dataclasses import replace
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -14,7 +15,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 
 from xmesh_plan.executor.errors import PlanMismatchError
 from xmesh_plan.executor.executor import check_staging
-from xmesh_plan.executor.lower import in_device_order, lower
+from xmesh_plan.executor.lower import Action, Bytes, Step, in_device_order, lower
 from xmesh_plan.executor.nccl_plan import nccl_program
 from xmesh_plan.executor.ranks import plan_devices
 from xmesh_plan.executor.scale import scale_plan
@@ -93,6 +94,24 @@ def test_the_reuse_check_can_fail():
     squeezed = in_device_order(program)
     unordered = replace(squeezed, steps=tuple(replace(s, deps=o.deps) for s, o in zip(squeezed.steps, program.steps)))
     assert unsafe_reuse(squeezed) == [] and unsafe_reuse(unordered)
+
+
+def test_the_reuse_check_names_writes_over_bytes_still_read_and_lets_reads_share():
+    """Two operations reading the same staging bytes unordered are safe; a write over bytes another operation still
+    reads (a move's origin counts) without waiting for it is reuse."""
+    def step(index, action, op, deps, start, origin=None):
+        return Step(index, action, op, 0, "bundle", deps, data=Bytes("stage", start, start + 8),
+                    origin=None if origin is None else Bytes("stage", origin, origin + 8))
+
+    arrived = step(0, Action.RECV, 1, (), 0)
+    reads = [arrived, step(1, Action.SEND, 1, (0,), 0), step(2, Action.UNPACK, 2, (0,), 0)]
+    assert unsafe_reuse(SimpleNamespace(device=3, steps=reads)) == []
+    moved = [arrived, step(1, Action.MOVE, 1, (0,), 8, origin=0), step(2, Action.RECV, 2, (0,), 0)]
+    assert unsafe_reuse(SimpleNamespace(device=3, steps=moved)) == [
+        "device 3: op 2 (task 0, bundle): receive 8 B from device -1 does not wait for op 1 (task 0, bundle): move on staging "
+        "bytes both use"]
+    waits = [*moved[:2], step(2, Action.RECV, 2, (1,), 0)]
+    assert unsafe_reuse(SimpleNamespace(device=3, steps=waits)) == []
 
 
 def test_device_order_needs_less_than_posted_on_the_reference_plans():

@@ -14,11 +14,11 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
-from hypothesis import HealthCheck, given, settings, strategies as st
+from hypothesis import HealthCheck, example, given, settings, strategies as st
 
 from xmesh_plan.executor import PlanMismatchError, TransferExecutor
 from xmesh_plan.executor.passes import rank_program
-from xmesh_plan.executor.lower import lower
+from xmesh_plan.executor.lower import Action, lower
 from xmesh_plan.executor.ranks import plan_devices
 from xmesh_plan.executor.scale import factors_for, scale_tensors
 from xmesh_plan.executor.transfer_executor import check_transfer_staging, default_order
@@ -108,16 +108,26 @@ def test_same_input_and_seed_give_a_byte_identical_limited_plan(small_plan):
     assert "staging" not in json.loads(compile_plan(two_tensors(), solver="greedy").to_json())
 
 
-@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(seed=st.integers(0, 10**6), strategy=st.sampled_from(("broadcast", "send_recv", "local_allgather", "global_allgather", "auto")),
-       devices=st.integers(2, 9), share=st.sampled_from([0.0, 0.3, 0.7]), coalesce=st.booleans())
-def test_random_limited_transfers_agree_with_the_brute_force_and_run_bit_exact(seed, strategy, devices, share, coalesce):
+def limited_transfer(seed: int, strategy: str, devices: int, share: float, coalesce: bool) -> tuple[Plan, int]:
+    """(plan, limit): `random_transfer(seed, devices)` compiled under a limit of `share` of its largest posted peak
+    (at least one element of its widest dtype, and 64 B when coalescing)."""
     problem = random_transfer(seed, devices)
     options = dict(strategy=strategy, solver="greedy", seed=0, coalesce=coalesce, bucket_bytes=64 if coalesce else None)
     plain = compile_plan(problem, **options)
     widest = max(p.itemsize for p in problem.tensor_problems())
     limit = max(widest, int(max(staging_peaks(plain, "posted").values(), default=0) * share), 64 if coalesce else 0)
-    plan = compile_plan(problem, max_staging_bytes=limit, **options)
+    return compile_plan(problem, max_staging_bytes=limit, **options), limit
+
+
+SHARED_SCATTER = dict(seed=14028, strategy="broadcast", devices=8, share=0.0, coalesce=True)  # see the test below
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(seed=st.integers(0, 10**6), strategy=st.sampled_from(("broadcast", "send_recv", "local_allgather", "global_allgather", "auto")),
+       devices=st.integers(2, 9), share=st.sampled_from([0.0, 0.3, 0.7]), coalesce=st.booleans())
+@example(**SHARED_SCATTER)
+def test_random_limited_transfers_agree_with_the_brute_force_and_run_bit_exact(seed, strategy, devices, share, coalesce):
+    plan, limit = limited_transfer(seed, strategy, devices, share, coalesce)
     verify_plan(plan)
     assert plan.staging.peak_bytes == brute_force_peaks(plan) and all(n <= limit for n in plan.staging.peak_bytes.values())
     for device, joint in joint_programs(plan).items():
@@ -135,6 +145,26 @@ def test_random_limited_transfers_agree_with_the_brute_force_and_run_bit_exact(s
     for ex in posted:
         assert ex.stage_bytes == ex.engine.stage.nbytes == windowed.get(ex.device, 0)
         assert unsafe_reuse(ex.program) == []
+
+
+def test_a_shared_message_scattered_from_itself_while_its_members_unpack_is_no_reuse():
+    """Device 6 relays one message of three bundles (ops 17-19): it sends device 7 its share from the message itself
+    while it unpacks each member's part of the same bytes, no step waiting for another. Reads of one received message
+    overwrite nothing (the executors run it bit exact); a write in the send's place is reuse."""
+    plan, _ = limited_transfer(**SHARED_SCATTER)
+    joint = joint_programs(plan)[6]
+    staged = [s for s in joint.steps if s.data is not None and s.data.buffer == "stage"]
+    send = next(s for s in staged if s.action is Action.SEND)
+    unpacks = [s for s in staged if s.action is Action.UNPACK and s.op != send.op
+               and s.data.start < send.data.stop and send.data.start < s.data.stop]
+    assert {s.op for s in unpacks} == {18, 19} and send.op == 17
+    assert all(s.index < send.index and s.index not in send.deps for s in unpacks)
+    assert unsafe_reuse(joint) == []
+    full = full_tensors(plan, 1)
+    assert_every_shard(plan, run_everywhere(plan, fake_executors(plan, order="device"), full), full)
+    received = dataclasses.replace(send, action=Action.RECV)
+    written = dataclasses.replace(joint, steps=tuple(received if s is send else s for s in joint.steps))
+    assert len(unsafe_reuse(written)) == len(unpacks)
 
 
 # --- the executor -------------------------------------------------------------------------------------------

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from xmesh_plan.executor.lower import Action
 from xmesh_plan.schemas import Plan
 from xmesh_plan.schemas.geometry import local_slices, region_shape, region_size
 from xmesh_plan.schemas.op_kinds import members, route, rule_of
@@ -133,14 +134,30 @@ def _ancestors(steps) -> list[int]:
     return out
 
 
+_WRITES_STAGING = frozenset({Action.RECV, Action.PACK, Action.MOVE})  # into `data`; a send or unpack reads it
+
+
+def _staging_uses(step) -> list[tuple[int, int, bool]]:
+    """(start, stop, writes) of each staging range a step touches: its `data`, written by a receive, pack or move
+    and read by a send or unpack, and a move's `origin`, read."""
+    uses = []
+    if step.data is not None and step.data.buffer == "stage":
+        uses.append((step.data.start, step.data.stop, step.action in _WRITES_STAGING))
+    if step.origin is not None and step.origin.buffer == "stage":
+        uses.append((step.origin.start, step.origin.stop, False))
+    return uses
+
+
 def unsafe_reuse(program) -> list[str]:
-    """Pairs of steps of different operations touching the same staging bytes where the later one does not wait
-    for the earlier: reused staging that could be overwritten while still in use."""
-    staged = [s for s in program.steps if s.data is not None and s.data.buffer == "stage"]
+    """Pairs of steps of different operations touching the same staging bytes, at least one of them writing, where
+    the later one does not wait for the earlier: reused staging that could be overwritten while still in use. Two
+    reads of the same bytes (a shared message's scatter sent from the message while its members unpack) are safe."""
+    staged = [(s, uses) for s in program.steps if (uses := _staging_uses(s))]
     before = _ancestors(program.steps)
     bad = []
-    for i, a in enumerate(staged):
-        for b in staged[i + 1:]:
-            if a.op != b.op and a.data.start < b.data.stop and b.data.start < a.data.stop and not before[b.index] >> a.index & 1:
-                bad.append(f"device {program.device}: {b.describe()} may overwrite staging of {a.describe()}")
+    for i, (a, a_uses) in enumerate(staged):
+        for b, b_uses in staged[i + 1:]:
+            if a.op != b.op and not before[b.index] >> a.index & 1 and any(
+                    (aw or bw) and a0 < b1 and b0 < a1 for a0, a1, aw in a_uses for b0, b1, bw in b_uses):
+                bad.append(f"device {program.device}: {b.describe()} does not wait for {a.describe()} on staging bytes both use")
     return bad
