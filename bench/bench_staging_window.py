@@ -1,6 +1,9 @@
-"""Posted within a staging window: each cut compiled with `--max-staging-mb W` and timed by the simulator posted (every
-staged box at once), in device order (the executor's order for a plan that states a limit) and posted within a window of
-W bytes per device (`planner.simulate.window_waits`), over the byte bound, with the busiest device's staging in each.
+"""Limited plans timed posted within a staging window (the MPI engine's order) and in device order (torch's, NCCL's).
+
+Each cut is compiled with `--max-staging-mb W` and timed by the simulator posted (every staged box at once), in device
+order (the torch and NCCL engines' order for a plan that states a limit) and posted within a window of W bytes per device
+(the MPI engine's order, `executor.window`; `planner.simulate.window_waits`), over the byte bound, with the busiest
+device's staging in each.
 
     .venv/bin/python -m bench.bench_staging_window
     .venv/bin/python -m bench.bench_staging_window --cut weight_sync_deepseek_v3:4 --window-mb 1024

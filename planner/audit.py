@@ -13,7 +13,7 @@ from xmesh_plan.schemas.staging import stage_budget
 
 from .bounds import joint_lower_bound
 from .compile import DIGITS, MAX_SIMULATION_WORK, executor_budget, settle_listing, simulated_messages, too_many_messages
-from .executor_order import executor_order_seconds
+from .executor_order import executor_order_seconds, order_name
 from .simulate import TooCostly, nic_assignment, simulate
 from .unit_tasks import decompose
 
@@ -50,7 +50,7 @@ def _stated_mismatch(plan: Plan, executed: float | None) -> str | None:
     stated = plan.executor_prediction
     if stated is None or (executed is not None and not _differ(stated.predicted_seconds, executed)):
         return None
-    return (f"stored executor_prediction ({stated.order}) {stated.predicted_seconds} s disagrees with "
+    return (f"stored executor_prediction ({order_name(plan, stated.order)}) {stated.predicted_seconds} s disagrees with "
             f"{'no time' if executed is None else f'{executed:.12g} s'} from the simulator")
 
 

@@ -26,7 +26,7 @@ in this one place, and refuses combinations that cannot work:
 Staging: the executor runs a multi-tensor plan posted (every message at once), which stages every staged box
 at once: a busiest device of a 16-layer Llama-3-70B-like cut stages 3.65 GiB so, the full model and the MoE
 ones tens of GiB. A compile given no `max_staging_bytes` applies no limit: the plan runs posted, the fastest order
-(the 16-layer 70B cut: 1.034x the byte bound posted, 1.035x posted within a 1024 MiB window, 1.320x in device order
+(the 16-layer 70B cut: 1.034x the byte bound posted, 1.034x posted within a 1024 MiB window, 1.320x in device order
 under that limit; BENCHMARKS.md, "Staging default"). Where posted order stages more than POSTED_STAGING_WARN_BYTES on a device,
 `xmesh-plan compile` says so and names `--max-staging-mb` (`planner/staging_limit.py`: the plan states the limit
 and runs posted within a window of it on MPI, `executor/window.py`). `max_staging_bytes=0` (`--max-staging-mb 0`) is the same as none.

@@ -55,6 +55,11 @@ def unsimulated_budget(messages: int) -> int | None:
 executor_order = mpi_transfer_order  # the order `TransferExecutor` runs a multi-tensor plan in on MPI by default
 
 
+def order_name(plan, order: str) -> str:
+    """`order` as messages name it: posted is `posted within the staging limit` where the plan states one (`executor.window`)."""
+    return f"{order} within the staging limit" if order == "posted" and plan.staging is not None else order
+
+
 def executor_order_seconds(operations: tuple[Operation, ...], problem: ReshardingProblem | TransferProblem,
                            host_order: tuple[HostOrder, ...], max_work: int | None = None,
                            limit_bytes: int | None = None) -> float | None:

@@ -13,7 +13,7 @@ from xmesh_plan.schemas.op_kinds import hops_pair_bytes, merged_route, pair_byte
 from xmesh_plan.schemas.plan_tensors import is_multi
 from xmesh_plan.schemas.staging import footprints, staging_peaks
 
-from .executor_order import executor_order
+from .executor_order import executor_order, order_name
 from .bounds import over_bound
 from .simulate import lower, nic_assignment, run_flows, simulate_plan
 
@@ -425,17 +425,29 @@ MULTI_TENSOR_ORDER_MEANINGS = ORDER_MEANINGS | {  # TransferExecutor's defaults 
     "device-order": "each device in one operation at a time (the torch engine's default for this plan, Alpa)",
     "posted": "every operation at once, links shared (the executor's default for this plan on MPI)",
 }
-LIMITED_ORDER_MEANINGS = ORDER_MEANINGS | {  # a multi-tensor plan that states a staging limit runs in device order
-    "device-order": "each device in one operation at a time (the executor's default for this plan: it states a staging limit)",
-    "posted": "every operation at once, links shared (refused where it stages more than the plan states)",
+LIMITED_ORDER_MEANINGS = {  # a plan that states a staging limit runs posted within it (`executor.window`)
+    "host-order": ORDER_MEANINGS["host-order"],
+    "window": "posted within the limit's window per device (the MPI engine's default for this plan)",
+    "device-order": "each device in one operation at a time (the torch and NCCL engines' default for this plan)",
+    "posted": "every staged box at once (the MPI engine keeps this plan within its limit: window)",
 }
+SINGLE_LIMITED_ORDER_MEANINGS = ORDER_MEANINGS | {  # a one-tensor plan stating a limit: device order, or posted in its window
+    "window": "posted within the limit's window per device (the executor with order='posted' for this plan)",
+    "posted": "every staged box at once (the executor with order='posted' keeps this plan within its limit: window)",
+}
+
+
+def order_meanings(plan: Plan) -> dict[str, str]:
+    """The disciplines `inspect --orders` times for `plan` (`simulate.DISCIPLINES`), each with who runs the plan so."""
+    if plan.staging is not None:
+        return LIMITED_ORDER_MEANINGS if is_multi(plan) else SINGLE_LIMITED_ORDER_MEANINGS
+    return MULTI_TENSOR_ORDER_MEANINGS if is_multi(plan) else ORDER_MEANINGS
 
 
 def order_lines(plan: Plan) -> list[str]:
     """The plan timed by the simulator under each queueing discipline, next to the byte lower bound."""
     lines = ["predicted under each queueing (simulator):"]
-    meanings = ORDER_MEANINGS if not is_multi(plan) else LIMITED_ORDER_MEANINGS if plan.staging is not None else MULTI_TENSOR_ORDER_MEANINGS
-    for discipline, meaning in meanings.items():
+    for discipline, meaning in order_meanings(plan).items():
         seconds = simulate_plan(plan, discipline).makespan_s
         lines.append(f"  {discipline:<13} {seconds:.4f} s  {_over(seconds, plan.lower_bound_seconds)} bound   {meaning}")
     return lines
@@ -452,15 +464,10 @@ def executor_line(plan: Plan) -> list[str]:
         return []
     stated = plan.executor_prediction
     if stated is None:
-        return [f"predicted {_order_name(plan, executor_order())} (the executor's default order for this plan): not stated; "
+        return [f"predicted {order_name(plan, executor_order())} (the executor's default order for this plan): not stated; "
                 "`xmesh-plan check --simulate` times it (`inspect --orders`: under every order)"]
-    return [f"predicted {_order_name(plan, stated.order)} (the executor's default order for this plan): {stated.predicted_seconds:.4f} s, "
+    return [f"predicted {order_name(plan, stated.order)} (the executor's default order for this plan): {stated.predicted_seconds:.4f} s, "
             f"{_over(stated.predicted_seconds, plan.lower_bound_seconds)} the bound"]
-
-
-def _order_name(plan: Plan, order: str) -> str:
-    """`order`, saying so where posted keeps within the plan's staging limit (`executor.window`)."""
-    return f"{order} within the staging limit" if order == "posted" and plan.staging is not None else order  # `executor.window`
 
 
 def executor_summary(plan: Plan) -> str:
@@ -471,7 +478,7 @@ def executor_summary(plan: Plan) -> str:
     if stated is None:
         return ""
     timetable = " (the schedule's timetable)" if plan.solver.details.get("timed_by", "").startswith("schedule") else ""
-    return (f" in host order{timetable}, {stated.predicted_seconds:.4f} s {_order_name(plan, stated.order)} (the executor's default order, "
+    return (f" in host order{timetable}, {stated.predicted_seconds:.4f} s {order_name(plan, stated.order)} (the executor's default order, "
             f"{_over(stated.predicted_seconds, plan.lower_bound_seconds)} the bound)")
 
 

@@ -45,7 +45,8 @@ Model (stated, so every plan and baseline is judged by the same rules):
   `window`: posted within a staging window per device (`window_waits`: each device's staged operations
   take ranges of a ring of the window's bytes in plan order, and an operation's messages to or from a
   device wait for the earlier operations whose ranges it overlaps there to have finished on that device:
-  what it received arrived, what it sent left). The executor's default,
+  what it received arrived, what it sent left; also a send under `SYNC_SEND_BYTES`, which the MPI engine's posted
+  Isend ends once posted: a later start there, never an earlier one). The executor's default,
   `order="device"`, is `device-order`. In both executor orders a device starts its part of an
   operation once its own data is there (an all-gather member does not wait for the others' parts),
   and the messages between two devices go one at a time (one connection), in the order they are ready.
@@ -1142,6 +1143,14 @@ def window_waits(operations: list[Operation] | tuple[Operation, ...], problem: R
 
 
 def simulate_plan(plan: Plan, discipline: str = "host-order") -> SimResult:
-    """Time a compiled plan; plans from this planner run in host order (device order keeps its staging budget's runs)."""
+    """Time a compiled plan; plans from this planner run in host order (device order keeps its staging budget's runs;
+    `window` is posted within the plan's stated staging limit, as the MPI engine runs it, and needs that limit)."""
     runs = staging_runs(plan) if discipline == "device-order" else None
-    return simulate(plan.operations, plan.problem, discipline, nic_assignment(plan.host_order), run_numbers=runs)
+    window_bytes = None
+    if discipline == "window":
+        window_bytes = stage_budget(plan)
+        if window_bytes is None:
+            raise ValueError("discipline='window' times a plan within its staging limit, and this plan states none "
+                             "(compile it with --max-staging-mb, or time it 'posted')")
+    return simulate(plan.operations, plan.problem, discipline, nic_assignment(plan.host_order), run_numbers=runs,
+                    window_bytes=window_bytes)

@@ -149,11 +149,14 @@ class Staging(BaseModel):
 class ExecutorPrediction(BaseModel):
     """The plan timed by the simulator in the order the executor runs it by default, where that is not the
     plan's own host order: a multi-tensor plan, which `TransferExecutor` runs posted on MPI (every message
-    at once, links shared), or in device order where the plan states a staging limit. Absent on other plans; `predicted_seconds` (the plan's) stays the host-order time
+    at once, links shared; within a window of the limit per device where the plan states a staging limit,
+    `executor.window`). Absent on other plans; `predicted_seconds` (the plan's) stays the host-order time
     its operations are stamped with. `xmesh-plan check` recomputes it."""
 
     model_config = _FROZEN
-    order: Literal["posted", "device"] = Field("posted", description="the executor order timed (executor.transfer_executor.default_order)")
+    order: Literal["posted", "device"] = Field("posted", description="the executor order timed (executor.transfer_executor.default_order): "
+                                               "posted, within the staging limit where the plan states one; 'device' is read so that "
+                                               "verify, check and the executor can refuse it with advice to recompile")
     predicted_seconds: StrictFloat = Field(description="the simulator's time for the plan run in `order`")
 
 

@@ -254,6 +254,14 @@ def test_compile_verify_and_inspect_state_the_limit(tmp_path):
     text = runner.invoke(main, ["inspect", str(out)]).output
     assert re.search(r"device order [\d.]+ KiB \(device \d+; \d+ devices? stage\); posted order within the limit [\d.]+ KiB", text), text
     assert "stated staging: limit 16.0 KiB per device (--max-staging-mb 0.015625)" in text, text
+    orders = runner.invoke(main, ["inspect", "--orders", str(out)]).output
+    stated = re.search(r"predicted posted within the staging limit \(the executor's default order for this plan\): ([\d.]+) s", orders)
+    window = re.search(r"^  window +([\d.]+) s .*posted within the limit's window per device \(the MPI engine's default for this plan\)$",
+                       orders, re.M)
+    assert stated and window and window.group(1) == stated.group(1), orders  # the default timed is the one the plan states
+    assert re.search(r"^  device-order .*\(the torch and NCCL engines' default for this plan\)$", orders, re.M), orders
+    assert re.search(r"^  posted .*every staged box at once \(the MPI engine keeps this plan within its limit: window\)$", orders, re.M), orders
+    assert "refused" not in orders and "the executor's default for this plan: it states a staging limit" not in orders, orders
     assert read_plan_file(out).to_json() == compile_plan(load_any_problem(SMALL), solver="greedy", max_staging_bytes=SMALL_LIMIT).to_json()
 
 
@@ -332,9 +340,9 @@ def test_torch_gloo_posted_runs_the_tensors_one_after_another_in_one_staging_are
 
 
 def test_a_one_tensor_plan_over_its_staging_gets_the_same_advice_from_both_faces():
-    """A one-tensor plan compiled with a staging limit, given a posted program staging every box at once (over the
-    limit: what the executor's posted order stages without its window, `executor.window`): TransferExecutor said the plan
-    was damaged ("recompile it and check it with verify") where ReshardingExecutor says to run it in device order."""
+    """A one-tensor plan compiled with a staging limit, given a posted program staging one byte more than the limit
+    (what posted stages without its window, `executor.window`): both faces refuse it with the same advice, to run
+    it in device order."""
     from xmesh_plan.executor import ReshardingExecutor, TransferExecutor, PlanMismatchError
     from xmesh_plan.executor.lower import lower
     from xmesh_plan.executor.ranks import plan_devices
