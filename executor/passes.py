@@ -55,13 +55,9 @@ def rank_program(plan: Plan | PlanFile, device: int, order: str, concurrent: boo
 
 def _rank_program(plan: Plan | PlanFile, device: int, order: str, concurrent: bool, tag_limit: int | None,
                   receipt_bytes: int | None, collectives: bool) -> RankProgram:
-    alone = is_multi(plan) and order == "posted" and not concurrent
-    ops, program = lower_part(plan, device, tag_limit, collectives, share=not alone)
-    if alone:
-        return one_tensor_at_a_time(program)
-    carriers = {op.id: group_key(op) for op in ops.operations if op.carrier is not None}
-    if carriers:
-        program = share_messages(program, carriers)
+    if is_multi(plan) and order == "posted" and not concurrent:
+        return one_tensor_at_a_time(lower_part(plan, device, tag_limit, collectives, share=False)[1])
+    program, carriers = shared_program(plan, device, tag_limit, collectives)
     if order == "device":
         program = in_device_order(program, stage_budget(plan), program.align, carriers)
         if receipt_bytes is not None:
@@ -69,6 +65,15 @@ def _rank_program(plan: Plan | PlanFile, device: int, order: str, concurrent: bo
     elif stage_budget(plan) is not None:  # posted within the plan's staging limit
         program = in_window(program, stage_budget(plan), program.align, carriers)
     return program
+
+
+def shared_program(plan: Plan | PlanFile, device: int, tag_limit: int | None, collectives: bool = False
+                   ) -> tuple[RankProgram, dict[int, int]]:
+    """`device`'s program with every tensor's operations in one staging area and its shared messages together
+    (`share_messages`), before an order's pass, and its carriers (bundle -> the operation whose message carries it)."""
+    ops, program = lower_part(plan, device, tag_limit, collectives, share=True)
+    carriers = {op.id: group_key(op) for op in ops.operations if op.carrier is not None}
+    return (share_messages(program, carriers) if carriers else program), carriers
 
 
 def share_messages(program: RankProgram, carriers: Mapping[int, int]) -> RankProgram:

@@ -29,11 +29,8 @@ def in_window(program: RankProgram, budget: int, align: int | None = None, key: 
     default the program's; `window_layout`), and its messages and packs waiting for the last steps of the earlier
     operations it overlaps there; `stage_bytes` becomes the ring's peak (at most the budget, or the largest operation
     where one stages more). `key` (op -> op) makes the bundles of one shared message one operation (`schemas.carriers`)."""
-    key = key or {}
-    keys = [key.get(s.op, s.op) for s in program.steps]
-    spans = stage_ranges(program.steps, keys)
+    keys, spans, layout = _ring(program, budget, align, key)
     ops = list(spans)
-    layout = window_layout([hi - lo for lo, hi in spans.values()], budget, align or program.align)
     shift = {op: lo - start for op, (lo, _), (start, _) in zip(ops, spans.values(), layout)}
     peak = max((start + hi - lo for (lo, hi), (start, _) in zip(spans.values(), layout) if hi > lo), default=0)
     own: dict[int, list[int]] = {}  # op -> its steps
@@ -52,6 +49,24 @@ def in_window(program: RankProgram, budget: int, align: int | None = None, key: 
         else:
             steps.append(s if deps is s.deps else s.at(s.index, deps, s.data))
     return replace(program, steps=tuple(steps), stage_bytes=peak)
+
+
+def staging_waits(program: RankProgram, budget: int, align: int | None = None,
+                  key: Mapping[int, int] | None = None) -> dict[int, tuple[int, ...]]:
+    """Each operation that stages something (`key` as in `in_window`) -> the earlier operations whose ranges of the ring
+    it overlaps: what `in_window` makes it wait for (the simulator's `planner.simulate.window_waits` on one device)."""
+    _, spans, layout = _ring(program, budget, align, key)
+    ops = list(spans)
+    return {op: tuple(ops[j] for j in earlier) for op, (lo, hi), (_, earlier) in zip(ops, spans.values(), layout) if hi > lo}
+
+
+def _ring(program: RankProgram, budget: int, align: int | None, key: Mapping[int, int] | None):
+    """Each step's operation (by `key`), each operation's staging range in the program, and its place in the ring
+    (`window_layout`)."""
+    key = key or {}
+    keys = [key.get(s.op, s.op) for s in program.steps]
+    spans = stage_ranges(program.steps, keys)
+    return keys, spans, window_layout([hi - lo for lo, hi in spans.values()], budget, align or program.align)
 
 
 def _last_steps(op: int, own: dict[int, list[int]], memo: dict[int, tuple[int, ...]], steps, keys) -> tuple[int, ...]:
