@@ -609,8 +609,8 @@ def shared_message(group, itemsizes, sums: dict[tuple, tuple] | None = None) -> 
             if sums is not None:
                 if len(sums) >= MAX_KEPT_SUMS:
                     sums.clear()
-                sums[key] = known if key in sums else None  # kept from the second bundle with these tuples on: a plan read
-                # from a file shares none, and keeps no sums
+                sums[key] = known if key in sums else None  # kept from the second bundle with these tuples on: a JSON
+                # plan file's reader shares none; a compact file's shares a layout's tuples (`schemas.plan_compact._rows`)
         _, _, _, own_gathers, own_scatters, nbytes = known
         for h, n in own_gathers:
             gathers[h] = gathers.get(h, 0) + n

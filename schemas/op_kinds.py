@@ -330,16 +330,19 @@ def first_tags(operations) -> tuple[list[int], int]:
 
 
 def number_tags(counts: list[int], tensors: list[int]) -> tuple[list[int], int]:
-    """`first_tags` of operations that own `counts` tags each, of tensors `tensors` (0 for none), in plan order."""
-    used = [0] * (max(tensors, default=0) + 1)
+    """`first_tags` of operations that own `counts` tags each, of tensors `tensors` (0 for none, each 0 or more), in
+    plan order. Counted per tensor named, so a huge tensor index costs nothing."""
+    used: dict[int, int] = {}
     for t, n in zip(tensors, counts):
-        used[t] += n
-    start = [sum(used[:t]) for t in range(len(used))]
+        used[t] = used.get(t, 0) + n
+    start, total = {}, 0
+    for t in sorted(used):
+        start[t], total = total, total + used[t]
     first = []
     for t, n in zip(tensors, counts):
         first.append(start[t])
         start[t] += n
-    return first, sum(used)
+    return first, total
 
 
 def pair_bytes(op: OpLike, itemsize: int) -> dict[tuple[int, int], int]:

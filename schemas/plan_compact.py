@@ -47,6 +47,7 @@ from typing import Any, Callable
 import numpy as np
 
 from .op_kinds import first_tags, number_tags, tags_used
+from .transfer import MAX_TENSORS
 
 FORMAT = "xmesh-plan-compact"
 FORMAT_VERSION = 4
@@ -450,13 +451,31 @@ def row_ranges(offsets: np.ndarray, rows: np.ndarray) -> tuple[np.ndarray, np.nd
     return lengths, np.repeat(starts - firsts, lengths) + np.arange(int(lengths.sum()), dtype=np.int64)
 
 
-def _offsets(m: _Members, name: str) -> np.ndarray:
-    """The running offsets (from 0) of a lengths member, computed once per file."""
+_DAMAGED = "(damaged: recompile the plan, or export it again from its JSON plan)"
+
+
+def _offsets(m: _Members, name: str, values: str, per: int = 1) -> np.ndarray:
+    """The running offsets (from 0) of a lengths member that cuts member `values` (`per` numbers an entry), computed
+    once per file. Refused unless every length is from 0 to the entries `values` holds and they add up to those
+    entries: checked before anything is allocated by them, and no running sum can wrap."""
     def make() -> np.ndarray:
+        if values not in m:
+            raise CompactPlanError(f"member {values}.npy is missing")
+        numbers = int(np.prod(m.where[values][1], dtype=np.int64))
+        if numbers % per:
+            raise CompactPlanError(f"member {values}.npy holds {numbers:,} numbers, not entries of {per} {_DAMAGED}")
+        size = numbers // per
         lengths = np.asarray(m.get(name), dtype=np.int64)
         if (lengths < 0).any():
             raise CompactPlanError(f"member {name}.npy holds a negative length")
-        return np.concatenate(([0], np.cumsum(lengths)))
+        if lengths.size and int(lengths.max()) > size:
+            raise CompactPlanError(f"member {name}.npy holds a length of {int(lengths.max()):,}, more than the {size:,} "
+                                   f"entries of {values}.npy {_DAMAGED}")
+        offsets = np.concatenate(([0], np.cumsum(lengths)))  # below 2**62: at most 2**31 lengths of at most 2**31
+        if int(offsets[-1]) != size:
+            raise CompactPlanError(f"member {name}.npy's lengths add up to {int(offsets[-1]):,}, not the {size:,} entries "
+                                   f"of {values}.npy {_DAMAGED}")
+        return offsets
     return m.once(name, make)
 
 
@@ -484,11 +503,8 @@ def _indices(m: _Members, name: str, rows, size: int) -> np.ndarray:
 def _box_table(m: _Members) -> tuple[np.ndarray, np.ndarray]:
     """(offsets of each shared box's pairs, the pairs as an (n, 2) int64 array)."""
     def make():
-        offsets = _offsets(m, "boxes.dims")
-        pairs = np.asarray(m.get("boxes.values"), dtype=np.int64).reshape(-1, 2)
-        if len(pairs) < offsets[-1]:
-            raise CompactPlanError("member boxes.values.npy is shorter than boxes.dims says")
-        return offsets, pairs
+        offsets = _offsets(m, "boxes.dims", "boxes.values", 2)
+        return offsets, np.asarray(m.get("boxes.values"), dtype=np.int64).reshape(-1, 2)
     return m.once("boxes", make)
 
 
@@ -561,7 +577,7 @@ def _decode_str(m: _Members, name: str, rows: np.ndarray) -> list:
 
 
 def _decode_ints(m: _Members, name: str, rows: np.ndarray) -> list:
-    lengths, flat = row_ranges(_offsets(m, f"{name}.lengths"), rows)
+    lengths, flat = row_ranges(_offsets(m, f"{name}.lengths", f"{name}.values"), rows)
     return _split(np.asarray(m.get(f"{name}.values")[flat]).tolist(), lengths)
 
 
@@ -570,13 +586,13 @@ def _decode_box(m: _Members, name: str, rows: np.ndarray) -> list:
 
 
 def _decode_boxes(m: _Members, name: str, rows: np.ndarray) -> list:
-    lengths, flat = row_ranges(_offsets(m, f"{name}.lengths"), rows)
+    lengths, flat = row_ranges(_offsets(m, f"{name}.lengths", f"{name}.values"), rows)
     return _split(_boxes_at(m, f"{name}.values", flat), lengths)
 
 
 def _decode_intss(m: _Members, name: str, rows: np.ndarray) -> list:
-    lengths, lists = row_ranges(_offsets(m, f"{name}.lengths"), rows)
-    inner, flat = row_ranges(_offsets(m, f"{name}.inner"), lists)
+    lengths, lists = row_ranges(_offsets(m, f"{name}.lengths", f"{name}.inner"), rows)
+    inner, flat = row_ranges(_offsets(m, f"{name}.inner", f"{name}.values"), lists)
     return _split(_split(np.asarray(m.get(f"{name}.values")[flat]).tolist(), inner), lengths)
 
 
@@ -667,8 +683,19 @@ def index_fault(m: _Members, count: int, counts: list[int], tensors: list[int]) 
 
 
 def _check_index(m: _Members, operations: list) -> None:
-    """Refuse (CompactPlanError naming the member) a stored index other than the one the operations table gives."""
-    name = index_fault(m, len(operations), [tags_used(op) for op in operations], [op.tensor or 0 for op in operations])
+    """Refuse (CompactPlanError naming the member) a stored index other than the one the operations table gives; first
+    chunks so many that the plan's message tags pass what the index's 64-bit integers count; where they differ, an
+    operation's tensor index above any problem's tensors is named as the fault."""
+    counts = [tags_used(op) for op in operations]
+    if sum(counts) > np.iinfo(np.int64).max:
+        most = max(range(len(counts)), key=counts.__getitem__)
+        raise CompactPlanError(f"member operations.chunks.npy gives operation {operations[most].id} {operations[most].chunks:,} "
+                               f"chunks, and the plan more message tags than 64-bit integers count {_DAMAGED}")
+    name = index_fault(m, len(operations), counts, [op.tensor or 0 for op in operations])
+    far = next((op for op in operations if (op.tensor or 0) >= MAX_TENSORS), None) if name is not None else None
+    if far is not None:
+        raise CompactPlanError(f"member operations.tensor.npy gives operation {far.id} tensor {far.tensor:,}, above any "
+                               f"problem's {MAX_TENSORS:,} tensors, and its index is not the one its operations give {_DAMAGED}")
     if name is not None:
         raise CompactPlanError(f"member {name}.npy is not the index its operations table gives (tampered or damaged), "
                                "so a rank would run other operations than the plan's; recompile the plan, or write it "
@@ -709,12 +736,12 @@ def _flat(array: np.ndarray, what: str) -> np.ndarray:
     return np.asarray(array, dtype=np.int64)
 
 
-def _lengths(m: _Members, name: str, rows: int) -> np.ndarray:
-    """Running offsets of the `rows` lengths of a lengths member."""
+def _lengths(m: _Members, name: str, rows: int, values: str) -> np.ndarray:
+    """Running offsets of the `rows` lengths of a lengths member that cuts member `values`."""
     _flat(m.get(name), name)
     if m.get(name).shape != (rows,):
         raise CompactPlanError(f"member {name}.npy is not {rows} lengths")
-    return _offsets(m, name)
+    return _offsets(m, name, values)
 
 
 def _values(m: _Members, name: str, offsets: np.ndarray) -> np.ndarray:
@@ -762,13 +789,13 @@ def _column(m: _Members, name: str, kind: str, count: int) -> dict[str, Any]:
         offsets = np.concatenate(([0], np.cumsum(dims)))
         _, flat = row_ranges(table, at)
         return {"offsets": offsets, "values": pairs[flat], "boxes": at}
-    offsets = _lengths(m, f"{name}.lengths", count)
+    offsets = _lengths(m, f"{name}.lengths", count, f"{name}.inner" if kind == "intss" else f"{name}.values")
     if kind == "boxes":  # parts: indices into the shared box table (`box_table`), checked
         boxes = _indices(m, f"{name}.values", slice(None), len(_box_table(m)[0]) - 1)
         _values(m, f"{name}.values", offsets)
         return {"offsets": offsets, "boxes": boxes}
     if kind == "intss":  # needers: lists per row (`offsets`), integers per list (`inner`), checked
-        inner = _lengths(m, f"{name}.inner", int(offsets[-1]))
+        inner = _lengths(m, f"{name}.inner", int(offsets[-1]), f"{name}.values")
         return {"offsets": offsets, "inner": inner, "values": _values(m, f"{name}.values", inner)}
     return {"offsets": offsets, "values": _values(m, f"{name}.values", offsets)}
 

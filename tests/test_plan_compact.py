@@ -19,6 +19,7 @@ from xmesh_plan.planner.compile import compile_plan
 from xmesh_plan.planner.verify_columns import verify_compact
 from xmesh_plan.schemas.plan import HostOrder, Operation, UnitTask
 from xmesh_plan.schemas.plan_compact import COLUMN_KINDS, archive_bytes, compact_arrays, compact_bytes
+from xmesh_plan.schemas.op_kinds import number_tags
 from xmesh_plan.schemas.plan_io import plan_file_bytes, read_plan_ops
 from tests.support.cases import compiled
 from tests.support.cli import assert_user_error, run_cli
@@ -658,3 +659,77 @@ def test_a_task_of_an_unknown_strategy_is_refused_naming_it(tmp_path):
     with pytest.raises(PlanFileError) as err:
         read_plan_file(path)
     assert "\n" not in str(err.value) and "strategy" in str(err.value), str(err.value)
+
+
+
+_HOSTILE_CHECK = """
+import sys
+from tests.support.cli import assert_user_error, run_cli
+from xmesh_plan.executor.plan_file import PlanFile
+from xmesh_plan.schemas import PlanFileError, read_plan_file
+
+path, word, refused = sys.argv[1], sys.argv[2], sys.argv[3].split(",")
+for how, read in (("read", read_plan_file), ("rank", lambda p: [PlanFile.read(p).device_ops(d) for d in range(64)])):
+    try:
+        read(path)
+        assert how not in refused, f"{how} took the file"
+    except PlanFileError as err:
+        assert "\\n" not in str(err) and word in str(err) and "damaged" in str(err), str(err)
+for command in ("verify", "inspect"):
+    assert_user_error(run_cli(command, path), word)
+"""
+
+
+def _hostile_files(tmp_path: Path) -> dict[str, tuple[Path, str, str]]:
+    """Compact files whose lengths or indices are far outside what their members hold: (file, what the error names,
+    the reads that refuse it: "read", the whole plan's, and "rank", a rank's, where it reads the member at fault)."""
+    small = compact_arrays(read_plan_file(ROOT / "plans" / "weight_sync_small.plan.json"))
+    chunked = compact_arrays(read_plan_file(ROOT / "plans" / "case4.plan.json"))
+    dsts = small["operations.dsts.lengths"].astype(np.int64)
+    huge, short = dsts.copy(), dsts.copy()
+    huge[9] = 2**31  # would allocate 16 GiB of positions
+    short[np.flatnonzero(short)[0]] -= 1  # every length in range, one value left over
+    full = lambda arrays, member, value: np.full(arrays[member].shape, value, np.int64)
+    cases = {
+        "dims-wrap": (small, "boxes.dims", full(small, "boxes.dims", 2**62), "read,rank"),  # the running sum wraps
+        "length-huge": (small, "operations.dsts.lengths", huge, "read,rank"),
+        "length-max": (small, "tasks.senders.lengths", full(small, "tasks.senders.lengths", 2**63 - 1), "read"),
+        "length-short": (small, "operations.dsts.lengths", short, "read,rank"),
+        "chunks-huge": (chunked, "operations.chunks", full(chunked, "operations.chunks", 2**62), "read"),  # tags pass 2**63
+        "tensor-max": (small, "operations.tensor", full(small, "operations.tensor", 2**63 - 1), "read"),
+        "tensor-huge": (small, "operations.tensor", full(small, "operations.tensor", 2**40), "read"),
+    }
+    out = {}
+    for name, (arrays, member, values, refused) in cases.items():
+        out[name] = (tmp_path / f"{len(out)}.plan.npz", f"{member}.npy", refused)
+        out[name][0].write_bytes(archive_bytes({**arrays, member: values}))
+    return out
+
+
+def test_lengths_and_indices_beyond_their_members_are_refused_in_one_line(tmp_path):
+    """A compact file whose lengths exceed, or do not add up to, the values they cut, or whose chunks or tensor
+    indices are beyond any plan's, is refused in one line naming the member (or field) by `verify` and `inspect`,
+    and by the reads that read it: each in a process of at most 4 GiB of address space, so that a crash or an
+    unbounded allocation fails the test and spares the machine."""
+    import resource
+    import subprocess
+    import sys
+
+    def limit():
+        resource.setrlimit(resource.RLIMIT_AS, (4 * 2**30, 4 * 2**30))
+
+    failed = {}
+    for name, (path, word, refused) in _hostile_files(tmp_path).items():
+        done = subprocess.run([sys.executable, "-c", _HOSTILE_CHECK, str(path), word, refused], cwd=ROOT,
+                              preexec_fn=limit, capture_output=True, text=True, timeout=300)
+        if done.returncode:
+            failed[name] = (done.returncode, done.stderr.strip().splitlines()[-1:])
+    assert not failed, failed
+
+
+def test_tags_are_numbered_per_tensor_named():
+    """Tags count tensor by tensor in index order, each operation a block in plan order; a tensor index far above
+    the others is numbered as the next one would be."""
+    assert number_tags([2, 3, 1, 4], [2**62, 0, 2**62, 1]) == ([7, 0, 9, 3], 10)
+    assert number_tags([2, 3, 1, 4], [2, 0, 2, 1]) == ([7, 0, 9, 3], 10)
+    assert number_tags([], []) == ([], 0)
