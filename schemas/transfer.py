@@ -250,22 +250,36 @@ class TransferProblem(BaseModel):
     def _problems(self) -> dict[int, ReshardingProblem]:
         """Per-tensor problems made so far, kept with the fields they were made from: `model_copy(update=...)`
         copies this dict along, so a copy whose tensors, meshes or cluster differ must not reuse it."""
+        return self._kept()[1]
+
+    def _kept(self) -> tuple[tuple, dict[int, ReshardingProblem], dict[tuple, ReshardingProblem]]:
+        """(the fields the caches were made from, per-tensor problems by index, a validated one per distinct layout)."""
         made_from = (self.tensors, self.src_mesh, self.dst_mesh, self.cluster, self.fused)
         kept = self.__dict__.get("_problem_cache")
         if kept is None or any(a is not b for a, b in zip(kept[0], made_from)):
-            kept = (made_from, {})
+            kept = (made_from, {}, {})
             self.__dict__["_problem_cache"] = kept  # frozen model: a cache, not a field
-        return kept[1]
+        return kept
 
     def tensor_problem(self, index: int) -> ReshardingProblem:
-        """Tensor `index` alone, as a single-tensor problem on the shared meshes and cluster (made once)."""
-        cache = self._problems
+        """Tensor `index` alone, as a single-tensor problem on the shared meshes and cluster (made once). Tensors of one
+        layout (a model's layers repeat a few) share one validated problem, copied under each one's name: validation
+        does not read the name, and the boxes are keyed by identity (the tensors, kept with the cache, hold them)."""
+        _, cache, by_layout = self._kept()
         if index not in cache:
             t = self.tensors[index]
-            dst_boxes = t.dst_boxes if (fused := self.fused_part(t.name)) is None else self._part_boxes(fused, t.name)
+            fused = self.fused_part(t.name)
+            layout = None if fused is not None else (t.shape, t.dtype, t.dst_dtype, t.src, id(t.src_boxes), t.dst, id(t.dst_boxes))
+            like = by_layout.get(layout)
+            if like is not None:
+                cache[index] = like.model_copy(update={"name": t.name})
+                return cache[index]
+            dst_boxes = t.dst_boxes if fused is None else self._part_boxes(fused, t.name)
             cache[index] = ReshardingProblem(name=t.name, shape=t.shape, dtype=t.dtype, dst_dtype=t.dst_dtype, cluster=self.cluster,
                                              src=_placement(self.src_mesh, t.src, t.src_boxes),
                                              dst=_placement(self.dst_mesh, t.dst, dst_boxes))
+            if layout is not None:
+                by_layout[layout] = cache[index]
         return cache[index]
 
     def tensor_problems(self) -> list[ReshardingProblem]:

@@ -13,7 +13,7 @@ from xmesh_plan.planner.cli import main
 from xmesh_plan.planner.problem_io import InputError, load_problem
 from xmesh_plan.planner.transfer_io import build_any_problem, build_transfer, load_any_problem
 from xmesh_plan.schemas import ReshardingProblem
-from xmesh_plan.schemas.transfer import TransferProblem
+from xmesh_plan.schemas.transfer import TransferProblem, single_problem
 
 ROOT = Path(__file__).resolve().parents[1]
 LLAMA = ROOT / "plans" / "weight_sync_llama3_8b.problem.toml"
@@ -133,6 +133,17 @@ def test_a_copy_with_other_tensors_does_not_reuse_the_original_per_tensor_proble
     assert p.tensor_problem(0).shape == (8, 4)  # fills the per-tensor cache
     q = p.model_copy(update={"tensors": (p.tensors[0].model_copy(update={"shape": (4, 4)}),)})
     assert q.tensor_problem(0).shape == (4, 4) and p.tensor_problem(0).shape == (8, 4)
+
+
+def test_tensors_of_one_layout_share_one_validated_problem_each_under_its_own_name():
+    p = load_any_problem(LLAMA)
+    singles = p.tensor_problems()
+    q, k = (p.index_of(f"model.layers.7.self_attn.{w}_proj.weight") for w in ("q", "k"))
+    assert singles[q].src is singles[p.index_of("model.layers.3.self_attn.q_proj.weight")].src  # one layout: validated once
+    assert singles[q].src is not singles[k].src  # another shape: its own
+    for t, single in zip(p.tensors, singles):  # each as made alone, its name included
+        assert single == single_problem(t, p.src_mesh, p.dst_mesh, p.cluster), t.name
+        assert single.model_fields_set == single_problem(t, p.src_mesh, p.dst_mesh, p.cluster).model_fields_set
 
 
 def test_a_single_tensor_problem_stays_valid_as_it_is():
