@@ -112,28 +112,35 @@ _OP_MINIMA = tuple((name, g.ge) for name, f in Operation.model_fields.items() fo
 _OP_FIELDS = frozenset(Operation.model_fields)
 
 
-def _valid_as_read(ops: list[dict]) -> bool:
-    """What validating each operation of `ops`, read from a compact file whose integers are integers (`stores_integers`),
-    checks: its kind is known and its bounded fields (`ge`) are within bounds where given; a field at a time."""
-    if not set(map(itemgetter("kind"), ops)) <= _OP_KINDS:
+def _valid_as_read(rows: list[dict], named: str = "kind", names: frozenset = _OP_KINDS,
+                   minima: tuple = _OP_MINIMA) -> bool:
+    """What validating each row of `rows`, read from a compact file whose integers are integers (`stores_integers`),
+    checks: its `named` field is one of `names` and its bounded fields (`minima`: `ge`) are within bounds where given;
+    a field at a time. Operations by default; tasks with their strategies (`_tasks`)."""
+    if not set(map(itemgetter(named), rows)) <= names:
         return False
-    for name, least in _OP_MINIMA:
-        given = [value for value in map(itemgetter(name), ops) if value is not None]
+    for name, least in minima:
+        given = [value for value in map(itemgetter(name), rows) if value is not None]
         if given and min(given) < least:
             return False
     return True
 
 
-def _trusted_operation(op: dict) -> Operation:
-    """The record `Operation.model_validate(op)` makes, for `op` a row of a compact file `_valid_as_read` passes (its
+def _trusted(model, fields: frozenset, row: dict):
+    """The record `model.model_validate(row)` makes, for `row` a row of a compact file `_valid_as_read` passes (its
     values already the record's types: ints, floats, tuples): what `BaseModel.model_construct` sets, without its loop
     over the fields (a rank reads tens of thousands of operations)."""
-    record = Operation.__new__(Operation)
-    object.__setattr__(record, "__dict__", op)
-    object.__setattr__(record, "__pydantic_fields_set__", set(_OP_FIELDS))
+    record = model.__new__(model)
+    object.__setattr__(record, "__dict__", row)
+    object.__setattr__(record, "__pydantic_fields_set__", set(fields))
     object.__setattr__(record, "__pydantic_extra__", None)
     object.__setattr__(record, "__pydantic_private__", None)
     return record
+
+
+def _trusted_operation(op: dict) -> Operation:
+    """`_trusted` for an operation."""
+    return _trusted(Operation, _OP_FIELDS, op)
 
 
 def _operations(ops: list[dict], integral: bool) -> tuple[Operation, ...]:
@@ -153,17 +160,8 @@ def _tasks(rows: list[dict], integral: bool) -> list[UnitTask]:
     """The rows of a compact file's task table as records, as `_operations` makes operations: as read (their boxes and
     devices shared between a model's repeated layers) where the file stores integers as integers and every row's
     strategy is known and its bounded fields within bounds, else validated one by one."""
-    if integral and all(row["strategy"] in _TASK_STRATEGIES and all(row[name] is None or row[name] >= least
-                                                                   for name, least in _TASK_MINIMA) for row in rows):
-        out = []
-        for row in rows:
-            record = UnitTask.__new__(UnitTask)
-            object.__setattr__(record, "__dict__", row)
-            object.__setattr__(record, "__pydantic_fields_set__", set(_TASK_FIELDS))
-            object.__setattr__(record, "__pydantic_extra__", None)
-            object.__setattr__(record, "__pydantic_private__", None)
-            out.append(record)
-        return out
+    if integral and _valid_as_read(rows, "strategy", _TASK_STRATEGIES, _TASK_MINIMA):
+        return [_trusted(UnitTask, _TASK_FIELDS, row) for row in rows]
     return [UnitTask.model_validate(row) for row in rows]
 
 
